@@ -1,0 +1,197 @@
+"""A lean asyncio JSON-RPC client for stdio servers.
+
+Two framings: "lsp" (Content-Length headers, LSP base protocol) and "ndjson"
+(one JSON object per line, as MCP's stdio transport).  Stdlib only; kept small
+so that the client is not what the benchmark measures.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+_loads = json.loads
+
+
+class RpcError(Exception):
+    def __init__(self, error: dict):
+        super().__init__(f"{error.get('code')}: {error.get('message')}")
+        self.error = error
+
+
+class Conn:
+    """One spawned server process and the JSON-RPC session over its stdio."""
+
+    def __init__(self, framing: str, on_notification: Callable[[dict], None] | None = None):
+        assert framing in ("lsp", "ndjson")
+        self.framing = framing
+        self.proc: asyncio.subprocess.Process | None = None
+        self.pending: dict[Any, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+        self.on_notification = on_notification
+        self.server_requests: list[dict] = []
+        self._reader_task: asyncio.Task | None = None
+        self.closed_reason: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def spawn(self, argv: list[str], *, cwd: str | None = None, env: dict | None = None,
+                    stderr_path: Path | None = None) -> None:
+        err = open(stderr_path, "ab") if stderr_path else asyncio.subprocess.DEVNULL
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=err, cwd=cwd, env=env, limit=64 * 1024 * 1024)
+        finally:
+            if stderr_path:
+                err.close()
+        self._reader_task = asyncio.ensure_future(self._read_loop())
+
+    # -- wire -------------------------------------------------------------
+    def _frame(self, msg: dict) -> bytes:
+        body = _dumps(msg).encode()
+        if self.framing == "lsp":
+            return b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        return body + b"\n"
+
+    async def _read_one(self) -> dict | None:
+        rd = self.proc.stdout
+        if self.framing == "ndjson":
+            while True:
+                line = await rd.readline()
+                if not line:
+                    return None
+                if line.strip():
+                    return _loads(line)
+        length = None
+        while True:
+            line = await rd.readline()
+            if not line:
+                return None
+            if line in (b"\r\n", b"\n"):
+                if length is not None:
+                    break
+                continue
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return _loads(await rd.readexactly(length))
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await self._read_one()
+                if msg is None:
+                    self.closed_reason = "server closed stdout"
+                    break
+                if isinstance(msg, list):  # batch answer
+                    for m in msg:
+                        self._dispatch(m)
+                else:
+                    self._dispatch(msg)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
+            self.closed_reason = f"read error: {e!r}"
+        finally:
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError(self.closed_reason or "closed"))
+            self.pending.clear()
+
+    def _dispatch(self, msg: dict) -> None:
+        if "method" not in msg:
+            fut = self.pending.pop(msg.get("id"), None)
+            if fut is not None and not fut.done():
+                if "error" in msg and msg["error"] is not None:
+                    fut.set_exception(RpcError(msg["error"]))
+                else:
+                    fut.set_result(msg.get("result"))
+            return
+        if "id" in msg:  # server -> client request: deny / not supported
+            self.server_requests.append(msg)
+            if msg["method"] == "requestToolPermission":
+                self._write({"jsonrpc": "2.0", "id": msg["id"], "result": {"decision": "deny_once"}})
+            else:
+                self._write({"jsonrpc": "2.0", "id": msg["id"],
+                             "error": {"code": -32601, "message": "not supported by bench client"}})
+            return
+        if self.on_notification is not None:
+            self.on_notification(msg)
+
+    def _write(self, msg: dict) -> None:
+        self.proc.stdin.write(self._frame(msg))
+
+    # -- api --------------------------------------------------------------
+    def send_request(self, method: str, params: Any = None) -> asyncio.Future:
+        rid = next(self.ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[rid] = fut
+        msg = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            msg["params"] = params
+        self._write(msg)
+        return fut
+
+    async def request(self, method: str, params: Any = None, timeout: float | None = None) -> Any:
+        fut = self.send_request(method, params)
+        if timeout is None:
+            return await fut
+        return await asyncio.wait_for(fut, timeout)
+
+    def notify(self, method: str, params: Any = None) -> None:
+        msg = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            msg["params"] = params
+        self._write(msg)
+
+    async def drain(self) -> None:
+        await self.proc.stdin.drain()
+
+    def rss_kib(self) -> int | None:
+        return rss_kib(self.proc.pid)
+
+    async def close(self, timeout: float = 3.0) -> int | None:
+        """Close stdin (EOF) and wait; kill the process if it lingers."""
+        if self.proc is None:
+            return None
+        try:
+            if self.proc.returncode is None:
+                self.proc.stdin.close()
+        except Exception:
+            pass
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+            await self.proc.wait()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            try:
+                await self._reader_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        return self.proc.returncode
+
+
+def rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def now() -> float:
+    return time.perf_counter()

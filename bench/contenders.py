@@ -1,0 +1,86 @@
+"""The stdio contenders: how to start each one and what to ask it.
+
+Every server is started the same way: `taskset -c <server cpu> <python> <script>`
+(exec, so the pid is the server's), stderr to bench/out/logs/<name>.stderr,
+cwd bench/out/work.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import venvs
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PEERS = BENCH / "peers"
+OURS_BIN = Path(os.environ.get("OPERATE_SIDECAR_BIN", ROOT / ".venv" / "bin" / "operate-sidecar"))
+
+MCP_PROTOCOL_VERSION = "2025-06-18"
+
+# The model every "ours" session is configured with: scripted, so nothing is
+# loaded at start-up and no local GGUF is touched.
+OURS_IDLE_SETTINGS = {
+    "models": {"bench": {"provider": "scripted", "responses": []}},
+    "defaultModel": "bench",
+    "stateDir": None,
+}
+
+
+@dataclass
+class Contender:
+    name: str
+    label: str
+    argv: list[str]
+    framing: str                          # "lsp" | "ndjson"
+    init_params: dict
+    after_init: list[str] = field(default_factory=list)   # notifications sent after the answer
+    light: dict[str, tuple[str, dict]] = field(default_factory=dict)  # metric -> (method, params)
+    throughput: tuple[str, dict] = ("ping", {})
+    setup: str | None = None              # peer venv to ensure first
+    unavailable: str | None = None
+
+
+def lsp_init(name: str, settings: dict | None = None) -> dict:
+    p = {"protocolVersion": 1, "clientInfo": {"name": "operate-bench", "version": "1"},
+         "processId": os.getpid(), "capabilities": {}}
+    if settings is not None:
+        p["settings"] = settings
+    return p
+
+
+def all_contenders() -> list[Contender]:
+    return [
+        Contender(
+            name="stdlib", label="stdlib floor",
+            argv=[sys.executable, str(PEERS / "stdlib_echo.py")], framing="lsp",
+            init_params=lsp_init("stdlib"),
+            light={"ping": ("ping", {}), "add": ("add", {"a": 2, "b": 3})},
+        ),
+        Contender(
+            name="pygls", label="bare pygls 2.1.1",
+            argv=[str(venvs.python_of("pygls")), str(PEERS / "pygls_server.py")], framing="lsp",
+            init_params=lsp_init("pygls"),
+            # pygls 2.1.1 never answers a request without params: always send {}.
+            light={"ping": ("ping", {}), "add": ("add", {"a": 2, "b": 3})},
+            setup="pygls",
+        ),
+        Contender(
+            name="mcp", label="MCP SDK MCPServer",
+            argv=[str(venvs.python_of("mcp")), str(PEERS / "mcp_server.py")], framing="ndjson",
+            init_params={"protocolVersion": MCP_PROTOCOL_VERSION, "capabilities": {},
+                         "clientInfo": {"name": "operate-bench", "version": "1"}},
+            after_init=["notifications/initialized"],
+            light={"ping": ("ping", {}), "tools/list": ("tools/list", {}),
+                   "tools/call": ("tools/call", {"name": "add", "arguments": {"a": 2, "b": 3}})},
+            setup="mcp",
+        ),
+        Contender(
+            name="ours", label="operate-sidecar",
+            argv=[str(OURS_BIN)], framing="lsp",
+            init_params=lsp_init("ours", OURS_IDLE_SETTINGS),
+            light={"ping": ("ping", {}), "listTools": ("listTools", {})},
+        ),
+    ]

@@ -1,0 +1,127 @@
+"""lionagi 0.36.0 in-process: Branch.operate() against an instant fake model.
+
+Runs in bench/.venvs/lionagi; prints one JSON object on stdout.
+
+The fake model is a real `iModel(provider="openai")` whose endpoint `_call` (the
+single method that would do the HTTP POST, see
+lionagi/service/connections/endpoint.py) is replaced by a coroutine returning
+a canned OpenAI chat-completion dict.  Everything else -- payload creation,
+the rate-limited executor, APICalling, message bookkeeping, parsing, action
+dispatch -- is lionagi's own chat path.  (lionagi.testing.ScriptedEndpoint was
+not used: it is `is_cli=True`, which routes operate through the CLI middle
+instead of the chat path, and it records every payload.)
+
+usage: python lionagi_inproc.py [--n N] [--hist-n N] [--sizes 0,400,1000]
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import sys
+import time
+
+T_IMPORT0 = time.perf_counter()
+import lionagi  # noqa: E402
+from lionagi import Branch, iModel  # noqa: E402
+
+IMPORT_S = time.perf_counter() - T_IMPORT0
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from inproc_common import (  # noqa: E402
+    ACTION_REPLY, HISTORY_SIZES, INSTRUCTION, PLAIN_REPLY, STRUCTURED_REPLY, Answer, add,
+    argv_int, summarize, timed,
+)
+
+
+def instant_model(reply: list[str]) -> iModel:
+    """An iModel whose endpoint answers reply[0] immediately, without I/O."""
+    # requires_tokens=False: no tiktoken (it would fetch an encoding file over the network)
+    im = iModel(provider="openai", model="gpt-4.1-mini", api_key="sk-bench-not-used",
+                requires_tokens=False)
+
+    async def _call(payload, headers, **kwargs):
+        return {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion",
+            "created": 0,
+            "model": payload.get("model", "gpt-4.1-mini"),
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": reply[0]}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+
+    im.endpoint._call = _call
+    return im
+
+
+async def main() -> dict:
+    n = argv_int("--n", 200)
+    hist_n = argv_int("--hist-n", 30)
+    reply = [PLAIN_REPLY]
+    model = instant_model(reply)
+    results: dict = {"runtime": "lionagi", "version": lionagi.__version__, "import_s": IMPORT_S,
+                     "scenarios": {}}
+
+    # sanity: each scenario produces what it should (not timed)
+    checks = {}
+    reply[0] = PLAIN_REPLY
+    b = Branch(chat_model=model, parse_model=model)
+    checks["plain"] = repr(await b.operate(instruction=INSTRUCTION))[:120]
+    reply[0] = STRUCTURED_REPLY
+    b = Branch(chat_model=model, parse_model=model)
+    checks["response_format"] = repr(await b.operate(instruction=INSTRUCTION, response_format=Answer))[:120]
+    reply[0] = ACTION_REPLY
+    b = Branch(chat_model=model, parse_model=model, tools=[add])
+    r = await b.operate(instruction=INSTRUCTION, response_format=Answer, actions=True)
+    checks["actions"] = repr(r)[:300]
+    results["checks"] = checks
+
+    def fresh(tools=None):
+        return Branch(chat_model=model, parse_model=model, tools=tools)
+
+    # Each timed call runs on a fresh branch (created outside the timed region),
+    # so plain/response_format/actions are all measured at empty history.
+    async def run(kind: str) -> list[float]:
+        out = []
+        for i in range(n + 3):
+            br = fresh([add] if kind == "actions" else None)
+            kw = {"instruction": INSTRUCTION}
+            if kind != "plain":
+                kw["response_format"] = Answer
+            if kind == "actions":
+                kw["actions"] = True
+            t0 = time.perf_counter()
+            await br.operate(**kw)
+            dt = time.perf_counter() - t0
+            if i >= 3:
+                out.append(dt)
+        return out
+
+    for kind, text in (("plain", PLAIN_REPLY), ("response_format", STRUCTURED_REPLY),
+                       ("actions", ACTION_REPLY)):
+        reply[0] = text
+        gc.collect()
+        results["scenarios"][kind] = summarize(await run(kind))
+
+    # history kept: one branch, plain operates; measured from each size on.
+    reply[0] = PLAIN_REPLY
+    sizes = [int(s) for s in (sys.argv[sys.argv.index("--sizes") + 1].split(",")
+                              if "--sizes" in sys.argv else HISTORY_SIZES)]
+    br = fresh()
+    for size in sizes:
+        while len(br.messages) < size:
+            await br.operate(instruction=INSTRUCTION)
+        start = len(br.messages)
+        gc.collect()
+        samples = await timed(lambda: br.operate(instruction=INSTRUCTION), hist_n, warmup=0)
+        s = summarize(samples)
+        s.update(messages_start=start, messages_end=len(br.messages))
+        results["scenarios"][f"history_{size}"] = s
+    return results
+
+
+if __name__ == "__main__":
+    out = asyncio.run(main())
+    sys.stdout.write(json.dumps(out) + "\n")

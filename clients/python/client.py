@@ -1,0 +1,232 @@
+"""A synchronous, stdlib-only client for operate-sidecar (PROTOCOL.md).
+
+Spawns the server, writes ``Content-Length`` framed JSON-RPC to its stdin and
+reads frames from its stdout on a reader thread. Server→client requests run
+on a worker thread, so a handler may itself call :meth:`SidecarClient.request`.
+
+    with SidecarClient() as c:
+        c.request("initialize", {"settings": {...}})
+        c.on_notification("toolEvent", print)
+        print(c.request("operate", {"branchId": b, "instruction": "hi"}))
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from typing import Any, Callable
+
+__all__ = ["SidecarClient", "RpcError", "StreamError"]
+
+_HEADER = re.compile(rb"Content-Length: (\d+)\r\n")
+
+
+class RpcError(Exception):
+    """An error response: ``code``, ``message``, ``data``."""
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.data = code, message, data
+
+
+class StreamError(Exception):
+    """The server's stdout carried something other than a protocol frame."""
+
+
+class _Pending:
+    def __init__(self, msg_id: Any) -> None:
+        self.id = msg_id
+        self._done = threading.Event()
+        self._msg: dict | None = None
+
+    def _set(self, msg: dict) -> None:
+        self._msg = msg
+        self._done.set()
+
+    def result(self, timeout: float = 30.0) -> Any:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"no response to request {self.id!r} within {timeout}s")
+        msg = self._msg or {}
+        if "error" in msg:
+            err = msg["error"] or {}
+            raise RpcError(err.get("code", 0), err.get("message", ""), err.get("data"))
+        return msg.get("result")
+
+
+class SidecarClient:
+    def __init__(self, argv: list[str] | None = None, env: dict[str, str] | None = None,
+                 cwd: str | None = None, stderr: Any = None) -> None:
+        argv = argv or [sys.executable, "-m", "server"]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                     env=env, cwd=cwd, bufsize=0)
+        self._out = io.BufferedReader(self.proc.stdout, 1 << 16)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending: dict[Any, _Pending] = {}
+        self._notif_handlers: dict[str, list[Callable[[Any], None]]] = {}
+        self._req_handlers: dict[str, Callable[[Any], Any]] = {}
+        self._cond = threading.Condition()
+        self.notifications: list[tuple[str, Any]] = []  # every notification, in arrival order
+        self.stream_errors: list[str] = []              # anything on stdout that was not a frame
+        self.unmatched: list[dict] = []                 # responses nobody waited for (e.g. id null)
+        self._reader = threading.Thread(target=self._read_loop, name="sidecar-reader", daemon=True)
+        self._reader.start()
+
+    # -- sending -------------------------------------------------------------
+    def send_raw(self, data: bytes) -> None:
+        with self._lock:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+
+    def _send(self, msg: dict) -> None:
+        body = json.dumps(msg, ensure_ascii=False).encode("utf-8")
+        self.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    def request_async(self, method: str, params: Any = None, msg_id: Any = None) -> _Pending:
+        """Send a request; returns a handle with ``.id`` and ``.result(timeout)``."""
+        msg_id = next(self._ids) if msg_id is None else msg_id
+        pending = self._pending[msg_id] = _Pending(msg_id)
+        msg = {"jsonrpc": "2.0", "id": msg_id, "method": method}
+        if params is not None:
+            msg["params"] = params
+        self._send(msg)
+        return pending
+
+    def request(self, method: str, params: Any = None, timeout: float = 30.0, msg_id: Any = None) -> Any:
+        return self.request_async(method, params, msg_id).result(timeout)
+
+    def notify(self, method: str, params: Any = None) -> None:
+        msg = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            msg["params"] = params
+        self._send(msg)
+
+    def cancel(self, msg_id: Any) -> None:
+        self.notify("$/cancelRequest", {"id": msg_id})
+
+    # -- handlers ------------------------------------------------------------
+    def on_notification(self, method: str, callback: Callable[[Any], None]) -> None:
+        self._notif_handlers.setdefault(method, []).append(callback)
+
+    def on_request(self, method: str, handler: Callable[[Any], Any]) -> None:
+        """``handler(params) -> result``; raise :class:`RpcError` to answer with an error."""
+        self._req_handlers[method] = handler
+
+    def wait_for(self, predicate: Callable[[list[tuple[str, Any]]], bool], timeout: float = 10.0) -> bool:
+        """Wait until ``predicate(self.notifications)`` holds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.notifications), timeout)
+
+    # -- reading -------------------------------------------------------------
+    def _read_frame(self) -> bytes | None:
+        out = self._out
+        line = out.readline()
+        if not line:
+            return None
+        m = _HEADER.fullmatch(line)
+        if not m or out.readline() != b"\r\n":
+            rest = line + out.peek(4096)[:4096]
+            self.stream_errors.append(rest.decode("utf-8", "replace"))
+            raise StreamError(f"not a protocol frame: {rest[:200]!r}")
+        body = out.read(int(m.group(1)))
+        return body if len(body) == int(m.group(1)) else None
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                body = self._read_frame()
+                if body is None:
+                    break
+                self._dispatch(json.loads(body))
+        except Exception as e:  # a corrupt stream: record it and stop reading
+            if not isinstance(e, StreamError):
+                self.stream_errors.append(repr(e))
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _dispatch(self, msg: dict) -> None:
+        if "method" in msg and "id" in msg:
+            threading.Thread(target=self._answer, args=(msg,), daemon=True).start()
+        elif "method" in msg:
+            with self._cond:
+                self.notifications.append((msg["method"], msg.get("params")))
+                self._cond.notify_all()
+            for cb in self._notif_handlers.get(msg["method"], ()):
+                cb(msg.get("params"))
+        else:
+            pending = self._pending.pop(msg.get("id"), None)
+            if pending is None:
+                with self._cond:
+                    self.unmatched.append(msg)
+                    self._cond.notify_all()
+            else:
+                pending._set(msg)
+
+    def _answer(self, msg: dict) -> None:
+        handler = self._req_handlers.get(msg["method"])
+        reply: dict[str, Any] = {"jsonrpc": "2.0", "id": msg["id"]}
+        try:
+            if handler is None:
+                raise RpcError(-32601, f"method not found: {msg['method']}")
+            reply["result"] = handler(msg.get("params"))
+        except RpcError as e:
+            reply["error"] = {"code": e.code, "message": e.message, "data": e.data}
+        except Exception as e:
+            reply["error"] = {"code": -32603, "message": str(e)}
+        try:
+            self._send(reply)
+        except (BrokenPipeError, ValueError):
+            pass
+
+    # -- lifecycle -----------------------------------------------------------
+    def wait(self, timeout: float = 10.0) -> int:
+        return self.proc.wait(timeout)
+
+    def close(self, timeout: float = 10.0) -> int:
+        """shutdown + exit; returns the exit code (kills the server if it hangs)."""
+        try:
+            if self.proc.poll() is None:
+                self.request("shutdown", None, timeout=timeout)
+                self.notify("exit")
+        except (RpcError, TimeoutError, BrokenPipeError, OSError):
+            pass
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.wait(timeout)
+        finally:
+            self._close_pipes()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def _close_pipes(self) -> None:
+        for f in (self.proc.stdin,):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "SidecarClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc.poll() is None:
+            self.close()
+        else:
+            self._close_pipes()
+
+
+if __name__ == "__main__":  # tiny smoke run: python -m clients.python.client
+    with SidecarClient(env=dict(os.environ)) as c:
+        print(json.dumps(c.request("initialize", {"clientInfo": {"name": "smoke"}}), indent=2))
+        print(c.request("ping"))

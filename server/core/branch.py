@@ -1,0 +1,158 @@
+"""``Branch``: one conversation — messages, tools, models, hooks, context
+providers, an event log, and ``authorize()`` — with the ``operate`` facade."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Awaitable, Callable
+
+from .act import AuthorizationResult, ToolInvocation, act
+from .hooks import HookBus
+from .messages import Message, MessageLog, new_id
+from .operate import operate as _operate
+from .params import ActionParam, AlcallParams, DEFAULT_ACTION_ALCALL
+from .prepare import prepare_operate_kw
+from .tools import ToolRegistry
+
+Authorizer = Callable[[ToolInvocation], Awaitable["AuthorizationResult | bool"]]
+
+DEFAULT_SYSTEM = None
+EVENT_LOG_LIMIT = 1000
+
+
+class Branch:
+    def __init__(self, *, system: str | None = None, chat_model: Any = None, parse_model: Any = None,
+                 name: str | None = None, tools: ToolRegistry | None = None, id: str | None = None,
+                 user: str = "user", messages: MessageLog | None = None) -> None:
+        self.id = id or new_id()
+        self.name = name
+        self.user = user
+        self.messages = messages if messages is not None else MessageLog()
+        if system and messages is None:
+            self.messages.add("system", {"text": system}, sender="system", recipient=self.id)
+        self.chat_model = chat_model
+        self._parse_model = parse_model
+        self.tools = tools if tools is not None else ToolRegistry()
+        self.hooks = HookBus()
+        self.providers: list[Any] = []
+        self.logs: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_LIMIT)
+        self.authorizer: Authorizer | None = None
+        self.metadata: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ models
+    @property
+    def parse_model(self) -> Any:
+        return self._parse_model or self.chat_model
+
+    @parse_model.setter
+    def parse_model(self, value: Any) -> None:
+        self._parse_model = value
+
+    @property
+    def acts(self) -> ToolRegistry:  # the reference's name for the registry
+        return self.tools
+
+    @property
+    def system(self) -> str | None:
+        first = self.messages.items[0] if len(self.messages) else None
+        return first.content.get("text") if first is not None and first.kind == "system" else None
+
+    # ------------------------------------------------------------ governance
+    async def authorize(self, invocation: ToolInvocation) -> AuthorizationResult:
+        if self.authorizer is None:
+            return AuthorizationResult(True)
+        out = await self.authorizer(invocation)
+        if isinstance(out, AuthorizationResult):
+            return out
+        return AuthorizationResult(bool(out))
+
+    def log_event(self, event: dict[str, Any]) -> None:
+        self.logs.append(event)
+
+    # ------------------------------------------------------------ operations
+    async def operate(
+        self,
+        *,
+        instruct: Any = None,
+        instruction: Any = None,
+        guidance: Any = None,
+        context: Any = None,
+        sender: Any = None,
+        recipient: Any = None,
+        progression: Any = None,
+        chat_model: Any = None,
+        invoke_actions: bool = True,
+        tool_schemas: list[dict] | None = None,
+        images: list | None = None,
+        image_detail: str | None = None,
+        parse_model: Any = None,
+        skip_validation: bool = False,
+        tools: Any = None,
+        operative: Any = None,
+        response_format: Any = None,
+        actions: bool = False,
+        reason: bool = False,
+        call_params: AlcallParams | None = None,
+        action_strategy: str = "concurrent",
+        verbose_action: bool = False,
+        field_models: list | None = None,
+        handle_validation: str = "return_value",
+        include_token_usage_to_model: bool = False,
+        stream_persist: bool = False,
+        persist_dir: str | None = None,
+        middle: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The Python facade. ``action_strategy`` defaults to the truthy
+        ``"concurrent"`` and is always forwarded, so an ``Instruct``'s own
+        strategy cannot win here (ADR-0022 D1 seam); pass it explicitly."""
+        local = dict(
+            instruct=instruct, instruction=instruction, guidance=guidance, context=context, sender=sender,
+            recipient=recipient, progression=progression, chat_model=chat_model, invoke_actions=invoke_actions,
+            tool_schemas=tool_schemas, images=images, image_detail=image_detail, parse_model=parse_model,
+            skip_validation=skip_validation, tools=tools, operative=operative, response_format=response_format,
+            actions=actions, reason=reason, call_params=call_params, action_strategy=action_strategy,
+            verbose_action=verbose_action, field_models=field_models, handle_validation=handle_validation,
+            include_token_usage_to_model=include_token_usage_to_model, stream_persist=stream_persist,
+            persist_dir=persist_dir, middle=middle,
+        )
+        params = {k: v for k, v in local.items() if v is not None}
+        params.update(kwargs)
+        return await _operate(self, **prepare_operate_kw(self, **params))
+
+    async def act(self, action_request: Any, *, strategy: str = "concurrent", verbose_action: bool = False,
+                  suppress_errors: bool = True, call_params: AlcallParams | None = None, tools: Any = None) -> list:
+        param = ActionParam(action_call_params=call_params or DEFAULT_ACTION_ALCALL, tools=tools,
+                            strategy=strategy, suppress_errors=suppress_errors,  # type: ignore[arg-type]
+                            verbose_action=verbose_action)
+        return await act(self, action_request, param)
+
+    # ------------------------------------------------------------ lifecycle
+    def fork(self, *, id: str | None = None) -> "Branch":
+        """A copy of the messages and policy (shares tools and models)."""
+        b = Branch(chat_model=self.chat_model, parse_model=self._parse_model, name=self.name, tools=self.tools,
+                   id=id, user=self.user, messages=self.messages.copy())
+        b.authorizer = self.authorizer
+        b.providers = list(self.providers)
+        b.metadata = dict(self.metadata)
+        return b
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "user": self.user,
+            "chat_model": getattr(self.chat_model, "name", None),
+            "parse_model": getattr(self._parse_model, "name", None),
+            "metadata": self.metadata,
+            "messages": [m.to_record() for m in self.messages],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, tools: ToolRegistry | None = None, chat_model: Any = None,
+                  parse_model: Any = None) -> "Branch":
+        log = MessageLog([Message.from_record(r) for r in data.get("messages", [])])
+        b = cls(id=data["id"], name=data.get("name"), user=data.get("user") or "user", tools=tools,
+                chat_model=chat_model, parse_model=parse_model, messages=log)
+        b.metadata = dict(data.get("metadata") or {})
+        return b

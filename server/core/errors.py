@@ -1,0 +1,56 @@
+"""A small typed hierarchy of the pipeline's errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OperateError(Exception):
+    """Base of every error the core raises on purpose."""
+
+
+class ConfigurationError(OperateError, ValueError):
+    """A parameter combination the pipeline cannot run (e.g. an unknown action strategy)."""
+
+
+class RemovedArgumentError(OperateError, TypeError):
+    """A removed keyword (request_model, operative_model, imodel) was passed."""
+
+
+class ModelError(OperateError):
+    """A model/provider failure. The message must be safe to show: no secrets."""
+
+
+class ValidationFailed(OperateError, ValueError):
+    """D3: the returned value is not an instance of the caller's model and the
+    policy is ``raise``. ``expected`` names the model; ``received`` is the value."""
+
+    def __init__(self, message: str, *, expected: str, received: Any) -> None:
+        super().__init__(message)
+        self.expected = expected
+        self.received = received
+
+
+class ToolNotRegistered(OperateError, ValueError):
+    """A tool name that is not in the registry."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"Tool {name} is not registered.")
+        self.name = name
+
+
+class ToolArgumentError(OperateError, ValueError):
+    """Tool arguments that do not satisfy the tool's input schema."""
+
+
+class ToolTimeout(OperateError, TimeoutError):
+    """A tool that did not finish within its time-out."""
+
+
+class ParseError(OperateError, ValueError):
+    """A reply that could not be turned into the requested model."""
+
+    def __init__(self, message: str, *, kind: str = "extraction", validation_error: Any = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.validation_error = validation_error

@@ -1,0 +1,227 @@
+"""The Middle protocol and the two shipped adapters.
+
+``communicate`` (API models): one model call, the instruction and reply are
+recorded together after the call succeeds, then the reply is parsed.
+``run_and_collect`` (CLI-backed models, or RunParam): the instruction is
+recorded first, the model's stream is read as it runs, CLI-reported tool use
+is recorded as action messages (never re-executed), ``stream_persist``
+buffers chunks to ``persist_dir`` and snapshots the branch atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Protocol
+
+import anyio
+
+from . import progress
+from .errors import ModelError
+from .imodel import StreamChunk
+from .messages import Message
+from .params import ChatParam, ParseParam, RunParam
+from .parse import parse
+from .render import instruction_content, render_request
+
+
+class Middle(Protocol):
+    async def __call__(self, branch: Any, instruction: Any, chat_param: ChatParam, parse_param: ParseParam | None,
+                       clear_messages: bool = False, *, skip_validation: bool = False) -> Any: ...
+
+
+def _instruction_message(branch: Any, instruction: Any, chat_param: ChatParam) -> Message:
+    if isinstance(instruction, Message):
+        return instruction
+    content = instruction_content(instruction, chat_param.guidance, chat_param.context, chat_param.response_format,
+                                  chat_param.tool_schemas)
+    return Message(kind="instruction", content=content, sender=chat_param.sender, recipient=chat_param.recipient)
+
+
+def _model_of(branch: Any, chat_param: ChatParam) -> Any:
+    model = chat_param.imodel or branch.chat_model
+    if model is None:
+        raise ModelError("no chat model is configured for this branch")
+    return model
+
+
+async def _parse_reply(branch: Any, text: Any, chat_param: ChatParam, parse_param: ParseParam | None) -> Any:
+    if parse_param is not None and parse_param.response_format is not None and chat_param.response_format is not None:
+        return await parse(branch, text, parse_param)
+    return text
+
+
+async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, parse_param: ParseParam | None,
+                      clear_messages: bool = False, *, skip_validation: bool = False) -> Any:
+    sink = progress.current_progress.get()
+    if sink is not None:
+        sink.begin("communicate")
+    if clear_messages:
+        branch.messages.clear()
+    model = _model_of(branch, chat_param)
+    ins = _instruction_message(branch, instruction, chat_param)
+    request = render_request(branch, ins, chat_param.response_format, chat_param.tool_schemas, chat_param.imodel_kw)
+    if sink is not None:
+        sink.report(f"calling {model.name}", "request")
+    parts: list[str] = []
+    usage = None
+    model_name = model.name
+    async for chunk in model.stream(request):
+        t = chunk.type
+        if t == "text":
+            if chunk.text:
+                parts.append(chunk.text)
+                if sink is not None:
+                    sink.report("streaming", "stream", chunk.text)
+        elif t == "result":
+            usage = chunk.usage or usage
+            model_name = chunk.model or model_name
+        elif t == "error":
+            raise ModelError(chunk.text or "model reported an error")
+    text = "".join(parts)
+    branch.messages.append(ins)
+    branch.messages.add("assistant_response", {"text": text, "model": model_name, "usage": usage},
+                        sender=branch.id, recipient=chat_param.sender)
+    if skip_validation:
+        return text
+    return await _parse_reply(branch, text, chat_param, parse_param)
+
+
+class _Persist:
+    """stream_persist: atomic snapshot before and after, a JSONL chunk buffer
+    while streaming, the buffer removed at the end."""
+
+    def __init__(self, branch: Any, param: RunParam) -> None:
+        self.branch = branch
+        self.dir = param.persist_dir
+        self.snap_dir = param.snapshot_dir or param.persist_dir
+        os.makedirs(self.dir, exist_ok=True)
+        os.makedirs(self.snap_dir, exist_ok=True)
+        self.buffer_path = os.path.join(self.dir, f"{branch.id}.buffer.jsonl")
+        self.snapshot_path = os.path.join(self.snap_dir, f"{branch.id}.json")
+        self._fh: Any = None
+
+    def snapshot(self) -> None:
+        data = json.dumps(self.branch.to_dict(), ensure_ascii=False, allow_nan=False, default=str)
+        fd, tmp = tempfile.mkstemp(dir=self.snap_dir, prefix=".snap-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.snapshot_path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def open(self) -> None:
+        self.snapshot()
+        self._fh = open(self.buffer_path, "a", encoding="utf-8")
+
+    def append(self, chunk: StreamChunk) -> None:
+        rec = {k: getattr(chunk, k) for k in ("type", "text", "id", "name", "input", "output", "is_error", "usage")
+               if getattr(chunk, k) not in (None, "", False)}
+        self._fh.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        try:
+            self.snapshot()
+        finally:
+            if os.path.exists(self.buffer_path):
+                os.unlink(self.buffer_path)
+
+
+async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, parse_param: ParseParam | None,
+                          clear_messages: bool = False, *, skip_validation: bool = False) -> Any:
+    sink = progress.current_progress.get()
+    if sink is not None:
+        sink.begin("run_and_collect")
+    if clear_messages:
+        branch.messages.clear()
+    param = chat_param if isinstance(chat_param, RunParam) else RunParam(**chat_param.to_dict())
+    model = _model_of(branch, param)  # per-call model: never written back to the branch
+    ins = _instruction_message(branch, instruction, param)
+    request = render_request(branch, ins, param.response_format, param.tool_schemas, param.imodel_kw, purpose="run")
+    branch.messages.append(ins)
+    persist = _Persist(branch, param) if param.stream_persist else None
+    texts: list[str] = []
+    buf: list[str] = []
+    open_calls: dict[str, Message] = {}
+    usage = None
+    model_name = model.name
+
+    def flush_text() -> None:
+        if buf:
+            text = "".join(buf)
+            buf.clear()
+            texts.append(text)
+            branch.messages.add("assistant_response", {"text": text, "model": model_name, "usage": None},
+                                sender=branch.id, recipient=param.sender)
+
+    if sink is not None:
+        sink.report(f"running {model.name}", "request")
+    try:
+        if persist is not None:
+            persist.open()
+        async for chunk in model.stream(request):
+            if persist is not None:
+                persist.append(chunk)
+            t = chunk.type
+            if t == "text":
+                if chunk.text:
+                    buf.append(chunk.text)
+                    if sink is not None:
+                        sink.report("streaming", "stream", chunk.text)
+            elif t == "tool_use":
+                flush_text()
+                call_id = chunk.id or Message(kind="action_request", content={}).id
+                req = branch.messages.add("action_request", {"callId": call_id, "function": chunk.name,
+                                                             "arguments": chunk.input or {}},
+                                          sender=branch.id, recipient=param.sender)
+                open_calls[call_id] = req
+            elif t == "tool_result":
+                req = open_calls.pop(chunk.id or "", None)
+                if req is None:
+                    continue  # unmatched results are skipped
+                output = chunk.output
+                if chunk.is_error:
+                    output = {"error": output if isinstance(output, str) else json.dumps(output, default=str),
+                              "function": req.content["function"]}
+                branch.messages.add("action_response", {"callId": req.content["callId"], "requestId": req.id,
+                                                        "function": req.content["function"],
+                                                        "arguments": req.content["arguments"], "output": output},
+                                    sender=branch.id, recipient=branch.id)
+            elif t == "result":
+                usage = chunk.usage or usage
+                model_name = chunk.model or model_name
+            elif t == "error":
+                raise ModelError(chunk.text or "model reported an error")
+        flush_text()
+        last = next((m for m in reversed(branch.messages.items) if m.kind == "assistant_response"), None)
+        if last is not None and texts:
+            last.content["usage"] = usage
+            last.content["model"] = model_name
+    finally:
+        with anyio.CancelScope(shield=True):
+            flush_text() if buf else None
+            for call_id, req in list(open_calls.items()):
+                branch.messages.add("action_response", {"callId": call_id, "requestId": req.id,
+                                                        "function": req.content["function"],
+                                                        "arguments": req.content["arguments"],
+                                                        "output": {"error": "no result reported by the run",
+                                                                   "function": req.content["function"]}},
+                                    sender=branch.id, recipient=branch.id)
+            if persist is not None:
+                persist.close()
+    if not texts:
+        return None
+    full = "\n\n".join(texts)
+    if skip_validation:
+        return full
+    return await _parse_reply(branch, full, param, parse_param)

@@ -1,0 +1,159 @@
+"""D2–D4: the ``operate()`` coordinator.
+
+prepared params → publish selected tool schemas → build the request/response
+Operative when needed → select one Middle → await it exactly once →
+skip_validation returns raw → caller-model mismatch policy → invoke_actions
+gate → action inspection, ``act()``, writeback, enrichment.
+Every return before the action phase has no tool side effect.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel
+
+from . import progress
+from .act import act
+from .errors import ValidationFailed
+from .operative import Operative, Step, specs_from_field_models
+from .params import ActionParam, ChatParam, ParseParam, RunParam
+from .middle import communicate, run_and_collect
+
+log = logging.getLogger(__name__)
+
+RECEIVED_LIMIT = 200
+
+
+def caller_model_class(response_format: Any) -> type[BaseModel] | None:
+    if isinstance(response_format, type) and issubclass(response_format, BaseModel):
+        return response_format
+    if isinstance(response_format, BaseModel):
+        return type(response_format)
+    return None
+
+
+def mismatch_error(model_class: type[BaseModel], result: Any) -> ValidationFailed:
+    received = repr(result)[:RECEIVED_LIMIT]
+    return ValidationFailed(
+        f"Failed to parse model response into {model_class.__name__!r}. Received (truncated): {received}",
+        expected=model_class.__name__,
+        received=result,
+    )
+
+
+def _requests_of(result: Any) -> Any:
+    if isinstance(result, BaseModel):
+        return getattr(result, "action_requests", None)
+    if isinstance(result, dict):
+        return result.get("action_requests")
+    return None
+
+
+async def _writeback(branch: Any, responses: list) -> None:
+    for provider in list(getattr(branch, "providers", ()) or ()):
+        hook = getattr(provider, "writeback", None)
+        if hook is None:
+            continue
+        try:
+            await hook(branch, responses)
+        except Exception:
+            log.warning("context provider writeback failed", exc_info=True)
+
+
+async def operate(
+    branch: Any,
+    instruction: Any,
+    chat_param: ChatParam,
+    action_param: ActionParam | None = None,
+    parse_param: ParseParam | None = None,
+    handle_validation: str = "return_value",
+    invoke_actions: bool = True,
+    skip_validation: bool = False,
+    clear_messages: bool = False,
+    reason: bool = False,
+    field_models: list | None = None,
+    operative: Operative | None = None,
+    middle: Any = None,
+) -> BaseModel | dict | str | None:
+    sink = progress.current_progress.get()
+    outcome = "failed"
+    try:
+        result = await _operate(branch, instruction, chat_param, action_param, parse_param, handle_validation,
+                                invoke_actions, skip_validation, clear_messages, reason, field_models, operative,
+                                middle)
+        outcome = "completed"
+        return result
+    finally:
+        if sink is not None:
+            sink.end(outcome)
+
+
+async def _operate(branch: Any, instruction: Any, chat_param: ChatParam, action_param: ActionParam | None,
+                   parse_param: ParseParam | None, handle_validation: str, invoke_actions: bool,
+                   skip_validation: bool, clear_messages: bool, reason: bool, field_models: list | None,
+                   operative: Operative | None, middle: Any) -> Any:
+    _cctx = chat_param
+    if parse_param is not None:
+        _pctx = parse_param.with_updates(handle_validation="return_value")
+    else:
+        _pctx = ParseParam(response_format=chat_param.response_format, imodel=branch.parse_model,
+                           handle_validation="return_value")
+
+    # D2: publish the selected tools' schemas (unknown names fail here, before any model call)
+    if action_param is not None:
+        schemas = branch.tools.get_tool_schema(tools=action_param.tools or True)
+        _cctx = _cctx.with_updates(tool_schemas=schemas["tools"])
+
+    model_class = caller_model_class(_cctx.response_format)
+    fields_dict = specs_from_field_models(field_models)  # TypeError for a bad entry, before the model call
+
+    if operative is None and (model_class or action_param or fields_dict or reason):
+        operative = Step.request_operative(base_type=model_class, reason=bool(reason), actions=bool(action_param),
+                                           fields=fields_dict)
+        operative = Step.respond_operative(operative)
+        _cctx = _cctx.with_updates(response_format=operative.response_type)
+        _pctx = _pctx.with_updates(response_format=operative.response_type)
+
+    if middle is None:
+        model = _cctx.imodel or branch.chat_model
+        middle = run_and_collect if isinstance(_cctx, RunParam) or getattr(model, "is_cli", False) else communicate
+
+    result = await middle(branch, instruction, _cctx, _pctx, clear_messages, skip_validation=skip_validation)
+
+    if skip_validation:  # R1: raw mode — no type check, no actions
+        return result
+
+    if model_class is not None and not isinstance(result, model_class):  # R2: caller-model mismatch
+        if handle_validation == "return_none":
+            return None
+        if handle_validation == "raise":
+            raise mismatch_error(model_class, result)
+        return result
+
+    if not invoke_actions:  # R3: the second action gate
+        return result
+
+    requests = _requests_of(result)
+    if action_param is None or requests is None:
+        return result
+
+    progress.report("running tools", "actions")
+    responses = await act(branch, requests, action_param)
+    responses = [r for r in responses if r is not None]
+    if not responses:
+        return result
+    await _writeback(branch, responses)
+
+    if isinstance(result, BaseModel):
+        if "action_responses" in type(result).model_fields:
+            result.action_responses = responses  # type: ignore[attr-defined]
+        elif operative is not None:
+            result = operative.response_type.model_validate({**result.model_dump(), "action_responses": responses})
+        if operative is not None:
+            operative.response_model = result
+        return result
+    if isinstance(result, dict):
+        result["action_responses"] = responses
+    return result

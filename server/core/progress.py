@@ -1,0 +1,25 @@
+"""Progress reporting without a transport: a context variable holds the sink
+of the operate call being run (the RPC layer installs one per request that
+carried a ``workDoneToken``). Sinks are synchronous and must be cheap."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Protocol
+
+
+class ProgressSink(Protocol):
+    def begin(self, message: str) -> None: ...
+
+    def report(self, message: str, phase: str, delta: str | None = None) -> None: ...
+
+    def end(self, message: str) -> None: ...
+
+
+current_progress: ContextVar[ProgressSink | None] = ContextVar("current_progress", default=None)
+
+
+def report(message: str, phase: str, delta: str | None = None) -> None:
+    sink = current_progress.get()
+    if sink is not None:
+        sink.report(message, phase, delta)

@@ -1,0 +1,182 @@
+"""Rendering branch messages into a provider request.
+
+Each message's rendered form is computed once and cached by message id, so
+the per-call cost does not re-serialise the history. Schemas are rendered once
+per model class. The system message is sent as a real system message; past
+instructions are rendered without tools or schema; action responses are
+folded into the next user turn as tool results; consecutive assistant turns
+are merged.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import Any
+
+from pydantic import BaseModel
+
+from .imodel import ModelRequest
+from .messages import Message
+from .operative import request_info
+
+_schema_cache: "weakref.WeakKeyDictionary[type, tuple[dict, str, str]]" = weakref.WeakKeyDictionary()
+
+
+def _dumps(v: Any) -> str:
+    return json.dumps(v, ensure_ascii=False, default=str)
+
+
+def request_schema_of(response_format: Any) -> tuple[dict | None, str | None, str | None]:
+    """The JSON Schema shown to the model for a response format: the *request*
+    model's for generated operatives (no ``action_responses``). Returns
+    ``(schema, name, schema_json)``; cached per class."""
+    if response_format is None:
+        return None, None, None
+    if isinstance(response_format, type) and issubclass(response_format, BaseModel):
+        cached = _schema_cache.get(response_format)
+        if cached is None:
+            info = request_info(response_format)
+            target = info[0] if info else response_format
+            schema = target.model_json_schema()
+            cached = (schema, target.__name__, _dumps(schema))
+            _schema_cache[response_format] = cached
+        return cached
+    if isinstance(response_format, BaseModel):
+        return request_schema_of(type(response_format))
+    if isinstance(response_format, dict):
+        return response_format, str(response_format.get("title") or "Response"), _dumps(response_format)
+    return None, None, None
+
+
+def instruction_content(instruction: Any, guidance: Any, context: Any, response_format: Any,
+                        tool_schemas: list[dict] | None) -> dict[str, Any]:
+    schema, _, _ = request_schema_of(response_format)
+    return {
+        "instruction": instruction,
+        "guidance": guidance,
+        "context": context,
+        "responseSchema": schema,
+        "toolSchemas": tool_schemas or None,
+    }
+
+
+def _tool_lines(tool_schemas: list[dict]) -> str:
+    lines = []
+    for ts in tool_schemas:
+        fn = ts.get("function", ts)
+        lines.append(f"- {fn.get('name')}: {fn.get('description') or ''} parameters: {_dumps(fn.get('parameters') or {})}")
+    return "\n".join(lines)
+
+
+def render_user_text(content: dict[str, Any], *, current: bool, schema_json: str | None = None,
+                     tool_results: list[dict] | None = None) -> str:
+    parts: list[str] = []
+    if tool_results:
+        parts.append("Tool results: " + _dumps(tool_results))
+    if content.get("instruction") is not None:
+        parts.append(f"Instruction: {content['instruction']}")
+    if content.get("guidance") is not None:
+        g = content["guidance"]
+        parts.append(f"Guidance: {g if isinstance(g, str) else _dumps(g)}")
+    if content.get("context") is not None:
+        c = content["context"]
+        parts.append(f"Context: {c if isinstance(c, str) else _dumps(c)}")
+    if current:
+        if content.get("toolSchemas"):
+            parts.append("Tools (to call one, put it in action_requests as {\"function\": name, \"arguments\": {...}}):\n"
+                         + _tool_lines(content["toolSchemas"]))
+        if schema_json is not None:
+            parts.append("Respond with only a JSON object that matches this JSON Schema:\n" + schema_json)
+    return "\n\n".join(parts) if parts else "{}"
+
+
+class _RenderState:
+    """Incremental rendering state of one branch: the rendered turns so far,
+    tool results not yet folded into a user turn, and how many messages of
+    which log generation have been consumed."""
+
+    __slots__ = ("out", "pending", "count", "generation", "log")
+
+    def __init__(self) -> None:
+        self.out: list[dict[str, str]] = []
+        self.pending: list[dict] = []
+        self.count = 0
+        self.generation = -1
+        self.log: Any = None
+
+
+def _consume(state: _RenderState, m: Message) -> None:
+    out = state.out
+    kind = m.kind
+    if kind == "action_request":
+        return
+    if kind == "action_response":
+        c = m.content
+        state.pending.append({"function": c.get("function"), "arguments": c.get("arguments"),
+                              "output": c.get("output")})
+        return
+    if kind == "system":
+        out.append({"role": "system", "content": str(m.content.get("text") or "")})
+        return
+    if kind == "instruction":
+        entry = {"role": "user", "content": render_user_text(m.content, current=False,
+                                                             tool_results=state.pending or None)}
+        state.pending = []
+        if out and out[-1]["role"] == "user":
+            out[-1] = entry  # an instruction directly after another: keep the latest
+        else:
+            out.append(entry)
+        return
+    if kind == "assistant_response":
+        text = str(m.content.get("text") or "")
+        if out and out[-1]["role"] == "assistant":
+            out[-1] = {"role": "assistant", "content": out[-1]["content"] + "\n\n" + text}
+        else:
+            out.append({"role": "assistant", "content": text})
+
+
+def render_history(branch: Any) -> tuple[list[dict[str, str]], list[dict]]:
+    """The branch's history as chat turns plus the tool results still pending
+    (to be folded into the next user turn). Only new messages are rendered."""
+    log = branch.messages
+    state: _RenderState | None = getattr(branch, "_render_state", None)
+    if state is None or state.log is not log or state.generation != log.generation or state.count > len(log):
+        state = _RenderState()
+        state.log = log
+        state.generation = log.generation
+        branch._render_state = state
+    items = log.items
+    for i in range(state.count, len(items)):
+        _consume(state, items[i])
+    state.count = len(items)
+    return list(state.out), list(state.pending)
+
+
+def render_request(branch: Any, ins: Message, response_format: Any, tool_schemas: list[dict] | None,
+                   options: dict[str, Any] | None, *, purpose: str = "chat") -> ModelRequest:
+    schema, name, schema_json = request_schema_of(response_format)
+    messages, pending = render_history(branch)
+    text = render_user_text(ins.content, current=True, schema_json=schema_json, tool_results=pending or None)
+    _put_user(messages, text)
+    return ModelRequest(messages=messages, response_schema=schema, schema_name=name, tool_schemas=tool_schemas,
+                        options=dict(options or {}), purpose=purpose)  # type: ignore[arg-type]
+
+
+def _put_user(messages: list[dict[str, str]], text: str) -> None:
+    if messages and messages[-1]["role"] == "user":
+        messages[-1] = {"role": "user", "content": text}
+    else:
+        messages.append({"role": "user", "content": text})
+
+
+def render_repair_request(branch: Any, text: str, response_format: Any, guidance: str,
+                          options: dict[str, Any] | None) -> ModelRequest:
+    from .parse import REFORMAT_INSTRUCTION
+
+    content = instruction_content(REFORMAT_INSTRUCTION, guidance, [{"text_to_format": text}], response_format, None)
+    schema, name, schema_json = request_schema_of(response_format)
+    messages, _ = render_history(branch)
+    _put_user(messages, render_user_text(content, current=True, schema_json=schema_json))
+    return ModelRequest(messages=messages, response_schema=schema, schema_name=name, options=dict(options or {}),
+                        purpose="parse")

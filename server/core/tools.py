@@ -1,0 +1,264 @@
+"""Tools and the tool registry.
+
+A :class:`Tool` has a name, a description, a JSON Schema for its arguments,
+an async callable and a source (``builtin``, ``python``, ``mcp``, ``client``).
+Python callables become tools whose input schema pydantic derives from the
+signature, so ``int`` is ``integer`` and ``int | None`` works. Arguments are
+validated before invocation; a mismatch raises :class:`ToolArgumentError`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Literal
+
+from .errors import ToolArgumentError, ToolNotRegistered
+
+ToolSource = Literal["builtin", "python", "mcp", "client"]
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallContext:
+    branch_id: str
+    call_id: str
+
+
+ToolFunc = Callable[[dict[str, Any], ToolCallContext], Awaitable[Any]]
+
+
+@dataclass(slots=True, eq=False)
+class Tool:
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    func: ToolFunc
+    source: ToolSource = "python"
+    read_only: bool = False
+    timeout: float | None = None
+    _validator: Callable[[dict[str, Any]], dict[str, Any]] | None = field(default=None, repr=False)
+    _openai_schema: dict[str, Any] | None = field(default=None, repr=False)
+
+    def validate_arguments(self, arguments: Any) -> dict[str, Any]:
+        """Return the validated arguments or raise ToolArgumentError."""
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise ToolArgumentError(f"arguments for {self.name} must be an object, got {type(arguments).__name__}")
+        if self._validator is None:
+            self._validator = _jsonschema_validator(self.input_schema)
+        return self._validator(arguments)
+
+    async def call(self, arguments: dict[str, Any], ctx: ToolCallContext) -> Any:
+        return await self.func(arguments, ctx)
+
+    def schema(self) -> dict[str, Any]:
+        """OpenAI function-format schema shown to the model (cached)."""
+        if self._openai_schema is None:
+            self._openai_schema = {
+                "type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.input_schema},
+            }
+        return self._openai_schema
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "inputSchema": self.input_schema,
+                "source": self.source}
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
+                      source: ToolSource = "python", read_only: bool | None = None,
+                      timeout: float | None = None) -> "Tool":
+        return function_to_tool(fn, name=name, description=description, source=source, read_only=read_only,
+                                timeout=timeout)
+
+
+def tool(fn: Callable[..., Any] | None = None, *, read_only: bool = False, timeout: float | None = None,
+         name: str | None = None):  # type: ignore[no-untyped-def]
+    """Decorator marking a Python function's tool metadata (read-only, time-out, name)."""
+
+    def mark(f: Callable[..., Any]) -> Callable[..., Any]:
+        f.__tool_read_only__ = read_only  # type: ignore[attr-defined]
+        f.__tool_timeout__ = timeout  # type: ignore[attr-defined]
+        if name:
+            f.__tool_name__ = name  # type: ignore[attr-defined]
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+_ARGS_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters)\s*:\s*$")
+_ARG_LINE = re.compile(r"^\s+(\*{0,2}\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
+
+
+def _doc_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    doc = inspect.getdoc(fn) or ""
+    summary_lines: list[str] = []
+    params: dict[str, str] = {}
+    in_args = False
+    current: str | None = None
+    for line in doc.splitlines():
+        if _ARGS_HEADER.match(line):
+            in_args = True
+            continue
+        if in_args:
+            m = _ARG_LINE.match(line)
+            if m:
+                current = m.group(1).lstrip("*")
+                params[current] = m.group(3).strip()
+                continue
+            if line.strip() and line.startswith((" ", "\t")) and current:
+                params[current] += " " + line.strip()
+                continue
+            if not line.strip():
+                continue
+            in_args = False
+            current = None
+        if not params and not in_args:
+            summary_lines.append(line)
+    summary = " ".join(s.strip() for s in "\n".join(summary_lines).split("\n\n")[0].splitlines()).strip()
+    return summary, params
+
+
+def function_to_tool(fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
+                     source: ToolSource = "python", read_only: bool | None = None,
+                     timeout: float | None = None) -> Tool:
+    from pydantic import ConfigDict, Field, ValidationError, create_model
+
+    sig = inspect.signature(fn)
+    summary, param_docs = _doc_parts(fn)
+    hints = _type_hints(fn)
+    fields: dict[str, Any] = {}
+    for pname, p in sig.parameters.items():
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        ann = hints.get(pname, p.annotation)
+        if ann is inspect.Parameter.empty:
+            ann = Any
+        default = ... if p.default is inspect.Parameter.empty else p.default
+        fields[pname] = (ann, Field(default, description=param_docs.get(pname) or None))
+    tool_name = name or getattr(fn, "__tool_name__", None) or fn.__name__
+    model = create_model(f"{tool_name}_args", __config__=ConfigDict(extra="forbid"), **fields)
+    schema = model.model_json_schema()
+    schema.pop("title", None)
+    for prop in schema.get("properties", {}).values():
+        prop.pop("title", None)
+    schema.setdefault("properties", {})
+
+    def validate(arguments: dict[str, Any]) -> dict[str, Any]:
+        try:
+            inst = model.model_validate(arguments)
+        except ValidationError as e:
+            raise ToolArgumentError(_short_validation_error(tool_name, e)) from None
+        return {k: getattr(inst, k) for k in inst.model_fields_set | _required(model)}
+
+    is_async = inspect.iscoroutinefunction(fn)
+
+    async def call(arguments: dict[str, Any], ctx: ToolCallContext) -> Any:
+        if is_async:
+            return await fn(**arguments)
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(lambda: fn(**arguments), abandon_on_cancel=True)
+
+    ro = read_only if read_only is not None else bool(getattr(fn, "__tool_read_only__", False))
+    to = timeout if timeout is not None else getattr(fn, "__tool_timeout__", None)
+    return Tool(name=tool_name, description=description or summary or tool_name, input_schema=schema,
+                func=call, source=source, read_only=ro, timeout=to, _validator=validate)
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    import typing
+
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:
+        return {}
+
+
+def _required(model: Any) -> set[str]:
+    return {k for k, f in model.model_fields.items() if f.is_required()}
+
+
+def _short_validation_error(name: str, e: Any) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "(arguments)"
+        parts.append(f"{loc}: {err.get('msg')}")
+    return f"invalid arguments for {name}: " + "; ".join(parts)
+
+
+def _jsonschema_validator(schema: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator = cls(schema)
+
+    def validate(arguments: dict[str, Any]) -> dict[str, Any]:
+        errors = sorted(validator.iter_errors(arguments), key=lambda er: list(er.path))
+        if errors:
+            msgs = [f"{'.'.join(str(p) for p in er.path) or '(arguments)'}: {er.message}" for er in errors[:5]]
+            raise ToolArgumentError("invalid arguments: " + "; ".join(msgs))
+        return arguments
+
+    return validate
+
+
+class ToolRegistry:
+    """Name → Tool. Registration of a taken name fails unless ``update``."""
+
+    __slots__ = ("_tools",)
+
+    def __init__(self) -> None:
+        self._tools: dict[str, Tool] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._tools.values())
+
+    def register(self, item: Tool | Callable[..., Any], *, update: bool = False) -> Tool:
+        t = item if isinstance(item, Tool) else Tool.from_function(item)
+        if t.name in self._tools and not update:
+            raise ValueError(f"Tool {t.name} is already registered.")
+        self._tools[t.name] = t
+        return t
+
+    def unregister(self, name: str) -> None:
+        self._tools.pop(name, None)
+
+    def get(self, name: str) -> Tool:
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise ToolNotRegistered(name) from None
+
+    def names(self) -> list[str]:
+        return list(self._tools)
+
+    def resolve(self, selector: Any) -> list[Tool]:
+        """Tools named by a selector: True/None = all; a name, Tool, callable or a list of them."""
+        if selector is None or selector is True:
+            return list(self._tools.values())
+        items = selector if isinstance(selector, (list, tuple, set)) else [selector]
+        out: list[Tool] = []
+        for it in items:
+            if isinstance(it, Tool):
+                out.append(self._tools.get(it.name) or self.register(it))
+            elif isinstance(it, str):
+                out.append(self.get(it))
+            elif callable(it):
+                nm = getattr(it, "__tool_name__", None) or getattr(it, "__name__", None)
+                out.append(self._tools[nm] if nm in self._tools else self.register(it))
+            else:
+                raise ValueError(f"cannot select a tool by {type(it).__name__}")
+        return out
+
+    def get_tool_schema(self, tools: Any = True) -> dict[str, Any]:
+        """ADR D2: the schemas of the selected tools wrapped as ``{"tools": [...]}``."""
+        return {"tools": [t.schema() for t in self.resolve(tools)]}

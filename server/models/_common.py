@@ -1,0 +1,140 @@
+"""Small helpers shared by the providers: option names, secret redaction,
+schema bounding and prompt rendering. Imports nothing heavy."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any, Iterable
+from urllib.parse import urlsplit
+
+# --- option names -----------------------------------------------------------
+
+_CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+def snake(key: str) -> str:
+    """``maxTokens`` → ``max_tokens`` (wire modelOptions are camelCase or snake_case)."""
+    return _CAMEL.sub("_", key).lower()
+
+
+def snake_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    return {snake(k): v for k, v in (options or {}).items()}
+
+
+# --- redaction --------------------------------------------------------------
+
+_SECRET_PATTERNS = [
+    re.compile(r"\bsk-[A-Za-z0-9_\-\*\.]{4,}"),  # OpenAI-style keys (also masked ones)
+    re.compile(r"(?i)\bbearer\s+[A-Za-z0-9_\-\.=:/+]{6,}"),  # Authorization: Bearer <token>
+    re.compile(r"(?i)(api[_-]?key['\"]?\s*[:=]\s*['\"]?)[^\s'\",}]{6,}"),
+    re.compile(r"(?i)(://)[^/@\s:]+:[^/@\s]+@"),  # user:password@ in URLs
+]
+
+
+def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """Remove secret values and anything that looks like a key/token from ``text``."""
+    out = str(text)
+    for s in secrets:
+        if s and len(s) >= 4:
+            out = out.replace(s, "[REDACTED]")
+    out = _SECRET_PATTERNS[0].sub("[REDACTED]", out)
+    out = _SECRET_PATTERNS[1].sub("Bearer [REDACTED]", out)
+    out = _SECRET_PATTERNS[2].sub(lambda m: m.group(1) + "[REDACTED]", out)
+    out = _SECRET_PATTERNS[3].sub(lambda m: m.group(1) + "[REDACTED]@", out)
+    return out
+
+
+def is_loopback_url(url: str | None) -> bool:
+    if not url:
+        return False
+    try:
+        host = (urlsplit(url).hostname or "").lower()
+    except ValueError:
+        return False
+    return host in {"localhost", "::1", "ip6-localhost"} or host.startswith("127.")
+
+
+# --- JSON Schema bounding (so tiny models stop) ----------------------------
+
+_SUBSCHEMA_DICT_KEYS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def _has_type(schema: dict, name: str) -> bool:
+    t = schema.get("type")
+    return t == name or (isinstance(t, list) and name in t)
+
+
+def bound_schema(schema: dict, *, max_items: int = 3, max_length: int | None = 200) -> dict:
+    """A copy of ``schema`` where every array without ``maxItems`` gets one and
+    every free-form string (no enum/const/pattern/format/maxLength) gets
+    ``maxLength``. Grammar-constrained small models otherwise never stop."""
+    out = copy.deepcopy(schema)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for n in node:
+                walk(n)
+            return
+        if not isinstance(node, dict):
+            return
+        if _has_type(node, "array") and "maxItems" not in node:
+            node["maxItems"] = max(max_items, int(node.get("minItems", 0)))
+        if (
+            max_length is not None
+            and node.get("type") == "string"
+            and not any(k in node for k in ("enum", "const", "pattern", "format", "maxLength"))
+        ):
+            node["maxLength"] = max(max_length, int(node.get("minLength", 0)))
+        for key in _SUBSCHEMA_DICT_KEYS:
+            sub = node.get(key)
+            if isinstance(sub, dict):
+                for v in sub.values():
+                    walk(v)
+        for key in _SUBSCHEMA_KEYS:
+            sub = node.get(key)
+            if isinstance(sub, (dict, list)):
+                walk(sub)
+        for key in _SUBSCHEMA_LIST_KEYS:
+            sub = node.get(key)
+            if isinstance(sub, list):
+                walk(sub)
+
+    walk(out)
+    return out
+
+
+# --- prompt rendering for CLI models ---------------------------------------
+
+SCHEMA_INSTRUCTION = (
+    "Respond with only one JSON object that validates against this JSON Schema "
+    "(no prose, no code fences):"
+)
+
+
+def render_prompt(messages: list[dict[str, Any]], response_schema: dict | None = None) -> str:
+    """Render chat messages into one prompt text: system text, then earlier
+    turns as a transcript, then the current instruction (the last user message)."""
+    system = [str(m.get("content") or "") for m in messages if m.get("role") == "system"]
+    turns = [m for m in messages if m.get("role") != "system"]
+    current = ""
+    if turns and turns[-1].get("role") == "user":
+        current = str(turns[-1].get("content") or "")
+        turns = turns[:-1]
+    parts: list[str] = []
+    if any(system):
+        parts.append("\n\n".join(s for s in system if s))
+    if turns:
+        lines = ["Conversation so far:"]
+        for m in turns:
+            role = str(m.get("role") or "user").capitalize()
+            lines.append(f"[{role}]\n{m.get('content') or ''}")
+        parts.append("\n\n".join(lines))
+    if current:
+        parts.append(current)
+    if response_schema is not None:
+        parts.append(SCHEMA_INSTRUCTION + "\n" + json.dumps(response_schema, ensure_ascii=False))
+    return "\n\n".join(parts)

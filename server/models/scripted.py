@@ -1,0 +1,94 @@
+"""The ``scripted`` provider: deterministic replay (PROTOCOL §2).
+
+Each invocation (chat, parse repair, CLI run) consumes the next entry of the
+config's ``responses``. An entry is a string (the text) or an object with
+``text``, ``json`` (serialized as the text), ``delayMs`` (a cancellable wait
+before answering), ``chunks`` (stream the text in that many deltas) and
+``error`` (the invocation fails). An exhausted list fails with a model error.
+``"cli": true`` makes the model CLI-backed. It is a product feature: other
+runtimes test their integration against it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from typing import Any, AsyncIterator
+
+import anyio
+
+from server.core.errors import ModelError
+from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
+
+ENTRY_KEYS = {"text", "json", "delayMs", "chunks", "error"}
+REQUEST_LOG_LIMIT = 100
+
+
+def _check_entry(i: int, entry: Any) -> Any:
+    if isinstance(entry, str):
+        return entry
+    if not isinstance(entry, dict):
+        raise ValueError(f"scripted response {i} must be a string or an object")
+    unknown = set(entry) - ENTRY_KEYS
+    if unknown:
+        raise ValueError(f"scripted response {i} has unknown field(s): {', '.join(sorted(unknown))}")
+    if "delayMs" in entry and (not isinstance(entry["delayMs"], (int, float)) or entry["delayMs"] < 0):
+        raise ValueError(f"scripted response {i}: delayMs must be a non-negative number")
+    if "chunks" in entry and (not isinstance(entry["chunks"], int) or entry["chunks"] < 1):
+        raise ValueError(f"scripted response {i}: chunks must be a positive integer")
+    return entry
+
+
+class ScriptedModel(BaseModelProvider):
+    def __init__(self, name: str, responses: list[Any], *, cli: bool = False) -> None:
+        self.name = name
+        self.is_cli = cli
+        self._queue: deque[Any] = deque(_check_entry(i, e) for i, e in enumerate(responses))
+        self.requests: deque[ModelRequest] = deque(maxlen=REQUEST_LOG_LIMIT)
+        self.calls = 0
+
+    @classmethod
+    def from_config(cls, name: str, config: dict[str, Any]) -> "ScriptedModel":
+        unknown = set(config) - {"provider", "responses", "cli"}
+        if unknown:
+            raise ValueError(f"scripted model {name!r}: unknown field(s) {', '.join(sorted(unknown))}")
+        responses = config.get("responses", [])
+        if not isinstance(responses, list):
+            raise ValueError(f"scripted model {name!r}: responses must be a list")
+        return cls(name, responses, cli=bool(config.get("cli", False)))
+
+    @property
+    def remaining(self) -> int:
+        return len(self._queue)
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:  # type: ignore[override]
+        self.calls += 1
+        self.requests.append(request)
+        if not self._queue:
+            raise ModelError(f"scripted model {self.name!r} has no responses left")
+        entry = self._queue.popleft()
+        if isinstance(entry, str):
+            text, delay, chunks = entry, 0.0, 1
+        else:
+            delay = float(entry.get("delayMs", 0)) / 1000.0
+            chunks = int(entry.get("chunks", 1))
+            if "json" in entry:
+                text = json.dumps(entry["json"], ensure_ascii=False)
+            else:
+                text = str(entry.get("text", ""))
+        if delay:
+            await anyio.sleep(delay)
+        if not isinstance(entry, str) and entry.get("error") is not None:
+            raise ModelError(str(entry["error"]))
+        if chunks <= 1 or len(text) <= 1:
+            if text:
+                yield StreamChunk(type="text", text=text)
+        else:
+            n = min(chunks, len(text))
+            size, extra = divmod(len(text), n)
+            pos = 0
+            for i in range(n):
+                step = size + (1 if i < extra else 0)
+                yield StreamChunk(type="text", text=text[pos: pos + step])
+                pos += step
+        yield StreamChunk(type="result", model=self.name, usage={"prompt_tokens": 0, "completion_tokens": 0})

@@ -1,0 +1,188 @@
+"""LSP base-protocol framing: an incremental, desync-resistant frame parser and
+the one frame encoder.
+
+Rules (PROTOCOL §1, DESIGN "stdio hardening"):
+- header names are matched case-insensitively; unknown headers are ignored;
+- a malformed header block never loses the *next* message: the parser drops
+  what it cannot use and resynchronises on the next ``Content-Length``;
+- the length counts bytes;
+- a body larger than ``max_bytes`` is skipped (never buffered) and reported,
+  so the stream stays in sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+_CL = b"content-length"
+_CL_ANYWHERE = re.compile(rb"content-length\s*:", re.IGNORECASE)
+_MAX_HEADER_LINE = 8192
+_ID_IN_HEAD = 65536
+
+
+def encode_frame(body: bytes) -> bytes:
+    """Exactly ``Content-Length: N\\r\\n\\r\\n<body>``."""
+    return b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+
+
+class FrameParser:
+    """Feed bytes in; complete bodies come out through ``on_body(bytes)``.
+
+    ``on_oversize(head: bytes, size: int)`` is called once a too-large body has
+    been skipped (``head`` holds its first bytes, to recover the request id).
+    """
+
+    __slots__ = ("_buf", "_length", "_need", "_skip", "_skip_head", "_skip_size",
+                 "max_bytes", "on_body", "on_oversize")
+
+    def __init__(self, on_body: Callable[[bytes], None],
+                 on_oversize: Callable[[bytes, int], None] | None = None,
+                 max_bytes: int = 64 * 1024 * 1024) -> None:
+        self._buf = bytearray()
+        self._length: int | None = None   # Content-Length of the header block being read
+        self._need = -1                   # >= 0: reading a body of this many bytes
+        self._skip = 0                    # bytes of an oversize body still to drop
+        self._skip_head = bytearray()
+        self._skip_size = 0
+        self.max_bytes = max_bytes
+        self.on_body = on_body
+        self.on_oversize = on_oversize
+
+    def feed(self, data: bytes) -> None:
+        if self._skip:
+            data = self._drop(data)
+            if not data:
+                return
+        buf = self._buf
+        buf += data
+        pos = 0
+        while True:
+            n = len(buf)
+            if self._need >= 0:                      # body
+                need = self._need
+                if n - pos < need:
+                    break
+                body = bytes(buf[pos:pos + need])
+                pos += need
+                self._need = -1
+                self.on_body(body)
+                continue
+            nl = buf.find(b"\n", pos)              # a header line
+            if nl < 0:
+                if n - pos > _MAX_HEADER_LINE:
+                    # a runaway line: keep a tail that may hold a "Content-Length" prefix
+                    log.warning("dropping %d bytes of garbage between frames", n - pos - 32)
+                    pos = n - 32
+                    self._length = None
+                break
+            line = bytes(buf[pos:nl])
+            pos = nl + 1
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if line:
+                self._header_line(line)
+                continue
+            length = self._length                    # blank line: end of a header block
+            if length is None:
+                continue                             # nothing announced: keep scanning
+            self._length = None
+            if length <= self.max_bytes:
+                self._need = length
+                continue
+            take = min(n - pos, length)              # oversize: skip without buffering
+            self._skip_head = bytearray(buf[pos:pos + min(take, _ID_IN_HEAD)])
+            self._skip_size = length
+            self._skip = length - take
+            pos += take
+            if self._skip:
+                break
+            self._finish_skip()
+        del buf[:pos]
+
+    def _header_line(self, line: bytes) -> None:
+        name, sep, value = line.partition(b":")
+        key = name.strip().lower()
+        if sep and key == _CL:
+            self._set_length(value)
+            return
+        m = _CL_ANYWHERE.search(line)
+        if m:                                        # garbage glued to a header: resync on it
+            log.warning("garbage before a header; resynchronising")
+            self._set_length(line[m.end():])
+        elif sep and key and key.replace(b"-", b"").isalnum():
+            return                                   # some other header: ignored
+        else:                                        # not a header line: ignore it
+            log.warning("malformed header line ignored: %r", line[:80])
+
+    def _set_length(self, value: bytes) -> None:
+        try:
+            length = int(value.strip())
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            log.warning("bad Content-Length %r; waiting for the next header", value[:40])
+            self._length = None
+            return
+        self._length = length
+
+    def _drop(self, data: bytes) -> bytes:
+        take = min(len(data), self._skip)
+        room = _ID_IN_HEAD - len(self._skip_head)
+        if room > 0:
+            self._skip_head += data[:min(take, room)]
+        self._skip -= take
+        if not self._skip:
+            self._finish_skip()
+        return data[take:]
+
+    def _finish_skip(self) -> None:
+        head, size = bytes(self._skip_head), self._skip_size
+        self._skip_head = bytearray()
+        self._skip_size = 0
+        if self.on_oversize is not None:
+            self.on_oversize(head, size)
+
+
+def peek_id(head: bytes) -> Any:
+    """Best effort: the top-level ``"id"`` of a (possibly cut) JSON object, else None."""
+    import json
+
+    depth = 0
+    i = 0
+    n = len(head)
+    in_str = False
+    key_start = -1
+    while i < n:
+        c = head[i]
+        if in_str:
+            if c == 0x5C:  # backslash
+                i += 2
+                continue
+            if c == 0x22:
+                in_str = False
+                if depth == 1 and head[key_start:i] == b"id":
+                    j = i + 1
+                    while j < n and head[j] in b" \t\r\n":
+                        j += 1
+                    if j < n and head[j] == 0x3A:  # ':' -> it was a key
+                        m = re.match(rb'\s*(-?\d+|"(?:[^"\\]|\\.)*")', head[j + 1:j + 300])
+                        if m:
+                            try:
+                                return json.loads(m.group(1))
+                            except ValueError:
+                                return None
+            i += 1
+            continue
+        if c == 0x22:
+            in_str = True
+            key_start = i + 1
+        elif c in b"{[":
+            depth += 1
+        elif c in b"}]":
+            depth -= 1
+        i += 1
+    return None
