@@ -62,7 +62,7 @@ async def main() -> dict:
     reply = [PLAIN_REPLY]
     model = instant_model(reply)
     results: dict = {"runtime": "lionagi", "version": lionagi.__version__, "import_s": IMPORT_S,
-                     "scenarios": {}}
+                     "scenarios": {}, "samples_ms": {}}
 
     # sanity: each scenario produces what it should (not timed)
     checks = {}
@@ -103,7 +103,9 @@ async def main() -> dict:
                        ("actions", ACTION_REPLY)):
         reply[0] = text
         gc.collect()
-        results["scenarios"][kind] = summarize(await run(kind))
+        samples = await run(kind)
+        results["scenarios"][kind] = summarize(samples)
+        results["samples_ms"][kind] = [x * 1000 for x in samples]
 
     # history kept: one branch, plain operates; measured from each size on.
     reply[0] = PLAIN_REPLY
@@ -119,6 +121,7 @@ async def main() -> dict:
         s = summarize(samples)
         s.update(messages_start=start, messages_end=len(br.messages))
         results["scenarios"][f"history_{size}"] = s
+        results["samples_ms"][f"history_{size}"] = [x * 1000 for x in samples]
     return results
 
 

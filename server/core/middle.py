@@ -156,12 +156,13 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     usage = None
     model_name = model.name
 
-    def flush_text() -> None:
+    def flush_text(final: bool = False) -> None:
         if buf:
             text = "".join(buf)
             buf.clear()
             texts.append(text)
-            branch.messages.add("assistant_response", {"text": text, "model": model_name, "usage": None},
+            branch.messages.add("assistant_response", {"text": text, "model": model_name,
+                                                       "usage": usage if final else None},
                                 sender=branch.id, recipient=param.sender)
 
     if sink is not None:
@@ -202,11 +203,7 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
                 model_name = chunk.model or model_name
             elif t == "error":
                 raise ModelError(chunk.text or "model reported an error")
-        flush_text()
-        last = next((m for m in reversed(branch.messages.items) if m.kind == "assistant_response"), None)
-        if last is not None and texts:
-            last.content["usage"] = usage
-            last.content["model"] = model_name
+        flush_text(final=True)
     finally:
         with anyio.CancelScope(shield=True):
             flush_text() if buf else None

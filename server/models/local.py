@@ -193,7 +193,7 @@ class LocalModel(BaseModelProvider):
         if request.response_schema is not None:
             try:
                 kw["grammar"] = _grammar_for(
-                    json.dumps(request.response_schema, sort_keys=True),
+                    json.dumps(request.response_schema),
                     self.max_items,
                     self.max_string_length,
                 )

@@ -174,7 +174,8 @@ class OpenAIModel(BaseModelProvider):
         return kw
 
     async def _open(self, request: ModelRequest) -> tuple[Any, str | None]:
-        """Start a streamed completion, walking the structured-output ladder on 400/422."""
+        """Start a streamed completion, walking the structured-output ladder when
+        the server rejects a response format."""
         import openai
 
         client = self._get_client()
@@ -187,6 +188,9 @@ class OpenAIModel(BaseModelProvider):
         else:
             start = RF_LADDER.index(self._rf_mode) if self._rf_mode else 0
             modes = RF_LADDER[start:]
+        # While probing an unconfirmed format, don't let the SDK retry a rejection
+        # (llama_cpp.server answers one with HTTP 500, which the SDK retries).
+        probing = schema is not None and self._rf_mode is None and len(modes) > 1
         last: BaseException | None = None
         for mode in modes:
             kw = dict(base)
@@ -194,26 +198,35 @@ class OpenAIModel(BaseModelProvider):
                 rf = response_format_for(mode, schema, name)  # type: ignore[arg-type]
                 if rf is not None:
                     kw["response_format"] = rf
+            use = client.with_options(max_retries=0) if probing and mode != RF_NONE else client
             while True:
                 if self._stream_options_ok:
                     kw["stream_options"] = {"include_usage": True}
                 else:
                     kw.pop("stream_options", None)
                 try:
-                    stream = await client.chat.completions.create(
+                    stream = await use.chat.completions.create(
                         model=self.model, messages=request.messages, stream=True, **kw
                     )
                     return stream, mode
-                except (openai.BadRequestError, openai.UnprocessableEntityError) as e:
-                    last = e
-                    if self._stream_options_ok and "stream_options" in _status_message(e):
+                except openai.APIStatusError as e:
+                    msg = _status_message(e)
+                    if self._stream_options_ok and _rejects(e, msg, "stream_options"):
                         self._stream_options_ok = False
                         continue
-                    break
-                except openai.OpenAIError as e:
+                    if mode is not None and _rejects(e, msg, "response_format", "json_schema", "json_object"):
+                        last = e
+                        break
+                    if use is not client:  # not a format rejection: the normal path, with retries
+                        use = client
+                        continue
                     raise self._error(e) from None
-            if mode is not None:
-                log.info("model %r: response_format mode %s rejected, falling back", self.name, mode)
+                except openai.OpenAIError as e:
+                    if use is not client and isinstance(e, openai.APIConnectionError):
+                        use = client
+                        continue
+                    raise self._error(e) from None
+            log.info("model %r: response_format mode %s rejected, falling back", self.name, mode)
         assert last is not None
         raise self._error(last) from None
 
@@ -256,6 +269,17 @@ class OpenAIModel(BaseModelProvider):
                 except Exception:  # noqa: BLE001 - best effort
                     pass
         yield StreamChunk(type="result", usage=usage, model=model_name)
+
+
+def _rejects(e: Any, msg: str, *words: str) -> bool:
+    """Did the server reject the request because of one of ``words``? A 400/422
+    that names it, or any 400/422 for a response format; a 5xx only if it names it
+    (llama_cpp.server reports request validation errors as HTTP 500)."""
+    named = any(w in msg for w in words)
+    status = getattr(e, "status_code", 0)
+    if status in (400, 422):
+        return named or "response_format" in words
+    return status >= 500 and named
 
 
 def _status_message(e: Any) -> str:

@@ -279,8 +279,8 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
     yield all their tools; stop the servers when the block exits.
 
     Servers start concurrently, each in a task of a task group owned by this context
-    manager. If any fails to start, the others are stopped and the first failure (in
-    config order) is raised as :class:`ToolSourceError` naming the server. ``reserved``
+    manager. If any fails to start, the others are stopped (or their starts cancelled)
+    and the failure is raised as :class:`ToolSourceError` naming the server. ``reserved``
     names (tools from other sources) force the ``<server>__`` prefix, as do clashes
     between servers. An exception raised in the block propagates unchanged (not wrapped
     in an exception group).
@@ -304,6 +304,7 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
             await source.start()
         except ToolSourceError as e:
             failures[source.name] = e
+            tg.cancel_scope.cancel()  # stop the other starts now rather than wait them out
             return
         finally:
             ready.set()
@@ -320,9 +321,7 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
             tg.start_soon(run, source, ready, name=f"mcp server {source.name}")
         for ready in readiness:  # each start is bounded by its own start_timeout
             await ready.wait()
-        if failures:
-            stop.set()
-        else:
+        if not failures:
             try:
                 tools = _named_tools(sources, reserved)
                 yield tools

@@ -1,0 +1,122 @@
+"""operate-sidecar in-process: server.core Branch.operate() with a scripted model.
+
+Mirrors bench/peers/lionagi_inproc.py scenario for scenario (same instruction,
+schema, replies and tool from bench/peers/inproc_common.py) and prints the same
+JSON.  Run with the project venv:  python -m bench.ours_inproc [--n N] ...
+
+THE ADAPTER (the only place that knows the core API) is `make_model`,
+`make_branch` and `call`; fix these up if the core API moves.
+"""
+import asyncio
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+T_IMPORT0 = time.perf_counter()
+from server.core import Branch  # noqa: E402
+from server.models.scripted import ScriptedModel  # noqa: E402
+
+IMPORT_S = time.perf_counter() - T_IMPORT0
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from inproc_common import (  # noqa: E402
+    ACTION_REPLY, HISTORY_SIZES, INSTRUCTION, PLAIN_REPLY, STRUCTURED_REPLY, Answer, add,
+    argv_int, summarize,
+)
+
+
+# ---- adapter -------------------------------------------------------------
+def make_model(reply: str, count: int):
+    """A scripted model (PROTOCOL §2 `scripted` config) answering `reply` `count` times."""
+    return ScriptedModel(name="s", responses=[reply] * count)
+
+
+def make_branch(model, tools=None):
+    if tools:
+        try:
+            return Branch(chat_model=model, tools=tools)
+        except TypeError:
+            b = Branch(chat_model=model)
+            reg = getattr(b, "register_tools", None) or getattr(b, "acts").register
+            for t in tools:
+                reg(t)
+            return b
+    return Branch(chat_model=model)
+
+
+async def call(branch, model, kind: str):
+    kw = {"instruction": INSTRUCTION, "chat_model": model}
+    if kind != "plain":
+        kw["response_format"] = Answer
+    if kind == "actions":
+        kw["actions"] = True
+    return await branch.operate(**kw)
+
+
+def message_count(branch) -> int:
+    for attr in ("messages", "msgs"):
+        m = getattr(branch, attr, None)
+        if m is not None:
+            try:
+                return len(m)
+            except TypeError:
+                pass
+    return -1
+# -------------------------------------------------------------------------
+
+
+REPLIES = {"plain": PLAIN_REPLY, "response_format": STRUCTURED_REPLY, "actions": ACTION_REPLY}
+
+
+async def main() -> dict:
+    n = argv_int("--n", 200)
+    hist_n = argv_int("--hist-n", 30)
+    results: dict = {"runtime": "ours", "import_s": IMPORT_S, "scenarios": {}, "samples_ms": {}}
+
+    checks = {}
+    for kind, reply in REPLIES.items():
+        m = make_model(reply, 8)
+        b = make_branch(m, [add] if kind == "actions" else None)
+        checks[kind] = repr(await call(b, m, kind))[:300]
+    results["checks"] = checks
+
+    # Each timed call: fresh branch + fresh scripted model, built outside the timing.
+    for kind, reply in REPLIES.items():
+        gc.collect()
+        out = []
+        for i in range(n + 3):
+            m = make_model(reply, 8)
+            b = make_branch(m, [add] if kind == "actions" else None)
+            t0 = time.perf_counter()
+            await call(b, m, kind)
+            dt = time.perf_counter() - t0
+            if i >= 3:
+                out.append(dt)
+        results["scenarios"][kind] = summarize(out)
+        results["samples_ms"][kind] = [x * 1000 for x in out]
+
+    sizes = [int(s) for s in (sys.argv[sys.argv.index("--sizes") + 1].split(",")
+                              if "--sizes" in sys.argv else HISTORY_SIZES)]
+    m = make_model(PLAIN_REPLY, max(sizes) // 2 + hist_n * len(sizes) + 16)
+    b = make_branch(m)
+    for size in sizes:
+        while message_count(b) < size:
+            await call(b, m, "plain")
+        start = message_count(b)
+        gc.collect()
+        out = []
+        for _ in range(hist_n):
+            t0 = time.perf_counter()
+            await call(b, m, "plain")
+            out.append(time.perf_counter() - t0)
+        s = summarize(out)
+        s.update(messages_start=start, messages_end=message_count(b))
+        results["scenarios"][f"history_{size}"] = s
+        results["samples_ms"][f"history_{size}"] = [x * 1000 for x in out]
+    return results
+
+
+if __name__ == "__main__":
+    sys.stdout.write(json.dumps(asyncio.run(main())) + "\n")

@@ -1,0 +1,421 @@
+"""Benchmark harness (issue 6): python -m bench.run [--quick] [--only a,b] [--no-setup]
+
+Creates the peers' venvs under bench/.venvs/ if missing, then measures every
+contender INTERLEAVED in one run (round-robin per repetition, order rotated
+each repetition), with the client pinned to one CPU and every server to the
+other.  Writes bench/out/results.json and regenerates bench/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import contenders as C
+from . import ours_extras, venvs
+from .client import Conn, RpcError
+from .report import write_markdown
+from .stats import summary
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+OUT = BENCH / "out"
+LOGS = OUT / "logs"
+WORK = OUT / "work"
+
+
+class Config:
+    def __init__(self, quick: bool):
+        self.quick = quick
+        self.cold_reps = 5 if quick else 20
+        self.rss_settle_s = 0.25
+        self.light_reps, self.light_block = (3, 100) if quick else (12, 250)
+        self.light_warmup = 30 if quick else 200
+        self.tp_reps, self.tp_block = (3, 300) if quick else (6, 2000)
+        self.in_flight = 16
+        self.inproc_reps, self.inproc_n, self.inproc_hist_n = (1, 30, 10) if quick else (3, 100, 30)
+        self.ours_concurrent = 100
+        self.ours_progress_runs = 2 if quick else 5
+        self.ours_mem_total = 1000 if quick else 10_000
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- pinning
+def pick_cpus() -> tuple[int | None, int | None]:
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return None, None
+    if len(cpus) < 2 or not shutil.which("taskset"):
+        return None, None
+    return cpus[0], cpus[1]
+
+
+class Harness:
+    def __init__(self, cfg: Config, contenders: list[C.Contender]):
+        self.cfg = cfg
+        self.contenders = {c.name: c for c in contenders}
+        self.client_cpu, self.server_cpu = pick_cpus()
+        if self.client_cpu is not None:
+            os.sched_setaffinity(0, {self.client_cpu})
+        self.env = dict(os.environ)
+        self.env.pop("PYTHONPATH", None)
+
+    def server_argv(self, argv: list[str]) -> list[str]:
+        if self.server_cpu is None:
+            return argv
+        return ["taskset", "-c", str(self.server_cpu), *argv]
+
+    async def spawn(self, name: str, on_notification=None) -> Conn:
+        c = self.contenders[name]
+        conn = Conn(c.framing, on_notification)
+        await conn.spawn(self.server_argv(c.argv), cwd=str(WORK), env=self.env,
+                         stderr_path=LOGS / f"{name}.stderr")
+        return conn
+
+    async def handshake(self, conn: Conn, c: C.Contender, timeout: float | None = 60) -> dict:
+        res = await conn.request("initialize", c.init_params, timeout=timeout)
+        for note in c.after_init:
+            conn.notify(note)
+        return res
+
+    def live(self) -> list[C.Contender]:
+        return [c for c in self.contenders.values() if not c.unavailable]
+
+    def order(self, rep: int) -> list[C.Contender]:
+        cs = self.live()
+        if not cs:
+            return cs
+        k = rep % len(cs)
+        return cs[k:] + cs[:k]
+
+    # ------------------------------------------------------------ probe
+    async def probe(self) -> None:
+        for c in self.contenders.values():
+            if c.unavailable:
+                continue
+            if not Path(c.argv[0]).exists():
+                c.unavailable = f"unavailable: {c.argv[0]} not found"
+                continue
+            conn = None
+            try:
+                conn = await self.spawn(c.name)
+                await self.handshake(conn, c, timeout=60)
+                for metric, (method, params) in c.light.items():
+                    await conn.request(method, params, timeout=30)
+            except Exception as e:  # noqa: BLE001 - any failure means "skip it"
+                tail = _tail(LOGS / f"{c.name}.stderr")
+                c.unavailable = f"unavailable: {type(e).__name__}: {e} {tail}".strip()
+            finally:
+                if conn is not None and conn.proc is not None:
+                    await conn.close()
+            log(f"   probe {c.name}: {c.unavailable or 'ok'}")
+
+    # ------------------------------------------------------- cold start
+    async def cold_start(self) -> dict:
+        cold: dict[str, list[float]] = {c.name: [] for c in self.live()}
+        rss: dict[str, list[int]] = {c.name: [] for c in self.live()}
+        hwm_fail: dict[str, list[str]] = {c.name: [] for c in self.live()}
+        for rep in range(self.cfg.cold_reps):
+            for c in self.order(rep):
+                conn = Conn(c.framing)
+                try:
+                    t0 = time.perf_counter()
+                    await conn.spawn(self.server_argv(c.argv), cwd=str(WORK), env=self.env,
+                                     stderr_path=LOGS / f"{c.name}.stderr")
+                    await self.handshake(conn, c, timeout=60)
+                    cold[c.name].append(time.perf_counter() - t0)
+                    await asyncio.sleep(self.cfg.rss_settle_s)
+                    r = conn.rss_kib()
+                    if r:
+                        rss[c.name].append(r)
+                except Exception as e:  # noqa: BLE001
+                    hwm_fail[c.name].append(repr(e))
+                finally:
+                    await conn.close()
+        return {name: {"cold_start_s": summary(cold[name]), "idle_rss_kib": summary(rss[name]),
+                       "failures": hwm_fail[name]} for name in cold}
+
+    # --------------------------------------------- light + throughput
+    async def sessions(self) -> dict:
+        conns: dict[str, Conn] = {}
+        out: dict[str, dict] = {}
+        try:
+            for c in self.live():
+                conn = await self.spawn(c.name)
+                await self.handshake(conn, c)
+                conns[c.name] = conn
+                for method, params in c.light.values():  # warm-up
+                    for _ in range(self.cfg.light_warmup):
+                        await conn.request(method, params)
+            lat = {c.name: {m: [] for m in c.light} for c in self.live()}
+            for rep in range(self.cfg.light_reps):
+                for c in self.order(rep):
+                    conn = conns[c.name]
+                    for metric, (method, params) in c.light.items():
+                        samples = lat[c.name][metric]
+                        req = conn.request
+                        for _ in range(self.cfg.light_block):
+                            t0 = time.perf_counter()
+                            await req(method, params)
+                            samples.append(time.perf_counter() - t0)
+            tps = {c.name: [] for c in self.live()}
+            for rep in range(self.cfg.tp_reps):
+                for c in self.order(rep):
+                    tps[c.name].append(await self._throughput(conns[c.name], *c.throughput))
+            for c in self.live():
+                out[c.name] = {
+                    "light_s": {m: summary(v) for m, v in lat[c.name].items()},
+                    "throughput_rps": summary(tps[c.name]),
+                    "throughput_method": c.throughput[0],
+                    "rss_after_load_kib": conns[c.name].rss_kib(),
+                }
+        finally:
+            for conn in conns.values():
+                await conn.close()
+        return out
+
+    async def _throughput(self, conn: Conn, method: str, params: dict) -> float:
+        total, window = self.cfg.tp_block, self.cfg.in_flight
+        sent = 0
+        done = asyncio.get_running_loop().create_future()
+        finished = 0
+
+        def on_done(fut: asyncio.Future) -> None:
+            nonlocal sent, finished
+            finished += 1
+            if fut.exception() is not None and not done.done():
+                done.set_exception(fut.exception())
+                return
+            if sent < total:
+                sent += 1
+                conn.send_request(method, params).add_done_callback(on_done)
+            elif finished == total and not done.done():
+                done.set_result(None)
+
+        t0 = time.perf_counter()
+        for _ in range(min(window, total)):
+            sent += 1
+            conn.send_request(method, params).add_done_callback(on_done)
+        await asyncio.wait_for(done, 300)
+        return total / (time.perf_counter() - t0)
+
+    # ----------------------------------------------------- in-process
+    async def inproc(self, lionagi_py: Path | None) -> dict:
+        runners = {}
+        if lionagi_py is not None:
+            runners["lionagi"] = [str(lionagi_py), str(BENCH / "peers" / "lionagi_inproc.py")]
+        runners["ours"] = [sys.executable, "-m", "bench.ours_inproc"]
+        args = ["--n", str(self.cfg.inproc_n), "--hist-n", str(self.cfg.inproc_hist_n)]
+        pooled: dict[str, dict[str, list[float]]] = {k: {} for k in runners}
+        meta: dict[str, dict] = {k: {"runs": 0, "errors": []} for k in runners}
+        names = list(runners)
+        for rep in range(self.cfg.inproc_reps):
+            k = rep % len(names)
+            for name in names[k:] + names[:k]:
+                argv = self.server_argv(runners[name] + args)
+                env = dict(self.env)
+                env["PYTHONPATH"] = str(ROOT)
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, cwd=str(ROOT if name == "ours" else WORK), env=env,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                try:
+                    so, se = await asyncio.wait_for(proc.communicate(), 1800)
+                except asyncio.TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+                    meta[name]["errors"].append("timeout")
+                    continue
+                (LOGS / f"inproc-{name}.stderr").write_bytes(se[-200_000:])
+                try:
+                    res = json.loads(so.decode().strip().splitlines()[-1])
+                except (IndexError, ValueError):
+                    err = se.decode(errors="replace").strip().splitlines()
+                    meta[name]["errors"].append(" | ".join(err[-3:])[:600] or f"rc={proc.returncode}")
+                    continue
+                meta[name]["runs"] += 1
+                meta[name]["import_s"] = res.get("import_s")
+                meta[name]["checks"] = res.get("checks")
+                meta[name]["version"] = res.get("version")
+                for sc, xs in res.get("samples_ms", {}).items():
+                    pooled[name].setdefault(sc, []).extend(x / 1000.0 for x in xs)
+                for sc, s in res.get("scenarios", {}).items():
+                    if "messages_start" in s:
+                        meta[name].setdefault("history_messages", {})[sc] = [
+                            s["messages_start"], s["messages_end"]]
+        out = {}
+        for name in runners:
+            if meta[name]["runs"] == 0:
+                out[name] = {"unavailable": "unavailable: " + "; ".join(meta[name]["errors"])[:800]}
+                continue
+            out[name] = {"operate_s": {sc: summary(xs) for sc, xs in pooled[name].items()}, **meta[name]}
+        return out
+
+    # -------------------------------------------------- ours extras
+    async def ours_extra(self) -> dict:
+        res: dict = {}
+        for key, coro in (
+            ("concurrent_100_operates", lambda: ours_extras.concurrent_operates(
+                self.spawn, n=self.cfg.ours_concurrent, delay_ms=200)),
+            ("progress_deltas", lambda: ours_extras.progress_deltas(
+                self.spawn, operates=self.cfg.ours_progress_runs)),
+            ("memory_growth", lambda: ours_extras.memory_growth(
+                self.spawn, total=self.cfg.ours_mem_total)),
+        ):
+            try:
+                res[key] = await coro()
+            except Exception as e:  # noqa: BLE001
+                res[key] = {"unavailable": f"unavailable: {type(e).__name__}: {e}"[:800]}
+            log(f"   ours {key}: {'ok' if 'unavailable' not in res[key] else res[key]['unavailable']}")
+        return res
+
+
+def _tail(p: Path, n: int = 3) -> str:
+    try:
+        lines = p.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return ("[stderr: " + " | ".join(lines[-n:])[:500] + "]") if lines else ""
+
+
+def setup_peers(names: list[str]) -> dict[str, str]:
+    """Ensure each peer venv; return {peer: error} for the ones that failed."""
+    failed = {}
+    for peer in names:
+        try:
+            venvs.ensure(peer, log=log)
+        except Exception as e:  # noqa: BLE001
+            failed[peer] = f"unavailable: venv setup failed: {e}"
+    return failed
+
+
+# ------------------------------------------------------------- ratios
+TARGETS = [
+    # key, description, numerator, denominator, op, target
+    ("cold_ours_pygls", "cold start ours / pygls", ("cold", "ours"), ("cold", "pygls"), "<=", 1.1),
+    ("cold_ours_mcp", "cold start ours / MCP", ("cold", "ours"), ("cold", "mcp"), "<=", 0.65),
+    ("ping_ours_pygls", "ping p50 ours / pygls", ("light", "ours", "ping"), ("light", "pygls", "ping"), "<=", 0.5),
+    ("list_ours_mcp", "listTools p50 ours / MCP tools/list", ("light", "ours", "listTools"),
+     ("light", "mcp", "tools/list"), "<=", 0.4),
+    ("tp_ours_pygls", "16-in-flight req/s ours / pygls", ("tp", "ours"), ("tp", "pygls"), ">=", 2.0),
+    ("op_plain", "operate plain lionagi / ours", ("op", "lionagi", "plain"), ("op", "ours", "plain"), ">=", 5.0),
+    ("op_rf", "operate response_format lionagi / ours", ("op", "lionagi", "response_format"),
+     ("op", "ours", "response_format"), ">=", 5.0),
+    ("op_actions", "operate +actions lionagi / ours", ("op", "lionagi", "actions"),
+     ("op", "ours", "actions"), ">=", 10.0),
+    ("rss_ours_mcp", "idle RSS ours / MCP", ("rss", "ours"), ("rss", "mcp"), "<=", 0.8),
+]
+
+
+def _pick(results: dict, ref: tuple) -> float | None:
+    kind, name, *rest = ref
+    try:
+        if kind == "cold":
+            return results["cold_start"][name]["cold_start_s"]["median"]
+        if kind == "rss":
+            return results["cold_start"][name]["idle_rss_kib"]["median"]
+        if kind == "light":
+            return results["sessions"][name]["light_s"][rest[0]]["median"]
+        if kind == "tp":
+            return results["sessions"][name]["throughput_rps"]["median"]
+        if kind == "op":
+            return results["inproc"][name]["operate_s"][rest[0]]["median"]
+    except (KeyError, TypeError):
+        return None
+    return None
+
+
+def compute_ratios(results: dict) -> list[dict]:
+    out = []
+    for key, desc, num, den, op, target in TARGETS:
+        a, b = _pick(results, num), _pick(results, den)
+        r = a / b if (a is not None and b) else None
+        ok = None if r is None else (r <= target if op == "<=" else r >= target)
+        out.append({"key": key, "what": desc, "ratio": r, "target": f"{op} {target}", "met": ok})
+    return out
+
+
+# --------------------------------------------------------------- main
+async def amain(ns: argparse.Namespace) -> dict:
+    cfg = Config(ns.quick)
+    for d in (OUT, LOGS, WORK):
+        d.mkdir(parents=True, exist_ok=True)
+    for f in LOGS.glob("*.stderr"):
+        f.unlink()
+    only = set(ns.only.split(",")) if ns.only else None
+    all_cs = C.all_contenders()
+    if only:
+        all_cs = [c for c in all_cs if c.name in only]
+    want_lionagi = only is None or "lionagi" in only
+    failed = {} if ns.no_setup else setup_peers(
+        sorted({c.setup for c in all_cs if c.setup} | ({"lionagi"} if want_lionagi else set())))
+    for c in all_cs:
+        if c.setup in failed:
+            c.unavailable = failed[c.setup]
+        elif c.setup and not venvs.python_of(c.setup).exists():
+            c.unavailable = f"unavailable: no venv for {c.setup}"
+    h = Harness(cfg, all_cs)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    log(f">> pinning: client cpu {h.client_cpu}, servers cpu {h.server_cpu}")
+    log(">> probing contenders")
+    await h.probe()
+    results: dict = {
+        "date": started.isoformat(timespec="seconds"),
+        "command": "python -m bench.run " + " ".join(sys.argv[1:]),
+        "quick": cfg.quick,
+        "config": {k: v for k, v in vars(cfg).items()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform(), "client_cpu": h.client_cpu,
+                    "server_cpu": h.server_cpu},
+        "versions": {p: venvs.version_of(p) for p in venvs.PEERS},
+        "contenders": {c.name: {"label": c.label, "argv": c.argv, "framing": c.framing,
+                                "unavailable": c.unavailable} for c in all_cs},
+    }
+    log(">> cold start + idle RSS (interleaved)")
+    results["cold_start"] = await h.cold_start()
+    log(">> light latency + 16-in-flight throughput (interleaved)")
+    results["sessions"] = await h.sessions()
+    if want_lionagi or only is None or "ours" in (only or ()):
+        log(">> operate in-process (interleaved lionagi / ours)")
+        lion_py = None if "lionagi" in failed or not want_lionagi else venvs.python_of("lionagi")
+        results["inproc"] = await h.inproc(lion_py)
+    ours = h.contenders.get("ours")
+    if ours is not None and not ours.unavailable:
+        log(">> operate-sidecar over the wire: 100 concurrent operates, $/progress, memory growth")
+        results["ours_extra"] = await h.ours_extra()
+    else:
+        results["ours_extra"] = {"unavailable": ours.unavailable if ours else "not selected"}
+    results["ratios"] = compute_ratios(results)
+    results["elapsed_s"] = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small smoke run (~1-2 min)")
+    ap.add_argument("--only", help="comma list of contenders: stdlib,pygls,mcp,ours,lionagi")
+    ap.add_argument("--no-setup", action="store_true", help="do not create/install peer venvs")
+    ap.add_argument("--no-markdown", action="store_true", help="do not rewrite bench/RESULTS.md")
+    ns = ap.parse_args(argv)
+    results = asyncio.run(amain(ns))
+    (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    log(f">> wrote {OUT.relative_to(ROOT) / 'results.json'}")
+    if not ns.no_markdown:
+        write_markdown(results, BENCH / "RESULTS.md")
+        log(f">> wrote bench/RESULTS.md ({results['elapsed_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

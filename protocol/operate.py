@@ -1,0 +1,103 @@
+"""PROTOCOL.md §5: ``operate`` params and its result envelope."""
+
+from typing import Literal
+
+from ._base import OMITTED, Id, JsonObject, JsonSchema, JsonValue, Omitted, wire
+from .errors import ParamsError
+from .lifecycle import Model
+
+ActionStrategy = Literal["concurrent", "sequential"]
+HandleValidation = Literal["return_value", "return_none", "raise"]
+ResultKind = Literal["model", "dict", "text", "none"]
+
+# modelOptions keys removed from the facade (ADR D1), with the wire field to use instead.
+REMOVED_MODEL_OPTIONS: dict[str, str] = {
+    "request_model": "responseFormat", "requestModel": "responseFormat",
+    "operative_model": "responseFormat", "operativeModel": "responseFormat",
+    "imodel": "chatModel", "iModel": "chatModel",
+}
+
+
+@wire
+class Instruct:
+    """The structured instruction. ``action_strategy`` None = not given."""
+    instruction: str | None = None
+    guidance: JsonValue = None
+    context: JsonValue = None
+    reason: bool | None = None
+    actions: bool | None = None
+    action_strategy: ActionStrategy | None = None
+
+
+@wire
+class FieldModel:
+    """An extra generated field. ``default`` is ``OMITTED`` when not given (then the field is
+    required); an explicit null is a default of None."""
+    name: str
+    schema: JsonSchema
+    description: str | None = None
+    default: JsonValue | Omitted = OMITTED
+
+
+@wire
+class ParseOptions:
+    """Structured-parse retry settings (ADR D1 defaults)."""
+    retry_attempts: int = 3
+    retry_initial_delay: float = 1
+    retry_backoff: float = 1.85
+    max_concurrent: int = 1
+    throttle_period: float = 1
+
+
+@wire
+class OperateParams:
+    """``operate``. Optional fields are None when omitted (an explicit null is rejected),
+    except those with a protocol/ADR default. ``action_strategy is None`` means "not given":
+    ``instruct.action_strategy`` then decides, else ``concurrent``."""
+    branch_id: str
+    instruct: Instruct | None = None
+    instruction: str | None = None
+    guidance: JsonValue = None
+    context: JsonValue = None
+    chat_model: Model | None = None
+    parse_model: Model | None = None
+    response_format: JsonSchema | None = None
+    field_models: list[FieldModel] | None = None
+    reason: bool = False
+    actions: bool = False
+    invoke_actions: bool = True
+    tools: list[str] | Literal[True] | None = None
+    action_strategy: ActionStrategy | None = None
+    verbose_action: bool = False
+    handle_validation: HandleValidation = "return_value"
+    skip_validation: bool = False
+    clear_messages: bool = False
+    stream_persist: bool = False
+    persist_dir: str | None = None
+    snapshot_dir: str | None = None
+    parse_options: ParseOptions | None = None
+    model_options: JsonObject | None = None
+    work_done_token: Id | None = None
+
+    def __wire_check__(self) -> None:
+        for key in self.model_options or ():
+            if key in REMOVED_MODEL_OPTIONS:
+                raise ParamsError(
+                    f"{key!r} is a removed name; use {REMOVED_MODEL_OPTIONS[key]!r} "
+                    "(responseFormat for the response type, chatModel for the model)",
+                    path=("modelOptions", key))
+
+
+@wire
+class OperateResult:
+    """``model`` is the class name when ``kind`` is ``model``, else null."""
+    result: JsonValue
+    kind: ResultKind
+    model: str | None
+
+
+@wire
+class ValidationFailedData:
+    """``error.data`` of -32010: ``received`` is the received value, truncated."""
+    expected: str
+    received: JsonValue

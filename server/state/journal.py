@@ -1,0 +1,248 @@
+"""An append-only journal per branch, compacted into atomic snapshots.
+
+Layout under ``state_dir``::
+
+    branches/<id>.log       one JSON record per line, each with a sequence number
+    branches/<id>.snap      the latest snapshot (written to a temp file, fsynced, renamed)
+
+Records: ``{"s": seq, "t": "meta", "meta": {...}}``, ``{"s": seq, "t": "msg", "m": {...}}``,
+``{"s": seq, "t": "clear"}``. Appends are buffered in memory as messages are
+added and written + fsynced by :meth:`Journal.flush` — the server calls it
+before it answers the request that produced them, so every acknowledged
+message is on disk. Loading replays snapshot + log records with a higher
+sequence number; a torn last line (a crash mid-write) is dropped and cut off.
+Compaction writes a snapshot, then atomically replaces the log with an empty one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.core.messages import Message
+
+log = logging.getLogger(__name__)
+
+COMPACT_AFTER = 2000  # log records before a snapshot is written
+
+
+@dataclass
+class LoadedBranch:
+    id: str
+    meta: dict[str, Any]
+    messages: list[Message] = field(default_factory=list)
+
+
+@dataclass
+class _BranchState:
+    seq: int = 0
+    log_records: int = 0
+    pending: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)  # message records up to ``seq``, for snapshots
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, data: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+class Journal:
+    def __init__(self, state_dir: str, *, compact_after: int = COMPACT_AFTER) -> None:
+        self.root = os.path.abspath(state_dir)
+        self.dir = os.path.join(self.root, "branches")
+        os.makedirs(self.dir, exist_ok=True)
+        self.compact_after = compact_after
+        self._branches: dict[str, _BranchState] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ paths
+    def _log_path(self, bid: str) -> str:
+        return os.path.join(self.dir, f"{bid}.log")
+
+    def _snap_path(self, bid: str) -> str:
+        return os.path.join(self.dir, f"{bid}.snap")
+
+    # ------------------------------------------------------------ recording
+    def attach(self, branch: Any, meta: dict[str, Any], *, new: bool = True) -> None:
+        """Journal ``branch`` from now on. ``new`` writes its meta and current messages."""
+        st = self._branches.get(branch.id)
+        if st is None:
+            st = _BranchState()
+            self._branches[branch.id] = st
+        if new:
+            st.meta = dict(meta)
+            self._record(branch.id, {"t": "meta", "meta": st.meta})
+            for m in branch.messages:
+                self._record(branch.id, {"t": "msg", "m": m.to_record()})
+        else:
+            st.meta = dict(meta)
+        bid = branch.id
+
+        def on_append(m: Message) -> None:
+            if bid in self._branches:
+                self._record(bid, {"t": "msg", "m": m.to_record()})
+
+        def on_clear(kept: list[Message]) -> None:
+            if bid in self._branches:
+                self._record(bid, {"t": "clear", "keep": [m.id for m in kept]})
+
+        branch.messages.on_append(on_append)
+        branch.messages.on_clear(on_clear)
+
+    def update_meta(self, bid: str, meta: dict[str, Any]) -> None:
+        st = self._branches.get(bid)
+        if st is None:
+            return
+        st.meta = {**st.meta, **meta}
+        self._record(bid, {"t": "meta", "meta": st.meta})
+
+    def _record(self, bid: str, rec: dict[str, Any]) -> None:
+        with self._lock:
+            st = self._branches[bid]
+            st.seq += 1
+            rec["s"] = st.seq
+            t = rec["t"]
+            if t == "msg":
+                st.records.append(rec["m"])
+            elif t == "clear":
+                keep = set(rec["keep"])
+                st.records = [r for r in st.records if r["id"] in keep]
+            st.pending.append(json.dumps(rec, ensure_ascii=False, default=str, separators=(",", ":")))
+
+    def dirty(self) -> bool:
+        return any(st.pending for st in self._branches.values())
+
+    def flush(self) -> None:
+        """Write and fsync every pending record (blocking; call from a worker thread)."""
+        with self._lock:
+            work = [(bid, st, st.pending) for bid, st in self._branches.items() if st.pending]
+            for _, st, _ in work:
+                st.pending = []
+        for bid, st, lines in work:
+            path = self._log_path(bid)
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write("\n".join(lines) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            st.log_records += len(lines)
+            if st.log_records >= self.compact_after:
+                self.compact(bid)
+
+    def compact(self, bid: str) -> None:
+        st = self._branches[bid]
+        with self._lock:
+            if st.pending:  # keep ordering: never snapshot past unflushed records
+                return
+            snap = {"s": st.seq, "meta": st.meta, "messages": list(st.records)}
+        _atomic_write(self._snap_path(bid), json.dumps(snap, ensure_ascii=False, default=str))
+        _atomic_write(self._log_path(bid), "")
+        st.log_records = 0
+
+    def delete(self, bid: str) -> None:
+        with self._lock:
+            self._branches.pop(bid, None)
+        for p in (self._log_path(bid), self._snap_path(bid)):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        _fsync_dir(self.dir)
+
+    # ------------------------------------------------------------ loading
+    def load(self) -> list[LoadedBranch]:
+        """Every journaled branch, oldest first by creation."""
+        ids = sorted({f.rsplit(".", 1)[0] for f in os.listdir(self.dir) if f.endswith((".log", ".snap"))})
+        out: list[LoadedBranch] = []
+        for bid in ids:
+            try:
+                lb, seq, nrec = self._load_one(bid)
+            except Exception:
+                log.warning("could not load branch %s from the journal", bid, exc_info=True)
+                continue
+            if lb is None:
+                continue
+            st = _BranchState(seq=seq, log_records=nrec, meta=lb.meta,
+                              records=[m.to_record() for m in lb.messages])
+            self._branches[bid] = st
+            out.append(lb)
+        out.sort(key=lambda b: b.meta.get("createdAt", 0))
+        return out
+
+    def _load_one(self, bid: str) -> tuple[LoadedBranch | None, int, int]:
+        meta: dict[str, Any] = {}
+        msgs: list[Message] = []
+        seq = 0
+        snap_path = self._snap_path(bid)
+        if os.path.exists(snap_path):
+            with open(snap_path, encoding="utf-8") as fh:
+                snap = json.load(fh)
+            seq = int(snap["s"])
+            meta = snap.get("meta") or {}
+            msgs = [Message.from_record(r) for r in snap.get("messages", [])]
+        log_path = self._log_path(bid)
+        nrec = 0
+        if os.path.exists(log_path):
+            with open(log_path, "rb") as fh:
+                raw = fh.read()
+            good_end = 0
+            pos = 0
+            while pos < len(raw):
+                nl = raw.find(b"\n", pos)
+                if nl < 0:
+                    break  # torn tail
+                line = raw[pos:nl]
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    break
+                pos = nl + 1
+                good_end = pos
+                nrec += 1
+                s = int(rec.get("s", 0))
+                if s <= seq:
+                    continue
+                seq = s
+                t = rec.get("t")
+                if t == "meta":
+                    meta = rec["meta"]
+                elif t == "msg":
+                    msgs.append(Message.from_record(rec["m"]))
+                elif t == "clear":
+                    keep = set(rec.get("keep") or [])
+                    msgs = [m for m in msgs if m.id in keep]
+            if good_end < len(raw):
+                log.warning("journal of branch %s had a torn tail of %d bytes; cut off", bid, len(raw) - good_end)
+                with open(log_path, "r+b") as fh:
+                    fh.truncate(good_end)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+        if not meta:
+            return None, seq, nrec
+        return LoadedBranch(id=bid, meta=meta, messages=msgs), seq, nrec
+
+    def adopt(self, branch: Any, meta: dict[str, Any]) -> None:
+        """Journal a branch rebuilt by :meth:`load` (its records are on disk already)."""
+        self.attach(branch, meta, new=False)
