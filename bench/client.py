@@ -115,6 +115,8 @@ class Conn:
             return
         if "id" in msg:  # server -> client request: deny / not supported
             self.server_requests.append(msg)
+            if self.closed_reason is not None:
+                return
             if msg["method"] == "requestToolPermission":
                 self._write({"jsonrpc": "2.0", "id": msg["id"], "result": {"decision": "deny_once"}})
             else:
@@ -125,17 +127,19 @@ class Conn:
             self.on_notification(msg)
 
     def _write(self, msg: dict) -> None:
+        if self.closed_reason is not None or self.proc.stdin.is_closing():
+            raise ConnectionError(self.closed_reason or "stdin closed")
         self.proc.stdin.write(self._frame(msg))
 
     # -- api --------------------------------------------------------------
     def send_request(self, method: str, params: Any = None) -> asyncio.Future:
         rid = next(self.ids)
-        fut = asyncio.get_running_loop().create_future()
-        self.pending[rid] = fut
         msg = {"jsonrpc": "2.0", "id": rid, "method": method}
         if params is not None:
             msg["params"] = params
         self._write(msg)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[rid] = fut
         return fut
 
     async def request(self, method: str, params: Any = None, timeout: float | None = None) -> Any:

@@ -78,7 +78,8 @@ def all_contenders() -> list[Contender]:
             setup="mcp",
         ),
         Contender(
-            name="ours", label="operate-sidecar",
+            name="ours", label=("operate-sidecar" if "OPERATE_SIDECAR_BIN" not in os.environ
+                                else f"operate-sidecar [OPERATE_SIDECAR_BIN={OURS_BIN}]"),
             argv=[str(OURS_BIN)], framing="lsp",
             init_params=lsp_init("ours", OURS_IDLE_SETTINGS),
             light={"ping": ("ping", {}), "listTools": ("listTools", {})},

@@ -107,6 +107,8 @@ async def memory_growth(spawn, total: int = 10_000, in_flight: int = 16, samples
         return {"operates": total, "wall_s": wall, "rss_start_kib": rss0, "rss_end_kib": rss1,
                 "growth_kib": rss1 - rss0,
                 "growth_second_half_kib": rss1 - mid,
+                # growth after the first sample (the first `step` operates warm lazy imports/caches)
+                "growth_after_warmup_kib": rss1 - (curve[1][1] if len(curve) > 1 else rss0),
                 "curve": curve}
     finally:
         await conn.close()

@@ -35,14 +35,12 @@ def make_model(reply: str, count: int):
 
 def make_branch(model, tools=None):
     if tools:
-        try:
-            return Branch(chat_model=model, tools=tools)
-        except TypeError:
-            b = Branch(chat_model=model)
-            reg = getattr(b, "register_tools", None) or getattr(b, "acts").register
-            for t in tools:
-                reg(t)
-            return b
+        from server.core.tools import ToolRegistry
+
+        reg = ToolRegistry()
+        for t in tools:
+            reg.register(t)
+        return Branch(chat_model=model, tools=reg)
     return Branch(chat_model=model)
 
 

@@ -14,14 +14,13 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from . import contenders as C
 from . import ours_extras, venvs
-from .client import Conn, RpcError
+from .client import Conn
 from .report import write_markdown
 from .stats import summary
 
@@ -107,6 +106,7 @@ class Harness:
                 continue
             if not Path(c.argv[0]).exists():
                 c.unavailable = f"unavailable: {c.argv[0]} not found"
+                log(f"   probe {c.name}: {c.unavailable}")
                 continue
             conn = None
             try:
@@ -126,7 +126,7 @@ class Harness:
     async def cold_start(self) -> dict:
         cold: dict[str, list[float]] = {c.name: [] for c in self.live()}
         rss: dict[str, list[int]] = {c.name: [] for c in self.live()}
-        hwm_fail: dict[str, list[str]] = {c.name: [] for c in self.live()}
+        failures: dict[str, list[str]] = {c.name: [] for c in self.live()}
         for rep in range(self.cfg.cold_reps):
             for c in self.order(rep):
                 conn = Conn(c.framing)
@@ -141,40 +141,69 @@ class Harness:
                     if r:
                         rss[c.name].append(r)
                 except Exception as e:  # noqa: BLE001
-                    hwm_fail[c.name].append(repr(e))
+                    failures[c.name].append(repr(e))
                 finally:
                     await conn.close()
         return {name: {"cold_start_s": summary(cold[name]), "idle_rss_kib": summary(rss[name]),
-                       "failures": hwm_fail[name]} for name in cold}
+                       "failures": failures[name]} for name in cold}
 
     # --------------------------------------------- light + throughput
     async def sessions(self) -> dict:
+        """Light latency and 16-in-flight throughput, one connection per contender.
+
+        A contender whose connection fails (or a block that takes over 300 s) is
+        dropped from the rest of this phase and reported with the error.
+        """
         conns: dict[str, Conn] = {}
+        errors: dict[str, str] = {}
         out: dict[str, dict] = {}
+        live = self.live()
+        lat = {c.name: {m: [] for m in c.light} for c in live}
+        tps: dict[str, list[float]] = {c.name: [] for c in live}
+
+        async def guarded(name: str, coro) -> None:
+            try:
+                await asyncio.wait_for(coro, 300)
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"unavailable: session failed: {type(e).__name__}: {e}"[:500]
+                log(f"   {name}: {errors[name]}")
+
+        async def open_one(c: C.Contender) -> None:
+            conn = await self.spawn(c.name)
+            conns[c.name] = conn
+            await self.handshake(conn, c)
+            for method, params in c.light.values():  # warm-up
+                for _ in range(self.cfg.light_warmup):
+                    await conn.request(method, params)
+
+        async def light_block(c: C.Contender) -> None:
+            conn = conns[c.name]
+            for metric, (method, params) in c.light.items():
+                samples = lat[c.name][metric]
+                req = conn.request
+                for _ in range(self.cfg.light_block):
+                    t0 = time.perf_counter()
+                    await req(method, params)
+                    samples.append(time.perf_counter() - t0)
+
+        async def tp_block(c: C.Contender) -> None:
+            tps[c.name].append(await self._throughput(conns[c.name], *c.throughput))
+
         try:
-            for c in self.live():
-                conn = await self.spawn(c.name)
-                await self.handshake(conn, c)
-                conns[c.name] = conn
-                for method, params in c.light.values():  # warm-up
-                    for _ in range(self.cfg.light_warmup):
-                        await conn.request(method, params)
-            lat = {c.name: {m: [] for m in c.light} for c in self.live()}
+            for c in live:
+                await guarded(c.name, open_one(c))
             for rep in range(self.cfg.light_reps):
                 for c in self.order(rep):
-                    conn = conns[c.name]
-                    for metric, (method, params) in c.light.items():
-                        samples = lat[c.name][metric]
-                        req = conn.request
-                        for _ in range(self.cfg.light_block):
-                            t0 = time.perf_counter()
-                            await req(method, params)
-                            samples.append(time.perf_counter() - t0)
-            tps = {c.name: [] for c in self.live()}
+                    if c.name not in errors:
+                        await guarded(c.name, light_block(c))
             for rep in range(self.cfg.tp_reps):
                 for c in self.order(rep):
-                    tps[c.name].append(await self._throughput(conns[c.name], *c.throughput))
-            for c in self.live():
+                    if c.name not in errors:
+                        await guarded(c.name, tp_block(c))
+            for c in live:
+                if c.name in errors:
+                    out[c.name] = {"unavailable": errors[c.name]}
+                    continue
                 out[c.name] = {
                     "light_s": {m: summary(v) for m, v in lat[c.name].items()},
                     "throughput_rps": summary(tps[c.name]),
@@ -200,7 +229,11 @@ class Harness:
                 return
             if sent < total:
                 sent += 1
-                conn.send_request(method, params).add_done_callback(on_done)
+                try:
+                    conn.send_request(method, params).add_done_callback(on_done)
+                except ConnectionError as e:
+                    if not done.done():
+                        done.set_exception(e)
             elif finished == total and not done.done():
                 done.set_result(None)
 
@@ -226,7 +259,8 @@ class Harness:
             for name in names[k:] + names[:k]:
                 argv = self.server_argv(runners[name] + args)
                 env = dict(self.env)
-                env["PYTHONPATH"] = str(ROOT)
+                if name == "ours":
+                    env["PYTHONPATH"] = str(ROOT)
                 proc = await asyncio.create_subprocess_exec(
                     *argv, cwd=str(ROOT if name == "ours" else WORK), env=env,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -372,12 +406,12 @@ async def amain(ns: argparse.Namespace) -> dict:
     await h.probe()
     results: dict = {
         "date": started.isoformat(timespec="seconds"),
-        "command": "python -m bench.run " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python -m bench.run", *sys.argv[1:]]),
         "quick": cfg.quick,
         "config": {k: v for k, v in vars(cfg).items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(), "client_cpu": h.client_cpu,
-                    "server_cpu": h.server_cpu},
+                    "server_cpu": h.server_cpu, "loadavg_start": os.getloadavg()},
         "versions": {p: venvs.version_of(p) for p in venvs.PEERS},
         "contenders": {c.name: {"label": c.label, "argv": c.argv, "framing": c.framing,
                                 "unavailable": c.unavailable} for c in all_cs},
@@ -397,6 +431,7 @@ async def amain(ns: argparse.Namespace) -> dict:
     else:
         results["ours_extra"] = {"unavailable": ours.unavailable if ours else "not selected"}
     results["ratios"] = compute_ratios(results)
+    results["machine"]["loadavg_end"] = os.getloadavg()
     results["elapsed_s"] = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
     return results
 

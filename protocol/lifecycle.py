@@ -2,8 +2,6 @@
 
 from typing import Literal
 
-import attrs
-
 from ._base import OMITTED, Omitted, JsonValue, wire
 
 Decision = Literal["allow", "deny", "ask"]
@@ -120,7 +118,7 @@ class ServerCapabilities:
 
 @wire
 class InitializeResult:
-    protocol_version: int = 1
+    protocol_version: Literal[1] = 1
     server_info: ServerInfo
     capabilities: ServerCapabilities
 

@@ -12,7 +12,7 @@ MessageType = Literal[1, 2, 3, 4]  # Error, Warning, Info, Log
 @wire
 class WorkDoneProgressBegin:
     kind: Literal["begin"] = "begin"
-    title: str = "operate"
+    title: Literal["operate"] = "operate"
     message: Literal["communicate", "run_and_collect"]
 
 

@@ -83,7 +83,7 @@ class OperateParams:
         for key in self.model_options or ():
             if key in REMOVED_MODEL_OPTIONS:
                 raise ParamsError(
-                    f"{key!r} is a removed name; use {REMOVED_MODEL_OPTIONS[key]!r} "
+                    f"{key!r} was removed; use {REMOVED_MODEL_OPTIONS[key]!r} instead "
                     "(responseFormat for the response type, chatModel for the model)",
                     path=("modelOptions", key))
 

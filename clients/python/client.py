@@ -61,7 +61,10 @@ class _Pending:
 
 class SidecarClient:
     def __init__(self, argv: list[str] | None = None, env: dict[str, str] | None = None,
-                 cwd: str | None = None, stderr: Any = None) -> None:
+                 cwd: str | None = None, stderr: Any = None, strict: bool = True) -> None:
+        """``strict``: every frame must be exactly ``Content-Length: N\\r\\n\\r\\n`` (what
+        operate-sidecar writes); anything else on stdout is a :class:`StreamError`."""
+        self.strict = strict
         argv = argv or [sys.executable, "-m", "server"]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                      env=env, cwd=cwd, bufsize=0)
@@ -98,6 +101,11 @@ class SidecarClient:
         self._send(msg)
         return pending
 
+    def expect(self, msg_id: Any) -> _Pending:
+        """Wait for the response to ``msg_id`` of a request sent with :meth:`send_raw`."""
+        pending = self._pending[msg_id] = _Pending(msg_id)
+        return pending
+
     def request(self, method: str, params: Any = None, timeout: float = 30.0, msg_id: Any = None) -> Any:
         return self.request_async(method, params, msg_id).result(timeout)
 
@@ -130,8 +138,15 @@ class SidecarClient:
         if not line:
             return None
         m = _HEADER.fullmatch(line)
-        if not m or out.readline() != b"\r\n":
-            rest = line + out.peek(4096)[:4096]
+        if not m and not self.strict and b":" in line and not line.lower().startswith(b"content-length"):
+            while line not in (b"", b"\r\n") and not _HEADER.fullmatch(line):
+                line = out.readline()  # lenient: headers before Content-Length
+            m = _HEADER.fullmatch(line)
+        extra = out.readline() if m else b""
+        while m and not self.strict and extra not in (b"\r\n", b"") and b":" in extra:
+            extra = out.readline()  # lenient mode: other headers (e.g. Content-Type) are skipped
+        if not m or extra != b"\r\n":
+            rest = line + extra
             self.stream_errors.append(rest.decode("utf-8", "replace"))
             raise StreamError(f"not a protocol frame: {rest[:200]!r}")
         body = out.read(int(m.group(1)))

@@ -92,6 +92,32 @@ def _record_response(branch: Any, req: Message, output: Any) -> None:
                         sender=branch.id, recipient=branch.id)
 
 
+def bound_output(output: Any, limit: int | None) -> Any:
+    """Tool output as kept in the message and the result: outputs whose JSON
+    form exceeds ``limit`` characters are replaced by a truncated preview."""
+    if not limit:
+        return output
+    import json
+
+    try:
+        text = json.dumps(output, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        text = str(output)
+    if len(text) <= limit:
+        return output
+    return {"truncated": True, "originalChars": len(text), "preview": text[:limit]}
+
+
+def _json_object(text: str) -> Any:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
 def _error_output(function: Any, message: str, **extra: Any) -> dict[str, Any]:
     return {"error": message, "function": function, **extra}
 
@@ -99,6 +125,10 @@ def _error_output(function: Any, message: str, **extra: Any) -> dict[str, Any]:
 async def _act(branch: Any, function: str | None, arguments: Any, action_param: ActionParam,
                selected: set[str] | None) -> ActionResponseModel:
     call_id = new_id()
+    if function is not None and not isinstance(function, str):
+        function = str(function)  # a non-string name is an unknown tool (a tool error), never a crash
+    if isinstance(arguments, str):  # a JSON-encoded object, as function-calling APIs send it
+        arguments = _json_object(arguments)
     args = arguments if isinstance(arguments, dict) else {}
     bid = str(branch.id)
     hooks = branch.hooks
@@ -142,7 +172,8 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
         try:
             if tool is None:
                 raise ToolNotRegistered(str(function))
-            valid = tool.validate_arguments(args)
+            # validate what was requested: a non-object is a tool error, never a call with {}
+            valid = tool.validate_arguments(arguments if arguments is not None else {})
             ctx = ToolCallContext(branch_id=bid, call_id=call_id)
             if tool.timeout:
                 try:
@@ -154,6 +185,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
                 output = await tool.call(valid, ctx)
             if isinstance(output, BaseModel):
                 output = output.model_dump(mode="json")
+            output = bound_output(output, getattr(branch, "max_tool_output_chars", None))
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as e:

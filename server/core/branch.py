@@ -18,6 +18,7 @@ Authorizer = Callable[[ToolInvocation], Awaitable["AuthorizationResult | bool"]]
 
 DEFAULT_SYSTEM = None
 EVENT_LOG_LIMIT = 1000
+MAX_TOOL_OUTPUT_CHARS = 100_000  # a tool output larger than this (as JSON) is kept as a preview
 
 
 class Branch:
@@ -38,6 +39,7 @@ class Branch:
         self.logs: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_LIMIT)
         self.authorizer: Authorizer | None = None
         self.metadata: dict[str, Any] = {}
+        self.max_tool_output_chars: int | None = MAX_TOOL_OUTPUT_CHARS
 
     # ------------------------------------------------------------------ models
     @property
@@ -135,6 +137,7 @@ class Branch:
         b.authorizer = self.authorizer
         b.providers = list(self.providers)
         b.metadata = dict(self.metadata)
+        b.max_tool_output_chars = self.max_tool_output_chars
         return b
 
     def to_dict(self) -> dict[str, Any]:

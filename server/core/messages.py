@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Literal
@@ -19,8 +20,13 @@ ROLE_OF: dict[str, str] = {
 }
 
 
+_ID_PREFIX = os.urandom(6).hex()
+_ID_COUNTER = itertools.count(int.from_bytes(os.urandom(2), "big") << 20)
+
+
 def new_id() -> str:
-    return uuid.uuid4().hex
+    """A unique id: 12 random hex digits per process, then a counter (cheaper than uuid4)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
 
 
 @dataclass(slots=True)

@@ -103,7 +103,9 @@ async def _operate(branch: Any, instruction: Any, chat_param: ChatParam, action_
 
     # D2: publish the selected tools' schemas (unknown names fail here, before any model call)
     if action_param is not None:
-        schemas = branch.tools.get_tool_schema(tools=action_param.tools or True)
+        # only an absent selector means "all tools"; an empty selection publishes none (and act denies all)
+        selector = True if action_param.tools is None else action_param.tools
+        schemas = branch.tools.get_tool_schema(tools=selector)
         _cctx = _cctx.with_updates(tool_schemas=schemas["tools"])
 
     model_class = caller_model_class(_cctx.response_format)
@@ -148,7 +150,11 @@ async def _operate(branch: Any, instruction: Any, chat_param: ChatParam, action_
 
     if isinstance(result, BaseModel):
         if "action_responses" in type(result).model_fields:
-            result.action_responses = responses  # type: ignore[attr-defined]
+            if type(result).model_config.get("frozen"):
+                # a frozen caller model: enrich a copy instead of failing after the tools ran
+                result = result.model_copy(update={"action_responses": responses})
+            else:
+                result.action_responses = responses  # type: ignore[attr-defined]
         elif operative is not None:
             result = operative.response_type.model_validate({**result.model_dump(), "action_responses": responses})
         if operative is not None:

@@ -16,7 +16,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field, create_model, field_validator
 
 from .params import HashableModel
 
@@ -24,6 +24,21 @@ from .params import HashableModel
 class ActionRequestModel(HashableModel):
     function: str | None = Field(None, description="Name of a tool listed under Tools.")
     arguments: dict[str, Any] | None = Field(None, description="Arguments for the tool, matching its parameters.")
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _json_string_arguments(cls, v: Any) -> Any:
+        """Function-calling APIs send arguments as a JSON string; accept it (as the reference does)."""
+        if isinstance(v, str):
+            import json
+
+            try:
+                parsed = json.loads(v)
+            except ValueError:
+                return v
+            if isinstance(parsed, dict):
+                return parsed
+        return v
 
 
 class ActionResponseModel(HashableModel):

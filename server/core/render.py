@@ -20,38 +20,79 @@ from .imodel import ModelRequest
 from .messages import Message
 from .operative import request_info
 
-_schema_cache: "weakref.WeakKeyDictionary[type, tuple[dict, str, str]]" = weakref.WeakKeyDictionary()
+_schema_cache: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
 
 
 def _dumps(v: Any) -> str:
     return json.dumps(v, ensure_ascii=False, default=str)
 
 
-def request_schema_of(response_format: Any) -> tuple[dict | None, str | None, str | None]:
+def request_schema_of(response_format: Any, tool_schemas: list[dict] | None = None
+                      ) -> tuple[dict | None, str | None, str | None]:
     """The JSON Schema shown to the model for a response format: the *request*
-    model's for generated operatives (no ``action_responses``). Returns
-    ``(schema, name, schema_json)``; cached per class."""
+    model's for generated operatives (no ``action_responses``). With tool
+    schemas, each ``action_requests`` item is narrowed to the offered tools
+    (function name as a constant, arguments as that tool's parameters), so a
+    grammar-constrained model can only propose calls that exist. Returns
+    ``(schema, name, schema_json)``; cached per class and tool set."""
     if response_format is None:
         return None, None, None
+    if isinstance(response_format, BaseModel):
+        response_format = type(response_format)
     if isinstance(response_format, type) and issubclass(response_format, BaseModel):
         cached = _schema_cache.get(response_format)
         if cached is None:
             info = request_info(response_format)
             target = info[0] if info else response_format
             schema = target.model_json_schema()
-            cached = (schema, target.__name__, _dumps(schema))
+            cached = {None: (schema, target.__name__, _dumps(schema))}
             _schema_cache[response_format] = cached
-        return cached
-    if isinstance(response_format, BaseModel):
-        return request_schema_of(type(response_format))
+        if not tool_schemas or "action_requests" not in cached[None][0].get("properties", {}):
+            return cached[None]
+        key = tuple(_dumps(t) for t in tool_schemas)
+        hit = cached.get(key)
+        if hit is None:
+            schema = _narrow_action_requests(cached[None][0], tool_schemas)
+            hit = (schema, cached[None][1], _dumps(schema))
+            if len(cached) > 64:
+                for k in [k for k in cached if k is not None][:32]:
+                    del cached[k]
+            cached[key] = hit
+        return hit
     if isinstance(response_format, dict):
         return response_format, str(response_format.get("title") or "Response"), _dumps(response_format)
     return None, None, None
 
 
+def _narrow_action_requests(schema: dict, tool_schemas: list[dict]) -> dict:
+    import copy
+
+    out = copy.deepcopy(schema)
+    defs = out.setdefault("$defs", {})
+    variants = []
+    for ts in tool_schemas:
+        fn = ts.get("function", ts)
+        params = copy.deepcopy(fn.get("parameters") or {"type": "object"})
+        tool_defs = params.pop("$defs", None)
+        if tool_defs:
+            if any(k in defs for k in tool_defs):
+                return schema  # cannot merge safely: keep the generic item schema
+            defs.update(tool_defs)
+        variants.append({"type": "object", "properties": {"function": {"const": fn.get("name")}, "arguments": params},
+                         "required": ["function", "arguments"], "additionalProperties": False})
+    if not variants:
+        return schema
+    prop = out["properties"]["action_requests"]
+    item = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") == "array":
+            branch["items"] = item
+    return out
+
+
 def instruction_content(instruction: Any, guidance: Any, context: Any, response_format: Any,
                         tool_schemas: list[dict] | None) -> dict[str, Any]:
-    schema, _, _ = request_schema_of(response_format)
+    schema, _, _ = request_schema_of(response_format, tool_schemas)
     return {
         "instruction": instruction,
         "guidance": guidance,
@@ -155,7 +196,7 @@ def render_history(branch: Any) -> tuple[list[dict[str, str]], list[dict]]:
 
 def render_request(branch: Any, ins: Message, response_format: Any, tool_schemas: list[dict] | None,
                    options: dict[str, Any] | None, *, purpose: str = "chat") -> ModelRequest:
-    schema, name, schema_json = request_schema_of(response_format)
+    schema, name, schema_json = request_schema_of(response_format, tool_schemas)
     messages, pending = render_history(branch)
     text = render_user_text(ins.content, current=True, schema_json=schema_json, tool_results=pending or None)
     _put_user(messages, text)

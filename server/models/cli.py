@@ -12,7 +12,9 @@ The process runs in its own session/process group, with stdin from /dev/null
 goes into error messages). stdout is read as it streams: JSON lines for
 claude-code/jsonl, raw text for llm. When the awaiting scope is cancelled (or
 the consumer stops iterating), the whole process group gets SIGTERM, then
-SIGKILL after the grace period.
+SIGKILL after the grace period. An in-stream error event (jsonl ``error``,
+claude-code ``result`` with ``is_error``) raises ``ModelError`` after the run is
+torn down; so does a non-zero exit with no output (with the stderr tail).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import anyio
 from server.core.errors import ModelError
 from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import render_prompt
+from ._common import check_fields, field_value, render_prompt
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ DEFAULT_COMMANDS: dict[str, list[str]] = {
     "claude-code": ["claude", "-p", "--output-format", "stream-json", "--verbose"],
     "llm": ["llm", "-m", "SmolLM2"],
 }
+CONFIG_FIELDS = {"profile", "command", "cwd", "env", "promptVia", "timeoutS", "killGraceS"}
 STDERR_TAIL_BYTES = 2000
 MAX_LINE_BYTES = 64 * 1024 * 1024
 
@@ -65,13 +68,15 @@ class CLIModel(BaseModelProvider):
         timeout_s: float | None = None,
         kill_grace_s: float = 2.0,
     ) -> None:
+        from . import ModelConfigError
+
         if profile not in PROFILES:
-            raise ValueError(f"model config {name!r}: cli profile must be one of {list(PROFILES)}, not {profile!r}")
+            raise ModelConfigError(f"model config {name!r}: cli profile must be one of {list(PROFILES)}, not {profile!r}")
         command = list(command) if command else list(DEFAULT_COMMANDS.get(profile, []))
         if not command:
-            raise ValueError(f"model config {name!r}: cli profile {profile!r} needs a 'command'")
+            raise ModelConfigError(f"model config {name!r}: cli profile {profile!r} needs a 'command'")
         if prompt_via not in (None, "arg", "stdin"):
-            raise ValueError(f"model config {name!r}: promptVia must be 'arg' or 'stdin'")
+            raise ModelConfigError(f"model config {name!r}: promptVia must be 'arg' or 'stdin'")
         self.name = name
         self.profile = profile
         self.command = command
@@ -84,19 +89,23 @@ class CLIModel(BaseModelProvider):
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "CLIModel":
+        check_fields(name, config, CONFIG_FIELDS)
         command = config.get("command")
         if isinstance(command, str):
             command = shlex.split(command)
-        timeout = config.get("timeoutS")
+        if command is not None and not (isinstance(command, list) and all(isinstance(a, str) for a in command)):
+            from . import ModelConfigError
+
+            raise ModelConfigError(f"model config {name!r}: command must be a list of strings")
         return cls(
             name,
-            profile=config.get("profile") or "",
+            profile=field_value(name, config, "profile", "", str),
             command=command,
-            cwd=config.get("cwd"),
-            env=config.get("env"),
-            prompt_via=config.get("promptVia"),
-            timeout_s=float(timeout) if timeout is not None else None,
-            kill_grace_s=float(config.get("killGraceS", 2.0)),
+            cwd=field_value(name, config, "cwd", None, str),
+            env=field_value(name, config, "env", None, dict),
+            prompt_via=field_value(name, config, "promptVia", None, str),
+            timeout_s=field_value(name, config, "timeoutS", None, float),
+            kill_grace_s=field_value(name, config, "killGraceS", 2.0, float),
         )
 
     # -- argv -----------------------------------------------------------------
@@ -143,7 +152,8 @@ class CLIModel(BaseModelProvider):
             stderr_file.close()
             if stdin_text is not None:
                 stdin_file.close()
-            raise ModelError(f"model {self.name!r}: could not start {argv[0]!r}: {e.strerror or e}") from None
+            what = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename and e.filename != argv[0] else "")
+            raise ModelError(f"model {self.name!r}: could not start {argv[0]!r}: {what}") from None
         finally:
             if stdin_text is not None and not stdin_file.closed:
                 stdin_file.close()  # the child has its own copy of the descriptor
@@ -165,10 +175,14 @@ class CLIModel(BaseModelProvider):
                 if not data:
                     break
                 for chunk in parser.feed(data):
-                    produced = produced or chunk.type in ("text", "thinking", "tool_use", "tool_result")
+                    if chunk.type == "error":
+                        raise ModelError(f"model {self.name!r}: {chunk.text}")
+                    produced = True
                     yield chunk
             for chunk in parser.close():
-                produced = produced or chunk.type in ("text", "thinking", "tool_use", "tool_result")
+                if chunk.type == "error":
+                    raise ModelError(f"model {self.name!r}: {chunk.text}")
+                produced = True
                 yield chunk
             if deadline is None:
                 await process.wait()
@@ -179,7 +193,7 @@ class CLIModel(BaseModelProvider):
                     raise ModelError(f"model {self.name!r}: {Path(argv[0]).name} timed out after {self.timeout_s:g}s")
             finished = True
             rc = process.returncode
-            if rc != 0 and not produced and not parser.saw_error:
+            if rc != 0 and not produced:
                 tail = _tail(stderr_file)
                 raise ModelError(
                     f"model {self.name!r}: {Path(argv[0]).name} exited with status {rc}"
@@ -191,7 +205,7 @@ class CLIModel(BaseModelProvider):
         finally:
             if not finished or process.returncode is None:
                 await _kill_group(process, self.kill_grace_s)
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(max(self.kill_grace_s, 1.0)):
                 try:
                     await process.aclose()
                 except Exception:  # noqa: BLE001 - best effort
@@ -298,6 +312,8 @@ class _LineParser(_Parser):
         raise NotImplementedError
 
     def error(self, message: str) -> StreamChunk:
+        """An error the CLI reported in-stream. Raised (not yielded) by ``stream`` so
+        the run is torn down right away, whatever the consumer does next."""
         self.saw_error = True
         self.result.is_error = True
         return StreamChunk(type="error", text=message or "CLI model reported an error", is_error=True)

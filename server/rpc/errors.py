@@ -16,21 +16,8 @@ VALIDATION_FAILED = -32010
 MODEL_ERROR = -32011
 BRANCH_NOT_FOUND = -32012
 
-try:  # prefer the protocol package's constants once it provides them
-    from protocol import errors as _p  # type: ignore
-
-    PARSE_ERROR = getattr(_p, "PARSE_ERROR", PARSE_ERROR)
-    INVALID_REQUEST = getattr(_p, "INVALID_REQUEST", INVALID_REQUEST)
-    METHOD_NOT_FOUND = getattr(_p, "METHOD_NOT_FOUND", METHOD_NOT_FOUND)
-    INVALID_PARAMS = getattr(_p, "INVALID_PARAMS", INVALID_PARAMS)
-    INTERNAL_ERROR = getattr(_p, "INTERNAL_ERROR", INTERNAL_ERROR)
-    NOT_INITIALIZED = getattr(_p, "NOT_INITIALIZED", NOT_INITIALIZED)
-    REQUEST_CANCELLED = getattr(_p, "REQUEST_CANCELLED", REQUEST_CANCELLED)
-    VALIDATION_FAILED = getattr(_p, "VALIDATION_FAILED", VALIDATION_FAILED)
-    MODEL_ERROR = getattr(_p, "MODEL_ERROR", MODEL_ERROR)
-    BRANCH_NOT_FOUND = getattr(_p, "BRANCH_NOT_FOUND", BRANCH_NOT_FOUND)
-except Exception:  # pragma: no cover - protocol/ not there yet
-    pass
+# The same values as protocol.errors (checked by tests/rpc/test_contract.py); not imported
+# from there because that package costs ~100 ms before initialize is answered.
 
 
 class RpcError(Exception):

@@ -25,9 +25,11 @@ Tools (source ``mcp``):
   :class:`ToolCallError` with the error text; so does a protocol error or a lost
   connection (the message names the server).
 
-Lifetime is structured: use ``async with McpToolSource(...) as source`` (or ``start()``
-and ``aclose()`` from the same task), or :func:`open_mcp_sources`, which starts all
-configured servers concurrently in a task group it owns and stops them on exit.
+Lifetime is structured: ``await source.start(task_group)`` runs the server in a task of
+the caller's task group and returns once its tools are listed; ``await source.aclose()``
+stops it (as does cancelling the group). ``async with McpToolSource(...) as source`` does
+both with a task group of its own. :func:`open_mcp_sources` starts all configured servers
+concurrently in a task group it owns and stops them when its block exits.
 
 The ``mcp`` SDK is imported only when a server is started, never at import time.
 """
@@ -47,6 +49,7 @@ from .errors import ToolCallError, ToolSourceError
 
 if TYPE_CHECKING:
     import mcp_types
+    from anyio.abc import TaskGroup
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +81,41 @@ class McpToolSource:
         self.start_timeout = start_timeout
         self.call_timeout = call_timeout
         self._errlog = errlog
-        self._stack: AsyncExitStack | None = None
         self._session: Any = None
         self._remote: list[mcp_types.Tool] = []
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        self._stop: Any = None  # anyio.Event: ask the serving task to stop
+        self._done: Any = None  # anyio.Event: the serving task has finished
+        self._own_tg: Any = None
 
     def __repr__(self) -> str:
         state = "running" if self._session is not None else "stopped"
         return f"McpToolSource({self.name!r}, {self.command!r}, {state})"
 
     async def __aenter__(self) -> "McpToolSource":
-        await self.start()
+        """Start the server in a task group of its own; stop it on exit."""
+        import anyio
+
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        try:
+            await self.start(tg)
+        except BaseException:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+            raise
+        self._own_tg = tg
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        tg, self._own_tg = self._own_tg, None
+        try:
+            await self.aclose()
+        finally:
+            if tg is not None:
+                # The serving task has finished, so this exits at once; an exception from the
+                # block is not passed in, so it propagates unwrapped.
+                await tg.__aexit__(None, None, None)
 
     @property
     def running(self) -> bool:
@@ -102,73 +125,118 @@ class McpToolSource:
         """The server's own names for its tools (after :meth:`start`)."""
         return [t.name for t in self._remote]
 
-    async def start(self) -> None:
-        """Spawn the server, initialize the session and list its tools.
+    async def start(self, task_group: "TaskGroup") -> None:
+        """Spawn the server in a task of ``task_group`` (owned by the caller), initialize
+        the session and list its tools; return once the tools are known.
 
         Raises :class:`ToolSourceError` naming the server (with the reason and the tail of
         its stderr) when it cannot be spawned, exits, or does not answer within
-        ``start_timeout`` seconds. Call :meth:`aclose` from the same task.
+        ``start_timeout`` seconds. The caller may bound or cancel ``start`` with its own
+        cancel scope. :meth:`aclose` stops the server; so does cancelling ``task_group``.
         """
-        if self._stack is not None:
+        if self._stop is not None:
             raise ToolSourceError(f"MCP server {self.name!r} is already started")
+        import anyio
+
+        self._stop = anyio.Event()
+        self._done = anyio.Event()
+        try:
+            await _import_sdk()
+            await task_group.start(self._serve, name=f"mcp server {self.name}")
+        except BaseException:
+            self._stop = self._done = None
+            raise
+        log.info("MCP server %r started with %d tools", self.name, len(self._remote))
+
+    def _request_stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    async def aclose(self) -> None:
+        """Stop the server (close its stdin, then terminate it if it lingers) and wait
+        for it to be gone. The SDK bounds every step of the shutdown."""
+        stop, done = self._stop, self._done
+        if stop is None:
+            return
+        stop.set()
+        await done.wait()
+        self._stop = self._done = None
+
+    async def _serve(self, *, task_status: Any) -> None:
+        """The serving task: relay stderr, run the session until asked to stop."""
+        import anyio
+
+        started = False
+        failure: BaseException | None = None
+
+        def on_started() -> None:
+            nonlocal started
+            started = True
+            task_status.started()
+
+        try:
+            read_fd, write_fd = os.pipe()
+            try:
+                async with anyio.create_task_group() as relay_tg:
+                    relay_done = anyio.Event()
+                    relay_tg.start_soon(self._relay_stderr, read_fd, relay_done)
+                    try:
+                        failure = await self._run_session(write_fd, on_started)
+                    finally:
+                        await self._stop_relay(relay_tg, relay_done)
+            finally:
+                os.close(read_fd)  # the relay task has finished: its group has exited
+        except Exception as e:
+            if started:  # a failure after the start: the tools fail from now on, the host goes on
+                log.error("MCP server %r stopped unexpectedly: %s", self.name, _describe(e))
+            else:
+                failure = failure or e
+        finally:
+            self._session = None
+            if self._done is not None:
+                self._done.set()
+        if failure is not None and not started:
+            raise ToolSourceError(self._start_failure(failure)) from failure
+
+    async def _run_session(self, write_fd: int, on_started: Any) -> BaseException | None:
+        """Run stdio_client + ClientSession; return the start failure instead of raising it
+        (raising through the SDK's task groups would wrap it in exception groups)."""
         import anyio
         from mcp import ClientSession
         from mcp.client.stdio import StdioServerParameters, stdio_client
         from mcp_types import Implementation, PaginatedRequestParams
 
-        stack = AsyncExitStack()
-        self._stack = stack
-        try:
-            relay_tg = await stack.enter_async_context(anyio.create_task_group())
-            read_fd, write_fd = os.pipe()
-            relay_done = anyio.Event()
-            relay_tg.start_soon(self._relay_stderr, read_fd, relay_done)
-            stack.push_async_callback(self._stop_relay, relay_tg, relay_done)
-            params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=self.env)
-            err_file = os.fdopen(write_fd, "wb", buffering=0)
+        err_file = os.fdopen(write_fd, "wb", buffering=0)
+        async with AsyncExitStack() as stack:
             try:
+                params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=self.env)
                 read, write = await stack.enter_async_context(stdio_client(params, errlog=err_file))  # type: ignore[arg-type]
+            except Exception as e:
+                return e
             finally:
                 err_file.close()  # the child holds its own copy; EOF reaches the relay when it exits
             session = await stack.enter_async_context(ClientSession(
                 read, write, client_info=Implementation(name="operate-sidecar", version="0.1.0")))
-            with anyio.fail_after(self.start_timeout):
-                await session.initialize()
-                remote: list[Any] = []
-                cursor: str | None = None
-                for _ in range(_MAX_LIST_PAGES):
-                    page = await session.list_tools(
-                        params=PaginatedRequestParams(cursor=cursor) if cursor else None)
-                    remote.extend(page.tools)
-                    cursor = page.next_cursor
-                    if not cursor:
-                        break
-        except Exception as e:
-            self._stack = None
-            with anyio.CancelScope(shield=True):
-                try:
-                    await stack.aclose()
-                except Exception:  # the original failure is the one worth reporting
-                    log.debug("MCP server %r: error while cleaning up a failed start", self.name, exc_info=True)
-            raise ToolSourceError(self._start_failure(e)) from e
-        except BaseException:
-            self._stack = None
-            with anyio.CancelScope(shield=True):
-                await stack.aclose()
-            raise
-        self._session = session
-        self._remote = remote
-        log.info("MCP server %r started with %d tools", self.name, len(remote))
-
-    async def aclose(self) -> None:
-        """Stop the server (close its stdin, then terminate it if it lingers)."""
-        stack, self._stack = self._stack, None
-        self._session = None
-        if stack is not None:
-            import anyio
-
-            with anyio.CancelScope(shield=True):
-                await stack.aclose()
+            try:
+                with anyio.fail_after(self.start_timeout):
+                    await session.initialize()
+                    remote: list[Any] = []
+                    cursor: str | None = None
+                    for _ in range(_MAX_LIST_PAGES):
+                        page = await session.list_tools(
+                            params=PaginatedRequestParams(cursor=cursor) if cursor else None)
+                        remote.extend(page.tools)
+                        cursor = page.next_cursor
+                        if not cursor:
+                            break
+            except Exception as e:
+                return e
+            self._remote = remote
+            self._session = session
+            on_started()
+            await self._stop.wait()
+            self._session = None
+        return None
 
     def tools(self, prefixed: Collection[str] = ()) -> list[Tool]:
         """The server's tools as :class:`Tool` s; names in ``prefixed`` become ``<server>__<name>``."""
@@ -234,7 +302,6 @@ class McpToolSource:
         finally:
             if pending:
                 self._emit_stderr(pending)
-            os.close(fd)
             done.set()
 
     def _emit_stderr(self, raw: bytes) -> None:
@@ -295,44 +362,65 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
 
     import anyio
 
-    failures: dict[str, ToolSourceError] = {}
+    failures: list[ToolSourceError] = []
     body_error: Exception | None = None
-    stop = anyio.Event()
 
-    async def run(source: McpToolSource, ready: Any) -> None:
-        try:
-            await source.start()
-        except ToolSourceError as e:
-            failures[source.name] = e
-            tg.cancel_scope.cancel()  # stop the other starts now rather than wait them out
-            return
-        finally:
-            ready.set()
-        try:
-            await stop.wait()
-        finally:
-            await source.aclose()
+    async with anyio.create_task_group() as tg:  # owns every serving task
+        async with anyio.create_task_group() as starters:
 
-    async with anyio.create_task_group() as tg:
-        readiness = []
-        for source in sources:
-            ready = anyio.Event()
-            readiness.append(ready)
-            tg.start_soon(run, source, ready, name=f"mcp server {source.name}")
-        for ready in readiness:  # each start is bounded by its own start_timeout
-            await ready.wait()
-        if not failures:
-            try:
-                tools = _named_tools(sources, reserved)
-                yield tools
-            except Exception as e:  # re-raised below, outside the task group
-                body_error = e
-            finally:
-                stop.set()
+            async def start_one(source: McpToolSource) -> None:
+                try:
+                    await source.start(tg)  # bounded by the source's start_timeout
+                except ToolSourceError as e:
+                    failures.append(e)
+                    starters.cancel_scope.cancel()  # no point waiting for the others
+
+            for source in sources:
+                starters.start_soon(start_one, source, name=f"start mcp server {source.name}")
+        try:
+            if not failures:
+                try:
+                    yield _named_tools(sources, reserved)
+                except Exception as e:  # re-raised below, outside the task group, unwrapped
+                    body_error = e
+        finally:
+            await _close_all(sources)
     if failures:
-        raise next(failures[s.name] for s in sources if s.name in failures)
+        raise failures[0]
     if body_error is not None:
         raise body_error
+
+
+async def _close_all(sources: list[McpToolSource]) -> None:
+    """Stop all started sources concurrently and wait for them."""
+    for source in sources:
+        source._request_stop()
+    for source in sources:
+        await source.aclose()
+
+
+_sdk_imported = False
+
+
+async def _import_sdk() -> None:
+    """Import the mcp SDK (about 1–2 s cold) in a worker thread, so that the event loop
+    (and with it the JSON-RPC server) keeps running while the first server starts."""
+    global _sdk_imported
+    if _sdk_imported:
+        return
+    import anyio.to_thread
+
+    def load() -> None:
+        import mcp  # noqa: F401
+        import mcp.client.stdio  # noqa: F401
+        import mcp_types  # noqa: F401
+
+    try:
+        await anyio.to_thread.run_sync(load)
+    except ImportError as e:
+        raise ToolSourceError(f"MCP servers are configured but the mcp SDK is not installed "
+                              f"(pip install 'operate-sidecar[mcp]'): {e}") from e
+    _sdk_imported = True
 
 
 def _source_from_config(name: str, spec: Any, **kw: Any) -> McpToolSource:

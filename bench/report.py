@@ -1,0 +1,182 @@
+"""Render bench/out/results.json as bench/RESULTS.md."""
+from __future__ import annotations
+
+from pathlib import Path
+
+ORDER = ["stdlib", "pygls", "mcp", "ours", "lionagi"]
+
+
+def _ms(x):
+    return "–" if x is None else (f"{x * 1000:.3f}" if x < 0.01 else f"{x * 1000:.1f}")
+
+
+def _row_s(label, s, p99=True):
+    if not s:
+        return f"| {label} | – | – |" + (" – |" if p99 else "") + " – |"
+    cells = [label, _ms(s["median"]), f"{_ms(s['min'])}..{_ms(s['max'])}"]
+    if p99:
+        cells.append(_ms(s["p99"]))
+    cells.append(str(s["n"]))
+    return "| " + " | ".join(cells) + " |"
+
+
+def _load(la):
+    return "?" if not la else "/".join(f"{x:.2f}" for x in la)
+
+
+def _names(results):
+    cs = results.get("contenders", {})
+    return [n for n in ORDER if n in cs] + [n for n in cs if n not in ORDER]
+
+
+def _label(results, name):
+    c = results.get("contenders", {}).get(name, {})
+    lab = c.get("label", name)
+    v = results.get("versions", {}).get(name)
+    if name == "mcp" and v:
+        lab += f" (mcp {v})"
+    return lab
+
+
+def _unavail(results, name, section):
+    c = results.get("contenders", {}).get(name, {})
+    if c.get("unavailable"):
+        return f"| {_label(results, name)} | {c['unavailable'][:200]} |"
+    if name not in results.get(section, {}):
+        return f"| {_label(results, name)} | not measured |"
+    if "unavailable" in results[section][name]:
+        return f"| {_label(results, name)} | {results[section][name]['unavailable'][:200]} |"
+    return None
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    L = []
+    add = L.append
+    q = " (--quick smoke run: small samples, indicative only)" if results.get("quick") else ""
+    add("# Benchmark results (issue 6)\n")
+    add(f"- date: {results['date']}{q}")
+    add(f"- command: `{results['command']}` (`make bench` runs `python -m bench.run`)")
+    m = results.get("machine", {})
+    add(f"- machine: {m.get('cpus')} CPUs, Python {m.get('python')}, {m.get('platform')}; "
+        f"client pinned to CPU {m.get('client_cpu')}, every server and in-process run to CPU "
+        f"{m.get('server_cpu')}; load average at start {_load(m.get('loadavg_start'))}, "
+        f"at end {_load(m.get('loadavg_end'))}")
+    add("- versions: " + ", ".join(f"{k} {v}" for k, v in results.get("versions", {}).items()))
+    add(f"- elapsed: {results.get('elapsed_s', 0):.0f} s. All contenders measured interleaved "
+        "(round-robin per repetition, rotated order). Only ratios from one run are meaningful "
+        "on this noisy 2-core machine.\n")
+
+    add("## Targets (ratios of medians from this run)\n")
+    add("| ratio | value | target | met |")
+    add("|---|---|---|---|")
+    for r in results.get("ratios", []):
+        v = "–" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        met = "n/a" if r["met"] is None else ("yes" if r["met"] else "NO")
+        add(f"| {r['what']} | {v} | {r['target']} | {met} |")
+    add("")
+
+    cold = results.get("cold_start", {})
+    add("## Cold start: spawn → `initialize` answer (ms)\n")
+    add("| contender | median | min..max | p99 | n |")
+    add("|---|---|---|---|---|")
+    for n in _names(results):
+        u = _unavail(results, n, "cold_start")
+        add(u if u else _row_s(_label(results, n), cold[n]["cold_start_s"]))
+    add("")
+
+    add("## Idle RSS after `initialize` (MiB, VmRSS 0.25 s after the answer)\n")
+    add("| contender | median | min..max | n |")
+    add("|---|---|---|---|")
+    for n in _names(results):
+        u = _unavail(results, n, "cold_start")
+        if u:
+            add(u)
+            continue
+        s = cold[n]["idle_rss_kib"]
+        if not s:
+            add(f"| {_label(results, n)} | – | – | – |")
+            continue
+        add(f"| {_label(results, n)} | {s['median'] / 1024:.1f} | "
+            f"{s['min'] / 1024:.1f}..{s['max'] / 1024:.1f} | {s['n']} |")
+    add("")
+
+    sess = results.get("sessions", {})
+    add("## Light request latency, sequential on one connection (ms)\n")
+    add("The stdlib floor bounds what the client, the pipes and JSON cost; p99 on this shared "
+        "machine is dominated by scheduling noise.\n")
+    add("| contender | request | p50 | min..max | p99 | n |")
+    add("|---|---|---|---|---|---|")
+    for n in _names(results):
+        u = _unavail(results, n, "sessions")
+        if u:
+            add(u)
+            continue
+        for metric, s in sess[n]["light_s"].items():
+            row = _row_s(_label(results, n), s)
+            add(row.replace(f"| {_label(results, n)} |", f"| {_label(results, n)} | `{metric}` |", 1))
+    add("")
+
+    add("## Throughput, 16 requests in flight (req/s; median of blocks)\n")
+    add("| contender | request | median | min..max | blocks |")
+    add("|---|---|---|---|---|")
+    for n in _names(results):
+        u = _unavail(results, n, "sessions")
+        if u:
+            add(u)
+            continue
+        s = sess[n]["throughput_rps"]
+        add(f"| {_label(results, n)} | `{sess[n]['throughput_method']}` | {s['median']:.0f} | "
+            f"{s['min']:.0f}..{s['max']:.0f} | {s['n']} |")
+    add("")
+
+    inp = results.get("inproc", {})
+    if inp:
+        add("## `Branch.operate()` in-process, instant model (ms per call)\n")
+        add("plain / response_format / +actions: a fresh branch per call (history 0). "
+            "history_N: one branch, N messages before the first timed call.\n")
+        add("| runtime | scenario | p50 | min..max | p99 | n |")
+        add("|---|---|---|---|---|---|")
+        for name, r in inp.items():
+            if "unavailable" in r:
+                add(f"| {name} | {r['unavailable'][:300]} | | | | |")
+                continue
+            for sc, s in r["operate_s"].items():
+                row = _row_s(name, s)
+                add(row.replace(f"| {name} |", f"| {name} | {sc} |", 1))
+        imports = ", ".join(f"{k} {v['import_s']:.2f} s" for k, v in inp.items()
+                            if v.get("import_s") is not None)
+        if imports:
+            add(f"\nImport time of the runtime (informational): {imports}.")
+        add("")
+
+    ex = results.get("ours_extra", {})
+    add("## operate-sidecar over the wire (scripted model)\n")
+    if "unavailable" in ex:
+        add(f"{ex['unavailable']}\n")
+    else:
+        c = ex.get("concurrent_100_operates", {})
+        if "unavailable" in c:
+            add(f"- 100 concurrent operates: {c['unavailable']}")
+        elif c:
+            add(f"- {c['n']} concurrent operates on {c['n']} branches, model delay {c['delay_ms']} ms: "
+                f"wall {c['wall_s'] * 1000:.0f} ms (overhead {c['overhead_ms']:.0f} ms), "
+                f"{c['operates_per_s']:.0f} operates/s")
+        p = ex.get("progress_deltas", {})
+        if "unavailable" in p:
+            add(f"- `$/progress` deltas: {p['unavailable']}")
+        elif p and p.get("deltas_per_s"):
+            s = p["deltas_per_s"]
+            add(f"- `$/progress` deltas/s ({p['chunks']} chunks per reply): median {s['median']:.0f}, "
+                f"{s['min']:.0f}..{s['max']:.0f} over {s['n']} operates")
+        mg = ex.get("memory_growth", {})
+        if "unavailable" in mg:
+            add(f"- memory growth: {mg['unavailable']}")
+        elif mg:
+            add(f"- memory over {mg['operates']} operates (create/operate/delete, 16 in flight): "
+                f"RSS {mg['rss_start_kib'] / 1024:.1f} → {mg['rss_end_kib'] / 1024:.1f} MiB "
+                f"(+{mg['growth_kib'] / 1024:.1f} MiB; after the first {mg['operates'] // 10} operates +"
+                f"{mg.get('growth_after_warmup_kib', 0) / 1024:.1f} MiB; second half +"
+                f"{mg['growth_second_half_kib'] / 1024:.1f} MiB), {mg['wall_s']:.1f} s")
+        add("")
+    add("Raw figures: `bench/out/results.json` (git-ignored).")
+    path.write_text("\n".join(L) + "\n")

@@ -1,0 +1,179 @@
+"""``make demo``: a scripted session against the real sidecar process with the
+embedded local model (SmolLM2-135M-Instruct through llama.cpp).
+
+It creates a branch, runs an ``operate`` with a ``responseFormat``,
+``fieldModels``, ``reason`` and ``actions`` using the demo tools, shows the
+streamed progress live and tool events as they arrive, answers the permission
+request the server sends for a tool whose policy is ``ask``, then prints the
+result and the branch's messages as a table, and a one-line summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from clients.python.client import RpcError, SidecarClient
+
+console = Console(stderr=False, highlight=False)
+
+ANSWER_SCHEMA = {
+    "title": "WeatherReport",
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "description": "The city asked about", "maxLength": 40},
+        "summary": {"type": "string", "description": "One sentence for the user", "maxLength": 160},
+    },
+    "required": ["city", "summary"],
+}
+FIELD_MODELS = [{"name": "confidence", "schema": {"type": "number", "minimum": 0, "maximum": 1},
+                 "description": "How sure you are, from 0 to 1"}]
+
+
+class Screen:
+    """A live panel: the streamed model text, the phase, and tool events."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.phase = "starting"
+        self.stream = ""
+        self.deltas = 0
+        self.events: list[str] = []
+        self.permissions: list[str] = []
+
+    def render(self) -> Panel:
+        with self.lock:
+            body = Text()
+            body.append(f"phase: {self.phase}   deltas: {self.deltas}\n", style="bold cyan")
+            tail = self.stream[-600:]
+            body.append(tail or "…waiting for the model…", style="white")
+            for line in self.events[-8:]:
+                body.append("\n" + line, style="yellow")
+            for line in self.permissions[-3:]:
+                body.append("\n" + line, style="magenta")
+        return Panel(body, title="operate (live)", border_style="cyan")
+
+    def on_progress(self, params: dict) -> None:
+        value = params.get("value") or {}
+        with self.lock:
+            kind = value.get("kind")
+            if kind == "begin":
+                self.phase = f"begin: {value.get('message')}"
+            elif kind == "report":
+                self.phase = value.get("phase") or self.phase
+                if value.get("delta"):
+                    self.stream += value["delta"]
+                    self.deltas += 1
+            elif kind == "end":
+                self.phase = f"end: {value.get('message')}"
+
+    def on_tool_event(self, p: dict) -> None:
+        with self.lock:
+            extra = p.get("resultSummary") or p.get("error") or ""
+            self.events.append(f"tool #{p.get('seq')} {p.get('event'):>6} {p.get('tool')}({p.get('argsSummary')}) {extra}")
+
+
+def main() -> int:
+    started = time.perf_counter()
+    console.rule("[bold]operate-sidecar demo")
+    console.print("Spawning the sidecar (python -m server) with the embedded local model…")
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    stderr_log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "operate-sidecar-demo.stderr.log"), "wb")
+    client = SidecarClient([sys.executable, "-m", "server", "--log-level", "WARNING"], env=env, stderr=stderr_log)
+    screen = Screen()
+    client.on_notification("$/progress", screen.on_progress)
+    client.on_notification("toolEvent", screen.on_tool_event)
+    asked: list[dict] = []
+
+    def on_permission(params: dict) -> dict:
+        asked.append(params)
+        with screen.lock:
+            screen.permissions.append(
+                f"permission asked: {params['tool']}({json.dumps(params['arguments'])}) → answering allow_once")
+        return {"decision": "allow_once"}
+
+    client.on_request("requestToolPermission", on_permission)
+    try:
+        init = client.request("initialize", {
+            "protocolVersion": 1,
+            "clientInfo": {"name": "operate-sidecar-demo", "version": "1"},
+            "capabilities": {"toolPermission": True},
+            "settings": {
+                "models": {"local": {"provider": "local"}},
+                "defaultModel": "local",
+                "toolModules": ["clients.python.demo_tools"],
+                "toolPolicy": {"get_weather": "ask"},
+            },
+        }, timeout=60)
+        client.notify("initialized", {})
+        console.print(f"initialize → {init['serverInfo']['name']} {init['serverInfo']['version']}, "
+                      f"models {init['capabilities']['models']}")
+        tools = client.request("listTools", {}, timeout=30)["tools"]
+        console.print("tools: " + ", ".join(f"{t['name']} [{t['policy']}]" for t in tools))
+        branch = client.request("createBranch", {
+            "system": "You are a weather assistant. You call tools to get facts.",
+            "name": "demo"}, timeout=30)["branchId"]
+        params = {
+            "branchId": branch,
+            "instruction": "What is the weather in Paris? Use the get_weather tool.",
+            "responseFormat": ANSWER_SCHEMA,
+            "fieldModels": FIELD_MODELS,
+            "reason": True,
+            "actions": True,
+            "tools": ["get_weather"],
+            "modelOptions": {"temperature": 0, "seed": 7, "max_tokens": 200},
+            "workDoneToken": "demo-1",
+        }
+        with Live(screen.render(), console=console, refresh_per_second=12, transient=False) as live:
+            pending = client.request_async("operate", params)
+            while True:
+                try:
+                    out = pending.result(timeout=0.1)
+                    break
+                except TimeoutError:
+                    live.update(screen.render())
+            live.update(screen.render())
+        console.print(Panel(json.dumps(out, indent=2, ensure_ascii=False)[:2500],
+                            title=f"result: kind={out['kind']} model={out['model']}", border_style="green"))
+        msgs = client.request("branchMessages", {"branchId": branch}, timeout=30)
+        table = Table(title=f"branch {branch[:8]}… messages ({msgs['total']})")
+        for col in ("#", "kind", "role", "content"):
+            table.add_column(col, overflow="fold")
+        for i, m in enumerate(msgs["messages"]):
+            c = m["content"]
+            if m["kind"] == "instruction":
+                text = c.get("instruction") or ""
+            elif m["kind"] in ("action_request", "action_response"):
+                text = json.dumps({k: c.get(k) for k in ("function", "arguments", "output") if k in c})
+            else:
+                text = c.get("text") or ""
+            table.add_row(str(i), m["kind"], m["role"], text[:160])
+        console.print(table)
+        result = out.get("result") or {}
+        tool_runs = len(result.get("action_responses") or []) if isinstance(result, dict) else 0
+        code = client.close()
+        elapsed = time.perf_counter() - started
+        console.print(f"[bold green]demo ok[/]: operate kind={out['kind']} model={out['model']}, "
+                      f"{screen.deltas} streamed deltas, {len(screen.events)} tool events, "
+                      f"{len(asked)} permission request(s) answered, {tool_runs} tool result(s), "
+                      f"{msgs['total']} messages, server exit {code}, {elapsed:.1f} s")
+        return 0 if code == 0 else 1
+    except (RpcError, TimeoutError) as e:
+        console.print(f"[bold red]demo failed[/]: {e}")
+        client.close()
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

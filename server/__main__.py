@@ -1,0 +1,83 @@
+"""``operate-sidecar`` / ``python -m server``: the JSON-RPC stdio server."""
+
+from __future__ import annotations
+
+import sys
+
+DESCRIPTION = """\
+operate-sidecar: a JSON-RPC 2.0 server on stdin/stdout (LSP base-protocol framing) that
+holds LLM conversation branches and runs composed operate calls. Editors spawn it as a
+subprocess; see PROTOCOL.md. stdout carries protocol frames only; logs go to stderr.
+
+Settings are merged: initialize "settings" over the --config file over these flags."""
+
+
+def _parser():  # type: ignore[no-untyped-def]
+    import argparse
+
+    p = argparse.ArgumentParser(prog="operate-sidecar", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML file with settings (models, defaultModel, toolPolicy, permissionTimeoutMs, "
+                        "mcpServers, toolModules, stateDir, maxMessageBytes), as top-level keys or a "
+                        "[settings] table")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="journal branches under DIR so they survive restarts (default: memory only)")
+    p.add_argument("--client-process-id", metavar="PID", type=int,
+                   help="exit when this process dies (as initialize processId)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
+                   help="stderr log level (default: warning)")
+    p.add_argument("--debug", action="store_true",
+                   help="include tracebacks in internal-error responses (error.data) and log at debug level")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+    import os
+
+    from server import __version__
+    from server.rpc import settings as S
+
+    args = _parser().parse_args(argv)
+    level = logging.DEBUG if args.debug else getattr(logging, args.log_level.upper())
+    logging.basicConfig(stream=sys.stderr, level=level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    base: dict = {}
+    if args.state_dir:
+        base["stateDir"] = args.state_dir
+    try:
+        if args.config:
+            base = S.merge(base, S.load_toml(args.config))
+        unknown = [k for k in base if k not in S.DEFAULTS]
+        if unknown:
+            raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown))
+        S.finalize(S.merge(S.DEFAULTS, base))
+    except (OSError, ValueError) as e:
+        print(f"operate-sidecar: bad configuration: {e}", file=sys.stderr)
+        return 2
+
+    import asyncio
+
+    from server.rpc.run import serve
+    from server.rpc.stdio import guard_stdio
+
+    fds = guard_stdio()  # before anything can write to fd 1
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        code = loop.run_until_complete(serve(base_settings=base, version=__version__, debug=args.debug,
+                                             client_pid=args.client_process_id, fds=fds))
+    except KeyboardInterrupt:
+        code = 1
+    logging.shutdown()
+    try:
+        sys.stderr.flush()
+    except Exception:
+        pass
+    # Worker threads (blocking tools) must not hold the process: leave now.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Tool governance as data (PROTOCOL §4). The core asks ``branch.authorizer``;
+this module answers from the policy in force and, for ``ask``, from the client.
+
+Policy in force: the branch's decision, else the server-wide decision, else
+``settings.toolPolicy``, else the default (``allow`` for client tools, Python
+tools and tools annotated read-only, ``ask`` otherwise)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+DECISIONS = ("allow", "deny", "ask")
+PERMISSION_OPTIONS = ["allow_once", "allow_always", "deny_once", "deny_always"]
+
+
+class ClientRequestError(Exception):
+    """The client answered a server→client request with an error."""
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.data = data
+
+
+def default_decision(tool: Any) -> str:
+    if tool is None:
+        return "ask"
+    if getattr(tool, "source", None) in ("client", "python") or getattr(tool, "read_only", False):
+        return "allow"
+    return "ask"
+
+
+class Governance:
+    def __init__(self, *, settings_policy: dict[str, str], timeout_ms: float, can_ask: Callable[[], bool],
+                 ask_client: Callable[[str, dict, float], Awaitable[Any]],
+                 on_branch_change: Callable[[str], None] | None = None) -> None:
+        self.settings_policy = dict(settings_policy)
+        self.timeout_s = float(timeout_ms) / 1000.0
+        self.server_wide: dict[str, str] = {}
+        self.branch: dict[str, dict[str, str]] = {}
+        self._can_ask = can_ask
+        self._ask_client = ask_client
+        self._on_branch_change = on_branch_change
+
+    # ------------------------------------------------------------ policy data
+    def policy_for(self, tool: Any, branch_id: str | None = None) -> str:
+        name = tool if isinstance(tool, str) else getattr(tool, "name", None)
+        if branch_id is not None:
+            d = self.branch.get(branch_id, {}).get(name)
+            if d is not None:
+                return d
+        d = self.server_wide.get(name)
+        if d is not None:
+            return d
+        d = self.settings_policy.get(name)
+        if d is not None:
+            return d
+        return default_decision(None if isinstance(tool, str) else tool)
+
+    def set(self, tool: str, decision: str, branch_id: str | None = None) -> None:
+        if branch_id is None:
+            self.server_wide[tool] = decision
+        else:
+            self.branch.setdefault(branch_id, {})[tool] = decision
+            if self._on_branch_change is not None:
+                self._on_branch_change(branch_id)
+
+    def copy_branch(self, src: str, dst: str) -> None:
+        if src in self.branch:
+            self.branch[dst] = dict(self.branch[src])
+
+    def forget_branch(self, branch_id: str) -> None:
+        self.branch.pop(branch_id, None)
+
+    # ------------------------------------------------------------ the authorizer
+    async def authorize(self, inv: Any) -> Any:
+        from server.core.act import AuthorizationResult
+
+        decision = self.policy_for(inv.tool if inv.tool is not None else inv.function, inv.branch_id)
+        if decision == "allow":
+            return AuthorizationResult(True)
+        if decision == "deny":
+            return AuthorizationResult(False, "denied by policy")
+        if not self._can_ask():
+            return AuthorizationResult(False, "policy is ask and the client cannot be asked")
+        params = {"branchId": inv.branch_id, "callId": inv.call_id, "tool": inv.function,
+                  "arguments": inv.arguments, "options": list(PERMISSION_OPTIONS)}
+        try:
+            answer = await self._ask_client("requestToolPermission", params, self.timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            return AuthorizationResult(False, "permission request timed out")
+        except ClientRequestError as e:
+            return AuthorizationResult(False, f"permission request failed: {e.message}")
+        choice = answer.get("decision") if isinstance(answer, dict) else None
+        if choice == "allow_once":
+            return AuthorizationResult(True)
+        if choice == "allow_always":
+            self.set(inv.function, "allow", inv.branch_id)
+            return AuthorizationResult(True)
+        if choice == "deny_always":
+            self.set(inv.function, "deny", inv.branch_id)
+            return AuthorizationResult(False, "denied by the user")
+        if choice == "deny_once":
+            return AuthorizationResult(False, "denied by the user")
+        return AuthorizationResult(False, f"invalid permission answer {choice!r}")

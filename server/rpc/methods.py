@@ -1,0 +1,552 @@
+"""The request methods of PROTOCOL §3–§5, adapting wire params to core calls.
+
+Holds the server's state: branches (with a per-branch FIFO lock), configured
+models (built on first use), the server-wide tool registry every branch shares,
+governance data, the optional state journal and the ``toolEvent`` sequence.
+No pipeline policy lives here: ``operate`` is ``prepare_operate_kw`` + core
+``operate`` with the wire's values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from . import errors as E
+from .errors import RpcError, invalid_params
+from .governance import ClientRequestError, Governance
+from .progress import WireProgress
+from .schemas import SchemaCache
+
+log = logging.getLogger("server.rpc")
+
+RECEIVED_LIMIT = 200
+
+
+def _camel_to_snake(name: str) -> str:
+    out = []
+    for ch in name:
+        if ch.isupper():
+            out.append("_")
+            out.append(ch.lower())
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def truncate_received(value: Any, limit: int = RECEIVED_LIMIT) -> Any:
+    dump = getattr(value, "model_dump", None)
+    if dump is not None:
+        try:
+            value = dump(mode="json")
+        except Exception:
+            value = repr(value)
+    if isinstance(value, str):
+        return value[:limit]
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return repr(value)[:limit]
+    return value if len(text) <= limit else text[:limit]
+
+
+def map_exception(e: BaseException, debug: bool = False) -> tuple[int, str, Any]:
+    """An exception raised by a handler → ``(code, message, data)``."""
+    from .transport import format_exception_short, traceback_data
+
+    code = getattr(e, "code", None)
+    if isinstance(e, RpcError) or (type(code) is int and hasattr(e, "message") and hasattr(e, "to_dict")):
+        return e.code, e.message, getattr(e, "data", None)  # type: ignore[attr-defined]
+    from server.core import errors as ce
+
+    if isinstance(e, ce.ValidationFailed):
+        return E.VALIDATION_FAILED, str(e), {"expected": e.expected, "received": truncate_received(e.received)}
+    if isinstance(e, ce.ModelError):
+        return E.MODEL_ERROR, str(e) or "model error", None
+    if isinstance(e, (ce.RemovedArgumentError, ce.ConfigurationError, ce.ToolNotRegistered,
+                      ce.ToolArgumentError)):
+        return E.INVALID_PARAMS, f"invalid params: {e}", None
+    try:
+        from server.models import ModelConfigError
+
+        if isinstance(e, ModelConfigError):
+            return E.INVALID_PARAMS, f"invalid params: {e}", None
+    except Exception:  # pragma: no cover
+        pass
+    data = traceback_data(e) if debug else None
+    return E.INTERNAL_ERROR, f"internal error: {format_exception_short(e)}", data
+
+
+class Sidecar:
+    """State and handlers. ``rpc`` is the SidecarServer (notify, request_client, conn)."""
+
+    def __init__(self, rpc: Any) -> None:
+        self.rpc = rpc
+        self.conn = rpc.conn
+        self.branches: dict[str, Any] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._models: dict[str, Any] = {}
+        self._inline: dict[str, Any] = {}
+        self.schemas = SchemaCache()
+        self.seq = 0
+        self.registry: Any = None
+        self.governance: Governance | None = None
+        self.journal: Any = None
+        self._tools_ready: asyncio.Event | None = None
+        self._tools_loading = False
+        self._mcp_stop: asyncio.Event | None = None
+        self._mcp_task: asyncio.Task | None = None
+        self._state_loaded = False
+        self._model_specs: dict[str, dict[str, Any]] = {}  # branch id -> wire model specs (journal meta)
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.conn.settings
+
+    def _core(self) -> Any:
+        if self.registry is None:
+            from server.core.tools import ToolRegistry
+
+            self.registry = ToolRegistry()
+            s = self.settings
+            self.governance = Governance(
+                settings_policy=s.get("toolPolicy") or {},
+                timeout_ms=s.get("permissionTimeoutMs", 120000),
+                can_ask=lambda: bool(self.conn.client_capabilities.get("toolPermission")),
+                ask_client=self.rpc.request_client,
+                on_branch_change=self._policy_changed,
+            )
+        return self.registry
+
+    def _ensure_state(self) -> None:
+        """Restore journaled branches (once, on first use)."""
+        self._core()
+        if self._state_loaded:
+            return
+        self._state_loaded = True
+        state_dir = self.settings.get("stateDir")
+        if not state_dir:
+            return
+        from server.core.branch import Branch
+        from server.state import Journal
+
+        try:
+            self.journal = Journal(state_dir)
+            loaded = self.journal.load()
+        except Exception as e:
+            self.journal = None
+            self.conn.log_message(2, f"state journal at {state_dir} unusable: {e}")
+            return
+        from server.core.messages import MessageLog
+
+        for lb in loaded:
+            meta = lb.meta
+            try:
+                chat = self.resolve_model(meta.get("chatModel")) if meta.get("chatModel") else self.default_model()
+                parse = self.resolve_model(meta.get("parseModel")) if meta.get("parseModel") else None
+            except RpcError as e:
+                self.conn.log_message(2, f"branch {lb.id}: {e.message}; using the default model")
+                chat, parse = self.default_model(), None
+            b = Branch(id=lb.id, name=meta.get("name"), chat_model=chat, parse_model=parse, tools=self.registry,
+                       messages=MessageLog(lb.messages))
+            for tool, decision in (meta.get("policy") or {}).items():
+                self.governance.branch.setdefault(b.id, {})[tool] = decision  # type: ignore[union-attr]
+            self._adopt(b)
+            self._model_specs[b.id] = {"chatModel": meta.get("chatModel"), "parseModel": meta.get("parseModel")}
+            self.journal.adopt(b, meta)
+
+    async def ensure_tools(self) -> None:
+        """Load tool sources on first need (never before initialize is answered)."""
+        self._core()
+        if self._tools_ready is None:
+            self._tools_ready = asyncio.Event()
+            try:
+                self._load_sync_tools()
+            finally:
+                if self.settings.get("mcpServers"):
+                    self._mcp_stop = asyncio.Event()
+                    self._mcp_task = asyncio.ensure_future(self._run_mcp())
+                else:
+                    self._tools_ready.set()
+        await self._tools_ready.wait()
+
+    def _load_sync_tools(self) -> None:
+        reg = self.registry
+        if self.conn.workspace_folders:
+            try:
+                from server.tools.builtin import WorkspaceTools
+
+                for t in WorkspaceTools(self.conn.workspace_folders).tools():
+                    reg.register(t, update=True)
+            except Exception as e:
+                self.conn.log_message(2, f"workspace tools unavailable: {e}")
+        modules = self.settings.get("toolModules") or []
+        if modules:
+            from server.tools.python_modules import load_tool_modules
+
+            for name in modules:
+                try:
+                    tools = load_tool_modules([name])
+                except Exception as e:
+                    self.conn.log_message(2, str(e))
+                    continue
+                for t in tools:
+                    if t.name in reg:
+                        self.conn.log_message(2, f"tool {t.name!r} from module {name!r} shadows an existing tool; "
+                                                 "skipped")
+                        continue
+                    reg.register(t)
+
+    async def _run_mcp(self) -> None:
+        from server.tools.mcp_source import open_mcp_sources
+
+        try:
+            async with open_mcp_sources(self.settings["mcpServers"], reserved=self.registry.names()) as tools:
+                for t in tools:
+                    self.registry.register(t, update=False)
+                self._tools_ready.set()  # type: ignore[union-attr]
+                await self._mcp_stop.wait()  # type: ignore[union-attr]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.conn.log_message(2, f"MCP servers unavailable: {e}")
+        finally:
+            self._tools_ready.set()  # type: ignore[union-attr]
+
+    async def aclose(self) -> None:
+        if self._mcp_stop is not None:
+            self._mcp_stop.set()
+        if self._mcp_task is not None:
+            try:
+                await asyncio.wait_for(self._mcp_task, 3.0)
+            except BaseException:
+                self._mcp_task.cancel()
+        self.flush_journal_sync()
+
+    def flush_journal_sync(self) -> None:
+        if self.journal is not None:
+            try:
+                self.journal.flush()
+            except Exception:
+                log.exception("journal flush failed")
+
+    async def flush_journal(self) -> None:
+        if self.journal is not None and self.journal.dirty():
+            await asyncio.to_thread(self.journal.flush)
+
+    # ------------------------------------------------------------------ models
+    def default_model(self) -> Any:
+        return self.resolve_model(self.settings["defaultModel"])
+
+    def resolve_model(self, spec: Any, where: str = "chatModel") -> Any:
+        """A configured name or an inline ModelConfig → an iModel (cached)."""
+        if spec is None:
+            return None
+        if not isinstance(spec, (str, dict)):  # an attrs ModelConfig from protocol/
+            from protocol import unstructure
+
+            spec = unstructure(spec)
+        from server.models import make_model
+
+        if isinstance(spec, str):
+            model = self._models.get(spec)
+            if model is None:
+                config = self.settings["models"].get(spec)
+                if config is None:
+                    raise invalid_params(f"{where}: unknown model {spec!r}; configured: "
+                                         + ", ".join(self.settings["models"]))
+                model = self._make(make_model, config, spec, where)
+                self._models[spec] = model
+            return model
+        key = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        model = self._inline.get(key)
+        if model is None:
+            name = f"inline-{spec.get('provider')}-{len(self._inline) + 1}"
+            model = self._make(make_model, spec, name, where)
+            self._inline[key] = model
+        return model
+
+    @staticmethod
+    def _make(make_model: Any, config: dict, name: str, where: str) -> Any:
+        try:
+            return make_model(config, name=name)
+        except (ValueError, TypeError, KeyError) as e:
+            raise invalid_params(f"{where}: {e}") from None
+
+    # ------------------------------------------------------------------ branches
+    def branch(self, branch_id: Any) -> Any:
+        self._ensure_state()
+        b = self.branches.get(branch_id) if isinstance(branch_id, str) else None
+        if b is None:
+            raise E.branch_not_found(branch_id)
+        return b
+
+    def _lock(self, branch_id: str) -> asyncio.Lock:
+        lock = self._locks.get(branch_id)
+        if lock is None:
+            lock = self._locks[branch_id] = asyncio.Lock()
+        return lock
+
+    def _adopt(self, b: Any) -> None:
+        b.authorizer = self.governance.authorize  # type: ignore[union-attr]
+        b.hooks.subscribe(self._on_hook)
+        self.branches[b.id] = b
+
+    def _meta(self, b: Any, spec_chat: Any = None, spec_parse: Any = None) -> dict[str, Any]:
+        return {"name": b.name, "chatModel": spec_chat, "parseModel": spec_parse, "createdAt": time.time(),
+                "policy": dict(self.governance.branch.get(b.id, {}))}  # type: ignore[union-attr]
+
+    def _policy_changed(self, branch_id: str) -> None:
+        if self.journal is not None and branch_id in self.branches:
+            self.journal.update_meta(branch_id, {"policy": dict(self.governance.branch.get(branch_id, {}))})  # type: ignore[union-attr]
+
+    def _on_hook(self, ev: Any) -> None:
+        self.seq += 1
+        params: dict[str, Any] = {"seq": self.seq, "branchId": ev.branch_id, "callId": ev.call_id,
+                                  "event": getattr(ev.type, "value", ev.type), "tool": ev.tool,
+                                  "argsSummary": ev.args_summary}
+        if ev.result_summary is not None:
+            params["resultSummary"] = ev.result_summary
+        if ev.error is not None:
+            params["error"] = ev.error
+        if ev.duration_ms is not None:
+            params["durationMs"] = ev.duration_ms
+        self.rpc.notify("toolEvent", params)
+
+    async def createBranch(self, params: dict) -> dict:
+        from protocol import CreateBranchParams, structure
+
+        p = structure(CreateBranchParams, params)
+        self._ensure_state()
+        from server.core.branch import Branch
+
+        chat = self.resolve_model(p.chat_model, "chatModel") if p.chat_model is not None else self.default_model()
+        parse = self.resolve_model(p.parse_model, "parseModel") if p.parse_model is not None else None
+        b = Branch(system=p.system, chat_model=chat, parse_model=parse, name=p.name, tools=self.registry)
+        self._adopt(b)
+        if self.journal is not None:
+            from protocol import unstructure
+
+            specs = {"chatModel": unstructure(p.chat_model), "parseModel": unstructure(p.parse_model)}
+            self._model_specs[b.id] = specs
+            self.journal.attach(b, self._meta(b, specs["chatModel"], specs["parseModel"]))
+            await self.flush_journal()
+        return {"branchId": b.id}
+
+    async def forkBranch(self, params: dict) -> dict:
+        from protocol import BranchParams, structure
+
+        p = structure(BranchParams, params)
+        src = self.branch(p.branch_id)
+        b = src.fork()
+        self.governance.copy_branch(src.id, b.id)  # type: ignore[union-attr]
+        self._adopt(b)
+        if self.journal is not None:
+            src_models = {k: v for k, v in self._model_specs.get(src.id, {}).items()}
+            self._model_specs[b.id] = src_models
+            self.journal.attach(b, self._meta(b, src_models.get("chatModel"), src_models.get("parseModel")))
+            await self.flush_journal()
+        return {"branchId": b.id}
+
+    async def deleteBranch(self, params: dict) -> dict:
+        from protocol import BranchParams, structure
+
+        p = structure(BranchParams, params)
+        self.branch(p.branch_id)
+        self.branches.pop(p.branch_id, None)
+        self._locks.pop(p.branch_id, None)
+        self._model_specs.pop(p.branch_id, None)
+        self.governance.forget_branch(p.branch_id)  # type: ignore[union-attr]
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.delete, p.branch_id)
+        return {}
+
+    def listBranches(self, params: dict) -> dict:
+        if params:
+            raise invalid_params("unknown fields: " + ", ".join(json.dumps(k) for k in params),
+                                 {"unknownFields": list(params)})
+        self._ensure_state()
+        return {"branches": [{"branchId": b.id, "name": b.name, "messageCount": len(b.messages),
+                              "chatModel": getattr(b.chat_model, "name", None)} for b in self.branches.values()]}
+
+    def branchMessages(self, params: dict) -> dict:
+        from protocol import BranchMessagesParams, structure
+
+        p = structure(BranchMessagesParams, params)
+        if p.offset < 0 or p.limit < 0:
+            raise invalid_params("offset and limit must be non-negative")
+        b = self.branch(p.branch_id)
+        return {"messages": b.messages.page(p.offset, p.limit), "total": len(b.messages)}
+
+    # ------------------------------------------------------------------ tools
+    def _tool_info(self, t: Any, branch_id: str | None) -> dict:
+        info = t.info()
+        info["policy"] = self.governance.policy_for(t, branch_id)  # type: ignore[union-attr]
+        return info
+
+    async def listTools(self, params: dict) -> dict:
+        from protocol import ListToolsParams, structure
+
+        p = structure(ListToolsParams, params)
+        if p.branch_id is not None:
+            self.branch(p.branch_id)
+        await self.ensure_tools()
+        return {"tools": [self._tool_info(t, p.branch_id) for t in self.registry]}
+
+    async def authorizeTool(self, params: dict) -> dict:
+        from protocol import AuthorizeToolParams, structure
+
+        p = structure(AuthorizeToolParams, params)
+        if p.branch_id is not None:
+            self.branch(p.branch_id)
+        await self.ensure_tools()
+        if p.tool not in self.registry:
+            raise invalid_params(f"unknown tool {p.tool!r}", {"tool": p.tool})
+        self.governance.set(p.tool, p.decision, p.branch_id)  # type: ignore[union-attr]
+        if p.branch_id is not None:
+            await self.flush_journal()
+        return {"tool": p.tool, "decision": p.decision, "branchId": p.branch_id}
+
+    async def registerClientTools(self, params: dict) -> dict:
+        from protocol import RegisterClientToolsParams, structure
+
+        p = structure(RegisterClientToolsParams, params)
+        await self.ensure_tools()
+        from server.core.tools import Tool
+
+        names = [t.name for t in p.tools]
+        taken = [n for n in names if n in self.registry]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if taken or dupes:
+            raise invalid_params(f"tool name{'s' if len(taken + dupes) > 1 else ''} already taken: "
+                                 + ", ".join(taken + dupes), {"taken": taken + dupes})
+        for spec in p.tools:
+            if not isinstance(spec.input_schema, dict) or spec.input_schema.get("type", "object") != "object":
+                raise invalid_params(f"tool {spec.name!r}: inputSchema must be an object schema")
+        for spec in p.tools:
+            self.registry.register(Tool(name=spec.name, description=spec.description,
+                                        input_schema=spec.input_schema, func=self._client_tool(spec.name),
+                                        source="client"))
+        return {"registered": names}
+
+    def _client_tool(self, name: str) -> Any:
+        async def call(arguments: dict, ctx: Any) -> Any:
+            from server.tools.errors import ToolCallError
+
+            try:
+                res = await self.rpc.request_client("invokeClientTool", {
+                    "branchId": ctx.branch_id, "callId": ctx.call_id, "tool": name, "arguments": arguments}, None)
+            except ClientRequestError as e:
+                raise ToolCallError(e.message or f"client tool {name} failed") from None
+            if isinstance(res, dict) and "output" in res:
+                return res["output"]
+            return res
+
+        return call
+
+    # ------------------------------------------------------------------ operate
+    async def operate(self, params: dict) -> dict:
+        from protocol import OperateParams, structure
+
+        p = structure(OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
+        branch = self.branch(p.branch_id)
+        await self.ensure_tools()
+        if isinstance(p.tools, list):
+            unknown = [t for t in p.tools if t not in branch.tools]
+            if unknown:
+                raise invalid_params(f"tools: unknown tool{'s' if len(unknown) > 1 else ''}: " + ", ".join(unknown),
+                                     {"unknownTools": unknown})
+        kw: dict[str, Any] = {}
+        if p.instruct is not None:
+            from protocol import unstructure
+
+            kw["instruct"] = {_camel_to_snake(k): v for k, v in unstructure(p.instruct).items()}
+        else:
+            kw.update(instruction=p.instruction, guidance=p.guidance, context=p.context)
+        if p.chat_model is not None:
+            kw["chat_model"] = self.resolve_model(p.chat_model, "chatModel")
+        if p.parse_model is not None:
+            kw["parse_model"] = self.resolve_model(p.parse_model, "parseModel")
+        if p.response_format is not None:
+            kw["response_format"] = self.schemas.model_for(p.response_format)
+        if p.field_models:
+            kw["field_models"] = [self.schemas.spec_for(f, i) for i, f in enumerate(p.field_models)]
+        if p.parse_options is not None:
+            from server.core.params import AlcallParams
+
+            o = p.parse_options
+            kw["parse_call_params"] = AlcallParams(retry_attempts=o.retry_attempts,
+                                                   retry_initial_delay=o.retry_initial_delay,
+                                                   retry_backoff=o.retry_backoff, max_concurrent=o.max_concurrent,
+                                                   throttle_period=o.throttle_period)
+        kw.update(
+            reason=p.reason, actions=p.actions, invoke_actions=p.invoke_actions,
+            tools=p.tools, action_strategy=p.action_strategy,  # None = not given (PROTOCOL §5)
+            verbose_action=p.verbose_action, handle_validation=p.handle_validation,
+            skip_validation=p.skip_validation, clear_messages=p.clear_messages,
+            stream_persist=p.stream_persist, persist_dir=p.persist_dir, snapshot_dir=p.snapshot_dir,
+        )
+        from server.core.operate import operate as core_operate
+        from server.core.params import RunParam
+        from server.core.prepare import prepare_operate_kw
+
+        options = dict(p.model_options or {})
+        clash = sorted(set(options) & _pipeline_names(prepare_operate_kw))
+        if clash:  # modelOptions go to the provider; they never set pipeline parameters
+            raise invalid_params("modelOptions: " + ", ".join(clash) + " name operate pipeline parameters, "
+                                 "not provider options", {"fields": clash})
+        kw.update(options)
+        from server.core.progress import current_progress
+
+        async with self._lock(branch.id):
+            prepared = prepare_operate_kw(branch, **kw)
+            sink = None
+            if p.work_done_token is not None:
+                sink = WireProgress(self.rpc.notify, p.work_done_token,
+                                    "run_and_collect" if isinstance(prepared["chat_param"], RunParam)
+                                    or getattr(prepared["chat_param"].imodel, "is_cli", False) else "communicate")
+            token = current_progress.set(sink)
+            try:
+                result = await core_operate(branch, **prepared)
+            except asyncio.CancelledError:
+                if sink is not None:
+                    sink.end("cancelled")
+                raise
+            except BaseException:
+                if sink is not None:
+                    sink.end("failed")
+                raise
+            finally:
+                current_progress.reset(token)
+                await self.flush_journal()
+            if sink is not None:
+                sink.end("completed")
+        return envelope(result)
+
+
+_PIPELINE_NAMES: frozenset[str] | None = None
+
+
+def _pipeline_names(fn: Any) -> frozenset[str]:
+    global _PIPELINE_NAMES
+    if _PIPELINE_NAMES is None:
+        import inspect
+
+        _PIPELINE_NAMES = frozenset(n for n, prm in inspect.signature(fn).parameters.items()
+                                    if prm.kind is inspect.Parameter.KEYWORD_ONLY)
+    return _PIPELINE_NAMES
+
+
+def envelope(result: Any) -> dict[str, Any]:
+    if result is None:
+        return {"result": None, "kind": "none", "model": None}
+    dump = getattr(result, "model_dump", None)
+    if dump is not None:
+        return {"result": dump(mode="json"), "kind": "model", "model": type(result).__name__}
+    if isinstance(result, str):
+        return {"result": result, "kind": "text", "model": None}
+    return {"result": result, "kind": "dict", "model": None}

@@ -1,0 +1,45 @@
+"""``$/progress`` for an operate that carried ``workDoneToken``: the core's
+``ProgressSink`` implemented over the wire. Notifications are written
+synchronously, so they all precede the operate's response, in order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WireProgress:
+    __slots__ = ("_notify", "token", "default_begin", "began", "ended")
+
+    def __init__(self, notify: Any, token: Any, default_begin: str = "communicate") -> None:
+        self._notify = notify
+        self.token = token
+        self.default_begin = default_begin
+        self.began = False
+        self.ended = False
+
+    def _send(self, value: dict[str, Any]) -> None:
+        self._notify("$/progress", {"token": self.token, "value": value})
+
+    def begin(self, message: str) -> None:
+        if self.began or self.ended:
+            return
+        self.began = True
+        self._send({"kind": "begin", "title": "operate", "message": message})
+
+    def report(self, message: str, phase: str, delta: str | None = None) -> None:
+        if self.ended:
+            return
+        if not self.began:
+            self.begin(self.default_begin)
+        value: dict[str, Any] = {"kind": "report", "message": message, "phase": phase}
+        if delta is not None:
+            value["delta"] = delta
+        self._send(value)
+
+    def end(self, message: str) -> None:
+        if self.ended:
+            return
+        if not self.began:
+            self.begin(self.default_begin)
+        self.ended = True
+        self._send({"kind": "end", "message": message})

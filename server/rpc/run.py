@@ -1,0 +1,44 @@
+"""Run the server on the process's stdio until ``exit``, stdin EOF or the
+client's death; returns the exit code (0 after ``shutdown``, else 1)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from .lifecycle import run_exit_hooks
+from .stdio import Wire, attach_reader, guard_stdio
+from .transport import Connection
+from .watchdog import watch_parent
+
+log = logging.getLogger("server.rpc")
+
+
+async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "0", debug: bool = False,
+                client_pid: int | None = None, fds: tuple[int, int] | None = None) -> int:
+    wire_in, wire_out = fds if fds is not None else guard_stdio()
+    loop = asyncio.get_running_loop()
+    wire = Wire(wire_out)
+    conn = Connection(wire, base_settings=base_settings or {}, version=version, debug=debug,
+                      client_pid=client_pid)
+    close_reader = await attach_reader(wire_in, conn.feed, conn.on_eof)
+    # pygls, lsprotocol, protocol/ and the core load on a background thread once initialize
+    # is answered: nothing competes with the initialize path for the GIL.
+    conn.on_initialized.append(lambda c: c.start_app_loader(loop))
+    watchdog: list[asyncio.Task] = []
+
+    def start_watchdog(c: Connection) -> None:
+        if c.client_pid is not None and not watchdog:
+            watchdog.append(loop.create_task(watch_parent(c.client_pid, lambda: c.stop(1))))
+
+    start_watchdog(conn)
+    conn.on_initialized.append(start_watchdog)
+    code = await conn.wait_stopped()
+    close_reader()
+    for t in watchdog:
+        t.cancel()
+    await conn.aclose()
+    await run_exit_hooks()
+    wire.close()
+    return code

@@ -1,0 +1,127 @@
+"""Wire JSON Schemas → what the core takes: ``responseFormat`` → a pydantic model
+class (named after the schema's ``title``), ``fieldModels`` → core ``Spec``s.
+Built with ``json-schema-to-pydantic`` (imported on first use), cached by the
+canonical schema text so a repeated schema builds nothing. A schema keyword
+the builder would silently ignore is refused (-32602 naming it)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from .errors import invalid_params
+
+#: keywords json-schema-to-pydantic accepts but does not enforce
+UNSUPPORTED_KEYWORDS = frozenset({
+    "if", "then", "else", "not", "patternProperties", "propertyNames", "contains", "minContains",
+    "maxContains", "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
+    "unevaluatedItems", "prefixItems", "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor",
+})
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf")
+_SUBSCHEMA_ONE = ("items", "additionalProperties")
+
+DEFAULT_TITLE = "Response"
+CACHE_LIMIT = 256
+
+
+def _check(schema: Any, path: str, where: str) -> None:
+    if not isinstance(schema, dict):
+        if isinstance(schema, bool):
+            return
+        raise invalid_params(f"{where}: schema at {path or '/'} must be an object")
+    bad = sorted(k for k in schema if k in UNSUPPORTED_KEYWORDS)
+    if bad:
+        raise invalid_params(f"{where}: JSON Schema keyword{'s' if len(bad) > 1 else ''} "
+                             f"{', '.join(bad)} at {path or '/'} not supported",
+                             {"unsupported": bad, "path": path or "/"})
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise invalid_params(f"{where}: only local $ref (#/...) is supported, got {ref!r}")
+    for key in _SUBSCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, s in sub.items():
+                _check(s, f"{path}/{key}/{name}", where)
+    for key in _SUBSCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, s in enumerate(sub):
+                _check(s, f"{path}/{key}/{i}", where)
+    for key in _SUBSCHEMA_ONE:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            _check(sub, f"{path}/{key}", where)
+
+
+class SchemaCache:
+    def __init__(self) -> None:
+        self._models: dict[str, type] = {}
+        self._specs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def model_for(self, schema: dict[str, Any], where: str = "responseFormat") -> type:
+        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        cached = self._models.get(key)
+        if cached is not None:
+            return cached
+        _check(schema, "", where)
+        if schema.get("type", "object") != "object":
+            raise invalid_params(f"{where}: must be an object schema (\"type\": \"object\")")
+        model = self._build(dict(schema, title=schema.get("title") or DEFAULT_TITLE), where)
+        with self._lock:
+            if len(self._models) >= CACHE_LIMIT:
+                self._models.pop(next(iter(self._models)))
+            self._models[key] = model
+        return model
+
+    def spec_for(self, field: Any, index: int = 0) -> Any:
+        """A wire FieldModel (attrs object or dict) → core ``Spec``."""
+        from server.core.operative import Spec
+
+        get = (lambda k, d=None: field.get(k, d)) if isinstance(field, dict) else \
+            (lambda k, d=None: getattr(field, k, d))
+        name, schema = get("name"), get("schema")
+        where = f"fieldModels[{index}]"
+        if not isinstance(name, str) or not name.isidentifier():
+            raise invalid_params(f"{where}.name must be an identifier, got {name!r}")
+        if not isinstance(schema, dict):
+            raise invalid_params(f"{where}.schema must be an object")
+        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        annotation = self._specs.get(key)
+        if annotation is None:
+            _check(schema, "", f"{where}.schema")
+            wrapper = {"title": "FieldWrapper", "type": "object", "properties": {"value": schema},
+                       "required": ["value"]}
+            model = self._build(wrapper, f"{where}.schema")
+            fi = model.model_fields["value"]
+            annotation = fi.annotation
+            if fi.metadata:
+                from typing import Annotated
+
+                annotation = Annotated[(annotation, *fi.metadata)]  # type: ignore[valid-type]
+            with self._lock:
+                if len(self._specs) >= CACHE_LIMIT:
+                    self._specs.pop(next(iter(self._specs)))
+                self._specs[key] = annotation
+        kw: dict[str, Any] = {"name": name, "annotation": annotation, "description": get("description")}
+        default = get("default")
+        if isinstance(field, dict):
+            if "default" in field:
+                kw["default"] = default
+        else:
+            from protocol import is_omitted
+
+            if not is_omitted(default):
+                kw["default"] = default
+        return Spec(**kw)
+
+    @staticmethod
+    def _build(schema: dict[str, Any], where: str) -> type:
+        import json_schema_to_pydantic as j2p
+
+        try:
+            return j2p.create_model(schema, allow_undefined_array_items=True, allow_undefined_type=True)
+        except (j2p.SchemaError, ValueError, KeyError, TypeError) as e:
+            raise invalid_params(f"{where}: {type(e).__name__}: {e}") from None

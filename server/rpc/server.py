@@ -1,0 +1,189 @@
+"""The pygls 2.1.1 ``JsonRPCServer`` serving PROTOCOL.md.
+
+pygls is driven from our own reader (``transport.Connection``): messages
+arrive here already framed, decoded as plain dicts and validated, so pygls's
+stock reader (a thread-pool hop per read, case-sensitive headers, no -32700,
+namedtuple params) is never used. What pygls provides is kept: feature
+registration (``fm.feature``), handler execution and the in-flight request
+table (``_execute_handler`` / ``_request_futures``), which ``$/cancelRequest``
+cancels for real. Errors are mapped without tracebacks unless ``--debug``;
+every frame goes out through ``Connection.send`` (exact framing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import logging
+from functools import partial
+from typing import Any
+
+import cattrs
+from pygls.protocol.json_rpc import JsonRPCProtocol
+from pygls.server import JsonRPCServer
+
+from . import errors as E
+from .governance import ClientRequestError
+from .methods import Sidecar, map_exception
+from .transport import REQUEST_METHODS
+
+log = logging.getLogger("server.rpc")
+
+_APP_METHODS = tuple(m for m in REQUEST_METHODS if m not in ("initialize", "ping", "shutdown"))
+
+
+class SidecarProtocol(JsonRPCProtocol):
+    """JsonRPCProtocol fed with validated dict messages by ``Connection``."""
+
+    def __init__(self, server: "SidecarServer", converter: cattrs.Converter) -> None:
+        super().__init__(server, converter)
+        self._out_ids = itertools.count(1)
+        self._outgoing: dict[str, asyncio.Future] = {}
+
+    # ------------------------------------------------------------ client → server requests
+    def handle_request(self, msg_id: Any, method: str, params: dict) -> None:
+        handler = self.fm.features.get(method)
+        conn = self._server.conn
+        if handler is None:
+            conn.send_error(msg_id, E.METHOD_NOT_FOUND, f"method not found: {method}")
+            return
+        if msg_id in self._request_futures:
+            conn.send_error(msg_id, E.INVALID_REQUEST, f"request id {msg_id!r} is already in flight")
+            return
+        ctx = contextvars.copy_context()
+        ctx.run(self._execute_handler, msg_id, handler, partial(self._send_handler_result, msg_id=msg_id),
+                args=(params,))
+
+    def _send_handler_result(self, future: Any, *, msg_id: Any) -> None:
+        self._request_futures.pop(msg_id, None)
+        conn = self._server.conn
+        if future.cancelled():
+            conn.send_error(msg_id, E.REQUEST_CANCELLED, "request cancelled")
+            return
+        exc = future.exception()
+        if exc is None:
+            conn.send_result(msg_id, future.result())
+            return
+        if isinstance(exc, asyncio.CancelledError):
+            conn.send_error(msg_id, E.REQUEST_CANCELLED, "request cancelled")
+            return
+        code, message, data = map_exception(exc, self._server.debug)
+        if code == E.INTERNAL_ERROR:
+            log.error("request %r failed", msg_id, exc_info=exc)
+        conn.send_error(msg_id, code, message, data)
+
+    def cancel_request(self, msg_id: Any) -> None:
+        future = self._request_futures.get(msg_id)
+        if future is None:
+            log.debug("cancel for unknown or finished request %r", msg_id)
+            return
+        future.cancel()
+
+    # ------------------------------------------------------------ server → client
+    def _send_data(self, data: Any) -> None:  # anything pygls itself would send
+        if data is None:
+            return
+        if hasattr(data, "__attrs_attrs__"):
+            data = self._converter.unstructure(data)
+        self._server.conn.send(data)
+
+    def notify(self, method: str, params: Any | None = None) -> None:
+        self._server.conn.notify(method, params)
+
+    async def request_client(self, method: str, params: Any, timeout: float | None) -> Any:
+        """Send a request to the client and await its answer.
+        An error answer raises ClientRequestError; ``timeout`` raises TimeoutError.
+        Cancellation (or the timeout) sends ``$/cancelRequest`` to the client."""
+        msg_id = f"sidecar-{next(self._out_ids)}"
+        fut = asyncio.get_running_loop().create_future()
+        self._outgoing[msg_id] = fut
+        conn = self._server.conn
+        conn.send({"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params})
+        try:
+            if timeout is None:
+                return await fut
+            return await asyncio.wait_for(fut, timeout)
+        except (asyncio.CancelledError, asyncio.TimeoutError, TimeoutError):
+            conn.notify("$/cancelRequest", {"id": msg_id})
+            raise
+        finally:
+            self._outgoing.pop(msg_id, None)
+
+    def handle_response(self, msg: dict) -> None:
+        fut = self._outgoing.get(msg.get("id"))  # type: ignore[arg-type]
+        if fut is None or fut.done():
+            log.debug("response to unknown request %r", msg.get("id"))
+            return
+        err = msg.get("error")
+        if err is not None:
+            if not isinstance(err, dict):
+                err = {"code": E.INTERNAL_ERROR, "message": str(err)}
+            fut.set_exception(ClientRequestError(err.get("code", 0), str(err.get("message", "")), err.get("data")))
+        else:
+            fut.set_result(msg.get("result"))
+
+    def cancel_outgoing(self) -> None:
+        for fut in list(self._outgoing.values()):
+            if not fut.done():
+                fut.cancel()
+
+
+def _handler(bound: Any) -> Any:
+    """A plain function around a bound method (pygls sets attributes on handlers)."""
+    if asyncio.iscoroutinefunction(bound):
+        async def handle(params: dict) -> Any:
+            return await bound(params)
+    else:
+        def handle(params: dict) -> Any:
+            return bound(params)
+    handle.__name__ = handle.__qualname__ = bound.__name__
+    return handle
+
+
+class SidecarServer(JsonRPCServer):
+    """The server object the transport hands every message that needs the app."""
+
+    def __init__(self, conn: Any) -> None:
+        super().__init__(SidecarProtocol, cattrs.Converter)
+        self.conn = conn
+        self.debug = bool(getattr(conn, "debug", False))
+        self.sidecar = Sidecar(self)
+        for method in _APP_METHODS:
+            self.protocol.fm.feature(method)(_handler(getattr(self.sidecar, method)))
+        assert set(self.protocol.fm.features) == set(_APP_METHODS)
+
+    # ---------------------------------------------------------------- called by Connection
+    def handle_request(self, msg_id: Any, method: str, params: dict) -> None:
+        self.protocol.handle_request(msg_id, method, params)
+
+    def handle_response(self, msg: dict) -> None:
+        self.protocol.handle_response(msg)
+
+    def cancel_request(self, msg_id: Any) -> None:
+        self.protocol.cancel_request(msg_id)
+
+    def on_initialized(self) -> None:
+        pass
+
+    def on_shutdown(self) -> None:
+        self.sidecar.flush_journal_sync()
+
+    # ---------------------------------------------------------------- used by methods
+    def notify(self, method: str, params: Any) -> None:
+        self.conn.notify(method, params)
+
+    async def request_client(self, method: str, params: Any, timeout: float | None) -> Any:
+        return await self.protocol.request_client(method, params, timeout)
+
+    async def aclose(self, timeout: float = 3.0) -> None:
+        """Cancel in-flight work, wait for it (bounded), stop tool sources, flush state."""
+        pending = [f for f in self.protocol._request_futures.values() if isinstance(f, asyncio.Future)]
+        for f in pending:
+            f.cancel()
+        self.protocol.cancel_outgoing()
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        await self.sidecar.aclose()
+        if self._thread_pool:
+            self._thread_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,377 @@
+"""The connection: frames in, JSON-RPC validation, lifecycle gate, frames out.
+
+This module is the fast path and imports nothing heavy: it answers ``ping``,
+``initialize``, ``shutdown``, ``exit``, every framing/JSON/lifecycle error and
+``-32601`` by itself. Everything else goes to the *app* (``server.rpc.server``:
+the pygls ``JsonRPCServer`` with the methods), which is imported on a
+background thread as soon as ``initialize`` has been answered, so the
+initialize path never waits for (or competes for the GIL with) pygls,
+lsprotocol, pydantic or the core. Messages that need the app before it is
+loaded wait in an ordered backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import threading
+import traceback
+from typing import Any, Callable
+
+from . import errors as E
+from . import settings as S
+from .framing import FrameParser, peek_id
+from .stdio import Wire
+
+log = logging.getLogger("server.rpc")
+
+PROTOCOL_VERSION = 1
+SERVER_NAME = "operate-sidecar"
+
+#: every request method served (initialize result ``capabilities.methods``)
+REQUEST_METHODS: tuple[str, ...] = (
+    "initialize", "ping", "shutdown",
+    "createBranch", "forkBranch", "deleteBranch", "listBranches", "branchMessages",
+    "listTools", "authorizeTool", "registerClientTools",
+    "operate",
+)
+#: notifications the server sends (``capabilities.notifications``)
+SERVER_NOTIFICATIONS: tuple[str, ...] = ("$/progress", "toolEvent", "window/logMessage")
+_APP_METHODS = frozenset(REQUEST_METHODS) - {"initialize", "ping", "shutdown"}
+
+_INIT_KEYS = frozenset({"protocolVersion", "clientInfo", "processId", "capabilities", "workspaceFolders",
+                        "settings"})
+
+
+def _json_default(o: Any) -> Any:
+    dump = getattr(o, "model_dump", None)
+    if dump is not None:
+        return dump(mode="json")
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    if isinstance(o, bytes):
+        return o.decode("utf-8", "replace")
+    return str(o)
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                      default=_json_default).encode("utf-8")
+
+
+def _valid_id(v: Any) -> bool:
+    t = type(v)
+    return t is int or t is str
+
+
+class Connection:
+    """One client connection over the guarded stdio pipes."""
+
+    def __init__(self, wire: Wire, *, base_settings: dict[str, Any], version: str, debug: bool = False,
+                 client_pid: int | None = None) -> None:
+        self.wire = wire
+        self.version = version
+        self.debug = debug
+        self.base_settings = base_settings
+        self.settings: dict[str, Any] = S.finalize(S.merge(S.DEFAULTS, base_settings))
+        self.client_pid = client_pid
+        self.client_capabilities: dict[str, Any] = {}
+        self.client_info: dict[str, Any] = {}
+        self.workspace_folders: list[str] = []
+        self.initialized = False
+        self.shutdown_requested = False
+        self.exit_code: int | None = None
+        self._stopped = asyncio.Event()
+        self.parser = FrameParser(self._on_body, self._on_oversize, self.settings["maxMessageBytes"])
+        self.app: Any = None                 # server.rpc.server.SidecarServer once loaded
+        self._app_error: BaseException | None = None
+        self._backlog: list[dict] | None = []   # None once the app is loaded (or failed)
+        self.on_initialized: list[Callable[["Connection"], None]] = []
+        self._ping_head = b'{"jsonrpc":"2.0","id":'
+        wire.on_broken = lambda: self.stop(1 if not self.shutdown_requested else 0)
+
+    # ------------------------------------------------------------------ output
+    def send(self, msg: dict) -> None:
+        try:
+            body = dumps(msg)
+        except (TypeError, ValueError) as e:
+            if "id" in msg and "method" not in msg:
+                body = dumps({"jsonrpc": "2.0", "id": msg["id"],
+                              "error": {"code": E.INTERNAL_ERROR, "message": f"result is not JSON: {e}"}})
+            else:
+                log.error("dropping a %s message that is not JSON: %s", msg.get("method"), e)
+                return
+        self.wire.send_bytes(body)
+
+    def send_result(self, msg_id: Any, result: Any) -> None:
+        self.send({"jsonrpc": "2.0", "id": msg_id, "result": result})
+
+    def send_error(self, msg_id: Any, code: int, message: str, data: Any = None) -> None:
+        err: dict[str, Any] = {"code": code, "message": message}
+        if data is not None:
+            err["data"] = data
+        self.send({"jsonrpc": "2.0", "id": msg_id, "error": err})
+
+    def notify(self, method: str, params: Any) -> None:
+        self.send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    def log_message(self, type_: int, message: str) -> None:
+        """``window/logMessage`` (1 error, 2 warning, 3 info, 4 log); also logged to stderr."""
+        log.log({1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO}.get(type_, logging.DEBUG), "%s", message)
+        if self.initialized and not self.wire.closed:
+            self.notify("window/logMessage", {"type": type_, "message": message})
+
+    # ------------------------------------------------------------------ input
+    def feed(self, data: bytes) -> None:
+        try:
+            self.parser.feed(data)
+        except Exception:  # never let a bug in one message kill the reader
+            log.exception("error while handling input")
+
+    def on_eof(self) -> None:
+        if self.exit_code is None:
+            log.info("stdin closed; exiting")
+        self.stop(0 if self.shutdown_requested else 1)
+
+    def _on_oversize(self, head: bytes, size: int) -> None:
+        msg_id = peek_id(head)
+        if not _valid_id(msg_id):
+            msg_id = None
+        self.send_error(msg_id, E.INVALID_REQUEST,
+                        f"message of {size} bytes exceeds maxMessageBytes ({self.parser.max_bytes}); skipped")
+
+    def _on_body(self, body: bytes) -> None:
+        try:
+            msg = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            self.send_error(None, E.PARSE_ERROR, f"parse error: {e}")
+            return
+        if type(msg) is not dict:
+            what = "a batch (array)" if type(msg) is list else f"a JSON {type(msg).__name__}"
+            self.send_error(None, E.INVALID_REQUEST,
+                            f"invalid request: expected a request or notification object, got {what}")
+            return
+        method = msg.get("method")
+        if method == "ping" and "id" in msg and _valid_id(msg["id"]) and msg.get("jsonrpc") == "2.0":
+            # fast path: no allocation beyond the frame, allowed in every state
+            self.wire.send_bytes(self._ping_head + dumps(msg["id"]) + b',"result":{}}')
+            return
+        self._route(msg)
+
+    def _route(self, msg: dict) -> None:
+        if msg.get("jsonrpc") != "2.0":
+            self._invalid(msg, 'invalid request: "jsonrpc" must be "2.0"')
+            return
+        method = msg.get("method")
+        if method is None:
+            if "id" in msg and ("result" in msg or "error" in msg):
+                self._ordered(msg, needs_app=True)
+            else:
+                self._invalid(msg, "invalid request: no method")
+            return
+        if type(method) is not str:
+            self._invalid(msg, 'invalid request: "method" must be a string')
+            return
+        if "id" in msg and not _valid_id(msg["id"]):
+            self.send_error(None, E.INVALID_REQUEST, 'invalid request: "id" must be an integer or a string')
+            return
+        params = msg.get("params")
+        if params is None:
+            msg["params"] = {}
+        elif type(params) is not dict:
+            if "id" in msg:
+                self.send_error(msg["id"], E.INVALID_PARAMS, "invalid params: params must be an object")
+            return
+        if "id" in msg:
+            self._ordered(msg, needs_app=method in _APP_METHODS)
+        else:
+            self._ordered(msg, needs_app=method == "$/cancelRequest")
+
+    def _invalid(self, msg: dict, message: str) -> None:
+        msg_id = msg.get("id")
+        self.send_error(msg_id if _valid_id(msg_id) else None, E.INVALID_REQUEST, message)
+
+    def _ordered(self, msg: dict, *, needs_app: bool) -> None:
+        """Keep arrival order while the app loads: once anything waits, everything
+        after it waits too (pings excepted, they are answered on arrival)."""
+        if self._backlog is not None and (self._backlog or (needs_app and self.initialized)):
+            self._backlog.append(msg)
+            return
+        self._handle(msg)
+
+    def _handle(self, msg: dict) -> None:
+        method = msg.get("method")
+        if method is None:
+            if self.app is not None:
+                self.app.handle_response(msg)
+            return
+        if "id" not in msg:
+            self._notification(method, msg["params"])
+            return
+        msg_id = msg["id"]
+        if method == "ping":
+            self.send_result(msg_id, {})
+        elif self.shutdown_requested:
+            self.send_error(msg_id, E.INVALID_REQUEST, f"server is shut down; {method} refused")
+        elif method == "initialize":
+            self._initialize(msg_id, msg["params"])
+        elif not self.initialized:
+            self.send_error(msg_id, E.NOT_INITIALIZED, f"server not initialized; send initialize before {method}")
+        elif method == "shutdown":
+            self.shutdown_requested = True
+            if self.app is not None:
+                self.app.on_shutdown()
+            self.send_result(msg_id, None)
+        elif method not in _APP_METHODS:
+            self.send_error(msg_id, E.METHOD_NOT_FOUND, f"method not found: {method}")
+        elif self.app is None:
+            self.send_error(msg_id, E.INTERNAL_ERROR, f"server failed to start: {self._app_error}")
+        else:
+            self.app.handle_request(msg_id, method, msg["params"])
+
+    def _notification(self, method: str, params: dict) -> None:
+        if method == "exit":
+            self.stop(0 if self.shutdown_requested else 1)
+        elif method == "$/cancelRequest":
+            if self.app is not None:
+                self.app.cancel_request(params.get("id"))
+        elif method == "initialized" or method.startswith("$/"):
+            pass
+        else:
+            log.debug("ignoring notification %s", method)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _initialize(self, msg_id: Any, params: dict) -> None:
+        if self.initialized:
+            self.send_error(msg_id, E.INVALID_REQUEST, "initialize was already called")
+            return
+        unknown = [k for k in params if k not in _INIT_KEYS]
+        if unknown:
+            self.send_error(msg_id, E.INVALID_PARAMS,
+                            f"invalid params: unknown field{'s' if len(unknown) > 1 else ''}: "
+                            + ", ".join(json.dumps(k) for k in unknown), {"unknownFields": unknown})
+            return
+        pv = params.get("protocolVersion")
+        if pv is not None and pv != PROTOCOL_VERSION:
+            self.send_error(msg_id, E.INVALID_PARAMS, f"unsupported protocolVersion {pv!r}; this server speaks 1")
+            return
+        pid = params.get("processId")
+        caps = params.get("capabilities")
+        folders = params.get("workspaceFolders")
+        user = params.get("settings")
+        problems = []
+        if pid is not None and type(pid) is not int:
+            problems.append("processId must be an integer")
+        if caps is not None and type(caps) is not dict:
+            problems.append("capabilities must be an object")
+        if folders is not None and (type(folders) is not list or not all(type(f) is str for f in folders)):
+            problems.append("workspaceFolders must be a list of paths")
+        if user is not None and type(user) is not dict:
+            problems.append("settings must be an object")
+        if problems:
+            self.send_error(msg_id, E.INVALID_PARAMS, "invalid params: " + "; ".join(problems))
+            return
+        try:
+            merged = S.merge(S.merge(S.DEFAULTS, self.base_settings), user)
+            unknown_s = [k for k in (user or {}) if k not in S.DEFAULTS]
+            if unknown_s:
+                raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown_s))
+            settings = S.finalize(merged)
+        except S.SettingsError as e:
+            self.send_error(msg_id, E.INVALID_PARAMS, f"invalid params: settings: {e}")
+            return
+        self.settings = settings
+        self.parser.max_bytes = int(settings["maxMessageBytes"])
+        self.client_capabilities = dict(caps or {})
+        self.client_info = dict(params.get("clientInfo") or {})
+        self.workspace_folders = list(folders or [])
+        if pid is not None and self.client_pid is None:
+            self.client_pid = pid
+        self.initialized = True
+        self.send_result(msg_id, {
+            "protocolVersion": PROTOCOL_VERSION,
+            "serverInfo": {"name": SERVER_NAME, "version": self.version},
+            "capabilities": {
+                "methods": list(REQUEST_METHODS),
+                "notifications": list(SERVER_NOTIFICATIONS),
+                "models": list(settings["models"]),
+                "stateDir": settings.get("stateDir"),
+            },
+        })
+        for cb in self.on_initialized:
+            cb(self)
+        if self.app is not None:
+            self.app.on_initialized()
+
+    def stop(self, code: int) -> None:
+        if self.exit_code is None:
+            self.exit_code = code
+        self._stopped.set()
+
+    async def wait_stopped(self) -> int:
+        await self._stopped.wait()
+        return self.exit_code if self.exit_code is not None else 1
+
+    # ------------------------------------------------------------------ app loading
+    def start_app_loader(self, loop: asyncio.AbstractEventLoop) -> None:
+        def load() -> None:
+            mod, error = None, None
+            try:
+                from . import server as mod  # pygls, lsprotocol, protocol/ ... off the critical path
+            except BaseException as e:  # pragma: no cover - broken install
+                error = e
+            try:
+                loop.call_soon_threadsafe(self._app_loaded, mod, error)
+            except RuntimeError:  # the loop is already closed: the process is exiting
+                pass
+
+        threading.Thread(target=load, name="app-loader", daemon=True).start()
+
+    def load_app_now(self) -> None:
+        from . import server as mod
+
+        self._app_loaded(mod, None)
+
+    def _app_loaded(self, mod: Any, error: BaseException | None) -> None:
+        if self._backlog is None:
+            return
+        if error is not None:
+            self._app_error = error
+            log.error("could not load the server: %s", "".join(traceback.format_exception(error)))
+        else:
+            try:
+                self.app = mod.SidecarServer(self)
+                if self.initialized:
+                    self.app.on_initialized()
+                if self.shutdown_requested:
+                    self.app.on_shutdown()
+            except Exception as e:
+                self._app_error = e
+                log.exception("could not start the server")
+        backlog, self._backlog = self._backlog, None
+        for msg in backlog:
+            try:
+                self._handle(msg)
+            except Exception:
+                log.exception("error while handling a queued message")
+
+    async def aclose(self, timeout: float = 3.0) -> None:
+        if self.app is not None:
+            try:
+                await self.app.aclose(timeout)
+            except Exception:
+                log.exception("error while closing")
+
+
+def format_exception_short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text[:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def traceback_data(e: BaseException) -> dict[str, Any]:
+    return {"traceback": traceback.format_exception(type(e), e, e.__traceback__)}
+
+

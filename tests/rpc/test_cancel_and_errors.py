@@ -1,0 +1,100 @@
+"""Cancellation (PROTOCOL §7) and internal errors (-32603)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .support import TIMEOUT, RpcError, scripted
+
+
+def cancelled(pending) -> RpcError:
+    with pytest.raises(RpcError) as ei:
+        pending.result(TIMEOUT)
+    return ei.value
+
+
+def test_cancel_during_the_model_call(sidecar):
+    sidecar.init(models={"s": scripted({"text": "late", "delayMs": 60000}, "next")})
+    bid = sidecar.branch()
+    p = sidecar.request_async("operate", {"branchId": bid, "instruction": "wait", "workDoneToken": "t"})
+    assert sidecar.wait_for(lambda n: any(m == "$/progress" for m, _ in n), TIMEOUT)  # the model call started
+    sidecar.cancel(p.id)
+    err = cancelled(p)
+    assert err.code == -32800
+    values = [v["value"]["kind"] for v in sidecar.of("$/progress")]
+    assert values[0] == "begin" and values[-1] == "end"
+    # the branch is usable and consistent afterwards
+    assert sidecar.request("operate", {"branchId": bid, "instruction": "again"})["result"] == "next"
+
+
+def test_cancel_during_a_tool_keeps_the_branch_consistent_and_starts_no_more_tools(sidecar):
+    calls = {"json": {"action_requests": [{"function": "slow_tool", "arguments": {"seconds": 30}},
+                                          {"function": "echo_tool", "arguments": {"text": "never"}}]}}
+    sidecar.init(models={"s": scripted(calls)}, toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    p = sidecar.request_async("operate", {"branchId": bid, "instruction": "x", "actions": True,
+                                          "actionStrategy": "sequential"})
+    assert sidecar.wait_for(lambda n: any(m == "toolEvent" and e["event"] == "pre" for m, e in n), TIMEOUT)
+    sidecar.cancel(p.id)
+    assert cancelled(p).code == -32800
+    msgs = sidecar.messages(bid)
+    reqs = [m for m in msgs if m["kind"] == "action_request"]
+    resps = [m for m in msgs if m["kind"] == "action_response"]
+    assert [r["content"]["function"] for r in reqs] == ["slow_tool"]          # echo_tool never started
+    assert [r["content"]["callId"] for r in resps] == [reqs[0]["content"]["callId"]]
+    assert resps[0]["content"]["output"]["error"] == "cancelled"
+    assert all(e["tool"] != "echo_tool" for e in sidecar.of("toolEvent"))
+
+
+def test_cancel_while_waiting_for_permission_denies_and_cancels_the_client_request(sidecar):
+    calls = {"json": {"action_requests": [{"function": "echo_tool", "arguments": {"text": "x"}}]}}
+    sidecar.init(models={"s": scripted(calls)}, toolModules=["slow_tools"], toolPolicy={"echo_tool": "ask"},
+                 capabilities={"toolPermission": True})
+    import threading
+
+    asked, release = threading.Event(), threading.Event()
+    sidecar.on_request("requestToolPermission", lambda p: (asked.set(), release.wait(TIMEOUT),
+                                                           {"decision": "allow_once"})[2])
+    bid = sidecar.branch()
+    p = sidecar.request_async("operate", {"branchId": bid, "instruction": "x", "actions": True})
+    assert asked.wait(TIMEOUT)
+    sidecar.cancel(p.id)
+    assert cancelled(p).code == -32800
+    assert sidecar.wait_for(lambda n: any(m == "$/cancelRequest" for m, _ in n), TIMEOUT)
+    release.set()
+    assert not [e for e in sidecar.of("toolEvent") if e["event"] in ("pre", "post")]
+    assert sidecar.request("ping") == {}
+
+
+def test_cancel_of_unknown_or_finished_request_is_ignored(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    sidecar.cancel(12345)
+    sidecar.cancel("nope")
+    assert sidecar.request("ping") == {}
+
+
+def test_internal_error_has_no_traceback(sidecar):
+    sidecar.init(models={"s": scripted("x")}, toolModules=["boom_patch"])
+    sidecar.request("listTools", {})  # loads the tool module that breaks branch lookup
+    err = sidecar.error_of("branchMessages", {"branchId": "b"})
+    assert err.code == -32603 and "boom" in err.message
+    assert err.data is None or "traceback" not in str(err.data)
+    assert "Traceback" not in err.message and len(err.message) < 400
+    assert sidecar.request("ping") == {}
+
+
+def test_internal_error_has_a_traceback_with_debug(spawn):
+    c = spawn("--debug")
+    c.init(models={"s": scripted("x")}, toolModules=["boom_patch"])
+    c.request("listTools", {})
+    err = c.error_of("branchMessages", {"branchId": "b"})
+    assert err.code == -32603 and "traceback" in err.data
+    assert any("boom_patch" in line for line in err.data["traceback"])
+
+
+def test_broken_tool_module_is_reported_with_window_log_message(sidecar):
+    sidecar.init(models={"s": scripted("x")}, toolModules=["no_such_module_xyz", "slow_tools"])
+    names = [t["name"] for t in sidecar.request("listTools", {})["tools"]]
+    assert "echo_tool" in names
+    logs = sidecar.of("window/logMessage")
+    assert logs and logs[0]["type"] == 2 and "no_such_module_xyz" in logs[0]["message"]

@@ -1,0 +1,164 @@
+"""Lifecycle (PROTOCOL §2): initialize, ping, shutdown, exit, EOF, watchdog, settings, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .support import ROOT, SERVER, TIMEOUT, RpcError, scripted, server_env
+
+ALL_METHODS = ["initialize", "ping", "shutdown", "createBranch", "forkBranch", "deleteBranch", "listBranches",
+               "branchMessages", "listTools", "authorizeTool", "registerClientTools", "operate"]
+
+
+def test_initialize_result_lists_methods_notifications_models_and_state_dir(sidecar, tmp_path):
+    r = sidecar.init(models={"a": scripted("x"), "b": scripted("y")}, stateDir=str(tmp_path))
+    assert r["protocolVersion"] == 1
+    assert r["serverInfo"]["name"] == "operate-sidecar" and isinstance(r["serverInfo"]["version"], str)
+    caps = r["capabilities"]
+    assert sorted(caps["methods"]) == sorted(ALL_METHODS)
+    assert caps["notifications"] == ["$/progress", "toolEvent", "window/logMessage"]
+    assert caps["models"] == ["a", "b"]
+    assert caps["stateDir"] == str(tmp_path)
+
+
+def test_default_model_is_local_when_none_configured(sidecar):
+    caps = sidecar.request("initialize", {})["capabilities"]
+    assert caps["models"] == ["local"] and caps["stateDir"] is None
+
+
+def test_ping_is_allowed_before_initialize(sidecar):
+    assert sidecar.request("ping") == {}
+
+
+def test_requests_before_initialize_get_not_initialized(sidecar):
+    for method in ("createBranch", "listBranches", "operate", "shutdown", "noSuchMethod"):
+        assert sidecar.error_of(method, {}).code == -32002
+
+
+def test_unknown_method_is_method_not_found(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    err = sidecar.error_of("noSuchMethod", {})
+    assert err.code == -32601 and "noSuchMethod" in err.message
+
+
+def test_initialize_twice_is_invalid_request(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    assert sidecar.error_of("initialize", {}).code == -32600
+
+
+def test_bad_settings_are_invalid_params(sidecar):
+    err = sidecar.error_of("initialize", {"settings": {"toolPolicy": {"x": "maybe"}}})
+    assert err.code == -32602
+    err = sidecar.error_of("initialize", {"settings": {"noSuchSetting": 1}})
+    assert err.code == -32602 and "noSuchSetting" in err.message
+    assert sidecar.init(models={"s": scripted("x")})["protocolVersion"] == 1
+
+
+def test_after_shutdown_every_request_but_ping_is_invalid_request(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    assert sidecar.request("shutdown") is None
+    for method in ("listBranches", "createBranch", "initialize", "shutdown", "noSuchMethod"):
+        assert sidecar.error_of(method, {}).code == -32600
+    assert sidecar.request("ping") == {}
+    sidecar.notify("exit")
+    assert sidecar.wait(TIMEOUT) == 0
+
+
+def test_exit_without_shutdown_exits_1(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    sidecar.notify("exit")
+    assert sidecar.wait(TIMEOUT) == 1
+
+
+def test_close_sends_shutdown_and_exit_and_returns_0(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    assert sidecar.close() == 0
+
+
+def test_stdin_eof_exits_promptly_even_with_an_operate_in_flight(sidecar):
+    sidecar.init(models={"s": scripted({"text": "slow", "delayMs": 60000})})
+    bid = sidecar.branch()
+    sidecar.request_async("operate", {"branchId": bid, "instruction": "wait"})
+    sidecar.request("ping")
+    sidecar.proc.stdin.close()
+    assert sidecar.wait(TIMEOUT) == 1  # EOF without shutdown
+
+
+def test_stdin_eof_after_shutdown_exits_0(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    sidecar.request("shutdown")
+    sidecar.proc.stdin.close()
+    assert sidecar.wait(TIMEOUT) == 0
+
+
+def _parent() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_watchdog_exits_when_the_initialize_process_id_dies(sidecar):
+    parent = _parent()
+    try:
+        sidecar.request("initialize", {"processId": parent.pid, "settings": {"models": {"s": scripted("x")}}})
+        assert sidecar.request("ping") == {}
+        assert sidecar.proc.poll() is None
+    finally:
+        parent.kill()
+        parent.wait(TIMEOUT)
+    assert sidecar.wait(TIMEOUT) == 1
+
+
+def test_watchdog_from_the_command_line_flag(spawn):
+    parent = _parent()
+    try:
+        c = spawn("--client-process-id", str(parent.pid))
+        assert c.request("ping") == {}
+    finally:
+        parent.kill()
+        parent.wait(TIMEOUT)
+    assert c.wait(TIMEOUT) == 1
+
+
+def test_settings_merge_initialize_over_config_file_over_flags(spawn, tmp_path):
+    cfg = tmp_path / "sidecar.toml"
+    cfg.write_text('defaultModel = "f"\nstateDir = "%s"\n[models.f]\nprovider = "scripted"\nresponses = ["from file"]\n'
+                   '[models.g]\nprovider = "scripted"\nresponses = ["g"]\n' % (tmp_path / "from-file"))
+    c = spawn("--config", str(cfg), "--state-dir", str(tmp_path / "from-flag"))
+    caps = c.request("initialize", {"settings": {"models": {"i": scripted("from init")}}})["capabilities"]
+    assert caps["models"] == ["f", "g", "i"]           # per-model merge
+    assert caps["stateDir"] == str(tmp_path / "from-file")  # config file over flag
+    bid = c.branch()                                     # defaultModel from the file
+    out = c.request("operate", {"branchId": bid, "instruction": "hi"})
+    assert out == {"result": "from file", "kind": "text", "model": None}
+    c2 = spawn("--state-dir", str(tmp_path / "flag-only"))
+    assert c2.request("initialize", {})["capabilities"]["stateDir"] == str(tmp_path / "flag-only")
+    c3 = spawn("--config", str(cfg))
+    caps3 = c3.request("initialize", {"settings": {"stateDir": None}})["capabilities"]
+    assert caps3["stateDir"] is None                     # initialize over the file
+
+
+def test_help_explains_the_flags():
+    out = subprocess.run(SERVER + ["--help"], capture_output=True, text=True, env=server_env(), cwd=ROOT,
+                         timeout=TIMEOUT)
+    assert out.returncode == 0
+    for flag in ("--config", "--state-dir", "--client-process-id", "--log-level", "--debug"):
+        assert flag in out.stdout
+
+
+def test_console_script_is_installed():
+    exe = __import__("shutil").which("operate-sidecar", path=str(__import__("pathlib").Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("operate-sidecar console script not installed (pip install -e .)")
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0 and "operate-sidecar" in out.stdout
+
+
+def test_bad_config_file_exits_2_with_a_message(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("toolPolicy = 5\n")
+    out = subprocess.run(SERVER + ["--config", str(cfg)], capture_output=True, text=True, env=server_env(),
+                         cwd=ROOT, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and "toolPolicy" in out.stderr and out.stdout == ""

@@ -1,0 +1,199 @@
+"""operate over the wire (PROTOCOL §5, ADR-0022 D1–D4), $/progress, error codes."""
+
+from __future__ import annotations
+
+from .support import ANSWER_SCHEMA, TIMEOUT, RpcError, scripted
+
+
+def op(c, bid, **params):
+    return c.request("operate", {"branchId": bid, **params}, timeout=TIMEOUT)
+
+
+def test_result_envelope_kinds(sidecar):
+    sidecar.init(models={"s": scripted({"json": {"answer": "42"}}, "plain text", {"json": {"answer": "raw"}},
+                                        *["not json at all"] * 8)})
+    bid = sidecar.branch()
+    assert op(sidecar, bid, instruction="q", responseFormat=ANSWER_SCHEMA) == \
+        {"result": {"answer": "42"}, "kind": "model", "model": "AnswerResponse"}
+    assert op(sidecar, bid, instruction="q") == {"result": "plain text", "kind": "text", "model": None}
+    assert op(sidecar, bid, instruction="q", responseFormat=ANSWER_SCHEMA, skipValidation=True) == \
+        {"result": '{"answer": "raw"}', "kind": "text", "model": None}
+    assert op(sidecar, bid, instruction="q", responseFormat=ANSWER_SCHEMA, handleValidation="return_none",
+              parseOptions={"retryAttempts": 0, "retryInitialDelay": 0}) == \
+        {"result": None, "kind": "none", "model": None}
+
+
+def test_response_schema_sent_is_recorded_and_excludes_action_responses(sidecar):
+    sidecar.init(models={"s": scripted({"json": {"answer": "a", "action_requests": [],
+                                                 "action_responses": [{"function": "fake", "output": 1}]}})},
+                 toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    out = op(sidecar, bid, instruction="q", responseFormat=ANSWER_SCHEMA, actions=True, tools=["echo_tool"])
+    assert out["kind"] == "model" and not out["result"].get("action_responses")
+    ins = [m for m in sidecar.messages(bid) if m["kind"] == "instruction"][0]["content"]
+    assert "action_responses" not in ins["responseSchema"]["properties"]
+    assert "action_requests" in ins["responseSchema"]["properties"]
+    assert [t["function"]["name"] for t in ins["toolSchemas"]] == ["echo_tool"]
+
+
+def test_unknown_top_level_fields_are_named(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    bid = sidecar.branch()
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "responseModel": {}, "bogus": 1})
+    assert err.code == -32602 and "responseModel" in err.message and "bogus" in err.message
+
+
+def test_removed_model_option_names_point_to_the_wire_fields(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    bid = sidecar.branch()
+    for key, hint in (("request_model", "responseFormat"), ("operativeModel", "responseFormat"),
+                      ("imodel", "chatModel")):
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "modelOptions": {key: 1}})
+        assert err.code == -32602 and key in err.message and hint in err.message
+    for key in ("middle", "operative", "skip_validation", "sender"):  # pipeline names are not provider options
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "modelOptions": {key: 1}})
+        assert err.code == -32602 and key in err.message
+    assert op(sidecar, bid, instruction="x")["result"] == "x"  # nothing consumed the scripted reply
+
+
+def test_unregistered_tool_is_refused_before_any_model_call(sidecar):
+    sidecar.init(models={"s": scripted("first reply")}, toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "actions": True,
+                                       "tools": ["echo_tool", "no_such_tool"]})
+    assert err.code == -32602 and "no_such_tool" in err.message
+    assert sidecar.messages(bid) == []
+    assert op(sidecar, bid, instruction="x")["result"] == "first reply"
+
+
+def test_unsupported_schema_keyword_is_named(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    bid = sidecar.branch()
+    schema = {"title": "T", "type": "object", "properties": {"a": {"type": "string", "not": {"const": "b"}}}}
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "responseFormat": schema})
+    assert err.code == -32602 and "not" in err.message and "/properties/a" in err.message
+
+
+def test_validation_failed_raise_is_32010_and_runs_no_tool(sidecar):
+    bad = {"json": {"wrong": "shape", "action_requests": [{"function": "echo_tool", "arguments": {"text": "x"}}]}}
+    sidecar.init(models={"s": scripted(bad, bad, bad, bad, bad)}, toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "responseFormat": ANSWER_SCHEMA,
+                                       "handleValidation": "raise", "actions": True,
+                                       "parseOptions": {"retryAttempts": 0, "retryInitialDelay": 0}})
+    assert err.code == -32010
+    assert err.data["expected"] in ("Answer", "AnswerResponse") and err.data["expected"] in err.message
+    assert isinstance(err.data["received"], (str, dict)) and len(str(err.data["received"])) <= 200
+    assert sidecar.of("toolEvent") == []
+    assert not [m for m in sidecar.messages(bid) if m["kind"].startswith("action")]
+
+
+def test_model_failure_is_32011(sidecar):
+    sidecar.init(models={"s": scripted({"error": "provider down"})})
+    bid = sidecar.branch()
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x"})
+    assert err.code == -32011 and "provider down" in err.message
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x"})  # exhausted script
+    assert err.code == -32011
+
+
+def test_progress_notifications_precede_the_response_in_order(sidecar):
+    sidecar.init(models={"s": scripted({"text": "streamed reply text", "chunks": 4})})
+    bid = sidecar.branch()
+    out = op(sidecar, bid, instruction="x", workDoneToken="tok-1")
+    assert out["result"] == "streamed reply text"
+    prog = sidecar.of("$/progress")  # the reader records notifications before it resolves the response
+    assert all(p["token"] == "tok-1" for p in prog)
+    values = [p["value"] for p in prog]
+    assert values[0] == {"kind": "begin", "title": "operate", "message": "communicate"}
+    assert values[-1]["kind"] == "end"
+    reports = values[1:-1]
+    assert all(v["kind"] == "report" and v["phase"] in ("request", "stream", "parse", "actions") for v in reports)
+    assert "".join(v.get("delta", "") for v in reports if v["phase"] == "stream") == "streamed reply text"
+    assert len([v for v in reports if "delta" in v]) == 4
+
+
+def test_progress_for_a_cli_model_says_run_and_collect_and_no_progress_without_token(sidecar):
+    sidecar.init(models={"c": scripted("cli says hi", "again", cli=True)})
+    bid = sidecar.branch()
+    assert op(sidecar, bid, instruction="x", workDoneToken=0)["result"] == "cli says hi"
+    assert sidecar.of("$/progress")[0] == {"token": 0, "value": {"kind": "begin", "title": "operate",
+                                                                  "message": "run_and_collect"}}
+    n = len(sidecar.notifications)
+    op(sidecar, bid, instruction="x")
+    assert len(sidecar.notifications) == n
+
+
+def test_instruct_action_strategy_decides_when_the_wire_omits_it(sidecar):
+    calls = {"json": {"action_requests": [{"function": "slow_tool", "arguments": {"seconds": 0.3}},
+                                          {"function": "echo_tool", "arguments": {"text": "b"}}]}}
+    sidecar.init(models={"s": scripted(calls, calls)}, toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    op(sidecar, bid, instruct={"instruction": "x", "actions": True, "actionStrategy": "sequential"})
+    seq_events = [(e["tool"], e["event"]) for e in sidecar.of("toolEvent")]
+    assert seq_events == [("slow_tool", "pre"), ("slow_tool", "post"), ("echo_tool", "pre"), ("echo_tool", "post")]
+    sidecar.notifications.clear()
+    op(sidecar, bid, instruct={"instruction": "x", "actions": True})  # concurrent: both start before either ends
+    conc = [(e["tool"], e["event"]) for e in sidecar.of("toolEvent")]
+    assert conc[:2] in ([("slow_tool", "pre"), ("echo_tool", "pre")], [("echo_tool", "pre"), ("slow_tool", "pre")])
+
+
+def test_field_models_add_generated_fields(sidecar):
+    sidecar.init(models={"s": scripted({"json": {"answer": "a", "score": 3, "tags": ["x"]}})})
+    bid = sidecar.branch()
+    out = op(sidecar, bid, instruction="x", responseFormat=ANSWER_SCHEMA, fieldModels=[
+        {"name": "score", "schema": {"type": "integer", "maximum": 5}, "description": "a score"},
+        {"name": "tags", "schema": {"type": "array", "items": {"type": "string"}}, "default": []}])
+    assert out["kind"] == "model" and out["result"]["score"] == 3 and out["result"]["tags"] == ["x"]
+    ins = [m for m in sidecar.messages(bid) if m["kind"] == "instruction"][0]["content"]
+    assert {"answer", "score", "tags"} <= set(ins["responseSchema"]["properties"])
+
+
+def test_reason_and_loose_instruction_context(sidecar):
+    sidecar.init(models={"s": scripted({"json": {"answer": "a", "reason": {"title": "t", "content": "c",
+                                                                           "confidence_score": 0.9}}})})
+    bid = sidecar.branch()
+    out = op(sidecar, bid, instruction="x", guidance="be brief", context={"k": 1}, reason=True,
+             responseFormat=ANSWER_SCHEMA)
+    assert out["result"]["reason"]["title"] == "t"
+    ins = [m for m in sidecar.messages(bid) if m["kind"] == "instruction"][0]["content"]
+    assert ins["guidance"] == "be brief" and ins["context"] == {"k": 1}
+
+
+def test_named_and_inline_chat_model_per_call(sidecar):
+    sidecar.init(models={"a": scripted("from a"), "b": scripted("from b")}, defaultModel="a")
+    bid = sidecar.branch()
+    assert op(sidecar, bid, instruction="x", chatModel="b")["result"] == "from b"
+    assert op(sidecar, bid, instruction="x", chatModel={"provider": "scripted", "responses": ["inline"]})[
+        "result"] == "inline"
+    assert op(sidecar, bid, instruction="x")["result"] == "from a"
+    assert sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "chatModel": "zzz"}).code == -32602
+
+
+def test_operates_on_one_branch_run_in_arrival_order(sidecar):
+    sidecar.init(models={"s": scripted({"text": "first", "delayMs": 400}, "second")})
+    bid = sidecar.branch()
+    order = []
+    p1 = sidecar.request_async("operate", {"branchId": bid, "instruction": "one"})
+    p2 = sidecar.request_async("operate", {"branchId": bid, "instruction": "two"})
+    sidecar.on_notification("never", lambda p: None)
+    r2 = p2.result(TIMEOUT)
+    order.append("two-done")
+    assert p1._done.is_set()  # the first answered before the second
+    assert p1.result(TIMEOUT)["result"] == "first" and r2["result"] == "second"
+    texts = [m["content"].get("instruction") for m in sidecar.messages(bid) if m["kind"] == "instruction"]
+    assert texts == ["one", "two"]
+
+
+def test_operates_on_different_branches_run_concurrently(sidecar):
+    sidecar.init(models={"slow": scripted({"text": "slow", "delayMs": 60000}), "fast": scripted("fast")})
+    b1, b2 = sidecar.branch(chatModel="slow"), sidecar.branch(chatModel="fast")
+    p1 = sidecar.request_async("operate", {"branchId": b1, "instruction": "wait"})
+    assert sidecar.request("operate", {"branchId": b2, "instruction": "go"}, timeout=TIMEOUT)["result"] == "fast"
+    assert not p1._done.is_set()
+    sidecar.cancel(p1.id)
+    try:
+        p1.result(TIMEOUT)
+        raise AssertionError("expected cancellation")
+    except RpcError as e:
+        assert e.code == -32800

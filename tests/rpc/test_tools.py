@@ -1,0 +1,184 @@
+"""Tools and governance (PROTOCOL §4), both server→client requests, toolEvent."""
+
+from __future__ import annotations
+
+import threading
+
+from .support import TIMEOUT, RpcError, scripted
+
+CALL_ECHO = {"json": {"action_requests": [{"function": "echo_tool", "arguments": {"text": "a"}}]}}
+PERM = {"toolPermission": True}
+
+
+def echo_operate(c, bid, **extra):
+    return c.request("operate", {"branchId": bid, "instruction": "call", "actions": True, **extra},
+                     timeout=TIMEOUT)
+
+
+def outputs(result):
+    return [r["output"] for r in result["result"]["action_responses"]]
+
+
+DENIED = {"error": "denied by governance gate", "function": "echo_tool"}
+
+
+def test_list_tools_shows_source_schema_and_policy_in_force(sidecar, tmp_path):
+    sidecar.request("initialize", {"workspaceFolders": [str(tmp_path)], "settings": {
+        "models": {"s": scripted("x")}, "toolModules": ["slow_tools"], "toolPolicy": {"slow_tool": "deny"}}})
+    bid = sidecar.branch()
+    tools = {t["name"]: t for t in sidecar.request("listTools", {})["tools"]}
+    assert tools["echo_tool"]["source"] == "python" and tools["echo_tool"]["policy"] == "allow"
+    assert tools["echo_tool"]["inputSchema"]["properties"]["text"]["type"] == "string"
+    assert tools["slow_tool"]["policy"] == "deny"                       # settings.toolPolicy
+    assert tools["read_file"]["source"] == "builtin" and tools["read_file"]["policy"] == "allow"  # read-only
+    assert tools["write_file"]["policy"] == "ask"                        # default for the rest
+    assert set(tools["echo_tool"]) == {"name", "description", "inputSchema", "source", "policy"}
+    # server-wide decision beats settings; branch decision beats server-wide
+    assert sidecar.request("authorizeTool", {"tool": "slow_tool", "decision": "ask"}) == \
+        {"tool": "slow_tool", "decision": "ask", "branchId": None}
+    assert sidecar.request("authorizeTool", {"tool": "slow_tool", "decision": "allow", "branchId": bid}) == \
+        {"tool": "slow_tool", "decision": "allow", "branchId": bid}
+    server_wide = {t["name"]: t["policy"] for t in sidecar.request("listTools", {})["tools"]}
+    on_branch = {t["name"]: t["policy"] for t in sidecar.request("listTools", {"branchId": bid})["tools"]}
+    assert server_wide["slow_tool"] == "ask" and on_branch["slow_tool"] == "allow"
+    fork = sidecar.request("forkBranch", {"branchId": bid})["branchId"]   # policy copied
+    assert {t["name"]: t["policy"] for t in sidecar.request("listTools", {"branchId": fork})["tools"]}[
+        "slow_tool"] == "allow"
+
+
+def test_authorize_unknown_tool_is_invalid_params(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    err = sidecar.error_of("authorizeTool", {"tool": "nope", "decision": "allow"})
+    assert err.code == -32602 and "nope" in err.message
+    assert sidecar.error_of("authorizeTool", {"tool": "nope", "decision": "maybe"}).code == -32602
+
+
+def test_denied_call_is_never_invoked_and_recorded(sidecar):
+    sidecar.init(models={"s": scripted(CALL_ECHO)}, toolModules=["slow_tools"], toolPolicy={"echo_tool": "deny"})
+    bid = sidecar.branch()
+    out = echo_operate(sidecar, bid)
+    assert outputs(out) == [dict(DENIED, reason="denied by policy")]
+    kinds = [m["kind"] for m in sidecar.messages(bid)]
+    assert kinds[-2:] == ["action_request", "action_response"]
+    events = sidecar.of("toolEvent")
+    assert [e["event"] for e in events] == ["denied"]
+
+
+def test_ask_without_the_capability_means_deny(sidecar):
+    sidecar.init(models={"s": scripted(CALL_ECHO)}, toolModules=["slow_tools"], toolPolicy={"echo_tool": "ask"})
+    asked = []
+    sidecar.on_request("requestToolPermission", lambda p: asked.append(p) or {"decision": "allow_once"})
+    out = echo_operate(sidecar, sidecar.branch())
+    assert outputs(out)[0]["error"] == "denied by governance gate" and asked == []
+
+
+def test_ask_allow_once_invokes_and_asks_again(sidecar):
+    sidecar.init(models={"s": scripted(CALL_ECHO, CALL_ECHO)}, capabilities=PERM, toolModules=["slow_tools"],
+                 toolPolicy={"echo_tool": "ask"})
+    asked = []
+    sidecar.on_request("requestToolPermission", lambda p: asked.append(p) or {"decision": "allow_once"})
+    bid = sidecar.branch()
+    assert outputs(echo_operate(sidecar, bid)) == ["echo:a"]
+    assert outputs(echo_operate(sidecar, bid)) == ["echo:a"]
+    assert len(asked) == 2
+    p = asked[0]
+    assert p["branchId"] == bid and p["tool"] == "echo_tool" and p["arguments"] == {"text": "a"}
+    assert p["options"] == ["allow_once", "allow_always", "deny_once", "deny_always"]
+    # one callId everywhere: permission request, toolEvents, messages
+    msgs = [m for m in sidecar.messages(bid) if m["kind"] == "action_request"]
+    assert msgs[0]["content"]["callId"] == p["callId"]
+    ev = [e for e in sidecar.of("toolEvent") if e["callId"] == p["callId"]]
+    assert [e["event"] for e in ev] == ["pre", "post"]
+
+
+def test_allow_always_and_deny_always_become_the_branch_decision(sidecar):
+    sidecar.init(models={"s": scripted(CALL_ECHO, CALL_ECHO, CALL_ECHO, CALL_ECHO)}, capabilities=PERM,
+                 toolModules=["slow_tools"], toolPolicy={"echo_tool": "ask"})
+    answers = iter(["allow_always", "deny_always"])
+    asked = []
+    sidecar.on_request("requestToolPermission", lambda p: asked.append(p) or {"decision": next(answers)})
+    b1, b2 = sidecar.branch(), sidecar.branch()
+    assert outputs(echo_operate(sidecar, b1)) == ["echo:a"]
+    assert outputs(echo_operate(sidecar, b1)) == ["echo:a"]          # not asked again
+    assert outputs(echo_operate(sidecar, b2))[0]["error"] == "denied by governance gate"
+    assert outputs(echo_operate(sidecar, b2))[0]["error"] == "denied by governance gate"
+    assert len(asked) == 2
+    pol = lambda b: {t["name"]: t["policy"] for t in sidecar.request("listTools", {"branchId": b})["tools"]}
+    assert pol(b1)["echo_tool"] == "allow" and pol(b2)["echo_tool"] == "deny"
+
+
+def test_permission_error_response_means_deny(sidecar):
+    sidecar.init(models={"s": scripted(CALL_ECHO)}, capabilities=PERM, toolModules=["slow_tools"],
+                 toolPolicy={"echo_tool": "ask"})
+
+    def refuse(p):
+        raise RpcError(-32603, "user closed the dialog")
+
+    sidecar.on_request("requestToolPermission", refuse)
+    out = outputs(echo_operate(sidecar, sidecar.branch()))
+    assert out[0]["error"] == "denied by governance gate" and "closed the dialog" in out[0]["reason"]
+
+
+def test_unanswered_permission_request_times_out_to_deny(sidecar):
+    sidecar.init(models={"s": scripted(CALL_ECHO)}, capabilities=PERM, toolModules=["slow_tools"],
+                 toolPolicy={"echo_tool": "ask"}, permissionTimeoutMs=300)
+    never = threading.Event()
+    sidecar.on_request("requestToolPermission", lambda p: never.wait(TIMEOUT) and None)
+    out = outputs(echo_operate(sidecar, sidecar.branch()))
+    assert out[0]["error"] == "denied by governance gate" and "timed out" in out[0]["reason"]
+    # the server told the client to stop waiting
+    assert sidecar.wait_for(lambda n: any(m == "$/cancelRequest" for m, _ in n), TIMEOUT)
+    never.set()
+
+
+def test_register_client_tools_and_invoke_them(sidecar):
+    sidecar.init(models={"s": scripted({"json": {"action_requests": [
+        {"function": "editor_selection", "arguments": {"uri": "file:///a"}},
+        {"function": "editor_fail", "arguments": {}}]}})}, capabilities={"clientTools": True})
+    spec = {"name": "editor_selection", "description": "The selection.",
+            "inputSchema": {"type": "object", "properties": {"uri": {"type": "string"}}, "required": ["uri"]}}
+    fail = {"name": "editor_fail", "description": "Fails.", "inputSchema": {"type": "object", "properties": {}}}
+    assert sidecar.request("registerClientTools", {"tools": [spec, fail]}) == \
+        {"registered": ["editor_selection", "editor_fail"]}
+    err = sidecar.error_of("registerClientTools", {"tools": [spec]})
+    assert err.code == -32602 and "editor_selection" in err.message
+    calls = []
+    sidecar.on_request("invokeClientTool", lambda p: calls.append(p) or {"output": {"text": "selected"}})
+
+    def fail_handler(p):
+        raise RpcError(-32000, "editor refused")
+
+    handlers = {"editor_selection": lambda p: calls.append(p) or {"output": {"text": "selected"}},
+                "editor_fail": fail_handler}
+    sidecar.on_request("invokeClientTool", lambda p: handlers[p["tool"]](p))
+    bid = sidecar.branch()
+    tools = {t["name"]: t for t in sidecar.request("listTools", {"branchId": bid})["tools"]}
+    assert tools["editor_selection"]["source"] == "client" and tools["editor_selection"]["policy"] == "allow"
+    out = sidecar.request("operate", {"branchId": bid, "instruction": "x", "actions": True,
+                                      "actionStrategy": "sequential"})
+    res = outputs(out)
+    assert res[0] == {"text": "selected"}
+    assert res[1]["error"] == "editor refused" and res[1]["function"] == "editor_fail"
+    assert calls[0]["branchId"] == bid and calls[0]["tool"] == "editor_selection"
+    assert calls[0]["arguments"] == {"uri": "file:///a"} and calls[0]["callId"]
+    events = sidecar.of("toolEvent")
+    assert [(e["tool"], e["event"]) for e in events] == [("editor_selection", "pre"), ("editor_selection", "post"),
+                                                          ("editor_fail", "pre"), ("editor_fail", "error")]
+
+
+def test_tool_events_have_increasing_seq_and_bounded_summaries(sidecar):
+    long_text = "z" * 500
+    sidecar.init(models={"s": scripted({"json": {"action_requests": [
+        {"function": "echo_tool", "arguments": {"text": long_text}},
+        {"function": "failing_tool", "arguments": {"x": 1}}]}})}, toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    sidecar.request("operate", {"branchId": bid, "instruction": "x", "actions": True,
+                                "actionStrategy": "sequential"})
+    ev = sidecar.of("toolEvent")
+    assert [e["seq"] for e in ev] == list(range(ev[0]["seq"], ev[0]["seq"] + len(ev)))
+    assert [(e["tool"], e["event"]) for e in ev] == [("echo_tool", "pre"), ("echo_tool", "post"),
+                                                      ("failing_tool", "pre"), ("failing_tool", "error")]
+    assert all(len(e["argsSummary"]) <= 200 for e in ev)
+    assert len(ev[1]["resultSummary"]) <= 200 and ev[1]["durationMs"] >= 0
+    assert "tool exploded" in ev[3]["error"]
+    assert all(e["branchId"] == bid for e in ev)

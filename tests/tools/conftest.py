@@ -1,0 +1,18 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture
+def fixture_modules(monkeypatch):
+    """Make tests/tools/fixtures importable; forget the modules imported from it afterwards."""
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    before = set(sys.modules)
+    yield FIXTURES
+    for name in set(sys.modules) - before:
+        mod = sys.modules.get(name)
+        if str(getattr(mod, "__file__", "") or "").startswith(str(FIXTURES)):
+            del sys.modules[name]

@@ -1,0 +1,163 @@
+import os
+
+import anyio
+import jsonschema
+import pytest
+
+from server.core.tools import ToolCallContext
+from server.tools import ToolSourceError, WorkspacePathError, WorkspaceTools
+
+CTX = ToolCallContext(branch_id="b", call_id="c")
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    root = tmp_path / "ws"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "app.py").write_text("import os\n\ndef main():\n    print('Hello')\n")
+    (root / "README.md").write_text("# Title\nhello world\n")
+    (root / "node_modules").mkdir()
+    (root / "node_modules" / "dep.js").write_text("hello from a dependency\n")
+    (root / "blob.bin").write_bytes(b"\x00\x01hello\x00")
+    outside = tmp_path / "secret.txt"
+    outside.write_text("top secret hello\n")
+    return root
+
+
+def tools_of(ws):
+    return {t.name: t for t in ws.tools()}
+
+
+def call(tool, args):
+    async def main():
+        with anyio.fail_after(10):
+            return await tool.call(tool.validate_arguments(args), CTX)
+
+    return anyio.run(main)
+
+
+def test_tools_are_builtin_with_read_only_flags_and_valid_schemas(workspace):
+    tools = tools_of(WorkspaceTools([workspace]))
+    assert {n: t.read_only for n, t in tools.items()} == {
+        "read_file": True, "list_dir": True, "search_text": True, "write_file": False}
+    for t in tools.values():
+        assert t.source == "builtin"
+        jsonschema.Draft202012Validator.check_schema(t.input_schema)
+
+
+def test_no_workspace_folder_gives_no_tools():
+    assert WorkspaceTools([]).tools() == []
+
+
+def test_a_root_that_is_not_a_directory_is_rejected(tmp_path):
+    with pytest.raises(ToolSourceError, match="not a directory"):
+        WorkspaceTools([tmp_path / "missing"])
+
+
+def test_read_file_returns_lines_from_offset(workspace):
+    tools = tools_of(WorkspaceTools([workspace]))
+    out = call(tools["read_file"], {"path": "src/app.py", "offset": 3, "limit": 1})
+    assert out["content"] == "def main():\n"
+    assert out["path"] == "src/app.py" and out["nextOffset"] == 4 and out["lines"] == 1
+
+
+def test_read_file_caps_the_output_size(workspace):
+    (workspace / "big.txt").write_text("x" * 100 + "\n" + "y" * 100 + "\n")
+    ws = WorkspaceTools([workspace], max_read_bytes=150)
+    out = call(tools_of(ws)["read_file"], {"path": "big.txt"})
+    assert len(out["content"]) == 150 and out["truncated"] is True
+
+
+def test_read_file_refuses_binary_and_missing_files(workspace):
+    ws = WorkspaceTools([workspace])
+    with pytest.raises(WorkspacePathError, match="binary"):
+        ws.read_file("blob.bin")
+    with pytest.raises(WorkspacePathError, match="does not exist"):
+        ws.read_file("nope.txt")
+
+
+@pytest.mark.parametrize("path", ["../secret.txt", "src/../../secret.txt", "SECRET_ABS"])
+def test_paths_outside_the_root_are_rejected(workspace, path):
+    ws = WorkspaceTools([workspace])
+    if path == "SECRET_ABS":
+        path = str(workspace.parent / "secret.txt")
+    with pytest.raises(WorkspacePathError, match="outside the workspace"):
+        ws.read_file(path)
+
+
+def test_symlink_escaping_the_root_is_rejected(workspace):
+    os.symlink(workspace.parent / "secret.txt", workspace / "link.txt")
+    os.symlink(workspace.parent, workspace / "updir")
+    ws = WorkspaceTools([workspace])
+    with pytest.raises(WorkspacePathError, match="outside"):
+        ws.read_file("link.txt")
+    with pytest.raises(WorkspacePathError, match="outside"):
+        ws.write_file("updir/new.txt", "x")
+    assert not (workspace.parent / "new.txt").exists()
+    hits = ws.search_text("secret")["matches"]
+    assert hits == []
+
+
+def test_symlink_inside_the_root_is_followed(workspace):
+    os.symlink(workspace / "README.md", workspace / "readme-link")
+    assert "hello world" in WorkspaceTools([workspace]).read_file("readme-link")["content"]
+
+
+def test_list_dir_lists_entries(workspace):
+    out = call(tools_of(WorkspaceTools([workspace]))["list_dir"], {"path": "."})
+    entries = {e["name"]: e for e in out["entries"]}
+    assert entries["src"]["type"] == "dir"
+    assert entries["README.md"] == {"name": "README.md", "type": "file", "size": 20}
+
+
+def test_list_dir_caps_entries(workspace):
+    out = WorkspaceTools([workspace], max_list_entries=2).list_dir(".")
+    assert len(out["entries"]) == 2 and out["truncated"] is True
+
+
+def test_search_text_finds_substrings_and_skips_binary_and_vendored(workspace):
+    out = call(tools_of(WorkspaceTools([workspace]))["search_text"], {"pattern": "hello", "ignore_case": True})
+    found = {(m["path"], m["line"]) for m in out["matches"]}
+    assert found == {("README.md", 2), ("src/app.py", 4)}
+    assert out["truncated"] is False
+
+
+def test_search_text_regex_and_result_cap(workspace):
+    ws = WorkspaceTools([workspace])
+    out = ws.search_text(r"^(import|def) \w+", regex=True)
+    assert [(m["path"], m["line"]) for m in out["matches"]] == [("src/app.py", 1), ("src/app.py", 3)]
+    capped = ws.search_text(r"\w", regex=True, max_results=2)
+    assert len(capped["matches"]) == 2 and capped["truncated"] is True
+    with pytest.raises(WorkspacePathError, match="invalid regular expression"):
+        ws.search_text("(", regex=True)
+
+
+def test_write_file_creates_and_overwrites_inside_the_root(workspace):
+    tools = tools_of(WorkspaceTools([workspace]))
+    out = call(tools["write_file"], {"path": "new/dir/note.txt", "content": "hi\n"})
+    assert out == {"path": "new/dir/note.txt", "bytes": 3, "created": True}
+    assert (workspace / "new" / "dir" / "note.txt").read_text() == "hi\n"
+    out = call(tools["write_file"], {"path": "new/dir/note.txt", "content": "bye\n"})
+    assert out["created"] is False and (workspace / "new" / "dir" / "note.txt").read_text() == "bye\n"
+
+
+def test_write_file_outside_the_root_is_rejected_and_writes_nothing(workspace):
+    ws = WorkspaceTools([workspace])
+    with pytest.raises(WorkspacePathError):
+        ws.write_file("../escaped.txt", "x")
+    assert not (workspace.parent / "escaped.txt").exists()
+
+
+def test_write_file_size_cap(workspace):
+    with pytest.raises(WorkspacePathError, match="limit"):
+        WorkspaceTools([workspace], max_write_bytes=4).write_file("a.txt", "12345")
+
+
+def test_second_root_is_addressed_by_its_folder_name(workspace, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("hello other\n")
+    ws = WorkspaceTools([workspace, other])
+    assert ws.read_file("other/notes.txt")["path"] == "other/notes.txt"
+    assert ws.read_file(str(other / "notes.txt"))["content"] == "hello other\n"
+    assert ("other/notes.txt", 1) in {(m["path"], m["line"]) for m in ws.search_text("hello", path="other")["matches"]}
