@@ -25,7 +25,7 @@ def _parser():  # type: ignore[no-untyped-def]
                    help="journal branches under DIR so they survive restarts (default: memory only)")
     p.add_argument("--client-process-id", metavar="PID", type=int,
                    help="exit when this process dies (as initialize processId)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
+    p.add_argument("--log-level", default="warning", type=str.lower, choices=["debug", "info", "warning", "error", "critical"],
                    help="stderr log level (default: warning)")
     p.add_argument("--debug", action="store_true",
                    help="include tracebacks in internal-error responses (error.data) and log at debug level")

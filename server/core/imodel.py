@@ -10,6 +10,7 @@ surrounding scope is cancelled.
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
 
@@ -90,14 +91,15 @@ async def collect(model: iModel, request: ModelRequest) -> ModelResponse:
     parts: list[str] = []
     usage = None
     name = model.name
-    async for chunk in model.stream(request):
-        if chunk.type == "text":
-            parts.append(chunk.text)
-        elif chunk.type == "result":
-            usage = chunk.usage or usage
-            name = chunk.model or name
-        elif chunk.type == "error":
-            raise ModelError(chunk.text or "model reported an error")
+    async with aclosing(model.stream(request)) as stream:
+        async for chunk in stream:
+            if chunk.type == "text":
+                parts.append(chunk.text)
+            elif chunk.type == "result":
+                usage = chunk.usage or usage
+                name = chunk.model or name
+            elif chunk.type == "error":
+                raise ModelError(chunk.text or "model reported an error")
     return ModelResponse(text="".join(parts), model=name, usage=usage)
 
 

@@ -95,6 +95,21 @@ def test_stdin_eof_after_shutdown_exits_0(sidecar):
     assert sidecar.wait(TIMEOUT) == 0
 
 
+def test_sigterm_stops_gracefully_and_flushes_state(spawn, tmp_path):
+    import signal
+
+    c = spawn()
+    c.init(models={"s": scripted({"text": "never", "delayMs": 60000})}, stateDir=str(tmp_path))
+    bid = c.branch(name="survives")
+    c.request_async("operate", {"branchId": bid, "instruction": "wait"})
+    c.request("ping")
+    c.proc.send_signal(signal.SIGTERM)
+    assert c.wait(TIMEOUT) == 1
+    c2 = spawn()
+    c2.init(models={"s": scripted("x")}, stateDir=str(tmp_path))
+    assert [b["name"] for b in c2.request("listBranches")["branches"]] == ["survives"]
+
+
 def _parent() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 

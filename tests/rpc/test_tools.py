@@ -182,3 +182,22 @@ def test_tool_events_have_increasing_seq_and_bounded_summaries(sidecar):
     assert len(ev[1]["resultSummary"]) <= 200 and ev[1]["durationMs"] >= 0
     assert "tool exploded" in ev[3]["error"]
     assert all(e["branchId"] == bid for e in ev)
+
+
+def test_mcp_server_tools_are_listed_governed_and_callable(sidecar):
+    import sys
+
+    from .support import ROOT
+
+    server = str(ROOT / "tests" / "tools" / "fixtures" / "mcp_server.py")
+    sidecar.init(models={"s": scripted({"json": {"action_requests": [
+        {"function": "add", "arguments": {"a": 2, "b": 3}}, {"function": "echo", "arguments": {"text": "hi"}}]}})},
+        mcpServers={"fx": {"command": [sys.executable, server, "fx"]}})
+    tools = {t["name"]: t for t in sidecar.request("listTools", {}, timeout=60)["tools"]}
+    assert tools["add"]["source"] == "mcp" and tools["add"]["policy"] == "ask"     # default for the rest
+    assert tools["echo"]["policy"] == "allow"                                         # read-only annotation
+    sidecar.request("authorizeTool", {"tool": "add", "decision": "allow"})
+    out = sidecar.request("operate", {"branchId": sidecar.branch(), "instruction": "x", "actions": True,
+                                      "actionStrategy": "sequential"}, timeout=60)
+    assert [str(o) for o in outputs(out)] == ["5", "hi"]
+    assert sidecar.close() == 0
