@@ -49,6 +49,9 @@ class _Pending:
         self._msg = msg
         self._done.set()
 
+    def done(self) -> bool:
+        return self._done.is_set()
+
     def result(self, timeout: float = 30.0) -> Any:
         if not self._done.wait(timeout):
             raise TimeoutError(f"no response to request {self.id!r} within {timeout}s")
@@ -133,24 +136,25 @@ class SidecarClient:
 
     # -- reading -------------------------------------------------------------
     def _read_frame(self) -> bytes | None:
-        out = self._out
-        line = out.readline()
-        if not line:
-            return None
-        m = _HEADER.fullmatch(line)
-        if not m and not self.strict and b":" in line and not line.lower().startswith(b"content-length"):
-            while line not in (b"", b"\r\n") and not _HEADER.fullmatch(line):
-                line = out.readline()  # lenient: headers before Content-Length
+        length = None
+        while True:
+            line = self._out.readline()
+            if not line:
+                return None
+            if line == b"\r\n" and length is not None:
+                break
             m = _HEADER.fullmatch(line)
-        extra = out.readline() if m else b""
-        while m and not self.strict and extra not in (b"\r\n", b"") and b":" in extra:
-            extra = out.readline()  # lenient mode: other headers (e.g. Content-Type) are skipped
-        if not m or extra != b"\r\n":
-            rest = line + extra
-            self.stream_errors.append(rest.decode("utf-8", "replace"))
-            raise StreamError(f"not a protocol frame: {rest[:200]!r}")
-        body = out.read(int(m.group(1)))
-        return body if len(body) == int(m.group(1)) else None
+            if m and length is None:
+                length = int(m.group(1))
+                continue
+            if self.strict or b":" not in line:
+                self.stream_errors.append(line.decode("utf-8", "replace"))
+                raise StreamError(f"not a protocol frame: {line[:200]!r}")
+            name, _, value = line.partition(b":")  # lenient: other headers are skipped
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        body = self._out.read(length)
+        return body if len(body) == length else None
 
     def _read_loop(self) -> None:
         try:
@@ -163,6 +167,9 @@ class SidecarClient:
             if not isinstance(e, StreamError):
                 self.stream_errors.append(repr(e))
         finally:
+            for pending in list(self._pending.values()):  # nobody will answer these now
+                pending._set({"error": {"code": -32099, "message": "the server closed its output"}})
+            self._pending.clear()
             with self._cond:
                 self._cond.notify_all()
 
@@ -174,7 +181,10 @@ class SidecarClient:
                 self.notifications.append((msg["method"], msg.get("params")))
                 self._cond.notify_all()
             for cb in self._notif_handlers.get(msg["method"], ()):
-                cb(msg.get("params"))
+                try:
+                    cb(msg.get("params"))
+                except Exception as e:  # a faulty callback must not stop the reader
+                    print(f"notification handler for {msg['method']} failed: {e!r}", file=sys.stderr)
         else:
             pending = self._pending.pop(msg.get("id"), None)
             if pending is None:

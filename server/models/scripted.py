@@ -32,10 +32,15 @@ def _check_entry(i: int, entry: Any) -> Any:
     unknown = set(entry) - ENTRY_KEYS
     if unknown:
         raise ValueError(f"scripted response {i} has unknown field(s): {', '.join(sorted(unknown))}")
-    if "delayMs" in entry and (not isinstance(entry["delayMs"], (int, float)) or entry["delayMs"] < 0):
+    delay = entry.get("delayMs", 0)
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
         raise ValueError(f"scripted response {i}: delayMs must be a non-negative number")
-    if "chunks" in entry and (not isinstance(entry["chunks"], int) or entry["chunks"] < 1):
+    chunks = entry.get("chunks", 1)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"scripted response {i}: chunks must be a positive integer")
+    for key in ("text", "error"):
+        if key in entry and not isinstance(entry[key], str):
+            raise ValueError(f"scripted response {i}: {key} must be a string")
     return entry
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 import threading
 import traceback
 from typing import Any, Callable
@@ -40,6 +39,12 @@ REQUEST_METHODS: tuple[str, ...] = (
 #: notifications the server sends (``capabilities.notifications``)
 SERVER_NOTIFICATIONS: tuple[str, ...] = ("$/progress", "toolEvent", "window/logMessage")
 _APP_METHODS = frozenset(REQUEST_METHODS) - {"initialize", "ping", "shutdown"}
+
+#: imported by the background loader before the app takes requests
+PRELOAD = ("protocol", "server.core.branch", "server.core.operate", "server.core.prepare", "server.core.tools",
+           "server.models", "server.models.scripted")
+#: imported by the loader afterwards (first use of responseFormat / tool sources)
+WARM = ("json_schema_to_pydantic", "server.tools.python_modules")
 
 _INIT_KEYS = frozenset({"protocolVersion", "clientInfo", "processId", "capabilities", "workspaceFolders",
                         "settings"})
@@ -178,7 +183,7 @@ class Connection:
             self.send_error(None, E.INVALID_REQUEST, 'invalid request: "id" must be an integer or a string')
             return
         params = msg.get("params")
-        if params is None:
+        if params is None or params == []:  # omitted, null or an empty by-position list: {}
             msg["params"] = {}
         elif type(params) is not dict:
             if "id" in msg:
@@ -319,13 +324,24 @@ class Connection:
         def load() -> None:
             mod, error = None, None
             try:
-                from . import server as mod  # pygls, lsprotocol, protocol/ ... off the critical path
+                from . import server as mod  # pygls, lsprotocol ... off the critical path
+                import importlib
+
+                # what the first requests need anyway; the loop thread imports none of these
+                # until the app is signalled loaded, so there is no cross-thread import race
+                for name in PRELOAD:
+                    importlib.import_module(name)
             except BaseException as e:  # pragma: no cover - broken install
                 error = e
             try:
                 loop.call_soon_threadsafe(self._app_loaded, mod, error)
             except RuntimeError:  # the loop is already closed: the process is exiting
-                pass
+                return
+            for name in WARM:  # nice to have: first responseFormat/MCP use
+                try:
+                    importlib.import_module(name)
+                except BaseException:
+                    pass
 
         threading.Thread(target=load, name="app-loader", daemon=True).start()
 

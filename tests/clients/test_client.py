@@ -67,13 +67,15 @@ def test_error_responses_raise_rpc_error_with_code_message_data():
 
 def test_strict_mode_reports_anything_but_exact_frames():
     c = fake("garbage")
-    with pytest.raises(TimeoutError):
-        c.request("x", timeout=2)
+    with pytest.raises(RpcError) as ei:  # the reader stops; waiting requests fail at once
+        c.request("x", timeout=10)
+    assert ei.value.code == -32099
     assert c.stream_errors and "stray print" in c.stream_errors[0]
     c.kill()
     c2 = fake("headers")
-    with pytest.raises(TimeoutError):
-        c2.request("x", timeout=2)
+    with pytest.raises(RpcError):
+        c2.request("x", timeout=10)
+    assert "Content-Type" in c2.stream_errors[0]
     c2.kill()
     c3 = fake("headers", strict=False)
     assert c3.request("x", timeout=10) == "ok"

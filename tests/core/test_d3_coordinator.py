@@ -225,3 +225,11 @@ async def test_run_param_type_is_what_the_middle_receives(tmp_path):
     await b.operate(instruction="x", middle=mid, snapshot_dir=str(tmp_path))
     (args, _), = mid.calls
     assert isinstance(args[2], RunParam) and args[2].snapshot_dir == str(tmp_path)
+
+
+async def test_message_persistence_is_adapter_owned():
+    """D3: the coordinator records no messages itself; persistence belongs to the adapter."""
+    b, _ = make_branch([])
+    out = await b.operate(instruction="x", response_format=Answer, middle=RecordingMiddle(Answer(answer=1)))
+    assert out == Answer(answer=1)
+    assert len(b.messages) == 0

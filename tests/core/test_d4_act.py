@@ -327,6 +327,7 @@ async def test_hooks_order_pre_then_post_on_success(record):
     assert ev.events[0].call_id == ev.events[1].call_id
     assert ev.events[1].result_summary == str({"doubled": 2})
     assert kinds(b) == ["action_request", "action_response"]
+    assert [e["event"] for e in b.logs] == ["post"]  # successful calls are logged
 
 
 async def test_hooks_order_pre_then_error_on_exception():

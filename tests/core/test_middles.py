@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any, AsyncIterator, Callable
 
+import anyio
 import pytest
 
 from server.core import (
@@ -246,3 +247,75 @@ async def test_stream_persist_through_operate(tmp_path):
     out = await b.operate(instruction="x", response_format=Answer, stream_persist=True, persist_dir=str(tmp_path))
     assert out.answer == 5
     assert os.listdir(tmp_path) == [f"{b.id}.json"]
+
+
+class BlockingAgent(AgentModel):
+    """Yields its chunks, then blocks until cancelled (a CLI run that hangs mid-tool)."""
+
+    def __init__(self, chunks):
+        super().__init__(chunks)
+        self.blocked = anyio.Event()
+
+    async def stream(self, request):  # type: ignore[override]
+        for c in self.chunks:
+            yield c
+        self.blocked.set()
+        await anyio.sleep_forever()
+
+
+async def test_cancelled_run_answers_open_tool_use_and_cleans_persistence(tmp_path):
+    """PROTOCOL §7: a cancelled run leaves every action_request answered and removes the stream buffer."""
+    b, _ = make_branch([])
+    model = BlockingAgent([text("working"), StreamChunk(type="tool_use", id="t", name="bash", input={"c": 1})])
+    param = RunParam(imodel=model, stream_persist=True, persist_dir=str(tmp_path))
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_and_collect, b, "go", param, None)
+            await model.blocked.wait()
+            tg.cancel_scope.cancel()
+    assert kinds(b) == ["instruction", "assistant_response", "action_request", "action_response"]
+    assert b.messages[3].content["requestId"] == b.messages[2].id
+    assert "error" in b.messages[3].content["output"]
+    assert os.listdir(tmp_path) == [f"{b.id}.json"]
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def begin(self, message):
+        self.events.append(("begin", message))
+
+    def report(self, message, phase, delta=None):
+        self.events.append(("report", phase, delta))
+
+    def end(self, message):
+        self.events.append(("end", message))
+
+
+async def test_progress_reports_stream_deltas_in_order():
+    """PROTOCOL §6 (core side): begin with the adapter name, stream deltas in order, end after the operate."""
+    from server.core import current_progress
+
+    b, _ = make_branch([{"text": "abcdef", "chunks": 3}])
+    sink = Sink()
+    token = current_progress.set(sink)
+    try:
+        await b.operate(instruction="x")
+    finally:
+        current_progress.reset(token)
+    assert sink.events[0] == ("begin", "communicate")
+    assert [e[2] for e in sink.events if e[0] == "report" and e[1] == "stream"] == ["ab", "cd", "ef"]
+    assert sink.events[-1] == ("end", "completed")
+
+
+async def test_tool_results_reach_the_next_model_round(record):
+    """D4 / PROTOCOL §5: recorded action responses are shown to the model in the next round."""
+    from .support import call, reply
+
+    b, m = make_branch([reply(1, call(x=21)), "thanks"], tools=(record,))
+    await b.operate(instruction="first", response_format=Answer, actions=True)
+    await b.operate(instruction="second")
+    last_user = m.requests[1].messages[-1]
+    assert last_user["role"] == "user"
+    assert '"doubled": 42' in last_user["content"] and "second" in last_user["content"]

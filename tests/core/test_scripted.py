@@ -104,6 +104,10 @@ async def test_parse_repair_consumes_the_next_entry():
     ({"provider": "scripted", "responses": [{"txt": "x"}]}, "unknown field"),
     ({"provider": "scripted", "responses": [{"delayMs": -1}]}, "delayMs"),
     ({"provider": "scripted", "responses": [{"chunks": 0}]}, "chunks"),
+    ({"provider": "scripted", "responses": [{"chunks": True}]}, "chunks"),
+    ({"provider": "scripted", "responses": [{"delayMs": True}]}, "delayMs"),
+    ({"provider": "scripted", "responses": [{"text": 5}]}, "text must be a string"),
+    ({"provider": "scripted", "responses": [{"error": {"code": 1}}]}, "error must be a string"),
 ])
 def test_invalid_config_is_rejected(config, message):
     """PROTOCOL §2: malformed scripted configs are rejected up front."""

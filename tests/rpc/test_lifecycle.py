@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
-from .support import ROOT, SERVER, TIMEOUT, RpcError, scripted, server_env
+from .support import ROOT, SERVER, TIMEOUT, scripted, server_env
 
 ALL_METHODS = ["initialize", "ping", "shutdown", "createBranch", "forkBranch", "deleteBranch", "listBranches",
                "branchMessages", "listTools", "authorizeTool", "registerClientTools", "operate"]

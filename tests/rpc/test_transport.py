@@ -95,6 +95,12 @@ def test_request_without_params_means_empty_object(sidecar):
     sidecar.send_raw(frame({"jsonrpc": "2.0", "id": "no-params", "method": "listBranches"}))
     msgs = wait_unmatched(sidecar)
     assert msgs[0] == {"jsonrpc": "2.0", "id": "no-params", "result": {"branches": []}}
+    for i, params in enumerate((None, [])):
+        sidecar.send_raw(frame({"jsonrpc": "2.0", "id": f"p{i}", "method": "listBranches", "params": params}))
+    sidecar.send_raw(frame({"jsonrpc": "2.0", "id": "list", "method": "listBranches", "params": [1]}))
+    msgs = wait_unmatched(sidecar, 4)
+    assert [m.get("result") for m in msgs[1:3]] == [{"branches": []}, {"branches": []}]
+    assert msgs[3]["id"] == "list" and msgs[3]["error"]["code"] == -32602
 
 
 def test_ids_are_opaque_and_echoed_unchanged(sidecar):
