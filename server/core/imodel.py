@@ -10,9 +10,9 @@ surrounding scope is cancelled.
 
 from __future__ import annotations
 
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Iterator, Literal, Protocol, runtime_checkable
 
 ChunkType = Literal["text", "thinking", "tool_use", "tool_result", "result", "error"]
 
@@ -84,6 +84,25 @@ class iModel(Protocol):  # noqa: N801 - the ADR's name
     async def aclose(self) -> None: ...
 
 
+@contextmanager
+def model_deadline(model: Any) -> Iterator[None]:
+    """Apply the model's ``timeout_s`` (per-model time-out) to the enclosed call;
+    running out is a ModelError naming the model."""
+    timeout = getattr(model, "timeout_s", None)
+    if not timeout:
+        yield
+        return
+    import anyio
+
+    from .errors import ModelError
+
+    try:
+        with anyio.fail_after(timeout):
+            yield
+    except TimeoutError:
+        raise ModelError(f"model {getattr(model, 'name', '?')!r} timed out after {timeout:g} s") from None
+
+
 async def collect(model: iModel, request: ModelRequest) -> ModelResponse:
     """Default ``invoke``: drain ``stream`` into one response."""
     from .errors import ModelError
@@ -91,15 +110,16 @@ async def collect(model: iModel, request: ModelRequest) -> ModelResponse:
     parts: list[str] = []
     usage = None
     name = model.name
-    async with aclosing(model.stream(request)) as stream:
-        async for chunk in stream:
-            if chunk.type == "text":
-                parts.append(chunk.text)
-            elif chunk.type == "result":
-                usage = chunk.usage or usage
-                name = chunk.model or name
-            elif chunk.type == "error":
-                raise ModelError(chunk.text or "model reported an error")
+    with model_deadline(model):
+        async with aclosing(model.stream(request)) as stream:
+            async for chunk in stream:
+                if chunk.type == "text":
+                    parts.append(chunk.text)
+                elif chunk.type == "result":
+                    usage = chunk.usage or usage
+                    name = chunk.model or name
+                elif chunk.type == "error":
+                    raise ModelError(chunk.text or "model reported an error")
     return ModelResponse(text="".join(parts), model=name, usage=usage)
 
 

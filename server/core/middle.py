@@ -20,7 +20,7 @@ import anyio
 
 from . import progress
 from .errors import ModelError
-from .imodel import StreamChunk
+from .imodel import StreamChunk, model_deadline
 from .messages import Message
 from .params import ChatParam, ParseParam, RunParam
 from .parse import parse
@@ -68,19 +68,20 @@ async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, pars
     parts: list[str] = []
     usage = None
     model_name = model.name
-    async with aclosing(model.stream(request)) as stream:
-        async for chunk in stream:
-            t = chunk.type
-            if t == "text":
-                if chunk.text:
-                    parts.append(chunk.text)
-                    if sink is not None:
-                        sink.report("streaming", "stream", chunk.text)
-            elif t == "result":
-                usage = chunk.usage or usage
-                model_name = chunk.model or model_name
-            elif t == "error":
-                raise ModelError(chunk.text or "model reported an error")
+    with model_deadline(model):
+        async with aclosing(model.stream(request)) as stream:
+            async for chunk in stream:
+                t = chunk.type
+                if t == "text":
+                    if chunk.text:
+                        parts.append(chunk.text)
+                        if sink is not None:
+                            sink.report("streaming", "stream", chunk.text)
+                elif t == "result":
+                    usage = chunk.usage or usage
+                    model_name = chunk.model or model_name
+                elif t == "error":
+                    raise ModelError(chunk.text or "model reported an error")
     text = "".join(parts)
     branch.messages.append(ins)
     branch.messages.add("assistant_response", {"text": text, "model": model_name, "usage": usage},
@@ -172,40 +173,41 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     try:
         if persist is not None:
             persist.open()
-        async with aclosing(model.stream(request)) as stream:
-            async for chunk in stream:
-                if persist is not None:
-                    persist.append(chunk)
-                t = chunk.type
-                if t == "text":
-                    if chunk.text:
-                        buf.append(chunk.text)
-                        if sink is not None:
-                            sink.report("streaming", "stream", chunk.text)
-                elif t == "tool_use":
-                    flush_text()
-                    call_id = chunk.id or Message(kind="action_request", content={}).id
-                    req = branch.messages.add("action_request", {"callId": call_id, "function": chunk.name,
-                                                                 "arguments": chunk.input or {}},
-                                              sender=branch.id, recipient=param.sender)
-                    open_calls[call_id] = req
-                elif t == "tool_result":
-                    req = open_calls.pop(chunk.id or "", None)
-                    if req is None:
-                        continue  # unmatched results are skipped
-                    output = chunk.output
-                    if chunk.is_error:
-                        output = {"error": output if isinstance(output, str) else json.dumps(output, default=str),
-                                  "function": req.content["function"]}
-                    branch.messages.add("action_response", {"callId": req.content["callId"], "requestId": req.id,
-                                                            "function": req.content["function"],
-                                                            "arguments": req.content["arguments"], "output": output},
-                                        sender=branch.id, recipient=branch.id)
-                elif t == "result":
-                    usage = chunk.usage or usage
-                    model_name = chunk.model or model_name
-                elif t == "error":
-                    raise ModelError(chunk.text or "model reported an error")
+        with model_deadline(model):
+            async with aclosing(model.stream(request)) as stream:
+                async for chunk in stream:
+                    if persist is not None:
+                        persist.append(chunk)
+                    t = chunk.type
+                    if t == "text":
+                        if chunk.text:
+                            buf.append(chunk.text)
+                            if sink is not None:
+                                sink.report("streaming", "stream", chunk.text)
+                    elif t == "tool_use":
+                        flush_text()
+                        call_id = chunk.id or Message(kind="action_request", content={}).id
+                        req = branch.messages.add("action_request", {"callId": call_id, "function": chunk.name,
+                                                                     "arguments": chunk.input or {}},
+                                                  sender=branch.id, recipient=param.sender)
+                        open_calls[call_id] = req
+                    elif t == "tool_result":
+                        req = open_calls.pop(chunk.id or "", None)
+                        if req is None:
+                            continue  # unmatched results are skipped
+                        output = chunk.output
+                        if chunk.is_error:
+                            output = {"error": output if isinstance(output, str) else json.dumps(output, default=str),
+                                      "function": req.content["function"]}
+                        branch.messages.add("action_response", {"callId": req.content["callId"], "requestId": req.id,
+                                                                "function": req.content["function"],
+                                                                "arguments": req.content["arguments"], "output": output},
+                                            sender=branch.id, recipient=branch.id)
+                    elif t == "result":
+                        usage = chunk.usage or usage
+                        model_name = chunk.model or model_name
+                    elif t == "error":
+                        raise ModelError(chunk.text or "model reported an error")
         flush_text(final=True)
     finally:
         with anyio.CancelScope(shield=True):

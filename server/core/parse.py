@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import progress
 from .errors import ParseError
-from .imodel import ModelRequest
+from .imodel import ModelRequest, model_deadline
 from .operative import request_info
 from .params import FuzzyMatchKeysParams, ParseParam
 
@@ -221,7 +221,8 @@ async def parse(branch: Any, text: Any, parse_param: ParseParam) -> Any:
                              " with no text before or after it.")
             request: ModelRequest = render_repair_request(branch, str(text), fmt, guidance, parse_param.imodel_kw)
             progress.report(f"repair attempt {n + 1}", "parse")
-            reply = await model.invoke(request)
+            with model_deadline(model):
+                reply = await model.invoke(request)
             try:
                 return validate_into(reply.text, fmt, fuzzy)
             except ParseError as pe:

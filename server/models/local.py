@@ -48,7 +48,7 @@ DEFAULT_N_CTX = 4096
 LOCK_POLL_S = 0.005
 STALE_LEASE_S = 30.0  # a generation with no step for this long was abandoned by its consumer
 
-CONFIG_FIELDS = {"path", "nCtx", "nThreads", "maxTokens", "maxItems", "maxStringLength", "options"}
+CONFIG_FIELDS = {"path", "nCtx", "nThreads", "maxTokens", "maxItems", "maxStringLength", "options", "timeoutS"}
 
 # llama parameters a request's ``options`` (modelOptions) may set.
 _LLAMA_OPTIONS = {
@@ -244,6 +244,7 @@ class LocalModel(BaseModelProvider):
         max_items: int = 3,
         max_string_length: int | None = 200,
         options: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.name = name
         self._path = path
@@ -253,6 +254,7 @@ class LocalModel(BaseModelProvider):
         self.max_items = max_items
         self.max_string_length = max_string_length
         self.options = snake_options(options)
+        self.timeout_s = timeout_s  # applied by core around each call (server.core.imodel.model_deadline)
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "LocalModel":
@@ -268,6 +270,7 @@ class LocalModel(BaseModelProvider):
                 field_value(name, config, "maxStringLength", None, int) if "maxStringLength" in config else 200
             ),
             options=field_value(name, config, "options", None, dict),
+            timeout_s=field_value(name, config, "timeoutS", None, float),
         )
 
     @property

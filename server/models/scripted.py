@@ -45,22 +45,27 @@ def _check_entry(i: int, entry: Any) -> Any:
 
 
 class ScriptedModel(BaseModelProvider):
-    def __init__(self, name: str, responses: list[Any], *, cli: bool = False) -> None:
+    def __init__(self, name: str, responses: list[Any], *, cli: bool = False,
+                 timeout_s: float | None = None) -> None:
         self.name = name
         self.is_cli = cli
+        self.timeout_s = timeout_s
         self._queue: deque[Any] = deque(_check_entry(i, e) for i, e in enumerate(responses))
         self.requests: deque[ModelRequest] = deque(maxlen=REQUEST_LOG_LIMIT)
         self.calls = 0
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "ScriptedModel":
-        unknown = set(config) - {"provider", "responses", "cli"}
+        unknown = set(config) - {"provider", "responses", "cli", "timeoutS"}
         if unknown:
             raise ValueError(f"scripted model {name!r}: unknown field(s) {', '.join(sorted(unknown))}")
         responses = config.get("responses", [])
         if not isinstance(responses, list):
             raise ValueError(f"scripted model {name!r}: responses must be a list")
-        return cls(name, responses, cli=bool(config.get("cli", False)))
+        timeout = config.get("timeoutS")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"scripted model {name!r}: timeoutS must be a positive number")
+        return cls(name, responses, cli=bool(config.get("cli", False)), timeout_s=timeout)
 
     @property
     def remaining(self) -> int:
