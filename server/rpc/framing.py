@@ -69,7 +69,10 @@ class FrameParser:
                 body = bytes(buf[pos:pos + need])
                 pos += need
                 self._need = -1
-                self.on_body(body)
+                try:
+                    self.on_body(body)
+                except Exception:  # a failing handler must not replay or lose the stream
+                    log.exception("error while handling a message")
                 continue
             nl = buf.find(b"\n", pos)              # a header line
             if nl < 0:
@@ -144,7 +147,10 @@ class FrameParser:
         self._skip_head = bytearray()
         self._skip_size = 0
         if self.on_oversize is not None:
-            self.on_oversize(head, size)
+            try:
+                self.on_oversize(head, size)
+            except Exception:
+                log.exception("error while reporting an oversize message")
 
 
 def peek_id(head: bytes) -> Any:

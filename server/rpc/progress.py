@@ -4,6 +4,7 @@ synchronously, so they all precede the operate's response, in order."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 
@@ -39,6 +40,12 @@ class WireProgress:
     def end(self, message: str) -> None:
         if self.ended:
             return
+        try:  # the core ends with "failed" when it is unwinding a cancellation: say what happened
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                message = "cancelled"
+        except RuntimeError:
+            pass
         if not self.began:
             self.begin(self.default_begin)
         self.ended = True

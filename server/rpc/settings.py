@@ -57,11 +57,18 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
     s = settings
     if not isinstance(s.get("models"), dict):
         raise SettingsError("settings.models must be an object")
+    from server.models import PROVIDERS  # a plain table; no provider is imported
+
     for name, cfg in s["models"].items():
         if not isinstance(cfg, dict) or not isinstance(cfg.get("provider"), str):
             raise SettingsError(f"settings.models.{name} must be an object with a provider")
+        if cfg["provider"] not in PROVIDERS:
+            raise SettingsError(f"settings.models.{name}: unknown provider {cfg['provider']!r}; "
+                                f"expected one of {', '.join(sorted(PROVIDERS))}")
     if not s["models"]:
         s["models"] = {DEFAULT_MODEL_NAME: dict(DEFAULT_MODEL_CONFIG)}
+    if s.get("defaultModel") is not None and not isinstance(s["defaultModel"], str):
+        raise SettingsError("settings.defaultModel must be a model name")
     if not s.get("defaultModel"):
         s["defaultModel"] = next(iter(s["models"]))
     elif s["defaultModel"] not in s["models"]:

@@ -62,8 +62,12 @@ def _json_default(o: Any) -> Any:
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False,
-                      default=_json_default).encode("utf-8")
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_json_default)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates (legal as JSON escapes): send them escaped, as received
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":"), allow_nan=False,
+                          default=_json_default).encode("ascii")
 
 
 def _valid_id(v: Any) -> bool:
@@ -267,6 +271,9 @@ class Connection:
         folders = params.get("workspaceFolders")
         user = params.get("settings")
         problems = []
+        info = params.get("clientInfo")
+        if info is not None and (type(info) is not dict or type(info.get("name")) is not str):
+            problems.append("clientInfo must be an object with a name")
         if pid is not None and type(pid) is not int:
             problems.append("processId must be an integer")
         if caps is not None and type(caps) is not dict:
@@ -284,7 +291,7 @@ class Connection:
             if unknown_s:
                 raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown_s))
             settings = S.finalize(merged)
-        except S.SettingsError as e:
+        except (S.SettingsError, TypeError, ValueError, AttributeError) as e:
             self.send_error(msg_id, E.INVALID_PARAMS, f"invalid params: settings: {e}")
             return
         self.settings = settings

@@ -21,8 +21,8 @@ def test_cancel_during_the_model_call(sidecar):
     sidecar.cancel(p.id)
     err = cancelled(p)
     assert err.code == -32800
-    values = [v["value"]["kind"] for v in sidecar.of("$/progress")]
-    assert values[0] == "begin" and values[-1] == "end"
+    values = [v["value"] for v in sidecar.of("$/progress")]
+    assert values[0]["kind"] == "begin" and values[-1] == {"kind": "end", "message": "cancelled"}
     # the branch is usable and consistent afterwards
     assert sidecar.request("operate", {"branchId": bid, "instruction": "again"})["result"] == "next"
 
@@ -35,6 +35,8 @@ def test_cancel_during_a_tool_keeps_the_branch_consistent_and_starts_no_more_too
     p = sidecar.request_async("operate", {"branchId": bid, "instruction": "x", "actions": True,
                                           "actionStrategy": "sequential"})
     assert sidecar.wait_for(lambda n: any(m == "toolEvent" and e["event"] == "pre" for m, e in n), TIMEOUT)
+    assert sidecar.request("ping") == {}                 # a blocking tool does not starve the reader
+    assert sidecar.request("listBranches")["branches"]   # nor the other methods
     sidecar.cancel(p.id)
     assert cancelled(p).code == -32800
     msgs = sidecar.messages(bid)

@@ -60,3 +60,17 @@ def test_peek_id_reads_only_the_top_level_id():
     assert peek_id(b'{"jsonrpc":"2.0","id":0,"method"') == 0
     assert peek_id(b'{"params":{"id":5}') is None
     assert peek_id(b'{"a":"\\"id\\":3"}') is None
+
+
+def test_a_failing_handler_neither_replays_nor_loses_later_frames():
+    seen: list[bytes] = []
+
+    def handle(body: bytes) -> None:
+        seen.append(body)
+        if body == b"bad":
+            raise RuntimeError("handler bug")
+
+    p = FrameParser(handle)
+    p.feed(encode_frame(b"bad") + encode_frame(b"good"))
+    p.feed(encode_frame(b"later"))
+    assert seen == [b"bad", b"good", b"later"]

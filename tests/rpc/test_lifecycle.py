@@ -52,6 +52,12 @@ def test_initialize_twice_is_invalid_request(sidecar):
 def test_bad_settings_are_invalid_params(sidecar):
     err = sidecar.error_of("initialize", {"settings": {"toolPolicy": {"x": "maybe"}}})
     assert err.code == -32602
+    err = sidecar.error_of("initialize", {"settings": {"models": {"m": {"provider": "nope"}}}})
+    assert err.code == -32602 and "nope" in err.message
+    for bad in ({"clientInfo": "me"}, {"processId": "12"}, {"capabilities": []}, {"workspaceFolders": "/x"},
+                {"protocolVersion": 2}, {"unknownField": 1}, {"settings": {"defaultModel": []}},
+                {"settings": {"models": []}}, {"settings": {"toolModules": "x"}}, {"settings": {"maxMessageBytes": -1}}):
+        assert sidecar.error_of("initialize", bad).code == -32602, bad
     err = sidecar.error_of("initialize", {"settings": {"noSuchSetting": 1}})
     assert err.code == -32602 and "noSuchSetting" in err.message
     assert sidecar.init(models={"s": scripted("x")})["protocolVersion"] == 1

@@ -1,0 +1,406 @@
+-- JSON-RPC 2.0 over a child process's stdio, framed as in the LSP base protocol
+-- (`Content-Length: N\r\n\r\n<utf-8 json>`). Built on libuv (vim.uv / vim.loop) so the
+-- same code runs on Neovim 0.7.2 and 0.11+.
+--
+--   local rpc = require('operate_sidecar.rpc')
+--   local c = rpc.start({ cmd = { 'operate-sidecar' }, on_notification = fn, handlers = { m = fn } })
+--   c:request('ping', nil, function(err, result) end)
+--   local result, err = c:request_sync('ping', nil, 5000)
+--
+-- JSON null arrives as vim.NIL and `{}` as vim.empty_dict() (nothing is lost when re-encoding).
+-- Every callback runs on the main loop (vim.schedule), so it may use the whole API.
+
+local uv = vim.uv or vim.loop
+
+local M = {}
+
+-- Error codes used for failures detected on the client side.
+M.codes = {
+  server_exited = -32099, -- the process exited (or its stdout closed) before answering
+  timeout = -32098, -- request_sync gave up waiting
+  stream = -32097, -- the server wrote something that is not a frame
+  not_running = -32096, -- a request was made while the server is not running
+  method_not_found = -32601,
+  internal = -32603,
+  cancelled = -32800,
+}
+
+local function is_null(v)
+  return v == nil or v == vim.NIL
+end
+M.is_null = is_null
+
+--- Spawn-free framing helpers (exported for tests and reuse).
+function M.frame(body)
+  return 'Content-Length: ' .. #body .. '\r\n\r\n' .. body
+end
+
+--- Parse as many complete frames as `buf` holds. Returns the list of bodies, the unconsumed
+--- rest, and an error string when the stream is not framed correctly.
+function M.parse_frames(buf)
+  local bodies = {}
+  while true do
+    local header_end = buf:find('\r\n\r\n', 1, true)
+    if not header_end then
+      break
+    end
+    local header = buf:sub(1, header_end - 1)
+    local len
+    for line in (header .. '\r\n'):gmatch('(.-)\r\n') do
+      local name, value = line:match('^([^:]+):%s*(.-)%s*$')
+      if name and name:lower() == 'content-length' then
+        len = tonumber(value)
+      end
+    end
+    if not len then
+      return bodies, '', 'frame without Content-Length: ' .. header:sub(1, 200)
+    end
+    local body_start = header_end + 4
+    if #buf < body_start + len - 1 then
+      break
+    end
+    bodies[#bodies + 1] = buf:sub(body_start, body_start + len - 1)
+    buf = buf:sub(body_start + len)
+  end
+  return bodies, buf, nil
+end
+
+local Client = {}
+Client.__index = Client
+
+local function empty_dict_if_empty(params)
+  if type(params) == 'table' and next(params) == nil and getmetatable(params) == nil then
+    return vim.empty_dict()
+  end
+  return params
+end
+
+--- Start the server.
+--- opts: cmd (list: program + args), cwd?, env? (table of overrides merged over the editor's
+--- environment), log_file? (stderr is appended there), on_notification?(method, params),
+--- handlers? {method = function(params, reply, ctx)} for server->client requests (call
+--- reply(result) or reply(nil, {code, message, data}); ctx.cancelled() tells whether the server
+--- has cancelled it), on_exit?(code, signal), on_server_cancel?(id).
+function M.start(opts)
+  assert(type(opts.cmd) == 'table' and #opts.cmd > 0, 'rpc.start: cmd must be a non-empty list')
+  local self = setmetatable({
+    opts = opts,
+    next_id = 1,
+    pending = {}, -- id -> callback(err, result)
+    server_requests = {}, -- id -> { cancelled = bool }
+    handlers = opts.handlers or {},
+    buf = '',
+    exited = false,
+    closed = false,
+    stdout_eof = false,
+    finalized = false,
+    exit_code = nil,
+    exit_signal = nil,
+    stream_errors = {},
+  }, Client)
+
+  local stdin, stdout, stderr = uv.new_pipe(false), uv.new_pipe(false), uv.new_pipe(false)
+  self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+
+  local env
+  if opts.env then
+    local merged = vim.fn.environ()
+    for k, v in pairs(opts.env) do
+      merged[k] = v
+    end
+    env = {}
+    for k, v in pairs(merged) do
+      env[#env + 1] = k .. '=' .. tostring(v)
+    end
+  end
+
+  if opts.log_file then
+    vim.fn.mkdir(vim.fn.fnamemodify(opts.log_file, ':h'), 'p')
+    self.log = io.open(opts.log_file, 'a')
+  end
+
+  local args = {}
+  for i = 2, #opts.cmd do
+    args[#args + 1] = opts.cmd[i]
+  end
+  local handle, pid = uv.spawn(opts.cmd[1], {
+    args = args,
+    cwd = opts.cwd,
+    env = env,
+    stdio = { stdin, stdout, stderr },
+  }, function(code, signal)
+    self.exited = true
+    self.exit_code, self.exit_signal = code, signal
+    if self.handle and not self.handle:is_closing() then
+      self.handle:close()
+    end
+    -- Give stdout a moment to deliver the last frames (a grandchild may hold it open).
+    local t = uv.new_timer()
+    t:start(1000, 0, function()
+      t:close()
+      self:_finalize()
+    end)
+    if self.stdout_eof then
+      self:_finalize()
+    end
+  end)
+  if not handle then
+    for _, p in ipairs({ stdin, stdout, stderr }) do
+      p:close()
+    end
+    if self.log then
+      self.log:close()
+    end
+    error('operate-sidecar: cannot start ' .. tostring(opts.cmd[1]) .. ': ' .. tostring(pid))
+  end
+  self.handle, self.pid = handle, pid
+
+  stdout:read_start(function(err, chunk)
+    if err or not chunk then
+      self.stdout_eof = true
+      if not stdout:is_closing() then
+        stdout:close()
+      end
+      if self.exited then
+        self:_finalize()
+      end
+      return
+    end
+    self:_on_stdout(chunk)
+  end)
+
+  stderr:read_start(function(err, chunk)
+    if err or not chunk then
+      if not stderr:is_closing() then
+        stderr:close()
+      end
+      return
+    end
+    if self.log then
+      self.log:write(chunk)
+      self.log:flush()
+    end
+  end)
+
+  return self
+end
+
+function Client:_log(msg)
+  if self.log then
+    self.log:write('[operate_sidecar.rpc] ' .. msg .. '\n')
+    self.log:flush()
+  end
+end
+
+-- Called from the luv read callback: no API calls here, only vim.schedule.
+function Client:_on_stdout(chunk)
+  self.buf = self.buf .. chunk
+  local bodies, rest, perr = M.parse_frames(self.buf)
+  self.buf = rest
+  for _, body in ipairs(bodies) do
+    local ok, msg = pcall(vim.json.decode, body)
+    if ok and type(msg) == 'table' then
+      vim.schedule(function()
+        self:_dispatch(msg)
+      end)
+    else
+      self.stream_errors[#self.stream_errors + 1] = 'undecodable body: ' .. body:sub(1, 200)
+      self:_log('undecodable body: ' .. body:sub(1, 200))
+    end
+  end
+  if perr then
+    self.stream_errors[#self.stream_errors + 1] = perr
+    self:_log(perr)
+  end
+end
+
+function Client:_send(msg)
+  if self.closed or self.exited or not self.stdin or self.stdin:is_closing() then
+    return false
+  end
+  msg.jsonrpc = '2.0'
+  local ok, body = pcall(vim.json.encode, msg)
+  if not ok then
+    error('operate-sidecar: cannot encode message: ' .. tostring(body))
+  end
+  self.stdin:write(M.frame(body))
+  return true
+end
+
+function Client:_dispatch(msg)
+  local method = msg.method
+  if type(method) == 'string' and not is_null(msg.id) then
+    self:_on_server_request(msg)
+  elseif type(method) == 'string' then
+    if method == '$/cancelRequest' then
+      local id = type(msg.params) == 'table' and msg.params.id
+      local req = self.server_requests[id]
+      if req then
+        req.cancelled = true
+      end
+      if self.opts.on_server_cancel then
+        self.opts.on_server_cancel(id)
+      end
+      return
+    end
+    if self.opts.on_notification then
+      local ok, err = pcall(self.opts.on_notification, method, msg.params)
+      if not ok then
+        self:_log('notification handler for ' .. method .. ' failed: ' .. tostring(err))
+      end
+    end
+  elseif not is_null(msg.id) then
+    local cb = self.pending[msg.id]
+    self.pending[msg.id] = nil
+    if cb then
+      if not is_null(msg.error) then
+        cb(msg.error, nil)
+      else
+        cb(nil, msg.result)
+      end
+    end
+  else
+    -- an error response with id null (the server could not read something we sent)
+    self:_log('response without id: ' .. vim.inspect(msg))
+  end
+end
+
+function Client:_on_server_request(msg)
+  local id, method = msg.id, msg.method
+  local state = { cancelled = false }
+  self.server_requests[id] = state
+  local answered = false
+  local function reply(result, err)
+    if answered then
+      return
+    end
+    answered = true
+    self.server_requests[id] = nil
+    if err then
+      self:_send({ id = id, error = { code = err.code or M.codes.internal, message = err.message or tostring(err),
+        data = err.data } })
+    else
+      self:_send({ id = id, result = is_null(result) and vim.NIL or result })
+    end
+  end
+  local handler = self.handlers[method]
+  if not handler then
+    reply(nil, { code = M.codes.method_not_found, message = 'method not found: ' .. method })
+    return
+  end
+  local ok, err = pcall(handler, msg.params, reply, {
+    id = id,
+    cancelled = function()
+      return state.cancelled
+    end,
+  })
+  if not ok then
+    reply(nil, { code = M.codes.internal, message = tostring(err) })
+  end
+end
+
+-- Fail every pending request once the process is gone (runs at most once).
+function Client:_finalize()
+  if self.finalized then
+    return
+  end
+  self.finalized = true
+  self.closed = true
+  for _, p in ipairs({ self.stdin, self.stdout, self.stderr }) do
+    if p and not p:is_closing() then
+      p:close()
+    end
+  end
+  vim.schedule(function()
+    local pending = self.pending
+    self.pending = {}
+    local ids = vim.tbl_keys(pending)
+    table.sort(ids, function(a, b)
+      return tostring(a) < tostring(b)
+    end)
+    local why = ('server exited (code %s, signal %s)'):format(tostring(self.exit_code), tostring(self.exit_signal))
+    for _, id in ipairs(ids) do
+      pending[id]({ code = M.codes.server_exited, message = why }, nil)
+    end
+    if self.log then
+      self.log:close()
+      self.log = nil
+    end
+    if self.opts.on_exit then
+      self.opts.on_exit(self.exit_code, self.exit_signal)
+    end
+  end)
+end
+
+--- Send a request; callback(err, result) runs on the main loop. Returns the request id.
+function Client:request(method, params, callback)
+  local id = self.next_id
+  self.next_id = id + 1
+  callback = callback or function() end
+  local msg = { id = id, method = method }
+  if params ~= nil then
+    msg.params = empty_dict_if_empty(params)
+  end
+  if not self:_send(msg) then
+    vim.schedule(function()
+      callback({ code = M.codes.not_running, message = 'operate-sidecar is not running' }, nil)
+    end)
+    return id
+  end
+  self.pending[id] = callback
+  return id
+end
+
+--- Send a request and wait (processing events) for its response, at most timeout_ms.
+--- Returns result, err. On timeout the request is cancelled ($/cancelRequest).
+function Client:request_sync(method, params, timeout_ms)
+  local done, res, rerr = false, nil, nil
+  local id = self:request(method, params, function(err, result)
+    done, res, rerr = true, result, err
+  end)
+  local ok = vim.wait(timeout_ms or 10000, function()
+    return done
+  end, 10)
+  if not ok then
+    self.pending[id] = nil
+    self:notify('$/cancelRequest', { id = id })
+    return nil, { code = M.codes.timeout, message = ('no response to %s within %d ms'):format(method, timeout_ms or 10000) }
+  end
+  return res, rerr
+end
+
+function Client:notify(method, params)
+  local msg = { method = method }
+  if params ~= nil then
+    msg.params = empty_dict_if_empty(params)
+  end
+  return self:_send(msg)
+end
+
+--- Ask the server to cancel request `id` ($/cancelRequest).
+function Client:cancel(id)
+  return self:notify('$/cancelRequest', { id = id })
+end
+
+function Client:is_running()
+  return not self.exited and not self.closed
+end
+
+--- Close stdin (the server exits on EOF).
+function Client:close_stdin()
+  if self.stdin and not self.stdin:is_closing() then
+    self.stdin:shutdown(function()
+      if self.stdin and not self.stdin:is_closing() then
+        self.stdin:close()
+      end
+    end)
+  end
+end
+
+function Client:kill(signal)
+  if self.handle and not self.handle:is_closing() then
+    self.handle:kill(signal or 15)
+  end
+end
+
+return M

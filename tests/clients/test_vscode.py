@@ -1,0 +1,159 @@
+"""The VS Code extension (clients/vscode), tested for real.
+
+Set-up once per module: clients/vscode/scripts/setup.sh (npm ci, apt chromium/ripgrep/libkrb5-dev
+when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
+  (a) node --test of the protocol client against the real Python server (scripted model)
+  (b) tsc --noEmit typecheck of the extension (plus a negative control)
+  (c) vsce package -> .vsix (contents checked)
+  (d) the extension-host integration test: the unpacked .vsix inside code-server's real extension
+      host, driven by headless chromium.
+Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXT = ROOT / "clients" / "vscode"
+BIN = EXT / "node_modules" / ".bin"
+OUT = EXT / "out"
+RESULTS = EXT / ".test-results"      # reports, logs, timings (gitignored, not packaged)
+
+SETUP_TIMEOUT = 1200      # cold: about 2.5 min here (apt chromium + 2 npm ci)
+NODE_TEST_TIMEOUT = 300
+TSC_TIMEOUT = 180
+VSCE_TIMEOUT = 300
+ITEST_TIMEOUT = 420       # the harness itself gives up after 300 s
+# pytest-timeout (make test passes --timeout=180) covers fixture set-up too: raise it for this module.
+pytestmark = pytest.mark.timeout(SETUP_TIMEOUT + ITEST_TIMEOUT + 120)
+
+TIMINGS: dict[str, float] = {}
+
+
+def run(argv: list[str], timeout: float, name: str, cwd: Path = EXT, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OPERATE_SIDECAR_PYTHON=str(ROOT / ".venv" / "bin" / "python")
+               if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable)
+    env.pop("NODE_OPTIONS", None)
+    t0 = time.monotonic()
+    try:
+        return subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=timeout, start_new_session=True, **kw)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{name}: timed out after {timeout}s\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
+    finally:
+        TIMINGS[name] = round(time.monotonic() - t0, 1)
+
+
+def tail(p: subprocess.CompletedProcess, n: int = 4000) -> str:
+    return f"rc={p.returncode}\n--- stdout\n{p.stdout[-n:]}\n--- stderr\n{p.stderr[-n:]}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def setup_done():
+    for tool in ("node", "npm", "bash"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is required for the VS Code client tests")
+    p = run(["bash", str(EXT / "scripts" / "setup.sh")], SETUP_TIMEOUT, "setup.sh")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "setup-log.txt").write_text(p.stdout + p.stderr)
+    assert p.returncode == 0, f"setup.sh failed\n{tail(p)}"
+    yield
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "pytest-timings.json").write_text(json.dumps(TIMINGS, indent=2))
+
+
+@pytest.fixture(scope="module")
+def vsix(setup_done, tmp_path_factory) -> dict:
+    """vsce package (its vscode:prepublish compiles src/ with tsc), once."""
+    out = tmp_path_factory.mktemp("vsix") / "operate-sidecar.vsix"
+    p = run([str(BIN / "vsce"), "package", "--allow-missing-repository", "--skip-license", "--out", str(out)],
+            VSCE_TIMEOUT, "(c) vsce package")
+    return {"proc": p, "path": out}
+
+
+def test_a_protocol_client_against_the_real_server_with_node_test():
+    build = run([str(BIN / "tsc"), "-p", "."], TSC_TIMEOUT, "(a) tsc build")
+    assert build.returncode == 0, tail(build)
+    report = RESULTS / "node-test-report.json"
+    report.unlink(missing_ok=True)
+    p = run(["node", "--test", "--test-timeout=60000",
+             "--test-reporter=spec", "--test-reporter-destination=stdout",
+             "--test-reporter=./scripts/json-reporter.mjs", f"--test-reporter-destination={report}",
+             "out/test/"], NODE_TEST_TIMEOUT, "(a) node --test")
+    assert report.exists(), f"no JSON report\n{tail(p)}"
+    r = json.loads(report.read_text())
+    failed = [(t["name"], t.get("error")) for t in r["tests"] if t["status"] != "pass"]
+    assert p.returncode == 0 and not failed, f"{failed}\n{r.get('diagnostics')}\n{tail(p)}"
+    assert r["fail"] == r["skip"] == r["todo"] == 0 and r["pass"] == r["total"] >= 8, r
+    names = " | ".join(t["name"] for t in r["tests"])
+    for topic in ("initialize", "$/progress", "toolEvents", "requestToolPermission", "invokeClientTool",
+                  "cancel mid model call", "error codes", "dies"):
+        assert topic in names, f"missing test about {topic!r}: {names}"
+
+
+def test_b_typecheck_of_the_extension_against_types_vscode(tmp_path):
+    p = run([str(BIN / "tsc"), "-p", ".", "--noEmit", "--pretty", "false"], TSC_TIMEOUT, "(b) tsc --noEmit")
+    assert p.returncode == 0 and "error TS" not in p.stdout, tail(p)
+    # negative control: the same check rejects a misuse of the vscode API
+    shutil.copytree(EXT / "src", tmp_path / "src")
+    shutil.copy(EXT / "tsconfig.json", tmp_path / "tsconfig.json")
+    (tmp_path / "node_modules").symlink_to(EXT / "node_modules")
+    with open(tmp_path / "src" / "extension.ts", "a") as f:
+        f.write("\nexport const broken: number = vscode.window.showInputBox();\n")
+    bad = run([str(BIN / "tsc"), "-p", ".", "--noEmit", "--pretty", "false"], TSC_TIMEOUT, "(b) negative control",
+              cwd=tmp_path)
+    assert bad.returncode != 0 and "extension.ts" in bad.stdout and "error TS2322" in bad.stdout, tail(bad)
+
+
+def test_c_vsce_package_produces_a_complete_vsix(vsix):
+    p = vsix["proc"]
+    assert p.returncode == 0 and vsix["path"].exists(), tail(p)
+    with zipfile.ZipFile(vsix["path"]) as z:
+        names = set(z.namelist())
+        manifest = json.loads(z.read("extension/package.json"))
+    for required in ("extension/package.json", "extension/readme.md", "extension/out/extension.js",
+                     "extension/out/rpcClient.js", "extension/node_modules/vscode-jsonrpc/package.json",
+                     "extension/node_modules/vscode-jsonrpc/lib/node/main.js", "extension.vsixmanifest"):
+        assert required in names, f"{required} missing from the vsix"
+    top = {n.split("/")[1] if n.startswith("extension/") else n for n in names}
+    assert top == {"[Content_Types].xml", "extension.vsixmanifest", "package.json", "readme.md", "out", "node_modules"}, top
+    modules = {n.split("/")[2] for n in names if n.startswith("extension/node_modules/")}
+    assert modules == {"vscode-jsonrpc"}, f"only the runtime dependency is bundled: {modules}"
+    leaked = [n for n in names if n.startswith(("extension/out/test/", "extension/out/itest/"))
+              or (n.startswith("extension/out/") and not n.endswith(".js"))]
+    assert not leaked, f"dev files in the vsix: {sorted(leaked)[:20]}"
+    assert manifest["engines"]["vscode"] == "^1.90.0" and manifest["devDependencies"]["@types/vscode"] == "1.90.0"
+    assert {c["command"] for c in manifest["contributes"]["commands"]} == {
+        f"operateSidecar.{c}" for c in ("operate", "cancel", "showMessages", "newBranch", "forkBranch", "listTools",
+                                         "restart")}
+
+
+def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
+    assert vsix["proc"].returncode == 0, f"packaging failed, nothing to load\n{tail(vsix['proc'])}"
+    with zipfile.ZipFile(vsix["path"]) as z:
+        z.extractall(tmp_path)
+    ext_dir = tmp_path / "extension"
+    p = run(["node", "scripts/run-itest.mjs", "--ext", str(ext_dir), "--timeout", "300"], ITEST_TIMEOUT,
+            "(d) extension-host itest")
+    try:
+        summary = json.loads(p.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"the harness printed no JSON\n{tail(p)}")
+    TIMINGS["(d) code-server ready"] = round(summary.get("timings", {}).get("codeServerReadyMs", 0) / 1000, 1)
+    report = summary.get("report") or {}
+    bad = [c for c in report.get("checks", []) if not c["ok"]]
+    assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
+    assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
+    assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
+    assert len(report["checks"]) == 8 and not bad and report.get("fatal") is None, report["checks"]
+    assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
