@@ -24,7 +24,7 @@ demo: $(STAMP)
 	@$(PY) -m clients.python.demo
 
 test: $(STAMP) /usr/bin/nvim
-	@$(PY) -m pytest -q -p no:cacheprovider --timeout=180 tests
+	@$(PY) -m pytest -q -p no:cacheprovider --timeout=180 -m "not slow" tests
 
 bench: $(STAMP)
 	@$(PY) -m bench.run

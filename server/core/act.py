@@ -175,12 +175,13 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
             # validate what was requested: a non-object is a tool error, never a call with {}
             valid = tool.validate_arguments(arguments if arguments is not None else {})
             ctx = ToolCallContext(branch_id=bid, call_id=call_id)
-            if tool.timeout:
+            timeout = tool.timeout or getattr(branch, "default_tool_timeout", None)
+            if timeout:
                 try:
-                    with anyio.fail_after(tool.timeout):
+                    with anyio.fail_after(timeout):
                         output = await tool.call(valid, ctx)
                 except TimeoutError:
-                    raise ToolTimeout(f"tool {function} timed out after {tool.timeout:g} s") from None
+                    raise ToolTimeout(f"tool {function} timed out after {timeout:g} s") from None
             else:
                 output = await tool.call(valid, ctx)
             if isinstance(output, BaseModel):

@@ -40,6 +40,7 @@ class Branch:
         self.authorizer: Authorizer | None = None
         self.metadata: dict[str, Any] = {}
         self.max_tool_output_chars: int | None = MAX_TOOL_OUTPUT_CHARS
+        self.default_tool_timeout: float | None = None  # seconds, for tools without their own time-out
 
     # ------------------------------------------------------------------ models
     @property
@@ -138,6 +139,7 @@ class Branch:
         b.providers = list(self.providers)
         b.metadata = dict(self.metadata)
         b.max_tool_output_chars = self.max_tool_output_chars
+        b.default_tool_timeout = self.default_tool_timeout
         return b
 
     def to_dict(self) -> dict[str, Any]:

@@ -107,19 +107,19 @@ class FrameParser:
         del buf[:pos]
 
     def _header_line(self, line: bytes) -> None:
-        name, sep, value = line.partition(b":")
-        key = name.strip().lower()
-        if sep and key == _CL:
-            self._set_length(value)
+        found = None
+        for found in _CL_ANYWHERE.finditer(line):  # the last "Content-Length:" on the line wins: a
+            pass                                   # cut-off header glued to the next one resyncs there
+        if found is not None:
+            if found.start() > 0 or line.count(b":") > 1:
+                log.warning("garbage before a header; resynchronising")
+            self._set_length(line[found.end():])
             return
-        m = _CL_ANYWHERE.search(line)
-        if m:                                        # garbage glued to a header: resync on it
-            log.warning("garbage before a header; resynchronising")
-            self._set_length(line[m.end():])
-        elif sep and key and key.replace(b"-", b"").isalnum():
-            return                                   # some other header: ignored
-        else:                                        # not a header line: ignore it
+        name, sep, _ = line.partition(b":")
+        key = name.strip()
+        if not (sep and key and key.replace(b"-", b"").isalnum()):
             log.warning("malformed header line ignored: %r", line[:80])
+        # else: some other header, ignored
 
     def _set_length(self, value: bytes) -> None:
         try:

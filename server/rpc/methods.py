@@ -101,6 +101,8 @@ class Sidecar:
         self._mcp_task: asyncio.Task | None = None
         self._state_loaded = False
         self._model_specs: dict[str, dict[str, Any]] = {}  # branch id -> wire model specs (journal meta)
+        self._flush_lock: asyncio.Lock | None = None
+        self._operate_slots: asyncio.Semaphore | None = None
 
     # ------------------------------------------------------------------ setup
     @property
@@ -234,9 +236,20 @@ class Sidecar:
             except Exception:
                 log.exception("journal flush failed")
 
-    async def flush_journal(self) -> None:
-        if self.journal is not None and self.journal.dirty():
-            await asyncio.to_thread(self.journal.flush)
+    async def flush_journal(self, *branch_ids: str) -> None:
+        """Write + fsync the pending records of ``branch_ids`` (all when none given) before
+        the caller answers. Flushes are serialized, so a flush that finds nothing pending
+        still waits for one in progress (which may hold its records) to reach the disk.
+        An operate flushes only its own branch: another branch's in-flight operate is
+        never written half-done."""
+        if self.journal is None:
+            return
+        if self._flush_lock is None:
+            self._flush_lock = asyncio.Lock()
+        bids = set(branch_ids) if branch_ids else None
+        async with self._flush_lock:
+            if self.journal.dirty(bids):
+                await asyncio.to_thread(self.journal.flush, bids)
 
     # ------------------------------------------------------------------ models
     def default_model(self) -> Any:
@@ -285,6 +298,27 @@ class Sidecar:
             raise E.branch_not_found(branch_id)
         return b
 
+    def _check_branch_room(self) -> None:
+        limit = int(self.settings["maxBranches"])
+        if len(self.branches) >= limit:
+            raise invalid_params(f"maxBranches limit reached: the server holds {len(self.branches)} branches "
+                                 f"(limit {limit}); delete branches you no longer need (deleteBranch) "
+                                 "or raise settings.maxBranches", {"limit": "maxBranches", "value": limit})
+
+    def _check_message_room(self, branch: Any, clearing: bool) -> None:
+        limit = int(self.settings["maxMessagesPerBranch"])
+        if not clearing and len(branch.messages) >= limit:
+            raise invalid_params(f"maxMessagesPerBranch limit reached: branch {branch.id} holds "
+                                 f"{len(branch.messages)} messages (limit {limit}); start a new branch "
+                                 "(createBranch), operate with clearMessages: true, delete it (deleteBranch) "
+                                 "or raise settings.maxMessagesPerBranch",
+                                 {"limit": "maxMessagesPerBranch", "value": limit, "branchId": branch.id})
+
+    def _slots(self) -> asyncio.Semaphore:
+        if self._operate_slots is None:
+            self._operate_slots = asyncio.Semaphore(int(self.settings["maxConcurrentOperates"]))
+        return self._operate_slots
+
     def _lock(self, branch_id: str) -> asyncio.Lock:
         lock = self._locks.get(branch_id)
         if lock is None:
@@ -293,6 +327,8 @@ class Sidecar:
 
     def _adopt(self, b: Any) -> None:
         b.authorizer = self.governance.authorize  # type: ignore[union-attr]
+        b.max_tool_output_chars = int(self.settings["maxToolOutputChars"])
+        b.default_tool_timeout = float(self.settings["toolTimeoutMs"]) / 1000.0
         b.hooks.subscribe(self._on_hook)
         self.branches[b.id] = b
 
@@ -322,6 +358,7 @@ class Sidecar:
 
         p = structure(CreateBranchParams, params)
         self._ensure_state()
+        self._check_branch_room()
         from server.core.branch import Branch
 
         chat = self.resolve_model(p.chat_model, "chatModel") if p.chat_model is not None else self.default_model()
@@ -334,7 +371,7 @@ class Sidecar:
             specs = {"chatModel": unstructure(p.chat_model), "parseModel": unstructure(p.parse_model)}
             self._model_specs[b.id] = specs
             self.journal.attach(b, self._meta(b, specs["chatModel"], specs["parseModel"]))
-            await self.flush_journal()
+            await self.flush_journal(b.id)
         return {"branchId": b.id}
 
     async def forkBranch(self, params: dict) -> dict:
@@ -342,6 +379,7 @@ class Sidecar:
 
         p = structure(BranchParams, params)
         src = self.branch(p.branch_id)
+        self._check_branch_room()
         b = src.fork()
         self.governance.copy_branch(src.id, b.id)  # type: ignore[union-attr]
         self._adopt(b)
@@ -349,7 +387,7 @@ class Sidecar:
             src_models = {k: v for k, v in self._model_specs.get(src.id, {}).items()}
             self._model_specs[b.id] = src_models
             self.journal.attach(b, self._meta(b, src_models.get("chatModel"), src_models.get("parseModel")))
-            await self.flush_journal()
+            await self.flush_journal(b.id)
         return {"branchId": b.id}
 
     async def deleteBranch(self, params: dict) -> dict:
@@ -408,7 +446,7 @@ class Sidecar:
             raise invalid_params(f"unknown tool {p.tool!r}", {"tool": p.tool})
         self.governance.set(p.tool, p.decision, p.branch_id)  # type: ignore[union-attr]
         if p.branch_id is not None:
-            await self.flush_journal()
+            await self.flush_journal(p.branch_id)
         return {"tool": p.tool, "decision": p.decision, "branchId": p.branch_id}
 
     async def registerClientTools(self, params: dict) -> dict:
@@ -502,7 +540,10 @@ class Sidecar:
         kw.update(options)
         from server.core.progress import current_progress
 
-        async with self._lock(branch.id):
+        self._check_message_room(branch, bool(p.clear_messages))
+        # per-branch FIFO first, then one of maxConcurrentOperates slots (waiters queue FIFO, cancellable)
+        async with self._lock(branch.id), self._slots():
+            self._check_message_room(branch, bool(p.clear_messages))
             prepared = prepare_operate_kw(branch, **kw)
             sink = None
             if p.work_done_token is not None:
@@ -522,7 +563,7 @@ class Sidecar:
                 raise
             finally:
                 current_progress.reset(token)
-                await self.flush_journal()
+                await asyncio.shield(self.flush_journal(branch.id))
             if sink is not None:
                 sink.end("completed")
         return envelope(result)

@@ -22,8 +22,16 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf")
 _SUBSCHEMA_ONE = ("items", "additionalProperties")
 
+RESERVED_PREFIXES = ("model_", "_")
 DEFAULT_TITLE = "Response"
 CACHE_LIMIT = 256
+
+
+def _check_name(name: Any, path: str, where: str) -> None:
+    """pydantic reserves ``model_*`` (its own members) and ``_*`` (private attributes)."""
+    if isinstance(name, str) and name.startswith(RESERVED_PREFIXES):
+        raise invalid_params(f"{where}: field name {name!r} at {path or '/'} is reserved "
+                             f"(names may not start with {' or '.join(RESERVED_PREFIXES)})", {"field": name})
 
 
 def _check(schema: Any, path: str, where: str) -> None:
@@ -39,6 +47,10 @@ def _check(schema: Any, path: str, where: str) -> None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise invalid_params(f"{where}: only local $ref (#/...) is supported, got {ref!r}")
+    props = schema.get("properties")
+    if isinstance(props, dict):
+        for name in props:
+            _check_name(name, f"{path}/properties", where)
     for key in _SUBSCHEMA_MAPS:
         sub = schema.get(key)
         if isinstance(sub, dict):
@@ -88,6 +100,7 @@ class SchemaCache:
             raise invalid_params(f"{where}.name must be an identifier, got {name!r}")
         if not isinstance(schema, dict):
             raise invalid_params(f"{where}.schema must be an object")
+        _check_name(name, "", f"{where}.name")
         key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
         annotation = self._specs.get(key)
         if annotation is None:

@@ -9,6 +9,11 @@ from typing import Any
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_PERMISSION_TIMEOUT_MS = 120_000
+DEFAULT_TOOL_TIMEOUT_MS = 120_000        # tools without their own time-out (client and MCP tools included)
+DEFAULT_MAX_TOOL_OUTPUT_CHARS = 100_000   # a tool output longer than this (as JSON) is kept as a preview
+DEFAULT_MAX_CONCURRENT_OPERATES = 64      # more operates wait, in arrival order (cancellable)
+DEFAULT_MAX_BRANCHES = 10_000
+DEFAULT_MAX_MESSAGES_PER_BRANCH = 100_000
 DEFAULT_MODEL_NAME = "local"
 DEFAULT_MODEL_CONFIG: dict[str, Any] = {"provider": "local"}
 
@@ -21,7 +26,16 @@ DEFAULTS: dict[str, Any] = {
     "toolModules": [],
     "stateDir": None,
     "maxMessageBytes": DEFAULT_MAX_MESSAGE_BYTES,
+    "toolTimeoutMs": DEFAULT_TOOL_TIMEOUT_MS,
+    "maxToolOutputChars": DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+    "maxConcurrentOperates": DEFAULT_MAX_CONCURRENT_OPERATES,
+    "maxBranches": DEFAULT_MAX_BRANCHES,
+    "maxMessagesPerBranch": DEFAULT_MAX_MESSAGES_PER_BRANCH,
 }
+
+#: bounds that must be positive integers (PROTOCOL §2; protocol/README.md)
+POSITIVE_INT_KEYS = ("toolTimeoutMs", "maxToolOutputChars", "maxConcurrentOperates", "maxBranches",
+                     "maxMessagesPerBranch")
 
 _DICT_KEYS = ("models", "toolPolicy", "mcpServers")
 _POLICIES = ("allow", "deny", "ask")
@@ -82,6 +96,10 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
         v = s.get(key)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
             raise SettingsError(f"settings.{key} must be a non-negative number")
+    for key in POSITIVE_INT_KEYS:
+        v = s.get(key)
+        if type(v) is not int or v < 1:
+            raise SettingsError(f"settings.{key} must be a positive integer")
     if not isinstance(s.get("toolModules"), list) or not all(isinstance(m, str) for m in s["toolModules"]):
         raise SettingsError("settings.toolModules must be a list of module names")
     if not isinstance(s.get("mcpServers"), dict):

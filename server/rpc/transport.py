@@ -70,6 +70,13 @@ def dumps(obj: Any) -> bytes:
                           default=_json_default).encode("ascii")
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_decoder = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def _valid_id(v: Any) -> bool:
     t = type(v)
     return t is int or t is str
@@ -105,7 +112,7 @@ class Connection:
     def send(self, msg: dict) -> None:
         try:
             body = dumps(msg)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             if "id" in msg and "method" not in msg:
                 body = dumps({"jsonrpc": "2.0", "id": msg["id"],
                               "error": {"code": E.INTERNAL_ERROR, "message": f"result is not JSON: {e}"}})
@@ -153,9 +160,13 @@ class Connection:
 
     def _on_body(self, body: bytes) -> None:
         try:
-            msg = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
+            msg = _decoder.decode(body.decode("utf-8"))  # strict UTF-8; no NaN/Infinity
+        except ValueError as e:  # includes UnicodeDecodeError
             self.send_error(None, E.PARSE_ERROR, f"parse error: {e}")
+            return
+        except RecursionError:
+            msg_id = peek_id(body[:65536])
+            self.send_error(msg_id if _valid_id(msg_id) else None, E.PARSE_ERROR, "parse error: JSON nested too deeply")
             return
         if type(msg) is not dict:
             what = "a batch (array)" if type(msg) is list else f"a JSON {type(msg).__name__}"

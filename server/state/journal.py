@@ -9,7 +9,11 @@ Records: ``{"s": seq, "t": "meta", "meta": {...}}``, ``{"s": seq, "t": "msg", "m
 ``{"s": seq, "t": "clear"}``. Appends are buffered in memory as messages are
 added and written + fsynced by :meth:`Journal.flush` — the server calls it
 before it answers the request that produced them, so every acknowledged
-message is on disk. Loading replays snapshot + log records with a higher
+message is on disk. The records one flush writes for a branch (e.g. all the
+messages of one operate) go out as a single line ``{"s": last, "t": "batch",
+"r": [record, ...]}``, so a crash never leaves half a group on disk. Flushes are
+serialized: a flush returns only once everything pending when it was called
+(including records another flush had already taken) is on disk. Loading replays snapshot + log records with a higher
 sequence number; a torn last line (a crash mid-write) is dropped and cut off.
 Compaction writes a snapshot, then atomically replaces the log with an empty one.
 """
@@ -77,6 +81,7 @@ class Journal:
         self.compact_after = compact_after
         self._branches: dict[str, _BranchState] = {}
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # held for a whole flush (write + fsync), and by delete
 
     # ------------------------------------------------------------ paths
     def _log_path(self, bid: str) -> str:
@@ -132,24 +137,35 @@ class Journal:
                 st.records = [r for r in st.records if r["id"] in keep]
             st.pending.append(json.dumps(rec, ensure_ascii=False, default=str, separators=(",", ":")))
 
-    def dirty(self) -> bool:
-        return any(st.pending for st in self._branches.values())
+    def dirty(self, bids: Any = None) -> bool:
+        if bids is None:
+            return any(st.pending for st in self._branches.values())
+        return any(st.pending for bid, st in self._branches.items() if bid in bids)
 
-    def flush(self) -> None:
-        """Write and fsync every pending record (blocking; call from a worker thread)."""
-        with self._lock:
-            work = [(bid, st, st.pending) for bid, st in self._branches.items() if st.pending]
-            for _, st, _ in work:
-                st.pending = []
-        for bid, st, lines in work:
-            path = self._log_path(bid)
-            with open(path, "a", encoding="utf-8") as fh:
-                fh.write("\n".join(lines) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            st.log_records += len(lines)
-            if st.log_records >= self.compact_after:
-                self.compact(bid)
+    def flush(self, bids: Any = None) -> None:
+        """Write and fsync pending records (blocking; call from a worker thread).
+        ``bids``: only these branches (default: all). Records of one branch taken by
+        one flush are written as one line, so a group is all there or not at all."""
+        with self._flush_lock:
+            with self._lock:
+                work = [(bid, st, st.pending) for bid, st in self._branches.items()
+                        if st.pending and (bids is None or bid in bids)]
+                for _, st, _ in work:
+                    st.pending = []
+            for bid, st, lines in work:
+                if len(lines) == 1:
+                    data = lines[0] + "\n"
+                else:
+                    last = json.loads(lines[-1])["s"]
+                    data = '{"s":%d,"t":"batch","r":[%s]}\n' % (last, ",".join(lines))
+                path = self._log_path(bid)
+                with open(path, "a", encoding="utf-8") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                st.log_records += len(lines)
+                if st.log_records >= self.compact_after:
+                    self.compact(bid)
 
     def compact(self, bid: str) -> None:
         st = self._branches[bid]
@@ -162,14 +178,15 @@ class Journal:
         st.log_records = 0
 
     def delete(self, bid: str) -> None:
-        with self._lock:
-            self._branches.pop(bid, None)
-        for p in (self._log_path(bid), self._snap_path(bid)):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-        _fsync_dir(self.dir)
+        with self._flush_lock:  # a concurrent flush must not re-create the deleted log
+            with self._lock:
+                self._branches.pop(bid, None)
+            for p in (self._log_path(bid), self._snap_path(bid)):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            _fsync_dir(self.dir)
 
     # ------------------------------------------------------------ loading
     def load(self) -> list[LoadedBranch]:
@@ -221,18 +238,19 @@ class Journal:
                 pos = nl + 1
                 good_end = pos
                 nrec += 1
-                s = int(rec.get("s", 0))
-                if s <= seq:
-                    continue
-                seq = s
-                t = rec.get("t")
-                if t == "meta":
-                    meta = rec["meta"]
-                elif t == "msg":
-                    msgs.append(Message.from_record(rec["m"]))
-                elif t == "clear":
-                    keep = set(rec.get("keep") or [])
-                    msgs = [m for m in msgs if m.id in keep]
+                for r in (rec.get("r") or []) if rec.get("t") == "batch" else [rec]:
+                    s = int(r.get("s", 0))
+                    if s <= seq:
+                        continue
+                    seq = s
+                    t = r.get("t")
+                    if t == "meta":
+                        meta = r["meta"]
+                    elif t == "msg":
+                        msgs.append(Message.from_record(r["m"]))
+                    elif t == "clear":
+                        keep = set(r.get("keep") or [])
+                        msgs = [m for m in msgs if m.id in keep]
             if good_end < len(raw):
                 log.warning("journal of branch %s had a torn tail of %d bytes; cut off", bid, len(raw) - good_end)
                 with open(log_path, "r+b") as fh:

@@ -127,6 +127,8 @@ def bad_values(key: str, s: ParamsServer, surrogates: bool) -> st.SearchStrategy
                            {"type": "object", "title": ""}, {"type": "object", "properties": {"": {"type": "string"}}},
                            {"type": "object", "properties": {"model_config": {"type": "string"}}},
                            {"type": "object", "properties": {"schema": {"type": "string"}}},
+                           {"type": "object", "properties": {"model_fields": {"type": "string"}}},
+                           {"type": "object", "properties": {"model_dump": {"type": "string"}}},
                            {"type": "object", "properties": {"__class__": {"type": "string"}}},
                            {"type": "object", "properties": {"a b-c": {"type": "string"}}},
                            {"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}},
@@ -149,6 +151,7 @@ def bad_values(key: str, s: ParamsServer, surrogates: bool) -> st.SearchStrategy
                         [{"name": "answer", "schema": {"type": "integer"}}], [{"name": "reason", "schema": {}}],
                         [{"name": "action_requests", "schema": {}}], [{"name": "a", "schema": {"type": "bogus"}}],
                         [{"name": "a", "schema": {"type": "string"}, "default": 5}], [{"name": "model_config", "schema": {}}],
+                        [{"name": "model_dump", "schema": {}}], [{"name": "model_fields", "schema": {}}],
                         [{"name": "_private", "schema": {}}], [{"name": "", "schema": {}}], "x", [5], [None], [],
                         [{"name": "a", "schema": {"$ref": "#/nope"}}], [{"name": "a", "schema": {"if": {}}}],
                         [{"name": "a", "schema": {"type": "object", "properties": {"b": {"type": "nonsense"}}}}]],
@@ -401,3 +404,20 @@ def test_authorize_unknown_tool_with_lone_surrogate_is_invalid_params(server):
     """Found by the fuzz: error.data echoes the tool name; a lone surrogate in it cannot be
     encoded to UTF-8 and the whole answer became -32603 "result is not JSON"."""
     check_params(server, "regressions", "authorizeTool", {"tool": "x\ud800", "decision": "allow"})
+
+
+@pytest.mark.parametrize("where, name", [("fieldModels", "model_config"), ("fieldModels", "model_dump"),
+                                         ("responseFormat", "model_fields")])
+def test_field_named_like_a_pydantic_member_is_invalid_params(server, where, name):
+    """Found by the fuzz: a field name that collides with a pydantic BaseModel member is bad
+    input, but these answered -32603 (TypeError "'FieldInfo' object is not iterable",
+    ValueError "conflicts with member", PydanticSerializationError) instead of -32602 (or a
+    result). responseFormat with "model_dump" already answers -32602."""
+    server.begin()
+    server.tidy()
+    params: dict = {"branchId": server.branches[0], "instruction": "x", "parseOptions": dict(FAST_PARSE)}
+    if where == "fieldModels":
+        params["fieldModels"] = [{"name": name, "schema": {}}]
+    else:
+        params["responseFormat"] = {"type": "object", "properties": {name: {"type": "string"}}}
+    check_params(server, "regressions", "operate", params)

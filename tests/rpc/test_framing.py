@@ -74,3 +74,11 @@ def test_a_failing_handler_neither_replays_nor_loses_later_frames():
     p.feed(encode_frame(b"bad") + encode_frame(b"good"))
     p.feed(encode_frame(b"later"))
     assert seen == [b"bad", b"good", b"later"]
+
+
+def test_a_header_cut_off_before_its_line_end_resyncs_on_the_next_content_length():
+    out: list[bytes] = []
+    p = FrameParser(out.append)
+    for cut in (b"Content-Length: abc", b"content-length: -3", b"CONTENT-LENGTH", b"Content-Length: 12"):
+        p.feed(b"\xdf\x01\r\n" + cut + encode_frame(b'{"n":1}'))
+    assert out == [b'{"n":1}'] * 4

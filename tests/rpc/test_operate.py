@@ -74,6 +74,18 @@ def test_unsupported_schema_keyword_is_named(sidecar):
     assert err.code == -32602 and "not" in err.message and "/properties/a" in err.message
 
 
+def test_field_names_pydantic_reserves_are_invalid_params(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    bid = sidecar.branch()
+    for params in ({"fieldModels": [{"name": "model_config", "schema": {}}]},
+                   {"fieldModels": [{"name": "_private", "schema": {"type": "string"}}]},
+                   {"responseFormat": {"type": "object", "properties": {"model_fields": {"type": "string"}}}},
+                   {"responseFormat": {"type": "object", "properties": {"a": {
+                       "type": "object", "properties": {"model_dump": {"type": "string"}}}}}}):
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", **params})
+        assert err.code == -32602 and "reserved" in err.message, params
+
+
 def test_validation_failed_raise_is_32010_and_runs_no_tool(sidecar):
     bad = {"json": {"wrong": "shape", "action_requests": [{"function": "echo_tool", "arguments": {"text": "x"}}]}}
     sidecar.init(models={"s": scripted(bad, bad, bad, bad, bad)}, toolModules=["slow_tools"])
