@@ -1,0 +1,111 @@
+"""Bounds settable in settings (issue 5 §4; protocol/README.md "Bounds"): maxMessageBytes,
+maxToolOutputChars, maxConcurrentOperates (waits, FIFO), maxBranches, maxMessagesPerBranch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.rpc import settings as S
+
+from .support import TIMEOUT, RpcError, calls, outputs, scripted
+
+
+def test_defaults_are_documented_values():
+    assert (S.DEFAULT_MAX_MESSAGE_BYTES, S.DEFAULT_TOOL_TIMEOUT_MS, S.DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+            S.DEFAULT_MAX_CONCURRENT_OPERATES, S.DEFAULT_MAX_BRANCHES, S.DEFAULT_MAX_MESSAGES_PER_BRANCH) == \
+        (64 * 1024 * 1024, 120_000, 100_000, 64, 10_000, 100_000)
+
+
+@pytest.mark.parametrize("key", ["toolTimeoutMs", "maxToolOutputChars", "maxConcurrentOperates", "maxBranches",
+                                 "maxMessagesPerBranch"])
+def test_a_bound_must_be_a_positive_integer(sidecar, key):
+    for bad in (0, -1, 1.5, "10", True):
+        err = sidecar.error_of("initialize", {"settings": {key: bad}})
+        assert err.code == -32602 and key in err.message
+    assert sidecar.init(models={"s": scripted("x")}, **{key: 5})["protocolVersion"] == 1
+
+
+def test_max_message_bytes_skips_the_body_and_keeps_the_stream_in_sync(sidecar):
+    sidecar.init(models={"s": scripted("x")}, maxMessageBytes=2000)
+    body = json.dumps({"jsonrpc": "2.0", "id": 41, "method": "listBranches", "params": {}, "pad": "p" * 5000}).encode()
+    pending = sidecar.expect(41)
+    sidecar.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    with pytest.raises(RpcError) as ei:
+        pending.result(TIMEOUT)
+    assert ei.value.code == -32600 and "maxMessageBytes" in ei.value.message
+    assert sidecar.request("listBranches", {}) == {"branches": []}   # the next frame is read intact
+
+
+def test_max_tool_output_chars_keeps_a_preview(sidecar):
+    sidecar.init(models={"s": scripted(calls(("big_tool", {"chars": 5000})), calls(("big_tool", {"chars": 10})))},
+                 toolModules=["recording_tools"], maxToolOutputChars=100)
+    bid = sidecar.branch()
+    [o] = outputs(sidecar.request("operate", {"branchId": bid, "instruction": "x", "actions": True}))
+    assert o["truncated"] is True and o["originalChars"] == 5002 and o["preview"] == '"' + "x" * 99
+    stored = [m["content"]["output"] for m in sidecar.messages(bid) if m["kind"] == "action_response"]
+    assert stored == [o]                                             # the branch keeps the bounded form
+    [small] = outputs(sidecar.request("operate", {"branchId": bid, "instruction": "y", "actions": True}))
+    assert small == "x" * 10
+
+
+def test_max_concurrent_operates_makes_further_operates_wait_in_fifo_order(sidecar):
+    sidecar.init(models={"slow": scripted({"text": "slow", "delayMs": 60000}), "b": scripted("B"),
+                         "c": scripted("C")}, maxConcurrentOperates=1)
+    a, b, c = sidecar.branch(chatModel="slow"), sidecar.branch(chatModel="b"), sidecar.branch(chatModel="c")
+    pa = sidecar.request_async("operate", {"branchId": a, "instruction": "x", "workDoneToken": "A"})
+    assert sidecar.wait_for(lambda n: any(m == "$/progress" and p["token"] == "A" for m, p in n), TIMEOUT)
+    pb = sidecar.request_async("operate", {"branchId": b, "instruction": "x", "workDoneToken": "B"})
+    pc = sidecar.request_async("operate", {"branchId": c, "instruction": "x", "workDoneToken": "C"})
+    assert sidecar.request("listTools", {})["tools"] == []           # the server keeps serving meanwhile
+    sidecar.cancel(pa.id)                                            # frees the only slot
+    with pytest.raises(RpcError) as ei:
+        pa.result(TIMEOUT)
+    assert ei.value.code == -32800
+    assert pb.result(TIMEOUT)["result"] == "B" and pc.result(TIMEOUT)["result"] == "C"
+    events = [(p["token"], p["value"]["kind"]) for p in sidecar.of("$/progress") if p["value"]["kind"] != "report"]
+    assert events == [("A", "begin"), ("A", "end"), ("B", "begin"), ("B", "end"), ("C", "begin"), ("C", "end")]
+
+
+def test_a_waiting_operate_can_be_cancelled(sidecar):
+    sidecar.init(models={"slow": scripted({"text": "slow", "delayMs": 60000}), "b": scripted("B")},
+                 maxConcurrentOperates=1)
+    a, b = sidecar.branch(chatModel="slow"), sidecar.branch(chatModel="b")
+    pa = sidecar.request_async("operate", {"branchId": a, "instruction": "x", "workDoneToken": "A"})
+    assert sidecar.wait_for(lambda n: any(m == "$/progress" for m, _ in n), TIMEOUT)
+    pb = sidecar.request_async("operate", {"branchId": b, "instruction": "x"})
+    sidecar.cancel(pb.id)
+    with pytest.raises(RpcError) as ei:
+        pb.result(TIMEOUT)
+    assert ei.value.code == -32800
+    assert [m["kind"] for m in sidecar.messages(b)] == []            # it never started
+    sidecar.cancel(pa.id)
+    assert sidecar.request("operate", {"branchId": b, "instruction": "again"})["result"] == "B"
+
+
+def test_max_branches_is_a_clear_invalid_params_error(sidecar):
+    sidecar.init(models={"s": scripted("x")}, maxBranches=2)
+    first = sidecar.branch()
+    sidecar.branch()
+    for method, params in (("createBranch", {}), ("forkBranch", {"branchId": first})):
+        err = sidecar.error_of(method, params)
+        assert err.code == -32602 and "maxBranches" in err.message and "deleteBranch" in err.message
+        assert err.data["limit"] == "maxBranches"
+    sidecar.request("deleteBranch", {"branchId": first})
+    assert sidecar.branch()
+
+
+def test_max_messages_per_branch_is_a_clear_invalid_params_error(sidecar):
+    sidecar.init(models={"s": scripted("one", "two", "three")}, maxMessagesPerBranch=3)
+    bid = sidecar.branch(system="sys")                                # 1 message
+    assert sidecar.request("operate", {"branchId": bid, "instruction": "a"})["result"] == "one"  # 3 messages
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "b"})
+    assert err.code == -32602 and "maxMessagesPerBranch" in err.message
+    assert "clearMessages" in err.message and "createBranch" in err.message
+    assert err.data["limit"] == "maxMessagesPerBranch" and err.data["branchId"] == bid
+    assert len(sidecar.messages(bid)) == 3                           # nothing was added
+    out = sidecar.request("operate", {"branchId": bid, "instruction": "c", "clearMessages": True})
+    assert out["result"] == "two"                                    # clearing is the way out
+    fresh = sidecar.branch()                                         # so is a new branch (a fork copies all)
+    assert sidecar.request("operate", {"branchId": fresh, "instruction": "d"})["result"] == "three"
