@@ -27,10 +27,19 @@ async def _start(spawn, responses: list, on_notification=None) -> Conn:
 
 async def concurrent_operates(spawn, n: int = 100, delay_ms: int = 200) -> dict:
     """n operates in flight at once, one per branch, each model call taking delay_ms."""
-    conn = await _start(spawn, [{"text": "done", "delayMs": delay_ms}] * n)
+    single = 5
+    conn = await _start(spawn, [{"text": "done", "delayMs": delay_ms}] * (n + single))
     try:
         branches = [(await conn.request("createBranch", {"name": f"b{i}"}, timeout=30))["branchId"]
                     for i in range(n)]
+        # single-call overhead: one operate at a time on the same model, minus the model delay
+        b0 = (await conn.request("createBranch", {"name": "single"}, timeout=30))["branchId"]
+        one_lat = []
+        for _ in range(single):
+            t0 = time.perf_counter()
+            await conn.request("operate", {"branchId": b0, "instruction": "go"}, timeout=30)
+            one_lat.append(time.perf_counter() - t0)
+        overhead_1 = summary(one_lat)["median"] * 1000 - delay_ms
         lat: list[float] = []
 
         async def one(bid: str) -> None:
@@ -41,8 +50,11 @@ async def concurrent_operates(spawn, n: int = 100, delay_ms: int = 200) -> dict:
         t0 = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(one(b) for b in branches)), 120)
         wall = time.perf_counter() - t0
+        bound_ms = 1.5 * delay_ms + overhead_1
         return {"n": n, "delay_ms": delay_ms, "wall_s": wall,
                 "overhead_ms": wall * 1000 - delay_ms, "latency_s": summary(lat),
+                "single_call_overhead_ms": overhead_1, "bound_ms": bound_ms,
+                "all_within_bound": max(lat) * 1000 <= bound_ms,
                 "operates_per_s": n / wall}
     finally:
         await conn.close()
@@ -51,27 +63,31 @@ async def concurrent_operates(spawn, n: int = 100, delay_ms: int = 200) -> dict:
 async def progress_deltas(spawn, operates: int = 3, chunks: int = 2000) -> dict:
     """$/progress report deltas per second while a scripted reply streams in `chunks` parts."""
     stamps: list[float] = []
+    deltas: list[str] = []
 
     def on_note(msg: dict) -> None:
         if msg.get("method") == "$/progress":
             v = (msg.get("params") or {}).get("value") or {}
             if v.get("kind") == "report" and v.get("delta") is not None:
                 stamps.append(time.perf_counter())
+                deltas.append(v["delta"] if isinstance(v["delta"], str) else str(v["delta"]))
 
-    text = "x" * chunks
+    text = "".join(chr(ord("a") + i % 26) for i in range(chunks))  # order is checkable
     conn = await _start(spawn, [{"text": text, "chunks": chunks}] * operates, on_note)
     rates = []
     try:
         bid = (await conn.request("createBranch", {}, timeout=30))["branchId"]
         for i in range(operates):
             stamps.clear()
+            deltas.clear()
             t0 = time.perf_counter()
             await asyncio.wait_for(conn.request("operate", {"branchId": bid, "instruction": "go",
                                                             "workDoneToken": f"t{i}"}), 120)
             t1 = time.perf_counter()
             rates.append({"deltas": len(stamps), "operate_s": t1 - t0,
+                          "in_order": "".join(deltas) == text,
                           "deltas_per_s": len(stamps) / (t1 - t0) if t1 > t0 else None})
-        return {"chunks": chunks, "runs": rates,
+        return {"chunks": chunks, "runs": rates, "in_order": all(r["in_order"] for r in rates),
                 "deltas_per_s": summary([r["deltas_per_s"] for r in rates if r["deltas_per_s"]])}
     finally:
         await conn.close()
@@ -112,3 +128,142 @@ async def memory_growth(spawn, total: int = 10_000, in_flight: int = 16, samples
                 "curve": curve}
     finally:
         await conn.close()
+
+
+async def first_request(spawn, reps: int = 5) -> dict:
+    """Latency of the first requests right after the `initialize` answer (lazy imports
+    of core/pydantic land here): createBranch + operate, then operate with a
+    responseFormat schema; and the same two operates again once warm."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    first_op, first_rf, warm_op, warm_rf, init = [], [], [], [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        conn = await spawn("ours")
+        try:
+            await conn.request("initialize", lsp_init("ours", _settings(
+                ["done", '{"answer": "5"}', "done", '{"answer": "5"}'])), timeout=60)
+            t1 = time.perf_counter()
+            conn.notify("initialized", {})
+            bid = (await conn.request("createBranch", {}, timeout=60))["branchId"]
+            await conn.request("operate", {"branchId": bid, "instruction": "go"}, timeout=60)
+            t2 = time.perf_counter()
+            await conn.request("operate", {"branchId": bid, "instruction": "go",
+                                           "responseFormat": schema}, timeout=60)
+            t3 = time.perf_counter()
+            await conn.request("operate", {"branchId": bid, "instruction": "go"}, timeout=60)
+            t4 = time.perf_counter()
+            await conn.request("operate", {"branchId": bid, "instruction": "go",
+                                           "responseFormat": schema}, timeout=60)
+            t5 = time.perf_counter()
+        finally:
+            await conn.close()
+        init.append(t1 - t0)
+        first_op.append(t2 - t1)
+        first_rf.append(t3 - t2)
+        warm_op.append(t4 - t3)
+        warm_rf.append(t5 - t4)
+    return {"reps": reps, "initialize_s": summary(init),
+            "first_create_operate_s": summary(first_op), "first_operate_rf_s": summary(first_rf),
+            "warm_operate_s": summary(warm_op), "warm_operate_rf_s": summary(warm_rf)}
+
+
+# ---- operate over the wire, scenario for scenario like the in-process runs -------------
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"},
+                                                  "confidence": {"type": "number"}},
+                 "required": ["answer", "confidence"]}
+
+
+def _inproc_common():
+    import sys
+    from pathlib import Path
+
+    peers = str(Path(__file__).resolve().parent / "peers")
+    if peers not in sys.path:
+        sys.path.insert(0, peers)
+    import inproc_common  # noqa: PLC0415 - needs pydantic, present in the project venv
+
+    return inproc_common
+
+
+async def wire_operates(spawn, n: int = 100, hist_n: int = 30, sizes=(0, 1000),
+                        mem_branches: int = 3) -> dict:
+    """`operate` requests over the wire, same instruction/replies/tool as the in-process
+    runs: plain / response_format / actions (responseFormat + the sync `add` tool from
+    the `toolModules` module bench/peers/bench_tools.py), each on a fresh branch created
+    outside the clock; history_N as in-process (one branch, N messages before the first
+    timed call); then RSS added by `mem_branches` branches of 1,000 messages each."""
+    ic = _inproc_common()
+    hist_total = max(sizes) // 2 + hist_n * len(sizes) + 8
+    mem_total = mem_branches * 500 + 8
+    models = {
+        "plain": {"provider": "scripted", "responses": [ic.PLAIN_REPLY] * (n + 8)},
+        "rf": {"provider": "scripted", "responses": [ic.STRUCTURED_REPLY] * (n + 8)},
+        "act": {"provider": "scripted", "responses": [ic.ACTION_REPLY] * (n + 8)},
+        "hist": {"provider": "scripted", "responses": [ic.PLAIN_REPLY] * hist_total},
+        "mem": {"provider": "scripted", "responses": [ic.PLAIN_REPLY] * mem_total},
+    }
+    conn = await spawn("ours", extra_env={"PYTHONPATH": str(_peers_dir())})
+    out: dict = {"runtime": "ours_wire", "scenarios": {}, "samples_ms": {}}
+    try:
+        await conn.request("initialize", lsp_init("ours", {
+            "models": models, "defaultModel": "plain", "stateDir": None,
+            "toolModules": ["bench_tools"]}), timeout=60)
+        conn.notify("initialized", {})
+        base = {"instruction": ic.INSTRUCTION}
+        kinds = {"plain": {**base, "chatModel": "plain"},
+                 "response_format": {**base, "chatModel": "rf", "responseFormat": ANSWER_SCHEMA},
+                 "actions": {**base, "chatModel": "act", "responseFormat": ANSWER_SCHEMA,
+                             "actions": True}}
+        checks = {}
+        for kind, params in kinds.items():
+            samples = []
+            for i in range(n + 3):
+                bid = (await conn.request("createBranch", {}))["branchId"]
+                t0 = time.perf_counter()
+                res = await conn.request("operate", {"branchId": bid, **params})
+                dt = time.perf_counter() - t0
+                if i == 0:
+                    checks[kind] = str(res)[:300]
+                if i >= 3:
+                    samples.append(dt)
+                await conn.request("deleteBranch", {"branchId": bid})
+            out["samples_ms"][kind] = [x * 1000 for x in samples]
+        out["checks"] = checks
+        hp = {**base, "chatModel": "hist"}
+        bid = (await conn.request("createBranch", {}))["branchId"]
+        msgs = 0
+        for size in sizes:
+            while msgs < size:
+                await conn.request("operate", {"branchId": bid, **hp})
+                msgs += 2
+            samples = []
+            for _ in range(hist_n):
+                t0 = time.perf_counter()
+                await conn.request("operate", {"branchId": bid, **hp})
+                samples.append(time.perf_counter() - t0)
+                msgs += 2
+            out["samples_ms"][f"history_{size}"] = [x * 1000 for x in samples]
+        # memory: RSS added by branches of 1,000 messages (warm server, after the above)
+        await asyncio.sleep(0.2)
+        rss0 = rss_kib(conn.pid)
+        mp = {**base, "chatModel": "mem"}
+        for _ in range(mem_branches):
+            b = (await conn.request("createBranch", {}))["branchId"]
+            for _ in range(500):
+                await conn.request("operate", {"branchId": b, **mp})
+        await asyncio.sleep(0.2)
+        rss1 = rss_kib(conn.pid)
+        out["branch_memory"] = {"branches": mem_branches, "messages_per_branch": 1000,
+                                "instruction_chars": len(ic.INSTRUCTION),
+                                "reply_chars": len(ic.PLAIN_REPLY),
+                                "rss_before_kib": rss0, "rss_after_kib": rss1,
+                                "per_branch_kib": (rss1 - rss0) / mem_branches}
+    finally:
+        await conn.close()
+    return out
+
+
+def _peers_dir():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parent / "peers"

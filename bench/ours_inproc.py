@@ -22,7 +22,7 @@ IMPORT_S = time.perf_counter() - T_IMPORT0
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from inproc_common import (  # noqa: E402
-    ACTION_REPLY, HISTORY_SIZES, INSTRUCTION, PLAIN_REPLY, STRUCTURED_REPLY, Answer, add,
+    ACTION_REPLY, HISTORY_SIZES, INSTRUCTION, PLAIN_REPLY, STRUCTURED_REPLY, Answer, aadd, add,
     argv_int, summarize,
 )
 
@@ -48,7 +48,7 @@ async def call(branch, model, kind: str):
     kw = {"instruction": INSTRUCTION, "chat_model": model}
     if kind != "plain":
         kw["response_format"] = Answer
-    if kind == "actions":
+    if kind.startswith("actions"):
         kw["actions"] = True
     return await branch.operate(**kw)
 
@@ -65,7 +65,11 @@ def message_count(branch) -> int:
 # -------------------------------------------------------------------------
 
 
-REPLIES = {"plain": PLAIN_REPLY, "response_format": STRUCTURED_REPLY, "actions": ACTION_REPLY}
+REPLIES = {"plain": PLAIN_REPLY, "response_format": STRUCTURED_REPLY, "actions": ACTION_REPLY,
+           "actions_async": ACTION_REPLY}
+# +actions: the sync `add` (lionagi calls a sync tool inline on the loop; ours hands it to a
+# worker thread); actions_async: the same tool as `async def` in both runtimes.
+TOOLS = {"actions": [add], "actions_async": [aadd]}
 
 
 async def main() -> dict:
@@ -76,7 +80,7 @@ async def main() -> dict:
     checks = {}
     for kind, reply in REPLIES.items():
         m = make_model(reply, 8)
-        b = make_branch(m, [add] if kind == "actions" else None)
+        b = make_branch(m, TOOLS.get(kind))
         checks[kind] = repr(await call(b, m, kind))[:300]
     results["checks"] = checks
 
@@ -86,7 +90,7 @@ async def main() -> dict:
         out = []
         for i in range(n + 3):
             m = make_model(reply, 8)
-            b = make_branch(m, [add] if kind == "actions" else None)
+            b = make_branch(m, TOOLS.get(kind))
             t0 = time.perf_counter()
             await call(b, m, kind)
             dt = time.perf_counter() - t0

@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 ORDER = ["stdlib", "pygls", "mcp", "ours", "lionagi"]
+_SC_ORDER = {k: i for i, k in enumerate(["plain", "response_format", "actions", "actions_async",
+                                          "history_0", "history_400", "history_1000"])}
 
 
 def _ms(x):
@@ -70,7 +72,7 @@ def write_markdown(results: dict, path: Path) -> None:
     add("| ratio | value | target | met |")
     add("|---|---|---|---|")
     for r in results.get("ratios", []):
-        v = "–" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        v = "–" if r["ratio"] is None else (f"{r['ratio']:.0f}" if r["ratio"] >= 1000 else f"{r['ratio']:.2f}")
         met = "n/a" if r["met"] is None else ("yes" if r["met"] else "NO")
         add(f"| {r['what']} | {v} | {r['target']} | {met} |")
     add("")
@@ -133,16 +135,29 @@ def write_markdown(results: dict, path: Path) -> None:
     if inp:
         add("## `Branch.operate()` in-process, instant model (ms per call)\n")
         add("plain / response_format / +actions: a fresh branch per call (history 0). "
-            "history_N: one branch, N messages before the first timed call.\n")
+            "history_N: one branch, N messages before the first timed call. "
+            "`actions` uses the SAME sync tool in both runtimes (`def add(a: int, b: int) -> int`; "
+            "lionagi calls a sync tool inline on the event loop, ours hands it to a worker thread); "
+            "`actions_async` uses the same tool as `async def` in both. `ours_wire` = the same "
+            "scenarios as `operate` requests over stdio to the sidecar (time per request at the "
+            "client; the tool comes from `toolModules`: bench/peers/bench_tools.py), run "
+            "interleaved with the in-process runs.\n")
         add("| runtime | scenario | p50 | min..max | p99 | n |")
         add("|---|---|---|---|---|---|")
         for name, r in inp.items():
             if "unavailable" in r:
                 add(f"| {name} | {r['unavailable'][:300]} | | | | |")
                 continue
-            for sc, s in r["operate_s"].items():
+            for sc, s in sorted(r["operate_s"].items(), key=lambda kv: _SC_ORDER.get(kv[0], 99)):
                 row = _row_s(name, s)
                 add(row.replace(f"| {name} |", f"| {name} | {sc} |", 1))
+        bm = [x for x in (inp.get("ours_wire") or {}).get("branch_memory") or [] if x]
+        if bm:
+            per = sorted(x["per_branch_kib"] / 1024 for x in bm)
+            b0 = bm[0]
+            add(f"\nRSS added per branch of 1,000 messages (ours over the wire, {b0['branches']} branches "
+                f"grown by 500 plain operates each; instruction {b0['instruction_chars']} chars, reply "
+                f"{b0['reply_chars']} chars): " + ", ".join(f"{x:.2f}" for x in per) + " MiB per run.")
         imports = ", ".join(f"{k} {v['import_s']:.2f} s" for k, v in inp.items()
                             if v.get("import_s") is not None)
         if imports:
@@ -160,14 +175,19 @@ def write_markdown(results: dict, path: Path) -> None:
         elif c:
             add(f"- {c['n']} concurrent operates on {c['n']} branches, model delay {c['delay_ms']} ms: "
                 f"wall {c['wall_s'] * 1000:.0f} ms (overhead {c['overhead_ms']:.0f} ms), "
-                f"{c['operates_per_s']:.0f} operates/s")
+                f"{c['operates_per_s']:.0f} operates/s; slowest answer "
+                f"{c['latency_s']['max'] * 1000:.0f} ms vs bound 1.5 × {c['delay_ms']} ms + single-call "
+                f"overhead {c.get('single_call_overhead_ms', float('nan')):.1f} ms = "
+                f"{c.get('bound_ms', float('nan')):.0f} ms: "
+                f"{'all within' if c.get('all_within_bound') else 'NOT all within'}")
         p = ex.get("progress_deltas", {})
         if "unavailable" in p:
             add(f"- `$/progress` deltas: {p['unavailable']}")
         elif p and p.get("deltas_per_s"):
             s = p["deltas_per_s"]
             add(f"- `$/progress` deltas/s ({p['chunks']} chunks per reply): median {s['median']:.0f}, "
-                f"{s['min']:.0f}..{s['max']:.0f} over {s['n']} operates")
+                f"{s['min']:.0f}..{s['max']:.0f} over {s['n']} operates; deltas "
+                f"{'in order and complete' if p.get('in_order') else 'OUT OF ORDER or missing'}")
         mg = ex.get("memory_growth", {})
         if "unavailable" in mg:
             add(f"- memory growth: {mg['unavailable']}")
@@ -177,6 +197,20 @@ def write_markdown(results: dict, path: Path) -> None:
                 f"(+{mg['growth_kib'] / 1024:.1f} MiB; after the first {mg['operates'] // 10} operates +"
                 f"{mg.get('growth_after_warmup_kib', 0) / 1024:.1f} MiB; second half +"
                 f"{mg['growth_second_half_kib'] / 1024:.1f} MiB), {mg['wall_s']:.1f} s")
+        fr = ex.get("first_request", {})
+        if "unavailable" in fr:
+            add(f"- first request after `initialize`: {fr['unavailable']}")
+        elif fr:
+            add(f"- first requests after the `initialize` answer (median of {fr['reps']} fresh servers): "
+                f"createBranch + operate {fr['first_create_operate_s']['median'] * 1000:.0f} ms "
+                f"({fr['first_create_operate_s']['min'] * 1000:.0f}..{fr['first_create_operate_s']['max'] * 1000:.0f}), "
+                f"then operate + responseFormat {fr['first_operate_rf_s']['median'] * 1000:.1f} ms; warm: "
+                f"operate {fr['warm_operate_s']['median'] * 1000:.2f} ms, + responseFormat "
+                f"{fr['warm_operate_rf_s']['median'] * 1000:.2f} ms (initialize itself "
+                f"{fr['initialize_s']['median'] * 1000:.0f} ms)")
         add("")
+    extra = Path(path).with_name("RESULTS_NOTES.md")
+    if extra.exists():  # hand-written sections kept across regenerations
+        add(extra.read_text().rstrip() + "\n")
     add("Raw figures: `bench/out/results.json` (git-ignored).")
     path.write_text("\n".join(L) + "\n")

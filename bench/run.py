@@ -44,6 +44,7 @@ class Config:
         self.ours_concurrent = 100
         self.ours_progress_runs = 2 if quick else 5
         self.ours_mem_total = 1000 if quick else 10_000
+        self.ours_first_reps = 3 if quick else 8
 
 
 def log(*a) -> None:
@@ -76,10 +77,11 @@ class Harness:
             return argv
         return ["taskset", "-c", str(self.server_cpu), *argv]
 
-    async def spawn(self, name: str, on_notification=None) -> Conn:
+    async def spawn(self, name: str, on_notification=None, extra_env: dict | None = None) -> Conn:
         c = self.contenders[name]
         conn = Conn(c.framing, on_notification)
-        await conn.spawn(self.server_argv(c.argv), cwd=str(WORK), env=self.env,
+        env = {**self.env, **extra_env} if extra_env else self.env
+        await conn.spawn(self.server_argv(c.argv), cwd=str(WORK), env=env,
                          stderr_path=LOGS / f"{name}.stderr")
         return conn
 
@@ -250,6 +252,9 @@ class Harness:
         if lionagi_py is not None:
             runners["lionagi"] = [str(lionagi_py), str(BENCH / "peers" / "lionagi_inproc.py")]
         runners["ours"] = [sys.executable, "-m", "bench.ours_inproc"]
+        ours_c = self.contenders.get("ours")
+        if ours_c is not None and not ours_c.unavailable:
+            runners["ours_wire"] = None  # over the wire: ours_extras.wire_operates, same scenarios
         args = ["--n", str(self.cfg.inproc_n), "--hist-n", str(self.cfg.inproc_hist_n)]
         pooled: dict[str, dict[str, list[float]]] = {k: {} for k in runners}
         meta: dict[str, dict] = {k: {"runs": 0, "errors": []} for k in runners}
@@ -257,6 +262,19 @@ class Harness:
         for rep in range(self.cfg.inproc_reps):
             k = rep % len(names)
             for name in names[k:] + names[:k]:
+                if runners[name] is None:
+                    try:
+                        res = await asyncio.wait_for(ours_extras.wire_operates(
+                            self.spawn, n=self.cfg.inproc_n, hist_n=self.cfg.inproc_hist_n), 1800)
+                    except Exception as e:  # noqa: BLE001
+                        meta[name]["errors"].append(f"{type(e).__name__}: {e}"[:600])
+                        continue
+                    meta[name]["runs"] += 1
+                    meta[name]["checks"] = res.get("checks")
+                    meta[name].setdefault("branch_memory", []).append(res.get("branch_memory"))
+                    for sc, xs in res.get("samples_ms", {}).items():
+                        pooled[name].setdefault(sc, []).extend(x / 1000.0 for x in xs)
+                    continue
                 argv = self.server_argv(runners[name] + args)
                 env = dict(self.env)
                 if name == "ours":
@@ -306,6 +324,8 @@ class Harness:
                 self.spawn, operates=self.cfg.ours_progress_runs)),
             ("memory_growth", lambda: ours_extras.memory_growth(
                 self.spawn, total=self.cfg.ours_mem_total)),
+            ("first_request", lambda: ours_extras.first_request(
+                self.spawn, reps=self.cfg.ours_first_reps)),
         ):
             try:
                 res[key] = await coro()
@@ -348,7 +368,26 @@ TARGETS = [
      ("op", "ours", "response_format"), ">=", 5.0),
     ("op_actions", "operate +actions lionagi / ours", ("op", "lionagi", "actions"),
      ("op", "ours", "actions"), ">=", 10.0),
+    ("op_actions_async", "operate +actions, async tool, lionagi / ours", ("op", "lionagi", "actions_async"),
+     ("op", "ours", "actions_async"), ">=", 10.0),
+    ("wire_plain", "operate plain: lionagi in-process / ours over the wire", ("op", "lionagi", "plain"),
+     ("op", "ours_wire", "plain"), ">", 1.0),
+    ("wire_rf", "operate response_format: lionagi in-process / ours over the wire",
+     ("op", "lionagi", "response_format"), ("op", "ours_wire", "response_format"), ">", 1.0),
+    ("wire_actions", "operate +actions: lionagi in-process / ours over the wire", ("op", "lionagi", "actions"),
+     ("op", "ours_wire", "actions"), ">", 1.0),
+    ("hist_inproc", "history: ours in-process p50 at 1,000 msgs / at 0", ("op", "ours", "history_1000"),
+     ("op", "ours", "history_0"), "<=", 1.2),
+    ("hist_wire", "history: ours over the wire p50 at 1,000 msgs / at 0", ("op", "ours_wire", "history_1000"),
+     ("op", "ours_wire", "history_0"), "<=", 1.2),
     ("rss_ours_mcp", "idle RSS ours / MCP", ("rss", "ours"), ("rss", "mcp"), "<=", 0.8),
+    # absolute checks: (value, 1) pairs
+    ("conc100", "100 concurrent operates (200 ms model): slowest answer / (1.5 × 200 ms + single-call "
+     "overhead)", ("x", "conc100"), None, "<=", 1.0),
+    ("deltas", "`$/progress` deltas/s, in order (value = deltas/s)", ("x", "deltas"), None, ">=", 20000),
+    ("branch_mem", "RSS added by a branch of 1,000 messages (MiB)", ("x", "branch_mem"), None, "<", 2.0),
+    ("mem_growth", "RSS growth over 10,000 operates after the first 1,000 (MiB; branches deleted)",
+     ("x", "mem_growth"), None, "<=", 1.0),
 ]
 
 
@@ -365,17 +404,40 @@ def _pick(results: dict, ref: tuple) -> float | None:
             return results["sessions"][name]["throughput_rps"]["median"]
         if kind == "op":
             return results["inproc"][name]["operate_s"][rest[0]]["median"]
+        if kind == "x":
+            return _absolute(results, name)
     except (KeyError, TypeError):
         return None
     return None
 
 
+def _absolute(results: dict, name: str) -> float | None:
+    ex = results.get("ours_extra", {})
+    if name == "conc100":
+        c = ex["concurrent_100_operates"]
+        return c["latency_s"]["max"] * 1000 / (1.5 * c["delay_ms"] + c["single_call_overhead_ms"])
+    if name == "deltas":
+        p = ex["progress_deltas"]
+        return p["deltas_per_s"]["median"] if p.get("in_order") else 0.0
+    if name == "branch_mem":
+        bm = [x for x in results["inproc"]["ours_wire"].get("branch_memory") or [] if x]
+        return sorted(x["per_branch_kib"] for x in bm)[len(bm) // 2] / 1024 if bm else None
+    if name == "mem_growth":
+        return ex["memory_growth"]["growth_after_warmup_kib"] / 1024
+    return None
+
+
+_OPS = {"<=": lambda r, t: r <= t, ">=": lambda r, t: r >= t, "<": lambda r, t: r < t,
+        ">": lambda r, t: r > t}
+
+
 def compute_ratios(results: dict) -> list[dict]:
     out = []
     for key, desc, num, den, op, target in TARGETS:
-        a, b = _pick(results, num), _pick(results, den)
+        a = _pick(results, num)
+        b = _pick(results, den) if den is not None else 1.0
         r = a / b if (a is not None and b) else None
-        ok = None if r is None else (r <= target if op == "<=" else r >= target)
+        ok = None if r is None else _OPS[op](r, target)
         out.append({"key": key, "what": desc, "ratio": r, "target": f"{op} {target}", "met": ok})
     return out
 

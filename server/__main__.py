@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level.upper())
     logging.basicConfig(stream=sys.stderr, level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.models._common import RedactingFilter
+
+    for handler in logging.getLogger().handlers:  # keys never reach stderr, --debug included
+        handler.addFilter(RedactingFilter())
     base: dict = {}
     if args.state_dir:
         base["stateDir"] = args.state_dir

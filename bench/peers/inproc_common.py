@@ -37,6 +37,13 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+async def aadd(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+aadd.__name__ = aadd.__qualname__ = "add"  # same tool name as the sync one, so ACTION_REPLY calls it
+
 # history scenario: message counts at which plain operate is measured
 HISTORY_SIZES = (0, 400, 1000)
 

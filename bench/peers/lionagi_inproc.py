@@ -30,7 +30,7 @@ IMPORT_S = time.perf_counter() - T_IMPORT0
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from inproc_common import (  # noqa: E402
-    ACTION_REPLY, HISTORY_SIZES, INSTRUCTION, PLAIN_REPLY, STRUCTURED_REPLY, Answer, add,
+    ACTION_REPLY, HISTORY_SIZES, INSTRUCTION, PLAIN_REPLY, STRUCTURED_REPLY, Answer, aadd, add,
     argv_int, summarize, timed,
 )
 
@@ -76,6 +76,9 @@ async def main() -> dict:
     b = Branch(chat_model=model, parse_model=model, tools=[add])
     r = await b.operate(instruction=INSTRUCTION, response_format=Answer, actions=True)
     checks["actions"] = repr(r)[:300]
+    b = Branch(chat_model=model, parse_model=model, tools=[aadd])
+    r = await b.operate(instruction=INSTRUCTION, response_format=Answer, actions=True)
+    checks["actions_async"] = repr(r)[:300]
     results["checks"] = checks
 
     def fresh(tools=None):
@@ -86,11 +89,11 @@ async def main() -> dict:
     async def run(kind: str) -> list[float]:
         out = []
         for i in range(n + 3):
-            br = fresh([add] if kind == "actions" else None)
+            br = fresh({"actions": [add], "actions_async": [aadd]}.get(kind))
             kw = {"instruction": INSTRUCTION}
             if kind != "plain":
                 kw["response_format"] = Answer
-            if kind == "actions":
+            if kind.startswith("actions"):
                 kw["actions"] = True
             t0 = time.perf_counter()
             await br.operate(**kw)
@@ -100,7 +103,7 @@ async def main() -> dict:
         return out
 
     for kind, text in (("plain", PLAIN_REPLY), ("response_format", STRUCTURED_REPLY),
-                       ("actions", ACTION_REPLY)):
+                       ("actions", ACTION_REPLY), ("actions_async", ACTION_REPLY)):
         reply[0] = text
         gc.collect()
         samples = await run(kind)

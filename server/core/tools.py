@@ -158,14 +158,118 @@ def function_to_tool(fn: Callable[..., Any], *, name: str | None = None, descrip
     async def call(arguments: dict[str, Any], ctx: ToolCallContext) -> Any:
         if is_async:
             return await fn(**arguments)
-        import anyio.to_thread
-
-        return await anyio.to_thread.run_sync(lambda: fn(**arguments), abandon_on_cancel=True)
+        return await run_sync_tool(fn, arguments)
 
     ro = read_only if read_only is not None else bool(getattr(fn, "__tool_read_only__", False))
     to = timeout if timeout is not None else getattr(fn, "__tool_timeout__", None)
     return Tool(name=tool_name, description=description or summary or tool_name, input_schema=schema,
                 func=call, source=source, read_only=ro, timeout=to, _validator=validate)
+
+
+class _ToolWorkers:
+    """Daemon worker threads for sync Python tools: one hand-off through a
+    ``SimpleQueue`` and one ``call_soon_threadsafe`` back, so the loop thread
+    pays two wake-ups and little else (``anyio.to_thread.run_sync`` adds a
+    capacity limiter, cancel scopes and a run-var lookup, ~70 µs a call).
+    Idle workers are reused (and exit after 10 s idle); a new one starts when none is idle, so a tool
+    abandoned on cancel (still running in its thread) never blocks the next
+    call. Threads are daemons: a hung tool cannot hold the process at exit."""
+
+    __slots__ = ("_jobs", "_idle", "_lock", "_n")
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self._jobs: Any = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+        self._n = 0
+
+    def submit(self, loop: Any, fut: Any, ctx: Any, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if spawn:
+                self._n += 1
+            else:
+                self._idle -= 1
+        self._jobs.put((loop, fut, ctx, fn, kwargs))
+        if spawn:
+            import threading
+
+            threading.Thread(target=self._work, name=f"tool-worker-{self._n}", daemon=True).start()
+
+    def _work(self) -> None:
+        jobs = self._jobs
+        while True:
+            try:
+                loop, fut, ctx, fn, kwargs = jobs.get(timeout=_IDLE_S)
+            except Exception:  # queue.Empty: idle long enough, retire unless a job is on its way
+                with self._lock:
+                    if self._idle > 0:
+                        self._idle -= 1
+                        self._n -= 1
+                        return
+                continue
+            res = exc = None
+            ran = not fut.done()  # not cancelled before it started
+            if ran:
+                try:
+                    res = ctx.run(fn, **kwargs)
+                except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+                    exc = e
+            # idle again before the result is handed over: the next call (which may come
+            # as soon as the loop sees the result) reuses this thread instead of starting one
+            with self._lock:
+                self._idle += 1
+            if ran:
+                try:
+                    loop.call_soon_threadsafe(_settle, fut, res, exc)
+                except RuntimeError:  # the loop is closed: nobody is waiting
+                    pass
+            del loop, fut, ctx, fn, kwargs, res, exc
+
+
+_IDLE_S = 10.0  # an idle worker thread exits after this long (anyio's default too)
+
+
+def _settle(fut: Any, res: Any, exc: BaseException | None) -> None:
+    if fut.done():  # abandoned (cancelled) meanwhile
+        return
+    if exc is None:
+        fut.set_result(res)
+    else:
+        if isinstance(exc, StopIteration):  # a future cannot carry it
+            exc = RuntimeError(f"tool raised StopIteration: {exc}")
+        fut.set_exception(exc)
+
+
+_WORKERS: _ToolWorkers | None = None
+
+
+async def run_sync_tool(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+    """Run a sync tool in a worker thread (the caller's context copied, as
+    anyio does). On cancel the call is abandoned: the awaiting task gets the
+    cancellation at once, the thread finishes on its own and its result is
+    dropped; a call cancelled before a worker picked it up never runs."""
+    global _WORKERS
+    import asyncio
+    import contextvars
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio (trio through anyio)
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(lambda: fn(**arguments), abandon_on_cancel=True)
+    if _WORKERS is None:
+        _WORKERS = _ToolWorkers()
+    fut = loop.create_future()
+    _WORKERS.submit(loop, fut, contextvars.copy_context(), fn, arguments)
+    try:
+        return await fut
+    finally:
+        fut.cancel()  # a no-op once settled; abandons the call otherwise
 
 
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 from typing import Any, Iterable
 from urllib.parse import urlsplit
@@ -71,6 +72,36 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     out = _SECRET_PATTERNS[2].sub(lambda m: m.group(1) + "[REDACTED]", out)
     out = _SECRET_PATTERNS[3].sub(lambda m: m.group(1) + "[REDACTED]@", out)
     return out
+
+
+_KNOWN_SECRETS: set[str] = set()
+
+
+def remember_secret(value: str | None) -> None:
+    """Remember a secret value (an API key read from the environment) so that
+    :class:`RedactingFilter` removes it from every log line, tracebacks included."""
+    if value and len(value) >= 4:
+        _KNOWN_SECRETS.add(value)
+
+
+class RedactingFilter(logging.Filter):
+    """A handler filter: log lines (message, arguments, traceback text) pass through
+    :func:`redact` with every remembered secret. Third-party debug logs (httpx, openai)
+    can print request and response headers; this keeps keys out of stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            record.msg = redact(record.getMessage(), _KNOWN_SECRETS)
+            record.args = None
+            if record.exc_info:
+                text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+                record.exc_text = redact(text, _KNOWN_SECRETS)
+                record.exc_info = None
+            if record.stack_info:
+                record.stack_info = redact(record.stack_info, _KNOWN_SECRETS)
+        except Exception:  # never lose a log line to the filter
+            pass
+        return True
 
 
 def is_loopback_url(url: str | None) -> bool:

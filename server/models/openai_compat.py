@@ -27,7 +27,7 @@ import anyio
 from server.core.errors import ModelError
 from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import check_fields, field_value, is_loopback_url, redact, snake_options
+from ._common import check_fields, field_value, is_loopback_url, redact, remember_secret, snake_options
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class OpenAIModel(BaseModelProvider):
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ModelError("the openai provider needs the 'openai' package (pip install 'operate-sidecar[openai]')") from e
         self._api_key = key
+        remember_secret(key)
         self._client = AsyncOpenAI(
             api_key=key, base_url=self.base_url, timeout=self.timeout_s, max_retries=self.max_retries
         )

@@ -490,6 +490,58 @@ async def test_cancelled_tool_call_gets_cancelled_action_response():
     assert b.messages[1].content["output"] == {"error": "cancelled", "function": "hang"}
 
 
+async def test_cancelled_sync_tool_is_abandoned_and_branch_stays_consistent():
+    """A sync tool runs in a worker thread; on cancel the call is abandoned at once (the
+    thread finishes on its own, its result is dropped) and the branch stays consistent."""
+    import threading
+
+    entered, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def block() -> str:
+        entered.set()
+        release.wait(10)
+        finished.set()
+        return "late"
+
+    b, _ = make_branch([])
+    b.tools.register(Tool.from_function(block))
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.act, call("block"))
+            while not entered.is_set():
+                await anyio.sleep(0.005)
+            tg.cancel_scope.cancel()
+    assert not finished.is_set()  # abandoned: the cancel did not wait for the thread
+    assert kinds(b) == ["action_request", "action_response"]
+    assert b.messages[1].content["output"] == {"error": "cancelled", "function": "block"}
+    release.set()
+    assert finished.wait(5)
+    await anyio.sleep(0.05)  # the late result is dropped, nothing more is recorded
+    assert kinds(b) == ["action_request", "action_response"]
+
+
+async def test_sync_tool_result_exception_and_context():
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    def seen() -> str:
+        return var.get()
+
+    def boom() -> None:
+        raise ValueError("bad input")
+
+    b, _ = make_branch([])
+    b.tools.register(Tool.from_function(seen))
+    b.tools.register(Tool.from_function(boom))
+    var.set("caller")
+    with anyio.fail_after(10):
+        (r1,) = await b.act(call("seen"))
+        (r2,) = await b.act(call("boom"), suppress_errors=True)
+    assert r1.output == "caller"  # the caller's context is copied into the worker thread
+    assert "bad input" in r2.output["error"]
+
+
 # ---------------------------------------------------------------- None, writeback, enrichment
 
 class FirstOnly(AlcallParams):

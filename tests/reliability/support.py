@@ -39,10 +39,15 @@ class Sidecar(SidecarClient):
 
     def __init__(self, *args: str, record: str | None = None, env: dict[str, str] | None = None) -> None:
         self.stderr_file = tempfile.TemporaryFile()
+        self.wire_log: list[dict] = []  # every message the server sent, in arrival order
         self.record = record or tempfile.mktemp(prefix="reliability-record-")
         extra = {"RELIABILITY_RECORD": self.record, **(env or {})}
         super().__init__(argv=SERVER + list(args), env=server_env(extra), cwd=str(ROOT), stderr=self.stderr_file)
         self.client_calls: list[dict] = []
+
+    def _dispatch(self, msg: dict) -> None:
+        self.wire_log.append(msg)
+        super()._dispatch(msg)
 
     def stderr_text(self) -> str:
         self.stderr_file.seek(0)
