@@ -4,7 +4,8 @@
 stdout to a private file descriptor used only for protocol frames, points fd 1
 at stderr (so ``print()`` in tools and the output of child processes land on
 stderr) and points fd 0 at /dev/null (so child processes never read the
-protocol stream). ``Wire`` writes one frame per ``write`` + ``flush``;
+protocol stream). ``Wire`` writes whole frames (a burst in one loop iteration
+in one ``write``);
 ``attach_reader`` feeds stdin bytes to a callback on the event loop without a
 thread hop when stdin is a pipe, socket or tty.
 """
@@ -47,15 +48,25 @@ def guard_stdio() -> tuple[int, int]:
 
 class Wire:
     """The protocol output: exactly ``Content-Length: N\\r\\n\\r\\n<utf-8 json>``,
-    one ``write`` + ``flush`` per message, safe to call from any thread."""
+    safe to call from any thread. The first message in an event-loop iteration is
+    flushed at once (no added latency); further messages written on the loop thread
+    in the same iteration (a burst of ``$/progress`` deltas, several answers) are
+    flushed together at the end of it, one ``write`` instead of one per message.
+    Order is kept (one buffer); messages from other threads flush at once."""
 
-    __slots__ = ("_f", "_lock", "closed", "on_broken")
+    __slots__ = ("_f", "_lock", "closed", "on_broken", "_loop", "_loop_thread", "_deferred")
 
     def __init__(self, fd: int, on_broken: Callable[[], None] | None = None) -> None:
         self._f = io.BufferedWriter(io.FileIO(fd, "wb", closefd=True), buffer_size=1 << 16)
         self._lock = threading.Lock()
         self.closed = False
         self.on_broken = on_broken
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._loop_thread = threading.get_ident()
+        self._deferred = False  # a flush is scheduled at the end of this loop iteration
 
     def send_bytes(self, body: bytes) -> None:
         if self.closed:
@@ -64,13 +75,34 @@ class Wire:
         try:
             with self._lock:
                 self._f.write(frame)
+                on_loop = self._loop is not None and threading.get_ident() == self._loop_thread
+                if on_loop and self._deferred:
+                    return
                 self._f.flush()
+                if on_loop:
+                    try:
+                        self._loop.call_soon(self._flush_deferred)  # type: ignore[union-attr]
+                        self._deferred = True
+                    except RuntimeError:  # the loop is closed: every message flushes at once
+                        self._loop = None
         except (BrokenPipeError, ConnectionResetError, ValueError, OSError) as e:
-            if not self.closed:
-                log.warning("the client's end of stdout is gone (%s)", type(e).__name__)
-                self.closed = True
-                if self.on_broken is not None:
-                    self.on_broken()
+            self._broken(e)
+
+    def _flush_deferred(self) -> None:
+        try:
+            with self._lock:
+                self._deferred = False
+                if not self.closed:
+                    self._f.flush()
+        except (BrokenPipeError, ConnectionResetError, ValueError, OSError) as e:
+            self._broken(e)
+
+    def _broken(self, e: BaseException) -> None:
+        if not self.closed:
+            log.warning("the client's end of stdout is gone (%s)", type(e).__name__)
+            self.closed = True
+            if self.on_broken is not None:
+                self.on_broken()
 
     def close(self) -> None:
         self.closed = True

@@ -237,7 +237,7 @@ class Journal:
                     break
                 pos = nl + 1
                 good_end = pos
-                nrec += 1
+                nrec += len(rec.get("r") or ()) if rec.get("t") == "batch" else 1
                 for r in (rec.get("r") or []) if rec.get("t") == "batch" else [rec]:
                     s = int(r.get("s", 0))
                     if s <= seq:

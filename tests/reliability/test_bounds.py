@@ -18,13 +18,13 @@ def test_defaults_are_documented_values():
         (64 * 1024 * 1024, 120_000, 100_000, 64, 10_000, 100_000)
 
 
-@pytest.mark.parametrize("key", ["toolTimeoutMs", "maxToolOutputChars", "maxConcurrentOperates", "maxBranches",
-                                 "maxMessagesPerBranch"])
-def test_a_bound_must_be_a_positive_integer(sidecar, key):
-    for bad in (0, -1, 1.5, "10", True):
-        err = sidecar.error_of("initialize", {"settings": {key: bad}})
-        assert err.code == -32602 and key in err.message
-    assert sidecar.init(models={"s": scripted("x")}, **{key: 5})["protocolVersion"] == 1
+def test_a_bound_must_be_a_positive_integer(sidecar):
+    keys = ["toolTimeoutMs", "maxToolOutputChars", "maxConcurrentOperates", "maxBranches", "maxMessagesPerBranch"]
+    for key in keys:
+        for bad in (0, -1, 1.5, "10", True, None):
+            err = sidecar.error_of("initialize", {"settings": {key: bad}})
+            assert err.code == -32602 and key in err.message, (key, bad)
+    assert sidecar.init(models={"s": scripted("x")}, **{k: 5 for k in keys})["protocolVersion"] == 1
 
 
 def test_max_message_bytes_skips_the_body_and_keeps_the_stream_in_sync(sidecar):

@@ -149,8 +149,8 @@ def crash_loop(spawn, state: str, kills: int, seed: int) -> dict:
 
 def test_sigkill_loses_no_acknowledged_message_fast(spawn, tmp_path):
     seed = int.from_bytes(os.urandom(4), "big")
-    stats = crash_loop(spawn, str(tmp_path / "state"), kills=15, seed=seed)
-    assert stats["kills"] == 15 and stats["operates"] >= 30
+    stats = crash_loop(spawn, str(tmp_path / "state"), kills=20, seed=seed)
+    assert stats["kills"] == 20 and stats["operates"] >= 40
 
 
 @pytest.mark.slow
