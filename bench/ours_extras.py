@@ -19,17 +19,21 @@ def _settings(responses: list) -> dict:
             "defaultModel": "s", "stateDir": None}
 
 
-async def _start(spawn, responses: list, on_notification=None) -> Conn:
+async def _start(spawn, responses: list, on_notification=None, extra_settings: dict | None = None) -> Conn:
     conn = await spawn("ours", on_notification=on_notification)
-    await conn.request("initialize", lsp_init("ours", _settings(responses)), timeout=60)
+    await conn.request("initialize", lsp_init("ours", {**_settings(responses), **(extra_settings or {})}),
+                       timeout=60)
     conn.notify("initialized", {})
     return conn
 
 
-async def concurrent_operates(spawn, n: int = 100, delay_ms: int = 200) -> dict:
-    """n operates in flight at once, one per branch, each model call taking delay_ms."""
+async def concurrent_operates(spawn, n: int = 100, delay_ms: int = 200,
+                              extra_settings: dict | None = None) -> dict:
+    """n operates in flight at once, one per branch, each model call taking delay_ms
+    (server defaults unless extra_settings, e.g. {"maxConcurrentOperates": 128})."""
     single = 5
-    conn = await _start(spawn, [{"text": "done", "delayMs": delay_ms}] * (n + single))
+    conn = await _start(spawn, [{"text": "done", "delayMs": delay_ms}] * (n + single),
+                        extra_settings=extra_settings)
     try:
         branches = [(await conn.request("createBranch", {"name": f"b{i}"}, timeout=30))["branchId"]
                     for i in range(n)]

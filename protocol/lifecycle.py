@@ -92,7 +92,7 @@ class Settings:
     max_message_bytes: int | None = None
     tool_timeout_ms: int | None = None           # tools without their own time-out; default 120000
     max_tool_output_chars: int | None = None     # longer tool outputs become a preview; default 100000
-    max_concurrent_operates: int | None = None   # more operates wait, FIFO; default 64
+    max_concurrent_operates: int | None = None   # more operates wait, FIFO; default 256
     max_branches: int | None = None              # createBranch/forkBranch beyond it → -32602; default 10000
     max_messages_per_branch: int | None = None   # operate on a full branch → -32602; default 100000
 
