@@ -13,9 +13,22 @@ from .support import TIMEOUT, RpcError, calls, outputs, scripted
 
 
 def test_defaults_are_documented_values():
-    assert (S.DEFAULT_MAX_MESSAGE_BYTES, S.DEFAULT_TOOL_TIMEOUT_MS, S.DEFAULT_MAX_TOOL_OUTPUT_CHARS,
-            S.DEFAULT_MAX_CONCURRENT_OPERATES, S.DEFAULT_MAX_BRANCHES, S.DEFAULT_MAX_MESSAGES_PER_BRANCH) == \
-        (64 * 1024 * 1024, 120_000, 100_000, 64, 10_000, 100_000)
+    """The defaults in force are the ones protocol/README.md's Bounds table documents."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "protocol" / "README.md").read_text()
+    documented = {m.group(1): int(m.group(2)) for m in re.finditer(r"^\| `(\w+)` \| (\d+) \|", readme, re.M)}
+    in_force = {
+        "maxMessageBytes": S.DEFAULT_MAX_MESSAGE_BYTES,
+        "toolTimeoutMs": S.DEFAULT_TOOL_TIMEOUT_MS,
+        "maxToolOutputChars": S.DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+        "maxConcurrentOperates": S.DEFAULT_MAX_CONCURRENT_OPERATES,
+        "maxBranches": S.DEFAULT_MAX_BRANCHES,
+        "maxMessagesPerBranch": S.DEFAULT_MAX_MESSAGES_PER_BRANCH,
+    }
+    assert {k: documented.get(k) for k in in_force} == in_force
+    assert S.DEFAULTS["maxConcurrentOperates"] >= 100  # issue 6: 100 operates in flight must not queue
 
 
 def test_a_bound_must_be_a_positive_integer(sidecar):
