@@ -4,7 +4,6 @@ with an invocation record for the fixture tools and journal checks."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -13,68 +12,34 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-RPC_FIXTURES = ROOT / "tests" / "rpc" / "fixtures"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from clients.python.client import RpcError, SidecarClient  # noqa: E402
+from clients.python.client import RpcError  # noqa: E402,F401
+from rpc.support import TIMEOUT, server_env  # noqa: E402,F401  (tests/ is on sys.path)
+from rpc.support import Sidecar as RpcSidecar  # noqa: E402
 
-SERVER = [sys.executable, "-m", "server"]
-TIMEOUT = 20.0
 CLIENT_TOOL = {"name": "client_probe", "description": "A client tool that records every call.",
                "inputSchema": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}
 
 
-def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(FIXTURES), str(RPC_FIXTURES), env.get("PYTHONPATH", "")])
-    env.pop("PYTHONSTARTUP", None)
-    env.update(extra or {})
-    return env
-
-
-class Sidecar(SidecarClient):
-    """SidecarClient plus conveniences; stderr goes to a temp file; ``record`` names the file the
-    fixture tools append to; ``client_calls`` lists every ``invokeClientTool`` received."""
+class Sidecar(RpcSidecar):
+    """The end-to-end client of tests/rpc plus: ``record`` names the file the fixture tools
+    append to; ``wire_log`` keeps every message the server sent; ``client_calls`` lists every
+    ``invokeClientTool`` received."""
 
     def __init__(self, *args: str, record: str | None = None, env: dict[str, str] | None = None) -> None:
-        self.stderr_file = tempfile.TemporaryFile()
         self.wire_log: list[dict] = []  # every message the server sent, in arrival order
         self.record = record or tempfile.mktemp(prefix="reliability-record-")
-        extra = {"RELIABILITY_RECORD": self.record, **(env or {})}
-        super().__init__(argv=SERVER + list(args), env=server_env(extra), cwd=str(ROOT), stderr=self.stderr_file)
         self.client_calls: list[dict] = []
+        super().__init__(*args, env={"RELIABILITY_RECORD": self.record, **(env or {})}, paths=(FIXTURES,))
 
     def _dispatch(self, msg: dict) -> None:
         self.wire_log.append(msg)
         super()._dispatch(msg)
 
-    def stderr_text(self) -> str:
-        self.stderr_file.seek(0)
-        return self.stderr_file.read().decode("utf-8", "replace")
-
-    def init(self, models: dict | None = None, capabilities: dict | None = None, **settings) -> dict:
-        s = dict(settings)
-        if models is not None:
-            s["models"] = models
-        params: dict = {"clientInfo": {"name": "pytest-reliability"}, "settings": s}
-        if capabilities is not None:
-            params["capabilities"] = capabilities
-        return self.request("initialize", params, timeout=TIMEOUT)
-
-    def branch(self, **params) -> str:
-        return self.request("createBranch", params, timeout=TIMEOUT)["branchId"]
-
-    def error_of(self, method: str, params=None, timeout: float = TIMEOUT) -> RpcError:
-        with pytest.raises(RpcError) as ei:
-            self.request(method, params, timeout=timeout)
-        return ei.value
-
     def messages(self, branch_id: str) -> list[dict]:
         return self.request("branchMessages", {"branchId": branch_id, "limit": 1_000_000}, timeout=TIMEOUT)["messages"]
-
-    def of(self, method: str) -> list:
-        return [p for m, p in self.notifications if m == method]
 
     def invocations(self) -> list[dict]:
         """Every fixture-tool invocation, in order."""

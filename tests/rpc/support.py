@@ -23,19 +23,21 @@ ANSWER_SCHEMA = {"title": "Answer", "type": "object", "properties": {"answer": {
                  "required": ["answer"]}
 
 
-def server_env() -> dict[str, str]:
+def server_env(extra: dict[str, str] | None = None, paths: tuple[Path, ...] = ()) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *map(str, paths), str(FIXTURES), env.get("PYTHONPATH", "")])
     env.pop("PYTHONSTARTUP", None)
+    env.update(extra or {})
     return env
 
 
 class Sidecar(SidecarClient):
     """SidecarClient plus test conveniences; stderr goes to a temp file."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, paths: tuple[Path, ...] = ()) -> None:
         self.stderr_file = tempfile.TemporaryFile()
-        super().__init__(argv=SERVER + list(args), env=server_env(), cwd=str(ROOT), stderr=self.stderr_file)
+        super().__init__(argv=SERVER + list(args), env=server_env(env, paths), cwd=str(ROOT),
+                         stderr=self.stderr_file)
 
     def stderr_text(self) -> str:
         self.stderr_file.seek(0)
