@@ -211,7 +211,7 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
         flush_text(final=True)
     finally:
         with anyio.CancelScope(shield=True):
-            flush_text() if buf else None
+            flush_text()
             for call_id, req in list(open_calls.items()):
                 branch.messages.add("action_response", {"callId": call_id, "requestId": req.id,
                                                         "function": req.content["function"],

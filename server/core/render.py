@@ -87,6 +87,11 @@ def _narrow_action_requests(schema: dict, tool_schemas: list[dict]) -> dict:
     for branch in prop.get("anyOf", [prop]):
         if branch.get("type") == "array":
             branch["items"] = item
+    text = json.dumps(out)
+    for name in [n for n in defs if f'"#/$defs/{n}"' not in text]:
+        del defs[name]  # the generic item schema no longer referenced: keep the prompt lean
+    if not defs:
+        del out["$defs"]
     return out
 
 

@@ -1,33 +1,23 @@
-"""Fixtures: spawn the real server (see support.py); every process is reaped."""
+"""Fixtures: spawn the real server (see support.py); every process is reaped. Each server's
+fixture tools record their invocations in a file of its own under the test's tmp_path."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
+
+from rpc.support import spawner  # tests/ is on sys.path
 
 from .support import Sidecar
 
 
 @pytest.fixture
 def spawn(tmp_path):
-    started: list[Sidecar] = []
+    def build(i: int, *args: str, **kw) -> Sidecar:
+        kw.setdefault("record", str(tmp_path / f"record-{i}.jsonl"))
+        return Sidecar(*args, **kw)
 
-    def make(*args: str, **kw) -> Sidecar:
-        kw.setdefault("record", str(tmp_path / f"record-{len(started)}.jsonl"))
-        c = Sidecar(*args, **kw)
-        started.append(c)
-        return c
-
-    yield make
-    for c in started:
-        if c.proc.poll() is None:
-            c.kill()
-        try:
-            c.proc.wait(10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
-        c._close_pipes()
+    with spawner(build) as make:
+        yield make
 
 
 @pytest.fixture

@@ -1,32 +1,16 @@
-"""Fixtures: spawn the real server (see support.py)."""
+"""Fixtures: spawn the real server (see support.py); every process is reaped."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from .support import Sidecar
+from .support import Sidecar, spawner
 
 
 @pytest.fixture
 def spawn():
-    started: list[Sidecar] = []
-
-    def make(*args: str) -> Sidecar:
-        c = Sidecar(*args)
-        started.append(c)
-        return c
-
-    yield make
-    for c in started:
-        if c.proc.poll() is None:
-            c.kill()
-        try:
-            c.proc.wait(10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
-        c._close_pipes()
+    with spawner(lambda _i, *args, **kw: Sidecar(*args, **kw)) as make:
+        yield make
 
 
 @pytest.fixture

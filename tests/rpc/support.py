@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -72,3 +75,27 @@ def scripted(*responses, cli: bool = False) -> dict:
     if cli:
         cfg["cli"] = True
     return cfg
+
+
+@contextlib.contextmanager
+def spawner(factory: Callable[..., "Sidecar"]) -> Iterator[Callable[..., "Sidecar"]]:
+    """Yield ``make(*args, **kw)`` building servers with ``factory(index, *args, **kw)``;
+    on exit every server still running is killed and reaped (waits are bounded)."""
+    started: list[Sidecar] = []
+
+    def make(*args: str, **kw) -> Sidecar:
+        c = factory(len(started), *args, **kw)
+        started.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in started:
+            if c.proc.poll() is None:
+                c.kill()
+            try:
+                c.proc.wait(10)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+            c._close_pipes()
