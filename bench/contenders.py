@@ -39,6 +39,7 @@ class Contender:
     after_init: list[str] = field(default_factory=list)   # notifications sent after the answer
     light: dict[str, tuple[str, dict]] = field(default_factory=dict)  # metric -> (method, params)
     throughput: tuple[str, dict] = ("ping", {})
+    first_use: list[tuple[str, dict]] = field(default_factory=list)  # for "RSS after first use"
     setup: str | None = None              # peer venv to ensure first
     unavailable: str | None = None
 
@@ -58,6 +59,7 @@ def all_contenders() -> list[Contender]:
             argv=[sys.executable, str(PEERS / "stdlib_echo.py")], framing="lsp",
             init_params=lsp_init("stdlib"),
             light={"ping": ("ping", {}), "add": ("add", {"a": 2, "b": 3})},
+            first_use=[("add", {"a": 2, "b": 3})],
         ),
         Contender(
             name="pygls", label="bare pygls 2.1.1",
@@ -65,6 +67,7 @@ def all_contenders() -> list[Contender]:
             init_params=lsp_init("pygls"),
             # pygls 2.1.1 never answers a request without params: always send {}.
             light={"ping": ("ping", {}), "add": ("add", {"a": 2, "b": 3})},
+            first_use=[("add", {"a": 2, "b": 3})],
             setup="pygls",
         ),
         Contender(
@@ -75,6 +78,7 @@ def all_contenders() -> list[Contender]:
             after_init=["notifications/initialized"],
             light={"ping": ("ping", {}), "tools/list": ("tools/list", {}),
                    "tools/call": ("tools/call", {"name": "add", "arguments": {"a": 2, "b": 3}})},
+            first_use=[("tools/list", {}), ("tools/call", {"name": "add", "arguments": {"a": 2, "b": 3}})],
             setup="mcp",
         ),
         Contender(
@@ -83,5 +87,6 @@ def all_contenders() -> list[Contender]:
             argv=[str(OURS_BIN)], framing="lsp",
             init_params=lsp_init("ours", OURS_IDLE_SETTINGS),
             light={"ping": ("ping", {}), "listTools": ("listTools", {})},
+            first_use=[("listTools", {}), ("createBranch", {})],
         ),
     ]

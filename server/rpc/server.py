@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import importlib
 import itertools
 import logging
+import sys
+import time
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import cattrs
 from pygls.protocol.json_rpc import JsonRPCProtocol
@@ -48,8 +51,12 @@ class SidecarProtocol(JsonRPCProtocol):
         if handler is None:
             conn.send_error(msg_id, E.METHOD_NOT_FOUND, f"method not found: {method}")
             return
-        if msg_id in self._request_futures:
+        core = self._server.core
+        if msg_id in self._request_futures or (not core.loaded and core.deferred(msg_id)):
             conn.send_error(msg_id, E.INVALID_REQUEST, f"request id {msg_id!r} is already in flight")
+            return
+        if not core.loaded:  # first requests: wait (in order) for the core, off the loop thread
+            core.defer(msg_id, partial(self.handle_request, msg_id, method, params))
             return
         ctx = contextvars.copy_context()
         ctx.run(self._execute_handler, msg_id, handler, partial(self._send_handler_result, msg_id=msg_id),
@@ -74,6 +81,9 @@ class SidecarProtocol(JsonRPCProtocol):
         conn.send_error(msg_id, code, message, data)
 
     def cancel_request(self, msg_id: Any) -> None:
+        if self._server.core.drop(msg_id):
+            self._server.conn.send_error(msg_id, E.REQUEST_CANCELLED, "request cancelled")
+            return
         future = self._request_futures.get(msg_id)
         if future is None:
             log.debug("cancel for unknown or finished request %r", msg_id)
@@ -129,6 +139,71 @@ class SidecarProtocol(JsonRPCProtocol):
                 fut.cancel()
 
 
+#: what the methods need from the core and the providers, loaded on first use (see ``CoreLoader``)
+CORE_MODULES = ("server.core", "server.core.branch", "server.core.operate", "server.core.prepare",
+                "server.core.tools", "server.models", "server.models.scripted")
+#: imported right after, without holding up the request (first responseFormat / toolModules use)
+CORE_WARM = ("json_schema_to_pydantic", "server.tools.python_modules")
+
+
+class CoreLoader:
+    """Imports the core once, on a worker thread, when the first request needs it.
+
+    Until then the sidecar holds only the transport, pygls and the wire types, so an
+    idle editor sidecar stays small. Requests that arrive before the core is loaded are
+    deferred in arrival order and replayed once it is; the event loop keeps serving
+    meanwhile (``ping``, ``$/cancelRequest``, client responses). If the import fails,
+    the replayed requests fail with the error (-32603) instead of waiting forever."""
+
+    def __init__(self) -> None:
+        self.loaded = all(m in sys.modules for m in CORE_MODULES)
+        self._deferred: list[tuple[Any, Callable[[], None]]] = []
+        self._started = False
+
+    def defer(self, msg_id: Any, replay: Callable[[], None]) -> None:
+        self._deferred.append((msg_id, replay))
+        if not self._started:
+            self._started = True
+            loop = asyncio.get_running_loop()
+            loop.run_in_executor(None, self._load).add_done_callback(
+                lambda _f: loop.call_soon(self._replay))
+
+    def deferred(self, msg_id: Any) -> bool:
+        return any(i == msg_id for i, _ in self._deferred)
+
+    def drop(self, msg_id: Any) -> bool:
+        for k, (i, _) in enumerate(self._deferred):
+            if i == msg_id:
+                del self._deferred[k]
+                return True
+        return False
+
+    def _replay(self) -> None:
+        self.loaded = True
+        deferred, self._deferred = self._deferred, []
+        for _, replay in deferred:
+            try:
+                replay()
+            except Exception:
+                log.exception("error while handling a deferred request")
+
+    @staticmethod
+    def _load() -> None:
+        t0 = time.perf_counter()
+        try:
+            for name in CORE_MODULES:
+                importlib.import_module(name)
+        except BaseException:
+            log.exception("could not load the core")
+            return
+        log.info("core loaded in %.0f ms", (time.perf_counter() - t0) * 1000)
+        for name in CORE_WARM:  # optional; the first real use reports an error
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                pass
+
+
 def _handler(bound: Any) -> Any:
     """A plain function around a bound method (pygls sets attributes on handlers)."""
     if asyncio.iscoroutinefunction(bound):
@@ -149,6 +224,7 @@ class SidecarServer(JsonRPCServer):
         self.conn = conn
         self.debug = bool(getattr(conn, "debug", False))
         self.sidecar = Sidecar(self)
+        self.core = CoreLoader()
         for method in _APP_METHODS:
             self.protocol.fm.feature(method)(_handler(getattr(self.sidecar, method)))
         assert set(self.protocol.fm.features) == set(_APP_METHODS)
