@@ -24,18 +24,6 @@ def snake_options(options: dict[str, Any] | None) -> dict[str, Any]:
     return {snake(k): v for k, v in (options or {}).items()}
 
 
-def check_fields(name: str, config: dict[str, Any], allowed: set[str]) -> None:
-    """Reject unknown ModelConfig fields (typos would otherwise be silently ignored)."""
-    from . import ModelConfigError
-
-    unknown = set(config) - allowed - {"provider"}
-    if unknown:
-        raise ModelConfigError(
-            f"model config {name!r} ({config.get('provider')}): unknown field(s) {', '.join(sorted(unknown))}; "
-            f"expected {', '.join(sorted(allowed))}"
-        )
-
-
 def field_value(name: str, config: dict[str, Any], key: str, default: Any, kind: Any = None) -> Any:
     """``config[key]`` converted by ``kind``; missing or null → ``default``."""
     value = config.get(key)

@@ -37,16 +37,17 @@ import anyio
 from server.core.errors import ModelError
 from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import check_fields, field_value, render_prompt
+from ._common import field_value, render_prompt
+from .config import CLI_PROFILES, FIELDS, check_model_config
 
 log = logging.getLogger(__name__)
 
-PROFILES = ("claude-code", "llm", "jsonl")
+PROFILES = CLI_PROFILES
 DEFAULT_COMMANDS: dict[str, list[str]] = {
     "claude-code": ["claude", "-p", "--output-format", "stream-json", "--verbose"],
     "llm": ["llm", "-m", "SmolLM2"],
 }
-CONFIG_FIELDS = {"profile", "command", "cwd", "env", "promptVia", "timeoutS", "killGraceS"}
+CONFIG_FIELDS = frozenset(FIELDS["cli"])  # declared (with their types) in config.py
 STDERR_TAIL_BYTES = 2000
 MAX_LINE_BYTES = 64 * 1024 * 1024
 
@@ -89,14 +90,10 @@ class CLIModel(BaseModelProvider):
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "CLIModel":
-        check_fields(name, config, CONFIG_FIELDS)
+        check_model_config(config, f"model config {name!r}", "cli")
         command = config.get("command")
         if isinstance(command, str):
             command = shlex.split(command)
-        if command is not None and not (isinstance(command, list) and all(isinstance(a, str) for a in command)):
-            from . import ModelConfigError
-
-            raise ModelConfigError(f"model config {name!r}: command must be a list of strings")
         return cls(
             name,
             profile=field_value(name, config, "profile", "", str),

@@ -38,7 +38,8 @@ import anyio.to_thread
 from server.core.errors import ModelError
 from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import bound_schema, check_fields, field_value, snake_options
+from ._common import bound_schema, field_value, snake_options
+from .config import FIELDS, check_model_config
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ DEFAULT_N_CTX = 4096
 LOCK_POLL_S = 0.005
 STALE_LEASE_S = 30.0  # a generation with no step for this long was abandoned by its consumer
 
-CONFIG_FIELDS = {"path", "nCtx", "nThreads", "maxTokens", "maxItems", "maxStringLength", "options", "timeoutS"}
+CONFIG_FIELDS = frozenset(FIELDS["local"])  # declared (with their types) in config.py
 
 # llama parameters a request's ``options`` (modelOptions) may set.
 _LLAMA_OPTIONS = {
@@ -258,7 +259,7 @@ class LocalModel(BaseModelProvider):
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "LocalModel":
-        check_fields(name, config, CONFIG_FIELDS)
+        check_model_config(config, f"model config {name!r}", "local")
         return cls(
             name,
             path=field_value(name, config, "path", None, str),

@@ -27,12 +27,13 @@ import anyio
 from server.core.errors import ModelError
 from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import check_fields, field_value, is_loopback_url, redact, remember_secret, snake_options
+from ._common import field_value, is_loopback_url, redact, remember_secret, snake_options
+from .config import FIELDS, check_model_config
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
-CONFIG_FIELDS = {"model", "baseUrl", "apiKeyEnv", "timeoutS", "maxRetries", "options"}
+CONFIG_FIELDS = frozenset(FIELDS["openai"])  # declared (with their types) in config.py
 LOOPBACK_DUMMY_KEY = "no-key-required"
 
 # Structured-output modes, tried in this order.
@@ -97,7 +98,7 @@ class OpenAIModel(BaseModelProvider):
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "OpenAIModel":
-        check_fields(name, config, CONFIG_FIELDS)
+        check_model_config(config, f"model config {name!r}", "openai")
         return cls(
             name,
             model=field_value(name, config, "model", "", str),

@@ -20,27 +20,16 @@ import anyio
 from server.core.errors import ModelError
 from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-ENTRY_KEYS = {"text", "json", "delayMs", "chunks", "error"}
+from .config import ENTRY_FIELDS, ModelConfigError, check_model_config, entry_problem
+
+ENTRY_KEYS = frozenset(ENTRY_FIELDS)  # declared (with their types) in config.py
 REQUEST_LOG_LIMIT = 100
 
 
-def _check_entry(i: int, entry: Any) -> Any:
-    if isinstance(entry, str):
-        return entry
-    if not isinstance(entry, dict):
-        raise ValueError(f"scripted response {i} must be a string or an object")
-    unknown = set(entry) - ENTRY_KEYS
-    if unknown:
-        raise ValueError(f"scripted response {i} has unknown field(s): {', '.join(sorted(unknown))}")
-    delay = entry.get("delayMs", 0)
-    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
-        raise ValueError(f"scripted response {i}: delayMs must be a non-negative number")
-    chunks = entry.get("chunks", 1)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"scripted response {i}: chunks must be a positive integer")
-    for key in ("text", "error"):
-        if key in entry and not isinstance(entry[key], str):
-            raise ValueError(f"scripted response {i}: {key} must be a string")
+def _check_entry(i: int, entry: Any, name: str = "scripted") -> Any:
+    problem = entry_problem(entry, f"responses[{i}]")
+    if problem:
+        raise ModelConfigError(f"scripted model {name!r}: {problem}")
     return entry
 
 
@@ -50,22 +39,14 @@ class ScriptedModel(BaseModelProvider):
         self.name = name
         self.is_cli = cli
         self.timeout_s = timeout_s
-        self._queue: deque[Any] = deque(_check_entry(i, e) for i, e in enumerate(responses))
+        self._queue: deque[Any] = deque(_check_entry(i, e, name) for i, e in enumerate(responses))
         self.requests: deque[ModelRequest] = deque(maxlen=REQUEST_LOG_LIMIT)
         self.calls = 0
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "ScriptedModel":
-        unknown = set(config) - {"provider", "responses", "cli", "timeoutS"}
-        if unknown:
-            raise ValueError(f"scripted model {name!r}: unknown field(s) {', '.join(sorted(unknown))}")
-        responses = config.get("responses", [])
-        if not isinstance(responses, list):
-            raise ValueError(f"scripted model {name!r}: responses must be a list")
-        timeout = config.get("timeoutS")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ValueError(f"scripted model {name!r}: timeoutS must be a positive number")
-        return cls(name, responses, cli=bool(config.get("cli", False)), timeout_s=timeout)
+        check_model_config(config, f"model config {name!r}", "scripted")
+        return cls(name, config.get("responses") or [], cli=bool(config.get("cli")), timeout_s=config.get("timeoutS"))
 
     @property
     def remaining(self) -> int:

@@ -67,18 +67,19 @@ def load_toml(path: str) -> dict[str, Any]:
 
 
 def finalize(settings: dict[str, Any]) -> dict[str, Any]:
-    """Validate and fill the derived defaults (default model)."""
+    """Validate and fill the derived defaults (default model). Each ModelConfig is checked
+    field by field (``server.models.config``), so a typo fails here, not at first use."""
     s = settings
     if not isinstance(s.get("models"), dict):
         raise SettingsError("settings.models must be an object")
-    from server.models import PROVIDERS  # a plain table; no provider is imported
+    if s["models"]:  # every field of every model, up front (PROTOCOL §2 ModelConfig)
+        from server.models.config import ModelConfigError, check_model_config  # a table; no provider
 
-    for name, cfg in s["models"].items():
-        if not isinstance(cfg, dict) or not isinstance(cfg.get("provider"), str):
-            raise SettingsError(f"settings.models.{name} must be an object with a provider")
-        if cfg["provider"] not in PROVIDERS:
-            raise SettingsError(f"settings.models.{name}: unknown provider {cfg['provider']!r}; "
-                                f"expected one of {', '.join(sorted(PROVIDERS))}")
+        for name, cfg in s["models"].items():
+            try:
+                check_model_config(cfg, f"models.{name}")
+            except ModelConfigError as e:
+                raise SettingsError(str(e)) from None
     if not s["models"]:
         s["models"] = {DEFAULT_MODEL_NAME: dict(DEFAULT_MODEL_CONFIG)}
     if s.get("defaultModel") is not None and not isinstance(s["defaultModel"], str):

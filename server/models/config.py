@@ -1,0 +1,254 @@
+"""ModelConfig (PROTOCOL §2): the one table of providers, their fields and the fields'
+JSON types, and a checker for it.
+
+``initialize`` checks every configured model with :func:`check_model_config` (through
+``server.rpc.settings.finalize``), and ``make_model`` and each provider's ``from_config``
+check with it too, so a config is judged the same everywhere and a provider's accepted
+keys cannot drift from what initialize accepts. This module is on the cold-start path:
+it imports nothing but the standard library's ``shlex`` (and that only for a string
+``command``).
+
+Types are JSON types and never coerced (``"4"`` is not an integer, ``true`` is not a
+number). ``null`` means "the default" for every field (for ``maxStringLength`` it turns
+the bound off).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: provider → "module:class" (imported only when a model of that kind is first made)
+PROVIDERS: dict[str, str] = {
+    "local": "server.models.local:LocalModel",
+    "openai": "server.models.openai_compat:OpenAIModel",
+    "cli": "server.models.cli:CLIModel",
+    "scripted": "server.models.scripted:ScriptedModel",
+}
+
+CLI_PROFILES = ("claude-code", "llm", "jsonl")
+PROMPT_VIA = ("arg", "stdin")
+
+# Field types: "string", "integer", "number", "boolean", "object" (any JSON object),
+# "positive number", "string map" (object of strings), "argv" (list of strings, or a
+# shell-style string), "responses" (scripted entries), or a tuple of allowed strings.
+
+#: provider → {field: type}; ``provider`` itself is implied. The providers take their
+#: ``CONFIG_FIELDS`` from here.
+FIELDS: dict[str, dict[str, Any]] = {
+    "local": {
+        "path": "string",
+        "nCtx": "integer",
+        "nThreads": "integer",
+        "maxTokens": "integer",
+        "maxItems": "integer",
+        "maxStringLength": "integer",
+        "options": "object",
+        "timeoutS": "number",
+    },
+    "openai": {
+        "model": "string",
+        "baseUrl": "string",
+        "apiKeyEnv": "string",
+        "timeoutS": "number",
+        "maxRetries": "integer",
+        "options": "object",
+    },
+    "cli": {
+        "profile": CLI_PROFILES,
+        "command": "argv",
+        "cwd": "string",
+        "env": "string map",
+        "promptVia": PROMPT_VIA,
+        "timeoutS": "number",
+        "killGraceS": "number",
+    },
+    "scripted": {
+        "responses": "responses",
+        "cli": "boolean",
+        "timeoutS": "positive number",
+    },
+}
+
+#: provider → fields that must be present, non-null and non-empty
+REQUIRED: dict[str, tuple[str, ...]] = {"openai": ("model",), "cli": ("profile",)}
+
+#: the fields of one scripted ``responses`` entry that is an object
+ENTRY_FIELDS: dict[str, str] = {
+    "text": "string",
+    "json": "any",
+    "delayMs": "non-negative number",
+    "chunks": "positive integer",
+    "error": "string",
+}
+
+
+class ModelConfigError(ValueError):
+    """A model configuration that cannot be used (unknown provider, bad field)."""
+
+
+# --- the checker ---------------------------------------------------------------------------
+
+def _kind(value: Any) -> str:
+    """The JSON kind of a value, with its article (for messages; never the value itself,
+    which may be a secret)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(s: str, limit: int = 40) -> str:
+    return repr(s if len(s) <= limit else s[:limit] + "...")
+
+
+def _type_problem(field: str, kind: Any, value: Any) -> str | None:
+    """Why ``value`` (not null) is not of ``kind``, or None."""
+    if isinstance(kind, tuple):
+        if isinstance(value, str) and value in kind:
+            return None
+        got = _short(value) if isinstance(value, str) else _kind(value)
+        return f"{field} must be one of {', '.join(map(repr, kind))}, not {got}"
+    if kind == "any":
+        return None
+    if kind == "string":
+        ok, want = isinstance(value, str), "a string"
+    elif kind == "integer":
+        ok, want = _is_int(value), "an integer"
+    elif kind == "number":
+        ok, want = _is_number(value), "a number"
+    elif kind == "positive number":
+        if _is_number(value):
+            return None if value > 0 else f"{field} must be a positive number"
+        ok, want = False, "a positive number"
+    elif kind == "non-negative number":
+        if _is_number(value):
+            return None if value >= 0 else f"{field} must be a non-negative number"
+        ok, want = False, "a non-negative number"
+    elif kind == "positive integer":
+        if _is_int(value):
+            return None if value >= 1 else f"{field} must be a positive integer"
+        ok, want = False, "a positive integer"
+    elif kind == "boolean":
+        ok, want = isinstance(value, bool), "a boolean"
+    elif kind == "object":
+        ok, want = isinstance(value, dict), "an object"
+    elif kind == "string map":
+        if not isinstance(value, dict):
+            return f"{field} must be an object of strings, not {_kind(value)}"
+        for k, v in value.items():
+            if not isinstance(v, str):
+                return f"{field}.{k} must be a string, not {_kind(v)}"
+        return None
+    elif kind == "argv":
+        if isinstance(value, str):
+            import shlex
+
+            try:
+                shlex.split(value)
+            except ValueError as e:
+                return f"{field} is not a valid shell-style command line ({e})"
+            return None
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            return f"{field} must be a list of strings"
+        return None
+    elif kind == "responses":
+        if not isinstance(value, list):
+            return f"{field} must be a list, not {_kind(value)}"
+        for i, entry in enumerate(value):
+            problem = entry_problem(entry, f"{field}[{i}]")
+            if problem:
+                return problem
+        return None
+    else:  # pragma: no cover - a typo in FIELDS
+        raise AssertionError(f"unknown field type {kind!r}")
+    return None if ok else f"{field} must be {want}, not {_kind(value)}"
+
+
+def entry_problem(entry: Any, where: str) -> str | None:
+    """Why one scripted ``responses`` entry is invalid (``where`` names it), or None."""
+    if isinstance(entry, str):
+        return None
+    if not isinstance(entry, dict):
+        return f"{where} must be a string or an object, not {_kind(entry)}"
+    unknown = [k for k in entry if k not in ENTRY_FIELDS]
+    if unknown:
+        return f"{where}: {_unknown(unknown)} (accepts: {', '.join(sorted(ENTRY_FIELDS))})"
+    for key, kind in ENTRY_FIELDS.items():
+        if key in entry:
+            problem = _type_problem(f"{where}.{key}", kind, entry[key])
+            if problem:
+                return problem
+    return None
+
+
+def _unknown(keys: list[Any]) -> str:
+    names = ", ".join(_short(str(k)) for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
+    return f"unknown field{'s' if len(keys) > 1 else ''} {names}"
+
+
+def config_problem(config: Any, provider: str | None = None) -> str | None:
+    """Why ``config`` is not a usable ModelConfig, or None. ``provider`` overrides the
+    config's own ``provider`` (for a provider class's ``from_config``)."""
+    if not isinstance(config, dict):
+        return f"must be an object with a provider, not {_kind(config)}"
+    if provider is None:
+        provider = config.get("provider")
+        if provider is None:
+            return f"missing 'provider' (one of {', '.join(sorted(PROVIDERS))})"
+        if not isinstance(provider, str):
+            return f"provider must be a string, not {_kind(provider)}"
+        if provider not in PROVIDERS:
+            return f"unknown provider {_short(provider)} (expected one of {', '.join(sorted(PROVIDERS))})"
+    fields = FIELDS[provider]
+    unknown = [k for k in config if k != "provider" and k not in fields]
+    if unknown:
+        return f"{_unknown(unknown)} ({provider} accepts: {', '.join(sorted(fields))})"
+    for key, kind in fields.items():
+        value = config.get(key)
+        if value is not None:
+            problem = _type_problem(key, kind, value)
+            if problem:
+                return problem
+    for key in REQUIRED.get(provider, ()):
+        if config.get(key) in (None, ""):
+            need = f"provider {provider!r} needs a {key!r}"
+            if isinstance(fields[key], tuple):
+                need += f" (one of {', '.join(fields[key])})"
+            return need
+    if provider == "cli" and config["profile"] == "jsonl":
+        command = config.get("command")
+        if isinstance(command, str):
+            import shlex
+
+            command = shlex.split(command)
+        if not command:
+            return "cli profile 'jsonl' needs a 'command'"
+    return None
+
+
+def check_model_config(config: Any, where: str, provider: str | None = None) -> None:
+    """Raise :class:`ModelConfigError` ``"<where>: <problem>"`` if ``config`` is not a
+    usable ModelConfig (``where`` names the model, e.g. ``models.fast``)."""
+    problem = config_problem(config, provider)
+    if problem is not None:
+        sep = " " if problem.startswith("must ") else ": "
+        raise ModelConfigError(f"{where}{sep}{problem}")
