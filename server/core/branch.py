@@ -131,10 +131,12 @@ class Branch:
         return await act(self, action_request, param)
 
     # ------------------------------------------------------------ lifecycle
-    def fork(self, *, id: str | None = None) -> "Branch":
-        """A copy of the messages and policy (shares tools and models)."""
+    def fork(self, *, id: str | None = None, messages: list[Message] | None = None) -> "Branch":
+        """A copy of the messages (or of ``messages``: e.g. the branch as it was before an
+        operate still running on it) and policy (shares tools and models)."""
+        log = self.messages.copy() if messages is None else MessageLog(messages)
         b = Branch(chat_model=self.chat_model, parse_model=self._parse_model, name=self.name, tools=self.tools,
-                   id=id, user=self.user, messages=self.messages.copy())
+                   id=id, user=self.user, messages=log)
         b.authorizer = self.authorizer
         b.providers = list(self.providers)
         b.metadata = dict(self.metadata)

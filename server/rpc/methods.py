@@ -103,6 +103,8 @@ class Sidecar:
         self._model_specs: dict[str, dict[str, Any]] = {}  # branch id -> wire model specs (journal meta)
         self._flush_lock: asyncio.Lock | None = None
         self._operate_slots: asyncio.Semaphore | None = None
+        #: branch id -> (message count, copy if the operate clears) before the operate running on it
+        self._settled: dict[str, tuple[int, list | None]] = {}
 
     # ------------------------------------------------------------------ setup
     @property
@@ -236,20 +238,22 @@ class Sidecar:
             except Exception:
                 log.exception("journal flush failed")
 
-    async def flush_journal(self, *branch_ids: str) -> None:
+    async def flush_journal(self, *branch_ids: str, messages: bool = True) -> None:
         """Write + fsync the pending records of ``branch_ids`` (all when none given) before
         the caller answers. Flushes are serialized, so a flush that finds nothing pending
         still waits for one in progress (which may hold its records) to reach the disk.
         An operate flushes only its own branch: another branch's in-flight operate is
-        never written half-done."""
+        never written half-done. ``messages=False`` writes only changed branch metas
+        (e.g. a policy), each on a line of its own, and leaves message records pending:
+        an operate running on that very branch is not written half-done either."""
         if self.journal is None:
             return
         if self._flush_lock is None:
             self._flush_lock = asyncio.Lock()
         bids = set(branch_ids) if branch_ids else None
         async with self._flush_lock:
-            if self.journal.dirty(bids):
-                await asyncio.to_thread(self.journal.flush, bids)
+            if self.journal.dirty(bids, messages=messages):
+                await asyncio.to_thread(self.journal.flush, bids, messages=messages)
 
     # ------------------------------------------------------------------ models
     def default_model(self) -> Any:
@@ -337,6 +341,10 @@ class Sidecar:
                 "policy": dict(self.governance.branch.get(b.id, {}))}  # type: ignore[union-attr]
 
     def _policy_changed(self, branch_id: str) -> None:
+        """Mark the branch's journal meta changed. No message record is queued with it: the
+        meta is written by the branch's next flush (authorizeTool: at once, on its own line,
+        see ``flush_journal(messages=False)``; an ``allow_always``/``deny_always`` answer
+        during an operate: with that operate's group)."""
         if self.journal is not None and branch_id in self.branches:
             self.journal.update_meta(branch_id, {"policy": dict(self.governance.branch.get(branch_id, {}))})  # type: ignore[union-attr]
 
@@ -380,7 +388,9 @@ class Sidecar:
         p = structure(BranchParams, params)
         src = self.branch(p.branch_id)
         self._check_branch_room()
-        b = src.fork()
+        # an operate running on the source: copy the branch as it was before it (never half a turn)
+        mark = self._settled.get(src.id)
+        b = src.fork(messages=None if mark is None else (mark[1] if mark[1] is not None else src.messages[:mark[0]]))
         self.governance.copy_branch(src.id, b.id)  # type: ignore[union-attr]
         self._adopt(b)
         if self.journal is not None:
@@ -446,7 +456,9 @@ class Sidecar:
             raise invalid_params(f"unknown tool {p.tool!r}", {"tool": p.tool})
         self.governance.set(p.tool, p.decision, p.branch_id)  # type: ignore[union-attr]
         if p.branch_id is not None:
-            await self.flush_journal(p.branch_id)
+            # durable before the answer, but only the policy: an operate running on this
+            # branch keeps its recorded messages pending until its own flush writes them whole
+            await self.flush_journal(p.branch_id, messages=False)
         return {"tool": p.tool, "decision": p.decision, "branchId": p.branch_id}
 
     async def registerClientTools(self, params: dict) -> dict:
@@ -550,6 +562,8 @@ class Sidecar:
                 sink = WireProgress(self.rpc.notify, p.work_done_token,
                                     "run_and_collect" if isinstance(prepared["chat_param"], RunParam)
                                     or getattr(prepared["chat_param"].imodel, "is_cli", False) else "communicate")
+            # what forkBranch copies while this operate runs: the messages before it
+            self._settled[branch.id] = (len(branch.messages), list(branch.messages) if p.clear_messages else None)
             token = current_progress.set(sink)
             try:
                 result = await core_operate(branch, **prepared)
@@ -563,6 +577,7 @@ class Sidecar:
                 raise
             finally:
                 current_progress.reset(token)
+                self._settled.pop(branch.id, None)
                 await asyncio.shield(self.flush_journal(branch.id))
             if sink is not None:
                 sink.end("completed")

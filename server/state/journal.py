@@ -6,16 +6,27 @@ Layout under ``state_dir``::
     branches/<id>.snap      the latest snapshot (written to a temp file, fsynced, renamed)
 
 Records: ``{"s": seq, "t": "meta", "meta": {...}}``, ``{"s": seq, "t": "msg", "m": {...}}``,
-``{"s": seq, "t": "clear"}``. Appends are buffered in memory as messages are
-added and written + fsynced by :meth:`Journal.flush` — the server calls it
-before it answers the request that produced them, so every acknowledged
-message is on disk. The records one flush writes for a branch (e.g. all the
-messages of one operate) go out as a single line ``{"s": last, "t": "batch",
-"r": [record, ...]}``, so a crash never leaves half a group on disk. Flushes are
-serialized: a flush returns only once everything pending when it was called
-(including records another flush had already taken) is on disk. Loading replays snapshot + log records with a higher
-sequence number; a torn last line (a crash mid-write) is dropped and cut off.
-Compaction writes a snapshot, then atomically replaces the log with an empty one.
+``{"s": seq, "t": "clear"}``. Message records are buffered in memory ("pending")
+as messages are added and written + fsynced by :meth:`Journal.flush` — the
+server calls it before it answers the request that produced them, so every
+acknowledged message is on disk. The records one flush writes for a branch
+(e.g. all the messages of one operate) go out as a single line ``{"s": last,
+"t": "batch", "r": [record, ...]}``, so a crash never leaves half a group on
+disk. Sequence numbers are given when records are written, so they follow the
+order of the lines in the file.
+
+The branch's meta (name, models, tool policy) is not a pending record: a change
+(:meth:`Journal.update_meta`) marks it dirty, and the next flush writes the
+current meta once — at the head of the branch's group, or, with
+``flush(messages=False)``, as a line of its own that leaves pending message
+records where they are. That is how a policy change is made durable while an
+operate on the branch is still running without writing half of that operate.
+
+Flushes are serialized: a flush returns only once everything pending when it
+was called (including records another flush had already taken) is on disk.
+Loading replays snapshot + log records with a higher sequence number; a torn
+last line (a crash mid-write) is dropped and cut off. Compaction writes a
+snapshot, then atomically replaces the log with an empty one.
 """
 
 from __future__ import annotations
@@ -43,10 +54,11 @@ class LoadedBranch:
 
 @dataclass
 class _BranchState:
-    seq: int = 0
+    seq: int = 0  # the sequence number of the last record taken for writing
     log_records: int = 0
-    pending: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)  # JSON objects without "s" (given when written)
     meta: dict[str, Any] = field(default_factory=dict)
+    meta_dirty: bool = False  # ``meta`` changed since it was last taken for writing
     records: list[dict[str, Any]] = field(default_factory=list)  # message records up to ``seq``, for snapshots
 
 
@@ -73,6 +85,10 @@ def _atomic_write(path: str, data: str) -> None:
     _fsync_dir(os.path.dirname(path))
 
 
+def _dumps(rec: dict[str, Any]) -> str:
+    return json.dumps(rec, ensure_ascii=False, default=str, separators=(",", ":"))
+
+
 class Journal:
     def __init__(self, state_dir: str, *, compact_after: int = COMPACT_AFTER) -> None:
         self.root = os.path.abspath(state_dir)
@@ -97,13 +113,13 @@ class Journal:
         if st is None:
             st = _BranchState()
             self._branches[branch.id] = st
-        if new:
+        with self._lock:
             st.meta = dict(meta)
-            self._record(branch.id, {"t": "meta", "meta": st.meta})
+            if new:
+                st.meta_dirty = True  # written at the head of the first flush's group
+        if new:
             for m in branch.messages:
                 self._record(branch.id, {"t": "msg", "m": m.to_record()})
-        else:
-            st.meta = dict(meta)
         bid = branch.id
 
         def on_append(m: Message) -> None:
@@ -118,59 +134,76 @@ class Journal:
         branch.messages.on_clear(on_clear)
 
     def update_meta(self, bid: str, meta: dict[str, Any]) -> None:
-        st = self._branches.get(bid)
-        if st is None:
-            return
-        st.meta = {**st.meta, **meta}
-        self._record(bid, {"t": "meta", "meta": st.meta})
+        """Merge ``meta`` into the branch's meta. Nothing is queued with the pending message
+        records: the next flush of the branch writes the current meta (with
+        ``messages=False``, on a line of its own)."""
+        with self._lock:
+            st = self._branches.get(bid)
+            if st is None:
+                return
+            st.meta = {**st.meta, **meta}
+            st.meta_dirty = True
 
     def _record(self, bid: str, rec: dict[str, Any]) -> None:
         with self._lock:
             st = self._branches[bid]
-            st.seq += 1
-            rec["s"] = st.seq
             t = rec["t"]
             if t == "msg":
                 st.records.append(rec["m"])
             elif t == "clear":
                 keep = set(rec["keep"])
                 st.records = [r for r in st.records if r["id"] in keep]
-            st.pending.append(json.dumps(rec, ensure_ascii=False, default=str, separators=(",", ":")))
+            st.pending.append(_dumps(rec))
 
-    def dirty(self, bids: Any = None) -> bool:
-        if bids is None:
-            return any(st.pending for st in self._branches.values())
-        return any(st.pending for bid, st in self._branches.items() if bid in bids)
+    def dirty(self, bids: Any = None, *, messages: bool = True) -> bool:
+        """Whether a flush with the same arguments has anything to write."""
+        return any(st.meta_dirty or (messages and st.pending) for bid, st in self._branches.items()
+                   if bids is None or bid in bids)
 
-    def flush(self, bids: Any = None) -> None:
+    def flush(self, bids: Any = None, *, messages: bool = True) -> None:
         """Write and fsync pending records (blocking; call from a worker thread).
         ``bids``: only these branches (default: all). Records of one branch taken by
-        one flush are written as one line, so a group is all there or not at all."""
+        one flush are written as one line, so a group is all there or not at all; a
+        changed meta goes first in that line. ``messages=False`` writes only changed
+        metas, each as a line of its own, and leaves pending message records pending
+        (an operate still running on the branch is not written in part)."""
         with self._flush_lock:
+            work = []
             with self._lock:
-                work = [(bid, st, st.pending) for bid, st in self._branches.items()
-                        if st.pending and (bids is None or bid in bids)]
-                for _, st, _ in work:
-                    st.pending = []
-            for bid, st, lines in work:
-                if len(lines) == 1:
+                for bid, st in self._branches.items():
+                    if bids is not None and bid not in bids:
+                        continue
+                    bodies = []
+                    if st.meta_dirty:
+                        bodies.append(_dumps({"t": "meta", "meta": st.meta}))
+                        st.meta_dirty = False
+                    if messages and st.pending:
+                        bodies.extend(st.pending)
+                        st.pending = []
+                    if not bodies:
+                        continue
+                    work.append((bid, st, st.seq + 1, bodies))
+                    st.seq += len(bodies)  # sequence numbers in the order the lines reach the file
+            for bid, st, first, bodies in work:
+                lines = ['{"s":%d,%s' % (first + i, body[1:]) for i, body in enumerate(bodies)]
+                n = len(lines)
+                if n == 1:
                     data = lines[0] + "\n"
                 else:
-                    last = json.loads(lines[-1])["s"]
-                    data = '{"s":%d,"t":"batch","r":[%s]}\n' % (last, ",".join(lines))
+                    data = '{"s":%d,"t":"batch","r":[%s]}\n' % (first + n - 1, ",".join(lines))
                 path = self._log_path(bid)
                 with open(path, "a", encoding="utf-8") as fh:
                     fh.write(data)
                     fh.flush()
                     os.fsync(fh.fileno())
-                st.log_records += len(lines)
+                st.log_records += n
                 if st.log_records >= self.compact_after:
                     self.compact(bid)
 
     def compact(self, bid: str) -> None:
         st = self._branches[bid]
         with self._lock:
-            if st.pending:  # keep ordering: never snapshot past unflushed records
+            if st.pending or st.meta_dirty:  # keep ordering: never snapshot past unflushed records
                 return
             snap = {"s": st.seq, "meta": st.meta, "messages": list(st.records)}
         _atomic_write(self._snap_path(bid), json.dumps(snap, ensure_ascii=False, default=str))

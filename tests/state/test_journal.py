@@ -112,3 +112,54 @@ def test_adopted_branch_keeps_journaling(tmp_path):
     again = Journal(str(tmp_path)).load()[0]
     assert len(again.messages) == len(b.messages) + 1
     assert json.loads(json.dumps(again.meta)) == {"name": "b", "createdAt": 1}
+
+
+def test_update_meta_is_written_by_a_meta_only_flush(tmp_path):
+    j = Journal(str(tmp_path))
+    b = _branch_with(j, 1)
+    j.flush()
+    b.messages.add("instruction", {"instruction": "pending"})
+    j.update_meta(b.id, {"policy": {"t": "deny"}})
+    j.flush(messages=False)
+    loaded = Journal(str(tmp_path)).load()[0]
+    assert loaded.meta == {"name": "b", "createdAt": 1, "policy": {"t": "deny"}}
+    assert len(loaded.messages) == 2                               # the pending instruction is not on disk
+    assert not j.dirty(messages=False) and j.dirty()
+
+
+def test_meta_only_flush_of_an_unchanged_branch_writes_nothing(tmp_path):
+    j = Journal(str(tmp_path))
+    b = _branch_with(j, 1)
+    j.flush()
+    path = os.path.join(str(tmp_path), "branches", f"{b.id}.log")
+    size = os.path.getsize(path)
+    b.messages.add("instruction", {"instruction": "pending"})
+    assert not j.dirty(messages=False)
+    j.flush(messages=False)
+    assert os.path.getsize(path) == size
+
+
+def test_stale_log_after_snapshot_with_meta_lines_is_not_replayed_twice(tmp_path):
+    j = Journal(str(tmp_path), compact_after=10_000)
+    b = _branch_with(j, 2)
+    j.flush()
+    j.update_meta(b.id, {"policy": {"t": "deny"}})
+    j.flush(messages=False)
+    path = os.path.join(str(tmp_path), "branches", f"{b.id}.log")
+    with open(path, encoding="utf-8") as fh:
+        old_log = fh.read()
+    j.compact(b.id)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(old_log)                                          # a crash before the log was emptied
+    j2 = Journal(str(tmp_path))
+    lb = j2.load()[0]
+    assert len(lb.messages) == len(b.messages) and lb.meta["policy"] == {"t": "deny"}
+    from server.core.messages import MessageLog
+
+    b2 = Branch(id=lb.id, messages=MessageLog(lb.messages))
+    j2.adopt(b2, lb.meta)
+    j2.update_meta(b2.id, {"policy": {"t": "allow"}})
+    b2.messages.add("instruction", {"instruction": "more"})
+    j2.flush()                                                     # sequence numbers continue past both
+    again = Journal(str(tmp_path)).load()[0]
+    assert len(again.messages) == len(b.messages) + 1 and again.meta["policy"] == {"t": "allow"}
