@@ -195,10 +195,11 @@ async def wire_operates(spawn, n: int = 100, hist_n: int = 30, sizes=(0, 1000),
     """`operate` requests over the wire, same instruction/replies/tool as the in-process
     runs: plain / response_format / actions (responseFormat + the sync `add` tool from
     the `toolModules` module bench/peers/bench_tools.py), each on a fresh branch created
-    outside the clock; history_N as in-process (one branch, N messages before the first
-    timed call); then RSS added by `mem_branches` branches of 1,000 messages each."""
+    outside the clock; history_N: a branch holding N messages and a fresh branch, one timed
+    operate on each in turn (same load for both sizes); then RSS added by `mem_branches`
+    branches of 1,000 messages each."""
     ic = _inproc_common()
-    hist_total = max(sizes) // 2 + hist_n * len(sizes) + 8
+    hist_total = sum(sizes) // 2 + hist_n * len(sizes) + 8
     mem_total = mem_branches * 500 + 8
     models = {
         "plain": {"provider": "scripted", "responses": [ic.PLAIN_REPLY] * (n + 8)},
@@ -234,20 +235,30 @@ async def wire_operates(spawn, n: int = 100, hist_n: int = 30, sizes=(0, 1000),
                 await conn.request("deleteBranch", {"branchId": bid})
             out["samples_ms"][kind] = [x * 1000 for x in samples]
         out["checks"] = checks
+        # history: the N-message branch and a fresh (0-message) one, sampled alternately so
+        # both sizes see the same machine load; branches are created outside the clock
         hp = {**base, "chatModel": "hist"}
-        bid = (await conn.request("createBranch", {}))["branchId"]
-        msgs = 0
+        big = {}
         for size in sizes:
-            while msgs < size:
-                await conn.request("operate", {"branchId": bid, **hp})
-                msgs += 2
-            samples = []
-            for _ in range(hist_n):
+            if size:
+                bid = (await conn.request("createBranch", {}))["branchId"]
+                for _ in range(size // 2):
+                    await conn.request("operate", {"branchId": bid, **hp})
+                big[size] = bid
+            out["samples_ms"][f"history_{size}"] = []
+        for _ in range(hist_n):
+            for size in sizes:
+                if size:
+                    bid = big[size]
+                else:
+                    bid = (await conn.request("createBranch", {}))["branchId"]
                 t0 = time.perf_counter()
                 await conn.request("operate", {"branchId": bid, **hp})
-                samples.append(time.perf_counter() - t0)
-                msgs += 2
-            out["samples_ms"][f"history_{size}"] = [x * 1000 for x in samples]
+                out["samples_ms"][f"history_{size}"].append((time.perf_counter() - t0) * 1000)
+                if not size:
+                    await conn.request("deleteBranch", {"branchId": bid})
+        for bid in big.values():
+            await conn.request("deleteBranch", {"branchId": bid})
         # memory: RSS added by branches of 1,000 messages (warm server, after the above)
         await asyncio.sleep(0.2)
         rss0 = rss_kib(conn.pid)

@@ -41,7 +41,7 @@ class Config:
         self.light_warmup = 30 if quick else 200
         self.tp_reps, self.tp_block = (3, 300) if quick else (6, 2000)
         self.in_flight = 16
-        self.inproc_reps, self.inproc_n, self.inproc_hist_n = (1, 30, 10) if quick else (3, 100, 30)
+        self.inproc_reps, self.inproc_n, self.inproc_hist_n = (1, 30, 30) if quick else (3, 100, 30)
         self.ours_concurrent = 100
         self.ours_progress_runs = 2 if quick else 5
         self.ours_mem_total = 1000 if quick else 10_000
