@@ -142,7 +142,8 @@ def write_markdown(results: dict, path: Path) -> None:
     if inp:
         add("## `Branch.operate()` in-process, instant model (ms per call)\n")
         add("plain / response_format / +actions: a fresh branch per call (history 0). "
-            "history_N: one branch, N messages before the first timed call. "
+            "history_N: a branch filled to N messages outside the clock (history_0: a fresh branch per "
+            "call); one timed call per size in turn, so all sizes see the same load. "
             "`actions` uses the SAME sync tool in both runtimes (`def add(a: int, b: int) -> int`; "
             "lionagi calls a sync tool inline on the event loop, ours hands it to a worker thread); "
             "`actions_async` uses the same tool as `async def` in both. `ours_wire` = the same "
