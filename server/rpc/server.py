@@ -166,7 +166,7 @@ class CoreLoader:
             self._started = True
             loop = asyncio.get_running_loop()
             loop.run_in_executor(None, self._load).add_done_callback(
-                lambda _f: loop.call_soon(self._replay))
+                lambda _f: loop.call_soon(self._loaded, loop))
 
     def deferred(self, msg_id: Any) -> bool:
         return any(i == msg_id for i, _ in self._deferred)
@@ -177,6 +177,10 @@ class CoreLoader:
                 del self._deferred[k]
                 return True
         return False
+
+    def _loaded(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._replay()
+        loop.run_in_executor(None, self._warm)
 
     def _replay(self) -> None:
         self.loaded = True
@@ -197,6 +201,9 @@ class CoreLoader:
             log.exception("could not load the core")
             return
         log.info("core loaded in %.0f ms", (time.perf_counter() - t0) * 1000)
+
+    @staticmethod
+    def _warm() -> None:
         for name in CORE_WARM:  # optional; the first real use reports an error
             try:
                 importlib.import_module(name)
