@@ -6,7 +6,9 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
   (b) tsc --noEmit typecheck of the extension (plus a negative control)
   (c) vsce package -> .vsix (contents checked)
   (d) the extension-host integration test: the unpacked .vsix inside code-server's real extension
-      host, driven by headless chromium.
+      host, driven by headless chromium; its interactive paths (input boxes, quick picks) answer from
+      scripted replacements of the extension's own window.showInputBox/showQuickPick, and Cancel is
+      the real progress notification's button.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -155,5 +157,10 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
     assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
-    assert len(report["checks"]) == 8 and not bad and report.get("fatal") is None, report["checks"]
+    assert len(report["checks"]) == 18 and not bad and report.get("fatal") is None, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
+    names = " | ".join(c["name"] for c in report["checks"])
+    for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
+                  "answered deny_always", "dismissed (= deny_once)", "set-policy command", "asks for the system prompt",
+                  "Cancel on the progress notification", "Cancel while the permission quick pick is open"):
+        assert topic in names, f"missing extension-host check about {topic!r}: {names}"

@@ -2,12 +2,22 @@
 // 1.99.3, see scripts/run-itest.mjs). Drives the extension through its commands against a real
 // server with scripted models (configured by the harness in the workspace settings) and writes a
 // JSON report to $OPERATE_SIDECAR_ITEST_REPORT. Never throws: every failure lands in the report.
+//
+// The interactive paths (input boxes, quick picks, the progress notification's Cancel button) run
+// in the same session: the user's answers are scripted by temporarily replacing showInputBox /
+// showQuickPick on the EXTENSION's own `vscode.window` (see extensionVscode), restored after each
+// case; Cancel is the real button of the real progress notification, pressed through the
+// workbench command `notification.acceptPrimaryAction`. Server, tools and models are real.
 import * as fs from 'node:fs';
+import { createRequire } from 'node:module';
+import * as path from 'node:path';
 import * as vscode from 'vscode';
 import type { OperateSidecarApi } from '../extension';
 
 const EXT_ID = 'operate-sidecar.operate-sidecar-vscode';
 const STEP_MS = 30_000;
+/** Upper bound for one whole check: a check that hangs is reported as failed and the run goes on. */
+const CHECK_MS = 90_000;
 
 interface Check { name: string; ok: boolean; ms: number; error?: string }
 
@@ -28,18 +38,103 @@ function expect(cond: unknown, msg: string): asserts cond {
 }
 const exec = <T>(cmd: string, ...args: unknown[]) => within(vscode.commands.executeCommand<T>(cmd, ...args), cmd);
 
+/**
+ * The `vscode` API object the extension itself uses. VS Code hands every extension its own API
+ * instance: `require('vscode')` is resolved by the requiring file's path (extension path index),
+ * and a test module outside the extension (the unpacked .vsix case) gets a different, default
+ * instance whose `window` is not the one the extension calls. Requiring 'vscode' on behalf of a
+ * file inside the extension returns the extension's (cached) instance.
+ */
+function extensionVscode(ext: vscode.Extension<unknown>): typeof vscode {
+  const main = path.join(fs.realpathSync(ext.extensionPath), 'out', 'extension.js');
+  return createRequire(main)('vscode') as typeof vscode;
+}
+
+/** One scripted answer: an input box's value or a quick pick's choice (undefined = dismissed). */
+type Step =
+  | { input: string | undefined }
+  | { pick: (items: any[], options: any, token?: vscode.CancellationToken) => unknown };
+interface Prompt { kind: 'input' | 'pick'; items?: any[]; options?: any; token?: vscode.CancellationToken }
+interface ScriptedUi {
+  prompts: Prompt[];
+  /** options of every withProgress call (passed through to the real one) */
+  progress: vscode.ProgressOptions[];
+  /** messages of every showErrorMessage call (passed through to the real one) */
+  errors: string[];
+}
+/** Restores the real UI functions; set while a script is installed. */
+let restoreUi: (() => void) | undefined;
+
+/**
+ * Runs `fn` with showInputBox/showQuickPick of the extension's `vscode.window` answering from
+ * `steps`, in order; withProgress and showErrorMessage are recorded and passed through. Restores
+ * the originals afterwards and fails when a prompt came unexpectedly or a step was left unused.
+ */
+async function withScriptedUi(win: typeof vscode.window, steps: Step[], fn: (ui: ScriptedUi) => Promise<void>): Promise<void> {
+  const w = win as any;
+  const orig = { showInputBox: w.showInputBox, showQuickPick: w.showQuickPick, withProgress: w.withProgress, showErrorMessage: w.showErrorMessage };
+  const ui: ScriptedUi = { prompts: [], progress: [], errors: [] };
+  const problems: string[] = [];
+  const queue = [...steps];
+  const next = (kind: 'input' | 'pick'): any => {
+    const s = queue[0];
+    if (!s || !(kind in s)) { problems.push(`unexpected ${kind} prompt (next step: ${s ? Object.keys(s)[0] : 'none'})`); return undefined; }
+    return queue.shift();
+  };
+  const fakes = {
+    showInputBox: async (options?: vscode.InputBoxOptions, token?: vscode.CancellationToken) => {
+      ui.prompts.push({ kind: 'input', options, token });
+      return next('input')?.input;
+    },
+    showQuickPick: async (items: any, options?: any, token?: vscode.CancellationToken) => {
+      const list = await items;
+      ui.prompts.push({ kind: 'pick', items: list, options, token });
+      const s = next('pick');
+      return s ? await s.pick(list, options, token) : undefined;
+    },
+    withProgress: (options: vscode.ProgressOptions, task: any) => { ui.progress.push(options); return orig.withProgress.call(win, options, task); },
+    showErrorMessage: (message: string, ...rest: any[]) => { ui.errors.push(message); return orig.showErrorMessage.call(win, message, ...rest); },
+  };
+  Object.assign(w, fakes);
+  let restored = false;
+  const restore = () => {
+    if (restored) return;
+    restored = true;
+    Object.assign(w, orig);
+    if (restoreUi === restore) restoreUi = undefined;
+  };
+  restoreUi = restore;
+  try {
+    for (const k of Object.keys(fakes) as (keyof typeof fakes)[]) expect(w[k] === fakes[k], `could not replace window.${k}`);
+    await fn(ui);
+  } finally {
+    restore();
+  }
+  expect(!problems.length, problems.join('; '));
+  expect(!queue.length, `${queue.length} scripted answer(s) never asked for`);
+}
+
+const scripted = (...responses: unknown[]) => ({ provider: 'scripted', responses });
+/** A fresh inline scripted model (inline models are cached by their JSON: `text` keeps it unique) that calls shout once. */
+const callsShout = (text: string) => scripted({ json: { action_requests: [{ function: 'shout', arguments: { text } }] } });
+const PERMISSION_LABELS = ['Allow once', 'Always allow (this branch)', 'Deny once', 'Always deny (this branch)'];
+const pickDecision = (decision: string) => (items: any[]) => items.find((i) => i.decision === decision);
+
 export async function run(): Promise<void> {
   const reportPath = process.env.OPERATE_SIDECAR_ITEST_REPORT;
   const checks: Check[] = [];
   let api: OperateSidecarApi | undefined;
   let fatal: string | undefined;
+  let sameApiInstance: boolean | undefined;
   const check = async (name: string, fn: () => Promise<void>) => {
     const t0 = Date.now();
     try {
-      await fn();
+      await within(fn(), `check "${name}"`, CHECK_MS);
       checks.push({ name, ok: true, ms: Date.now() - t0 });
     } catch (e) {
       checks.push({ name, ok: false, ms: Date.now() - t0, error: e instanceof Error ? `${e.message}\n${e.stack ?? ''}`.slice(0, 2000) : String(e) });
+    } finally {
+      restoreUi?.();   // a check that timed out must not leave scripted prompts behind
     }
   };
   const out = () => api?.outputText() ?? '';
@@ -149,6 +244,205 @@ export async function run(): Promise<void> {
       const stateDir = init.capabilities.stateDir as string;
       expect(fs.readdirSync(stateDir).length > 0, `journal files in ${stateDir}`);
     });
+
+    // ---- interactive paths: scripted answers on the extension's own window, everything else real ----
+    const ext = vscode.extensions.getExtension<OperateSidecarApi>(EXT_ID)!;
+    const extVscode = extensionVscode(ext);
+    const win = extVscode.window;
+    sameApiInstance = extVscode.window === vscode.window;
+    const client = () => { const c = api!.client(); expect(c?.running, 'the server is running'); return c; };
+    const messagesOf = async (bid: string) => (await within(client().branchMessages(bid), 'branchMessages')).messages;
+    const policyOf = async (bid?: string) => (await within(client().listTools(bid), 'listTools')).tools.find((t) => t.name === 'shout')?.policy;
+    const freshBranch = async (name: string) => (await within(client().createBranch({ name }), 'createBranch')).branchId;
+    /** operate on `branchId` whose (fresh, inline) model asks for shout({text}); no permissionAnswer, so it prompts. */
+    const operateShout = (branchId: string, text: string) => exec<any>('operateSidecar.operate',
+      { instruction: `call shout with ${text}`, actions: true, chatModel: callsShout(text), branchId, showResult: false });
+    /** An operate through the command that records how it settled instead of throwing. */
+    const startOperate = (args: object) => {
+      const s: { done: boolean; err?: any; res?: unknown } = { done: false };
+      const p = Promise.resolve(vscode.commands.executeCommand('operateSidecar.operate', args))
+        .then((res) => { s.res = res; }, (err) => { s.err = err; }).finally(() => { s.done = true; });
+      return { s, p };
+    };
+    /** The user clicks Cancel on the newest notification, which is the operate's progress notification
+     *  (its Cancel button exists because withProgress was called with cancellable: true). */
+    const pressCancelOnProgress = () => exec('notification.acceptPrimaryAction');
+
+    await check('operate without arguments asks for the instruction (input box); dismissed or empty runs nothing', async () => {
+      const bid = (await exec<string>('operateSidecar.newBranch', { name: 'itest-input', chatModel: scripted({ text: 'answer to the typed instruction', chunks: 3 }) }))!;
+      const before = out().length;
+      await withScriptedUi(win, [{ input: undefined }, { input: '' }], async (ui) => {
+        expect(await exec('operateSidecar.operate') === undefined, 'dismissed: no result');
+        expect(await exec('operateSidecar.operate') === undefined, 'empty: no result');
+        expect(ui.prompts.length === 2 && ui.prompts.every((p) => p.kind === 'input' && p.options?.prompt === 'operate-sidecar: instruction'
+          && p.options?.ignoreFocusOut === true), `prompts: ${JSON.stringify(ui.prompts)}`);
+        expect(ui.progress.length === 0, 'no progress notification');
+      });
+      expect(!out().slice(before).includes('=== operate'), 'no operate started');
+      expect(!(await messagesOf(bid)).some((m) => m.kind === 'instruction'), 'nothing reached the branch');
+      await withScriptedUi(win, [{ input: 'typed instruction' }], async (ui) => {
+        const r: any = await exec('operateSidecar.operate');
+        expect(r?.result === 'answer to the typed instruction' && r.kind === 'text', `result: ${JSON.stringify(r)}`);
+        const [o] = ui.progress;
+        expect(ui.progress.length === 1 && o.location === vscode.ProgressLocation.Notification && o.cancellable === true && o.title === 'operate-sidecar',
+          `progress options: ${JSON.stringify(ui.progress)}`);
+      });
+      const instr = (await messagesOf(bid)).filter((m) => m.kind === 'instruction');
+      expect(instr.length === 1 && instr[0].content.instruction === 'typed instruction', `instruction on the branch: ${JSON.stringify(instr)}`);
+      expect(out().slice(before).includes(`=== operate [${bid}] "typed instruction"`), 'the channel shows the operate');
+    });
+
+    // [answer of the quick pick (undefined = dismissed), the tool ran, the branch's policy afterwards]
+    for (const [answer, ran, policyAfter] of [
+      ['allow_once', true, 'ask'], ['deny_once', false, 'ask'], ['allow_always', true, 'allow'], ['deny_always', false, 'deny'],
+      [undefined, false, 'ask'],
+    ] as const) {
+      const what = answer ? `answered ${answer}` : 'dismissed (= deny_once)';
+      await check(`permission quick pick for an "ask" tool ${what}: tool ${ran ? 'runs' : 'never runs'}, branch policy ${policyAfter}`, async () => {
+        const bid = await freshBranch(`itest-permission-${answer ?? 'dismissed'}`);
+        const text = `permission ${answer ?? 'dismissed'}`;
+        const before = out().length;
+        let r: any;
+        await withScriptedUi(win, [{ pick: answer ? pickDecision(answer) : () => undefined }], async (ui) => {
+          r = await operateShout(bid, text);
+          const [p] = ui.prompts;
+          expect(p?.kind === 'pick' && JSON.stringify(p.items!.map((i) => i.label)) === JSON.stringify(PERMISSION_LABELS)
+            && JSON.stringify(p.items!.map((i) => i.decision)) === JSON.stringify(['allow_once', 'allow_always', 'deny_once', 'deny_always']),
+          `quick pick items: ${JSON.stringify(p?.items)}`);
+          expect(p.options?.title === 'operate-sidecar: allow tool "shout"?' && p.options?.placeHolder === JSON.stringify({ text })
+            && p.options?.ignoreFocusOut === true, `quick pick options: ${JSON.stringify(p.options)}`);
+          expect(p.token && !p.token.isCancellationRequested, 'the prompt got a live cancellation token');
+        });
+        const written = out().slice(before);
+        expect(written.includes(`[permission] shout ${JSON.stringify({ text })} -> ${answer ?? 'deny_once'}`), `permission line:\n${written}`);
+        const responses = (await messagesOf(bid)).filter((m) => m.kind === 'action_response').map((m) => m.content.output as any);
+        if (ran) {
+          const shouted = `${text.toUpperCase()}!`;
+          expect(JSON.stringify(outputs(r)) === JSON.stringify([shouted]), `operate result: ${JSON.stringify(r)}`);
+          expect(responses.length === 1 && responses[0] === shouted, `branch action responses: ${JSON.stringify(responses)}`);
+          expect(written.includes('[tool pre] shout') && written.includes(`[tool post] shout`), `tool events:\n${written}`);
+        } else {
+          expect(outputs(r)[0]?.error === 'denied by governance gate', `operate result: ${JSON.stringify(r)}`);
+          expect(responses.length === 1 && responses[0]?.error === 'denied by governance gate', `branch action responses: ${JSON.stringify(responses)}`);
+          expect(written.includes('[tool denied] shout') && !written.includes('[tool pre] shout'), `tool events:\n${written}`);
+        }
+        expect(await policyOf(bid) === policyAfter, `branch policy: ${await policyOf(bid)}`);
+        expect(await policyOf() === 'ask', 'the server-wide policy is untouched');
+        if (answer === 'allow_always' || answer === 'deny_always') {   // it sticks: the next call is not asked about
+          const again = `${text} again`;
+          await withScriptedUi(win, [], async (ui) => {
+            const o = outputs(await operateShout(bid, again))[0];
+            expect(ui.prompts.length === 0, 'not asked again');
+            expect(ran ? o === `${again.toUpperCase()}!` : o?.error === 'denied by governance gate', `second call: ${JSON.stringify(o)}`);
+          });
+        }
+      });
+    }
+
+    await check('set-policy command: tool quick pick then decision quick pick -> authorizeTool for the current branch; dismissing either changes nothing', async () => {
+      const other = await freshBranch('itest-policy-other');
+      const bid = (await exec<string>('operateSidecar.newBranch', { name: 'itest-policy' }))!;
+      const shoutItem = (items: any[]) => items.find((i) => i.label === 'shout');
+      const before = out().length;
+      await withScriptedUi(win, [{ pick: () => undefined }, { pick: shoutItem }, { pick: () => undefined }], async (ui) => {
+        await exec('operateSidecar.listTools');   // dismissed at the tool pick
+        await exec('operateSidecar.listTools');   // dismissed at the decision pick
+        expect(ui.prompts.length === 3, `prompts: ${ui.prompts.length}`);
+      });
+      expect(!out().slice(before).includes('[policy]') && await policyOf(bid) === 'ask', 'dismissed: no policy change');
+      await withScriptedUi(win, [{ pick: shoutItem }, { pick: (items) => items.find((i) => i === 'allow') }], async (ui) => {
+        const tools: any[] = (await exec<any[]>('operateSidecar.listTools'))!;
+        const [tp, dp] = ui.prompts;
+        expect(tp.items!.length === tools.length && shoutItem(tp.items!)?.description === 'python · ask'
+          && tp.options?.title === 'operate-sidecar tools: pick one to change its policy', `tool pick: ${JSON.stringify(tp)}`);
+        expect(JSON.stringify(dp.items) === '["allow","deny","ask"]' && dp.options?.title === 'policy for shout on this branch',
+          `decision pick: ${JSON.stringify(dp)}`);
+      });
+      expect(out().slice(before).includes(`[policy] shout -> allow (${bid})`), `policy line:\n${out().slice(before)}`);
+      expect(await policyOf(bid) === 'allow', 'listTools: the branch policy is now allow');
+      expect(await policyOf(other) === 'ask' && await policyOf() === 'ask', 'another branch and the server-wide policy are untouched');
+      await withScriptedUi(win, [], async (ui) => {   // real effect: the tool runs on this branch without asking
+        const o = outputs(await operateShout(bid, 'policy allow'))[0];
+        expect(ui.prompts.length === 0 && o === 'POLICY ALLOW!', `${ui.prompts.length} prompt(s), output ${JSON.stringify(o)}`);
+      });
+    });
+
+    await check('new-branch command asks for the system prompt (input box); dismissed creates nothing, empty means no system message', async () => {
+      const count = async () => (await within(client().listBranches(), 'listBranches')).branches.length;
+      const current = api!.currentBranch();
+      const n0 = await count();
+      let typed: string | undefined;
+      let empty: string | undefined;
+      await withScriptedUi(win, [{ input: undefined }, { input: 'typed system prompt' }, { input: '' }], async (ui) => {
+        expect(await exec('operateSidecar.newBranch') === undefined, 'dismissed: no branch id');
+        expect(api!.currentBranch() === current && await count() === n0, 'dismissed: nothing created, current branch kept');
+        typed = await exec<string>('operateSidecar.newBranch');
+        expect(typed && api!.currentBranch() === typed, `typed: ${typed} is current`);
+        empty = await exec<string>('operateSidecar.newBranch');
+        expect(empty && empty !== typed && api!.currentBranch() === empty, `empty: ${empty} is current`);
+        expect(ui.prompts.every((p) => p.kind === 'input' && p.options?.prompt === 'operate-sidecar: system prompt for the new branch (optional)'
+          && p.options?.ignoreFocusOut === true), `prompts: ${JSON.stringify(ui.prompts)}`);
+      });
+      expect(await count() === n0 + 2, 'two branches created');
+      const sys = (await messagesOf(typed!)).filter((m) => m.kind === 'system');
+      expect(sys.length === 1 && sys[0].content.text === 'typed system prompt', `system message: ${JSON.stringify(sys)}`);
+      expect(!(await messagesOf(empty!)).some((m) => m.kind === 'system'), 'no system message for an empty answer');
+    });
+
+    await check('Cancel on the progress notification: $/cancelRequest, -32800, "cancelled" in the channel + error message; the server keeps serving', async () => {
+      const bid = await freshBranch('itest-cancel-notification');
+      const pid = client().process.pid;
+      await exec('notifications.clearAll');
+      const before = out().length;
+      await withScriptedUi(win, [], async (ui) => {
+        const { s, p } = startOperate({ instruction: 'wait for the cancel', branchId: bid, showResult: false,
+          chatModel: scripted({ text: 'too late (notification)', delayMs: 120000 }) });
+        await until(() => out().slice(before).includes('[progress] begin') || s.done, 'the slow operate started');
+        expect(ui.progress.length === 1 && ui.progress[0].cancellable === true, `progress options: ${JSON.stringify(ui.progress)}`);
+        await pressCancelOnProgress();
+        await within(p, 'the operate settles after Cancel', 15_000);
+        expect(s.err?.code === -32800, `rejected with -32800: ${JSON.stringify(s)} ${s.err}`);
+        expect(ui.errors.some((m) => m.startsWith('operate-sidecar: ') && m.endsWith('(-32800)')), `error message: ${JSON.stringify(ui.errors)}`);
+      });
+      expect(out().slice(before).includes('=== cancelled:'), 'the channel says cancelled');
+      expect(await exec<number>('operateSidecar.cancel') === 0, 'nothing left running');
+      const r: any = await exec('operateSidecar.operate', { instruction: 'after the cancel', branchId: bid, showResult: false,
+        chatModel: scripted('still serving after the cancel') });
+      expect(r?.result === 'still serving after the cancel' && client().process.pid === pid, `same server answers: ${JSON.stringify(r)}`);
+    });
+
+    await check('Cancel while the permission quick pick is open: the server withdraws the prompt (its token is cancelled), the tool never runs', async () => {
+      const bid = await freshBranch('itest-cancel-at-prompt');
+      await exec('notifications.clearAll');
+      const before = out().length;
+      let promptToken: vscode.CancellationToken | undefined;
+      const waitForToken = (_items: any[], _options: any, token?: vscode.CancellationToken) => new Promise((resolve) => {
+        promptToken = token;
+        const timer = setTimeout(() => resolve(undefined), 20_000);   // bounded even if nothing cancels it
+        token?.onCancellationRequested(() => { clearTimeout(timer); resolve(undefined); });
+      });
+      await withScriptedUi(win, [{ pick: waitForToken }], async (ui) => {
+        const { s, p } = startOperate({ instruction: 'call shout, then cancel', actions: true, branchId: bid, showResult: false,
+          chatModel: callsShout('cancel at the prompt') });
+        await until(() => ui.prompts.length === 1 || s.done, 'the permission prompt is open');
+        expect(!s.done && promptToken && !promptToken.isCancellationRequested, `prompt open, operate running: ${JSON.stringify(s)}`);
+        await pressCancelOnProgress();
+        await within(p, 'the operate settles after Cancel', 15_000);
+        expect(s.err?.code === -32800, `rejected with -32800: ${JSON.stringify(s)} ${s.err}`);
+        await until(() => promptToken!.isCancellationRequested, 'the server cancelled requestToolPermission', 10_000);
+      });
+      const written = out().slice(before);
+      expect(written.includes('=== cancelled:') && !written.includes('[tool pre] shout'), `channel:\n${written}`);
+      const msgs = await messagesOf(bid);
+      const responses = msgs.filter((m) => m.kind === 'action_response');
+      expect(msgs.filter((m) => m.kind === 'action_request').every((q) => responses.some((a) => a.content.callId === q.content.callId)),
+        `every action_request has its action_response: ${JSON.stringify(msgs)}`);
+      expect(!responses.some((a) => a.content.output === 'CANCEL AT THE PROMPT!'), 'the tool never ran');
+      expect(await policyOf(bid) === 'ask', 'policy unchanged');
+      const r: any = await exec('operateSidecar.operate', { instruction: 'after the cancel', branchId: bid, showResult: false,
+        chatModel: scripted('still serving after the prompt was withdrawn') });
+      expect(r?.result === 'still serving after the prompt was withdrawn', `the server keeps serving: ${JSON.stringify(r)}`);
+    });
   } catch (e) {
     fatal = e instanceof Error ? e.stack ?? e.message : String(e);
   }
@@ -160,6 +454,8 @@ export async function run(): Promise<void> {
     appName: vscode.env.appName,
     uiKind: vscode.env.uiKind === vscode.UIKind.Web ? 'web' : 'desktop',
     extensionPath: vscode.extensions.getExtension(EXT_ID)?.extensionPath,
+    /** whether the test module's `vscode.window` is the extension's (not when it lies outside the extension, e.g. the unpacked .vsix) */
+    sameApiInstance,
     checks,
     outputChannel: out().slice(-6000),
   };
