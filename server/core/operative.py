@@ -52,6 +52,42 @@ class Reason(HashableModel):
     content: str | None = None
     confidence_score: float | None = None
 
+    @field_validator("confidence_score", mode="before")
+    @classmethod
+    def _score(cls, v: Any) -> Any:
+        """As the reference: a number in 0..1 rounded to 3 places; anything else becomes -1."""
+        if v is None:
+            return None
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            return -1.0
+        return round(x, 3) if 0.0 <= x <= 1.0 else -1.0
+
+
+def _unique_requests(v: list[ActionRequestModel] | None) -> list[ActionRequestModel]:
+    """``action_requests`` after validation, as the reference: an explicit null is ``[]``, and a
+    call the model repeats (same function, same arguments) is kept once, in first-seen order."""
+    if not v:
+        return []
+    import json
+
+    seen: set[tuple] = set()
+    out = []
+    for r in v:
+        if r is None:
+            continue
+        key = (r.function, json.dumps(r.arguments, sort_keys=True, default=str))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _false_if_null(v: bool | None) -> bool:
+    """``action_required``: an explicit null means False (the reference's validate_boolean_field)."""
+    return bool(v)
+
 
 _MISSING = object()
 
@@ -68,6 +104,7 @@ class Spec:
     nullable: bool = False
     listable: bool = False
     json_schema_extra: dict | None = None
+    after: Any = None  # an after-validator for explicit values (not the default)
 
     def resolved_annotation(self) -> Any:
         ann = self.annotation
@@ -75,6 +112,12 @@ class Spec:
             ann = list[ann]  # type: ignore[valid-type]
         if self.nullable:
             ann = ann | None  # type: ignore[operator]
+        if self.after is not None:
+            from typing import Annotated
+
+            from pydantic import AfterValidator
+
+            ann = Annotated[ann, AfterValidator(self.after)]
         return ann
 
     def to_field(self) -> tuple[Any, Any]:
@@ -96,7 +139,7 @@ class Spec:
             ann = ("id", id(self.annotation))
         default = self.default if self.default is _MISSING else repr(self.default)
         return (self.name, ann, default, self.description, self.nullable, self.listable,
-                repr(self.json_schema_extra))
+                repr(self.json_schema_extra), self.after)
 
 
 @dataclass(slots=True)
@@ -118,9 +161,10 @@ class FieldModel:
 REASON_SPEC = Spec("reason", Reason, nullable=True,
                    description="Your reasoning: a short title, the content, and a confidence score from 0 to 1.")
 ACTION_REQUIRED_SPEC = Spec("action_required", bool, nullable=True,
-                            description="True when tools must be called to complete the task.")
+                            description="True when tools must be called to complete the task.", after=_false_if_null)
 ACTION_REQUESTS_SPEC = Spec("action_requests", ActionRequestModel, nullable=True, listable=True,
-                            description="Tool calls to make, each with a function name from Tools and its arguments.")
+                            description="Tool calls to make, each with a function name from Tools and its arguments.",
+                            after=_unique_requests)
 ACTION_RESPONSES_SPEC = Spec("action_responses", ActionResponseModel, nullable=True, listable=True,
                              description="Filled by the runtime with the outputs of executed tool calls.")
 
@@ -220,13 +264,9 @@ class Step:
     ) -> Operative:
         if adapter != "pydantic":
             raise ValueError(f"unsupported operative adapter {adapter!r}; the only adapter is 'pydantic'")
+        # field order as the reference: reason, the action fields, then the caller's field models
+        # and fields; a later entry with the same name overrides an earlier one
         specs: dict[str, Spec] = {}
-        for fm in field_models or ():
-            spec = to_spec(fm)
-            if spec.name:
-                specs[spec.name] = spec
-        if fields:
-            specs.update({n: s for n, s in fields.items() if n})
         if reason:
             specs["reason"] = REASON_SPEC
         exclude: frozenset[str] = frozenset()
@@ -235,6 +275,12 @@ class Step:
             specs["action_requests"] = ACTION_REQUESTS_SPEC
             specs["action_responses"] = ACTION_RESPONSES_SPEC
             exclude = frozenset({"action_responses"})
+        for fm in field_models or ():
+            spec = to_spec(fm)
+            if spec.name:
+                specs[spec.name] = spec
+        if fields:
+            specs.update({n: s for n, s in fields.items() if n})
         return Operative(name=name or operative_name, base_type=base_type, fields=specs, request_exclude=exclude,
                          adapter=adapter, max_retries=max_retries, auto_retry_parse=auto_retry_parse)
 

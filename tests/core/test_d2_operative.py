@@ -250,3 +250,47 @@ async def test_empty_tool_selection_publishes_no_schemas_and_denies(record):
     assert not m.requests[0].tool_schemas
     assert not record.ran
     assert out.action_responses[0].output["error"] == "denied by governance gate"
+
+
+def test_field_order_follows_the_reference_and_later_entries_override():
+    """Reference (st:21-165): reason, then action_required/action_requests/action_responses, then
+    the caller's fields, in that order; a caller field with the same name overrides."""
+    op = Step.respond_operative(Step.request_operative(
+        reason=True, actions=True, fields={"answer": Spec("answer", str), "reason": Spec("reason", str)}))
+    # the response type extends the request type, so the runtime-only field comes last there
+    assert list(op.response_type.model_fields) == ["reason", "action_required", "action_requests", "answer",
+                                                   "action_responses"]
+    assert op.response_type.model_fields["reason"].annotation is str
+    schema_props = list(op.request_type.model_json_schema()["properties"])
+    assert schema_props == ["reason", "action_required", "action_requests", "answer"]
+
+
+def test_repeated_action_requests_are_kept_once_and_explicit_nulls_normalised():
+    """Reference: action_requests dedupes (same function and arguments, first-seen order) and an
+    explicit null becomes []; action_required null becomes False. Absent fields stay None."""
+    rt = Step.respond_operative(Step.request_operative(actions=True)).response_type
+    got = rt(action_requests=[{"function": "f", "arguments": {"a": 1, "b": 2}},
+                              {"function": "g", "arguments": {}},
+                              {"function": "f", "arguments": {"b": 2, "a": 1}},
+                              {"function": "f", "arguments": {"a": 2}}])
+    assert [(r.function, r.arguments) for r in got.action_requests] == [("f", {"a": 1, "b": 2}), ("g", {}),
+                                                                       ("f", {"a": 2})]
+    nulls = rt(action_required=None, action_requests=None)
+    assert (nulls.action_required, nulls.action_requests) == (False, [])
+    assert (rt().action_required, rt().action_requests) == (None, None)
+
+
+@pytest.mark.parametrize("given, kept", [(0.87654, 0.877), ("0.5", 0.5), (0, 0.0), (1, 1.0), (1.5, -1.0),
+                                         (-0.1, -1.0), ("high", -1.0), (None, None)])
+def test_reason_confidence_score_is_a_rounded_fraction_or_minus_one(given, kept):
+    """Reference: confidence_score goes through to_num(0..1, precision=3); invalid → -1."""
+    assert Reason(confidence_score=given).confidence_score == kept
+
+
+async def test_a_repeated_tool_call_runs_once(record):
+    """A model that repeats the same call in one reply (small local models do) gets one run."""
+    same = call("record", x=2)
+    b, _ = make_branch([reply(1, same, call("record", x=3), same, same)], tools=(record,))
+    out = await b.operate(instruction="go", response_format=Answer, actions=True)
+    assert record.calls == [{"x": 2, "note": ""}, {"x": 3, "note": ""}]
+    assert [r.output for r in out.action_responses] == [{"doubled": 4}, {"doubled": 6}]
