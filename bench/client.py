@@ -64,31 +64,15 @@ class Conn:
             return b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         return body + b"\n"
 
-    async def _read_one(self) -> dict | None:
+    async def _read_line(self) -> dict | None:
+        """ndjson framing: the next message (None at EOF). LSP framing: _read_frames."""
         rd = self.proc.stdout
-        if self.framing == "ndjson":
-            while True:
-                line = await rd.readline()
-                if not line:
-                    return None
-                if line.strip():
-                    return _loads(line)
-        # the whole header block in one await (one readline per header line cost a
-        # measurable share of the client's time per notification in the $/progress run)
-        try:
-            head = await rd.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError as e:
-            if not e.partial.strip():
+        while True:
+            line = await rd.readline()
+            if not line:
                 return None
-            raise
-        length = None
-        for line in head.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        if length is None:
-            raise ValueError(f"no Content-Length in {head[:200]!r}")
-        return _loads(await rd.readexactly(length))
+            if line.strip():
+                return _loads(line)
 
     async def _read_frames(self):
         """LSP framing: every complete frame from each read, no await per message
@@ -140,7 +124,7 @@ class Conn:
                 self.closed_reason = "server closed stdout"
                 return
             while True:
-                msg = await self._read_one()
+                msg = await self._read_line()
                 if msg is None:
                     self.closed_reason = "server closed stdout"
                     break

@@ -180,9 +180,8 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"},
 
 def _inproc_common():
     import sys
-    from pathlib import Path
 
-    peers = str(Path(__file__).resolve().parent / "peers")
+    peers = str(_peers_dir())
     if peers not in sys.path:
         sys.path.insert(0, peers)
     import inproc_common  # noqa: PLC0415 - needs pydantic, present in the project venv

@@ -173,16 +173,23 @@ def write_markdown(results: dict, path: Path) -> None:
         add("")
 
     ex = results.get("ours_extra", {})
+
+    def extra(key, what):
+        """ex[key], or {} after a line saying why `what` is unavailable."""
+        d = ex.get(key, {})
+        if "unavailable" in d:
+            add(f"- {what}: {d['unavailable']}")
+            return {}
+        return d
+
     add("## operate-sidecar over the wire (scripted model)\n")
     if "unavailable" in ex:
         add(f"{ex['unavailable']}\n")
     else:
         for ckey, note in (("concurrent_100_operates", "server defaults"),
                            ("concurrent_100_operates_128_slots", "maxConcurrentOperates 128")):
-            c = ex.get(ckey, {})
-            if "unavailable" in c:
-                add(f"- 100 concurrent operates ({note}): {c['unavailable']}")
-            elif c:
+            c = extra(ckey, f"100 concurrent operates ({note})")
+            if c:
                 add(f"- {c['n']} concurrent operates on {c['n']} branches ({note}), model delay {c['delay_ms']} ms: "
                     f"wall {c['wall_s'] * 1000:.0f} ms (overhead {c['overhead_ms']:.0f} ms), "
                     f"{c['operates_per_s']:.0f} operates/s; slowest answer "
@@ -190,27 +197,21 @@ def write_markdown(results: dict, path: Path) -> None:
                     f"overhead {c.get('single_call_overhead_ms', float('nan')):.1f} ms = "
                     f"{c.get('bound_ms', float('nan')):.0f} ms: "
                     f"{'all within' if c.get('all_within_bound') else 'NOT all within'}")
-        p = ex.get("progress_deltas", {})
-        if "unavailable" in p:
-            add(f"- `$/progress` deltas: {p['unavailable']}")
-        elif p and p.get("deltas_per_s"):
+        p = extra("progress_deltas", "`$/progress` deltas")
+        if p.get("deltas_per_s"):
             s = p["deltas_per_s"]
             add(f"- `$/progress` deltas/s ({p['chunks']} chunks per reply): median {s['median']:.0f}, "
                 f"{s['min']:.0f}..{s['max']:.0f} over {s['n']} operates; deltas "
                 f"{'in order and complete' if p.get('in_order') else 'OUT OF ORDER or missing'}")
-        mg = ex.get("memory_growth", {})
-        if "unavailable" in mg:
-            add(f"- memory growth: {mg['unavailable']}")
-        elif mg:
+        mg = extra("memory_growth", "memory growth")
+        if mg:
             add(f"- memory over {mg['operates']} operates (create/operate/delete, 16 in flight): "
                 f"RSS {mg['rss_start_kib'] / 1024:.1f} → {mg['rss_end_kib'] / 1024:.1f} MiB "
                 f"(+{mg['growth_kib'] / 1024:.1f} MiB; after the first {mg['operates'] // 10} operates +"
                 f"{mg.get('growth_after_warmup_kib', 0) / 1024:.1f} MiB; second half +"
                 f"{mg['growth_second_half_kib'] / 1024:.1f} MiB), {mg['wall_s']:.1f} s")
-        fr = ex.get("first_request", {})
-        if "unavailable" in fr:
-            add(f"- first request after `initialize`: {fr['unavailable']}")
-        elif fr:
+        fr = extra("first_request", "first request after `initialize`")
+        if fr:
             add(f"- first requests after the `initialize` answer (median of {fr['reps']} fresh servers): "
                 f"createBranch + operate {fr['first_create_operate_s']['median'] * 1000:.0f} ms "
                 f"({fr['first_create_operate_s']['min'] * 1000:.0f}..{fr['first_create_operate_s']['max'] * 1000:.0f}), "

@@ -285,50 +285,28 @@ class Harness:
         for rep in range(self.cfg.inproc_reps):
             k = rep % len(names)
             for name in names[k:] + names[:k]:
-                if runners[name] is None:
-                    try:
-                        res = await asyncio.wait_for(ours_extras.wire_operates(
-                            self.spawn, n=self.cfg.inproc_n, hist_n=self.cfg.inproc_hist_n), 1800)
-                    except Exception as e:  # noqa: BLE001
-                        meta[name]["errors"].append(f"{type(e).__name__}: {e}"[:600])
-                        continue
-                    meta[name]["runs"] += 1
-                    meta[name]["checks"] = res.get("checks")
-                    meta[name].setdefault("branch_memory", []).append(res.get("branch_memory"))
-                    for sc, xs in res.get("samples_ms", {}).items():
-                        pooled[name].setdefault(sc, []).extend(x / 1000.0 for x in xs)
+                wire = runners[name] is None
+                if wire:
+                    res, err = await self._inproc_wire()
+                else:
+                    res, err = await self._inproc_subprocess(name, self.server_argv(runners[name] + args))
+                m = meta[name]
+                if err is not None:
+                    m["errors"].append(err)
                     continue
-                argv = self.server_argv(runners[name] + args)
-                env = dict(self.env)
-                if name == "ours":
-                    env["PYTHONPATH"] = str(ROOT)
-                proc = await asyncio.create_subprocess_exec(
-                    *argv, cwd=str(ROOT if name == "ours" else WORK), env=env,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-                try:
-                    so, se = await asyncio.wait_for(proc.communicate(), 1800)
-                except asyncio.TimeoutError:
-                    proc.kill()
-                    await proc.wait()
-                    meta[name]["errors"].append("timeout")
-                    continue
-                (LOGS / f"inproc-{name}.stderr").write_bytes(se[-200_000:])
-                try:
-                    res = json.loads(so.decode().strip().splitlines()[-1])
-                except (IndexError, ValueError):
-                    err = se.decode(errors="replace").strip().splitlines()
-                    meta[name]["errors"].append(" | ".join(err[-3:])[:600] or f"rc={proc.returncode}")
-                    continue
-                meta[name]["runs"] += 1
-                meta[name]["import_s"] = res.get("import_s")
-                meta[name]["checks"] = res.get("checks")
-                meta[name]["version"] = res.get("version")
+                m["runs"] += 1
+                if wire:
+                    m["checks"] = res.get("checks")
+                    m.setdefault("branch_memory", []).append(res.get("branch_memory"))
+                else:
+                    m["import_s"] = res.get("import_s")
+                    m["checks"] = res.get("checks")
+                    m["version"] = res.get("version")
                 for sc, xs in res.get("samples_ms", {}).items():
                     pooled[name].setdefault(sc, []).extend(x / 1000.0 for x in xs)
                 for sc, s in res.get("scenarios", {}).items():
                     if "messages_start" in s:
-                        meta[name].setdefault("history_messages", {})[sc] = [
-                            s["messages_start"], s["messages_end"]]
+                        m.setdefault("history_messages", {})[sc] = [s["messages_start"], s["messages_end"]]
         out = {}
         for name in runners:
             if meta[name]["runs"] == 0:
@@ -336,6 +314,35 @@ class Harness:
                 continue
             out[name] = {"operate_s": {sc: summary(xs) for sc, xs in pooled[name].items()}, **meta[name]}
         return out
+
+    async def _inproc_wire(self) -> tuple[dict | None, str | None]:
+        """ours over the wire (ours_extras.wire_operates): (result, None) or (None, error)."""
+        try:
+            return await asyncio.wait_for(ours_extras.wire_operates(
+                self.spawn, n=self.cfg.inproc_n, hist_n=self.cfg.inproc_hist_n), 1800), None
+        except Exception as e:  # noqa: BLE001
+            return None, f"{type(e).__name__}: {e}"[:600]
+
+    async def _inproc_subprocess(self, name: str, argv: list[str]) -> tuple[dict | None, str | None]:
+        """One in-process runner: (its last stdout line as JSON, None) or (None, error)."""
+        env = dict(self.env)
+        if name == "ours":
+            env["PYTHONPATH"] = str(ROOT)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=str(ROOT if name == "ours" else WORK), env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            so, se = await asyncio.wait_for(proc.communicate(), 1800)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return None, "timeout"
+        (LOGS / f"inproc-{name}.stderr").write_bytes(se[-200_000:])
+        try:
+            return json.loads(so.decode().strip().splitlines()[-1]), None
+        except (IndexError, ValueError):
+            err = se.decode(errors="replace").strip().splitlines()
+            return None, " | ".join(err[-3:])[:600] or f"rc={proc.returncode}"
 
     # -------------------------------------------------- ours extras
     async def ours_extra(self) -> dict:

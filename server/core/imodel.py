@@ -10,7 +10,7 @@ surrounding scope is cancelled.
 
 from __future__ import annotations
 
-from contextlib import aclosing, contextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Literal, Protocol, runtime_checkable
 
@@ -103,6 +103,15 @@ def model_deadline(model: Any) -> Iterator[None]:
         raise ModelError(f"model {getattr(model, 'name', '?')!r} timed out after {timeout:g} s") from None
 
 
+@asynccontextmanager
+async def open_stream(model: Any, request: ModelRequest) -> AsyncIterator[AsyncIterator[StreamChunk]]:
+    """``model.stream(request)`` under the model's deadline (:func:`model_deadline`),
+    closed on exit however the caller leaves it."""
+    with model_deadline(model):
+        async with aclosing(model.stream(request)) as stream:
+            yield stream
+
+
 async def collect(model: iModel, request: ModelRequest) -> ModelResponse:
     """Default ``invoke``: drain ``stream`` into one response."""
     from .errors import ModelError
@@ -110,16 +119,15 @@ async def collect(model: iModel, request: ModelRequest) -> ModelResponse:
     parts: list[str] = []
     usage = None
     name = model.name
-    with model_deadline(model):
-        async with aclosing(model.stream(request)) as stream:
-            async for chunk in stream:
-                if chunk.type == "text":
-                    parts.append(chunk.text)
-                elif chunk.type == "result":
-                    usage = chunk.usage or usage
-                    name = chunk.model or name
-                elif chunk.type == "error":
-                    raise ModelError(chunk.text or "model reported an error")
+    async with open_stream(model, request) as stream:
+        async for chunk in stream:
+            if chunk.type == "text":
+                parts.append(chunk.text)
+            elif chunk.type == "result":
+                usage = chunk.usage or usage
+                name = chunk.model or name
+            elif chunk.type == "error":
+                raise ModelError(chunk.text or "model reported an error")
     return ModelResponse(text="".join(parts), model=name, usage=usage)
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from contextlib import aclosing
 from typing import Any, Protocol
 
 import anyio
 
 from . import progress
 from .errors import ModelError
-from .imodel import StreamChunk, model_deadline
+from .imodel import StreamChunk, open_stream
 from .messages import Message
 from .params import ChatParam, ParseParam, RunParam
 from .parse import parse
@@ -47,6 +46,14 @@ def _model_of(branch: Any, chat_param: ChatParam) -> Any:
     return model
 
 
+def _take_text(chunk: StreamChunk, out: list[str], sink: Any) -> None:
+    """A ``text`` chunk: collected into ``out`` and streamed to the progress sink."""
+    if chunk.text:
+        out.append(chunk.text)
+        if sink is not None:
+            sink.report("streaming", "stream", chunk.text)
+
+
 async def _parse_reply(branch: Any, text: Any, chat_param: ChatParam, parse_param: ParseParam | None) -> Any:
     if parse_param is not None and parse_param.response_format is not None and chat_param.response_format is not None:
         return await parse(branch, text, parse_param)
@@ -68,20 +75,16 @@ async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, pars
     parts: list[str] = []
     usage = None
     model_name = model.name
-    with model_deadline(model):
-        async with aclosing(model.stream(request)) as stream:
-            async for chunk in stream:
-                t = chunk.type
-                if t == "text":
-                    if chunk.text:
-                        parts.append(chunk.text)
-                        if sink is not None:
-                            sink.report("streaming", "stream", chunk.text)
-                elif t == "result":
-                    usage = chunk.usage or usage
-                    model_name = chunk.model or model_name
-                elif t == "error":
-                    raise ModelError(chunk.text or "model reported an error")
+    async with open_stream(model, request) as stream:
+        async for chunk in stream:
+            t = chunk.type
+            if t == "text":
+                _take_text(chunk, parts, sink)
+            elif t == "result":
+                usage = chunk.usage or usage
+                model_name = chunk.model or model_name
+            elif t == "error":
+                raise ModelError(chunk.text or "model reported an error")
     text = "".join(parts)
     branch.messages.append(ins)
     branch.messages.add("assistant_response", {"text": text, "model": model_name, "usage": usage},
@@ -173,41 +176,37 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     try:
         if persist is not None:
             persist.open()
-        with model_deadline(model):
-            async with aclosing(model.stream(request)) as stream:
-                async for chunk in stream:
-                    if persist is not None:
-                        persist.append(chunk)
-                    t = chunk.type
-                    if t == "text":
-                        if chunk.text:
-                            buf.append(chunk.text)
-                            if sink is not None:
-                                sink.report("streaming", "stream", chunk.text)
-                    elif t == "tool_use":
-                        flush_text()
-                        call_id = chunk.id or Message(kind="action_request", content={}).id
-                        req = branch.messages.add("action_request", {"callId": call_id, "function": chunk.name,
-                                                                     "arguments": chunk.input or {}},
-                                                  sender=branch.id, recipient=param.sender)
-                        open_calls[call_id] = req
-                    elif t == "tool_result":
-                        req = open_calls.pop(chunk.id or "", None)
-                        if req is None:
-                            continue  # unmatched results are skipped
-                        output = chunk.output
-                        if chunk.is_error:
-                            output = {"error": output if isinstance(output, str) else json.dumps(output, default=str),
-                                      "function": req.content["function"]}
-                        branch.messages.add("action_response", {"callId": req.content["callId"], "requestId": req.id,
-                                                                "function": req.content["function"],
-                                                                "arguments": req.content["arguments"], "output": output},
-                                            sender=branch.id, recipient=branch.id)
-                    elif t == "result":
-                        usage = chunk.usage or usage
-                        model_name = chunk.model or model_name
-                    elif t == "error":
-                        raise ModelError(chunk.text or "model reported an error")
+        async with open_stream(model, request) as stream:
+            async for chunk in stream:
+                if persist is not None:
+                    persist.append(chunk)
+                t = chunk.type
+                if t == "text":
+                    _take_text(chunk, buf, sink)
+                elif t == "tool_use":
+                    flush_text()
+                    call_id = chunk.id or Message(kind="action_request", content={}).id
+                    req = branch.messages.add("action_request", {"callId": call_id, "function": chunk.name,
+                                                                 "arguments": chunk.input or {}},
+                                              sender=branch.id, recipient=param.sender)
+                    open_calls[call_id] = req
+                elif t == "tool_result":
+                    req = open_calls.pop(chunk.id or "", None)
+                    if req is None:
+                        continue  # unmatched results are skipped
+                    output = chunk.output
+                    if chunk.is_error:
+                        output = {"error": output if isinstance(output, str) else json.dumps(output, default=str),
+                                  "function": req.content["function"]}
+                    branch.messages.add("action_response", {"callId": req.content["callId"], "requestId": req.id,
+                                                            "function": req.content["function"],
+                                                            "arguments": req.content["arguments"], "output": output},
+                                        sender=branch.id, recipient=branch.id)
+                elif t == "result":
+                    usage = chunk.usage or usage
+                    model_name = chunk.model or model_name
+                elif t == "error":
+                    raise ModelError(chunk.text or "model reported an error")
         flush_text(final=True)
     finally:
         with anyio.CancelScope(shield=True):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, create_model, field_validator
+from pydantic import AfterValidator, BaseModel, Field, create_model, field_validator
 
 from .params import HashableModel
 
@@ -75,8 +75,6 @@ def _unique_requests(v: list[ActionRequestModel] | None) -> list[ActionRequestMo
     seen: set[tuple] = set()
     out = []
     for r in v:
-        if r is None:
-            continue
         key = (r.function, json.dumps(r.arguments, sort_keys=True, default=str))
         if key not in seen:
             seen.add(key)
@@ -113,10 +111,6 @@ class Spec:
         if self.nullable:
             ann = ann | None  # type: ignore[operator]
         if self.after is not None:
-            from typing import Annotated
-
-            from pydantic import AfterValidator
-
             ann = Annotated[ann, AfterValidator(self.after)]
         return ann
 

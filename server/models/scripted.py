@@ -20,9 +20,8 @@ import anyio
 from server.core.errors import ModelError
 from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from .config import ENTRY_FIELDS, ModelConfigError, check_model_config, entry_problem
+from .config import ModelConfigError, check_model_config, entry_problem
 
-ENTRY_KEYS = frozenset(ENTRY_FIELDS)  # declared (with their types) in config.py
 REQUEST_LOG_LIMIT = 100
 
 

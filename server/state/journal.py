@@ -270,8 +270,9 @@ class Journal:
                     break
                 pos = nl + 1
                 good_end = pos
-                nrec += len(rec.get("r") or ()) if rec.get("t") == "batch" else 1
-                for r in (rec.get("r") or []) if rec.get("t") == "batch" else [rec]:
+                group = (rec.get("r") or []) if rec.get("t") == "batch" else [rec]
+                nrec += len(group)
+                for r in group:
                     s = int(r.get("s", 0))
                     if s <= seq:
                         continue

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzz_support import FuzzServer, SYNC_TIMEOUT, fuzz_server_fixture, profile, run_example, sane
+from fuzz_support import FuzzServer, SYNC_TIMEOUT, frame, fuzz_server_fixture, profile, run_example, sane
 from frame_model import (EOL, MISSING, Expect, bad_header_block, expect_for_body, garbage_lines, garbage_prefix,
                          header_block,
                          non_json_bodies, non_request_bodies, request_bodies, request_shapes)
@@ -112,26 +112,28 @@ def test_lf_endings_missing_or_bad_lengths_keep_the_stream_in_sync(server, prof)
     inner()
 
 
-@pytest.mark.parametrize("prof", PROFILES)
-def test_non_json_body_gets_parse_error_with_null_id(server, prof):
+def fuzz_framed_bodies(server: FuzzServer, prof, bodies, test: str, codes: set[int] | None = None) -> None:
+    """Each generated body in one well-formed frame, answered as ``expect_for_body`` says
+    (and, when ``codes`` is given, the oracle names exactly those codes)."""
     @prof
-    @given(non_json_bodies)
+    @given(bodies)
     def inner(body):
-        run(server, "frames.non_json", b"Content-Length: %d\r\n\r\n" % len(body) + body, expect_for_body(body))
+        exp = expect_for_body(body)
+        if codes is not None:
+            assert exp.codes == codes
+        run(server, test, frame(body), exp)
 
     inner()
+
+
+@pytest.mark.parametrize("prof", PROFILES)
+def test_non_json_body_gets_parse_error_with_null_id(server, prof):
+    fuzz_framed_bodies(server, prof, non_json_bodies, "frames.non_json")
 
 
 @pytest.mark.parametrize("prof", PROFILES)
 def test_json_that_is_not_a_request_or_is_a_batch_gets_invalid_request(server, prof):
-    @prof
-    @given(non_request_bodies)
-    def inner(body):
-        exp = expect_for_body(body)
-        assert exp.codes == {-32600}
-        run(server, "frames.non_request", b"Content-Length: %d\r\n\r\n" % len(body) + body, exp)
-
-    inner()
+    fuzz_framed_bodies(server, prof, non_request_bodies, "frames.non_request", codes={-32600})
 
 
 @pytest.mark.parametrize("prof", PROFILES)
@@ -142,7 +144,7 @@ def test_request_shaped_objects_get_the_protocol_answer(server, prof):
     @given(request_shapes())
     def inner(msg):
         body = json.dumps(msg, ensure_ascii=False).encode()
-        run(server, "frames.request_shapes", b"Content-Length: %d\r\n\r\n" % len(body) + body,
+        run(server, "frames.request_shapes", frame(body),
             expect_for_body(body))
 
     inner()
@@ -178,7 +180,7 @@ def test_deeply_nested_json_is_answered_and_the_stream_stays_in_sync(server, pro
             body = ('{"jsonrpc":"2.0","params":{"x":%s},"method":"ping","id":"%s"}' % (value, mid)).encode()
             exp = Expect("either", frozenset({-32600, -32700, -32602}), mid, result_ok=True,
                          why=f"ping with deep params before its id {kind} x{depth}")
-        run(server, "frames.deep", b"Content-Length: %d\r\n\r\n" % len(body) + body, exp)
+        run(server, "frames.deep", frame(body), exp)
 
     inner()
 
@@ -204,7 +206,7 @@ def test_very_long_strings_in_every_position(server, prof):
         if msg["method"] in ("exit", "shutdown"):
             return
         body = json.dumps(msg, ensure_ascii=False).encode()
-        run(server, "frames.long_strings", b"Content-Length: %d\r\n\r\n" % len(body) + body, expect_for_body(body))
+        run(server, "frames.long_strings", frame(body), expect_for_body(body))
 
     inner()
 
@@ -226,7 +228,7 @@ def test_length_shorter_or_longer_than_the_body_recovers(server, prof):
                 exp = None
         else:
             lost = json.dumps({"jsonrpc": "2.0", "id": "lost", "method": "ping"}).encode()
-            nxt = b"Content-Length: %d\r\n\r\n" % len(lost) + lost
+            nxt = frame(lost)
             k = data.draw(st.integers(1, len(nxt) - 1), label="overshoot")
             junk = b"Content-Length: %d\r\n\r\n" % (len(body) + k) + body + nxt
             exp = expect_for_body(body + nxt[:k])
@@ -245,7 +247,7 @@ def test_a_stream_of_mixed_junk_frames_in_one_write(server, prof):
         def body():
             c = server.c
             n0 = len(c.unmatched)
-            c.send_raw(b"".join(b"Content-Length: %d\r\n\r\n" % len(b) + b for b in bodies))
+            c.send_raw(b"".join(frame(b) for b in bodies))
             server.sync()
             new = c.unmatched[n0:]
             for m in new:
@@ -276,7 +278,7 @@ def test_truncated_header_line_before_a_frame_does_not_lose_it(server, prof):
             c = server.c
             pending = c.expect(mid)
             try:
-                c.send_raw(before + b"\r\n" + cut + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                c.send_raw(before + b"\r\n" + cut + frame(body))
                 assert server.response(pending, SYNC_TIMEOUT).get("result") == {}
             finally:
                 c._pending.pop(mid, None)
@@ -291,7 +293,7 @@ def test_unterminated_bad_content_length_does_not_lose_the_next_frame(server):
     """Found by the fuzz: "Content-Length: abc" without its line end, then a whole frame:
     the frame's own Content-Length lands on the same line and is never seen."""
     body = b'{"jsonrpc":"2.0","id":"after-cut","method":"ping"}'
-    run(server, "regressions", b"Content-Length: abc" + b"Content-Length: %d\r\n\r\n" % len(body) + body,
+    run(server, "regressions", b"Content-Length: abc" + frame(body),
         Expect("id", frozenset(), "after-cut", result_ok=True, result={}, why="frame after a cut header line"))
 
 
@@ -299,7 +301,7 @@ def test_deeply_nested_params_request_is_answered(server):
     """Found by the fuzz: a ping whose params nest 5000 deep got no answer at all."""
     body = b'{"jsonrpc":"2.0","id":"deep-regression","method":"ping","params":{"x":' + b"[" * 5000 + \
         b"]" * 5000 + b"}}"
-    run(server, "regressions", b"Content-Length: %d\r\n\r\n" % len(body) + body,
+    run(server, "regressions", frame(body),
         Expect("either", frozenset({-32600, -32700, -32602}), "deep-regression", result_ok=True,
                why="deep params"))
 
@@ -307,7 +309,7 @@ def test_deeply_nested_params_request_is_answered(server):
 def test_deeply_nested_top_level_array_gets_an_error(server):
     """Found by the fuzz: a body of 5000 nested arrays got no answer (not even -32600/-32700)."""
     body = b"[" * 5000 + b"]" * 5000
-    run(server, "regressions", b"Content-Length: %d\r\n\r\n" % len(body) + body,
+    run(server, "regressions", frame(body),
         Expect("null", frozenset({-32600, -32700}), why="deep top-level array"))
 
 
@@ -319,7 +321,7 @@ def test_ping_with_lone_surrogate_string_id_is_answered(server):
     n0 = len(c.unmatched)
 
     def check():
-        c.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        c.send_raw(frame(body))
         server.sync()
         new = c.unmatched[n0:]
         # the id cannot round-trip through strict UTF-8: either it is echoed escaped
@@ -336,7 +338,7 @@ def test_unknown_method_with_lone_surrogate_is_method_not_found(server):
     """Found by the fuzz: an unknown method name holding a lone surrogate got -32603
     ("result is not JSON") instead of -32601."""
     body = b'{"jsonrpc":"2.0","id":"surrogate-method","method":"x\\udc80"}'
-    run(server, "regressions", b"Content-Length: %d\r\n\r\n" % len(body) + body,
+    run(server, "regressions", frame(body),
         Expect("id", frozenset({-32601}), "surrogate-method", why="unknown method with a lone surrogate"))
 
 
@@ -345,7 +347,7 @@ def test_invalid_utf8_encoded_surrogate_is_a_parse_error(server):
     json.loads(bytes) decodes with "surrogatepass", so this body was taken as a request
     (-32600 "jsonrpc must be 2.0") instead of -32700."""
     body = b'{"":"","\xed\xa0\x80":0}'
-    run(server, "regressions", b"Content-Length: %d\r\n\r\n" % len(body) + body,
+    run(server, "regressions", frame(body),
         Expect("null", frozenset({-32700}), why="invalid UTF-8 (encoded surrogate)"))
 
 
@@ -353,7 +355,7 @@ def test_nan_literal_is_not_json(server):
     """PROTOCOL §1: a body that is not JSON gets -32700. NaN/Infinity are not JSON (RFC 8259),
     but Python's json accepts them, so the ping below was answered as if valid."""
     body = b'{"jsonrpc":"2.0","id":"nan","method":"ping","params":{"x":NaN}}'
-    run(server, "regressions", b"Content-Length: %d\r\n\r\n" % len(body) + body,
+    run(server, "regressions", frame(body),
         Expect("null", frozenset({-32700}), why="NaN literal"))
 
 
@@ -361,5 +363,5 @@ def test_utf16_body_is_not_accepted_as_json(server):
     """PROTOCOL §1: the body is UTF-8. json.loads(bytes) sniffs UTF-16/32, so a UTF-16 body
     was answered as a valid ping instead of -32700."""
     body = json.dumps({"jsonrpc": "2.0", "id": "utf16", "method": "ping"}).encode("utf-16-le")
-    run(server, "regressions", b"Content-Length: %d\r\n\r\n" % len(body) + body,
+    run(server, "regressions", frame(body),
         Expect("null", frozenset({-32700}), why="UTF-16 body"))

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import protocol
 from frame_model import json_values
-from fuzz_support import (OUTCOMES, ERROR_CODES, OPERATE_TIMEOUT, REQUEST_TIMEOUT, FuzzServer, encode, fuzz_server_fixture,
-                          has_traceback, profile, run_example)
+from fuzz_support import (OUTCOMES, ERROR_CODES, OPERATE_TIMEOUT, REQUEST_TIMEOUT, FuzzServer, encode, frame,
+                          fuzz_server_fixture, has_traceback, profile, run_example)
 
 ANSWER = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 FAST_PARSE = {"retryAttempts": 1, "retryInitialDelay": 0, "retryBackoff": 1, "maxConcurrent": 1, "throttlePeriod": 0}
@@ -288,8 +288,7 @@ def send(server: FuzzServer, method: str, params: Any) -> dict:
     mid = server.fresh_id(method)
     pending = c.expect(mid)
     msg = {"jsonrpc": "2.0", "id": mid, "method": method, "params": params}
-    body = encode(msg)
-    c.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    c.send_raw(frame(encode(msg)))
     timeout = OPERATE_TIMEOUT if method == "operate" else REQUEST_TIMEOUT
     if not pending._done.wait(timeout):
         c.cancel(mid)  # a stuck request: cancel it, then report it as hung
@@ -339,18 +338,23 @@ def check_params(server: ParamsServer, test: str, method: str, params: Any) -> N
     run_example(server, test, body)
 
 
-@pytest.mark.parametrize("prof", PROFILES)
-def test_mutated_and_random_params_of_every_method_get_a_result_or_a_fitting_error(server, prof):
+def fuzz_mutated_params(server: ParamsServer, prof, test: str, surrogates: bool) -> None:
+    """Any method with mutated or random params (strings with lone surrogates if ``surrogates``)."""
     @prof
     @given(st.data())
     def inner(data):
         server.begin()
         server.tidy()
         method = data.draw(st.sampled_from(METHODS), label="method")
-        params = data.draw(mutated_params(method, server, False), label="params")
-        check_params(server, "params.mutated", method, params)
+        params = data.draw(mutated_params(method, server, surrogates), label="params")
+        check_params(server, test, method, params)
 
     inner()
+
+
+@pytest.mark.parametrize("prof", PROFILES)
+def test_mutated_and_random_params_of_every_method_get_a_result_or_a_fitting_error(server, prof):
+    fuzz_mutated_params(server, prof, "params.mutated", surrogates=False)
 
 
 @pytest.mark.parametrize("prof", PROFILES)
@@ -387,16 +391,7 @@ def test_valid_params_of_every_method_succeed(server, prof):
 def test_params_with_lone_surrogates_get_a_fitting_error(server, prof):
     """Strings holding lone surrogates (sent as \\udXXX escapes, which is valid JSON): the answer
     must still be a result or a fitting error, never -32603 because an echo cannot be encoded."""
-    @prof
-    @given(st.data())
-    def inner(data):
-        server.begin()
-        server.tidy()
-        method = data.draw(st.sampled_from(METHODS), label="method")
-        params = data.draw(mutated_params(method, server, True), label="params")
-        check_params(server, "params.surrogates", method, params)
-
-    inner()
+    fuzz_mutated_params(server, prof, "params.surrogates", surrogates=True)
 
 
 # ---------------------------------------------------------------------- regressions found by the fuzz

@@ -9,7 +9,7 @@ import pytest
 
 from server.rpc import settings as S
 
-from .support import TIMEOUT, RpcError, calls, outputs, scripted
+from .support import TIMEOUT, RpcError, calls, frame_body, outputs, scripted
 
 
 def test_defaults_are_documented_values():
@@ -44,7 +44,7 @@ def test_max_message_bytes_skips_the_body_and_keeps_the_stream_in_sync(sidecar):
     sidecar.init(models={"s": scripted("x")}, maxMessageBytes=2000)
     body = json.dumps({"jsonrpc": "2.0", "id": 41, "method": "listBranches", "params": {}, "pad": "p" * 5000}).encode()
     pending = sidecar.expect(41)
-    sidecar.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    sidecar.send_raw(frame_body(body))
     with pytest.raises(RpcError) as ei:
         pending.result(TIMEOUT)
     assert ei.value.code == -32600 and "maxMessageBytes" in ei.value.message

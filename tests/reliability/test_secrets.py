@@ -43,6 +43,7 @@ class _EchoAuth(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def echo_server():
+    _EchoAuth.seen = []  # per test: a key seen by an earlier test must not satisfy this one
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoAuth)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -68,6 +70,32 @@ class Sidecar(SidecarClient):
 
     def of(self, method: str) -> list:
         return [p for m, p in self.notifications if m == method]
+
+
+def frame_body(body: bytes, header: bytes = b"Content-Length") -> bytes:
+    """``body`` (raw bytes) in one frame."""
+    return header + b": %d\r\n\r\n" % len(body) + body
+
+
+def frame(obj, header: bytes = b"Content-Length") -> bytes:
+    """``obj`` as JSON in one frame."""
+    return frame_body(json.dumps(obj, ensure_ascii=False).encode(), header)
+
+
+def wait_unmatched(c: SidecarClient, n: int = 1) -> list[dict]:
+    """The responses to ids nobody was waiting for, once there are at least ``n`` (bounded)."""
+    assert c.wait_for(lambda _: len(c.unmatched) >= n, TIMEOUT) or len(c.unmatched) >= n
+    return c.unmatched
+
+
+def wait_log(c: "Sidecar", text: str, timeout: float = TIMEOUT) -> bool:
+    """Poll the server's stderr until it holds ``text`` (False after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in c.stderr_text():
+            return True
+        time.sleep(0.05)
+    return text in c.stderr_text()
 
 
 def scripted(*responses, cli: bool = False) -> dict:

@@ -3,31 +3,22 @@ requests that arrive meanwhile are answered in order (server/rpc/server.py CoreL
 
 from __future__ import annotations
 
-import time
-
-from .support import TIMEOUT, scripted
-from .test_transport import frame, wait_unmatched
+from .support import frame, scripted, wait_log, wait_unmatched
 
 LOADED = "core loaded in"
-
-
-def _wait_log(sidecar, text: str, timeout: float = TIMEOUT) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in sidecar.stderr_text():
-            return True
-        time.sleep(0.05)
-    return False
+APP_PROBE = "response to unknown request 'app-probe'"
 
 
 def test_core_is_not_loaded_until_a_request_needs_it(spawn):
-    sidecar = spawn("--log-level", "info")
+    sidecar = spawn("--log-level", "debug")
     sidecar.init(models={"s": scripted("x")})
     assert sidecar.request("ping") == {}
-    time.sleep(1.5)  # long enough for the background loader (pygls) to finish
+    # a stray response waits for the background loader (pygls), then the app logs it (without the core)
+    sidecar.send_raw(frame({"jsonrpc": "2.0", "id": "app-probe", "result": None}))
+    assert wait_log(sidecar, APP_PROBE), "the background loader (pygls) never finished"
     assert LOADED not in sidecar.stderr_text()
     assert sidecar.request("listBranches") == {"branches": []}
-    assert _wait_log(sidecar, LOADED)
+    assert wait_log(sidecar, LOADED)
     assert sidecar.stderr_text().count(LOADED) == 1
 
 

@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .support import TIMEOUT, RpcError, scripted
-
-
-def frame(obj, header: bytes = b"Content-Length") -> bytes:
-    body = json.dumps(obj, ensure_ascii=False).encode()
-    return header + b": %d\r\n\r\n" % len(body) + body
-
-
-def wait_unmatched(c, n: int = 1):
-    assert c.wait_for(lambda _: len(c.unmatched) >= n, TIMEOUT) or len(c.unmatched) >= n
-    return c.unmatched
+from .support import TIMEOUT, RpcError, frame, frame_body, scripted, wait_unmatched
 
 
 def test_header_names_are_case_insensitive_and_unknown_headers_ignored(sidecar):
@@ -135,7 +125,7 @@ def test_bodies_that_are_not_strict_utf8_json_are_parse_errors(sidecar):
     for raw in (b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":NaN}}',  # NaN is not JSON
                 b'{"jsonrpc":"2.0","id":2,"method":"ping","x":"\xed\xa0\x80"}',     # UTF-8-encoded surrogate
                 '{"jsonrpc":"2.0","id":3,"method":"ping"}'.encode("utf-16-le")):   # not UTF-8 JSON
-        sidecar.send_raw(b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+        sidecar.send_raw(frame_body(raw))
     msgs = wait_unmatched(sidecar, 3)
     assert [(m["id"], m["error"]["code"]) for m in msgs] == [(None, -32700)] * 3
     assert sidecar.request("ping") == {}
@@ -144,7 +134,7 @@ def test_bodies_that_are_not_strict_utf8_json_are_parse_errors(sidecar):
 def test_deeply_nested_json_is_answered(sidecar):
     deep = b'{"jsonrpc":"2.0","id":"deep","method":"ping","params":{"x":' + b"[" * 5000 + b"]" * 5000 + b"}}"
     p = sidecar.expect("deep")
-    sidecar.send_raw(b"Content-Length: %d\r\n\r\n" % len(deep) + deep)
+    sidecar.send_raw(frame_body(deep))
     try:
         p.result(TIMEOUT)
     except RpcError as e:
@@ -155,7 +145,7 @@ def test_deeply_nested_json_is_answered(sidecar):
 def test_lone_surrogates_are_echoed_escaped_and_the_stream_stays_valid(sidecar):
     sidecar.init(models={"s": scripted("x")})
     body = b'{"jsonrpc":"2.0","id":"\\ud800","method":"createBranch","params":{"\\udfff":1}}'
-    sidecar.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    sidecar.send_raw(frame_body(body))
     (msg,) = wait_unmatched(sidecar)
     assert msg["id"] == "\ud800" and msg["error"]["code"] == -32602 and "udfff" in msg["error"]["message"]
     assert sidecar.request("ping") == {} and sidecar.stream_errors == []

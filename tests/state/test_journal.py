@@ -18,6 +18,19 @@ def _branch_with(journal: Journal, n: int, *, system: str | None = "sys") -> Bra
     return b
 
 
+def _log_path(tmp_path, b: Branch) -> str:
+    return os.path.join(str(tmp_path), "branches", f"{b.id}.log")
+
+
+def _flushed(tmp_path, n: int) -> tuple[Journal, Branch, str, int]:
+    """A journal with a branch of ``n`` instructions, flushed: (journal, branch, log path, log size)."""
+    j = Journal(str(tmp_path))
+    b = _branch_with(j, n)
+    j.flush()
+    path = _log_path(tmp_path, b)
+    return j, b, path, os.path.getsize(path)
+
+
 def test_flushed_messages_come_back_in_order(tmp_path):
     j = Journal(str(tmp_path))
     b = _branch_with(j, 5)
@@ -39,11 +52,7 @@ def test_unflushed_records_are_not_on_disk(tmp_path):
 
 
 def test_torn_tail_is_dropped_and_cut_off(tmp_path):
-    j = Journal(str(tmp_path))
-    b = _branch_with(j, 3)
-    j.flush()
-    path = os.path.join(str(tmp_path), "branches", f"{b.id}.log")
-    size = os.path.getsize(path)
+    j, b, path, size = _flushed(tmp_path, 3)
     with open(path, "ab") as fh:
         fh.write(b'{"s": 99, "t": "msg", "m": {"id": "x", "ki')
     loaded = Journal(str(tmp_path)).load()
@@ -69,7 +78,7 @@ def test_stale_log_after_snapshot_is_not_replayed_twice(tmp_path):
     j = Journal(str(tmp_path), compact_after=10_000)
     b = _branch_with(j, 3)
     j.flush()
-    path = os.path.join(str(tmp_path), "branches", f"{b.id}.log")
+    path = _log_path(tmp_path, b)
     with open(path, encoding="utf-8") as fh:
         old_log = fh.read()
     j.compact(b.id)
@@ -128,11 +137,7 @@ def test_update_meta_is_written_by_a_meta_only_flush(tmp_path):
 
 
 def test_meta_only_flush_of_an_unchanged_branch_writes_nothing(tmp_path):
-    j = Journal(str(tmp_path))
-    b = _branch_with(j, 1)
-    j.flush()
-    path = os.path.join(str(tmp_path), "branches", f"{b.id}.log")
-    size = os.path.getsize(path)
+    j, b, path, size = _flushed(tmp_path, 1)
     b.messages.add("instruction", {"instruction": "pending"})
     assert not j.dirty(messages=False)
     j.flush(messages=False)
@@ -145,7 +150,7 @@ def test_stale_log_after_snapshot_with_meta_lines_is_not_replayed_twice(tmp_path
     j.flush()
     j.update_meta(b.id, {"policy": {"t": "deny"}})
     j.flush(messages=False)
-    path = os.path.join(str(tmp_path), "branches", f"{b.id}.log")
+    path = _log_path(tmp_path, b)
     with open(path, encoding="utf-8") as fh:
         old_log = fh.read()
     j.compact(b.id)

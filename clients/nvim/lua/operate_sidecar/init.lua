@@ -126,8 +126,8 @@ local function compact(v)
   if v == nil or v == vim.NIL then
     return 'null'
   end
-  local ok, s = pcall(vim.json.encode, v)
-  return ok and (s:gsub('\\/', '/')) or tostring(v)
+  local ok, s = pcall(json_scalar, v)
+  return ok and s or tostring(v)
 end
 
 local function as_object(t)
@@ -498,6 +498,9 @@ end
 --- Start the server and initialize it. cb(err, initialize_result) runs once it is ready.
 function M.start(cb)
   cb = cb or function() end
+  local function when_started(err) -- queued until initialize settles
+    cb(err, S.init_result)
+  end
   if S.ready then
     cb(nil, S.init_result)
     return
@@ -509,9 +512,7 @@ function M.start(cb)
     return
   end
   if S.client then
-    S.queue[#S.queue + 1] = function(err)
-      cb(err, S.init_result)
-    end
+    S.queue[#S.queue + 1] = when_started
     return
   end
   local ok, client = pcall(function()
@@ -538,9 +539,7 @@ function M.start(cb)
     return
   end
   S.client, S.ready, S.init_result, S.exit = client, false, nil, nil
-  S.queue[#S.queue + 1] = function(err)
-    cb(err, S.init_result)
-  end
+  S.queue[#S.queue + 1] = when_started
 
   local timer = (vim.uv or vim.loop).new_timer()
   local settled = false
@@ -697,6 +696,18 @@ function M.request_sync(method, params, timeout_ms)
   return res, rerr
 end
 
+-- M.request for the commands below: a failure is notified and passed on as cb(err); on_result(res)
+-- handles a success.
+local function request_or_notify(method, params, cb, on_result)
+  M.request(method, params, function(err, res)
+    if err then
+      notify(method .. ' failed: ' .. tostring(err.message), vim.log.levels.ERROR)
+      return cb(err)
+    end
+    on_result(res)
+  end)
+end
+
 -- ---------------------------------------------------------------- branches
 
 local function branch_key()
@@ -724,19 +735,18 @@ function M.set_branch(id, key)
   event('OperateSidecarBranch')
 end
 
---- Create a branch and make it current. cb(err, branchId).
-function M.branch_new(cb, params)
-  cb = cb or function() end
+-- createBranch / forkBranch, then make the new branch current. cb(err, branchId).
+local function request_new_branch(method, params, cb)
   local key = branch_key() -- the tab that asked, even if another is current when the answer comes
-  M.request('createBranch', as_object(vim.deepcopy(params or M.config.branch)), function(err, res)
-    if err then
-      notify('createBranch failed: ' .. tostring(err.message), vim.log.levels.ERROR)
-      cb(err)
-      return
-    end
+  request_or_notify(method, params, cb, function(res)
     M.set_branch(res.branchId, key)
     cb(nil, res.branchId)
   end)
+end
+
+--- Create a branch and make it current. cb(err, branchId).
+function M.branch_new(cb, params)
+  request_new_branch('createBranch', as_object(vim.deepcopy(params or M.config.branch)), cb or function() end)
 end
 
 --- Fork the current branch (or `id`) and make the fork current. cb(err, branchId).
@@ -747,27 +757,13 @@ function M.branch_fork(cb, id)
     M.branch_new(cb)
     return
   end
-  local key = branch_key()
-  M.request('forkBranch', { branchId = id }, function(err, res)
-    if err then
-      notify('forkBranch failed: ' .. tostring(err.message), vim.log.levels.ERROR)
-      cb(err)
-      return
-    end
-    M.set_branch(res.branchId, key)
-    cb(nil, res.branchId)
-  end)
+  request_new_branch('forkBranch', { branchId = id }, cb)
 end
 
 --- List branches; notifies a summary. cb(err, branches).
 function M.branch_list(cb)
   cb = cb or function() end
-  M.request('listBranches', nil, function(err, res)
-    if err then
-      notify('listBranches failed: ' .. tostring(err.message), vim.log.levels.ERROR)
-      cb(err)
-      return
-    end
+  request_or_notify('listBranches', nil, cb, function(res)
     local cur = M.current_branch()
     local lines = {}
     for _, b in ipairs(res.branches) do
@@ -937,11 +933,7 @@ function M.show_messages(cb, id)
     cb({ code = -32012, message = 'no current branch' })
     return
   end
-  M.request('branchMessages', { branchId = id }, function(err, res)
-    if err then
-      notify('branchMessages failed: ' .. tostring(err.message), vim.log.levels.ERROR)
-      return cb(err)
-    end
+  request_or_notify('branchMessages', { branchId = id }, cb, function(res)
     local lines = { ('# branch %s: %d messages'):format(id, res.total or #res.messages) }
     for _, m in ipairs(res.messages) do
       lines[#lines + 1] = ''
@@ -968,11 +960,7 @@ end
 function M.show_tools(cb)
   cb = cb or function() end
   local bid = M.current_branch()
-  M.request('listTools', bid and { branchId = bid } or nil, function(err, res)
-    if err then
-      notify('listTools failed: ' .. tostring(err.message), vim.log.levels.ERROR)
-      return cb(err)
-    end
+  request_or_notify('listTools', bid and { branchId = bid } or nil, cb, function(res)
     local lines = { ('# tools (policy for %s)'):format(bid and ('branch ' .. bid) or 'the server') }
     for _, t in ipairs(res.tools) do
       local desc = is_null(t.description) and '' or tostring(t.description):gsub('\n.*', '')
@@ -990,11 +978,7 @@ function M.authorize(tool, decision, cb, global)
   if not global then
     params.branchId = M.current_branch()
   end
-  M.request('authorizeTool', params, function(err, res)
-    if err then
-      notify('authorizeTool failed: ' .. tostring(err.message), vim.log.levels.ERROR)
-      return cb(err)
-    end
+  request_or_notify('authorizeTool', params, cb, function(res)
     notify(('%s: %s (%s)'):format(res.tool, res.decision, is_null(res.branchId) and 'server-wide' or res.branchId))
     cb(nil, res)
   end)
