@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from server.core.imodel import ModelRequest  # noqa: E402
-from server.models import make_model  # noqa: E402
-from server.models.local import default_model_path  # noqa: E402
+from operate_sidecar.server.core.imodel import ModelRequest  # noqa: E402
+from operate_sidecar.server.models import make_model  # noqa: E402
+from operate_sidecar.server.models.local import default_model_path  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 T_IMPORT0 = time.perf_counter()
-from server.core import Branch  # noqa: E402
-from server.models.scripted import ScriptedModel  # noqa: E402
+from operate_sidecar.server.core import Branch  # noqa: E402
+from operate_sidecar.server.models.scripted import ScriptedModel  # noqa: E402
 
 IMPORT_S = time.perf_counter() - T_IMPORT0
 
@@ -35,7 +35,7 @@ def make_model(reply: str, count: int):
 
 def make_branch(model, tools=None):
     if tools:
-        from server.core.tools import ToolRegistry
+        from operate_sidecar.server.core.tools import ToolRegistry
 
         reg = ToolRegistry()
         for t in tools:

@@ -1,6 +1,6 @@
 """Wire types of the operate-sidecar protocol (PROTOCOL.md v1), declared once as attrs classes.
 
-    from protocol import structure, unstructure, ParamsError, OperateParams
+    from operate_sidecar.protocol import structure, unstructure, ParamsError, OperateParams
     params = structure(OperateParams, raw_params)   # raises ParamsError (-32602)
     wire = unstructure(result)                      # camelCase plain JSON
 

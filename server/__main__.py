@@ -1,4 +1,4 @@
-"""``operate-sidecar`` / ``python -m server``: the JSON-RPC stdio server."""
+"""``operate-sidecar`` / ``python -m operate_sidecar.server``: the JSON-RPC stdio server."""
 
 from __future__ import annotations
 
@@ -36,14 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     import logging
     import os
 
-    from server import __version__
-    from server.rpc import settings as S
+    from operate_sidecar.server import __version__
+    from operate_sidecar.server.rpc import settings as S
 
     args = _parser().parse_args(argv)
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level.upper())
     logging.basicConfig(stream=sys.stderr, level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from server.models._common import RedactingFilter
+    from operate_sidecar.server.models._common import RedactingFilter
 
     for handler in logging.getLogger().handlers:  # keys never reach stderr, --debug included
         handler.addFilter(RedactingFilter())
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import asyncio
 
-    from server.rpc.run import serve
-    from server.rpc.stdio import guard_stdio
+    from operate_sidecar.server.rpc.run import serve
+    from operate_sidecar.server.rpc.stdio import guard_stdio
 
     fds = guard_stdio()  # before anything can write to fd 1
     loop = asyncio.new_event_loop()

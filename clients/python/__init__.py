@@ -1,4 +1,4 @@
-"""Python client for operate-sidecar (stdlib only): ``from clients.python import SidecarClient``."""
+"""Python client for operate-sidecar (stdlib only): ``from operate_sidecar.clients.python import SidecarClient``."""
 
 from .client import RpcError, SidecarClient, StreamError
 

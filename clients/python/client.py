@@ -68,7 +68,7 @@ class SidecarClient:
         """``strict``: every frame must be exactly ``Content-Length: N\\r\\n\\r\\n`` (what
         operate-sidecar writes); anything else on stdout is a :class:`StreamError`."""
         self.strict = strict
-        argv = argv or [sys.executable, "-m", "server"]
+        argv = argv or [sys.executable, "-m", "operate_sidecar.server"]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                      env=env, cwd=cwd, bufsize=0)
         self._out = io.BufferedReader(self.proc.stdout, 1 << 16)

@@ -23,7 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from clients.python.client import RpcError, SidecarClient
+from operate_sidecar.clients.python.client import RpcError, SidecarClient
 
 console = Console(stderr=False, highlight=False)
 
@@ -86,11 +86,11 @@ class Screen:
 def main() -> int:
     started = time.perf_counter()
     console.rule("[bold]operate-sidecar demo")
-    console.print("Spawning the sidecar (python -m server) with the embedded local model…")
+    console.print("Spawning the sidecar (python -m operate_sidecar.server) with the embedded local model…")
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     stderr_log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "operate-sidecar-demo.stderr.log"), "wb")
-    client = SidecarClient([sys.executable, "-m", "server", "--log-level", "WARNING"], env=env, stderr=stderr_log)
+    client = SidecarClient([sys.executable, "-m", "operate_sidecar.server", "--log-level", "WARNING"], env=env, stderr=stderr_log)
     screen = Screen()
     client.on_notification("$/progress", screen.on_progress)
     client.on_notification("toolEvent", screen.on_tool_event)
@@ -112,7 +112,7 @@ def main() -> int:
             "settings": {
                 "models": {"local": {"provider": "local"}},
                 "defaultModel": "local",
-                "toolModules": ["clients.python.demo_tools"],
+                "toolModules": ["operate_sidecar.clients.python.demo_tools"],
                 "toolPolicy": {"get_weather": "ask"},
             },
         }, timeout=60)

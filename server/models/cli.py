@@ -34,8 +34,8 @@ from typing import Any, AsyncIterator, Iterator
 
 import anyio
 
-from server.core.errors import ModelError
-from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
+from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from ._common import field_value, render_prompt
 from .config import CLI_PROFILES, FIELDS, check_model_config

@@ -19,10 +19,10 @@ from typing import Any
 
 #: provider → "module:class" (imported only when a model of that kind is first made)
 PROVIDERS: dict[str, str] = {
-    "local": "server.models.local:LocalModel",
-    "openai": "server.models.openai_compat:OpenAIModel",
-    "cli": "server.models.cli:CLIModel",
-    "scripted": "server.models.scripted:ScriptedModel",
+    "local": "operate_sidecar.server.models.local:LocalModel",
+    "openai": "operate_sidecar.server.models.openai_compat:OpenAIModel",
+    "cli": "operate_sidecar.server.models.cli:CLIModel",
+    "scripted": "operate_sidecar.server.models.scripted:ScriptedModel",
 }
 
 CLI_PROFILES = ("claude-code", "llm", "jsonl")

@@ -35,8 +35,8 @@ from typing import Any, AsyncIterator
 import anyio
 import anyio.to_thread
 
-from server.core.errors import ModelError
-from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
+from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from ._common import bound_schema, field_value, snake_options
 from .config import FIELDS, check_model_config

@@ -24,8 +24,8 @@ from typing import Any, AsyncIterator
 
 import anyio
 
-from server.core.errors import ModelError
-from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
+from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from ._common import field_value, is_loopback_url, redact, remember_secret, snake_options
 from .config import FIELDS, check_model_config

@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator
 
 import anyio
 
-from server.core.errors import ModelError
-from server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
+from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from .config import ModelConfigError, check_model_config, entry_problem
 

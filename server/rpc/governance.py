@@ -79,7 +79,7 @@ class Governance:
 
     # ------------------------------------------------------------ the authorizer
     async def authorize(self, inv: Any) -> Any:
-        from server.core.act import AuthorizationResult
+        from operate_sidecar.server.core.act import AuthorizationResult
 
         decision = self.policy_for(inv.tool if inv.tool is not None else inv.function, inv.branch_id)
         if decision == "allow":

@@ -21,7 +21,7 @@ from .governance import ClientRequestError, Governance
 from .progress import WireProgress
 from .schemas import SchemaCache
 
-log = logging.getLogger("server.rpc")
+log = logging.getLogger("operate_sidecar.server.rpc")
 
 RECEIVED_LIMIT = 200
 
@@ -60,7 +60,7 @@ def map_exception(e: BaseException, debug: bool = False) -> tuple[int, str, Any]
     code = getattr(e, "code", None)
     if isinstance(e, RpcError) or (type(code) is int and hasattr(e, "message") and hasattr(e, "to_dict")):
         return e.code, e.message, getattr(e, "data", None)  # type: ignore[attr-defined]
-    from server.core import errors as ce
+    from operate_sidecar.server.core import errors as ce
 
     if isinstance(e, ce.ValidationFailed):
         return E.VALIDATION_FAILED, str(e), {"expected": e.expected, "received": truncate_received(e.received)}
@@ -70,7 +70,7 @@ def map_exception(e: BaseException, debug: bool = False) -> tuple[int, str, Any]
                       ce.ToolArgumentError)):
         return E.INVALID_PARAMS, f"invalid params: {e}", None
     try:
-        from server.models import ModelConfigError
+        from operate_sidecar.server.models import ModelConfigError
 
         if isinstance(e, ModelConfigError):
             return E.INVALID_PARAMS, f"invalid params: {e}", None
@@ -113,7 +113,7 @@ class Sidecar:
 
     def _core(self) -> Any:
         if self.registry is None:
-            from server.core.tools import ToolRegistry
+            from operate_sidecar.server.core.tools import ToolRegistry
 
             self.registry = ToolRegistry()
             s = self.settings
@@ -135,8 +135,8 @@ class Sidecar:
         state_dir = self.settings.get("stateDir")
         if not state_dir:
             return
-        from server.core.branch import Branch
-        from server.state import Journal
+        from operate_sidecar.server.core.branch import Branch
+        from operate_sidecar.server.state import Journal
 
         try:
             self.journal = Journal(state_dir)
@@ -145,7 +145,7 @@ class Sidecar:
             self.journal = None
             self.conn.log_message(2, f"state journal at {state_dir} unusable: {e}")
             return
-        from server.core.messages import MessageLog
+        from operate_sidecar.server.core.messages import MessageLog
 
         for lb in loaded:
             meta = lb.meta
@@ -182,7 +182,7 @@ class Sidecar:
         reg = self.registry
         if self.conn.workspace_folders:
             try:
-                from server.tools.builtin import WorkspaceTools
+                from operate_sidecar.server.tools.builtin import WorkspaceTools
 
                 for t in WorkspaceTools(self.conn.workspace_folders).tools():
                     reg.register(t, update=True)
@@ -190,7 +190,7 @@ class Sidecar:
                 self.conn.log_message(2, f"workspace tools unavailable: {e}")
         modules = self.settings.get("toolModules") or []
         if modules:
-            from server.tools.python_modules import load_tool_modules
+            from operate_sidecar.server.tools.python_modules import load_tool_modules
 
             for name in modules:
                 try:
@@ -206,7 +206,7 @@ class Sidecar:
                     reg.register(t)
 
     async def _run_mcp(self) -> None:
-        from server.tools.mcp_source import open_mcp_sources
+        from operate_sidecar.server.tools.mcp_source import open_mcp_sources
 
         try:
             async with open_mcp_sources(self.settings["mcpServers"], reserved=self.registry.names()) as tools:
@@ -264,10 +264,10 @@ class Sidecar:
         if spec is None:
             return None
         if not isinstance(spec, (str, dict)):  # an attrs ModelConfig from protocol/
-            from protocol import unstructure
+            from operate_sidecar.protocol import unstructure
 
             spec = unstructure(spec)
-        from server.models import make_model
+        from operate_sidecar.server.models import make_model
 
         if isinstance(spec, str):
             model = self._models.get(spec)
@@ -362,19 +362,19 @@ class Sidecar:
         self.rpc.notify("toolEvent", params)
 
     async def createBranch(self, params: dict) -> dict:
-        from protocol import CreateBranchParams, structure
+        from operate_sidecar.protocol import CreateBranchParams, structure
 
         p = structure(CreateBranchParams, params)
         self._ensure_state()
         self._check_branch_room()
-        from server.core.branch import Branch
+        from operate_sidecar.server.core.branch import Branch
 
         chat = self.resolve_model(p.chat_model, "chatModel") if p.chat_model is not None else self.default_model()
         parse = self.resolve_model(p.parse_model, "parseModel") if p.parse_model is not None else None
         b = Branch(system=p.system, chat_model=chat, parse_model=parse, name=p.name, tools=self.registry)
         self._adopt(b)
         if self.journal is not None:
-            from protocol import unstructure
+            from operate_sidecar.protocol import unstructure
 
             specs = {"chatModel": unstructure(p.chat_model), "parseModel": unstructure(p.parse_model)}
             self._model_specs[b.id] = specs
@@ -383,7 +383,7 @@ class Sidecar:
         return {"branchId": b.id}
 
     async def forkBranch(self, params: dict) -> dict:
-        from protocol import BranchParams, structure
+        from operate_sidecar.protocol import BranchParams, structure
 
         p = structure(BranchParams, params)
         src = self.branch(p.branch_id)
@@ -401,7 +401,7 @@ class Sidecar:
         return {"branchId": b.id}
 
     async def deleteBranch(self, params: dict) -> dict:
-        from protocol import BranchParams, structure
+        from operate_sidecar.protocol import BranchParams, structure
 
         p = structure(BranchParams, params)
         self.branch(p.branch_id)
@@ -422,7 +422,7 @@ class Sidecar:
                               "chatModel": getattr(b.chat_model, "name", None)} for b in self.branches.values()]}
 
     def branchMessages(self, params: dict) -> dict:
-        from protocol import BranchMessagesParams, structure
+        from operate_sidecar.protocol import BranchMessagesParams, structure
 
         p = structure(BranchMessagesParams, params)
         if p.offset < 0 or p.limit < 0:
@@ -437,7 +437,7 @@ class Sidecar:
         return info
 
     async def listTools(self, params: dict) -> dict:
-        from protocol import ListToolsParams, structure
+        from operate_sidecar.protocol import ListToolsParams, structure
 
         p = structure(ListToolsParams, params)
         if p.branch_id is not None:
@@ -446,7 +446,7 @@ class Sidecar:
         return {"tools": [self._tool_info(t, p.branch_id) for t in self.registry]}
 
     async def authorizeTool(self, params: dict) -> dict:
-        from protocol import AuthorizeToolParams, structure
+        from operate_sidecar.protocol import AuthorizeToolParams, structure
 
         p = structure(AuthorizeToolParams, params)
         if p.branch_id is not None:
@@ -462,11 +462,11 @@ class Sidecar:
         return {"tool": p.tool, "decision": p.decision, "branchId": p.branch_id}
 
     async def registerClientTools(self, params: dict) -> dict:
-        from protocol import RegisterClientToolsParams, structure
+        from operate_sidecar.protocol import RegisterClientToolsParams, structure
 
         p = structure(RegisterClientToolsParams, params)
         await self.ensure_tools()
-        from server.core.tools import Tool
+        from operate_sidecar.server.core.tools import Tool
 
         names = [t.name for t in p.tools]
         taken = [n for n in names if n in self.registry]
@@ -485,7 +485,7 @@ class Sidecar:
 
     def _client_tool(self, name: str) -> Any:
         async def call(arguments: dict, ctx: Any) -> Any:
-            from server.tools.errors import ToolCallError
+            from operate_sidecar.server.tools.errors import ToolCallError
 
             try:
                 res = await self.rpc.request_client("invokeClientTool", {
@@ -500,7 +500,7 @@ class Sidecar:
 
     # ------------------------------------------------------------------ operate
     async def operate(self, params: dict) -> dict:
-        from protocol import OperateParams, structure
+        from operate_sidecar.protocol import OperateParams, structure
 
         p = structure(OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
         branch = self.branch(p.branch_id)
@@ -512,7 +512,7 @@ class Sidecar:
                                      {"unknownTools": unknown})
         kw: dict[str, Any] = {}
         if p.instruct is not None:
-            from protocol import unstructure
+            from operate_sidecar.protocol import unstructure
 
             kw["instruct"] = {_camel_to_snake(k): v for k, v in unstructure(p.instruct).items()}
         else:
@@ -526,7 +526,7 @@ class Sidecar:
         if p.field_models:
             kw["field_models"] = [self.schemas.spec_for(f, i) for i, f in enumerate(p.field_models)]
         if p.parse_options is not None:
-            from server.core.params import AlcallParams
+            from operate_sidecar.server.core.params import AlcallParams
 
             o = p.parse_options
             kw["parse_call_params"] = AlcallParams(retry_attempts=o.retry_attempts,
@@ -540,9 +540,9 @@ class Sidecar:
             skip_validation=p.skip_validation, clear_messages=p.clear_messages,
             stream_persist=p.stream_persist, persist_dir=p.persist_dir, snapshot_dir=p.snapshot_dir,
         )
-        from server.core.operate import operate as core_operate
-        from server.core.params import RunParam
-        from server.core.prepare import prepare_operate_kw
+        from operate_sidecar.server.core.operate import operate as core_operate
+        from operate_sidecar.server.core.params import RunParam
+        from operate_sidecar.server.core.prepare import prepare_operate_kw
 
         options = dict(p.model_options or {})
         clash = sorted(set(options) & _pipeline_names(prepare_operate_kw))
@@ -550,7 +550,7 @@ class Sidecar:
             raise invalid_params("modelOptions: " + ", ".join(clash) + " name operate pipeline parameters, "
                                  "not provider options", {"fields": clash})
         kw.update(options)
-        from server.core.progress import current_progress
+        from operate_sidecar.server.core.progress import current_progress
 
         self._check_message_room(branch, bool(p.clear_messages))
         # per-branch FIFO first, then one of maxConcurrentOperates slots (waiters queue FIFO, cancellable)

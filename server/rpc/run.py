@@ -13,7 +13,7 @@ from .stdio import Wire, attach_reader, guard_stdio
 from .transport import Connection
 from .watchdog import watch_parent
 
-log = logging.getLogger("server.rpc")
+log = logging.getLogger("operate_sidecar.server.rpc")
 
 
 async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "0", debug: bool = False,

@@ -90,7 +90,7 @@ class SchemaCache:
 
     def spec_for(self, field: Any, index: int = 0) -> Any:
         """A wire FieldModel (attrs object or dict) → core ``Spec``."""
-        from server.core.operative import Spec
+        from operate_sidecar.server.core.operative import Spec
 
         get = (lambda k, d=None: field.get(k, d)) if isinstance(field, dict) else \
             (lambda k, d=None: getattr(field, k, d))
@@ -124,7 +124,7 @@ class SchemaCache:
             if "default" in field:
                 kw["default"] = default
         else:
-            from protocol import is_omitted
+            from operate_sidecar.protocol import is_omitted
 
             if not is_omitted(default):
                 kw["default"] = default

@@ -31,7 +31,7 @@ from .governance import ClientRequestError
 from .methods import Sidecar, map_exception
 from .transport import REQUEST_METHODS
 
-log = logging.getLogger("server.rpc")
+log = logging.getLogger("operate_sidecar.server.rpc")
 
 _APP_METHODS = tuple(m for m in REQUEST_METHODS if m not in ("initialize", "ping", "shutdown"))
 
@@ -140,10 +140,10 @@ class SidecarProtocol(JsonRPCProtocol):
 
 
 #: what the methods need from the core and the providers, loaded on first use (see ``CoreLoader``)
-CORE_MODULES = ("server.core", "server.core.branch", "server.core.operate", "server.core.prepare",
-                "server.core.tools", "server.models", "server.models.scripted")
+CORE_MODULES = ("operate_sidecar.server.core", "operate_sidecar.server.core.branch", "operate_sidecar.server.core.operate", "operate_sidecar.server.core.prepare",
+                "operate_sidecar.server.core.tools", "operate_sidecar.server.models", "operate_sidecar.server.models.scripted")
 #: imported right after, without holding up the request (first responseFormat / toolModules use)
-CORE_WARM = ("json_schema_to_pydantic", "server.tools.python_modules")
+CORE_WARM = ("json_schema_to_pydantic", "operate_sidecar.server.tools.python_modules")
 
 
 class CoreLoader:

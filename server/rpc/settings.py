@@ -73,7 +73,7 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(s.get("models"), dict):
         raise SettingsError("settings.models must be an object")
     if s["models"]:  # every field of every model, up front (PROTOCOL §2 ModelConfig)
-        from server.models.config import ModelConfigError, check_model_config  # a table; no provider
+        from operate_sidecar.server.models.config import ModelConfigError, check_model_config  # a table; no provider
 
         for name, cfg in s["models"].items():
             try:

@@ -28,7 +28,7 @@ from . import settings as S
 from .framing import FrameParser, peek_id
 from .stdio import Wire
 
-log = logging.getLogger("server.rpc")
+log = logging.getLogger("operate_sidecar.server.rpc")
 
 PROTOCOL_VERSION = 1
 SERVER_NAME = "operate-sidecar"
@@ -47,7 +47,7 @@ _APP_METHODS = frozenset(REQUEST_METHODS) - {"initialize", "ping", "shutdown"}
 #: imported by the background loader before the app takes requests. The core (pydantic,
 #: the Operative models) is not: ``server.rpc.server`` loads it on a worker thread when the
 #: first request that needs it arrives, so a spawned-but-unused sidecar stays small.
-PRELOAD = ("protocol",)
+PRELOAD = ("operate_sidecar.protocol",)
 
 _INIT_KEYS = frozenset({"protocolVersion", "clientInfo", "processId", "capabilities", "workspaceFolders",
                         "settings"})

@@ -38,7 +38,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.core.messages import Message
+from operate_sidecar.server.core.messages import Message
 
 log = logging.getLogger(__name__)
 

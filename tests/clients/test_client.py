@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from clients.python.client import RpcError, SidecarClient  # noqa: E402
+from operate_sidecar.clients.python.client import RpcError, SidecarClient  # noqa: E402
 
 FAKE = textwrap.dedent('''
     import json, sys

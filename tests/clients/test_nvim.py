@@ -39,7 +39,7 @@ NVIMS = {"nvim-0.11.4": _binwheels_nvim(), "nvim-0.7.2": "/usr/bin/nvim"}
 
 def _server_cmd() -> list[str]:
     script = Path(sys.executable).parent / "operate-sidecar"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "server"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "operate_sidecar.server"]
 
 
 @pytest.fixture(params=sorted(NVIMS), ids=sorted(NVIMS))

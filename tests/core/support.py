@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 
-from server.core import AlcallParams, Branch, Tool
-from server.models.scripted import ScriptedModel
+from operate_sidecar.server.core import AlcallParams, Branch, Tool
+from operate_sidecar.server.models.scripted import ScriptedModel
 
 # Parse repair with no back-off, so failing parses stay fast.
 NO_REPAIR = AlcallParams(retry_attempts=0)

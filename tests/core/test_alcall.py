@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from server.core import AlcallParams, alcall
+from operate_sidecar.server.core import AlcallParams, alcall
 
 pytestmark = pytest.mark.anyio
 

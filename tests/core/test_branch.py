@@ -7,8 +7,8 @@ from datetime import datetime
 
 import pytest
 
-from server.core import AuthorizationResult, Branch, ToolInvocation
-from server.models.scripted import ScriptedModel
+from operate_sidecar.server.core import AuthorizationResult, Branch, ToolInvocation
+from operate_sidecar.server.models.scripted import ScriptedModel
 
 from .support import Answer, call, kinds, make_branch, reply
 

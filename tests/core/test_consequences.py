@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from server.core import DENIED, ActionParam, ChatParam, Step, ValidationFailed, operate
+from operate_sidecar.server.core import DENIED, ActionParam, ChatParam, Step, ValidationFailed, operate
 
 from .support import NO_REPAIR, Answer, call, kinds, make_branch, reply
 

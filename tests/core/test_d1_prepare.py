@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.core import (
+from operate_sidecar.server.core import (
     DEFAULT_PARSE_ALCALL,
     ActionParam,
     AlcallParams,
@@ -20,8 +20,8 @@ from server.core import (
     make_parse_param,
     prepare_operate_kw,
 )
-from server.core.params import default_persist_dir
-from server.models.scripted import ScriptedModel
+from operate_sidecar.server.core.params import default_persist_dir
+from operate_sidecar.server.models.scripted import ScriptedModel
 
 from .support import NO_REPAIR, Answer, make_branch, reply
 

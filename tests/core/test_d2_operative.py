@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import BaseModel
 
-from server.core import (
+from operate_sidecar.server.core import (
     ActionRequestModel,
     ActionResponseModel,
     ChatParam,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from server.core import (
+from operate_sidecar.server.core import (
     ActionParam,
     ChatParam,
     ParseParam,

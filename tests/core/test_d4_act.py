@@ -9,7 +9,7 @@ import anyio
 import pytest
 from pydantic import BaseModel
 
-from server.core import (
+from operate_sidecar.server.core import (
     DENIED,
     ActionParam,
     ActionRequestModel,
@@ -254,7 +254,7 @@ async def test_invalid_strategy_through_operate_raises_configuration_error(recor
 def test_default_action_call_params_drop_none():
     """D4: the default action AlcallParams sets output_dropna=True and otherwise library defaults."""
     assert ActionParam().action_call_params is None  # act() falls back to the default below
-    from server.core.params import DEFAULT_ACTION_ALCALL
+    from operate_sidecar.server.core.params import DEFAULT_ACTION_ALCALL
 
     assert DEFAULT_ACTION_ALCALL == AlcallParams(output_dropna=True)
 
@@ -369,7 +369,7 @@ async def test_hook_summaries_truncate_to_200_but_real_call_does_not(record):
 async def test_verbose_action_preview_truncated_to_50(record, caplog):
     """D4: verbose debug logging truncates its argument preview to 50 characters."""
     b, _ = make_branch([], tools=(record,))
-    with caplog.at_level(logging.INFO, logger="server.core.act"):
+    with caplog.at_level(logging.INFO, logger="operate_sidecar.server.core.act"):
         await b.act(call(x=1, note="v" * 300), verbose_action=True)
     preview = str({"x": 1, "note": "v" * 300})[:50] + "..."
     assert any(preview in r.getMessage() for r in caplog.records)

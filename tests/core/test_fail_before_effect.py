@@ -19,7 +19,7 @@ import anyio
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from server.core import Instruct, ValidationFailed
+from operate_sidecar.server.core import Instruct, ValidationFailed
 
 from .support import NO_REPAIR, Answer, RecordingTool, call, make_branch
 

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 import pytest
 
-from server.core import (
+from operate_sidecar.server.core import (
     BaseModelProvider,
     ChatParam,
     ModelError,
@@ -295,7 +295,7 @@ class Sink:
 
 async def test_progress_reports_stream_deltas_in_order():
     """PROTOCOL §6 (core side): begin with the adapter name, stream deltas in order, end after the operate."""
-    from server.core import current_progress
+    from operate_sidecar.server.core import current_progress
 
     b, _ = make_branch([{"text": "abcdef", "chunks": 3}])
     sink = Sink()

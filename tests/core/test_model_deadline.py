@@ -8,8 +8,8 @@ import anyio
 import pytest
 from pydantic import BaseModel
 
-from server.core import AlcallParams, Branch, ModelError
-from server.models.scripted import ScriptedModel
+from operate_sidecar.server.core import AlcallParams, Branch, ModelError
+from operate_sidecar.server.models.scripted import ScriptedModel
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from server.core import (
+from operate_sidecar.server.core import (
     AlcallParams,
     FuzzyMatchKeysParams,
     ParseError,
@@ -17,8 +17,8 @@ from server.core import (
     extract_json,
     parse,
 )
-from server.core.parse import fuzzy_match_keys, validate_into
-from server.models.scripted import ScriptedModel
+from operate_sidecar.server.core.parse import fuzzy_match_keys, validate_into
+from operate_sidecar.server.models.scripted import ScriptedModel
 
 from .support import NO_REPAIR, Answer, kinds, make_branch
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from server.core import ModelError, ModelRequest
-from server.models.scripted import ScriptedModel
+from operate_sidecar.server.core import ModelError, ModelRequest
+from operate_sidecar.server.models.scripted import ScriptedModel
 
 from .support import Answer, make_branch
 

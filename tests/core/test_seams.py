@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from server.core import Branch, Instruct, Step, operate, prepare_operate_kw
+from operate_sidecar.server.core import Branch, Instruct, Step, operate, prepare_operate_kw
 
 from .support import NO_REPAIR, Answer, call, interleaving_tools, make_branch, overlapped, reply
 

@@ -7,7 +7,7 @@ from typing import Optional
 import jsonschema
 import pytest
 
-from server.core import Tool, ToolArgumentError, ToolCallContext, ToolNotRegistered, ToolRegistry, tool
+from operate_sidecar.server.core import Tool, ToolArgumentError, ToolCallContext, ToolNotRegistered, ToolRegistry, tool
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,7 @@
 """Hostile-input fuzzing helpers: one real server process per test module, and the
 checks every generated input ends with (alive, in sync, stdout clean).
 
-The server is spawned exactly as an editor would (``python -m server``, real pipes),
+The server is spawned exactly as an editor would (``python -m operate_sidecar.server``, real pipes),
 with the ``scripted`` model so operate calls that pass validation finish at once.
 If a generated input kills the server, the example fails (naming the exit code and
 the stderr tail) and the next example gets a fresh process.
@@ -26,9 +26,9 @@ RPC_FIXTURES = ROOT / "tests" / "rpc" / "fixtures"   # slow_tools: echo_tool, sl
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from clients.python.client import RpcError, SidecarClient  # noqa: E402
+from operate_sidecar.clients.python.client import RpcError, SidecarClient  # noqa: E402
 
-SERVER = [sys.executable, "-m", "server"]
+SERVER = [sys.executable, "-m", "operate_sidecar.server"]
 SYNC_TIMEOUT = 10.0       # a ping after junk: answered within this or the stream is out of sync
 REQUEST_TIMEOUT = 15.0    # a fuzzed request (non-operate)
 OPERATE_TIMEOUT = 30.0    # a fuzzed operate (scripted model, fast parse options)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import protocol
+from operate_sidecar import protocol
 from frame_model import json_values
 from fuzz_support import (OUTCOMES, ERROR_CODES, OPERATE_TIMEOUT, REQUEST_TIMEOUT, FuzzServer, encode, frame,
                           fuzz_server_fixture, has_traceback, profile, run_example)

@@ -21,7 +21,7 @@ SERVER_START_TIMEOUT_S = 90.0
 
 @pytest.fixture(scope="session")
 def gguf_path() -> str:
-    from server.models.local import default_model_path
+    from operate_sidecar.server.models.local import default_model_path
 
     return default_model_path()
 

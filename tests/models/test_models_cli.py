@@ -13,11 +13,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from server.core.errors import ModelError
-from server.core.imodel import ModelRequest
-from server.models import make_model
-from server.models._common import SCHEMA_INSTRUCTION, render_prompt
-from server.models.cli import CLIModel
+from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.imodel import ModelRequest
+from operate_sidecar.server.models import make_model
+from operate_sidecar.server.models._common import SCHEMA_INSTRUCTION, render_prompt
+from operate_sidecar.server.models.cli import CLIModel
 
 pytestmark = pytest.mark.anyio
 

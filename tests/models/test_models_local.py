@@ -13,11 +13,11 @@ import anyio
 import jsonschema
 import pytest
 
-from server.core.errors import ModelError
-from server.core.imodel import ModelRequest
-from server.models import make_model
-from server.models._common import bound_schema
-from server.models.local import LocalModel, _CACHE
+from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.imodel import ModelRequest
+from operate_sidecar.server.models import make_model
+from operate_sidecar.server.models._common import bound_schema
+from operate_sidecar.server.models.local import LocalModel, _CACHE
 
 pytestmark = pytest.mark.anyio
 
@@ -152,8 +152,8 @@ def test_local_writes_nothing_to_stdout_and_imports_llama_lazily():
     script = textwrap.dedent(
         """
         import sys, anyio
-        from server.core.imodel import ModelRequest
-        from server.models import make_model
+        from operate_sidecar.server.core.imodel import ModelRequest
+        from operate_sidecar.server.models import make_model
         m = make_model({"provider": "local"}, name="local")
         assert "llama_cpp" not in sys.modules, "llama_cpp imported before first use"
         req = ModelRequest(messages=[{"role": "user", "content": "Hi"}], options={"max_tokens": 8})
@@ -172,7 +172,7 @@ def test_local_writes_nothing_to_stdout_and_imports_llama_lazily():
 
 
 def test_unknown_config_fields_are_rejected():
-    from server.models import ModelConfigError
+    from operate_sidecar.server.models import ModelConfigError
 
     with pytest.raises(ModelConfigError, match="gguf"):
         make_model({"provider": "local", "gguf": "/x.gguf"}, name="typo")
@@ -181,7 +181,7 @@ def test_unknown_config_fields_are_rejected():
 async def test_an_abandoned_stream_does_not_block_the_model_forever(local, monkeypatch):
     """A consumer that stops iterating without closing the stream (and keeps a
     reference to it) loses the llama context once it is stale."""
-    import server.models.local as local_mod
+    import operate_sidecar.server.models.local as local_mod
 
     monkeypatch.setattr(local_mod, "STALE_LEASE_S", 0.2)
     abandoned = local.stream(ask("Count from one to fifty.", max_tokens=200))

@@ -9,11 +9,11 @@ import anyio
 import jsonschema
 import pytest
 
-from server.core.errors import ModelError
-from server.core.imodel import ModelRequest
-from server.models import make_model
-from server.models._common import redact
-from server.models.openai_compat import RF_JSON_OBJECT_SCHEMA, RF_LADDER, OpenAIModel
+from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.imodel import ModelRequest
+from operate_sidecar.server.models import make_model
+from operate_sidecar.server.models._common import redact
+from operate_sidecar.server.models.openai_compat import RF_JSON_OBJECT_SCHEMA, RF_LADDER, OpenAIModel
 
 pytestmark = pytest.mark.anyio
 
@@ -170,7 +170,7 @@ def test_redact_removes_the_key_and_token_lookalikes():
 
 
 def test_openai_config_nulls_mean_defaults_and_bad_values_are_config_errors():
-    from server.models import ModelConfigError
+    from operate_sidecar.server.models import ModelConfigError
 
     model = make_model({"provider": "openai", "model": "m", "baseUrl": None, "apiKeyEnv": None, "timeoutS": None}, name="n")
     assert (model.base_url, model.api_key_env, model.timeout_s) == (None, "OPENAI_API_KEY", 120.0)

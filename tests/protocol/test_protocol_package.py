@@ -6,22 +6,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-import protocol
-from protocol import errors, gen_schema, methods
+from operate_sidecar import protocol
+from operate_sidecar.protocol import errors, gen_schema, methods
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _modules_after_import() -> set[str]:
-    code = "import sys, json, protocol; print(json.dumps(sorted(sys.modules)))"
+    code = "import sys, json, operate_sidecar.protocol; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return set(json.loads(out.stdout))
 
 
 def test_import_protocol_pulls_in_no_server_module():
     mods = _modules_after_import()
-    assert "protocol" in mods
-    assert not {m for m in mods if m == "server" or m.startswith("server.")}
+    assert "operate_sidecar.protocol" in mods
+    assert not {m for m in mods if m == "operate_sidecar.server" or m.startswith("operate_sidecar.server.")}
 
 
 def test_import_protocol_pulls_in_nothing_heavy():

@@ -8,8 +8,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-import protocol
-from protocol import catalog, gen_schema, methods
+from operate_sidecar import protocol
+from operate_sidecar.protocol import catalog, gen_schema, methods
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def _wire_types() -> set[str]:
 
 def test_schema_json_is_up_to_date_with_the_declarations():
     on_disk = json.loads(gen_schema.SCHEMA_PATH.read_text(encoding="utf-8"))
-    assert on_disk == gen_schema.build_schema(), "stale: run python -m protocol.gen_schema"
+    assert on_disk == gen_schema.build_schema(), "stale: run python -m operate_sidecar.protocol.gen_schema"
 
 
 def test_check_mode_fails_on_a_stale_file(tmp_path, monkeypatch):
@@ -33,7 +33,7 @@ def test_check_mode_fails_on_a_stale_file(tmp_path, monkeypatch):
 
 
 def test_generator_runs_as_a_module():
-    out = subprocess.run([sys.executable, "-m", "protocol.gen_schema", "--stdout"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "operate_sidecar.protocol.gen_schema", "--stdout"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == gen_schema.build_schema()
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-import protocol
-from protocol import catalog, structure, unstructure
+from operate_sidecar import protocol
+from operate_sidecar.protocol import catalog, structure, unstructure
 
 from protocol_examples import EXAMPLES, PROGRESS_VALUES
 

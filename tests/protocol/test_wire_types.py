@@ -2,8 +2,8 @@
 
 import pytest
 
-import protocol
-from protocol import (OMITTED, Empty, FieldModel, Instruct, OperateParams, ParamsError, Settings,
+from operate_sidecar import protocol
+from operate_sidecar.protocol import (OMITTED, Empty, FieldModel, Instruct, OperateParams, ParamsError, Settings,
                       structure, unstructure)
 
 

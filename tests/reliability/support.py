@@ -15,7 +15,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from clients.python.client import RpcError  # noqa: E402,F401
+from operate_sidecar.clients.python.client import RpcError  # noqa: E402,F401
 from rpc.support import TIMEOUT, frame_body, server_env  # noqa: E402,F401  (tests/ is on sys.path)
 from rpc.support import Sidecar as RpcSidecar  # noqa: E402
 

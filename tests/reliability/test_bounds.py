@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from server.rpc import settings as S
+from operate_sidecar.server.rpc import settings as S
 
 from .support import TIMEOUT, RpcError, calls, frame_body, outputs, scripted
 

@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from server.state import Journal
+from operate_sidecar.server.state import Journal
 
 from .support import TIMEOUT, RpcError, assert_consistent, calls
 

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from server.rpc.settings import DEFAULT_TOOL_TIMEOUT_MS
+from operate_sidecar.server.rpc.settings import DEFAULT_TOOL_TIMEOUT_MS
 
 from .support import TIMEOUT, Sidecar, assert_consistent, calls, outputs, scripted
 

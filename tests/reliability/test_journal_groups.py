@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from server.core import Branch
-from server.state import Journal
+from operate_sidecar.server.core import Branch
+from operate_sidecar.server.state import Journal
 
 
 def _ids(loaded) -> list[str]:

@@ -19,9 +19,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from clients.python.client import RpcError, SidecarClient  # noqa: E402
+from operate_sidecar.clients.python.client import RpcError, SidecarClient  # noqa: E402
 
-SERVER = [sys.executable, "-m", "server"]
+SERVER = [sys.executable, "-m", "operate_sidecar.server"]
 TIMEOUT = 20.0
 
 ANSWER_SCHEMA = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}},

@@ -3,12 +3,12 @@ server.rpc keeps its own copies so that nothing heavy is imported before initial
 
 from __future__ import annotations
 
-import protocol
-from protocol import errors as perr
-from protocol import methods as pm
+from operate_sidecar import protocol
+from operate_sidecar.protocol import errors as perr
+from operate_sidecar.protocol import methods as pm
 
-from server.rpc import errors as E
-from server.rpc import transport
+from operate_sidecar.server.rpc import errors as E
+from operate_sidecar.server.rpc import transport
 
 
 def test_error_codes_match_protocol():
@@ -28,7 +28,7 @@ def test_method_and_notification_names_match_protocol():
 def test_settings_keys_match_protocol():
     import attrs
 
-    from server.rpc import settings as S
+    from operate_sidecar.server.rpc import settings as S
 
     wire = {f.metadata.get("wire") or protocol.wire_name(f.name) for f in attrs.fields(protocol.Settings)}
     assert set(S.DEFAULTS) == wire
@@ -39,7 +39,7 @@ def test_importing_the_transport_pulls_in_nothing_heavy():
     import sys
 
     code = ("import sys, server.rpc.run, server.__main__; "
-            "heavy = [m for m in ('pygls', 'lsprotocol', 'pydantic', 'protocol', 'server.core', 'cattrs', "
+            "heavy = [m for m in ('pygls', 'lsprotocol', 'pydantic', 'operate_sidecar.protocol', 'operate_sidecar.server.core', 'cattrs', "
             "'json_schema_to_pydantic', 'anyio') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=str(__import__("rpc.support", fromlist=["ROOT"]).ROOT), env=__import__("rpc.support", fromlist=["x"]).server_env())

@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.rpc.framing import FrameParser, encode_frame, peek_id
+from operate_sidecar.server.rpc.framing import FrameParser, encode_frame, peek_id
 
 bodies = st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=20), max_size=3).map(
     lambda d: json.dumps(d, ensure_ascii=False).encode()), min_size=1, max_size=6)

@@ -65,7 +65,7 @@ def init_error(sidecar, models: dict, **settings):
 @pytest.mark.parametrize("provider", sorted(CASES))
 def test_a_bad_field_or_type_is_invalid_params_at_initialize(sidecar, provider):
     (typo, typo_field), bad_types = CASES[provider]
-    from server.models.config import FIELDS
+    from operate_sidecar.server.models.config import FIELDS
 
     msg = init_error(sidecar, {"ok": scripted("x"), "fast": typo})
     assert msg == (f"{PREFIX}models.fast: unknown field '{typo_field}' "
@@ -152,7 +152,7 @@ WRONG = {"string": 5, "integer": "3", "number": "1.5", "positive number": "2", "
 
 
 def _sample_config(provider: str, override: dict | None = None) -> dict:
-    from server.models.config import FIELDS
+    from operate_sidecar.server.models.config import FIELDS
 
     cfg = {"provider": provider}
     for key, kind in FIELDS[provider].items():
@@ -163,8 +163,8 @@ def _sample_config(provider: str, override: dict | None = None) -> dict:
 
 @pytest.mark.parametrize("provider", ["local", "openai", "cli", "scripted"])
 def test_field_table_agrees_with_the_constructors(provider):
-    from server.models import ModelConfigError, make_model
-    from server.models.config import FIELDS, PROVIDERS
+    from operate_sidecar.server.models import ModelConfigError, make_model
+    from operate_sidecar.server.models.config import FIELDS, PROVIDERS
 
     assert set(FIELDS) == set(PROVIDERS)
     model = make_model(_sample_config(provider), name="every-field")  # every field, a valid value each
@@ -186,9 +186,9 @@ def test_field_table_agrees_with_the_constructors(provider):
 def test_field_table_agrees_with_the_wire_types():
     import attrs
 
-    from protocol import CliModelConfig, LocalModelConfig, OpenAIModelConfig, ScriptedEntry, ScriptedModelConfig
-    from protocol._base import wire_name
-    from server.models.config import ENTRY_FIELDS, FIELDS, REQUIRED
+    from operate_sidecar.protocol import CliModelConfig, LocalModelConfig, OpenAIModelConfig, ScriptedEntry, ScriptedModelConfig
+    from operate_sidecar.protocol._base import wire_name
+    from operate_sidecar.server.models.config import ENTRY_FIELDS, FIELDS, REQUIRED
 
     def keys(cls) -> set[str]:
         return {f.metadata.get("wire", wire_name(f.name)) for f in attrs.fields(cls)} - {"provider"}
@@ -210,7 +210,7 @@ def test_the_check_imports_nothing_heavy():
     code = (
         "import json, sys\n"
         "import server.rpc.transport\n"
-        "from server.rpc import settings as S\n"
+        "from operate_sidecar.server.rpc import settings as S\n"
         f"models = json.loads({json.dumps(json.dumps(VALID))})\n"
         "S.finalize(S.merge(S.DEFAULTS, {'models': models}))\n"
         "try:\n"
@@ -219,8 +219,8 @@ def test_the_check_imports_nothing_heavy():
         "    assert 'nThreads' in str(e)\n"
         "else:\n"
         "    raise SystemExit('not rejected')\n"
-        "heavy = ('pydantic', 'server.core', 'llama_cpp', 'openai', 'httpx', 'anyio', 'attrs', 'cattrs', 'protocol',\n"
-        "         'server.models.local', 'server.models.openai_compat', 'server.models.cli', 'server.models.scripted')\n"
+        "heavy = ('pydantic', 'operate_sidecar.server.core', 'llama_cpp', 'openai', 'httpx', 'anyio', 'attrs', 'cattrs', 'operate_sidecar.protocol',\n"
+        "         'operate_sidecar.server.models.local', 'operate_sidecar.server.models.openai_compat', 'operate_sidecar.server.models.cli', 'operate_sidecar.server.models.scripted')\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in heavy\n"
         "                        or any(m.startswith(h + '.') for h in heavy))))\n"
     )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from server.core import Branch
-from server.state import Journal
+from operate_sidecar.server.core import Branch
+from operate_sidecar.server.state import Journal
 
 
 def _branch_with(journal: Journal, n: int, *, system: str | None = "sys") -> Branch:
@@ -112,7 +112,7 @@ def test_adopted_branch_keeps_journaling(tmp_path):
     j.flush()
     j2 = Journal(str(tmp_path))
     lb = j2.load()[0]
-    from server.core.messages import MessageLog
+    from operate_sidecar.server.core.messages import MessageLog
 
     b2 = Branch(id=lb.id, messages=MessageLog(lb.messages))
     j2.adopt(b2, lb.meta)
@@ -159,7 +159,7 @@ def test_stale_log_after_snapshot_with_meta_lines_is_not_replayed_twice(tmp_path
     j2 = Journal(str(tmp_path))
     lb = j2.load()[0]
     assert len(lb.messages) == len(b.messages) and lb.meta["policy"] == {"t": "deny"}
-    from server.core.messages import MessageLog
+    from operate_sidecar.server.core.messages import MessageLog
 
     b2 = Branch(id=lb.id, messages=MessageLog(lb.messages))
     j2.adopt(b2, lb.meta)

@@ -1,4 +1,4 @@
-"""server.tools.mcp_source against a real MCP stdio server (fixtures/mcp_server.py), spawned for real."""
+"""operate_sidecar.server.tools.mcp_source against a real MCP stdio server (fixtures/mcp_server.py), spawned for real."""
 
 import io
 import os
@@ -9,8 +9,8 @@ import anyio
 import jsonschema
 import pytest
 
-from server.core.tools import ToolCallContext
-from server.tools import McpToolSource, ToolCallError, ToolSourceError, open_mcp_sources
+from operate_sidecar.server.core.tools import ToolCallContext
+from operate_sidecar.server.tools import McpToolSource, ToolCallError, ToolSourceError, open_mcp_sources
 
 SERVER = str(__import__("pathlib").Path(__file__).parent / "fixtures" / "mcp_server.py")
 CTX = ToolCallContext(branch_id="b", call_id="c")
@@ -102,7 +102,7 @@ async def test_server_keeps_serving_after_a_tool_error(one_server):
 
 async def test_arguments_are_validated_against_the_server_schema(one_server):
     add = {t.name: t for t in one_server.tools()}["add"]
-    from server.core.errors import ToolArgumentError
+    from operate_sidecar.server.core.errors import ToolArgumentError
 
     with pytest.raises(ToolArgumentError):
         add.validate_arguments({"a": "two", "b": 1})
@@ -216,7 +216,7 @@ async def test_no_servers_yields_no_tools():
 
 
 def test_importing_server_tools_does_not_import_the_mcp_sdk():
-    code = "import sys, server.tools; print('mcp' in sys.modules, 'mcp_types' in sys.modules)"
+    code = "import sys, operate_sidecar.server.tools; print('mcp' in sys.modules, 'mcp_types' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT,
                          cwd=str(__import__("pathlib").Path(__file__).parents[2]))
     assert out.returncode == 0, out.stderr

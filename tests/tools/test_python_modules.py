@@ -4,9 +4,9 @@ import anyio
 import jsonschema
 import pytest
 
-from server.core.errors import ToolArgumentError
-from server.core.tools import ToolCallContext
-from server.tools import ToolSourceError, load_tool_modules
+from operate_sidecar.server.core.errors import ToolArgumentError
+from operate_sidecar.server.core.tools import ToolCallContext
+from operate_sidecar.server.tools import ToolSourceError, load_tool_modules
 
 CTX = ToolCallContext(branch_id="b", call_id="c")
 
@@ -83,7 +83,7 @@ def test_bad_arguments_raise_tool_argument_error(fixture_modules):
 
 
 def test_unschemable_and_positional_only_functions_are_skipped_with_a_warning(fixture_modules, caplog):
-    caplog.set_level(logging.WARNING, logger="server.tools.python_modules")
+    caplog.set_level(logging.WARNING, logger="operate_sidecar.server.tools.python_modules")
     names = {t.name for t in load_tool_modules(["sample_tools"])}
     assert "bad_signature" not in names and "positional_only" not in names
     messages = "\n".join(r.getMessage() for r in caplog.records)

@@ -4,8 +4,8 @@ import anyio
 import jsonschema
 import pytest
 
-from server.core.tools import ToolCallContext
-from server.tools import ToolSourceError, WorkspacePathError, WorkspaceTools
+from operate_sidecar.server.core.tools import ToolCallContext
+from operate_sidecar.server.tools import ToolSourceError, WorkspacePathError, WorkspaceTools
 
 CTX = ToolCallContext(branch_id="b", call_id="c")
 

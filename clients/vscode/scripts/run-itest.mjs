@@ -33,7 +33,7 @@ function serverCommand() {
   const script = path.join(REPO, '.venv', 'bin', 'operate-sidecar');
   if (fs.existsSync(script)) return [script];
   const py = path.join(REPO, '.venv', 'bin', 'python');
-  return [fs.existsSync(py) ? py : 'python3', '-m', 'server'];
+  return [fs.existsSync(py) ? py : 'python3', '-m', 'operate_sidecar.server'];
 }
 const scripted = (...responses) => ({ provider: 'scripted', responses });
 const CALL_SHOUT = { json: { action_requests: [{ function: 'shout', arguments: { text: 'hey' } }] } };

@@ -45,7 +45,7 @@ const started: SidecarClient[] = [];
 let stderr = '';
 async function server(): Promise<SidecarClient> {
   const c = await SidecarClient.start({
-    command: [PYTHON, '-m', 'server'], cwd: REPO,
+    command: [PYTHON, '-m', 'operate_sidecar.server'], cwd: REPO,
     env: { ...process.env, PYTHONPATH: [FIXTURES, REPO, process.env.PYTHONPATH ?? ''].join(path.delimiter) },
     onStderr: (t) => { stderr += t; },
   });
