@@ -21,6 +21,7 @@ from .errors import ParseError
 from .imodel import ModelRequest, model_deadline
 from .operative import request_info
 from .params import FuzzyMatchKeysParams, ParseParam
+from .render import render_repair_request
 
 MAX_EXTRACT_CHARS = 10_000_000
 _FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)```", re.S)
@@ -184,7 +185,6 @@ def validate_into(text: Any, response_format: Any, fuzzy: FuzzyMatchKeysParams |
     return data
 
 
-REFORMAT_INSTRUCTION = "reformat text into specified model or structure"
 REFORMAT_GUIDANCE = "follow the required response format, using the model schema as a guide"
 
 
@@ -201,7 +201,6 @@ async def parse(branch: Any, text: Any, parse_param: ParseParam) -> Any:
     alc = parse_param.alcall_params
     model = parse_param.imodel or getattr(branch, "parse_model", None)
     if alc is not None and model is not None:
-        from .render import render_repair_request
 
         attempt = [0]
 

@@ -216,10 +216,12 @@ def _put_user(messages: list[dict[str, str]], text: str) -> None:
         messages.append({"role": "user", "content": text})
 
 
+#: The instruction of a parse-repair (reformat) turn.
+REFORMAT_INSTRUCTION = "reformat text into specified model or structure"
+
+
 def render_repair_request(branch: Any, text: str, response_format: Any, guidance: str,
                           options: dict[str, Any] | None) -> ModelRequest:
-    from .parse import REFORMAT_INSTRUCTION
-
     content = instruction_content(REFORMAT_INSTRUCTION, guidance, [{"text_to_format": text}], response_format, None)
     schema, name, schema_json = request_schema_of(response_format)
     messages, _ = render_history(branch)

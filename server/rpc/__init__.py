@@ -13,13 +13,12 @@ Modules, in the order a message meets them:
 - ``schemas``    responseFormat / fieldModels JSON Schema → pydantic / core ``Spec`` (cached)
 - ``progress``   the core's ``ProgressSink`` as ``$/progress``
 - ``settings``   defaults and the flags ← config file ← initialize merge
-- ``watchdog``, ``lifecycle`` (exit hooks), ``run`` (``serve()``)
+- ``watchdog`` (parent death), ``run`` (``serve()``)
 
 Kept light on purpose: importing ``server.rpc`` pulls in neither pygls nor the core;
 ``server.rpc.server`` is loaded on a background thread once ``initialize`` is answered.
 """
 
-from .lifecycle import register_exit_hook
 from .run import serve
 
-__all__ = ["serve", "register_exit_hook"]
+__all__ = ["serve"]

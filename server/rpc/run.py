@@ -8,7 +8,6 @@ import logging
 import signal
 from typing import Any
 
-from .lifecycle import run_exit_hooks
 from .stdio import Wire, attach_reader, guard_stdio
 from .transport import Connection
 from .watchdog import watch_parent
@@ -45,6 +44,5 @@ async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "
     for t in watchdog:
         t.cancel()
     await conn.aclose()
-    await run_exit_hooks()
     wire.close()
     return code
