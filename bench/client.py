@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable

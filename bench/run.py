@@ -534,6 +534,21 @@ async def amain(ns: argparse.Namespace) -> dict:
         results["ours_extra"] = await h.ours_extra()
     else:
         results["ours_extra"] = {"unavailable": ours.unavailable if ours else "not selected"}
+    if only is None or "acp" in only:
+        log(">> ACP front end vs the ACP SDK's minimal example agent (interleaved)")
+        from . import acp_bench
+
+        results["acp"] = await acp_bench.measure(5 if cfg.quick else 20, 10 if cfg.quick else 20, h.server_cpu)
+    if only is None or "store" in only:
+        log(">> state store: operate with/without stateDir, commit and restore vs the JSONL journal")
+        from . import store_bench
+
+        results["store"] = await asyncio.to_thread(store_bench.measure, cfg.quick, h.server_cpu)
+    if only is None or "edit" in only:
+        log(">> edits, previews and rounds over the wire; diff of a 10,000-line file")
+        from . import edit_bench
+
+        results["edit"] = await asyncio.to_thread(edit_bench.measure, cfg.quick, h.server_cpu)
     results["ratios"] = compute_ratios(results)
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["elapsed_s"] = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
@@ -543,15 +558,57 @@ async def amain(ns: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small smoke run (~1-2 min)")
-    ap.add_argument("--only", help="comma list of contenders: stdlib,pygls,mcp,ours,lionagi")
+    ap.add_argument("--only", help="comma list of contenders: stdlib,pygls,mcp,ours,lionagi; or acp alone (the "
+                                   "ACP front end against the ACP SDK's minimal example agent); or store alone "
+                                   "(the SQLite state store vs the JSONL journal it replaced); or edit alone (edits, "
+                                   "previews and rounds)")
     ap.add_argument("--no-setup", action="store_true", help="do not create/install peer venvs")
     ap.add_argument("--no-markdown", action="store_true", help="do not rewrite bench/RESULTS.md")
     ns = ap.parse_args(argv)
+    if ns.only == "store":  # the state store entry alone: only its section of RESULTS.md is rewritten
+        from . import store_bench
+
+        client_cpu, server_cpu = pick_cpus()
+        if client_cpu is not None:
+            os.sched_setaffinity(0, {client_cpu})
+        return store_bench.run_alone(ns.quick, server_cpu, " ".join(["python -m bench.run", *sys.argv[1:]]),
+                                     markdown=not ns.no_markdown)
+    if ns.only == "edit":  # edits, previews and rounds alone: only their section of RESULTS.md is rewritten
+        from . import edit_bench
+
+        client_cpu, server_cpu = pick_cpus()
+        if client_cpu is not None:
+            os.sched_setaffinity(0, {client_cpu})
+        return edit_bench.run_alone(ns.quick, server_cpu, " ".join(["python -m bench.run", *sys.argv[1:]]),
+                                    markdown=not ns.no_markdown)
+    if ns.only == "acp":  # the ACP entry alone: only its section of RESULTS.md is rewritten
+        from . import acp_bench
+
+        client_cpu, server_cpu = pick_cpus()
+        if client_cpu is not None:
+            os.sched_setaffinity(0, {client_cpu})
+        return acp_bench.run_alone(ns.quick, server_cpu, " ".join(["python -m bench.run", *sys.argv[1:]]),
+                                   markdown=not ns.no_markdown)
     results = asyncio.run(amain(ns))
     (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str))
     log(f">> wrote {OUT.relative_to(ROOT) / 'results.json'}")
     if not ns.no_markdown:
         write_markdown(results, BENCH / "RESULTS.md")
+        if results.get("store"):
+            from . import store_bench
+
+            store_bench.write_section(results["store"], {"date": results["date"], "command": results["command"],
+                                                         "machine": "see the machine line above"})
+        if results.get("edit"):
+            from . import edit_bench
+
+            edit_bench.write_section(results["edit"], {"date": results["date"], "command": results["command"],
+                                                       "machine": "see the machine line above"})
+        if results.get("acp"):
+            from . import acp_bench
+
+            acp_bench.write_section(results["acp"], {"date": results["date"], "command": results["command"],
+                                                     "machine": "see the machine line above"})
         log(f">> wrote bench/RESULTS.md ({results['elapsed_s']:.0f} s)")
     return 0
 

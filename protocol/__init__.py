@@ -1,4 +1,4 @@
-"""Wire types of the operate-sidecar protocol (PROTOCOL.md v1), declared once as attrs classes.
+"""Wire types of the operate-sidecar protocol (docs/PROTOCOL.md v1), declared once as attrs classes.
 
     from operate_sidecar.protocol import structure, unstructure, ParamsError, OperateParams
     params = structure(OperateParams, raw_params)   # raises ParamsError (-32602)
@@ -28,11 +28,12 @@ from .notifications import (CancelParams, LogMessageParams, MessageType, Progres
                             ProgressPhase, ProgressValue, ToolEventKind, ToolEventParams,
                             WorkDoneProgressBegin, WorkDoneProgressEnd, WorkDoneProgressReport)
 from .operate import (REMOVED_MODEL_OPTIONS, ActionStrategy, FieldModel, HandleValidation, Instruct,
-                      OperateParams, OperateResult, ParseOptions, ResultKind, ValidationFailedData)
-from .tools import (PERMISSION_OPTIONS, AuthorizeToolParams, AuthorizeToolResult, ClientToolSpec,
+                      OperateParams, OperateResult, ParseOptions, ResultKind, Usage, ValidationFailedData)
+from .tools import (PERMISSION_OPTIONS, AuthorizeToolParams, AuthorizeToolResult, ClientToolSpec, DiffPreview,
                     InvokeClientToolParams, InvokeClientToolResult, ListToolsParams, ListToolsResult,
-                    PermissionOption, RegisterClientToolsParams, RegisterClientToolsResult,
-                    RequestToolPermissionParams, RequestToolPermissionResult, ToolInfo, ToolSource)
+                    PermissionOption, ReadTextFileParams, ReadTextFileResult, RegisterClientToolsParams,
+                    RegisterClientToolsResult, RequestToolPermissionParams, RequestToolPermissionResult,
+                    ToolInfo, ToolSource, WriteTextFileParams)
 
 PROTOCOL_VERSION = 1
 

@@ -1,4 +1,4 @@
-"""PROTOCOL.md §3: branches and their messages."""
+"""docs/PROTOCOL.md §3: branches and their messages."""
 
 from typing import Literal
 
@@ -6,6 +6,7 @@ import attrs
 
 from ._base import JsonObject, JsonSchema, JsonValue, wire
 from .lifecycle import Model
+from .operate import Usage
 
 MessageKind = Literal["system", "instruction", "assistant_response", "action_request", "action_response"]
 MessageRole = Literal["system", "user", "assistant", "action"]
@@ -37,6 +38,7 @@ class BranchInfo:
     name: str | None
     message_count: int
     chat_model: str | None
+    usage: Usage | None = None  # totals of the operates run on the branch
 
 
 @wire

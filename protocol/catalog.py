@@ -10,7 +10,8 @@ from .operate import OperateParams, OperateResult
 from .tools import (AuthorizeToolParams, AuthorizeToolResult, InvokeClientToolParams,
                     InvokeClientToolResult, ListToolsParams, ListToolsResult,
                     RegisterClientToolsParams, RegisterClientToolsResult,
-                    RequestToolPermissionParams, RequestToolPermissionResult)
+                    ReadTextFileParams, ReadTextFileResult, RequestToolPermissionParams,
+                    RequestToolPermissionResult, WriteTextFileParams)
 
 __all__ = ["REQUESTS", "SERVER_TO_CLIENT_REQUESTS", "NOTIFICATIONS", "SERVER_NOTIFICATIONS",
            "params_type", "result_type"]
@@ -34,6 +35,8 @@ REQUESTS: dict[str, tuple[type, type | None]] = {
 SERVER_TO_CLIENT_REQUESTS: dict[str, tuple[type, type | None]] = {
     m.REQUEST_TOOL_PERMISSION: (RequestToolPermissionParams, RequestToolPermissionResult),
     m.INVOKE_CLIENT_TOOL: (InvokeClientToolParams, InvokeClientToolResult),
+    m.FS_READ_TEXT_FILE: (ReadTextFileParams, ReadTextFileResult),
+    m.FS_WRITE_TEXT_FILE: (WriteTextFileParams, Empty),
 }
 #: client -> server notifications
 NOTIFICATIONS: dict[str, type] = {

@@ -5,7 +5,7 @@ from typing import Any
 __all__ = [
     "PARSE_ERROR", "INVALID_REQUEST", "METHOD_NOT_FOUND", "INVALID_PARAMS", "INTERNAL_ERROR",
     "SERVER_NOT_INITIALIZED", "REQUEST_CANCELLED", "VALIDATION_FAILED", "MODEL_ERROR",
-    "BRANCH_NOT_FOUND", "ERROR_CODES", "RpcError", "ParamsError",
+    "BRANCH_NOT_FOUND", "STATE_NOT_SAVED", "ERROR_CODES", "RpcError", "ParamsError",
 ]
 
 PARSE_ERROR = -32700             # body is not JSON (answered with id null)
@@ -18,6 +18,7 @@ REQUEST_CANCELLED = -32800       # $/cancelRequest
 VALIDATION_FAILED = -32010       # operate handleValidation "raise" on a mismatch
 MODEL_ERROR = -32011             # model/provider failure, secrets redacted
 BRANCH_NOT_FOUND = -32012        # unknown branchId
+STATE_NOT_SAVED = -32013         # state could not be saved (stateDir): the change was not applied
 
 ERROR_CODES: dict[str, int] = {
     "ParseError": PARSE_ERROR,
@@ -30,6 +31,7 @@ ERROR_CODES: dict[str, int] = {
     "ValidationFailed": VALIDATION_FAILED,
     "ModelError": MODEL_ERROR,
     "BranchNotFound": BRANCH_NOT_FOUND,
+    "StateNotSaved": STATE_NOT_SAVED,
 }
 
 

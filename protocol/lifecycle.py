@@ -1,4 +1,4 @@
-"""PROTOCOL.md §2: initialize, initialized, ping, shutdown, exit; Settings and ModelConfig."""
+"""docs/PROTOCOL.md §2: initialize, initialized, ping, shutdown, exit; Settings and ModelConfig."""
 
 from typing import Literal
 
@@ -95,6 +95,7 @@ class Settings:
     max_concurrent_operates: int | None = None   # more operates wait, FIFO; default 256
     max_branches: int | None = None              # createBranch/forkBranch beyond it → -32602; default 10000
     max_messages_per_branch: int | None = None   # operate on a full branch → -32602; default 100000
+    secret_env: list[str] | None = None          # env vars whose values are redacted everywhere; default []
 
 
 # --- initialize ---------------------------------------------------------------------------
@@ -110,6 +111,7 @@ class ClientCapabilities:
     """Unknown capabilities are ignored (clients may announce more than this server knows)."""
     tool_permission: bool | None = None
     client_tools: bool | None = None
+    fs: bool | None = None  # serves fs/readTextFile and fs/writeTextFile: builtin file tools use them
 
 
 @wire

@@ -1,8 +1,9 @@
-"""PROTOCOL.md §6 notifications (server -> client) and §7 cancellation."""
+"""docs/PROTOCOL.md §6 notifications (server -> client) and §7 cancellation."""
 
 from typing import Literal
 
 from ._base import Id, wire
+from .operate import Usage
 
 ProgressPhase = Literal["request", "stream", "parse", "actions"]
 ToolEventKind = Literal["pre", "post", "error", "denied"]
@@ -27,8 +28,10 @@ class WorkDoneProgressReport:
 
 @wire
 class WorkDoneProgressEnd:
+    """``usage``: the same as the operate result's (all rounds)."""
     kind: Literal["end"] = "end"
     message: str
+    usage: Usage | None = None
 
 
 ProgressValue = WorkDoneProgressBegin | WorkDoneProgressReport | WorkDoneProgressEnd

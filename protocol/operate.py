@@ -1,4 +1,4 @@
-"""PROTOCOL.md §5: ``operate`` params and its result envelope."""
+"""docs/PROTOCOL.md §5: ``operate`` params and its result envelope."""
 
 from typing import Literal
 
@@ -10,7 +10,7 @@ ActionStrategy = Literal["concurrent", "sequential"]
 HandleValidation = Literal["return_value", "return_none", "raise"]
 ResultKind = Literal["model", "dict", "text", "none"]
 
-# modelOptions keys removed from the facade (ADR D1), with the wire field to use instead.
+# modelOptions keys removed from the facade (docs/PIPELINE.md D1), with the wire field to use instead.
 REMOVED_MODEL_OPTIONS: dict[str, str] = {
     "request_model": "responseFormat", "requestModel": "responseFormat",
     "operative_model": "responseFormat", "operativeModel": "responseFormat",
@@ -41,7 +41,7 @@ class FieldModel:
 
 @wire
 class ParseOptions:
-    """Structured-parse retry settings (ADR D1 defaults)."""
+    """Structured-parse retry settings (the pipeline's D1 defaults, docs/PIPELINE.md)."""
     retry_attempts: int = 3
     retry_initial_delay: float = 1
     retry_backoff: float = 1.85
@@ -52,7 +52,7 @@ class ParseOptions:
 @wire
 class OperateParams:
     """``operate``. Optional fields are None when omitted (an explicit null is rejected),
-    except those with a protocol/ADR default. ``action_strategy is None`` means "not given":
+    except those with a protocol or pipeline default. ``action_strategy is None`` means "not given":
     ``instruct.action_strategy`` then decides, else ``concurrent``."""
     branch_id: str
     instruct: Instruct | None = None
@@ -78,8 +78,11 @@ class OperateParams:
     parse_options: ParseOptions | None = None
     model_options: JsonObject | None = None
     work_done_token: Id | None = None
+    max_rounds: int | None = None  # None = 1; N > 1: another round after each round in which a tool ran
 
     def __wire_check__(self) -> None:
+        if self.max_rounds is not None and self.max_rounds < 1:
+            raise ParamsError("maxRounds must be an integer of at least 1", path=("maxRounds",))
         for key in self.model_options or ():
             if key in REMOVED_MODEL_OPTIONS:
                 raise ParamsError(
@@ -89,11 +92,24 @@ class OperateParams:
 
 
 @wire
+class Usage:
+    """Token usage summed over model calls (chat and parse repair; every round). A count the
+    provider does not report is null; ``context_tokens`` is the input size of the last chat call."""
+    input_tokens: int | None
+    output_tokens: int | None
+    context_tokens: int | None
+    model_calls: int
+
+
+@wire
 class OperateResult:
-    """``model`` is the class name when ``kind`` is ``model``, else null."""
+    """``model`` is the class name when ``kind`` is ``model``, else null. ``rounds``: how many
+    rounds ran (1 unless ``maxRounds`` > 1); ``result`` is the last round's."""
     result: JsonValue
     kind: ResultKind
     model: str | None
+    usage: Usage | None = None
+    rounds: int | None = None
 
 
 @wire

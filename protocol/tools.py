@@ -1,4 +1,4 @@
-"""PROTOCOL.md §4: tools, governance, and the server -> client requests."""
+"""docs/PROTOCOL.md §4: tools, governance, and the server -> client requests."""
 
 from typing import Literal
 
@@ -65,12 +65,25 @@ class RegisterClientToolsResult:
 # --- server -> client ---------------------------------------------------------------------
 
 @wire
+class DiffPreview:
+    """What a file-changing builtin call would do, computed without writing. ``old_text`` is
+    null for a file that does not exist yet; ``diff`` is a unified diff."""
+    kind: Literal["diff"] = "diff"
+    path: str
+    old_text: str | None
+    new_text: str
+    diff: str
+
+
+@wire
 class RequestToolPermissionParams:
+    """``preview`` is present for file-changing builtin tools (``write_file``, ``edit_file``)."""
     branch_id: str
     call_id: str
     tool: str
     arguments: JsonObject
     options: list[PermissionOption]
+    preview: DiffPreview | None = None
 
 
 @wire
@@ -89,3 +102,25 @@ class InvokeClientToolParams:
 @wire
 class InvokeClientToolResult:
     output: JsonValue
+
+
+@wire
+class ReadTextFileParams:
+    """``fs/readTextFile``: ``path`` is absolute and inside a workspace folder."""
+    branch_id: str
+    call_id: str
+    path: str
+
+
+@wire
+class ReadTextFileResult:
+    text: str
+
+
+@wire
+class WriteTextFileParams:
+    """``fs/writeTextFile``: replace (or create) the file's text, e.g. in the editor's buffer."""
+    branch_id: str
+    call_id: str
+    path: str
+    text: str

@@ -29,6 +29,13 @@ def _parser():  # type: ignore[no-untyped-def]
                    help="stderr log level (default: warning)")
     p.add_argument("--debug", action="store_true",
                    help="include tracebacks in internal-error responses (error.data) and log at debug level")
+    p.add_argument("--acp", action="store_true",
+                   help="speak the Agent Client Protocol (newline-delimited JSON-RPC, for Zed, CodeCompanion, "
+                        "avante and other ACP editors) instead of the native protocol")
+    p.add_argument("--record", metavar="FILE",
+                   help="write the session served as a replayable session script (JSON Lines) to FILE, "
+                        "with every model turn, so that `operate-sidecar replay --scripted FILE` replays "
+                        "it without the model. `operate-sidecar replay --help` runs such scripts")
     return p
 
 
@@ -39,7 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     from operate_sidecar.server import __version__
     from operate_sidecar.server.rpc import settings as S
 
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["replay"]:  # operate-sidecar replay SCRIPT.jsonl [-- SERVER ARGV...]
+        from operate_sidecar.server.script.runner import main as replay_main
+
+        return replay_main(argv[1:])
     args = _parser().parse_args(argv)
+    if args.record and args.acp:
+        print("operate-sidecar: --record records the native protocol; it cannot be combined with --acp",
+              file=sys.stderr)
+        return 2
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level.upper())
     logging.basicConfig(stream=sys.stderr, level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -61,17 +78,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"operate-sidecar: bad configuration: {e}", file=sys.stderr)
         return 2
 
+    if args.acp:
+        from operate_sidecar.server.acp.run import run as run_acp
+
+        code = run_acp(base_settings=base, version=__version__, debug=args.debug, client_pid=args.client_process_id)
+        logging.shutdown()
+        os._exit(code)
+
     import asyncio
 
     from operate_sidecar.server.rpc.run import serve
     from operate_sidecar.server.rpc.stdio import guard_stdio
 
+    recorder = None
+    if args.record:
+        from operate_sidecar.server.script.recorder import Recorder
+
+        try:
+            recorder = Recorder(args.record)
+        except OSError as e:
+            print(f"operate-sidecar: cannot record to {args.record}: {e}", file=sys.stderr)
+            return 2
     fds = guard_stdio()  # before anything can write to fd 1
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
         code = loop.run_until_complete(serve(base_settings=base, version=__version__, debug=args.debug,
-                                             client_pid=args.client_process_id, fds=fds))
+                                             client_pid=args.client_process_id, fds=fds, recorder=recorder))
     except KeyboardInterrupt:
         code = 1
     logging.shutdown()

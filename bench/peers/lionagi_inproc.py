@@ -31,7 +31,7 @@ IMPORT_S = time.perf_counter() - T_IMPORT0
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from inproc_common import (  # noqa: E402
     ACTION_REPLY, HISTORY_SIZES, INSTRUCTION, PLAIN_REPLY, STRUCTURED_REPLY, Answer, aadd, add,
-    argv_int, summarize, timed,
+    argv_int, summarize,
 )
 
 

@@ -6,6 +6,13 @@ It creates a branch, runs an ``operate`` with a ``responseFormat``,
 streamed progress live and tool events as they arrive, answers the permission
 request the server sends for a tool whose policy is ``ask``, then prints the
 result and the branch's messages as a table, and a one-line summary.
+
+Then an edit, in rounds (``maxRounds``): the model reads a file with ``read_file``, changes it
+with ``edit_file`` (the permission request carries the diff preview, shown here before the
+answer is given), and answers. The 135M local model cannot do this reliably (it copies text from
+the tool descriptions instead of the file, see tests/models/test_models_local.py), so this part
+uses a scripted model, and says so on screen. The file before and after and the token usage of
+each operate are printed.
 """
 
 from __future__ import annotations
@@ -13,13 +20,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
-from typing import Any
+from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
 from rich.panel import Panel
+from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -36,6 +45,20 @@ ANSWER_SCHEMA = {
     },
     "required": ["city", "summary"],
 }
+EDIT_FILE = "greeting.py"
+EDIT_BEFORE = 'def greet(name):\n    return "Helo, " + name + "!"\n'
+EDIT_REPORT = {"title": "EditReport", "type": "object",
+               "properties": {"summary": {"type": "string", "description": "What was changed"}},
+               "required": ["summary"]}
+#: the scripted replies of the edit part: read, edit, answer (one per round)
+EDIT_SCRIPT = [
+    {"json": {"summary": "Reading the file first.",
+              "action_requests": [{"function": "read_file", "arguments": {"path": EDIT_FILE}}]}},
+    {"json": {"summary": "Fixing the typo.",
+              "action_requests": [{"function": "edit_file", "arguments": {
+                  "path": EDIT_FILE, "edits": [{"oldText": '"Helo, "', "newText": '"Hello, "'}]}}]}},
+    {"json": {"summary": "Fixed the typo 'Helo' -> 'Hello' in greeting.py.", "action_requests": []}},
+]
 FIELD_MODELS = [{"name": "confidence", "schema": {"type": "number", "minimum": 0, "maximum": 1},
                  "description": "How sure you are, from 0 to 1"}]
 
@@ -95,12 +118,14 @@ def main() -> int:
     client.on_notification("$/progress", screen.on_progress)
     client.on_notification("toolEvent", screen.on_tool_event)
     asked: list[dict] = []
+    workspace = Path(tempfile.mkdtemp(prefix="operate-demo-"))
+    (workspace / EDIT_FILE).write_text(EDIT_BEFORE)
 
     def on_permission(params: dict) -> dict:
         asked.append(params)
         with screen.lock:
             screen.permissions.append(
-                f"permission asked: {params['tool']}({json.dumps(params['arguments'])}) → answering allow_once")
+                f"permission asked: {params['tool']}({json.dumps(params['arguments'])[:120]}) → answering allow_once")
         return {"decision": "allow_once"}
 
     client.on_request("requestToolPermission", on_permission)
@@ -109,8 +134,10 @@ def main() -> int:
             "protocolVersion": 1,
             "clientInfo": {"name": "operate-sidecar-demo", "version": "1"},
             "capabilities": {"toolPermission": True},
+            "workspaceFolders": [str(workspace)],
             "settings": {
-                "models": {"local": {"provider": "local"}},
+                "models": {"local": {"provider": "local"},
+                           "scripted-editor": {"provider": "scripted", "responses": EDIT_SCRIPT}},
                 "defaultModel": "local",
                 "toolModules": ["operate_sidecar.clients.python.demo_tools"],
                 "toolPolicy": {"get_weather": "ask"},
@@ -144,8 +171,9 @@ def main() -> int:
                 except TimeoutError:
                     live.update(screen.render())
             live.update(screen.render())
-        console.print(Panel(json.dumps(out, indent=2, ensure_ascii=False)[:2500],
+        console.print(Panel(json.dumps(out["result"], indent=2, ensure_ascii=False)[:2500],
                             title=f"result: kind={out['kind']} model={out['model']}", border_style="green"))
+        console.print(usage_line(out))
         msgs = client.request("branchMessages", {"branchId": branch}, timeout=30)
         table = Table(title=f"branch {branch[:8]}… messages ({msgs['total']})")
         for col in ("#", "kind", "role", "content"):
@@ -162,17 +190,55 @@ def main() -> int:
         console.print(table)
         result = out.get("result") or {}
         tool_runs = len(result.get("action_responses") or []) if isinstance(result, dict) else 0
+        edit_ok = edit_part(client, workspace, asked)
         code = client.close()
         elapsed = time.perf_counter() - started
         console.print(f"[bold green]demo ok[/]: operate kind={out['kind']} model={out['model']}, "
                       f"{screen.deltas} streamed deltas, {len(screen.events)} tool events, "
                       f"{len(asked)} permission request(s) answered, {tool_runs} tool result(s), "
                       f"{msgs['total']} messages, server exit {code}, {elapsed:.1f} s")
-        return 0 if code == 0 else 1
+        return 0 if code == 0 and edit_ok else 1
     except (RpcError, TimeoutError) as e:
         console.print(f"[bold red]demo failed[/]: {e}")
         client.close()
         return 1
+
+
+def usage_line(out: dict) -> str:
+    u = out.get("usage") or {}
+
+    def n(v: object) -> str:
+        return "n/a" if v is None else str(v)
+
+    return (f"[dim]usage: {n(u.get('inputTokens'))} input + {n(u.get('outputTokens'))} output tokens, "
+            f"context {n(u.get('contextTokens'))}, {u.get('modelCalls', 0)} model call(s), "
+            f"{out.get('rounds', 1)} round(s)[/]")
+
+
+def edit_part(client: SidecarClient, workspace: Path, asked: list[dict]) -> bool:
+    """Read, preview, edit, answer: one operate with maxRounds (scripted model, see the docstring)."""
+    console.rule("[bold]an edit, in rounds")
+    console.print("[yellow]The 135M local model cannot edit files reliably; this part uses a scripted model "
+                  "(provider 'scripted') that replays a read → edit → answer session.[/]")
+    path = workspace / EDIT_FILE
+    console.print(Panel(Syntax(path.read_text(), "python"), title=f"{EDIT_FILE} before", border_style="blue"))
+    n_asked = len(asked)
+    branch = client.request("createBranch", {"system": "You fix code with the workspace tools.",
+                                             "chatModel": "scripted-editor", "name": "edit"}, timeout=30)["branchId"]
+    out = client.request("operate", {
+        "branchId": branch, "instruction": f"Fix the typo in {EDIT_FILE}: read it, then edit it.",
+        "responseFormat": EDIT_REPORT, "actions": True, "tools": ["read_file", "edit_file"],
+        "maxRounds": 4, "workDoneToken": "demo-edit"}, timeout=60)
+    for p in asked[n_asked:]:
+        preview = p.get("preview") or {}
+        console.print(Panel(Syntax(preview.get("diff") or "(no preview)", "diff"),
+                            title=f"permission request: {p['tool']} {preview.get('path', '')} → allow_once",
+                            border_style="magenta"))
+    console.print(Panel(out["result"].get("summary", ""), title="answer (last round)", border_style="green"))
+    after = path.read_text()
+    console.print(Panel(Syntax(after, "python"), title=f"{EDIT_FILE} after", border_style="blue"))
+    console.print(usage_line(out))
+    return after != EDIT_BEFORE and len(asked) > n_asked
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from .messages import Message, new_id
 from .operative import ActionRequestModel, ActionResponseModel
 from .params import DEFAULT_ACTION_ALCALL, ActionParam
 from .tools import ToolCallContext
+from ..redaction import redact, redact_value
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,27 @@ async def act(branch: Any, action_request: list | Any, action_param: ActionParam
 
     if action_param.strategy == "concurrent":
         call = action_param.action_call_params or DEFAULT_ACTION_ALCALL
-        return await call(normalized, one)
+        if len(normalized) < 2:
+            return await call(normalized, one)
+        # A batch: one call's failure never cancels a sibling that is already running (its
+        # effect would happen and its result be lost). A veto or a raising authorizer is that
+        # call's error output; a re-raised tool error (suppress_errors=False) is raised once
+        # every sibling has finished and been recorded.
+        raised: list[BaseException] = []
+
+        async def contained(req: tuple[str | None, dict[str, Any]]) -> ActionResponseModel | None:
+            try:
+                return await _act(branch, req[0], req[1], action_param, selected, contain=True)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as e:
+                raised.append(e)
+                return None
+
+        out = await call(normalized, contained)
+        if raised:
+            raise raised[0]
+        return out
     if action_param.strategy == "sequential":
         out = []
         for req in normalized:
@@ -122,8 +143,17 @@ def _error_output(function: Any, message: str, **extra: Any) -> dict[str, Any]:
     return {"error": message, "function": function, **extra}
 
 
+def _failure_text(e: BaseException) -> str:
+    """The error text of a failed call, secrets removed (before anything shortens it)."""
+    if isinstance(e, Exception):
+        text = str(e) or type(e).__name__
+    else:  # SystemExit, KeyboardInterrupt, ... raised by a tool: name the kind
+        text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return redact(text)
+
+
 async def _act(branch: Any, function: str | None, arguments: Any, action_param: ActionParam,
-               selected: set[str] | None) -> ActionResponseModel:
+               selected: set[str] | None, *, contain: bool = False) -> ActionResponseModel:
     call_id = new_id()
     if function is not None and not isinstance(function, str):
         function = str(function)  # a non-string name is an unknown tool (a tool error), never a crash
@@ -133,16 +163,28 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
     bid = str(branch.id)
     hooks = branch.hooks
 
+    async def fail_before_start(stage: str, e: Exception) -> ActionResponseModel:
+        # in a batch (contain=True): this call's error output; the tool never ran
+        message = f"{stage}: {_failure_text(e)}"
+        out = _error_output(function, message)
+        req = _record_request(branch, call_id, function, redact_value(args))
+        _record_response(branch, req, out)
+        branch.log_event({"event": "error", "function": function, "callId": call_id, "error": message})
+        if hooks:
+            await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function),
+                                       summarize(redact_value(args)), error=summarize(message)))
+        return ActionResponseModel(function=function or "", arguments=args, output=out)
+
     async def deny(reason: str | None) -> ActionResponseModel:
         output = {"error": DENIED, "function": function}
         if reason:
-            output["reason"] = reason
-        req = _record_request(branch, call_id, function, args)
+            output["reason"] = reason = redact(reason)
+        req = _record_request(branch, call_id, function, redact_value(args))
         _record_response(branch, req, output)
         branch.log_event({"event": "denied", "function": function, "callId": call_id, "reason": reason})
         if hooks:
             await hooks.emit(HookEvent(HookEventType.TOOL_DENIED, bid, call_id, str(function),
-                                       summarize(args), error=reason or DENIED))
+                                       summarize(redact_value(args)), error=reason or DENIED))
         return ActionResponseModel(function=function or "", arguments=args, output=output)
 
     # 1. governance: a tool outside the call's selection is denied like a policy denial
@@ -152,8 +194,15 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
 
     # 2. authorization, before anything runs
     if tool is not None:
-        decision = await branch.authorize(ToolInvocation(function=function, arguments=args, branch_id=bid,  # type: ignore[arg-type]
-                                                         call_id=call_id, tool=tool))
+        try:
+            decision = await branch.authorize(ToolInvocation(function=function, arguments=args, branch_id=bid,  # type: ignore[arg-type]
+                                                             call_id=call_id, tool=tool))
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as e:
+            if not contain:
+                raise
+            return await fail_before_start("authorization failed", e)
         if not decision.allowed:
             return await deny(decision.reason)
 
@@ -163,9 +212,17 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
 
     # 3. TOOL_PRE: a handler that raises vetoes the call (propagates, nothing recorded)
     if hooks:
-        await hooks.emit(HookEvent(HookEventType.TOOL_PRE, bid, call_id, str(function), summarize(args)))
+        try:
+            await hooks.emit(HookEvent(HookEventType.TOOL_PRE, bid, call_id, str(function),
+                                       summarize(redact_value(args))))
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as e:
+            if not contain:
+                raise
+            return await fail_before_start("vetoed by a hook", e)
 
-    req = _record_request(branch, call_id, function, args)
+    req = _record_request(branch, call_id, function, redact_value(args))
     started = time.perf_counter()
     responded = False
     try:
@@ -186,20 +243,24 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
                 output = await tool.call(valid, ctx)
             if isinstance(output, BaseModel):
                 output = output.model_dump(mode="json")
-            output = bound_output(output, getattr(branch, "max_tool_output_chars", None))
+            # secrets out first, then the size bound: a cut never leaves part of a key
+            output = bound_output(redact_value(output), getattr(branch, "max_tool_output_chars", None))
         except anyio.get_cancelled_exc_class():
             raise
-        except Exception as e:
+        except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt ... from a tool too
             duration = (time.perf_counter() - started) * 1000
-            message = str(e) or type(e).__name__
-            out = _error_output(function, message, arguments=args)
+            message = _failure_text(e)
+            out = _error_output(function, message, arguments=redact_value(args))
             _record_response(branch, req, out)
             responded = True
             branch.log_event({"event": "error", "function": function, "callId": call_id, "error": message})
             if hooks:
-                await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function), summarize(args),
-                                           error=summarize(message), duration_ms=duration))
+                await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function),
+                                           summarize(redact_value(args)), error=summarize(message),
+                                           duration_ms=duration))
             if not action_param.suppress_errors:
+                if not isinstance(e, Exception):  # never let a tool's SystemExit end the process
+                    raise RuntimeError(message) from None
                 raise
             log.error("Error invoking action '%s': %s", function, message)
             return ActionResponseModel(function=function or "", arguments=args, output=out)
@@ -208,8 +269,9 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
         responded = True
         branch.log_event({"event": "post", "function": function, "callId": call_id, "durationMs": duration})
         if hooks:
-            await hooks.emit(HookEvent(HookEventType.TOOL_POST, bid, call_id, str(function), summarize(args),
-                                       result_summary=summarize(output), duration_ms=duration))
+            await hooks.emit(HookEvent(HookEventType.TOOL_POST, bid, call_id, str(function),
+                                       summarize(redact_value(args)), result_summary=summarize(output),
+                                       duration_ms=duration))
         return ActionResponseModel(function=function or "", arguments=args, output=output)
     finally:
         if not responded:  # cancelled mid-call: keep the branch consistent
@@ -217,7 +279,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
                 _record_response(branch, req, {"error": "cancelled", "function": function})
                 if hooks:
                     await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function),
-                                               summarize(args), error="cancelled",
+                                               summarize(redact_value(args)), error="cancelled",
                                                duration_ms=(time.perf_counter() - started) * 1000))
 
 

@@ -11,6 +11,7 @@ surrounding scope is cancelled.
 from __future__ import annotations
 
 from contextlib import aclosing, asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Literal, Protocol, runtime_checkable
 
@@ -70,7 +71,7 @@ class ModelResponse:
 
 
 @runtime_checkable
-class iModel(Protocol):  # noqa: N801 - the ADR's name
+class iModel(Protocol):  # noqa: N801 - the pipeline's name
     """A model provider. ``name`` is the configured name; ``is_cli`` marks
     CLI-backed models, for which operate selects ``run_and_collect``."""
 
@@ -103,12 +104,97 @@ def model_deadline(model: Any) -> Iterator[None]:
         raise ModelError(f"model {getattr(model, 'name', '?')!r} timed out after {timeout:g} s") from None
 
 
+# -- usage ---------------------------------------------------------------------------------
+# Every model call of the pipeline (communicate, run_and_collect and parse repair) opens its
+# stream with ``open_stream``; when a caller installed a ``UsageMeter`` in ``current_usage``,
+# each call is counted there, with the token counts its provider reported in its ``result``
+# chunk. The pipeline itself never reads the meter: it is how a caller learns what it cost.
+
+_INPUT_KEYS = ("prompt_tokens", "input_tokens", "inputTokens", "promptTokens")
+_OUTPUT_KEYS = ("completion_tokens", "output_tokens", "outputTokens", "completionTokens")
+_CACHE_INPUT_KEYS = ("cache_read_input_tokens", "cache_creation_input_tokens")  # Anthropic: not in input_tokens
+
+
+def usage_counts(usage: Any) -> tuple[int | None, int | None]:
+    """(input, output) tokens of a provider's usage record (OpenAI ``prompt_tokens`` /
+    ``completion_tokens``, Anthropic/CLI ``input_tokens`` / ``output_tokens``, the latter plus
+    cache reads and writes); None where it says nothing."""
+    if not isinstance(usage, dict):
+        return None, None
+
+    def first(keys: tuple[str, ...]) -> int | None:
+        for k in keys:
+            v = usage.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return int(v)
+        return None
+
+    inp, out = first(_INPUT_KEYS), first(_OUTPUT_KEYS)
+    if inp is not None and "input_tokens" in usage:
+        inp += sum(int(usage[k]) for k in _CACHE_INPUT_KEYS if isinstance(usage.get(k), (int, float)))
+    return inp, out
+
+
+@dataclass(slots=True)
+class UsageMeter:
+    """Token totals over model calls: ``input_tokens``/``output_tokens`` summed over every call
+    that reported (None: a call reported its end without that count, so the sum is unknown);
+    ``context_tokens``: the input size of the last chat/run call; ``model_calls``: calls opened.
+    A call that fails before its provider reports counts as a call and adds no tokens."""
+
+    input_tokens: int | None = 0
+    output_tokens: int | None = 0
+    context_tokens: int | None = None
+    model_calls: int = 0
+
+    def opened(self) -> None:
+        self.model_calls += 1
+
+    def record(self, purpose: str, usage: Any) -> None:
+        inp, out = usage_counts(usage)
+        self.input_tokens = None if inp is None or self.input_tokens is None else self.input_tokens + inp
+        self.output_tokens = None if out is None or self.output_tokens is None else self.output_tokens + out
+        if purpose != "parse":
+            self.context_tokens = inp
+
+    def add(self, other: "UsageMeter") -> None:
+        """Fold ``other`` (a later operate or round) into this one."""
+        self.model_calls += other.model_calls
+        self.input_tokens = None if None in (self.input_tokens, other.input_tokens) else \
+            self.input_tokens + other.input_tokens  # type: ignore[operator]
+        self.output_tokens = None if None in (self.output_tokens, other.output_tokens) else \
+            self.output_tokens + other.output_tokens  # type: ignore[operator]
+        if other.model_calls:
+            self.context_tokens = other.context_tokens
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"inputTokens": self.input_tokens, "outputTokens": self.output_tokens,
+                "contextTokens": self.context_tokens, "modelCalls": self.model_calls}
+
+
+current_usage: ContextVar[UsageMeter | None] = ContextVar("current_usage", default=None)
+
+
+async def _metered(stream: AsyncIterator[StreamChunk], meter: UsageMeter, purpose: str) -> AsyncIterator[StreamChunk]:
+    async with aclosing(stream):
+        async for chunk in stream:
+            if chunk.type == "result":
+                meter.record(purpose, chunk.usage)
+            yield chunk
+
+
 @asynccontextmanager
 async def open_stream(model: Any, request: ModelRequest) -> AsyncIterator[AsyncIterator[StreamChunk]]:
     """``model.stream(request)`` under the model's deadline (:func:`model_deadline`),
-    closed on exit however the caller leaves it."""
+    closed on exit however the caller leaves it; counted in ``current_usage`` when set."""
+    meter = current_usage.get()
     with model_deadline(model):
-        async with aclosing(model.stream(request)) as stream:
+        if meter is None:
+            async with aclosing(model.stream(request)) as stream:
+                yield stream
+            return
+        meter.opened()
+        async with aclosing(_metered(model.stream(request), meter, request.purpose)) as stream:
             yield stream
 
 

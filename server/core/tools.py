@@ -157,7 +157,10 @@ def function_to_tool(fn: Callable[..., Any], *, name: str | None = None, descrip
 
     async def call(arguments: dict[str, Any], ctx: ToolCallContext) -> Any:
         if is_async:
-            return await fn(**arguments)
+            try:
+                return await fn(**arguments)
+            except (SystemExit, KeyboardInterrupt, GeneratorExit) as e:  # the tool's failure, not ours
+                raise ToolProcessExit(e) from None
         return await run_sync_tool(fn, arguments)
 
     ro = read_only if read_only is not None else bool(getattr(fn, "__tool_read_only__", False))
@@ -233,6 +236,16 @@ class _ToolWorkers:
 _IDLE_S = 10.0  # an idle worker thread exits after this long (anyio's default too)
 
 
+class ToolProcessExit(RuntimeError):
+    """A tool raised ``SystemExit``, ``KeyboardInterrupt`` or another ``BaseException`` that
+    is not an ``Exception`` (an argparse-based tool exits on bad input): it is that call's
+    failure, never the process's. The message names what was raised."""
+
+    def __init__(self, exc: BaseException) -> None:
+        text = str(exc)
+        super().__init__(f"tool raised {type(exc).__name__}" + (f": {text}" if text else ""))
+
+
 def _settle(fut: Any, res: Any, exc: BaseException | None) -> None:
     if fut.done():  # abandoned (cancelled) meanwhile
         return
@@ -241,6 +254,8 @@ def _settle(fut: Any, res: Any, exc: BaseException | None) -> None:
     else:
         if isinstance(exc, StopIteration):  # a future cannot carry it
             exc = RuntimeError(f"tool raised StopIteration: {exc}")
+        elif not isinstance(exc, Exception):  # awaited, SystemExit would stop the event loop
+            exc = ToolProcessExit(exc)
         fut.set_exception(exc)
 
 

@@ -40,36 +40,17 @@ def field_value(name: str, config: dict[str, Any], key: str, default: Any, kind:
 
 
 # --- redaction --------------------------------------------------------------
+# One implementation for the whole server (``server/redaction.py``): provider error texts
+# get the registered secrets *and* the key-looking patterns removed.
 
-_SECRET_PATTERNS = [
-    re.compile(r"\bsk-[A-Za-z0-9_\-\*\.]{4,}"),  # OpenAI-style keys (also masked ones)
-    re.compile(r"(?i)\bbearer\s+[A-Za-z0-9_\-\.=:/+]{6,}"),  # Authorization: Bearer <token>
-    re.compile(r"(?i)(api[_-]?key['\"]?\s*[:=]\s*['\"]?)[^\s'\",}]{6,}"),
-    re.compile(r"(?i)(://)[^/@\s:]+:[^/@\s]+@"),  # user:password@ in URLs
-]
+from operate_sidecar.server import redaction as _redaction  # noqa: E402 - stdlib only
+
+remember_secret = _redaction.remember_secret
 
 
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
-    """Remove secret values and anything that looks like a key/token from ``text``."""
-    out = str(text)
-    for s in secrets:
-        if s and len(s) >= 4:
-            out = out.replace(s, "[REDACTED]")
-    out = _SECRET_PATTERNS[0].sub("[REDACTED]", out)
-    out = _SECRET_PATTERNS[1].sub("Bearer [REDACTED]", out)
-    out = _SECRET_PATTERNS[2].sub(lambda m: m.group(1) + "[REDACTED]", out)
-    out = _SECRET_PATTERNS[3].sub(lambda m: m.group(1) + "[REDACTED]@", out)
-    return out
-
-
-_KNOWN_SECRETS: set[str] = set()
-
-
-def remember_secret(value: str | None) -> None:
-    """Remember a secret value (an API key read from the environment) so that
-    :class:`RedactingFilter` removes it from every log line, tracebacks included."""
-    if value and len(value) >= 4:
-        _KNOWN_SECRETS.add(value)
+    """Remove registered secret values, ``secrets`` and anything that looks like a key/token."""
+    return _redaction.redact(text, secrets, patterns=True)
 
 
 class RedactingFilter(logging.Filter):
@@ -79,14 +60,14 @@ class RedactingFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
-            record.msg = redact(record.getMessage(), _KNOWN_SECRETS)
+            record.msg = redact(record.getMessage())
             record.args = None
             if record.exc_info:
                 text = record.exc_text or logging.Formatter().formatException(record.exc_info)
-                record.exc_text = redact(text, _KNOWN_SECRETS)
+                record.exc_text = redact(text)
                 record.exc_info = None
             if record.stack_info:
-                record.stack_info = redact(record.stack_info, _KNOWN_SECRETS)
+                record.stack_info = redact(record.stack_info)
         except Exception:  # never lose a log line to the filter
             pass
         return True

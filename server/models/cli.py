@@ -23,6 +23,7 @@ import codecs
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -37,7 +38,7 @@ import anyio
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import field_value, render_prompt
+from ._common import field_value, redact, render_prompt
 from .config import CLI_PROFILES, FIELDS, check_model_config
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 PROFILES = CLI_PROFILES
 DEFAULT_COMMANDS: dict[str, list[str]] = {
     "claude-code": ["claude", "-p", "--output-format", "stream-json", "--verbose"],
-    "llm": ["llm", "-m", "SmolLM2"],
+    "llm": ["llm", "-m", "SmolLM2", "-u"],  # -u: a token usage line on stderr
 }
 CONFIG_FIELDS = frozenset(FIELDS["cli"])  # declared (with their types) in config.py
 STDERR_TAIL_BYTES = 2000
@@ -136,21 +137,13 @@ class CLIModel(BaseModelProvider):
             stdin_file.write(stdin_text.encode())
             stdin_file.seek(0)
         try:
-            process = await anyio.open_process(
-                argv,
-                stdin=stdin_file,
-                stdout=subprocess.PIPE,
-                stderr=stderr_file,
-                cwd=self.cwd,
-                env=env,
-                start_new_session=True,
-            )
+            process = await _spawn(argv, stdin=stdin_file, stderr=stderr_file, cwd=self.cwd, env=env)
         except OSError as e:
             stderr_file.close()
             if stdin_text is not None:
                 stdin_file.close()
             what = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename and e.filename != argv[0] else "")
-            raise ModelError(f"model {self.name!r}: could not start {argv[0]!r}: {what}") from None
+            raise _model_error(f"model {self.name!r}: could not start {argv[0]!r}: {what}") from None
         finally:
             if stdin_text is not None and not stdin_file.closed:
                 stdin_file.close()  # the child has its own copy of the descriptor
@@ -168,17 +161,17 @@ class CLIModel(BaseModelProvider):
                     with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope:
                         data = await _receive(process.stdout)
                     if scope.cancelled_caught:
-                        raise ModelError(f"model {self.name!r}: {Path(argv[0]).name} timed out after {self.timeout_s:g}s")
+                        raise _model_error(f"model {self.name!r}: {Path(argv[0]).name} timed out after {self.timeout_s:g}s")
                 if not data:
                     break
                 for chunk in parser.feed(data):
                     if chunk.type == "error":
-                        raise ModelError(f"model {self.name!r}: {chunk.text}")
+                        raise _model_error(f"model {self.name!r}: {chunk.text}")
                     produced = True
                     yield chunk
             for chunk in parser.close():
                 if chunk.type == "error":
-                    raise ModelError(f"model {self.name!r}: {chunk.text}")
+                    raise _model_error(f"model {self.name!r}: {chunk.text}")
                 produced = True
                 yield chunk
             if deadline is None:
@@ -187,17 +180,19 @@ class CLIModel(BaseModelProvider):
                 with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
                     await process.wait()
                 if process.returncode is None:
-                    raise ModelError(f"model {self.name!r}: {Path(argv[0]).name} timed out after {self.timeout_s:g}s")
+                    raise _model_error(f"model {self.name!r}: {Path(argv[0]).name} timed out after {self.timeout_s:g}s")
             finished = True
             rc = process.returncode
             if rc != 0 and not produced:
                 tail = _tail(stderr_file)
-                raise ModelError(
+                raise _model_error(
                     f"model {self.name!r}: {Path(argv[0]).name} exited with status {rc}"
                     + (f": {tail}" if tail else " and no output")
                 )
             result = parser.result
             result.is_error = result.is_error or rc != 0
+            if result.usage is None:  # e.g. `llm -u` prints "Token usage: 10 input, 5 output" on stderr
+                result.usage = _usage_line(stderr_file)
             yield result
         finally:
             if not finished or process.returncode is None:
@@ -210,7 +205,106 @@ class CLIModel(BaseModelProvider):
             stderr_file.close()
 
 
+_USAGE_LINE = re.compile(rb"Token usage: ([\d,]+) input, ([\d,]+) output")
+
+
+def _usage_line(f: Any) -> dict | None:
+    """Token counts from a usage line on the child's stderr (the ``llm`` CLI's ``-u``), or None."""
+    try:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 4096))
+        m = None
+        for m in _USAGE_LINE.finditer(f.read()):
+            pass
+    except (OSError, ValueError):
+        return None
+    if m is None:
+        return None
+    return {"input_tokens": int(m.group(1).replace(b",", b"")), "output_tokens": int(m.group(2).replace(b",", b""))}
+
+
 # -- process helpers ------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig_setter() -> Any:
+    """A ``preexec_fn`` asking the kernel to SIGKILL the child when the sidecar dies (even
+    by SIGKILL), or None where that is not available (not Linux). Everything it needs is
+    resolved before the fork: the child only makes two system calls."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    sig = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the sidecar died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class _ProcessStream:
+    __slots__ = ("_reader",)
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        return await self._reader.read(max_bytes)
+
+
+class _AsyncioProcess:
+    """The part of anyio's ``Process`` the CLI model uses, over an asyncio subprocess
+    (anyio's ``open_process`` cannot take a ``preexec_fn``)."""
+
+    def __init__(self, proc: Any) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+        self.stdout = _ProcessStream(proc.stdout)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+    async def aclose(self) -> None:
+        try:
+            await self.wait()
+        finally:
+            transport = getattr(self._proc, "_transport", None)
+            if transport is not None:
+                transport.close()
+
+
+async def _spawn(argv: list[str], *, stdin: Any, stderr: Any, cwd: str | None, env: dict[str, str] | None) -> Any:
+    """Start the CLI in a session (process group) of its own, dying with the sidecar
+    (``PR_SET_PDEATHSIG``); its group is killed on cancel, time-out and exit."""
+    import asyncio
+
+    preexec = _pdeathsig_setter()
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        preexec = None
+    if preexec is None:  # not Linux, or not asyncio: anyio's process, group kill only
+        return await anyio.open_process(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=stderr, cwd=cwd,
+                                        env=env, start_new_session=True)
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=stdin, stdout=subprocess.PIPE, stderr=stderr,
+                                                cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec,
+                                                limit=1 << 16)
+    return _AsyncioProcess(proc)
+
 
 
 async def _receive(stream: Any) -> bytes:
@@ -249,14 +343,25 @@ def _resolve_executable(cmd: str) -> str:
     return cmd
 
 
+def _model_error(message: str) -> ModelError:
+    """A ModelError whose text has every known secret (and key-looking token) removed."""
+    return ModelError(redact(message))
+
+
 def _tail(f: Any, limit: int = STDERR_TAIL_BYTES) -> str:
+    """The last ``limit`` characters of the child's stderr, redacted *before* the cut (a
+    window reaching back a little further, so a key straddling the cut is masked whole)."""
+    from operate_sidecar.server.redaction import known_secrets
+
+    reach = limit + 2 * max((len(k) for k in known_secrets()), default=0) + 256
     try:
         f.seek(0, os.SEEK_END)
         size = f.tell()
-        f.seek(max(0, size - limit))
-        return f.read().decode(errors="replace").strip()
+        f.seek(max(0, size - reach))
+        text = redact(f.read().decode(errors="replace")).strip()
     except (OSError, ValueError):
         return ""
+    return text[-limit:] if len(text) > limit else text
 
 
 # -- stream parsers ---------------------------------------------------------------
@@ -287,7 +392,7 @@ class _LineParser(_Parser):
             line, self._buf = self._buf.split(b"\n", 1)
             yield from self._line(line)
         if len(self._buf) > MAX_LINE_BYTES:
-            raise ModelError("CLI model wrote a line longer than 64 MiB")
+            raise _model_error("CLI model wrote a line longer than 64 MiB")
 
     def close(self) -> Iterator[StreamChunk]:
         line, self._buf = self._buf, b""

@@ -131,10 +131,7 @@ class OpenAIModel(BaseModelProvider):
                     f"model {self.name!r}: the API key environment variable {self.api_key_env} is not set "
                     f"(needed for {self._where()})"
                 )
-        try:
-            from openai import AsyncOpenAI  # heavy: imported on first use only
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise ModelError("the openai provider needs the 'openai' package (pip install 'operate-sidecar[openai]')") from e
+        AsyncOpenAI = _require_openai().AsyncOpenAI  # heavy: imported on first use only
         self._api_key = key
         remember_secret(key)
         self._client = AsyncOpenAI(
@@ -151,7 +148,7 @@ class OpenAIModel(BaseModelProvider):
     # -- errors ---------------------------------------------------------------
 
     def _error(self, e: BaseException) -> ModelError:
-        import openai
+        openai = _require_openai()
 
         where = self._where()
         if isinstance(e, openai.APITimeoutError):
@@ -163,7 +160,11 @@ class OpenAIModel(BaseModelProvider):
             msg = f"model {self.name!r}: {where} answered HTTP {e.status_code}: {_status_message(e)}"
         else:
             msg = f"model {self.name!r}: {type(e).__name__}: {e}"
-        return ModelError(redact(msg, [self._api_key, os.environ.get(self.api_key_env)]))
+        # redact the whole text first, then shorten it: a cut never leaves part of a key
+        msg = redact(msg, [self._api_key, os.environ.get(self.api_key_env)])
+        if len(msg) > MAX_ERROR_CHARS:
+            msg = msg[:MAX_ERROR_CHARS] + "…"
+        return ModelError(msg)
 
     # -- request --------------------------------------------------------------
 
@@ -182,7 +183,7 @@ class OpenAIModel(BaseModelProvider):
     async def _open(self, request: ModelRequest) -> tuple[Any, str | None]:
         """Start a streamed completion, walking the structured-output ladder when
         the server rejects a response format."""
-        import openai
+        openai = _require_openai()
 
         client = self._get_client()
         base = self._kwargs(request)
@@ -237,7 +238,7 @@ class OpenAIModel(BaseModelProvider):
         raise self._error(last) from None
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
-        import openai
+        openai = _require_openai()
 
         stream, mode = await self._open(request)
         if mode is not None:
@@ -289,11 +290,26 @@ def _rejects(e: Any, msg: str, *words: str) -> bool:
 
 
 def _status_message(e: Any) -> str:
+    """The server's error text, whole: callers redact it before they shorten it."""
     body = getattr(e, "body", None)
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:500]
+            return str(err["message"])
         if isinstance(body.get("detail"), (list, str)):
-            return str(body["detail"])[:500]
-    return str(getattr(e, "message", None) or e)[:500]
+            return str(body["detail"])
+    return str(getattr(e, "message", None) or e)
+
+
+MAX_ERROR_CHARS = 600
+INSTALL_HINT = "pip install 'operate-sidecar[openai]'"
+
+
+def _require_openai() -> Any:
+    """The ``openai`` package, or a ModelError (-32011 on the wire) naming the extra to install."""
+    try:
+        import openai
+    except ImportError:
+        raise ModelError(f"the openai provider needs the 'openai' package, which is not installed "
+                         f"({INSTALL_HINT})") from None
+    return openai

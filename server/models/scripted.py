@@ -1,4 +1,4 @@
-"""The ``scripted`` provider: deterministic replay (PROTOCOL §2).
+"""The ``scripted`` provider: deterministic replay (docs/PROTOCOL.md §2).
 
 Each invocation (chat, parse repair, CLI run) consumes the next entry of the
 config's ``responses``. An entry is a string (the text) or an object with

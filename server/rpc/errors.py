@@ -15,6 +15,7 @@ REQUEST_CANCELLED = -32800
 VALIDATION_FAILED = -32010
 MODEL_ERROR = -32011
 BRANCH_NOT_FOUND = -32012
+STATE_NOT_SAVED = -32013  # a change whose transaction failed: not applied, in memory or on disk
 
 # The same values as protocol.errors (checked by tests/rpc/test_contract.py); not imported
 # from there because that package costs ~100 ms before initialize is answered.
@@ -42,3 +43,7 @@ def invalid_params(message: str, data: Any = None) -> RpcError:
 
 def branch_not_found(branch_id: Any) -> RpcError:
     return RpcError(BRANCH_NOT_FOUND, f"branch not found: {branch_id}", {"branchId": branch_id})
+
+
+def state_not_saved(message: str, data: Any = None) -> RpcError:
+    return RpcError(STATE_NOT_SAVED, f"state could not be saved: {message}", data)

@@ -6,8 +6,12 @@ Rules (PROTOCOL §1, DESIGN "stdio hardening"):
 - a malformed header block never loses the *next* message: the parser drops
   what it cannot use and resynchronises on the next ``Content-Length``;
 - the length counts bytes;
-- a body larger than ``max_bytes`` is skipped (never buffered) and reported,
-  so the stream stays in sync.
+- a body larger than ``max_bytes`` is skipped (never buffered) and reported as soon as
+  its head (where the request id is) has been seen, so the answer does not wait for the
+  rest and the stream stays in sync;
+- a ``Content-Length`` no client could ever send (over ``_MAX_SANE_LENGTH``: 4 GiB, or
+  16 × ``max_bytes`` when that is larger) is reported at once and *not* waited for: the
+  parser resynchronises on the next ``Content-Length`` header instead.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ _CL = b"content-length"
 _CL_ANYWHERE = re.compile(rb"content-length\s*:", re.IGNORECASE)
 _MAX_HEADER_LINE = 8192
 _ID_IN_HEAD = 65536
+_MAX_SANE_LENGTH = 1 << 32
 
 
 def encode_frame(body: bytes) -> bytes:
@@ -36,7 +41,7 @@ class FrameParser:
     been skipped (``head`` holds its first bytes, to recover the request id).
     """
 
-    __slots__ = ("_buf", "_length", "_need", "_skip", "_skip_head", "_skip_size",
+    __slots__ = ("_buf", "_length", "_need", "_skip", "_skip_head", "_skip_size", "_reported",
                  "max_bytes", "on_body", "on_oversize")
 
     def __init__(self, on_body: Callable[[bytes], None],
@@ -48,6 +53,7 @@ class FrameParser:
         self._skip = 0                    # bytes of an oversize body still to drop
         self._skip_head = bytearray()
         self._skip_size = 0
+        self._reported = False            # the oversize body being skipped was answered already
         self.max_bytes = max_bytes
         self.on_body = on_body
         self.on_oversize = on_oversize
@@ -96,12 +102,20 @@ class FrameParser:
             if length <= self.max_bytes:
                 self._need = length
                 continue
+            if length > max(_MAX_SANE_LENGTH, 16 * self.max_bytes):
+                # never coming: answer now and resynchronise on the next header
+                self._report(bytes(buf[pos:pos + _ID_IN_HEAD]), length)
+                continue
             take = min(n - pos, length)              # oversize: skip without buffering
             self._skip_head = bytearray(buf[pos:pos + min(take, _ID_IN_HEAD)])
             self._skip_size = length
             self._skip = length - take
+            self._reported = False
             pos += take
             if self._skip:
+                if len(self._skip_head) >= _ID_IN_HEAD:  # the id is known: answer before the rest
+                    self._reported = True
+                    self._report(bytes(self._skip_head), length)
                 break
             self._finish_skip()
         del buf[:pos]
@@ -137,6 +151,9 @@ class FrameParser:
         room = _ID_IN_HEAD - len(self._skip_head)
         if room > 0:
             self._skip_head += data[:min(take, room)]
+            if len(self._skip_head) >= _ID_IN_HEAD and self._skip > take and not self._reported:
+                self._reported = True
+                self._report(bytes(self._skip_head), self._skip_size)
         self._skip -= take
         if not self._skip:
             self._finish_skip()
@@ -146,6 +163,11 @@ class FrameParser:
         head, size = bytes(self._skip_head), self._skip_size
         self._skip_head = bytearray()
         self._skip_size = 0
+        reported, self._reported = self._reported, False
+        if not reported:
+            self._report(head, size)
+
+    def _report(self, head: bytes, size: int) -> None:
         if self.on_oversize is not None:
             try:
                 self.on_oversize(head, size)

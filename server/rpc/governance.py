@@ -1,9 +1,15 @@
-"""Tool governance as data (PROTOCOL §4). The core asks ``branch.authorizer``;
+"""Tool governance as data (docs/PROTOCOL.md §4). The core asks ``branch.authorizer``;
 this module answers from the policy in force and, for ``ask``, from the client.
 
 Policy in force: the branch's decision, else the server-wide decision, else
 ``settings.toolPolicy``, else the default (``allow`` for client tools, Python
-tools and tools annotated read-only, ``ask`` otherwise)."""
+tools and tools annotated read-only, ``ask`` otherwise).
+
+A permission request for a tool that can preview its calls (the file-changing builtin
+tools, ``server.tools.file_tools.PreviewTool``) carries ``preview`` (a diff computed without
+writing). When the preview cannot be made (edits that do not apply, a path outside the
+workspace, bad arguments), nobody is asked: the call is let through to fail at once with
+that error, which the tool kept for the call (it never re-plans it, so it cannot write)."""
 
 from __future__ import annotations
 
@@ -90,6 +96,28 @@ class Governance:
             return AuthorizationResult(False, "policy is ask and the client cannot be asked")
         params = {"branchId": inv.branch_id, "callId": inv.call_id, "tool": inv.function,
                   "arguments": inv.arguments, "options": list(PERMISSION_OPTIONS)}
+        preview = getattr(inv.tool, "preview", None)
+        if preview is not None:
+            # the change the call would make, computed without writing; a call that cannot
+            # apply is never put to the user: it goes on to fail at once with its own error
+            from operate_sidecar.server.core.tools import ToolCallContext
+
+            try:
+                inv.tool.validate_arguments(inv.arguments)
+                params["preview"] = await preview(inv.arguments, ToolCallContext(inv.branch_id, inv.call_id))
+            except Exception:
+                return AuthorizationResult(True)
+        result = AuthorizationResult(False, "permission request was not answered")
+        try:
+            result = await self._ask(inv, params)
+            return result
+        finally:
+            if not result.allowed and preview is not None:
+                inv.tool.forget(inv.call_id)
+
+    async def _ask(self, inv: Any, params: dict) -> Any:
+        from operate_sidecar.server.core.act import AuthorizationResult
+
         try:
             answer = await self._ask_client("requestToolPermission", params, self.timeout_s)
         except (asyncio.TimeoutError, TimeoutError):

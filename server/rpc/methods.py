@@ -13,13 +13,16 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import errors as E
 from .errors import RpcError, invalid_params
 from .governance import ClientRequestError, Governance
 from .progress import WireProgress
 from .schemas import SchemaCache
+
+if TYPE_CHECKING:
+    from operate_sidecar.server.service.port import ClientPort
 
 log = logging.getLogger("operate_sidecar.server.rpc")
 
@@ -81,9 +84,10 @@ def map_exception(e: BaseException, debug: bool = False) -> tuple[int, str, Any]
 
 
 class Sidecar:
-    """State and handlers. ``rpc`` is the SidecarServer (notify, request_client, conn)."""
+    """State and handlers. ``rpc`` is the front end's ``ClientPort`` (``server.service.port``:
+    notify, request_client, conn): the native SidecarServer or the ACP front end's port."""
 
-    def __init__(self, rpc: Any) -> None:
+    def __init__(self, rpc: "ClientPort") -> None:
         self.rpc = rpc
         self.conn = rpc.conn
         self.branches: dict[str, Any] = {}
@@ -100,11 +104,14 @@ class Sidecar:
         self._mcp_stop: asyncio.Event | None = None
         self._mcp_task: asyncio.Task | None = None
         self._state_loaded = False
+        self._state_task: asyncio.Future | None = None  # the restore, running on a worker thread
         self._model_specs: dict[str, dict[str, Any]] = {}  # branch id -> wire model specs (journal meta)
         self._flush_lock: asyncio.Lock | None = None
         self._operate_slots: asyncio.Semaphore | None = None
         #: branch id -> (message count, copy if the operate clears) before the operate running on it
         self._settled: dict[str, tuple[int, list | None]] = {}
+        #: branch id -> token usage of the operates run on it (``listBranches``)
+        self._usage: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ setup
     @property
@@ -127,41 +134,163 @@ class Sidecar:
         return self.registry
 
     def _ensure_state(self) -> None:
-        """Restore journaled branches (once, on first use)."""
+        """Restore stored branches now (blocking; handlers await ``_state()`` first, which
+        restores on a worker thread, so this only runs for a caller that cannot await)."""
         self._core()
         if self._state_loaded:
             return
-        self._state_loaded = True
         state_dir = self.settings.get("stateDir")
-        if not state_dir:
-            return
-        from operate_sidecar.server.core.branch import Branch
-        from operate_sidecar.server.state import Journal
+        self._apply_restore(self._open_state(state_dir) if state_dir else None)
+
+    @staticmethod
+    def _open_state(state_dir: str) -> tuple[Any, list, str | None]:
+        """Open the store and read every branch (blocking): (store, loaded branches, error)."""
+        from operate_sidecar.server.state import StateStore, UnavailableStore
 
         try:
-            self.journal = Journal(state_dir)
-            loaded = self.journal.load()
+            store = StateStore(state_dir)
+            return store, store.load(), None
         except Exception as e:
-            self.journal = None
-            self.conn.log_message(2, f"state journal at {state_dir} unusable: {e}")
+            log.exception("state directory %s unusable", state_dir)
+            return UnavailableStore(state_dir, str(e)), [], str(e)
+
+    def _apply_restore(self, opened: tuple[Any, list, str | None] | None) -> None:
+        if self._state_loaded:
+            if opened is not None and opened[0] is not self.journal:
+                opened[0].close()  # a blocking restore (``_ensure_state``) came first
             return
+        self._state_loaded = True
+        if opened is None:
+            return
+        store, loaded, error = opened
+        self.journal = store
+        if error is not None:
+            self.conn.log_message(1, f"state directory {store.root} unusable: {error}; "
+                                     "every change will be refused until it is fixed (restart the server)")
+        for note in store.problems:
+            self.conn.log_message(1 if ("damaged" in note or "cannot be written" in note) else 3, note)
+        for lb in loaded:
+            self._restored_branch(lb)
+
+    def _restored_branch(self, lb: Any) -> None:
+        """Build (or refresh in place) the in-memory branch of a stored one."""
+        from operate_sidecar.server.core.branch import Branch
         from operate_sidecar.server.core.messages import MessageLog
 
-        for lb in loaded:
-            meta = lb.meta
-            try:
-                chat = self.resolve_model(meta.get("chatModel")) if meta.get("chatModel") else self.default_model()
-                parse = self.resolve_model(meta.get("parseModel")) if meta.get("parseModel") else None
-            except RpcError as e:
-                self.conn.log_message(2, f"branch {lb.id}: {e.message}; using the default model")
-                chat, parse = self.default_model(), None
-            b = Branch(id=lb.id, name=meta.get("name"), chat_model=chat, parse_model=parse, tools=self.registry,
-                       messages=MessageLog(lb.messages))
-            for tool, decision in (meta.get("policy") or {}).items():
-                self.governance.branch.setdefault(b.id, {})[tool] = decision  # type: ignore[union-attr]
-            self._adopt(b)
-            self._model_specs[b.id] = {"chatModel": meta.get("chatModel"), "parseModel": meta.get("parseModel")}
-            self.journal.adopt(b, meta)
+        meta = lb.meta
+        policy = dict(meta.get("policy") or {})
+        b = self.branches.get(lb.id)
+        if b is not None:  # another process committed to it: take its state
+            items = b.messages.items
+            if lb.incremental:
+                items.extend(lb.messages)
+            else:
+                items[:] = lb.messages
+            b.messages.generation += 1
+            self.governance.branch[b.id] = policy  # type: ignore[union-attr]
+            if meta.get("name") is not None:
+                b.name = meta.get("name")
+            return
+        try:
+            chat = self.resolve_model(meta.get("chatModel")) if meta.get("chatModel") else self.default_model()
+            parse = self.resolve_model(meta.get("parseModel")) if meta.get("parseModel") else None
+        except RpcError as e:
+            self.conn.log_message(2, f"branch {lb.id}: {e.message}; using the default model")
+            chat, parse = self.default_model(), None
+        b = Branch(id=lb.id, name=meta.get("name"), chat_model=chat, parse_model=parse, tools=self.registry,
+                   messages=MessageLog(lb.messages))
+        if policy:
+            self.governance.branch[b.id] = policy  # type: ignore[union-attr]
+        self._adopt(b)
+        self._model_specs[b.id] = {"chatModel": meta.get("chatModel"), "parseModel": meta.get("parseModel")}
+        self.journal.adopt(b, meta)
+
+    def _busy_branches(self) -> set[str]:
+        return set(self._settled) | {bid for bid, lock in self._locks.items() if lock.locked()}
+
+    async def _state(self) -> None:
+        """Restore stored branches (once, on a worker thread: the event loop keeps answering),
+        then take in what other processes on the same ``stateDir`` committed since."""
+        self._core()
+        if not self._state_loaded:
+            state_dir = self.settings.get("stateDir")
+            if not state_dir:
+                self._state_loaded = True
+                return
+            if self._state_task is None:
+                self._state_task = asyncio.ensure_future(asyncio.to_thread(self._open_state, state_dir))
+            opened = await asyncio.shield(self._state_task)
+            self._apply_restore(opened)
+        if self.journal is None or self.journal.unchanged():
+            return
+        try:
+            changes = await asyncio.to_thread(self.journal.poll, self._busy_branches())
+        except Exception:
+            log.exception("could not read other processes' changes from the state store")
+            return
+        if changes:
+            changed, removed = changes
+            for lb in changed:
+                self._restored_branch(lb)
+            for bid in removed:
+                if bid in self.branches and bid not in self._busy_branches():
+                    self.branches.pop(bid, None)
+                    self._locks.pop(bid, None)
+                    self._model_specs.pop(bid, None)
+                    self.governance.forget_branch(bid)  # type: ignore[union-attr]
+
+    def _restore_policy(self, branch_id: str) -> None:
+        """After a failed save: the branch's policy in memory is the committed one again."""
+        if self.journal is None or branch_id not in self.branches:
+            return
+        policy = dict(self.journal.committed_meta(branch_id).get("policy") or {})
+        if policy:
+            self.governance.branch[branch_id] = policy  # type: ignore[union-attr]
+        else:
+            self.governance.branch.pop(branch_id, None)  # type: ignore[union-attr]
+
+    async def _commit_new_branch(self, branch_id: str) -> None:
+        """Commit a new branch (createBranch, forkBranch); when that fails it is not created."""
+        from operate_sidecar.server.state import StateNotSaved
+
+        try:
+            await self.flush_journal(branch_id)
+        except StateNotSaved as e:
+            self.branches.pop(branch_id, None)
+            self._locks.pop(branch_id, None)
+            self._model_specs.pop(branch_id, None)
+            self.governance.forget_branch(branch_id)  # type: ignore[union-attr]
+            self.journal.forget(branch_id)
+            raise E.state_not_saved(f"the branch was not created ({e})") from None
+
+    def _commit_operate(self, branch: Any, mark: tuple[int, list | None] | None) -> Any:
+        """Commit an operate's messages (one transaction) before it answers. When that fails,
+        the branch goes back to what is on disk: the operate's messages are removed (and a
+        cleared history put back), a policy answered during it is undone, and the operate
+        answers -32013 instead of its result (even if it failed otherwise: the client must
+        learn that the branch was reset). A cancelled operate stays cancelled. Called in the
+        operate's task (which it remembers), awaited under ``asyncio.shield``."""
+        return self._commit_operate_in(branch, mark, asyncio.current_task())
+
+    async def _commit_operate_in(self, branch: Any, mark: tuple[int, list | None] | None,
+                                 operate_task: asyncio.Task | None) -> None:
+        from operate_sidecar.server.state import StateNotSaved
+
+        try:
+            await self.flush_journal(branch.id)
+        except StateNotSaved as e:
+            if mark is not None:
+                items = branch.messages.items
+                if mark[1] is not None:
+                    items[:] = mark[1]
+                else:
+                    del items[mark[0]:]
+                branch.messages.generation += 1
+            self._restore_policy(branch.id)
+            if operate_task is not None and operate_task.cancelling():
+                return
+            raise E.state_not_saved(f"the messages of this operate on branch {branch.id} were not saved ({e}); "
+                                    "the branch is as it was before it", {"branchId": branch.id}) from None
 
     async def ensure_tools(self) -> None:
         """Load tool sources on first need (never before initialize is answered)."""
@@ -180,11 +309,21 @@ class Sidecar:
 
     def _load_sync_tools(self) -> None:
         reg = self.registry
+        if not getattr(self.conn, "_children_bound", False):  # tools' children die with the sidecar
+            from .stdio import bind_children_to_process
+
+            self.conn._children_bound = True
+            bind_children_to_process()
         if self.conn.workspace_folders:
             try:
                 from operate_sidecar.server.tools.builtin import WorkspaceTools
 
-                for t in WorkspaceTools(self.conn.workspace_folders).tools():
+                files = None
+                if self.conn.client_capabilities.get("fs"):  # the client's buffers, not the disk
+                    from operate_sidecar.server.tools.file_tools import ClientFiles
+
+                    files = ClientFiles(self.rpc.request_client)
+                for t in WorkspaceTools(self.conn.workspace_folders, files=files).tools():
                     reg.register(t, update=True)
             except Exception as e:
                 self.conn.log_message(2, f"workspace tools unavailable: {e}")
@@ -230,13 +369,16 @@ class Sidecar:
             except BaseException:
                 self._mcp_task.cancel()
         self.flush_journal_sync()
+        if self.journal is not None:
+            self.journal.close()  # the last connection out checkpoints the WAL into the database file
 
     def flush_journal_sync(self) -> None:
+        """Commit everything still pending (on stop: e.g. a cancelled operate's messages)."""
         if self.journal is not None:
             try:
                 self.journal.flush()
             except Exception:
-                log.exception("journal flush failed")
+                log.exception("state could not be saved on stop")
 
     async def flush_journal(self, *branch_ids: str, messages: bool = True) -> None:
         """Write + fsync the pending records of ``branch_ids`` (all when none given) before
@@ -253,7 +395,11 @@ class Sidecar:
         bids = set(branch_ids) if branch_ids else None
         async with self._flush_lock:
             if self.journal.dirty(bids, messages=messages):
-                await asyncio.to_thread(self.journal.flush, bids, messages=messages)
+                # raises StateNotSaved (nothing of those branches written); returns the branches
+                # another process committed to meanwhile, re-read whole
+                for lb in await asyncio.to_thread(self.journal.flush, bids, messages=messages):
+                    if lb.id in self.branches:
+                        self._restored_branch(lb)
 
     # ------------------------------------------------------------------ models
     def default_model(self) -> Any:
@@ -287,12 +433,15 @@ class Sidecar:
             self._inline[key] = model
         return model
 
-    @staticmethod
-    def _make(make_model: Any, config: dict, name: str, where: str) -> Any:
+    def _make(self, make_model: Any, config: dict, name: str, where: str) -> Any:
         try:
-            return make_model(config, name=name)
+            model = make_model(config, name=name)
         except (ValueError, TypeError, KeyError) as e:
             raise invalid_params(f"{where}: {e}") from None
+        recorder = getattr(self.conn, "recorder", None)
+        if recorder is not None:  # --record: keep each invocation's text for replay --scripted
+            model = recorder.wrap_model(model, config, name, inline=self.settings["models"].get(name) is not config)
+        return model
 
     # ------------------------------------------------------------------ branches
     def branch(self, branch_id: Any) -> Any:
@@ -365,7 +514,7 @@ class Sidecar:
         from operate_sidecar.protocol import CreateBranchParams, structure
 
         p = structure(CreateBranchParams, params)
-        self._ensure_state()
+        await self._state()
         self._check_branch_room()
         from operate_sidecar.server.core.branch import Branch
 
@@ -379,13 +528,14 @@ class Sidecar:
             specs = {"chatModel": unstructure(p.chat_model), "parseModel": unstructure(p.parse_model)}
             self._model_specs[b.id] = specs
             self.journal.attach(b, self._meta(b, specs["chatModel"], specs["parseModel"]))
-            await self.flush_journal(b.id)
+            await self._commit_new_branch(b.id)
         return {"branchId": b.id}
 
     async def forkBranch(self, params: dict) -> dict:
         from operate_sidecar.protocol import BranchParams, structure
 
         p = structure(BranchParams, params)
+        await self._state()
         src = self.branch(p.branch_id)
         self._check_branch_room()
         # an operate running on the source: copy the branch as it was before it (never half a turn)
@@ -397,36 +547,53 @@ class Sidecar:
             src_models = {k: v for k, v in self._model_specs.get(src.id, {}).items()}
             self._model_specs[b.id] = src_models
             self.journal.attach(b, self._meta(b, src_models.get("chatModel"), src_models.get("parseModel")))
-            await self.flush_journal(b.id)
+            await self._commit_new_branch(b.id)
         return {"branchId": b.id}
 
     async def deleteBranch(self, params: dict) -> dict:
         from operate_sidecar.protocol import BranchParams, structure
 
         p = structure(BranchParams, params)
+        await self._state()
         self.branch(p.branch_id)
+        if self.journal is not None:  # on disk first: a failed delete leaves the branch as it was
+            from operate_sidecar.server.state import StateNotSaved
+
+            try:
+                await asyncio.to_thread(self.journal.delete, p.branch_id)
+            except StateNotSaved as e:
+                raise E.state_not_saved(f"branch {p.branch_id} was not deleted ({e})",
+                                        {"branchId": p.branch_id}) from None
         self.branches.pop(p.branch_id, None)
         self._locks.pop(p.branch_id, None)
+        self._usage.pop(p.branch_id, None)
         self._model_specs.pop(p.branch_id, None)
         self.governance.forget_branch(p.branch_id)  # type: ignore[union-attr]
-        if self.journal is not None:
-            await asyncio.to_thread(self.journal.delete, p.branch_id)
         return {}
 
-    def listBranches(self, params: dict) -> dict:
+    async def listBranches(self, params: dict) -> dict:
         if params:
             raise invalid_params("unknown fields: " + ", ".join(json.dumps(k) for k in params),
                                  {"unknownFields": list(params)})
-        self._ensure_state()
+        await self._state()
         return {"branches": [{"branchId": b.id, "name": b.name, "messageCount": len(b.messages),
-                              "chatModel": getattr(b.chat_model, "name", None)} for b in self.branches.values()]}
+                              "chatModel": getattr(b.chat_model, "name", None), "usage": self._usage_of(b.id)}
+                             for b in self.branches.values()]}
 
-    def branchMessages(self, params: dict) -> dict:
+    def _usage_of(self, branch_id: str) -> dict[str, Any]:
+        """The token totals of the operates run on a branch (since this server started)."""
+        meter = self._usage.get(branch_id)
+        if meter is None:
+            return {"inputTokens": 0, "outputTokens": 0, "contextTokens": None, "modelCalls": 0}
+        return meter.to_wire()
+
+    async def branchMessages(self, params: dict) -> dict:
         from operate_sidecar.protocol import BranchMessagesParams, structure
 
         p = structure(BranchMessagesParams, params)
         if p.offset < 0 or p.limit < 0:
             raise invalid_params("offset and limit must be non-negative")
+        await self._state()
         b = self.branch(p.branch_id)
         return {"messages": b.messages.page(p.offset, p.limit), "total": len(b.messages)}
 
@@ -441,6 +608,7 @@ class Sidecar:
 
         p = structure(ListToolsParams, params)
         if p.branch_id is not None:
+            await self._state()
             self.branch(p.branch_id)
         await self.ensure_tools()
         return {"tools": [self._tool_info(t, p.branch_id) for t in self.registry]}
@@ -450,6 +618,7 @@ class Sidecar:
 
         p = structure(AuthorizeToolParams, params)
         if p.branch_id is not None:
+            await self._state()
             self.branch(p.branch_id)
         await self.ensure_tools()
         if p.tool not in self.registry:
@@ -457,8 +626,15 @@ class Sidecar:
         self.governance.set(p.tool, p.decision, p.branch_id)  # type: ignore[union-attr]
         if p.branch_id is not None:
             # durable before the answer, but only the policy: an operate running on this
-            # branch keeps its recorded messages pending until its own flush writes them whole
-            await self.flush_journal(p.branch_id, messages=False)
+            # branch keeps its recorded messages pending until its own commit writes them whole
+            from operate_sidecar.server.state import StateNotSaved
+
+            try:
+                await self.flush_journal(p.branch_id, messages=False)
+            except StateNotSaved as e:
+                self._restore_policy(p.branch_id)
+                raise E.state_not_saved(f"the policy of branch {p.branch_id} was not changed ({e})",
+                                        {"branchId": p.branch_id}) from None
         return {"tool": p.tool, "decision": p.decision, "branchId": p.branch_id}
 
     async def registerClientTools(self, params: dict) -> dict:
@@ -503,6 +679,7 @@ class Sidecar:
         from operate_sidecar.protocol import OperateParams, structure
 
         p = structure(OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
+        await self._state()
         branch = self.branch(p.branch_id)
         await self.ensure_tools()
         if isinstance(p.tools, list):
@@ -521,10 +698,10 @@ class Sidecar:
             kw["chat_model"] = self.resolve_model(p.chat_model, "chatModel")
         if p.parse_model is not None:
             kw["parse_model"] = self.resolve_model(p.parse_model, "parseModel")
-        if p.response_format is not None:
-            kw["response_format"] = self.schemas.model_for(p.response_format)
+        if p.response_format is not None:  # bounded, and built off the event loop
+            kw["response_format"] = await self.schemas.model_for_async(p.response_format)
         if p.field_models:
-            kw["field_models"] = [self.schemas.spec_for(f, i) for i, f in enumerate(p.field_models)]
+            kw["field_models"] = await self.schemas.specs_for_async(list(p.field_models))
         if p.parse_options is not None:
             from operate_sidecar.server.core.params import AlcallParams
 
@@ -550,7 +727,21 @@ class Sidecar:
             raise invalid_params("modelOptions: " + ", ".join(clash) + " name operate pipeline parameters, "
                                  "not provider options", {"fields": clash})
         kw.update(options)
+        from operate_sidecar.server.core.imodel import UsageMeter, current_usage
         from operate_sidecar.server.core.progress import current_progress
+        from operate_sidecar.server.service.rounds import CONTINUATION, run_rounds
+
+        def prepare(k: int) -> dict[str, Any]:
+            """Round k's prepared params: round 1 the caller's; later rounds the same params with
+            the continuation instruction, no repeated context and no clearing (see service.rounds)."""
+            if k == 1:
+                return prepared
+            later = dict(kw, clear_messages=False)
+            if "instruct" in later:
+                later["instruct"] = {**later["instruct"], "instruction": CONTINUATION, "context": None}
+            else:
+                later.update(instruction=CONTINUATION, context=None)
+            return prepare_operate_kw(branch, **later)
 
         self._check_message_room(branch, bool(p.clear_messages))
         # per-branch FIFO first, then one of maxConcurrentOperates slots (waiters queue FIFO, cancellable)
@@ -565,23 +756,30 @@ class Sidecar:
             # what forkBranch copies while this operate runs: the messages before it
             self._settled[branch.id] = (len(branch.messages), list(branch.messages) if p.clear_messages else None)
             token = current_progress.set(sink)
+            meter = UsageMeter()  # every model call of every round (chat and parse repair)
+            usage_token = current_usage.set(meter)
             try:
-                result = await core_operate(branch, **prepared)
+                result, rounds = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate)
             except asyncio.CancelledError:
                 if sink is not None:
-                    sink.end("cancelled")
+                    sink.finish("cancelled", meter.to_wire())
                 raise
             except BaseException:
                 if sink is not None:
-                    sink.end("failed")
+                    sink.finish("failed", meter.to_wire())
                 raise
             finally:
                 current_progress.reset(token)
-                self._settled.pop(branch.id, None)
-                await asyncio.shield(self.flush_journal(branch.id))
+                current_usage.reset(usage_token)
+                self._usage.setdefault(branch.id, UsageMeter()).add(meter)
+                # one transaction before the answer; on failure the branch is put back (-32013)
+                await asyncio.shield(self._commit_operate(branch, self._settled.pop(branch.id, None)))
             if sink is not None:
-                sink.end("completed")
-        return envelope(result)
+                sink.finish("completed", meter.to_wire())
+        out = envelope(result)
+        out["usage"] = meter.to_wire()
+        out["rounds"] = rounds
+        return out
 
 
 _PIPELINE_NAMES: frozenset[str] | None = None

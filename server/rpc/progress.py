@@ -1,6 +1,10 @@
 """``$/progress`` for an operate that carried ``workDoneToken``: the core's
 ``ProgressSink`` implemented over the wire. Notifications are written
-synchronously, so they all precede the operate's response, in order."""
+synchronously, so they all precede the operate's response, in order.
+
+One ``begin``/``end`` pair spans the whole request, however many rounds (core operates) it
+runs: the core's own ``end`` calls are ignored and the handler ends the progress with
+:meth:`WireProgress.finish`, whose value carries the request's ``usage``."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from typing import Any
 
 class WireProgress:
     __slots__ = ("_notify", "token", "default_begin", "began", "ended")
+
+    #: the core ends its operate here; the request's handler ends the progress (``finish``)
 
     def __init__(self, notify: Any, token: Any, default_begin: str = "communicate") -> None:
         self._notify = notify
@@ -38,6 +44,10 @@ class WireProgress:
         self._send(value)
 
     def end(self, message: str) -> None:
+        """Called by the core at the end of each operate (round): ignored, see ``finish``."""
+
+    def finish(self, message: str, usage: dict[str, Any] | None = None) -> None:
+        """The one ``end`` of the request, with its ``usage``."""
         if self.ended:
             return
         try:  # the core ends with "failed" when it is unwinding a cancellation: say what happened
@@ -49,4 +59,7 @@ class WireProgress:
         if not self.began:
             self.begin(self.default_begin)
         self.ended = True
-        self._send({"kind": "end", "message": message})
+        value: dict[str, Any] = {"kind": "end", "message": message}
+        if usage is not None:
+            value["usage"] = usage
+        self._send(value)

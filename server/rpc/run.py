@@ -16,12 +16,14 @@ log = logging.getLogger("operate_sidecar.server.rpc")
 
 
 async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "0", debug: bool = False,
-                client_pid: int | None = None, fds: tuple[int, int] | None = None) -> int:
+                client_pid: int | None = None, fds: tuple[int, int] | None = None, recorder: Any = None) -> int:
     wire_in, wire_out = fds if fds is not None else guard_stdio()
     loop = asyncio.get_running_loop()
     wire = Wire(wire_out)
     conn = Connection(wire, base_settings=base_settings or {}, version=version, debug=debug,
                       client_pid=client_pid)
+    if recorder is not None:  # --record: sees every frame body and model turn (server.script.recorder)
+        recorder.attach(conn, wire)
     close_reader = await attach_reader(wire_in, conn.feed, conn.on_eof)
     # pygls, lsprotocol, protocol/ and the core load on a background thread once initialize
     # is answered: nothing competes with the initialize path for the GIL.
@@ -45,4 +47,6 @@ async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "
         t.cancel()
     await conn.aclose()
     wire.close()
+    if recorder is not None:
+        recorder.close()
     return code

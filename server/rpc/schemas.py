@@ -2,7 +2,13 @@
 class (named after the schema's ``title``), ``fieldModels`` → core ``Spec``s.
 Built with ``json-schema-to-pydantic`` (imported on first use), cached by the
 canonical schema text so a repeated schema builds nothing. A schema keyword
-the builder would silently ignore is refused (-32602 naming it)."""
+the builder would silently ignore is refused (-32602 naming it).
+
+Building is bounded and kept off the event loop: a schema longer than
+``MAX_SCHEMA_CHARS`` characters of JSON, with more than ``MAX_SCHEMA_NODES``
+objects or nested deeper than ``MAX_SCHEMA_DEPTH`` is refused with -32602 before
+anything is built, and ``model_for_async`` / ``spec_for_async`` run the check and
+the build on a worker thread, so ``ping`` is answered meanwhile."""
 
 from __future__ import annotations
 
@@ -25,6 +31,36 @@ _SUBSCHEMA_ONE = ("items", "additionalProperties")
 RESERVED_PREFIXES = ("model_", "_")
 DEFAULT_TITLE = "Response"
 CACHE_LIMIT = 256
+MAX_SCHEMA_CHARS = 256 * 1024
+MAX_SCHEMA_NODES = 5000
+MAX_SCHEMA_DEPTH = 64
+
+
+def _canonical(schema: Any, where: str) -> str:
+    """The cache key, after the size bounds (checked without recursion)."""
+    nodes = 0
+    stack = [(schema, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            items: Any = v.values()
+        elif isinstance(v, list):
+            items = v
+        else:
+            continue
+        nodes += 1
+        if d >= MAX_SCHEMA_DEPTH:
+            raise invalid_params(f"{where}: the schema is nested too deeply; the limit is {MAX_SCHEMA_DEPTH} levels",
+                                 {"limit": MAX_SCHEMA_DEPTH})
+        if nodes > MAX_SCHEMA_NODES:
+            raise invalid_params(f"{where}: the schema has too many objects and arrays; the limit is {MAX_SCHEMA_NODES}",
+                                 {"limit": MAX_SCHEMA_NODES})
+        stack.extend((x, d + 1) for x in items)
+    key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    if len(key) > MAX_SCHEMA_CHARS:
+        raise invalid_params(f"{where}: the schema is {len(key)} characters of JSON; the limit is {MAX_SCHEMA_CHARS}",
+                             {"chars": len(key), "limit": MAX_SCHEMA_CHARS})
+    return key
 
 
 def _check_name(name: Any, path: str, where: str) -> None:
@@ -73,8 +109,25 @@ class SchemaCache:
         self._specs: dict[str, Any] = {}
         self._lock = threading.Lock()
 
+    async def model_for_async(self, schema: dict[str, Any], where: str = "responseFormat") -> type:
+        """``model_for`` on a worker thread (the event loop keeps answering meanwhile); a
+        schema already built is answered from the cache without the thread hop (the key is
+        computed under the size bounds, so this stays cheap on the loop)."""
+        import asyncio
+
+        cached = self._models.get(_canonical(schema, where))
+        if cached is not None:
+            return cached
+        return await asyncio.to_thread(self.model_for, schema, where)
+
+    async def specs_for_async(self, fields: list[Any]) -> list[Any]:
+        """``spec_for`` of every field, on a worker thread."""
+        import asyncio
+
+        return await asyncio.to_thread(lambda: [self.spec_for(f, i) for i, f in enumerate(fields)])
+
     def model_for(self, schema: dict[str, Any], where: str = "responseFormat") -> type:
-        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        key = _canonical(schema, where)
         cached = self._models.get(key)
         if cached is not None:
             return cached
@@ -101,7 +154,7 @@ class SchemaCache:
         if not isinstance(schema, dict):
             raise invalid_params(f"{where}.schema must be an object")
         _check_name(name, "", f"{where}.name")
-        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        key = _canonical(schema, f"{where}.schema")
         annotation = self._specs.get(key)
         if annotation is None:
             _check(schema, "", f"{where}.schema")

@@ -18,6 +18,7 @@ import importlib
 import itertools
 import logging
 import sys
+import threading
 import time
 from functools import partial
 from typing import Any, Callable
@@ -26,14 +27,25 @@ import cattrs
 from pygls.protocol.json_rpc import JsonRPCProtocol
 from pygls.server import JsonRPCServer
 
+from operate_sidecar.protocol import catalog
+
 from . import errors as E
 from .governance import ClientRequestError
 from .methods import Sidecar, map_exception
-from .transport import REQUEST_METHODS
+from .transport import CONNECTION_METHODS
 
 log = logging.getLogger("operate_sidecar.server.rpc")
 
-_APP_METHODS = tuple(m for m in REQUEST_METHODS if m not in ("initialize", "ping", "shutdown"))
+
+def app_methods() -> tuple[str, ...]:
+    """The client → server requests of the protocol's catalog that the app serves: all of
+    them but the few the connection answers itself (``initialize``, ``ping``, ``shutdown``)."""
+    return tuple(m for m in catalog.REQUESTS if m not in CONNECTION_METHODS)
+
+
+def handler_name(method: str) -> str:
+    """The ``Sidecar`` method that serves a wire method: the same name (``createBranch``)."""
+    return method
 
 
 class SidecarProtocol(JsonRPCProtocol):
@@ -139,34 +151,52 @@ class SidecarProtocol(JsonRPCProtocol):
                 fut.cancel()
 
 
-#: what the methods need from the core and the providers, loaded on first use (see ``CoreLoader``)
+#: what the methods need from the core and the providers, loaded on first use (see ``CoreLoader``).
+#: The state store, the rounds loop and the workspace tools are the first operate's: loaded
+#: here (~15 ms), the first operate right after a ``createBranch`` runs as fast as a warm one.
 CORE_MODULES = ("operate_sidecar.server.core", "operate_sidecar.server.core.branch", "operate_sidecar.server.core.operate", "operate_sidecar.server.core.prepare",
-                "operate_sidecar.server.core.tools", "operate_sidecar.server.models", "operate_sidecar.server.models.scripted")
-#: imported right after, without holding up the request (first responseFormat / toolModules use)
+                "operate_sidecar.server.core.tools", "operate_sidecar.server.models", "operate_sidecar.server.models.scripted",
+                "operate_sidecar.server.state", "operate_sidecar.server.service.rounds",
+                "operate_sidecar.server.tools.builtin", "operate_sidecar.server.tools.file_tools",
+                "pydantic.type_adapter", "pydantic.dataclasses")  # the tools' JSON schemas need them (lazily)
+#: imported later, without holding up a request (first responseFormat / toolModules use) ...
 CORE_WARM = ("json_schema_to_pydantic", "operate_sidecar.server.tools.python_modules")
+#: ... this long after the core: a background import competes for the GIL with whatever the
+#: loop runs, and the editor's first operate often follows its first createBranch at once
+WARM_DELAY_S = 0.5
 
 
 class CoreLoader:
-    """Imports the core once, on a worker thread, when the first request needs it.
+    """Imports the core once, off the event loop, when the first request needs it.
 
     Until then the sidecar holds only the transport, pygls and the wire types, so an
     idle editor sidecar stays small. Requests that arrive before the core is loaded are
     deferred in arrival order and replayed once it is; the event loop keeps serving
     meanwhile (``ping``, ``$/cancelRequest``, client responses). If the import fails,
-    the replayed requests fail with the error (-32603) instead of waiting forever."""
+    the replayed requests fail with the error (-32603) instead of waiting forever.
 
-    def __init__(self) -> None:
+    Who imports: when a request that needs the app is already waiting while pygls loads,
+    the connection's loader thread goes straight on to the core in the same pass
+    (``external=True``; it calls :meth:`loaded_elsewhere` when done); otherwise the first
+    request starts the import on a worker thread."""
+
+    def __init__(self, external: bool = False) -> None:
         self.loaded = all(m in sys.modules for m in CORE_MODULES)
         self._deferred: list[tuple[Any, Callable[[], None]]] = []
-        self._started = False
+        self._started = external
 
     def defer(self, msg_id: Any, replay: Callable[[], None]) -> None:
         self._deferred.append((msg_id, replay))
         if not self._started:
             self._started = True
             loop = asyncio.get_running_loop()
-            loop.run_in_executor(None, self._load).add_done_callback(
+            loop.run_in_executor(None, self.load).add_done_callback(
                 lambda _f: loop.call_soon(self._loaded, loop))
+
+    def loaded_elsewhere(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The connection's loader thread has imported the core (or failed: see ``load``)."""
+        if not self.loaded:
+            self._loaded(loop)
 
     def deferred(self, msg_id: Any) -> bool:
         return any(i == msg_id for i, _ in self._deferred)
@@ -180,7 +210,7 @@ class CoreLoader:
 
     def _loaded(self, loop: asyncio.AbstractEventLoop) -> None:
         self._replay()
-        loop.run_in_executor(None, self._warm)
+        loop.call_later(WARM_DELAY_S, lambda: loop.run_in_executor(None, self.warm))
 
     def _replay(self) -> None:
         self.loaded = True
@@ -192,18 +222,27 @@ class CoreLoader:
                 log.exception("error while handling a deferred request")
 
     @staticmethod
-    def _load() -> None:
+    def load() -> bool:
         t0 = time.perf_counter()
         try:
             for name in CORE_MODULES:
                 importlib.import_module(name)
+            from operate_sidecar.protocol import catalog, converter
+
+            for params_type, _ in catalog.REQUESTS.values():  # build the params checkers now, not per first call
+                converter.get_structure_hook(params_type)
+            from .stdio import bind_children_to_process
+
+            bind_children_to_process()  # the tools' reaper (a process spawn): here, not in the first operate
         except BaseException:
             log.exception("could not load the core")
-            return
-        log.info("core loaded in %.0f ms", (time.perf_counter() - t0) * 1000)
+            return False
+        log.info("core loaded in %.0f ms (thread %s)", (time.perf_counter() - t0) * 1000,
+                 threading.current_thread().name)
+        return True
 
     @staticmethod
-    def _warm() -> None:
+    def warm() -> None:
         for name in CORE_WARM:  # optional; the first real use reports an error
             try:
                 importlib.import_module(name)
@@ -231,10 +270,18 @@ class SidecarServer(JsonRPCServer):
         self.conn = conn
         self.debug = bool(getattr(conn, "debug", False))
         self.sidecar = Sidecar(self)
-        self.core = CoreLoader()
-        for method in _APP_METHODS:
-            self.protocol.fm.feature(method)(_handler(getattr(self.sidecar, method)))
-        assert set(self.protocol.fm.features) == set(_APP_METHODS)
+        self.core = CoreLoader(external=bool(getattr(conn, "loads_core", False)))
+        # dispatch is the protocol's catalog: every request it declares (but the connection's
+        # own) is registered with pygls by name; a method without a handler is not registered,
+        # so it is answered -32601 and reported here (tests/rpc/test_catalog.py fails on it)
+        self.unserved: list[str] = []
+        for method in app_methods():
+            bound = getattr(self.sidecar, handler_name(method), None)
+            if bound is None or not callable(bound):
+                self.unserved.append(method)
+                log.error("the protocol declares %s but the server has no handler for it", method)
+                continue
+            self.protocol.fm.feature(method)(_handler(bound))
 
     # ---------------------------------------------------------------- called by Connection
     def handle_request(self, msg_id: Any, method: str, params: dict) -> None:

@@ -31,11 +31,16 @@ DEFAULTS: dict[str, Any] = {
     "maxConcurrentOperates": DEFAULT_MAX_CONCURRENT_OPERATES,
     "maxBranches": DEFAULT_MAX_BRANCHES,
     "maxMessagesPerBranch": DEFAULT_MAX_MESSAGES_PER_BRANCH,
+    "secretEnv": [],
 }
 
 #: bounds that must be positive integers (PROTOCOL §2; protocol/README.md)
-POSITIVE_INT_KEYS = ("toolTimeoutMs", "maxToolOutputChars", "maxConcurrentOperates", "maxBranches",
-                     "maxMessagesPerBranch")
+POSITIVE_INT_KEYS = ("maxMessageBytes", "permissionTimeoutMs", "toolTimeoutMs", "maxToolOutputChars",
+                     "maxConcurrentOperates", "maxBranches", "maxMessagesPerBranch")
+
+#: settings deeper than this (objects/arrays inside one another) are refused at once: no
+#: setting needs more, and a deep value would otherwise exhaust the recursion limit
+MAX_SETTINGS_DEPTH = 32
 
 _DICT_KEYS = ("models", "toolPolicy", "mcpServers")
 _POLICIES = ("allow", "deny", "ask")
@@ -43,6 +48,23 @@ _POLICIES = ("allow", "deny", "ask")
 
 class SettingsError(ValueError):
     pass
+
+
+def check_depth(value: Any, limit: int = MAX_SETTINGS_DEPTH, where: str = "settings") -> None:
+    """SettingsError when ``value`` nests objects/arrays more than ``limit`` deep (iterative:
+    any depth is measured without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            items = v.values()
+        elif isinstance(v, list):
+            items = v
+        else:
+            continue
+        if d >= limit:
+            raise SettingsError(f"{where} are nested more than {limit} levels deep")
+        stack.extend((x, d + 1) for x in items)
 
 
 def merge(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
@@ -93,18 +115,75 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
     for tool, decision in s["toolPolicy"].items():
         if decision not in _POLICIES:
             raise SettingsError(f"settings.toolPolicy.{tool} must be one of {', '.join(_POLICIES)}")
-    for key in ("permissionTimeoutMs", "maxMessageBytes"):
-        v = s.get(key)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-            raise SettingsError(f"settings.{key} must be a non-negative number")
     for key in POSITIVE_INT_KEYS:
         v = s.get(key)
         if type(v) is not int or v < 1:
             raise SettingsError(f"settings.{key} must be a positive integer")
     if not isinstance(s.get("toolModules"), list) or not all(isinstance(m, str) for m in s["toolModules"]):
         raise SettingsError("settings.toolModules must be a list of module names")
+    stdlib = [m for m in s["toolModules"] if _is_stdlib_module(m)]
+    if stdlib:
+        raise SettingsError(f"settings.toolModules: {', '.join(map(repr, stdlib))} "
+                            f"{'is a module' if len(stdlib) == 1 else 'are modules'} of the Python standard "
+                            "library; only your own tool modules can be loaded")
     if not isinstance(s.get("mcpServers"), dict):
         raise SettingsError("settings.mcpServers must be an object")
+    for name, spec in s["mcpServers"].items():
+        problem = _mcp_problem(spec)
+        if problem:
+            raise SettingsError(f"settings.mcpServers.{name}: {problem}")
+    secret_env = s.get("secretEnv")
+    if not isinstance(secret_env, list) or not all(isinstance(n, str) and n for n in secret_env):
+        raise SettingsError("settings.secretEnv must be a list of environment variable names")
     if s.get("stateDir") is not None and not isinstance(s["stateDir"], str):
         raise SettingsError("settings.stateDir must be a path or null")
+    from .. import redaction  # standard library only
+
+    for value in secret_values(s):  # every front end's settings pass here: one registration point
+        redaction.remember_secret(value)
     return s
+
+
+def _is_stdlib_module(name: str) -> bool:
+    import sys
+
+    top = name.strip().split(".", 1)[0]
+    return top in sys.stdlib_module_names
+
+
+_MCP_KEYS = ("command", "env")
+
+
+def _mcp_problem(spec: Any) -> str | None:
+    """Why an ``mcpServers`` entry has the wrong shape (None when it is right)."""
+    if not isinstance(spec, dict):
+        return f"must be an object {{command, env}}, got {type(spec).__name__}"
+    unknown = [k for k in spec if k not in _MCP_KEYS]
+    if unknown:
+        return "unknown field(s) " + ", ".join(map(str, unknown)) + " (expected command, env)"
+    cmd = spec.get("command")
+    if not isinstance(cmd, list) or not cmd or not all(isinstance(c, str) and c for c in cmd):
+        return "command must be a non-empty list of strings (the executable, then its arguments)"
+    env = spec.get("env")
+    if env is not None and (not isinstance(env, dict)
+                            or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        return "env must be an object of strings"
+    return None
+
+
+def secret_values(settings: dict[str, Any]) -> list[str]:
+    """The values of the environment variables that hold secrets: every model's
+    ``apiKeyEnv`` (``OPENAI_API_KEY`` for an ``openai`` model without one) and every name in
+    ``secretEnv``. Used to redact them from everything the server emits or stores."""
+    import os
+
+    names: list[str] = []
+    for cfg in (settings.get("models") or {}).values():
+        if isinstance(cfg, dict):
+            env = cfg.get("apiKeyEnv")
+            if isinstance(env, str) and env:
+                names.append(env)
+            elif cfg.get("provider") == "openai":
+                names.append("OPENAI_API_KEY")
+    names.extend(n for n in settings.get("secretEnv") or [] if isinstance(n, str))
+    return [v for v in (os.environ.get(n) for n in names) if v]

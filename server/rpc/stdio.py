@@ -26,11 +26,21 @@ from .framing import encode_frame
 log = logging.getLogger(__name__)
 
 
+_WIRE_IS_TTY = False
+_GUARDED = False   # guard_stdio() ran: this process is the sidecar, not a host embedding it
+
+
 def guard_stdio() -> tuple[int, int]:
     """Return ``(wire_in_fd, wire_out_fd)``; fd 0 → /dev/null, fd 1 → stderr."""
     try:
         sys.stdout.flush()
     except Exception:
+        pass
+    global _WIRE_IS_TTY, _GUARDED
+    _GUARDED = True
+    try:
+        _WIRE_IS_TTY = os.isatty(0)
+    except OSError:
         pass
     wire_out = os.dup(1)          # dup() makes non-inheritable fds: children never see them
     wire_in = os.dup(0)
@@ -54,7 +64,7 @@ class Wire:
     flushed together at the end of it, one ``write`` instead of one per message.
     Order is kept (one buffer); messages from other threads flush at once."""
 
-    __slots__ = ("_f", "_lock", "closed", "on_broken", "_loop", "_loop_thread", "_deferred")
+    __slots__ = ("_f", "_lock", "closed", "on_broken", "_loop", "_loop_thread", "_deferred", "tap")
 
     def __init__(self, fd: int, on_broken: Callable[[], None] | None = None) -> None:
         self._f = io.BufferedWriter(io.FileIO(fd, "wb", closefd=True), buffer_size=1 << 16)
@@ -67,10 +77,13 @@ class Wire:
             self._loop = None
         self._loop_thread = threading.get_ident()
         self._deferred = False  # a flush is scheduled at the end of this loop iteration
+        self.tap: Callable[[bytes], None] | None = None  # sees every body sent (``--record``)
 
     def send_bytes(self, body: bytes) -> None:
         if self.closed:
             return
+        if self.tap is not None:
+            self.tap(body)
         frame = encode_frame(body)
         try:
             with self._lock:
@@ -157,3 +170,54 @@ async def attach_reader(fd: int, on_data: Callable[[bytes], None], on_eof: Calla
 
     threading.Thread(target=pump, name="stdin-reader", daemon=True).start()
     return stop.set
+
+
+# -- children die with the sidecar ------------------------------------------------
+
+_REAPER: "subprocess.Popen[bytes] | None" = None  # noqa: F821
+_REAPER_PIPE: int | None = None
+
+#: the reaper: a shell that blocks reading a pipe only the sidecar holds; the read ends when
+#: the sidecar is gone (exit, crash or SIGKILL alike), then it kills the sidecar's group
+_REAPER_SCRIPT = 'while read -r _; do :; done; kill -s KILL -- "-$0" 2>/dev/null; exit 0'
+
+
+def bind_children_to_process(wire_in: int | None = None) -> bool:
+    """Make every process a tool starts (and their children) die with the sidecar.
+
+    The sidecar becomes the leader of a process group of its own (children inherit the
+    group), and a tiny reaper process in a session of its own waits for the sidecar to be
+    gone, then SIGKILLs that group: tools' children and grandchildren cannot outlive it,
+    even when the sidecar is SIGKILLed. CLI models run in groups of their own with
+    ``PR_SET_PDEATHSIG`` (``server.models.cli``). Skipped when the wire is a terminal (job
+    control) or the group cannot be made. Idempotent; returns whether the reaper runs."""
+    global _REAPER, _REAPER_PIPE
+    if _REAPER is not None and _REAPER.poll() is None:
+        return True
+    if not _GUARDED or sys.platform == "win32" or not hasattr(os, "setpgid"):
+        return False
+    try:
+        if _WIRE_IS_TTY or (wire_in is not None and os.isatty(wire_in)):
+            return False
+        if os.getpgrp() != os.getpid():
+            os.setpgid(0, 0)
+    except OSError as e:
+        log.debug("cannot lead a process group (%s); children may outlive the sidecar", e)
+        return False
+    import shutil
+    import subprocess
+
+    sh = shutil.which("sh") or "/bin/sh"
+    r, w = os.pipe()  # non-inheritable: tools' children never hold the write end
+    try:
+        _REAPER = subprocess.Popen([sh, "-c", _REAPER_SCRIPT, str(os.getpid())], stdin=r,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                                   start_new_session=True)
+    except OSError as e:
+        os.close(w)
+        log.debug("cannot start the reaper (%s); children may outlive the sidecar", e)
+        return False
+    finally:
+        os.close(r)
+    _REAPER_PIPE = w
+    return True

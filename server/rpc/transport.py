@@ -7,8 +7,13 @@ the pygls ``JsonRPCServer`` with the methods), which is imported on a
 background thread as soon as ``initialize`` has been answered, so the
 initialize path never waits for (or competes for the GIL with) pygls or
 lsprotocol. Messages that need the app before it is loaded wait in an ordered
-backlog. The core (pydantic, the pipeline) is loaded later still, by the app,
-on a worker thread when the first request that needs it arrives.
+backlog. The core (pydantic, the pipeline) is loaded only once a request needs
+it: by the same background pass when one is already waiting, else by the app.
+
+Its tables (method names, lifecycle gates, ``initialize`` fields) are copies of
+what ``operate_sidecar.protocol`` declares, kept here because importing that
+package costs more than answering ``initialize``; tests/rpc/test_catalog.py pins
+each of them to the protocol.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import threading
 import traceback
 from typing import Any, Callable
 
+from .. import redaction
 from . import errors as E
 from . import settings as S
 from .framing import FrameParser, peek_id
@@ -42,7 +48,12 @@ REQUEST_METHODS: tuple[str, ...] = (
 )
 #: notifications the server sends (``capabilities.notifications``)
 SERVER_NOTIFICATIONS: tuple[str, ...] = ("$/progress", "toolEvent", "window/logMessage")
-_APP_METHODS = frozenset(REQUEST_METHODS) - {"initialize", "ping", "shutdown"}
+#: the requests this connection answers itself; the app serves the rest of REQUEST_METHODS
+CONNECTION_METHODS: tuple[str, ...] = ("initialize", "ping", "shutdown")
+#: requests answered before ``initialize`` (others: -32002) and after ``shutdown`` (others: -32600)
+BEFORE_INITIALIZE = frozenset({"initialize", "ping"})
+AFTER_SHUTDOWN = frozenset({"ping"})
+_APP_METHODS = frozenset(REQUEST_METHODS) - frozenset(CONNECTION_METHODS)
 
 #: imported by the background loader before the app takes requests. The core (pydantic,
 #: the Operative models) is not: ``server.rpc.server`` loads it on a worker thread when the
@@ -94,7 +105,7 @@ class Connection:
         self.version = version
         self.debug = debug
         self.base_settings = base_settings
-        self.settings: dict[str, Any] = S.finalize(S.merge(S.DEFAULTS, base_settings))
+        self.settings: dict[str, Any] = S.finalize(S.merge(S.DEFAULTS, base_settings))  # registers secrets too
         self.client_pid = client_pid
         self.client_capabilities: dict[str, Any] = {}
         self.client_info: dict[str, Any] = {}
@@ -108,6 +119,9 @@ class Connection:
         self._app_error: BaseException | None = None
         self._backlog: list[dict] | None = []   # None once the app is loaded (or failed)
         self.on_initialized: list[Callable[["Connection"], None]] = []
+        self.recorder: Any = None            # server.script.recorder.Recorder under --record
+        self._core_wanted = threading.Event()  # an app request waits: load the core in the same pass
+        self.loads_core = False              # the loader thread imports the core (read by the app)
         self._ping_head = b'{"jsonrpc":"2.0","id":'
         wire.on_broken = lambda: self.stop(1 if not self.shutdown_requested else 0)
 
@@ -122,6 +136,8 @@ class Connection:
             else:
                 log.error("dropping a %s message that is not JSON: %s", msg.get("method"), e)
                 return
+        if redaction.has_secrets():  # the last net: no known secret value leaves the process
+            body = redaction.redact_bytes(body)
         self.wire.send_bytes(body)
 
     def send_result(self, msg_id: Any, result: Any) -> None:
@@ -162,6 +178,8 @@ class Connection:
                         f"message of {size} bytes exceeds maxMessageBytes ({self.parser.max_bytes}); skipped")
 
     def _on_body(self, body: bytes) -> None:
+        if self.recorder is not None:
+            self.recorder.incoming(body)
         try:
             msg = _decoder.decode(body.decode("utf-8"))  # strict UTF-8; no NaN/Infinity
         except ValueError as e:  # includes UnicodeDecodeError
@@ -208,7 +226,10 @@ class Connection:
                 self.send_error(msg["id"], E.INVALID_PARAMS, "invalid params: params must be an object")
             return
         if "id" in msg:
-            self._ordered(msg, needs_app=method in _APP_METHODS)
+            needs_app = method in _APP_METHODS
+            if needs_app and self.app is None and self.initialized:
+                self._core_wanted.set()
+            self._ordered(msg, needs_app=needs_app)
         else:
             self._ordered(msg, needs_app=method == "$/cancelRequest")
 
@@ -236,11 +257,11 @@ class Connection:
         msg_id = msg["id"]
         if method == "ping":
             self.send_result(msg_id, {})
-        elif self.shutdown_requested:
+        elif self.shutdown_requested and method not in AFTER_SHUTDOWN:
             self.send_error(msg_id, E.INVALID_REQUEST, f"server is shut down; {method} refused")
         elif method == "initialize":
             self._initialize(msg_id, msg["params"])
-        elif not self.initialized:
+        elif not self.initialized and method not in BEFORE_INITIALIZE:
             self.send_error(msg_id, E.NOT_INITIALIZED, f"server not initialized; send initialize before {method}")
         elif method == "shutdown":
             self.shutdown_requested = True
@@ -300,6 +321,7 @@ class Connection:
             self.send_error(msg_id, E.INVALID_PARAMS, "invalid params: " + "; ".join(problems))
             return
         try:
+            S.check_depth(user)  # before anything walks it recursively
             merged = S.merge(S.merge(S.DEFAULTS, self.base_settings), user)
             unknown_s = [k for k in (user or {}) if k not in S.DEFAULTS]
             if unknown_s:
@@ -308,7 +330,10 @@ class Connection:
         except (S.SettingsError, TypeError, ValueError, AttributeError) as e:
             self.send_error(msg_id, E.INVALID_PARAMS, f"invalid params: settings: {e}")
             return
-        self.settings = settings
+        except RecursionError:
+            self.send_error(msg_id, E.INVALID_PARAMS, "invalid params: settings: nested too deeply")
+            return
+        self.settings = settings  # S.finalize registered its secret values for redaction
         self.parser.max_bytes = int(settings["maxMessageBytes"])
         self.client_capabilities = dict(caps or {})
         self.client_info = dict(params.get("clientInfo") or {})
@@ -358,13 +383,31 @@ class Connection:
                 linecache.clearcache()
             except BaseException as e:  # pragma: no cover - broken install
                 error = e
+            # a request that needs the core already waits (the editor's first createBranch
+            # right after initialize): go on to the core in this pass instead of handing
+            # over to a worker thread once pygls is up. Otherwise the core waits for a
+            # request, so that an idle sidecar stays small.
+            chain = error is None and self._core_wanted.is_set()
+            self.loads_core = chain  # read on the loop thread by the app, created after this
             try:
                 loop.call_soon_threadsafe(self._app_loaded, mod, error)
             except RuntimeError:  # the loop is already closed: the process is exiting
                 return
+            if not chain:
+                return
+            mod.CoreLoader.load()  # logs its own failure; the replayed requests then fail -32603
+            linecache.clearcache()
+            try:
+                loop.call_soon_threadsafe(self._core_loaded, loop)
+            except RuntimeError:
+                return
 
         limit_malloc_arenas()
         threading.Thread(target=load, name="app-loader", daemon=True).start()
+
+    def _core_loaded(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.app is not None:
+            self.app.core.loaded_elsewhere(loop)
 
     def load_app_now(self) -> None:
         from . import server as mod

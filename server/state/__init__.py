@@ -1,5 +1,6 @@
-"""Crash-safe branch state: an append-only journal per branch with snapshots."""
+"""Crash-safe branch state: a SQLite store per ``stateDir`` (see ``store.py``); the 0.1 JSONL
+journal is only read, to import it once (``jsonl_import.py``)."""
 
-from .journal import Journal, LoadedBranch
+from .store import DB_FILE, LoadedBranch, StateNotSaved, StateStore, UnavailableStore
 
-__all__ = ["Journal", "LoadedBranch"]
+__all__ = ["DB_FILE", "LoadedBranch", "StateNotSaved", "StateStore", "UnavailableStore"]

@@ -8,7 +8,16 @@
 - ``search_text(pattern, path=".", regex=False, ignore_case=False, max_results=100)``
   (read-only): matching lines (1-based line numbers) in text files under ``path``, with a
   result cap and a scan budget;
-- ``write_file(path, content)`` (not read-only, so the default policy is ``ask``).
+- ``write_file(path, content)`` (not read-only, so the default policy is ``ask``); its
+  output carries a unified ``diff`` against the old text (or ``/dev/null``);
+- ``edit_file(path, edits)`` (not read-only): exact-text edits ``{oldText, newText,
+  replaceAll?}`` applied in order, all or nothing (``server.tools.edits``); output
+  ``{path, diff, added, removed}``.
+
+The file tools read and write through a file port (``server.tools.file_tools``): the disk,
+or the client's buffers (``fs/readTextFile`` / ``fs/writeTextFile``) when ``files`` is given.
+The file-changing ones can be previewed (a diff, computed without writing) before they run,
+and never overwrite a file that changed after the text their change was computed from.
 
 Paths: a relative path is relative to the first root; in a multi-root workspace a
 relative path may also start with another root's folder name (``other/src/x.py``), as
@@ -16,24 +25,75 @@ editors show them. Absolute paths are accepted when inside a root. Every path is
 (``..`` and symlinks followed) and must end inside a root, else the call fails with
 :class:`WorkspacePathError`. Paths in results are shown the same way (relative to the
 first root, or ``<folder name>/...`` for another root).
+
+Every disk read and write goes through one read path and one write path (``_read_text`` /
+``_read_bytes`` / ``_open_file`` and ``_write_text``), which re-walk the resolved path from the
+root's directory descriptor without following symlinks (``server.tools.safe_fs``): a directory
+swapped for a symlink after the check makes the call fail instead of reaching outside. Only
+regular files are read (a FIFO never blocks a call), and reads stop at their caps.
+``search_text`` matches with RE2 (linear time, no backreferences or lookaround), so no pattern
+can hang it.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ..core.tools import Tool
-from .errors import ToolSourceError, WorkspacePathError
+from . import safe_fs
+from .edits import EditError, apply_edits, change, unified_diff
+from .errors import ToolCallError, ToolSourceError, WorkspacePathError
 
 __all__ = ["WorkspaceTools"]
+
+
+def _compile_pattern(pattern: str, regex: bool, ignore_case: bool) -> Any:
+    """A linear-time matcher (RE2): no pattern a model writes can hang the search, and the
+    GIL is never held for long. Plain text is matched literally."""
+    import re2  # google-re2; imported on first search only
+
+    opts = re2.Options()
+    opts.log_errors = False
+    opts.case_sensitive = not ignore_case
+    if not regex:
+        opts.literal = True
+    try:
+        return re2.compile(pattern, options=opts)
+    except Exception as e:  # re2.error
+        msg = e.args[0] if e.args else e
+        if isinstance(msg, bytes):
+            msg = msg.decode("utf-8", "replace")
+        raise WorkspacePathError(f"invalid regular expression {pattern!r}: {msg}") from None
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", ".mypy_cache",
                        ".pytest_cache", ".ruff_cache", ".tox"})
 _BINARY_SNIFF = 8192
+
+#: edit_file's arguments (hand-written: camelCase edit fields, no $defs, so grammars stay simple)
+EDIT_FILE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string", "description": "the file to edit"},
+        "edits": {
+            "type": "array", "minItems": 1,
+            "description": "replacements applied in order; each oldText must match exactly once unless replaceAll",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "oldText": {"type": "string", "description": "the exact text to replace"},
+                    "newText": {"type": "string", "description": "the text to put in its place"},
+                    "replaceAll": {"type": "boolean", "description": "replace every occurrence", "default": False},
+                },
+                "required": ["oldText", "newText"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    "required": ["path", "edits"],
+    "additionalProperties": False,
+}
 
 
 class WorkspaceTools:
@@ -42,7 +102,8 @@ class WorkspaceTools:
     def __init__(self, roots: Iterable[str | os.PathLike[str]], *, max_read_bytes: int = 256 * 1024,
                  max_list_entries: int = 1000, max_results: int = 200, max_line_chars: int = 300,
                  max_search_file_bytes: int = 2 * 1024 * 1024, max_search_files: int = 20_000,
-                 max_search_bytes: int = 64 * 1024 * 1024, max_write_bytes: int = 10 * 1024 * 1024) -> None:
+                 max_search_bytes: int = 64 * 1024 * 1024, max_write_bytes: int = 10 * 1024 * 1024,
+                 files: Any = None) -> None:
         resolved: list[Path] = []
         for r in roots:
             p = Path(os.path.realpath(os.fspath(r)))
@@ -59,6 +120,7 @@ class WorkspaceTools:
         self.max_search_files = max_search_files
         self.max_search_bytes = max_search_bytes
         self.max_write_bytes = max_write_bytes
+        self.files = files  # a file_tools.FileAccess (e.g. the client's buffers); None = the disk
 
     def tools(self) -> list[Tool]:
         """The workspace tools; none when there is no workspace folder."""
@@ -69,11 +131,15 @@ class WorkspaceTools:
                  f"root's folder name ({', '.join(r.name for r in self.roots[1:])})")
         out = []
         for fn, read_only in ((self.read_file, True), (self.list_dir, True), (self.search_text, True),
-                              (self.write_file, False)):
+                              (self.write_file, False), (self.edit_file, False)):
             t = Tool.from_function(fn, source="builtin", read_only=read_only)
+            if fn == self.edit_file:
+                t.input_schema, t._validator = EDIT_FILE_SCHEMA, None  # camelCase edits, checked by jsonschema
             t.description = f"{t.description} {where}."
             out.append(t)
-        return out
+        from .file_tools import FileTools
+
+        return FileTools(self, self.files).wrap(out)
 
     # -- paths -----------------------------------------------------------------
 
@@ -130,29 +196,46 @@ class WorkspaceTools:
         if limit < 1:
             raise WorkspacePathError("limit must be 1 or more")
         real = self.resolve(path)
-        if not real.is_file():
-            raise WorkspacePathError(f"{path!r} is not a file" if real.exists() else f"{path!r} does not exist")
-        with open(real, "rb") as fb:
-            if b"\x00" in fb.read(_BINARY_SNIFF):
-                raise WorkspacePathError(f"{path!r} is a binary file")
         lines: list[str] = []
         size = 0
         truncated = False
         next_offset: int | None = None
-        with open(real, encoding="utf-8", errors="replace", newline="") as f:
-            for number, line in enumerate(f, start=1):
+        # caps applied while reading: at most max_read_bytes kept, at most max_search_bytes
+        # scanned to reach ``offset``, never a whole line of unbounded length in memory
+        with self._open_file(real, path) as f:
+            if b"\x00" in f.peek(_BINARY_SNIFF)[:_BINARY_SNIFF]:
+                raise WorkspacePathError(f"{path!r} is a binary file")
+            scanned = 0
+            number = 0
+            while True:
+                room = self.max_read_bytes - size
+                raw = f.readline(max(room, 0) + 1 if number + 1 >= offset else 1 << 20)
+                if not raw:
+                    break
+                scanned += len(raw)
+                if not raw.endswith(b"\n") and len(raw) == (1 << 20):  # a long line being skipped
+                    if scanned > self.max_search_bytes:
+                        truncated = True
+                        break
+                    continue
+                number += 1
                 if number < offset:
+                    if scanned > self.max_search_bytes:
+                        truncated = True
+                        next_offset = number + 1
+                        break
                     continue
                 if len(lines) >= limit:
                     next_offset = number
                     break
-                if size + len(line) > self.max_read_bytes:
-                    lines.append(line[: self.max_read_bytes - size])
+                line = raw.decode("utf-8", "replace")
+                if len(raw) > room:
+                    lines.append(raw[:room].decode("utf-8", "ignore"))
                     truncated = True
                     next_offset = number + 1
                     break
                 lines.append(line)
-                size += len(line)
+                size += len(raw)
         return {"path": self.display(real), "offset": offset, "lines": len(lines), "content": "".join(lines),
                 "nextOffset": next_offset, "truncated": truncated}
 
@@ -194,7 +277,7 @@ class WorkspaceTools:
         """Search text files in the workspace for lines containing a string or matching a regular expression.
 
         Args:
-            pattern: the text to find (a Python regular expression when regex is true)
+            pattern: the text to find (an RE2 regular expression when regex is true: Python syntax without backreferences or lookaround)
             path: the directory or file to search
             regex: treat pattern as a regular expression
             ignore_case: match case-insensitively
@@ -202,11 +285,7 @@ class WorkspaceTools:
         """
         if not pattern:
             raise WorkspacePathError("pattern must not be empty")
-        flags = re.IGNORECASE if ignore_case else 0
-        try:
-            rx = re.compile(pattern if regex else re.escape(pattern), flags)
-        except re.error as e:
-            raise WorkspacePathError(f"invalid regular expression {pattern!r}: {e}") from None
+        rx = _compile_pattern(pattern, regex, ignore_case)
         cap = max(1, min(max_results, self.max_results))
         real = self.resolve(path)
         if not real.exists():
@@ -219,12 +298,12 @@ class WorkspaceTools:
             if files >= self.max_search_files or scanned >= self.max_search_bytes:
                 truncated = True
                 break
-            try:
-                st = file.stat()
-                if st.st_size > self.max_search_file_bytes:
+            try:  # regular files only (a FIFO would block), opened without following a swapped link
+                src = Path(os.path.realpath(file)) if file.is_symlink() else file  # checked by _walk_files
+                data, more = self._read_bytes(src, self.max_search_file_bytes)
+                if more:
                     continue
-                data = file.read_bytes()
-            except OSError:
+            except (OSError, WorkspacePathError):
                 continue
             files += 1
             scanned += len(data)
@@ -255,24 +334,98 @@ class WorkspaceTools:
         if len(data) > self.max_write_bytes:
             raise WorkspacePathError(f"content is {len(data)} bytes; the limit is {self.max_write_bytes}")
         real = self.resolve(path)
-        if real.is_dir():
-            raise WorkspacePathError(f"{path!r} is a directory")
-        created = not real.exists()
-        real.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".tmp")
+        old = self._read_text(real) if os.path.lexists(real) and not real.is_dir() else None
+        created = self._write_bytes(real, data, path)
+        return {"path": self.display(real), "bytes": len(data), "created": created,
+                "diff": unified_diff(old, content, self.display(real))}
+
+    def edit_file(self, path: str, edits: list[dict[str, Any]]) -> dict[str, Any]:
+        """Change a text file in the workspace by exact-text replacements, applied in order, all or nothing.
+        Each edit's oldText must match the file's current text exactly once (whitespace included), unless
+        replaceAll is true. On any failure nothing is written.
+
+        Args:
+            path: the file to edit
+            edits: the replacements, as [{"oldText": ..., "newText": ..., "replaceAll": false}]
+        """
+        real = self.resolve(path)
+        old = self._read_text(real)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            if not created:
-                os.chmod(tmp, real.stat().st_mode & 0o7777)
-            os.replace(tmp, real)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        return {"path": self.display(real), "bytes": len(data), "created": created}
+            new = apply_edits(old, edits)
+        except EditError as e:
+            raise ToolCallError(f"{e}; nothing was written to {self.display(real)}") from None
+        ch = change(self.display(real), old, new)
+        self._write_text(real, new)
+        return {"path": ch.path, "diff": ch.diff, "added": ch.added, "removed": ch.removed}
+
+    # -- the one read path and the one write path --------------------------------
+    # Every read and write of a workspace file goes through these: the resolved path is
+    # re-walked from the root's directory descriptor without following symlinks (safe_fs),
+    # so a directory swapped for a symlink after ``resolve`` cannot redirect the access.
+
+    def _where(self, real: Path) -> tuple[Path, list[str]]:
+        root = self._root_of(real)
+        if root is None:
+            raise WorkspacePathError(f"path {str(real)!r} is outside the workspace folders")
+        return root, safe_fs.relative_to_root(root, real)
+
+    def _open_file(self, real: Path, shown: str | None = None) -> Any:
+        """A buffered binary reader of the regular file ``real`` (resolved, inside a root)."""
+        import io
+
+        root, rel = self._where(real)
+        try:
+            fd, _ = safe_fs.open_regular(root, rel)
+        except (safe_fs.NotRegularFileError, IsADirectoryError):
+            raise WorkspacePathError(f"{shown or self.display(real)!r} is not a file") from None
+        except FileNotFoundError:
+            raise WorkspacePathError(f"{shown or self.display(real)!r} does not exist") from None
+        except safe_fs.UnsafePathError as e:
+            raise WorkspacePathError(f"{shown or self.display(real)!r}: {e.strerror}") from None
+        return io.BufferedReader(io.FileIO(fd, "rb", closefd=True), buffer_size=1 << 16)
+
+    def _read_bytes(self, real: Path, max_bytes: int | None = None) -> tuple[bytes, bool]:
+        """At most ``max_bytes`` bytes of the regular file ``real`` and whether it had more."""
+        with self._open_file(real) as f:
+            if max_bytes is None:
+                return f.read(), False
+            data = f.read(max_bytes + 1)
+        return (data[:max_bytes], True) if len(data) > max_bytes else (data, False)
+
+    def _read_text(self, real: Path | str, max_bytes: int | None = None) -> str:
+        """The text of the regular file ``real`` (a resolved Path, or a workspace path that
+        is resolved first); WorkspacePathError when it is binary or longer than
+        ``max_bytes`` (default: max_write_bytes)."""
+        if not isinstance(real, Path):
+            real = self.resolve(real)
+        cap = self.max_write_bytes if max_bytes is None else max_bytes
+        data, more = self._read_bytes(real, cap)
+        if more:
+            raise WorkspacePathError(f"{self.display(real)!r} is larger than {cap} bytes")
+        if b"\x00" in data[:_BINARY_SNIFF]:
+            raise WorkspacePathError(f"{self.display(real)!r} is a binary file")
+        return data.decode("utf-8", "replace")
+
+    def _write_bytes(self, real: Path, data: bytes, shown: str | None = None) -> bool:
+        root, rel = self._where(real)
+        if not rel:
+            raise WorkspacePathError(f"{shown or self.display(real)!r} is a directory")
+        try:
+            return safe_fs.write_bytes_atomic(root, rel, data)
+        except IsADirectoryError:
+            raise WorkspacePathError(f"{shown or self.display(real)!r} is a directory") from None
+        except (safe_fs.UnsafePathError, NotADirectoryError) as e:
+            raise WorkspacePathError(f"{shown or self.display(real)!r}: {e.strerror}; nothing written") from None
+
+    def _write_text(self, real: Path | str, text: str) -> bool:
+        """Atomically replace (or create) the file ``real`` (a resolved Path, or a workspace
+        path resolved first) with ``text``; True when it was created."""
+        if not isinstance(real, Path):
+            real = self.resolve(real)
+        data = text.encode("utf-8")
+        if len(data) > self.max_write_bytes:
+            raise WorkspacePathError(f"content is {len(data)} bytes; the limit is {self.max_write_bytes}")
+        return self._write_bytes(real, data)
 
     # -- helpers ---------------------------------------------------------------
 

@@ -11,6 +11,8 @@ Each named module is imported; every *public* function defined in it becomes a
   description from the docstring, and ``@tool(read_only=..., timeout=..., name=...)``
   metadata is honoured.
 
+A module of the Python standard library (``os``, ``subprocess``, ``shutil``, ...) is refused
+with :class:`ToolSourceError`: its functions were never written to be a model's tools.
 A module that does not import raises :class:`ToolSourceError` naming it and the reason.
 A function whose signature cannot give a JSON Schema is skipped with a warning.
 Two modules defining the same tool name raise :class:`ToolSourceError`.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import sys
 from types import ModuleType
 from typing import Any, Callable, Iterable
 
@@ -56,6 +59,9 @@ def load_tool_modules(names: Iterable[str]) -> list[Tool]:
 
 def module_tools(module: ModuleType) -> list[Tool]:
     """The tools made from an already imported module's public functions."""
+    if is_stdlib_module(module.__name__):
+        raise ToolSourceError(f"tool module {module.__name__!r} is part of the Python standard library "
+                              "and cannot be loaded as tools")
     tools: list[Tool] = []
     seen: set[int] = set()
     for attr, fn in _public_functions(module):
@@ -81,10 +87,18 @@ def module_tools(module: ModuleType) -> list[Tool]:
 def _import(name: str) -> ModuleType:
     if not isinstance(name, str) or not name.strip():
         raise ToolSourceError(f"tool module names must be non-empty strings, got {name!r}")
+    if is_stdlib_module(name):
+        raise ToolSourceError(f"tool module {name!r} is part of the Python standard library and cannot be "
+                              "loaded as tools; name a module of your own that defines the tool functions")
     try:
         return importlib.import_module(name)
     except (Exception, SystemExit) as e:
         raise ToolSourceError(f"tool module {name!r} could not be imported: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def is_stdlib_module(name: str) -> bool:
+    """True when ``name`` (``os``, ``os.path``, ``email.utils``...) belongs to the standard library."""
+    return name.strip().split(".", 1)[0] in sys.stdlib_module_names
 
 
 def _public_functions(module: ModuleType) -> list[tuple[str, Callable[..., Any]]]:

@@ -8,7 +8,10 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
   (d) the extension-host integration test: the unpacked .vsix inside code-server's real extension
       host, driven by headless chromium; its interactive paths (input boxes, quick picks) answer from
       scripted replacements of the extension's own window.showInputBox/showQuickPick, and Cancel is
-      the real progress notification's button.
+      the real progress notification's button; the chat command, the diff review (WorkspaceEdit in the
+      buffer, undo), restart on a settings change and a server that dies at start.
+  (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
+      and key presses over Chromium's DevTools protocol; screenshots land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -36,8 +39,9 @@ NODE_TEST_TIMEOUT = 300
 TSC_TIMEOUT = 180
 VSCE_TIMEOUT = 300
 ITEST_TIMEOUT = 420       # the harness itself gives up after 300 s
+UI_TIMEOUT = 420          # run-ui-test.mjs gives up after 300 s
 # pytest-timeout (make test passes --timeout=180) covers fixture set-up too: raise it for this module.
-pytestmark = pytest.mark.timeout(SETUP_TIMEOUT + ITEST_TIMEOUT + 120)
+pytestmark = pytest.mark.timeout(SETUP_TIMEOUT + ITEST_TIMEOUT + UI_TIMEOUT + 120)
 
 TIMINGS: dict[str, float] = {}
 
@@ -78,7 +82,9 @@ def setup_done():
 def vsix(setup_done, tmp_path_factory) -> dict:
     """vsce package (its vscode:prepublish compiles src/ with tsc), once."""
     out = tmp_path_factory.mktemp("vsix") / "operate-sidecar.vsix"
-    p = run([str(BIN / "vsce"), "package", "--allow-missing-repository", "--skip-license", "--out", str(out)],
+    # --no-rewrite-relative-links: the README's screenshot is packaged (media/) and shown from there
+    p = run([str(BIN / "vsce"), "package", "--allow-missing-repository", "--skip-license", "--no-rewrite-relative-links",
+             "--out", str(out)],
             VSCE_TIMEOUT, "(c) vsce package")
     return {"proc": p, "path": out}
 
@@ -96,10 +102,11 @@ def test_a_protocol_client_against_the_real_server_with_node_test():
     r = json.loads(report.read_text())
     failed = [(t["name"], t.get("error")) for t in r["tests"] if t["status"] != "pass"]
     assert p.returncode == 0 and not failed, f"{failed}\n{r.get('diagnostics')}\n{tail(p)}"
-    assert r["fail"] == r["skip"] == r["todo"] == 0 and r["pass"] == r["total"] >= 8, r
+    assert r["fail"] == r["skip"] == r["todo"] == 0 and r["pass"] == r["total"] >= 12, r
     names = " | ".join(t["name"] for t in r["tests"])
     for topic in ("initialize", "$/progress", "toolEvents", "requestToolPermission", "invokeClientTool",
-                  "cancel mid model call", "error codes", "dies"):
+                  "cancel mid model call", "error codes", "dies", "fs/readTextFile and fs/writeTextFile",
+                  "structured replies show their prose fields", "sanitized", "tool cards"):
         assert topic in names, f"missing test about {topic!r}: {names}"
 
 
@@ -124,20 +131,42 @@ def test_c_vsce_package_produces_a_complete_vsix(vsix):
         names = set(z.namelist())
         manifest = json.loads(z.read("extension/package.json"))
     for required in ("extension/package.json", "extension/readme.md", "extension/out/extension.js",
-                     "extension/out/rpcClient.js", "extension/node_modules/vscode-jsonrpc/package.json",
-                     "extension/node_modules/vscode-jsonrpc/lib/node/main.js", "extension.vsixmanifest"):
+                     "extension/out/rpcClient.js", "extension/out/chatView.js", "extension/out/chatModel.js",
+                     "extension/out/diffReview.js", "extension/out/branchStore.js", "extension/out/context.js",
+                     "extension/out/sidecar-client/index.js", "extension/out/sidecar-client/generated/protocol.js",
+                     "extension/media/chat.js", "extension/media/chat.css", "extension/media/chat.svg",
+                     "extension/node_modules/vscode-jsonrpc/package.json",
+                     "extension/node_modules/vscode-jsonrpc/lib/node/main.js",
+                     "extension/node_modules/markdown-it/package.json", "extension/media/chat-diff-review.png",
+                     "extension.vsixmanifest"):
         assert required in names, f"{required} missing from the vsix"
     top = {n.split("/")[1] if n.startswith("extension/") else n for n in names}
-    assert top == {"[Content_Types].xml", "extension.vsixmanifest", "package.json", "readme.md", "out", "node_modules"}, top
+    assert top == {"[Content_Types].xml", "extension.vsixmanifest", "package.json", "readme.md", "out", "node_modules",
+                   "media"}, top
     modules = {n.split("/")[2] for n in names if n.startswith("extension/node_modules/")}
-    assert modules == {"vscode-jsonrpc"}, f"only the runtime dependency is bundled: {modules}"
+    assert modules == {"vscode-jsonrpc", "markdown-it", "argparse", "entities", "linkify-it", "mdurl", "punycode.js",
+                       "uc.micro"}, f"only the runtime dependencies are bundled: {modules}"
     leaked = [n for n in names if n.startswith(("extension/out/test/", "extension/out/itest/"))
               or (n.startswith("extension/out/") and not n.endswith(".js"))]
     assert not leaked, f"dev files in the vsix: {sorted(leaked)[:20]}"
     assert manifest["engines"]["vscode"] == "^1.90.0" and manifest["devDependencies"]["@types/vscode"] == "1.90.0"
     assert {c["command"] for c in manifest["contributes"]["commands"]} == {
-        f"operateSidecar.{c}" for c in ("operate", "cancel", "showMessages", "newBranch", "forkBranch", "listTools",
-                                         "restart")}
+        f"operateSidecar.{c}" for c in ("operate", "cancel", "showMessages", "newBranch", "forkBranch", "deleteBranch",
+                                         "listTools", "restart", "openChat", "chat", "stop", "newChat", "pickBranch",
+                                         "pickModel", "acceptEdit", "rejectEdit", "alwaysAllowEdit")}
+    # the chat view in its own activity-bar container; Accept/Reject in the diff editor's title behind a context key
+    c = manifest["contributes"]
+    assert c["viewsContainers"]["activitybar"][0]["id"] == "operateSidecar"
+    assert c["views"]["operateSidecar"] == [{"type": "webview", "id": "operateSidecar.chat", "name": "Chat"}]
+    title = {m["command"]: m["when"] for m in c["menus"]["editor/title"]}
+    assert set(title) == {"operateSidecar.acceptEdit", "operateSidecar.rejectEdit", "operateSidecar.alwaysAllowEdit"}
+    assert all("operateSidecar.reviewPending" in w for w in title.values()), title
+    readme = (EXT / "README.md").read_text()
+    shot = EXT / "media" / "chat-diff-review.png"
+    assert readme.startswith("# operate-sidecar for VS Code\n\n![") and "(media/chat-diff-review.png)" in readme.split("\n")[2]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size < 300_000, "the README screenshot stays small"
+    props = c["configuration"]["properties"]
+    assert props["operateSidecar.maxRounds"]["default"] == 4 and props["operateSidecar.toolPolicy"]["type"] == "object"
 
 
 def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
@@ -157,10 +186,39 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
     assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
-    assert len(report["checks"]) == 18 and not bad and report.get("fatal") is None, report["checks"]
+    assert len(report["checks"]) == 25 and not bad and report.get("fatal") is None, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
                   "answered deny_always", "dismissed (= deny_once)", "set-policy command", "asks for the system prompt",
-                  "Cancel on the progress notification", "Cancel while the permission quick pick is open"):
+                  "Cancel on the progress notification", "Cancel while the permission quick pick is open",
+                  "chat command", "acceptEdit lands as a WorkspaceEdit", "rejectEdit denies", "restarts the server by itself",
+                  "dies at start", "Always for this branch", "#selection (file, language, line range), #problems"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
+
+
+def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
+    """The chat webview and the diff editor, driven like a user over Chromium's DevTools protocol."""
+    assert vsix["proc"].returncode == 0, f"packaging failed, nothing to load\n{tail(vsix['proc'])}"
+    with zipfile.ZipFile(vsix["path"]) as z:
+        z.extractall(tmp_path)
+    ext_dir = tmp_path / "extension"
+    shots = RESULTS / "ui"
+    shutil.rmtree(shots, ignore_errors=True)
+    p = run(["node", "scripts/run-ui-test.mjs", "--ext", str(ext_dir), "--out", str(shots), "--timeout", "300"],
+            UI_TIMEOUT, "(e) chat view through the browser")
+    try:
+        summary = json.loads(p.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"the harness printed no JSON\n{tail(p)}")
+    bad = [c for c in summary.get("checks", []) if not c["ok"]]
+    assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
+    names = " | ".join(c["name"] for c in summary["checks"])
+    assert len(summary["checks"]) == 9, names
+    for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
+                  "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
+                  "Stop a running turn"):
+        assert topic in names, f"missing browser check about {topic!r}: {names}"
+    for shot in ("chat.png", "diff-review.png", "chat-final.png"):
+        png = shots / shot
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, png

@@ -103,10 +103,56 @@ async def test_mismatch_policy_prevents_side_effects(policy, record):
     assert not record.ran
 
 
+class ValidMiddle:
+    """An adapter whose result is always a *valid* instance of the generated response type,
+    carrying an action request: only the coordinator's gates can keep the tool from running."""
+
+    async def __call__(self, branch, instruction, chat_param, parse_param, clear_messages=False, *,
+                       skip_validation=False) -> Any:
+        return chat_param.response_format.model_validate({"answer": 1, "action_requests": [call(x=1)]})
+
+
+@pytest.mark.parametrize("path", ["skip_validation", "mismatch_return_value", "mismatch_return_none",
+                                  "mismatch_raise", "invoke_actions_false", "no_requests"])
+async def test_every_early_return_path_has_no_side_effect(path, record):
+    """Consequences: every return path before D4 is free of tool side effects (and of action messages).
+
+    The adapter result reaches the coordinator already valid and carrying a request (or, for the
+    mismatch paths, a mapping that carries one), with an ActionParam prepared: each case is kept
+    from running the tool by its own gate alone (removing that gate makes it run; see the
+    positive control below)."""
+    b, _ = make_branch([], tools=(record,))
+    kw: dict[str, Any] = dict(action_param=ActionParam(), middle=ValidMiddle())
+    if path == "skip_validation":
+        kw["skip_validation"] = True
+    elif path.startswith("mismatch_"):
+        kw["middle"] = MappingMiddle({"answer": "not an int", "action_requests": [call(x=1)]})
+        kw["handle_validation"] = path.removeprefix("mismatch_")
+    elif path == "invoke_actions_false":
+        kw["invoke_actions"] = False
+    elif path == "no_requests":
+        kw["middle"] = MappingMiddle({"answer": 1})
+    if path == "mismatch_raise":
+        with pytest.raises(ValidationFailed):
+            await operate(b, "x", ChatParam(response_format=Answer), **kw)
+    else:
+        await operate(b, "x", ChatParam(response_format=Answer), **kw)
+    assert not record.ran
+    assert not any(k.startswith("action") for k in kinds(b))
+
+
+async def test_early_return_positive_control_runs_the_tool(record):
+    """The same set-up with no gate closed reaches D4: the tool runs once."""
+    b, _ = make_branch([], tools=(record,))
+    out = await operate(b, "x", ChatParam(response_format=Answer), action_param=ActionParam(), middle=ValidMiddle())
+    assert record.calls == [{"x": 1, "note": ""}]
+    assert out.action_responses[0].output == {"doubled": 2}
+
+
 @pytest.mark.parametrize("path", ["skip_validation", "mismatch", "invoke_actions_false", "no_action_param",
                                   "no_requests"])
-async def test_every_early_return_path_has_no_side_effect(path, record):
-    """Consequences: every return path before D4 is free of tool side effects (and of action messages)."""
+async def test_every_early_return_path_through_the_facade_has_no_side_effect(path, record):
+    """The same paths driven through Branch.operate and the scripted model (end to end in the core)."""
     entries = {
         "skip_validation": reply(1, call(x=1)),
         "mismatch": reply("nope", call(x=1)),

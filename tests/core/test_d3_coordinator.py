@@ -118,11 +118,13 @@ async def test_skip_validation_returns_raw_result_before_everything(record):
 
 
 async def test_mismatch_return_value_returns_result_unchanged(record):
-    """D3: handle_validation="return_value" returns the mismatching result unchanged."""
-    value = {"answer": 1}
-    b, _ = make_branch([])
-    out = await b.operate(instruction="x", response_format=Answer, middle=RecordingMiddle(value))
-    assert out is value and value == {"answer": 1}
+    """D3: handle_validation="return_value" returns the mismatching result unchanged, before
+    its action requests are looked at."""
+    value = {"answer": 1, "action_requests": [call(x=1)]}
+    b, _ = make_branch([], tools=(record,))
+    out = await b.operate(instruction="x", response_format=Answer, actions=True, middle=RecordingMiddle(value))
+    assert out is value and value == {"answer": 1, "action_requests": [call(x=1)]}
+    assert not record.ran
 
 
 async def test_mismatch_return_none_returns_none():
@@ -187,11 +189,22 @@ async def test_without_caller_model_mismatch_policy_does_not_apply():
 
 
 async def test_invoke_actions_false_returns_before_request_inspection(record):
-    """D3: invoke_actions=False returns the validated result before action inspection."""
-    b, _ = make_branch([reply(1, call(x=1))], tools=(record,))
-    out = await b.operate(instruction="x", response_format=Answer, actions=True, invoke_actions=False)
-    assert isinstance(out, Answer)
+    """D3: invoke_actions=False returns the validated result before action inspection: a valid
+    result carrying a request, with an ActionParam prepared, is returned as is (the D1 facade
+    gate is bypassed, so only the coordinator's gate stands between the request and the tool)."""
+    class Valid:
+        async def __call__(self, branch, instruction, chat_param, parse_param, clear_messages=False, *,
+                           skip_validation=False):
+            return chat_param.response_format.model_validate({"answer": 1, "action_requests": [call(x=1)]})
+
+    b, _ = make_branch([], tools=(record,))
+    out = await operate(b, "x", ChatParam(response_format=Answer), action_param=ActionParam(),
+                        invoke_actions=False, middle=Valid())
+    assert isinstance(out, Answer) and out.action_responses is None
     assert not record.ran
+    # the same call with the gate open runs the tool: the gate is what held it
+    out = await operate(b, "x", ChatParam(response_format=Answer), action_param=ActionParam(), middle=Valid())
+    assert record.calls == [{"x": 1, "note": ""}]
 
 
 async def test_invoke_actions_false_is_a_gate_independent_of_action_param(record):

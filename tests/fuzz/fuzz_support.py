@@ -34,7 +34,7 @@ REQUEST_TIMEOUT = 15.0    # a fuzzed request (non-operate)
 OPERATE_TIMEOUT = 30.0    # a fuzzed operate (scripted model, fast parse options)
 
 #: PROTOCOL §8
-ERROR_CODES = {-32700, -32600, -32601, -32602, -32603, -32002, -32800, -32010, -32011, -32012}
+ERROR_CODES = {-32700, -32600, -32601, -32602, -32603, -32002, -32800, -32010, -32011, -32012, -32013}
 
 #: counts of generated inputs per test (printed in the terminal summary by conftest.py)
 COUNTS: dict[str, int] = {}
@@ -79,7 +79,7 @@ def sane(msg: dict) -> None:
     assert ("result" in msg) != ("error" in msg), msg
     if "error" in msg:
         err = msg["error"]
-        assert err.get("code") in ERROR_CODES, f"code outside PROTOCOL §8: {msg}"
+        assert err.get("code") in ERROR_CODES, f"code outside the protocol's error codes: {msg}"
         assert err.get("code") != -32603, f"internal error on bad input: {msg}"
         assert not has_traceback(err), f"traceback in error: {msg}"
 

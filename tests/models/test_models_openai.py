@@ -3,6 +3,7 @@ llama_cpp.server`` serving the same SmolLM2 GGUF on 127.0.0.1 (conftest)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import anyio
@@ -13,7 +14,7 @@ from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import ModelRequest
 from operate_sidecar.server.models import make_model
 from operate_sidecar.server.models._common import redact
-from operate_sidecar.server.models.openai_compat import RF_JSON_OBJECT_SCHEMA, RF_LADDER, OpenAIModel
+from operate_sidecar.server.models.openai_compat import RF_JSON_OBJECT_SCHEMA, OpenAIModel
 
 pytestmark = pytest.mark.anyio
 
@@ -53,8 +54,58 @@ async def test_openai_streams_text_deltas_then_a_result(llama_server):
     # llama_cpp.server sends no usage chunk: tolerated (usage stays None there).
 
 
+@contextlib.contextmanager
+def counting_proxy(upstream: str, sent: list[dict]):
+    """A loopback HTTP proxy in front of ``upstream`` that records every request it forwards
+    (path and ``response_format`` type), so a test can count what went over HTTP. Yields the
+    proxy's base URL."""
+    import http.server
+    import threading
+    import urllib.error
+    import urllib.request
+
+    class Forward(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            try:
+                fmt = (json.loads(body or b"{}").get("response_format") or {}).get("type")
+            except ValueError:
+                fmt = None
+            sent.append({"path": self.path, "format": fmt})
+            base = upstream.rsplit("/v1", 1)[0]
+            req = urllib.request.Request(base + self.path, data=body, method="POST",
+                                         headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    status, headers, data = r.status, r.headers, r.read()
+            except urllib.error.HTTPError as e:
+                status, headers, data = e.code, e.headers, e.read()
+            self.send_response(status)
+            self.send_header("Content-Type", headers.get("Content-Type", "application/json"))
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(30)
+
+
 async def test_openai_structured_output_validates_and_the_working_format_is_remembered(llama_server):
-    model = openai_model(llama_server.base_url)
+    """The first call walks the ladder (json_schema is rejected by llama_cpp.server, json_object +
+    schema works); the second call starts at the format that worked: one request, no probing."""
+    sent: list[dict] = []
+    proxy = counting_proxy(llama_server.base_url, sent)
+    model = openai_model(proxy.__enter__())
     request = ModelRequest(
         messages=[{"role": "user", "content": "Describe Paris as JSON: city, population, sights."}],
         response_schema=SCHEMA,
@@ -66,12 +117,16 @@ async def test_openai_structured_output_validates_and_the_working_format_is_reme
             first = await model.invoke(request)
             # llama_cpp.server rejects "json_schema"; it takes json_object + schema.
             assert model.structured_mode == RF_JSON_OBJECT_SCHEMA
+            probes = len(sent)
             second = await model.invoke(request)
     finally:
         await model.aclose()
+        proxy.__exit__(None, None, None)
     for response in (first, second):
         jsonschema.validate(json.loads(response.text), SCHEMA)
-    assert model.structured_mode in RF_LADDER
+    assert [r["format"] for r in sent[:probes]] == ["json_schema", "json_object"]
+    assert [r["format"] for r in sent[probes:]] == ["json_object"]      # remembered: exactly one request
+    assert all(r["path"].endswith("/chat/completions") for r in sent)
 
 
 async def test_openai_unreachable_server_is_a_model_error_without_the_key(own_llama_server, monkeypatch):

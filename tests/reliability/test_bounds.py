@@ -122,3 +122,73 @@ def test_max_messages_per_branch_is_a_clear_invalid_params_error(sidecar):
     assert out["result"] == "two"                                    # clearing is the way out
     fresh = sidecar.branch()                                         # so is a new branch (a fork copies all)
     assert sidecar.request("operate", {"branchId": fresh, "instruction": "d"})["result"] == "three"
+
+
+@pytest.mark.parametrize("key", ["maxMessageBytes", "permissionTimeoutMs"])
+@pytest.mark.parametrize("bad", [0, 0.5, -1, 1.5, "10", True])
+def test_every_bound_including_max_message_bytes_is_a_positive_integer(sidecar, key, bad):
+    """``maxMessageBytes`` 0 or 0.5 used to be accepted, after which every frame (ping too) was
+    refused: all bounds are positive integers, else -32602 naming the setting."""
+    err = sidecar.error_of("initialize", {"settings": {key: bad}})
+    assert err.code == -32602 and key in err.message
+    assert sidecar.request("ping", timeout=TIMEOUT) == {}
+
+
+def test_settings_nested_900_deep_are_answered_at_once_with_32602(sidecar):
+    deep: dict = {}
+    node = deep
+    for _ in range(900):
+        node["x"] = {}
+        node = node["x"]
+    err = sidecar.error_of("initialize", {"settings": {"models": {"s": {"provider": "scripted", "responses": ["x"],
+                                                                       "deep": deep}}}}, timeout=10)
+    assert err.code == -32602 and "deep" in err.message
+    assert sidecar.init(models={"s": scripted("x")})["protocolVersion"] == 1   # the server is fine
+
+
+def test_an_absurd_content_length_is_answered_at_once_and_the_stream_resyncs(sidecar):
+    """A Content-Length of 10^22 can never arrive: -32600 at once (not after waiting for 10^22
+    bytes), then the next frame is read normally."""
+    sidecar.init(models={"s": scripted("x")})
+    body = json.dumps({"jsonrpc": "2.0", "id": 77, "method": "listBranches", "params": {}}).encode()
+    pending = sidecar.expect(77)
+    sidecar.send_raw(b"Content-Length: 10000000000000000000000\r\n\r\n" + body)
+    with pytest.raises(RpcError) as ei:
+        pending.result(10)
+    assert ei.value.code == -32600 and "maxMessageBytes" in ei.value.message
+    assert sidecar.request("listBranches", {}, timeout=10) == {"branches": []}
+
+
+def test_an_oversize_body_is_answered_before_it_has_all_arrived(sidecar):
+    """The answer to an oversize request does not wait for the rest of its body: the head
+    (where the id is) is enough."""
+    sidecar.init(models={"s": scripted("x")}, maxMessageBytes=100_000)
+    head = b'{"jsonrpc":"2.0","id":78,"method":"listBranches","params":{},"pad":"' + b"p" * 70_000
+    pending = sidecar.expect(78)
+    sidecar.send_raw(b"Content-Length: 1000000\r\n\r\n" + head)      # 1 MB announced, 70 KB sent
+    with pytest.raises(RpcError) as ei:
+        pending.result(10)
+    assert ei.value.code == -32600
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("npx server", "must be an object"),
+    ({"command": "npx server"}, "command must be a non-empty list"),
+    ({"command": []}, "command must be a non-empty list"),
+    ({"command": ["x"], "env": {"A": 1}}, "env must be an object of strings"),
+    ({"command": ["x"], "args": ["y"]}, "unknown field"),
+])
+def test_a_wrong_shaped_mcp_server_entry_is_refused_at_initialize(sidecar, spec, fragment):
+    """Reported at initialize (-32602 naming the server), not at first use."""
+    err = sidecar.error_of("initialize", {"settings": {"mcpServers": {"files": spec}}})
+    assert err.code == -32602 and "mcpServers.files" in err.message and fragment in err.message
+    assert sidecar.init(models={"s": scripted("x")})["protocolVersion"] == 1
+
+
+def test_standard_library_tool_modules_are_refused_at_initialize(sidecar):
+    err = sidecar.error_of("initialize", {"settings": {"toolModules": ["recording_tools", "os", "subprocess",
+                                                                       "shutil"]}})
+    assert err.code == -32602 and "standard library" in err.message and "'subprocess'" in err.message
+    sidecar.init(models={"s": scripted("x")}, toolModules=["recording_tools"])
+    names = {t["name"] for t in sidecar.request("listTools", {}, timeout=TIMEOUT)["tools"]}
+    assert "record_tool" in names and not names & {"popen", "getoutput", "rmtree", "getenv", "system"}

@@ -1,9 +1,9 @@
-"""Crash-safe state (issue 5 §1): with ``stateDir`` every acknowledged message survives SIGKILL.
+"""Crash-safe state: with ``stateDir`` every acknowledged message survives SIGKILL.
 
 A loop starts the real server on one state directory, runs operates on two branches (each
 with its own scripted model; some operates call a recording Python tool, some take a while
 via ``delayMs``, two run concurrently) and kills the process with SIGKILL at a random moment.
-After every restart: the journal loads (no torn record), every branch whose ``createBranch``
+After every restart: the database passes its integrity check, every branch whose ``createBranch``
 was answered is back, every operate whose response was received is present, in order, with
 its whole message group, every ``action_request`` has its ``action_response``, and the branch
 takes a new operate. The seed is printed so a failure can be replayed.
@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from operate_sidecar.server.state import Journal
+from operate_sidecar.server.state import StateStore
 
 from .support import TIMEOUT, RpcError, assert_consistent, calls
 
@@ -57,15 +57,14 @@ def _check_group(msgs: list[dict], instruction: str, tool: bool) -> None:
 
 
 def _journal_loads(state: str, expect: set[str]) -> None:
-    """Read the files as the server will: every record parses, every acknowledged branch loads."""
-    loaded = {lb.id for lb in Journal(state).load()}
-    assert expect <= loaded, f"branches missing from the journal: {expect - loaded}"
-    d = os.path.join(state, "branches")
-    for f in os.listdir(d):
-        if f.endswith(".log"):
-            with open(os.path.join(d, f), "rb") as fh:
-                data = fh.read()
-            assert data == b"" or data.endswith(b"\n"), f"{f}: torn tail survived the load"
+    """Read the database as the server will: it passes its check, every acknowledged branch loads."""
+    store = StateStore(state)
+    try:
+        assert not any("damaged" in p for p in store.problems), store.problems
+        loaded = {lb.id for lb in store.load()}
+    finally:
+        store.close()
+    assert expect <= loaded, f"branches missing from the store: {expect - loaded}"
 
 
 def crash_loop(spawn, state: str, kills: int, seed: int) -> dict:

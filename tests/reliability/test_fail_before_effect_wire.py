@@ -9,7 +9,6 @@ The in-process property test is tests/core/test_fail_before_effect.py.
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 

@@ -6,15 +6,18 @@ scripted model. Client disappearance and parent death get a server each."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from operate_sidecar.server.rpc.settings import DEFAULT_TOOL_TIMEOUT_MS
 
-from .support import TIMEOUT, Sidecar, assert_consistent, calls, outputs, scripted
+from .support import TIMEOUT, RpcError, Sidecar, assert_consistent, calls, outputs, scripted
 
 MODELS = {
     "model_error": scripted({"error": "upstream exploded"}, "after"),
@@ -148,3 +151,172 @@ def test_parent_death_makes_the_watchdog_exit(sidecar):
         if parent.poll() is None:
             parent.kill()
             parent.wait(TIMEOUT)
+
+
+# ---------------------------------------------------------------- the event loop never freezes
+
+def _one_shot(c, *requests, **settings):
+    """Initialize with a scripted model asking for ``requests`` (then answering "after"), run
+    one operate with actions, return its outputs."""
+    c.init(models={"s": scripted(calls(*requests), "after")}, **settings)
+    bid = c.branch()
+    return bid, outputs(c.request("operate", {"branchId": bid, "instruction": "go", "actions": True},
+                                  timeout=TIMEOUT))
+
+
+@pytest.mark.parametrize("tool, args, raised", [
+    ("exiting_tool", {"code": 2}, "SystemExit: 2"),
+    ("interrupted_tool", {}, "KeyboardInterrupt"),
+    ("async_exiting_tool", {}, "SystemExit: 3"),
+])
+def test_a_tool_raising_systemexit_or_keyboardinterrupt_is_that_calls_error(spawn, tool, args, raised):
+    """Any BaseException from a tool is that call's error output; the server lives on."""
+    c = spawn()
+    bid, [o] = _one_shot(c, (tool, args), toolModules=["hostile_tools"])
+    assert o["function"] == tool and raised in o["error"]
+    assert c.request("ping", timeout=TIMEOUT) == {}
+    assert_consistent(c.messages(bid))
+    assert c.proc.poll() is None
+
+
+def test_a_catastrophic_regex_in_search_text_cannot_freeze_the_server(spawn, tmp_path):
+    """``(a+)+$`` over "a"*40+"!" backtracks for hours in a backtracking engine (holding the GIL:
+    no ping, no exit). search_text uses a linear-time engine: the call answers at once."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "evil.txt").write_text("a" * 40 + "!\n" + "a" * 10 + "\n")
+    c = spawn()
+    c.request("initialize", {"workspaceFolders": [str(ws)], "settings": {
+        "models": {"s": scripted(calls(("search_text", {"pattern": "(a+)+$", "regex": True})), "after")},
+        "toolPolicy": {"search_text": "allow"}}}, timeout=TIMEOUT)
+    bid = c.branch()
+    pending = c.request_async("operate", {"branchId": bid, "instruction": "go", "actions": True})
+    assert c.request("ping", timeout=5) == {}          # the loop is not frozen meanwhile
+    [o] = outputs(pending.result(TIMEOUT))
+    assert o["matches"] == [{"path": "evil.txt", "line": 2, "text": "a" * 10}]
+
+
+def test_search_text_skips_a_fifo_instead_of_blocking_on_it(spawn, tmp_path):
+    ws = tmp_path / "ws"
+    (ws / "sub").mkdir(parents=True)
+    os.mkfifo(ws / "sub" / "pipe")                      # nobody ever writes to it
+    (ws / "sub" / "note.txt").write_text("needle here\n")
+    c = spawn()
+    c.request("initialize", {"workspaceFolders": [str(ws)], "settings": {
+        "models": {"s": scripted(calls(("search_text", {"pattern": "needle"}), ("read_file", {"path": "sub/pipe"})),
+                                 "after")},
+        "toolPolicy": {"search_text": "allow", "read_file": "allow"}, "toolTimeoutMs": 60_000}}, timeout=TIMEOUT)
+    bid = c.branch()
+    found, piped = outputs(c.request("operate", {"branchId": bid, "instruction": "go", "actions": True},
+                                     timeout=TIMEOUT))
+    assert found["matches"] == [{"path": "sub/note.txt", "line": 1, "text": "needle here"}]
+    assert "not a file" in piped["error"]
+
+
+def test_read_file_of_a_2gb_sparse_file_reads_within_its_caps(spawn, tmp_path):
+    """Text first (so it is not taken for binary), then 2 GB of hole without a newline: the
+    reader keeps at most its caps, and answers well within a 10 s tool time-out."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    big = ws / "sparse.log"
+    with open(big, "wb") as f:
+        f.write(b"line one\n" * 1000)
+        f.truncate(2 * 1024 ** 3)
+    c = spawn()
+    c.request("initialize", {"workspaceFolders": [str(ws)], "settings": {
+        "models": {"s": scripted(calls(("read_file", {"path": "sparse.log", "limit": 1000}),
+                                       ("read_file", {"path": "sparse.log", "offset": 1001})), "after")},
+        "toolPolicy": {"read_file": "allow"}, "toolTimeoutMs": 10_000, "maxToolOutputChars": 10_000_000}},
+        timeout=TIMEOUT)
+    bid = c.branch()
+    head, tail = outputs(c.request("operate", {"branchId": bid, "instruction": "go", "actions": True},
+                                   timeout=TIMEOUT))
+    assert head["lines"] == 1000 and head["content"] == "line one\n" * 1000 and head["nextOffset"] == 1001
+    assert tail["truncated"] is True and len(tail["content"]) <= 256 * 1024, {k: v for k, v in tail.items()
+                                                                               if k != "content"}
+
+
+def test_a_huge_response_format_is_refused_with_32602_and_pings_flow(spawn):
+    c = spawn()
+    c.init(models={"s": scripted("x")})
+    bid = c.branch()
+    props = {f"f{i}": {"type": "string", "description": "d" * 200} for i in range(25_000)}   # ~5 MB
+    pending = c.request_async("operate", {"branchId": bid, "instruction": "x",
+                                          "responseFormat": {"type": "object", "properties": props}})
+    assert c.request("ping", timeout=5) == {}
+    with pytest.raises(RpcError) as ei:
+        pending.result(TIMEOUT)
+    assert ei.value.code == -32602 and "responseFormat" in ei.value.message and "limit" in ei.value.message
+
+
+# ---------------------------------------------------------------- nothing runs or leaks
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"     # a zombie is dead
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def test_a_tools_grandchild_dies_with_a_sigkilled_sidecar(spawn, tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    c = spawn()
+    _, [o] = _one_shot(c, ("spawn_tool", {"pidfile": str(pidfile)}), toolModules=["hostile_tools"])
+    pid = int(pidfile.read_text())
+    try:
+        assert o == pid and _alive(pid)
+        c.proc.send_signal(signal.SIGKILL)
+        c.proc.wait(TIMEOUT)
+        assert _gone_within(pid, 5), "the tool's child outlived the sidecar"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_cli_models_child_dies_with_a_sigkilled_sidecar(spawn, tmp_path):
+    """A CLI model mid-call (its own process group) is killed by the kernel when the sidecar
+    is SIGKILLed (PR_SET_PDEATHSIG): nothing is left to run unattended."""
+    pidfile = tmp_path / "cli.pid"
+    script = tmp_path / "slow_cli.py"
+    script.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    c = spawn()
+    c.init(models={"cli": {"provider": "cli", "profile": "jsonl", "command": [sys.executable, str(script)]}})
+    bid = c.branch()
+    c.request_async("operate", {"branchId": bid, "instruction": "hi"})
+    deadline = time.monotonic() + TIMEOUT
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    try:
+        assert _alive(pid)
+        c.proc.send_signal(signal.SIGKILL)
+        c.proc.wait(TIMEOUT)
+        assert _gone_within(pid, 5), "the CLI model's process outlived the sidecar"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_tool_timeout_stops_a_cpu_bound_tool_and_the_server_keeps_answering(spawn):
+    """``toolTimeoutMs`` ends a call whose tool spins in pure Python: the call's error output
+    arrives on time, and ``ping`` is answered while the abandoned thread still spins."""
+    c = spawn()
+    c.init(models={"s": scripted(calls(("busy_tool", {"seconds": 4})), "after")}, toolModules=["hostile_tools"],
+           toolTimeoutMs=300)
+    bid = c.branch()
+    started = time.monotonic()
+    [o] = outputs(c.request("operate", {"branchId": bid, "instruction": "go", "actions": True}, timeout=TIMEOUT))
+    assert o["function"] == "busy_tool" and "timed out after 0.3 s" in o["error"]
+    assert time.monotonic() - started < 3.5       # not after the 4 s spin
+    assert c.request("ping", timeout=2) == {}
+    assert_consistent(c.messages(bid))

@@ -1,4 +1,4 @@
-"""A policy change on a branch is journaled on its own (issue 5 §1): ``authorizeTool`` with a
+"""A policy change on a branch is committed on its own: ``authorizeTool`` with a
 ``branchId`` makes the new policy durable before it answers, but never writes the messages an
 operate running on that branch has recorded so far. A SIGKILL after the policy change and
 before the operate ends leaves that operate's group entirely absent and the policy present.
@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import threading
 
 import pytest
+
+from operate_sidecar.server.state import DB_FILE
 
 from .support import TIMEOUT, CLIENT_TOOL, assert_consistent, calls, scripted
 
@@ -57,9 +60,14 @@ def _policy(c, bid: str, tool: str) -> str:
     return next(t["policy"] for t in tools if t["name"] == tool)
 
 
-def _log_lines(state: str, bid: str) -> list[dict]:
-    with open(os.path.join(state, "branches", f"{bid}.log"), encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+def _on_disk(state: str, bid: str) -> tuple[dict, int]:
+    """The branch's committed meta and message count, read from the database directly."""
+    db = sqlite3.connect(os.path.join(state, DB_FILE))
+    try:
+        meta = json.loads(db.execute("SELECT meta FROM branches WHERE id=?", (bid,)).fetchone()[0])
+        return meta, db.execute("SELECT COUNT(*) FROM messages WHERE branch_id=?", (bid,)).fetchone()[0]
+    finally:
+        db.close()
 
 
 def _operate_mid_flight(spawn, tmp_path, variant: str):
@@ -115,8 +123,9 @@ def test_policy_change_mid_operate_then_finish_journals_both(spawn, tmp_path, va
     state, tool, c, bid, p, release = _operate_mid_flight(spawn, tmp_path, variant)
     try:
         c.request("authorizeTool", {"tool": tool, "decision": "deny", "branchId": bid}, timeout=TIMEOUT)
-        lines = _log_lines(state, bid)
-        assert lines[-1]["t"] == "meta" and lines[-1]["meta"]["policy"] == {tool: "deny"}   # its own line, alone
+        meta, n = _on_disk(state, bid)
+        assert meta["policy"] == {tool: "deny"}        # committed alone: none of the held operate's messages
+        assert n == 3, n                               # system, first instruction, its answer
     finally:
         release.set()
     out = p.result(TIMEOUT)

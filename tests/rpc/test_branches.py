@@ -10,8 +10,9 @@ def test_create_list_fork_delete(sidecar):
     b1 = sidecar.branch(system="You are terse.", name="main")
     b2 = sidecar.branch(chatModel="b")
     listed = {b["branchId"]: b for b in sidecar.request("listBranches")["branches"]}
-    assert listed[b1] == {"branchId": b1, "name": "main", "messageCount": 1, "chatModel": "a"}
-    assert listed[b2] == {"branchId": b2, "name": None, "messageCount": 0, "chatModel": "b"}
+    none = {"inputTokens": 0, "outputTokens": 0, "contextTokens": None, "modelCalls": 0}  # no operate yet
+    assert listed[b1] == {"branchId": b1, "name": "main", "messageCount": 1, "chatModel": "a", "usage": none}
+    assert listed[b2] == {"branchId": b2, "name": None, "messageCount": 0, "chatModel": "b", "usage": none}
     sidecar.request("operate", {"branchId": b1, "instruction": "hello"})
     fork = sidecar.request("forkBranch", {"branchId": b1})["branchId"]
     assert fork not in (b1, b2)

@@ -22,7 +22,7 @@ def test_cancel_during_the_model_call(sidecar):
     err = cancelled(p)
     assert err.code == -32800
     values = [v["value"] for v in sidecar.of("$/progress")]
-    assert values[0]["kind"] == "begin" and values[-1] == {"kind": "end", "message": "cancelled"}
+    assert values[0]["kind"] == "begin" and values[-1]["kind"] == "end" and values[-1]["message"] == "cancelled"
     # the branch is usable and consistent afterwards
     assert sidecar.request("operate", {"branchId": bid, "instruction": "again"})["result"] == "next"
 
@@ -69,10 +69,23 @@ def test_cancel_while_waiting_for_permission_denies_and_cancels_the_client_reque
 
 
 def test_cancel_of_unknown_or_finished_request_is_ignored(sidecar):
-    sidecar.init(models={"s": scripted("x")})
-    sidecar.cancel(12345)
+    """Cancelling a request that really ran and was answered (and ids never sent) changes
+    nothing: no second answer for it, the branch keeps exactly what the operate recorded, and
+    the next request on it runs."""
+    sidecar.init(models={"s": scripted("first", "second")})
+    bid = sidecar.branch()
+    done = sidecar.request_async("operate", {"branchId": bid, "instruction": "one"})
+    assert done.result(TIMEOUT)["result"] == "first"
+    before = sidecar.request("branchMessages", {"branchId": bid})["messages"]
+    sidecar.cancel(done.id)                 # finished: must be ignored
+    sidecar.cancel(12345)                   # never sent
     sidecar.cancel("nope")
+    # app requests are handled in order after the cancels: by their answers the cancels are done
+    assert sidecar.request("branchMessages", {"branchId": bid})["messages"] == before
+    assert sidecar.request("operate", {"branchId": bid, "instruction": "two"})["result"] == "second"
     assert sidecar.request("ping") == {}
+    stray = [m for m in sidecar.unmatched if m.get("id") in (done.id, 12345, "nope")]
+    assert stray == [], stray
 
 
 def test_internal_error_has_no_traceback(sidecar):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
-import pytest
-
-from .support import ROOT, SERVER, TIMEOUT, scripted, server_env
+from .support import ROOT, SERVER, TIMEOUT, SidecarClient, scripted, server_env
 
 ALL_METHODS = ["initialize", "ping", "shutdown", "createBranch", "forkBranch", "deleteBranch", "listBranches",
                "branchMessages", "listTools", "authorizeTool", "registerClientTools", "operate"]
@@ -104,15 +103,23 @@ def test_sigterm_stops_gracefully_and_flushes_state(spawn, tmp_path):
     import signal
 
     c = spawn()
-    c.init(models={"s": scripted({"text": "never", "delayMs": 60000})}, stateDir=str(tmp_path))
+    slow = {"json": {"action_requests": [{"function": "slow_tool", "arguments": {"seconds": 3}}]}}
+    c.init(models={"s": scripted(slow)}, stateDir=str(tmp_path), toolModules=["slow_tools"])
     bid = c.branch(name="survives")
-    c.request_async("operate", {"branchId": bid, "instruction": "wait"})
-    c.request("ping")
+    c.request_async("operate", {"branchId": bid, "instruction": "wait", "actions": True})
+    # the operate has recorded messages in memory (not yet on disk) when SIGTERM lands mid-tool
+    deadline = time.monotonic() + TIMEOUT
+    while not (live := c.messages(bid)) and time.monotonic() < deadline:
+        time.sleep(0.02)
     c.proc.send_signal(signal.SIGTERM)
     assert c.wait(TIMEOUT) == 1
     c2 = spawn()
     c2.init(models={"s": scripted("x")}, stateDir=str(tmp_path))
     assert [b["name"] for b in c2.request("listBranches")["branches"]] == ["survives"]
+    # the stop saved what memory held: the cancelled operate's messages are on disk
+    disk = c2.messages(bid)
+    assert live and disk[:len(live)] == live
+    assert [m["kind"] for m in disk] == ["instruction", "assistant_response", "action_request", "action_response"]
 
 
 def _parent() -> subprocess.Popen:
@@ -152,7 +159,7 @@ def test_settings_merge_initialize_over_config_file_over_flags(spawn, tmp_path):
     assert caps["stateDir"] == str(tmp_path / "from-file")  # config file over flag
     bid = c.branch()                                     # defaultModel from the file
     out = c.request("operate", {"branchId": bid, "instruction": "hi"})
-    assert out == {"result": "from file", "kind": "text", "model": None}
+    assert {k: out[k] for k in ("result", "kind", "model")} == {"result": "from file", "kind": "text", "model": None}
     c2 = spawn("--state-dir", str(tmp_path / "flag-only"))
     assert c2.request("initialize", {})["capabilities"]["stateDir"] == str(tmp_path / "flag-only")
     c3 = spawn("--config", str(cfg))
@@ -169,11 +176,19 @@ def test_help_explains_the_flags():
 
 
 def test_console_script_is_installed():
+    """The ``operate-sidecar`` console script is installed next to the interpreter (``make`` does
+    ``pip install -e .``) and serves the protocol: a missing script is a failure, never a skip."""
     exe = __import__("shutil").which("operate-sidecar", path=str(__import__("pathlib").Path(sys.executable).parent))
-    if exe is None:
-        pytest.skip("operate-sidecar console script not installed (pip install -e .)")
+    assert exe is not None, "operate-sidecar console script not installed next to " + sys.executable
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0 and "operate-sidecar" in out.stdout
+    c = SidecarClient(argv=[exe], env=server_env(), cwd=str(ROOT))
+    try:
+        assert c.request("initialize", {"clientInfo": {"name": "pytest"}}, timeout=TIMEOUT)["serverInfo"]["name"] \
+            == "operate-sidecar"
+        assert c.request("ping", timeout=TIMEOUT) == {}
+    finally:
+        c.close()
 
 
 def test_bad_config_file_exits_2_with_a_message(tmp_path):

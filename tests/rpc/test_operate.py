@@ -13,14 +13,17 @@ def test_result_envelope_kinds(sidecar):
     sidecar.init(models={"s": scripted({"json": {"answer": "42"}}, "plain text", {"json": {"answer": "raw"}},
                                         *["not json at all"] * 8)})
     bid = sidecar.branch()
+    zero = {"inputTokens": 0, "outputTokens": 0, "contextTokens": 0, "modelCalls": 1}  # scripted reports zeros
     assert op(sidecar, bid, instruction="q", responseFormat=ANSWER_SCHEMA) == \
-        {"result": {"answer": "42"}, "kind": "model", "model": "AnswerResponse"}
-    assert op(sidecar, bid, instruction="q") == {"result": "plain text", "kind": "text", "model": None}
-    assert op(sidecar, bid, instruction="q", responseFormat=ANSWER_SCHEMA, skipValidation=True) == \
-        {"result": '{"answer": "raw"}', "kind": "text", "model": None}
-    assert op(sidecar, bid, instruction="q", responseFormat=ANSWER_SCHEMA, handleValidation="return_none",
-              parseOptions={"retryAttempts": 0, "retryInitialDelay": 0}) == \
-        {"result": None, "kind": "none", "model": None}
+        {"result": {"answer": "42"}, "kind": "model", "model": "AnswerResponse", "usage": zero, "rounds": 1}
+    assert op(sidecar, bid, instruction="q") == {"result": "plain text", "kind": "text", "model": None,
+                                                 "usage": zero, "rounds": 1}
+    out = op(sidecar, bid, instruction="q", responseFormat=ANSWER_SCHEMA, skipValidation=True)
+    assert {k: out[k] for k in ("result", "kind", "model")} == {"result": '{"answer": "raw"}', "kind": "text",
+                                                                "model": None}
+    out = op(sidecar, bid, instruction="q", responseFormat=ANSWER_SCHEMA, handleValidation="return_none",
+             parseOptions={"retryAttempts": 0, "retryInitialDelay": 0})
+    assert {k: out[k] for k in ("result", "kind", "model")} == {"result": None, "kind": "none", "model": None}
 
 
 def test_response_schema_sent_is_recorded_and_excludes_action_responses(sidecar):

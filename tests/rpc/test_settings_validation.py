@@ -120,7 +120,8 @@ def test_valid_configs_of_every_provider_initialize_and_scripted_still_operates(
     bid = sidecar.branch()
     out = sidecar.request("operate", {"branchId": bid, "instruction": "q", "responseFormat": ANSWER_SCHEMA},
                           timeout=TIMEOUT)
-    assert out == {"result": {"answer": "42"}, "kind": "model", "model": "AnswerResponse"}
+    assert {k: out[k] for k in ("result", "kind", "model")} == \
+        {"result": {"answer": "42"}, "kind": "model", "model": "AnswerResponse"}
 
 
 def test_inline_model_configs_are_checked_too(sidecar):

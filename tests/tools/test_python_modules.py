@@ -105,3 +105,11 @@ def test_missing_module_is_a_tool_source_error(fixture_modules):
 def test_same_tool_name_in_two_modules_is_an_error(fixture_modules):
     with pytest.raises(ToolSourceError, match="'add'.*'sample_tools'.*'clash_tools'"):
         load_tool_modules(["sample_tools", "clash_tools"])
+
+
+@pytest.mark.parametrize("name", ["os", "subprocess", "shutil", "os.path", "importlib.util"])
+def test_standard_library_modules_are_refused_with_a_clear_error(name):
+    """``toolModules: ["os", "subprocess", "shutil"]`` used to expose popen, getoutput, rmtree,
+    getenv ... with policy allow: a module of the standard library is never a tool source."""
+    with pytest.raises(ToolSourceError, match="standard library"):
+        load_tool_modules([name])

@@ -39,7 +39,7 @@ def call(tool, args):
 def test_tools_are_builtin_with_read_only_flags_and_valid_schemas(workspace):
     tools = tools_of(WorkspaceTools([workspace]))
     assert {n: t.read_only for n, t in tools.items()} == {
-        "read_file": True, "list_dir": True, "search_text": True, "write_file": False}
+        "read_file": True, "list_dir": True, "search_text": True, "write_file": False, "edit_file": False}
     for t in tools.values():
         assert t.source == "builtin"
         jsonschema.Draft202012Validator.check_schema(t.input_schema)
@@ -135,7 +135,8 @@ def test_search_text_regex_and_result_cap(workspace):
 def test_write_file_creates_and_overwrites_inside_the_root(workspace):
     tools = tools_of(WorkspaceTools([workspace]))
     out = call(tools["write_file"], {"path": "new/dir/note.txt", "content": "hi\n"})
-    assert out == {"path": "new/dir/note.txt", "bytes": 3, "created": True}
+    assert {k: out[k] for k in ("path", "bytes", "created")} == {"path": "new/dir/note.txt", "bytes": 3,
+                                                                   "created": True}
     assert (workspace / "new" / "dir" / "note.txt").read_text() == "hi\n"
     out = call(tools["write_file"], {"path": "new/dir/note.txt", "content": "bye\n"})
     assert out["created"] is False and (workspace / "new" / "dir" / "note.txt").read_text() == "bye\n"

@@ -1,5 +1,5 @@
--- User commands for operate-sidecar (Neovim 0.7.2+). Configure with
--- require('operate_sidecar').setup({...}); see clients/nvim/README.md.
+-- User commands and <Plug> mappings for operate-sidecar (Neovim 0.7.2+). Configure with
+-- require('operate_sidecar').setup({...}); see :help operate-sidecar.
 if vim.g.loaded_operate_sidecar then
   return
 end
@@ -31,25 +31,43 @@ cmd('OperateStop', function()
   os_().stop()
 end, { desc = 'Stop the operate-sidecar server' })
 
+cmd('OperateChat', function()
+  os_().chat()
+end, { desc = 'Open the chat of the current branch' })
+
 cmd('Operate', function(opts)
   os_().command_operate(opts)
-end, { nargs = '*', range = true, desc = 'Run operate with {instruction}; a range/selection becomes the context' })
+end, { nargs = '*', range = true, desc = 'Send {instruction} to the chat; a range/selection goes along as context' })
 
 cmd('OperateCancel', function()
   os_().cancel()
-end, { desc = 'Cancel the running operate' })
+end, { desc = 'Cancel the running turn' })
+
+cmd('OperatePermission', function()
+  require('operate_sidecar.permission').focus()
+end, { desc = 'Show the waiting permission request or diff review' })
 
 cmd('OperateMessages', function(opts)
-  os_().show_messages(nil, fargs(opts).fargs[1])
-end, { nargs = '?', desc = 'Show the messages of the current branch (or of {branchId})' })
+  os_().chat(fargs(opts).fargs[1])
+end, { nargs = '?', desc = 'Open the chat of the current branch (or of {branchId})' })
 
 cmd('OperateBranch', function(opts)
   os_().command_branch(fargs(opts))
 end, {
+  nargs = '*',
+  desc = 'pick | new [name] | fork | delete [id] | list | {branchId}',
+  complete = function(lead, line)
+    return os_().complete_branch(lead, line)
+  end,
+})
+
+cmd('OperateModel', function(opts)
+  os_().command_model(fargs(opts))
+end, {
   nargs = '?',
-  desc = 'new | fork | list | {branchId}: manage the current branch',
-  complete = function()
-    return { 'new', 'fork', 'list' }
+  desc = 'Pick the chat model (or set {model})',
+  complete = function(lead)
+    return os_().complete_model(lead)
   end,
 })
 
@@ -58,23 +76,30 @@ cmd('OperateTools', function(opts)
 end, {
   nargs = '*',
   desc = 'List tools, or {tool} {allow|deny|ask} [global] to set a policy',
-  complete = function(_, line)
-    local n = #vim.split(line, '%s+')
-    if n == 3 then
-      return { 'allow', 'deny', 'ask' }
-    elseif n == 4 then
-      return { 'global' }
-    end
-    return {}
+  complete = function(lead, line)
+    return os_().complete_tools(lead, line)
+  end,
+})
+
+for lhs, spec in pairs(require('operate_sidecar').PLUGS) do
+  vim.keymap.set(spec[1], lhs, spec[2], { desc = 'operate-sidecar' })
+end
+
+local group = vim.api.nvim_create_augroup('operate_sidecar', { clear = true })
+
+vim.api.nvim_create_autocmd('BufEnter', {
+  group = group,
+  callback = function(ev)
+    require('operate_sidecar.context').track(ev.buf)
   end,
 })
 
 vim.api.nvim_create_autocmd('VimLeavePre', {
-  group = vim.api.nvim_create_augroup('operate_sidecar', { clear = true }),
+  group = group,
   callback = function()
-    local m = package.loaded['operate_sidecar']
+    local m = package.loaded['operate_sidecar.server']
     if m and m.is_running() then
-      local c = m._state.client
+      local c = m.state.client
       c:request_sync('shutdown', nil, 500)
       c:notify('exit')
       c:close_stdin()

@@ -30,8 +30,6 @@ const W = fs.mkdtempSync(path.join(os.tmpdir(), 'operate-sidecar-itest-'));
 const REPORT = path.join(W, 'report.json');
 
 function serverCommand() {
-  const script = path.join(REPO, '.venv', 'bin', 'operate-sidecar');
-  if (fs.existsSync(script)) return [script];
   const py = path.join(REPO, '.venv', 'bin', 'python');
   return [fs.existsSync(py) ? py : 'python3', '-m', 'operate_sidecar.server'];
 }
@@ -83,6 +81,8 @@ async function main() {
   const deadline = t0 + TIMEOUT_S * 1000;
   const ws = path.join(W, 'ws');
   fs.mkdirSync(path.join(ws, '.vscode'), { recursive: true });
+  fs.writeFileSync(path.join(ws, 'notes.txt'), 'alpha\nbeta\n');
+  const editNotes = (answer, oldText, newText) => ({ json: { answer, action_requests: [{ function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText, newText }] } }] } });
   fs.writeFileSync(path.join(ws, '.vscode', 'settings.json'), JSON.stringify({
     'operateSidecar.command': serverCommand(),
     'operateSidecar.env': { PYTHONPATH: [path.join(HERE, 'test-fixtures'), REPO].join(path.delimiter) },
@@ -91,13 +91,18 @@ async function main() {
         stream: scripted({ text: 'hello from the scripted model, streamed in pieces', chunks: 6 }),
         tooly: scripted(CALL_SHOUT, CALL_SHOUT),
         slow: scripted({ text: 'too late', delayMs: 120000 }),
+        chat: scripted({ text: 'Hello from the **chat**, streamed.', chunks: 5 },
+          editNotes('Editing the notes.', 'beta', 'BETA'), editNotes('Editing them again.', 'alpha', 'ALPHA')),
+        chat2: scripted(editNotes('Title case.', 'BETA', 'Beta'), editNotes('Without asking.', 'Beta', 'Beta!')),
       },
       defaultModel: 'stream',
       toolModules: ['no_such_module_xyz', 'vscode_fixture_tools'],   // the broken one -> window/logMessage
       toolPolicy: { shout: 'ask' },
     },
+    'operateSidecar.maxRounds': 1,
     'workbench.startupEditor': 'none',
     'security.workspace.trust.enabled': false,
+    'files.autoSave': 'off',
   }, null, 2));
 
   const port = await freePort();

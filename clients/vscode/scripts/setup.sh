@@ -3,6 +3,7 @@
 #  1. the extension's own deps:  npm ci (package-lock.json)          -> node_modules/
 #  2. system packages:           chromium libkrb5-dev ripgrep (apt, only when missing)
 #  3. the integration host:      code-server@4.99.4 in itest-host/   -> itest-host/node_modules/
+#  4. the protocol client:         clients/typescript/src              -> src/sidecar-client/ (copied)
 # Each step is skipped when its stamp file matches the hash of its lock file.
 # Needs only the npm and apt registries; run as root on Debian 12. Exit code != 0 on any failure.
 set -euo pipefail
@@ -64,4 +65,6 @@ if [ "$(cat itest-host/node_modules/.setup-stamp 2>/dev/null || true)" != "$want
 else
   log "code-server up to date"
 fi
+# 4. the typed protocol client (clients/typescript/src) copied in for tsc: see scripts/vendor-client.mjs
+node scripts/vendor-client.mjs
 log "done in $(( $(date +%s) - t0 ))s"

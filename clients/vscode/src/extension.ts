@@ -1,55 +1,128 @@
-// VS Code front end for operate-sidecar. All protocol work lives in rpcClient.ts.
+// VS Code front end for operate-sidecar: the server's lifecycle, the commands (each callable with
+// arguments), the status bar and the wiring of the chat view, the diff review and the branch store.
+// All protocol work lives in rpcClient.ts.
 import * as fs from 'node:fs';
 import * as vscode from 'vscode';
+import { BranchStore } from './branchStore';
+import { ChatView, TurnOutcome, VIEW_ID } from './chatView';
+import { EditorTracker, selectionOf } from './context';
+import { clientFs, DiffReview, previewOf, PROPOSED_SCHEME, ReviewRecord } from './diffReview';
 import {
   CancellationTokenSource, ErrorCodes, InitializeResult, Json, JsonObject, OperateParams, OperateResult,
   PERMISSION_OPTIONS, PermissionDecision, PermissionRequest, PolicyDecision, ResponseError, SidecarClient, ToolEvent,
 } from './rpcClient';
 
 const CHANNEL = 'operate-sidecar';
+const STDERR_TAIL_LINES = 12;
+/** Settings whose change restarts the server. */
+const SERVER_SETTINGS = ['command', 'settings', 'stateDir', 'env', 'toolPolicy'].map((k) => `operateSidecar.${k}`);
 
 /** Arguments of `operateSidecar.operate` (a plain string is the instruction). */
 export interface OperateCommandArgs extends Partial<OperateParams> {
   /** Answer permission requests of this operate with this decision instead of asking. */
   permissionAnswer?: PermissionDecision;
-  /** Open the result as an untitled JSON document (default true). */
+  /** Open the result as an untitled JSON document (default false). */
   showResult?: boolean;
 }
 
-/** What `activate` returns (used by the integration test and by other extensions). */
+/** What `activate` returns (used by the integration tests and by other extensions). */
 export interface OperateSidecarApi {
   /** Everything written to the "operate-sidecar" output channel, in order. */
   outputText(): string;
   client(): SidecarClient | undefined;
   currentBranch(): string | undefined;
   initializeResult(): InitializeResult | undefined;
+  /** The chat view's counters (prose stream updates, turns, open permission cards). */
+  chatStats(): { streamUpdates: number; turns: number; pendingAsks: string[]; running: boolean };
+  /** Decided diff reviews, oldest first. */
+  reviews(): ReviewRecord[];
+  /** The status bar item's text. */
+  statusText(): string;
+  /** Error notifications shown by the extension (message and offered actions), oldest first. */
+  notices(): { message: string; actions: string[] }[];
 }
 
 class Sidecar {
   private client: SidecarClient | undefined;
   private starting: Promise<SidecarClient> | undefined;
   private initResult: InitializeResult | undefined;
-  private branchId: string | undefined;
   private readonly running = new Set<CancellationTokenSource>();
   /** branchId -> pre-answered decision, for operates started with `permissionAnswer`. */
   private readonly preAnswers = new Map<string, PermissionDecision>();
   private transcript = '';
+  private stderrTail = '';
+  private stopping = false;
+  readonly noticeLog: { message: string; actions: string[] }[] = [];
   readonly channel: vscode.OutputChannel;
   readonly serverChannel: vscode.OutputChannel;
+  readonly branches: BranchStore;
+  readonly editors: EditorTracker;
+  readonly review: DiffReview;
+  readonly chat: ChatView;
+  readonly status: vscode.StatusBarItem;
 
   constructor(private readonly ctx: vscode.ExtensionContext) {
     this.channel = vscode.window.createOutputChannel(CHANNEL);
     this.serverChannel = vscode.window.createOutputChannel(`${CHANNEL} (server stderr)`);
-    ctx.subscriptions.push(this.channel, this.serverChannel);
+    this.branches = new BranchStore(ctx.workspaceState);
+    this.editors = new EditorTracker(PROPOSED_SCHEME);
+    this.review = new DiffReview();
+    this.chat = new ChatView(ctx, {
+      ensure: () => this.ensure(),
+      branches: this.branches,
+      editors: this.editors,
+      review: this.review,
+      maxRounds: () => Math.max(1, vscode.workspace.getConfiguration('operateSidecar').get<number>('maxRounds', 4)),
+      runningChanged: () => this.updateStatus(),
+      line: (t) => this.line(t),
+      serverProblem: (e) => this.serverProblem(e),
+    });
+    this.status = vscode.window.createStatusBarItem(vscode.StatusBarAlignment.Left, 50);
+    this.status.command = `${VIEW_ID}.focus`;
+    this.status.tooltip = 'operate-sidecar: model · chat · state (click to open the chat)';
+    this.updateStatus();
+    this.status.show();
+    ctx.subscriptions.push(this.channel, this.serverChannel, this.editors, this.review, this.chat, this.status,
+      this.branches.onDidChangeCurrent(() => { this.updateStatus(); if (!this.chat.running) void this.chat.refresh(); }));
   }
 
   // ---- output ----------------------------------------------------------------------------------
   append(text: string): void { this.transcript += text; this.channel.append(text); }
   line(text: string): void { this.append(text + '\n'); }
   outputText(): string { return this.transcript; }
-  currentBranch(): string | undefined { return this.branchId; }
+  currentBranch(): string | undefined { return this.branches.current; }
   initializeResult(): InitializeResult | undefined { return this.initResult; }
   currentClient(): SidecarClient | undefined { return this.client; }
+
+  updateStatus(): void {
+    const id = this.branches.current;
+    const branch = (id && (this.branches.nameOf(id) ?? id.slice(0, 8))) || 'new chat';
+    const model = this.branches.model ?? 'default model';
+    const busy = this.chat?.running || this.running.size > 0;
+    this.status.text = `$(comment-discussion) ${model} · ${branch}${busy ? ' · $(loading~spin) running' : ''}`;
+  }
+
+  /** Shows an error with actions; records it for the tests. */
+  notify(message: string, actions: string[] = []): void {
+    this.noticeLog.push({ message, actions });
+    void vscode.window.showErrorMessage(message, ...actions).then((a) => {
+      if (a === 'Show server log') this.serverChannel.show(true);
+      if (a === 'Open settings') void vscode.commands.executeCommand('workbench.action.openSettings', 'operateSidecar');
+    });
+  }
+
+  private tailLines(): string {
+    return this.stderrTail.trimEnd().split('\n').slice(-STDERR_TAIL_LINES).join('\n');
+  }
+
+  /** A message for the user when the server cannot serve (start failure, death): the last stderr lines. */
+  serverProblem(e: unknown): string | undefined {
+    const dead = !this.client?.running || (e instanceof Error && /cannot start|EPIPE|Connection is disposed|closed/i.test(e.message));
+    if (!dead) return undefined;
+    const tail = this.tailLines();
+    const why = e instanceof Error ? e.message : String(e);
+    return `The operate-sidecar server is not running (${why}).${tail ? `\nLast lines of its log:\n${tail}` : ''}`;
+  }
 
   // ---- server lifecycle ------------------------------------------------------------------------
   ensure(): Promise<SidecarClient> {
@@ -75,48 +148,87 @@ class Sidecar {
     const command = cfg.get<string[]>('command', ['operate-sidecar']);
     const settings: JsonObject = { ...(cfg.get<JsonObject>('settings') ?? {}) };
     settings.stateDir = this.stateDir(cfg, settings);
+    const policy = cfg.get<Record<string, PolicyDecision>>('toolPolicy') ?? {};
+    if (Object.keys(policy).length) settings.toolPolicy = { ...((settings.toolPolicy as JsonObject | undefined) ?? {}), ...policy };
     const folders = (vscode.workspace.workspaceFolders ?? []).filter((f) => f.uri.scheme === 'file').map((f) => f.uri.fsPath);
     const env = { ...process.env, ...(cfg.get<Record<string, string>>('env') ?? {}) };
     this.line(`[server] starting ${JSON.stringify(command)}`);
-    const client = await SidecarClient.start({
-      command, cwd: folders[0], env, onStderr: (t) => this.serverChannel.append(t),
-    });
+    this.stderrTail = '';
+    let client: SidecarClient;
+    try {
+      client = await SidecarClient.start({
+        command, cwd: folders[0], env, onStderr: (t) => {
+          this.serverChannel.append(t);
+          this.stderrTail = (this.stderrTail + t).slice(-8000);
+        },
+      });
+    } catch (e) {
+      this.notify(`operate-sidecar: ${e instanceof Error ? e.message : String(e)}`, ['Open settings']);
+      throw e;
+    }
     client.onToolEvent((e) => this.onToolEvent(e));
     client.onLogMessage((m) => {
       this.line(`[${['', 'error', 'warning', 'info', 'log'][m.type] ?? 'log'}] ${m.message}`);
-      // "warnings the user should see" (PROTOCOL §6): not awaited, so never blocks a headless run
+      // warnings the user should see: not awaited, so never blocks a headless run
       if (m.type === 1) void vscode.window.showErrorMessage(`operate-sidecar: ${m.message}`);
       if (m.type === 2) void vscode.window.showWarningMessage(`operate-sidecar: ${m.message}`);
     });
     client.setPermissionHandler((req, token) => this.askPermission(req, token));
-    void client.exited.then((code) => {
+    client.setFsHandlers(clientFs);
+    let initialized = false;
+    void client.exited.then(async (code) => {
       this.line(`[server] exited (${code})`);
       if (this.client === client) this.client = undefined;
+      this.updateStatus();
+      if (!this.stopping && initialized) {
+        await new Promise((r) => setTimeout(r, 100));   // let the last stderr lines arrive
+        this.notify(`operate-sidecar: the server stopped (exit ${code}).${this.tailLines() ? '\n' + this.tailLines() : ''}`,
+          ['Show server log', 'Open settings']);
+      }
     });
     try {
       this.initResult = await client.initialize({
         clientInfo: { name: 'vscode', version: vscode.version },
         processId: process.pid,
-        capabilities: { toolPermission: true, clientTools: false },
+        capabilities: { toolPermission: true, clientTools: false, fs: true },
         workspaceFolders: folders,
         settings,
       });
     } catch (e) {
+      this.line(`[server] initialize failed: ${e instanceof Error ? e.message.split('\n')[0] : String(e)}`);
       client.kill();
-      throw e;
+      await Promise.race([client.exited, new Promise((r) => setTimeout(r, 1000))]);
+      const tail = this.tailLines();
+      const why = e instanceof ResponseError ? `${e.message} (${e.code})` : 'the server exited during start';
+      this.notify(`operate-sidecar: could not start the server: ${why}${tail ? '\n' + tail : ''}`, ['Show server log', 'Open settings']);
+      throw new Error(`cannot start the server: ${why}${tail ? '\n' + tail : ''}`);
     }
+    initialized = true;
     this.client = client;
-    this.branchId = undefined;
     const caps = this.initResult.capabilities;
     this.line(`[server] ${this.initResult.serverInfo.name} ${this.initResult.serverInfo.version}; models: ${caps.models.join(', ')}; stateDir: ${caps.stateDir}`);
+    if (this.branches.model && !caps.models.includes(this.branches.model)) await this.branches.setModel(undefined);
+    await this.branches.validate(client).catch(() => undefined);
+    this.updateStatus();
+    if (!this.chat.running) void this.chat.refresh();   // the chat resumes from the (journaled) branch
     return client;
   }
 
   async stop(): Promise<void> {
-    for (const s of this.running) s.cancel();
-    const c = this.client ?? (this.starting ? await this.starting.catch(() => undefined) : undefined);
-    this.client = undefined;
-    if (c) await c.stop();
+    this.stopping = true;
+    try {
+      for (const s of this.running) s.cancel();
+      this.chat.stop();
+      // a start still finishing (e.g. a restart right after a restart) completes first, so that the
+      // next ensure() starts a new process instead of reusing the promise of the stopped one
+      if (this.starting) await this.starting.catch(() => undefined);
+      const c = this.client;
+      this.client = undefined;
+      // bounded: once the process is gone there is nothing left to wait for
+      if (c) await Promise.race([c.stop(), c.exited, new Promise((r) => setTimeout(r, 8000))]);
+    } finally {
+      this.stopping = false;
+    }
   }
 
   // ---- server → client -------------------------------------------------------------------------
@@ -124,14 +236,19 @@ class Sidecar {
     const extra = e.event === 'post' ? ` -> ${e.resultSummary ?? ''}` : e.error ? ` !! ${e.error}` : '';
     const ms = e.durationMs !== undefined ? ` (${Math.round(e.durationMs)} ms)` : '';
     this.line(`\n[tool ${e.event}] ${e.tool} ${e.argsSummary}${extra}${ms} [${e.callId}]`);
+    this.chat.onToolEvent(e);
   }
 
   private async askPermission(req: PermissionRequest, token: vscode.CancellationToken): Promise<PermissionDecision> {
     const pre = this.preAnswers.get(req.branchId)
       || (vscode.workspace.getConfiguration('operateSidecar').get<string>('permissionAnswer') as PermissionDecision | '');
+    if (!pre && this.chat.owns(req)) return this.chat.ask(req, token);
     let decision: PermissionDecision;
+    const preview = pre ? undefined : await previewOf(req);
     if (pre && PERMISSION_OPTIONS.includes(pre)) {
       decision = pre;
+    } else if (preview) {
+      decision = await this.review.review(req, preview, token);
     } else {
       const labels: Record<PermissionDecision, string> = {
         allow_once: 'Allow once', allow_always: 'Always allow (this branch)',
@@ -150,22 +267,25 @@ class Sidecar {
   // ---- commands --------------------------------------------------------------------------------
   private async branch(client: SidecarClient, given?: string): Promise<string> {
     if (given) return given;
-    if (!this.branchId) this.branchId = (await client.createBranch({})).branchId;
-    return this.branchId;
+    let id = this.branches.current;
+    if (!id) {
+      id = (await client.createBranch({})).branchId;
+      await this.branches.setCurrent(id);
+    }
+    return id;
   }
 
   async operate(arg?: string | OperateCommandArgs): Promise<OperateResult | undefined> {
     const args: OperateCommandArgs = typeof arg === 'string' ? { instruction: arg } : { ...(arg ?? {}) };
-    const { permissionAnswer, showResult = true, ...rest } = args;
+    const { permissionAnswer, showResult = false, ...rest } = args;
     if (rest.instruction === undefined && rest.instruct === undefined) {
       const text = await vscode.window.showInputBox({ prompt: 'operate-sidecar: instruction', ignoreFocusOut: true });
       if (!text) return undefined;
       rest.instruction = text;
     }
     if (rest.context === undefined && rest.instruct === undefined) {
-      const ed = vscode.window.activeTextEditor;
-      const sel = ed && !ed.selection.isEmpty ? ed.document.getText(ed.selection) : '';
-      if (sel) rest.context = sel;
+      const sel = selectionOf(this.editors.editor);
+      if (sel) rest.context = sel.text;
     }
     const client = await this.ensure();
     const branchId = await this.branch(client, rest.branchId);
@@ -173,6 +293,7 @@ class Sidecar {
     if (permissionAnswer) this.preAnswers.set(branchId, permissionAnswer);
     const source = new CancellationTokenSource();
     this.running.add(source);
+    this.updateStatus();
     this.line(`\n=== operate [${branchId}] ${JSON.stringify(params.instruction ?? params.instruct).slice(0, 200)}`);
     try {
       const out = await vscode.window.withProgress(
@@ -196,19 +317,28 @@ class Sidecar {
       return out;
     } catch (e) {
       const msg = e instanceof ResponseError ? `${e.message} (${e.code})` : String(e);
-      this.line(`=== ${e instanceof ResponseError && e.code === ErrorCodes.Cancelled ? 'cancelled' : 'error'}: ${msg}`);
-      void vscode.window.showErrorMessage(`operate-sidecar: ${msg}`);
+      if (e instanceof ResponseError && e.code === ErrorCodes.Cancelled) {
+        // the user's own cancel is not an error: no error message, the command resolves
+        this.line(`=== cancelled: ${msg}`);
+        return undefined;
+      }
+      this.line(`=== error: ${msg}`);
+      const problem = this.serverProblem(e);
+      if (problem) this.notify(`operate-sidecar: ${problem}`, ['Show server log', 'Open settings']);
+      else void vscode.window.showErrorMessage(`operate-sidecar: ${msg}`);
       throw e;
     } finally {
       this.running.delete(source);
       source.dispose();
+      this.updateStatus();
       if (permissionAnswer) this.preAnswers.delete(branchId);
     }
   }
 
   cancel(): number {
-    const n = this.running.size;
+    const n = this.running.size + (this.chat.running ? 1 : 0);
     for (const s of this.running) s.cancel();
+    this.chat.stop();
     this.line(`[cancel] ${n} running operate(s)`);
     return n;
   }
@@ -221,7 +351,7 @@ class Sidecar {
 
   async showMessages(arg?: { branchId?: string; show?: boolean }) {
     const client = await this.ensure();
-    const branchId = arg?.branchId ?? this.branchId ?? await this.pickBranch(client, arg !== undefined);
+    const branchId = arg?.branchId ?? this.branches.current ?? await this.pickBranchId(client, arg !== undefined);
     if (!branchId) return undefined;
     const r = await client.branchMessages(branchId);
     this.line(`[messages] ${branchId}: ${r.total} message(s)`);
@@ -238,19 +368,89 @@ class Sidecar {
       params = system ? { system } : {};
     }
     const { branchId } = await client.createBranch(params);
-    this.branchId = branchId;
+    this.branches.remember(branchId, params.name);
+    await this.branches.setCurrent(branchId);
     this.line(`[branch] new ${branchId}`);
     return branchId;
   }
 
   async forkBranch(arg?: { branchId?: string }) {
     const client = await this.ensure();
-    const from = arg?.branchId ?? this.branchId ?? await this.pickBranch(client, arg !== undefined);
+    const from = arg?.branchId ?? this.branches.current ?? await this.pickBranchId(client, arg !== undefined);
     if (!from) return undefined;
     const { branchId } = await client.forkBranch(from);
-    this.branchId = branchId;
+    const name = this.branches.nameOf(from);
+    if (name) this.branches.remember(branchId, `${name} (fork)`);
+    await this.branches.setCurrent(branchId);
     this.line(`[branch] forked ${from} -> ${branchId}`);
     return branchId;
+  }
+
+  async deleteBranch(arg?: { branchId?: string }) {
+    const client = await this.ensure();
+    const id = arg?.branchId ?? this.branches.current;
+    if (!id) return false;
+    await client.deleteBranch(id);
+    this.line(`[branch] deleted ${id}`);
+    if (this.branches.current === id) await this.branches.setCurrent(undefined);
+    return true;
+  }
+
+  /** Switch to a branch (argument) or pick one (no argument; its buttons fork and delete). */
+  async pickBranch(arg?: { branchId?: string }): Promise<string | undefined> {
+    const client = await this.ensure();
+    if (arg?.branchId) {
+      await this.branches.setCurrent(arg.branchId);
+      await this.branches.validate(client);
+      return this.branches.current;
+    }
+    const choice = await this.branches.pick(client);
+    if (!choice) return undefined;
+    if (choice.action === 'new') { await this.newChat(); return undefined; }
+    if (choice.action === 'switch') { await this.branches.setCurrent(choice.branchId); return choice.branchId; }
+    if (choice.action === 'fork') return this.forkBranch({ branchId: choice.branchId });
+    await this.deleteBranch({ branchId: choice.branchId });
+    return this.branches.current;
+  }
+
+  async newChat(): Promise<void> {
+    await this.branches.setCurrent(undefined);
+    await this.chat.reveal();
+  }
+
+  /** Pick the chat model from the server's models (argument: its name; '' = the branch's default). */
+  async pickModel(arg?: { model?: string } | string): Promise<string | undefined> {
+    await this.ensure();   // the model list comes with initialize
+    const given = typeof arg === 'string' ? arg : arg?.model;
+    let model: string | undefined = given;
+    if (given === undefined) {
+      const models = this.initResult?.capabilities.models ?? [];
+      const pick = await vscode.window.showQuickPick(
+        [{ label: '(default)', description: 'the branch\'s model or the server default', model: '' },
+          ...models.map((m) => ({ label: m, description: m === this.branches.model ? 'current' : '', model: m }))],
+        { title: 'operate-sidecar: model for chat turns' });
+      if (!pick) return this.branches.model;
+      model = pick.model;
+    }
+    if (model && !(this.initResult?.capabilities.models ?? []).includes(model)) throw new Error(`unknown model: ${model}`);
+    await this.branches.setModel(model || undefined);
+    this.line(`[model] ${model || '(default)'}`);
+    this.updateStatus();
+    this.chat.render();
+    return this.branches.model;
+  }
+
+  async chatSend(arg?: string | { text?: string }): Promise<TurnOutcome | undefined> {
+    const text = typeof arg === 'string' ? arg : arg?.text;
+    await this.chat.reveal();
+    if (!text) return undefined;
+    return this.chat.send(text);
+  }
+
+  decideEdit(arg: unknown, decision: PermissionDecision): boolean {
+    const callId = this.review.callIdFor(arg) ?? (arg && typeof arg === 'object' && 'callId' in arg ? String((arg as { callId: unknown }).callId) : undefined);
+    if (!callId) return false;
+    return this.chat.decide(callId, decision) || this.review.decide(callId, decision);
   }
 
   async listTools(arg?: { branchId?: string; authorize?: { tool: string; decision: PolicyDecision; branchId?: string } }) {
@@ -260,7 +460,7 @@ class Sidecar {
       const r = await client.authorizeTool(a.tool, a.decision, a.branchId);
       this.line(`[policy] ${r.tool} -> ${r.decision} (${r.branchId ?? 'server-wide'})`);
     }
-    const branchId = arg?.branchId ?? this.branchId;
+    const branchId = arg?.branchId ?? this.branches.current;
     const { tools } = await client.listTools(branchId);
     this.line(`[tools] ${tools.map((t) => `${t.name}(${t.source}, ${t.policy})`).join(', ')}`);
     if (arg === undefined) {
@@ -275,7 +475,7 @@ class Sidecar {
     return tools;
   }
 
-  private async pickBranch(client: SidecarClient, nonInteractive: boolean): Promise<string | undefined> {
+  private async pickBranchId(client: SidecarClient, nonInteractive: boolean): Promise<string | undefined> {
     const { branches } = await client.listBranches();
     if (nonInteractive || !branches.length) {
       if (!branches.length) void vscode.window.showInformationMessage('operate-sidecar: no branches yet');
@@ -307,19 +507,35 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
   reg('showMessages', (a?: { branchId?: string; show?: boolean }) => s.showMessages(a));
   reg('newBranch', (a?: { system?: string; name?: string }) => s.newBranch(a));
   reg('forkBranch', (a?: { branchId?: string }) => s.forkBranch(a));
+  reg('deleteBranch', (a?: { branchId?: string }) => s.deleteBranch(a));
   reg('listTools', (a?: { branchId?: string }) => s.listTools(a));
   reg('restart', () => s.restart());
+  reg('openChat', () => s.chat.reveal());
+  reg('chat', (a?: string | { text?: string }) => s.chatSend(a));
+  reg('stop', () => s.chat.stop());
+  reg('newChat', () => s.newChat());
+  reg('pickBranch', (a?: { branchId?: string }) => s.pickBranch(a));
+  reg('pickModel', (a?: { model?: string } | string) => s.pickModel(a));
+  reg('acceptEdit', (a?: unknown) => s.decideEdit(a, 'allow_once'));
+  reg('rejectEdit', (a?: unknown) => s.decideEdit(a, 'deny_once'));
+  reg('alwaysAllowEdit', (a?: unknown) => s.decideEdit(a, 'allow_always'));
+  let restartTimer: NodeJS.Timeout | undefined;
   ctx.subscriptions.push(vscode.workspace.onDidChangeConfiguration((e) => {
-    if (e.affectsConfiguration('operateSidecar.command') || e.affectsConfiguration('operateSidecar.settings')
-      || e.affectsConfiguration('operateSidecar.stateDir') || e.affectsConfiguration('operateSidecar.env')) {
-      s.line('[server] configuration changed; run "operate-sidecar: Restart Server" to apply');
-    }
-  }));
+    if (!SERVER_SETTINGS.some((k) => e.affectsConfiguration(k))) return;
+    if (!s.currentClient()) return;   // applied at the next start
+    s.line('[server] configuration changed; restarting');
+    clearTimeout(restartTimer);
+    restartTimer = setTimeout(() => { void s.restart().catch(() => undefined); }, 300);
+  }), { dispose: () => clearTimeout(restartTimer) });
   return {
     outputText: () => s.outputText(),
     client: () => s.currentClient(),
     currentBranch: () => s.currentBranch(),
     initializeResult: () => s.initializeResult(),
+    chatStats: () => ({ ...s.chat.stats(), running: s.chat.running }),
+    reviews: () => [...s.review.history],
+    statusText: () => s.status.text,
+    notices: () => [...s.noticeLog],
   };
 }
 

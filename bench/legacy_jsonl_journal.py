@@ -1,4 +1,5 @@
-"""An append-only journal per branch, compacted into atomic snapshots.
+"""The 0.1 JSONL journal (server/state/journal.py before the SQLite store), kept for the bench
+only: `bench/store_bench.py` measures it side by side with the store that replaced it.
 
 Layout under ``state_dir``::
 

@@ -1,0 +1,898 @@
+-- The chat: one markdown buffer per branch, shown in a reusable side window. The transcript
+-- (your messages, the model's prose as it streams, folded tool cards, a usage line per turn)
+-- sits above a prompt area; <CR> (normal mode) or <C-s> sends, <C-c> cancels.
+local config = require('operate_sidecar.config')
+local server = require('operate_sidecar.server')
+local branches = require('operate_sidecar.branches')
+local context = require('operate_sidecar.context')
+local util = require('operate_sidecar.util')
+
+local api = vim.api
+local is_null, notify = util.is_null, util.notify
+
+local M = {}
+
+M.PROMPT = '## You  (<CR> send · <C-c> cancel · #buffer #selection #diagnostics)'
+M.CARD = '  │ ' -- prefix of a tool card's folded detail lines
+
+local ns = api.nvim_create_namespace('operate_sidecar_chat')
+local chats = {} -- key (branchId, or 'new:<n>') -> chat
+M.chats = chats
+local new_seq = 0
+
+-- ---------------------------------------------------------------- prose from replies
+
+local SKIP = { action_requests = true, action_responses = true, action_required = true }
+local PROSE = { answer = true, text = true, response = true, content = true, message = true, summary = true,
+  explanation = true, reply = true }
+
+local function decode_escapes(s)
+  s = s:gsub('\\u(%x%x%x%x)', function(h)
+    return vim.fn.nr2char(tonumber(h, 16))
+  end)
+  local map = { n = '\n', t = '\t', r = '', b = '', f = '', ['"'] = '"', ['\\'] = '\\', ['/'] = '/' }
+  return (s:gsub('\\(.)', function(c)
+    return map[c] or c
+  end))
+end
+
+--- The prose fields of a (possibly incomplete) JSON object reply, in order: {{key, text}}.
+--- Returns nil when the text is not a JSON object.
+function M.json_prose_fields(raw)
+  local s = raw:match('^%s*```[%w_-]*%s*\n(.*)$') or raw
+  local start = s:find('^%s*{')
+  if not start then
+    return nil
+  end
+  local fields = {}
+  local stack, key_of = {}, {}
+  local expect_key, cur_key = false, nil
+  local i, n = s:find('{', 1, true), #s
+  while i <= n do
+    local c = s:sub(i, i)
+    if c == '{' then
+      stack[#stack + 1] = 'o'
+      key_of[#stack] = cur_key
+      expect_key = true
+    elseif c == '[' then
+      stack[#stack + 1] = 'a'
+      key_of[#stack] = cur_key
+      expect_key = false
+    elseif c == '}' or c == ']' then
+      stack[#stack] = nil
+      if #stack == 0 then
+        break
+      end
+    elseif c == ':' then
+      expect_key = false
+    elseif c == ',' then
+      expect_key = stack[#stack] == 'o'
+    elseif c == '"' then
+      local j = i + 1
+      while j <= n do
+        local d = s:sub(j, j)
+        if d == '\\' then
+          j = j + 2
+        elseif d == '"' then
+          break
+        else
+          j = j + 1
+        end
+      end
+      local body = s:sub(i + 1, math.min(j - 1, n))
+      if j > n then
+        body = body:gsub('\\u?%x*$', ''):gsub('\\$', '') -- an escape cut by the stream
+      end
+      local str = decode_escapes(body)
+      if expect_key and stack[#stack] == 'o' then
+        if #stack == 1 then
+          cur_key = str
+        end
+      elseif #stack == 1 and cur_key and not SKIP[cur_key] then
+        fields[#fields + 1] = { cur_key, str }
+      elseif #stack == 2 and key_of[2] == 'reason' and stack[2] == 'o' then
+        fields[#fields + 1] = { 'reason', str }
+      end
+      i = j
+    end
+    i = i + 1
+  end
+  return fields
+end
+
+local function field_lines(key, text)
+  if PROSE[key] then
+    return util.split_lines(text)
+  elseif key == 'reason' then
+    return { '_reasoning: ' .. text:gsub('\n', ' ') .. '_' }
+  end
+  local lines = util.split_lines(text)
+  lines[1] = ('**%s:** %s'):format(key, lines[1])
+  return lines
+end
+
+--- Markdown lines for streamed reply text: prose fields of a JSON reply, else the text itself.
+function M.stream_lines(raw)
+  local fields = M.json_prose_fields(raw)
+  if not fields then
+    return util.split_lines(raw)
+  end
+  local out = {}
+  for _, f in ipairs(fields) do
+    if #out > 0 then
+      out[#out + 1] = ''
+    end
+    vim.list_extend(out, field_lines(f[1], f[2]))
+  end
+  return out
+end
+
+local function scalar_text(v)
+  if type(v) == 'string' then
+    return v
+  elseif is_null(v) then
+    return '—'
+  end
+  return tostring(v)
+end
+
+-- A value as a markdown bullet tree (never JSON).
+local function tree(v, indent, out)
+  local pad = string.rep('  ', indent)
+  if type(v) ~= 'table' then
+    out[#out + 1] = pad .. '- ' .. scalar_text(v):gsub('\n', ' ')
+    return
+  end
+  if util.islist(v) then
+    for _, item in ipairs(v) do
+      if type(item) == 'table' then
+        out[#out + 1] = pad .. '-'
+        tree(item, indent + 1, out)
+      else
+        out[#out + 1] = pad .. '- ' .. scalar_text(item):gsub('\n', ' ')
+      end
+    end
+    return
+  end
+  local keys = vim.tbl_keys(v)
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    local item = v[k]
+    if type(item) == 'table' then
+      out[#out + 1] = pad .. '- ' .. k .. ':'
+      tree(item, indent + 1, out)
+    else
+      out[#out + 1] = pad .. '- ' .. k .. ': ' .. scalar_text(item):gsub('\n', ' ')
+    end
+  end
+end
+
+--- Markdown lines for an operate result (`{result, kind, model}`): prose, never raw JSON.
+function M.result_lines(result)
+  if type(result) ~= 'table' then
+    return {}
+  end
+  local r = result.result
+  if type(r) == 'string' then
+    return M.stream_lines(r)
+  elseif type(r) ~= 'table' then
+    return is_null(r) and {} or { scalar_text(r) }
+  end
+  if util.islist(r) then
+    local out = {}
+    tree(r, 0, out)
+    return out
+  end
+  local keys = vim.tbl_keys(r)
+  table.sort(keys, function(a, b)
+    local pa, pb = PROSE[a] and 0 or (a == 'reason' and 2 or 1), PROSE[b] and 0 or (b == 'reason' and 2 or 1)
+    if pa ~= pb then
+      return pa < pb
+    end
+    return a < b
+  end)
+  local out = {}
+  for _, k in ipairs(keys) do
+    local v = r[k]
+    if not SKIP[k] and not is_null(v) then
+      if #out > 0 then
+        out[#out + 1] = ''
+      end
+      if type(v) == 'string' then
+        vim.list_extend(out, field_lines(k, v))
+      elseif k == 'reason' and type(v) == 'table' and type(v.content) == 'string' then
+        vim.list_extend(out, field_lines('reason', v.content))
+      elseif type(v) == 'table' then
+        out[#out + 1] = ('**%s:**'):format(k)
+        tree(v, 0, out)
+      else
+        out[#out + 1] = ('**%s:** %s'):format(k, scalar_text(v))
+      end
+    end
+  end
+  return out
+end
+
+-- ---------------------------------------------------------------- tool cards
+
+local ICONS = { running = '…', waiting = '?', ok = '✓', error = '✗', denied = '⊘', cancelled = '⊘' }
+
+local function card_summary(card)
+  local args = card.arguments
+  local parts = {}
+  if type(args) == 'table' then
+    if type(args.path) == 'string' then
+      parts[#parts + 1] = util.display_path(args.path)
+    else
+      local keys = vim.tbl_keys(args)
+      table.sort(keys)
+      for _, k in ipairs(keys) do
+        if type(args[k]) ~= 'table' then
+          parts[#parts + 1] = scalar_text(args[k]):gsub('\n', ' ')
+        end
+      end
+    end
+  end
+  local out = card.output
+  if type(out) == 'table' and tonumber(out.added) and tonumber(out.removed) then
+    parts[#parts + 1] = ('+%d −%d'):format(out.added, out.removed)
+  elseif card.stats then
+    parts[#parts + 1] = card.stats
+  end
+  local s = table.concat(parts, ' ')
+  if vim.fn.strchars(s) > 60 then
+    s = vim.fn.strcharpart(s, 0, 59) .. '…'
+  end
+  return s
+end
+
+function M.card_headline(card)
+  local line = ('%s %s'):format(ICONS[card.status] or '•', card.tool)
+  local s = card_summary(card)
+  if s ~= '' then
+    line = line .. ' ' .. s
+  end
+  if card.status == 'denied' then
+    line = line .. ' (denied)'
+  elseif card.status == 'waiting' then
+    line = line .. ' (waiting for you: ga accept · gr reject)'
+  elseif card.status == 'error' and type(card.error) == 'string' then
+    line = line .. ' — ' .. card.error:gsub('\n.*', '')
+  end
+  return line
+end
+
+local function card_lines(card)
+  local lines = { M.card_headline(card) }
+  local detail = {}
+  if type(card.arguments) == 'table' and next(card.arguments) ~= nil then
+    detail[#detail + 1] = 'arguments:'
+    for _, l in ipairs(util.pretty(card.arguments)) do
+      detail[#detail + 1] = '  ' .. l
+    end
+  elseif type(card.argsSummary) == 'string' then
+    detail[#detail + 1] = 'arguments: ' .. card.argsSummary
+  end
+  local out = card.output
+  if type(out) == 'table' and type(out.diff) == 'string' then
+    detail[#detail + 1] = 'diff:'
+    for _, l in ipairs(util.split_lines((out.diff:gsub('\n$', '')))) do
+      detail[#detail + 1] = '  ' .. l
+    end
+  elseif out ~= nil then
+    detail[#detail + 1] = 'output:'
+    if type(out) == 'string' then
+      for _, l in ipairs(util.split_lines(out)) do
+        detail[#detail + 1] = '  ' .. l
+      end
+    else
+      for _, l in ipairs(util.pretty(out)) do
+        detail[#detail + 1] = '  ' .. l
+      end
+    end
+  elseif type(card.resultSummary) == 'string' then
+    detail[#detail + 1] = 'output: ' .. card.resultSummary
+  end
+  if type(card.error) == 'string' then
+    detail[#detail + 1] = 'error: ' .. card.error
+  end
+  for _, l in ipairs(detail) do
+    lines[#lines + 1] = M.CARD .. l
+  end
+  return lines
+end
+
+-- ---------------------------------------------------------------- turns
+
+local function usage_line(turn)
+  local parts = {}
+  if turn.elapsed_ms then
+    parts[#parts + 1] = ('%.1f s'):format(turn.elapsed_ms / 1000)
+  end
+  local u = turn.usage
+  if type(u) == 'table' then
+    local inp, outp = tonumber(u.inputTokens), tonumber(u.outputTokens)
+    if inp or outp then
+      parts[#parts + 1] = ('%s in · %s out tokens'):format(inp or '?', outp or '?')
+    end
+    if tonumber(u.contextTokens) then
+      parts[#parts + 1] = ('context %d'):format(u.contextTokens)
+    end
+    if tonumber(u.modelCalls) then
+      parts[#parts + 1] = ('%d model call%s'):format(u.modelCalls, u.modelCalls == 1 and '' or 's')
+    end
+  end
+  if tonumber(turn.rounds) and turn.rounds > 1 then
+    parts[#parts + 1] = ('%d rounds'):format(turn.rounds)
+  end
+  if #parts == 0 then
+    return nil
+  end
+  return '_' .. table.concat(parts, ' · ') .. '_'
+end
+
+local function turn_lines(turn)
+  local lines = {}
+  if turn.user then
+    lines[#lines + 1] = '## You' .. (turn.time and (' · ' .. turn.time) or '')
+    vim.list_extend(lines, util.split_lines(turn.user))
+    if turn.ctx_label and turn.ctx_label ~= '' then
+      lines[#lines + 1] = '_with ' .. turn.ctx_label .. '_'
+    end
+    lines[#lines + 1] = ''
+  end
+  lines[#lines + 1] = '## Assistant' .. (turn.model and (' · ' .. turn.model) or '')
+  for _, blk in ipairs(turn.blocks) do
+    if blk.kind == 'text' then
+      local body = blk.final or M.stream_lines(blk.raw)
+      if #body > 0 and not (#body == 1 and body[1] == '') then
+        vim.list_extend(lines, body)
+        lines[#lines + 1] = ''
+      end
+    else
+      vim.list_extend(lines, card_lines(blk.card))
+      lines[#lines + 1] = ''
+    end
+  end
+  if turn.status == 'running' then
+    lines[#lines + 1] = '_…_'
+    lines[#lines + 1] = ''
+  elseif turn.status == 'cancelled' then
+    lines[#lines + 1] = '_cancelled_'
+    lines[#lines + 1] = ''
+  elseif turn.status == 'error' then
+    lines[#lines + 1] = '**error:** ' .. tostring(turn.error):gsub('\n', ' ')
+    lines[#lines + 1] = ''
+  end
+  local u = turn.status ~= 'running' and usage_line(turn)
+  if u then
+    lines[#lines + 1] = u
+    lines[#lines + 1] = ''
+  end
+  return lines
+end
+
+-- ---------------------------------------------------------------- the buffer
+
+local function mark_row(b, id)
+  local pos = api.nvim_buf_get_extmark_by_id(b, ns, id, {})
+  return pos[1]
+end
+
+local function chat_title(chat)
+  local name = chat.branch and branches.name(chat.branch) or nil
+  return '# ' .. (name or (chat.branch and ('branch ' .. chat.branch:sub(1, 8)) or 'new chat'))
+end
+
+-- Edit the chat buffer without touching the prompt's undo history.
+local function edit(chat, fn)
+  local b = chat.buf
+  local ul = vim.bo[b].undolevels
+  vim.bo[b].undolevels = -1
+  local ok, err = pcall(fn, b)
+  vim.bo[b].undolevels = ul
+  vim.bo[b].modified = false
+  if not ok then
+    error(err)
+  end
+end
+
+local function follow(chat)
+  local b = chat.buf
+  local cur = api.nvim_get_current_win()
+  local target = mark_row(b, chat.prompt_mark)
+  for _, w in ipairs(api.nvim_list_wins()) do
+    if w ~= cur and api.nvim_win_get_buf(w) == b then
+      pcall(api.nvim_win_set_cursor, w, { math.max(target, 1), 0 })
+    end
+  end
+end
+
+local function render_turn(chat, turn)
+  if not api.nvim_buf_is_valid(chat.buf) then
+    return
+  end
+  edit(chat, function(b)
+    -- turns sit right above the prompt: count back from it (later turns keep their lines)
+    local last = mark_row(b, chat.prompt_mark)
+    for i = #chat.turns, 1, -1 do
+      local t = chat.turns[i]
+      if t == turn then
+        break
+      end
+      last = last - t.nlines
+    end
+    local lines = turn_lines(turn)
+    api.nvim_buf_set_lines(b, last - turn.nlines, last, false, lines)
+    turn.nlines = #lines
+  end)
+  follow(chat)
+  util.event('OperateSidecarChat')
+end
+M.render_turn = render_turn
+
+local function set_keymaps(chat)
+  local b = chat.buf
+  local function map(modes, lhs, fn, desc)
+    vim.keymap.set(modes, lhs, fn, { buffer = b, desc = 'operate-sidecar: ' .. desc })
+  end
+  map('n', '<CR>', function()
+    M.send(chat)
+  end, 'send the prompt')
+  map({ 'n', 'i' }, '<C-s>', function()
+    M.send(chat)
+  end, 'send the prompt')
+  map({ 'n', 'i' }, '<C-c>', function()
+    M.cancel(chat)
+  end, 'cancel the running turn')
+  local decisions = { ga = 'allow_once', gA = 'allow_always', gr = 'deny_once', gR = 'deny_always' }
+  for lhs, decision in pairs(decisions) do
+    map('n', lhs, function()
+      require('operate_sidecar.permission').answer(decision)
+    end, decision .. ' (the waiting tool call)')
+  end
+  map('n', 'gp', function()
+    require('operate_sidecar.permission').focus()
+  end, 'show the waiting permission request / diff')
+  map('n', 'gb', function()
+    branches.pick()
+  end, 'pick a branch')
+  map('n', 'gm', function()
+    branches.pick_model()
+  end, 'pick a model')
+end
+
+local function create(chat)
+  local name = 'operate://chat/' .. (chat.branch or chat.key)
+  local b = util.find_buf(name) or api.nvim_create_buf(false, true)
+  api.nvim_buf_set_name(b, name)
+  vim.bo[b].buftype = 'nofile'
+  vim.bo[b].bufhidden = 'hide'
+  vim.bo[b].swapfile = false
+  vim.bo[b].filetype = 'markdown'
+  vim.b[b].operate_sidecar_chat = true
+  vim.b[b].operate_sidecar_branch = chat.branch
+  chat.buf = b
+  chat.turns = {}
+  edit(chat, function()
+    api.nvim_buf_set_lines(b, 0, -1, false, { chat_title(chat), '', M.PROMPT, '' })
+    chat.prompt_mark = api.nvim_buf_set_extmark(b, ns, 2, 0, { right_gravity = true })
+  end)
+  set_keymaps(chat)
+  return chat
+end
+
+local function new_turn(chat, turn)
+  turn.blocks = turn.blocks or {}
+  turn.cards = turn.cards or {}
+  turn.nlines = 0
+  chat.turns[#chat.turns + 1] = turn
+  render_turn(chat, turn)
+  return turn
+end
+
+function M.set_title(chat)
+  if chat.buf and api.nvim_buf_is_valid(chat.buf) then
+    edit(chat, function(b)
+      api.nvim_buf_set_lines(b, 0, 1, false, { chat_title(chat) })
+    end)
+  end
+end
+
+-- Rebuild a chat's transcript from the branch's messages (a branch from the journal or picker).
+local function load_history(chat, cb)
+  server.request('branchMessages', { branchId = chat.branch }, function(err, res)
+    if err or not res then
+      return cb and cb(err)
+    end
+    local turn
+    for _, m in ipairs(res.messages or {}) do
+      local c = type(m.content) == 'table' and m.content or {}
+      if m.kind == 'instruction' then
+        if not branches.name(chat.branch) then
+          branches.names[chat.branch] = branches.name_from(c.instruction)
+        end
+        turn = new_turn(chat, { user = is_null(c.instruction) and '' or tostring(c.instruction),
+          time = util.human_time(m.createdAt), status = 'done' })
+      elseif turn and m.kind == 'assistant_response' and type(c.text) == 'string' then
+        local lines = M.stream_lines(c.text)
+        local ok, decoded = pcall(vim.json.decode, c.text)
+        if ok and type(decoded) == 'table' then
+          lines = M.result_lines({ result = decoded })
+        end
+        turn.blocks[#turn.blocks + 1] = { kind = 'text', raw = c.text, final = lines }
+      elseif turn and m.kind == 'action_response' then
+        local out = c.output
+        local status = 'ok'
+        if type(out) == 'table' and out.error ~= nil then
+          status = out.error == 'denied by governance gate' and 'denied' or 'error'
+        end
+        local card = { callId = c.callId, tool = c['function'], arguments = c.arguments, output = out,
+          status = status, error = status == 'error' and tostring(out.error) or nil }
+        turn.cards[c.callId or #turn.blocks] = card
+        turn.blocks[#turn.blocks + 1] = { kind = 'card', card = card }
+      end
+    end
+    for _, t in ipairs(chat.turns) do
+      render_turn(chat, t)
+    end
+    M.set_title(chat)
+    if cb then
+      cb(nil)
+    end
+  end)
+end
+
+--- The chat of a branch (created when missing; nil branch = a new, unbound chat).
+function M.get(branch)
+  if branch and chats[branch] and api.nvim_buf_is_valid(chats[branch].buf) then
+    return chats[branch], false
+  end
+  local chat
+  if branch then
+    chat = { key = branch, branch = branch }
+  else
+    local tab = api.nvim_get_current_tabpage()
+    local k = 'new:' .. tab
+    if chats[k] and api.nvim_buf_is_valid(chats[k].buf) then
+      return chats[k], false
+    end
+    new_seq = new_seq + 1
+    chat = { key = k, branch = nil, seq = new_seq }
+  end
+  create(chat)
+  chats[chat.key] = chat
+  return chat, true
+end
+
+local function bind(chat, branch)
+  if chat.branch == branch then
+    return
+  end
+  chats[chat.key] = nil
+  chat.branch, chat.key = branch, branch
+  chats[branch] = chat
+  vim.b[chat.buf].operate_sidecar_branch = branch
+  pcall(api.nvim_buf_set_name, chat.buf, 'operate://chat/' .. branch)
+  M.set_title(chat)
+end
+
+function M.forget(branch)
+  local chat = chats[branch]
+  chats[branch] = nil
+  if chat and api.nvim_buf_is_valid(chat.buf) then
+    pcall(api.nvim_buf_delete, chat.buf, { force = true })
+  end
+end
+
+local function win_options(w)
+  local o = vim.wo[w]
+  o.wrap, o.linebreak, o.number, o.relativenumber, o.signcolumn = true, true, false, false, 'no'
+  o.foldmethod = 'expr'
+  o.foldexpr = "getline(v:lnum)=~#'^  │'"
+  o.foldtext = "'  │ ⋯ '.(v:foldend-v:foldstart+1).' lines (zo to open)'"
+  o.foldlevel = 0
+  o.foldminlines = 0
+  o.foldenable = true
+  o.conceallevel = 2
+  o.statusline = " %<%{luaeval('require(\"operate_sidecar\").statusline()')}"
+  pcall(function()
+    o.fillchars = 'fold: '
+  end)
+end
+
+--- The window of the current tab that shows a chat, if any.
+function M.window()
+  for _, w in ipairs(api.nvim_tabpage_list_wins(0)) do
+    local b = api.nvim_win_get_buf(w)
+    if vim.b[b].operate_sidecar_chat then
+      return w
+    end
+  end
+end
+
+--- Show a chat in the side window (reused), with the cursor in the prompt unless `stay`.
+function M.show(chat, stay)
+  context.track()
+  local w = M.window()
+  local prev = api.nvim_get_current_win()
+  if not w then
+    local pos, size = config.values.chat.position, config.values.chat.size
+    local cmd = ({ right = 'botright vsplit', left = 'topleft vsplit', bottom = 'botright split',
+      top = 'topleft split' })[pos] or 'botright vsplit'
+    vim.cmd(cmd)
+    w = api.nvim_get_current_win()
+    if pos == 'bottom' or pos == 'top' then
+      api.nvim_win_set_height(w, size)
+    else
+      api.nvim_win_set_width(w, size)
+      vim.wo[w].winfixwidth = true
+    end
+  end
+  api.nvim_win_set_buf(w, chat.buf)
+  win_options(w)
+  if stay then
+    if api.nvim_win_is_valid(prev) then
+      api.nvim_set_current_win(prev)
+    end
+  else
+    api.nvim_set_current_win(w)
+    pcall(api.nvim_win_set_cursor, w, { api.nvim_buf_line_count(chat.buf), 0 })
+  end
+  return w
+end
+
+--- Open the chat of `branch` (default: the current branch; none yet = a new chat).
+function M.open(branch, stay)
+  branch = branch or branches.current()
+  local chat, created = M.get(branch)
+  if created and branch then
+    load_history(chat)
+  end
+  M.show(chat, stay)
+  return chat
+end
+
+--- The chat shown in this tab, or the current branch's.
+function M.current()
+  local w = M.window()
+  if w then
+    local b = api.nvim_win_get_buf(w)
+    for _, c in pairs(chats) do
+      if c.buf == b then
+        return c
+      end
+    end
+  end
+  return (M.get(branches.current()))
+end
+
+--- The prompt text (the lines under the prompt header).
+function M.prompt_text(chat)
+  chat = chat or M.current()
+  local row = mark_row(chat.buf, chat.prompt_mark)
+  local lines = api.nvim_buf_get_lines(chat.buf, row + 1, -1, false)
+  return vim.trim(table.concat(lines, '\n'))
+end
+
+function M.set_prompt(chat, text)
+  local row = mark_row(chat.buf, chat.prompt_mark)
+  api.nvim_buf_set_lines(chat.buf, row + 1, -1, false, util.split_lines(text))
+end
+
+-- ---------------------------------------------------------------- a turn
+
+local running_turn -- {chat, turn} of the turn in flight
+
+local function text_block(turn)
+  local last = turn.blocks[#turn.blocks]
+  if last and last.kind == 'text' and not last.closed then
+    return last
+  end
+  local blk = { kind = 'text', raw = '' }
+  turn.blocks[#turn.blocks + 1] = blk
+  return blk
+end
+
+local function card_for(turn, callId, tool)
+  local card = turn.cards[callId]
+  if not card then
+    card = { callId = callId, tool = tool, status = 'running' }
+    turn.cards[callId] = card
+    local last = turn.blocks[#turn.blocks]
+    if last and last.kind == 'text' then
+      last.closed = true -- the next streamed text starts below this card
+    end
+    turn.blocks[#turn.blocks + 1] = { kind = 'card', card = card }
+  end
+  return card
+end
+
+local function apply_tool_event(turn, e)
+  local card = card_for(turn, e.callId, e.tool)
+  card.argsSummary = not is_null(e.argsSummary) and e.argsSummary or card.argsSummary
+  if e.event == 'pre' then
+    card.status = 'running'
+  elseif e.event == 'post' then
+    card.status = 'ok'
+    card.resultSummary = not is_null(e.resultSummary) and e.resultSummary or nil
+  elseif e.event == 'error' then
+    card.status = 'error'
+    card.error = not is_null(e.error) and tostring(e.error) or 'failed'
+  elseif e.event == 'denied' then
+    card.status = 'denied'
+  end
+end
+
+--- toolEvent of a branch whose turn is not in flight (e.g. another client's): ignored.
+function M.on_tool_event(_) end
+
+function M.on_permission_request(p)
+  if not running_turn or running_turn.turn.branch ~= p.branchId then
+    return
+  end
+  local card = card_for(running_turn.turn, p.callId, p.tool)
+  card.arguments = p.arguments
+  card.status = 'waiting'
+  if type(p.preview) == 'table' and p.preview.diff then
+    local add, del = require('operate_sidecar.diff').stats(p.preview.diff)
+    card.stats = ('+%d −%d'):format(add, del)
+  end
+  render_turn(running_turn.chat, running_turn.turn)
+end
+
+function M.on_permission_answer(p, decision)
+  if not running_turn or running_turn.turn.branch ~= p.branchId then
+    return
+  end
+  local card = running_turn.turn.cards[p.callId]
+  if card and card.status == 'waiting' then
+    card.status = decision:match('^allow') and 'running' or 'denied'
+    render_turn(running_turn.chat, running_turn.turn)
+  end
+end
+
+-- Fill the cards of a finished turn from the branch's messages (whole arguments and outputs).
+local function fill_cards(chat, turn)
+  if next(turn.cards) == nil or not chat.branch then
+    return
+  end
+  server.request('branchMessages', { branchId = chat.branch }, function(err, res)
+    if err or not res then
+      return
+    end
+    for _, m in ipairs(res.messages or {}) do
+      local c = type(m.content) == 'table' and m.content or nil
+      local card = c and c.callId and turn.cards[c.callId]
+      if card and m.kind == 'action_request' then
+        card.arguments = c.arguments
+      elseif card and m.kind == 'action_response' then
+        card.arguments = c.arguments
+        card.output = c.output
+        if type(c.output) == 'table' and type(c.output.error) == 'string' and card.status == 'ok' then
+          card.status = 'error'
+          card.error = c.output.error
+        end
+      end
+    end
+    render_turn(chat, turn)
+  end)
+end
+
+--- Send a prompt (default: the chat's prompt area) as a chat turn.
+function M.send(chat, text, extra)
+  chat = chat or M.current()
+  local from_prompt = text == nil
+  text = text or M.prompt_text(chat)
+  if text == '' then
+    return false
+  end
+  if server.state.running then
+    notify('a turn is already running (<C-c> cancels it)', vim.log.levels.WARN)
+    return false
+  end
+  local ctx = (extra and extra.context) or context.expand(text)
+  if from_prompt then
+    edit(chat, function()
+      M.set_prompt(chat, '')
+    end)
+  end
+  local model = config.values.model
+  local turn = new_turn(chat, { user = text, time = os.date('%H:%M'), status = 'running',
+    ctx_label = extra and extra.label or context.describe(ctx), model = model, branch = chat.branch })
+  running_turn = { chat = chat, turn = turn }
+  local params = { instruction = text, branchId = chat.branch }
+  if ctx ~= nil then
+    params.context = ctx
+  end
+  if config.values.chat.tools then
+    params.actions = true
+    params.tools = true
+    params.maxRounds = config.values.chat.max_rounds or nil
+  end
+  if model then
+    params.chatModel = model
+  end
+  for k, v in pairs(extra and extra.params or {}) do
+    params[k] = v
+  end
+  local hooks = {
+    implicit = chat.branch == nil or chat.branch == branches.current(),
+    on_start = function(run)
+      if chat.branch ~= run.branchId then
+        bind(chat, run.branchId)
+      end
+      turn.branch = run.branchId
+    end,
+    on_delta = function(delta)
+      local blk = text_block(turn)
+      blk.raw = blk.raw .. delta
+      render_turn(chat, turn)
+    end,
+    on_phase = function(phase)
+      if phase == 'request' then
+        local last = turn.blocks[#turn.blocks]
+        if last and last.kind == 'text' then
+          last.closed = true -- a new model round
+        end
+      end
+    end,
+    on_tool_event = function(e)
+      apply_tool_event(turn, e)
+      render_turn(chat, turn)
+    end,
+  }
+  server.operate(params, function(err, result, run)
+    if running_turn and running_turn.turn == turn then
+      running_turn = nil
+    end
+    turn.elapsed_ms = run and run.elapsed_ms
+    turn.usage = run and run.usage
+    if err then
+      turn.status = err.code == require('operate_sidecar.rpc').codes.cancelled and 'cancelled' or 'error'
+      turn.error = err.message
+    else
+      turn.status = 'done'
+      turn.rounds = type(result) == 'table' and tonumber(result.rounds) or nil
+      local final = M.result_lines(result)
+      -- the last round's streamed text is the reply the result holds: show it once, as prose
+      local last
+      for i = #turn.blocks, 1, -1 do
+        if turn.blocks[i].kind == 'text' then
+          last = turn.blocks[i]
+          break
+        end
+      end
+      if not last then
+        last = { kind = 'text', raw = '' }
+        turn.blocks[#turn.blocks + 1] = last
+      end
+      if #final > 0 then
+        last.final = final
+      end -- else the result kept no prose (e.g. only tool calls): the streamed prose stays
+    end
+    for _, card in pairs(turn.cards) do
+      if card.status == 'running' or card.status == 'waiting' then
+        card.status = turn.status == 'cancelled' and 'cancelled' or card.status
+      end
+    end
+    render_turn(chat, turn)
+    fill_cards(chat, turn)
+  end, hooks)
+  return true
+end
+
+function M.cancel()
+  return server.cancel()
+end
+
+--- The lines of a branch's chat buffer (for scripts and tests).
+function M.lines(branch)
+  local chat = branch and chats[branch] or M.current()
+  if not chat or not api.nvim_buf_is_valid(chat.buf) then
+    return {}
+  end
+  return api.nvim_buf_get_lines(chat.buf, 0, -1, false)
+end
+
+return M

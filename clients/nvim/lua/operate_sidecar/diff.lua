@@ -1,0 +1,152 @@
+-- Diff review of a proposed file change: a tab with the file's buffer and the proposed text
+-- side by side (`:diffthis`), `ga` accept, `gr` reject, `gA` accept always (this branch),
+-- `gR` reject always. An accepted change is then written by the server through the editor's
+-- file system (fs.lua), so it lands in this very buffer as one undoable change.
+local api = vim.api
+local util = require('operate_sidecar.util')
+
+local M = {}
+
+M.KEYS = { ga = 'allow_once', gA = 'allow_always', gr = 'deny_once', gR = 'deny_always' }
+M.HINT = 'ga accept · gr reject · gA always · gR never'
+
+M.current = nil -- {req, tab, file_buf, proposed_buf}
+
+local function proposed_name(path)
+  return 'operate://proposed/' .. util.display_path(path)
+end
+
+--- +added −removed of a unified diff.
+function M.stats(diff)
+  local add, del = 0, 0
+  if type(diff) == 'string' then
+    for line in (diff .. '\n'):gmatch('(.-)\n') do
+      if line:sub(1, 1) == '+' and line:sub(1, 3) ~= '+++' then
+        add = add + 1
+      elseif line:sub(1, 1) == '-' and line:sub(1, 3) ~= '---' then
+        del = del + 1
+      end
+    end
+  end
+  return add, del
+end
+
+local function map_keys(b, decide)
+  for key, decision in pairs(M.KEYS) do
+    vim.keymap.set('n', key, function()
+      decide(decision)
+    end, { buffer = b, nowait = true, desc = 'operate-sidecar: ' .. decision })
+  end
+end
+
+local function unmap_keys(b)
+  if b and api.nvim_buf_is_valid(b) then
+    for key in pairs(M.KEYS) do
+      pcall(vim.keymap.del, 'n', key, { buffer = b })
+    end
+  end
+end
+
+--- Open the review tab for request `req` (its params carry preview {path, oldText, newText,
+--- diff}); decide(decision) answers it. Sets req.close.
+function M.open(req, decide)
+  local p = req.params.preview
+  local prev_tab = api.nvim_get_current_tabpage()
+  vim.cmd('tabnew')
+  local tab = api.nvim_get_current_tabpage()
+  local scratch_of_tabnew = api.nvim_get_current_buf()
+  local fb = vim.fn.bufadd(p.path)
+  vim.fn.bufload(fb)
+  vim.bo[fb].buflisted = true
+  local left = api.nvim_get_current_win()
+  api.nvim_win_set_buf(left, fb)
+  if scratch_of_tabnew ~= fb and api.nvim_buf_is_valid(scratch_of_tabnew) then
+    pcall(api.nvim_buf_delete, scratch_of_tabnew, { force = true })
+  end
+  local name = proposed_name(p.path)
+  local old = util.find_buf(name)
+  if old then
+    pcall(api.nvim_buf_delete, old, { force = true })
+  end
+  local pb = util.scratch(name, vim.bo[fb].filetype ~= '' and vim.bo[fb].filetype or 'text')
+  vim.bo[pb].bufhidden = 'wipe'
+  local lines = util.split_lines(p.newText or '')
+  if #lines > 1 and lines[#lines] == '' then
+    table.remove(lines)
+  end
+  util.set_lines(pb, 0, -1, lines)
+  vim.bo[pb].modifiable = false
+  vim.cmd('rightbelow vsplit')
+  local right = api.nvim_get_current_win()
+  api.nvim_win_set_buf(right, pb)
+  for _, w in ipairs({ left, right }) do
+    api.nvim_set_current_win(w)
+    vim.cmd('diffthis')
+  end
+  local add, del = M.stats(p.diff)
+  vim.wo[left].statusline = ' %f (now)%m'
+  vim.wo[right].statusline = (' proposed +%d −%d · %s'):format(add, del, M.HINT)
+  map_keys(fb, decide)
+  map_keys(pb, decide)
+  api.nvim_set_current_win(right)
+  M.current = { req = req, tab = tab, file_buf = fb, proposed_buf = pb, left = left, right = right }
+  req.diff_view = M.current
+  req.close = function()
+    unmap_keys(fb)
+    local view = req.diff_view
+    req.diff_view = nil
+    if M.current == view then
+      M.current = nil
+    end
+    if view and api.nvim_tabpage_is_valid(view.tab) then
+      if api.nvim_get_current_tabpage() == view.tab and #api.nvim_list_tabpages() > 1 then
+        if api.nvim_tabpage_is_valid(prev_tab) then
+          api.nvim_set_current_tabpage(prev_tab)
+        end
+      end
+      for _, w in ipairs(api.nvim_tabpage_list_wins(view.tab)) do
+        if api.nvim_win_is_valid(w) and api.nvim_win_get_buf(w) == fb then
+          api.nvim_win_call(w, function()
+            vim.cmd('diffoff')
+          end)
+        end
+      end
+      if #api.nvim_list_tabpages() > 1 then
+        vim.cmd('tabclose ' .. api.nvim_tabpage_get_number(view.tab))
+      end
+    end
+    if api.nvim_buf_is_valid(pb) then
+      pcall(api.nvim_buf_delete, pb, { force = true })
+    end
+  end
+  util.event('OperateSidecarDiff')
+end
+
+--- Called by permission.lua for a request with a diff preview: open the review now when the
+--- user is at rest in normal mode, else wait (the permission float shows the diff meanwhile).
+function M.review(req, decide)
+  req.decide = decide
+  local mode = api.nvim_get_mode().mode
+  local f = require('operate_sidecar.config').values.permission_focus
+  local ok = mode == 'n' and (f == 'always' or (f ~= 'never' and vim.b.operate_sidecar_chat == true))
+  if ok then
+    M.open(req, decide)
+  else
+    require('operate_sidecar.permission').open_preview_float(req)
+  end
+end
+
+--- Show the review of `req` (opening it when only the float was shown).
+function M.focus(req)
+  if req.diff_view and api.nvim_tabpage_is_valid(req.diff_view.tab) then
+    api.nvim_set_current_tabpage(req.diff_view.tab)
+    return true
+  end
+  if req.close then
+    req.close()
+  end
+  M.open(req, req.decide)
+  return true
+end
+
+return M

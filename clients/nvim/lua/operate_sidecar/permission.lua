@@ -1,0 +1,304 @@
+-- Tool permission requests, one at a time, never blocking the editor: a diff review when the
+-- request carries a preview, else a floating window with the pretty-printed arguments. The
+-- float is focused only when the user is looking at the chat in normal mode, so keys typed
+-- elsewhere are never taken as an answer. Also the tools view and policy changes.
+local config = require('operate_sidecar.config')
+local server = require('operate_sidecar.server')
+local util = require('operate_sidecar.util')
+
+local api = vim.api
+local is_null, notify = util.is_null, util.notify
+
+local M = {}
+
+M.OPTIONS = { 'allow_once', 'allow_always', 'deny_once', 'deny_always' }
+M.LABELS = {
+  allow_once = 'allow once',
+  allow_always = 'allow always (this branch)',
+  deny_once = 'deny once',
+  deny_always = 'deny always (this branch)',
+}
+M.KEYS = { a = 'allow_once', A = 'allow_always', d = 'deny_once', D = 'deny_always' }
+M.FLOAT = 'operate://permission'
+
+local queue = {} -- pending requests; queue[1] is the one shown
+M.queue = queue
+M.answered = {} -- {tool, decision, callId} of the answers given (newest last)
+
+local function valid(d)
+  return vim.tbl_contains(M.OPTIONS, d)
+end
+
+function M.current()
+  return queue[1]
+end
+
+local function close_view(req)
+  if req.close then
+    pcall(req.close)
+    req.close = nil
+  end
+end
+
+local show_next
+
+local function settle(req, decision, why)
+  if req.done then
+    return
+  end
+  req.done = true
+  close_view(req)
+  for i, r in ipairs(queue) do
+    if r == req then
+      table.remove(queue, i)
+      break
+    end
+  end
+  if why then
+    M.answered[#M.answered + 1] = { tool = req.params.tool, decision = 'deny_once', callId = req.params.callId,
+      why = why }
+  else
+    decision = valid(decision) and decision or 'deny_once'
+    M.answered[#M.answered + 1] = { tool = req.params.tool, decision = decision, callId = req.params.callId }
+    req.reply({ decision = decision })
+  end
+  require('operate_sidecar.chat').on_permission_answer(req.params, why and 'expired' or decision)
+  util.event('OperateSidecarPermission')
+  vim.schedule(show_next)
+end
+
+--- Answer the request shown (or `req`) with a decision.
+function M.answer(decision, req)
+  req = req or queue[1]
+  if not req then
+    notify('no permission request is waiting')
+    return false
+  end
+  settle(req, decision)
+  return true
+end
+
+-- ---------------------------------------------------------------- the float
+
+local function float_lines(p)
+  local lines = { ('**%s** asks to run'):format(tostring(p.tool)), '' }
+  local args = p.arguments
+  local preview = type(p.preview) == 'table' and p.preview.kind == 'diff' and p.preview or nil
+  if preview then
+    local add, del = require('operate_sidecar.diff').stats(preview.diff)
+    lines[1] = ('**%s** wants to change %s (+%d −%d)'):format(tostring(p.tool), util.display_path(preview.path), add,
+      del)
+    lines[#lines + 1] = '```diff'
+    vim.list_extend(lines, util.split_lines((tostring(preview.diff or '')):gsub('\n$', '')))
+    lines[#lines + 1] = '```'
+    lines[#lines + 1] = ''
+    lines[#lines + 1] = '[o] review the diff  [a] accept  [A] always  [d] reject  [D] never  [q] later'
+    return lines
+  end
+  if type(args) == 'table' and next(args) ~= nil then
+    lines[#lines + 1] = '```json'
+    vim.list_extend(lines, util.pretty(args))
+    lines[#lines + 1] = '```'
+  else
+    lines[#lines + 1] = '_(no arguments)_'
+  end
+  lines[#lines + 1] = ''
+  lines[#lines + 1] = '[a] allow once  [A] always  [d] deny  [D] never  [q] later'
+  return lines
+end
+
+local function want_focus()
+  local mode = api.nvim_get_mode().mode
+  if mode ~= 'n' then
+    return false
+  end
+  local f = config.values.permission_focus
+  if f == 'always' then
+    return true
+  elseif f == 'never' then
+    return false
+  end
+  return vim.b.operate_sidecar_chat == true
+end
+
+local function open_float(req, focus)
+  local b = util.scratch(M.FLOAT, 'markdown')
+  local lines = float_lines(req.params)
+  util.set_lines(b, 0, -1, lines)
+  vim.bo[b].modifiable = false
+  local width = 20
+  for _, l in ipairs(lines) do
+    width = math.max(width, vim.fn.strdisplaywidth(l))
+  end
+  width = math.min(width + 2, math.max(vim.o.columns - 4, 20))
+  local height = math.min(#lines, math.max(vim.o.lines - 6, 3))
+  local win = api.nvim_open_win(b, focus, {
+    relative = 'editor',
+    row = math.max(math.floor((vim.o.lines - height) / 2) - 1, 0),
+    col = math.max(math.floor((vim.o.columns - width) / 2), 0),
+    width = width,
+    height = height,
+    style = 'minimal',
+    border = 'rounded',
+    zindex = 60,
+  })
+  vim.wo[win].wrap = true
+  vim.wo[win].conceallevel = 2
+  for key, decision in pairs(M.KEYS) do
+    vim.keymap.set('n', key, function()
+      settle(req, decision)
+    end, { buffer = b, nowait = true, desc = 'operate-sidecar: ' .. M.LABELS[decision] })
+  end
+  if req.diff then
+    vim.keymap.set('n', 'o', function()
+      require('operate_sidecar.diff').focus(req)
+    end, { buffer = b, nowait = true, desc = 'operate-sidecar: review the diff' })
+  else
+    pcall(vim.keymap.del, 'n', 'o', { buffer = b })
+  end
+  for _, key in ipairs({ 'q', '<Esc>' }) do
+    vim.keymap.set('n', key, function()
+      M.hide()
+    end, { buffer = b, nowait = true, desc = 'operate-sidecar: answer later (:OperatePermission)' })
+  end
+  req.win = win
+  req.close = function()
+    if req.win and api.nvim_win_is_valid(req.win) then
+      api.nvim_win_close(req.win, true)
+    end
+    req.win = nil
+  end
+end
+
+--- The float for a diff preview that waits for the user (the review tab opens on `o`).
+function M.open_preview_float(req)
+  open_float(req, false)
+end
+
+--- Hide the float (the request stays pending; :OperatePermission shows it again).
+function M.hide()
+  local req = queue[1]
+  if req and req.win and api.nvim_win_is_valid(req.win) then
+    api.nvim_win_close(req.win, true)
+    req.win = nil
+  end
+end
+
+--- Show (and focus) the request that is waiting.
+function M.focus()
+  local req = queue[1]
+  if not req then
+    notify('no permission request is waiting')
+    return false
+  end
+  if req.diff then
+    return require('operate_sidecar.diff').focus(req)
+  end
+  if req.win and api.nvim_win_is_valid(req.win) then
+    api.nvim_set_current_win(req.win)
+  else
+    open_float(req, true)
+  end
+  return true
+end
+
+show_next = function()
+  local req = queue[1]
+  if not req or req.shown then
+    return
+  end
+  req.shown = true
+  local p = req.params
+  require('operate_sidecar.chat').on_permission_request(p)
+  if type(p.preview) == 'table' and p.preview.kind == 'diff' then
+    req.diff = true
+    require('operate_sidecar.diff').review(req, function(decision)
+      settle(req, decision)
+    end)
+  else
+    open_float(req, want_focus())
+  end
+  util.event('OperateSidecarPermissionShown')
+end
+
+-- ---------------------------------------------------------------- from the server
+
+--- requestToolPermission handler (rpc): queue it and show it when its turn comes.
+function M.on_request(params, reply, ctx)
+  local req = { params = params, reply = reply, id = ctx.id, ctx = ctx }
+  if config.values.permission_handler then
+    local answered = false
+    local d = config.values.permission_handler(params, function(choice)
+      if not answered then
+        answered = true
+        reply({ decision = valid(choice) and choice or 'deny_once' })
+      end
+    end)
+    if d ~= nil and not answered then
+      answered = true
+      reply({ decision = valid(d) and d or 'deny_once' })
+    end
+    return
+  end
+  queue[#queue + 1] = req
+  show_next()
+end
+
+--- The server stopped waiting for request `id` (its operate was cancelled or it timed out).
+function M.on_server_cancel(id)
+  for _, req in ipairs(queue) do
+    if req.id == id then
+      settle(req, nil, 'the server stopped waiting')
+      return
+    end
+  end
+end
+
+function M.server_gone()
+  while queue[1] do
+    settle(queue[1], nil, 'the server exited')
+  end
+end
+
+-- ---------------------------------------------------------------- tools and policies
+
+M.TOOLS = 'operate://tools'
+
+--- Show the tools and the policy in force (for the current branch) in operate://tools.
+function M.show_tools(cb)
+  cb = cb or function() end
+  local bid = require('operate_sidecar.branches').current()
+  server.request_or_notify('listTools', bid and { branchId = bid } or nil, cb, function(res)
+    local lines = { ('# tools (policy for %s)'):format(bid and ('branch ' .. bid) or 'the server') }
+    M.tool_names = {}
+    for _, t in ipairs(res.tools) do
+      M.tool_names[#M.tool_names + 1] = t.name
+      local desc = is_null(t.description) and '' or tostring(t.description):gsub('\n.*', '')
+      lines[#lines + 1] = ('%-24s %-8s %-6s %s'):format(t.name, tostring(t.source), tostring(t.policy), desc)
+    end
+    local b = util.scratch(M.TOOLS)
+    util.set_lines(b, 0, -1, lines)
+    vim.bo[b].modifiable = false
+    if vim.fn.bufwinnr(b) < 0 then
+      vim.cmd('botright split')
+      api.nvim_win_set_buf(0, b)
+      vim.cmd('wincmd p')
+    end
+    cb(nil, res.tools)
+  end)
+end
+
+--- Set a tool's policy (allow|deny|ask) for the current branch, or server-wide if none / global.
+function M.authorize(tool, decision, cb, global)
+  cb = cb or function() end
+  local params = { tool = tool, decision = decision }
+  if not global then
+    params.branchId = require('operate_sidecar.branches').current()
+  end
+  server.request_or_notify('authorizeTool', params, cb, function(res)
+    notify(('%s: %s (%s)'):format(res.tool, res.decision, is_null(res.branchId) and 'server-wide' or res.branchId))
+    cb(nil, res)
+  end)
+end
+
+return M

@@ -1,0 +1,582 @@
+-- The server process: start (initialize, client tools), stop, requests, and `operate` with its
+-- progress, tool events and cancellation. Views subscribe through the `on_*` hooks of operate().
+local rpc = require('operate_sidecar.rpc')
+local config = require('operate_sidecar.config')
+local util = require('operate_sidecar.util')
+
+local api = vim.api
+local is_null, notify, event = util.is_null, util.notify, util.event
+
+local M = {}
+M.version = '0.2.0'
+
+local S = {
+  client = nil,
+  ready = false,
+  init_result = nil,
+  queue = {},
+  branches = { global = nil, tab = {} },
+  running = nil, -- {id?, token, instruction, deltas, cancel_requested, hooks}
+  seq = 0,
+  tool_events = {},
+  progress = {},
+  last = nil, -- {err, result, deltas, branchId} of the last operate
+  exit = nil, -- {code, signal} of the last server exit
+  tools = {}, -- client tools by name
+  stopping = false,
+  after_exit = {}, -- run once the current server process is gone
+}
+M.state = S
+
+function M.default_state_dir()
+  local ok, dir = pcall(vim.fn.stdpath, 'state') -- 0.8+
+  if not ok then
+    local xdg = os.getenv('XDG_STATE_HOME')
+    if not xdg or xdg == '' then
+      xdg = (os.getenv('HOME') or '.') .. '/.local/state'
+    end
+    dir = xdg .. '/nvim'
+  end
+  return dir .. '/operate-sidecar'
+end
+
+function M.default_log_file()
+  return vim.fn.stdpath('cache') .. '/operate-sidecar.log'
+end
+
+function M.log_file()
+  return config.values.log_file or M.default_log_file()
+end
+
+-- ---------------------------------------------------------------- server → client
+
+local levels = { vim.log.levels.ERROR, vim.log.levels.WARN, vim.log.levels.INFO, vim.log.levels.DEBUG }
+
+local function hook(run, name, ...)
+  local f = run and run.hooks and run.hooks[name]
+  if f then
+    local ok, err = pcall(f, ...)
+    if not ok then
+      notify(name .. ' failed: ' .. tostring(err), vim.log.levels.ERROR)
+    end
+  end
+end
+
+local function on_progress(p)
+  local run = S.running
+  local v = type(p) == 'table' and p.value or nil
+  if type(v) ~= 'table' or not run or p.token ~= run.token then
+    return
+  end
+  if v.kind == 'begin' then
+    S.progress = { phase = 'begin', message = v.message }
+  elseif v.kind == 'report' then
+    if not is_null(v.delta) and v.delta ~= '' then
+      run.deltas[#run.deltas + 1] = v.delta
+      hook(run, 'on_delta', v.delta, run)
+      event('OperateSidecarDelta')
+    end
+    if v.phase ~= S.progress.phase then
+      S.progress = { phase = v.phase, message = v.message }
+      hook(run, 'on_phase', v.phase, run)
+    end
+  elseif v.kind == 'end' then
+    S.progress = { phase = 'end', message = v.message }
+    if type(v.usage) == 'table' then
+      run.usage = v.usage
+    end
+  end
+  event('OperateSidecarProgress')
+end
+
+local function on_tool_event(e)
+  if type(e) ~= 'table' then
+    return
+  end
+  S.tool_events[#S.tool_events + 1] = e
+  local run = S.running
+  if run and (e.branchId == run.branchId) then
+    hook(run, 'on_tool_event', e, run)
+  else
+    require('operate_sidecar.chat').on_tool_event(e) -- an event of some other branch's chat
+  end
+  event('OperateSidecarToolEvent')
+end
+
+local function on_notification(method, params)
+  if method == '$/progress' then
+    on_progress(params)
+  elseif method == 'toolEvent' then
+    on_tool_event(params)
+  elseif method == 'window/logMessage' and type(params) == 'table' then
+    notify(tostring(params.message), levels[params.type] or vim.log.levels.INFO)
+  end
+end
+
+local function on_invoke_client_tool(params, reply)
+  local tool = S.tools[params.tool]
+  if not tool then
+    reply(nil, { code = -32601, message = 'unknown client tool: ' .. tostring(params.tool) })
+    return
+  end
+  local args = is_null(params.arguments) and {} or params.arguments
+  local ok, out = pcall(tool.handler, args, params)
+  if ok then
+    reply({ output = is_null(out) and vim.NIL or out })
+  else
+    reply(nil, { code = -32603, message = tostring(out) })
+  end
+end
+
+-- ---------------------------------------------------------------- client tools
+
+local function builtin_tools()
+  return {
+    {
+      name = 'nvim_buffer_text',
+      description = 'The text of a buffer open in Neovim: the current buffer, or the loaded buffer whose name ends with `path`.',
+      inputSchema = { type = 'object', properties = { path = { type = 'string' } } },
+      handler = function(args)
+        local b = require('operate_sidecar.context').source_buf()
+        if type(args.path) == 'string' and args.path ~= '' then
+          b = nil
+          for _, cand in ipairs(api.nvim_list_bufs()) do
+            local name = api.nvim_buf_get_name(cand)
+            if api.nvim_buf_is_loaded(cand) and name:sub(-#args.path) == args.path then
+              b = cand
+              break
+            end
+          end
+          if not b then
+            error('no loaded buffer named ' .. args.path)
+          end
+        end
+        return {
+          name = api.nvim_buf_get_name(b),
+          text = table.concat(api.nvim_buf_get_lines(b, 0, -1, false), '\n'),
+        }
+      end,
+    },
+  }
+end
+
+local function collect_tools()
+  local list = {}
+  if config.values.builtin_client_tools then
+    vim.list_extend(list, builtin_tools())
+  end
+  vim.list_extend(list, config.values.client_tools or {})
+  S.tools = {}
+  local specs = {}
+  for _, t in ipairs(list) do
+    S.tools[t.name] = t
+    specs[#specs + 1] = { name = t.name, description = t.description or '', inputSchema = util.as_object(t.inputSchema) }
+  end
+  return specs
+end
+
+-- ---------------------------------------------------------------- lifecycle
+
+local function init_settings()
+  local s = vim.deepcopy(config.values.settings or {})
+  if s.stateDir == nil then
+    if config.values.state_dir == false then
+      s.stateDir = vim.NIL
+    else
+      s.stateDir = config.values.state_dir or M.default_state_dir()
+    end
+  end
+  for _, k in ipairs({ 'models', 'toolPolicy', 'mcpServers' }) do
+    if s[k] ~= nil then
+      s[k] = util.as_object(s[k])
+    end
+  end
+  return s
+end
+
+local function flush_queue(err)
+  local q = S.queue
+  S.queue = {}
+  for _, fn in ipairs(q) do
+    fn(err)
+  end
+end
+
+local function last_log_lines(n)
+  local f = io.open(M.log_file(), 'r')
+  if not f then
+    return {}
+  end
+  local lines = {}
+  for l in f:lines() do
+    lines[#lines + 1] = l
+    if #lines > n then
+      table.remove(lines, 1)
+    end
+  end
+  f:close()
+  return lines
+end
+M.last_log_lines = last_log_lines
+
+local function on_exit(client, code, signal)
+  if S.client ~= client then
+    return
+  end
+  local was_ready = S.ready
+  S.client, S.ready = nil, false
+  S.exit = { code = code, signal = signal }
+  local journaled = S.init_result and S.init_result.capabilities
+    and not is_null(S.init_result.capabilities.stateDir)
+  if not journaled then
+    S.branches = { global = nil, tab = {} } -- those branches are gone with the process
+  end
+  flush_queue({ code = rpc.codes.server_exited, message = 'operate-sidecar exited during start-up' })
+  require('operate_sidecar.permission').server_gone()
+  if code == 0 or S.stopping then
+    notify(('server stopped (code %s)'):format(tostring(code)))
+  else
+    local tail = last_log_lines(was_ready and 3 or 8)
+    notify(('server exited (code %s%s)%s'):format(tostring(code),
+      (signal and signal ~= 0) and (', signal ' .. signal) or '',
+      #tail > 0 and (':\n' .. table.concat(tail, '\n')) or ''), vim.log.levels.WARN)
+  end
+  S.stopping = false
+  event('OperateSidecarExit')
+  local after = S.after_exit
+  S.after_exit = {}
+  for _, fn in ipairs(after) do
+    fn()
+  end
+end
+
+-- A server process that is still registered but stopping or dead (its exit not yet handled).
+local function going_away()
+  return S.client ~= nil and (S.stopping or not S.client:is_running())
+end
+
+--- Start the server and initialize it. cb(err, initialize_result) runs once it is ready.
+function M.start(cb)
+  cb = cb or function() end
+  if S.ready then
+    cb(nil, S.init_result)
+    return
+  end
+  if going_away() then
+    S.after_exit[#S.after_exit + 1] = function()
+      M.start(cb)
+    end
+    return
+  end
+  local function when_started(err)
+    cb(err, S.init_result)
+  end
+  if S.client then
+    S.queue[#S.queue + 1] = when_started
+    return
+  end
+  local cfg = config.values
+  local permission, fs = require('operate_sidecar.permission'), require('operate_sidecar.fs')
+  local ok, client = pcall(function()
+    local c
+    c = rpc.start({
+      cmd = cfg.cmd,
+      cwd = cfg.cmd_cwd,
+      env = cfg.cmd_env,
+      log_file = M.log_file(),
+      on_notification = on_notification,
+      handlers = {
+        requestToolPermission = permission.on_request,
+        invokeClientTool = on_invoke_client_tool,
+        ['fs/readTextFile'] = fs.on_read,
+        ['fs/writeTextFile'] = fs.on_write,
+      },
+      on_server_cancel = function(id)
+        permission.on_server_cancel(id)
+      end,
+      on_exit = function(code, signal)
+        on_exit(c, code, signal)
+      end,
+    })
+    return c
+  end)
+  if not ok then
+    notify(tostring(client), vim.log.levels.ERROR)
+    cb({ code = rpc.codes.not_running, message = tostring(client) })
+    return
+  end
+  S.client, S.ready, S.init_result, S.exit = client, false, nil, nil
+  S.queue[#S.queue + 1] = when_started
+
+  local timer = (vim.uv or vim.loop).new_timer()
+  local settled = false
+  local function settle(err)
+    if settled then
+      return
+    end
+    settled = true
+    timer:stop()
+    timer:close()
+    if err then
+      notify('start failed: ' .. tostring(err.message), vim.log.levels.ERROR)
+      client:kill(9) -- on_exit then forgets this client
+      flush_queue(err)
+      return
+    end
+    S.ready = true
+    event('OperateSidecarReady')
+    flush_queue(nil)
+  end
+  timer:start(cfg.request_timeout, 0, vim.schedule_wrap(function()
+    settle({ code = rpc.codes.timeout, message = 'initialize timed out' })
+  end))
+
+  local specs = collect_tools()
+  client:request('initialize', {
+    protocolVersion = 1,
+    clientInfo = { name = 'operate-sidecar.nvim', version = M.version },
+    processId = vim.fn.getpid(),
+    capabilities = { toolPermission = true, clientTools = true, fs = cfg.fs and true or false },
+    workspaceFolders = { vim.fn.getcwd() },
+    settings = init_settings(),
+  }, function(err, result)
+    if err then
+      settle(err)
+      return
+    end
+    S.init_result = result
+    client:notify('initialized', vim.empty_dict())
+    if #specs == 0 then
+      settle(nil)
+      return
+    end
+    client:request('registerClientTools', { tools = specs }, function(rerr)
+      if rerr then
+        notify('registerClientTools failed: ' .. tostring(rerr.message), vim.log.levels.WARN)
+      end
+      settle(nil)
+    end)
+  end)
+end
+
+--- Run fn(err) once the server is ready (starting it when auto_start is on).
+function M.when_ready(fn)
+  if S.ready then
+    fn(nil)
+  elseif going_away() then
+    S.after_exit[#S.after_exit + 1] = function()
+      M.when_ready(fn)
+    end
+  elseif S.client then
+    S.queue[#S.queue + 1] = fn
+  elseif config.values.auto_start then
+    M.start(function(err)
+      fn(err)
+    end)
+  else
+    fn({ code = rpc.codes.not_running, message = 'operate-sidecar is not running (:OperateStart)' })
+  end
+end
+
+--- Block (processing events) until the server is ready or timeout_ms passes. Returns ready.
+function M.wait_ready(timeout_ms)
+  return vim.wait(timeout_ms or config.values.request_timeout, function()
+    return S.ready or (S.client == nil)
+  end, 10) and S.ready
+end
+
+--- Shut the server down (shutdown + exit; killed if it lingers). cb() runs once it is gone.
+function M.stop(cb)
+  local c = S.client
+  if not c then
+    if cb then
+      cb()
+    end
+    return
+  end
+  if cb then
+    S.after_exit[#S.after_exit + 1] = cb
+  end
+  if S.stopping then
+    return
+  end
+  S.stopping, S.ready = true, false
+  local gone = false
+  local prev_exit = c.opts.on_exit
+  c.opts.on_exit = function(code, signal)
+    gone = true
+    prev_exit(code, signal)
+  end
+  c:request('shutdown', nil, function()
+    c:notify('exit')
+    c:close_stdin()
+  end)
+  vim.defer_fn(function()
+    if not gone then
+      c:kill(9)
+    end
+  end, 3000)
+end
+
+function M.is_running()
+  return S.client ~= nil and S.client:is_running()
+end
+
+function M.models()
+  local caps = S.init_result and S.init_result.capabilities
+  if caps and type(caps.models) == 'table' then
+    return caps.models
+  end
+  local names = vim.tbl_keys((config.values.settings or {}).models or {})
+  table.sort(names)
+  return names
+end
+
+--- Send any request once ready: cb(err, result).
+function M.request(method, params, cb)
+  cb = cb or function() end
+  M.when_ready(function(err)
+    if err then
+      cb(err, nil)
+      return
+    end
+    S.client:request(method, params, cb)
+  end)
+end
+
+--- Synchronous form of M.request (waits at most timeout_ms). Returns result, err.
+function M.request_sync(method, params, timeout_ms)
+  local done, res, rerr = false, nil, nil
+  M.request(method, params, function(err, result)
+    done, res, rerr = true, result, err
+  end)
+  if not vim.wait(timeout_ms or config.values.request_timeout, function()
+    return done
+  end, 10) then
+    return nil, { code = rpc.codes.timeout, message = method .. ' timed out' }
+  end
+  return res, rerr
+end
+
+--- M.request where a failure is notified and passed on as cb(err); on_result(res) handles success.
+function M.request_or_notify(method, params, cb, on_result)
+  M.request(method, params, function(err, res)
+    if err then
+      notify(method .. ' failed: ' .. tostring(err.message), vim.log.levels.ERROR)
+      return cb(err)
+    end
+    on_result(res)
+  end)
+end
+
+-- ---------------------------------------------------------------- operate
+
+--- Run `operate`. params: the operate params (branchId defaults to the current branch; a
+--- workDoneToken is added). hooks: {on_start(run), on_delta(delta, run), on_phase(phase, run),
+--- on_tool_event(e, run)}. on_done(err, result, run). One notification tells how it ended.
+function M.operate(params, on_done, hooks)
+  on_done = on_done or function() end
+  local branches = require('operate_sidecar.branches')
+  params = vim.tbl_extend('keep', vim.deepcopy(params or {}), vim.deepcopy(config.values.operate_defaults or {}))
+  if S.running then
+    local err = { code = -32600, message = 'an operate is already running (:OperateCancel)' }
+    notify(err.message, vim.log.levels.WARN)
+    vim.schedule(function()
+      on_done(err, nil, nil)
+    end)
+    return
+  end
+  S.seq = S.seq + 1
+  local instruction = params.instruction
+  if instruction == nil and type(params.instruct) == 'table' then
+    instruction = params.instruct.instruction
+  end
+  local run = { token = params.workDoneToken or ('nvim-' .. S.seq), instruction = instruction, deltas = {},
+    hooks = hooks or {}, started = (vim.uv or vim.loop).hrtime() }
+  params.workDoneToken = run.token
+  S.running = run
+  S.progress = {}
+  event('OperateSidecarRunning')
+
+  local function finish(err, result)
+    if S.running == run then
+      S.running = nil
+    end
+    run.elapsed_ms = ((vim.uv or vim.loop).hrtime() - run.started) / 1e6
+    if type(result) == 'table' and type(result.usage) == 'table' then
+      run.usage = result.usage
+    end
+    S.last = { err = err, result = result, deltas = run.deltas, branchId = run.branchId, usage = run.usage }
+    local secs = ('%.1f s'):format(run.elapsed_ms / 1000)
+    if err and err.code == rpc.codes.cancelled then
+      notify('cancelled')
+    elseif err then
+      notify('failed: ' .. tostring(err.message), vim.log.levels.WARN)
+    else
+      notify('done · ' .. secs)
+    end
+    on_done(err, result, run)
+    event('OperateSidecarDone')
+  end
+
+  -- implicit: the caller means "the current branch" (a forgotten one is replaced, once)
+  local implicit = params.branchId == nil or (hooks and hooks.implicit)
+  local send
+  local function with_current_branch()
+    branches.ensure(function(berr, bid)
+      if berr then
+        return finish(berr)
+      end
+      send(bid)
+    end, instruction)
+  end
+  send = function(bid)
+    if run.cancel_requested then
+      return finish({ code = rpc.codes.cancelled, message = 'cancelled before it was sent' })
+    end
+    params.branchId = params.branchId or bid
+    run.branchId = params.branchId
+    run.client = S.client
+    hook(run, 'on_start', run)
+    run.id = S.client:request('operate', params, function(err, result)
+      -- The current branch is gone (a server restarted without its journal): use a new one, once.
+      if err and err.code == -32012 and implicit and not run.retried and not run.cancel_requested then
+        run.retried = true
+        branches.forget(params.branchId)
+        notify(('branch %s is unknown to the server; using a new branch'):format(params.branchId),
+          vim.log.levels.WARN)
+        params.branchId = nil
+        return with_current_branch()
+      end
+      finish(err, result)
+    end)
+  end
+
+  M.when_ready(function(err)
+    if err then
+      return finish(err)
+    end
+    if params.branchId then
+      send(params.branchId)
+    else
+      with_current_branch()
+    end
+  end)
+  return run
+end
+
+--- Cancel the running operate ($/cancelRequest). Returns false when nothing runs.
+function M.cancel()
+  local run = S.running
+  if not run then
+    notify('nothing to cancel')
+    return false
+  end
+  run.cancel_requested = true
+  if run.id and run.client then
+    run.client:cancel(run.id)
+  end
+  return true
+end
+
+return M

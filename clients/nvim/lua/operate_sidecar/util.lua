@@ -1,0 +1,184 @@
+-- Small helpers shared by the modules: notifications, JSON-ish rendering, buffers.
+local config = require('operate_sidecar.config')
+local api = vim.api
+
+local M = {}
+
+local islist = vim.islist or vim.tbl_islist
+M.islist = islist
+
+function M.is_null(v)
+  return v == nil or v == vim.NIL
+end
+
+function M.notify(msg, level)
+  local f = config.values.notify or vim.notify
+  f('[operate] ' .. msg, level or vim.log.levels.INFO)
+end
+
+function M.event(name)
+  if vim.fn.exists('#User#' .. name) == 1 then
+    pcall(vim.cmd, 'doautocmd <nomodeline> User ' .. name)
+  end
+end
+
+function M.split_lines(text)
+  return vim.split(text, '\n', { plain = true })
+end
+
+function M.as_object(t)
+  if t == nil or (type(t) == 'table' and next(t) == nil and getmetatable(t) == nil) then
+    return vim.empty_dict()
+  end
+  return t
+end
+
+local function json_scalar(v)
+  local s = vim.json.encode(v)
+  return (s:gsub('\\/', '/')) -- 0.7's encoder escapes '/'
+end
+
+--- Pretty-print a decoded JSON value (keys sorted, two-space indent). Returns a list of lines.
+function M.pretty(value)
+  local out = {}
+  local function walk(v, indent, prefix, suffix)
+    local pad = string.rep('  ', indent)
+    if v == nil or v == vim.NIL then
+      out[#out + 1] = pad .. prefix .. 'null' .. suffix
+    elseif type(v) ~= 'table' then
+      out[#out + 1] = pad .. prefix .. json_scalar(v) .. suffix
+    elseif next(v) == nil then
+      local empty = getmetatable(v) == getmetatable(vim.empty_dict()) and '{}' or '[]'
+      out[#out + 1] = pad .. prefix .. empty .. suffix
+    elseif islist(v) then
+      out[#out + 1] = pad .. prefix .. '['
+      for i, item in ipairs(v) do
+        walk(item, indent + 1, '', i < #v and ',' or '')
+      end
+      out[#out + 1] = pad .. ']' .. suffix
+    else
+      out[#out + 1] = pad .. prefix .. '{'
+      local keys = vim.tbl_keys(v)
+      table.sort(keys, function(a, b)
+        return tostring(a) < tostring(b)
+      end)
+      for i, k in ipairs(keys) do
+        walk(v[k], indent + 1, json_scalar(tostring(k)) .. ': ', i < #keys and ',' or '')
+      end
+      out[#out + 1] = pad .. '}' .. suffix
+    end
+  end
+  walk(value, 0, '', '')
+  -- a multi-line string value stays one JSON line; split anything else the encoder produced
+  local lines = {}
+  for _, l in ipairs(out) do
+    vim.list_extend(lines, M.split_lines(l))
+  end
+  return lines
+end
+
+--- A short one-line form of a value, for headlines.
+function M.compact(v, limit)
+  if M.is_null(v) then
+    return 'null'
+  end
+  local ok, s = pcall(json_scalar, v)
+  s = ok and s or tostring(v)
+  limit = limit or 80
+  if #s > limit then
+    s = s:sub(1, limit - 1) .. '…'
+  end
+  return s
+end
+
+function M.find_buf(name)
+  for _, b in ipairs(api.nvim_list_bufs()) do
+    if api.nvim_buf_is_valid(b) and api.nvim_buf_get_name(b) == name then
+      return b
+    end
+  end
+end
+
+--- A scratch buffer named `name` (reused when it exists).
+function M.scratch(name, filetype)
+  local b = M.find_buf(name)
+  if b then
+    return b
+  end
+  b = api.nvim_create_buf(false, true)
+  api.nvim_buf_set_name(b, name)
+  vim.bo[b].buftype = 'nofile'
+  vim.bo[b].bufhidden = 'hide'
+  vim.bo[b].swapfile = false
+  vim.bo[b].filetype = filetype or 'operate_sidecar'
+  return b
+end
+
+--- Replace a buffer's lines even when it is not modifiable.
+function M.set_lines(b, first, last, lines)
+  local was = vim.bo[b].modifiable
+  vim.bo[b].modifiable = true
+  local ok, err = pcall(api.nvim_buf_set_lines, b, first, last, false, lines)
+  vim.bo[b].modifiable = was
+  if not ok then
+    error(err)
+  end
+end
+
+--- The absolute, resolved form of a path (for comparing buffer names with server paths).
+function M.norm_path(p)
+  if not p or p == '' then
+    return p
+  end
+  local full = vim.fn.fnamemodify(p, ':p')
+  local real = (vim.uv or vim.loop).fs_realpath(full)
+  return real or full
+end
+
+--- The loaded buffer holding `path`, if any.
+function M.buf_for_path(path)
+  local want = M.norm_path(path)
+  for _, b in ipairs(api.nvim_list_bufs()) do
+    if api.nvim_buf_is_loaded(b) and vim.bo[b].buftype == '' then
+      local name = api.nvim_buf_get_name(b)
+      if name ~= '' and M.norm_path(name) == want then
+        return b
+      end
+    end
+  end
+end
+
+--- A path relative to the working directory when it lies inside it.
+function M.display_path(path)
+  if type(path) ~= 'string' then
+    return tostring(path)
+  end
+  return vim.fn.fnamemodify(path, ':~:.')
+end
+
+--- "HH:MM" today, else "YYYY-MM-DD HH:MM", for an ISO-8601 timestamp (or epoch seconds).
+function M.human_time(ts)
+  local t
+  if type(ts) == 'number' then
+    t = ts
+  elseif type(ts) == 'string' then
+    local y, mo, d, h, mi, s = ts:match('^(%d+)-(%d+)-(%d+)[T ](%d+):(%d+):?(%d*)')
+    if y then
+      local utc = { year = tonumber(y), month = tonumber(mo), day = tonumber(d), hour = tonumber(h),
+        min = tonumber(mi), sec = tonumber(s) or 0, isdst = false }
+      -- the timestamps are UTC: shift by the local offset
+      local now = os.time()
+      local offset = os.difftime(now, os.time(os.date('!*t', now)))
+      t = os.time(utc) + offset
+    end
+  end
+  if not t then
+    return ''
+  end
+  if os.date('%Y-%m-%d', t) == os.date('%Y-%m-%d') then
+    return os.date('%H:%M', t)
+  end
+  return os.date('%Y-%m-%d %H:%M', t)
+end
+
+return M

@@ -1,0 +1,322 @@
+// operate-sidecar-client: spawn the operate-sidecar server and talk to it over stdio (JSON-RPC 2.0 with
+// LSP base-protocol framing, through vscode-jsonrpc). The wire types are generated from
+// protocol/schema.json into ./generated/protocol.ts; the protocol itself is described in docs/PROTOCOL.md.
+// No `vscode` import: usable from any Node program and from the VS Code extension.
+import { spawn, ChildProcess } from 'node:child_process';
+import * as rpc from 'vscode-jsonrpc/node';
+import type * as P from './generated/protocol';
+import { WireErrorCodes } from './generated/protocol';
+
+export * from './generated/protocol';
+export { CancellationTokenSource, ResponseError } from 'vscode-jsonrpc/node';
+export type { CancellationToken, Disposable } from 'vscode-jsonrpc/node';
+
+/** Error codes, by the schema's names plus the short names `NotInitialized` and `Cancelled`. */
+export const ErrorCodes = {
+  ...WireErrorCodes,
+  NotInitialized: WireErrorCodes.ServerNotInitialized,
+  Cancelled: WireErrorCodes.RequestCancelled,
+} as const;
+
+export type Json = null | boolean | number | string | Json[] | { [k: string]: Json };
+export type JsonObject = { [k: string]: Json };
+export type PolicyDecision = P.AuthorizeToolParams['decision'];
+export type PermissionDecision = P.RequestToolPermissionResult['decision'];
+export const PERMISSION_OPTIONS: readonly PermissionDecision[] = ['allow_once', 'allow_always', 'deny_once', 'deny_always'];
+
+// Names the VS Code extension's own client used, kept so that switching to this package is an import change.
+export type ToolEvent = P.ToolEventParams;
+export type LogMessage = P.LogMessageParams;
+export type PermissionRequest = P.RequestToolPermissionParams;
+export type ClientToolRequest = P.InvokeClientToolParams;
+
+/** `fs/readTextFile` and `fs/writeTextFile` (server → client, when `capabilities.fs` was declared). */
+export type ReadTextFileRequest = P.ReadTextFileParams;
+export type WriteTextFileRequest = P.WriteTextFileParams;
+
+export type PermissionHandler = (req: PermissionRequest, token: rpc.CancellationToken) =>
+  PermissionDecision | Promise<PermissionDecision>;
+export type ClientToolHandler = (req: ClientToolRequest, token: rpc.CancellationToken) => unknown | Promise<unknown>;
+/**
+ * Serves the server's file reads and writes from the client (e.g. editor buffers). A thrown error becomes an
+ * error response, which the server reports as a tool error.
+ */
+export interface FileSystemHandler {
+  /** Returns the file's current text (for an editor: the buffer's text, saved or not). */
+  readTextFile(req: ReadTextFileRequest, token: rpc.CancellationToken): string | Promise<string>;
+  writeTextFile(req: WriteTextFileRequest, token: rpc.CancellationToken): void | Promise<void>;
+}
+/** The name the VS Code extension's client uses for a FileSystemHandler. */
+export type FsHandlers = FileSystemHandler;
+
+/** `initialize` params as this client sends them: `settings` may also be a loose JSON object. */
+export type InitializeParams = Omit<P.InitializeParams, 'settings' | 'capabilities'> & {
+  settings?: P.Settings | JsonObject;
+  capabilities?: P.ClientCapabilities;
+};
+export type InitializeResult = P.InitializeResult;
+/** A configured model's name or an inline model config (a loose JSON object is accepted too). */
+export type ModelArg = P.Model | JsonObject;
+export type CreateBranchParams = Omit<P.CreateBranchParams, 'chatModel' | 'parseModel'> & { chatModel?: ModelArg; parseModel?: ModelArg };
+export type OperateParams = Omit<P.OperateParams, 'chatModel' | 'parseModel'> & { chatModel?: ModelArg; parseModel?: ModelArg };
+/**
+ * A branch message. `content`'s shape depends on `kind` (SystemContent, InstructionContent,
+ * AssistantResponseContent, ActionRequestContent, ActionResponseContent); its fields can be read without narrowing.
+ */
+export type Message = Omit<P.Message, 'content'> & { content: P.MessageContent & { [k: string]: any } };
+export type OperateResult = P.OperateResult;
+export type ProgressValue = P.ProgressValue;
+
+export interface StartOptions {
+  /** argv; command[0] is the executable. */
+  command: string[];
+  cwd?: string;
+  env?: NodeJS.ProcessEnv;
+  /** Server stderr, decoded, chunk by chunk (it is always drained, and its tail is kept: `stderrTail`). */
+  onStderr?: (text: string) => void;
+  /** How many characters of stderr `stderrTail` keeps (default 16384). */
+  stderrTailChars?: number;
+}
+
+export interface OperateOptions {
+  token?: rpc.CancellationToken;
+  /** Receives every $/progress value for this operate, in arrival order. */
+  onProgress?: (value: ProgressValue) => void;
+}
+
+/** How the server process ended. */
+export interface ExitInfo {
+  /** Exit code, or null when a signal ended it. */
+  exitCode: number | null;
+  signal: NodeJS.Signals | null;
+  /** The last characters the server wrote to stderr (its traceback or error message, typically). */
+  stderrTail: string;
+}
+
+/** A request that could not be answered because the server process is gone. */
+export class SidecarExitedError extends Error {
+  readonly exitCode: number | null;
+  readonly signal: NodeJS.Signals | null;
+  readonly stderrTail: string;
+  constructor(what: string, info: ExitInfo) {
+    const how = info.signal ? `signal ${info.signal}` : `exit code ${info.exitCode}`;
+    const tail = info.stderrTail.trim();
+    super(`operate-sidecar: the server exited (${how}) before answering ${what}${tail ? `; its stderr ends with:\n${tail}` : ''}`);
+    this.name = 'SidecarExitedError';
+    this.exitCode = info.exitCode;
+    this.signal = info.signal;
+    this.stderrTail = info.stderrTail;
+  }
+}
+
+const progressType = new rpc.ProgressType<ProgressValue>();
+let tokenCounter = 0;
+/** After the process exited, how long to wait for the rest of its stderr (a grandchild may hold the pipe). */
+const STDERR_DRAIN_MS = 500;
+
+export class SidecarClient {
+  readonly connection: rpc.MessageConnection;
+  readonly process: ChildProcess;
+  /** Resolves with the exit code (or signal name) once the server process ended. */
+  readonly exited: Promise<number | string | null>;
+  private readonly exitInfo: Promise<ExitInfo>;
+  private notificationListeners = new Map<string, Set<(params: any) => void>>();
+  private exitListeners = new Set<(info: ExitInfo) => void>();
+  private permissionHandler: PermissionHandler | undefined;
+  private clientToolHandler: ClientToolHandler | undefined;
+  private fsHandler: FileSystemHandler | undefined;
+  private exitCode: number | string | null | undefined;
+  private processGone = false;
+  private stderrBuf = '';
+  private readonly stderrMax: number;
+
+  private constructor(child: ChildProcess, opts: StartOptions) {
+    this.process = child;
+    this.stderrMax = opts.stderrTailChars ?? 16384;
+    child.stderr!.setEncoding('utf8');
+    const stderrEnded = new Promise<void>((r) => { child.stderr!.once('end', r); child.stderr!.once('close', r); });
+    child.stderr!.on('data', (d: string) => {
+      this.stderrBuf = (this.stderrBuf + d).slice(-this.stderrMax);
+      opts.onStderr?.(d);
+    });
+    this.exitInfo = new Promise((resolve) => {
+      child.once('exit', (code, signal) => {
+        this.processGone = true;
+        const drained = new Promise<void>((r) => setTimeout(r, STDERR_DRAIN_MS).unref());
+        void Promise.race([stderrEnded, drained]).then(() => {
+          const info: ExitInfo = { exitCode: code, signal, stderrTail: this.stderrBuf };
+          this.exitCode = code ?? signal;
+          // fail every pending request instead of leaving it hanging
+          this.connection.dispose();
+          this.exitListeners.forEach((l) => l(info));
+          resolve(info);
+        });
+      });
+    });
+    this.exited = this.exitInfo.then((i) => i.exitCode ?? i.signal);
+    this.connection = rpc.createMessageConnection(
+      new rpc.StreamMessageReader(child.stdout!), new rpc.StreamMessageWriter(child.stdin!));
+    // a write to a dead server: the error surfaces through the request (as SidecarExitedError)
+    child.stdin!.on('error', () => { /* EPIPE */ });
+    this.connection.onRequest('requestToolPermission', async (p: PermissionRequest, token) => {
+      if (!this.permissionHandler) return { decision: 'deny_once' };
+      return { decision: await this.permissionHandler(p, token) };
+    });
+    this.connection.onRequest('invokeClientTool', async (p: ClientToolRequest, token) => {
+      if (!this.clientToolHandler) {
+        throw new rpc.ResponseError(ErrorCodes.MethodNotFound, `no client tool handler for ${p.tool}`);
+      }
+      return { output: await this.clientToolHandler(p, token) };
+    });
+    this.connection.onRequest('fs/readTextFile', async (p: ReadTextFileRequest, token) => {
+      if (!this.fsHandler) throw new rpc.ResponseError(ErrorCodes.MethodNotFound, 'no file system handler');
+      return { text: await this.fsHandler.readTextFile(p, token) };
+    });
+    this.connection.onRequest('fs/writeTextFile', async (p: WriteTextFileRequest, token) => {
+      if (!this.fsHandler) throw new rpc.ResponseError(ErrorCodes.MethodNotFound, 'no file system handler');
+      await this.fsHandler.writeTextFile(p, token);
+      return {};
+    });
+    this.connection.onError(() => { /* a broken pipe surfaces through exited / rejected requests */ });
+    this.connection.listen();
+  }
+
+  /** Spawn the server; rejects if the executable cannot be started. */
+  static start(opts: StartOptions): Promise<SidecarClient> {
+    if (!opts.command.length) return Promise.reject(new Error('operate-sidecar: empty server command'));
+    return new Promise((resolve, reject) => {
+      const child = spawn(opts.command[0], opts.command.slice(1), {
+        cwd: opts.cwd, env: opts.env ?? process.env, stdio: ['pipe', 'pipe', 'pipe'],
+      });
+      child.once('error', (err) => reject(new Error(`operate-sidecar: cannot start ${JSON.stringify(opts.command)}: ${err.message}`)));
+      child.once('spawn', () => resolve(new SidecarClient(child, opts)));
+    });
+  }
+
+  /** False once the server process has exited. */
+  get running(): boolean { return !this.processGone && this.exitCode === undefined; }
+  /** The last characters the server wrote to stderr. */
+  get stderrTail(): string { return this.stderrBuf; }
+
+  // ---- handlers and listeners -----------------------------------------------------------------
+  onToolEvent(l: (e: ToolEvent) => void): rpc.Disposable { return this.onNotification('toolEvent', l); }
+  onLogMessage(l: (m: LogMessage) => void): rpc.Disposable { return this.onNotification('window/logMessage', l); }
+  /** Called once when the server process has ended, with its exit code or signal and its stderr tail. */
+  onExit(l: (info: ExitInfo) => void): rpc.Disposable {
+    this.exitListeners.add(l);
+    return { dispose: () => this.exitListeners.delete(l) };
+  }
+  /** Any server notification by method, typed for the ones the protocol declares. */
+  onNotification<M extends keyof P.ServerNotifications>(method: M, h: (params: P.ServerNotifications[M]['params']) => void): rpc.Disposable;
+  onNotification(method: string, h: (params: any) => void): rpc.Disposable;
+  onNotification(method: string, h: (params: any) => void): rpc.Disposable {
+    let set = this.notificationListeners.get(method);
+    if (!set) {
+      // vscode-jsonrpc keeps one handler per method: fan out to every listener from it
+      const listeners = new Set<(params: any) => void>();
+      this.notificationListeners.set(method, listeners);
+      this.connection.onNotification(method, (params: any) => listeners.forEach((l) => l(params)));
+      set = listeners;
+    }
+    const listeners = set;
+    listeners.add(h);
+    return { dispose: () => { listeners.delete(h); } };
+  }
+  /** Answers `requestToolPermission`. Without a handler every request is answered `deny_once`. */
+  setPermissionHandler(h: PermissionHandler | undefined): void { this.permissionHandler = h; }
+  /** Answers `invokeClientTool`. A thrown error becomes an error response (a tool error). */
+  setClientToolHandler(h: ClientToolHandler | undefined): void { this.clientToolHandler = h; }
+  /**
+   * Answers `fs/readTextFile` and `fs/writeTextFile`. The server sends them only when `initialize` declared
+   * `capabilities.fs: true`; without a handler they are answered with an error (a tool error).
+   */
+  setFileSystemHandler(h: FileSystemHandler | undefined): void { this.fsHandler = h; }
+  /** Same as setFileSystemHandler (the VS Code extension's name). */
+  setFsHandlers(h: FsHandlers | undefined): void { this.fsHandler = h; }
+
+  // ---- requests -------------------------------------------------------------------------------
+  /**
+   * A request, typed for the methods the protocol declares. Omitted params are sent as `{}` (vscode-jsonrpc
+   * would send `"params": null`). If the server process is gone (or goes before answering), the promise
+   * rejects with a SidecarExitedError carrying its exit code and stderr tail.
+   */
+  request<M extends keyof P.ClientRequests>(method: M, params?: P.ClientRequests[M]['params'], token?: rpc.CancellationToken):
+    Promise<P.ClientRequests[M]['result']>;
+  request<R>(method: string, params?: object, token?: rpc.CancellationToken): Promise<R>;
+  async request<R>(method: string, params: object = {}, token?: rpc.CancellationToken): Promise<R> {
+    if (!this.running) throw new SidecarExitedError(method, await this.exitInfo);
+    const sent = token ? this.connection.sendRequest<R>(method, params, token) : this.connection.sendRequest<R>(method, params);
+    const gone = this.exitInfo.then((info) => { throw new SidecarExitedError(method, info); });
+    gone.catch(() => { /* handled by the race below */ });
+    try {
+      return await Promise.race([sent, gone]);
+    } catch (e) {
+      if (e instanceof SidecarExitedError) throw e;
+      // vscode-jsonrpc rejects pending requests with these codes when the connection is disposed (process gone)
+      const transport = [rpc.ErrorCodes.PendingResponseRejected, rpc.ErrorCodes.ConnectionInactive] as number[];
+      if (e instanceof rpc.ResponseError && !transport.includes(e.code)) throw e;
+      // a transport error (write EPIPE, connection disposed): when the process is ending, say why instead
+      const info = await Promise.race([this.exitInfo, new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000).unref())]);
+      if (info) throw new SidecarExitedError(method, info);
+      throw e;
+    }
+  }
+  initialize(params: InitializeParams = {}): Promise<InitializeResult> {
+    return this.request<InitializeResult>('initialize', { protocolVersion: 1, ...params }).then(async (r) => {
+      await this.connection.sendNotification('initialized', {});
+      return r;
+    });
+  }
+  ping(): Promise<P.Empty> { return this.request('ping', {}); }
+  createBranch(p: CreateBranchParams = {}): Promise<P.BranchIdResult> { return this.request<P.BranchIdResult>('createBranch', p); }
+  forkBranch(branchId: string): Promise<P.BranchIdResult> { return this.request('forkBranch', { branchId }); }
+  deleteBranch(branchId: string): Promise<P.Empty> { return this.request('deleteBranch', { branchId }); }
+  listBranches(): Promise<P.ListBranchesResult> { return this.request('listBranches', {}); }
+  branchMessages(branchId: string, offset?: number, limit?: number): Promise<{ messages: Message[]; total: number }> {
+    return this.request('branchMessages', { branchId, ...(offset !== undefined && { offset }), ...(limit !== undefined && { limit }) });
+  }
+  listTools(branchId?: string): Promise<P.ListToolsResult> {
+    return this.request('listTools', branchId ? { branchId } : {});
+  }
+  authorizeTool(tool: string, decision: PolicyDecision, branchId?: string): Promise<P.AuthorizeToolResult> {
+    return this.request('authorizeTool', { tool, decision, ...(branchId && { branchId }) });
+  }
+  registerClientTools(tools: P.ClientToolSpec[]): Promise<P.RegisterClientToolsResult> {
+    return this.request('registerClientTools', { tools });
+  }
+
+  /**
+   * operate; with `onProgress` a fresh workDoneToken is sent (unless params has one) and every
+   * `$/progress` value for it is delivered in order. Cancelling `token` sends `$/cancelRequest`;
+   * the promise then rejects with a ResponseError of code -32800.
+   */
+  async operate(params: OperateParams, opts: OperateOptions = {}): Promise<OperateResult> {
+    let sub: rpc.Disposable | undefined;
+    const p: OperateParams = { ...params };
+    if (opts.onProgress) {
+      if (p.workDoneToken === undefined) p.workDoneToken = `operate-${process.pid}-${++tokenCounter}`;
+      sub = this.connection.onProgress(progressType, p.workDoneToken, opts.onProgress);
+    }
+    try {
+      return await this.request<OperateResult>('operate', p, opts.token);
+    } finally {
+      sub?.dispose();
+    }
+  }
+
+  /** shutdown + exit; kills the process if it has not exited within `timeoutMs`. */
+  async stop(timeoutMs = 5000): Promise<number | string | null> {
+    if (this.running) {
+      const timer = (ms: number) => new Promise<'timeout'>((r) => setTimeout(() => r('timeout'), ms).unref());
+      try {
+        await Promise.race([this.request('shutdown'), timer(timeoutMs)]);
+      } catch { /* already gone, or refused: exit anyway */ }
+      try { await this.connection.sendNotification('exit'); } catch { /* already gone */ }
+      if ((await Promise.race([this.exited, timer(timeoutMs)])) === 'timeout') this.process.kill('SIGKILL');
+    }
+    return this.exited;
+  }
+
+  /** Hard stop. */
+  kill(): void { if (this.running) this.process.kill('SIGKILL'); }
+}

@@ -1,0 +1,292 @@
+// The client against the REAL Python server (scripted model), over real pipes.
+// Run: npm test  (tsc -p tsconfig.test.json && node --test dist-test/test/)
+import { test, afterEach } from 'node:test';
+import * as assert from 'node:assert/strict';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import {
+  CancellationTokenSource, ErrorCodes, ExitInfo, LogMessage, PermissionRequest, ProgressValue, ReadTextFileRequest,
+  SidecarClient, SidecarExitedError, ToolEvent, WriteTextFileRequest,
+} from '../src/index';
+import {
+  callTool, initialized, outputs, rejection, REPO, scripted, server, serverCommand, stderr, stopAll, until, within,
+} from './support';
+
+afterEach(stopAll);
+
+test('initialize: capabilities, methods, models; ping; requests before initialize get -32002; stop exits 0', async () => {
+  const c = await server();
+  assert.deepEqual(await within(c.ping(), 'ping'), {});
+  const early = await rejection(c.createBranch(), 'createBranch before initialize');
+  assert.equal(early.code, ErrorCodes.NotInitialized);
+  assert.equal(early.code, ErrorCodes.ServerNotInitialized);
+  const r = await within(c.initialize({ clientInfo: { name: 'node-test', version: '1' }, settings: { models: { s: scripted('x') } } }), 'initialize');
+  assert.equal(r.protocolVersion, 1);
+  assert.equal(typeof r.serverInfo.name, 'string');
+  for (const m of ['initialize', 'operate', 'createBranch', 'forkBranch', 'deleteBranch', 'listBranches', 'branchMessages', 'listTools', 'authorizeTool']) {
+    assert.ok(r.capabilities.methods.includes(m), `methods lists ${m}`);
+  }
+  assert.ok(r.capabilities.models.includes('s'));
+  assert.equal(r.capabilities.stateDir, null);
+  assert.equal(await within(c.stop(), 'stop'), 0, 'exit code 0 after shutdown + exit');
+  assert.equal(c.running, false);
+});
+
+test('branches: create, operate with $/progress in order before the response, messages, fork, list, delete', async () => {
+  const { c } = await initialized({ models: { s: scripted({ text: 'streamed reply text', chunks: 4 }) } });
+  const { branchId } = await within(c.createBranch({ system: 'be brief', name: 'main' }), 'createBranch');
+  const values: ProgressValue[] = [];
+  const out = await within(c.operate({ branchId, instruction: 'say it' }, { onProgress: (v) => values.push(v) }), 'operate');
+  assert.equal(out.result, 'streamed reply text');
+  assert.equal(out.kind, 'text');
+  assert.deepEqual(values[0], { kind: 'begin', title: 'operate', message: 'communicate' });
+  assert.equal(values[values.length - 1].kind, 'end');
+  const deltas = values.flatMap((v) => (v.kind === 'report' && v.delta !== undefined ? [v.delta] : []));
+  assert.equal(deltas.length, 4);
+  assert.equal(deltas.join(''), 'streamed reply text');
+  for (const v of values.slice(1, -1)) assert.equal(v.kind, 'report');
+
+  const msgs = await within(c.branchMessages(branchId), 'branchMessages');
+  assert.deepEqual(msgs.messages.map((m) => m.kind), ['system', 'instruction', 'assistant_response']);
+  assert.equal(msgs.total, 3);
+  assert.equal(msgs.messages[2].content.text, 'streamed reply text');
+  assert.equal((await within(c.branchMessages(branchId, 1, 1), 'paged')).messages[0].kind, 'instruction');
+  const fork = await within(c.forkBranch(branchId), 'forkBranch');
+  assert.notEqual(fork.branchId, branchId);
+  const { branches } = await within(c.listBranches(), 'listBranches');
+  const counts = Object.fromEntries(branches.map((b) => [b.branchId, b.messageCount]));
+  assert.deepEqual(counts, { [branchId]: 3, [fork.branchId]: 3 });
+  assert.deepEqual(await within(c.deleteBranch(fork.branchId), 'deleteBranch'), {});
+  assert.deepEqual((await within(c.listBranches(), 'listBranches')).branches.map((b) => b.branchId), [branchId]);
+});
+
+test('toolEvents: a Python tool runs, pre then post with one callId; window/logMessage for a broken module', async () => {
+  const c = await server();
+  const logs: LogMessage[] = [];
+  c.onLogMessage((m) => logs.push(m));
+  await within(c.initialize({ settings: { models: { s: scripted(callTool('shout', { text: 'hey' })) }, toolModules: ['no_such_module_xyz', 'ts_fixture_tools'] } }), 'initialize');
+  const events: ToolEvent[] = [];
+  c.onToolEvent((e) => events.push(e));
+  const viaTyped: ToolEvent[] = [];
+  c.onNotification('toolEvent', (e) => viaTyped.push(e));
+  const { tools } = await within(c.listTools(), 'listTools');
+  await until(() => logs.some((m) => m.type === 2 && m.message.includes('no_such_module_xyz')), 'window/logMessage warning');
+  const shout = tools.find((t) => t.name === 'shout');
+  assert.equal(shout?.source, 'python');
+  assert.equal(shout?.policy, 'allow');
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const out = await within(c.operate({ branchId, instruction: 'call it', actions: true }), 'operate');
+  assert.deepEqual(outputs(out), ['HEY!']);
+  await until(() => events.length >= 2 && viaTyped.length >= 2, 'two toolEvents');
+  assert.deepEqual(events.map((e) => e.event), ['pre', 'post']);
+  assert.equal(events[0].callId, events[1].callId);
+  assert.equal(events[1].seq, events[0].seq + 1);
+  assert.equal(events[0].tool, 'shout');
+  assert.equal(events[0].branchId, branchId);
+  assert.deepEqual(viaTyped, events);
+});
+
+test('requestToolPermission: the handler allows, then denies; no handler means deny; authorizeTool', async () => {
+  const call = callTool('shout', { text: 'hey' });
+  const { c } = await initialized({ models: { s: scripted(call, call, call) }, toolModules: ['ts_fixture_tools'], toolPolicy: { shout: 'ask' } },
+    { toolPermission: true });
+  const asked: PermissionRequest[] = [];
+  const answers = ['allow_once', 'deny_once'] as const;
+  c.setPermissionHandler((req) => answers[asked.push(req) - 1]);
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const op = () => within(c.operate({ branchId, instruction: 'call', actions: true }), 'operate');
+  assert.deepEqual(outputs(await op()), ['HEY!']);
+  const denied = outputs(await op())[0];
+  assert.equal(denied.error, 'denied by governance gate');
+  assert.equal(denied.function, 'shout');
+  assert.equal(asked.length, 2);
+  assert.equal(asked[0].tool, 'shout');
+  assert.equal(asked[0].branchId, branchId);
+  assert.deepEqual(asked[0].arguments, { text: 'hey' });
+  assert.deepEqual(asked[0].options, ['allow_once', 'allow_always', 'deny_once', 'deny_always']);
+  c.setPermissionHandler(undefined);
+  assert.equal(outputs(await op())[0].error, 'denied by governance gate');
+  assert.equal(asked.length, 2);
+  assert.deepEqual(await within(c.authorizeTool('shout', 'allow', branchId), 'authorizeTool'), { tool: 'shout', decision: 'allow', branchId });
+  const pol = (await within(c.listTools(branchId), 'listTools')).tools.find((t) => t.name === 'shout')?.policy;
+  assert.equal(pol, 'allow');
+});
+
+test('invokeClientTool: a registered client tool is answered by the handler; a thrown error is a tool error', async () => {
+  const call = callTool('editor_info', { what: 'version' });
+  const { c } = await initialized({ models: { s: scripted(call, call) } }, { clientTools: true });
+  const reg = await within(c.registerClientTools([{
+    name: 'editor_info', description: 'Editor facts',
+    inputSchema: { type: 'object', properties: { what: { type: 'string' } }, required: ['what'] },
+  }]), 'registerClientTools');
+  assert.deepEqual(reg, { registered: ['editor_info'] });
+  const seen: unknown[] = [];
+  c.setClientToolHandler((req) => { seen.push(req.arguments); return { answer: `node ${process.version}` }; });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const out = await within(c.operate({ branchId, instruction: 'ask the editor', actions: true }), 'operate');
+  assert.deepEqual(outputs(out), [{ answer: `node ${process.version}` }]);
+  assert.deepEqual(seen, [{ what: 'version' }]);
+  c.setClientToolHandler(() => { throw new Error('editor is busy'); });
+  const failed = outputs(await within(c.operate({ branchId, instruction: 'again', actions: true }), 'operate'))[0];
+  assert.equal(failed.function, 'editor_info');
+  assert.match(JSON.stringify(failed.error), /editor is busy/);
+});
+
+test('fs/readTextFile and fs/writeTextFile: builtin file tools read and write through the handler, not the disk', async () => {
+  const ws = fs.realpathSync(fs.mkdtempSync(path.join(os.tmpdir(), 'ts-client-ws-')));
+  const file = path.join(ws, 'notes.txt');
+  fs.writeFileSync(file, 'on disk\n');
+  const { c } = await initialized({
+    models: { s: scripted(callTool('read_file', { path: 'notes.txt' }), callTool('write_file', { path: 'notes.txt', content: 'from the model\n' })) },
+    toolPolicy: { write_file: 'allow' },
+  }, { fs: true }, [ws]);
+  const reads: ReadTextFileRequest[] = [];
+  const writes: WriteTextFileRequest[] = [];
+  const buffers = new Map([[file, 'unsaved buffer text\n']]);
+  c.setFileSystemHandler({
+    readTextFile: (req) => { reads.push(req); return buffers.get(req.path) ?? ''; },
+    writeTextFile: (req) => { writes.push(req); buffers.set(req.path, req.text); },
+  });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const read = outputs(await within(c.operate({ branchId, instruction: 'read it', actions: true }), 'operate read'))[0];
+  assert.match(JSON.stringify(read), /unsaved buffer text/, 'the model saw the buffer, not the disk');
+  assert.equal(reads.length >= 1, true);
+  assert.equal(reads[0].path, file);
+  assert.equal(reads[0].branchId, branchId);
+  const wrote = outputs(await within(c.operate({ branchId, instruction: 'write it', actions: true }), 'operate write'))[0];
+  assert.equal(wrote.error, undefined, JSON.stringify(wrote));
+  assert.deepEqual(writes.map((w) => [w.path, w.text]), [[file, 'from the model\n']]);
+  assert.equal(fs.readFileSync(file, 'utf8'), 'on disk\n', 'the disk was not written');
+  assert.equal(buffers.get(file), 'from the model\n');
+});
+
+test('requestToolPermission preview: edit_file asks with a diff computed without writing; deny keeps the file, allow writes it', async () => {
+  const ws = fs.realpathSync(fs.mkdtempSync(path.join(os.tmpdir(), 'ts-client-preview-')));
+  const file = path.join(ws, 'a.txt');
+  fs.writeFileSync(file, 'one\ntwo\n');
+  const edit = callTool('edit_file', { path: 'a.txt', edits: [{ oldText: 'two', newText: 'TWO' }] });
+  const { c } = await initialized({ models: { s: scripted(edit, edit) } }, { toolPermission: true }, [ws]);
+  const asked: PermissionRequest[] = [];
+  const answers = ['deny_once', 'allow_once'] as const;
+  c.setPermissionHandler((req) => answers[asked.push(req) - 1]);
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const denied = outputs(await within(c.operate({ branchId, instruction: 'edit', actions: true }), 'operate denied'))[0];
+  assert.equal(denied.error, 'denied by governance gate');
+  assert.equal(fs.readFileSync(file, 'utf8'), 'one\ntwo\n', 'nothing written while asking, nor after a deny');
+  assert.equal(asked[0].tool, 'edit_file');
+  const preview = asked[0].preview;
+  assert.ok(preview, 'the permission request carries a preview');
+  assert.equal(preview.kind, 'diff');
+  assert.equal(preview.oldText, 'one\ntwo\n');
+  assert.equal(preview.newText, 'one\nTWO\n');
+  assert.match(preview.diff, /^-two$/m);
+  assert.match(preview.diff, /^\+TWO$/m);
+  const done = outputs(await within(c.operate({ branchId, instruction: 'edit', actions: true }), 'operate allowed'))[0];
+  assert.equal(done.error, undefined, JSON.stringify(done));
+  assert.equal(fs.readFileSync(file, 'utf8'), 'one\nTWO\n');
+  assert.equal(asked.length, 2);
+});
+
+test('usage and rounds: maxRounds runs another round after a tool ran; usage sums every model call; one begin/end', async () => {
+  const { c } = await initialized({
+    models: { s: scripted(callTool('shout', { text: 'hey' }), 'final answer', 'single') }, toolModules: ['ts_fixture_tools'],
+  });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const values: ProgressValue[] = [];
+  const out = await within(c.operate({ branchId, instruction: 'go', actions: true, maxRounds: 3 }, { onProgress: (v) => values.push(v) }), 'operate');
+  assert.equal(out.rounds, 2, 'round 1 ran a tool, round 2 ran none: two rounds');
+  assert.equal(out.result, 'final answer');
+  assert.equal(out.usage?.modelCalls, 2);
+  assert.deepEqual(values.map((v) => v.kind).filter((k) => k !== 'report'), ['begin', 'end']);
+  const end = values[values.length - 1];
+  assert.ok(end.kind === 'end');
+  assert.deepEqual(end.usage, out.usage);
+  const instructions = (await within(c.branchMessages(branchId), 'branchMessages')).messages.filter((m) => m.kind === 'instruction');
+  assert.equal(instructions.length, 2);
+  assert.match(String(instructions[1].content.instruction), /^Continue the same task/);
+  const one = await within(c.operate({ branchId, instruction: 'once' }), 'operate without maxRounds');
+  assert.equal(one.rounds ?? 1, 1);
+  assert.equal(one.usage?.modelCalls, 1);
+});
+
+test('cancel mid model call sends $/cancelRequest: -32800, progress ends "cancelled", branch stays usable', async () => {
+  const { c } = await initialized({ models: { s: scripted({ text: 'late', delayMs: 60000 }, 'next') } });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const values: ProgressValue[] = [];
+  const source = new CancellationTokenSource();
+  const pending = c.operate({ branchId, instruction: 'wait' }, { token: source.token, onProgress: (v) => values.push(v) });
+  await until(() => values.length > 0, 'progress begin (the model call started)');
+  source.cancel();
+  const err = await rejection(pending, 'cancelled operate');
+  assert.equal(err.code, ErrorCodes.Cancelled);
+  assert.equal(values[0].kind, 'begin');
+  await until(() => values[values.length - 1].kind === 'end', 'progress end');
+  assert.equal(values[values.length - 1].message, 'cancelled');
+  const again = await within(c.operate({ branchId, instruction: 'again' }), 'operate after cancel');
+  assert.equal(again.result, 'next');
+});
+
+test('error codes surface as ResponseError with the right code', async () => {
+  const answer = { title: 'Answer', type: 'object', properties: { answer: { type: 'string' } }, required: ['answer'] };
+  const { c } = await initialized({ models: { s: scripted({ error: 'provider down' }, { json: { wrong: 1 } }) } });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const code = async (p: Promise<unknown>, what: string) => (await rejection(p, what)).code;
+  assert.equal(await code(c.branchMessages('no-such-branch'), 'unknown branch'), ErrorCodes.BranchNotFound);
+  assert.equal(await code(c.request('noSuchMethod', {}), 'unknown method'), ErrorCodes.MethodNotFound);
+  const unknownField = await rejection(c.request('operate', { branchId, instruction: 'x', bogusField: 1 }), 'unknown field');
+  assert.equal(unknownField.code, ErrorCodes.InvalidParams);
+  assert.match(unknownField.message, /bogusField/);
+  assert.equal(await code(c.operate({ branchId, instruction: 'x', tools: ['not_a_tool'] }), 'unregistered tool'), ErrorCodes.InvalidParams);
+  const model = await rejection(c.operate({ branchId, instruction: 'x' }), 'model error');
+  assert.equal(model.code, ErrorCodes.ModelError);
+  assert.match(model.message, /provider down/);
+  const invalid = await rejection(c.operate({ branchId, instruction: 'x', responseFormat: answer, handleValidation: 'raise', parseOptions: { retryAttempts: 0 } }), 'validation');
+  assert.equal(invalid.code, ErrorCodes.ValidationFailed);
+  assert.equal((invalid.data as any).expected, 'Answer');
+  assert.equal(await code(c.operate({ branchId, instruction: 'x' }), 'exhausted script'), ErrorCodes.ModelError);
+});
+
+test('a server that dies at start: initialize rejects with its exit code and stderr, onExit reports it (not "write EPIPE")', async () => {
+  const bad = path.join(os.tmpdir(), `ts-client-bad-${process.pid}.toml`);
+  fs.writeFileSync(bad, 'x = [\n');
+  const c = await SidecarClient.start({ command: serverCommand('--config', bad), cwd: REPO });
+  const exits: ExitInfo[] = [];
+  c.onExit((i) => exits.push(i));
+  // give it time to die first, so the request really is written to a dead process
+  await within(c.exited, 'the server exits');
+  let err: unknown;
+  try { await within(c.initialize({}), 'initialize to a dead server'); } catch (e) { err = e; }
+  assert.ok(err instanceof SidecarExitedError, `expected SidecarExitedError, got ${err}`);
+  assert.equal(err.exitCode, 2);
+  assert.match(err.message, /exit code 2/);
+  assert.match(err.message, /bad configuration/);
+  assert.doesNotMatch(err.message, /EPIPE/);
+  assert.deepEqual(exits.map((i) => i.exitCode), [2]);
+  assert.match(exits[0].stderrTail, /bad configuration/);
+  assert.match(c.stderrTail, /bad configuration/);
+  assert.equal(c.running, false);
+
+  // racing: the request is sent while the process is still starting up
+  const d = await SidecarClient.start({ command: serverCommand('--config', bad), cwd: REPO });
+  const raced = await within(d.initialize({}).then(() => undefined, (e) => e), 'initialize while it dies');
+  assert.ok(raced instanceof SidecarExitedError, `expected SidecarExitedError, got ${raced}`);
+  assert.match(raced.stderrTail, /bad configuration/);
+  fs.rmSync(bad);
+});
+
+test('a server that dies mid-request fails the pending request with SidecarExitedError instead of hanging', async () => {
+  const { c } = await initialized({ models: { s: scripted({ text: 'late', delayMs: 60000 }) } });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const exits: ExitInfo[] = [];
+  c.onExit((i) => exits.push(i));
+  const pending = c.operate({ branchId, instruction: 'wait' });
+  await within(c.ping(), 'ping');
+  c.kill();
+  await assert.rejects(within(pending, 'pending operate after kill'), (e: Error) => e instanceof SidecarExitedError && e.signal === 'SIGKILL');
+  assert.equal(await within(c.exited, 'exit'), 'SIGKILL');
+  assert.deepEqual(exits.map((i) => i.signal), ['SIGKILL']);
+  await assert.rejects(c.ping(), SidecarExitedError);
+  assert.equal(c.running, false);
+  void stderr;
+});

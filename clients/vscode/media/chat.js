@@ -1,0 +1,87 @@
+// The chat view's script (runs in the webview). The extension renders all HTML (Markdown is
+// sanitized there); this script places it, keeps the scroll and the open tool cards, and turns
+// clicks and keys into messages for the extension.
+(function () {
+  const vscode = acquireVsCodeApi();
+  const $ = (id) => document.getElementById(id);
+  const log = $('log'), input = $('input'), send = $('send'), stop = $('stop');
+  const saved = vscode.getState() || {};
+  if (saved.draft) input.value = saved.draft;
+  const openCards = new Set(saved.open || []);
+  let running = false;
+
+  const nearBottom = () => log.scrollHeight - log.scrollTop - log.clientHeight < 60;
+  function place(html) {
+    const stick = nearBottom();
+    log.innerHTML = html;
+    for (const d of log.querySelectorAll('details.tool')) if (openCards.has(d.dataset.call)) d.open = true;
+    if (stick) log.scrollTop = log.scrollHeight;
+  }
+  function setRunning(r) {
+    running = r;
+    stop.hidden = !r;
+    send.disabled = r;
+    $('status').textContent = r ? 'working…' : '';
+    document.body.classList.toggle('running', r);
+  }
+  function submit() {
+    const text = input.value;
+    if (!text.trim() || running) return;
+    vscode.postMessage({ type: 'send', text });
+    input.value = '';
+    vscode.setState({ ...vscode.getState(), draft: '' });
+  }
+
+  window.addEventListener('message', (e) => {
+    const m = e.data;
+    if (m.type === 'state') {
+      place(m.html);
+      setRunning(m.running);
+      $('branch').textContent = m.branch;
+      $('model').textContent = m.model;
+    } else if (m.type === 'stream') {
+      const turns = log.querySelectorAll('section.turn');
+      const last = turns[turns.length - 1];
+      const proses = last ? last.querySelectorAll('.prose') : [];
+      const el = proses[proses.length - 1];
+      if (el) {
+        const stick = nearBottom();
+        el.innerHTML = m.html;
+        if (stick) log.scrollTop = log.scrollHeight;
+      }
+    }
+  });
+
+  send.addEventListener('click', submit);
+  stop.addEventListener('click', () => vscode.postMessage({ type: 'stop' }));
+  $('branch').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.pickBranch' }));
+  $('model').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.pickModel' }));
+  $('new').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.newChat' }));
+  input.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }
+    else if (e.key === 'Escape' && running) { e.preventDefault(); vscode.postMessage({ type: 'stop' }); }
+  });
+  input.addEventListener('input', () => vscode.setState({ ...vscode.getState(), draft: input.value }));
+  log.addEventListener('toggle', (e) => {
+    const d = e.target;
+    if (!(d instanceof HTMLDetailsElement) || !d.dataset.call) return;
+    if (d.open) openCards.add(d.dataset.call); else openCards.delete(d.dataset.call);
+    vscode.setState({ ...vscode.getState(), open: [...openCards] });
+  }, true);
+  log.addEventListener('click', (e) => {
+    const b = e.target.closest('button[data-action]');
+    if (!b) return;
+    const a = b.dataset.action;
+    if (a === 'copy' || a === 'insert') {
+      const block = b.closest('.code-block');
+      vscode.postMessage({ type: a, code: block ? block.dataset.code : '' });
+      if (a === 'copy') { b.textContent = 'Copied'; setTimeout(() => (b.textContent = 'Copy'), 1200); }
+    } else if (a === 'decide') {
+      b.closest('.ask')?.querySelectorAll('button').forEach((x) => (x.disabled = true));
+      vscode.postMessage({ type: 'decide', callId: b.dataset.call, decision: b.dataset.decision });
+    } else if (a === 'showDiff') {
+      vscode.postMessage({ type: 'showDiff', callId: b.dataset.call });
+    }
+  });
+  vscode.postMessage({ type: 'ready' });
+})();

@@ -1,0 +1,384 @@
+#!/usr/bin/env node
+// Through-the-browser test of the chat view and the diff review: code-server (VS Code 1.99.3) with
+// the extension, headless Chromium driven over the DevTools protocol with real mouse clicks and key
+// presses, the real Python server with a scripted model. It types prompts, watches the prose
+// stream, accepts one diff (card button) and rejects another (diff editor title button), checks
+// the editor buffer (dirty, undo, save) and the files on disk, switches chats through the picker,
+// picks a model and stops a running turn. Screenshots go to --out.
+// Prints one JSON summary on stdout. Exit: 0 all checks passed, 1 a check failed, 3 harness error.
+// Usage: node scripts/run-ui-test.mjs [--ext DIR] [--out DIR] [--timeout SECONDS] [--keep]
+import { spawn } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as http from 'node:http';
+import * as net from 'node:net';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { connect, getJSON, sleep, waitFor } from './cdp.mjs';
+
+const HERE = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');   // clients/vscode
+const REPO = path.resolve(HERE, '..', '..');
+const argv = process.argv.slice(2);
+const opt = (n, d) => { const i = argv.indexOf(n); return i >= 0 ? argv[i + 1] : d; };
+const EXT = path.resolve(opt('--ext', HERE));
+const OUT = path.resolve(opt('--out', path.join(HERE, '.test-results')));
+const TIMEOUT_S = Number(opt('--timeout', '240'));
+const KEEP = argv.includes('--keep');
+const CODE_SERVER = path.join(HERE, 'itest-host', 'node_modules', '.bin', 'code-server');
+const CHROMIUM = process.env.CHROMIUM ?? 'chromium';
+const EXT_ID = 'operate-sidecar.operate-sidecar-vscode';
+const STEP = 30_000;
+
+const t0 = Date.now();
+const timings = {}; const mark = (k) => (timings[k] = Date.now() - t0);
+const checks = [];
+const children = [];
+const W = fs.mkdtempSync(path.join(os.tmpdir(), 'operate-sidecar-ui-'));
+fs.mkdirSync(OUT, { recursive: true });
+
+const APP_OLD = "def greet(name):\n    return 'hello ' + name\n";
+const APP_NEW = "def greet(name):\n    return 'HELLO ' + name.upper() + '!'\n";
+const UTIL_OLD = 'def add(a, b):\n    return a + b\n';
+const scripted = (...responses) => ({ provider: 'scripted', responses });
+const edit = (answer, p, oldText, newText) => ({ json: { answer, action_requests: [{ function: 'edit_file', arguments: { path: p, edits: [{ oldText, newText }] } }] }, chunks: 4 });
+
+function serverCommand() {
+  const py = path.join(REPO, '.venv', 'bin', 'python');
+  return [fs.existsSync(py) ? py : 'python3', '-m', 'operate_sidecar.server'];
+}
+const freePort = () => new Promise((res, rej) => { const s = net.createServer(); s.once('error', rej); s.listen(0, '127.0.0.1', () => { const p = s.address().port; s.close(() => res(p)); }); });
+const healthy = (port) => new Promise((r) => { const q = http.get({ host: '127.0.0.1', port, path: '/healthz', timeout: 2000 }, (s) => { s.resume(); r(s.statusCode === 200); }); q.on('error', () => r(false)); q.on('timeout', () => { q.destroy(); r(false); }); });
+function start(name, cmd, args, env) {
+  const log = fs.openSync(path.join(W, `${name}.log`), 'a');
+  const c = spawn(cmd, args, { detached: true, stdio: ['ignore', log, log], env });
+  c.once('error', (e) => fs.appendFileSync(path.join(W, `${name}.log`), `spawn error: ${e.message}\n`));
+  children.push(c); return c;
+}
+async function killAll() {   // async: a busy-wait would keep node from reaping the exited leaders
+  for (const c of children) { try { process.kill(-c.pid, 'SIGTERM'); } catch { /* gone */ } }
+  const t = Date.now();
+  await Promise.all(children.map(async (c) => {
+    while (Date.now() - t < 5000) { try { process.kill(-c.pid, 0); } catch { return; } await sleep(50); }
+    try { process.kill(-c.pid, 'SIGKILL'); } catch { /* gone */ }
+  }));
+}
+const tail = (f, n = 2500) => { try { return fs.readFileSync(path.join(W, f), 'utf8').slice(-n); } catch { return ''; } };
+
+async function check(name, fn) {
+  const t = Date.now();
+  try { const detail = await fn(); checks.push({ name, ok: true, ms: Date.now() - t, ...(detail !== undefined && { detail }) }); }
+  catch (e) { checks.push({ name, ok: false, ms: Date.now() - t, error: String(e?.stack ?? e).slice(0, 1500) }); throw e; }
+}
+function expect(cond, msg) { if (!cond) throw new Error(msg); }
+
+async function main() {
+  const ws = path.join(W, 'ws');
+  fs.mkdirSync(path.join(ws, '.vscode'), { recursive: true });
+  fs.mkdirSync(path.join(ws, 'src'));
+  fs.writeFileSync(path.join(ws, 'src', 'app.py'), APP_OLD);
+  fs.writeFileSync(path.join(ws, 'src', 'util.py'), UTIL_OLD);
+  fs.writeFileSync(path.join(ws, '.vscode', 'settings.json'), JSON.stringify({
+    'operateSidecar.command': serverCommand(),
+    'operateSidecar.env': { PYTHONPATH: REPO },
+    'operateSidecar.settings': {
+      models: {
+        chatty: scripted(
+          { text: 'Here is the **plan**:\n\n1. read `src/app.py`\n2. make `greet` shout\n\n```python\nprint(greet("you"))\n```\n\nThat is all it takes.', chunks: 14 },
+          edit('I will make `greet` shout.', 'src/app.py', "return 'hello ' + name", "return 'HELLO ' + name.upper() + '!'"),
+          { json: { answer: 'Done: `greet` shouts now.' } },   // round 2 (the tool ran); the default maxRounds is 4
+          edit('And `add` could subtract.', 'src/util.py', 'return a + b', 'return a - b'),
+          'A **second** chat.',
+        ),
+        slow: scripted({ text: 'too late', delayMs: 120000 }),
+      },
+      defaultModel: 'chatty',
+      stateDir: path.join(W, 'state'),
+    },
+    'workbench.startupEditor': 'none',
+    'security.workspace.trust.enabled': false,
+    'files.autoSave': 'off',
+    'workbench.tips.enabled': false,
+    'workbench.welcomePage.walkthroughs.openOnInstall': false,
+    'diffEditor.renderSideBySide': true,
+    'diffEditor.useInlineViewWhenSpaceIsLimited': false,
+  }, null, 2));
+
+  const csPort = await freePort(), cdpPort = await freePort();
+  const env = { ...process.env, XDG_CONFIG_HOME: path.join(W, 'xdg-config'), XDG_DATA_HOME: path.join(W, 'xdg-data'), XDG_CACHE_HOME: path.join(W, 'xdg-cache') };
+  delete env.VSCODE_IPC_HOOK_CLI;
+  const cs = start('code-server', CODE_SERVER, ['--auth', 'none', '--bind-addr', `127.0.0.1:${csPort}`, '--disable-telemetry', '--disable-update-check',
+    '--disable-workspace-trust', '--extensions-dir', path.join(W, 'exts'), '--user-data-dir', path.join(W, 'data'), ws], env);
+  await waitFor('code-server /healthz', async () => { if (cs.exitCode !== null) throw new Error('code-server exited'); return healthy(csPort); }, 60000, 250);
+  mark('codeServerReady');
+  const url = `http://127.0.0.1:${csPort}/?folder=${encodeURIComponent(ws)}&payload=`
+    + encodeURIComponent(JSON.stringify([['extensionDevelopmentPath', `vscode-remote://127.0.0.1:${csPort}${EXT}`]]));
+  start('chromium', CHROMIUM, ['--headless=new', '--no-sandbox', '--disable-gpu', '--disable-dev-shm-usage', '--no-first-run', '--no-default-browser-check',
+    `--remote-debugging-port=${cdpPort}`, '--remote-debugging-address=127.0.0.1', `--user-data-dir=${path.join(W, 'chrome')}`, url], env);
+  const version = await waitFor('chromium DevTools endpoint', () => getJSON(`http://127.0.0.1:${cdpPort}/json/version`), 30000, 200);
+
+  const cdp = await connect(version.webSocketDebuggerUrl);
+  const contexts = new Map();
+  const exceptions = [];
+  cdp.on((method, p, sid) => {
+    if (method === 'Runtime.executionContextCreated' && p.context.auxData?.isDefault) contexts.set(`${sid}|${p.context.auxData.frameId}`, p.context.id);
+    if (method === 'Runtime.executionContextDestroyed') for (const [k, v] of contexts) if (v === p.executionContextId && k.startsWith(`${sid}|`)) contexts.delete(k);
+    if (method === 'Runtime.executionContextsCleared') for (const k of contexts.keys()) if (k.startsWith(`${sid}|`)) contexts.delete(k);
+    if (method === 'Runtime.exceptionThrown') exceptions.push(p.exceptionDetails.exception?.description?.slice(0, 300) ?? p.exceptionDetails.text);
+  });
+  const page = await waitFor('workbench page', async () => (await cdp.send('Target.getTargets')).targetInfos.find((t) => t.type === 'page' && t.url.startsWith(`http://127.0.0.1:${csPort}/`)));
+  const { sessionId: S } = await cdp.send('Target.attachToTarget', { targetId: page.targetId, flatten: true });
+  const send = (m, p = {}) => cdp.send(m, p, S);
+  await send('Target.setAutoAttach', { autoAttach: true, flatten: true, waitForDebuggerOnStart: false });
+  await send('Page.enable');
+  await send('Runtime.enable');
+  await send('Emulation.setDeviceMetricsOverride', { width: 1400, height: 860, deviceScaleFactor: 1, mobile: false });
+  await send('Browser.grantPermissions', { permissions: ['clipboardReadWrite', 'clipboardSanitizedWrite'] }).catch(() => undefined);
+
+  const evalIn = async (expression, contextId) => {
+    const r = await send('Runtime.evaluate', { expression, returnByValue: true, awaitPromise: true, ...(contextId ? { contextId } : {}) });
+    if (r.exceptionDetails) throw new Error(r.exceptionDetails.exception?.description ?? r.exceptionDetails.text);
+    return r.result.value;
+  };
+  const key = async (key, code, vk, { text, modifiers = 0 } = {}) => {
+    await send('Input.dispatchKeyEvent', { type: 'keyDown', key, code, windowsVirtualKeyCode: vk, modifiers, ...(text ? { text } : {}) });
+    await send('Input.dispatchKeyEvent', { type: 'keyUp', key, code, windowsVirtualKeyCode: vk, modifiers });
+  };
+  const enter = () => key('Enter', 'Enter', 13, { text: '\r' });
+  const click = async ({ x, y }) => {
+    await send('Input.dispatchMouseEvent', { type: 'mouseMoved', x, y });
+    await send('Input.dispatchMouseEvent', { type: 'mousePressed', x, y, button: 'left', buttons: 1, clickCount: 1 });
+    await send('Input.dispatchMouseEvent', { type: 'mouseReleased', x, y, button: 'left', buttons: 0, clickCount: 1 });
+  };
+  failShot = () => shot('failure').catch(() => undefined);
+  const shot = async (name, clip) => {
+    const r = await send('Page.captureScreenshot', { format: 'png', ...(clip && { clip: { ...clip, scale: 1 } }) });
+    const f = path.join(OUT, `${name}.png`); fs.writeFileSync(f, Buffer.from(r.data, 'base64')); return f;
+  };
+  /** Center of an element of the workbench document. */
+  const centerOf = async (selector) => {
+    const c = await evalIn(`(() => { const e = document.querySelector(${JSON.stringify(selector)}); if (!e) return null;
+      const r = e.getBoundingClientRect(); return { x: r.left + r.width / 2, y: r.top + r.height / 2 }; })()`);
+    expect(c, `no element ${selector}`);
+    return c;
+  };
+  const palette = async (text, { clear = false, match = text.replace(/^>/, '') } = {}) => {
+    await key('F1', 'F1', 112);
+    await waitFor('quick input', () => evalIn(`!!document.querySelector('.quick-input-widget input:focus')`), 10000);
+    if (clear) await key('Backspace', 'Backspace', 8);
+    await send('Input.insertText', { text });
+    await waitFor(`quick input row "${match}"`, () => evalIn(`(document.querySelector('.quick-input-list .monaco-list-row.focused')?.getAttribute('aria-label') ?? '').includes(${JSON.stringify(match)})`), 10000);
+    await enter();
+  };
+  const quickPickChoose = async (filter, match) => {
+    await waitFor('quick pick open', () => evalIn(`!!document.querySelector('.quick-input-widget:not([style*="display: none"]) input:focus')`), 10000);
+    await send('Input.insertText', { text: filter });
+    await waitFor(`quick pick row "${match}"`, () => evalIn(`(document.querySelector('.quick-input-list .monaco-list-row.focused')?.getAttribute('aria-label') ?? '').includes(${JSON.stringify(match)})`), 10000);
+    await enter();
+  };
+
+  // ---- the webview ---------------------------------------------------------------------------------
+  const probe = `location.href.includes('extensionId=${EXT_ID}') && !!document.getElementById('send')`;
+  let web;
+  const findWebview = async () => {
+    for (const [k, id] of contexts) {
+      const [sid] = k.split('|');
+      if (sid !== S) continue;
+      if (await evalIn(probe, id).catch(() => false)) return id;
+    }
+  };
+  const settleWebview = async () => { web = await waitFor('chat webview', findWebview, STEP); await sleep(400); web = await waitFor('chat webview (settled)', findWebview, STEP); };
+  const inWeb = (expr) => evalIn(expr, web);
+  const OUTER = `document.querySelector('iframe.webview.ready[src*="extensionId=${EXT_ID}"]')`;
+  /** Page coordinates of an element inside the chat webview (outer iframe + inner frame + element). */
+  const webCenter = async (selector) => {
+    const c = await evalIn(`(() => { const outer = ${OUTER};
+      const inner = outer.contentDocument.getElementById('active-frame'); const els = inner.contentDocument.querySelectorAll(${JSON.stringify(selector)});
+      const el = els[els.length - 1]; if (!el) return null;
+      const o = outer.getBoundingClientRect(), i = inner.getBoundingClientRect(), e = el.getBoundingClientRect();
+      return { x: o.left + outer.clientLeft + i.left + inner.clientLeft + e.left + e.width / 2, y: o.top + outer.clientTop + i.top + inner.clientTop + e.top + e.height / 2 }; })()`);
+    expect(c, `no element ${selector} in the chat`);
+    return c;
+  };
+  const webClick = async (selector) => click(await webCenter(selector));
+  const chatClip = () => evalIn(`(() => { const r = ${OUTER}.getBoundingClientRect(); return { x: r.x, y: r.y, width: r.width, height: r.height }; })()`);
+  const type = async (text) => {
+    await webClick('#input');
+    await waitFor('chat input focused', () => inWeb(`document.activeElement?.id === 'input'`), 5000);
+    await send('Input.insertText', { text });
+  };
+  const lastTurn = (expr) => inWeb(`(() => { const ts = document.querySelectorAll('section.turn'); const t = ts[ts.length - 1]; return t ? (${expr}) : null; })()`);
+  const turnCount = () => inWeb(`document.querySelectorAll('section.turn').length`);
+  /** Enter in the chat input; resolves once the new turn is on screen. */
+  const submit = async () => {
+    const before = await turnCount();
+    await enter();
+    await waitFor('the turn starts', async () => (await turnCount()) > before, 10000);
+  };
+  const turnDone = () => waitFor('the turn ends', () => inWeb(`!document.body.classList.contains('running') && document.getElementById('stop').hidden`), 60000);
+  const tabDirty = (name) => evalIn(`[...document.querySelectorAll('.tabs-container .tab')].some((t) => (t.getAttribute('aria-label') ?? '').startsWith(${JSON.stringify(name)}) && t.classList.contains('dirty'))`);
+  const editorText = () => evalIn(`(() => { const ed = [...document.querySelectorAll('.editor-instance .monaco-editor')].find((e) => !e.closest('.monaco-diff-editor'));
+    return ed ? [...ed.querySelectorAll('.view-line')].sort((a, b) => parseFloat(a.style.top) - parseFloat(b.style.top)).map((l) => l.textContent.replace(/\\u00a0/g, ' ')).join('\\n') : null; })()`);
+  const disk = (p) => fs.readFileSync(path.join(ws, p), 'utf8');
+
+  await waitFor('workbench with the Sidecar Chat activity', () => evalIn(`!!document.querySelector('.activitybar .action-item a[aria-label^="Sidecar Chat"]')`), TIMEOUT_S * 1000);
+  mark('workbenchReady');
+
+  await check('open src/app.py and the chat view (keyboard: quick open, command palette)', async () => {
+    await palette('View: Close All Editors').catch(() => undefined);   // code-server's walkthrough tab
+    await palette('src/app.py', { clear: true, match: 'app.py' });
+    await waitFor('app.py editor', async () => (await editorText())?.includes("return 'hello ' + name"), STEP);
+    await palette('operate-sidecar: Open Chat');
+    await settleWebview();
+    expect(await inWeb(`document.querySelector('.empty') !== null`), 'an empty chat to start');
+    // a wider side bar for the screenshots (the drag handle between the side bar and the editors)
+    const sash = await centerOf('.monaco-sash.vertical:not(.disabled)').catch(() => undefined);
+    if (sash) {
+      await send('Input.dispatchMouseEvent', { type: 'mouseMoved', x: sash.x, y: 400 });
+      await send('Input.dispatchMouseEvent', { type: 'mousePressed', x: sash.x, y: 400, button: 'left', buttons: 1, clickCount: 1 });
+      for (let dx = 20; dx <= 160; dx += 20) await send('Input.dispatchMouseEvent', { type: 'mouseMoved', x: sash.x + dx, y: 400, buttons: 1 });
+      await send('Input.dispatchMouseEvent', { type: 'mouseReleased', x: sash.x + 160, y: 400, button: 'left', buttons: 0, clickCount: 1 });
+      await settleWebview();
+    }
+  });
+
+  await check('type a prompt with #file: the prose streams in, renders as Markdown with code-block buttons, branch named after it', async () => {
+    await inWeb(`window.__seen = []; new MutationObserver(() => { const ps = document.querySelectorAll('section.turn .prose'); const p = ps[ps.length - 1];
+      if (p) window.__seen.push(p.textContent.length); }).observe(document.getElementById('log'), { childList: true, subtree: true, characterData: true }); true`);
+    await type('Explain the plan for #file');
+    await submit();
+    await turnDone();
+    const seen = await inWeb('window.__seen');
+    const distinct = [...new Set(seen)];
+    expect(distinct.length >= 3 && distinct[distinct.length - 1] === Math.max(...distinct), `the prose grew in steps: ${JSON.stringify(distinct)}`);
+    const prose = await lastTurn(`t.querySelector('.prose').innerHTML`);
+    expect(prose.includes('<strong>plan</strong>') && prose.includes('<ol>') && prose.includes('<code>src/app.py</code>'), `Markdown rendered: ${prose}`);
+    expect(await lastTurn(`t.querySelectorAll('.code-block button[data-action=copy]').length === 1 && t.querySelectorAll('.code-block button[data-action=insert]').length === 1`), 'copy and insert buttons on the code block');
+    expect(await lastTurn(`[...t.querySelectorAll('.chip')].map((c) => c.textContent).join()`) === 'src/app.py', 'the #file reference is shown as a chip');
+    expect(/model call/.test(await lastTurn(`t.querySelector('.usage')?.textContent ?? ''`)), 'a usage line under the turn');
+    expect(await inWeb(`document.getElementById('branch').textContent`) === 'Explain the plan for', 'the branch is named after the first instruction');
+    return { proseLengths: distinct.length };
+  });
+  await shot('chat', await chatClip());
+
+  await check('Insert on a code block puts the code into the editor at the cursor, Copy puts it on the clipboard (real clicks)', async () => {
+    await evalIn(`document.querySelector('.code-block')?.dispatchEvent(new MouseEvent('mouseover'))`).catch(() => undefined);
+    await webClick('.code-block button[data-action=insert]');
+    await waitFor('code inserted', async () => (await editorText())?.includes('print(greet("you"))'), 10000);
+    await webClick('.code-block button[data-action=copy]');
+    await waitFor('code on the clipboard', async () => (await evalIn(`navigator.clipboard.readText().catch((e) => 'ERR ' + e)`)) === 'print(greet("you"))\n', 10000);
+  });
+
+  await check('a structured reply with an edit_file call: prose field shown (never JSON), diff editor opens with the proposed text, Accept in the card; a second round answers', async () => {
+    // undo the Insert in the editor (focus it first), so app.py is back to its disk text
+    await click(await centerOf('.editor-instance .monaco-editor .view-lines'));
+    for (let i = 0; i < 3 && (await editorText())?.includes('print(greet'); i++) { await key('z', 'KeyZ', 90, { modifiers: 2 }); await sleep(150); }
+    expect(!(await editorText()).includes('print(greet'), 'insert undone');
+    await type('Make greet shout');
+    await submit();
+    await waitFor('diff editor with insertions', () => evalIn(`document.querySelectorAll('.monaco-diff-editor .line-insert, .monaco-diff-editor .char-insert').length > 0`), STEP);
+    await waitFor('Accept button in the card', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
+    const prose = await lastTurn(`t.querySelector('.prose')?.textContent ?? ''`);
+    expect(prose.includes('I will make greet shout.') && !prose.includes('{') && !prose.includes('action_requests'), `prose, not JSON: ${prose}`);
+    expect(await evalIn(`!!document.querySelector('.editor-actions [aria-label="Accept Edit"]') && !!document.querySelector('.editor-actions [aria-label="Reject Edit"]')`),
+      'Accept / Reject in the diff editor title');
+    const tab = await evalIn(`document.querySelector('.tabs-container .tab.active')?.getAttribute('aria-label')`);
+    expect(tab?.includes('app.py') && tab.includes('proposed'), `the diff tab: ${tab}`);
+    await sleep(300);
+    await shot('diff-review');
+    await webClick('.ask button.accept');
+    await turnDone();
+    const title = await lastTurn(`t.querySelector('details.tool summary').textContent`);
+    expect(title === '✓ edit_file src/app.py +1 −1', `tool card: ${title}`);
+    const after = await lastTurn(`[...t.querySelectorAll('.prose')].map((p) => p.textContent.trim())`);
+    expect(JSON.stringify(after) === JSON.stringify(['I will make greet shout.', 'Done: greet shouts now.']), `a second round answered in the same turn: ${JSON.stringify(after)}`);
+    expect((await lastTurn(`t.querySelector('.usage')?.textContent ?? ''`)).includes('2 rounds'), 'the usage line counts the rounds');
+    expect(!(await evalIn(`!!document.querySelector('.monaco-diff-editor')`)), 'the diff editor closed');
+  });
+
+  await check('the accepted edit landed in the buffer (dirty, disk untouched); Ctrl+Z undoes it; redo + Ctrl+S writes it', async () => {
+    await waitFor('app.py tab dirty', () => tabDirty('app.py'), 10000);
+    expect(disk('src/app.py') === APP_OLD, 'the disk still has the old text (the edit went into the buffer)');
+    await palette('src/app.py', { clear: true, match: 'app.py' });
+    await waitFor('the new text in the editor', async () => (await editorText())?.includes("return 'HELLO ' + name.upper() + '!'"), 10000);
+    await click(await centerOf('.editor-instance .monaco-editor .view-lines'));
+    await key('z', 'KeyZ', 90, { modifiers: 2 });
+    await waitFor('undo restores the old text', async () => (await editorText())?.includes("return 'hello ' + name"), 10000);
+    await waitFor('not dirty after the undo', async () => !(await tabDirty('app.py')), 10000);
+    await key('Z', 'KeyZ', 90, { modifiers: 2 | 8 });   // Ctrl+Shift+Z: redo
+    await waitFor('redo brings the edit back', async () => (await editorText())?.includes("'HELLO '"), 10000);
+    await key('s', 'KeyS', 83, { modifiers: 2 });
+    await waitFor('saved to disk', () => disk('src/app.py') === APP_NEW, 10000);
+    expect(!(await tabDirty('app.py')), 'clean after save');
+  });
+
+  await check('a second edit rejected from the diff editor title: card shows the rejection, util.py untouched and not dirty', async () => {
+    await type('Now change util');
+    await submit();
+    await waitFor('Reject in the diff editor title', () => evalIn(`!!document.querySelector('.editor-actions [aria-label="Reject Edit"]')`), STEP);
+    await waitFor('diff decorations', () => evalIn(`document.querySelectorAll('.monaco-diff-editor .line-insert, .monaco-diff-editor .char-insert').length > 0`), STEP);
+    await click(await centerOf('.editor-actions [aria-label="Reject Edit"]'));
+    await turnDone();
+    const title = await lastTurn(`[...t.querySelectorAll('details.tool summary')].map((s) => s.textContent).join()`);
+    expect(title.startsWith('⊘ edit_file src/util.py'), `tool card: ${title}`);
+    expect(disk('src/util.py') === UTIL_OLD && !(await tabDirty('util.py')), 'util.py unchanged');
+    expect(!(await evalIn(`!!document.querySelector('.monaco-diff-editor')`)), 'the diff editor closed');
+  });
+
+  await check('New chat (+), then switch back through the chat picker (name, last message, model)', async () => {
+    await webClick('#new');
+    await waitFor('an empty chat', () => inWeb(`!!document.querySelector('.empty')`), 10000);
+    await type('Start a second chat');
+    await submit();
+    await turnDone();
+    expect((await lastTurn(`t.querySelector('.prose').innerHTML`)).includes('<strong>second</strong>'), 'second chat answered');
+    expect(await inWeb(`document.getElementById('branch').textContent`) === 'Start a second chat', 'second chat named');
+    await webClick('#branch');
+    await waitFor('chat picker', () => evalIn(`document.querySelectorAll('.quick-input-list .monaco-list-row').length >= 3`), 10000);
+    const rows = await evalIn(`[...document.querySelectorAll('.quick-input-list .monaco-list-row')].map((r) => r.getAttribute('aria-label'))`);
+    expect(rows.some((r) => r.includes('Explain the plan for') && r.includes('chatty')), `picker rows: ${JSON.stringify(rows)}`);
+    await quickPickChoose('Explain', 'Explain the plan for');
+    await waitFor('the first chat is shown', () => inWeb(`document.getElementById('branch').textContent === 'Explain the plan for' && document.querySelectorAll('section.turn').length === 3`), 10000);
+    await settleWebview();
+    expect(await inWeb(`document.querySelector('section.turn .prose').innerHTML.includes('<strong>plan</strong>')`), 'its conversation is rendered from the server');
+    return { rows };
+  });
+
+  await check('pick a model from the header: quick pick of the server models; status bar shows model · chat', async () => {
+    await webClick('#model');
+    await quickPickChoose('slow', 'slow');
+    await waitFor('model in the header', () => inWeb(`document.getElementById('model').textContent === 'slow'`), 10000);
+    const status = await evalIn(`[...document.querySelectorAll('.statusbar-item')].map((s) => s.textContent).find((t) => t.includes(' · ')) ?? ''`);
+    expect(status.includes('slow · Explain the plan for'), `status bar: ${status}`);
+  });
+
+  await check('Stop a running turn: "Stopped.", no error in the chat, no error notification; the server still serves', async () => {
+    await type('This will take forever');
+    await submit();
+    await waitFor('running', () => inWeb(`!document.getElementById('stop').hidden`), 10000);
+    const status = await evalIn(`[...document.querySelectorAll('.statusbar-item')].map((s) => s.textContent).find((t) => t.includes(' · ')) ?? ''`);
+    expect(status.includes('running'), `status bar while running: ${status}`);
+    await webClick('#stop');
+    await turnDone();
+    expect(await lastTurn(`t.querySelector('.note')?.textContent`) === 'Stopped.', 'stopped note');
+    expect(await lastTurn(`!t.querySelector('.error')`), 'no error in the chat');
+    const toasts = await evalIn(`[...document.querySelectorAll('.notifications-toasts .notification-toast')].map((t) => t.textContent)`);
+    expect(!toasts.some((t) => /error|cancel/i.test(t)), `no error notification: ${JSON.stringify(toasts)}`);
+    await webClick('#model');
+    await quickPickChoose('default', '(default)');
+    await waitFor('model back to the default', () => inWeb(`document.getElementById('model').textContent === 'default model'`), 10000);
+  });
+  await shot('chat-final', await chatClip());
+  await shot('workbench');
+  cdp.close();
+}
+let failShot = async () => undefined;
+
+let error;
+try { await main(); } catch (e) { error = String(e?.stack ?? e); await failShot(); }
+await killAll();
+timings.totalMs = Date.now() - t0;
+const ok = !error && checks.length > 0 && checks.every((c) => c.ok);
+process.stdout.write(JSON.stringify({ ok, error, checks, timings, screenshots: fs.readdirSync(OUT).filter((f) => f.endsWith('.png')),
+  workDir: KEEP || !ok ? W : undefined, codeServerLog: ok ? undefined : tail('code-server.log') }, null, 2) + '\n');
+if (ok && !KEEP) fs.rmSync(W, { recursive: true, force: true });
+process.exit(ok ? 0 : (checks.length ? 1 : 3));

@@ -1,0 +1,311 @@
+// The chat's content, independent of VS Code: a branch's messages become turns (the user's
+// instruction, the model's prose, tool cards, a usage line), and turns become sanitized HTML.
+// No `vscode` import: unit-tested with node's test runner.
+import MarkdownIt from 'markdown-it';
+import type { Json, Message, Usage } from './rpcClient';
+
+export type CardState = 'running' | 'ok' | 'error' | 'denied' | 'ask';
+export interface ToolCard {
+  callId: string; tool: string; args: Json; output?: Json; state: CardState;
+  /** A pending permission request: shows Accept / Reject / Always (a diff review when `diff`). */
+  ask?: { diff: boolean; path?: string };
+}
+export type TurnItem = { kind: 'prose'; text: string } | { kind: 'tool'; card: ToolCard };
+export interface Turn {
+  user: string;
+  /** Short labels of the context sent with the instruction (file and line range, #problems...). */
+  contextLabels: string[];
+  items: TurnItem[];
+  usage?: TurnUsage;
+  /** Shown under the turn, e.g. "Stopped." */
+  note?: string;
+  error?: string;
+  running?: boolean;
+}
+export interface TurnUsage { inputTokens: number | null; outputTokens: number | null; modelCalls: number; rounds?: number }
+
+/** Fields of a structured reply that are never prose. */
+const NOT_PROSE = new Set(['action_requests', 'action_responses', 'action_required', 'confidence_score', 'confidence']);
+/** Preferred order for prose fields; any other string field follows. */
+const PROSE_FIRST = ['answer', 'response', 'text', 'message', 'content', 'summary', 'reason', 'explanation'];
+
+function jsonCandidate(text: string): string | undefined {
+  const t = text.trim();
+  if (t.startsWith('{')) return t;
+  const fence = /^```(?:json)?\s*\n([\s\S]*?)(?:\n```\s*)?$/.exec(t);
+  if (fence && fence[1].trim().startsWith('{')) return fence[1].trim();
+  return undefined;
+}
+
+function proseFromObject(o: Record<string, unknown>): string {
+  const keys = Object.keys(o).filter((k) => !NOT_PROSE.has(k));
+  keys.sort((a, b) => (PROSE_FIRST.indexOf(a) + 1 || 99) - (PROSE_FIRST.indexOf(b) + 1 || 99));
+  const parts: string[] = [];
+  for (const k of keys) {
+    const v = o[k];
+    if (typeof v === 'string' && v.trim()) parts.push(v);
+    else if (v && typeof v === 'object' && !Array.isArray(v) && k === 'reason') {
+      const r = v as Record<string, unknown>;
+      const t = [r.title, r.content].filter((x) => typeof x === 'string' && x).join(': ');
+      if (t) parts.push(`*${t}*`);
+    }
+  }
+  return parts.join('\n\n');
+}
+
+/** Decodes the string fields of a possibly unfinished JSON object (a reply still streaming). */
+function partialStringFields(src: string): Record<string, string> {
+  const out: Record<string, string> = {};
+  // only top-level keys: track depth while scanning
+  let depth = 0;
+  let i = 0;
+  while (i < src.length) {
+    const c = src[i];
+    if (c === '{' || c === '[') { depth++; i++; continue; }
+    if (c === '}' || c === ']') { depth--; i++; continue; }
+    if (c !== '"') { i++; continue; }
+    // a string: read it
+    const start = i;
+    i++;
+    while (i < src.length && src[i] !== '"') i += src[i] === '\\' ? 2 : 1;
+    const raw = src.slice(start, Math.min(i + 1, src.length));
+    i++;
+    const m = /^\s*:\s*"/.exec(src.slice(i));
+    if (depth !== 1 || !m) continue;
+    const key = safeString(raw);
+    i += m[0].length - 1;
+    const vs = i;
+    i++;
+    while (i < src.length && src[i] !== '"') i += src[i] === '\\' ? 2 : 1;
+    let rawValue = src.slice(vs, Math.min(i + 1, src.length));
+    if (!rawValue.endsWith('"') || rawValue.length === 1) rawValue = rawValue.replace(/\\u?[0-9a-fA-F]{0,3}$|\\$/, '') + '"';
+    i++;
+    if (key !== undefined) out[key] = safeString(rawValue) ?? '';
+  }
+  return out;
+}
+function safeString(raw: string): string | undefined {
+  try { const v = JSON.parse(raw); return typeof v === 'string' ? v : undefined; } catch { return undefined; }
+}
+
+/**
+ * The prose of a model reply: plain text as is; a structured (JSON) reply as its prose fields,
+ * also while it is still streaming; never raw JSON.
+ */
+export function proseOf(text: string): string {
+  const cand = jsonCandidate(text);
+  if (cand === undefined) return text;
+  try {
+    const v = JSON.parse(cand);
+    if (v && typeof v === 'object' && !Array.isArray(v)) return proseFromObject(v);
+    return text;
+  } catch {
+    return proseFromObject(partialStringFields(cand));
+  }
+}
+
+/** Prose of a final operate result (`result` of kind model/dict/text). */
+export function proseOfResult(result: Json): string {
+  if (typeof result === 'string') return proseOf(result);
+  if (result && typeof result === 'object' && !Array.isArray(result)) return proseFromObject(result as Record<string, unknown>);
+  return '';
+}
+
+function addedRemoved(output: Json): { added: number; removed: number } | undefined {
+  if (!output || typeof output !== 'object' || Array.isArray(output)) return undefined;
+  const o = output as Record<string, Json>;
+  if (typeof o.added === 'number' && typeof o.removed === 'number') return { added: o.added, removed: o.removed };
+  if (typeof o.diff === 'string') {
+    let added = 0; let removed = 0;
+    for (const l of o.diff.split('\n')) {
+      if (l.startsWith('+') && !l.startsWith('+++')) added++;
+      else if (l.startsWith('-') && !l.startsWith('---')) removed++;
+    }
+    return { added, removed };
+  }
+  return undefined;
+}
+
+export function isErrorOutput(output: Json | undefined): boolean {
+  return !!output && typeof output === 'object' && !Array.isArray(output) && 'error' in output;
+}
+
+/** The card's one-line title, e.g. `✓ edit_file src/x.py +3 −1`. */
+export function cardTitle(card: ToolCard): string {
+  const icon = { running: '…', ok: '✓', error: '✗', denied: '⊘', ask: '?' }[card.state];
+  const a = card.args && typeof card.args === 'object' && !Array.isArray(card.args) ? card.args as Record<string, Json> : {};
+  let subject = '';
+  if (typeof a.path === 'string') subject = a.path;
+  else if (typeof a.command === 'string') subject = a.command;
+  else {
+    const first = Object.values(a).find((v) => typeof v === 'string') as string | undefined;
+    if (first) subject = first.length > 40 ? first.slice(0, 39) + '…' : first;
+  }
+  const ar = card.state === 'ok' ? addedRemoved(card.output ?? null) : undefined;
+  const counts = ar ? ` +${ar.added} −${ar.removed}` : '';
+  const why = card.state === 'denied' ? ' (rejected)' : card.state === 'ask' ? ' (waiting for you)' : '';
+  return `${icon} ${card.tool}${subject ? ' ' + subject : ''}${counts}${why}`;
+}
+
+function num(v: unknown): number | null { return typeof v === 'number' ? v : null; }
+function addUsage(u: TurnUsage, raw: unknown): void {
+  u.modelCalls++;
+  if (!raw || typeof raw !== 'object') return;
+  const r = raw as Record<string, unknown>;
+  const inp = num(r.inputTokens) ?? num(r.prompt_tokens) ?? num(r.input_tokens);
+  const out = num(r.outputTokens) ?? num(r.completion_tokens) ?? num(r.output_tokens);
+  if (inp !== null) u.inputTokens = (u.inputTokens ?? 0) + inp;
+  if (out !== null) u.outputTokens = (u.outputTokens ?? 0) + out;
+}
+export function usageFromResult(u: Usage | undefined, rounds?: number): TurnUsage | undefined {
+  if (!u) return undefined;
+  return { inputTokens: u.inputTokens, outputTokens: u.outputTokens, modelCalls: u.modelCalls, ...(rounds !== undefined && { rounds }) };
+}
+export function usageLine(u: TurnUsage): string {
+  const t = (n: number | null) => (n === null ? '?' : String(n));
+  const parts = [`${t(u.inputTokens)} in · ${t(u.outputTokens)} out tokens`, `${u.modelCalls} model call${u.modelCalls === 1 ? '' : 's'}`];
+  if (u.rounds && u.rounds > 1) parts.push(`${u.rounds} rounds`);
+  return parts.join(' · ');
+}
+
+function instructionText(v: Json | undefined): string {
+  if (typeof v === 'string') return v;
+  if (v === null || v === undefined) return '';
+  return JSON.stringify(v);
+}
+
+/** Context labels stored with an instruction by this extension (see context.ts). */
+function contextLabels(ctx: Json | undefined): string[] {
+  if (!ctx || typeof ctx !== 'object' || Array.isArray(ctx)) return [];
+  const labels = (ctx as Record<string, Json>).labels;
+  return Array.isArray(labels) ? labels.filter((l): l is string => typeof l === 'string') : [];
+}
+
+/** How the server's instruction for a further round (after tools ran) begins. */
+export const CONTINUATION_PREFIX = 'Continue the same task.';
+
+/** A branch's messages (oldest first) as chat turns; further rounds stay in their turn. */
+export function turnsFromMessages(messages: Message[]): Turn[] {
+  const turns: Turn[] = [];
+  const cards = new Map<string, ToolCard>();
+  let cur: Turn | undefined;
+  const turn = () => {
+    if (!cur) { cur = { user: '', contextLabels: [], items: [] }; turns.push(cur); }
+    return cur;
+  };
+  let prevKind = '';
+  for (const m of messages) {
+    const c = m.content as Record<string, Json>;
+    const kindBefore = prevKind;
+    prevKind = m.kind;
+    if (m.kind === 'instruction') {
+      const text = instructionText(c.instruction);
+      if (cur && text.startsWith(CONTINUATION_PREFIX) && kindBefore === 'action_response') {
+        // a further round of the same turn (the server's fixed continuation instruction)
+        cur.usage ??= { inputTokens: null, outputTokens: null, modelCalls: 0 };
+        cur.usage.rounds = (cur.usage.rounds ?? 1) + 1;
+        continue;
+      }
+      cur = { user: text, contextLabels: contextLabels(c.context), items: [] };
+      turns.push(cur);
+    } else if (m.kind === 'assistant_response') {
+      const t = turn();
+      const prose = proseOf(typeof c.text === 'string' ? c.text : '');
+      if (prose.trim()) t.items.push({ kind: 'prose', text: prose });
+      t.usage ??= { inputTokens: null, outputTokens: null, modelCalls: 0 };
+      addUsage(t.usage, c.usage);
+    } else if (m.kind === 'action_request') {
+      const card: ToolCard = { callId: String(c.callId), tool: String(c.function), args: c.arguments ?? null, state: 'running' };
+      cards.set(card.callId, card);
+      turn().items.push({ kind: 'tool', card });
+    } else if (m.kind === 'action_response') {
+      let card = cards.get(String(c.callId));
+      if (!card) {
+        card = { callId: String(c.callId), tool: String(c.function), args: c.arguments ?? null, state: 'running' };
+        turn().items.push({ kind: 'tool', card });
+      }
+      card.output = c.output ?? null;
+      const err = isErrorOutput(card.output);
+      const msg = err ? String((card.output as Record<string, Json>).error) : '';
+      card.state = !err ? 'ok' : msg.startsWith('denied') ? 'denied' : 'error';
+    }
+  }
+  return turns;
+}
+
+// ---- HTML -------------------------------------------------------------------------------------
+export function escapeHtml(s: string): string {
+  return s.replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]!));
+}
+
+let md: MarkdownIt | undefined;
+function markdown(): MarkdownIt {
+  if (md) return md;
+  md = new MarkdownIt({ html: false, linkify: true, breaks: false });
+  const fence = md.renderer.rules.fence!;
+  md.renderer.rules.fence = (tokens, idx, options, env, self) => {
+    const code = tokens[idx].content;
+    const buttons = `<div class="code-actions"><button class="code-btn" data-action="copy" title="Copy">Copy</button>`
+      + `<button class="code-btn" data-action="insert" title="Insert at the cursor">Insert</button></div>`;
+    return `<div class="code-block" data-code="${escapeHtml(code)}">${buttons}${fence(tokens, idx, options, env, self)}</div>`;
+  };
+  return md;
+}
+/** Markdown to HTML; raw HTML in the source is escaped, never rendered. */
+export function renderMarkdown(text: string): string { return markdown().render(text); }
+
+function diffHtml(diff: string): string {
+  return diff.split('\n').map((l) => {
+    const cls = l.startsWith('+++') || l.startsWith('---') ? 'meta' : l.startsWith('+') ? 'add' : l.startsWith('-') ? 'del' : l.startsWith('@@') ? 'meta' : '';
+    return cls ? `<span class="${cls}">${escapeHtml(l)}</span>` : escapeHtml(l);
+  }).join('\n');
+}
+
+function pretty(v: Json | undefined): string {
+  if (typeof v === 'string') return v;
+  return JSON.stringify(v, null, 2) ?? '';
+}
+
+export function cardHtml(card: ToolCard): string {
+  const ask = card.ask
+    ? `<div class="ask">`
+      + `<button class="accept" data-action="decide" data-decision="allow_once" data-call="${escapeHtml(card.callId)}">Accept</button>`
+      + `<button class="reject secondary" data-action="decide" data-decision="deny_once" data-call="${escapeHtml(card.callId)}">Reject</button>`
+      + `<button class="always secondary" data-action="decide" data-decision="allow_always" data-call="${escapeHtml(card.callId)}">Always for this branch</button>`
+      + (card.ask.diff ? `<button class="show-diff link" data-action="showDiff" data-call="${escapeHtml(card.callId)}">Show diff</button>` : '')
+      + `</div>` : '';
+  let output = '';
+  if (card.output !== undefined) {
+    const o = card.output;
+    const diff = o && typeof o === 'object' && !Array.isArray(o) && typeof o.diff === 'string' ? o.diff : undefined;
+    const rest = diff !== undefined ? Object.fromEntries(Object.entries(o as Record<string, Json>).filter(([k]) => k !== 'diff')) : o;
+    output = `<div class="label">output</div><pre class="out">${escapeHtml(pretty(rest))}</pre>`;
+    if (diff !== undefined) output += `<pre class="diff">${diffHtml(diff)}</pre>`;
+  }
+  return `<details class="tool ${card.state}" data-call="${escapeHtml(card.callId)}">`
+    + `<summary>${escapeHtml(cardTitle(card))}</summary>`
+    + `<div class="label">arguments</div><pre class="args">${escapeHtml(pretty(card.args))}</pre>${output}</details>${ask}`;
+}
+
+export function turnHtml(t: Turn, index: number): string {
+  const chips = t.contextLabels.map((l) => `<span class="chip">${escapeHtml(l)}</span>`).join('');
+  const items = t.items.map((it) => (it.kind === 'prose'
+    ? `<div class="prose">${renderMarkdown(it.text)}</div>` : cardHtml(it.card))).join('');
+  const running = t.running ? '<div class="running"><span class="spinner"></span> working…</div>' : '';
+  const note = t.note ? `<div class="note">${escapeHtml(t.note)}</div>` : '';
+  const error = t.error ? `<div class="error">${escapeHtml(t.error)}</div>` : '';
+  const usage = t.usage ? `<div class="usage">${escapeHtml(usageLine(t.usage))}</div>` : '';
+  return `<section class="turn" data-turn="${index}"><div class="user">${escapeHtml(t.user)}${chips ? `<div class="chips">${chips}</div>` : ''}</div>`
+    + `<div class="assistant">${items}${running}${note}${error}${usage}</div></section>`;
+}
+
+export function conversationHtml(turns: Turn[]): string {
+  if (!turns.length) return '<div class="empty">Ask about your code. Use <code>#file</code>, <code>#selection</code> or <code>#problems</code> to add context.</div>';
+  return turns.map(turnHtml).join('');
+}
+
+/** A branch name from its first instruction. */
+export function nameFrom(instruction: string): string {
+  const line = instruction.replace(/#(file|selection|problems)\b/g, '').trim().split('\n')[0].replace(/\s+/g, ' ').trim() || 'chat';
+  return line.length > 48 ? line.slice(0, 47) + '…' : line;
+}

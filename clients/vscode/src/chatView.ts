@@ -1,0 +1,324 @@
+// The chat view: a webview view in its own activity-bar container. It shows the current branch's
+// conversation (Markdown, tool cards, usage), streams the model's prose while a turn runs, and
+// puts permission requests (with their diff review) in the conversation.
+import * as vscode from 'vscode';
+import { BranchStore } from './branchStore';
+import {
+  conversationHtml, nameFrom, proseOf, renderMarkdown, ToolCard, Turn, turnsFromMessages, usageFromResult,
+} from './chatModel';
+import { EditorTracker, resolveInput } from './context';
+import { DiffReview, previewOf } from './diffReview';
+import {
+  CancellationTokenSource, ErrorCodes, Json, OperateParams, OperateResult, PermissionDecision, PermissionRequest,
+  ResponseError, SidecarClient, ToolEvent,
+} from './rpcClient';
+
+export const VIEW_ID = 'operateSidecar.chat';
+
+/** What the chat needs from the rest of the extension. */
+export interface ChatHost {
+  ensure(): Promise<SidecarClient>;
+  readonly branches: BranchStore;
+  readonly editors: EditorTracker;
+  readonly review: DiffReview;
+  maxRounds(): number;
+  /** Called when a turn starts or ends (status bar). */
+  runningChanged(running: boolean): void;
+  /** Logs a line to the output channel. */
+  line(text: string): void;
+  /** The server's stderr tail and the commands to offer when the server is unusable. */
+  serverProblem(e: unknown): string | undefined;
+}
+
+export interface TurnOutcome { branchId: string; result?: OperateResult; cancelled?: boolean; error?: string }
+
+interface Live {
+  turn: Turn;
+  branchId: string;
+  stream: string;
+  /** index in turn.items of the prose item being streamed (-1: none yet) */
+  proseIdx: number;
+  source: CancellationTokenSource;
+  cards: Map<string, ToolCard>;
+}
+
+export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
+  private view: vscode.WebviewView | undefined;
+  private turns: Turn[] = [];
+  private live: Live | undefined;
+  private supportsMaxRounds = true;
+  private readonly pendingAsks = new Map<string, { resolve: (d: PermissionDecision) => void; card: ToolCard }>();
+  private readonly subs: vscode.Disposable[] = [];
+  private readonly ready = new vscode.EventEmitter<void>();
+  private streamUpdates = 0;
+
+  constructor(private readonly ctx: vscode.ExtensionContext, private readonly host: ChatHost) {
+    this.subs.push(vscode.window.registerWebviewViewProvider(VIEW_ID, this), this.ready);
+    this.subs.push(host.review.onDidDecide((r) => this.settleAsk(r.callId, r.decision)));
+  }
+
+  // ---- webview ---------------------------------------------------------------------------------
+  resolveWebviewView(view: vscode.WebviewView): void {
+    this.view = view;
+    const media = vscode.Uri.joinPath(this.ctx.extensionUri, 'media');
+    view.webview.options = { enableScripts: true, localResourceRoots: [media] };
+    const nonce = Math.random().toString(36).slice(2) + Date.now().toString(36);
+    const css = view.webview.asWebviewUri(vscode.Uri.joinPath(media, 'chat.css'));
+    const js = view.webview.asWebviewUri(vscode.Uri.joinPath(media, 'chat.js'));
+    view.webview.html = `<!DOCTYPE html><html lang="en"><head><meta charset="UTF-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src ${view.webview.cspSource}; script-src 'nonce-${nonce}'; img-src ${view.webview.cspSource} data:;">
+<meta name="viewport" content="width=device-width, initial-scale=1.0"><link rel="stylesheet" href="${css}"></head>
+<body><header id="bar"><button id="branch" class="link" title="Switch chat (fork, delete)"></button><span class="grow"></span>
+<button id="model" class="link" title="Pick the model"></button><button id="new" class="link" title="New chat">New</button></header>
+<main id="log"></main>
+<footer><textarea id="input" rows="3" placeholder="Ask or instruct… (#file, #selection, #problems)  Enter to send, Shift+Enter for a new line"></textarea>
+<div class="row"><span id="status"></span><span class="grow"></span><button id="stop" class="secondary" hidden>Stop</button><button id="send">Send</button></div></footer>
+<script nonce="${nonce}" src="${js}"></script></body></html>`;
+    view.webview.onDidReceiveMessage((m) => this.onMessage(m), undefined, this.subs);
+    view.onDidDispose(() => { if (this.view === view) this.view = undefined; }, undefined, this.subs);
+  }
+
+  private async onMessage(m: { type: string; [k: string]: unknown }): Promise<void> {
+    try {
+      switch (m.type) {
+        case 'ready': await this.refresh(); this.ready.fire(); break;
+        case 'send': if (typeof m.text === 'string' && m.text.trim()) void this.send(m.text).catch(() => undefined); break;
+        case 'stop': this.stop(); break;
+        case 'decide': this.decide(String(m.callId), m.decision as PermissionDecision); break;
+        case 'showDiff': await this.host.review.show(String(m.callId)); break;
+        case 'copy': await vscode.env.clipboard.writeText(String(m.code)); break;
+        case 'insert': await this.insert(String(m.code)); break;
+        case 'command': await vscode.commands.executeCommand(String(m.id)); break;
+      }
+    } catch (e) {
+      void vscode.window.showErrorMessage(`operate-sidecar: ${e instanceof Error ? e.message : String(e)}`);
+    }
+  }
+
+  private async insert(code: string): Promise<void> {
+    const ed = this.host.editors.editor;
+    if (!ed) { void vscode.window.showInformationMessage('operate-sidecar: open an editor to insert the code into'); return; }
+    await ed.edit((b) => b.replace(ed.selection, code));
+  }
+
+  private post(msg: object): void { void this.view?.webview.postMessage(msg); }
+
+  private header() {
+    const id = this.live?.branchId ?? this.host.branches.current;
+    return {
+      branch: (id && this.host.branches.nameOf(id)) || (id ? id.slice(0, 8) : 'New chat'),
+      model: this.host.branches.model ?? 'default model',
+    };
+  }
+
+  /** Sends the whole conversation (structure changes); prose deltas go through `stream`. */
+  render(): void {
+    const turns = this.live ? [...this.turns, this.live.turn] : this.turns;
+    this.post({ type: 'state', html: conversationHtml(turns), running: !!this.live, ...this.header() });
+  }
+
+  /** Reloads the current branch's conversation from the server. */
+  async refresh(): Promise<void> {
+    const id = this.host.branches.current;
+    if (!id) { this.turns = []; this.render(); return; }
+    try {
+      const client = await this.host.ensure();
+      const { messages } = await client.branchMessages(id);
+      this.turns = turnsFromMessages(messages);
+    } catch (e) {
+      this.turns = [];
+      if (e instanceof ResponseError && e.code === ErrorCodes.BranchNotFound) await this.host.branches.setCurrent(undefined);
+      else this.turns = [{ user: '', contextLabels: [], items: [], error: this.host.serverProblem(e) ?? String(e) }];
+    }
+    this.render();
+  }
+
+  async reveal(): Promise<void> {
+    await vscode.commands.executeCommand(`${VIEW_ID}.focus`);
+  }
+
+  // ---- turns -----------------------------------------------------------------------------------
+  get running(): boolean { return !!this.live; }
+  runningBranch(): string | undefined { return this.live?.branchId; }
+  stats() { return { streamUpdates: this.streamUpdates, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()] }; }
+
+  /** One chat turn on the current branch (created, named after the instruction, when there is none). */
+  async send(text: string): Promise<TurnOutcome> {
+    if (this.live) throw new Error('a chat turn is already running');
+    const resolved = resolveInput(text, this.host.editors.editor);
+    const turn: Turn = { user: text, contextLabels: (resolved.context?.labels as string[] | undefined) ?? [], items: [], running: true };
+    const source = new CancellationTokenSource();
+    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map() };
+    this.render();
+    this.host.runningChanged(true);
+    let outcome: TurnOutcome = { branchId: '' };
+    try {
+      const client = await this.host.ensure();
+      let branchId = this.host.branches.current;
+      if (!branchId) {
+        const name = nameFrom(text);
+        const model = this.host.branches.model;
+        branchId = (await client.createBranch({ name, ...(model && { chatModel: model }) })).branchId;
+        this.host.branches.remember(branchId, name);
+        await this.host.branches.setCurrent(branchId);
+        this.host.line(`[chat] new branch "${name}" ${branchId}`);
+      }
+      this.live.branchId = branchId;
+      outcome.branchId = branchId;
+      this.render();
+      const model = this.host.branches.model;
+      const params: OperateParams = {
+        branchId, instruction: resolved.instruction, ...(resolved.context && { context: resolved.context }),
+        actions: true, tools: true, ...(model && { chatModel: model }),
+      };
+      const result = await this.operate(client, params, source);
+      outcome.result = result;
+      await this.finish(result);
+    } catch (e) {
+      const cancelled = e instanceof ResponseError && e.code === ErrorCodes.Cancelled;
+      outcome = { ...outcome, cancelled, ...(!cancelled && { error: this.host.serverProblem(e) ?? (e instanceof Error ? e.message : String(e)) }) };
+      await this.finish(undefined, cancelled ? 'Stopped.' : undefined, outcome.error);
+    }
+    return outcome;
+  }
+
+  private async operate(client: SidecarClient, params: OperateParams, source: CancellationTokenSource): Promise<OperateResult> {
+    const maxRounds = this.host.maxRounds();
+    const go = (p: OperateParams) => client.operate(p, {
+      token: source.token,
+      onProgress: (v) => { if (v.kind === 'report' && v.delta !== undefined) this.delta(v.delta); },
+    });
+    if (this.supportsMaxRounds && maxRounds > 1) {
+      try {
+        return await go({ ...params, maxRounds });
+      } catch (e) {
+        // a server without rounds rejects the field before any model call: run single rounds
+        if (!(e instanceof ResponseError && e.code === ErrorCodes.InvalidParams && /maxRounds/.test(e.message))) throw e;
+        this.supportsMaxRounds = false;
+      }
+    }
+    return go(params);
+  }
+
+  private delta(d: string): void {
+    const live = this.live;
+    if (!live) return;
+    live.stream += d;
+    const prose = proseOf(live.stream);
+    if (live.proseIdx < 0) {
+      if (!prose.trim()) return;
+      live.turn.items.push({ kind: 'prose', text: prose });
+      live.proseIdx = live.turn.items.length - 1;
+      this.render();
+    } else {
+      live.turn.items[live.proseIdx] = { kind: 'prose', text: prose };
+    }
+    this.streamUpdates++;
+    this.post({ type: 'stream', html: renderMarkdown(prose) });
+  }
+
+  /** toolEvent notifications of the running turn become (updated) cards. */
+  onToolEvent(e: ToolEvent): void {
+    const live = this.live;
+    if (!live || e.branchId !== live.branchId) return;
+    live.stream = '';
+    live.proseIdx = -1;
+    let card = live.cards.get(e.callId);
+    if (!card) {
+      card = { callId: e.callId, tool: e.tool, args: e.argsSummary, state: 'running' };
+      live.cards.set(e.callId, card);
+      live.turn.items.push({ kind: 'tool', card });
+    }
+    if (e.event === 'post') { card.state = 'ok'; card.output = e.resultSummary ?? null; }
+    if (e.event === 'error') { card.state = 'error'; card.output = { error: e.error ?? 'failed' }; }
+    if (e.event === 'denied') { card.state = 'denied'; card.output = { error: 'denied' }; }
+    this.render();
+  }
+
+  private async finish(result: OperateResult | undefined, note?: string, error?: string): Promise<void> {
+    const live = this.live!;
+    let turns: Turn[] | undefined;
+    if (live.branchId) {
+      try {
+        const client = await this.host.ensure();
+        turns = turnsFromMessages((await client.branchMessages(live.branchId)).messages);
+      } catch { /* keep what was streamed */ }
+    }
+    live.turn.running = false;
+    if (!turns || !turns.length || turns[turns.length - 1].user !== live.turn.user) {
+      turns = [...(turns ?? this.turns), live.turn];   // the instruction was not recorded (e.g. stopped early)
+    }
+    const last = turns[turns.length - 1];
+    const u = usageFromResult(result?.usage, result?.rounds);
+    if (u) last.usage = u;
+    else if (last.usage && result?.rounds) last.usage.rounds = result.rounds;
+    if (note) last.note = note;
+    if (error) last.error = error;
+    this.turns = turns;
+    this.live = undefined;
+    live.source.dispose();
+    this.host.runningChanged(false);
+    this.render();
+  }
+
+  stop(): boolean {
+    if (!this.live) return false;
+    this.live.source.cancel();
+    for (const id of [...this.pendingAsks.keys()]) this.settleAsk(id, 'deny_once');
+    return true;
+  }
+
+  // ---- permission requests of chat turns --------------------------------------------------------
+  /** Whether this permission request belongs to the running chat turn. */
+  owns(req: PermissionRequest): boolean { return !!this.live && this.live.branchId === req.branchId; }
+
+  /** Shows the request as a card (and the diff editor when it has a preview); resolves with the decision. */
+  async ask(req: PermissionRequest, token: vscode.CancellationToken): Promise<PermissionDecision> {
+    const live = this.live!;
+    const preview = await previewOf(req);
+    let card = live.cards.get(req.callId);
+    if (!card) {
+      card = { callId: req.callId, tool: req.tool, args: req.arguments as Json, state: 'ask' };
+      live.cards.set(req.callId, card);
+      live.stream = '';
+      live.proseIdx = -1;
+      live.turn.items.push({ kind: 'tool', card });
+    }
+    card.state = 'ask';
+    card.ask = { diff: !!preview, ...(preview && { path: preview.path }) };
+    this.render();
+    const decision = await new Promise<PermissionDecision>((resolve) => {
+      this.pendingAsks.set(req.callId, { resolve, card: card! });
+      token.onCancellationRequested(() => this.settleAsk(req.callId, 'deny_once'));
+      if (preview) {
+        void this.host.review.review(req, preview, token).then((d) => this.settleAsk(req.callId, d));
+      }
+    });
+    this.host.line(`\n[permission] ${req.tool} ${JSON.stringify(req.arguments).slice(0, 200)} -> ${decision} [${req.callId}] (chat)`);
+    return decision;
+  }
+
+  /** A decision from the card's buttons (or a command with a callId). */
+  decide(callId: string, decision: PermissionDecision): boolean {
+    if (this.host.review.has(callId)) return this.host.review.decide(callId, decision);   // settles the ask through onDidDecide
+    return this.settleAsk(callId, decision);
+  }
+
+  private settleAsk(callId: string, decision: PermissionDecision): boolean {
+    const p = this.pendingAsks.get(callId);
+    if (!p) return false;
+    this.pendingAsks.delete(callId);
+    if (this.host.review.has(callId)) this.host.review.decide(callId, decision, true);
+    delete p.card.ask;
+    p.card.state = decision.startsWith('allow') ? 'running' : 'denied';
+    if (p.card.state === 'denied') p.card.output = { error: 'rejected' };
+    this.render();
+    p.resolve(decision);
+    return true;
+  }
+
+  dispose(): void {
+    this.stop();
+    for (const s of this.subs) s.dispose();
+  }
+}

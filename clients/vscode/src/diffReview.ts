@@ -1,0 +1,186 @@
+// Diff review: a permission request that carries a diff preview opens VS Code's diff editor on the
+// file (left) and the proposed text (right, a virtual document), with Accept / Reject / Always in
+// the editor title (and in the chat card). The decision answers the permission request.
+import * as path from 'node:path';
+import * as vscode from 'vscode';
+import type { DiffPreview, PermissionDecision, PermissionRequest } from './rpcClient';
+
+export const PROPOSED_SCHEME = 'operate-sidecar-proposed';
+const CONTEXT_KEY = 'operateSidecar.reviewPending';
+
+interface Pending {
+  req: PermissionRequest;
+  preview: DiffPreview;
+  uri: vscode.Uri;
+  resolve: (d: PermissionDecision) => void;
+}
+
+export interface ReviewRecord { callId: string; path: string; decision: PermissionDecision }
+
+function workspaceRoot(): string | undefined {
+  return vscode.workspace.workspaceFolders?.find((f) => f.uri.scheme === 'file')?.uri.fsPath;
+}
+export function absPath(p: string): string {
+  if (path.isAbsolute(p)) return p;
+  const root = workspaceRoot();
+  return root ? path.join(root, p) : path.resolve(p);
+}
+
+/** The current text of a file: the open buffer when there is one, else the disk ('' when missing). */
+export async function currentText(fsPath: string): Promise<string> {
+  const open = vscode.workspace.textDocuments.find((d) => d.uri.scheme === 'file' && d.uri.fsPath === fsPath);
+  if (open) return open.getText();
+  try {
+    return new TextDecoder().decode(await vscode.workspace.fs.readFile(vscode.Uri.file(fsPath)));
+  } catch {
+    return '';
+  }
+}
+
+/**
+ * The preview of a request: the server's, or (servers without previews) computed here for the
+ * builtin `write_file` and `edit_file` calls.
+ */
+export async function previewOf(req: PermissionRequest): Promise<DiffPreview | undefined> {
+  if (req.preview?.kind === 'diff') return req.preview;
+  const a = req.arguments as Record<string, unknown> | null;
+  if (!a || typeof a.path !== 'string') return undefined;
+  const p = absPath(a.path);
+  if (req.tool === 'write_file' && typeof a.content === 'string') {
+    return { kind: 'diff', path: p, oldText: await currentText(p), newText: a.content, diff: '' };
+  }
+  if (req.tool === 'edit_file' && Array.isArray(a.edits)) {
+    const oldText = await currentText(p);
+    let text = oldText;
+    for (const e of a.edits as { oldText?: string; newText?: string; replaceAll?: boolean }[]) {
+      if (typeof e?.oldText !== 'string' || typeof e.newText !== 'string' || !text.includes(e.oldText)) return undefined;
+      text = e.replaceAll ? text.split(e.oldText).join(e.newText) : text.replace(e.oldText, () => e.newText!);
+    }
+    return { kind: 'diff', path: p, oldText, newText: text, diff: '' };
+  }
+  return undefined;
+}
+
+export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Disposable {
+  private readonly pending = new Map<string, Pending>();
+  private readonly texts = new Map<string, string>();
+  private readonly changed = new vscode.EventEmitter<vscode.Uri>();
+  readonly onDidChange = this.changed.event;
+  private readonly decided = new vscode.EventEmitter<ReviewRecord>();
+  /** Fires once per decided review. */
+  readonly onDidDecide = this.decided.event;
+  readonly history: ReviewRecord[] = [];
+  private readonly subs: vscode.Disposable[];
+
+  constructor() {
+    this.subs = [vscode.workspace.registerTextDocumentContentProvider(PROPOSED_SCHEME, this), this.changed, this.decided];
+    void vscode.commands.executeCommand('setContext', CONTEXT_KEY, false);
+  }
+
+  provideTextDocumentContent(uri: vscode.Uri): string { return this.texts.get(uri.toString()) ?? ''; }
+
+  pendingCallIds(): string[] { return [...this.pending.keys()]; }
+  has(callId: string): boolean { return this.pending.has(callId); }
+
+  /** Opens the diff editor and resolves with the user's decision (deny_once when the request is withdrawn). */
+  review(req: PermissionRequest, preview: DiffPreview, token: vscode.CancellationToken): Promise<PermissionDecision> {
+    const fsPath = absPath(preview.path);
+    const uri = vscode.Uri.from({ scheme: PROPOSED_SCHEME, path: fsPath, query: `callId=${encodeURIComponent(req.callId)}` });
+    this.texts.set(uri.toString(), preview.newText);
+    return new Promise<PermissionDecision>((resolve) => {
+      const sub = token.onCancellationRequested(() => this.decide(req.callId, 'deny_once', true));
+      this.pending.set(req.callId, {
+        req, preview: { ...preview, path: fsPath }, uri,
+        resolve: (d) => { sub.dispose(); resolve(d); },
+      });
+      void this.updateContext();
+      void this.show(req.callId);
+    });
+  }
+
+  /** (Re)opens the diff editor of a pending review. */
+  async show(callId: string): Promise<void> {
+    const p = this.pending.get(callId);
+    if (!p) return;
+    const left = vscode.Uri.file(p.preview.path);
+    let leftUri = left;
+    try {
+      await vscode.workspace.fs.stat(left);
+    } catch {   // a new file: compare with an empty virtual document
+      leftUri = vscode.Uri.from({ scheme: PROPOSED_SCHEME, path: p.preview.path + '.empty', query: 'empty' });
+      this.texts.set(leftUri.toString(), '');
+    }
+    const name = path.basename(p.preview.path);
+    await vscode.commands.executeCommand('vscode.diff', leftUri, p.uri, `${name} ↔ proposed by ${p.req.tool}`, { preview: false });
+  }
+
+  /** `callId` undefined: the review shown in the active diff editor, else the only pending one. */
+  callIdFor(arg: unknown): string | undefined {
+    if (typeof arg === 'string') return arg;
+    if (arg && typeof arg === 'object' && 'callId' in arg && typeof (arg as { callId: unknown }).callId === 'string') {
+      return (arg as { callId: string }).callId;
+    }
+    const uri = arg instanceof vscode.Uri ? arg : vscode.window.activeTextEditor?.document.uri;
+    if (uri?.scheme === PROPOSED_SCHEME) {
+      const id = new URLSearchParams(uri.query).get('callId');
+      if (id) return id;
+    }
+    return this.pending.size === 1 ? [...this.pending.keys()][0] : undefined;
+  }
+
+  decide(callId: string | undefined, decision: PermissionDecision, withdrawn = false): boolean {
+    const p = callId ? this.pending.get(callId) : undefined;
+    if (!p) return false;
+    this.pending.delete(callId!);
+    void this.updateContext();
+    void this.closeTabs(p.uri);
+    this.texts.delete(p.uri.toString());
+    if (!withdrawn) {
+      const rec = { callId: callId!, path: p.preview.path, decision };
+      this.history.push(rec);
+      this.decided.fire(rec);
+    }
+    p.resolve(decision);
+    return true;
+  }
+
+  private async closeTabs(uri: vscode.Uri): Promise<void> {
+    const tabs = vscode.window.tabGroups.all.flatMap((g) => g.tabs).filter((t) =>
+      t.input instanceof vscode.TabInputTextDiff && t.input.modified.toString() === uri.toString());
+    if (tabs.length) await vscode.window.tabGroups.close(tabs, true);
+  }
+
+  private updateContext() { return vscode.commands.executeCommand('setContext', CONTEXT_KEY, this.pending.size > 0); }
+
+  dispose(): void {
+    for (const id of [...this.pending.keys()]) this.decide(id, 'deny_once', true);
+    for (const s of this.subs) s.dispose();
+  }
+}
+
+/**
+ * The client's file system for builtin file tools: reads serve open buffers (unsaved text
+ * included), writes land in the buffer as one WorkspaceEdit (dirty, undoable), never on disk.
+ */
+export const clientFs = {
+  async readTextFile(p: { path: string }): Promise<string> {
+    const open = vscode.workspace.textDocuments.find((d) => d.uri.scheme === 'file' && d.uri.fsPath === p.path);
+    if (open) return open.getText();
+    return new TextDecoder().decode(await vscode.workspace.fs.readFile(vscode.Uri.file(p.path)));
+  },
+  async writeTextFile(p: { path: string; text: string }): Promise<void> {
+    const uri = vscode.Uri.file(p.path);
+    let exists = true;
+    try { await vscode.workspace.fs.stat(uri); } catch { exists = false; }
+    const edit = new vscode.WorkspaceEdit();
+    if (!exists) {
+      edit.createFile(uri, { ignoreIfExists: true });
+      edit.insert(uri, new vscode.Position(0, 0), p.text);
+    } else {
+      const doc = await vscode.workspace.openTextDocument(uri);
+      const all = new vscode.Range(doc.positionAt(0), doc.positionAt(doc.getText().length));
+      edit.replace(uri, all, p.text);
+    }
+    if (!(await vscode.workspace.applyEdit(edit))) throw new Error(`could not apply the edit to ${p.path}`);
+  },
+};

@@ -1,0 +1,122 @@
+// The chat's content model (no VS Code needed) and the client file system, the latter against the
+// REAL Python server (scripted model) over real pipes.
+// Run: tsc -p . && node --test --test-timeout=60000 out/test/
+import { test } from 'node:test';
+import * as assert from 'node:assert/strict';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import {
+  cardTitle, conversationHtml, nameFrom, proseOf, proseOfResult, renderMarkdown, turnsFromMessages,
+} from '../chatModel';
+import { PermissionRequest, SidecarClient } from '../rpcClient';
+
+const REPO = path.resolve(__dirname, '..', '..', '..', '..');
+const VENV_PY = path.join(REPO, '.venv', 'bin', 'python');
+const PYTHON = process.env.OPERATE_SIDECAR_PYTHON ?? (fs.existsSync(VENV_PY) ? VENV_PY : 'python3');
+
+function within<T>(p: Promise<T>, what: string, ms = 20_000): Promise<T> {
+  let timer: NodeJS.Timeout;
+  const t = new Promise<never>((_, rej) => { timer = setTimeout(() => rej(new Error(`timeout after ${ms} ms: ${what}`)), ms); });
+  return Promise.race([p, t]).finally(() => clearTimeout(timer));
+}
+
+test('chat prose: structured replies show their prose fields (also while streaming), never raw JSON', () => {
+  assert.equal(proseOf('plain **text**'), 'plain **text**');
+  const reply = JSON.stringify({ answer: 'I will edit it.', action_requests: [{ function: 'edit_file', arguments: { path: 'a.py' } }] });
+  assert.equal(proseOf(reply), 'I will edit it.');
+  assert.equal(proseOf('```json\n' + reply + '\n```'), 'I will edit it.');
+  // every prefix of the streamed reply: only prose, growing, no JSON syntax
+  let last = '';
+  for (let i = 1; i <= reply.length; i++) {
+    const p = proseOf(reply.slice(0, i));
+    assert.ok(!p.includes('{') && !p.includes('"') && !p.includes('action_requests'), `prefix ${i}: ${JSON.stringify(p)}`);
+    assert.ok(p.startsWith(last.slice(0, Math.max(0, last.length - 1))), `prefix ${i} grows: ${JSON.stringify(last)} -> ${JSON.stringify(p)}`);
+    last = p;
+  }
+  assert.equal(last, 'I will edit it.');
+  assert.equal(proseOf('{"answer": "line\\nbreak \\u00e9'), 'line\nbreak é');
+  assert.equal(proseOf('{"answer": "cut in an escape \\u00'), 'cut in an escape ');
+  assert.equal(proseOfResult({ answer: 'done', action_responses: [] }), 'done');
+  assert.equal(proseOfResult('text result'), 'text result');
+});
+
+test('chat Markdown is sanitized (raw HTML escaped) and code blocks carry copy/insert buttons', () => {
+  const html = renderMarkdown('hi <img src=x onerror=alert(1)> <script>bad()</script>\n\n```py\nprint("<b>")\n```');
+  assert.ok(!html.includes('<img') && !html.includes('<script'), html);
+  assert.ok(html.includes('&lt;img') && html.includes('&lt;script&gt;'), html);
+  assert.match(html, /<div class="code-block" data-code="print\(&quot;&lt;b&gt;&quot;\)\n">/);
+  assert.ok(html.includes('data-action="copy"') && html.includes('data-action="insert"'), html);
+  assert.equal(nameFrom('Explain #file please\nmore'), 'Explain please');
+  assert.equal(nameFrom('x'.repeat(60)).length, 48);
+});
+
+test('tool cards: compact titles with +added −removed; denied and failed calls marked', () => {
+  const base = { callId: 'c1', tool: 'edit_file', args: { path: 'src/x.py', edits: [] } };
+  assert.equal(cardTitle({ ...base, state: 'ok', output: { path: 'src/x.py', diff: '--- a\n+++ b\n@@\n-a\n+b\n+c\n+d\n', added: 3, removed: 1 } }), '✓ edit_file src/x.py +3 −1');
+  assert.equal(cardTitle({ ...base, state: 'ok', output: { diff: '--- a\n+++ b\n-x\n+y\n' } }), '✓ edit_file src/x.py +1 −1');
+  assert.equal(cardTitle({ ...base, state: 'denied', output: { error: 'denied by governance gate' } }), '⊘ edit_file src/x.py (rejected)');
+  assert.equal(cardTitle({ ...base, state: 'ask' }), '? edit_file src/x.py (waiting for you)');
+  assert.equal(cardTitle({ callId: 'c', tool: 'shout', args: { text: 'hey' }, state: 'error', output: { error: 'x' } }), '✗ shout hey');
+});
+
+test('turns: a further round (the continuation instruction after tools ran) stays in its turn and counts as a round', () => {
+  const msg = (kind: string, content: object, i: number) => ({ id: String(i), kind, role: '', sender: null, recipient: null, createdAt: i, content }) as any;
+  const turns = turnsFromMessages([
+    msg('instruction', { instruction: 'fix it' }, 1),
+    msg('assistant_response', { text: '{"answer": "Fixing.", "action_requests": [{"function": "edit_file"}]}', usage: { prompt_tokens: 5, completion_tokens: 2 } }, 2),
+    msg('action_request', { callId: 'a', function: 'edit_file', arguments: { path: 'x.py' } }, 3),
+    msg('action_response', { callId: 'a', function: 'edit_file', arguments: { path: 'x.py' }, output: { diff: '-a\n+b\n' } }, 4),
+    msg('instruction', { instruction: 'Continue the same task. The results of the tools you called are above.' }, 5),
+    msg('assistant_response', { text: '{"answer": "Fixed."}', usage: { prompt_tokens: 7, completion_tokens: 1 } }, 6),
+    msg('instruction', { instruction: 'Continue the same task. (typed by the user, no tool before)' }, 7),
+  ]);
+  assert.equal(turns.length, 2);
+  assert.deepEqual(turns[0].items.map((i) => (i.kind === 'prose' ? i.text : cardTitle(i.card))), ['Fixing.', '✓ edit_file x.py +1 −1', 'Fixed.']);
+  assert.deepEqual(turns[0].usage, { inputTokens: 12, outputTokens: 3, modelCalls: 2, rounds: 2 });
+  assert.equal(turns[1].user, 'Continue the same task. (typed by the user, no tool before)');
+});
+
+test('fs/readTextFile and fs/writeTextFile: edit_file reads the unsaved buffer and writes through the client; the chat shows prose, card and usage', async () => {
+  const ws = fs.mkdtempSync(path.join(os.tmpdir(), 'chat-fs-'));
+  const file = path.join(ws, 'a.py');
+  fs.writeFileSync(file, 'x = 1\n');
+  const buffers = new Map<string, string>([[file, 'x = 1\ny = 2   # unsaved\n']]);   // the editor's buffer differs from the disk
+  const reads: string[] = [];
+  const permissions: PermissionRequest[] = [];
+  const client = await SidecarClient.start({ command: [PYTHON, '-m', 'operate_sidecar.server'], cwd: REPO });
+  try {
+    client.setFsHandlers({
+      readTextFile: (p) => { reads.push(p.path); const t = buffers.get(p.path); if (t === undefined) throw new Error('no such file'); return t; },
+      writeTextFile: (p) => { buffers.set(p.path, p.text); },
+    });
+    client.setPermissionHandler((req) => { permissions.push(req); return 'allow_once'; });
+    await within(client.initialize({
+      capabilities: { toolPermission: true, fs: true }, workspaceFolders: [ws],
+      settings: { stateDir: null, defaultModel: 'm', models: { m: { provider: 'scripted', responses: [
+        { json: { answer: 'Renaming **y**.', action_requests: [{ function: 'edit_file', arguments: { path: 'a.py', edits: [{ oldText: 'y = 2', newText: 'why = 2' }] } }] } },
+      ] } } },
+    }), 'initialize');
+    const { branchId } = await within(client.createBranch({ name: 'fs' }), 'createBranch');
+    await within(client.operate({ branchId, instruction: 'rename y', actions: true, tools: true }), 'operate');
+    assert.ok(reads.includes(file), `the server read through the client: ${JSON.stringify(reads)}`);
+    assert.equal(buffers.get(file), 'x = 1\nwhy = 2   # unsaved\n', 'the edit applied to the unsaved buffer text, written through the client');
+    assert.equal(fs.readFileSync(file, 'utf8'), 'x = 1\n', 'the disk is untouched');
+    const preview = permissions[0]?.preview;
+    assert.equal(preview?.kind, 'diff');
+    assert.equal(preview?.oldText, 'x = 1\ny = 2   # unsaved\n');
+    assert.equal(preview?.newText, 'x = 1\nwhy = 2   # unsaved\n');
+    const turns = turnsFromMessages((await within(client.branchMessages(branchId), 'branchMessages')).messages);
+    assert.equal(turns.length, 1);
+    assert.equal(turns[0].user, 'rename y');
+    const [prose, tool] = turns[0].items;
+    assert.deepEqual(prose, { kind: 'prose', text: 'Renaming **y**.' });
+    assert.ok(tool.kind === 'tool' && cardTitle(tool.card) === '✓ edit_file a.py +1 −1', JSON.stringify(tool));
+    assert.equal(turns[0].usage?.modelCalls, 1);
+    const html = conversationHtml(turns);
+    assert.ok(html.includes('<strong>y</strong>') && html.includes('✓ edit_file a.py +1 −1') && html.includes('1 model call'), html);
+  } finally {
+    await client.stop();
+    fs.rmSync(ws, { recursive: true, force: true });
+  }
+});

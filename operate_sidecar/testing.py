@@ -1,0 +1,253 @@
+"""Test helpers for projects that use operate-sidecar: an asyncio client for the sidecar over
+stdio, and :func:`run_session_script` to run a session script as a test.
+
+The client is a pygls ``JsonRPCClient`` started through pytest-lsp's ``ClientServerConfig``
+(the way pytest-lsp starts language servers), with what the sidecar's protocol needs on top
+of it: plain-dict requests and results, every notification kept in arrival order and waitable
+with a pattern, and answers to the server's requests (``requestToolPermission``,
+``invokeClientTool``, ``fs/*``) from handlers or standing answers. The pytest fixture lives
+in :mod:`operate_sidecar.pytest_plugin`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import sys
+import tempfile
+from typing import Any, Awaitable, Callable
+
+from pygls.client import JsonRPCClient
+from pygls.exceptions import JsonRpcException
+from pygls.io_ import run_async
+from pygls.protocol import JsonRPCNotification, JsonRPCProtocol, JsonRPCRequestMessage, JsonRPCResponseMessage
+
+from operate_sidecar.server.script.matcher import first_mismatch, short
+
+__all__ = ["SidecarError", "SidecarTestClient", "ScriptFailed", "run_session_script", "server_command"]
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def server_command(*args: str) -> list[str]:
+    """The command that starts this sidecar with this interpreter."""
+    return [sys.executable, "-m", "operate_sidecar.server", *args]
+
+
+class SidecarError(Exception):
+    """An error answer from the sidecar: ``code``, ``message``, ``data``."""
+
+    def __init__(self, method: str, code: int, message: str, data: Any = None) -> None:
+        super().__init__(f"{method} failed with {code}: {message}")
+        self.method, self.code, self.message, self.data = method, code, message, data
+
+
+def _converter() -> Any:
+    """pygls's converter, except that params and results stay plain JSON values (pygls turns
+    objects of methods it does not know into namedtuples)."""
+    import attrs
+    from lsprotocol import converters
+
+    converter = converters.get_converter()
+
+    def plain(obj: dict, cls: type) -> Any:
+        return cls(**{f.name: obj.get(f.name) for f in attrs.fields(cls)})
+
+    for cls in (JsonRPCRequestMessage, JsonRPCResponseMessage, JsonRPCNotification):
+        converter.register_structure_hook(cls, plain)
+    return converter
+
+
+class _Protocol(JsonRPCProtocol):
+    """pygls's JSON-RPC protocol, keeping every notification the server sends."""
+
+    def _handle_notification(self, method_name: str, params: Any) -> None:
+        client: SidecarTestClient = self._server  # type: ignore[assignment]
+        client._notified(method_name, params)
+        if method_name in self.fm.features:
+            super()._handle_notification(method_name, params)
+
+
+class SidecarTestClient(JsonRPCClient):
+    """A client for one sidecar process. Use it from ``async`` tests::
+
+        result = await client.request("createBranch", {"system": "..."})
+        client.respond("requestToolPermission", {"decision": "allow_once"})
+        note = await client.wait_for_notification("toolEvent", {"event": "post"})
+    """
+
+    def __init__(self) -> None:
+        super().__init__(protocol_cls=_Protocol, converter_factory=_converter)
+        self.notifications: list[tuple[str, Any]] = []      # every notification, in arrival order
+        self.server_requests: list[tuple[str, Any]] = []    # every server-to-client request
+        self._consumed: set[int] = set()
+        self._changed: asyncio.Condition | None = None
+        self._stderr = tempfile.TemporaryFile()
+        self.timeout = DEFAULT_TIMEOUT_S
+        self.initialize_result: Any = None                  # set by the pytest fixture
+
+    # ------------------------------------------------------------------ process
+    async def start_io(self, cmd: str, *args: str, **kwargs: Any) -> None:
+        """Start the server (pygls's ``start_io``, with the server's stderr kept in a file
+        for failure reports instead of a pipe nobody reads)."""
+        server = await asyncio.create_subprocess_exec(
+            cmd, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=self._stderr, **kwargs)
+        assert server.stdin is not None and server.stdout is not None
+        self.protocol.set_writer(server.stdin)
+        connection = asyncio.create_task(run_async(stop_event=self._stop_event, reader=server.stdout,
+                                                   protocol=self.protocol, logger=None,
+                                                   error_handler=self.report_server_error))
+        self._server = server
+        self._async_tasks.extend([connection, asyncio.create_task(self._server_exit())])
+
+    def stderr_text(self) -> str:
+        """What the server wrote to stderr so far."""
+        self._stderr.seek(0)
+        return self._stderr.read().decode("utf-8", "replace")
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._server is None else self._server.returncode
+
+    async def stop(self, timeout: float = 10.0) -> int | None:
+        """``shutdown`` + ``exit`` when the server still runs; kills it if it does not exit in time."""
+        server = self._server
+        if server is not None and server.returncode is None:
+            try:
+                await self.request("shutdown", None, timeout=timeout)
+                self.notify("exit")
+            except (SidecarError, TimeoutError, RuntimeError, OSError, ConnectionError):
+                pass
+            try:
+                await asyncio.wait_for(server.wait(), timeout)
+            except asyncio.TimeoutError:
+                server.kill()
+                await server.wait()
+        self._stop_event.set()
+        for task in self._async_tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*self._async_tasks, return_exceptions=True)
+        return None if server is None else server.returncode
+
+    # ------------------------------------------------------------------ client → server
+    async def request(self, method: str, params: Any = None, *, timeout: float | None = None) -> Any:
+        """Send a request; returns its result, raises :class:`SidecarError` for an error answer
+        and ``TimeoutError`` when no answer comes in time."""
+        __tracebackhide__ = True
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            fut = self.protocol.send_request_async(method, {} if params is None else params)
+            return await asyncio.wait_for(fut, timeout)
+        except JsonRpcException as e:
+            raise SidecarError(method, e.code, e.message, getattr(e, "data", None)) from None
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer to {method} within {timeout:g} s") from None
+
+    def notify(self, method: str, params: Any = None) -> None:
+        self.protocol.notify(method, params)
+
+    # ------------------------------------------------------------------ server → client
+    def on_request(self, method: str, handler: Callable[[Any], Any | Awaitable[Any]]) -> None:
+        """Answer the server's ``method`` requests with ``handler(params)`` (sync or async);
+        raise :class:`SidecarError` in it to answer with an error."""
+
+        async def handle(params: Any) -> Any:
+            self.server_requests.append((method, params))
+            try:
+                out = handler(params)
+                if inspect.isawaitable(out):
+                    out = await out
+            except SidecarError as e:
+                raise JsonRpcException(message=e.message, code=e.code, data=e.data) from None
+            return out
+
+        handle.__name__ = "answer_" + method.replace("/", "_")
+        self.protocol.fm.features[method] = handle
+
+    def respond(self, method: str, result: Any) -> None:
+        """A standing answer: every ``method`` request from the server gets ``result``."""
+        self.on_request(method, lambda _params: result)
+
+    # ------------------------------------------------------------------ notifications
+    def _notified(self, method: str, params: Any) -> None:
+        self.notifications.append((method, params))
+        cond = self._changed
+        if cond is not None:
+            async def wake() -> None:
+                async with cond:
+                    cond.notify_all()
+            asyncio.ensure_future(wake())
+
+    def _find(self, method: str, match: Any) -> int | None:
+        for i, (m, params) in enumerate(self.notifications):
+            if m == method and i not in self._consumed and (match is None or first_mismatch(match, params) is None):
+                return i
+        return None
+
+    async def wait_for_notification(self, method: str, match: Any = None, *, timeout: float | None = None) -> Any:
+        """The params of the first ``method`` notification, not returned before, whose params
+        match the pattern ``match`` (objects are subsets, arrays element-wise, ``"*"`` anything);
+        waits for it up to ``timeout`` seconds (``TimeoutError`` names the nearest miss)."""
+        __tracebackhide__ = True
+        timeout = self.timeout if timeout is None else timeout
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        cond = self._changed
+
+        async def wait() -> int:
+            async with cond:
+                while True:
+                    i = self._find(method, match)
+                    if i is not None:
+                        return i
+                    if self.returncode is not None:
+                        raise RuntimeError(f"the sidecar exited (code {self.returncode}) before a "
+                                           f"matching {method} notification came")
+                    await cond.wait()
+
+        try:
+            i = await asyncio.wait_for(wait(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(self._miss(method, match, timeout)) from None
+        self._consumed.add(i)
+        return self.notifications[i][1]
+
+    def _miss(self, method: str, match: Any, timeout: float) -> str:
+        near = [(i, first_mismatch(match, p, "$.params")) for i, (m, p) in enumerate(self.notifications)
+                if m == method and i not in self._consumed]
+        text = f"no {method} notification matching {short(match, 120)} within {timeout:g} s"
+        if near:
+            i, mm = max(near, key=lambda t: (t[1].path.count(".") + t[1].path.count("["), t[0]))  # type: ignore[union-attr]
+            text += f"; {len(near)} unmatched, nearest {mm.describe()}"  # type: ignore[union-attr]
+        return text
+
+    def of(self, method: str) -> list[Any]:
+        """The params of every ``method`` notification so far."""
+        return [p for m, p in self.notifications if m == method]
+
+
+# --------------------------------------------------------------------------- scripts
+class ScriptFailed(AssertionError):
+    """A session script had failing steps; the message is the replay report."""
+
+
+def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None = None,
+                       scripted: bool = False, step_timeout: float | None = None,
+                       env: dict[str, str] | None = None, cwd: str | None = None) -> list[Any]:
+    """Run a session script (``operate-sidecar replay``) against a fresh sidecar; raises
+    :class:`ScriptFailed` (an ``AssertionError``) whose message lists every step, the failing
+    ones with the JSON path of the first difference. Returns the step results."""
+    from operate_sidecar.server.script.runner import DEFAULT_STEP_TIMEOUT_S, format_report, replay
+
+    __tracebackhide__ = True
+    runner = replay(path, server, scripted=scripted, step_timeout=step_timeout or DEFAULT_STEP_TIMEOUT_S,
+                    env=env, cwd=cwd)
+    if runner.failed:
+        report = format_report(runner, os.fspath(path))
+        if runner.stderr_tail:
+            report += "\nserver stderr (last lines):\n" + runner.stderr_tail
+        raise ScriptFailed(report)
+    return runner.results

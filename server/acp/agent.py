@@ -1,0 +1,653 @@
+"""The ACP methods over the service (``server.rpc.methods.Sidecar`` with an ``AcpPort``).
+
+A session is a branch (the session id is the branch id). A prompt turn is an ``operate``
+with actions and every tool, repeated while the model keeps calling tools, up to
+``MAX_ROUNDS`` rounds. Per session the editor picks a ``model`` (a configured model) and
+a ``mode`` (the permission policy: ``ask``, ``auto-edit``, ``read-only``), both as config
+options (and the mode also as an ACP session mode). Session metadata the branch does not
+hold (cwd, title, model, mode) is kept in ``acp-sessions.json`` in the state directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib
+import inspect
+import json
+import logging
+import os
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from acp import (PROTOCOL_VERSION, Agent, RequestError, update_agent_message_text, update_user_message_text)
+from acp.schema import (AgentCapabilities, Implementation, InitializeResponse, ListSessionsResponse,
+                        LoadSessionResponse, McpCapabilities, NewSessionResponse, PromptCapabilities, PromptResponse,
+                        SessionCapabilities, SessionConfigOptionSelect, SessionConfigSelectOption, SessionInfo,
+                        SessionListCapabilities, SessionMode, SessionModeState, SetSessionConfigOptionResponse,
+                        SetSessionModeResponse, ToolCallProgress, Usage, UsageUpdate)
+
+from .port import EDIT_TOOLS, AcpPort, Turn
+from .reply import REPLY_FORMAT, ReplyText, message_of
+
+log = logging.getLogger("operate_sidecar.server.acp")
+
+#: rounds of one prompt turn (each a whole operate; another runs while the model calls tools)
+MAX_ROUNDS = 8
+MODES = {"ask": ("Ask", "Ask before any tool that changes something"),
+         "auto-edit": ("Auto-edit", "Edit files in the workspace without asking; ask for everything else"),
+         "read-only": ("Read-only", "Only tools that change nothing; everything else is denied")}
+#: what a prompt turn needs from the core, imported on a worker thread right after initialize
+CORE_MODULES = ("operate_sidecar.server.core", "operate_sidecar.server.core.branch",
+                "operate_sidecar.server.core.operate", "operate_sidecar.server.core.prepare",
+                "operate_sidecar.server.core.tools", "operate_sidecar.server.models",
+                "operate_sidecar.server.models.scripted", "operate_sidecar.server.rpc.methods",
+                "operate_sidecar.server.tools.builtin", "operate_sidecar.protocol", "json_schema_to_pydantic")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class SessionStore:
+    """cwd, title, model, mode and update time per session, as JSON (atomic replace) in the
+    state directory; in memory only without one."""
+
+    def __init__(self, state_dir: str | None) -> None:
+        self.path = os.path.join(state_dir, "acp-sessions.json") if state_dir else None
+        self.data: dict[str, dict[str, Any]] = {}
+        if self.path and os.path.exists(self.path):
+            try:
+                with open(self.path, encoding="utf-8") as f:
+                    loaded = json.load(f)
+                self.data = {k: v for k, v in loaded.items() if isinstance(v, dict)} if isinstance(loaded, dict) else {}
+            except (OSError, ValueError) as e:
+                log.warning("ACP session metadata at %s unreadable (%s); starting empty", self.path, e)
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("ACP session metadata not saved: %s", e)
+
+
+class OperateAgent(Agent):
+    """``acp.Agent`` over the service. ``settings`` are the validated flags + config file."""
+
+    def __init__(self, settings: dict[str, Any], version: str = "0", debug: bool = False) -> None:
+        self.settings = settings
+        self.version = version
+        self.debug = debug
+        self.port = AcpPort(settings)
+        self.port.branch_messages = self._messages
+        self.port.cancel_turn = self._cancel_turn
+        self.sidecar: Any = None
+        self.store = SessionStore(settings.get("stateDir"))
+        self._core: asyncio.Future | None = None   # the service, once the core is imported
+        self._warm: asyncio.Future | None = None   # set once first-use paths are warmed
+        self._turns: dict[str, asyncio.Task] = {}
+        self._live: set[asyncio.Task] = set()   # every turn (and background) task until it has finished
+        self._cancelled: set[str] = set()       # sessions whose running turn the client cancelled
+        self._starting: set[str] = set()        # sessions whose prompt arrived, its turn not yet running
+        self._mcp: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
+        self._mcp_stop = asyncio.Event()
+
+    def on_connect(self, conn: Any) -> None:
+        self.port.client = conn
+
+    # ------------------------------------------------------------------ the core, loaded early
+    def start_loading(self) -> None:
+        """Right after the initialize answer is queued, on a worker thread: import the core and
+        make the service, then warm every first-use path with a throwaway operate on a
+        throwaway service, so that the first prompt costs what a warm one does."""
+        if self._core is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._core, self._warm = loop.create_future(), loop.create_future()
+
+        def signal(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(_settle, fut, value, error)
+            except RuntimeError:  # the loop is closed: the process is exiting
+                pass
+
+        def load() -> None:
+            t0 = time.perf_counter()
+            try:
+                for name in CORE_MODULES:
+                    importlib.import_module(name)
+                from operate_sidecar.server.rpc.methods import Sidecar
+
+                sidecar = Sidecar(self.port)
+                sidecar._core()
+            except BaseException as e:  # pragma: no cover - broken install
+                log.error("could not load the core: %s", e)
+                signal(self._core, None, e)  # type: ignore[arg-type]
+                signal(self._warm, None, None)  # type: ignore[arg-type]
+                return
+            signal(self._core, sidecar, None)  # type: ignore[arg-type]
+            t1 = time.perf_counter()
+            try:
+                warm_up(sidecar)
+            except BaseException:
+                log.debug("warm-up failed", exc_info=True)
+            # what is loaded now lives as long as the process: keep the collector from walking it
+            # again (a full collection over the freshly imported core would land on the first prompt)
+            gc.freeze()
+            log.info("core loaded in %.0f ms, warmed in %.0f ms", (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000)
+            signal(self._warm, None, None)  # type: ignore[arg-type]
+
+        loop.run_in_executor(None, load)  # the loop's own worker thread: warm for the service's to_thread calls
+
+    async def _ready(self, warm: bool = False) -> Any:
+        if self._core is None:
+            self.start_loading()
+        self.sidecar = await asyncio.shield(self._core)  # type: ignore[arg-type]
+        if warm:
+            await asyncio.shield(self._warm)  # type: ignore[arg-type]
+        return self.sidecar
+
+    def _messages(self, sid: str) -> Any:
+        b = self.sidecar.branches.get(sid) if self.sidecar is not None else None
+        return b.messages if b is not None else ()
+
+    async def _branch(self, session_id: str) -> Any:
+        sc = await self._ready()
+        from operate_sidecar.server.rpc.errors import RpcError
+
+        state = getattr(sc, "_state", None)  # restores stored branches first (where the service has it)
+        if state is not None:
+            await state()
+        try:
+            b = sc.branch(session_id)
+        except RpcError:
+            raise RequestError.invalid_params({"sessionId": session_id, "reason": "unknown session"}) from None
+        self._govern(b)
+        return b
+
+    def _error(self, e: BaseException) -> RequestError:
+        from operate_sidecar.server.rpc.methods import map_exception
+
+        code, message, data = map_exception(e, self.debug)
+        return RequestError(code, message, data)
+
+    # ------------------------------------------------------------------ initialize
+    async def initialize(self, protocol_version: int, client_capabilities: Any = None, client_info: Any = None,
+                         **kw: Any) -> InitializeResponse:
+        fs = getattr(client_capabilities, "fs", None)
+        if fs is not None and fs.read_text_file and fs.write_text_file:
+            self.port.client_capabilities["fs"] = True
+        self.start_loading()
+        return InitializeResponse(
+            protocol_version=PROTOCOL_VERSION,
+            agent_capabilities=AgentCapabilities(
+                load_session=True,
+                prompt_capabilities=PromptCapabilities(image=False, audio=False, embedded_context=True),
+                mcp_capabilities=McpCapabilities(http=False, sse=False),
+                session_capabilities=SessionCapabilities(list=SessionListCapabilities())),
+            agent_info=Implementation(name="operate-sidecar", title="operate-sidecar", version=self.version),
+            auth_methods=[])
+
+    async def authenticate(self, method_id: str, **kw: Any) -> None:
+        raise RequestError.invalid_params({"methodId": method_id, "reason": "no authentication methods"})
+
+    # ------------------------------------------------------------------ sessions
+    async def new_session(self, cwd: str, additional_directories: Any = None, mcp_servers: Any = None,
+                          **kw: Any) -> NewSessionResponse:
+        sc = await self._ready()
+        self._add_folders(cwd, additional_directories)
+        self._add_mcp(mcp_servers)
+        try:
+            sid = (await sc.createBranch({}))["branchId"]
+        except RequestError:
+            raise
+        except Exception as e:
+            raise self._error(e) from None
+        self._govern(sc.branches[sid])
+        self.store.data[sid] = {"cwd": cwd, "title": None, "updatedAt": _now(),
+                                "model": self.settings["defaultModel"], "mode": "ask"}
+        self.store.save()
+        # the first prompt must cost what a warm one does: finish the warm-up and build the tools now
+        # that the folder is known (configured MCP servers start in the background; a prompt waits)
+        await self._ready(warm=True)
+        if self.settings.get("mcpServers"):
+            self._background(sc.ensure_tools())
+        else:
+            await sc.ensure_tools()
+        return NewSessionResponse(session_id=sid, config_options=self._options(sid), modes=self._modes(sid))
+
+    async def load_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
+                           additional_directories: Any = None, **kw: Any) -> LoadSessionResponse:
+        b = await self._branch(session_id)
+        self._add_folders(cwd, additional_directories)
+        self._add_mcp(mcp_servers)
+        meta = self._meta(session_id)
+        meta["cwd"] = cwd
+        self._replay(session_id, b)
+        await self.port.flush()  # every update before the answer
+        return LoadSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
+
+    async def list_sessions(self, cwd: str | None = None, cursor: str | None = None, additional_directories: Any = None,
+                            **kw: Any) -> ListSessionsResponse:
+        sc = await self._ready()
+        try:
+            res = sc.listBranches({})
+            branches = (await res if inspect.isawaitable(res) else res)["branches"]
+        except Exception as e:
+            raise self._error(e) from None
+        out = []
+        for b in branches:
+            meta = self.store.data.get(b["branchId"])
+            if meta is None or (cwd is not None and meta.get("cwd") != cwd):
+                continue
+            out.append(SessionInfo(session_id=b["branchId"], cwd=meta.get("cwd") or "", title=meta.get("title"),
+                                   updated_at=meta.get("updatedAt")))
+        out.sort(key=lambda s: s.updated_at or "", reverse=True)
+        return ListSessionsResponse(sessions=out)
+
+    def _meta(self, sid: str) -> dict[str, Any]:
+        meta = self.store.data.setdefault(sid, {"cwd": "", "title": None, "updatedAt": _now(), "model": None,
+                                                "mode": "ask"})
+        if meta.get("model") not in self.settings["models"]:
+            meta["model"] = self.settings["defaultModel"]
+        if meta.get("mode") not in MODES:
+            meta["mode"] = "ask"
+        return meta
+
+    def _options(self, sid: str) -> list[SessionConfigOptionSelect]:
+        meta = self._meta(sid)
+        models = self.settings["models"]
+        return [
+            SessionConfigOptionSelect(type="select", id="model", name="Model", category="model",
+                                      current_value=meta["model"],
+                                      options=[SessionConfigSelectOption(value=n, name=n,
+                                                                         description=str(c.get("provider")))
+                                               for n, c in models.items()]),
+            SessionConfigOptionSelect(type="select", id="mode", name="Permissions", category="mode",
+                                      current_value=meta["mode"],
+                                      options=[SessionConfigSelectOption(value=k, name=v[0], description=v[1])
+                                               for k, v in MODES.items()]),
+        ]
+
+    def _modes(self, sid: str) -> SessionModeState:
+        return SessionModeState(current_mode_id=self._meta(sid)["mode"],
+                                available_modes=[SessionMode(id=k, name=v[0], description=v[1])
+                                                 for k, v in MODES.items()])
+
+    async def set_config_option(self, config_id: str, session_id: str, value: Any,
+                                **kw: Any) -> SetSessionConfigOptionResponse:
+        await self._branch(session_id)
+        meta = self._meta(session_id)
+        if config_id == "model" and value in self.settings["models"]:
+            meta["model"] = value
+        elif config_id == "mode" and value in MODES:
+            meta["mode"] = value
+        else:
+            allowed = list(self.settings["models"]) if config_id == "model" else list(MODES)
+            raise RequestError.invalid_params({"configId": config_id, "value": value,
+                                               "reason": "unknown option" if config_id not in ("model", "mode")
+                                               else f"one of {', '.join(allowed)}"})
+        self.store.save()
+        return SetSessionConfigOptionResponse(config_options=self._options(session_id))
+
+    async def set_session_mode(self, mode_id: str, session_id: str, **kw: Any) -> SetSessionModeResponse:
+        await self.set_config_option("mode", session_id, mode_id)
+        return SetSessionModeResponse()
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._live.add(task)
+        task.add_done_callback(self._live.discard)
+
+    # ------------------------------------------------------------------ folders and MCP servers
+    def _add_folders(self, cwd: str, more: Any = None) -> None:
+        added = False
+        for folder in [cwd, *(more or [])]:
+            if not isinstance(folder, str) or not os.path.isabs(folder) or not os.path.isdir(folder):
+                raise RequestError.invalid_params({"cwd": folder, "reason": "must be an absolute directory"})
+            if folder not in self.port.workspace_folders:
+                self.port.workspace_folders.append(folder)
+                added = True
+        sc = self.sidecar
+        if added and sc is not None and sc._tools_ready is not None:  # tools loaded: widen the builtin ones
+            try:
+                from operate_sidecar.server.tools.builtin import WorkspaceTools
+
+                files = None
+                if self.port.client_capabilities.get("fs"):  # the editor's buffers, as the service does
+                    from operate_sidecar.server.tools.file_tools import ClientFiles
+
+                    files = ClientFiles(self.port.request_client)
+                for t in WorkspaceTools(self.port.workspace_folders, files=files).tools():
+                    sc.registry.register(t, update=True)
+            except Exception as e:
+                log.warning("workspace tools unavailable: %s", e)
+
+    def _add_mcp(self, servers: Any) -> None:
+        """Client MCP servers (stdio) become tool sources, started once per process, in the
+        background: a prompt waits for them; ``session/new`` does not."""
+        for s in servers or ():
+            command = getattr(s, "command", None)
+            if not isinstance(command, str):  # http / sse: not advertised
+                log.warning("MCP server %r ignored: only stdio servers are supported", getattr(s, "name", "?"))
+                continue
+            config = {"command": [command, *(s.args or [])], "env": {e.name: e.value for e in s.env or ()}}
+            key = json.dumps([s.name, config], sort_keys=True)
+            if key in self._mcp:
+                continue
+            ready = asyncio.Event()
+            task = asyncio.get_running_loop().create_task(self._run_mcp(s.name, config, ready), name=f"mcp-{s.name}")
+            self._mcp[key] = (task, ready)
+
+    async def _run_mcp(self, name: str, config: dict, ready: asyncio.Event) -> None:
+        sc = self.sidecar
+        try:
+            await sc.ensure_tools()
+            from operate_sidecar.server.tools.mcp_source import open_mcp_sources
+
+            async with open_mcp_sources({name: config}, reserved=sc.registry.names()) as tools:
+                for t in tools:
+                    sc.registry.register(t, update=False)
+                ready.set()
+                await self._mcp_stop.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("MCP server %r unavailable: %s", name, e)
+        finally:
+            ready.set()
+
+    # ------------------------------------------------------------------ governance by mode
+    def _govern(self, branch: Any) -> None:
+        """Wrap the branch's authorizer (once): the session's mode decides first, then the
+        policy in force (which may ask the client). The wrapper also records what the editor
+        is shown about the call (title, kind, raw input, locations, diff) before it runs."""
+        inner = branch.authorizer
+        if getattr(inner, "_acp_mode", False):
+            return
+
+        async def authorize(inv: Any) -> Any:
+            from operate_sidecar.server.core.act import AuthorizationResult
+
+            info = self.port.describe(inv.branch_id, inv.call_id, str(inv.function), inv.arguments)
+            mode = self._meta(inv.branch_id)["mode"]
+            read_only = bool(getattr(inv.tool, "read_only", False))
+            policy = self.sidecar.governance.policy_for(inv.tool, inv.branch_id)
+            if mode == "read-only" and not read_only:
+                return AuthorizationResult(False, "denied: the session is in read-only mode")
+            if mode == "auto-edit" and inv.function in EDIT_TOOLS and policy != "deny":
+                await self.port.add_diff(info, inv.arguments)
+                return AuthorizationResult(True)
+            result = await inner(inv)  # may ask the client (with the service's own preview)
+            if result.allowed:
+                await self.port.add_diff(info, inv.arguments)  # allowed without asking: diff it here
+            return result
+
+        authorize._acp_mode = True  # type: ignore[attr-defined]
+        branch.authorizer = authorize
+
+    # ------------------------------------------------------------------ prompt turns
+    async def prompt(self, prompt: list, session_id: str, **kw: Any) -> PromptResponse:
+        if session_id in self._turns or session_id in self._starting:
+            raise RequestError.invalid_params({"sessionId": session_id, "reason": "a prompt turn is already running"})
+        self._cancelled.discard(session_id)
+        self._starting.add(session_id)  # a cancel from here on applies to this turn
+        try:
+            b = await self._branch(session_id)
+            instruction, context = _prompt_parts(prompt)
+        finally:
+            self._starting.discard(session_id)
+        meta = self._meta(session_id)
+        if not meta.get("title"):
+            meta["title"] = (instruction.strip().splitlines() or [""])[0][:80] or None
+        if session_id in self._cancelled:
+            self._cancelled.discard(session_id)
+            return PromptResponse(stop_reason="cancelled")
+        task = asyncio.get_running_loop().create_task(self._turn(b, instruction, context))
+        self._turns[session_id] = task
+        self._live.add(task)
+        task.add_done_callback(self._live.discard)
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:  # the connection is closing: stop the turn too
+            task.cancel()
+            raise
+        finally:
+            self._turns.pop(session_id, None)
+            self.port.turns.pop(session_id, None)
+            meta["updatedAt"] = _now()
+            self.store.save()
+        if task.cancelled() or session_id in self._cancelled:
+            self._cancelled.discard(session_id)
+            await self.port.flush()
+            return PromptResponse(stop_reason="cancelled")
+        exc = task.exception()
+        if exc is not None:
+            if isinstance(exc, RequestError):
+                raise exc
+            raise self._error(exc) from None
+        return task.result()
+
+    async def cancel(self, session_id: str, **kw: Any) -> None:
+        self._cancel_turn(session_id)
+
+    def _cancel_turn(self, session_id: str) -> None:
+        if session_id in self._starting:
+            self._cancelled.add(session_id)
+        task = self._turns.get(session_id)
+        if task is not None:
+            self._cancelled.add(session_id)
+            task.cancel()
+
+    async def _turn(self, branch: Any, instruction: str, context: Any) -> PromptResponse:
+        sid = branch.id
+        sc = await self._ready(warm=True)
+        await sc.ensure_tools()
+        for task, ready in list(self._mcp.values()):  # client MCP servers still starting
+            if not task.done():
+                await ready.wait()
+        turn = self.port.turns[sid] = Turn()
+        limit = MAX_ROUNDS
+        params: dict[str, Any] = {"branchId": sid, "instruction": instruction, "actions": True,
+                                  "responseFormat": REPLY_FORMAT, "workDoneToken": sid,
+                                  "chatModel": self._meta(sid)["model"]}
+        if context:
+            params["context"] = context
+        res = await sc.operate({**params, "maxRounds": limit})
+        rounds = int(res.get("rounds") or 1)
+        self._round_text(sid, turn, res)
+        usage: dict[str, Any] = {}
+        _add_usage(usage, res.get("usage") or turn.usage)
+        out = PromptResponse(stop_reason="max_turn_requests" if _ran_tools(res) and rounds >= limit else "end_turn")
+        if usage:
+            out.usage = Usage(input_tokens=usage.get("inputTokens", 0), output_tokens=usage.get("outputTokens", 0),
+                              total_tokens=usage.get("inputTokens", 0) + usage.get("outputTokens", 0))
+            size = _context_size(sc, self._meta(sid)["model"])
+            if size and usage.get("contextTokens") is not None:
+                self.port.send(sid, UsageUpdate(session_update="usage_update", used=usage["contextTokens"], size=size))
+        await self.port.flush()
+        return out
+
+    def _round_text(self, sid: str, turn: Any, res: dict) -> None:
+        """The round's user text when the stream showed none (a provider that does not stream)."""
+        text = turn.text(turn.reply.rest(res))
+        if text:
+            self.port.send(sid, update_agent_message_text(text))
+        turn.reply = ReplyText()
+
+    # ------------------------------------------------------------------ load: replay history
+    def _replay(self, sid: str, branch: Any) -> None:
+        from acp.schema import ToolCallStart
+
+        from .port import _text_content, tool_kind
+
+        send = self.port.send
+        skip = _continuations()
+        for m in list(branch.messages):
+            kind, c = getattr(m, "kind", None), getattr(m, "content", None) or {}
+            kind = getattr(kind, "value", kind)
+            if kind == "instruction":
+                text = c.get("instruction")
+                text = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)
+                if text and text not in skip:
+                    send(sid, update_user_message_text(text))
+            elif kind == "assistant_response":
+                text = message_of(c.get("text") or "")
+                if text:
+                    send(sid, update_agent_message_text(text))
+            elif kind == "action_response":
+                call_id, output = c.get("callId"), c.get("output")
+                tool = str(c.get("function"))
+                failed = isinstance(output, dict) and "error" in output
+                args = c.get("arguments")
+                path = args.get("path") if isinstance(args, dict) and isinstance(args.get("path"), str) else None
+                send(sid, ToolCallStart(session_update="tool_call", tool_call_id=call_id,
+                                        title=f"{tool} {path}" if path else tool, kind=tool_kind(tool),
+                                        status="pending", raw_input=args))
+                send(sid, ToolCallProgress(session_update="tool_call_update", tool_call_id=call_id,
+                                           status="failed" if failed else "completed", raw_output=output,
+                                           content=[_text_content(output)]))
+
+    # ------------------------------------------------------------------ shutdown
+    async def aclose(self, timeout: float = 3.0) -> None:
+        for task in list(self._live):
+            task.cancel()
+        if self._live:
+            await asyncio.wait(list(self._live), timeout=timeout)
+        self._mcp_stop.set()
+        tasks = [t for t, _ in self._mcp.values()]
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=timeout)
+            for t in pending:
+                t.cancel()
+        if self.sidecar is not None:
+            try:
+                await asyncio.wait_for(self.sidecar.aclose(), timeout)
+            except BaseException:
+                log.warning("service did not close cleanly", exc_info=True)
+        await self.port.aclose()
+
+
+def _prompt_parts(prompt: list) -> tuple[str, Any]:
+    """ACP content blocks → (instruction text, context). Text is the instruction; resource
+    links and embedded text resources become context."""
+    texts: list[str] = []
+    context: list[Any] = []
+    for block in prompt or ():
+        t = getattr(block, "type", None)
+        if t == "text":
+            texts.append(block.text)
+        elif t == "resource_link":
+            context.append({"resource": block.uri, "name": block.name})
+        elif t == "resource":
+            res = block.resource
+            text = getattr(res, "text", None)
+            context.append({"resource": res.uri, "text": text} if text is not None else {"resource": res.uri})
+        else:
+            raise RequestError.invalid_params({"prompt": f"content type {t!r} is not supported"})
+    return "\n".join(texts), context
+
+
+def _ran_tools(res: Any) -> bool:
+    """Whether the (last) round ran a tool: a response that is not a governance denial."""
+    r = res.get("result") if isinstance(res, dict) else None
+    responses = r.get("action_responses") if isinstance(r, dict) else None
+    return any(not (isinstance(x, dict) and isinstance(x.get("output"), dict)
+                    and x["output"].get("error") == "denied by governance gate") for x in responses or ())
+
+
+def _add_usage(total: dict, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    for k in ("inputTokens", "outputTokens", "modelCalls"):
+        if isinstance(usage.get(k), int):
+            total[k] = total.get(k, 0) + usage[k]
+    if isinstance(usage.get("contextTokens"), int):
+        total["contextTokens"] = usage["contextTokens"]
+
+
+def _context_size(sc: Any, model_name: str) -> int | None:
+    model = sc._models.get(model_name)
+    for attr in ("context_window", "n_ctx", "context_size"):
+        v = getattr(model, attr, None)
+        v = v() if callable(v) else v
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _continuations() -> set[str]:
+    """The instructions of the rounds after the first (not the user's words: not replayed)."""
+    from operate_sidecar.server.service.rounds import CONTINUATION
+
+    return {CONTINUATION}
+
+
+def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+class _WarmPort:
+    """A private port for the warm-up: a scripted model, a scratch folder, nothing sent."""
+
+    def __init__(self, folder: str) -> None:
+        from operate_sidecar.server.rpc import settings as S
+
+        replies = [{"json": {"message": "warm", "action_requests": [{"function": "list_dir", "arguments": {}}]}},
+                   {"json": {"message": "warm"}}]
+        self.conn = self
+        self.settings = S.finalize(S.merge(S.DEFAULTS, {"models": {"warm": {"provider": "scripted",
+                                                                          "responses": replies}}}))
+        self.client_capabilities: dict[str, Any] = {}
+        self.workspace_folders = [folder]
+
+    def log_message(self, type_: int, message: str) -> None:
+        pass
+
+    def notify(self, method: str, params: Any) -> None:
+        pass
+
+    async def request_client(self, method: str, params: Any, timeout: float | None) -> Any:
+        raise RuntimeError("no client during warm-up")
+
+
+def warm_up(sidecar: Any) -> None:
+    """Run once, on the loader thread: everything a prompt turn does for the first time in a
+    process (cattrs structuring code, pydantic schema and model builds, the reply format and
+    its operative classes, the builtin tools' schemas, a tool round) on a throwaway service
+    in a private event loop. The throwaway shares the real service's reply-format cache
+    (thread-safe), so the real reply model is built here too."""
+    import shutil
+    import tempfile
+
+    from operate_sidecar.server.rpc.methods import Sidecar
+
+    folder = tempfile.mkdtemp(prefix="operate-sidecar-warm-")
+    try:
+        async def run() -> None:
+            sc = Sidecar(_WarmPort(folder))
+            sc.schemas = sidecar.schemas
+            bid = (await sc.createBranch({}))["branchId"]
+            await sc.operate({"branchId": bid, "instruction": "warm", "actions": True, "maxRounds": 2,
+                              "responseFormat": REPLY_FORMAT, "workDoneToken": "warm", "chatModel": "warm"})
+
+        asyncio.run(run())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+__all__ = ["OperateAgent", "MAX_ROUNDS", "MODES", "warm_up"]

@@ -1,0 +1,366 @@
+"""``AcpPort``: the service's ``ClientPort`` (``server.service.port``) spoken in ACP.
+
+Native name (what the service sends)        ACP (what the editor sees)
+- ``$/progress`` report ``delta``            ``agent_message_chunk`` (the reply's user text)
+- ``$/progress`` ``end`` ``usage``           kept for the turn's ``usage_update`` / ``usage``
+- ``toolEvent`` pre / post / error / denied  ``tool_call`` / ``tool_call_update`` (kind,
+                                             locations, raw input and output, ``diff`` content)
+- ``requestToolPermission``                  ``session/request_permission``; the options
+                                             allow_once / allow_always / deny_once / deny_always
+                                             are the kinds allow_once / allow_always /
+                                             reject_once / reject_always
+- ``fs/readTextFile`` / ``fs/writeTextFile`` ``fs/read_text_file`` / ``fs/write_text_file``
+- ``invokeClientTool``                       refused (ACP clients register no tools)
+- ``window/logMessage``                      stderr only (ACP has no log notification)
+
+Session updates go out through one ordered outbox, so they reach the client in the order
+the service made them; ``flush()`` waits until every queued update is written (a prompt's
+answer, a permission request and a load's answer are sent only after their updates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from acp import RequestError, tool_diff_content, update_agent_message_text
+from acp.schema import (ContentToolCallContent, PermissionOption, TextContentBlock, ToolCallLocation, ToolCallProgress,
+                        ToolCallStart, ToolCallUpdate)
+
+from operate_sidecar.server.rpc.governance import ClientRequestError
+
+from .reply import ReplyText
+
+log = logging.getLogger("operate_sidecar.server.acp")
+
+#: native permission option → (ACP option kind, label)
+PERMISSION_KINDS = {
+    "allow_once": ("allow_once", "Allow once"),
+    "allow_always": ("allow_always", "Always allow"),
+    "deny_once": ("reject_once", "Reject"),
+    "deny_always": ("reject_always", "Always reject"),
+}
+#: builtin tool → ACP tool kind; others are guessed from the name, else "other"
+TOOL_KINDS = {"read_file": "read", "list_dir": "read", "search_text": "search", "write_file": "edit",
+              "edit_file": "edit", "delete_file": "delete", "move_file": "move"}
+EDIT_TOOLS = frozenset(n for n, k in TOOL_KINDS.items() if k == "edit")
+_GUESS = (("search", "search"), ("grep", "search"), ("find", "search"), ("fetch", "fetch"), ("http", "fetch"),
+          ("url", "fetch"), ("exec", "execute"), ("shell", "execute"), ("command", "execute"), ("run", "execute"),
+          ("read", "read"), ("write", "edit"), ("edit", "edit"), ("delete", "delete"), ("move", "move"))
+TEXT_CONTENT_LIMIT = 4000        # characters of a tool's output shown as its text content
+DIFF_FILE_LIMIT = 2 * 1024 * 1024  # larger files get no diff content
+
+
+def tool_kind(name: str) -> str:
+    k = TOOL_KINDS.get(name)
+    if k is not None:
+        return k
+    low = name.lower()
+    for part, kind in _GUESS:
+        if part in low:
+            return kind
+    return "other"
+
+
+@dataclass
+class CallInfo:
+    """What the editor is shown about one tool call (``callId``)."""
+
+    session_id: str
+    tool: str
+    kind: str
+    title: str
+    raw_input: Any = None
+    locations: list[Any] = field(default_factory=list)
+    content: list[Any] = field(default_factory=list)
+    started: bool = False    # the ``tool_call`` went out
+    finished: bool = False   # a completed / failed status went out
+
+
+@dataclass
+class Turn:
+    """The prompt turn running on a session."""
+
+    reply: ReplyText = field(default_factory=ReplyText)
+    usage: Any = None
+    shown: bool = False  # user text went out in this turn (the next reply's text starts a new paragraph)
+
+    def text(self, text: str) -> str:
+        """``text`` of the current reply as it is shown: replies after the first are set apart."""
+        if text and self.shown and self.reply.emitted == text:
+            text = "\n\n" + text
+        self.shown = self.shown or bool(text)
+        return text
+
+
+class AcpPort:
+    """The ``ClientPort`` of the ACP front end; ``conn`` is the port itself (``ClientInfo``)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.conn = self
+        self.settings = settings
+        #: native names: ``toolPermission`` always (ACP clients must answer request_permission),
+        #: ``fs`` when the client reads and writes text files
+        self.client_capabilities: dict[str, Any] = {"toolPermission": True}
+        self.workspace_folders: list[str] = []
+        self.client: Any = None          # the SDK's AgentSideConnection, set on connect
+        self.turns: dict[str, Turn] = {}
+        self.calls: dict[str, CallInfo] = {}
+        self.branch_messages: Callable[[str], Any] = lambda _sid: ()
+        self.cancel_turn: Callable[[str], None] = lambda _sid: None
+        self._outbox: asyncio.Queue | None = None
+        self._pump: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ ClientInfo
+    def log_message(self, type_: int, message: str) -> None:
+        log.log({1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO}.get(type_, logging.DEBUG), "%s", message)
+
+    # ------------------------------------------------------------------ the outbox
+    def send(self, session_id: str, update: Any) -> None:
+        """Queue one session update (a model, or a callable making one when its turn comes)."""
+        if self._outbox is None:
+            self._outbox = asyncio.Queue()
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="acp-outbox")
+        self._outbox.put_nowait((session_id, update))
+
+    async def flush(self) -> None:
+        if self._outbox is not None:
+            await self._outbox.join()
+
+    async def _run_pump(self) -> None:
+        q = self._outbox
+        assert q is not None
+        while True:
+            session_id, update = await q.get()
+            try:
+                if callable(update):
+                    update = update()
+                if update is not None and self.client is not None:
+                    await self.client.session_update(session_id=session_id, update=update)
+            except asyncio.CancelledError:
+                q.task_done()
+                raise
+            except Exception as e:  # a closed connection: nothing to tell
+                log.debug("session update not sent: %s", e)
+            q.task_done()
+
+    async def aclose(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            try:
+                await self._pump
+            except BaseException:
+                pass
+
+    # ------------------------------------------------------------------ notifications
+    def notify(self, method: str, params: Any) -> None:
+        if method == "toolEvent":
+            self._tool_event(params)
+        elif method == "$/progress":
+            self._progress(params)
+        elif method == "window/logMessage":
+            self.log_message(params.get("type", 4), str(params.get("message")))
+
+    def _progress(self, params: dict) -> None:
+        sid = params.get("token")
+        turn = self.turns.get(sid) if isinstance(sid, str) else None
+        if turn is None:
+            return
+        value = params.get("value") or {}
+        kind, phase = value.get("kind"), value.get("phase")
+        if kind == "report" and phase == "request":  # a new model call: a new reply to read
+            turn.reply = ReplyText()
+        elif kind == "report" and phase == "stream" and value.get("delta"):
+            text = turn.text(turn.reply.feed(value["delta"]))
+            if text:
+                self.send(sid, update_agent_message_text(text))
+        elif kind == "end" and value.get("usage") is not None:
+            turn.usage = value["usage"]
+
+    def _tool_event(self, p: dict) -> None:
+        sid, call_id, event, tool = p.get("branchId"), p.get("callId"), p.get("event"), str(p.get("tool"))
+        info = self.calls.get(call_id)
+        if info is None:
+            info = self.calls[call_id] = CallInfo(sid, tool, tool_kind(tool), tool)
+        if event == "pre":
+            if not info.started:
+                info.started = True
+                self.send(sid, lambda: self._start(call_id, info, "in_progress"))
+            else:
+                self.send(sid, ToolCallProgress(session_update="tool_call_update", tool_call_id=call_id,
+                                                status="in_progress"))
+            return
+        status = "completed" if event == "post" else "failed"
+
+        def finish() -> Any:
+            output = self._output_of(sid, call_id)
+            content = list(info.content)
+            if output is not None and not (status == "completed" and info.kind == "edit" and content):
+                content.append(_text_content(output))
+            return ToolCallProgress(session_update="tool_call_update", tool_call_id=call_id, status=status,
+                                    raw_output=output if output is not None else {"error": p.get("error")},
+                                    content=content or None)
+
+        if not info.started:  # denied before it started (never asked, or not selected)
+            info.started = True
+            self.send(sid, lambda: self._start(call_id, info, "pending"))
+        info.finished = True
+        self.send(sid, finish)
+        self.calls.pop(call_id, None)
+
+    def _start(self, call_id: str, info: CallInfo, status: str) -> ToolCallStart:
+        if info.raw_input is None:  # not seen by the authorizer: the recorded request has it
+            req = self._message(info.session_id, call_id, "action_request")
+            if req is not None:
+                info.raw_input = req.get("arguments")
+        return ToolCallStart(session_update="tool_call", tool_call_id=call_id, title=info.title, kind=info.kind,
+                             status=status, raw_input=info.raw_input, locations=info.locations or None,
+                             content=info.content or None)
+
+    def _message(self, sid: str, call_id: str, kind: str) -> dict | None:
+        msgs = self.branch_messages(sid)
+        for m in reversed(list(msgs)[-200:]):
+            content = getattr(m, "content", None)
+            if getattr(m, "kind", None) == kind and isinstance(content, dict) and content.get("callId") == call_id:
+                return content
+        return None
+
+    def _output_of(self, sid: str, call_id: str) -> Any:
+        resp = self._message(sid, call_id, "action_response")
+        return None if resp is None else resp.get("output")
+
+    # ------------------------------------------------------------------ what a call is
+    def describe(self, session_id: str, call_id: str, tool: str, arguments: Any) -> CallInfo:
+        """Record (once) what the editor is told about a call, before it is asked or run."""
+        info = self.calls.get(call_id)
+        if info is not None:
+            return info
+        args = arguments if isinstance(arguments, dict) else {}
+        path = args.get("path") if isinstance(args.get("path"), str) else None
+        real = self.resolve(path) if path else None
+        title = f"{tool} {path}" if path else tool
+        if not path and isinstance(args.get("pattern"), str):
+            title = f"{tool} {args['pattern']!r}"
+        info = CallInfo(session_id, tool, tool_kind(tool), title, raw_input=arguments)
+        if real:
+            line = args.get("offset") if tool == "read_file" and isinstance(args.get("offset"), int) else None
+            info.locations = [ToolCallLocation(path=real, line=line)]
+        self.calls[call_id] = info
+        return info
+
+    def resolve(self, path: str) -> str | None:
+        """An absolute path inside a workspace folder, else None."""
+        if not self.workspace_folders:
+            return None
+        real = os.path.realpath(path if os.path.isabs(path) else os.path.join(self.workspace_folders[0], path))
+        for root in self.workspace_folders:
+            r = os.path.realpath(root)
+            if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
+                return real
+        return None
+
+    async def read_text(self, session_id: str, real: str) -> str | None:
+        """The file's current text (through the client when it serves files), or None."""
+        if self.client_capabilities.get("fs") and self.client is not None:
+            try:
+                return (await self.client.read_text_file(session_id=session_id, path=real)).content
+            except Exception:
+                return None
+        try:
+            if os.path.getsize(real) > DIFF_FILE_LIMIT:
+                return None
+            with open(real, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    async def add_diff(self, info: CallInfo, arguments: Any) -> None:
+        """``diff`` content for a file-changing builtin call, computed without writing."""
+        if info.kind != "edit" or info.content or not isinstance(arguments, dict):
+            return
+        path = arguments.get("path")
+        real = self.resolve(path) if isinstance(path, str) else None
+        if real is None:
+            return
+        old = await self.read_text(info.session_id, real)
+        new: str | None = None
+        if isinstance(arguments.get("content"), str):      # write_file
+            new = arguments["content"]
+        elif isinstance(arguments.get("edits"), list) and old is not None:  # edit_file
+            new = old
+            for e in arguments["edits"]:
+                if not isinstance(e, dict) or not isinstance(e.get("oldText"), str) or not e["oldText"] \
+                        or not isinstance(e.get("newText"), str) or e["oldText"] not in new:
+                    return
+                new = new.replace(e["oldText"], e["newText"], -1 if e.get("replaceAll") else 1)
+        if new is not None:
+            info.content = [tool_diff_content(real, new, old)]
+
+    # ------------------------------------------------------------------ client requests
+    async def request_client(self, method: str, params: Any, timeout: float | None) -> Any:
+        if self.client is None:
+            raise ClientRequestError(-32603, "no client connection")
+        if method == "requestToolPermission":
+            call = self._ask(params)
+        elif method == "fs/readTextFile":
+            call = self._read(params)
+        elif method == "fs/writeTextFile":
+            call = self._write(params)
+        else:
+            raise ClientRequestError(-32601, f"{method} is not available over the Agent Client Protocol")
+        try:
+            if timeout is None:
+                return await call
+            async with asyncio.timeout(timeout):  # no inner task: a cancel is never lost to a late answer
+                return await call
+        except RequestError as e:
+            raise ClientRequestError(e.code, str(e), getattr(e, "data", None)) from None
+        except ConnectionError as e:
+            raise ClientRequestError(-32603, f"client connection lost: {e}") from None
+
+    async def _read(self, p: dict) -> dict:
+        r = await self.client.read_text_file(session_id=p["branchId"], path=p["path"])
+        return {"text": r.content}
+
+    async def _write(self, p: dict) -> dict:
+        await self.client.write_text_file(session_id=p["branchId"], path=p["path"], content=p["text"])
+        return {}
+
+    async def _ask(self, p: dict) -> dict:
+        sid, call_id = p["branchId"], p["callId"]
+        info = self.describe(sid, call_id, str(p.get("tool")), p.get("arguments"))
+        preview = p.get("preview")
+        if isinstance(preview, dict) and preview.get("kind") == "diff" and isinstance(preview.get("newText"), str):
+            path = self.resolve(str(preview.get("path"))) or str(preview.get("path"))
+            info.content = [tool_diff_content(path, preview["newText"], preview.get("oldText"))]
+        else:
+            await self.add_diff(info, p.get("arguments"))
+        if not info.started:
+            info.started = True
+            self.send(sid, self._start(call_id, info, "pending"))
+        await self.flush()
+        options = [PermissionOption(option_id=o, name=PERMISSION_KINDS[o][1], kind=PERMISSION_KINDS[o][0])
+                   for o in p.get("options") or PERMISSION_KINDS if o in PERMISSION_KINDS]
+        answer = await self.client.request_permission(
+            session_id=sid, options=options,
+            tool_call=ToolCallUpdate(tool_call_id=call_id, title=info.title, kind=info.kind, status="pending",
+                                     raw_input=info.raw_input, locations=info.locations or None,
+                                     content=info.content or None))
+        outcome = answer.outcome
+        if getattr(outcome, "outcome", None) == "selected" and outcome.option_id in PERMISSION_KINDS:
+            return {"decision": outcome.option_id}
+        if getattr(outcome, "outcome", None) == "cancelled":  # the client cancelled the turn: nothing runs
+            self.cancel_turn(sid)
+            raise asyncio.CancelledError()
+        return {"decision": "deny_once"}
+
+
+def _text_content(output: Any) -> ContentToolCallContent:
+    text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, default=str, indent=1)
+    if len(text) > TEXT_CONTENT_LIMIT:
+        text = text[:TEXT_CONTENT_LIMIT] + "…"
+    return ContentToolCallContent(type="content", content=TextContentBlock(type="text", text=text))

@@ -1,0 +1,128 @@
+"""The text a user reads from the model's reply, while it streams.
+
+A prompt turn asks for a structured reply (``REPLY_FORMAT``: a ``message`` for the user
+plus the action fields), so the raw stream is JSON. ``ReplyText`` pulls the ``message``
+string out of the partial JSON as it grows, decoding escapes, so that the editor shows
+prose, chunk by chunk. A reply that does not start as JSON (a model that ignored the
+format) is shown as it streams."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+#: the reply format of a prompt turn; the action fields are added by operate
+REPLY_FORMAT: dict[str, Any] = {
+    "title": "Reply",
+    "type": "object",
+    "properties": {"message": {"type": "string",
+                               "description": "What you say to the user (Markdown). Empty while you only call tools."}},
+    "required": ["message"],
+}
+
+_KEY = re.compile(r'"message"\s*:\s*"')
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", '"': '"', "\\": "\\", "/": "/"}
+
+
+class ReplyText:
+    """Feed the streamed deltas of one model reply; each ``feed`` returns the new user text."""
+
+    __slots__ = ("_buf", "_mode", "_i", "_done", "emitted")
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._mode: str | None = None  # None: undecided, "raw" or "json"
+        self._i = -1                    # scan position inside the message string (-1: not found yet)
+        self._done = False
+        self.emitted = ""
+
+    def feed(self, delta: str) -> str:
+        self._buf += delta
+        if self._mode is None:
+            head = self._buf.lstrip()
+            if not head:
+                return ""
+            self._mode = "json" if head[0] in "{[`" else "raw"
+            if self._mode == "raw":
+                return self._out(self._buf)
+        if self._mode == "raw":
+            return self._out(delta)
+        return self._out(self._scan())
+
+    def _out(self, text: str) -> str:
+        self.emitted += text
+        return text
+
+    def _scan(self) -> str:
+        if self._done:
+            return ""
+        b = self._buf
+        if self._i < 0:
+            m = _KEY.search(b)
+            if m is None:
+                return ""
+            self._i = m.end()
+        i, out = self._i, []
+        while i < len(b):
+            c = b[i]
+            if c == '"':
+                self._done = True
+                i += 1
+                break
+            if c != "\\":
+                out.append(c)
+                i += 1
+                continue
+            if i + 1 >= len(b):
+                break
+            e = b[i + 1]
+            if e != "u":
+                out.append(_ESCAPES.get(e, e))
+                i += 2
+                continue
+            if i + 6 > len(b):
+                break
+            code = int(b[i + 2:i + 6], 16) if re.fullmatch(r"[0-9a-fA-F]{4}", b[i + 2:i + 6]) else 0xFFFD
+            if 0xD800 <= code < 0xDC00:  # a surrogate pair: wait for its second half
+                if i + 12 > len(b):
+                    break
+                try:
+                    out.append(json.loads('"' + b[i:i + 12] + '"'))
+                except ValueError:
+                    out.append("\ufffd")
+                i += 12
+                continue
+            out.append(chr(code))
+            i += 6
+        self._i = i
+        return "".join(out)
+
+    def rest(self, final: Any) -> str:
+        """Called once the reply is complete with the operate result (or the recorded reply
+        text): the user text not yet shown, if the stream showed none (a provider that does
+        not stream, a reply that only parsed after repair)."""
+        if self.emitted:
+            return ""
+        text = message_of(final)
+        return self._out(text) if text else ""
+
+
+def message_of(value: Any) -> str:
+    """The user text of a reply: a result envelope, a parsed reply, or a raw reply text."""
+    if isinstance(value, dict) and "kind" in value and "result" in value:
+        value = value["result"]
+    if isinstance(value, dict):
+        msg = value.get("message")
+        return msg if isinstance(msg, str) else ""
+    if isinstance(value, str):
+        r = ReplyText()
+        r.feed(value)
+        if r._mode == "json" and not r.emitted:
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                return ""
+            return message_of(parsed) if isinstance(parsed, dict) else ""
+        return r.emitted
+    return ""

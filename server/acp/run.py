@@ -1,0 +1,134 @@
+"""``operate-sidecar --acp``: serve the Agent Client Protocol on stdio until stdin's EOF,
+a signal or the client's death; returns the exit code (0 on EOF).
+
+stdout is the wire: the native front end's guard (``server.rpc.stdio.guard_stdio``) moves
+the real stdout to a private descriptor and points fd 1 at stderr before anything else
+runs, so ``print()`` in a tool or a child process's output can never reach the stream.
+asyncio streams are then opened on the private descriptors, the input bounded by
+``maxMessageBytes`` per line; the SDK's connection does the framing and the JSON-RPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+log = logging.getLogger("operate_sidecar.server.acp")
+
+
+async def _streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any, Any]:
+    """asyncio streams on the guarded descriptors (as the SDK's ``stdio_streams`` makes them
+    on fd 0/1), the input bounded by ``LineBound`` before any byte arrives."""
+    loop = asyncio.get_running_loop()
+    w_transport, w_protocol = await loop.connect_write_pipe(
+        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(wire_out, "wb", buffering=0))
+    writer = asyncio.StreamWriter(w_transport, w_protocol, None, loop)
+    reader = asyncio.StreamReader(limit=limit + 1)
+    LineBound(reader, writer, limit)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(wire_in, "rb", buffering=0))
+    return reader, writer
+
+
+class LineBound:
+    """``maxMessageBytes`` for ACP's newline-delimited input, in front of the SDK's reader: a
+    line longer than the bound is dropped as it streams in (never buffered whole) and answered
+    with -32600 (its ``id`` when its first bytes show one); the stream stays in sync at the
+    next newline."""
+
+    HEAD = 4096
+
+    def __init__(self, reader: Any, writer: Any, limit: int) -> None:
+        self.limit = limit
+        self._feed = reader.feed_data
+        self._writer = writer
+        self._held = bytearray()  # the current line's bytes, while it may still be too long
+        self._skipping = False
+        self._head = b""
+        reader.feed_data = self.feed_data  # the SDK's protocol feeds the reader through this
+
+    def feed_data(self, data: bytes) -> None:
+        while data:
+            nl = data.find(b"\n")
+            part, data = (data, b"") if nl < 0 else (data[:nl + 1], data[nl + 1:])
+            if len(self._head) < self.HEAD:
+                self._head += part[:self.HEAD - len(self._head)]
+            if not self._skipping:
+                if len(self._held) + len(part) - (1 if nl >= 0 else 0) > self.limit:
+                    self._held.clear()
+                    self._skipping = True
+                elif nl >= 0:  # a whole line within the bound: to the SDK
+                    self._feed(bytes(self._held) + part if self._held else part)
+                    self._held.clear()
+                    self._head = b""
+                    continue
+                else:  # a partial line stays here until it ends or exceeds the bound
+                    self._held += part
+                    continue
+            if nl >= 0:  # the end of a line that was too long
+                self._skipping = False
+                self._reject()
+
+    def _reject(self) -> None:
+        from operate_sidecar.server.rpc.framing import peek_id
+
+        msg_id = peek_id(self._head)
+        log.warning("dropped a message longer than maxMessageBytes (%d bytes)", self.limit)
+        frame = {"jsonrpc": "2.0", "id": msg_id if isinstance(msg_id, (int, str)) else None,
+                 "error": {"code": -32600, "message": f"message larger than maxMessageBytes ({self.limit} bytes)"}}
+        try:
+            import json
+
+            self._writer.write((json.dumps(frame) + "\n").encode())
+        except Exception:  # the client is gone
+            pass
+        self._head = b""
+
+
+async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool = False,
+                    client_pid: int | None = None, fds: tuple[int, int]) -> int:
+    import acp
+
+    from .agent import OperateAgent
+
+    agent = OperateAgent(settings, version=version, debug=debug)
+    limit = int(settings.get("maxMessageBytes") or 0) or 64 * 1024 * 1024
+    reader, writer = await _streams(fds[0], fds[1], limit)
+    loop = asyncio.get_running_loop()
+    main = loop.create_task(acp.run_agent(agent, writer, reader, stdio_buffer_limit_bytes=limit))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        try:  # a polite kill still cancels in-flight work and flushes journaled state
+            loop.add_signal_handler(sig, main.cancel)
+        except (NotImplementedError, RuntimeError, ValueError):  # pragma: no cover
+            pass
+    watchdog = None
+    if client_pid is not None:
+        from operate_sidecar.server.rpc.watchdog import watch_parent
+
+        watchdog = loop.create_task(watch_parent(client_pid, main.cancel))
+    try:
+        await main
+    except asyncio.CancelledError:
+        log.info("stopping")
+    except Exception:
+        log.exception("the ACP connection failed")
+    if watchdog is not None:
+        watchdog.cancel()
+    await agent.aclose()
+    return 0
+
+
+def run(*, base_settings: dict[str, Any], version: str, debug: bool, client_pid: int | None) -> int:
+    from operate_sidecar.server.rpc import settings as S
+    from operate_sidecar.server.rpc.stdio import guard_stdio
+
+    fds = guard_stdio()  # before anything can write to fd 1
+    settings = S.finalize(S.merge(S.DEFAULTS, base_settings))
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(serve_acp(settings=settings, version=version, debug=debug,
+                                                 client_pid=client_pid, fds=fds))
+    except KeyboardInterrupt:
+        return 1

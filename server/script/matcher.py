@@ -1,0 +1,163 @@
+"""Matching and substitution for session scripts.
+
+A pattern matches a value when every key it names matches recursively: objects are
+subsets (keys the pattern does not name are ignored), arrays match element by element
+(same length), ``"*"`` matches anything (including a missing key), and anything else must
+be equal (``1`` and ``1.0`` are equal, ``true`` and ``1`` are not). :func:`first_mismatch`
+returns the smallest difference: the JSON path of the first place where they part,
+what was expected there and what came.
+
+``"${name}"`` is a saved value: a string that is exactly ``"${name}"`` becomes the saved
+value itself (any JSON type); a reference inside a longer string is replaced by the
+value's text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+ANY = "*"
+_MISSING = object()
+_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_.-]*)\}")
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    path: str          # JSON path of the first difference, e.g. ``$.result.branches[0].name``
+    expected: Any
+    got: Any           # ``MISSING`` when the key is absent
+    why: str = ""
+
+    def describe(self) -> str:
+        got = "(missing)" if self.got is _MISSING else short(self.got)
+        text = f"at {self.path}: expected {short(self.expected)}, got {got}"
+        return f"{text} ({self.why})" if self.why else text
+
+
+MISSING = _MISSING
+
+
+def short(value: Any, limit: int = 160) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _key_path(path: str, key: str) -> str:
+    if re.fullmatch(r"[A-Za-z_$][A-Za-z0-9_$]*", key):
+        return f"{path}.{key}"
+    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+
+
+def _type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
+
+
+def first_mismatch(pattern: Any, value: Any, path: str = "$") -> Mismatch | None:
+    """``None`` when ``pattern`` matches ``value``, else the first difference."""
+    if isinstance(pattern, str) and pattern == ANY:
+        return None
+    if value is _MISSING:
+        return Mismatch(path, pattern, _MISSING)
+    if isinstance(pattern, dict):
+        if not isinstance(value, dict):
+            return Mismatch(path, pattern, value, f"expected an object, got {_type(value)}")
+        for key, sub in pattern.items():
+            found = first_mismatch(sub, value.get(key, _MISSING), _key_path(path, key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(pattern, list):
+        if not isinstance(value, list):
+            return Mismatch(path, pattern, value, f"expected an array, got {_type(value)}")
+        for i, (sub, item) in enumerate(zip(pattern, value)):
+            found = first_mismatch(sub, item, f"{path}[{i}]")
+            if found is not None:
+                return found
+        if len(pattern) != len(value):
+            i = min(len(pattern), len(value))
+            if len(value) > len(pattern):
+                return Mismatch(f"{path}[{i}]", _MISSING, value[i],
+                                f"expected {len(pattern)} items, got {len(value)}")
+            return Mismatch(f"{path}[{i}]", pattern[i], _MISSING,
+                            f"expected {len(pattern)} items, got {len(value)}")
+        return None
+    if _type(pattern) != _type(value):
+        return Mismatch(path, pattern, value, f"expected a {_type(pattern)}, got a {_type(value)}")
+    if pattern != value:
+        return Mismatch(path, pattern, value)
+    return None
+
+
+def matches(pattern: Any, value: Any) -> bool:
+    return first_mismatch(pattern, value) is None
+
+
+class UnknownName(KeyError):
+    def __str__(self) -> str:
+        return f"${{{self.args[0]}}} was never saved"
+
+
+def substitute(value: Any, saved: dict[str, Any]) -> Any:
+    """``value`` with every ``${name}`` replaced by ``saved[name]``."""
+    if isinstance(value, str):
+        m = _REF.fullmatch(value)
+        if m:
+            if m.group(1) not in saved:
+                raise UnknownName(m.group(1))
+            return saved[m.group(1)]
+
+        def text(m: re.Match) -> str:
+            if m.group(1) not in saved:
+                raise UnknownName(m.group(1))
+            v = saved[m.group(1)]
+            return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+        return _REF.sub(text, value) if "${" in value else value
+    if isinstance(value, dict):
+        return {k: substitute(v, saved) for k, v in value.items()}
+    if isinstance(value, list):
+        return [substitute(v, saved) for v in value]
+    return value
+
+
+class PathError(LookupError):
+    pass
+
+
+def get_path(value: Any, path: str) -> Any:
+    """The value at a dotted path (``branches.0.branchId``; ``""`` or ``"$"`` is the whole
+    value; a leading ``$.`` is allowed). Raises :class:`PathError` naming the missing part."""
+    if path in ("", "$"):
+        return value
+    if path.startswith("$."):
+        path = path[2:]
+    cur = value
+    walked = "$"
+    for part in path.split("."):
+        if isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+            walked = _key_path(walked, part)
+        elif isinstance(cur, list) and re.fullmatch(r"-?\d+", part) and -len(cur) <= int(part) < len(cur):
+            cur = cur[int(part)]
+            walked = f"{walked}[{part}]"
+        else:
+            raise PathError(f"{walked} has no {part!r} (it is {short(cur, 80)})")
+    return cur

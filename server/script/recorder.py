@@ -1,0 +1,317 @@
+"""``operate-sidecar --record FILE``: write the session being served as a replayable script.
+
+The recorder sees every frame body in both directions (the transport hands it the bytes;
+it never changes them) and every model invocation (``wrap_model``), and writes:
+
+- each client request as a ``request`` step whose ``expect`` is the answer it got, with the
+  values that differ from run to run replaced: ``branchId``s the server made up are saved
+  (``"save": {"branch1": "branchId"}``) and later steps refer to them as ``${branch1}``;
+  timestamps, durations, token usage, message and call ids become ``"*"``;
+- each client notification as a ``notify`` step;
+- each notification the client got as an ``expectNotification`` step (of a ``$/progress``
+  stream only the first report per phase is kept, its ``delta`` as ``"*"``, since how a
+  model's text is cut into deltas is not part of the contract);
+- each answer the client gave to a server-to-client request, when it differs from the
+  previous answer to the same call, as a ``respond`` step placed before the request that was
+  in flight: a standing answer that ``match``es the call (tool and arguments for permission
+  and client-tool requests, the path for the client's file system), so calls answered
+  differently within one operate are answered the same way when replayed, in any order;
+- a request still unanswered when the client sent its next one with ``"wait": false`` (the
+  replay does not wait for it either, so the same requests overlap); one the client cancelled
+  also with its ``id`` (so the replay can cancel it the same way); the cancelled model invocation is recorded with a long ``delayMs`` so the
+  replayed one is still running when the cancel comes;
+- a last line ``{"recordedModels": {name: {"responses": [...], "cli"?: true, "inline"?: spec}}}``
+  with the text of every model invocation, per model, in order, so ``replay --scripted`` can
+  replay the session with ``scripted`` models instead of the real ones.
+
+The file is rewritten (atomically) after every answered request and when the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from typing import Any, AsyncIterator
+
+#: keys whose values differ between two runs of the same session
+VOLATILE_KEYS = frozenset({"createdAt", "durationMs", "usage", "callId", "requestId", "stateDir", "seq",
+                           "processId", "elapsedMs", "timestamp"})
+#: keys volatile only beside particular keys: message ids, the server's version, the model name a
+#: provider reports in an assistant_response (a scripted replay reports its configured name)
+_VOLATILE_IN = {"id": ("kind", "role"), "version": ("name",), "model": ("text",)}
+_ID_RESULTS = {"createBranch": "branch", "forkBranch": "branch"}
+#: a model invocation that was cancelled when recorded waits this long when replayed (cancellable)
+CANCELLED_DELAY_MS = 600_000
+
+
+class Recorder:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.RLock()
+        self.steps: list[dict[str, Any]] = []
+        self._pending: dict[Any, dict[str, Any]] = {}       # client request id -> its step
+        self._by_id: dict[Any, dict[str, Any]] = {}         # every client request id -> its step
+        self._out: dict[Any, tuple[str, Any]] = {}          # server request id -> (method, match)
+        self._standing: dict[str, Any] = {}
+        self._saved: dict[str, str] = {}                    # volatile value -> save name
+        self._counts: dict[str, int] = {}
+        self._progress_seen: set[tuple] = set()
+        self.models: dict[str, dict[str, Any]] = {}
+        self._closed = False
+        open(path, "w", encoding="utf-8").close()  # a bad path fails at start, not at the end
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, conn: Any, wire: Any) -> None:
+        conn.recorder = self
+        wire.tap = self.outgoing
+
+    # ------------------------------------------------------------------ frames
+    def incoming(self, body: bytes) -> None:
+        msg = _decode(body)
+        if msg is None:
+            return
+        with self._lock:
+            method = msg.get("method")
+            if isinstance(method, str) and "id" in msg:
+                step: dict[str, Any] = {"request": method}
+                params = msg.get("params")
+                if method == "initialize" and isinstance(params, dict) and "processId" in params:
+                    params = {k: v for k, v in params.items() if k != "processId"}  # the recording client's pid
+                if params not in (None, {}):
+                    step["params"] = self._template(params)
+                for earlier in self._pending.values():  # still unanswered: the client did not wait for it
+                    if earlier["request"] not in _ID_RESULTS:
+                        earlier["wait"] = False
+                self.steps.append(step)
+                self._pending[_key(msg["id"])] = step
+                self._by_id[_key(msg["id"])] = step
+            elif isinstance(method, str):
+                params = msg.get("params")
+                if method == "$/cancelRequest" and isinstance(params, dict):
+                    target = self._by_id.get(_key(params.get("id")))
+                    if target is not None:  # the replay sends it without waiting, and cancels it by its id
+                        target["id"] = params.get("id")
+                        target["wait"] = False
+                step = {"notify": method}
+                if params not in (None, {}):
+                    step["params"] = self._template(params)
+                self.steps.append(step)
+            elif "id" in msg:  # the client's answer to a server-to-client request
+                out = self._out.pop(_key(msg["id"]), None)
+                if out is None:
+                    return
+                out_method, match = out
+                answer = {"result": msg.get("result")} if "error" not in msg else {"error": msg.get("error")}
+                answer = self._template(answer)
+                key = (out_method, json.dumps(match, sort_keys=True))
+                if self._standing.get(key) == answer:
+                    return
+                self._standing[key] = answer
+                step = {"respond": out_method, **({"match": match} if match is not None else {}), **answer}
+                first = min((self._index(s) for s in self._pending.values()), default=None)
+                if first is None:
+                    self.steps.append(step)
+                else:
+                    self.steps.insert(first, step)
+
+    def outgoing(self, body: bytes) -> None:
+        msg = _decode(body)
+        if msg is None:
+            return
+        with self._lock:
+            method = msg.get("method")
+            if isinstance(method, str) and "id" in msg:
+                self._out[_key(msg["id"])] = (method, _answer_match(method, msg.get("params")))
+                return
+            if isinstance(method, str):
+                self._notification(method, msg.get("params"))
+                return
+            step = self._pending.pop(_key(msg.get("id")), None)
+            if step is None:
+                return
+            if "error" in msg:
+                err = msg.get("error") or {}
+                step["expect"] = {"error": {"code": err.get("code")}}
+            else:
+                result = msg.get("result")
+                prefix = _ID_RESULTS.get(step["request"])
+                if prefix and isinstance(result, dict) and isinstance(result.get("branchId"), str):
+                    name = self._new_name(prefix)
+                    step["save"] = {name: "branchId"}
+                    self._saved[result["branchId"]] = name
+                    result = {**result, "branchId": "*"}
+                step["expect"] = {"result": self._volatile(result)}
+            self.write()
+
+    def _notification(self, method: str, params: Any) -> None:
+        if method == "$/progress" and isinstance(params, dict) and isinstance(params.get("value"), dict):
+            value = params["value"]
+            if value.get("kind") == "report":
+                key = (json.dumps(params.get("token")), value.get("phase"), "delta" in value)
+                if key in self._progress_seen:
+                    return
+                self._progress_seen.add(key)
+                params = {**params, "value": {k: ("*" if k in ("delta", "message") else v)
+                                              for k, v in value.items()}}
+        step: dict[str, Any] = {"expectNotification": method}
+        if params is not None:
+            step["match"] = self._volatile(params)
+        self.steps.append(step)
+
+    # ------------------------------------------------------------------ models
+    def wrap_model(self, model: Any, config: dict[str, Any], name: str, *, inline: bool) -> Any:
+        with self._lock:
+            entry = self.models.setdefault(name, {"responses": []})
+            if getattr(model, "is_cli", False):
+                entry["cli"] = True
+            if inline:
+                entry["inline"] = config
+        return RecordingModel(model, self, name)
+
+    def _reserve(self, name: str) -> int:
+        with self._lock:
+            responses = self.models.setdefault(name, {"responses": []})["responses"]
+            responses.append(None)
+            return len(responses) - 1
+
+    def _fill(self, name: str, slot: int, entry: Any) -> None:
+        with self._lock:
+            self.models[name]["responses"][slot] = entry
+
+    # ------------------------------------------------------------------ values
+    def _new_name(self, prefix: str) -> str:
+        self._counts[prefix] = self._counts.get(prefix, 0) + 1
+        return f"{prefix}{self._counts[prefix]}"
+
+    def _template(self, value: Any) -> Any:
+        """Client-sent values: the server's made-up ids become ``${name}`` references."""
+        if isinstance(value, str):
+            name = self._saved.get(value)
+            return "${%s}" % name if name else value
+        if isinstance(value, dict):
+            return {k: self._template(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._template(v) for v in value]
+        return value
+
+    def _volatile(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            out = {}
+            for k, v in value.items():
+                if k in VOLATILE_KEYS or (k in _VOLATILE_IN and any(c in value for c in _VOLATILE_IN[k])):
+                    out[k] = "*"
+                else:
+                    out[k] = self._volatile(v)
+            return out
+        if isinstance(value, list):
+            return [self._volatile(v) for v in value]
+        return self._template(value)
+
+    def _index(self, step: dict) -> int:
+        for i, s in enumerate(self.steps):
+            if s is step:
+                return i
+        return len(self.steps)
+
+    # ------------------------------------------------------------------ output
+    def lines(self) -> list[str]:
+        with self._lock:
+            out = [json.dumps(s, ensure_ascii=False) for s in self.steps]
+            models = {name: {**m, "responses": [r if r is not None else {"error": "(not finished when recorded)"}
+                                                for r in m["responses"]]}
+                      for name, m in self.models.items()}
+            if models:
+                out.append(json.dumps({"recordedModels": models}, ensure_ascii=False))
+        return out
+
+    def write(self) -> None:
+        from operate_sidecar.server import redaction
+
+        data = "".join(line + "\n" for line in self.lines()).encode("utf-8")
+        data = redaction.redact_bytes(data)  # no known secret leaves the process in a recording either
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except OSError as e:  # never let recording break serving
+            import logging
+
+            logging.getLogger("operate_sidecar.server.script").warning("could not write %s: %s", self.path, e)
+
+    def close(self) -> None:
+        with self._lock:
+            # requests still unanswered (exit before their answer): replay them without expectations
+            self._pending.clear()
+            self.write()
+            self._closed = True
+
+
+class RecordingModel:
+    """A model that records the text of each invocation, then behaves exactly like ``inner``."""
+
+    def __init__(self, inner: Any, recorder: Recorder, name: str) -> None:
+        self._inner = inner
+        self._recorder = recorder
+        self._rec_name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._inner, attr)
+
+    async def stream(self, request: Any) -> AsyncIterator[Any]:
+        slot = self._recorder._reserve(self._rec_name)
+        parts: list[str] = []
+        entry: dict[str, Any] | None = None
+        try:
+            async for chunk in self._inner.stream(request):
+                if chunk.type == "text":
+                    parts.append(chunk.text)
+                elif chunk.type == "error":
+                    entry = {"error": chunk.text or "model reported an error"}
+                yield chunk
+        except Exception as e:
+            entry = {"error": str(e) or type(e).__name__}
+            raise
+        except asyncio.CancelledError:  # cancelled mid-answer: the replayed invocation waits to be cancelled too
+            entry = {"text": "".join(parts), "delayMs": CANCELLED_DELAY_MS}
+            raise
+        finally:
+            if entry is None:
+                entry = {"text": "".join(parts)}
+                if len(parts) > 1:
+                    entry["chunks"] = len(parts)
+            self._recorder._fill(self._rec_name, slot, entry)
+
+    async def invoke(self, request: Any) -> Any:
+        from operate_sidecar.server.core.imodel import collect
+
+        return await collect(self, request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+#: server-to-client requests: the params a recorded answer is tied to (the call, not its ids)
+_MATCH_KEYS = {"requestToolPermission": ("tool", "arguments"), "invokeClientTool": ("tool", "arguments"),
+               "fs/readTextFile": ("path",), "fs/writeTextFile": ("path", "text")}
+
+
+def _answer_match(method: str, params: Any) -> Any:
+    keys = _MATCH_KEYS.get(method)
+    if keys is None or not isinstance(params, dict):
+        return None
+    return {k: params[k] for k in keys if k in params}
+
+
+def _decode(body: bytes) -> dict | None:
+    try:
+        msg = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def _key(msg_id: Any) -> str:
+    return json.dumps(msg_id)

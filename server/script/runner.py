@@ -1,0 +1,499 @@
+"""Run a session script against a fresh server and report every step.
+
+A script is JSON Lines; each line is one step:
+
+- ``{"request": method, "params"?: {...}, "expect"?: {"result": M} | {"error": M}, "save"?: {name: path},
+  "timeoutMs"?: n, "id"?: id, "wait"?: true}``: send a request and wait for its answer. Without
+  ``expect`` any result passes (an error answer fails the step). ``save`` keeps values of the
+  result for later steps. ``"wait": false`` sends it and goes on (so that a later step can
+  cancel it by its ``id``); its answer is checked before ``shutdown``/``exit`` or at the end.
+- ``{"notify": method, "params"?: {...}}``: send a notification.
+- ``{"expectNotification": method, "match"?: M, "timeoutMs"?: n, "save"?: {name: path}}``: wait
+  for a notification of that method, not matched by an earlier step, whose params match ``M``.
+- ``{"respond": method, "match"?: M, "result": {...}}`` (or ``"error": {"code", "message"}``): the
+  standing answer to that server-to-client request from here on; with ``match``, only to those
+  whose params match ``M`` (the latest standing answer that matches is given).
+
+Patterns are matched by :mod:`.matcher`; ``${name}`` anywhere in a step is a saved value.
+A line ``{"recordedModels": {...}}`` (written by ``--record``) is not a step: it holds the
+recorded model turns, used by ``replay --scripted`` to replay without the real models.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from .matcher import Mismatch, PathError, UnknownName, first_mismatch, get_path, short, substitute
+
+DEFAULT_STEP_TIMEOUT_S = 60.0
+#: expectNotification without timeoutMs: most notifications a script waits for came before the
+#: answer to the request that caused them, so a long wait only delays the report of a miss
+DEFAULT_NOTIFICATION_TIMEOUT_S = 10.0
+DIVERGED_WAIT_S = 1.0   # how long expectNotification waits once an earlier step has failed
+STEP_KINDS = ("request", "notify", "expectNotification", "respond")
+_STEP_KEYS = {
+    "request": {"request", "params", "expect", "save", "timeoutMs", "id", "wait"},
+    "notify": {"notify", "params"},
+    "expectNotification": {"expectNotification", "match", "timeoutMs", "save"},
+    "respond": {"respond", "match", "result", "error"},
+}
+MODELS_KEY = "recordedModels"
+
+
+class ScriptError(ValueError):
+    """The script itself is malformed (reported before anything runs)."""
+
+
+@dataclass
+class Step:
+    line: int
+    kind: str
+    method: str
+    data: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return f"line {self.line}: {self.kind} {self.method}"
+
+
+@dataclass
+class StepResult:
+    step: Step
+    ok: bool
+    detail: str = ""                 # one line: what was expected and what came
+    mismatch: Mismatch | None = None
+    got: Any = None
+
+    def line(self) -> str:
+        word = "PASS" if self.ok else "FAIL"
+        return f"{word} {self.step.label}" + (f": {self.detail}" if self.detail else "")
+
+
+@dataclass
+class Script:
+    steps: list[Step]
+    recorded_models: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_script(lines: Iterable[str], source: str = "script") -> Script:
+    steps: list[Step] = []
+    models: dict[str, Any] = {}
+    for n, raw in enumerate(lines, 1):
+        text = raw.strip()
+        if not text:
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise ScriptError(f"{source}:{n}: not JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ScriptError(f"{source}:{n}: a step must be a JSON object, got {short(obj, 60)}")
+        if MODELS_KEY in obj:
+            if not isinstance(obj[MODELS_KEY], dict):
+                raise ScriptError(f"{source}:{n}: {MODELS_KEY} must be an object")
+            models.update(obj[MODELS_KEY])
+            continue
+        kinds = [k for k in STEP_KINDS if k in obj]
+        if len(kinds) != 1:
+            raise ScriptError(f"{source}:{n}: a step has exactly one of " + ", ".join(STEP_KINDS)
+                              + (f" (found {', '.join(kinds)})" if kinds else ""))
+        kind = kinds[0]
+        method = obj[kind]
+        if not isinstance(method, str) or not method:
+            raise ScriptError(f"{source}:{n}: {kind} must name a method")
+        unknown = sorted(set(obj) - _STEP_KEYS[kind])
+        if unknown:
+            raise ScriptError(f"{source}:{n}: unknown field(s) for a {kind} step: {', '.join(unknown)}")
+        if kind == "request" and "expect" in obj:
+            exp = obj["expect"]
+            if not isinstance(exp, dict) or len(set(exp) & {"result", "error"}) != 1 or set(exp) - {"result", "error"}:
+                raise ScriptError(f'{source}:{n}: expect must be {{"result": ...}} or {{"error": ...}}')
+        if "save" in obj and (not isinstance(obj["save"], dict)
+                              or not all(isinstance(v, str) for v in obj["save"].values())):
+            raise ScriptError(f'{source}:{n}: save must be {{"name": "path.in.result"}}')
+        if kind == "respond" and ("result" in obj) == ("error" in obj):
+            raise ScriptError(f"{source}:{n}: respond needs a result or an error")
+        if "timeoutMs" in obj and (not isinstance(obj["timeoutMs"], (int, float)) or obj["timeoutMs"] <= 0):
+            raise ScriptError(f"{source}:{n}: timeoutMs must be a positive number")
+        steps.append(Step(n, kind, method, obj))
+    return Script(steps, models)
+
+
+def load_script(path: str | os.PathLike[str]) -> Script:
+    with open(path, encoding="utf-8") as f:
+        return parse_script(f, str(path))
+
+
+# --------------------------------------------------------------------------- --scripted
+def scripted_models(recorded: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict]]:
+    """Recorded model turns → (``settings.models`` entries by configured name,
+    {canonical inline spec JSON: scripted config}) for ``replay --scripted``."""
+    named: dict[str, Any] = {}
+    inline: dict[str, dict] = {}
+    for name, rec in recorded.items():
+        config: dict[str, Any] = {"provider": "scripted", "responses": list(rec.get("responses") or [])}
+        if rec.get("cli"):
+            config["cli"] = True
+        if rec.get("inline") is not None:
+            inline[_canon(rec["inline"])] = config
+        else:
+            named[name] = config
+    return named, inline
+
+
+def _canon(spec: Any) -> str:
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def apply_scripted(script: Script) -> None:
+    """Rewrite the script's requests so that every recorded model is a ``scripted`` one."""
+    if not script.recorded_models:
+        raise ScriptError("the script holds no recorded model turns (record it with --record)")
+    named, inline = scripted_models(script.recorded_models)
+    for step in script.steps:
+        if step.kind != "request":
+            continue
+        params = step.data.get("params")
+        if not isinstance(params, dict):
+            continue
+        if step.method == "initialize" and named:
+            settings = params.setdefault("settings", {})
+            models = settings.get("models")
+            settings["models"] = {**(models if isinstance(models, dict) else {}), **copy.deepcopy(named)}
+        for key in ("chatModel", "parseModel"):
+            spec = params.get(key)
+            if isinstance(spec, dict) and _canon(spec) in inline:
+                params[key] = copy.deepcopy(inline[_canon(spec)])
+
+
+# --------------------------------------------------------------------------- running
+class _Standing:
+    def __init__(self) -> None:
+        self.answers: dict[str, list[tuple[Any, dict[str, Any]]]] = {}   # method -> [(match, answer)]
+        self.seen: list[tuple[str, Any]] = []
+        self.lock = threading.Lock()
+
+
+class ServerStartError(OSError):
+    """The server command could not be started."""
+
+
+def default_server_argv() -> list[str]:
+    return [sys.executable, "-m", "operate_sidecar.server"]
+
+
+class Runner:
+    """Runs one script against one fresh server process."""
+
+    def __init__(self, script: Script, server_argv: list[str] | None = None, *,
+                 step_timeout: float = DEFAULT_STEP_TIMEOUT_S, env: dict[str, str] | None = None,
+                 cwd: str | None = None, on_result: Callable[[StepResult], None] | None = None) -> None:
+        self.script = script
+        self.argv = list(server_argv or default_server_argv())
+        self.step_timeout = step_timeout
+        self.env = env
+        self.cwd = cwd
+        self.on_result = on_result
+        self.saved: dict[str, Any] = {}
+        self.results: list[StepResult] = []
+        self._standing = _Standing()
+        self._matched: set[int] = set()     # indexes into client.notifications
+        self.stderr_tail = ""
+        self._unawaited: list[tuple[Step, dict, Any]] = []   # "wait": false requests in flight
+        taken = {json.dumps(s.data["id"]) for s in script.steps if "id" in s.data}
+        self._ids = (i for i in itertools.count(1) if json.dumps(i) not in taken)  # never a scripted id
+
+    # ------------------------------------------------------------------ public
+    def run(self) -> bool:
+        from operate_sidecar.clients.python.client import SidecarClient
+
+        with tempfile.TemporaryFile() as err:
+            try:
+                self.client = SidecarClient(argv=self.argv, env=self.env, cwd=self.cwd, stderr=err)
+            except OSError as e:
+                raise ServerStartError(f"cannot start the server {' '.join(self.argv)!r}: {e}") from None
+            try:
+                for step in self.script.steps:
+                    if step.method in ("shutdown", "exit") and step.kind in ("request", "notify"):
+                        self._judge_unawaited()  # their answers come before the server stops
+                    res = self._run_step(step)
+                    if res is None:  # a request sent without waiting: judged later
+                        continue
+                    self._report(res)
+                self._judge_unawaited()
+                self.results.sort(key=lambda r: r.step.line)
+            finally:
+                self._close()
+                err.seek(0)
+                self.stderr_tail = "\n".join(err.read().decode("utf-8", "replace").splitlines()[-30:])
+        return all(r.ok for r in self.results)
+
+    def _report(self, res: StepResult) -> None:
+        self.results.append(res)
+        if self.on_result is not None:
+            self.on_result(res)
+
+    def _judge_unawaited(self) -> None:
+        unawaited, self._unawaited = self._unawaited, []
+        for step, data, pending in unawaited:
+            self._report(self._judge(step, data, pending))
+
+    @property
+    def failed(self) -> list[StepResult]:
+        return [r for r in self.results if not r.ok]
+
+    # ------------------------------------------------------------------ steps
+    def _timeout(self, step: Step) -> float:
+        ms = step.data.get("timeoutMs")
+        if ms:
+            timeout = float(ms) / 1000.0
+        elif step.kind == "expectNotification":
+            timeout = min(self.step_timeout, DEFAULT_NOTIFICATION_TIMEOUT_S)
+        else:
+            timeout = self.step_timeout
+        if step.kind == "expectNotification" and self.failed:
+            # the session has already gone another way: do not wait out every later notification
+            timeout = min(timeout, DIVERGED_WAIT_S)
+        return timeout
+
+    def _run_step(self, step: Step) -> StepResult | None:
+        try:
+            data = substitute(step.data, self.saved)
+        except UnknownName as e:
+            return StepResult(step, False, str(e))
+        if self.client.proc.poll() is not None and step.kind in ("request", "notify", "expectNotification"):
+            if not (step.kind == "expectNotification" and self._find(step.method, data.get("match"))[0] is not None):
+                return StepResult(step, False, f"the server has exited (code {self.client.proc.returncode})")
+        try:
+            return getattr(self, "_" + step.kind)(step, data)
+        except (BrokenPipeError, OSError) as e:
+            return StepResult(step, False, f"the server is gone ({type(e).__name__}: {e})")
+
+    def _request(self, step: Step, data: dict) -> StepResult | None:
+        msg_id = data["id"] if "id" in data else next(self._ids)
+        pending = self.client.request_async(step.method, data.get("params"), msg_id)
+        if data.get("wait") is False:
+            self._unawaited.append((step, data, pending))
+            return None
+        return self._judge(step, data, pending)
+
+    def _judge(self, step: Step, data: dict, pending: Any) -> StepResult:
+        from operate_sidecar.clients.python.client import RpcError
+
+        timeout = self._timeout(step)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:  # in slices, so that a server that died fails the step at once
+                try:
+                    result = pending.result(max(0.0, min(0.25, deadline - time.monotonic())))
+                    break
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        return StepResult(step, False, f"no answer within {timeout:g} s")
+                    if self.client.proc.poll() is not None and not self.client._reader.is_alive():
+                        return StepResult(step, False, f"the server exited (code {self.client.proc.returncode}) "
+                                                       "without answering")
+            got: dict[str, Any] = {"result": result}
+        except RpcError as e:
+            err: dict[str, Any] = {"code": e.code, "message": e.message}
+            if e.data is not None:
+                err["data"] = e.data
+            got = {"error": err}
+        expect = data.get("expect")
+        if expect is None:
+            if "error" in got:
+                return StepResult(step, False, f"expected a result, got error {short(got['error'])}", got=got)
+            res = StepResult(step, True, "result " + short(got["result"], 100), got=got)
+        else:
+            which = "result" if "result" in expect else "error"
+            if which not in got:
+                other = "error" if which == "result" else "result"
+                return StepResult(step, False, f"expected {which} {short(expect[which], 100)}, "
+                                                f"got {other} {short(got[other], 200)}", got=got)
+            mm = first_mismatch(expect[which], got[which], f"$.{which}")
+            if mm is not None:
+                return StepResult(step, False, mm.describe(), mismatch=mm, got=got)
+            res = StepResult(step, True, f"{which} matched", got=got)
+        problem = self._save(data.get("save"), got.get("result"))
+        if problem:
+            return StepResult(step, False, problem, got=got)
+        return res
+
+    def _save(self, save: dict[str, str] | None, value: Any) -> str:
+        for name, path in (save or {}).items():
+            try:
+                self.saved[name] = get_path(value, path)
+            except PathError as e:
+                return f"save {name}: {e}"
+        return ""
+
+    def _notify(self, step: Step, data: dict) -> StepResult:
+        self.client.notify(step.method, data.get("params"))
+        return StepResult(step, True)
+
+    def _find(self, method: str, pattern: Any) -> tuple[int | None, list[tuple[int, Mismatch]]]:
+        near: list[tuple[int, Mismatch]] = []
+        for i, (m, params) in enumerate(self.client.notifications):
+            if m != method or i in self._matched:
+                continue
+            mm = first_mismatch(pattern, params, "$.params") if pattern is not None else None
+            if mm is None:
+                return i, near
+            near.append((i, mm))
+        return None, near
+
+    def _expectNotification(self, step: Step, data: dict) -> StepResult:  # noqa: N802 - the step's name
+        pattern = data.get("match")
+        timeout = self._timeout(step)
+        with self.client._cond:  # the client's reader notifies it on every notification
+            self.client._cond.wait_for(lambda: self._find(step.method, pattern)[0] is not None
+                                       or self.client.proc.poll() is not None, timeout)
+            index, near = self._find(step.method, pattern)
+        if index is not None:
+            self._matched.add(index)
+            params = self.client.notifications[index][1]
+            problem = self._save(data.get("save"), params)
+            if problem:
+                return StepResult(step, False, problem, got=params)
+            return StepResult(step, True, "got " + short(params, 100), got=params)
+        gone = "" if self.client.proc.poll() is None else f"; the server exited (code {self.client.proc.returncode})"
+        if not near:
+            return StepResult(step, False, f"no {step.method} notification within {timeout:g} s"
+                                           f" (expected {short(pattern, 100)}){gone}")
+        # the nearest candidate: the one that matched deepest before parting
+        i, mm = max(near, key=lambda t: (t[1].path.count(".") + t[1].path.count("["), t[0]))
+        return StepResult(step, False, f"no matching {step.method} within {timeout:g} s; "
+                                       f"{len(near)} unmatched, nearest {mm.describe()}{gone}", mismatch=mm)
+
+    def _respond(self, step: Step, data: dict) -> StepResult:
+        from operate_sidecar.clients.python.client import RpcError
+
+        answer = {k: data[k] for k in ("result", "error") if k in data}
+        standing = self._standing
+        with standing.lock:
+            first = step.method not in standing.answers
+            standing.answers.setdefault(step.method, []).append((data.get("match"), answer))
+        if first:
+            method = step.method
+
+            def handler(params: Any) -> Any:
+                with standing.lock:
+                    standing.seen.append((method, params))
+                    ans = next((a for m, a in reversed(standing.answers[method])
+                                if m is None or first_mismatch(m, params) is None), None)
+                if ans is None:
+                    raise RpcError(-32601, f"the script has no standing answer to {method} matching "
+                                           f"{short(params, 200)}")
+                if "error" in ans:
+                    e = ans["error"] if isinstance(ans["error"], dict) else {}
+                    raise RpcError(int(e.get("code", -32000)), str(e.get("message", "refused")), e.get("data"))
+                return copy.deepcopy(ans["result"])
+
+            self.client.on_request(method, handler)
+        where = f" when params match {short(data['match'], 80)}" if data.get("match") is not None else ""
+        return StepResult(step, True, "standing answer " + short(answer, 100) + where)
+
+    def _close(self) -> None:
+        client = self.client
+        try:
+            if client.proc.poll() is None:
+                client.close(timeout=10)
+            else:
+                client._close_pipes()
+        except Exception:
+            client.kill()
+
+
+# --------------------------------------------------------------------------- report
+def format_report(runner: Runner, path: str = "script") -> str:
+    lines = [r.line() for r in runner.results]
+    failed = runner.failed
+    if failed:
+        lines.append(f"{len(failed)} of {len(runner.results)} steps failed in {path}; "
+                     f"first: {failed[0].step.label}")
+    else:
+        lines.append(f"all {len(runner.results)} steps passed in {path}")
+    return "\n".join(lines)
+
+
+def replay(path: str | os.PathLike[str], server_argv: list[str] | None = None, *, scripted: bool = False,
+           step_timeout: float = DEFAULT_STEP_TIMEOUT_S, env: dict[str, str] | None = None,
+           cwd: str | None = None, out: Any = None) -> Runner:
+    """Load and run a script; stream one line per step to ``out`` (when given)."""
+    script = load_script(path)
+    if scripted:
+        apply_scripted(script)
+
+    def emit(res: StepResult) -> None:
+        if out is not None:
+            print(res.line(), file=out, flush=True)
+
+    runner = Runner(script, server_argv, step_timeout=step_timeout, env=env, cwd=cwd, on_result=emit)
+    runner.run()
+    return runner
+
+
+def main(argv: list[str]) -> int:
+    """``operate-sidecar replay SCRIPT.jsonl [--scripted] [--timeout S] [-- SERVER ARGV...]``"""
+    import argparse
+
+    server_argv: list[str] | None = None
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, server_argv = argv[:cut], argv[cut + 1:]
+        if not server_argv:
+            print("operate-sidecar replay: nothing after --", file=sys.stderr)
+            return 2
+    p = argparse.ArgumentParser(
+        prog="operate-sidecar replay",
+        description="Run a session script (JSON Lines) against a fresh server and report every step; "
+                    "exit 0 only when every step passed. The server is this one (same interpreter) "
+                    "unless a command follows --.")
+    p.add_argument("script", help="the session script (.jsonl)")
+    p.add_argument("--scripted", action="store_true",
+                   help="replace every recorded model with a scripted one that replays its recorded turns "
+                        "(no real model needed)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S, metavar="S",
+                   help=f"time-out of a request step in seconds unless it sets timeoutMs (default "
+                        f"{DEFAULT_STEP_TIMEOUT_S:g}); expectNotification steps wait at most "
+                        f"{DEFAULT_NOTIFICATION_TIMEOUT_S:g} s unless they set timeoutMs")
+    p.add_argument("--quiet", action="store_true", help="print only failing steps and the summary")
+    args = p.parse_args(argv)
+    try:
+        script = load_script(args.script)
+        if args.scripted:
+            apply_scripted(script)
+    except (OSError, ScriptError) as e:
+        print(f"operate-sidecar replay: {e}", file=sys.stderr)
+        return 2
+
+    def emit(res: StepResult) -> None:
+        if res.ok and args.quiet:
+            return
+        print(res.line(), flush=True)
+
+    runner = Runner(script, server_argv, step_timeout=args.timeout, on_result=emit)
+    try:
+        ok = runner.run()
+    except ServerStartError as e:
+        print(f"operate-sidecar replay: {e}", file=sys.stderr)
+        return 2
+    failed = runner.failed
+    if ok:
+        print(f"all {len(runner.results)} steps passed ({Path(args.script).name})")
+        return 0
+    print(f"{len(failed)} of {len(runner.results)} steps failed ({Path(args.script).name}); "
+          f"first: {failed[0].step.label}")
+    if runner.stderr_tail:
+        print("server stderr (last lines):\n" + "\n".join("  " + ln for ln in runner.stderr_tail.splitlines()))
+    return 1

@@ -1,0 +1,71 @@
+"""The interface between the service (branches, governance, tools, models, the journal:
+``server.rpc.methods.Sidecar`` today) and whichever front end talks to the client.
+
+The service never touches a wire. It reaches its client only through a ``ClientPort``,
+which each front end implements in its own protocol's terms:
+
+- the native front end (``server.rpc``: Content-Length framed JSON-RPC) passes its
+  ``SidecarServer``; names and params go out unchanged;
+- the Agent Client Protocol front end (``server.acp``) passes an ``AcpPort``, which
+  translates the same native names into ACP (``requestToolPermission`` becomes
+  ``session/request_permission``, ``toolEvent`` becomes ``tool_call`` /
+  ``tool_call_update``, ``$/progress`` deltas become ``agent_message_chunk`` ...).
+
+Everything here is typing only: importing this module costs nothing at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class ClientInfo(Protocol):
+    """What the service may read about its client (``port.conn``)."""
+
+    #: The merged, validated settings in force (defaults ← flags ← config file ← client).
+    #: Read-only for the service: keys as in ``server.rpc.settings.DEFAULTS``.
+    settings: dict[str, Any]
+
+    #: What the client can do, in native names: ``toolPermission`` (may be asked
+    #: ``requestToolPermission``), ``clientTools`` (serves ``invokeClientTool``) and
+    #: ``fs`` (serves ``fs/readTextFile`` / ``fs/writeTextFile``). Missing means no.
+    client_capabilities: dict[str, Any]
+
+    #: Absolute paths of the folders the builtin workspace tools are confined to.
+    workspace_folders: list[str]
+
+    def log_message(self, type_: int, message: str) -> None:
+        """Tell the user something (1 error, 2 warning, 3 info, 4 log). Always logged to
+        stderr; a front end forwards it to the client when its protocol can show it."""
+
+
+@runtime_checkable
+class ClientPort(Protocol):
+    """How the service talks to its client. Implementations: the native front end's
+    ``server.rpc.server.SidecarServer`` and ``server.acp.port.AcpPort``."""
+
+    #: The client's settings, capabilities and folders, and its log channel.
+    conn: ClientInfo
+
+    def notify(self, method: str, params: Any) -> None:
+        """Send a notification, by native name, without waiting: ``toolEvent`` (one per tool
+        hook event, in order), ``$/progress`` (``begin`` / ``report`` with streamed ``delta``
+        text / ``end``, for an operate that carried a ``workDoneToken``). Notifications of
+        one operate are delivered in the order they were made and before its answer."""
+
+    async def request_client(self, method: str, params: Any, timeout: float | None) -> Any:
+        """Ask the client, by native name, and return its answer (the native result shape):
+
+        - ``requestToolPermission`` ``{branchId, callId, tool, arguments, options, preview?}``
+          → ``{decision: "allow_once" | "allow_always" | "deny_once" | "deny_always"}``;
+        - ``invokeClientTool`` ``{branchId, callId, tool, arguments}`` → ``{output}``;
+        - ``fs/readTextFile`` ``{branchId, callId, path}`` → ``{text}``;
+        - ``fs/writeTextFile`` ``{branchId, callId, path, text}`` → ``{}``.
+
+        An error answer (or a method the client cannot serve) raises
+        ``server.rpc.governance.ClientRequestError``; no answer within ``timeout`` seconds
+        raises ``TimeoutError``; cancelling the awaiting task withdraws the request."""
+
+
+__all__ = ["ClientInfo", "ClientPort"]

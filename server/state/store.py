@@ -1,0 +1,658 @@
+"""Branch state in one SQLite database (``<stateDir>/state.sqlite3``).
+
+The standard library's ``sqlite3``, WAL journal, ``synchronous=FULL`` (a commit is on disk
+when it returns), a busy timeout for the other processes on the same ``stateDir``.
+
+Tables: ``branches(id, meta, created_at, version, clear_gen)`` and
+``messages(branch_id, seq, msg_id, record)``; ``info`` holds the schema version and the
+marker of a 0.1 journal already imported.
+
+Recording works as the 0.1 journal did: a branch is *attached* (its ``MessageLog`` listeners
+queue message records and clears as pending operations, its meta is marked dirty on a
+change) and :meth:`StateStore.flush` writes what is pending, **one transaction per branch**:
+a new branch with its first messages, one operate's messages, a policy change, a fork.
+``flush(messages=False)`` writes only a changed meta and leaves pending messages where they
+are (a policy change while an operate runs on that branch never writes half the operate).
+A transaction that fails is rolled back, the branch's pending operations are dropped and its
+meta goes back to the last committed one; :class:`StateNotSaved` tells the caller, who undoes
+the in-memory change, so memory and disk agree.
+
+Several processes may share the database. Every commit of a branch bumps its ``version``;
+message sequence numbers are taken inside the transaction, so two processes appending to one
+branch each land their whole group after the other's. A process learns of the others' commits
+with :meth:`poll` (``PRAGMA data_version`` first, so it is one cheap query when nothing
+changed) and when a commit finds the branch's version moved (the flush returns the branch
+re-read from disk).
+
+At open, the database is checked (``PRAGMA quick_check``); a damaged file is moved aside
+(kept, with its ``-wal``/``-shm``), whatever can still be read from it is copied into a fresh
+database, and :attr:`StateStore.problems` says so for the server to report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from operate_sidecar.server.core.messages import Message
+from operate_sidecar.server.redaction import has_secrets, redact_value
+
+log = logging.getLogger(__name__)
+
+DB_FILE = "state.sqlite3"
+SCHEMA_VERSION = "1"
+BUSY_TIMEOUT_MS = 10_000
+_DAMAGE_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS info(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS branches(
+    id TEXT PRIMARY KEY, meta TEXT NOT NULL, created_at REAL NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT 1, clear_gen INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS messages(
+    branch_id TEXT NOT NULL, seq INTEGER NOT NULL, msg_id TEXT NOT NULL, record TEXT NOT NULL,
+    PRIMARY KEY(branch_id, seq)) WITHOUT ROWID;
+"""
+
+
+class StateNotSaved(Exception):
+    """A change could not be committed; nothing of it is on disk."""
+
+    def __init__(self, message: str, branch_ids: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.branch_ids = list(branch_ids)
+
+
+@dataclass
+class LoadedBranch:
+    id: str
+    meta: dict[str, Any]
+    messages: list[Message] = field(default_factory=list)
+    #: only the messages after the ones this process already holds (an append by another process)
+    incremental: bool = False
+
+
+@dataclass
+class _State:
+    meta: dict[str, Any] = field(default_factory=dict)
+    committed_meta: dict[str, Any] = field(default_factory=dict)
+    meta_dirty: bool = False
+    new: bool = True            # no row yet: the first flush inserts it
+    pending: list[tuple[str, Any]] = field(default_factory=list)  # ("msg", (id, json)) | ("clear", [ids])
+    version: int = 0
+    clear_gen: int = 0
+    max_seq: int = 0
+
+
+def _dumps(obj: Any) -> str:
+    """A record as stored: every known secret value redacted first (a model may echo a key)."""
+    if has_secrets():
+        obj = redact_value(obj)
+    return json.dumps(obj, ensure_ascii=False, default=str, separators=(",", ":"))
+
+
+def _is_damage(e: BaseException) -> bool:
+    return isinstance(e, sqlite3.DatabaseError) and (
+        getattr(e, "sqlite_errorcode", None) in _DAMAGE_CODES
+        or "malformed" in str(e) or "not a database" in str(e))
+
+
+class StateStore:
+    """The branch store of one ``stateDir``. Thread-safe; its blocking methods are meant to
+    run on worker threads (the server calls them with ``asyncio.to_thread``)."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.root = os.path.abspath(state_dir)
+        os.makedirs(self.root, exist_ok=True)
+        self.path = os.path.join(self.root, DB_FILE)
+        self.problems: list[str] = []      # damage found / import notes, for the server to report
+        self._db = threading.RLock()       # the connection
+        self._lock = threading.Lock()      # ``_branches`` and their pending operations
+        self._branches: dict[str, _State] = {}
+        self._data_version: int | None = None
+        self._stale = False
+        self.read_only = False
+        self.conn = self._open()
+        if not self.read_only:
+            self._import_jsonl()
+
+    # ------------------------------------------------------------ opening
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                               check_same_thread=False)
+        try:
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise sqlite3.OperationalError(f"could not switch {self.path} to WAL (journal_mode={mode})")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.executescript(_SCHEMA)
+            conn.execute("INSERT OR IGNORE INTO info(key, value) VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _open(self) -> sqlite3.Connection:
+        if not os.path.exists(self.path):
+            return self._connect()
+        try:
+            conn = self._connect()
+        except sqlite3.DatabaseError as e:
+            if not _is_damage(e):
+                return self._open_read_only(e)
+            return self._replace_damaged(str(e))
+        try:
+            rows = conn.execute("PRAGMA quick_check").fetchall()
+            problem = None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:3])
+        except sqlite3.DatabaseError as e:
+            if not _is_damage(e):
+                conn.close()
+                raise
+            problem = str(e)
+        if problem is None:
+            return conn
+        conn.close()
+        return self._replace_damaged(problem)
+
+    def _open_read_only(self, error: BaseException) -> sqlite3.Connection:
+        """The database exists but cannot be written (a read-only filesystem, say): serve its
+        branches; every change fails (and is refused with :class:`StateNotSaved`)."""
+        try:
+            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None,
+                                   check_same_thread=False)
+            conn.execute("SELECT COUNT(*) FROM branches").fetchone()
+        except sqlite3.Error:
+            raise error from None
+        self.read_only = True
+        self.problems.append(f"state database {self.path} cannot be written ({error}); its branches are served "
+                             "read-only and every change is refused until it can be written (restart the server)")
+        return conn
+
+    def _replace_damaged(self, problem: str) -> sqlite3.Connection:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
+        aside = f"{self.path}.damaged-{stamp}"
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(self.path + suffix):
+                os.replace(self.path + suffix, aside + suffix)
+        conn = self._connect()
+        branches, messages = self._salvage(aside, conn)
+        self.problems.append(
+            f"state database {self.path} is damaged ({problem}); kept as {aside}; a fresh database is in "
+            f"use, with what could still be read from the damaged one ({branches} branches, {messages} messages)")
+        return conn
+
+    def _salvage(self, aside: str, conn: sqlite3.Connection) -> tuple[int, int]:
+        """Copy what the damaged database still yields: every readable branch row, and each
+        branch's messages up to the first unreadable one (never a branch with a hole)."""
+        nb = nm = 0
+        try:
+            old = sqlite3.connect(f"file:{aside}?mode=ro", uri=True, isolation_level=None)
+        except sqlite3.Error:
+            return 0, 0
+        try:
+            try:
+                rows = old.execute("SELECT id, meta, created_at, version, clear_gen FROM branches").fetchall()
+            except sqlite3.Error:
+                return 0, 0
+            for bid, meta, created, version, clear_gen in rows:
+                msgs: list[tuple] = []
+                try:
+                    for seq, mid, rec in old.execute(
+                            "SELECT seq, msg_id, record FROM messages WHERE branch_id=? ORDER BY seq", (bid,)):
+                        msgs.append((bid, seq, mid, rec))
+                except sqlite3.Error:
+                    pass
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    conn.execute("INSERT OR IGNORE INTO branches(id, meta, created_at, version, clear_gen) "
+                                 "VALUES (?,?,?,?,?)", (bid, meta, created, version, clear_gen))
+                    conn.executemany("INSERT OR IGNORE INTO messages(branch_id, seq, msg_id, record) "
+                                     "VALUES (?,?,?,?)", msgs)
+                    conn.execute("COMMIT")
+                    nb += 1
+                    nm += len(msgs)
+                except sqlite3.Error:
+                    conn.execute("ROLLBACK")
+        finally:
+            old.close()
+        return nb, nm
+
+    def _import_jsonl(self) -> None:
+        """Import a 0.1 JSONL journal (``branches/``) once, then rename it ``branches.imported-0.1``."""
+        old_dir = os.path.join(self.root, "branches")
+        if not os.path.isdir(old_dir):
+            return
+        with self._db:
+            done = self.conn.execute("SELECT value FROM info WHERE key='jsonl_imported'").fetchone()
+        if done is None:
+            from .jsonl_import import created_at, read_journal
+
+            imported = read_journal(self.root)
+            skipped = sum(b.skipped for b in imported)
+            with self._db:
+                c = self.conn
+                c.execute("BEGIN IMMEDIATE")
+                try:
+                    for b in imported:
+                        c.execute("INSERT OR IGNORE INTO branches(id, meta, created_at, version, clear_gen) "
+                                  "VALUES (?,?,?,1,0)", (b.id, _dumps(b.meta), created_at(b.meta)))
+                        c.executemany("INSERT OR IGNORE INTO messages(branch_id, seq, msg_id, record) "
+                                      "VALUES (?,?,?,?)",
+                                      [(b.id, i + 1, r["id"], _dumps(r)) for i, r in enumerate(b.records)])
+                    c.execute("INSERT OR REPLACE INTO info(key, value) VALUES ('jsonl_imported', ?)",
+                              (_dumps({"branches": len(imported), "skipped": skipped, "at": time.time()}),))
+                    c.execute("COMMIT")
+                except BaseException:
+                    c.execute("ROLLBACK")
+                    raise
+            note = (f"imported the 0.1 journal in {old_dir}: {len(imported)} branches, "
+                    f"{sum(len(b.records) for b in imported)} messages")
+            if skipped:
+                note += f"; {skipped} unreadable records skipped (every later record kept)"
+            self.problems.append(note)
+        try:
+            os.replace(old_dir, old_dir + ".imported-0.1")
+        except OSError:
+            pass  # the marker in the database keeps it from being imported twice
+
+    def close(self) -> None:
+        with self._db:
+            try:
+                self.conn.close()
+            except sqlite3.Error:
+                pass
+
+    # ------------------------------------------------------------ loading
+    def _rows_to_branch(self, bid: str, meta_json: str, rows: list[tuple]) -> tuple[LoadedBranch, int]:
+        try:
+            meta = json.loads(meta_json)
+            if not isinstance(meta, dict):
+                raise ValueError("meta is not an object")
+        except ValueError:
+            log.warning("state: branch %s has an unreadable meta; loaded without name and policy", bid)
+            meta = {}
+        max_seq = rows[-1][0] if rows else 0
+        try:  # one parse for the whole branch (much faster than one per row) ...
+            msgs = [Message.from_record(r) for r in json.loads("[" + ",".join(rec for _, rec in rows) + "]")]
+        except (ValueError, KeyError, TypeError):  # ... and row by row when one is unreadable
+            msgs = []
+            for seq, rec in rows:
+                try:
+                    msgs.append(Message.from_record(json.loads(rec)))
+                except (ValueError, KeyError, TypeError):
+                    log.warning("state: message %d of branch %s unreadable; skipped", seq, bid)
+        return LoadedBranch(id=bid, meta=meta, messages=msgs), max_seq
+
+    def load(self) -> list[LoadedBranch]:
+        """Every stored branch, oldest first by creation (blocking: call from a worker thread)."""
+        with self._db:
+            c = self.conn
+            c.execute("BEGIN")
+            try:
+                branches = c.execute("SELECT id, meta, version, clear_gen FROM branches "
+                                     "ORDER BY created_at, rowid").fetchall()
+                per = {bid: c.execute("SELECT seq, record FROM messages WHERE branch_id=? ORDER BY seq",
+                                      (bid,)).fetchall() for bid, *_ in branches}
+                self._data_version = c.execute("PRAGMA data_version").fetchone()[0]
+            finally:
+                c.execute("COMMIT")
+        out = []
+        for bid, meta_json, version, clear_gen in branches:
+            lb, max_seq = self._rows_to_branch(bid, meta_json, per[bid])
+            with self._lock:
+                self._branches[bid] = _State(meta=dict(lb.meta), committed_meta=dict(lb.meta), new=False,
+                                             version=version, clear_gen=clear_gen, max_seq=max_seq)
+            out.append(lb)
+        return out
+
+    def _read_branch(self, bid: str, after_seq: int = 0) -> tuple[LoadedBranch, int, int, int] | None:
+        row = self.conn.execute("SELECT meta, version, clear_gen FROM branches WHERE id=?", (bid,)).fetchone()
+        if row is None:
+            return None
+        rows = self.conn.execute("SELECT seq, record FROM messages WHERE branch_id=? AND seq>? ORDER BY seq",
+                                 (bid, after_seq)).fetchall()
+        lb, max_seq = self._rows_to_branch(bid, row[0], rows)
+        return lb, row[1], row[2], max_seq or after_seq
+
+    def unchanged(self) -> bool:
+        """True when no other process committed since the last look (one ``PRAGMA
+        data_version``, without waiting: False when the connection is busy). Cheap enough
+        for the event loop; :meth:`poll` does the rest on a worker thread."""
+        if not self._db.acquire(blocking=False):
+            return False
+        try:
+            return not self._stale and self.conn.execute("PRAGMA data_version").fetchone()[0] == self._data_version
+        except sqlite3.Error:
+            return False
+        finally:
+            self._db.release()
+
+    def poll(self, busy: Iterable[str] = ()) -> tuple[list[LoadedBranch], list[str]] | None:
+        """What other processes committed since this one last looked: (branches new or changed,
+        ids deleted). ``busy`` branches (an operate running here) are left for a later poll.
+        None when nothing changed (one ``PRAGMA data_version``)."""
+        busy = set(busy)
+        with self._db:
+            c = self.conn
+            dv = c.execute("PRAGMA data_version").fetchone()[0]
+            if dv == self._data_version and not self._stale:
+                return None
+            self._data_version = dv
+            c.execute("BEGIN")
+            try:
+                rows = c.execute("SELECT id, version, clear_gen FROM branches").fetchall()
+                on_disk = {r[0] for r in rows}
+                changed: list[LoadedBranch] = []
+                stale = False
+                for bid, version, clear_gen in rows:
+                    with self._lock:
+                        st = self._branches.get(bid)
+                        if st is not None and st.version == version:
+                            continue
+                        if bid in busy or (st is not None and (st.pending or st.meta_dirty or st.new)):
+                            stale = True
+                            continue
+                    incremental = st is not None and st.clear_gen == clear_gen
+                    got = self._read_branch(bid, st.max_seq if incremental else 0)  # type: ignore[union-attr]
+                    if got is None:
+                        continue
+                    lb, version, clear_gen, max_seq = got
+                    lb.incremental = incremental
+                    with self._lock:
+                        self._branches[bid] = _State(
+                            meta=dict(lb.meta), committed_meta=dict(lb.meta), new=False, version=version,
+                            clear_gen=clear_gen, max_seq=max_seq)
+                    changed.append(lb)
+                removed = []
+                with self._lock:
+                    for bid, st in list(self._branches.items()):
+                        if bid in on_disk or st.new:
+                            continue
+                        if bid in busy or st.pending or st.meta_dirty:
+                            stale = True
+                            continue
+                        del self._branches[bid]
+                        removed.append(bid)
+                self._stale = stale
+            finally:
+                c.execute("COMMIT")
+        return (changed, removed) if changed or removed else None
+
+    # ------------------------------------------------------------ recording
+    def attach(self, branch: Any, meta: dict[str, Any], *, new: bool = True) -> None:
+        """Record ``branch`` from now on. ``new``: it has no row yet; its meta and current
+        messages go out with its first flush."""
+        bid = branch.id
+        with self._lock:
+            st = self._branches.get(bid)
+            if st is None or new:
+                st = self._branches[bid] = _State(new=new)
+            st.meta = dict(meta)
+            if new:
+                st.meta_dirty = True
+                st.pending = [("msg", (m.id, _dumps(m.to_record()))) for m in branch.messages]
+            else:
+                st.committed_meta = dict(meta)
+
+        def on_append(m: Message) -> None:
+            rec = _dumps(m.to_record())
+            with self._lock:
+                s = self._branches.get(bid)
+                if s is not None:
+                    s.pending.append(("msg", (m.id, rec)))
+
+        def on_clear(kept: list[Message]) -> None:
+            with self._lock:
+                s = self._branches.get(bid)
+                if s is not None:
+                    s.pending.append(("clear", [m.id for m in kept]))
+
+        branch.messages.on_append(on_append)
+        branch.messages.on_clear(on_clear)
+
+    def adopt(self, branch: Any, meta: dict[str, Any]) -> None:
+        """Record a branch read from the database (its rows exist)."""
+        self.attach(branch, meta, new=False)
+
+    def update_meta(self, bid: str, meta: dict[str, Any]) -> None:
+        with self._lock:
+            st = self._branches.get(bid)
+            if st is None:
+                return
+            st.meta = {**st.meta, **meta}
+            st.meta_dirty = True
+
+    def committed_meta(self, bid: str) -> dict[str, Any]:
+        with self._lock:
+            st = self._branches.get(bid)
+            return dict(st.committed_meta) if st is not None else {}
+
+    def forget(self, bid: str) -> None:
+        """Stop recording a branch that was never committed (its creation failed)."""
+        with self._lock:
+            st = self._branches.get(bid)
+            if st is not None and st.new:
+                del self._branches[bid]
+
+    def dirty(self, bids: Any = None, *, messages: bool = True) -> bool:
+        with self._lock:
+            return any(st.meta_dirty or st.new or (messages and st.pending) for bid, st in self._branches.items()
+                       if bids is None or bid in bids)
+
+    def flush(self, bids: Any = None, *, messages: bool = True) -> list[LoadedBranch]:
+        """Commit what is pending, one transaction per branch (blocking). Returns the branches
+        another process had committed to in the meantime, re-read whole (the caller replaces
+        its copy). Raises :class:`StateNotSaved` naming the branches whose transaction failed:
+        their pending operations are dropped and their meta is the committed one again."""
+        with self._db:
+            with self._lock:
+                todo = [bid for bid, st in self._branches.items()
+                        if (bids is None or bid in bids) and (st.meta_dirty or st.new or (messages and st.pending))]
+            reloads: list[LoadedBranch] = []
+            failed: dict[str, str] = {}
+            for bid in todo:
+                try:
+                    lb = self._commit(bid, messages)
+                except StateNotSaved as e:
+                    failed[bid] = str(e)
+                    continue
+                if lb is not None:
+                    reloads.append(lb)
+            if failed:
+                raise StateNotSaved("; ".join(f"branch {b}: {m}" for b, m in failed.items()), failed)
+            return reloads
+
+    def _commit(self, bid: str, messages: bool) -> LoadedBranch | None:
+        with self._lock:
+            st = self._branches.get(bid)
+            if st is None:
+                return None
+            ops = st.pending if messages else []
+            if messages:
+                st.pending = []
+            meta = dict(st.meta) if (st.meta_dirty or st.new) else None
+            st.meta_dirty = False
+            new, known_version = st.new, st.version
+        c = self.conn
+        try:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                row = c.execute("SELECT version, clear_gen FROM branches WHERE id=?", (bid,)).fetchone()
+                if new:
+                    if row is not None:
+                        raise StateNotSaved(f"a branch with id {bid} already exists")
+                    c.execute("INSERT INTO branches(id, meta, created_at, version, clear_gen) VALUES (?,?,?,0,0)",
+                              (bid, _dumps(meta), float((meta or {}).get("createdAt") or time.time())))
+                    version, clear_gen = 0, 0
+                else:
+                    if row is None:
+                        raise StateNotSaved("it was deleted by another process")
+                    version, clear_gen = row
+                diverged = not new and version != known_version
+                seq = c.execute("SELECT COALESCE(MAX(seq), 0) FROM messages WHERE branch_id=?",
+                                (bid,)).fetchone()[0]
+                rows: list[tuple] = []
+                for kind, payload in ops:
+                    if kind == "msg":
+                        seq += 1
+                        rows.append((bid, seq, payload[0], payload[1]))
+                    else:
+                        if rows:
+                            c.executemany("INSERT INTO messages(branch_id, seq, msg_id, record) VALUES (?,?,?,?)",
+                                          rows)
+                            rows = []
+                        keep = list(payload)
+                        c.execute(f"DELETE FROM messages WHERE branch_id=? AND msg_id NOT IN "
+                                  f"({','.join('?' * len(keep))})", (bid, *keep))
+                        clear_gen += 1
+                if rows:
+                    c.executemany("INSERT INTO messages(branch_id, seq, msg_id, record) VALUES (?,?,?,?)", rows)
+                if meta is not None:
+                    if diverged:  # another process changed the meta too: keep its other changes
+                        meta = self._merge_meta(bid, meta)
+                    c.execute("UPDATE branches SET meta=?, version=version+1, clear_gen=? WHERE id=?",
+                              (_dumps(meta), clear_gen, bid))
+                else:
+                    c.execute("UPDATE branches SET version=version+1, clear_gen=? WHERE id=?", (clear_gen, bid))
+                version += 1
+                c.execute("COMMIT")
+            except BaseException:
+                try:
+                    c.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                raise
+        except (sqlite3.Error, OSError, StateNotSaved) as e:
+            with self._lock:
+                st2 = self._branches.get(bid)
+                if st2 is not None:
+                    st2.meta = dict(st2.committed_meta)
+                    st2.meta_dirty = False
+            log.error("state: could not save branch %s: %s", bid, e)
+            raise StateNotSaved(str(e), [bid]) from e
+        with self._lock:
+            st2 = self._branches.get(bid)
+            if st2 is not None:
+                st2.new = False
+                st2.version = version
+                st2.clear_gen = clear_gen
+                st2.max_seq = seq
+                if meta is not None:
+                    st2.committed_meta = dict(meta)
+                    if not st2.meta_dirty:
+                        st2.meta = dict(meta)
+        if not diverged:
+            return None
+        with self._db:
+            got = self._read_branch(bid)
+        if got is None:
+            return None
+        lb, version, clear_gen, max_seq = got
+        with self._lock:
+            st2 = self._branches.get(bid)
+            if st2 is not None and not st2.pending and not st2.meta_dirty:
+                st2.version, st2.clear_gen, st2.max_seq = version, clear_gen, max_seq
+                st2.meta = dict(lb.meta)
+                st2.committed_meta = dict(lb.meta)
+        return lb
+
+    def _merge_meta(self, bid: str, meta: dict[str, Any]) -> dict[str, Any]:
+        """Our meta changes applied over what is on disk now (policies per tool)."""
+        row = self.conn.execute("SELECT meta FROM branches WHERE id=?", (bid,)).fetchone()
+        try:
+            disk = json.loads(row[0]) if row else {}
+        except ValueError:
+            disk = {}
+        with self._lock:
+            base = dict(self._branches[bid].committed_meta) if bid in self._branches else {}
+        out = dict(disk)
+        for k, v in meta.items():
+            if k == "policy" and isinstance(v, dict):
+                old = base.get("policy") or {}
+                pol = dict(disk.get("policy") or {})
+                for tool in set(old) | set(v):
+                    if old.get(tool) != v.get(tool):
+                        if tool in v:
+                            pol[tool] = v[tool]
+                        else:
+                            pol.pop(tool, None)
+                out["policy"] = pol
+            elif base.get(k) != v:
+                out[k] = v
+        return out
+
+    def delete(self, bid: str) -> None:
+        """Delete a branch and its messages in one transaction (blocking)."""
+        with self._db:
+            c = self.conn
+            try:
+                c.execute("BEGIN IMMEDIATE")
+                try:
+                    c.execute("DELETE FROM messages WHERE branch_id=?", (bid,))
+                    c.execute("DELETE FROM branches WHERE id=?", (bid,))
+                    c.execute("COMMIT")
+                except BaseException:
+                    try:
+                        c.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                    raise
+            except (sqlite3.Error, OSError) as e:
+                log.error("state: could not delete branch %s: %s", bid, e)
+                raise StateNotSaved(str(e), [bid]) from e
+            with self._lock:
+                self._branches.pop(bid, None)
+
+
+class UnavailableStore:
+    """Stands in when ``stateDir`` cannot be opened: every change is refused with
+    :class:`StateNotSaved` (the server never acts memory-only while it claims a ``stateDir``)."""
+
+    def __init__(self, state_dir: str, reason: str) -> None:
+        self.root = state_dir
+        self.reason = reason
+        self.problems: list[str] = []
+
+    def _refuse(self, bids: Any = ()) -> None:
+        raise StateNotSaved(f"the state directory {self.root} is unusable: {self.reason}", bids or ())
+
+    def attach(self, branch: Any, meta: dict[str, Any], *, new: bool = True) -> None:
+        pass
+
+    adopt = attach
+
+    def update_meta(self, bid: str, meta: dict[str, Any]) -> None:
+        pass
+
+    def committed_meta(self, bid: str) -> dict[str, Any]:
+        return {}
+
+    def forget(self, bid: str) -> None:
+        pass
+
+    def dirty(self, bids: Any = None, *, messages: bool = True) -> bool:
+        return bids is not None
+
+    def flush(self, bids: Any = None, *, messages: bool = True) -> list[LoadedBranch]:
+        if bids is not None:  # nothing can be pending: no branch was ever created here
+            self._refuse(bids)
+        return []
+
+    def delete(self, bid: str) -> None:
+        self._refuse([bid])
+
+    def poll(self, busy: Iterable[str] = ()) -> None:
+        return None
+
+    def unchanged(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,275 @@
+"""The file tools' I/O seam and the file-changing calls (``write_file``, ``edit_file``).
+
+**The file port.** Builtin file tools never open files themselves: they read and write
+through a :class:`FileAccess`, which the front end chooses when it builds the tools:
+
+- :class:`DiskFiles`: the workspace on disk (``WorkspaceTools._read_text`` /
+  ``_write_text``, confined and symlink-safe), the default;
+- :class:`ClientFiles`: the client's file system, so unsaved editor buffers are what the
+  model reads and edits land in them. It sends ``fs/readTextFile {branchId, callId, path}``
+  → ``{text}`` and ``fs/writeTextFile {branchId, callId, path, text}`` → ``{}`` through any
+  ``request(method, params, timeout)`` coroutine function: the native front end passes its
+  ``request_client``; another front end passes its own (or its own ``FileAccess``).
+
+Paths handed to a port are always real absolute paths already confined to the workspace
+folders (``WorkspaceTools.resolve``): nothing outside is ever read or asked for.
+
+**Previews and no lost work.** :class:`FileTools` plans a change (read, apply, diff) without
+writing. Governance asks for a plan before it asks the user (``PreviewTool.preview``); the
+plan is kept for that ``callId`` and the call, once allowed, writes exactly the planned text
+only if the file still holds the text the plan was computed from; otherwise nothing is
+written and the call fails saying the file changed. An unplanned call (policy ``allow``) re-reads
+the file just before it writes, with the same rule. A plan that cannot be made (edits that do
+not apply, a path outside the workspace) is kept as a failure: the call then fails at once
+with that error, and nobody is asked.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+
+from ..core.tools import Tool, ToolCallContext
+from .edits import EditError, FileChange, apply_edits, change
+from .errors import ToolCallError, WorkspacePathError
+
+if TYPE_CHECKING:
+    from .builtin import WorkspaceTools
+
+__all__ = ["FileAccess", "DiskFiles", "ClientFiles", "FileTools", "PreviewTool", "FILE_CHANGING"]
+
+#: builtin tools that change files (their permission requests carry a diff preview)
+FILE_CHANGING = ("write_file", "edit_file")
+PENDING_LIMIT = 256
+
+
+class FileAccess(Protocol):
+    """How the builtin file tools read and write text. ``real`` is an absolute path inside a
+    workspace folder; ``ctx`` names the call (``branch_id``, ``call_id``)."""
+
+    async def read_text(self, real: Path, ctx: ToolCallContext) -> str | None:
+        """The file's text, or None when it does not exist. Other failures raise ToolCallError."""
+
+    async def write_text(self, real: Path, text: str, ctx: ToolCallContext) -> None:
+        """Replace (or create) the file's text. Failures raise ToolCallError."""
+
+
+class DiskFiles:
+    """The workspace on disk, through the tools' confined, symlink-safe helpers."""
+
+    def __init__(self, ws: "WorkspaceTools") -> None:
+        self.ws = ws
+
+    async def read_text(self, real: Path, ctx: ToolCallContext) -> str | None:
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(self._read, real)
+
+    def _read(self, real: Path) -> str | None:
+        if not os.path.lexists(real):
+            return None
+        return self.ws._read_text(real)
+
+    async def write_text(self, real: Path, text: str, ctx: ToolCallContext) -> None:
+        import anyio.to_thread
+
+        await anyio.to_thread.run_sync(self.ws._write_text, real, text)
+
+
+class ClientFiles:
+    """The client's file system over ``fs/readTextFile`` / ``fs/writeTextFile``. An error
+    answer is a tool error. A read error for a path that does not exist on disk either is
+    taken as "no such file" (so ``write_file`` can create one)."""
+
+    def __init__(self, request: Callable[[str, dict, float | None], Awaitable[Any]],
+                 timeout: float | None = 60.0) -> None:
+        self.request = request
+        self.timeout = timeout
+
+    async def read_text(self, real: Path, ctx: ToolCallContext) -> str | None:
+        try:
+            res = await self.request("fs/readTextFile", {"branchId": ctx.branch_id, "callId": ctx.call_id,
+                                                         "path": str(real)}, self.timeout)
+        except (TimeoutError, OSError) as e:
+            raise ToolCallError(f"the client did not answer fs/readTextFile for {real}: {e or 'timed out'}") from None
+        except Exception as e:  # ClientRequestError (an error answer)
+            if not os.path.lexists(real):
+                return None
+            raise ToolCallError(f"the client could not read {real}: {getattr(e, 'message', None) or e}") from None
+        text = res.get("text") if isinstance(res, dict) else None
+        if not isinstance(text, str):
+            raise ToolCallError(f"the client's fs/readTextFile answer for {real} has no text")
+        return text
+
+    async def write_text(self, real: Path, text: str, ctx: ToolCallContext) -> None:
+        try:
+            await self.request("fs/writeTextFile", {"branchId": ctx.branch_id, "callId": ctx.call_id,
+                                                    "path": str(real), "text": text}, self.timeout)
+        except (TimeoutError, OSError) as e:
+            raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {e or 'timed out'}") from None
+        except Exception as e:
+            raise ToolCallError(f"the client could not write {real}: {getattr(e, 'message', None) or e}") from None
+
+
+@dataclass(slots=True, eq=False)
+class PreviewTool(Tool):
+    """A tool whose calls can be planned before they run: ``preview(arguments, ctx)`` returns
+    the permission request's ``preview`` (or raises the error the call will fail with);
+    ``forget(call_id)`` drops a plan that will not run (the call was denied)."""
+
+    preview: Callable[[dict[str, Any], ToolCallContext], Awaitable[dict[str, Any]]] | None = None
+    forget: Callable[[str], None] | None = None
+
+
+@dataclass(slots=True)
+class _Plan:
+    real: Path
+    change: FileChange | None
+    error: str | None = None
+
+
+class FileTools:
+    """``read_file`` (through a client port), ``write_file`` and ``edit_file`` over a :class:`FileAccess`."""
+
+    def __init__(self, ws: "WorkspaceTools", files: FileAccess | None = None) -> None:
+        self.ws = ws
+        self.files: FileAccess = files if files is not None else DiskFiles(ws)
+        self.client = files is not None and not isinstance(files, DiskFiles)
+        self._plans: OrderedDict[str, _Plan] = OrderedDict()
+
+    # ------------------------------------------------------------------ wiring
+    def wrap(self, tools: list[Tool]) -> list[Tool]:
+        """``tools`` with the file-changing ones (and ``read_file`` for a client port) bound here."""
+        out: list[Tool] = []
+        for t in tools:
+            if t.name in FILE_CHANGING:
+                t = self._bind(t, self._runner(t.name), preview=True)
+            elif t.name == "read_file" and self.client:
+                t = self._bind(t, self._read_file)
+            out.append(t)
+        return out
+
+    def _bind(self, t: Tool, func: Any, preview: bool = False) -> Tool:
+        values = {f.name: getattr(t, f.name) for f in fields(Tool)}
+        values["func"] = func
+        if preview:
+            name = t.name
+            values["preview"] = lambda arguments, ctx: self.preview(name, arguments, ctx)
+            values["forget"] = self.forget
+        return PreviewTool(**values)
+
+    def _runner(self, name: str) -> Any:
+        async def run(arguments: dict[str, Any], ctx: ToolCallContext) -> Any:
+            return await self.run(name, arguments, ctx)
+
+        return run
+
+    # ------------------------------------------------------------------ planning
+    async def plan(self, name: str, arguments: dict[str, Any], ctx: ToolCallContext) -> tuple[Path, FileChange]:
+        """Read the file and compute the change ``name(**arguments)`` makes, without writing."""
+        path = arguments.get("path")
+        real = self.ws.resolve(path)  # confined before anything is read or asked
+        if real.is_dir():
+            raise WorkspacePathError(f"{path!r} is a directory")
+        shown = self.ws.display(real)
+        if name == "write_file":
+            content = arguments.get("content")
+            if not isinstance(content, str):
+                raise ToolCallError("content must be a string")
+            self._check_size(content)
+            old = await self.files.read_text(real, ctx)
+            return real, change(shown, old, content)
+        old = await self.files.read_text(real, ctx)
+        if old is None:
+            raise WorkspacePathError(f"{path!r} does not exist (edit_file changes an existing file; "
+                                     "use write_file to create one)")
+        try:
+            new = apply_edits(old, arguments.get("edits") or [])
+        except EditError as e:
+            raise ToolCallError(f"{e}; nothing was written to {shown}") from None
+        self._check_size(new)
+        return real, change(shown, old, new)
+
+    def _check_size(self, text: str) -> None:
+        n = len(text.encode("utf-8"))
+        if n > self.ws.max_write_bytes:
+            raise WorkspacePathError(f"the new text is {n} bytes; the limit is {self.ws.max_write_bytes}")
+
+    async def preview(self, name: str, arguments: dict[str, Any], ctx: ToolCallContext) -> dict[str, Any]:
+        """Plan the call and keep the plan for ``ctx.call_id``; the permission preview.
+        A call that cannot be planned keeps its error (the call will fail with it) and raises."""
+        try:
+            real, ch = await self.plan(name, arguments, ctx)
+        except Exception as e:  # any failure: the call must fail with it, never run unplanned
+            self._keep(ctx.call_id, _Plan(Path("."), None, str(e) or type(e).__name__))
+            raise
+        self._keep(ctx.call_id, _Plan(real, ch))
+        return ch.preview(str(real))
+
+    def _keep(self, call_id: str, plan: _Plan) -> None:
+        self._plans[call_id] = plan
+        while len(self._plans) > PENDING_LIMIT:
+            self._plans.popitem(last=False)
+
+    def forget(self, call_id: str) -> None:
+        self._plans.pop(call_id, None)
+
+    # ------------------------------------------------------------------ running
+    async def run(self, name: str, arguments: dict[str, Any], ctx: ToolCallContext) -> dict[str, Any]:
+        planned = self._plans.pop(ctx.call_id, None)
+        if planned is not None and planned.error is not None:
+            raise ToolCallError(planned.error)
+        if planned is not None:
+            real, ch = planned.real, planned.change
+            assert ch is not None
+            when = "after the change was previewed"
+        else:
+            real, ch = await self.plan(name, arguments, ctx)
+            when = "while the change was being made"
+        # no lost work: the file must still hold the text the change was computed from
+        current = await self.files.read_text(real, ctx)
+        if current != ch.old_text:
+            what = "was created" if ch.old_text is None else ("was deleted" if current is None else "changed")
+            raise ToolCallError(f"{ch.path} {what} {when}; nothing was written. "
+                                "Read the file again and redo the change.")
+        await self.files.write_text(real, ch.new_text, ctx)
+        if name == "write_file":
+            return {"path": ch.path, "bytes": len(ch.new_text.encode("utf-8")), "created": ch.old_text is None,
+                    "diff": ch.diff}
+        return {"path": ch.path, "diff": ch.diff, "added": ch.added, "removed": ch.removed}
+
+    async def _read_file(self, arguments: dict[str, Any], ctx: ToolCallContext) -> dict[str, Any]:
+        """``read_file`` through the client port (unsaved buffers included)."""
+        path = arguments.get("path")
+        offset = int(arguments.get("offset", 1))
+        limit = int(arguments.get("limit", 2000))
+        if offset < 1:
+            raise WorkspacePathError("offset must be 1 or more (line numbers are 1-based)")
+        if limit < 1:
+            raise WorkspacePathError("limit must be 1 or more")
+        real = self.ws.resolve(path)
+        text = await self.files.read_text(real, ctx)
+        if text is None:
+            raise WorkspacePathError(f"{path!r} does not exist")
+        all_lines = text.splitlines(keepends=True)
+        lines: list[str] = []
+        size = 0
+        truncated = False
+        next_offset: int | None = None
+        for number in range(offset, len(all_lines) + 1):
+            if len(lines) >= limit:
+                next_offset = number
+                break
+            line = all_lines[number - 1]
+            if size + len(line) > self.ws.max_read_bytes:
+                lines.append(line[: self.ws.max_read_bytes - size])
+                truncated = True
+                next_offset = number + 1
+                break
+            lines.append(line)
+            size += len(line)
+        return {"path": self.ws.display(real), "offset": offset, "lines": len(lines), "content": "".join(lines),
+                "nextOffset": next_offset, "truncated": truncated}

@@ -1,0 +1,216 @@
+"""File access confined to a directory, immune to symlink races.
+
+Every function takes a workspace ``root`` (a real, absolute directory path) and ``rel``, a
+path relative to it (a string, a ``Path`` or a sequence of components). The root is opened
+once per call; each component is then opened *relative to the directory descriptor of the
+previous one* with ``O_NOFOLLOW`` (``openat``-style, ``os.open(..., dir_fd=...)``), so a
+directory swapped for a symlink between a check and the open makes the call fail with
+:class:`UnsafePathError` instead of reaching outside the root. ``..`` components are refused.
+
+Reads are bounded while reading (``max_bytes``): a 2 GB sparse file costs one bounded read.
+Anything that is not a regular file (a FIFO, a socket, a device) is refused without being
+opened for a blocking read (``O_NONBLOCK``, then ``fstat``). Writes go to a temporary file
+in the same directory, then ``os.replace`` over the name, both relative to the parent's
+descriptor: a reader never sees half a file, and a symlink at the final name is replaced,
+never followed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as _stat
+from pathlib import Path, PurePosixPath
+from typing import Iterable
+
+__all__ = ["UnsafePathError", "NotRegularFileError", "components", "lstat", "stat", "open_regular", "read_bytes", "read_text",
+           "write_bytes_atomic", "write_text_atomic"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class UnsafePathError(OSError):
+    """The path leaves the root, or a component is a symlink or not a directory."""
+
+
+class NotRegularFileError(OSError):
+    """The final component is not a regular file (a FIFO, socket, device or directory)."""
+
+
+def components(rel: str | os.PathLike[str] | Iterable[str]) -> list[str]:
+    """The components of ``rel``; ``..``, absolute paths and NULs are refused."""
+    if isinstance(rel, (str, os.PathLike)):
+        text = os.fspath(rel)
+        if "\x00" in text:
+            raise UnsafePathError(errno.EINVAL, "path contains a NUL character")
+        if os.path.isabs(text):
+            raise UnsafePathError(errno.EINVAL, f"{text!r} is not relative to the workspace root")
+        parts = [p for p in PurePosixPath(text).parts if p not in ("", ".")]
+    else:
+        parts = [p for p in rel if p not in ("", ".")]
+    for p in parts:
+        if p == ".." or "/" in p or "\x00" in p:
+            raise UnsafePathError(errno.EINVAL, f"path component {p!r} is not allowed")
+    return parts
+
+
+def _open_root(root: str | os.PathLike[str]) -> int:
+    return os.open(os.fspath(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _walk(root: str | os.PathLike[str], parts: list[str], *, create: bool = False) -> int:
+    """A descriptor of the directory ``parts`` names under ``root`` (no symlink followed);
+    with ``create``, missing directories are made on the way. The caller closes it."""
+    fd = _open_root(root)
+    try:
+        for name in parts:
+            try:
+                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(name, 0o777, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                    raise UnsafePathError(e.errno, f"{name!r} is a symlink or not a directory") from None
+                raise
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _split(rel: str | os.PathLike[str] | Iterable[str]) -> tuple[list[str], str]:
+    parts = components(rel)
+    if not parts:
+        raise IsADirectoryError(errno.EISDIR, "the workspace root is a directory")
+    return parts[:-1], parts[-1]
+
+
+def lstat(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str]) -> os.stat_result:
+    """``lstat`` of ``rel`` under ``root`` (the last component is not followed)."""
+    parts = components(rel)
+    if not parts:
+        return os.stat(os.fspath(root))
+    dfd = _walk(root, parts[:-1])
+    try:
+        return os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+    finally:
+        os.close(dfd)
+
+
+stat = lstat
+
+
+def open_regular(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str]) -> tuple[int, int]:
+    """A read descriptor of the regular file ``rel`` (blocking mode restored) and its size."""
+    dirs, name = _split(rel)
+    dfd = _walk(root, dirs)
+    try:
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafePathError(e.errno, f"{name!r} is a symlink") from None
+            raise
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(errno.EINVAL, f"{name!r} is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_bytes(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str],
+               max_bytes: int | None = None) -> tuple[bytes, bool]:
+    """At most ``max_bytes`` bytes of the regular file ``rel`` and whether there was more."""
+    fd, size = open_regular(root, rel)
+    try:
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            fd = -1
+            if max_bytes is None:
+                return f.read(), False
+            data = f.read(max_bytes + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > max_bytes:
+        return data[:max_bytes], True
+    return data, False
+
+
+def read_text(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str],
+              max_bytes: int | None = None) -> tuple[str, bool]:
+    """``read_bytes`` decoded as UTF-8 (invalid bytes replaced; a code point cut by the cap
+    dropped) and whether the file was longer than ``max_bytes``."""
+    data, more = read_bytes(root, rel, max_bytes)
+    text = data.decode("utf-8", "replace")
+    if more and text.endswith("\ufffd"):
+        text = data.decode("utf-8", "ignore")  # the cap cut a multi-byte character
+    return text, more
+
+
+def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str], data: bytes,
+                       *, make_dirs: bool = True) -> bool:
+    """Replace (or create) ``rel`` with ``data``; returns True when the file was created.
+    The mode of a replaced file is kept; a directory at the name is refused."""
+    dirs, name = _split(rel)
+    dfd = _walk(root, dirs, create=make_dirs)
+    try:
+        try:
+            old = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            old = None
+        if old is not None and _stat.S_ISDIR(old.st_mode):
+            raise IsADirectoryError(errno.EISDIR, f"{name!r} is a directory")
+        mode = _stat.S_IMODE(old.st_mode) if old is not None and _stat.S_ISREG(old.st_mode) else None
+        tmp = None
+        for attempt in range(100):
+            candidate = f".{name[:200]}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+            try:
+                fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o666 if mode is None else 0o600, dir_fd=dfd)
+            except FileExistsError:
+                continue
+            tmp = candidate
+            break
+        if tmp is None:  # pragma: no cover - 100 random collisions
+            raise FileExistsError(errno.EEXIST, "could not create a temporary file")
+        try:
+            with os.fdopen(fd, "wb", closefd=True) as f:
+                f.write(data)
+                if mode is not None:
+                    os.fchmod(f.fileno(), mode)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+        return old is None
+    finally:
+        os.close(dfd)
+
+
+def write_text_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str], text: str,
+                      *, make_dirs: bool = True) -> bool:
+    """``write_bytes_atomic`` of ``text`` as UTF-8; True when the file was created."""
+    return write_bytes_atomic(root, rel, text.encode("utf-8"), make_dirs=make_dirs)
+
+
+def relative_to_root(root: Path, real: Path) -> list[str]:
+    """The components of ``real`` (an absolute path inside ``root``) below ``root``."""
+    return list(real.relative_to(root).parts)

@@ -1,0 +1,407 @@
+"""``operate-sidecar --acp`` driven by the ACP SDK's own client over real pipes, with
+scripted models configured through ``--config``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import acp
+import pytest
+from acp.schema import McpServerStdio
+
+from acp_support import (MCP_SERVER, RecordingClient, agent_env, bounded, reply, run, scripted, spawn,
+                         write_config)
+
+TOOLS = "acp_fixture_tools"
+
+
+@pytest.fixture
+def ws(tmp_path):
+    d = tmp_path / "ws"
+    d.mkdir()
+    (d / "a.txt").write_text("old text\n")
+    return d
+
+
+def cfg(tmp_path, *responses, **settings):
+    models = settings.pop("models", None) or {"s": scripted(*responses)}
+    return write_config(tmp_path / "settings.toml", {"models": models, **settings})
+
+
+def prompt(conn, sid, text="go"):
+    return bounded(conn.prompt(session_id=sid, prompt=[acp.text_block(text)]))
+
+
+def test_initialize_and_new_session_answer_what_is_implemented(tmp_path, ws):
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, cfg(tmp_path, "x")) as (conn, proc):
+            caps = conn.init.agent_capabilities
+            assert conn.init.protocol_version == 1
+            assert caps.load_session is True and caps.session_capabilities.list is not None
+            assert caps.prompt_capabilities.embedded_context is True and not caps.prompt_capabilities.image
+            assert caps.mcp_capabilities.http is False and caps.mcp_capabilities.sse is False
+            new = await bounded(conn.new_session(cwd=str(ws)))
+            opts = {o.id: o for o in new.config_options}
+            assert opts["model"].current_value == "s" and [o.value for o in opts["model"].options] == ["s"]
+            assert [o.value for o in opts["mode"].options] == ["ask", "auto-edit", "read-only"]
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.new_session(cwd="relative/dir"))
+            assert e.value.code == -32602
+        assert proc.returncode == 0  # stdin EOF: the process exits by itself
+
+    run(main())
+
+
+def test_prompt_streams_the_reply_text_as_agent_message_chunks(tmp_path, ws):
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, reply("Hello there, \"friend\"\nbye", chunks=9), {"text": "plain prose", "chunks": 3})
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            r = await prompt(conn, sid, "hi")
+            assert r.stop_reason == "end_turn"
+            assert r.usage is not None and (r.usage.input_tokens, r.usage.output_tokens) == (0, 0)  # scripted: 0
+            chunks = c.of("agent_message_chunk")
+            assert len(chunks) >= 2  # streamed, not sent whole
+            assert c.text() == 'Hello there, "friend"\nbye'  # the message field, escapes decoded, no JSON
+            c.updates.clear()
+            r = await prompt(conn, sid, "again")  # a reply that ignored the format is shown as it streams
+            assert r.stop_reason == "end_turn" and c.text() == "plain prose" and len(c.of("agent_message_chunk")) == 3
+
+    run(main())
+
+
+def test_permission_allow_writes_with_diff_content(tmp_path, ws):
+    async def main():
+        c = RecordingClient("allow_once")
+        config = cfg(tmp_path, reply("Writing.", [("write_file", {"path": "a.txt", "content": "new text\n"})]),
+                     reply("Done."))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            r = await prompt(conn, sid, "edit a.txt")
+            assert r.stop_reason == "end_turn"
+            (tool_call, options), = c.permissions
+            assert [o.kind for o in options] == ["allow_once", "allow_always", "reject_once", "reject_always"]
+            start, = c.of("tool_call")
+            assert start.kind == "edit" and start.raw_input == {"path": "a.txt", "content": "new text\n"}
+            diff, = start.content
+            assert (diff.type, diff.path, diff.old_text, diff.new_text) == \
+                ("diff", str(ws / "a.txt"), "old text\n", "new text\n")
+            assert start.locations[0].path == str(ws / "a.txt")
+            assert tool_call.tool_call_id == start.tool_call_id and tool_call.content[0].type == "diff"
+            # the tool_call reached the client before the permission request
+            assert c.kinds().index("tool_call") < len(c.updates)
+            last = c.of("tool_call_update")[-1]
+            assert last.status == "completed" and last.raw_output["created"] is False
+            assert (ws / "a.txt").read_text() == "new text\n"
+            assert c.text() == "Writing.\n\nDone."
+
+    run(main())
+
+
+@pytest.mark.parametrize("choice", ["reject_once", "reject_always"])
+def test_permission_reject_writes_nothing(tmp_path, ws, choice):
+    async def main():
+        c = RecordingClient(choice)
+        # a round whose only call was denied ran no tool: the turn ends there (no second round)
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "new\n"})]),
+                     reply("", [("write_file", {"path": "a.txt", "content": "again\n"})]))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            last = c.of("tool_call_update")[-1]
+            assert last.status == "failed" and "denied" in last.raw_output["error"]
+            assert (ws / "a.txt").read_text() == "old text\n"
+            await prompt(conn, sid)
+            # reject_always became the session's decision: not asked a second time
+            assert len(c.permissions) == (1 if choice == "reject_always" else 2)
+            assert (ws / "a.txt").read_text() == "old text\n"
+
+    run(main())
+
+
+def test_modes_read_only_denies_without_asking_and_auto_edit_writes_without_asking(tmp_path, ws):
+    async def main():
+        c = RecordingClient("allow_once")
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "ro\n"})]),
+                     reply("", [("write_file", {"path": "a.txt", "content": "auto\n"})]), reply("ok"))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            res = await bounded(conn.set_config_option(config_id="mode", session_id=sid, value="read-only"))
+            assert {o.id: o.current_value for o in res.config_options}["mode"] == "read-only"
+            await prompt(conn, sid)
+            assert c.permissions == [] and (ws / "a.txt").read_text() == "old text\n"
+            assert "read-only" in c.of("tool_call_update")[-1].raw_output["reason"]
+            await bounded(conn.set_session_mode(mode_id="auto-edit", session_id=sid))
+            await prompt(conn, sid)
+            assert c.permissions == [] and (ws / "a.txt").read_text() == "auto\n"
+
+    run(main())
+
+
+def test_cancel_mid_model_call(tmp_path, ws):
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, reply("late", delayMs=60_000), reply("after"))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            turn = asyncio.ensure_future(prompt(conn, sid))
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            await conn.cancel(session_id=sid)
+            r = await turn
+            assert r.stop_reason == "cancelled" and time.monotonic() - t0 < 30
+            assert c.text() == ""
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"  # the session still works
+            assert c.text() == "after"
+
+    run(main())
+
+
+def test_cancel_mid_tool_keeps_the_branch_consistent(tmp_path, ws):
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, reply("", [("slow", {"seconds": 60})]), toolModules=[TOOLS])
+        state = str(tmp_path / "state")
+        async with spawn(c, config, state_dir=state) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            turn = asyncio.ensure_future(prompt(conn, sid))
+            for _ in range(200):
+                if any(u.status == "in_progress" for u in c.of("tool_call_update") + c.of("tool_call")):
+                    break
+                await asyncio.sleep(0.05)
+            await conn.cancel(session_id=sid)
+            assert (await turn).stop_reason == "cancelled"
+            assert c.of("tool_call_update")[-1].status == "failed"
+        c2 = RecordingClient()
+        async with spawn(c2, config, state_dir=state) as (conn, _):
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+            done = c2.of("tool_call_update")
+            assert len(done) == 1 and done[0].status == "failed" and done[0].raw_output["error"] == "cancelled"
+
+    run(main())
+
+
+def test_cancel_while_asking_permission_runs_nothing(tmp_path, ws):
+    async def main():
+        c = RecordingClient("cancel")
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "x\n"})]))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "cancelled"
+            assert (ws / "a.txt").read_text() == "old text\n"
+
+    run(main())
+
+
+def test_a_cancelled_permission_outcome_cancels_the_turn(tmp_path, ws):
+    async def main():
+        c = RecordingClient("cancelled-outcome")  # the outcome alone, no session/cancel
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "x\n"})]), reply("more"))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "cancelled"
+            assert (ws / "a.txt").read_text() == "old text\n" and c.text() == ""
+
+    run(main())
+
+
+def test_load_after_restart_and_list(tmp_path, ws):
+    async def main():
+        state = str(tmp_path / "state")
+        config = cfg(tmp_path, reply("Reading.", [("read_file", {"path": "a.txt"})]), reply("It says old text."))
+        c = RecordingClient()
+        other = tmp_path / "other"
+        other.mkdir()
+        async with spawn(c, config, state_dir=state) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            await bounded(conn.new_session(cwd=str(other)))
+            await bounded(conn.set_config_option(config_id="mode", session_id=sid, value="auto-edit"))
+            assert (await prompt(conn, sid, "what is in a.txt?")).stop_reason == "end_turn"
+        c2 = RecordingClient()
+        async with spawn(c2, config, state_dir=state) as (conn, _):
+            listed = (await bounded(conn.list_sessions(cwd=str(ws)))).sessions
+            assert [(s.session_id, s.title, s.cwd) for s in listed] == [(sid, "what is in a.txt?", str(ws))]
+            assert listed[0].updated_at
+            assert len((await bounded(conn.list_sessions())).sessions) == 2
+            loaded = await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+            assert {o.id: o.current_value for o in loaded.config_options}["mode"] == "auto-edit"
+            assert c2.kinds() == ["user_message_chunk", "agent_message_chunk", "tool_call", "tool_call_update",
+                                  "agent_message_chunk"]
+            assert c2.updates[0][1].content.text == "what is in a.txt?"
+            assert c2.text() == "Reading.It says old text."
+            assert c2.of("tool_call_update")[0].status == "completed"
+            assert c2.of("tool_call")[0].raw_input == {"path": "a.txt"}
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.load_session(cwd=str(ws), session_id="nope"))
+            assert e.value.code == -32602
+
+    run(main())
+
+
+def test_model_switch(tmp_path, ws):
+    async def main():
+        models = {"a": scripted(reply("from a")), "b": scripted(reply("from b"))}
+        c = RecordingClient()
+        async with spawn(c, cfg(tmp_path, models=models, defaultModel="a")) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            res = await bounded(conn.set_config_option(config_id="model", session_id=sid, value="b"))
+            assert {o.id: o.current_value for o in res.config_options}["model"] == "b"
+            await prompt(conn, sid)
+            assert c.text() == "from b"
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.set_config_option(config_id="model", session_id=sid, value="zzz"))
+            assert e.value.code == -32602
+
+    run(main())
+
+
+def test_mcp_server_passed_by_the_client(tmp_path, ws):
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, reply("", [("echo", {"text": "from mcp"})]), reply("ok"))
+        server = McpServerStdio(name="fx", command=sys.executable, args=[MCP_SERVER, "fx"], env=[])
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))).session_id
+            await prompt(conn, sid)
+            done = c.of("tool_call_update")[-1]
+            assert done.status == "completed" and "from mcp" in str(done.raw_output)
+            assert c.of("tool_call")[0].title == "echo"
+
+    run(main())
+
+
+def test_max_turn_requests_when_the_model_keeps_calling_tools(tmp_path, ws):
+    async def main():
+        from operate_sidecar.server.acp.agent import MAX_ROUNDS
+
+        c = RecordingClient()
+        config = cfg(tmp_path, *[reply("", [("list_dir", {"path": "."})]) for _ in range(MAX_ROUNDS + 1)])
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "max_turn_requests"
+            assert len(c.of("tool_call")) == MAX_ROUNDS
+
+    run(main())
+
+
+def test_stdout_stays_clean_when_tools_print(tmp_path, ws):
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, reply("", [("noisy", {"text": "quiet"})]), reply("still here"), toolModules=[TOOLS])
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"  # print(42) on fd 1 would kill the client
+            assert c.of("tool_call_update")[-1].raw_output == "quiet" and c.text() == "still here"
+
+    run(main())
+
+
+@pytest.mark.parametrize("mode", ["ask", "auto-edit"])
+def test_diff_old_text_comes_from_the_clients_buffer(tmp_path, ws, mode):
+    async def main():
+        c = RecordingClient("reject_once")
+        c.files[str(ws / "a.txt")] = "unsaved buffer\n"
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "new\n"})]), reply("ok"))
+        async with spawn(c, config, fs=True) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            await bounded(conn.set_config_option(config_id="mode", session_id=sid, value=mode))
+            await prompt(conn, sid)
+            # asked: the service's preview; auto-edit (not asked): the front end reads the buffer itself
+            assert c.of("tool_call")[0].content[0].old_text == "unsaved buffer\n"
+            assert len(c.permissions) == (1 if mode == "ask" else 0)
+
+    run(main())
+
+
+def test_the_acp_front_end_never_imports_pygls():
+    code = ("import sys, asyncio\n"
+            "from operate_sidecar.server.acp.agent import OperateAgent\n"
+            "from operate_sidecar.server.rpc import settings as S\n"
+            "async def main():\n"
+            "    a = OperateAgent(S.finalize(S.merge(S.DEFAULTS, {})))\n"
+            "    await a._ready()\n"
+            "asyncio.run(main())\n"
+            "assert 'operate_sidecar.server.rpc.methods' in sys.modules\n"
+            "print('pygls' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_edit_file_shows_diff_content_when_asked_and_applies_on_allow(tmp_path, ws):
+    async def main():
+        c = RecordingClient("allow_once")
+        edits = [{"oldText": "old", "newText": "edited"}]
+        config = cfg(tmp_path, reply("", [("edit_file", {"path": "a.txt", "edits": edits})]), reply("done"))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            (asked, _options), = c.permissions
+            diff, = asked.content
+            assert (diff.type, diff.path, diff.old_text, diff.new_text) == \
+                ("diff", str(ws / "a.txt"), "old text\n", "edited text\n")
+            assert c.of("tool_call")[0].kind == "edit" and c.of("tool_call")[0].content[0].new_text == "edited text\n"
+            done = c.of("tool_call_update")[-1]
+            assert done.status == "completed" and "+edited text" in done.raw_output["diff"]
+            assert (ws / "a.txt").read_text() == "edited text\n"
+
+    run(main())
+
+
+def test_with_the_fs_capability_files_are_read_and_written_through_the_client(tmp_path, ws):
+    async def main():
+        c = RecordingClient("allow_once")
+        path = str(ws / "a.txt")
+        c.files[path] = "unsaved buffer\n"
+        config = cfg(tmp_path, reply("", [("read_file", {"path": "a.txt"})]),
+                     reply("", [("write_file", {"path": "a.txt", "content": "from the agent\n"})]), reply("done"))
+        async with spawn(c, config, fs=True) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            read_id = c.of("tool_call")[0].tool_call_id
+            read_done = [u for u in c.of("tool_call_update") if u.tool_call_id == read_id][-1]
+            assert read_done.status == "completed" and "unsaved buffer" in json.dumps(read_done.raw_output)
+            assert c.writes == [(path, "from the agent\n")]
+            assert (ws / "a.txt").read_text() == "old text\n"  # the disk is the editor's business
+
+    run(main())
+
+
+def test_an_unanswered_permission_request_times_out_as_deny(tmp_path, ws):
+    async def main():
+        c = RecordingClient("never")
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "x\n"})]), permissionTimeoutMs=300)
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            done = c.of("tool_call_update")[-1]
+            assert done.status == "failed" and "timed out" in done.raw_output["reason"]
+            assert (ws / "a.txt").read_text() == "old text\n"
+
+    run(main())
+
+
+def test_a_line_over_max_message_bytes_is_refused_and_the_stream_stays_in_sync(tmp_path):
+    """Raw pipes: the oversize line gets -32600 with its id, the next request is served."""
+    config = cfg(tmp_path, "x", maxMessageBytes=10_000)
+    proc = subprocess.Popen([sys.executable, "-m", "operate_sidecar.server", "--acp", "--config", config],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=agent_env())
+    try:
+        big = {"jsonrpc": "2.0", "id": 7, "method": "initialize", "params": {"protocolVersion": 1, "x": "a" * 50_000}}
+        ok = {"jsonrpc": "2.0", "id": 8, "method": "initialize", "params": {"protocolVersion": 1}}
+        data = json.dumps(big).encode() + b"\n" + json.dumps(ok).encode() + b"\n"
+        out, _ = proc.communicate(data, timeout=60)  # then EOF: the process exits by itself
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    answers = [json.loads(line) for line in out.decode().splitlines()]
+    assert answers[0]["id"] == 7 and answers[0]["error"]["code"] == -32600
+    assert answers[1]["id"] == 8 and answers[1]["result"]["protocolVersion"] == 1
+    assert len(answers) == 2 and proc.returncode == 0
+

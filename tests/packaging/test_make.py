@@ -1,0 +1,72 @@
+"""`make system-deps` for root, for a developer with sudo and for one without: which way the
+Makefile installs missing Debian packages, and what it says when it cannot. The real `make`
+runs the real recipe; `id`, `sudo` and `apt-get` are stand-ins on a PATH of their own (the
+package manager itself cannot be exercised here without changing the machine), and they
+only log the command they were given."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MAKE = shutil.which("make") or "make"   # `make test` runs these: make is there
+
+
+def stand_ins(tmp_path: Path, uid: int, sudo: bool) -> tuple[dict, Path]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    for tool in ("sh", "env", "cat"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    scripts = {"id": f"#!/bin/sh\necho {uid}\n", "apt-get": f'#!/bin/sh\necho "apt-get $*" >> {log}\n'}
+    if sudo:
+        scripts["sudo"] = f'#!/bin/sh\necho "sudo $*" >> {log}\nexec "$@"\n'
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    return env, log
+
+
+def system_deps(env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([MAKE, "-s", "-C", str(ROOT), "system-deps",
+                           "SYSTEM_PACKAGES=fake-editor:/nonexistent/fake-editor fake-tool:fake-tool-cmd"],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_developer_with_sudo_installs_through_sudo(tmp_path):
+    env, log = stand_ins(tmp_path, uid=1000, sudo=True)
+    out = system_deps(env)
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("sudo env DEBIAN_FRONTEND=noninteractive apt-get")
+    assert calls[-1].endswith("install -y -q --no-install-recommends fake-editor fake-tool")
+    assert "apt-get -o DPkg::Lock::Timeout=600 update -q" in calls
+
+
+def test_root_installs_with_apt_get_directly(tmp_path):
+    env, log = stand_ins(tmp_path, uid=0, sudo=False)
+    out = system_deps(env)
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text().splitlines()
+    assert not any(c.startswith("sudo") for c in calls)
+    assert calls[-1] == "apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends fake-editor fake-tool"
+
+
+def test_without_root_or_sudo_it_names_what_is_missing_and_that_those_tests_will_fail(tmp_path):
+    env, log = stand_ins(tmp_path, uid=1000, sudo=False)
+    out = system_deps(env)
+    assert out.returncode == 0
+    assert not log.exists()                       # nothing was attempted
+    assert "missing system packages: fake-editor fake-tool" in out.stderr
+    assert "client tests FAIL" in out.stderr and "`make check` needs none of them" in out.stderr
+
+
+def test_nothing_missing_does_nothing(tmp_path):
+    env, log = stand_ins(tmp_path, uid=1000, sudo=True)
+    out = subprocess.run([MAKE, "-s", "-C", str(ROOT), "system-deps", "SYSTEM_PACKAGES=present:sh"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == out.stderr == "" and not log.exists()

@@ -1,0 +1,128 @@
+"""The pytest plugin, used the way another project uses it: a separate temporary project
+whose tests use the ``sidecar`` fixture and ``sidecar_script``, run by pytest in a subprocess
+(the plugin is found through its ``pytest11`` entry point, nothing is imported by hand)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TIMEOUT = 240
+
+CONFTEST_FREE_TESTS = '''
+import pytest
+
+REPORT = {"title": "Report", "type": "object", "properties": {"summary": {"type": "string"}},
+          "required": ["summary"]}
+WEATHER = {"json": {"summary": "sunny",
+                    "action_requests": [{"function": "get_weather", "arguments": {"city": "Lima"}}]}}
+SETTINGS = {"models": {"m": {"provider": "scripted", "responses": [WEATHER]}},
+            "toolModules": ["operate_sidecar.clients.python.demo_tools"], "toolPolicy": {"get_weather": "ask"}}
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, capabilities={"toolPermission": True})
+async def test_extension_flow(sidecar):
+    asked = []
+    sidecar.on_request("requestToolPermission", lambda p: asked.append(p["tool"]) or {"decision": "allow_once"})
+    branch = (await sidecar.request("createBranch", {"system": "facts"}))["branchId"]
+    out = await sidecar.request("operate", {"branchId": branch, "instruction": "weather?", "actions": True,
+                                            "responseFormat": REPORT, "workDoneToken": 7})
+    assert out["result"]["summary"] == "sunny"
+    assert out["result"]["action_responses"][0]["output"]["city"] == "Lima"
+    post = await sidecar.wait_for_notification("toolEvent", {"event": "post", "tool": "get_weather"})
+    assert post["branchId"] == branch and asked == ["get_weather"]
+    await sidecar.wait_for_notification("$/progress", {"token": 7, "value": {"kind": "end"}})
+    sidecar.notify("$/cancelRequest", {"id": 12345})
+    assert await sidecar.request("ping") == {}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sidecar_options", [{"settings": {"models": {"a": {"provider": "scripted"}}}},
+                                             {"settings": {"models": {"b": {"provider": "scripted"}}}}],
+                         indirect=True)
+async def test_settings_by_parametrization(sidecar, sidecar_options):
+    assert sidecar.initialize_result["capabilities"]["models"] == list(sidecar_options["settings"]["models"])
+    await sidecar.stop()
+    assert sidecar.returncode == 0 and "Traceback" not in sidecar.stderr_text()
+
+
+def test_session_script_passes(sidecar_script):
+    sidecar_script("good.jsonl")
+
+
+def test_session_script_with_a_wrong_expectation(sidecar_script):
+    sidecar_script("wrong.jsonl")
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, capabilities={"toolPermission": True})
+async def test_waiting_for_a_notification_that_does_not_match(sidecar):
+    sidecar.respond("requestToolPermission", {"decision": "deny_once"})
+    branch = (await sidecar.request("createBranch"))["branchId"]
+    await sidecar.request("operate", {"branchId": branch, "instruction": "weather?", "actions": True,
+                                      "responseFormat": REPORT})
+    await sidecar.wait_for_notification("toolEvent", {"event": "post"}, timeout=0.5)
+'''
+
+
+def script(*steps: dict) -> str:
+    return "".join(json.dumps(s) + "\n" for s in steps)
+
+
+INIT = {"request": "initialize", "params": {"settings": {"models": {"m": {"provider": "scripted",
+                                                                         "responses": ["plain text"]}}}}}
+GOOD = script(INIT, {"request": "createBranch", "save": {"b": "branchId"}},
+              {"request": "operate", "params": {"branchId": "${b}", "instruction": "hi", "skipValidation": True},
+               "expect": {"result": {"kind": "text", "result": "plain text"}}})
+WRONG = script(INIT, {"request": "createBranch", "save": {"b": "branchId"}},
+               {"request": "operate", "params": {"branchId": "${b}", "instruction": "hi", "skipValidation": True},
+                "expect": {"result": {"kind": "text", "result": "other text"}}})
+
+
+def make_project(root: Path) -> Path:
+    root.mkdir()
+    (root / "pyproject.toml").write_text(textwrap.dedent("""\
+        [project]
+        name = "my-extension-tests"
+        version = "0"
+        [tool.pytest.ini_options]
+        asyncio_default_fixture_loop_scope = "function"
+        """))
+    (root / "test_extension.py").write_text(CONFTEST_FREE_TESTS)
+    (root / "good.jsonl").write_text(GOOD)
+    (root / "wrong.jsonl").write_text(WRONG)
+    return root
+
+
+def run_pytest(project: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout=120",
+                           "-o", "console_output_style=classic", *args],
+                          cwd=project, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_a_project_uses_the_fixture_and_script_helper_and_failures_read_well(tmp_path):
+    project = make_project(tmp_path / "ext")
+    out = run_pytest(project, "-rA")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert "2 failed, 4 passed" in text, text
+    assert "PASSED test_extension.py::test_settings_by_parametrization[sidecar_options1]" in text
+    assert "PASSED test_extension.py::test_extension_flow" in text
+    assert "PASSED test_extension.py::test_session_script_passes" in text
+    # the wrong expectation: the step, the JSON path and both values, not a traceback of the runner
+    assert 'FAIL line 3: request operate: at $.result.result: expected "other text", got "plain text"' in text
+    assert "1 of 3 steps failed in wrong.jsonl; first: line 3: request operate" in text
+    # a notification that never matches: the nearest miss, with its path
+    assert ('TimeoutError: no toolEvent notification matching {"event": "post"} within 0.5 s; '
+            '1 unmatched, nearest at $.params.event: expected "post", got "denied"') in text, text
+
+
+def test_the_fixture_is_offered_by_the_installed_plugin(tmp_path):
+    project = make_project(tmp_path / "ext")
+    out = run_pytest(project, "--fixtures")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sidecar -- " in out.stdout and "sidecar_script -- " in out.stdout and "operate_sidecar" in out.stdout

@@ -1,0 +1,210 @@
+"""`operate-sidecar --record FILE`: a served session written as a script that replays green,
+with the embedded local model and then with no model at all (`replay --scripted`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from operate_sidecar.clients.python.client import SidecarClient
+
+TIMEOUT = 300
+INLINE = {"provider": "local", "maxTokens": 12}
+ANSWER = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+def record(path: Path, session, *server_args: str) -> None:
+    argv = [sys.executable, "-m", "operate_sidecar.server", "--record", str(path), *server_args]
+    with SidecarClient(argv=argv, stderr=subprocess.DEVNULL) as c:
+        session(c)
+        assert c.close() == 0
+
+
+def replay(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "operate_sidecar.server", "replay", *map(str, args)],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def no_llama_env(tmp_path: Path) -> dict:
+    """An environment in which llama.cpp cannot be imported: the replay must not need it."""
+    shim = tmp_path / "no-llama" / "llama_cpp"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text("raise ImportError('llama.cpp is not available in this replay')\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(shim.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_a_session_with_the_local_model_replays_green_without_any_model(tmp_path):
+    rec = tmp_path / "local.jsonl"
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"clientInfo": {"name": "rec"}}, timeout=60)
+        bid = c.request("createBranch", {"system": "Answer briefly."})["branchId"]
+        c.request("operate", {"branchId": bid, "instruction": "What is 2+2?", "responseFormat": ANSWER,
+                              "workDoneToken": "t1", "modelOptions": {"temperature": 0, "seed": 1, "max_tokens": 24}},
+                  timeout=TIMEOUT)
+        c.request("operate", {"branchId": bid, "instruction": "And 3+3?",
+                              "modelOptions": {"temperature": 0, "seed": 1, "max_tokens": 16}}, timeout=TIMEOUT)
+        c.request("branchMessages", {"branchId": bid}, timeout=30)
+        # a model given inline (not by a configured name) is recorded and replaced too
+        other = c.request("createBranch", {"chatModel": INLINE})["branchId"]
+        c.request("operate", {"branchId": other, "instruction": "Say hi.", "modelOptions": {"temperature": 0}},
+                  timeout=TIMEOUT)
+
+    record(rec, session)
+    steps = lines(rec)
+    (models,) = [s["recordedModels"] for s in steps if "recordedModels" in s]
+    assert sorted(models) == ["inline-local-1", "local"] and len(models["local"]["responses"]) == 2
+    assert models["inline-local-1"]["inline"] == INLINE and len(models["inline-local-1"]["responses"]) == 1
+    assert all(isinstance(r.get("text"), str) and r["text"] for m in models.values() for r in m["responses"])
+    create = next(s for s in steps if s.get("request") == "createBranch")
+    assert create["save"] == {"branch1": "branchId"} and create["expect"] == {"result": {"branchId": "*"}}
+    operates = [s for s in steps if s.get("request") == "operate"]
+    assert [s["params"]["branchId"] for s in operates] == ["${branch1}", "${branch1}", "${branch2}"]
+    assert operates[0]["expect"]["result"]["usage"] == "*"
+    assert {"expectNotification": "$/progress", "match": {"token": "t1", "value": {"kind": "end", "message": "completed",
+                                                                                   "usage": "*"}}} in steps
+
+    out = replay("--scripted", rec, env=no_llama_env(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == f"all {len(steps) - 1} steps passed (local.jsonl)"
+    # the shim is effective: without --scripted the recorded operate needs llama.cpp and fails
+    head = tmp_path / "head.jsonl"
+    head.write_text("".join(ln + "\n" for ln in rec.read_text().splitlines()[:3]))
+    real = replay(head, env=no_llama_env(tmp_path))
+    assert real.returncode == 1 and 'FAIL line 3: request operate: expected result' in real.stdout
+    assert '"code": -32011' in real.stdout
+
+
+def test_answers_to_permission_requests_are_recorded_as_standing_answers(tmp_path):
+    rec = tmp_path / "perm.jsonl"
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    write = {"json": {"action_requests": [{"function": "write_file", "arguments": {"path": "n.txt", "content": "x"}}]}}
+    decisions = iter(["deny_once", "allow_once"])
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"capabilities": {"toolPermission": True}, "workspaceFolders": [str(ws)],
+                                 "settings": {"models": {"m": {"provider": "scripted", "responses": [write, write]}},
+                                              "toolPolicy": {"write_file": "ask"}}}, timeout=60)
+        c.on_request("requestToolPermission", lambda _p: {"decision": next(decisions)})
+        bid = c.request("createBranch", {})["branchId"]
+        for _ in range(2):
+            c.request("operate", {"branchId": bid, "instruction": "write", "actions": True}, timeout=60)
+
+    record(rec, session)
+    assert (ws / "n.txt").read_text() == "x"
+    (ws / "n.txt").unlink()
+    kinds = [next(iter(s)) + ":" + str(s.get("request") or s.get("respond") or "") for s in lines(rec)
+             if "request" in s or "respond" in s]
+    assert kinds == ["request:initialize", "request:createBranch", "respond:requestToolPermission",
+                     "request:operate", "respond:requestToolPermission", "request:operate", "request:shutdown"]
+    answers = [s["result"] for s in lines(rec) if "respond" in s]
+    assert answers == [{"decision": "deny_once"}, {"decision": "allow_once"}]
+    out = replay(rec)   # the scripted model is part of the settings: a plain replay reproduces it
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (ws / "n.txt").read_text() == "x"
+
+
+def test_a_cancelled_operate_is_recorded_so_that_its_replay_is_cancelled_too(tmp_path):
+    rec = tmp_path / "cancel.jsonl"
+    slow = {"provider": "scripted", "responses": [{"text": "never seen", "delayMs": 30000}, "done"]}
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"processId": os.getpid(), "settings": {"models": {"slow": slow}}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        pending = c.request_async("operate", {"branchId": bid, "instruction": "slow", "skipValidation": True,
+                                              "workDoneToken": "w"})
+        assert c.wait_for(lambda notes: any(m == "$/progress" for m, _ in notes), timeout=30)
+        c.cancel(pending.id)
+        try:
+            pending.result(30)
+        except Exception as e:  # noqa: BLE001 - the cancelled answer
+            assert getattr(e, "code", None) == -32800
+        assert c.request("operate", {"branchId": bid, "instruction": "again", "skipValidation": True},
+                         timeout=30)["result"] == "done"
+
+    record(rec, session)
+    steps = lines(rec)
+    init = next(s for s in steps if s.get("request") == "initialize")
+    assert "processId" not in init["params"]          # the recording client's pid means nothing later
+    op = next(s for s in steps if s.get("request") == "operate")
+    assert op["wait"] is False and op["expect"] == {"error": {"code": -32800}}
+    assert {"notify": "$/cancelRequest", "params": {"id": op["id"]}} in steps
+    (models,) = [s["recordedModels"] for s in steps if "recordedModels" in s]
+    assert models["slow"]["responses"][0]["delayMs"] >= 60000 and models["slow"]["responses"][1] == {"text": "done"}
+    out = replay("--scripted", rec)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_requests_the_client_did_not_wait_for_overlap_in_the_replay_too(tmp_path):
+    rec = tmp_path / "overlap.jsonl"
+    slow = {"provider": "scripted", "responses": [{"text": "late", "delayMs": 1500}]}
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"settings": {"models": {"slow": slow}}}, timeout=60)
+        bid = c.request("createBranch", {"name": "b"})["branchId"]
+        pending = c.request_async("operate", {"branchId": bid, "instruction": "x", "skipValidation": True})
+        # asked while the operate runs: the branch holds only what was settled before it
+        assert c.request("listBranches", timeout=30)["branches"][0]["messageCount"] == 0
+        assert pending.result(30)["result"] == "late"
+
+    record(rec, session)
+    steps = [s for s in lines(rec) if "request" in s]
+    assert [(s["request"], s.get("wait", True)) for s in steps] == [
+        ("initialize", True), ("createBranch", True), ("operate", False), ("listBranches", True), ("shutdown", True)]
+    out = replay(rec)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS line 3: request operate: result matched" in out.stdout.splitlines()[3]  # judged before shutdown
+
+
+def test_client_tool_answers_are_recorded_per_call_and_replay_in_any_order(tmp_path):
+    rec = tmp_path / "client-tools.jsonl"
+    calls = {"json": {"action_requests": [{"function": "lookup", "arguments": {"key": k}} for k in ("a", "b", "c")]}}
+    tool = {"name": "lookup", "description": "look a key up in the editor",
+            "inputSchema": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"capabilities": {"clientTools": True},
+                                 "settings": {"models": {"m": {"provider": "scripted", "responses": [calls]}}}},
+                  timeout=60)
+        c.request("registerClientTools", {"tools": [tool]})
+        c.on_request("invokeClientTool", lambda p: {"output": p["arguments"]["key"].upper() * 2})
+        bid = c.request("createBranch", {})["branchId"]
+        out = c.request("operate", {"branchId": bid, "instruction": "look up", "actions": True}, timeout=60)
+        assert [r["output"] for r in out["result"]["action_responses"]] == ["AA", "BB", "CC"]
+
+    record(rec, session)
+    responds = [s for s in lines(rec) if "respond" in s]
+    assert sorted(((s["match"], s["result"]) for s in responds), key=json.dumps) == [
+        ({"tool": "lookup", "arguments": {"key": k}}, {"output": k.upper() * 2}) for k in ("a", "b", "c")]
+    out = replay(rec)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_recording_holds_no_known_secret(tmp_path):
+    rec = tmp_path / "secret.jsonl"
+    secret = "sk-test-0123456789abcdefghij"
+    models = {"m": {"provider": "scripted", "responses": [f"the key is {secret}"]},
+              "api": {"provider": "openai", "model": "x", "apiKeyEnv": "RECORD_TEST_KEY"}}
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"settings": {"models": models, "defaultModel": "m"}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        out = c.request("operate", {"branchId": bid, "instruction": "key?", "skipValidation": True}, timeout=60)
+        assert secret not in json.dumps(out)
+
+    argv = [sys.executable, "-m", "operate_sidecar.server", "--record", str(rec)]
+    with SidecarClient(argv=argv, stderr=subprocess.DEVNULL, env={**os.environ, "RECORD_TEST_KEY": secret}) as c:
+        session(c)
+        assert c.close() == 0
+    text = rec.read_text()
+    assert "the key is [REDACTED]" in text and secret not in text

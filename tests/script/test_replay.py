@@ -1,0 +1,165 @@
+"""`operate-sidecar replay`: session scripts run against a real server process over real pipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from operate_sidecar.server.script.matcher import first_mismatch, get_path, substitute
+
+TIMEOUT = 120
+ANSWER = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+PERM = {"toolPermission": True}
+
+
+def write_script(path: Path, steps: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps), encoding="utf-8")
+    return path
+
+
+def replay(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "operate_sidecar.server", "replay", *map(str, args)],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
+
+
+def scripted(*responses) -> dict:
+    return {"provider": "scripted", "responses": list(responses)}
+
+
+def session(answer_expected: str = "42") -> list[dict]:
+    return [
+        {"request": "initialize", "params": {"clientInfo": {"name": "t"},
+                                             "settings": {"models": {"m": scripted({"json": {"answer": "42"}})}}},
+         "expect": {"result": {"protocolVersion": 1, "capabilities": {"models": ["m"]}}}},
+        {"notify": "initialized"},
+        {"request": "createBranch", "params": {"system": "be brief", "name": "first"}, "save": {"b": "branchId"}},
+        {"request": "operate", "params": {"branchId": "${b}", "instruction": "answer", "responseFormat": ANSWER,
+                                          "workDoneToken": "w1"},
+         "expect": {"result": {"kind": "model", "result": {"answer": answer_expected}}}},
+        {"expectNotification": "$/progress", "match": {"token": "w1", "value": {"kind": "end"}}, "timeoutMs": 5000},
+        {"request": "listBranches", "expect": {"result": {"branches": [{"branchId": "${b}", "name": "first"}]}}},
+        {"request": "deleteBranch", "params": {"branchId": "nope"}, "expect": {"error": {"code": -32012}}},
+    ]
+
+
+def test_a_correct_script_passes_every_step_and_exits_0(tmp_path):
+    out = replay(write_script(tmp_path / "ok.jsonl", session()))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines[:-1]] == ["PASS"] * 7
+    assert lines[3].startswith("PASS line 4: request operate")
+    assert lines[-1] == "all 7 steps passed (ok.jsonl)"
+
+
+def test_one_wrong_expectation_fails_naming_the_step_and_the_smallest_difference(tmp_path):
+    out = replay(write_script(tmp_path / "bad.jsonl", session(answer_expected="41")))
+    assert out.returncode == 1
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert fails == ['FAIL line 4: request operate: at $.result.result.answer: expected "41", got "42"']
+    assert "1 of 7 steps failed (bad.jsonl); first: line 4: request operate" in out.stdout
+    # the other steps still ran and passed: ${b} was saved before the failure
+    assert out.stdout.count("PASS ") == 6
+
+
+def test_a_missing_notification_fails_with_the_nearest_candidate(tmp_path):
+    steps = session()[:5]
+    steps[4] = {"expectNotification": "$/progress", "match": {"token": "w1", "value": {"kind": "end", "message": "nope"}},
+                "timeoutMs": 300}
+    out = replay(write_script(tmp_path / "n.jsonl", steps))
+    assert out.returncode == 1
+    (fail,) = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert fail.startswith("FAIL line 5: expectNotification $/progress: no matching $/progress within 0.3 s;")
+    assert 'nearest at $.params.value.message: expected "nope", got "' in fail
+
+
+def test_standing_answers_to_permission_requests_hold_until_replaced(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    write = {"json": {"action_requests": [{"function": "write_file", "arguments": {"path": "n.txt", "content": "hi\n"}}]}}
+    op = {"branchId": "${b}", "instruction": "write it", "actions": True}
+    steps = [
+        {"request": "initialize", "params": {"capabilities": PERM, "workspaceFolders": [str(ws)],
+                                             "settings": {"models": {"m": scripted(write, write, write)},
+                                                          "toolPolicy": {"write_file": "ask"}}}},
+        {"request": "createBranch", "save": {"b": "branchId"}},
+        {"respond": "requestToolPermission", "result": {"decision": "deny_once"}},
+        {"request": "operate", "params": op,
+         "expect": {"result": {"result": {"action_responses": [{"output": {"error": "denied by governance gate"}}]}}}},
+        {"expectNotification": "toolEvent", "match": {"event": "denied", "tool": "write_file"}},
+        {"request": "operate", "params": op,   # the standing answer still holds
+         "expect": {"result": {"result": {"action_responses": [{"output": {"error": "denied by governance gate"}}]}}}},
+        {"respond": "requestToolPermission", "result": {"decision": "allow_once"}},
+        {"request": "operate", "params": op,
+         "expect": {"result": {"result": {"action_responses": [{"output": {"created": True, "path": "n.txt"}}]}}}},
+        {"expectNotification": "toolEvent", "match": {"event": "post", "tool": "write_file"}},
+    ]
+    out = replay(write_script(tmp_path / "perm.jsonl", steps))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (ws / "n.txt").read_text() == "hi\n"
+
+
+def test_replay_against_another_server_command_after_double_dash(tmp_path):
+    steps = [{"request": "initialize", "expect": {"result": {"serverInfo": {"name": "operate-sidecar"}}}},
+             {"request": "initialize", "expect": {"error": {"code": -32600}}}]
+    script = write_script(tmp_path / "s.jsonl", steps)
+    out = replay(script, "--", sys.executable, "-m", "operate_sidecar.server", "--log-level", "error")
+    assert out.returncode == 0, out.stdout + out.stderr
+    bad = replay(script, "--", sys.executable, "-c", "import sys; sys.exit(3)")
+    assert bad.returncode == 1 and "FAIL line 1: request initialize" in bad.stdout
+    missing = replay(script, "--", str(tmp_path / "no-such-server"))
+    assert missing.returncode == 2 and "cannot start the server" in missing.stderr
+
+
+def test_a_malformed_script_is_refused_before_anything_runs(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"request": "ping"}\n{"request": "ping", "expect": {"result": {}}, "typo": 1}\n')
+    out = replay(p)
+    assert out.returncode == 2
+    assert "m.jsonl:2: unknown field(s) for a request step: typo" in out.stderr
+
+
+# ------------------------------------------------------------------ the matcher, in process
+@pytest.mark.parametrize("pattern, value, where", [
+    ({"a": 1}, {"a": 1, "b": 2}, None),                                 # objects are subsets
+    ({"a": "*"}, {}, None),                                              # "*" matches a missing key
+    ([1, {"x": "*"}], [1, {"x": [3]}], None),
+    ({"a": [1, 2]}, {"a": [1, 2, 3]}, ("$.a[2]", "expected 2 items, got 3")),   # arrays element-wise
+    ({"a": {"b": [{"c": "x"}]}}, {"a": {"b": [{"c": "y"}]}}, ("$.a.b[0].c", "")),
+    ({"a": 1}, {"a": True}, ("$.a", "expected a number, got a boolean")),
+    ({"a b": 1}, {}, ('$["a b"]', "")),
+])
+def test_matcher_reports_the_path_of_the_first_difference(pattern, value, where):
+    mm = first_mismatch(pattern, value)
+    if where is None:
+        assert mm is None
+    else:
+        assert mm is not None and (mm.path, mm.why) == where
+
+
+def test_saved_values_substitute_whole_values_and_inside_strings():
+    saved = {"b": "abc", "n": {"k": 1}}
+    assert substitute({"x": "${b}", "y": ["${n}"], "z": "id=${b}"}, saved) == {"x": "abc", "y": [{"k": 1}], "z": "id=abc"}
+    assert get_path({"branches": [{"branchId": "q"}]}, "branches.0.branchId") == "q"
+    with pytest.raises(KeyError, match=r"\$\{missing\} was never saved"):
+        substitute("${missing}", saved)
+
+
+def test_the_repository_example_script_passes(tmp_path):
+    example = Path(__file__).resolve().parent / "example.jsonl"
+    out = replay(example, env={**os.environ})
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_readme_example_script_passes(tmp_path):
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```jsonl\n(.*?)```", text, re.S)
+    assert block, "README.md has no jsonl session script example"
+    out = replay(write_script(tmp_path / "readme.jsonl", [json.loads(ln) for ln in block.group(1).splitlines()]))
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,311 @@
+"""The SQLite state store: every committed change comes back, one transaction per change, a
+failed transaction leaves nothing behind, other processes' commits are seen, a damaged file is
+moved aside, a 0.1 JSONL journal is imported once without losing a readable record."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+
+import pytest
+
+from operate_sidecar.server.core import Branch
+from operate_sidecar.server.core.messages import MessageLog
+from operate_sidecar.server.state import DB_FILE, StateNotSaved, StateStore
+
+
+def _branch(store: StateStore, n: int = 0, *, name: str = "b", created: float = 1) -> Branch:
+    b = Branch(system="sys", name=name)
+    store.attach(b, {"name": name, "createdAt": created})
+    for i in range(n):
+        b.messages.add("instruction", {"instruction": f"q{i}"})
+    return b
+
+
+def _group(b: Branch, n: int) -> None:
+    b.messages.add("instruction", {"instruction": f"q{n}"})
+    req = b.messages.add("action_request", {"callId": f"c{n}", "function": "f", "arguments": {}})
+    b.messages.add("action_response", {"callId": f"c{n}", "requestId": req.id, "function": "f",
+                                       "arguments": {}, "output": n})
+
+
+def _ids(lb) -> list[str]:
+    return [m.id for m in lb.messages]
+
+
+def _reload(tmp_path) -> dict:
+    return {lb.id: lb for lb in StateStore(str(tmp_path)).load()}
+
+
+def test_settings_are_wal_and_synchronous_full(tmp_path):
+    s = StateStore(str(tmp_path))
+    assert s.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert s.conn.execute("PRAGMA synchronous").fetchone()[0] == 2          # FULL
+    assert s.conn.execute("PRAGMA busy_timeout").fetchone()[0] >= 1000
+
+
+def test_committed_messages_come_back_in_order_oldest_branch_first(tmp_path):
+    s = StateStore(str(tmp_path))
+    a = _branch(s, 3, name="a", created=2)
+    b = _branch(s, 1, name="b", created=1)
+    s.flush()
+    loaded = StateStore(str(tmp_path)).load()
+    assert [lb.id for lb in loaded] == [b.id, a.id]
+    assert _ids(loaded[1]) == [m.id for m in a.messages] and loaded[1].meta["name"] == "a"
+
+
+def test_uncommitted_messages_are_not_on_disk(tmp_path):
+    s = StateStore(str(tmp_path))
+    b = _branch(s, 2)
+    s.flush()
+    b.messages.add("instruction", {"instruction": "late"})
+    assert s.dirty()
+    assert len(_reload(tmp_path)[b.id].messages) == 3
+
+
+def test_flush_can_be_limited_to_some_branches(tmp_path):
+    s = StateStore(str(tmp_path))
+    a, b = _branch(s, name="a"), _branch(s, name="b")
+    s.flush()
+    _group(a, 1)
+    _group(b, 1)                                       # b's operate is still running
+    s.flush({a.id})
+    assert s.dirty({b.id}) and not s.dirty({a.id})
+    got = _reload(tmp_path)
+    assert len(got[a.id].messages) == 4 and len(got[b.id].messages) == 1
+
+
+def test_a_meta_only_flush_leaves_a_running_group_pending(tmp_path):
+    """authorizeTool mid-operate: the policy is committed alone, the operate's messages so far
+    stay pending and later go out whole."""
+    s = StateStore(str(tmp_path))
+    b = _branch(s)
+    s.flush()
+    before = [m.id for m in b.messages]
+    b.messages.add("instruction", {"instruction": "q1"})        # the operate has started
+    s.update_meta(b.id, {"policy": {"f": "deny"}})
+    s.flush({b.id}, messages=False)
+    assert not s.dirty({b.id}, messages=False) and s.dirty({b.id})
+    lb = _reload(tmp_path)[b.id]
+    assert _ids(lb) == before and lb.meta["policy"] == {"f": "deny"}
+    b.messages.add("assistant_response", {"text": "a"})
+    s.flush({b.id})
+    lb = _reload(tmp_path)[b.id]
+    assert _ids(lb) == [m.id for m in b.messages] and lb.meta["policy"] == {"f": "deny"}
+
+
+def test_clear_keeps_only_system_after_reload(tmp_path):
+    s = StateStore(str(tmp_path))
+    b = _branch(s, 3)
+    s.flush()
+    b.messages.clear()
+    b.messages.add("instruction", {"instruction": "fresh"})
+    s.flush()
+    assert [m.kind for m in _reload(tmp_path)[b.id].messages] == ["system", "instruction"]
+
+
+def test_delete_removes_the_branch(tmp_path):
+    s = StateStore(str(tmp_path))
+    b = _branch(s, 1)
+    s.flush()
+    s.delete(b.id)
+    assert StateStore(str(tmp_path)).load() == []
+
+
+def test_adopted_branch_keeps_recording(tmp_path):
+    s = StateStore(str(tmp_path))
+    b = _branch(s, 1)
+    s.flush()
+    s2 = StateStore(str(tmp_path))
+    lb = s2.load()[0]
+    b2 = Branch(id=lb.id, messages=MessageLog(lb.messages))
+    s2.adopt(b2, lb.meta)
+    b2.messages.add("instruction", {"instruction": "more"})
+    s2.flush()
+    assert len(_reload(tmp_path)[b.id].messages) == len(b.messages) + 1
+
+
+def test_a_failed_transaction_writes_nothing_and_reverts_the_meta(tmp_path):
+    """The group is not written in part: the failure comes after some rows were inserted."""
+    s = StateStore(str(tmp_path))
+    b = _branch(s, 1)
+    s.flush()
+    s.conn.execute("CREATE TRIGGER boom BEFORE INSERT ON messages WHEN NEW.record LIKE '%q-fail%' "
+                   "BEGIN SELECT RAISE(ABORT, 'injected failure'); END")
+    b.messages.add("instruction", {"instruction": "ok-before"})
+    b.messages.add("instruction", {"instruction": "q-fail"})
+    s.update_meta(b.id, {"policy": {"f": "allow"}})
+    with pytest.raises(StateNotSaved) as ei:
+        s.flush({b.id})
+    assert ei.value.branch_ids == [b.id]
+    assert not s.dirty({b.id})                                 # the pending group was dropped
+    assert s.committed_meta(b.id).get("policy") is None
+    lb = _reload(tmp_path)[b.id]
+    assert len(lb.messages) == 2 and "policy" not in lb.meta   # system + q0, nothing of the group
+    s.conn.execute("DROP TRIGGER boom")
+    b.messages.items[:] = b.messages.items[:2]                  # the server puts the branch back
+    b.messages.add("instruction", {"instruction": "next"})
+    s.flush({b.id})
+    assert [m.content.get("instruction") for m in _reload(tmp_path)[b.id].messages][1:] == ["q0", "next"]
+
+
+def test_a_new_branch_whose_insert_fails_is_not_on_disk(tmp_path):
+    s = StateStore(str(tmp_path))
+    s.conn.execute("CREATE TRIGGER boom BEFORE INSERT ON messages BEGIN SELECT RAISE(ABORT, 'x'); END")
+    b = _branch(s, 1)
+    with pytest.raises(StateNotSaved):
+        s.flush({b.id})
+    s.forget(b.id)
+    assert not s.dirty()
+    assert StateStore(str(tmp_path)).load() == []
+
+
+def test_two_stores_see_each_others_commits_and_appends_land_whole(tmp_path):
+    a, b = StateStore(str(tmp_path)), StateStore(str(tmp_path))
+    b.load()
+    ba = _branch(a, 1, name="shared")
+    a.flush()
+    new, removed = b.poll()
+    assert [lb.id for lb in new] == [ba.id] and removed == []
+    bb = Branch(id=ba.id, messages=MessageLog(new[0].messages))
+    b.adopt(bb, new[0].meta)
+    assert b.poll() is None                                    # nothing new: one cheap query
+    _group(ba, 1)                                              # both append to the same branch
+    _group(bb, 2)
+    a.flush()
+    reloaded = b.flush()                                       # b sees a's commit came first
+    assert [lb.id for lb in reloaded] == [ba.id]
+    order = [m.content.get("instruction") or m.kind for m in reloaded[0].messages]
+    assert order == ["system", "q0", "q1", "action_request", "action_response",
+                     "q2", "action_request", "action_response"]
+    changed, _ = a.poll()                                      # a takes in b's group: an append
+    assert changed[0].incremental and len(changed[0].messages) == 3
+    b.delete(ba.id)
+    assert a.poll() == ([], [ba.id])
+
+
+def test_a_damaged_database_is_moved_aside_and_a_fresh_one_used(tmp_path):
+    s = StateStore(str(tmp_path))
+    _branch(s, 50)
+    s.flush()
+    s.close()
+    path = os.path.join(str(tmp_path), DB_FILE)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as fh:                               # flip bytes in every page but the first
+        for off in range(4096, size, 4096):
+            fh.seek(off)
+            data = fh.read(16)
+            fh.seek(off)
+            fh.write(bytes(x ^ 0xA5 for x in data))
+    s2 = StateStore(str(tmp_path))
+    assert any("damaged" in p for p in s2.problems), s2.problems
+    aside = [f for f in os.listdir(str(tmp_path)) if ".damaged-" in f]
+    assert aside, os.listdir(str(tmp_path))
+    assert s2.conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+    c = _branch(s2, 1, name="after")
+    s2.flush()
+    assert c.id in _reload(tmp_path)
+
+
+def test_a_file_that_is_no_database_is_moved_aside(tmp_path):
+    with open(os.path.join(str(tmp_path), DB_FILE), "wb") as fh:
+        fh.write(os.urandom(8192))
+    s = StateStore(str(tmp_path))
+    assert any("damaged" in p for p in s.problems)
+    assert s.load() == []
+
+
+def test_a_truncated_database_is_detected(tmp_path):
+    s = StateStore(str(tmp_path))
+    _branch(s, 300)
+    s.flush()
+    s.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    s.close()
+    path = os.path.join(str(tmp_path), DB_FILE)
+    with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) // 2)
+    s2 = StateStore(str(tmp_path))
+    assert any("damaged" in p for p in s2.problems), s2.problems
+
+
+# ---------------------------------------------------------------- the 0.1 JSONL journal
+
+def _write_jsonl(tmp_path, bid: str, lines: list) -> None:
+    d = tmp_path / "branches"
+    d.mkdir(exist_ok=True)
+    with open(d / f"{bid}.log", "w", encoding="utf-8") as fh:
+        for line in lines:
+            fh.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+
+
+def _msg(i: int, s: int) -> dict:
+    return {"s": s, "t": "msg", "m": {"id": f"m{i}", "kind": "instruction", "sender": None, "recipient": None,
+                                      "created_at": 1.0 + i, "content": {"instruction": f"q{i}"}}}
+
+
+def test_a_jsonl_journal_is_imported_once_keeping_records_after_a_damaged_line(tmp_path):
+    _write_jsonl(tmp_path, "b1", [
+        {"s": 1, "t": "meta", "meta": {"name": "old", "createdAt": "not-a-number", "policy": {"f": "deny"}}},
+        _msg(1, 2),
+        '{"s": 3, "t": "msg", "m": {"id": "m2", "ki',          # a damaged line in the middle
+        {"s": 4, "t": "batch", "r": [_msg(3, 4), {"s": 5, "t": "msg", "m": {"bad": 1}},
+                                     _msg(4, 6)]},
+        _msg(5, 7),
+        '{"s": 8, "t": "msg"',                                  # a torn tail
+    ])
+    s = StateStore(str(tmp_path))
+    assert any("imported" in p and "3 unreadable" in p for p in s.problems), s.problems
+    lb = {b.id: b for b in s.load()}["b1"]
+    assert [m.id for m in lb.messages] == ["m1", "m3", "m4", "m5"]
+    assert lb.meta["name"] == "old" and lb.meta["policy"] == {"f": "deny"}
+    assert os.path.isdir(tmp_path / "branches.imported-0.1") and not os.path.exists(tmp_path / "branches")
+    s.delete("b1")
+    s.close()
+    os.rename(tmp_path / "branches.imported-0.1", tmp_path / "branches")  # even if the rename had failed:
+    assert StateStore(str(tmp_path)).load() == []                         # imported once, never again
+
+
+def test_a_jsonl_snapshot_and_stale_log_are_not_doubled(tmp_path):
+    d = tmp_path / "branches"
+    d.mkdir()
+    (d / "b2.snap").write_text(json.dumps({"s": 3, "meta": {"name": "s", "createdAt": 1},
+                                           "messages": [_msg(1, 2)["m"], _msg(2, 3)["m"]]}))
+    _write_jsonl(tmp_path, "b2", [_msg(1, 2), _msg(2, 3), _msg(3, 4)])
+    lb = StateStore(str(tmp_path)).load()[0]
+    assert [m.id for m in lb.messages] == ["m1", "m2", "m3"]
+
+
+def test_an_unopenable_state_dir_raises(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError):
+        StateStore(str(blocker / "state"))
+
+
+def test_sqlite_rows_are_one_per_message(tmp_path):
+    s = StateStore(str(tmp_path))
+    b = _branch(s, 2)
+    s.flush()
+    db = sqlite3.connect(os.path.join(str(tmp_path), DB_FILE))
+    assert db.execute("SELECT COUNT(*) FROM messages WHERE branch_id=?", (b.id,)).fetchone()[0] == 3
+
+
+def test_one_wrong_shaped_record_hides_nothing_else(tmp_path):
+    """A bad message row loses that message only; a bad meta loses the name, not the branch."""
+    s = StateStore(str(tmp_path))
+    a, b = _branch(s, 3, name="a"), _branch(s, 1, name="b")
+    s.flush()
+    s.conn.execute("UPDATE messages SET record='{\"not\": \"a message\"}' WHERE branch_id=? AND seq=2", (a.id,))
+    s.conn.execute("UPDATE branches SET meta='not json', created_at=-1 WHERE id=?", (b.id,))
+    got = _reload(tmp_path)
+    assert [m.id for m in got[a.id].messages] == [m.id for m in a.messages if m is not a.messages[1]]
+    assert [m.id for m in got[b.id].messages] == [m.id for m in b.messages] and got[b.id].meta == {}
+
+
+def test_the_error_code_is_the_same_in_the_protocol_package_and_the_server():
+    from operate_sidecar.protocol import errors as perr
+    from operate_sidecar.server.rpc import errors as E
+
+    assert perr.STATE_NOT_SAVED == E.STATE_NOT_SAVED == perr.ERROR_CODES["StateNotSaved"] == -32013
+    assert E.state_not_saved("x").to_dict() == {"code": -32013, "message": "state could not be saved: x"}

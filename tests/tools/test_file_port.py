@@ -1,0 +1,116 @@
+"""The file tools' port (server/tools/file_tools.py): any front end can supply its own
+``FileAccess``; previews plan without writing; a planned call writes only onto the text it
+was planned from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from operate_sidecar.server.core.tools import ToolCallContext
+from operate_sidecar.server.tools import ToolCallError, WorkspaceTools
+
+pytestmark = pytest.mark.anyio
+
+
+class Memory:
+    """A FileAccess keeping files in a dict (what an editor front end's buffers look like)."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+        self.calls: list[tuple[str, str]] = []
+
+    async def read_text(self, real: Path, ctx: ToolCallContext) -> str | None:
+        self.calls.append(("read", ctx.call_id))
+        return self.files.get(str(real))
+
+    async def write_text(self, real: Path, text: str, ctx: ToolCallContext) -> None:
+        self.calls.append(("write", ctx.call_id))
+        self.files[str(real)] = text
+
+
+def tools_with(tmp_path: Path, files: dict[str, str]) -> tuple[dict, Memory]:
+    mem = Memory(files)
+    return {t.name: t for t in WorkspaceTools([tmp_path], files=mem).tools()}, mem
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def test_a_front_end_supplies_its_own_file_access(tmp_path):
+    path = str(tmp_path.resolve() / "a.py")
+    tools, mem = tools_with(tmp_path, {path: "x = 1\n"})
+    ctx = ToolCallContext("b1", "c1")
+    out = await tools["edit_file"].call({"path": "a.py", "edits": [{"oldText": "1", "newText": "2"}]}, ctx)
+    assert mem.files[path] == "x = 2\n" and out["added"] == out["removed"] == 1
+    assert not (tmp_path / "a.py").exists()                                    # never the disk
+    read = await tools["read_file"].call({"path": "a.py"}, ToolCallContext("b1", "c2"))
+    assert read["content"] == "x = 2\n"
+    assert mem.calls == [("read", "c1"), ("read", "c1"), ("write", "c1"), ("read", "c2")]
+
+
+async def test_preview_plans_without_writing_and_the_call_writes_the_plan(tmp_path):
+    path = str(tmp_path.resolve() / "a.py")
+    tools, mem = tools_with(tmp_path, {path: "v = 1\n"})
+    t, ctx = tools["edit_file"], ToolCallContext("b1", "c1")
+    args = {"path": "a.py", "edits": [{"oldText": "v = 1", "newText": "v = 2"}]}
+    preview = await t.preview(args, ctx)
+    assert preview == {"kind": "diff", "path": path, "oldText": "v = 1\n", "newText": "v = 2\n",
+                       "diff": "--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-v = 1\n+v = 2\n"}
+    assert mem.files[path] == "v = 1\n" and [k for k, _ in mem.calls] == ["read"]
+    await t.call(args, ctx)
+    assert mem.files[path] == "v = 2\n"
+
+
+async def test_a_planned_call_onto_a_changed_file_writes_nothing(tmp_path):
+    path = str(tmp_path.resolve() / "a.py")
+    tools, mem = tools_with(tmp_path, {path: "v = 1\n"})
+    t, ctx = tools["write_file"], ToolCallContext("b1", "c1")
+    await t.preview({"path": "a.py", "content": "new\n"}, ctx)
+    mem.files[path] = "v = 1\nedited meanwhile\n"
+    with pytest.raises(ToolCallError, match="changed after the change was previewed"):
+        await t.call({"path": "a.py", "content": "new\n"}, ctx)
+    assert mem.files[path] == "v = 1\nedited meanwhile\n"
+
+
+async def test_a_failed_plan_fails_the_call_without_replanning(tmp_path):
+    path = str(tmp_path.resolve() / "a.py")
+    tools, mem = tools_with(tmp_path, {path: "a\n"})
+    t, ctx = tools["edit_file"], ToolCallContext("b1", "c1")
+    args = {"path": "a.py", "edits": [{"oldText": "b", "newText": "c"}]}
+    with pytest.raises(ToolCallError, match="edit 0: oldText not found"):
+        await t.preview(args, ctx)
+    mem.files[path] = "b\n"                      # now it would apply: the call must still fail, unasked
+    with pytest.raises(ToolCallError, match="edit 0: oldText not found"):
+        await t.call(args, ctx)
+    assert mem.files[path] == "b\n"
+
+
+async def test_denied_plans_are_forgotten(tmp_path):
+    path = str(tmp_path.resolve() / "a.py")
+    tools, mem = tools_with(tmp_path, {path: "a\n"})
+    t, ctx = tools["write_file"], ToolCallContext("b1", "c1")
+    await t.preview({"path": "a.py", "content": "b\n"}, ctx)
+    t.forget("c1")
+    mem.files[path] = "changed\n"   # unplanned now: the call re-plans from the current text
+    await t.call({"path": "a.py", "content": "b\n"}, ctx)
+    assert mem.files[path] == "b\n"
+
+
+async def test_an_unplanned_call_rechecks_the_file_just_before_writing(tmp_path):
+    class Typing(Memory):
+        async def read_text(self, real: Path, ctx: ToolCallContext) -> str | None:
+            text = await super().read_text(real, ctx)
+            self.files[str(real)] = (text or "") + "typed\n"  # the user types after every read
+            return text
+
+    path = str(tmp_path.resolve() / "a.py")
+    mem = Typing({path: "v = 1\n"})
+    edit = {t.name: t for t in WorkspaceTools([tmp_path], files=mem).tools()}["edit_file"]
+    with pytest.raises(ToolCallError, match="changed while the change was being made; nothing was written"):
+        await edit.call({"path": "a.py", "edits": [{"oldText": "v = 1", "newText": "v = 2"}]},
+                        ToolCallContext("b1", "c1"))
+    assert "write" not in [k for k, _ in mem.calls] and mem.files[path].startswith("v = 1\ntyped\n")
