@@ -560,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small smoke run (~1-2 min)")
     ap.add_argument("--only", help="comma list of contenders: stdlib,pygls,mcp,ours,lionagi; or acp alone (the "
                                    "ACP front end against the ACP SDK's minimal example agent); or store alone "
-                                   "(the SQLite state store vs the JSONL journal it replaced); or edit alone (edits, "
+                                   "(the SQLite state store vs the JSONL journal it replaced); or first alone (spawn → first "
+                                   "createBranch, first vs warm operate); or edit alone (edits, "
                                    "previews and rounds)")
     ap.add_argument("--no-setup", action="store_true", help="do not create/install peer venvs")
     ap.add_argument("--no-markdown", action="store_true", help="do not rewrite bench/RESULTS.md")
@@ -581,6 +582,14 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, {client_cpu})
         return edit_bench.run_alone(ns.quick, server_cpu, " ".join(["python -m bench.run", *sys.argv[1:]]),
                                     markdown=not ns.no_markdown)
+    if ns.only == "first":  # spawn → first createBranch, first vs warm operate: only its section is rewritten
+        from . import first_bench
+
+        client_cpu, server_cpu = pick_cpus()
+        if client_cpu is not None:
+            os.sched_setaffinity(0, {client_cpu})
+        return first_bench.run_alone(ns.quick, server_cpu, " ".join(["python -m bench.run", *sys.argv[1:]]),
+                                     markdown=not ns.no_markdown)
     if ns.only == "acp":  # the ACP entry alone: only its section of RESULTS.md is rewritten
         from . import acp_bench
 

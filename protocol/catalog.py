@@ -1,5 +1,9 @@
 """Which types each method carries: ``REQUESTS[method] = (params type, result type)``,
-``NOTIFICATIONS[method] = params type``. ``None`` as a result type means the result is null."""
+``NOTIFICATIONS[method] = params type``. ``None`` as a result type means the result is null.
+
+``REQUESTS`` is also what the native server serves: it registers one handler per entry (by
+the method's name), advertises the keys in ``initialize`` and answers anything else -32601;
+a request added here without a handler fails the server's tests."""
 
 from . import methods as m
 from .branches import (BranchIdResult, BranchMessagesParams, BranchMessagesResult, BranchParams,

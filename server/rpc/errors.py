@@ -1,4 +1,4 @@
-"""JSON-RPC error codes (PROTOCOL §8) and the one exception the RPC layer raises
+"""JSON-RPC error codes (docs/PROTOCOL.md) and the one exception the RPC layer raises
 to answer a request with an error."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ MODEL_ERROR = -32011
 BRANCH_NOT_FOUND = -32012
 STATE_NOT_SAVED = -32013  # a change whose transaction failed: not applied, in memory or on disk
 
-# The same values as protocol.errors (checked by tests/rpc/test_contract.py); not imported
-# from there because that package costs ~100 ms before initialize is answered.
+# The same values as protocol.errors (pinned by tests/rpc/test_catalog.py); not imported
+# from there because that package costs more than answering initialize.
 
 
 class RpcError(Exception):

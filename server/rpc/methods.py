@@ -179,6 +179,7 @@ class Sidecar:
 
         meta = lb.meta
         policy = dict(meta.get("policy") or {})
+        self._restore_usage(lb.id, meta.get("usage"))
         b = self.branches.get(lb.id)
         if b is not None:  # another process committed to it: take its state
             items = b.messages.items
@@ -580,8 +581,21 @@ class Sidecar:
                               "chatModel": getattr(b.chat_model, "name", None), "usage": self._usage_of(b.id)}
                              for b in self.branches.values()]}
 
+    def _restore_usage(self, branch_id: str, saved: Any) -> None:
+        if not isinstance(saved, dict):
+            return
+        from operate_sidecar.server.core.imodel import UsageMeter
+
+        def count(key: str) -> int | None:
+            v = saved.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+        self._usage[branch_id] = UsageMeter(input_tokens=count("inputTokens"), output_tokens=count("outputTokens"),
+                                            context_tokens=count("contextTokens"),
+                                            model_calls=count("modelCalls") or 0)
+
     def _usage_of(self, branch_id: str) -> dict[str, Any]:
-        """The token totals of the operates run on a branch (since this server started)."""
+        """The token totals of the operates run on a branch (saved with the branch)."""
         meter = self._usage.get(branch_id)
         if meter is None:
             return {"inputTokens": 0, "outputTokens": 0, "contextTokens": None, "modelCalls": 0}
@@ -772,6 +786,8 @@ class Sidecar:
                 current_progress.reset(token)
                 current_usage.reset(usage_token)
                 self._usage.setdefault(branch.id, UsageMeter()).add(meter)
+                if self.journal is not None:  # the branch's totals are saved with its messages
+                    self.journal.update_meta(branch.id, {"usage": self._usage_of(branch.id)})
                 # one transaction before the answer; on failure the branch is put back (-32013)
                 await asyncio.shield(self._commit_operate(branch, self._settled.pop(branch.id, None)))
             if sink is not None:

@@ -1,4 +1,4 @@
-"""The pygls 2.1.1 ``JsonRPCServer`` serving PROTOCOL.md.
+"""The pygls 2.1.1 ``JsonRPCServer`` serving the native protocol (docs/PROTOCOL.md).
 
 pygls is driven from our own reader (``transport.Connection``): messages
 arrive here already framed, decoded as plain dicts and validated, so pygls's
@@ -181,7 +181,8 @@ class CoreLoader:
     request starts the import on a worker thread."""
 
     def __init__(self, external: bool = False) -> None:
-        self.loaded = all(m in sys.modules for m in CORE_MODULES)
+        # (while the loader thread imports, sys.modules may hold the core half-initialized)
+        self.loaded = not external and all(m in sys.modules for m in CORE_MODULES)
         self._deferred: list[tuple[Any, Callable[[], None]]] = []
         self._started = external
 
@@ -231,7 +232,12 @@ class CoreLoader:
 
             for params_type, _ in catalog.REQUESTS.values():  # build the params checkers now, not per first call
                 converter.get_structure_hook(params_type)
+            from operate_sidecar.server.core.prepare import prepare_operate_kw
+
+            from .methods import _pipeline_names
             from .stdio import bind_children_to_process
+
+            _pipeline_names(prepare_operate_kw)  # operate's option names (inspect.signature), once
 
             bind_children_to_process()  # the tools' reaper (a process spawn): here, not in the first operate
         except BaseException:
@@ -274,11 +280,9 @@ class SidecarServer(JsonRPCServer):
         # dispatch is the protocol's catalog: every request it declares (but the connection's
         # own) is registered with pygls by name; a method without a handler is not registered,
         # so it is answered -32601 and reported here (tests/rpc/test_catalog.py fails on it)
-        self.unserved: list[str] = []
         for method in app_methods():
             bound = getattr(self.sidecar, handler_name(method), None)
             if bound is None or not callable(bound):
-                self.unserved.append(method)
                 log.error("the protocol declares %s but the server has no handler for it", method)
                 continue
             self.protocol.fm.feature(method)(_handler(bound))

@@ -1,4 +1,4 @@
-"""Settings (PROTOCOL §2): defaults ← command-line flags ← ``--config`` TOML file
+"""Settings (the `initialize` settings of docs/PROTOCOL.md): defaults ← command-line flags ← ``--config`` TOML file
 ← ``initialize.settings``. Dict-valued keys (``models``, ``toolPolicy``,
 ``mcpServers``) merge per entry; every other key is replaced."""
 
@@ -34,7 +34,9 @@ DEFAULTS: dict[str, Any] = {
     "secretEnv": [],
 }
 
-#: bounds that must be positive integers (PROTOCOL §2; protocol/README.md)
+#: bounds that must be positive integers: every integer field of ``protocol.Settings``. This
+#: module's tables (DEFAULTS, these keys, the merged and policy tables) are copies kept off the
+#: cold-start path; tests/rpc/test_catalog.py pins each to the protocol's declaration.
 POSITIVE_INT_KEYS = ("maxMessageBytes", "permissionTimeoutMs", "toolTimeoutMs", "maxToolOutputChars",
                      "maxConcurrentOperates", "maxBranches", "maxMessagesPerBranch")
 
@@ -94,7 +96,7 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
     s = settings
     if not isinstance(s.get("models"), dict):
         raise SettingsError("settings.models must be an object")
-    if s["models"]:  # every field of every model, up front (PROTOCOL §2 ModelConfig)
+    if s["models"]:  # every field of every model, up front (ModelConfig)
         from operate_sidecar.server.models.config import ModelConfigError, check_model_config  # a table; no provider
 
         for name, cfg in s["models"].items():

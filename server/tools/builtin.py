@@ -349,7 +349,7 @@ class WorkspaceTools:
             edits: the replacements, as [{"oldText": ..., "newText": ..., "replaceAll": false}]
         """
         real = self.resolve(path)
-        old = self._read_text(real)
+        old = self._read_text(real, strict=True)
         try:
             new = apply_edits(old, edits)
         except EditError as e:
@@ -392,10 +392,11 @@ class WorkspaceTools:
             data = f.read(max_bytes + 1)
         return (data[:max_bytes], True) if len(data) > max_bytes else (data, False)
 
-    def _read_text(self, real: Path | str, max_bytes: int | None = None) -> str:
+    def _read_text(self, real: Path | str, max_bytes: int | None = None, *, strict: bool = False) -> str:
         """The text of the regular file ``real`` (a resolved Path, or a workspace path that
         is resolved first); WorkspacePathError when it is binary or longer than
-        ``max_bytes`` (default: max_write_bytes)."""
+        ``max_bytes`` (default: max_write_bytes), and, with ``strict``, when it is not UTF-8
+        (an edit of text decoded with replacement characters would corrupt the other bytes)."""
         if not isinstance(real, Path):
             real = self.resolve(real)
         cap = self.max_write_bytes if max_bytes is None else max_bytes
@@ -404,6 +405,12 @@ class WorkspaceTools:
             raise WorkspacePathError(f"{self.display(real)!r} is larger than {cap} bytes")
         if b"\x00" in data[:_BINARY_SNIFF]:
             raise WorkspacePathError(f"{self.display(real)!r} is a binary file")
+        if strict:
+            try:
+                return data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise WorkspacePathError(f"{self.display(real)!r} is not UTF-8 text (byte {e.start}); "
+                                         "it cannot be changed safely by this tool") from None
         return data.decode("utf-8", "replace")
 
     def _write_bytes(self, real: Path, data: bytes, shown: str | None = None) -> bool:

@@ -71,7 +71,7 @@ class DiskFiles:
     def _read(self, real: Path) -> str | None:
         if not os.path.lexists(real):
             return None
-        return self.ws._read_text(real)
+        return self.ws._read_text(real, strict=True)
 
     async def write_text(self, real: Path, text: str, ctx: ToolCallContext) -> None:
         import anyio.to_thread

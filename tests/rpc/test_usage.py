@@ -73,3 +73,21 @@ def test_list_branches_carries_each_branchs_totals(sidecar):
     listed = {b["branchId"]: b["usage"] for b in sidecar.request("listBranches", {})["branches"]}
     assert listed[b1] == {"inputTokens": 20, "outputTokens": 4, "contextTokens": 10, "modelCalls": 2}
     assert listed[b2] == {"inputTokens": 0, "outputTokens": 0, "contextTokens": None, "modelCalls": 0}
+
+
+def test_a_branchs_totals_are_saved_with_it_and_survive_a_restart(spawn, tmp_path):
+    """With a stateDir the totals are committed with the operate, so ``listBranches`` of a new
+    server on the same state directory shows them."""
+    state = str(tmp_path / "state")
+    model = {"c": jsonl_cli({"type": "text", "text": "a"},
+                            {"type": "result", "usage": {"input_tokens": 10, "output_tokens": 2}})}
+    first = spawn()
+    first.init(models=model, stateDir=state)
+    bid = first.branch(chatModel="c")
+    for _ in range(2):
+        first.request("operate", {"branchId": bid, "instruction": "q"}, timeout=TIMEOUT)
+    first.close()
+    second = spawn()
+    second.init(models=model, stateDir=state)
+    listed = {b["branchId"]: b["usage"] for b in second.request("listBranches", {})["branches"]}
+    assert listed[bid] == {"inputTokens": 20, "outputTokens": 4, "contextTokens": 10, "modelCalls": 2}

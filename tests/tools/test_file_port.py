@@ -114,3 +114,15 @@ async def test_an_unplanned_call_rechecks_the_file_just_before_writing(tmp_path)
         await edit.call({"path": "a.py", "edits": [{"oldText": "v = 1", "newText": "v = 2"}]},
                         ToolCallContext("b1", "c1"))
     assert "write" not in [k for k, _ in mem.calls] and mem.files[path].startswith("v = 1\ntyped\n")
+
+
+async def test_an_edit_of_a_file_that_is_not_utf8_is_refused_and_leaves_its_bytes(tmp_path):
+    """Text decoded with replacement characters would be written back with the file's other
+    non-UTF-8 bytes destroyed: the edit fails and the file keeps every byte."""
+    raw = "café = 1\n".encode("latin-1") + b"x = 1\n"
+    (tmp_path / "old.py").write_bytes(raw)
+    tools = {t.name: t for t in WorkspaceTools([tmp_path]).tools()}
+    args = {"path": "old.py", "edits": [{"oldText": "x = 1", "newText": "x = 2"}]}
+    with pytest.raises(ToolCallError, match="not UTF-8"):
+        await tools["edit_file"].call(args, ToolCallContext("b1", "c1"))
+    assert (tmp_path / "old.py").read_bytes() == raw

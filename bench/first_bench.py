@@ -1,0 +1,295 @@
+"""The first real request after a spawn (native front end).
+
+Editors spawn the sidecar on first use and send ``createBranch`` and an ``operate`` right
+after ``initialize``, so the user waits for whatever the server still has to load. Per
+fresh server process (instant scripted model, no stateDir): spawn → ``initialize``
+answered, spawn → first ``createBranch`` answered (sent as soon as initialize is
+answered), the first ``operate`` right after it, then warm operates on the same branch.
+Interleaved with the bare pygls server's cold start (spawn → ``initialize`` answered), the
+reference the cold-start target already uses.
+
+    python -m bench.run --only first [--quick]
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+BEGIN, END = "<!-- first-request-bench:begin -->", "<!-- first-request-bench:end -->"
+WARM_OPS = 20
+#: the targets: spawn → first createBranch answered, and the first operate against a warm one
+CREATE_TARGET_S = 0.5
+
+
+def _log(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _pin(argv: list[str], server_cpu: int | None) -> list[str]:
+    if server_cpu is not None and shutil.which("taskset"):
+        return ["taskset", "-c", str(server_cpu), *argv]
+    return argv
+
+
+def _ours_argv(server_cpu: int | None) -> list[str]:
+    exe = os.environ.get("OPERATE_SIDECAR_BIN") or str(ROOT / ".venv" / "bin" / "operate-sidecar")
+    argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "operate_sidecar.server"]
+    return _pin(argv, server_cpu)
+
+
+def _pygls_argv(server_cpu: int | None) -> tuple[list[str], str]:
+    """The bare pygls peer: its bench venv if set up, else this interpreter (same pygls 2.1.1)."""
+    from . import venvs
+
+    py = venvs.python_of("pygls")
+    label = "bare pygls (bench venv)"
+    if not py.exists():
+        py, label = Path(sys.executable), "bare pygls (project venv)"
+    return _pin([str(py), str(BENCH / "peers" / "pygls_server.py")], server_cpu), label
+
+
+class _Proc:
+    """A server over Content-Length framed pipes; blocking reads (every wait bounded by a kill timer)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.t0 = time.perf_counter()
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  cwd=str(ROOT))
+
+    def send(self, obj: dict) -> None:
+        body = json.dumps(obj).encode()
+        assert self.p.stdin is not None
+        self.p.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        self.p.stdin.flush()
+
+    def recv(self, want_id: Any) -> dict:
+        assert self.p.stdout is not None
+        while True:
+            n = None
+            while True:
+                line = self.p.stdout.readline()
+                if not line:
+                    raise EOFError("server closed its stdout")
+                if line in (b"\r\n", b"\n"):
+                    break
+                k, _, v = line.decode().partition(":")
+                if k.strip().lower() == "content-length":
+                    n = int(v)
+            msg = json.loads(self.p.stdout.read(n or 0))
+            if msg.get("id") == want_id and "method" not in msg:
+                return msg
+
+    def call(self, msg_id: Any, method: str, params: dict) -> dict:
+        self.send({"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params})
+        msg = self.recv(msg_id)
+        if "error" in msg:
+            raise RuntimeError(f"{method}: {msg['error']}")
+        return msg["result"]
+
+    def close(self) -> None:
+        try:
+            if self.p.stdin:
+                self.p.stdin.close()
+            self.p.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.p.kill()
+            self.p.wait(timeout=10)
+
+
+def _with_deadline(fn, timeout: float = 60.0):
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["v"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"no answer in {timeout} s")
+    if "e" in out:
+        raise out["e"]
+    return out["v"]
+
+
+def _ours_once(argv: list[str]) -> dict[str, Any]:
+    proc = _Proc(argv)
+    try:
+        def go() -> dict[str, Any]:
+            proc.call(0, "initialize", {"clientInfo": {"name": "first-bench"}, "settings": {
+                "models": {"s": {"provider": "scripted", "responses": ["ok"] * (WARM_OPS + 2)}},
+                "defaultModel": "s"}})
+            t_init = time.perf_counter() - proc.t0
+            branch = proc.call(1, "createBranch", {})["branchId"]
+            t_create = time.perf_counter() - proc.t0
+            ops = []
+            for i in range(WARM_OPS + 1):
+                t = time.perf_counter()
+                proc.call(2 + i, "operate", {"branchId": branch, "instruction": "x"})
+                ops.append(time.perf_counter() - t)
+            return {"initialize_s": t_init, "create_s": t_create, "first_op_s": ops[0],
+                    "warm_op_s": statistics.median(ops[1:])}
+        return _with_deadline(go)
+    finally:
+        proc.close()
+
+
+def _pygls_once(argv: list[str]) -> float:
+    proc = _Proc(argv)
+    try:
+        def go() -> float:
+            from .contenders import lsp_init
+
+            proc.call(0, "initialize", lsp_init("pygls"))
+            return time.perf_counter() - proc.t0
+        return _with_deadline(go)
+    finally:
+        proc.close()
+
+
+def _med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def measure(quick: bool, server_cpu: int | None) -> dict[str, Any]:
+    reps = 5 if quick else 20
+    ours_argv = _ours_argv(server_cpu)
+    pygls_argv, pygls_label = _pygls_argv(server_cpu)
+    ours: dict[str, list[float]] = {"initialize_s": [], "create_s": [], "first_op_s": [], "warm_op_s": []}
+    pygls: list[float] = []
+    failures: list[str] = []
+    for r in range(reps):
+        for which in (("ours", "pygls") if r % 2 == 0 else ("pygls", "ours")):
+            try:
+                if which == "ours":
+                    for k, v in _ours_once(ours_argv).items():
+                        ours[k].append(v)
+                else:
+                    pygls.append(_pygls_once(pygls_argv))
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"{which}: {type(e).__name__}: {e}")
+    s = {k: _med(v) for k, v in ours.items()}
+    s["pygls_initialize_s"] = _med(pygls)
+    # the first operate of each process against the warm median of the same process
+    excess = [f - w for f, w in zip(ours["first_op_s"], ours["warm_op_s"])]
+    s["first_minus_warm_ms"] = _med(excess) * 1000 if excess else None
+    ratios = []
+    if s["create_s"] is not None:
+        ratios.append({"what": "spawn → first createBranch answered (s)", "ratio": s["create_s"],
+                       "target": f"<= {CREATE_TARGET_S}", "met": s["create_s"] <= CREATE_TARGET_S})
+    if s["initialize_s"] is not None and s["pygls_initialize_s"]:
+        r_ = s["initialize_s"] / s["pygls_initialize_s"]
+        ratios.append({"what": "spawn → initialize answered, ours / bare pygls", "ratio": r_,
+                       "target": "<= 1.1", "met": r_ <= 1.1})
+    if s["first_op_s"] is not None and s["warm_op_s"]:
+        r_ = s["first_op_s"] / s["warm_op_s"]
+        ratios.append({"what": "first operate after createBranch / warm operate (p50s)", "ratio": r_,
+                       "target": "<= 1.0", "met": r_ <= 1.0})
+    if s["first_minus_warm_ms"] is not None:
+        # nothing left to load: what remains is the interpreter warming up the operate path
+        # (the second operate is still slower than the tenth); shown apart, in milliseconds
+        ratios.append({"what": "first operate − warm operate, per process (ms)", "ratio": s["first_minus_warm_ms"],
+                       "target": "<= 1.0", "met": s["first_minus_warm_ms"] <= 1.0})
+    return {"reps": reps, "warm_ops": WARM_OPS, "pygls_label": pygls_label, "raw": {**ours, "pygls": pygls},
+            "summary": s, "ratios": ratios, "failures": failures}
+
+
+def meta_now(command: str, server_cpu: int | None) -> dict[str, Any]:
+    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "command": command,
+            "machine": f"{os.cpu_count()} CPUs, Python {platform.python_version()}, measured processes pinned "
+                       f"to CPU {server_cpu}, load average at start "
+                       f"{'/'.join(f'{x:.2f}' for x in os.getloadavg())}"}
+
+
+def _fmt(v: float | None, scale: float = 1.0, unit: str = " s", digits: int = 3) -> str:
+    return "n/a" if v is None else f"{v * scale:.{digits}f}{unit}"
+
+
+def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
+    s = res["summary"]
+    lines = [BEGIN, "## First request after a spawn (native front end)", "",
+             f"- date: {meta['date']}; command: `{meta['command']}`; {meta['machine']}",
+             f"- {res['reps']} fresh processes each, ours and {res['pygls_label']} interleaved; ours: instant "
+             f"scripted model, `createBranch` sent as soon as `initialize` is answered, one `operate` right "
+             f"after it, then {res['warm_ops']} warm operates on the same branch (their median is the warm "
+             "figure). Medians over processes.",
+             "- Where the time goes: `initialize` is answered before anything heavy is imported; then one "
+             "background pass imports pygls (its `lsprotocol.types`, ~1,000 attrs classes, is ~0.19 s of it), "
+             "the wire types of `protocol/` (~0.05 s) and, because a request is already waiting, the core with "
+             "what the first operate needs (~0.09 s: pydantic, the pipeline, the state store, the workspace "
+             "tools, the tools' reaper process). That sum is the floor while pygls dispatches. A sidecar left "
+             "idle after `initialize` does not load the core (idle RSS unchanged). What remains between the "
+             "first and a warm operate is not loading but the interpreter warming up the operate path (the "
+             "second operate is still slower than the tenth).",
+             "- Before the core was loaded in the same pass (2026-12-02, same machine, unpinned, interleaved, "
+             "median of 15): createBranch 0.36–0.39 s, first operate 8–10 ms against 0.3 ms warm.",
+             "",
+             "| measure | value |",
+             "|---|---|",
+             f"| spawn → `initialize` answered, ours | {_fmt(s['initialize_s'])} |",
+             f"| spawn → `initialize` answered, bare pygls | {_fmt(s['pygls_initialize_s'])} |",
+             f"| spawn → first `createBranch` answered, ours | {_fmt(s['create_s'])} |",
+             f"| first `operate` right after | {_fmt(s['first_op_s'], 1000, ' ms', 2)} |",
+             f"| warm `operate` | {_fmt(s['warm_op_s'], 1000, ' ms', 2)} |",
+             f"| first − warm, per process | {_fmt(s['first_minus_warm_ms'], 1, ' ms', 2)} |",
+             "",
+             "| check | value | target | met |",
+             "|---|---|---|---|"]
+    for r in res["ratios"]:
+        lines.append(f"| {r['what']} | {r['ratio']:.3f} | {r['target']} | {'yes' if r['met'] else 'NO'} |")
+    if res["failures"]:
+        lines += ["", "Failures: " + "; ".join(res["failures"][:5])]
+    lines += [END, ""]
+    return "\n".join(lines)
+
+
+def write_section(res: dict[str, Any] | None, meta: dict[str, Any], path: Path = BENCH / "RESULTS.md") -> None:
+    """Replace (or append) this benchmark's section of RESULTS.md."""
+    if not res or "summary" not in res:
+        return
+    text = path.read_text() if path.exists() else ""
+    block = section(res, meta)
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
+def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True) -> int:
+    meta = meta_now(command, server_cpu)
+    _log(">> first request after a spawn: initialize, createBranch, first vs warm operate (vs bare pygls)")
+    res = measure(quick, server_cpu)
+    out = BENCH / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "first_results.json").write_text(json.dumps({"meta": meta, **res}, indent=1, default=str))
+    s = res["summary"]
+    _log(f"   initialize {_fmt(s['initialize_s'])}, createBranch {_fmt(s['create_s'])}, first operate "
+         f"{_fmt(s['first_op_s'], 1000, ' ms', 2)}, warm {_fmt(s['warm_op_s'], 1000, ' ms', 2)}, bare pygls "
+         f"initialize {_fmt(s['pygls_initialize_s'])}")
+    for r in res["ratios"]:
+        _log(f"   {r['what']}: {r['ratio']:.3f} (target {r['target']})")
+    for f in res["failures"][:5]:
+        _log(f"   failure: {f}")
+    if markdown:
+        write_section(res, meta)
+        _log(">> wrote the first-request section of bench/RESULTS.md")
+    return 0
