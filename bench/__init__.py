@@ -1,1 +1,1 @@
-"""Benchmark harness for operate-sidecar (issue 6). Entry point: python -m bench.run."""
+"""Benchmark harness for operate-sidecar. Entry point: python -m bench.run."""

@@ -1,4 +1,4 @@
-"""operate-sidecar-only scenarios over the wire (PROTOCOL.md §2, §3, §5, §6).
+"""operate-sidecar-only scenarios over the wire (docs/PROTOCOL.md §2, §3, §5, §6).
 
 Each scenario starts its own server with a `scripted` model configured through
 initialize `settings.models`, so the server is never given a real model.

@@ -29,7 +29,7 @@ from inproc_common import (  # noqa: E402
 
 # ---- adapter -------------------------------------------------------------
 def make_model(reply: str, count: int):
-    """A scripted model (PROTOCOL §2 `scripted` config) answering `reply` `count` times."""
+    """A scripted model (docs/PROTOCOL.md §2 `scripted` config) answering `reply` `count` times."""
     return ScriptedModel(name="s", responses=[reply] * count)
 
 

@@ -55,7 +55,7 @@ def write_markdown(results: dict, path: Path) -> None:
     L = []
     add = L.append
     q = " (--quick smoke run: small samples, indicative only)" if results.get("quick") else ""
-    add("# Benchmark results (issue 6)\n")
+    add("# Benchmark results\n")
     add(f"- date: {results['date']}{q}")
     add(f"- command: `{results['command']}` (`make bench` runs `python -m bench.run`)")
     m = results.get("machine", {})

@@ -1,4 +1,4 @@
-"""Benchmark harness (issue 6): python -m bench.run [--quick] [--only a,b] [--no-setup]
+"""Benchmark harness: python -m bench.run [--quick] [--only a,b] [--no-setup]
 
 Creates the peers' venvs under bench/.venvs/ if missing, then measures every
 contender INTERLEAVED in one run (round-robin per repetition, order rotated

@@ -1,4 +1,4 @@
-"""JSON-RPC error codes of PROTOCOL.md §8 and the exceptions that carry them."""
+"""JSON-RPC error codes of docs/PROTOCOL.md §8 and the exceptions that carry them."""
 
 from typing import Any
 

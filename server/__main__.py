@@ -7,7 +7,7 @@ import sys
 DESCRIPTION = """\
 operate-sidecar: a JSON-RPC 2.0 server on stdin/stdout (LSP base-protocol framing) that
 holds LLM conversation branches and runs composed operate calls. Editors spawn it as a
-subprocess; see PROTOCOL.md. stdout carries protocol frames only; logs go to stderr.
+subprocess; see docs/PROTOCOL.md. stdout carries protocol frames only; logs go to stderr.
 
 Settings are merged: initialize "settings" over the --config file over these flags."""
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A protocol stand-in for operate-sidecar, used only to self-test the "ours" drivers.
 
-NOT a contender.  Implements just enough of PROTOCOL.md (initialize with
+NOT a contender.  Implements just enough of docs/PROTOCOL.md (initialize with
 scripted `settings.models`, ping, listTools, createBranch, deleteBranch,
 operate with delayMs / chunks / workDoneToken $/progress, shutdown, exit) with
 asyncio + stdlib.  Usage:

@@ -1,4 +1,4 @@
-"""A synchronous, stdlib-only client for operate-sidecar (PROTOCOL.md).
+"""A synchronous, stdlib-only client for operate-sidecar (docs/PROTOCOL.md).
 
 Spawns the server, writes ``Content-Length`` framed JSON-RPC to its stdin and
 reads frames from its stdout on a reader thread. Server→client requests run

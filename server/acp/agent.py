@@ -1,4 +1,4 @@
-"""The ACP methods over the service (``server.rpc.methods.Sidecar`` with an ``AcpPort``).
+"""The ACP methods over the service (``server.service.service.Service`` with an ``AcpPort``).
 
 A session is a branch (the session id is the branch id). A prompt turn is an ``operate``
 with actions and every tool, repeated while the model keeps calling tools, up to
@@ -42,7 +42,7 @@ MODES = {"ask": ("Ask", "Ask before any tool that changes something"),
 CORE_MODULES = ("operate_sidecar.server.core", "operate_sidecar.server.core.branch",
                 "operate_sidecar.server.core.operate", "operate_sidecar.server.core.prepare",
                 "operate_sidecar.server.core.tools", "operate_sidecar.server.models",
-                "operate_sidecar.server.models.scripted", "operate_sidecar.server.rpc.methods",
+                "operate_sidecar.server.models.scripted", "operate_sidecar.server.service.service",
                 "operate_sidecar.server.tools.builtin", "operate_sidecar.protocol", "json_schema_to_pydantic")
 
 
@@ -98,8 +98,7 @@ class OperateAgent(Agent):
         self._live: set[asyncio.Task] = set()   # every turn (and background) task until it has finished
         self._cancelled: set[str] = set()       # sessions whose running turn the client cancelled
         self._starting: set[str] = set()        # sessions whose prompt arrived, its turn not yet running
-        self._mcp: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
-        self._mcp_stop = asyncio.Event()
+        self._mcp: dict[str, asyncio.Event] = {}  # client MCP server → set once it is ready (or failed)
 
     def on_connect(self, conn: Any) -> None:
         self.port.client = conn
@@ -125,9 +124,11 @@ class OperateAgent(Agent):
             try:
                 for name in CORE_MODULES:
                     importlib.import_module(name)
-                from operate_sidecar.server.rpc.methods import Sidecar
+                from operate_sidecar.server.rpc.stdio import bind_children_to_process
+                from operate_sidecar.server.service.service import Service
 
-                sidecar = Sidecar(self.port)
+                bind_children_to_process()  # the tools' children die with the sidecar
+                sidecar = Service(self.port)
                 sidecar._core()
             except BaseException as e:  # pragma: no cover - broken install
                 log.error("could not load the core: %s", e)
@@ -162,7 +163,7 @@ class OperateAgent(Agent):
 
     async def _branch(self, session_id: str) -> Any:
         sc = await self._ready()
-        from operate_sidecar.server.rpc.errors import RpcError
+        from operate_sidecar.server.service.errors import RpcError
 
         state = getattr(sc, "_state", None)  # restores stored branches first (where the service has it)
         if state is not None:
@@ -175,7 +176,7 @@ class OperateAgent(Agent):
         return b
 
     def _error(self, e: BaseException) -> RequestError:
-        from operate_sidecar.server.rpc.methods import map_exception
+        from operate_sidecar.server.service.errors import map_exception
 
         code, message, data = map_exception(e, self.debug)
         return RequestError(code, message, data)
@@ -205,7 +206,7 @@ class OperateAgent(Agent):
                           **kw: Any) -> NewSessionResponse:
         sc = await self._ready()
         self._add_folders(cwd, additional_directories)
-        self._add_mcp(mcp_servers)
+        await self._add_mcp(mcp_servers)
         try:
             sid = (await sc.createBranch({}))["branchId"]
         except RequestError:
@@ -229,7 +230,7 @@ class OperateAgent(Agent):
                            additional_directories: Any = None, **kw: Any) -> LoadSessionResponse:
         b = await self._branch(session_id)
         self._add_folders(cwd, additional_directories)
-        self._add_mcp(mcp_servers)
+        await self._add_mcp(mcp_servers)
         meta = self._meta(session_id)
         meta["cwd"] = cwd
         self._replay(session_id, b)
@@ -332,9 +333,9 @@ class OperateAgent(Agent):
             except Exception as e:
                 log.warning("workspace tools unavailable: %s", e)
 
-    def _add_mcp(self, servers: Any) -> None:
-        """Client MCP servers (stdio) become tool sources, started once per process, in the
-        background: a prompt waits for them; ``session/new`` does not."""
+    async def _add_mcp(self, servers: Any) -> None:
+        """Client MCP servers (stdio) become tool sources of the service, started once per
+        process, in the background: a prompt waits for them; ``session/new`` does not."""
         for s in servers or ():
             command = getattr(s, "command", None)
             if not isinstance(command, str):  # http / sse: not advertised
@@ -344,27 +345,7 @@ class OperateAgent(Agent):
             key = json.dumps([s.name, config], sort_keys=True)
             if key in self._mcp:
                 continue
-            ready = asyncio.Event()
-            task = asyncio.get_running_loop().create_task(self._run_mcp(s.name, config, ready), name=f"mcp-{s.name}")
-            self._mcp[key] = (task, ready)
-
-    async def _run_mcp(self, name: str, config: dict, ready: asyncio.Event) -> None:
-        sc = self.sidecar
-        try:
-            await sc.ensure_tools()
-            from operate_sidecar.server.tools.mcp_source import open_mcp_sources
-
-            async with open_mcp_sources({name: config}, reserved=sc.registry.names()) as tools:
-                for t in tools:
-                    sc.registry.register(t, update=False)
-                ready.set()
-                await self._mcp_stop.wait()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("MCP server %r unavailable: %s", name, e)
-        finally:
-            ready.set()
+            self._mcp[key] = await self.sidecar.add_mcp_server(s.name, config)
 
     # ------------------------------------------------------------------ governance by mode
     def _govern(self, branch: Any) -> None:
@@ -452,9 +433,8 @@ class OperateAgent(Agent):
         sid = branch.id
         sc = await self._ready(warm=True)
         await sc.ensure_tools()
-        for task, ready in list(self._mcp.values()):  # client MCP servers still starting
-            if not task.done():
-                await ready.wait()
+        for ready in list(self._mcp.values()):  # client MCP servers still starting
+            await ready.wait()
         turn = self.port.turns[sid] = Turn()
         limit = MAX_ROUNDS
         params: dict[str, Any] = {"branchId": sid, "instruction": instruction, "actions": True,
@@ -523,13 +503,7 @@ class OperateAgent(Agent):
             task.cancel()
         if self._live:
             await asyncio.wait(list(self._live), timeout=timeout)
-        self._mcp_stop.set()
-        tasks = [t for t, _ in self._mcp.values()]
-        if tasks:
-            done, pending = await asyncio.wait(tasks, timeout=timeout)
-            for t in pending:
-                t.cancel()
-        if self.sidecar is not None:
+        if self.sidecar is not None:  # stops the MCP servers too
             try:
                 await asyncio.wait_for(self.sidecar.aclose(), timeout)
             except BaseException:
@@ -634,12 +608,12 @@ def warm_up(sidecar: Any) -> None:
     import shutil
     import tempfile
 
-    from operate_sidecar.server.rpc.methods import Sidecar
+    from operate_sidecar.server.service.service import Service
 
     folder = tempfile.mkdtemp(prefix="operate-sidecar-warm-")
     try:
         async def run() -> None:
-            sc = Sidecar(_WarmPort(folder))
+            sc = Service(_WarmPort(folder))
             sc.schemas = sidecar.schemas
             bid = (await sc.createBranch({}))["branchId"]
             await sc.operate({"branchId": bid, "instruction": "warm", "actions": True, "maxRounds": 2,

@@ -31,7 +31,7 @@ from acp import RequestError, tool_diff_content, update_agent_message_text
 from acp.schema import (ContentToolCallContent, PermissionOption, TextContentBlock, ToolCallLocation, ToolCallProgress,
                         ToolCallStart, ToolCallUpdate)
 
-from operate_sidecar.server.rpc.governance import ClientRequestError
+from operate_sidecar.server.service.port import ClientRequestError
 
 from .reply import ReplyText
 

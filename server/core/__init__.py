@@ -1,4 +1,4 @@
-"""ADR-0022's composed operate pipeline as a transport-free async library."""
+"""The composed operate pipeline (docs/PIPELINE.md) as a transport-free async library."""
 
 from .act import DENIED, AuthorizationResult, ToolInvocation, act
 from .alcall import alcall

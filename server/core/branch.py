@@ -52,7 +52,7 @@ class Branch:
         self._parse_model = value
 
     @property
-    def acts(self) -> ToolRegistry:  # the reference's name for the registry
+    def acts(self) -> ToolRegistry:  # another name for the tool registry
         return self.tools
 
     @property
@@ -108,7 +108,7 @@ class Branch:
     ) -> Any:
         """The Python facade. ``action_strategy`` defaults to the truthy
         ``"concurrent"`` and is always forwarded, so an ``Instruct``'s own
-        strategy cannot win here (ADR-0022 D1 seam); pass it explicitly."""
+        strategy cannot win here (a seam, docs/PIPELINE.md); pass it explicitly."""
         local = dict(
             instruct=instruct, instruction=instruction, guidance=guidance, context=context, sender=sender,
             recipient=recipient, progression=progression, chat_model=chat_model, invoke_actions=invoke_actions,

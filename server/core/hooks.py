@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
-SUMMARY_LIMIT = 200  # ADR D4: observability bound, never truncates the real call
+SUMMARY_LIMIT = 200  # step D4 (docs/PIPELINE.md): observability bound, never truncates the real call
 
 
 class HookEventType(str, Enum):
@@ -36,7 +36,7 @@ HookHandler = Callable[[HookEvent], Awaitable[None] | None]
 
 
 def summarize(value: Any, limit: int = SUMMARY_LIMIT) -> str:
-    """``str(value)`` cut to ``limit`` characters (no ellipsis, as the reference)."""
+    """``str(value)`` cut to ``limit`` characters (no ellipsis appended)."""
     text = value if isinstance(value, str) else str(value)
     return text[:limit]
 

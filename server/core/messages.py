@@ -1,4 +1,4 @@
-"""Branch messages. Content dicts use the wire's field names (PROTOCOL §3)."""
+"""Branch messages. Content dicts use the wire's field names (docs/PROTOCOL.md §3)."""
 
 from __future__ import annotations
 

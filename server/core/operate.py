@@ -77,17 +77,8 @@ async def operate(
     operative: Operative | None = None,
     middle: Any = None,
 ) -> BaseModel | dict | str | None:
-    sink = progress.current_progress.get()
-    outcome = "failed"
-    try:
-        result = await _operate(branch, instruction, chat_param, action_param, parse_param, handle_validation,
-                                invoke_actions, skip_validation, clear_messages, reason, field_models, operative,
-                                middle)
-        outcome = "completed"
-        return result
-    finally:
-        if sink is not None:
-            sink.end(outcome)
+    return await _operate(branch, instruction, chat_param, action_param, parse_param, handle_validation,
+                          invoke_actions, skip_validation, clear_messages, reason, field_models, operative, middle)
 
 
 async def _operate(branch: Any, instruction: Any, chat_param: ChatParam, action_param: ActionParam | None,

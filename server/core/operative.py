@@ -28,7 +28,7 @@ class ActionRequestModel(HashableModel):
     @field_validator("arguments", mode="before")
     @classmethod
     def _json_string_arguments(cls, v: Any) -> Any:
-        """Function-calling APIs send arguments as a JSON string; accept it (as the reference does)."""
+        """Function-calling APIs send arguments as a JSON string; accept it."""
         if isinstance(v, str):
             import json
 
@@ -55,7 +55,7 @@ class Reason(HashableModel):
     @field_validator("confidence_score", mode="before")
     @classmethod
     def _score(cls, v: Any) -> Any:
-        """As the reference: a number in 0..1 rounded to 3 places; anything else becomes -1."""
+        """A number in 0..1 rounded to 3 places; anything else becomes -1."""
         if v is None:
             return None
         try:
@@ -66,7 +66,7 @@ class Reason(HashableModel):
 
 
 def _unique_requests(v: list[ActionRequestModel] | None) -> list[ActionRequestModel]:
-    """``action_requests`` after validation, as the reference: an explicit null is ``[]``, and a
+    """``action_requests`` after validation: an explicit null is ``[]``, and a
     call the model repeats (same function, same arguments) is kept once, in first-seen order."""
     if not v:
         return []
@@ -83,7 +83,7 @@ def _unique_requests(v: list[ActionRequestModel] | None) -> list[ActionRequestMo
 
 
 def _false_if_null(v: bool | None) -> bool:
-    """``action_required``: an explicit null means False (the reference's validate_boolean_field)."""
+    """``action_required``: an explicit null means False."""
     return bool(v)
 
 
@@ -258,7 +258,7 @@ class Step:
     ) -> Operative:
         if adapter != "pydantic":
             raise ValueError(f"unsupported operative adapter {adapter!r}; the only adapter is 'pydantic'")
-        # field order as the reference: reason, the action fields, then the caller's field models
+        # field order: reason, the action fields, then the caller's field models
         # and fields; a later entry with the same name overrides an earlier one
         specs: dict[str, Spec] = {}
         if reason:

@@ -19,7 +19,7 @@ ActionStrategy = Literal["sequential", "concurrent"]
 class HashableModel(BaseModel):
     model_config = ConfigDict(frozen=False, arbitrary_types_allowed=True)
 
-    def __hash__(self) -> int:  # value hash, like the reference's HashableModel
+    def __hash__(self) -> int:  # a value hash: models with equal fields hash alike
         return hash(self.model_dump_json())
 
 

@@ -4,7 +4,7 @@ First attempt without any model call: extract JSON (whole text, fenced blocks,
 the first balanced object in prose, then json-repair), match keys fuzzily
 (rapidfuzz Jaro-Winkler), drop runtime-only keys the request model excludes
 (invented ``action_responses``), validate. On failure, a repair loop asks the
-parse model to reformat, under the ParseParam's AlcallParams (ADR defaults:
+parse model to reformat, under the ParseParam's AlcallParams (defaults of docs/PIPELINE.md D1:
 3 retries, delays 1 s × 1.85ⁿ). It gives up with the ParseParam's policy.
 """
 

@@ -70,11 +70,11 @@ def prepare_operate_kw(
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Resolve the public call into ``chat_param`` (ChatParam or RunParam),
-    ``parse_param``, ``action_param`` and coordinator flags (ADR-0022 D1).
+    ``parse_param``, ``action_param`` and coordinator flags (step D1 of docs/PIPELINE.md).
 
     ``parse_call_params`` is this project's extension: the structured-parse
     AlcallParams for this call (the wire's ``parseOptions``); omitted, the
-    ADR defaults (1, 1.85, 3, 1, 1) apply.
+    pipeline's defaults (1, 1.85, 3, 1, 1) apply.
     """
     reject_removed_kwargs(kwargs)
     if handle_validation not in HANDLE_VALIDATION_VALUES:
@@ -89,7 +89,7 @@ def prepare_operate_kw(
     if instruct is None:
         instruct = Instruct(instruction=instruction, guidance=guidance, context=context)
     else:
-        # Never mutate the caller's object (the reference does).
+        # Never mutate the caller's object: the caller may reuse it.
         instruct = instruct.model_copy()
 
     if reason:

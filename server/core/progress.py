@@ -1,6 +1,8 @@
 """Progress reporting without a transport: a context variable holds the sink
-of the operate call being run (the RPC layer installs one per request that
-carried a ``workDoneToken``). Sinks are synchronous and must be cheap."""
+of the operate call being run (the service installs one per request that
+carried a ``workDoneToken``). Sinks are synchronous and must be cheap. The core
+begins and reports; whoever installed the sink ends it (one request may run
+several operates)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,6 @@ class ProgressSink(Protocol):
     def begin(self, message: str) -> None: ...
 
     def report(self, message: str, phase: str, delta: str | None = None) -> None: ...
-
-    def end(self, message: str) -> None: ...
 
 
 current_progress: ContextVar[ProgressSink | None] = ContextVar("current_progress", default=None)

@@ -379,5 +379,5 @@ class ToolRegistry:
         return out
 
     def get_tool_schema(self, tools: Any = True) -> dict[str, Any]:
-        """ADR D2: the schemas of the selected tools wrapped as ``{"tools": [...]}``."""
+        """Step D2 (docs/PIPELINE.md): the schemas of the selected tools wrapped as ``{"tools": [...]}``."""
         return {"tools": [t.schema() for t in self.resolve(tools)]}

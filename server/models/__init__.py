@@ -14,7 +14,7 @@ __all__ = ["FIELDS", "PROVIDERS", "ModelConfigError", "check_model_config", "mak
 
 
 def make_model(config: dict[str, Any], *, name: str) -> Any:
-    """Build an iModel from a PROTOCOL §2 ModelConfig. ``name`` is the configured
+    """Build an iModel from a docs/PROTOCOL.md §2 ModelConfig. ``name`` is the configured
     name (or a generated one for inline configs). The config is checked before the
     provider module is imported."""
     check_model_config(config, f"model config {name!r}")

@@ -1,4 +1,4 @@
-"""ModelConfig (PROTOCOL §2): the one table of providers, their fields and the fields'
+"""ModelConfig (docs/PROTOCOL.md §2): the one table of providers, their fields and the fields'
 JSON types, and a checker for it.
 
 ``initialize`` checks every configured model with :func:`check_model_config` (through

@@ -1,4 +1,4 @@
-"""The JSON-RPC stdio server (PROTOCOL.md): transport, lifecycle, methods.
+"""The native front end: the JSON-RPC stdio server (docs/PROTOCOL.md), wire ⇄ ``server.service``.
 
 Modules, in the order a message meets them:
 
@@ -6,12 +6,9 @@ Modules, in the order a message meets them:
 - ``framing``    desync-resistant Content-Length parser (case-insensitive, byte counts, size cap)
 - ``transport``  ``Connection``: JSON-RPC validation, error frames, ping fast path,
                  initialize/shutdown/exit, ordered backlog while the app loads
-- ``server``     the pygls ``JsonRPCServer``: handlers, in-flight table, cancellation,
-                 server→client requests
-- ``methods``    the methods of PROTOCOL §3–§5 adapted to ``server.core``; error mapping
-- ``governance`` tool policy data and the branch authorizer (``requestToolPermission``)
-- ``schemas``    responseFormat / fieldModels JSON Schema → pydantic / core ``Spec`` (cached)
-- ``progress``   the core's ``ProgressSink`` as ``$/progress``
+- ``server``     the pygls ``JsonRPCServer``: handlers (``protocol.catalog``'s requests, each
+                 served by the ``server.service`` method of the same name), in-flight table,
+                 cancellation, server→client requests (it is the service's ``ClientPort``)
 - ``settings``   defaults and the flags ← config file ← initialize merge
 - ``watchdog`` (parent death), ``run`` (``serve()``)
 

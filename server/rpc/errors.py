@@ -1,5 +1,11 @@
-"""JSON-RPC error codes (docs/PROTOCOL.md) and the one exception the RPC layer raises
-to answer a request with an error."""
+"""JSON-RPC error codes (docs/PROTOCOL.md) for the start-up fast path, and the service's
+error types for the native front end.
+
+The codes are the same values as ``protocol.errors`` (pinned by tests/rpc/test_catalog.py);
+not imported from there because that package costs more than answering initialize. The
+error class and constructors (``RpcError``, ``invalid_params``, ``branch_not_found``,
+``state_not_saved``) and ``map_exception`` are the service's (``server.service.errors``),
+re-exported here on first use so that importing this module stays free."""
 
 from __future__ import annotations
 
@@ -17,33 +23,12 @@ MODEL_ERROR = -32011
 BRANCH_NOT_FOUND = -32012
 STATE_NOT_SAVED = -32013  # a change whose transaction failed: not applied, in memory or on disk
 
-# The same values as protocol.errors (pinned by tests/rpc/test_catalog.py); not imported
-# from there because that package costs more than answering initialize.
+_SERVICE_NAMES = frozenset({"RpcError", "invalid_params", "branch_not_found", "state_not_saved", "map_exception"})
 
 
-class RpcError(Exception):
-    """Answer the current request with ``{code, message, data?}``."""
+def __getattr__(name: str) -> Any:
+    if name in _SERVICE_NAMES:
+        from operate_sidecar.server.service import errors
 
-    def __init__(self, code: int, message: str, data: Any = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.data = data
-
-    def to_dict(self) -> dict[str, Any]:
-        err: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.data is not None:
-            err["data"] = self.data
-        return err
-
-
-def invalid_params(message: str, data: Any = None) -> RpcError:
-    return RpcError(INVALID_PARAMS, message, data)
-
-
-def branch_not_found(branch_id: Any) -> RpcError:
-    return RpcError(BRANCH_NOT_FOUND, f"branch not found: {branch_id}", {"branchId": branch_id})
-
-
-def state_not_saved(message: str, data: Any = None) -> RpcError:
-    return RpcError(STATE_NOT_SAVED, f"state could not be saved: {message}", data)
+        return getattr(errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

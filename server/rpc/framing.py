@@ -1,7 +1,7 @@
 """LSP base-protocol framing: an incremental, desync-resistant frame parser and
 the one frame encoder.
 
-Rules (PROTOCOL §1, DESIGN "stdio hardening"):
+Rules (docs/PROTOCOL.md §1, hardened where stock readers go wrong):
 - header names are matched case-insensitively; unknown headers are ignored;
 - a malformed header block never loses the *next* message: the parser drops
   what it cannot use and resynchronises on the next ``Content-Length``;

@@ -29,9 +29,11 @@ from pygls.server import JsonRPCServer
 
 from operate_sidecar.protocol import catalog
 
+from operate_sidecar.server.service.errors import map_exception
+from operate_sidecar.server.service.port import ClientRequestError
+from operate_sidecar.server.service.service import Service
+
 from . import errors as E
-from .governance import ClientRequestError
-from .methods import Sidecar, map_exception
 from .transport import CONNECTION_METHODS
 
 log = logging.getLogger("operate_sidecar.server.rpc")
@@ -44,7 +46,7 @@ def app_methods() -> tuple[str, ...]:
 
 
 def handler_name(method: str) -> str:
-    """The ``Sidecar`` method that serves a wire method: the same name (``createBranch``)."""
+    """The ``Service`` method that serves a wire method: the same name (``createBranch``)."""
     return method
 
 
@@ -234,10 +236,12 @@ class CoreLoader:
                 converter.get_structure_hook(params_type)
             from operate_sidecar.server.core.prepare import prepare_operate_kw
 
-            from .methods import _pipeline_names
+            from operate_sidecar.server.service.service import _pipeline_names, passed_as_is
+
             from .stdio import bind_children_to_process
 
             _pipeline_names(prepare_operate_kw)  # operate's option names (inspect.signature), once
+            passed_as_is(prepare_operate_kw)
 
             bind_children_to_process()  # the tools' reaper (a process spawn): here, not in the first operate
         except BaseException:
@@ -275,13 +279,13 @@ class SidecarServer(JsonRPCServer):
         super().__init__(SidecarProtocol, cattrs.Converter)
         self.conn = conn
         self.debug = bool(getattr(conn, "debug", False))
-        self.sidecar = Sidecar(self)
+        self.service = Service(self)
         self.core = CoreLoader(external=bool(getattr(conn, "loads_core", False)))
         # dispatch is the protocol's catalog: every request it declares (but the connection's
         # own) is registered with pygls by name; a method without a handler is not registered,
         # so it is answered -32601 and reported here (tests/rpc/test_catalog.py fails on it)
         for method in app_methods():
-            bound = getattr(self.sidecar, handler_name(method), None)
+            bound = getattr(self.service, handler_name(method), None)
             if bound is None or not callable(bound):
                 log.error("the protocol declares %s but the server has no handler for it", method)
                 continue
@@ -301,9 +305,9 @@ class SidecarServer(JsonRPCServer):
         pass
 
     def on_shutdown(self) -> None:
-        self.sidecar.flush_journal_sync()
+        self.service.flush_journal_sync()
 
-    # ---------------------------------------------------------------- used by methods
+    # ---------------------------------------------------------------- the service's ClientPort
     def notify(self, method: str, params: Any) -> None:
         self.conn.notify(method, params)
 
@@ -318,6 +322,4 @@ class SidecarServer(JsonRPCServer):
         self.protocol.cancel_outgoing()
         if pending:
             await asyncio.wait(pending, timeout=timeout)
-        await self.sidecar.aclose()
-        if self._thread_pool:
-            self._thread_pool.shutdown(wait=False, cancel_futures=True)
+        await self.service.aclose()  # (no pygls thread pool: no handler is registered to run on one)

@@ -460,15 +460,3 @@ def limit_malloc_arenas() -> None:
         ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
     except (OSError, ValueError, AttributeError):
         pass
-
-
-def format_exception_short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = text[:300]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def traceback_data(e: BaseException) -> dict[str, Any]:
-    return {"traceback": traceback.format_exception(type(e), e, e.__traceback__)}
-
-

@@ -1,5 +1,5 @@
-"""The interface between the service (branches, governance, tools, models, the journal:
-``server.rpc.methods.Sidecar`` today) and whichever front end talks to the client.
+"""The interface between the service (branches, governance, tools, models, the store:
+``server.service.service.Service``) and whichever front end talks to the client.
 
 The service never touches a wire. It reaches its client only through a ``ClientPort``,
 which each front end implements in its own protocol's terms:
@@ -11,12 +11,23 @@ which each front end implements in its own protocol's terms:
   ``session/request_permission``, ``toolEvent`` becomes ``tool_call`` /
   ``tool_call_update``, ``$/progress`` deltas become ``agent_message_chunk`` ...).
 
-Everything here is typing only: importing this module costs nothing at start-up.
+Everything here is typing and one exception class: importing this module costs nothing at start-up.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
+
+
+class ClientRequestError(Exception):
+    """The client answered a server→client request with an error (raised by a port's
+    ``request_client``)."""
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.data = data
 
 
 @runtime_checkable
@@ -64,8 +75,8 @@ class ClientPort(Protocol):
         - ``fs/writeTextFile`` ``{branchId, callId, path, text}`` → ``{}``.
 
         An error answer (or a method the client cannot serve) raises
-        ``server.rpc.governance.ClientRequestError``; no answer within ``timeout`` seconds
+        ``ClientRequestError``; no answer within ``timeout`` seconds
         raises ``TimeoutError``; cancelling the awaiting task withdraws the request."""
 
 
-__all__ = ["ClientInfo", "ClientPort"]
+__all__ = ["ClientInfo", "ClientPort", "ClientRequestError"]

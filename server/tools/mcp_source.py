@@ -17,7 +17,7 @@ Tools (source ``mcp``):
   server's own name for the tool.
 - ``inputSchema`` is the server's, ``description`` its description (else title, name).
 - ``annotations.readOnlyHint: true`` makes the tool ``read_only`` (so the default policy
-  allows it, PROTOCOL §4); anything else is not read-only.
+  allows it, docs/PROTOCOL.md §4); anything else is not read-only.
 - A call returns the result's structured content when there is some (the SDK's
   ``{"result": x}`` wrapper of a primitive return is unwrapped to ``x``), else the text
   content blocks joined with newlines, else a list of the content blocks (binary data
@@ -86,36 +86,37 @@ class McpToolSource:
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self._stop: Any = None  # anyio.Event: ask the serving task to stop
         self._done: Any = None  # anyio.Event: the serving task has finished
-        self._own_tg: Any = None
+        self._own_tg: AsyncExitStack | None = None  # holds the task group of ``async with source``
 
     def __repr__(self) -> str:
         state = "running" if self._session is not None else "stopped"
         return f"McpToolSource({self.name!r}, {self.command!r}, {state})"
 
     async def __aenter__(self) -> "McpToolSource":
-        """Start the server in a task group of its own; stop it on exit."""
+        """Start the server in a task group of its own (held open by an ``AsyncExitStack``
+        until exit, in the same task); stop it on exit."""
         import anyio
 
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
+        stack = AsyncExitStack()
+        tg = await stack.enter_async_context(anyio.create_task_group())
         try:
             await self.start(tg)
         except BaseException:
             tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
+            await stack.aclose()
             raise
-        self._own_tg = tg
+        self._own_tg = stack
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        tg, self._own_tg = self._own_tg, None
+        stack, self._own_tg = self._own_tg, None
         try:
             await self.aclose()
         finally:
-            if tg is not None:
+            if stack is not None:
                 # The serving task has finished, so this exits at once; an exception from the
                 # block is not passed in, so it propagates unwrapped.
-                await tg.__aexit__(None, None, None)
+                await stack.aclose()
 
     @property
     def running(self) -> bool:

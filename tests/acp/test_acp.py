@@ -327,7 +327,7 @@ def test_the_acp_front_end_never_imports_pygls():
             "    a = OperateAgent(S.finalize(S.merge(S.DEFAULTS, {})))\n"
             "    await a._ready()\n"
             "asyncio.run(main())\n"
-            "assert 'operate_sidecar.server.rpc.methods' in sys.modules\n"
+            "assert 'operate_sidecar.server.service.service' in sys.modules\n"
             "print('pygls' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

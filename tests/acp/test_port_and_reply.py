@@ -23,7 +23,7 @@ def test_both_front_ends_implement_the_client_port():
     conn = Connection(Wire(os.open(os.devnull, os.O_WRONLY)), base_settings={}, version="0")
     server = SidecarServer(conn)
     assert isinstance(server, ClientPort) and isinstance(server.conn, ClientInfo)
-    assert server.sidecar.rpc is server  # the service holds its port, nothing else of the front end
+    assert server.service.rpc is server  # the service holds its port, nothing else of the front end
 
 
 @pytest.mark.parametrize("message", ["plain", 'quote " and \\ backslash', "line\nbreak\ttab", "é ü 😀 end", ""])

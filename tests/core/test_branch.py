@@ -1,4 +1,4 @@
-"""Branch: messages (PROTOCOL §3), fork, clear, serialization, governance hook."""
+"""Branch: messages (docs/PROTOCOL.md §3), fork, clear, serialization, governance hook."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ async def operated_branch(record) -> Branch:
 
 
 async def test_messages_have_protocol_shape(record):
-    """PROTOCOL §3: Message = {id, kind, role, sender, recipient, createdAt, content}, content per kind."""
+    """docs/PROTOCOL.md §3: Message = {id, kind, role, sender, recipient, createdAt, content}, content per kind."""
     b = await operated_branch(record)
     page = b.messages.page()
     assert [m["kind"] for m in page] == ["system", "instruction", "assistant_response", "action_request",
@@ -46,7 +46,7 @@ async def test_messages_have_protocol_shape(record):
 
 
 async def test_instruction_content_holds_what_was_sent(record):
-    """PROTOCOL §3: the instruction records instruction, guidance, context and the schema actually sent."""
+    """docs/PROTOCOL.md §3: the instruction records instruction, guidance, context and the schema actually sent."""
     b = await operated_branch(record)
     ins = b.messages.page()[1]["content"]
     assert (ins["instruction"], ins["guidance"], ins["context"]) == ("q", "g", {"c": 1})
@@ -55,7 +55,7 @@ async def test_instruction_content_holds_what_was_sent(record):
 
 
 async def test_action_messages_are_linked(record):
-    """PROTOCOL §3/§6: the action_response names its request and shares its callId."""
+    """docs/PROTOCOL.md §3/§6: the action_response names its request and shares its callId."""
     b = await operated_branch(record)
     req, resp = b.messages.page()[3:]
     assert resp["content"]["requestId"] == req["id"]
@@ -64,7 +64,7 @@ async def test_action_messages_are_linked(record):
 
 
 async def test_page_offset_and_limit():
-    """PROTOCOL §3: branchMessages paging, oldest first."""
+    """docs/PROTOCOL.md §3: branchMessages paging, oldest first."""
     b, _ = make_branch(["a", "b"], system="s")
     await b.operate(instruction="1")
     await b.operate(instruction="2")
@@ -73,7 +73,7 @@ async def test_page_offset_and_limit():
 
 
 async def test_fork_copies_messages_and_policy_independently(record):
-    """PROTOCOL §3 forkBranch: a copy of its messages and policy; later changes do not leak."""
+    """docs/PROTOCOL.md §3 forkBranch: a copy of its messages and policy; later changes do not leak."""
     b = await operated_branch(record)
 
     async def deny(inv):

@@ -1,4 +1,4 @@
-"""ADR-0022 Consequences: each bullet that states observable behaviour."""
+"""The pipeline's consequences (docs/PIPELINE.md): each bullet that states observable behaviour."""
 
 from __future__ import annotations
 

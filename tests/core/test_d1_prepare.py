@@ -1,4 +1,4 @@
-"""ADR-0022 D1: prepare_operate_kw() normalizes the public call into typed parameters."""
+"""Step D1 (docs/PIPELINE.md): prepare_operate_kw() normalizes the public call into typed parameters."""
 
 from __future__ import annotations
 
@@ -282,7 +282,7 @@ def test_default_parse_alcall_params_values():
 
 
 def test_parse_call_params_replace_the_defaults_per_call():
-    """D1 (project extension, DESIGN "parse options settable per call"): parse_call_params replaces the defaults."""
+    """D1 (project extension, docs/PIPELINE.md "What the wire fixes"): parse_call_params replaces the defaults."""
     out = prepare_operate_kw(branch_with(), instruction="x", response_format=Answer, parse_call_params=NO_REPAIR)
     assert out["parse_param"].alcall_params is NO_REPAIR
 

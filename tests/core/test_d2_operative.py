@@ -1,4 +1,4 @@
-"""ADR-0022 D2: one generated Operative separates model-request and runtime-response fields."""
+"""Step D2 (docs/PIPELINE.md): one generated Operative separates model-request and runtime-response fields."""
 
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ async def test_invented_action_responses_are_discarded_without_requests(record):
 
 
 async def test_invented_action_responses_replaced_by_real_tool_results(record):
-    """D2 / PROTOCOL §5: action_responses holds only what tools returned."""
+    """D2 / docs/PROTOCOL.md §5: action_responses holds only what tools returned."""
     fake = [{"function": "record", "arguments": {"x": 1}, "output": "FABRICATED"},
             {"function": "ghost", "arguments": {}, "output": 99}]
     b, _ = make_branch([reply(1, call(x=4), action_responses=fake)], tools=(record,))

@@ -1,4 +1,4 @@
-"""ADR-0022 D3: the coordinator invokes one adapter, then applies one outer validation policy."""
+"""Step D3 (docs/PIPELINE.md): the coordinator invokes one adapter, then applies one outer validation policy."""
 
 from __future__ import annotations
 

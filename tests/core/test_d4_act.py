@@ -1,4 +1,4 @@
-"""ADR-0022 D4: structured action requests execute through act() and augment the result."""
+"""Step D4 (docs/PIPELINE.md): structured action requests execute through act() and augment the result."""
 
 from __future__ import annotations
 
@@ -305,7 +305,7 @@ async def test_tool_outside_selection_denied_by_governance(record, other):
 
 
 async def test_unregistered_tool_is_a_tool_error_without_authorize(record):
-    """D4 / PROTOCOL §5 (project choice): an unregistered name gets an error response; authorize is not asked."""
+    """D4 / docs/PROTOCOL.md §5 : an unregistered name gets an error response; authorize is not asked."""
     auth = Authorizer(True)
     b, _ = make_branch([], tools=(record,))
     b.authorizer = auth
@@ -447,7 +447,7 @@ async def test_suppress_errors_false_reraises_original_after_error_hook():
     (call("missing"), "not registered"),
 ])
 async def test_tool_failure_output_is_error_mapping_never_null(request_, expected_fragment, record):
-    """D4 / PROTOCOL §5: a failing tool's output is {"error": msg, "function": name, ...}, never null."""
+    """D4 / docs/PROTOCOL.md §5: a failing tool's output is {"error": msg, "function": name, ...}, never null."""
     boom = RecordingTool("boom", fail="kaput")
     b, _ = make_branch([], tools=(record, boom))
     (resp,) = await b.act(request_)
@@ -458,7 +458,7 @@ async def test_tool_failure_output_is_error_mapping_never_null(request_, expecte
 
 
 async def test_tool_timeout_is_error_response():
-    """D4 / PROTOCOL §5: a tool that times out yields an error output, not a failed operate."""
+    """D4 / docs/PROTOCOL.md §5: a tool that times out yields an error output, not a failed operate."""
     async def slow() -> str:
         await anyio.sleep_forever()
         return "never"  # pragma: no cover
@@ -471,7 +471,7 @@ async def test_tool_timeout_is_error_response():
 
 
 async def test_cancelled_tool_call_gets_cancelled_action_response():
-    """D4 / PROTOCOL §7 (project choice): a cancelled call's action_request gets {"error": "cancelled"}."""
+    """D4 / docs/PROTOCOL.md §7 (project choice): a cancelled call's action_request gets {"error": "cancelled"}."""
     started = anyio.Event()
 
     async def hang() -> str:
@@ -678,7 +678,7 @@ async def test_json_string_arguments_are_decoded_before_invocation(record):
 
 @pytest.mark.parametrize("arguments", [[1, 2], "not json", '["a"]', 7])
 async def test_non_object_arguments_are_a_tool_error_never_a_call(record, arguments):
-    """D4 / PROTOCOL §4: arguments that are not an object are a tool error; the tool is never called with {}."""
+    """D4 / docs/PROTOCOL.md §4: arguments that are not an object are a tool error; the tool is never called with {}."""
     b, _ = make_branch([], tools=(record,))
     (resp,) = await b.act({"function": "record", "arguments": arguments})
     assert not record.ran
@@ -697,7 +697,7 @@ async def test_structured_reply_with_json_string_arguments_executes(record):
 
 @pytest.mark.parametrize("selection", [None, ["record"]])
 async def test_non_string_function_name_is_a_tool_error_not_a_crash(record, selection):
-    """D4 / PROTOCOL §5: a request whose function is not a string yields an error response, never an exception."""
+    """D4 / docs/PROTOCOL.md §5: a request whose function is not a string yields an error response, no exception."""
     b, _ = make_branch([], tools=(record,))
     value = {"action_requests": [{"function": 5, "arguments": {}}, {"function": {"a": 1}, "arguments": {}}]}
     out = await b.operate(instruction="x", actions=True, tools=selection, middle=ValueMiddle(value))

@@ -1,7 +1,7 @@
-"""Property: a tool runs exactly when ADR-0022 says it must (D1 ActionParam rule, D3 return order,
+"""Property: a tool runs exactly when docs/PIPELINE.md says it must (D1 ActionParam rule, D3 return order,
 D4 governance, Consequences "fail before effect") and never otherwise.
 
-The oracle below is written from the ADR's rules, not from the implementation:
+The oracle below is written from the pipeline's rules, not from the implementation:
 
 * D1: an ActionParam exists iff invoke_actions and actions are enabled (loose flag or Instruct).
 * D3: skip_validation returns the raw result first; then a caller-model mismatch returns/raises;
@@ -86,7 +86,7 @@ cases = st.builds(
     cancel=mostly(False),
 )
 
-# ADR-critical corners, always run in addition to the random examples.
+# Critical corners of the rules, always run in addition to the random examples.
 BASE = dict(has_format=True, reply="valid", handle_validation="return_value", skip_validation=False,
             invoke_actions=True, actions="loose", allow=True, selection="all", requests_tool=True, reason=False,
             cli=False, strategy="concurrent", adapter="scripted")
@@ -155,7 +155,7 @@ class MappingMiddle:
 
 
 def oracle(c: Case) -> tuple[bool, bool]:
-    """(tool must run, operate must raise ValidationFailed), from the ADR alone. A repair turn
+    """(tool must run, operate must raise ValidationFailed), from the rules alone. A repair turn
     replaces the first (prose) reply by the case's reply, so the repaired reply decides."""
     if c.skip_validation:  # D3: raw result returned before every other rule
         return False, False
@@ -245,7 +245,7 @@ async def run_case(c: Case) -> tuple[RecordingTool, RecordingTool, BaseException
                     result = await call_coordinator(branch, c, kw)
             except (ValidationFailed, PermissionError) as e:
                 error = e
-    # PROTOCOL §7 consistency: every recorded action_request has its action_response.
+    # docs/PROTOCOL.md §7 consistency: every recorded action_request has its action_response.
     reqs = [m.id for m in branch.messages if m.kind == "action_request"]
     answered = [m.content["requestId"] for m in branch.messages if m.kind == "action_response"]
     assert sorted(reqs) == sorted(answered)
@@ -277,7 +277,7 @@ def with_corners(f):
 @given(cases)
 @with_corners
 def test_tool_runs_exactly_when_the_adr_says(c: Case):
-    """D1–D4 / Consequences: fail before effect — the recording tool ran iff the ADR oracle says so."""
+    """D1–D4 / Consequences: fail before effect — the recording tool ran iff the oracle says so."""
     must_run, must_raise = oracle(c)
     record, other, error, result = anyio.run(run_case, c)
     assert len(record.calls) == (1 if must_run else 0), (c, record.calls, result)

@@ -1,4 +1,4 @@
-"""The Middles (ADR-0021 adapters as used by ADR-0022 D3): communicate and run_and_collect."""
+"""The Middles (the adapters step D3 of docs/PIPELINE.md calls): communicate and run_and_collect."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ async def test_cli_tool_use_recorded_as_messages_not_re_executed():
 
 
 async def test_cli_tool_error_result_recorded_as_error_mapping():
-    """run_and_collect / PROTOCOL §5: a failed CLI tool result is recorded as {"error", "function"}."""
+    """run_and_collect / docs/PROTOCOL.md §5: a failed CLI tool result is recorded as {"error", "function"}."""
     b, _ = make_branch([])
     model = AgentModel([StreamChunk(type="tool_use", id="t", name="grep", input={}),
                         StreamChunk(type="tool_result", id="t", output="no such file", is_error=True),
@@ -264,7 +264,7 @@ class BlockingAgent(AgentModel):
 
 
 async def test_cancelled_run_answers_open_tool_use_and_cleans_persistence(tmp_path):
-    """PROTOCOL §7: a cancelled run leaves every action_request answered and removes the stream buffer."""
+    """docs/PROTOCOL.md §7: a cancelled run leaves every action_request answered and removes the stream buffer."""
     b, _ = make_branch([])
     model = BlockingAgent([text("working"), StreamChunk(type="tool_use", id="t", name="bash", input={"c": 1})])
     param = RunParam(imodel=model, stream_persist=True, persist_dir=str(tmp_path))
@@ -289,12 +289,10 @@ class Sink:
     def report(self, message, phase, delta=None):
         self.events.append(("report", phase, delta))
 
-    def end(self, message):
-        self.events.append(("end", message))
-
 
 async def test_progress_reports_stream_deltas_in_order():
-    """PROTOCOL §6 (core side): begin with the adapter name, stream deltas in order, end after the operate."""
+    """docs/PROTOCOL.md §6 (core side): begin with the adapter name, stream deltas in order; the core never
+    ends the progress (the caller who installed the sink does: a request may run several operates)."""
     from operate_sidecar.server.core import current_progress
 
     b, _ = make_branch([{"text": "abcdef", "chunks": 3}])
@@ -306,11 +304,11 @@ async def test_progress_reports_stream_deltas_in_order():
         current_progress.reset(token)
     assert sink.events[0] == ("begin", "communicate")
     assert [e[2] for e in sink.events if e[0] == "report" and e[1] == "stream"] == ["ab", "cd", "ef"]
-    assert sink.events[-1] == ("end", "completed")
+    assert sink.events[-1][0] == "report"
 
 
 async def test_tool_results_reach_the_next_model_round(record):
-    """D4 / PROTOCOL §5: recorded action responses are shown to the model in the next round."""
+    """D4 / docs/PROTOCOL.md §5: recorded action responses are shown to the model in the next round."""
     from .support import call, reply
 
     b, m = make_branch([reply(1, call(x=21)), "thanks"], tools=(record,))

@@ -155,7 +155,7 @@ async def test_no_alcall_params_means_no_repair_turn():
 
 
 async def test_per_call_parse_options_bound_repair_turns_through_operate():
-    """D1 (DESIGN "parse options settable per call"): parse_call_params sets the repair count for one call."""
+    """D1 (docs/PIPELINE.md "What the wire fixes"): parse_call_params sets the repair count for one call."""
     b, m = make_branch(["no json"] + ["still no json"] * 5)
     out = await b.operate(instruction="x", response_format=Answer, parse_call_params=AlcallParams(retry_attempts=2))
     assert isinstance(out, UnparsedResponse)

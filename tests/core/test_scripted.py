@@ -1,4 +1,4 @@
-"""The scripted provider: deterministic replay (PROTOCOL §2)."""
+"""The scripted provider: deterministic replay (docs/PROTOCOL.md §2)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ async def chunks_of(model: ScriptedModel) -> list:
 
 
 async def test_entries_are_consumed_in_order():
-    """PROTOCOL §2: each invocation consumes the next entry, in order."""
+    """docs/PROTOCOL.md §2: each invocation consumes the next entry, in order."""
     m = ScriptedModel("s", ["one", "two"])
     assert (await m.invoke(req())).text == "one"
     assert (await m.invoke(req())).text == "two"
@@ -30,13 +30,13 @@ async def test_entries_are_consumed_in_order():
 
 
 async def test_json_entry_is_serialized_as_text():
-    """PROTOCOL §2: "json" is serialized as the text."""
+    """docs/PROTOCOL.md §2: "json" is serialized as the text."""
     m = ScriptedModel("s", [{"json": {"answer": 1, "s": "é"}}])
     assert (await m.invoke(req())).text == '{"answer": 1, "s": "é"}'
 
 
 async def test_chunks_stream_the_text_in_that_many_deltas():
-    """PROTOCOL §2: "chunks" streams the text in that many deltas, then a result chunk."""
+    """docs/PROTOCOL.md §2: "chunks" streams the text in that many deltas, then a result chunk."""
     m = ScriptedModel("s", [{"text": "abcdefg", "chunks": 3}])
     out = await chunks_of(m)
     texts = [c.text for c in out if c.type == "text"]
@@ -45,7 +45,7 @@ async def test_chunks_stream_the_text_in_that_many_deltas():
 
 
 async def test_error_entry_fails_the_invocation():
-    """PROTOCOL §2: "error" makes the invocation fail with a model error."""
+    """docs/PROTOCOL.md §2: "error" makes the invocation fail with a model error."""
     m = ScriptedModel("s", [{"error": "rate limited"}, "after"])
     with pytest.raises(ModelError, match="rate limited"):
         await m.invoke(req())
@@ -53,7 +53,7 @@ async def test_error_entry_fails_the_invocation():
 
 
 async def test_exhausted_list_fails_with_model_error():
-    """PROTOCOL §2: an exhausted list fails the invocation with a model error."""
+    """docs/PROTOCOL.md §2: an exhausted list fails the invocation with a model error."""
     m = ScriptedModel("s", [])
     with pytest.raises(ModelError, match="no responses left"):
         await m.invoke(req())
@@ -61,7 +61,7 @@ async def test_exhausted_list_fails_with_model_error():
 
 
 async def test_delay_is_cancellable():
-    """PROTOCOL §2: "delayMs" waits before answering and the wait is cancellable."""
+    """docs/PROTOCOL.md §2: "delayMs" waits before answering and the wait is cancellable."""
     m = ScriptedModel("s", [{"text": "late", "delayMs": 3_600_000}])
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -81,7 +81,7 @@ async def test_requests_are_recorded():
 
 
 async def test_cli_flag_makes_model_cli_backed_and_selects_run_and_collect():
-    """PROTOCOL §2: "cli": true makes the model CLI-backed, so operate selects run_and_collect."""
+    """docs/PROTOCOL.md §2: "cli": true makes the model CLI-backed, so operate selects run_and_collect."""
     assert ScriptedModel.from_config("s", {"provider": "scripted", "responses": [], "cli": True}).is_cli
     b, m = make_branch(['{"answer": 2}'], cli=True)
     out = await b.operate(instruction="x", response_format=Answer)
@@ -89,7 +89,7 @@ async def test_cli_flag_makes_model_cli_backed_and_selects_run_and_collect():
 
 
 async def test_parse_repair_consumes_the_next_entry():
-    """PROTOCOL §2: parse repair turns consume entries like chat turns."""
+    """docs/PROTOCOL.md §2: parse repair turns consume entries like chat turns."""
     from .support import NO_REPAIR
 
     b, m = make_branch(["not json", '{"answer": 3}', "unused"])
@@ -110,7 +110,7 @@ async def test_parse_repair_consumes_the_next_entry():
     ({"provider": "scripted", "responses": [{"error": {"code": 1}}]}, "error must be a string"),
 ])
 def test_invalid_config_is_rejected(config, message):
-    """PROTOCOL §2: malformed scripted configs are rejected up front."""
+    """docs/PROTOCOL.md §2: malformed scripted configs are rejected up front."""
     with pytest.raises(ValueError, match=message):
         ScriptedModel.from_config("s", config)
 

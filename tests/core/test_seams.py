@@ -1,4 +1,4 @@
-"""ADR-0022's recorded seams (Context "three known seams", D1 action_strategy seam)."""
+"""The pipeline's seams (docs/PIPELINE.md "The seams": the three, and the D1 action_strategy one)."""
 
 from __future__ import annotations
 

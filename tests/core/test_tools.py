@@ -1,4 +1,4 @@
-"""Tools and the registry (D2 tool-schema publication; DESIGN "tool schemas are valid JSON Schema")."""
+"""Tools and the registry (D2 tool-schema publication; docs/PIPELINE.md: tool schemas are valid JSON Schema)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_openai_function_schema_shape():
 
 
 async def test_arguments_validated_before_invocation():
-    """PROTOCOL §4: arguments are validated against the schema; a mismatch raises before invocation."""
+    """docs/PROTOCOL.md §4: arguments are validated against the schema; a mismatch raises before invocation."""
     seen = []
 
     def f(n: int) -> int:
@@ -106,7 +106,7 @@ def test_tool_decorator_sets_name_read_only_and_timeout():
 
 
 async def test_tool_with_explicit_schema_validates_with_jsonschema():
-    """PROTOCOL §4: tools declared with a JSON Schema (client/MCP) validate arguments against it."""
+    """docs/PROTOCOL.md §4: tools declared with a JSON Schema (client/MCP) validate arguments against it."""
     async def func(args, ctx):
         return args["q"]
 

@@ -1,4 +1,4 @@
-"""Generators of hostile frames and bodies, and the PROTOCOL §1 oracle of what each
+"""Generators of hostile frames and bodies, and the docs/PROTOCOL.md §1 oracle of what each
 body must be answered with. Shared by the frame and oversize fuzz modules."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ APP_METHODS = ("listBranches", "listTools", "branchMessages")  # harmless app me
 
 
 def expect_for_value(msg: Any) -> Expect:
-    """PROTOCOL §1 + JSON-RPC 2.0 for a body that is valid JSON with value ``msg``."""
+    """docs/PROTOCOL.md §1 + JSON-RPC 2.0 for a body that is valid JSON with value ``msg``."""
     if type(msg) is list:
         return Expect("null", frozenset({-32600}), why="a batch (array) is -32600")
     if type(msg) is not dict:

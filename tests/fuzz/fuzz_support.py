@@ -33,7 +33,7 @@ SYNC_TIMEOUT = 10.0       # a ping after junk: answered within this or the strea
 REQUEST_TIMEOUT = 15.0    # a fuzzed request (non-operate)
 OPERATE_TIMEOUT = 30.0    # a fuzzed operate (scripted model, fast parse options)
 
-#: PROTOCOL §8
+#: docs/PROTOCOL.md §8
 ERROR_CODES = {-32700, -32600, -32601, -32602, -32603, -32002, -32800, -32010, -32011, -32012, -32013}
 
 #: counts of generated inputs per test (printed in the terminal summary by conftest.py)

@@ -1,6 +1,6 @@
-"""Issue 5, hostile frames (PROTOCOL §1): one server process for the module; after every
+"""Hostile frames (docs/PROTOCOL.md §1): one server process for the module; after every
 junk input a well-formed ping with a fresh id must be answered (alive, in sync), stdout
-must carry only frames, and the junk itself must get the answer PROTOCOL §1 names:
+must carry only frames, and the junk itself must get the answer docs/PROTOCOL.md §1 names:
 -32700 with id null for a body that is not JSON, -32600 for JSON that is not a request
 (batches included), the request's own answer otherwise."""
 
@@ -264,7 +264,7 @@ def test_a_stream_of_mixed_junk_frames_in_one_write(server, prof):
 @pytest.mark.parametrize("prof", PROFILES)
 def test_truncated_header_line_before_a_frame_does_not_lose_it(server, prof):
     """A header line cut off before its line end (a writer interrupted mid-header), then a
-    whole frame: the frame is read (DESIGN "stdio hardening": a malformed header block
+    whole frame: the frame is read (stdio hardening: a malformed header block
     never loses the next message)."""
     @prof
     @given(st.sampled_from([b"Content-Length", b"content-length", b"CONTENT-LENGTH"]),
@@ -352,7 +352,7 @@ def test_invalid_utf8_encoded_surrogate_is_a_parse_error(server):
 
 
 def test_nan_literal_is_not_json(server):
-    """PROTOCOL §1: a body that is not JSON gets -32700. NaN/Infinity are not JSON (RFC 8259),
+    """docs/PROTOCOL.md §1: a body that is not JSON gets -32700. NaN/Infinity are not JSON (RFC 8259),
     but Python's json accepts them, so the ping below was answered as if valid."""
     body = b'{"jsonrpc":"2.0","id":"nan","method":"ping","params":{"x":NaN}}'
     run(server, "regressions", frame(body),
@@ -360,7 +360,7 @@ def test_nan_literal_is_not_json(server):
 
 
 def test_utf16_body_is_not_accepted_as_json(server):
-    """PROTOCOL §1: the body is UTF-8. json.loads(bytes) sniffs UTF-16/32, so a UTF-16 body
+    """docs/PROTOCOL.md §1: the body is UTF-8. json.loads(bytes) sniffs UTF-16/32, so a UTF-16 body
     was answered as a valid ping instead of -32700."""
     body = json.dumps({"jsonrpc": "2.0", "id": "utf16", "method": "ping"}).encode("utf-16-le")
     run(server, "regressions", frame(body),

@@ -1,4 +1,4 @@
-"""Issue 5, oversize bodies (PROTOCOL §1): with a small ``maxMessageBytes`` set in
+"""Oversize bodies (docs/PROTOCOL.md §1): with a small ``maxMessageBytes`` set in
 initialize, any body larger than it is skipped with a -32600 response and the stream
 stays in sync; a body at the limit is handled normally. One server for the module."""
 

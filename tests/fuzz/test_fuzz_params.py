@@ -1,7 +1,7 @@
-"""Issue 5, hostile params of every method (PROTOCOL §2–§5, §8): random JSON and mutations
+"""Hostile params of every method (docs/PROTOCOL.md §2–§5, §8): random JSON and mutations
 of valid params (dropped/added fields, wrong types, unknown tools and branch ids, bad schemas
 in responseFormat/fieldModels, bad enums and model configs). Every answer must be a result
-that matches the method's result type, or an error whose code PROTOCOL §8 allows for that
+that matches the method's result type, or an error whose code docs/PROTOCOL.md §8 allows for that
 method and input (-32602 bad params, -32012 unknown branch, -32010/-32011 only from operate,
 -32010 only with handleValidation "raise"); never -32603, never a traceback; after each
 input the server answers a ping (alive, in sync). One server process for the module, with
@@ -326,7 +326,7 @@ def check_params(server: ParamsServer, test: str, method: str, params: Any) -> N
         code = err.get("code")
         assert not has_traceback(err), f"traceback in error.data for {shown}: {err!r:.1500}"
         assert code != -32603, f"internal error on bad input: {shown} -> {err!r:.1500}"
-        assert code in ERROR_CODES, f"code outside PROTOCOL §8 for {shown}: {err}"
+        assert code in ERROR_CODES, f"code outside docs/PROTOCOL.md §8 for {shown}: {err}"
         assert code in ALLOWED[method], f"{code} is not a code {method} may answer bad params with: {shown} -> {err!r:.800}"
         if code == -32010:
             assert isinstance(params, dict) and params.get("handleValidation") == "raise", \

@@ -1,4 +1,4 @@
-"""Wire examples written after PROTOCOL.md, one per message (params and results), shared by
+"""Wire examples written after docs/PROTOCOL.md, one per message (params and results), shared by
 the protocol tests. Keys: (method, "params" | "result")."""
 
 SCRIPTED = {"provider": "scripted", "responses": ["plain text", {"json": {"answer": 4}, "delayMs": 5},

@@ -1,4 +1,4 @@
-"""Package hygiene: light imports, no server dependency, names and codes as PROTOCOL.md says."""
+"""Package hygiene: light imports, no server dependency, names and codes as docs/PROTOCOL.md says."""
 
 import json
 import re

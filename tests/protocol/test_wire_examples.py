@@ -1,4 +1,4 @@
-"""Every message of PROTOCOL.md structures from an example and unstructures back to it."""
+"""Every message of docs/PROTOCOL.md structures from an example and unstructures back to it."""
 
 import json
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Bounds settable in settings (issue 5 §4; protocol/README.md "Bounds"): maxMessageBytes,
+"""Bounds settable in settings (docs/PROTOCOL.md §2 "Settings"): maxMessageBytes,
 maxToolOutputChars, maxConcurrentOperates (waits, FIFO), maxBranches, maxMessagesPerBranch."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_defaults_are_documented_values():
         "maxMessagesPerBranch": S.DEFAULT_MAX_MESSAGES_PER_BRANCH,
     }
     assert {k: documented.get(k) for k in in_force} == in_force
-    assert S.DEFAULTS["maxConcurrentOperates"] >= 100  # issue 6: 100 operates in flight must not queue
+    assert S.DEFAULTS["maxConcurrentOperates"] >= 100  # 100 operates in flight must not queue (a benchmark target)
 
 
 def test_a_bound_must_be_a_positive_integer(sidecar):

@@ -1,4 +1,4 @@
-"""Fail before effect, over the wire (issue 5 §3; DESIGN.md; ADR-0022 D3/D4).
+"""Fail before effect, over the wire (docs/PIPELINE.md D3/D4; docs/SECURITY.md).
 
 One real server; a client tool registered with ``registerClientTools`` records every
 ``invokeClientTool`` it receives. Every early ending of an operate invokes it zero times on

@@ -1,4 +1,4 @@
-"""Faults end to end (issue 5 §2): each one ends as the contract says and leaves the branch
+"""Faults end to end: each one ends as the contract says and leaves the branch
 consistent (every action_request has its action_response) and usable.
 
 The in-operate faults share one server (``faulty``): each test has its own branch and its own

@@ -1,4 +1,4 @@
-"""Secrets and leaks (issue 5 §5): a planted API key never appears in anything the server emits
+"""Secrets and leaks (docs/SECURITY.md): a planted API key never appears in anything the server emits
 (responses, notifications, stderr, branchMessages, journal files); no traceback text on the wire
 unless ``--debug``."""
 

@@ -1,4 +1,4 @@
-"""Branches (PROTOCOL §3)."""
+"""Branches (docs/PROTOCOL.md §3)."""
 
 from __future__ import annotations
 

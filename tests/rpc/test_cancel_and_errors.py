@@ -1,4 +1,4 @@
-"""Cancellation (PROTOCOL §7) and internal errors (-32603)."""
+"""Cancellation (docs/PROTOCOL.md §7) and internal errors (-32603)."""
 
 from __future__ import annotations
 

@@ -60,12 +60,12 @@ def test_a_method_the_catalog_does_not_declare_is_method_not_found(sidecar, meth
 
 def test_the_app_registers_a_handler_for_every_catalog_request():
     """The app's registration (server.rpc.server) comes from the catalog, by name."""
-    from operate_sidecar.server.rpc.methods import Sidecar
     from operate_sidecar.server.rpc.server import app_methods, handler_name
+    from operate_sidecar.server.service.service import Service
 
     assert set(app_methods()) | set(transport.CONNECTION_METHODS) == set(catalog.REQUESTS)
-    missing = [m for m in app_methods() if not callable(getattr(Sidecar, handler_name(m), None))]
-    assert missing == [], f"declared in protocol/catalog.py but no Sidecar handler: {missing}"
+    missing = [m for m in app_methods() if not callable(getattr(Service, handler_name(m), None))]
+    assert missing == [], f"declared in protocol/catalog.py but no Service handler: {missing}"
 
 
 # ------------------------------------------------------------------ fast-path tables

@@ -1,4 +1,4 @@
-"""Lifecycle (PROTOCOL §2): initialize, ping, shutdown, exit, EOF, watchdog, settings, CLI."""
+"""Lifecycle (docs/PROTOCOL.md §2): initialize, ping, shutdown, exit, EOF, watchdog, settings, CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""operate over the wire (PROTOCOL §5, ADR-0022 D1–D4), $/progress, error codes."""
+"""operate over the wire (docs/PROTOCOL.md §5, docs/PIPELINE.md D1–D4), $/progress, error codes."""
 
 from __future__ import annotations
 

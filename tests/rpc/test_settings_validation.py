@@ -1,4 +1,4 @@
-"""initialize rejects a bad ModelConfig up front (PROTOCOL §2 Settings / ModelConfig):
+"""initialize rejects a bad ModelConfig up front (docs/PROTOCOL.md §2 Settings / ModelConfig):
 a typo or a wrong type in any ``settings.models`` entry is -32602 at initialize, naming
 the model and the field, not at the model's first use. Valid configs are unchanged.
 

@@ -1,4 +1,4 @@
-"""Tools and governance (PROTOCOL §4), both server→client requests, toolEvent."""
+"""Tools and governance (docs/PROTOCOL.md §4), both server→client requests, toolEvent."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Transport hardening (PROTOCOL §1): framing, JSON errors, ids, params."""
+"""Transport hardening (docs/PROTOCOL.md §1): framing, JSON errors, ids, params."""
 
 from __future__ import annotations
 

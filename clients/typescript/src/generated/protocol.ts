@@ -357,7 +357,7 @@ export interface LogMessageParams {
   message: string;
 }
 /**
- * ``operate``. Optional fields are None when omitted (an explicit null is rejected), except those with a protocol/ADR default. ``action_strategy is None`` means "not given": ``instruct.action_strategy`` then decides, else ``concurrent``.
+ * ``operate``. Optional fields are None when omitted (an explicit null is rejected), except those with a protocol or pipeline default. ``action_strategy is None`` means "not given": ``instruct.action_strategy`` then decides, else ``concurrent``.
  */
 export interface OperateParams {
   branchId: string;
@@ -391,7 +391,7 @@ export interface OperateParams {
   maxRounds?: number;
 }
 /**
- * Structured-parse retry settings (ADR D1 defaults).
+ * Structured-parse retry settings (the pipeline's D1 defaults, docs/PIPELINE.md).
  */
 export interface ParseOptions {
   retryAttempts?: number;

@@ -112,19 +112,21 @@ class SchemaCache:
     async def model_for_async(self, schema: dict[str, Any], where: str = "responseFormat") -> type:
         """``model_for`` on a worker thread (the event loop keeps answering meanwhile); a
         schema already built is answered from the cache without the thread hop (the key is
-        computed under the size bounds, so this stays cheap on the loop)."""
-        import asyncio
+        computed under the size bounds, so this stays cheap on the loop). Worker threads are
+        anyio's, bounded by its default capacity limiter."""
+        import anyio.to_thread
 
         cached = self._models.get(_canonical(schema, where))
         if cached is not None:
             return cached
-        return await asyncio.to_thread(self.model_for, schema, where)
+        return await anyio.to_thread.run_sync(self.model_for, schema, where, abandon_on_cancel=True)
 
     async def specs_for_async(self, fields: list[Any]) -> list[Any]:
         """``spec_for`` of every field, on a worker thread."""
-        import asyncio
+        import anyio.to_thread
 
-        return await asyncio.to_thread(lambda: [self.spec_for(f, i) for i, f in enumerate(fields)])
+        return await anyio.to_thread.run_sync(lambda: [self.spec_for(f, i) for i, f in enumerate(fields)],
+                                             abandon_on_cancel=True)
 
     def model_for(self, schema: dict[str, Any], where: str = "responseFormat") -> type:
         key = _canonical(schema, where)

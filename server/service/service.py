@@ -1,10 +1,13 @@
-"""The request methods of PROTOCOL §3–§5, adapting wire params to core calls.
+"""The service both front ends drive: the state and the methods of the protocol, with no wire.
 
-Holds the server's state: branches (with a per-branch FIFO lock), configured
-models (built on first use), the server-wide tool registry every branch shares,
-governance data, the optional state journal and the ``toolEvent`` sequence.
-No pipeline policy lives here: ``operate`` is ``prepare_operate_kw`` + core
-``operate`` with the wire's values.
+Holds branches (with a per-branch FIFO lock), configured models (built on first use), the
+server-wide tool registry every branch shares, governance, the optional state store and the
+``toolEvent`` sequence. It reaches its client only through a ``ClientPort`` (``port``); the
+native front end (``server.rpc``) and the ACP front end (``server.acp``) each pass their own.
+Its methods take and return the protocol's JSON shapes (names as on the native wire) and raise
+``errors.RpcError`` (or core errors, mapped by ``errors.map_exception``). No pipeline policy
+lives here: ``operate`` is ``prepare_operate_kw`` + core ``operate`` with the wire's values.
+Imports no transport: no pygls, no lsprotocol, nothing from ``server.rpc`` or ``server.acp``.
 """
 
 from __future__ import annotations
@@ -17,16 +20,20 @@ from typing import TYPE_CHECKING, Any
 
 from . import errors as E
 from .errors import RpcError, invalid_params
-from .governance import ClientRequestError, Governance
+from .governance import Governance
+from .port import ClientRequestError
 from .progress import WireProgress
 from .schemas import SchemaCache
 
 if TYPE_CHECKING:
-    from operate_sidecar.server.service.port import ClientPort
+    from .port import ClientPort
 
-log = logging.getLogger("operate_sidecar.server.rpc")
+log = logging.getLogger("operate_sidecar.server.service")
 
-RECEIVED_LIMIT = 200
+#: worker threads the service uses at once for blocking store work
+THREADS = 4
+#: how long ``aclose`` lets background tasks finish before they are cancelled
+CLOSE_TIMEOUT_S = 3.0
 
 
 def _camel_to_snake(name: str) -> str:
@@ -40,52 +47,9 @@ def _camel_to_snake(name: str) -> str:
     return "".join(out)
 
 
-def truncate_received(value: Any, limit: int = RECEIVED_LIMIT) -> Any:
-    dump = getattr(value, "model_dump", None)
-    if dump is not None:
-        try:
-            value = dump(mode="json")
-        except Exception:
-            value = repr(value)
-    if isinstance(value, str):
-        return value[:limit]
-    try:
-        text = json.dumps(value, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        return repr(value)[:limit]
-    return value if len(text) <= limit else text[:limit]
-
-
-def map_exception(e: BaseException, debug: bool = False) -> tuple[int, str, Any]:
-    """An exception raised by a handler → ``(code, message, data)``."""
-    from .transport import format_exception_short, traceback_data
-
-    code = getattr(e, "code", None)
-    if isinstance(e, RpcError) or (type(code) is int and hasattr(e, "message") and hasattr(e, "to_dict")):
-        return e.code, e.message, getattr(e, "data", None)  # type: ignore[attr-defined]
-    from operate_sidecar.server.core import errors as ce
-
-    if isinstance(e, ce.ValidationFailed):
-        return E.VALIDATION_FAILED, str(e), {"expected": e.expected, "received": truncate_received(e.received)}
-    if isinstance(e, ce.ModelError):
-        return E.MODEL_ERROR, str(e) or "model error", None
-    if isinstance(e, (ce.RemovedArgumentError, ce.ConfigurationError, ce.ToolNotRegistered,
-                      ce.ToolArgumentError)):
-        return E.INVALID_PARAMS, f"invalid params: {e}", None
-    try:
-        from operate_sidecar.server.models import ModelConfigError
-
-        if isinstance(e, ModelConfigError):
-            return E.INVALID_PARAMS, f"invalid params: {e}", None
-    except Exception:  # pragma: no cover
-        pass
-    data = traceback_data(e) if debug else None
-    return E.INTERNAL_ERROR, f"internal error: {format_exception_short(e)}", data
-
-
-class Sidecar:
-    """State and handlers. ``rpc`` is the front end's ``ClientPort`` (``server.service.port``:
-    notify, request_client, conn): the native SidecarServer or the ACP front end's port."""
+class Service:
+    """State and methods. ``rpc`` is the front end's ``ClientPort`` (``port``: notify,
+    request_client, conn): the native ``SidecarServer`` or the ACP front end's ``AcpPort``."""
 
     def __init__(self, rpc: "ClientPort") -> None:
         self.rpc = rpc
@@ -100,11 +64,16 @@ class Sidecar:
         self.governance: Governance | None = None
         self.journal: Any = None
         self._tools_ready: asyncio.Event | None = None
-        self._tools_loading = False
-        self._mcp_stop: asyncio.Event | None = None
-        self._mcp_task: asyncio.Task | None = None
+        self._mcp_stop = asyncio.Event()  # set by ``aclose``: the MCP servers stop cleanly
         self._state_loaded = False
-        self._state_task: asyncio.Future | None = None  # the restore, running on a worker thread
+        self._restored: asyncio.Event | None = None  # set when the restore (a background task) is done
+        self._opened: tuple[Any, list, str | None] | None = None  # what it read
+        #: the task group that owns every background task of the service (see ``start``)
+        self._tg: Any = None
+        self._owner: asyncio.Task | None = None
+        self._started: asyncio.Event | None = None
+        self._closing: asyncio.Event | None = None
+        self._threads: Any = None  # anyio.CapacityLimiter: blocking store work on worker threads
         self._model_specs: dict[str, dict[str, Any]] = {}  # branch id -> wire model specs (journal meta)
         self._flush_lock: asyncio.Lock | None = None
         self._operate_slots: asyncio.Semaphore | None = None
@@ -218,14 +187,19 @@ class Sidecar:
             if not state_dir:
                 self._state_loaded = True
                 return
-            if self._state_task is None:
-                self._state_task = asyncio.ensure_future(asyncio.to_thread(self._open_state, state_dir))
-            opened = await asyncio.shield(self._state_task)
-            self._apply_restore(opened)
+            if self._restored is None:  # one restore, however many requests wait for it
+                self._restored = asyncio.Event()
+                try:
+                    await self._spawn(self._restore, state_dir, name="restore branches")
+                except BaseException:
+                    self._restored.set()  # nobody waits for a restore that never started
+                    raise
+            await self._restored.wait()
+            self._apply_restore(self._opened)
         if self.journal is None or self.journal.unchanged():
             return
         try:
-            changes = await asyncio.to_thread(self.journal.poll, self._busy_branches())
+            changes = await self._to_thread(self.journal.poll, self._busy_branches())
         except Exception:
             log.exception("could not read other processes' changes from the state store")
             return
@@ -302,19 +276,14 @@ class Sidecar:
                 self._load_sync_tools()
             finally:
                 if self.settings.get("mcpServers"):
-                    self._mcp_stop = asyncio.Event()
-                    self._mcp_task = asyncio.ensure_future(self._run_mcp())
+                    await self._spawn(self._serve_mcp, self.settings["mcpServers"], self._tools_ready,
+                                      name="mcp servers")
                 else:
                     self._tools_ready.set()
         await self._tools_ready.wait()
 
     def _load_sync_tools(self) -> None:
         reg = self.registry
-        if not getattr(self.conn, "_children_bound", False):  # tools' children die with the sidecar
-            from .stdio import bind_children_to_process
-
-            self.conn._children_bound = True
-            bind_children_to_process()
         if self.conn.workspace_folders:
             try:
                 from operate_sidecar.server.tools.builtin import WorkspaceTools
@@ -345,33 +314,110 @@ class Sidecar:
                         continue
                     reg.register(t)
 
-    async def _run_mcp(self) -> None:
+    async def add_mcp_server(self, name: str, config: dict[str, Any]) -> asyncio.Event:
+        """One more MCP server (``{command, env}``, e.g. one the client passed) as a tool
+        source, started in the background in the service's task group after the configured
+        tools, stopped by :meth:`aclose`. The event returned is set once its tools are
+        registered, or it failed (reported; the other tools are unaffected)."""
+        ready = asyncio.Event()
+
+        async def run() -> None:
+            try:
+                await self.ensure_tools()  # its tools' names must not shadow those
+                await self._serve_mcp({name: config}, ready)
+            finally:
+                ready.set()
+
+        await self._spawn(run, name=f"mcp server {name}")
+        return ready
+
+    async def _serve_mcp(self, config: dict[str, Any], ready: asyncio.Event) -> None:
+        """Run MCP servers as tool sources until :meth:`aclose`; ``ready`` is set once their
+        tools are registered or they failed."""
         from operate_sidecar.server.tools.mcp_source import open_mcp_sources
 
         try:
-            async with open_mcp_sources(self.settings["mcpServers"], reserved=self.registry.names()) as tools:
+            async with open_mcp_sources(config, reserved=self.registry.names()) as tools:
                 for t in tools:
                     self.registry.register(t, update=False)
-                self._tools_ready.set()  # type: ignore[union-attr]
-                await self._mcp_stop.wait()  # type: ignore[union-attr]
-        except asyncio.CancelledError:
-            raise
+                ready.set()
+                await self._mcp_stop.wait()
         except Exception as e:
-            self.conn.log_message(2, f"MCP servers unavailable: {e}")
+            self.conn.log_message(2, f"MCP server{'s' if len(config) > 1 else ''} {', '.join(config)} "
+                                     f"unavailable: {e}")
         finally:
-            self._tools_ready.set()  # type: ignore[union-attr]
+            ready.set()
+
+    # ------------------------------------------------------------------ tasks
+    async def start(self) -> None:
+        """Open the task group that owns the service's background tasks (the restore of stored
+        branches, the MCP servers). Idempotent; the service starts it on first need, so a front
+        end need not call it. :meth:`aclose` closes it."""
+        if self._started is None:
+            self._started, self._closing = asyncio.Event(), asyncio.Event()
+            self._owner = asyncio.get_running_loop().create_task(self._own(), name="service tasks")
+        await self._started.wait()
+
+    async def _own(self) -> None:
+        import anyio
+
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                self._started.set()  # type: ignore[union-attr]
+                await self._closing.wait()  # type: ignore[union-attr]
+                # let the tasks finish (MCP servers stop cleanly), then cancel what is left
+                tg.cancel_scope.deadline = anyio.current_time() + CLOSE_TIMEOUT_S
+        finally:
+            self._tg = None
+            self._started.set()  # type: ignore[union-attr]
+
+    async def _spawn(self, fn: Any, *args: Any, name: str) -> None:
+        """Run ``fn(*args)`` in the service's task group. Its failure is logged, never
+        propagated: one background task cannot take down the others."""
+        await self.start()
+        if self._tg is None:
+            raise RuntimeError("the service is closed")
+
+        async def guarded() -> None:
+            try:
+                await fn(*args)
+            except Exception:
+                log.exception("background task %r failed", name)
+
+        self._tg.start_soon(guarded, name=name)
+
+    async def _to_thread(self, fn: Any, *args: Any) -> Any:
+        """Blocking work (the store) on a worker thread, at most ``THREADS`` at a time."""
+        import anyio.to_thread
+
+        if self._threads is None:
+            import anyio
+
+            self._threads = anyio.CapacityLimiter(THREADS)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
+
+    async def _restore(self, state_dir: str) -> None:
+        try:
+            self._opened = await self._to_thread(self._open_state, state_dir)
+        finally:
+            self._restored.set()  # type: ignore[union-attr]
 
     async def aclose(self) -> None:
-        if self._mcp_stop is not None:
-            self._mcp_stop.set()
-        if self._mcp_task is not None:
-            try:
-                await asyncio.wait_for(self._mcp_task, 3.0)
-            except BaseException:
-                self._mcp_task.cancel()
-        self.flush_journal_sync()
-        if self.journal is not None:
-            self.journal.close()  # the last connection out checkpoints the WAL into the database file
+        """Stop the background tasks (bounded: ``CLOSE_TIMEOUT_S``), then commit what is
+        pending and close the store (that too when the caller stops waiting)."""
+        self._mcp_stop.set()
+        try:
+            if self._owner is not None:
+                self._closing.set()  # type: ignore[union-attr]
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._owner), CLOSE_TIMEOUT_S + 1.0)
+                except TimeoutError:
+                    log.warning("the service's tasks did not stop in time")
+        finally:
+            self.flush_journal_sync()
+            if self.journal is not None:
+                self.journal.close()  # the last connection out checkpoints the WAL into the database file
 
     def flush_journal_sync(self) -> None:
         """Commit everything still pending (on stop: e.g. a cancelled operate's messages)."""
@@ -398,7 +444,7 @@ class Sidecar:
             if self.journal.dirty(bids, messages=messages):
                 # raises StateNotSaved (nothing of those branches written); returns the branches
                 # another process committed to meanwhile, re-read whole
-                for lb in await asyncio.to_thread(self.journal.flush, bids, messages=messages):
+                for lb in await self._to_thread(lambda: self.journal.flush(bids, messages=messages)):
                     if lb.id in self.branches:
                         self._restored_branch(lb)
 
@@ -561,7 +607,7 @@ class Sidecar:
             from operate_sidecar.server.state import StateNotSaved
 
             try:
-                await asyncio.to_thread(self.journal.delete, p.branch_id)
+                await self._to_thread(self.journal.delete, p.branch_id)
             except StateNotSaved as e:
                 raise E.state_not_saved(f"branch {p.branch_id} was not deleted ({e})",
                                         {"branchId": p.branch_id}) from None
@@ -724,16 +770,12 @@ class Sidecar:
                                                    retry_initial_delay=o.retry_initial_delay,
                                                    retry_backoff=o.retry_backoff, max_concurrent=o.max_concurrent,
                                                    throttle_period=o.throttle_period)
-        kw.update(
-            reason=p.reason, actions=p.actions, invoke_actions=p.invoke_actions,
-            tools=p.tools, action_strategy=p.action_strategy,  # None = not given (PROTOCOL §5)
-            verbose_action=p.verbose_action, handle_validation=p.handle_validation,
-            skip_validation=p.skip_validation, clear_messages=p.clear_messages,
-            stream_persist=p.stream_persist, persist_dir=p.persist_dir, snapshot_dir=p.snapshot_dir,
-        )
         from operate_sidecar.server.core.operate import operate as core_operate
         from operate_sidecar.server.core.params import RunParam
         from operate_sidecar.server.core.prepare import prepare_operate_kw
+
+        # the rest as they are (an omitted actionStrategy is None: not given)
+        kw.update((name, getattr(p, name)) for name in passed_as_is(prepare_operate_kw))
 
         options = dict(p.model_options or {})
         clash = sorted(set(options) & _pipeline_names(prepare_operate_kw))
@@ -799,6 +841,14 @@ class Sidecar:
 
 
 _PIPELINE_NAMES: frozenset[str] | None = None
+_AS_IS: tuple[str, ...] | None = None
+
+#: ``operate`` params the service turns into something else before ``prepare_operate_kw``
+#: (models, schemas, the instruction) ...
+CONVERTED = frozenset({"instruct", "instruction", "guidance", "context", "chat_model", "parse_model",
+                       "response_format", "field_models", "parse_options"})
+#: ... and those it uses itself
+CONSUMED = frozenset({"branch_id", "model_options", "work_done_token", "max_rounds"})
 
 
 def _pipeline_names(fn: Any) -> frozenset[str]:
@@ -811,6 +861,21 @@ def _pipeline_names(fn: Any) -> frozenset[str]:
     return _PIPELINE_NAMES
 
 
+def passed_as_is(prepare: Any) -> tuple[str, ...]:
+    """The ``operate`` params (the protocol's ``OperateParams`` fields) that reach ``prepare``
+    (``prepare_operate_kw``) unchanged, by name: every field that names one of its parameters
+    and is not ``CONVERTED``. The parameter list is declared once, in the protocol."""
+    global _AS_IS
+    if _AS_IS is None:
+        import attrs
+
+        from operate_sidecar.protocol import OperateParams
+
+        _AS_IS = tuple(f.name for f in attrs.fields(OperateParams)
+                       if f.name in _pipeline_names(prepare) and f.name not in CONVERTED)
+    return _AS_IS
+
+
 def envelope(result: Any) -> dict[str, Any]:
     if result is None:
         return {"result": None, "kind": "none", "model": None}
@@ -820,3 +885,6 @@ def envelope(result: Any) -> dict[str, Any]:
     if isinstance(result, str):
         return {"result": result, "kind": "text", "model": None}
     return {"result": result, "kind": "dict", "model": None}
+
+
+__all__ = ["Service", "envelope"]

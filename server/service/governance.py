@@ -17,20 +17,12 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
+from .port import ClientRequestError
+
 log = logging.getLogger(__name__)
 
-DECISIONS = ("allow", "deny", "ask")
 PERMISSION_OPTIONS = ["allow_once", "allow_always", "deny_once", "deny_always"]
 
-
-class ClientRequestError(Exception):
-    """The client answered a server→client request with an error."""
-
-    def __init__(self, code: int, message: str, data: Any = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.data = data
 
 
 def default_decision(tool: Any) -> str:

@@ -3,7 +3,7 @@
 synchronously, so they all precede the operate's response, in order.
 
 One ``begin``/``end`` pair spans the whole request, however many rounds (core operates) it
-runs: the core's own ``end`` calls are ignored and the handler ends the progress with
+runs: the core begins and reports; the service ends the progress with
 :meth:`WireProgress.finish`, whose value carries the request's ``usage``."""
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from typing import Any
 
 class WireProgress:
     __slots__ = ("_notify", "token", "default_begin", "began", "ended")
-
-    #: the core ends its operate here; the request's handler ends the progress (``finish``)
 
     def __init__(self, notify: Any, token: Any, default_begin: str = "communicate") -> None:
         self._notify = notify
@@ -43,14 +41,11 @@ class WireProgress:
             value["delta"] = delta
         self._send(value)
 
-    def end(self, message: str) -> None:
-        """Called by the core at the end of each operate (round): ignored, see ``finish``."""
-
     def finish(self, message: str, usage: dict[str, Any] | None = None) -> None:
         """The one ``end`` of the request, with its ``usage``."""
         if self.ended:
             return
-        try:  # the core ends with "failed" when it is unwinding a cancellation: say what happened
+        try:  # a failure while the request is being cancelled: say what happened
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 message = "cancelled"

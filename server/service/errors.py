@@ -1,0 +1,79 @@
+"""The errors the service raises and how any exception becomes an error answer.
+
+``RpcError`` is the protocol's own (``protocol.errors``): raising one answers the current
+request with ``{code, message, data?}``, whichever front end carries it (the native front
+end sends it as is; the ACP front end as an ACP error with the same code). The codes are
+the protocol's. :func:`map_exception` maps everything else a service call may raise (core,
+provider and configuration errors) to ``(code, message, data)``; both front ends use it."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from typing import Any
+
+from operate_sidecar.protocol.errors import (BRANCH_NOT_FOUND, INTERNAL_ERROR, INVALID_PARAMS, MODEL_ERROR,
+                                             STATE_NOT_SAVED, VALIDATION_FAILED, RpcError)
+
+__all__ = ["RpcError", "invalid_params", "branch_not_found", "state_not_saved", "map_exception",
+           "truncate_received"]
+
+#: characters of a reply that failed validation shown back in the error's ``data.received``
+RECEIVED_LIMIT = 200
+
+
+def invalid_params(message: str, data: Any = None) -> RpcError:
+    return RpcError(INVALID_PARAMS, message, data)
+
+
+def branch_not_found(branch_id: Any) -> RpcError:
+    return RpcError(BRANCH_NOT_FOUND, f"branch not found: {branch_id}", {"branchId": branch_id})
+
+
+def state_not_saved(message: str, data: Any = None) -> RpcError:
+    return RpcError(STATE_NOT_SAVED, f"state could not be saved: {message}", data)
+
+
+def truncate_received(value: Any, limit: int = RECEIVED_LIMIT) -> Any:
+    dump = getattr(value, "model_dump", None)
+    if dump is not None:
+        try:
+            value = dump(mode="json")
+        except Exception:
+            value = repr(value)
+    if isinstance(value, str):
+        return value[:limit]
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return repr(value)[:limit]
+    return value if len(text) <= limit else text[:limit]
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text[:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def map_exception(e: BaseException, debug: bool = False) -> tuple[int, str, Any]:
+    """An exception raised by a service call → ``(code, message, data)``. Unexpected ones are
+    -32603 without a traceback unless ``debug``."""
+    code = getattr(e, "code", None)
+    if isinstance(e, RpcError) or (type(code) is int and hasattr(e, "message") and hasattr(e, "to_dict")):
+        return e.code, e.message, getattr(e, "data", None)  # type: ignore[attr-defined]
+    from operate_sidecar.server.core import errors as ce
+
+    if isinstance(e, ce.ValidationFailed):
+        return VALIDATION_FAILED, str(e), {"expected": e.expected, "received": truncate_received(e.received)}
+    if isinstance(e, ce.ModelError):
+        return MODEL_ERROR, str(e) or "model error", None
+    if isinstance(e, (ce.RemovedArgumentError, ce.ConfigurationError, ce.ToolNotRegistered,
+                      ce.ToolArgumentError)):
+        return INVALID_PARAMS, f"invalid params: {e}", None
+    from operate_sidecar.server.models import ModelConfigError
+
+    if isinstance(e, ModelConfigError):
+        return INVALID_PARAMS, f"invalid params: {e}", None
+    data = {"traceback": traceback.format_exception(type(e), e, e.__traceback__)} if debug else None
+    return INTERNAL_ERROR, f"internal error: {_short(e)}", data

@@ -1,0 +1,84 @@
+"""The service owns its background tasks: MCP servers (configured, and added later as a
+client's) run in its task group, against real MCP stdio servers, and ``aclose`` stops them all."""
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from operate_sidecar.server.core.tools import ToolCallContext
+from operate_sidecar.server.rpc import settings as S
+from operate_sidecar.server.service.service import Service
+
+MCP_SERVER = str(Path(__file__).resolve().parents[1] / "tools" / "fixtures" / "mcp_server.py")
+WAIT = 60  # seconds: every wait here is bounded
+
+
+class Port:
+    """A ClientPort with no client behind it."""
+
+    def __init__(self, settings: dict) -> None:
+        self.conn = self
+        self.settings = settings
+        self.client_capabilities: dict = {}
+        self.workspace_folders: list = []
+        self.logged: list[str] = []
+
+    def log_message(self, type_: int, message: str) -> None:
+        self.logged.append(message)
+
+    def notify(self, method: str, params: object) -> None:
+        pass
+
+    async def request_client(self, method: str, params: object, timeout: float | None) -> object:
+        raise RuntimeError("no client")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_mcp_servers_run_in_the_service_task_group_and_stop_on_aclose():
+    settings = S.finalize(S.merge(S.DEFAULTS, {"mcpServers": {"cfg": {"command": [sys.executable, MCP_SERVER, "cfg"]}}}))
+    port = Port(settings)
+
+    async def main() -> None:
+        svc = Service(port)
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)
+        ready = await svc.add_mcp_server("client", {"command": [sys.executable, MCP_SERVER, "client"]})
+        await asyncio.wait_for(ready.wait(), WAIT)
+        pid_tools = [t for t in svc.registry if t.name.endswith("pid")]
+        assert len(pid_tools) == 2, [t.name for t in svc.registry]
+        pids = [await asyncio.wait_for(t.call({}, ToolCallContext(branch_id="b", call_id=t.name)), WAIT)
+                for t in pid_tools]
+        assert len(set(pids)) == 2 and all(_alive(p) for p in pids)
+        owner = svc._owner
+        assert owner is not None and not owner.done()  # the one task that holds the task group
+        await asyncio.wait_for(svc.aclose(), WAIT)
+        assert owner.done() and svc._tg is None
+        assert not any(_alive(p) for p in pids), pids
+        assert not port.logged, port.logged
+
+    asyncio.run(main())
+
+
+def test_a_failing_mcp_server_is_reported_and_leaves_the_others_running():
+    settings = S.finalize(S.merge(S.DEFAULTS, {}))
+    port = Port(settings)
+
+    async def main() -> None:
+        svc = Service(port)
+        bad = await svc.add_mcp_server("ghost", {"command": ["/nonexistent/mcp-server-xyz"]})
+        good = await svc.add_mcp_server("good", {"command": [sys.executable, MCP_SERVER, "good"]})
+        await asyncio.wait_for(asyncio.gather(bad.wait(), good.wait()), WAIT)
+        assert "echo" in svc.registry
+        assert any("ghost" in m and "unavailable" in m for m in port.logged), port.logged
+        assert not svc._owner.done()
+        await asyncio.wait_for(svc.aclose(), WAIT)
+        assert svc._owner.done()
+
+    asyncio.run(main())
