@@ -1,3 +1,3 @@
 """operate-sidecar: a JSON-RPC stdio sidecar running composed LLM operations (docs/PIPELINE.md)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

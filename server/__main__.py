@@ -48,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv is None:
         argv = sys.argv[1:]
+    if "--acp" in argv and argv[:1] != ["replay"]:
+        # start-up is import-bound (the ACP SDK's pydantic schema, then the core): no cyclic
+        # collection walks the freshly built modules meanwhile. The core loader turns the
+        # collector back on (and freezes what was loaded) once it is in.
+        import gc
+
+        gc.disable()
     if argv[:1] == ["replay"]:  # operate-sidecar replay SCRIPT.jsonl [-- SERVER ARGV...]
         from operate_sidecar.server.script.runner import main as replay_main
 

@@ -4,8 +4,12 @@ A session is a branch (the session id is the branch id). A prompt turn is an ``o
 with actions and every tool, repeated while the model keeps calling tools, up to
 ``MAX_ROUNDS`` rounds. Per session the editor picks a ``model`` (a configured model) and
 a ``mode`` (the permission policy: ``ask``, ``auto-edit``, ``read-only``), both as config
-options (and the mode also as an ACP session mode). Session metadata the branch does not
-hold (cwd, title, model, mode) is kept in ``acp-sessions.json`` in the state directory.
+options (and the mode also as an ACP session mode). The mode is the branch's permission
+mode in the service, which applies it; this module only maps the option to it. What a
+session has beyond its branch (cwd, title, model, update time) is the branch's info, which
+the service saves with the branch (``Service.set_branch_info``; the title and update time
+with the turn's messages). An ``acp-sessions.json`` left in the state directory by an older
+version is imported once (then renamed ``acp-sessions.json.imported``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib
-import inspect
 import json
 import logging
 import os
@@ -28,13 +31,14 @@ from acp.schema import (AgentCapabilities, Implementation, InitializeResponse, L
                         SessionListCapabilities, SessionMode, SessionModeState, SetSessionConfigOptionResponse,
                         SetSessionModeResponse, ToolCallProgress, Usage, UsageUpdate)
 
-from .port import EDIT_TOOLS, AcpPort, Turn
+from .port import AcpPort, Turn
 from .reply import REPLY_FORMAT, ReplyText, message_of
 
 log = logging.getLogger("operate_sidecar.server.acp")
 
 #: rounds of one prompt turn (each a whole operate; another runs while the model calls tools)
 MAX_ROUNDS = 8
+#: the service's permission modes (``service.governance.MODES``) as the editor shows them
 MODES = {"ask": ("Ask", "Ask before any tool that changes something"),
          "auto-edit": ("Auto-edit", "Edit files in the workspace without asking; ask for everything else"),
          "read-only": ("Read-only", "Only tools that change nothing; everything else is denied")}
@@ -46,38 +50,14 @@ CORE_MODULES = ("operate_sidecar.server.core", "operate_sidecar.server.core.bran
                 "operate_sidecar.server.tools.builtin", "operate_sidecar.protocol", "json_schema_to_pydantic")
 
 
+#: session metadata of older versions, in the state directory: imported once, then renamed
+LEGACY_SESSIONS = "acp-sessions.json"
+#: the session fields kept in the branch's info
+INFO_FIELDS = ("cwd", "title", "model", "updatedAt")
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-class SessionStore:
-    """cwd, title, model, mode and update time per session, as JSON (atomic replace) in the
-    state directory; in memory only without one."""
-
-    def __init__(self, state_dir: str | None) -> None:
-        self.path = os.path.join(state_dir, "acp-sessions.json") if state_dir else None
-        self.data: dict[str, dict[str, Any]] = {}
-        if self.path and os.path.exists(self.path):
-            try:
-                with open(self.path, encoding="utf-8") as f:
-                    loaded = json.load(f)
-                self.data = {k: v for k, v in loaded.items() if isinstance(v, dict)} if isinstance(loaded, dict) else {}
-            except (OSError, ValueError) as e:
-                log.warning("ACP session metadata at %s unreadable (%s); starting empty", self.path, e)
-
-    def save(self) -> None:
-        if not self.path:
-            return
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.data, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except OSError as e:
-            log.warning("ACP session metadata not saved: %s", e)
 
 
 class OperateAgent(Agent):
@@ -91,7 +71,7 @@ class OperateAgent(Agent):
         self.port.branch_messages = self._messages
         self.port.cancel_turn = self._cancel_turn
         self.sidecar: Any = None
-        self.store = SessionStore(settings.get("stateDir"))
+        self._imported: asyncio.Task | None = None  # the one-time import of ``LEGACY_SESSIONS``
         self._core: asyncio.Future | None = None   # the service, once the core is imported
         self._warm: asyncio.Future | None = None   # set once first-use paths are warmed
         self._turns: dict[str, asyncio.Task] = {}
@@ -132,6 +112,7 @@ class OperateAgent(Agent):
                 sidecar._core()
             except BaseException as e:  # pragma: no cover - broken install
                 log.error("could not load the core: %s", e)
+                gc.enable()
                 signal(self._core, None, e)  # type: ignore[arg-type]
                 signal(self._warm, None, None)  # type: ignore[arg-type]
                 return
@@ -142,8 +123,10 @@ class OperateAgent(Agent):
             except BaseException:
                 log.debug("warm-up failed", exc_info=True)
             # what is loaded now lives as long as the process: keep the collector from walking it
-            # again (a full collection over the freshly imported core would land on the first prompt)
+            # again (a full collection over the freshly imported core would land on the first prompt);
+            # the collector was off during start-up (``__main__``): it runs from here on
             gc.freeze()
+            gc.enable()
             log.info("core loaded in %.0f ms, warmed in %.0f ms", (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000)
             signal(self._warm, None, None)  # type: ignore[arg-type]
 
@@ -158,22 +141,82 @@ class OperateAgent(Agent):
         return self.sidecar
 
     def _messages(self, sid: str) -> Any:
-        b = self.sidecar.branches.get(sid) if self.sidecar is not None else None
-        return b.messages if b is not None else ()
+        return self.sidecar.messages_of(sid) if self.sidecar is not None else ()
+
+    async def _restored(self) -> Any:
+        """The service with the stored branches restored (and other processes' commits taken
+        in), and an older version's session file imported (once)."""
+        sc = await self._ready()
+        try:
+            await sc.restore()
+        except Exception as e:
+            raise self._error(e) from None
+        if self._imported is None:
+            self._imported = asyncio.get_running_loop().create_task(self._import_legacy(sc))
+            self._live.add(self._imported)  # stopped by ``aclose`` like a turn
+            self._imported.add_done_callback(self._live.discard)
+        await asyncio.shield(self._imported)
+        return sc
 
     async def _branch(self, session_id: str) -> Any:
-        sc = await self._ready()
+        sc = await self._restored()
         from operate_sidecar.server.service.errors import RpcError
 
-        state = getattr(sc, "_state", None)  # restores stored branches first (where the service has it)
-        if state is not None:
-            await state()
         try:
-            b = sc.branch(session_id)
+            return sc.branch(session_id)
         except RpcError:
             raise RequestError.invalid_params({"sessionId": session_id, "reason": "unknown session"}) from None
-        self._govern(b)
-        return b
+
+    async def _import_legacy(self, sc: Any) -> None:
+        """Import ``acp-sessions.json`` (written by older versions) into the branches' info and
+        permission modes, then rename it so it is read once. Sessions whose branch is gone, or
+        that have info already (another process imported them), are skipped; when a save
+        fails the file stays, to be imported at the next start."""
+        state_dir = self.settings.get("stateDir")
+        if not state_dir:
+            return
+        path = os.path.join(state_dir, LEGACY_SESSIONS)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.warning("ACP session metadata at %s unreadable (%s); not imported", path, e)
+            return
+        try:
+            kept = await self._import_sessions(sc, data)
+        except Exception:  # never in the way of the request that triggered it
+            log.exception("ACP session metadata at %s not imported", path)
+            return
+        if kept:
+            try:
+                os.replace(path, path + ".imported")
+            except OSError:
+                pass  # another process imported it meanwhile
+
+    async def _import_sessions(self, sc: Any, data: Any) -> bool:
+        """The sessions of an old ``acp-sessions.json``; False when one could not be saved."""
+        from operate_sidecar.server.service.errors import RpcError
+
+        kept = True
+        for sid, meta in (data.items() if isinstance(data, dict) else ()):
+            if not isinstance(meta, dict):
+                continue
+            try:
+                sc.branch(sid)
+            except RpcError:
+                continue  # the branch was deleted
+            if sc.branch_info(sid):
+                continue
+            info = {k: meta[k] for k in INFO_FIELDS if isinstance(meta.get(k), str)}
+            mode = meta.get("mode") if meta.get("mode") in MODES and meta.get("mode") != "ask" else None
+            try:
+                await sc.set_branch_info(sid, info, mode=mode)
+            except Exception as e:
+                kept = False
+                log.warning("ACP session %s not imported: %s", sid, e)
+        return kept
 
     def _error(self, e: BaseException) -> RequestError:
         from operate_sidecar.server.service.errors import map_exception
@@ -204,19 +247,15 @@ class OperateAgent(Agent):
     # ------------------------------------------------------------------ sessions
     async def new_session(self, cwd: str, additional_directories: Any = None, mcp_servers: Any = None,
                           **kw: Any) -> NewSessionResponse:
-        sc = await self._ready()
+        sc = await self._restored()
         self._add_folders(cwd, additional_directories)
         await self._add_mcp(mcp_servers)
-        try:
-            sid = (await sc.createBranch({}))["branchId"]
+        try:  # the session's info is saved with the new branch, in one transaction
+            sid = (await sc.createBranch({}, info={"cwd": cwd, "updatedAt": _now()}))["branchId"]
         except RequestError:
             raise
         except Exception as e:
             raise self._error(e) from None
-        self._govern(sc.branches[sid])
-        self.store.data[sid] = {"cwd": cwd, "title": None, "updatedAt": _now(),
-                                "model": self.settings["defaultModel"], "mode": "ask"}
-        self.store.save()
         # the first prompt must cost what a warm one does: finish the warm-up and build the tools now
         # that the folder is known (configured MCP servers start in the background; a prompt waits)
         await self._ready(warm=True)
@@ -224,6 +263,10 @@ class OperateAgent(Agent):
             self._background(sc.ensure_tools())
         else:
             await sc.ensure_tools()
+        try:  # the session's model object too (a provider is lazy: no weights, no connection yet)
+            sc.resolve_model(self._model(sid))
+        except Exception:  # a bad config is reported by the prompt that uses it
+            log.debug("model not prepared", exc_info=True)
         return NewSessionResponse(session_id=sid, config_options=self._options(sid), modes=self._modes(sid))
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
@@ -231,73 +274,73 @@ class OperateAgent(Agent):
         b = await self._branch(session_id)
         self._add_folders(cwd, additional_directories)
         await self._add_mcp(mcp_servers)
-        meta = self._meta(session_id)
-        meta["cwd"] = cwd
+        info = self.sidecar.branch_info(session_id)
+        if info.get("cwd") != cwd:  # now listed under this folder (a branch made natively: listed from now on)
+            await self._save(session_id, {"cwd": cwd} if info.get("updatedAt") else {"cwd": cwd, "updatedAt": _now()})
         self._replay(session_id, b)
         await self.port.flush()  # every update before the answer
         return LoadSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
 
     async def list_sessions(self, cwd: str | None = None, cursor: str | None = None, additional_directories: Any = None,
                             **kw: Any) -> ListSessionsResponse:
-        sc = await self._ready()
+        sc = await self._restored()
         try:
-            res = sc.listBranches({})
-            branches = (await res if inspect.isawaitable(res) else res)["branches"]
+            branches = (await sc.listBranches({}))["branches"]
         except Exception as e:
             raise self._error(e) from None
         out = []
         for b in branches:
-            meta = self.store.data.get(b["branchId"])
-            if meta is None or (cwd is not None and meta.get("cwd") != cwd):
+            info = sc.branch_info(b["branchId"])
+            if not info or (cwd is not None and info.get("cwd") != cwd):  # not a session (made natively)
                 continue
-            out.append(SessionInfo(session_id=b["branchId"], cwd=meta.get("cwd") or "", title=meta.get("title"),
-                                   updated_at=meta.get("updatedAt")))
+            out.append(SessionInfo(session_id=b["branchId"], cwd=info.get("cwd") or "", title=info.get("title"),
+                                   updated_at=info.get("updatedAt")))
         out.sort(key=lambda s: s.updated_at or "", reverse=True)
         return ListSessionsResponse(sessions=out)
 
-    def _meta(self, sid: str) -> dict[str, Any]:
-        meta = self.store.data.setdefault(sid, {"cwd": "", "title": None, "updatedAt": _now(), "model": None,
-                                                "mode": "ask"})
-        if meta.get("model") not in self.settings["models"]:
-            meta["model"] = self.settings["defaultModel"]
-        if meta.get("mode") not in MODES:
-            meta["mode"] = "ask"
-        return meta
+    async def _save(self, sid: str, info: dict[str, Any] | None = None, mode: str | None = None) -> None:
+        """Save a change of the session's info or mode (durable before the answer; -32013 when not)."""
+        try:
+            await self.sidecar.set_branch_info(sid, info, mode=mode)
+        except Exception as e:
+            raise self._error(e) from None
+
+    def _model(self, sid: str) -> str:
+        """The session's model: the one picked, while it is configured; else the default."""
+        model = self.sidecar.branch_info(sid).get("model")
+        return model if model in self.settings["models"] else self.settings["defaultModel"]
 
     def _options(self, sid: str) -> list[SessionConfigOptionSelect]:
-        meta = self._meta(sid)
         models = self.settings["models"]
         return [
             SessionConfigOptionSelect(type="select", id="model", name="Model", category="model",
-                                      current_value=meta["model"],
+                                      current_value=self._model(sid),
                                       options=[SessionConfigSelectOption(value=n, name=n,
                                                                          description=str(c.get("provider")))
                                                for n, c in models.items()]),
             SessionConfigOptionSelect(type="select", id="mode", name="Permissions", category="mode",
-                                      current_value=meta["mode"],
+                                      current_value=self.sidecar.permission_mode(sid),
                                       options=[SessionConfigSelectOption(value=k, name=v[0], description=v[1])
                                                for k, v in MODES.items()]),
         ]
 
     def _modes(self, sid: str) -> SessionModeState:
-        return SessionModeState(current_mode_id=self._meta(sid)["mode"],
+        return SessionModeState(current_mode_id=self.sidecar.permission_mode(sid),
                                 available_modes=[SessionMode(id=k, name=v[0], description=v[1])
                                                  for k, v in MODES.items()])
 
     async def set_config_option(self, config_id: str, session_id: str, value: Any,
                                 **kw: Any) -> SetSessionConfigOptionResponse:
         await self._branch(session_id)
-        meta = self._meta(session_id)
         if config_id == "model" and value in self.settings["models"]:
-            meta["model"] = value
+            await self._save(session_id, {"model": value})
         elif config_id == "mode" and value in MODES:
-            meta["mode"] = value
+            await self._save(session_id, mode=value)  # the service applies it from the next tool call
         else:
             allowed = list(self.settings["models"]) if config_id == "model" else list(MODES)
             raise RequestError.invalid_params({"configId": config_id, "value": value,
                                                "reason": "unknown option" if config_id not in ("model", "mode")
                                                else f"one of {', '.join(allowed)}"})
-        self.store.save()
         return SetSessionConfigOptionResponse(config_options=self._options(session_id))
 
     async def set_session_mode(self, mode_id: str, session_id: str, **kw: Any) -> SetSessionModeResponse:
@@ -318,20 +361,8 @@ class OperateAgent(Agent):
             if folder not in self.port.workspace_folders:
                 self.port.workspace_folders.append(folder)
                 added = True
-        sc = self.sidecar
-        if added and sc is not None and sc._tools_ready is not None:  # tools loaded: widen the builtin ones
-            try:
-                from operate_sidecar.server.tools.builtin import WorkspaceTools
-
-                files = None
-                if self.port.client_capabilities.get("fs"):  # the editor's buffers, as the service does
-                    from operate_sidecar.server.tools.file_tools import ClientFiles
-
-                    files = ClientFiles(self.port.request_client)
-                for t in WorkspaceTools(self.port.workspace_folders, files=files).tools():
-                    sc.registry.register(t, update=True)
-            except Exception as e:
-                log.warning("workspace tools unavailable: %s", e)
+        if added and self.sidecar is not None:  # the builtin tools cover the new folders
+            self.sidecar.workspace_changed()
 
     async def _add_mcp(self, servers: Any) -> None:
         """Client MCP servers (stdio) become tool sources of the service, started once per
@@ -347,35 +378,6 @@ class OperateAgent(Agent):
                 continue
             self._mcp[key] = await self.sidecar.add_mcp_server(s.name, config)
 
-    # ------------------------------------------------------------------ governance by mode
-    def _govern(self, branch: Any) -> None:
-        """Wrap the branch's authorizer (once): the session's mode decides first, then the
-        policy in force (which may ask the client). The wrapper also records what the editor
-        is shown about the call (title, kind, raw input, locations, diff) before it runs."""
-        inner = branch.authorizer
-        if getattr(inner, "_acp_mode", False):
-            return
-
-        async def authorize(inv: Any) -> Any:
-            from operate_sidecar.server.core.act import AuthorizationResult
-
-            info = self.port.describe(inv.branch_id, inv.call_id, str(inv.function), inv.arguments)
-            mode = self._meta(inv.branch_id)["mode"]
-            read_only = bool(getattr(inv.tool, "read_only", False))
-            policy = self.sidecar.governance.policy_for(inv.tool, inv.branch_id)
-            if mode == "read-only" and not read_only:
-                return AuthorizationResult(False, "denied: the session is in read-only mode")
-            if mode == "auto-edit" and inv.function in EDIT_TOOLS and policy != "deny":
-                await self.port.add_diff(info, inv.arguments)
-                return AuthorizationResult(True)
-            result = await inner(inv)  # may ask the client (with the service's own preview)
-            if result.allowed:
-                await self.port.add_diff(info, inv.arguments)  # allowed without asking: diff it here
-            return result
-
-        authorize._acp_mode = True  # type: ignore[attr-defined]
-        branch.authorizer = authorize
-
     # ------------------------------------------------------------------ prompt turns
     async def prompt(self, prompt: list, session_id: str, **kw: Any) -> PromptResponse:
         if session_id in self._turns or session_id in self._starting:
@@ -387,13 +389,16 @@ class OperateAgent(Agent):
             instruction, context = _prompt_parts(prompt)
         finally:
             self._starting.discard(session_id)
-        meta = self._meta(session_id)
-        if not meta.get("title"):
-            meta["title"] = (instruction.strip().splitlines() or [""])[0][:80] or None
+        # saved with the turn's messages: the update time, and the first prompt's line as the title
+        info: dict[str, Any] = {"updatedAt": _now()}
+        if not self.sidecar.branch_info(session_id).get("title"):
+            title = (instruction.strip().splitlines() or [""])[0][:80]
+            if title:
+                info["title"] = title
         if session_id in self._cancelled:
             self._cancelled.discard(session_id)
             return PromptResponse(stop_reason="cancelled")
-        task = asyncio.get_running_loop().create_task(self._turn(b, instruction, context))
+        task = asyncio.get_running_loop().create_task(self._turn(b, instruction, context, info))
         self._turns[session_id] = task
         self._live.add(task)
         task.add_done_callback(self._live.discard)
@@ -405,8 +410,6 @@ class OperateAgent(Agent):
         finally:
             self._turns.pop(session_id, None)
             self.port.turns.pop(session_id, None)
-            meta["updatedAt"] = _now()
-            self.store.save()
         if task.cancelled() or session_id in self._cancelled:
             self._cancelled.discard(session_id)
             await self.port.flush()
@@ -429,7 +432,7 @@ class OperateAgent(Agent):
             self._cancelled.add(session_id)
             task.cancel()
 
-    async def _turn(self, branch: Any, instruction: str, context: Any) -> PromptResponse:
+    async def _turn(self, branch: Any, instruction: str, context: Any, info: dict[str, Any]) -> PromptResponse:
         sid = branch.id
         sc = await self._ready(warm=True)
         await sc.ensure_tools()
@@ -439,10 +442,10 @@ class OperateAgent(Agent):
         limit = MAX_ROUNDS
         params: dict[str, Any] = {"branchId": sid, "instruction": instruction, "actions": True,
                                   "responseFormat": REPLY_FORMAT, "workDoneToken": sid,
-                                  "chatModel": self._meta(sid)["model"]}
+                                  "chatModel": self._model(sid)}
         if context:
             params["context"] = context
-        res = await sc.operate({**params, "maxRounds": limit})
+        res = await sc.operate({**params, "maxRounds": limit}, info=info)
         rounds = int(res.get("rounds") or 1)
         self._round_text(sid, turn, res)
         usage: dict[str, Any] = {}
@@ -451,7 +454,7 @@ class OperateAgent(Agent):
         if usage:
             out.usage = Usage(input_tokens=usage.get("inputTokens", 0), output_tokens=usage.get("outputTokens", 0),
                               total_tokens=usage.get("inputTokens", 0) + usage.get("outputTokens", 0))
-            size = _context_size(sc, self._meta(sid)["model"])
+            size = sc.context_size(self._model(sid))
             if size and usage.get("contextTokens") is not None:
                 self.port.send(sid, UsageUpdate(session_update="usage_update", used=usage["contextTokens"], size=size))
         await self.port.flush()
@@ -549,16 +552,6 @@ def _add_usage(total: dict, usage: Any) -> None:
         total["contextTokens"] = usage["contextTokens"]
 
 
-def _context_size(sc: Any, model_name: str) -> int | None:
-    model = sc._models.get(model_name)
-    for attr in ("context_window", "n_ctx", "context_size"):
-        v = getattr(model, attr, None)
-        v = v() if callable(v) else v
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
 def _continuations() -> set[str]:
     """The instructions of the rounds after the first (not the user's words: not replayed)."""
     from operate_sidecar.server.service.rounds import CONTINUATION
@@ -615,9 +608,12 @@ def warm_up(sidecar: Any) -> None:
         async def run() -> None:
             sc = Service(_WarmPort(folder))
             sc.schemas = sidecar.schemas
-            bid = (await sc.createBranch({}))["branchId"]
-            await sc.operate({"branchId": bid, "instruction": "warm", "actions": True, "maxRounds": 2,
-                              "responseFormat": REPLY_FORMAT, "workDoneToken": "warm", "chatModel": "warm"})
+            try:
+                bid = (await sc.createBranch({}))["branchId"]
+                await sc.operate({"branchId": bid, "instruction": "warm", "actions": True, "maxRounds": 2,
+                                  "responseFormat": REPLY_FORMAT, "workDoneToken": "warm", "chatModel": "warm"})
+            finally:
+                await sc.aclose()  # its tool threads
 
         asyncio.run(run())
     finally:

@@ -12,6 +12,8 @@ Native name (what the service sends)        ACP (what the editor sees)
 - ``fs/readTextFile`` / ``fs/writeTextFile`` ``fs/read_text_file`` / ``fs/write_text_file``
 - ``invokeClientTool``                       refused (ACP clients register no tools)
 - ``window/logMessage``                      stderr only (ACP has no log notification)
+- ``tool_decided`` (a decided call)          what the editor is shown: title, kind, locations,
+                                             the diff of an allowed edit (before it runs)
 
 Session updates go out through one ordered outbox, so they reach the client in the order
 the service made them; ``flush()`` waits until every queued update is written (a prompt's
@@ -47,7 +49,6 @@ PERMISSION_KINDS = {
 #: builtin tool → ACP tool kind; others are guessed from the name, else "other"
 TOOL_KINDS = {"read_file": "read", "list_dir": "read", "search_text": "search", "write_file": "edit",
               "edit_file": "edit", "delete_file": "delete", "move_file": "move"}
-EDIT_TOOLS = frozenset(n for n, k in TOOL_KINDS.items() if k == "edit")
 _GUESS = (("search", "search"), ("grep", "search"), ("find", "search"), ("fetch", "fetch"), ("http", "fetch"),
           ("url", "fetch"), ("exec", "execute"), ("shell", "execute"), ("command", "execute"), ("run", "execute"),
           ("read", "read"), ("write", "edit"), ("edit", "edit"), ("delete", "delete"), ("move", "move"))
@@ -251,6 +252,14 @@ class AcpPort:
             info.locations = [ToolCallLocation(path=real, line=line)]
         self.calls[call_id] = info
         return info
+
+    async def tool_decided(self, p: dict) -> None:
+        """The service decided a call (``ClientPort.tool_decided``): record what the editor is
+        shown about it, and the diff of an allowed edit before it runs (one that was asked
+        about has its diff already)."""
+        info = self.describe(p["branchId"], p["callId"], str(p.get("tool")), p.get("arguments"))
+        if p.get("allowed"):
+            await self.add_diff(info, p.get("arguments"))
 
     def resolve(self, path: str) -> str | None:
         """An absolute path inside a workspace folder, else None."""

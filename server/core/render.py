@@ -27,6 +27,26 @@ def _dumps(v: Any) -> str:
     return json.dumps(v, ensure_ascii=False, default=str)
 
 
+#: id(tool schema dict) → (that dict, its JSON, its line in the tool list). A tool's schema is
+#: built once and cached on the tool (``Tool.schema``), so the same dict comes back every call;
+#: holding it here keeps its id from being reused while the entry lives. Bounded.
+_tool_memo: dict[int, tuple[dict, str, str]] = {}
+
+
+def _tool_rendered(ts: dict) -> tuple[str, str]:
+    """(JSON of a tool schema, its line in the rendered tool list), computed once per schema."""
+    hit = _tool_memo.get(id(ts))
+    if hit is not None and hit[0] is ts:
+        return hit[1], hit[2]
+    fn = ts.get("function", ts)
+    line = f"- {fn.get('name')}: {fn.get('description') or ''} parameters: {_dumps(fn.get('parameters') or {})}"
+    if len(_tool_memo) >= 512:
+        _tool_memo.clear()
+    entry = (ts, _dumps(ts), line)
+    _tool_memo[id(ts)] = entry
+    return entry[1], entry[2]
+
+
 def request_schema_of(response_format: Any, tool_schemas: list[dict] | None = None
                       ) -> tuple[dict | None, str | None, str | None]:
     """The JSON Schema shown to the model for a response format: the *request*
@@ -49,7 +69,7 @@ def request_schema_of(response_format: Any, tool_schemas: list[dict] | None = No
             _schema_cache[response_format] = cached
         if not tool_schemas or "action_requests" not in cached[None][0].get("properties", {}):
             return cached[None]
-        key = tuple(_dumps(t) for t in tool_schemas)
+        key = tuple(_tool_rendered(t)[0] for t in tool_schemas)
         hit = cached.get(key)
         if hit is None:
             schema = _narrow_action_requests(cached[None][0], tool_schemas)
@@ -108,11 +128,7 @@ def instruction_content(instruction: Any, guidance: Any, context: Any, response_
 
 
 def _tool_lines(tool_schemas: list[dict]) -> str:
-    lines = []
-    for ts in tool_schemas:
-        fn = ts.get("function", ts)
-        lines.append(f"- {fn.get('name')}: {fn.get('description') or ''} parameters: {_dumps(fn.get('parameters') or {})}")
-    return "\n".join(lines)
+    return "\n".join(_tool_rendered(ts)[1] for ts in tool_schemas)
 
 
 def render_user_text(content: dict[str, Any], *, current: bool, schema_json: str | None = None,

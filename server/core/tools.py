@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
+from concurrent.futures import Executor
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Awaitable, Callable, Literal
 
 from .errors import ToolArgumentError, ToolNotRegistered
@@ -169,71 +173,38 @@ def function_to_tool(fn: Callable[..., Any], *, name: str | None = None, descrip
                 func=call, source=source, read_only=ro, timeout=to, _validator=validate)
 
 
-class _ToolWorkers:
-    """Daemon worker threads for sync Python tools: one hand-off through a
-    ``SimpleQueue`` and one ``call_soon_threadsafe`` back, so the loop thread
-    pays two wake-ups and little else (``anyio.to_thread.run_sync`` adds a
-    capacity limiter, cancel scopes and a run-var lookup, ~70 µs a call).
-    Idle workers are reused (and exit after 10 s idle); a new one starts when none is idle, so a tool
-    abandoned on cancel (still running in its thread) never blocks the next
-    call. Threads are daemons: a hung tool cannot hold the process at exit."""
+#: how many sync tools run at once on the default pool (see ``run_sync_tool``); the service
+#: bounds its own pool the same way (``service.TOOL_THREADS``)
+TOOL_THREADS = 16
 
-    __slots__ = ("_jobs", "_idle", "_lock", "_n")
+#: The executor sync Python tools run on, set by whoever runs operates: the service sets its
+#: own bounded ``ThreadPoolExecutor``, created with the service and shut down by its ``aclose``.
+#: ``None`` (the core used as a library, tests, the benchmark): a default pool of ``TOOL_THREADS``
+#: threads shared by the process, made on first need (its idle threads end at interpreter exit).
+#: Pool threads are not daemons: at a normal interpreter exit ``concurrent.futures`` waits for a
+#: tool still running (the server leaves with ``os._exit``, so a hung tool never holds it).
+#:
+#: The bound's trade-off: Python cannot stop a thread, so a tool that outlives its time-out (or
+#: whose call was cancelled) holds its worker until it returns. When every worker is held, later
+#: sync tool calls wait in the pool's queue; their own time-out runs from the call, so they fail
+#: with the usual time-out error rather than hang, and a queued call that gave up never runs.
+tool_executor: ContextVar[Executor | None] = ContextVar("tool_executor", default=None)
 
-    def __init__(self) -> None:
-        import queue
-        import threading
-
-        self._jobs: Any = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-        self._n = 0
-
-    def submit(self, loop: Any, fut: Any, ctx: Any, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if spawn:
-                self._n += 1
-            else:
-                self._idle -= 1
-        self._jobs.put((loop, fut, ctx, fn, kwargs))
-        if spawn:
-            import threading
-
-            threading.Thread(target=self._work, name=f"tool-worker-{self._n}", daemon=True).start()
-
-    def _work(self) -> None:
-        jobs = self._jobs
-        while True:
-            try:
-                loop, fut, ctx, fn, kwargs = jobs.get(timeout=_IDLE_S)
-            except Exception:  # queue.Empty: idle long enough, retire unless a job is on its way
-                with self._lock:
-                    if self._idle > 0:
-                        self._idle -= 1
-                        self._n -= 1
-                        return
-                continue
-            res = exc = None
-            ran = not fut.done()  # not cancelled before it started
-            if ran:
-                try:
-                    res = ctx.run(fn, **kwargs)
-                except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-                    exc = e
-            # idle again before the result is handed over: the next call (which may come
-            # as soon as the loop sees the result) reuses this thread instead of starting one
-            with self._lock:
-                self._idle += 1
-            if ran:
-                try:
-                    loop.call_soon_threadsafe(_settle, fut, res, exc)
-                except RuntimeError:  # the loop is closed: nobody is waiting
-                    pass
-            del loop, fut, ctx, fn, kwargs, res, exc
+_DEFAULT_POOL: Executor | None = None
+_DEFAULT_LOCK = threading.Lock()
 
 
-_IDLE_S = 10.0  # an idle worker thread exits after this long (anyio's default too)
+def _default_pool() -> Executor:
+    global _DEFAULT_POOL
+    pool = _DEFAULT_POOL
+    if pool is None:
+        with _DEFAULT_LOCK:
+            if _DEFAULT_POOL is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _DEFAULT_POOL = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tool-worker")
+            pool = _DEFAULT_POOL
+    return pool
 
 
 class ToolProcessExit(RuntimeError):
@@ -244,6 +215,14 @@ class ToolProcessExit(RuntimeError):
     def __init__(self, exc: BaseException) -> None:
         text = str(exc)
         super().__init__(f"tool raised {type(exc).__name__}" + (f": {text}" if text else ""))
+
+
+class ToolThreadsClosed(RuntimeError):
+    """A sync tool was not run: its thread pool is shut down (the service is closing). Raised
+    for a call made after the shutdown, and for a call still queued when it happened."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__(f"tool {getattr(fn, '__name__', 'tool')} not run: the tool threads are shut down")
 
 
 def _settle(fut: Any, res: Any, exc: BaseException | None) -> None:
@@ -259,15 +238,42 @@ def _settle(fut: Any, res: Any, exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
-_WORKERS: _ToolWorkers | None = None
+def _run_job(loop: Any, fut: Any, ctx: Any, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """On a pool thread: run the tool in the caller's context, hand the outcome to the loop."""
+    if fut.done():  # the caller gave up before a worker took the job
+        return
+    res = exc = None
+    try:
+        res = ctx.run(fn, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+        exc = e
+    try:
+        loop.call_soon_threadsafe(_settle, fut, res, exc)
+    except RuntimeError:  # the loop is closed: nobody is waiting
+        pass
+
+
+def _on_job_done(loop: Any, fut: Any, fn: Callable[..., Any], job: Any) -> None:
+    """A job cancelled by the pool's shutdown (``cancel_futures``) never ran: its caller is
+    answered ``ToolThreadsClosed`` rather than left waiting. (A job the caller cancelled, or
+    one that ran, has nothing to do here: ``fut`` is done or is being settled.)"""
+    if job.cancelled() and not fut.done():
+        try:
+            loop.call_soon_threadsafe(_settle, fut, None, ToolThreadsClosed(fn))
+        except RuntimeError:
+            pass
 
 
 async def run_sync_tool(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
-    """Run a sync tool in a worker thread (the caller's context copied, as
-    anyio does). On cancel the call is abandoned: the awaiting task gets the
-    cancellation at once, the thread finishes on its own and its result is
-    dropped; a call cancelled before a worker picked it up never runs."""
-    global _WORKERS
+    """Run a sync tool on a pool thread (``tool_executor``, else the default pool), in a copy
+    of the caller's context (as anyio does). The pool is the stdlib ``ThreadPoolExecutor``:
+    one ``submit`` and one ``call_soon_threadsafe`` back per call (measured faster than
+    ``anyio.to_thread.run_sync`` with a ``CapacityLimiter``, whose limiter also lets an
+    abandoned thread's slot go, so it would not bound threads). On cancel or time-out the
+    call is abandoned: the awaiting task is answered at once, the thread finishes on its own
+    and its result is dropped; a call cancelled before a worker took it never runs.
+    Exceptions reach the caller; ``SystemExit`` and other ``BaseException``s as
+    ``ToolProcessExit``."""
     import asyncio
     import contextvars
 
@@ -277,14 +283,19 @@ async def run_sync_tool(fn: Callable[..., Any], arguments: dict[str, Any]) -> An
         import anyio.to_thread
 
         return await anyio.to_thread.run_sync(lambda: fn(**arguments), abandon_on_cancel=True)
-    if _WORKERS is None:
-        _WORKERS = _ToolWorkers()
+    pool = tool_executor.get() or _default_pool()
     fut = loop.create_future()
-    _WORKERS.submit(loop, fut, contextvars.copy_context(), fn, arguments)
+    try:
+        job = pool.submit(_run_job, loop, fut, contextvars.copy_context(), fn, arguments)
+    except RuntimeError:  # "cannot schedule new futures after shutdown"
+        raise ToolThreadsClosed(fn) from None
+    job.add_done_callback(partial(_on_job_done, loop, fut, fn))
     try:
         return await fut
     finally:
-        fut.cancel()  # a no-op once settled; abandons the call otherwise
+        if not fut.done() or fut.cancelled():  # the caller gave up (cancel, time-out)
+            fut.cancel()  # abandoned: a late result is dropped
+            job.cancel()  # and a job still queued never runs
 
 
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:

@@ -7,7 +7,8 @@
                  (implemented by the native and the ACP front ends), and ``ClientRequestError``
 - ``errors``     the errors it raises (``RpcError`` with the protocol's codes) and
                  ``map_exception`` (any exception → code, message, data) for both front ends
-- ``governance`` tool policy data and the branch authorizer (asks the client through the port)
+- ``governance`` tool policy data, per-branch permission modes and the branch authorizer (asks the
+                 client through the port)
 - ``schemas``    responseFormat / fieldModels JSON Schema → pydantic / core ``Spec`` (cached)
 - ``progress``   the core's ``ProgressSink`` as ``$/progress`` notifications through the port
 - ``rounds``     multi-round operate

@@ -5,6 +5,12 @@ Policy in force: the branch's decision, else the server-wide decision, else
 ``settings.toolPolicy``, else the default (``allow`` for client tools, Python
 tools and tools annotated read-only, ``ask`` otherwise).
 
+A branch also has a permission *mode* (``MODES``), applied before the policy in force:
+``ask`` (the default: the policy decides), ``read-only`` (a tool not annotated read-only is
+denied, whatever its policy) and ``auto-edit`` (the builtin tools that change workspace
+files run without asking unless their policy is ``deny``; everything else as in ``ask``).
+The ACP front end offers it as the session's mode; it is saved with the branch.
+
 A permission request for a tool that can preview its calls (the file-changing builtin
 tools, ``server.tools.file_tools.PreviewTool``) carries ``preview`` (a diff computed without
 writing). When the preview cannot be made (edits that do not apply, a path outside the
@@ -22,7 +28,10 @@ from .port import ClientRequestError
 log = logging.getLogger(__name__)
 
 PERMISSION_OPTIONS = ["allow_once", "allow_always", "deny_once", "deny_always"]
-
+#: permission modes of a branch (see the module docstring); ``ask`` is the default
+MODES = ("ask", "auto-edit", "read-only")
+#: the reason a call denied by the ``read-only`` mode gives
+READ_ONLY_DENIAL = "denied: the branch is in read-only mode"
 
 
 def default_decision(tool: Any) -> str:
@@ -33,6 +42,13 @@ def default_decision(tool: Any) -> str:
     return "ask"
 
 
+def edits_workspace_files(tool: Any) -> bool:
+    """A builtin tool that changes files in the workspace (what ``auto-edit`` lets run)."""
+    from operate_sidecar.server.tools.file_tools import FILE_CHANGING
+
+    return getattr(tool, "source", None) == "builtin" and getattr(tool, "name", None) in FILE_CHANGING
+
+
 class Governance:
     def __init__(self, *, settings_policy: dict[str, str], timeout_ms: float, can_ask: Callable[[], bool],
                  ask_client: Callable[[str, dict, float], Awaitable[Any]],
@@ -41,6 +57,8 @@ class Governance:
         self.timeout_s = float(timeout_ms) / 1000.0
         self.server_wide: dict[str, str] = {}
         self.branch: dict[str, dict[str, str]] = {}
+        #: branch id -> permission mode, when not ``ask``
+        self.modes: dict[str, str] = {}
         self._can_ask = can_ask
         self._ask_client = ask_client
         self._on_branch_change = on_branch_change
@@ -68,18 +86,40 @@ class Governance:
             if self._on_branch_change is not None:
                 self._on_branch_change(branch_id)
 
+    def mode_of(self, branch_id: str | None) -> str:
+        return self.modes.get(branch_id, "ask") if branch_id is not None else "ask"
+
+    def set_mode(self, branch_id: str, mode: str, *, notify: bool = True) -> None:
+        """Set a branch's permission mode (one of ``MODES``; ``ValueError`` otherwise)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown permission mode {mode!r}; one of {', '.join(MODES)}")
+        if mode == "ask":
+            self.modes.pop(branch_id, None)
+        else:
+            self.modes[branch_id] = mode
+        if notify and self._on_branch_change is not None:
+            self._on_branch_change(branch_id)
+
     def copy_branch(self, src: str, dst: str) -> None:
         if src in self.branch:
             self.branch[dst] = dict(self.branch[src])
+        if src in self.modes:
+            self.modes[dst] = self.modes[src]
 
     def forget_branch(self, branch_id: str) -> None:
         self.branch.pop(branch_id, None)
+        self.modes.pop(branch_id, None)
 
     # ------------------------------------------------------------ the authorizer
     async def authorize(self, inv: Any) -> Any:
         from operate_sidecar.server.core.act import AuthorizationResult
 
         decision = self.policy_for(inv.tool if inv.tool is not None else inv.function, inv.branch_id)
+        mode = self.mode_of(inv.branch_id)
+        if mode == "read-only" and not getattr(inv.tool, "read_only", False):
+            return AuthorizationResult(False, READ_ONLY_DENIAL)
+        if mode == "auto-edit" and decision != "deny" and edits_workspace_files(inv.tool):
+            return AuthorizationResult(True)
         if decision == "allow":
             return AuthorizationResult(True)
         if decision == "deny":

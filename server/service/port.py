@@ -78,5 +78,13 @@ class ClientPort(Protocol):
         ``ClientRequestError``; no answer within ``timeout`` seconds
         raises ``TimeoutError``; cancelling the awaiting task withdraws the request."""
 
+    # Optional (looked up with ``getattr``; the native front end has none):
+    #
+    # async def tool_decided(self, params: dict) -> None:
+    #     Awaited once governance has decided a tool call, before an allowed call runs:
+    #     ``{branchId, callId, tool, arguments, allowed}``. For a front end that shows calls
+    #     (the ACP one records the title, locations and diff the editor is shown). It cannot
+    #     change the decision; an error it raises is logged.
+
 
 __all__ = ["ClientInfo", "ClientPort", "ClientRequestError"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import errors as E
 from .errors import RpcError, invalid_params
-from .governance import Governance
+from .governance import MODES, Governance
 from .port import ClientRequestError
 from .progress import WireProgress
 from .schemas import SchemaCache
@@ -32,6 +32,10 @@ log = logging.getLogger("operate_sidecar.server.service")
 
 #: worker threads the service uses at once for blocking store work
 THREADS = 4
+#: threads the service runs sync Python tools on at once (its own pool, shut down by ``aclose``).
+#: A tool that outlives its time-out holds its thread until it returns (threads cannot be
+#: killed); with every thread held, later sync tool calls queue and fail on their own time-out.
+TOOL_THREADS = 16
 #: how long ``aclose`` lets background tasks finish before they are cancelled
 CLOSE_TIMEOUT_S = 3.0
 
@@ -81,6 +85,13 @@ class Service:
         self._settled: dict[str, tuple[int, list | None]] = {}
         #: branch id -> token usage of the operates run on it (``listBranches``)
         self._usage: dict[str, Any] = {}
+        #: branch id -> what a front end keeps about it (``branch_info``; saved with the branch)
+        self._info: dict[str, dict[str, Any]] = {}
+        from concurrent.futures import ThreadPoolExecutor
+
+        #: sync Python tools run here (``operate`` sets ``core.tools.tool_executor``): at most
+        #: ``TOOL_THREADS`` at once; threads start on first need; ``aclose`` shuts it down
+        self.tool_threads = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tool-worker")
 
     # ------------------------------------------------------------------ setup
     @property
@@ -149,6 +160,7 @@ class Service:
         meta = lb.meta
         policy = dict(meta.get("policy") or {})
         self._restore_usage(lb.id, meta.get("usage"))
+        self._restore_settings(lb.id, meta)
         b = self.branches.get(lb.id)
         if b is not None:  # another process committed to it: take its state
             items = b.messages.items
@@ -212,17 +224,31 @@ class Service:
                     self.branches.pop(bid, None)
                     self._locks.pop(bid, None)
                     self._model_specs.pop(bid, None)
+                    self._info.pop(bid, None)
                     self.governance.forget_branch(bid)  # type: ignore[union-attr]
 
-    def _restore_policy(self, branch_id: str) -> None:
-        """After a failed save: the branch's policy in memory is the committed one again."""
+    def _restore_settings(self, branch_id: str, meta: dict[str, Any]) -> None:
+        """The permission mode and the front end's info of a branch, from its stored meta."""
+        mode = meta.get("mode")
+        self.governance.set_mode(branch_id, mode if mode in MODES else "ask", notify=False)  # type: ignore[union-attr]
+        info = meta.get("client")
+        if isinstance(info, dict) and info:
+            self._info[branch_id] = dict(info)
+        else:
+            self._info.pop(branch_id, None)
+
+    def _restore_meta(self, branch_id: str) -> None:
+        """After a failed save: the branch's policy, permission mode and info in memory are the
+        committed ones again."""
         if self.journal is None or branch_id not in self.branches:
             return
-        policy = dict(self.journal.committed_meta(branch_id).get("policy") or {})
+        committed = self.journal.committed_meta(branch_id)
+        policy = dict(committed.get("policy") or {})
         if policy:
             self.governance.branch[branch_id] = policy  # type: ignore[union-attr]
         else:
             self.governance.branch.pop(branch_id, None)  # type: ignore[union-attr]
+        self._restore_settings(branch_id, committed)
 
     async def _commit_new_branch(self, branch_id: str) -> None:
         """Commit a new branch (createBranch, forkBranch); when that fails it is not created."""
@@ -234,6 +260,7 @@ class Service:
             self.branches.pop(branch_id, None)
             self._locks.pop(branch_id, None)
             self._model_specs.pop(branch_id, None)
+            self._info.pop(branch_id, None)
             self.governance.forget_branch(branch_id)  # type: ignore[union-attr]
             self.journal.forget(branch_id)
             raise E.state_not_saved(f"the branch was not created ({e})") from None
@@ -261,7 +288,7 @@ class Service:
                 else:
                     del items[mark[0]:]
                 branch.messages.generation += 1
-            self._restore_policy(branch.id)
+            self._restore_meta(branch.id)
             if operate_task is not None and operate_task.cancelling():
                 return
             raise E.state_not_saved(f"the messages of this operate on branch {branch.id} were not saved ({e}); "
@@ -284,19 +311,7 @@ class Service:
 
     def _load_sync_tools(self) -> None:
         reg = self.registry
-        if self.conn.workspace_folders:
-            try:
-                from operate_sidecar.server.tools.builtin import WorkspaceTools
-
-                files = None
-                if self.conn.client_capabilities.get("fs"):  # the client's buffers, not the disk
-                    from operate_sidecar.server.tools.file_tools import ClientFiles
-
-                    files = ClientFiles(self.rpc.request_client)
-                for t in WorkspaceTools(self.conn.workspace_folders, files=files).tools():
-                    reg.register(t, update=True)
-            except Exception as e:
-                self.conn.log_message(2, f"workspace tools unavailable: {e}")
+        self._register_workspace_tools()
         modules = self.settings.get("toolModules") or []
         if modules:
             from operate_sidecar.server.tools.python_modules import load_tool_modules
@@ -313,6 +328,30 @@ class Service:
                                                  "skipped")
                         continue
                     reg.register(t)
+
+    def _register_workspace_tools(self) -> None:
+        """The builtin workspace tools over the port's workspace folders as they are now."""
+        if not self.conn.workspace_folders:
+            return
+        try:
+            from operate_sidecar.server.tools.builtin import WorkspaceTools
+
+            files = None
+            if self.conn.client_capabilities.get("fs"):  # the client's buffers, not the disk
+                from operate_sidecar.server.tools.file_tools import ClientFiles
+
+                files = ClientFiles(self.rpc.request_client)
+            for t in WorkspaceTools(self.conn.workspace_folders, files=files).tools():
+                self.registry.register(t, update=True)
+        except Exception as e:
+            self.conn.log_message(2, f"workspace tools unavailable: {e}")
+
+    def workspace_changed(self) -> None:
+        """The port's workspace folders changed (a front end added one): the builtin workspace
+        tools cover them from now on. Before the tools are first loaded there is nothing to
+        do (they are built from the folders then)."""
+        if self._tools_ready is not None:
+            self._register_workspace_tools()
 
     async def add_mcp_server(self, name: str, config: dict[str, Any]) -> asyncio.Event:
         """One more MCP server (``{command, env}``, e.g. one the client passed) as a tool
@@ -405,7 +444,11 @@ class Service:
 
     async def aclose(self) -> None:
         """Stop the background tasks (bounded: ``CLOSE_TIMEOUT_S``), then commit what is
-        pending and close the store (that too when the caller stops waiting)."""
+        pending and close the store (that too when the caller stops waiting). The sync tools'
+        pool is shut down first: a queued call is answered ``ToolThreadsClosed`` without running,
+        a later one is refused; a tool still running is left to finish (its caller is answered
+        by its own time-out or cancel), its thread then ends."""
+        self.tool_threads.shutdown(wait=False, cancel_futures=True)
         self._mcp_stop.set()
         try:
             if self._owner is not None:
@@ -480,6 +523,16 @@ class Service:
             self._inline[key] = model
         return model
 
+    def context_size(self, model_name: str) -> int | None:
+        """The context window (tokens) of a configured model already in use, when it reports one."""
+        model = self._models.get(model_name)
+        for attr in ("context_window", "n_ctx", "context_size"):
+            v = getattr(model, attr, None)
+            v = v() if callable(v) else v
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+
     def _make(self, make_model: Any, config: dict, name: str, where: str) -> Any:
         try:
             model = make_model(config, name=name)
@@ -497,6 +550,53 @@ class Service:
         if b is None:
             raise E.branch_not_found(branch_id)
         return b
+
+    async def restore(self) -> None:
+        """Restore the stored branches (once, off the event loop) and take in what other
+        processes on the same ``stateDir`` committed since the last look. Every method that
+        reads branches does this first; a front end calls it before :meth:`branch`."""
+        await self._state()
+
+    def messages_of(self, branch_id: str) -> Any:
+        """The message log of a branch held here, or an empty tuple (never restores, never raises)."""
+        b = self.branches.get(branch_id)
+        return b.messages if b is not None else ()
+
+    def branch_info(self, branch_id: str) -> dict[str, Any]:
+        """What a front end keeps about a branch (e.g. ACP's cwd, title, model, updatedAt): a
+        JSON object the service stores with the branch and never interprets; empty when none."""
+        return dict(self._info.get(branch_id) or {})
+
+    def permission_mode(self, branch_id: str) -> str:
+        """The branch's permission mode (``governance.MODES``): ``ask`` unless set."""
+        self._core()
+        return self.governance.mode_of(branch_id)  # type: ignore[union-attr]
+
+    async def set_branch_info(self, branch_id: str, info: dict[str, Any] | None = None, *,
+                              mode: str | None = None) -> None:
+        """Merge ``info`` into the branch's info and/or set its permission mode (applied by the
+        service's authorizer from the next tool call on), saved durably in one transaction before
+        it returns. When that fails: -32013, and memory is what is on disk again."""
+        await self._state()
+        self.branch(branch_id)
+        if mode is not None and mode not in MODES:
+            raise invalid_params(f"unknown permission mode {mode!r}; one of {', '.join(MODES)}",
+                                 {"mode": mode, "modes": list(MODES)})
+        if info:
+            self._info[branch_id] = {**self._info.get(branch_id, {}), **info}
+        if mode is not None:
+            self.governance.set_mode(branch_id, mode)  # type: ignore[union-attr]  # marks the meta changed
+        if self.journal is None or not (info or mode is not None):
+            return
+        if info:
+            self.journal.update_meta(branch_id, {"client": dict(self._info[branch_id])})
+        from operate_sidecar.server.state import StateNotSaved
+
+        try:  # only the meta: an operate running on the branch keeps its messages for its own commit
+            await self.flush_journal(branch_id, messages=False)
+        except StateNotSaved as e:
+            self._restore_meta(branch_id)
+            raise E.state_not_saved(f"branch {branch_id} was not changed ({e})", {"branchId": branch_id}) from None
 
     def _check_branch_room(self) -> None:
         limit = int(self.settings["maxBranches"])
@@ -526,23 +626,45 @@ class Service:
         return lock
 
     def _adopt(self, b: Any) -> None:
-        b.authorizer = self.governance.authorize  # type: ignore[union-attr]
+        b.authorizer = self._authorize
         b.max_tool_output_chars = int(self.settings["maxToolOutputChars"])
         b.default_tool_timeout = float(self.settings["toolTimeoutMs"]) / 1000.0
         b.hooks.subscribe(self._on_hook)
         self.branches[b.id] = b
 
+    async def _authorize(self, inv: Any) -> Any:
+        """The branches' authorizer: governance decides (mode, then the policy in force, which
+        may ask the client); then a port that shows calls (``tool_decided``, optional) hears
+        the decision before an allowed call runs. The port never changes the decision."""
+        result = await self.governance.authorize(inv)  # type: ignore[union-attr]
+        decided = getattr(self.rpc, "tool_decided", None)
+        if decided is not None:
+            try:
+                await decided({"branchId": inv.branch_id, "callId": inv.call_id, "tool": str(inv.function),
+                               "arguments": inv.arguments, "allowed": bool(result.allowed)})
+            except Exception:
+                log.warning("the port's tool_decided failed", exc_info=True)
+        return result
+
     def _meta(self, b: Any, spec_chat: Any = None, spec_parse: Any = None) -> dict[str, Any]:
-        return {"name": b.name, "chatModel": spec_chat, "parseModel": spec_parse, "createdAt": time.time(),
+        meta = {"name": b.name, "chatModel": spec_chat, "parseModel": spec_parse, "createdAt": time.time(),
                 "policy": dict(self.governance.branch.get(b.id, {}))}  # type: ignore[union-attr]
+        mode = self.governance.mode_of(b.id)  # type: ignore[union-attr]
+        if mode != "ask":
+            meta["mode"] = mode
+        if self._info.get(b.id):
+            meta["client"] = dict(self._info[b.id])
+        return meta
 
     def _policy_changed(self, branch_id: str) -> None:
-        """Mark the branch's journal meta changed. No message record is queued with it: the
-        meta is written by the branch's next flush (authorizeTool: at once, on its own line,
-        see ``flush_journal(messages=False)``; an ``allow_always``/``deny_always`` answer
-        during an operate: with that operate's group)."""
+        """Mark the branch's journal meta changed (its policy and permission mode). No message
+        record is queued with it: the meta is written by the branch's next flush (authorizeTool,
+        set_branch_info: at once, on its own, see ``flush_journal(messages=False)``; an
+        ``allow_always``/``deny_always`` answer during an operate: with that operate's group)."""
         if self.journal is not None and branch_id in self.branches:
-            self.journal.update_meta(branch_id, {"policy": dict(self.governance.branch.get(branch_id, {}))})  # type: ignore[union-attr]
+            gov = self.governance
+            self.journal.update_meta(branch_id, {"policy": dict(gov.branch.get(branch_id, {})),  # type: ignore[union-attr]
+                                                 "mode": gov.mode_of(branch_id)})  # type: ignore[union-attr]
 
     def _on_hook(self, ev: Any) -> None:
         self.seq += 1
@@ -557,7 +679,8 @@ class Service:
             params["durationMs"] = ev.duration_ms
         self.rpc.notify("toolEvent", params)
 
-    async def createBranch(self, params: dict) -> dict:
+    async def createBranch(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
+        """``info`` (not on the wire): the front end's info of the new branch, saved with it."""
         from operate_sidecar.protocol import CreateBranchParams, structure
 
         p = structure(CreateBranchParams, params)
@@ -569,6 +692,8 @@ class Service:
         parse = self.resolve_model(p.parse_model, "parseModel") if p.parse_model is not None else None
         b = Branch(system=p.system, chat_model=chat, parse_model=parse, name=p.name, tools=self.registry)
         self._adopt(b)
+        if info:
+            self._info[b.id] = dict(info)
         if self.journal is not None:
             from operate_sidecar.protocol import unstructure
 
@@ -615,6 +740,7 @@ class Service:
         self._locks.pop(p.branch_id, None)
         self._usage.pop(p.branch_id, None)
         self._model_specs.pop(p.branch_id, None)
+        self._info.pop(p.branch_id, None)
         self.governance.forget_branch(p.branch_id)  # type: ignore[union-attr]
         return {}
 
@@ -692,7 +818,7 @@ class Service:
             try:
                 await self.flush_journal(p.branch_id, messages=False)
             except StateNotSaved as e:
-                self._restore_policy(p.branch_id)
+                self._restore_meta(p.branch_id)
                 raise E.state_not_saved(f"the policy of branch {p.branch_id} was not changed ({e})",
                                         {"branchId": p.branch_id}) from None
         return {"tool": p.tool, "decision": p.decision, "branchId": p.branch_id}
@@ -735,7 +861,9 @@ class Service:
         return call
 
     # ------------------------------------------------------------------ operate
-    async def operate(self, params: dict) -> dict:
+    async def operate(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
+        """``info`` (not on the wire): merged into the branch's info once the operate has run,
+        and saved in the same transaction as its messages (e.g. ACP's title and update time)."""
         from operate_sidecar.protocol import OperateParams, structure
 
         p = structure(OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
@@ -784,6 +912,7 @@ class Service:
                                  "not provider options", {"fields": clash})
         kw.update(options)
         from operate_sidecar.server.core.imodel import UsageMeter, current_usage
+        from operate_sidecar.server.core.tools import tool_executor
         from operate_sidecar.server.core.progress import current_progress
         from operate_sidecar.server.service.rounds import CONTINUATION, run_rounds
 
@@ -814,6 +943,7 @@ class Service:
             token = current_progress.set(sink)
             meter = UsageMeter()  # every model call of every round (chat and parse repair)
             usage_token = current_usage.set(meter)
+            threads_token = tool_executor.set(self.tool_threads)  # its sync tools run on the service's pool
             try:
                 result, rounds = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate)
             except asyncio.CancelledError:
@@ -827,9 +957,15 @@ class Service:
             finally:
                 current_progress.reset(token)
                 current_usage.reset(usage_token)
+                tool_executor.reset(threads_token)
                 self._usage.setdefault(branch.id, UsageMeter()).add(meter)
-                if self.journal is not None:  # the branch's totals are saved with its messages
-                    self.journal.update_meta(branch.id, {"usage": self._usage_of(branch.id)})
+                if info:
+                    self._info[branch.id] = {**self._info.get(branch.id, {}), **info}
+                if self.journal is not None:  # the branch's totals (and info) are saved with its messages
+                    meta: dict[str, Any] = {"usage": self._usage_of(branch.id)}
+                    if info:
+                        meta["client"] = dict(self._info[branch.id])
+                    self.journal.update_meta(branch.id, meta)
                 # one transaction before the answer; on failure the branch is put back (-32013)
                 await asyncio.shield(self._commit_operate(branch, self._settled.pop(branch.id, None)))
             if sink is not None:

@@ -22,7 +22,9 @@ message sequence numbers are taken inside the transaction, so two processes appe
 branch each land their whole group after the other's. A process learns of the others' commits
 with :meth:`poll` (``PRAGMA data_version`` first, so it is one cheap query when nothing
 changed) and when a commit finds the branch's version moved (the flush returns the branch
-re-read from disk).
+re-read from disk). A commit that finds the branch's version moved applies its own meta changes
+over what is on disk: ``policy`` and ``client`` (a front end's info) entry by entry, other keys
+whole, so two processes changing different things of one branch both keep theirs.
 
 At open, the database is checked (``PRAGMA quick_check``); a damaged file is moved aside
 (kept, with its ``-wal``/``-shm``), whatever can still be read from it is copied into a fresh
@@ -49,6 +51,9 @@ DB_FILE = "state.sqlite3"
 SCHEMA_VERSION = "1"
 BUSY_TIMEOUT_MS = 10_000
 _DAMAGE_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
+#: meta keys whose value is an object merged key by key when two processes changed one branch:
+#: ``policy`` (per tool) and ``client`` (the front end's info, per field)
+MERGED_PER_KEY = ("policy", "client")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS info(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -564,7 +569,8 @@ class StateStore:
         return lb
 
     def _merge_meta(self, bid: str, meta: dict[str, Any]) -> dict[str, Any]:
-        """Our meta changes applied over what is on disk now (policies per tool)."""
+        """Our meta changes applied over what is on disk now (policies per tool, the front
+        end's info per field: ``MERGED_PER_KEY``; everything else per key)."""
         row = self.conn.execute("SELECT meta FROM branches WHERE id=?", (bid,)).fetchone()
         try:
             disk = json.loads(row[0]) if row else {}
@@ -574,16 +580,16 @@ class StateStore:
             base = dict(self._branches[bid].committed_meta) if bid in self._branches else {}
         out = dict(disk)
         for k, v in meta.items():
-            if k == "policy" and isinstance(v, dict):
-                old = base.get("policy") or {}
-                pol = dict(disk.get("policy") or {})
-                for tool in set(old) | set(v):
-                    if old.get(tool) != v.get(tool):
-                        if tool in v:
-                            pol[tool] = v[tool]
+            if k in MERGED_PER_KEY and isinstance(v, dict):
+                old = base.get(k) if isinstance(base.get(k), dict) else {}
+                merged = dict(disk.get(k)) if isinstance(disk.get(k), dict) else {}
+                for key in set(old) | set(v):
+                    if old.get(key) != v.get(key):
+                        if key in v:
+                            merged[key] = v[key]
                         else:
-                            pol.pop(tool, None)
-                out["policy"] = pol
+                            merged.pop(key, None)
+                out[k] = merged
             elif base.get(k) != v:
                 out[k] = v
         return out

@@ -44,6 +44,7 @@ from collections import Counter, deque
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator, Collection, Mapping, TextIO
 
+from .. import __version__
 from ..core.tools import Tool, ToolCallContext
 from .errors import ToolCallError, ToolSourceError
 
@@ -217,7 +218,7 @@ class McpToolSource:
             finally:
                 err_file.close()  # the child holds its own copy; EOF reaches the relay when it exits
             session = await stack.enter_async_context(ClientSession(
-                read, write, client_info=Implementation(name="operate-sidecar", version="0.1.0")))
+                read, write, client_info=Implementation(name="operate-sidecar", version=__version__)))
             try:
                 with anyio.fail_after(self.start_timeout):
                     await session.initialize()

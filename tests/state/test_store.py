@@ -185,6 +185,25 @@ def test_two_stores_see_each_others_commits_and_appends_land_whole(tmp_path):
     assert a.poll() == ([], [ba.id])
 
 
+def test_two_stores_changing_one_branchs_info_keep_both_changes(tmp_path):
+    """Two processes change different fields of a branch's info (and its policy): each commit
+    applies its own changes over the other's, field by field; neither clobbers the other."""
+    a, b = StateStore(str(tmp_path)), StateStore(str(tmp_path))
+    ba = _branch(a, name="shared")
+    a.update_meta(ba.id, {"client": {"cwd": "/w", "title": None}, "mode": "ask"})
+    a.flush()
+    [lb] = b.load()
+    b.adopt(Branch(id=ba.id, messages=MessageLog(lb.messages)), lb.meta)
+    a.update_meta(ba.id, {"client": {"cwd": "/w", "title": "from a"}})
+    a.flush()
+    b.update_meta(ba.id, {"client": {"cwd": "/w", "title": None, "model": "m"}, "mode": "read-only",
+                          "policy": {"f": "deny"}})
+    [reloaded] = b.flush()                                     # b's commit found a's: merged, re-read
+    want = {"cwd": "/w", "title": "from a", "model": "m"}
+    assert reloaded.meta["client"] == want and reloaded.meta["mode"] == "read-only"
+    assert _reload(tmp_path)[ba.id].meta["client"] == want
+
+
 def test_a_damaged_database_is_moved_aside_and_a_fresh_one_used(tmp_path):
     s = StateStore(str(tmp_path))
     _branch(s, 50)
