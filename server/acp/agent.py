@@ -569,7 +569,7 @@ def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> Non
 
 
 class _WarmPort:
-    """A private port for the warm-up: a scripted model, a scratch folder, nothing sent."""
+    """A private port for the warm-up: a scripted model, a folder it only lists, nothing sent."""
 
     def __init__(self, folder: str) -> None:
         from operate_sidecar.server.rpc import settings as S
@@ -597,27 +597,24 @@ def warm_up(sidecar: Any) -> None:
     process (cattrs structuring code, pydantic schema and model builds, the reply format and
     its operative classes, the builtin tools' schemas, a tool round) on a throwaway service
     in a private event loop. The throwaway shares the real service's reply-format cache
-    (thread-safe), so the real reply model is built here too."""
-    import shutil
-    import tempfile
-
+    (thread-safe), so the real reply model is built here too. Its workspace is this package's
+    own folder, which the warm-up only lists: nothing is created on disk, so nothing is left
+    behind when the process is stopped in the middle of it."""
     from operate_sidecar.server.service.service import Service
 
-    folder = tempfile.mkdtemp(prefix="operate-sidecar-warm-")
-    try:
-        async def run() -> None:
-            sc = Service(_WarmPort(folder))
-            sc.schemas = sidecar.schemas
-            try:
-                bid = (await sc.createBranch({}))["branchId"]
-                await sc.operate({"branchId": bid, "instruction": "warm", "actions": True, "maxRounds": 2,
-                                  "responseFormat": REPLY_FORMAT, "workDoneToken": "warm", "chatModel": "warm"})
-            finally:
-                await sc.aclose()  # its tool threads
+    folder = os.path.dirname(os.path.abspath(__file__))
 
-        asyncio.run(run())
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    async def run() -> None:
+        sc = Service(_WarmPort(folder))
+        sc.schemas = sidecar.schemas
+        try:
+            bid = (await sc.createBranch({}))["branchId"]
+            await sc.operate({"branchId": bid, "instruction": "warm", "actions": True, "maxRounds": 2,
+                              "responseFormat": REPLY_FORMAT, "workDoneToken": "warm", "chatModel": "warm"})
+        finally:
+            await sc.aclose()  # its tool threads
+
+    asyncio.run(run())
 
 
 __all__ = ["OperateAgent", "MAX_ROUNDS", "MODES", "warm_up"]

@@ -405,3 +405,25 @@ def test_a_line_over_max_message_bytes_is_refused_and_the_stream_stays_in_sync(t
     assert answers[1]["id"] == 8 and answers[1]["result"]["protocolVersion"] == 1
     assert len(answers) == 2 and proc.returncode == 0
 
+
+
+def test_a_server_stopped_while_it_warms_up_leaves_nothing_in_the_temp_dir(tmp_path):
+    """The first-use warm-up right after initialize creates nothing on disk, so a server killed
+    in the middle of it (an editor closing at once) leaves no scratch folder behind."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    config = cfg(tmp_path, "x")
+    for delay in (0.0, 0.03, 0.06, 0.09, 0.12, 0.18, 0.25, 0.4):
+        proc = subprocess.Popen([sys.executable, "-m", "operate_sidecar.server", "--acp", "--config", config],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                env=agent_env(TMPDIR=str(private_tmp)))
+        try:
+            proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                                         "params": {"protocolVersion": 1}}).encode() + b"\n")
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline())["id"] == 1  # the warm-up starts with this answer
+            time.sleep(delay)
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert sorted(p.name for p in private_tmp.iterdir()) == []
