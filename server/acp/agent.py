@@ -32,7 +32,7 @@ from acp.schema import (AgentCapabilities, Implementation, InitializeResponse, L
                         SetSessionModeResponse, ToolCallProgress, Usage, UsageUpdate)
 
 from .port import AcpPort, Turn
-from .reply import REPLY_FORMAT, ReplyText, message_of
+from .reply import PLAN_REPLY_FORMAT, REPLY_FORMAT, ReplyText, message_of
 
 log = logging.getLogger("operate_sidecar.server.acp")
 
@@ -441,12 +441,13 @@ class OperateAgent(Agent):
         turn = self.port.turns[sid] = Turn()
         limit = MAX_ROUNDS
         params: dict[str, Any] = {"branchId": sid, "instruction": instruction, "actions": True,
-                                  "responseFormat": REPLY_FORMAT, "workDoneToken": sid,
-                                  "chatModel": self._model(sid)}
+                                  "responseFormat": reply_format(self.settings, self._model(sid)),
+                                  "workDoneToken": sid, "chatModel": self._model(sid)}
         if context:
             params["context"] = context
         res = await sc.operate({**params, "maxRounds": limit}, info=info)
         rounds = int(res.get("rounds") or 1)
+        self.port.send_plan(sid, turn, res)
         self._round_text(sid, turn, res)
         usage: dict[str, Any] = {}
         _add_usage(usage, res.get("usage") or turn.usage)
@@ -592,6 +593,14 @@ class _WarmPort:
         raise RuntimeError("no client during warm-up")
 
 
+def reply_format(settings: dict[str, Any], model: str) -> dict[str, Any]:
+    """A prompt turn's reply format for a configured model: with the optional ``plan`` for every
+    provider but the embedded ``local`` one (a model that small never fills a plan in, and the
+    extra field costs it speed and accuracy)."""
+    provider = (settings["models"].get(model) or {}).get("provider")
+    return REPLY_FORMAT if provider == "local" else PLAN_REPLY_FORMAT
+
+
 def warm_up(sidecar: Any) -> None:
     """Run once, on the loader thread: everything a prompt turn does for the first time in a
     process (cattrs structuring code, pydantic schema and model builds, the reply format and
@@ -610,7 +619,8 @@ def warm_up(sidecar: Any) -> None:
         try:
             bid = (await sc.createBranch({}))["branchId"]
             await sc.operate({"branchId": bid, "instruction": "warm", "actions": True, "maxRounds": 2,
-                              "responseFormat": REPLY_FORMAT, "workDoneToken": "warm", "chatModel": "warm"})
+                              "responseFormat": reply_format(sidecar.settings, sidecar.settings["defaultModel"]),
+                              "workDoneToken": "warm", "chatModel": "warm"})
         finally:
             await sc.aclose()  # its tool threads
 

@@ -35,7 +35,7 @@ from acp.schema import (ContentToolCallContent, PermissionOption, TextContentBlo
 
 from operate_sidecar.server.service.port import ClientRequestError
 
-from .reply import ReplyText
+from .reply import ReplyText, plan_of
 
 log = logging.getLogger("operate_sidecar.server.acp")
 
@@ -89,6 +89,7 @@ class Turn:
     reply: ReplyText = field(default_factory=ReplyText)
     usage: Any = None
     shown: bool = False  # user text went out in this turn (the next reply's text starts a new paragraph)
+    plan: Any = None     # the plan last sent in this turn (a plan update goes out when it changes)
 
     def text(self, text: str) -> str:
         """``text`` of the current reply as it is shown: replies after the first are set apart."""
@@ -175,12 +176,26 @@ class AcpPort:
         kind, phase = value.get("kind"), value.get("phase")
         if kind == "report" and phase == "request":  # a new model call: a new reply to read
             turn.reply = ReplyText()
+        elif kind == "report" and phase == "parse":  # the reply is whole: its plan, before its tools run
+            self.send_plan(sid, turn, turn.reply.raw)
         elif kind == "report" and phase == "stream" and value.get("delta"):
             text = turn.text(turn.reply.feed(value["delta"]))
             if text:
                 self.send(sid, update_agent_message_text(text))
         elif kind == "end" and value.get("usage") is not None:
             turn.usage = value["usage"]
+
+    def send_plan(self, sid: str, turn: Turn, reply: Any) -> None:
+        """An ACP ``plan`` update when ``reply`` (a reply text or a result) reports a plan that
+        differs from the one last sent in this turn."""
+        entries = plan_of(reply) if reply else None
+        if entries is None or entries == turn.plan:
+            return
+        turn.plan = entries
+        from acp import plan_entry, update_plan
+
+        self.send(sid, update_plan([plan_entry(e["content"], priority=e["priority"], status=e["status"])
+                                    for e in entries]))
 
     def _tool_event(self, p: dict) -> None:
         sid, call_id, event, tool = p.get("branchId"), p.get("callId"), p.get("event"), str(p.get("tool"))

@@ -427,3 +427,47 @@ def test_a_server_stopped_while_it_warms_up_leaves_nothing_in_the_temp_dir(tmp_p
             proc.kill()
             proc.wait(timeout=30)
     assert sorted(p.name for p in private_tmp.iterdir()) == []
+
+
+def test_a_plan_the_model_reports_goes_out_as_plan_updates_when_it_changes(tmp_path, ws):
+    """Round 1 reports a plan and reads a file, round 2 reports it again with progress: two
+    ``plan`` updates with the entries as the model gave them; the next turn repeats the last
+    plan unchanged, so no update; a plain reply sends none."""
+    steps = [{"content": "read a.txt", "status": "in_progress", "priority": "high"},
+             {"content": "summarise it", "status": "pending"}]
+    done = [{"content": "read a.txt", "status": "completed", "priority": "high"},
+            {"content": "summarise it", "status": "completed"}]
+
+    def with_plan(entry, plan):
+        entry["json"]["plan"] = plan
+        return entry
+
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, with_plan(reply("Reading.", [("read_file", {"path": "a.txt"})]), steps),
+                     with_plan(reply("It says old text."), done), with_plan(reply("Still done."), done),
+                     reply("No plan."))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid, "summarise a.txt")).stop_reason == "end_turn"
+            plans = [[(e.content, e.status, e.priority) for e in u.entries] for u in c.of("plan")]
+            assert plans == [[("read a.txt", "in_progress", "high"), ("summarise it", "pending", "medium")],
+                             [("read a.txt", "completed", "high"), ("summarise it", "completed", "medium")]]
+            kinds = c.kinds()
+            assert kinds.index("plan") < kinds.index("tool_call")  # round 1's plan before its tool runs on
+            c.updates.clear()
+            await prompt(conn, sid, "again")  # the same plan in a new turn: shown again
+            assert len(c.of("plan")) == 1
+            c.updates.clear()
+            await prompt(conn, sid, "plain")
+            assert c.of("plan") == [] and c.text() == "No plan."
+
+    run(main())
+
+
+def test_the_embedded_local_model_is_not_offered_a_plan_field():
+    from operate_sidecar.server.acp.agent import reply_format
+
+    settings = {"models": {"tiny": {"provider": "local"}, "api": {"provider": "openai"}}}
+    assert "plan" not in reply_format(settings, "tiny")["properties"]
+    assert "plan" in reply_format(settings, "api")["properties"]
