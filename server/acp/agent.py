@@ -109,7 +109,7 @@ class OperateAgent(Agent):
 
                 bind_children_to_process()  # the tools' children die with the sidecar
                 sidecar = Service(self.port)
-                sidecar._core()
+                sidecar.load_core()
             except BaseException as e:  # pragma: no cover - broken install
                 log.error("could not load the core: %s", e)
                 gc.enable()

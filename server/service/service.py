@@ -98,6 +98,11 @@ class Service:
     def settings(self) -> dict[str, Any]:
         return self.conn.settings
 
+    def load_core(self) -> None:
+        """Build the tool registry and the governance now (importing the core), rather than on
+        the first request that needs them: a front end calls it off the event loop at start-up."""
+        self._core()
+
     def _core(self) -> Any:
         if self.registry is None:
             from operate_sidecar.server.core.tools import ToolRegistry
