@@ -19,7 +19,6 @@ each of them to the protocol.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import linecache
 import logging
@@ -369,17 +368,6 @@ class Connection:
     # ------------------------------------------------------------------ app loading
     def start_app_loader(self, loop: asyncio.AbstractEventLoop) -> None:
         def load() -> None:
-            # the load is import-bound (pygls, lsprotocol's ~1,000 attrs classes, then the core):
-            # no cyclic collection walks the freshly built modules meanwhile
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                load_modules()
-            finally:
-                if collecting:
-                    gc.enable()
-
-        def load_modules() -> None:
             mod, error = None, None
             try:
                 from . import server as mod  # pygls, lsprotocol ... off the critical path
