@@ -87,7 +87,7 @@ def test_the_documents_it_points_to_exist():
 
 
 @pytest.mark.parametrize("line, bad", [
-    ("see ../shared/PROTOCOL.md", True),
+    ("see ../" + "shared/PROTOCOL.md", True),  # split: the scanner must not find this line itself
     ("(ADR-0022 D1)", True),
     ("the ADR's seams", True),
     ("PROTOCOL §5", True),

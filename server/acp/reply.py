@@ -45,11 +45,10 @@ def plan_of(value: Any) -> list[dict[str, str]] | None:
     """The plan a reply reports (a result envelope, a parsed reply or a whole reply text) as
     ACP plan entries (``content``, ``status``, ``priority``), or None when it reports none.
     Entries without text are dropped; an unknown status is ``pending``, priority ``medium``."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value.strip().strip("`").removeprefix("json"))
-        except ValueError:
-            return None
+    if isinstance(value, str):  # the pipeline's own extraction (fences, prose around it, repair)
+        from operate_sidecar.server.core.parse import extract_json
+
+        value = extract_json(value)
     if isinstance(value, dict) and "kind" in value and "result" in value:
         value = value["result"]
     plan = value.get("plan") if isinstance(value, dict) else None

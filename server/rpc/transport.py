@@ -409,11 +409,6 @@ class Connection:
         if self.app is not None:
             self.app.core.loaded_elsewhere(loop)
 
-    def load_app_now(self) -> None:
-        from . import server as mod
-
-        self._app_loaded(mod, None)
-
     def _app_loaded(self, mod: Any, error: BaseException | None) -> None:
         if self._backlog is None:
             return

@@ -556,6 +556,11 @@ class Service:
             raise E.branch_not_found(branch_id)
         return b
 
+    async def _stored_branch(self, branch_id: Any) -> Any:
+        """The branch, after taking in what is stored (-32012 when there is none)."""
+        await self._state()
+        return self.branch(branch_id)
+
     async def restore(self) -> None:
         """Restore the stored branches (once, off the event loop) and take in what other
         processes on the same ``stateDir`` committed since the last look. Every method that
@@ -582,8 +587,7 @@ class Service:
         """Merge ``info`` into the branch's info and/or set its permission mode (applied by the
         service's authorizer from the next tool call on), saved durably in one transaction before
         it returns. When that fails: -32013, and memory is what is on disk again."""
-        await self._state()
-        self.branch(branch_id)
+        await self._stored_branch(branch_id)
         if mode is not None and mode not in MODES:
             raise invalid_params(f"unknown permission mode {mode!r}; one of {', '.join(MODES)}",
                                  {"mode": mode, "modes": list(MODES)})
@@ -712,8 +716,7 @@ class Service:
         from operate_sidecar.protocol import BranchParams, structure
 
         p = structure(BranchParams, params)
-        await self._state()
-        src = self.branch(p.branch_id)
+        src = await self._stored_branch(p.branch_id)
         self._check_branch_room()
         # an operate running on the source: copy the branch as it was before it (never half a turn)
         mark = self._settled.get(src.id)
@@ -731,8 +734,7 @@ class Service:
         from operate_sidecar.protocol import BranchParams, structure
 
         p = structure(BranchParams, params)
-        await self._state()
-        self.branch(p.branch_id)
+        await self._stored_branch(p.branch_id)
         if self.journal is not None:  # on disk first: a failed delete leaves the branch as it was
             from operate_sidecar.server.state import StateNotSaved
 
@@ -784,8 +786,7 @@ class Service:
         p = structure(BranchMessagesParams, params)
         if p.offset < 0 or p.limit < 0:
             raise invalid_params("offset and limit must be non-negative")
-        await self._state()
-        b = self.branch(p.branch_id)
+        b = await self._stored_branch(p.branch_id)
         return {"messages": b.messages.page(p.offset, p.limit), "total": len(b.messages)}
 
     # ------------------------------------------------------------------ tools
@@ -799,8 +800,7 @@ class Service:
 
         p = structure(ListToolsParams, params)
         if p.branch_id is not None:
-            await self._state()
-            self.branch(p.branch_id)
+            await self._stored_branch(p.branch_id)
         await self.ensure_tools()
         return {"tools": [self._tool_info(t, p.branch_id) for t in self.registry]}
 
@@ -809,8 +809,7 @@ class Service:
 
         p = structure(AuthorizeToolParams, params)
         if p.branch_id is not None:
-            await self._state()
-            self.branch(p.branch_id)
+            await self._stored_branch(p.branch_id)
         await self.ensure_tools()
         if p.tool not in self.registry:
             raise invalid_params(f"unknown tool {p.tool!r}", {"tool": p.tool})
@@ -872,8 +871,7 @@ class Service:
         from operate_sidecar.protocol import OperateParams, structure
 
         p = structure(OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
-        await self._state()
-        branch = self.branch(p.branch_id)
+        branch = await self._stored_branch(p.branch_id)
         await self.ensure_tools()
         if isinstance(p.tools, list):
             unknown = [t for t in p.tools if t not in branch.tools]
@@ -917,8 +915,8 @@ class Service:
                                  "not provider options", {"fields": clash})
         kw.update(options)
         from operate_sidecar.server.core.imodel import UsageMeter, current_usage
-        from operate_sidecar.server.core.tools import tool_executor
         from operate_sidecar.server.core.progress import current_progress
+        from operate_sidecar.server.core.tools import tool_executor
         from operate_sidecar.server.service.rounds import CONTINUATION, run_rounds
 
         def prepare(k: int) -> dict[str, Any]:

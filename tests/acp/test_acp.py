@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import subprocess
 import sys
 import time
@@ -17,14 +18,6 @@ from acp_support import (MCP_SERVER, RecordingClient, agent_env, bounded, reply,
                          write_config)
 
 TOOLS = "acp_fixture_tools"
-
-
-@pytest.fixture
-def ws(tmp_path):
-    d = tmp_path / "ws"
-    d.mkdir()
-    (d / "a.txt").write_text("old text\n")
-    return d
 
 
 def cfg(tmp_path, *responses, **settings):
@@ -421,6 +414,7 @@ def test_a_server_stopped_while_it_warms_up_leaves_nothing_in_the_temp_dir(tmp_p
             proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
                                          "params": {"protocolVersion": 1}}).encode() + b"\n")
             proc.stdin.flush()
+            assert select.select([proc.stdout], [], [], 60)[0], "no initialize answer within 60 s"
             assert json.loads(proc.stdout.readline())["id"] == 1  # the warm-up starts with this answer
             time.sleep(delay)
         finally:

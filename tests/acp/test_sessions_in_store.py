@@ -20,14 +20,6 @@ from operate_sidecar.server.state import StateStore
 STATE_NOT_SAVED = -32013
 
 
-@pytest.fixture
-def ws(tmp_path):
-    d = tmp_path / "ws"
-    d.mkdir()
-    (d / "a.txt").write_text("old text\n")
-    return d
-
-
 def cfg(tmp_path, name, *responses):
     return write_config(tmp_path / f"{name}.toml", {"models": {"s": scripted(*responses)}})
 

@@ -6,7 +6,6 @@ job the pool dropped on shutdown is ``ToolThreadsClosed``, never a wait. Every w
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import anyio
@@ -15,6 +14,8 @@ import pytest
 from operate_sidecar.server.core import tools as T
 from operate_sidecar.server.core.tools import Tool, ToolCallContext, ToolThreadsClosed, tool_executor
 
+from tool_gate import Gate
+
 pytestmark = pytest.mark.anyio
 
 WAIT = 10  # seconds
@@ -22,33 +23,6 @@ WAIT = 10  # seconds
 
 def ctx(call_id: str = "c") -> ToolCallContext:
     return ToolCallContext(branch_id="b", call_id=call_id)
-
-
-class Gate:
-    """A sync tool that blocks on an event and counts how many run at once."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.lock = threading.Lock()
-        self.running = self.peak = self.started = 0
-
-    def slow(self, i: int = 0) -> str:
-        with self.lock:
-            self.running += 1
-            self.started += 1
-            self.peak = max(self.peak, self.running)
-        try:
-            self.release.wait(WAIT)
-            return f"done {i}"
-        finally:
-            with self.lock:
-                self.running -= 1
-
-    async def until(self, predicate, what: str) -> None:
-        deadline = time.monotonic() + WAIT
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await anyio.sleep(0.01)
 
 
 async def test_sync_tools_run_on_the_executor_passed_in():

@@ -11,28 +11,9 @@ from operate_sidecar.server.rpc import settings as S
 from operate_sidecar.server.service.errors import RpcError
 from operate_sidecar.server.service.service import Service
 
+from service_support import Port
+
 WAIT = 60  # seconds: every wait here is bounded
-
-
-class Port:
-    def __init__(self, settings: dict, folder: str) -> None:
-        self.conn = self
-        self.settings = settings
-        self.client_capabilities: dict = {}  # no toolPermission: ``ask`` is a denial
-        self.workspace_folders = [folder]
-        self.decided: list[tuple[str, bool]] = []
-
-    def log_message(self, type_: int, message: str) -> None:
-        pass
-
-    def notify(self, method: str, params: object) -> None:
-        pass
-
-    async def request_client(self, method: str, params: object, timeout: float | None) -> object:
-        raise RuntimeError("no client")
-
-    async def tool_decided(self, params: dict) -> None:  # hears the decision, cannot change it
-        self.decided.append((params["tool"], params["allowed"]))
 
 
 def call(function: str, **arguments) -> dict:
@@ -55,7 +36,7 @@ def test_the_permission_mode_is_applied_by_the_service_and_saved_with_the_branch
         return r["output"]
 
     async def main() -> None:
-        port = Port(settings, str(ws))
+        port = Port(settings, (str(ws),))
         svc = Service(port)
         bid = (await svc.createBranch({}, info={"cwd": str(ws), "title": "t"}))["branchId"]
         assert svc.permission_mode(bid) == "ask"
@@ -74,7 +55,7 @@ def test_the_permission_mode_is_applied_by_the_service_and_saved_with_the_branch
         assert e.value.code == -32602 and svc.permission_mode(bid) == "read-only"
         await svc.aclose()
 
-        again = Service(Port(settings, str(ws)))                         # a restart on the same stateDir
+        again = Service(Port(settings, (str(ws),)))                         # a restart on the same stateDir
         await again.restore()
         assert again.permission_mode(bid) == "read-only"
         assert again.branch_info(bid) == {"cwd": str(ws), "title": "t", "model": "s"}

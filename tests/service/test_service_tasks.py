@@ -10,28 +10,10 @@ from operate_sidecar.server.core.tools import ToolCallContext
 from operate_sidecar.server.rpc import settings as S
 from operate_sidecar.server.service.service import Service
 
+from service_support import Port
+
 MCP_SERVER = str(Path(__file__).resolve().parents[1] / "tools" / "fixtures" / "mcp_server.py")
 WAIT = 60  # seconds: every wait here is bounded
-
-
-class Port:
-    """A ClientPort with no client behind it."""
-
-    def __init__(self, settings: dict) -> None:
-        self.conn = self
-        self.settings = settings
-        self.client_capabilities: dict = {}
-        self.workspace_folders: list = []
-        self.logged: list[str] = []
-
-    def log_message(self, type_: int, message: str) -> None:
-        self.logged.append(message)
-
-    def notify(self, method: str, params: object) -> None:
-        pass
-
-    async def request_client(self, method: str, params: object, timeout: float | None) -> object:
-        raise RuntimeError("no client")
 
 
 def _alive(pid: int) -> bool:
