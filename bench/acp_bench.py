@@ -140,8 +140,9 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
               "else; ours runs a whole operate per prompt (render, the model call, the structured parse, the "
               "branch record, the tool-event and progress plumbing), so its warm round trip is the example's plus "
               "that work. `session/new` is answered once the core is loaded (on a worker thread from the "
-              "`initialize` answer on) and its first-use paths are warmed by a throwaway operate, so that the "
-              "first prompt costs what a warm one does; importing the SDK itself (its pydantic schema) is most "
+              "`initialize` answer on), its first-use paths are warmed by a throwaway operate, and what a turn "
+              "builds for the session's own tools and reply format is built before the answer "
+              "(`Service.prime`), so that the first prompt costs what a warm one does; importing the SDK itself (its pydantic schema) is most "
               "of the rest, as the example's own spawn → session/new shows. The first / warm ratio of the "
               "example is the part of ours that is the client's and the SDK's own first use.",
               "", "| contender | measure (ms) | median | min..max | p99 | n |", "|---|---|---|---|---|---|"]

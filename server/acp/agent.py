@@ -258,15 +258,13 @@ class OperateAgent(Agent):
             raise self._error(e) from None
         # the first prompt must cost what a warm one does: finish the warm-up and build the tools now
         # that the folder is known (configured MCP servers start in the background; a prompt waits)
+        # and what a turn builds on first use for this session's tools, reply format and model
         await self._ready(warm=True)
         if self.settings.get("mcpServers"):
-            self._background(sc.ensure_tools())
+            self._background(self._prime(sc, sid))
         else:
             await sc.ensure_tools()
-        try:  # the session's model object too (a provider is lazy: no weights, no connection yet)
-            sc.resolve_model(self._model(sid))
-        except Exception:  # a bad config is reported by the prompt that uses it
-            log.debug("model not prepared", exc_info=True)
+            await self._prime(sc, sid)
         return NewSessionResponse(session_id=sid, config_options=self._options(sid), modes=self._modes(sid))
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
@@ -432,6 +430,22 @@ class OperateAgent(Agent):
             self._cancelled.add(session_id)
             task.cancel()
 
+    def _params(self, sid: str, instruction: str) -> dict[str, Any]:
+        """A prompt turn's ``operate`` params (without its context and round bound)."""
+        model = self._model(sid)
+        return {"branchId": sid, "instruction": instruction, "actions": True,
+                "responseFormat": reply_format(self.settings, model), "workDoneToken": sid, "chatModel": model}
+
+    async def _prime(self, sc: Any, sid: str) -> None:
+        """The tools (configured MCP servers included), the session's model object (a provider
+        is lazy: no weights, no connection yet) and what a turn on this session builds on first
+        use (``Service.prime``). A failure is left to the prompt that meets it."""
+        try:
+            await sc.ensure_tools()
+            await sc.prime(self._params(sid, ""))
+        except Exception:  # a bad config is reported by the prompt that uses it
+            log.debug("session not primed", exc_info=True)
+
     async def _turn(self, branch: Any, instruction: str, context: Any, info: dict[str, Any]) -> PromptResponse:
         sid = branch.id
         sc = await self._ready(warm=True)
@@ -440,9 +454,7 @@ class OperateAgent(Agent):
             await ready.wait()
         turn = self.port.turns[sid] = Turn()
         limit = MAX_ROUNDS
-        params: dict[str, Any] = {"branchId": sid, "instruction": instruction, "actions": True,
-                                  "responseFormat": reply_format(self.settings, self._model(sid)),
-                                  "workDoneToken": sid, "chatModel": self._model(sid)}
+        params = self._params(sid, instruction)
         if context:
             params["context"] = context
         res = await sc.operate({**params, "maxRounds": limit}, info=info)

@@ -46,6 +46,8 @@ def plan_of(value: Any) -> list[dict[str, str]] | None:
     ACP plan entries (``content``, ``status``, ``priority``), or None when it reports none.
     Entries without text are dropped; an unknown status is ``pending``, priority ``medium``."""
     if isinstance(value, str):  # the pipeline's own extraction (fences, prose around it, repair)
+        if "plan" not in value:  # no plan to find (most replies): not worth a parse
+            return None
         from operate_sidecar.server.core.parse import extract_json
 
         value = extract_json(value)

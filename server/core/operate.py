@@ -81,10 +81,11 @@ async def operate(
                           invoke_actions, skip_validation, clear_messages, reason, field_models, operative, middle)
 
 
-async def _operate(branch: Any, instruction: Any, chat_param: ChatParam, action_param: ActionParam | None,
-                   parse_param: ParseParam | None, handle_validation: str, invoke_actions: bool,
-                   skip_validation: bool, clear_messages: bool, reason: bool, field_models: list | None,
-                   operative: Operative | None, middle: Any) -> Any:
+def _setup(branch: Any, chat_param: ChatParam, action_param: ActionParam | None, parse_param: ParseParam | None,
+           reason: bool, field_models: list | None, operative: Operative | None
+           ) -> tuple[ChatParam, ParseParam, type[BaseModel] | None, Operative | None]:
+    """Steps before the model call: the chat and parse contexts, the caller's model class and
+    the request/response Operative. No effect: nothing is sent, recorded or run."""
     _cctx = chat_param
     if parse_param is not None:
         _pctx = parse_param.with_updates(handle_validation="return_value")
@@ -108,6 +109,31 @@ async def _operate(branch: Any, instruction: Any, chat_param: ChatParam, action_
         operative = Step.respond_operative(operative)
         _cctx = _cctx.with_updates(response_format=operative.response_type)
         _pctx = _pctx.with_updates(response_format=operative.response_type)
+
+    return _cctx, _pctx, model_class, operative
+
+
+def prime(branch: Any, instruction: Any = None, chat_param: ChatParam | None = None,
+          action_param: ActionParam | None = None, parse_param: ParseParam | None = None, reason: bool = False,
+          field_models: list | None = None, operative: Operative | None = None, **_: Any) -> None:
+    """Build now what an ``operate`` with these prepared params builds on its first use (its
+    Operative types and the response schema the model is shown, narrowed to the published
+    tools; both are cached), with no model call, no message and no tool: the steps of
+    ``_operate`` before its Middle, and the request schema the Middle renders. Lets a front end
+    that knows a session's params ahead make its first operate cost what a later one does."""
+    from .render import request_schema_of
+
+    assert chat_param is not None
+    cctx, _, _, _ = _setup(branch, chat_param, action_param, parse_param, reason, field_models, operative)
+    request_schema_of(cctx.response_format, cctx.tool_schemas)
+
+
+async def _operate(branch: Any, instruction: Any, chat_param: ChatParam, action_param: ActionParam | None,
+                   parse_param: ParseParam | None, handle_validation: str, invoke_actions: bool,
+                   skip_validation: bool, clear_messages: bool, reason: bool, field_models: list | None,
+                   operative: Operative | None, middle: Any) -> Any:
+    _cctx, _pctx, model_class, operative = _setup(branch, chat_param, action_param, parse_param, reason,
+                                                  field_models, operative)
 
     if middle is None:
         model = _cctx.imodel or branch.chat_model

@@ -865,19 +865,9 @@ class Service:
         return call
 
     # ------------------------------------------------------------------ operate
-    async def operate(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
-        """``info`` (not on the wire): merged into the branch's info once the operate has run,
-        and saved in the same transaction as its messages (e.g. ACP's title and update time)."""
-        from operate_sidecar.protocol import OperateParams, structure
-
-        p = structure(OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
-        branch = await self._stored_branch(p.branch_id)
-        await self.ensure_tools()
-        if isinstance(p.tools, list):
-            unknown = [t for t in p.tools if t not in branch.tools]
-            if unknown:
-                raise invalid_params(f"tools: unknown tool{'s' if len(unknown) > 1 else ''}: " + ", ".join(unknown),
-                                     {"unknownTools": unknown})
+    async def _operate_kw(self, p: Any) -> dict[str, Any]:
+        """The core's keyword arguments for the structured ``operate`` params ``p``: models
+        resolved, schemas built (off the event loop), the rest as they are; -32602 for a clash."""
         kw: dict[str, Any] = {}
         if p.instruct is not None:
             from operate_sidecar.protocol import unstructure
@@ -901,8 +891,6 @@ class Service:
                                                    retry_initial_delay=o.retry_initial_delay,
                                                    retry_backoff=o.retry_backoff, max_concurrent=o.max_concurrent,
                                                    throttle_period=o.throttle_period)
-        from operate_sidecar.server.core.operate import operate as core_operate
-        from operate_sidecar.server.core.params import RunParam
         from operate_sidecar.server.core.prepare import prepare_operate_kw
 
         # the rest as they are (an omitted actionStrategy is None: not given)
@@ -914,7 +902,41 @@ class Service:
             raise invalid_params("modelOptions: " + ", ".join(clash) + " name operate pipeline parameters, "
                                  "not provider options", {"fields": clash})
         kw.update(options)
+        return kw
+
+    async def prime(self, params: dict) -> None:
+        """Build now, for an ``operate`` with ``params`` (its branch, reply format, tools and
+        model), what its first run would build on first use: the reply model, its operative
+        types and the schema shown to the model, narrowed to the branch's tools. No model call,
+        no message, no tool, nothing saved. The ACP front end calls it when a session is made,
+        so that its first prompt costs what a later one does."""
+        from operate_sidecar.protocol import OperateParams, structure
+        from operate_sidecar.server.core.operate import prime
+        from operate_sidecar.server.core.prepare import prepare_operate_kw
+
+        p = structure(OperateParams, params)
+        branch = await self._stored_branch(p.branch_id)
+        await self.ensure_tools()
+        prime(branch, **prepare_operate_kw(branch, **await self._operate_kw(p)))
+
+    async def operate(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
+        """``info`` (not on the wire): merged into the branch's info once the operate has run,
+        and saved in the same transaction as its messages (e.g. ACP's title and update time)."""
+        from operate_sidecar.protocol import OperateParams, structure
+
+        p = structure(OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
+        branch = await self._stored_branch(p.branch_id)
+        await self.ensure_tools()
+        if isinstance(p.tools, list):
+            unknown = [t for t in p.tools if t not in branch.tools]
+            if unknown:
+                raise invalid_params(f"tools: unknown tool{'s' if len(unknown) > 1 else ''}: " + ", ".join(unknown),
+                                     {"unknownTools": unknown})
+        kw = await self._operate_kw(p)
         from operate_sidecar.server.core.imodel import UsageMeter, current_usage
+        from operate_sidecar.server.core.operate import operate as core_operate
+        from operate_sidecar.server.core.params import RunParam
+        from operate_sidecar.server.core.prepare import prepare_operate_kw
         from operate_sidecar.server.core.progress import current_progress
         from operate_sidecar.server.core.tools import tool_executor
         from operate_sidecar.server.service.rounds import CONTINUATION, run_rounds
