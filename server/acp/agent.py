@@ -457,13 +457,21 @@ class OperateAgent(Agent):
         params = self._params(sid, instruction)
         if context:
             params["context"] = context
-        res = await sc.operate({**params, "maxRounds": limit}, info=info)
-        rounds = int(res.get("rounds") or 1)
-        self.port.send_plan(sid, turn, res)
-        self._round_text(sid, turn, res)
+        from operate_sidecar.server.core.errors import ModelRefused
+
+        try:
+            res = await sc.operate({**params, "maxRounds": limit}, info=info)
+        except ModelRefused as e:  # the model declined: its explanation is the turn's last words
+            self.port.send(sid, update_agent_message_text(("\n\n" if turn.shown else "") + e.refusal))
+            res, stop = {}, "refusal"
+        else:
+            rounds = int(res.get("rounds") or 1)
+            self.port.send_plan(sid, turn, res)
+            self._round_text(sid, turn, res)
+            stop = "max_turn_requests" if _ran_tools(res) and rounds >= limit else "end_turn"
         usage: dict[str, Any] = {}
         _add_usage(usage, res.get("usage") or turn.usage)
-        out = PromptResponse(stop_reason="max_turn_requests" if _ran_tools(res) and rounds >= limit else "end_turn")
+        out = PromptResponse(stop_reason=stop)
         if usage:
             out.usage = Usage(input_tokens=usage.get("inputTokens", 0), output_tokens=usage.get("outputTokens", 0),
                               total_tokens=usage.get("inputTokens", 0) + usage.get("outputTokens", 0))

@@ -7,6 +7,7 @@ from .context import ContextProvider
 from .errors import (
     ConfigurationError,
     ModelError,
+    ModelRefused,
     OperateError,
     ParseError,
     RemovedArgumentError,

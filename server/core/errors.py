@@ -21,6 +21,16 @@ class ModelError(OperateError):
     """A model/provider failure. The message must be safe to show: no secrets."""
 
 
+class ModelRefused(ModelError):
+    """The provider reports that the model declined the request (OpenAI's ``refusal``, a
+    ``content_filter`` stop): no reply to parse, nothing to run. ``refusal`` is the model's
+    own explanation, or what stopped it."""
+
+    def __init__(self, message: str, *, refusal: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
 class ValidationFailed(OperateError, ValueError):
     """D3: the returned value is not an instance of the caller's model and the
     policy is ``raise``. ``expected`` names the model; ``received`` is the value."""

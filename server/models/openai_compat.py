@@ -245,6 +245,8 @@ class OpenAIModel(BaseModelProvider):
             self._rf_mode = mode  # the server accepted it: start there next time
         usage: dict | None = None
         model_name = self.model
+        refusal: list[str] = []   # OpenAI's ``refusal`` deltas: the model declined (structured outputs)
+        filtered = False          # a ``content_filter`` stop: the provider cut the reply
         try:
             async for chunk in stream:
                 if getattr(chunk, "model", None):
@@ -252,9 +254,12 @@ class OpenAIModel(BaseModelProvider):
                 if getattr(chunk, "usage", None) is not None:
                     usage = chunk.usage.model_dump(exclude_none=True)
                 for choice in chunk.choices or ():
+                    filtered = filtered or getattr(choice, "finish_reason", None) == "content_filter"
                     delta = choice.delta
                     if delta is None:
                         continue
+                    if getattr(delta, "refusal", None):
+                        refusal.append(delta.refusal)
                     thinking = getattr(delta, "reasoning_content", None) or (
                         (delta.model_extra or {}).get("reasoning_content") if delta.model_extra else None
                     )
@@ -275,7 +280,13 @@ class OpenAIModel(BaseModelProvider):
                     await stream.close()
                 except Exception:  # noqa: BLE001 - best effort
                     pass
-        yield StreamChunk(type="result", usage=usage, model=model_name)
+        yield StreamChunk(type="result", usage=usage, model=model_name)  # what the call cost, refused or not
+        if refusal or filtered:  # no reply to parse: say that the model declined, and why
+            from operate_sidecar.server.core.errors import ModelRefused
+
+            why = redact("".join(refusal).strip() or "stopped by the provider's content filter",
+                         [self._api_key, os.environ.get(self.api_key_env)])[:MAX_ERROR_CHARS]
+            raise ModelRefused(f"model {self.name!r} declined the request: {why}", refusal=why)
 
 
 def _rejects(e: Any, msg: str, *words: str) -> bool:

@@ -66,6 +66,8 @@ def map_exception(e: BaseException, debug: bool = False) -> tuple[int, str, Any]
 
     if isinstance(e, ce.ValidationFailed):
         return VALIDATION_FAILED, str(e), {"expected": e.expected, "received": truncate_received(e.received)}
+    if isinstance(e, ce.ModelRefused):  # the model declined: its explanation, for the client to show
+        return MODEL_ERROR, str(e), {"refusal": e.refusal}
     if isinstance(e, ce.ModelError):
         return MODEL_ERROR, str(e) or "model error", None
     if isinstance(e, (ce.RemovedArgumentError, ce.ConfigurationError, ce.ToolNotRegistered,

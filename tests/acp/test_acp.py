@@ -283,6 +283,34 @@ def test_max_turn_requests_when_the_model_keeps_calling_tools(tmp_path, ws):
     run(main())
 
 
+def test_a_refusal_ends_the_turn_with_stop_reason_refusal_and_the_models_words(tmp_path, ws):
+    """Round 1 lists the folder; in round 2 the model declines (OpenAI's refusal stream, from a
+    loopback stand-in of the remote API: tests/openai_stub.py). The turn ends with ``refusal``,
+    the model's words are its last message, and round 1 stays in the session's history."""
+    from openai_stub import content_stream, openai_stub, refusal_stream
+
+    words = "I can't continue with this request."
+    first = json.dumps({"message": "Looking.", "action_required": True,
+                        "action_requests": [{"function": "list_dir", "arguments": {"path": "."}}]})
+
+    async def main():
+        c = RecordingClient()
+        with openai_stub(content_stream(first), refusal_stream(words)) as (url, got):
+            config = cfg(tmp_path, models={"o": {"provider": "openai", "model": "gpt-4o", "baseUrl": url}},
+                         stateDir=str(tmp_path / "state"))
+            async with spawn(c, config) as (conn, _):
+                sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+                r = await prompt(conn, sid, "what is here?")
+                assert r.stop_reason == "refusal" and len(got) == 2
+                assert c.text() == "Looking.\n\n" + words
+                assert [u.status for u in c.of("tool_call_update")][-1] == "completed"  # round 1's tool ran
+                c.updates.clear()
+                await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+                assert "Looking." in c.text() and words not in c.text()  # the refused round left nothing
+
+    run(main())
+
+
 def test_stdout_stays_clean_when_tools_print(tmp_path, ws):
     async def main():
         c = RecordingClient()

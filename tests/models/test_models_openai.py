@@ -235,3 +235,73 @@ def test_openai_config_nulls_mean_defaults_and_bad_values_are_config_errors():
         make_model({"provider": "openai"}, name="nomodel")
     with pytest.raises(ModelConfigError, match="apiKey"):
         make_model({"provider": "openai", "model": "m", "apiKey": "sk-inline"}, name="inline-key")
+
+
+# -- refusals -------------------------------------------------------------------------------
+# llama.cpp's server never refuses, so these read OpenAI's documented refusal stream from a
+# loopback stand-in (tests/openai_stub.py): the real SDK and provider over real HTTP.
+
+async def test_a_refusal_is_model_refused_with_the_models_words_and_the_call_is_counted():
+    from openai_stub import openai_stub, refusal_stream
+
+    from operate_sidecar.server.core.errors import ModelRefused
+
+    words = "I'm sorry, I can't help with that."
+    with openai_stub(refusal_stream(words, usage={"prompt_tokens": 12, "completion_tokens": 9})) as (url, got):
+        model = openai_model(url)
+        chunks = []
+        try:
+            with anyio.fail_after(30), pytest.raises(ModelRefused) as e:
+                async for c in model.stream(ModelRequest(messages=[{"role": "user", "content": "x"}],
+                                                         response_schema=SCHEMA, schema_name="City")):
+                    chunks.append(c)
+        finally:
+            await model.aclose()
+    assert e.value.refusal == words and words in str(e.value) and "'oai'" in str(e.value)
+    assert [c.type for c in chunks] == ["result"]                 # no text to parse, the usage still counted
+    assert chunks[0].usage["prompt_tokens"] == 12 and got[0]["response_format"]["type"] == "json_schema"
+
+
+async def test_a_content_filter_stop_is_model_refused():
+    from openai_stub import chunk, openai_stub
+
+    from operate_sidecar.server.core.errors import ModelRefused
+
+    with openai_stub([chunk({"role": "assistant", "content": "Part"}), chunk({}, finish="content_filter")]) as (url, _):
+        model = openai_model(url)
+        try:
+            with anyio.fail_after(30), pytest.raises(ModelRefused) as e:
+                await model.invoke(ask("x"))
+        finally:
+            await model.aclose()
+    assert e.value.refusal == "stopped by the provider's content filter"
+
+
+def test_a_refusal_over_the_wire_is_a_model_error_with_the_refusal_and_records_nothing(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from openai_stub import openai_stub, refusal_stream
+
+    from operate_sidecar.clients.python.client import RpcError, SidecarClient
+
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "a.txt").write_text("keep\n")
+    words = "I can't assist with that request."
+    with openai_stub(refusal_stream(words)) as (url, _):
+        env = dict(os.environ, PYTHONPATH=str(repo))
+        with SidecarClient(argv=[sys.executable, "-m", "operate_sidecar.server"], env=env, cwd=str(repo),
+                           stderr=subprocess.DEVNULL) as c:
+            c.request("initialize", {"workspaceFolders": [str(tmp_path)], "settings": {
+                "models": {"m": {"provider": "openai", "model": "gpt-4o", "baseUrl": url}}, "defaultModel": "m",
+                "toolPolicy": {"write_file": "allow"}}}, timeout=60)
+            bid = c.request("createBranch", {})["branchId"]
+            with pytest.raises(RpcError) as e:
+                c.request("operate", {"branchId": bid, "instruction": "go", "actions": True,
+                                      "responseFormat": {"type": "object", "properties": {"a": {"type": "string"}}}},
+                          timeout=60)
+            assert e.value.code == -32011 and e.value.data == {"refusal": words}
+            assert c.request("branchMessages", {"branchId": bid})["messages"] == []  # nothing recorded
+    assert (tmp_path / "a.txt").read_text() == "keep\n"
