@@ -243,11 +243,13 @@ class Service:
             self._info.pop(branch_id, None)
 
     def _restore_meta(self, branch_id: str) -> None:
-        """After a failed save: the branch's policy, permission mode and info in memory are the
-        committed ones again."""
+        """After a failed save: the branch's policy, permission mode, info and usage totals in
+        memory are the committed ones again."""
         if self.journal is None or branch_id not in self.branches:
             return
         committed = self.journal.committed_meta(branch_id)
+        self._usage.pop(branch_id, None)
+        self._restore_usage(branch_id, committed.get("usage"))
         policy = dict(committed.get("policy") or {})
         if policy:
             self.governance.branch[branch_id] = policy  # type: ignore[union-attr]

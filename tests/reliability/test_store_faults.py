@@ -46,6 +46,12 @@ def _branch_ids(c) -> set[str]:
     return {b["branchId"] for b in c.request("listBranches", {}, timeout=TIMEOUT)["branches"]}
 
 
+def _calls(c, bid: str) -> int:
+    """The branch's usage total of model calls, as listBranches reports it."""
+    [b] = [b for b in c.request("listBranches", {}, timeout=TIMEOUT)["branches"] if b["branchId"] == bid]
+    return b["usage"]["modelCalls"]
+
+
 def _restart(c, spawn, state: str):
     c.kill()
     c.wait(TIMEOUT)
@@ -62,6 +68,7 @@ def test_disk_full_refuses_the_change_keeps_memory_and_disk_equal_and_loses_noth
     try:
         assert not _operate(c, bid, "while-full")
         assert _instructions(c, bid) == ["before"]                      # the refused operate left nothing
+        assert _calls(c, bid) == 1                                       # not even in the branch's usage totals
         with_err = c.error_of("createBranch", {"name": "full"})
         assert with_err.code == STATE_NOT_SAVED
         assert len(_branch_ids(c)) == 1                                  # the branch was not created
@@ -72,6 +79,7 @@ def test_disk_full_refuses_the_change_keeps_memory_and_disk_equal_and_loses_noth
     assert _operate(c, bid, "after-1") and _operate(c, bid, "after-2")
     r = _restart(c, spawn, state)
     assert _instructions(r, bid) == ["before", "after-1", "after-2"]   # every acknowledged operate, in order
+    assert _calls(r, bid) == 3                                          # the totals saved are the acknowledged ones
     assert [m["kind"] for m in r.messages(bid)] == ["instruction", "assistant_response"] * 3
     r.close()
 
