@@ -994,7 +994,9 @@ class Service:
                         meta["client"] = dict(self._info[branch.id])
                     self.journal.update_meta(branch.id, meta)
                 # one transaction before the answer; on failure the branch is put back (-32013)
-                await asyncio.shield(self._commit_operate(branch, self._settled.pop(branch.id, None)))
+                mark = self._settled.pop(branch.id, None)
+                if self.journal is not None:  # with no store there is nothing to commit (no task to wait for)
+                    await asyncio.shield(self._commit_operate(branch, mark))
             if sink is not None:
                 sink.finish("completed", meter.to_wire())
         out = envelope(result)
