@@ -10,6 +10,7 @@ validated before invocation; a mismatch raises :class:`ToolArgumentError`.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import threading
 from concurrent.futures import Executor
@@ -19,6 +20,8 @@ from functools import partial
 from typing import Any, Awaitable, Callable, Literal
 
 from .errors import ToolArgumentError, ToolNotRegistered
+
+log = logging.getLogger(__name__)
 
 ToolSource = Literal["builtin", "python", "mcp", "client"]
 
@@ -176,22 +179,98 @@ def function_to_tool(fn: Callable[..., Any], *, name: str | None = None, descrip
 #: how many sync tools run at once on the default pool (see ``run_sync_tool``); the service
 #: bounds its own pool the same way (``service.TOOL_THREADS``)
 TOOL_THREADS = 16
+#: how many pools whose every worker is held by a tool past its time-out are kept at once
+#: (``ToolThreads``): with the default size, at most 48 threads stuck in tools that never return
+MAX_RETIRED_POOLS = 3
 
 #: The executor sync Python tools run on, set by whoever runs operates: the service sets its
-#: own bounded ``ThreadPoolExecutor``, created with the service and shut down by its ``aclose``.
-#: ``None`` (the core used as a library, tests, the benchmark): a default pool of ``TOOL_THREADS``
+#: own ``ToolThreads``, created on first need and shut down by its ``aclose``. ``None`` (the
+#: core used as a library, tests, the benchmark): a default ``ToolThreads`` of ``TOOL_THREADS``
 #: threads shared by the process, made on first need (its idle threads end at interpreter exit).
 #: Pool threads are not daemons: at a normal interpreter exit ``concurrent.futures`` waits for a
 #: tool still running (the server leaves with ``os._exit``, so a hung tool never holds it).
-#:
-#: The bound's trade-off: Python cannot stop a thread, so a tool that outlives its time-out (or
-#: whose call was cancelled) holds its worker until it returns. When every worker is held, later
-#: sync tool calls wait in the pool's queue; their own time-out runs from the call, so they fail
-#: with the usual time-out error rather than hang, and a queued call that gave up never runs.
 tool_executor: ContextVar[Executor | None] = ContextVar("tool_executor", default=None)
 
 _DEFAULT_POOL: Executor | None = None
 _DEFAULT_LOCK = threading.Lock()
+
+
+class ToolThreads(Executor):
+    """The bounded pool sync tools run on: at most ``size`` tools at once, on a stdlib
+    ``ThreadPoolExecutor`` of ``size`` threads, and a way past what a thread pool cannot
+    survive on its own. Python cannot stop a thread, so a call abandoned while its tool runs
+    (its time-out, a cancel) holds its worker until the tool returns (``run_sync_tool`` reports
+    it with ``hold``). When every worker of the pool is held that way, the pool is retired
+    (shut down without waiting: its threads end as their tools return, and a call still queued
+    on it fails on its own time-out) and a fresh pool takes the next calls, so a few tools that
+    never return do not starve every other sync tool. At most ``max_retired`` retired pools are
+    kept at once (a pool is dropped when its held tools have all returned); past that, calls
+    queue on the held pool as on any bounded pool and fail on their own time-out, which is
+    logged."""
+
+    def __init__(self, size: int, *, max_retired: int | None = None, thread_name_prefix: str = "tool-worker") -> None:
+        self.size = size
+        self.max_retired = MAX_RETIRED_POOLS if max_retired is None else max_retired
+        self._prefix = thread_name_prefix
+        self._lock = threading.Lock()
+        self._pool = self._new_pool()
+        self._held: dict[Any, int] = {}  # pool → its calls abandoned while their tools run
+        self._retired: set[Any] = set()
+        self._closed = False
+        self._warned = False
+
+    def _new_pool(self) -> Any:
+        from concurrent.futures import ThreadPoolExecutor
+
+        return ThreadPoolExecutor(self.size, thread_name_prefix=self._prefix)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            pool = self._pool
+        job = pool.submit(fn, *args, **kwargs)  # RuntimeError once shut down
+        job.tool_pool = pool  # type: ignore[attr-defined]
+        return job
+
+    def hold(self, job: Any) -> None:
+        """``job``'s caller gave up while its tool runs: its worker is held until it returns."""
+        pool = getattr(job, "tool_pool", None)
+        if pool is None:
+            return
+        retire = False
+        with self._lock:
+            self._held[pool] = held = self._held.get(pool, 0) + 1
+            if pool is self._pool and held >= self.size and not self._closed:
+                if len(self._retired) < self.max_retired:
+                    retire = True
+                    self._retired.add(pool)
+                    self._pool = self._new_pool()
+                elif not self._warned:
+                    self._warned = True
+                    log.warning("every sync tool thread is held by a tool past its time-out, and %d pools are "
+                                "already held that way: sync tool calls wait, and fail on their own time-out",
+                                len(self._retired))
+        if retire:
+            pool.shutdown(wait=False)
+            log.warning("all %d sync tool threads are held by tools past their time-out: a fresh pool takes "
+                        "the next calls (the held threads end when their tools return)", self.size)
+        job.add_done_callback(partial(self._released, pool))
+
+    def _released(self, pool: Any, _job: Any) -> None:
+        with self._lock:
+            left = self._held.get(pool, 0) - 1
+            if left > 0:
+                self._held[pool] = left
+                return
+            self._held.pop(pool, None)
+            self._retired.discard(pool)  # shut down: its threads end once idle
+            self._warned = False
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            pools = [self._pool, *self._retired]
+        for pool in pools:
+            pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 def _default_pool() -> Executor:
@@ -200,9 +279,7 @@ def _default_pool() -> Executor:
     if pool is None:
         with _DEFAULT_LOCK:
             if _DEFAULT_POOL is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                _DEFAULT_POOL = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tool-worker")
+                _DEFAULT_POOL = ToolThreads(TOOL_THREADS)
             pool = _DEFAULT_POOL
     return pool
 
@@ -266,12 +343,14 @@ def _on_job_done(loop: Any, fut: Any, fn: Callable[..., Any], job: Any) -> None:
 
 async def run_sync_tool(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
     """Run a sync tool on a pool thread (``tool_executor``, else the default pool), in a copy
-    of the caller's context (as anyio does). The pool is the stdlib ``ThreadPoolExecutor``:
-    one ``submit`` and one ``call_soon_threadsafe`` back per call (measured faster than
-    ``anyio.to_thread.run_sync`` with a ``CapacityLimiter``, whose limiter also lets an
-    abandoned thread's slot go, so it would not bound threads). On cancel or time-out the
-    call is abandoned: the awaiting task is answered at once, the thread finishes on its own
-    and its result is dropped; a call cancelled before a worker took it never runs.
+    of the caller's context (as anyio does). The pool is a ``ToolThreads`` (the stdlib
+    ``ThreadPoolExecutor`` underneath), or any ``Executor`` passed in: one ``submit`` and one
+    ``call_soon_threadsafe`` back per call (measured faster than ``anyio.to_thread.run_sync``
+    with a ``CapacityLimiter``, whose limiter also lets an abandoned thread's slot go, so it
+    would not bound threads). On cancel or time-out the call is abandoned: the awaiting task
+    is answered at once, the thread finishes on its own and its result is dropped (the pool is
+    told its worker is held: ``ToolThreads.hold``); a call cancelled before a worker took it
+    never runs.
     Exceptions reach the caller; ``SystemExit`` and other ``BaseException``s as
     ``ToolProcessExit``."""
     import asyncio
@@ -295,7 +374,9 @@ async def run_sync_tool(fn: Callable[..., Any], arguments: dict[str, Any]) -> An
     finally:
         if not fut.done() or fut.cancelled():  # the caller gave up (cancel, time-out)
             fut.cancel()  # abandoned: a late result is dropped
-            job.cancel()  # and a job still queued never runs
+            # a job still queued never runs; one running holds its worker until its tool returns
+            if not job.cancel() and not job.done() and hasattr(pool, "hold"):
+                pool.hold(job)
 
 
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:

@@ -32,9 +32,12 @@ log = logging.getLogger("operate_sidecar.server.service")
 
 #: worker threads the service uses at once for blocking store work
 THREADS = 4
-#: threads the service runs sync Python tools on at once (its own pool, shut down by ``aclose``).
-#: A tool that outlives its time-out holds its thread until it returns (threads cannot be
-#: killed); with every thread held, later sync tool calls queue and fail on their own time-out.
+#: threads the service runs sync Python tools on at once (its own ``core.tools.ToolThreads``,
+#: shut down by ``aclose``; the core's default pool has the same size, ``core.tools.TOOL_THREADS``,
+#: not imported here so that making a service loads no core). A tool that outlives its time-out
+#: holds its thread until it returns (threads cannot be killed); when every thread is held, a
+#: fresh pool takes the next calls (a few times over, then they queue and fail on their own
+#: time-out): see ``ToolThreads``.
 TOOL_THREADS = 16
 #: how long ``aclose`` lets background tasks finish before they are cancelled
 CLOSE_TIMEOUT_S = 3.0
@@ -87,13 +90,23 @@ class Service:
         self._usage: dict[str, Any] = {}
         #: branch id -> what a front end keeps about it (``branch_info``; saved with the branch)
         self._info: dict[str, dict[str, Any]] = {}
-        from concurrent.futures import ThreadPoolExecutor
-
-        #: sync Python tools run here (``operate`` sets ``core.tools.tool_executor``): at most
-        #: ``TOOL_THREADS`` at once; threads start on first need; ``aclose`` shuts it down
-        self.tool_threads = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tool-worker")
+        self._tool_threads: Any = None  # see ``tool_threads``
+        self._tool_threads_closed = False
 
     # ------------------------------------------------------------------ setup
+    @property
+    def tool_threads(self) -> Any:
+        """Where sync Python tools run (``operate`` sets ``core.tools.tool_executor``): a
+        ``ToolThreads`` of ``TOOL_THREADS`` threads, made on first need (threads start as calls
+        come); ``aclose`` shuts it down (made after that, it is made shut down)."""
+        if self._tool_threads is None:
+            from operate_sidecar.server.core.tools import ToolThreads
+
+            self._tool_threads = ToolThreads(TOOL_THREADS)
+            if self._tool_threads_closed:
+                self._tool_threads.shutdown(wait=False, cancel_futures=True)
+        return self._tool_threads
+
     @property
     def settings(self) -> dict[str, Any]:
         return self.conn.settings
@@ -455,7 +468,9 @@ class Service:
         pool is shut down first: a queued call is answered ``ToolThreadsClosed`` without running,
         a later one is refused; a tool still running is left to finish (its caller is answered
         by its own time-out or cancel), its thread then ends."""
-        self.tool_threads.shutdown(wait=False, cancel_futures=True)
+        self._tool_threads_closed = True
+        if self._tool_threads is not None:
+            self._tool_threads.shutdown(wait=False, cancel_futures=True)
         self._mcp_stop.set()
         try:
             if self._owner is not None:

@@ -1,8 +1,9 @@
 """The service owns the threads its sync Python tools run on: a pool of at most
-``service.TOOL_THREADS`` threads, created with the service, passed into the core for its
-operates, and shut down by ``aclose`` (queued calls answered without running, later calls
-refused, no new thread). A tool that outlives its time-out answers its caller at once and
-holds one worker; the others keep serving. Every wait here is bounded."""
+``service.TOOL_THREADS`` threads, made on first need, passed into the core for its operates,
+and shut down by ``aclose`` (queued calls answered without running, later calls refused, no
+new thread). A tool that outlives its time-out answers its caller at once and holds one
+worker; the others keep serving, and when every worker is held a fresh pool does (a bounded
+number of times). Every wait here is bounded."""
 
 import asyncio
 import threading
@@ -132,11 +133,45 @@ def test_a_hung_tool_past_its_timeout_answers_at_once_and_later_calls_run_while_
     asyncio.run(main())
 
 
-def test_with_every_worker_held_a_sync_call_fails_on_its_own_timeout_and_never_runs(monkeypatch):
-    """The bound's trade-off: a tool past its time-out holds its worker; with all held, the next
-    sync call waits in the queue, its own time-out running from the call, and it is answered
-    with the usual time-out error (not a hang). Given up, it never runs later."""
+def test_with_every_worker_held_a_fresh_pool_runs_the_next_sync_call(monkeypatch):
+    """A tool past its time-out holds its worker (threads cannot be stopped). When every worker
+    is held, the held pool is retired and a fresh one takes the next call, so a tool that never
+    returns does not starve the other sync tools; the held thread ends when its tool returns."""
     monkeypatch.setattr(service_mod, "TOOL_THREADS", 1)
+    gate = Gate()
+
+    def quick(i: int = 0) -> str:
+        return "quick"
+
+    async def main() -> None:
+        svc, bid = await make_service(gate.slow, quick, tool_timeout_ms=200,
+                                      responses=[calls("slow"), calls("quick"), calls("quick")])
+        try:
+            (hung,) = outputs(await operate(svc, bid))
+            assert "timed out" in hung["error"] and gate.running == 1
+            for _ in range(2):
+                assert outputs(await operate(svc, bid)) == ["quick"]  # on the fresh pool
+            assert gate.running == 1 and gate.finished == 0           # the one worker still held
+            held = tool_threads()
+            gate.release.set()
+            await gate.until(lambda: gate.finished == 1, "the hung tool to end")
+            await gate.until(lambda: len(tool_threads()) < len(held),
+                             "the retired pool's thread to end")
+        finally:
+            gate.release.set()
+            await asyncio.wait_for(svc.aclose(), WAIT)
+
+    asyncio.run(main())
+
+
+def test_past_the_retired_pools_bound_a_sync_call_fails_on_its_own_timeout_and_never_runs(monkeypatch):
+    """Fresh pools are bounded too (``core.tools.MAX_RETIRED_POOLS`` held pools at once): past
+    that, the next sync call waits in the queue, its own time-out running from the call, and is
+    answered with the usual time-out error (not a hang). Given up, it never runs later."""
+    from operate_sidecar.server.core import tools as core_tools
+
+    monkeypatch.setattr(service_mod, "TOOL_THREADS", 1)
+    monkeypatch.setattr(core_tools, "MAX_RETIRED_POOLS", 1)
     gate = Gate()
     ran = threading.Event()
 
@@ -146,15 +181,16 @@ def test_with_every_worker_held_a_sync_call_fails_on_its_own_timeout_and_never_r
 
     async def main() -> None:
         svc, bid = await make_service(gate.slow, quick, tool_timeout_ms=200,
-                                      responses=[calls("slow"), calls("quick")])
+                                      responses=[calls("slow"), calls("slow"), calls("quick")])
         try:
-            (hung,) = outputs(await operate(svc, bid))
-            assert "timed out" in hung["error"] and gate.running == 1
+            for held in (1, 2):  # the first held pool is retired; the second is the last allowed
+                (hung,) = outputs(await operate(svc, bid))
+                assert "timed out" in hung["error"] and gate.running == held
             (waited,) = outputs(await operate(svc, bid))
             assert "timed out after 0.2 s" in waited["error"], waited
-            assert gate.running == 1 and gate.finished == 0  # answered while the worker is still held
+            assert gate.running == 2 and gate.finished == 0  # answered while both workers are held
             gate.release.set()
-            await gate.until(lambda: gate.finished == 1, "the hung tool to end")
+            await gate.until(lambda: gate.finished == 2, "the hung tools to end")
             await asyncio.sleep(0.2)  # a worker is free: a call still queued would run now
             assert not ran.is_set()
         finally:
