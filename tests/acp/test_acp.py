@@ -355,6 +355,37 @@ def test_the_acp_front_end_never_imports_pygls():
     assert out.stdout.strip() == "False"
 
 
+def test_session_new_builds_what_the_first_prompt_would_build(ws):
+    """``session/new`` primes the session (``Service.prime``): the reply schema narrowed to the
+    session's own tools is built before the answer, so the first prompt builds none of it. The
+    real agent and service, in a child process (the agent's loader freezes the collector)."""
+    code = ("import asyncio, json, sys\n"
+            "import acp\n"
+            "from operate_sidecar.server.acp.agent import OperateAgent\n"
+            "from operate_sidecar.server.rpc import settings as S\n"
+            "async def main():\n"
+            "    replies = [{'json': {'message': 'hi'}}]\n"
+            "    a = OperateAgent(S.finalize(S.merge(S.DEFAULTS, {'models': {'s': {'provider': 'scripted',\n"
+            "        'responses': replies}}, 'defaultModel': 's'})))\n"
+            "    await a.initialize(protocol_version=1)\n"
+            "    await a._ready(warm=True)\n"
+            "    from operate_sidecar.server.core import render\n"
+            "    built, narrow = [], render._narrow_action_requests\n"
+            "    render._narrow_action_requests = lambda s, t: built.append(len(t)) or narrow(s, t)\n"
+            "    sid = (await a.new_session(cwd=sys.argv[1])).session_id\n"
+            "    at_new = list(built)\n"
+            "    r = await a.prompt(prompt=[acp.text_block('go')], session_id=sid)\n"
+            "    print(json.dumps({'new': at_new, 'after_prompt': built, 'stop': r.stop_reason}))\n"
+            "    await a.aclose()\n"
+            "asyncio.run(main())\n")
+    out = subprocess.run([sys.executable, "-c", code, str(ws)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["stop"] == "end_turn"
+    assert res["new"] == [5]            # built by session/new, for the session's 5 builtin tools
+    assert res["after_prompt"] == [5]   # and nothing more by the first prompt
+
+
 def test_edit_file_shows_diff_content_when_asked_and_applies_on_allow(tmp_path, ws):
     async def main():
         c = RecordingClient("allow_once")
