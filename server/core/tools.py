@@ -128,30 +128,52 @@ def _doc_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
     return summary, params
 
 
+#: (the function, the tool's name) → (its docstring's summary, its arguments model, that model's
+#: JSON text): a function's signature is read once per process, however many tools are made from
+#: it (each workspace's builtin tools are the same bound methods of another instance)
+_ARGUMENT_MODELS: dict[tuple[Any, str], tuple[str, Any, str]] = {}
+
+
+def _arguments_model(fn: Callable[..., Any], tool_name: str) -> tuple[str, Any, dict[str, Any]]:
+    """(summary, arguments model, a fresh copy of its JSON Schema) for a function's tool."""
+    import json
+
+    key = (getattr(fn, "__func__", fn), tool_name)
+    hit = _ARGUMENT_MODELS.get(key)
+    if hit is None:
+        from pydantic import ConfigDict, Field, create_model
+
+        sig = inspect.signature(fn)
+        summary, param_docs = _doc_parts(fn)
+        hints = _type_hints(fn)
+        fields: dict[str, Any] = {}
+        for pname, p in sig.parameters.items():
+            if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+                continue
+            ann = hints.get(pname, p.annotation)
+            if ann is inspect.Parameter.empty:
+                ann = Any
+            default = ... if p.default is inspect.Parameter.empty else p.default
+            fields[pname] = (ann, Field(default, description=param_docs.get(pname) or None))
+        model = create_model(f"{tool_name}_args", __config__=ConfigDict(extra="forbid"), **fields)
+        schema = model.model_json_schema()
+        schema.pop("title", None)
+        for prop in schema.get("properties", {}).values():
+            prop.pop("title", None)
+        schema.setdefault("properties", {})
+        if len(_ARGUMENT_MODELS) >= 1024:  # bounded (functions made on the fly are new keys)
+            _ARGUMENT_MODELS.clear()
+        hit = _ARGUMENT_MODELS[key] = (summary, model, json.dumps(schema))
+    return hit[0], hit[1], json.loads(hit[2])
+
+
 def function_to_tool(fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
                      source: ToolSource = "python", read_only: bool | None = None,
                      timeout: float | None = None) -> Tool:
-    from pydantic import ConfigDict, Field, ValidationError, create_model
+    from pydantic import ValidationError
 
-    sig = inspect.signature(fn)
-    summary, param_docs = _doc_parts(fn)
-    hints = _type_hints(fn)
-    fields: dict[str, Any] = {}
-    for pname, p in sig.parameters.items():
-        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-            continue
-        ann = hints.get(pname, p.annotation)
-        if ann is inspect.Parameter.empty:
-            ann = Any
-        default = ... if p.default is inspect.Parameter.empty else p.default
-        fields[pname] = (ann, Field(default, description=param_docs.get(pname) or None))
     tool_name = name or getattr(fn, "__tool_name__", None) or fn.__name__
-    model = create_model(f"{tool_name}_args", __config__=ConfigDict(extra="forbid"), **fields)
-    schema = model.model_json_schema()
-    schema.pop("title", None)
-    for prop in schema.get("properties", {}).values():
-        prop.pop("title", None)
-    schema.setdefault("properties", {})
+    summary, model, schema = _arguments_model(fn, tool_name)
 
     def validate(arguments: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -160,3 +160,36 @@ def test_get_tool_schema_wraps_selected_schemas():
     reg.register(b)
     assert reg.get_tool_schema(["b"]) == {"tools": [reg.get("b").schema()]}
     assert [s["function"]["name"] for s in reg.get_tool_schema()["tools"]] == ["a", "b"]
+
+
+async def test_tools_from_one_function_read_its_signature_once_and_own_their_schemas(monkeypatch):
+    """Every workspace's builtin tools are bound methods of another instance: the signature is
+    read into an arguments model once, and each tool still gets a schema of its own and calls
+    its own instance."""
+    from operate_sidecar.server.core import tools as T
+
+    class Folder:
+        def __init__(self, root: str) -> None:
+            self.root = root
+
+        def where(self, path: str, depth: int = 1) -> str:
+            """Say where a path is.
+
+            Args:
+                path: the path
+            """
+            return f"{self.root}/{path}@{depth}"
+
+    built = []
+    real = T._doc_parts
+    monkeypatch.setattr(T, "_doc_parts", lambda fn: built.append(fn) or real(fn))
+    a, b = Tool.from_function(Folder("a").where), Tool.from_function(Folder("b").where)
+    assert len(built) == 1                                          # read once
+    assert a.input_schema == b.input_schema and a.input_schema is not b.input_schema
+    a.input_schema["properties"].clear()                            # one tool's schema is its own
+    assert b.input_schema["properties"]["path"]["description"] == "the path"
+    assert b.description == "Say where a path is."
+    assert await a.call({"path": "x"}, CTX) == "a/x@1" and await b.call({"path": "y", "depth": 2}, CTX) == "b/y@2"
+    assert b.validate_arguments({"path": "y"}) == {"path": "y"}    # checked by the shared model
+    with pytest.raises(ToolArgumentError):
+        b.validate_arguments({"path": "y", "nope": 1})
