@@ -266,6 +266,6 @@ def test_two_round_read_then_edit_session_through_llama_cpp_server(llama_server,
     # arguments. Such a call is refused before it runs (a tool error the next round sees),
     # never invoked with arguments its schema rejects:
     names = {"read_file", "edit_file"}
-    assert calls[0]["function"] in names
+    assert any(c["function"] in names for c in calls)  # which, and in what order, is the model's choice
     u = out["usage"]  # llama_cpp.server's streamed replies carry no usage: a count not reported is null
     assert u["modelCalls"] >= 2 and u["inputTokens"] is None and u["outputTokens"] is None
