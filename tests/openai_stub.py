@@ -1,4 +1,4 @@
-"""A loopback stand-in for the remote OpenAI API, for the replies no local server produces
+"""Loopback stand-ins for OpenAI endpoints (``loopback`` serves any handler). The main one stands in for the remote OpenAI API, for the replies no local server produces
 (llama.cpp's server never refuses): it answers every ``POST /v1/chat/completions`` with the
 streamed chunks it is given, in OpenAI's documented server-sent-events form, so the real
 ``openai`` SDK and the real provider read them over real HTTP. Everything else of the
@@ -72,12 +72,20 @@ def openai_stub(*streams: list[dict]) -> Iterator[tuple[str, list[dict]]]:
         def log_message(self, *args: Any) -> None:  # quiet
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with loopback(Handler) as url:
+        yield url, received
+
+
+@contextlib.contextmanager
+def loopback(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """Serve ``handler`` on 127.0.0.1 (a free port) from a thread; yields the base URL
+    (``http://127.0.0.1:PORT/v1``). Stopped and joined (bounded) on exit."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", received
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     finally:
         server.shutdown()
         server.server_close()
-        thread.join(10)
+        thread.join(30)

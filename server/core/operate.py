@@ -113,9 +113,9 @@ def _setup(branch: Any, chat_param: ChatParam, action_param: ActionParam | None,
     return _cctx, _pctx, model_class, operative
 
 
-def prime(branch: Any, instruction: Any = None, chat_param: ChatParam | None = None,
-          action_param: ActionParam | None = None, parse_param: ParseParam | None = None, reason: bool = False,
-          field_models: list | None = None, operative: Operative | None = None, **_: Any) -> None:
+def prime(branch: Any, instruction: Any, chat_param: ChatParam, action_param: ActionParam | None = None,
+          parse_param: ParseParam | None = None, reason: bool = False, field_models: list | None = None,
+          operative: Operative | None = None, **_: Any) -> None:
     """Build now what an ``operate`` with these prepared params builds on its first use (its
     Operative types and the response schema the model is shown, narrowed to the published
     tools; both are cached), with no model call, no message and no tool: the steps of
@@ -123,7 +123,6 @@ def prime(branch: Any, instruction: Any = None, chat_param: ChatParam | None = N
     that knows a session's params ahead make its first operate cost what a later one does."""
     from .render import request_schema_of
 
-    assert chat_param is not None
     cctx, _, _, _ = _setup(branch, chat_param, action_param, parse_param, reason, field_models, operative)
     request_schema_of(cctx.response_format, cctx.tool_schemas)
 

@@ -927,18 +927,15 @@ class Service:
         types and the schema shown to the model, narrowed to the branch's tools. No model call,
         no message, no tool, nothing saved. The ACP front end calls it when a session is made,
         so that its first prompt costs what a later one does."""
-        from operate_sidecar.protocol import OperateParams, structure
         from operate_sidecar.server.core.operate import prime
         from operate_sidecar.server.core.prepare import prepare_operate_kw
 
-        p = structure(OperateParams, params)
-        branch = await self._stored_branch(p.branch_id)
-        await self.ensure_tools()
-        prime(branch, **prepare_operate_kw(branch, **await self._operate_kw(p)))
+        _, branch, kw = await self._operate_call(params)
+        prime(branch, **prepare_operate_kw(branch, **kw))
 
-    async def operate(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
-        """``info`` (not on the wire): merged into the branch's info once the operate has run,
-        and saved in the same transaction as its messages (e.g. ACP's title and update time)."""
+    async def _operate_call(self, params: dict) -> tuple[Any, Any, dict[str, Any]]:
+        """An ``operate``'s wire params checked and resolved: (the structured params, the branch,
+        the core's keyword arguments). -32602 for unknown fields or tools, -32012 for no branch."""
         from operate_sidecar.protocol import OperateParams, structure
 
         p = structure(OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
@@ -949,7 +946,12 @@ class Service:
             if unknown:
                 raise invalid_params(f"tools: unknown tool{'s' if len(unknown) > 1 else ''}: " + ", ".join(unknown),
                                      {"unknownTools": unknown})
-        kw = await self._operate_kw(p)
+        return p, branch, await self._operate_kw(p)
+
+    async def operate(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
+        """``info`` (not on the wire): merged into the branch's info once the operate has run,
+        and saved in the same transaction as its messages (e.g. ACP's title and update time)."""
+        p, branch, kw = await self._operate_call(params)
         from operate_sidecar.server.core.imodel import UsageMeter, current_usage
         from operate_sidecar.server.core.operate import operate as core_operate
         from operate_sidecar.server.core.params import RunParam

@@ -60,9 +60,10 @@ def counting_proxy(upstream: str, sent: list[dict]):
     (path and ``response_format`` type), so a test can count what went over HTTP. Yields the
     proxy's base URL."""
     import http.server
-    import threading
     import urllib.error
     import urllib.request
+
+    from openai_stub import loopback
 
     class Forward(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
@@ -89,15 +90,8 @@ def counting_proxy(upstream: str, sent: list[dict]):
         def log_message(self, *args):
             pass
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forward)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        t.join(30)
+    with loopback(Forward) as url:
+        yield url
 
 
 async def test_openai_structured_output_validates_and_the_working_format_is_remembered(llama_server):

@@ -8,9 +8,9 @@ import http.server
 import json
 import os
 import socket
-import threading
 
 import pytest
+from openai_stub import loopback
 
 from .support import TIMEOUT, RpcError, scripted
 
@@ -44,13 +44,8 @@ class _EchoAuth(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def echo_server():
     _EchoAuth.seen = []  # per test: a key seen by an earlier test must not satisfy this one
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoAuth)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    srv.shutdown()
-    srv.server_close()
-    t.join(TIMEOUT)
+    with loopback(_EchoAuth) as url:
+        yield url
 
 
 @pytest.fixture
@@ -187,22 +182,15 @@ class _PaddedEcho(_EchoAuth):
 
 def test_an_openai_error_is_redacted_before_it_is_shortened(spawn):
     _PaddedEcho.seen = []
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PaddedEcho)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
+    with loopback(_PaddedEcho) as url:
         c = spawn(env={ENV: KEY})
-        c.init(models={"m": _model(f"http://127.0.0.1:{srv.server_address[1]}/v1")})
+        c.init(models={"m": _model(url)})
         bid = c.branch()
         err = c.error_of("operate", {"branchId": bid, "instruction": "hi"})
         assert err.code == -32011 and "401" in err.message
         assert f"Bearer {KEY}" in _PaddedEcho.seen
         _scrubbed(err.message, KEY)
         _scrubbed(everything_emitted(c, "/nonexistent", [bid]), KEY)
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        t.join(TIMEOUT)
 
 
 def test_an_openai_model_without_the_openai_package_is_32011_naming_the_extra(spawn):
