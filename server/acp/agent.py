@@ -110,27 +110,41 @@ class OperateAgent(Agent):
                 bind_children_to_process()  # the tools' children die with the sidecar
                 sidecar = Service(self.port)
                 sidecar.load_core()
+                for fmt in (REPLY_FORMAT, PLAN_REPLY_FORMAT):  # constants: their cache keys are made once
+                    sidecar.schemas.pin(fmt)
             except BaseException as e:  # pragma: no cover - broken install
                 log.error("could not load the core: %s", e)
                 gc.enable()
                 signal(self._core, None, e)  # type: ignore[arg-type]
                 signal(self._warm, None, None)  # type: ignore[arg-type]
                 return
+            log.info("core loaded in %.0f ms", (time.perf_counter() - t0) * 1000)
             signal(self._core, sidecar, None)  # type: ignore[arg-type]
-            t1 = time.perf_counter()
             try:
-                warm_up(sidecar)
-            except BaseException:
-                log.debug("warm-up failed", exc_info=True)
+                loop.call_soon_threadsafe(lambda: self._background(self._warm_up(sidecar)))
+            except RuntimeError:  # the loop is closed: the process is exiting
+                pass
+
+        loop.run_in_executor(None, load)  # the loop's own worker thread: warm for the service's to_thread calls
+
+    async def _warm_up(self, sidecar: Any) -> None:
+        """On the event loop (the thread, and so the core, that serves the prompts): a few
+        throwaway prompt turns over the whole path (``warm_up``); then the collector runs again."""
+        t0 = time.perf_counter()
+        try:
+            await warm_up(sidecar)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.debug("warm-up failed", exc_info=True)
+        finally:
             # what is loaded now lives as long as the process: keep the collector from walking it
             # again (a full collection over the freshly imported core would land on the first prompt);
             # the collector was off during start-up (``__main__``): it runs from here on
             gc.freeze()
             gc.enable()
-            log.info("core loaded in %.0f ms, warmed in %.0f ms", (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000)
-            signal(self._warm, None, None)  # type: ignore[arg-type]
-
-        loop.run_in_executor(None, load)  # the loop's own worker thread: warm for the service's to_thread calls
+            _settle(self._warm, None, None)  # type: ignore[arg-type]
+        log.info("warmed in %.0f ms", (time.perf_counter() - t0) * 1000)
 
     async def _ready(self, warm: bool = False) -> Any:
         if self._core is None:
@@ -443,6 +457,7 @@ class OperateAgent(Agent):
         try:
             await sc.ensure_tools()
             await sc.prime(self._params(sid, ""))
+            self.port.start()
         except Exception:  # a bad config is reported by the prompt that uses it
             log.debug("session not primed", exc_info=True)
 
@@ -589,30 +604,6 @@ def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> Non
         fut.set_result(value)
 
 
-class _WarmPort:
-    """A private port for the warm-up: a scripted model, a folder it only lists, nothing sent."""
-
-    def __init__(self, folder: str) -> None:
-        from operate_sidecar.server.rpc import settings as S
-
-        replies = [{"json": {"message": "warm", "action_requests": [{"function": "list_dir", "arguments": {}}]}},
-                   {"json": {"message": "warm"}}]
-        self.conn = self
-        self.settings = S.finalize(S.merge(S.DEFAULTS, {"models": {"warm": {"provider": "scripted",
-                                                                          "responses": replies}}}))
-        self.client_capabilities: dict[str, Any] = {}
-        self.workspace_folders = [folder]
-
-    def log_message(self, type_: int, message: str) -> None:
-        pass
-
-    def notify(self, method: str, params: Any) -> None:
-        pass
-
-    async def request_client(self, method: str, params: Any, timeout: float | None) -> Any:
-        raise RuntimeError("no client during warm-up")
-
-
 def reply_format(settings: dict[str, Any], model: str) -> dict[str, Any]:
     """A prompt turn's reply format for a configured model: with the optional ``plan`` for every
     provider but the embedded ``local`` one (a model that small never fills a plan in, and the
@@ -621,30 +612,96 @@ def reply_format(settings: dict[str, Any], model: str) -> dict[str, Any]:
     return REPLY_FORMAT if provider == "local" else PLAN_REPLY_FORMAT
 
 
-def warm_up(sidecar: Any) -> None:
-    """Run once, on the loader thread: everything a prompt turn does for the first time in a
-    process (cattrs structuring code, pydantic schema and model builds, the reply format and
-    its operative classes, the builtin tools' schemas, a tool round) on a throwaway service
-    in a private event loop. The throwaway shares the real service's reply-format cache
-    (thread-safe), so the real reply model is built here too. Its workspace is this package's
-    own folder, which the warm-up only lists: nothing is created on disk, so nothing is left
-    behind when the process is stopped in the middle of it."""
-    from operate_sidecar.server.service.service import Service
+#: prompts the warm-up sends through the wire: enough for the interpreter to specialize the path
+WARM_PROMPTS = 8
+#: of which the first ones run a tool round (the tool-call updates, the tool path); the rest
+#: are replies only, the shape of most turns, and cheaper to repeat
+WARM_TOOL_ROUNDS = 2
+
+
+class _WarmAgent(OperateAgent):
+    """The warm-up's agent: its own port and service, the real service's reply-format cache
+    and the reply format the real default model gets."""
+
+    def __init__(self, real: Any) -> None:
+        from operate_sidecar.server.rpc import settings as S
+        from operate_sidecar.server.service.service import Service
+
+        tool_round = {"json": {"message": "warm", "action_requests": [{"function": "list_dir", "arguments": {}}]}}
+        reply = {"json": {"message": "warm"}}
+        replies = [tool_round, reply] * WARM_TOOL_ROUNDS + [reply] * (WARM_PROMPTS - WARM_TOOL_ROUNDS)
+        super().__init__(S.finalize(S.merge(S.DEFAULTS, {"defaultModel": "warm", "models": {
+            "warm": {"provider": "scripted", "responses": replies}}})))
+        self.format = reply_format(real.settings, real.settings["defaultModel"])
+        sc = Service(self.port)
+        sc.schemas = real.schemas
+        loop = asyncio.get_running_loop()
+        self._core, self._warm = loop.create_future(), loop.create_future()
+        self._core.set_result(sc)
+        self._warm.set_result(None)
+
+    def _params(self, sid: str, instruction: str) -> dict[str, Any]:
+        return {**super()._params(sid, instruction), "responseFormat": self.format}
+
+
+class _WarmClient:
+    """The warm-up's client: takes every update, is asked nothing."""
+
+    async def session_update(self, session_id: str, update: Any, **kw: Any) -> None:
+        pass
+
+    def on_connect(self, conn: Any) -> None:
+        pass
+
+
+async def _client_streams(wire_in: int, wire_out: int) -> tuple[Any, Any]:
+    loop = asyncio.get_running_loop()
+    w_transport, w_protocol = await loop.connect_write_pipe(
+        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(wire_out, "wb", buffering=0))
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(wire_in, "rb", buffering=0))
+    return reader, asyncio.StreamWriter(w_transport, w_protocol, None, loop)
+
+
+async def warm_up(sidecar: Any) -> None:
+    """Run once, as soon as the core is loaded, on the event loop that serves the client:
+    prompt turns over the whole path a real one takes, so that the first real prompt costs
+    what a warm one does. A throwaway agent (``_WarmAgent``, with a throwaway service sharing
+    the real one's reply-format cache) is served by the SDK's own connection over a pair of
+    pipes, framed and bounded as stdio is (``run._streams``), and the SDK's client side sends
+    it ``initialize``, ``session/new`` and ``WARM_PROMPTS`` prompt turns (the first
+    ``WARM_TOOL_ROUNDS`` with a tool round). The SDK's parsing, routing and serialization, this module, the port's updates and
+    the pipeline all run (cattrs structuring code, pydantic schema and model builds, the reply
+    format and its operative classes, the builtin tools' schemas), often enough for the
+    interpreter to specialize them, on the thread that serves the real prompts. Every step
+    awaits, so a request that arrives meanwhile is served between them. The workspace is this
+    package's own folder, which the warm-up only lists: nothing is created on disk, so nothing
+    is left behind when the process is stopped in the middle of it; nothing reaches the real
+    client."""
+    import acp
+
+    from .run import _streams
 
     folder = os.path.dirname(os.path.abspath(__file__))
-
-    async def run() -> None:
-        sc = Service(_WarmPort(folder))
-        sc.schemas = sidecar.schemas
+    agent = _WarmAgent(sidecar)
+    to_agent, to_client = os.pipe(), os.pipe()
+    a_reader, a_writer = await _streams(to_agent[0], to_client[1], 1 << 20)
+    c_reader, c_writer = await _client_streams(to_client[0], to_agent[1])
+    serve = asyncio.get_running_loop().create_task(acp.run_agent(agent, a_writer, a_reader))
+    try:
+        conn = acp.connect_to_agent(_WarmClient(), c_writer, c_reader)
+        await asyncio.wait_for(conn.initialize(protocol_version=PROTOCOL_VERSION), 30)
+        sid = (await asyncio.wait_for(conn.new_session(cwd=folder), 30)).session_id
+        for _ in range(WARM_PROMPTS):
+            await asyncio.wait_for(conn.prompt(session_id=sid, prompt=[acp.text_block("warm")]), 30)
+    finally:
+        c_writer.close()  # EOF: the throwaway connection ends
         try:
-            bid = (await sc.createBranch({}))["branchId"]
-            await sc.operate({"branchId": bid, "instruction": "warm", "actions": True, "maxRounds": 2,
-                              "responseFormat": reply_format(sidecar.settings, sidecar.settings["defaultModel"]),
-                              "workDoneToken": "warm", "chatModel": "warm"})
-        finally:
-            await sc.aclose()  # its tool threads
-
-    asyncio.run(run())
+            await asyncio.wait_for(asyncio.shield(serve), 5)
+        except BaseException:
+            serve.cancel()
+        await agent.aclose()  # its service's tool threads
+        c_reader.feed_eof()
 
 
 __all__ = ["OperateAgent", "MAX_ROUNDS", "MODES", "warm_up"]

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from typing import Any
 
 log = logging.getLogger("operate_sidecar.server.acp")
@@ -86,6 +87,45 @@ class LineBound:
         self._head = b""
 
 
+def import_sdk() -> None:
+    """Import the ACP SDK without two of pydantic's start-up costs, which are most of the time
+    from spawn to the ``initialize`` answer. ``acp.schema`` declares about 270 models with
+    ``use_attribute_docstrings``: pydantic finds and parses each class's source to turn its
+    attribute docstrings into field descriptions, which only JSON Schema output shows and this
+    agent never produces; and it builds every model's validator and serializer at once,
+    while a session uses about twenty of them. During this one import the docstrings are not
+    read and the builds are deferred to each model's first use (pydantic's ``defer_build``),
+    which the warm-up reaches (``agent.warm_up``); validation and serialization are pydantic's
+    own, unchanged. Both settings are restored right after, so no other model is affected.
+    With a pydantic that lacks either hook, the SDK is imported as it is."""
+    if "acp" in sys.modules:
+        return
+    try:
+        from pydantic._internal import _config, _fields
+    except ImportError:  # pragma: no cover - another pydantic layout
+        import acp  # noqa: F401
+        return
+    docstrings = getattr(_fields, "_update_fields_from_docstrings", None)
+    defaults = getattr(_config, "config_defaults", None)
+    defer = isinstance(defaults, dict) and "defer_build" in defaults
+    saved = defaults.get("defer_build") if defer else None  # type: ignore[union-attr]
+    try:
+        if callable(docstrings):
+            _fields._update_fields_from_docstrings = _no_docstrings
+        if defer:
+            defaults["defer_build"] = True  # type: ignore[index]
+        import acp  # noqa: F401
+    finally:
+        if callable(docstrings):
+            _fields._update_fields_from_docstrings = docstrings
+        if defer:
+            defaults["defer_build"] = saved  # type: ignore[index]
+
+
+def _no_docstrings(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool = False,
                     client_pid: int | None = None, fds: tuple[int, int]) -> int:
     import acp
@@ -124,6 +164,7 @@ def run(*, base_settings: dict[str, Any], version: str, debug: bool, client_pid:
     from operate_sidecar.server.rpc.stdio import guard_stdio
 
     fds = guard_stdio()  # before anything can write to fd 1
+    import_sdk()
     settings = S.finalize(S.merge(S.DEFAULTS, base_settings))
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)

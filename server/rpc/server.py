@@ -34,7 +34,7 @@ from operate_sidecar.server.service.port import ClientRequestError
 from operate_sidecar.server.service.service import Service
 
 from . import errors as E
-from .transport import CONNECTION_METHODS
+from .transport import CONNECTION_METHODS, loading
 
 log = logging.getLogger("operate_sidecar.server.rpc")
 
@@ -187,13 +187,14 @@ class CoreLoader:
         self.loaded = not external and all(m in sys.modules for m in CORE_MODULES)
         self._deferred: list[tuple[Any, Callable[[], None]]] = []
         self._started = external
+        self._warming: asyncio.Task | None = None  # the warm-up, while the deferred requests wait
 
     def defer(self, msg_id: Any, replay: Callable[[], None]) -> None:
         self._deferred.append((msg_id, replay))
         if not self._started:
             self._started = True
             loop = asyncio.get_running_loop()
-            loop.run_in_executor(None, self.load).add_done_callback(
+            loop.run_in_executor(None, _load_paused).add_done_callback(
                 lambda _f: loop.call_soon(self._loaded, loop))
 
     def loaded_elsewhere(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -212,8 +213,22 @@ class CoreLoader:
         return False
 
     def _loaded(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._replay()
-        loop.call_later(WARM_DELAY_S, lambda: loop.run_in_executor(None, self.warm))
+        """The core is in: warm the first-use paths (``warm.warm_up``), then serve what waited."""
+        from .warm import LATER, warm_then
+
+        def serve() -> None:
+            self._replay()
+            if CoreLoader.load_ok:
+                loop.call_later(WARM_DELAY_S, warm_later)
+
+        def warm_later() -> None:
+            loop.run_in_executor(None, self.warm)
+            self._warming = loop.create_task(warm_then("warm-up", None, LATER))
+
+        if not CoreLoader.load_ok:
+            serve()
+            return
+        self._warming = loop.create_task(warm_then("warm-up", serve))
 
     def _replay(self) -> None:
         self.loaded = True
@@ -223,6 +238,9 @@ class CoreLoader:
                 replay()
             except Exception:
                 log.exception("error while handling a deferred request")
+
+    #: whether the core import succeeded (set by :meth:`load`)
+    load_ok = False
 
     @staticmethod
     def load() -> bool:
@@ -249,6 +267,7 @@ class CoreLoader:
             return False
         log.info("core loaded in %.0f ms (thread %s)", (time.perf_counter() - t0) * 1000,
                  threading.current_thread().name)
+        CoreLoader.load_ok = True
         return True
 
     @staticmethod
@@ -258,6 +277,11 @@ class CoreLoader:
                 importlib.import_module(name)
             except BaseException:
                 pass
+
+
+def _load_paused() -> bool:
+    with loading():  # the collector off meanwhile, what was loaded frozen after
+        return CoreLoader.load()
 
 
 def _handler(bound: Any) -> Any:
@@ -316,6 +340,8 @@ class SidecarServer(JsonRPCServer):
 
     async def aclose(self, timeout: float = 3.0) -> None:
         """Cancel in-flight work, wait for it (bounded), stop tool sources, flush state."""
+        if self.core._warming is not None:
+            self.core._warming.cancel()
         pending = [f for f in self.protocol._request_futures.values() if isinstance(f, asyncio.Future)]
         for f in pending:
             f.cancel()

@@ -108,6 +108,20 @@ class SchemaCache:
         self._models: dict[str, type] = {}
         self._specs: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._pinned: dict[int, tuple[dict[str, Any], str]] = {}  # id → (the schema, its key)
+
+    def pin(self, schema: dict[str, Any], where: str = "responseFormat") -> None:
+        """Remember the key of a schema that never changes (a module constant a front end
+        passes with every call, such as ACP's reply format) by the object's identity, so that
+        it is not serialized again per call. Only for objects nobody mutates; the object is
+        held, so its id cannot be reused by another."""
+        self._pinned[id(schema)] = (schema, _canonical(schema, where))
+
+    def _key(self, schema: dict[str, Any], where: str) -> str:
+        pinned = self._pinned.get(id(schema))
+        if pinned is not None and pinned[0] is schema:
+            return pinned[1]
+        return _canonical(schema, where)
 
     async def model_for_async(self, schema: dict[str, Any], where: str = "responseFormat") -> type:
         """``model_for`` on a worker thread (the event loop keeps answering meanwhile); a
@@ -116,7 +130,7 @@ class SchemaCache:
         anyio's, bounded by its default capacity limiter."""
         import anyio.to_thread
 
-        cached = self._models.get(_canonical(schema, where))
+        cached = self._models.get(self._key(schema, where))
         if cached is not None:
             return cached
         return await anyio.to_thread.run_sync(self.model_for, schema, where, abandon_on_cancel=True)
@@ -129,7 +143,7 @@ class SchemaCache:
                                              abandon_on_cancel=True)
 
     def model_for(self, schema: dict[str, Any], where: str = "responseFormat") -> type:
-        key = _canonical(schema, where)
+        key = self._key(schema, where)
         cached = self._models.get(key)
         if cached is not None:
             return cached

@@ -82,12 +82,16 @@ _WARM = ("json_schema_to_pydantic", "operate_sidecar.server.tools.python_modules
 
 
 def _warm_closure() -> set[str]:
-    """What the delayed warm-up (server.rpc.server.CORE_WARM) imports once the core is in:
-    it may land at any time after the first createBranch, so it is allowed."""
+    """What the delayed warm-up (server.rpc.server.CORE_WARM, and ``warm.LATER``'s operates)
+    imports once the core is in: it may land at any time after the first createBranch, so it
+    is allowed."""
     from operate_sidecar.server.rpc.server import CORE_MODULES, CORE_WARM
 
-    code = (f"import importlib, sys\nfor m in {CORE_MODULES!r}: importlib.import_module(m)\n"
-            f"sys.stderr.write('--- warm\\n')\nfor m in {CORE_WARM!r}: importlib.import_module(m)\n")
+    code = (f"import asyncio, importlib, sys\nfor m in {CORE_MODULES!r}: importlib.import_module(m)\n"
+            "from operate_sidecar.server.rpc import warm\n"
+            "asyncio.run(warm.warm_up(shapes=warm.FIRST))\n"
+            f"sys.stderr.write('--- warm\\n')\nfor m in {CORE_WARM!r}: importlib.import_module(m)\n"
+            "asyncio.run(warm.warm_up(shapes=warm.LATER))\n")
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
                          timeout=60, cwd=str(ROOT), env=server_env())
     assert "--- warm" in out.stderr, out.stderr[-2000:]

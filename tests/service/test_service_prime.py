@@ -48,3 +48,38 @@ def test_prime_builds_ahead_what_the_first_operate_would_build(tmp_path, monkeyp
             await svc.aclose()
 
     asyncio.run(main())
+
+
+def test_a_pinned_reply_format_is_not_serialized_again_per_operate(tmp_path, monkeypatch):
+    """``SchemaCache.pin``: a constant schema object (ACP's reply format) gets its cache key
+    once; operates that pass that very object skip the size walk and the canonical JSON.
+    An equal but different object is still checked and keyed, and finds the same model."""
+    from operate_sidecar.server.service import schemas
+
+    settings = S.finalize(S.merge(S.DEFAULTS, {"models": {"s": {"provider": "scripted",
+                                                                "responses": [{"json": {"message": "hi"}}] * 4}},
+                                               "defaultModel": "s"}))
+    keyed: list[str] = []
+    canonical = schemas._canonical
+    monkeypatch.setattr(schemas, "_canonical", lambda schema, where: keyed.append(schema.get("title")) or
+                        canonical(schema, where))
+
+    async def main() -> None:
+        svc = Service(Port(settings, (str(tmp_path),)))
+        try:
+            svc.schemas.pin(REPLY)
+            assert keyed == ["PrimedReply"]
+            bid = (await svc.createBranch({}))["branchId"]
+            for _ in range(3):
+                res = await asyncio.wait_for(svc.operate({"branchId": bid, "instruction": "go",
+                                                          "responseFormat": REPLY}), WAIT)
+                assert res["result"]["message"] == "hi"
+            assert keyed == ["PrimedReply"]               # the pinned object: keyed once, at pin
+            await asyncio.wait_for(svc.operate({"branchId": bid, "instruction": "go",
+                                                "responseFormat": dict(REPLY)}), WAIT)
+            assert keyed == ["PrimedReply", "PrimedReply"]  # a copy is keyed as before
+            assert len(svc.schemas._models) == 1            # and finds the same model
+        finally:
+            await svc.aclose()
+
+    asyncio.run(main())

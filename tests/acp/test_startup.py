@@ -1,0 +1,123 @@
+"""What ``operate-sidecar --acp`` does to answer ``initialize`` and ``session/new`` soon and to
+make the first prompt cost what a warm one does (server/acp/run.py ``import_sdk``,
+server/acp/agent.py ``warm_up``). Each test runs in a child process: both change
+process-wide state (the SDK's imported models, the interpreter's warmed code, the collector)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from acp_support import agent_env
+
+SDK_IMPORT = r'''
+import json
+from pydantic import BaseModel
+from pydantic._internal import _config, _fields
+from operate_sidecar.server.acp.run import import_sdk
+
+docstrings = _fields._update_fields_from_docstrings
+import_sdk()
+import acp.schema as S
+
+out = {"deferred": S.PromptRequest.__pydantic_complete__ is False,
+       "description": S.PromptRequest.model_fields["session_id"].description,
+       "restored": _fields._update_fields_from_docstrings is docstrings
+                   and _config.config_defaults["defer_build"] is False}
+r = S.PromptRequest.model_validate({"sessionId": "s", "prompt": [{"type": "text", "text": "hi"}]})
+out["parsed"] = [r.session_id, r.prompt[0].text]
+try:
+    S.PromptRequest.model_validate({"sessionId": 1, "prompt": "no"})
+    out["rejected"] = False
+except Exception:
+    out["rejected"] = True
+out["built_on_use"] = S.PromptRequest.__pydantic_complete__
+out["dumped"] = S.PromptResponse(stop_reason="end_turn").model_dump(by_alias=True, exclude_none=True)
+
+
+class Later(BaseModel):
+    x: int
+    """an attribute docstring"""
+
+    model_config = {"use_attribute_docstrings": True}
+
+
+out["later"] = [Later.__pydantic_complete__, Later.model_fields["x"].description]
+print(json.dumps(out))
+'''
+
+
+def test_the_sdk_is_imported_without_docstrings_and_with_models_built_on_first_use(tmp_path):
+    """``import_sdk``: the SDK's models are not built at import (``defer_build``) and their
+    attribute docstrings are not read; each is built on its first use and then validates and
+    serializes as pydantic always does. Models declared afterwards are untouched (the probe
+    is a file: pydantic reads attribute docstrings from the source)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(SDK_IMPORT)
+    out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120,
+                         env=agent_env())
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["deferred"] is True          # not built by the import
+    assert res["description"] is None       # the docstring was not read
+    assert res["restored"] is True          # pydantic's own settings are back
+    assert res["parsed"] == ["s", "hi"] and res["rejected"] is True and res["built_on_use"] is True
+    assert res["dumped"] == {"stopReason": "end_turn"}
+    assert res["later"] == [True, "an attribute docstring"]
+
+
+WARM_UP = r'''
+import asyncio, json, sys, threading
+import acp
+from operate_sidecar.server.acp import agent as A
+from operate_sidecar.server.rpc import settings as S
+
+prompts, sent = [], []
+real_prompt = A.OperateAgent.prompt
+
+
+async def spy(self, *args, **kw):
+    prompts.append([type(self).__name__, threading.get_ident() == threading.main_thread().ident])
+    return await real_prompt(self, *args, **kw)
+
+
+A.OperateAgent.prompt = spy
+
+
+class Client:
+    async def session_update(self, session_id, update, **kw):
+        sent.append(update.session_update)
+
+
+async def main():
+    a = A.OperateAgent(S.finalize(S.merge(S.DEFAULTS, {"models": {"s": {"provider": "scripted",
+        "responses": [{"json": {"message": "hi"}}]}}, "defaultModel": "s"})))
+    a.on_connect(Client())
+    await a.initialize(protocol_version=1)
+    await a._ready(warm=True)
+    warm = list(prompts)
+    sid = (await a.new_session(cwd=sys.argv[1])).session_id
+    r = await a.prompt(prompt=[acp.text_block("go")], session_id=sid)
+    await a.aclose()
+    print(json.dumps({"warm": warm, "sent": sent, "after": prompts[len(warm):], "stop": r.stop_reason}))
+
+
+asyncio.run(main())
+'''
+
+
+def test_the_warm_up_runs_prompt_turns_through_the_sdk_on_the_serving_thread(ws):
+    """Before ``session/new`` is answered, ``warm_up`` has sent ``WARM_PROMPTS`` prompt turns
+    through the SDK's connection to a throwaway agent, on the event loop's thread (the one
+    that serves the real prompts), and none of their updates reached the real client."""
+    from operate_sidecar.server.acp.agent import WARM_PROMPTS
+
+    out = subprocess.run([sys.executable, "-c", WARM_UP, str(ws)], capture_output=True, text=True, timeout=120,
+                         env=agent_env())
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert WARM_PROMPTS >= 8
+    assert res["warm"] == [["_WarmAgent", True]] * WARM_PROMPTS
+    assert res["after"] == [["OperateAgent", True]] and res["stop"] == "end_turn"
+    assert res["sent"] == ["agent_message_chunk"]  # the real prompt's reply, and nothing of the warm-up

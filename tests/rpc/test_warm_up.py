@@ -1,0 +1,113 @@
+"""The native front end's warm-up (server/rpc/warm.py): once the core is loaded, and before
+the requests that waited for it are served, plain ``operate`` calls run through a throwaway
+connection (the same parser, pygls dispatch and serialization) with its own service, so that
+the first real operate costs what a warm one does; nothing of it reaches the client, and a
+warm-up that fails holds nothing up. A real connection in a child process (the core load and
+the interpreter's warmed code are process-wide); the client's output is captured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .support import server_env
+
+SCRIPT = r'''
+import asyncio, json, sys
+from operate_sidecar.server.rpc import transport, warm
+from operate_sidecar.server.rpc.framing import encode_frame
+from operate_sidecar.server.service import service
+
+FAIL = sys.argv[1] == "fail"
+events = []
+real_warm_up, real_operate = warm.warm_up, service.Service.operate
+
+
+async def warm_up(*args, **kw):
+    events.append(["warm-up", list(kw.get("shapes", args[1] if len(args) > 1 else warm.FIRST))])
+    if FAIL:
+        raise RuntimeError("the warm-up broke")
+    await real_warm_up(*args, **kw)
+    events.append(["warmed"])
+
+
+async def operate(self, params, **kw):
+    events.append(["operate", params["instruction"]])
+    return await real_operate(self, params, **kw)
+
+
+warm.warm_up, service.Service.operate = warm_up, operate
+
+
+class Client:
+    closed, on_broken, tap = False, None, None
+
+    def send_bytes(self, body):
+        events.append(["sent", json.loads(body)])
+
+
+async def main():
+    conn = transport.Connection(Client(), version="t", base_settings={
+        "models": {"s": {"provider": "scripted", "responses": ["one"]}}, "defaultModel": "s"})
+    loop = asyncio.get_running_loop()
+    conn.on_initialized.append(lambda c: c.start_app_loader(loop))
+
+    def send(msg_id, method, params):
+        conn.feed(encode_frame(json.dumps({"jsonrpc": "2.0", "id": msg_id, "method": method,
+                                           "params": params}).encode()))
+
+    async def answer(msg_id):
+        while not any(e[0] == "sent" and e[1].get("id") == msg_id for e in events):
+            await asyncio.sleep(0.01)
+
+    send(1, "initialize", {})
+    send(2, "createBranch", {"name": "real"})
+    await asyncio.wait_for(answer(2), 60)
+    branch = next(e[1]["result"]["branchId"] for e in events if e[0] == "sent" and e[1].get("id") == 2)
+    send(3, "operate", {"branchId": branch, "instruction": "real"})
+    await asyncio.wait_for(answer(3), 60)
+    await conn.aclose()
+    import gc  # the loaders paused the collector: it runs again, over less (what was loaded is frozen)
+    events.append(["gc", gc.isenabled(), gc.get_freeze_count() > 10000])
+    print(json.dumps(events))
+
+
+asyncio.run(main())
+'''
+
+
+def _run(mode: str) -> list:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120,
+                         env=server_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _answers(events: list) -> list:
+    return [e[1] for e in events if e[0] == "sent"]
+
+
+def test_plain_operates_are_warmed_before_the_waiting_create_branch_is_answered():
+    from operate_sidecar.server.rpc.warm import FIRST, WARM_CYCLES
+
+    events = _run("ok")
+    start = events.index(["warm-up", list(FIRST)])
+    done = events.index(["warmed"])
+    during = events[start + 1:done]
+    assert during == [["operate", "warm"]] * WARM_CYCLES  # the throwaway's operates, and nothing sent
+    answers = _answers(events)
+    assert [a["id"] for a in answers] == [1, 2, 3]  # initialize, then createBranch once warmed, operate
+    assert events.index(["sent", answers[1]]) > done
+    assert answers[2]["result"]["result"] == "one"
+    assert events[events.index(["sent", answers[1]]):].count(["operate", "real"]) == 1
+    assert not any(isinstance(a.get("method"), str) for a in answers)  # no notification of the warm-up
+    assert events[-1] == ["gc", True, True]
+
+
+def test_a_failed_warm_up_holds_nothing_up():
+    events = _run("fail")
+    assert ["warm-up", ["plain"]] in events and ["warmed"] not in events
+    answers = _answers(events)
+    assert [a["id"] for a in answers] == [1, 2, 3] and all("result" in a for a in answers)
+    assert answers[2]["result"]["result"] == "one"
