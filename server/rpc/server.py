@@ -34,7 +34,7 @@ from operate_sidecar.server.service.port import ClientRequestError
 from operate_sidecar.server.service.service import Service
 
 from . import errors as E
-from .transport import CONNECTION_METHODS, loading
+from .transport import CONNECTION_METHODS
 
 log = logging.getLogger("operate_sidecar.server.rpc")
 
@@ -194,7 +194,7 @@ class CoreLoader:
         if not self._started:
             self._started = True
             loop = asyncio.get_running_loop()
-            loop.run_in_executor(None, _load_paused).add_done_callback(
+            loop.run_in_executor(None, self.load).add_done_callback(
                 lambda _f: loop.call_soon(self._loaded, loop))
 
     def loaded_elsewhere(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -277,11 +277,6 @@ class CoreLoader:
                 importlib.import_module(name)
             except BaseException:
                 pass
-
-
-def _load_paused() -> bool:
-    with loading():  # the collector off meanwhile, what was loaded frozen after
-        return CoreLoader.load()
 
 
 def _handler(bound: Any) -> Any:

@@ -19,7 +19,6 @@ each of them to the protocol.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import linecache
 import logging
@@ -370,7 +369,6 @@ class Connection:
     def start_app_loader(self, loop: asyncio.AbstractEventLoop) -> None:
         def load() -> None:
             mod, error = None, None
-            gc.disable()  # see ``loading``; re-enabled below on every path
             try:
                 from . import server as mod  # pygls, lsprotocol ... off the critical path
                 import importlib
@@ -391,17 +389,13 @@ class Connection:
             # request, so that an idle sidecar stays small.
             chain = error is None and self._core_wanted.is_set()
             self.loads_core = chain  # read on the loop thread by the app, created after this
-            if not chain:
-                loaded()
             try:
                 loop.call_soon_threadsafe(self._app_loaded, mod, error)
             except RuntimeError:  # the loop is already closed: the process is exiting
-                loaded()
                 return
             if not chain:
                 return
-            with loading():
-                mod.CoreLoader.load()  # logs its own failure; the replayed requests then fail -32603
+            mod.CoreLoader.load()  # logs its own failure; the replayed requests then fail -32603
             linecache.clearcache()
             try:
                 loop.call_soon_threadsafe(self._core_loaded, loop)
@@ -444,27 +438,6 @@ class Connection:
                 await self.app.aclose(timeout)
             except Exception:
                 log.exception("error while closing")
-
-
-class loading:
-    """A start-up import pass (pygls and lsprotocol, the core): the cyclic garbage collector
-    is off meanwhile. Imports only build objects that live as long as the process, yet each
-    collection walks all of them again, which makes an import pass about a quarter slower.
-    Once it is done, what was loaded is frozen (never walked again: later collections, the
-    ones a request may meet, stay short) and the collector runs again. Used as a context
-    manager, or as ``gc.disable()`` … ``loaded()``."""
-
-    def __enter__(self) -> "loading":
-        gc.disable()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        loaded()
-
-
-def loaded() -> None:
-    gc.freeze()
-    gc.enable()
 
 
 def limit_malloc_arenas() -> None:

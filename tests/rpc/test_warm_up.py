@@ -68,8 +68,6 @@ async def main():
     send(3, "operate", {"branchId": branch, "instruction": "real"})
     await asyncio.wait_for(answer(3), 60)
     await conn.aclose()
-    import gc  # the loaders paused the collector: it runs again, over less (what was loaded is frozen)
-    events.append(["gc", gc.isenabled(), gc.get_freeze_count() > 10000])
     print(json.dumps(events))
 
 
@@ -102,7 +100,6 @@ def test_plain_operates_are_warmed_before_the_waiting_create_branch_is_answered(
     assert answers[2]["result"]["result"] == "one"
     assert events[events.index(["sent", answers[1]]):].count(["operate", "real"]) == 1
     assert not any(isinstance(a.get("method"), str) for a in answers)  # no notification of the warm-up
-    assert events[-1] == ["gc", True, True]
 
 
 def test_a_failed_warm_up_holds_nothing_up():
