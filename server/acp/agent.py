@@ -132,7 +132,7 @@ class OperateAgent(Agent):
         throwaway prompt turns over the whole path (``warm_up``); then the collector runs again."""
         t0 = time.perf_counter()
         try:
-            await warm_up(sidecar)
+            await asyncio.wait_for(warm_up(sidecar), WARM_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -614,6 +614,8 @@ def reply_format(settings: dict[str, Any], model: str) -> dict[str, Any]:
 
 #: prompts the warm-up sends through the wire: enough for the interpreter to specialize the path
 WARM_PROMPTS = 8
+#: the warm-up is abandoned after this long (``session/new`` waits for it, then goes on)
+WARM_TIMEOUT_S = 10.0
 #: of which the first ones run a tool round (the tool-call updates, the tool path); the rest
 #: are replies only, the shape of most turns, and cheaper to repeat
 WARM_TOOL_ROUNDS = 2
@@ -690,10 +692,10 @@ async def warm_up(sidecar: Any) -> None:
     serve = asyncio.get_running_loop().create_task(acp.run_agent(agent, a_writer, a_reader))
     try:
         conn = acp.connect_to_agent(_WarmClient(), c_writer, c_reader)
-        await asyncio.wait_for(conn.initialize(protocol_version=PROTOCOL_VERSION), 30)
-        sid = (await asyncio.wait_for(conn.new_session(cwd=folder), 30)).session_id
+        await conn.initialize(protocol_version=PROTOCOL_VERSION)  # bounded as a whole (``WARM_TIMEOUT_S``)
+        sid = (await conn.new_session(cwd=folder)).session_id
         for _ in range(WARM_PROMPTS):
-            await asyncio.wait_for(conn.prompt(session_id=sid, prompt=[acp.text_block("warm")]), 30)
+            await conn.prompt(session_id=sid, prompt=[acp.text_block("warm")])
     finally:
         c_writer.close()  # EOF: the throwaway connection ends
         try:

@@ -121,3 +121,38 @@ def test_the_warm_up_runs_prompt_turns_through_the_sdk_on_the_serving_thread(ws)
     assert res["warm"] == [["_WarmAgent", True]] * WARM_PROMPTS
     assert res["after"] == [["OperateAgent", True]] and res["stop"] == "end_turn"
     assert res["sent"] == ["agent_message_chunk"]  # the real prompt's reply, and nothing of the warm-up
+
+
+HUNG_WARM_UP = r'''
+import asyncio, json, sys
+import acp
+from operate_sidecar.server.acp import agent as A
+from operate_sidecar.server.rpc import settings as S
+
+
+async def never(sidecar):
+    await asyncio.sleep(3600)
+
+
+A.warm_up, A.WARM_TIMEOUT_S = never, 0.5
+
+
+async def main():
+    a = A.OperateAgent(S.finalize(S.merge(S.DEFAULTS, {"models": {"s": {"provider": "scripted",
+        "responses": [{"json": {"message": "hi"}}]}}, "defaultModel": "s"})))
+    await a.initialize(protocol_version=1)
+    sid = (await asyncio.wait_for(a.new_session(cwd=sys.argv[1]), 30)).session_id
+    r = await asyncio.wait_for(a.prompt(prompt=[acp.text_block("go")], session_id=sid), 30)
+    await a.aclose()
+    print(json.dumps({"stop": r.stop_reason}))
+
+
+asyncio.run(main())
+'''
+
+
+def test_a_warm_up_that_never_ends_holds_session_new_up_only_until_its_time_out(ws):
+    out = subprocess.run([sys.executable, "-c", HUNG_WARM_UP, str(ws)], capture_output=True, text=True,
+                         timeout=120, env=agent_env())
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"stop": "end_turn"}
