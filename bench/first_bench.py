@@ -235,9 +235,11 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
              "the wire types of `protocol/` (~0.05 s) and, because a request is already waiting, the core with "
              "what the first operate needs (~0.09 s: pydantic, the pipeline, the state store, the workspace "
              "tools, the tools' reaper process). That sum is the floor while pygls dispatches. A sidecar left "
-             "idle after `initialize` does not load the core (idle RSS unchanged). What remains between the "
-             "first and a warm operate is not loading but the interpreter warming up the operate path (the "
-             "second operate is still slower than the tenth).",
+             "idle after `initialize` does not load the core (idle RSS unchanged). Once the core is in, before "
+             "the waiting `createBranch` is served, a throwaway connection runs five plain operates through the "
+             "same parser, pygls dispatch and pipeline (`server/rpc/warm.py`, ~10 ms), so the first real "
+             "operate runs warm code (it was 3.7–4.5× a warm one without). What is left of its extra cost is "
+             "the real connection's own first use and cold caches; more warm-up operates (12) did not lower it.",
              "- Before the core was loaded in the same pass (2026-12-02, same machine, unpinned, interleaved, "
              "median of 15): createBranch 0.36–0.39 s, first operate 8–10 ms against 0.3 ms warm.",
              "",
