@@ -6,8 +6,10 @@ actions and every tool, tool calls are ``tool_call`` / ``tool_call_update``, ``a
 ``session/request_permission``. Framing and types come from the ``agent-client-protocol``
 SDK; nothing here imports pygls.
 
-- ``run``    process entry: stdout guard, the SDK's stdio streams, background core load, exit
-- ``agent``  the ACP methods (initialize, session/new|load|list|prompt|cancel, config options)
+- ``run``    process entry: stdout guard, the SDK's import (``import_sdk``: models built on
+             first use), the SDK's stdio streams, exit
+- ``agent``  the ACP methods (initialize, session/new|load|list|prompt|cancel, config options),
+             the core's background load and the first-use warm-up (``warm_up``)
 - ``port``   ``AcpPort``: the service's ``ClientPort`` in ACP terms
 - ``reply``  the user-visible text of a streamed structured reply
 """

@@ -652,34 +652,22 @@ class _WarmClient:
     async def session_update(self, session_id: str, update: Any, **kw: Any) -> None:
         pass
 
-    def on_connect(self, conn: Any) -> None:
-        pass
-
-
-async def _client_streams(wire_in: int, wire_out: int) -> tuple[Any, Any]:
-    loop = asyncio.get_running_loop()
-    w_transport, w_protocol = await loop.connect_write_pipe(
-        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(wire_out, "wb", buffering=0))
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(wire_in, "rb", buffering=0))
-    return reader, asyncio.StreamWriter(w_transport, w_protocol, None, loop)
-
 
 async def warm_up(sidecar: Any) -> None:
     """Run once, as soon as the core is loaded, on the event loop that serves the client:
     prompt turns over the whole path a real one takes, so that the first real prompt costs
     what a warm one does. A throwaway agent (``_WarmAgent``, with a throwaway service sharing
     the real one's reply-format cache) is served by the SDK's own connection over a pair of
-    pipes, framed and bounded as stdio is (``run._streams``), and the SDK's client side sends
-    it ``initialize``, ``session/new`` and ``WARM_PROMPTS`` prompt turns (the first
-    ``WARM_TOOL_ROUNDS`` with a tool round). The SDK's parsing, routing and serialization, this module, the port's updates and
-    the pipeline all run (cattrs structuring code, pydantic schema and model builds, the reply
-    format and its operative classes, the builtin tools' schemas), often enough for the
-    interpreter to specialize them, on the thread that serves the real prompts. Every step
-    awaits, so a request that arrives meanwhile is served between them. The workspace is this
-    package's own folder, which the warm-up only lists: nothing is created on disk, so nothing
-    is left behind when the process is stopped in the middle of it; nothing reaches the real
-    client."""
+    pipes, framed and bounded as stdio is (``run._streams``, both ends), and the SDK's client
+    side sends it ``initialize``, ``session/new`` and ``WARM_PROMPTS`` prompt turns (the first
+    ``WARM_TOOL_ROUNDS`` with a tool round). The SDK's parsing, routing and serialization, this
+    module, the port's updates and the pipeline all run (cattrs structuring code, pydantic
+    schema and model builds, the reply format and its operative classes, the builtin tools'
+    schemas), often enough for the interpreter to specialize them, on the thread that serves
+    the real prompts. Every step awaits, so a request that arrives meanwhile is served between
+    them. The workspace is this package's own folder, which the warm-up only lists: nothing is
+    created on disk, so nothing is left behind when the process is stopped in the middle of
+    it; nothing reaches the real client, and the pipes are closed after."""
     import acp
 
     from .run import _streams
@@ -688,10 +676,10 @@ async def warm_up(sidecar: Any) -> None:
     agent = _WarmAgent(sidecar)
     to_agent, to_client = os.pipe(), os.pipe()
     a_reader, a_writer = await _streams(to_agent[0], to_client[1], 1 << 20)
-    c_reader, c_writer = await _client_streams(to_client[0], to_agent[1])
+    c_reader, c_writer = await _streams(to_client[0], to_agent[1], 1 << 20)
     serve = asyncio.get_running_loop().create_task(acp.run_agent(agent, a_writer, a_reader))
+    conn = acp.connect_to_agent(_WarmClient(), c_writer, c_reader)
     try:
-        conn = acp.connect_to_agent(_WarmClient(), c_writer, c_reader)
         await conn.initialize(protocol_version=PROTOCOL_VERSION)  # bounded as a whole (``WARM_TIMEOUT_S``)
         sid = (await conn.new_session(cwd=folder)).session_id
         for _ in range(WARM_PROMPTS):
@@ -702,8 +690,9 @@ async def warm_up(sidecar: Any) -> None:
             await asyncio.wait_for(asyncio.shield(serve), 5)
         except BaseException:
             serve.cancel()
+        a_writer.close()  # the SDK leaves its writer open: EOF to the client side, every pipe closed
         await agent.aclose()  # its service's tool threads
-        c_reader.feed_eof()
+        await conn.close()
 
 
 __all__ = ["OperateAgent", "MAX_ROUNDS", "MODES", "warm_up"]

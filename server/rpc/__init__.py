@@ -9,6 +9,8 @@ Modules, in the order a message meets them:
 - ``server``     the pygls ``JsonRPCServer``: handlers (``protocol.catalog``'s requests, each
                  served by the ``server.service`` method of the same name), in-flight table,
                  cancellation, server→client requests (it is the service's ``ClientPort``)
+- ``warm``       the first-use warm-up: once the core is loaded, operates through a throwaway
+                 ``Connection`` before the requests that waited for it are served
 - ``settings``   defaults and the flags ← config file ← initialize merge
 - ``watchdog`` (parent death), ``run`` (``serve()``)
 

@@ -68,7 +68,7 @@ def test_the_sdk_is_imported_without_docstrings_and_with_models_built_on_first_u
 
 
 WARM_UP = r'''
-import asyncio, json, sys, threading
+import asyncio, json, os, sys, threading
 import acp
 from operate_sidecar.server.acp import agent as A
 from operate_sidecar.server.rpc import settings as S
@@ -90,17 +90,25 @@ class Client:
         sent.append(update.session_update)
 
 
+def fds():
+    return {f for f in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{f}")}
+
+
 async def main():
     a = A.OperateAgent(S.finalize(S.merge(S.DEFAULTS, {"models": {"s": {"provider": "scripted",
         "responses": [{"json": {"message": "hi"}}]}}, "defaultModel": "s"})))
     a.on_connect(Client())
+    before = fds()
     await a.initialize(protocol_version=1)
     await a._ready(warm=True)
+    await asyncio.sleep(0.2)
+    left_open = sorted(fds() - before)
     warm = list(prompts)
     sid = (await a.new_session(cwd=sys.argv[1])).session_id
     r = await a.prompt(prompt=[acp.text_block("go")], session_id=sid)
     await a.aclose()
-    print(json.dumps({"warm": warm, "sent": sent, "after": prompts[len(warm):], "stop": r.stop_reason}))
+    print(json.dumps({"warm": warm, "sent": sent, "after": prompts[len(warm):], "stop": r.stop_reason,
+                      "left_open": left_open}))
 
 
 asyncio.run(main())
@@ -110,7 +118,8 @@ asyncio.run(main())
 def test_the_warm_up_runs_prompt_turns_through_the_sdk_on_the_serving_thread(ws):
     """Before ``session/new`` is answered, ``warm_up`` has sent ``WARM_PROMPTS`` prompt turns
     through the SDK's connection to a throwaway agent, on the event loop's thread (the one
-    that serves the real prompts), and none of their updates reached the real client."""
+    that serves the real prompts), none of their updates reached the real client, and the
+    pipes it used are closed."""
     from operate_sidecar.server.acp.agent import WARM_PROMPTS
 
     out = subprocess.run([sys.executable, "-c", WARM_UP, str(ws)], capture_output=True, text=True, timeout=120,
@@ -121,6 +130,7 @@ def test_the_warm_up_runs_prompt_turns_through_the_sdk_on_the_serving_thread(ws)
     assert res["warm"] == [["_WarmAgent", True]] * WARM_PROMPTS
     assert res["after"] == [["OperateAgent", True]] and res["stop"] == "end_turn"
     assert res["sent"] == ["agent_message_chunk"]  # the real prompt's reply, and nothing of the warm-up
+    assert res["left_open"] == []  # every pipe it opened is closed
 
 
 HUNG_WARM_UP = r'''
