@@ -187,7 +187,9 @@ class CoreLoader:
         self.loaded = not external and all(m in sys.modules for m in CORE_MODULES)
         self._deferred: list[tuple[Any, Callable[[], None]]] = []
         self._started = external
-        self._warming: asyncio.Task | None = None  # the warm-up, while the deferred requests wait
+        self._warming: asyncio.Task | None = None  # a warm-up running (``warm``)
+        self._later: asyncio.TimerHandle | None = None  # the later warm-up, scheduled
+        self._stopped = False
 
     def defer(self, msg_id: Any, replay: Callable[[], None]) -> None:
         self._deferred.append((msg_id, replay))
@@ -218,10 +220,11 @@ class CoreLoader:
 
         def serve() -> None:
             self._replay()
-            if CoreLoader.load_ok:
-                loop.call_later(WARM_DELAY_S, warm_later)
+            if CoreLoader.load_ok and not self._stopped:
+                self._later = loop.call_later(WARM_DELAY_S, warm_later)
 
         def warm_later() -> None:
+            self._later = None
             loop.run_in_executor(None, self.warm)
             self._warming = loop.create_task(warm_then("warm-up", None, LATER))
 
@@ -229,6 +232,14 @@ class CoreLoader:
             serve()
             return
         self._warming = loop.create_task(warm_then("warm-up", serve))
+
+    def stop(self) -> None:
+        """No warm-up from now on (the server is closing)."""
+        self._stopped = True
+        if self._later is not None:
+            self._later.cancel()
+        if self._warming is not None:
+            self._warming.cancel()
 
     def _replay(self) -> None:
         self.loaded = True
@@ -335,8 +346,7 @@ class SidecarServer(JsonRPCServer):
 
     async def aclose(self, timeout: float = 3.0) -> None:
         """Cancel in-flight work, wait for it (bounded), stop tool sources, flush state."""
-        if self.core._warming is not None:
-            self.core._warming.cancel()
+        self.core.stop()
         pending = [f for f in self.protocol._request_futures.values() if isinstance(f, asyncio.Future)]
         for f in pending:
             f.cancel()

@@ -67,6 +67,14 @@ async def main():
     branch = next(e[1]["result"]["branchId"] for e in events if e[0] == "sent" and e[1].get("id") == 2)
     send(3, "operate", {"branchId": branch, "instruction": "real"})
     await asyncio.wait_for(answer(3), 60)
+    if not FAIL:  # the other shapes, in the background a little later
+        from operate_sidecar.server.rpc.server import WARM_DELAY_S
+
+        async def later_done():
+            while events.count(["warmed"]) < 2:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(later_done(), WARM_DELAY_S + 60)
     await conn.aclose()
     print(json.dumps(events))
 
@@ -86,7 +94,7 @@ def _answers(events: list) -> list:
     return [e[1] for e in events if e[0] == "sent"]
 
 
-def test_plain_operates_are_warmed_before_the_waiting_create_branch_is_answered():
+def test_plain_operates_are_warmed_before_the_waiting_create_branch_is_answered_and_the_rest_later():
     from operate_sidecar.server.rpc.warm import FIRST, WARM_CYCLES
 
     events = _run("ok")
@@ -100,6 +108,10 @@ def test_plain_operates_are_warmed_before_the_waiting_create_branch_is_answered(
     assert answers[2]["result"]["result"] == "one"
     assert events[events.index(["sent", answers[1]]):].count(["operate", "real"]) == 1
     assert not any(isinstance(a.get("method"), str) for a in answers)  # no notification of the warm-up
+    # later, the other shapes: one operate of each per cycle, answered, and nothing sent either
+    later = events.index(["warm-up", ["format", "tools"]])
+    assert later > events.index(["sent", answers[2]])
+    assert events[later + 1:] == [["operate", "warm"]] * (2 * WARM_CYCLES) + [["warmed"]]
 
 
 def test_a_failed_warm_up_holds_nothing_up():
