@@ -75,6 +75,11 @@ async def _session(argv: list[str], cwd: str, warm_n: int, log_path: Path) -> di
     return {"init": (t_init - t0) * 1000, "new": (t_new - t0) * 1000, "first": prompts[0], "warm": prompts[1:]}
 
 
+#: then a few prompts from the plain client, each after this much idle time: what a prompt costs
+#: when it does not follow another at once (a user types between turns); a reference, no target
+IDLE_PROMPTS, IDLE_GAP_S = 3, 0.1
+
+
 def _raw_session(argv: list[str], cwd: str, warm_n: int, log_path: Path) -> dict[str, Any]:
     """The same session from a plain newline-delimited JSON client (blocking pipes, no SDK, as
     an editor written in another language would be): the first prompt against warm ones with
@@ -116,13 +121,19 @@ def _raw_session(argv: list[str], cwd: str, warm_n: int, log_path: Path) -> dict
                 prompts.append((time.perf_counter() - t) * 1000)
                 if r.get("stopReason") != "end_turn" or not chunks:
                     raise RuntimeError(f"raw prompt {i}: {r}, {chunks} chunks")
+            idle = []
+            for _ in range(IDLE_PROMPTS):
+                time.sleep(IDLE_GAP_S)
+                t = time.perf_counter()
+                call("session/prompt", {"sessionId": sid, "prompt": [{"type": "text", "text": "hello"}]})
+                idle.append((time.perf_counter() - t) * 1000)
             p.stdin.close()
             p.wait(timeout=10)
         finally:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
-    return {"first": prompts[0], "warm": prompts[1:]}
+    return {"first": prompts[0], "warm": prompts[1:], "idle": idle}
 
 
 async def measure(reps: int = 20, warm_n: int = 20, server_cpu: int | None = None) -> dict[str, Any]:
@@ -131,11 +142,11 @@ async def measure(reps: int = 20, warm_n: int = 20, server_cpu: int | None = Non
     work = Path(tempfile.mkdtemp(prefix="acp-bench-"))
     pin = ["taskset", "-c", str(server_cpu)] if server_cpu is not None and shutil.which("taskset") else []
     contenders = {
-        "ours": [*pin, str(OURS_BIN), "--acp", "--config", _config(work / "instant.toml", warm_n + 5)],
+        "ours": [*pin, str(OURS_BIN), "--acp", "--config", _config(work / "instant.toml", warm_n + IDLE_PROMPTS + 5)],
         "sdk": [*pin, str(VENV_PY), str(BENCH / "peers" / "acp_echo_agent.py")],
     }
     raw: dict[str, dict[str, list[float]]] = {n: {"init": [], "new": [], "first": [], "warm": [], "raw_first": [],
-                                                  "raw_warm": []} for n in contenders}
+                                                  "raw_warm": [], "raw_idle": []} for n in contenders}
     names = list(contenders)
     for rep in range(reps):
         k = rep % len(names)
@@ -148,6 +159,7 @@ async def measure(reps: int = 20, warm_n: int = 20, server_cpu: int | None = Non
             r = await asyncio.to_thread(_raw_session, contenders[name], str(work), warm_n, log_path)
             raw[name]["raw_first"].append(r["first"])
             raw[name]["raw_warm"].extend(r["warm"])
+            raw[name]["raw_idle"].extend(r["idle"])
     shutil.rmtree(work, ignore_errors=True)
     res: dict[str, Any] = {"reps": reps, "warm_per_rep": warm_n,
                            "summary": {n: {k: summary(v) for k, v in m.items()} for n, m in raw.items()}}
@@ -172,6 +184,10 @@ async def measure(reps: int = 20, warm_n: int = 20, server_cpu: int | None = Non
                                                                                  med["sdk"]["raw_warm"]), "target": None},
         {"what": "(reference, no target) warm prompt from a plain JSON client, ours / SDK example",
          "ratio": ratio(med["ours"]["raw_warm"], med["sdk"]["raw_warm"]), "target": None},
+        {"what": f"(reference, no target) first prompt / a prompt after {IDLE_GAP_S * 1000:g} ms idle, plain JSON "
+                 "client, ours", "ratio": ratio(med["ours"]["raw_first"], med["ours"]["raw_idle"]), "target": None},
+        {"what": f"(reference, no target) a prompt after {IDLE_GAP_S * 1000:g} ms idle, plain JSON client, ours / "
+                 "SDK example", "ratio": ratio(med["ours"]["raw_idle"], med["sdk"]["raw_idle"]), "target": None},
         {"what": "(reference, no target) spawn → session/new, ours / SDK example", "ratio": ratio(
             med["ours"]["new"], med["sdk"]["new"]), "target": None},
     ]
@@ -209,12 +225,16 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
               "pair and sent prompt turns by the SDK's client on the same event loop (`agent.warm_up`), and the "
               "session is primed (`Service.prime`), so that the first prompt runs warm code. What is left of the "
               "first prompt's extra cost is the client's and the SDK's own first use (the example's ratio, with "
-              "the SDK client) and cold caches, which the example shows too (its ratio with the plain client).",
+              "the SDK client) and cold caches, which the example shows too (its ratio with the plain client). "
+              "The warm figure is a prompt sent the moment the previous one is answered: a prompt after "
+              f"{IDLE_GAP_S * 1000:g} ms of idle time (the plain client, {IDLE_PROMPTS} per process) costs more "
+              "than the first one, for both agents, as an editor's turns come seconds apart.",
               "", "| contender | measure (ms) | median | min..max | p99 | n |", "|---|---|---|---|---|---|"]
     labels = {"init": "spawn → initialize answer", "new": "spawn → session/new answer",
               "first": "first prompt round trip", "warm": "warm prompt round trip",
               "raw_first": "first prompt round trip, plain JSON client", "raw_warm": "warm prompt round trip, plain "
-                                                                                    "JSON client"}
+                                                                                    "JSON client",
+              "raw_idle": f"prompt round trip after {IDLE_GAP_S * 1000:g} ms idle, plain JSON client"}
     for name, label in (("ours", "operate-sidecar --acp"), ("sdk", "SDK minimal example agent")):
         for key, what in labels.items():
             s = res["summary"][name][key]

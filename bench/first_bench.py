@@ -29,6 +29,9 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 BEGIN, END = "<!-- first-request-bench:begin -->", "<!-- first-request-bench:end -->"
 WARM_OPS = 20
+#: then a few operates each after this much idle time: what an operate costs when it does not
+#: follow another at once (an editor's requests come seconds apart); a reference, no target
+IDLE_OPS, IDLE_GAP_S = 3, 0.1
 #: the targets: spawn → first createBranch answered, and the first operate against a warm one
 CREATE_TARGET_S = 0.5
 
@@ -134,7 +137,7 @@ def _ours_once(argv: list[str]) -> dict[str, Any]:
     try:
         def go() -> dict[str, Any]:
             proc.call(0, "initialize", {"clientInfo": {"name": "first-bench"}, "settings": {
-                "models": {"s": {"provider": "scripted", "responses": ["ok"] * (WARM_OPS + 2)}},
+                "models": {"s": {"provider": "scripted", "responses": ["ok"] * (WARM_OPS + IDLE_OPS + 2)}},
                 "defaultModel": "s"}})
             t_init = time.perf_counter() - proc.t0
             branch = proc.call(1, "createBranch", {})["branchId"]
@@ -144,8 +147,14 @@ def _ours_once(argv: list[str]) -> dict[str, Any]:
                 t = time.perf_counter()
                 proc.call(2 + i, "operate", {"branchId": branch, "instruction": "x"})
                 ops.append(time.perf_counter() - t)
+            idle = []
+            for i in range(IDLE_OPS):
+                time.sleep(IDLE_GAP_S)
+                t = time.perf_counter()
+                proc.call(3 + WARM_OPS + i, "operate", {"branchId": branch, "instruction": "x"})
+                idle.append(time.perf_counter() - t)
             return {"initialize_s": t_init, "create_s": t_create, "first_op_s": ops[0],
-                    "warm_op_s": statistics.median(ops[1:])}
+                    "warm_op_s": statistics.median(ops[1:]), "idle_op_s": statistics.median(idle)}
         return _with_deadline(go)
     finally:
         proc.close()
@@ -172,7 +181,8 @@ def measure(quick: bool, server_cpu: int | None) -> dict[str, Any]:
     reps = 5 if quick else 20
     ours_argv = _ours_argv(server_cpu)
     pygls_argv, pygls_label = _pygls_argv(server_cpu)
-    ours: dict[str, list[float]] = {"initialize_s": [], "create_s": [], "first_op_s": [], "warm_op_s": []}
+    ours: dict[str, list[float]] = {"initialize_s": [], "create_s": [], "first_op_s": [], "warm_op_s": [],
+                                    "idle_op_s": []}
     pygls: list[float] = []
     failures: list[str] = []
     for r in range(reps):
@@ -239,7 +249,9 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
              "the waiting `createBranch` is served, a throwaway connection runs five plain operates through the "
              "same parser, pygls dispatch and pipeline (`server/rpc/warm.py`, ~10 ms), so the first real "
              "operate runs warm code (it was 3.7–4.5× a warm one without). What is left of its extra cost is "
-             "the real connection's own first use and cold caches; more warm-up operates (12) did not lower it.",
+             "the real connection's own first use and cold caches; more warm-up operates (12) did not lower it. "
+             "The warm figure is an operate sent the moment the previous one is answered; one sent after "
+             f"{IDLE_GAP_S * 1000:g} ms of idle time (the reference row) costs more than the first.",
              "- Before the core was loaded in the same pass (2026-12-02, same machine, unpinned, interleaved, "
              "median of 15): createBranch 0.36–0.39 s, first operate 8–10 ms against 0.3 ms warm.",
              "",
@@ -251,6 +263,8 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
              f"| first `operate` right after | {_fmt(s['first_op_s'], 1000, ' ms', 2)} |",
              f"| warm `operate` | {_fmt(s['warm_op_s'], 1000, ' ms', 2)} |",
              f"| first − warm, per process | {_fmt(s['first_minus_warm_ms'], 1, ' ms', 2)} |",
+             f"| (reference) `operate` after {IDLE_GAP_S * 1000:g} ms idle | "
+             f"{_fmt(s.get('idle_op_s'), 1000, ' ms', 2)} |",
              "",
              "| check | value | target | met |",
              "|---|---|---|---|"]
