@@ -251,7 +251,7 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
              "operate runs warm code (it was 3.7–4.5× a warm one without). What is left of its extra cost is "
              "the real connection's own first use and cold caches; more warm-up operates (12) did not lower it. "
              "The warm figure is an operate sent the moment the previous one is answered; one sent after "
-             f"{IDLE_GAP_S * 1000:g} ms of idle time (the reference row) costs more than the first.",
+             f"{IDLE_GAP_S * 1000:g} ms of idle time (the row marked reference) costs more than the first.",
              "- Before the core was loaded in the same pass (2026-12-02, same machine, unpinned, interleaved, "
              "median of 15): createBranch 0.36–0.39 s, first operate 8–10 ms against 0.3 ms warm.",
              "",
