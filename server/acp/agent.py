@@ -79,6 +79,7 @@ class OperateAgent(Agent):
         self._cancelled: set[str] = set()       # sessions whose running turn the client cancelled
         self._starting: set[str] = set()        # sessions whose prompt arrived, its turn not yet running
         self._mcp: dict[str, asyncio.Event] = {}  # client MCP server → set once it is ready (or failed)
+        self._closing = False                   # ``aclose`` has begun: start nothing more
 
     def on_connect(self, conn: Any) -> None:
         self.port.client = conn
@@ -121,11 +122,22 @@ class OperateAgent(Agent):
             log.info("core loaded in %.0f ms", (time.perf_counter() - t0) * 1000)
             signal(self._core, sidecar, None)  # type: ignore[arg-type]
             try:
-                loop.call_soon_threadsafe(lambda: self._background(self._warm_up(sidecar)))
+                loop.call_soon_threadsafe(self._start_warm_up, sidecar)
             except RuntimeError:  # the loop is closed: the process is exiting
                 pass
 
         loop.run_in_executor(None, load)  # the loop's own worker thread: warm for the service's to_thread calls
+
+    def _start_warm_up(self, sidecar: Any) -> None:
+        """On the event loop, once the core is loaded: the warm-up, for an agent that has a
+        connection and is not closing. Otherwise (an agent used in-process with no client, or
+        one already closing) there is no first prompt to prepare, and a warm-up started now could
+        outlive the loop: it is marked done without one."""
+        if self.port.client is None or self._closing:
+            _collector_on()
+            _settle(self._warm, None, None)  # type: ignore[arg-type]
+            return
+        self._background(self._warm_up(sidecar))
 
     async def _warm_up(self, sidecar: Any) -> None:
         """On the event loop (the thread, and so the core, that serves the prompts): a few
@@ -138,11 +150,7 @@ class OperateAgent(Agent):
         except BaseException:
             log.debug("warm-up failed", exc_info=True)
         finally:
-            # what is loaded now lives as long as the process: keep the collector from walking it
-            # again (a full collection over the freshly imported core would land on the first prompt);
-            # the collector was off during start-up (``__main__``): it runs from here on
-            gc.freeze()
-            gc.enable()
+            _collector_on()
             _settle(self._warm, None, None)  # type: ignore[arg-type]
         log.info("warmed in %.0f ms", (time.perf_counter() - t0) * 1000)
 
@@ -538,6 +546,7 @@ class OperateAgent(Agent):
 
     # ------------------------------------------------------------------ shutdown
     async def aclose(self, timeout: float = 3.0) -> None:
+        self._closing = True
         for task in list(self._live):
             task.cancel()
         if self._live:
@@ -593,6 +602,14 @@ def _continuations() -> set[str]:
     from operate_sidecar.server.service.rounds import CONTINUATION
 
     return {CONTINUATION}
+
+
+def _collector_on() -> None:
+    """What is loaded now lives as long as the process: keep the collector from walking it again
+    (a full collection over the freshly imported core would land on the first prompt). The
+    collector was off during start-up (``__main__``): it runs from here on."""
+    gc.freeze()
+    gc.enable()
 
 
 def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:

@@ -147,9 +147,15 @@ async def never(sidecar):
 A.warm_up, A.WARM_TIMEOUT_S = never, 0.5
 
 
+class Client:
+    async def session_update(self, session_id, update, **kw):
+        pass
+
+
 async def main():
     a = A.OperateAgent(S.finalize(S.merge(S.DEFAULTS, {"models": {"s": {"provider": "scripted",
         "responses": [{"json": {"message": "hi"}}]}}, "defaultModel": "s"})))
+    a.on_connect(Client())  # a connected agent warms up
     await a.initialize(protocol_version=1)
     sid = (await asyncio.wait_for(a.new_session(cwd=sys.argv[1]), 30)).session_id
     r = await asyncio.wait_for(a.prompt(prompt=[acp.text_block("go")], session_id=sid), 30)
@@ -166,3 +172,41 @@ def test_a_warm_up_that_never_ends_holds_session_new_up_only_until_its_time_out(
                          timeout=120, env=agent_env())
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"stop": "end_turn"}
+
+
+NOT_CONNECTED = r'''
+import asyncio, json, sys
+from operate_sidecar.server.acp import agent as A
+from operate_sidecar.server.rpc import settings as S
+
+started = []
+real = A.warm_up
+
+
+async def spy(sidecar):
+    started.append(True)
+    await real(sidecar)
+
+
+A.warm_up = spy
+
+
+async def main():
+    a = A.OperateAgent(S.finalize(S.merge(S.DEFAULTS, {})))
+    await a.initialize(protocol_version=1)
+    await asyncio.wait_for(a._ready(warm=True), 60)  # settled without a warm-up
+
+
+asyncio.run(main())  # returns at once: no warm-up left to outlive the loop
+print(json.dumps({"started": started}))
+'''
+
+
+def test_an_agent_with_no_connection_does_not_warm_up():
+    """In-process use with no client (and an agent that is closing): there is no first prompt to
+    prepare, and a warm-up started as the loop ends would leave a worker thread that keeps the
+    interpreter from exiting. ``_ready(warm=True)`` is settled without it."""
+    out = subprocess.run([sys.executable, "-c", NOT_CONNECTED], capture_output=True, text=True, timeout=120,
+                         env=agent_env())
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"started": []}
