@@ -465,7 +465,6 @@ class OperateAgent(Agent):
         try:
             await sc.ensure_tools()
             await sc.prime(self._params(sid, ""))
-            self.port.start()
         except Exception:  # a bad config is reported by the prompt that uses it
             log.debug("session not primed", exc_info=True)
 
@@ -631,11 +630,11 @@ def reply_format(settings: dict[str, Any], model: str) -> dict[str, Any]:
 
 #: prompts the warm-up sends through the wire: enough for the interpreter to specialize the path
 WARM_PROMPTS = 8
-#: the warm-up is abandoned after this long (``session/new`` waits for it, then goes on)
-WARM_TIMEOUT_S = 10.0
 #: of which the first ones run a tool round (the tool-call updates, the tool path); the rest
 #: are replies only, the shape of most turns, and cheaper to repeat
 WARM_TOOL_ROUNDS = 2
+#: the warm-up is abandoned after this long (``session/new`` waits for it, then goes on)
+WARM_TIMEOUT_S = 10.0
 
 
 class _WarmAgent(OperateAgent):

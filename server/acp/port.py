@@ -116,8 +116,6 @@ class AcpPort:
         self.cancel_turn: Callable[[str], None] = lambda _sid: None
         self._outbox: asyncio.Queue | None = None
         self._pump: asyncio.Task | None = None
-        self._sending = asyncio.Lock()  # the pump or a flush, sending one update
-        self._held = False               # the pump has taken an update it has not sent yet
 
     # ------------------------------------------------------------------ ClientInfo
     def log_message(self, type_: int, message: str) -> None:
@@ -126,53 +124,30 @@ class AcpPort:
     # ------------------------------------------------------------------ the outbox
     def send(self, session_id: str, update: Any) -> None:
         """Queue one session update (a model, or a callable making one when its turn comes)."""
-        self.start()
-        self._outbox.put_nowait((session_id, update))  # type: ignore[union-attr]
-
-    def start(self) -> None:
-        """The outbox and its pump task (made on the first update, or before it)."""
         if self._outbox is None:
             self._outbox = asyncio.Queue()
             self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="acp-outbox")
+        self._outbox.put_nowait((session_id, update))
 
     async def flush(self) -> None:
-        """Return once every queued update is written. The caller sends what the pump has not
-        taken yet itself, then waits for the one the pump holds, if any: a hop or two less per
-        turn than handing everything to the pump. One sender at a time (``_sending``), and
-        never past an update the pump holds (``_held``), so updates go out in queue order."""
-        q = self._outbox
-        if q is None:
-            return
-        while not q.empty() and not self._held:
-            async with self._sending:
-                if q.empty() or self._held:
-                    break
-                await self._deliver(q, *q.get_nowait())
-        await q.join()
+        if self._outbox is not None:
+            await self._outbox.join()
 
     async def _run_pump(self) -> None:
         q = self._outbox
         assert q is not None
         while True:
             session_id, update = await q.get()
-            self._held = True  # the oldest queued update: a flush sends nothing before it
             try:
-                async with self._sending:
-                    await self._deliver(q, session_id, update)
-            finally:
-                self._held = False
-
-    async def _deliver(self, q: asyncio.Queue, session_id: str, update: Any) -> None:
-        try:
-            if callable(update):
-                update = update()
-            if update is not None and self.client is not None:
-                await self.client.session_update(session_id=session_id, update=update)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a closed connection: nothing to tell
-            log.debug("session update not sent: %s", e)
-        finally:
+                if callable(update):
+                    update = update()
+                if update is not None and self.client is not None:
+                    await self.client.session_update(session_id=session_id, update=update)
+            except asyncio.CancelledError:
+                q.task_done()
+                raise
+            except Exception as e:  # a closed connection: nothing to tell
+                log.debug("session update not sent: %s", e)
             q.task_done()
 
     async def aclose(self) -> None:

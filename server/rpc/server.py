@@ -197,12 +197,13 @@ class CoreLoader:
             self._started = True
             loop = asyncio.get_running_loop()
             loop.run_in_executor(None, self.load).add_done_callback(
-                lambda _f: loop.call_soon(self._loaded, loop))
+                lambda f: loop.call_soon(self._loaded, loop, not f.cancelled() and f.exception() is None
+                                         and f.result()))
 
-    def loaded_elsewhere(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The connection's loader thread has imported the core (or failed: see ``load``)."""
+    def loaded_elsewhere(self, loop: asyncio.AbstractEventLoop, ok: bool) -> None:
+        """The connection's loader thread has imported the core (``ok``) or failed (see ``load``)."""
         if not self.loaded:
-            self._loaded(loop)
+            self._loaded(loop, ok)
 
     def deferred(self, msg_id: Any) -> bool:
         return any(i == msg_id for i, _ in self._deferred)
@@ -214,13 +215,14 @@ class CoreLoader:
                 return True
         return False
 
-    def _loaded(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The core is in: warm the first-use paths (``warm.warm_up``), then serve what waited."""
+    def _loaded(self, loop: asyncio.AbstractEventLoop, ok: bool) -> None:
+        """The core is in (``ok``): warm the first-use paths (``warm.warm_up``), then serve what
+        waited. After a failed import, what waited is served at once (and fails -32603)."""
         from .warm import LATER, warm_then
 
         def serve() -> None:
             self._replay()
-            if CoreLoader.load_ok and not self._stopped:
+            if ok and not self._stopped:
                 self._later = loop.call_later(WARM_DELAY_S, warm_later)
 
         def warm_later() -> None:
@@ -228,7 +230,7 @@ class CoreLoader:
             loop.run_in_executor(None, self.warm)
             self._warming = loop.create_task(warm_then("warm-up", None, LATER))
 
-        if not CoreLoader.load_ok:
+        if not ok:
             serve()
             return
         self._warming = loop.create_task(warm_then("warm-up", serve))
@@ -249,9 +251,6 @@ class CoreLoader:
                 replay()
             except Exception:
                 log.exception("error while handling a deferred request")
-
-    #: whether the core import succeeded (set by :meth:`load`)
-    load_ok = False
 
     @staticmethod
     def load() -> bool:
@@ -278,7 +277,6 @@ class CoreLoader:
             return False
         log.info("core loaded in %.0f ms (thread %s)", (time.perf_counter() - t0) * 1000,
                  threading.current_thread().name)
-        CoreLoader.load_ok = True
         return True
 
     @staticmethod

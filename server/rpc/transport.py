@@ -395,19 +395,19 @@ class Connection:
                 return
             if not chain:
                 return
-            mod.CoreLoader.load()  # logs its own failure; the replayed requests then fail -32603
+            ok = mod.CoreLoader.load()  # logs its own failure; the replayed requests then fail -32603
             linecache.clearcache()
             try:
-                loop.call_soon_threadsafe(self._core_loaded, loop)
+                loop.call_soon_threadsafe(self._core_loaded, loop, ok)
             except RuntimeError:
                 return
 
         limit_malloc_arenas()
         threading.Thread(target=load, name="app-loader", daemon=True).start()
 
-    def _core_loaded(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _core_loaded(self, loop: asyncio.AbstractEventLoop, ok: bool) -> None:
         if self.app is not None:
-            self.app.core.loaded_elsewhere(loop)
+            self.app.core.loaded_elsewhere(loop, ok)
 
     def _app_loaded(self, mod: Any, error: BaseException | None) -> None:
         if self._backlog is None:

@@ -27,10 +27,11 @@ from typing import Any
 
 log = logging.getLogger("operate_sidecar.server.rpc")
 
-#: rounds of the three operate shapes: enough for the interpreter to specialize the path
+#: how many times each operate shape is sent: enough for the interpreter to specialize the path
 WARM_CYCLES = 5
 #: the whole warm-up is abandoned after this long (the waiting requests are served anyway)
 WARM_TIMEOUT_S = 5.0
+
 
 class _Sink:
     """The throwaway connection's wire: answers are matched to their requests, the rest dropped."""

@@ -926,17 +926,12 @@ class Service:
         model), what its first run would build on first use: the reply model, its operative
         types and the schema shown to the model, narrowed to the branch's tools. No model call,
         no message, no tool, nothing saved. The ACP front end calls it when a session is made,
-        so that its first prompt costs what a later one does. What an operate makes on first use
-        (the branch's lock, the operate slots, the tool threads' pool, not its threads) is made
-        here too."""
+        so that its first prompt costs what a later one does."""
         from operate_sidecar.server.core.operate import prime
         from operate_sidecar.server.core.prepare import prepare_operate_kw
 
         _, branch, kw = await self._operate_call(params)
         prime(branch, **prepare_operate_kw(branch, **kw))
-        self._lock(branch.id)
-        self._slots()
-        _ = self.tool_threads
 
     async def _operate_call(self, params: dict) -> tuple[Any, Any, dict[str, Any]]:
         """An ``operate``'s wire params checked and resolved: (the structured params, the branch,
