@@ -123,3 +123,78 @@ def test_a_failed_warm_up_holds_nothing_up():
     answers = _answers(events)
     assert [a["id"] for a in answers] == [1, 2, 3] and all("result" in a for a in answers)
     assert answers[2]["result"]["result"] == "one"
+
+
+CALLS = r'''
+import asyncio, json, sys
+from operate_sidecar.server.rpc import transport
+from operate_sidecar.server.rpc.framing import encode_frame
+from operate_sidecar.server.rpc.server import WARM_DELAY_S
+
+waiting = {}
+
+
+class Client:
+    closed, on_broken, tap = False, None, None
+
+    def send_bytes(self, body):
+        m = json.loads(body)
+        fut = waiting.pop(m.get("id"), None) if "method" not in m else None
+        if fut is not None and not fut.done():
+            fut.set_result(m)
+
+
+async def main():
+    conn = transport.Connection(Client(), version="t", base_settings={
+        "models": {"s": {"provider": "scripted", "responses": ["one"] * 8}}, "defaultModel": "s"})
+    loop = asyncio.get_running_loop()
+    conn.on_initialized.append(lambda c: c.start_app_loader(loop))
+    ids = iter(range(1, 100))
+
+    async def call(method, params):
+        """The answer, and the Python functions called on this thread from the frame's arrival
+        to its answer (the handler's tasks included: all on the loop's thread)."""
+        msg_id = next(ids)
+        fut = waiting[msg_id] = loop.create_future()
+        n = [0]
+
+        def profile(frame, event, arg):
+            if event == "call":
+                n[0] += 1
+
+        sys.setprofile(profile)
+        try:
+            conn.feed(encode_frame(json.dumps({"jsonrpc": "2.0", "id": msg_id, "method": method,
+                                               "params": params}).encode()))
+            m = await asyncio.wait_for(fut, 60)
+        finally:
+            sys.setprofile(None)
+        assert "result" in m, m
+        return m["result"], n[0]
+
+    await call("initialize", {})
+    branch = (await call("createBranch", {}))[0]["branchId"]
+    op = {"branchId": branch, "instruction": "x"}
+    first = (await call("operate", op))[1]
+    await asyncio.sleep(WARM_DELAY_S + 1.0)  # the later warm-up (other shapes) is done, not counted
+    warm = [(await call("operate", op))[1] for _ in range(5)]
+    await conn.aclose()
+    print(json.dumps([first, *warm]))
+
+
+asyncio.run(main())
+'''
+
+
+def test_the_first_operate_after_create_branch_runs_the_calls_a_warm_one_does():
+    """The first ``operate`` after ``createBranch`` calls as many Python functions as the later
+    ones (counted, not timed: the time is in ``bench/``, ``python -m bench.run --only first``):
+    the params checkers, the pipeline's option names, the operative types and the reply's
+    schema are all built before it (the core loader and the warm-up). Allowed: the few
+    per-branch objects made on first use (its lock, the tool pool), about 15 calls."""
+    out = subprocess.run([sys.executable, "-c", CALLS], capture_output=True, text=True, timeout=120,
+                         env=server_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, *warm = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(set(warm[1:])) == 1, warm  # a warm operate's count is stable
+    assert first - warm[-1] <= 30, f"the first operate made {first - warm[-1]} calls more than a warm one ({warm})"
