@@ -127,11 +127,23 @@ def test_a_failed_warm_up_holds_nothing_up():
 
 CALLS = r'''
 import asyncio, json, sys
-from operate_sidecar.server.rpc import transport
+from operate_sidecar.server.rpc import transport, warm
 from operate_sidecar.server.rpc.framing import encode_frame
 from operate_sidecar.server.rpc.server import WARM_DELAY_S
 
-waiting = {}
+waiting, warming = {}, [0, 0]  # warm-ups started, ended
+real_warm_up = warm.warm_up
+
+
+async def warm_up(*args, **kw):
+    warming[0] += 1
+    try:
+        await real_warm_up(*args, **kw)
+    finally:
+        warming[1] += 1
+
+
+warm.warm_up = warm_up
 
 
 class Client:
@@ -176,7 +188,13 @@ async def main():
     branch = (await call("createBranch", {}))[0]["branchId"]
     op = {"branchId": branch, "instruction": "x"}
     first = (await call("operate", op))[1]
-    await asyncio.sleep(WARM_DELAY_S + 1.0)  # the later warm-up (other shapes) is done, not counted
+    await asyncio.sleep(WARM_DELAY_S + 0.2)  # the later warm-up (the other shapes) has started ...
+
+    async def warm_ups_over():  # ... and is over: not counted
+        while warming[1] < warming[0]:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(warm_ups_over(), 60)
     warm = [(await call("operate", op))[1] for _ in range(5)]
     await conn.aclose()
     print(json.dumps([first, *warm]))
