@@ -1005,14 +1005,14 @@ class Service:
                 self._usage.setdefault(branch.id, UsageMeter()).add(meter)
                 if info:
                     self._info[branch.id] = {**self._info.get(branch.id, {}), **info}
-                if self.journal is not None:  # the branch's totals (and info) are saved with its messages
+                mark = self._settled.pop(branch.id, None)
+                if self.journal is not None:  # with no store there is nothing to save (no task to wait for)
+                    # the branch's totals (and info) are saved with its messages, in one transaction
+                    # before the answer; on failure the branch is put back (-32013)
                     meta: dict[str, Any] = {"usage": self._usage_of(branch.id)}
                     if info:
                         meta["client"] = dict(self._info[branch.id])
                     self.journal.update_meta(branch.id, meta)
-                # one transaction before the answer; on failure the branch is put back (-32013)
-                mark = self._settled.pop(branch.id, None)
-                if self.journal is not None:  # with no store there is nothing to commit (no task to wait for)
                     await asyncio.shield(self._commit_operate(branch, mark))
             if sink is not None:
                 sink.finish("completed", meter.to_wire())

@@ -6,9 +6,11 @@ process-wide state (the SDK's imported models, the interpreter's warmed code, th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import call_count
 from acp_support import agent_env
 
 SDK_IMPORT = r'''
@@ -215,6 +217,7 @@ def test_an_agent_with_no_connection_does_not_warm_up():
 CALLS = r'''
 import asyncio, json, sys
 import acp
+from call_count import counted
 from operate_sidecar.server.acp import agent as A
 from operate_sidecar.server.rpc import settings as S
 
@@ -224,31 +227,17 @@ class Client:
         pass
 
 
-async def counted(aw):
-    """The Python functions called on this thread while ``aw`` runs (the turn's task, the
-    outbox and the client included: all on the loop's thread)."""
-    n = [0]
-
-    def profile(frame, event, arg):
-        if event == "call":
-            n[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        r = await asyncio.wait_for(aw, 60)
-    finally:
-        sys.setprofile(None)
-    assert r.stop_reason == "end_turn", r
-    return n[0]
-
-
 async def main():
     a = A.OperateAgent(S.finalize(S.merge(S.DEFAULTS, {"models": {"s": {"provider": "scripted",
         "responses": [{"json": {"message": "hi"}}] * 8}}, "defaultModel": "s"})))
     a.on_connect(Client())  # a connected agent warms up
     await a.initialize(protocol_version=1)
     sid = (await asyncio.wait_for(a.new_session(cwd=sys.argv[1]), 60)).session_id
-    calls = [await counted(a.prompt(prompt=[acp.text_block("go")], session_id=sid)) for _ in range(6)]
+    calls = []
+    for _ in range(6):  # the turn's task, the outbox and the client run on this thread: all counted
+        r, n = await counted(a.prompt(prompt=[acp.text_block("go")], session_id=sid))
+        assert r.stop_reason == "end_turn", r
+        calls.append(n)
     await a.aclose()
     print(json.dumps(calls))
 
@@ -265,9 +254,9 @@ def test_the_first_prompt_after_session_new_runs_the_calls_a_warm_one_does(ws):
     outbox and its pump, the branch lock, the tool pool), about 15 calls. Without the warm-up
     the first prompt makes ~140 calls more, without the priming ~800, without both ~15,000.
     The time it takes is measured in ``bench/`` (``python -m bench.run --only acp``)."""
+    env = agent_env()
+    env["PYTHONPATH"] += os.pathsep + call_count.HERE
     out = subprocess.run([sys.executable, "-c", CALLS, str(ws)], capture_output=True, text=True, timeout=120,
-                         env=agent_env())
+                         env=env)
     assert out.returncode == 0, out.stderr
-    first, *warm = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(set(warm[1:])) == 1, warm  # a warm prompt's count is stable
-    assert first - warm[-1] <= 30, f"the first prompt made {first - warm[-1]} calls more than a warm one ({warm})"
+    call_count.assert_first_as_warm(json.loads(out.stdout.strip().splitlines()[-1]), "prompt")

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import call_count
 
 from .support import server_env
 
@@ -126,7 +129,8 @@ def test_a_failed_warm_up_holds_nothing_up():
 
 
 CALLS = r'''
-import asyncio, json, sys
+import asyncio, json
+from call_count import counted
 from operate_sidecar.server.rpc import transport, warm
 from operate_sidecar.server.rpc.framing import encode_frame
 from operate_sidecar.server.rpc.server import WARM_DELAY_S
@@ -168,21 +172,15 @@ async def main():
         to its answer (the handler's tasks included: all on the loop's thread)."""
         msg_id = next(ids)
         fut = waiting[msg_id] = loop.create_future()
-        n = [0]
 
-        def profile(frame, event, arg):
-            if event == "call":
-                n[0] += 1
-
-        sys.setprofile(profile)
-        try:
+        async def answered():
             conn.feed(encode_frame(json.dumps({"jsonrpc": "2.0", "id": msg_id, "method": method,
                                                "params": params}).encode()))
-            m = await asyncio.wait_for(fut, 60)
-        finally:
-            sys.setprofile(None)
+            return await fut
+
+        m, n = await counted(answered())
         assert "result" in m, m
-        return m["result"], n[0]
+        return m["result"], n
 
     await call("initialize", {})
     branch = (await call("createBranch", {}))[0]["branchId"]
@@ -211,8 +209,6 @@ def test_the_first_operate_after_create_branch_runs_the_calls_a_warm_one_does():
     schema are all built before it (the core loader and the warm-up). Allowed: the few
     per-branch objects made on first use (its lock, the tool pool), about 15 calls."""
     out = subprocess.run([sys.executable, "-c", CALLS], capture_output=True, text=True, timeout=120,
-                         env=server_env())
+                         env=server_env(paths=(Path(call_count.HERE),)))
     assert out.returncode == 0, out.stderr[-3000:]
-    first, *warm = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(set(warm[1:])) == 1, warm  # a warm operate's count is stable
-    assert first - warm[-1] <= 30, f"the first operate made {first - warm[-1]} calls more than a warm one ({warm})"
+    call_count.assert_first_as_warm(json.loads(out.stdout.strip().splitlines()[-1]), "operate")
