@@ -186,13 +186,12 @@ async def main():
     branch = (await call("createBranch", {}))[0]["branchId"]
     op = {"branchId": branch, "instruction": "x"}
     first = (await call("operate", op))[1]
-    await asyncio.sleep(WARM_DELAY_S + 0.2)  # the later warm-up (the other shapes) has started ...
 
-    async def warm_ups_over():  # ... and is over: not counted
-        while warming[1] < warming[0]:
+    async def later_warm_up_over():  # the later warm-up (the other shapes) started and ended: not counted
+        while warming != [2, 2]:
             await asyncio.sleep(0.01)
 
-    await asyncio.wait_for(warm_ups_over(), 60)
+    await asyncio.wait_for(later_warm_up_over(), WARM_DELAY_S + 60)
     warm = [(await call("operate", op))[1] for _ in range(5)]
     await conn.aclose()
     print(json.dumps([first, *warm]))
