@@ -1,6 +1,7 @@
 """Render bench/out/results.json as bench/RESULTS.md."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 ORDER = ["stdlib", "pygls", "mcp", "ours", "lionagi"]
@@ -49,6 +50,18 @@ def _unavail(results, name, section):
     if "unavailable" in results[section][name]:
         return f"| {_label(results, name)} | {results[section][name]['unavailable'][:200]} |"
     return None
+
+
+#: How every separately written section of RESULTS.md opens (``store``, ``acp``, ``edit``, ``first``).
+SECTION_BEGIN = re.compile(r"^<!-- [\w-]+-bench:begin -->", re.M)
+
+
+def keep_sections(old: str, head: str) -> str:
+    """``head`` (the regenerated start of RESULTS.md) followed by everything of ``old`` from its
+    first separately written section on: those sections and the dated notes written between them,
+    which no run regenerates, so that a full run does not erase them."""
+    first = SECTION_BEGIN.search(old)
+    return head if first is None else head.rstrip("\n") + "\n\n" + old[first.start():]
 
 
 def write_markdown(results: dict, path: Path) -> None:
@@ -224,4 +237,6 @@ def write_markdown(results: dict, path: Path) -> None:
     if extra.exists():  # hand-written sections kept across regenerations
         add(extra.read_text().rstrip() + "\n")
     add("Raw figures: `bench/out/results.json` (git-ignored).")
-    path.write_text("\n".join(L) + "\n")
+    head = "\n".join(L) + "\n"
+    old = path.read_text() if path.exists() else ""
+    path.write_text(keep_sections(old, head))

@@ -549,6 +549,11 @@ async def amain(ns: argparse.Namespace) -> dict:
         from . import edit_bench
 
         results["edit"] = await asyncio.to_thread(edit_bench.measure, cfg.quick, h.server_cpu)
+    if only is None or "first" in only:
+        log(">> first request after a spawn: initialize, createBranch, first vs warm operate (vs bare pygls)")
+        from . import first_bench
+
+        results["first"] = await asyncio.to_thread(first_bench.measure, cfg.quick, h.server_cpu)
     results["ratios"] = compute_ratios(results)
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["elapsed_s"] = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
@@ -613,6 +618,11 @@ def main(argv: list[str] | None = None) -> int:
 
             edit_bench.write_section(results["edit"], {"date": results["date"], "command": results["command"],
                                                        "machine": "see the machine line above"})
+        if results.get("first"):
+            from . import first_bench
+
+            first_bench.write_section(results["first"], {"date": results["date"], "command": results["command"],
+                                                         "machine": "see the machine line above"})
         if results.get("acp"):
             from . import acp_bench
 

@@ -24,7 +24,7 @@ FORBIDDEN: list[tuple[str, re.Pattern[str]]] = [
     ("a design record ('the ADR')", re.compile(r"\b[Tt]he ADR\b|\bADR\b")),
     ("a protocol document other than docs/PROTOCOL.md", re.compile(r"(?<![\w/.-])PROTOCOL(?:\.md)?\s*§")),
     ("the design notes", re.compile(r"\bDESIGN\.md\b|\bDESIGN \"|reference-behaviou?r")),
-    ("a tracker issue", re.compile(r"\b[Ii]ssue \d+\b")),
+    ("a tracker issue", re.compile(r"\b[Ii]ssue[ #-]?#?\d+\b")),
     ("another implementation ('the reference')", re.compile(r"\b[Tt]he reference(?!s\b)(?!\s+(?:count|to)\b)")),
 ]
 PROTOCOL_MD = re.compile(r"([\w./-]*)PROTOCOL\.md")
