@@ -17,10 +17,11 @@ import call_count
 from .support import server_env
 
 SCRIPT = r'''
-import asyncio, json, sys
+import asyncio, functools, json, sys
 from operate_sidecar.server.rpc import transport, warm
 from operate_sidecar.server.rpc.framing import encode_frame
 from operate_sidecar.server.service import service
+from operate_sidecar.server.tools import builtin
 
 FAIL = sys.argv[1] == "fail"
 events = []
@@ -40,7 +41,16 @@ async def operate(self, params, **kw):
     return await real_operate(self, params, **kw)
 
 
-warm.warm_up, service.Service.operate = warm_up, operate
+real_list_dir = builtin.WorkspaceTools.list_dir
+
+
+@functools.wraps(real_list_dir)
+def list_dir(self, *args, **kw):
+    events.append(["tool", "list_dir"])
+    return real_list_dir(self, *args, **kw)
+
+
+warm.warm_up, service.Service.operate, builtin.WorkspaceTools.list_dir = warm_up, operate, list_dir
 
 
 class Client:
@@ -79,18 +89,20 @@ async def main():
 
         await asyncio.wait_for(later_done(), WARM_DELAY_S + 60)
     await conn.aclose()
-    print(json.dumps(events))
+    print(json.dumps(events + [["loaded", sorted(m for m in ("rapidfuzz",) if m in sys.modules)]]))
 
 
 asyncio.run(main())
 '''
 
 
-def _run(mode: str) -> list:
+def _run(mode: str) -> tuple[list, list]:
+    """The events, and which of the modules the child checks for it had loaded at the end."""
     out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120,
                          env=server_env())
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    *events, (_, loaded) = json.loads(out.stdout.strip().splitlines()[-1])
+    return events, loaded
 
 
 def _answers(events: list) -> list:
@@ -100,7 +112,7 @@ def _answers(events: list) -> list:
 def test_plain_operates_are_warmed_before_the_waiting_create_branch_is_answered_and_the_rest_later():
     from operate_sidecar.server.rpc.warm import FIRST, WARM_CYCLES
 
-    events = _run("ok")
+    events, loaded = _run("ok")
     start = events.index(["warm-up", list(FIRST)])
     done = events.index(["warmed"])
     during = events[start + 1:done]
@@ -118,10 +130,15 @@ def test_plain_operates_are_warmed_before_the_waiting_create_branch_is_answered_
     assert [e for e in after if e[0] == "operate" and e[1] == "warm"] == [["operate", "warm"]] * (2 * WARM_CYCLES)
     assert after[-1] == ["warmed"]
     assert [e for e in after if e[0] == "sent" and e[1].get("id") != 3] == []
+    # the tool shape runs its tool round each cycle, and its replies keep to the keys of the
+    # request model an ``actions`` operate asks for: the fuzzy key matcher (rapidfuzz, several
+    # MiB that a model keeping to the schema never needs) is not loaded by the warm-up
+    assert after.count(["tool", "list_dir"]) == WARM_CYCLES
+    assert loaded == []
 
 
 def test_a_failed_warm_up_holds_nothing_up():
-    events = _run("fail")
+    events, _ = _run("fail")
     assert ["warm-up", ["plain"]] in events and ["warmed"] not in events
     answers = _answers(events)
     assert [a["id"] for a in answers] == [1, 2, 3] and all("result" in a for a in answers)
