@@ -218,7 +218,8 @@ def write_markdown(results: dict, path: Path) -> None:
                 f"{'in order and complete' if p.get('in_order') else 'OUT OF ORDER or missing'}")
         mg = extra("memory_growth", "memory growth")
         if mg:
-            add(f"- memory over {mg['operates']} operates (create/operate/delete, 16 in flight): "
+            add(f"- memory over {mg['operates']} operates (create/operate/delete, 16 in flight; from the RSS "
+                "a server settles at after one such cycle and its delayed warm-up): "
                 f"RSS {mg['rss_start_kib'] / 1024:.1f} → {mg['rss_end_kib'] / 1024:.1f} MiB "
                 f"(+{mg['growth_kib'] / 1024:.1f} MiB; after the first {mg['operates'] // 10} operates +"
                 f"{mg.get('growth_after_warmup_kib', 0) / 1024:.1f} MiB; second half +"
