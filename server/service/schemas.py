@@ -1,8 +1,10 @@
 """Wire JSON Schemas → what the core takes: ``responseFormat`` → a pydantic model
 class (named after the schema's ``title``), ``fieldModels`` → core ``Spec``s.
 Built with ``json-schema-to-pydantic`` (imported on first use), cached by the
-canonical schema text so a repeated schema builds nothing. A schema keyword
-the builder would silently ignore is refused (-32602 naming it).
+canonical schema text so a repeated schema builds nothing. A schema that is not
+valid JSON Schema (checked against its metaschema with ``jsonschema``, imported on
+first use: ``"properties": "x"``, ``"required": "a"``, ``"type": 5``) and a keyword
+the builder would silently ignore are refused (-32602 naming them and where).
 
 Building is bounded and kept off the event loop: a schema longer than
 ``MAX_SCHEMA_CHARS`` characters of JSON, with more than ``MAX_SCHEMA_NODES``
@@ -70,6 +72,24 @@ def _check_name(name: Any, path: str, where: str) -> None:
                              f"(names may not start with {' or '.join(RESERVED_PREFIXES)})", {"field": name})
 
 
+#: how much of the metaschema's complaint an error message quotes
+MAX_COMPLAINT_CHARS = 300
+
+
+def _check_valid(schema: dict[str, Any], where: str) -> None:
+    """-32602 unless ``schema`` is valid under its metaschema (its ``$schema``, else draft 2020-12)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as e:
+        at = "/" + "/".join(str(x) for x in e.path)
+        complaint = e.message if len(e.message) <= MAX_COMPLAINT_CHARS else e.message[:MAX_COMPLAINT_CHARS] + "..."
+        raise invalid_params(f"{where}: not a valid JSON Schema at {at}: {complaint}", {"path": at}) from None
+
+
 def _check(schema: Any, path: str, where: str) -> None:
     if not isinstance(schema, dict):
         if isinstance(schema, bool):
@@ -117,11 +137,13 @@ class SchemaCache:
         held, so its id cannot be reused by another."""
         self._pinned[id(schema)] = (schema, _canonical(schema, where))
 
-    def _key(self, schema: dict[str, Any], where: str) -> str:
+    def _pinned_key(self, schema: dict[str, Any]) -> str | None:
         pinned = self._pinned.get(id(schema))
-        if pinned is not None and pinned[0] is schema:
-            return pinned[1]
-        return _canonical(schema, where)
+        return pinned[1] if pinned is not None and pinned[0] is schema else None
+
+    def _key(self, schema: dict[str, Any], where: str) -> str:
+        key = self._pinned_key(schema)
+        return key if key is not None else _canonical(schema, where)
 
     async def model_for_async(self, schema: dict[str, Any], where: str = "responseFormat") -> type:
         """``model_for`` on a worker thread (the event loop keeps answering meanwhile); a
@@ -147,6 +169,8 @@ class SchemaCache:
         cached = self._models.get(key)
         if cached is not None:
             return cached
+        if self._pinned_key(schema) is None:  # (a pinned schema is a front end's own constant)
+            _check_valid(schema, where)
         _check(schema, "", where)
         if schema.get("type", "object") != "object":
             raise invalid_params(f"{where}: must be an object schema (\"type\": \"object\")")
@@ -173,6 +197,7 @@ class SchemaCache:
         key = _canonical(schema, f"{where}.schema")
         annotation = self._specs.get(key)
         if annotation is None:
+            _check_valid(schema, f"{where}.schema")
             _check(schema, "", f"{where}.schema")
             wrapper = {"title": "FieldWrapper", "type": "object", "properties": {"value": schema},
                        "required": ["value"]}
@@ -205,5 +230,5 @@ class SchemaCache:
 
         try:
             return j2p.create_model(schema, allow_undefined_array_items=True, allow_undefined_type=True)
-        except (j2p.SchemaError, ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - the client's schema, valid JSON Schema, that cannot be built
             raise invalid_params(f"{where}: {type(e).__name__}: {e}") from None

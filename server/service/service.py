@@ -1039,7 +1039,7 @@ def _pipeline_names(fn: Any) -> frozenset[str]:
         import inspect
 
         _PIPELINE_NAMES = frozenset(n for n, prm in inspect.signature(fn).parameters.items()
-                                    if prm.kind is inspect.Parameter.KEYWORD_ONLY)
+                                    if prm.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD))
     return _PIPELINE_NAMES
 
 

@@ -53,7 +53,8 @@ def test_removed_model_option_names_point_to_the_wire_fields(sidecar):
                       ("imodel", "chatModel")):
         err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "modelOptions": {key: 1}})
         assert err.code == -32602 and key in err.message and hint in err.message
-    for key in ("middle", "operative", "skip_validation", "sender"):  # pipeline names are not provider options
+    # pipeline names are not provider options, the positional ones (the branch) included
+    for key in ("middle", "operative", "skip_validation", "sender", "branch"):
         err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "modelOptions": {key: 1}})
         assert err.code == -32602 and key in err.message
     assert op(sidecar, bid, instruction="x")["result"] == "x"  # nothing consumed the scripted reply
@@ -75,6 +76,31 @@ def test_unsupported_schema_keyword_is_named(sidecar):
     schema = {"title": "T", "type": "object", "properties": {"a": {"type": "string", "not": {"const": "b"}}}}
     err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "responseFormat": schema})
     assert err.code == -32602 and "not" in err.message and "/properties/a" in err.message
+
+
+def test_a_schema_that_is_not_valid_json_schema_is_invalid_params_naming_where(sidecar):
+    """Checked against the metaschema before anything is built: a malformed schema is the
+    client's mistake (-32602 with the path), never an internal error, and never a model that
+    quietly enforces something else (``"required": "ab"`` is not a list of names)."""
+    sidecar.init(models={"s": scripted("x")})
+    bid = sidecar.branch()
+    for schema, at in (({"type": "object", "properties": "nope"}, "/properties"),
+                       ({"type": "object", "properties": {"a": None}}, "/properties/a"),
+                       ({"type": "object", "properties": {"a": {"type": 5}}}, "/properties/a/type"),
+                       ({"type": "object", "properties": {"a": {"type": "string"}}, "required": "ab"}, "/required"),
+                       ({"type": "object", "properties": {"a": {"type": "array", "items": [{}]}}},
+                        "/properties/a/items"),
+                       ({"type": "object", "properties": {"a": {"$ref": 5}}}, "/properties/a/$ref"),
+                       ({"type": "object", "title": 5}, "/title"),
+                       ({"type": "object", "properties": {"a": {"type": "string", "minLength": "x"}}},
+                        "/properties/a/minLength")):
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "responseFormat": schema})
+        assert err.code == -32602 and "not a valid JSON Schema" in err.message and err.data["path"] == at, (schema, err)
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x",
+                                       "fieldModels": [{"name": "score", "schema": {"type": "integer", "minimum": "0"}}]})
+    assert err.code == -32602 and "fieldModels[0].schema" in err.message and err.data["path"] == "/minimum"
+    assert sidecar.messages(bid) == []
+    assert op(sidecar, bid, instruction="x")["result"] == "x"  # nothing consumed the scripted reply
 
 
 def test_field_names_pydantic_reserves_are_invalid_params(sidecar):
