@@ -76,7 +76,7 @@ def _check_name(name: Any, path: str, where: str) -> None:
 MAX_COMPLAINT_CHARS = 300
 
 
-def _check_valid(schema: dict[str, Any], where: str) -> None:
+def check_valid(schema: dict[str, Any], where: str) -> None:
     """-32602 unless ``schema`` is valid under its metaschema (its ``$schema``, else draft 2020-12)."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
@@ -170,7 +170,7 @@ class SchemaCache:
         if cached is not None:
             return cached
         if self._pinned_key(schema) is None:  # (a pinned schema is a front end's own constant)
-            _check_valid(schema, where)
+            check_valid(schema, where)
         _check(schema, "", where)
         if schema.get("type", "object") != "object":
             raise invalid_params(f"{where}: must be an object schema (\"type\": \"object\")")
@@ -197,7 +197,7 @@ class SchemaCache:
         key = _canonical(schema, f"{where}.schema")
         annotation = self._specs.get(key)
         if annotation is None:
-            _check_valid(schema, f"{where}.schema")
+            check_valid(schema, f"{where}.schema")
             _check(schema, "", f"{where}.schema")
             wrapper = {"title": "FieldWrapper", "type": "object", "properties": {"value": schema},
                        "required": ["value"]}

@@ -142,6 +142,12 @@ def test_register_client_tools_and_invoke_them(sidecar):
         {"registered": ["editor_selection", "editor_fail"]}
     err = sidecar.error_of("registerClientTools", {"tools": [spec]})
     assert err.code == -32602 and "editor_selection" in err.message
+    # an inputSchema that is not valid JSON Schema is refused where it is wrong, and nothing of
+    # that call is registered (its valid tool neither)
+    bad = {"name": "editor_bad", "description": "Bad.", "inputSchema": {"type": "object", "properties": {"uri": {"type": 5}}}}
+    good = {"name": "editor_good", "description": "Good.", "inputSchema": {"type": "object", "properties": {}}}
+    err = sidecar.error_of("registerClientTools", {"tools": [good, bad]})
+    assert err.code == -32602 and "editor_bad" in err.message and err.data["path"] == "/properties/uri/type"
     calls = []
     sidecar.on_request("invokeClientTool", lambda p: calls.append(p) or {"output": {"text": "selected"}})
 
@@ -154,6 +160,7 @@ def test_register_client_tools_and_invoke_them(sidecar):
     bid = sidecar.branch()
     tools = {t["name"]: t for t in sidecar.request("listTools", {"branchId": bid})["tools"]}
     assert tools["editor_selection"]["source"] == "client" and tools["editor_selection"]["policy"] == "allow"
+    assert "editor_bad" not in tools and "editor_good" not in tools
     out = sidecar.request("operate", {"branchId": bid, "instruction": "x", "actions": True,
                                       "actionStrategy": "sequential"})
     res = outputs(out)
