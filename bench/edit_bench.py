@@ -13,7 +13,10 @@ variant, interleaved across repetitions), the per-operate latency of:
 - ``rounds2``: ``maxRounds`` 2, round 1 calls ``read_file``, round 2 calls none.
 
 Added cost of a preview + edit = ``edit_ask`` − ``write`` (p50); the cost of a round =
-``rounds2`` − ``tool``, whose target is at most one extra operate (``followup``).
+``rounds2`` − ``tool``, whose target is at most one extra operate (``followup``): those three
+also take turns in one process per repetition, and the round's cost is the median of each
+``rounds2`` operate's time less the ``tool`` operate's next to it (two ~1 ms medians from
+different processes differ by more than a round on this machine).
 In-process: ``unified_diff`` of a 10,000-line file (one edit, 100 scattered changed lines,
 every line changed), target under 50 ms.
 """
@@ -113,6 +116,40 @@ async def _session(argv: list[str], variant: str, warm: int, n: int) -> list[flo
 
 
 VARIANTS = ("write", "write_ask", "edit_ask", "edit", "tool", "followup", "rounds2")
+#: the round's cost is measured in one process, the three shapes taking turns (the order rotated
+#: each time): the difference of two ~1 ms medians from different processes is within this
+#: machine's drift, and once read below zero
+PAIRED = ("tool", "rounds2", "followup")
+
+
+async def _paired_session(argv: list[str], warm: int, n: int) -> dict[str, list[float]]:
+    """``tool``, ``rounds2`` and ``followup`` operates taking turns on one branch of one server."""
+    work = Path(tempfile.mkdtemp(prefix="edit-bench-"))
+    (work / "f.py").write_text(_text("A"))
+    plan = [PAIRED[(i + k) % 3] for i in range(warm + n) for k in range(3)]
+    responses = [r for v in plan for r in _responses(v, 1)[0]]
+    conn = AllowConn("lsp")
+    await conn.spawn(argv, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    try:
+        await conn.request("initialize", {"clientInfo": {"name": "edit-bench"}, "workspaceFolders": [str(work)],
+                                          "settings": {"models": {"s": {"provider": "scripted",
+                                                                        "responses": responses}},
+                                                       "defaultModel": "s"}}, timeout=60)
+        bid = (await conn.request("createBranch", {}, timeout=60))["branchId"]
+        out: dict[str, list[float]] = {v: [] for v in PAIRED}
+        for j, v in enumerate(plan):
+            extra = _responses(v, 1)[2]
+            t = time.perf_counter()
+            res = await conn.request("operate", {"branchId": bid, "instruction": f"q{j}", "actions": True,
+                                                 "clearMessages": True, **extra}, timeout=60)
+            dt = (time.perf_counter() - t) * 1000
+            if res.get("rounds") != (2 if v == "rounds2" else 1):
+                raise RuntimeError(f"paired {v}: {res.get('rounds')} rounds")
+            if j >= 3 * warm:
+                out[v].append(dt)
+        return out
+    finally:
+        await conn.close()
 
 
 def _diff_cases() -> dict[str, tuple[str, str]]:
@@ -146,22 +183,29 @@ def measure(quick: bool, server_cpu: int | None) -> dict[str, Any]:
     reps, warm, n = (2, 10, 40) if quick else (5, 20, 150)
     argv = _argv(server_cpu)
     lat: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    paired: dict[str, list[float]] = {v: [] for v in PAIRED}
     for r in range(reps):
         order = list(VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)])  # rotated each repetition
         for v in order:
             lat[v] += asyncio.run(_session(argv, v, warm, n))
-        _log(f"   rep {r + 1}/{reps}: " + ", ".join(f"{v} {statistics.median(lat[v]):.2f} ms" for v in VARIANTS))
+        for v, xs in asyncio.run(_paired_session(argv, warm, n)).items():
+            paired[v] += xs
+        _log(f"   rep {r + 1}/{reps}: " + ", ".join(f"{v} {statistics.median(lat[v]):.2f} ms" for v in VARIANTS)
+             + "; taking turns in one process: " + ", ".join(f"{v} {statistics.median(paired[v]):.2f} ms"
+                                                             for v in PAIRED))
     p50 = {v: statistics.median(xs) for v, xs in lat.items()}
     diff = _diff_times(5 if quick else 15)
-    round_cost = p50["rounds2"] - p50["tool"]
+    # each rounds2 operate against the tool operate next to it, in the same process
+    round_cost = statistics.median(b - a for a, b in zip(paired["tool"], paired["rounds2"]))
+    extra_operate = statistics.median(paired["followup"])
     summary = {
         "preview_edit_added_ms": p50["edit_ask"] - p50["write"],
         "preview_write_added_ms": p50["write_ask"] - p50["write"],
         "edit_vs_write_ms": p50["edit"] - p50["write"],
         "preview_on_edit_ms": p50["edit_ask"] - p50["edit"],
         "round_cost_ms": round_cost,
-        "extra_operate_ms": p50["followup"],
-        "round_ratio": round_cost / p50["followup"],
+        "extra_operate_ms": extra_operate,
+        "round_ratio": round_cost / extra_operate,
         "diff_ms": {k: v["median"] for k, v in diff.items()},
     }
     ratios = [
@@ -170,6 +214,7 @@ def measure(quick: bool, server_cpu: int | None) -> dict[str, Any]:
     ] + [{"what": f"diff of a 10,000-line file, {k} (median ms)", "ratio": v,
           "target": f"< {DIFF_TARGET_MS}", "met": v < DIFF_TARGET_MS} for k, v in summary["diff_ms"].items()]
     return {"reps": reps, "warm": warm, "per_process": n, "latency_ms": {v: _summ(xs) for v, xs in lat.items()},
+            "paired_ms": {v: _summ(xs) for v, xs in paired.items()},
             "diff": diff, "summary": summary, "ratios": ratios}
 
 
@@ -195,7 +240,10 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
               "so which of the two costs more depends on the file's size.",
               f"- preview + permission round trip + re-check on the same edit (`edit_ask` − `edit`): "
               f"**{s['preview_on_edit_ms']:+.3f} ms**",
-              f"- a round (`rounds2` − `tool`): **{s['round_cost_ms']:.3f} ms**, one extra operate (`followup`): "
+              f"- a round (`rounds2` − `tool`, each against the one next to it: the three shapes take turns in one "
+              f"process per repetition, {res['per_process']} of each after {res['warm']} warm-up turns, so that no "
+              f"drift between processes enters the difference): **{s['round_cost_ms']:.3f} ms**, one extra "
+              f"operate (`followup`, the same processes): "
               f"{s['extra_operate_ms']:.3f} ms → ratio **{s['round_ratio']:.2f}** (target ≤ {ROUND_TARGET}); a round "
               "runs inside the server (no request to frame, parse, dispatch and answer), so it costs less than a "
               "separate operate. With a real model both are dominated by the model call.",
