@@ -233,5 +233,20 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
+async def settled_rss_kib(pid: int, at_least_s: float = 1.0, at_most_s: float = 5.0) -> int | None:
+    """A process's RSS once it stops moving: after ``at_least_s``, two samples 0.25 s apart
+    within 128 KiB (or the last sample after ``at_most_s`` more)."""
+    await asyncio.sleep(at_least_s)
+    last = rss_kib(pid)
+    deadline = time.monotonic() + at_most_s
+    while last is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        now = rss_kib(pid)
+        if now is None or abs(now - last) < 128:
+            return now
+        last = now
+    return last
+
+
 def now() -> float:
     return time.perf_counter()

@@ -62,10 +62,10 @@ def _text(tag: str) -> str:
                    for i in range(FILE_LINES))
 
 
-def _responses(variant: str, count: int) -> tuple[list[Any], dict[str, str], dict[str, Any]]:
-    """(scripted responses, tool policy, extra operate params) for ``count`` operates."""
+def _responses(plan: list[str]) -> list[Any]:
+    """The scripted model's replies for the operates of ``plan`` (one variant name per operate)."""
     out: list[Any] = []
-    for i in range(count):
+    for i, variant in enumerate(plan):
         tag_old, tag_new = ("A", "B") if i % 2 == 0 else ("B", "A")
         if variant.startswith("write"):
             out.append({"json": {"action_requests": [{"function": "write_file", "arguments": {
@@ -79,37 +79,43 @@ def _responses(variant: str, count: int) -> tuple[list[Any], dict[str, str], dic
             out.append(NONE)
         else:  # rounds2
             out += [READ, NONE]
-    policy = "ask" if variant.endswith("_ask") else "allow"
-    extra = {"maxRounds": 2} if variant == "rounds2" else {}
-    return out, {"write_file": policy, "edit_file": policy}, extra
+    return out
 
 
-async def _session(argv: list[str], variant: str, warm: int, n: int) -> list[float]:
+async def _session(argv: list[str], plan: list[str], warm: int) -> dict[str, list[float]]:
+    """One fresh server running the operates of ``plan`` in order on one branch: each one's time
+    (ms) by variant, after the first ``warm``. The tool policy is ``ask`` when the plan's
+    variants are the ``_ask`` ones."""
     work = Path(tempfile.mkdtemp(prefix="edit-bench-"))
     (work / "f.py").write_text(_text("A"))
-    responses, policy, extra = _responses(variant, warm + n)
+    policy = "ask" if plan[0].endswith("_ask") else "allow"
     conn = AllowConn("lsp")
     await conn.spawn(argv, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     try:
         await conn.request("initialize", {"clientInfo": {"name": "edit-bench"}, "workspaceFolders": [str(work)],
                                           "capabilities": {"toolPermission": True},
                                           "settings": {"models": {"s": {"provider": "scripted",
-                                                                        "responses": responses}},
-                                                       "defaultModel": "s", "toolPolicy": policy}}, timeout=60)
+                                                                        "responses": _responses(plan)}},
+                                                       "defaultModel": "s", "toolPolicy": {
+                                                           "write_file": policy, "edit_file": policy}}}, timeout=60)
         bid = (await conn.request("createBranch", {}, timeout=60))["branchId"]
-        out: list[float] = []
-        for i in range(warm + n):
+        out: dict[str, list[float]] = {v: [] for v in plan}
+        for i, variant in enumerate(plan):
+            rounds = 2 if variant == "rounds2" else 1
             t = time.perf_counter()
             res = await conn.request("operate", {"branchId": bid, "instruction": f"q{i}", "actions": True,
-                                                 "clearMessages": True, **extra}, timeout=60)
+                                                 "clearMessages": True, **({"maxRounds": 2} if rounds == 2 else {})},
+                                     timeout=60)
             dt = (time.perf_counter() - t) * 1000
             outputs = [r.get("output") for r in (res["result"] or {}).get("action_responses") or []]
             if any(isinstance(o, dict) and "error" in o for o in outputs):
                 raise RuntimeError(f"{variant}: a tool failed: {outputs}")
+            if res.get("rounds") != rounds:
+                raise RuntimeError(f"{variant}: {res.get('rounds')} rounds, not {rounds}")
             if i >= warm:
-                out.append(dt)
-        if variant.endswith("_ask") and not all(r["preview"] for r in conn.server_requests[-n:]):
-            raise RuntimeError(f"{variant}: a permission request without a preview")
+                out[variant].append(dt)
+        if policy == "ask" and not all(r["preview"] for r in conn.server_requests[-(len(plan) - warm):]):
+            raise RuntimeError(f"{plan[0]}: a permission request without a preview")
         return out
     finally:
         await conn.close()
@@ -120,36 +126,6 @@ VARIANTS = ("write", "write_ask", "edit_ask", "edit", "tool", "followup", "round
 #: each time): the difference of two ~1 ms medians from different processes is within this
 #: machine's drift, and once read below zero
 PAIRED = ("tool", "rounds2", "followup")
-
-
-async def _paired_session(argv: list[str], warm: int, n: int) -> dict[str, list[float]]:
-    """``tool``, ``rounds2`` and ``followup`` operates taking turns on one branch of one server."""
-    work = Path(tempfile.mkdtemp(prefix="edit-bench-"))
-    (work / "f.py").write_text(_text("A"))
-    plan = [PAIRED[(i + k) % 3] for i in range(warm + n) for k in range(3)]
-    responses = [r for v in plan for r in _responses(v, 1)[0]]
-    conn = AllowConn("lsp")
-    await conn.spawn(argv, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    try:
-        await conn.request("initialize", {"clientInfo": {"name": "edit-bench"}, "workspaceFolders": [str(work)],
-                                          "settings": {"models": {"s": {"provider": "scripted",
-                                                                        "responses": responses}},
-                                                       "defaultModel": "s"}}, timeout=60)
-        bid = (await conn.request("createBranch", {}, timeout=60))["branchId"]
-        out: dict[str, list[float]] = {v: [] for v in PAIRED}
-        for j, v in enumerate(plan):
-            extra = _responses(v, 1)[2]
-            t = time.perf_counter()
-            res = await conn.request("operate", {"branchId": bid, "instruction": f"q{j}", "actions": True,
-                                                 "clearMessages": True, **extra}, timeout=60)
-            dt = (time.perf_counter() - t) * 1000
-            if res.get("rounds") != (2 if v == "rounds2" else 1):
-                raise RuntimeError(f"paired {v}: {res.get('rounds')} rounds")
-            if j >= 3 * warm:
-                out[v].append(dt)
-        return out
-    finally:
-        await conn.close()
 
 
 def _diff_cases() -> dict[str, tuple[str, str]]:
@@ -187,8 +163,9 @@ def measure(quick: bool, server_cpu: int | None) -> dict[str, Any]:
     for r in range(reps):
         order = list(VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)])  # rotated each repetition
         for v in order:
-            lat[v] += asyncio.run(_session(argv, v, warm, n))
-        for v, xs in asyncio.run(_paired_session(argv, warm, n)).items():
+            lat[v] += asyncio.run(_session(argv, [v] * (warm + n), warm))[v]
+        turns = [PAIRED[(i + k) % 3] for i in range(warm + n) for k in range(3)]
+        for v, xs in asyncio.run(_session(argv, turns, 3 * warm)).items():
             paired[v] += xs
         _log(f"   rep {r + 1}/{reps}: " + ", ".join(f"{v} {statistics.median(lat[v]):.2f} ms" for v in VARIANTS)
              + "; taking turns in one process: " + ", ".join(f"{v} {statistics.median(paired[v]):.2f} ms"

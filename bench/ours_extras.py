@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 
-from .client import Conn, rss_kib
+from .client import Conn, rss_kib, settled_rss_kib
 from .contenders import lsp_init
 from .stats import summary
 
@@ -98,20 +98,6 @@ async def progress_deltas(spawn, operates: int = 3, chunks: int = 2000) -> dict:
         await conn.close()
 
 
-async def _settled(pid: int, at_least_s: float = 1.0, at_most_s: float = 5.0) -> int | None:
-    """RSS once it stops moving: after ``at_least_s``, two samples 0.25 s apart within 128 KiB."""
-    await asyncio.sleep(at_least_s)
-    last = rss_kib(pid)
-    deadline = time.monotonic() + at_most_s
-    while last is not None and time.monotonic() < deadline:
-        await asyncio.sleep(0.25)
-        now = rss_kib(pid)
-        if now is None or abs(now - last) < 128:
-            return now
-        last = now
-    return last
-
-
 async def memory_growth(spawn, total: int = 10_000, in_flight: int = 16, samples: int = 10) -> dict:
     """RSS while `total` operates run (create branch, operate, delete branch).
 
@@ -125,7 +111,7 @@ async def memory_growth(spawn, total: int = 10_000, in_flight: int = 16, samples
         bid = (await conn.request("createBranch", {}))["branchId"]
         await conn.request("operate", {"branchId": bid, "instruction": "go"})
         await conn.request("deleteBranch", {"branchId": bid})
-        rss0 = await _settled(conn.pid)
+        rss0 = await settled_rss_kib(conn.pid)
         curve.append((0, rss0))
         done = 0
         step = max(1, total // samples)

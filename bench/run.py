@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import contenders as C
 from . import ours_extras, venvs
-from .client import Conn
+from .client import Conn, settled_rss_kib
 from .report import write_markdown
 from .stats import summary
 
@@ -161,16 +161,7 @@ class Harness:
                        "used_rss_kib": summary(used[name]), "failures": failures[name]} for name in cold}
 
     async def _settled_rss(self, conn: Conn) -> int | None:
-        await asyncio.sleep(self.cfg.rss_settle_s)
-        last = conn.rss_kib()
-        deadline = time.monotonic() + self.cfg.rss_settle_max_s
-        while last is not None and time.monotonic() < deadline:
-            await asyncio.sleep(0.25)
-            now = conn.rss_kib()
-            if now is None or abs(now - last) < 128:
-                return now
-            last = now
-        return last
+        return await settled_rss_kib(conn.pid, self.cfg.rss_settle_s, self.cfg.rss_settle_max_s)
 
     # --------------------------------------------- light + throughput
     async def sessions(self) -> dict:

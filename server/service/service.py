@@ -851,25 +851,24 @@ class Service:
         await self.ensure_tools()
         from operate_sidecar.server.core.tools import Tool
 
+        def check_schemas() -> None:  # valid object schemas, or -32602 saying where (off the event loop)
+            from .schemas import check_valid
+
+            for spec in p.tools:
+                if not isinstance(spec.input_schema, dict) or spec.input_schema.get("type", "object") != "object":
+                    raise invalid_params(f"tool {spec.name!r}: inputSchema must be an object schema")
+                check_valid(spec.input_schema, f"tool {spec.name!r}: inputSchema")
+
+        import anyio.to_thread
+
+        await anyio.to_thread.run_sync(check_schemas, abandon_on_cancel=True)
+        # the names last, with no await between the check and the registration
         names = [t.name for t in p.tools]
         taken = [n for n in names if n in self.registry]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if taken or dupes:
             raise invalid_params(f"tool name{'s' if len(taken + dupes) > 1 else ''} already taken: "
                                  + ", ".join(taken + dupes), {"taken": taken + dupes})
-        for spec in p.tools:
-            if not isinstance(spec.input_schema, dict) or spec.input_schema.get("type", "object") != "object":
-                raise invalid_params(f"tool {spec.name!r}: inputSchema must be an object schema")
-
-        def check_schemas() -> None:  # valid JSON Schema, or -32602 saying where (off the event loop)
-            from .schemas import check_valid
-
-            for spec in p.tools:
-                check_valid(spec.input_schema, f"tool {spec.name!r}: inputSchema")
-
-        import anyio.to_thread
-
-        await anyio.to_thread.run_sync(check_schemas, abandon_on_cancel=True)
         for spec in p.tools:
             self.registry.register(Tool(name=spec.name, description=spec.description,
                                         input_schema=spec.input_schema, func=self._client_tool(spec.name),
