@@ -87,6 +87,43 @@ class LineBound:
         self._head = b""
 
 
+class NotificationNotices(logging.Filter):
+    """The SDK logs each notification it could not handle as an ERROR with a traceback, on the
+    root logger. Two of those are the client's doing, not a fault here, and JSON-RPC has them
+    ignored: a notification no route serves (a newer client's, say) and one whose params fail
+    the schema. The first becomes a DEBUG line, the second a one-line WARNING that names the
+    fields; anything else (a failure in a handler of ours) stays as the SDK logged it."""
+
+    PREFIX = "Unhandled error while handling notification"
+
+    def __init__(self, debug: bool = False) -> None:
+        super().__init__()
+        self.debug = debug
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or not (isinstance(record.msg, str) and record.msg.startswith(self.PREFIX)):
+            return True
+        from acp.exceptions import RequestError
+        from pydantic import ValidationError
+
+        method = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        if isinstance(exc, RequestError) and exc.code == -32601:
+            if not self.debug:
+                return False
+            level, record.msg, record.args = logging.DEBUG, "ignored notification %s: no such method", (method,)
+        elif isinstance(exc, ValidationError):
+            fields = "; ".join(f"{'.'.join(map(str, e.get('loc', ()))) or 'params'}: {e.get('msg', '')}"
+                               for e in exc.errors()[:3])
+            level, record.msg, record.args = logging.WARNING, "ignored notification %s: invalid params (%s)", \
+                (method, fields)
+        else:
+            return True
+        record.levelno, record.levelname, record.name = level, logging.getLevelName(level), "acp"
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
 def import_sdk() -> None:
     """Import the ACP SDK without two of pydantic's start-up costs, which are most of the time
     from spawn to the ``initialize`` answer. ``acp.schema`` declares about 270 models with
@@ -164,6 +201,7 @@ def run(*, base_settings: dict[str, Any], version: str, debug: bool, client_pid:
     from operate_sidecar.server.rpc.stdio import guard_stdio
 
     fds = guard_stdio()  # before anything can write to fd 1
+    logging.getLogger().addFilter(NotificationNotices(debug))  # the SDK logs on the root logger
     import_sdk()
     settings = S.finalize(S.merge(S.DEFAULTS, base_settings))
     loop = asyncio.new_event_loop()

@@ -459,6 +459,34 @@ def test_a_line_over_max_message_bytes_is_refused_and_the_stream_stays_in_sync(t
 
 
 
+def test_a_notification_the_client_got_wrong_is_ignored_with_one_line_not_a_traceback(tmp_path):
+    """JSON-RPC ignores notifications it cannot serve. The SDK logs each as an ERROR with a
+    traceback; an unknown one becomes nothing (DEBUG), one with invalid params a WARNING line
+    naming the field, and the session goes on."""
+    config = cfg(tmp_path, "x")
+    proc = subprocess.Popen([sys.executable, "-m", "operate_sidecar.server", "--acp", "--config", config],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=agent_env())
+    try:
+        frames = [{"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": 5}},
+                  {"jsonrpc": "2.0", "method": "session/cancel", "params": {}},
+                  {"jsonrpc": "2.0", "method": "$/cancel_request", "params": {"requestId": 3}},
+                  {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}]
+        out, err = proc.communicate(b"".join(json.dumps(f).encode() + b"\n" for f in frames), timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    answers = [json.loads(line) for line in out.decode().splitlines()]
+    assert [a["id"] for a in answers] == [1] and answers[0]["result"]["protocolVersion"] == 1
+    log = err.decode()
+    assert "Traceback" not in log and "ERROR" not in log, log
+    warnings = [line for line in log.splitlines() if "WARNING" in line]
+    assert len(warnings) == 2 and all("ignored notification session/cancel: invalid params" in w
+                                      for w in warnings), log
+    assert "Input should be a valid string" in warnings[0] and "sessionId: Field required" in warnings[1]
+    assert "cancel_request" not in log and proc.returncode == 0
+
+
 def test_a_server_stopped_while_it_warms_up_leaves_nothing_in_the_temp_dir(tmp_path):
     """The first-use warm-up right after initialize creates nothing on disk, so a server killed
     in the middle of it (an editor closing at once) leaves no scratch folder behind."""
