@@ -173,6 +173,25 @@ def test_register_client_tools_and_invoke_them(sidecar):
                                                           ("editor_fail", "pre"), ("editor_fail", "error")]
 
 
+def test_two_registrations_of_one_name_in_flight_at_once_register_it_once(sidecar):
+    """The schema check awaits a worker thread; the name check follows it with no await before
+    registering, so of two calls racing for one name exactly one registers it and the other is
+    told the name is taken (not an internal error from the registry)."""
+    sidecar.init(models={"s": scripted("x")}, capabilities={"clientTools": True})
+    for i in range(5):
+        name = f"editor_twice_{i}"
+        spec = {"name": name, "description": "Once.", "inputSchema": {"type": "object", "properties": {}}}
+        pending = [sidecar.request_async("registerClientTools", {"tools": [spec]}) for _ in range(2)]
+        outcomes = []
+        for p in pending:
+            try:
+                outcomes.append(p.result(timeout=TIMEOUT))
+            except RpcError as e:
+                outcomes.append((e.code, e.data))
+        assert sorted(outcomes, key=str) == sorted([{"registered": [name]}, (-32602, {"taken": [name]})], key=str)
+        assert [t["name"] for t in sidecar.request("listTools", {})["tools"]].count(name) == 1
+
+
 def test_tool_events_have_increasing_seq_and_bounded_summaries(sidecar):
     long_text = "z" * 500
     sidecar.init(models={"s": scripted({"json": {"action_requests": [
