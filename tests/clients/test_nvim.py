@@ -574,6 +574,74 @@ def test_server_exit_fails_pending_requests_instead_of_hanging(nv):
     assert res[0] is True and res[1]["code"] == -32096
 
 
+def _capture_levels(v) -> None:
+    """Notifications with their levels: _G.notes (messages) and _G.levels, in step."""
+    v.lua("_G.notes, _G.levels = {}, {}; require('operate_sidecar').config.notify = function(msg, level) "
+          "table.insert(_G.notes, msg); table.insert(_G.levels, level or vim.log.levels.INFO) end")
+
+
+def test_a_missing_server_command_is_one_clear_message_per_command(nv, tmp_path):
+    nv.setup(["unused"])
+    missing = str(tmp_path / "no-such-dir" / "operate-sidecar")
+    nv.lua("require('operate_sidecar').config.cmd = {...}", missing)
+    _capture_levels(nv)
+    want = f"cannot start {missing}: ENOENT"
+    for command in ("OperateStart", "Operate hello", "OperateBranch list", "OperateModel", "OperateTools"):
+        nv.lua("_G.notes, _G.levels = {}, {}")
+        nv.n.command(command)
+        nv.wait("#_G.notes > 0", f"the failure of :{command}")
+        nv.lua("vim.wait(300)")                                          # (a second message would come now)
+        notes = nv.lua("return _G.notes")
+        assert len(notes) == 1, f":{command} notified {notes}"
+        assert want in notes[0] and ".lua:" not in notes[0], notes  # no source path of the plugin
+    assert nv.lua("return require('operate_sidecar').status().running") is False
+
+
+def test_a_server_killed_by_a_signal_is_a_warning_with_its_log_tail(nv):
+    nv.setup([{"text": "never", "delayMs": 60000}])
+    st = nv.start()
+    log = nv.xdg["XDG_CACHE_HOME"] / "nvim" / "operate-sidecar.log"
+    with log.open("a") as f:                                # a line this server process "wrote"
+        f.write("LAST WORDS of the killed server\n")
+    _capture_levels(nv)
+    nv.n.command("Operate wait forever")
+    nv.wait("require('operate_sidecar')._state.progress.phase == 'request'", "the model call to start")
+    os.kill(st["pid"], signal.SIGKILL)
+    nv.wait("require('operate_sidecar')._state.exit ~= nil", "the exit to be recorded")
+    exit_ = nv.lua("return require('operate_sidecar')._state.exit")
+    assert exit_["code"] == 0 and exit_["signal"] == 9, exit_               # (what libuv reports for a kill)
+    notes, levels = nv.lua("return _G.notes"), nv.lua("return _G.levels")
+    warn = [n for n in notes if n.startswith("[operate] server ")]
+    assert len(warn) == 1 and warn[0].startswith("[operate] server was killed by signal 9 (SIGKILL):\n"), notes
+    assert "LAST WORDS of the killed server" in warn[0]
+    assert levels[notes.index(warn[0])] == nv.lua("return vim.log.levels.WARN")
+    assert not any("server stopped" in n for n in notes)
+    nv.n.command("checkhealth operate_sidecar")                          # :checkhealth tells it too
+    report = "\n".join(nv.n.current.buffer[:])
+    assert "the server was killed by signal 9 (SIGKILL)" in report and "WARNING" in report, report
+
+
+def test_the_exit_warning_shows_only_this_server_process_log_lines(nv):
+    nv.setup(["unused"])
+    log = nv.xdg["XDG_CACHE_HOME"] / "nvim" / "operate-sidecar.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("AN EARLIER EDITOR: some old failure\n")
+    for session in ("FIRST", "SECOND"):
+        prog = f"import sys; sys.stderr.write('{session} SESSION: failure\\n'); sys.exit(3)"
+        nv.lua("require('operate_sidecar').config.cmd = ...", [sys.executable, "-c", prog])
+        nv.lua("_G.notes = {}; require('operate_sidecar')._state.exit = nil")
+        nv.n.command("OperateStart")
+        nv.wait("require('operate_sidecar')._state.exit ~= nil and #_G.notes >= 2", f"the {session} server to exit")
+        warn = [n for n in nv.lua("return _G.notes") if n.startswith("[operate] server exited")]
+        assert warn == [f"[operate] server exited with code 3:\n{session} SESSION: failure"], nv.lua("return _G.notes")
+    nv.n.command("checkhealth operate_sidecar")
+    report = "\n".join(nv.n.current.buffer[:])
+    assert "the server exited with code 3" in report and "SECOND SESSION: failure" in report, report
+    assert "FIRST SESSION" not in report and "EARLIER EDITOR" not in report, report
+    text = log.read_text()                                          # the log itself keeps everything
+    assert "EARLIER EDITOR" in text and "FIRST SESSION" in text and "SECOND SESSION" in text
+
+
 def test_operate_with_a_range_sends_the_selection_as_context(sv):
     bid = sv.new_branch(["r1", "r2"], "range")
     sv.n.command("enew")
@@ -667,6 +735,44 @@ def test_branch_picker_fork_and_tools(sv):
     assert b2 not in ids and b1 in ids
 
 
+def test_unknown_branch_ids_and_model_names_are_refused(sv):
+    b1 = sv.new_branch(["one"], "known1")
+    b2 = sv.new_branch(["two"], "known2")
+    chats_before = sv.lua("return vim.tbl_keys(require('operate_sidecar.chat').chats)")
+
+    def refused(command: str, want: str) -> str:
+        sv.lua("_G.notes = {}")
+        sv.n.command(command)
+        sv.wait("#_G.notes > 0", f"the answer to :{command}")
+        sv.lua("vim.wait(200)")
+        notes = sv.lua("return _G.notes")
+        assert len(notes) == 1 and notes[0].startswith(want), notes
+        return notes[0]
+
+    for command, bad in (("OperateBranch bogusid", "bogusid"), ("OperateMessages nope2", "nope2")):
+        note = refused(command, f"[operate] unknown branch: {bad}; the server's branches:\n")
+        assert f"  {b1}  known1" in note and f"  {b2}  known2" in note           # the known ones, named
+        assert sv.lua("return require('operate_sidecar').current_branch()") == b2     # nothing switched
+        assert sv.n.call("bufnr", f"operate://chat/{bad}") == -1                     # no empty chat
+        assert sv.lua("return vim.tbl_keys(require('operate_sidecar.chat').chats)") == chats_before
+    note = refused("OperateModel nope", "[operate] unknown model: nope; the server's models: ")
+    assert note.endswith(": s"), note
+    assert sv.lua("return require('operate_sidecar').config.model") is None
+    # known ones are taken
+    sv.lua("_G.notes = {}")
+    sv.n.command("OperateModel s")
+    assert sv.lua("return require('operate_sidecar').config.model") == "s"
+    sv.n.command(f"OperateBranch {b1}")
+    sv.wait(f"require('operate_sidecar').current_branch() == '{b1}'", "the switch to a known branch")
+    assert sv.lua("return vim.b.operate_sidecar_branch") == b1
+    sv.n.command(f"OperateMessages {b2}")
+    sv.wait(f"vim.b.operate_sidecar_branch == '{b2}'", "the chat of a known branch")
+    sv.lua("_G.notes = {}")
+    sv.n.command("OperateTools fixture_echo deny")                 # a policy for the real current branch
+    sv.wait("#_G.notes > 0", "the policy change")
+    assert sv.lua("return _G.notes") == [f"[operate] fixture_echo: deny ({b1})"]
+
+
 def test_model_picker_statusline_and_completion(nv):
     nv.setup(["from s"], models={"s": scripted(["from s"]), "t": scripted(["from t"])})
     nv.start()
@@ -715,6 +821,30 @@ def test_checkhealth_and_help(nv):
     for tag in ("operate-sidecar-review", ":OperateChat", "operate-sidecar-context"):
         nv.n.command(f"help {tag}")
         assert nv.n.current.buffer.name.endswith("operate_sidecar.txt")
+
+
+def test_checkhealth_tells_a_server_command_that_is_not_executable(nv, tmp_path):
+    nv.setup(["unused"])
+    prog = tmp_path / "bin" / "operate-sidecar"
+    prog.parent.mkdir()
+    prog.write_text("#!/bin/sh\nexit 0\n")
+    prog.chmod(0o644)
+    cases = [([str(prog)], f"server command is not executable: {prog}"),
+             (["operate-sidecar"], f"server command is not executable: {prog}"),   # found in $PATH
+             ([str(tmp_path / "bin")], f"server command is a directory: {tmp_path / 'bin'}"),
+             ([str(tmp_path / "nothing")], f"server command not found: {tmp_path / 'nothing'}")]
+    nv.lua("vim.env.PATH = ... .. ':' .. vim.env.PATH", str(prog.parent))
+    for cmd, want in cases:
+        nv.lua("require('operate_sidecar').config.cmd = ...", cmd)
+        nv.n.command("checkhealth operate_sidecar")
+        report = "\n".join(nv.n.current.buffer[:])
+        assert want in report and "ERROR" in report, report
+        if "not found" not in want:
+            assert "not found" not in report, report
+    nv.lua("require('operate_sidecar').config.cmd = ...", [str(prog)])
+    nv.lua("_G.notes = {}")
+    nv.n.command("OperateStart")                            # what starting it says agrees
+    assert nv.lua("return _G.notes") == [f"[operate] cannot start {prog}: EACCES: permission denied"]
 
 
 def test_client_tool_is_invoked_in_the_editor(sv, tmp_path):

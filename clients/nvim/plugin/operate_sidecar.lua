@@ -48,7 +48,7 @@ cmd('OperatePermission', function()
 end, { desc = 'Show the waiting permission request or diff review' })
 
 cmd('OperateMessages', function(opts)
-  os_().chat(fargs(opts).fargs[1])
+  os_().command_messages(fargs(opts))
 end, { nargs = '?', desc = 'Open the chat of the current branch (or of {branchId})' })
 
 cmd('OperateBranch', function(opts)

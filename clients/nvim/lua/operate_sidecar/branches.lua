@@ -246,6 +246,62 @@ function M.pick_model(cb)
   end)
 end
 
+--- Check that the server knows branch `id`: cb(nil) if so; else a notified error naming the
+--- branches it has, and cb(err).
+function M.check(id, cb)
+  cb = cb or function() end
+  server.request_or_notify('listBranches', nil, cb, function(res)
+    local lines = {}
+    for _, b in ipairs(res.branches or {}) do
+      if b.branchId == id then
+        return cb(nil)
+      end
+      local name = M.names[b.branchId] or (not is_null(b.name) and b.name) or nil
+      lines[#lines + 1] = '  ' .. b.branchId .. (name and ('  ' .. name) or '')
+    end
+    local msg = ('unknown branch: %s; %s'):format(id, #lines > 0
+      and ('the server\'s branches:\n' .. table.concat(lines, '\n')) or 'the server has no branches')
+    notify(msg, vim.log.levels.ERROR)
+    cb({ code = -32012, message = msg })
+  end)
+end
+
+--- Make branch `id` current and open its chat, once the server confirms it exists. cb(err).
+function M.switch(id, cb)
+  cb = cb or function() end
+  local k = key()
+  M.check(id, function(err)
+    if err then
+      return cb(err)
+    end
+    M.set(id, k)
+    require('operate_sidecar.chat').open(id)
+    cb(nil)
+  end)
+end
+
+--- Set the chat model to `name`, one of the server's configured models (else a notified error
+--- naming them, and nothing changes). cb(err).
+function M.choose_model(name, cb)
+  cb = cb or function() end
+  server.when_ready(function(err)
+    if err then
+      notify('cannot list models: ' .. tostring(err.message), vim.log.levels.ERROR)
+      return cb(err)
+    end
+    local models = vim.deepcopy(server.models())
+    table.sort(models)
+    if not vim.tbl_contains(models, name) then
+      local msg = ('unknown model: %s; the server\'s models: %s'):format(name,
+        #models > 0 and table.concat(models, ', ') or 'none')
+      notify(msg, vim.log.levels.ERROR)
+      return cb({ code = -32602, message = msg })
+    end
+    M.set_model(name)
+    cb(nil)
+  end)
+end
+
 function M.set_model(name)
   config.values.model = name
   notify('model ' .. name)

@@ -25,6 +25,29 @@ local function reporter()
   return { start = fn('start'), ok = fn('ok'), warn = fn('warn'), error = fn('error'), info = fn('info') }
 end
 
+-- Why `prog` cannot be run: 'not executable' / 'a directory' for a file that exists, else nil
+-- (not found). A name without a slash is looked up in $PATH, as the spawn does.
+local function why_not_executable(prog)
+  local uv = vim.uv or vim.loop
+  local candidates = {}
+  if prog:find('/', 1, true) then
+    candidates[1] = prog
+  else
+    for dir in (os.getenv('PATH') or ''):gmatch('[^:]+') do
+      candidates[#candidates + 1] = dir .. '/' .. prog
+    end
+  end
+  for _, path in ipairs(candidates) do
+    local st = uv.fs_stat(path)
+    if st and st.type == 'directory' then
+      return 'a directory', path
+    elseif st then
+      return 'not executable', path
+    end
+  end
+  return nil
+end
+
 function M.check()
   local r = reporter()
   local config = require('operate_sidecar.config').values
@@ -45,8 +68,16 @@ function M.check()
   elseif vim.fn.executable(cmd[1]) == 1 then
     r.ok(('server command: %s'):format(table.concat(cmd, ' ')))
   else
-    r.error(('server command not found: %s'):format(cmd[1]),
-      'pip install operate-sidecar, or setup({cmd = {"/path/to/.venv/bin/operate-sidecar"}})')
+    local why, path = why_not_executable(cmd[1])
+    if why == 'not executable' then
+      r.error(('server command is not executable: %s'):format(path), ('chmod +x %s'):format(path))
+    elseif why then
+      r.error(('server command is a directory: %s'):format(path),
+        'setup({cmd = {"/path/to/.venv/bin/operate-sidecar"}})')
+    else
+      r.error(('server command not found: %s'):format(cmd[1]),
+        'pip install operate-sidecar, or setup({cmd = {"/path/to/.venv/bin/operate-sidecar"}})')
+    end
   end
   local st = server.state
   if server.is_running() and st.ready and st.init_result then
@@ -61,9 +92,9 @@ function M.check()
     else
       r.info('branches live in memory only (stateDir is off)')
     end
-  elseif st.exit and st.exit.code ~= 0 then
+  elseif st.exit and st.exit.abnormal then
     local tail = server.last_log_lines(5)
-    r.warn(('the server exited with code %s'):format(tostring(st.exit.code)),
+    r.warn('the server ' .. server.describe_exit(st.exit.code, st.exit.signal),
       #tail > 0 and table.concat(tail, '\n') or nil)
   else
     r.ok('not running (it starts on first use, or :OperateStart)')

@@ -154,9 +154,21 @@ function M.command_branch(opts)
   elseif sub == 'pick' then
     branches.pick()
   else
-    branches.set(sub) -- an id: make it current
-    require('operate_sidecar.chat').open(sub)
+    branches.switch(sub) -- an id: make it current (if the server knows it) and open its chat
   end
+end
+
+--- :OperateMessages [{id}]: the chat of the current branch, or of a branch the server knows.
+function M.command_messages(opts)
+  local id = opts.fargs[1]
+  if not id then
+    return M.chat()
+  end
+  branches.check(id, function(err)
+    if not err then
+      M.chat(id)
+    end
+  end)
 end
 
 function M.command_tools(opts)
@@ -170,7 +182,7 @@ end
 
 function M.command_model(opts)
   if opts.fargs[1] then
-    branches.set_model(opts.fargs[1])
+    branches.choose_model(opts.fargs[1])
   else
     branches.pick_model()
   end

@@ -77,7 +77,8 @@ end
 
 --- Start the server.
 --- opts: cmd (list: program + args), cwd?, env? (table of overrides merged over the editor's
---- environment), log_file? (stderr is appended there), on_notification?(method, params),
+--- environment), log_file? (stderr is appended there; client.log_start is the file's size
+--- before this process wrote to it), on_notification?(method, params),
 --- handlers? {method = function(params, reply, ctx)} for server->client requests (call
 --- reply(result) or reply(nil, {code, message, data}); ctx.cancelled() tells whether the server
 --- has cancelled it), on_exit?(code, signal), on_server_cancel?(id).
@@ -117,6 +118,8 @@ function M.start(opts)
   if opts.log_file then
     vim.fn.mkdir(vim.fn.fnamemodify(opts.log_file, ':h'), 'p')
     self.log = io.open(opts.log_file, 'a')
+    -- where this process's lines start (the file keeps earlier sessions' lines)
+    self.log_start = self.log and self.log:seek('end') or 0
   end
 
   local args = {}
@@ -151,7 +154,8 @@ function M.start(opts)
     if self.log then
       self.log:close()
     end
-    error('operate-sidecar: cannot start ' .. tostring(opts.cmd[1]) .. ': ' .. tostring(pid))
+    -- level 0: a message for the user, without this file's name and line
+    error(('cannot start %s: %s'):format(tostring(opts.cmd[1]), tostring(pid)), 0)
   end
   self.handle, self.pid = handle, pid
 
@@ -221,7 +225,7 @@ function Client:_send(msg)
   msg.jsonrpc = '2.0'
   local ok, body = pcall(vim.json.encode, msg)
   if not ok then
-    error('operate-sidecar: cannot encode message: ' .. tostring(body))
+    error('operate-sidecar: cannot encode message: ' .. tostring(body), 0)
   end
   self.stdin:write(M.frame(body))
   return true

@@ -21,7 +21,8 @@ local S = {
   tool_events = {},
   progress = {},
   last = nil, -- {err, result, deltas, branchId} of the last operate
-  exit = nil, -- {code, signal} of the last server exit
+  exit = nil, -- {code, signal, stopped, abnormal} of the last server exit
+  log = nil, -- {path, start}: the log file of the last server process and where its lines start
   tools = {}, -- client tools by name
   stopping = false,
   after_exit = {}, -- run once the current server process is gone
@@ -202,11 +203,16 @@ local function flush_queue(err)
   end
 end
 
+--- The last n lines the last server process wrote to the log (never an earlier session's).
 local function last_log_lines(n)
-  local f = io.open(M.log_file(), 'r')
+  local log = S.log or { path = M.log_file(), start = 0 }
+  local f = io.open(log.path, 'r')
   if not f then
     return {}
   end
+  local size = f:seek('end') or 0
+  -- a file shorter than the offset was truncated (or rotated) since: read all of it
+  f:seek('set', (log.start or 0) <= size and (log.start or 0) or 0)
   local lines = {}
   for l in f:lines() do
     lines[#lines + 1] = l
@@ -219,13 +225,34 @@ local function last_log_lines(n)
 end
 M.last_log_lines = last_log_lines
 
+local signal_names = { [1] = 'SIGHUP', [2] = 'SIGINT', [3] = 'SIGQUIT', [4] = 'SIGILL', [6] = 'SIGABRT',
+  [7] = 'SIGBUS', [8] = 'SIGFPE', [9] = 'SIGKILL', [11] = 'SIGSEGV', [13] = 'SIGPIPE', [14] = 'SIGALRM',
+  [15] = 'SIGTERM' }
+
+local function signal_label(signal)
+  return signal_names[signal] or ('signal ' .. tostring(signal))
+end
+
+--- How a process ended, for messages: "exited with code 3", "was killed by signal 9 (SIGKILL)".
+function M.describe_exit(code, signal)
+  if signal and signal ~= 0 then
+    return ('was killed by signal %s%s'):format(tostring(signal),
+      signal_names[signal] and (' (' .. signal_names[signal] .. ')') or '')
+  end
+  return 'exited with code ' .. tostring(code)
+end
+
 local function on_exit(client, code, signal)
   if S.client ~= client then
     return
   end
   local was_ready = S.ready
   S.client, S.ready = nil, false
-  S.exit = { code = code, signal = signal }
+  -- stopped: we asked for it (:OperateStop, or a failed start killed); abnormal: anything else
+  -- but a clean exit (a non-zero code, or a signal: libuv then reports code 0)
+  local stopped = S.stopping or client.killed_on_purpose == true
+  local abnormal = not stopped and (code ~= 0 or (signal ~= nil and signal ~= 0))
+  S.exit = { code = code, signal = signal, stopped = stopped, abnormal = abnormal }
   local journaled = S.init_result and S.init_result.capabilities
     and not is_null(S.init_result.capabilities.stateDir)
   if not journaled then
@@ -233,12 +260,12 @@ local function on_exit(client, code, signal)
   end
   flush_queue({ code = rpc.codes.server_exited, message = 'operate-sidecar exited during start-up' })
   require('operate_sidecar.permission').server_gone()
-  if code == 0 or S.stopping then
-    notify(('server stopped (code %s)'):format(tostring(code)))
+  if not abnormal then
+    notify(('server stopped (%s)'):format((signal and signal ~= 0) and signal_label(signal)
+      or ('code ' .. tostring(code))))
   else
     local tail = last_log_lines(was_ready and 3 or 8)
-    notify(('server exited (code %s%s)%s'):format(tostring(code),
-      (signal and signal ~= 0) and (', signal ' .. signal) or '',
+    notify(('server %s%s'):format(M.describe_exit(code, signal),
       #tail > 0 and (':\n' .. table.concat(tail, '\n')) or ''), vim.log.levels.WARN)
   end
   S.stopping = false
@@ -255,8 +282,8 @@ local function going_away()
   return S.client ~= nil and (S.stopping or not S.client:is_running())
 end
 
---- Start the server and initialize it. cb(err, initialize_result) runs once it is ready.
-function M.start(cb)
+-- quiet: the caller reports a failure to start (cb gets it), so it is not notified here too.
+local function start(cb, quiet)
   cb = cb or function() end
   if S.ready then
     cb(nil, S.init_result)
@@ -264,7 +291,7 @@ function M.start(cb)
   end
   if going_away() then
     S.after_exit[#S.after_exit + 1] = function()
-      M.start(cb)
+      start(cb, quiet)
     end
     return
   end
@@ -301,11 +328,15 @@ function M.start(cb)
     return c
   end)
   if not ok then
-    notify(tostring(client), vim.log.levels.ERROR)
-    cb({ code = rpc.codes.not_running, message = tostring(client) })
+    local msg = tostring(client)
+    if not quiet then
+      notify(msg, vim.log.levels.ERROR)
+    end
+    cb({ code = rpc.codes.not_running, message = msg })
     return
   end
   S.client, S.ready, S.init_result, S.exit = client, false, nil, nil
+  S.log = { path = M.log_file(), start = client.log_start or 0 }
   S.queue[#S.queue + 1] = when_started
 
   local timer = (vim.uv or vim.loop).new_timer()
@@ -318,8 +349,13 @@ function M.start(cb)
     timer:stop()
     timer:close()
     if err then
-      notify('start failed: ' .. tostring(err.message), vim.log.levels.ERROR)
-      client:kill(9) -- on_exit then forgets this client
+      if not quiet then
+        notify('start failed: ' .. tostring(err.message), vim.log.levels.ERROR)
+      end
+      if not client.exited then -- (one that died by itself is reported as such by on_exit)
+        client.killed_on_purpose = true
+        client:kill(9) -- on_exit then forgets this client
+      end
       flush_queue(err)
       return
     end
@@ -359,7 +395,14 @@ function M.start(cb)
   end)
 end
 
---- Run fn(err) once the server is ready (starting it when auto_start is on).
+--- Start the server and initialize it. cb(err, initialize_result) runs once it is ready. A
+--- failure to start is notified (and passed to cb).
+function M.start(cb)
+  start(cb, false)
+end
+
+--- Run fn(err) once the server is ready (starting it when auto_start is on). A failure to start
+--- is only passed to fn (the caller reports it, once).
 function M.when_ready(fn)
   if S.ready then
     fn(nil)
@@ -370,9 +413,9 @@ function M.when_ready(fn)
   elseif S.client then
     S.queue[#S.queue + 1] = fn
   elseif config.values.auto_start then
-    M.start(function(err)
+    start(function(err)
       fn(err)
-    end)
+    end, true)
   else
     fn({ code = rpc.codes.not_running, message = 'operate-sidecar is not running (:OperateStart)' })
   end
