@@ -99,7 +99,14 @@ def _dumps(obj: Any) -> str:
     """A record as stored: every known secret value redacted first (a model may echo a key)."""
     if has_secrets():
         obj = redact_value(obj)
-    return json.dumps(obj, ensure_ascii=False, default=str, separators=(",", ":"))
+    text = json.dumps(obj, ensure_ascii=False, default=str, separators=(",", ":"))
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (legal as a JSON escape, not as UTF-8 text):
+            # stored escaped, so it reads back as it came
+            text = json.dumps(obj, ensure_ascii=True, default=str, separators=(",", ":"))
+    return text
 
 
 def _is_damage(e: BaseException) -> bool:
@@ -534,7 +541,7 @@ class StateStore:
                 except sqlite3.Error:
                     pass
                 raise
-        except (sqlite3.Error, OSError, StateNotSaved) as e:
+        except Exception as e:  # whatever it was, nothing of it is on disk: say so, put memory back
             with self._lock:
                 st2 = self._branches.get(bid)
                 if st2 is not None:

@@ -150,6 +150,46 @@ def test_a_failed_transaction_writes_nothing_and_reverts_the_meta(tmp_path):
     assert [m.content.get("instruction") for m in _reload(tmp_path)[b.id].messages][1:] == ["q0", "next"]
 
 
+def test_lone_surrogates_are_stored_and_come_back_as_they_came(tmp_path):
+    """JSON may carry a lone surrogate ("\\ud800", from a client or a model); it is no UTF-8
+    text, so SQLite cannot take it as it is: the record is stored escaped and reads back equal
+    (it failed the whole commit, and every later one of the branch, with its title in the meta)."""
+    s = StateStore(str(tmp_path))
+    b = _branch(s, 1)
+    s.flush()
+    b.messages.add("instruction", {"instruction": "hi \ud800 there \udfff, and é"})
+    s.update_meta(b.id, {"client": {"title": "hi \ud800"}})
+    s.flush({b.id})
+    lb = _reload(tmp_path)[b.id]
+    assert lb.messages[-1].content["instruction"] == "hi \ud800 there \udfff, and é"
+    assert lb.meta["client"] == {"title": "hi \ud800"}
+    b.messages.add("instruction", {"instruction": "é, next"})  # a plain one after it: stored as UTF-8
+    s.flush({b.id})
+    assert _reload(tmp_path)[b.id].messages[-1].content["instruction"] == "é, next"
+    assert "é, next" in s.conn.execute("SELECT record FROM messages ORDER BY seq DESC LIMIT 1").fetchone()[0]
+
+
+def test_any_failure_of_a_commit_is_state_not_saved_and_reverts_the_meta(tmp_path, monkeypatch):
+    """Not only SQLite's and the file system's errors: whatever fails a commit, the caller is
+    told the state was not saved (-32013 on the wire) and the meta in memory is the committed one."""
+    s = StateStore(str(tmp_path))
+    b = _branch(s, 1)
+    s.flush()
+    b.messages.add("instruction", {"instruction": "q1"})
+    s.update_meta(b.id, {"policy": {"f": "allow"}})
+    import operate_sidecar.server.state.store as store
+
+    def broken(obj):
+        raise ValueError("cannot serialize")
+
+    monkeypatch.setattr(store, "_dumps", broken)
+    with pytest.raises(StateNotSaved):
+        s.flush({b.id})
+    assert s.committed_meta(b.id).get("policy") is None
+    assert not s.dirty({b.id})                                 # the pending meta change was dropped
+    assert len(_reload(tmp_path)[b.id].messages) == 2
+
+
 def test_a_new_branch_whose_insert_fails_is_not_on_disk(tmp_path):
     s = StateStore(str(tmp_path))
     s.conn.execute("CREATE TRIGGER boom BEFORE INSERT ON messages BEGIN SELECT RAISE(ABORT, 'x'); END")
