@@ -23,7 +23,13 @@ from .operative import request_info
 from .params import FuzzyMatchKeysParams, ParseParam
 from .render import render_repair_request
 
+#: a reply longer than this holds no JSON for the pipeline (the reference's 10 MB cap); cutting
+#: it instead would make valid JSON invalid and hand megabytes to the repair
 MAX_EXTRACT_CHARS = 10_000_000
+#: json-repair is pure Python (~2 µs a character on a cut-off string) and runs on the event
+#: loop: a candidate longer than this is not repaired (valid JSON of any size up to the cap
+#: is still parsed, by the C parser)
+MAX_REPAIR_CHARS = 256 * 1024
 _FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)```", re.S)
 
 
@@ -95,24 +101,29 @@ def extract_json(text: Any) -> Any:
         return text
     if not isinstance(text, str):
         return None
-    text = text[:MAX_EXTRACT_CHARS]
+    if len(text) > MAX_EXTRACT_CHARS:
+        return None
     stripped = text.strip()
     if not stripped:
         return None
     value = _loads(stripped)
     if isinstance(value, (dict, list)):
         return value
-    for block in _FENCE.findall(text):
-        value = _loads(block.strip())
+    blocks = [b.strip() for b in _FENCE.findall(text)]
+    for block in blocks:
+        value = _loads(block)
         if isinstance(value, (dict, list)):
             return value
-    for span in _balanced_objects(text):
+    spans = _balanced_objects(text)
+    for span in spans:
         value = _loads(span)
         if isinstance(value, (dict, list)):
             return value
+    candidates = [c for c in blocks + spans + [stripped] if len(c) <= MAX_REPAIR_CHARS]
+    if not candidates:
+        return None
     from json_repair import repair_json
 
-    candidates = [b.strip() for b in _FENCE.findall(text)] + _balanced_objects(text) + [stripped]
     for cand in candidates:
         try:
             value = repair_json(cand, return_objects=True)

@@ -45,6 +45,32 @@ def test_extract_json_returns_none_without_json(text):
     assert extract_json(text) is None
 
 
+def test_extract_json_parses_valid_json_of_any_size_up_to_the_cap_and_nothing_over_it():
+    """Valid JSON up to the 10 MB cap is parsed whole (it used to be cut at the cap first,
+    which made a reply just over it invalid JSON); a longer reply holds none."""
+    from operate_sidecar.server.core.parse import MAX_EXTRACT_CHARS
+
+    head = '{"content": "'
+    big = head + "z" * (MAX_EXTRACT_CHARS - len(head) - 2) + '"}'
+    assert len(big) == MAX_EXTRACT_CHARS and extract_json(big) == {"content": big[len(head):-2]}
+    assert extract_json(big[:-2] + 'z"}') is None
+
+
+def test_a_long_cut_off_reply_is_not_handed_to_json_repair(monkeypatch):
+    """json-repair is pure Python on the event loop (a 10 MB cut-off string took minutes and
+    froze the server); a candidate over MAX_REPAIR_CHARS is not repaired, a short one is."""
+    import json_repair
+
+    from operate_sidecar.server.core.parse import MAX_REPAIR_CHARS
+
+    seen: list[int] = []
+    real = json_repair.repair_json
+    monkeypatch.setattr(json_repair, "repair_json", lambda s, **kw: seen.append(len(s)) or real(s, **kw))
+    cut = '{"action_requests": [{"function": "write_file", "arguments": {"content": "' + "z" * MAX_REPAIR_CHARS
+    assert extract_json(cut) is None and seen == []
+    assert extract_json("{'answer': 4,}") == {"answer": 4} and seen == [len("{'answer': 4,}")]
+
+
 def test_fuzzy_key_matching_maps_near_names():
     """Parse: keys are matched fuzzily (Jaro-Winkler ≥ 0.85): "Answer" → answer."""
     assert fuzzy_match_keys({"Answer": 1}, ["answer"], FuzzyMatchKeysParams()) == {"answer": 1}
