@@ -21,11 +21,17 @@ only if the file still holds the text the plan was computed from; otherwise noth
 written and the call fails saying the file changed. An unplanned call (policy ``allow``) re-reads
 the file just before it writes, with the same rule. A plan that cannot be made (edits that do
 not apply, a path outside the workspace) is kept as a failure: the call then fails at once
-with that error, and nobody is asked.
+with that error, and nobody is asked. Calls that change one file take turns (a lock per real
+path, for the whole process): the check and the write of one call are never interleaved with
+another's, so of two edits made at once (two calls of one reply, or operates on two branches)
+neither is lost. An unplanned one plans inside its turn, so it builds on the change before it;
+a previewed one that finds the file changed fails as above.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, fields
@@ -122,6 +128,25 @@ class PreviewTool(Tool):
 
     preview: Callable[[dict[str, Any], ToolCallContext], Awaitable[dict[str, Any]]] | None = None
     forget: Callable[[str], None] | None = None
+
+#: real path -> [its lock, how many calls hold or await it] (entries go when none does)
+_PATH_LOCKS: dict[Path, list[Any]] = {}
+
+
+@contextlib.asynccontextmanager
+async def _exclusive(real: Path) -> Any:
+    """One file-changing call at a time on ``real``, in this process."""
+    entry = _PATH_LOCKS.get(real)
+    if entry is None:
+        entry = _PATH_LOCKS[real] = [asyncio.Lock(), 0]
+    entry[1] += 1
+    try:
+        async with entry[0]:
+            yield
+    finally:
+        entry[1] -= 1
+        if entry[1] == 0 and _PATH_LOCKS.get(real) is entry:
+            del _PATH_LOCKS[real]
 
 
 @dataclass(slots=True)
@@ -222,20 +247,22 @@ class FileTools:
         planned = self._plans.pop(ctx.call_id, None)
         if planned is not None and planned.error is not None:
             raise ToolCallError(planned.error)
-        if planned is not None:
-            real, ch = planned.real, planned.change
-            assert ch is not None
-            when = "after the change was previewed"
-        else:
-            real, ch = await self.plan(name, arguments, ctx)
-            when = "while the change was being made"
-        # no lost work: the file must still hold the text the change was computed from
-        current = await self.files.read_text(real, ctx)
-        if current != ch.old_text:
-            what = "was created" if ch.old_text is None else ("was deleted" if current is None else "changed")
-            raise ToolCallError(f"{ch.path} {what} {when}; nothing was written. "
-                                "Read the file again and redo the change.")
-        await self.files.write_text(real, ch.new_text, ctx)
+        real = planned.real if planned is not None else self.ws.resolve(arguments.get("path"))
+        async with _exclusive(real):  # another call's check and write never come between these
+            if planned is not None:
+                ch = planned.change
+                assert ch is not None
+                when = "after the change was previewed"
+            else:
+                real, ch = await self.plan(name, arguments, ctx)
+                when = "while the change was being made"
+            # no lost work: the file must still hold the text the change was computed from
+            current = await self.files.read_text(real, ctx)
+            if current != ch.old_text:
+                what = "was created" if ch.old_text is None else ("was deleted" if current is None else "changed")
+                raise ToolCallError(f"{ch.path} {what} {when}; nothing was written. "
+                                    "Read the file again and redo the change.")
+            await self.files.write_text(real, ch.new_text, ctx)
         if name == "write_file":
             return {"path": ch.path, "bytes": len(ch.new_text.encode("utf-8")), "created": ch.old_text is None,
                     "diff": ch.diff}

@@ -158,3 +158,40 @@ def test_allowed_preview_writes_exactly_the_previewed_text(sidecar, tmp_path):
     out = outputs(operate(sidecar, bid))[0]
     assert f.read_text() == asked[0]["preview"]["newText"] == "value = 2\n"
     assert out["diff"] == asked[0]["preview"]["diff"]
+
+
+def edits_of(*calls: dict) -> dict:
+    return {"json": {"action_requests": [c["json"]["action_requests"][0] for c in calls]}}
+
+
+def test_two_edits_of_one_file_made_at_once_both_land(sidecar, tmp_path):
+    """No lost work: two edit_file calls of one reply (run concurrently) and two operates on two
+    branches at once, each changing another line of one file: every change is on disk (one
+    of each pair overwrote the other, and both said they succeeded)."""
+    f = tmp_path / "m.txt"
+    f.write_text("a\nb\nc\nd\n")
+    bid = start(sidecar, tmp_path, edits_of(edit("m.txt", ("a\n", "A\n")), edit("m.txt", ("c\n", "C\n"))),
+                edit("m.txt", ("b\n", "B\n")), edit("m.txt", ("d\n", "D\n")))
+    out = outputs(operate(sidecar, bid))
+    assert all("error" not in o for o in out), out
+    assert f.read_text() == "A\nb\nC\nd\n"
+    other = sidecar.branch()
+    pending = [sidecar.request_async("operate", {"branchId": b, "instruction": "change it", "actions": True})
+               for b in (bid, other)]
+    results = [outputs(p.result(timeout=TIMEOUT)) for p in pending]
+    assert all("error" not in o for r in results for o in r), results
+    assert f.read_text() == "A\nB\nC\nD\n"
+
+
+def test_of_two_previewed_edits_of_one_file_the_second_fails_and_says_so(sidecar, tmp_path):
+    """Both previews are computed from the same text before either is allowed: the first to
+    run writes, the other finds the file changed and writes nothing (never overwrites)."""
+    f = tmp_path / "m.txt"
+    f.write_text("a\nb\nc\n")
+    bid = start(sidecar, tmp_path, edits_of(edit("m.txt", ("a\n", "A\n")), edit("m.txt", ("c\n", "C\n"))),
+                policy="ask", caps=PERM)
+    sidecar.on_request("requestToolPermission", lambda p: {"decision": "allow_once"})
+    out = outputs(operate(sidecar, bid))
+    errors = [o["error"] for o in out if "error" in o]
+    assert len(errors) == 1 and "changed after the change was previewed" in errors[0], out
+    assert f.read_text() in ("A\nb\nc\n", "a\nb\nC\n")
