@@ -70,6 +70,7 @@ class OperateAgent(Agent):
         self.port = AcpPort(settings)
         self.port.branch_messages = self._messages
         self.port.cancel_turn = self._cancel_turn
+        self.port.branch_folders = lambda sid: self.sidecar.branch_folders(sid) if self.sidecar is not None else None
         self.sidecar: Any = None
         self._imported: asyncio.Task | None = None  # the one-time import of ``LEGACY_SESSIONS``
         self._core: asyncio.Future | None = None   # the service, once the core is imported
@@ -270,7 +271,7 @@ class OperateAgent(Agent):
     async def new_session(self, cwd: str, additional_directories: Any = None, mcp_servers: Any = None,
                           **kw: Any) -> NewSessionResponse:
         sc = await self._restored()
-        self._add_folders(cwd, additional_directories)
+        folders = self._add_folders(cwd, additional_directories)
         await self._add_mcp(mcp_servers)
         try:  # the session's info is saved with the new branch, in one transaction
             sid = (await sc.createBranch({}, info={"cwd": cwd, "updatedAt": _now()}))["branchId"]
@@ -278,6 +279,7 @@ class OperateAgent(Agent):
             raise
         except Exception as e:
             raise self._error(e) from None
+        sc.set_branch_folders(sid, folders)  # its tools reach its folders, not another session's
         # the first prompt must cost what a warm one does: finish the warm-up and build the tools now
         # that the folder is known (configured MCP servers start in the background; a prompt waits)
         # and what a turn builds on first use for this session's tools, reply format and model
@@ -292,7 +294,7 @@ class OperateAgent(Agent):
     async def load_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
                            additional_directories: Any = None, **kw: Any) -> LoadSessionResponse:
         b = await self._branch(session_id)
-        self._add_folders(cwd, additional_directories)
+        self.sidecar.set_branch_folders(session_id, self._add_folders(cwd, additional_directories))
         await self._add_mcp(mcp_servers)
         info = self.sidecar.branch_info(session_id)
         if info.get("cwd") != cwd:  # now listed under this folder (a branch made natively: listed from now on)
@@ -373,9 +375,12 @@ class OperateAgent(Agent):
         task.add_done_callback(self._live.discard)
 
     # ------------------------------------------------------------------ folders and MCP servers
-    def _add_folders(self, cwd: str, more: Any = None) -> None:
+    def _add_folders(self, cwd: str, more: Any = None) -> list[str]:
+        """A session's folders (its ``cwd`` first), checked; the builtin tools exist once there
+        is a folder (each operate is confined to its session's: ``Service.set_branch_folders``)."""
         added = False
-        for folder in [cwd, *(more or [])]:
+        folders = [cwd, *(more or [])]
+        for folder in folders:
             if not isinstance(folder, str) or not os.path.isabs(folder) or not os.path.isdir(folder):
                 raise RequestError.invalid_params({"cwd": folder, "reason": "must be an absolute directory"})
             if folder not in self.port.workspace_folders:
@@ -383,6 +388,7 @@ class OperateAgent(Agent):
                 added = True
         if added and self.sidecar is not None:  # the builtin tools cover the new folders
             self.sidecar.workspace_changed()
+        return folders
 
     async def _add_mcp(self, servers: Any) -> None:
         """Client MCP servers (stdio) become tool sources of the service, started once per
@@ -443,6 +449,15 @@ class OperateAgent(Agent):
 
     async def cancel(self, session_id: str, **kw: Any) -> None:
         self._cancel_turn(session_id)
+
+    # ------------------------------------------------------------------ extensions (``_``-prefixed)
+    # None is served: the ``acp.Agent`` protocol's stubs would answer every extension request
+    # with ``result: null``, as if it had been done.
+    async def ext_method(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        raise RequestError.method_not_found(f"_{method}")
+
+    async def ext_notification(self, method: str, params: dict[str, Any]) -> None:
+        return None  # ignored, as JSON-RPC has a notification no one serves
 
     def _cancel_turn(self, session_id: str) -> None:
         if session_id in self._starting:

@@ -32,6 +32,7 @@ from typing import Any, Callable
 from acp import RequestError, tool_diff_content, update_agent_message_text
 from acp.schema import (ContentToolCallContent, PermissionOption, TextContentBlock, ToolCallLocation, ToolCallProgress,
                         ToolCallStart, ToolCallUpdate)
+from pydantic import ValidationError
 
 from operate_sidecar.server.service.port import ClientRequestError
 
@@ -54,6 +55,7 @@ _GUESS = (("search", "search"), ("grep", "search"), ("find", "search"), ("fetch"
           ("read", "read"), ("write", "edit"), ("edit", "edit"), ("delete", "delete"), ("move", "move"))
 TEXT_CONTENT_LIMIT = 4000        # characters of a tool's output shown as its text content
 DIFF_FILE_LIMIT = 2 * 1024 * 1024  # larger files get no diff content
+UINT32_MAX = 2**32 - 1            # a location's line is a uint32 in the schema
 
 
 def tool_kind(name: str) -> str:
@@ -109,6 +111,10 @@ class AcpPort:
         #: ``fs`` when the client reads and writes text files
         self.client_capabilities: dict[str, Any] = {"toolPermission": True}
         self.workspace_folders: list[str] = []
+        #: each session has its own folders (its cwd first): the service confines a session's
+        #: tools to them (``Service.set_branch_folders``); ``branch_folders`` reads them back
+        self.folders_per_branch = True
+        self.branch_folders: Callable[[str], list[str] | None] = lambda _sid: None
         self.client: Any = None          # the SDK's AgentSideConnection, set on connect
         self.turns: dict[str, Turn] = {}
         self.calls: dict[str, CallInfo] = {}
@@ -257,13 +263,15 @@ class AcpPort:
             return info
         args = arguments if isinstance(arguments, dict) else {}
         path = args.get("path") if isinstance(args.get("path"), str) else None
-        real = self.resolve(path) if path else None
+        real = self.resolve(path, session_id) if path else None
         title = f"{tool} {path}" if path else tool
         if not path and isinstance(args.get("pattern"), str):
             title = f"{tool} {args['pattern']!r}"
         info = CallInfo(session_id, tool, tool_kind(tool), title, raw_input=arguments)
         if real:
-            line = args.get("offset") if tool == "read_file" and isinstance(args.get("offset"), int) else None
+            line = args.get("offset") if tool == "read_file" else None
+            if type(line) is not int or not 0 <= line <= UINT32_MAX:  # the schema's uint32, or none
+                line = None
             info.locations = [ToolCallLocation(path=real, line=line)]
         self.calls[call_id] = info
         return info
@@ -276,12 +284,13 @@ class AcpPort:
         if p.get("allowed"):
             await self.add_diff(info, p.get("arguments"))
 
-    def resolve(self, path: str) -> str | None:
-        """An absolute path inside a workspace folder, else None."""
-        if not self.workspace_folders:
+    def resolve(self, path: str, session_id: str | None = None) -> str | None:
+        """An absolute path inside the session's folders, else None."""
+        folders = (self.branch_folders(session_id) if session_id is not None else None) or self.workspace_folders
+        if not folders:
             return None
-        real = os.path.realpath(path if os.path.isabs(path) else os.path.join(self.workspace_folders[0], path))
-        for root in self.workspace_folders:
+        real = os.path.realpath(path if os.path.isabs(path) else os.path.join(folders[0], path))
+        for root in folders:
             r = os.path.realpath(root)
             if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
                 return real
@@ -307,7 +316,7 @@ class AcpPort:
         if info.kind != "edit" or info.content or not isinstance(arguments, dict):
             return
         path = arguments.get("path")
-        real = self.resolve(path) if isinstance(path, str) else None
+        real = self.resolve(path, info.session_id) if isinstance(path, str) else None
         if real is None:
             return
         old = await self.read_text(info.session_id, real)
@@ -345,6 +354,13 @@ class AcpPort:
             raise ClientRequestError(e.code, str(e), getattr(e, "data", None)) from None
         except ConnectionError as e:
             raise ClientRequestError(-32603, f"client connection lost: {e}") from None
+        except ValidationError as e:  # the client's result is not the schema's: taken as an error answer
+            if not str(e.title).endswith("Response"):  # one of our own requests' models: a fault here
+                raise
+            fields = "; ".join(f"{'.'.join(map(str, d.get('loc', ()))) or 'result'}: {d.get('msg', '')}"
+                               for d in e.errors()[:3])
+            log.warning("the client's answer to %s is not valid (%s): taken as an error", method, fields)
+            raise ClientRequestError(-32603, f"invalid answer from the client ({fields})") from None
 
     async def _read(self, p: dict) -> dict:
         r = await self.client.read_text_file(session_id=p["branchId"], path=p["path"])
@@ -359,7 +375,7 @@ class AcpPort:
         info = self.describe(sid, call_id, str(p.get("tool")), p.get("arguments"))
         preview = p.get("preview")
         if isinstance(preview, dict) and preview.get("kind") == "diff" and isinstance(preview.get("newText"), str):
-            path = self.resolve(str(preview.get("path"))) or str(preview.get("path"))
+            path = self.resolve(str(preview.get("path")), sid) or str(preview.get("path"))
             info.content = [tool_diff_content(path, preview["newText"], preview.get("oldText"))]
         else:
             await self.add_diff(info, p.get("arguments"))

@@ -10,6 +10,7 @@ asyncio streams are then opened on the private descriptors, the input bounded by
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import signal
@@ -22,21 +23,36 @@ log = logging.getLogger("operate_sidecar.server.acp")
 async def _streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any, Any]:
     """asyncio streams on the guarded descriptors (as the SDK's ``stdio_streams`` makes them
     on fd 0/1), the input bounded by ``LineBound`` before any byte arrives."""
+    reader, writer, _ = await _bounded_streams(wire_in, wire_out, limit)
+    return reader, writer
+
+
+async def _bounded_streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any, Any, LineBound]:
+    """``_streams`` and the ``LineBound`` in front of the reader."""
     loop = asyncio.get_running_loop()
     w_transport, w_protocol = await loop.connect_write_pipe(
         lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(wire_out, "wb", buffering=0))
     writer = asyncio.StreamWriter(w_transport, w_protocol, None, loop)
     reader = asyncio.StreamReader(limit=limit + 1)
-    LineBound(reader, writer, limit)
+    bound = LineBound(reader, writer, limit)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(wire_in, "rb", buffering=0))
-    return reader, writer
+    return reader, writer, bound
 
 
 class LineBound:
     """``maxMessageBytes`` for ACP's newline-delimited input, in front of the SDK's reader: a
     line longer than the bound is dropped as it streams in (never buffered whole) and answered
     with -32600 (its ``id`` when its first bytes show one); the stream stays in sync at the
-    next newline."""
+    next newline.
+
+    It also screens each whole line, cheaply (no parse), for what the SDK cannot take: the
+    SDK's connection assumes every line is a JSON object, and stops serving on any other JSON
+    value. A line whose first and last non-blank bytes are ``{`` and ``}`` goes to the SDK (a
+    blank one is dropped, as the SDK would); any other line is parsed here and answered with
+    id null: not JSON (or not UTF-8) -32700, JSON but not an object -32600 (an array too:
+    ACP has no batches); the rare one that is an object all the same (behind a UTF-8 BOM)
+    goes to the SDK. A line that passes the screen but that the SDK cannot parse is answered
+    -32700 through ``NotificationNotices``, which sees the SDK's log record of it."""
 
     HEAD = 4096
 
@@ -59,8 +75,8 @@ class LineBound:
                 if len(self._held) + len(part) - (1 if nl >= 0 else 0) > self.limit:
                     self._held.clear()
                     self._skipping = True
-                elif nl >= 0:  # a whole line within the bound: to the SDK
-                    self._feed(bytes(self._held) + part if self._held else part)
+                elif nl >= 0:  # a whole line within the bound: to the SDK, if it is an object
+                    self._line(bytes(self._held) + part if self._held else part)
                     self._held.clear()
                     self._head = b""
                     continue
@@ -71,20 +87,66 @@ class LineBound:
                 self._skipping = False
                 self._reject()
 
-    def _reject(self) -> None:
-        from operate_sidecar.server.rpc.framing import peek_id
+    def _line(self, line: bytes) -> None:
+        """A whole line (with its newline): to the SDK when it looks like a JSON object."""
+        if line[:1] == b"{" and line[-2:] == b"}\n":  # the usual shape: no copy, no scan
+            self._feed(line)
+            return
+        text = line.strip()  # the same blanks the SDK strips
+        if not text:
+            return
+        if text[:1] == b"{" and text[-1:] == b"}":
+            self._feed(line)
+            return
+        import json
 
-        msg_id = peek_id(self._head)
-        log.warning("dropped a message longer than maxMessageBytes (%d bytes)", self.limit)
-        frame = {"jsonrpc": "2.0", "id": msg_id if isinstance(msg_id, (int, str)) else None,
-                 "error": {"code": -32600, "message": f"message larger than maxMessageBytes ({self.limit} bytes)"}}
+        try:
+            value = json.loads(text)
+        except Exception as e:  # not JSON, not UTF-8, or nested past the parser's depth
+            self.parse_error(e)
+            return
+        if isinstance(value, dict):  # an object behind a BOM, say: the SDK parses it alike
+            self._feed(line)
+            return
+        what = {list: "an array (ACP has no batches)", str: "a string", bool: "a boolean",
+                type(None): "null"}.get(type(value), "a number")
+        log.warning("dropped a line that is not a JSON-RPC message: %s", what)
+        self.answer(None, -32600, f"Invalid Request: a message must be a JSON object, not {what}")
+
+    def parse_error(self, exc: BaseException | None = None) -> None:
+        """A line that is not JSON: one WARNING line and -32700, id null; the stream goes on."""
+        log.warning("dropped a line that is not valid JSON%s", f" ({_brief(exc)})" if exc is not None else "")
+        self.answer(None, -32700, "Parse error: the line is not valid JSON")
+
+    def answer(self, msg_id: Any, code: int, message: str) -> None:
+        """An error answer written at once, as one whole line (the SDK's writes are too)."""
+        frame = {"jsonrpc": "2.0", "id": msg_id, "error": {"code": code, "message": message}}
         try:
             import json
 
             self._writer.write((json.dumps(frame) + "\n").encode())
         except Exception:  # the client is gone
             pass
+
+    def _reject(self) -> None:
+        from operate_sidecar.server.rpc.framing import peek_id
+
+        msg_id = peek_id(self._head)
+        log.warning("dropped a message longer than maxMessageBytes (%d bytes)", self.limit)
+        self.answer(msg_id if isinstance(msg_id, (int, str)) else None, -32600,
+                    f"message larger than maxMessageBytes ({self.limit} bytes)")
         self._head = b""
+
+
+def _brief(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
+#: the real connection's ``LineBound``, set in ``serve_acp`` and so seen by the connection's
+#: tasks only (not the warm-up's): where ``NotificationNotices`` answers a line the SDK
+#: could not parse
+WIRE: contextvars.ContextVar[LineBound | None] = contextvars.ContextVar("acp_wire", default=None)
 
 
 class NotificationNotices(logging.Filter):
@@ -92,9 +154,14 @@ class NotificationNotices(logging.Filter):
     root logger. Two of those are the client's doing, not a fault here, and JSON-RPC has them
     ignored: a notification no route serves (a newer client's, say) and one whose params fail
     the schema. The first becomes a DEBUG line, the second a one-line WARNING that names the
-    fields; anything else (a failure in a handler of ours) stays as the SDK logged it."""
+    fields; anything else (a failure in a handler of ours) stays as the SDK logged it.
+
+    The SDK also logs a line it could not parse as JSON (one that passed ``LineBound``'s
+    screen) with a traceback, and answers nothing: that record becomes ``LineBound``'s
+    one-line WARNING and its -32700 answer on the real connection (``WIRE``)."""
 
     PREFIX = "Unhandled error while handling notification"
+    PARSE = "Error parsing JSON-RPC message"
 
     def __init__(self, debug: bool = False) -> None:
         super().__init__()
@@ -102,6 +169,15 @@ class NotificationNotices(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and record.msg == self.PARSE:
+            wire = WIRE.get()
+            if wire is None:  # not the client's connection: one line, no answer
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+                record.msg, record.args = "dropped a line that is not valid JSON (%s)", (_brief(exc),)
+                record.exc_info, record.exc_text = None, None
+                return True
+            wire.parse_error(exc)  # logs its own line
+            return False
         if exc is None or not (isinstance(record.msg, str) and record.msg.startswith(self.PREFIX)):
             return True
         from acp.exceptions import RequestError
@@ -171,8 +247,9 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
 
     agent = OperateAgent(settings, version=version, debug=debug)
     limit = int(settings.get("maxMessageBytes") or 0) or 64 * 1024 * 1024
-    reader, writer = await _streams(fds[0], fds[1], limit)
+    reader, writer, bound = await _bounded_streams(fds[0], fds[1], limit)
     loop = asyncio.get_running_loop()
+    WIRE.set(bound)  # the connection's task gets a copy of this context
     main = loop.create_task(acp.run_agent(agent, writer, reader, stdio_buffer_limit_bytes=limit))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         try:  # a polite kill still cancels in-flight work and flushes journaled state

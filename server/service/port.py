@@ -43,7 +43,10 @@ class ClientInfo(Protocol):
     #: ``fs`` (serves ``fs/readTextFile`` / ``fs/writeTextFile``). Missing means no.
     client_capabilities: dict[str, Any]
 
-    #: Absolute paths of the folders the builtin workspace tools are confined to.
+    #: Absolute paths of the folders the builtin workspace tools are confined to. A front end
+    #: whose sessions each have their own folders (ACP: a session's ``cwd``) also sets
+    #: ``folders_per_branch = True`` and gives each branch its folders
+    #: (``Service.set_branch_folders``); its operates are then confined to those.
     workspace_folders: list[str]
 
     def log_message(self, type_: int, message: str) -> None:

@@ -90,6 +90,8 @@ class Service:
         self._usage: dict[str, Any] = {}
         #: branch id -> what a front end keeps about it (``branch_info``; saved with the branch)
         self._info: dict[str, dict[str, Any]] = {}
+        #: branch id -> the folders its operates' builtin tools are confined to (``set_branch_folders``)
+        self._roots: dict[str, tuple[Any, ...]] = {}
         self._tool_threads: Any = None  # see ``tool_threads``
         self._tool_threads_closed = False
 
@@ -243,6 +245,7 @@ class Service:
                     self._locks.pop(bid, None)
                     self._model_specs.pop(bid, None)
                     self._info.pop(bid, None)
+                    self._roots.pop(bid, None)
                     self.governance.forget_branch(bid)  # type: ignore[union-attr]
 
     def _restore_settings(self, branch_id: str, meta: dict[str, Any]) -> None:
@@ -281,6 +284,7 @@ class Service:
             self._locks.pop(branch_id, None)
             self._model_specs.pop(branch_id, None)
             self._info.pop(branch_id, None)
+            self._roots.pop(branch_id, None)
             self.governance.forget_branch(branch_id)  # type: ignore[union-attr]
             self.journal.forget(branch_id)
             raise E.state_not_saved(f"the branch was not created ({e})") from None
@@ -361,10 +365,26 @@ class Service:
                 from operate_sidecar.server.tools.file_tools import ClientFiles
 
                 files = ClientFiles(self.rpc.request_client)
-            for t in WorkspaceTools(self.conn.workspace_folders, files=files).tools():
+            for t in WorkspaceTools(self.conn.workspace_folders, files=files,
+                                    per_branch=getattr(self.conn, "folders_per_branch", False)).tools():
                 self.registry.register(t, update=True)
         except Exception as e:
             self.conn.log_message(2, f"workspace tools unavailable: {e}")
+
+    def set_branch_folders(self, branch_id: str, folders: list[str]) -> None:
+        """Confine the builtin workspace tools of this branch's operates to ``folders`` (absolute
+        directories; relative paths start at the first), not the workspace's: an ACP session's
+        ``cwd`` and additional directories. Kept in memory only: a front end gives them again
+        when it takes the branch up again (ACP: ``session/load`` carries the ``cwd``).
+        ToolSourceError for a folder that is not a directory."""
+        from operate_sidecar.server.tools.builtin import resolve_roots
+
+        self._roots[branch_id] = resolve_roots(folders)
+
+    def branch_folders(self, branch_id: str) -> list[str] | None:
+        """The folders :meth:`set_branch_folders` gave the branch, or None (the workspace's)."""
+        roots = self._roots.get(branch_id)
+        return [str(r) for r in roots] if roots is not None else None
 
     def workspace_changed(self) -> None:
         """The port's workspace folders changed (a front end added one): the builtin workspace
@@ -739,6 +759,8 @@ class Service:
         mark = self._settled.get(src.id)
         b = src.fork(messages=None if mark is None else (mark[1] if mark[1] is not None else src.messages[:mark[0]]))
         self.governance.copy_branch(src.id, b.id)  # type: ignore[union-attr]
+        if src.id in self._roots:
+            self._roots[b.id] = self._roots[src.id]
         self._adopt(b)
         if self.journal is not None:
             src_models = {k: v for k, v in self._model_specs.get(src.id, {}).items()}
@@ -765,6 +787,7 @@ class Service:
         self._usage.pop(p.branch_id, None)
         self._model_specs.pop(p.branch_id, None)
         self._info.pop(p.branch_id, None)
+        self._roots.pop(p.branch_id, None)
         self.governance.forget_branch(p.branch_id)  # type: ignore[union-attr]
         return {}
 
@@ -997,6 +1020,11 @@ class Service:
             meter = UsageMeter()  # every model call of every round (chat and parse repair)
             usage_token = current_usage.set(meter)
             threads_token = tool_executor.set(self.tool_threads)  # its sync tools run on the service's pool
+            roots_token = None
+            if branch.id in self._roots:  # the branch's own folders, for its tools and previews
+                from operate_sidecar.server.tools.builtin import scoped_roots
+
+                roots_token = scoped_roots.set(self._roots[branch.id])
             try:
                 result, rounds = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate)
             except asyncio.CancelledError:
@@ -1011,6 +1039,8 @@ class Service:
                 current_progress.reset(token)
                 current_usage.reset(usage_token)
                 tool_executor.reset(threads_token)
+                if roots_token is not None:
+                    scoped_roots.reset(roots_token)
                 self._usage.setdefault(branch.id, UsageMeter()).add(meter)
                 if info:
                     self._info[branch.id] = {**self._info.get(branch.id, {}), **info}

@@ -37,6 +37,7 @@ can hang it.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -46,7 +47,28 @@ from . import safe_fs
 from .edits import EditError, apply_edits, change, unified_diff
 from .errors import ToolCallError, ToolSourceError, WorkspacePathError
 
-__all__ = ["WorkspaceTools"]
+__all__ = ["WorkspaceTools", "resolve_roots", "scoped_roots"]
+
+#: The folders the builtin tools are confined to while an operate runs on a branch that has
+#: its own (an ACP session's ``cwd`` and additional directories: ``Service.set_branch_folders``),
+#: in place of the workspace's; ``None`` (the default): the workspace folders. Set by the
+#: service for the operate's task; tool calls, run in tasks and threads that copy the context,
+#: see it.
+scoped_roots: contextvars.ContextVar[tuple[Path, ...] | None] = contextvars.ContextVar("scoped_roots",
+                                                                                       default=None)
+
+
+def resolve_roots(folders: Iterable[str | os.PathLike[str]]) -> tuple[Path, ...]:
+    """Folders as real paths, duplicates dropped, in order; ToolSourceError for one that is not
+    a directory."""
+    resolved: list[Path] = []
+    for r in folders:
+        p = Path(os.path.realpath(os.fspath(r)))
+        if not p.is_dir():
+            raise ToolSourceError(f"workspace folder {os.fspath(r)!r} is not a directory")
+        if p not in resolved:
+            resolved.append(p)
+    return tuple(resolved)
 
 
 def _compile_pattern(pattern: str, regex: bool, ignore_case: bool) -> Any:
@@ -103,15 +125,10 @@ class WorkspaceTools:
                  max_list_entries: int = 1000, max_results: int = 200, max_line_chars: int = 300,
                  max_search_file_bytes: int = 2 * 1024 * 1024, max_search_files: int = 20_000,
                  max_search_bytes: int = 64 * 1024 * 1024, max_write_bytes: int = 10 * 1024 * 1024,
-                 files: Any = None) -> None:
-        resolved: list[Path] = []
-        for r in roots:
-            p = Path(os.path.realpath(os.fspath(r)))
-            if not p.is_dir():
-                raise ToolSourceError(f"workspace folder {os.fspath(r)!r} is not a directory")
-            if p not in resolved:
-                resolved.append(p)
-        self.roots = resolved
+                 files: Any = None, per_branch: bool = False) -> None:
+        self._roots = resolve_roots(roots)
+        #: branches bring their own folders (``scoped_roots``): the descriptions name none
+        self.per_branch = per_branch
         self.max_read_bytes = max_read_bytes
         self.max_list_entries = max_list_entries
         self.max_results = max_results
@@ -122,13 +139,24 @@ class WorkspaceTools:
         self.max_write_bytes = max_write_bytes
         self.files = files  # a file_tools.FileAccess (e.g. the client's buffers); None = the disk
 
+    @property
+    def roots(self) -> tuple[Path, ...]:
+        """The folders in force: the running operate's branch's own (``scoped_roots``), else
+        the workspace's."""
+        return scoped_roots.get() or self._roots
+
     def tools(self) -> list[Tool]:
         """The workspace tools; none when there is no workspace folder."""
         if not self.roots:
             return []
-        where = (f"Paths are relative to the workspace root {self.roots[0]}" if len(self.roots) == 1 else
-                 f"Paths are relative to the first workspace root {self.roots[0]} or start with another "
-                 f"root's folder name ({', '.join(r.name for r in self.roots[1:])})")
+        if self.per_branch:
+            where = ("Paths are relative to the working directory (absolute paths inside it work too; "
+                     "a path may also start with the folder name of an additional directory)")
+        elif len(self.roots) == 1:
+            where = f"Paths are relative to the workspace root {self.roots[0]}"
+        else:
+            where = (f"Paths are relative to the first workspace root {self.roots[0]} or start with another "
+                     f"root's folder name ({', '.join(r.name for r in self.roots[1:])})")
         out = []
         for fn, read_only in ((self.read_file, True), (self.list_dir, True), (self.search_text, True),
                               (self.write_file, False), (self.edit_file, False)):

@@ -406,6 +406,23 @@ def test_edit_file_shows_diff_content_when_asked_and_applies_on_allow(tmp_path, 
     run(main())
 
 
+def test_a_read_files_location_line_is_the_offset_only_within_the_schemas_uint32(tmp_path, ws):
+    """``ToolCallLocation.line`` is a uint32: an offset past it (or not an int) gives no line."""
+    async def main():
+        c = RecordingClient()
+        offsets = [3, 2**32 - 1, 2**32, 2**40, -1, True]
+        config = cfg(tmp_path, reply("", [("read_file", {"path": "a.txt", "offset": o}) for o in offsets]),
+                     reply("read"))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            lines = {json.dumps(u.raw_input["offset"]): u.locations[0].line for u in c.of("tool_call")}
+            assert lines == {"3": 3, str(2**32 - 1): 2**32 - 1, str(2**32): None, str(2**40): None,
+                             "-1": None, "true": None}, lines
+
+    run(main())
+
+
 def test_with_the_fs_capability_files_are_read_and_written_through_the_client(tmp_path, ws):
     async def main():
         c = RecordingClient("allow_once")
@@ -425,6 +442,52 @@ def test_with_the_fs_capability_files_are_read_and_written_through_the_client(tm
     run(main())
 
 
+@pytest.mark.parametrize("fs", [False, True])
+def test_each_session_s_tools_are_confined_to_its_own_cwd(tmp_path, fs):
+    """Two sessions of one agent with different folders: a relative path of session B starts
+    at B's cwd (not the first session's), B's write lands in B's folder (and its diff and
+    location name it), and A's folder is outside B's reach; A keeps its own."""
+    a, b = tmp_path / "projA", tmp_path / "projB"
+    a.mkdir(), b.mkdir()
+    (a / "a.txt").write_text("A's file\n")
+    (b / "a.txt").write_text("B's file\n")
+
+    async def main():
+        c = RecordingClient("allow_once")
+        c.files.update({str(a / "a.txt"): "A's file\n", str(b / "a.txt"): "B's file\n"})
+        config = cfg(tmp_path,
+                     reply("", [("read_file", {"path": "a.txt"})]), reply("read"),
+                     reply("", [("write_file", {"path": "a.txt", "content": "written by B\n"})]), reply("wrote"),
+                     reply("", [("read_file", {"path": str(a / "a.txt")}), ("list_dir", {"path": "../projA"})]),
+                     reply("tried"),
+                     reply("", [("read_file", {"path": "a.txt"})]), reply("A read"))
+        async with spawn(c, config, fs=fs) as (conn, _):
+            sid_a = (await bounded(conn.new_session(cwd=str(a)))).session_id
+            sid_b = (await bounded(conn.new_session(cwd=str(b)))).session_id
+
+            def outputs(sid):
+                return [json.dumps(u.raw_output) for s, u in c.updates
+                        if s == sid and u.session_update == "tool_call_update" and u.raw_output is not None]
+
+            assert (await prompt(conn, sid_b)).stop_reason == "end_turn"
+            assert "B's file" in outputs(sid_b)[-1]
+            assert (await prompt(conn, sid_b)).stop_reason == "end_turn"
+            start = [u for s, u in c.updates if s == sid_b and u.session_update == "tool_call"][-1]
+            assert start.locations[0].path == str(b / "a.txt") and start.content[0].path == str(b / "a.txt")
+            if fs:
+                assert c.writes == [(str(b / "a.txt"), "written by B\n")]
+            else:
+                assert (b / "a.txt").read_text() == "written by B\n"
+            assert (a / "a.txt").read_text() == "A's file\n" and c.files[str(a / "a.txt")] == "A's file\n"
+            assert (await prompt(conn, sid_b)).stop_reason == "end_turn"
+            refused = outputs(sid_b)[-2:]
+            assert all("outside the workspace" in o for o in refused) and "A's file" not in "".join(refused)
+            assert (await prompt(conn, sid_a)).stop_reason == "end_turn"
+            assert "A's file" in outputs(sid_a)[-1]
+
+    run(main())
+
+
 def test_an_unanswered_permission_request_times_out_as_deny(tmp_path, ws):
     async def main():
         c = RecordingClient("never")
@@ -437,6 +500,40 @@ def test_an_unanswered_permission_request_times_out_as_deny(tmp_path, ws):
             assert (ws / "a.txt").read_text() == "old text\n"
 
     run(main())
+
+
+class MalformedPermissionClient(RecordingClient):
+    """Answers ``session/request_permission`` with a result that is not the schema's."""
+
+    def __init__(self, result):
+        super().__init__()
+        self.result = result
+
+    async def request_permission(self, session_id, tool_call, options, **kw):
+        self.permissions.append((tool_call, options))
+        return self.result
+
+
+@pytest.mark.parametrize("result", [{}, None, {"outcome": {"outcome": "dismissed"}}], ids=["empty", "null", "unknown"])
+def test_a_malformed_permission_answer_is_a_deny_and_the_turn_ends_normally(tmp_path, ws, capfd, result):
+    """A permission result the SDK cannot parse is taken as an error answer is: deny, the tool
+    call ``failed``, the turn ends as usual, one WARNING line (no -32603 for the whole turn)."""
+    async def main():
+        c = MalformedPermissionClient(result)
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "x\n"})]), reply("next"))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            assert len(c.permissions) == 1
+            done = c.of("tool_call_update")[-1]
+            assert done.status == "failed" and "invalid answer from the client" in json.dumps(done.raw_output)
+            assert (ws / "a.txt").read_text() == "old text\n"
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"  # the session goes on
+
+    run(main())
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "is not valid" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0] and "Traceback" not in err, err
 
 
 def test_a_line_over_max_message_bytes_is_refused_and_the_stream_stays_in_sync(tmp_path):
@@ -485,6 +582,59 @@ def test_a_notification_the_client_got_wrong_is_ignored_with_one_line_not_a_trac
                                       for w in warnings), log
     assert "Input should be a valid string" in warnings[0] and "sessionId: Field required" in warnings[1]
     assert "cancel_request" not in log and proc.returncode == 0
+
+
+def raw_session(tmp_path, lines):
+    """Raw pipes: ``lines`` (bytes each, newline added) then EOF; the answers, stderr, exit code."""
+    proc = subprocess.Popen([sys.executable, "-m", "operate_sidecar.server", "--acp", "--config", cfg(tmp_path, "x")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=agent_env())
+    try:
+        out, err = proc.communicate(b"".join(line + b"\n" for line in lines), timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return [json.loads(line) for line in out.decode().splitlines()], err.decode(), proc.returncode
+
+
+INIT = b'{"jsonrpc": "2.0", "id": 8, "method": "initialize", "params": {"protocolVersion": 1}}'
+
+
+def test_a_line_that_is_json_but_not_an_object_is_an_invalid_request_and_the_connection_goes_on(tmp_path):
+    """JSON-RPC: a message that is not an object is -32600 with id null; ACP has no batches, so
+    an array is one too. The SDK would stop serving on any of them (the process exiting 0)."""
+    lines = [b"[]", b"42", b'"str"', b"null", b'[{"jsonrpc": "2.0", "id": 5, "method": "session/list"}]',
+             b"  [1, 2]\r", INIT]
+    answers, err, rc = raw_session(tmp_path, lines)
+    assert [(a["id"], a["error"]["code"]) for a in answers[:-1]] == [(None, -32600)] * 6, answers
+    assert "batches" in answers[4]["error"]["message"]
+    assert answers[-1]["id"] == 8 and answers[-1]["result"]["protocolVersion"] == 1
+    assert "Traceback" not in err and "ERROR" not in err and rc == 0, err
+    assert len([line for line in err.splitlines() if "WARNING" in line]) == 6, err
+
+
+def test_a_line_that_is_not_json_is_a_parse_error_with_one_warning_line_and_the_connection_goes_on(tmp_path):
+    """-32700 with id null, one WARNING line, no traceback: for a line the front end's screen
+    catches (no closing brace, not JSON at all) and for one only the SDK's parse does (braces
+    at both ends, invalid inside, or not UTF-8)."""
+    lines = [b"this is not json", b'{"jsonrpc": "2.0", "id": 41, "method": "session/list",',
+             b'{"jsonrpc": "2.0"} {"id": 1}', b'{"jsonrpc": "2.0", "id": 42, "method": "session/list", "x": "\xff"}',
+             b"", b"   ", INIT]
+    answers, err, rc = raw_session(tmp_path, lines)
+    assert [(a["id"], a["error"]["code"]) for a in answers[:-1]] == [(None, -32700)] * 4, answers
+    assert answers[-1]["id"] == 8 and answers[-1]["result"]["protocolVersion"] == 1
+    assert "Traceback" not in err and "ERROR" not in err and rc == 0, err
+    warnings = [line for line in err.splitlines() if "WARNING" in line]
+    assert len(warnings) == 4 and all("not valid JSON" in w for w in warnings), err
+
+
+def test_an_unknown_extension_request_is_method_not_found_and_a_notification_is_ignored(tmp_path):
+    lines = [b'{"jsonrpc": "2.0", "id": 3, "method": "_vendor.example/unknown", "params": {"a": 1}}',
+             b'{"jsonrpc": "2.0", "method": "_vendor.example/note", "params": {}}', INIT]
+    answers, err, rc = raw_session(tmp_path, lines)
+    by_id = {a["id"]: a for a in answers}
+    assert len(answers) == 2 and by_id[3]["error"]["code"] == -32601 and "result" not in by_id[3], answers
+    assert by_id[8]["result"]["protocolVersion"] == 1
+    assert "Traceback" not in err and "ERROR" not in err and "WARNING" not in err and rc == 0, err
 
 
 def test_a_server_stopped_while_it_warms_up_leaves_nothing_in_the_temp_dir(tmp_path):
