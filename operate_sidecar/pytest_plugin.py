@@ -87,9 +87,31 @@ async def _sidecar(sidecar_options: dict[str, Any]) -> Any:
             if sidecar_options.get("workspace_folders") is not None:
                 params["workspaceFolders"] = sidecar_options["workspace_folders"]
             client.initialize_result = await client.request("initialize", params)
+    except Exception as e:  # the sidecar did not start (bad args, bad settings...): say what it said
+        await client.stop()
+        _add_stderr(e, client)
+        raise
+    try:
         yield client
     finally:
         await client.stop()
+
+
+def _add_stderr(error: BaseException, client: Any, lines: int = 40) -> None:
+    """Append the server's stderr (its last ``lines`` lines) to ``error``, as a note."""
+    from operate_sidecar.testing import SidecarError
+
+    try:
+        text = client.stderr_text().rstrip()
+    except (OSError, ValueError):
+        return
+    if not text:
+        if isinstance(error, SidecarError):  # it answered: the answer says it all
+            return
+        text = "(nothing)"
+    tail = text.splitlines()[-lines:]
+    error.add_note("sidecar stderr" + (f" (last {lines} lines)" if len(text.splitlines()) > lines else "")
+                   + ":\n" + "\n".join("  " + ln for ln in tail))
 
 
 if pytest_asyncio is not None:

@@ -171,9 +171,17 @@ class SidecarTestClient(JsonRPCClient):
         """A standing answer: every ``method`` request from the server gets ``result``."""
         self.on_request(method, lambda _params: result)
 
+    async def server_exit(self, server: asyncio.subprocess.Process) -> None:
+        """pygls calls this once the server process has exited: wake the waits for a
+        notification (they fail at once instead of waiting out their time-out)."""
+        self._wake()
+
     # ------------------------------------------------------------------ notifications
     def _notified(self, method: str, params: Any) -> None:
         self.notifications.append((method, params))
+        self._wake()
+
+    def _wake(self) -> None:
         cond = self._changed
         if cond is not None:
             async def wake() -> None:
@@ -218,7 +226,8 @@ class SidecarTestClient(JsonRPCClient):
     def _miss(self, method: str, match: Any, timeout: float) -> str:
         near = [(i, first_mismatch(match, p, "$.params")) for i, (m, p) in enumerate(self.notifications)
                 if m == method and i not in self._consumed]
-        text = f"no {method} notification matching {short(match, 120)} within {timeout:g} s"
+        text = f"no {method} notification matching {'any params' if match is None else short(match, 120)} " \
+               f"within {timeout:g} s"
         if near:
             i, mm = max(near, key=lambda t: (t[1].path.count(".") + t[1].path.count("["), t[0]))  # type: ignore[union-attr]
             text += f"; {len(near)} unmatched, nearest {mm.describe()}"  # type: ignore[union-attr]

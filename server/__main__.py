@@ -16,13 +16,19 @@ def _parser():  # type: ignore[no-untyped-def]
     import argparse
 
     p = argparse.ArgumentParser(prog="operate-sidecar", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Session scripts:\n"
+                                       "  operate-sidecar replay [--scripted] [--timeout S] [--quiet] SCRIPT.jsonl "
+                                       "[-- SERVER ARGV...]\n"
+                                       "      run a session script against a fresh server and report every step\n"
+                                       "      (see `operate-sidecar replay --help`; --record FILE writes one)")
     p.add_argument("--config", metavar="FILE",
                    help="TOML file with settings (models, defaultModel, toolPolicy, permissionTimeoutMs, "
                         "mcpServers, toolModules, stateDir, maxMessageBytes), as top-level keys or a "
                         "[settings] table")
     p.add_argument("--state-dir", metavar="DIR",
-                   help="journal branches under DIR so they survive restarts (default: memory only)")
+                   help="keep branches in a SQLite state store under DIR (DIR/state.sqlite3) so they survive "
+                        "restarts (default: memory only)")
     p.add_argument("--client-process-id", metavar="PID", type=int,
                    help="exit when this process dies (as initialize processId)")
     p.add_argument("--log-level", default="warning", type=str.lower, choices=["debug", "info", "warning", "error", "critical"],
@@ -35,7 +41,7 @@ def _parser():  # type: ignore[no-untyped-def]
     p.add_argument("--record", metavar="FILE",
                    help="write the session served as a replayable session script (JSON Lines) to FILE, "
                         "with every model turn, so that `operate-sidecar replay --scripted FILE` replays "
-                        "it without the model. `operate-sidecar replay --help` runs such scripts")
+                        "it without the model. `operate-sidecar replay` runs such scripts (see its --help)")
     return p
 
 

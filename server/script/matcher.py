@@ -9,7 +9,8 @@ what was expected there and what came.
 
 ``"${name}"`` is a saved value: a string that is exactly ``"${name}"`` becomes the saved
 value itself (any JSON type); a reference inside a longer string is replaced by the
-value's text.
+value's text. ``$${`` is a literal ``${`` (as in docker-compose): ``"$${HOME}"`` is the text
+``${HOME}``; :func:`escape` turns any text into the string that substitutes back to it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 ANY = "*"
 _MISSING = object()
 _REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_.-]*)\}")
+#: ``$${`` (a literal ``${``) or a reference, scanned left to right
+_ESCAPED_OR_REF = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_.-]*)\}")
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,8 @@ class Mismatch:
 
     def describe(self) -> str:
         got = "(missing)" if self.got is _MISSING else short(self.got)
-        text = f"at {self.path}: expected {short(self.expected)}, got {got}"
+        expected = "(nothing)" if self.expected is _MISSING else short(self.expected)  # an extra array item
+        text = f"at {self.path}: expected {expected}, got {got}"
         return f"{text} ({self.why})" if self.why else text
 
 
@@ -115,8 +119,15 @@ class UnknownName(KeyError):
         return f"${{{self.args[0]}}} was never saved"
 
 
+def escape(text: str) -> str:
+    """``text`` as it is written in a script: every literal ``${`` as ``$${`` (so that
+    :func:`substitute` gives ``text`` back, an original ``$${`` included)."""
+    return text.replace("${", "$${")
+
+
 def substitute(value: Any, saved: dict[str, Any]) -> Any:
-    """``value`` with every ``${name}`` replaced by ``saved[name]``."""
+    """``value`` with every ``${name}`` replaced by ``saved[name]`` and every ``$${`` by a
+    literal ``${``."""
     if isinstance(value, str):
         m = _REF.fullmatch(value)
         if m:
@@ -125,12 +136,14 @@ def substitute(value: Any, saved: dict[str, Any]) -> Any:
             return saved[m.group(1)]
 
         def text(m: re.Match) -> str:
+            if m.group(1) is None:  # $${
+                return "${"
             if m.group(1) not in saved:
                 raise UnknownName(m.group(1))
             v = saved[m.group(1)]
             return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
-        return _REF.sub(text, value) if "${" in value else value
+        return _ESCAPED_OR_REF.sub(text, value) if "${" in value else value
     if isinstance(value, dict):
         return {k: substitute(v, saved) for k, v in value.items()}
     if isinstance(value, list):

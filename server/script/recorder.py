@@ -18,8 +18,16 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
   differently within one operate are answered the same way when replayed, in any order;
 - a request still unanswered when the client sent its next one with ``"wait": false`` (the
   replay does not wait for it either, so the same requests overlap); one the client cancelled
-  also with its ``id`` (so the replay can cancel it the same way); the cancelled model invocation is recorded with a long ``delayMs`` so the
-  replayed one is still running when the cancel comes;
+  also with its ``id`` (so the replay can cancel it the same way);
+- for a cancelled request, how far it had got: ``"cancelAfterModelCalls": n`` when it had
+  started ``n`` model invocations by the time the cancel came (counted per request: the
+  invocations made in that request's task). The replay sends that cancel only once the server
+  has started the request's ``n``-th model invocation (it watches the request's ``$/progress``,
+  giving it a ``workDoneToken`` of its own when it has none), so the request takes exactly the
+  model turns it took when recorded, never the next request's. A model invocation cancelled
+  mid-answer is recorded with a long ``delayMs``, so the replayed one is still running when
+  the cancel comes, as it was. A request cancelled before it reached its model is cancelled at
+  once (as before: no model turn is recorded for it, and none is taken in the replay);
 - a last line ``{"recordedModels": {name: {"responses": [...], "cli"?: true, "inline"?: spec}}}``
   with the text of every model invocation, per model, in order, so ``replay --scripted`` can
   replay the session with ``scripted`` models instead of the real ones.
@@ -33,7 +41,10 @@ import asyncio
 import json
 import os
 import threading
+import weakref
 from typing import Any, AsyncIterator
+
+from .matcher import escape
 
 #: keys whose values differ between two runs of the same session
 VOLATILE_KEYS = frozenset({"createdAt", "durationMs", "usage", "callId", "requestId", "stateDir", "seq",
@@ -59,12 +70,15 @@ class Recorder:
         self._counts: dict[str, int] = {}
         self._progress_seen: set[tuple] = set()
         self.models: dict[str, dict[str, Any]] = {}
+        self._model_calls: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # task -> started
+        self._conn: Any = None
         self._closed = False
         open(path, "w", encoding="utf-8").close()  # a bad path fails at start, not at the end
 
     # ------------------------------------------------------------------ wiring
     def attach(self, conn: Any, wire: Any) -> None:
         conn.recorder = self
+        self._conn = conn
         wire.tap = self.outgoing
 
     # ------------------------------------------------------------------ frames
@@ -94,6 +108,9 @@ class Recorder:
                     if target is not None:  # the replay sends it without waiting, and cancels it by its id
                         target["id"] = params.get("id")
                         target["wait"] = False
+                        started = self._started_model_calls(params.get("id"))
+                        if started:  # ... once its model invocations have started as they had here
+                            target["cancelAfterModelCalls"] = started
                 step = {"notify": method}
                 if params not in (None, {}):
                     step["params"] = self._template(params)
@@ -123,7 +140,7 @@ class Recorder:
         with self._lock:
             method = msg.get("method")
             if isinstance(method, str) and "id" in msg:
-                self._out[_key(msg["id"])] = (method, _answer_match(method, msg.get("params")))
+                self._out[_key(msg["id"])] = (method, self._template(_answer_match(method, msg.get("params"))))
                 return
             if isinstance(method, str):
                 self._notification(method, msg.get("params"))
@@ -170,6 +187,29 @@ class Recorder:
                 entry["inline"] = config
         return RecordingModel(model, self, name)
 
+    def _model_call_started(self) -> None:
+        """A model invocation starts: counted for the request whose task runs it."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return
+        if task is not None:
+            with self._lock:
+                self._model_calls[task] = self._model_calls.get(task, 0) + 1
+
+    def _started_model_calls(self, msg_id: Any) -> int:
+        """How many model invocations the client request ``msg_id`` has started (0 when it has
+        not started one, is not running, or cannot be told)."""
+        app = getattr(self._conn, "app", None)
+        futures = getattr(getattr(app, "protocol", None), "_request_futures", None)  # pygls: id -> task
+        if not isinstance(futures, dict) or isinstance(msg_id, (dict, list)):
+            return 0
+        task = futures.get(msg_id)
+        try:
+            return self._model_calls.get(task, 0) if task is not None else 0
+        except TypeError:  # not weakly referenceable: not a task of ours
+            return 0
+
     def _reserve(self, name: str) -> int:
         with self._lock:
             responses = self.models.setdefault(name, {"responses": []})["responses"]
@@ -186,10 +226,11 @@ class Recorder:
         return f"{prefix}{self._counts[prefix]}"
 
     def _template(self, value: Any) -> Any:
-        """Client-sent values: the server's made-up ids become ``${name}`` references."""
+        """Client-sent values: the server's made-up ids become ``${name}`` references; any other
+        string is written escaped (a literal ``${`` as ``$${``), so it replays as it was."""
         if isinstance(value, str):
             name = self._saved.get(value)
-            return "${%s}" % name if name else value
+            return "${%s}" % name if name else escape(value)
         if isinstance(value, dict):
             return {k: self._template(v) for k, v in value.items()}
         if isinstance(value, list):
@@ -219,8 +260,8 @@ class Recorder:
     def lines(self) -> list[str]:
         with self._lock:
             out = [json.dumps(s, ensure_ascii=False) for s in self.steps]
-            models = {name: {**m, "responses": [r if r is not None else {"error": "(not finished when recorded)"}
-                                                for r in m["responses"]]}
+            models = {name: _escaped({**m, "responses": [r if r is not None else {"error": "(not finished when recorded)"}
+                                                         for r in m["responses"]]})
                       for name, m in self.models.items()}
             if models:
                 out.append(json.dumps({"recordedModels": models}, ensure_ascii=False))
@@ -261,6 +302,7 @@ class RecordingModel:
         return getattr(self._inner, attr)
 
     async def stream(self, request: Any) -> AsyncIterator[Any]:
+        self._recorder._model_call_started()
         slot = self._recorder._reserve(self._rec_name)
         parts: list[str] = []
         entry: dict[str, Any] | None = None
@@ -303,6 +345,18 @@ def _answer_match(method: str, params: Any) -> Any:
     if keys is None or not isinstance(params, dict):
         return None
     return {k: params[k] for k in keys if k in params}
+
+
+def _escaped(value: Any) -> Any:
+    """``value`` with every string escaped for a script (a literal ``${`` as ``$${``): the model
+    turns and inline specs are substituted like the steps they are put into."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
 
 
 def _decode(body: bytes) -> dict | None:

@@ -3,10 +3,14 @@
 A script is JSON Lines; each line is one step:
 
 - ``{"request": method, "params"?: {...}, "expect"?: {"result": M} | {"error": M}, "save"?: {name: path},
-  "timeoutMs"?: n, "id"?: id, "wait"?: true}``: send a request and wait for its answer. Without
-  ``expect`` any result passes (an error answer fails the step). ``save`` keeps values of the
-  result for later steps. ``"wait": false`` sends it and goes on (so that a later step can
-  cancel it by its ``id``); its answer is checked before ``shutdown``/``exit`` or at the end.
+  "timeoutMs"?: n, "id"?: id, "wait"?: true, "cancelAfterModelCalls"?: n}``: send a request and
+  wait for its answer. Without ``expect`` any result passes (an error answer fails the step).
+  ``save`` keeps values of the result for later steps. ``"wait": false`` sends it and goes on
+  (so that a later step can cancel it by its ``id``); its answer is checked before
+  ``shutdown``/``exit`` or at the end. ``cancelAfterModelCalls`` (written by ``--record`` for a
+  cancelled operate): a later ``$/cancelRequest`` for this ``id`` is sent only once the server
+  has started that many model invocations for the request (seen in its ``$/progress``; a request
+  without a ``workDoneToken`` is given one, whose notifications no step sees).
 - ``{"notify": method, "params"?: {...}}``: send a notification.
 - ``{"expectNotification": method, "match"?: M, "timeoutMs"?: n, "save"?: {name: path}}``: wait
   for a notification of that method, not matched by an earlier step, whose params match ``M``.
@@ -14,7 +18,8 @@ A script is JSON Lines; each line is one step:
   standing answer to that server-to-client request from here on; with ``match``, only to those
   whose params match ``M`` (the latest standing answer that matches is given).
 
-Patterns are matched by :mod:`.matcher`; ``${name}`` anywhere in a step is a saved value.
+Patterns are matched by :mod:`.matcher`; ``${name}`` anywhere in a step is a saved value, and
+``$${`` a literal ``${``.
 A line ``{"recordedModels": {...}}`` (written by ``--record``) is not a step: it holds the
 recorded model turns, used by ``replay --scripted`` to replay without the real models.
 """
@@ -22,6 +27,7 @@ recorded model turns, used by ``replay --scripted`` to replay without the real m
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 import json
 import os
@@ -42,12 +48,14 @@ DEFAULT_NOTIFICATION_TIMEOUT_S = 10.0
 DIVERGED_WAIT_S = 1.0   # how long expectNotification waits once an earlier step has failed
 STEP_KINDS = ("request", "notify", "expectNotification", "respond")
 _STEP_KEYS = {
-    "request": {"request", "params", "expect", "save", "timeoutMs", "id", "wait"},
+    "request": {"request", "params", "expect", "save", "timeoutMs", "id", "wait", "cancelAfterModelCalls"},
     "notify": {"notify", "params"},
     "expectNotification": {"expectNotification", "match", "timeoutMs", "save"},
     "respond": {"respond", "match", "result", "error"},
 }
 MODELS_KEY = "recordedModels"
+#: the workDoneToken the replay gives a request it must watch (cancelAfterModelCalls) when it has none
+WATCH_TOKEN_PREFIX = "operate-sidecar replay: request "
 
 
 class ScriptError(ValueError):
@@ -105,8 +113,11 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
             continue
         kinds = [k for k in STEP_KINDS if k in obj]
         if len(kinds) != 1:
-            raise ScriptError(f"{source}:{n}: a step has exactly one of " + ", ".join(STEP_KINDS)
-                              + (f" (found {', '.join(kinds)})" if kinds else ""))
+            if kinds:
+                found = f" (found {', '.join(kinds)})"
+            else:  # name what is there: a misspelt kind, or a step of a kind that does not exist
+                found = f" (found none; its key(s): {', '.join(map(str, obj)) or 'none'})"
+            raise ScriptError(f"{source}:{n}: a step has exactly one of " + ", ".join(STEP_KINDS) + found)
         kind = kinds[0]
         method = obj[kind]
         if not isinstance(method, str) or not method:
@@ -123,15 +134,31 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
             raise ScriptError(f'{source}:{n}: save must be {{"name": "path.in.result"}}')
         if kind == "respond" and ("result" in obj) == ("error" in obj):
             raise ScriptError(f"{source}:{n}: respond needs a result or an error")
-        if "timeoutMs" in obj and (not isinstance(obj["timeoutMs"], (int, float)) or obj["timeoutMs"] <= 0):
+        if "timeoutMs" in obj and (not isinstance(obj["timeoutMs"], (int, float)) or isinstance(obj["timeoutMs"], bool)
+                                   or not 0 < obj["timeoutMs"] < float("inf")):
             raise ScriptError(f"{source}:{n}: timeoutMs must be a positive number")
+        if "cancelAfterModelCalls" in obj:
+            calls = obj["cancelAfterModelCalls"]
+            if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
+                raise ScriptError(f"{source}:{n}: cancelAfterModelCalls must be a positive integer")
+            if "id" not in obj:
+                raise ScriptError(f"{source}:{n}: cancelAfterModelCalls needs the request's id (the cancel names it)")
         steps.append(Step(n, kind, method, obj))
     return Script(steps, models)
 
 
 def load_script(path: str | os.PathLike[str]) -> Script:
-    with open(path, encoding="utf-8") as f:
-        return parse_script(f, str(path))
+    """Read and parse a script; text that is not UTF-8 is a :class:`ScriptError` naming the line."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = raw[:e.start].decode("utf-8")  # line breaks as reading the file as text counts them
+        line = before.replace("\r\n", "\n").replace("\r", "\n").count("\n") + 1
+        raise ScriptError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}: "
+                          f"{e.reason}); a session script is UTF-8 JSON Lines") from None
+    return parse_script(io.StringIO(text, newline=None), str(path))
 
 
 # --------------------------------------------------------------------------- --scripted
@@ -210,6 +237,9 @@ class Runner:
         self._matched: set[int] = set()     # indexes into client.notifications
         self.stderr_tail = ""
         self._unawaited: list[tuple[Step, dict, Any]] = []   # "wait": false requests in flight
+        # cancelAfterModelCalls: request id (JSON) -> (its workDoneToken, model calls to wait for, pending)
+        self._watched: dict[str, tuple[Any, int, Any]] = {}
+        self._hidden_tokens: set[str] = set()   # tokens the replay added: their $/progress is no step's
         taken = {json.dumps(s.data["id"]) for s in script.steps if "id" in s.data}
         self._ids = (i for i in itertools.count(1) if json.dumps(i) not in taken)  # never a scripted id
 
@@ -281,7 +311,18 @@ class Runner:
 
     def _request(self, step: Step, data: dict) -> StepResult | None:
         msg_id = data["id"] if "id" in data else next(self._ids)
-        pending = self.client.request_async(step.method, data.get("params"), msg_id)
+        params = data.get("params")
+        calls = data.get("cancelAfterModelCalls")
+        token = None
+        if calls and isinstance(params, (dict, type(None))):  # watch its model calls in its $/progress
+            params = dict(params or {})
+            if params.get("workDoneToken") is None:
+                params["workDoneToken"] = WATCH_TOKEN_PREFIX + json.dumps(msg_id)
+                self._hidden_tokens.add(json.dumps(params["workDoneToken"]))
+            token = params["workDoneToken"]
+        pending = self.client.request_async(step.method, params, msg_id)
+        if token is not None:
+            self._watched[json.dumps(msg_id)] = (token, int(calls), pending)
         if data.get("wait") is False:
             self._unawaited.append((step, data, pending))
             return None
@@ -338,14 +379,60 @@ class Runner:
         return ""
 
     def _notify(self, step: Step, data: dict) -> StepResult:
-        self.client.notify(step.method, data.get("params"))
-        return StepResult(step, True)
+        params = data.get("params")
+        problem = ""
+        if step.method == "$/cancelRequest" and isinstance(params, dict):
+            problem = self._await_model_calls(step, params.get("id"))
+        self.client.notify(step.method, params)
+        return StepResult(step, not problem, problem)
+
+    def _model_calls_started(self, token: Any) -> int:
+        """How many model invocations the operate with this workDoneToken has started: its
+        ``request`` reports (one before each chat or run call) and its repair attempts."""
+        key = json.dumps(token)
+        n = 0
+        for m, params in list(self.client.notifications):
+            if m != "$/progress" or not isinstance(params, dict) or json.dumps(params.get("token")) != key:
+                continue
+            value = params.get("value")
+            if isinstance(value, dict) and value.get("kind") == "report" and (
+                    value.get("phase") == "request"
+                    or (value.get("phase") == "parse" and str(value.get("message", "")).startswith("repair"))):
+                n += 1
+        return n
+
+    def _await_model_calls(self, step: Step, msg_id: Any) -> str:
+        """Before cancelling a request recorded with ``cancelAfterModelCalls``: wait until the
+        server has started as many model invocations for it as it had when recorded (so that it
+        takes the same model turns), unless it has been answered or the server is gone."""
+        watched = self._watched.pop(json.dumps(msg_id), None)
+        if watched is None:
+            return ""
+        token, calls, pending = watched
+        timeout = self._timeout(step)
+        deadline = time.monotonic() + timeout
+
+        def ready() -> bool:
+            return (self._model_calls_started(token) >= calls or pending.done()
+                    or self.client.proc.poll() is not None)
+
+        with self.client._cond:  # woken by every notification; in slices for the answer and the exit
+            while not ready() and time.monotonic() < deadline:
+                self.client._cond.wait_for(ready, max(0.0, min(0.25, deadline - time.monotonic())))
+        started = self._model_calls_started(token)
+        if started >= calls or pending.done() or self.client.proc.poll() is not None:
+            return ""  # an answer before the cancel: the request's own step reports the difference
+        return (f"request {short(msg_id)} had started {started} of the {calls} model invocation(s) it had "
+                f"started when recorded within {timeout:g} s; cancelled anyway")
 
     def _find(self, method: str, pattern: Any) -> tuple[int | None, list[tuple[int, Mismatch]]]:
         near: list[tuple[int, Mismatch]] = []
         for i, (m, params) in enumerate(self.client.notifications):
             if m != method or i in self._matched:
                 continue
+            if (self._hidden_tokens and m == "$/progress" and isinstance(params, dict)
+                    and json.dumps(params.get("token")) in self._hidden_tokens):
+                continue  # the replay's own token (cancelAfterModelCalls): not the script's
             mm = first_mismatch(pattern, params, "$.params") if pattern is not None else None
             if mm is None:
                 return i, near
@@ -368,8 +455,9 @@ class Runner:
             return StepResult(step, True, "got " + short(params, 100), got=params)
         gone = "" if self.client.proc.poll() is None else f"; the server exited (code {self.client.proc.returncode})"
         if not near:
+            expected = "any params" if pattern is None else short(pattern, 100)
             return StepResult(step, False, f"no {step.method} notification within {timeout:g} s"
-                                           f" (expected {short(pattern, 100)}){gone}")
+                                           f" (expected {expected}){gone}")
         # the nearest candidate: the one that matched deepest before parting
         i, mm = max(near, key=lambda t: (t[1].path.count(".") + t[1].path.count("["), t[0]))
         return StepResult(step, False, f"no matching {step.method} within {timeout:g} s; "
@@ -443,8 +531,22 @@ def replay(path: str | os.PathLike[str], server_argv: list[str] | None = None, *
     return runner
 
 
+def _positive_seconds(text: str) -> float:
+    """``--timeout``: a positive number of seconds (like a step's ``timeoutMs``)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def main(argv: list[str]) -> int:
-    """``operate-sidecar replay SCRIPT.jsonl [--scripted] [--timeout S] [-- SERVER ARGV...]``"""
+    """``operate-sidecar replay SCRIPT.jsonl [--scripted] [--timeout S] [--quiet] [-- SERVER ARGV...]``"""
     import argparse
 
     server_argv: list[str] | None = None
@@ -456,14 +558,15 @@ def main(argv: list[str]) -> int:
             return 2
     p = argparse.ArgumentParser(
         prog="operate-sidecar replay",
+        usage="%(prog)s [-h] [--scripted] [--timeout S] [--quiet] SCRIPT.jsonl [-- SERVER ARGV...]",
         description="Run a session script (JSON Lines) against a fresh server and report every step; "
                     "exit 0 only when every step passed. The server is this one (same interpreter) "
                     "unless a command follows --.")
-    p.add_argument("script", help="the session script (.jsonl)")
+    p.add_argument("script", metavar="SCRIPT.jsonl", help="the session script (JSON Lines)")
     p.add_argument("--scripted", action="store_true",
                    help="replace every recorded model with a scripted one that replays its recorded turns "
                         "(no real model needed)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S, metavar="S",
+    p.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_STEP_TIMEOUT_S, metavar="S",
                    help=f"time-out of a request step in seconds unless it sets timeoutMs (default "
                         f"{DEFAULT_STEP_TIMEOUT_S:g}); expectNotification steps wait at most "
                         f"{DEFAULT_NOTIFICATION_TIMEOUT_S:g} s unless they set timeoutMs")

@@ -126,3 +126,44 @@ def test_the_fixture_is_offered_by_the_installed_plugin(tmp_path):
     out = run_pytest(project, "--fixtures")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sidecar -- " in out.stdout and "sidecar_script -- " in out.stdout and "operate_sidecar" in out.stdout
+
+
+DEAD_SIDECAR_TESTS = '''
+import os
+import signal
+
+import pytest
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(args=["--no-such-flag"])
+async def test_bad_server_args(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(timeout=60)
+async def test_sidecar_killed_while_waiting(sidecar):
+    os.kill(sidecar._server.pid, signal.SIGKILL)
+    await sidecar.wait_for_notification("toolEvent")
+
+
+@pytest.mark.asyncio
+async def test_no_notification_of_a_method(sidecar):
+    await sidecar.wait_for_notification("toolEvent", timeout=0.3)
+'''
+
+
+def test_a_sidecar_that_fails_to_start_or_dies_is_reported_at_once_with_its_stderr(tmp_path):
+    project = make_project(tmp_path / "ext")
+    (project / "test_dead.py").write_text(DEAD_SIDECAR_TESTS)
+    out = run_pytest(project, "-rA", "--durations=0", "--durations-min=0", "test_dead.py")
+    text = out.stdout + out.stderr
+    assert "2 failed, 1 error" in text, text
+    # start-up failed: the server's own words (argparse's), not only its exit code
+    assert "exited with return code: 2" in text and "unrecognized arguments: --no-such-flag" in text, text
+    # killed while a test waits for a notification: a RuntimeError at once, not a time-out after 60 s
+    assert "RuntimeError: the sidecar exited (code -9) before a matching toolEvent notification came" in text, text
+    (line,) = [ln for ln in text.splitlines() if ln.endswith("call     test_dead.py::test_sidecar_killed_while_waiting")]
+    assert float(line.split("s", 1)[0]) < 30, line
+    assert "TimeoutError: no toolEvent notification matching any params within 0.3 s" in text, text

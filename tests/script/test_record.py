@@ -7,9 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from operate_sidecar.clients.python.client import SidecarClient
+import pytest
+
+from operate_sidecar.clients.python.client import RpcError, SidecarClient
 
 TIMEOUT = 300
 INLINE = {"provider": "local", "maxTokens": 12}
@@ -208,3 +211,68 @@ def test_a_recording_holds_no_known_secret(tmp_path):
         assert c.close() == 0
     text = rec.read_text()
     assert "the key is [REDACTED]" in text and secret not in text
+
+
+def test_literal_dollar_brace_text_is_recorded_escaped_and_replays_as_it_was(tmp_path):
+    rec = tmp_path / "dollar.jsonl"
+    reply = 'Use "${HOME}/bin" (not $${HOME}) in your PATH.'
+    models = {"m": {"provider": "scripted", "responses": [reply]}}
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"settings": {"models": models}}, timeout=60)
+        bid = c.request("createBranch", {"name": "shell ${USER}"})["branchId"]
+        out = c.request("operate", {"branchId": bid, "instruction": "How do I add ${HOME}/bin to PATH?",
+                                    "skipValidation": True}, timeout=60)
+        assert out["result"] == reply
+
+    record(rec, session)
+    steps = lines(rec)
+    create = next(s for s in steps if s.get("request") == "createBranch")
+    assert create["params"] == {"name": "shell $${USER}"}          # a literal ${ is written as $${
+    op = next(s for s in steps if s.get("request") == "operate")
+    assert op["params"]["branchId"] == "${branch1}"                 # the recorder's own reference is not
+    assert op["params"]["instruction"] == "How do I add $${HOME}/bin to PATH?"
+    assert op["expect"]["result"]["result"] == 'Use "$${HOME}/bin" (not $$${HOME}) in your PATH.'
+    (recorded,) = [s["recordedModels"] for s in steps if "recordedModels" in s]
+    assert recorded["m"]["responses"] == [{"text": 'Use "$${HOME}/bin" (not $$${HOME}) in your PATH.'}]
+    for args in ((rec,), ("--scripted", rec)):   # the settings' model, then the recorded turns
+        out = replay(*args)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+SLOW_THEN_DONE = {"provider": "scripted", "responses": [{"text": "never seen", "delayMs": 30000}, "done"]}
+#: the first reply does not validate; the repair turn (the operate's second model call) is cancelled
+REPAIR_THEN_DONE = {"provider": "scripted", "responses": [
+    "not JSON", {"json": {"answer": "late"}, "delayMs": 30000}, {"json": {"answer": "4"}}]}
+
+
+@pytest.mark.parametrize("model, extra, calls", [
+    (SLOW_THEN_DONE, {"skipValidation": True}, 1),
+    (REPAIR_THEN_DONE, {"responseFormat": ANSWER, "handleValidation": "raise"}, 2),
+], ids=["chat-turn", "repair-turn"])
+def test_a_cancelled_operate_without_progress_takes_the_same_model_turns_when_replayed(tmp_path, model, extra, calls):
+    """No workDoneToken, so no step between the request and its cancel: the replay must still
+    not cancel before the server has started the turns it had started when recorded (else the
+    cancelled turn, which waits to be cancelled, is the next operate's)."""
+    rec = tmp_path / "cancel-quiet.jsonl"
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"settings": {"models": {"slow": model}}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        pending = c.request_async("operate", {"branchId": bid, "instruction": "slow", **extra})
+        time.sleep(1.5)  # the server reaches the slow turn (it waits 30 s)
+        c.cancel(pending.id)
+        with pytest.raises(RpcError) as e:
+            pending.result(30)
+        assert e.value.code == -32800
+        again = c.request("operate", {"branchId": bid, "instruction": "again", **extra}, timeout=30)["result"]
+        assert again == ("done" if calls == 1 else {"answer": "4"})
+
+    record(rec, session)
+    steps = lines(rec)
+    op = next(s for s in steps if s.get("request") == "operate")
+    assert op["wait"] is False and op["cancelAfterModelCalls"] == calls and "workDoneToken" not in op["params"]
+    assert steps[steps.index(op) + 1] == {"notify": "$/cancelRequest", "params": {"id": op["id"]}}
+    for args in (("--scripted", rec), (rec,)):   # the recorded turns, then the settings' model
+        out = replay("--timeout", "20", *args)
+        assert out.returncode == 0, out.stdout + out.stderr

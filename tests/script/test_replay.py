@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from operate_sidecar.server.script.matcher import first_mismatch, get_path, substitute
+from operate_sidecar.server.script.matcher import escape, first_mismatch, get_path, substitute
 
 TIMEOUT = 120
 ANSWER = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
@@ -163,3 +163,94 @@ def test_the_readme_example_script_passes(tmp_path):
     assert block, "README.md has no jsonl session script example"
     out = replay(write_script(tmp_path / "readme.jsonl", [json.loads(ln) for ln in block.group(1).splitlines()]))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("text", ["${HOME}/bin", "$${x}", "a ${b} $${c} $$$${d} $ $$ x$", "${", "$${"])
+def test_dollar_dollar_brace_is_a_literal_dollar_brace_and_escape_round_trips(text):
+    assert substitute(escape(text), {"b": "nope"}) == text
+    assert substitute({"s": "$${b} and ${b}", "whole": "$${b}"}, {"b": 1}) == {"s": "${b} and 1", "whole": "${b}"}
+
+
+def test_a_step_with_a_literal_dollar_brace_replays(tmp_path):
+    steps = [{"request": "initialize"},
+             {"request": "createBranch", "params": {"name": "shell $${USER}"}, "save": {"b": "branchId"}},
+             {"request": "listBranches", "expect": {"result": {"branches": [{"branchId": "${b}",
+                                                                             "name": "shell $${USER}"}]}}}]
+    out = replay(write_script(tmp_path / "d.jsonl", steps))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_longer_array_names_the_extra_item_not_an_internal_object():
+    mm = first_mismatch({"a": [1]}, {"a": [1, {"x": 2}]})
+    assert mm is not None and mm.describe() == 'at $.a[1]: expected (nothing), got {"x": 2} (expected 1 items, got 2)'
+
+
+def test_failure_messages_read_well_for_extra_items_and_notifications_with_any_params(tmp_path):
+    steps = [{"request": "initialize"},
+             {"request": "createBranch"},
+             {"request": "listBranches", "expect": {"result": {"branches": []}}},
+             {"expectNotification": "toolEvent", "timeoutMs": 200}]
+    out = replay(write_script(tmp_path / "x.jsonl", steps))
+    assert out.returncode == 1
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 2 and "object at 0x" not in out.stdout, out.stdout
+    assert fails[0].startswith("FAIL line 3: request listBranches: at $.result.branches[0]: expected (nothing), "
+                               'got {"branchId": ')
+    assert fails[0].endswith("(expected 0 items, got 1)")
+    assert fails[1] == "FAIL line 4: expectNotification toolEvent: no toolEvent notification within 0.2 s " \
+                       "(expected any params)"
+
+
+def test_a_request_cancelled_after_its_model_call_started_is_cancelled_only_then(tmp_path):
+    """cancelAfterModelCalls: the cancel waits until the server has started the request's model
+    call; the request gets a workDoneToken of the replay's own, whose $/progress no step sees."""
+    slow = scripted({"text": "never seen", "delayMs": 30000}, "done")
+    steps = [{"request": "initialize", "params": {"settings": {"models": {"slow": slow}}}},
+             {"request": "createBranch", "save": {"b": "branchId"}},
+             {"request": "operate", "params": {"branchId": "${b}", "instruction": "x", "skipValidation": True},
+              "id": "op", "wait": False, "cancelAfterModelCalls": 1, "expect": {"error": {"code": -32800}}},
+             {"notify": "$/cancelRequest", "params": {"id": "op"}},
+             {"request": "operate", "params": {"branchId": "${b}", "instruction": "y", "skipValidation": True},
+              "expect": {"result": {"result": "done"}}, "timeoutMs": 20000},
+             {"expectNotification": "$/progress", "timeoutMs": 300}]
+    out = replay(write_script(tmp_path / "c.jsonl", steps))
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert fails == ["FAIL line 6: expectNotification $/progress: no $/progress notification within 0.3 s "
+                     "(expected any params)"], out.stdout + out.stderr
+    bad = write_script(tmp_path / "b.jsonl", [{**steps[2], "id": None, "cancelAfterModelCalls": 0}])
+    out = replay(bad)
+    assert out.returncode == 2 and "b.jsonl:1: cancelAfterModelCalls must be a positive integer" in out.stderr
+
+
+def test_a_script_that_is_not_utf8_is_refused_naming_the_line(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"request": "initialize"}\n{"request": "createBranch", "params": {"name": "caf\xe9"}}\n')
+    out = replay(p)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "latin1.jsonl:2: not UTF-8 text" in out.stderr and not out.stdout
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan"])
+def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path, seconds):
+    out = replay(f"--timeout={seconds}", write_script(tmp_path / "ok.jsonl", session()[:1]))
+    assert out.returncode == 2 and not out.stdout
+    assert "argument --timeout: must be a positive number of seconds" in out.stderr
+
+
+def test_an_unknown_step_kind_is_named(tmp_path):
+    p = tmp_path / "k.jsonl"
+    p.write_text('{"request": "ping"}\n{"bogus": "ping", "params": {}}\n')
+    out = replay(p)
+    assert out.returncode == 2
+    assert ("k.jsonl:2: a step has exactly one of request, notify, expectNotification, respond "
+            "(found none; its key(s): bogus, params)") in out.stderr
+
+
+def test_help_texts_name_replay_and_its_server_argv():
+    main = subprocess.run([sys.executable, "-m", "operate_sidecar.server", "--help"], capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert main.returncode == 0 and "operate-sidecar replay" in main.stdout
+    assert "SQLite" in main.stdout and "journal" not in main.stdout
+    sub = replay("--help")
+    assert sub.returncode == 0
+    assert sub.stdout.startswith("usage: operate-sidecar replay ") and "[-- SERVER ARGV...]" in sub.stdout
