@@ -176,15 +176,30 @@ class StateStore:
     def _open_read_only(self, error: BaseException) -> sqlite3.Connection:
         """The database exists but cannot be written (a read-only filesystem, say): serve its
         branches; every change fails (and is refused with :class:`StateNotSaved`)."""
-        try:
-            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None,
-                                   check_same_thread=False)
-            conn.execute("SELECT COUNT(*) FROM branches").fetchone()
-        except sqlite3.Error:
+        conn = None
+        # read-only WAL needs a -shm file it can create or use: in a directory it cannot write, a
+        # database closed cleanly (no -wal left) is still read whole as an immutable file
+        for immutable in (False, True):
+            try:
+                conn = sqlite3.connect(f"file:{self.path}?mode=ro{'&immutable=1' if immutable else ''}", uri=True,
+                                       isolation_level=None, check_same_thread=False)
+                conn.execute("SELECT COUNT(*) FROM branches").fetchone()
+                break
+            except sqlite3.Error:
+                if conn is not None:
+                    conn.close()
+                conn = None
+        if conn is None:
             raise error from None
         self.read_only = True
+        note = ""
+        wal = self.path + "-wal"
+        if immutable and os.path.exists(wal) and os.path.getsize(wal) > 0:
+            note = (f"; its write-ahead log {wal} ({os.path.getsize(wal)} bytes) cannot be read without "
+                    "writing beside it, so the changes it holds are not shown")
         self.problems.append(f"state database {self.path} cannot be written ({error}); its branches are served "
-                             "read-only and every change is refused until it can be written (restart the server)")
+                             f"read-only and every change is refused until it can be written (restart the server)"
+                             f"{note}")
         return conn
 
     def _replace_damaged(self, problem: str) -> sqlite3.Connection:
@@ -282,22 +297,32 @@ class StateStore:
                 pass
 
     # ------------------------------------------------------------ loading
-    def _rows_to_branch(self, bid: str, meta_json: str, rows: list[tuple]) -> tuple[LoadedBranch, int]:
+    def _rows_to_branch(self, bid: str, meta_json: bytes, rows: list[tuple]) -> tuple[LoadedBranch, int]:
+        """A branch from its rows, read as bytes (``CAST(... AS BLOB)``): a value that is not
+        UTF-8 (a damaged page) must not fail the read of every branch, as SQLite's decoding
+        for Python would; json decodes the bytes, and a damaged row alone is dealt with."""
         try:
             meta = json.loads(meta_json)
             if not isinstance(meta, dict):
                 raise ValueError("meta is not an object")
-        except ValueError:
+        except (ValueError, TypeError):
             log.warning("state: branch %s has an unreadable meta; loaded without name and policy", bid)
             meta = {}
         max_seq = rows[-1][0] if rows else 0
         try:  # one parse for the whole branch (much faster than one per row) ...
-            msgs = [Message.from_record(r) for r in json.loads("[" + ",".join(rec for _, rec in rows) + "]")]
+            msgs = [Message.from_record(r) for r in json.loads(b"[" + b",".join(rec for _, rec in rows) + b"]")]
         except (ValueError, KeyError, TypeError):  # ... and row by row when one is unreadable
             msgs = []
             for seq, rec in rows:
                 try:
                     msgs.append(Message.from_record(json.loads(rec)))
+                except UnicodeDecodeError:  # bytes that are not UTF-8: kept with U+FFFD in their place
+                    try:
+                        msgs.append(Message.from_record(json.loads(rec.decode("utf-8", "replace"))))
+                        log.warning("state: message %d of branch %s held bytes that are not UTF-8; "
+                                    "loaded with U+FFFD in their place", seq, bid)
+                    except (ValueError, KeyError, TypeError):
+                        log.warning("state: message %d of branch %s unreadable; skipped", seq, bid)
                 except (ValueError, KeyError, TypeError):
                     log.warning("state: message %d of branch %s unreadable; skipped", seq, bid)
         return LoadedBranch(id=bid, meta=meta, messages=msgs), max_seq
@@ -308,10 +333,10 @@ class StateStore:
             c = self.conn
             c.execute("BEGIN")
             try:
-                branches = c.execute("SELECT id, meta, version, clear_gen FROM branches "
+                branches = c.execute("SELECT id, CAST(meta AS BLOB), version, clear_gen FROM branches "
                                      "ORDER BY created_at, rowid").fetchall()
-                per = {bid: c.execute("SELECT seq, record FROM messages WHERE branch_id=? ORDER BY seq",
-                                      (bid,)).fetchall() for bid, *_ in branches}
+                per = {bid: c.execute("SELECT seq, CAST(record AS BLOB) FROM messages WHERE branch_id=? "
+                                      "ORDER BY seq", (bid,)).fetchall() for bid, *_ in branches}
                 self._data_version = c.execute("PRAGMA data_version").fetchone()[0]
             finally:
                 c.execute("COMMIT")
@@ -325,11 +350,12 @@ class StateStore:
         return out
 
     def _read_branch(self, bid: str, after_seq: int = 0) -> tuple[LoadedBranch, int, int, int] | None:
-        row = self.conn.execute("SELECT meta, version, clear_gen FROM branches WHERE id=?", (bid,)).fetchone()
+        row = self.conn.execute("SELECT CAST(meta AS BLOB), version, clear_gen FROM branches WHERE id=?",
+                                (bid,)).fetchone()
         if row is None:
             return None
-        rows = self.conn.execute("SELECT seq, record FROM messages WHERE branch_id=? AND seq>? ORDER BY seq",
-                                 (bid, after_seq)).fetchall()
+        rows = self.conn.execute("SELECT seq, CAST(record AS BLOB) FROM messages WHERE branch_id=? AND seq>? "
+                                 "ORDER BY seq", (bid, after_seq)).fetchall()
         lb, max_seq = self._rows_to_branch(bid, row[0], rows)
         return lb, row[1], row[2], max_seq or after_seq
 
@@ -578,7 +604,7 @@ class StateStore:
     def _merge_meta(self, bid: str, meta: dict[str, Any]) -> dict[str, Any]:
         """Our meta changes applied over what is on disk now (policies per tool, the front
         end's info per field: ``MERGED_PER_KEY``; everything else per key)."""
-        row = self.conn.execute("SELECT meta FROM branches WHERE id=?", (bid,)).fetchone()
+        row = self.conn.execute("SELECT CAST(meta AS BLOB) FROM branches WHERE id=?", (bid,)).fetchone()
         try:
             disk = json.loads(row[0]) if row else {}
         except ValueError:

@@ -153,6 +153,28 @@ def test_an_unwritable_state_dir_mid_session_loses_nothing_acknowledged(spawn, t
     r.close()
 
 
+def test_a_cleanly_closed_database_in_an_unwritable_dir_is_served_read_only(spawn, tmp_path):
+    """After a clean stop only the database file is left (no -wal, no -shm). SQLite cannot read
+    a WAL database read-only where it cannot create its -shm: every acknowledged branch was
+    invisible (-32012) and the directory called unusable. Its branches are served read-only."""
+    state = str(tmp_path / "state")
+    c = _start(spawn, state)
+    bid = c.branch(name="kept")
+    assert _operate(c, bid, "acknowledged")
+    assert c.close() == 0
+    assert sorted(os.listdir(state)) == [DB_FILE]
+    how = _lock_dir(state)
+    try:
+        r = _start(spawn, state)
+        assert _branch_ids(r) == {bid} and _instructions(r, bid) == ["acknowledged"]
+        assert r.error_of("createBranch", {"name": "x"}).code == STATE_NOT_SAVED
+        assert not _operate(r, bid, "refused") and _instructions(r, bid) == ["acknowledged"]
+        assert [p for p in r.of("window/logMessage") if "read-only" in p["message"]], r.of("window/logMessage")
+        r.close()
+    finally:
+        _unlock_dir(state, how)
+
+
 def _flip_pages(path: str) -> None:
     size = os.path.getsize(path)
     with open(path, "r+b") as fh:

@@ -169,6 +169,32 @@ def test_lone_surrogates_are_stored_and_come_back_as_they_came(tmp_path):
     assert "é, next" in s.conn.execute("SELECT record FROM messages ORDER BY seq DESC LIMIT 1").fetchone()[0]
 
 
+def test_a_stored_value_that_is_not_utf8_hides_nothing_else(tmp_path):
+    """A damaged byte (not UTF-8, while PRAGMA quick_check still says ok) in one message and
+    in another branch's meta: every branch loads, the damaged message with U+FFFD in place of
+    the byte, the meta as unreadable; before, SQLite's decoding failed the whole load and the
+    server served no branch at all."""
+    s = StateStore(str(tmp_path))
+    a = _branch(s, 2, name="a", created=1)
+    b = _branch(s, 1, name="b", created=2)
+    c = _branch(s, 1, name="c", created=3)
+    s.flush()
+    raw = sqlite3.connect(os.path.join(str(tmp_path), DB_FILE))
+    (rec,), = raw.execute("SELECT record FROM messages WHERE branch_id=? AND seq=3", (a.id,)).fetchall()
+    assert '"q1"' in rec
+    damaged = rec.encode().replace(b'"q1"', b'"q\xff1"')
+    raw.execute("UPDATE messages SET record=CAST(? AS TEXT) WHERE branch_id=? AND seq=3", (damaged, a.id))
+    raw.execute("UPDATE branches SET meta=CAST(? AS TEXT) WHERE id=?", (b'{"name": "\xfe"}', b.id))
+    raw.commit()
+    assert raw.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+    raw.close()
+    loaded = _reload(tmp_path)
+    assert set(loaded) == {a.id, b.id, c.id}
+    assert [m.content.get("instruction") for m in loaded[a.id].messages][1:] == ["q0", "q\ufffd1"]
+    assert loaded[b.id].meta == {} and len(loaded[b.id].messages) == 2
+    assert loaded[c.id].meta["name"] == "c" and len(loaded[c.id].messages) == 2
+
+
 def test_any_failure_of_a_commit_is_state_not_saved_and_reverts_the_meta(tmp_path, monkeypatch):
     """Not only SQLite's and the file system's errors: whatever fails a commit, the caller is
     told the state was not saved (-32013 on the wire) and the meta in memory is the committed one."""
