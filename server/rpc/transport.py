@@ -62,6 +62,8 @@ PRELOAD = ("operate_sidecar.protocol",)
 
 _INIT_KEYS = frozenset({"protocolVersion", "clientInfo", "processId", "capabilities", "workspaceFolders",
                         "settings"})
+#: the capabilities this server knows (booleans); others a client announces are ignored
+_CAPABILITY_KEYS = frozenset({"toolPermission", "clientTools", "fs"})
 
 
 def _json_default(o: Any) -> Any:
@@ -195,7 +197,8 @@ class Connection:
                             f"invalid request: expected a request or notification object, got {what}")
             return
         method = msg.get("method")
-        if method == "ping" and "id" in msg and _valid_id(msg["id"]) and msg.get("jsonrpc") == "2.0":
+        if method == "ping" and "id" in msg and _valid_id(msg["id"]) and msg.get("jsonrpc") == "2.0" \
+                and not msg.get("params"):
             # fast path: no allocation beyond the frame, allowed in every state
             self.wire.send_bytes(self._ping_head + dumps(msg["id"]) + b',"result":{}}')
             return
@@ -255,7 +258,12 @@ class Connection:
             self._notification(method, msg["params"])
             return
         msg_id = msg["id"]
-        if method == "ping":
+        if method in ("ping", "shutdown") and msg["params"]:  # they take no params
+            unknown = list(msg["params"])
+            self.send_error(msg_id, E.INVALID_PARAMS,
+                            f"invalid params: unknown field{'s' if len(unknown) > 1 else ''}: "
+                            + ", ".join(json.dumps(k) for k in unknown), {"unknownFields": unknown})
+        elif method == "ping":
             self.send_result(msg_id, {})
         elif self.shutdown_requested and method not in AFTER_SHUTDOWN:
             self.send_error(msg_id, E.INVALID_REQUEST, f"server is shut down; {method} refused")
@@ -298,6 +306,9 @@ class Connection:
                             + ", ".join(json.dumps(k) for k in unknown), {"unknownFields": unknown})
             return
         pv = params.get("protocolVersion")
+        if pv is not None and type(pv) is not int:
+            self.send_error(msg_id, E.INVALID_PARAMS, f"invalid params: protocolVersion must be an integer, not {pv!r}")
+            return
         if pv is not None and pv != PROTOCOL_VERSION:
             self.send_error(msg_id, E.INVALID_PARAMS, f"unsupported protocolVersion {pv!r}; this server speaks 1")
             return
@@ -307,12 +318,17 @@ class Connection:
         user = params.get("settings")
         problems = []
         info = params.get("clientInfo")
-        if info is not None and (type(info) is not dict or type(info.get("name")) is not str):
-            problems.append("clientInfo must be an object with a name")
+        if info is not None and (type(info) is not dict or type(info.get("name")) is not str
+                                 or type(info.get("version", "")) is not str):
+            problems.append("clientInfo must be an object with a name (and a version) that are strings")
         if pid is not None and type(pid) is not int:
             problems.append("processId must be an integer")
         if caps is not None and type(caps) is not dict:
             problems.append("capabilities must be an object")
+        elif caps:
+            wrong = [k for k in _CAPABILITY_KEYS if k in caps and type(caps[k]) is not bool]
+            if wrong:
+                problems.append("capabilities." + ", capabilities.".join(sorted(wrong)) + " must be booleans")
         if folders is not None and (type(folders) is not list or not all(type(f) is str for f in folders)):
             problems.append("workspaceFolders must be a list of paths")
         if user is not None and type(user) is not dict:

@@ -87,6 +87,7 @@ def _wire_keys(cls: type) -> set[str]:
 
 def test_the_initialize_fields_are_the_protocols():
     assert transport._INIT_KEYS == _wire_keys(protocol.InitializeParams)
+    assert transport._CAPABILITY_KEYS == _wire_keys(protocol.ClientCapabilities)
 
 
 def test_the_error_codes_are_the_protocols():

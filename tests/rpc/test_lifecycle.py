@@ -55,11 +55,18 @@ def test_bad_settings_are_invalid_params(sidecar):
     assert err.code == -32602 and "nope" in err.message
     for bad in ({"clientInfo": "me"}, {"processId": "12"}, {"capabilities": []}, {"workspaceFolders": "/x"},
                 {"protocolVersion": 2}, {"unknownField": 1}, {"settings": {"defaultModel": []}},
-                {"settings": {"models": []}}, {"settings": {"toolModules": "x"}}, {"settings": {"maxMessageBytes": -1}}):
+                {"settings": {"models": []}}, {"settings": {"toolModules": "x"}}, {"settings": {"maxMessageBytes": -1}},
+                # no coercion (§14): True is not the integer 1, "false" is not a boolean
+                {"protocolVersion": True}, {"capabilities": {"toolPermission": "false"}},
+                {"capabilities": {"fs": 1}}, {"clientInfo": {"name": "ed", "version": 5}}):
         assert sidecar.error_of("initialize", bad).code == -32602, bad
     err = sidecar.error_of("initialize", {"settings": {"noSuchSetting": 1}})
     assert err.code == -32602 and "noSuchSetting" in err.message
-    assert sidecar.init(models={"s": scripted("x")})["protocolVersion"] == 1
+    err = sidecar.error_of("ping", {"x": 1})  # no params but none: unknown keys are -32602 (§14)
+    assert err.code == -32602 and err.data == {"unknownFields": ["x"]}
+    assert sidecar.init(models={"s": scripted("x")}, capabilities={"someFutureCapability": "v2"})["protocolVersion"] == 1
+    assert sidecar.error_of("shutdown", {"x": 1}).code == -32602
+    assert sidecar.request("listBranches", {}) == {"branches": []}  # that shutdown was refused
 
 
 def test_after_shutdown_every_request_but_ping_is_invalid_request(sidecar):
