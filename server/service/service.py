@@ -1007,6 +1007,9 @@ class Service:
         self._check_message_room(branch, bool(p.clear_messages))
         # per-branch FIFO first, then one of maxConcurrentOperates slots (waiters queue FIFO, cancellable)
         async with self._lock(branch.id), self._slots():
+            # the branch as it is now that this operate's turn has come: one deleted while it
+            # waited is -32012 (it would have run, and answered, on a branch that is gone)
+            branch = self.branch(branch.id)
             self._check_message_room(branch, bool(p.clear_messages))
             prepared = prepare_operate_kw(branch, **kw)
             sink = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .support import scripted
+import time
+
+from .support import TIMEOUT, RpcError, scripted
 
 
 def test_create_list_fork_delete(sidecar):
@@ -51,6 +53,26 @@ def test_unknown_branch_is_branch_not_found_everywhere(sidecar):
                            ("authorizeTool", {"tool": "x", "decision": "allow"})):
         err = sidecar.error_of(method, {"branchId": "nope", **params})
         assert err.code == -32012, (method, err)
+
+
+def test_an_operate_queued_on_a_branch_deleted_meanwhile_is_branch_not_found(sidecar):
+    """The second operate waits for the first (per-branch FIFO); the branch is deleted while
+    it waits: when its turn comes it answers -32012 and calls no model (it ran on the deleted
+    branch and answered success, its messages lost with the branch)."""
+    sidecar.init(models={"s": scripted({"text": "running", "delayMs": 600}, "queued-ran")})
+    bid = sidecar.branch()
+    first = sidecar.request_async("operate", {"branchId": bid, "instruction": "first"})
+    time.sleep(0.2)  # the first is running (its model answers after 600 ms)
+    second = sidecar.request_async("operate", {"branchId": bid, "instruction": "second"})
+    assert sidecar.request("deleteBranch", {"branchId": bid}) == {}
+    assert first.result(timeout=TIMEOUT)["result"] == "running"
+    try:
+        second.result(timeout=TIMEOUT)
+        raise AssertionError("the queued operate ran on a deleted branch")
+    except RpcError as e:
+        assert e.code == -32012, e
+    other = sidecar.branch()  # the second never took a model turn: the next reply is still there
+    assert sidecar.request("operate", {"branchId": other, "instruction": "x"})["result"] == "queued-ran"
 
 
 def test_bad_params_are_invalid_params(sidecar):
