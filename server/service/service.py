@@ -1055,7 +1055,12 @@ class Service:
                     if info:
                         meta["client"] = dict(self._info[branch.id])
                     self.journal.update_meta(branch.id, meta)
-                    await asyncio.shield(self._commit_operate(branch, mark))
+                    try:
+                        await asyncio.shield(self._commit_operate(branch, mark))
+                    except BaseException:  # cancelled while saving, or not saved: the one end says so
+                        if sink is not None:
+                            sink.finish("failed", meter.to_wire())  # "cancelled" when it is
+                        raise
             if sink is not None:
                 sink.finish("completed", meter.to_wire())
         out = envelope(result)

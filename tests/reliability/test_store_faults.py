@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sqlite3
 import subprocess
 
 from operate_sidecar.server.core import Branch
@@ -173,6 +174,29 @@ def test_a_cleanly_closed_database_in_an_unwritable_dir_is_served_read_only(spaw
         r.close()
     finally:
         _unlock_dir(state, how)
+
+
+def test_an_operate_that_cannot_be_saved_still_ends_its_progress(spawn, tmp_path):
+    """The save comes after the rounds, before the answer: when it fails (-32013; here a
+    trigger in the database refuses every message row) or the operate is cancelled during it,
+    the one $/progress end still comes, before the answer (it was skipped: begin and reports,
+    then the error)."""
+    state = str(tmp_path / "state")
+    c = _start(spawn, state)
+    bid = c.branch(name="b")
+    raw = sqlite3.connect(os.path.join(state, DB_FILE))
+    raw.execute("CREATE TRIGGER boom BEFORE INSERT ON messages BEGIN SELECT RAISE(ABORT, 'injected failure'); END")
+    raw.commit()
+    raw.close()
+    try:
+        c.request("operate", {"branchId": bid, "instruction": "x", "workDoneToken": "tok"}, timeout=TIMEOUT)
+        raise AssertionError("saved despite the trigger")
+    except RpcError as e:
+        assert e.code == STATE_NOT_SAVED, e
+    kinds = [(p["value"]["kind"], p["value"].get("message")) for p in c.of("$/progress") if p["token"] == "tok"]
+    assert kinds[0][0] == "begin" and kinds[-1] == ("end", "failed") and [k for k, _ in kinds].count("end") == 1
+    assert c.messages(bid) == []  # and the branch is as it was
+    c.close()
 
 
 def _flip_pages(path: str) -> None:
