@@ -39,6 +39,10 @@ class FieldModel:
     default: JsonValue | Omitted = OMITTED
 
 
+#: parse-repair retries an operate may ask for (each one is a model call)
+MAX_RETRY_ATTEMPTS = 100
+
+
 @wire
 class ParseOptions:
     """Structured-parse retry settings (the pipeline's D1 defaults, docs/PIPELINE.md)."""
@@ -47,6 +51,17 @@ class ParseOptions:
     retry_backoff: float = 1.85
     max_concurrent: int = 1
     throttle_period: float = 1
+
+    def __wire_check__(self) -> None:
+        if not 0 <= self.retry_attempts <= MAX_RETRY_ATTEMPTS:
+            raise ParamsError(f"retryAttempts must be an integer from 0 to {MAX_RETRY_ATTEMPTS}",
+                              path=("retryAttempts",))
+        for name, value in (("retryInitialDelay", self.retry_initial_delay), ("retryBackoff", self.retry_backoff),
+                            ("throttlePeriod", self.throttle_period)):
+            if value < 0:
+                raise ParamsError(f"{name} must not be negative", path=(name,))
+        if self.max_concurrent < 1:
+            raise ParamsError("maxConcurrent must be at least 1", path=("maxConcurrent",))
 
 
 @wire

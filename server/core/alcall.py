@@ -26,8 +26,9 @@ async def _with_retries(func: Callable[[Any], Awaitable[Any]], item: Any, *, ret
             if attempt >= retry_attempts:
                 raise
         attempt += 1
-        if delay > 0:
-            await anyio.sleep(delay)
+        # always a checkpoint: with no delay, a func that fails at once must still let the
+        # event loop serve others (and a cancel reach this task) between attempts
+        await anyio.sleep(delay if delay > 0 else 0)
         delay = delay * retry_backoff if delay else 0
 
 

@@ -144,3 +144,30 @@ async def test_cancellation_is_not_retried():
             await started.wait()
             tg.cancel_scope.cancel()
     assert tries == [1]
+
+
+async def test_retries_with_no_delay_still_let_other_tasks_run_and_can_be_cancelled():
+    """A func that fails at once, retried with no delay, yields between attempts: other tasks
+    run meanwhile and a cancel reaches it (it looped without a checkpoint and froze the event
+    loop: ping unanswered, the cancel never honoured)."""
+    attempts, ticks = [0], [0]
+
+    async def fails(_: int) -> None:
+        attempts[0] += 1
+        raise ValueError("no")
+
+    async def ticker() -> None:
+        while True:
+            ticks[0] += 1
+            await anyio.sleep(0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        with anyio.move_on_after(5) as scope:
+            with pytest.raises(ValueError):
+                await alcall([0], fails, retry_attempts=2000, retry_initial_delay=0)
+        assert not scope.cancelled_caught and attempts[0] == 2001 and ticks[0] >= 1000
+        with anyio.move_on_after(0.05) as scope:  # cancelled mid-retries, long before the end
+            await alcall([0], fails, retry_attempts=10**9, retry_initial_delay=0)
+        assert scope.cancelled_caught
+        tg.cancel_scope.cancel()

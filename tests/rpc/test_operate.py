@@ -103,6 +103,20 @@ def test_a_schema_that_is_not_valid_json_schema_is_invalid_params_naming_where(s
     assert op(sidecar, bid, instruction="x")["result"] == "x"  # nothing consumed the scripted reply
 
 
+def test_parse_options_out_of_bounds_are_invalid_params_naming_the_field(sidecar):
+    """Each parse retry is a model call: retryAttempts is bounded (10**9 with no delay froze the
+    server), and no delay, back-off or period is negative."""
+    sidecar.init(models={"s": scripted("x")})
+    bid = sidecar.branch()
+    for options, field in (({"retryAttempts": 101}, "retryAttempts"), ({"retryAttempts": -1}, "retryAttempts"),
+                           ({"retryInitialDelay": -1}, "retryInitialDelay"), ({"retryBackoff": -0.5}, "retryBackoff"),
+                           ({"throttlePeriod": -1}, "throttlePeriod"), ({"maxConcurrent": 0}, "maxConcurrent")):
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "parseOptions": options})
+        assert err.code == -32602 and f"parseOptions.{field}" in err.message, (options, err)
+        assert "parseOptions.parseOptions" not in err.message
+    assert op(sidecar, bid, instruction="x", parseOptions={"retryAttempts": 100, "retryInitialDelay": 0})["result"] == "x"
+
+
 def test_field_names_pydantic_reserves_are_invalid_params(sidecar):
     sidecar.init(models={"s": scripted("x")})
     bid = sidecar.branch()
