@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import anyio
 
 from . import progress
-from .errors import ModelError
+from .errors import ConfigurationError, ModelError
 from .imodel import StreamChunk, open_stream
 from .messages import Message
 from .params import ChatParam, ParseParam, RunParam
@@ -102,8 +102,12 @@ class _Persist:
         self.branch = branch
         self.dir = param.persist_dir
         self.snap_dir = param.snapshot_dir or param.persist_dir
-        os.makedirs(self.dir, exist_ok=True)
-        os.makedirs(self.snap_dir, exist_ok=True)
+        for name, path in (("persist directory", self.dir), ("snapshot directory", self.snap_dir)):
+            try:
+                os.makedirs(path, exist_ok=True)
+            except (OSError, TypeError, ValueError) as e:  # the caller's path: a file, a NUL ...
+                raise ConfigurationError(f"the {name} {path!r} cannot be used: "
+                                         f"{e.strerror or e if isinstance(e, OSError) else e}") from None
         self.buffer_path = os.path.join(self.dir, f"{branch.id}.buffer.jsonl")
         self.snapshot_path = os.path.join(self.snap_dir, f"{branch.id}.json")
         self._fh: Any = None
@@ -154,8 +158,8 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     model = _model_of(branch, param)  # per-call model: never written back to the branch
     ins = _instruction_message(branch, instruction, param)
     request = render_request(branch, ins, param.response_format, param.tool_schemas, param.imodel_kw, purpose="run")
+    persist = _Persist(branch, param) if param.stream_persist else None  # before any effect
     branch.messages.append(ins)
-    persist = _Persist(branch, param) if param.stream_persist else None
     texts: list[str] = []
     buf: list[str] = []
     open_calls: dict[str, Message] = {}

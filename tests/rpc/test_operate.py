@@ -117,6 +117,21 @@ def test_parse_options_out_of_bounds_are_invalid_params_naming_the_field(sidecar
     assert op(sidecar, bid, instruction="x", parseOptions={"retryAttempts": 100, "retryInitialDelay": 0})["result"] == "x"
 
 
+def test_a_persist_dir_that_cannot_be_a_directory_is_invalid_params_before_any_effect(sidecar, tmp_path):
+    """persistDir / snapshotDir are the caller's paths: one that is a file (or under one) is
+    -32602 naming it, with nothing recorded and no model called (it was -32603 with a
+    traceback, after the instruction was already in the branch)."""
+    sidecar.init(models={"s": scripted("x")})
+    bid = sidecar.branch()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for dirs in ({"persistDir": str(afile)}, {"persistDir": str(tmp_path / "pd"), "snapshotDir": str(afile / "sub")}):
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "streamPersist": True, **dirs})
+        assert err.code == -32602 and str(afile) in err.message, (dirs, err)
+    assert sidecar.messages(bid) == [] and "Traceback" not in sidecar.stderr_text()
+    assert op(sidecar, bid, instruction="x")["result"] == "x"
+
+
 def test_field_names_pydantic_reserves_are_invalid_params(sidecar):
     sidecar.init(models={"s": scripted("x")})
     bid = sidecar.branch()
