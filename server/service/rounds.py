@@ -2,9 +2,11 @@
 ``operate`` (each round is one whole core operate, with its own validation, governance and
 fail-before-effect; nothing here changes what one operate does).
 
-Round 1 is the caller's operate. After a round in which at least one tool ran (was invoked:
-its ``pre`` hook event fired, whether it then succeeded or failed; a denied call did not
-run), another round runs on the same branch with the same parameters, except that
+Round 1 is the caller's operate. After a round in which at least one tool ran (its ``pre``
+hook event fired: governance let it through, whether it then succeeded or failed, a call
+whose arguments the tool's schema refused or whose tool is unknown included, so that the
+next round can correct it; a denied call did not run), another round runs on the same
+branch with the same parameters, except that
 
 - the instruction is :data:`CONTINUATION` (the tool results of the round before reach the
   model with it, as the pipeline renders them),
