@@ -146,7 +146,7 @@ def test_d_client_against_the_real_server_with_node_test():
     names = " | ".join(name for _, name in results)
     for topic in ("initialize", "branches", "$/progress", "toolEvents", "requestToolPermission", "invokeClientTool",
                   "fs/readTextFile", "preview", "maxRounds", "usage", "cancel", "error codes", "dies at start",
-                  "dies mid-request"):
+                  "dies mid-request", "initialize time-out"):
         assert topic in names, f"missing test about {topic!r}: {names}"
 
 

@@ -9,7 +9,9 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       host, driven by headless chromium; its interactive paths (input boxes, quick picks) answer from
       scripted replacements of the extension's own window.showInputBox/showQuickPick, and Cancel is
       the real progress notification's button; the chat command, the diff review (WorkspaceEdit in the
-      buffer, undo), restart on a settings change and a server that dies at start.
+      buffer, undo), restart on a settings change and a server that dies at start; bad settings, Stop
+      while the server starts, a server that never answers initialize.
+  (d2) the same harness in a multi-root workspace (--suite multi-root): paths of the second folder.
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
       and key presses over Chromium's DevTools protocol; screenshots land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
@@ -106,7 +108,8 @@ def test_a_protocol_client_against_the_real_server_with_node_test():
     names = " | ".join(t["name"] for t in r["tests"])
     for topic in ("initialize", "$/progress", "toolEvents", "requestToolPermission", "invokeClientTool",
                   "cancel mid model call", "error codes", "dies", "fs/readTextFile and fs/writeTextFile",
-                  "structured replies show their prose fields", "sanitized", "tool cards"):
+                  "structured replies show their prose fields", "sanitized", "tool cards",
+                  'plain text starting with "{"', "refusesField"):
         assert topic in names, f"missing test about {topic!r}: {names}"
 
 
@@ -186,15 +189,39 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
     assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
-    assert len(report["checks"]) == 25 and not bad and report.get("fatal") is None, report["checks"]
+    assert len(report["checks"]) == 29 and not bad and report.get("fatal") is None, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
                   "answered deny_always", "dismissed (= deny_once)", "set-policy command", "asks for the system prompt",
                   "Cancel on the progress notification", "Cancel while the permission quick pick is open",
                   "chat command", "acceptEdit lands as a WorkspaceEdit", "rejectEdit denies", "restarts the server by itself",
-                  "dies at start", "Always for this branch", "#selection (file, language, line range), #problems"):
+                  "dies at start", "Always for this branch", "#selection (file, language, line range), #problems",
+                  "invalid maxRounds", "command given as a string", "Stop pressed twice while the server is starting",
+                  "never answers initialize"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
+
+
+def test_d2_extension_host_multi_root_workspace(vsix, tmp_path):
+    """The unpacked .vsix in a multi-root workspace (run-itest.mjs --suite multi-root: folders ws, second)."""
+    assert vsix["proc"].returncode == 0, f"packaging failed, nothing to load\n{tail(vsix['proc'])}"
+    with zipfile.ZipFile(vsix["path"]) as z:
+        z.extractall(tmp_path)
+    ext_dir = tmp_path / "extension"
+    p = run(["node", "scripts/run-itest.mjs", "--ext", str(ext_dir), "--suite", "multi-root", "--timeout", "300"],
+            ITEST_TIMEOUT, "(d2) extension-host itest, multi-root")
+    try:
+        summary = json.loads(p.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"the harness printed no JSON\n{tail(p)}")
+    report = summary.get("report") or {}
+    bad = [c for c in report.get("checks", []) if not c["ok"]]
+    assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
+    assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
+    assert len(report["checks"]) == 3 and not bad and report.get("fatal") is None, report["checks"]
+    names = " | ".join(c["name"] for c in report["checks"])
+    for topic in ("multi-root workspace", "sent as second/src/app.py", "lands in the second folder"):
+        assert topic in names, f"missing multi-root check about {topic!r}: {names}"
 
 
 def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):

@@ -78,6 +78,16 @@ export interface StartOptions {
   stderrTailChars?: number;
 }
 
+export interface InitializeOptions {
+  /**
+   * How long to wait for the answer (default DEFAULT_INITIALIZE_TIMEOUT_MS, 30 s; 0 or Infinity: no limit).
+   * On time-out the promise rejects with a SidecarTimeoutError; the process is left running (`kill()` it).
+   */
+  timeoutMs?: number;
+}
+/** The default time-out of `initialize`. */
+export const DEFAULT_INITIALIZE_TIMEOUT_MS = 30_000;
+
 export interface OperateOptions {
   token?: rpc.CancellationToken;
   /** Receives every $/progress value for this operate, in arrival order. */
@@ -91,6 +101,28 @@ export interface ExitInfo {
   signal: NodeJS.Signals | null;
   /** The last characters the server wrote to stderr (its traceback or error message, typically). */
   stderrTail: string;
+}
+
+/** `initialize` was not answered in time (the server hangs, or is not an operate-sidecar server). */
+export class SidecarTimeoutError extends Error {
+  readonly method: string;
+  readonly timeoutMs: number;
+  readonly stderrTail: string;
+  /** The start of what the server wrote to stdout when that was not JSON-RPC framing ('' otherwise). */
+  readonly stdoutHead: string;
+  constructor(method: string, timeoutMs: number, stderrTail: string, stdoutHead: string) {
+    const secs = timeoutMs % 1000 ? `${timeoutMs} ms` : `${timeoutMs / 1000} s`;
+    const tail = stderrTail.trim();
+    const head = stdoutHead.trim();
+    super(`operate-sidecar: the server did not answer ${method} within ${secs}`
+      + (head ? `; its stdout is not JSON-RPC (Content-Length framing), it begins with: ${JSON.stringify(head.slice(0, 200))}` : '')
+      + (tail ? `; its stderr ends with:\n${tail}` : ''));
+    this.name = 'SidecarTimeoutError';
+    this.method = method;
+    this.timeoutMs = timeoutMs;
+    this.stderrTail = stderrTail;
+    this.stdoutHead = stdoutHead;
+  }
 }
 
 /** A request that could not be answered because the server process is gone. */
@@ -129,6 +161,8 @@ export class SidecarClient {
   private processGone = false;
   private stderrBuf = '';
   private readonly stderrMax: number;
+  /** The first bytes of stdout (a diagnosis for a server that prints something that is not a frame). */
+  private stdoutHead = '';
 
   private constructor(child: ChildProcess, opts: StartOptions) {
     this.process = child;
@@ -154,6 +188,9 @@ export class SidecarClient {
       });
     });
     this.exited = this.exitInfo.then((i) => i.exitCode ?? i.signal);
+    child.stdout!.on('data', (d: Buffer) => {
+      if (this.stdoutHead.length < 512) this.stdoutHead += d.toString('utf8', 0, 512 - this.stdoutHead.length);
+    });
     this.connection = rpc.createMessageConnection(
       new rpc.StreamMessageReader(child.stdout!), new rpc.StreamMessageWriter(child.stdin!));
     // a write to a dead server: the error surfaces through the request (as SidecarExitedError)
@@ -183,6 +220,9 @@ export class SidecarClient {
 
   /** Spawn the server; rejects if the executable cannot be started. */
   static start(opts: StartOptions): Promise<SidecarClient> {
+    if (!Array.isArray(opts.command) || !opts.command.every((a) => typeof a === 'string')) {
+      return Promise.reject(new TypeError(`operate-sidecar: the server command must be an array of strings (argv), got ${JSON.stringify(opts.command)}`));
+    }
     if (!opts.command.length) return Promise.reject(new Error('operate-sidecar: empty server command'));
     return new Promise((resolve, reject) => {
       const child = spawn(opts.command[0], opts.command.slice(1), {
@@ -261,11 +301,29 @@ export class SidecarClient {
       throw e;
     }
   }
-  initialize(params: InitializeParams = {}): Promise<InitializeResult> {
-    return this.request<InitializeResult>('initialize', { protocolVersion: 1, ...params }).then(async (r) => {
+  /**
+   * `initialize` then `initialized`. Bounded: without an answer within `opts.timeoutMs` (default 30 s) it
+   * rejects with a SidecarTimeoutError (quoting the start of stdout when that was not JSON-RPC framing).
+   */
+  initialize(params: InitializeParams = {}, opts: InitializeOptions = {}): Promise<InitializeResult> {
+    const answered = this.request<InitializeResult>('initialize', { protocolVersion: 1, ...params }).then(async (r) => {
       await this.connection.sendNotification('initialized', {});
       return r;
     });
+    const ms = opts.timeoutMs ?? DEFAULT_INITIALIZE_TIMEOUT_MS;
+    if (!ms || ms === Infinity) return answered;
+    let timer: NodeJS.Timeout | undefined;
+    const late = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => {
+        // stdout that does not start with a frame header: something printed outside the protocol
+        const head = this.stdoutHead;
+        const notFramed = head && !/^content-(length|type)\s*:/i.test(head) ? head : '';
+        reject(new SidecarTimeoutError('initialize', ms, this.stderrBuf, notFramed));
+      }, ms);
+      timer.unref();
+    });
+    answered.catch(() => { /* reported through the race */ });
+    return Promise.race([answered, late]).finally(() => clearTimeout(timer));
   }
   ping(): Promise<P.Empty> { return this.request('ping', {}); }
   createBranch(p: CreateBranchParams = {}): Promise<P.BranchIdResult> { return this.request<P.BranchIdResult>('createBranch', p); }

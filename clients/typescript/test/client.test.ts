@@ -7,7 +7,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import {
   CancellationTokenSource, ErrorCodes, ExitInfo, LogMessage, PermissionRequest, ProgressValue, ReadTextFileRequest,
-  SidecarClient, SidecarExitedError, ToolEvent, WriteTextFileRequest,
+  DEFAULT_INITIALIZE_TIMEOUT_MS, SidecarClient, SidecarExitedError, SidecarTimeoutError, ToolEvent, WriteTextFileRequest,
 } from '../src/index';
 import {
   callTool, initialized, outputs, rejection, REPO, scripted, server, serverCommand, stderr, stopAll, until, within,
@@ -289,4 +289,39 @@ test('a server that dies mid-request fails the pending request with SidecarExite
   await assert.rejects(c.ping(), SidecarExitedError);
   assert.equal(c.running, false);
   void stderr;
+});
+
+test('initialize time-out: a server that never answers (or prints a non-frame line first) rejects with SidecarTimeoutError instead of hanging', async () => {
+  assert.equal(DEFAULT_INITIALIZE_TIMEOUT_MS, 30_000);
+  // silent: reads stdin, answers nothing
+  const silent = await SidecarClient.start({ command: [process.execPath, '-e', 'process.stdin.resume(); setTimeout(() => {}, 60000)'] });
+  try {
+    const t0 = Date.now();
+    const err = await within(silent.initialize({}, { timeoutMs: 800 }).then(() => undefined, (e) => e), 'initialize to a silent server', 10_000);
+    assert.ok(err instanceof SidecarTimeoutError, `expected SidecarTimeoutError, got ${err}`);
+    assert.ok(Date.now() - t0 >= 700, 'not before the time-out');
+    assert.equal(err.method, 'initialize');
+    assert.equal(err.timeoutMs, 800);
+    assert.match(err.message, /did not answer initialize within 800 ms/);
+    assert.equal(err.stdoutHead, '');
+    assert.equal(silent.running, true, 'the process is left to the caller');
+  } finally { silent.kill(); }
+  await within(silent.exited, 'the silent server is killed');
+
+  // a line on stdout that is not a frame (a print() in the server, a wrong program): the framing never recovers
+  const chatty = await SidecarClient.start({ command: [process.execPath, '-e',
+    'process.stdout.write("hello from a print\\n"); process.stderr.write("started\\n"); process.stdin.resume(); setTimeout(() => {}, 60000)'] });
+  try {
+    const err = await within(chatty.initialize({}, { timeoutMs: 1000 }).then(() => undefined, (e) => e), 'initialize to a chatty server', 10_000);
+    assert.ok(err instanceof SidecarTimeoutError, `expected SidecarTimeoutError, got ${err}`);
+    assert.match(err.message, /did not answer initialize within 1 s; its stdout is not JSON-RPC .* "hello from a print"/);
+    assert.match(err.message, /stderr ends with:\nstarted/);
+  } finally { chatty.kill(); }
+  await within(chatty.exited, 'the chatty server is killed');
+
+  // the real server answers well within a time-out; a command that is not an argv array is refused clearly
+  const { c } = await initialized({ models: { s: scripted('x') } });
+  assert.equal(c.running, true);
+  await assert.rejects(SidecarClient.start({ command: 'operate-sidecar' as unknown as string[] }),
+    /the server command must be an array of strings \(argv\), got "operate-sidecar"/);
 });

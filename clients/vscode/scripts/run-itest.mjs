@@ -3,7 +3,9 @@
 // from itest-host/) + headless Debian chromium load the extension in development mode and run
 // out/itest/index.js inside the extension host. Prints one JSON summary on stdout.
 // Exit: 0 report ok, 1 report not ok, 2 no report (timeout / crash), 3 harness error.
-// Usage: node scripts/run-itest.mjs [--ext DIR] [--timeout SECONDS] [--keep]
+// Usage: node scripts/run-itest.mjs [--ext DIR] [--timeout SECONDS] [--suite main|multi-root] [--keep]
+//   --suite multi-root: a multi-root workspace (ws + second, a .code-workspace file) running
+//   out/itest/multiRoot.js instead of out/itest/index.js.
 import { spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as http from 'node:http';
@@ -17,7 +19,10 @@ const REPO = path.resolve(HERE, '..', '..');
 const argv = process.argv.slice(2);
 const opt = (name, dflt) => { const i = argv.indexOf(name); return i >= 0 ? argv[i + 1] : dflt; };
 const EXT = path.resolve(opt('--ext', HERE));
-const TESTS = path.join(HERE, 'out', 'itest', 'index.js');
+const SUITE = opt('--suite', 'main');
+if (!['main', 'multi-root'].includes(SUITE)) { console.error(`unknown --suite ${SUITE}`); process.exit(3); }
+const MULTI = SUITE === 'multi-root';
+const TESTS = path.join(HERE, 'out', 'itest', MULTI ? 'multiRoot.js' : 'index.js');
 const TIMEOUT_S = Number(opt('--timeout', '240'));
 const KEEP = argv.includes('--keep');
 const CODE_SERVER = path.join(HERE, 'itest-host', 'node_modules', '.bin', 'code-server');
@@ -83,7 +88,8 @@ async function main() {
   fs.mkdirSync(path.join(ws, '.vscode'), { recursive: true });
   fs.writeFileSync(path.join(ws, 'notes.txt'), 'alpha\nbeta\n');
   const editNotes = (answer, oldText, newText) => ({ json: { answer, action_requests: [{ function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText, newText }] } }] } });
-  fs.writeFileSync(path.join(ws, '.vscode', 'settings.json'), JSON.stringify({
+  const readNotes = (answer) => ({ json: { answer, action_requests: [{ function: 'read_file', arguments: { path: 'notes.txt' } }] } });
+  const settings = {
     'operateSidecar.command': serverCommand(),
     'operateSidecar.env': { PYTHONPATH: [path.join(HERE, 'test-fixtures'), REPO].join(path.delimiter) },
     'operateSidecar.settings': {
@@ -94,6 +100,12 @@ async function main() {
         chat: scripted({ text: 'Hello from the **chat**, streamed.', chunks: 5 },
           editNotes('Editing the notes.', 'beta', 'BETA'), editNotes('Editing them again.', 'alpha', 'ALPHA')),
         chat2: scripted(editNotes('Title case.', 'BETA', 'Beta'), editNotes('Without asking.', 'Beta', 'Beta!')),
+        // two rounds per turn (read_file is read-only: allowed without asking), for two turns
+        rounds: scripted(readNotes('Reading the notes.'), { text: 'Read them.' }, readNotes('Reading again.'), { text: 'Read them again.' }),
+        twice: scripted('Noted.', 'Noted again.'),
+        // multi-root: an edit of the second folder's file, named the way the server takes it
+        editSecond: scripted({ json: { answer: 'Upper-casing.', action_requests: [{ function: 'edit_file',
+          arguments: { path: 'second/src/app.py', edits: [{ oldText: 'two', newText: 'TWO' }] } }] } }),
       },
       defaultModel: 'stream',
       toolModules: ['no_such_module_xyz', 'vscode_fixture_tools'],   // the broken one -> window/logMessage
@@ -103,7 +115,20 @@ async function main() {
     'workbench.startupEditor': 'none',
     'security.workspace.trust.enabled': false,
     'files.autoSave': 'off',
-  }, null, 2));
+  };
+  fs.writeFileSync(path.join(ws, '.vscode', 'settings.json'), JSON.stringify(settings, null, 2));
+  // multi-root: the same file name in both folders, and a workspace file listing ws first
+  let open = `folder=${encodeURIComponent(ws)}`;
+  let target = ws;
+  if (MULTI) {
+    for (const [dir, text] of [[ws, 'one\n'], [path.join(W, 'second'), 'two\n']]) {
+      fs.mkdirSync(path.join(dir, 'src'), { recursive: true });
+      fs.writeFileSync(path.join(dir, 'src', 'app.py'), text);
+    }
+    target = path.join(W, 'multi.code-workspace');
+    fs.writeFileSync(target, JSON.stringify({ folders: [{ path: ws }, { path: path.join(W, 'second') }], settings }, null, 2));
+    open = `workspace=${encodeURIComponent(target)}`;
+  }
 
   const port = await freePort();
   const env = { ...process.env, OPERATE_SIDECAR_ITEST_REPORT: REPORT, XDG_CONFIG_HOME: path.join(W, 'xdg-config'),
@@ -111,7 +136,7 @@ async function main() {
   delete env.VSCODE_IPC_HOOK_CLI;
   start('code-server', CODE_SERVER, ['--auth', 'none', '--bind-addr', `127.0.0.1:${port}`, '--disable-telemetry',
     '--disable-update-check', '--disable-workspace-trust', '--extensions-dir', path.join(W, 'exts'),
-    '--user-data-dir', path.join(W, 'data'), ws], env);
+    '--user-data-dir', path.join(W, 'data'), target], env);
   while (!(await healthy(port))) {
     if (Date.now() > deadline) throw new Error(`code-server not healthy before the deadline\n${tail('code-server.log')}`);
     if (children[0].exitCode !== null) throw new Error(`code-server exited ${children[0].exitCode}\n${tail('code-server.log')}`);
@@ -122,7 +147,7 @@ async function main() {
   const remote = (p) => `vscode-remote://127.0.0.1:${port}${p}`;
   const payload = encodeURIComponent(JSON.stringify([['extensionDevelopmentPath', remote(EXT)], ['extensionTestsPath', remote(TESTS)]]));
   start('chromium', CHROMIUM, ['--headless=new', '--no-sandbox', '--disable-gpu', '--disable-dev-shm-usage', '--no-first-run',
-    `--user-data-dir=${path.join(W, 'chrome')}`, `http://127.0.0.1:${port}/?folder=${encodeURIComponent(ws)}&payload=${payload}`], env);
+    `--user-data-dir=${path.join(W, 'chrome')}`, `http://127.0.0.1:${port}/?${open}&payload=${payload}`], env);
 
   while (!fs.existsSync(REPORT)) {
     if (Date.now() > deadline) {

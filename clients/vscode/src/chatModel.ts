@@ -28,12 +28,26 @@ export interface TurnUsage { inputTokens: number | null; outputTokens: number | 
 const NOT_PROSE = new Set(['action_requests', 'action_responses', 'action_required', 'confidence_score', 'confidence']);
 /** Preferred order for prose fields; any other string field follows. */
 const PROSE_FIRST = ['answer', 'response', 'text', 'message', 'content', 'summary', 'reason', 'explanation'];
+/** The fields a chat turn asks the model for (`actions: true`: the action fields; `reason`). */
+const CHAT_FIELDS = new Set(['action_required', 'action_requests', 'action_responses', 'reason']);
+/** Keys of the chat's structured reply: its own fields, and the prose fields models put next to them. */
+const REPLY_KEYS = new Set([...NOT_PROSE, ...PROSE_FIRST, ...CHAT_FIELDS]);
 
+/**
+ * Whether an object is the chat's own structured reply: it has one of the fields the chat asked for,
+ * or only prose fields (`{"answer": ...}`). Any other JSON (`{"name": "demo", ...}`) is content.
+ */
+function isChatReply(keys: string[]): boolean {
+  return keys.length > 0 && (keys.some((k) => CHAT_FIELDS.has(k)) || keys.every((k) => REPLY_KEYS.has(k)));
+}
+
+/** The JSON text of a reply that is (or, while streaming, may become) the chat's structured reply. */
 function jsonCandidate(text: string): string | undefined {
   const t = text.trim();
-  if (t.startsWith('{')) return t;
-  const fence = /^```(?:json)?\s*\n([\s\S]*?)(?:\n```\s*)?$/.exec(t);
-  if (fence && fence[1].trim().startsWith('{')) return fence[1].trim();
+  // an object that opens with a key (or, while streaming, with nothing yet): `{x} is a set` is prose
+  if (/^\{\s*("|$)/.test(t)) return t;
+  const fence = /^```(?:json)?[ \t]*\n([\s\S]*?)(?:\n```\s*)?$/.exec(t);
+  if (fence && /^\{\s*("|$)/.test(fence[1].trim())) return fence[1].trim();
   return undefined;
 }
 
@@ -95,13 +109,61 @@ function safeString(raw: string): string | undefined {
 export function proseOf(text: string): string {
   const cand = jsonCandidate(text);
   if (cand === undefined) return text;
+  let complete: unknown;
   try {
-    const v = JSON.parse(cand);
-    if (v && typeof v === 'object' && !Array.isArray(v)) return proseFromObject(v);
-    return text;
+    complete = JSON.parse(cand);
   } catch {
+    // unfinished (still streaming) or not JSON at all: structured only while every key so far fits
+    if (!/^\{\s*$/.test(cand) && !isPartialChatReply(cand)) return text;
     return proseFromObject(partialStringFields(cand));
   }
+  if (complete && typeof complete === 'object' && !Array.isArray(complete) && isChatReply(Object.keys(complete))) {
+    return proseFromObject(complete as Record<string, unknown>);
+  }
+  return text;   // any other JSON is content: shown as it is (Markdown, e.g. a ```json block)
+}
+
+/** The top-level keys of a possibly unfinished JSON object whose value has begun (`"key":`). */
+function partialKeys(src: string): string[] | undefined {
+  const keys: string[] = [];
+  let depth = 0;
+  let i = 0;
+  while (i < src.length) {
+    const c = src[i];
+    if (c === '{' || c === '[') { depth++; i++; continue; }
+    if (c === '}' || c === ']') { depth--; i++; continue; }
+    if (c !== '"') { i++; continue; }
+    const start = i;
+    i++;
+    while (i < src.length && src[i] !== '"') i += src[i] === '\\' ? 2 : 1;
+    if (i >= src.length) break;   // an unfinished string
+    const raw = src.slice(start, i + 1);
+    i++;
+    if (depth === 1 && /^\s*:/.test(src.slice(i))) {
+      const k = safeString(raw);
+      if (k === undefined) return undefined;
+      keys.push(k);
+    }
+  }
+  return keys;
+}
+
+/** Whether an unfinished JSON object may be the chat's structured reply (no key so far says otherwise). */
+function isPartialChatReply(src: string): boolean {
+  const keys = partialKeys(src);
+  if (!keys) return false;
+  if (!keys.length) return true;   // `{"ans`: too early to tell; nothing is shown yet
+  return isChatReply(keys);
+}
+
+/** Whether an error response refuses `field` as an unknown field (a server that does not have it), not its value. */
+export function refusesField(e: { code?: unknown; message?: unknown; data?: unknown }, field: string): boolean {
+  if (e.code !== -32602) return false;
+  const data = e.data as { unknownFields?: unknown } | null | undefined;
+  if (data && Array.isArray(data.unknownFields)) return data.unknownFields.includes(field);
+  const msg = typeof e.message === 'string' ? e.message : '';
+  const m = /unknown (?:field|param|propert)[a-z()]*:?\s*(.*)$/i.exec(msg);
+  return !!m && new RegExp(`(^|[^A-Za-z0-9_])"?${field}"?([^A-Za-z0-9_]|$)`).test(m[1]);
 }
 
 /** Prose of a final operate result (`result` of kind model/dict/text). */

@@ -4,20 +4,34 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  conversationHtml, nameFrom, proseOf, renderMarkdown, ToolCard, Turn, turnsFromMessages, usageFromResult,
+  conversationHtml, nameFrom, proseOf, refusesField, renderMarkdown, ToolCard, Turn, turnsFromMessages, usageFromResult,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
 import { DiffReview, previewOf } from './diffReview';
 import {
-  CancellationTokenSource, ErrorCodes, Json, OperateParams, OperateResult, PermissionDecision, PermissionRequest,
+  CancellationToken, CancellationTokenSource, ErrorCodes, Json, OperateParams, OperateResult, PermissionDecision, PermissionRequest,
   ResponseError, SidecarClient, ToolEvent,
 } from './rpcClient';
 
 export const VIEW_ID = 'operateSidecar.chat';
+/** How long the end of a turn waits for the branch's messages (a hung server must not keep the turn running). */
+const FINISH_MS = 10_000;
+
+/** `p`, or a -32800 rejection as soon as `token` is cancelled (Stop while the server is still starting). */
+function unlessCancelled<T>(p: Promise<T>, token: CancellationToken): Promise<T> {
+  const stopped = () => new ResponseError(ErrorCodes.Cancelled, 'the chat turn was stopped');
+  if (token.isCancellationRequested) return Promise.reject(stopped());
+  return new Promise<T>((resolve, reject) => {
+    const sub = token.onCancellationRequested(() => { sub.dispose(); reject(stopped()); });
+    p.then((v) => { sub.dispose(); resolve(v); }, (e) => { sub.dispose(); reject(e); });
+  });
+}
 
 /** What the chat needs from the rest of the extension. */
 export interface ChatHost {
   ensure(): Promise<SidecarClient>;
+  /** The running server's client, if any (never starts one). */
+  current(): SidecarClient | undefined;
   readonly branches: BranchStore;
   readonly editors: EditorTracker;
   readonly review: DiffReview;
@@ -153,12 +167,13 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.host.runningChanged(true);
     let outcome: TurnOutcome = { branchId: '' };
     try {
-      const client = await this.host.ensure();
+      // Stop ends the turn even while the server is still starting (or never answers)
+      const client = await unlessCancelled(this.host.ensure(), source.token);
       let branchId = this.host.branches.current;
       if (!branchId) {
         const name = nameFrom(text);
         const model = this.host.branches.model;
-        branchId = (await client.createBranch({ name, ...(model && { chatModel: model }) })).branchId;
+        branchId = (await unlessCancelled(client.createBranch({ name, ...(model && { chatModel: model }) }), source.token)).branchId;
         this.host.branches.remember(branchId, name);
         await this.host.branches.setCurrent(branchId);
         this.host.line(`[chat] new branch "${name}" ${branchId}`);
@@ -192,8 +207,10 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       try {
         return await go({ ...params, maxRounds });
       } catch (e) {
-        // a server without rounds rejects the field before any model call: run single rounds
-        if (!(e instanceof ResponseError && e.code === ErrorCodes.InvalidParams && /maxRounds/.test(e.message))) throw e;
+        // a server without rounds refuses the field as unknown, before any model call: run single
+        // rounds (until the next server start). Any other -32602 (a bad value) is the error it is.
+        if (!(e instanceof ResponseError && refusesField(e, 'maxRounds'))) throw e;
+        this.host.line('[chat] the server has no maxRounds: single rounds');
         this.supportsMaxRounds = false;
       }
     }
@@ -238,11 +255,13 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private async finish(result: OperateResult | undefined, note?: string, error?: string): Promise<void> {
     const live = this.live!;
     let turns: Turn[] | undefined;
-    if (live.branchId) {
+    const client = this.host.current();
+    if (live.branchId && client?.running) {
+      let timer: NodeJS.Timeout | undefined;
       try {
-        const client = await this.host.ensure();
-        turns = turnsFromMessages((await client.branchMessages(live.branchId)).messages);
-      } catch { /* keep what was streamed */ }
+        const late = new Promise<never>((_, reject) => { timer = setTimeout(() => reject(new Error('timeout')), FINISH_MS); });
+        turns = turnsFromMessages((await Promise.race([client.branchMessages(live.branchId), late])).messages);
+      } catch { /* keep what was streamed */ } finally { clearTimeout(timer); }
     }
     live.turn.running = false;
     if (!turns || !turns.length || turns[turns.length - 1].user !== live.turn.user) {
@@ -261,9 +280,13 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.render();
   }
 
+  /** A new server process answered initialize: forget what the previous one did not support. */
+  serverStarted(): void { this.supportsMaxRounds = true; }
+
   stop(): boolean {
     if (!this.live) return false;
-    this.live.source.cancel();
+    // a second Stop (or Stop then Restart) cancels nothing more
+    if (!this.live.source.token.isCancellationRequested) this.live.source.cancel();
     for (const id of [...this.pendingAsks.keys()]) this.settleAsk(id, 'deny_once');
     return true;
   }

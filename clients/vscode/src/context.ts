@@ -1,5 +1,6 @@
 // What the editor adds to an instruction: the selection (file, language, line range) and the
 // `#file`, `#selection`, `#problems` references typed in the chat input.
+import * as path from 'node:path';
 import * as vscode from 'vscode';
 import type { Json, JsonObject } from './rpcClient';
 
@@ -24,8 +25,18 @@ export class EditorTracker implements vscode.Disposable {
   dispose(): void { this.sub.dispose(); }
 }
 
+/**
+ * A file's path as the server's workspace tools take it (server/tools/builtin.py): relative to the first
+ * workspace folder, or, in a multi-root workspace, `<folder name>/<path>` for a file of another folder
+ * (the folder name being the last segment of its path, as the server knows it); absolute outside them.
+ */
 export function relPath(uri: vscode.Uri): string {
-  return uri.scheme === 'file' || uri.scheme === 'vscode-remote' ? vscode.workspace.asRelativePath(uri, false) : uri.toString();
+  if (uri.scheme !== 'file' && uri.scheme !== 'vscode-remote') return uri.toString();
+  const folders = (vscode.workspace.workspaceFolders ?? []).filter((f) => f.uri.scheme === uri.scheme);
+  const folder = vscode.workspace.getWorkspaceFolder(uri);
+  const rel = vscode.workspace.asRelativePath(uri, false);
+  if (folders.length < 2 || !folder || folder.uri.toString() === folders[0].uri.toString()) return rel;
+  return `${path.posix.basename(folder.uri.path)}/${rel}`;
 }
 
 export interface SelectionContext { file: string; language: string; startLine: number; endLine: number; text: string }

@@ -9,13 +9,27 @@ import { EditorTracker, selectionOf } from './context';
 import { clientFs, DiffReview, previewOf, PROPOSED_SCHEME, ReviewRecord } from './diffReview';
 import {
   CancellationTokenSource, ErrorCodes, InitializeResult, Json, JsonObject, OperateParams, OperateResult,
-  PERMISSION_OPTIONS, PermissionDecision, PermissionRequest, PolicyDecision, ResponseError, SidecarClient, ToolEvent,
+  PERMISSION_OPTIONS, PermissionDecision, PermissionRequest, PolicyDecision, ResponseError, SidecarClient,
+  SidecarTimeoutError, ToolEvent,
 } from './rpcClient';
 
 const CHANNEL = 'operate-sidecar';
 const STDERR_TAIL_LINES = 12;
 /** Settings whose change restarts the server. */
 const SERVER_SETTINGS = ['command', 'settings', 'stateDir', 'env', 'toolPolicy'].map((k) => `operateSidecar.${k}`);
+/** Defaults (and bounds) of the numeric settings, as in package.json. */
+const MAX_ROUNDS = { dflt: 4, min: 1, max: 50 };
+const STARTUP_TIMEOUT_S = { dflt: 30, min: 1, max: 600 };
+
+/** Cancels a token source once: a second `cancel()` of a source whose token was never read throws in vscode-jsonrpc. */
+export function cancelOnce(source: CancellationTokenSource): void {
+  if (!source.token.isCancellationRequested) source.cancel();
+}
+
+/** The error of a start that `stop()` (a restart, Stop, deactivation) abandoned. */
+class StartAborted extends Error {
+  constructor() { super('the server start was stopped'); }
+}
 
 /** Arguments of `operateSidecar.operate` (a plain string is the instruction). */
 export interface OperateCommandArgs extends Partial<OperateParams> {
@@ -52,6 +66,10 @@ class Sidecar {
   private transcript = '';
   private stderrTail = '';
   private stopping = false;
+  /** Abandons the start in progress (kills its process); set while one runs. */
+  private abortStart: (() => void) | undefined;
+  /** Setting problems already reported (each bad value once, not at every use). */
+  private readonly reportedSettings = new Set<string>();
   readonly noticeLog: { message: string; actions: string[] }[] = [];
   readonly channel: vscode.OutputChannel;
   readonly serverChannel: vscode.OutputChannel;
@@ -69,10 +87,11 @@ class Sidecar {
     this.review = new DiffReview();
     this.chat = new ChatView(ctx, {
       ensure: () => this.ensure(),
+      current: () => (this.client?.running ? this.client : undefined),
       branches: this.branches,
       editors: this.editors,
       review: this.review,
-      maxRounds: () => Math.max(1, vscode.workspace.getConfiguration('operateSidecar').get<number>('maxRounds', 4)),
+      maxRounds: () => this.intSetting('maxRounds', MAX_ROUNDS),
       runningChanged: () => this.updateStatus(),
       line: (t) => this.line(t),
       serverProblem: (e) => this.serverProblem(e),
@@ -111,13 +130,42 @@ class Sidecar {
     });
   }
 
+  /**
+   * A whole-number setting within its bounds; any other value (2.5, "3", 0) is reported once, naming the
+   * setting, and the default is used instead (settings.json is not checked against package.json's schema).
+   */
+  intSetting(key: string, b: { dflt: number; min: number; max: number }): number {
+    const v = vscode.workspace.getConfiguration('operateSidecar').get<unknown>(key, b.dflt);
+    if (typeof v === 'number' && Number.isInteger(v) && v >= b.min && v <= b.max) return v;
+    const report = `${key}=${JSON.stringify(v)}`;
+    if (!this.reportedSettings.has(report)) {
+      this.reportedSettings.add(report);
+      this.line(`[settings] operateSidecar.${key} ${JSON.stringify(v)} is invalid; using ${b.dflt}`);
+      this.notify(`operate-sidecar: operateSidecar.${key} must be a whole number from ${b.min} to ${b.max} (it is ${JSON.stringify(v)}); using ${b.dflt}.`,
+        ['Open settings']);
+    }
+    return b.dflt;
+  }
+
+  /** The server command (argv) from the settings; a thrown Error names the setting. */
+  private command(cfg: vscode.WorkspaceConfiguration): string[] {
+    const c = cfg.get<unknown>('command', ['operate-sidecar']);
+    if (!Array.isArray(c) || !c.length || !c.every((a) => typeof a === 'string')) {
+      throw new Error(`operateSidecar.command must be an array of strings (the program and its arguments), e.g. ["operate-sidecar"]; it is ${JSON.stringify(c)}`);
+    }
+    return c;
+  }
+
+  /** Whether a start is in progress. */
+  get isStarting(): boolean { return !!this.starting; }
+
   private tailLines(): string {
     return this.stderrTail.trimEnd().split('\n').slice(-STDERR_TAIL_LINES).join('\n');
   }
 
   /** A message for the user when the server cannot serve (start failure, death): the last stderr lines. */
   serverProblem(e: unknown): string | undefined {
-    const dead = !this.client?.running || (e instanceof Error && /cannot start|EPIPE|Connection is disposed|closed/i.test(e.message));
+    const dead = !this.client?.running || (e instanceof Error && /cannot start|did not answer|EPIPE|Connection is disposed|closed/i.test(e.message));
     if (!dead) return undefined;
     const tail = this.tailLines();
     const why = e instanceof Error ? e.message : String(e);
@@ -145,7 +193,19 @@ class Sidecar {
 
   private async start(): Promise<SidecarClient> {
     const cfg = vscode.workspace.getConfiguration('operateSidecar');
-    const command = cfg.get<string[]>('command', ['operate-sidecar']);
+    let command: string[];
+    try {
+      command = this.command(cfg);
+    } catch (e) {
+      const msg = (e as Error).message;
+      this.line(`[server] ${msg}`);
+      if (!this.reportedSettings.has(msg)) {   // once per bad value: every start attempt fails the same way
+        this.reportedSettings.add(msg);
+        this.notify(`operate-sidecar: ${msg}`, ['Open settings']);
+      }
+      throw new Error(`cannot start the server: ${msg}`);
+    }
+    const timeoutS = this.intSetting('startupTimeoutSeconds', STARTUP_TIMEOUT_S);
     const settings: JsonObject = { ...(cfg.get<JsonObject>('settings') ?? {}) };
     settings.stateDir = this.stateDir(cfg, settings);
     const policy = cfg.get<Record<string, PolicyDecision>>('toolPolicy') ?? {};
@@ -154,6 +214,12 @@ class Sidecar {
     const env = { ...process.env, ...(cfg.get<Record<string, string>>('env') ?? {}) };
     this.line(`[server] starting ${JSON.stringify(command)}`);
     this.stderrTail = '';
+    // stop() abandons this start through abortStart: the process is killed, the start rejects
+    let aborted = false;
+    const abort = new Promise<never>((_, reject) => {
+      this.abortStart = () => { aborted = true; reject(new StartAborted()); };
+    });
+    abort.catch(() => undefined);
     let client: SidecarClient;
     try {
       client = await SidecarClient.start({
@@ -163,9 +229,11 @@ class Sidecar {
         },
       });
     } catch (e) {
+      this.abortStart = undefined;
       this.notify(`operate-sidecar: ${e instanceof Error ? e.message : String(e)}`, ['Open settings']);
       throw e;
     }
+    if (aborted) { this.abortStart = undefined; client.kill(); throw new StartAborted(); }
     client.onToolEvent((e) => this.onToolEvent(e));
     client.onLogMessage((m) => {
       this.line(`[${['', 'error', 'warning', 'info', 'log'][m.type] ?? 'log'}] ${m.message}`);
@@ -187,24 +255,32 @@ class Sidecar {
       }
     });
     try {
-      this.initResult = await client.initialize({
+      this.initResult = await Promise.race([abort, client.initialize({
         clientInfo: { name: 'vscode', version: vscode.version },
         processId: process.pid,
         capabilities: { toolPermission: true, clientTools: false, fs: true },
         workspaceFolders: folders,
         settings,
-      });
+      }, { timeoutMs: timeoutS * 1000 })]);
     } catch (e) {
       this.line(`[server] initialize failed: ${e instanceof Error ? e.message.split('\n')[0] : String(e)}`);
       client.kill();
       await Promise.race([client.exited, new Promise((r) => setTimeout(r, 1000))]);
+      if (aborted || e instanceof StartAborted) throw new StartAborted();   // stopped on purpose: no error notice
       const tail = this.tailLines();
-      const why = e instanceof ResponseError ? `${e.message} (${e.code})` : 'the server exited during start';
+      const why = e instanceof ResponseError ? `${e.message} (${e.code})`
+        : e instanceof SidecarTimeoutError
+          ? `it did not answer initialize within ${timeoutS} s (operateSidecar.startupTimeoutSeconds). Is operateSidecar.command the operate-sidecar server?`
+            + (e.stdoutHead ? ` It printed something that is not JSON-RPC: ${JSON.stringify(e.stdoutHead.trim().slice(0, 120))}` : '')
+          : 'the server exited during start';
       this.notify(`operate-sidecar: could not start the server: ${why}${tail ? '\n' + tail : ''}`, ['Show server log', 'Open settings']);
       throw new Error(`cannot start the server: ${why}${tail ? '\n' + tail : ''}`);
+    } finally {
+      this.abortStart = undefined;
     }
     initialized = true;
     this.client = client;
+    this.chat.serverStarted();   // a new server: what the previous one refused may work now
     const caps = this.initResult.capabilities;
     this.line(`[server] ${this.initResult.serverInfo.name} ${this.initResult.serverInfo.version}; models: ${caps.models.join(', ')}; stateDir: ${caps.stateDir}`);
     if (this.branches.model && !caps.models.includes(this.branches.model)) await this.branches.setModel(undefined);
@@ -217,11 +293,13 @@ class Sidecar {
   async stop(): Promise<void> {
     this.stopping = true;
     try {
-      for (const s of this.running) s.cancel();
+      for (const s of this.running) cancelOnce(s);
       this.chat.stop();
-      // a start still finishing (e.g. a restart right after a restart) completes first, so that the
-      // next ensure() starts a new process instead of reusing the promise of the stopped one
-      if (this.starting) await this.starting.catch(() => undefined);
+      // a start still finishing (e.g. a restart right after a restart) is abandoned (its process
+      // killed) and settles first, so that the next ensure() starts a new process instead of reusing
+      // the promise of the stopped one; bounded, whatever the server does
+      this.abortStart?.();
+      if (this.starting) await Promise.race([this.starting.catch(() => undefined), new Promise((r) => setTimeout(r, 5000))]);
       const c = this.client;
       this.client = undefined;
       // bounded: once the process is gone there is nothing left to wait for
@@ -299,7 +377,7 @@ class Sidecar {
       const out = await vscode.window.withProgress(
         { location: vscode.ProgressLocation.Notification, title: 'operate-sidecar', cancellable: true },
         async (progress, token) => {
-          const sub = token.onCancellationRequested(() => source.cancel());
+          const sub = token.onCancellationRequested(() => cancelOnce(source));
           try {
             return await client.operate(params, {
               token: source.token,
@@ -337,7 +415,7 @@ class Sidecar {
 
   cancel(): number {
     const n = this.running.size + (this.chat.running ? 1 : 0);
-    for (const s of this.running) s.cancel();
+    for (const s of this.running) cancelOnce(s);
     this.chat.stop();
     this.line(`[cancel] ${n} running operate(s)`);
     return n;
@@ -522,7 +600,7 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
   let restartTimer: NodeJS.Timeout | undefined;
   ctx.subscriptions.push(vscode.workspace.onDidChangeConfiguration((e) => {
     if (!SERVER_SETTINGS.some((k) => e.affectsConfiguration(k))) return;
-    if (!s.currentClient()) return;   // applied at the next start
+    if (!s.currentClient() && !s.isStarting) return;   // applied at the next start
     s.line('[server] configuration changed; restarting');
     clearTimeout(restartTimer);
     restartTimer = setTimeout(() => { void s.restart().catch(() => undefined); }, 300);

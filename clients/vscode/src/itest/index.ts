@@ -591,6 +591,121 @@ export async function run(): Promise<void> {
         diags.dispose();
       }
     });
+
+    // ---- settings with bad values, Stop and Restart while the server starts, a server that hangs ----
+    const cfg = () => vscode.workspace.getConfiguration('operateSidecar');
+    const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+    /** A chat turn through the command that records how it settled instead of throwing. */
+    const startChat = (text: string) => {
+      const s: { done: boolean; err?: any; res?: any } = { done: false };
+      const p = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', text))
+        .then((res) => { s.res = res; }, (err) => { s.err = err; }).finally(() => { s.done = true; });
+      return { s, p };
+    };
+
+    await check('an invalid maxRounds (2.5) is reported naming the setting and the default is used (rounds still run); fixed to 3, rounds run', async () => {
+      const before = cfg().inspect('maxRounds')?.workspaceValue;
+      const n0 = api!.notices().length;
+      try {
+        await exec('operateSidecar.pickModel', { model: 'rounds' });
+        await exec('operateSidecar.newChat');
+        await within(cfg().update('maxRounds', 2.5, vscode.ConfigurationTarget.Workspace), 'maxRounds 2.5');
+        const o: any = await exec('operateSidecar.chat', { text: 'Read the notes' });
+        expect(o && !o.error && o.result?.rounds === 2, `rounds with the default (4): ${JSON.stringify(o)}`);
+        const bad = api!.notices().slice(n0).filter((n) => n.message.includes('operateSidecar.maxRounds'));
+        expect(bad.length === 1 && bad[0].message.includes('2.5') && bad[0].message.includes('using 4')
+          && JSON.stringify(bad[0].actions) === '["Open settings"]', `one notice naming the setting: ${JSON.stringify(api!.notices().slice(n0))}`);
+        await within(cfg().update('maxRounds', 3, vscode.ConfigurationTarget.Workspace), 'maxRounds 3');
+        await exec('operateSidecar.newChat');
+        const o2: any = await exec('operateSidecar.chat', { text: 'Read the notes again' });
+        expect(o2 && !o2.error && o2.result?.rounds === 2, `rounds after the fix: ${JSON.stringify(o2)}`);
+        expect(api!.notices().length === n0 + 1, `no further notices: ${JSON.stringify(api!.notices().slice(n0))}`);
+      } finally {
+        await within(cfg().update('maxRounds', before, vscode.ConfigurationTarget.Workspace), 'restore maxRounds');
+        await exec('operateSidecar.pickModel', { model: 'chat' });
+      }
+    });
+
+    await check('operateSidecar.command given as a string: one clear error naming the setting (not a Node error); fixing it recovers', async () => {
+      const good = cfg().get<string[]>('command')!;
+      const n0 = api!.notices().length;
+      try {
+        await within(cfg().update('command', 'operate-sidecar', vscode.ConfigurationTarget.Workspace), 'command as a string');
+        await until(() => api!.notices().length > n0, 'an error notice', 20_000);
+        let err: any;
+        await exec('operateSidecar.listTools', {}).catch((e: unknown) => { err = e; });   // a second start attempt
+        expect(/operateSidecar\.command must be an array of strings/.test(String(err?.message ?? err)), `the command fails clearly: ${err}`);
+        await sleep(300);
+        const shown = api!.notices().slice(n0);
+        expect(shown.length === 1 && shown[0].message.startsWith('operate-sidecar: operateSidecar.command must be an array of strings')
+          && shown[0].message.includes('"operate-sidecar"') && !/argument must be/.test(shown[0].message)
+          && JSON.stringify(shown[0].actions) === '["Open settings"]', `one clear notice: ${JSON.stringify(shown)}`);
+      } finally {
+        await within(cfg().update('command', good, vscode.ConfigurationTarget.Workspace), 'restore the command');
+      }
+      await sleep(300);
+      const tools: any = await exec('operateSidecar.listTools', {});
+      expect(Array.isArray(tools) && api!.client()?.running, 'the server serves again');
+    });
+
+    await check('Stop pressed twice while the server is starting: the turn ends Stopped., no error; Restart works', async () => {
+      await exec('operateSidecar.listTools', {});   // a running server (whatever the checks before left)
+      const c = client();
+      c.kill();
+      await within(c.exited, 'the server is gone');
+      await until(() => !api!.client(), 'no client');
+      await within(vscode.window.showTextDocument(await within(vscode.workspace.openTextDocument(notesUri), 'open')), 'show');
+      const { s, p } = startChat('hello while the server starts');
+      await until(() => api!.chatStats().running, 'the turn runs');
+      expect(!api!.client()?.running, 'the server is still starting');
+      expect(await exec('operateSidecar.stop') === true, 'first Stop');
+      await exec('operateSidecar.stop');   // the second Stop must not throw
+      await within(p, 'the stopped turn ends', 5_000);
+      expect(!s.err && s.res?.cancelled === true && !s.res.error, `stopped, not failed: ${JSON.stringify(s)} ${s.err}`);
+      const init: any = await exec('operateSidecar.restart');
+      expect(init?.protocolVersion === 1 && api!.client()?.running, `restart: ${JSON.stringify(init)}`);
+      expect(!api!.chatStats().running, 'no turn left running');
+    });
+
+    await check('a server that never answers initialize (a non-frame line on stdout): Stop ends the waiting turn; the start times out with "Show server log" / "Open settings"; the next turn fails, not hangs; Restart recovers', async () => {
+      const good = cfg().get<string[]>('command')!;
+      const hang = [good[0], '-c', 'import sys, time; print("this is not a frame"); sys.stdout.flush(); time.sleep(120)'];
+      await exec('operateSidecar.listTools', {});   // a running server (whatever the checks before left)
+      const pid0 = client().process.pid;
+      const n0 = api!.notices().length;
+      try {
+        await within(cfg().update('startupTimeoutSeconds', 3, vscode.ConfigurationTarget.Workspace), 'a short start-up time-out');
+        await within(cfg().update('command', hang, vscode.ConfigurationTarget.Workspace), 'a server that hangs');   // restarts
+        await until(() => out().includes(`[server] starting ${JSON.stringify(hang)}`), 'the hanging start', 10_000);
+        const t0 = Date.now();
+        const { s, p } = startChat('hello to a hanging server');
+        await until(() => api!.chatStats().running, 'the turn runs');
+        expect(await exec('operateSidecar.stop') === true, 'Stop');
+        await within(p, 'the stopped turn ends', 2_000);
+        expect(!s.err && s.res?.cancelled === true, `Stop ended the turn: ${JSON.stringify(s)} ${s.err}`);
+        await until(() => api!.notices().length > n0, 'the time-out notice', 10_000);
+        const n = api!.notices()[n0];
+        expect(/did not answer initialize within 3 s \(operateSidecar\.startupTimeoutSeconds\)/.test(n.message)
+          && n.message.includes('this is not a frame'), `notice: ${JSON.stringify(n)}`);
+        expect(JSON.stringify(n.actions) === '["Show server log","Open settings"]', `actions: ${JSON.stringify(n.actions)}`);
+        expect(Date.now() - t0 < 8_000, 'bounded by the setting');
+        const o: any = await exec('operateSidecar.chat', 'hello again');   // a new start, which times out too
+        expect(o?.error && /did not answer initialize/.test(o.error) && !api!.chatStats().running, `the turn fails: ${JSON.stringify(o)}`);
+        // a start that would wait long: fixing the command restarts at once, and Restart works
+        await within(cfg().update('startupTimeoutSeconds', 120, vscode.ConfigurationTarget.Workspace), 'a long time-out');
+        const waiting = startChat('waiting for the server');
+        await until(() => api!.chatStats().running, 'the turn waits for the start');
+        await within(cfg().update('command', good, vscode.ConfigurationTarget.Workspace), 'fix the command');
+        await until(() => !!api!.client()?.running && api!.client()!.process.pid !== pid0, 'the fixed server', 20_000);
+        await within(waiting.p, 'the waiting turn ends', 10_000);
+        expect(waiting.s.res?.cancelled === true, `the waiting turn: ${JSON.stringify(waiting.s)}`);
+        const init: any = await exec('operateSidecar.restart');
+        expect(init?.protocolVersion === 1 && api!.client()?.running, `restart: ${JSON.stringify(init)}`);
+      } finally {
+        await within(cfg().update('command', good, vscode.ConfigurationTarget.Workspace), 'restore the command');
+        await within(cfg().update('startupTimeoutSeconds', undefined, vscode.ConfigurationTarget.Workspace), 'restore the time-out');
+      }
+    });
   } catch (e) {
     fatal = e instanceof Error ? e.stack ?? e.message : String(e);
   }
@@ -605,7 +720,7 @@ export async function run(): Promise<void> {
     /** whether the test module's `vscode.window` is the extension's (not when it lies outside the extension, e.g. the unpacked .vsix) */
     sameApiInstance,
     checks,
-    outputChannel: out().slice(-6000),
+    outputChannel: out().slice(-30000),
   };
   if (reportPath) {
     fs.writeFileSync(reportPath + '.tmp', JSON.stringify(report, null, 2));

@@ -7,7 +7,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import {
-  cardTitle, conversationHtml, nameFrom, proseOf, proseOfResult, renderMarkdown, turnsFromMessages,
+  cardTitle, conversationHtml, nameFrom, proseOf, proseOfResult, refusesField, renderMarkdown, turnsFromMessages,
 } from '../chatModel';
 import { PermissionRequest, SidecarClient } from '../rpcClient';
 
@@ -39,6 +39,43 @@ test('chat prose: structured replies show their prose fields (also while streami
   assert.equal(proseOf('{"answer": "cut in an escape \\u00'), 'cut in an escape ');
   assert.equal(proseOfResult({ answer: 'done', action_responses: [] }), 'done');
   assert.equal(proseOfResult('text result'), 'text result');
+});
+
+test('chat prose: plain text starting with "{" and JSON that is not the chat reply stay as they are (Markdown), while streaming too', () => {
+  const set = '{x} is a Python set literal; use it for membership tests.';
+  const fenced = '```json\n{"name": "demo", "version": "1.0.0", "private": true}\n```';
+  const bare = '{"name": "demo", "version": "1.0.0"}';
+  for (const t of [set, '{} is an empty dict in Python.', fenced, bare, '{"a": 1} and then prose', '{ not json at all }']) {
+    assert.equal(proseOf(t), t, `shown as it is: ${t}`);
+  }
+  // every prefix of such a reply: never blank once it has shown it is not the chat's reply
+  for (const t of [set, bare]) {
+    for (let i = 3; i <= t.length; i++) if (t[1] !== '"' || i > 8) assert.ok(proseOf(t.slice(0, i)).trim(), `prefix ${i} of ${t}`);
+  }
+  const turns = turnsFromMessages([
+    { kind: 'instruction', content: { instruction: 'what is {x}?' } },
+    { kind: 'assistant_response', content: { text: set } },
+    { kind: 'instruction', content: { instruction: 'show package.json' } },
+    { kind: 'assistant_response', content: { text: fenced } },
+  ] as any);
+  assert.deepEqual(turns.map((t) => t.items), [[{ kind: 'prose', text: set }], [{ kind: 'prose', text: fenced }]]);
+  const html = conversationHtml(turns);
+  assert.ok(html.includes('{x} is a Python set literal'), html);
+  assert.match(html, /<div class="code-block" data-code="\{&quot;name&quot;: &quot;demo&quot;/);
+  // the chat's own shapes are still unpacked: its fields, or prose fields only
+  assert.equal(proseOf('{"answer": "Done."}'), 'Done.');
+  assert.equal(proseOf('{"action_required": false, "action_requests": [], "summary": "ok"}'), 'ok');
+  assert.equal(proseOf('```json\n{"answer": "fenced", "action_requests": []}\n```'), 'fenced');
+});
+
+test('refusesField: only an "unknown field" refusal of maxRounds means the server has no rounds, not a bad value', () => {
+  assert.ok(refusesField({ code: -32602, message: 'invalid params: unknown field: "maxRounds"' }, 'maxRounds'));
+  assert.ok(refusesField({ code: -32602, message: 'invalid params: unknown fields: "x", "maxRounds"' }, 'maxRounds'));
+  assert.ok(refusesField({ code: -32602, message: 'bad', data: { unknownFields: ['maxRounds'] } }, 'maxRounds'));
+  assert.ok(!refusesField({ code: -32602, message: 'invalid params: maxRounds: expected integer, got number 2.5' }, 'maxRounds'));
+  assert.ok(!refusesField({ code: -32602, message: 'invalid params: maxRounds: maxRounds must be an integer of at least 1' }, 'maxRounds'));
+  assert.ok(!refusesField({ code: -32602, message: 'invalid params: unknown field: "maxRoundsX"' }, 'maxRounds'));
+  assert.ok(!refusesField({ code: -32000, message: 'unknown field: "maxRounds"' }, 'maxRounds'));
 });
 
 test('chat Markdown is sanitized (raw HTML escaped) and code blocks carry copy/insert buttons', () => {

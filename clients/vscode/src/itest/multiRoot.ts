@@ -1,0 +1,99 @@
+// Integration test module for a multi-root workspace (scripts/run-itest.mjs --suite multi-root): the
+// folders `ws` (first) and `second`, each with src/app.py. Runs INSIDE the real extension host against
+// the real server (scripted models) and writes a JSON report to $OPERATE_SIDECAR_ITEST_REPORT.
+import * as fs from 'node:fs';
+import * as vscode from 'vscode';
+import type { OperateSidecarApi } from '../extension';
+
+const EXT_ID = 'operate-sidecar.operate-sidecar-vscode';
+const STEP_MS = 30_000;
+const CHECK_MS = 90_000;
+
+interface Check { name: string; ok: boolean; ms: number; error?: string }
+
+function within<T>(p: Thenable<T>, what: string, ms = STEP_MS): Promise<T> {
+  let timer: NodeJS.Timeout;
+  const t = new Promise<never>((_, rej) => { timer = setTimeout(() => rej(new Error(`timeout after ${ms} ms: ${what}`)), ms); });
+  return Promise.race([Promise.resolve(p), t]).finally(() => clearTimeout(timer));
+}
+function expect(cond: unknown, msg: string): asserts cond {
+  if (!cond) throw new Error(msg);
+}
+const exec = <T>(cmd: string, ...args: unknown[]) => within(vscode.commands.executeCommand<T>(cmd, ...args), cmd);
+
+export async function run(): Promise<void> {
+  const reportPath = process.env.OPERATE_SIDECAR_ITEST_REPORT;
+  const checks: Check[] = [];
+  let api: OperateSidecarApi | undefined;
+  let fatal: string | undefined;
+  const check = async (name: string, fn: () => Promise<void>) => {
+    const t0 = Date.now();
+    try {
+      await within(fn(), `check "${name}"`, CHECK_MS);
+      checks.push({ name, ok: true, ms: Date.now() - t0 });
+    } catch (e) {
+      checks.push({ name, ok: false, ms: Date.now() - t0, error: e instanceof Error ? `${e.message}\n${e.stack ?? ''}`.slice(0, 2000) : String(e) });
+    }
+  };
+  try {
+    await check('activate the extension in a multi-root workspace (ws, second)', async () => {
+      const ext = vscode.extensions.getExtension<OperateSidecarApi>(EXT_ID);
+      expect(ext, `extension ${EXT_ID} not found`);
+      api = await within(ext.activate(), 'activate');
+      const names = (vscode.workspace.workspaceFolders ?? []).map((f) => f.name);
+      expect(JSON.stringify(names) === '["ws","second"]', `folders: ${JSON.stringify(names)}`);
+    });
+    if (!api) throw new Error('activation failed');
+    const [first, second] = vscode.workspace.workspaceFolders!.map((f) => f.uri);
+    const firstApp = vscode.Uri.joinPath(first, 'src', 'app.py');
+    const secondApp = vscode.Uri.joinPath(second, 'src', 'app.py');
+    const contextOf = async (branchId: string) => {
+      const { messages } = await within(api!.client()!.branchMessages(branchId), 'branchMessages');
+      return messages.filter((m) => m.kind === 'instruction').at(-1)!.content.context as any;
+    };
+
+    await check('#file and the selection of a file in the second folder are sent as second/src/app.py; of the first folder as src/app.py', async () => {
+      const ed = await within(vscode.window.showTextDocument(await within(vscode.workspace.openTextDocument(secondApp), 'open')), 'show second');
+      ed.selection = new vscode.Selection(0, 0, 0, 3);
+      await exec('operateSidecar.pickModel', { model: 'twice' });
+      await exec('operateSidecar.newChat');
+      const o: any = await exec('operateSidecar.chat', 'Rename #selection in #file');
+      expect(o && !o.error, `outcome: ${JSON.stringify(o)}`);
+      const c = await contextOf(o.branchId);
+      expect(c.file?.file === 'second/src/app.py' && c.file.text === 'two\n', `#file: ${JSON.stringify(c.file)}`);
+      expect(c.selection?.file === 'second/src/app.py' && c.selection.text === 'two', `selection: ${JSON.stringify(c.selection)}`);
+      expect(JSON.stringify(c.labels) === '["second/src/app.py:1","second/src/app.py"]', `labels: ${JSON.stringify(c.labels)}`);
+      const ed1 = await within(vscode.window.showTextDocument(await within(vscode.workspace.openTextDocument(firstApp), 'open')), 'show first');
+      ed1.selection = new vscode.Selection(0, 0, 0, 3);
+      const o1: any = await exec('operateSidecar.chat', 'And #selection in #file');
+      const c1 = await contextOf(o1.branchId);
+      expect(c1.file?.file === 'src/app.py' && c1.selection?.file === 'src/app.py', `first folder: ${JSON.stringify(c1)}`);
+    });
+
+    await check('an edit of that path lands in the second folder\'s file, not in the first\'s', async () => {
+      const doc2 = await within(vscode.workspace.openTextDocument(secondApp), 'open second');
+      const doc1 = await within(vscode.workspace.openTextDocument(firstApp), 'open first');
+      const r: any = await exec('operateSidecar.operate', { instruction: 'upper-case it', actions: true, chatModel: 'editSecond',
+        permissionAnswer: 'allow_once', showResult: false });
+      const out = r?.result?.action_responses?.[0]?.output;
+      expect(out && !out.error, `edit output: ${JSON.stringify(out)}`);
+      expect(doc2.getText() === 'TWO\n' && doc1.getText() === 'one\n', `second: ${JSON.stringify(doc2.getText())}, first: ${JSON.stringify(doc1.getText())}`);
+      expect(fs.readFileSync(firstApp.fsPath, 'utf8') === 'one\n', 'the first folder\'s file is untouched on disk');
+    });
+  } catch (e) {
+    fatal = e instanceof Error ? e.stack ?? e.message : String(e);
+  }
+  const report = {
+    ok: !fatal && checks.length > 0 && checks.every((c) => c.ok),
+    fatal,
+    vscodeVersion: vscode.version,
+    appName: vscode.env.appName,
+    extensionPath: vscode.extensions.getExtension(EXT_ID)?.extensionPath,
+    checks,
+    outputChannel: api?.outputText().slice(-6000) ?? '',
+  };
+  if (reportPath) {
+    fs.writeFileSync(reportPath + '.tmp', JSON.stringify(report, null, 2));
+    fs.renameSync(reportPath + '.tmp', reportPath);
+  }
+}
