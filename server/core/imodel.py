@@ -10,6 +10,7 @@ surrounding scope is cancelled.
 
 from __future__ import annotations
 
+import math
 from contextlib import aclosing, asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -122,16 +123,26 @@ def usage_counts(usage: Any) -> tuple[int | None, int | None]:
     if not isinstance(usage, dict):
         return None, None
 
+    def count(v: Any) -> int | None:
+        """A token count: a finite non-negative number (NaN, Infinity, -1 are unknown: None)."""
+        if isinstance(v, bool):
+            return None
+        if isinstance(v, int):
+            return v if v >= 0 else None
+        if isinstance(v, float) and math.isfinite(v) and v >= 0:
+            return int(v)
+        return None
+
     def first(keys: tuple[str, ...]) -> int | None:
         for k in keys:
-            v = usage.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                return int(v)
+            v = count(usage.get(k))
+            if v is not None:
+                return v
         return None
 
     inp, out = first(_INPUT_KEYS), first(_OUTPUT_KEYS)
     if inp is not None and "input_tokens" in usage:
-        inp += sum(int(usage[k]) for k in _CACHE_INPUT_KEYS if isinstance(usage.get(k), (int, float)))
+        inp += sum(count(usage.get(k)) or 0 for k in _CACHE_INPUT_KEYS)
     return inp, out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import re
 from typing import Any, Iterable
 from urllib.parse import urlsplit
@@ -37,6 +38,37 @@ def field_value(name: str, config: dict[str, Any], key: str, default: Any, kind:
         from . import ModelConfigError
 
         raise ModelConfigError(f"model config {name!r}: {key} must be {getattr(kind, '__name__', kind)}, not {value!r}") from None
+
+
+# --- JSON-safe values ---------------------------------------------------------
+# Python's json reads NaN, Infinity and 1e400 (→ inf); none of them is JSON, so a provider
+# never passes one on (a message holding one could not be sent or stored): each becomes null.
+
+
+def _finite_or_none(text: str) -> float | None:
+    v = float(text)
+    return v if math.isfinite(v) else None
+
+
+def loads_json_safe(raw: str | bytes) -> Any:
+    """``json.loads`` where NaN, ±Infinity and numbers too large for a float are null."""
+    return json.loads(raw, parse_constant=lambda _: None, parse_float=_finite_or_none)
+
+
+def json_safe(value: Any, _depth: int = 0) -> Any:
+    """``value`` (parsed JSON, a provider's record) with every non-finite float replaced by
+    None; containers are copied only where something changed."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if _depth > 200:
+        return value
+    if isinstance(value, dict):
+        out = {k: json_safe(v, _depth + 1) for k, v in value.items()}
+        return value if all(out[k] is value[k] for k in value) else out
+    if isinstance(value, list):
+        items = [json_safe(v, _depth + 1) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
 
 
 # --- redaction --------------------------------------------------------------

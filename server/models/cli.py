@@ -12,7 +12,11 @@ The process runs in its own session/process group, with stdin from /dev/null
 goes into error messages). stdout is read as it streams: JSON lines for
 claude-code/jsonl, raw text for llm. When the awaiting scope is cancelled (or
 the consumer stops iterating), the whole process group gets SIGTERM, then
-SIGKILL after the grace period. An in-stream error event (jsonl ``error``,
+SIGKILL after the grace period. The run ends when the program exits, even if a child it
+left running holds stdout open: what it wrote is read, then its group (and any process still
+holding its stdout) is stopped the same way; a per-run reaper kills the group if the sidecar
+dies. Lines that are not JSON, and events of an unexpected shape, are ignored; NaN/Infinity in
+them are read as null. An in-stream error event (jsonl ``error``,
 claude-code ``result`` with ``is_error``) raises ``ModelError`` after the run is
 torn down; so does a non-zero exit with no output (with the stderr tail).
 """
@@ -20,7 +24,6 @@ torn down; so does a non-zero exit with no output (with the stderr tail).
 from __future__ import annotations
 
 import codecs
-import json
 import logging
 import os
 import re
@@ -38,7 +41,7 @@ import anyio
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import field_value, redact, render_prompt
+from ._common import field_value, loads_json_safe, redact, render_prompt
 from .config import CLI_PROFILES, FIELDS, check_model_config
 
 log = logging.getLogger(__name__)
@@ -148,45 +151,68 @@ class CLIModel(BaseModelProvider):
             if stdin_text is not None and not stdin_file.closed:
                 stdin_file.close()  # the child has its own copy of the descriptor
         self.last_pid = process.pid
+        reaper = _GroupReaper.start(process.pid)  # the group dies with the sidecar, even by SIGKILL
         deadline = anyio.current_time() + self.timeout_s if self.timeout_s else None
+        program = Path(argv[0]).name
         produced = False
-        finished = False
+        eof = False       # stdout reached its end: nothing holds it open any more
+        cleaned = False   # the run's processes are gone (or were never left behind)
+
+        def timed_out() -> ModelError:
+            return _model_error(f"model {self.name!r}: {program} timed out after {self.timeout_s:g}s")
+
+        def checked(chunk: StreamChunk) -> StreamChunk:
+            nonlocal produced
+            if chunk.type == "error":
+                raise _model_error(f"model {self.name!r}: {chunk.text}")
+            produced = True
+            return chunk
+
         try:
             assert process.stdout is not None
             while True:
-                data = b""
-                if deadline is None:
-                    data = await _receive(process.stdout)
-                else:
-                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope:
-                        data = await _receive(process.stdout)
-                    if scope.cancelled_caught:
-                        raise _model_error(f"model {self.name!r}: {Path(argv[0]).name} timed out after {self.timeout_s:g}s")
+                try:
+                    data = await _read_or_exit(process, deadline)
+                except TimeoutError:
+                    raise timed_out() from None
+                if data is None:  # the program exited, but something it started still holds stdout
+                    break
                 if not data:
+                    eof = True
                     break
                 for chunk in parser.feed(data):
-                    if chunk.type == "error":
-                        raise _model_error(f"model {self.name!r}: {chunk.text}")
-                    produced = True
-                    yield chunk
+                    yield checked(chunk)
+            if not eof:
+                # Read what it wrote before it exited (briefly: a leftover child may write on),
+                # then end the run; whatever it left behind is killed below.
+                drain_end = anyio.current_time() + DRAIN_MAX_S
+                while (left := drain_end - anyio.current_time()) > 0:
+                    data = await _receive_within(process.stdout, min(DRAIN_IDLE_S, left))
+                    if data is None:
+                        break
+                    if not data:
+                        eof = True
+                        break
+                    for chunk in parser.feed(data):
+                        yield checked(chunk)
             for chunk in parser.close():
-                if chunk.type == "error":
-                    raise _model_error(f"model {self.name!r}: {chunk.text}")
-                produced = True
-                yield chunk
-            if deadline is None:
-                await process.wait()
-            else:
-                with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                yield checked(chunk)
+            if process.returncode is None:  # stdout closed: wait for the program itself
+                if deadline is None:
                     await process.wait()
-                if process.returncode is None:
-                    raise _model_error(f"model {self.name!r}: {Path(argv[0]).name} timed out after {self.timeout_s:g}s")
-            finished = True
+                else:
+                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                        await process.wait()
+                    if process.returncode is None:
+                        raise timed_out()
             rc = process.returncode
+            # The program is done: nothing it started outlives the call.
+            await _end_run(process, self.kill_grace_s, eof, reaper)
+            cleaned = True
             if rc != 0 and not produced:
                 tail = _tail(stderr_file)
                 raise _model_error(
-                    f"model {self.name!r}: {Path(argv[0]).name} exited with status {rc}"
+                    f"model {self.name!r}: {program} exited with status {rc}"
                     + (f": {tail}" if tail else " and no output")
                 )
             result = parser.result
@@ -195,8 +221,8 @@ class CLIModel(BaseModelProvider):
                 result.usage = _usage_line(stderr_file)
             yield result
         finally:
-            if not finished or process.returncode is None:
-                await _kill_group(process, self.kill_grace_s)
+            if not cleaned:
+                await _end_run(process, self.kill_grace_s, eof, reaper)
             with anyio.CancelScope(shield=True), anyio.move_on_after(max(self.kill_grace_s, 1.0)):
                 try:
                     await process.aclose()
@@ -270,6 +296,12 @@ class _AsyncioProcess:
         self._proc = proc
         self.pid = proc.pid
         self.stdout = _ProcessStream(proc.stdout)
+        self.stdout_inode: int | None = None  # to find who holds it open (see _end_run)
+        try:
+            pipe = proc._transport.get_pipe_transport(1).get_extra_info("pipe")
+            self.stdout_inode = os.fstat(pipe.fileno()).st_ino
+        except (AttributeError, OSError, ValueError):
+            pass
 
     @property
     def returncode(self) -> int | None:
@@ -280,7 +312,8 @@ class _AsyncioProcess:
 
     async def aclose(self) -> None:
         try:
-            await self.wait()
+            if self.returncode is None:
+                await self.wait()
         finally:
             transport = getattr(self._proc, "_transport", None)
             if transport is not None:
@@ -314,23 +347,193 @@ async def _receive(stream: Any) -> bytes:
         return b""
 
 
-async def _kill_group(process: Any, grace: float) -> None:
-    """SIGTERM the whole process group, then SIGKILL it after ``grace`` seconds."""
-    pgid = process.pid
+#: how often a read checks whether the program has exited (its stdout may stay open after it:
+#: a child it started in the background inherits it)
+EXIT_POLL_S = 0.2
+#: after the program exited with its stdout still open: how long to wait for more of what it
+#: wrote (per read, and in all)
+DRAIN_IDLE_S = 0.2
+DRAIN_MAX_S = 2.0
+KILL_POLL_S = 0.02
+
+
+async def _receive_within(stream: Any, timeout: float) -> bytes | None:
+    """The next bytes of ``stream`` (b"" at its end), or None if none came within ``timeout``."""
+    with anyio.move_on_after(timeout):
+        return await _receive(stream)
+    return None
+
+
+async def _read_or_exit(process: Any, deadline: float | None) -> bytes | None:
+    """The next bytes of the program's stdout (b"" at its end), or None once the program has
+    exited while its stdout is still open. TimeoutError once ``deadline`` has passed."""
+    while True:
+        wait = EXIT_POLL_S
+        if deadline is not None:
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise TimeoutError
+            wait = min(wait, left)
+        data = await _receive_within(process.stdout, wait)
+        if data is not None:
+            return data
+        if process.returncode is not None:
+            return None
+
+
+async def _end_run(process: Any, grace: float, stdout_closed: bool, reaper: "_GroupReaper | None") -> None:
+    """Stop everything the run left behind: its process group (the program, if it still runs,
+    and the children it put in the background), then, if its stdout is still open, the
+    processes holding it (children that left the group with setsid)."""
+    await _kill_group(process, grace)
     with anyio.CancelScope(shield=True):
+        inode = getattr(process, "stdout_inode", None)
+        if not stdout_closed and inode is not None:
+            await _kill_pipe_holders(inode, grace)
+        if reaper is not None:
+            await reaper.stop()
+
+
+class _GroupReaper:
+    """A tiny process, in a session of its own, that SIGKILLs the run's process group once the
+    sidecar is gone (exit, crash or SIGKILL alike): it blocks reading a pipe only the sidecar
+    holds. ``PR_SET_PDEATHSIG`` takes the program itself down, not the children it started;
+    this takes the whole group. (The sidecar's own reaper, ``server.rpc.stdio``, covers the
+    sidecar's group, which a CLI run leaves.) Stopped when the run ends."""
+
+    def __init__(self, proc: Any, write_fd: int) -> None:
+        self._proc = proc
+        self._fd: int | None = write_fd
+
+    @classmethod
+    def start(cls, pgid: int) -> "_GroupReaper | None":
+        if sys.platform == "win32":
+            return None
+        from operate_sidecar.server.reaper import start_reaper
+
+        started = start_reaper(pgid)
+        return cls(*started) if started is not None else None
+
+    async def stop(self) -> None:
+        """Let it go: the run is over (its group already killed), so its last kill finds nothing."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        os.close(fd)
+        await _until(lambda: self._proc.poll() is not None, 2.0)
+        if self._proc.poll() is None:  # pragma: no cover - a stuck shell
+            self._proc.kill()
+            await _until(lambda: self._proc.poll() is not None, 2.0)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to the group; False if it has no member left (or none we may signal)."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    """Does the group have a member that is not a zombie? (Zombies wait for whoever reaps the
+    orphans, which may be never: they hold nothing and cannot be killed.)"""
+    if not _signal_group(pgid, 0):
+        return False
+    if not sys.platform.startswith("linux"):
+        return True
+    for pid in _pids():
+        stat = _stat(pid)
+        if stat is not None and stat[1] == pgid and stat[0] not in "ZX":
+            return True
+    return False
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return []
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) of ``pid`` from /proc, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0].decode(), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+async def _until(done: Any, timeout: float) -> None:
+    with anyio.move_on_after(timeout):
+        while not done():
+            await anyio.sleep(KILL_POLL_S)
+
+
+async def _kill_group(process: Any, grace: float) -> None:
+    """SIGTERM the whole process group, then SIGKILL what is left of it after ``grace``
+    seconds. Waits (at most ``grace`` each time) until the leader is reaped and no member runs."""
+    pgid = process.pid
+
+    def gone() -> bool:
+        return process.returncode is not None and not _group_alive(pgid)
+
+    with anyio.CancelScope(shield=True):
+        if not _signal_group(pgid, signal.SIGTERM):
+            if process.returncode is None:  # not signalable, or raced with its exit: reap it
+                with anyio.move_on_after(grace):
+                    await process.wait()
+            return
+        await _until(gone, grace)
+        # Members of the group may outlive the leader, or ignore SIGTERM: kill what is left.
+        if _signal_group(pgid, signal.SIGKILL):
+            await _until(gone, grace)
+
+
+def _pipe_holders(inode: int) -> list[int]:
+    """The processes (other than this one) with the pipe ``inode`` open (Linux /proc)."""
+    target = f"pipe:[{inode}]"
+    me = os.getpid()
+    out = []
+    for pid in _pids():
+        if pid == me:
+            continue
         try:
-            os.killpg(pgid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    out.append(pid)
+                    break
+            except OSError:
+                continue
+    return out
+
+
+async def _kill_pipe_holders(inode: int, grace: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds, the processes holding the run's stdout
+    open after its process group is gone: only the program's descendants can have it."""
+    holders = await anyio.to_thread.run_sync(_pipe_holders, inode)
+    if not holders:
+        return
+    log.debug("cli: killing %s, still holding the program's stdout", holders)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in holders:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if sig == signal.SIGKILL:
+            return
         with anyio.move_on_after(grace):
-            await process.wait()
-        # Members of the group may outlive the leader: kill what is left.
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        with anyio.move_on_after(grace):
-            await process.wait()
+            while holders := [p for p in holders if (st := _stat(p)) is not None and st[0] not in "ZX"]:
+                await anyio.sleep(KILL_POLL_S)
+        if not holders:
+            return
 
 
 def _resolve_executable(cmd: str) -> str:
@@ -403,12 +606,18 @@ class _LineParser(_Parser):
         if not raw:
             return
         try:
-            event = json.loads(raw)
-        except ValueError:
+            event = loads_json_safe(raw)  # NaN, Infinity, 1e400 → null: what is kept stays JSON
+        except (ValueError, RecursionError):
             log.debug("cli: ignoring a non-JSON line: %r", raw[:200])
             return
-        if isinstance(event, dict):
-            yield from self.event(event)
+        if not isinstance(event, dict):
+            return
+        try:  # an event of an unexpected shape is ignored, like a line that is not JSON
+            chunks = list(self.event(event))
+        except (AttributeError, TypeError, ValueError, KeyError, RecursionError):
+            log.debug("cli: ignoring an event of an unexpected shape: %r", raw[:200])
+            return
+        yield from chunks
 
     def event(self, event: dict) -> Iterator[StreamChunk]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -427,8 +636,9 @@ class JsonlParser(_LineParser):
     def event(self, e: dict) -> Iterator[StreamChunk]:
         t = e.get("type")
         if t in ("text", "thinking"):
-            if e.get("text"):
-                yield StreamChunk(type=t, text=str(e["text"]))
+            text = e.get("text")
+            if text and isinstance(text, (str, int, float)) and not isinstance(text, bool):
+                yield StreamChunk(type=t, text=str(text))
         elif t == "tool_use":
             yield StreamChunk(type="tool_use", id=_s(e.get("id")), name=_s(e.get("name")), input=_dict(e.get("input")))
         elif t == "tool_result":
@@ -454,6 +664,8 @@ class ClaudeCodeParser(_LineParser):
         self._text_seen = False
 
     def event(self, e: dict) -> Iterator[StreamChunk]:
+        # Every value below the event is checked before use: a field of another shape than
+        # claude's (a string where an object belongs, a list where text belongs) is skipped.
         t = e.get("type")
         r = self.result
         if e.get("session_id"):
@@ -461,31 +673,31 @@ class ClaudeCodeParser(_LineParser):
         if t == "system":
             r.model = _s(e.get("model")) or r.model
         elif t == "stream_event":
-            ev = e.get("event") or {}
-            delta = ev.get("delta") or {}
+            ev = _obj(e.get("event"))
+            delta = _obj(ev.get("delta"))
             if ev.get("type") == "content_block_delta":
-                if delta.get("type") == "text_delta" and delta.get("text"):
+                if delta.get("type") == "text_delta" and _text(delta.get("text")):
                     self._partial = self._text_seen = True
                     yield StreamChunk(type="text", text=delta["text"])
-                elif delta.get("type") == "thinking_delta" and delta.get("thinking"):
+                elif delta.get("type") == "thinking_delta" and _text(delta.get("thinking")):
                     self._partial = True
                     yield StreamChunk(type="thinking", text=delta["thinking"])
         elif t == "assistant":
-            msg = e.get("message") or {}
+            msg = _obj(e.get("message"))
             r.model = _s(msg.get("model")) or r.model
             for block in _blocks(msg.get("content")):
                 bt = block.get("type")
-                if bt == "text" and not self._partial and block.get("text"):
+                if bt == "text" and not self._partial and _text(block.get("text")):
                     self._text_seen = True
                     yield StreamChunk(type="text", text=block["text"])
-                elif bt == "thinking" and not self._partial and block.get("thinking"):
+                elif bt == "thinking" and not self._partial and _text(block.get("thinking")):
                     yield StreamChunk(type="thinking", text=block["thinking"])
                 elif bt == "tool_use":
                     yield StreamChunk(
                         type="tool_use", id=_s(block.get("id")), name=_s(block.get("name")), input=_dict(block.get("input"))
                     )
         elif t == "user":
-            msg = e.get("message") or {}
+            msg = _obj(e.get("message"))
             for block in _blocks(msg.get("content")):
                 if block.get("type") == "tool_result":
                     yield StreamChunk(
@@ -495,15 +707,16 @@ class ClaudeCodeParser(_LineParser):
                         is_error=bool(block.get("is_error")),
                     )
         elif t == "result":
-            usage = dict(e.get("usage") or {}) if isinstance(e.get("usage"), dict) else {}
+            usage = dict(e["usage"]) if isinstance(e.get("usage"), dict) else {}
             for k in ("total_cost_usd", "num_turns", "duration_ms"):
                 if e.get(k) is not None:
                     usage[k] = e[k]
             r.usage = usage or None
             text = e.get("result")
             if e.get("is_error") or str(e.get("subtype", "success")) != "success":
-                yield self.error(f"claude-code: {e.get('subtype') or 'error'}" + (f": {text}" if text else ""))
-            elif isinstance(text, str) and text and not self._text_seen:
+                detail = f": {text}" if isinstance(text, str) and text else ""
+                yield self.error(f"claude-code: {_s(e.get('subtype')) or 'error'}{detail}")
+            elif _text(text) and not self._text_seen:
                 self._text_seen = True
                 yield StreamChunk(type="text", text=text)
 
@@ -544,10 +757,22 @@ def _dict(v: Any) -> dict | None:
     return {"value": v}
 
 
+def _obj(v: Any) -> dict:
+    """``v`` if it is an object, else an empty one (a field of an unexpected shape)."""
+    return v if isinstance(v, dict) else {}
+
+
+def _text(v: Any) -> bool:
+    """Is ``v`` text to pass on (a non-empty string)?"""
+    return isinstance(v, str) and bool(v)
+
+
 def _blocks(content: Any) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    return [b for b in content or [] if isinstance(b, dict)]
+    if not isinstance(content, list):
+        return []
+    return [b for b in content if isinstance(b, dict)]
 
 
 def _tool_output(content: Any) -> Any:

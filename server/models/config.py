@@ -43,13 +43,13 @@ FIELDS: dict[str, dict[str, Any]] = {
         "maxItems": "integer",
         "maxStringLength": "integer",
         "options": "object",
-        "timeoutS": "number",
+        "timeoutS": "positive number",
     },
     "openai": {
         "model": "string",
         "baseUrl": "string",
         "apiKeyEnv": "string",
-        "timeoutS": "number",
+        "timeoutS": "positive number",
         "maxRetries": "integer",
         "options": "object",
     },
@@ -59,7 +59,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "cwd": "string",
         "env": "string map",
         "promptVia": PROMPT_VIA,
-        "timeoutS": "number",
+        "timeoutS": "positive number",
         "killGraceS": "number",
     },
     "scripted": {
@@ -68,6 +68,11 @@ FIELDS: dict[str, dict[str, Any]] = {
         "timeoutS": "positive number",
     },
 }
+
+#: provider → {field: least allowed value} for the fields whose JSON type alone does not bound
+#: them (kept apart from the kinds above, which mirror the protocol's wire types): a retry count
+#: or a grace period below zero means nothing
+MINIMUM: dict[str, dict[str, int | float]] = {"openai": {"maxRetries": 0}, "cli": {"killGraceS": 0}}
 
 #: provider → fields that must be present, non-null and non-empty
 REQUIRED: dict[str, tuple[str, ...]] = {"openai": ("model",), "cli": ("profile",)}
@@ -228,6 +233,10 @@ def config_problem(config: Any, provider: str | None = None) -> str | None:
             problem = _type_problem(key, kind, value)
             if problem:
                 return problem
+    for key, least in MINIMUM.get(provider, {}).items():
+        value = config.get(key)
+        if value is not None and not value >= least:  # ``not >=``: NaN is refused too
+            return f"{key} must be at least {least}, not {value!r}"
     for key in REQUIRED.get(provider, ()):
         if config.get(key) in (None, ""):
             need = f"provider {provider!r} needs a {key!r}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import re
 from functools import lru_cache
@@ -27,7 +28,7 @@ import anyio
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import field_value, is_loopback_url, redact, remember_secret, snake_options
+from ._common import field_value, is_loopback_url, json_safe, redact, remember_secret, snake, snake_options
 from .config import FIELDS, check_model_config
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class OpenAIModel(BaseModelProvider):
         self.api_key_env = api_key_env
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
+        _check_options(name, "options", options)
         self.options = snake_options(options)
         self._client: Any = None
         self._api_key: str | None = None
@@ -147,15 +149,24 @@ class OpenAIModel(BaseModelProvider):
 
     # -- errors ---------------------------------------------------------------
 
-    def _error(self, e: BaseException) -> ModelError:
+    def _error(self, e: BaseException, *, streaming: bool = False) -> ModelError:
+        """``e`` as a ModelError; ``streaming``: it happened while the reply was being read."""
         openai = _require_openai()
 
         where = self._where()
         if isinstance(e, openai.APITimeoutError):
             msg = f"model {self.name!r}: request to {where} timed out after {self.timeout_s:g}s"
-        elif isinstance(e, openai.APIConnectionError):
+        elif isinstance(e, openai.APIConnectionError) or (streaming and _is_http_error(e)):
             cause = e.__cause__ or e
-            msg = f"model {self.name!r}: could not connect to {where}: {type(cause).__name__}: {cause}"
+            what = (f"the stream from {where} ended before the reply was complete" if streaming
+                    else f"could not connect to {where}")
+            msg = f"model {self.name!r}: {what}: {type(cause).__name__}: {cause}"
+        elif isinstance(e, (ValueError, RecursionError)) and streaming:  # an SSE event that is not JSON
+            msg = f"model {self.name!r}: {where} sent a stream event that is not JSON: {e}"
+        elif isinstance(e, _BadChunk):
+            msg = f"model {self.name!r}: {where} sent a stream chunk of an unexpected shape: {e}"
+        elif isinstance(e, _Incomplete):
+            msg = f"model {self.name!r}: the stream from {where} ended before the reply was complete ({e})"
         elif isinstance(e, openai.APIStatusError):
             msg = f"model {self.name!r}: {where} answered HTTP {e.status_code}: {_status_message(e)}"
         else:
@@ -169,7 +180,12 @@ class OpenAIModel(BaseModelProvider):
     # -- request --------------------------------------------------------------
 
     def _kwargs(self, request: ModelRequest) -> dict[str, Any]:
-        opts = {**self.options, **snake_options(request.options)}
+        """The request's keyword arguments: the config's ``options`` under the request's
+        (modelOptions). Checked before anything is sent: a key the provider sets itself, or a
+        value of the wrong type for a key the SDK itself reads, is a ModelConfigError (-32602)."""
+        _check_options(self.name, "modelOptions", request.options)
+        request_opts = snake_options(request.options)
+        opts = {**self.options, **request_opts}
         opts.pop("stream", None)
         known = _create_params()
         kw: dict[str, Any] = {}
@@ -247,32 +263,28 @@ class OpenAIModel(BaseModelProvider):
         model_name = self.model
         refusal: list[str] = []   # OpenAI's ``refusal`` deltas: the model declined (structured outputs)
         filtered = False          # a ``content_filter`` stop: the provider cut the reply
+        finished = False          # a choice said why it stopped (finish_reason)
+        done = _watch_done(stream)  # [DONE] seen (where the SDK lets us see it)
         try:
             async for chunk in stream:
-                if getattr(chunk, "model", None):
-                    model_name = chunk.model
-                if getattr(chunk, "usage", None) is not None:
-                    usage = chunk.usage.model_dump(exclude_none=True)
-                for choice in chunk.choices or ():
-                    filtered = filtered or getattr(choice, "finish_reason", None) == "content_filter"
-                    delta = choice.delta
-                    if delta is None:
-                        continue
-                    if getattr(delta, "refusal", None):
-                        refusal.append(delta.refusal)
-                    thinking = getattr(delta, "reasoning_content", None) or (
-                        (delta.model_extra or {}).get("reasoning_content") if delta.model_extra else None
-                    )
-                    if thinking:
-                        yield StreamChunk(type="thinking", text=thinking)
-                    if delta.content:
-                        yield StreamChunk(type="text", text=delta.content)
-        except openai.OpenAIError as e:
-            raise self._error(e) from None
+                part = _read_chunk(chunk)
+                model_name = part.model or model_name
+                usage = part.usage if part.usage is not None else usage
+                finished = finished or part.finished
+                filtered = filtered or part.filtered
+                refusal += part.refusal
+                for kind, text in part.out:
+                    yield StreamChunk(type=kind, text=text)
+            if not (finished or done[0]):
+                raise _Incomplete("no finish_reason and no [DONE]")
+        except (openai.OpenAIError, _BadChunk, _Incomplete) as e:
+            raise self._error(e, streaming=True) from None
+        except (ValueError, RecursionError) as e:  # the SDK could not parse an event's JSON
+            raise self._error(e, streaming=True) from None
         except Exception as e:
             # httpx errors mid-stream (connection dropped, read time-out)
-            if type(e).__module__.startswith(("httpx", "httpcore")):
-                raise self._error(e) from None
+            if _is_http_error(e):
+                raise self._error(e, streaming=True) from None
             raise
         finally:
             with anyio.CancelScope(shield=True):
@@ -287,6 +299,173 @@ class OpenAIModel(BaseModelProvider):
             why = redact("".join(refusal).strip() or "stopped by the provider's content filter",
                          [self._api_key, os.environ.get(self.api_key_env)])[:MAX_ERROR_CHARS]
             raise ModelRefused(f"model {self.name!r} declined the request: {why}", refusal=why)
+
+
+class _BadChunk(Exception):
+    """A stream chunk that is not a ``chat.completion.chunk`` object."""
+
+
+class _Incomplete(Exception):
+    """The stream ended with no sign that the reply was complete."""
+
+
+def _is_http_error(e: BaseException) -> bool:
+    return type(e).__module__.startswith(("httpx", "httpcore"))
+
+
+class _Part:
+    __slots__ = ("model", "usage", "finished", "filtered", "refusal", "out")
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.usage: dict | None = None
+        self.finished = False
+        self.filtered = False
+        self.refusal: list[str] = []
+        self.out: list[tuple[str, str]] = []  # ("text" | "thinking", text)
+
+
+def _field(obj: Any, name: str) -> Any:
+    """``obj.name`` of an SDK object (built without validation: any JSON may be inside)."""
+    if isinstance(obj, dict):
+        return obj.get(name)
+    value = getattr(obj, name, None)
+    if value is None:
+        extra = getattr(obj, "model_extra", None)
+        if isinstance(extra, dict):
+            value = extra.get(name)
+    return value
+
+
+def _text_field(obj: Any, name: str, what: str) -> str | None:
+    value = _field(obj, name)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise _BadChunk(f"{what} is {type(value).__name__}, not a string")
+    return value
+
+
+def _read_chunk(chunk: Any) -> _Part:
+    """What one streamed chunk says, its shape checked (the SDK builds chunks without
+    validating them, so a server can put anything anywhere)."""
+    part = _Part()
+    if not (hasattr(chunk, "model_dump") or isinstance(chunk, dict)):
+        raise _BadChunk(f"a JSON {type(chunk).__name__}, not an object")
+    model = _field(chunk, "model")
+    if model and isinstance(model, str):
+        part.model = model
+    usage = _field(chunk, "usage")
+    if usage is not None:
+        dump = getattr(usage, "model_dump", None)
+        if dump is not None:
+            try:  # no serializer warning for a count that is not an int: it becomes null below
+                usage = dump(exclude_none=True, warnings=False)
+            except (TypeError, ValueError):  # pydantic v1
+                usage = dump(exclude_none=True)
+        if not isinstance(usage, dict):
+            raise _BadChunk(f"usage is {type(usage).__name__}, not an object")
+        part.usage = json_safe(usage)  # NaN/Infinity counts are not JSON: null
+    choices = _field(chunk, "choices")
+    if choices is None:
+        return part
+    if not isinstance(choices, list):
+        raise _BadChunk(f"choices is {type(choices).__name__}, not a list")
+    for choice in choices:
+        if not (hasattr(choice, "model_dump") or isinstance(choice, dict)):
+            raise _BadChunk(f"a choice is {type(choice).__name__}, not an object")
+        reason = _field(choice, "finish_reason")
+        if reason:
+            part.finished = True
+            part.filtered = part.filtered or reason == "content_filter"
+        delta = _field(choice, "delta")
+        if delta is None:
+            continue
+        if not (hasattr(delta, "model_dump") or isinstance(delta, dict)):
+            raise _BadChunk(f"a delta is {type(delta).__name__}, not an object")
+        refused = _text_field(delta, "refusal", "refusal")
+        if refused:
+            part.refusal.append(refused)
+        thinking = _text_field(delta, "reasoning_content", "reasoning_content")
+        if thinking:
+            part.out.append(("thinking", thinking))
+        content = _text_field(delta, "content", "content")
+        if content:
+            part.out.append(("text", content))
+    return part
+
+
+def _watch_done(stream: Any) -> list[bool]:
+    """``[seen]``: set once the server's ``data: [DONE]`` event went by. Reads the SDK's event
+    iterator (``AsyncStream._iter_events``); where that is not there, ``[True]`` (unknown:
+    only ``finish_reason`` then tells a complete reply)."""
+    seen = [False]
+    events = getattr(stream, "_iter_events", None)
+    if events is None or not callable(events):
+        return [True]
+
+    async def watched() -> Any:
+        async for sse in events():
+            if str(getattr(sse, "data", "")).startswith("[DONE]"):
+                seen[0] = True
+            yield sse
+
+    try:
+        stream._iter_events = watched
+    except (AttributeError, TypeError):
+        return [True]
+    return seen
+
+
+#: modelOptions the provider sets itself (after snake_case)
+_PROVIDER_KEYS = {"model": "the model config's 'model'", "messages": "the branch's messages",
+                  "stream_options": None}
+#: options the SDK itself reads (not sent as they are): their JSON types
+_SDK_OPTION_TYPES = {"extra_body": "object", "extra_headers": "object", "extra_query": "object",
+                     "timeout": "positive number", "response_format": "object"}
+
+
+def _check_options(name: str, where: str, options: dict[str, Any] | None) -> None:
+    """Refuse (ModelConfigError: -32602) an option the provider sets itself and an option the
+    SDK reads whose value is of the wrong type, naming it as given (camelCase or snake_case)."""
+    from . import ModelConfigError
+
+    for given, value in (options or {}).items():
+        key = snake(given)
+        if key in _PROVIDER_KEYS:
+            instead = _PROVIDER_KEYS[key]
+            raise ModelConfigError(f"model {name!r}: {where}.{given} is set by the provider and cannot be given"
+                                   + (f" (it is {instead})" if instead else ""))
+        kind = _SDK_OPTION_TYPES.get(key)
+        if kind is None or value is None:
+            continue
+        if kind == "object":
+            ok = isinstance(value, dict)
+            if ok and key == "extra_headers":
+                ok = all(isinstance(v, str) for v in value.values())
+                kind = "an object of strings"
+            else:
+                kind = "an object"
+        else:
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and math.isfinite(value) and value > 0)
+            kind = "a positive number of seconds"
+        if not ok:
+            raise ModelConfigError(f"model {name!r}: {where}.{given} must be {kind}, not {_json_kind(value)}")
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"{value!r}"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
 
 
 def _rejects(e: Any, msg: str, *words: str) -> bool:

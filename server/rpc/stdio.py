@@ -177,11 +177,6 @@ async def attach_reader(fd: int, on_data: Callable[[bytes], None], on_eof: Calla
 _REAPER: "subprocess.Popen[bytes] | None" = None  # noqa: F821
 _REAPER_PIPE: int | None = None
 
-#: the reaper: a shell that blocks reading a pipe only the sidecar holds; the read ends when
-#: the sidecar is gone (exit, crash or SIGKILL alike), then it kills the sidecar's group
-_REAPER_SCRIPT = 'while read -r _; do :; done; kill -s KILL -- "-$0" 2>/dev/null; exit 0'
-
-
 def bind_children_to_process(wire_in: int | None = None) -> bool:
     """Make every process a tool starts (and their children) die with the sidecar.
 
@@ -204,20 +199,10 @@ def bind_children_to_process(wire_in: int | None = None) -> bool:
     except OSError as e:
         log.debug("cannot lead a process group (%s); children may outlive the sidecar", e)
         return False
-    import shutil
-    import subprocess
+    from operate_sidecar.server.reaper import start_reaper
 
-    sh = shutil.which("sh") or "/bin/sh"
-    r, w = os.pipe()  # non-inheritable: tools' children never hold the write end
-    try:
-        _REAPER = subprocess.Popen([sh, "-c", _REAPER_SCRIPT, str(os.getpid())], stdin=r,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
-                                   start_new_session=True)
-    except OSError as e:
-        os.close(w)
-        log.debug("cannot start the reaper (%s); children may outlive the sidecar", e)
+    started = start_reaper(os.getpid())  # tools' children never hold the pipe's write end
+    if started is None:
         return False
-    finally:
-        os.close(r)
-    _REAPER_PIPE = w
+    _REAPER, _REAPER_PIPE = started
     return True

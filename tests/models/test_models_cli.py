@@ -276,3 +276,200 @@ def test_cli_config_is_validated():
     assert m.command[:2] == ["claude", "-p"] and m.prompt_via == "arg"
     argv, stdin = m.build_argv(ModelRequest(messages=[{"role": "user", "content": "hi"}], options={"resume": "abc"}))
     assert argv[-3:] == ["--resume", "abc", "hi"] and stdin is None
+
+
+# -- robustness: what a CLI may print or leave behind --------------------------------------
+
+WRONG_SHAPED_CLAUDE_EVENTS = [
+    {"type": "assistant", "message": "just a string"},
+    {"type": "stream_event", "event": "notadict"},
+    {"type": "stream_event", "event": {"type": "content_block_delta", "delta": "x"}},
+    {"type": "stream_event", "event": {"type": "content_block_delta", "delta": {"type": "text_delta", "text": ["a"]}}},
+    {"type": "assistant", "message": {"content": 5}},
+    {"type": "assistant", "message": {"content": [{"type": "text", "text": ["a"]}, {"type": "thinking", "thinking": 7}]}},
+    {"type": "user", "message": {"content": {"type": "tool_result"}}},
+    {"type": "user", "message": 3},
+    {"type": "result", "subtype": "success", "usage": "lots", "result": {"a": 1}},
+    {"type": "assistant", "message": {"content": [{"type": "text", "text": "the real answer"}]}},
+]
+
+
+async def test_claude_code_events_of_the_wrong_shape_are_ignored(tmp_path):
+    """MOCK: fake claude replaying events whose fields have other shapes than claude's: each is
+    skipped like a line that is not JSON, and the well-formed one still makes the reply."""
+    events = tmp_path / "events.jsonl"
+    events.write_text("".join(json.dumps(e) + "\n" for e in WRONG_SHAPED_CLAUDE_EVENTS))
+    model = make_model(
+        {
+            "provider": "cli",
+            "profile": "claude-code",
+            "command": [PY, script(tmp_path, "claude.py", FAKE_CLAUDE)],
+            "env": {"FAKE_CLAUDE_ARGV": str(tmp_path / "argv.json"), "FAKE_CLAUDE_EVENTS": str(events)},
+        },
+        name="claude",
+    )
+    chunks = await drain(model, ModelRequest(messages=[{"role": "user", "content": "go"}]), timeout=30)
+    assert [(c.type, c.text) for c in chunks[:-1]] == [("text", "the real answer")]
+    assert chunks[-1].type == "result" and not chunks[-1].is_error and chunks[-1].usage is None
+
+
+async def test_jsonl_nan_and_infinity_become_null_so_everything_stays_json(tmp_path):
+    """Python's json reads NaN, Infinity and 1e400; none is JSON. The CLI's values come out null."""
+    body = """
+    import sys
+    sys.stdin.read()
+    for line in ['{"type": "tool_use", "id": "t1", "name": "Calc", "input": {"x": NaN, "y": 1.5}}',
+                 '{"type": "tool_result", "id": "t1", "output": {"v": Infinity, "w": [-Infinity, 1e400]}}',
+                 '{"type": "text", "text": "done"}',
+                 '{"type": "result", "usage": {"input_tokens": NaN, "output_tokens": Infinity}}']:
+        print(line, flush=True)
+    """
+    model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "nan.py", body)]}, name="nan")
+    chunks = await drain(model, REQUEST, timeout=30)
+    assert [c.type for c in chunks] == ["tool_use", "tool_result", "text", "result"]
+    assert chunks[0].input == {"x": None, "y": 1.5}
+    assert chunks[1].output == {"v": None, "w": [None, None]}
+    assert chunks[3].usage == {"input_tokens": None, "output_tokens": None}
+    for c in chunks:  # strict JSON: raises on NaN/Infinity
+        json.dumps([c.input, c.output, c.usage], allow_nan=False)
+    from operate_sidecar.server.core.imodel import UsageMeter, usage_counts
+
+    assert usage_counts(chunks[3].usage) == (None, None)
+    meter = UsageMeter()
+    meter.record("run", {"input_tokens": float("nan"), "output_tokens": float("inf")})  # as any provider might
+    assert (meter.input_tokens, meter.output_tokens) == (None, None)
+
+
+# A program that answers and exits 0, leaving a child behind: in its process group holding
+# stdout (`cmd &`), in a session of its own holding stdout (setsid), or not holding stdout.
+BACKGROUND_CHILD = """
+import os, subprocess, sys
+sys.stdin.read()
+how = sys.argv[1]
+out = subprocess.DEVNULL if how == "quiet" else None
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], stdout=out,
+                         start_new_session=(how == "setsid"))
+print('{"type": "text", "text": "%d"}' % child.pid, flush=True)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["group", "setsid", "quiet"])
+async def test_the_run_ends_when_the_program_exits_and_nothing_it_started_outlives_it(tmp_path, how):
+    """The answer comes when the program exits, though a child it started holds stdout open;
+    the child is killed before the call returns."""
+    model = make_model(
+        {"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "bg.py", BACKGROUND_CHILD), how],
+         "killGraceS": 1},
+        name="bg",
+    )
+    chunks = await drain(model, REQUEST, timeout=20)  # it used to wait for the child (300 s)
+    assert [c.type for c in chunks] == ["text", "result"] and not chunks[-1].is_error
+    child = int(chunks[0].text)
+    assert await wait_gone(child, timeout=5), f"the {how} child outlived the call"
+    assert not pid_alive(model.last_pid)
+
+
+async def test_a_program_that_exits_with_a_child_holding_stdout_is_not_a_timeout(tmp_path):
+    model = make_model(
+        {"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "bg.py", BACKGROUND_CHILD), "group"],
+         "timeoutS": 5, "killGraceS": 1},
+        name="bg",
+    )
+    with anyio.fail_after(20):
+        response = await model.invoke(REQUEST)
+    assert await wait_gone(int(response.text), timeout=5)
+
+
+def test_model_field_bounds_are_refused_naming_the_field():
+    from operate_sidecar.server.models import ModelConfigError
+    from operate_sidecar.server.models.config import check_model_config
+
+    bad = [
+        ({"provider": "openai", "model": "m", "maxRetries": -1}, "maxRetries"),
+        ({"provider": "openai", "model": "m", "timeoutS": 0}, "timeoutS"),
+        ({"provider": "openai", "model": "m", "timeoutS": -1}, "timeoutS"),
+        ({"provider": "openai", "model": "m", "timeoutS": float("nan")}, "timeoutS"),
+        ({"provider": "cli", "profile": "llm", "timeoutS": 0}, "timeoutS"),
+        ({"provider": "cli", "profile": "llm", "killGraceS": -0.5}, "killGraceS"),
+        ({"provider": "cli", "profile": "llm", "killGraceS": float("nan")}, "killGraceS"),
+        ({"provider": "local", "timeoutS": 0}, "timeoutS"),
+    ]
+    for config, field in bad:
+        with pytest.raises(ModelConfigError, match=rf"models\.x: {field} must be"):
+            check_model_config(config, "models.x")
+        with pytest.raises(ModelConfigError, match=field):
+            make_model(config, name="x")
+    # the boundaries that mean something, and null/omitted (the defaults), are accepted
+    for config in ({"provider": "openai", "model": "m", "maxRetries": 0, "timeoutS": 0.5},
+                   {"provider": "openai", "model": "m", "maxRetries": None, "timeoutS": None},
+                   {"provider": "cli", "profile": "llm", "killGraceS": 0, "timeoutS": 0.1},
+                   {"provider": "cli", "profile": "llm", "killGraceS": None, "timeoutS": None}):
+        check_model_config(config, "models.ok")
+        make_model(config, name="ok")
+    assert make_model({"provider": "cli", "profile": "llm"}, name="d").timeout_s is None  # no time-out
+
+
+def test_initialize_refuses_a_model_field_out_of_bounds_naming_model_and_field(tmp_path):
+    import os
+    import subprocess
+
+    from operate_sidecar.clients.python.client import RpcError, SidecarClient
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    cases = [({"provider": "openai", "model": "m", "maxRetries": -1}, "maxRetries"),
+             ({"provider": "cli", "profile": "llm", "timeoutS": 0}, "timeoutS"),
+             ({"provider": "cli", "profile": "llm", "killGraceS": -1}, "killGraceS")]
+    with SidecarClient(argv=[sys.executable, "-m", "operate_sidecar.server"], env=env, cwd=str(repo),
+                       stderr=subprocess.DEVNULL) as c:
+        try:
+            for config, field in cases:  # a refused initialize leaves the server uninitialized
+                with pytest.raises(RpcError) as e:
+                    c.request("initialize", {"workspaceFolders": [str(tmp_path)],
+                                             "settings": {"models": {"picky": config}}}, timeout=60)
+                assert e.value.code == -32602 and "models.picky" in e.value.message and field in e.value.message
+        finally:
+            c.kill()  # not initialized: no shutdown to ask for
+
+
+def test_a_killed_sidecar_takes_the_children_of_a_running_cli_with_it(tmp_path):
+    """SIGKILL the sidecar mid-run: the program dies with it (PR_SET_PDEATHSIG) and so does the
+    child it started in its process group (the run's reaper)."""
+    import os
+    import subprocess
+    import time
+
+    from operate_sidecar.clients.python.client import SidecarClient
+
+    body = """
+    import os, subprocess, sys, time
+    sys.stdin.read()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], stdout=subprocess.DEVNULL)
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(300)
+    """
+    pids_file = tmp_path / "pids"
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    model = {"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "busy.py", body), str(pids_file)]}
+    with SidecarClient(argv=[sys.executable, "-m", "operate_sidecar.server"], env=env, cwd=str(repo),
+                       stderr=subprocess.DEVNULL) as c:
+        c.request("initialize", {"workspaceFolders": [str(tmp_path)],
+                                 "settings": {"models": {"busy": model}, "defaultModel": "busy"}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        c.request_async("operate", {"branchId": bid, "instruction": "go"})
+        deadline = time.monotonic() + 30
+        while not pids_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        program, child = map(int, pids_file.read_text().split())
+        assert pid_alive(program) and pid_alive(child)
+        c.proc.kill()
+        c.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while (pid_alive(program) or pid_alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(program), "the program outlived the sidecar"
+    assert not pid_alive(child), "the program's child outlived the sidecar"

@@ -299,3 +299,187 @@ def test_a_refusal_over_the_wire_is_a_model_error_with_the_refusal_and_records_n
             assert e.value.code == -32011 and e.value.data == {"refusal": words}
             assert c.request("branchMessages", {"branchId": bid})["messages"] == []  # nothing recorded
     assert (tmp_path / "a.txt").read_text() == "keep\n"
+
+
+# -- what a misbehaving OpenAI-compatible server may send ------------------------------------
+# A loopback server answering with the raw bytes given (tests/openai_stub.py's ``loopback``):
+# the real SDK and provider read them over real HTTP.
+
+@contextlib.contextmanager
+def raw_sse(body: bytes, *, cut: bool = False):
+    """Serve ``body`` as the ``text/event-stream`` reply to every chat completion; ``cut``: as one
+    chunk of a chunked body that never ends (the connection closes mid-body). Yields (base URL,
+    the request bodies received)."""
+    import http.server
+
+    from openai_stub import loopback
+
+    received: list[dict] = []
+
+    class Raw(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802
+            received.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}"))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            if cut:
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(b"%x\r\n" % len(body) + body + b"\r\n")  # no terminating 0-chunk
+            else:
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            self.wfile.flush()
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    with loopback(Raw) as url:
+        yield url, received
+
+
+def sse(*events) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+def delta_chunk(delta=None, finish=None, **extra) -> dict:
+    from openai_stub import chunk
+
+    return {**chunk(delta, finish), **extra}
+
+
+BAD_STREAMS = {
+    "not JSON": (sse(b"{not json", delta_chunk({"content": "hi"})) + b"data: [DONE]\n\n", "not JSON"),
+    "a list": (sse({"foo": 1}, b"[1,2,3]") + b"data: [DONE]\n\n", "unexpected shape"),
+    "choices a string": (sse(delta_chunk()).replace(b'"choices": []', b'"choices": "x"') + b"data: [DONE]\n\n",
+                         "unexpected shape"),
+    "content a number": (sse(delta_chunk({"content": 5}, "stop")) + b"data: [DONE]\n\n", "unexpected shape"),
+    "a choice a number": (sse(delta_chunk()).replace(b'"choices": []', b'"choices": [7]') + b"data: [DONE]\n\n",
+                          "unexpected shape"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STREAMS))
+async def test_a_malformed_stream_event_is_a_model_error_without_the_key(case, monkeypatch):
+    body, words = BAD_STREAMS[case]
+    monkeypatch.setenv("OPERATE_TEST_KEY", FAKE_KEY)
+    with raw_sse(body) as (url, _):
+        model = openai_model(url, apiKeyEnv="OPERATE_TEST_KEY", maxRetries=0)
+        try:
+            with anyio.fail_after(30), pytest.raises(ModelError) as info:
+                await model.invoke(ask("x"))
+        finally:
+            await model.aclose()
+    message = str(info.value)
+    assert words in message and "'oai'" in message, message
+    assert FAKE_KEY not in message and "9f8e7d6c5b4a" not in message
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["ended", "cut mid-body"])
+async def test_a_stream_that_ends_before_the_reply_is_complete_is_a_model_error(cut):
+    """No finish_reason and no [DONE]: a partial reply is not passed on as a whole one; a body cut
+    off mid-chunk says so too (not 'could not connect')."""
+    with raw_sse(sse(delta_chunk({"role": "assistant", "content": "partial rep"})), cut=cut) as (url, got):
+        model = openai_model(url, maxRetries=0)
+        try:
+            with anyio.fail_after(30), pytest.raises(ModelError, match="ended before the reply was complete") as info:
+                await model.invoke(ask("x"))
+        finally:
+            await model.aclose()
+    assert "could not connect" not in str(info.value) and len(got) == 1
+
+
+async def test_a_finish_reason_or_done_alone_completes_a_reply():
+    finish_only = sse(delta_chunk({"content": "hello"}), delta_chunk({}, "stop"))
+    done_only = sse(delta_chunk({"content": "hello"})) + b"data: [DONE]\n\n"
+    for body in (finish_only, done_only):
+        with raw_sse(body) as (url, _):
+            model = openai_model(url, maxRetries=0)
+            try:
+                with anyio.fail_after(30):
+                    assert (await model.invoke(ask("x"))).text == "hello"
+            finally:
+                await model.aclose()
+
+
+async def test_nan_or_infinite_usage_counts_are_null():
+    from operate_sidecar.server.core.imodel import usage_counts
+
+    body = (sse(delta_chunk({"content": "hi"}, "stop"))
+            + b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
+              b'"usage":{"prompt_tokens":NaN,"completion_tokens":1e400,"total_tokens":3}}\n\n'
+            + b"data: [DONE]\n\n")
+    with raw_sse(body) as (url, _):
+        model = openai_model(url, maxRetries=0)
+        try:
+            with anyio.fail_after(30):
+                chunks = [c async for c in model.stream(ask("x"))]
+        finally:
+            await model.aclose()
+    usage = chunks[-1].usage
+    json.dumps(usage, allow_nan=False)  # stored with the reply: must be JSON
+    assert usage["total_tokens"] == 3 and usage_counts(usage) == (None, None)
+    assert usage_counts({"prompt_tokens": -1, "completion_tokens": float("inf")}) == (None, None)
+
+
+BAD_OPTIONS = [
+    ({"model": "other"}, "modelOptions.model"),
+    ({"messages": []}, "modelOptions.messages"),
+    ({"streamOptions": {"include_usage": False}}, "modelOptions.streamOptions"),
+    ({"extraBody": "x"}, "modelOptions.extraBody must be an object"),
+    ({"extra_headers": {"X-A": 1}}, "modelOptions.extra_headers must be an object of strings"),
+    ({"timeout": "soon"}, "modelOptions.timeout must be a positive number"),
+    ({"timeout": -1}, "modelOptions.timeout must be a positive number"),
+    ({"responseFormat": "json"}, "modelOptions.responseFormat must be an object"),
+]
+
+
+@pytest.mark.parametrize("options,words", BAD_OPTIONS, ids=[str(o) for o, _ in BAD_OPTIONS])
+async def test_bad_model_options_are_refused_before_anything_is_sent(options, words):
+    from openai_stub import content_stream, openai_stub
+
+    from operate_sidecar.server.models import ModelConfigError
+
+    with openai_stub(content_stream("ok")) as (url, got):
+        model = openai_model(url, maxRetries=0)
+        try:
+            with anyio.fail_after(30), pytest.raises(ModelConfigError, match=words.replace(".", r"\.")):
+                await model.invoke(ModelRequest(messages=[{"role": "user", "content": "x"}], options=options))
+        finally:
+            await model.aclose()
+    assert got == []  # refused before any request
+    with pytest.raises(ModelConfigError, match=r"options\."):  # the config's default options too
+        make_model({"provider": "openai", "model": "m", "options": options}, name="cfg")
+
+
+def test_bad_model_options_are_invalid_params_over_the_wire(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from openai_stub import content_stream, openai_stub
+
+    from operate_sidecar.clients.python.client import RpcError, SidecarClient
+
+    repo = Path(__file__).resolve().parents[2]
+    with openai_stub(content_stream("fine")) as (url, got):
+        env = dict(os.environ, PYTHONPATH=str(repo))
+        with SidecarClient(argv=[sys.executable, "-m", "operate_sidecar.server"], env=env, cwd=str(repo),
+                           stderr=subprocess.DEVNULL) as c:
+            c.request("initialize", {"workspaceFolders": [str(tmp_path)], "settings": {
+                "models": {"m": {"provider": "openai", "model": "gpt-4o", "baseUrl": url, "maxRetries": 0}},
+                "defaultModel": "m"}}, timeout=60)
+            bid = c.request("createBranch", {})["branchId"]
+            for options, name in (({"model": "other"}, "model"), ({"extraBody": "x"}, "extraBody"),
+                                  ({"timeout": "soon"}, "timeout")):
+                with pytest.raises(RpcError) as e:
+                    c.request("operate", {"branchId": bid, "instruction": "go", "modelOptions": options}, timeout=60)
+                assert e.value.code == -32602 and f"modelOptions.{name}" in e.value.message, e.value.message
+            assert got == []
+            r = c.request("operate", {"branchId": bid, "instruction": "go", "modelOptions": {"temperature": 0}},
+                          timeout=60)
+            assert r["result"] == "fine" and len(got) == 1
