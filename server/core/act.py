@@ -2,19 +2,38 @@
 authorization first, then argument validation, hooks (TOOL_PRE, then TOOL_POST
 or TOOL_ERROR), invocation with its time-out, and message recording. Every
 recorded ``action_request`` gets its ``action_response``, also when the call
-is denied, fails, or is cancelled."""
+is denied, fails, or is cancelled.
+
+A tool's output is made JSON once, where it is produced, before anything records it
+(``json_output``), so the branch, the answer and the store only ever hold JSON. An output
+``json.dumps(..., allow_nan=False)`` writes is kept as it is (the common case: one dumps,
+no walk); any other is converted: NaN and
+±Infinity become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``; bytes become UTF-8
+text (invalid bytes replaced by U+FFFD); tuples and sets become arrays; keys that are not
+strings become strings (as ``json.dumps`` writes them, ``str()`` for the others); pydantic
+models, dataclasses, enums and dates become their JSON form; any other object with a string
+form of its own (``Decimal``, ``UUID``, ``Path``...) becomes that string. An output that
+contains itself, nests deeper than ``MAX_OUTPUT_DEPTH`` levels, holds an integer too long to
+write, or an object with no form but its address (``object()``, a generator, a function)
+is the call's tool error naming the problem and where it is (``ToolOutputError``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as _dt
+import enum
+import json
 import logging
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from pydantic import BaseModel
 
-from .errors import ConfigurationError, ToolNotRegistered, ToolTimeout
+from .errors import ConfigurationError, OperateError, ToolNotRegistered, ToolTimeout
 from .hooks import HookEvent, HookEventType, summarize
 from .messages import Message, new_id
 from .operative import ActionRequestModel, ActionResponseModel
@@ -113,25 +132,130 @@ def _record_response(branch: Any, req: Message, output: Any) -> None:
                         sender=branch.id, recipient=branch.id)
 
 
-def bound_output(output: Any, limit: int | None) -> Any:
+#: how deep a tool output that is not already plain JSON may nest (``json_output``)
+MAX_OUTPUT_DEPTH = 500
+
+
+class ToolOutputError(OperateError, ValueError):
+    """A tool output that JSON cannot hold: it contains itself, nests too deeply, holds an
+    integer too long to write or an object with no form but its address."""
+
+
+def json_output(output: Any) -> tuple[Any, str | None]:
+    """``output`` as JSON can hold it (see the module's docstring), and its JSON text when
+    the output already was JSON (the common case: one ``json.dumps``, nothing walked; None
+    otherwise). Raises :class:`ToolOutputError` for an output that cannot be made JSON."""
+    try:
+        return output, json.dumps(output, ensure_ascii=False, allow_nan=False)
+    except RecursionError:
+        raise ToolOutputError("tool output is not JSON: it nests too deeply") from None
+    except (TypeError, ValueError):
+        pass
+    try:
+        return _jsonable(output, "$", set(), 0), None
+    except RecursionError:
+        raise ToolOutputError("tool output is not JSON: it nests too deeply") from None
+
+
+def _jsonable(v: Any, path: str, active: set[int], depth: int) -> Any:
+    if v is None or type(v) is str or isinstance(v, bool):
+        return v
+    if isinstance(v, str):  # a str subclass (a StrEnum...): its text
+        return str.__str__(v)
+    if isinstance(v, int):
+        try:
+            int.__repr__(v)
+        except ValueError:
+            raise ToolOutputError(f"tool output is not JSON: the integer at {path} has too many digits") from None
+        return int(v)
+    if isinstance(v, float):
+        return float(v) if math.isfinite(v) else ("NaN" if v != v else "Infinity" if v > 0 else "-Infinity")
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v).decode("utf-8", "replace")
+    if isinstance(v, enum.Enum):
+        return _jsonable(v.value, path, active, depth)
+    if isinstance(v, (_dt.date, _dt.time)):
+        return v.isoformat()
+    container = isinstance(v, (Mapping, list, tuple, set, frozenset))
+    if not container:
+        if isinstance(v, BaseModel):
+            try:
+                v, container = v.model_dump(mode="json"), True
+            except Exception as e:
+                raise ToolOutputError(f"tool output is not JSON: {type(v).__name__} at {path}: "
+                                      f"{_first_line(e)}") from None
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            v, container = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}, True
+        elif callable(getattr(v, "tolist", None)):  # numpy arrays and scalars
+            try:
+                v = v.tolist()
+            except Exception as e:
+                raise ToolOutputError(f"tool output is not JSON: {type(v).__name__} at {path}: "
+                                      f"{_first_line(e)}") from None
+            return _jsonable(v, path, active, depth)
+        elif type(v).__str__ is not object.__str__:
+            try:
+                return str(v)
+            except Exception as e:
+                raise ToolOutputError(f"tool output is not JSON: {type(v).__name__} at {path} has no string "
+                                      f"form ({type(e).__name__})") from None
+        else:
+            raise ToolOutputError(f"tool output is not JSON: {type(v).__name__} at {path} has no JSON form")
+    if depth >= MAX_OUTPUT_DEPTH:
+        raise ToolOutputError(f"tool output is not JSON: it nests deeper than {MAX_OUTPUT_DEPTH} levels")
+    key = id(v)
+    if key in active:
+        raise ToolOutputError(f"tool output is not JSON: it contains itself at {path} (a circular reference)")
+    active.add(key)
+    try:
+        if isinstance(v, Mapping):
+            out = {}
+            for k, x in v.items():
+                k = _json_key(k, path)
+                out[k] = _jsonable(x, f"{path}[{k!r}]", active, depth + 1)
+            return out
+        return [_jsonable(x, f"{path}[{i}]", active, depth + 1) for i, x in enumerate(v)]
+    finally:
+        active.discard(key)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e) or type(e).__name__).splitlines()[0][:200]
+
+
+def _json_key(k: Any, path: str) -> str:
+    """An object key as ``json.dumps`` writes it; ``str()`` of any other key."""
+    if isinstance(k, str):
+        return k if type(k) is str else str.__str__(k)
+    if k is None or isinstance(k, bool):
+        return "null" if k is None else "true" if k else "false"
+    if isinstance(k, (int, float)):
+        value = _jsonable(k, path, set(), 0)
+        return value if isinstance(value, str) else json.dumps(value)
+    try:
+        return str(k)
+    except Exception as e:
+        raise ToolOutputError(f"tool output is not JSON: a {type(k).__name__} key at {path} has no string "
+                              f"form ({type(e).__name__})") from None
+
+
+def bound_output(output: Any, limit: int | None, text: str | None = None) -> Any:
     """Tool output as kept in the message and the result: outputs whose JSON
-    form exceeds ``limit`` characters are replaced by a truncated preview."""
+    form exceeds ``limit`` characters are replaced by a truncated preview. ``text`` is
+    the output's JSON form when the caller already has it."""
     if not limit:
         return output
-    import json
-
-    try:
-        text = json.dumps(output, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        text = str(output)
+    if text is None:
+        try:
+            text = json.dumps(output, ensure_ascii=False, default=str)
+        except (TypeError, ValueError):
+            text = str(output)
     if len(text) <= limit:
         return output
     return {"truncated": True, "originalChars": len(text), "preview": text[:limit]}
 
 
 def _json_object(text: str) -> Any:
-    import json
-
     try:
         value = json.loads(text)
     except ValueError:
@@ -243,8 +367,12 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
                 output = await tool.call(valid, ctx)
             if isinstance(output, BaseModel):
                 output = output.model_dump(mode="json")
-            # secrets out first, then the size bound: a cut never leaves part of a key
-            output = bound_output(redact_value(output), getattr(branch, "max_tool_output_chars", None))
+            # JSON once, here, before anything records it (ToolOutputError: this call's tool error);
+            # then secrets out, then the size bound: a cut never leaves part of a key
+            output, text = json_output(output)
+            redacted = redact_value(output)
+            output = bound_output(redacted, getattr(branch, "max_tool_output_chars", None),
+                                  text if redacted is output else None)
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt ... from a tool too
@@ -283,4 +411,5 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
                                                duration_ms=(time.perf_counter() - started) * 1000))
 
 
-__all__ = ["act", "ToolInvocation", "AuthorizationResult", "ActionRequestModel", "ActionResponseModel", "DENIED"]
+__all__ = ["act", "ToolInvocation", "AuthorizationResult", "ActionRequestModel", "ActionResponseModel", "DENIED",
+           "ToolOutputError", "json_output", "bound_output"]

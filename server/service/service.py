@@ -319,39 +319,81 @@ class Service:
                                     "the branch is as it was before it", {"branchId": branch.id}) from None
 
     async def ensure_tools(self) -> None:
-        """Load tool sources on first need (never before initialize is answered)."""
+        """Load tool sources on first need (never before initialize is answered). The loading
+        is the service's own task (a caller cancelled meanwhile never leaves it half done) and
+        imports ``toolModules`` on a worker thread: a module slow to import never freezes the
+        event loop (ping, cancel and shutdown are answered meanwhile)."""
         self._core()
         if self._tools_ready is None:
-            self._tools_ready = asyncio.Event()
+            await self.start()  # the one wait before the loading is spawned (a cancel here changes nothing)
+        if self._tools_ready is None:
+            ready = self._tools_ready = asyncio.Event()
             try:
-                self._load_sync_tools()
-            finally:
-                if self.settings.get("mcpServers"):
-                    await self._spawn(self._serve_mcp, self.settings["mcpServers"], self._tools_ready,
-                                      name="mcp servers")
-                else:
-                    self._tools_ready.set()
+                await self._spawn(self._load_tools, ready, name="tool sources")  # started: no wait
+            except BaseException:  # the service is closed: nothing will load
+                ready.set()
+                raise
         await self._tools_ready.wait()
 
-    def _load_sync_tools(self) -> None:
+    async def _load_tools(self, ready: asyncio.Event) -> None:
+        try:
+            await self._load_sync_tools()
+        finally:
+            if self.settings.get("mcpServers") and not self._mcp_stop.is_set():
+                await self._serve_mcp(self.settings["mcpServers"], ready)
+            else:
+                ready.set()
+
+    async def _load_sync_tools(self) -> None:
         reg = self.registry
         self._register_workspace_tools()
         modules = self.settings.get("toolModules") or []
         if modules:
             from operate_sidecar.server.tools.python_modules import load_tool_modules
 
-            for name in modules:
+            for name in modules:  # one at a time, in order: registration and reports keep that order
                 try:
-                    tools = load_tool_modules([name])
+                    tools = await self._off_loop_until_close(load_tool_modules, [name])
                 except Exception as e:
                     self.conn.log_message(2, str(e))
                     continue
+                if tools is None:  # the service closed meanwhile
+                    return
                 for t in tools:
                     if t.name in reg:
                         self.conn.log_message(2, f"tool {t.name!r} from module {name!r} shadows an existing tool; "
                                                  "skipped")
                         continue
                     reg.register(t)
+
+    async def _off_loop_until_close(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on a worker thread (an import runs the module's code: never on the
+        event loop), abandoned at once when the service closes (then None)."""
+        import anyio
+        import anyio.to_thread
+
+        outcome: list[Any] = []
+
+        async def run() -> None:
+            try:
+                outcome.append((True, await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)))
+            except Exception as e:
+                outcome.append((False, e))
+            tg.cancel_scope.cancel()
+
+        async def stop_on_close() -> None:
+            await self._closing.wait()  # type: ignore[union-attr]
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            tg.start_soon(stop_on_close)
+        if not outcome:
+            return None
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     def _register_workspace_tools(self) -> None:
         """The builtin workspace tools over the port's workspace folders as they are now."""

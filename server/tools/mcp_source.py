@@ -3,10 +3,10 @@
 Each configured server ``{"command": [exe, *args], "env"?: {..}}`` is spawned as a
 subprocess speaking MCP over stdio (the ``mcp`` SDK's ``stdio_client`` and
 ``ClientSession``). Its stdin/stdout are the MCP pipes; its stderr is relayed line by
-line, prefixed ``[mcp <name>]``, to our stderr (never stdout, which is the wire), and the
-last lines of it are quoted when the server fails to start. ``env`` is merged over the
-SDK's small safe default environment (``HOME``, ``PATH``, ``SHELL``, ``TERM``, ``USER``,
-``LOGNAME``), not over our whole environment.
+line, prefixed ``[mcp <name>]``, to our stderr (never stdout, which is the wire), secrets
+redacted from every line, and the last lines of it are quoted when the server fails to
+start. ``env`` is merged over the SDK's small safe default environment (``HOME``,
+``PATH``, ``SHELL``, ``TERM``, ``USER``, ``LOGNAME``), not over our whole environment.
 
 Tools (source ``mcp``):
 
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Collection, Mapping, TextI
 
 from .. import __version__
 from ..core.tools import Tool, ToolCallContext
+from ..redaction import redact
 from .errors import ToolCallError, ToolSourceError
 
 if TYPE_CHECKING:
@@ -296,9 +297,10 @@ class McpToolSource:
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
                     self._emit_stderr(line)
-                if len(pending) > 65536:
-                    self._emit_stderr(pending)
-                    pending = b""
+                if len(pending) > 65536:  # a very long line: cut at its last blank (not through a key)
+                    cut = max(pending.rfind(b" "), pending.rfind(b"\t")) + 1 or len(pending)
+                    self._emit_stderr(pending[:cut])
+                    pending = pending[cut:]
         except OSError:
             pass
         finally:
@@ -307,7 +309,9 @@ class McpToolSource:
             done.set()
 
     def _emit_stderr(self, raw: bytes) -> None:
-        line = raw.decode("utf-8", "replace").rstrip("\r")
+        # secrets out before the line is kept or written (SECURITY.md G6): the registered values
+        # and key-shaped tokens, as the log filter does for our own lines
+        line = redact(raw.decode("utf-8", "replace").rstrip("\r"), patterns=True)
         self._stderr_tail.append(line)
         out = self._errlog if self._errlog is not None else sys.stderr
         try:

@@ -704,3 +704,65 @@ async def test_non_string_function_name_is_a_tool_error_not_a_crash(record, sele
     assert [r.output["function"] for r in out["action_responses"]] == ["5", "{'a': 1}"]
     assert all("error" in r.output for r in out["action_responses"])
     assert not record.ran
+
+
+def _selfref() -> dict:
+    d: dict = {}
+    d["d"] = d
+    return d
+
+
+def _nested(levels: int) -> list:
+    v: list = []
+    for _ in range(levels):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize("value, expected", [
+    ({"n": float("nan"), "i": float("inf"), "j": float("-inf")}, {"n": "NaN", "i": "Infinity", "j": "-Infinity"}),
+    ({"b": b"\xff\x00ok"}, {"b": "\ufffd\x00ok"}),
+    ({(1, 2): "t", 3: [float("nan")]}, {"(1, 2)": "t", "3": ["NaN"]}),
+    ({"s": frozenset({7}), "t": (b"a", float("inf"))}, {"s": [7], "t": ["a", "Infinity"]}),
+], ids=["nan", "bytes", "keys", "containers"])
+async def test_tool_output_json_cannot_hold_is_made_json_before_it_is_recorded(value, expected):
+    """D4 / docs/PROTOCOL.md §4: an output that is not JSON is converted once, where it is produced:
+    the result and the recorded message hold the same JSON value, and the branch stays serialisable."""
+    import json
+
+    b, _ = make_branch([])
+    b.tools.register(Tool.from_function(lambda: value, name="odd"))
+    (resp,) = await b.act({"function": "odd", "arguments": {}})
+    assert resp.output == expected
+    assert action_outputs(b) == [expected]
+    json.dumps(b.to_dict(), allow_nan=False)  # the store's form: never raises
+    json.dumps(resp.model_dump(mode="json"), allow_nan=False)
+
+
+@pytest.mark.parametrize("value, problem", [
+    ({"o": object()}, "object at $['o']"),
+    (_selfref(), "contains itself"),
+    ((i for i in range(3)), "generator"),
+    (10 ** 5000, "too many digits"),
+    (_nested(5000), "nests too deeply"),
+], ids=["object", "selfref", "generator", "bigint", "deep"])
+async def test_tool_output_that_cannot_be_json_is_a_tool_error_naming_the_problem(value, problem):
+    """D4 / docs/PROTOCOL.md §4, §5: an output that contains itself or holds an object with no JSON
+    form is that call's tool error (recorded like any); the operate and the branch are unaffected."""
+    import json
+
+    b, _ = make_branch([])
+    b.tools.register(Tool.from_function(lambda: value, name="odd"))
+    (resp,) = await b.act({"function": "odd", "arguments": {}})
+    assert problem in resp.output["error"] and resp.output["function"] == "odd"
+    assert kinds(b) == ["action_request", "action_response"] and action_outputs(b) == [resp.output]
+    json.dumps(b.to_dict(), allow_nan=False)
+
+
+async def test_json_tool_output_is_kept_as_returned():
+    """D4: the common case (output json.dumps already writes) is recorded as it is, not copied."""
+    value = {"a": [1, 2.5, "x", None, True], "b": {"c": "d"}}
+    b, _ = make_branch([])
+    b.tools.register(Tool.from_function(lambda: value, name="plain"))
+    (resp,) = await b.act({"function": "plain", "arguments": {}})
+    assert resp.output is value and action_outputs(b)[0] is value

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import threading
+import time
+
+import pytest
 
 from .support import TIMEOUT, RpcError, scripted
 
@@ -227,3 +230,92 @@ def test_mcp_server_tools_are_listed_governed_and_callable(sidecar):
                                       "actionStrategy": "sequential"}, timeout=60)
     assert [str(o) for o in outputs(out)] == ["5", "hi"]
     assert sidecar.close() == 0
+
+
+def test_tool_outputs_json_cannot_hold_never_break_the_operate_the_branch_or_the_store(spawn, tmp_path):
+    """§4, §5, §8: outputs that are not JSON (NaN, non-UTF-8 bytes, a tuple key) are made JSON
+    before they are recorded; one that contains itself or holds an object with no JSON form is
+    that call's tool error. The operate answers, the branch goes on, and the store reloads it."""
+    odd = ["nan_output", "bytes_output", "tuple_key_output", "self_ref_output", "object_output"]
+    calls = {"json": {"action_requests": [{"function": f, "arguments": {}} for f in odd]}}
+    settings = {"stateDir": str(tmp_path), "toolModules": ["odd_outputs"]}
+    c = spawn()
+    c.init(models={"s": scripted(calls, "next turn")}, **settings)
+    bid = c.branch()
+    out = outputs(c.request("operate", {"branchId": bid, "instruction": "call", "actions": True,
+                                        "actionStrategy": "sequential"}, timeout=TIMEOUT))
+    assert out[:3] == [{"n": "NaN", "i": "Infinity"}, {"b": "\ufffd\x00"}, {"(1, 2)": "t"}]
+    assert "contains itself" in out[3]["error"] and out[3]["function"] == "self_ref_output"
+    assert "object at $['o']" in out[4]["error"] and out[4]["function"] == "object_output"
+    assert c.request("operate", {"branchId": bid, "instruction": "again"}, timeout=TIMEOUT)["result"] == "next turn"
+    recorded = [m["content"]["output"] for m in c.messages(bid) if m["kind"] == "action_response"]
+    assert recorded == out
+    assert c.close() == 0
+    c2 = spawn()
+    c2.init(models={"s": scripted("x")}, **settings)
+    assert [m["content"]["output"] for m in c2.messages(bid) if m["kind"] == "action_response"] == out
+
+
+def _wait_path(path, timeout: float = TIMEOUT) -> bool:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return path.exists()
+
+
+def test_a_tool_module_slow_to_import_never_freezes_the_server(spawn, tmp_path):
+    """SECURITY.md G7: toolModules are imported off the event loop. While one blocks at import,
+    ping and other requests are answered and a cancelled listTools does not stop the loading;
+    the modules then register in their order, a broken one reported as before."""
+    gate = tmp_path / "gate"
+    c = spawn(env={"BLOCKING_IMPORT_GATE": str(gate)})
+    c.init(models={"s": scripted("x")}, toolModules=["blocking_import", "no_such_module_xyz", "slow_tools"])
+    first = c.request_async("listTools", {})
+    assert _wait_path(tmp_path / "gate.started")
+    started = time.monotonic()
+    assert c.request("ping", {}, timeout=5) == {}
+    c.branch()
+    assert time.monotonic() - started < 5 and not first.done()
+    c.cancel(first.id)
+    with pytest.raises(RpcError) as ei:
+        first.result(5)
+    assert ei.value.code == -32800
+    gate.touch()
+    names = [t["name"] for t in c.request("listTools", {}, timeout=TIMEOUT)["tools"]]
+    assert names.index("late_tool") < names.index("echo_tool")
+    logs = c.of("window/logMessage")
+    assert any("no_such_module_xyz" in m["message"] for m in logs)
+    assert c.close() == 0
+
+
+def test_shutdown_is_answered_while_a_tool_module_blocks_at_import(spawn, tmp_path):
+    """SECURITY.md G7: shutdown does not wait for a tool module's import."""
+    c = spawn(env={"BLOCKING_IMPORT_GATE": str(tmp_path / "gate")})  # never released (bounded: 15 s)
+    c.init(models={"s": scripted("x")}, toolModules=["blocking_import"])
+    c.request_async("listTools", {})
+    assert _wait_path(tmp_path / "gate.started")
+    started = time.monotonic()
+    assert c.close(timeout=5) == 0
+    assert time.monotonic() - started < 2.5  # the service's tasks get 3 s to stop: the import none
+
+
+def test_mcp_server_stderr_reaches_ours_redacted(spawn):
+    """SECURITY.md G6: every line an MCP server writes to its stderr is relayed with the secrets
+    (here a secretEnv value the server prints) redacted."""
+    import sys
+
+    from .support import ROOT, wait_log
+
+    key = "svc-token-SECRET-0123456789"
+    server = str(ROOT / "tests" / "tools" / "fixtures" / "mcp_server.py")
+    c = spawn(env={"SVC_TOKEN": key})
+    c.init(models={"s": scripted({"json": {"action_requests": [
+        {"function": "echo", "arguments": {"text": f"relay-marker {key}"}}]}})},
+        secretEnv=["SVC_TOKEN"], mcpServers={"fx": {"command": [sys.executable, server, "fx"]}})
+    out = c.request("operate", {"branchId": c.branch(), "instruction": "x", "actions": True}, timeout=60)
+    assert outputs(out) == ["relay-marker [REDACTED]"]
+    assert wait_log(c, "relay-marker")
+    assert c.close() == 0
+    err = c.stderr_text()
+    assert key not in err
+    assert "[mcp fx] echo called with 'relay-marker [REDACTED]'" in err

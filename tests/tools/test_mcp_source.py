@@ -221,3 +221,22 @@ def test_importing_server_tools_does_not_import_the_mcp_sdk():
                          cwd=str(__import__("pathlib").Path(__file__).parents[2]))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False False"
+
+
+async def test_relayed_stderr_lines_are_redacted(two_servers, monkeypatch):
+    """SECURITY.md G6: a registered secret, or a key-shaped token, that the server writes to its
+    stderr never reaches ours (nor the tail quoted when a server fails to start)."""
+    from operate_sidecar.server import redaction
+
+    monkeypatch.setattr(redaction, "_KNOWN", set(redaction._KNOWN))  # forget the secret afterwards
+    monkeypatch.setattr(redaction, "_ORDERED", redaction._ORDERED)
+    secret = "mcp-relay-secret-5309"
+    redaction.remember_secret(secret)
+    tools, err = two_servers
+    await call(tools["alpha__echo"], {"text": f"marker-456 {secret} sk-live0123456789abcdef"})
+    with anyio.fail_after(WAIT):
+        while "marker-456" not in err.getvalue():
+            await anyio.sleep(0.05)
+    line = next(line for line in err.getvalue().splitlines() if "marker-456" in line)
+    assert line.startswith("[mcp alpha] ") and line.count("[REDACTED]") == 2
+    assert secret not in err.getvalue() and "sk-live0123456789abcdef" not in err.getvalue()
