@@ -324,6 +324,10 @@ class Service:
         imports ``toolModules`` on a worker thread: a module slow to import never freezes the
         event loop (ping, cancel and shutdown are answered meanwhile)."""
         self._core()
+        if self._tools_ready is None and not self.settings.get("toolModules") and not self.settings.get("mcpServers"):
+            self._tools_ready = asyncio.Event()  # only the builtin tools: nothing to wait for, no task
+            self._register_workspace_tools()
+            self._tools_ready.set()
         if self._tools_ready is None:
             await self.start()  # the one wait before the loading is spawned (a cancel here changes nothing)
         if self._tools_ready is None:
