@@ -23,7 +23,7 @@ from .operative import request_info
 from .params import FuzzyMatchKeysParams, ParseParam
 from .render import render_repair_request
 
-#: a reply longer than this holds no JSON for the pipeline (the reference's 10 MB cap); cutting
+#: a reply longer than this holds no JSON for the pipeline (a 10 MB cap, docs/PIPELINE.md); cutting
 #: it instead would make valid JSON invalid and hand megabytes to the repair
 MAX_EXTRACT_CHARS = 10_000_000
 #: json-repair is pure Python (~2 µs a character on a cut-off string) and runs on the event

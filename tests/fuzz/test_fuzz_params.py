@@ -36,7 +36,7 @@ METHODS = ["initialize", "ping", "createBranch", "forkBranch", "deleteBranch", "
 BRANCH_METHODS = {"forkBranch", "deleteBranch", "branchMessages", "listTools", "authorizeTool", "operate"}
 ALLOWED: dict[str, set[int]] = {
     "initialize": {-32600},                 # initialize after initialize: refused, whatever its params
-    "ping": set(),                          # always {}
+    "ping": {-32602},                       # {} for no params; any key is unknown (§14)
     "createBranch": {-32602},
     "listBranches": {-32602},
     "registerClientTools": {-32602},
