@@ -27,6 +27,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
@@ -63,16 +64,28 @@ FIELD_MODELS = [{"name": "confidence", "schema": {"type": "number", "minimum": 0
                  "description": "How sure you are, from 0 to 1"}]
 
 
+def tools_line(tools: list[dict]) -> str:
+    """The tools and their policies, as console markup (``[ask]`` escaped: not a style tag)."""
+    return "tools: " + ", ".join(f"{escape(t['name'])} {escape('[' + str(t['policy']) + ']')}" for t in tools)
+
+
 class Screen:
-    """A live panel: the streamed model text, the phase, and tool events."""
+    """A live panel: the streamed model text, the phase, and tool events and permission requests
+    in the order they came. ``reset()`` starts the counts of the next part afresh."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
         self.phase = "starting"
         self.stream = ""
         self.deltas = 0
-        self.events: list[str] = []
-        self.permissions: list[str] = []
+        self.events: list[tuple[str, str]] = []  # (kind: "tool" | "permission", line), as they came
+
+    def count(self, kind: str) -> int:
+        with self.lock:
+            return sum(1 for k, _ in self.events if k == kind)
 
     def render(self) -> Panel:
         with self.lock:
@@ -80,11 +93,14 @@ class Screen:
             body.append(f"phase: {self.phase}   deltas: {self.deltas}\n", style="bold cyan")
             tail = self.stream[-600:]
             body.append(tail or "…waiting for the model…", style="white")
-            for line in self.events[-8:]:
-                body.append("\n" + line, style="yellow")
-            for line in self.permissions[-3:]:
-                body.append("\n" + line, style="magenta")
+            for kind, line in self.events[-10:]:
+                body.append("\n" + line, style="magenta" if kind == "permission" else "yellow")
         return Panel(body, title="operate (live)", border_style="cyan")
+
+    def on_permission(self, params: dict, decision: str) -> None:
+        with self.lock:
+            self.events.append(("permission", f"permission asked: {params['tool']}"
+                                              f"({json.dumps(params['arguments'])[:120]}) → answering {decision}"))
 
     def on_progress(self, params: dict) -> None:
         value = params.get("value") or {}
@@ -103,10 +119,17 @@ class Screen:
     def on_tool_event(self, p: dict) -> None:
         with self.lock:
             extra = p.get("resultSummary") or p.get("error") or ""
-            self.events.append(f"tool #{p.get('seq')} {p.get('event'):>6} {p.get('tool')}({p.get('argsSummary')}) {extra}")
+            self.events.append(("tool", f"tool #{p.get('seq')} {p.get('event'):>6} {p.get('tool')}"
+                                        f"({p.get('argsSummary')}) {extra}"))
 
 
 def main() -> int:
+    # the demo's workspace goes when it ends, however it ends (an error, Ctrl-C)
+    with tempfile.TemporaryDirectory(prefix="operate-demo-") as tmp:
+        return run(Path(tmp))
+
+
+def run(workspace: Path) -> int:
     started = time.perf_counter()
     console.rule("[bold]operate-sidecar demo")
     console.print("Spawning the sidecar (python -m operate_sidecar.server) with the embedded local model…")
@@ -118,14 +141,11 @@ def main() -> int:
     client.on_notification("$/progress", screen.on_progress)
     client.on_notification("toolEvent", screen.on_tool_event)
     asked: list[dict] = []
-    workspace = Path(tempfile.mkdtemp(prefix="operate-demo-"))
     (workspace / EDIT_FILE).write_text(EDIT_BEFORE)
 
     def on_permission(params: dict) -> dict:
         asked.append(params)
-        with screen.lock:
-            screen.permissions.append(
-                f"permission asked: {params['tool']}({json.dumps(params['arguments'])[:120]}) → answering allow_once")
+        screen.on_permission(params, "allow_once")
         return {"decision": "allow_once"}
 
     client.on_request("requestToolPermission", on_permission)
@@ -147,7 +167,7 @@ def main() -> int:
         console.print(f"initialize → {init['serverInfo']['name']} {init['serverInfo']['version']}, "
                       f"models {init['capabilities']['models']}")
         tools = client.request("listTools", {}, timeout=30)["tools"]
-        console.print("tools: " + ", ".join(f"{t['name']} [{t['policy']}]" for t in tools))
+        console.print(tools_line(tools))
         branch = client.request("createBranch", {
             "system": "You are a weather assistant. You call tools to get facts.",
             "name": "demo"}, timeout=30)["branchId"]
@@ -162,15 +182,21 @@ def main() -> int:
             "modelOptions": {"temperature": 0, "seed": 7, "max_tokens": 200},
             "workDoneToken": "demo-1",
         }
-        with Live(screen.render(), console=console, refresh_per_second=12, transient=False) as live:
-            pending = client.request_async("operate", params)
-            while True:
-                try:
-                    out = pending.result(timeout=0.1)
-                    break
-                except TimeoutError:
-                    live.update(screen.render())
-            live.update(screen.render())
+        pending = client.request_async("operate", params)
+        if console.is_terminal:
+            with Live(screen.render(), console=console, refresh_per_second=12, transient=False) as live:
+                while True:
+                    try:
+                        out = pending.result(timeout=0.1)
+                        break
+                    except TimeoutError:
+                        live.update(screen.render())
+                live.update(screen.render())
+        else:  # piped: no live redraws, the final panel once
+            out = pending.result(timeout=600)
+            console.print(screen.render())
+        # the first operate's own figures (the edit part below counts afresh)
+        first = {"deltas": screen.deltas, "tool_events": screen.count("tool"), "asked": len(asked)}
         console.print(Panel(json.dumps(out["result"], indent=2, ensure_ascii=False)[:2500],
                             title=f"result: kind={out['kind']} model={out['model']}", border_style="green"))
         console.print(usage_line(out))
@@ -186,22 +212,28 @@ def main() -> int:
                 text = json.dumps({k: c.get(k) for k in ("function", "arguments", "output") if k in c})
             else:
                 text = c.get("text") or ""
-            table.add_row(str(i), m["kind"], m["role"], text[:160])
+            table.add_row(str(i), m["kind"], m["role"], escape(text[:160]))
         console.print(table)
         result = out.get("result") or {}
         tool_runs = len(result.get("action_responses") or []) if isinstance(result, dict) else 0
+        screen.reset()
         edit_ok = edit_part(client, workspace, asked)
+        edit = {"tool_events": screen.count("tool"), "asked": len(asked) - first["asked"]}
         code = client.close()
         elapsed = time.perf_counter() - started
-        console.print(f"[bold green]demo ok[/]: operate kind={out['kind']} model={out['model']}, "
-                      f"{screen.deltas} streamed deltas, {len(screen.events)} tool events, "
-                      f"{len(asked)} permission request(s) answered, {tool_runs} tool result(s), "
-                      f"{msgs['total']} messages, server exit {code}, {elapsed:.1f} s")
+        console.print(f"[bold green]demo ok[/]: operate kind={out['kind']} model={out['model']}: "
+                      f"{first['deltas']} streamed deltas, {first['tool_events']} tool events, "
+                      f"{first['asked']} permission request(s) answered, {tool_runs} tool result(s), "
+                      f"{msgs['total']} messages; edit: {edit['tool_events']} tool events, "
+                      f"{edit['asked']} permission request(s) answered; server exit {code}, {elapsed:.1f} s")
         return 0 if code == 0 and edit_ok else 1
     except (RpcError, TimeoutError) as e:
-        console.print(f"[bold red]demo failed[/]: {e}")
+        console.print(f"[bold red]demo failed[/]: {escape(str(e))}")
         client.close()
         return 1
+    finally:
+        client.kill()  # however the demo ends (Ctrl-C too), the server does not outlive it
+        stderr_log.close()
 
 
 def usage_line(out: dict) -> str:
@@ -231,9 +263,14 @@ def edit_part(client: SidecarClient, workspace: Path, asked: list[dict]) -> bool
         "maxRounds": 4, "workDoneToken": "demo-edit"}, timeout=60)
     for p in asked[n_asked:]:
         preview = p.get("preview") or {}
+        shown = preview.get("path", "")
+        try:
+            shown = str(Path(shown).resolve().relative_to(workspace.resolve()))
+        except ValueError:
+            pass
         console.print(Panel(Syntax(preview.get("diff") or "(no preview)", "diff"),
-                            title=f"permission request: {p['tool']} {preview.get('path', '')} → allow_once",
-                            border_style="magenta"))
+                            title=escape(f"permission: {p['tool']} {shown}"),
+                            subtitle="answered allow_once", border_style="magenta"))
     console.print(Panel(out["result"].get("summary", ""), title="answer (last round)", border_style="green"))
     after = path.read_text()
     console.print(Panel(Syntax(after, "python"), title=f"{EDIT_FILE} after", border_style="blue"))

@@ -417,9 +417,9 @@ def test_permission_float_is_readable_and_does_not_eat_typing(sv, tmp_path):
     sv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
     floats = sv.floats()
     assert len(floats) == 1 and floats[0]["focused"] is False            # shown, but not in the way
-    assert floats[0]["lines"][:7] == ["**mark_file** asks to run", "", "```json", "{",
+    assert floats[0]["lines"][:8] == ["[a] allow once  [A] always  [d] deny  [D] never  [q] later",  # keys first
+                                      "**mark_file** asks to run", "", "```json", "{",
                                       f'  "path": "{f1}",', '  "text": "one"', "}"]
-    assert "[a] allow once" in floats[0]["lines"][-1]
     sv.send_keys("world ad<Esc>")                          # typing goes on: 'a', 'd' are text here
     assert sv.n.current.buffer[:] == ["hello world ad"]
     assert sv.lua("return #require('operate_sidecar.permission').queue") == 1 and not f1.exists()
@@ -520,7 +520,8 @@ def test_diff_review_waits_while_the_user_types_elsewhere(sv):
     floats = sv.floats()
     assert len(floats) == 1 and floats[0]["focused"] is False
     lines = floats[0]["lines"]
-    assert lines[0] == "**edit_file** wants to change later.py (+1 −1)"
+    assert lines[0].startswith("[o] review the diff  [a] accept")
+    assert lines[1] == "**edit_file** wants to change later.py (+1 −1)"
     assert "-    return 1" in lines and "+    return 2" in lines and lines[lines.index("```diff") - 1] == ""
     sv.send_keys(" = 1<Esc>")
     assert sv.n.current.buffer[:2] == ["y = 1", "x = 0"]                         # typing went on
@@ -530,6 +531,202 @@ def test_diff_review_waits_while_the_user_types_elsewhere(sv):
     sv.send_keys("gr")
     out = sv.wait_done()
     assert out["err"] is None and sv.lua("return #vim.api.nvim_list_tabpages()") == 1
+
+
+def _left_bufs(v, path: Path) -> list:
+    """Where the editor has a buffer of `path`: [listed, loaded] of each."""
+    return v.lua("""local out = {}
+        for _, b in ipairs(vim.api.nvim_list_bufs()) do
+          if vim.api.nvim_buf_get_name(b) == ... then table.insert(out, {vim.bo[b].buflisted, vim.api.nvim_buf_is_loaded(b)}) end
+        end
+        return out""", str(path))
+
+
+def test_a_new_file_reviewed_then_rejected_leaves_nothing_and_accepted_is_created(sv):
+    new = sv.tmp / "fresh" / "dir" / "new.txt"          # neither the file nor its directories exist
+    bid = sv.new_branch([call("write_file", path=str(new), content="hello\n"),
+                         call("read_file", path=str(new)), "read done",
+                         call("write_file", path=str(new), content="hello\n"), "written"], "newfile")
+    sv.chat_send("create it")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the review of the new file")
+    left = sv.lua("local d = require('operate_sidecar.diff').current; "
+                  "return {vim.api.nvim_buf_get_name(d.file_buf), vim.api.nvim_buf_get_lines(d.file_buf, 0, -1, false)}")
+    assert left == [str(new), [""]]
+    sv.send_keys("gr")
+    sv.wait_done()
+    assert _left_bufs(sv, new) == [] and not new.exists()       # rejected: no empty buffer left behind
+    # so the file does not exist for the model either (not an empty file)
+    sv.chat_send("read it")
+    sv.wait_done()
+    out = [m for m in sv.messages(bid) if m["kind"] == "action_response"][-1]["content"]["output"]
+    assert "does not exist" in out["error"], out
+    sv.chat_send("create it again")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the second review")
+    sv.send_keys("ga")
+    assert sv.wait_done()["err"] is None
+    out = [m for m in sv.messages(bid) if m["kind"] == "action_response"][-1]["content"]["output"]
+    assert out.get("created") is True, out                      # accepted: created, not "changed meanwhile"
+    assert new.read_text() == "hello\n"                          # on disk, its directories made ...
+    buf = sv.lua("return vim.fn.bufnr(...)", str(new))
+    assert sv.lua("return {vim.api.nvim_buf_get_lines(..., 0, -1, false), vim.bo[...].modified}", buf) == \
+        [["hello"], False]                                       # ... and in its buffer, saved
+    assert any(ln.startswith("✓ write_file fresh/dir/new.txt") for ln in sv.chat(bid))
+
+
+def _float_view(v) -> dict:
+    return v.lua("""
+        for _, w in ipairs(vim.api.nvim_list_wins()) do
+          local c = vim.api.nvim_win_get_config(w)
+          if c.relative ~= '' then
+            local b = vim.api.nvim_win_get_buf(w)
+            return { width = c.width, height = c.height, lines = vim.api.nvim_buf_get_lines(b, 0, -1, false),
+                     top = vim.api.nvim_win_call(w, function() return vim.fn.line('w0') end) }
+          end
+        end""")
+
+
+def _rows(lines: list[str], width: int) -> int:
+    return sum(max(1, -(-len(ln) // width)) for ln in lines)        # ASCII lines, wrapped at `width`
+
+
+def test_permission_float_fits_wrapped_lines_and_keeps_its_keys_in_view(sv):
+    mark = sv.tmp / "wrapped.txt"
+    sv.new_branch([call("mark_file", path=str(mark), text="x" * 150), "ok"], "wrapfloat")
+    sv.n.command("OperateTools mark_file ask")
+    sv.wait("#_G.notes > 0", "the policy change")
+    sv.n.command("set columns=80 lines=24")
+    try:
+        sv.chat_send("mark it")
+        sv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+        f = _float_view(sv)
+        assert f["lines"][0].startswith("[a] allow once") and f["top"] == 1      # the keys, on top, in view
+        assert f["height"] == _rows(f["lines"], f["width"]) <= 24 - 6, f       # every wrapped row fits
+        sv.n.command("set columns=60 lines=16")                                # the editor shrinks
+        sv.lua("vim.wait(100)")
+        f = _float_view(sv)
+        assert f["width"] <= 56 and f["height"] == min(_rows(f["lines"], f["width"]), 16 - 6), f
+        assert f["top"] == 1
+        sv.send_keys("d")
+        sv.wait_done()
+    finally:
+        sv.n.command("set columns=80 lines=24")
+
+
+def test_typing_the_next_prompt_while_a_turn_streams_keeps_its_undo(sv):
+    echo = {"function": "fixture_echo", "arguments": {"text": "r"}}
+    sv.new_branch([{"json": {"answer": f"round {i}", "action_requests": [echo]}, "delayMs": 300, "chunks": 3}
+                   for i in range(4)] + [{"text": "final", "delayMs": 300}], "undo")
+    sv.lua("""_G.renders = 0
+        vim.api.nvim_create_autocmd('User', { group = 'test', pattern = 'OperateSidecarChat',
+          callback = function() _G.renders = _G.renders + 1 end })""")
+
+    def prompt() -> list[str]:
+        lines = sv.chat()
+        return lines[len(lines) - lines[::-1].index(PROMPT):]
+
+    sv.chat_send("go")
+    for word in ("first", "second"):                    # two changes, each followed by streamed updates
+        before = sv.lua("return _G.renders")
+        sv.send_keys(f"o{word}<Esc>")
+        sv.wait(f"_G.renders > {before} + 1", "the chat to be updated")
+    assert sv.lua("return require('operate_sidecar').status().operating") is True
+    assert prompt()[-2:] == ["first", "second"]
+    sv.send_keys("u")
+    assert prompt()[-2:] == ["", "first"]                # `u` undoes the last change only ...
+    sv.send_keys("u")
+    assert prompt() == [""]                              # ... and then the one before
+    sv.send_keys("<C-r><C-r>")
+    assert prompt()[-2:] == ["first", "second"]
+    sv.wait_done()
+
+
+def test_unicode_escapes_of_a_streamed_json_reply(sv):
+    raw = r'{"answer": "emoji \ud83d\ude00, accent \u00e9, literal \\u00e9, tab\tend"}'
+    sv.new_branch([{"text": raw, "chunks": 11}], "escapes")
+    sv.lua("""_G.snaps = {}
+        vim.api.nvim_create_autocmd('User', { group = 'test', pattern = 'OperateSidecarDelta', callback = function()
+          table.insert(_G.snaps, table.concat(require('operate_sidecar.chat').lines(), '\\n'))
+        end })""")
+    sv.chat_send("go")
+    sv.wait_done()
+    want = "emoji \U0001f600, accent \u00e9, literal \\u00e9, tab\tend"
+    assert want in sv.chat()
+    snaps = sv.lua("return _G.snaps")
+    assert snaps and want in snaps[-1] and "\\ud83d" not in snaps[-1]
+    for snap in snaps:                                   # every partial render: valid text, no stray escape
+        assert isinstance(snap, str) and "\ufffd" not in snap and "\\ud8" not in snap and "\\u00" not in \
+            snap.replace("\\u00e9", "")
+    fields = sv.lua("local c = require('operate_sidecar.chat'); return {c.stream_lines(...), "
+                    "c.stream_lines('{\"answer\": \"x\\\\ud83d')}", r'{"answer": "lone \ud800 and \udc00 end"}')
+    assert fields == [["lone \ufffd and \ufffd end"], ["x"]]
+
+
+def test_a_review_closed_by_half_is_rebuilt(sv):
+    path, bid = _diff_setup(sv, "halfclose", ["ok"])
+    sv.chat_send("make it return 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    review = """
+        local wins = vim.api.nvim_tabpage_list_wins(0)
+        local out = {}
+        for _, w in ipairs(wins) do
+          table.insert(out, {vim.api.nvim_buf_get_name(vim.api.nvim_win_get_buf(w)), vim.wo[w].diff})
+        end
+        table.sort(out, function(a, b) return a[1] < b[1] end)
+        return out"""
+    whole = [[str(path), True], ["operate://proposed/halfclose.py", True]]
+    assert sv.lua(review) == whole
+    for close in (":q<CR>", "<C-w>h:q<CR>"):             # the proposal's window, then the file's
+        sv.send_keys(close)
+        assert sv.lua(review) != whole
+        sv.n.command("OperatePermission")
+        sv.wait("#vim.api.nvim_tabpage_list_wins(0) == 2", "the review to be rebuilt")
+        assert sv.lua(review) == whole, close
+    sv.send_keys("ga")
+    assert sv.wait_done()["err"] is None
+    assert sv.buf_lines(str(path))[1] == "    return 2"
+
+
+def test_a_cancelled_permission_request_is_shown_as_cancelled(sv):
+    bid = sv.new_branch([call("mark_file", path=str(sv.tmp / "cancelled.txt"), text="x"), "unused"], "permcancel")
+    sv.n.command("OperateTools mark_file ask")
+    sv.wait("#_G.notes > 0", "the policy change")
+    sv.chat_send("mark it")
+    sv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+    sv.n.command("OperateCancel")
+    out = sv.wait_done()
+    assert out["err"]["code"] == -32800
+    sv.wait("#require('operate_sidecar.permission').queue == 0", "the request to go")
+    card = [ln for ln in sv.chat(bid) if ln.startswith("⊘ mark_file")]
+    assert len(card) == 1 and card[0].endswith("(cancelled)"), card
+
+
+def test_a_permission_request_that_timed_out_is_shown_as_timed_out(nv):
+    nv.setup([call("mark_file", path=str(nv.tmp / "late.txt"), text="x"), "unused"], toolPolicy={"mark_file": "ask"},
+             permissionTimeoutMs=1000, _state_dir=False)
+    nv.start()
+    nv.chat_send("mark it")
+    nv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+    out = nv.wait_done()                                 # nobody answers
+    assert out["err"] is None and nv.lua("return #require('operate_sidecar.permission').queue") == 0
+    nv.lua("vim.wait(500)")                              # (the cards are filled from the branch)
+    card = [ln for ln in nv.chat(out["branchId"]) if ln.startswith("⊘ mark_file")]
+    assert len(card) == 1 and card[0].endswith("(timed out)"), card
+    assert nv.floats() == []
+
+
+def test_reply_lines_that_look_like_card_details_are_not_folded(sv):
+    reply = "Here:\n  │ looks like a card line\n  │ and another\nend"
+    bid = sv.new_branch([call("fixture_echo", text="hi"), {"text": reply, "chunks": 3}], "lookalike")
+    sv.chat_send("go")
+    sv.wait_done()
+    sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '  │   echo:hi')", "the card's output")
+    lines = sv.chat(bid)
+    card = lines.index("✓ fixture_echo hi")
+    fake = lines.index("  │ looks like a card line")
+    win = sv.lua("return require('operate_sidecar.chat').window()")
+    closed = sv.lua("local w, l = ...; return vim.api.nvim_win_call(w, function() "
+                    "return vim.tbl_map(vim.fn.foldclosed, l) end)", win, [card + 2, fake + 1, fake + 2])
+    assert closed[0] == card + 2 and closed[1:] == [-1, -1], closed     # the card folds; the reply does not
 
 
 def test_cancel_with_ctrl_c_in_the_chat(sv):

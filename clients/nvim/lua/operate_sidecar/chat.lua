@@ -1,6 +1,7 @@
--- The chat: one markdown buffer per branch, shown in a reusable side window. The transcript
--- (your messages, the model's prose as it streams, folded tool cards, a usage line per turn)
--- sits above a prompt area; <CR> (normal mode) or <C-s> sends, <C-c> cancels.
+-- The chat: per branch a markdown transcript buffer (your messages, the model's prose as it
+-- streams, folded tool cards, a usage line per turn) shown in a reusable side window, and a
+-- prompt buffer in a small window below it; <CR> (normal mode) or <C-s> sends, <C-c> cancels.
+-- The prompt is a buffer of its own so that streamed updates never touch its undo history.
 local config = require('operate_sidecar.config')
 local server = require('operate_sidecar.server')
 local branches = require('operate_sidecar.branches')
@@ -14,8 +15,9 @@ local M = {}
 
 M.PROMPT = '## You  (<CR> send · <C-c> cancel · #buffer #selection #diagnostics)'
 M.CARD = '  │ ' -- prefix of a tool card's folded detail lines
+M.PROMPT_HEIGHT = 3 -- lines of the prompt window (config chat.prompt_height)
 
-local ns = api.nvim_create_namespace('operate_sidecar_chat')
+local by_buf = {} -- transcript buffer -> chat
 local chats = {} -- key (branchId, or 'new:<n>') -> chat
 M.chats = chats
 local new_seq = 0
@@ -26,15 +28,71 @@ local SKIP = { action_requests = true, action_responses = true, action_required 
 local PROSE = { answer = true, text = true, response = true, content = true, message = true, summary = true,
   explanation = true, reply = true }
 
-local function decode_escapes(s)
-  s = s:gsub('\\u(%x%x%x%x)', function(h)
-    return vim.fn.nr2char(tonumber(h, 16))
-  end)
-  local map = { n = '\n', t = '\t', r = '', b = '', f = '', ['"'] = '"', ['\\'] = '\\', ['/'] = '/' }
-  return (s:gsub('\\(.)', function(c)
-    return map[c] or c
-  end))
+local SIMPLE_ESCAPES = { n = '\n', t = '\t', r = '', b = '', f = '', ['"'] = '"', ['\\'] = '\\', ['/'] = '/' }
+
+local function utf8_char(cp)
+  if cp < 0x80 then
+    return string.char(cp)
+  elseif cp < 0x800 then
+    return string.char(0xC0 + math.floor(cp / 0x40), 0x80 + cp % 0x40)
+  elseif cp < 0x10000 then
+    return string.char(0xE0 + math.floor(cp / 0x1000), 0x80 + math.floor(cp / 0x40) % 0x40, 0x80 + cp % 0x40)
+  end
+  return string.char(0xF0 + math.floor(cp / 0x40000), 0x80 + math.floor(cp / 0x1000) % 0x40,
+    0x80 + math.floor(cp / 0x40) % 0x40, 0x80 + cp % 0x40)
 end
+
+--- The text of a JSON string body (between the quotes), in one pass: `\\` is a backslash (so
+--- `\\u00e9` stays as written), a `\u` surrogate pair is one character, a lone surrogate is
+--- U+FFFD. `partial`: the body was cut by the stream, so an escape cut at its end is dropped
+--- (a high surrogate at the end waits for its pair).
+local function decode_escapes(s, partial)
+  local out, i, n = {}, 1, #s
+  while i <= n do
+    local j = s:find('\\', i, true)
+    if not j then
+      out[#out + 1] = s:sub(i)
+      break
+    end
+    out[#out + 1] = s:sub(i, j - 1)
+    local c = s:sub(j + 1, j + 1)
+    if c == '' then -- a backslash at the very end: the rest of the escape has not come yet
+      break
+    elseif c == 'u' then
+      local hex = s:match('^%x%x%x%x', j + 2)
+      if not hex then
+        if partial and not s:find('[^%x]', j + 2) then
+          break -- \u and fewer than 4 digits at the end: cut by the stream
+        end
+        out[#out + 1] = utf8_char(0xFFFD) -- a malformed escape
+        i = j + 2
+      else
+        local cp = tonumber(hex, 16)
+        i = j + 6
+        if cp >= 0xD800 and cp <= 0xDBFF then
+          local lo = s:match('^\\u(%x%x%x%x)', i)
+          local low = lo and tonumber(lo, 16)
+          if low and low >= 0xDC00 and low <= 0xDFFF then
+            cp = 0x10000 + (cp - 0xD800) * 0x400 + (low - 0xDC00)
+            i = i + 6
+          elseif partial and (i > n or s:sub(i) == '\\' or (s:match('^\\u%x*$', i) and n - i < 5)) then
+            break -- its low half has not come yet
+          else
+            cp = 0xFFFD
+          end
+        elseif cp >= 0xDC00 and cp <= 0xDFFF then
+          cp = 0xFFFD
+        end
+        out[#out + 1] = utf8_char(cp)
+      end
+    else
+      out[#out + 1] = SIMPLE_ESCAPES[c] or c
+      i = j + 2
+    end
+  end
+  return table.concat(out)
+end
+M.decode_escapes = decode_escapes
 
 --- The prose fields of a (possibly incomplete) JSON object reply, in order: {{key, text}}.
 --- Returns nil when the text is not a JSON object.
@@ -80,10 +138,7 @@ function M.json_prose_fields(raw)
         end
       end
       local body = s:sub(i + 1, math.min(j - 1, n))
-      if j > n then
-        body = body:gsub('\\u?%x*$', ''):gsub('\\$', '') -- an escape cut by the stream
-      end
-      local str = decode_escapes(body)
+      local str = decode_escapes(body, j > n) -- j > n: the string was cut by the stream
       if expect_key and stack[#stack] == 'o' then
         if #stack == 1 then
           cur_key = str
@@ -215,7 +270,21 @@ end
 
 -- ---------------------------------------------------------------- tool cards
 
-local ICONS = { running = '…', waiting = '?', ok = '✓', error = '✗', denied = '⊘', cancelled = '⊘' }
+local ICONS = { running = '…', waiting = '?', ok = '✓', error = '✗', denied = '⊘', cancelled = '⊘',
+  timedout = '⊘' }
+-- what a card's headline says after its summary, by status
+local STATUS_NOTE = { denied = ' (denied)', cancelled = ' (cancelled)', timedout = ' (timed out)',
+  waiting = ' (waiting for you: ga accept · gr reject)' }
+
+--- The status of a call from its recorded output: ok, error, denied or timedout.
+local function status_of_output(out)
+  if type(out) ~= 'table' or out.error == nil then
+    return 'ok'
+  elseif out.error == 'denied by governance gate' then
+    return type(out.reason) == 'string' and out.reason:find('timed out', 1, true) and 'timedout' or 'denied'
+  end
+  return 'error'
+end
 
 local function card_summary(card)
   local args = card.arguments
@@ -252,10 +321,8 @@ function M.card_headline(card)
   if s ~= '' then
     line = line .. ' ' .. s
   end
-  if card.status == 'denied' then
-    line = line .. ' (denied)'
-  elseif card.status == 'waiting' then
-    line = line .. ' (waiting for you: ga accept · gr reject)'
+  if STATUS_NOTE[card.status] then
+    line = line .. STATUS_NOTE[card.status]
   elseif card.status == 'error' and type(card.error) == 'string' then
     line = line .. ' — ' .. card.error:gsub('\n.*', '')
   end
@@ -331,8 +398,9 @@ local function usage_line(turn)
   return '_' .. table.concat(parts, ' · ') .. '_'
 end
 
+--- The lines of a turn, and the set of indices of its card detail lines (the folded ones).
 local function turn_lines(turn)
-  local lines = {}
+  local lines, details = {}, {}
   if turn.user then
     lines[#lines + 1] = '## You' .. (turn.time and (' · ' .. turn.time) or '')
     vim.list_extend(lines, util.split_lines(turn.user))
@@ -350,7 +418,12 @@ local function turn_lines(turn)
         lines[#lines + 1] = ''
       end
     else
-      vim.list_extend(lines, card_lines(blk.card))
+      for i, l in ipairs(card_lines(blk.card)) do
+        lines[#lines + 1] = l
+        if i > 1 then
+          details[#lines] = true
+        end
+      end
       lines[#lines + 1] = ''
     end
   end
@@ -369,41 +442,37 @@ local function turn_lines(turn)
     lines[#lines + 1] = u
     lines[#lines + 1] = ''
   end
-  return lines
+  return lines, details
 end
 
 -- ---------------------------------------------------------------- the buffer
-
-local function mark_row(b, id)
-  local pos = api.nvim_buf_get_extmark_by_id(b, ns, id, {})
-  return pos[1]
-end
 
 local function chat_title(chat)
   local name = chat.branch and branches.name(chat.branch) or nil
   return '# ' .. (name or (chat.branch and ('branch ' .. chat.branch:sub(1, 8)) or 'new chat'))
 end
 
--- Edit the chat buffer without touching the prompt's undo history.
+-- Edit the transcript buffer (not modifiable for the user; it keeps no undo history).
 local function edit(chat, fn)
   local b = chat.buf
-  local ul = vim.bo[b].undolevels
-  vim.bo[b].undolevels = -1
+  local was = vim.bo[b].modifiable
+  vim.bo[b].modifiable = true
   local ok, err = pcall(fn, b)
-  vim.bo[b].undolevels = ul
+  vim.bo[b].modifiable = was
   vim.bo[b].modified = false
   if not ok then
     error(err)
   end
 end
 
+-- Keep the end of the transcript in view in its windows (not in the one the user is in).
 local function follow(chat)
   local b = chat.buf
   local cur = api.nvim_get_current_win()
-  local target = mark_row(b, chat.prompt_mark)
+  local last = api.nvim_buf_line_count(b)
   for _, w in ipairs(api.nvim_list_wins()) do
     if w ~= cur and api.nvim_win_get_buf(w) == b then
-      pcall(api.nvim_win_set_cursor, w, { math.max(target, 1), 0 })
+      pcall(api.nvim_win_set_cursor, w, { last, 0 })
     end
   end
 end
@@ -413,8 +482,8 @@ local function render_turn(chat, turn)
     return
   end
   edit(chat, function(b)
-    -- turns sit right above the prompt: count back from it (later turns keep their lines)
-    local last = mark_row(b, chat.prompt_mark)
+    -- turns sit right above the prompt header (the last line): count back from it
+    local last = api.nvim_buf_line_count(b) - 1
     for i = #chat.turns, 1, -1 do
       local t = chat.turns[i]
       if t == turn then
@@ -422,17 +491,35 @@ local function render_turn(chat, turn)
       end
       last = last - t.nlines
     end
-    local lines = turn_lines(turn)
-    api.nvim_buf_set_lines(b, last - turn.nlines, last, false, lines)
-    turn.nlines = #lines
+    local lines, details = turn_lines(turn)
+    local first = last - turn.nlines
+    -- (before the lines change: the folds are computed from this as they change)
+    turn.nlines, turn.details = #lines, details
+    api.nvim_buf_set_lines(b, first, last, false, lines)
   end)
   follow(chat)
   util.event('OperateSidecarChat')
 end
 M.render_turn = render_turn
 
-local function set_keymaps(chat)
-  local b = chat.buf
+--- 'foldexpr' of the chat window: 1 on a tool card's detail lines (known from the rendered
+--- turns, so reply text that looks like them is never folded), else 0.
+function M.foldexpr(lnum)
+  local chat = by_buf[api.nvim_get_current_buf()]
+  if not chat then
+    return 0
+  end
+  local row = lnum - 2 -- below the title and its blank line: the turns, in order
+  for _, t in ipairs(chat.turns) do
+    if row <= t.nlines then
+      return (row >= 1 and t.details and t.details[row]) and 1 or 0
+    end
+    row = row - t.nlines
+  end
+  return 0
+end
+
+local function set_keymaps(chat, b)
   local function map(modes, lhs, fn, desc)
     vim.keymap.set(modes, lhs, fn, { buffer = b, desc = 'operate-sidecar: ' .. desc })
   end
@@ -463,22 +550,40 @@ local function set_keymaps(chat)
 end
 
 local function create(chat)
-  local name = 'operate://chat/' .. (chat.branch or chat.key)
+  local key = chat.branch or chat.key
+  local name = 'operate://chat/' .. key
   local b = util.find_buf(name) or api.nvim_create_buf(false, true)
   api.nvim_buf_set_name(b, name)
   vim.bo[b].buftype = 'nofile'
   vim.bo[b].bufhidden = 'hide'
   vim.bo[b].swapfile = false
+  vim.bo[b].undolevels = -1
   vim.bo[b].filetype = 'markdown'
+  vim.bo[b].modifiable = false
   vim.b[b].operate_sidecar_chat = true
   vim.b[b].operate_sidecar_branch = chat.branch
   chat.buf = b
   chat.turns = {}
+  by_buf[b] = chat
   edit(chat, function()
-    api.nvim_buf_set_lines(b, 0, -1, false, { chat_title(chat), '', M.PROMPT, '' })
-    chat.prompt_mark = api.nvim_buf_set_extmark(b, ns, 2, 0, { right_gravity = true })
+    api.nvim_buf_set_lines(b, 0, -1, false, { chat_title(chat), '', M.PROMPT })
   end)
-  set_keymaps(chat)
+  local pname = 'operate://prompt/' .. key
+  local pb = util.find_buf(pname)
+  if not pb then
+    pb = api.nvim_create_buf(false, true)
+    api.nvim_buf_set_name(pb, pname)
+  end
+  vim.bo[pb].buftype = 'nofile'
+  vim.bo[pb].bufhidden = 'hide'
+  vim.bo[pb].swapfile = false
+  vim.bo[pb].filetype = 'markdown'
+  vim.b[pb].operate_sidecar_chat = true
+  vim.b[pb].operate_sidecar_prompt = true
+  vim.b[pb].operate_sidecar_branch = chat.branch
+  chat.prompt_buf = pb
+  set_keymaps(chat, b)
+  set_keymaps(chat, pb)
   return chat
 end
 
@@ -523,10 +628,7 @@ local function load_history(chat, cb)
         turn.blocks[#turn.blocks + 1] = { kind = 'text', raw = c.text, final = lines }
       elseif turn and m.kind == 'action_response' then
         local out = c.output
-        local status = 'ok'
-        if type(out) == 'table' and out.error ~= nil then
-          status = out.error == 'denied by governance gate' and 'denied' or 'error'
-        end
+        local status = status_of_output(out)
         local card = { callId = c.callId, tool = c['function'], arguments = c.arguments, output = out,
           status = status, error = status == 'error' and tostring(out.error) or nil }
         turn.cards[c.callId or #turn.blocks] = card
@@ -544,8 +646,12 @@ local function load_history(chat, cb)
 end
 
 --- The chat of a branch (created when missing; nil branch = a new, unbound chat).
+local function intact(chat)
+  return chat and api.nvim_buf_is_valid(chat.buf) and api.nvim_buf_is_valid(chat.prompt_buf)
+end
+
 function M.get(branch)
-  if branch and chats[branch] and api.nvim_buf_is_valid(chats[branch].buf) then
+  if branch and intact(chats[branch]) then
     return chats[branch], false
   end
   local chat
@@ -554,7 +660,7 @@ function M.get(branch)
   else
     local tab = api.nvim_get_current_tabpage()
     local k = 'new:' .. tab
-    if chats[k] and api.nvim_buf_is_valid(chats[k].buf) then
+    if intact(chats[k]) then
       return chats[k], false
     end
     new_seq = new_seq + 1
@@ -574,14 +680,23 @@ local function bind(chat, branch)
   chats[branch] = chat
   vim.b[chat.buf].operate_sidecar_branch = branch
   pcall(api.nvim_buf_set_name, chat.buf, 'operate://chat/' .. branch)
+  if api.nvim_buf_is_valid(chat.prompt_buf) then
+    vim.b[chat.prompt_buf].operate_sidecar_branch = branch
+    pcall(api.nvim_buf_set_name, chat.prompt_buf, 'operate://prompt/' .. branch)
+  end
   M.set_title(chat)
 end
 
 function M.forget(branch)
   local chat = chats[branch]
   chats[branch] = nil
-  if chat and api.nvim_buf_is_valid(chat.buf) then
-    pcall(api.nvim_buf_delete, chat.buf, { force = true })
+  if chat then
+    by_buf[chat.buf] = nil
+    for _, b in ipairs({ chat.buf, chat.prompt_buf }) do
+      if b and api.nvim_buf_is_valid(b) then
+        pcall(api.nvim_buf_delete, b, { force = true })
+      end
+    end
   end
 end
 
@@ -589,7 +704,7 @@ local function win_options(w)
   local o = vim.wo[w]
   o.wrap, o.linebreak, o.number, o.relativenumber, o.signcolumn = true, true, false, false, 'no'
   o.foldmethod = 'expr'
-  o.foldexpr = "getline(v:lnum)=~#'^  │'"
+  o.foldexpr = "v:lua.require'operate_sidecar.chat'.foldexpr(v:lnum)"
   o.foldtext = "'  │ ⋯ '.(v:foldend-v:foldstart+1).' lines (zo to open)'"
   o.foldlevel = 0
   o.foldminlines = 0
@@ -601,22 +716,48 @@ local function win_options(w)
   end)
 end
 
---- The window of the current tab that shows a chat, if any.
-function M.window()
+local function prompt_win_options(w)
+  local o = vim.wo[w]
+  o.wrap, o.linebreak, o.number, o.relativenumber, o.signcolumn = true, true, false, false, 'no'
+  o.foldenable = false
+  o.winfixheight = true
+  o.statusline = ' prompt · <CR> send · <C-s> send · <C-c> cancel'
+end
+
+local function find_win(want)
   for _, w in ipairs(api.nvim_tabpage_list_wins(0)) do
     local b = api.nvim_win_get_buf(w)
-    if vim.b[b].operate_sidecar_chat then
+    if vim.b[b].operate_sidecar_chat and want(b) then
       return w
     end
   end
 end
 
---- Show a chat in the side window (reused), with the cursor in the prompt unless `stay`.
+--- The window of the current tab that shows a chat transcript, if any.
+function M.window()
+  return find_win(function(b)
+    return not vim.b[b].operate_sidecar_prompt
+  end)
+end
+
+--- The window of the current tab that shows a chat prompt, if any.
+function M.prompt_window()
+  return find_win(function(b)
+    return vim.b[b].operate_sidecar_prompt == true
+  end)
+end
+
+--- Show a chat in the side window (reused): the transcript, and the prompt in a small window
+--- below it; the cursor goes to the prompt unless `stay`.
 function M.show(chat, stay)
   context.track()
-  local w = M.window()
   local prev = api.nvim_get_current_win()
-  if not w then
+  local w, pw = M.window(), M.prompt_window()
+  if not w and pw then -- only the prompt window is left: the transcript goes back above it
+    api.nvim_set_current_win(pw)
+    vim.cmd('aboveleft split')
+    w = api.nvim_get_current_win()
+  elseif not w then
     local pos, size = config.values.chat.position, config.values.chat.size
     local cmd = ({ right = 'botright vsplit', left = 'topleft vsplit', bottom = 'botright split',
       top = 'topleft split' })[pos] or 'botright vsplit'
@@ -631,13 +772,22 @@ function M.show(chat, stay)
   end
   api.nvim_win_set_buf(w, chat.buf)
   win_options(w)
+  if not pw then
+    api.nvim_set_current_win(w)
+    local height = tonumber(config.values.chat.prompt_height) or M.PROMPT_HEIGHT
+    vim.cmd(('belowright %dsplit'):format(math.max(height, 1)))
+    pw = api.nvim_get_current_win()
+  end
+  api.nvim_win_set_buf(pw, chat.prompt_buf)
+  prompt_win_options(pw)
+  pcall(api.nvim_win_set_cursor, w, { api.nvim_buf_line_count(chat.buf), 0 })
   if stay then
     if api.nvim_win_is_valid(prev) then
       api.nvim_set_current_win(prev)
     end
   else
-    api.nvim_set_current_win(w)
-    pcall(api.nvim_win_set_cursor, w, { api.nvim_buf_line_count(chat.buf), 0 })
+    api.nvim_set_current_win(pw)
+    pcall(api.nvim_win_set_cursor, pw, { api.nvim_buf_line_count(chat.prompt_buf), 0 })
   end
   return w
 end
@@ -655,11 +805,11 @@ end
 
 --- The chat shown in this tab, or the current branch's.
 function M.current()
-  local w = M.window()
+  local w = M.window() or M.prompt_window()
   if w then
     local b = api.nvim_win_get_buf(w)
     for _, c in pairs(chats) do
-      if c.buf == b then
+      if c.buf == b or c.prompt_buf == b then
         return c
       end
     end
@@ -667,17 +817,15 @@ function M.current()
   return (M.get(branches.current()))
 end
 
---- The prompt text (the lines under the prompt header).
+--- The prompt text (the prompt buffer's lines).
 function M.prompt_text(chat)
   chat = chat or M.current()
-  local row = mark_row(chat.buf, chat.prompt_mark)
-  local lines = api.nvim_buf_get_lines(chat.buf, row + 1, -1, false)
+  local lines = api.nvim_buf_get_lines(chat.prompt_buf, 0, -1, false)
   return vim.trim(table.concat(lines, '\n'))
 end
 
 function M.set_prompt(chat, text)
-  local row = mark_row(chat.buf, chat.prompt_mark)
-  api.nvim_buf_set_lines(chat.buf, row + 1, -1, false, util.split_lines(text))
+  api.nvim_buf_set_lines(chat.prompt_buf, 0, -1, false, util.split_lines(text))
 end
 
 -- ---------------------------------------------------------------- a turn
@@ -719,8 +867,8 @@ local function apply_tool_event(turn, e)
   elseif e.event == 'error' then
     card.status = 'error'
     card.error = not is_null(e.error) and tostring(e.error) or 'failed'
-  elseif e.event == 'denied' then
-    card.status = 'denied'
+  elseif e.event == 'denied' and card.status ~= 'timedout' and card.status ~= 'cancelled' then
+    card.status = 'denied' -- (a request that timed out or was cancelled is denied too: say which)
   end
 end
 
@@ -747,7 +895,11 @@ function M.on_permission_answer(p, decision)
   end
   local card = running_turn.turn.cards[p.callId]
   if card and card.status == 'waiting' then
-    card.status = decision:match('^allow') and 'running' or 'denied'
+    if decision == 'cancelled' or decision == 'timedout' then
+      card.status = decision
+    else
+      card.status = decision:match('^allow') and 'running' or 'denied'
+    end
     render_turn(running_turn.chat, running_turn.turn)
   end
 end
@@ -769,9 +921,12 @@ local function fill_cards(chat, turn)
       elseif card and m.kind == 'action_response' then
         card.arguments = c.arguments
         card.output = c.output
-        if type(c.output) == 'table' and type(c.output.error) == 'string' and card.status == 'ok' then
+        local status = status_of_output(c.output)
+        if status == 'error' and type(c.output.error) == 'string' and card.status == 'ok' then
           card.status = 'error'
           card.error = c.output.error
+        elseif status == 'timedout' and (card.status == 'denied' or card.status == 'cancelled') then
+          card.status = 'timedout'
         end
       end
     end
@@ -793,9 +948,7 @@ function M.send(chat, text, extra)
   end
   local ctx = (extra and extra.context) or context.expand(text)
   if from_prompt then
-    edit(chat, function()
-      M.set_prompt(chat, '')
-    end)
+    M.set_prompt(chat, '') -- one undoable change of the prompt: `u` there brings the text back
   end
   local model = config.values.model
   local turn = new_turn(chat, { user = text, time = os.date('%H:%M'), status = 'running',
@@ -886,13 +1039,15 @@ function M.cancel()
   return server.cancel()
 end
 
---- The lines of a branch's chat buffer (for scripts and tests).
+--- The lines of a branch's chat: the transcript, then the prompt (for scripts and tests).
 function M.lines(branch)
   local chat = branch and chats[branch] or M.current()
-  if not chat or not api.nvim_buf_is_valid(chat.buf) then
+  if not intact(chat) then
     return {}
   end
-  return api.nvim_buf_get_lines(chat.buf, 0, -1, false)
+  local lines = api.nvim_buf_get_lines(chat.buf, 0, -1, false)
+  vim.list_extend(lines, api.nvim_buf_get_lines(chat.prompt_buf, 0, -1, false))
+  return lines
 end
 
 return M

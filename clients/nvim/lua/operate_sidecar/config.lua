@@ -23,6 +23,7 @@ M.defaults = {
   chat = {
     position = 'right', -- 'right', 'left', 'bottom' or 'top'
     size = 70, -- columns (right/left) or lines (bottom/top)
+    prompt_height = 3, -- lines of the prompt window under the transcript
     tools = true, -- chat turns may call tools
     max_rounds = 8, -- model rounds per chat turn while tools keep running
   },

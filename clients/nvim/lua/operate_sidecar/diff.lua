@@ -1,7 +1,9 @@
 -- Diff review of a proposed file change: a tab with the file's buffer and the proposed text
 -- side by side (`:diffthis`), `ga` accept, `gr` reject, `gA` accept always (this branch),
 -- `gR` reject always. An accepted change is then written by the server through the editor's
--- file system (fs.lua), so it lands in this very buffer as one undoable change.
+-- file system (fs.lua), so it lands in this very buffer as one undoable change. A new file is
+-- reviewed against an empty buffer of its path that the review makes; when the change is not
+-- accepted that buffer goes again (fs.lua treats it as "no such file" meanwhile).
 local api = vim.api
 local util = require('operate_sidecar.util')
 
@@ -55,6 +57,9 @@ function M.open(req, decide)
   vim.cmd('tabnew')
   local tab = api.nvim_get_current_tabpage()
   local scratch_of_tabnew = api.nvim_get_current_buf()
+  local uv = vim.uv or vim.loop
+  -- a buffer made only for this review (a new file): it goes again unless the change is accepted
+  local made = not uv.fs_stat(p.path) and vim.fn.bufexists(p.path) == 0
   local fb = vim.fn.bufadd(p.path)
   vim.fn.bufload(fb)
   vim.bo[fb].buflisted = true
@@ -118,6 +123,11 @@ function M.open(req, decide)
     if api.nvim_buf_is_valid(pb) then
       pcall(api.nvim_buf_delete, pb, { force = true })
     end
+    local accepted = type(req.decision) == 'string' and req.decision:match('^allow') ~= nil
+    if made and not accepted and api.nvim_buf_is_valid(fb) and not vim.bo[fb].modified
+        and not uv.fs_stat(p.path) then
+      pcall(api.nvim_buf_delete, fb, { force = true }) -- no empty buffer of a file that was never made
+    end
   end
   util.event('OperateSidecarDiff')
 end
@@ -136,9 +146,24 @@ function M.review(req, decide)
   end
 end
 
---- Show the review of `req` (opening it when only the float was shown).
+-- Is the review still whole: its tab, both windows (showing the file and the proposal)?
+local function intact(view)
+  if not (view and api.nvim_tabpage_is_valid(view.tab) and api.nvim_buf_is_valid(view.proposed_buf)) then
+    return false
+  end
+  for w, b in pairs({ [view.left] = view.file_buf, [view.right] = view.proposed_buf }) do
+    if not api.nvim_win_is_valid(w) or api.nvim_win_get_buf(w) ~= b or api.nvim_win_get_tabpage(w) ~= view.tab then
+      return false
+    end
+  end
+  return true
+end
+M.intact = intact
+
+--- Show the review of `req` (opening it when only the float was shown, rebuilding it when a
+--- window of it was closed).
 function M.focus(req)
-  if req.diff_view and api.nvim_tabpage_is_valid(req.diff_view.tab) then
+  if intact(req.diff_view) then
     api.nvim_set_current_tabpage(req.diff_view.tab)
     return true
   end

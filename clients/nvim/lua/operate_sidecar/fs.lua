@@ -1,5 +1,8 @@
 -- The editor as the server's file system: reads see unsaved buffer text, writes land in the
 -- buffer (one undo step, the rest of the buffer untouched) so that nothing is left stale.
+-- A path with no file on disk whose buffer is empty and unmodified (e.g. the one a diff review
+-- of a new file shows) is no file: reads answer an error (the server's "does not exist"), and a
+-- write creates the file: into the buffer, then written to disk (parent directories made).
 local api = vim.api
 local util = require('operate_sidecar.util')
 
@@ -54,11 +57,21 @@ function M.set_buf_text(b, text)
   end
 end
 
+local function on_disk(path)
+  return (vim.uv or vim.loop).fs_stat(path) ~= nil
+end
+
+-- An empty, unmodified buffer of a path with no file: it stands for no file at all.
+local function no_file(b, path)
+  return not vim.bo[b].modified and buf_text(b) == '' and not on_disk(path)
+end
+
 --- fs/readTextFile {path} -> {text}: a loaded buffer's text (unsaved changes included), else disk.
+--- No file (on disk or as a buffer with text) is an error answer, as the server expects.
 function M.on_read(params, reply)
   local path = params.path
   local b = util.buf_for_path(path)
-  if b then
+  if b and not no_file(b, path) then
     return reply({ text = buf_text(b) })
   end
   local f, err = io.open(path, 'rb')
@@ -70,7 +83,8 @@ function M.on_read(params, reply)
   reply({ text = text })
 end
 
---- fs/writeTextFile {path, text} -> {}: into the loaded buffer (modified, undoable), else to disk.
+--- fs/writeTextFile {path, text} -> {}: into the loaded buffer (modified, undoable), else to disk;
+--- a buffer that stands for no file gets the text and is written (the file is created).
 function M.on_write(params, reply)
   local path, text = params.path, params.text
   if type(path) ~= 'string' or type(text) ~= 'string' then
@@ -78,7 +92,16 @@ function M.on_write(params, reply)
   end
   local b = util.buf_for_path(path)
   if b then
+    local create = no_file(b, path)
     local ok, err = pcall(M.set_buf_text, b, text)
+    if ok and create then -- a new file: the buffer is written, as the server would write it
+      ok, err = pcall(function()
+        vim.fn.mkdir(vim.fn.fnamemodify(path, ':h'), 'p')
+        api.nvim_buf_call(b, function()
+          vim.cmd('silent keepalt write')
+        end)
+      end)
+    end
     if not ok then
       return reply(nil, { code = -32603, message = tostring(err) })
     end

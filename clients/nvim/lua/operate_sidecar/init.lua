@@ -3,7 +3,7 @@
 -- file, one per concern:
 --   rpc.lua        JSON-RPC over the server's stdio
 --   server.lua     the server process, requests, operate with progress and cancellation
---   chat.lua       the chat buffer: prompt, streaming prose, tool cards, usage
+--   chat.lua       the chat transcript and its prompt buffer: streaming prose, tool cards, usage
 --   diff.lua       diff review of proposed file changes (ga / gr / gA / gR)
 --   fs.lua         the editor's buffers as the server's file system
 --   permission.lua permission requests (float or diff review), tools and policies

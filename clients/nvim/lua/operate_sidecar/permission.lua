@@ -42,11 +42,14 @@ end
 
 local show_next
 
+-- Answer `req` with `decision`; or, with `why` (the server stopped waiting, or is gone), drop it
+-- as `decision` ('cancelled' or 'timedout': how the chat shows it), sending no answer.
 local function settle(req, decision, why)
   if req.done then
     return
   end
   req.done = true
+  req.decision = why and decision or (valid(decision) and decision or 'deny_once')
   close_view(req)
   for i, r in ipairs(queue) do
     if r == req then
@@ -54,15 +57,15 @@ local function settle(req, decision, why)
       break
     end
   end
+  decision = req.decision
   if why then
     M.answered[#M.answered + 1] = { tool = req.params.tool, decision = 'deny_once', callId = req.params.callId,
       why = why }
   else
-    decision = valid(decision) and decision or 'deny_once'
     M.answered[#M.answered + 1] = { tool = req.params.tool, decision = decision, callId = req.params.callId }
     req.reply({ decision = decision })
   end
-  require('operate_sidecar.chat').on_permission_answer(req.params, why and 'expired' or decision)
+  require('operate_sidecar.chat').on_permission_answer(req.params, decision)
   util.event('OperateSidecarPermission')
   vim.schedule(show_next)
 end
@@ -80,19 +83,22 @@ end
 
 -- ---------------------------------------------------------------- the float
 
+M.KEYS_LINE = '[a] allow once  [A] always  [d] deny  [D] never  [q] later'
+M.KEYS_LINE_DIFF = '[o] review the diff  [a] accept  [A] always  [d] reject  [D] never  [q] later'
+
+-- The float's lines: the keys first (always in view, however long the rest), then the request.
 local function float_lines(p)
-  local lines = { ('**%s** asks to run'):format(tostring(p.tool)), '' }
+  local lines = { M.KEYS_LINE, ('**%s** asks to run'):format(tostring(p.tool)), '' }
   local args = p.arguments
   local preview = type(p.preview) == 'table' and p.preview.kind == 'diff' and p.preview or nil
   if preview then
     local add, del = require('operate_sidecar.diff').stats(preview.diff)
-    lines[1] = ('**%s** wants to change %s (+%d −%d)'):format(tostring(p.tool), util.display_path(preview.path), add,
+    lines[1] = M.KEYS_LINE_DIFF
+    lines[2] = ('**%s** wants to change %s (+%d −%d)'):format(tostring(p.tool), util.display_path(preview.path), add,
       del)
     lines[#lines + 1] = '```diff'
     vim.list_extend(lines, util.split_lines((tostring(preview.diff or '')):gsub('\n$', '')))
     lines[#lines + 1] = '```'
-    lines[#lines + 1] = ''
-    lines[#lines + 1] = '[o] review the diff  [a] accept  [A] always  [d] reject  [D] never  [q] later'
     return lines
   end
   if type(args) == 'table' and next(args) ~= nil then
@@ -102,8 +108,6 @@ local function float_lines(p)
   else
     lines[#lines + 1] = '_(no arguments)_'
   end
-  lines[#lines + 1] = ''
-  lines[#lines + 1] = '[a] allow once  [A] always  [d] deny  [D] never  [q] later'
   return lines
 end
 
@@ -121,28 +125,66 @@ local function want_focus()
   return vim.b.operate_sidecar_chat == true
 end
 
+--- Where the float of `lines` goes in an editor of `columns` x `rows`: {row, col, width, height}.
+--- The height counts the screen rows of the wrapped lines, so nothing is cut when it fits.
+function M.float_layout(lines, columns, rows)
+  local width = 20
+  for _, l in ipairs(lines) do
+    width = math.max(width, vim.fn.strdisplaywidth(l))
+  end
+  width = math.max(math.min(width + 2, columns - 4), 1)
+  local need = 0
+  for _, l in ipairs(lines) do
+    local cells = vim.fn.strdisplaywidth(l)
+    -- a double-width character that does not fit at the end of a row starts the next one
+    local per_row = (cells > vim.fn.strchars(l) and width > 1) and width - 1 or width
+    need = need + math.max(1, math.ceil(cells / per_row))
+  end
+  local height = math.max(math.min(need, rows - 6), 1)
+  return {
+    row = math.max(math.floor((rows - height) / 2) - 1, 0),
+    col = math.max(math.floor((columns - width) / 2), 0),
+    width = width,
+    height = height,
+  }
+end
+
+local function place(win, lines)
+  local l = M.float_layout(lines, vim.o.columns, vim.o.lines)
+  api.nvim_win_set_config(win, { relative = 'editor', row = l.row, col = l.col, width = l.width, height = l.height })
+  pcall(api.nvim_win_call, win, function()
+    vim.cmd('normal! gg') -- the keys line on top in view
+  end)
+end
+
+local resize_group = api.nvim_create_augroup('operate_sidecar_permission', { clear = true })
+
 local function open_float(req, focus)
   local b = util.scratch(M.FLOAT, 'markdown')
   local lines = float_lines(req.params)
   util.set_lines(b, 0, -1, lines)
   vim.bo[b].modifiable = false
-  local width = 20
-  for _, l in ipairs(lines) do
-    width = math.max(width, vim.fn.strdisplaywidth(l))
-  end
-  width = math.min(width + 2, math.max(vim.o.columns - 4, 20))
-  local height = math.min(#lines, math.max(vim.o.lines - 6, 3))
+  local l = M.float_layout(lines, vim.o.columns, vim.o.lines)
   local win = api.nvim_open_win(b, focus, {
     relative = 'editor',
-    row = math.max(math.floor((vim.o.lines - height) / 2) - 1, 0),
-    col = math.max(math.floor((vim.o.columns - width) / 2), 0),
-    width = width,
-    height = height,
+    row = l.row,
+    col = l.col,
+    width = l.width,
+    height = l.height,
     style = 'minimal',
     border = 'rounded',
     zindex = 60,
   })
+  api.nvim_clear_autocmds({ group = resize_group })
+  api.nvim_create_autocmd('VimResized', { group = resize_group, callback = function()
+    if req.win and api.nvim_win_is_valid(req.win) then
+      place(req.win, lines)
+    else
+      return true -- the float is gone: drop this autocmd
+    end
+  end })
   vim.wo[win].wrap = true
+  vim.wo[win].linebreak = false
   vim.wo[win].conceallevel = 2
   for key, decision in pairs(M.KEYS) do
     vim.keymap.set('n', key, function()
@@ -244,11 +286,17 @@ function M.on_request(params, reply, ctx)
   show_next()
 end
 
---- The server stopped waiting for request `id` (its operate was cancelled or it timed out).
+--- The server stopped waiting for request `id`: its operate was cancelled (we asked for it), or
+--- the request timed out (permissionTimeoutMs; the server counts it as a deny).
 function M.on_server_cancel(id)
   for _, req in ipairs(queue) do
     if req.id == id then
-      settle(req, nil, 'the server stopped waiting')
+      local run = server.state.running
+      if run and run.cancel_requested then
+        settle(req, 'cancelled', 'the operate was cancelled')
+      else
+        settle(req, 'timedout', 'the request timed out')
+      end
       return
     end
   end
@@ -256,7 +304,7 @@ end
 
 function M.server_gone()
   while queue[1] do
-    settle(queue[1], nil, 'the server exited')
+    settle(queue[1], 'cancelled', 'the server exited')
   end
 end
 
