@@ -24,15 +24,15 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from acp import (PROTOCOL_VERSION, Agent, RequestError, update_agent_message_text, update_user_message_text)
+from acp import PROTOCOL_VERSION, Agent, RequestError, update_agent_message_text
 from acp.schema import (AgentCapabilities, Implementation, InitializeResponse, ListSessionsResponse,
                         LoadSessionResponse, McpCapabilities, NewSessionResponse, PromptCapabilities, PromptResponse,
                         SessionCapabilities, SessionConfigOptionSelect, SessionConfigSelectOption, SessionInfo,
                         SessionListCapabilities, SessionMode, SessionModeState, SetSessionConfigOptionResponse,
-                        SetSessionModeResponse, ToolCallProgress, Usage, UsageUpdate)
+                        SetSessionModeResponse, Usage, UsageUpdate)
 
 from .port import AcpPort, Turn
-from .reply import PLAN_REPLY_FORMAT, REPLY_FORMAT, ReplyText, message_of
+from .reply import PLAN_REPLY_FORMAT, REPLY_FORMAT, ReplyText
 
 log = logging.getLogger("operate_sidecar.server.acp")
 
@@ -57,7 +57,18 @@ INFO_FIELDS = ("cwd", "title", "model", "updatedAt")
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    """An update time: ISO 8601 in UTC, to the millisecond (sessions updated within one second
+    are listed in order)."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _when(updated_at: str | None) -> float:
+    """An update time as a timestamp for ordering (any ISO 8601 precision; unreadable: oldest)."""
+    try:
+        when = datetime.fromisoformat(updated_at or "")
+    except ValueError:
+        return float("-inf")
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
 class OperateAgent(Agent):
@@ -317,7 +328,7 @@ class OperateAgent(Agent):
                 continue
             out.append(SessionInfo(session_id=b["branchId"], cwd=info.get("cwd") or "", title=info.get("title"),
                                    updated_at=info.get("updatedAt")))
-        out.sort(key=lambda s: s.updated_at or "", reverse=True)
+        out.sort(key=lambda s: _when(s.updated_at), reverse=True)
         return ListSessionsResponse(sessions=out)
 
     async def _save(self, sid: str, info: dict[str, Any] | None = None, mode: str | None = None) -> None:
@@ -527,36 +538,38 @@ class OperateAgent(Agent):
 
     # ------------------------------------------------------------------ load: replay history
     def _replay(self, sid: str, branch: Any) -> None:
-        from acp.schema import ToolCallStart
-
-        from .port import _text_content, tool_kind
+        """The session's history as the client was shown it live, through the live paths, from
+        what the branch holds: each prompt (its text and resources), each reply's text and plan
+        (a plan once per turn where it changed), each tool call (``AcpPort.replay_call``)."""
+        from acp import update_user_message
 
         send = self.port.send
         skip = _continuations()
-        for m in list(branch.messages):
-            kind, c = getattr(m, "kind", None), getattr(m, "content", None) or {}
-            kind = getattr(kind, "value", kind)
+        msgs = [(getattr(getattr(m, "kind", None), "value", getattr(m, "kind", None)),
+                 getattr(m, "content", None) or {}) for m in list(branch.messages)]
+        responses = {c.get("callId"): c for kind, c in msgs if kind == "action_response"}
+        calls: dict[Any, tuple[Any, Any]] = {}
+        turn = Turn()
+        for kind, c in msgs:
             if kind == "instruction":
                 text = c.get("instruction")
-                text = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)
-                if text and text not in skip:
-                    send(sid, update_user_message_text(text))
+                if isinstance(text, str) and text in skip:  # a round of the same turn
+                    continue
+                turn = Turn()
+                for block in _prompt_blocks(text, c.get("context")):
+                    send(sid, update_user_message(block))
             elif kind == "assistant_response":
-                text = message_of(c.get("text") or "")
-                if text:
-                    send(sid, update_agent_message_text(text))
-            elif kind == "action_response":
-                call_id, output = c.get("callId"), c.get("output")
-                tool = str(c.get("function"))
-                failed = isinstance(output, dict) and "error" in output
-                args = c.get("arguments")
-                path = args.get("path") if isinstance(args, dict) and isinstance(args.get("path"), str) else None
-                send(sid, ToolCallStart(session_update="tool_call", tool_call_id=call_id,
-                                        title=f"{tool} {path}" if path else tool, kind=tool_kind(tool),
-                                        status="pending", raw_input=args))
-                send(sid, ToolCallProgress(session_update="tool_call_update", tool_call_id=call_id,
-                                           status="failed" if failed else "completed", raw_output=output,
-                                           content=[_text_content(output)]))
+                self._round_text(sid, turn, c.get("text") or "")
+                self.port.send_plan(sid, turn, c.get("text"))
+            elif kind in ("action_request", "action_response"):
+                call_id = c.get("callId")
+                if call_id not in calls:
+                    if call_id not in responses:  # never answered (the turn was stopped): not shown
+                        continue
+                    calls[call_id] = self.port.replay_call(sid, call_id, responses[call_id])
+                    send(sid, calls[call_id][0])
+                if kind == "action_response":
+                    send(sid, calls[call_id][1])
 
     # ------------------------------------------------------------------ shutdown
     async def aclose(self, timeout: float = 3.0) -> None:
@@ -591,6 +604,27 @@ def _prompt_parts(prompt: list) -> tuple[str, Any]:
         else:
             raise RequestError.invalid_params({"prompt": f"content type {t!r} is not supported"})
     return "\n".join(texts), context
+
+
+def _prompt_blocks(instruction: Any, context: Any) -> list[Any]:
+    """A stored prompt (instruction, context) → the ACP content blocks ``_prompt_parts`` took it
+    from: its text (none when it had none), then its resources (a link; an embedded text
+    resource with its text; an embedded blob, whose bytes are not kept, as a link)."""
+    from acp import embedded_text_resource, resource_block, resource_link_block, text_block
+
+    if instruction is not None and not isinstance(instruction, str):  # a branch made natively
+        instruction = json.dumps(instruction, ensure_ascii=False, default=str)
+    blocks = [text_block(instruction)] if instruction else []
+    for item in context if isinstance(context, list) else ():
+        uri = item.get("resource") if isinstance(item, dict) else None
+        if not isinstance(uri, str):
+            continue
+        if isinstance(item.get("text"), str):
+            blocks.append(resource_block(embedded_text_resource(uri, item["text"])))
+        else:
+            name = item.get("name")
+            blocks.append(resource_link_block(name if isinstance(name, str) else uri.rsplit("/", 1)[-1] or uri, uri))
+    return blocks
 
 
 def _ran_tools(res: Any) -> bool:

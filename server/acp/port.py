@@ -219,13 +219,7 @@ class AcpPort:
         status = "completed" if event == "post" else "failed"
 
         def finish() -> Any:
-            output = self._output_of(sid, call_id)
-            content = list(info.content)
-            if output is not None and not (status == "completed" and info.kind == "edit" and content):
-                content.append(_text_content(output))
-            return ToolCallProgress(session_update="tool_call_update", tool_call_id=call_id, status=status,
-                                    raw_output=output if output is not None else {"error": p.get("error")},
-                                    content=content or None)
+            return self._finish(call_id, info, status, self._output_of(sid, call_id), p.get("error"))
 
         if not info.started:  # denied before it started (never asked, or not selected)
             info.started = True
@@ -233,6 +227,17 @@ class AcpPort:
         info.finished = True
         self.send(sid, finish)
         self.calls.pop(call_id, None)
+
+    @staticmethod
+    def _finish(call_id: str, info: CallInfo, status: str, output: Any, error: Any = None) -> ToolCallProgress:
+        """The call's last ``tool_call_update``: its status, raw output, and content (the diff
+        of an edit; the output as text, but for a completed edit that has its diff)."""
+        content = list(info.content)
+        if output is not None and not (status == "completed" and info.kind == "edit" and content):
+            content.append(_text_content(output))
+        return ToolCallProgress(session_update="tool_call_update", tool_call_id=call_id, status=status,
+                                raw_output=output if output is not None else {"error": error},
+                                content=content or None)
 
     def _start(self, call_id: str, info: CallInfo, status: str) -> ToolCallStart:
         if info.raw_input is None:  # not seen by the authorizer: the recorded request has it
@@ -259,8 +264,12 @@ class AcpPort:
     def describe(self, session_id: str, call_id: str, tool: str, arguments: Any) -> CallInfo:
         """Record (once) what the editor is told about a call, before it is asked or run."""
         info = self.calls.get(call_id)
-        if info is not None:
-            return info
+        if info is None:
+            info = self.calls[call_id] = self.call_info(session_id, tool, arguments)
+        return info
+
+    def call_info(self, session_id: str, tool: str, arguments: Any) -> CallInfo:
+        """What the editor is told about a call: title, kind, locations, raw input."""
         args = arguments if isinstance(arguments, dict) else {}
         path = args.get("path") if isinstance(args.get("path"), str) else None
         real = self.resolve(path, session_id) if path else None
@@ -273,7 +282,6 @@ class AcpPort:
             if type(line) is not int or not 0 <= line <= UINT32_MAX:  # the schema's uint32, or none
                 line = None
             info.locations = [ToolCallLocation(path=real, line=line)]
-        self.calls[call_id] = info
         return info
 
     async def tool_decided(self, p: dict) -> None:
@@ -313,10 +321,7 @@ class AcpPort:
 
     async def add_diff(self, info: CallInfo, arguments: Any) -> None:
         """``diff`` content for a file-changing builtin call, computed without writing."""
-        if info.kind != "edit" or info.content or not isinstance(arguments, dict):
-            return
-        path = arguments.get("path")
-        real = self.resolve(path, info.session_id) if isinstance(path, str) else None
+        real = self._edited(info, arguments)
         if real is None:
             return
         old = await self.read_text(info.session_id, real)
@@ -332,6 +337,27 @@ class AcpPort:
                 new = new.replace(e["oldText"], e["newText"], -1 if e.get("replaceAll") else 1)
         if new is not None:
             info.content = [tool_diff_content(real, new, old)]
+
+    def _edited(self, info: CallInfo, arguments: Any) -> str | None:
+        """The file an edit call changes (inside the session's folders), when it gets a diff."""
+        if info.kind != "edit" or info.content or not isinstance(arguments, dict):
+            return None
+        path = arguments.get("path")
+        return self.resolve(path, info.session_id) if isinstance(path, str) else None
+
+    # ------------------------------------------------------------------ a recorded call (session/load)
+    def replay_call(self, session_id: str, call_id: str, response: dict) -> tuple[ToolCallStart, ToolCallProgress]:
+        """A recorded call (its ``action_response``) as the editor was shown it: its ``tool_call``
+        (title, kind, locations, raw input, diff) and its last ``tool_call_update``. The diff is
+        the one the branch holds (``recorded_diff``): a file is never read for it."""
+        args, output = response.get("arguments"), response.get("output")
+        info = self.call_info(session_id, str(response.get("function")), args)
+        real = self._edited(info, args)
+        if real is not None:
+            info.content = recorded_diff(real, args, output)
+        failed = isinstance(output, dict) and "error" in output
+        return self._start(call_id, info, "pending"), self._finish(call_id, info, "failed" if failed else "completed",
+                                                                   output)
 
     # ------------------------------------------------------------------ client requests
     async def request_client(self, method: str, params: Any, timeout: float | None) -> Any:
@@ -404,3 +430,67 @@ def _text_content(output: Any) -> ContentToolCallContent:
     if len(text) > TEXT_CONTENT_LIMIT:
         text = text[:TEXT_CONTENT_LIMIT] + "…"
     return ContentToolCallContent(type="content", content=TextContentBlock(type="text", text=text))
+
+
+def recorded_diff(path: str, arguments: dict, output: Any) -> list[Any]:
+    """``diff`` content of a recorded edit call, from what its messages hold, never from the file
+    as it is now: a ``write_file`` has its whole new text (``content``) and the unified ``diff``
+    of its output, which gives the whole old text back (none: the file was created); any other
+    call that ran has that diff, one content per hunk (the changed lines with their context).
+    A denied call has its edits' ``oldText`` / ``newText``; a denied ``write_file`` has no old
+    text on record, so no diff (nor has a call that failed: it changed nothing)."""
+    from operate_sidecar.server.core.act import DENIED
+
+    diff = output.get("diff") if isinstance(output, dict) else None
+    new = arguments.get("content")
+    if isinstance(diff, str):
+        hunks = _hunks(diff)
+        created = diff.startswith("--- /dev/null")
+        old = None if created or not isinstance(new, str) else _unpatch(new, hunks)
+        if isinstance(new, str) and (created or old is not None):
+            return [tool_diff_content(path, new, old)]
+        return [tool_diff_content(path, "".join(b), "".join(a)) for _, a, b in hunks]
+    if isinstance(output, dict) and output.get("error") == DENIED and isinstance(arguments.get("edits"), list):
+        return [tool_diff_content(path, e["newText"], e["oldText"]) for e in arguments["edits"]
+                if isinstance(e, dict) and isinstance(e.get("oldText"), str) and isinstance(e.get("newText"), str)]
+    return []
+
+
+def _hunks(diff: str) -> list[tuple[int, list[str], list[str]]]:
+    """The hunks of a unified diff (``server.tools.edits.unified_diff``): (0-based index of the
+    hunk in the new text, its old lines, its new lines), line ends kept."""
+    hunks: list[tuple[int, list[str], list[str]]] = []
+    sides: tuple[list[str], ...] = ()
+    for line in diff.splitlines(keepends=True):
+        if line.startswith("@@"):
+            try:
+                start, _, count = line.split()[2][1:].partition(",")
+                at = int(start) - (1 if count != "0" else 0)
+            except (IndexError, ValueError):
+                return []
+            hunks.append((at, [], []))
+            sides = ()
+        elif not hunks:  # the ---/+++ header
+            continue
+        elif line.startswith("\\"):  # "\ No newline at end of file": the line before has none
+            for side in sides:
+                side[-1] = side[-1][:-1]  # the "\n" the marker was put after
+        else:
+            _, a, b = hunks[-1]
+            sides = {" ": (a, b), "-": (a,), "+": (b,)}.get(line[:1], ())
+            for side in sides:
+                side.append(line[1:])
+    return hunks
+
+
+def _unpatch(new: str, hunks: list[tuple[int, list[str], list[str]]]) -> str | None:
+    """The old text of a diff from the whole new text, or None when the hunks do not match it."""
+    lines = new.splitlines(keepends=True)
+    out: list[str] = []
+    at = 0
+    for start, a, b in hunks:
+        if start < at or lines[start:start + len(b)] != b:
+            return None
+        out += lines[at:start] + a
+        at = start + len(b)
+    return "".join(out + lines[at:])

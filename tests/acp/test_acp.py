@@ -227,7 +227,7 @@ def test_load_after_restart_and_list(tmp_path, ws):
             assert c2.kinds() == ["user_message_chunk", "agent_message_chunk", "tool_call", "tool_call_update",
                                   "agent_message_chunk"]
             assert c2.updates[0][1].content.text == "what is in a.txt?"
-            assert c2.text() == "Reading.It says old text."
+            assert c2.text() == "Reading.\n\nIt says old text."  # as shown live: a later reply set apart
             assert c2.of("tool_call_update")[0].status == "completed"
             assert c2.of("tool_call")[0].raw_input == {"path": "a.txt"}
             with pytest.raises(acp.RequestError) as e:
@@ -702,3 +702,130 @@ def test_the_embedded_local_model_is_not_offered_a_plan_field():
     settings = {"models": {"tiny": {"provider": "local"}, "api": {"provider": "openai"}}}
     assert "plan" not in reply_format(settings, "tiny")["properties"]
     assert "plan" in reply_format(settings, "api")["properties"]
+
+
+def _shown(updates):
+    """Updates as compared between live and replay: the non-tool ones in order (a run of tool
+    updates as one marker), and each tool call's start (but its status: pending or running)
+    and last update. The running ``in_progress`` steps and the usage are not history."""
+    seq, calls = [], {}
+    for u in updates:
+        d = u.model_dump(exclude_none=True)
+        kind = d.pop("session_update")
+        if kind == "usage_update" or (kind == "tool_call_update" and d.get("status") == "in_progress"):
+            continue
+        if kind in ("tool_call", "tool_call_update"):
+            if kind == "tool_call":
+                d.pop("status")
+            calls.setdefault(d["tool_call_id"], {})[kind] = d
+            if not seq or seq[-1] != "tools":
+                seq.append("tools")
+        else:
+            seq.append((kind, d))
+    return seq, calls
+
+
+def test_load_replays_what_the_client_saw_live(tmp_path, ws):
+    """Over a restart, ``session/load`` shows what the prompts showed live: the plan updates
+    (once per turn where it changed), the tools' titles, kinds, locations, raw input and output,
+    statuses and ``diff`` content (as recorded: the files are changed after), the prompts'
+    resources, and a prompt of only a resource with no text block."""
+    (ws / "e.txt").write_text("one\ntwo\nthree\n")
+    plan1 = [{"content": "write", "status": "in_progress"}, {"content": "check", "status": "pending"}]
+    plan2 = [{"content": "write", "status": "completed"}, {"content": "check", "status": "completed"}]
+
+    def with_plan(entry, plan):
+        entry["json"]["plan"] = plan
+        return entry
+
+    calls = [("write_file", {"path": "b.txt", "content": "hello\n"}),
+             ("write_file", {"path": "a.txt", "content": "brand new\nsecond\n"}),
+             ("edit_file", {"path": "e.txt", "edits": [{"oldText": "two", "newText": "TWO"}]}),
+             ("search_text", {"pattern": "two"}), ("read_file", {"path": "e.txt", "offset": 2})]
+    config = cfg(tmp_path, with_plan(reply("I will write.", calls), plan1), with_plan(reply("Done."), plan2),
+                 reply("second answer"), reply("only a link"))
+    link = acp.resource_link_block("a.txt", f"file://{ws}/a.txt")
+    embedded = acp.resource_block(acp.embedded_text_resource(f"file://{ws}/z.txt", "embedded body"))
+    prompts = [[acp.text_block("write them")], [acp.text_block("look at these"), link, embedded], [link]]
+    state = str(tmp_path / "state")
+
+    async def main():
+        c = RecordingClient()
+        expected = []
+        async with spawn(c, config, state_dir=state) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            for blocks in prompts:
+                c.updates.clear()
+                assert (await bounded(conn.prompt(session_id=sid, prompt=blocks))).stop_reason == "end_turn"
+                expected += [acp.update_user_message(b) for b in blocks] + [u for _, u in c.updates]
+        assert len([u for u in expected if u.session_update == "tool_call"]) == 5
+        (ws / "a.txt").write_text("changed since\n")  # the replay's diffs are the recorded ones
+        (ws / "e.txt").write_text("changed since\n")
+        c2 = RecordingClient()
+        async with spawn(c2, config, state_dir=state) as (conn, _):
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+        live, replay = _shown(expected), _shown([u for _, u in c2.updates])
+        assert replay[0] == live[0]
+        assert replay[1] == live[1]
+        titles = sorted(d["tool_call"]["title"] for d in replay[1].values())
+        assert titles == ["edit_file e.txt", "read_file e.txt", "search_text 'two'", "write_file a.txt",
+                          "write_file b.txt"]
+        diffs = {d["tool_call"]["title"]: d["tool_call"].get("content") for d in replay[1].values()}
+        assert diffs["write_file a.txt"] == [{"type": "diff", "path": str(ws / "a.txt"), "old_text": "old text\n",
+                                              "new_text": "brand new\nsecond\n"}]
+        assert diffs["write_file b.txt"][0]["new_text"] == "hello\n" and "old_text" not in diffs["write_file b.txt"][0]
+        assert [x if x == "tools" else x[0] for x in replay[0][:4]] == ["user_message_chunk", "agent_message_chunk",
+                                                                         "plan", "tools"]
+        assert replay[0][-2:] == [("user_message_chunk", {"content": link.model_dump(exclude_none=True)}),
+                                  ("agent_message_chunk", {"content": {"type": "text", "text": "only a link"}})]
+
+    run(main())
+
+
+def test_a_recorded_diff_is_rebuilt_from_what_the_branch_holds():
+    """Edit calls replayed by ``session/load``: a ``write_file`` gets its whole old text back
+    from its new text and the diff in its output (a missing newline at the end included); an
+    ``edit_file`` that ran, one ``diff`` per hunk; a denied ``edit_file``, its edits; a denied
+    ``write_file`` (no old text on record), none."""
+    from operate_sidecar.server.acp.port import recorded_diff
+    from operate_sidecar.server.tools.edits import unified_diff
+
+    def pairs(content):
+        return [(c.old_text, c.new_text) for c in content]
+
+    old = "".join(f"line {i}\n" for i in range(1, 21)) + "last"
+    new = old.replace("line 2\n", "LINE 2\n").replace("line 18\n", "").replace("last", "last\n")
+    diff = unified_diff(old, new, "f.txt")
+    assert pairs(recorded_diff("/w/f.txt", {"path": "f.txt", "content": new}, {"diff": diff})) == [(old, new)]
+    hunks = pairs(recorded_diff("/w/f.txt", {"path": "f.txt", "edits": []}, {"diff": diff}))
+    assert hunks == [("line 1\nline 2\nline 3\nline 4\nline 5\n", "line 1\nLINE 2\nline 3\nline 4\nline 5\n"),
+                     ("line 15\nline 16\nline 17\nline 18\nline 19\nline 20\nlast",
+                      "line 15\nline 16\nline 17\nline 19\nline 20\nlast\n")]
+    created = recorded_diff("/w/n.txt", {"path": "n.txt", "content": "x\n"}, {"diff": unified_diff(None, "x\n", "n")})
+    assert pairs(created) == [(None, "x\n")]
+    denied = {"error": "denied by governance gate"}
+    edits = [{"oldText": "a", "newText": "b"}]
+    assert pairs(recorded_diff("/w/f.txt", {"path": "f.txt", "edits": edits}, denied)) == [("a", "b")]
+    assert recorded_diff("/w/f.txt", {"path": "f.txt", "content": "x"}, denied) == []
+    assert recorded_diff("/w/f.txt", {"path": "f.txt", "edits": edits}, {"error": "oldText not found"}) == []
+
+
+def test_sessions_are_listed_most_recent_first_within_a_second(tmp_path, ws):
+    """The update time is kept to the millisecond, so two sessions prompted within one second
+    are listed most recent first; times of older versions (to the second) still sort right."""
+    from operate_sidecar.server.acp.agent import _when
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, cfg(tmp_path, *[reply("ok")] * 4)) as (conn, _):
+            s1 = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            s2 = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            for sid, first in ((s2, s2), (s1, s1), (s2, s2)):
+                await prompt(conn, sid)
+                listed = (await bounded(conn.list_sessions(cwd=str(ws)))).sessions
+                assert [s.session_id for s in listed][0] == first
+                assert "." in listed[0].updated_at  # milliseconds
+    run(main())
+    assert _when("2026-01-01T10:00:00+00:00") < _when("2026-01-01T10:00:00.001+00:00") \
+        < _when("2026-01-01T11:00:00.500+01:00") < _when("2026-01-01T10:00:01+00:00")
+    assert _when("garbage") < _when("2026-01-01T10:00:00+00:00")
