@@ -6,6 +6,13 @@ CPUs), ``maxTokens`` (256; 512 for structured requests), ``maxItems`` (3) and
 ``maxStringLength`` (200; null for none) bound the JSON Schema used as a grammar,
 ``options`` (default llama parameters, under each request's ``options``).
 
+Context window: core sends a branch's whole history on every call (docs/PIPELINE.md). When
+the rendered prompt does not fit ``nCtx`` minus the tokens reserved for the reply, the oldest
+history messages are left out of *this request* (never the system message or the current
+instruction; a turn whose assistant reply called tools goes together with the turn carrying
+their results), counted with the model's own tokenizer (``_fit_context``). The branch keeps
+every message.
+
 ``llama_cpp`` is imported on first use only. A loaded ``Llama`` is cached process-wide per (path, n_ctx)
 and shared by every ``LocalModel`` that names it; generation on one ``Llama``
 (one llama context) is serialised by a lock that lives with the cache entry.
@@ -110,6 +117,13 @@ class _Loaded:
     lock: threading.Lock  # held for a whole generation
     step_lock: threading.Lock = field(default_factory=threading.Lock)  # held while one step runs
     lease: _Lease | None = None
+    _counter: "_TokenCounter | None" = None
+
+    @property
+    def counter(self) -> "_TokenCounter":
+        if self._counter is None:
+            self._counter = _TokenCounter(self.llama)
+        return self._counter
 
     async def acquire(self) -> _Lease:
         """Take the context. Polls, so waiting stays cancellable and independent of
@@ -226,6 +240,134 @@ def _grammar_for(schema_json: str, max_items: int, max_length: int | None) -> An
     return LlamaGrammar.from_json_schema(json.dumps(bounded), verbose=False)
 
 
+# -- fitting a long history into the context window --------------------------------------------
+
+#: Prompt tokens outside every message's content when the chat template cannot be rendered
+#: here: BOS, the generation prompt, a default system prompt some templates add (SmolLM2's: ~20).
+PROMPT_OVERHEAD = 32
+#: Per message: role markers and separators (ChatML: 5), plus a token or two of slack where a
+#: message's first or last token merges differently inside the whole prompt.
+MESSAGE_OVERHEAD = 8
+#: How core.render.render_user_text begins a user turn that carries tool results: the calls they
+#: answer are in the assistant turn just before it.
+_TOOL_RESULTS = "Tool results: "
+
+
+class _TokenCounter:
+    """Counts prompt tokens with the model's own tokenizer. ``count`` is one message's cost (its
+    content's tokens plus the template's tokens around a message); ``exact`` renders the model's
+    GGUF chat template as llama-cpp-python does and tokenizes the whole prompt (None where it
+    cannot). With a template, the tokens around a message are measured once, here."""
+
+    def __init__(self, llama: Any) -> None:
+        self.llama = llama
+        self.formatter = _template_formatter(llama)
+        self.per_message = MESSAGE_OVERHEAD
+        if self.formatter is not None:
+            one = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+            short = self.exact(one)
+            longer = self.exact([*one, {"role": "assistant", "content": "c"}, {"role": "user", "content": "b"}])
+            if short is not None and longer is not None:
+                around = longer - short - self._tokens("c") - self._tokens("b")
+                self.per_message = max(1, -(-around // 2)) + 1  # +1: a boundary may merge differently
+
+    def _tokens(self, text: str) -> int:
+        return len(self.llama.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+    def count(self, text: str) -> int:
+        return self._tokens(text) + self.per_message
+
+    def exact(self, messages: list[dict[str, str]]) -> int | None:
+        if self.formatter is None:
+            return None
+        try:
+            result = self.formatter(messages=messages)
+            return len(self.llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special,
+                                           special=True))
+        except Exception:  # noqa: BLE001 - an unusual template: fall back to the estimate
+            return None
+
+
+def _template_formatter(llama: Any) -> Any:
+    """The Jinja formatter llama-cpp-python builds for a GGUF chat template (None for a built-in
+    chat format or a custom handler: then prompts are estimated, not counted exactly)."""
+    fmt = getattr(llama, "chat_format", None)
+    if getattr(llama, "chat_handler", None) is not None or not isinstance(fmt, str) or not fmt.startswith(
+            "chat_template."):
+        return None
+    try:
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        key = "tokenizer.chat_template" if fmt == "chat_template.default" else "tokenizer." + fmt
+        template = llama.metadata[key]
+        eos, bos = llama.token_eos(), llama.token_bos()
+        text = llama._model.token_get_text  # what Llama.__init__ passes to its own formatter
+        return Jinja2ChatFormatter(template=template, eos_token=text(eos) if eos != -1 else "",
+                                   bos_token=text(bos) if bos != -1 else "", stop_token_ids=[eos])
+    except Exception:  # noqa: BLE001 - another llama-cpp-python version: estimate instead
+        return None
+
+
+def _fit_context(counter: Any, messages: list[dict[str, str]], n_ctx: int, reserve: int
+                 ) -> tuple[list[dict[str, str]], int]:
+    """``messages`` without as many of the oldest history messages as it takes for the prompt to
+    fit ``n_ctx - reserve`` tokens; returns (messages to send, how many were left out).
+
+    The system message (first, if any) and the current instruction (last) always stay. The kept
+    history starts at a user turn that carries no tool results (so no result is sent without the
+    assistant turn that called it), or, if the instruction carries tool results, possibly at the
+    assistant turn that made those calls. Each message is tokenized at most once, newest first,
+    and only until the budget is spent; a prompt whose bytes already fit is not tokenized at all
+    (a token is at least one byte). Where the chat template can be rendered, the chosen prompt is
+    then counted exactly (again, one turn shorter, only if the estimate was short). Raises ModelError when the system message and the instruction
+    alone are at least ``n_ctx`` tokens; when they fit that but not the budget, they are sent
+    alone and llama.cpp shortens the reply."""
+    budget = n_ctx - reserve
+    if len(messages) < 2:
+        return messages, 0
+    if PROMPT_OVERHEAD + sum(len(m["content"].encode("utf-8")) + MESSAGE_OVERHEAD for m in messages) <= budget:
+        return messages, 0
+    head = messages[:1] if messages[0]["role"] == "system" else []
+    history, last = messages[len(head):-1], messages[-1]
+    fixed = counter.exact([*head, last])
+    if fixed is None:
+        fixed = PROMPT_OVERHEAD + sum(counter.count(m["content"]) for m in (*head, last))
+    n = len(history)
+    # The assistant turn(s) whose calls the instruction answers may open the kept history.
+    calls_turn = n
+    if last["content"].startswith(_TOOL_RESULTS):
+        while calls_turn > 0 and history[calls_turn - 1]["role"] == "assistant":
+            calls_turn -= 1
+    # Each message's cost, newest first, until the budget is spent; where the kept history may start.
+    costs: dict[int, int] = {}
+    total = fixed
+    cuts: list[int] = []
+    for i in range(n - 1, -1, -1):
+        costs[i] = counter.count(history[i]["content"])
+        total += costs[i]
+        if total > budget:
+            break
+        m = history[i]
+        if i == 0 or i == calls_turn or (m["role"] == "user" and not m["content"].startswith(_TOOL_RESULTS)):
+            cuts.append(i)
+    cuts.reverse()
+    cuts.append(n)  # everything left out
+    for start in cuts:
+        kept = [*head, *history[start:], last]
+        exact = counter.exact(kept)
+        if exact is None or exact <= budget or start == n:
+            break
+    size = exact if exact is not None else fixed + sum(costs.get(i, 0) for i in range(start, n))
+    if start == n and size > budget:
+        if size >= n_ctx:
+            what = "the system message and the instruction" if head else "the instruction"
+            raise ModelError(f"local model failed: {what} alone need {size} tokens, which does not fit the "
+                             f"context window of {n_ctx} tokens (nCtx), whatever history is left out")
+        log.warning("local model: the system message and the instruction need %d of %d tokens; the reply "
+                    "gets the %d left", size, n_ctx, n_ctx - size)
+    return kept, start
+
+
 _DONE = object()
 
 
@@ -305,6 +447,14 @@ class LocalModel(BaseModelProvider):
                 kw["response_format"] = {"type": "json_object"}
         return kw
 
+    def _reserve(self, kwargs: dict[str, Any]) -> int:
+        """Prompt tokens kept free for the reply: its max_tokens (unlimited: the default), at most
+        half the window, so a large maxTokens still leaves room for the instruction."""
+        wanted = kwargs.get("max_tokens")
+        if not isinstance(wanted, int) or wanted <= 0:
+            wanted = self.max_tokens
+        return max(1, min(wanted, self.n_ctx // 2))
+
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         loaded = await self.load()
         messages = [{"role": m["role"], "content": m.get("content") or ""} for m in request.messages]
@@ -315,7 +465,13 @@ class LocalModel(BaseModelProvider):
             llama = loaded.llama
 
             def start() -> Any:  # in the worker: building a grammar from a big schema takes a while
-                lease.gen = llama.create_chat_completion(messages=messages, stream=True, **self._kwargs(request))
+                kwargs = self._kwargs(request)
+                sent, dropped = _fit_context(loaded.counter, messages, self.n_ctx, self._reserve(kwargs))
+                if dropped:
+                    log.info("local model %s: left out the %d oldest of %d history messages to fit nCtx %d "
+                             "(the branch keeps them)", self.name, dropped,
+                             len(messages) - 1 - (messages[0]["role"] == "system"), self.n_ctx)
+                lease.gen = llama.create_chat_completion(messages=sent, stream=True, **kwargs)
 
             def step() -> Any:
                 return next(lease.gen, _DONE)

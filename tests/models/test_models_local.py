@@ -196,6 +196,96 @@ async def test_an_abandoned_stream_does_not_block_the_model_forever(local, monke
     assert not (await local.load()).lock.locked()
 
 
+# -- a history longer than the context window ----------------------------------------------
+
+
+class _WordCounter:
+    """A stand-in tokenizer for ``_fit_context``: one token per word, plus one per message."""
+
+    def count(self, text: str) -> int:
+        return len(text.split()) + 1
+
+    def exact(self, messages) -> None:
+        return None
+
+
+def test_fit_context_leaves_out_the_oldest_turns_and_never_half_a_tool_call():
+    from operate_sidecar.server.models.local import PROMPT_OVERHEAD, _fit_context
+
+    def turn(role, words, tag):
+        return {"role": role, "content": f"{tag} " + "w " * words}
+
+    system = {"role": "system", "content": "sys"}
+    history = [turn("user", 10, "Instruction: u0"), turn("assistant", 10, "a0"),
+               turn("user", 10, "Instruction: u1"), turn("assistant", 10, 'a1 {"action_requests": [...]}'),
+               turn("user", 10, "Tool results: r1 Instruction: go on"), turn("assistant", 10, "a2")]
+    now = turn("user", 5, "Instruction: now")
+    messages = [system, *history, now]
+    costs = {id(m): len(m["content"].split()) + 1 for m in messages}
+    base = PROMPT_OVERHEAD + costs[id(system)] + costs[id(now)]
+
+    sent, dropped = _fit_context(_WordCounter(), messages, n_ctx=10_000, reserve=100)
+    assert (sent, dropped) == (messages, 0)                     # fits: sent as it is
+    # Room for the last two turns only: the one with tool results cannot open the history
+    # (its calls are in the turn before), so the call and its results go together.
+    room = base + sum(costs[id(m)] for m in history[4:])
+    sent, dropped = _fit_context(_WordCounter(), messages, n_ctx=room + 100, reserve=100)
+    assert (sent, dropped) == ([system, now], 6)
+    room = base + sum(costs[id(m)] for m in history[2:])
+    sent, dropped = _fit_context(_WordCounter(), messages, n_ctx=room + 100, reserve=100)
+    assert (sent, dropped) == ([system, *history[2:], now], 2)
+    # An instruction carrying tool results keeps the assistant turn that made the calls.
+    results = turn("user", 5, "Tool results: r2 Instruction: go on")
+    calls = [system, *history[:4], results]
+    room = PROMPT_OVERHEAD + costs[id(system)] + costs[id(history[3])] + len(results["content"].split()) + 1
+    sent, dropped = _fit_context(_WordCounter(), calls, n_ctx=room + 100, reserve=100)
+    assert (sent, dropped) == ([system, history[3], results], 3)
+    with pytest.raises(ModelError, match="context window of 40"):   # system + instruction alone too big
+        _fit_context(_WordCounter(), messages, n_ctx=40, reserve=10)
+
+
+async def test_a_history_longer_than_the_context_window_still_gets_an_answer(caplog):
+    """A branch whose rendered history is several times nCtx 512: the real model still answers,
+    the oldest turns are left out of the request only, and the branch keeps every message."""
+    import logging
+
+    from operate_sidecar.server.core import Branch, Tool
+    from operate_sidecar.server.models.scripted import ScriptedModel
+
+    async def lookup(key: str = "") -> dict:
+        """Look a key up.
+
+        Args:
+            key: what to look up.
+        """
+        return {"key": key, "value": "forty-two " * 20}
+
+    turns = 12
+    answer = "Here is a medium-length answer about the question you asked. " * 4
+    script: list = [{"json": {"answer": answer, "action_requests": [{"function": "lookup",
+                                                                      "arguments": {"key": "k"}}]}}]
+    script += [answer] * turns
+    branch = Branch(system="You are brief.", chat_model=ScriptedModel("scripted", script))
+    branch.tools.register(Tool.from_function(lookup, name="lookup"))
+    with anyio.fail_after(60):
+        await branch.operate(instruction="Look up k.", actions=True, response_format={
+            "title": "R", "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]})
+        for i in range(turns):
+            await branch.operate(instruction=f"Question {i}: explain it briefly.")
+    before = [m.id for m in branch.messages]
+    assert "action_response" in [m.kind for m in branch.messages]
+
+    small = make_model({"provider": "local", "nCtx": 512, "maxTokens": 16, "options": {"temperature": 0}},
+                       name="small")
+    branch.chat_model = small
+    with caplog.at_level(logging.INFO, logger="operate_sidecar.server.models.local"), anyio.fail_after(120):
+        out = await branch.operate(instruction="Say hi.")
+    assert isinstance(out, str) and out.strip()
+    assert [m.id for m in branch.messages][: len(before)] == before       # nothing removed
+    assert [m.kind for m in branch.messages][len(before):] == ["instruction", "assistant_response"]
+    assert any("left out the" in r.getMessage() for r in caplog.records)
+
+
 # -- a read-then-edit session in rounds, over real pipes ------------------------------------
 #
 # What the 135M model does with "read greeting.txt, then fix its typo with edit_file" in
