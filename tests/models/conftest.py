@@ -55,7 +55,7 @@ class LlamaServer:
                 sys.executable, "-m", "llama_cpp.server",
                 "--model", self.gguf,
                 "--host", "127.0.0.1", "--port", str(self.port),
-                "--n_ctx", "2048",
+                "--n_ctx", "4096",  # an edit session's second round: ~1,800 tokens and the first reply
             ],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -368,7 +368,7 @@ def test_two_round_read_then_edit_session_with_the_embedded_model(tmp_path):
 
 def test_two_round_read_then_edit_session_through_llama_cpp_server(llama_server, tmp_path):
     out, calls, _text = _edit_session({"provider": "openai", "model": "smollm2", "baseUrl": llama_server.base_url,
-                                       # max_tokens: round 2 must fit the server's n_ctx 2048 (a reply
+                                       # max_tokens: round 2 must fit the server's n_ctx 4096 (a reply
                                        # repeating calls to the window's end overflowed it; the stream then
                                        # ends with no finish_reason, which is -32011)
                                        "options": {"temperature": 0.2, "seed": 3, "max_tokens": 384}},
