@@ -700,6 +700,38 @@ def test_a_cancelled_permission_request_is_shown_as_cancelled(sv):
     assert len(card) == 1 and card[0].endswith("(cancelled)"), card
 
 
+def test_rendering_a_turn_does_not_go_through_vim_validate(sv):
+    """On 0.7.2 (LuaJIT 2.1.0-beta3) a hot vim.split once failed with valid arguments while a
+    finished turn's cards were filled ("vim/shared.lua:122: opt[string]: expected table, got
+    string"): rendering splits and joins lines with the plugin's own helpers, never vim.validate."""
+    bid = sv.new_branch([call("fixture_echo", text="a\nb"), {"json": {"answer": "line one\nline two",
+                                                                       "reason": {"content": "why"}}}], "novalidate")
+    sv.chat_send("go")
+    sv.wait_done()
+    sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '  │   echo:a')", "the card's output")
+    before = sv.chat(bid)
+    rendered = sv.lua("""
+        local chat = require('operate_sidecar.chat')
+        local c = chat.chats[...]
+        local saved = {}
+        for _, name in ipairs({ 'validate', 'split', 'gsplit', 'list_extend', 'tbl_keys' }) do
+          saved[name] = vim[name]
+          vim[name] = function() error('vim.' .. name .. ' called', 2) end
+        end
+        local ok, err = pcall(function()
+          for _, t in ipairs(c.turns) do chat.render_turn(c, t) end
+          return chat.result_lines({ result = { answer = 'x\\ny', list = { 1, { k = 'v' } } } })
+        end)
+        for name, f in pairs(saved) do vim[name] = f end
+        return { ok, err }
+    """, bid)
+    assert rendered[0] is True, rendered[1]
+    assert sv.chat(bid) == before
+    assert sv.lua("local u = require('operate_sidecar.util'); "
+                  "return vim.tbl_map(u.split_lines, { '', 'a', 'a\\n', '\\n\\nb', 'x\\ny\\n\\nz' })") == [
+        [""], ["a"], ["a", ""], ["", "", "b"], ["x", "y", "", "z"]]
+
+
 def test_a_permission_request_that_timed_out_is_shown_as_timed_out(nv):
     nv.setup([call("mark_file", path=str(nv.tmp / "late.txt"), text="x"), "unused"], toolPolicy={"mark_file": "ask"},
              permissionTimeoutMs=1000, _state_dir=False)

@@ -177,7 +177,7 @@ function M.stream_lines(raw)
     if #out > 0 then
       out[#out + 1] = ''
     end
-    vim.list_extend(out, field_lines(f[1], f[2]))
+    util.extend(out, field_lines(f[1], f[2]))
   end
   return out
 end
@@ -209,7 +209,7 @@ local function tree(v, indent, out)
     end
     return
   end
-  local keys = vim.tbl_keys(v)
+  local keys = util.keys(v)
   table.sort(keys)
   for _, k in ipairs(keys) do
     local item = v[k]
@@ -238,7 +238,7 @@ function M.result_lines(result)
     tree(r, 0, out)
     return out
   end
-  local keys = vim.tbl_keys(r)
+  local keys = util.keys(r)
   table.sort(keys, function(a, b)
     local pa, pb = PROSE[a] and 0 or (a == 'reason' and 2 or 1), PROSE[b] and 0 or (b == 'reason' and 2 or 1)
     if pa ~= pb then
@@ -254,9 +254,9 @@ function M.result_lines(result)
         out[#out + 1] = ''
       end
       if type(v) == 'string' then
-        vim.list_extend(out, field_lines(k, v))
+        util.extend(out, field_lines(k, v))
       elseif k == 'reason' and type(v) == 'table' and type(v.content) == 'string' then
-        vim.list_extend(out, field_lines('reason', v.content))
+        util.extend(out, field_lines('reason', v.content))
       elseif type(v) == 'table' then
         out[#out + 1] = ('**%s:**'):format(k)
         tree(v, 0, out)
@@ -293,7 +293,7 @@ local function card_summary(card)
     if type(args.path) == 'string' then
       parts[#parts + 1] = util.display_path(args.path)
     else
-      local keys = vim.tbl_keys(args)
+      local keys = util.keys(args)
       table.sort(keys)
       for _, k in ipairs(keys) do
         if type(args[k]) ~= 'table' then
@@ -363,8 +363,11 @@ local function card_lines(card)
   if type(card.error) == 'string' then
     detail[#detail + 1] = 'error: ' .. card.error
   end
-  for _, l in ipairs(detail) do
-    lines[#lines + 1] = M.CARD .. l
+  for _, d in ipairs(detail) do
+    -- (a summary or error from the server may hold newlines: the buffer takes no such line)
+    for _, l in ipairs(util.split_lines(d)) do
+      lines[#lines + 1] = M.CARD .. l
+    end
   end
   return lines
 end
@@ -403,7 +406,7 @@ local function turn_lines(turn)
   local lines, details = {}, {}
   if turn.user then
     lines[#lines + 1] = '## You' .. (turn.time and (' · ' .. turn.time) or '')
-    vim.list_extend(lines, util.split_lines(turn.user))
+    util.extend(lines, util.split_lines(turn.user))
     if turn.ctx_label and turn.ctx_label ~= '' then
       lines[#lines + 1] = '_with ' .. turn.ctx_label .. '_'
     end
@@ -414,7 +417,7 @@ local function turn_lines(turn)
     if blk.kind == 'text' then
       local body = blk.final or M.stream_lines(blk.raw)
       if #body > 0 and not (#body == 1 and body[1] == '') then
-        vim.list_extend(lines, body)
+        util.extend(lines, body)
         lines[#lines + 1] = ''
       end
     else
@@ -1046,7 +1049,7 @@ function M.lines(branch)
     return {}
   end
   local lines = api.nvim_buf_get_lines(chat.buf, 0, -1, false)
-  vim.list_extend(lines, api.nvim_buf_get_lines(chat.prompt_buf, 0, -1, false))
+  util.extend(lines, api.nvim_buf_get_lines(chat.prompt_buf, 0, -1, false))
   return lines
 end
 

@@ -22,8 +22,41 @@ function M.event(name)
   end
 end
 
+-- The helpers below stand in for vim.split, vim.list_extend and vim.tbl_keys on the chat's
+-- render path (and in `pretty`), which call them for every line: on nvim 0.7 those go through
+-- vim.validate, and under the LuaJIT 2.1.0-beta3 of Debian's 0.7.2 a hot vim.split once failed
+-- with valid arguments ("vim/shared.lua:122: opt[string]: expected table, got string": only
+-- validate's own type-name table has such an entry, so most likely a miscompiled trace).
+
+--- The lines of a text (split at every "\n"; "" is one empty line).
 function M.split_lines(text)
-  return vim.split(text, '\n', { plain = true })
+  local lines, i = {}, 1
+  while true do
+    local j = text:find('\n', i, true)
+    if not j then
+      lines[#lines + 1] = text:sub(i)
+      return lines
+    end
+    lines[#lines + 1] = text:sub(i, j - 1)
+    i = j + 1
+  end
+end
+
+--- Append the items of list `src` to list `dst`; returns `dst`.
+function M.extend(dst, src)
+  for _, v in ipairs(src) do
+    dst[#dst + 1] = v
+  end
+  return dst
+end
+
+--- The keys of a table (in no particular order).
+function M.keys(t)
+  local keys = {}
+  for k in pairs(t) do
+    keys[#keys + 1] = k
+  end
+  return keys
 end
 
 function M.as_object(t)
@@ -58,7 +91,7 @@ function M.pretty(value)
       out[#out + 1] = pad .. ']' .. suffix
     else
       out[#out + 1] = pad .. prefix .. '{'
-      local keys = vim.tbl_keys(v)
+      local keys = M.keys(v)
       table.sort(keys, function(a, b)
         return tostring(a) < tostring(b)
       end)
@@ -72,7 +105,7 @@ function M.pretty(value)
   -- a multi-line string value stays one JSON line; split anything else the encoder produced
   local lines = {}
   for _, l in ipairs(out) do
-    vim.list_extend(lines, M.split_lines(l))
+    M.extend(lines, M.split_lines(l))
   end
   return lines
 end
