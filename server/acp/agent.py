@@ -56,10 +56,17 @@ LEGACY_SESSIONS = "acp-sessions.json"
 INFO_FIELDS = ("cwd", "title", "model", "updatedAt")
 
 
+_LAST_MS = [0]
+
+
 def _now() -> str:
-    """An update time: ISO 8601 in UTC, to the millisecond (sessions updated within one second
-    are listed in order)."""
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    """An update time: ISO 8601 in UTC, to the millisecond, and later than any this process made
+    before (two updates within one millisecond, or the wall clock stepped back, would otherwise
+    tie or reorder the sessions' list)."""
+    ms = max(time.time_ns() // 1_000_000, _LAST_MS[0] + 1)
+    _LAST_MS[0] = ms
+    when = datetime.fromtimestamp(ms // 1000, timezone.utc).replace(microsecond=ms % 1000 * 1000)
+    return when.isoformat(timespec="milliseconds")
 
 
 def _when(updated_at: str | None) -> float:

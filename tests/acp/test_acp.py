@@ -813,7 +813,7 @@ def test_a_recorded_diff_is_rebuilt_from_what_the_branch_holds():
 def test_sessions_are_listed_most_recent_first_within_a_second(tmp_path, ws):
     """The update time is kept to the millisecond, so two sessions prompted within one second
     are listed most recent first; times of older versions (to the second) still sort right."""
-    from operate_sidecar.server.acp.agent import _when
+    from operate_sidecar.server.acp.agent import _now, _when
 
     async def main():
         c = RecordingClient()
@@ -829,3 +829,5 @@ def test_sessions_are_listed_most_recent_first_within_a_second(tmp_path, ws):
     assert _when("2026-01-01T10:00:00+00:00") < _when("2026-01-01T10:00:00.001+00:00") \
         < _when("2026-01-01T11:00:00.500+01:00") < _when("2026-01-01T10:00:01+00:00")
     assert _when("garbage") < _when("2026-01-01T10:00:00+00:00")
+    stamps = [_now() for _ in range(200)]  # many within one millisecond: never a tie, never back
+    assert all(_when(a) < _when(b) for a, b in zip(stamps, stamps[1:])), stamps
