@@ -170,31 +170,28 @@ class CLIModel(BaseModelProvider):
 
         try:
             assert process.stdout is not None
+            drain_end: float | None = None  # set once the program exited while stdout stays open
             while True:
-                try:
-                    data = await _read_or_exit(process, deadline)
-                except TimeoutError:
-                    raise timed_out() from None
-                if data is None:  # the program exited, but something it started still holds stdout
-                    break
+                if drain_end is None:
+                    try:
+                        data = await _read_or_exit(process, deadline)
+                    except TimeoutError:
+                        raise timed_out() from None
+                    if data is None:  # the program exited, but something it started still holds stdout:
+                        # read what it wrote before it exited (briefly: a leftover child may write on),
+                        # then end the run; whatever it left behind is killed below
+                        drain_end = anyio.current_time() + DRAIN_MAX_S
+                        continue
+                else:
+                    left = drain_end - anyio.current_time()
+                    data = await _receive_within(process.stdout, min(DRAIN_IDLE_S, left)) if left > 0 else None
+                    if data is None:
+                        break
                 if not data:
                     eof = True
                     break
                 for chunk in parser.feed(data):
                     yield checked(chunk)
-            if not eof:
-                # Read what it wrote before it exited (briefly: a leftover child may write on),
-                # then end the run; whatever it left behind is killed below.
-                drain_end = anyio.current_time() + DRAIN_MAX_S
-                while (left := drain_end - anyio.current_time()) > 0:
-                    data = await _receive_within(process.stdout, min(DRAIN_IDLE_S, left))
-                    if data is None:
-                        break
-                    if not data:
-                        eof = True
-                        break
-                    for chunk in parser.feed(data):
-                        yield checked(chunk)
             for chunk in parser.close():
                 yield checked(chunk)
             if process.returncode is None:  # stdout closed: wait for the program itself

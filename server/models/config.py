@@ -93,7 +93,7 @@ class ModelConfigError(ValueError):
 
 # --- the checker ---------------------------------------------------------------------------
 
-def _kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
     """The JSON kind of a value, with its article (for messages; never the value itself,
     which may be a secret)."""
     if value is None:
@@ -130,7 +130,7 @@ def _type_problem(field: str, kind: Any, value: Any) -> str | None:
     if isinstance(kind, tuple):
         if isinstance(value, str) and value in kind:
             return None
-        got = _short(value) if isinstance(value, str) else _kind(value)
+        got = _short(value) if isinstance(value, str) else json_kind(value)
         return f"{field} must be one of {', '.join(map(repr, kind))}, not {got}"
     if kind == "any":
         return None
@@ -158,10 +158,10 @@ def _type_problem(field: str, kind: Any, value: Any) -> str | None:
         ok, want = isinstance(value, dict), "an object"
     elif kind == "string map":
         if not isinstance(value, dict):
-            return f"{field} must be an object of strings, not {_kind(value)}"
+            return f"{field} must be an object of strings, not {json_kind(value)}"
         for k, v in value.items():
             if not isinstance(v, str):
-                return f"{field}.{k} must be a string, not {_kind(v)}"
+                return f"{field}.{k} must be a string, not {json_kind(v)}"
         return None
     elif kind == "argv":
         if isinstance(value, str):
@@ -177,7 +177,7 @@ def _type_problem(field: str, kind: Any, value: Any) -> str | None:
         return None
     elif kind == "responses":
         if not isinstance(value, list):
-            return f"{field} must be a list, not {_kind(value)}"
+            return f"{field} must be a list, not {json_kind(value)}"
         for i, entry in enumerate(value):
             problem = entry_problem(entry, f"{field}[{i}]")
             if problem:
@@ -185,7 +185,7 @@ def _type_problem(field: str, kind: Any, value: Any) -> str | None:
         return None
     else:  # pragma: no cover - a typo in FIELDS
         raise AssertionError(f"unknown field type {kind!r}")
-    return None if ok else f"{field} must be {want}, not {_kind(value)}"
+    return None if ok else f"{field} must be {want}, not {json_kind(value)}"
 
 
 def entry_problem(entry: Any, where: str) -> str | None:
@@ -193,7 +193,7 @@ def entry_problem(entry: Any, where: str) -> str | None:
     if isinstance(entry, str):
         return None
     if not isinstance(entry, dict):
-        return f"{where} must be a string or an object, not {_kind(entry)}"
+        return f"{where} must be a string or an object, not {json_kind(entry)}"
     unknown = [k for k in entry if k not in ENTRY_FIELDS]
     if unknown:
         return f"{where}: {_unknown(unknown)} (accepts: {', '.join(sorted(ENTRY_FIELDS))})"
@@ -214,13 +214,13 @@ def config_problem(config: Any, provider: str | None = None) -> str | None:
     """Why ``config`` is not a usable ModelConfig, or None. ``provider`` overrides the
     config's own ``provider`` (for a provider class's ``from_config``)."""
     if not isinstance(config, dict):
-        return f"must be an object with a provider, not {_kind(config)}"
+        return f"must be an object with a provider, not {json_kind(config)}"
     if provider is None:
         provider = config.get("provider")
         if provider is None:
             return f"missing 'provider' (one of {', '.join(sorted(PROVIDERS))})"
         if not isinstance(provider, str):
-            return f"provider must be a string, not {_kind(provider)}"
+            return f"provider must be a string, not {json_kind(provider)}"
         if provider not in PROVIDERS:
             return f"unknown provider {_short(provider)} (expected one of {', '.join(sorted(PROVIDERS))})"
     fields = FIELDS[provider]

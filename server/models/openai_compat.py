@@ -29,7 +29,7 @@ from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from ._common import field_value, is_loopback_url, json_safe, redact, remember_secret, snake, snake_options
-from .config import FIELDS, check_model_config
+from .config import FIELDS, check_model_config, json_kind
 
 log = logging.getLogger(__name__)
 
@@ -451,21 +451,7 @@ def _check_options(name: str, where: str, options: dict[str, Any] | None) -> Non
                   and math.isfinite(value) and value > 0)
             kind = "a positive number of seconds"
         if not ok:
-            raise ModelConfigError(f"model {name!r}: {where}.{given} must be {kind}, not {_json_kind(value)}")
-
-
-def _json_kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return f"{value!r}"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
+            raise ModelConfigError(f"model {name!r}: {where}.{given} must be {kind}, not {json_kind(value)}")
 
 
 def _rejects(e: Any, msg: str, *words: str) -> bool:

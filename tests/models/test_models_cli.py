@@ -203,22 +203,22 @@ for line in open(os.environ["FAKE_CLAUDE_EVENTS"]):
 """
 
 
+def fake_claude(tmp_path, events: list, *args: str, **config):
+    """A ``claude-code`` CLI model whose program (``FAKE_CLAUDE``) replays ``events``, recording
+    its argv in ``argv.json``."""
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return make_model({"provider": "cli", "profile": "claude-code",
+                       "command": [PY, script(tmp_path, "claude.py", FAKE_CLAUDE), *args],
+                       "env": {"FAKE_CLAUDE_ARGV": str(tmp_path / "argv.json"), "FAKE_CLAUDE_EVENTS": str(path)},
+                       **config}, name="claude")
+
+
 async def test_claude_code_profile_parses_stream_json_and_passes_resume(tmp_path):
     """MOCK: no real `claude` binary here; a fake script replays recorded stream-json."""
-    events = tmp_path / "events.jsonl"
-    events.write_text("".join(json.dumps(e) + "\n" for e in CLAUDE_EVENTS))
+    model = fake_claude(tmp_path, CLAUDE_EVENTS, "-p", "--output-format", "stream-json", "--verbose",
+                        cwd=str(tmp_path))
     argv_file = tmp_path / "argv.json"
-    fake = script(tmp_path, "claude.py", FAKE_CLAUDE)
-    model = make_model(
-        {
-            "provider": "cli",
-            "profile": "claude-code",
-            "command": [PY, fake, "-p", "--output-format", "stream-json", "--verbose"],
-            "env": {"FAKE_CLAUDE_ARGV": str(argv_file), "FAKE_CLAUDE_EVENTS": str(events)},
-            "cwd": str(tmp_path),
-        },
-        name="claude",
-    )
     request = ModelRequest(messages=[{"role": "user", "content": "List the files."}], options={"resume": "sess-0"}, purpose="run")
     chunks = await drain(model, request)
     assert [c.type for c in chunks] == ["thinking", "text", "tool_use", "tool_result", "text", "result"]
@@ -233,17 +233,7 @@ async def test_claude_code_profile_parses_stream_json_and_passes_resume(tmp_path
 
 async def test_claude_code_error_result_makes_invoke_raise(tmp_path):
     """MOCK: fake claude replaying an error result."""
-    events = tmp_path / "events.jsonl"
-    events.write_text(json.dumps({"type": "result", "subtype": "error_max_turns", "is_error": True, "session_id": "s"}) + "\n")
-    model = make_model(
-        {
-            "provider": "cli",
-            "profile": "claude-code",
-            "command": [PY, script(tmp_path, "claude.py", FAKE_CLAUDE)],
-            "env": {"FAKE_CLAUDE_ARGV": str(tmp_path / "argv.json"), "FAKE_CLAUDE_EVENTS": str(events)},
-        },
-        name="claude",
-    )
+    model = fake_claude(tmp_path, [{"type": "result", "subtype": "error_max_turns", "is_error": True, "session_id": "s"}])
     with anyio.fail_after(30), pytest.raises(ModelError, match="error_max_turns"):
         await model.invoke(ModelRequest(messages=[{"role": "user", "content": "go"}]))
 
@@ -297,17 +287,7 @@ WRONG_SHAPED_CLAUDE_EVENTS = [
 async def test_claude_code_events_of_the_wrong_shape_are_ignored(tmp_path):
     """MOCK: fake claude replaying events whose fields have other shapes than claude's: each is
     skipped like a line that is not JSON, and the well-formed one still makes the reply."""
-    events = tmp_path / "events.jsonl"
-    events.write_text("".join(json.dumps(e) + "\n" for e in WRONG_SHAPED_CLAUDE_EVENTS))
-    model = make_model(
-        {
-            "provider": "cli",
-            "profile": "claude-code",
-            "command": [PY, script(tmp_path, "claude.py", FAKE_CLAUDE)],
-            "env": {"FAKE_CLAUDE_ARGV": str(tmp_path / "argv.json"), "FAKE_CLAUDE_EVENTS": str(events)},
-        },
-        name="claude",
-    )
+    model = fake_claude(tmp_path, WRONG_SHAPED_CLAUDE_EVENTS)
     chunks = await drain(model, ModelRequest(messages=[{"role": "user", "content": "go"}]), timeout=30)
     assert [(c.type, c.text) for c in chunks[:-1]] == [("text", "the real answer")]
     assert chunks[-1].type == "result" and not chunks[-1].is_error and chunks[-1].usage is None
