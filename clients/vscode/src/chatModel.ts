@@ -67,6 +67,13 @@ function proseFromObject(o: Record<string, unknown>): string {
   return parts.join('\n\n');
 }
 
+/** The index of the quote that closes the JSON string opening at `i` (or `src.length` if it never closes). */
+function stringEnd(src: string, i: number): number {
+  i++;
+  while (i < src.length && src[i] !== '"') i += src[i] === '\\' ? 2 : 1;
+  return i;
+}
+
 /** Decodes the string fields of a possibly unfinished JSON object (a reply still streaming). */
 function partialStringFields(src: string): Record<string, string> {
   const out: Record<string, string> = {};
@@ -80,8 +87,7 @@ function partialStringFields(src: string): Record<string, string> {
     if (c !== '"') { i++; continue; }
     // a string: read it
     const start = i;
-    i++;
-    while (i < src.length && src[i] !== '"') i += src[i] === '\\' ? 2 : 1;
+    i = stringEnd(src, i);
     const raw = src.slice(start, Math.min(i + 1, src.length));
     i++;
     const m = /^\s*:\s*"/.exec(src.slice(i));
@@ -89,8 +95,7 @@ function partialStringFields(src: string): Record<string, string> {
     const key = safeString(raw);
     i += m[0].length - 1;
     const vs = i;
-    i++;
-    while (i < src.length && src[i] !== '"') i += src[i] === '\\' ? 2 : 1;
+    i = stringEnd(src, i);
     let rawValue = src.slice(vs, Math.min(i + 1, src.length));
     if (!rawValue.endsWith('"') || rawValue.length === 1) rawValue = rawValue.replace(/\\u?[0-9a-fA-F]{0,3}$|\\$/, '') + '"';
     i++;
@@ -134,8 +139,7 @@ function partialKeys(src: string): string[] | undefined {
     if (c === '}' || c === ']') { depth--; i++; continue; }
     if (c !== '"') { i++; continue; }
     const start = i;
-    i++;
-    while (i < src.length && src[i] !== '"') i += src[i] === '\\' ? 2 : 1;
+    i = stringEnd(src, i);
     if (i >= src.length) break;   // an unfinished string
     const raw = src.slice(start, i + 1);
     i++;
