@@ -267,6 +267,15 @@ def _error_output(function: Any, message: str, **extra: Any) -> dict[str, Any]:
     return {"error": message, "function": function, **extra}
 
 
+def bound_text(text: str, limit: int | None) -> str:
+    """An error text as kept in the message and the result: cut to ``limit`` characters (the
+    tool output bound, ``maxToolOutputChars``), saying how long it was; it stays a string, so
+    the output stays ``{"error": <text>, ...}``."""
+    if not limit or len(text) <= limit:
+        return text
+    return f"{text[:limit]}…(truncated: {len(text)} characters)"
+
+
 def _failure_text(e: BaseException) -> str:
     """The error text of a failed call, secrets removed (before anything shortens it)."""
     if isinstance(e, Exception):
@@ -286,10 +295,11 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
     args = arguments if isinstance(arguments, dict) else {}
     bid = str(branch.id)
     hooks = branch.hooks
+    limit = getattr(branch, "max_tool_output_chars", None)
 
     async def fail_before_start(stage: str, e: Exception) -> ActionResponseModel:
         # in a batch (contain=True): this call's error output; the tool never ran
-        message = f"{stage}: {_failure_text(e)}"
+        message = bound_text(f"{stage}: {_failure_text(e)}", limit)
         out = _error_output(function, message)
         req = _record_request(branch, call_id, function, redact_value(args))
         _record_response(branch, req, out)
@@ -302,7 +312,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
     async def deny(reason: str | None) -> ActionResponseModel:
         output = {"error": DENIED, "function": function}
         if reason:
-            output["reason"] = reason = redact(reason)
+            output["reason"] = reason = bound_text(redact(reason), limit)
         req = _record_request(branch, call_id, function, redact_value(args))
         _record_response(branch, req, output)
         branch.log_event({"event": "denied", "function": function, "callId": call_id, "reason": reason})
@@ -371,14 +381,14 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
             # then secrets out, then the size bound: a cut never leaves part of a key
             output, text = json_output(output)
             redacted = redact_value(output)
-            output = bound_output(redacted, getattr(branch, "max_tool_output_chars", None),
-                                  text if redacted is output else None)
+            output = bound_output(redacted, limit, text if redacted is output else None)
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt ... from a tool too
             duration = (time.perf_counter() - started) * 1000
-            message = _failure_text(e)
-            out = _error_output(function, message, arguments=redact_value(args))
+            # bounded like an output: the error text, and the arguments it repeats
+            message = bound_text(_failure_text(e), limit)
+            out = _error_output(function, message, arguments=bound_output(redact_value(args), limit))
             _record_response(branch, req, out)
             responded = True
             branch.log_event({"event": "error", "function": function, "callId": call_id, "error": message})
@@ -412,4 +422,4 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
 
 
 __all__ = ["act", "ToolInvocation", "AuthorizationResult", "ActionRequestModel", "ActionResponseModel", "DENIED",
-           "ToolOutputError", "json_output", "bound_output"]
+           "ToolOutputError", "json_output", "bound_output", "bound_text"]
