@@ -20,10 +20,12 @@ import anyio
 from . import progress
 from .errors import ConfigurationError, ModelError
 from .imodel import StreamChunk, open_stream
-from .messages import Message
+from .act import bound_output, bound_text
+from .messages import Message, new_id
 from .params import ChatParam, ParseParam, RunParam
 from .parse import parse
 from .render import instruction_content, render_request
+from ..redaction import redact_value
 
 
 class Middle(Protocol):
@@ -94,6 +96,40 @@ async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, pars
     return await _parse_reply(branch, text, chat_param, parse_param)
 
 
+def _used_call_ids(branch: Any) -> set[str]:
+    return {m.content.get("callId") for m in branch.messages if m.kind == "action_request"}
+
+
+def _unique_call_id(run_id: str | None, used: set[str]) -> str:
+    """The call id of a tool use a CLI run reported: the run's own id, unless the branch
+    already has a call of that id (``used``: a run that repeats an id, or numbers its calls
+    from 1 each time): then that id with a suffix, so that one call id names one call."""
+    if not run_id:
+        return new_id()
+    call_id, n = run_id, 1
+    while call_id in used:
+        n += 1
+        call_id = f"{run_id}#{n}"
+    used.add(call_id)
+    return call_id
+
+
+def _run_tool_output(branch: Any, chunk: StreamChunk, req: Message) -> Any:
+    """A CLI-run tool's result as recorded, like the output of a tool the pipeline ran: never
+    null, secrets out, bounded by ``max_tool_output_chars``; a failure is ``{"error", "function"}``."""
+    limit = getattr(branch, "max_tool_output_chars", None)
+    output = redact_value(chunk.output)
+    if chunk.is_error:
+        if isinstance(output, str) and output:
+            text = output
+        elif output is None or output == "":
+            text = "the tool failed"
+        else:
+            text = json.dumps(output, ensure_ascii=False, default=str)
+        return {"error": bound_text(text, limit), "function": req.content["function"]}
+    return bound_output("" if output is None else output, limit)
+
+
 class _Persist:
     """stream_persist: atomic snapshot before and after, a JSONL chunk buffer
     while streaming, the buffer removed at the end."""
@@ -162,7 +198,8 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     branch.messages.append(ins)
     texts: list[str] = []
     buf: list[str] = []
-    open_calls: dict[str, Message] = {}
+    open_calls: dict[str, list[Message]] = {}  # the run's tool id -> its requests not yet answered
+    used_ids: set[str] | None = None  # the branch's call ids (read at the run's first tool use)
     usage = None
     model_name = model.name
 
@@ -189,22 +226,25 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
                     _take_text(chunk, buf, sink)
                 elif t == "tool_use":
                     flush_text()
-                    call_id = chunk.id or Message(kind="action_request", content={}).id
+                    if used_ids is None:
+                        used_ids = _used_call_ids(branch)
+                    call_id = _unique_call_id(chunk.id, used_ids)
                     req = branch.messages.add("action_request", {"callId": call_id, "function": chunk.name,
                                                                  "arguments": chunk.input or {}},
                                               sender=branch.id, recipient=param.sender)
-                    open_calls[call_id] = req
+                    # a result names the run's id: one used twice is answered in order
+                    open_calls.setdefault(chunk.id or call_id, []).append(req)
                 elif t == "tool_result":
-                    req = open_calls.pop(chunk.id or "", None)
-                    if req is None:
+                    waiting = open_calls.get(chunk.id) if chunk.id else None
+                    if not waiting:
                         continue  # unmatched results are skipped
-                    output = chunk.output
-                    if chunk.is_error:
-                        output = {"error": output if isinstance(output, str) else json.dumps(output, default=str),
-                                  "function": req.content["function"]}
+                    req = waiting.pop(0)
+                    if not waiting:
+                        del open_calls[chunk.id]
                     branch.messages.add("action_response", {"callId": req.content["callId"], "requestId": req.id,
                                                             "function": req.content["function"],
-                                                            "arguments": req.content["arguments"], "output": output},
+                                                            "arguments": req.content["arguments"],
+                                                            "output": _run_tool_output(branch, chunk, req)},
                                         sender=branch.id, recipient=branch.id)
                 elif t == "result":
                     usage = chunk.usage or usage
@@ -215,8 +255,8 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     finally:
         with anyio.CancelScope(shield=True):
             flush_text()
-            for call_id, req in list(open_calls.items()):
-                branch.messages.add("action_response", {"callId": call_id, "requestId": req.id,
+            for req in [r for waiting in open_calls.values() for r in waiting]:
+                branch.messages.add("action_response", {"callId": req.content["callId"], "requestId": req.id,
                                                         "function": req.content["function"],
                                                         "arguments": req.content["arguments"],
                                                         "output": {"error": "no result reported by the run",

@@ -264,3 +264,90 @@ def test_operates_on_different_branches_run_concurrently(sidecar):
         raise AssertionError("expected cancellation")
     except RpcError as e:
         assert e.code == -32800
+
+
+def _jsonl_program(tmp_path, name: str, *events) -> dict:
+    """A real CLI-backed model (profile ``jsonl``): a script printing ``events``, one a line."""
+    import json
+    import sys
+
+    script = tmp_path / f"{name}.py"
+    script.write_text("import json, sys\nsys.stdin.read()\n"
+                      f"for e in json.loads({json.dumps(json.dumps(list(events)))}):\n    print(json.dumps(e))\n")
+    return {"provider": "cli", "profile": "jsonl", "command": [sys.executable, str(script)]}
+
+
+def _calls_and_answers(sidecar, bid) -> list[tuple]:
+    msgs = sidecar.messages(bid)
+    by_id = {m["id"]: m for m in msgs}
+    return [(by_id[m["content"]["requestId"]]["content"]["callId"], m["content"]["callId"],
+             by_id[m["content"]["requestId"]]["content"]["arguments"], m["content"]["output"])
+            for m in msgs if m["kind"] == "action_response"]
+
+
+def test_a_cli_run_that_uses_a_tool_id_twice_answers_each_call(sidecar, tmp_path):
+    """A run naming two tool uses with one id: each request gets its own response, in order,
+    and one callId names one call (the second use of an id, in this run or an earlier one, gets
+    a suffix); the first request was left unanswered and the second got the first's result."""
+    run = _jsonl_program(tmp_path, "twice",
+                         {"type": "tool_use", "id": "1", "name": "bash", "input": {"c": "a"}},
+                         {"type": "tool_use", "id": "1", "name": "bash", "input": {"c": "b"}},
+                         {"type": "tool_result", "id": "1", "output": "A"},
+                         {"type": "tool_result", "id": "1", "output": "B"},
+                         {"type": "tool_use", "id": "2", "name": "bash", "input": {"c": "c"}},
+                         {"type": "text", "text": "done"})
+    sidecar.init(models={"c": run})
+    bid = sidecar.branch(chatModel="c")
+    assert op(sidecar, bid, instruction="go")["result"] == "done"
+    assert op(sidecar, bid, instruction="again")["result"] == "done"  # the same ids in a second run
+    pairs = _calls_and_answers(sidecar, bid)
+    assert [(p[1], p[2], p[3]) for p in pairs] == [
+        ("1", {"c": "a"}, "A"), ("1#2", {"c": "b"}, "B"),
+        ("2", {"c": "c"}, {"error": "no result reported by the run", "function": "bash"}),
+        ("1#3", {"c": "a"}, "A"), ("1#4", {"c": "b"}, "B"),
+        ("2#2", {"c": "c"}, {"error": "no result reported by the run", "function": "bash"})]
+    assert all(request_id == response_id for request_id, response_id, _, _ in pairs)
+    requests = [m["content"]["callId"] for m in sidecar.messages(bid) if m["kind"] == "action_request"]
+    assert len(set(requests)) == len(requests) == 6
+
+
+def test_a_cli_runs_tool_results_are_bounded_and_never_null(sidecar, tmp_path):
+    """What a CLI run's own tools returned is recorded like a pipeline tool's output: bounded by
+    maxToolOutputChars (it was kept whole), never null (an empty result was null)."""
+    run = _jsonl_program(tmp_path, "outputs",
+                         {"type": "tool_use", "id": "big", "name": "cat", "input": {}},
+                         {"type": "tool_result", "id": "big", "output": "z" * 5000},
+                         {"type": "tool_use", "id": "none", "name": "touch", "input": {}},
+                         {"type": "tool_result", "id": "none"},
+                         {"type": "tool_use", "id": "fail", "name": "rm", "input": {}},
+                         {"type": "tool_result", "id": "fail", "is_error": True, "output": "e" * 5000},
+                         {"type": "tool_use", "id": "quiet", "name": "rm", "input": {}},
+                         {"type": "tool_result", "id": "quiet", "is_error": True},
+                         {"type": "text", "text": "done"})
+    sidecar.init(models={"c": run}, maxToolOutputChars=100)
+    bid = sidecar.branch(chatModel="c")
+    assert op(sidecar, bid, instruction="go")["result"] == "done"
+    outputs = [p[3] for p in _calls_and_answers(sidecar, bid)]
+    assert outputs[0] == {"truncated": True, "originalChars": 5002, "preview": '"' + "z" * 99}
+    assert outputs[1] == ""
+    assert outputs[2] == {"error": "e" * 100 + "…(truncated: 5000 characters)", "function": "rm"}
+    assert outputs[3] == {"error": "the tool failed", "function": "rm"}
+
+
+def test_a_failing_tools_error_is_bounded_like_its_output(spawn, tmp_path):
+    """maxToolOutputChars bounds a tool's output whether it returned or raised: the error text
+    (and the arguments the error output repeats) are cut; a 300,000-character exception message
+    was recorded, answered and saved whole."""
+    (tmp_path / "loud_tools.py").write_text(
+        "def loud_fail(text: str) -> str:\n    \"\"\"Raise with a long message.\"\"\"\n"
+        "    raise ValueError('x' * 300000)\n")
+    c = spawn(paths=(tmp_path,))
+    call = {"json": {"action_requests": [{"function": "loud_fail", "arguments": {"text": "a" * 3000}}]}}
+    c.init(models={"s": scripted(call)}, toolModules=["loud_tools"], maxToolOutputChars=1000)
+    bid = c.branch()
+    out = op(c, bid, instruction="go", actions=True)["result"]["action_responses"][0]["output"]
+    assert out["error"] == "x" * 1000 + "…(truncated: 300000 characters)" and out["function"] == "loud_fail"
+    assert out["arguments"] == {"truncated": True, "originalChars": 3012, "preview": '{"text": "' + "a" * 990}
+    recorded = [m["content"]["output"] for m in c.messages(bid) if m["kind"] == "action_response"]
+    assert recorded == [out]
+    assert [e["event"] for e in c.of("toolEvent")] == ["pre", "error"]
