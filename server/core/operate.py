@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from . import progress
 from .act import act
-from .errors import ValidationFailed
+from .errors import ConfigurationError, ValidationFailed
 from .operative import Operative, Step, specs_from_field_models
 from .params import ActionParam, ChatParam, ParseParam, RunParam
 from .middle import communicate, run_and_collect
@@ -24,6 +24,8 @@ from .middle import communicate, run_and_collect
 log = logging.getLogger(__name__)
 
 RECEIVED_LIMIT = 200
+#: the fields actions add to the structure (D2); a field model may not take their names
+ACTION_FIELDS = ("action_required", "action_requests", "action_responses")
 
 
 def caller_model_class(response_format: Any) -> type[BaseModel] | None:
@@ -102,6 +104,13 @@ def _setup(branch: Any, chat_param: ChatParam, action_param: ActionParam | None,
 
     model_class = caller_model_class(_cctx.response_format)
     fields_dict = specs_from_field_models(field_models)  # TypeError for a bad entry, before the model call
+    if action_param is not None:
+        # a field model would replace the field actions add: the calls read from it could not
+        # run (a list of strings reached act() after the model call), so refuse it before
+        taken = [name for name in ACTION_FIELDS if name in fields_dict]
+        if taken:
+            raise ConfigurationError(f"a field model named {' and '.join(map(repr, taken))} would replace what "
+                                     f"actions add ({', '.join(ACTION_FIELDS)}); give it another name")
 
     if operative is None and (model_class or action_param or fields_dict or reason):
         operative = Step.request_operative(base_type=model_class, reason=bool(reason), actions=bool(action_param),

@@ -351,3 +351,21 @@ def test_a_failing_tools_error_is_bounded_like_its_output(spawn, tmp_path):
     recorded = [m["content"]["output"] for m in c.messages(bid) if m["kind"] == "action_response"]
     assert recorded == [out]
     assert [e["event"] for e in c.of("toolEvent")] == ["pre", "error"]
+
+
+def test_a_field_model_taking_an_action_fields_name_is_invalid_params_before_any_model_call(sidecar):
+    """fieldModels named like a field actions add would replace it: the calls read from it
+    could not run. Refused (-32602, naming it) before the model is called; it was -32603 after
+    the model's reply was recorded."""
+    calls = {"json": {"action_requests": ["echo_tool"]}}
+    sidecar.init(models={"s": scripted(calls, "plain")}, toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    strings = {"type": "array", "items": {"type": "string"}}
+    for name in ("action_requests", "action_responses", "action_required"):
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "actions": True,
+                                           "fieldModels": [{"name": name, "schema": strings}]})
+        assert err.code == -32602 and repr(name) in err.message, (name, err.message)
+    assert sidecar.messages(bid) == [] and sidecar.of("toolEvent") == []
+    # without actions the name is the caller's own field
+    out = op(sidecar, bid, instruction="x", fieldModels=[{"name": "action_requests", "schema": strings}])
+    assert out["result"] == {"action_requests": ["echo_tool"]} and out["kind"] == "model"
