@@ -39,11 +39,18 @@ class StreamError(Exception):
     """The server's stdout carried something other than a protocol frame."""
 
 
+def _encode(msg: dict) -> bytes:
+    """One message as a UTF-8 JSON body; ValueError/TypeError for what JSON cannot hold (NaN included:
+    the server would answer it -32700 with id null, so the request it belonged to would never be answered)."""
+    return json.dumps(msg, ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
 class _Pending:
-    def __init__(self, msg_id: Any) -> None:
+    def __init__(self, msg_id: Any, reader: threading.Thread | None = None) -> None:
         self.id = msg_id
         self._done = threading.Event()
         self._msg: dict | None = None
+        self._reader = reader
 
     def _set(self, msg: dict) -> None:
         self._msg = msg
@@ -53,6 +60,10 @@ class _Pending:
         return self._done.is_set()
 
     def result(self, timeout: float = 30.0) -> Any:
+        if not self._done.is_set() and threading.current_thread() is self._reader:
+            raise RuntimeError(f"request {self.id!r}: waiting for an answer inside a notification callback would "
+                               "block until the time-out (callbacks run on the thread that reads the answers); "
+                               "use request_async() there and wait for it elsewhere")
         if not self._done.wait(timeout):
             raise TimeoutError(f"no response to request {self.id!r} within {timeout}s")
         msg = self._msg or {}
@@ -73,8 +84,10 @@ class SidecarClient:
                                      env=env, cwd=cwd, bufsize=0)
         self._out = io.BufferedReader(self.proc.stdout, 1 << 16)
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()    # one writer at a time
+        self._plock = threading.Lock()   # guards _pending and _closed
         self._pending: dict[Any, _Pending] = {}
+        self._closed: str | None = None  # why the reader stopped (then nothing will be answered)
         self._notif_handlers: dict[str, list[Callable[[Any], None]]] = {}
         self._req_handlers: dict[str, Callable[[Any], Any]] = {}
         self._cond = threading.Condition()
@@ -91,23 +104,42 @@ class SidecarClient:
             self.proc.stdin.flush()
 
     def _send(self, msg: dict) -> None:
-        body = json.dumps(msg, ensure_ascii=False).encode("utf-8")
+        self._send_body(_encode(msg))
+
+    def _send_body(self, body: bytes) -> None:
         self.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
 
+    def _register(self, msg_id: Any) -> _Pending:
+        pending = _Pending(msg_id, self._reader)
+        with self._plock:
+            closed = self._closed
+            if closed is None:
+                self._pending[msg_id] = pending
+        if closed is not None:  # the reader has stopped: nothing can answer it, fail it now
+            pending._set({"error": {"code": -32099, "message": closed}})
+        return pending
+
     def request_async(self, method: str, params: Any = None, msg_id: Any = None) -> _Pending:
-        """Send a request; returns a handle with ``.id`` and ``.result(timeout)``."""
+        """Send a request; returns a handle with ``.id`` and ``.result(timeout)``. Params JSON cannot
+        hold (NaN, a set, ...) raise ValueError/TypeError here, before anything is sent."""
         msg_id = next(self._ids) if msg_id is None else msg_id
-        pending = self._pending[msg_id] = _Pending(msg_id)
         msg = {"jsonrpc": "2.0", "id": msg_id, "method": method}
         if params is not None:
             msg["params"] = params
-        self._send(msg)
+        body = _encode(msg)
+        pending = self._register(msg_id)
+        try:
+            self._send_body(body)
+        except BaseException:
+            with self._plock:
+                if self._pending.get(msg_id) is pending:
+                    del self._pending[msg_id]
+            raise
         return pending
 
     def expect(self, msg_id: Any) -> _Pending:
         """Wait for the response to ``msg_id`` of a request sent with :meth:`send_raw`."""
-        pending = self._pending[msg_id] = _Pending(msg_id)
-        return pending
+        return self._register(msg_id)
 
     def request(self, method: str, params: Any = None, timeout: float = 30.0, msg_id: Any = None) -> Any:
         return self.request_async(method, params, msg_id).result(timeout)
@@ -157,6 +189,7 @@ class SidecarClient:
         return body if len(body) == length else None
 
     def _read_loop(self) -> None:
+        reason = "the server closed its output"
         try:
             while True:
                 body = self._read_frame()
@@ -166,10 +199,14 @@ class SidecarClient:
         except Exception as e:  # a corrupt stream: record it and stop reading
             if not isinstance(e, StreamError):
                 self.stream_errors.append(repr(e))
+            reason = f"the server's output is no longer readable, so nothing can be answered: {e}"
         finally:
-            for pending in list(self._pending.values()):  # nobody will answer these now
-                pending._set({"error": {"code": -32099, "message": "the server closed its output"}})
-            self._pending.clear()
+            with self._plock:  # from now on a request fails at once (_register)
+                self._closed = reason
+                waiting = list(self._pending.values())
+                self._pending.clear()
+            for pending in waiting:  # nobody will answer these now
+                pending._set({"error": {"code": -32099, "message": reason}})
             with self._cond:
                 self._cond.notify_all()
 
@@ -186,7 +223,8 @@ class SidecarClient:
                 except Exception as e:  # a faulty callback must not stop the reader
                     print(f"notification handler for {msg['method']} failed: {e!r}", file=sys.stderr)
         else:
-            pending = self._pending.pop(msg.get("id"), None)
+            with self._plock:
+                pending = self._pending.pop(msg.get("id"), None)
             if pending is None:
                 with self._cond:
                     self.unmatched.append(msg)
@@ -202,12 +240,20 @@ class SidecarClient:
                 raise RpcError(-32601, f"method not found: {msg['method']}")
             reply["result"] = handler(msg.get("params"))
         except RpcError as e:
-            reply["error"] = {"code": e.code, "message": e.message, "data": e.data}
+            reply["error"] = {"code": e.code, "message": e.message}
+            if e.data is not None:
+                reply["error"]["data"] = e.data
         except Exception as e:
             reply["error"] = {"code": -32603, "message": str(e)}
         try:
-            self._send(reply)
-        except (BrokenPipeError, ValueError):
+            body = _encode(reply)
+        except (TypeError, ValueError) as e:  # the server must still get an answer, or it waits for one
+            reply.pop("result", None)
+            reply["error"] = {"code": -32603, "message": f"the client's answer to {msg['method']} is not JSON: {e}"}
+            body = _encode(reply)
+        try:
+            self._send_body(body)
+        except (OSError, ValueError):  # the server is gone (or stdin was closed)
             pass
 
     # -- lifecycle -----------------------------------------------------------
@@ -216,12 +262,15 @@ class SidecarClient:
 
     def close(self, timeout: float = 10.0) -> int:
         """shutdown + exit; returns the exit code (kills the server if it hangs)."""
-        try:
-            if self.proc.poll() is None:
+        if self.proc.poll() is None:
+            try:
                 self.request("shutdown", None, timeout=timeout)
+            except (RpcError, TimeoutError, OSError, ValueError):
+                pass  # not answered (a broken stream, a hung server): exit anyway
+            try:
                 self.notify("exit")
-        except (RpcError, TimeoutError, BrokenPipeError, OSError):
-            pass
+            except (OSError, ValueError):
+                pass
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -36,6 +36,13 @@ FAKE = textwrap.dedent('''
         send({"jsonrpc": "2.0", "id": req["id"], "result": "ok"}, b"Content-Type: application/json\\r\\n")
     elif mode == "error":
         send({"jsonrpc": "2.0", "id": req["id"], "error": {"code": -32010, "message": "m", "data": {"d": 1}}})
+    elif mode == "echo":  # answers every request with its params, until stdin ends
+        while True:
+            send({"jsonrpc": "2.0", "id": req["id"], "result": req.get("params")})
+            req = read()
+    elif mode == "notify":  # a notification, then the answer
+        send({"jsonrpc": "2.0", "method": "note", "params": {"n": 1}})
+        send({"jsonrpc": "2.0", "id": req["id"], "result": "answered"})
     sys.stdin.buffer.read()
 ''')
 
@@ -80,6 +87,97 @@ def test_strict_mode_reports_anything_but_exact_frames():
     c3 = fake("headers", strict=False)
     assert c3.request("x", timeout=10) == "ok"
     c3.kill()
+
+
+def test_an_answer_json_cannot_hold_is_sent_as_an_error_not_left_unanswered():
+    """A handler whose result JSON cannot hold (a set, NaN, a cycle) still answers the server: with
+    -32603 saying so (it was never answered, so the server waited for its time-out)."""
+    c = fake("ask")
+    cycle: dict = {}
+    cycle["self"] = cycle
+    c.on_request("known", lambda p: {"bad": float("nan")})
+    c.on_request("unknownToClient", lambda p: {"bad": {1, 2}})
+    answers = c.request("go", {}, timeout=10)
+    by_id = {a["id"]: a for a in answers}
+    for msg_id, what in (("s1", "set"), ("s2", "Out of range float")):
+        err = by_id[msg_id]["error"]
+        assert err["code"] == -32603 and "is not JSON" in err["message"] and what in err["message"], err
+        assert "result" not in by_id[msg_id]
+    c.kill()
+    c = fake("ask")
+    c.on_request("known", lambda p: cycle)
+    c.on_request("unknownToClient", lambda p: (_ for _ in ()).throw(RpcError(-32000, "no", {1})))
+    by_id = {a["id"]: a for a in c.request("go", {}, timeout=10)}
+    assert "Circular reference" in by_id["s2"]["error"]["message"]
+    assert by_id["s1"]["error"]["code"] == -32603 and "is not JSON" in by_id["s1"]["error"]["message"]
+    c.kill()
+
+
+def test_params_json_cannot_hold_are_refused_before_anything_is_sent():
+    """NaN in params used to be written as the bare token NaN: the server answered -32700 with id null
+    and the request waited for its whole time-out."""
+    c = fake("echo")
+    with pytest.raises(ValueError):
+        c.request("x", {"temperature": float("nan")}, timeout=10)
+    with pytest.raises(TypeError):
+        c.request("x", {"tags": {1, 2}}, timeout=10)
+    with pytest.raises(ValueError):
+        c.notify("note", {"x": float("inf")})
+    assert c.request("y", {"ok": "é"}, timeout=10) == {"ok": "é"}  # nothing half-sent: still in sync
+    assert c._pending == {}
+    c.kill()
+
+
+def test_once_the_output_is_unreadable_every_request_fails_at_once():
+    """After a stray line on stdout the reader stops: a later request is answered -32099 at once
+    (it waited for its whole time-out, nobody reading its answer)."""
+    c = fake("garbage")
+    with pytest.raises(RpcError):
+        c.request("x", timeout=10)
+    for _ in range(2):
+        with pytest.raises(RpcError) as ei:
+            c.request("again", timeout=10)
+        assert ei.value.code == -32099 and "stray print" in ei.value.message, ei.value
+    assert c._pending == {}
+    assert c.proc.poll() is None  # the process is still there: only its stream is lost
+    c.close(timeout=10)
+    assert c.proc.poll() is not None
+
+
+def test_waiting_for_an_answer_inside_a_notification_callback_fails_at_once():
+    """Notification callbacks run on the reader thread: request() there used to block that thread
+    (and with it every answer) until its time-out. It raises at once; request_async works."""
+    c = fake("notify")
+    seen: list = []
+
+    def callback(params):
+        try:
+            c.request("nested", timeout=10)
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion
+            seen.append(e)
+
+    c.on_notification("note", callback)
+    assert c.request("go", timeout=10) == "answered"
+    assert len(seen) == 1 and isinstance(seen[0], RuntimeError) and "request_async" in str(seen[0]), seen
+    c.kill()
+
+
+def test_a_client_tool_answer_json_cannot_hold_is_a_prompt_tool_error_with_the_real_server():
+    import os
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    call = {"json": {"action_requests": [{"function": "ctool", "arguments": {}}]}}
+    with SidecarClient(env=env, cwd=str(ROOT)) as c:
+        c.request("initialize", {"capabilities": {"clientTools": True}, "settings": {
+            "toolTimeoutMs": 600000, "models": {"s": {"provider": "scripted", "responses": [call]}}}}, timeout=30)
+        c.request("registerClientTools", {"tools": [{"name": "ctool", "description": "d",
+                                                     "inputSchema": {"type": "object"}}]}, timeout=30)
+        c.on_request("invokeClientTool", lambda p: {"output": {"when": {1, 2}}})
+        branch = c.request("createBranch", {"chatModel": "s"}, timeout=30)["branchId"]
+        out = c.request("operate", {"branchId": branch, "instruction": "go", "actions": True}, timeout=30)
+        (resp,) = out["result"]["action_responses"]
+        assert "is not JSON" in resp["output"]["error"], resp
+        assert c.close() == 0
 
 
 def test_close_returns_the_exit_code_of_the_real_server():
