@@ -115,8 +115,8 @@ def _unique_call_id(run_id: str | None, used: set[str]) -> str:
 
 
 def _run_tool_output(branch: Any, chunk: StreamChunk, req: Message) -> Any:
-    """A CLI-run tool's result as recorded, like the output of a tool the pipeline ran: never
-    null, secrets out, bounded by ``max_tool_output_chars``; a failure is ``{"error", "function"}``."""
+    """A CLI-run tool's result as recorded, like the output of a tool the pipeline ran: secrets
+    out, bounded by ``max_tool_output_chars``; a failure is ``{"error", "function"}`` with a text."""
     limit = getattr(branch, "max_tool_output_chars", None)
     output = redact_value(chunk.output)
     if chunk.is_error:
@@ -127,7 +127,7 @@ def _run_tool_output(branch: Any, chunk: StreamChunk, req: Message) -> Any:
         else:
             text = json.dumps(output, ensure_ascii=False, default=str)
         return {"error": bound_text(text, limit), "function": req.content["function"]}
-    return bound_output("" if output is None else output, limit)
+    return bound_output(output, limit)
 
 
 class _Persist:

@@ -311,9 +311,10 @@ def test_a_cli_run_that_uses_a_tool_id_twice_answers_each_call(sidecar, tmp_path
     assert len(set(requests)) == len(requests) == 6
 
 
-def test_a_cli_runs_tool_results_are_bounded_and_never_null(sidecar, tmp_path):
+def test_a_cli_runs_tool_results_are_bounded_like_a_tools_output(sidecar, tmp_path):
     """What a CLI run's own tools returned is recorded like a pipeline tool's output: bounded by
-    maxToolOutputChars (it was kept whole), never null (an empty result was null)."""
+    maxToolOutputChars (it was kept whole); a failure's error is a text (one with no output was
+    the text "null")."""
     run = _jsonl_program(tmp_path, "outputs",
                          {"type": "tool_use", "id": "big", "name": "cat", "input": {}},
                          {"type": "tool_result", "id": "big", "output": "z" * 5000},
@@ -329,7 +330,7 @@ def test_a_cli_runs_tool_results_are_bounded_and_never_null(sidecar, tmp_path):
     assert op(sidecar, bid, instruction="go")["result"] == "done"
     outputs = [p[3] for p in _calls_and_answers(sidecar, bid)]
     assert outputs[0] == {"truncated": True, "originalChars": 5002, "preview": '"' + "z" * 99}
-    assert outputs[1] == ""
+    assert outputs[1] is None                                     # no output, as a Python tool returning None
     assert outputs[2] == {"error": "e" * 100 + "…(truncated: 5000 characters)", "function": "rm"}
     assert outputs[3] == {"error": "the tool failed", "function": "rm"}
 
