@@ -16,9 +16,14 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
   in flight: a standing answer that ``match``es the call (tool and arguments for permission
   and client-tool requests, the path for the client's file system), so calls answered
   differently within one operate are answered the same way when replayed, in any order;
-- a request still unanswered when the client sent its next one with ``"wait": false`` (the
-  replay does not wait for it either, so the same requests overlap); one the client cancelled
-  also with its ``id`` (so the replay can cancel it the same way);
+- a request still unanswered when the client sent its next one with ``"wait": false`` and its
+  ``id`` (the replay does not wait for it either, so the same requests overlap, and a later
+  ``$/cancelRequest`` can name it), and an ``{"await": id}`` step where its answer came (the
+  replay sends the steps after it only once that answer came, as the client did: without it
+  a later request overlapped with more than it had when recorded);
+- a request still unanswered when the session ended (the client closed the connection or sent
+  ``exit`` first) with ``"answered": false``: what the server sent after the end reached no
+  client, so it is not written, and the replay ends the same way instead of waiting for it;
 - for a cancelled request, how far it had got: ``"cancelAfterModelCalls": n`` when it had
   started ``n`` model invocations by the time the cancel came (counted per request: the
   invocations made in that request's task). The replay sends that cancel only once the server
@@ -63,7 +68,7 @@ class Recorder:
         self._lock = threading.RLock()
         self.steps: list[dict[str, Any]] = []
         self._pending: dict[Any, dict[str, Any]] = {}       # client request id -> its step
-        self._by_id: dict[Any, dict[str, Any]] = {}         # every client request id -> its step
+        self._ids: dict[Any, Any] = {}                      # client request id (key) -> the id as sent
         self._out: dict[Any, tuple[str, Any]] = {}          # server request id -> (method, match)
         self._standing: dict[str, Any] = {}
         self._saved: dict[str, str] = {}                    # volatile value -> save name
@@ -95,17 +100,18 @@ class Recorder:
                     params = {k: v for k, v in params.items() if k != "processId"}  # the recording client's pid
                 if params not in (None, {}):
                     step["params"] = self._template(params)
-                for earlier in self._pending.values():  # still unanswered: the client did not wait for it
-                    if earlier["request"] not in _ID_RESULTS:
+                for key, earlier in self._pending.items():  # still unanswered: the client did not wait for it
+                    if earlier["request"] not in _ID_RESULTS and earlier.get("wait", True):
+                        earlier["id"] = self._ids[key]
                         earlier["wait"] = False
                 self.steps.append(step)
                 self._pending[_key(msg["id"])] = step
-                self._by_id[_key(msg["id"])] = step
+                self._ids[_key(msg["id"])] = msg["id"]
             elif isinstance(method, str):
                 params = msg.get("params")
                 if method == "$/cancelRequest" and isinstance(params, dict):
-                    target = self._by_id.get(_key(params.get("id")))
-                    if target is not None:  # the replay sends it without waiting, and cancels it by its id
+                    target = self._pending.get(_key(params.get("id")))
+                    if target is not None:  # in flight: the replay sends it without waiting, and cancels it by its id
                         target["id"] = params.get("id")
                         target["wait"] = False
                         started = self._started_model_calls(params.get("id"))
@@ -133,9 +139,13 @@ class Recorder:
                 else:
                     self.steps.insert(first, step)
 
+    def _ended(self) -> bool:
+        """The session is over (end of input, ``exit``, a signal): nothing sent now reaches the client."""
+        return getattr(self._conn, "exit_code", None) is not None
+
     def outgoing(self, body: bytes) -> None:
         msg = _decode(body)
-        if msg is None:
+        if msg is None or self._ended():
             return
         with self._lock:
             method = msg.get("method")
@@ -160,6 +170,8 @@ class Recorder:
                     self._saved[result["branchId"]] = name
                     result = {**result, "branchId": "*"}
                 step["expect"] = {"result": self._volatile(result)}
+            if step.get("wait") is False:  # the client had gone on: the replay waits for it here
+                self.steps.append({"await": step["id"]})
             self.write()
 
     def _notification(self, method: str, params: Any) -> None:
@@ -284,7 +296,10 @@ class Recorder:
 
     def close(self) -> None:
         with self._lock:
-            # requests still unanswered (exit before their answer): replay them without expectations
+            # requests still unanswered when the session ended: their client never saw an answer
+            for step in self._pending.values():
+                step["wait"] = False
+                step["answered"] = False
             self._pending.clear()
             self.write()
             self._closed = True

@@ -11,6 +11,12 @@ A script is JSON Lines; each line is one step:
   cancelled operate): a later ``$/cancelRequest`` for this ``id`` is sent only once the server
   has started that many model invocations for the request (seen in its ``$/progress``; a request
   without a ``workDoneToken`` is given one, whose notifications no step sees).
+  ``"answered": false`` (written by ``--record`` for a request its client left before the answer
+  came): sent without waiting and never judged; when it is still unanswered at the end, the
+  script ends as that client did, by closing the server's input.
+- ``{"await": id, "timeoutMs"?: n}``: wait here for the answer to the earlier ``"wait": false``
+  request with that ``id`` and judge it (``--record`` writes one where its client got the
+  answer, so that later steps are sent only once it came, as they were).
 - ``{"notify": method, "params"?: {...}}``: send a notification.
 - ``{"expectNotification": method, "match"?: M, "timeoutMs"?: n, "save"?: {name: path}}``: wait
   for a notification of that method, not matched by an earlier step, whose params match ``M``.
@@ -46,9 +52,11 @@ DEFAULT_STEP_TIMEOUT_S = 60.0
 #: answer to the request that caused them, so a long wait only delays the report of a miss
 DEFAULT_NOTIFICATION_TIMEOUT_S = 10.0
 DIVERGED_WAIT_S = 1.0   # how long expectNotification waits once an earlier step has failed
-STEP_KINDS = ("request", "notify", "expectNotification", "respond")
+STEP_KINDS = ("request", "notify", "expectNotification", "respond", "await")
 _STEP_KEYS = {
-    "request": {"request", "params", "expect", "save", "timeoutMs", "id", "wait", "cancelAfterModelCalls"},
+    "request": {"request", "params", "expect", "save", "timeoutMs", "id", "wait", "cancelAfterModelCalls",
+                "answered"},
+    "await": {"await", "timeoutMs"},
     "notify": {"notify", "params"},
     "expectNotification": {"expectNotification", "match", "timeoutMs", "save"},
     "respond": {"respond", "match", "result", "error"},
@@ -71,6 +79,8 @@ class Step:
 
     @property
     def label(self) -> str:
+        if self.kind == "await":
+            return f"line {self.line}: await {short(self.data['await'], 60)}"
         return f"line {self.line}: {self.kind} {self.method}"
 
 
@@ -96,6 +106,7 @@ class Script:
 def parse_script(lines: Iterable[str], source: str = "script") -> Script:
     steps: list[Step] = []
     models: dict[str, Any] = {}
+    unawaited: dict[str, int] = {}   # id (JSON) of a "wait": false request -> its line
     for n, raw in enumerate(lines, 1):
         text = raw.strip()
         if not text:
@@ -120,7 +131,13 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
             raise ScriptError(f"{source}:{n}: a step has exactly one of " + ", ".join(STEP_KINDS) + found)
         kind = kinds[0]
         method = obj[kind]
-        if not isinstance(method, str) or not method:
+        if kind == "await":
+            key = json.dumps(method)
+            if isinstance(method, bool) or not isinstance(method, (int, str)) or key not in unawaited:
+                raise ScriptError(f"{source}:{n}: await names the id of an earlier request sent with "
+                                  f'"wait": false and not awaited yet, got {short(method, 60)}')
+            method = f"line {unawaited.pop(key)}"
+        elif not isinstance(method, str) or not method:
             raise ScriptError(f"{source}:{n}: {kind} must name a method")
         unknown = sorted(set(obj) - _STEP_KEYS[kind])
         if unknown:
@@ -143,6 +160,13 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
                 raise ScriptError(f"{source}:{n}: cancelAfterModelCalls must be a positive integer")
             if "id" not in obj:
                 raise ScriptError(f"{source}:{n}: cancelAfterModelCalls needs the request's id (the cancel names it)")
+        if "answered" in obj:
+            if obj["answered"] is not False:
+                raise ScriptError(f"{source}:{n}: answered can only be false (a request whose answer is not judged)")
+            if "expect" in obj or "save" in obj:
+                raise ScriptError(f"{source}:{n}: a request with answered false has no expect or save")
+        if kind == "request" and obj.get("wait") is False and "id" in obj and "answered" not in obj:
+            unawaited[json.dumps(obj["id"])] = n
         steps.append(Step(n, kind, method, obj))
     return Script(steps, models)
 
@@ -237,10 +261,13 @@ class Runner:
         self._matched: set[int] = set()     # indexes into client.notifications
         self.stderr_tail = ""
         self._unawaited: list[tuple[Step, dict, Any]] = []   # "wait": false requests in flight
+        self._abandoned: list[Any] = []     # "answered": false requests: never judged
         # cancelAfterModelCalls: request id (JSON) -> (its workDoneToken, model calls to wait for, pending)
         self._watched: dict[str, tuple[Any, int, Any]] = {}
         self._hidden_tokens: set[str] = set()   # tokens the replay added: their $/progress is no step's
         taken = {json.dumps(s.data["id"]) for s in script.steps if "id" in s.data}
+        taken |= {json.dumps(s.data["params"].get("id")) for s in script.steps  # a cancel never hits another
+                  if s.kind == "notify" and s.method == "$/cancelRequest" and isinstance(s.data.get("params"), dict)}
         self._ids = (i for i in itertools.count(1) if json.dumps(i) not in taken)  # never a scripted id
 
     # ------------------------------------------------------------------ public
@@ -323,15 +350,31 @@ class Runner:
         pending = self.client.request_async(step.method, params, msg_id)
         if token is not None:
             self._watched[json.dumps(msg_id)] = (token, int(calls), pending)
+        if data.get("answered") is False:  # its recorded client left before the answer: never judged
+            self._abandoned.append(pending)
+            return StepResult(step, True, "sent; not judged (its client left before the answer)")
         if data.get("wait") is False:
             self._unawaited.append((step, data, pending))
             return None
         return self._judge(step, data, pending)
 
-    def _judge(self, step: Step, data: dict, pending: Any) -> StepResult:
+    def _await(self, step: Step, data: dict) -> StepResult:
+        """The answer to an earlier ``"wait": false`` request, judged here (reported on its line)."""
+        key = json.dumps(data["await"])
+        for i, (req, req_data, pending) in enumerate(self._unawaited):
+            if "id" in req_data and json.dumps(req_data["id"]) == key:
+                del self._unawaited[i]
+                break
+        else:  # the parser checked it names one: only a request that was never sent gets here
+            return StepResult(step, False, f"no request with id {short(data['await'])} is in flight")
+        res = self._judge(req, req_data, pending, timeout=self._timeout(step) if "timeoutMs" in data else None)
+        self._report(res)
+        return StepResult(step, res.ok, f"line {req.line} {'passed' if res.ok else 'failed'}")
+
+    def _judge(self, step: Step, data: dict, pending: Any, timeout: float | None = None) -> StepResult:
         from operate_sidecar.clients.python.client import RpcError
 
-        timeout = self._timeout(step)
+        timeout = self._timeout(step) if timeout is None else timeout
         deadline = time.monotonic() + timeout
         try:
             while True:  # in slices, so that a server that died fails the step at once
@@ -494,7 +537,12 @@ class Runner:
     def _close(self) -> None:
         client = self.client
         try:
-            if client.proc.poll() is None:
+            if client.proc.poll() is None and any(not p.done() for p in self._abandoned):
+                # a request its recorded client left unanswered is still running: end the session
+                # as that client did, by closing the server's input (no shutdown to wait for it)
+                client._close_pipes()
+                client.proc.wait(10)
+            elif client.proc.poll() is None:
                 client.close(timeout=10)
             else:
                 client._close_pipes()

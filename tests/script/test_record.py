@@ -276,3 +276,77 @@ def test_a_cancelled_operate_without_progress_takes_the_same_model_turns_when_re
     for args in (("--scripted", rec), (rec,)):   # the recorded turns, then the settings' model
         out = replay("--timeout", "20", *args)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_overlapping_requests_are_awaited_where_the_client_got_their_answers(tmp_path):
+    """Two operates on two branches overlap, the client waits for both, then lists the branches:
+    the replay must not send the list while the operates still run (it overlapped with nothing)."""
+    rec = tmp_path / "interleaved.jsonl"
+    models = {name: {"provider": "scripted", "responses": [{"text": name.upper(), "delayMs": 600}]} for name in "ab"}
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"settings": {"models": models}}, timeout=60)
+        ids = [c.request("createBranch", {"chatModel": name})["branchId"] for name in "ab"]
+        ops = [c.request_async("operate", {"branchId": b, "instruction": "x", "skipValidation": True}) for b in ids]
+        assert [p.result(30)["result"] for p in ops] == ["A", "B"]
+        counts = [b["messageCount"] for b in c.request("listBranches", timeout=30)["branches"]]
+        assert counts == [2, 2]
+
+    record(rec, session)
+    steps = lines(rec)
+    ops = [s for s in steps if s.get("request") == "operate"]
+    # the first was still running when the second was sent; nothing was sent while the second ran
+    assert [s.get("wait", True) for s in ops] == [False, True] and "id" in ops[0]
+    listing = steps.index(next(s for s in steps if s.get("request") == "listBranches"))
+    assert [s["await"] for s in steps[:listing] if "await" in s] == [ops[0]["id"]]
+    out = replay(rec)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == f"all {len(steps) - 1} steps passed (interleaved.jsonl)"
+
+
+def test_a_client_that_leaves_mid_operate_is_replayed_leaving_the_same_way(tmp_path):
+    """The client closes the connection while an operate waits for its model: the recording ends
+    there (nothing the server sent afterwards reached it) and replays green at once, with the
+    recorded model turns and with the settings' model."""
+    rec = tmp_path / "gone.jsonl"
+    models = {"m": {"provider": "scripted", "responses": ["first", {"text": "late", "delayMs": 3000}]}}
+    argv = [sys.executable, "-m", "operate_sidecar.server", "--record", str(rec)]
+    with SidecarClient(argv=argv, stderr=subprocess.DEVNULL) as c:
+        c.request("initialize", {"settings": {"models": models}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        assert c.request("operate", {"branchId": bid, "instruction": "1", "skipValidation": True})["result"] == "first"
+        c.request_async("operate", {"branchId": bid, "instruction": "2", "skipValidation": True, "workDoneToken": "w"})
+        assert c.wait_for(lambda notes: any(p["value"].get("phase") == "request" for m, p in notes
+                                            if m == "$/progress"), timeout=30)
+        c.proc.stdin.close()
+        assert c.proc.wait(30) == 1
+    steps = lines(rec)
+    last = [s for s in steps if "request" in s][-1]
+    assert last["request"] == "operate" and last["wait"] is False and last["answered"] is False
+    assert "expect" not in last
+    assert not any(s.get("match", {}).get("value", {}).get("message") == "cancelled" for s in steps)
+    for args in (("--scripted", rec), (rec,)):
+        started = time.monotonic()
+        out = replay("--timeout", "20", *args)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "not judged (its client left before the answer)" in out.stdout
+        assert time.monotonic() - started < 15   # it ends as the client did: no waiting for the answer
+
+
+def test_a_cancel_for_a_request_already_answered_does_not_cancel_it_when_replayed(tmp_path):
+    rec = tmp_path / "late-cancel.jsonl"
+    models = {"m": {"provider": "scripted", "responses": [{"text": "one", "delayMs": 500}, "two"]}}
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"settings": {"models": models}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        first = c.request_async("operate", {"branchId": bid, "instruction": "1", "skipValidation": True})
+        assert first.result(30)["result"] == "one"
+        c.cancel(first.id)  # too late: a client racing its own answer
+        assert c.request("operate", {"branchId": bid, "instruction": "2", "skipValidation": True})["result"] == "two"
+
+    record(rec, session)
+    op = next(s for s in lines(rec) if s.get("request") == "operate")
+    assert "wait" not in op and op["expect"]["result"]["result"] == "one"
+    out = replay(rec)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -242,7 +242,7 @@ def test_an_unknown_step_kind_is_named(tmp_path):
     p.write_text('{"request": "ping"}\n{"bogus": "ping", "params": {}}\n')
     out = replay(p)
     assert out.returncode == 2
-    assert ("k.jsonl:2: a step has exactly one of request, notify, expectNotification, respond "
+    assert ("k.jsonl:2: a step has exactly one of request, notify, expectNotification, respond, await "
             "(found none; its key(s): bogus, params)") in out.stderr
 
 
