@@ -6,8 +6,10 @@
   (1-based), at most ``limit`` lines and ``max_read_bytes`` characters;
 - ``list_dir(path=".")`` (read-only): the entries of a directory, capped;
 - ``search_text(pattern, path=".", regex=False, ignore_case=False, max_results=100)``
-  (read-only): matching lines (1-based line numbers) in text files under ``path``, with a
-  result cap and a scan budget;
+  (read-only): matching lines (1-based line numbers, as ``read_file`` numbers them) in text
+  files under ``path``, with a result cap and a scan budget (files and bytes read, entries
+  walked); a file over ``max_search_file_bytes`` or unreadable is counted in ``filesSkipped``,
+  never read;
 - ``write_file(path, content)`` (not read-only, so the default policy is ``ask``); its
   output carries a unified ``diff`` against the old text (or ``/dev/null``);
 - ``edit_file(path, edits)`` (not read-only): exact-text edits ``{oldText, newText,
@@ -44,7 +46,7 @@ from typing import Any, Iterable, Iterator
 
 from ..core.tools import Tool
 from . import safe_fs
-from .edits import EditError, apply_edits, change, unified_diff
+from .edits import EditError, apply_edits, change, split_lines, unified_diff
 from .errors import ToolCallError, ToolSourceError, WorkspacePathError
 
 __all__ = ["WorkspaceTools", "resolve_roots", "scoped_roots"]
@@ -124,7 +126,8 @@ class WorkspaceTools:
     def __init__(self, roots: Iterable[str | os.PathLike[str]], *, max_read_bytes: int = 256 * 1024,
                  max_list_entries: int = 1000, max_results: int = 200, max_line_chars: int = 300,
                  max_search_file_bytes: int = 2 * 1024 * 1024, max_search_files: int = 20_000,
-                 max_search_bytes: int = 64 * 1024 * 1024, max_write_bytes: int = 10 * 1024 * 1024,
+                 max_search_bytes: int = 64 * 1024 * 1024, max_search_entries: int = 200_000,
+                 max_write_bytes: int = 10 * 1024 * 1024,
                  files: Any = None, per_branch: bool = False) -> None:
         self._roots = resolve_roots(roots)
         #: branches bring their own folders (``scoped_roots``): the descriptions name none
@@ -136,6 +139,7 @@ class WorkspaceTools:
         self.max_search_file_bytes = max_search_file_bytes
         self.max_search_files = max_search_files
         self.max_search_bytes = max_search_bytes
+        self.max_search_entries = max_search_entries
         self.max_write_bytes = max_write_bytes
         self.files = files  # a file_tools.FileAccess (e.g. the client's buffers); None = the disk
 
@@ -319,26 +323,35 @@ class WorkspaceTools:
         if not real.exists():
             raise WorkspacePathError(f"{path!r} does not exist")
         matches: list[dict[str, Any]] = []
-        files = 0
+        files = skipped = visited = 0
         scanned = 0
         truncated = False
+        # bounded work: every directory and file the walk visits counts (max_search_entries),
+        # every byte read counts (max_search_bytes); a file over max_search_file_bytes is
+        # skipped by its size, never read
         for file in self._walk_files(real):
-            if files >= self.max_search_files or scanned >= self.max_search_bytes:
+            visited += 1
+            if (files >= self.max_search_files or scanned >= self.max_search_bytes
+                    or visited > self.max_search_entries):
                 truncated = True
                 break
+            if file is None:  # a directory, or a link that is not followed
+                continue
             try:  # regular files only (a FIFO would block), opened without following a swapped link
                 src = Path(os.path.realpath(file)) if file.is_symlink() else file  # checked by _walk_files
-                data, more = self._read_bytes(src, self.max_search_file_bytes)
-                if more:
-                    continue
+                data = self._read_small(src, self.max_search_file_bytes)
             except (OSError, WorkspacePathError):
+                data = None
+            if data is None:
+                skipped += 1
                 continue
             files += 1
             scanned += len(data)
             if b"\x00" in data[:_BINARY_SNIFF]:
                 continue
             text = data.decode("utf-8", "replace")
-            for number, line in enumerate(text.splitlines(), start=1):
+            for number, line in enumerate(split_lines(text), start=1):  # numbered as read_file numbers them
+                line = line.rstrip("\n").removesuffix("\r")
                 if rx.search(line):
                     if len(matches) >= cap:
                         truncated = True
@@ -349,7 +362,7 @@ class WorkspaceTools:
                     matches.append({"path": self.display(file), "line": number, "text": shown})
             if truncated:
                 break
-        return {"matches": matches, "truncated": truncated, "filesSearched": files}
+        return {"matches": matches, "truncated": truncated, "filesSearched": files, "filesSkipped": skipped}
 
     def write_file(self, path: str, content: str) -> dict[str, Any]:
         """Create or overwrite a text file in the workspace (parent folders are created).
@@ -420,6 +433,17 @@ class WorkspaceTools:
             data = f.read(max_bytes + 1)
         return (data[:max_bytes], True) if len(data) > max_bytes else (data, False)
 
+    def _read_small(self, real: Path, max_bytes: int) -> bytes | None:
+        """The bytes of the regular file ``real``, or None when it holds more than ``max_bytes``
+        (told by its size before anything is read, or by reading one byte past the cap)."""
+        root, rel = self._where(real)
+        fd, size = safe_fs.open_regular(root, rel)
+        with open(fd, "rb", closefd=True) as f:
+            if size > max_bytes:
+                return None
+            data = f.read(max_bytes + 1)
+        return None if len(data) > max_bytes else data
+
     def _read_text(self, real: Path | str, max_bytes: int | None = None, *, strict: bool = False) -> str:
         """The text of the regular file ``real`` (a resolved Path, or a workspace path that
         is resolved first); WorkspacePathError when it is binary or longer than
@@ -449,6 +473,8 @@ class WorkspaceTools:
             return safe_fs.write_bytes_atomic(root, rel, data)
         except IsADirectoryError:
             raise WorkspacePathError(f"{shown or self.display(real)!r} is a directory") from None
+        except safe_fs.ReadOnlyFileError:
+            raise WorkspacePathError(f"{shown or self.display(real)!r} is read-only; nothing written") from None
         except (safe_fs.UnsafePathError, NotADirectoryError) as e:
             raise WorkspacePathError(f"{shown or self.display(real)!r}: {e.strerror}; nothing written") from None
 
@@ -464,16 +490,20 @@ class WorkspaceTools:
 
     # -- helpers ---------------------------------------------------------------
 
-    def _walk_files(self, start: Path) -> Iterator[Path]:
+    def _walk_files(self, start: Path) -> Iterator[Path | None]:
+        """The files to search under ``start``, in order; None for each directory entered and
+        each link left out, so that the caller can count the whole walk."""
         if start.is_file():
             yield start
             return
         for dirpath, dirnames, filenames in os.walk(start, followlinks=False):
+            yield None
             dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
             for name in sorted(filenames):
                 p = Path(dirpath, name)
                 if p.is_symlink():
                     target = Path(os.path.realpath(p))
                     if self._root_of(target) is None or not target.is_file():
-                        continue  # never read through a link that leaves the workspace
+                        yield None  # never read through a link that leaves the workspace
+                        continue
                 yield p

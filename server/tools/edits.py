@@ -20,7 +20,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
-__all__ = ["EditError", "FileChange", "apply_edits", "unified_diff", "count_changes", "change"]
+__all__ = ["EditError", "FileChange", "apply_edits", "unified_diff", "count_changes", "change", "split_lines"]
 
 NO_NEWLINE = "\\ No newline at end of file\n"
 
@@ -74,9 +74,21 @@ def apply_edits(text: str, edits: Iterable[Any]) -> str:
     return out
 
 
+def split_lines(text: str) -> list[str]:
+    """``text``'s lines, each with its ``\n`` (the last one may have none). Only ``\n`` ends a
+    line, as for diff(1), git, patch and ``read_file``: a form feed, a lone ``\r`` or U+2028
+    is part of its line (``str.splitlines`` breaks at those too, which put two lines on one
+    line of a diff and numbered lines unlike ``read_file``); a CRLF line keeps its ``\r``."""
+    lines = text.split("\n")
+    out = [line + "\n" for line in lines[:-1]]
+    if lines[-1]:
+        out.append(lines[-1])
+    return out
+
+
 def _lines(text: str) -> list[str]:
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith(("\n", "\r")):
+    lines = split_lines(text)
+    if lines and not lines[-1].endswith("\n"):
         lines[-1] += "\n" + NO_NEWLINE  # the marker line, as diff(1) and git print it
     return lines
 
@@ -173,7 +185,7 @@ def unified_diff(old: str | None, new: str, path: str, *, context: int = 3) -> s
 def count_changes(diff: str) -> tuple[int, int]:
     """(added, removed) line counts of a unified diff."""
     added = removed = 0
-    for line in diff.splitlines()[2:]:  # after the ---/+++ header
+    for line in diff.split("\n")[2:]:  # after the ---/+++ header
         if line.startswith("+"):
             added += 1
         elif line.startswith("-"):

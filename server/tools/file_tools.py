@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from ..core.tools import Tool, ToolCallContext
-from .edits import EditError, FileChange, apply_edits, change
+from .edits import EditError, FileChange, apply_edits, change, split_lines
 from .errors import ToolCallError, WorkspacePathError
 
 if TYPE_CHECKING:
@@ -281,7 +281,7 @@ class FileTools:
         text = await self.files.read_text(real, ctx)
         if text is None:
             raise WorkspacePathError(f"{path!r} does not exist")
-        all_lines = text.splitlines(keepends=True)
+        all_lines = split_lines(text)  # numbered as read_file from the disk numbers them
         lines: list[str] = []
         size = 0
         truncated = False

@@ -12,7 +12,8 @@ Anything that is not a regular file (a FIFO, a socket, a device) is refused with
 opened for a blocking read (``O_NONBLOCK``, then ``fstat``). Writes go to a temporary file
 in the same directory, then ``os.replace`` over the name, both relative to the parent's
 descriptor: a reader never sees half a file, and a symlink at the final name is replaced,
-never followed.
+never followed. A replaced file keeps its mode and (as far as we may) its owner; a read-only
+one is refused, not replaced; a write that fails removes the directories it made.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import stat as _stat
 from pathlib import Path, PurePosixPath
 from typing import Iterable
 
-__all__ = ["UnsafePathError", "NotRegularFileError", "components", "lstat", "stat", "open_regular", "read_bytes", "read_text",
+__all__ = ["UnsafePathError", "NotRegularFileError", "ReadOnlyFileError", "components", "lstat", "stat", "open_regular", "read_bytes", "read_text",
            "write_bytes_atomic", "write_text_atomic"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -36,6 +37,10 @@ class UnsafePathError(OSError):
 
 class NotRegularFileError(OSError):
     """The final component is not a regular file (a FIFO, socket, device or directory)."""
+
+
+class ReadOnlyFileError(PermissionError):
+    """The file to replace is read-only (its own permissions forbid writing it)."""
 
 
 def components(rel: str | os.PathLike[str] | Iterable[str]) -> list[str]:
@@ -62,9 +67,17 @@ def _open_root(root: str | os.PathLike[str]) -> int:
 def _walk(root: str | os.PathLike[str], parts: list[str], *, create: bool = False) -> int:
     """A descriptor of the directory ``parts`` names under ``root`` (no symlink followed);
     with ``create``, missing directories are made on the way. The caller closes it."""
+    return _walk_creating(root, parts, create=create)[0]
+
+
+def _walk_creating(root: str | os.PathLike[str], parts: list[str], *, create: bool = False) -> tuple[int, int]:
+    """``_walk``, and the index in ``parts`` of the first directory this call made (``len(parts)``
+    when it made none): the directories from there on are new, so a write that fails can
+    take them away again."""
     fd = _open_root(root)
+    made = len(parts)
     try:
-        for name in parts:
+        for i, name in enumerate(parts):
             try:
                 nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
@@ -72,6 +85,7 @@ def _walk(root: str | os.PathLike[str], parts: list[str], *, create: bool = Fals
                     raise
                 try:
                     os.mkdir(name, 0o777, dir_fd=fd)
+                    made = min(made, i)
                 except FileExistsError:
                     pass
                 nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
@@ -83,8 +97,24 @@ def _walk(root: str | os.PathLike[str], parts: list[str], *, create: bool = Fals
             fd = nfd
     except BaseException:
         os.close(fd)
+        if made < len(parts):
+            _remove_made(root, parts, made)
         raise
-    return fd
+    return fd, made
+
+
+def _remove_made(root: str | os.PathLike[str], dirs: list[str], made: int) -> None:
+    """Remove the directories ``dirs[made:]`` a failed write made, deepest first, each only
+    while empty (a directory something else put a file in meanwhile stays)."""
+    for depth in range(len(dirs), made, -1):
+        try:
+            pfd = _walk(root, dirs[:depth - 1])
+            try:
+                os.rmdir(dirs[depth - 1], dir_fd=pfd)
+            finally:
+                os.close(pfd)
+        except OSError:
+            return
 
 
 def _split(rel: str | os.PathLike[str] | Iterable[str]) -> tuple[list[str], str]:
@@ -165,9 +195,12 @@ def read_text(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterab
 def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str], data: bytes,
                        *, make_dirs: bool = True) -> bool:
     """Replace (or create) ``rel`` with ``data``; returns True when the file was created.
-    The mode of a replaced file is kept; a directory at the name is refused."""
+    A replaced file keeps its mode and, as far as we may set them, its owner and group; a
+    read-only file (no write permission for us, or none for anyone) is refused with
+    :class:`ReadOnlyFileError`, as is a directory at the name (``IsADirectoryError``). A
+    failed write leaves nothing behind: no temporary file, no directory it made."""
     dirs, name = _split(rel)
-    dfd = _walk(root, dirs, create=make_dirs)
+    dfd, made = _walk_creating(root, dirs, create=make_dirs)
     try:
         try:
             old = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -175,7 +208,12 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
             old = None
         if old is not None and _stat.S_ISDIR(old.st_mode):
             raise IsADirectoryError(errno.EISDIR, f"{name!r} is a directory")
-        mode = _stat.S_IMODE(old.st_mode) if old is not None and _stat.S_ISREG(old.st_mode) else None
+        regular = old is not None and _stat.S_ISREG(old.st_mode)
+        if regular and (not old.st_mode & 0o222 or not os.access(name, os.W_OK, dir_fd=dfd,
+                                                                 follow_symlinks=False)):
+            # replacing the name needs only the directory's permission: the file's own is what says no
+            raise ReadOnlyFileError(errno.EACCES, f"{name!r} is read-only")
+        mode = _stat.S_IMODE(old.st_mode) if regular else None
         tmp = None
         for attempt in range(100):
             candidate = f".{name[:200]}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
@@ -191,8 +229,10 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
         try:
             with os.fdopen(fd, "wb", closefd=True) as f:
                 f.write(data)
+                if regular:
+                    _keep_owner(f.fileno(), old)
                 if mode is not None:
-                    os.fchmod(f.fileno(), mode)
+                    os.fchmod(f.fileno(), mode)  # after the owner: a chown clears set-id bits
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             try:
@@ -201,8 +241,25 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
                 pass
             raise
         return old is None
+    except BaseException:
+        if made < len(dirs):
+            _remove_made(root, dirs, made)
+        raise
     finally:
         os.close(dfd)
+
+
+def _keep_owner(fd: int, old: os.stat_result) -> None:
+    """Give the new file the old one's owner and group, or its group alone, as far as we may."""
+    st = os.fstat(fd)
+    if (st.st_uid, st.st_gid) == (old.st_uid, old.st_gid):
+        return
+    for uid, gid in ((old.st_uid, old.st_gid), (-1, old.st_gid)):
+        try:
+            os.fchown(fd, uid, gid)
+            return
+        except OSError:
+            continue
 
 
 def write_text_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str], text: str,

@@ -16,3 +16,12 @@ def fixture_modules(monkeypatch):
         mod = sys.modules.get(name)
         if str(getattr(mod, "__file__", "") or "").startswith(str(FIXTURES)):
             del sys.modules[name]
+
+
+@pytest.fixture
+def sidecar():
+    """The real server over real pipes (tests/rpc/support.py); reaped afterwards."""
+    from rpc.support import Sidecar, spawner  # tests/ is on sys.path
+
+    with spawner(lambda _i, *args, **kw: Sidecar(*args, **kw)) as make:
+        yield make()

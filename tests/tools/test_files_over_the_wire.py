@@ -1,0 +1,128 @@
+"""The builtin file tools at their edges, driven through the real server over real pipes with
+the scripted model: line breaks other than ``\\n``, writes that fail half-way, read-only files,
+owners, and searches over large files and trees."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from rpc.support import TIMEOUT, scripted  # tests/ is on sys.path
+
+from operate_sidecar.server.tools import WorkspaceTools
+
+
+def call(function: str, **arguments) -> dict:
+    return {"json": {"action_requests": [{"function": function, "arguments": arguments}]}}
+
+
+def start(c, ws, *responses, caps=None):
+    c.request("initialize", {"workspaceFolders": [str(ws)], "capabilities": caps or {},
+                             "settings": {"models": {"s": scripted(*responses)}, "defaultModel": "s",
+                                          "toolPolicy": {"edit_file": "allow", "write_file": "allow"}}},
+              timeout=TIMEOUT)
+    return c.branch()
+
+
+def output(c, bid):
+    res = c.request("operate", {"branchId": bid, "instruction": "go", "actions": True}, timeout=TIMEOUT)
+    (out,) = [r["output"] for r in res["result"]["action_responses"]]
+    return out
+
+
+# a form feed, a lone CR and U+2028 are inside their lines: only "\n" ends one (diff, git, read_file)
+ODD = "def a():\n\x0c\n    x = 1  # page\x0cbreak\nold\rmac\rline\nsep\u2028inside\ntarget = 1\n"
+
+
+def test_only_a_newline_ends_a_line_in_diffs_searches_and_reads(sidecar, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    f = ws / "odd.py"
+    f.write_bytes(ODD.encode())
+    bid = start(sidecar, ws, call("search_text", pattern="target"), call("read_file", path="odd.py", offset=6),
+                call("edit_file", path="odd.py", edits=[{"oldText": "target = 1", "newText": "target = 2"}]))
+    found = output(sidecar, bid)["matches"]
+    assert [(m["path"], m["line"]) for m in found] == [("odd.py", 6)]        # splitlines said 10
+    assert output(sidecar, bid)["content"] == "target = 1\n"                  # line 6 as read_file has it
+    out = output(sidecar, bid)
+    assert out["diff"].splitlines(keepends=True)[2] == "@@ -3,4 +3,4 @@\n"   # 4 lines of context and change
+    assert out["diff"].count("\n") == 2 + 1 + 3 + 2 and (out["added"], out["removed"]) == (1, 1)
+    # the diff is honest: git applies it to the old text and gets the new one
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "odd.py").write_bytes(ODD.encode())
+    (repo / "p.diff").write_bytes(out["diff"].encode())
+    done = subprocess.run(["git", "apply", "--unsafe-paths", "p.diff"], cwd=repo, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert (repo / "odd.py").read_bytes() == f.read_bytes() == ODD.replace("target = 1", "target = 2").encode()
+
+
+def test_the_client_buffers_read_file_numbers_lines_as_the_disk_does(sidecar, tmp_path):
+    path = str(tmp_path.resolve() / "odd.py")
+    sidecar.on_request("fs/readTextFile", lambda p: {"text": ODD})
+    bid = start(sidecar, tmp_path, call("read_file", path="odd.py", offset=6), caps={"fs": True})
+    out = output(sidecar, bid)
+    assert out["content"] == "target = 1\n" and out["path"] == "odd.py" and path.endswith(out["path"])
+
+
+def test_a_write_that_fails_leaves_no_directory_or_temporary_file_behind(sidecar, tmp_path):
+    (tmp_path / "keep").mkdir()
+    too_long = "n" * 256                                                       # NAME_MAX is 255
+    bid = start(sidecar, tmp_path, call("write_file", path=f"new/deep/{too_long}", content="x\n"),
+                call("write_file", path=f"keep/sub/{too_long}", content="x\n"))
+    assert "error" in output(sidecar, bid)
+    assert "error" in output(sidecar, bid)
+    assert sorted(os.listdir(tmp_path)) == ["keep"] and os.listdir(tmp_path / "keep") == []
+
+
+def test_a_read_only_file_is_not_replaced(sidecar, tmp_path):
+    f = tmp_path / "locked.txt"
+    f.write_text("v = 1\n")
+    f.chmod(0o444)
+    bid = start(sidecar, tmp_path, call("edit_file", path="locked.txt", edits=[{"oldText": "1", "newText": "2"}]),
+                call("write_file", path="locked.txt", content="gone\n"))
+    for _ in range(2):
+        assert output(sidecar, bid)["error"] == "'locked.txt' is read-only; nothing written"
+    assert f.read_text() == "v = 1\n" and oct(f.stat().st_mode & 0o777) == "0o444"
+    assert os.listdir(tmp_path) == ["locked.txt"]
+
+
+def test_a_replaced_file_keeps_its_owner_group_and_mode(sidecar, tmp_path):
+    f = tmp_path / "shared.txt"
+    f.write_text("v = 1\n")
+    if os.geteuid() == 0:
+        uid, gid = 1234, 5678
+    else:  # another group of ours, when we have one
+        uid, gid = os.getuid(), sorted(set(os.getgroups()) - {os.getegid()} or {os.getegid()})[0]
+    os.chown(f, uid, gid)
+    f.chmod(0o640)
+    bid = start(sidecar, tmp_path, call("edit_file", path="shared.txt", edits=[{"oldText": "1", "newText": "2"}]))
+    assert "diff" in output(sidecar, bid)
+    st = f.stat()
+    assert f.read_text() == "v = 2\n" and (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (uid, gid, 0o640)
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as io:
+        return int(next(line for line in io if line.startswith("rchar:")).split()[1])
+
+
+def test_search_text_skips_files_over_its_cap_by_size_and_counts_them(tmp_path):
+    for i in range(40):
+        with open(tmp_path / f"big{i}.bin", "wb") as f:
+            f.truncate(3 * 1024 * 1024)                                         # over the 2 MiB cap
+    (tmp_path / "small.txt").write_text("needle\n")
+    ws = WorkspaceTools([tmp_path])
+    before = _bytes_read()
+    out = ws.search_text("needle")
+    assert _bytes_read() - before < 1024 * 1024                                # read 80 MiB before
+    assert out == {"matches": [{"path": "small.txt", "line": 1, "text": "needle"}], "truncated": False,
+                   "filesSearched": 1, "filesSkipped": 40}
+
+
+def test_search_text_bounds_the_walk_of_a_huge_tree(tmp_path):
+    for i in range(300):
+        (tmp_path / f"d{i:03}" / "e").mkdir(parents=True)                      # no files at all
+    out = WorkspaceTools([tmp_path], max_search_entries=100).search_text("x")
+    assert out["truncated"] is True and out["filesSearched"] == 0
