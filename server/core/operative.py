@@ -16,14 +16,23 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, create_model, field_validator
+from pydantic import AfterValidator, BaseModel, Field, WithJsonSchema, create_model, field_validator
 
 from .params import HashableModel
 
 
 class ActionRequestModel(HashableModel):
-    function: str | None = Field(None, description="Name of a tool listed under Tools.")
-    arguments: dict[str, Any] | None = Field(None, description="Arguments for the tool, matching its parameters.")
+    # One requested call (no docstring: it would be the schema's description, shown to the
+    # model). The schema is {function: string | null, arguments: object | null}, but a value
+    # of another type is kept as it came: act() answers it with that call's tool error (an
+    # unknown tool, arguments that are not an object), so one malformed call neither hides the
+    # reply's other calls nor leaves the model without an answer to correct.
+
+    function: Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "null"}]})] = Field(
+        None, description="Name of a tool listed under Tools.")
+    arguments: Annotated[Any, WithJsonSchema({"anyOf": [{"additionalProperties": True, "type": "object"},
+                                                        {"type": "null"}]})] = Field(
+        None, description="Arguments for the tool, matching its parameters.")
 
     @field_validator("arguments", mode="before")
     @classmethod
@@ -72,10 +81,10 @@ def _unique_requests(v: list[ActionRequestModel] | None) -> list[ActionRequestMo
         return []
     import json
 
-    seen: set[tuple] = set()
+    seen: set[str] = set()
     out = []
     for r in v:
-        key = (r.function, json.dumps(r.arguments, sort_keys=True, default=str))
+        key = json.dumps([r.function, r.arguments], sort_keys=True, default=str)
         if key not in seen:
             seen.add(key)
             out.append(r)

@@ -145,3 +145,20 @@ def test_read_then_edit_in_one_call_with_a_scripted_model(sidecar, tmp_path):
     assert asked[0]["preview"]["diff"].endswith("-Hello wrld\n+Hello world\n")
     outputs = [m["content"]["output"] for m in sidecar.messages(bid) if m["kind"] == "action_response"]
     assert outputs[0]["content"] == "Hello wrld\n" and outputs[1]["added"] == 1
+
+
+def test_a_malformed_call_is_that_calls_tool_error_and_the_next_round_corrects_it(sidecar):
+    """Arguments that are not an object, or a name that is not a string, are that call's tool
+    error (the model is answered, so the next round can correct it); the reply's other calls run.
+    It made the whole reply unparsed: no call ran, the loop ended with the raw JSON as its text."""
+    bad = {"json": {"action_requests": [{"function": "echo_tool", "arguments": ["a"]},
+                                        {"function": 7, "arguments": {}},
+                                        {"function": "echo_tool", "arguments": {"text": "ok"}}]}}
+    bid = start(sidecar, bad, ECHO, DONE)
+    out = operate(sidecar, bid, maxRounds=5)
+    assert out["rounds"] == 3 and out["kind"] == "model"
+    first = [m["content"]["output"] for m in sidecar.messages(bid) if m["kind"] == "action_response"][:3]
+    assert first[0]["error"] == "arguments for echo_tool must be an object, got list"
+    assert first[1]["error"] == "Tool 7 is not registered." and first[2] == "echo:ok"
+    assert [e["event"] for e in sidecar.of("toolEvent")] == ["pre", "error", "pre", "error", "pre", "post",
+                                                            "pre", "post"]
