@@ -686,6 +686,37 @@ def test_a_review_closed_by_half_is_rebuilt(sv):
     assert sv.buf_lines(str(path))[1] == "    return 2"
 
 
+def test_a_chat_deleted_with_bdelete_or_bwipeout_comes_back_whole(sv):
+    """`:bd` unloads the transcript (its lines, variables and mappings go) and `:bw` wipes it: the
+    next :OperateChat showed an empty buffer and the next turn was drawn without title or prompt
+    header. The chat keeps its turns and draws them again, the running one included."""
+    bid = sv.new_branch(["reply one", {"text": "late reply", "delayMs": 1500}, "reply three"], "bdelete")
+    sv.chat_send("first question")
+    sv.wait_done()
+    whole = sv.chat(bid)
+    assert whole[0] == "# bdelete" and "reply one" in whole and whole[-2] == PROMPT
+    sv.chat_send("second question")
+    sv.wait("require('operate_sidecar')._state.progress.phase == 'request'", "the delayed model call")
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    sv.n.command("bdelete")                             # while the turn runs
+    sv.n.command("OperateChat")
+    lines = sv.chat(bid)
+    assert lines[:len(whole) - 2] == whole[:-2] and "second question" in lines and "_…_" in lines, lines
+    sv.wait_done()                                      # the running turn ends in the rebuilt transcript
+    lines = sv.chat(bid)
+    assert "late reply" in lines and "_…_" not in lines and lines[0] == "# bdelete" and lines[-2] == PROMPT, lines
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    sv.n.command("bwipeout")
+    sv.n.command("OperateChat")
+    assert sv.chat(bid) == lines
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').prompt_window())")
+    sv.n.command("bdelete")                             # the prompt: its <CR> mapping went with it
+    sv.chat_send("third question")                      # (:OperateChat, type, <CR>)
+    assert sv.wait_done()["err"] is None
+    final = sv.chat(bid)
+    assert final[:len(lines) - 2] == lines[:-2] and "reply three" in final and final[-2] == PROMPT, final
+
+
 def test_a_cancelled_permission_request_is_shown_as_cancelled(sv):
     bid = sv.new_branch([call("mark_file", path=str(sv.tmp / "cancelled.txt"), text="x"), "unused"], "permcancel")
     sv.n.command("OperateTools mark_file ask")

@@ -480,9 +480,20 @@ local function follow(chat)
   end
 end
 
+-- Is this chat buffer still ours: valid, loaded and marked? (`:bdelete` unloads a buffer and
+-- clears its variables and mappings; `:bwipeout` makes it invalid.)
+-- (the API directly: vim.b goes through vim.validate, kept off the render path)
+local function usable(b)
+  if b == nil or not api.nvim_buf_is_valid(b) or not api.nvim_buf_is_loaded(b) then
+    return false
+  end
+  local ok, mark = pcall(api.nvim_buf_get_var, b, 'operate_sidecar_chat')
+  return ok and mark == true
+end
+
 local function render_turn(chat, turn)
-  if not api.nvim_buf_is_valid(chat.buf) then
-    return
+  if not usable(chat.buf) then
+    return -- the transcript was deleted: the turns are kept and drawn again when it is rebuilt
   end
   edit(chat, function(b)
     -- turns sit right above the prompt header (the last line): count back from it
@@ -552,10 +563,16 @@ local function set_keymaps(chat, b)
   end, 'pick a model')
 end
 
+-- Make (or make again) a chat's transcript and prompt buffers. A chat whose buffers were
+-- deleted (`:bdelete`, `:bwipeout`) keeps its turns: they are drawn again, the running one too.
 local function create(chat)
   local key = chat.branch or chat.key
   local name = 'operate://chat/' .. key
+  if chat.buf then
+    by_buf[chat.buf] = nil
+  end
   local b = util.find_buf(name) or api.nvim_create_buf(false, true)
+  vim.fn.bufload(b) -- (one unloaded by :bdelete is loaded again, empty)
   api.nvim_buf_set_name(b, name)
   vim.bo[b].buftype = 'nofile'
   vim.bo[b].bufhidden = 'hide'
@@ -566,17 +583,24 @@ local function create(chat)
   vim.b[b].operate_sidecar_chat = true
   vim.b[b].operate_sidecar_branch = chat.branch
   chat.buf = b
-  chat.turns = {}
+  chat.turns = chat.turns or {}
   by_buf[b] = chat
   edit(chat, function()
     api.nvim_buf_set_lines(b, 0, -1, false, { chat_title(chat), '', M.PROMPT })
   end)
+  for _, t in ipairs(chat.turns) do
+    t.nlines = 0 -- none is drawn yet: each goes above the prompt header, after those before it
+  end
+  for _, t in ipairs(chat.turns) do
+    render_turn(chat, t)
+  end
   local pname = 'operate://prompt/' .. key
   local pb = util.find_buf(pname)
   if not pb then
     pb = api.nvim_create_buf(false, true)
     api.nvim_buf_set_name(pb, pname)
   end
+  vim.fn.bufload(pb)
   vim.bo[pb].buftype = 'nofile'
   vim.bo[pb].bufhidden = 'hide'
   vim.bo[pb].swapfile = false
@@ -650,22 +674,23 @@ end
 
 --- The chat of a branch (created when missing; nil branch = a new, unbound chat).
 local function intact(chat)
-  return chat and api.nvim_buf_is_valid(chat.buf) and api.nvim_buf_is_valid(chat.prompt_buf)
+  return chat ~= nil and usable(chat.buf) and usable(chat.prompt_buf)
 end
 
 function M.get(branch)
-  if branch and intact(chats[branch]) then
-    return chats[branch], false
+  local key = branch or ('new:' .. api.nvim_get_current_tabpage())
+  local known = chats[key]
+  if intact(known) then
+    return known, false
+  elseif known then -- its buffers were deleted: rebuilt from the turns it holds
+    create(known)
+    return known, false
   end
   local chat
   if branch then
     chat = { key = branch, branch = branch }
   else
-    local tab = api.nvim_get_current_tabpage()
-    local k = 'new:' .. tab
-    if intact(chats[k]) then
-      return chats[k], false
-    end
+    local k = key
     new_seq = new_seq + 1
     chat = { key = k, branch = nil, seq = new_seq }
   end
