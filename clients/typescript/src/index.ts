@@ -141,6 +141,35 @@ export class SidecarExitedError extends Error {
   }
 }
 
+/**
+ * The server's stdout stopped being readable as JSON-RPC framing (a stray line, a frame that is not JSON): no
+ * answer can be matched any more, so every pending and later request rejects with this instead of waiting forever.
+ * The process is left running; `stop()` ends it (closing its stdin) or `kill()` it.
+ */
+export class SidecarStreamError extends Error {
+  /** What the reader reported (the header or JSON it could not read). */
+  readonly reason: string;
+  /** The start of what the server wrote to stdout. */
+  readonly stdoutHead: string;
+  constructor(what: string, reason: Error, stdoutHead: string) {
+    const head = stdoutHead.trim();
+    super(`operate-sidecar: the server's output is no longer readable as JSON-RPC (${reason.message}), so ${what} cannot be answered`
+      + (head ? `; its stdout begins with: ${JSON.stringify(head.slice(0, 200))}` : ''));
+    this.name = 'SidecarStreamError';
+    this.reason = reason.message;
+    this.stdoutHead = stdoutHead;
+  }
+}
+
+/** Calls every listener even when one throws; the first error is rethrown after the others ran. */
+function callEach<A>(listeners: Iterable<(arg: A) => void>, arg: A): void {
+  let first: { error: unknown } | undefined;
+  for (const l of [...listeners]) {
+    try { l(arg); } catch (error) { first ??= { error }; }
+  }
+  if (first) throw first.error;
+}
+
 const progressType = new rpc.ProgressType<ProgressValue>();
 let tokenCounter = 0;
 /** After the process exited, how long to wait for the rest of its stderr (a grandchild may hold the pipe). */
@@ -163,6 +192,8 @@ export class SidecarClient {
   private readonly stderrMax: number;
   /** The first bytes of stdout (a diagnosis for a server that prints something that is not a frame). */
   private stdoutHead = '';
+  /** Set when the reader could not read stdout as framing (then nothing can be answered). */
+  private streamError: Error | undefined;
 
   private constructor(child: ChildProcess, opts: StartOptions) {
     this.process = child;
@@ -182,8 +213,9 @@ export class SidecarClient {
           this.exitCode = code ?? signal;
           // fail every pending request instead of leaving it hanging
           this.connection.dispose();
-          this.exitListeners.forEach((l) => l(info));
           resolve(info);
+          // a listener that throws neither stops the others nor `exited` (nor becomes an unhandled rejection)
+          try { callEach(this.exitListeners, info); } catch { /* the listener's own error */ }
         });
       });
     });
@@ -191,8 +223,14 @@ export class SidecarClient {
     child.stdout!.on('data', (d: Buffer) => {
       if (this.stdoutHead.length < 512) this.stdoutHead += d.toString('utf8', 0, 512 - this.stdoutHead.length);
     });
-    this.connection = rpc.createMessageConnection(
-      new rpc.StreamMessageReader(child.stdout!), new rpc.StreamMessageWriter(child.stdin!));
+    const reader = new rpc.StreamMessageReader(child.stdout!);
+    // a header or body it cannot read: the stream is out of step for good (vscode-jsonrpc would go on waiting)
+    reader.onError((err) => {
+      if (this.streamError || this.processGone) return;
+      this.streamError = err instanceof Error ? err : new Error(String(err));
+      this.connection.dispose();  // rejects every pending request; request() says why
+    });
+    this.connection = rpc.createMessageConnection(reader, new rpc.StreamMessageWriter(child.stdin!));
     // a write to a dead server: the error surfaces through the request (as SidecarExitedError)
     child.stdin!.on('error', () => { /* EPIPE */ });
     this.connection.onRequest('requestToolPermission', async (p: PermissionRequest, token) => {
@@ -255,7 +293,7 @@ export class SidecarClient {
       // vscode-jsonrpc keeps one handler per method: fan out to every listener from it
       const listeners = new Set<(params: any) => void>();
       this.notificationListeners.set(method, listeners);
-      this.connection.onNotification(method, (params: any) => listeners.forEach((l) => l(params)));
+      this.connection.onNotification(method, (params: any) => callEach(listeners, params));
       set = listeners;
     }
     const listeners = set;
@@ -285,6 +323,7 @@ export class SidecarClient {
   request<R>(method: string, params?: object, token?: rpc.CancellationToken): Promise<R>;
   async request<R>(method: string, params: object = {}, token?: rpc.CancellationToken): Promise<R> {
     if (!this.running) throw new SidecarExitedError(method, await this.exitInfo);
+    if (this.streamError) throw new SidecarStreamError(method, this.streamError, this.stdoutHead);
     const sent = token ? this.connection.sendRequest<R>(method, params, token) : this.connection.sendRequest<R>(method, params);
     const gone = this.exitInfo.then((info) => { throw new SidecarExitedError(method, info); });
     gone.catch(() => { /* handled by the race below */ });
@@ -295,9 +334,11 @@ export class SidecarClient {
       // vscode-jsonrpc rejects pending requests with these codes when the connection is disposed (process gone)
       const transport = [rpc.ErrorCodes.PendingResponseRejected, rpc.ErrorCodes.ConnectionInactive] as number[];
       if (e instanceof rpc.ResponseError && !transport.includes(e.code)) throw e;
+      if (this.streamError && !this.processGone) throw new SidecarStreamError(method, this.streamError, this.stdoutHead);
       // a transport error (write EPIPE, connection disposed): when the process is ending, say why instead
       const info = await Promise.race([this.exitInfo, new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000).unref())]);
       if (info) throw new SidecarExitedError(method, info);
+      if (this.streamError) throw new SidecarStreamError(method, this.streamError, this.stdoutHead);
       throw e;
     }
   }
@@ -362,10 +403,18 @@ export class SidecarClient {
     }
   }
 
-  /** shutdown + exit; kills the process if it has not exited within `timeoutMs`. */
+  /**
+   * shutdown + exit; kills the process if it has not exited within `timeoutMs`. With an unreadable stream
+   * (SidecarStreamError) it closes the server's stdin instead, which makes it exit.
+   */
   async stop(timeoutMs = 5000): Promise<number | string | null> {
     if (this.running) {
       const timer = (ms: number) => new Promise<'timeout'>((r) => setTimeout(() => r('timeout'), ms).unref());
+      if (this.streamError) {
+        this.process.stdin?.end();
+        if ((await Promise.race([this.exited, timer(timeoutMs)])) === 'timeout') this.process.kill('SIGKILL');
+        return this.exited;
+      }
       try {
         await Promise.race([this.request('shutdown'), timer(timeoutMs)]);
       } catch { /* already gone, or refused: exit anyway */ }

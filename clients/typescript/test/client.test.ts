@@ -7,7 +7,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import {
   CancellationTokenSource, ErrorCodes, ExitInfo, LogMessage, PermissionRequest, ProgressValue, ReadTextFileRequest,
-  DEFAULT_INITIALIZE_TIMEOUT_MS, SidecarClient, SidecarExitedError, SidecarTimeoutError, ToolEvent, WriteTextFileRequest,
+  DEFAULT_INITIALIZE_TIMEOUT_MS, SidecarClient, SidecarExitedError, SidecarStreamError, SidecarTimeoutError, ToolEvent, WriteTextFileRequest,
 } from '../src/index';
 import {
   callTool, initialized, outputs, rejection, REPO, scripted, server, serverCommand, stderr, stopAll, until, within,
@@ -324,4 +324,70 @@ test('initialize time-out: a server that never answers (or prints a non-frame li
   assert.equal(c.running, true);
   await assert.rejects(SidecarClient.start({ command: 'operate-sidecar' as unknown as string[] }),
     /the server command must be an array of strings \(argv\), got "operate-sidecar"/);
+});
+
+test('listeners that throw: the other toolEvent and onExit listeners still run, exited resolves, no unhandled rejection', async () => {
+  const unhandled: unknown[] = [];
+  const onUnhandled = (e: unknown) => { unhandled.push(e); };
+  process.on('unhandledRejection', onUnhandled);
+  try {
+    const { c } = await initialized({ models: { s: scripted(callTool('shout', { text: 'hey' })) }, toolModules: ['ts_fixture_tools'] });
+    c.onToolEvent(() => { throw new Error('a faulty listener'); });
+    const events: string[] = [];
+    c.onToolEvent((e) => events.push(e.event));
+    const { branchId } = await within(c.createBranch(), 'createBranch');
+    await within(c.operate({ branchId, instruction: 'call it', actions: true }), 'operate');
+    await until(() => events.length >= 2, 'the second listener sees pre and post');
+    assert.deepEqual(events, ['pre', 'post']);
+
+    const exits: ExitInfo[] = [];
+    c.onExit(() => { throw new Error('a faulty exit listener'); });
+    c.onExit((i) => exits.push(i));
+    const pending = c.operate({ branchId, instruction: 'nothing left in the script' }).then(() => undefined, (e) => e);
+    c.kill();
+    assert.equal(await within(c.exited, 'exited resolves'), 'SIGKILL');
+    assert.deepEqual(exits.map((i) => i.signal), ['SIGKILL']);
+    const err = await within(pending, 'the pending request fails');
+    assert.ok(err instanceof SidecarExitedError || (err as any)?.code === ErrorCodes.ModelError, `got ${err}`);
+    await assert.rejects(within(c.ping(), 'ping after exit'), SidecarExitedError);
+    assert.equal(await within(c.stop(), 'stop after exit'), 'SIGKILL');
+    await new Promise((r) => setImmediate(r));
+    assert.deepEqual(unhandled, []);
+  } finally {
+    process.off('unhandledRejection', onUnhandled);
+  }
+});
+
+// A stand-in server: answers the first request, then writes a line that is not a frame before the next answer.
+const GARBAGE_SERVER = `
+let buf = Buffer.alloc(0); let n = 0;
+const send = (o) => { const b = Buffer.from(JSON.stringify(o)); process.stdout.write('Content-Length: ' + b.length + '\\r\\n\\r\\n'); process.stdout.write(b); };
+process.stdin.on('data', (d) => {
+  buf = Buffer.concat([buf, d]);
+  for (;;) {
+    const end = buf.indexOf('\\r\\n\\r\\n'); if (end < 0) return;
+    const len = Number(/Content-Length: (\\d+)/i.exec(buf.subarray(0, end).toString())[1]);
+    if (buf.length < end + 4 + len) return;
+    const msg = JSON.parse(buf.subarray(end + 4, end + 4 + len).toString()); buf = buf.subarray(end + 4 + len);
+    if (msg.id === undefined) continue;
+    if (++n === 2) process.stdout.write('a stray print from a library\\n');
+    send({ jsonrpc: '2.0', id: msg.id, result: {} });
+  }
+});
+process.stdin.on('end', () => process.exit(0));
+`;
+
+test('a server that writes garbage mid-session: pending and later requests reject with SidecarStreamError instead of hanging; stop ends it', async () => {
+  const c = await SidecarClient.start({ command: [process.execPath, '-e', GARBAGE_SERVER] });
+  try {
+    assert.deepEqual(await within(c.ping(), 'first ping'), {});
+    const second = await within(c.ping().then(() => undefined, (e) => e), 'ping answered after a stray line', 10_000);
+    assert.ok(second instanceof SidecarStreamError, `expected SidecarStreamError, got ${second}`);
+    assert.match(second.message, /no longer readable as JSON-RPC/);
+    assert.match(second.stdoutHead, /a stray print from a library/);
+    const third = await within(c.request('listBranches').then(() => undefined, (e) => e), 'a later request', 10_000);
+    assert.ok(third instanceof SidecarStreamError, `expected SidecarStreamError, got ${third}`);
+    assert.equal(c.running, true, 'the process is still there');
+    assert.equal(await within(c.stop(5000), 'stop closes its stdin', 10_000), 0);
+  } finally { c.kill(); }
 });
