@@ -13,12 +13,12 @@ thread hop when stdin is a pipe, socket or tty.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import os
 import stat
 import sys
 import threading
+import time
 from typing import Callable
 
 from .framing import encode_frame
@@ -59,25 +59,52 @@ def guard_stdio() -> tuple[int, int]:
 class Wire:
     """The protocol output: exactly ``Content-Length: N\\r\\n\\r\\n<utf-8 json>``,
     safe to call from any thread. The first message in an event-loop iteration is
-    flushed at once (no added latency); further messages written on the loop thread
+    written at once (no added latency); further messages written on the loop thread
     in the same iteration (a burst of ``$/progress`` deltas, several answers) are
-    flushed together at the end of it, one ``write`` instead of one per message.
-    Order is kept (one buffer); messages from other threads flush at once."""
+    written together at the end of it, one ``write`` instead of one per message.
+    Order is kept (one buffer).
 
-    __slots__ = ("_f", "_lock", "closed", "on_broken", "_loop", "_loop_thread", "_deferred", "tap")
+    When stdout is a pipe or a socket it is written without blocking: what the client
+    has not read yet waits in the buffer and goes out as the pipe drains, so a client
+    that stops reading never freezes the event loop (signals, the client's death and
+    ``exit`` are still served). Once more than ``HIGH_WATER`` bytes wait, ``on_pause``
+    is called (the server stops reading requests: memory stays bounded by what is
+    already in flight), and ``on_resume`` once the buffer is down to ``LOW_WATER``."""
+
+    HIGH_WATER = 8 << 20
+    LOW_WATER = 1 << 20
+
+    __slots__ = ("_fd", "_lock", "closed", "on_broken", "on_pause", "on_resume", "_loop", "_loop_thread",
+                 "_deferred", "tap", "_buf", "_nonblocking", "_armed", "_paused")
 
     def __init__(self, fd: int, on_broken: Callable[[], None] | None = None) -> None:
-        self._f = io.BufferedWriter(io.FileIO(fd, "wb", closefd=True), buffer_size=1 << 16)
+        self._fd = fd
         self._lock = threading.Lock()
         self.closed = False
         self.on_broken = on_broken
+        self.on_pause: Callable[[], None] | None = None
+        self.on_resume: Callable[[], None] | None = None
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
         self._loop_thread = threading.get_ident()
-        self._deferred = False  # a flush is scheduled at the end of this loop iteration
+        self._deferred = False  # a write is scheduled at the end of this loop iteration
         self.tap: Callable[[bytes], None] | None = None  # sees every body sent (``--record``)
+        self._buf = bytearray()  # frames not written yet
+        self._armed = False      # the loop calls ``_on_writable`` when the pipe has room
+        self._paused = False     # ``on_pause`` was called and ``on_resume`` not yet
+        self._nonblocking = False
+        try:
+            mode = os.fstat(fd).st_mode
+            if self._loop is not None and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+                os.set_blocking(fd, False)
+                self._nonblocking = True
+        except OSError:
+            pass
+
+    def _on_loop(self) -> bool:
+        return self._loop is not None and threading.get_ident() == self._loop_thread
 
     def send_bytes(self, body: bytes) -> None:
         if self.closed:
@@ -85,43 +112,122 @@ class Wire:
         if self.tap is not None:
             self.tap(body)
         frame = encode_frame(body)
+        on_loop = self._on_loop()
         try:
             with self._lock:
-                self._f.write(frame)
-                on_loop = self._loop is not None and threading.get_ident() == self._loop_thread
-                if on_loop and self._deferred:
-                    return
-                self._f.flush()
-                if on_loop:
-                    try:
-                        self._loop.call_soon(self._flush_deferred)  # type: ignore[union-attr]
-                        self._deferred = True
-                    except RuntimeError:  # the loop is closed: every message flushes at once
-                        self._loop = None
+                self._buf += frame
+                if on_loop and (self._deferred or self._armed):
+                    pass  # written at the end of this iteration, or when the pipe has room
+                else:
+                    self._write_locked()
+                    if on_loop and not self._deferred:
+                        try:
+                            self._loop.call_soon(self._flush_deferred)  # type: ignore[union-attr]
+                            self._deferred = True
+                        except RuntimeError:  # the loop is closed: every message is written at once
+                            self._loop = None
+                pause = on_loop and not self._paused and len(self._buf) > self.HIGH_WATER
+                if pause:
+                    self._paused = True
         except (BrokenPipeError, ConnectionResetError, ValueError, OSError) as e:
             self._broken(e)
+            return
+        if pause and self.on_pause is not None:
+            log.warning("the client is not reading the server's output (%d bytes waiting); "
+                        "reading no more requests until it does", len(self._buf))
+            self.on_pause()
+
+    def _write_locked(self) -> None:
+        """Write what the pipe takes now (all of it, blocking, when stdout is not a pipe); when
+        some is left, ask the loop to call back once there is room (from any thread)."""
+        buf = self._buf
+        while buf:
+            try:
+                n = os.write(self._fd, buf)
+            except BlockingIOError:
+                break
+            except InterruptedError:
+                continue
+            del buf[:n]
+        if buf and not self._armed and self._loop is not None:
+            self._armed = True
+            if self._on_loop():
+                self._loop.add_writer(self._fd, self._on_writable)
+            else:
+                self._loop.call_soon_threadsafe(self._loop.add_writer, self._fd, self._on_writable)
 
     def _flush_deferred(self) -> None:
         try:
             with self._lock:
                 self._deferred = False
-                if not self.closed:
-                    self._f.flush()
+                if not self.closed and not self._armed:
+                    self._write_locked()
         except (BrokenPipeError, ConnectionResetError, ValueError, OSError) as e:
             self._broken(e)
+
+    def _on_writable(self) -> None:
+        try:
+            with self._lock:
+                if not self.closed:
+                    self._write_locked_on_room()
+                resume = self._paused and len(self._buf) <= self.LOW_WATER
+                if resume:
+                    self._paused = False
+        except (BrokenPipeError, ConnectionResetError, ValueError, OSError) as e:
+            self._broken(e)
+            return
+        if resume and self.on_resume is not None:
+            self.on_resume()
+
+    def _write_locked_on_room(self) -> None:
+        self._armed = False
+        self._loop.remove_writer(self._fd)  # type: ignore[union-attr]
+        self._write_locked()
 
     def _broken(self, e: BaseException) -> None:
         if not self.closed:
             log.warning("the client's end of stdout is gone (%s)", type(e).__name__)
             self.closed = True
+            self._disarm()
+            self._buf.clear()
             if self.on_broken is not None:
                 self.on_broken()
+
+    def _disarm(self) -> None:
+        if self._armed and self._loop is not None:
+            self._armed = False
+            try:
+                self._loop.remove_writer(self._fd)
+            except (RuntimeError, ValueError, OSError):
+                pass
+
+    @property
+    def pending(self) -> int:
+        """Bytes sent but not yet taken by the pipe."""
+        return len(self._buf)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until everything sent is written; False when the
+        client did not read it in time (:meth:`close` then drops it). Used once, on the way out."""
+        deadline = time.monotonic() + timeout
+        while self._buf and not self.closed:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return not self._buf
 
     def close(self) -> None:
         self.closed = True
         try:
             with self._lock:
-                self._f.close()
+                self._disarm()
+                if self._buf:  # one last try, without waiting
+                    try:
+                        os.write(self._fd, self._buf)
+                    except OSError:
+                        pass
+                    self._buf.clear()
+                os.close(self._fd)
         except Exception:
             pass
 
@@ -142,21 +248,47 @@ class _ReadProtocol(asyncio.Protocol):
         self._on_eof()
 
 
-async def attach_reader(fd: int, on_data: Callable[[bytes], None], on_eof: Callable[[], None]) -> Callable[[], None]:
-    """Read ``fd`` on the running loop; returns a ``close()`` callable.
+class Reader:
+    """The handle :func:`attach_reader` returns: ``close()`` (also by calling it), and
+    ``pause()`` / ``resume()`` (stop and restart taking input: back-pressure while the client
+    does not read what the server writes). Call them on the event loop's thread."""
+
+    def __init__(self, close: Callable[[], None], pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        self.close, self.pause, self.resume = close, pause, resume
+
+    def __call__(self) -> None:
+        self.close()
+
+
+async def attach_reader(fd: int, on_data: Callable[[bytes], None], on_eof: Callable[[], None]) -> Reader:
+    """Read ``fd`` on the running loop; returns its :class:`Reader` handle.
     ``on_eof`` may be called more than once."""
     loop = asyncio.get_running_loop()
     mode = os.fstat(fd).st_mode
     if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode):
         pipe = os.fdopen(fd, "rb", buffering=0)
         transport, _ = await loop.connect_read_pipe(lambda: _ReadProtocol(on_data, on_eof), pipe)
-        return transport.close
+
+        def pause() -> None:
+            if not transport.is_closing():
+                transport.pause_reading()
+
+        def resume() -> None:
+            if not transport.is_closing():
+                transport.resume_reading()
+
+        return Reader(transport.close, pause, resume)
     # a regular file (``server < script``): the loop cannot poll it, read it on a thread
     stop = threading.Event()
+    running = threading.Event()
+    running.set()
 
     def pump() -> None:
         try:
             while not stop.is_set():
+                running.wait()
+                if stop.is_set():
+                    break
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     break
@@ -168,8 +300,12 @@ async def attach_reader(fd: int, on_data: Callable[[bytes], None], on_eof: Calla
         except RuntimeError:
             pass
 
+    def close() -> None:
+        stop.set()
+        running.set()
+
     threading.Thread(target=pump, name="stdin-reader", daemon=True).start()
-    return stop.set
+    return Reader(close, running.clear, running.set)
 
 
 # -- children die with the sidecar ------------------------------------------------
