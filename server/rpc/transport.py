@@ -287,8 +287,11 @@ class Connection:
         if method == "exit":
             self.stop(0 if self.shutdown_requested else 1)
         elif method == "$/cancelRequest":
-            if self.app is not None:
-                self.app.cancel_request(params.get("id"))
+            msg_id = params.get("id")
+            if not _valid_id(msg_id):  # true is not the id 1, nor 2.0 the id 2; a list cannot be one
+                log.debug("ignoring $/cancelRequest for %r: not a request id", msg_id)
+            elif self.app is not None:
+                self.app.cancel_request(msg_id)
         elif method == "initialized" or method.startswith("$/"):
             pass
         else:

@@ -88,6 +88,21 @@ def test_cancel_of_unknown_or_finished_request_is_ignored(sidecar):
     assert stray == [], stray
 
 
+def test_a_cancel_whose_id_is_no_request_id_cancels_nothing_and_logs_no_traceback(sidecar):
+    """Ids are integers or strings, compared as such: true is not the id 1, 2.0 not the id 2,
+    and a list or an object (unhashable) is no id at all (it logged a TypeError traceback)."""
+    sidecar.init(models={"s": scripted({"text": "one", "delayMs": 1500}, {"text": "two", "delayMs": 1500})})
+    bid = sidecar.branch()
+    first = sidecar.request_async("operate", {"branchId": bid, "instruction": "a"}, msg_id=1)
+    second = sidecar.request_async("operate", {"branchId": bid, "instruction": "b"}, msg_id=2)
+    for bad in (True, 1.0, 2.0, [1], {"id": 1}, None):
+        sidecar.notify("$/cancelRequest", {"id": bad})
+    sidecar.notify("$/cancelRequest", {})
+    assert first.result(TIMEOUT)["result"] == "one"
+    assert second.result(TIMEOUT)["result"] == "two"
+    assert "Traceback" not in sidecar.stderr_text()
+
+
 def test_internal_error_has_no_traceback(sidecar):
     sidecar.init(models={"s": scripted("x")}, toolModules=["boom_patch"])
     sidecar.request("listTools", {})  # loads the tool module that breaks branch lookup
