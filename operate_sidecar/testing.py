@@ -117,8 +117,11 @@ class SidecarTestClient(JsonRPCClient):
         if server is not None and server.returncode is None:
             try:
                 await self.request("shutdown", None, timeout=timeout)
-                self.notify("exit")
             except (SidecarError, TimeoutError, RuntimeError, OSError, ConnectionError):
+                pass  # refused (not initialized, shut down already) or no answer: exit all the same
+            try:
+                self.notify("exit")
+            except (RuntimeError, OSError, ConnectionError):
                 pass
             try:
                 await asyncio.wait_for(server.wait(), timeout)

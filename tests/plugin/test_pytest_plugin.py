@@ -167,3 +167,34 @@ def test_a_sidecar_that_fails_to_start_or_dies_is_reported_at_once_with_its_stde
     (line,) = [ln for ln in text.splitlines() if ln.endswith("call     test_dead.py::test_sidecar_killed_while_waiting")]
     assert float(line.split("s", 1)[0]) < 30, line
     assert "TimeoutError: no toolEvent notification matching any params within 0.3 s" in text, text
+
+
+REFUSING_SIDECAR_TESTS = '''
+import pytest
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings={"models": {"m": {"provider": "nope"}}})
+async def test_settings_refused(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+async def test_shuts_the_sidecar_down_itself(sidecar):
+    assert await sidecar.request("shutdown") is None
+'''
+
+
+def test_a_sidecar_that_refuses_initialize_or_was_shut_down_by_the_test_is_stopped_at_once(tmp_path):
+    """Its teardown's shutdown is refused (not initialized, or shut down already): it still sends
+    exit, so the sidecar exits at once instead of being killed after 10 s."""
+    project = make_project(tmp_path / "ext")
+    (project / "test_refused.py").write_text(REFUSING_SIDECAR_TESTS)
+    out = run_pytest(project, "-rA", "--durations=0", "--durations-min=0", "test_refused.py")
+    text = out.stdout + out.stderr
+    assert "1 passed, 1 error" in text, text
+    assert "SidecarError: initialize failed with -32602" in text and "unknown provider 'nope'" in text, text
+    timed = [ln for ln in text.splitlines() if "test_refused.py::" in ln and ln.split("s", 1)[0][:1].isdigit()]
+    assert len(timed) >= 4, text
+    for line in timed:
+        assert float(line.split("s", 1)[0]) < 5, line
