@@ -21,7 +21,7 @@ from . import progress
 from .errors import ConfigurationError, ModelError
 from .imodel import StreamChunk, open_stream
 from .act import bound_output, bound_text
-from .messages import Message, new_id
+from .messages import Message, MessageLog, new_id
 from .params import ChatParam, ParseParam, RunParam
 from .parse import parse
 from .render import instruction_content, render_request
@@ -48,6 +48,17 @@ def _model_of(branch: Any, chat_param: ChatParam) -> Any:
     return model
 
 
+class _Cleared:
+    """What ``render_request`` reads of a branch (its messages), as they will be once
+    ``clear_messages`` has emptied it: the system message only."""
+
+    __slots__ = ("messages", "_render_state")
+
+    def __init__(self, branch: Any) -> None:
+        self.messages = MessageLog([m for m in branch.messages if m.kind == "system"][:1])
+        self._render_state = None
+
+
 def _take_text(chunk: StreamChunk, out: list[str], sink: Any) -> None:
     """A ``text`` chunk: collected into ``out`` and streamed to the progress sink."""
     if chunk.text:
@@ -67,11 +78,12 @@ async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, pars
     sink = progress.current_progress.get()
     if sink is not None:
         sink.begin("communicate")
-    if clear_messages:
-        branch.messages.clear()
     model = _model_of(branch, chat_param)
     ins = _instruction_message(branch, instruction, chat_param)
-    request = render_request(branch, ins, chat_param.response_format, chat_param.tool_schemas, chat_param.imodel_kw)
+    # clear_messages: the request is rendered from the branch as it will be once cleared, and
+    # the branch is cleared only with the reply recorded (a failed model call clears nothing)
+    request = render_request(_Cleared(branch) if clear_messages else branch, ins, chat_param.response_format,
+                             chat_param.tool_schemas, chat_param.imodel_kw)
     if sink is not None:
         sink.report(f"calling {model.name}", "request")
     parts: list[str] = []
@@ -88,6 +100,8 @@ async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, pars
             elif t == "error":
                 raise ModelError(chunk.text or "model reported an error")
     text = "".join(parts)
+    if clear_messages:
+        branch.messages.clear()
     branch.messages.append(ins)
     branch.messages.add("assistant_response", {"text": text, "model": model_name, "usage": usage},
                         sender=branch.id, recipient=chat_param.sender)
@@ -188,13 +202,13 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     sink = progress.current_progress.get()
     if sink is not None:
         sink.begin("run_and_collect")
-    if clear_messages:
-        branch.messages.clear()
     param = chat_param if isinstance(chat_param, RunParam) else RunParam(**chat_param.to_dict())
     model = _model_of(branch, param)  # per-call model: never written back to the branch
+    persist = _Persist(branch, param) if param.stream_persist else None  # before any effect (the clear too)
+    if clear_messages:
+        branch.messages.clear()
     ins = _instruction_message(branch, instruction, param)
     request = render_request(branch, ins, param.response_format, param.tool_schemas, param.imodel_kw, purpose="run")
-    persist = _Persist(branch, param) if param.stream_persist else None  # before any effect
     branch.messages.append(ins)
     texts: list[str] = []
     buf: list[str] = []

@@ -370,3 +370,24 @@ def test_a_field_model_taking_an_action_fields_name_is_invalid_params_before_any
     # without actions the name is the caller's own field
     out = op(sidecar, bid, instruction="x", fieldModels=[{"name": "action_requests", "schema": strings}])
     assert out["result"] == {"action_requests": ["echo_tool"]} and out["kind"] == "model"
+
+
+def test_clear_messages_clears_nothing_when_the_operate_fails_before_its_reply(sidecar, tmp_path):
+    """clearMessages empties the branch together with recording the new turn: a model failure
+    (-32011) or an unusable persistDir (-32602) leaves the branch as it was (both emptied it);
+    a successful one empties it, and the model is sent only what is left (the system message)."""
+    sidecar.init(models={"s": scripted("first", {"error": "provider down"}, "cleared"), "c": scripted(cli=True)})
+    bid = sidecar.branch(system="be brief")
+    op(sidecar, bid, instruction="one")
+    before = sidecar.messages(bid)
+    assert [m["kind"] for m in before] == ["system", "instruction", "assistant_response"]
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "two", "clearMessages": True})
+    assert err.code == -32011 and sidecar.messages(bid) == before
+    (tmp_path / "a_file").write_text("x")
+    for params in ({"streamPersist": True, "persistDir": str(tmp_path / "a_file")},
+                   {"chatModel": "c", "streamPersist": True, "snapshotDir": str(tmp_path / "a_file")}):
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "two", "clearMessages": True, **params})
+        assert err.code == -32602 and sidecar.messages(bid) == before, params
+    assert op(sidecar, bid, instruction="three", clearMessages=True)["result"] == "cleared"
+    assert [(m["kind"], m["content"].get("instruction")) for m in sidecar.messages(bid)] == [
+        ("system", None), ("instruction", "three"), ("assistant_response", None)]
