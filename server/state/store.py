@@ -131,6 +131,7 @@ class StateStore:
         self._stale = False
         self.read_only = False
         self.conn = self._open()
+        self._file_id = self._identity()  # the file this connection writes to (see ``_check_file``)
         if not self.read_only:
             self._import_jsonl()
 
@@ -172,6 +173,22 @@ class StateStore:
             return conn
         conn.close()
         return self._replace_damaged(problem)
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _check_file(self) -> None:
+        """A commit is acknowledged only if it lands in ``<stateDir>/state.sqlite3``: once that
+        file is deleted or replaced (by a person, a backup restore, another server setting a
+        damaged file aside), this connection would write to a file nobody will read again.
+        Every change is then refused (StateNotSaved) until the server is restarted."""
+        if self._file_id is not None and self._identity() != self._file_id:
+            raise StateNotSaved(f"the state database {self.path} was deleted or replaced while the server was "
+                                "running; changes are refused until the server is restarted")
 
     def _open_read_only(self, error: BaseException) -> sqlite3.Connection:
         """The database exists but cannot be written (a read-only filesystem, say): serve its
@@ -522,6 +539,7 @@ class StateStore:
         try:
             c.execute("BEGIN IMMEDIATE")
             try:
+                self._check_file()
                 row = c.execute("SELECT version, clear_gen FROM branches WHERE id=?", (bid,)).fetchone()
                 if new:
                     if row is not None:
@@ -634,6 +652,7 @@ class StateStore:
             try:
                 c.execute("BEGIN IMMEDIATE")
                 try:
+                    self._check_file()
                     c.execute("DELETE FROM messages WHERE branch_id=?", (bid,))
                     c.execute("DELETE FROM branches WHERE id=?", (bid,))
                     c.execute("COMMIT")
@@ -643,7 +662,7 @@ class StateStore:
                     except sqlite3.Error:
                         pass
                     raise
-            except (sqlite3.Error, OSError) as e:
+            except (sqlite3.Error, OSError, StateNotSaved) as e:
                 log.error("state: could not delete branch %s: %s", bid, e)
                 raise StateNotSaved(str(e), [bid]) from e
             with self._lock:

@@ -394,3 +394,34 @@ def test_the_error_code_is_the_same_in_the_protocol_package_and_the_server():
 
     assert perr.STATE_NOT_SAVED == E.STATE_NOT_SAVED == perr.ERROR_CODES["StateNotSaved"] == -32013
     assert E.state_not_saved("x").to_dict() == {"code": -32013, "message": "state could not be saved: x"}
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_database_deleted_or_replaced_under_the_store_refuses_every_change(tmp_path, how):
+    """The open connection would go on writing to a file nobody reads again (deleted: an unlinked
+    inode; replaced: the old file, set aside), every commit acknowledged and lost on restart."""
+    s = StateStore(str(tmp_path))
+    a = _branch(s, 1, name="a")
+    s.flush()
+    db = tmp_path / DB_FILE
+    for suffix in ("", "-wal", "-shm"):
+        f = tmp_path / (DB_FILE + suffix)
+        if f.exists():
+            if how == "deleted":
+                f.unlink()
+            else:
+                f.rename(tmp_path / ("aside" + suffix))
+    if how == "replaced":
+        other = StateStore(str(tmp_path))  # a fresh database where the old one was
+        other.close()
+        assert db.exists()
+    b = _branch(s, 1, name="b")
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        s.flush({b.id})
+    _group(a, 1)
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        s.flush({a.id})
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        s.delete(a.id)
+    s.close()
+    assert _reload(tmp_path) == {}  # nothing was claimed saved that is not there
