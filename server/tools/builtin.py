@@ -188,10 +188,14 @@ class WorkspaceTools:
             candidate = p
         else:
             candidate = self.roots[0] / p
-            if len(self.roots) > 1 and p.parts and not candidate.exists():
+            if len(self.roots) > 1 and p.parts and not os.path.exists(candidate):
                 for root in self.roots[1:]:
                     if p.parts[0] == root.name:
-                        candidate = root.joinpath(*p.parts[1:])
+                        other = root.joinpath(*p.parts[1:])
+                        # the first root's own folder of that name keeps a new file whose
+                        # folder it has (it went to the other root, away from its siblings)
+                        if os.path.exists(other) or not os.path.isdir(candidate.parent):
+                            candidate = other
                         break
         real = Path(os.path.realpath(candidate))
         if self._root_of(real) is None:
@@ -199,13 +203,23 @@ class WorkspaceTools:
         return real
 
     def display(self, real: Path) -> str:
+        """``real`` as the tools show it: relative to the first root, ``<folder name>/...`` for
+        another root, or absolute when that name would lead elsewhere (the first root has an
+        entry of the same name); :meth:`resolve` of what is shown is ``real`` again."""
         root = self._root_of(real)
         if root is None:
             return str(real)
         rel = real.relative_to(root).as_posix()
         if root == self.roots[0]:
             return rel
-        return root.name if rel == "." else f"{root.name}/{rel}"
+        shown = root.name if rel == "." else f"{root.name}/{rel}"
+        if os.path.lexists(self.roots[0] / root.name):
+            try:
+                if self.resolve(shown) != real:
+                    return str(real)
+            except WorkspacePathError:
+                return str(real)
+        return shown
 
     def _root_of(self, real: Path) -> Path | None:
         for root in self.roots:

@@ -126,3 +126,26 @@ def test_search_text_bounds_the_walk_of_a_huge_tree(tmp_path):
         (tmp_path / f"d{i:03}" / "e").mkdir(parents=True)                      # no files at all
     out = WorkspaceTools([tmp_path], max_search_entries=100).search_text("x")
     assert out["truncated"] is True and out["filesSearched"] == 0
+
+
+def test_a_second_folder_named_like_a_folder_of_the_first_is_never_mixed_up_with_it(sidecar, tmp_path):
+    first, second = tmp_path / "proj", tmp_path / "docs"
+    (first / "docs").mkdir(parents=True)
+    second.mkdir()
+    (first / "docs" / "guide.md").write_text("first's guide\n")
+    (first / "docs" / "same.md").write_text("first's same\n")
+    (second / "same.md").write_text("second's same\n")
+    (second / "only.md").write_text("second's only\n")
+    sidecar.request("initialize", {"workspaceFolders": [str(first), str(second)], "settings": {
+        "models": {"s": scripted(call("write_file", path="docs/new.md", content="new\n"),
+                                 call("search_text", pattern="second's", path=str(second)))},
+        "defaultModel": "s", "toolPolicy": {"write_file": "allow"}}}, timeout=TIMEOUT)
+    bid = sidecar.branch()
+    out = output(sidecar, bid)
+    assert out["created"] is True and out["path"] == "docs/new.md"
+    assert (first / "docs" / "new.md").read_text() == "new\n" and not (second / "new.md").exists()  # beside guide.md
+    shown = sorted(m["path"] for m in output(sidecar, bid)["matches"])
+    # "docs/same.md" is the first folder's file: the second's is shown by a path that leads to it
+    assert shown == [str(second.resolve() / "same.md"), "docs/only.md"]
+    ws = WorkspaceTools([first, second])
+    assert [ws.read_file(p)["content"] for p in shown] == ["second's same\n", "second's only\n"]
