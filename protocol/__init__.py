@@ -25,7 +25,7 @@ from .lifecycle import (ClientCapabilities, ClientInfo, CliModelConfig, CliProfi
                         LocalModelConfig, McpServerConfig, Model, ModelConfig, OpenAIModelConfig,
                         ScriptedEntry, ScriptedModelConfig, ServerCapabilities, ServerInfo, Settings)
 from .notifications import (CancelParams, LogMessageParams, MessageType, ProgressParams,
-                            ProgressPhase, ProgressValue, ToolEventKind, ToolEventParams,
+                            ProgressEndMessage, ProgressPhase, ProgressValue, ToolEventKind, ToolEventParams,
                             WorkDoneProgressBegin, WorkDoneProgressEnd, WorkDoneProgressReport)
 from .operate import (REMOVED_MODEL_OPTIONS, ActionStrategy, FieldModel, HandleValidation, Instruct,
                       OperateParams, OperateResult, ParseOptions, ResultKind, Usage, ValidationFailedData)

@@ -38,7 +38,7 @@ class BranchInfo:
     name: str | None
     message_count: int
     chat_model: str | None
-    usage: Usage | None = None  # totals of the operates run on the branch
+    usage: Usage  # totals of the operates run on the branch (always sent)
 
 
 @wire

@@ -6,6 +6,7 @@ from ._base import Id, wire
 from .operate import Usage
 
 ProgressPhase = Literal["request", "stream", "parse", "actions"]
+ProgressEndMessage = Literal["completed", "failed", "cancelled"]
 ToolEventKind = Literal["pre", "post", "error", "denied"]
 MessageType = Literal[1, 2, 3, 4]  # Error, Warning, Info, Log
 
@@ -28,10 +29,10 @@ class WorkDoneProgressReport:
 
 @wire
 class WorkDoneProgressEnd:
-    """``usage``: the same as the operate result's (all rounds)."""
+    """``usage``: the same as the operate result's (all rounds), always sent."""
     kind: Literal["end"] = "end"
-    message: str
-    usage: Usage | None = None
+    message: ProgressEndMessage
+    usage: Usage
 
 
 ProgressValue = WorkDoneProgressBegin | WorkDoneProgressReport | WorkDoneProgressEnd

@@ -119,12 +119,13 @@ class Usage:
 @wire
 class OperateResult:
     """``model`` is the class name when ``kind`` is ``model``, else null. ``rounds``: how many
-    rounds ran (1 unless ``maxRounds`` > 1); ``result`` is the last round's."""
+    rounds ran (1 unless ``maxRounds`` > 1); ``result`` is the last round's. ``usage`` and ``rounds``
+    are always sent."""
     result: JsonValue
     kind: ResultKind
     model: str | None
-    usage: Usage | None = None
-    rounds: int | None = None
+    usage: Usage
+    rounds: int
 
 
 @wire

@@ -53,7 +53,9 @@ EXAMPLES: dict[tuple[str, str], object] = {
                                                "usage": {"inputTokens": 120, "outputTokens": 30,
                                                          "contextTokens": 80, "modelCalls": 3}},
                                               {"branchId": "b3", "name": None, "messageCount": 0,
-                                               "chatModel": None}]},
+                                               "chatModel": None,
+                                               "usage": {"inputTokens": 0, "outputTokens": 0,
+                                                         "contextTokens": None, "modelCalls": 0}}]},
     ("branchMessages", "params"): {"branchId": "b1", "offset": 0, "limit": 1000},
     ("branchMessages", "result"): {"total": 5, "messages": [
         {"id": "m1", "kind": "system", "role": "system", "sender": "system", "recipient": "user",
@@ -133,7 +135,10 @@ PROGRESS_VALUES = [
     {"kind": "begin", "title": "operate", "message": "communicate"},
     {"kind": "begin", "title": "operate", "message": "run_and_collect"},
     {"kind": "report", "message": "parsing", "phase": "parse"},
-    {"kind": "end", "message": "done"},
     {"kind": "end", "message": "completed",
      "usage": {"inputTokens": 0, "outputTokens": 0, "contextTokens": 0, "modelCalls": 1}},
+    {"kind": "end", "message": "failed",
+     "usage": {"inputTokens": None, "outputTokens": None, "contextTokens": None, "modelCalls": 1}},
+    {"kind": "end", "message": "cancelled",
+     "usage": {"inputTokens": 0, "outputTokens": 0, "contextTokens": None, "modelCalls": 0}},
 ]

@@ -157,8 +157,10 @@ def test_field_model_default_null_differs_from_omitted():
 
 
 def test_required_nullable_fields_are_written_as_null():
-    result = protocol.OperateResult(result=None, kind="none", model=None)
-    assert unstructure(result) == {"result": None, "kind": "none", "model": None}
+    usage = protocol.Usage(input_tokens=None, output_tokens=None, context_tokens=None, model_calls=0)
+    result = protocol.OperateResult(result=None, kind="none", model=None, usage=usage, rounds=1)
+    assert unstructure(result) == {"result": None, "kind": "none", "model": None, "rounds": 1, "usage": {
+        "inputTokens": None, "outputTokens": None, "contextTokens": None, "modelCalls": 0}}
 
 
 def test_ids_are_opaque_int_or_str():

@@ -73,7 +73,7 @@ export interface BranchInfo {
   name: string | null;
   messageCount: number;
   chatModel: string | null;
-  usage?: Usage;
+  usage: Usage;
 }
 /**
  * Token usage summed over model calls (chat and parse repair; every round). A count the provider does not report is null; ``context_tokens`` is the input size of the last chat call.
@@ -401,14 +401,14 @@ export interface ParseOptions {
   throttlePeriod?: number;
 }
 /**
- * ``model`` is the class name when ``kind`` is ``model``, else null. ``rounds``: how many rounds ran (1 unless ``maxRounds`` > 1); ``result`` is the last round's.
+ * ``model`` is the class name when ``kind`` is ``model``, else null. ``rounds``: how many rounds ran (1 unless ``maxRounds`` > 1); ``result`` is the last round's. ``usage`` and ``rounds`` are always sent.
  */
 export interface OperateResult {
   result: unknown;
   kind: 'dict' | 'model' | 'none' | 'text';
   model: string | null;
-  usage?: Usage;
-  rounds?: number;
+  usage: Usage;
+  rounds: number;
 }
 /**
  * ``$/progress`` for an operate that carried ``workDoneToken``.
@@ -423,12 +423,12 @@ export interface WorkDoneProgressBegin {
   message: 'communicate' | 'run_and_collect';
 }
 /**
- * ``usage``: the same as the operate result's (all rounds).
+ * ``usage``: the same as the operate result's (all rounds), always sent.
  */
 export interface WorkDoneProgressEnd {
   kind: 'end';
-  message: string;
-  usage?: Usage;
+  message: 'cancelled' | 'completed' | 'failed';
+  usage: Usage;
 }
 /**
  * ``delta`` carries streamed model text, in order.
