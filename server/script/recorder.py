@@ -33,6 +33,9 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
   mid-answer is recorded with a long ``delayMs``, so the replayed one is still running when
   the cancel comes, as it was. A request cancelled before it reached its model is cancelled at
   once (as before: no model turn is recorded for it, and none is taken in the replay);
+- every path under the server's working directory with ``${cwd}`` in its place (the replay
+  defines it as its server's working directory), so a session recorded in one checkout
+  replays in another (workspace folders, the paths of ``fs/*`` requests, tool descriptions);
 - a last line ``{"recordedModels": {name: {"responses": [...], "cli"?: true, "inline"?: spec}}}``
   with the text of every model invocation, per model, in order, so ``replay --scripted`` can
   replay the session with ``scripted`` models instead of the real ones.
@@ -45,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import weakref
 from typing import Any, AsyncIterator
@@ -78,6 +82,7 @@ class Recorder:
         self._model_calls: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # task -> started
         self._conn: Any = None
         self._closed = False
+        self._cwd = _cwd_pattern(os.getcwd())
         open(path, "w", encoding="utf-8").close()  # a bad path fails at start, not at the end
 
     # ------------------------------------------------------------------ wiring
@@ -242,11 +247,27 @@ class Recorder:
         string is written escaped (a literal ``${`` as ``$${``), so it replays as it was."""
         if isinstance(value, str):
             name = self._saved.get(value)
-            return "${%s}" % name if name else escape(value)
+            return "${%s}" % name if name else self._text(value)
         if isinstance(value, dict):
             return {k: self._template(v) for k, v in value.items()}
         if isinstance(value, list):
             return [self._template(v) for v in value]
+        return value
+
+    def _text(self, text: str) -> str:
+        """A string as a script writes it: a literal ``${`` as ``$${``, the working directory as ``${cwd}``."""
+        text = escape(text)
+        return self._cwd.sub(CWD_REF, text) if self._cwd is not None else text
+
+    def _escaped(self, value: Any) -> Any:
+        """``value`` with every string written as a script writes it (:meth:`_text`): the model
+        turns and inline specs are substituted like the steps they are put into."""
+        if isinstance(value, str):
+            return self._text(value)
+        if isinstance(value, dict):
+            return {k: self._escaped(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._escaped(v) for v in value]
         return value
 
     def _volatile(self, value: Any) -> Any:
@@ -272,7 +293,7 @@ class Recorder:
     def lines(self) -> list[str]:
         with self._lock:
             out = [json.dumps(s, ensure_ascii=False) for s in self.steps]
-            models = {name: _escaped({**m, "responses": [r if r is not None else {"error": "(not finished when recorded)"}
+            models = {name: self._escaped({**m, "responses": [r if r is not None else {"error": "(not finished when recorded)"}
                                                          for r in m["responses"]]})
                       for name, m in self.models.items()}
             if models:
@@ -362,16 +383,17 @@ def _answer_match(method: str, params: Any) -> Any:
     return {k: params[k] for k in keys if k in params}
 
 
-def _escaped(value: Any) -> Any:
-    """``value`` with every string escaped for a script (a literal ``${`` as ``$${``): the model
-    turns and inline specs are substituted like the steps they are put into."""
-    if isinstance(value, str):
-        return escape(value)
-    if isinstance(value, dict):
-        return {k: _escaped(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_escaped(v) for v in value]
-    return value
+#: how a recording writes the server's working directory (the replay defines ``cwd``)
+CWD_REF = "${cwd}"
+
+
+def _cwd_pattern(cwd: str) -> re.Pattern | None:
+    """The working directory where it is a whole path (or a path's head), not part of a longer
+    name; ``None`` for the root, which is the head of every path."""
+    cwd = cwd.rstrip("/\\")
+    if not cwd or "${" in cwd:
+        return None
+    return re.compile(r"(?<![\w.-])" + re.escape(cwd) + r"(?![\w-]|\.[\w-])")  # a sentence's full stop may follow
 
 
 def _decode(body: bytes) -> dict | None:

@@ -25,7 +25,7 @@ A script is JSON Lines; each line is one step:
   whose params match ``M`` (the latest standing answer that matches is given).
 
 Patterns are matched by :mod:`.matcher`; ``${name}`` anywhere in a step is a saved value, and
-``$${`` a literal ``${``.
+``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the server's working directory.
 A line ``{"recordedModels": {...}}`` (written by ``--record``) is not a step: it holds the
 recorded model turns, used by ``replay --scripted`` to replay without the real models.
 """
@@ -255,7 +255,8 @@ class Runner:
         self.env = env
         self.cwd = cwd
         self.on_result = on_result
-        self.saved: dict[str, Any] = {}
+        # ${cwd}: the server's working directory (a recording writes the paths under its own with it)
+        self.saved: dict[str, Any] = {"cwd": os.path.abspath(cwd) if cwd else os.getcwd()}
         self.results: list[StepResult] = []
         self._standing = _Standing()
         self._matched: set[int] = set()     # indexes into client.notifications

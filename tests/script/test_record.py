@@ -350,3 +350,47 @@ def test_a_cancel_for_a_request_already_answered_does_not_cancel_it_when_replaye
     assert "wait" not in op and op["expect"]["result"]["result"] == "one"
     out = replay(rec)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_session_recorded_in_one_checkout_replays_in_another(tmp_path):
+    """Paths under the server's working directory (a relative workspace folder made absolute, the
+    path of an fs/readTextFile request, the workspace root in tool descriptions) are written as
+    ${cwd}, which the replay defines as its own server's working directory."""
+    rec = tmp_path / "moved.jsonl"
+    read = {"json": {"action_requests": [{"function": "read_file", "arguments": {"path": "a.txt"}}]}}
+    here, there = tmp_path / "checkout-a", tmp_path / "checkout-b"
+    for root in (here, there):
+        (root / "ws").mkdir(parents=True)
+        (root / "ws" / "a.txt").write_text("on disk\n")
+    argv = [sys.executable, "-m", "operate_sidecar.server", "--record", str(rec)]
+    with SidecarClient(argv=argv, stderr=subprocess.DEVNULL, cwd=str(here)) as c:
+        c.request("initialize", {"capabilities": {"fs": True}, "workspaceFolders": ["ws"],
+                                 "settings": {"models": {"m": {"provider": "scripted", "responses": [read]}}}},
+                  timeout=60)
+        c.on_request("fs/readTextFile", lambda p: {"text": "in the editor\n"})
+        bid = c.request("createBranch", {})["branchId"]
+        out = c.request("operate", {"branchId": bid, "instruction": "read", "actions": True}, timeout=60)
+        assert out["result"]["action_responses"][0]["output"]["content"] == "in the editor\n"
+        c.request("branchMessages", {"branchId": bid})
+        assert c.close() == 0
+    text = rec.read_text()
+    assert str(here) not in text and "${cwd}/ws/a.txt" in text and "workspace root ${cwd}/ws." in text
+    for args in ((rec,), ("--scripted", rec)):
+        out = subprocess.run([sys.executable, "-m", "operate_sidecar.server", "replay", *map(str, args)],
+                             capture_output=True, text=True, timeout=TIMEOUT, cwd=there)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("cwd, text, written", [
+    ("/home/me/proj", "/home/me/proj", "${cwd}"),
+    ("/home/me/proj", "see /home/me/proj/src/a.py.", "see ${cwd}/src/a.py."),
+    ("/home/me/proj", "root /home/me/proj.", "root ${cwd}."),
+    ("/home/me/proj", "/home/me/project/x /home/me/proj.bak /x/home/me/proj", "/home/me/project/x /home/me/proj.bak "
+                                                                                "/x/home/me/proj"),
+    ("/", "/etc/passwd", "/etc/passwd"),
+])
+def test_the_working_directory_is_written_only_where_it_is_a_whole_path(tmp_path, monkeypatch, cwd, text, written):
+    from operate_sidecar.server.script.recorder import Recorder
+
+    monkeypatch.setattr(os, "getcwd", lambda: cwd)
+    assert Recorder(str(tmp_path / "r.jsonl"))._text(text) == written
