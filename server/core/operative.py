@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -172,7 +173,10 @@ ACTION_RESPONSES_SPEC = Spec("action_responses", ActionResponseModel, nullable=T
                              description="Filled by the runtime with the outputs of executed tool calls.")
 
 
-_cache: dict[tuple, tuple[type[BaseModel], type[BaseModel]]] = {}
+#: generated (request, response) types by spec, least recently used first; bounded: a server
+#: that sees ever new response formats keeps only the latest (a type still in use lives on)
+_cache: "OrderedDict[tuple, tuple[type[BaseModel], type[BaseModel]]]" = OrderedDict()
+CACHE_LIMIT = 512
 _cache_lock = threading.Lock()
 # response type -> (request type, request_exclude); parse uses it to drop runtime-only keys.
 _request_of: "weakref.WeakKeyDictionary[type, tuple[type[BaseModel], frozenset[str]]]" = weakref.WeakKeyDictionary()
@@ -207,14 +211,16 @@ class Operative:
             return self._types
         key = (self.model_name, self.base_type, tuple(s.key() for s in self.fields.values()),
                tuple(sorted(self.request_exclude)))
-        types = _cache.get(key)
-        if types is None:
-            with _cache_lock:
-                types = _cache.get(key)
-                if types is None:
-                    types = self._build()
-                    _cache[key] = types
-                    _request_of[types[1]] = (types[0], self.request_exclude)
+        with _cache_lock:
+            types = _cache.get(key)
+            if types is None:
+                types = self._build()
+                _cache[key] = types
+                _request_of[types[1]] = (types[0], self.request_exclude)
+                while len(_cache) > CACHE_LIMIT:
+                    _cache.popitem(last=False)
+            else:
+                _cache.move_to_end(key)
         self._types = types
         return types
 

@@ -294,3 +294,35 @@ async def test_a_repeated_tool_call_runs_once(record):
     out = await b.operate(instruction="go", response_format=Answer, actions=True)
     assert record.calls == [{"x": 2, "note": ""}, {"x": 3, "note": ""}]
     assert [r.output for r in out.action_responses] == [{"doubled": 4}, {"doubled": 6}]
+
+
+def test_generated_types_are_cached_within_a_bound_and_evicted_ones_are_freed():
+    """The generated types are cached (the same spec builds once), least recently used out past
+    ``CACHE_LIMIT``: every distinct response format was kept for the life of the process (about
+    80 KB each: 3,000 formats held 250 MB), its types never freed."""
+    import gc
+    import weakref
+
+    from pydantic import create_model
+
+    from operate_sidecar.server.core import operative as operative_module
+
+    def generated(i: int) -> type[BaseModel]:
+        base = create_model(f"Distinct{i}", a=(str, ...))
+        return Step.respond_operative(Step.request_operative(base_type=base, actions=True)).response_type
+
+    first = generated(0)
+    kept = generated(1)
+    watched = weakref.ref(first)
+    del first
+    limit = operative_module.CACHE_LIMIT
+    for i in range(2, limit + 10):
+        if i % 100 == 0:  # used now and then: a recently used entry stays
+            assert Step.respond_operative(Step.request_operative(base_type=kept.__mro__[2], actions=True)
+                                          ).response_type is kept
+        generated(i)
+    assert len(operative_module._cache) <= limit
+    gc.collect()
+    assert watched() is None  # the least recently used entry went, and nothing else held its types
+    assert Step.respond_operative(Step.request_operative(base_type=kept.__mro__[2], actions=True)
+                                  ).response_type is kept
