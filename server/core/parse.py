@@ -91,7 +91,7 @@ def _balanced_objects(text: str) -> list[str]:
 def _loads(s: str) -> Any:
     try:
         return json.loads(s)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # nested deeper than the parser goes: not JSON here
         return None
 
 

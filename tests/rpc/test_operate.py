@@ -391,3 +391,22 @@ def test_clear_messages_clears_nothing_when_the_operate_fails_before_its_reply(s
     assert op(sidecar, bid, instruction="three", clearMessages=True)["result"] == "cleared"
     assert [(m["kind"], m["content"].get("instruction")) for m in sidecar.messages(bid)] == [
         ("system", None), ("instruction", "three"), ("assistant_response", None)]
+
+
+def test_a_reply_nested_deeper_than_the_json_parser_goes_holds_no_json(sidecar):
+    """A reply of deeply nested brackets (or JSON deeper than Python's parser recurses) is a reply
+    with no JSON: unparsed text under return_value, a repair turn with a responseFormat. It was
+    -32603 (RecursionError) after the reply was recorded."""
+    deep_call = ('{"action_requests": [{"function": "echo_tool", "arguments": {"text": '
+                 + "[" * 990 + "]" * 990 + "}}]}")
+    deep_object = '{"answer": ' * 3000 + '"x"' + "}" * 3000
+    sidecar.init(models={"s": scripted("[" * 5000, deep_call, deep_object, {"json": {"answer": "repaired"}})},
+                 toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    for text in ("[" * 5000, deep_call):
+        out = op(sidecar, bid, instruction="x", actions=True)
+        assert out["kind"] == "text" and out["result"] == text
+    out = op(sidecar, bid, instruction="x", responseFormat=ANSWER_SCHEMA,
+             parseOptions={"retryAttempts": 0, "retryInitialDelay": 0})
+    assert out["result"] == {"answer": "repaired"} and out["usage"]["modelCalls"] == 2
+    assert sidecar.of("toolEvent") == []
