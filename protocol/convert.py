@@ -20,6 +20,7 @@ fields whose default is ``None``; required nullable fields are written as ``null
 """
 
 import json
+import sys
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
@@ -37,6 +38,11 @@ _UNION_ORIGINS = (typing.Union, types.UnionType)
 _SCALARS = (str, int, float, bool, NoneType)
 
 converter = cattrs.Converter(detailed_validation=False)
+
+#: The largest integer a JSON number can carry to the readers this protocol meets (a double, as in
+#: JavaScript): anything larger is out of range (Python would take it, then fail converting it to
+#: seconds or a time-out, -32603).
+MAX_JSON_INT = int(sys.float_info.max)
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -143,15 +149,23 @@ def _structure_str(v: Any, _: Any) -> str:
     _fail(str, v)
 
 
+def _in_range(v: int) -> int:
+    if -MAX_JSON_INT <= v <= MAX_JSON_INT:
+        return v
+    raise ParamsError(f"expected a number within a double's range (at most 1.8e308 in size), got {_describe_value(v)}")
+
+
 def _structure_int(v: Any, _: Any) -> int:
     if type(v) is int:
-        return v
+        return _in_range(v)
     _fail(int, v)
 
 
 def _structure_float(v: Any, _: Any) -> float:
-    if type(v) is float or type(v) is int:
+    if type(v) is float:
         return v
+    if type(v) is int:
+        return _in_range(v)
     _fail(float, v)
 
 

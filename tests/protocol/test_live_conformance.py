@@ -195,3 +195,19 @@ def test_fields_the_server_always_sends_are_required_in_the_schema(type_name, fi
 def test_a_progress_end_message_is_one_of_its_three_values():
     assert SCHEMA["$defs"]["WorkDoneProgressEnd"]["properties"]["message"] == {
         "enum": ["cancelled", "completed", "failed"]}
+
+
+def test_a_number_beyond_a_doubles_range_is_invalid_params_from_the_real_server(session):
+    """An inline model's timeoutS of 10**400 was -32603 (OverflowError converting it to seconds)."""
+    c, _ = session
+    c.request("initialize", {"settings": {"models": {"s": {"provider": "scripted", "responses": ["x"]}}}},
+              timeout=TIMEOUT)
+    branch = c.request("createBranch", {}, timeout=TIMEOUT)["branchId"]
+    for model, where in (({"provider": "scripted", "responses": ["q"], "timeoutS": 10**400}, "chatModel.timeoutS"),
+                         ({"provider": "scripted", "responses": [{"text": "q", "delayMs": 10**400}]},
+                          "chatModel.responses[0].delayMs")):
+        with pytest.raises(RpcError) as ei:
+            c.request("operate", {"branchId": branch, "instruction": "x", "chatModel": model}, timeout=TIMEOUT)
+        assert ei.value.code == -32602 and where in ei.value.message, ei.value
+    assert c.request("operate", {"branchId": branch, "instruction": "x"}, timeout=TIMEOUT)["result"] == "x"
+    assert c.problems == [], "\n".join(c.problems)

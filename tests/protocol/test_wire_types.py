@@ -1,5 +1,7 @@
 """The converter: camelCase names, strictness, missing params, omission semantics."""
 
+import sys
+
 import pytest
 
 from operate_sidecar import protocol
@@ -215,3 +217,24 @@ def test_message_content_must_match_its_kind():
     with pytest.raises(ParamsError) as info:
         structure(protocol.Message, message)
     assert info.value.unknown_fields == ["content.callId", "content.function", "content.arguments"]
+
+
+@pytest.mark.parametrize("params, where", [
+    ({"branchId": "b", "maxRounds": 10**400}, "maxRounds"),
+    ({"branchId": "b", "parseOptions": {"retryInitialDelay": -10**309}}, "parseOptions.retryInitialDelay"),
+    ({"branchId": "b", "chatModel": {"provider": "scripted", "responses": ["x"], "timeoutS": 10**400}},
+     "chatModel.timeoutS"),
+    ({"branchId": "b", "chatModel": {"provider": "scripted", "responses": [{"delayMs": 10**309}]}},
+     "chatModel.responses[0].delayMs"),
+])
+def test_integers_beyond_a_doubles_range_are_invalid_params(params, where):
+    """Python takes any integer; converting it to seconds or a time-out then overflowed (-32603)."""
+    with pytest.raises(ParamsError) as ei:
+        structure(OperateParams, params)
+    assert ei.value.message.startswith(f"invalid params: {where}: expected a number within a double's range")
+
+
+def test_the_largest_integer_a_double_holds_is_accepted():
+    big = int(sys.float_info.max)
+    assert structure(OperateParams, {"branchId": "b", "maxRounds": big}).max_rounds == big
+    assert structure(protocol.ParseOptions, {"retryBackoff": big}).retry_backoff == big
