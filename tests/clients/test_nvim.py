@@ -717,6 +717,28 @@ def test_a_chat_deleted_with_bdelete_or_bwipeout_comes_back_whole(sv):
     assert final[:len(lines) - 2] == lines[:-2] and "reply three" in final and final[-2] == PROMPT, final
 
 
+def test_a_buffer_whose_file_a_tool_wrote_on_disk_is_reloaded_unless_it_has_unsaved_changes(sv):
+    """A Python tool writes the file itself (not through the editor): the buffer showing it kept
+    the old text, even after going back to it, until the editor happened to gain focus."""
+    clean, dirty = sv.tmp / "clean.txt", sv.tmp / "dirty.txt"
+    clean.write_text("old\n")
+    dirty.write_text("old\n")
+    sv.new_branch([{"json": {"action_requests": [
+        {"function": "mark_file", "arguments": {"path": str(clean), "text": "written by the tool\n"}},
+        {"function": "mark_file", "arguments": {"path": str(dirty), "text": "also written by the tool\n"}}]}},
+        "marked"], "reload")
+    sv.n.command(f"edit {dirty}")
+    sv.n.current.buffer[:] = ["my unsaved text"]
+    sv.n.command(f"edit {clean}")
+    sv.lua("require('operate_sidecar').config.permission_handler = function() return 'allow_once' end")
+    sv.chat_send("mark both")
+    assert sv.wait_done()["err"] is None
+    assert clean.read_text() == "written by the tool\n" and dirty.read_text() == "also written by the tool\n"
+    assert sv.buf_lines(str(clean)) == ["written by the tool"]          # reloaded (it had no changes)
+    assert sv.buf_lines(str(dirty)) == ["my unsaved text"]              # unsaved changes are never lost
+    assert sv.lua("return vim.bo[vim.fn.bufnr(...)].modified", str(dirty)) is True
+
+
 def test_a_cancelled_permission_request_is_shown_as_cancelled(sv):
     bid = sv.new_branch([call("mark_file", path=str(sv.tmp / "cancelled.txt"), text="x"), "unused"], "permcancel")
     sv.n.command("OperateTools mark_file ask")

@@ -122,4 +122,19 @@ function M.on_write(params, reply)
   reply(vim.empty_dict())
 end
 
+--- A tool that writes files itself (a Python or MCP tool, not through the editor) leaves the
+--- buffers of those files stale. Reload the unmodified ones whose file changed, as `:checktime`
+--- does with 'autoread' (a buffer with unsaved changes is left alone: nothing is asked mid-turn).
+function M.refresh()
+  if not vim.o.autoread then
+    return -- the user wants to be asked (when the editor gains focus)
+  end
+  for _, b in ipairs(api.nvim_list_bufs()) do
+    if api.nvim_buf_is_loaded(b) and vim.bo[b].buftype == '' and not vim.bo[b].modified
+        and api.nvim_buf_get_name(b) ~= '' then
+      pcall(vim.cmd, 'silent! checktime ' .. b)
+    end
+  end
+end
+
 return M

@@ -95,6 +95,9 @@ local function on_tool_event(e)
     return
   end
   S.tool_events[#S.tool_events + 1] = e
+  if e.event == 'post' then
+    require('operate_sidecar.fs').refresh() -- the tool may have written a file that a buffer shows
+  end
   local run = S.running
   if run and (e.branchId == run.branchId) then
     hook(run, 'on_tool_event', e, run)
