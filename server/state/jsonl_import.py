@@ -33,6 +33,14 @@ class ImportedBranch:
     skipped: int = 0  # unreadable lines / records / messages left out
 
 
+def _loads(text: Any) -> Any:
+    """JSON as 0.1 wrote it: ``NaN`` and ``±Infinity`` (which it wrote for such floats, and which
+    no JSON reader of the client's can take) become the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"``, as a tool output's are today (docs/PROTOCOL.md §4): imported as numbers,
+    every ``branchMessages`` of the branch failed -32603."""
+    return json.loads(text, parse_constant=str)
+
+
 def _message_ok(r: Any) -> bool:
     return (isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("kind"), str)
             and isinstance(r.get("content"), dict) and isinstance(r.get("created_at"), (int, float)))
@@ -53,7 +61,7 @@ def read_branch(directory: str, bid: str) -> ImportedBranch | None:
     if os.path.exists(snap_path):
         try:
             with open(snap_path, encoding="utf-8") as fh:
-                snap = json.load(fh)
+                snap = _loads(fh.read())
             seq = int(snap.get("s", 0))
             meta = snap.get("meta") if isinstance(snap.get("meta"), dict) else {}
             for r in snap.get("messages") or []:
@@ -61,7 +69,7 @@ def read_branch(directory: str, bid: str) -> ImportedBranch | None:
                     records.append(r)
                 else:
                     skipped += 1
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
             log.warning("0.1 journal: snapshot of branch %s unreadable; its log is still imported", bid)
             skipped += 1
             seq = 0
@@ -73,9 +81,9 @@ def read_branch(directory: str, bid: str) -> ImportedBranch | None:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
-            except ValueError:
-                skipped += 1  # unreadable (torn or damaged): skip this line only
+                rec = _loads(line)
+            except (ValueError, RecursionError):  # (a damaged line nested too deeply failed the whole
+                skipped += 1  # journal: the state directory unusable) unreadable: skip this line only
                 continue
             if not isinstance(rec, dict):
                 skipped += 1

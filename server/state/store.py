@@ -319,28 +319,33 @@ class StateStore:
         UTF-8 (a damaged page) must not fail the read of every branch, as SQLite's decoding
         for Python would; json decodes the bytes, and a damaged row alone is dealt with."""
         try:
-            meta = json.loads(meta_json)
+            meta = json.loads(meta_json, parse_constant=str)
             if not isinstance(meta, dict):
                 raise ValueError("meta is not an object")
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             log.warning("state: branch %s has an unreadable meta; loaded without name and policy", bid)
             meta = {}
         max_seq = rows[-1][0] if rows else 0
+        # (parse_constant: a NaN or ±Infinity that an earlier version stored, which no client's
+        # JSON can take, is read as the string "NaN", "Infinity", "-Infinity", as a tool output's
+        # is made today: read as a number, every branchMessages of the branch failed -32603)
         try:  # one parse for the whole branch (much faster than one per row) ...
-            msgs = [Message.from_record(r) for r in json.loads(b"[" + b",".join(rec for _, rec in rows) + b"]")]
-        except (ValueError, KeyError, TypeError):  # ... and row by row when one is unreadable
+            msgs = [Message.from_record(r) for r in json.loads(b"[" + b",".join(rec for _, rec in rows) + b"]",
+                                                               parse_constant=str)]
+        except (ValueError, KeyError, TypeError, RecursionError):  # ... and row by row when one is unreadable
             msgs = []
             for seq, rec in rows:
                 try:
-                    msgs.append(Message.from_record(json.loads(rec)))
+                    msgs.append(Message.from_record(json.loads(rec, parse_constant=str)))
                 except UnicodeDecodeError:  # bytes that are not UTF-8: kept with U+FFFD in their place
                     try:
-                        msgs.append(Message.from_record(json.loads(rec.decode("utf-8", "replace"))))
+                        msgs.append(Message.from_record(json.loads(rec.decode("utf-8", "replace"),
+                                                                   parse_constant=str)))
                         log.warning("state: message %d of branch %s held bytes that are not UTF-8; "
                                     "loaded with U+FFFD in their place", seq, bid)
-                    except (ValueError, KeyError, TypeError):
+                    except (ValueError, KeyError, TypeError, RecursionError):
                         log.warning("state: message %d of branch %s unreadable; skipped", seq, bid)
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, RecursionError):
                     log.warning("state: message %d of branch %s unreadable; skipped", seq, bid)
         return LoadedBranch(id=bid, meta=meta, messages=msgs), max_seq
 

@@ -425,3 +425,30 @@ def test_a_database_deleted_or_replaced_under_the_store_refuses_every_change(tmp
         s.delete(a.id)
     s.close()
     assert _reload(tmp_path) == {}  # nothing was claimed saved that is not there
+
+
+def test_a_jsonl_line_nested_too_deeply_is_skipped_and_nan_becomes_a_string(tmp_path):
+    """A damaged line of 100,000 '[' raised RecursionError, which made the whole state directory
+    unusable (every change refused); a NaN 0.1 wrote for a float was imported as a number, and
+    every branchMessages of the branch failed -32603 (the wire cannot carry it)."""
+    nan = {"s": 2, "t": "msg", "m": {"id": "m1", "kind": "action_response", "created_at": 1.0, "content": {
+        "callId": "c", "requestId": "r", "function": "f", "arguments": {}, "output": {"v": float("nan"),
+                                                                                   "w": [float("-inf")]}}}}
+    _write_jsonl(tmp_path, "b1", [{"s": 1, "t": "meta", "meta": {"name": "old", "createdAt": 1}}, nan,
+                                  "[" * 100_000, _msg(5, 3)])
+    s = StateStore(str(tmp_path))
+    assert any("imported" in p and "1 unreadable" in p for p in s.problems), s.problems
+    lb = {b.id: b for b in s.load()}["b1"]
+    assert [m.id for m in lb.messages] == ["m1", "m5"]
+    assert lb.messages[0].content["output"] == {"v": "NaN", "w": ["-Infinity"]}
+
+
+def test_a_nan_stored_by_an_earlier_version_is_read_as_a_string(tmp_path):
+    s = StateStore(str(tmp_path))
+    b = _branch(s, 1)
+    s.flush()
+    s.conn.execute("UPDATE messages SET record=replace(record, '\"q0\"', 'NaN') WHERE branch_id=?", (b.id,))
+    s.close()
+    [lb] = StateStore(str(tmp_path)).load()
+    assert [m.content for m in lb.messages if m.kind == "instruction"] == [{"instruction": "NaN"}]
+    json.dumps([m.to_record() for m in lb.messages], allow_nan=False)  # the wire can carry it
