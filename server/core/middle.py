@@ -155,7 +155,11 @@ class _Persist:
         for name, path in (("persist directory", self.dir), ("snapshot directory", self.snap_dir)):
             try:
                 os.makedirs(path, exist_ok=True)
-            except (OSError, TypeError, ValueError) as e:  # the caller's path: a file, a NUL ...
+                # one the server cannot write to fails here, before any effect, not at the snapshot
+                fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-", suffix=".tmp")
+                os.close(fd)
+                os.unlink(probe)
+            except (OSError, TypeError, ValueError) as e:  # the caller's path: a file, a NUL, read-only ...
                 raise ConfigurationError(f"the {name} {path!r} cannot be used: "
                                          f"{e.strerror or e if isinstance(e, OSError) else e}") from None
         self.buffer_path = os.path.join(self.dir, f"{branch.id}.buffer.jsonl")

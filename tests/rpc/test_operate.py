@@ -384,10 +384,15 @@ def test_clear_messages_clears_nothing_when_the_operate_fails_before_its_reply(s
     err = sidecar.error_of("operate", {"branchId": bid, "instruction": "two", "clearMessages": True})
     assert err.code == -32011 and sidecar.messages(bid) == before
     (tmp_path / "a_file").write_text("x")
+    # (/proc: a directory nobody can create a file in, root included; it was -32603 after the
+    # branch was cleared and the instruction recorded)
     for params in ({"streamPersist": True, "persistDir": str(tmp_path / "a_file")},
-                   {"chatModel": "c", "streamPersist": True, "snapshotDir": str(tmp_path / "a_file")}):
+                   {"chatModel": "c", "streamPersist": True, "snapshotDir": str(tmp_path / "a_file")},
+                   {"streamPersist": True, "persistDir": "/proc"},
+                   {"streamPersist": True, "persistDir": str(tmp_path / "runs"), "snapshotDir": "/proc"}):
         err = sidecar.error_of("operate", {"branchId": bid, "instruction": "two", "clearMessages": True, **params})
         assert err.code == -32602 and sidecar.messages(bid) == before, params
+        assert "cannot be used" in err.message, err.message
     assert op(sidecar, bid, instruction="three", clearMessages=True)["result"] == "cleared"
     assert [(m["kind"], m["content"].get("instruction")) for m in sidecar.messages(bid)] == [
         ("system", None), ("instruction", "three"), ("assistant_response", None)]
