@@ -273,6 +273,31 @@ class Service:
             self.governance.branch.pop(branch_id, None)  # type: ignore[union-attr]
         self._restore_settings(branch_id, committed)
 
+    @staticmethod
+    async def _to_the_end(aw: Any) -> Any:
+        """Await ``aw``, a change being saved, to its end even when the request is cancelled
+        meanwhile, and return (or raise) its outcome: once a change has begun it is saved, or
+        undone, whole, and the request answers what happened (a cancel that comes too late is
+        ignored, as for a finished request). Cancelled half-way, a new branch stayed in memory
+        unsaved (a fork was lost on a crash), a delete went on on disk while memory kept the
+        branch (whose next operate was acknowledged and saved nowhere), and a refused save left
+        a policy changed in memory only."""
+        task = asyncio.ensure_future(aw)
+        cancels = 0
+        try:
+            while True:
+                try:
+                    return await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    if task.cancelled():
+                        raise
+                    cancels += 1
+        finally:
+            me = asyncio.current_task()
+            for _ in range(cancels):
+                if me is not None:
+                    me.uncancel()
+
     async def _commit_new_branch(self, branch_id: str) -> None:
         """Commit a new branch (createBranch, forkBranch); when that fails it is not created."""
         from operate_sidecar.server.state import StateNotSaved
@@ -684,11 +709,15 @@ class Service:
             self.journal.update_meta(branch_id, {"client": dict(self._info[branch_id])})
         from operate_sidecar.server.state import StateNotSaved
 
-        try:  # only the meta: an operate running on the branch keeps its messages for its own commit
-            await self.flush_journal(branch_id, messages=False)
-        except StateNotSaved as e:
-            self._restore_meta(branch_id)
-            raise E.state_not_saved(f"branch {branch_id} was not changed ({e})", {"branchId": branch_id}) from None
+        async def save() -> None:
+            try:  # only the meta: an operate running on the branch keeps its messages for its own commit
+                await self.flush_journal(branch_id, messages=False)
+            except StateNotSaved as e:
+                self._restore_meta(branch_id)
+                raise E.state_not_saved(f"branch {branch_id} was not changed ({e})",
+                                        {"branchId": branch_id}) from None
+
+        await self._to_the_end(save())
 
     def _check_branch_room(self) -> None:
         limit = int(self.settings["maxBranches"])
@@ -792,7 +821,7 @@ class Service:
             specs = {"chatModel": unstructure(p.chat_model), "parseModel": unstructure(p.parse_model)}
             self._model_specs[b.id] = specs
             self.journal.attach(b, self._meta(b, specs["chatModel"], specs["parseModel"]))
-            await self._commit_new_branch(b.id)
+            await self._to_the_end(self._commit_new_branch(b.id))
         return {"branchId": b.id}
 
     async def forkBranch(self, params: dict) -> dict:
@@ -812,7 +841,7 @@ class Service:
             src_models = {k: v for k, v in self._model_specs.get(src.id, {}).items()}
             self._model_specs[b.id] = src_models
             self.journal.attach(b, self._meta(b, src_models.get("chatModel"), src_models.get("parseModel")))
-            await self._commit_new_branch(b.id)
+            await self._to_the_end(self._commit_new_branch(b.id))
         return {"branchId": b.id}
 
     async def deleteBranch(self, params: dict) -> dict:
@@ -823,19 +852,27 @@ class Service:
         if self.journal is not None:  # on disk first: a failed delete leaves the branch as it was
             from operate_sidecar.server.state import StateNotSaved
 
-            try:
-                await self._to_thread(self.journal.delete, p.branch_id)
-            except StateNotSaved as e:
-                raise E.state_not_saved(f"branch {p.branch_id} was not deleted ({e})",
-                                        {"branchId": p.branch_id}) from None
-        self.branches.pop(p.branch_id, None)
-        self._locks.pop(p.branch_id, None)
-        self._usage.pop(p.branch_id, None)
-        self._model_specs.pop(p.branch_id, None)
-        self._info.pop(p.branch_id, None)
-        self._roots.pop(p.branch_id, None)
-        self.governance.forget_branch(p.branch_id)  # type: ignore[union-attr]
+            async def delete() -> None:
+                try:
+                    await self._to_thread(self.journal.delete, p.branch_id)
+                except StateNotSaved as e:
+                    raise E.state_not_saved(f"branch {p.branch_id} was not deleted ({e})",
+                                            {"branchId": p.branch_id}) from None
+                self._forget(p.branch_id)
+
+            await self._to_the_end(delete())
+        self._forget(p.branch_id)
         return {}
+
+    def _forget(self, branch_id: str) -> None:
+        """A deleted branch out of memory."""
+        self.branches.pop(branch_id, None)
+        self._locks.pop(branch_id, None)
+        self._usage.pop(branch_id, None)
+        self._model_specs.pop(branch_id, None)
+        self._info.pop(branch_id, None)
+        self._roots.pop(branch_id, None)
+        self.governance.forget_branch(branch_id)  # type: ignore[union-attr]
 
     async def listBranches(self, params: dict) -> dict:
         if params:
@@ -905,12 +942,15 @@ class Service:
             # branch keeps its recorded messages pending until its own commit writes them whole
             from operate_sidecar.server.state import StateNotSaved
 
-            try:
-                await self.flush_journal(p.branch_id, messages=False)
-            except StateNotSaved as e:
-                self._restore_meta(p.branch_id)
-                raise E.state_not_saved(f"the policy of branch {p.branch_id} was not changed ({e})",
-                                        {"branchId": p.branch_id}) from None
+            async def save() -> None:
+                try:
+                    await self.flush_journal(p.branch_id, messages=False)
+                except StateNotSaved as e:
+                    self._restore_meta(p.branch_id)
+                    raise E.state_not_saved(f"the policy of branch {p.branch_id} was not changed ({e})",
+                                            {"branchId": p.branch_id}) from None
+
+            await self._to_the_end(save())
         return {"tool": p.tool, "decision": p.decision, "branchId": p.branch_id}
 
     async def registerClientTools(self, params: dict) -> dict:

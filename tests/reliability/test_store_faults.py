@@ -285,3 +285,44 @@ def test_ping_is_answered_while_100000_messages_are_restored(spawn, tmp_path):
     assert answered_during >= 20, f"only {answered_during} pings answered while the branches were restored"
     assert pending.result(60)["branches"][0]["messageCount"] == 100_001
     c.close()
+
+
+def test_a_change_cancelled_while_it_is_being_saved_answers_what_happened_and_memory_equals_disk(spawn, tmp_path):
+    """createBranch, forkBranch, deleteBranch and authorizeTool cancelled while their commit
+    waits for the database (another process holds its write lock): each is saved to its end and
+    answers its real outcome. Cancelled, the delete went on on disk while memory kept the branch
+    (its next operate was acknowledged and saved nowhere), and the new branches stayed in
+    memory, unsaved, behind a -32800."""
+    state = str(tmp_path / "state")
+    c = spawn()
+    c.request("initialize", {"workspaceFolders": [str(tmp_path)], "settings": {
+        "models": {"m": scripted("reply")}, "defaultModel": "m", "stateDir": state}}, timeout=TIMEOUT)
+    gone, kept = c.branch(name="gone"), c.branch(name="kept")
+    holder = sqlite3.connect(os.path.join(state, DB_FILE), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # every commit of the server now waits (busy timeout: 10 s)
+    try:
+        pending = [c.request_async("deleteBranch", {"branchId": gone}),
+                   c.request_async("createBranch", {"name": "new"}),
+                   c.request_async("forkBranch", {"branchId": kept}),
+                   c.request_async("authorizeTool", {"tool": "write_file", "decision": "deny", "branchId": kept})]
+        # a round trip served after them: each has run up to its commit, which waits for the lock
+        assert c.request("listTools", {})["tools"]
+        for p in pending:
+            c.cancel(p.id)
+        assert c.request("ping") == {}  # answered in order: every cancel has arrived
+    finally:
+        holder.execute("COMMIT")
+        holder.close()
+    deleted, created, forked, authorized = (p.result(TIMEOUT) for p in pending)
+    assert deleted == {} and authorized["decision"] == "deny"
+    mem = {b["branchId"]: b["name"] for b in c.request("listBranches", {})["branches"]}
+    assert mem == {kept: "kept", created["branchId"]: "new", forked["branchId"]: "kept"}
+    assert c.request("listTools", {"branchId": kept})["tools"] and [
+        t["policy"] for t in c.request("listTools", {"branchId": kept})["tools"] if t["name"] == "write_file"] == ["deny"]
+    c.kill()
+    c.wait(TIMEOUT)
+    c = spawn()
+    c.request("initialize", {"workspaceFolders": [str(tmp_path)], "settings": {"stateDir": state}}, timeout=TIMEOUT)
+    assert {b["branchId"]: b["name"] for b in c.request("listBranches", {})["branches"]} == mem
+    assert [t["policy"] for t in c.request("listTools", {"branchId": kept})["tools"] if t["name"] == "write_file"] \
+        == ["deny"]
