@@ -1055,6 +1055,47 @@ def test_unknown_branch_ids_and_model_names_are_refused(sv):
     assert sv.lua("return _G.notes") == [f"[operate] fixture_echo: deny ({b1})"]
 
 
+def test_commands_given_words_they_do_not_take_are_refused(sv):
+    """`:OperateTools t allow globl` set a branch's policy (or, with no branch, the server's),
+    `:OperateTools t` listed the tools, `:OperateBranch fork x` forked: the extra words were
+    dropped. Each is now one error naming the usage, and nothing is done."""
+    bid = sv.new_branch(["unused"], "badargs")
+    _capture_levels(sv)
+
+    def policies() -> dict:
+        server_wide = sv.lua("return require('operate_sidecar').request_sync('listTools', {}, 10000).tools")
+        branch = sv.lua("return require('operate_sidecar').request_sync('listTools', {branchId = ...}, 10000).tools",
+                        bid)
+        return {t["name"]: t["policy"] for t in server_wide} | {"@" + t["name"]: t["policy"] for t in branch}
+
+    before = policies()
+    branches = len(sv.lua("return require('operate_sidecar').request_sync('listBranches', {}, 10000).branches"))
+    usage_tools = "usage: :OperateTools [{tool} {allow|deny|ask} [global]]"
+    usage_branch = "usage: :OperateBranch [pick | new [name] | fork | delete [id] | list | {id}]"
+    for command, want in (
+            ("OperateTools fixture_echo deny globl", f"[operate] unexpected: globl; {usage_tools}"),
+            ("OperateTools fixture_echo deny global now", f"[operate] unexpected: global now; {usage_tools}"),
+            ("OperateTools fixture_echo", f"[operate] fixture_echo needs a policy: allow, deny or ask; {usage_tools}"),
+            ("OperateBranch fork badargs", f"[operate] too many arguments: fork badargs; {usage_branch}"),
+            ("OperateBranch list all", f"[operate] too many arguments: list all; {usage_branch}"),
+            (f"OperateBranch delete {bid} {bid}", f"[operate] too many arguments: delete {bid} {bid}; {usage_branch}"),
+            (f"OperateBranch {bid} x", f"[operate] too many arguments: {bid} x; {usage_branch}")):
+        sv.lua("_G.notes, _G.levels = {}, {}")
+        sv.n.command(command)
+        sv.lua("vim.wait(300)")                                          # (a second message would come now)
+        assert sv.lua("return _G.notes") == [want], command
+        assert sv.lua("return _G.levels") == [sv.lua("return vim.log.levels.ERROR")]
+    assert sv.lua("return vim.fn.bufwinid('operate://tools')") == -1     # no tools list shown instead
+    assert policies() == before                                         # no policy changed
+    assert len(sv.lua("return require('operate_sidecar').request_sync('listBranches', {}, 10000).branches")) \
+        == branches and sv.lua("return require('operate_sidecar').current_branch()") == bid   # none forked, kept
+    sv.lua("_G.notes = {}")
+    sv.n.command("OperateBranch new two words")                         # a name of several words is fine
+    sv.wait(f"require('operate_sidecar').current_branch() ~= '{bid}'", "the new branch")
+    assert sv.lua("return require('operate_sidecar.branches').name(require('operate_sidecar').current_branch())") \
+        == "two words"
+
+
 def test_model_picker_statusline_and_completion(nv):
     nv.setup(["from s"], models={"s": scripted(["from s"]), "t": scripted(["from t"])})
     nv.start()

@@ -122,9 +122,20 @@ function M.command_operate(opts)
 end
 
 M.BRANCH_SUBCOMMANDS = { 'pick', 'new', 'fork', 'delete', 'list' }
+M.BRANCH_USAGE = ':OperateBranch [pick | new [name] | fork | delete [id] | list | {id}]'
+M.TOOLS_USAGE = ':OperateTools [{tool} {allow|deny|ask} [global]]'
+
+-- A command given words it does not take: one error naming its usage, and nothing is done.
+local function refuse(what, usage)
+  util.notify(('%s; usage: %s'):format(what, usage), vim.log.levels.ERROR)
+end
 
 function M.command_branch(opts)
   local sub = opts.fargs[1] or 'pick'
+  local most = ({ new = math.huge, delete = 2 })[sub] or 1 -- the words it takes, itself included
+  if #opts.fargs > most then
+    return refuse(('too many arguments: %s'):format(table.concat(opts.fargs, ' ')), M.BRANCH_USAGE)
+  end
   if sub == 'new' then
     branches.new(function(err, id)
       if not err then
@@ -173,7 +184,13 @@ end
 
 function M.command_tools(opts)
   local permission = require('operate_sidecar.permission')
-  if #opts.fargs >= 2 then
+  local n = #opts.fargs
+  if n == 1 then
+    return refuse(('%s needs a policy: allow, deny or ask'):format(opts.fargs[1]), M.TOOLS_USAGE)
+  elseif n > 3 or (n == 3 and opts.fargs[3] ~= 'global') then
+    return refuse(('unexpected: %s'):format(table.concat(vim.list_slice(opts.fargs, 3), ' ')), M.TOOLS_USAGE)
+  end
+  if n >= 2 then
     permission.authorize(opts.fargs[1], opts.fargs[2], nil, opts.fargs[3] == 'global')
   else
     permission.show_tools()
