@@ -40,6 +40,7 @@ can hang it.
 from __future__ import annotations
 
 import contextvars
+import errno
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -90,6 +91,7 @@ def _compile_pattern(pattern: str, regex: bool, ignore_case: bool) -> Any:
         if isinstance(msg, bytes):
             msg = msg.decode("utf-8", "replace")
         raise WorkspacePathError(f"invalid regular expression {pattern!r}: {msg}") from None
+
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", ".mypy_cache",
                        ".pytest_cache", ".ruff_cache", ".tox"})
@@ -485,12 +487,32 @@ class WorkspaceTools:
             raise WorkspacePathError(f"{shown or self.display(real)!r} is a directory")
         try:
             return safe_fs.write_bytes_atomic(root, rel, data)
-        except IsADirectoryError:
-            raise WorkspacePathError(f"{shown or self.display(real)!r} is a directory") from None
-        except safe_fs.ReadOnlyFileError:
-            raise WorkspacePathError(f"{shown or self.display(real)!r} is read-only; nothing written") from None
-        except (safe_fs.UnsafePathError, NotADirectoryError) as e:
-            raise WorkspacePathError(f"{shown or self.display(real)!r}: {e.strerror}; nothing written") from None
+        except OSError as e:
+            raise self._write_error(e, real, shown) from None
+
+    def _check_writable(self, real: Path, shown: str | None = None) -> None:
+        """Fail as writing ``real`` would, without writing: a read-only file, a directory, a
+        file where a directory is needed, a directory we may not write to (checked before a
+        call is put to the user; the write checks again)."""
+        root, rel = self._where(real)
+        if not rel:
+            raise WorkspacePathError(f"{shown or self.display(real)!r} is a directory")
+        try:
+            safe_fs.check_writable(root, rel)
+        except OSError as e:
+            raise self._write_error(e, real, shown) from None
+
+    def _write_error(self, e: OSError, real: Path, shown: str | None) -> BaseException:
+        """The tool error for a write that failed (or is bound to) with ``e``; ``e`` itself
+        when it is not one of the known refusals."""
+        name = shown or self.display(real)
+        if isinstance(e, IsADirectoryError):
+            return WorkspacePathError(f"{name!r} is a directory")
+        if isinstance(e, safe_fs.ReadOnlyFileError):
+            return WorkspacePathError(f"{name!r} is read-only; nothing written")
+        if isinstance(e, (safe_fs.UnsafePathError, NotADirectoryError, PermissionError)) or e.errno == errno.EROFS:
+            return WorkspacePathError(f"{name!r}: {e.strerror}; nothing written")
+        return e
 
     def _write_text(self, real: Path | str, text: str) -> bool:
         """Atomically replace (or create) the file ``real`` (a resolved Path, or a workspace

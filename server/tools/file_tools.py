@@ -20,8 +20,10 @@ plan is kept for that ``callId`` and the call, once allowed, writes exactly the 
 only if the file still holds the text the plan was computed from; otherwise nothing is
 written and the call fails saying the file changed. An unplanned call (policy ``allow``) re-reads
 the file just before it writes, with the same rule. A plan that cannot be made (edits that do
-not apply, a path outside the workspace) is kept as a failure: the call then fails at once
-with that error, and nobody is asked. Calls that change one file take turns (a lock per real
+not apply, a path outside the workspace, a write bound to fail: a read-only file, a file
+where a directory is needed, a directory we may not write to, checked by a port that can tell,
+``check_writable``) is kept as a failure: the call then fails at once with that error, and
+nobody is asked. The write checks again (something can change meanwhile). Calls that change one file take turns (a lock per real
 path, for the whole process): the check and the write of one call are never interleaved with
 another's, so of two edits made at once (two calls of one reply, or operates on two branches)
 neither is lost. An unplanned one plans inside its turn, so it builds on the change before it;
@@ -54,7 +56,9 @@ PENDING_LIMIT = 256
 
 class FileAccess(Protocol):
     """How the builtin file tools read and write text. ``real`` is an absolute path inside a
-    workspace folder; ``ctx`` names the call (``branch_id``, ``call_id``)."""
+    workspace folder; ``ctx`` names the call (``branch_id``, ``call_id``). A port may also
+    have ``async check_writable(real, ctx)``, raising ToolCallError when a write is bound to
+    fail (the disk's does; the client's cannot tell)."""
 
     async def read_text(self, real: Path, ctx: ToolCallContext) -> str | None:
         """The file's text, or None when it does not exist. Other failures raise ToolCallError."""
@@ -83,6 +87,12 @@ class DiskFiles:
         import anyio.to_thread
 
         await anyio.to_thread.run_sync(self.ws._write_text, real, text)
+
+    async def check_writable(self, real: Path, ctx: ToolCallContext) -> None:
+        """Fail now, as the write would: a read-only file, a directory we may not write to..."""
+        import anyio.to_thread
+
+        await anyio.to_thread.run_sync(self.ws._check_writable, real)
 
 
 class ClientFiles:
@@ -199,6 +209,9 @@ class FileTools:
         real = self.ws.resolve(path)  # confined before anything is read or asked
         if real.is_dir():
             raise WorkspacePathError(f"{path!r} is a directory")
+        check = getattr(self.files, "check_writable", None)
+        if check is not None:  # a write bound to fail is never put to the user (the write checks again)
+            await check(real, ctx)
         shown = self.ws.display(real)
         if name == "write_file":
             content = arguments.get("content")

@@ -12,8 +12,11 @@ Anything that is not a regular file (a FIFO, a socket, a device) is refused with
 opened for a blocking read (``O_NONBLOCK``, then ``fstat``). Writes go to a temporary file
 in the same directory, then ``os.replace`` over the name, both relative to the parent's
 descriptor: a reader never sees half a file, and a symlink at the final name is replaced,
-never followed. A replaced file keeps its mode and (as far as we may) its owner; a read-only
-one is refused, not replaced; a write that fails removes the directories it made.
+never followed. A replaced file keeps its mode and (as far as we may) its
+owner; a read-only one is refused, not replaced; a write that fails removes the directories
+it made. :func:`check_writable` tells, without writing, whether such a write is bound to
+fail (a read-only file, a directory at the name, a file where a directory is needed, a
+directory we may not write).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path, PurePosixPath
 from typing import Iterable
 
 __all__ = ["UnsafePathError", "NotRegularFileError", "ReadOnlyFileError", "components", "lstat", "stat", "open_regular", "read_bytes", "read_text",
-           "write_bytes_atomic", "write_text_atomic"]
+           "check_writable", "write_bytes_atomic", "write_text_atomic"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -202,17 +205,8 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
     dirs, name = _split(rel)
     dfd, made = _walk_creating(root, dirs, create=make_dirs)
     try:
-        try:
-            old = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            old = None
-        if old is not None and _stat.S_ISDIR(old.st_mode):
-            raise IsADirectoryError(errno.EISDIR, f"{name!r} is a directory")
+        old = _replaceable(dfd, name)
         regular = old is not None and _stat.S_ISREG(old.st_mode)
-        if regular and (not old.st_mode & 0o222 or not os.access(name, os.W_OK, dir_fd=dfd,
-                                                                 follow_symlinks=False)):
-            # replacing the name needs only the directory's permission: the file's own is what says no
-            raise ReadOnlyFileError(errno.EACCES, f"{name!r} is read-only")
         mode = _stat.S_IMODE(old.st_mode) if regular else None
         tmp = None
         for attempt in range(100):
@@ -247,6 +241,63 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
         raise
     finally:
         os.close(dfd)
+
+
+def _replaceable(dfd: int, name: str) -> os.stat_result | None:
+    """The ``lstat`` of ``name`` in the directory ``dfd`` (None when there is none), after
+    checking that a write may replace it: not a directory, not a read-only file."""
+    try:
+        old = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if _stat.S_ISDIR(old.st_mode):
+        raise IsADirectoryError(errno.EISDIR, f"{name!r} is a directory")
+    if _stat.S_ISREG(old.st_mode) and (not old.st_mode & 0o222 or not os.access(name, os.W_OK, dir_fd=dfd,
+                                                                                follow_symlinks=False)):
+        # replacing the name needs only the directory's permission: the file's own is what says no
+        raise ReadOnlyFileError(errno.EACCES, f"{name!r} is read-only")
+    return old
+
+
+def _writable_dir(dfd: int, shown: str) -> None:
+    """PermissionError (or EROFS) unless we may add and remove names in the directory ``dfd``."""
+    if os.access(".", os.W_OK | os.X_OK, dir_fd=dfd):
+        return
+    try:  # a read-only file system (which says no to root too)
+        read_only = bool(os.statvfs(dfd).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        raise OSError(errno.EROFS, f"{shown} is on a read-only file system")
+    raise PermissionError(errno.EACCES, f"{shown} is not writable")
+
+
+def check_writable(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str]) -> None:
+    """Raise the error :func:`write_bytes_atomic` of ``rel`` is bound to fail with, without
+    writing anything: a read-only file (:class:`ReadOnlyFileError`), a directory at the name
+    (``IsADirectoryError``), a symlink or a file where a directory is needed
+    (:class:`UnsafePathError`), or a directory we may not write to, the one that would hold
+    the file or the first one missing (``PermissionError``, or ``EROFS``). A write can still
+    fail later (the disk fills up, something changes meanwhile): it checks again."""
+    dirs, name = _split(rel)
+    fd = _open_root(root)
+    try:
+        for i, part in enumerate(dirs):
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:  # made by the write, in the last directory there is
+                _writable_dir(fd, f"{'/'.join(dirs[:i]) or 'the workspace folder'!r}")
+                return
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                    raise UnsafePathError(e.errno, f"{part!r} is a symlink or not a directory") from None
+                raise
+            os.close(fd)
+            fd = nfd
+        _replaceable(fd, name)
+        _writable_dir(fd, f"{'/'.join(dirs) or 'the workspace folder'!r}")
+    finally:
+        os.close(fd)
 
 
 def _keep_owner(fd: int, old: os.stat_result) -> None:

@@ -1,6 +1,6 @@
 """The builtin file tools at their edges, driven through the real server over real pipes with
-the scripted model: line breaks other than ``\\n``, writes that fail half-way, read-only files,
-owners, and searches over large files and trees."""
+the scripted model: line breaks other than ``\\n``, writes that fail half-way or are bound to,
+read-only files, owners, and searches over large files and trees."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ def call(function: str, **arguments) -> dict:
     return {"json": {"action_requests": [{"function": function, "arguments": arguments}]}}
 
 
-def start(c, ws, *responses, caps=None):
+def start(c, ws, *responses, caps=None, policy="allow"):
     c.request("initialize", {"workspaceFolders": [str(ws)], "capabilities": caps or {},
                              "settings": {"models": {"s": scripted(*responses)}, "defaultModel": "s",
-                                          "toolPolicy": {"edit_file": "allow", "write_file": "allow"}}},
+                                          "toolPolicy": {"edit_file": policy, "write_file": policy}}},
               timeout=TIMEOUT)
     return c.branch()
 
@@ -86,6 +86,34 @@ def test_a_read_only_file_is_not_replaced(sidecar, tmp_path):
         assert output(sidecar, bid)["error"] == "'locked.txt' is read-only; nothing written"
     assert f.read_text() == "v = 1\n" and oct(f.stat().st_mode & 0o777) == "0o444"
     assert os.listdir(tmp_path) == ["locked.txt"]
+
+
+def test_a_write_bound_to_fail_is_never_put_to_the_user(sidecar, tmp_path):
+    locked = tmp_path / "locked.txt"
+    locked.write_text("v = 1\n")
+    locked.chmod(0o444)
+    (tmp_path / "plain.txt").write_text("p\n")
+    bid = start(sidecar, tmp_path, call("edit_file", path="locked.txt", edits=[{"oldText": "1", "newText": "2"}]),
+                call("write_file", path="locked.txt", content="gone\n"),
+                call("write_file", path="plain.txt/new.txt", content="x\n"),              # a file, not a folder
+                policy="ask", caps={"toolPermission": True})
+    asked = []
+    sidecar.on_request("requestToolPermission", lambda p: asked.append(p) or {"decision": "allow_once"})
+    for _ in range(2):
+        assert output(sidecar, bid)["error"] == "'locked.txt' is read-only; nothing written"
+    assert output(sidecar, bid)["error"] == "'plain.txt/new.txt': 'plain.txt' is a symlink or not a directory; nothing written"
+    assert asked == []                                                        # the user approved, then saw it fail
+    assert locked.read_text() == "v = 1\n" and sorted(os.listdir(tmp_path)) == ["locked.txt", "plain.txt"]
+
+
+def test_a_file_made_read_only_after_the_preview_is_still_refused_at_write_time(sidecar, tmp_path):
+    f = tmp_path / "later.txt"
+    f.write_text("v = 1\n")
+    bid = start(sidecar, tmp_path, call("edit_file", path="later.txt", edits=[{"oldText": "1", "newText": "2"}]),
+                policy="ask", caps={"toolPermission": True})
+    sidecar.on_request("requestToolPermission", lambda p: f.chmod(0o444) or {"decision": "allow_once"})
+    assert output(sidecar, bid)["error"] == "'later.txt' is read-only; nothing written"
+    assert f.read_text() == "v = 1\n" and os.listdir(tmp_path) == ["later.txt"]
 
 
 def test_a_replaced_file_keeps_its_owner_group_and_mode(sidecar, tmp_path):
