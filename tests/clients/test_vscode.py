@@ -13,7 +13,8 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       while the server starts, a server that never answers initialize.
   (d2) the same harness in a multi-root workspace (--suite multi-root): paths of the second folder.
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
-      and key presses over Chromium's DevTools protocol; screenshots land in .test-results/.
+      and key presses over Chromium's DevTools protocol (also the chat hidden and shown again while a
+      review waits); screenshots land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -244,7 +245,7 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     assert len(summary["checks"]) == 9, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
-                  "Stop a running turn"):
+                  "Stop a running turn", "hidden and shown again while it waits"):
         assert topic in names, f"missing browser check about {topic!r}: {names}"
     for shot in ("chat.png", "diff-review.png", "chat-final.png"):
         png = shots / shot

@@ -135,6 +135,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   async refresh(): Promise<void> {
     const id = this.host.branches.current;
     if (!id) { this.turns = []; this.render(); return; }
+    // a turn running on this branch: the server has already recorded part of it (the reply, its
+    // calls) and the live turn shows it; the turns before it are unchanged (a view shown again)
+    if (this.live?.branchId === id) { this.render(); return; }
     try {
       const client = await this.host.ensure();
       const { messages } = await client.branchMessages(id);
