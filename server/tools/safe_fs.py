@@ -12,7 +12,9 @@ Anything that is not a regular file (a FIFO, a socket, a device) is refused with
 opened for a blocking read (``O_NONBLOCK``, then ``fstat``). Writes go to a temporary file
 in the same directory, then ``os.replace`` over the name, both relative to the parent's
 descriptor: a reader never sees half a file, and a symlink at the final name is replaced,
-never followed. A replaced file keeps its mode and (as far as we may) its
+never followed. The new text is flushed to disk (``fsync``) before the rename, and the
+directory after it (and the parent of every directory the write made), so a write that
+returned survives a power loss. A replaced file keeps its mode and (as far as we may) its
 owner; a read-only one is refused, not replaced; a write that fails removes the directories
 it made. :func:`check_writable` tells, without writing, whether such a write is bound to
 fail (a read-only file, a directory at the name, a file where a directory is needed, a
@@ -200,8 +202,10 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
     """Replace (or create) ``rel`` with ``data``; returns True when the file was created.
     A replaced file keeps its mode and, as far as we may set them, its owner and group; a
     read-only file (no write permission for us, or none for anyone) is refused with
-    :class:`ReadOnlyFileError`, as is a directory at the name (``IsADirectoryError``). A
-    failed write leaves nothing behind: no temporary file, no directory it made."""
+    :class:`ReadOnlyFileError`, as is a directory at the name (``IsADirectoryError``). The
+    file is fsynced before the rename, its directory after it (and the parent of each
+    directory made), so a write that returned is on disk. A failed write leaves nothing
+    behind: no temporary file, no directory it made."""
     dirs, name = _split(rel)
     dfd, made = _walk_creating(root, dirs, create=make_dirs)
     try:
@@ -227,6 +231,8 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
                     _keep_owner(f.fileno(), old)
                 if mode is not None:
                     os.fchmod(f.fileno(), mode)  # after the owner: a chown clears set-id bits
+                f.flush()
+                os.fsync(f.fileno())  # the text is on disk before any name points at it
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             try:
@@ -234,6 +240,8 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
             except OSError:
                 pass
             raise
+        os.fsync(dfd)  # the rename itself
+        _sync_made(root, dirs, made)  # and the entry of every directory this write made
         return old is None
     except BaseException:
         if made < len(dirs):
@@ -298,6 +306,17 @@ def check_writable(root: str | os.PathLike[str], rel: str | os.PathLike[str] | I
         _writable_dir(fd, f"{'/'.join(dirs) or 'the workspace folder'!r}")
     finally:
         os.close(fd)
+
+
+def _sync_made(root: str | os.PathLike[str], dirs: list[str], made: int) -> None:
+    """fsync the parent of each directory a write made (``dirs[made:]``), so that its entry,
+    and with it the path to the new file, is on disk too."""
+    for depth in range(made, len(dirs)):
+        pfd = _walk(root, dirs[:depth])
+        try:
+            os.fsync(pfd)
+        finally:
+            os.close(pfd)
 
 
 def _keep_owner(fd: int, old: os.stat_result) -> None:

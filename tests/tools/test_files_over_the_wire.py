@@ -1,13 +1,13 @@
 """The builtin file tools at their edges, driven through the real server over real pipes with
 the scripted model: line breaks other than ``\\n``, writes that fail half-way or are bound to,
-read-only files, owners, and searches over large files and trees."""
+read-only files, owners, durability, and searches over large files and trees."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 
-from rpc.support import TIMEOUT, scripted  # tests/ is on sys.path
+from rpc.support import TIMEOUT, Sidecar, scripted, spawner  # tests/ is on sys.path
 
 from operate_sidecar.server.tools import WorkspaceTools
 
@@ -114,6 +114,57 @@ def test_a_file_made_read_only_after_the_preview_is_still_refused_at_write_time(
     sidecar.on_request("requestToolPermission", lambda p: f.chmod(0o444) or {"decision": "allow_once"})
     assert output(sidecar, bid)["error"] == "'later.txt' is read-only; nothing written"
     assert f.read_text() == "v = 1\n" and os.listdir(tmp_path) == ["later.txt"]
+
+
+# wraps os.fsync and os.replace in the server process and logs each, once done, to $FSYNC_TRACE
+TRACER = """
+import os
+_log = os.environ.get("FSYNC_TRACE")
+if _log:
+    _fsync, _replace = os.fsync, os.replace
+
+    def _note(*parts):
+        with open(_log, "a") as f:
+            f.write("\\t".join(parts) + "\\n")
+
+    def fsync(fd):
+        _fsync(fd)
+        _note("fsync", os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}"))
+
+    def replace(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        _replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        where = os.readlink(f"/proc/self/fd/{dst_dir_fd}") if dst_dir_fd is not None else ""
+        _note("replace", os.path.join(where, dst))
+
+    os.fsync, os.replace = fsync, replace
+"""
+
+
+def test_a_write_is_on_disk_with_its_directories_before_the_call_is_answered(tmp_path):
+    ws = (tmp_path / "ws").resolve()
+    ws.mkdir()
+    (ws / "a.txt").write_text("v = 1\n")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(TRACER)
+    log = tmp_path / "trace.log"
+    with spawner(lambda _i, *a, **kw: Sidecar(*a, **kw)) as make:
+        c = make(env={"FSYNC_TRACE": str(log)}, paths=(hook,))
+        bid = start(c, ws, call("edit_file", path="a.txt", edits=[{"oldText": "1", "newText": "2"}]),
+                    call("write_file", path="new/deep/b.txt", content="b\n"))
+        assert "diff" in output(c, bid)
+        steps = [tuple(line.split("\t")) for line in log.read_text().splitlines()]
+        (tmp,) = [p for op, p in steps if op == "fsync" and p.endswith(".tmp")]
+        # the text, then the name, then the directory holding the name: all before the answer
+        assert steps == [("fsync", tmp), ("replace", str(ws / "a.txt")), ("fsync", str(ws))]
+        assert os.path.dirname(tmp) == str(ws) and (ws / "a.txt").read_text() == "v = 2\n"
+        log.unlink()
+        assert output(c, bid)["created"] is True
+        steps = [tuple(line.split("\t")) for line in log.read_text().splitlines()]
+        assert steps[0][0] == "fsync" and steps[0][1].startswith(str(ws / "new" / "deep" / ".b.txt."))
+        assert steps[1] == ("replace", str(ws / "new" / "deep" / "b.txt"))
+        # every directory the write made has its entry on disk too
+        assert sorted(steps[2:]) == [("fsync", str(ws)), ("fsync", str(ws / "new")), ("fsync", str(ws / "new" / "deep"))]
 
 
 def test_a_replaced_file_keeps_its_owner_group_and_mode(sidecar, tmp_path):
