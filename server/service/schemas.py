@@ -123,6 +123,21 @@ def _check(schema: Any, path: str, where: str) -> None:
             _check(sub, f"{path}/{key}", where)
 
 
+def _check_default(annotation: Any, default: Any, where: str) -> None:
+    """-32602 unless ``default`` is a value of the field's schema (it is the result's value when
+    the reply leaves the field out, and is shown to the model)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        TypeAdapter(annotation).validate_json(json.dumps(default), strict=True)
+    except ValidationError as e:
+        first = e.errors()[0] if e.errors() else {}
+        at = "/" + "/".join(str(x) for x in first.get("loc", ()))
+        complaint = str(first.get("msg") or e)[:MAX_COMPLAINT_CHARS]
+        raise invalid_params(f"{where}: not a value of the field's schema{'' if at == '/' else ' at ' + at}: "
+                             f"{complaint}", {"path": at}) from None
+
+
 class SchemaCache:
     def __init__(self) -> None:
         self._models: dict[str, type] = {}
@@ -215,13 +230,17 @@ class SchemaCache:
         kw: dict[str, Any] = {"name": name, "annotation": annotation, "description": get("description")}
         default = get("default")
         if isinstance(field, dict):
-            if "default" in field:
-                kw["default"] = default
+            given = "default" in field
         else:
             from operate_sidecar.protocol import is_omitted
 
-            if not is_omitted(default):
-                kw["default"] = default
+            given = not is_omitted(default)
+        if given:
+            if default is None:
+                kw["nullable"] = True  # a null default: the field may be left out or null
+            else:
+                _check_default(annotation, default, f"{where}.default")
+            kw["default"] = default
         return Spec(**kw)
 
     @staticmethod

@@ -415,3 +415,24 @@ def test_a_reply_nested_deeper_than_the_json_parser_goes_holds_no_json(sidecar):
              parseOptions={"retryAttempts": 0, "retryInitialDelay": 0})
     assert out["result"] == {"answer": "repaired"} and out["usage"]["modelCalls"] == 2
     assert sidecar.of("toolEvent") == []
+
+
+def test_a_field_models_default_must_be_a_value_of_its_schema_and_null_makes_it_optional(sidecar):
+    """fieldModels[i].default is the result's value when the reply leaves the field out: one that
+    is not a value of the field's schema is -32602 naming where (it was returned as is, in a
+    result of kind "model"). A null default makes the field optional: left out or null, it is
+    null (without a responseFormat both made the reply unparsed text)."""
+    sidecar.init(models={"s": scripted({"json": {}}, {"json": {"c": None}}, {"json": {"c": 2.5}})})
+    bid = sidecar.branch()
+    for schema, default, path in (({"type": "integer"}, "abc", "/"), ({"type": "number", "minimum": 0}, -1, "/"),
+                                  ({"type": "object", "properties": {"k": {"type": "integer"}}}, {"k": "x"}, "/k")):
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x",
+                                           "fieldModels": [{"name": "c", "schema": schema, "default": default}]})
+        assert err.code == -32602 and "fieldModels[0].default" in err.message and err.data["path"] == path
+    assert sidecar.messages(bid) == []
+    optional = [{"name": "c", "schema": {"type": "number"}, "default": None}]
+    for expected in (None, None, 2.5):
+        out = op(sidecar, bid, instruction="x", fieldModels=optional)
+        assert out["kind"] == "model" and out["result"] == {"c": expected}
+    shown = [m for m in sidecar.messages(bid) if m["kind"] == "instruction"][0]["content"]["responseSchema"]
+    assert shown["properties"]["c"]["default"] is None
