@@ -144,7 +144,8 @@ def test_tool_outputs_and_errors_holding_secrets_are_redacted_everywhere(spawn, 
     out = c.request("operate", {"branchId": bid, "instruction": "go", "actions": True}, timeout=TIMEOUT)
     outs = [r["output"] for r in out["result"]["action_responses"]]
     assert "[REDACTED]" in json.dumps(outs)                      # the outputs did get through, masked
-    assert "could not authenticate with [REDACTED]" in outs[1]["error"]
+    # (an error is bounded by maxToolOutputChars too: what is left of it holds no part of the key)
+    assert outs[1]["error"].startswith("could not authenticate")
     assert sorted(i["tool"] for i in c.invocations()) == ["env_error_tool", "env_value_tool", "env_value_tool"]
     _scrubbed(everything_emitted(c, state, [bid]), KEY, TOKEN)
 
