@@ -14,7 +14,7 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
   (d2) the same harness in a multi-root workspace (--suite multi-root): paths of the second folder.
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
       and key presses over Chromium's DevTools protocol (also the chat hidden and shown again while a
-      review waits); screenshots land in .test-results/.
+      review waits, and keyboard-only use); screenshots land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -242,10 +242,11 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     bad = [c for c in summary.get("checks", []) if not c["ok"]]
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     names = " | ".join(c["name"] for c in summary["checks"])
-    assert len(summary["checks"]) == 9, names
+    assert len(summary["checks"]) == 10, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
-                  "Stop a running turn", "hidden and shown again while it waits"):
+                  "Stop a running turn", "hidden and shown again while it waits",
+                  "Open Chat from the editor puts the cursor in the chat input"):
         assert topic in names, f"missing browser check about {topic!r}: {names}"
     for shot in ("chat.png", "diff-review.png", "chat-final.png"):
         png = shots / shot

@@ -83,5 +83,13 @@
       vscode.postMessage({ type: 'showDiff', callId: b.dataset.call });
     }
   });
+  // the view focused (Open Chat, the status bar, a keybinding): the cursor goes to the input, as
+  // in the editor's own chat, unless something in the view already has it
+  const focusInput = () => {
+    const a = document.activeElement;
+    if (!a || a === document.body || a === document.documentElement) input.focus();
+  };
+  window.addEventListener('focus', focusInput);
+  if (document.hasFocus()) focusInput();
   vscode.postMessage({ type: 'ready' });
 })();

@@ -89,7 +89,7 @@ async function main() {
           edit('And `add` could subtract.', 'src/util.py', 'return a + b', 'return a - b'),
           'A **second** chat.',
         ),
-        slow: scripted({ text: 'too late', delayMs: 120000 }),
+        slow: scripted({ text: 'too late', delayMs: 120000 }, { text: 'too late again', delayMs: 120000 }),
       },
       defaultModel: 'chatty',
       stateDir: path.join(W, 'state'),
@@ -361,6 +361,23 @@ async function main() {
     await waitFor('model in the header', () => inWeb(`document.getElementById('model').textContent === 'slow'`), 10000);
     const status = await evalIn(`[...document.querySelectorAll('.statusbar-item')].map((s) => s.textContent).find((t) => t.includes(' · ')) ?? ''`);
     expect(status.includes('slow · Explain the plan for'), `status bar: ${status}`);
+  });
+
+  await check('keyboard only: Open Chat from the editor puts the cursor in the chat input; Enter sends, Escape stops', async () => {
+    await click(await centerOf('.editor-instance .monaco-editor .view-lines'));
+    await waitFor('the editor focused', () => evalIn(`!!document.activeElement?.closest('.editor-instance')`), 10000);
+    await palette('operate-sidecar: Open Chat');
+    await settleWebview();
+    await waitFor('the chat input focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
+    const before = await turnCount();
+    await send('Input.insertText', { text: 'Typed without the mouse' });
+    expect(await inWeb(`document.getElementById('input').value`) === 'Typed without the mouse', 'the keys reached the chat input');
+    await enter();
+    await waitFor('the turn starts', async () => (await turnCount()) > before, 10000);
+    await waitFor('running', () => inWeb(`!document.getElementById('stop').hidden`), 10000);
+    await key('Escape', 'Escape', 27);
+    await turnDone();
+    expect(await lastTurn(`t.querySelector('.note')?.textContent`) === 'Stopped.', 'Escape stopped the turn');
   });
 
   await check('Stop a running turn: "Stopped.", no error in the chat, no error notification; the server still serves', async () => {
