@@ -4,7 +4,8 @@
 
 - ``read_file(path, offset=1, limit=2000)`` (read-only): text lines from line ``offset``
   (1-based), at most ``limit`` lines and ``max_read_bytes`` characters;
-- ``list_dir(path=".")`` (read-only): the entries of a directory, capped;
+- ``list_dir(path=".")`` (read-only): the entries of a directory by name, the first
+  ``max_list_entries`` (kept while reading: a huge directory is never held in full);
 - ``search_text(pattern, path=".", regex=False, ignore_case=False, max_results=100)``
   (read-only): matching lines (1-based line numbers, as ``read_file`` numbers them) in text
   files under ``path``, with a result cap and a scan budget (files and bytes read, entries
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import contextvars
 import errno
+import heapq
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -91,6 +93,10 @@ def _compile_pattern(pattern: str, regex: bool, ignore_case: bool) -> Any:
         if isinstance(msg, bytes):
             msg = msg.decode("utf-8", "replace")
         raise WorkspacePathError(f"invalid regular expression {pattern!r}: {msg}") from None
+
+
+def _entry_name(entry: os.DirEntry[str]) -> str:
+    return entry.name
 
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", ".mypy_cache",
@@ -297,13 +303,12 @@ class WorkspaceTools:
         if not real.is_dir():
             raise WorkspacePathError(f"{path!r} is not a directory" if real.exists() else f"{path!r} does not exist")
         entries: list[dict[str, Any]] = []
-        truncated = False
+        # the first max_list_entries by name, kept while reading (a directory of 300,000
+        # entries is never held, nor sorted, in full); one more tells that there were more
         with os.scandir(real) as it:
-            items = sorted(it, key=lambda e: e.name)
-        for entry in items:
-            if len(entries) >= self.max_list_entries:
-                truncated = True
-                break
+            items = heapq.nsmallest(self.max_list_entries + 1, it, key=_entry_name)
+        truncated = len(items) > self.max_list_entries
+        for entry in items[: self.max_list_entries]:
             item: dict[str, Any] = {"name": entry.name}
             try:
                 if entry.is_symlink():

@@ -1,11 +1,12 @@
 """The builtin file tools at their edges, driven through the real server over real pipes with
 the scripted model: line breaks other than ``\\n``, writes that fail half-way or are bound to,
-read-only files, owners, durability, and searches over large files and trees."""
+read-only files, owners, durability, and searches and listings of large files and trees."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import tracemalloc
 
 from rpc.support import TIMEOUT, Sidecar, scripted, spawner  # tests/ is on sys.path
 
@@ -165,6 +166,22 @@ def test_a_write_is_on_disk_with_its_directories_before_the_call_is_answered(tmp
         assert steps[1] == ("replace", str(ws / "new" / "deep" / "b.txt"))
         # every directory the write made has its entry on disk too
         assert sorted(steps[2:]) == [("fsync", str(ws)), ("fsync", str(ws / "new")), ("fsync", str(ws / "new" / "deep"))]
+
+
+def test_list_dir_of_a_huge_directory_holds_only_what_it_returns(tmp_path):
+    for i in range(20_000):
+        os.close(os.open(tmp_path / f"f{(i * 7919) % 20_000:05}", os.O_CREAT | os.O_WRONLY, 0o644))
+    ws = WorkspaceTools([tmp_path], max_list_entries=50)
+    tracemalloc.start()
+    try:
+        out = ws.list_dir(".")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [e["name"] for e in out["entries"]] == [f"f{i:05}" for i in range(50)] and out["truncated"] is True
+    assert peak < 256 * 1024                                                  # every entry, sorted: 4.8 MB
+    whole = WorkspaceTools([tmp_path], max_list_entries=20_000).list_dir(".")
+    assert len(whole["entries"]) == 20_000 and whole["truncated"] is False
 
 
 def test_a_replaced_file_keeps_its_owner_group_and_mode(sidecar, tmp_path):
