@@ -43,7 +43,8 @@ class LineBound:
     """``maxMessageBytes`` for ACP's newline-delimited input, in front of the SDK's reader: a
     line longer than the bound is dropped as it streams in (never buffered whole) and answered
     with -32600 (its ``id`` when its first bytes show one); the stream stays in sync at the
-    next newline.
+    next newline. An answer of the client's (to ``fs/read_text_file``, say) that is too long
+    fails the request it answers, at once, with that -32600; the client is sent nothing.
 
     It also screens each whole line, cheaply (no parse), for what the SDK cannot take: the
     SDK's connection assumes every line is a JSON object, and stops serving on any other JSON
@@ -132,10 +133,47 @@ class LineBound:
         from operate_sidecar.server.rpc.framing import peek_id
 
         msg_id = peek_id(self._head)
-        log.warning("dropped a message longer than maxMessageBytes (%d bytes)", self.limit)
-        self.answer(msg_id if isinstance(msg_id, (int, str)) else None, -32600,
-                    f"message larger than maxMessageBytes ({self.limit} bytes)")
+        msg_id = msg_id if isinstance(msg_id, (int, str)) and not isinstance(msg_id, bool) else None
+        keys = _top_keys(self._head)
         self._head = b""
+        if msg_id is not None and "method" not in keys and keys & {"result", "error"}:
+            # the client's answer to a request of ours (a huge fs/read_text_file content, say):
+            # its request is failed at once, as if the client had answered this error; the
+            # client is sent nothing (an error with that id would answer one of its own requests)
+            log.warning("dropped an answer of the client longer than maxMessageBytes (%d bytes)", self.limit)
+            frame = {"jsonrpc": "2.0", "id": msg_id, "error": {
+                "code": -32600, "message": f"the answer is larger than maxMessageBytes ({self.limit} bytes)"}}
+            import json
+
+            self._feed((json.dumps(frame) + "\n").encode())
+            return
+        log.warning("dropped a message longer than maxMessageBytes (%d bytes)", self.limit)
+        self.answer(msg_id, -32600, f"message larger than maxMessageBytes ({self.limit} bytes)")
+
+
+def _top_keys(head: bytes) -> set[str]:
+    """Best effort: the top-level keys of a (possibly cut) JSON object's first bytes."""
+    keys: set[str] = set()
+    depth, i, n = 0, 0, len(head)
+    while i < n:
+        c = head[i]
+        if c == 0x22:  # a string: a key when it is followed by ':' at depth 1
+            j = i + 1
+            while j < n and head[j] != 0x22:
+                j += 2 if head[j] == 0x5C else 1
+            k = j + 1
+            while k < n and head[k] in b" \t\r\n":
+                k += 1
+            if depth == 1 and k < n and head[k] == 0x3A:
+                keys.add(head[i + 1:j].decode("utf-8", "replace"))
+            i = j + 1
+            continue
+        if c in b"{[":
+            depth += 1
+        elif c in b"}]":
+            depth -= 1
+        i += 1
+    return keys
 
 
 def _brief(exc: BaseException) -> str:

@@ -442,6 +442,33 @@ def test_with_the_fs_capability_files_are_read_and_written_through_the_client(tm
     run(main())
 
 
+def test_a_client_answer_over_max_message_bytes_fails_the_read_at_once_and_answers_the_client_nothing(tmp_path, ws):
+    """The editor answers ``fs/read_text_file`` with more than ``maxMessageBytes``: the read
+    fails at once with -32600 (it waited 60 s for an answer that had been dropped) and the
+    editor is sent no error under that id, which is the agent's request id: here, as the
+    agent's third request, the same id as the editor's own pending prompt (2), which that
+    error used to answer."""
+    async def main():
+        c = RecordingClient()
+        small, big = str(ws / "b.txt"), str(ws / "a.txt")
+        (ws / "b.txt").write_text("b\n")
+        c.files.update({small: "small\n", big: "x" * 50_000})
+        config = cfg(tmp_path, reply("", [("read_file", {"path": "b.txt"})]), reply("", [("read_file", {"path": "b.txt"})]),
+                     reply("", [("read_file", {"path": "a.txt"})]), reply("done"), maxMessageBytes=20_000)
+        async with spawn(c, config, fs=True) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            t0 = time.monotonic()
+            assert (await bounded(conn.prompt(session_id=sid, prompt=[acp.text_block("go")]), 40)).stop_reason \
+                == "end_turn"
+            assert time.monotonic() - t0 < 30
+            big_id = c.of("tool_call")[2].tool_call_id
+            done = [u for u in c.of("tool_call_update") if u.tool_call_id == big_id][-1]
+            assert done.status == "failed" and "maxMessageBytes" in done.raw_output["error"]
+            assert c.text() == "done"
+
+    run(main())
+
+
 @pytest.mark.parametrize("fs", [False, True])
 def test_each_session_s_tools_are_confined_to_its_own_cwd(tmp_path, fs):
     """Two sessions of one agent with different folders: a relative path of session B starts
