@@ -739,6 +739,38 @@ def test_a_buffer_whose_file_a_tool_wrote_on_disk_is_reloaded_unless_it_has_unsa
     assert sv.lua("return vim.bo[vim.fn.bufnr(...)].modified", str(dirty)) is True
 
 
+def test_resizing_the_editor_keeps_the_chat_in_view_and_the_review_side_by_side(sv):
+    """Narrowing the editor took every column from the review's proposal (down to one: nothing
+    of the change could be read), and on 0.7 a chat made tiny and large again showed only its
+    last line, the whole conversation scrolled out above an empty window."""
+    path, bid = _diff_setup(sv, "resize", ["the reply " * 40])
+    window = """local w = require('operate_sidecar.chat').window()
+        local i = vim.fn.getwininfo(w)[1]
+        return {i.topline, i.botline, vim.api.nvim_buf_line_count(vim.api.nvim_win_get_buf(w))}"""
+    widths = """local d = require('operate_sidecar.diff').current
+        return {vim.api.nvim_win_get_width(d.left), vim.api.nvim_win_get_width(d.right)}"""
+    try:
+        sv.n.command("set columns=140 lines=35")
+        sv.chat_send("make it return 2")
+        sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+        for columns in (70, 140):
+            sv.n.command(f"set columns={columns}")
+            sv.lua("vim.wait(50)")
+            left, right = sv.lua(widths)
+            assert abs(left - right) <= 1 and left + right == columns - 1, (columns, left, right)
+        sv.send_keys("ga")
+        assert sv.wait_done()["err"] is None
+        top, bottom, count = sv.lua(window)
+        assert (top, bottom) == (1, count)                             # the whole chat fits, in view
+        sv.n.command("set lines=9")                                    # made tiny (a pane being dragged)
+        sv.lua("vim.wait(50)")
+        sv.n.command("set lines=35")
+        sv.lua("vim.wait(50)")
+        assert sv.lua(window) == [1, count, count]                     # all of it in view again
+    finally:
+        sv.n.command("set columns=80 lines=24")
+
+
 def test_a_cancelled_permission_request_is_shown_as_cancelled(sv):
     bid = sv.new_branch([call("mark_file", path=str(sv.tmp / "cancelled.txt"), text="x"), "unused"], "permcancel")
     sv.n.command("OperateTools mark_file ask")

@@ -94,6 +94,18 @@ vim.api.nvim_create_autocmd('BufEnter', {
   end,
 })
 
+vim.api.nvim_create_autocmd('VimResized', {
+  group = group,
+  callback = function()
+    for _, name in ipairs({ 'operate_sidecar.chat', 'operate_sidecar.diff' }) do
+      local m = package.loaded[name]
+      if m then
+        m.on_resize()
+      end
+    end
+  end,
+})
+
 vim.api.nvim_create_autocmd('VimLeavePre', {
   group = group,
   callback = function()

@@ -491,6 +491,23 @@ local function usable(b)
   return ok and mark == true
 end
 
+--- The editor was resized: in each transcript window (but the one the user is in) the end of the
+--- chat fills the window again (a window made tiny had scrolled its last line to the top, and
+--- 0.7 kept it there once the window was large again: an empty-looking chat).
+function M.on_resize()
+  local cur = api.nvim_get_current_win()
+  for _, w in ipairs(api.nvim_list_wins()) do
+    local b = api.nvim_win_get_buf(w)
+    if w ~= cur and by_buf[b] and usable(b) then
+      local last = api.nvim_buf_line_count(b)
+      pcall(api.nvim_win_set_cursor, w, { last, 0 })
+      pcall(api.nvim_win_call, w, function()
+        vim.cmd('normal! zb') -- the last line at the bottom: the window full of the chat's end
+      end)
+    end
+  end
+end
+
 local function render_turn(chat, turn)
   if not usable(chat.buf) then
     return -- the transcript was deleted: the turns are kept and drawn again when it is rebuilt

@@ -160,6 +160,17 @@ local function intact(view)
 end
 M.intact = intact
 
+--- The editor was resized: the review's two windows share its width again (narrowing the
+--- editor took every column from the proposal, down to one).
+function M.on_resize()
+  local view = M.current
+  if intact(view) then
+    pcall(api.nvim_win_call, view.left, function()
+      vim.cmd('wincmd =')
+    end)
+  end
+end
+
 --- Show the review of `req` (opening it when only the float was shown, rebuilding it when a
 --- window of it was closed).
 function M.focus(req)
