@@ -771,6 +771,27 @@ def test_resizing_the_editor_keeps_the_chat_in_view_and_the_review_side_by_side(
         sv.n.command("set columns=80 lines=24")
 
 
+def test_deleting_the_branch_of_the_running_turn_ends_that_turn(sv):
+    """`:OperateBranch delete` while the branch's turn waited for a permission: the float stayed,
+    asking to run a tool for a branch that was gone, and every new turn was refused ('a turn is
+    already running') until it was answered."""
+    target = sv.tmp / "deleted-branch.txt"
+    sv.new_branch([call("mark_file", path=str(target), text="x"), "unused"], "delrunning")
+    sv.n.command("OperateTools mark_file ask")
+    sv.wait("#_G.notes > 0", "the policy change")
+    sv.chat_send("mark it")
+    sv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+    sv.n.command("OperateBranch delete")
+    out = sv.wait_done()
+    assert out["err"]["code"] == -32800
+    sv.wait("#require('operate_sidecar.permission').queue == 0", "the request to go")
+    assert sv.floats() == [] and not target.exists()                  # nothing asked, nothing run
+    assert sv.lua("return require('operate_sidecar').current_branch()") is None
+    sv.new_branch(["next turn"], "afterdelete")
+    sv.chat_send("go on")                                             # a new turn is taken at once
+    assert sv.wait_done()["result"]["result"] == "next turn"
+
+
 def test_a_cancelled_permission_request_is_shown_as_cancelled(sv):
     bid = sv.new_branch([call("mark_file", path=str(sv.tmp / "cancelled.txt"), text="x"), "unused"], "permcancel")
     sv.n.command("OperateTools mark_file ask")

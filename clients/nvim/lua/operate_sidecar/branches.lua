@@ -118,6 +118,12 @@ function M.delete(cb, id)
     notify('no current branch', vim.log.levels.WARN)
     return cb({ code = -32012, message = 'no current branch' })
   end
+  local run = S.running
+  if run and run.branchId == id and not run.cancel_requested then
+    -- its turn goes first: it would run on (and ask, e.g. for a tool) for a branch that is gone,
+    -- and no other turn could be sent meanwhile
+    server.cancel()
+  end
   server.request_or_notify('deleteBranch', { branchId = id }, cb, function()
     M.forget(id)
     M.names[id] = nil
