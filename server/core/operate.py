@@ -16,8 +16,8 @@ from pydantic import BaseModel
 
 from . import progress
 from .act import act
-from .errors import ConfigurationError, ValidationFailed
-from .operative import Operative, Step, specs_from_field_models
+from .errors import FieldNameClash, ValidationFailed
+from .operative import Operative, Step, request_info, specs_from_field_models
 from .params import ActionParam, ChatParam, ParseParam, RunParam
 from .middle import communicate, run_and_collect
 
@@ -104,13 +104,8 @@ def _setup(branch: Any, chat_param: ChatParam, action_param: ActionParam | None,
 
     model_class = caller_model_class(_cctx.response_format)
     fields_dict = specs_from_field_models(field_models)  # TypeError for a bad entry, before the model call
-    if action_param is not None:
-        # a field model would replace the field actions add: the calls read from it could not
-        # run (a list of strings reached act() after the model call), so refuse it before
-        taken = [name for name in ACTION_FIELDS if name in fields_dict]
-        if taken:
-            raise ConfigurationError(f"a field model named {' and '.join(map(repr, taken))} would replace what "
-                                     f"actions add ({', '.join(ACTION_FIELDS)}); give it another name")
+    if operative is None:  # (a caller's own Operative is used as it is)
+        _check_generated_names(model_class, field_models, reason=bool(reason), actions=action_param is not None)
 
     if operative is None and (model_class or action_param or fields_dict or reason):
         operative = Step.request_operative(base_type=model_class, reason=bool(reason), actions=bool(action_param),
@@ -120,6 +115,31 @@ def _setup(branch: Any, chat_param: ChatParam, action_param: ActionParam | None,
         _pctx = _pctx.with_updates(response_format=operative.response_type)
 
     return _cctx, _pctx, model_class, operative
+
+
+def _check_generated_names(model_class: type[BaseModel] | None, field_models: list | None, *, reason: bool,
+                           actions: bool) -> None:
+    """A field of the caller's named like one the pipeline generates would be replaced by it
+    (the generated structure extends the caller's model, then adds ``reason`` and the action
+    fields): the caller's schema would silently not be the one asked for, and calls read from
+    a field model named ``action_requests`` could not run. Refused before any model call."""
+    generated = (("reason",) if reason else ()) + (ACTION_FIELDS if actions else ())
+    if not generated:
+        return
+    # (a type the pipeline generated already has these fields: its own, not the caller's)
+    own = list(model_class.model_fields) if model_class is not None and request_info(model_class) is None else []
+    for name in generated:
+        if name in own:
+            raise FieldNameClash(f"responseFormat: property {name!r} would be replaced by the {name!r} field "
+                                 f"that {'reason' if name == 'reason' else 'actions'}: true adds; give it another name",
+                                 path=f"/properties/{name}", field=name)
+    if actions:
+        for i, fm in enumerate(field_models or ()):
+            name = getattr(fm, "name", None)
+            if name in ACTION_FIELDS:
+                raise FieldNameClash(f"a field model named {name!r} would replace what actions add "
+                                     f"({', '.join(ACTION_FIELDS)}); give it another name",
+                                     path=f"fieldModels[{i}].name", field=name)
 
 
 def prime(branch: Any, instruction: Any, chat_param: ChatParam, action_param: ActionParam | None = None,

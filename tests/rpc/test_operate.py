@@ -372,6 +372,30 @@ def test_a_field_model_taking_an_action_fields_name_is_invalid_params_before_any
     assert out["result"] == {"action_requests": ["echo_tool"]} and out["kind"] == "model"
 
 
+def test_a_response_format_property_the_pipeline_generates_is_invalid_params_before_any_model_call(sidecar):
+    """A responseFormat property named reason (reason on) or like an action field (actions on)
+    was silently replaced by the generated field: the caller's schema was not the one asked
+    for. Refused (-32602, data.path at the property) before the model is called; without the
+    flag the property is the caller's own."""
+    sidecar.init(models={"s": scripted({"json": {"reason": "mine", "action_required": "yes"}})},
+                 toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    for name, flags in (("reason", {"reason": True}), ("action_requests", {"actions": True}),
+                        ("action_responses", {"actions": True}), ("action_required", {"actions": True})):
+        fmt = {"title": "Mine", "type": "object", "properties": {name: {"type": "string"}}}
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "responseFormat": fmt, **flags})
+        assert err.code == -32602 and repr(name) in err.message, (name, err.message)
+        assert err.data == {"path": f"/properties/{name}", "field": name}
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "actions": True, "fieldModels": [
+        {"name": "ok", "schema": {"type": "string"}}, {"name": "action_required", "schema": {"type": "string"}}]})
+    assert err.code == -32602 and err.data == {"path": "fieldModels[1].name", "field": "action_required"}
+    assert sidecar.messages(bid) == [] and sidecar.of("toolEvent") == []
+    fmt = {"title": "Mine", "type": "object", "properties": {"reason": {"type": "string"},
+                                                           "action_required": {"type": "string"}}}
+    out = op(sidecar, bid, instruction="x", responseFormat=fmt)
+    assert out["result"] == {"reason": "mine", "action_required": "yes"} and out["kind"] == "model"
+
+
 def test_clear_messages_clears_nothing_when_the_operate_fails_before_its_reply(sidecar, tmp_path):
     """clearMessages empties the branch together with recording the new turn: a model failure
     (-32011) or an unusable persistDir (-32602) leaves the branch as it was (both emptied it);
