@@ -10,7 +10,7 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       scripted replacements of the extension's own window.showInputBox/showQuickPick, and Cancel is
       the real progress notification's button; the chat command, the diff review (WorkspaceEdit in the
       buffer, undo), restart on a settings change and a server that dies at start; bad settings, Stop
-      while the server starts, a server that never answers initialize.
+      while the server starts, a server that never answers initialize, a server killed mid-reply.
   (d2) the same harness in a multi-root workspace (--suite multi-root): paths of the second folder.
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
       and key presses over Chromium's DevTools protocol (also the chat hidden and shown again while a
@@ -190,7 +190,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
     assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
-    assert len(report["checks"]) == 29 and not bad and report.get("fatal") is None, report["checks"]
+    assert len(report["checks"]) == 30 and not bad and report.get("fatal") is None, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -199,7 +199,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "chat command", "acceptEdit lands as a WorkspaceEdit", "rejectEdit denies", "restarts the server by itself",
                   "dies at start", "Always for this branch", "#selection (file, language, line range), #problems",
                   "invalid maxRounds", "command given as a string", "Stop pressed twice while the server is starting",
-                  "never answers initialize"):
+                  "never answers initialize", "crashes mid-reply"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 

@@ -169,7 +169,10 @@ class Sidecar {
     if (!dead) return undefined;
     const tail = this.tailLines();
     const why = e instanceof Error ? e.message : String(e);
-    return `The operate-sidecar server is not running (${why}).${tail ? `\nLast lines of its log:\n${tail}` : ''}`;
+    // the client's error of a server that died already quotes the end of its stderr: not twice
+    const last = tail.split('\n').at(-1)?.trim();
+    const quoted = !!last && why.includes(last);
+    return `The operate-sidecar server is not running (${why}).${tail && !quoted ? `\nLast lines of its log:\n${tail}` : ''}`;
   }
 
   // ---- server lifecycle ------------------------------------------------------------------------

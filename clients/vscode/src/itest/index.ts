@@ -667,6 +667,30 @@ export async function run(): Promise<void> {
       expect(!api!.chatStats().running, 'no turn left running');
     });
 
+    await check('the server crashes mid-reply: the turn ends with an error naming the crash, its stderr lines once; the next turn starts a new server on the same chat', async () => {
+      // a fresh server whose stderr ends with its warning about the broken tool module
+      const mark = out().length;
+      await exec('operateSidecar.restart');
+      await exec('operateSidecar.listTools', {});
+      await until(() => out().slice(mark).includes('no_such_module_xyz'), 'the server warned about the broken tool module');
+      await exec('operateSidecar.pickModel', 'slow');
+      await exec('operateSidecar.newChat');
+      const c = client();
+      const { s, p } = startChat('crash during this reply');
+      await until(() => api!.chatStats().running && !!api!.currentBranch(), 'the turn runs');
+      const bid = api!.currentBranch();
+      c.process.kill('SIGKILL');
+      await within(p, 'the turn ends', 10_000);
+      const err: string = s.res?.error ?? '';
+      expect(!s.err && !s.res?.cancelled && /SIGKILL/.test(err), `the turn failed naming the crash: ${JSON.stringify(s)}`);
+      const logLine = "No module named 'no_such_module_xyz'";   // the server's last stderr line (a broken tool module)
+      expect(err.split(logLine).length - 1 === 1, `the server's last stderr lines shown once: ${JSON.stringify(err)}`);
+      await exec('operateSidecar.pickModel', 'twice');
+      const o: any = await exec('operateSidecar.chat', 'after the crash');
+      expect(o?.result?.result === 'Noted.' && o.branchId === bid && api!.client()?.running, `a new server: ${JSON.stringify(o)}`);
+      await exec('operateSidecar.pickModel', '');
+    });
+
     await check('a server that never answers initialize (a non-frame line on stdout): Stop ends the waiting turn; the start times out with "Show server log" / "Open settings"; the next turn fails, not hangs; Restart recovers', async () => {
       const good = cfg().get<string[]>('command')!;
       const hang = [good[0], '-c', 'import sys, time; print("this is not a frame"); sys.stdout.flush(); time.sleep(120)'];
