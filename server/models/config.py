@@ -15,6 +15,8 @@ the bound off).
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any
 
 #: provider → "module:class" (imported only when a model of that kind is first made)
@@ -69,10 +71,54 @@ FIELDS: dict[str, dict[str, Any]] = {
     },
 }
 
+#: the largest integer JSON carries (a double's range; the wire's rule, protocol/convert.py)
+MAX_JSON_INT = int(sys.float_info.max)
+#: the longest time-out (and scripted delay) accepted, in seconds: about 31 years, which is
+#: "never" for a call; larger values only overflow the clocks and timers they reach
+MAX_TIMEOUT_S = 1e9
+#: llama.cpp's limits: a context size is a uint32; ggml starts at most 512 threads
+MAX_N_CTX = 2**32 - 1
+MAX_N_THREADS = 512
+#: the most repetitions llama.cpp's grammar parser takes for one array or string bound (more
+#: and the grammar is refused; far more and parsing it overflows the C stack)
+MAX_GRAMMAR_REPEAT = 1000
+#: the most retries of one openai request (each waits up to timeoutS, with back-off between)
+MAX_RETRIES = 100
+#: the longest SIGTERM → SIGKILL grace of a cli model (a cancel waits for it)
+MAX_KILL_GRACE_S = 300
+
 #: provider → {field: least allowed value} for the fields whose JSON type alone does not bound
 #: them (kept apart from the kinds above, which mirror the protocol's wire types): a retry count
 #: or a grace period below zero means nothing
-MINIMUM: dict[str, dict[str, int | float]] = {"openai": {"maxRetries": 0}, "cli": {"killGraceS": 0}}
+MINIMUM: dict[str, dict[str, int | float]] = {
+    "local": {"nCtx": 1, "nThreads": 1, "maxItems": 0, "maxStringLength": 0},
+    "openai": {"maxRetries": 0},
+    "cli": {"killGraceS": 0},
+}
+
+#: provider → {field: largest allowed value}: what the provider cannot use (llama.cpp's C types
+#: and limits), or a value so large it only makes a cancel or a failure wait forever. Every other
+#: number is bounded by a double's range (and must be finite).
+MAXIMUM: dict[str, dict[str, int | float]] = {
+    "local": {"nCtx": MAX_N_CTX, "nThreads": MAX_N_THREADS, "maxTokens": 2**31 - 1,
+              "maxItems": MAX_GRAMMAR_REPEAT, "maxStringLength": MAX_GRAMMAR_REPEAT, "timeoutS": MAX_TIMEOUT_S},
+    "openai": {"maxRetries": MAX_RETRIES, "timeoutS": MAX_TIMEOUT_S},
+    "cli": {"timeoutS": MAX_TIMEOUT_S, "killGraceS": MAX_KILL_GRACE_S},
+    "scripted": {"timeoutS": MAX_TIMEOUT_S},
+}
+
+#: why each maximum exists, for the message
+_WHY_MAX: dict[str, str] = {
+    "nCtx": "llama.cpp's context size is a 32-bit count",
+    "nThreads": "ggml's thread limit",
+    "maxTokens": "llama.cpp's token count is a 32-bit integer",
+    "maxItems": "llama.cpp's grammar cannot repeat an item more often",
+    "maxStringLength": "llama.cpp's grammar cannot repeat a character more often; null for no bound",
+    "timeoutS": "about 31 years; null for the default",
+    "maxRetries": "each retry may wait timeoutS",
+    "killGraceS": "a cancel waits for it",
+    "delayMs": "about 31 years",
+}
 
 #: provider → fields that must be present, non-null and non-empty
 REQUIRED: dict[str, tuple[str, ...]] = {"openai": ("model",), "cli": ("profile",)}
@@ -85,6 +131,9 @@ ENTRY_FIELDS: dict[str, str] = {
     "chunks": "positive integer",
     "error": "string",
 }
+
+#: the largest value of a numeric entry field
+ENTRY_MAXIMUM: dict[str, int | float] = {"delayMs": MAX_TIMEOUT_S * 1000}
 
 
 class ModelConfigError(ValueError):
@@ -125,8 +174,37 @@ def _short(s: str, limit: int = 40) -> str:
     return repr(s if len(s) <= limit else s[:limit] + "...")
 
 
+def _number_problem(field: str, value: Any) -> str | None:
+    """Why a number cannot be used at all: an integer beyond a double's range (JSON's, as on the
+    wire) or a float that is not finite (a TOML ``inf``/``nan``)."""
+    if _is_int(value) and not -MAX_JSON_INT <= value <= MAX_JSON_INT:
+        return f"{field} must be a number within a double's range (at most 1.8e308 in size)"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{field} must be a finite number, not {value!r}"
+    return None
+
+
+def _bound_problem(field: str, value: Any, least: int | float | None, most: int | float | None,
+                   why: str | None = None) -> str | None:
+    """Why the number ``value`` is outside [least, most] (``not >=``: NaN is refused too)."""
+    if least is not None and not value >= least:
+        return f"{field} must be at least {least}, not {value!r}"
+    if most is not None and not value <= most:
+        return f"{field} must be at most {_num(most)}{f' ({why})' if why else ''}, not {value!r}"
+    return None
+
+
+def _num(x: int | float) -> str:
+    return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
+
+
 def _type_problem(field: str, kind: Any, value: Any) -> str | None:
     """Why ``value`` (not null) is not of ``kind``, or None."""
+    if kind in ("integer", "number", "positive number", "non-negative number", "positive integer") \
+            and _is_number(value):
+        problem = _number_problem(field, value)
+        if problem:
+            return problem
     if isinstance(kind, tuple):
         if isinstance(value, str) and value in kind:
             return None
@@ -200,6 +278,8 @@ def entry_problem(entry: Any, where: str) -> str | None:
     for key, kind in ENTRY_FIELDS.items():
         if key in entry:
             problem = _type_problem(f"{where}.{key}", kind, entry[key])
+            if problem is None and key in ENTRY_MAXIMUM:
+                problem = _bound_problem(f"{where}.{key}", entry[key], None, ENTRY_MAXIMUM[key], _WHY_MAX.get(key))
             if problem:
                 return problem
     return None
@@ -233,10 +313,13 @@ def config_problem(config: Any, provider: str | None = None) -> str | None:
             problem = _type_problem(key, kind, value)
             if problem:
                 return problem
-    for key, least in MINIMUM.get(provider, {}).items():
+    least_of, most_of = MINIMUM.get(provider, {}), MAXIMUM.get(provider, {})
+    for key in fields:
         value = config.get(key)
-        if value is not None and not value >= least:  # ``not >=``: NaN is refused too
-            return f"{key} must be at least {least}, not {value!r}"
+        if value is not None and (key in least_of or key in most_of):
+            problem = _bound_problem(key, value, least_of.get(key), most_of.get(key), _WHY_MAX.get(key))
+            if problem:
+                return problem
     for key in REQUIRED.get(provider, ()):
         if config.get(key) in (None, ""):
             need = f"provider {provider!r} needs a {key!r}"

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -39,6 +40,13 @@ DEFAULTS: dict[str, Any] = {
 #: cold-start path; tests/rpc/test_catalog.py pins each to the protocol's declaration.
 POSITIVE_INT_KEYS = ("maxMessageBytes", "permissionTimeoutMs", "toolTimeoutMs", "maxToolOutputChars",
                      "maxConcurrentOperates", "maxBranches", "maxMessagesPerBranch")
+
+#: the largest value of each bound where a larger one cannot work: a time-out is a float of
+#: seconds in the timers it reaches (at most about 31 years, "never" for a call); every other
+#: bound is only held to JSON's integer range (a double's, the wire's rule)
+MAX_TIMEOUT_MS = 10**12
+MAXIMUM: dict[str, int] = {"permissionTimeoutMs": MAX_TIMEOUT_MS, "toolTimeoutMs": MAX_TIMEOUT_MS}
+MAX_JSON_INT = int(sys.float_info.max)
 
 #: settings deeper than this (objects/arrays inside one another) are refused at once: no
 #: setting needs more, and a deep value would otherwise exhaust the recursion limit
@@ -121,6 +129,11 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
         v = s.get(key)
         if type(v) is not int or v < 1:
             raise SettingsError(f"settings.{key} must be a positive integer")
+        if v > MAX_JSON_INT:
+            raise SettingsError(f"settings.{key} must be a number within a double's range "
+                                "(at most 1.8e308 in size)")
+        if v > MAXIMUM.get(key, v):
+            raise SettingsError(f"settings.{key} must be at most {MAXIMUM[key]} (about 31 years), not {v}")
     if not isinstance(s.get("toolModules"), list) or not all(isinstance(m, str) for m in s["toolModules"]):
         raise SettingsError("settings.toolModules must be a list of module names")
     stdlib = [m for m in s["toolModules"] if _is_stdlib_module(m)]

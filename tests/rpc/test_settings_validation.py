@@ -229,3 +229,89 @@ def test_the_check_imports_nothing_heavy():
                          timeout=TIMEOUT, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
+
+
+# --- numeric bounds: a double's range, finite, and what each field can use ---------------------
+
+HUGE = 10**400  # an integer JSON carries but no double holds (the wire refuses it; so do settings)
+
+
+def test_settings_bounds_beyond_a_double_or_a_usable_time_out_are_refused_at_initialize(sidecar):
+    """A bound of 10**400 was accepted and the first createBranch answered -32603 (OverflowError);
+    a time-out is held to about 31 years (the timers it reaches overflow far above that)."""
+    from operate_sidecar.server.rpc.settings import MAX_TIMEOUT_MS, POSITIVE_INT_KEYS
+
+    for key in POSITIVE_INT_KEYS:
+        err = sidecar.error_of("initialize", {"settings": {"models": {"s": scripted("x")}, key: HUGE}})
+        assert err.code == INVALID_PARAMS, (key, err.message)
+        assert err.message == f"{PREFIX}settings.{key} must be a number within a double's range " \
+                              "(at most 1.8e308 in size)", err.message
+    for key in ("permissionTimeoutMs", "toolTimeoutMs"):
+        err = sidecar.error_of("initialize", {"settings": {"models": {"s": scripted("x")}, key: MAX_TIMEOUT_MS + 1}})
+        assert err.code == INVALID_PARAMS and f"settings.{key} must be at most {MAX_TIMEOUT_MS}" in err.message
+    # at the bounds: accepted, and the server works with them
+    big = {key: 10**300 for key in POSITIVE_INT_KEYS} | {"permissionTimeoutMs": MAX_TIMEOUT_MS,
+                                                           "toolTimeoutMs": MAX_TIMEOUT_MS}
+    sidecar.init(models={"s": scripted("ok")}, **big)
+    out = sidecar.request("operate", {"branchId": sidecar.branch(), "instruction": "q"}, timeout=TIMEOUT)
+    assert out["result"] == "ok"
+
+
+# (config, the field named) for every numeric field of every provider: beyond a double, not
+# finite (TOML's inf/nan), or beyond what the provider can use
+OUT_OF_BOUNDS = [
+    ({"provider": "scripted", "responses": ["x"], "timeoutS": HUGE}, "timeoutS must be a number within a double's range"),
+    ({"provider": "scripted", "responses": [{"text": "x", "delayMs": HUGE}]}, "responses[0].delayMs must be a number within"),
+    ({"provider": "scripted", "responses": [{"text": "x", "delayMs": 1e300}]}, "responses[0].delayMs must be at most 1000000000000"),
+    ({"provider": "scripted", "responses": [{"text": "x", "chunks": HUGE}]}, "responses[0].chunks must be a number within"),
+    ({"provider": "local", "nCtx": 10**30}, "nCtx must be at most 4294967295"),
+    ({"provider": "local", "nCtx": 0}, "nCtx must be at least 1"),
+    ({"provider": "local", "nThreads": 10**6}, "nThreads must be at most 512"),
+    ({"provider": "local", "nThreads": -1}, "nThreads must be at least 1"),
+    ({"provider": "local", "maxTokens": 2**40}, "maxTokens must be at most 2147483647"),
+    ({"provider": "local", "maxItems": 5000}, "maxItems must be at most 1000"),
+    ({"provider": "local", "maxStringLength": 10**6}, "maxStringLength must be at most 1000"),
+    ({"provider": "local", "maxStringLength": -1}, "maxStringLength must be at least 0"),
+    ({"provider": "local", "timeoutS": 1e10}, "timeoutS must be at most 1000000000"),
+    ({"provider": "openai", "model": "m", "maxRetries": 10**6}, "maxRetries must be at most 100"),
+    ({"provider": "openai", "model": "m", "timeoutS": HUGE}, "timeoutS must be a number within"),
+    ({"provider": "cli", "profile": "llm", "killGraceS": 10**6}, "killGraceS must be at most 300"),
+    ({"provider": "cli", "profile": "llm", "timeoutS": HUGE}, "timeoutS must be a number within"),
+]
+
+
+def test_model_numbers_out_of_range_are_refused_at_initialize_naming_the_field(sidecar):
+    """timeoutS or delayMs of 10**400 was accepted and the first operate answered -32603; nCtx of
+    10**30 wrapped in llama.cpp's uint32 and allocated a gigantic context; nThreads of 10**6
+    tried to start a million threads; maxItems/maxStringLength in the thousands crashed llama.cpp."""
+    for config, expected in OUT_OF_BOUNDS:
+        msg = init_error(sidecar, {"ok": scripted("x"), "m": config})
+        assert msg.startswith(f"{PREFIX}models.m: {expected}"), (config, msg)
+    bounds = {"provider": "local", "nCtx": 2**32 - 1, "nThreads": 512, "maxTokens": 2**31 - 1, "maxItems": 1000,
+              "maxStringLength": 1000, "timeoutS": 1e9}
+    assert sidecar.init(models={"l": bounds, "s": {"provider": "scripted", "responses": [
+        {"text": "x", "delayMs": 1e12, "chunks": 10**300}], "timeoutS": 1e9}})["capabilities"]["models"] == ["l", "s"]
+
+
+def test_non_finite_numbers_in_the_config_file_exit_2_naming_them(tmp_path):
+    """TOML has inf, nan and integers of any length: each is refused at start-up, naming the key."""
+    for body, expected in [
+        ('[models.m]\nprovider = "scripted"\nresponses = ["x"]\ntimeoutS = inf\n', "models.m: timeoutS must be a finite number"),
+        ('[models.m]\nprovider = "cli"\nprofile = "llm"\nkillGraceS = nan\n', "models.m: killGraceS must be a finite number"),
+        (f"toolTimeoutMs = {HUGE}\n", "settings.toolTimeoutMs must be a number within a double's range"),
+        ("permissionTimeoutMs = 10_000_000_000_000\n", "settings.permissionTimeoutMs must be at most"),
+    ]:
+        cfg = tmp_path / "bad.toml"
+        cfg.write_text(body)
+        out = subprocess.run(SERVER + ["--config", str(cfg)], capture_output=True, text=True, env=server_env(),
+                             cwd=ROOT, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+        assert out.returncode == 2 and out.stdout == "", (body, out.stderr)
+        assert expected in out.stderr, (body, out.stderr)
+
+
+def test_inline_models_out_of_range_are_refused_too(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    for config in ({"provider": "local", "nCtx": 10**30}, {"provider": "local", "nThreads": 10**6},
+                   {"provider": "scripted", "responses": [{"text": "x", "delayMs": 1e300}]}):
+        err = sidecar.error_of("createBranch", {"chatModel": config})
+        assert err.code == INVALID_PARAMS and "chatModel" in err.message, err.message
