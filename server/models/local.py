@@ -46,7 +46,7 @@ from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from ._common import bound_schema, field_value, snake_options
-from .config import FIELDS, check_model_config
+from .config import FIELDS, MAX_GRAMMAR_REPEAT, check_model_config
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class _Loaded:
     step_lock: threading.Lock = field(default_factory=threading.Lock)  # held while one step runs
     lease: _Lease | None = None
     _counter: "_TokenCounter | None" = None
+    n_ctx: int = DEFAULT_N_CTX  # the context size in use (nCtx, at most the model's training context)
 
     @property
     def counter(self) -> "_TokenCounter":
@@ -188,9 +189,80 @@ def _close(gen: Any) -> None:
 _CACHE: dict[tuple[str, int], _Loaded] = {}
 _CACHE_LOCK = threading.Lock()
 
+# GGUF metadata value types: fixed sizes (8 is a string, 9 an array)
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def gguf_context_length(path: str) -> int | None:
+    """The context length a GGUF model was trained with (``<architecture>.context_length`` in
+    its metadata), read from the file's header without loading it (well under a millisecond);
+    None when the file is not a GGUF (v2+) or does not say."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            def read(n: int) -> bytes:
+                b = f.read(n)
+                if len(b) != n:
+                    raise EOFError
+                return b
+
+            def u32() -> int:
+                return struct.unpack("<I", read(4))[0]
+
+            def u64() -> int:
+                return struct.unpack("<Q", read(8))[0]
+
+            if read(4) != b"GGUF" or u32() < 2:
+                return None
+            u64()  # tensor count
+            arch: bytes | None = None
+            lengths: dict[bytes, int] = {}
+            for _ in range(u64()):
+                key, kind = read(u64()), u32()
+                if kind == 8:
+                    value = read(u64())
+                    if key == b"general.architecture":
+                        arch = value
+                elif kind == 9:
+                    item, count = u32(), u64()
+                    if item == 8:
+                        for _ in range(count):
+                            f.seek(u64(), 1)
+                    elif item in _GGUF_SIZES:
+                        f.seek(_GGUF_SIZES[item] * count, 1)
+                    else:
+                        return None
+                elif kind in _GGUF_SIZES:
+                    raw = read(_GGUF_SIZES[kind])
+                    if key.endswith(b".context_length") and kind in _GGUF_INTS:
+                        lengths[key] = struct.unpack(_GGUF_INTS[kind], raw)[0]
+                else:
+                    return None
+                if arch is not None and arch + b".context_length" in lengths:
+                    n = lengths[arch + b".context_length"]
+                    return n if n > 0 else None
+    except (OSError, EOFError, struct.error, OverflowError, ValueError):
+        return None
+    return None
+
+
+def _effective_n_ctx(path: str, n_ctx: int) -> int:
+    """``n_ctx``, or the model's training context when ``n_ctx`` is larger: llama.cpp would
+    allocate a KV cache for the whole configured size (gigabytes, minutes) for positions the
+    model was never trained on."""
+    trained = gguf_context_length(path)
+    if trained is not None and n_ctx > trained:
+        log.warning("local model %s: nCtx %d is larger than the %d tokens the model was trained with; "
+                    "using %d", os.path.basename(path), n_ctx, trained, trained)
+        return trained
+    return n_ctx
+
 
 def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
-    """Load (once per process) the Llama for ``path``. Runs in a worker thread."""
+    """Load (once per process) the Llama for ``path``. Runs in a worker thread. The context
+    is ``n_ctx`` tokens, at most the model's training context (``_Loaded.n_ctx``)."""
     key = (path, n_ctx)
     with _CACHE_LOCK:
         loaded = _CACHE.get(key)
@@ -198,6 +270,11 @@ def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
             return loaded
         if not os.path.isfile(path):
             raise ModelError(f"local model file not found: {path}")
+        used = _effective_n_ctx(path, n_ctx)
+        loaded = _CACHE.get((path, used))
+        if loaded is not None:
+            _CACHE[key] = loaded
+            return loaded
         try:
             from llama_cpp import Llama  # heavy: imported on first use only
         except ImportError as e:  # pragma: no cover - depends on the install
@@ -209,21 +286,21 @@ def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
         threads = n_threads or max(1, min((os.cpu_count() or 2) // 2, 8))
         try:
             llama = Llama(
-                model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+                model_path=path, n_ctx=used, n_threads=threads, n_threads_batch=threads, verbose=False
             )
         except Exception as e:  # noqa: BLE001 - llama.cpp raises ValueError/RuntimeError
             raise ModelError(f"could not load local model {path}: {e}") from e
-        loaded = _Loaded(llama=llama, lock=threading.Lock())
+        loaded = _Loaded(llama=llama, lock=threading.Lock(), n_ctx=used)
         if not _CACHE:
             atexit.register(_close_all)
-        _CACHE[key] = loaded
+        _CACHE[key] = _CACHE[(path, used)] = loaded
         return loaded
 
 
 def _close_all() -> None:
     """Free the llama contexts before interpreter teardown (their __del__ fails late)."""
     with _CACHE_LOCK:
-        for loaded in _CACHE.values():
+        for loaded in {id(v): v for v in _CACHE.values()}.values():  # one entry may have two keys
             if loaded.lock.acquire(timeout=5):
                 try:
                     loaded.llama.close()
@@ -232,12 +309,68 @@ def _close_all() -> None:
         _CACHE.clear()
 
 
+#: the deepest grammar (groups nested in groups) handed to llama.cpp. A bound array or string is
+#: written as one nested group per item or character, and llama.cpp's grammar parser recurses once
+#: per level: tens of thousands (a schema's ``maxItems``/``maxLength``/``minItems``) overflow the
+#: C stack and kill the process. llama.cpp refuses far less deep ones itself (_grammar_usable).
+MAX_GRAMMAR_DEPTH = 4 * MAX_GRAMMAR_REPEAT
+
+
+def _grammar_depth(text: str) -> int:
+    """How deep the groups ``( ... )`` of a GBNF grammar nest (outside strings, character
+    classes and comments)."""
+    depth = deepest = 0
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"' or c == "[":
+            close = '"' if c == '"' else "]"
+            i += 1
+            while i < n and text[i] != close:
+                i += 2 if text[i] == "\\" else 1
+        elif c == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
 @lru_cache(maxsize=64)
 def _grammar_for(schema_json: str, max_items: int, max_length: int | None) -> Any:
     from llama_cpp import LlamaGrammar
 
     bounded = bound_schema(json.loads(schema_json), max_items=max_items, max_length=max_length)
-    return LlamaGrammar.from_json_schema(json.dumps(bounded), verbose=False)
+    grammar = LlamaGrammar.from_json_schema(json.dumps(bounded), verbose=False)
+    depth = _grammar_depth(grammar._grammar)
+    if depth > MAX_GRAMMAR_DEPTH:
+        raise ValueError(f"its grammar nests {depth} levels deep (llama.cpp takes at most {MAX_GRAMMAR_DEPTH}: "
+                         "an array or string bound in the thousands)")
+    return grammar
+
+
+def _grammar_usable(llama: Any, grammar: Any) -> bool:
+    """Whether llama.cpp accepts ``grammar`` (checked once per grammar). llama-cpp-python does not
+    check: a grammar llama.cpp refuses (a repetition of more than about a thousand) becomes a null
+    sampler, and the first token sampled with it crashes the process."""
+    ok = getattr(grammar, "_sidecar_usable", None)
+    if ok is None:
+        try:
+            import llama_cpp
+
+            sampler = llama_cpp.llama_sampler_init_grammar(
+                llama._model.vocab, grammar._grammar.encode("utf-8"), grammar._root.encode("utf-8"))
+        except (AttributeError, TypeError):  # another llama-cpp-python: cannot check; use it as before
+            return True
+        ok = bool(sampler)
+        if ok:
+            llama_cpp.llama_sampler_free(sampler)
+        grammar._sidecar_usable = ok
+    return ok
 
 
 # -- fitting a long history into the context window --------------------------------------------
@@ -447,13 +580,13 @@ class LocalModel(BaseModelProvider):
                 kw["response_format"] = {"type": "json_object"}
         return kw
 
-    def _reserve(self, kwargs: dict[str, Any]) -> int:
+    def _reserve(self, kwargs: dict[str, Any], n_ctx: int | None = None) -> int:
         """Prompt tokens kept free for the reply: its max_tokens (unlimited: the default), at most
         half the window, so a large maxTokens still leaves room for the instruction."""
         wanted = kwargs.get("max_tokens")
         if not isinstance(wanted, int) or wanted <= 0:
             wanted = self.max_tokens
-        return max(1, min(wanted, self.n_ctx // 2))
+        return max(1, min(wanted, (n_ctx or self.n_ctx) // 2))
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         loaded = await self.load()
@@ -466,11 +599,17 @@ class LocalModel(BaseModelProvider):
 
             def start() -> Any:  # in the worker: building a grammar from a big schema takes a while
                 kwargs = self._kwargs(request)
-                sent, dropped = _fit_context(loaded.counter, messages, self.n_ctx, self._reserve(kwargs))
+                if "grammar" in kwargs and not _grammar_usable(llama, kwargs["grammar"]):
+                    log.warning("local model: llama.cpp refused the grammar of the response schema (an array "
+                                "or string bound above about %d?); falling back to JSON", MAX_GRAMMAR_REPEAT)
+                    del kwargs["grammar"]
+                    kwargs["response_format"] = {"type": "json_object"}
+                n_ctx = loaded.n_ctx
+                sent, dropped = _fit_context(loaded.counter, messages, n_ctx, self._reserve(kwargs, n_ctx))
                 if dropped:
                     log.info("local model %s: left out the %d oldest of %d history messages to fit nCtx %d "
                              "(the branch keeps them)", self.name, dropped,
-                             len(messages) - 1 - (messages[0]["role"] == "system"), self.n_ctx)
+                             len(messages) - 1 - (messages[0]["role"] == "system"), n_ctx)
                 lease.gen = llama.create_chat_completion(messages=sent, stream=True, **kwargs)
 
             def step() -> Any:

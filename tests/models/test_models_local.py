@@ -383,3 +383,58 @@ def test_two_round_read_then_edit_session_through_llama_cpp_server(llama_server,
     assert any(c["function"] in names for c in calls)  # which, and in what order, is the model's choice
     u = out["usage"]  # llama_cpp.server's streamed replies carry no usage: a count not reported is null
     assert u["modelCalls"] >= 2 and u["inputTokens"] is None and u["outputTokens"] is None
+
+
+# --- nCtx beyond the model's training context; grammars llama.cpp cannot take ----------------
+
+
+def test_gguf_context_length_is_read_from_the_header(gguf_path, tmp_path):
+    from operate_sidecar.server.models.local import gguf_context_length
+
+    assert gguf_context_length(gguf_path) == 8192  # SmolLM2-135M's llama.context_length
+    (tmp_path / "text.gguf").write_text("not a model")
+    with open(gguf_path, "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(200))
+    assert gguf_context_length(str(tmp_path / "text.gguf")) is None
+    assert gguf_context_length(str(tmp_path / "cut.gguf")) is None
+
+
+async def test_an_n_ctx_beyond_the_training_context_is_clamped_with_a_warning(gguf_path, caplog):
+    """nCtx above the GGUF's training context made llama.cpp allocate a KV cache for all of it
+    (nCtx 10**30 wrapped to 2**30 tokens and the operate hung); it is clamped, and logged."""
+    model = make_model({"provider": "local", "nCtx": 16384}, name="wide")
+    with anyio.fail_after(60):
+        loaded = await model.load()
+        response = await model.invoke(ask("Say OK.", max_tokens=4))
+    assert loaded.n_ctx == 8192 and loaded.llama.n_ctx() == 8192
+    assert response.text.strip()
+    assert any("nCtx 16384" in r.getMessage() and "8192" in r.getMessage() for r in caplog.records)
+
+
+def test_a_response_schema_llama_cpp_cannot_take_falls_back_to_json_instead_of_crashing():
+    """A responseFormat with maxLength 1500 made llama.cpp refuse the grammar and
+    llama-cpp-python sample with a null grammar (segmentation fault: the server died); with
+    maxItems 50000 the grammar parser overflowed the C stack. Both now answer (plain JSON mode)."""
+    code = textwrap.dedent("""
+        import anyio
+        from operate_sidecar.server.core.imodel import ModelRequest
+        from operate_sidecar.server.models import make_model
+
+        async def main():
+            model = make_model({"provider": "local"}, name="local")
+            for prop in ({"type": "string", "maxLength": 1500},
+                         {"type": "array", "items": {"type": "integer"}, "maxItems": 50000}):
+                schema = {"type": "object", "properties": {"a": prop}, "required": ["a"]}
+                request = ModelRequest(messages=[{"role": "user", "content": "Give a."}], response_schema=schema,
+                                       options={"temperature": 0, "max_tokens": 8})
+                with anyio.fail_after(60):
+                    await model.invoke(request)
+                print("answered", flush=True)
+
+        anyio.run(main)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=180,
+                         stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, (out.returncode, out.stderr[-1500:])
+    assert out.stdout.split() == ["answered", "answered"]
+    assert "falling back to JSON" in out.stderr
