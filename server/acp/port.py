@@ -393,7 +393,24 @@ class AcpPort:
         return {"text": r.content}
 
     async def _write(self, p: dict) -> dict:
-        await self.client.write_text_file(session_id=p["branchId"], path=p["path"], content=p["text"])
+        conn = getattr(self.client, "_conn", None)  # the SDK's connection, which answers the raw result
+        if not hasattr(conn, "send_request"):
+            await self.client.write_text_file(session_id=p["branchId"], path=p["path"], content=p["text"])
+            return {}
+        from acp.schema import WriteTextFileRequest
+        from acp.utils import serialize_params
+
+        # the SDK takes any result that is not an object for success: an editor that answers a
+        # failed write with a string (avante does) would have it reported written. An object is
+        # the schema's answer; null (a void success, avante's) is taken as one; anything else
+        # is an error answer
+        result = await conn.send_request("fs/write_text_file", serialize_params(
+            WriteTextFileRequest(session_id=p["branchId"], path=p["path"], content=p["text"])))
+        if result is not None and not isinstance(result, dict):
+            shown = json.dumps(result, ensure_ascii=False, default=str)
+            shown = shown if len(shown) <= 200 else shown[:200] + "…"
+            log.warning("the client's answer to fs/writeTextFile is not valid (result: %s): taken as an error", shown)
+            raise ClientRequestError(-32603, f"invalid answer from the client (result: {shown})")
         return {}
 
     async def _ask(self, p: dict) -> dict:

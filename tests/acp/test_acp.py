@@ -442,6 +442,44 @@ def test_with_the_fs_capability_files_are_read_and_written_through_the_client(tm
     run(main())
 
 
+class WriteAnswers(RecordingClient):
+    """Answers ``fs/write_text_file`` as avante does: ``null`` when written, the error's text
+    (a string result) when not."""
+
+    def __init__(self, answer):
+        super().__init__("allow_once")
+        self.answer = answer
+
+    async def write_text_file(self, session_id, path, content, **kw):
+        if self.answer is None:
+            self.files[path] = content
+        self.writes.append((path, content))
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [None, "E212: Can't open file for writing", 0])
+def test_a_write_answered_with_a_result_that_is_not_an_object_fails_and_null_is_success(tmp_path, ws, answer):
+    """The SDK takes any result of ``fs/write_text_file`` that is not an object for success: a
+    write the editor answered with its error's text was reported written (``completed``, its
+    diff, the model told so) while the file was not. ``null`` is a void success."""
+    async def main():
+        c = WriteAnswers(answer)
+        path = str(ws / "a.txt")
+        c.files[path] = "old text\n"
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "new\n"})]), reply("done"))
+        async with spawn(c, config, fs=True) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            assert c.writes == [(path, "new\n")]
+            last = c.of("tool_call_update")[-1]
+            if answer is None:
+                assert last.status == "completed" and c.files[path] == "new\n"
+            else:
+                assert last.status == "failed" and json.dumps(answer) in last.raw_output["error"]
+
+    run(main())
+
+
 def test_a_client_answer_over_max_message_bytes_fails_the_read_at_once_and_answers_the_client_nothing(tmp_path, ws):
     """The editor answers ``fs/read_text_file`` with more than ``maxMessageBytes``: the read
     fails at once with -32600 (it waited 60 s for an answer that had been dropped) and the
