@@ -26,9 +26,9 @@ from .render import render_repair_request
 #: a reply longer than this holds no JSON for the pipeline (a 10 MB cap, docs/PIPELINE.md); cutting
 #: it instead would make valid JSON invalid and hand megabytes to the repair
 MAX_EXTRACT_CHARS = 10_000_000
-#: json-repair is pure Python (~2 µs a character on a cut-off string) and runs on the event
-#: loop: a candidate longer than this is not repaired (valid JSON of any size up to the cap
-#: is still parsed, by the C parser)
+#: json-repair is pure Python (~8 µs a character on a cut-off string): a candidate longer than
+#: this is not repaired, and the candidates of one reply get this many characters together
+#: (valid JSON of any size up to the cap is still parsed, by the C parser)
 MAX_REPAIR_CHARS = 256 * 1024
 _FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)```", re.S)
 
@@ -56,35 +56,96 @@ class UnparsedResponse(str):
         return self.__copy__()
 
 
-def _balanced_objects(text: str) -> list[str]:
-    """Every top-level balanced ``{...}`` or ``[...]`` span, string-aware."""
+#: how many top-level bracketed spans of a reply are tried as JSON (and offered to the repair):
+#: a reply of millions of ``[x]`` is not millions of parse attempts
+MAX_SPANS = 1000
+#: characters one regular-expression call of the scan looks at: a call holds the GIL, so on a
+#: worker thread the event loop still gets its turn every few milliseconds
+SCAN_CHUNK = 64 * 1024
+_OPEN = re.compile(r"[{\[]")
+_INNER = re.compile(r'[{}\[\]"]')
+_OPENERS = re.compile(r"[{\[]+")
+_CLOSERS = re.compile(r"[}\]]+")
+#: a JSON string's characters up to its closing quote (or a backslash at the chunk's end)
+_STRING_PART = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)
+
+
+def _search(pattern: re.Pattern[str], text: str, pos: int) -> int:
+    """The index of ``pattern``'s next match from ``pos``, or -1; a chunk per call."""
+    n = len(text)
+    while pos < n:
+        end = min(n, pos + SCAN_CHUNK)
+        m = pattern.search(text, pos, end)
+        if m is not None:
+            return m.start()
+        pos = end
+    return -1
+
+
+def _run_end(pattern: re.Pattern[str], text: str, pos: int) -> int:
+    """Where the run of ``pattern`` (a one-character class repeated) starting at ``pos`` ends."""
+    n = len(text)
+    while pos < n:
+        end = min(n, pos + SCAN_CHUNK)
+        m = pattern.match(text, pos, end)
+        if m is None:
+            break
+        pos = m.end()
+        if pos < end:
+            break
+    return pos
+
+
+def _string_end(text: str, pos: int) -> int:
+    """Given ``pos`` just after a string's opening quote: just after its closing quote, or -1
+    for a string never closed."""
+    n = len(text)
+    while pos < n:
+        end = min(n, pos + SCAN_CHUNK)
+        pos = _STRING_PART.match(text, pos, end).end()  # type: ignore[union-attr]
+        if pos == end:
+            continue
+        if text[pos] == '"':
+            return pos + 1
+        pos += 2  # a backslash the chunk cut from what it escapes
+    return -1
+
+
+def _balanced_objects(text: str, limit: int = MAX_SPANS) -> list[str]:
+    """The first ``limit`` top-level balanced ``{...}`` or ``[...]`` spans, string-aware.
+    Linear, and the characters between brackets and quotes are skipped by regular expressions
+    (a character-by-character scan of a 10 MB reply took about a second)."""
     spans: list[str] = []
     depth = 0
     start = -1
-    in_str = False
-    esc = False
     opener = ""
-    for i, ch in enumerate(text):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-            continue
-        if ch == '"' and depth:
-            in_str = True
-        elif ch in "{[":
-            if depth == 0:
-                start = i
-                opener = ch
-            depth += 1
-        elif ch in "}]" and depth:
-            depth -= 1
-            if depth == 0:
-                if (opener == "{") == (ch == "}"):
-                    spans.append(text[start: i + 1])
+    pos = 0
+    while len(spans) < limit:
+        # outside any span a quote is prose: only an opener starts one
+        pos = _search(_OPEN if depth == 0 else _INNER, text, pos)
+        if pos < 0:
+            break
+        ch = text[pos]
+        if depth == 0:
+            start, opener = pos, ch
+        if ch == '"':
+            pos = _string_end(text, pos + 1)
+            if pos < 0:  # a string never closed: no span ends after it
+                break
+        elif ch in "{[":  # a run of openers at once (5 million '[' are one step, not 5 million)
+            end = _run_end(_OPENERS, text, pos)
+            depth += end - pos
+            pos = end
+        else:
+            end = _run_end(_CLOSERS, text, pos)
+            if end - pos < depth:
+                depth -= end - pos
+                pos = end
+            else:  # the span's closer is in this run
+                pos += depth
+                depth = 0
+                if (opener == "{") == (text[pos - 1] == "}"):
+                    spans.append(text[start: pos])
     return spans
 
 
@@ -124,7 +185,11 @@ def extract_json(text: Any) -> Any:
         return None
     from json_repair import repair_json
 
+    budget = MAX_REPAIR_CHARS  # for all the candidates together: a thousand broken spans are not a minute
     for cand in candidates:
+        if len(cand) > budget:
+            continue
+        budget -= len(cand)
         try:
             value = repair_json(cand, return_objects=True)
         except Exception:
@@ -196,6 +261,21 @@ def validate_into(text: Any, response_format: Any, fuzzy: FuzzyMatchKeysParams |
     return data
 
 
+#: a reply longer than this is parsed on a worker thread (a shorter one inline: the common case
+#: pays no thread hop); scanning, parsing and repairing megabytes held the event loop, ping and
+#: cancel included, for as long as it took
+INLINE_PARSE_CHARS = 32 * 1024
+
+
+async def _validate(text: Any, response_format: Any, fuzzy: FuzzyMatchKeysParams | None) -> Any:
+    """``validate_into``, on a worker thread for a long reply."""
+    if isinstance(text, str) and len(text) > INLINE_PARSE_CHARS:
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(validate_into, text, response_format, fuzzy, abandon_on_cancel=True)
+    return validate_into(text, response_format, fuzzy)
+
+
 REFORMAT_GUIDANCE = "follow the required response format, using the model schema as a guide"
 
 
@@ -205,7 +285,7 @@ async def parse(branch: Any, text: Any, parse_param: ParseParam) -> Any:
     fuzzy = parse_param.fuzzy_match_params
     progress.report("parsing reply", "parse")
     try:
-        return validate_into(text, fmt, fuzzy)
+        return await _validate(text, fmt, fuzzy)
     except ParseError as e:
         last: ParseError = e
 
@@ -234,7 +314,7 @@ async def parse(branch: Any, text: Any, parse_param: ParseParam) -> Any:
             with model_deadline(model):
                 reply = await model.invoke(request)
             try:
-                return validate_into(reply.text, fmt, fuzzy)
+                return await _validate(reply.text, fmt, fuzzy)
             except ParseError as pe:
                 last = pe
                 raise

@@ -71,6 +71,35 @@ def test_a_long_cut_off_reply_is_not_handed_to_json_repair(monkeypatch):
     assert extract_json("{'answer': 4,}") == {"answer": 4} and seen == [len("{'answer': 4,}")]
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64 * 1024])
+def test_the_bracket_scan_is_string_aware_at_any_chunk_size(monkeypatch, chunk):
+    """The span scan skips what lies between brackets and quotes a chunk at a time (a
+    character-by-character scan of 10 MB took about a second): strings, escapes cut at a
+    chunk's end, runs of brackets, mismatched pairs and prose quotes come out the same."""
+    import importlib
+
+    P = importlib.import_module("operate_sidecar.server.core.parse")
+
+    monkeypatch.setattr(P, "SCAN_CHUNK", chunk)
+    text = r'say "hi" [1, "]\\"] {"a": "}\"{", "b": [[{}]]} ] } {x] [[[["q]"]]]] {"open": "never'
+    assert P._balanced_objects(text) == [r'[1, "]\\"]', r'{"a": "}\"{", "b": [[{}]]}', '[[[["q]"]]]]']
+    assert P._balanced_objects("[" * 50 + "]" * 60 + "{}") == ["[" * 50 + "]" * 50, "{}"]
+
+
+def test_a_reply_of_many_spans_tries_a_bounded_number(monkeypatch):
+    """Millions of "[x]" were millions of parse attempts (13 s for 9 MB) and every span a repair
+    candidate: the first MAX_SPANS are tried, and the repair gets MAX_REPAIR_CHARS in all."""
+    import json_repair
+
+    from operate_sidecar.server.core.parse import MAX_REPAIR_CHARS, MAX_SPANS, _balanced_objects
+
+    assert len(_balanced_objects("[x]" * (MAX_SPANS * 3))) == MAX_SPANS
+    seen: list[int] = []
+    monkeypatch.setattr(json_repair, "repair_json", lambda s, **kw: seen.append(len(s)))
+    assert extract_json(("{" + "x" * 99_999 + "}") * 10) is None
+    assert seen and sum(seen) <= MAX_REPAIR_CHARS
+
+
 def test_fuzzy_key_matching_maps_near_names():
     """Parse: keys are matched fuzzily (Jaro-Winkler ≥ 0.85): "Answer" → answer."""
     assert fuzzy_match_keys({"Answer": 1}, ["answer"], FuzzyMatchKeysParams()) == {"answer": 1}

@@ -396,6 +396,31 @@ def test_a_response_format_property_the_pipeline_generates_is_invalid_params_bef
     assert out["result"] == {"reason": "mine", "action_required": "yes"} and out["kind"] == "model"
 
 
+def test_a_long_reply_is_parsed_off_the_event_loop(sidecar):
+    """Scanning and repairing a long reply is pure Python: on the event loop it held ping and
+    cancel for as long as it took (seconds for a cut-off 250,000-character object). A ping
+    sent once the parse has begun is answered before the parse ends (before the reformat
+    turn that follows a parse that fails)."""
+    reply = '{"other": "' + "z" * 250_000  # cut off: only json-repair reads it; no answer in it
+    sidecar.init(models={"s": scripted(reply, {"json": {"answer": "reformatted"}})})
+    bid = sidecar.branch()
+    pings, answered_before_repair = [], []
+
+    def on_progress(p):
+        phase, message = p["value"].get("phase"), p["value"].get("message", "")
+        if phase == "parse" and message == "parsing reply" and not pings:
+            pings.append(sidecar.request_async("ping"))
+        elif phase == "parse" and message.startswith("repair attempt"):
+            answered_before_repair.append(bool(pings) and pings[0].done())
+
+    sidecar.on_notification("$/progress", on_progress)
+    out = op(sidecar, bid, instruction="x", responseFormat=ANSWER_SCHEMA, workDoneToken="t",
+             parseOptions={"retryAttempts": 0, "retryInitialDelay": 0})
+    assert out["result"] == {"answer": "reformatted"}
+    assert answered_before_repair == [True], "the ping waited for the parse"
+    assert pings[0].result(TIMEOUT) == {}
+
+
 def test_clear_messages_clears_nothing_when_the_operate_fails_before_its_reply(sidecar, tmp_path):
     """clearMessages empties the branch together with recording the new turn: a model failure
     (-32011) or an unusable persistDir (-32602) leaves the branch as it was (both emptied it);
