@@ -99,8 +99,10 @@ async def _sidecar(sidecar_options: dict[str, Any]) -> Any:
 
 def _add_stderr(error: BaseException, client: Any, lines: int = 40) -> None:
     """Append the server's stderr (its last ``lines`` lines) to ``error``, as a note."""
-    from operate_sidecar.testing import SidecarError
+    from operate_sidecar.testing import SidecarError, SidecarExited
 
+    if isinstance(error, SidecarExited):  # its message has the exit code and the stderr already
+        return
     try:
         text = client.stderr_text().rstrip()
     except (OSError, ValueError):

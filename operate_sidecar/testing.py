@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import signal
 import sys
 import tempfile
 from typing import Any, Awaitable, Callable
@@ -25,7 +26,8 @@ from pygls.protocol import JsonRPCNotification, JsonRPCProtocol, JsonRPCRequestM
 
 from operate_sidecar.server.script.matcher import first_mismatch, short
 
-__all__ = ["SidecarError", "SidecarTestClient", "ScriptFailed", "run_session_script", "server_command"]
+__all__ = ["SidecarError", "SidecarExited", "SidecarTestClient", "ScriptFailed", "run_session_script",
+           "server_command"]
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -41,6 +43,29 @@ class SidecarError(Exception):
     def __init__(self, method: str, code: int, message: str, data: Any = None) -> None:
         super().__init__(f"{method} failed with {code}: {message}")
         self.method, self.code, self.message, self.data = method, code, message, data
+
+
+class SidecarExited(RuntimeError):
+    """The sidecar process exited (it crashed, was killed, or was told to exit) before a
+    request was answered, a notification could be sent or a awaited notification came:
+    ``method``, ``returncode`` (negative: killed by that signal) and ``stderr`` (its last lines).
+    The message says all three."""
+
+    def __init__(self, what: str, method: str, returncode: int | None, stderr: str) -> None:
+        self.method, self.returncode, self.stderr = method, returncode, stderr
+        super().__init__(f"{what}: the sidecar exited ({_exit_status(returncode)})"
+                         + (f"\nsidecar stderr (last lines):\n{stderr}" if stderr else "\nsidecar stderr: (nothing)"))
+
+
+def _exit_status(returncode: int | None) -> str:
+    if returncode is None:
+        return "its input is closed; exit code not known yet"
+    if returncode < 0:
+        try:
+            return f"code {returncode}, killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"code {returncode}, killed by signal {-returncode}"
+    return f"code {returncode}"
 
 
 def _converter() -> Any:
@@ -102,6 +127,31 @@ class SidecarTestClient(JsonRPCClient):
         self._server = server
         self._async_tasks.extend([connection, asyncio.create_task(self._server_exit())])
 
+    def _stderr_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.stderr_text().rstrip()
+        except (OSError, ValueError):
+            return ""
+        return "\n".join("  " + ln for ln in text.splitlines()[-lines:])
+
+    def _exited(self, what: str, method: str) -> SidecarExited:
+        return SidecarExited(what, method, self.returncode, self._stderr_tail())
+
+    async def _reaped(self, timeout: float = 5.0) -> None:
+        """Wait (briefly) for the exit code of a sidecar that closed its input."""
+        if self._server is not None and self._server.returncode is None:
+            try:
+                await asyncio.wait_for(self._server.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def _gone(self) -> bool:
+        """The sidecar has exited, or closed its stdin (it is exiting: nothing sent reaches it)."""
+        server = self._server
+        if server is None:
+            return False
+        return server.returncode is not None or server.stdin is None or server.stdin.is_closing()
+
     def stderr_text(self) -> str:
         """What the server wrote to stderr so far."""
         self._stderr.seek(0)
@@ -137,10 +187,14 @@ class SidecarTestClient(JsonRPCClient):
 
     # ------------------------------------------------------------------ client → server
     async def request(self, method: str, params: Any = None, *, timeout: float | None = None) -> Any:
-        """Send a request; returns its result, raises :class:`SidecarError` for an error answer
+        """Send a request; returns its result, raises :class:`SidecarError` for an error answer,
+        :class:`SidecarExited` at once when the sidecar has exited or exits before answering,
         and ``TimeoutError`` when no answer comes in time."""
         __tracebackhide__ = True
         timeout = self.timeout if timeout is None else timeout
+        if self._gone():
+            await self._reaped()
+            raise self._exited(f"request {method} not sent", method)
         try:
             fut = self.protocol.send_request_async(method, {} if params is None else params)
             return await asyncio.wait_for(fut, timeout)
@@ -148,8 +202,17 @@ class SidecarTestClient(JsonRPCClient):
             raise SidecarError(method, e.code, e.message, getattr(e, "data", None)) from None
         except asyncio.TimeoutError:
             raise TimeoutError(f"no answer to {method} within {timeout:g} s") from None
+        except (RuntimeError, OSError):  # pygls fails the requests of a server that exited
+            if self.returncode is None and not self._gone():
+                raise
+            await self._reaped()
+            raise self._exited(f"request {method} not answered", method) from None
 
     def notify(self, method: str, params: Any = None) -> None:
+        """Send a notification; raises :class:`SidecarExited` when the sidecar has exited."""
+        __tracebackhide__ = True
+        if self._gone():
+            raise self._exited(f"notification {method} not sent", method)
         self.protocol.notify(method, params)
 
     # ------------------------------------------------------------------ server → client
@@ -208,21 +271,22 @@ class SidecarTestClient(JsonRPCClient):
             self._changed = asyncio.Condition()
         cond = self._changed
 
-        async def wait() -> int:
+        async def wait() -> int | None:
             async with cond:
                 while True:
                     i = self._find(method, match)
                     if i is not None:
                         return i
                     if self.returncode is not None:
-                        raise RuntimeError(f"the sidecar exited (code {self.returncode}) before a "
-                                           f"matching {method} notification came")
+                        return None
                     await cond.wait()
 
         try:
             i = await asyncio.wait_for(wait(), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(self._miss(method, match, timeout)) from None
+        if i is None:
+            raise self._exited(f"no matching {method} notification came", method)
         self._consumed.add(i)
         return self.notifications[i][1]
 

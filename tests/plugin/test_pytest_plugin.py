@@ -161,9 +161,10 @@ def test_a_sidecar_that_fails_to_start_or_dies_is_reported_at_once_with_its_stde
     text = out.stdout + out.stderr
     assert "2 failed, 1 error" in text, text
     # start-up failed: the server's own words (argparse's), not only its exit code
-    assert "exited with return code: 2" in text and "unrecognized arguments: --no-such-flag" in text, text
+    assert "the sidecar exited (code 2)" in text and "unrecognized arguments: --no-such-flag" in text, text
     # killed while a test waits for a notification: a RuntimeError at once, not a time-out after 60 s
-    assert "RuntimeError: the sidecar exited (code -9) before a matching toolEvent notification came" in text, text
+    assert ("SidecarExited: no matching toolEvent notification came: the sidecar exited (code -9, killed by "
+            "SIGKILL)") in text, text
     (line,) = [ln for ln in text.splitlines() if ln.endswith("call     test_dead.py::test_sidecar_killed_while_waiting")]
     assert float(line.split("s", 1)[0]) < 30, line
     assert "TimeoutError: no toolEvent notification matching any params within 0.3 s" in text, text
@@ -198,3 +199,125 @@ def test_a_sidecar_that_refuses_initialize_or_was_shut_down_by_the_test_is_stopp
     assert len(timed) >= 4, text
     for line in timed:
         assert float(line.split("s", 1)[0]) < 5, line
+
+
+CRASH_TOOLS = '''
+import os
+import sys
+
+
+def crash(reason: str) -> str:
+    """Crash the sidecar.
+
+    Args:
+        reason: why
+    """
+    sys.stderr.write(f"crash_tools: giving up because {reason}\\n")
+    sys.stderr.flush()
+    os._exit(3)
+'''
+
+CRASHING_SIDECAR_TESTS = '''
+import asyncio
+import os
+import signal
+
+import pytest
+
+CRASH = {"json": {"action_requests": [{"function": "crash", "arguments": {"reason": "the disk is full"}}]}}
+SETTINGS = {"models": {"m": {"provider": "scripted", "responses": [CRASH]}}, "toolModules": ["crash_tools"],
+            "toolPolicy": {"crash": "allow"}}
+
+
+async def crash(sidecar):
+    branch = (await sidecar.request("createBranch"))["branchId"]
+    await sidecar.request("operate", {"branchId": branch, "instruction": "go", "actions": True})
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, timeout=60)
+async def test_crashes_while_a_request_runs(sidecar):
+    await crash(sidecar)
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, timeout=60)
+async def test_requests_after_the_crash(sidecar):
+    with pytest.raises(RuntimeError):
+        await crash(sidecar)
+    await sidecar.request("ping")
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, timeout=60)
+async def test_notifies_after_the_crash(sidecar):
+    with pytest.raises(RuntimeError):
+        await crash(sidecar)
+    sidecar.notify("$/cancelRequest", {"id": 1})
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, timeout=60)
+async def test_waits_for_a_notification_after_the_crash(sidecar):
+    with pytest.raises(RuntimeError):
+        await crash(sidecar)
+    await sidecar.wait_for_notification("toolEvent", {"event": "post"})
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(timeout=60)
+async def test_killed_then_requests(sidecar):
+    os.kill(sidecar._server.pid, signal.SIGKILL)
+    await sidecar._server.wait()
+    await sidecar.request("ping")
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(timeout=60)
+async def test_killed_while_a_request_runs(sidecar):
+    ping = asyncio.ensure_future(sidecar.request("ping"))
+    os.kill(sidecar._server.pid, signal.SIGKILL)
+    await ping
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(timeout=60)
+async def test_exited_then_notifies(sidecar):
+    await sidecar.request("shutdown")
+    sidecar.notify("exit")
+    await sidecar._server.wait()
+    sidecar.notify("exit")
+'''
+
+
+def test_a_sidecar_that_died_fails_requests_and_notifications_at_once_naming_the_method_exit_and_stderr(tmp_path):
+    """A request in flight or sent after the sidecar exited, a notification sent after it and a
+    wait for a notification: one SidecarExited (a RuntimeError) each, naming the method, the exit
+    code or signal, and the tail of the sidecar's stderr; at once, never after the 60 s time-out
+    (a request to a dead sidecar waited it out; one in flight raised pygls's bare RuntimeError)."""
+    project = make_project(tmp_path / "ext")
+    (project / "crash_tools.py").write_text(CRASH_TOOLS)
+    (project / "test_crash.py").write_text(CRASHING_SIDECAR_TESTS)
+    out = run_pytest(project, "-rA", "--durations=0", "--durations-min=0", "test_crash.py")
+    text = out.stdout + out.stderr
+    assert "7 failed" in text, text
+    stderr = "\nE       sidecar stderr (last lines):\nE         crash_tools: giving up because the disk is full\n"
+    for test, error in [
+            ("test_crashes_while_a_request_runs", "request operate not answered: the sidecar exited (code 3)" + stderr),
+            ("test_requests_after_the_crash", "request ping not sent: the sidecar exited (code 3)" + stderr),
+            ("test_notifies_after_the_crash",
+             "notification $/cancelRequest not sent: the sidecar exited (code 3)" + stderr),
+            ("test_waits_for_a_notification_after_the_crash",
+             "no matching toolEvent notification came: the sidecar exited (code 3)" + stderr),
+            ("test_killed_then_requests",
+             "request ping not sent: the sidecar exited (code -9, killed by SIGKILL)\nE       sidecar stderr:"),
+            ("test_killed_while_a_request_runs",
+             "request ping not answered: the sidecar exited (code -9, killed by SIGKILL)\nE       sidecar stderr:"),
+            ("test_exited_then_notifies", "notification exit not sent: the sidecar exited (code 0)")]:
+        section = text.split(f"_ {test} _", 1)[1].split("\n___", 1)[0]
+        assert f"SidecarExited: {error}" in section, section
+        assert "asyncio/tasks.py" not in section and "pygls" not in section, section
+    timed = [ln for ln in text.splitlines() if "test_crash.py::" in ln and ln.split("s", 1)[0][:1].isdigit()]
+    assert len(timed) >= 7, text
+    for line in timed:
+        assert float(line.split("s", 1)[0]) < 10, line
