@@ -113,9 +113,13 @@ async def act(branch: Any, action_request: list | Any, action_param: ActionParam
             raise raised[0]
         return out
     if action_param.strategy == "sequential":
+        # a batch run in order: a veto or a raising authorizer is that call's error output, as
+        # in a concurrent batch (it failed the operate after the calls before it had run, their
+        # results never reaching the model), and the calls after it still run
+        contain = len(normalized) > 1
         out = []
         for req in normalized:
-            out.append(await one(req))
+            out.append(await _act(branch, req[0], req[1], action_param, selected, contain=contain))
         return out
     raise ConfigurationError("Invalid strategy. Choose 'concurrent' or 'sequential'.")
 

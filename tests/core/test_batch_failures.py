@@ -83,6 +83,39 @@ async def test_a_raising_authorizer_for_one_call_does_not_cancel_its_siblings():
     assert len(pairs(b)) == 2
 
 
+async def test_a_sequential_batch_turns_a_veto_and_a_raising_authorizer_into_those_calls_errors():
+    """actionStrategy sequential: a raising authorizer or TOOL_PRE handler failed the whole
+    operate after the calls before it had run (their results never reached the model) and the
+    calls after it never ran; like a concurrent batch, each is that call's error output."""
+    log: list[str] = []
+    b, _ = make_branch([reply(1, call("slow", x=1), call("other", x=2), call("vetoed", x=3), call("slow", x=4))])
+    b.tools.register(slow_tool(log))
+    b.tools.register(plain_tool(log, "other"))
+    b.tools.register(plain_tool(log, "vetoed"))
+
+    async def authorizer(inv):
+        if inv.function == "other":
+            raise RuntimeError("policy store unreachable")
+        return AuthorizationResult(True)
+
+    def veto(event):
+        if event.type is HookEventType.TOOL_PRE and event.tool == "vetoed":
+            raise PermissionError("no vetoed today")
+
+    b.authorizer = authorizer
+    b.hooks.subscribe(veto)
+    with anyio.fail_after(10):
+        out = await b.operate(instruction="x", response_format=Answer, actions=True, action_strategy="sequential")
+    outputs = [r.output for r in out.action_responses]
+    assert outputs[0] == "done 1" and outputs[3] == "done 4"
+    assert "policy store unreachable" in outputs[1]["error"] and "no vetoed today" in outputs[2]["error"]
+    assert log == ["start 1", "end 1", "start 4", "end 4"]  # in order; the failed two never ran
+    assert len(pairs(b)) == 4
+    # a single call keeps the veto's meaning: it propagates
+    with pytest.raises(PermissionError):
+        await b.act([call("vetoed")], strategy="sequential")
+
+
 async def test_a_reraised_tool_error_waits_for_its_running_siblings():
     log: list[str] = []
     b, _ = make_branch([])
