@@ -7,15 +7,26 @@ setting at start and at ``initialize``). :func:`redact` removes every registered
 text; :func:`redact_value` does the same through a JSON-like value. The server applies
 them wherever it emits or stores text, always *before* any truncation, so a cut can
 never leave part of a key behind. Imports nothing but the standard library.
+
+A registered value is masked as written and in the forms a text commonly carries it in:
+JSON-escaped, URL-encoded (``quote`` and ``quote_plus``) and base64 (standard and URL-safe,
+at any of the three byte alignments, so a key inside ``base64("user:" + key)`` of a Basic
+``Authorization`` header is masked too; the one or two characters at each edge that mix
+with the neighbouring bytes stay). Values shorter than :data:`MIN_SECRET_CHARS` are not
+registered: masking them would garble ordinary text.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 from typing import Any, Iterable
+from urllib.parse import quote, quote_plus
 
 MASK = "[REDACTED]"
-_MIN_LEN = 4
+MIN_SECRET_CHARS = _MIN_LEN = 4
+_MIN_B64 = 16  # a base64 form shorter than this could occur by chance in an unrelated blob
 
 _KNOWN: set[str] = set()
 _ORDERED: tuple[str, ...] = ()   # longest first, so a key containing another is masked whole
@@ -49,9 +60,10 @@ def redact(text: Any, secrets: Iterable[str | None] = (), *, patterns: bool = Fa
     with ``patterns``, key-looking tokens too (for error texts from providers)."""
     out = text if isinstance(text, str) else str(text)
     extra = [s for s in secrets if isinstance(s, str) and len(s) >= _MIN_LEN and s not in _KNOWN]
-    for s in (*sorted(extra, key=len, reverse=True), *_ORDERED):
-        if s in out:
-            out = out.replace(s, MASK)
+    forms = _text_forms_of(extra) + _known_text_forms() if extra else _known_text_forms()
+    for f in forms:
+        if f in out:
+            out = out.replace(f, MASK)
     if patterns:
         for rx, repl in _PATTERNS:
             out = rx.sub(repl, out)
@@ -68,7 +80,7 @@ def redact_value(value: Any) -> Any:
 
 def _walk(v: Any, depth: int) -> Any:
     if isinstance(v, str):
-        return redact(v) if any(s in v for s in _ORDERED) else v
+        return redact(v) if any(f in v for f in _known_text_forms()) else v
     if depth > 200:
         return v
     if isinstance(v, dict):
@@ -80,30 +92,66 @@ def _walk(v: Any, depth: int) -> Any:
 
 def redact_bytes(data: bytes) -> bytes:
     """A UTF-8/JSON byte string with every registered secret masked (the last net before
-    the wire): the value as written raw and as JSON escapes it."""
+    the wire): the value in every form :func:`redact` knows, and as JSON escapes each."""
     if not _ORDERED:
         return data
-    for s in _ORDERED:
-        for form in _forms(s):
-            if form in data:
-                data = data.replace(form, MASK.encode())
+    for form in _known_byte_forms():
+        if form in data:
+            data = data.replace(form, MASK.encode())
     return data
 
 
-_FORM_CACHE: dict[str, tuple[bytes, ...]] = {}
+# the forms of the registered secrets, longest first, computed once per set of secrets
+# (keyed by the ``_ORDERED`` tuple itself, so restoring it restores them too)
+_TEXT_CACHE: tuple[Any, tuple[str, ...]] = (None, ())
+_BYTE_CACHE: tuple[Any, tuple[bytes, ...]] = (None, ())
 
 
-def _forms(s: str) -> tuple[bytes, ...]:
-    forms = _FORM_CACHE.get(s)
-    if forms is None:
-        import json
-
-        raw = s.encode("utf-8", "surrogatepass")
-        esc = json.dumps(s, ensure_ascii=False)[1:-1].encode("utf-8", "surrogatepass")
-        asc = json.dumps(s, ensure_ascii=True)[1:-1].encode("ascii")
-        forms = tuple(dict.fromkeys((raw, esc, asc)))
-        _FORM_CACHE[s] = forms
+def _known_text_forms() -> tuple[str, ...]:
+    global _TEXT_CACHE
+    key, forms = _TEXT_CACHE
+    if key is not _ORDERED:
+        forms = _text_forms_of(_ORDERED)
+        _TEXT_CACHE = (_ORDERED, forms)
     return forms
 
 
-__all__ = ["MASK", "remember_secret", "known_secrets", "has_secrets", "redact", "redact_value", "redact_bytes"]
+def _known_byte_forms() -> tuple[bytes, ...]:
+    global _BYTE_CACHE
+    key, forms = _BYTE_CACHE
+    if key is not _ORDERED:
+        out: dict[bytes, None] = {}
+        for f in _known_text_forms():
+            out[f.encode("utf-8", "surrogatepass")] = None
+            for esc in (json.dumps(f, ensure_ascii=False)[1:-1], json.dumps(f)[1:-1]):
+                out[esc.encode("utf-8", "surrogatepass")] = None
+        forms = tuple(sorted(out, key=len, reverse=True))
+        _BYTE_CACHE = (_ORDERED, forms)
+    return forms
+
+
+def _text_forms_of(secrets: Iterable[str]) -> tuple[str, ...]:
+    out: dict[str, None] = {}
+    for s in secrets:
+        out.update(dict.fromkeys(_forms(s)))
+    return tuple(sorted(out, key=len, reverse=True))
+
+
+def _forms(s: str) -> tuple[str, ...]:
+    """``s`` as written, JSON-escaped, URL-encoded and base64-encoded (see the module)."""
+    try:
+        raw = s.encode("utf-8", "surrogateescape")  # the bytes of an environment value
+    except UnicodeEncodeError:
+        raw = s.encode("utf-8", "surrogatepass")
+    forms = [s, json.dumps(s, ensure_ascii=False)[1:-1], json.dumps(s)[1:-1],
+             quote(raw, safe=""), quote(raw, safe="/"), quote_plus(raw, safe="")]
+    for shift in range(3):  # where the value starts within a 3-byte base64 group
+        enc = base64.b64encode(b"\0" * shift + raw).decode("ascii")
+        first, end = -(-shift // 3), (shift + len(raw)) // 3  # the groups made of the value's bytes only
+        core = enc[4 * first:4 * end]
+        if len(core) >= _MIN_B64:
+            forms += [core, core.replace("+", "-").replace("/", "_")]
+    return tuple(dict.fromkeys(f for f in forms if len(f) >= _MIN_LEN))
+
+
+__all__ = ["MASK", "MIN_SECRET_CHARS", "remember_secret", "known_secrets", "has_secrets", "redact", "redact_value", "redact_bytes"]
