@@ -166,13 +166,16 @@ def test_a_cli_models_error_text_is_redacted(spawn, tmp_path):
 
 
 class _PaddedEcho(_EchoAuth):
-    """A hostile endpoint whose error text puts the echoed key right across character 500."""
+    """A hostile endpoint whose error text puts the echoed key right across the cut of the
+    server's error message (``pad`` characters before it, set by the test)."""
+
+    pad = 0
 
     def do_POST(self):  # noqa: N802
         auth = self.headers.get("Authorization", "")
         self.seen.append(auth)
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = json.dumps({"error": {"message": "x" * 480 + " " + auth.removeprefix("Bearer "),
+        body = json.dumps({"error": {"message": "x" * self.pad + auth.removeprefix("Bearer "),
                                      "type": "invalid_request_error"}}).encode()
         self.send_response(401)
         self.send_header("Content-Type", "application/json")
@@ -182,13 +185,17 @@ class _PaddedEcho(_EchoAuth):
 
 
 def test_an_openai_error_is_redacted_before_it_is_shortened(spawn):
+    from operate_sidecar.server.models.openai_compat import MAX_ERROR_CHARS
+
     _PaddedEcho.seen = []
     with loopback(_PaddedEcho) as url:
+        head = f"model 'm': {url} answered HTTP 401: "     # what the server puts before the provider's text
+        _PaddedEcho.pad = MAX_ERROR_CHARS - len(head) - len(KEY) // 2   # the cut falls in the key's middle
         c = spawn(env={ENV: KEY})
         c.init(models={"m": _model(url)})
         bid = c.branch()
         err = c.error_of("operate", {"branchId": bid, "instruction": "hi"})
-        assert err.code == -32011 and "401" in err.message
+        assert err.code == -32011 and err.message.startswith(head + "x" * _PaddedEcho.pad), err.message[:80]
         assert f"Bearer {KEY}" in _PaddedEcho.seen
         _scrubbed(err.message, KEY)
         _scrubbed(everything_emitted(c, "/nonexistent", [bid]), KEY)
