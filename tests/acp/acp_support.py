@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import acp
+import jsonschema
+from acp import schema as S
+from acp.connection import StreamDirection
 from acp.schema import (AllowedOutcome, ClientCapabilities, DeniedOutcome, FileSystemCapabilities, Implementation,
                         ReadTextFileResponse, RequestPermissionResponse, WriteTextFileResponse)
 
@@ -48,6 +51,63 @@ def reply(message: str = "", calls: list[tuple[str, dict]] | None = None, **entr
     body: dict[str, Any] = {"message": message, "action_required": bool(calls),
                             "action_requests": [{"function": f, "arguments": a} for f, a in calls or []]}
     return {"json": body, **entry}
+
+
+#: what the agent may send, by method: its requests' params, and the results of the client's requests
+AGENT_REQUESTS = {"session/request_permission": S.RequestPermissionRequest, "fs/read_text_file": S.ReadTextFileRequest,
+                  "fs/write_text_file": S.WriteTextFileRequest}
+RESULTS = {"initialize": S.InitializeResponse, "authenticate": S.AuthenticateResponse,
+           "session/new": S.NewSessionResponse, "session/load": S.LoadSessionResponse,
+           "session/list": S.ListSessionsResponse, "session/prompt": S.PromptResponse,
+           "session/set_config_option": S.SetSessionConfigOptionResponse,
+           "session/set_mode": S.SetSessionModeResponse}
+_VALIDATORS: dict[Any, Any] = {}
+
+
+def schema_errors(model: Any, value: Any) -> list[str]:
+    """``value`` checked strictly against the JSON Schema of one of the SDK's models (the SDK's
+    own client is lenient: it drops a malformed list item or field instead of failing)."""
+    v = _VALIDATORS.get(model)
+    if v is None:
+        v = _VALIDATORS[model] = jsonschema.Draft202012Validator(model.model_json_schema(by_alias=True))
+    return [f"{model.__name__}: {'/'.join(map(str, e.absolute_path))}: {e.message[:300]}" for e in v.iter_errors(value)]
+
+
+class SchemaTap:
+    """Sees every message on the client's connection; ``violations()`` lists each message the
+    agent sent that is not the schema's (checked at the end, when every request's method is
+    known)."""
+
+    def __init__(self) -> None:
+        self.methods: dict[Any, str] = {}
+        self.incoming: list[dict[str, Any]] = []
+
+    def __call__(self, event: Any) -> None:
+        msg = event.message
+        if event.direction is StreamDirection.OUTGOING:
+            if "method" in msg and "id" in msg:
+                self.methods[msg["id"]] = msg["method"]
+        else:
+            self.incoming.append(msg)
+
+    def violations(self) -> list[tuple[str, list[str]]]:
+        out = []
+        for msg in self.incoming:
+            errors = [] if msg.get("jsonrpc") == "2.0" else ["jsonrpc must be 2.0"]
+            method = msg.get("method")
+            if method is not None and "id" in msg:
+                model = AGENT_REQUESTS.get(method)
+                errors += schema_errors(model, msg.get("params")) if model else [f"unexpected request {method}"]
+            elif method is not None:
+                errors += schema_errors(S.SessionNotification, msg.get("params")) if method == "session/update" \
+                    else [f"unexpected notification {method}"]
+            elif "error" in msg:
+                errors += schema_errors(S.Error, msg["error"])
+            elif msg.get("id") in self.methods and self.methods[msg["id"]] in RESULTS:
+                errors += schema_errors(RESULTS[self.methods[msg["id"]]], msg.get("result"))
+            if errors:
+                out.append((json.dumps(msg)[:300], errors))
+        return out
 
 
 class RecordingClient(acp.Client):
@@ -115,14 +175,17 @@ def agent_env(**extra: str) -> dict[str, str]:
 async def spawn(client: acp.Client, config: str | None = None, *extra: str, fs: bool = False,
                 state_dir: str | None = None) -> AsyncIterator[tuple[Any, Any]]:
     """Spawn the sidecar in ACP mode, initialize it, yield ``(conn, process)``; the process
-    is reaped (killed if it does not exit on EOF within the time-out)."""
+    is reaped (killed if it does not exit on EOF within the time-out). Every message the
+    agent sent is then checked against the ACP schema (``SchemaTap``)."""
     args = ["-m", "operate_sidecar.server", "--acp", *extra]
     if config:
         args += ["--config", config]
     if state_dir:
         args += ["--state-dir", state_dir]
+    tap = SchemaTap()
     async with acp.spawn_agent_process(client, sys.executable, *args, env=agent_env(),
                                        transport_kwargs={"stderr": None}) as (conn, proc):
+        conn._conn.add_observer(tap)
         try:
             caps = ClientCapabilities(fs=FileSystemCapabilities(read_text_file=True, write_text_file=True)) \
                 if fs else ClientCapabilities()
@@ -141,6 +204,9 @@ async def spawn(client: acp.Client, config: str | None = None, *extra: str, fs: 
                 except asyncio.TimeoutError:
                     proc.kill()
                     await proc.wait()
+    # the body ran through: every message the agent sent is the schema's
+    problems = tap.violations()
+    assert not problems, problems
 
 
 def run(coro: Any, timeout: float = 120.0) -> Any:
