@@ -222,10 +222,13 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     model_name = model.name
 
     def flush_text(final: bool = False) -> None:
-        if buf:
+        # the run's usage goes on its last reply; a run that ends on a tool result with no
+        # text after it gets an empty one to carry it (its usage was on no message at all)
+        if buf or (final and usage is not None):
             text = "".join(buf)
             buf.clear()
-            texts.append(text)
+            if text:
+                texts.append(text)
             branch.messages.add("assistant_response", {"text": text, "model": model_name,
                                                        "usage": usage if final else None},
                                 sender=branch.id, recipient=param.sender)

@@ -193,7 +193,8 @@ def _consume(state: _RenderState, m: Message) -> None:
     if kind == "assistant_response":
         text = str(m.content.get("text") or "")
         if out and out[-1]["role"] == "assistant":
-            out[-1] = {"role": "assistant", "content": out[-1]["content"] + "\n\n" + text}
+            if text:  # (an empty one, such as a CLI run's closing usage record, adds nothing)
+                out[-1] = {"role": "assistant", "content": out[-1]["content"] + "\n\n" + text}
         else:
             out.append({"role": "assistant", "content": text})
 

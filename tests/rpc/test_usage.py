@@ -91,3 +91,25 @@ def test_a_branchs_totals_are_saved_with_it_and_survive_a_restart(spawn, tmp_pat
     second.init(models=model, stateDir=state)
     listed = {b["branchId"]: b["usage"] for b in second.request("listBranches", {})["branches"]}
     assert listed[bid] == {"inputTokens": 20, "outputTokens": 4, "contextTokens": 10, "modelCalls": 2}
+
+
+def test_a_cli_run_ending_on_a_tool_result_keeps_its_usage_in_the_branch(sidecar):
+    """A run whose last event before its result is a tool result has no closing text: its
+    usage was on no assistant_response (lost from the branch's record while the operate's
+    usage and listBranches had it). An empty closing reply now carries it; the text before the
+    tool stays as it was and the operate's result is that text."""
+    sidecar.init(models={"c": jsonl_cli({"type": "text", "text": "looking"},
+                                        {"type": "tool_use", "id": "t1", "name": "bash", "input": {"c": "ls"}},
+                                        {"type": "tool_result", "id": "t1", "output": "a.txt"},
+                                        {"type": "result", "usage": {"input_tokens": 10, "output_tokens": 2}})})
+    bid = sidecar.branch(chatModel="c")
+    out = sidecar.request("operate", {"branchId": bid, "instruction": "q"}, timeout=TIMEOUT)
+    assert out["result"] == "looking"
+    replies = [m["content"] for m in sidecar.messages(bid) if m["kind"] == "assistant_response"]
+    assert [r["text"] for r in replies] == ["looking", ""]
+    assert replies[-1]["usage"] == {"input_tokens": 10, "output_tokens": 2}
+    recorded = [r["usage"] for r in replies if r["usage"] is not None]
+    assert sum(u["input_tokens"] for u in recorded) == out["usage"]["inputTokens"] == 10
+    assert sum(u["output_tokens"] for u in recorded) == out["usage"]["outputTokens"] == 2
+    listed = {b["branchId"]: b["usage"] for b in sidecar.request("listBranches", {})["branches"]}
+    assert listed[bid] == out["usage"]
