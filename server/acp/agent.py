@@ -430,6 +430,12 @@ class OperateAgent(Agent):
         self._starting.add(session_id)  # a cancel from here on applies to this turn
         try:
             b = await self._branch(session_id)
+            if self.sidecar.branch_folders(session_id) is None:
+                # a session this process has not taken up (made by an earlier run or another
+                # server on the state directory): it has no folders here, and its tools would
+                # reach every session's; ACP has it loaded first, which gives them
+                raise RequestError.invalid_params({"sessionId": session_id,
+                                                   "reason": "the session is not loaded: session/load it first"})
             instruction, context = _prompt_parts(prompt)
         finally:
             self._starting.discard(session_id)

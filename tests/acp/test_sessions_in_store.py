@@ -62,6 +62,34 @@ def test_two_servers_on_one_state_dir_each_list_both_sessions(tmp_path, ws):
     run(main())
 
 
+def test_a_session_not_loaded_in_this_process_is_refused_a_prompt_until_it_is_loaded(tmp_path, ws):
+    """A session made by an earlier run, prompted without ``session/load``, had no folders in
+    this process: its tools reached every session's folders (here the other session's secret,
+    by a path relative to that session's cwd). It is -32602 until it is loaded; then its tools
+    reach its own folder only."""
+    async def main():
+        state = str(tmp_path / "state")
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "secret.txt").write_text("the other session's\n")
+        async with spawn(RecordingClient(), cfg(tmp_path, "a", "x"), state_dir=state) as (a, _):
+            sid = (await bounded(a.new_session(cwd=str(ws)))).session_id
+        c = RecordingClient()
+        config = cfg(tmp_path, "b", reply("", [("read_file", {"path": "secret.txt"})]), reply("done"))
+        async with spawn(c, config, state_dir=state) as (b, _):
+            await bounded(b.new_session(cwd=str(other)))
+            with pytest.raises(acp.RequestError) as e:
+                await prompt(b, sid)
+            assert e.value.code == -32602 and "session/load" in str(e.value.data)
+            assert c.of("tool_call") == []
+            await bounded(b.load_session(cwd=str(ws), session_id=sid))
+            assert (await prompt(b, sid)).stop_reason == "end_turn"
+            done = c.of("tool_call_update")[-1]
+            assert done.status == "failed" and "the other session's" not in json.dumps(done.raw_output)
+
+    run(main())
+
+
 def test_a_session_change_that_cannot_be_saved_is_refused_and_not_applied(tmp_path, ws):
     async def main():
         state = str(tmp_path / "state")
