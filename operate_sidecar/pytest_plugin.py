@@ -95,6 +95,13 @@ async def _sidecar(sidecar_options: dict[str, Any]) -> Any:
         yield client
     finally:
         await client.stop()
+    if client.handler_errors:  # the sidecar got -32603 and went on: the test must not pass
+        from operate_sidecar.testing import HandlerFailed
+
+        method, error = client.handler_errors[0]
+        more = len(client.handler_errors) - 1
+        raise HandlerFailed(f"on_request handler for {method}: {type(error).__name__}: {error}; the sidecar was "
+                            f"answered -32603" + (f" ({more} more handler failure(s))" if more else "")) from error
 
 
 def _add_stderr(error: BaseException, client: Any, lines: int = 40) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import signal
 import sys
@@ -26,7 +27,7 @@ from pygls.protocol import JsonRPCNotification, JsonRPCProtocol, JsonRPCRequestM
 
 from operate_sidecar.server.script.matcher import first_mismatch, short
 
-__all__ = ["SidecarError", "SidecarExited", "SidecarTestClient", "ScriptFailed", "run_session_script",
+__all__ = ["SidecarError", "SidecarExited", "HandlerFailed", "SidecarTestClient", "ScriptFailed", "run_session_script",
            "server_command"]
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -55,6 +56,23 @@ class SidecarExited(RuntimeError):
         self.method, self.returncode, self.stderr = method, returncode, stderr
         super().__init__(f"{what}: the sidecar exited ({_exit_status(returncode)})"
                          + (f"\nsidecar stderr (last lines):\n{stderr}" if stderr else "\nsidecar stderr: (nothing)"))
+
+
+class HandlerFailed(AssertionError):
+    """An ``on_request`` handler raised (anything but :class:`SidecarError`) or returned a value
+    that is not JSON: the sidecar was answered -32603, and the test fails with this at teardown
+    (its cause is the handler's exception)."""
+
+
+def _json(value: Any, what: str | None = None) -> None:
+    """Raise ``TypeError``/``ValueError`` when ``value`` is not a JSON value (pygls would log the
+    error and send nothing: the other side would wait for a message that never comes)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        if what is None:
+            raise
+        raise type(e)(f"{what}: params are not JSON ({e})") from None
 
 
 def _exit_status(returncode: int | None) -> str:
@@ -111,6 +129,7 @@ class SidecarTestClient(JsonRPCClient):
         self._stderr = tempfile.TemporaryFile()
         self.timeout = DEFAULT_TIMEOUT_S
         self.initialize_result: Any = None                  # set by the pytest fixture
+        self.handler_errors: list[tuple[str, BaseException]] = []  # (method, error) of failed handlers
 
     # ------------------------------------------------------------------ process
     async def start_io(self, cmd: str, *args: str, **kwargs: Any) -> None:
@@ -192,11 +211,13 @@ class SidecarTestClient(JsonRPCClient):
         and ``TimeoutError`` when no answer comes in time."""
         __tracebackhide__ = True
         timeout = self.timeout if timeout is None else timeout
+        params = {} if params is None else params
+        _json(params, f"request {method}")
         if self._gone():
             await self._reaped()
             raise self._exited(f"request {method} not sent", method)
         try:
-            fut = self.protocol.send_request_async(method, {} if params is None else params)
+            fut = self.protocol.send_request_async(method, params)
             return await asyncio.wait_for(fut, timeout)
         except JsonRpcException as e:
             raise SidecarError(method, e.code, e.message, getattr(e, "data", None)) from None
@@ -211,6 +232,7 @@ class SidecarTestClient(JsonRPCClient):
     def notify(self, method: str, params: Any = None) -> None:
         """Send a notification; raises :class:`SidecarExited` when the sidecar has exited."""
         __tracebackhide__ = True
+        _json(params, f"notification {method}")
         if self._gone():
             raise self._exited(f"notification {method} not sent", method)
         self.protocol.notify(method, params)
@@ -228,6 +250,16 @@ class SidecarTestClient(JsonRPCClient):
                     out = await out
             except SidecarError as e:
                 raise JsonRpcException(message=e.message, code=e.code, data=e.data) from None
+            except Exception as e:  # a bug in the test: the sidecar is answered, the test fails
+                self.handler_errors.append((method, e))
+                raise JsonRpcException(message=f"the test's {method} handler raised {type(e).__name__}: {e}",
+                                       code=-32603) from None
+            try:
+                _json(out)
+            except (TypeError, ValueError) as e:
+                error = TypeError(f"returned a value that is not JSON ({e}): {short(out, 200)}")
+                self.handler_errors.append((method, error))
+                raise JsonRpcException(message=f"the test's {method} handler {error}", code=-32603) from None
             return out
 
         handle.__name__ = "answer_" + method.replace("/", "_")

@@ -321,3 +321,84 @@ def test_a_sidecar_that_died_fails_requests_and_notifications_at_once_naming_the
     assert len(timed) >= 7, text
     for line in timed:
         assert float(line.split("s", 1)[0]) < 10, line
+
+
+HANDLER_BUG_TESTS = '''
+import pytest
+
+ASK = {"json": {"summary": "x", "action_requests": [{"function": "get_weather", "arguments": {"city": "Lima"}}]}}
+SETTINGS = {"models": {"m": {"provider": "scripted", "responses": [ASK]}},
+            "toolModules": ["operate_sidecar.clients.python.demo_tools"], "toolPolicy": {"get_weather": "ask"}}
+REPORT = {"title": "Report", "type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
+
+
+async def denial(sidecar):
+    branch = (await sidecar.request("createBranch"))["branchId"]
+    out = await sidecar.request("operate", {"branchId": branch, "instruction": "weather?", "actions": True,
+                                            "responseFormat": REPORT})
+    return out["result"]["action_responses"][0]["output"]["reason"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, capabilities={"toolPermission": True}, timeout=60)
+async def test_handler_raises(sidecar):
+    def answer(params):
+        raise ValueError("my handler bug")
+    sidecar.on_request("requestToolPermission", answer)
+    reason = await denial(sidecar)
+    assert reason == "permission request failed: the test's requestToolPermission handler raised ValueError: my handler bug"
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, capabilities={"toolPermission": True}, timeout=60)
+async def test_async_handler_raises(sidecar):
+    async def answer(params):
+        return params["no such key"]
+    sidecar.on_request("requestToolPermission", answer)
+    assert "handler raised KeyError" in await denial(sidecar)
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, capabilities={"toolPermission": True}, timeout=60)
+async def test_handler_returns_no_json(sidecar):
+    sidecar.respond("requestToolPermission", {"decision": {"allow_once"}})
+    assert "handler returned a value that is not JSON" in await denial(sidecar)
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(timeout=60)
+async def test_request_params_no_json(sidecar):
+    await sidecar.request("createBranch", {"system": {"a set"}})
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(timeout=60)
+async def test_notification_params_no_json(sidecar):
+    sidecar.notify("$/cancelRequest", {"id": float("nan")})
+'''
+
+
+def test_a_failing_handler_fails_the_test_and_no_json_is_refused_before_anything_waits(tmp_path):
+    """An on_request handler that raises or returns what is not JSON: the sidecar is answered
+    -32603 (a value that is not JSON was answered nothing: the sidecar's request, and the test's
+    operate, waited out their time-outs) and the test fails at teardown with the handler's error
+    (it passed, the bug only in a captured log). Params that are not JSON raise at once (they were
+    sent nothing: the request waited out its time-out, the notification was lost)."""
+    project = make_project(tmp_path / "ext")
+    (project / "test_handlers.py").write_text(HANDLER_BUG_TESTS)
+    out = run_pytest(project, "-rA", "--durations=0", "--durations-min=0", "test_handlers.py")
+    text = out.stdout + out.stderr
+    assert "2 failed, 3 passed, 3 errors" in text, text
+    assert ("HandlerFailed: on_request handler for requestToolPermission: ValueError: my handler bug; the sidecar "
+            "was answered -32603") in text, text
+    assert 'raise ValueError("my handler bug")' in text, text  # the handler's own traceback
+    assert "HandlerFailed: on_request handler for requestToolPermission: KeyError: 'no such key'" in text, text
+    assert ("HandlerFailed: on_request handler for requestToolPermission: TypeError: returned a value that is not "
+            "JSON (Object of type set is not JSON serializable)") in text, text
+    assert "TypeError: request createBranch: params are not JSON (Object of type set is not JSON serializable)" \
+        in text, text
+    assert "ValueError: notification $/cancelRequest: params are not JSON (Out of range float values" in text, text
+    timed = [ln for ln in text.splitlines() if "test_handlers.py::" in ln and ln.split("s", 1)[0][:1].isdigit()]
+    assert len(timed) >= 10, text
+    for line in timed:
+        assert float(line.split("s", 1)[0]) < 10, line
