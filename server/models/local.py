@@ -340,25 +340,46 @@ def _grammar_depth(text: str) -> int:
     return deepest
 
 
+class _Grammar:
+    """What became of one response schema's grammar (cached per schema, failures included): the
+    ``LlamaGrammar``, or why there is none; ``usable`` once llama.cpp was asked (_grammar_usable)."""
+
+    __slots__ = ("grammar", "reason", "usable")
+
+    def __init__(self, grammar: Any = None, reason: str | None = None) -> None:
+        self.grammar = grammar
+        self.reason = reason
+        self.usable: bool | None = None
+
+
 @lru_cache(maxsize=64)
-def _grammar_for(schema_json: str, max_items: int, max_length: int | None) -> Any:
-    from llama_cpp import LlamaGrammar
+def _grammar_for(schema_json: str, max_items: int, max_length: int | None) -> _Grammar:
+    """The grammar for a response schema, built once per schema: a schema without one (an
+    unsupported construct, nesting too deep) is not rebuilt, nor reported again, on every call
+    (each parse-repair turn asks again with the same schema)."""
+    try:
+        from llama_cpp import LlamaGrammar
 
-    bounded = bound_schema(json.loads(schema_json), max_items=max_items, max_length=max_length)
-    grammar = LlamaGrammar.from_json_schema(json.dumps(bounded), verbose=False)
-    depth = _grammar_depth(grammar._grammar)
-    if depth > MAX_GRAMMAR_DEPTH:
-        raise ValueError(f"its grammar nests {depth} levels deep (llama.cpp takes at most {MAX_GRAMMAR_DEPTH}: "
-                         "an array or string bound in the thousands)")
-    return grammar
+        bounded = bound_schema(json.loads(schema_json), max_items=max_items, max_length=max_length)
+        grammar = LlamaGrammar.from_json_schema(json.dumps(bounded), verbose=False)
+        depth = _grammar_depth(grammar._grammar)
+        if depth > MAX_GRAMMAR_DEPTH:
+            raise ValueError(f"its grammar nests {depth} levels deep (llama.cpp takes at most {MAX_GRAMMAR_DEPTH}: "
+                             "an array or string bound in the thousands)")
+    except Exception as e:  # noqa: BLE001 - unsupported schema constructs
+        log.warning("local model: no grammar for the response schema (%s); falling back to JSON", e)
+        return _Grammar(reason=str(e))
+    return _Grammar(grammar)
 
 
-def _grammar_usable(llama: Any, grammar: Any) -> bool:
-    """Whether llama.cpp accepts ``grammar`` (checked once per grammar). llama-cpp-python does not
-    check: a grammar llama.cpp refuses (a repetition of more than about a thousand) becomes a null
-    sampler, and the first token sampled with it crashes the process."""
-    ok = getattr(grammar, "_sidecar_usable", None)
-    if ok is None:
+def _grammar_usable(llama: Any, entry: _Grammar) -> bool:
+    """Whether llama.cpp accepts ``entry``'s grammar (asked once per grammar; a refusal is logged
+    then). llama-cpp-python does not check: a grammar llama.cpp refuses (a repetition of more than
+    about a thousand) becomes a null sampler, and the first token sampled with it crashes the
+    process. llama.cpp itself prints a refused grammar whole to stderr (a raw ``fprintf``, past
+    its log callback): once per schema, as the answer is cached."""
+    if entry.usable is None:
+        grammar = entry.grammar
         try:
             import llama_cpp
 
@@ -366,11 +387,13 @@ def _grammar_usable(llama: Any, grammar: Any) -> bool:
                 llama._model.vocab, grammar._grammar.encode("utf-8"), grammar._root.encode("utf-8"))
         except (AttributeError, TypeError):  # another llama-cpp-python: cannot check; use it as before
             return True
-        ok = bool(sampler)
-        if ok:
+        entry.usable = bool(sampler)
+        if sampler:
             llama_cpp.llama_sampler_free(sampler)
-        grammar._sidecar_usable = ok
-    return ok
+        else:
+            log.warning("local model: llama.cpp refused the grammar of the response schema (an array or string "
+                        "bound above about %d?); falling back to JSON", MAX_GRAMMAR_REPEAT)
+    return entry.usable
 
 
 # -- fitting a long history into the context window --------------------------------------------
@@ -569,14 +592,10 @@ class LocalModel(BaseModelProvider):
         structured = request.response_schema is not None
         kw.setdefault("max_tokens", max(self.max_tokens, DEFAULT_MAX_TOKENS_STRUCTURED) if structured else self.max_tokens)
         if structured:
-            try:
-                kw["grammar"] = _grammar_for(
-                    json.dumps(request.response_schema),
-                    self.max_items,
-                    self.max_string_length,
-                )
-            except Exception as e:  # noqa: BLE001 - unsupported schema constructs
-                log.warning("local model: no grammar for the response schema (%s); falling back to JSON", e)
+            entry = _grammar_for(json.dumps(request.response_schema), self.max_items, self.max_string_length)
+            if entry.grammar is not None:
+                kw["grammar"] = entry
+            else:
                 kw["response_format"] = {"type": "json_object"}
         return kw
 
@@ -599,11 +618,12 @@ class LocalModel(BaseModelProvider):
 
             def start() -> Any:  # in the worker: building a grammar from a big schema takes a while
                 kwargs = self._kwargs(request)
-                if "grammar" in kwargs and not _grammar_usable(llama, kwargs["grammar"]):
-                    log.warning("local model: llama.cpp refused the grammar of the response schema (an array "
-                                "or string bound above about %d?); falling back to JSON", MAX_GRAMMAR_REPEAT)
-                    del kwargs["grammar"]
-                    kwargs["response_format"] = {"type": "json_object"}
+                entry = kwargs.pop("grammar", None)
+                if entry is not None:
+                    if _grammar_usable(llama, entry):
+                        kwargs["grammar"] = entry.grammar
+                    else:
+                        kwargs["response_format"] = {"type": "json_object"}
                 n_ctx = loaded.n_ctx
                 sent, dropped = _fit_context(loaded.counter, messages, n_ctx, self._reserve(kwargs, n_ctx))
                 if dropped:

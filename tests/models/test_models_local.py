@@ -414,7 +414,9 @@ async def test_an_n_ctx_beyond_the_training_context_is_clamped_with_a_warning(gg
 def test_a_response_schema_llama_cpp_cannot_take_falls_back_to_json_instead_of_crashing():
     """A responseFormat with maxLength 1500 made llama.cpp refuse the grammar and
     llama-cpp-python sample with a null grammar (segmentation fault: the server died); with
-    maxItems 50000 the grammar parser overflowed the C stack. Both now answer (plain JSON mode)."""
+    maxItems 50000 the grammar parser overflowed the C stack. Both now answer (plain JSON mode).
+    Asked again with the same schema (a parse-repair turn is), neither grammar is built or checked
+    again: one warning each (it was logged on every call), one grammar dump from llama.cpp."""
     code = textwrap.dedent("""
         import anyio
         from operate_sidecar.server.core.imodel import ModelRequest
@@ -423,7 +425,7 @@ def test_a_response_schema_llama_cpp_cannot_take_falls_back_to_json_instead_of_c
         async def main():
             model = make_model({"provider": "local"}, name="local")
             for prop in ({"type": "string", "maxLength": 1500},
-                         {"type": "array", "items": {"type": "integer"}, "maxItems": 50000}):
+                         {"type": "array", "items": {"type": "integer"}, "maxItems": 50000}) * 2:
                 schema = {"type": "object", "properties": {"a": prop}, "required": ["a"]}
                 request = ModelRequest(messages=[{"role": "user", "content": "Give a."}], response_schema=schema,
                                        options={"temperature": 0, "max_tokens": 8})
@@ -436,5 +438,7 @@ def test_a_response_schema_llama_cpp_cannot_take_falls_back_to_json_instead_of_c
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=180,
                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, (out.returncode, out.stderr[-1500:])
-    assert out.stdout.split() == ["answered", "answered"]
-    assert "falling back to JSON" in out.stderr
+    assert out.stdout.split() == ["answered"] * 4
+    assert out.stderr.count("falling back to JSON") == 2, out.stderr[-3000:]
+    assert "refused the grammar" in out.stderr and "nests 50000 levels deep" in out.stderr
+    assert out.stderr.count("error parsing grammar") == 1  # llama.cpp's own report of the refused one
