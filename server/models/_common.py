@@ -40,6 +40,14 @@ def field_value(name: str, config: dict[str, Any], key: str, default: Any, kind:
         raise ModelConfigError(f"model config {name!r}: {key} must be {getattr(kind, '__name__', kind)}, not {value!r}") from None
 
 
+# --- bounds -----------------------------------------------------------------
+
+#: The longest reply (text and thinking, in characters) a provider passes on from one call: a
+#: server or program that writes on and on fails the call (-32011) instead of filling memory
+#: (a reply is one message, and one answer frame, the size of ``maxMessageBytes``'s default).
+MAX_REPLY_CHARS = 64 * 1024 * 1024
+
+
 # --- JSON-safe values ---------------------------------------------------------
 # Python's json reads NaN, Infinity and 1e400 (→ inf); none of them is JSON, so a provider
 # never passes one on (a message holding one could not be sent or stored): each becomes null.

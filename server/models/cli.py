@@ -41,7 +41,7 @@ import anyio
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import field_value, loads_json_safe, redact, render_prompt
+from ._common import MAX_REPLY_CHARS, field_value, loads_json_safe, redact, render_prompt
 from .config import CLI_PROFILES, FIELDS, check_model_config
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ class CLIModel(BaseModelProvider):
         deadline = anyio.current_time() + self.timeout_s if self.timeout_s else None
         program = Path(argv[0]).name
         produced = False
+        reply_chars = 0   # text and thinking so far: bounded (a program printing on and on)
         eof = False       # stdout reached its end: nothing holds it open any more
         cleaned = False   # the run's processes are gone (or were never left behind)
 
@@ -162,9 +163,14 @@ class CLIModel(BaseModelProvider):
             return _model_error(f"model {self.name!r}: {program} timed out after {self.timeout_s:g}s")
 
         def checked(chunk: StreamChunk) -> StreamChunk:
-            nonlocal produced
+            nonlocal produced, reply_chars
             if chunk.type == "error":
                 raise _model_error(f"model {self.name!r}: {chunk.text}")
+            if chunk.type in ("text", "thinking") and chunk.text:
+                reply_chars += len(chunk.text)
+                if reply_chars > MAX_REPLY_CHARS:
+                    raise _model_error(f"model {self.name!r}: {program} wrote a reply longer than "
+                                       f"{MAX_REPLY_CHARS >> 20} Mi characters; it was stopped")
             produced = True
             return chunk
 
@@ -190,8 +196,12 @@ class CLIModel(BaseModelProvider):
                 if not data:
                     eof = True
                     break
-                for chunk in parser.feed(data):
-                    yield checked(chunk)
+                try:
+                    for chunk in parser.feed(data):
+                        yield checked(chunk)
+                except _LineTooLong:
+                    raise _model_error(f"model {self.name!r}: {program} wrote a line longer than "
+                                       f"{MAX_LINE_BYTES >> 20} MiB; it was stopped") from None
             for chunk in parser.close():
                 yield checked(chunk)
             if process.returncode is None:  # stdout closed: wait for the program itself
@@ -581,21 +591,31 @@ class _Parser:
         return iter(())
 
 
+class _LineTooLong(Exception):
+    """A line of the program's output outgrew MAX_LINE_BYTES."""
+
+
 class _LineParser(_Parser):
     def __init__(self) -> None:
         super().__init__()
-        self._buf = b""
+        self._buf = bytearray()  # the line begun and not ended yet: no newline in it
 
     def feed(self, data: bytes) -> Iterator[StreamChunk]:
+        # Only the new bytes are searched for a line's end, and the buffer grows in place: a
+        # line of many reads costs its length, not its length squared.
+        start = len(self._buf)
         self._buf += data
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            yield from self._line(line)
+        last = self._buf.rfind(b"\n", start)
+        if last >= 0:
+            lines = bytes(self._buf[:last]).split(b"\n")
+            del self._buf[:last + 1]
+            for line in lines:
+                yield from self._line(line)
         if len(self._buf) > MAX_LINE_BYTES:
-            raise _model_error("CLI model wrote a line longer than 64 MiB")
+            raise _LineTooLong
 
     def close(self) -> Iterator[StreamChunk]:
-        line, self._buf = self._buf, b""
+        line, self._buf = bytes(self._buf), bytearray()
         yield from self._line(line)
 
     def _line(self, raw: bytes) -> Iterator[StreamChunk]:

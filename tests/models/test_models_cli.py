@@ -453,3 +453,51 @@ def test_a_killed_sidecar_takes_the_children_of_a_running_cli_with_it(tmp_path):
         time.sleep(0.05)
     assert not pid_alive(program), "the program outlived the sidecar"
     assert not pid_alive(child), "the program's child outlived the sidecar"
+
+
+# --- a program that writes on and on ---------------------------------------------------------
+
+
+def test_a_program_that_prints_without_end_fails_the_call_instead_of_filling_memory(tmp_path):
+    """An ``llm``-profile program printing forever (no timeoutS: the default) grew the sidecar by
+    gigabytes within seconds and the operate never ended; past 64 Mi characters of reply the run
+    is stopped and the call is -32011, and the server goes on."""
+    import os
+    import subprocess
+
+    from operate_sidecar.clients.python.client import RpcError, SidecarClient
+
+    body = """
+    import sys
+    while True:
+        sys.stdout.write("y\\n" * 32768)
+    """
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    model = {"provider": "cli", "profile": "llm", "command": [PY, script(tmp_path, "yes.py", body)]}
+    with SidecarClient(argv=[sys.executable, "-m", "operate_sidecar.server"], env=env, cwd=str(repo),
+                       stderr=subprocess.DEVNULL) as c:
+        c.request("initialize", {"settings": {"models": {"chatty": model}, "defaultModel": "chatty"}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        with pytest.raises(RpcError) as e:
+            c.request("operate", {"branchId": bid, "instruction": "go"}, timeout=90)
+        assert e.value.code == -32011 and "longer than 64 Mi characters" in e.value.message
+        assert "model 'chatty': python wrote" in e.value.message
+        assert c.request("createBranch", {}, timeout=30)["branchId"]
+
+
+async def test_a_line_without_end_costs_its_length_not_its_square(tmp_path):
+    """A JSON-lines program writing one endless line: each read appended to the buffer copied it
+    whole and searched it again for a newline (64 MiB took ~25 s of CPU before it was refused);
+    now the bound is reached at the speed of the pipe, and the message names the model."""
+    body = """
+    import sys
+    sys.stdin.read()
+    while True:
+        sys.stdout.write("x" * 65536)
+    """
+    model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "line.py", body)]},
+                       name="liner")
+    with pytest.raises(ModelError, match=r"model 'liner': python wrote a line longer than 64 MiB"):
+        await drain(model, ModelRequest(messages=[{"role": "user", "content": "go"}]), timeout=12)
+    assert await wait_gone(model.last_pid)
