@@ -786,10 +786,69 @@ def test_deleting_the_branch_of_the_running_turn_ends_that_turn(sv):
     assert out["err"]["code"] == -32800
     sv.wait("#require('operate_sidecar.permission').queue == 0", "the request to go")
     assert sv.floats() == [] and not target.exists()                  # nothing asked, nothing run
-    assert sv.lua("return require('operate_sidecar').current_branch()") is None
+    sv.wait("require('operate_sidecar').current_branch() == nil", "the deletion")
     sv.new_branch(["next turn"], "afterdelete")
     sv.chat_send("go on")                                             # a new turn is taken at once
     assert sv.wait_done()["result"]["result"] == "next turn"
+
+
+def test_a_tool_card_names_its_arguments_while_the_turn_runs(sv):
+    """A card's headline showed only the tool's name ('✗ list_dir — ... does not exist': which
+    path?) until the turn ended, however many rounds that took: its arguments came only from the
+    branch's messages, read after the turn."""
+    bid = sv.new_branch([call("fixture_echo", text="hello there"), {"text": "late", "delayMs": 1500}], "argsnow")
+    sv.chat_send("echo it")
+    sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '✓ fixture_echo hello there')",
+            "the card with its arguments")
+    assert sv.lua("return require('operate_sidecar')._state.last") is None          # the turn still runs
+    card = sv.chat(bid).index("✓ fixture_echo hello there")
+    assert sv.chat(bid)[card + 1:card + 4] == ["  │ arguments:", "  │   {", '  │     "text": "hello there"']
+    sv.wait_done()
+    assert "✓ fixture_echo hello there" in sv.chat(bid)
+
+
+def _reopen_from_the_branch(sv, bid: str, last: str) -> list[str]:
+    """The chat of `bid` rebuilt from the server's messages (as after a restart, or the picker)."""
+    sv.lua("require('operate_sidecar.chat').forget(...)", bid)
+    sv.n.command(f"OperateMessages {bid}")
+    sv.wait(f"vim.tbl_contains(require('operate_sidecar.chat').lines('{bid}'), '{last}')", "the rebuilt history")
+    return sv.chat(bid)
+
+
+def test_a_rebuilt_chat_shows_a_turn_of_several_rounds_as_one_turn(sv):
+    """A chat rebuilt from the branch showed the server's instruction of each further round as a
+    message of yours ('## You: Continue the same task. The results of the tools ...')."""
+    bid = sv.new_branch([call("fixture_echo", text="once"), "all done"], "rounds")
+    sv.chat_send("echo once")
+    sv.wait_done()
+    lived = sv.chat(bid)
+    lines = _reopen_from_the_branch(sv, bid, "all done")
+    assert not any("Continue the same task" in ln for ln in lines), lines
+    assert [ln for ln in lines if ln.startswith("## ")] == [ln for ln in lived if ln.startswith("## ")] == [
+        lines[2], "## Assistant", PROMPT]
+    assert lines.index("✓ fixture_echo once") < lines.index("all done") and "_2 rounds_" in lines
+
+
+def test_a_long_branch_comes_back_whole_and_its_cards_are_filled(sv):
+    """The server sends at most 1000 messages per branchMessages: a branch longer than that was
+    rebuilt without its later turns, and the cards of a turn past them never got their outputs."""
+    echoes = [{"function": "fixture_echo", "arguments": {"text": f"n{i}"}} for i in range(505)]
+    bid = sv.new_branch([{"json": {"action_requests": echoes}}, "big done", call("fixture_echo", text="after"),
+                         "small done"], "longbranch")
+    # (the 505 calls straight to the server: drawing them in the chat is not what this is about)
+    res = sv.lua("local r, e = require('operate_sidecar').request_sync('operate', {branchId = ..., "
+                 "instruction = 'echo many', actions = true, tools = true, maxRounds = 2}, 60000); "
+                 "return {r and r.result or vim.NIL, e or vim.NIL}", bid)
+    assert res == ["big done", None], res
+    sv.chat_send("echo once more")
+    sv.wait_done()
+    total = sv.lua("return require('operate_sidecar').request_sync('branchMessages', "
+                   "{branchId = ..., limit = 1}, 10000).total", bid)
+    assert total > 1000
+    sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '  │   echo:after')", "the last card's output")
+    lines = _reopen_from_the_branch(sv, bid, "small done")
+    assert "echo many" in lines and "echo once more" in lines and "  │   echo:after" in lines
+    assert sum(ln.startswith("✓ fixture_echo") for ln in lines) == 506
 
 
 def test_a_cancelled_permission_request_is_shown_as_cancelled(sv):

@@ -16,6 +16,9 @@ local M = {}
 M.PROMPT = '## You  (<CR> send · <C-c> cancel · #buffer #selection #diagnostics)'
 M.CARD = '  │ ' -- prefix of a tool card's folded detail lines
 M.PROMPT_HEIGHT = 3 -- lines of the prompt window (config chat.prompt_height)
+-- the instruction of a turn's every round after the first (fixed by the protocol, §11)
+M.CONTINUATION = 'Continue the same task. The results of the tools you called are above. If the task needs '
+  .. 'more tool calls, make them now; if it is done, give your final answer and call no tool.'
 
 local by_buf = {} -- transcript buffer -> chat
 local chats = {} -- key (branchId, or 'new:<n>') -> chat
@@ -648,16 +651,41 @@ function M.set_title(chat)
   end
 end
 
+-- A branch's messages from `offset` on, every page of them (the server sends at most 1000 at
+-- a time): cb(err, messages, next_offset).
+local function fetch_messages(branch, offset, cb)
+  local out = {}
+  local function page(from)
+    server.request('branchMessages', { branchId = branch, offset = from, limit = 1000 }, function(err, res)
+      if err or type(res) ~= 'table' then
+        return cb(err or { message = 'no messages' })
+      end
+      local msgs = type(res.messages) == 'table' and res.messages or {}
+      util.extend(out, msgs)
+      local total = tonumber(res.total) or (from + #msgs)
+      if #msgs > 0 and from + #msgs < total then
+        return page(from + #msgs)
+      end
+      cb(nil, out, from + #msgs)
+    end)
+  end
+  page(offset or 0)
+end
+M.fetch_messages = fetch_messages
+
 -- Rebuild a chat's transcript from the branch's messages (a branch from the journal or picker).
 local function load_history(chat, cb)
-  server.request('branchMessages', { branchId = chat.branch }, function(err, res)
-    if err or not res then
+  fetch_messages(chat.branch, 0, function(err, messages, seen)
+    if err then
       return cb and cb(err)
     end
+    chat.seen = seen -- (the messages read so far: a turn's cards are filled from there on)
     local turn
-    for _, m in ipairs(res.messages or {}) do
+    for _, m in ipairs(messages) do
       local c = type(m.content) == 'table' and m.content or {}
-      if m.kind == 'instruction' then
+      if m.kind == 'instruction' and turn and c.instruction == M.CONTINUATION then
+        turn.rounds = (turn.rounds or 1) + 1 -- the server's next round of that turn, not yours
+      elseif m.kind == 'instruction' then
         if not branches.name(chat.branch) then
           branches.names[chat.branch] = branches.name_from(c.instruction)
         end
@@ -713,6 +741,9 @@ function M.get(branch)
   end
   create(chat)
   chats[chat.key] = chat
+  if branch then
+    load_history(chat) -- (whoever asks first: a chat of a branch is never left without its past)
+  end
   return chat, true
 end
 
@@ -840,10 +871,7 @@ end
 --- Open the chat of `branch` (default: the current branch; none yet = a new chat).
 function M.open(branch, stay)
   branch = branch or branches.current()
-  local chat, created = M.get(branch)
-  if created and branch then
-    load_history(chat)
-  end
+  local chat = M.get(branch)
   M.show(chat, stay)
   return chat
 end
@@ -949,33 +977,59 @@ function M.on_permission_answer(p, decision)
   end
 end
 
--- Fill the cards of a finished turn from the branch's messages (whole arguments and outputs).
+-- Fill the cards of a chat's turns from the branch's messages (whole arguments and outputs):
+-- those not read yet (a long branch's come in pages; its first 1000 alone left later turns'
+-- cards bare), one read at a time (a turn of many calls asks at each; one more read follows).
 local function fill_cards(chat, turn)
   if next(turn.cards) == nil or not chat.branch then
     return
   end
-  server.request('branchMessages', { branchId = chat.branch }, function(err, res)
-    if err or not res then
-      return
-    end
-    for _, m in ipairs(res.messages or {}) do
-      local c = type(m.content) == 'table' and m.content or nil
-      local card = c and c.callId and turn.cards[c.callId]
-      if card and m.kind == 'action_request' then
-        card.arguments = c.arguments
-      elseif card and m.kind == 'action_response' then
-        card.arguments = c.arguments
-        card.output = c.output
-        local status = status_of_output(c.output)
-        if status == 'error' and type(c.output.error) == 'string' and card.status == 'ok' then
-          card.status = 'error'
-          card.error = c.output.error
-        elseif status == 'timedout' and (card.status == 'denied' or card.status == 'cancelled') then
-          card.status = 'timedout'
+  if chat.filling then
+    chat.fill_again = true
+    return
+  end
+  chat.filling = true
+  fetch_messages(chat.branch, chat.seen or 0, function(err, messages, seen)
+    chat.filling = false
+    if not err then
+      chat.seen = math.max(chat.seen or 0, seen)
+      local cards, touched = {}, {}
+      for _, t in ipairs(chat.turns) do
+        for id, card in pairs(t.cards or {}) do
+          cards[id] = { card, t }
+        end
+      end
+      for _, m in ipairs(messages) do
+        local c = type(m.content) == 'table' and m.content or nil
+        local hit = c and c.callId and cards[c.callId]
+        local card = hit and hit[1]
+        if card and m.kind == 'action_request' then
+          card.arguments = c.arguments
+        elseif card and m.kind == 'action_response' then
+          card.arguments = c.arguments
+          card.output = c.output
+          local status = status_of_output(c.output)
+          if status == 'error' and type(c.output.error) == 'string' and card.status == 'ok' then
+            card.status = 'error'
+            card.error = c.output.error
+          elseif status == 'timedout' and (card.status == 'denied' or card.status == 'cancelled') then
+            card.status = 'timedout'
+          end
+        end
+        if card then
+          touched[hit[2]] = true
+        end
+      end
+      for _, t in ipairs(chat.turns) do
+        if touched[t] then
+          render_turn(chat, t)
         end
       end
     end
-    render_turn(chat, turn)
+    if chat.fill_again then
+      chat.fill_again = nil
+      fill_cards(chat, chat.turns[#chat.turns])
+    end
   end)
 end
 
@@ -1038,6 +1092,11 @@ function M.send(chat, text, extra)
     on_tool_event = function(e)
       apply_tool_event(turn, e)
       render_turn(chat, turn)
+      local card = turn.cards[e.callId]
+      if card and card.arguments == nil and not card.asked then
+        card.asked = true -- its arguments now, from the branch, not only when the turn ends
+        fill_cards(chat, turn)
+      end
     end,
   }
   server.operate(params, function(err, result, run)
@@ -1086,7 +1145,12 @@ end
 
 --- The lines of a branch's chat: the transcript, then the prompt (for scripts and tests).
 function M.lines(branch)
-  local chat = branch and chats[branch] or M.current()
+  local chat
+  if is_null(branch) then
+    chat = M.current()
+  else
+    chat = chats[branch] -- (never another chat, nor a new one without its history)
+  end
   if not intact(chat) then
     return {}
   end

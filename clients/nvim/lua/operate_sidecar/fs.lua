@@ -125,10 +125,18 @@ end
 --- A tool that writes files itself (a Python or MCP tool, not through the editor) leaves the
 --- buffers of those files stale. Reload the unmodified ones whose file changed, as `:checktime`
 --- does with 'autoread' (a buffer with unsaved changes is left alone: nothing is asked mid-turn).
+local refresh_due = false
+
 function M.refresh()
-  if not vim.o.autoread then
-    return -- the user wants to be asked (when the editor gains focus)
+  if not vim.o.autoread or refresh_due then
+    return -- the user wants to be asked (when the editor gains focus); or one is on its way
   end
+  refresh_due = true
+  vim.schedule(M.refresh_now) -- once for a burst of tool calls
+end
+
+function M.refresh_now()
+  refresh_due = false
   for _, b in ipairs(api.nvim_list_bufs()) do
     if api.nvim_buf_is_loaded(b) and vim.bo[b].buftype == '' and not vim.bo[b].modified
         and api.nvim_buf_get_name(b) ~= '' then
