@@ -190,7 +190,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
     assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
-    assert len(report["checks"]) == 30 and not bad and report.get("fatal") is None, report["checks"]
+    assert len(report["checks"]) == 31 and not bad and report.get("fatal") is None, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -199,7 +199,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "chat command", "acceptEdit lands as a WorkspaceEdit", "rejectEdit denies", "restarts the server by itself",
                   "dies at start", "Always for this branch", "#selection (file, language, line range), #problems",
                   "invalid maxRounds", "command given as a string", "Stop pressed twice while the server is starting",
-                  "never answers initialize", "crashes mid-reply"):
+                  "never answers initialize", "crashes mid-reply", "nobody answers times out"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 
@@ -242,11 +242,11 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     bad = [c for c in summary.get("checks", []) if not c["ok"]]
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     names = " | ".join(c["name"] for c in summary["checks"])
-    assert len(summary["checks"]) == 10, names
+    assert len(summary["checks"]) == 11, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
                   "Stop a running turn", "hidden and shown again while it waits",
-                  "Open Chat from the editor puts the cursor in the chat input"):
+                  "Open Chat from the editor puts the cursor in the chat input", "stopped turns stay in the chat"):
         assert topic in names, f"missing browser check about {topic!r}: {names}"
     for shot in ("chat.png", "diff-review.png", "chat-final.png"):
         png = shots / shot

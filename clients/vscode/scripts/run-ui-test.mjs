@@ -88,6 +88,7 @@ async function main() {
           { json: { answer: 'Done: `greet` shouts now.' } },   // round 2 (the tool ran); the default maxRounds is 4
           edit('And `add` could subtract.', 'src/util.py', 'return a + b', 'return a - b'),
           'A **second** chat.',
+          'After the stops.',
         ),
         slow: scripted({ text: 'too late', delayMs: 120000 }, { text: 'too late again', delayMs: 120000 }),
       },
@@ -395,6 +396,22 @@ async function main() {
     await webClick('#model');
     await quickPickChoose('default', '(default)');
     await waitFor('model back to the default', () => inWeb(`document.getElementById('model').textContent === 'default model'`), 10000);
+  });
+
+  await check('stopped turns stay in the chat (marked, in order) after the next turn and when the chat is shown again', async () => {
+    await type('One more after the stops');
+    await submit();
+    await turnDone();
+    const lastThree = () => inWeb(`JSON.stringify([...document.querySelectorAll('section.turn')].slice(-3).map((t) =>
+      [t.querySelector('.user').textContent, t.classList.contains('stopped'), t.querySelector('.note')?.textContent ?? '', t.querySelector('.prose')?.textContent.trim() ?? '']))`);
+    const expected = JSON.stringify([['Typed without the mouse', true, 'Stopped.', ''], ['This will take forever', true, 'Stopped.', ''],
+      ['One more after the stops', false, '', 'After the stops.']]);
+    expect(await lastThree() === expected, `the stopped turns, then the answered one: ${await lastThree()}`);
+    await palette('View: Show Explorer');
+    await waitFor('the chat webview gone', async () => !(await findWebview()), STEP);
+    await palette('operate-sidecar: Open Chat');
+    await settleWebview();
+    await waitFor('the chat shown again', async () => (await lastThree()) === expected, STEP);
   });
   await shot('chat-final', await chatClip());
   await shot('workbench');

@@ -4,7 +4,7 @@
 import MarkdownIt from 'markdown-it';
 import type { Json, Message, Usage } from './rpcClient';
 
-export type CardState = 'running' | 'ok' | 'error' | 'denied' | 'ask';
+export type CardState = 'running' | 'ok' | 'error' | 'denied' | 'ask' | 'cancelled';
 export interface ToolCard {
   callId: string; tool: string; args: Json; output?: Json; state: CardState;
   /** A pending permission request: shows Accept / Reject / Always (a diff review when `diff`). */
@@ -21,6 +21,10 @@ export interface Turn {
   note?: string;
   error?: string;
   running?: boolean;
+  /** A turn that did not finish: it failed (the server crashed, an error) or was stopped. */
+  outcome?: 'failed' | 'stopped';
+  /** The index of the turn's first message on the branch (turns read from the server). */
+  start?: number;
 }
 export interface TurnUsage { inputTokens: number | null; outputTokens: number | null; modelCalls: number; rounds?: number }
 
@@ -196,9 +200,20 @@ export function isErrorOutput(output: Json | undefined): boolean {
   return !!output && typeof output === 'object' && !Array.isArray(output) && 'error' in output;
 }
 
+/** Why a call was denied, from its output's `reason` (the server's words): a timed-out permission request is no rejection. */
+function deniedWhy(output: Json | undefined): string {
+  const o = output && typeof output === 'object' && !Array.isArray(output) ? output as Record<string, Json> : {};
+  const reason = typeof o.reason === 'string' ? o.reason : '';
+  if (/timed out/i.test(reason)) return 'timed out: no answer, denied';
+  if (/policy/i.test(reason)) return 'denied by policy';
+  if (/stopped|cancel/i.test(reason)) return 'cancelled';
+  if (!reason || /by the user/i.test(reason) || o.error === 'rejected') return 'rejected';
+  return `denied: ${reason.length > 60 ? reason.slice(0, 59) + '…' : reason}`;
+}
+
 /** The card's one-line title, e.g. `✓ edit_file src/x.py +3 −1`. */
 export function cardTitle(card: ToolCard): string {
-  const icon = { running: '…', ok: '✓', error: '✗', denied: '⊘', ask: '?' }[card.state];
+  const icon = { running: '…', ok: '✓', error: '✗', denied: '⊘', ask: '?', cancelled: '⊘' }[card.state];
   const a = card.args && typeof card.args === 'object' && !Array.isArray(card.args) ? card.args as Record<string, Json> : {};
   let subject = '';
   if (typeof a.path === 'string') subject = a.path;
@@ -209,7 +224,8 @@ export function cardTitle(card: ToolCard): string {
   }
   const ar = card.state === 'ok' ? addedRemoved(card.output ?? null) : undefined;
   const counts = ar ? ` +${ar.added} −${ar.removed}` : '';
-  const why = card.state === 'denied' ? ' (rejected)' : card.state === 'ask' ? ' (waiting for you)' : '';
+  const why = card.state === 'denied' ? ` (${deniedWhy(card.output)})` : card.state === 'ask' ? ' (waiting for you)'
+    : card.state === 'cancelled' ? ' (cancelled)' : '';
   return `${icon} ${card.tool}${subject ? ' ' + subject : ''}${counts}${why}`;
 }
 
@@ -255,12 +271,14 @@ export function turnsFromMessages(messages: Message[]): Turn[] {
   const turns: Turn[] = [];
   const cards = new Map<string, ToolCard>();
   let cur: Turn | undefined;
+  let index = -1;
   const turn = () => {
-    if (!cur) { cur = { user: '', contextLabels: [], items: [] }; turns.push(cur); }
+    if (!cur) { cur = { user: '', contextLabels: [], items: [], start: index }; turns.push(cur); }
     return cur;
   };
   let prevKind = '';
   for (const m of messages) {
+    index++;
     const c = m.content as Record<string, Json>;
     const kindBefore = prevKind;
     prevKind = m.kind;
@@ -272,7 +290,7 @@ export function turnsFromMessages(messages: Message[]): Turn[] {
         cur.usage.rounds = (cur.usage.rounds ?? 1) + 1;
         continue;
       }
-      cur = { user: text, contextLabels: contextLabels(c.context), items: [] };
+      cur = { user: text, contextLabels: contextLabels(c.context), items: [], start: index };
       turns.push(cur);
     } else if (m.kind === 'assistant_response') {
       const t = turn();
@@ -297,6 +315,49 @@ export function turnsFromMessages(messages: Message[]): Turn[] {
     }
   }
   return turns;
+}
+
+/**
+ * A turn the server has not recorded as it was shown: one that failed or was stopped (the server
+ * records an instruction only with its reply, so such a turn is missing from the branch, or only
+ * its first rounds are there), or one whose end could not be read back. `at`: the number of the
+ * branch's messages before it; `recorded`: whether its messages begin there (undefined: not known
+ * yet, decided by the next read of the branch, see `resolveLocalTurns`).
+ */
+export interface LocalTurn { turn: Turn; at: number; recorded?: boolean }
+
+/** Decides the unknown `recorded` of local turns from the branch's message count, read first after they ended. */
+export function resolveLocalTurns(locals: LocalTurn[], total: number): void {
+  for (const l of locals) if (l.recorded === undefined) l.recorded = total > l.at;
+}
+
+/**
+ * The branch's turns (from the server) with the local ones, in order: a recorded one gets its
+ * mark (stopped, the error) on the server's turn; any other goes where it happened, before the
+ * first server turn that began after it. The server's turns are copied, never changed.
+ */
+export function withLocalTurns(server: Turn[], locals: LocalTurn[]): Turn[] {
+  const byStart = new Map<number, Turn>();
+  const out = server.map((t) => { const c = { ...t }; if (t.start !== undefined) byStart.set(t.start, c); return c; });
+  const inserts: LocalTurn[] = [];
+  for (const l of locals) {
+    const target = l.recorded ? byStart.get(l.at) : undefined;
+    if (target && target.user === l.turn.user) {
+      if (l.turn.note) target.note = l.turn.note;
+      if (l.turn.error) target.error = l.turn.error;
+      if (l.turn.outcome) target.outcome = l.turn.outcome;
+    } else {
+      inserts.push(l);
+    }
+  }
+  const merged: Turn[] = [];
+  let i = 0;
+  for (const t of out) {
+    while (i < inserts.length && inserts[i].at <= (t.start ?? Number.MAX_SAFE_INTEGER)) merged.push(inserts[i++].turn);
+    merged.push(t);
+  }
+  while (i < inserts.length) merged.push(inserts[i++].turn);
+  return merged;
 }
 
 // ---- HTML -------------------------------------------------------------------------------------
@@ -361,7 +422,8 @@ export function turnHtml(t: Turn, index: number): string {
   const note = t.note ? `<div class="note">${escapeHtml(t.note)}</div>` : '';
   const error = t.error ? `<div class="error">${escapeHtml(t.error)}</div>` : '';
   const usage = t.usage ? `<div class="usage">${escapeHtml(usageLine(t.usage))}</div>` : '';
-  return `<section class="turn" data-turn="${index}"><div class="user">${escapeHtml(t.user)}${chips ? `<div class="chips">${chips}</div>` : ''}</div>`
+  const cls = t.outcome ? ` ${t.outcome}` : '';
+  return `<section class="turn${cls}" data-turn="${index}"><div class="user">${escapeHtml(t.user)}${chips ? `<div class="chips">${chips}</div>` : ''}</div>`
     + `<div class="assistant">${items}${running}${note}${error}${usage}</div></section>`;
 }
 

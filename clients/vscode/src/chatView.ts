@@ -4,18 +4,33 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  conversationHtml, nameFrom, proseOf, refusesField, renderMarkdown, ToolCard, Turn, turnsFromMessages, usageFromResult,
+  cardTitle, conversationHtml, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, ToolCard, Turn,
+  turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
 import { DiffReview, previewOf } from './diffReview';
 import {
-  CancellationToken, CancellationTokenSource, ErrorCodes, Json, OperateParams, OperateResult, PermissionDecision, PermissionRequest,
-  ResponseError, SidecarClient, ToolEvent,
+  CancellationToken, CancellationTokenSource, ErrorCodes, Json, Message, OperateParams, OperateResult, PermissionDecision,
+  PermissionRequest, ResponseError, SidecarClient, ToolEvent,
 } from './rpcClient';
 
 export const VIEW_ID = 'operateSidecar.chat';
 /** How long the end of a turn waits for the branch's messages (a hung server must not keep the turn running). */
 const FINISH_MS = 10_000;
+/** Messages per branchMessages page (the server's default limit). */
+const PAGE = 1000;
+
+/** All of a branch's messages (in pages: a long chat has more than one). */
+async function allMessages(client: SidecarClient, branchId: string): Promise<Message[]> {
+  const first = await client.branchMessages(branchId, 0, PAGE);
+  const messages = [...first.messages];
+  while (messages.length < first.total) {
+    const next = await client.branchMessages(branchId, messages.length, PAGE);
+    if (!next.messages.length) break;
+    messages.push(...next.messages);
+  }
+  return messages;
+}
 
 /** `p`, or a -32800 rejection as soon as `token` is cancelled (Stop while the server is still starting). */
 function unlessCancelled<T>(p: Promise<T>, token: CancellationToken): Promise<T> {
@@ -54,17 +69,35 @@ interface Live {
   proseIdx: number;
   source: CancellationTokenSource;
   cards: Map<string, ToolCard>;
+  /** The note of a turn stopped by the extension (not the user), e.g. for a restart. */
+  stopNote?: string;
+  /** The chat it was sent in (`localBranch` then). */
+  chat: string;
+  /** The branch's message count before this turn; whether its operate was sent. */
+  at: number;
+  sent: boolean;
 }
 
 export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private view: vscode.WebviewView | undefined;
+  /** What the chat shows: the branch's turns from the server with the local ones (below). */
   private turns: Turn[] = [];
+  private serverTurns: Turn[] = [];
+  private serverTotal = 0;
+  /**
+   * Turns of this chat the server did not record as shown (failed, stopped): kept, in order,
+   * until the chat shows another branch. `localBranch`: their branch ('' = a chat not yet bound).
+   */
+  private locals: LocalTurn[] = [];
+  private localBranch = '';
   private live: Live | undefined;
   private supportsMaxRounds = true;
   private readonly pendingAsks = new Map<string, { resolve: (d: PermissionDecision) => void; card: ToolCard }>();
   private readonly subs: vscode.Disposable[] = [];
   private readonly ready = new vscode.EventEmitter<void>();
   private streamUpdates = 0;
+  /** Reloads of the branch from the server (for the tests). */
+  private loads = 0;
 
   constructor(private readonly ctx: vscode.ExtensionContext, private readonly host: ChatHost) {
     this.subs.push(vscode.window.registerWebviewViewProvider(VIEW_ID, this), this.ready);
@@ -134,20 +167,53 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   /** Reloads the current branch's conversation from the server. */
   async refresh(): Promise<void> {
     const id = this.host.branches.current;
-    if (!id) { this.turns = []; this.render(); return; }
+    this.bindLocal(id ?? '');
+    if (!id) { this.serverTurns = []; this.serverTotal = 0; this.turns = withLocalTurns([], this.locals); this.render(); return; }
     // a turn running on this branch: the server has already recorded part of it (the reply, its
     // calls) and the live turn shows it; the turns before it are unchanged (a view shown again)
     if (this.live?.branchId === id) { this.render(); return; }
     try {
       const client = await this.host.ensure();
-      const { messages } = await client.branchMessages(id);
-      this.turns = turnsFromMessages(messages);
+      this.loaded(await allMessages(client, id));
+      this.loads++;
     } catch (e) {
-      this.turns = [];
+      this.serverTurns = [];
+      this.turns = withLocalTurns([], this.locals);
       if (e instanceof ResponseError && e.code === ErrorCodes.BranchNotFound) await this.host.branches.setCurrent(undefined);
-      else this.turns = [{ user: '', contextLabels: [], items: [], error: this.host.serverProblem(e) ?? String(e) }];
+      else this.turns.push({ user: '', contextLabels: [], items: [], error: this.host.serverProblem(e) ?? String(e) });
     }
     this.render();
+  }
+
+  /** The chat shows `branchId` ('' = a new chat): the local turns of another branch are dropped. */
+  private bindLocal(branchId: string): void {
+    if (branchId === this.localBranch) return;
+    this.locals = [];
+    this.localBranch = branchId;
+  }
+
+  /** The branch's messages were read: the local turns are placed among its turns. */
+  private loaded(messages: Message[]): void {
+    resolveLocalTurns(this.locals, messages.length);
+    this.serverTotal = messages.length;
+    this.serverTurns = turnsFromMessages(messages);
+    this.turns = withLocalTurns(this.serverTurns, this.locals);
+  }
+
+  /** A new chat (New with no branch yet): forgets the turns that failed before it had one. */
+  clearUnbound(): void {
+    if (this.live || this.host.branches.current) return;
+    this.locals = [];
+    this.serverTurns = [];
+    this.turns = [];
+    this.render();
+  }
+
+  /** The turns shown (for the tests and other extensions). */
+  shownTurns(): { user: string; outcome?: string; note?: string; error?: string; cards: string[] }[] {
+    const turns = this.live ? [...this.turns, this.live.turn] : this.turns;
+    return turns.map((t) => ({ user: t.user, ...(t.outcome && { outcome: t.outcome }), ...(t.note && { note: t.note }),
+      ...(t.error && { error: t.error }), cards: t.items.flatMap((i) => (i.kind === 'tool' ? [cardTitle(i.card)] : [])) }));
   }
 
   async reveal(): Promise<void> {
@@ -157,7 +223,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   // ---- turns -----------------------------------------------------------------------------------
   get running(): boolean { return !!this.live; }
   runningBranch(): string | undefined { return this.live?.branchId; }
-  stats() { return { streamUpdates: this.streamUpdates, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()] }; }
+  stats() { return { streamUpdates: this.streamUpdates, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads }; }
 
   /** One chat turn on the current branch (created, named after the instruction, when there is none). */
   async send(text: string): Promise<TurnOutcome> {
@@ -165,7 +231,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const resolved = resolveInput(text, this.host.editors.editor);
     const turn: Turn = { user: text, contextLabels: (resolved.context?.labels as string[] | undefined) ?? [], items: [], running: true };
     const source = new CancellationTokenSource();
-    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map() };
+    this.bindLocal(this.host.branches.current ?? '');
+    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), chat: this.localBranch, at: this.serverTotal, sent: false };
     this.render();
     this.host.runningChanged(true);
     let outcome: TurnOutcome = { branchId: '' };
@@ -178,8 +245,23 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         const model = this.host.branches.model;
         branchId = (await unlessCancelled(client.createBranch({ name, ...(model && { chatModel: model }) }), source.token)).branchId;
         this.host.branches.remember(branchId, name);
+        // the turns that failed before the chat had a branch stay with it, before its first message
+        if (this.localBranch === '') this.localBranch = this.live.chat = branchId;
+        this.serverTurns = [];
+        this.serverTotal = 0;
+        this.live.at = 0;
         await this.host.branches.setCurrent(branchId);
         this.host.line(`[chat] new branch "${name}" ${branchId}`);
+      } else {
+        // where this turn begins on the branch (and, read first after a turn that failed, whether
+        // the server had recorded part of that one)
+        try {
+          const total = (await unlessCancelled(client.branchMessages(branchId, 0, 0), source.token)).total;
+          resolveLocalTurns(this.locals, total);
+          this.live.at = total;
+        } catch (e) {
+          if (e instanceof ResponseError && e.code === ErrorCodes.Cancelled) throw e;
+        }
       }
       this.live.branchId = branchId;
       outcome.branchId = branchId;
@@ -189,13 +271,14 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         branchId, instruction: resolved.instruction, ...(resolved.context && { context: resolved.context }),
         actions: true, tools: true, ...(model && { chatModel: model }),
       };
+      this.live.sent = true;
       const result = await this.operate(client, params, source);
       outcome.result = result;
       await this.finish(result);
     } catch (e) {
       const cancelled = e instanceof ResponseError && e.code === ErrorCodes.Cancelled;
       outcome = { ...outcome, cancelled, ...(!cancelled && { error: this.host.serverProblem(e) ?? (e instanceof Error ? e.message : String(e)) }) };
-      await this.finish(undefined, cancelled ? 'Stopped.' : undefined, outcome.error);
+      await this.finish(undefined, cancelled ? (this.live?.stopNote ?? 'Stopped.') : undefined, outcome.error);
     }
     return outcome;
   }
@@ -251,46 +334,71 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     }
     if (e.event === 'post') { card.state = 'ok'; card.output = e.resultSummary ?? null; }
     if (e.event === 'error') { card.state = 'error'; card.output = { error: e.error ?? 'failed' }; }
-    if (e.event === 'denied') { card.state = 'denied'; card.output = { error: 'denied' }; }
+    if (e.event === 'denied') {   // the server's reason: rejected, timed out, policy...
+      card.state = 'denied';
+      card.output = { error: 'denied by governance gate', ...(e.error && { reason: e.error }) };
+    }
     this.render();
   }
 
   private async finish(result: OperateResult | undefined, note?: string, error?: string): Promise<void> {
     const live = this.live!;
-    let turns: Turn[] | undefined;
+    let messages: Message[] | undefined;
     const client = this.host.current();
     if (live.branchId && client?.running) {
       let timer: NodeJS.Timeout | undefined;
       try {
         const late = new Promise<never>((_, reject) => { timer = setTimeout(() => reject(new Error('timeout')), FINISH_MS); });
-        turns = turnsFromMessages((await Promise.race([client.branchMessages(live.branchId), late])).messages);
+        messages = await Promise.race([allMessages(client, live.branchId), late]);
       } catch { /* keep what was streamed */ } finally { clearTimeout(timer); }
     }
-    live.turn.running = false;
-    if (!turns || !turns.length || turns[turns.length - 1].user !== live.turn.user) {
-      turns = [...(turns ?? this.turns), live.turn];   // the instruction was not recorded (e.g. stopped early)
+    const t = live.turn;
+    t.running = false;
+    if (note) { t.note = note; t.outcome = 'stopped'; }
+    if (error) { t.error = error; t.outcome = 'failed'; }
+    for (const it of t.items) {   // calls the turn never saw finish
+      if (it.kind !== 'tool' || (it.card.state !== 'running' && it.card.state !== 'ask')) continue;
+      delete it.card.ask;
+      it.card.state = t.outcome === 'failed' ? 'error' : 'cancelled';
+      if (t.outcome === 'failed') it.card.output ??= { error: 'the turn failed before this call finished' };
     }
-    const last = turns[turns.length - 1];
     const u = usageFromResult(result?.usage, result?.rounds);
-    if (u) last.usage = u;
-    else if (last.usage && result?.rounds) last.usage.rounds = result.rounds;
-    if (note) last.note = note;
-    if (error) last.error = error;
-    this.turns = turns;
+    if (u) t.usage = u;
+    const mine = live.chat === this.localBranch;
+    if (mine) {
+      if (messages) {
+        resolveLocalTurns(this.locals, messages.length);
+        this.serverTotal = messages.length;
+        this.serverTurns = turnsFromMessages(messages);
+      }
+      const recorded = !live.sent ? false : messages ? messages.length > live.at : undefined;
+      const own = recorded ? this.serverTurns.find((x) => x.start === live.at && x.user === t.user) : undefined;
+      if (own) {   // the server's record of this turn, with what only the client knows (usage, rounds)
+        if (u) own.usage = u;
+        else if (own.usage && result?.rounds) own.usage.rounds = result.rounds;
+      }
+      // kept here unless the server's record of it is complete (a turn that ended well, read back)
+      if (t.outcome || !own) this.locals.push({ turn: t, at: live.at, recorded });
+      this.turns = withLocalTurns(this.serverTurns, this.locals);
+    }
     this.live = undefined;
     live.source.dispose();
     this.host.runningChanged(false);
     this.render();
+    // the user went to another chat while the turn ran: show that one now
+    if (!mine || (this.host.branches.current ?? '') !== this.localBranch) void this.refresh();
   }
 
   /** A new server process answered initialize: forget what the previous one did not support. */
   serverStarted(): void { this.supportsMaxRounds = true; }
 
-  stop(): boolean {
+  /** Stops the running turn; `why`: its note when the extension stops it (a restart), not the user. */
+  stop(why?: string): boolean {
     if (!this.live) return false;
+    if (why && !this.live.source.token.isCancellationRequested) this.live.stopNote = `Stopped: ${why}.`;
     // a second Stop (or Stop then Restart) cancels nothing more
     if (!this.live.source.token.isCancellationRequested) this.live.source.cancel();
-    for (const id of [...this.pendingAsks.keys()]) this.settleAsk(id, 'deny_once');
+    for (const id of [...this.pendingAsks.keys()]) this.settleAsk(id, 'deny_once', 'the turn was stopped');
     return true;
   }
 
@@ -315,7 +423,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.render();
     const decision = await new Promise<PermissionDecision>((resolve) => {
       this.pendingAsks.set(req.callId, { resolve, card: card! });
-      token.onCancellationRequested(() => this.settleAsk(req.callId, 'deny_once'));
+      // the server withdrew the request: its operate was stopped, or nobody answered in time
+      token.onCancellationRequested(() => this.settleAsk(req.callId, 'deny_once',
+        live.source.token.isCancellationRequested ? 'the turn was stopped' : 'permission request timed out'));
       if (preview) {
         void this.host.review.review(req, preview, token).then((d) => this.settleAsk(req.callId, d));
       }
@@ -330,14 +440,14 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     return this.settleAsk(callId, decision);
   }
 
-  private settleAsk(callId: string, decision: PermissionDecision): boolean {
+  private settleAsk(callId: string, decision: PermissionDecision, withdrawn?: string): boolean {
     const p = this.pendingAsks.get(callId);
     if (!p) return false;
     this.pendingAsks.delete(callId);
     if (this.host.review.has(callId)) this.host.review.decide(callId, decision, true);
     delete p.card.ask;
     p.card.state = decision.startsWith('allow') ? 'running' : 'denied';
-    if (p.card.state === 'denied') p.card.output = { error: 'rejected' };
+    if (p.card.state === 'denied') p.card.output = { error: 'denied by governance gate', reason: withdrawn ?? 'denied by the user' };
     this.render();
     p.resolve(decision);
     return true;

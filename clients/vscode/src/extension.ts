@@ -47,7 +47,9 @@ export interface OperateSidecarApi {
   currentBranch(): string | undefined;
   initializeResult(): InitializeResult | undefined;
   /** The chat view's counters (prose stream updates, turns, open permission cards). */
-  chatStats(): { streamUpdates: number; turns: number; pendingAsks: string[]; running: boolean };
+  chatStats(): { streamUpdates: number; turns: number; pendingAsks: string[]; running: boolean; loads: number };
+  /** The turns the chat shows, oldest first: the instruction, a failed or stopped turn's mark, card titles. */
+  chatTurns(): { user: string; outcome?: string; note?: string; error?: string; cards: string[] }[];
   /** Decided diff reviews, oldest first. */
   reviews(): ReviewRecord[];
   /** The status bar item's text. */
@@ -293,11 +295,12 @@ class Sidecar {
     return client;
   }
 
-  async stop(): Promise<void> {
+  /** Stops the server; `why` (a restart for changed settings) is the note of a chat turn it stops. */
+  async stop(why?: string): Promise<void> {
     this.stopping = true;
     try {
       for (const s of this.running) cancelOnce(s);
-      this.chat.stop();
+      this.chat.stop(why);
       // a start still finishing (e.g. a restart right after a restart) is abandoned (its process
       // killed) and settles first, so that the next ensure() starts a new process instead of reusing
       // the promise of the stopped one; bounded, whatever the server does
@@ -496,6 +499,7 @@ class Sidecar {
 
   async newChat(): Promise<void> {
     await this.branches.setCurrent(undefined);
+    this.chat.clearUnbound();   // already a new chat: what failed in it goes too
     await this.chat.reveal();
   }
 
@@ -568,9 +572,9 @@ class Sidecar {
     return pick?.id;
   }
 
-  async restart(): Promise<InitializeResult> {
+  async restart(why?: string): Promise<InitializeResult> {
     this.line('[server] restarting');
-    await this.stop();
+    await this.stop(why);
     await this.ensure();
     return this.initResult!;
   }
@@ -606,7 +610,7 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
     if (!s.currentClient() && !s.isStarting) return;   // applied at the next start
     s.line('[server] configuration changed; restarting');
     clearTimeout(restartTimer);
-    restartTimer = setTimeout(() => { void s.restart().catch(() => undefined); }, 300);
+    restartTimer = setTimeout(() => { void s.restart('the server restarted to apply the changed settings').catch(() => undefined); }, 300);
   }), { dispose: () => clearTimeout(restartTimer) });
   return {
     outputText: () => s.outputText(),
@@ -614,6 +618,7 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
     currentBranch: () => s.currentBranch(),
     initializeResult: () => s.initializeResult(),
     chatStats: () => ({ ...s.chat.stats(), running: s.chat.running }),
+    chatTurns: () => s.chat.shownTurns(),
     reviews: () => [...s.review.history],
     statusText: () => s.status.text,
     notices: () => [...s.noticeLog],

@@ -688,7 +688,70 @@ export async function run(): Promise<void> {
       await exec('operateSidecar.pickModel', 'twice');
       const o: any = await exec('operateSidecar.chat', 'after the crash');
       expect(o?.result?.result === 'Noted.' && o.branchId === bid && api!.client()?.running, `a new server: ${JSON.stringify(o)}`);
+      // the server never recorded the crashed turn (no reply): the chat keeps it, marked, before the next one
+      const shown = () => api!.chatTurns().map((t) => `${t.user}|${t.outcome ?? 'ok'}`).join(' / ');
+      const expected = 'crash during this reply|failed / after the crash|ok';
+      expect(shown() === expected, `both turns, in order: ${shown()}`);
+      expect(/SIGKILL/.test(api!.chatTurns()[0].error ?? ''), `the crashed turn keeps its error: ${JSON.stringify(api!.chatTurns()[0])}`);
+      // reloaded from the server (a restart reloads the chat): still there
+      const loads = api!.chatStats().loads;
+      await exec('operateSidecar.restart');
+      await until(() => api!.chatStats().loads > loads, 'the chat reloaded the branch', 10_000);
+      expect(shown() === expected, `after the reload: ${shown()}`);
+      // another chat, then back: the branch as the server has it
+      await exec('operateSidecar.newChat');
+      await until(() => api!.chatTurns().length === 0, 'the new chat is empty', 10_000);
+      const back = api!.chatStats().loads;
+      await exec('operateSidecar.pickBranch', { branchId: bid });
+      await until(() => api!.chatStats().loads > back, 'the chat reloaded the branch', 10_000);
+      expect(shown() === 'after the crash|ok', `another branch in between: the server's turns: ${shown()}`);
       await exec('operateSidecar.pickModel', '');
+    });
+
+    await check('a permission request nobody answers times out: the card says so (not "rejected"), the diff editor closes, the turn goes on as denied, no error', async () => {
+      const saved = cfg().inspect<any>('settings')!.workspaceValue;
+      const pid = client().process.pid;
+      const n0 = api!.notices().length;
+      const doc = await within(vscode.workspace.openTextDocument(notesUri), 'open notes.txt');
+      const text0 = doc.getText();
+      const oldText = text0.split('\n')[0];
+      try {
+        await within(cfg().update('settings', { ...saved, permissionTimeoutMs: 2000, models: { ...saved.models,
+          unanswered: scripted({ json: { answer: 'Editing; nobody will answer.', action_requests: [{ function: 'edit_file',
+            arguments: { path: 'notes.txt', edits: [{ oldText, newText: oldText.toUpperCase() + '!' }] } }] } }) } },
+        vscode.ConfigurationTarget.Workspace), 'a short permission time-out');
+        await until(() => !!api!.client()?.running && api!.client()!.process.pid !== pid && !!api!.initializeResult()?.capabilities.models.includes('unanswered'),
+          'the restarted server', 20_000);
+        await exec('operateSidecar.pickModel', 'unanswered');
+        await exec('operateSidecar.newChat');
+        const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: 'Edit the notes, then wait' }));
+        await until(() => !!proposedTab() && api!.chatStats().pendingAsks.length === 1, 'the review waits');
+        const o: any = await within(turn, 'the turn ends by itself', 20_000);
+        const out = (o?.result?.result?.action_responses as any[] | undefined)?.[0]?.output;
+        expect(o && !o.error && !o.cancelled && out?.error === 'denied by governance gate' && out.reason === 'permission request timed out',
+          `the turn went on, the call denied: ${JSON.stringify(o)}`);
+        const [t] = api!.chatTurns().slice(-1);
+        expect(t.user === 'Edit the notes, then wait' && !t.outcome && !t.error
+          && JSON.stringify(t.cards) === JSON.stringify(['⊘ edit_file notes.txt (timed out: no answer, denied)']), `the card: ${JSON.stringify(t)}`);
+        await until(() => !proposedTab(), 'the diff editor closed');
+        expect(api!.chatStats().pendingAsks.length === 0 && doc.getText() === text0, 'nothing pending, the file unchanged');
+        expect(api!.notices().length === n0, `no error: ${JSON.stringify(api!.notices().slice(n0))}`);
+        // a server setting changed while a turn runs: the restart stops it and the turn says why (not a plain "Stopped.")
+        await exec('operateSidecar.pickModel', 'slow');
+        const pid2 = client().process.pid;
+        const { s, p } = startChat('a turn while the settings change');
+        await until(() => api!.chatStats().running, 'the turn runs');
+        await within(cfg().update('settings', saved, vscode.ConfigurationTarget.Workspace), 'restore the settings');
+        await within(p, 'the turn ends', 15_000);
+        expect(!s.err && s.res?.cancelled === true && !s.res.error, `stopped, not failed: ${JSON.stringify(s)}`);
+        const [stopped] = api!.chatTurns().slice(-1);
+        expect(stopped.user === 'a turn while the settings change' && stopped.outcome === 'stopped'
+          && stopped.note === 'Stopped: the server restarted to apply the changed settings.', `the turn says why: ${JSON.stringify(stopped)}`);
+        await until(() => !!api!.client()?.running && api!.client()!.process.pid !== pid2, 'the restarted server', 20_000);
+      } finally {
+        await within(cfg().update('settings', saved, vscode.ConfigurationTarget.Workspace), 'restore the settings');
+        await exec('operateSidecar.pickModel', '').catch(() => undefined);
+      }
     });
 
     await check('a server that never answers initialize (a non-frame line on stdout): Stop ends the waiting turn; the start times out with "Show server log" / "Open settings"; the next turn fails, not hangs; Restart recovers', async () => {

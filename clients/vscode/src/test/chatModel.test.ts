@@ -7,7 +7,8 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import {
-  cardTitle, conversationHtml, nameFrom, proseOf, proseOfResult, refusesField, renderMarkdown, turnsFromMessages,
+  cardTitle, conversationHtml, LocalTurn, nameFrom, proseOf, proseOfResult, refusesField, renderMarkdown, resolveLocalTurns,
+  Turn, turnsFromMessages, withLocalTurns,
 } from '../chatModel';
 import { PermissionRequest, SidecarClient } from '../rpcClient';
 
@@ -94,6 +95,13 @@ test('tool cards: compact titles with +added −removed; denied and failed calls
   assert.equal(cardTitle({ ...base, state: 'ok', output: { diff: '--- a\n+++ b\n-x\n+y\n' } }), '✓ edit_file src/x.py +1 −1');
   assert.equal(cardTitle({ ...base, state: 'denied', output: { error: 'denied by governance gate' } }), '⊘ edit_file src/x.py (rejected)');
   assert.equal(cardTitle({ ...base, state: 'ask' }), '? edit_file src/x.py (waiting for you)');
+  // the server's reason: a permission request nobody answered is no rejection
+  const denied = (reason: string) => cardTitle({ ...base, state: 'denied', output: { error: 'denied by governance gate', reason } });
+  assert.equal(denied('permission request timed out'), '⊘ edit_file src/x.py (timed out: no answer, denied)');
+  assert.equal(denied('denied by the user'), '⊘ edit_file src/x.py (rejected)');
+  assert.equal(denied('denied by policy'), '⊘ edit_file src/x.py (denied by policy)');
+  assert.equal(denied('the turn was stopped'), '⊘ edit_file src/x.py (cancelled)');
+  assert.equal(cardTitle({ ...base, state: 'cancelled' }), '⊘ edit_file src/x.py (cancelled)');
   assert.equal(cardTitle({ callId: 'c', tool: 'shout', args: { text: 'hey' }, state: 'error', output: { error: 'x' } }), '✗ shout hey');
 });
 
@@ -112,6 +120,41 @@ test('turns: a further round (the continuation instruction after tools ran) stay
   assert.deepEqual(turns[0].items.map((i) => (i.kind === 'prose' ? i.text : cardTitle(i.card))), ['Fixing.', '✓ edit_file x.py +1 −1', 'Fixed.']);
   assert.deepEqual(turns[0].usage, { inputTokens: 12, outputTokens: 3, modelCalls: 2, rounds: 2 });
   assert.equal(turns[1].user, 'Continue the same task. (typed by the user, no tool before)');
+});
+
+test('local turns: a failed or stopped turn stays in order among the server\'s turns; one recorded in part gets its mark', () => {
+  const msg = (kind: string, content: object, i: number) => ({ id: String(i), kind, role: '', sender: null, recipient: null, createdAt: i, content }) as any;
+  const local = (user: string, extra: Partial<Turn>): Turn => ({ user, contextLabels: [], items: [], ...extra });
+  // turn A (messages 0-1), a crash that the server never recorded, turn B (messages 2-3) after it
+  const crashed = local('crash here', { error: 'the server died', outcome: 'failed' });
+  const locals: LocalTurn[] = [{ turn: crashed, at: 2 }];
+  resolveLocalTurns(locals, 2);   // read first after the crash: nothing after message 2
+  assert.equal(locals[0].recorded, false);
+  const server = turnsFromMessages([
+    msg('instruction', { instruction: 'A' }, 0), msg('assistant_response', { text: 'a' }, 1),
+    msg('instruction', { instruction: 'crash here' }, 2), msg('assistant_response', { text: 'retried' }, 3),
+  ]);
+  assert.deepEqual(server.map((t) => t.start), [0, 2]);
+  const shown = withLocalTurns(server, locals);
+  assert.deepEqual(shown.map((t) => [t.user, t.outcome ?? 'ok']), [['A', 'ok'], ['crash here', 'failed'], ['crash here', 'ok']],
+    'the failed turn, then its retry with the same text');
+  assert.ok(!server[1].error && !server[1].outcome, 'the server turns are not changed');
+  // a turn whose first round was recorded (a tool ran), stopped in the second: the server's turn gets the mark
+  const stopped = local('edit it', { note: 'Stopped.', outcome: 'stopped' });
+  const partial: LocalTurn[] = [{ turn: stopped, at: 2 }];
+  resolveLocalTurns(partial, 6);
+  const withPartial = withLocalTurns(turnsFromMessages([
+    msg('instruction', { instruction: 'A' }, 0), msg('assistant_response', { text: 'a' }, 1),
+    msg('instruction', { instruction: 'edit it' }, 2), msg('assistant_response', { text: 'Editing.' }, 3),
+    msg('action_request', { callId: 'c', function: 'edit_file', arguments: {} }, 4),
+    msg('action_response', { callId: 'c', function: 'edit_file', output: { diff: '' } }, 5),
+  ]), partial);
+  assert.deepEqual(withPartial.map((t) => [t.user, t.note ?? '', t.outcome ?? 'ok', t.items.length]), [['A', '', 'ok', 1], ['edit it', 'Stopped.', 'stopped', 2]]);
+  // stopped before the branch had any message, then a turn that worked: local first
+  assert.deepEqual(withLocalTurns(turnsFromMessages([msg('instruction', { instruction: 'B' }, 0)]), [{ turn: stopped, at: 0, recorded: false }])
+    .map((t) => t.user), ['edit it', 'B']);
+  const html = conversationHtml(shown);
+  assert.ok(html.includes('<section class="turn failed" data-turn="1">') && html.includes('the server died'), html);
 });
 
 test('fs/readTextFile and fs/writeTextFile: edit_file reads the unsaved buffer and writes through the client; the chat shows prose, card and usage', async () => {
