@@ -28,7 +28,7 @@ import anyio
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import field_value, is_loopback_url, json_safe, redact, remember_secret, snake, snake_options
+from ._common import MAX_REPLY_CHARS, field_value, is_loopback_url, json_safe, redact, remember_secret, snake, snake_options
 from .config import FIELDS, check_model_config, json_kind
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,8 @@ class OpenAIModel(BaseModelProvider):
             msg = f"model {self.name!r}: {where} sent a stream event that is not JSON: {e}"
         elif isinstance(e, _BadChunk):
             msg = f"model {self.name!r}: {where} sent a stream chunk of an unexpected shape: {e}"
+        elif isinstance(e, _TooLong):
+            msg = f"model {self.name!r}: the reply from {where} is too long ({e}); it was stopped"
         elif isinstance(e, _Incomplete):
             msg = f"model {self.name!r}: the stream from {where} ended before the reply was complete ({e})"
         elif isinstance(e, openai.APIStatusError):
@@ -265,6 +267,7 @@ class OpenAIModel(BaseModelProvider):
         filtered = False          # a ``content_filter`` stop: the provider cut the reply
         finished = False          # a choice said why it stopped (finish_reason)
         done = _watch_done(stream)  # [DONE] seen (where the SDK lets us see it)
+        reply_chars = 0             # text and thinking so far: bounded (a server streaming on and on)
         try:
             async for chunk in stream:
                 part = _read_chunk(chunk)
@@ -274,10 +277,13 @@ class OpenAIModel(BaseModelProvider):
                 filtered = filtered or part.filtered
                 refusal += part.refusal
                 for kind, text in part.out:
+                    reply_chars += len(text)
+                    if reply_chars > MAX_REPLY_CHARS:
+                        raise _TooLong(f"more than {MAX_REPLY_CHARS >> 20} Mi characters")
                     yield StreamChunk(type=kind, text=text)
             if not (finished or done[0]):
                 raise _Incomplete("no finish_reason and no [DONE]")
-        except (openai.OpenAIError, _BadChunk, _Incomplete) as e:
+        except (openai.OpenAIError, _BadChunk, _Incomplete, _TooLong) as e:
             raise self._error(e, streaming=True) from None
         except (ValueError, RecursionError) as e:  # the SDK could not parse an event's JSON
             raise self._error(e, streaming=True) from None
@@ -307,6 +313,10 @@ class _BadChunk(Exception):
 
 class _Incomplete(Exception):
     """The stream ended with no sign that the reply was complete."""
+
+
+class _TooLong(Exception):
+    """The reply outgrew MAX_REPLY_CHARS."""
 
 
 def _is_http_error(e: BaseException) -> bool:

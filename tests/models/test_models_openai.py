@@ -483,3 +483,52 @@ def test_bad_model_options_are_invalid_params_over_the_wire(tmp_path):
             r = c.request("operate", {"branchId": bid, "instruction": "go", "modelOptions": {"temperature": 0}},
                           timeout=60)
             assert r["result"] == "fine" and len(got) == 1
+
+
+# -- servers that answer on and on, or late ----------------------------------------------------
+
+
+@contextlib.contextmanager
+def endless_stream():
+    """A loopback server whose chat completion streams content chunks without end, as fast as the
+    connection takes them."""
+    import http.server
+
+    from openai_stub import loopback
+
+    piece = sse(delta_chunk({"content": "z" * 4000})) * 16
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(piece)
+            except OSError:  # the client hung up
+                pass
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    with loopback(Endless) as url:
+        yield url
+
+
+async def test_a_reply_streamed_without_end_fails_the_call_instead_of_filling_memory():
+    """A server streaming content without end (tens of MB a second over loopback) was read until
+    timeoutS (120 s by default): gigabytes of reply in memory. Past 64 Mi characters the call
+    is a model error naming the server."""
+    with endless_stream() as url:
+        model = openai_model(url, maxRetries=0)
+        try:
+            with anyio.fail_after(60), pytest.raises(ModelError, match="too long") as info:
+                await model.invoke(ask("x"))
+        finally:
+            await model.aclose()
+    assert "'oai'" in str(info.value) and url in str(info.value)
