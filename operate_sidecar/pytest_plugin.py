@@ -45,15 +45,59 @@ def pytest_configure(config: pytest.Config) -> None:
         "operate-sidecar")
 
 
+def _refuse(message: str) -> None:
+    """Fail the test's set-up with ``message`` alone (a wrong option is the test's mistake: the
+    plugin's and pytest-asyncio's frames would only hide it)."""
+    __tracebackhide__ = True
+    pytest.fail(message, pytrace=False)
+
+
+def _check_options(options: Any) -> None:
+    """Refuse, by name, options of the wrong type or unknown ones, before any sidecar starts (a
+    wrong type failed deep inside the start-up, or after it with the sidecar left running)."""
+    if not isinstance(options, dict):
+        _refuse(f"sidecar options must be a dict of keywords, got {type(options).__name__}")
+    unknown = set(options) - _OPTION_KEYS
+    if unknown:
+        _refuse(f"sidecar marker: unknown option(s) {', '.join(sorted(unknown))}; "
+                                f"known: {', '.join(sorted(_OPTION_KEYS))}")
+
+    def bad(key: str, want: str) -> None:
+        _refuse(f"sidecar marker: {key} must be {want}, got {options[key]!r}")
+
+    for key in ("settings", "capabilities", "client_info"):
+        if options.get(key) is not None and not isinstance(options[key], dict):
+            bad(key, "a dict")
+    args = options.get("args", ())
+    if isinstance(args, (str, bytes)) or not isinstance(args, (list, tuple)) \
+            or not all(isinstance(a, str) for a in args):
+        bad("args", "a list of strings (server flags)")
+    env = options.get("env")
+    if env is not None and (not isinstance(env, dict)
+                            or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        bad("env", "a dict of strings to strings")
+    if not isinstance(options.get("initialize", True), bool):
+        bad("initialize", "True or False")
+    if options.get("workspace_folders") is not None and not isinstance(options["workspace_folders"], list):
+        bad("workspace_folders", "a list")
+    timeout = options.get("timeout", 1)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        bad("timeout", "a number of seconds above 0")
+
+
 @pytest.fixture
 def sidecar_options(request: pytest.FixtureRequest) -> dict[str, Any]:
     """Options for the ``sidecar`` fixture: the ``sidecar`` marker's keywords, or the value of an
     indirect parametrization of this fixture."""
     options: dict[str, Any] = {}
     for mark in reversed(list(request.node.iter_markers(MARKER))):  # closest marker wins
+        if mark.args:
+            _refuse(f"sidecar marker: options are keywords (settings=..., args=[...]), got "
+                                    f"positional {short_repr(mark.args)}")
         options.update(mark.kwargs)
     param = getattr(request, "param", None)
-    if isinstance(param, dict):
+    if param is not None:
+        _check_options(param)
         options.update(param)
     return options
 
@@ -66,10 +110,7 @@ async def _sidecar(sidecar_options: dict[str, Any]) -> Any:
 
     from operate_sidecar.testing import SidecarTestClient, server_command
 
-    unknown = set(sidecar_options) - _OPTION_KEYS
-    if unknown:
-        raise pytest.UsageError(f"sidecar marker: unknown option(s) {', '.join(sorted(unknown))}; "
-                                f"known: {', '.join(sorted(_OPTION_KEYS))}")
+    _check_options(sidecar_options)
     env = None
     if sidecar_options.get("env"):
         env = {**os.environ, **sidecar_options["env"]}
@@ -104,6 +145,11 @@ async def _sidecar(sidecar_options: dict[str, Any]) -> Any:
                             f"answered -32603" + (f" ({more} more handler failure(s))" if more else "")) from error
 
 
+def short_repr(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _add_stderr(error: BaseException, client: Any, lines: int = 40) -> None:
     """Append the server's stderr (its last ``lines`` lines) to ``error``, as a note."""
     from operate_sidecar.testing import SidecarError, SidecarExited
@@ -128,7 +174,7 @@ if pytest_asyncio is not None:
 else:  # pragma: no cover - depends on the environment
     @pytest.fixture(name="sidecar")
     def _sidecar_missing() -> Any:
-        raise pytest.UsageError("the sidecar fixture needs pytest-lsp: pip install 'operate-sidecar[testing]'")
+        _refuse("the sidecar fixture needs pytest-lsp: pip install 'operate-sidecar[testing]'")
 
 
 @pytest.fixture

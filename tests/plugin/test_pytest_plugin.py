@@ -402,3 +402,89 @@ def test_a_failing_handler_fails_the_test_and_no_json_is_refused_before_anything
     assert len(timed) >= 10, text
     for line in timed:
         assert float(line.split("s", 1)[0]) < 10, line
+
+
+BAD_OPTIONS_TESTS = '''
+import os
+
+import pytest
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(args="--debug")
+async def test_args_a_string(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(timeout="abc")
+async def test_timeout_a_string(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(env=["A=1"])
+async def test_env_a_list(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings="models.toml")
+async def test_settings_a_string(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(setings={})
+async def test_unknown_option(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar({"settings": {}})
+async def test_positional_options(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sidecar_options", ["--debug"], indirect=True)
+async def test_parametrized_with_no_dict(sidecar):
+    pass
+
+
+def test_no_sidecar_left_running():
+    children = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                with open(f"/proc/{stat}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                children.append(stat)
+    assert children == []
+'''
+
+
+def test_marker_options_of_the_wrong_type_are_refused_by_name_before_a_sidecar_starts(tmp_path):
+    """args as a string (it was split into one-letter flags), timeout not a number (a ValueError
+    after the sidecar started, which then ran on unstopped), env not a dict, settings not a dict,
+    positional marker arguments (silently ignored) and an indirect parametrization that is not a
+    dict (ignored): the set-up fails naming the option, and no sidecar left running."""
+    project = make_project(tmp_path / "ext")
+    (project / "test_options.py").write_text(BAD_OPTIONS_TESTS)
+    out = run_pytest(project, "-rA", "test_options.py")
+    text = out.stdout + out.stderr
+    assert "1 passed, 7 errors" in text, text
+    for message in ["args must be a list of strings (server flags), got '--debug'",
+                    "timeout must be a number of seconds above 0, got 'abc'",
+                    "env must be a dict of strings to strings, got ['A=1']",
+                    "settings must be a dict, got 'models.toml'",
+                    "unknown option(s) setings; known: args,",
+                    "options are keywords (settings=..., args=[...]), got positional ({'settings': {}},)",
+                    "sidecar options must be a dict of keywords, got str"]:
+        assert message in text, message + "\n" + text
+    assert text.count(" - Failed: side") == 7, text  # the message alone, no traceback
+    assert "pytest_asyncio" not in text and "def _check_options" not in text, text
+    assert "PASSED test_options.py::test_no_sidecar_left_running" in text, text
