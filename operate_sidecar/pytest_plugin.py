@@ -23,6 +23,7 @@ Tests that use ``sidecar`` are ``async def`` tests run by pytest-asyncio (mark t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -178,13 +179,19 @@ else:  # pragma: no cover - depends on the environment
 
 
 @pytest.fixture
-def sidecar_script() -> Any:
+def sidecar_script(request: pytest.FixtureRequest) -> Any:
     """``sidecar_script(path, scripted=False, server=None, step_timeout=None, env=None)``: run a
-    session script against a fresh sidecar; a failing step fails the test with the report."""
+    session script against a fresh sidecar; a failing step fails the test with the report. A
+    relative ``path`` is found beside the test file first, then from the working directory."""
     from operate_sidecar.testing import run_session_script
+
+    here = Path(str(request.node.path)).parent
 
     def run(path: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
+        given = Path(path)
+        if not given.is_absolute() and (here / given).is_file():
+            path = here / given  # beside the test file: pytest may run from any directory
         return run_session_script(path, **kwargs)
 
     return run

@@ -121,6 +121,17 @@ def test_a_project_uses_the_fixture_and_script_helper_and_failures_read_well(tmp
             '1 unmatched, nearest at $.params.event: expected "post", got "denied"') in text, text
 
 
+def test_a_script_beside_the_test_file_is_found_when_pytest_runs_from_elsewhere(tmp_path):
+    """``sidecar_script("good.jsonl")`` names the file beside the test, whatever the working
+    directory (it was looked up from the working directory only: run from the project's parent,
+    the script was "not found")."""
+    make_project(tmp_path / "ext")
+    out = run_pytest(tmp_path, "ext/test_extension.py::test_session_script_passes", "-rA")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "PASSED ext/test_extension.py::test_session_script_passes" in text, text
+
+
 def test_the_fixture_is_offered_by_the_installed_plugin(tmp_path):
     project = make_project(tmp_path / "ext")
     out = run_pytest(project, "--fixtures")
