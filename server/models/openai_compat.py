@@ -133,7 +133,7 @@ class OpenAIModel(BaseModelProvider):
                     f"model {self.name!r}: the API key environment variable {self.api_key_env} is not set "
                     f"(needed for {self._where()})"
                 )
-        AsyncOpenAI = _require_openai().AsyncOpenAI  # heavy: imported on first use only
+        AsyncOpenAI = _client_class()  # heavy: imported on first use only
         self._api_key = key
         remember_secret(key)
         self._client = AsyncOpenAI(
@@ -171,6 +171,11 @@ class OpenAIModel(BaseModelProvider):
             msg = f"model {self.name!r}: the stream from {where} ended before the reply was complete ({e})"
         elif isinstance(e, openai.APIStatusError):
             msg = f"model {self.name!r}: {where} answered HTTP {e.status_code}: {_status_message(e)}"
+            response = getattr(e, "response", None)
+            wait = _retry_after_seconds(getattr(response, "headers", None))
+            if wait is not None:
+                msg += f" (it asked to be retried after {wait:g} s"
+                msg += ", more than the time left)" if getattr(response, "_sidecar_no_time", False) else ")"
         else:
             msg = f"model {self.name!r}: {type(e).__name__}: {e}"
         # redact the whole text first, then shorten it: a cut never leaves part of a key
@@ -489,6 +494,46 @@ def _status_message(e: Any) -> str:
 
 MAX_ERROR_CHARS = 600
 INSTALL_HINT = "pip install 'operate-sidecar[openai]'"
+
+
+@lru_cache(maxsize=1)
+def _client_class() -> Any:
+    """``AsyncOpenAI``, except that a retry the server asks to wait for longer than the call has
+    left (its ``Retry-After`` beyond the ``timeoutS`` deadline) is not waited for: the server's
+    answer (a 429 or 503 and its message) is the error at once, instead of a time-out after
+    sleeping out the whole ``timeoutS``."""
+    openai = _require_openai()
+
+    class Client(openai.AsyncOpenAI):  # type: ignore[misc, valid-type]
+        def _should_retry(self, response: Any) -> bool:
+            wait = _retry_after_seconds(getattr(response, "headers", None))
+            if wait is not None:
+                left = anyio.current_effective_deadline() - anyio.current_time()
+                if wait >= left:
+                    try:
+                        response._sidecar_no_time = True  # for the error message
+                    except AttributeError:
+                        pass
+                    return False
+            return super()._should_retry(response)
+
+    return Client
+
+
+def _retry_after_seconds(headers: Any) -> float | None:
+    """The delay a response's ``Retry-After-Ms`` or ``Retry-After`` (seconds) asks for, if any."""
+    if headers is None:
+        return None
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            wait = float(value) / divisor
+        except ValueError:
+            continue
+        return wait if math.isfinite(wait) and wait > 0 else None
+    return None
 
 
 def _require_openai() -> Any:

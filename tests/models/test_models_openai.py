@@ -532,3 +532,65 @@ async def test_a_reply_streamed_without_end_fails_the_call_instead_of_filling_me
         finally:
             await model.aclose()
     assert "'oai'" in str(info.value) and url in str(info.value)
+
+
+@contextlib.contextmanager
+def rate_limited(retry_after: str):
+    """A loopback server answering every chat completion HTTP 429 with ``Retry-After``; yields (base
+    URL, the number of requests so far as a one-item list)."""
+    import http.server
+
+    from openai_stub import loopback
+
+    count = [0]
+
+    class Limited(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            count[0] += 1
+            body = json.dumps({"error": {"message": "Rate limit reached for requests", "type": "requests"}}).encode()
+            self.send_response(429)
+            self.send_header("Retry-After", retry_after)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with loopback(Limited) as url:
+        yield url, count
+
+
+def test_a_retry_after_beyond_the_time_left_answers_the_rate_limit_at_once(tmp_path):
+    """HTTP 429 with Retry-After 30 and timeoutS 5: the SDK slept past the call's deadline and the
+    operate answered "timed out after 5 s" five seconds later, the rate limit nowhere. Now the
+    server's 429 and its message are the -32011 at once (no retry can happen in time)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from operate_sidecar.clients.python.client import RpcError, SidecarClient
+
+    repo = Path(__file__).resolve().parents[2]
+    with rate_limited("30") as (url, count):
+        env = dict(os.environ, PYTHONPATH=str(repo))
+        with SidecarClient(argv=[sys.executable, "-m", "operate_sidecar.server"], env=env, cwd=str(repo),
+                           stderr=subprocess.DEVNULL) as c:
+            c.request("initialize", {"settings": {"models": {"m": {
+                "provider": "openai", "model": "gpt-4o", "baseUrl": url, "timeoutS": 5, "maxRetries": 2}},
+                "defaultModel": "m"}}, timeout=60)
+            bid = c.request("createBranch", {})["branchId"]
+            started = time.monotonic()
+            with pytest.raises(RpcError) as e:
+                c.request("operate", {"branchId": bid, "instruction": "go"}, timeout=60)
+            took = time.monotonic() - started
+    message = e.value.message
+    assert e.value.code == -32011 and "HTTP 429: Rate limit reached for requests" in message, message
+    assert "retried after 30 s, more than the time left" in message and "timed out" not in message
+    assert count[0] == 1 and took < 5, took
