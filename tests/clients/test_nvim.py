@@ -314,6 +314,27 @@ def test_configured_state_dir_then_journaling_off(nv, tmp_path):
     assert "one" in nv.chat(third["branchId"])
 
 
+def test_a_chat_moved_to_a_new_branch_fills_its_cards_from_that_branch(nv):
+    """A server restarted without its journal no longer knows the chat's branch: the chat moves to
+    a new one. Its cards were then filled from the old branch's message count on, read in the new
+    branch: past its end, so the new turn's card never got its output."""
+    nv.setup([call("fixture_echo", text="x"), "done"])
+    nv.start()
+    nv.chat_send("echo")
+    first = nv.wait_done()["branchId"]
+    nv.wait("#vim.tbl_filter(function(l) return l == '  │   echo:x' end, require('operate_sidecar.chat').lines()) == 1",
+            "the first card's output")
+    nv.n.command("OperateStop")
+    nv.wait("require('operate_sidecar').status().running == false", "the server to exit")
+    nv.lua("require('operate_sidecar').config.state_dir = false")
+    nv.start()
+    nv.chat_send("echo again")                           # (a new process: its scripted list restarts)
+    second = nv.wait_done()["branchId"]
+    assert second != first
+    nv.wait("#vim.tbl_filter(function(l) return l == '  │   echo:x' end, require('operate_sidecar.chat').lines()) == 2",
+            "the second card's output")
+
+
 def test_chat_send_streams_prose_once_with_a_usage_line_and_one_notification(sv):
     text = "alpha beta gamma delta\nsecond line"
     bid = sv.new_branch([{"text": text, "chunks": 5}], "stream")

@@ -753,6 +753,7 @@ local function bind(chat, branch)
   end
   chats[chat.key] = nil
   chat.branch, chat.key = branch, branch
+  chat.seen = nil -- (another branch: none of its messages read yet)
   chats[branch] = chat
   vim.b[chat.buf].operate_sidecar_branch = branch
   pcall(api.nvim_buf_set_name, chat.buf, 'operate://chat/' .. branch)
