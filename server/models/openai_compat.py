@@ -165,6 +165,9 @@ class OpenAIModel(BaseModelProvider):
             msg = f"model {self.name!r}: {where} sent a stream event that is not JSON: {e}"
         elif isinstance(e, _BadChunk):
             msg = f"model {self.name!r}: {where} sent a stream chunk of an unexpected shape: {e}"
+        elif isinstance(e, _NotAStream):
+            msg = (f"model {self.name!r}: {where} answered with {e} content, not a stream of server-sent events "
+                   "(is baseUrl the API's own, such as http://host:port/v1, and does that server stream replies?)")
         elif isinstance(e, _TooLong):
             msg = f"model {self.name!r}: the reply from {where} is too long ({e}); it was stopped"
         elif isinstance(e, _Incomplete):
@@ -273,8 +276,10 @@ class OpenAIModel(BaseModelProvider):
         finished = False          # a choice said why it stopped (finish_reason)
         done = _watch_done(stream)  # [DONE] seen (where the SDK lets us see it)
         reply_chars = 0             # text and thinking so far: bounded (a server streaming on and on)
+        chunks = 0
         try:
             async for chunk in stream:
+                chunks += 1
                 part = _read_chunk(chunk)
                 model_name = part.model or model_name
                 usage = part.usage if part.usage is not None else usage
@@ -287,8 +292,11 @@ class OpenAIModel(BaseModelProvider):
                         raise _TooLong(f"more than {MAX_REPLY_CHARS >> 20} Mi characters")
                     yield StreamChunk(type=kind, text=text)
             if not (finished or done[0]):
+                kind = _content_type(stream)
+                if not chunks and kind and "event-stream" not in kind:
+                    raise _NotAStream(kind)
                 raise _Incomplete("no finish_reason and no [DONE]")
-        except (openai.OpenAIError, _BadChunk, _Incomplete, _TooLong) as e:
+        except (openai.OpenAIError, _BadChunk, _Incomplete, _TooLong, _NotAStream) as e:
             raise self._error(e, streaming=True) from None
         except (ValueError, RecursionError) as e:  # the SDK could not parse an event's JSON
             raise self._error(e, streaming=True) from None
@@ -318,6 +326,18 @@ class _BadChunk(Exception):
 
 class _Incomplete(Exception):
     """The stream ended with no sign that the reply was complete."""
+
+
+class _NotAStream(Exception):
+    """A 200 whose body is not an event stream (an HTML page, a JSON document)."""
+
+
+def _content_type(stream: Any) -> str:
+    """The media type of the streamed response (``text/html``), or "" where unknown."""
+    try:
+        return str(stream.response.headers.get("content-type") or "").split(";")[0].strip().lower()[:100]
+    except Exception:  # noqa: BLE001 - another SDK: unknown
+        return ""
 
 
 class _TooLong(Exception):

@@ -594,3 +594,42 @@ def test_a_retry_after_beyond_the_time_left_answers_the_rate_limit_at_once(tmp_p
     assert e.value.code == -32011 and "HTTP 429: Rate limit reached for requests" in message, message
     assert "retried after 30 s, more than the time left" in message and "timed out" not in message
     assert count[0] == 1 and took < 5, took
+
+
+@pytest.mark.parametrize("kind,body", [
+    ("text/html; charset=utf-8", b"<!doctype html><html><body>Open WebUI</body></html>"),
+    ("application/json", json.dumps({"id": "x", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}).encode()),
+], ids=["an HTML page", "a JSON completion"])
+async def test_a_reply_that_is_not_an_event_stream_says_so(kind, body):
+    """A 200 with a web page (a baseUrl naming a web UI instead of its API) or a whole JSON
+    completion (a server that does not stream) was reported as "the stream ended before the reply
+    was complete": it now names what came instead of an event stream."""
+    import http.server
+
+    from openai_stub import loopback
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with loopback(Page) as url:
+        model = openai_model(url, maxRetries=0)
+        try:
+            with anyio.fail_after(30), pytest.raises(ModelError) as info:
+                await model.invoke(ask("x"))
+        finally:
+            await model.aclose()
+    message = str(info.value)
+    assert f"answered with {kind.split(';')[0]} content, not a stream of server-sent events" in message, message
+    assert "ended before the reply was complete" not in message
