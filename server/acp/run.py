@@ -64,7 +64,15 @@ class LineBound:
         self._held = bytearray()  # the current line's bytes, while it may still be too long
         self._skipping = False
         self._head = b""
+        self.on_eof: Any = None  # called at the input's end
+        self._feed_eof = reader.feed_eof
         reader.feed_data = self.feed_data  # the SDK's protocol feeds the reader through this
+        reader.feed_eof = self.feed_eof
+
+    def feed_eof(self) -> None:
+        self._feed_eof()
+        if self.on_eof is not None:
+            self.on_eof()
 
     def feed_data(self, data: bytes) -> None:
         while data:
@@ -289,26 +297,51 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     loop = asyncio.get_running_loop()
     WIRE.set(bound)  # the connection's task gets a copy of this context
     main = loop.create_task(acp.run_agent(agent, writer, reader, stdio_buffer_limit_bytes=limit))
+    stopping = asyncio.Event()  # stdin's EOF, a signal or the client's death
+
+    def stop() -> None:
+        stopping.set()
+        main.cancel()
+
+    bound.on_eof = stopping.set
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         try:  # a polite kill still cancels in-flight work and flushes journaled state
-            loop.add_signal_handler(sig, main.cancel)
+            loop.add_signal_handler(sig, stop)
         except (NotImplementedError, RuntimeError, ValueError):  # pragma: no cover
             pass
     watchdog = None
     if client_pid is not None:
         from operate_sidecar.server.rpc.watchdog import watch_parent
 
-        watchdog = loop.create_task(watch_parent(client_pid, main.cancel))
+        watchdog = loop.create_task(watch_parent(client_pid, stop))
+    bounded = loop.create_task(_bound_exit(main, stopping))
     try:
         await main
     except asyncio.CancelledError:
         log.info("stopping")
     except Exception:
         log.exception("the ACP connection failed")
+    bounded.cancel()
     if watchdog is not None:
         watchdog.cancel()
     await agent.aclose()
     return 0
+
+
+#: on the way out, the client has this long to read what is still queued for it
+EXIT_GRACE_S = 2.0
+
+
+async def _bound_exit(main: asyncio.Task, stopping: asyncio.Event) -> None:
+    """The SDK's connection closes by writing out what it queued, shielded from cancellation:
+    a client that no longer reads stdout would hold the process forever (SIGTERM, stdin's EOF
+    and the client's death all ignored). Once stopping, the connection gets ``EXIT_GRACE_S``,
+    then is cancelled again, which ends its wait; what the client did not read is dropped."""
+    await stopping.wait()
+    done, _ = await asyncio.wait({main}, timeout=EXIT_GRACE_S)
+    if not done:
+        log.warning("the client is not reading the agent's output; exiting without writing the rest")
+        main.cancel()
 
 
 def run(*, base_settings: dict[str, Any], version: str, debug: bool, client_pid: int | None) -> int:

@@ -621,6 +621,51 @@ def test_a_line_over_max_message_bytes_is_refused_and_the_stream_stays_in_sync(t
 
 
 
+@pytest.mark.parametrize("how", ["eof", "sigterm"])
+def test_a_client_that_stopped_reading_stdout_does_not_keep_the_agent_from_exiting(tmp_path, ws, how):
+    """The client stops reading mid-turn (its pipe full), then closes stdin or sends SIGTERM:
+    the agent exits within its grace period. The SDK's connection closed by writing out what it
+    had queued, shielded from cancellation, so the process waited for a reader forever."""
+    import fcntl
+    import signal
+    import termios
+
+    config = cfg(tmp_path, *[reply("x" * 200_000, chunks=200) for _ in range(3)])
+    proc = subprocess.Popen([sys.executable, "-m", "operate_sidecar.server", "--acp", "--config", config],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=agent_env())
+    try:
+        def send(msg):
+            proc.stdin.write((json.dumps(msg) + "\n").encode())
+            proc.stdin.flush()
+
+        send({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {"protocolVersion": 1}})
+        assert json.loads(proc.stdout.readline())["id"] == 0
+        send({"jsonrpc": "2.0", "id": 1, "method": "session/new", "params": {"cwd": str(ws), "mcpServers": []}})
+        sid = json.loads(proc.stdout.readline())["result"]["sessionId"]
+        send({"jsonrpc": "2.0", "id": 2, "method": "session/prompt",
+              "params": {"sessionId": sid, "prompt": [{"type": "text", "text": "go"}]}})
+        pending = bytearray(4)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # nothing more is read: wait until the pipe is full
+            fcntl.ioctl(proc.stdout.fileno(), termios.FIONREAD, pending)
+            if int.from_bytes(pending, sys.byteorder) >= 32_000:  # of 220 KB to write: the writer waits
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the turn's output never filled the pipe")
+        t0 = time.monotonic()
+        if how == "eof":
+            proc.stdin.close()
+        else:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_notification_the_client_got_wrong_is_ignored_with_one_line_not_a_traceback(tmp_path):
     """JSON-RPC ignores notifications it cannot serve. The SDK logs each as an ERROR with a
     traceback; an unknown one becomes nothing (DEBUG), one with invalid params a WARNING line
