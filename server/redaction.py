@@ -101,6 +101,61 @@ def redact_bytes(data: bytes) -> bytes:
     return data
 
 
+class StreamRedactor:
+    """Redacts a text that arrives in pieces (a model's streamed reply), so a secret split
+    across pieces is masked too. :meth:`feed` returns what is pending plus the new piece,
+    redacted, but for the shortest end that could still begin a registered secret (in any of
+    its forms) or that a secret found in the text runs into: that end waits, as written, for
+    the next piece. :meth:`flush` returns it, redacted, once the text has ended. With no
+    secret registered, ``feed`` returns each piece as it came."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = ""
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def feed(self, piece: str) -> str:
+        if not _ORDERED and not self._pending:
+            return piece
+        text = self._pending + piece
+        cut = _safe_cut(text, _known_text_forms())
+        self._pending = text[cut:]
+        return redact(text[:cut]) if cut else ""
+
+    def flush(self) -> str:
+        rest, self._pending = self._pending, ""
+        return redact(rest) if rest else rest
+
+
+def _safe_cut(text: str, forms: tuple[str, ...]) -> int:
+    """Where ``text`` can be cut so that what is before the cut can be redacted alone: before
+    its longest end that is a proper beginning of one of ``forms`` (what may still become a
+    secret with what comes next), and before any form found in the text that runs across
+    that point (one secret can end inside another, or begin inside another's beginning)."""
+    if not forms or not text:
+        return len(text)
+    cut = len(text)
+    firsts = {f[0] for f in forms}
+    for i in range(max(0, len(text) - len(forms[0]) + 1), len(text)):  # forms are longest first
+        if text[i] in firsts:
+            tail = text[i:]
+            if any(len(f) > len(tail) and f.startswith(tail) for f in forms):
+                cut = i
+                break
+    moved = cut < len(text)
+    while moved:
+        moved = False
+        for f in forms:
+            i = text.find(f, max(0, cut - len(f) + 1))
+            if i != -1 and i < cut:  # it starts before the cut and ends after it
+                cut, moved = i, True
+    return cut
+
+
 # the forms of the registered secrets, longest first, computed once per set of secrets
 # (keyed by the ``_ORDERED`` tuple itself, so restoring it restores them too)
 _TEXT_CACHE: tuple[Any, tuple[str, ...]] = (None, ())
@@ -154,4 +209,5 @@ def _forms(s: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(f for f in forms if len(f) >= _MIN_LEN))
 
 
-__all__ = ["MASK", "MIN_SECRET_CHARS", "remember_secret", "known_secrets", "has_secrets", "redact", "redact_value", "redact_bytes"]
+__all__ = ["MASK", "MIN_SECRET_CHARS", "StreamRedactor", "remember_secret", "known_secrets", "has_secrets", "redact",
+           "redact_value", "redact_bytes"]

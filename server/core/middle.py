@@ -67,6 +67,14 @@ def _take_text(chunk: StreamChunk, out: list[str], sink: Any) -> None:
             sink.report("streaming", "stream", chunk.text)
 
 
+def _end_text(sink: Any) -> None:
+    """The model's text has ended, or pauses for a tool use: a sink that holds back the end of
+    the streamed text (the wire's, which waits to see whether it begins a secret) sends it now."""
+    end = getattr(sink, "end_text", None)
+    if end is not None:
+        end()
+
+
 async def _parse_reply(branch: Any, text: Any, chat_param: ChatParam, parse_param: ParseParam | None) -> Any:
     if parse_param is not None and parse_param.response_format is not None and chat_param.response_format is not None:
         return await parse(branch, text, parse_param)
@@ -99,6 +107,7 @@ async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, pars
                 model_name = chunk.model or model_name
             elif t == "error":
                 raise ModelError(chunk.text or "model reported an error")
+    _end_text(sink)
     text = "".join(parts)
     if clear_messages:
         branch.messages.clear()
@@ -246,6 +255,7 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
                 if t == "text":
                     _take_text(chunk, buf, sink)
                 elif t == "tool_use":
+                    _end_text(sink)
                     flush_text()
                     if used_ids is None:
                         used_ids = _used_call_ids(branch)
@@ -272,6 +282,7 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
                     model_name = chunk.model or model_name
                 elif t == "error":
                     raise ModelError(chunk.text or "model reported an error")
+        _end_text(sink)
         flush_text(final=True)
     finally:
         with anyio.CancelScope(shield=True):

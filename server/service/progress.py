@@ -4,16 +4,25 @@ synchronously, so they all precede the operate's response, in order.
 
 One ``begin``/``end`` pair spans the whole request, however many rounds (core operates) it
 runs: the core begins and reports; the service ends the progress with
-:meth:`WireProgress.finish`, whose value carries the request's ``usage``."""
+:meth:`WireProgress.finish`, whose value carries the request's ``usage``.
+
+Streamed ``delta`` texts are redacted as one text (``redaction.StreamRedactor``): a known secret
+a model writes across several deltas is masked, the few characters that could still begin one
+waiting for the next delta. What waits is sent (redacted) before any other report, by
+:meth:`WireProgress.end_text` when the model's text ends, and before the ``end``, so
+``$/progress`` and every front end built on it (ACP's ``agent_message_chunk``) see the text
+whole and in order. With no secret registered nothing waits."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+from ..redaction import StreamRedactor
+
 
 class WireProgress:
-    __slots__ = ("_notify", "token", "default_begin", "began", "ended")
+    __slots__ = ("_notify", "token", "default_begin", "began", "ended", "_text", "_text_message")
 
     def __init__(self, notify: Any, token: Any, default_begin: str = "communicate") -> None:
         self._notify = notify
@@ -21,6 +30,8 @@ class WireProgress:
         self.default_begin = default_begin
         self.began = False
         self.ended = False
+        self._text = StreamRedactor()   # the streamed text's pending tail (secrets split across deltas)
+        self._text_message = "streaming"
 
     def _send(self, value: dict[str, Any]) -> None:
         self._notify("$/progress", {"token": self.token, "value": value})
@@ -36,10 +47,25 @@ class WireProgress:
             return
         if not self.began:
             self.begin(self.default_begin)
+        if delta is not None:
+            self._text_message = message
+            piece, delta = delta, self._text.feed(delta)
+            if piece and not delta:
+                return  # all of it may begin a secret: it waits for the next delta
+        else:
+            self.end_text()
         value: dict[str, Any] = {"kind": "report", "message": message, "phase": phase}
         if delta is not None:
             value["delta"] = delta
         self._send(value)
+
+    def end_text(self) -> None:
+        """The streamed text has ended (or paused for something else): send what of it was
+        held back, redacted."""
+        if self._text.pending and not self.ended:
+            rest = self._text.flush()
+            if rest:
+                self._send({"kind": "report", "message": self._text_message, "phase": "stream", "delta": rest})
 
     def finish(self, message: str, usage: dict[str, Any] | None = None) -> None:
         """The one ``end`` of the request, with its ``usage``."""
@@ -53,6 +79,7 @@ class WireProgress:
             pass
         if not self.began:
             self.begin(self.default_begin)
+        self.end_text()
         self.ended = True
         value: dict[str, Any] = {"kind": "end", "message": message}
         if usage is not None:
