@@ -25,7 +25,7 @@ from .messages import Message, MessageLog, new_id
 from .params import ChatParam, ParseParam, RunParam
 from .parse import parse
 from .render import instruction_content, render_request
-from ..redaction import redact_value
+from ..redaction import StreamRedactor, redact_value
 
 
 class Middle(Protocol):
@@ -155,7 +155,10 @@ def _run_tool_output(branch: Any, chunk: StreamChunk, req: Message) -> Any:
 
 class _Persist:
     """stream_persist: atomic snapshot before and after, a JSONL chunk buffer
-    while streaming, the buffer removed at the end."""
+    while streaming, the buffer removed at the end. Both are written with every known secret
+    masked, like the state database: the snapshot through ``redact_value``, the buffer's text
+    chunks as one text (a secret split across chunks is masked too; the few characters that
+    could begin one are written with the next chunk, or at the end)."""
 
     def __init__(self, branch: Any, param: RunParam) -> None:
         self.branch = branch
@@ -174,9 +177,10 @@ class _Persist:
         self.buffer_path = os.path.join(self.dir, f"{branch.id}.buffer.jsonl")
         self.snapshot_path = os.path.join(self.snap_dir, f"{branch.id}.json")
         self._fh: Any = None
+        self._text = StreamRedactor()  # the text chunks' pending tail
 
     def snapshot(self) -> None:
-        data = json.dumps(self.branch.to_dict(), ensure_ascii=False, allow_nan=False, default=str)
+        data = json.dumps(redact_value(self.branch.to_dict()), ensure_ascii=False, allow_nan=False, default=str)
         fd, tmp = tempfile.mkstemp(dir=self.snap_dir, prefix=".snap-", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -196,13 +200,29 @@ class _Persist:
     def append(self, chunk: StreamChunk) -> None:
         rec = {k: getattr(chunk, k) for k in ("type", "text", "id", "name", "input", "output", "is_error", "usage")
                if getattr(chunk, k) not in (None, "", False)}
+        if chunk.type == "text":
+            rec["text"] = self._text.feed(chunk.text or "")
+            if not rec["text"]:
+                return  # all of it may begin a secret: written with the next chunk
+        else:
+            self._end_text()
+        self._write(redact_value(rec))
+
+    def _end_text(self) -> None:
+        if self._text.pending:
+            self._write({"type": "text", "text": self._text.flush()})
+
+    def _write(self, rec: dict[str, Any]) -> None:
         self._fh.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
         self._fh.flush()
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            try:
+                self._end_text()
+            finally:
+                self._fh.close()
+                self._fh = None
         try:
             self.snapshot()
         finally:

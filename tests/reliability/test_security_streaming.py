@@ -1,6 +1,7 @@
 """Secrets in streamed text (docs/SECURITY.md, G6): a known secret a model writes across several
 deltas is masked in ``$/progress`` (and so in ACP's ``agent_message_chunk``s, which are made from
-them), though no single piece holds it."""
+them) and in what ``streamPersist`` writes (the chunk buffer and the branch snapshot), though
+no single piece holds it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import asyncio
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
-from .support import TIMEOUT, scripted
+from .support import TIMEOUT, RpcError, scripted
 
 # shaped unlike any pattern the redactor knows, so only exact-value redaction can hide it
 KEY = "plantedKEY0123456789abcdefXYZ"
@@ -47,6 +50,57 @@ def test_without_known_secrets_every_delta_is_sent_as_it_came(spawn):
     c.request("operate", {"branchId": bid, "instruction": "say it", "workDoneToken": "t"}, timeout=TIMEOUT)
     deltas = [v["delta"] for v in _stream(c) if "delta" in v]
     assert len(deltas) == 8 and "".join(deltas) == SAID
+
+
+def _blocking_jsonl_program(tmp_path: Path, *events: dict) -> dict:
+    """A CLI-backed model (profile ``jsonl``) that prints ``events`` and then waits to be stopped."""
+    script = tmp_path / "leaky_run.py"
+    script.write_text("import json, sys, time\nsys.stdin.read()\n"
+                      f"for e in json.loads({json.dumps(json.dumps(list(events)))}):\n"
+                      "    print(json.dumps(e), flush=True)\n"
+                      "time.sleep(3600)\n")
+    return {"provider": "cli", "profile": "jsonl", "command": [sys.executable, str(script)]}
+
+
+def test_stream_persist_writes_no_secret_to_the_buffer_or_the_snapshot(spawn, tmp_path):
+    run = _blocking_jsonl_program(tmp_path,
+                                  {"type": "text", "text": "the key is plantedKEY01"},
+                                  {"type": "text", "text": "23456789abcdefXYZ ok, pla"},
+                                  {"type": "tool_use", "id": "1", "name": "login", "input": {"token": KEY}},
+                                  {"type": "tool_result", "id": "1", "output": "ok"})
+    persist, snaps = tmp_path / "persist", tmp_path / "snaps"
+    c = spawn(env={ENV: KEY})
+    c.init(models={"c": run}, secretEnv=[ENV])
+    bid = c.branch(chatModel="c")
+    pending = c.request_async("operate", {"branchId": bid, "instruction": "go", "workDoneToken": "t",
+                                          "streamPersist": True, "persistDir": str(persist),
+                                          "snapshotDir": str(snaps)})
+    buffer = persist / f"{bid}.buffer.jsonl"
+    deadline = time.monotonic() + TIMEOUT
+    seen = ""
+    while '"tool_result"' not in seen:  # the run wrote its last event and waits
+        assert time.monotonic() < deadline, f"the buffer never got the run's last chunk: {seen!r}"
+        time.sleep(0.05)
+        seen = buffer.read_text(encoding="utf-8") if buffer.exists() else ""
+    records = [json.loads(line) for line in seen.splitlines()]
+    text = "".join(r.get("text", "") for r in records if r["type"] == "text")
+    assert text == "the key is [REDACTED] ok, pla", records
+    assert [r["input"] for r in records if r["type"] == "tool_use"] == [{"token": "[REDACTED]"}]
+    assert KEY not in seen
+    # the text before the tool use reached the wire whole (its end, which could begin the key,
+    # once the tool use showed it did not), masked, while the run still runs
+    assert c.wait_for(lambda _: "".join(v.get("delta", "") for v in _stream(c)) == "the key is [REDACTED] ok, pla",
+                      timeout=TIMEOUT), _stream(c)
+
+    c.cancel(pending.id)
+    try:
+        pending.result(TIMEOUT)
+    except RpcError as e:
+        assert e.code == -32800
+    snapshot = (snaps / f"{bid}.json").read_text(encoding="utf-8")
+    assert not buffer.exists()
+    assert "the key is [REDACTED] ok, pla" in snapshot and KEY not in snapshot
+    assert not [m for m in c.wire_log if KEY in json.dumps(m)]
 
 
 def _toml(v) -> str:
