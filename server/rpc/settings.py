@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from typing import Any
 
@@ -186,13 +187,31 @@ def _mcp_problem(spec: Any) -> str | None:
     return None
 
 
+#: an environment variable (``mcpServers.*.env``, a CLI model's ``env``) whose name says it holds a secret
+SECRET_ENV_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
+#: an HTTP header (a model's ``options.extraHeaders``) whose name says it carries a secret
+SECRET_HEADER_NAME = re.compile(r"auth|api[-_]?key|token|secret|password|credential|cookie", re.IGNORECASE)
+
+
 def secret_values(settings: dict[str, Any]) -> list[str]:
-    """The values of the environment variables that hold secrets: every model's
-    ``apiKeyEnv`` (``OPENAI_API_KEY`` for an ``openai`` model without one) and every name in
-    ``secretEnv``. Used to redact them from everything the server emits or stores."""
+    """The secret values the settings name or hold: the values of the environment variables
+    every model's ``apiKeyEnv`` names (``OPENAI_API_KEY`` for an ``openai`` model without one)
+    and every name in ``secretEnv`` lists; the values written into the settings themselves
+    under a name that says they are secret: an ``env`` entry of an MCP server or a CLI model
+    named like ``SECRET_ENV_NAME`` (``API_KEY``, ``GITHUB_TOKEN``, ``DB_PASSWORD`` ...), and a
+    header of a model's ``options.extraHeaders`` named like ``SECRET_HEADER_NAME``
+    (``Authorization``, ``X-Api-Key`` ...), whole and without its scheme (``Bearer``, ``Basic``).
+    Used to redact them from everything the server emits or stores."""
     import os
 
     names: list[str] = []
+    values: list[str] = []
+
+    def named_env(env: Any) -> None:
+        if isinstance(env, dict):
+            values.extend(v for k, v in env.items()
+                          if isinstance(k, str) and isinstance(v, str) and SECRET_ENV_NAME.search(k))
+
     for cfg in (settings.get("models") or {}).values():
         if isinstance(cfg, dict):
             env = cfg.get("apiKeyEnv")
@@ -200,5 +219,21 @@ def secret_values(settings: dict[str, Any]) -> list[str]:
                 names.append(env)
             elif cfg.get("provider") == "openai":
                 names.append("OPENAI_API_KEY")
+            if cfg.get("provider") == "cli":
+                named_env(cfg.get("env"))
+            options = cfg.get("options")
+            if isinstance(options, dict):
+                for key, headers in options.items():
+                    if isinstance(key, str) and key.replace("_", "").lower() == "extraheaders" \
+                            and isinstance(headers, dict):
+                        for name, value in headers.items():
+                            if isinstance(name, str) and isinstance(value, str) and SECRET_HEADER_NAME.search(name):
+                                values.append(value.strip())
+                                scheme, _, credential = value.strip().partition(" ")
+                                if credential.strip() and scheme.isalpha():
+                                    values.append(credential.strip())
+    for spec in (settings.get("mcpServers") or {}).values():
+        if isinstance(spec, dict):
+            named_env(spec.get("env"))
     names.extend(n for n in settings.get("secretEnv") or [] if isinstance(n, str))
-    return [v for v in (os.environ.get(n) for n in names) if v]
+    return [v for v in (os.environ.get(n) for n in names) if v] + [v for v in values if v]
