@@ -193,6 +193,14 @@ SECRET_ENV_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IG
 SECRET_HEADER_NAME = re.compile(r"auth|api[-_]?key|token|secret|password|credential|cookie", re.IGNORECASE)
 
 
+def secret_env_values(env: Any) -> list[str]:
+    """The values of an ``env`` object (an MCP server's, a CLI model's) whose names say they are
+    secret (``SECRET_ENV_NAME``); not every value: masking ``debug`` or ``1`` would garble text."""
+    if not isinstance(env, dict):
+        return []
+    return [v for k, v in env.items() if isinstance(k, str) and isinstance(v, str) and SECRET_ENV_NAME.search(k)]
+
+
 def secret_values(settings: dict[str, Any]) -> list[str]:
     """The secret values the settings name or hold: the values of the environment variables
     every model's ``apiKeyEnv`` names (``OPENAI_API_KEY`` for an ``openai`` model without one)
@@ -207,11 +215,6 @@ def secret_values(settings: dict[str, Any]) -> list[str]:
     names: list[str] = []
     values: list[str] = []
 
-    def named_env(env: Any) -> None:
-        if isinstance(env, dict):
-            values.extend(v for k, v in env.items()
-                          if isinstance(k, str) and isinstance(v, str) and SECRET_ENV_NAME.search(k))
-
     for cfg in (settings.get("models") or {}).values():
         if isinstance(cfg, dict):
             env = cfg.get("apiKeyEnv")
@@ -220,7 +223,7 @@ def secret_values(settings: dict[str, Any]) -> list[str]:
             elif cfg.get("provider") == "openai":
                 names.append("OPENAI_API_KEY")
             if cfg.get("provider") == "cli":
-                named_env(cfg.get("env"))
+                values.extend(secret_env_values(cfg.get("env")))
             options = cfg.get("options")
             if isinstance(options, dict):
                 for key, headers in options.items():
@@ -234,6 +237,6 @@ def secret_values(settings: dict[str, Any]) -> list[str]:
                                     values.append(credential.strip())
     for spec in (settings.get("mcpServers") or {}).values():
         if isinstance(spec, dict):
-            named_env(spec.get("env"))
+            values.extend(secret_env_values(spec.get("env")))
     names.extend(n for n in settings.get("secretEnv") or [] if isinstance(n, str))
     return [v for v in (os.environ.get(n) for n in names) if v] + [v for v in values if v]
