@@ -69,14 +69,13 @@ def plan_of(value: Any) -> list[dict[str, str]] | None:
     return entries or None
 
 
-_KEY = re.compile(r'"message"\s*:\s*"')
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", '"': '"', "\\": "\\", "/": "/"}
 
 
 class ReplyText:
     """Feed the streamed deltas of one model reply; each ``feed`` returns the new user text."""
 
-    __slots__ = ("_buf", "_mode", "_i", "_done", "emitted")
+    __slots__ = ("_buf", "_mode", "_i", "_done", "emitted", "_j", "_depth", "_base", "_in_str", "_str_at", "_key")
 
     def __init__(self) -> None:
         self._buf = ""
@@ -84,6 +83,14 @@ class ReplyText:
         self._i = -1                    # scan position inside the message string (-1: not found yet)
         self._done = False
         self.emitted = ""
+        # the search for the reply's own "message" key: a key of the outermost object, not one
+        # nested in a tool call's arguments (``{"action_requests": [{"arguments": {"message"...``)
+        self._j = 0            # search position
+        self._depth = 0        # brackets open at ``_j``
+        self._base: int | None = None  # the depth of the outermost object's keys
+        self._in_str = False
+        self._str_at = 0       # where the string being read starts
+        self._key = ""         # "message" once that key (then its ':') was read at the outermost level
 
     def feed(self, delta: str) -> str:
         self._buf += delta
@@ -107,10 +114,9 @@ class ReplyText:
             return ""
         b = self._buf
         if self._i < 0:
-            m = _KEY.search(b)
-            if m is None:
+            self._i = self._find_message()
+            if self._i < 0:
                 return ""
-            self._i = m.end()
         i, out = self._i, []
         while i < len(b):
             c = b[i]
@@ -145,6 +151,48 @@ class ReplyText:
             i += 6
         self._i = i
         return "".join(out)
+
+    def _find_message(self) -> int:
+        """Where the string value of the outermost object's ``message`` key starts, once the
+        stream has reached it; else -1 (the search goes on from where it stopped)."""
+        b, j, n = self._buf, self._j, len(self._buf)
+        while j < n:
+            c = b[j]
+            if self._in_str:
+                if c == "\\":
+                    if j + 1 >= n:
+                        break  # the escaped character has not arrived yet
+                    j += 2
+                    continue
+                if c == '"':
+                    self._in_str = False
+                    if self._depth == self._base and b[self._str_at:j] == "message":
+                        self._key = "message?"  # a key when a ':' follows
+                    else:
+                        self._key = ""
+                j += 1
+                continue
+            if c in " \t\r\n":
+                j += 1
+                continue
+            if c == '"':
+                if self._key == "message:":  # its value: a string
+                    self._j = j + 1
+                    return j + 1
+                self._in_str, self._str_at, self._key = True, j + 1, ""
+            elif c == ":" and self._key == "message?":
+                self._key = "message:"
+            else:
+                self._key = ""
+                if c in "{[":
+                    self._depth += 1
+                    if c == "{" and self._base is None:
+                        self._base = self._depth
+                elif c in "}]":
+                    self._depth -= 1
+            j += 1
+        self._j = j
+        return -1
 
     @property
     def raw(self) -> str:

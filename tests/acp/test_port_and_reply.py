@@ -34,6 +34,20 @@ def test_reply_text_streams_the_message_field_decoded(message):
     assert shown == message and r.rest(json.loads(raw)) == ""
 
 
+@pytest.mark.parametrize("step", [1, 2, 5, 10_000])
+def test_reply_text_streams_the_replys_own_message_not_a_message_key_nested_before_it(step):
+    """A reply whose tool calls come before its ``message`` and carry a ``message`` argument
+    (a commit, a chat tool): the user was shown that argument as the reply, and the reply's
+    own text never (the stream had shown something, so the result's text was not sent)."""
+    reply = {"action_required": True, "plan": [{"content": "commit", "message": "not this"}],
+             "action_requests": [{"function": "git_commit", "arguments": {"message": "fix: typo", "n": [1, {}]}}],
+             "reason": "the \"message\": \"trap\" in a string", "message": 'Committed it: "fix".'}
+    for raw in (json.dumps(reply), "```json\n" + json.dumps(reply, indent=2) + "\n```"):
+        r = ReplyText()
+        shown = "".join(r.feed(raw[i:i + step]) for i in range(0, len(raw), step))
+        assert shown == 'Committed it: "fix".' and message_of(raw) == shown
+
+
 def test_reply_text_shows_a_reply_that_is_not_json_as_it_streams():
     r = ReplyText()
     assert [r.feed(d) for d in ("  Hel", "lo", "!")] == ["  Hel", "lo", "!"]
