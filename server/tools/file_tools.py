@@ -23,17 +23,24 @@ the file just before it writes, with the same rule. A plan that cannot be made (
 not apply, a path outside the workspace, a write bound to fail: a read-only file, a file
 where a directory is needed, a directory we may not write to, checked by a port that can tell,
 ``check_writable``) is kept as a failure: the call then fails at once with that error, and
-nobody is asked. The write checks again (something can change meanwhile). Calls that change one file take turns (a lock per real
-path, for the whole process): the check and the write of one call are never interleaved with
-another's, so of two edits made at once (two calls of one reply, or operates on two branches)
-neither is lost. An unplanned one plans inside its turn, so it builds on the change before it;
-a previewed one that finds the file changed fails as above.
+nobody is asked. The write checks again (something can change meanwhile).
+
+**Turns.** Calls that change one file take turns (a lock per real path, for the whole
+process, first come first served), so of two changes made at once (two calls of one reply, or
+operates on two branches) neither is lost. A previewed call takes its turn before it plans and
+keeps it while the user decides, until it has written (or failed), or is forgotten (denied,
+timed out, cancelled): the next change of that file is planned, and put to the user, only
+then, from the file as it then is (a second edit that builds on the first applies; two
+independent ones both land). An unplanned call plans inside its turn, so it builds on the
+change before it. A call that holds a turn but will never run (vetoed after it was allowed)
+gives it up when its task ends, or when the same task asks for that file again. Calls on
+other files never wait. A change made outside the server between the preview and the write
+still makes the call fail as above.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, fields
@@ -139,31 +146,96 @@ class PreviewTool(Tool):
     preview: Callable[[dict[str, Any], ToolCallContext], Awaitable[dict[str, Any]]] | None = None
     forget: Callable[[str], None] | None = None
 
-#: real path -> [its lock, how many calls hold or await it] (entries go when none does)
-_PATH_LOCKS: dict[Path, list[Any]] = {}
+class _PathLock:
+    """The turns on one real path: one file-changing call at a time, in this process."""
+
+    __slots__ = ("lock", "users", "holder")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0                  # calls that hold or await the turn (the entry goes at 0)
+        self.holder: _Turn | None = None  # a previewed call holding the turn until it runs or will not
 
 
-@contextlib.asynccontextmanager
-async def _exclusive(real: Path) -> Any:
-    """One file-changing call at a time on ``real``, in this process."""
+#: real path -> its turns (entries go when no call holds or awaits one)
+_PATH_LOCKS: dict[Path, _PathLock] = {}
+
+
+class _Turn:
+    """One call's turn on one real path, from when it is taken until :meth:`end` (idempotent)."""
+
+    __slots__ = ("real", "entry", "owner", "abandon", "ended")
+
+    def __init__(self, real: Path, entry: _PathLock) -> None:
+        self.real = real
+        self.entry = entry
+        self.owner: asyncio.Task | None = None
+        self.abandon: Callable[[], None] | None = None
+        self.ended = False
+
+    def hold(self, abandon: Callable[[], None]) -> None:
+        """Keep the turn past the preview, until the call runs or is forgotten. Should neither
+        happen (the call was vetoed, or its task ended before it ran), the turn is given up
+        when its task ends, or when the same task asks for this path again (its calls come one
+        after another, so that earlier call will never run)."""
+        self.abandon = abandon
+        self.entry.holder = self
+        self.owner = asyncio.current_task()
+        if self.owner is not None:
+            self.owner.add_done_callback(self._owner_done)
+
+    def _owner_done(self, _task: Any) -> None:
+        self.give_up()
+
+    def give_up(self) -> None:
+        abandon, self.abandon = self.abandon, None
+        if abandon is not None:
+            abandon()
+        self.end()
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self.owner is not None:
+            self.owner.remove_done_callback(self._owner_done)
+        entry = self.entry
+        if entry.holder is self:
+            entry.holder = None
+        entry.lock.release()
+        _leave(self.real, entry)
+
+
+def _leave(real: Path, entry: _PathLock) -> None:
+    entry.users -= 1
+    if entry.users == 0 and _PATH_LOCKS.get(real) is entry:
+        del _PATH_LOCKS[real]
+
+
+async def _take_turn(real: Path) -> _Turn:
+    """Wait for the turn on ``real`` (first come, first served); :meth:`_Turn.end` gives it back."""
     entry = _PATH_LOCKS.get(real)
     if entry is None:
-        entry = _PATH_LOCKS[real] = [asyncio.Lock(), 0]
-    entry[1] += 1
+        entry = _PATH_LOCKS[real] = _PathLock()
+    entry.users += 1
     try:
-        async with entry[0]:
-            yield
-    finally:
-        entry[1] -= 1
-        if entry[1] == 0 and _PATH_LOCKS.get(real) is entry:
-            del _PATH_LOCKS[real]
+        held = entry.holder
+        if held is not None and held.owner is not None and held.owner is asyncio.current_task():
+            held.give_up()  # an earlier call of this very task that never ran
+        await entry.lock.acquire()
+    except BaseException:
+        _leave(real, entry)
+        raise
+    return _Turn(real, entry)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Plan:
     real: Path
     change: FileChange | None
     error: str | None = None
+    #: the call's turn on ``real``, held from the preview until it runs or is forgotten
+    turn: _Turn | None = None
 
 
 class FileTools:
@@ -203,10 +275,13 @@ class FileTools:
         return run
 
     # ------------------------------------------------------------------ planning
-    async def plan(self, name: str, arguments: dict[str, Any], ctx: ToolCallContext) -> tuple[Path, FileChange]:
-        """Read the file and compute the change ``name(**arguments)`` makes, without writing."""
+    async def plan(self, name: str, arguments: dict[str, Any], ctx: ToolCallContext,
+                   real: Path | None = None) -> tuple[Path, FileChange]:
+        """Read the file and compute the change ``name(**arguments)`` makes, without writing.
+        ``real``: the path, already resolved from ``arguments["path"]``."""
         path = arguments.get("path")
-        real = self.ws.resolve(path)  # confined before anything is read or asked
+        if real is None:
+            real = self.ws.resolve(path)  # confined before anything is read or asked
         if real.is_dir():
             raise WorkspacePathError(f"{path!r} is a directory")
         check = getattr(self.files, "check_writable", None)
@@ -238,36 +313,66 @@ class FileTools:
 
     async def preview(self, name: str, arguments: dict[str, Any], ctx: ToolCallContext) -> dict[str, Any]:
         """Plan the call and keep the plan for ``ctx.call_id``; the permission preview.
-        A call that cannot be planned keeps its error (the call will fail with it) and raises."""
+        A call that cannot be planned keeps its error (the call will fail with it) and raises.
+
+        The plan is made in the call's turn on its file, and the turn is held until the call
+        has run or is forgotten (denied, timed out, cancelled): another change of that file
+        is planned, and put to the user, only after this one is decided and written, from
+        the file as it then is. Calls on other files do not wait."""
+        turn: _Turn | None = None
         try:
-            real, ch = await self.plan(name, arguments, ctx)
-        except Exception as e:  # any failure: the call must fail with it, never run unplanned
-            self._keep(ctx.call_id, _Plan(Path("."), None, str(e) or type(e).__name__))
+            real = self.ws.resolve(arguments.get("path"))  # confined before anything is read or asked
+            turn = await _take_turn(real)
+            real, ch = await self.plan(name, arguments, ctx, real)
+        except BaseException as e:
+            if turn is not None:
+                turn.end()
+            if isinstance(e, Exception):  # any failure: the call must fail with it, never run unplanned
+                self._keep(ctx.call_id, _Plan(Path("."), None, str(e) or type(e).__name__))
             raise
-        self._keep(ctx.call_id, _Plan(real, ch))
+        plan = _Plan(real, ch, turn=turn)
+        self._keep(ctx.call_id, plan)
+        turn.hold(lambda: self._drop(ctx.call_id, plan))
         return ch.preview(str(real))
 
     def _keep(self, call_id: str, plan: _Plan) -> None:
+        self._drop(call_id)
         self._plans[call_id] = plan
         while len(self._plans) > PENDING_LIMIT:
-            self._plans.popitem(last=False)
+            self._release(self._plans.popitem(last=False)[1])
+
+    def _drop(self, call_id: str, plan: _Plan | None = None) -> None:
+        """Drop ``call_id``'s plan (only if it is ``plan``, when given) and give its turn back."""
+        kept = self._plans.get(call_id)
+        if kept is not None and (plan is None or kept is plan):
+            del self._plans[call_id]
+            self._release(kept)
+
+    @staticmethod
+    def _release(plan: _Plan) -> None:
+        if plan.turn is not None:
+            plan.turn.end()
 
     def forget(self, call_id: str) -> None:
-        self._plans.pop(call_id, None)
+        self._drop(call_id)
 
     # ------------------------------------------------------------------ running
     async def run(self, name: str, arguments: dict[str, Any], ctx: ToolCallContext) -> dict[str, Any]:
         planned = self._plans.pop(ctx.call_id, None)
         if planned is not None and planned.error is not None:
             raise ToolCallError(planned.error)
-        real = planned.real if planned is not None else self.ws.resolve(arguments.get("path"))
-        async with _exclusive(real):  # another call's check and write never come between these
+        if planned is not None and planned.turn is not None:
+            turn = planned.turn  # held since the preview
+        else:
+            real = planned.real if planned is not None else self.ws.resolve(arguments.get("path"))
+            turn = await _take_turn(real)
+        try:  # in the turn: another call's plan, check and write never come between these
             if planned is not None:
-                ch = planned.change
+                real, ch = planned.real, planned.change
                 assert ch is not None
                 when = "after the change was previewed"
             else:
-                real, ch = await self.plan(name, arguments, ctx)
+                real, ch = await self.plan(name, arguments, ctx, turn.real)
                 when = "while the change was being made"
             # no lost work: the file must still hold the text the change was computed from
             current = await self.files.read_text(real, ctx)
@@ -276,6 +381,8 @@ class FileTools:
                 raise ToolCallError(f"{ch.path} {what} {when}; nothing was written. "
                                     "Read the file again and redo the change.")
             await self.files.write_text(real, ch.new_text, ctx)
+        finally:
+            turn.end()
         if name == "write_file":
             return {"path": ch.path, "bytes": len(ch.new_text.encode("utf-8")), "created": ch.old_text is None,
                     "diff": ch.diff}

@@ -3,7 +3,11 @@ end to end over real pipes with the scripted model."""
 
 from __future__ import annotations
 
-from .support import TIMEOUT, scripted
+import threading
+
+import pytest
+
+from .support import TIMEOUT, RpcError, scripted
 
 PERM = {"toolPermission": True}
 DENIED = "denied by governance gate"
@@ -183,15 +187,206 @@ def test_two_edits_of_one_file_made_at_once_both_land(sidecar, tmp_path):
     assert f.read_text() == "A\nB\nC\nD\n"
 
 
-def test_of_two_previewed_edits_of_one_file_the_second_fails_and_says_so(sidecar, tmp_path):
-    """Both previews are computed from the same text before either is allowed: the first to
-    run writes, the other finds the file changed and writes nothing (never overwrites)."""
+class User:
+    """A user at the permission prompt: each request is logged with the file's text on disk
+    when it came; ``answer(params)`` decides (allow_once unless told)."""
+
+    def __init__(self, c, f, answer=None) -> None:
+        self.f = f
+        self.asked: list[tuple[dict, str]] = []
+        self.answer = answer or (lambda p: {"decision": "allow_once"})
+        self.cond = threading.Condition()
+        c.on_request("requestToolPermission", self)
+
+    def __call__(self, p):
+        with self.cond:
+            self.asked.append((p, self.f.read_text() if self.f.exists() else None))
+            self.cond.notify_all()
+        return self.answer(p)
+
+    def wait(self, n: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.asked) >= n, TIMEOUT), self.asked
+
+    def previews(self) -> list[dict]:
+        return [p["preview"] for p, _ in self.asked]
+
+
+def test_a_second_edit_of_one_file_is_previewed_after_the_first_is_written(sidecar, tmp_path):
+    """Two edit_file calls of one reply on one file, the second building on the first, under
+    ask: the second is planned and put to the user only once the first is written, from the
+    file as it then is (it failed 'not found' at once: both were planned from the old text)."""
+    f = tmp_path / "notes.txt"
+    f.write_text("one\n")
+    chain = edits_of(edit("notes.txt", ("one\n", "two\n")), edit("notes.txt", ("two\n", "three\n")))
+    bid = start(sidecar, tmp_path, chain, chain, chain, policy="ask", caps=PERM)
+    user = User(sidecar, f)
+    out = outputs(operate(sidecar, bid))
+    assert all("error" not in o for o in out), out
+    assert f.read_text() == "three\n"
+    assert [(p["oldText"], p["newText"]) for p in user.previews()] == [("one\n", "two\n"), ("two\n", "three\n")]
+    assert [disk for _, disk in user.asked] == ["one\n", "two\n"]  # the second asked after the first landed
+    # run one after the other (one task): the same, the first denied included
+    f.write_text("one\n")
+    user.answer = lambda p: {"decision": "deny_once" if len(user.asked) == 4 else "allow_once"}
+    out = outputs(operate(sidecar, bid, actionStrategy="sequential"))
+    assert "error" not in out[0] and out[1]["error"] == DENIED and f.read_text() == "two\n", out
+    f.write_text("one\n")
+    out = outputs(operate(sidecar, bid, actionStrategy="sequential"))
+    assert all("error" not in o for o in out) and f.read_text() == "three\n", out
+
+
+def test_two_independent_previewed_edits_of_one_file_both_land(sidecar, tmp_path):
+    """Both approved, both written (the second failed 'changed after the change was previewed':
+    the user approved a change that could never land); each preview is the file as it is."""
     f = tmp_path / "m.txt"
     f.write_text("a\nb\nc\n")
     bid = start(sidecar, tmp_path, edits_of(edit("m.txt", ("a\n", "A\n")), edit("m.txt", ("c\n", "C\n"))),
-                policy="ask", caps=PERM)
-    sidecar.on_request("requestToolPermission", lambda p: {"decision": "allow_once"})
+                edits_of(edit("m.txt", ("A\n", "a\n")), edit("m.txt", ("C\n", "c\n"))), policy="ask", caps=PERM)
+    user = User(sidecar, f)
     out = outputs(operate(sidecar, bid))
-    errors = [o["error"] for o in out if "error" in o]
-    assert len(errors) == 1 and "changed after the change was previewed" in errors[0], out
-    assert f.read_text() in ("A\nb\nc\n", "a\nb\nC\n")
+    assert all("error" not in o for o in out), out
+    assert f.read_text() == "A\nb\nC\n"
+    assert [p["oldText"] for p in user.previews()] == ["a\nb\nc\n", "A\nb\nc\n"]
+    assert all(p["oldText"] == disk for p, disk in zip(user.previews(), [d for _, d in user.asked]))
+    # the first denied: the second is previewed from the file as it still is, and lands alone
+    user.answer = lambda p: {"decision": "deny_once" if len(user.asked) == 3 else "allow_once"}
+    out = outputs(operate(sidecar, bid))
+    assert out[0]["error"] == DENIED and "error" not in out[1], out
+    assert user.previews()[3]["oldText"] == "A\nb\nC\n" and f.read_text() == "A\nb\nc\n"
+
+
+def test_write_file_then_edit_file_of_one_file_in_one_reply(sidecar, tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("old\n")
+    bid = start(sidecar, tmp_path,
+                edits_of(call("write_file", path="notes.txt", content="x\ny\n"), edit("notes.txt", ("y\n", "Y\n"))),
+                edits_of(edit("notes.txt", ("x\n", "X\n")), call("write_file", path="notes.txt", content="fresh\n"),
+                         call("write_file", path="other.txt", content="o\n")),
+                policy="ask", caps=PERM)
+    user = User(sidecar, f)
+    out = outputs(operate(sidecar, bid))
+    assert all("error" not in o for o in out), out
+    assert f.read_text() == "x\nY\n"
+    out = outputs(operate(sidecar, bid))
+    assert all("error" not in o for o in out), out
+    assert f.read_text() == "fresh\n" and (tmp_path / "other.txt").read_text() == "o\n"
+    mine = [p for p in user.previews() if p["path"] == str(f.resolve())]
+    assert [p["oldText"] for p in mine] == ["old\n", "x\ny\n", "x\nY\n", "X\nY\n"]
+
+
+def test_previewed_edits_of_one_file_on_two_branches_both_land(sidecar, tmp_path):
+    f = tmp_path / "m.txt"
+    f.write_text("a\nb\n")
+    bid = start(sidecar, tmp_path, edit("m.txt", ("a\n", "A\n")), edit("m.txt", ("b\n", "B\n")),
+                policy="ask", caps=PERM)
+    other = sidecar.branch()
+    actions = threading.Event()
+
+    def on_progress(p):
+        if p["token"] == "second" and p["value"].get("phase") == "actions":
+            actions.set()
+
+    sidecar.on_notification("$/progress", on_progress)
+    # the first prompt is answered once the second operate is at its actions: its call is
+    # then planned at once, or waits for the first call's turn
+    user = User(sidecar, f, lambda p: {"decision": "allow_once" if len(user.asked) > 1 or actions.wait(TIMEOUT)
+                                       else "deny_once"})
+    first = sidecar.request_async("operate", {"branchId": bid, "instruction": "x", "actions": True})
+    user.wait(1)
+    second = sidecar.request_async("operate", {"branchId": other, "instruction": "x", "actions": True,
+                                               "workDoneToken": "second"})
+    results = [outputs(p.result(timeout=TIMEOUT)) for p in (first, second)]
+    assert all("error" not in o for r in results for o in r), results
+    assert f.read_text() == "A\nB\n"
+    assert [disk for _, disk in user.asked] == ["a\nb\n", "A\nb\n"]
+
+
+def test_previewed_edits_of_different_files_are_put_to_the_user_at_once(sidecar, tmp_path):
+    """Turns are per file: a prompt nobody answers yet holds back no other file's call."""
+    (tmp_path / "a.txt").write_text("a\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    bid = start(sidecar, tmp_path, edits_of(edit("a.txt", ("a\n", "A\n")), edit("b.txt", ("b\n", "B\n"))),
+                policy="ask", caps=PERM)
+    user = User(sidecar, tmp_path / "a.txt")
+    user.answer = lambda p: user.wait(2) or {"decision": "allow_once"}  # both open at once
+    out = outputs(operate(sidecar, bid))
+    assert all("error" not in o for o in out), out
+    assert (tmp_path / "a.txt").read_text() == "A\n" and (tmp_path / "b.txt").read_text() == "B\n"
+
+
+def test_a_prompt_that_times_out_or_is_cancelled_gives_the_file_back(sidecar, tmp_path):
+    """The first call's prompt is never answered: it times out (deny) and only then is the
+    second put to the user; a cancelled operate leaves the file free for the next one."""
+    f = tmp_path / "m.txt"
+    f.write_text("a\nb\n")
+    sidecar.request("initialize", {"workspaceFolders": [str(tmp_path)], "capabilities": PERM,
+                                   "settings": {"models": {"s": scripted(
+                                       edits_of(edit("m.txt", ("a\n", "A\n")), edit("m.txt", ("b\n", "B\n"))),
+                                       edits_of(edit("m.txt", ("a\n", "1\n")), edit("m.txt", ("B\n", "2\n"))),
+                                       edit("m.txt", ("B\n", "3\n")))},
+                                       "permissionTimeoutMs": 1500,
+                                       "toolPolicy": {"edit_file": "ask"}}}, timeout=TIMEOUT)
+    bid = sidecar.branch()
+    never = threading.Event()
+    user = User(sidecar, f, lambda p: {"decision": "allow_once"} if len(user.asked) > 1 else never.wait(TIMEOUT))
+    try:
+        out = outputs(operate(sidecar, bid))
+    finally:
+        never.set()
+    assert out[0]["error"] == DENIED and out[0]["reason"] == "permission request timed out", out
+    assert "error" not in out[1] and f.read_text() == "a\nB\n"
+    cancels = [p["id"] for p in sidecar.of("$/cancelRequest")]
+    assert len(cancels) == 1 and len(user.asked) == 2  # the second was asked after the first timed out
+
+    hold = threading.Event()
+    user.asked.clear()
+    user.answer = lambda p: {"decision": "allow_once"} if len(user.asked) > 1 else hold.wait(TIMEOUT)
+    try:
+        pending = sidecar.request_async("operate", {"branchId": bid, "instruction": "x", "actions": True})
+        user.wait(1)
+        sidecar.cancel(pending.id)
+        with pytest.raises(RpcError) as ei:
+            pending.result(timeout=TIMEOUT)
+        assert ei.value.code == -32800
+    finally:
+        hold.set()
+    assert len(user.asked) == 1 and f.read_text() == "a\nB\n"  # the second call was never put to the user
+    out = outputs(operate(sidecar, bid))  # the file is free again
+    assert "error" not in out[0] and f.read_text() == "a\n3\n"
+
+
+def test_with_the_clients_file_system_changes_of_one_file_are_proposed_one_after_the_other(sidecar, tmp_path):
+    """capabilities.fs: the same turns; the second call reads the buffer only after the
+    first wrote it, and nothing touches the disk."""
+    path = str((tmp_path / "notes.txt").resolve())
+    (tmp_path / "notes.txt").write_text("disk\n")
+    buffers = {path: "one\na\n"}
+    log: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def read(p):
+        with lock:
+            log.append(("read", p["callId"]))
+            return {"text": buffers[p["path"]]}
+
+    def write(p):
+        with lock:
+            log.append(("write", p["callId"]))
+            buffers[p["path"]] = p["text"]
+            return {}
+
+    sidecar.on_request("fs/readTextFile", read)
+    sidecar.on_request("fs/writeTextFile", write)
+    bid = start(sidecar, tmp_path, edits_of(edit("notes.txt", ("one\n", "two\n")), edit("notes.txt", ("two\n", "three\n")),
+                                            edit("notes.txt", ("a\n", "A\n"))),
+                policy="ask", caps={"fs": True, **PERM})
+    asked = []
+    sidecar.on_request("requestToolPermission", lambda p: asked.append(p) or {"decision": "allow_once"})
+    out = outputs(operate(sidecar, bid))
+    assert all("error" not in o for o in out), out
+    assert buffers[path] == "three\nA\n" and (tmp_path / "notes.txt").read_text() == "disk\n"
+    assert [p["preview"]["oldText"] for p in asked] == ["one\na\n", "two\na\n", "three\na\n"]
+    calls = [p["callId"] for p in asked]
+    for before, after in zip(calls, calls[1:]):  # each call's first read after the one before wrote
+        assert log.index(("write", before)) < log.index(("read", after)), log

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 from operate_sidecar.server.core.tools import ToolCallContext
@@ -126,3 +127,79 @@ async def test_an_edit_of_a_file_that_is_not_utf8_is_refused_and_leaves_its_byte
     with pytest.raises(ToolCallError, match="not UTF-8"):
         await tools["edit_file"].call(args, ToolCallContext("b1", "c1"))
     assert (tmp_path / "old.py").read_bytes() == raw
+
+
+
+async def within(aw, seconds: float = 5.0):
+    """``await aw`` in this task (asyncio.wait_for would run it in another), bounded."""
+    with anyio.fail_after(seconds):
+        return await aw
+
+
+async def test_a_previewed_call_holds_its_file_until_it_runs_or_is_forgotten(tmp_path):
+    """Another change of the file is planned only after the previewed one is written or
+    forgotten, from the text as it then is; another file never waits."""
+    a, b = str(tmp_path.resolve() / "a.py"), str(tmp_path.resolve() / "b.py")
+    tools, mem = tools_with(tmp_path, {a: "1\n", b: "x\n"})
+    edit = tools["edit_file"]
+    one = {"path": "a.py", "edits": [{"oldText": "1", "newText": "2"}]}
+    two = {"path": "a.py", "edits": [{"oldText": "2", "newText": "3"}]}
+    await edit.preview(one, ToolCallContext("b1", "c1"))                   # this task holds a.py
+    async with anyio.create_task_group() as tg:
+        got: dict = {}
+        second_planned = anyio.Event()
+
+        async def second():  # another call (its own task): previews, then is denied
+            got["two"] = await edit.preview(two, ToolCallContext("b1", "c2"))
+            second_planned.set()
+            await anyio.sleep_forever()
+
+        tg.start_soon(second)
+        other = await within(edit.preview({"path": "b.py", "edits": [{"oldText": "x", "newText": "y"}]},
+                                          ToolCallContext("b1", "c3")))
+        assert other["newText"] == "y\n" and "two" not in got                # b.py at once; a.py waits
+        await within(edit.call(one, ToolCallContext("b1", "c1")))
+        await within(second_planned.wait())
+        assert got["two"]["oldText"] == "2\n"                                 # planned from the written text
+        with anyio.move_on_after(0.2):
+            await edit.preview(two, ToolCallContext("b1", "c4"))             # still c2's turn
+            raise AssertionError("planned while another call held the file")
+        edit.forget("c2")                                                    # denied: the file is free
+        assert (await within(edit.preview(two, ToolCallContext("b1", "c5"))))["oldText"] == "2\n"
+        tg.cancel_scope.cancel()
+    edit.forget("c5")
+    edit.forget("c3")
+
+
+async def test_a_turn_held_by_a_call_that_never_runs_is_given_back(tmp_path):
+    """Allowed, then never run (a hook vetoed it): the turn goes when the call's task ends, or
+    when the same task changes that file again; a cancelled wait takes nothing."""
+    from operate_sidecar.server.tools import file_tools
+
+    path = str(tmp_path.resolve() / "a.py")
+    tools, mem = tools_with(tmp_path, {path: "1\n"})
+    edit, write = tools["edit_file"], tools["write_file"]
+    args = {"path": "a.py", "edits": [{"oldText": "1", "newText": "2"}]}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(edit.preview, args, ToolCallContext("b1", "c1"))     # its task ends: given back
+    await within(edit.preview(args, ToolCallContext("b1", "c2")))          # this task holds it now
+    await within(edit.call(args, ToolCallContext("b1", "c3")))             # same task: c2 never ran
+    assert mem.files[path] == "2\n"
+    with pytest.raises(ToolCallError, match="not found"):
+        await edit.call(args, ToolCallContext("b1", "c2"))                 # c2's plan went with its turn
+    async with anyio.create_task_group() as tg:
+        held = anyio.Event()
+
+        async def holder():
+            await write.preview({"path": "a.py", "content": "x\n"}, ToolCallContext("b1", "c4"))
+            held.set()
+            await anyio.sleep_forever()
+
+        tg.start_soon(holder)
+        await within(held.wait())
+        with anyio.move_on_after(0.2):                                      # a wait that is cancelled
+            await write.call({"path": "a.py", "content": "y\n"}, ToolCallContext("b1", "c5"))
+            raise AssertionError("wrote while another call held the file")
+        tg.cancel_scope.cancel()                                           # the holder's task ends
+    await within(write.call({"path": "a.py", "content": "z\n"}, ToolCallContext("b1", "c6")))
+    assert mem.files[path] == "z\n" and file_tools._PATH_LOCKS == {}
