@@ -304,27 +304,36 @@ class AcpPort:
                 return real
         return None
 
-    async def read_text(self, session_id: str, real: str) -> str | None:
-        """The file's current text (through the client when it serves files), or None."""
+    async def read_text(self, session_id: str, real: str) -> str | None | object:
+        """The file's current text (through the client when it serves files), None when there
+        is no such file, or ``UNREADABLE`` (it could not be read, or it is larger than
+        ``DIFF_FILE_LIMIT``: no diff is shown for it)."""
         if self.client_capabilities.get("fs") and self.client is not None:
             try:
-                return (await self.client.read_text_file(session_id=session_id, path=real)).content
+                text = (await self.client.read_text_file(session_id=session_id, path=real)).content
             except Exception:
-                return None
+                return UNREADABLE if os.path.lexists(real) else None
+            return UNREADABLE if _too_large(text) else text
         try:
             if os.path.getsize(real) > DIFF_FILE_LIMIT:
-                return None
+                return UNREADABLE
             with open(real, encoding="utf-8") as f:
                 return f.read()
-        except (OSError, UnicodeDecodeError):
+        except FileNotFoundError:
             return None
+        except (OSError, UnicodeDecodeError):
+            return UNREADABLE
 
     async def add_diff(self, info: CallInfo, arguments: Any) -> None:
-        """``diff`` content for a file-changing builtin call, computed without writing."""
+        """``diff`` content for a file-changing builtin call, computed without writing; none
+        for a file that cannot be read or is larger than ``DIFF_FILE_LIMIT`` (its old text
+        unknown, the diff would show the file as created)."""
         real = self._edited(info, arguments)
         if real is None:
             return
         old = await self.read_text(info.session_id, real)
+        if not (old is None or isinstance(old, str)):  # UNREADABLE
+            return
         new: str | None = None
         if isinstance(arguments.get("content"), str):      # write_file
             new = arguments["content"]
@@ -335,7 +344,7 @@ class AcpPort:
                         or not isinstance(e.get("newText"), str) or e["oldText"] not in new:
                     return
                 new = new.replace(e["oldText"], e["newText"], -1 if e.get("replaceAll") else 1)
-        if new is not None:
+        if new is not None and not _too_large(new):
             info.content = [tool_diff_content(real, new, old)]
 
     def _edited(self, info: CallInfo, arguments: Any) -> str | None:
@@ -418,8 +427,10 @@ class AcpPort:
         info = self.describe(sid, call_id, str(p.get("tool")), p.get("arguments"))
         preview = p.get("preview")
         if isinstance(preview, dict) and preview.get("kind") == "diff" and isinstance(preview.get("newText"), str):
-            path = self.resolve(str(preview.get("path")), sid) or str(preview.get("path"))
-            info.content = [tool_diff_content(path, preview["newText"], preview.get("oldText"))]
+            old = preview.get("oldText")
+            if not (_too_large(preview["newText"]) or isinstance(old, str) and _too_large(old)):
+                path = self.resolve(str(preview.get("path")), sid) or str(preview.get("path"))
+                info.content = [tool_diff_content(path, preview["newText"], old)]
         else:
             await self.add_diff(info, p.get("arguments"))
         if not info.started:
@@ -440,6 +451,14 @@ class AcpPort:
             self.cancel_turn(sid)
             raise asyncio.CancelledError()
         return {"decision": "deny_once"}
+
+
+#: ``AcpPort.read_text``: the file exists but its text is not known (unreadable, or too large)
+UNREADABLE = object()
+
+
+def _too_large(text: str) -> bool:
+    return len(text) > DIFF_FILE_LIMIT or len(text.encode("utf-8", "surrogatepass")) > DIFF_FILE_LIMIT
 
 
 def _text_content(output: Any) -> ContentToolCallContent:

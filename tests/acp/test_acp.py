@@ -340,6 +340,32 @@ def test_diff_old_text_comes_from_the_clients_buffer(tmp_path, ws, mode):
     run(main())
 
 
+@pytest.mark.parametrize("fs", [False, True])
+@pytest.mark.parametrize("mode", ["ask", "auto-edit"])
+def test_a_file_larger_than_the_diff_bound_gets_no_diff_content(tmp_path, ws, mode, fs):
+    """A write to a 3 MB file: no ``diff`` content, whether the old text comes from the
+    service's preview (asked), the editor's buffer or the disk (auto-edit). It was sent whole
+    (twice the file in the tool call, again in the permission request), or, from the disk, as
+    a diff with no old text: the file shown as created."""
+    async def main():
+        c = RecordingClient("allow_once")
+        big = "y" * (3 * 1024 * 1024) + "\n"
+        (ws / "a.txt").write_text(big)
+        c.files[str(ws / "a.txt")] = big
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "new\n"})]), reply("ok"))
+        async with spawn(c, config, fs=fs) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            await bounded(conn.set_config_option(config_id="mode", session_id=sid, value=mode))
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            assert len(c.permissions) == (1 if mode == "ask" else 0)
+            calls = [u for _, u in c.updates if u.session_update in ("tool_call", "tool_call_update")]
+            calls += [tool_call for tool_call, _ in c.permissions]
+            assert calls and not [x for u in calls for x in u.content or () if x.type == "diff"]
+            assert c.of("tool_call_update")[-1].status == "completed"
+
+    run(main())
+
+
 def test_the_acp_front_end_never_imports_pygls():
     code = ("import sys, asyncio\n"
             "from operate_sidecar.server.acp.agent import OperateAgent\n"
