@@ -12,6 +12,7 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       buffer, undo), restart on a settings change and a server that dies at start; bad settings, Stop
       while the server starts, a server that never answers initialize, a server killed mid-reply.
   (d2) the same harness in a multi-root workspace (--suite multi-root): paths of the second folder.
+  (d3) the same harness in a window with no folder open (--suite no-folder, user settings).
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
       and key presses over Chromium's DevTools protocol (also the chat hidden and shown again while a
       review waits, and keyboard-only use); screenshots land in .test-results/.
@@ -190,7 +191,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
     assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
-    assert len(report["checks"]) == 31 and not bad and report.get("fatal") is None, report["checks"]
+    assert len(report["checks"]) == 33 and not bad and report.get("fatal") is None, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -199,7 +200,8 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "chat command", "acceptEdit lands as a WorkspaceEdit", "rejectEdit denies", "restarts the server by itself",
                   "dies at start", "Always for this branch", "#selection (file, language, line range), #problems",
                   "invalid maxRounds", "command given as a string", "Stop pressed twice while the server is starting",
-                  "never answers initialize", "crashes mid-reply", "nobody answers times out"):
+                  "never answers initialize", "crashes mid-reply", "nobody answers times out",
+                  "rendered and shown in batches", "reviewed one after the other"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 
@@ -223,6 +225,28 @@ def test_d2_extension_host_multi_root_workspace(vsix, tmp_path):
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("multi-root workspace", "sent as second/src/app.py", "lands in the second folder"):
         assert topic in names, f"missing multi-root check about {topic!r}: {names}"
+
+
+def test_d3_extension_host_with_no_folder_open(vsix, tmp_path):
+    """The unpacked .vsix in a window with no folder (run-itest.mjs --suite no-folder: user settings)."""
+    assert vsix["proc"].returncode == 0, f"packaging failed, nothing to load\n{tail(vsix['proc'])}"
+    with zipfile.ZipFile(vsix["path"]) as z:
+        z.extractall(tmp_path)
+    ext_dir = tmp_path / "extension"
+    p = run(["node", "scripts/run-itest.mjs", "--ext", str(ext_dir), "--suite", "no-folder", "--timeout", "300"],
+            ITEST_TIMEOUT, "(d3) extension-host itest, no folder open")
+    try:
+        summary = json.loads(p.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"the harness printed no JSON\n{tail(p)}")
+    report = summary.get("report") or {}
+    bad = [c for c in report.get("checks", []) if not c["ok"]]
+    assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
+    assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
+    assert len(report["checks"]) == 4 and not bad and report.get("fatal") is None and report["shown"] == [], report
+    names = " | ".join(c["name"] for c in report["checks"])
+    for topic in ("no folder open", "answers a plain question", "no file tools are offered", "say why nothing was attached"):
+        assert topic in names, f"missing no-folder check about {topic!r}: {names}"
 
 
 def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):

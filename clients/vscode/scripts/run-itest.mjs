@@ -3,9 +3,11 @@
 // from itest-host/) + headless Debian chromium load the extension in development mode and run
 // out/itest/index.js inside the extension host. Prints one JSON summary on stdout.
 // Exit: 0 report ok, 1 report not ok, 2 no report (timeout / crash), 3 harness error.
-// Usage: node scripts/run-itest.mjs [--ext DIR] [--timeout SECONDS] [--suite main|multi-root] [--keep]
+// Usage: node scripts/run-itest.mjs [--ext DIR] [--timeout SECONDS] [--suite main|multi-root|no-folder] [--keep]
 //   --suite multi-root: a multi-root workspace (ws + second, a .code-workspace file) running
 //   out/itest/multiRoot.js instead of out/itest/index.js.
+//   --suite no-folder: a window with no folder open (the settings are user settings) running
+//   out/itest/noFolder.js.
 import { spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as http from 'node:http';
@@ -20,9 +22,10 @@ const argv = process.argv.slice(2);
 const opt = (name, dflt) => { const i = argv.indexOf(name); return i >= 0 ? argv[i + 1] : dflt; };
 const EXT = path.resolve(opt('--ext', HERE));
 const SUITE = opt('--suite', 'main');
-if (!['main', 'multi-root'].includes(SUITE)) { console.error(`unknown --suite ${SUITE}`); process.exit(3); }
+if (!['main', 'multi-root', 'no-folder'].includes(SUITE)) { console.error(`unknown --suite ${SUITE}`); process.exit(3); }
 const MULTI = SUITE === 'multi-root';
-const TESTS = path.join(HERE, 'out', 'itest', MULTI ? 'multiRoot.js' : 'index.js');
+const NO_FOLDER = SUITE === 'no-folder';
+const TESTS = path.join(HERE, 'out', 'itest', MULTI ? 'multiRoot.js' : NO_FOLDER ? 'noFolder.js' : 'index.js');
 const TIMEOUT_S = Number(opt('--timeout', '240'));
 const KEEP = argv.includes('--keep');
 const CODE_SERVER = path.join(HERE, 'itest-host', 'node_modules', '.bin', 'code-server');
@@ -39,6 +42,11 @@ function serverCommand() {
   return [fs.existsSync(py) ? py : 'python3', '-m', 'operate_sidecar.server'];
 }
 const scripted = (...responses) => ({ provider: 'scripted', responses });
+/** A model that streams its replies in pieces with a pause between them (test-fixtures/drip_model.py). */
+const drip = (state, replies, pieces, pauseMs) => ({ provider: 'cli', profile: 'llm',
+  command: [serverCommand()[0], path.join(HERE, 'test-fixtures', 'drip_model.py'), state, JSON.stringify(replies), String(pieces), String(pauseMs), '{prompt}'] });
+/** The long reply of the drip model: 300 pieces of 5 characters, 5 ms apart. */
+const DRIP_TEXT = Array.from({ length: 300 }, (_, i) => `w${String(i).padStart(3, '0')}`).join(' ') + ' end.';
 const CALL_SHOUT = { json: { action_requests: [{ function: 'shout', arguments: { text: 'hey' } }] } };
 
 function freePort() {
@@ -103,6 +111,15 @@ async function main() {
         // two rounds per turn (read_file is read-only: allowed without asking), for two turns
         rounds: scripted(readNotes('Reading the notes.'), { text: 'Read them.' }, readNotes('Reading again.'), { text: 'Read them again.' }),
         twice: scripted('Noted.', 'Noted again.'),
+        twice2: scripted('Noted.', 'Noted again.'),
+        // one reply, two edits of one file, the second editing the first's text (reviewed one after the other)
+        twoEdits: scripted({ json: { answer: 'Two edits.', action_requests: [
+          { function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText: 'gamma', newText: 'GAMMA' }] } },
+          { function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText: 'GAMMA', newText: 'GAMMA!' }] } }] } },
+        { json: { answer: 'Two more.', action_requests: [
+          { function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText: 'delta', newText: 'DELTA' }] } },
+          { function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText: 'DELTA', newText: 'DELTA!' }] } }] } }),
+        drip: drip(path.join(W, 'drip-state'), [DRIP_TEXT], 300, 5),
         // multi-root: an edit of the second folder's file, named the way the server takes it
         editSecond: scripted({ json: { answer: 'Upper-casing.', action_requests: [{ function: 'edit_file',
           arguments: { path: 'second/src/app.py', edits: [{ oldText: 'two', newText: 'TWO' }] } }] } }),
@@ -129,6 +146,12 @@ async function main() {
     fs.writeFileSync(target, JSON.stringify({ folders: [{ path: ws }, { path: path.join(W, 'second') }], settings }, null, 2));
     open = `workspace=${encodeURIComponent(target)}`;
   }
+  if (NO_FOLDER) {   // an empty window: the settings are the user's (no broken tool module: the suite counts warnings)
+    settings['operateSidecar.settings'].toolModules = ['vscode_fixture_tools'];
+    fs.mkdirSync(path.join(W, 'data', 'User'), { recursive: true });
+    fs.writeFileSync(path.join(W, 'data', 'User', 'settings.json'), JSON.stringify(settings, null, 2));
+    open = 'ew=true';
+  }
 
   const port = await freePort();
   const env = { ...process.env, OPERATE_SIDECAR_ITEST_REPORT: REPORT, XDG_CONFIG_HOME: path.join(W, 'xdg-config'),
@@ -136,7 +159,7 @@ async function main() {
   delete env.VSCODE_IPC_HOOK_CLI;
   start('code-server', CODE_SERVER, ['--auth', 'none', '--bind-addr', `127.0.0.1:${port}`, '--disable-telemetry',
     '--disable-update-check', '--disable-workspace-trust', '--extensions-dir', path.join(W, 'exts'),
-    '--user-data-dir', path.join(W, 'data'), target], env);
+    '--user-data-dir', path.join(W, 'data'), ...(NO_FOLDER ? [] : [target])], env);
   while (!(await healthy(port))) {
     if (Date.now() > deadline) throw new Error(`code-server not healthy before the deadline\n${tail('code-server.log')}`);
     if (children[0].exitCode !== null) throw new Error(`code-server exited ${children[0].exitCode}\n${tail('code-server.log')}`);

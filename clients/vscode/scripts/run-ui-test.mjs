@@ -40,7 +40,10 @@ const APP_OLD = "def greet(name):\n    return 'hello ' + name\n";
 const APP_NEW = "def greet(name):\n    return 'HELLO ' + name.upper() + '!'\n";
 const UTIL_OLD = 'def add(a, b):\n    return a + b\n';
 const scripted = (...responses) => ({ provider: 'scripted', responses });
-const edit = (answer, p, oldText, newText) => ({ json: { answer, action_requests: [{ function: 'edit_file', arguments: { path: p, edits: [{ oldText, newText }] } }] }, chunks: 4 });
+const edit = (answer, p, oldText, newText) => ({ json: { answer, action_requests: [{ function: 'edit_file', arguments: { path: p, edits: [{ oldText, newText }] } }] } });
+/** A model that streams its replies in pieces with a pause between them, as a real one does (test-fixtures/drip_model.py). */
+const drip = (state, replies, pieces, pauseMs) => ({ provider: 'cli', profile: 'llm',
+  command: [serverCommand()[0], path.join(HERE, 'test-fixtures', 'drip_model.py'), state, JSON.stringify(replies), String(pieces), String(pauseMs), '{prompt}'] });
 
 function serverCommand() {
   const py = path.join(REPO, '.venv', 'bin', 'python');
@@ -82,14 +85,14 @@ async function main() {
     'operateSidecar.env': { PYTHONPATH: REPO },
     'operateSidecar.settings': {
       models: {
-        chatty: scripted(
-          { text: 'Here is the **plan**:\n\n1. read `src/app.py`\n2. make `greet` shout\n\n```python\nprint(greet("you"))\n```\n\nThat is all it takes.', chunks: 14 },
+        chatty: drip(path.join(W, 'drip-state'), [
+          'Here is the **plan**:\n\n1. read `src/app.py`\n2. make `greet` shout\n\n```python\nprint(greet("you"))\n```\n\nThat is all it takes.',
           edit('I will make `greet` shout.', 'src/app.py', "return 'hello ' + name", "return 'HELLO ' + name.upper() + '!'"),
           { json: { answer: 'Done: `greet` shouts now.' } },   // round 2 (the tool ran); the default maxRounds is 4
           edit('And `add` could subtract.', 'src/util.py', 'return a + b', 'return a - b'),
           'A **second** chat.',
           'After the stops.',
-        ),
+        ], 14, 60),
         slow: scripted({ text: 'too late', delayMs: 120000 }, { text: 'too late again', delayMs: 120000 }),
       },
       defaultModel: 'chatty',

@@ -415,7 +415,7 @@ export function cardHtml(card: ToolCard): string {
 }
 
 export function turnHtml(t: Turn, index: number): string {
-  const chips = t.contextLabels.map((l) => `<span class="chip">${escapeHtml(l)}</span>`).join('');
+  const chips = t.contextLabels.map((l) => `<span class="chip${l.startsWith('#') ? ' missing' : ''}">${escapeHtml(l)}</span>`).join('');
   const items = t.items.map((it) => (it.kind === 'prose'
     ? `<div class="prose">${renderMarkdown(it.text)}</div>` : cardHtml(it.card))).join('');
   const running = t.running ? '<div class="running"><span class="spinner"></span> working…</div>' : '';

@@ -19,6 +19,8 @@ export const VIEW_ID = 'operateSidecar.chat';
 const FINISH_MS = 10_000;
 /** Messages per branchMessages page (the server's default limit). */
 const PAGE = 1000;
+/** At most one render of the streaming prose per this many ms. */
+const STREAM_MS = 50;
 
 /** All of a branch's messages (in pages: a long chat has more than one). */
 async function allMessages(client: SidecarClient, branchId: string): Promise<Message[]> {
@@ -76,6 +78,10 @@ interface Live {
   /** The branch's message count before this turn; whether its operate was sent. */
   at: number;
   sent: boolean;
+  /** The stream as last shown; when; the pending flush (see delta). */
+  flushed: string;
+  lastFlush: number;
+  flushTimer?: NodeJS.Timeout;
 }
 
 export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
@@ -96,6 +102,10 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private readonly subs: vscode.Disposable[] = [];
   private readonly ready = new vscode.EventEmitter<void>();
   private streamUpdates = 0;
+  /** Streamed pieces received (streamUpdates: how often the prose was rendered and shown). */
+  private deltas = 0;
+  /** The streamed prose shown when the last turn ended (for the tests). */
+  private lastProse = '';
   /** Reloads of the branch from the server (for the tests). */
   private loads = 0;
 
@@ -223,7 +233,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   // ---- turns -----------------------------------------------------------------------------------
   get running(): boolean { return !!this.live; }
   runningBranch(): string | undefined { return this.live?.branchId; }
-  stats() { return { streamUpdates: this.streamUpdates, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads }; }
+  stats() { return { streamUpdates: this.streamUpdates, deltas: this.deltas, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads }; }
 
   /** One chat turn on the current branch (created, named after the instruction, when there is none). */
   async send(text: string): Promise<TurnOutcome> {
@@ -232,7 +242,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const turn: Turn = { user: text, contextLabels: (resolved.context?.labels as string[] | undefined) ?? [], items: [], running: true };
     const source = new CancellationTokenSource();
     this.bindLocal(this.host.branches.current ?? '');
-    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), chat: this.localBranch, at: this.serverTotal, sent: false };
+    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), chat: this.localBranch, at: this.serverTotal, sent: false,
+      flushed: '', lastFlush: 0 };
     this.render();
     this.host.runningChanged(true);
     let outcome: TurnOutcome = { branchId: '' };
@@ -303,19 +314,39 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     return go(params);
   }
 
+  /**
+   * A streamed piece of the reply. The prose is parsed, rendered and posted at most once per
+   * STREAM_MS (each render covers the whole reply: one per piece made a long reply quadratic);
+   * anything that renders the turn (a card, the end of the turn) flushes it first.
+   */
   private delta(d: string): void {
     const live = this.live;
     if (!live) return;
     live.stream += d;
+    this.deltas++;
+    if (live.flushTimer) return;
+    const wait = Math.max(0, live.lastFlush + STREAM_MS - Date.now());
+    live.flushTimer = setTimeout(() => { live.flushTimer = undefined; if (this.live === live) this.flush(); }, wait);
+  }
+
+  /** Shows the streamed prose now (pending pieces of the running turn). */
+  private flush(): void {
+    const live = this.live;
+    if (!live) return;
+    if (live.flushTimer) { clearTimeout(live.flushTimer); live.flushTimer = undefined; }
+    if (live.stream === live.flushed) return;
+    live.flushed = live.stream;
+    live.lastFlush = Date.now();
     const prose = proseOf(live.stream);
     if (live.proseIdx < 0) {
       if (!prose.trim()) return;
       live.turn.items.push({ kind: 'prose', text: prose });
       live.proseIdx = live.turn.items.length - 1;
+      this.streamUpdates++;
       this.render();
-    } else {
-      live.turn.items[live.proseIdx] = { kind: 'prose', text: prose };
+      return;
     }
+    live.turn.items[live.proseIdx] = { kind: 'prose', text: prose };
     this.streamUpdates++;
     this.post({ type: 'stream', html: renderMarkdown(prose) });
   }
@@ -324,7 +355,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   onToolEvent(e: ToolEvent): void {
     const live = this.live;
     if (!live || e.branchId !== live.branchId) return;
+    this.flush();
     live.stream = '';
+    live.flushed = '';
     live.proseIdx = -1;
     let card = live.cards.get(e.callId);
     if (!card) {
@@ -343,6 +376,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   private async finish(result: OperateResult | undefined, note?: string, error?: string): Promise<void> {
     const live = this.live!;
+    this.flush();   // all of the reply shows at once, not after the branch is read back
+    const shown = live.turn.items[live.proseIdx];
+    this.lastProse = shown?.kind === 'prose' ? shown.text : '';
     let messages: Message[] | undefined;
     const client = this.host.current();
     if (live.branchId && client?.running) {
@@ -414,7 +450,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     if (!card) {
       card = { callId: req.callId, tool: req.tool, args: req.arguments as Json, state: 'ask' };
       live.cards.set(req.callId, card);
+      this.flush();
       live.stream = '';
+      live.flushed = '';
       live.proseIdx = -1;
       live.turn.items.push({ kind: 'tool', card });
     }

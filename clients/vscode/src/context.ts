@@ -89,15 +89,21 @@ export function resolveInput(text: string, editor: vscode.TextEditor | undefined
     ctx.selection = sel as unknown as Json;
     labels.push(`${sel.file}:${sel.startLine}${sel.endLine !== sel.startLine ? '-' + sel.endLine : ''}`);
   }
+  // a reference that finds nothing says so, in the chat (a chip) and to the model, instead of
+  // going out as bare text the model can only guess about
+  const unavailable: string[] = [];
+  if (refs.has('selection') && !sel) unavailable.push(editor ? '#selection: nothing is selected' : '#selection: no file is open in an editor');
   if (refs.has('file')) {
     const f = fileOf(editor);
     if (f) { ctx.file = f; labels.push(String(f.file)); }
+    else unavailable.push('#file: no file is open in an editor');
   }
   if (refs.has('problems')) {
     const p = problems();
     ctx.problems = p;
     labels.push(`${p.length} problem${p.length === 1 ? '' : 's'}`);
   }
+  if (unavailable.length) { ctx.unavailable = unavailable; labels.push(...unavailable); }
   if (!labels.length) return { instruction: text };
   ctx.labels = labels;
   return { instruction: text, context: ctx };

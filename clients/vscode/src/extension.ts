@@ -47,7 +47,7 @@ export interface OperateSidecarApi {
   currentBranch(): string | undefined;
   initializeResult(): InitializeResult | undefined;
   /** The chat view's counters (prose stream updates, turns, open permission cards). */
-  chatStats(): { streamUpdates: number; turns: number; pendingAsks: string[]; running: boolean; loads: number };
+  chatStats(): { streamUpdates: number; deltas: number; lastProse: string; turns: number; pendingAsks: string[]; running: boolean; loads: number };
   /** The turns the chat shows, oldest first: the instruction, a failed or stopped turn's mark, card titles. */
   chatTurns(): { user: string; outcome?: string; note?: string; error?: string; cards: string[] }[];
   /** Decided diff reviews, oldest first. */

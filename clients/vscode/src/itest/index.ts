@@ -451,6 +451,23 @@ export async function run(): Promise<void> {
     const proposedTab = () => vscode.window.tabGroups.all.flatMap((g) => g.tabs).find((t) =>
       t.input instanceof vscode.TabInputTextDiff && t.input.modified.scheme === 'operate-sidecar-proposed');
 
+    await check('a long reply streamed in 300 pieces is rendered and shown in batches (at most one render per 50 ms, not one per piece); the whole reply shows when the turn ends', async () => {
+      const DRIP = Array.from({ length: 300 }, (_, i) => `w${String(i).padStart(3, '0')}`).join(' ') + ' end.';
+      await exec('operateSidecar.pickModel', { model: 'drip' });
+      await exec('operateSidecar.newChat');
+      const s0 = api!.chatStats();
+      const t0 = Date.now();
+      const o: any = await exec('operateSidecar.chat', { text: 'Count to 300' });
+      const ms = Date.now() - t0;
+      const s1 = api!.chatStats();
+      const renders = s1.streamUpdates - s0.streamUpdates, deltas = s1.deltas - s0.deltas;
+      expect(o && !o.error && !o.cancelled && o.result?.result === DRIP, `outcome: ${JSON.stringify(o).slice(0, 300)}`);
+      expect(s1.lastProse === DRIP, `the prose shown at the end is the whole reply: ${s1.lastProse.length} of ${DRIP.length} characters`);
+      expect(deltas >= 30, `the reply streamed in pieces: ${deltas}`);
+      expect(renders >= 3 && renders < deltas && renders <= Math.ceil(ms / 50) + 2,
+        `renders: ${renders} for ${deltas} pieces in ${ms} ms (at most ${Math.ceil(ms / 50) + 2})`);
+    });
+
     await check('chat command: a turn on a new chat named after the instruction, prose streamed, usage; status bar shows model · chat', async () => {
       await exec('operateSidecar.pickModel', { model: 'chat' });
       await exec('operateSidecar.newChat');
@@ -458,7 +475,8 @@ export async function run(): Promise<void> {
       const before = api!.chatStats().streamUpdates;
       const o: any = await exec('operateSidecar.chat', { text: 'Say hello' });
       expect(o && !o.error && !o.cancelled && o.result?.result === 'Hello from the **chat**, streamed.', `outcome: ${JSON.stringify(o)}`);
-      expect(api!.chatStats().streamUpdates - before >= 3, `prose updates while streaming: ${api!.chatStats().streamUpdates - before}`);
+      expect(api!.chatStats().streamUpdates - before >= 1 && api!.chatStats().lastProse === o.result.result,
+        `prose shown: ${api!.chatStats().streamUpdates - before} updates, ${JSON.stringify(api!.chatStats().lastProse)}`);
       const b = (await within(client().listBranches(), 'listBranches')).branches.find((x) => x.branchId === o.branchId);
       expect(b?.name === 'Say hello' && api!.currentBranch() === o.branchId, `branch named after the instruction: ${JSON.stringify(b)}`);
       expect(api!.statusText().includes('chat · Say hello'), `status bar: ${api!.statusText()}`);
@@ -487,6 +505,57 @@ export async function run(): Promise<void> {
       expect(doc.getText() === 'alpha\nBETA\n', 'redo');
       const r = api!.reviews().at(-1);
       expect(r?.decision === 'allow_once' && r.path === notesUri.fsPath, `review record: ${JSON.stringify(r)}`);
+    });
+
+    await check('two edits of one file in one reply are reviewed one after the other: the second diff opens after the first closes, on the text after the first edit; accept then accept, accept then reject', async () => {
+      const doc = await within(vscode.workspace.openTextDocument(notesUri), 'open notes.txt');
+      await within(vscode.window.showTextDocument(doc), 'show notes.txt');
+      const base = doc.getText();
+      const edit = new vscode.WorkspaceEdit();
+      edit.insert(notesUri, doc.positionAt(base.length), 'gamma\ndelta\n');
+      expect(await within(vscode.workspace.applyEdit(edit), 'add lines'), 'lines added');
+      const tabs = () => vscode.window.tabGroups.all.flatMap((g) => g.tabs).filter((t) =>
+        t.input instanceof vscode.TabInputTextDiff && t.input.modified.scheme === 'operate-sidecar-proposed');
+      const chat = api!.currentBranch();   // a chat of its own; the checks below go on with this one
+      await exec('operateSidecar.pickModel', { model: 'twoEdits' });
+      await exec('operateSidecar.newChat');
+      for (const [word, second] of [['gamma', 'acceptEdit'], ['delta', 'rejectEdit']] as const) {
+        const W = word.toUpperCase();
+        const before = doc.getText();
+        const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: `Shout ${word} twice` }));
+        const seen: string[] = [];
+        let ended: any;
+        void turn.then((o) => { ended = o ?? {}; });
+        for (const [i, decision] of (['acceptEdit', second] as const).entries()) {
+          await until(() => !!ended || tabs().some((t) => !seen.includes((t.input as vscode.TabInputTextDiff).modified.toString())), `diff ${i + 1} of ${word}`);
+          expect(!ended, `the turn ended before diff ${i + 1} of ${word}: ${String(JSON.stringify(ended)).slice(0, 1500)}`);
+          const all = tabs();
+          expect(all.length === 1 && api!.chatStats().pendingAsks.length === 1, `one review at a time: ${all.length} tabs, ${api!.chatStats().pendingAsks.length} asks`);
+          const input = all[0].input as vscode.TabInputTextDiff;
+          seen.push(input.modified.toString());
+          expect(input.original.toString() === notesUri.toString(), `left side is the file: ${input.original}`);
+          const after1 = before.replace(word, W);
+          expect(doc.getText() === (i ? after1 : before), `the file as the diff shows it (review ${i + 1}): ${JSON.stringify(doc.getText())}`);
+          const proposed = (await within(vscode.workspace.openTextDocument(input.modified), 'proposed')).getText();
+          expect(proposed === (i ? after1.replace(W, W + '!') : after1), `proposed (review ${i + 1}): ${JSON.stringify(proposed)}`);
+          expect(await exec(`operateSidecar.${decision}`, input.modified) === true, `${decision} ${i + 1}`);
+          await until(() => !tabs().some((t) => (t.input as vscode.TabInputTextDiff).modified.toString() === input.modified.toString()), `diff ${i + 1} closed`);
+        }
+        const o: any = await within(turn, 'the turn ends');
+        const outs = (o?.result?.result?.action_responses as any[] ?? []).map((r) => r.output);
+        const want = second === 'acceptEdit' ? before.replace(word, W + '!') : before.replace(word, W);
+        expect(doc.getText() === want, `buffer after ${word}: ${JSON.stringify(doc.getText())}`);
+        expect(outs.length === 2 && !outs[0]?.error && (second === 'acceptEdit' ? !outs[1]?.error : outs[1]?.error === 'denied by governance gate'),
+          `outputs: ${JSON.stringify(outs)}`);
+        expect(JSON.stringify(api!.reviews().slice(-2).map((r) => r.decision)) === JSON.stringify(['allow_once', second === 'acceptEdit' ? 'allow_once' : 'deny_once']),
+          `reviews: ${JSON.stringify(api!.reviews().slice(-2))}`);
+      }
+      await exec('operateSidecar.pickBranch', { branchId: chat });
+      await exec('operateSidecar.pickModel', { model: 'chat' });
+      // back to the text the next checks expect (buffer and disk)
+      const all = new vscode.WorkspaceEdit();
+      all.replace(notesUri, new vscode.Range(doc.positionAt(0), doc.positionAt(doc.getText().length)), base);
+      expect(await within(vscode.workspace.applyEdit(all), 'restore'), 'restored');
     });
 
     await check('diff review: rejectEdit denies the call; buffer and disk keep their text; the tool card says rejected', async () => {

@@ -1,0 +1,111 @@
+// Integration test module for a window with no folder open (scripts/run-itest.mjs --suite no-folder:
+// the settings are user settings). Runs INSIDE the real extension host against the real server
+// (scripted models) and writes a JSON report to $OPERATE_SIDECAR_ITEST_REPORT.
+import * as fs from 'node:fs';
+import { createRequire } from 'node:module';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import * as vscode from 'vscode';
+import type { OperateSidecarApi } from '../extension';
+
+const EXT_ID = 'operate-sidecar.operate-sidecar-vscode';
+const STEP_MS = 30_000;
+const CHECK_MS = 90_000;
+const FILE_TOOLS = ['read_file', 'write_file', 'edit_file', 'list_dir', 'search_text'];
+
+interface Check { name: string; ok: boolean; ms: number; error?: string }
+
+function within<T>(p: Thenable<T>, what: string, ms = STEP_MS): Promise<T> {
+  let timer: NodeJS.Timeout;
+  const t = new Promise<never>((_, rej) => { timer = setTimeout(() => rej(new Error(`timeout after ${ms} ms: ${what}`)), ms); });
+  return Promise.race([Promise.resolve(p), t]).finally(() => clearTimeout(timer));
+}
+function expect(cond: unknown, msg: string): asserts cond {
+  if (!cond) throw new Error(msg);
+}
+const exec = <T>(cmd: string, ...args: unknown[]) => within(vscode.commands.executeCommand<T>(cmd, ...args), cmd);
+
+export async function run(): Promise<void> {
+  const reportPath = process.env.OPERATE_SIDECAR_ITEST_REPORT;
+  const checks: Check[] = [];
+  let api: OperateSidecarApi | undefined;
+  let fatal: string | undefined;
+  /** Every error and warning message the extension showed (its own `vscode.window`, passed through). */
+  const shown: string[] = [];
+  const check = async (name: string, fn: () => Promise<void>) => {
+    const t0 = Date.now();
+    try {
+      await within(fn(), `check "${name}"`, CHECK_MS);
+      checks.push({ name, ok: true, ms: Date.now() - t0 });
+    } catch (e) {
+      checks.push({ name, ok: false, ms: Date.now() - t0, error: e instanceof Error ? `${e.message}\n${e.stack ?? ''}`.slice(0, 2000) : String(e) });
+    }
+  };
+  try {
+    await check('activate the extension in a window with no folder open; its messages are recorded', async () => {
+      const ext = vscode.extensions.getExtension<OperateSidecarApi>(EXT_ID);
+      expect(ext, `extension ${EXT_ID} not found`);
+      // the extension's own vscode API instance (see itest/index.ts: extensionVscode)
+      const win = (createRequire(path.join(fs.realpathSync(ext.extensionPath), 'out', 'extension.js'))('vscode') as typeof vscode).window as any;
+      for (const k of ['showErrorMessage', 'showWarningMessage']) {
+        const orig = win[k];
+        win[k] = (message: string, ...rest: unknown[]) => { shown.push(`${k}: ${message}`); return orig.call(win, message, ...rest); };
+      }
+      api = await within(ext.activate(), 'activate');
+      expect(vscode.workspace.workspaceFolders === undefined, `folders: ${JSON.stringify(vscode.workspace.workspaceFolders)}`);
+    });
+    if (!api) throw new Error('activation failed');
+
+    await check('the chat answers a plain question with no folder open (a new chat, the reply shown); no error or warning shown', async () => {
+      await exec('operateSidecar.pickModel', { model: 'twice' });
+      await exec('operateSidecar.newChat');
+      const o: any = await exec('operateSidecar.chat', 'What is a monad?');
+      expect(o && !o.error && !o.cancelled && o.result?.result === 'Noted.', `outcome: ${JSON.stringify(o)}`);
+      expect(api!.initializeResult()?.capabilities && api!.notices().length === 0 && shown.length === 0,
+        `notices: ${JSON.stringify(api!.notices())}; messages: ${JSON.stringify(shown)}`);
+    });
+
+    await check('no file tools are offered to the model with no folder open (the server has no workspace to root them in)', async () => {
+      const r: any = await exec('operateSidecar.listTools', {});
+      const names: string[] = (r?.tools ?? r ?? []).map((t: any) => t.name);
+      expect(Array.isArray(names) && !names.some((n) => FILE_TOOLS.includes(n)), `tools: ${JSON.stringify(names)}`);
+    });
+
+    await check('#file and #selection with no editor open say why nothing was attached (a chip; the model is told); a file outside any folder goes by its path', async () => {
+      for (const t of vscode.window.tabGroups.all.flatMap((g) => g.tabs)) await within(vscode.window.tabGroups.close(t, true), 'close tab');
+      await exec('workbench.action.closeAllEditors');
+      const o: any = await exec('operateSidecar.chat', 'Explain #file and #selection');
+      expect(o && !o.error, `outcome: ${JSON.stringify(o)}`);
+      const { messages } = await within(api!.client()!.branchMessages(o.branchId), 'branchMessages');
+      const ctx = messages.filter((m) => m.kind === 'instruction').at(-1)!.content.context as any;
+      expect(JSON.stringify(ctx?.unavailable) === '["#selection: no file is open in an editor","#file: no file is open in an editor"]'
+        && JSON.stringify(ctx.labels) === JSON.stringify(ctx.unavailable) && ctx.file === undefined, `context: ${JSON.stringify(ctx)}`);
+      const file = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'nofolder-')), 'loose.py');
+      fs.writeFileSync(file, 'x = 1\n');
+      await within(vscode.window.showTextDocument(await within(vscode.workspace.openTextDocument(file), 'open')), 'show');
+      await exec('operateSidecar.pickModel', { model: 'twice2' });
+      const o2: any = await exec('operateSidecar.chat', 'Explain #file');
+      expect(o2 && !o2.error, `outcome: ${JSON.stringify(o2)}`);
+      const m2 = (await within(api!.client()!.branchMessages(o2.branchId), 'branchMessages')).messages;
+      const c2 = m2.filter((m) => m.kind === 'instruction').at(-1)!.content.context as any;
+      expect(c2?.file?.file === file && c2.file.text === 'x = 1\n' && c2.unavailable === undefined, `context: ${JSON.stringify(c2)}`);
+      expect(api!.notices().length === 0 && shown.length === 0, `notices: ${JSON.stringify(api!.notices())}; messages: ${JSON.stringify(shown)}`);
+    });
+  } catch (e) {
+    fatal = e instanceof Error ? e.stack ?? e.message : String(e);
+  }
+  const report = {
+    ok: !fatal && checks.length > 0 && checks.every((c) => c.ok),
+    fatal,
+    vscodeVersion: vscode.version,
+    appName: vscode.env.appName,
+    extensionPath: vscode.extensions.getExtension(EXT_ID)?.extensionPath,
+    checks,
+    shown,
+    outputChannel: api?.outputText().slice(-6000) ?? '',
+  };
+  if (reportPath) {
+    fs.writeFileSync(reportPath + '.tmp', JSON.stringify(report, null, 2));
+    fs.renameSync(reportPath + '.tmp', reportPath);
+  }
+}
