@@ -94,6 +94,12 @@ class Service:
         self._roots: dict[str, tuple[Any, ...]] = {}
         self._tool_threads: Any = None  # see ``tool_threads``
         self._tool_threads_closed = False
+        #: branch id -> the task of the operate running on it (``deleteBranch`` ends it)
+        self._running: dict[str, asyncio.Task] = {}
+        #: the operates whose branch was deleted while they ran: they answer -32012
+        self._doomed: set[asyncio.Task] = set()
+        #: branch id -> a delete of it in progress (done when it is over, deleted or not)
+        self._deleting: dict[str, asyncio.Future] = {}
 
     # ------------------------------------------------------------------ setup
     @property
@@ -845,27 +851,42 @@ class Service:
         return {"branchId": b.id}
 
     async def deleteBranch(self, params: dict) -> dict:
+        """Delete the branch (on disk first: a failed delete leaves it as it was). An operate
+        running on it ends as a cancelled one does (a pending permission request is cancelled,
+        no further tool starts, the model call is cancelled) and answers -32012; one whose save
+        races the delete waits for the delete's outcome before it answers (see ``operate``)."""
         from operate_sidecar.protocol import BranchParams, structure
 
         p = structure(BranchParams, params)
         await self._stored_branch(p.branch_id)
-        if self.journal is not None:  # on disk first: a failed delete leaves the branch as it was
+        if self.journal is not None:
             from operate_sidecar.server.state import StateNotSaved
 
             async def delete() -> None:
+                over = asyncio.get_running_loop().create_future()
+                self._deleting[p.branch_id] = over
                 try:
-                    await self._to_thread(self.journal.delete, p.branch_id)
-                except StateNotSaved as e:
-                    raise E.state_not_saved(f"branch {p.branch_id} was not deleted ({e})",
-                                            {"branchId": p.branch_id}) from None
-                self._forget(p.branch_id)
+                    try:
+                        await self._to_thread(self.journal.delete, p.branch_id)
+                    except StateNotSaved as e:
+                        raise E.state_not_saved(f"branch {p.branch_id} was not deleted ({e})",
+                                                {"branchId": p.branch_id}) from None
+                    self._forget(p.branch_id)
+                finally:
+                    if self._deleting.get(p.branch_id) is over:
+                        del self._deleting[p.branch_id]
+                    over.set_result(None)
 
             await self._to_the_end(delete())
         self._forget(p.branch_id)
         return {}
 
     def _forget(self, branch_id: str) -> None:
-        """A deleted branch out of memory."""
+        """A deleted branch out of memory; the operate running on it is ended (-32012)."""
+        task = self._running.pop(branch_id, None)
+        if task is not None and not task.done() and task not in self._doomed:
+            self._doomed.add(task)
+            task.cancel()
         self.branches.pop(branch_id, None)
         self._locks.pop(branch_id, None)
         self._usage.pop(branch_id, None)
@@ -1068,7 +1089,43 @@ class Service:
 
     async def operate(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
         """``info`` (not on the wire): merged into the branch's info once the operate has run,
-        and saved in the same transaction as its messages (e.g. ACP's title and update time)."""
+        and saved in the same transaction as its messages (e.g. ACP's title and update time).
+        A branch deleted while the operate runs ends it (``deleteBranch`` cancels its task):
+        it answers -32012, unless it was cancelled as well (-32800)."""
+        me = asyncio.current_task()
+        try:
+            out = await self._operate(params, info)
+        except asyncio.CancelledError:
+            if me is None or me not in self._doomed:
+                raise
+            self._doomed.discard(me)
+            if me.uncancel() > 0:  # the client cancelled it too: a cancelled request
+                raise
+            raise E.branch_not_found(self._doomed_id(params)) from None
+        if me is not None and me in self._doomed:  # deleted after its last wait: its result is lost
+            self._doomed.discard(me)
+            if me.cancelling():
+                me.uncancel()
+            raise E.branch_not_found(self._doomed_id(params))
+        return out
+
+    def _end_if_deleted(self, me: asyncio.Task | None, branch_id: str, sink: Any, meter: Any) -> None:
+        """In an operate that was just cancelled: when the cancel was its branch's delete (and
+        nobody else cancelled it), it is no longer cancelled, its progress ends ``failed`` and
+        it raises -32012. Otherwise nothing."""
+        if me is None or me not in self._doomed or me.cancelling() != 1:
+            return
+        self._doomed.discard(me)
+        me.uncancel()
+        if sink is not None:
+            sink.finish("failed", meter.to_wire())
+        raise E.branch_not_found(branch_id) from None
+
+    @staticmethod
+    def _doomed_id(params: dict) -> Any:
+        return params.get("branchId") if isinstance(params, dict) else None
+
+    async def _operate(self, params: dict, info: dict[str, Any] | None) -> dict:
         p, branch, kw = await self._operate_call(params)
         from operate_sidecar.server.core.imodel import UsageMeter, current_usage
         from operate_sidecar.server.core.operate import operate as core_operate
@@ -1097,6 +1154,9 @@ class Service:
             # waited is -32012 (it would have run, and answered, on a branch that is gone)
             branch = self.branch(branch.id)
             self._check_message_room(branch, bool(p.clear_messages))
+            me = asyncio.current_task()
+            if me is not None:  # what deleteBranch ends
+                self._running[branch.id] = me
             prepared = prepare_operate_kw(branch, **kw)
             sink = None
             if p.work_done_token is not None:
@@ -1117,6 +1177,7 @@ class Service:
             try:
                 result, rounds = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate)
             except asyncio.CancelledError:
+                self._end_if_deleted(me, branch.id, sink, meter)
                 if sink is not None:
                     sink.finish("cancelled", meter.to_wire())
                 raise
@@ -1130,11 +1191,15 @@ class Service:
                 tool_executor.reset(threads_token)
                 if roots_token is not None:
                     scoped_roots.reset(roots_token)
-                self._usage.setdefault(branch.id, UsageMeter()).add(meter)
-                if info:
-                    self._info[branch.id] = {**self._info.get(branch.id, {}), **info}
+                if self._running.get(branch.id) is me:
+                    del self._running[branch.id]
                 mark = self._settled.pop(branch.id, None)
-                if self.journal is not None:  # with no store there is nothing to save (no task to wait for)
+                kept = self.branches.get(branch.id) is branch  # not deleted meanwhile
+                if kept:
+                    self._usage.setdefault(branch.id, UsageMeter()).add(meter)
+                    if info:
+                        self._info[branch.id] = {**self._info.get(branch.id, {}), **info}
+                if self.journal is not None and kept:  # with no store there is nothing to save
                     # the branch's totals (and info) are saved with its messages, in one transaction
                     # before the answer; on failure the branch is put back (-32013)
                     meta: dict[str, Any] = {"usage": self._usage_of(branch.id)}
@@ -1144,9 +1209,25 @@ class Service:
                     try:
                         await asyncio.shield(self._commit_operate(branch, mark))
                     except BaseException:  # cancelled while saving, or not saved: the one end says so
+                        self._end_if_deleted(me, branch.id, sink, meter)
                         if sink is not None:
                             sink.finish("failed", meter.to_wire())  # "cancelled" when it is
                         raise
+            # a delete of the branch that began before the save ended: its outcome decides
+            # (deleted: the messages just saved went with the branch, and the answer says so)
+            deleting = self._deleting.get(branch.id)
+            if deleting is not None:
+                try:
+                    await asyncio.shield(deleting)
+                except BaseException:
+                    self._end_if_deleted(me, branch.id, sink, meter)
+                    if sink is not None:
+                        sink.finish("failed", meter.to_wire())
+                    raise
+            if self.branches.get(branch.id) is not branch:
+                if sink is not None:
+                    sink.finish("failed", meter.to_wire())
+                raise E.branch_not_found(branch.id)
             if sink is not None:
                 sink.finish("completed", meter.to_wire())
         out = envelope(result)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from .support import TIMEOUT, RpcError, scripted
 
 
@@ -59,13 +57,17 @@ def test_an_operate_queued_on_a_branch_deleted_meanwhile_is_branch_not_found(sid
     """The second operate waits for the first (per-branch FIFO); the branch is deleted while
     it waits: when its turn comes it answers -32012 and calls no model (it ran on the deleted
     branch and answered success, its messages lost with the branch)."""
-    sidecar.init(models={"s": scripted({"text": "running", "delayMs": 600}, "queued-ran")})
+    sidecar.init(models={"s": scripted({"text": "running", "delayMs": 60000}, "queued-ran")})
     bid = sidecar.branch()
-    first = sidecar.request_async("operate", {"branchId": bid, "instruction": "first"})
-    time.sleep(0.2)  # the first is running (its model answers after 600 ms)
+    first = sidecar.request_async("operate", {"branchId": bid, "instruction": "first", "workDoneToken": "t"})
+    assert sidecar.wait_for(lambda n: any(m == "$/progress" for m, _ in n), TIMEOUT)  # the first is running
     second = sidecar.request_async("operate", {"branchId": bid, "instruction": "second"})
     assert sidecar.request("deleteBranch", {"branchId": bid}) == {}
-    assert first.result(timeout=TIMEOUT)["result"] == "running"
+    try:  # the running one ends too (tests/rpc/test_delete_running.py)
+        first.result(timeout=TIMEOUT)
+        raise AssertionError("the running operate answered a result on a deleted branch")
+    except RpcError as e:
+        assert e.code == -32012, e
     try:
         second.result(timeout=TIMEOUT)
         raise AssertionError("the queued operate ran on a deleted branch")
