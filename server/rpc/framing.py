@@ -175,6 +175,56 @@ class FrameParser:
                 log.exception("error while reporting an oversize message")
 
 
+def peek_keys(head: bytes) -> set[str] | None:
+    """Best effort: the top-level keys of a (possibly cut) JSON object's first bytes; None when
+    they cannot be the start of one object (not an object, or more than whitespace after it)."""
+    keys: set[str] = set()
+    depth, i, n = 0, 0, len(head)
+    while i < n and head[i] in b" \t\r\n":
+        i += 1
+    if i == n or head[i] != 0x7B:  # "{"
+        return None
+    start = i
+    while i < n:
+        c = head[i]
+        if depth == 0 and c not in b" \t\r\n" and i > start:
+            return None  # something after the object
+        if c == 0x22:  # a string: a key when it is followed by ':' at depth 1
+            j = i + 1
+            while j < n and head[j] != 0x22:
+                j += 2 if head[j] == 0x5C else 1
+            k = j + 1
+            while k < n and head[k] in b" \t\r\n":
+                k += 1
+            if depth == 1 and k < n and head[k] == 0x3A:
+                keys.add(head[i + 1:j].decode("utf-8", "replace"))
+            i = j + 1
+            continue
+        if c in b"{[":
+            depth += 1
+        elif c in b"}]":
+            depth -= 1
+        i += 1
+    return keys
+
+
+#: the members a JSON-RPC response may have
+_ANSWER_KEYS = frozenset({"jsonrpc", "id", "result", "error"})
+
+
+def looks_like_answer(head: bytes) -> bool:
+    """Whether the first bytes of a body are those of a JSON-RPC response (an answer to a
+    request of ours, never to be answered): well-formed UTF-8, one object whose top-level
+    members so far are a response's only, with ``result`` or ``error`` among them."""
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.reason != "unexpected end of data" or e.end < len(head):  # not just a character cut short
+            return False
+    keys = peek_keys(head)
+    return bool(keys) and keys <= _ANSWER_KEYS and bool(keys & {"result", "error"})
+
+
 def peek_id(head: bytes) -> Any:
     """Best effort: the top-level ``"id"`` of a (possibly cut) JSON object, else None."""
     import json

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from .. import redaction
 from . import errors as E
 from . import settings as S
-from .framing import FrameParser, peek_id
+from .framing import FrameParser, looks_like_answer, peek_id
 from .stdio import Wire
 
 log = logging.getLogger("operate_sidecar.server.rpc")
@@ -176,8 +176,22 @@ class Connection:
         msg_id = peek_id(head)
         if not _valid_id(msg_id):
             msg_id = None
+        limit = self.parser.max_bytes
+        if looks_like_answer(head):
+            # the client's answer to a request of ours (a huge fs/readTextFile text, say): never
+            # answered (an error under its id would answer the client's own request of that id);
+            # the request it answers fails at once, as if the client had answered this error
+            log.warning("dropped an answer of the client of %d bytes (id %r): larger than maxMessageBytes (%d)",
+                        size, msg_id, limit)
+            if msg_id is not None:
+                self._ordered({"jsonrpc": "2.0", "id": msg_id, "error": {
+                    "code": E.INVALID_REQUEST,
+                    "message": f"the client's answer of {size} bytes is larger than maxMessageBytes ({limit})"}},
+                    needs_app=True)
+            return
+        log.warning("skipped a message of %d bytes: larger than maxMessageBytes (%d)", size, limit)
         self.send_error(msg_id, E.INVALID_REQUEST,
-                        f"message of {size} bytes exceeds maxMessageBytes ({self.parser.max_bytes}); skipped")
+                        f"message of {size} bytes exceeds maxMessageBytes ({limit}); skipped")
 
     def _on_body(self, body: bytes) -> None:
         if self.recorder is not None:

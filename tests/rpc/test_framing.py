@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from operate_sidecar.server.rpc.framing import FrameParser, encode_frame, peek_id
+from operate_sidecar.server.rpc.framing import FrameParser, encode_frame, looks_like_answer, peek_id, peek_keys
 
 bodies = st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=20), max_size=3).map(
     lambda d: json.dumps(d, ensure_ascii=False).encode()), min_size=1, max_size=6)
@@ -53,6 +53,22 @@ def test_oversize_body_is_skipped_and_the_next_frame_parsed(extra, cuts):
         pos += cuts[i % len(cuts)]
         i += 1
     assert out == [small] and skipped == [(7, len(big))]
+
+
+def test_the_head_of_an_answer_is_told_from_a_request_and_from_junk():
+    # an oversized body that is the client's answer is never answered (tests/rpc/test_oversize_answers.py)
+    assert peek_keys(b'{"jsonrpc":"2.0","id":"sidecar-1","result":{"text":"xx') == {"jsonrpc", "id", "result"}
+    assert peek_keys(b' {"id":1, "error" :{"code":1,"message":"m"},"x"') == {"id", "error"}
+    assert peek_keys(b'{"a":"\\"result\\":1","b') == {"a"}
+    assert peek_keys(b'') is None and peek_keys(b'[{"result":1}]') is None
+    assert peek_keys(b'{"id":1,"result":{}}{"id":1') is None and peek_keys(b'{"id":1,"result":{}}\n ') == {"id", "result"}
+    answer = '{"jsonrpc":"2.0","id":"sidecar-1","result":{"text":"é✓'.encode()
+    assert looks_like_answer(answer) and looks_like_answer(answer[:-1])        # a character cut short
+    assert looks_like_answer(b'{"error":{"code":1,"message":"' + b"m" * 100)  # the id may come later
+    assert not looks_like_answer(b'{"jsonrpc":"2.0","id":1,"method":"operate","params":{"result":1')
+    assert not looks_like_answer(b'{"id":1,"result":{"a":"\xe2(\xa1"')     # not UTF-8
+    assert not looks_like_answer(b'{"id":1,"result":{}}{"id":1,"result":{}}')  # not one object
+    assert not looks_like_answer(b'{"id":1,"params":{}') and not looks_like_answer(b'"result"')
 
 
 def test_peek_id_reads_only_the_top_level_id():
