@@ -3,6 +3,7 @@ TOOL_DENIED for governance denials (observability only)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from enum import Enum
@@ -31,14 +32,60 @@ class HookEvent:
     error: str | None = None
     duration_ms: float | None = None
 
+    def __post_init__(self) -> None:
+        # the summaries are JSON text; an error given as a ``summarize`` is its plain text
+        if isinstance(self.args_summary, Summary):
+            self.args_summary = str.__str__(self.args_summary)
+        if isinstance(self.result_summary, Summary):
+            self.result_summary = str.__str__(self.result_summary)
+        if isinstance(self.error, Summary):
+            self.error = self.error.plain
+
 
 HookHandler = Callable[[HookEvent], Awaitable[None] | None]
 
 
-def summarize(value: Any, limit: int = SUMMARY_LIMIT) -> str:
-    """``str(value)`` cut to ``limit`` characters (no ellipsis appended)."""
-    text = value if isinstance(value, str) else str(value)
-    return text[:limit]
+class Summary(str):
+    """What :func:`summarize` answers: the value's compact JSON text cut to the bound (a
+    ``toolEvent``'s ``argsSummary``, ``resultSummary``), that also knows the plain text of a
+    string value cut the same way (``plain``; what an ``error`` carries)."""
+
+    plain: str
+
+
+def _json_text(value: Any) -> str:
+    """Compact JSON (non-ASCII kept) of ``value``; a value JSON cannot hold as it is in the
+    form tool outputs get (``act.json_output``: NaN as ``"NaN"``, bytes as text ...)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        pass
+    try:
+        from .act import json_output
+
+        return json.dumps(json_output(value)[0], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except Exception:  # noqa: BLE001 - a summary never fails a call: its text as a JSON string
+        return json.dumps(_plain(value), ensure_ascii=False)
+
+
+def _plain(value: Any) -> str:
+    try:
+        return value if isinstance(value, str) else str(value)
+    except Exception:  # noqa: BLE001
+        return f"<{type(value).__name__}>"
+
+
+def summarize(value: Any, limit: int = SUMMARY_LIMIT) -> Summary:
+    """``value`` as compact JSON text (non-ASCII kept, a string quoted), cut to ``limit``
+    characters (no ellipsis appended; a cut text is no longer valid JSON). ``.plain``: a
+    string value as it is, cut the same way (the JSON text for any other value)."""
+    if isinstance(value, str):  # only the first characters can reach the cut
+        text = json.dumps(value[:limit], ensure_ascii=False)
+    else:
+        text = _json_text(value)
+    out = Summary(text[:limit])
+    out.plain = value[:limit] if isinstance(value, str) else str.__str__(out)
+    return out
 
 
 class HookBus:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -319,3 +320,31 @@ def test_mcp_server_stderr_reaches_ours_redacted(spawn):
     err = c.stderr_text()
     assert key not in err
     assert "[mcp fx] echo called with 'relay-marker [REDACTED]'" in err
+
+
+def test_tool_event_summaries_are_json_text(sidecar):
+    """argsSummary and resultSummary are compact JSON (non-ASCII kept) a client can parse when
+    they are not cut at 200 characters; error stays plain text. (They were Python reprs:
+    ``{'text': 'héllo'}``, ``{'n': nan}``.)"""
+    sidecar.init(models={"s": scripted({"json": {"action_requests": [
+        {"function": "echo_tool", "arguments": {"text": "héllo \"there\"\n"}},
+        {"function": "nan_output", "arguments": {}},
+        {"function": "echo_tool", "arguments": {"text": "ü" * 300}},
+        {"function": "failing_tool", "arguments": {"x": 1}}]}})}, toolModules=["slow_tools", "odd_outputs"])
+    bid = sidecar.branch()
+    sidecar.request("operate", {"branchId": bid, "instruction": "x", "actions": True,
+                                "actionStrategy": "sequential"})
+    ev = sidecar.of("toolEvent")
+    assert [(e["tool"], e["event"]) for e in ev] == [
+        ("echo_tool", "pre"), ("echo_tool", "post"), ("nan_output", "pre"), ("nan_output", "post"),
+        ("echo_tool", "pre"), ("echo_tool", "post"), ("failing_tool", "pre"), ("failing_tool", "error")]
+    assert ev[0]["argsSummary"] == '{"text":"héllo \\"there\\"\\n"}'
+    assert json.loads(ev[1]["argsSummary"]) == {"text": "héllo \"there\"\n"}
+    assert json.loads(ev[1]["resultSummary"]) == "echo:héllo \"there\"\n"
+    assert ev[2]["argsSummary"] == "{}"
+    assert json.loads(ev[3]["resultSummary"]) == {"n": "NaN", "i": "Infinity"}  # as the output is recorded
+    cut = ev[4]["argsSummary"]  # cut at 200 characters: not JSON any more, but its start is
+    assert len(cut) == 200 and cut == '{"text":"' + "ü" * 191
+    assert ev[5]["resultSummary"] == '"echo:' + "ü" * 194
+    assert json.loads(ev[6]["argsSummary"]) == {"x": 1}
+    assert "tool exploded" in ev[7]["error"] and not ev[7]["error"].startswith('"')
