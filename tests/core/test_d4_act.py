@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -325,7 +326,7 @@ async def test_hooks_order_pre_then_post_on_success(record):
     await b.act(call(x=1))
     assert ev.types == ["pre", "post"]
     assert ev.events[0].call_id == ev.events[1].call_id
-    assert ev.events[1].result_summary == str({"doubled": 2})
+    assert ev.events[1].result_summary == '{"doubled":2}'
     assert kinds(b) == ["action_request", "action_response"]
     assert [e["event"] for e in b.logs] == ["post"]  # successful calls are logged
 
@@ -349,7 +350,7 @@ async def test_hook_summaries_truncate_to_200_but_real_call_does_not(record):
     note = "n" * 1000
     (resp,) = await b.act(call(x=1, note=note))
     pre, post = ev.events
-    assert len(pre.args_summary) == 200 and pre.args_summary == str({"x": 1, "note": note})[:200]
+    assert len(pre.args_summary) == 200 and pre.args_summary == json.dumps({"x": 1, "note": note}, separators=(",", ":"))[:200]
     assert record.calls == [{"x": 1, "note": note}]
     assert resp.arguments["note"] == note
 

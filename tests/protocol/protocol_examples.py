@@ -127,7 +127,7 @@ EXAMPLES: dict[tuple[str, str], object] = {
     ("$/progress", "params"): {"token": "tok", "value": {"kind": "report", "message": "streaming",
                                                          "phase": "stream", "delta": "He"}},
     ("toolEvent", "params"): {"seq": 1, "branchId": "b1", "callId": "c1", "event": "post", "tool": "add",
-                              "argsSummary": "{'a': 2, 'b': 2}", "resultSummary": "4", "durationMs": 3.5},
+                              "argsSummary": '{"a":2,"b":2}', "resultSummary": "4", "durationMs": 3.5},
     ("window/logMessage", "params"): {"type": 2, "message": "model fell back to prompt-only output"},
 }
 
