@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import Any
 
+from operate_sidecar.server import redaction
+
 log = logging.getLogger("operate_sidecar.server.acp")
 
 
@@ -32,11 +34,25 @@ async def _bounded_streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any
     loop = asyncio.get_running_loop()
     w_transport, w_protocol = await loop.connect_write_pipe(
         lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(wire_out, "wb", buffering=0))
-    writer = asyncio.StreamWriter(w_transport, w_protocol, None, loop)
+    writer = RedactingWriter(w_transport, w_protocol, None, loop)
     reader = asyncio.StreamReader(limit=limit + 1)
     bound = LineBound(reader, writer, limit)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(wire_in, "rb", buffering=0))
     return reader, writer, bound
+
+
+class RedactingWriter(asyncio.StreamWriter):
+    """The wire's writer: the last net before the client, as the native front end has
+    (``server.rpc.transport``). Every line written (the SDK's connection writes each message
+    as one whole line, ``LineBound`` its answers) has every known secret value masked in every
+    form ``redaction.redact_bytes`` knows, whatever built the message: a tool call's
+    ``rawInput`` and title made from arguments a model wrote, a tool's output, an error text.
+    With no secret registered, the bytes pass as they are."""
+
+    def write(self, data: Any) -> None:
+        if redaction.has_secrets():
+            data = redaction.redact_bytes(bytes(data))
+        super().write(data)
 
 
 class LineBound:

@@ -173,19 +173,21 @@ def agent_env(**extra: str) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def spawn(client: acp.Client, config: str | None = None, *extra: str, fs: bool = False,
-                state_dir: str | None = None) -> AsyncIterator[tuple[Any, Any]]:
+                state_dir: str | None = None, env: dict[str, str] | None = None) -> AsyncIterator[tuple[Any, Any]]:
     """Spawn the sidecar in ACP mode, initialize it, yield ``(conn, process)``; the process
     is reaped (killed if it does not exit on EOF within the time-out). Every message the
-    agent sent is then checked against the ACP schema (``SchemaTap``)."""
+    agent sent is then checked against the ACP schema (``SchemaTap``; ``conn.tap``). ``env``
+    is added to the agent's environment."""
     args = ["-m", "operate_sidecar.server", "--acp", *extra]
     if config:
         args += ["--config", config]
     if state_dir:
         args += ["--state-dir", state_dir]
     tap = SchemaTap()
-    async with acp.spawn_agent_process(client, sys.executable, *args, env=agent_env(),
+    async with acp.spawn_agent_process(client, sys.executable, *args, env=agent_env(**(env or {})),
                                        transport_kwargs={"stderr": None}) as (conn, proc):
         conn._conn.add_observer(tap)
+        conn.tap = tap
         try:
             caps = ClientCapabilities(fs=FileSystemCapabilities(read_text_file=True, write_text_file=True)) \
                 if fs else ClientCapabilities()
