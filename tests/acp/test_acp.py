@@ -967,3 +967,70 @@ def test_sessions_are_listed_most_recent_first_within_a_second(tmp_path, ws):
     assert _when("garbage") < _when("2026-01-01T10:00:00+00:00")
     stamps = [_now() for _ in range(200)]  # many within one millisecond: never a tie, never back
     assert all(_when(a) < _when(b) for a, b in zip(stamps, stamps[1:])), stamps
+
+
+def test_sessions_passing_one_mcp_server_name_with_other_args_each_get_their_own(tmp_path, ws, capfd):
+    """Client MCP servers are the session's: a second session that passes a server under a name
+    another session's server has, with other args or env, gets its own under a name of its own
+    (with one warning line naming it), not silently the first one's tools; each session is
+    offered the tools of the servers it passed only; one passed again as it was is shared."""
+    config = cfg(tmp_path, reply("", [("whoami", {})]), reply("a done"),
+                 reply("", [("fx-2__whoami", {})]), reply("b done"),
+                 reply("", [("whoami", {})]),
+                 reply("", [("whoami", {})]), reply("c done"))
+
+    def fx(tag):
+        return McpServerStdio(name="fx", command=sys.executable, args=[MCP_SERVER, tag],
+                              env=[acp.schema.EnvVariable(name="MCP_FIXTURE_TAG", value=tag)])
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, config) as (conn, _):
+            a = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx("alpha")]))).session_id
+            b = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx("beta")]))).session_id
+            seen = []
+            for sid in (a, b, b):
+                c.updates.clear()
+                await prompt(conn, sid)
+                done = c.of("tool_call_update")[-1]
+                seen.append((done.status, str(done.raw_output)))
+            assert seen[0] == ("completed", "alpha:alpha") and seen[1] == ("completed", "beta:beta"), seen
+            assert seen[2][0] == "failed" and "tool not selected" in seen[2][1], seen  # a's server is not b's
+            c3 = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx("alpha")]))).session_id
+            c.updates.clear()
+            await prompt(conn, c3)
+            assert str(c.of("tool_call_update")[-1].raw_output) == "alpha:alpha"  # the same server: shared
+
+    run(main())
+    err = capfd.readouterr().err
+    assert "already registered" not in err, err
+    warned = [line for line in err.splitlines() if "MCP server 'fx'" in line and "started as 'fx-2'" in line]
+    assert len(warned) == 1, err
+
+
+def test_unstable_methods_are_method_not_found_without_a_warning_on_stderr(tmp_path):
+    """session/close, session/resume and session/fork (ACP's unstable protocol) are -32601 with
+    nothing on stderr; the SDK printed a two-line UserWarning for each."""
+    lines = [INIT] + [json.dumps({"jsonrpc": "2.0", "id": i, "method": m,
+                                  "params": {"sessionId": "x", "cwd": "/", "mcpServers": []}}).encode()
+                      for i, m in enumerate(("session/close", "session/resume", "session/fork"))]
+    answers, err, code = raw_session(tmp_path, lines)
+    assert [(a["id"], a.get("error", {}).get("code")) for a in answers[1:]] == [(0, -32601), (1, -32601), (2, -32601)]
+    assert "Warning" not in err and "warn" not in err, err
+    assert code == 0
+
+
+def test_an_mcp_server_that_hangs_in_its_handshake_delays_exit_with_one_line_not_a_traceback(tmp_path, ws, capfd):
+    async def main():
+        c = RecordingClient()
+        server = McpServerStdio(name="stuck", command=sys.executable, args=[MCP_SERVER, "stuck", "--hang"], env=[])
+        async with spawn(c, cfg(tmp_path, "x")) as (conn, proc):
+            await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))
+            proc.stdin.close()
+            await bounded(proc.wait(), 30)
+            assert proc.returncode == 0
+
+    run(main())
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if "did not close" in line]) <= 1, err
