@@ -115,7 +115,7 @@ def test_a_project_uses_the_fixture_and_script_helper_and_failures_read_well(tmp
     assert "PASSED test_extension.py::test_session_script_passes" in text
     # the wrong expectation: the step, the JSON path and both values, not a traceback of the runner
     assert 'FAIL line 3: request operate: at $.result.result: expected "other text", got "plain text"' in text
-    assert "1 of 3 steps failed in wrong.jsonl; first: line 3: request operate" in text
+    assert "1 of 3 steps failed in " in text and "/ext/wrong.jsonl; first: line 3: request operate" in text
     # a notification that never matches: the nearest miss, with its path
     assert ('TimeoutError: no toolEvent notification matching {"event": "post"} within 0.5 s; '
             '1 unmatched, nearest at $.params.event: expected "post", got "denied"') in text, text
