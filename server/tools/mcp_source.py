@@ -29,7 +29,16 @@ Lifetime is structured: ``await source.start(task_group)`` runs the server in a 
 the caller's task group and returns once its tools are listed; ``await source.aclose()``
 stops it (as does cancelling the group). ``async with McpToolSource(...) as source`` does
 both with a task group of its own. :func:`open_mcp_sources` starts all configured servers
-concurrently in a task group it owns and stops them when its block exits.
+concurrently in a task group it owns and stops them when its block exits (or, with its
+``stop`` event, as soon as that is set, starts included).
+
+The SDK starts each server in a session (process group) of its own, out of reach of the
+sidecar's own reaper, so each server's group gets one here (Linux: the server is found as
+the child that holds its stderr pipe): a server still running when the sidecar dies, by
+any means, is killed with everything it started in its group. A stopped source does not
+wait on its server: one still in its handshake is terminated at once, a started one once
+it has had ``_STOP_GRACE`` seconds to exit after its stdin closed; what ignores SIGTERM is
+killed ``_KILL_GRACE`` seconds later.
 
 The ``mcp`` SDK is imported only when a server is started, never at import time.
 """
@@ -39,6 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 from collections import Counter, deque
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -61,6 +71,15 @@ DEFAULT_START_TIMEOUT = 30.0
 _STDERR_TAIL_LINES = 20
 _MAX_LIST_PAGES = 100
 _CONFIG_KEYS = frozenset({"command", "env"})
+#: a started server stopped: seconds it has to exit on its own (its stdin closed) before SIGTERM
+_STOP_GRACE = 1.5
+#: seconds between SIGTERM and SIGKILL (to the server's whole process group)
+_KILL_GRACE = 1.0
+_POLL_S = 0.02
+
+
+class _Stopped(Exception):
+    """The source was stopped (closed, or its host is exiting) before its server had started."""
 
 
 class McpToolSource:
@@ -89,6 +108,8 @@ class McpToolSource:
         self._stop: Any = None  # anyio.Event: ask the serving task to stop
         self._done: Any = None  # anyio.Event: the serving task has finished
         self._own_tg: AsyncExitStack | None = None  # holds the task group of ``async with source``
+        self._handshake: Any = None  # anyio.CancelScope of initialize/tools/list: a stop cancels it
+        self._streams: Any = None
 
     def __repr__(self) -> str:
         state = "running" if self._session is not None else "stopped"
@@ -154,6 +175,8 @@ class McpToolSource:
     def _request_stop(self) -> None:
         if self._stop is not None:
             self._stop.set()
+        if self._handshake is not None:  # a server still starting is not waited for
+            self._handshake.cancel()
 
     async def aclose(self) -> None:
         """Stop the server (close its stdin, then terminate it if it lingers) and wait
@@ -161,7 +184,7 @@ class McpToolSource:
         stop, done = self._stop, self._done
         if stop is None:
             return
-        stop.set()
+        self._request_stop()
         await done.wait()
         self._stop = self._done = None
 
@@ -205,25 +228,65 @@ class McpToolSource:
         """Run stdio_client + ClientSession; return the start failure instead of raising it
         (raising through the SDK's task groups would wrap it in exception groups)."""
         import anyio
-        from mcp import ClientSession
+
+        group: _ServerGroup | None = None
+        started = False
+
+        def now_started() -> None:
+            nonlocal started
+            started = True
+            on_started()
+
+        try:
+            async with anyio.create_task_group() as stopper:
+                try:
+                    async with AsyncExitStack() as stack:
+                        try:
+                            group = await self._spawn(stack, write_fd)
+                        except Exception as e:
+                            return e
+                        # unwound before the SDK's own shutdown (which closes the server's stdin and
+                        # waits): bound that wait, whether the handshake finished or not
+                        stack.callback(lambda: group is not None and stopper.start_soon(
+                            group.terminate, _STOP_GRACE if started else 0.0))
+                        return await self._handshake_and_serve(stack, now_started)
+                finally:
+                    self._handshake = None
+        finally:
+            if group is not None:
+                await group.release()
+
+    async def _spawn(self, stack: AsyncExitStack, write_fd: int) -> "_ServerGroup | None":
+        """Start the server (stdio_client); the process group it runs in, when it can be found."""
         from mcp.client.stdio import StdioServerParameters, stdio_client
-        from mcp_types import Implementation, PaginatedRequestParams
 
         err_file = os.fdopen(write_fd, "wb", buffering=0)
-        async with AsyncExitStack() as stack:
-            try:
-                params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=self.env)
-                read, write = await stack.enter_async_context(stdio_client(params, errlog=err_file))  # type: ignore[arg-type]
-            except Exception as e:
-                return e
-            finally:
-                err_file.close()  # the child holds its own copy; EOF reaches the relay when it exits
-            session = await stack.enter_async_context(ClientSession(
-                read, write, client_info=Implementation(name="operate-sidecar", version=__version__)))
+        try:
+            inode = os.fstat(write_fd).st_ino
+            params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=self.env)
+            self._streams = await stack.enter_async_context(stdio_client(params, errlog=err_file))  # type: ignore[arg-type]
+        finally:
+            err_file.close()  # the child holds its own copy; EOF reaches the relay when it exits
+        # no await between the spawn and the reaper: a cancellation here would leave the server
+        return _ServerGroup.find(self.name, inode)
+
+    async def _handshake_and_serve(self, stack: AsyncExitStack, on_started: Any) -> BaseException | None:
+        import anyio
+        from mcp import ClientSession
+        from mcp_types import Implementation, PaginatedRequestParams
+
+        read, write = self._streams
+        self._streams = None
+        session = await stack.enter_async_context(ClientSession(
+            read, write, client_info=Implementation(name="operate-sidecar", version=__version__)))
+        remote: list[Any] = []
+        with anyio.CancelScope() as handshake:
+            self._handshake = handshake
+            if self._stop.is_set():
+                handshake.cancel()
             try:
                 with anyio.fail_after(self.start_timeout):
                     await session.initialize()
-                    remote: list[Any] = []
                     cursor: str | None = None
                     for _ in range(_MAX_LIST_PAGES):
                         page = await session.list_tools(
@@ -234,11 +297,14 @@ class McpToolSource:
                             break
             except Exception as e:
                 return e
-            self._remote = remote
-            self._session = session
-            on_started()
-            await self._stop.wait()
-            self._session = None
+        self._handshake = None
+        if handshake.cancelled_caught or self._stop.is_set():
+            return _Stopped()
+        self._remote = remote
+        self._session = session
+        on_started()
+        await self._stop.wait()
+        self._session = None
         return None
 
     def tools(self, prefixed: Collection[str] = ()) -> list[Tool]:
@@ -333,6 +399,8 @@ class McpToolSource:
     def _start_failure(self, e: BaseException) -> str:
         if isinstance(e, TimeoutError):
             reason = f"no answer to initialize/tools/list within {self.start_timeout:g} s"
+        elif isinstance(e, _Stopped):
+            reason = "stopped while starting"
         elif isinstance(e, FileNotFoundError):
             reason = f"command not found: {self.command[0]}"
         else:
@@ -344,10 +412,117 @@ class McpToolSource:
         return msg
 
 
+class _ServerGroup:
+    """The process group the SDK started an MCP server in (a session of its own), with a
+    reaper that SIGKILLs the group once the sidecar is gone (exit, crash or SIGKILL alike)."""
+
+    def __init__(self, name: str, pgid: int) -> None:
+        self.name = name
+        self.pgid = pgid
+        self._reaper: Any = None
+        self._reaper_fd: int | None = None
+        from operate_sidecar.server.reaper import start_reaper
+
+        started = start_reaper(pgid)
+        if started is not None:
+            self._reaper, self._reaper_fd = started
+
+    @classmethod
+    def find(cls, name: str, stderr_inode: int) -> "_ServerGroup | None":
+        """The server just spawned: our child that leads its own group with its stderr on our pipe
+        (Linux /proc; elsewhere None, and the SDK's own shutdown is all there is)."""
+        if not sys.platform.startswith("linux"):
+            return None
+        me, target = os.getpid(), f"pipe:[{stderr_inode}]"
+        for pid in _pids():
+            stat = _stat(pid)
+            if stat is None or stat[2] != me or stat[1] != pid:
+                continue
+            try:
+                if os.readlink(f"/proc/{pid}/fd/2") == target:
+                    return cls(name, pid)
+            except OSError:
+                continue
+        log.debug("MCP server %r: its process was not found; it is stopped by the SDK only", name)
+        return None
+
+    def alive(self) -> bool:
+        """Whether a member of the group still runs (zombies, waiting to be reaped, do not)."""
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return any((st := _stat(pid)) is not None and st[1] == self.pgid and st[0] not in "ZX" for pid in _pids())
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def _until_gone(self, timeout: float) -> bool:
+        import anyio
+
+        with anyio.move_on_after(timeout):
+            while self.alive():
+                await anyio.sleep(_POLL_S)
+        return not self.alive()
+
+    async def terminate(self, grace: float) -> None:
+        """Give the group ``grace`` seconds to exit, then SIGTERM it, then SIGKILL what is left
+        ``_KILL_GRACE`` seconds later. Runs to the end even when its caller is cancelled."""
+        import anyio
+
+        with anyio.CancelScope(shield=True):
+            if grace > 0 and await self._until_gone(grace):
+                return
+            if not self.alive():
+                return
+            log.debug("MCP server %r: terminating its process group %d", self.name, self.pgid)
+            self._signal(signal.SIGTERM)
+            if await self._until_gone(_KILL_GRACE):
+                return
+            log.warning("MCP server %r did not exit on SIGTERM; killing its process group", self.name)
+            self._signal(signal.SIGKILL)
+            await self._until_gone(_KILL_GRACE)
+
+    async def release(self) -> None:
+        """The server is gone: let the reaper go (its last kill finds nothing)."""
+        import anyio
+
+        fd, self._reaper_fd = self._reaper_fd, None
+        if fd is None:
+            return
+        os.close(fd)
+        proc = self._reaper
+        with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+            while proc.poll() is None:
+                await anyio.sleep(_POLL_S)
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return []
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, process group, parent) of ``pid`` from /proc, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0].decode(), int(fields[2]), int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 @asynccontextmanager
 async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, reserved: Collection[str] = (),
                            start_timeout: float = DEFAULT_START_TIMEOUT, call_timeout: float | None = None,
-                           errlog: TextIO | None = None) -> AsyncIterator[list[Tool]]:
+                           errlog: TextIO | None = None, stop: Any = None) -> AsyncIterator[list[Tool]]:
     """Start every server in ``config`` (``{name: {"command": [..], "env"?: {..}}}``) and
     yield all their tools; stop the servers when the block exits.
 
@@ -357,6 +532,10 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
     names (tools from other sources) force the ``<server>__`` prefix, as do clashes
     between servers. An exception raised in the block propagates unchanged (not wrapped
     in an exception group).
+
+    ``stop`` (an event: ``wait()`` and ``is_set()``), once set, stops the servers still
+    starting at once (their start is abandoned, and the block gets no tools); the host
+    sets it when it exits, so that a server hanging in its handshake is not waited for.
     """
     if not config:
         yield []
@@ -370,21 +549,40 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
 
     failures: list[ToolSourceError] = []
     body_error: Exception | None = None
+    stopped = False
 
     async with anyio.create_task_group() as tg:  # owns every serving task
-        async with anyio.create_task_group() as starters:
+        async with anyio.create_task_group() as watch:
+            if stop is not None:
 
-            async def start_one(source: McpToolSource) -> None:
-                try:
-                    await source.start(tg)  # bounded by the source's start_timeout
-                except ToolSourceError as e:
-                    failures.append(e)
-                    starters.cancel_scope.cancel()  # no point waiting for the others
+                async def stop_starts() -> None:
+                    nonlocal stopped
+                    await stop.wait()
+                    stopped = True
+                    for source in sources:
+                        source._request_stop()
 
-            for source in sources:
-                starters.start_soon(start_one, source, name=f"start mcp server {source.name}")
+                watch.start_soon(stop_starts, name="stop mcp servers")
+            async with anyio.create_task_group() as starters:
+
+                async def start_one(source: McpToolSource) -> None:
+                    if stopped:
+                        return
+                    try:
+                        await source.start(tg)  # bounded by the source's start_timeout
+                    except ToolSourceError as e:
+                        failures.append(e)
+                        starters.cancel_scope.cancel()  # no point waiting for the others
+
+                for source in sources:
+                    starters.start_soon(start_one, source, name=f"start mcp server {source.name}")
+            watch.cancel_scope.cancel()
+        if stopped:
+            failures.clear()  # stopped on purpose: nothing failed
         try:
-            if not failures:
+            if stopped:
+                yield []
+            elif not failures:
                 try:
                     yield _named_tools(sources, reserved)
                 except Exception as e:  # re-raised below, outside the task group, unwrapped

@@ -240,3 +240,138 @@ async def test_relayed_stderr_lines_are_redacted(two_servers, monkeypatch):
     line = next(line for line in err.getvalue().splitlines() if "marker-456" in line)
     assert line.startswith("[mcp alpha] ") and line.count("[REDACTED]") == 2
     assert secret not in err.getvalue() and "sk-live0123456789abcdef" not in err.getvalue()
+
+
+# -- every process an MCP server started goes with it ---------------------------------------------
+# The SDK starts a server in a session of its own (out of reach of the sidecar's own reaper).
+
+def recording(pidfile, then, *, ignore_term=False):
+    """A server command: a grandchild (``sleep``) and the server itself write their pids to
+    ``pidfile`` (the grandchild's first), then the server ``exec``s ``then``."""
+    trap = 'trap "" TERM; ' if ignore_term else ""
+    return ["/bin/sh", "-c", trap + 'sleep 600 & echo $! >> "$0"; echo $$ >> "$0"; exec "$@"', str(pidfile), *then]
+
+
+def running(pid):
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+async def recorded(pidfile):
+    with anyio.fail_after(WAIT):
+        while len(pidfile.read_text().split() if pidfile.exists() else []) < 2:
+            await anyio.sleep(0.02)
+    return [int(p) for p in pidfile.read_text().split()]
+
+
+@pytest.fixture
+def no_leftovers():
+    pids = []
+    yield pids
+    for p in pids:  # the test failed: do not leave its processes behind
+        if running(p):
+            os.kill(p, 9)
+
+
+async def test_a_stopped_start_terminates_a_server_hanging_in_its_handshake_at_once(tmp_path, no_leftovers):
+    pidfile = tmp_path / "pids"
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        async def stop_when_running():
+            no_leftovers.extend(await recorded(pidfile))
+            stop.set()
+
+        tg.start_soon(stop_when_running)
+        async with open_mcp_sources({"hung": {"command": recording(pidfile, ["sleep", "600"])}}, stop=stop,
+                                    start_timeout=WAIT, errlog=io.StringIO()) as tools:
+            stopped_at = anyio.current_time()
+            assert tools == []                      # stopped on purpose: no tools, no failure
+        assert anyio.current_time() - stopped_at < 1.5  # not the SDK's 2 s grace after stdin closes
+    assert not [p for p in no_leftovers if running(p)]
+
+
+async def test_a_cancelled_start_does_not_wait_on_the_server(tmp_path, no_leftovers):
+    pidfile = tmp_path / "pids"
+    cancelled_at = []
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            async def cancel_when_running():
+                no_leftovers.extend(await recorded(pidfile))
+                cancelled_at.append(anyio.current_time())
+                scope.cancel()
+
+            tg.start_soon(cancel_when_running)
+            async with open_mcp_sources({"hung": {"command": recording(pidfile, ["sleep", "600"])}},
+                                        start_timeout=WAIT, errlog=io.StringIO()):
+                pass  # pragma: no cover
+    assert scope.cancelled_caught
+    assert anyio.current_time() - cancelled_at[0] < 1.5  # not the SDK's 2 s grace after stdin closes
+    assert not [p for p in no_leftovers if running(p)]
+
+
+async def test_closing_a_server_kills_what_it_left_in_its_group(tmp_path, no_leftovers):
+    # the server exits when its stdin closes; its child ignores SIGTERM: it was left running
+    pidfile = tmp_path / "pids"
+    cmd = recording(pidfile, [sys.executable, SERVER, "left"], ignore_term=True)
+    async with open_mcp_sources({"left": {"command": cmd}}, start_timeout=WAIT, errlog=io.StringIO()) as tools:
+        assert "echo" in {t.name for t in tools}
+        no_leftovers.extend(await recorded(pidfile))
+        assert all(running(p) for p in no_leftovers)
+    assert not [p for p in no_leftovers if running(p)]
+
+
+def wait_gone(pids, timeout=WAIT):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while [p for p in pids if running(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if running(p)]
+
+
+def sync_recorded(pidfile, timeout=WAIT):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(pidfile.read_text().split() if pidfile.exists() else []) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
+
+
+def test_a_server_hanging_in_its_handshake_does_not_outlive_the_sidecar(sidecar, tmp_path, no_leftovers):
+    import time
+
+    pidfile = tmp_path / "pids"
+    sidecar.request("initialize", {"settings": {
+        "models": {"s": {"provider": "scripted", "responses": ["done"]}},
+        "mcpServers": {"hung": {"command": recording(pidfile, ["sleep", "600"])}}}}, timeout=WAIT)
+    bid = sidecar.request("createBranch", {}, timeout=WAIT)["branchId"]
+    sidecar.request_async("operate", {"branchId": bid, "instruction": "x"})  # loads the tools: waits on "hung"
+    no_leftovers.extend(sync_recorded(pidfile))
+    assert len(no_leftovers) == 2
+    t0 = time.monotonic()
+    sidecar.proc.stdin.close()
+    sidecar.proc.wait(WAIT)
+    took = time.monotonic() - t0
+    assert wait_gone(no_leftovers, 2.0) == []
+    assert "did not stop in time" not in sidecar.stderr_text() and "Traceback" not in sidecar.stderr_text()
+    assert took < WAIT
+
+
+def test_a_started_server_and_its_child_die_with_a_killed_sidecar(sidecar, tmp_path, no_leftovers):
+    pidfile = tmp_path / "pids"
+    sidecar.request("initialize", {"settings": {
+        "models": {"s": {"provider": "scripted", "responses": ["done"]}},
+        "mcpServers": {"fx": {"command": recording(pidfile, [sys.executable, SERVER, "fx"])}}}}, timeout=WAIT)
+    bid = sidecar.request("createBranch", {}, timeout=WAIT)["branchId"]
+    sidecar.request("operate", {"branchId": bid, "instruction": "x"}, timeout=WAIT)  # the server has started
+    assert "echo" in {t["name"] for t in sidecar.request("listTools", {}, timeout=WAIT)["tools"]}
+    no_leftovers.extend(sync_recorded(pidfile))
+    assert all(running(p) for p in no_leftovers) and len(no_leftovers) == 2
+    sidecar.proc.kill()                                   # SIGKILL: no clean-up of its own
+    sidecar.proc.wait(WAIT)
+    assert wait_gone(no_leftovers, 5.0) == []
