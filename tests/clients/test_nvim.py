@@ -1150,6 +1150,28 @@ def test_branch_picker_fork_and_tools(sv):
     assert b2 not in ids and b1 in ids
 
 
+def test_the_branch_picker_never_names_a_branch_after_a_later_round(sv):
+    """A branch without a name is named in the picker after its last instruction (a CLI model's
+    run records it first): during a turn's later round that was the server's 'Continue the same
+    task. ...'."""
+    model = {**scripted([call("fixture_echo", text="x"), {"text": "late", "delayMs": 3000}]), "cli": True}
+    bid = sv.lua("local r, e = require('operate_sidecar').request_sync('createBranch', "
+                 "{chatModel = vim.json.decode(...)}, 10000); assert(not e, vim.inspect(e)); return r.branchId",
+                 json.dumps(model))
+    sv.lua("require('operate_sidecar.branches').set(...)", bid)
+    sv.chat_send("echo x")
+    sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '✓ fixture_echo x')", "the first round")
+    rounds = [m for m in sv.messages(bid) if m["kind"] == "instruction"]
+    assert len(rounds) == 2 and rounds[-1]["content"]["instruction"].startswith("Continue the same task")
+    sv.lua("_G.listed = nil; require('operate_sidecar.branches').list(function(err, l) _G.listed = l end)")
+    sv.wait("_G.listed ~= nil", "the branch list")
+    assert sv.lua("return require('operate_sidecar')._state.last") is None          # the turn still runs
+    label = sv.lua("for _, b in ipairs(_G.listed) do if b.branchId == ... then "
+                   "return require('operate_sidecar.branches').format(b) end end", bid)
+    assert label.startswith(f"● branch {bid[:8]} · "), label
+    sv.wait_done()
+
+
 def test_unknown_branch_ids_and_model_names_are_refused(sv):
     b1 = sv.new_branch(["one"], "known1")
     b2 = sv.new_branch(["two"], "known2")

@@ -183,8 +183,10 @@ function M.list(cb)
           function(err, m)
             local last = not err and m and m.messages and m.messages[#m.messages]
             b.updatedAt = last and last.createdAt or nil
-            if last and last.kind == 'instruction' and not b.name and type(last.content) == 'table' then
-              b.name = M.name_from(last.content.instruction)
+            local c = last and last.kind == 'instruction' and type(last.content) == 'table' and last.content
+            -- (not the server's instruction of a turn's later round: that names no branch)
+            if c and not b.name and c.instruction ~= require('operate_sidecar.chat').CONTINUATION then
+              b.name = M.name_from(c.instruction)
             end
             one_done()
           end)
