@@ -872,6 +872,39 @@ def test_a_long_branch_comes_back_whole_and_its_cards_are_filled(sv):
     assert sum(ln.startswith("✓ fixture_echo") for ln in lines) == 506
 
 
+def test_a_turn_of_many_tool_calls_writes_only_what_changed(sv):
+    """Each tool event drew the whole turn again: a turn of N calls wrote some 8·N² lines (505
+    calls took 12 s to show on 0.11.4, the server waiting on the editor). Only the lines that
+    changed are written, and the chat is the same as one drawn from scratch."""
+    n = 200
+    echoes = [{"function": "fixture_echo", "arguments": {"text": f"n{i}"}} for i in range(n)]
+    bid = sv.new_branch([{"json": {"action_requests": echoes}}, "many done"], "manycalls")
+    sv.lua("local c = require('operate_sidecar.chat'); c.stats.renders, c.stats.lines_written = 0, 0")
+    sv.chat_send("echo many")
+    sv.wait_done()
+    sv.wait(f"vim.tbl_contains(require('operate_sidecar.chat').lines(), '  │   echo:n{n - 1}')", "the cards' outputs")
+    stats = sv.lua("return require('operate_sidecar.chat').stats")
+    lines = sv.chat(bid)
+    assert sum(ln.startswith("✓ fixture_echo n") for ln in lines) == n and "many done" in lines
+    assert len(lines) > 8 * n
+    # per call: its card added, then its output; the turn's end fills every card once
+    assert stats["lines_written"] < 25 * n, stats
+    assert stats["renders"] < 3 * n, stats
+    redrawn = sv.lua("""
+        local chat = require('operate_sidecar.chat')
+        local c = chat.chats[...]
+        for _, t in ipairs(c.turns) do
+          t.lines = nil
+          for _, blk in ipairs(t.blocks) do
+            blk.memo = nil
+            if blk.card then blk.card.memo = nil end
+          end
+          chat.render_turn(c, t)
+        end
+        return chat.lines(...)""", bid)
+    assert redrawn == lines
+
+
 def test_a_cancelled_permission_request_is_shown_as_cancelled(sv):
     bid = sv.new_branch([call("mark_file", path=str(sv.tmp / "cancelled.txt"), text="x"), "unused"], "permcancel")
     sv.n.command("OperateTools mark_file ask")

@@ -404,6 +404,40 @@ local function usage_line(turn)
   return '_' .. table.concat(parts, ' · ') .. '_'
 end
 
+-- A card's lines, made again only when what they show changed (a turn of hundreds of calls
+-- gets an event per call: its other cards are not laid out again for each).
+local CARD_FIELDS = { 'status', 'tool', 'arguments', 'output', 'argsSummary', 'resultSummary', 'error', 'stats' }
+local function cached_card_lines(card)
+  local memo = card.memo
+  if memo then
+    local same = true
+    for i, f in ipairs(CARD_FIELDS) do
+      if memo[i] ~= card[f] then
+        same = false
+        break
+      end
+    end
+    if same then
+      return memo.lines
+    end
+  end
+  memo = { lines = card_lines(card) }
+  for i, f in ipairs(CARD_FIELDS) do
+    memo[i] = card[f]
+  end
+  card.memo = memo
+  return memo.lines
+end
+
+-- A text block's lines, made again only when its text changed.
+local function cached_text_lines(blk)
+  if blk.memo and blk.memo_raw == blk.raw and blk.memo_final == blk.final then
+    return blk.memo
+  end
+  blk.memo, blk.memo_raw, blk.memo_final = blk.final or M.stream_lines(blk.raw), blk.raw, blk.final
+  return blk.memo
+end
+
 --- The lines of a turn, and the set of indices of its card detail lines (the folded ones).
 local function turn_lines(turn)
   local lines, details = {}, {}
@@ -418,13 +452,13 @@ local function turn_lines(turn)
   lines[#lines + 1] = '## Assistant' .. (turn.model and (' · ' .. turn.model) or '')
   for _, blk in ipairs(turn.blocks) do
     if blk.kind == 'text' then
-      local body = blk.final or M.stream_lines(blk.raw)
+      local body = cached_text_lines(blk)
       if #body > 0 and not (#body == 1 and body[1] == '') then
         util.extend(lines, body)
         lines[#lines + 1] = ''
       end
     else
-      for i, l in ipairs(card_lines(blk.card)) do
+      for i, l in ipairs(cached_card_lines(blk.card)) do
         lines[#lines + 1] = l
         if i > 1 then
           details[#lines] = true
@@ -511,9 +545,35 @@ function M.on_resize()
   end
 end
 
+-- What the chat buffers were written (read by the tests): renders that changed lines, lines written.
+M.stats = { renders = 0, lines_written = 0 }
+
+-- Draw a turn again: only the lines that changed since it was last drawn are written (the
+-- whole turn, hundreds of cards, for each tool event made a long turn slow to show).
 local function render_turn(chat, turn)
   if not usable(chat.buf) then
     return -- the transcript was deleted: the turns are kept and drawn again when it is rebuilt
+  end
+  local lines, details = turn_lines(turn)
+  local old = turn.lines
+  local n_old, n_new = turn.nlines, #lines
+  if not old or #old ~= n_old then
+    old = {} -- (not known: all of it is written)
+  end
+  local p, s = 0, 0 -- lines the same at the start, at the end
+  if #old == n_old and n_old > 0 then
+    while p < n_old and p < n_new and old[p + 1] == lines[p + 1] do
+      p = p + 1
+    end
+    while s < n_old - p and s < n_new - p and old[n_old - s] == lines[n_new - s] do
+      s = s + 1
+    end
+  end
+  -- (before the lines change: the folds are computed from this as they change)
+  turn.details = details
+  if p == n_old and p == n_new then
+    turn.lines = lines
+    return -- nothing changed
   end
   edit(chat, function(b)
     -- turns sit right above the prompt header (the last line): count back from it
@@ -525,11 +585,15 @@ local function render_turn(chat, turn)
       end
       last = last - t.nlines
     end
-    local lines, details = turn_lines(turn)
-    local first = last - turn.nlines
-    -- (before the lines change: the folds are computed from this as they change)
-    turn.nlines, turn.details = #lines, details
-    api.nvim_buf_set_lines(b, first, last, false, lines)
+    local first = last - n_old
+    local changed = {}
+    for i = p + 1, n_new - s do
+      changed[#changed + 1] = lines[i]
+    end
+    turn.nlines, turn.lines = n_new, lines
+    api.nvim_buf_set_lines(b, first + p, last - s, false, changed)
+    M.stats.renders = M.stats.renders + 1
+    M.stats.lines_written = M.stats.lines_written + #changed
   end)
   follow(chat)
   util.event('OperateSidecarChat')
@@ -609,7 +673,7 @@ local function create(chat)
     api.nvim_buf_set_lines(b, 0, -1, false, { chat_title(chat), '', M.PROMPT })
   end)
   for _, t in ipairs(chat.turns) do
-    t.nlines = 0 -- none is drawn yet: each goes above the prompt header, after those before it
+    t.nlines, t.lines = 0, nil -- none is drawn yet: each goes above the prompt header, after those before it
   end
   for _, t in ipairs(chat.turns) do
     render_turn(chat, t)
@@ -637,7 +701,7 @@ end
 local function new_turn(chat, turn)
   turn.blocks = turn.blocks or {}
   turn.cards = turn.cards or {}
-  turn.nlines = 0
+  turn.nlines, turn.lines = 0, nil
   chat.turns[#chat.turns + 1] = turn
   render_turn(chat, turn)
   return turn
