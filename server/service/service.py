@@ -71,6 +71,9 @@ class Service:
         self.governance: Governance | None = None
         self.journal: Any = None
         self._tools_ready: asyncio.Event | None = None
+        #: tool name -> the source that offers it, for what a name clash reports ("module 'x'",
+        #: "MCP server 'y'"; tools not in it are named by their kind, ``_origin``)
+        self._tool_origin: dict[str, str] = {}
         self._mcp_stop = asyncio.Event()  # set by ``aclose``: the MCP servers stop cleanly
         self._state_loaded = False
         self._restored: asyncio.Event | None = None  # set when the restore (a background task) is done
@@ -396,10 +399,11 @@ class Service:
                     return
                 for t in tools:
                     if t.name in reg:
-                        self.conn.log_message(2, f"tool {t.name!r} from module {name!r} shadows an existing tool; "
-                                                 "skipped")
+                        self.conn.log_message(2, f"tool {t.name!r} of module {name!r} is not offered: "
+                                                 f"{self._origin(t.name)} offers a tool of that name")
                         continue
                     reg.register(t)
+                    self._tool_origin[t.name] = f"module {name!r}"
 
     async def _off_loop_until_close(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` on a worker thread (an import runs the module's code: never on the
@@ -489,20 +493,81 @@ class Service:
 
     async def _serve_mcp(self, config: dict[str, Any], ready: asyncio.Event) -> None:
         """Run MCP servers as tool sources until :meth:`aclose`; ``ready`` is set once their
-        tools are registered or they failed."""
+        tools are registered or they failed. Their tools are named knowing every tool registered
+        when they are (also those registered while the servers started: another MCP server's, a
+        client's), so a taken name is offered as ``<server>__<tool>`` (with a warning naming
+        both sources), and they are registered all at once or not at all; they are unregistered
+        when the servers stop, so no tool is left pointing at a stopped server."""
+        from operate_sidecar.server.tools.errors import ToolSourceError
         from operate_sidecar.server.tools.mcp_source import open_mcp_sources
 
+        label = f"MCP server{'s' if len(config) > 1 else ''} {', '.join(map(repr, config))}"
+        taken = _TakenNames(self.registry)
+        registered: list[Any] = []
         try:
-            async with open_mcp_sources(config, reserved=self.registry.names()) as tools:
+            async with open_mcp_sources(config, reserved=taken) as tools:
+                # the names were chosen just now (no wait since): a clash here is a bug, and it
+                # refuses the servers whole rather than leave some of their tools registered
+                names = [t.name for t in tools]
+                clash = sorted({n for n in names if n in self.registry or names.count(n) > 1})
+                if clash:
+                    raise ToolSourceError("tool names taken: " + ", ".join(
+                        f"{n!r} ({self._origin(n)})" if n in self.registry else repr(n) for n in clash))
+                renamed = self._renamed_mcp_tools(config, names, taken.seen)
                 for t in tools:
-                    self.registry.register(t, update=False)
+                    self.registry.register(t)
+                    registered.append(t)
+                    self._tool_origin[t.name] = label
+                for server, pairs in renamed.items():
+                    self.conn.log_message(2, f"MCP server {server!r}: " + "; ".join(
+                        f"its tool {plain!r} is offered as {public!r} ({why})" for plain, public, why in pairs))
                 ready.set()
                 await self._mcp_stop.wait()
         except Exception as e:
-            self.conn.log_message(2, f"MCP server{'s' if len(config) > 1 else ''} {', '.join(config)} "
-                                     f"unavailable: {e}")
+            self.conn.log_message(2, f"{label} unavailable: {e}")
         finally:
+            for t in registered:  # the servers are stopped: their tools go with them
+                if t.name in self.registry and self.registry.get(t.name) is t:
+                    self.registry.unregister(t.name)
+                    self._tool_origin.pop(t.name, None)
             ready.set()
+
+    def _renamed_mcp_tools(self, config: dict[str, Any], names: list[str],
+                           taken: frozenset[str]) -> dict[str, list[tuple[str, str, str]]]:
+        """server -> (its tool's own name, the name it is offered as, why) for the tools of
+        ``config``'s servers offered as ``<server>__<tool>`` (``names``): the name was taken by
+        another source (``taken``: the names registered when they were chosen), or another of
+        these servers offers it too."""
+        import re
+
+        prefixes = {re.sub(r"[^A-Za-z0-9_-]", "_", server): server for server in config}
+        plain_of: dict[str, tuple[str, str]] = {}  # public name -> (server, its own name)
+        for public in names:
+            for prefix in sorted(prefixes, key=len, reverse=True):
+                if public.startswith(prefix + "__") and len(public) > len(prefix) + 2:
+                    plain_of[public] = (prefixes[prefix], public[len(prefix) + 2:])
+                    break
+        out: dict[str, list[tuple[str, str, str]]] = {}
+        for public, (server, plain) in plain_of.items():
+            if plain in taken and plain in self.registry:
+                why = f"{self._origin(plain)} offers {plain!r}"
+            else:
+                others = sorted(s for p, (s, n) in plain_of.items() if n == plain and s != server)
+                if not others or plain in names:
+                    continue  # the server's own name for it
+                why = "MCP server" + ("s " if len(others) > 1 else " ") + ", ".join(map(repr, others)) \
+                      + f" offer{'' if len(others) > 1 else 's'} {plain!r} too"
+            out.setdefault(server, []).append((plain, public, why))
+        return out
+
+    def _origin(self, name: str) -> str:
+        """Who offers the registered tool ``name``, for a clash report."""
+        where = self._tool_origin.get(name)
+        if where is not None:
+            return where
+        source = self.registry.get(name).source
+        return {"builtin": "the builtin workspace tools", "python": "toolModules", "mcp": "an MCP server",
+                "client": "the client (registerClientTools)"}.get(source, f"a {source} tool")
 
     # ------------------------------------------------------------------ tasks
     async def start(self) -> None:
@@ -998,7 +1063,9 @@ class Service:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if taken or dupes:
             raise invalid_params(f"tool name{'s' if len(taken + dupes) > 1 else ''} already taken: "
-                                 + ", ".join(taken + dupes), {"taken": taken + dupes})
+                                 + ", ".join([f"{n} (by {self._origin(n)})" for n in taken]
+                                             + [f"{n} (twice in this call)" for n in dupes]),
+                                 {"taken": taken + dupes})
         for spec in p.tools:
             self.registry.register(Tool(name=spec.name, description=spec.description,
                                         input_schema=spec.input_schema, func=self._client_tool(spec.name),
@@ -1234,6 +1301,28 @@ class Service:
         out["usage"] = meter.to_wire()
         out["rounds"] = rounds
         return out
+
+
+class _TakenNames:
+    """The names registered in ``registry`` as they are when read (an MCP source chooses its
+    tools' names with it); ``seen``: what the last read gave."""
+
+    __slots__ = ("_registry", "seen")
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+        self.seen: frozenset[str] = frozenset()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._registry
+
+    def __len__(self) -> int:
+        return len(self._registry)
+
+    def __iter__(self) -> Any:
+        names = self._registry.names()
+        self.seen = frozenset(names)
+        return iter(names)
 
 
 _PIPELINE_NAMES: frozenset[str] | None = None

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from .support import TIMEOUT, RpcError, scripted
+from .support import TIMEOUT, RpcError, scripted, wait_log
 
 CALL_ECHO = {"json": {"action_requests": [{"function": "echo_tool", "arguments": {"text": "a"}}]}}
 PERM = {"toolPermission": True}
@@ -348,3 +348,38 @@ def test_tool_event_summaries_are_json_text(sidecar):
     assert ev[5]["resultSummary"] == '"echo:' + "ü" * 194
     assert json.loads(ev[6]["argsSummary"]) == {"x": 1}
     assert "tool exploded" in ev[7]["error"] and not ev[7]["error"].startswith('"')
+
+
+def test_tool_names_taken_across_sources_are_reported_naming_both_sources(sidecar, tmp_path):
+    """Every source's tools share one namespace. An MCP server's tool whose name a Python tool
+    or another configured MCP server has is offered as ``<server>__<tool>`` and a warning
+    (``window/logMessage`` and stderr) names the tool and both sources; a client tool taking a
+    name answers -32602 naming who has it."""
+    import sys
+    from pathlib import Path
+
+    gated = str(Path(__file__).resolve().parents[1] / "service" / "fixtures" / "gated_mcp_server.py")
+    gate = tmp_path / "open"
+    gate.touch()  # the servers start at once
+
+    def server(name, *tools):
+        return {"command": [sys.executable, gated, name, str(gate), *tools]}
+
+    sidecar.init(models={"s": scripted("x")}, capabilities={"clientTools": True}, toolModules=["slow_tools"],
+                 mcpServers={"a": server("a", "echo_tool", "one"), "b": server("b", "one", "two")})
+    tools = {t["name"]: t["source"] for t in sidecar.request("listTools", {}, timeout=TIMEOUT)["tools"]}
+    assert {n: s for n, s in tools.items() if n not in ("slow_tool", "failing_tool")} == {
+        "echo_tool": "python", "a__echo_tool": "mcp", "a__one": "mcp", "b__one": "mcp", "two": "mcp"}, tools
+    said = [m["message"] for m in sidecar.of("window/logMessage")]
+    a = [m for m in said if m.startswith("MCP server 'a':")]
+    b = [m for m in said if m.startswith("MCP server 'b':")]
+    assert a == ["MCP server 'a': its tool 'echo_tool' is offered as 'a__echo_tool' (module 'slow_tools' offers "
+                 "'echo_tool'); its tool 'one' is offered as 'a__one' (MCP server 'b' offers 'one' too)"], said
+    assert b == ["MCP server 'b': its tool 'one' is offered as 'b__one' (MCP server 'a' offers 'one' too)"], said
+    assert all(wait_log(sidecar, m) for m in a + b), sidecar.stderr_text()
+    spec = {"description": "Mine.", "inputSchema": {"type": "object", "properties": {}}}
+    err = sidecar.error_of("registerClientTools", {"tools": [{"name": "mine", **spec}, {"name": "two", **spec},
+                                                             {"name": "echo_tool", **spec}]})
+    assert err.code == -32602 and err.data == {"taken": ["two", "echo_tool"]}, err
+    assert "two (by MCP servers 'a', 'b')" in err.message and "echo_tool (by module 'slow_tools')" in err.message
+    assert "mine" not in {t["name"] for t in sidecar.request("listTools", {})["tools"]}  # none of the call's
