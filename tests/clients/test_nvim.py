@@ -828,6 +828,46 @@ def test_a_tool_card_names_its_arguments_while_the_turn_runs(sv):
     assert "✓ fixture_echo hello there" in sv.chat(bid)
 
 
+def test_a_running_card_shows_its_arguments_and_output_from_the_tool_events(sv):
+    """The toolEvent summaries are JSON text: a running card takes a call's arguments and output
+    from them, with no read of the branch's messages (each call without its arguments asked for
+    them; the output showed as the summary came, a text quoted: 'output: "echo:hi"'). A summary
+    cut by the server is no JSON: those arguments come from the branch, as before."""
+    long = "y" * 300
+    bid = sv.new_branch([call("fixture_echo", text="hi"), {"text": "late", "delayMs": 1500},
+                         call("fixture_echo", text=long), {"text": "later", "delayMs": 2000}], "summaries")
+    sv.lua("""
+        local server = require('operate_sidecar.server')
+        _G.orig_request, _G.reads = server.request, 0
+        server.request = function(method, ...)
+          if method == 'branchMessages' then _G.reads = _G.reads + 1 end
+          return _G.orig_request(method, ...)
+        end""")
+    try:
+        sv.chat_send("echo hi")
+        sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '  │   echo:hi')", "the card's output")
+        assert sv.lua("return require('operate_sidecar')._state.last") is None      # the turn still runs
+        assert sv.lua("return _G.reads") == 0
+        lines = sv.chat(bid)
+        card = lines.index("✓ fixture_echo hi")
+        assert lines[card + 1:card + 8] == ["  │ arguments:", "  │   {", '  │     "text": "hi"', "  │   }",
+                                            "  │ output:", "  │   echo:hi", ""]
+        sv.wait_done()
+        sv.wait("_G.reads > 0", "the cards filled from the branch")
+        assert sv.chat(bid)[card:card + 8] == lines[card:card + 8]
+        sv.chat_send("echo long")
+        sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '  │     \"text\": \"" + long + "\"')",
+                "the long arguments, from the branch")
+        assert sv.lua("return require('operate_sidecar')._state.last") is None
+        sv.wait_done()
+    finally:
+        sv.lua("require('operate_sidecar.server').request = _G.orig_request")
+    value = "return require('operate_sidecar.chat').summary_value(...)"
+    assert sv.lua(value, '{"a":[1,"é"]}') == {"a": [1, "é"]}
+    cut = '"' + "é" * 199
+    assert sv.lua(value + " == nil", cut + '"') and sv.lua(value + " == nil", cut)     # 201 characters; cut
+
+
 def _reopen_from_the_branch(sv, bid: str, last: str) -> list[str]:
     """The chat of `bid` rebuilt from the server's messages (as after a restart, or the picker)."""
     sv.lua("require('operate_sidecar.chat').forget(...)", bid)

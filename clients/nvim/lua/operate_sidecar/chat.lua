@@ -994,14 +994,34 @@ local function card_for(turn, callId, tool)
   return card
 end
 
+-- The value of a toolEvent summary (compact JSON text): nil when it was cut (the server cuts
+-- one at SUMMARY_LIMIT characters, which leaves no valid JSON) or does not parse.
+local SUMMARY_LIMIT = 200
+function M.summary_value(text)
+  if type(text) ~= 'string' or select(2, text:gsub('[^\128-\191]', '')) >= SUMMARY_LIMIT then
+    return nil
+  end
+  local ok, value = pcall(vim.json.decode, text)
+  if ok and value ~= nil then
+    return value
+  end
+end
+
 local function apply_tool_event(turn, e)
   local card = card_for(turn, e.callId, e.tool)
   card.argsSummary = not is_null(e.argsSummary) and e.argsSummary or card.argsSummary
+  if card.arguments == nil then -- its arguments from the event itself, when they are whole
+    local args = M.summary_value(card.argsSummary)
+    card.arguments = type(args) == 'table' and args or nil
+  end
   if e.event == 'pre' then
     card.status = 'running'
   elseif e.event == 'post' then
     card.status = 'ok'
     card.resultSummary = not is_null(e.resultSummary) and e.resultSummary or nil
+    if card.output == nil then -- its output too (the branch's copy replaces it when the turn ends)
+      card.output = M.summary_value(card.resultSummary)
+    end
   elseif e.event == 'error' then
     card.status = 'error'
     card.error = not is_null(e.error) and tostring(e.error) or 'failed'
