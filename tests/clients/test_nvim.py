@@ -930,6 +930,13 @@ def test_a_turn_of_many_tool_calls_writes_only_what_changed(sv):
     # per call: its card added, then its output; the turn's end fills every card once
     assert stats["lines_written"] < 25 * n, stats
     assert stats["renders"] < 3 * n, stats
+    # each card's details are folded under its headline, however the lines came
+    win = sv.lua("return require('operate_sidecar.chat').window()")
+    heads = [i + 1 for i, ln in enumerate(lines) if ln.startswith("✓ fixture_echo n")]
+    closed = sv.lua("local w, heads = ...; return vim.api.nvim_win_call(w, function() local out = {} "
+                    "for _, h in ipairs(heads) do table.insert(out, {vim.fn.foldclosed(h), vim.fn.foldclosed(h + 1), "
+                    "vim.fn.foldclosedend(h + 1)}) end return out end)", win, heads)
+    assert closed == [[-1, h + 1, h + 6] for h in heads], closed[:3]
     redrawn = sv.lua("""
         local chat = require('operate_sidecar.chat')
         local c = chat.chats[...]
