@@ -191,7 +191,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
     assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
-    assert len(report["checks"]) == 33 and not bad and report.get("fatal") is None, report["checks"]
+    assert len(report["checks"]) == 34 and not bad and report.get("fatal") is None, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -201,7 +201,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "dies at start", "Always for this branch", "#selection (file, language, line range), #problems",
                   "invalid maxRounds", "command given as a string", "Stop pressed twice while the server is starting",
                   "never answers initialize", "crashes mid-reply", "nobody answers times out",
-                  "rendered and shown in batches", "reviewed one after the other"):
+                  "rendered and shown in batches", "reviewed one after the other", "running tool card shows its arguments"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 

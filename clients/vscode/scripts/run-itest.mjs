@@ -119,6 +119,8 @@ async function main() {
         { json: { answer: 'Two more.', action_requests: [
           { function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText: 'delta', newText: 'DELTA' }] } },
           { function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText: 'DELTA', newText: 'DELTA!' }] } }] } }),
+        // a tool call that runs for a while (its card shows its arguments while it runs)
+        napper: scripted({ json: { answer: 'Resting.', action_requests: [{ function: 'nap', arguments: { note: 'a short rest', seconds: 2 } }] } }),
         drip: drip(path.join(W, 'drip-state'), [DRIP_TEXT], 300, 5),
         // multi-root: an edit of the second folder's file, named the way the server takes it
         editSecond: scripted({ json: { answer: 'Upper-casing.', action_requests: [{ function: 'edit_file',

@@ -2,11 +2,13 @@
 // instruction, the model's prose, tool cards, a usage line), and turns become sanitized HTML.
 // No `vscode` import: unit-tested with node's test runner.
 import MarkdownIt from 'markdown-it';
-import type { Json, Message, Usage } from './rpcClient';
+import type { Json, Message, ToolEvent, Usage } from './rpcClient';
 
 export type CardState = 'running' | 'ok' | 'error' | 'denied' | 'ask' | 'cancelled';
 export interface ToolCard {
   callId: string; tool: string; args: Json; output?: Json; state: CardState;
+  /** `args` / `output` is the start of a summary the server cut (a `toolEvent`'s, see toolSummary): text, not a value. */
+  argsCut?: boolean; outputCut?: boolean;
   /** A pending permission request: shows Accept / Reject / Always (a diff review when `diff`). */
   ask?: { diff: boolean; path?: string };
 }
@@ -78,8 +80,22 @@ function stringEnd(src: string, i: number): number {
   return i;
 }
 
-/** Decodes the string fields of a possibly unfinished JSON object (a reply still streaming). */
-function partialStringFields(src: string): Record<string, string> {
+/** The text of a JSON string literal (from its opening quote) that may be cut anywhere: what it has so far. */
+function partialStringText(raw: string): string {
+  const whole = safeString(raw);
+  if (whole !== undefined) return whole;
+  let i = 1;   // to the end of the last complete character or escape
+  while (i < raw.length && raw[i] !== '"') {
+    const n = raw[i] !== '\\' ? 1 : raw[i + 1] === 'u' ? 6 : 2;
+    if (i + n > raw.length) break;
+    i += n;
+  }
+  return safeString(raw.slice(0, i) + '"') ?? '';
+}
+
+/** Decodes the string fields of a possibly unfinished JSON object (a reply still streaming);
+ *  `complete`: only the fields whose value is complete (not one cut at the end). */
+function partialStringFields(src: string, complete = false): Record<string, string> {
   const out: Record<string, string> = {};
   // only top-level keys: track depth while scanning
   let depth = 0;
@@ -100,10 +116,10 @@ function partialStringFields(src: string): Record<string, string> {
     i += m[0].length - 1;
     const vs = i;
     i = stringEnd(src, i);
-    let rawValue = src.slice(vs, Math.min(i + 1, src.length));
-    if (!rawValue.endsWith('"') || rawValue.length === 1) rawValue = rawValue.replace(/\\u?[0-9a-fA-F]{0,3}$|\\$/, '') + '"';
+    const rawValue = src.slice(vs, Math.min(i + 1, src.length));
+    const cut = i >= src.length;
     i++;
-    if (key !== undefined) out[key] = safeString(rawValue) ?? '';
+    if (key !== undefined && !(cut && complete)) out[key] = partialStringText(rawValue);
   }
   return out;
 }
@@ -211,10 +227,54 @@ function deniedWhy(output: Json | undefined): string {
   return `denied: ${reason.length > 60 ? reason.slice(0, 59) + '…' : reason}`;
 }
 
+/** How long the server's `toolEvent` summaries may be: one this long that does not parse was cut. */
+export const SUMMARY_LIMIT = 200;
+
+/**
+ * A `toolEvent`'s `argsSummary` / `resultSummary` (compact JSON text, cut at SUMMARY_LIMIT
+ * characters): the value when it parses; else the text it is, `cut` when it has the full length
+ * (a cut JSON string shows as its text, without the quotes and escapes).
+ */
+export function toolSummary(text: string | null | undefined): { value: Json; cut: boolean } {
+  if (text === undefined || text === null) return { value: null, cut: false };
+  try {
+    return { value: JSON.parse(text) as Json, cut: false };
+  } catch {
+    const cut = text.length >= SUMMARY_LIMIT;
+    return { value: cut && text.startsWith('"') ? partialStringText(text) : text, cut };
+  }
+}
+
+/**
+ * A `toolEvent` on its call's card: a new card (`card` undefined) with the arguments as the
+ * summary has them (a value, or the text of a cut one), or the card updated (post: the output,
+ * error, denied: the server's reason). Answers the card.
+ */
+export function cardOfToolEvent(card: ToolCard | undefined, e: ToolEvent): ToolCard {
+  if (!card) {
+    const a = toolSummary(e.argsSummary);
+    card = { callId: e.callId, tool: e.tool, args: a.value, ...(a.cut && { argsCut: true }), state: 'running' };
+  }
+  if (e.event === 'post') {
+    const r = toolSummary(e.resultSummary);
+    card.state = 'ok';
+    card.output = r.value;
+    if (r.cut) card.outputCut = true;
+  }
+  if (e.event === 'error') { card.state = 'error'; card.output = { error: e.error ?? 'failed' }; }
+  if (e.event === 'denied') {   // the server's reason: rejected, timed out, policy...
+    card.state = 'denied';
+    card.output = { error: 'denied by governance gate', ...(e.error && { reason: e.error }) };
+  }
+  return card;
+}
+
 /** The card's one-line title, e.g. `✓ edit_file src/x.py +3 −1`. */
 export function cardTitle(card: ToolCard): string {
   const icon = { running: '…', ok: '✓', error: '✗', denied: '⊘', ask: '?', cancelled: '⊘' }[card.state];
-  const a = card.args && typeof card.args === 'object' && !Array.isArray(card.args) ? card.args as Record<string, Json> : {};
+  // a cut summary of the arguments: its fields that are there whole
+  const a = card.args && typeof card.args === 'object' && !Array.isArray(card.args) ? card.args as Record<string, Json>
+    : card.argsCut && typeof card.args === 'string' && card.args.startsWith('{') ? partialStringFields(card.args, true) : {};
   let subject = '';
   if (typeof a.path === 'string') subject = a.path;
   else if (typeof a.command === 'string') subject = a.command;
@@ -388,9 +448,14 @@ function diffHtml(diff: string): string {
   }).join('\n');
 }
 
-function pretty(v: Json | undefined): string {
+function pretty(v: Json | undefined, cut?: boolean): string {
+  if (cut) return `${typeof v === 'string' ? v : ''}…`;
   if (typeof v === 'string') return v;
   return JSON.stringify(v, null, 2) ?? '';
+}
+/** A section's label; a cut summary says so. */
+function label(name: string, cut?: boolean): string {
+  return `<div class="label">${name}${cut ? ` <span class="cut">(the first ${SUMMARY_LIMIT} characters)</span>` : ''}</div>`;
 }
 
 export function cardHtml(card: ToolCard): string {
@@ -406,12 +471,12 @@ export function cardHtml(card: ToolCard): string {
     const o = card.output;
     const diff = o && typeof o === 'object' && !Array.isArray(o) && typeof o.diff === 'string' ? o.diff : undefined;
     const rest = diff !== undefined ? Object.fromEntries(Object.entries(o as Record<string, Json>).filter(([k]) => k !== 'diff')) : o;
-    output = `<div class="label">output</div><pre class="out">${escapeHtml(pretty(rest))}</pre>`;
+    output = `${label('output', card.outputCut)}<pre class="out">${escapeHtml(pretty(rest, card.outputCut))}</pre>`;
     if (diff !== undefined) output += `<pre class="diff">${diffHtml(diff)}</pre>`;
   }
   return `<details class="tool ${card.state}" data-call="${escapeHtml(card.callId)}">`
     + `<summary>${escapeHtml(cardTitle(card))}</summary>`
-    + `<div class="label">arguments</div><pre class="args">${escapeHtml(pretty(card.args))}</pre>${output}</details>${ask}`;
+    + `${label('arguments', card.argsCut)}<pre class="args">${escapeHtml(pretty(card.args, card.argsCut))}</pre>${output}</details>${ask}`;
 }
 
 export function turnHtml(t: Turn, index: number): string {

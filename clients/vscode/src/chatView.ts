@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  cardTitle, conversationHtml, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, ToolCard, Turn,
+  cardOfToolEvent, cardTitle, conversationHtml, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, ToolCard, Turn,
   turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
@@ -233,7 +233,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   // ---- turns -----------------------------------------------------------------------------------
   get running(): boolean { return !!this.live; }
   runningBranch(): string | undefined { return this.live?.branchId; }
-  stats() { return { streamUpdates: this.streamUpdates, deltas: this.deltas, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads }; }
+  stats() {
+    // the running turn's tool cards as the chat shows them
+    const cards = [...this.live?.cards.values() ?? []].map((c) => ({ tool: c.tool, state: c.state, title: cardTitle(c), args: c.args, argsCut: !!c.argsCut }));
+    return { streamUpdates: this.streamUpdates, deltas: this.deltas, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, cards };
+  }
 
   /** One chat turn on the current branch (created, named after the instruction, when there is none). */
   async send(text: string): Promise<TurnOutcome> {
@@ -361,16 +365,10 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     live.proseIdx = -1;
     let card = live.cards.get(e.callId);
     if (!card) {
-      card = { callId: e.callId, tool: e.tool, args: e.argsSummary, state: 'running' };
+      card = cardOfToolEvent(undefined, e);
       live.cards.set(e.callId, card);
       live.turn.items.push({ kind: 'tool', card });
-    }
-    if (e.event === 'post') { card.state = 'ok'; card.output = e.resultSummary ?? null; }
-    if (e.event === 'error') { card.state = 'error'; card.output = { error: e.error ?? 'failed' }; }
-    if (e.event === 'denied') {   // the server's reason: rejected, timed out, policy...
-      card.state = 'denied';
-      card.output = { error: 'denied by governance gate', ...(e.error && { reason: e.error }) };
-    }
+    } else cardOfToolEvent(card, e);
     this.render();
   }
 
@@ -455,6 +453,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       live.flushed = '';
       live.proseIdx = -1;
       live.turn.items.push({ kind: 'tool', card });
+    } else {   // the request has the arguments whole (a toolEvent's summary may be cut)
+      card.args = req.arguments as Json;
+      delete card.argsCut;
     }
     card.state = 'ask';
     card.ask = { diff: !!preview, ...(preview && { path: preview.path }) };

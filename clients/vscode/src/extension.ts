@@ -4,6 +4,7 @@
 import * as fs from 'node:fs';
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
+import { toolSummary } from './chatModel';
 import { ChatView, TurnOutcome, VIEW_ID } from './chatView';
 import { EditorTracker, selectionOf } from './context';
 import { clientFs, DiffReview, previewOf, PROPOSED_SCHEME, ReviewRecord } from './diffReview';
@@ -47,7 +48,9 @@ export interface OperateSidecarApi {
   currentBranch(): string | undefined;
   initializeResult(): InitializeResult | undefined;
   /** The chat view's counters (prose stream updates, turns, open permission cards). */
-  chatStats(): { streamUpdates: number; deltas: number; lastProse: string; turns: number; pendingAsks: string[]; running: boolean; loads: number };
+  chatStats(): { streamUpdates: number; deltas: number; lastProse: string; turns: number; pendingAsks: string[]; running: boolean; loads: number;
+    /** the running turn's tool cards */
+    cards: { tool: string; state: string; title: string; args: Json; argsCut: boolean }[] };
   /** The turns the chat shows, oldest first: the instruction, a failed or stopped turn's mark, card titles. */
   chatTurns(): { user: string; outcome?: string; note?: string; error?: string; cards: string[] }[];
   /** Decided diff reviews, oldest first. */
@@ -317,9 +320,11 @@ class Sidecar {
 
   // ---- server → client -------------------------------------------------------------------------
   private onToolEvent(e: ToolEvent): void {
-    const extra = e.event === 'post' ? ` -> ${e.resultSummary ?? ''}` : e.error ? ` !! ${e.error}` : '';
+    // the summaries as the server sent them (JSON text); one it cut ends in …
+    const text = (t: string | undefined) => (t ?? '') + (t && toolSummary(t).cut ? '…' : '');
+    const extra = e.event === 'post' ? ` -> ${text(e.resultSummary)}` : e.error ? ` !! ${e.error}` : '';
     const ms = e.durationMs !== undefined ? ` (${Math.round(e.durationMs)} ms)` : '';
-    this.line(`\n[tool ${e.event}] ${e.tool} ${e.argsSummary}${extra}${ms} [${e.callId}]`);
+    this.line(`\n[tool ${e.event}] ${e.tool} ${text(e.argsSummary)}${extra}${ms} [${e.callId}]`);
     this.chat.onToolEvent(e);
   }
 

@@ -8,7 +8,7 @@ def shout(text: str) -> str:
     return text.upper() + "!"
 
 
-def nap(seconds: float) -> str:
-    """Sleep, then answer."""
+def nap(seconds: float, note: str = "") -> str:
+    """Sleep, then answer (``note``: what the nap is for; only shown in the call)."""
     time.sleep(seconds)
     return "rested"

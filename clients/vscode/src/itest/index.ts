@@ -201,7 +201,8 @@ export async function run(): Promise<void> {
       const pre = written.indexOf('[tool pre] shout');
       const post = written.indexOf('[tool post] shout');
       expect(perm >= 0 && pre > perm && post > pre, `permission, pre, post in order:\n${written}`);
-      expect(written.includes('-> HEY!'), 'result summary in the channel');
+      // the server's summaries, JSON text: the arguments, the string output quoted
+      expect(written.includes('[tool pre] shout {"text":"hey"}') && written.includes('-> "HEY!"'), `summaries in the channel:\n${written}`);
     });
 
     await check('permission request answered deny_once: never invoked, denied toolEvent', async () => {
@@ -556,6 +557,29 @@ export async function run(): Promise<void> {
       const all = new vscode.WorkspaceEdit();
       all.replace(notesUri, new vscode.Range(doc.positionAt(0), doc.positionAt(doc.getText().length)), base);
       expect(await within(vscode.workspace.applyEdit(all), 'restore'), 'restored');
+    });
+
+    await check('a running tool card shows its arguments (the toolEvent\'s argsSummary is JSON text): title and arguments while the call runs, the output after', async () => {
+      const chat = api!.currentBranch();
+      await exec('operateSidecar.pickModel', { model: 'napper' });
+      await exec('operateSidecar.newChat');
+      const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: 'Take a nap' }));
+      let ended: any;
+      void turn.then((o) => { ended = o ?? {}; });
+      try {
+        const nap = () => api!.chatStats().cards.find((c) => c.tool === 'nap');
+        await until(() => !!ended || nap()?.state === 'running', 'the running nap card');
+        expect(!ended, `the turn ended before the card ran: ${String(JSON.stringify(ended)).slice(0, 1000)}`);
+        const card = nap()!;
+        expect(card.title === '… nap a short rest', `title while it runs: ${JSON.stringify(card.title)}`);
+        expect(JSON.stringify(card.args) === JSON.stringify({ note: 'a short rest', seconds: 2 }) && !card.argsCut, `arguments while it runs: ${JSON.stringify(card)}`);
+        const o: any = await within(turn, 'the turn ends');
+        expect(o && !o.error && o.result?.result?.action_responses?.[0]?.output === 'rested', `outcome: ${JSON.stringify(o).slice(0, 600)}`);
+      } finally {   // the next checks go on with the chat and model they had, also after a failure here
+        await within(turn, 'the turn ends').catch(() => undefined);
+        await exec('operateSidecar.pickBranch', { branchId: chat });
+        await exec('operateSidecar.pickModel', { model: 'chat' });
+      }
     });
 
     await check('diff review: rejectEdit denies the call; buffer and disk keep their text; the tool card says rejected', async () => {

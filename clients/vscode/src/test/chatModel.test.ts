@@ -7,10 +7,10 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import {
-  cardTitle, conversationHtml, LocalTurn, nameFrom, proseOf, proseOfResult, refusesField, renderMarkdown, resolveLocalTurns,
-  Turn, turnsFromMessages, withLocalTurns,
+  cardHtml, cardOfToolEvent, cardTitle, conversationHtml, escapeHtml, LocalTurn, nameFrom, proseOf, proseOfResult, refusesField, renderMarkdown, resolveLocalTurns,
+  SUMMARY_LIMIT, toolSummary, ToolCard, Turn, turnsFromMessages, withLocalTurns,
 } from '../chatModel';
-import { PermissionRequest, SidecarClient } from '../rpcClient';
+import { PermissionRequest, SidecarClient, ToolEvent } from '../rpcClient';
 
 const REPO = path.resolve(__dirname, '..', '..', '..', '..');
 const VENV_PY = path.join(REPO, '.venv', 'bin', 'python');
@@ -105,6 +105,46 @@ test('tool cards: compact titles with +added −removed; denied and failed calls
   assert.equal(cardTitle({ callId: 'c', tool: 'shout', args: { text: 'hey' }, state: 'error', output: { error: 'x' } }), '✗ shout hey');
 });
 
+test('toolEvent summaries (compact JSON text, cut at 200 characters): a value when they parse, the text marked cut otherwise', () => {
+  assert.deepEqual(toolSummary('{"path":"a.py","n":1}'), { value: { path: 'a.py', n: 1 }, cut: false });
+  assert.deepEqual(toolSummary('"HEY!"'), { value: 'HEY!', cut: false });
+  assert.deepEqual(toolSummary('null'), { value: null, cut: false });
+  assert.deepEqual(toolSummary(undefined), { value: null, cut: false });
+  // a cut JSON string shows as its text so far (a cut escape dropped)
+  const s = '"' + 'ab\\n'.repeat(49) + 'x\\u';
+  assert.equal(s.length, SUMMARY_LIMIT);
+  assert.deepEqual(toolSummary(s), { value: 'ab\n'.repeat(49) + 'x', cut: true });
+  assert.deepEqual(toolSummary('"' + 'q\\\\'.repeat(66) + 'q'), { value: 'q\\'.repeat(66) + 'q', cut: true });
+  // a cut object stays text; shorter text that is no JSON (an older server's repr) is not marked cut
+  const obj = '{"path":"src/x.py","content":"' + 'z'.repeat(SUMMARY_LIMIT);
+  assert.deepEqual(toolSummary(obj.slice(0, SUMMARY_LIMIT)), { value: obj.slice(0, SUMMARY_LIMIT), cut: true });
+  assert.deepEqual(toolSummary("{'text': 'hi'}"), { value: "{'text': 'hi'}", cut: false });
+
+  const ev = (event: ToolEvent['event'], extra: Partial<ToolEvent>): ToolEvent =>
+    ({ seq: 1, branchId: 'b', callId: 'c1', event, tool: 'write_file', argsSummary: '{}', ...extra });
+  // a running call: the arguments parsed, the title names the path
+  const card = cardOfToolEvent(undefined, ev('pre', { argsSummary: '{"path":"src/x.py","content":"hi"}' }));
+  assert.deepEqual(card.args, { path: 'src/x.py', content: 'hi' });
+  assert.equal(cardTitle(card), '… write_file src/x.py');
+  assert.ok(cardHtml(card).includes(escapeHtml(JSON.stringify({ path: 'src/x.py', content: 'hi' }, null, 2))), cardHtml(card));
+  cardOfToolEvent(card, ev('post', { resultSummary: '{"path":"src/x.py","added":3,"removed":1}' }));
+  assert.equal(cardTitle(card), '✓ write_file src/x.py +3 −1');
+  // cut arguments: shown as the text they are, marked; the title still names the path (a whole field)
+  const cut = cardOfToolEvent(undefined, ev('pre', { argsSummary: obj.slice(0, SUMMARY_LIMIT) }));
+  assert.equal(cut.argsCut, true);
+  assert.equal(cardTitle(cut), '… write_file src/x.py');
+  const html = cardHtml(cut);
+  assert.ok(html.includes('arguments <span class="cut">(the first 200 characters)</span>') && html.includes('zzz…</pre>'), html);
+  // a field cut at the end is no subject
+  const cutPath = '{"path":"' + 'd/'.repeat(100);
+  assert.equal(cardTitle(cardOfToolEvent(undefined, ev('pre', { argsSummary: cutPath.slice(0, SUMMARY_LIMIT) }))), '… write_file');
+  // a cut output: its text, marked
+  const out = cardOfToolEvent(undefined, ev('pre', {}));
+  cardOfToolEvent(out, ev('post', { resultSummary: ('"' + 'r'.repeat(SUMMARY_LIMIT)).slice(0, SUMMARY_LIMIT) }));
+  assert.ok(out.state === 'ok' && out.output === 'r'.repeat(SUMMARY_LIMIT - 1) && out.outputCut === true, JSON.stringify(out));
+  assert.ok(cardHtml(out).includes('output <span class="cut">(the first 200 characters)</span>'), cardHtml(out));
+});
+
 test('turns: a further round (the continuation instruction after tools ran) stays in its turn and counts as a round', () => {
   const msg = (kind: string, content: object, i: number) => ({ id: String(i), kind, role: '', sender: null, recipient: null, createdAt: i, content }) as any;
   const turns = turnsFromMessages([
@@ -195,6 +235,47 @@ test('fs/readTextFile and fs/writeTextFile: edit_file reads the unsaved buffer a
     assert.equal(turns[0].usage?.modelCalls, 1);
     const html = conversationHtml(turns);
     assert.ok(html.includes('<strong>y</strong>') && html.includes('✓ edit_file a.py +1 −1') && html.includes('1 model call'), html);
+  } finally {
+    await client.stop();
+    fs.rmSync(ws, { recursive: true, force: true });
+  }
+});
+
+test('toolEvents of the real server become cards that show the arguments while the call runs: parsed, or cut and marked', async () => {
+  const ws = fs.mkdtempSync(path.join(os.tmpdir(), 'chat-ev-'));
+  const files = new Map<string, string>();
+  const long = 'é'.repeat(300);
+  const client = await SidecarClient.start({ command: [PYTHON, '-m', 'operate_sidecar.server'], cwd: REPO });
+  try {
+    client.setFsHandlers({
+      readTextFile: (p) => { const t = files.get(p.path); if (t === undefined) throw new Error('no such file'); return t; },
+      writeTextFile: (p) => { files.set(p.path, p.text); },
+    });
+    client.setPermissionHandler(() => 'allow_once');
+    const cards = new Map<string, ToolCard>();
+    const shown: string[] = [];   // each card's title as it changed
+    client.onToolEvent((e) => {
+      const c = cardOfToolEvent(cards.get(e.callId), e);
+      cards.set(e.callId, c);
+      shown.push(`${e.event}: ${cardTitle(c)}${c.argsCut ? ' [args cut]' : ''}`);
+    });
+    await within(client.initialize({
+      capabilities: { toolPermission: true, fs: true }, workspaceFolders: [ws],
+      settings: { stateDir: null, defaultModel: 'm', models: { m: { provider: 'scripted', responses: [
+        { json: { answer: 'Writing.', action_requests: [
+          { function: 'write_file', arguments: { path: 'short.txt', content: 'hi\n' } },
+          { function: 'write_file', arguments: { path: 'long.txt', content: long } }] } },
+      ] } } },
+    }), 'initialize');
+    const { branchId } = await within(client.createBranch({ name: 'ev' }), 'createBranch');
+    await within(client.operate({ branchId, instruction: 'write', actions: true, tools: true }), 'operate');
+    assert.equal(files.get(path.join(ws, 'long.txt')), long, 'the long file was written');
+    assert.deepEqual(shown.filter((x) => x.startsWith('pre')), ['pre: … write_file short.txt', 'pre: … write_file long.txt [args cut]'], shown.join('\n'));
+    const [short, cut] = [...cards.values()];
+    assert.deepEqual(short.args, { path: 'short.txt', content: 'hi\n' });
+    assert.ok(typeof cut.args === 'string' && cut.args.startsWith('{"path":"long.txt","content":"éé') && cardHtml(cut).includes('(the first 200 characters)'), cardHtml(cut));
+    assert.ok(short.state === 'ok' && cut.state === 'ok', JSON.stringify([...cards.values()]));
+    assert.ok(short.output !== null && typeof short.output === 'object', `the output parsed: ${JSON.stringify(short.output)}`);
   } finally {
     await client.stop();
     fs.rmSync(ws, { recursive: true, force: true });
