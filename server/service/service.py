@@ -505,7 +505,7 @@ class Service:
         taken = _TakenNames(self.registry)
         registered: list[Any] = []
         try:
-            async with open_mcp_sources(config, reserved=taken) as tools:
+            async with open_mcp_sources(config, reserved=taken, stop=self._mcp_stop) as tools:
                 # the names were chosen just now (no wait since): a clash here is a bug, and it
                 # refuses the servers whole rather than leave some of their tools registered
                 names = [t.name for t in tools]
