@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from .support import TIMEOUT, RpcError, scripted
 
 FS = {"fs": True, "toolPermission": True}
@@ -151,3 +153,95 @@ def test_without_the_capability_the_disk_is_used(sidecar, tmp_path):
         "toolPolicy": {"edit_file": "allow"}}}, timeout=TIMEOUT)
     operate(sidecar, sidecar.branch())
     assert f.read_text() == "b\n" and asked == []
+
+
+LIMIT = 100_000
+
+
+def test_an_unsaved_new_buffer_whose_read_is_over_max_message_bytes_is_never_overwritten(sidecar, tmp_path):
+    """A file that exists only as an editor buffer (no file on disk) and whose text is over
+    ``maxMessageBytes``: its read fails (as if the client answered -32600), which says nothing
+    about whether it exists. write_file used to take it for "no such file", "create" it and
+    overwrite the buffer unseen (``created: true``); edit_file said it did not exist."""
+    new = tmp_path / "new.txt"
+    bufs = Buffers({str(new): "y" * (3 * LIMIT)}).attach(sidecar)
+    sidecar.request("initialize", {"workspaceFolders": [str(tmp_path)], "capabilities": FS, "settings": {
+        "models": {"s": scripted(call("write_file", path="new.txt", content="x\n"),
+                                 call("edit_file", path="new.txt", edits=[{"oldText": "y", "newText": "z",
+                                                                           "replaceAll": True}]))},
+        "toolPolicy": {"edit_file": "allow", "write_file": "allow"}, "maxMessageBytes": LIMIT}}, timeout=TIMEOUT)
+    bid = sidecar.branch()
+    for tool in ("write_file", "edit_file"):
+        out = outputs(operate(sidecar, bid))[0]
+        assert out["function"] == tool and "maxMessageBytes" in out["error"], out
+        assert "does not exist" not in out["error"], out
+    assert bufs.files[str(new)] == "y" * (3 * LIMIT) and not [k for k, _ in bufs.log if k == "write"]
+    assert not new.exists()
+
+
+#: error answers that do not say the file is missing (the path is inside a folder named "not found")
+FAILURES = [(-32603, "the editor crashed reading {path}", None),
+            (-32000, "buffer is locked", None),
+            (-32601, "Method not found", None),
+            (-32603, "Internal error", {"uri": "{path}"})]
+
+
+@pytest.mark.parametrize("code,message,data", FAILURES)
+def test_a_failed_read_of_a_path_missing_on_disk_fails_the_call_with_the_clients_reason(sidecar, tmp_path,
+                                                                                        code, message, data):
+    """The client's read failed for a reason of its own, for a path with no file on disk (it
+    may be an unsaved buffer): write_file fails with that reason and nothing is written (it
+    used to create the file); edit_file and read_file name it too (not "does not exist")."""
+    ws = tmp_path / "not found"
+    ws.mkdir()
+    path = str(ws / "new.txt")
+    writes = []
+
+    def fail(p):
+        raise RpcError(code, message.format(path=p["path"]),
+                       {k: v.format(path=p["path"]) for k, v in data.items()} if data else None)
+
+    sidecar.on_request("fs/readTextFile", fail)
+    sidecar.on_request("fs/writeTextFile", lambda p: writes.append(p) or {})
+    bid = start(sidecar, ws, call("write_file", path="new.txt", content="x\n"),
+                call("edit_file", path="new.txt", edits=[{"oldText": "a", "newText": "b"}]),
+                call("read_file", path="new.txt"))
+    shown = message.format(path=path)
+    for tool in ("write_file", "edit_file", "read_file"):
+        out = outputs(operate(sidecar, bid))[0]
+        assert out["function"] == tool and f"the client could not read {path}: {shown}" in out["error"], out
+    assert writes == [] and not (ws / "new.txt").exists()
+
+
+#: how clients say a file is not there: Neovim's answer, VS Code's (a thrown FileSystemError, as
+#: vscode-jsonrpc answers it, in its two wordings), an ACP client's "Resource not found" (what the
+#: ACP SDK's RequestError.resource_not_found answers), and one whose reason is in ``data``
+NOT_FOUND = [(-32602, "cannot read {path}: {path}: No such file or directory", None),
+             (-32603, "Request fs/readTextFile failed with message: ENOENT: no such file or directory, open '{path}'",
+              None),
+             (-32603, "Request fs/readTextFile failed with message: Unable to read file '{path}' "
+                      "(Error: Unable to resolve nonexistent file '{path}')", None),
+             (-32002, "Resource not found", {"uri": "{path}"}),
+             (-32603, "Internal error", {"details": "No such file or directory (os error 2)"})]
+
+
+@pytest.mark.parametrize("code,message,data", NOT_FOUND)
+def test_the_clients_not_found_answers_let_write_file_create_the_file(sidecar, tmp_path, code, message, data):
+    path = str(tmp_path / "new.txt")
+    files: dict[str, str] = {}
+
+    def read(p):
+        if p["path"] in files:
+            return {"text": files[p["path"]]}
+        raise RpcError(code, message.format(path=p["path"]),
+                       {k: v.format(path=p["path"]) for k, v in data.items()} if data else None)
+
+    sidecar.on_request("fs/readTextFile", read)
+    sidecar.on_request("fs/writeTextFile", lambda p: files.__setitem__(p["path"], p["text"]) or {})
+    bid = start(sidecar, tmp_path, call("read_file", path="new.txt"),
+                call("edit_file", path="new.txt", edits=[{"oldText": "a", "newText": "b"}]),
+                call("write_file", path="new.txt", content="x\n"))
+    assert outputs(operate(sidecar, bid))[0]["error"] == "'new.txt' does not exist"
+    assert "'new.txt' does not exist (edit_file changes" in outputs(operate(sidecar, bid))[0]["error"]
+    out = outputs(operate(sidecar, bid))[0]
+    assert out["created"] is True and files == {path: "x\n"}, out
