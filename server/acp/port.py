@@ -27,6 +27,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from acp import RequestError, tool_diff_content, update_agent_message_text
@@ -311,8 +312,14 @@ class AcpPort:
         if self.client_capabilities.get("fs") and self.client is not None:
             try:
                 text = (await self.client.read_text_file(session_id=session_id, path=real)).content
-            except Exception:
-                return UNREADABLE if os.path.lexists(real) else None
+            except Exception as e:  # noqa: BLE001 - any failed read: is it the editor saying "no such file"?
+                # only an answer that says so shows a creation diff: an unsaved buffer whose read
+                # failed for another reason (too big, an editor error) is not a new file
+                from operate_sidecar.server.tools.file_tools import client_says_not_found
+
+                if os.path.lexists(real) or not client_says_not_found(e, Path(real)):
+                    return UNREADABLE
+                return None
             return UNREADABLE if _too_large(text) else text
         try:
             if os.path.getsize(real) > DIFF_FILE_LIMIT:

@@ -468,6 +468,32 @@ def test_with_the_fs_capability_files_are_read_and_written_through_the_client(tm
     run(main())
 
 
+class FailingReads(RecordingClient):
+    """An editor whose ``fs/read_text_file`` of an unsaved new buffer fails with an error that
+    is not "not found" (an editor error: the buffer is there, it could not be read)."""
+
+    async def read_text_file(self, session_id, path, line=None, limit=None, **kw):
+        raise acp.RequestError(-32603, "Internal error", "the buffer could not be read")
+
+
+def test_a_failed_read_of_an_unsaved_buffer_is_not_shown_as_a_new_file(tmp_path, ws):
+    """A write to a path missing on disk whose read the editor failed for another reason than
+    "not found" was shown as a creation diff (from nothing): it is shown with no diff, and the
+    call fails without writing (the service refuses it, naming the editor's reason)."""
+    async def main():
+        c = FailingReads("allow_once")
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "new.txt", "content": "x\n"})]), reply("done"))
+        async with spawn(c, config, fs=True) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            await bounded(conn.set_config_option(config_id="mode", session_id=sid, value="auto-edit"))
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            call = c.of("tool_call")[0]
+            assert not [b for b in (call.content or []) if getattr(b, "type", None) == "diff"], call.content
+            assert c.writes == [] and c.of("tool_call_update")[-1].status == "failed"
+
+    run(main())
+
+
 class WriteAnswers(RecordingClient):
     """Answers ``fs/write_text_file`` as avante does: ``null`` when written, the error's text
     (a string result) when not."""
