@@ -19,10 +19,14 @@ and shared by every ``LocalModel`` that names it; generation on one ``Llama``
 
 Streaming: the llama.cpp token generator is advanced one step at a time in a
 worker thread (``anyio.to_thread.run_sync``) and each delta is yielded as it
-comes. The generator therefore never runs while nobody is waiting for it: when
-the awaiting scope is cancelled, the current step finishes (one token, or the
-prompt evaluation), the generator is closed and the lock released. No task
-group is held open across ``yield`` (which is unsafe in async generators).
+comes. The generator therefore never runs while nobody is waiting for it. When
+the awaiting scope is cancelled (a cancelled operate, the server stopping), a
+step that evaluates the prompt (seconds for a long one: a system message with
+tools) is aborted through llama.cpp's abort callback, one generating a token
+finishes (milliseconds); the cancellation waits for that thread to leave the
+context (shielded), then the generator is closed and the lock released. The
+context is never used by two threads, nor freed under one (``_close_all``). No
+task group is held open across ``yield`` (which is unsafe in async generators).
 """
 
 from __future__ import annotations
@@ -103,12 +107,13 @@ def default_model_path() -> str:
 class _Lease:
     """One generation's hold on a llama context."""
 
-    __slots__ = ("gen", "last", "revoked")
+    __slots__ = ("aborted", "gen", "last", "revoked")
 
     def __init__(self) -> None:
         self.gen: Any = None
         self.last = time.monotonic()
         self.revoked = False
+        self.aborted = False  # its consumer was cancelled: a running prompt evaluation stops
 
 
 @dataclass
@@ -119,6 +124,8 @@ class _Loaded:
     lease: _Lease | None = None
     _counter: "_TokenCounter | None" = None
     n_ctx: int = DEFAULT_N_CTX  # the context size in use (nCtx, at most the model's training context)
+    closing: bool = False  # the process is exiting (_close_all): no step starts, a running one stops
+    _abort_cb: Any = None  # the ctypes callback handed to llama.cpp (kept alive here)
 
     @property
     def counter(self) -> "_TokenCounter":
@@ -157,15 +164,78 @@ class _Loaded:
         finally:
             self.step_lock.release()
 
-    def step(self, lease: _Lease, fn: Any) -> Any:
-        """Run one generation step (worker thread) unless the lease was revoked."""
+    def step(self, lease: _Lease, fn: Any, abortable: bool = False) -> Any:
+        """Run one generation step (worker thread) unless the lease was revoked or aborted.
+        ``abortable``: the step may evaluate the prompt; llama.cpp then asks, between the nodes
+        of its compute graph, whether to stop (``lease.aborted``, ``closing``) and a stopped
+        evaluation raises here (the context keeps the batches evaluated before it). Only then:
+        the callback takes the GIL each time it is asked."""
         with self.step_lock:
             if lease.revoked:
                 raise ModelError("local model: this generation was abandoned and its context reassigned")
+            if lease.aborted or self.closing:
+                raise ModelError("local model: generation stopped")
+            armed = abortable and self._set_abort(lease)
             try:
                 return fn()
             finally:
+                if armed:
+                    self._set_abort(None)
                 lease.last = time.monotonic()
+
+    def _set_abort(self, lease: _Lease | None) -> bool:
+        """Install (``lease``) or remove (None) llama.cpp's abort callback on this context;
+        False where this llama-cpp-python cannot."""
+        try:
+            import llama_cpp
+
+            ctx = self.llama._ctx.ctx
+            if lease is None:
+                llama_cpp.llama_set_abort_callback(ctx, llama_cpp.ggml_abort_callback(), None)
+                self._abort_cb = None
+                return True
+
+            def should_abort(_data: Any) -> bool:
+                return lease.aborted or self.closing
+
+            self._abort_cb = llama_cpp.ggml_abort_callback(should_abort)
+            llama_cpp.llama_set_abort_callback(ctx, self._abort_cb, None)
+            return True
+        except (ImportError, AttributeError, TypeError):  # another llama-cpp-python: steps are not aborted
+            return False
+
+    async def run(self, lease: _Lease, fn: Any, abortable: bool = False) -> Any:
+        """``step`` in a worker thread. When the caller is cancelled meanwhile, the step is
+        aborted (``abortable``) or left to finish its token, and the cancellation waits for
+        the thread to leave the context before it goes on: then the generator may be closed
+        and the context given to another generation (or freed at exit). A step cancelled before
+        a worker thread took it never runs (anyio then drops it, or ``work`` returns at once)."""
+        finished = threading.Event()
+        guard = threading.Lock()
+        state = ["queued"]  # -> "running" (in a worker), or "dropped" (cancelled before that)
+
+        def work() -> Any:
+            with guard:
+                if state[0] == "dropped":
+                    return None
+                state[0] = "running"
+            try:
+                return self.step(lease, fn, abortable)
+            finally:
+                finished.set()
+
+        try:
+            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            lease.aborted = True
+            with guard:
+                running = state[0] == "running"
+                state[0] = "dropped"
+            if running:
+                with anyio.CancelScope(shield=True):
+                    while not finished.is_set():
+                        await anyio.sleep(LOCK_POLL_S)
+            raise
 
     def release(self, lease: _Lease) -> None:
         """Give the context back (idempotent; a no-op for a revoked lease)."""
@@ -298,14 +368,20 @@ def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
 
 
 def _close_all() -> None:
-    """Free the llama contexts before interpreter teardown (their __del__ fails late)."""
+    """Free the llama contexts before interpreter teardown (their __del__ fails late). A step
+    still running is aborted (a prompt evaluation) or finishes its token; no step starts after
+    ``closing`` is set, so a context is freed only when no thread uses it (else it is left to
+    the OS)."""
     with _CACHE_LOCK:
         for loaded in {id(v): v for v in _CACHE.values()}.values():  # one entry may have two keys
-            if loaded.lock.acquire(timeout=5):
+            loaded.closing = True
+            if loaded.step_lock.acquire(timeout=5):
                 try:
                     loaded.llama.close()
                 except Exception:  # noqa: BLE001 - best effort at exit
                     pass
+                finally:
+                    loaded.step_lock.release()
         _CACHE.clear()
 
 
@@ -636,7 +712,7 @@ class LocalModel(BaseModelProvider):
                 return next(lease.gen, _DONE)
 
             try:
-                await anyio.to_thread.run_sync(loaded.step, lease, start)
+                await loaded.run(lease, start)
             except ModelError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -645,7 +721,8 @@ class LocalModel(BaseModelProvider):
             finish = None
             while True:
                 try:
-                    chunk = await anyio.to_thread.run_sync(loaded.step, lease, step)
+                    # the steps up to the first text evaluate the prompt: those may be aborted
+                    chunk = await loaded.run(lease, step, abortable=n_chunks == 0)
                 except ModelError:
                     raise
                 except Exception as e:  # noqa: BLE001 - e.g. context window exceeded

@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import jsonschema
@@ -442,3 +444,130 @@ def test_a_response_schema_llama_cpp_cannot_take_falls_back_to_json_instead_of_c
     assert out.stderr.count("falling back to JSON") == 2, out.stderr[-3000:]
     assert "refused the grammar" in out.stderr and "nests 50000 levels deep" in out.stderr
     assert out.stderr.count("error parsing grammar") == 1  # llama.cpp's own report of the refused one
+
+
+# -- cancel and exit over the wire while the embedded model reads a long prompt -------------------
+
+
+def _long_system(tag: str) -> str:
+    """A system message of about 1,300 tokens, its first word ``tag``: evaluating it takes llama.cpp
+    three batches (seconds on CI), and branches with different tags share no cached prefix."""
+    return f"{tag}. " + "You are a helpful assistant who answers every question briefly and politely. " * 90
+
+
+class _Wire:
+    """The real server over real pipes with no model configured (the embedded SmolLM2), and the
+    time each ``$/progress`` value arrived."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        from operate_sidecar.clients.python.client import SidecarClient
+
+        self.stderr = open(tmp_path / "server.stderr", "w+b")
+        self.client = SidecarClient(argv=[sys.executable, "-m", "operate_sidecar.server"], cwd=str(REPO),
+                                    env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=self.stderr)
+        self.progress: list[tuple[float, Any, dict]] = []
+        self.client.on_notification("$/progress", lambda p: self.progress.append(
+            (time.monotonic(), p["token"], p["value"])))
+        self.client.request("initialize", {"workspaceFolders": [str(tmp_path)], "settings": {}}, timeout=60)
+
+    def deltas(self, token: str) -> list[tuple[float, str]]:
+        return [(t, v["delta"]) for t, tok, v in list(self.progress) if tok == token and v.get("delta")]
+
+    def requested_at(self, token: str) -> float | None:
+        return next((t for t, tok, v in list(self.progress) if tok == token and v.get("phase") == "request"), None)
+
+    def operate(self, branch: str, token: str, instruction: str = "Write a very long story about a lighthouse.",
+                **options: Any) -> Any:
+        return self.client.request_async("operate", {
+            "branchId": branch, "instruction": instruction, "workDoneToken": token,
+            "modelOptions": {"maxTokens": 1000, "temperature": 0.8, **options}})
+
+    def prompt_time(self, branch: str, token: str) -> tuple[Any, float]:
+        """Start an operate and wait for its third delta; returns it (running) and how long the
+        prompt's evaluation took, from the ``request`` report to the first delta."""
+        run = self.operate(branch, token)
+        assert self.client.wait_for(lambda _: len(self.deltas(token)) >= 3, 300), self.progress
+        return run, self.deltas(token)[0][0] - self.requested_at(token)
+
+    def close(self) -> None:
+        if self.client.proc.poll() is None:
+            self.client.kill()
+        self.client.proc.wait(30)
+        self.client._close_pipes()
+        self.stderr.close()
+
+
+@pytest.mark.timeout(400)  # three long prompts on two busy cores
+def test_a_cancel_stops_the_local_model_between_tokens_and_while_it_reads_a_long_prompt(tmp_path):
+    """A cancelled operate on the embedded model is answered -32800 within about a token: while
+    it generates, and while llama.cpp evaluates a long prompt (one uninterruptible step of
+    seconds once, answered only when it ended); the branch stays usable at once."""
+    from operate_sidecar.clients.python.client import RpcError
+
+    w = _Wire(tmp_path)
+    try:
+        c = w.client
+        a = c.request("createBranch", {"system": _long_system("Alpha")})["branchId"]
+        run, prompt_s = w.prompt_time(a, "a")
+        seen = len(w.deltas("a"))
+        c.cancel(run.id)
+        with pytest.raises(RpcError) as cancelled:
+            run.result(120)
+        assert cancelled.value.code == -32800
+        assert len(w.deltas("a")) - seen <= 20  # of up to 1000: the stream stopped
+
+        b = c.request("createBranch", {"system": _long_system("Bravo")})["branchId"]
+        run = w.operate(b, "b")
+        assert c.wait_for(lambda _: w.requested_at("b") is not None, 60)
+        # Nothing on the wire says the evaluation has begun: a quarter of the uncancelled one is
+        # well inside it (loading nothing, fitting the context: milliseconds).
+        time.sleep(prompt_s / 4)
+        asked = time.monotonic()
+        c.cancel(run.id)
+        with pytest.raises(RpcError) as cancelled:
+            run.result(120)
+        took = time.monotonic() - asked
+        assert cancelled.value.code == -32800
+        assert not w.deltas("b")
+        assert took < prompt_s / 3, f"the cancel took {took:.2f}s; the prompt's evaluation takes {prompt_s:.2f}s"
+
+        out = c.request("operate", {"branchId": b, "instruction": "Say OK.", "modelOptions": {"maxTokens": 8}},
+                        timeout=300)
+        assert out["kind"] == "text" and out["result"].strip()
+        msgs = c.request("branchMessages", {"branchId": b})["messages"]
+        assert [m["kind"] for m in msgs][-2:] == ["instruction", "assistant_response"], msgs
+        assert c.close(30) == 0
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(400)  # three long prompts on two busy cores
+def test_the_server_exits_promptly_when_stdin_closes_while_the_local_model_reads_a_long_prompt(tmp_path):
+    """stdin closed (the client quit) while llama.cpp evaluates a long prompt: the server exits
+    at once (it went on for the whole evaluation, then waited for the context at exit), and
+    without a crash (the context is never freed while a thread still uses it)."""
+    from operate_sidecar.clients.python.client import RpcError
+
+    w = _Wire(tmp_path)
+    try:
+        c = w.client
+        a = c.request("createBranch", {"system": _long_system("Alpha")})["branchId"]
+        run, prompt_s = w.prompt_time(a, "a")
+        c.cancel(run.id)
+        with pytest.raises(RpcError, match="cancelled"):
+            run.result(120)
+        b = c.request("createBranch", {"system": _long_system("Bravo")})["branchId"]
+        w.operate(b, "b")
+        assert c.wait_for(lambda _: w.requested_at("b") is not None, 120)
+        time.sleep(prompt_s / 4)  # well inside the evaluation (see the test above)
+        closed = time.monotonic()
+        c.proc.stdin.close()
+        code = c.proc.wait(120)
+        took = time.monotonic() - closed
+        assert took < prompt_s / 3, f"exit took {took:.2f}s; the prompt's evaluation takes {prompt_s:.2f}s"
+        assert code == 1  # stdin EOF without shutdown; not a signal
+        w.stderr.seek(0)
+        err = w.stderr.read().decode("utf-8", "replace")
+        assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
+    finally:
+        w.close()
