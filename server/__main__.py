@@ -12,8 +12,41 @@ subprocess; see docs/PROTOCOL.md. stdout carries protocol frames only; logs go t
 Settings are merged: initialize "settings" over the --config file over these flags."""
 
 
+def _pid(text: str) -> int:
+    """A process id: a positive integer (0 or a negative number names a process group to kill(2),
+    so a watchdog on it would never fire, or fire at once)."""
+    import argparse
+
+    try:
+        pid = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a process id: {text!r}") from None
+    if pid < 1:
+        raise argparse.ArgumentTypeError(f"not a process id: {text!r} (a PID is a positive integer)")
+    return pid
+
+
+def _load_config(path: str) -> dict:
+    """The ``--config`` file's settings; SettingsError naming the file when it cannot be read or is
+    not TOML."""
+    import tomllib
+
+    from operate_sidecar.server.rpc import settings as S
+
+    try:
+        return S.load_toml(path)
+    except tomllib.TOMLDecodeError as e:
+        raise S.SettingsError(f"{path} is not a TOML file: {e}") from None
+    except UnicodeDecodeError:
+        raise S.SettingsError(f"{path} is not a TOML file: it is not UTF-8 text") from None
+    except OSError as e:
+        raise S.SettingsError(f"cannot read {path}: {e.strerror or e}") from None
+
+
 def _parser():  # type: ignore[no-untyped-def]
     import argparse
+
+    from operate_sidecar.server.rpc.settings import DEFAULTS
 
     p = argparse.ArgumentParser(prog="operate-sidecar", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -23,13 +56,12 @@ def _parser():  # type: ignore[no-untyped-def]
                                        "      run a session script against a fresh server and report every step\n"
                                        "      (see `operate-sidecar replay --help`; --record FILE writes one)")
     p.add_argument("--config", metavar="FILE",
-                   help="TOML file with settings (models, defaultModel, toolPolicy, permissionTimeoutMs, "
-                        "mcpServers, toolModules, stateDir, maxMessageBytes), as top-level keys or a "
-                        "[settings] table")
+                   help="TOML file with settings, as top-level keys or a [settings] table: any of "
+                        + ", ".join(DEFAULTS) + " (docs/PROTOCOL.md, initialize)")
     p.add_argument("--state-dir", metavar="DIR",
                    help="keep branches in a SQLite state store under DIR (DIR/state.sqlite3) so they survive "
                         "restarts (default: memory only)")
-    p.add_argument("--client-process-id", metavar="PID", type=int,
+    p.add_argument("--client-process-id", metavar="PID", type=_pid,
                    help="exit when this process dies (as initialize processId)")
     p.add_argument("--log-level", default="warning", type=str.lower, choices=["debug", "info", "warning", "error", "critical"],
                    help="stderr log level (default: warning)")
@@ -82,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         base["stateDir"] = args.state_dir
     try:
         if args.config:
-            base = S.merge(base, S.load_toml(args.config))
+            base = S.merge(base, _load_config(args.config))
         unknown = [k for k in base if k not in S.DEFAULTS]
         if unknown:
             raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown))
