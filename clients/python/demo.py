@@ -33,7 +33,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from operate_sidecar.clients.python.client import RpcError, SidecarClient
+from operate_sidecar.clients.python.client import RpcError, SidecarClient, StreamError
 
 console = Console(stderr=False, highlight=False)
 
@@ -118,9 +118,15 @@ class Screen:
 
     def on_tool_event(self, p: dict) -> None:
         with self.lock:
-            extra = p.get("resultSummary") or p.get("error") or ""
+            extra = p.get("error") or cut(p.get("resultSummary") or "")
             self.events.append(("tool", f"tool #{p.get('seq')} {p.get('event'):>6} {p.get('tool')}"
-                                        f"({p.get('argsSummary')}) {extra}"))
+                                        f"({cut(p.get('argsSummary') or '')}) {extra}".rstrip()))
+
+
+def cut(text: str, limit: int = 72) -> str:
+    """A summary as one short line: a tool's whole output (a file, a diff) is in its own panel."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def main() -> int:
@@ -135,7 +141,8 @@ def run(workspace: Path) -> int:
     console.print("Spawning the sidecar (python -m operate_sidecar.server) with the embedded local model…")
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    stderr_log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "operate-sidecar-demo.stderr.log"), "wb")
+    log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "operate-sidecar-demo.stderr.log")
+    stderr_log = open(log_path, "wb")
     client = SidecarClient([sys.executable, "-m", "operate_sidecar.server", "--log-level", "WARNING"], env=env, stderr=stderr_log)
     screen = Screen()
     client.on_notification("$/progress", screen.on_progress)
@@ -217,7 +224,7 @@ def run(workspace: Path) -> int:
         result = out.get("result") or {}
         tool_runs = len(result.get("action_responses") or []) if isinstance(result, dict) else 0
         screen.reset()
-        edit_ok = edit_part(client, workspace, asked)
+        edit_ok = edit_part(client, workspace, asked, screen)
         edit = {"tool_events": screen.count("tool"), "asked": len(asked) - first["asked"]}
         code = client.close()
         elapsed = time.perf_counter() - started
@@ -227,13 +234,30 @@ def run(workspace: Path) -> int:
                       f"{msgs['total']} messages; edit: {edit['tool_events']} tool events, "
                       f"{edit['asked']} permission request(s) answered; server exit {code}, {elapsed:.1f} s")
         return 0 if code == 0 and edit_ok else 1
-    except (RpcError, TimeoutError) as e:
-        console.print(f"[bold red]demo failed[/]: {escape(str(e))}")
+    except (RpcError, TimeoutError, StreamError, OSError) as e:
+        console.print(f"[bold red]demo failed[/]: {escape(str(e) or type(e).__name__)}")
         client.close()
+        stderr_log.flush()
+        show_server_log(log_path)
         return 1
     finally:
         client.kill()  # however the demo ends (Ctrl-C too), the server does not outlive it
         stderr_log.close()
+
+
+def show_server_log(path: str, lines: int = 15) -> None:
+    """The end of the server's stderr, where the reason a failed demo failed is (a model that did
+    not load, a traceback), and where the whole of it is."""
+    try:
+        with open(path, "rb") as f:
+            tail = f.read().decode("utf-8", "replace").splitlines()[-lines:]
+    except OSError:
+        tail = []
+    if tail:
+        console.print(Panel(Text("\n".join(tail)), title="the sidecar's stderr (last lines)", border_style="red"))
+        console.print(f"the sidecar's whole stderr: {escape(path)}", soft_wrap=True)
+    else:
+        console.print(f"the sidecar wrote nothing on stderr ({escape(path)})", soft_wrap=True)
 
 
 def usage_line(out: dict) -> str:
@@ -247,7 +271,7 @@ def usage_line(out: dict) -> str:
             f"{out.get('rounds', 1)} round(s)[/]")
 
 
-def edit_part(client: SidecarClient, workspace: Path, asked: list[dict]) -> bool:
+def edit_part(client: SidecarClient, workspace: Path, asked: list[dict], screen: Screen) -> bool:
     """Read, preview, edit, answer: one operate with maxRounds (scripted model, see the docstring)."""
     console.rule("[bold]an edit, in rounds")
     console.print("[yellow]The 135M local model cannot edit files reliably; this part uses a scripted model "
@@ -261,6 +285,10 @@ def edit_part(client: SidecarClient, workspace: Path, asked: list[dict]) -> bool
         "branchId": branch, "instruction": f"Fix the typo in {EDIT_FILE}: read it, then edit it.",
         "responseFormat": EDIT_REPORT, "actions": True, "tools": ["read_file", "edit_file"],
         "maxRounds": 4, "workDoneToken": "demo-edit"}, timeout=60)
+    with screen.lock:  # the tool events and the permission request, as they came, round after round
+        events = list(screen.events)
+    console.print(Panel(Text("\n".join(line for _, line in events) or "(none)"),
+                        title=f"tool events and permissions ({out.get('rounds', 1)} rounds)", border_style="yellow"))
     for p in asked[n_asked:]:
         preview = p.get("preview") or {}
         shown = preview.get("path", "")

@@ -92,3 +92,37 @@ def test_piped_output_is_clean_and_titles_are_whole(piped_run):
     title = panel(out, "edit_file")[0]
     assert "permission: edit_file greeting.py" in title and "→ allo─" not in title
     assert "answered allow_once" in panel(out, "edit_file")[-1]
+
+
+def test_the_edit_part_shows_its_tool_events_and_permission_in_order(piped_run):
+    out = piped_run[0].stdout
+    lines = panel(out, "tool events and permissions")
+    assert "(3 rounds)" in lines[0], lines[0]
+    events = [(m.group(2), m.group(3)) if m.group(1) is None else ("permission", m.group(1))
+              for m in (re.match(r"│ (?:permission asked: (\w+)\(|tool #\d+ +(pre|post) (\w+)\()", ln) for ln in lines)
+              if m]
+    assert events == [("pre", "read_file"), ("post", "read_file"), ("permission", "edit_file"),
+                      ("pre", "edit_file"), ("post", "edit_file")], lines
+    summary = " ".join(out[out.index("demo ok"):].split())
+    assert "edit: 4 tool events, 1 permission request(s) answered;" in summary  # the events shown above
+    # a tool's output is cut short here (the whole diff has its own panel): not read_file's whole JSON
+    text = " ".join(ln.strip("│ ") for ln in lines)
+    assert '"nextOffset"' not in text and '"added"' not in text and text.count("…") >= 2, lines
+
+
+def test_a_failed_demo_shows_why_from_the_servers_stderr(tmp_path, monkeypatch, capsys):
+    # the sidecar dies at start (a model that cannot load, a broken install): the demo says so with
+    # the server's own words and where its whole stderr is, not only "the server closed its output"
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(demo.tempfile, "tempdir", None)
+    real = demo.SidecarClient
+
+    def dying(argv, **kw):
+        return real([sys.executable, "-c", "import sys; sys.stderr.write('Traceback: llama model file not found\\n');"
+                     " sys.exit(3)"], **kw)
+
+    monkeypatch.setattr(demo, "SidecarClient", dying)
+    assert demo.main() == 1
+    out = capsys.readouterr().out
+    assert "demo failed" in out and "│ Traceback: llama model file not found" in out, out
+    assert f"the sidecar's whole stderr: {tmp_path / 'operate-sidecar-demo.stderr.log'}\n" in out, out
