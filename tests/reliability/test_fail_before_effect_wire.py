@@ -167,7 +167,8 @@ def test_invalid_arguments_invoke_nothing(wire):
 
 
 def test_arguments_that_are_not_an_object_invoke_nothing(wire):
-    bid, out = run(wire, "bad_arguments_shape")  # the reply fails validation: return_value gives the text
-    assert out["kind"] == "text"
+    bid, out = run(wire, "bad_arguments_shape")  # that call is its own tool error, the tool never runs
+    [o] = outputs(out)
+    assert o["function"] == "client_probe" and "error" in o, o
     assert invoked(wire, bid) == 0
-    assert [m for m in wire.messages(bid) if m["kind"].startswith("action")] == []
+    assert_consistent(wire.messages(bid))
