@@ -7,7 +7,9 @@ stderr) and points fd 0 at /dev/null (so child processes never read the
 protocol stream). ``Wire`` writes whole frames (a burst in one loop iteration
 in one ``write``);
 ``attach_reader`` feeds stdin bytes to a callback on the event loop without a
-thread hop when stdin is a pipe, socket or tty.
+thread hop when stdin is a pipe, socket or tty (a regular file or /dev/null, which
+the loop cannot poll, is read on a thread to its end); ``open_read_transport`` and
+``open_write_transport`` do the same for asyncio protocols (the ACP front end).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import selectors
 import stat
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from .framing import encode_frame
 
@@ -263,49 +266,231 @@ class Reader:
 async def attach_reader(fd: int, on_data: Callable[[bytes], None], on_eof: Callable[[], None]) -> Reader:
     """Read ``fd`` on the running loop; returns its :class:`Reader` handle.
     ``on_eof`` may be called more than once."""
+    transport, _ = await open_read_transport(fd, lambda: _ReadProtocol(on_data, on_eof))
+
+    def pause() -> None:
+        if not transport.is_closing():
+            transport.pause_reading()
+
+    def resume() -> None:
+        if not transport.is_closing():
+            transport.resume_reading()
+
+    return Reader(transport.close, pause, resume)
+
+
+def pollable(fd: int) -> bool:
+    """Whether the event loop can watch ``fd``: a pipe, a socket, a terminal; not a regular
+    file (``server < script``) nor a device such as /dev/null, which epoll refuses."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return False
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        return True
+    if not stat.S_ISCHR(mode):
+        return False
+    probe = selectors.DefaultSelector()
+    try:
+        probe.register(fd, selectors.EVENT_READ)
+    except (OSError, ValueError):
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+async def open_read_transport(fd: int, protocol_factory: Callable[[], asyncio.Protocol]) \
+        -> tuple[asyncio.ReadTransport, asyncio.Protocol]:
+    """``loop.connect_read_pipe`` on ``fd`` (which it then owns) when the loop can watch it;
+    otherwise (a regular file, /dev/null) the same protocol is fed by a reading thread, to
+    the end of the file, then end-of-input as a pipe's."""
     loop = asyncio.get_running_loop()
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode):
-        pipe = os.fdopen(fd, "rb", buffering=0)
-        transport, _ = await loop.connect_read_pipe(lambda: _ReadProtocol(on_data, on_eof), pipe)
+    if pollable(fd):
+        return await loop.connect_read_pipe(protocol_factory, os.fdopen(fd, "rb", buffering=0))
+    protocol = protocol_factory()
+    return _ThreadReadTransport(loop, fd, protocol), protocol
 
-        def pause() -> None:
-            if not transport.is_closing():
-                transport.pause_reading()
 
-        def resume() -> None:
-            if not transport.is_closing():
-                transport.resume_reading()
+async def open_write_transport(fd: int, protocol_factory: Callable[[], asyncio.BaseProtocol]) \
+        -> tuple[asyncio.WriteTransport, asyncio.BaseProtocol]:
+    """``loop.connect_write_pipe`` on ``fd`` (which it then owns) when ``fd`` is a pipe, a
+    socket or a terminal; otherwise (a regular file, /dev/null: asyncio's pipe transport
+    refuses a file, and such a file never makes a writer wait) each write is written whole
+    at once, as the native ``Wire`` writes to such a stdout."""
+    loop = asyncio.get_running_loop()
+    if pollable(fd):
+        return await loop.connect_write_pipe(protocol_factory, os.fdopen(fd, "wb", buffering=0))
+    protocol = protocol_factory()
+    return _FileWriteTransport(loop, fd, protocol), protocol
 
-        return Reader(transport.close, pause, resume)
-    # a regular file (``server < script``): the loop cannot poll it, read it on a thread
-    stop = threading.Event()
-    running = threading.Event()
-    running.set()
 
-    def pump() -> None:
+class _ThreadReadTransport(asyncio.ReadTransport):
+    """Reads a descriptor the loop cannot poll on a thread, a few chunks ahead at most (so
+    ``pause_reading`` takes hold at once and memory stays bounded), handing each chunk to the
+    protocol on the loop; at the end of the file ``eof_received`` then ``connection_lost``."""
+
+    CHUNK = 1 << 16
+    AHEAD = 4
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, protocol: asyncio.Protocol) -> None:
+        super().__init__()
+        self._loop, self._fd, self._protocol = loop, fd, protocol
+        self._closing = False
+        self._stop = threading.Event()
+        self._running = threading.Event()
+        self._running.set()
+        self._slots = threading.Semaphore(self.AHEAD)
+        loop.call_soon(protocol.connection_made, self)
+        threading.Thread(target=self._pump, name="stdin-reader", daemon=True).start()
+
+    def _pump(self) -> None:
         try:
-            while not stop.is_set():
-                running.wait()
-                if stop.is_set():
-                    break
-                chunk = os.read(fd, 1 << 16)
+            self._read_to_end()
+        finally:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+
+    def _read_to_end(self) -> None:
+        try:
+            while True:
+                self._slots.acquire()
+                self._running.wait()
+                if self._stop.is_set():
+                    return
+                chunk = os.read(self._fd, self.CHUNK)
+                if self._stop.is_set():
+                    return
                 if not chunk:
                     break
-                loop.call_soon_threadsafe(on_data, chunk)
+                self._loop.call_soon_threadsafe(self._deliver, chunk)
         except OSError:
             pass
+        except RuntimeError:  # the loop is closed
+            return
         try:
-            loop.call_soon_threadsafe(on_eof)
+            self._loop.call_soon_threadsafe(self._at_eof)
         except RuntimeError:
             pass
 
-    def close() -> None:
-        stop.set()
-        running.set()
+    def _deliver(self, chunk: bytes) -> None:
+        self._slots.release()
+        if not self._closing:
+            self._protocol.data_received(chunk)
 
-    threading.Thread(target=pump, name="stdin-reader", daemon=True).start()
-    return Reader(close, running.clear, running.set)
+    def _at_eof(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._protocol.eof_received()  # type: ignore[attr-defined]
+        finally:
+            self._protocol.connection_lost(None)
+
+    def pause_reading(self) -> None:
+        self._running.clear()
+
+    def resume_reading(self) -> None:
+        self._running.set()
+
+    def is_reading(self) -> bool:
+        return self._running.is_set() and not self._closing
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._stop.set()
+        self._running.set()
+        self._slots.release()
+        self._loop.call_soon(self._protocol.connection_lost, None)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._protocol
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._protocol = protocol  # type: ignore[assignment]
+
+
+class _FileWriteTransport(asyncio.WriteTransport):
+    """A stdout that is a regular file or /dev/null: each write goes out whole, at once (no
+    buffer, so nothing is left to drain); a failed write (a full disk) is the connection's
+    loss, as a broken pipe is. ``close`` closes the descriptor."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, protocol: asyncio.BaseProtocol) -> None:
+        super().__init__()
+        self._loop, self._fd, self._protocol = loop, fd, protocol
+        self._closing = False
+        loop.call_soon(protocol.connection_made, self)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closing:
+            return
+        view = memoryview(data)
+        try:
+            while view:
+                try:
+                    n = os.write(self._fd, view)
+                except InterruptedError:
+                    continue
+                view = view[n:]
+        except OSError as e:
+            log.warning("the server's output cannot be written (%s)", e)
+            self._close(e)
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.close()
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return 0, 0
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        self._close(None)
+
+    def abort(self) -> None:
+        self._close(None)
+
+    def _close(self, exc: Exception | None) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._loop.call_soon(self._lost, exc)
+
+    def _lost(self, exc: Exception | None) -> None:
+        try:
+            self._protocol.connection_lost(exc)
+        finally:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._protocol
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._protocol = protocol
 
 
 # -- children die with the sidecar ------------------------------------------------

@@ -204,3 +204,45 @@ def test_bad_config_file_exits_2_with_a_message(tmp_path):
     out = subprocess.run(SERVER + ["--config", str(cfg)], capture_output=True, text=True, env=server_env(),
                          cwd=ROOT, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
     assert out.returncode == 2 and "toolPolicy" in out.stderr and out.stdout == ""
+
+
+def _frames(*msgs: dict) -> bytes:
+    import json
+
+    bodies = [json.dumps(m).encode() for m in msgs]
+    return b"".join(b"Content-Length: %d\r\n\r\n" % len(b) + b for b in bodies)
+
+
+def test_stdin_of_dev_null_is_the_end_of_input_not_a_traceback_and_a_hang():
+    # (epoll refused /dev/null: a traceback from the loop, then the server waited forever)
+    out = subprocess.run(SERVER, stdin=subprocess.DEVNULL, capture_output=True, env=server_env(), cwd=ROOT,
+                         timeout=TIMEOUT)
+    assert out.returncode == 1 and out.stdout == b""  # EOF without shutdown (§2)
+    assert b"Traceback" not in out.stderr and b"PermissionError" not in out.stderr, out.stderr.decode()
+
+
+def test_a_session_in_a_regular_file_is_served_to_its_end_and_written_to_a_regular_file(tmp_path):
+    """``operate-sidecar < session > answers``: every request answered in order, then the exit
+    the session asked for; and EOF after shutdown (no exit) is 0 too. (A request that needs
+    the core, createBranch say, would be in flight at the file's end, which cancels it: §2.)"""
+    import json
+
+    session = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"settings": {"models": {
+                   "s": scripted("x")}}}},
+               {"jsonrpc": "2.0", "id": 2, "method": "ping"},
+               {"jsonrpc": "2.0", "id": 3, "method": "ping"},
+               {"jsonrpc": "2.0", "id": 4, "method": "shutdown"}]
+    for tail, code in (([{"jsonrpc": "2.0", "method": "exit"}], 0), ([], 0)):
+        script, answers = tmp_path / "session.bin", tmp_path / "answers.bin"
+        script.write_bytes(_frames(*session, *tail))
+        with open(script, "rb") as stdin, open(answers, "wb") as stdout:
+            out = subprocess.run(SERVER, stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, env=server_env(),
+                                 cwd=ROOT, timeout=TIMEOUT)
+        assert out.returncode == code and b"Traceback" not in out.stderr, out.stderr.decode()
+        data, got = answers.read_bytes(), []
+        while data:
+            head, _, rest = data.partition(b"\r\n\r\n")
+            n = int(head.split(b":")[1])
+            got.append(json.loads(rest[:n]))
+            data = rest[n:]
+        assert [a["id"] for a in got] == [1, 2, 3, 4] and all("result" in a for a in got)
