@@ -4,7 +4,8 @@ a signal or the client's death; returns the exit code (0 on EOF).
 stdout is the wire: the native front end's guard (``server.rpc.stdio.guard_stdio``) moves
 the real stdout to a private descriptor and points fd 1 at stderr before anything else
 runs, so ``print()`` in a tool or a child process's output can never reach the stream.
-asyncio streams are then opened on the private descriptors, the input bounded by
+asyncio streams are then opened on the private descriptors (pipes, or a regular file or
+/dev/null, which ``server.rpc.stdio`` reads on a thread or writes at once), the input bounded by
 ``maxMessageBytes`` per line; the SDK's connection does the framing and the JSON-RPC."""
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
 import signal
 import sys
 from typing import Any
@@ -31,13 +31,17 @@ async def _streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any, Any]:
 
 async def _bounded_streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any, Any, LineBound]:
     """``_streams`` and the ``LineBound`` in front of the reader."""
+    from operate_sidecar.server.rpc.stdio import open_read_transport, open_write_transport
+
     loop = asyncio.get_running_loop()
-    w_transport, w_protocol = await loop.connect_write_pipe(
-        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(wire_out, "wb", buffering=0))
+    # a pipe, a socket or a terminal is watched by the loop; a regular file or /dev/null (stdin
+    # or stdout redirected to one) is read to its end on a thread, or written at once
+    w_transport, w_protocol = await open_write_transport(
+        wire_out, lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()))
     writer = RedactingWriter(w_transport, w_protocol, None, loop)
     reader = asyncio.StreamReader(limit=limit + 1)
     bound = LineBound(reader, writer, limit)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(wire_in, "rb", buffering=0))
+    await open_read_transport(wire_in, lambda: asyncio.StreamReaderProtocol(reader))
     return reader, writer, bound
 
 

@@ -1,0 +1,115 @@
+"""``operate-sidecar --acp`` on a stdin or stdout that is not a pipe: a regular file or
+/dev/null. The event loop cannot watch those (epoll refuses them, asyncio's pipe transports
+refuse a regular file): stdin is read to its end like a pipe, stdout is written at once, and
+stdout still carries ACP lines only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from acp_support import TIMEOUT, agent_env, reply, scripted, write_config
+
+AGENT = [sys.executable, "-m", "operate_sidecar.server", "--acp"]
+
+
+def _init(msg_id: int) -> dict:
+    return {"jsonrpc": "2.0", "id": msg_id, "method": "initialize", "params": {"protocolVersion": 1}}
+
+
+def _lines(*msgs: dict) -> bytes:
+    return b"".join(json.dumps(m).encode() + b"\n" for m in msgs)
+
+
+def _config(tmp_path, *responses, **settings) -> str:
+    return write_config(tmp_path / "settings.toml", {"models": {"s": scripted(*responses)}, **settings})
+
+
+def test_stdin_of_dev_null_is_the_end_of_input_not_a_traceback_and_a_hang(tmp_path):
+    # (epoll refused /dev/null: a traceback from the loop, then the agent waited forever)
+    out = subprocess.run(AGENT + ["--config", _config(tmp_path, "x")], stdin=subprocess.DEVNULL,
+                         capture_output=True, env=agent_env(), timeout=TIMEOUT)
+    assert out.returncode == 0 and out.stdout == b""
+    assert b"Traceback" not in out.stderr and b"PermissionError" not in out.stderr, out.stderr.decode()
+
+
+def test_a_session_in_a_regular_file_is_served_to_its_end_and_written_to_a_regular_file(tmp_path):
+    # (stdin: "Pipe transport is for pipes/sockets only"; stdout: "Pipe transport is only for
+    # pipes, sockets and character devices"; each a traceback and exit 1)
+    script = tmp_path / "session.ndjson"
+    script.write_bytes(_lines(_init(1), {"jsonrpc": "2.0", "id": 2, "method": "no/such"}, _init(3)) + b"[1]\n")
+    answers = tmp_path / "answers.ndjson"
+    with open(script, "rb") as stdin, open(answers, "wb") as stdout:
+        out = subprocess.run(AGENT + ["--config", _config(tmp_path, "x")], stdin=stdin, stdout=stdout,
+                             stderr=subprocess.PIPE, env=agent_env(), timeout=TIMEOUT)
+    err = out.stderr.decode()
+    assert out.returncode == 0 and "Traceback" not in err, err
+    got = {a["id"]: a for a in map(json.loads, answers.read_bytes().splitlines())}
+    assert got[1]["result"]["protocolVersion"] == 1 and got[3]["result"]["protocolVersion"] == 1
+    assert got[2]["error"]["code"] == -32601 and got[None]["error"]["code"] == -32600
+    assert len(got) == 4
+
+
+def test_stdout_of_dev_null_serves_the_session_without_a_traceback(tmp_path):
+    script = tmp_path / "session.ndjson"
+    script.write_bytes(_lines(_init(1)))
+    with open(script, "rb") as stdin:
+        out = subprocess.run(AGENT + ["--config", _config(tmp_path, "x")], stdin=stdin, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, env=agent_env(), timeout=TIMEOUT)
+    assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr.decode()
+
+
+def _wait_for_answer(path, msg_id: int, proc: subprocess.Popen) -> dict:
+    """The answer of ``msg_id`` once the agent has written it to the file ``path`` (a file
+    cannot be waited on: it is looked at until the answer is there, within TIMEOUT)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        for line in path.read_bytes().splitlines():
+            msg = json.loads(line)  # every line is a whole ACP message: the agent writes whole lines
+            if msg.get("id") == msg_id and "method" not in msg:
+                return msg
+        assert proc.poll() is None, f"the agent exited ({proc.returncode}) before answering {msg_id}"
+        time.sleep(0.05)
+    raise AssertionError(f"no answer to {msg_id} in {TIMEOUT} s")
+
+
+def test_a_whole_turn_written_to_a_regular_file_stdout_keeps_it_to_acp_lines_only(tmp_path, ws):
+    """A client that logs the agent's output to a file: a prompt turn with a tool that prints to
+    fd 1 and runs a child that does. The guard still sends those to stderr; the file holds the
+    turn's updates and answers, each a whole JSON-RPC line."""
+    config = _config(tmp_path, reply("", [("noisy", {"text": "quiet"})]), reply("still here"),
+                     toolModules=["acp_fixture_tools"])
+    answers = tmp_path / "answers.ndjson"
+    with open(answers, "wb") as stdout:
+        proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=stdout,
+                                stderr=subprocess.PIPE, env=agent_env())
+    try:
+        def send(msg: dict) -> None:
+            proc.stdin.write(_lines(msg))
+            proc.stdin.flush()
+
+        send(_init(0))
+        assert _wait_for_answer(answers, 0, proc)["result"]["protocolVersion"] == 1
+        send({"jsonrpc": "2.0", "id": 1, "method": "session/new", "params": {"cwd": str(ws), "mcpServers": []}})
+        sid = _wait_for_answer(answers, 1, proc)["result"]["sessionId"]
+        send({"jsonrpc": "2.0", "id": 2, "method": "session/prompt",
+              "params": {"sessionId": sid, "prompt": [{"type": "text", "text": "go"}]}})
+        assert _wait_for_answer(answers, 2, proc)["result"]["stopReason"] == "end_turn"
+        proc.stdin.close()
+        assert proc.wait(TIMEOUT) == 0
+        err = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    msgs = [json.loads(line) for line in answers.read_bytes().splitlines()]
+    assert all(m.get("jsonrpc") == "2.0" for m in msgs)
+    updates = [m["params"]["update"] for m in msgs if m.get("method") == "session/update"]
+    assert [u["rawOutput"] for u in updates if u["sessionUpdate"] == "tool_call_update" and "rawOutput" in u] \
+        == ["quiet"]
+    assert "".join(u["content"]["text"] for u in updates if u["sessionUpdate"] == "agent_message_chunk") \
+        == "still here"
+    assert "not a protocol frame" in err and '"method": "bogus"' in err and "Traceback" not in err
