@@ -41,6 +41,7 @@ def guard_stdio() -> tuple[int, int]:
         pass
     global _WIRE_IS_TTY, _GUARDED
     _GUARDED = True
+    _reopen_closed_std_fds()
     try:
         _WIRE_IS_TTY = os.isatty(0)
     except OSError:
@@ -57,6 +58,29 @@ def guard_stdio() -> tuple[int, int]:
     except OSError:
         pass
     return wire_in, wire_out
+
+
+def _reopen_closed_std_fds() -> None:
+    """A standard descriptor the process was started without (``<&-``, ``>&-``, ``2>&-``) gets
+    /dev/null, before anything else can take its number: a closed stdin is an empty input (the
+    documented exit at once), a closed stdout discards what the server writes. (Left closed,
+    the ``dup`` calls below took those numbers: a closed stdin made the server read its own
+    stdout and hang, a closed stdout was a traceback.)"""
+    for fd, flags in ((0, os.O_RDONLY), (1, os.O_WRONLY), (2, os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        try:
+            nul = os.open(os.devnull, flags)
+        except OSError:
+            continue
+        if nul != fd:
+            os.dup2(nul, fd)
+            os.close(nul)
+        if fd == 1:
+            log.warning("stdout is closed: nothing the server answers reaches the client")
 
 
 class Wire:

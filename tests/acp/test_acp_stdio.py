@@ -113,3 +113,15 @@ def test_a_whole_turn_written_to_a_regular_file_stdout_keeps_it_to_acp_lines_onl
     assert "".join(u["content"]["text"] for u in updates if u["sessionUpdate"] == "agent_message_chunk") \
         == "still here"
     assert "not a protocol frame" in err and '"method": "bogus"' in err and "Traceback" not in err
+
+
+def test_a_closed_stdin_is_an_empty_input_and_a_closed_stdout_no_traceback(tmp_path):
+    config = _config(tmp_path, "x")
+    closed_in = subprocess.run(["sh", "-c", 'exec "$@" <&-', "sh", *AGENT, "--config", config], capture_output=True,
+                               env=agent_env(), timeout=TIMEOUT)
+    assert closed_in.returncode == 0 and closed_in.stdout == b""
+    assert b"Traceback" not in closed_in.stderr, closed_in.stderr.decode()
+    closed_out = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", *AGENT, "--config", config],
+                                input=_lines(_init(1)), stderr=subprocess.PIPE, env=agent_env(), timeout=TIMEOUT)
+    assert closed_out.returncode == 0 and b"Traceback" not in closed_out.stderr, closed_out.stderr.decode()
+    assert b"stdout is closed" in closed_out.stderr

@@ -246,3 +246,18 @@ def test_a_session_in_a_regular_file_is_served_to_its_end_and_written_to_a_regul
             got.append(json.loads(rest[:n]))
             data = rest[n:]
         assert [a["id"] for a in got] == [1, 2, 3, 4] and all("result" in a for a in got)
+
+
+def test_a_closed_stdin_is_an_empty_input_and_a_closed_stdout_no_traceback():
+    # (a closed stdin: the server's dup of stdout took fd 0, it read its own output and hung;
+    # a closed stdout: an EBADF traceback)
+    closed_in = subprocess.run(["sh", "-c", 'exec "$@" <&-', "sh", *SERVER], capture_output=True, env=server_env(),
+                               cwd=ROOT, timeout=TIMEOUT)
+    assert closed_in.returncode == 1 and closed_in.stdout == b""  # EOF without shutdown (§2)
+    assert b"Traceback" not in closed_in.stderr, closed_in.stderr.decode()
+    session = _frames({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}},
+                      {"jsonrpc": "2.0", "id": 2, "method": "shutdown"}, {"jsonrpc": "2.0", "method": "exit"})
+    closed_out = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", *SERVER], input=session, stderr=subprocess.PIPE,
+                                env=server_env(), cwd=ROOT, timeout=TIMEOUT)
+    assert closed_out.returncode == 0 and b"Traceback" not in closed_out.stderr, closed_out.stderr.decode()
+    assert b"stdout is closed" in closed_out.stderr
