@@ -168,6 +168,12 @@ CORE_WARM = ("json_schema_to_pydantic", "operate_sidecar.server.tools.python_mod
 WARM_DELAY_S = 0.5
 
 
+#: ``shutdown`` waits this long at most for the requests received before it that are running
+#: (an operate, a listTools importing a slow tool module): they are then left running, and the
+#: ``exit`` cancels them (-32800). Requests that take no time are answered before the shutdown.
+SHUTDOWN_WAIT_S = 0.5
+
+
 class CoreLoader:
     """Imports the core once, off the event loop, when the first request needs it.
 
@@ -190,6 +196,7 @@ class CoreLoader:
         self._warming: asyncio.Task | None = None  # a warm-up running (``warm``)
         self._later: asyncio.TimerHandle | None = None  # the later warm-up, scheduled
         self._stopped = False
+        self._on_served: list[Callable[[], None]] = []  # run once what waited has been served
 
     def defer(self, msg_id: Any, replay: Callable[[], None]) -> None:
         self._deferred.append((msg_id, replay))
@@ -204,6 +211,17 @@ class CoreLoader:
         """The connection's loader thread has imported the core (``ok``) or failed (see ``load``)."""
         if not self.loaded:
             self._loaded(loop, ok)
+
+    def waiting(self) -> bool:
+        """Requests received wait for the core (they are served once it is in)."""
+        return not self.loaded and bool(self._deferred)
+
+    def after_served(self, fn: Callable[[], None]) -> None:
+        """``fn()`` once the requests waiting for the core have been served (at once if none wait)."""
+        if self.waiting():
+            self._on_served.append(fn)
+        else:
+            fn()
 
     def deferred(self, msg_id: Any) -> bool:
         return any(i == msg_id for i, _ in self._deferred)
@@ -230,7 +248,7 @@ class CoreLoader:
             loop.run_in_executor(None, self.warm)
             self._warming = loop.create_task(warm_then("warm-up", None, LATER))
 
-        if not ok:
+        if not ok or self._stopped:  # (after shutdown nothing follows: serve what waits at once)
             serve()
             return
         self._warming = loop.create_task(warm_then("warm-up", serve))
@@ -251,6 +269,23 @@ class CoreLoader:
                 replay()
             except Exception:
                 log.exception("error while handling a deferred request")
+        self._served()
+
+    def _served(self) -> None:
+        done, self._on_served = self._on_served, []
+        for fn in done:
+            try:
+                fn()
+            except Exception:
+                log.exception("error after the deferred requests were served")
+
+    def abandon(self) -> list[Any]:
+        """The server is closing before the core is in: the ids of the requests that waited
+        (never started; their caller answers them), then what waited for them runs."""
+        ids = [i for i, _ in self._deferred]
+        self._deferred = []
+        self._served()
+        return ids
 
     @staticmethod
     def load() -> bool:
@@ -309,6 +344,7 @@ class SidecarServer(JsonRPCServer):
         self.debug = bool(getattr(conn, "debug", False))
         self.service = Service(self)
         self.core = CoreLoader(external=bool(getattr(conn, "loads_core", False)))
+        self._settling: asyncio.Task | None = None  # shutdown waiting for earlier requests
         # dispatch is the protocol's catalog: every request it declares (but the connection's
         # own) is registered with pygls by name; a method without a handler is not registered,
         # so it is answered -32601 and reported here (tests/rpc/test_catalog.py fails on it)
@@ -333,7 +369,35 @@ class SidecarServer(JsonRPCServer):
         pass
 
     def on_shutdown(self) -> None:
+        self.core.stop()  # no warm-up: no request follows (and what waits for the core is served at once)
         self.service.flush_journal_sync()
+
+    def _running(self) -> list[asyncio.Future]:
+        return [f for f in self.protocol._request_futures.values() if isinstance(f, asyncio.Future) and not f.done()]
+
+    def after_earlier(self, fn: Callable[[], None]) -> bool:
+        """``shutdown``: when requests received before it are not answered yet, run ``fn()`` once
+        they are (the ones waiting for the core are served first, without the warm-up; the running
+        ones are waited for ``SHUTDOWN_WAIT_S`` at most, then left to ``exit``) and return True;
+        else return False."""
+        if not self.core.waiting() and not self._running():
+            return False
+        self.core.stop()  # no warm-up: serve what waits as soon as the core is in
+
+        def served() -> None:
+            running = self._running()
+            if not running:
+                fn()
+                return
+
+            async def settle() -> None:
+                await asyncio.wait(running, timeout=SHUTDOWN_WAIT_S)
+                fn()
+
+            self._settling = asyncio.get_running_loop().create_task(settle())
+
+        self.core.after_served(served)
+        return True
 
     # ---------------------------------------------------------------- the service's ClientPort
     def notify(self, method: str, params: Any) -> None:
@@ -345,6 +409,8 @@ class SidecarServer(JsonRPCServer):
     async def aclose(self, timeout: float = 3.0) -> None:
         """Cancel in-flight work, wait for it (bounded), stop tool sources, flush state."""
         self.core.stop()
+        for msg_id in self.core.abandon():  # never started, waiting for the core: cancelled, and said so
+            self.conn.send_error(msg_id, E.REQUEST_CANCELLED, "request cancelled")
         pending = [f for f in self.protocol._request_futures.values() if isinstance(f, asyncio.Future)]
         for f in pending:
             f.cancel()

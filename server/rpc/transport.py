@@ -60,6 +60,13 @@ _APP_METHODS = frozenset(REQUEST_METHODS) - frozenset(CONNECTION_METHODS)
 #: first request that needs it arrives, so a spawned-but-unused sidecar stays small.
 PRELOAD = ("operate_sidecar.protocol",)
 
+#: ``exit`` while the ``shutdown`` answer still waits for the requests before it (see
+#: ``server.SHUTDOWN_WAIT_S``): the process exits once it is out, or after this long at most
+EXIT_WAIT_S = 10.0
+
+#: the end of stdin, queued behind the messages that wait for the app
+_EOF: dict = {"$eof": True}
+
 _INIT_KEYS = frozenset({"protocolVersion", "clientInfo", "processId", "capabilities", "workspaceFolders",
                         "settings"})
 #: the capabilities this server knows (booleans); others a client announces are ignored
@@ -114,6 +121,9 @@ class Connection:
         self.workspace_folders: list[str] = []
         self.initialized = False
         self.shutdown_requested = False
+        self._shutdown_id: Any = None        # a shutdown not answered yet: it waits for earlier requests
+        self._shutdown_waits = False
+        self._exit_requested = False
         self.exit_code: int | None = None
         self._stopped = asyncio.Event()
         self.parser = FrameParser(self._on_body, self._on_oversize, self.settings["maxMessageBytes"])
@@ -168,6 +178,15 @@ class Connection:
             log.exception("error while handling input")
 
     def on_eof(self) -> None:
+        if self._backlog and self.exit_code is None:
+            # the messages before the end wait for the app (loading): the end comes after them,
+            # so that a shutdown and exit among them are obeyed (bounded: the app may not load)
+            self._backlog.append(_EOF)
+            asyncio.get_running_loop().call_later(EXIT_WAIT_S, self.stop, 1)
+            return
+        if self._shutdown_waits:  # after shutdown, EOF is an exit: the shutdown answer comes first (bounded)
+            self._notification("exit", {})
+            return
         if self.exit_code is None:
             log.info("stdin closed; exiting")
         self.stop(0 if self.shutdown_requested else 1)
@@ -263,6 +282,9 @@ class Connection:
         self._handle(msg)
 
     def _handle(self, msg: dict) -> None:
+        if msg is _EOF:
+            self.on_eof()
+            return
         method = msg.get("method")
         if method is None:
             if self.app is not None:
@@ -287,9 +309,11 @@ class Connection:
             self.send_error(msg_id, E.NOT_INITIALIZED, f"server not initialized; send initialize before {method}")
         elif method == "shutdown":
             self.shutdown_requested = True
-            if self.app is not None:
-                self.app.on_shutdown()
-            self.send_result(msg_id, None)
+            # the requests received before it are answered first (the ones waiting for the core
+            # load are served without the warm-up; running ones are waited for a bounded time)
+            self._shutdown_id, self._shutdown_waits = msg_id, True
+            if self.app is None or not self.app.after_earlier(self._answer_shutdown):
+                self._answer_shutdown()
         elif method not in _APP_METHODS:
             self.send_error(msg_id, E.METHOD_NOT_FOUND, f"method not found: {method}")
         elif self.app is None:
@@ -297,8 +321,24 @@ class Connection:
         else:
             self.app.handle_request(msg_id, method, msg["params"])
 
+    def _answer_shutdown(self) -> None:
+        if not self._shutdown_waits:
+            return
+        self._shutdown_waits = False
+        if self.app is not None:
+            self.app.on_shutdown()
+        self.send_result(self._shutdown_id, None)
+        if self._exit_requested:
+            self.stop(0)
+
     def _notification(self, method: str, params: dict) -> None:
         if method == "exit":
+            if self._shutdown_waits:  # exit sent before the shutdown answer: it comes first (bounded)
+                if self._exit_requested:
+                    return
+                self._exit_requested = True
+                asyncio.get_running_loop().call_later(EXIT_WAIT_S, self.stop, 0)
+                return
             self.stop(0 if self.shutdown_requested else 1)
         elif method == "$/cancelRequest":
             msg_id = params.get("id")
@@ -466,11 +506,23 @@ class Connection:
                 log.exception("error while handling a queued message")
 
     async def aclose(self, timeout: float = 3.0) -> None:
+        # requests still queued for the app (stopped before it was loaded) never started: they
+        # are cancelled and said so, a shutdown among them answered; none is left unanswered
+        backlog, self._backlog = self._backlog or [], None
+        for msg in backlog:
+            if "id" in msg and "method" in msg:
+                if msg["method"] == "shutdown" and not msg["params"]:
+                    self.send_result(msg["id"], None)
+                else:
+                    self.send_error(msg["id"], E.REQUEST_CANCELLED, "request cancelled")
         if self.app is not None:
             try:
-                await self.app.aclose(timeout)
+                await self.app.aclose(timeout)  # (a shutdown waiting for the core's requests is answered)
             except Exception:
                 log.exception("error while closing")
+        if self._shutdown_waits:
+            self._shutdown_waits = False
+            self.send_result(self._shutdown_id, None)
 
 
 def limit_malloc_arenas() -> None:

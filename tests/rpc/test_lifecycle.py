@@ -6,7 +6,9 @@ import subprocess
 import sys
 import time
 
-from .support import ROOT, SERVER, TIMEOUT, SidecarClient, scripted, server_env
+import pytest
+
+from .support import ROOT, SERVER, TIMEOUT, RpcError, SidecarClient, scripted, server_env
 
 ALL_METHODS = ["initialize", "ping", "shutdown", "createBranch", "forkBranch", "deleteBranch", "listBranches",
                "branchMessages", "listTools", "authorizeTool", "registerClientTools", "operate"]
@@ -224,7 +226,8 @@ def test_stdin_of_dev_null_is_the_end_of_input_not_a_traceback_and_a_hang():
 def test_a_session_in_a_regular_file_is_served_to_its_end_and_written_to_a_regular_file(tmp_path):
     """``operate-sidecar < session > answers``: every request answered in order, then the exit
     the session asked for; and EOF after shutdown (no exit) is 0 too. (A request that needs
-    the core, createBranch say, would be in flight at the file's end, which cancels it: §2.)"""
+    the core, createBranch say, is answered before a shutdown that follows it; without one, the
+    file's end cancels it: -32800, §2.)"""
     import json
 
     session = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"settings": {"models": {
@@ -261,3 +264,78 @@ def test_a_closed_stdin_is_an_empty_input_and_a_closed_stdout_no_traceback():
                                 env=server_env(), cwd=ROOT, timeout=TIMEOUT)
     assert closed_out.returncode == 0 and b"Traceback" not in closed_out.stderr, closed_out.stderr.decode()
     assert b"stdout is closed" in closed_out.stderr
+
+
+def _answers(data: bytes) -> list[dict]:
+    import json
+
+    got = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        n = int(head.split(b":")[1])
+        got.append(json.loads(rest[:n]))
+        data = rest[n:]
+    return got
+
+
+def test_requests_before_shutdown_are_answered_first_even_while_the_core_loads(tmp_path):
+    """§2: a createBranch (waiting for the core load right after initialize) then shutdown and
+    exit, all in one write: the createBranch was never answered (the shutdown was, and the exit
+    ended the process). Every request before the shutdown is answered, with its result, first;
+    and the same when the input then ends (no exit) or holds nothing more at all."""
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"settings": {"models": {
+        "s": scripted("x")}, "stateDir": str(tmp_path / "state")}}}
+    session = [init, {"jsonrpc": "2.0", "id": 2, "method": "ping"},
+               {"jsonrpc": "2.0", "id": 3, "method": "createBranch", "params": {"name": "kept"}},
+               {"jsonrpc": "2.0", "id": 4, "method": "shutdown"}]
+    exit_ = {"jsonrpc": "2.0", "method": "exit"}
+    # (the shell keeps stdin open after the session: the exit, not the end of input, stops it)
+    for tail, keep_open in (([exit_], True), ([exit_], False), ([], False)):
+        script = tmp_path / "session.bin"
+        script.write_bytes(_frames(*session, *tail))
+        cmd = ["sh", "-c", 'cat "$0"; sleep 30' if keep_open else 'cat "$0"', str(script)]
+        feeder = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+        try:
+            out = subprocess.run(SERVER, stdin=feeder.stdout, capture_output=True, env=server_env(), cwd=ROOT,
+                                 timeout=TIMEOUT)
+        finally:
+            feeder.stdout.close()
+            feeder.kill()
+            feeder.wait(TIMEOUT)
+        got = _answers(out.stdout)
+        assert [a["id"] for a in got] == [1, 2, 3, 4], (tail, keep_open, got, out.stderr.decode())
+        assert all("result" in a for a in got) and out.returncode == 0, (got, out.stderr.decode())
+        branch = got[2]["result"]["branchId"]
+        c = SidecarClient(argv=SERVER, env=server_env(), cwd=str(ROOT))
+        try:  # the acknowledged branch is there after the restart
+            c.request("initialize", {"settings": {"stateDir": str(tmp_path / "state")}}, timeout=TIMEOUT)
+            assert branch in [b["branchId"] for b in c.request("listBranches", {}, timeout=TIMEOUT)["branches"]]
+        finally:
+            c.close()
+
+
+
+def test_shutdown_is_answered_after_a_short_request_running_before_it(sidecar):
+    """§2: an operate running when shutdown arrives (a short one) is answered, with its result,
+    before the shutdown is (the shutdown was answered first)."""
+    sidecar.init(models={"s": scripted({"text": "done", "delayMs": 300})})
+    bid = sidecar.branch()
+    short = sidecar.request_async("operate", {"branchId": bid, "instruction": "short"})
+    assert sidecar.request("shutdown", timeout=TIMEOUT) is None
+    assert short.done() and short.result(0)["result"] == "done"  # answered before the shutdown
+    assert sidecar.error_of("operate", {"branchId": bid, "instruction": "late"}).code == -32600
+
+
+def test_shutdown_waits_a_bounded_time_for_a_long_running_request_then_exit_cancels_it(sidecar):
+    sidecar.init(models={"s": scripted({"text": "slow", "delayMs": 60000})})
+    bid = sidecar.branch()
+    slow = sidecar.request_async("operate", {"branchId": bid, "instruction": "slow"})
+    sidecar.request("ping")
+    started = time.monotonic()
+    assert sidecar.request("shutdown", timeout=TIMEOUT) is None
+    assert time.monotonic() - started < 5 and not slow.done()
+    sidecar.notify("exit")
+    assert sidecar.wait(TIMEOUT) == 0
+    with pytest.raises(RpcError) as ei:
+        slow.result(TIMEOUT)
+    assert ei.value.code == -32800
