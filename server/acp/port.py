@@ -35,7 +35,7 @@ from acp.schema import (ContentToolCallContent, PermissionOption, TextContentBlo
                         ToolCallStart, ToolCallUpdate)
 from pydantic import ValidationError
 
-from operate_sidecar.server.service.port import ClientRequestError
+from operate_sidecar.server.service.port import ClientRequestError, client_says_not_found
 
 from .reply import ReplyText, plan_of
 
@@ -315,8 +315,6 @@ class AcpPort:
             except Exception as e:  # noqa: BLE001 - any failed read: is it the editor saying "no such file"?
                 # only an answer that says so shows a creation diff: an unsaved buffer whose read
                 # failed for another reason (too big, an editor error) is not a new file
-                from operate_sidecar.server.tools.file_tools import client_says_not_found
-
                 if os.path.lexists(real) or not client_says_not_found(e, Path(real)):
                     return UNREADABLE
                 return None

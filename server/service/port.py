@@ -11,11 +11,14 @@ which each front end implements in its own protocol's terms:
   ``session/request_permission``, ``toolEvent`` becomes ``tool_call`` /
   ``tool_call_update``, ``$/progress`` deltas become ``agent_message_chunk`` ...).
 
-Everything here is typing and one exception class: importing this module costs nothing at start-up.
+Everything here is typing, one exception class and how to read a client's error answer to a
+file read: importing this module costs nothing at start-up.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -28,6 +31,46 @@ class ClientRequestError(Exception):
         self.code = code
         self.message = message
         self.data = data
+
+
+#: error codes of a client's answer that say why a read failed, and it is not "no such file"
+_OTHER_FAILURE_CODES = frozenset({-32600, -32601, -32700, -32800})
+_RESOURCE_NOT_FOUND = -32002
+_NOT_FOUND_TEXT = re.compile(r"no such file|not[ _-]?found|\benoent\b|does ?n[o']t exist|non-?existent|"
+                             r"os error 2\b|cannot find the (?:file|path)", re.IGNORECASE)
+
+
+def client_says_not_found(err: Any, real: Path | str) -> bool:
+    """Whether a client's error answer to ``fs/readTextFile`` of ``real`` means "no such file":
+    the code -32002 ("Resource not found", as ACP's and MCP's clients answer), or a message (or
+    ``data``) that says so: "No such file or directory" (Neovim's answer, with -32602), ENOENT,
+    FileNotFound / EntryNotFound, "not found", "does not exist", "nonexistent" (VS Code's, with
+    -32603)... The path itself is left out of the text first (a folder named "not found" says
+    nothing). An answer whose code says something else never means it: -32600 (the answer was
+    over ``maxMessageBytes``), -32601 (the client serves no such method), -32700, -32800."""
+    code = getattr(err, "code", None)
+    if code in _OTHER_FAILURE_CODES:
+        return False
+    if code == _RESOURCE_NOT_FOUND:
+        return True
+    data = getattr(err, "data", None)
+    parts = [str(getattr(err, "message", None) or err)]
+    if isinstance(data, str):
+        parts.append(data)
+    elif isinstance(data, dict):
+        parts.extend(str(v) for k, v in data.items() if k not in ("uri", "path") and isinstance(v, (str, int)))
+    text = " ".join(parts).replace(str(real), " ")
+    return _NOT_FOUND_TEXT.search(text) is not None
+
+
+def client_error_reason(err: Any) -> str:
+    """A client's error answer as a tool error's reason: its message, and its ``data`` when
+    that is text the message does not hold (an ACP client's "Internal error" says why there)."""
+    message = str(getattr(err, "message", None) or err)
+    data = getattr(err, "data", None)
+    if isinstance(data, str) and data.strip() and data not in message:
+        message = f"{message} ({data[:500]})"
+    return message
 
 
 @runtime_checkable
@@ -90,4 +133,4 @@ class ClientPort(Protocol):
     #     change the decision; an error it raises is logged.
 
 
-__all__ = ["ClientInfo", "ClientPort", "ClientRequestError"]
+__all__ = ["ClientInfo", "ClientPort", "ClientRequestError", "client_error_reason", "client_says_not_found"]
