@@ -47,16 +47,47 @@ async def _bounded_streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any
 
 class RedactingWriter(asyncio.StreamWriter):
     """The wire's writer: the last net before the client, as the native front end has
-    (``server.rpc.transport``). Every line written (the SDK's connection writes each message
-    as one whole line, ``LineBound`` its answers) has every known secret value masked in every
-    form ``redaction.redact_bytes`` knows, whatever built the message: a tool call's
+    (``server.rpc.transport``). Every line written has every known secret value masked in
+    every form ``redaction.redact_bytes`` knows, whatever built the message: a tool call's
     ``rawInput`` and title made from arguments a model wrote, a tool's output, an error text.
-    With no secret registered, the bytes pass as they are."""
+    Lines are masked whole, however they are cut into ``write()`` calls: the bytes after the
+    last newline wait for the rest of their line (a secret split across two writes is still
+    masked), and go out as they are at ``drain()`` (the SDK drains after each message),
+    ``write_eof()`` or ``close()``. With no secret registered, the bytes pass as they are."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._partial = b""  # the bytes of a line not yet ended, held while secrets are known
 
     def write(self, data: Any) -> None:
-        if redaction.has_secrets():
-            data = redaction.redact_bytes(bytes(data))
-        super().write(data)
+        if not self._partial and not redaction.has_secrets():
+            super().write(data)
+            return
+        data = self._partial + bytes(data)
+        end = data.rfind(b"\n") + 1
+        self._partial = data[end:]
+        if end:
+            super().write(redaction.redact_bytes(data[:end]))
+
+    def _flush_partial(self) -> None:
+        if self._partial:
+            data, self._partial = self._partial, b""
+            super().write(redaction.redact_bytes(data))
+
+    async def drain(self) -> None:
+        self._flush_partial()
+        await super().drain()
+
+    def write_eof(self) -> None:
+        self._flush_partial()
+        super().write_eof()
+
+    def close(self) -> None:
+        try:
+            self._flush_partial()
+        except Exception:  # the transport is gone: nothing more can be sent
+            pass
+        super().close()
 
 
 class LineBound:
@@ -84,6 +115,7 @@ class LineBound:
         self._held = bytearray()  # the current line's bytes, while it may still be too long
         self._skipping = False
         self._head = b""
+        self._size = 0  # the current line's length so far
         self.on_eof: Any = None  # called at the input's end
         self._feed_eof = reader.feed_eof
         reader.feed_data = self.feed_data  # the SDK's protocol feeds the reader through this
@@ -98,6 +130,7 @@ class LineBound:
         while data:
             nl = data.find(b"\n")
             part, data = (data, b"") if nl < 0 else (data[:nl + 1], data[nl + 1:])
+            self._size += len(part) - (1 if nl >= 0 else 0)  # the line's bytes so far, without its newline
             if len(self._head) < self.HEAD:
                 self._head += part[:self.HEAD - len(self._head)]
             if not self._skipping:
@@ -108,6 +141,7 @@ class LineBound:
                     self._line(bytes(self._held) + part if self._held else part)
                     self._held.clear()
                     self._head = b""
+                    self._size = 0
                     continue
                 else:  # a partial line stays here until it ends or exceeds the bound
                     self._held += part
@@ -158,50 +192,29 @@ class LineBound:
             pass
 
     def _reject(self) -> None:
-        from operate_sidecar.server.rpc.framing import peek_id
+        from operate_sidecar.server.rpc.framing import looks_like_answer, peek_id
 
         msg_id = peek_id(self._head)
         msg_id = msg_id if isinstance(msg_id, (int, str)) and not isinstance(msg_id, bool) else None
-        keys = _top_keys(self._head)
+        answer = looks_like_answer(self._head)
+        size, self._size = self._size, 0
         self._head = b""
-        if msg_id is not None and "method" not in keys and keys & {"result", "error"}:
+        if answer:
             # the client's answer to a request of ours (a huge fs/read_text_file content, say):
             # its request is failed at once, as if the client had answered this error; the
             # client is sent nothing (an error with that id would answer one of its own requests)
-            log.warning("dropped an answer of the client longer than maxMessageBytes (%d bytes)", self.limit)
-            frame = {"jsonrpc": "2.0", "id": msg_id, "error": {
-                "code": -32600, "message": f"the answer is larger than maxMessageBytes ({self.limit} bytes)"}}
-            import json
+            log.warning("dropped an answer of the client of %d bytes (id %r): larger than maxMessageBytes (%d)",
+                        size, msg_id, self.limit)
+            if msg_id is not None:
+                frame = {"jsonrpc": "2.0", "id": msg_id, "error": {
+                    "code": -32600,
+                    "message": f"the client's answer of {size} bytes is larger than maxMessageBytes ({self.limit})"}}
+                import json
 
-            self._feed((json.dumps(frame) + "\n").encode())
+                self._feed((json.dumps(frame) + "\n").encode())
             return
         log.warning("dropped a message longer than maxMessageBytes (%d bytes)", self.limit)
         self.answer(msg_id, -32600, f"message larger than maxMessageBytes ({self.limit} bytes)")
-
-
-def _top_keys(head: bytes) -> set[str]:
-    """Best effort: the top-level keys of a (possibly cut) JSON object's first bytes."""
-    keys: set[str] = set()
-    depth, i, n = 0, 0, len(head)
-    while i < n:
-        c = head[i]
-        if c == 0x22:  # a string: a key when it is followed by ':' at depth 1
-            j = i + 1
-            while j < n and head[j] != 0x22:
-                j += 2 if head[j] == 0x5C else 1
-            k = j + 1
-            while k < n and head[k] in b" \t\r\n":
-                k += 1
-            if depth == 1 and k < n and head[k] == 0x3A:
-                keys.add(head[i + 1:j].decode("utf-8", "replace"))
-            i = j + 1
-            continue
-        if c in b"{[":
-            depth += 1
-        elif c in b"}]":
-            depth -= 1
-        i += 1
-    return keys
 
 
 def _brief(exc: BaseException) -> str:

@@ -554,6 +554,7 @@ def test_a_client_answer_over_max_message_bytes_fails_the_read_at_once_and_answe
             big_id = c.of("tool_call")[2].tool_call_id
             done = [u for u in c.of("tool_call_update") if u.tool_call_id == big_id][-1]
             assert done.status == "failed" and "maxMessageBytes" in done.raw_output["error"]
+            assert "is larger than maxMessageBytes (20000)" in done.raw_output["error"]
             assert c.text() == "done"
 
     run(main())

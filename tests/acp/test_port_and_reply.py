@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -62,3 +63,103 @@ def test_reply_text_falls_back_to_the_result_when_nothing_streamed():
 def test_tool_kinds():
     assert [tool_kind(n) for n in ("read_file", "edit_file", "write_file", "search_text", "fetch_url", "echo")] == \
         ["read", "edit", "edit", "search", "fetch", "other"]
+
+
+class _Sink(asyncio.Transport):
+    """A write transport that keeps what it is given, one entry per write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: list[bytes] = []
+        self.closed = False
+
+    def write(self, data) -> None:
+        self.chunks.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+
+def _redacting_writer():
+    from operate_sidecar.server.acp.run import RedactingWriter
+
+    loop = asyncio.get_running_loop()
+    sink = _Sink()
+    protocol = asyncio.StreamReaderProtocol(asyncio.StreamReader())
+    return RedactingWriter(sink, protocol, None, loop), sink
+
+
+def test_the_acp_wire_masks_a_secret_split_across_writes_and_sends_each_line_whole(monkeypatch):
+    from operate_sidecar.server import redaction
+
+    monkeypatch.setattr(redaction, "_KNOWN", set())
+    monkeypatch.setattr(redaction, "_ORDERED", ())
+    secret = "hunter2-secret-value"
+
+    async def main():
+        writer, sink = _redacting_writer()
+        writer.write(b'{"a":"no secret yet"}\n')
+        assert sink.chunks == [b'{"a":"no secret yet"}\n']  # none registered: passes as it is
+        redaction.remember_secret(secret)
+        writer.write(b'{"x":"hunter2-se')
+        writer.write(b'cret-value"}\n{"y":"hunt')
+        writer.write(b'er2-secret-value"}\n')
+        writer.write(b'{"z":"hunter2-')
+        await writer.drain()  # a message written without its newline goes out at drain
+        writer.write(b'tail')
+        writer.close()
+        out = b"".join(sink.chunks)
+        assert secret.encode() not in out
+        assert out.count(b"[REDACTED]") == 2
+        assert out.startswith(b'{"a":"no secret yet"}\n{"x":"[REDACTED]"}\n{"y":"[REDACTED]"}\n')
+        assert out.endswith(b'{"z":"hunter2-tail')
+        assert all(c.endswith(b"\n") for c in sink.chunks[:3])
+
+    asyncio.run(main())
+
+
+def _line_bound(limit: int):
+    from operate_sidecar.server.acp.run import LineBound
+
+    fed: list[bytes] = []
+    written: list[bytes] = []
+
+    class Reader:
+        def feed_data(self, data):
+            fed.append(bytes(data))
+
+        def feed_eof(self):
+            pass
+
+    class Writer:
+        def write(self, data):
+            written.append(bytes(data))
+
+    return LineBound(Reader(), Writer(), limit), fed, written
+
+
+def test_an_oversized_answer_of_the_client_fails_its_request_with_the_native_wording():
+    bound, fed, written = _line_bound(100)
+    line = json.dumps({"jsonrpc": "2.0", "id": 7, "result": {"content": "x" * 500}}).encode()
+    bound.feed_data(line[:60])
+    bound.feed_data(line[60:] + b"\n")
+    assert written == []  # the client is sent nothing
+    (frame,) = [json.loads(f) for f in fed]
+    assert frame["id"] == 7 and frame["error"]["code"] == -32600
+    assert frame["error"]["message"] == \
+        f"the client's answer of {len(line)} bytes is larger than maxMessageBytes (100)"
+
+
+def test_an_oversized_message_with_an_answer_key_and_others_is_answered_not_taken_for_an_answer():
+    bound, fed, written = _line_bound(100)
+    line = json.dumps({"jsonrpc": "2.0", "id": 7, "result": 1, "params": {"text": "x" * 500}}).encode()
+    bound.feed_data(line + b"\n")
+    assert fed == []
+    (frame,) = [json.loads(w) for w in written]
+    assert frame["id"] == 7 and frame["error"]["code"] == -32600
