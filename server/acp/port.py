@@ -123,6 +123,7 @@ class AcpPort:
         self.cancel_turn: Callable[[str], None] = lambda _sid: None
         self._outbox: asyncio.Queue | None = None
         self._pump: asyncio.Task | None = None
+        self._warned_write_fallback = False
 
     # ------------------------------------------------------------------ ClientInfo
     def log_message(self, type_: int, message: str) -> None:
@@ -409,6 +410,10 @@ class AcpPort:
     async def _write(self, p: dict) -> dict:
         conn = getattr(self.client, "_conn", None)  # the SDK's connection, which answers the raw result
         if not hasattr(conn, "send_request"):
+            if not self._warned_write_fallback:  # an SDK without it: its typed call, which takes any answer for success
+                self._warned_write_fallback = True
+                log.warning("the ACP SDK's connection has no send_request: fs/write_text_file answers are "
+                            "not checked (an editor's failed write answered with a non-object is taken as written)")
             await self.client.write_text_file(session_id=p["branchId"], path=p["path"], content=p["text"])
             return {}
         from acp.schema import WriteTextFileRequest

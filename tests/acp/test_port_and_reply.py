@@ -163,3 +163,25 @@ def test_an_oversized_message_with_an_answer_key_and_others_is_answered_not_take
     assert fed == []
     (frame,) = [json.loads(w) for w in written]
     assert frame["id"] == 7 and frame["error"]["code"] == -32600
+
+
+def test_writing_through_an_sdk_connection_without_send_request_warns_once(caplog):
+    port = AcpPort(S.finalize(S.merge(S.DEFAULTS, {})))
+    written = []
+
+    class Client:  # no _conn.send_request: the typed call is the only way
+        async def write_text_file(self, session_id, path, content):
+            written.append((session_id, path, content))
+
+    port.client = Client()
+
+    async def main():
+        for i in range(3):
+            assert await port._write({"branchId": "s1", "path": "/w/a.txt", "text": str(i)}) == {}
+
+    with caplog.at_level("WARNING", logger="operate_sidecar.server.acp"):
+        asyncio.run(main())
+    assert written == [("s1", "/w/a.txt", "0"), ("s1", "/w/a.txt", "1"), ("s1", "/w/a.txt", "2")]
+    assert [r.getMessage() for r in caplog.records].count(
+        "the ACP SDK's connection has no send_request: fs/write_text_file answers are not checked "
+        "(an editor's failed write answered with a non-object is taken as written)") == 1
