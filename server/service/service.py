@@ -942,8 +942,9 @@ class Service:
                         del self._deleting[p.branch_id]
                     over.set_result(None)
 
-            await self._to_the_end(delete())
-        self._forget(p.branch_id)
+            await self._to_the_end(delete())  # forgets the branch once it is deleted on disk
+        else:
+            self._forget(p.branch_id)
         return {}
 
     def _forget(self, branch_id: str) -> None:

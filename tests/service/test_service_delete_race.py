@@ -70,3 +70,29 @@ def test_an_operate_whose_save_races_the_delete_of_its_branch_answers_branch_not
         await again.aclose()
 
     asyncio.run(asyncio.wait_for(main(), WAIT))
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_delete_forgets_its_branch_once_with_or_without_a_store(tmp_path, stored):
+    extra = {"stateDir": str(tmp_path / "state")} if stored else {}
+    settings = S.finalize(S.merge(S.DEFAULTS, {"models": {"s": {"provider": "scripted", "responses": []}},
+                                               "defaultModel": "s", **extra}))
+
+    async def main() -> None:
+        svc = Service(Port(settings))
+        bid = (await svc.createBranch({}))["branchId"]
+        assert (svc.journal is not None) == stored
+        forgotten: list[str] = []
+        forget = svc._forget
+
+        def spy(branch_id: str) -> None:
+            forgotten.append(branch_id)
+            forget(branch_id)
+
+        svc._forget = spy
+        assert await asyncio.wait_for(svc.deleteBranch({"branchId": bid}), WAIT) == {}
+        assert forgotten == [bid]
+        assert bid not in svc.branches
+        assert (await svc.listBranches({}))["branches"] == []
+
+    asyncio.run(main())
