@@ -58,6 +58,7 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_TOKENS_STRUCTURED = 512  # bounded JSON needs more room than a chat reply
 DEFAULT_N_CTX = 4096
 LOCK_POLL_S = 0.005
+CANCEL_WAIT_S = 5.0  # how long a cancellation waits for a running step to leave the context
 STALE_LEASE_S = 30.0  # a generation with no step for this long was abandoned by its consumer
 
 CONFIG_FIELDS = frozenset(FIELDS["local"])  # declared (with their types) in config.py
@@ -232,13 +233,22 @@ class _Loaded:
                 running = state[0] == "running"
                 state[0] = "dropped"
             if running:
-                with anyio.CancelScope(shield=True):
+                with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_WAIT_S):
                     while not finished.is_set():
                         await anyio.sleep(LOCK_POLL_S)
+                if not finished.is_set():
+                    # a step that cannot be aborted (no abort callback here) is still running: the
+                    # lease is given up, so nothing touches the context after it (release is a no-op;
+                    # the context passes on once it is stale, STALE_LEASE_S after the step ends)
+                    lease.revoked = True
+                    log.warning("local model: a cancelled step still runs after %ss; its generation is abandoned",
+                                CANCEL_WAIT_S)
             raise
 
     def release(self, lease: _Lease) -> None:
         """Give the context back (idempotent; a no-op for a revoked lease)."""
+        if lease.revoked:  # checked first: a step given up on (run) may still hold step_lock
+            return
         with self.step_lock:
             if lease.revoked or self.lease is not lease:
                 return
@@ -438,7 +448,8 @@ def _grammar_for(schema_json: str, max_items: int, max_length: int | None) -> _G
 
         bounded = bound_schema(json.loads(schema_json), max_items=max_items, max_length=max_length)
         grammar = LlamaGrammar.from_json_schema(json.dumps(bounded), verbose=False)
-        depth = _grammar_depth(grammar._grammar)
+        text = getattr(grammar, "_grammar", None)  # another llama-cpp-python: the depth is not checked
+        depth = _grammar_depth(text) if isinstance(text, str) else 0
         if depth > MAX_GRAMMAR_DEPTH:
             raise ValueError(f"its grammar nests {depth} levels deep (llama.cpp takes at most {MAX_GRAMMAR_DEPTH}: "
                              "an array or string bound in the thousands)")

@@ -571,3 +571,66 @@ def test_the_server_exits_promptly_when_stdin_closes_while_the_local_model_reads
         assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
     finally:
         w.close()
+
+
+async def test_a_cancel_does_not_wait_forever_for_a_step_that_cannot_be_aborted(monkeypatch, caplog):
+    """Where the abort callback cannot be installed, a cancelled prompt evaluation runs on: the
+    cancellation waited for it without a deadline (a cancel, or the exit, waited out the whole
+    evaluation). It now waits CANCEL_WAIT_S, then gives the lease up (nothing touches the
+    context after it) and goes on."""
+    import threading
+
+    from operate_sidecar.server.models import local as local_mod
+
+    monkeypatch.setattr(local_mod, "CANCEL_WAIT_S", 0.2)
+    loaded = local_mod._Loaded(llama=None, lock=threading.Lock())
+    monkeypatch.setattr(loaded, "_set_abort", lambda lease: False)
+    lease = await loaded.acquire()
+    started, go_on = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        started.set()
+        go_on.wait(30)
+        return "done"
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                async def step() -> None:
+                    await loaded.run(lease, slow, abortable=True)
+
+                tg.start_soon(step)
+                while not started.is_set():
+                    await anyio.sleep(0.005)
+                tg.cancel_scope.cancel()
+        assert lease.revoked and lease.aborted
+        assert "still runs" in caplog.text
+        t0 = time.monotonic()
+        loaded.release(lease)  # a no-op, at once: the running step still holds the context
+        assert time.monotonic() - t0 < 5 and loaded.lease is lease
+        go_on.set()
+        assert loaded.step_lock.acquire(timeout=10)  # the step ends
+        loaded.step_lock.release()
+        with pytest.raises(ModelError, match="abandoned"):  # and no other step of it runs
+            loaded.step(lease, lambda: None)
+    finally:
+        go_on.set()
+
+
+def test_a_llama_grammar_without_its_text_attribute_still_gives_a_grammar(monkeypatch):
+    """The grammar depth check reads LlamaGrammar's private ``_grammar``: were it renamed, every
+    structured call lost its grammar (the AttributeError was taken for an unsupported schema)."""
+    import llama_cpp
+
+    from operate_sidecar.server.models import local as local_mod
+
+    class Bare:
+        pass
+
+    monkeypatch.setattr(llama_cpp.LlamaGrammar, "from_json_schema", classmethod(lambda cls, s, verbose=False: Bare()))
+    local_mod._grammar_for.cache_clear()
+    try:
+        entry = local_mod._grammar_for(json.dumps({"type": "object"}), 8, None)
+    finally:
+        local_mod._grammar_for.cache_clear()
+    assert isinstance(entry.grammar, Bare) and entry.reason is None
