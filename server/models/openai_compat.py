@@ -523,6 +523,9 @@ def _client_class() -> Any:
     answer (a 429 or 503 and its message) is the error at once, instead of a time-out after
     sleeping out the whole ``timeoutS``."""
     openai = _require_openai()
+    if not callable(getattr(openai.AsyncOpenAI, "_should_retry", None)):  # a private hook of the SDK
+        log.debug("openai: this SDK has no AsyncOpenAI._should_retry; a Retry-After beyond timeoutS is waited for")
+        return openai.AsyncOpenAI
 
     class Client(openai.AsyncOpenAI):  # type: ignore[misc, valid-type]
         def _should_retry(self, response: Any) -> bool:

@@ -633,3 +633,34 @@ async def test_a_reply_that_is_not_an_event_stream_says_so(kind, body):
     message = str(info.value)
     assert f"answered with {kind.split(';')[0]} content, not a stream of server-sent events" in message, message
     assert "ended before the reply was complete" not in message
+
+
+def test_the_installed_openai_sdk_still_has_the_retry_hook_the_client_overrides():
+    """The client overrides the SDK's private ``AsyncOpenAI._should_retry`` (a Retry-After beyond
+    timeoutS is not waited for): an SDK that renames it must fail here, not lose that silently."""
+    import inspect
+
+    import openai
+
+    hook = getattr(openai.AsyncOpenAI, "_should_retry", None)
+    assert callable(hook)
+    assert list(inspect.signature(hook).parameters) == ["self", "response"]
+
+
+def test_an_openai_sdk_without_the_retry_hook_gets_the_plain_client(monkeypatch, caplog):
+    import logging
+    import types
+
+    from operate_sidecar.server.models import openai_compat
+
+    class Plain:  # no _should_retry
+        pass
+
+    monkeypatch.setattr(openai_compat, "_require_openai", lambda: types.SimpleNamespace(AsyncOpenAI=Plain))
+    openai_compat._client_class.cache_clear()
+    try:
+        with caplog.at_level(logging.DEBUG, logger=openai_compat.__name__):
+            assert openai_compat._client_class() is Plain
+        assert "_should_retry" in caplog.text
+    finally:
+        openai_compat._client_class.cache_clear()
