@@ -16,18 +16,13 @@ class ConfigurationError(OperateError, ValueError):
 class FieldNameClash(ConfigurationError):
     """A field the caller named like one the pipeline generates (``reason``, the action
     fields): the generated field would replace it. ``path`` says where the caller named it
-    (``/properties/reason`` in the responseFormat, ``fieldModels[0].name``). It carries its own
-    invalid-params answer (``code``, ``message``, ``data.path``) so a front end answers it as is."""
-
-    code = -32602
+    (``/properties/reason`` in the responseFormat, ``fieldModels[0].name``); ``field`` is the
+    name. A front end answers it as invalid params with both (``service.errors.map_exception``)."""
 
     def __init__(self, message: str, *, path: str, field: str) -> None:
         super().__init__(message)
-        self.message = f"invalid params: {message}"
-        self.data = {"path": path, "field": field}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "data": self.data}
+        self.path = path
+        self.field = field
 
 
 class RemovedArgumentError(OperateError, TypeError):

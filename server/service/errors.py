@@ -70,6 +70,8 @@ def map_exception(e: BaseException, debug: bool = False) -> tuple[int, str, Any]
         return MODEL_ERROR, str(e), {"refusal": e.refusal}
     if isinstance(e, ce.ModelError):
         return MODEL_ERROR, str(e) or "model error", None
+    if isinstance(e, ce.FieldNameClash):  # where the caller named the field, and which
+        return INVALID_PARAMS, f"invalid params: {e}", {"path": e.path, "field": e.field}
     if isinstance(e, (ce.RemovedArgumentError, ce.ConfigurationError, ce.ToolNotRegistered,
                       ce.ToolArgumentError)):
         return INVALID_PARAMS, f"invalid params: {e}", None
