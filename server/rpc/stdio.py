@@ -102,7 +102,7 @@ class Wire:
     LOW_WATER = 1 << 20
 
     __slots__ = ("_fd", "_lock", "closed", "on_broken", "on_pause", "on_resume", "_loop", "_loop_thread",
-                 "_deferred", "tap", "_buf", "_nonblocking", "_armed", "_paused")
+                 "_deferred", "tap", "_buf", "_armed", "_paused")
 
     def __init__(self, fd: int, on_broken: Callable[[], None] | None = None) -> None:
         self._fd = fd
@@ -121,14 +121,12 @@ class Wire:
         self._buf = bytearray()  # frames not written yet
         self._armed = False      # the loop calls ``_on_writable`` when the pipe has room
         self._paused = False     # ``on_pause`` was called and ``on_resume`` not yet
-        self._nonblocking = False
         try:
             mode = os.fstat(fd).st_mode
             if self._loop is not None and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
                 os.set_blocking(fd, False)
-                self._nonblocking = True
-        except OSError:
-            pass
+        except OSError as e:
+            log.debug("stdout stays blocking (writes may stall the loop while the reader is slow): %s", e)
 
     def _on_loop(self) -> bool:
         return self._loop is not None and threading.get_ident() == self._loop_thread
