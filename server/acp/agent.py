@@ -466,10 +466,9 @@ class OperateAgent(Agent):
                 await after.wait()
             sc = self.sidecar
             await sc.ensure_tools()  # the configured tools first: their names are taken
-            before = set(sc.registry.names())
-            await (await sc.add_mcp_server(entry.name, entry.config)).wait()
-            entry.tools = {n for n in sc.registry.names() if n not in before
-                           and getattr(sc.registry.get(n), "source", None) == "mcp"}
+            started = await sc.add_mcp_server(entry.name, entry.config)
+            await started.wait()
+            entry.tools = set(started.tools)
         except Exception:  # reported by the service; a bad config is the prompt's to report
             log.debug("client MCP server %s not started", entry.name, exc_info=True)
         finally:

@@ -474,12 +474,13 @@ class Service:
         if self._tools_ready is not None:
             self._register_workspace_tools()
 
-    async def add_mcp_server(self, name: str, config: dict[str, Any]) -> asyncio.Event:
+    async def add_mcp_server(self, name: str, config: dict[str, Any]) -> McpServerReady:
         """One more MCP server (``{command, env}``, e.g. one the client passed) as a tool
         source, started in the background in the service's task group after the configured
         tools, stopped by :meth:`aclose`. The event returned is set once its tools are
-        registered, or it failed (reported; the other tools are unaffected)."""
-        ready = asyncio.Event()
+        registered (their names, as offered, are then its ``tools``), or it failed (reported;
+        the other tools are unaffected; ``tools`` stays empty)."""
+        ready = McpServerReady()
 
         async def run() -> None:
             try:
@@ -521,6 +522,8 @@ class Service:
                 for server, pairs in renamed.items():
                     self.conn.log_message(2, f"MCP server {server!r}: " + "; ".join(
                         f"its tool {plain!r} is offered as {public!r} ({why})" for plain, public, why in pairs))
+                if isinstance(ready, McpServerReady):
+                    ready.tools = tuple(t.name for t in registered)
                 ready.set()
                 await self._mcp_stop.wait()
         except Exception as e:
@@ -1302,6 +1305,15 @@ class Service:
         out["usage"] = meter.to_wire()
         out["rounds"] = rounds
         return out
+
+
+class McpServerReady(asyncio.Event):
+    """Set once an added MCP server's tools are registered (or it failed); ``tools``: the
+    names they are offered under (none when it failed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tools: tuple[str, ...] = ()
 
 
 class _TakenNames:

@@ -33,6 +33,10 @@ def test_mcp_servers_run_in_the_service_task_group_and_stop_on_aclose():
         await asyncio.wait_for(svc.ensure_tools(), WAIT)
         ready = await svc.add_mcp_server("client", {"command": [sys.executable, MCP_SERVER, "client"]})
         await asyncio.wait_for(ready.wait(), WAIT)
+        configured = {t.name for t in svc.registry if t.source == "mcp"} - set(ready.tools)
+        assert ready.tools and all(svc._tool_origin[n] == "MCP server 'client'" for n in ready.tools)
+        assert "client__echo" in ready.tools and "echo" in configured  # named as they are offered
+        assert all(svc._tool_origin[n] == "MCP server 'cfg'" for n in configured)
         pid_tools = [t for t in svc.registry if t.name.endswith("pid")]
         assert len(pid_tools) == 2, [t.name for t in svc.registry]
         pids = [await asyncio.wait_for(t.call({}, ToolCallContext(branch_id="b", call_id=t.name)), WAIT)
@@ -62,6 +66,7 @@ def test_a_failing_mcp_server_is_reported_and_leaves_the_others_running():
         good = await svc.add_mcp_server("good", {"command": [sys.executable, MCP_SERVER, "good"]})
         await asyncio.wait_for(asyncio.gather(bad.wait(), good.wait()), WAIT)
         assert "echo" in svc.registry
+        assert bad.tools == () and "echo" in good.tools
         assert any("ghost" in m and "unavailable" in m for m in port.logged), port.logged
         assert not svc._owner.done()
         await asyncio.wait_for(svc.aclose(), WAIT)
