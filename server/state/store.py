@@ -132,6 +132,9 @@ class StateStore:
         self.read_only = False
         self.conn = self._open()
         self._file_id = self._identity()  # the file this connection writes to (see ``_check_file``)
+        if self._file_id is None:
+            log.warning("state: cannot stat %s; a database deleted or replaced while the server runs will not "
+                        "be noticed", self.path)
         if not self.read_only:
             self._import_jsonl()
 

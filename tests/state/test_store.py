@@ -452,3 +452,18 @@ def test_a_nan_stored_by_an_earlier_version_is_read_as_a_string(tmp_path):
     [lb] = StateStore(str(tmp_path)).load()
     assert [m.content for m in lb.messages if m.kind == "instruction"] == [{"instruction": "NaN"}]
     json.dumps([m.to_record() for m in lb.messages], allow_nan=False)  # the wire can carry it
+
+
+def test_a_store_that_cannot_stat_its_file_says_the_replacement_check_is_off(tmp_path, monkeypatch, caplog):
+    """When the file cannot be stat-ed at open, the deleted-or-replaced check (_check_file) is off
+    for the whole process: that was silent. It is now one warning; the store still works."""
+    import logging
+
+    monkeypatch.setattr(StateStore, "_identity", lambda self: None)
+    with caplog.at_level(logging.WARNING, logger="operate_sidecar.server.state.store"):
+        store = StateStore(str(tmp_path))
+    assert [r.getMessage() for r in caplog.records if "cannot stat" in r.getMessage()] == [
+        f"state: cannot stat {store.path}; a database deleted or replaced while the server runs will not be noticed"]
+    b = _branch(store, 1)
+    store.flush()
+    assert _ids(_reload(tmp_path)[b.id]) == [m.id for m in b.messages]
