@@ -175,20 +175,21 @@ class FrameParser:
                 log.exception("error while reporting an oversize message")
 
 
-def peek_keys(head: bytes) -> set[str] | None:
-    """Best effort: the top-level keys of a (possibly cut) JSON object's first bytes; None when
-    they cannot be the start of one object (not an object, or more than whitespace after it)."""
-    keys: set[str] = set()
+def _top_keys(head: bytes) -> tuple[list[tuple[str, int]], bool]:
+    """Best effort over a (possibly cut) JSON object's first bytes: its top-level keys, each
+    with the index just after its ``:``, and whether the bytes can be the start of one object
+    (they are an object, with nothing but whitespace after it)."""
+    keys: list[tuple[str, int]] = []
     depth, i, n = 0, 0, len(head)
     while i < n and head[i] in b" \t\r\n":
         i += 1
     if i == n or head[i] != 0x7B:  # "{"
-        return None
+        return keys, False
     start = i
     while i < n:
         c = head[i]
         if depth == 0 and c not in b" \t\r\n" and i > start:
-            return None  # something after the object
+            return keys, False  # something after the object
         if c == 0x22:  # a string: a key when it is followed by ':' at depth 1
             j = i + 1
             while j < n and head[j] != 0x22:
@@ -197,7 +198,7 @@ def peek_keys(head: bytes) -> set[str] | None:
             while k < n and head[k] in b" \t\r\n":
                 k += 1
             if depth == 1 and k < n and head[k] == 0x3A:
-                keys.add(head[i + 1:j].decode("utf-8", "replace"))
+                keys.append((head[i + 1:j].decode("utf-8", "replace"), k + 1))
             i = j + 1
             continue
         if c in b"{[":
@@ -205,7 +206,14 @@ def peek_keys(head: bytes) -> set[str] | None:
         elif c in b"}]":
             depth -= 1
         i += 1
-    return keys
+    return keys, True
+
+
+def peek_keys(head: bytes) -> set[str] | None:
+    """Best effort: the top-level keys of a (possibly cut) JSON object's first bytes; None when
+    they cannot be the start of one object (not an object, or more than whitespace after it)."""
+    keys, one_object = _top_keys(head)
+    return {key for key, _ in keys} if one_object else None
 
 
 #: the members a JSON-RPC response may have
@@ -229,38 +237,13 @@ def peek_id(head: bytes) -> Any:
     """Best effort: the top-level ``"id"`` of a (possibly cut) JSON object, else None."""
     import json
 
-    depth = 0
-    i = 0
-    n = len(head)
-    in_str = False
-    key_start = -1
-    while i < n:
-        c = head[i]
-        if in_str:
-            if c == 0x5C:  # backslash
-                i += 2
-                continue
-            if c == 0x22:
-                in_str = False
-                if depth == 1 and head[key_start:i] == b"id":
-                    j = i + 1
-                    while j < n and head[j] in b" \t\r\n":
-                        j += 1
-                    if j < n and head[j] == 0x3A:  # ':' -> it was a key
-                        m = re.match(rb'\s*(-?\d+|"(?:[^"\\]|\\.)*")', head[j + 1:j + 300])
-                        if m:
-                            try:
-                                return json.loads(m.group(1))
-                            except ValueError:
-                                return None
-            i += 1
-            continue
-        if c == 0x22:
-            in_str = True
-            key_start = i + 1
-        elif c in b"{[":
-            depth += 1
-        elif c in b"}]":
-            depth -= 1
-        i += 1
+    for key, at in _top_keys(head)[0]:
+        if key == "id":
+            m = re.match(rb'\s*(-?\d+|"(?:[^"\\]|\\.)*")', head[at:at + 300])
+            if not m:
+                return None
+            try:
+                return json.loads(m.group(1))
+            except ValueError:
+                return None
     return None
