@@ -69,6 +69,19 @@ def _open_root(root: str | os.PathLike[str]) -> int:
     return os.open(os.fspath(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
+def _open_subdir(dfd: int, name: str) -> int:
+    """A descriptor of the directory ``name`` in ``dfd``, never through a symlink: a symlink or
+    a non-directory is :class:`UnsafePathError`; a missing one raises ``FileNotFoundError``."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dfd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+            raise UnsafePathError(e.errno, f"{name!r} is a symlink or not a directory") from None
+        raise
+
+
 def _walk(root: str | os.PathLike[str], parts: list[str], *, create: bool = False) -> int:
     """A descriptor of the directory ``parts`` names under ``root`` (no symlink followed);
     with ``create``, missing directories are made on the way. The caller closes it."""
@@ -84,7 +97,7 @@ def _walk_creating(root: str | os.PathLike[str], parts: list[str], *, create: bo
     try:
         for i, name in enumerate(parts):
             try:
-                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                nfd = _open_subdir(fd, name)
             except FileNotFoundError:
                 if not create:
                     raise
@@ -93,11 +106,7 @@ def _walk_creating(root: str | os.PathLike[str], parts: list[str], *, create: bo
                     made = min(made, i)
                 except FileExistsError:
                     pass
-                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-                    raise UnsafePathError(e.errno, f"{name!r} is a symlink or not a directory") from None
-                raise
+                nfd = _open_subdir(fd, name)
             os.close(fd)
             fd = nfd
     except BaseException:
@@ -292,14 +301,10 @@ def check_writable(root: str | os.PathLike[str], rel: str | os.PathLike[str] | I
     try:
         for i, part in enumerate(dirs):
             try:
-                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                nfd = _open_subdir(fd, part)
             except FileNotFoundError:  # made by the write, in the last directory there is
                 _writable_dir(fd, f"{'/'.join(dirs[:i]) or 'the workspace folder'!r}")
                 return
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-                    raise UnsafePathError(e.errno, f"{part!r} is a symlink or not a directory") from None
-                raise
             os.close(fd)
             fd = nfd
         _replaceable(fd, name)
