@@ -45,6 +45,29 @@ def refusal_stream(text: str, usage: dict | None = None) -> list[dict]:
     return out
 
 
+class StubHandler(http.server.BaseHTTPRequestHandler):
+    """A quiet HTTP/1.1 handler for loopback stubs: ``request_body()`` reads what was posted,
+    ``answer()`` sends a whole reply (status, extra headers, content type, body)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def request_body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def answer(self, status: int, body: bytes, content_type: str = "application/json",
+               headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+
 @contextlib.contextmanager
 def openai_stub(*streams: list[dict]) -> Iterator[tuple[str, list[dict]]]:
     """Serve the ``streams`` (lists of chunks) as the replies of the chat completions asked for,
@@ -52,25 +75,15 @@ def openai_stub(*streams: list[dict]) -> Iterator[tuple[str, list[dict]]]:
     received)."""
     received: list[dict] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Handler(StubHandler):
         def do_POST(self) -> None:  # noqa: N802
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            received.append(json.loads(body or b"{}"))
+            received.append(json.loads(self.request_body() or b"{}"))
             if not self.path.endswith("/chat/completions"):
                 self.send_error(404)
                 return
             events = streams[min(len(received), len(streams)) - 1]
             data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:  # quiet
-            pass
+            self.answer(200, data, "text/event-stream")
 
     with loopback(Handler) as url:
         yield url, received

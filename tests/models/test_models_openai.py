@@ -59,15 +59,14 @@ def counting_proxy(upstream: str, sent: list[dict]):
     """A loopback HTTP proxy in front of ``upstream`` that records every request it forwards
     (path and ``response_format`` type), so a test can count what went over HTTP. Yields the
     proxy's base URL."""
-    import http.server
     import urllib.error
     import urllib.request
 
-    from openai_stub import loopback
+    from openai_stub import StubHandler, loopback
 
-    class Forward(http.server.BaseHTTPRequestHandler):
+    class Forward(StubHandler):
         def do_POST(self):  # noqa: N802
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = self.request_body()
             try:
                 fmt = (json.loads(body or b"{}").get("response_format") or {}).get("type")
             except ValueError:
@@ -81,14 +80,7 @@ def counting_proxy(upstream: str, sent: list[dict]):
                     status, headers, data = r.status, r.headers, r.read()
             except urllib.error.HTTPError as e:
                 status, headers, data = e.code, e.headers, e.read()
-            self.send_response(status)
-            self.send_header("Content-Type", headers.get("Content-Type", "application/json"))
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
+            self.answer(status, data, headers.get("Content-Type", "application/json"))
 
     with loopback(Forward) as url:
         yield url
@@ -492,17 +484,14 @@ def test_bad_model_options_are_invalid_params_over_the_wire(tmp_path):
 def endless_stream():
     """A loopback server whose chat completion streams content chunks without end, as fast as the
     connection takes them."""
-    import http.server
 
-    from openai_stub import loopback
+    from openai_stub import StubHandler, loopback
 
     piece = sse(delta_chunk({"content": "z" * 4000})) * 16
 
-    class Endless(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Endless(StubHandler):
         def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.request_body()
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
@@ -512,9 +501,6 @@ def endless_stream():
             except OSError:  # the client hung up
                 pass
             self.close_connection = True
-
-        def log_message(self, *args):
-            pass
 
     with loopback(Endless) as url:
         yield url
@@ -538,28 +524,17 @@ async def test_a_reply_streamed_without_end_fails_the_call_instead_of_filling_me
 def rate_limited(retry_after: str):
     """A loopback server answering every chat completion HTTP 429 with ``Retry-After``; yields (base
     URL, the number of requests so far as a one-item list)."""
-    import http.server
 
-    from openai_stub import loopback
+    from openai_stub import StubHandler, loopback
 
     count = [0]
 
-    class Limited(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Limited(StubHandler):
         def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.request_body()
             count[0] += 1
             body = json.dumps({"error": {"message": "Rate limit reached for requests", "type": "requests"}}).encode()
-            self.send_response(429)
-            self.send_header("Retry-After", retry_after)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
+            self.answer(429, body, headers={"Retry-After": retry_after})
 
     with loopback(Limited) as url:
         yield url, count
@@ -605,23 +580,13 @@ async def test_a_reply_that_is_not_an_event_stream_says_so(kind, body):
     """A 200 with a web page (a baseUrl naming a web UI instead of its API) or a whole JSON
     completion (a server that does not stream) was reported as "the stream ended before the reply
     was complete": it now names what came instead of an event stream."""
-    import http.server
 
-    from openai_stub import loopback
+    from openai_stub import StubHandler, loopback
 
-    class Page(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Page(StubHandler):
         def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
+            self.request_body()
+            self.answer(200, body, kind)
 
     with loopback(Page) as url:
         model = openai_model(url, maxRetries=0)
