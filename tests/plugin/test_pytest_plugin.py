@@ -104,6 +104,15 @@ def run_pytest(project: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=project, capture_output=True, text=True, timeout=TIMEOUT)
 
 
+def run_tests_file(tmp_path: Path, name: str, source: str, *args: str) -> str:
+    """Write ``source`` as ``name`` into a fresh project, run pytest on that file alone (with
+    ``-rA`` and ``args``) and return all it printed."""
+    project = make_project(tmp_path / "ext")
+    (project / name).write_text(source)
+    out = run_pytest(project, "-rA", *args, name)
+    return out.stdout + out.stderr
+
+
 def test_a_project_uses_the_fixture_and_script_helper_and_failures_read_well(tmp_path):
     project = make_project(tmp_path / "ext")
     out = run_pytest(project, "-rA")
@@ -166,10 +175,7 @@ async def test_no_notification_of_a_method(sidecar):
 
 
 def test_a_sidecar_that_fails_to_start_or_dies_is_reported_at_once_with_its_stderr(tmp_path):
-    project = make_project(tmp_path / "ext")
-    (project / "test_dead.py").write_text(DEAD_SIDECAR_TESTS)
-    out = run_pytest(project, "-rA", "--durations=0", "--durations-min=0", "test_dead.py")
-    text = out.stdout + out.stderr
+    text = run_tests_file(tmp_path, "test_dead.py", DEAD_SIDECAR_TESTS, "--durations=0", "--durations-min=0")
     assert "2 failed, 1 error" in text, text
     # start-up failed: the server's own words (argparse's), not only its exit code
     assert "the sidecar exited (code 2)" in text and "unrecognized arguments: --no-such-flag" in text, text
@@ -200,10 +206,7 @@ async def test_shuts_the_sidecar_down_itself(sidecar):
 def test_a_sidecar_that_refuses_initialize_or_was_shut_down_by_the_test_is_stopped_at_once(tmp_path):
     """Its teardown's shutdown is refused (not initialized, or shut down already): it still sends
     exit, so the sidecar exits at once instead of being killed after 10 s."""
-    project = make_project(tmp_path / "ext")
-    (project / "test_refused.py").write_text(REFUSING_SIDECAR_TESTS)
-    out = run_pytest(project, "-rA", "--durations=0", "--durations-min=0", "test_refused.py")
-    text = out.stdout + out.stderr
+    text = run_tests_file(tmp_path, "test_refused.py", REFUSING_SIDECAR_TESTS, "--durations=0", "--durations-min=0")
     assert "1 passed, 1 error" in text, text
     assert "SidecarError: initialize failed with -32602" in text and "unknown provider 'nope'" in text, text
     timed = [ln for ln in text.splitlines() if "test_refused.py::" in ln and ln.split("s", 1)[0][:1].isdigit()]
@@ -395,10 +398,7 @@ def test_a_failing_handler_fails_the_test_and_no_json_is_refused_before_anything
     operate, waited out their time-outs) and the test fails at teardown with the handler's error
     (it passed, the bug only in a captured log). Params that are not JSON raise at once (they were
     sent nothing: the request waited out its time-out, the notification was lost)."""
-    project = make_project(tmp_path / "ext")
-    (project / "test_handlers.py").write_text(HANDLER_BUG_TESTS)
-    out = run_pytest(project, "-rA", "--durations=0", "--durations-min=0", "test_handlers.py")
-    text = out.stdout + out.stderr
+    text = run_tests_file(tmp_path, "test_handlers.py", HANDLER_BUG_TESTS, "--durations=0", "--durations-min=0")
     assert "2 failed, 3 passed, 3 errors" in text, text
     assert ("HandlerFailed: on_request handler for requestToolPermission: ValueError: my handler bug; the sidecar "
             "was answered -32603") in text, text
@@ -483,10 +483,7 @@ def test_marker_options_of_the_wrong_type_are_refused_by_name_before_a_sidecar_s
     after the sidecar started, which then ran on unstopped), env not a dict, settings not a dict,
     positional marker arguments (silently ignored) and an indirect parametrization that is not a
     dict (ignored): the set-up fails naming the option, and no sidecar left running."""
-    project = make_project(tmp_path / "ext")
-    (project / "test_options.py").write_text(BAD_OPTIONS_TESTS)
-    out = run_pytest(project, "-rA", "test_options.py")
-    text = out.stdout + out.stderr
+    text = run_tests_file(tmp_path, "test_options.py", BAD_OPTIONS_TESTS)
     assert "1 passed, 7 errors" in text, text
     for message in ["args must be a list of strings (server flags), got '--debug'",
                     "timeout must be a number of seconds above 0, got 'abc'",
