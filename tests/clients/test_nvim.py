@@ -150,6 +150,16 @@ class Nvim:
                   "a new branch")
         return self.lua("return require('operate_sidecar').current_branch()")
 
+    def asked_to_mark(self, target: Path, tag: str) -> str:
+        """A new branch whose model calls ``mark_file`` on ``target`` under policy ``ask``, sent a
+        turn that is now waiting for its permission request; returns the branch id."""
+        bid = self.new_branch([call("mark_file", path=str(target), text="x"), "unused"], tag)
+        self.n.command("OperateTools mark_file ask")
+        self.wait("#_G.notes > 0", "the policy change")
+        self.chat_send("mark it")
+        self.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+        return bid
+
     def operate_cmd(self, command: str) -> dict:
         """Run an :Operate command (a chat turn) and wait for it to finish; returns the outcome."""
         self.lua("require('operate_sidecar')._state.last = nil")
@@ -797,11 +807,7 @@ def test_deleting_the_branch_of_the_running_turn_ends_that_turn(sv):
     asking to run a tool for a branch that was gone, and every new turn was refused ('a turn is
     already running') until it was answered."""
     target = sv.tmp / "deleted-branch.txt"
-    sv.new_branch([call("mark_file", path=str(target), text="x"), "unused"], "delrunning")
-    sv.n.command("OperateTools mark_file ask")
-    sv.wait("#_G.notes > 0", "the policy change")
-    sv.chat_send("mark it")
-    sv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+    sv.asked_to_mark(target, "delrunning")
     sv.n.command("OperateBranch delete")
     out = sv.wait_done()
     assert out["err"]["code"] == -32800
@@ -953,11 +959,7 @@ def test_a_turn_of_many_tool_calls_writes_only_what_changed(sv):
 
 
 def test_a_cancelled_permission_request_is_shown_as_cancelled(sv):
-    bid = sv.new_branch([call("mark_file", path=str(sv.tmp / "cancelled.txt"), text="x"), "unused"], "permcancel")
-    sv.n.command("OperateTools mark_file ask")
-    sv.wait("#_G.notes > 0", "the policy change")
-    sv.chat_send("mark it")
-    sv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+    bid = sv.asked_to_mark(sv.tmp / "cancelled.txt", "permcancel")
     sv.n.command("OperateCancel")
     out = sv.wait_done()
     assert out["err"]["code"] == -32800
