@@ -13,19 +13,8 @@ import { createRequire } from 'node:module';
 import * as path from 'node:path';
 import * as vscode from 'vscode';
 import type { OperateSidecarApi } from '../extension';
+import { type Check, EXT_ID, STEP_MS, checkRunner, exec, expect, within, writeReport } from './harness';
 
-const EXT_ID = 'operate-sidecar.operate-sidecar-vscode';
-const STEP_MS = 30_000;
-/** Upper bound for one whole check: a check that hangs is reported as failed and the run goes on. */
-const CHECK_MS = 90_000;
-
-interface Check { name: string; ok: boolean; ms: number; error?: string }
-
-function within<T>(p: Thenable<T>, what: string, ms = STEP_MS): Promise<T> {
-  let timer: NodeJS.Timeout;
-  const t = new Promise<never>((_, rej) => { timer = setTimeout(() => rej(new Error(`timeout after ${ms} ms: ${what}`)), ms); });
-  return Promise.race([Promise.resolve(p), t]).finally(() => clearTimeout(timer));
-}
 async function until(cond: () => boolean, what: string, ms = STEP_MS): Promise<void> {
   const end = Date.now() + ms;
   while (!cond()) {
@@ -33,10 +22,6 @@ async function until(cond: () => boolean, what: string, ms = STEP_MS): Promise<v
     await new Promise((r) => setTimeout(r, 20));
   }
 }
-function expect(cond: unknown, msg: string): asserts cond {
-  if (!cond) throw new Error(msg);
-}
-const exec = <T>(cmd: string, ...args: unknown[]) => within(vscode.commands.executeCommand<T>(cmd, ...args), cmd);
 
 /**
  * The `vscode` API object the extension itself uses. VS Code hands every extension its own API
@@ -121,22 +106,12 @@ const PERMISSION_LABELS = ['Allow once', 'Always allow (this branch)', 'Deny onc
 const pickDecision = (decision: string) => (items: any[]) => items.find((i) => i.decision === decision);
 
 export async function run(): Promise<void> {
-  const reportPath = process.env.OPERATE_SIDECAR_ITEST_REPORT;
   const checks: Check[] = [];
   let api: OperateSidecarApi | undefined;
   let fatal: string | undefined;
   let sameApiInstance: boolean | undefined;
-  const check = async (name: string, fn: () => Promise<void>) => {
-    const t0 = Date.now();
-    try {
-      await within(fn(), `check "${name}"`, CHECK_MS);
-      checks.push({ name, ok: true, ms: Date.now() - t0 });
-    } catch (e) {
-      checks.push({ name, ok: false, ms: Date.now() - t0, error: e instanceof Error ? `${e.message}\n${e.stack ?? ''}`.slice(0, 2000) : String(e) });
-    } finally {
-      restoreUi?.();   // a check that timed out must not leave scripted prompts behind
-    }
-  };
+  // a check that timed out must not leave scripted prompts behind
+  const check = checkRunner(checks, () => restoreUi?.());
   const out = () => api?.outputText() ?? '';
   const outputs = (r: any) => (r.result.action_responses as any[]).map((a) => a.output);
   /** An operate through the command that records how it settled instead of throwing. */
@@ -890,20 +865,10 @@ export async function run(): Promise<void> {
     fatal = e instanceof Error ? e.stack ?? e.message : String(e);
   }
 
-  const report = {
-    ok: !fatal && checks.length > 0 && checks.every((c) => c.ok),
-    fatal,
-    vscodeVersion: vscode.version,
-    appName: vscode.env.appName,
+  writeReport(checks, fatal, {
     uiKind: vscode.env.uiKind === vscode.UIKind.Web ? 'web' : 'desktop',
-    extensionPath: vscode.extensions.getExtension(EXT_ID)?.extensionPath,
     /** whether the test module's `vscode.window` is the extension's (not when it lies outside the extension, e.g. the unpacked .vsix) */
     sameApiInstance,
-    checks,
     outputChannel: out().slice(-30000),
-  };
-  if (reportPath) {
-    fs.writeFileSync(reportPath + '.tmp', JSON.stringify(report, null, 2));
-    fs.renameSync(reportPath + '.tmp', reportPath);
-  }
+  });
 }

@@ -7,40 +7,17 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import * as vscode from 'vscode';
 import type { OperateSidecarApi } from '../extension';
+import { type Check, EXT_ID, checkRunner, exec, expect, within, writeReport } from './harness';
 
-const EXT_ID = 'operate-sidecar.operate-sidecar-vscode';
-const STEP_MS = 30_000;
-const CHECK_MS = 90_000;
 const FILE_TOOLS = ['read_file', 'write_file', 'edit_file', 'list_dir', 'search_text'];
 
-interface Check { name: string; ok: boolean; ms: number; error?: string }
-
-function within<T>(p: Thenable<T>, what: string, ms = STEP_MS): Promise<T> {
-  let timer: NodeJS.Timeout;
-  const t = new Promise<never>((_, rej) => { timer = setTimeout(() => rej(new Error(`timeout after ${ms} ms: ${what}`)), ms); });
-  return Promise.race([Promise.resolve(p), t]).finally(() => clearTimeout(timer));
-}
-function expect(cond: unknown, msg: string): asserts cond {
-  if (!cond) throw new Error(msg);
-}
-const exec = <T>(cmd: string, ...args: unknown[]) => within(vscode.commands.executeCommand<T>(cmd, ...args), cmd);
-
 export async function run(): Promise<void> {
-  const reportPath = process.env.OPERATE_SIDECAR_ITEST_REPORT;
   const checks: Check[] = [];
   let api: OperateSidecarApi | undefined;
   let fatal: string | undefined;
   /** Every error and warning message the extension showed (its own `vscode.window`, passed through). */
   const shown: string[] = [];
-  const check = async (name: string, fn: () => Promise<void>) => {
-    const t0 = Date.now();
-    try {
-      await within(fn(), `check "${name}"`, CHECK_MS);
-      checks.push({ name, ok: true, ms: Date.now() - t0 });
-    } catch (e) {
-      checks.push({ name, ok: false, ms: Date.now() - t0, error: e instanceof Error ? `${e.message}\n${e.stack ?? ''}`.slice(0, 2000) : String(e) });
-    }
-  };
+  const check = checkRunner(checks);
   try {
     await check('activate the extension in a window with no folder open; its messages are recorded', async () => {
       const ext = vscode.extensions.getExtension<OperateSidecarApi>(EXT_ID);
@@ -94,18 +71,5 @@ export async function run(): Promise<void> {
   } catch (e) {
     fatal = e instanceof Error ? e.stack ?? e.message : String(e);
   }
-  const report = {
-    ok: !fatal && checks.length > 0 && checks.every((c) => c.ok),
-    fatal,
-    vscodeVersion: vscode.version,
-    appName: vscode.env.appName,
-    extensionPath: vscode.extensions.getExtension(EXT_ID)?.extensionPath,
-    checks,
-    shown,
-    outputChannel: api?.outputText().slice(-6000) ?? '',
-  };
-  if (reportPath) {
-    fs.writeFileSync(reportPath + '.tmp', JSON.stringify(report, null, 2));
-    fs.renameSync(reportPath + '.tmp', reportPath);
-  }
+  writeReport(checks, fatal, { shown, outputChannel: api?.outputText().slice(-6000) ?? '' });
 }
