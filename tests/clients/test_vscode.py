@@ -15,7 +15,8 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
   (d3) the same harness in a window with no folder open (--suite no-folder, user settings).
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
       and key presses over Chromium's DevTools protocol (also the chat hidden and shown again while a
-      review waits, and keyboard-only use); screenshots land in .test-results/.
+      review waits, keyboard-only use and the extension's keybindings: Ctrl+Backspace / Ctrl+Enter
+      in the diff editor, the Open Chat shortcut, Escape); screenshots land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -166,6 +167,17 @@ def test_c_vsce_package_produces_a_complete_vsix(vsix):
     title = {m["command"]: m["when"] for m in c["menus"]["editor/title"]}
     assert set(title) == {"operateSidecar.acceptEdit", "operateSidecar.rejectEdit", "operateSidecar.alwaysAllowEdit"}
     assert all("operateSidecar.reviewPending" in w for w in title.values()), title
+    # keyboard shortcuts: each runs a contributed command, has a macOS variant, and all but Open Chat
+    # (a chord no default uses) are scoped by a `when` to where they apply
+    commands = {x["command"] for x in c["commands"]}
+    keys = {k["command"]: k for k in c["keybindings"]}
+    assert len(keys) == len(c["keybindings"]) and set(keys) <= commands, c["keybindings"]
+    assert set(keys) == {f"operateSidecar.{k}" for k in ("openChat", "acceptEdit", "rejectEdit", "stop")}, set(keys)
+    assert all(k["key"] and k["mac"] for k in keys.values()), keys
+    for decide in ("operateSidecar.acceptEdit", "operateSidecar.rejectEdit"):
+        when = keys[decide]["when"]
+        assert "operateSidecar.reviewPending" in when and "resourceScheme == operate-sidecar-proposed" in when, when
+    assert keys["operateSidecar.stop"]["when"] == "operateSidecar.chatRunning && operateSidecar.chatFocus && !inputFocus"
     readme = (EXT / "README.md").read_text()
     shot = EXT / "media" / "chat-diff-review.png"
     assert readme.startswith("# operate-sidecar for VS Code\n\n![") and "(media/chat-diff-review.png)" in readme.split("\n")[2]
@@ -247,11 +259,13 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     bad = [c for c in summary.get("checks", []) if not c["ok"]]
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     names = " | ".join(c["name"] for c in summary["checks"])
-    assert len(summary["checks"]) == 11, names
+    assert len(summary["checks"]) == 13, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
                   "Stop a running turn", "hidden and shown again while it waits",
-                  "Open Chat from the editor puts the cursor in the chat input", "stopped turns stay in the chat"):
+                  "Open Chat from the editor puts the cursor in the chat input", "stopped turns stay in the chat",
+                  "Ctrl+Backspace in its left (file) side rejects", "Ctrl+Enter in its right (proposed) side accepts",
+                  "its shortcut, Ctrl+Shift+Alt+/", "Escape in the editor leaves the turn running"):
         assert topic in names, f"missing browser check about {topic!r}: {names}"
     for shot in ("chat.png", "diff-review.png", "chat-final.png"):
         png = shots / shot

@@ -91,5 +91,11 @@
   };
   window.addEventListener('focus', focusInput);
   if (document.hasFocus()) focusInput();
+  // where the keyboard focus is, for the view's keybindings (Escape stops a running turn): the
+  // workbench's focusedView does not follow the focus into a webview
+  const focused = (f) => vscode.postMessage({ type: 'focus', focused: f });
+  window.addEventListener('focus', () => focused(true));
+  window.addEventListener('blur', () => focused(false));
+  if (document.hasFocus()) focused(true);
   vscode.postMessage({ type: 'ready' });
 })();

@@ -2,9 +2,11 @@
 // Through-the-browser test of the chat view and the diff review: code-server (VS Code 1.99.3) with
 // the extension, headless Chromium driven over the DevTools protocol with real mouse clicks and key
 // presses, the real Python server with a scripted model. It types prompts, watches the prose
-// stream, accepts one diff (card button) and rejects another (diff editor title button), checks
-// the editor buffer (dirty, undo, save) and the files on disk, switches chats through the picker,
-// picks a model and stops a running turn. Screenshots go to --out.
+// stream, accepts one diff (card button) and rejects another (diff editor title button), rejects
+// and accepts two more with the extension's keybindings pressed in either side of the diff editor,
+// checks the editor buffer (dirty, undo, save) and the files on disk, switches chats through the
+// picker, picks a model, opens the chat with its shortcut and stops a running turn (Stop, Escape).
+// Screenshots go to --out.
 // Prints one JSON summary on stdout. Exit: 0 all checks passed, 1 a check failed, 3 harness error.
 // Usage: node scripts/run-ui-test.mjs [--ext DIR] [--out DIR] [--timeout SECONDS] [--keep]
 import { spawn } from 'node:child_process';
@@ -90,6 +92,9 @@ async function main() {
           edit('I will make `greet` shout.', 'src/app.py', "return 'hello ' + name", "return 'HELLO ' + name.upper() + '!'"),
           { json: { answer: 'Done: `greet` shouts now.' } },   // round 2 (the tool ran); the default maxRounds is 4
           edit('And `add` could subtract.', 'src/util.py', 'return a + b', 'return a - b'),
+          edit('Or `add` could multiply.', 'src/util.py', 'return a + b', 'return a * b'),   // rejected by Ctrl+Backspace
+          edit('Then `add` swaps its operands.', 'src/util.py', 'return a + b', 'return b + a'),   // accepted by Ctrl+Enter
+          { json: { answer: 'Swapped.' } },
           'A **second** chat.',
           'After the stops.',
         ], 14, 60),
@@ -283,8 +288,9 @@ async function main() {
     await waitFor('Accept button in the card', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
     const prose = await lastTurn(`t.querySelector('.prose')?.textContent ?? ''`);
     expect(prose.includes('I will make greet shout.') && !prose.includes('{') && !prose.includes('action_requests'), `prose, not JSON: ${prose}`);
-    expect(await evalIn(`!!document.querySelector('.editor-actions [aria-label="Accept Edit"]') && !!document.querySelector('.editor-actions [aria-label="Reject Edit"]')`),
-      'Accept / Reject in the diff editor title');
+    // the title buttons are labelled with their keybindings (package.json contributes.keybindings)
+    const labels = await evalIn(`[...document.querySelectorAll('.editor-actions [aria-label]')].map((e) => e.getAttribute('aria-label'))`);
+    expect(labels.includes('Accept Edit (Ctrl+Enter)') && labels.includes('Reject Edit (Ctrl+Backspace)'), `Accept / Reject in the diff editor title: ${JSON.stringify(labels)}`);
     const tab = await evalIn(`document.querySelector('.tabs-container .tab.active')?.getAttribute('aria-label')`);
     expect(tab?.includes('app.py') && tab.includes('proposed'), `the diff tab: ${tab}`);
     await sleep(300);
@@ -318,7 +324,7 @@ async function main() {
   await check('a second edit, the chat hidden and shown again while it waits (the turn once, its card still asks), rejected from the diff editor title: card shows the rejection, util.py untouched and not dirty', async () => {
     await type('Now change util');
     await submit();
-    await waitFor('Reject in the diff editor title', () => evalIn(`!!document.querySelector('.editor-actions [aria-label="Reject Edit"]')`), STEP);
+    await waitFor('Reject in the diff editor title', () => evalIn(`!!document.querySelector('.editor-actions [aria-label^="Reject Edit"]')`), STEP);
     await waitFor('Accept button in the card', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
     const turns = await turnCount();
     // the Explorer takes the side bar: the chat's webview is disposed; Open Chat builds it again
@@ -332,12 +338,65 @@ async function main() {
       `the running turn shown once after the chat came back: ${JSON.stringify(users)}`);
     expect(await lastTurn(`t.querySelectorAll('.prose').length`) === 1, 'its prose once');
     await waitFor('diff decorations', () => evalIn(`document.querySelectorAll('.monaco-diff-editor .line-insert, .monaco-diff-editor .char-insert').length > 0`), STEP);
-    await click(await centerOf('.editor-actions [aria-label="Reject Edit"]'));
+    await click(await centerOf('.editor-actions [aria-label^="Reject Edit"]'));
     await turnDone();
     const title = await lastTurn(`[...t.querySelectorAll('details.tool summary')].map((s) => s.textContent).join()`);
     expect(title.startsWith('⊘ edit_file src/util.py'), `tool card: ${title}`);
     expect(disk('src/util.py') === UTIL_OLD && !(await tabDirty('util.py')), 'util.py unchanged');
     expect(!(await evalIn(`!!document.querySelector('.monaco-diff-editor')`)), 'the diff editor closed');
+  });
+
+  // the extension's keybindings (package.json contributes.keybindings), pressed as real keys
+  const diffSide = (side) => `.monaco-diff-editor .editor.${side}`;
+  const focusDiffSide = async (side) => {
+    await waitFor('diff decorations', () => evalIn(`document.querySelectorAll('.monaco-diff-editor .line-insert, .monaco-diff-editor .char-insert').length > 0`), STEP);
+    await click(await centerOf(`${diffSide(side)} .view-lines`));
+    await waitFor(`the ${side} side of the diff editor focused`, () => evalIn(`!!document.activeElement?.closest(${JSON.stringify(diffSide(side))})`), 10000);
+  };
+  const reviewPending = () => evalIn(`!!document.querySelector('.editor-actions [aria-label^="Reject Edit"]')`);
+
+  await check('keyboard in the diff editor: Ctrl+Backspace in its left (file) side rejects the pending edit (card ⊘, util.py unchanged, not dirty); in the chat input the key still deletes a word and decides nothing', async () => {
+    await type('Or make add multiply');
+    await submit();
+    await waitFor('Reject in the diff editor title', reviewPending, STEP);
+    await waitFor('Accept button in the card', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
+    // not stolen elsewhere: in the chat input Ctrl+Backspace deletes the word before the cursor
+    await type('keep draft');
+    await key('Backspace', 'Backspace', 8, { modifiers: 2 });
+    await waitFor('a word deleted in the chat input', async () => (await inWeb(`document.getElementById('input').value`)) === 'keep ', 5000);
+    await sleep(800);
+    expect(await reviewPending() && await lastTurn(`!!t.querySelector('.ask button.accept')`), 'Ctrl+Backspace in the chat input decided nothing');
+    for (let i = 0; i < 4 && (await inWeb(`document.getElementById('input').value`)) !== ''; i++) await key('Backspace', 'Backspace', 8, { modifiers: 2 });
+    expect(await inWeb(`document.getElementById('input').value`) === '', 'the chat input emptied again');
+    await focusDiffSide('original');
+    await key('Backspace', 'Backspace', 8, { modifiers: 2 });
+    await turnDone();
+    const title = await lastTurn(`[...t.querySelectorAll('details.tool summary')].map((s) => s.textContent).join()`);
+    expect(title.startsWith('⊘ edit_file src/util.py'), `tool card: ${title}`);
+    expect(disk('src/util.py') === UTIL_OLD && !(await tabDirty('util.py')), 'util.py unchanged');
+    expect(!(await evalIn(`!!document.querySelector('.monaco-diff-editor')`)), 'the diff editor closed');
+  });
+
+  await check('keyboard in the diff editor: Ctrl+Enter in its right (proposed) side accepts: the edit lands in the buffer (dirty, disk untouched), the card reads ✓ and the second round answers; Ctrl+Z takes it back', async () => {
+    await type('Then swap the operands of add');
+    await submit();
+    await waitFor('Accept button in the card', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
+    await focusDiffSide('modified');
+    await key('Enter', 'Enter', 13, { modifiers: 2 });
+    await turnDone();
+    const title = await lastTurn(`t.querySelector('details.tool summary').textContent`);
+    expect(title === '✓ edit_file src/util.py +1 −1', `tool card: ${title}`);
+    const after = await lastTurn(`[...t.querySelectorAll('.prose')].map((p) => p.textContent.trim())`);
+    expect(JSON.stringify(after) === JSON.stringify(['Then add swaps its operands.', 'Swapped.']), `the second round answered: ${JSON.stringify(after)}`);
+    expect(!(await evalIn(`!!document.querySelector('.monaco-diff-editor')`)), 'the diff editor closed');
+    expect(disk('src/util.py') === UTIL_OLD, 'the disk still has the old text (the edit went into the buffer)');
+    await palette('src/util.py', { clear: true, match: 'util.py' });
+    await waitFor('the accepted text in the editor', async () => (await editorText())?.includes('return b + a'), 10000);
+    expect(await tabDirty('util.py'), 'util.py dirty');
+    await click(await centerOf('.editor-instance .monaco-editor .view-lines'));
+    await key('z', 'KeyZ', 90, { modifiers: 2 });
+    await waitFor('undo restores util.py', async () => (await editorText())?.includes('return a + b'), 10000);
+    await waitFor('not dirty after the undo', async () => !(await tabDirty('util.py')), 10000);
   });
 
   await check('New chat (+), then switch back through the chat picker (name, last message, model)', async () => {
@@ -353,7 +412,7 @@ async function main() {
     const rows = await evalIn(`[...document.querySelectorAll('.quick-input-list .monaco-list-row')].map((r) => r.getAttribute('aria-label'))`);
     expect(rows.some((r) => r.includes('Explain the plan for') && r.includes('chatty')), `picker rows: ${JSON.stringify(rows)}`);
     await quickPickChoose('Explain', 'Explain the plan for');
-    await waitFor('the first chat is shown', () => inWeb(`document.getElementById('branch').textContent === 'Explain the plan for' && document.querySelectorAll('section.turn').length === 3`), 10000);
+    await waitFor('the first chat is shown', () => inWeb(`document.getElementById('branch').textContent === 'Explain the plan for' && document.querySelectorAll('section.turn').length === 5`), 10000);
     await settleWebview();
     expect(await inWeb(`document.querySelector('section.turn .prose').innerHTML.includes('<strong>plan</strong>')`), 'its conversation is rendered from the server');
     return { rows };
@@ -367,18 +426,31 @@ async function main() {
     expect(status.includes('slow · Explain the plan for'), `status bar: ${status}`);
   });
 
-  await check('keyboard only: Open Chat from the editor puts the cursor in the chat input; Enter sends, Escape stops', async () => {
+  await check('keyboard only: Open Chat from the editor puts the cursor in the chat input (its shortcut, Ctrl+Shift+Alt+/); Enter sends; Escape in the editor leaves the turn running, Escape in the chat view (on its Stop button, not the input) stops it', async () => {
+    const editorFocused = () => waitFor('the editor focused', () => evalIn(`!!document.activeElement?.closest('.editor-instance')`), 10000);
+    const openChat = async () => {
+      await key('?', 'Slash', 191, { modifiers: 2 | 1 | 8 });   // Ctrl+Shift+Alt+/
+      await settleWebview();
+      await waitFor('the chat input focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
+    };
     await click(await centerOf('.editor-instance .monaco-editor .view-lines'));
-    await waitFor('the editor focused', () => evalIn(`!!document.activeElement?.closest('.editor-instance')`), 10000);
-    await palette('operate-sidecar: Open Chat');
-    await settleWebview();
-    await waitFor('the chat input focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
+    await editorFocused();
+    await openChat();
     const before = await turnCount();
     await send('Input.insertText', { text: 'Typed without the mouse' });
     expect(await inWeb(`document.getElementById('input').value`) === 'Typed without the mouse', 'the keys reached the chat input');
     await enter();
     await waitFor('the turn starts', async () => (await turnCount()) > before, 10000);
     await waitFor('running', () => inWeb(`!document.getElementById('stop').hidden`), 10000);
+    // the chat's Escape is not taken from the editor while the turn runs
+    await click(await centerOf('.editor-instance .monaco-editor .view-lines'));
+    await editorFocused();
+    await key('Escape', 'Escape', 27);
+    await sleep(1000);
+    expect(await inWeb(`!document.getElementById('stop').hidden`), 'Escape in the editor left the turn running');
+    await openChat();
+    await key('Tab', 'Tab', 9);
+    await waitFor('the Stop button focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'stop'`), 5000);
     await key('Escape', 'Escape', 27);
     await turnDone();
     expect(await lastTurn(`t.querySelector('.note')?.textContent`) === 'Stopped.', 'Escape stopped the turn');

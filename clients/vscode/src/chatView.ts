@@ -15,6 +15,10 @@ import {
 } from './rpcClient';
 
 export const VIEW_ID = 'operateSidecar.chat';
+/** Context keys of the view's Escape keybinding (package.json): a chat turn runs; the keyboard focus is in the chat. */
+const RUNNING_KEY = 'operateSidecar.chatRunning';
+const FOCUS_KEY = 'operateSidecar.chatFocus';
+const setContext = (key: string, value: boolean) => void vscode.commands.executeCommand('setContext', key, value);
 /** How long the end of a turn waits for the branch's messages (a hung server must not keep the turn running). */
 const FINISH_MS = 10_000;
 /** Messages per branchMessages page (the server's default limit). */
@@ -112,6 +116,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   constructor(private readonly ctx: vscode.ExtensionContext, private readonly host: ChatHost) {
     this.subs.push(vscode.window.registerWebviewViewProvider(VIEW_ID, this), this.ready);
     this.subs.push(host.review.onDidDecide((r) => this.settleAsk(r.callId, r.decision)));
+    setContext(RUNNING_KEY, false);
+    setContext(FOCUS_KEY, false);
   }
 
   // ---- webview ---------------------------------------------------------------------------------
@@ -132,7 +138,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 <div class="row"><span id="status"></span><span class="grow"></span><button id="stop" class="secondary" hidden>Stop</button><button id="send">Send</button></div></footer>
 <script nonce="${nonce}" src="${js}"></script></body></html>`;
     view.webview.onDidReceiveMessage((m) => this.onMessage(m), undefined, this.subs);
-    view.onDidDispose(() => { if (this.view === view) this.view = undefined; }, undefined, this.subs);
+    view.onDidDispose(() => { if (this.view === view) { this.view = undefined; setContext(FOCUS_KEY, false); } }, undefined, this.subs);
+    view.onDidChangeVisibility(() => { if (!view.visible) setContext(FOCUS_KEY, false); }, undefined, this.subs);
   }
 
   private async onMessage(m: { type: string; [k: string]: unknown }): Promise<void> {
@@ -141,6 +148,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         case 'ready': await this.refresh(); this.ready.fire(); break;
         case 'send': if (typeof m.text === 'string' && m.text.trim()) void this.send(m.text).catch(() => undefined); break;
         case 'stop': this.stop(); break;
+        case 'focus': setContext(FOCUS_KEY, m.focused === true); break;
         case 'decide': this.decide(String(m.callId), m.decision as PermissionDecision); break;
         case 'showDiff': await this.host.review.show(String(m.callId)); break;
         case 'copy': await vscode.env.clipboard.writeText(String(m.code)); break;
@@ -250,6 +258,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       flushed: '', lastFlush: 0 };
     this.render();
     this.host.runningChanged(true);
+    setContext(RUNNING_KEY, true);
     let outcome: TurnOutcome = { branchId: '' };
     try {
       // Stop ends the turn even while the server is still starting (or never answers)
@@ -418,6 +427,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.live = undefined;
     live.source.dispose();
     this.host.runningChanged(false);
+    setContext(RUNNING_KEY, false);
     this.render();
     // the user went to another chat while the turn ran: show that one now
     if (!mine || (this.host.branches.current ?? '') !== this.localBranch) void this.refresh();
