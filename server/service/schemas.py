@@ -165,11 +165,11 @@ class SchemaCache:
         schema already built is answered from the cache without the thread hop (the key is
         computed under the size bounds, so this stays cheap on the loop). Worker threads are
         anyio's, bounded by its default capacity limiter."""
-        import anyio.to_thread
-
         cached = self._models.get(self._key(schema, where))
         if cached is not None:
             return cached
+        import anyio.to_thread
+
         return await anyio.to_thread.run_sync(self.model_for, schema, where, abandon_on_cancel=True)
 
     async def specs_for_async(self, fields: list[Any]) -> list[Any]:
