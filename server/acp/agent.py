@@ -61,31 +61,6 @@ INFO_FIELDS = ("cwd", "title", "model", "updatedAt")
 _LAST_MS = [0]
 
 
-_LAZY: dict[tuple[str, str], Any] = {}
-
-
-def _lazy(module: str, name: str) -> Any:
-    """``module``'s ``name``, imported on first use (not at this module's import) and then kept."""
-    try:
-        return _LAZY[module, name]
-    except KeyError:
-        value = _LAZY[module, name] = getattr(importlib.import_module(module), name)
-        return value
-
-
-def _ended(task: asyncio.Task) -> asyncio.Future:
-    """A future done once ``task`` is (``asyncio.wait({task})`` without its machinery):
-    cancelling it leaves the task running."""
-    fut = task.get_loop().create_future()
-
-    def wake(_: Any) -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    task.add_done_callback(wake)
-    return fut
-
-
 def _now() -> str:
     """An update time: ISO 8601 in UTC, to the millisecond, and later than any this process made
     before (two updates within one millisecond, or the wall clock stepped back, would otherwise
@@ -237,9 +212,11 @@ class OperateAgent(Agent):
 
     async def _branch(self, session_id: str) -> Any:
         sc = await self._restored()
+        from operate_sidecar.server.service.errors import RpcError
+
         try:
             return sc.branch(session_id)
-        except _lazy("operate_sidecar.server.service.errors", "RpcError"):
+        except RpcError:
             raise RequestError.invalid_params({"sessionId": session_id, "reason": "unknown session"}) from None
 
     async def _import_legacy(self, sc: Any) -> None:
@@ -537,7 +514,7 @@ class OperateAgent(Agent):
         self._live.add(task)
         task.add_done_callback(self._live.discard)
         try:
-            await _ended(task)
+            await asyncio.wait({task})
         except asyncio.CancelledError:  # the connection is closing: stop the turn too
             task.cancel()
             raise
@@ -606,7 +583,8 @@ class OperateAgent(Agent):
         params = self._params(sid, instruction)
         if context:
             params["context"] = context
-        ModelRefused = _lazy("operate_sidecar.server.core.errors", "ModelRefused")
+        from operate_sidecar.server.core.errors import ModelRefused
+
         try:
             res = await sc.operate({**params, "maxRounds": limit}, info=info)
         except ModelRefused as e:  # the model declined: its explanation is the turn's last words

@@ -39,33 +39,11 @@ class Instruct(HashableModel):
         return v
 
 
-#: per MorphParam class: its fields' names when every field is an ``__init__`` parameter (the
-#: case ``with_updates`` copies directly), else an empty tuple (``dataclasses.replace`` is used)
-_INIT_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _init_names(cls: type) -> tuple[str, ...]:
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    if len(fields) != len(cls.__dataclass_fields__) or not all(f.init for f in fields):  # type: ignore[attr-defined]
-        return ()  # an init-only variable, a class variable or a non-init field
-    return tuple(f.name for f in fields)
-
-
 class MorphParam:
     """Frozen parameter objects; ``with_updates`` returns a changed copy."""
 
     def with_updates(self, **kw: Any):  # type: ignore[no-untyped-def]
-        cls = type(self)
-        names = _INIT_NAMES.get(cls)
-        if names is None:
-            names = _INIT_NAMES[cls] = _init_names(cls)
-        if not names:  # a class with non-init fields or init-only variables: the general path
-            return dataclasses.replace(self, **kw)  # type: ignore[type-var]
-        # what ``dataclasses.replace`` does, with the class's field list read once
-        for name in names:
-            if name not in kw:
-                kw[name] = getattr(self, name)
-        return cls(**kw)
+        return dataclasses.replace(self, **kw)  # type: ignore[type-var]
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]

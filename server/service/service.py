@@ -13,6 +13,8 @@ Imports no transport: no pygls, no lsprotocol, nothing from ``server.rpc`` or ``
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib
 import json
 import logging
 import time
@@ -1120,7 +1122,7 @@ class Service:
                                                    retry_initial_delay=o.retry_initial_delay,
                                                    retry_backoff=o.retry_backoff, max_concurrent=o.max_concurrent,
                                                    throttle_period=o.throttle_period)
-        prepare_operate_kw = _operate_modules().prepare.prepare_operate_kw
+        prepare_operate_kw = _module(_CORE + "prepare").prepare_operate_kw
         # the rest as they are (an omitted actionStrategy is None: not given)
         kw.update((name, getattr(p, name)) for name in passed_as_is(prepare_operate_kw))
 
@@ -1147,7 +1149,7 @@ class Service:
     async def _operate_call(self, params: dict) -> tuple[Any, Any, dict[str, Any]]:
         """An ``operate``'s wire params checked and resolved: (the structured params, the branch,
         the core's keyword arguments). -32602 for unknown fields or tools, -32012 for no branch."""
-        protocol = _protocol()
+        protocol = _module("operate_sidecar.protocol")
         p = protocol.structure(protocol.OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
         branch = await self._stored_branch(p.branch_id)
         await self.ensure_tools()
@@ -1198,11 +1200,12 @@ class Service:
 
     async def _operate(self, params: dict, info: dict[str, Any] | None) -> dict:
         p, branch, kw = await self._operate_call(params)
-        m = _operate_modules()
-        UsageMeter, current_usage = m.imodel.UsageMeter, m.imodel.current_usage
-        core_operate, RunParam, prepare_operate_kw = m.operate.operate, m.params.RunParam, m.prepare.prepare_operate_kw
-        current_progress, tool_executor = m.progress.current_progress, m.tools.tool_executor
-        CONTINUATION, run_rounds = m.rounds.CONTINUATION, m.rounds.run_rounds
+        imodel, rounds = _module(_CORE + "imodel"), _module("operate_sidecar.server.service.rounds")
+        UsageMeter, current_usage = imodel.UsageMeter, imodel.current_usage
+        core_operate = _module(_CORE + "operate").operate  # the module: ``core.operate`` is also a function
+        RunParam, prepare_operate_kw = _module(_CORE + "params").RunParam, _module(_CORE + "prepare").prepare_operate_kw
+        current_progress, tool_executor = _module(_CORE + "progress").current_progress, _module(_CORE + "tools").tool_executor
+        CONTINUATION, run_rounds = rounds.CONTINUATION, rounds.run_rounds
 
         def prepare(k: int) -> dict[str, Any]:
             """Round k's prepared params: round 1 the caller's; later rounds the same params with
@@ -1240,7 +1243,7 @@ class Service:
             threads_token = tool_executor.set(self.tool_threads)  # its sync tools run on the service's pool
             roots_token = None
             if branch.id in self._roots:  # the branch's own folders, for its tools and previews
-                scoped_roots = _operate_modules().builtin().scoped_roots
+                scoped_roots = _module("operate_sidecar.server.tools.builtin").scoped_roots
                 roots_token = scoped_roots.set(self._roots[branch.id])
             try:
                 result, rounds = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate)
@@ -1346,53 +1349,15 @@ CONVERTED = frozenset({"instruct", "instruction", "guidance", "context", "chat_m
 CONSUMED = frozenset({"branch_id", "model_options", "work_done_token", "max_rounds"})
 
 
-class _OperateModules:
-    """The modules an ``operate`` uses, imported on the first one (making a service loads no
-    core) and then looked up once per operate, not imported again by every statement. Their
-    names are read from the modules at each use (a module attribute replaced is seen)."""
-
-    __slots__ = ("imodel", "operate", "params", "prepare", "progress", "tools", "rounds", "_builtin")
-
-    def __init__(self) -> None:
-        from importlib import import_module  # the modules themselves (``core.operate`` is also a function)
-
-        core = "operate_sidecar.server.core."
-        self.imodel, self.operate = import_module(core + "imodel"), import_module(core + "operate")
-        self.params, self.prepare = import_module(core + "params"), import_module(core + "prepare")
-        self.progress, self.tools = import_module(core + "progress"), import_module(core + "tools")
-        self.rounds = import_module("operate_sidecar.server.service.rounds")
-        self._builtin: Any = None
-
-    def builtin(self) -> Any:
-        """``server.tools.builtin`` (its ``scoped_roots``), imported when first needed."""
-        if self._builtin is None:
-            from importlib import import_module
-
-            self._builtin = import_module("operate_sidecar.server.tools.builtin")
-        return self._builtin
+@functools.cache
+def _module(name: str) -> Any:
+    """The module ``name``, imported on first use and kept: an operate reads the names it uses
+    through it (a module attribute replaced is seen) instead of running its import statements
+    again on every call; making a service still loads no core."""
+    return importlib.import_module(name)
 
 
-_OPERATE_MODULES: _OperateModules | None = None
-
-
-def _operate_modules() -> _OperateModules:
-    global _OPERATE_MODULES
-    if _OPERATE_MODULES is None:
-        _OPERATE_MODULES = _OperateModules()
-    return _OPERATE_MODULES
-
-
-_PROTOCOL: Any = None
-
-
-def _protocol() -> Any:
-    """``operate_sidecar.protocol``, imported on first need."""
-    global _PROTOCOL
-    if _PROTOCOL is None:
-        from importlib import import_module
-
-        _PROTOCOL = import_module("operate_sidecar.protocol")
-    return _PROTOCOL
+_CORE = "operate_sidecar.server.core."
 
 
 def _pipeline_names(fn: Any) -> frozenset[str]:

@@ -84,18 +84,17 @@
     }
   });
   // the view focused (Open Chat, the status bar, a keybinding): the cursor goes to the input, as
-  // in the editor's own chat, unless something in the view already has it
-  const focusInput = () => {
+  // in the editor's own chat, unless something in the view already has it; and the extension
+  // learns where the keyboard focus is, for the view's keybindings (Escape stops a running turn):
+  // the workbench's focusedView does not follow the focus into a webview
+  const focused = (f) => vscode.postMessage({ type: 'focus', focused: f });
+  const onFocus = () => {
     const a = document.activeElement;
     if (!a || a === document.body || a === document.documentElement) input.focus();
+    focused(true);
   };
-  window.addEventListener('focus', focusInput);
-  if (document.hasFocus()) focusInput();
-  // where the keyboard focus is, for the view's keybindings (Escape stops a running turn): the
-  // workbench's focusedView does not follow the focus into a webview
-  const focused = (f) => vscode.postMessage({ type: 'focus', focused: f });
-  window.addEventListener('focus', () => focused(true));
+  window.addEventListener('focus', onFocus);
   window.addEventListener('blur', () => focused(false));
-  if (document.hasFocus()) focused(true);
+  if (document.hasFocus()) onFocus();
   vscode.postMessage({ type: 'ready' });
 })();
