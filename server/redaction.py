@@ -38,6 +38,18 @@ _PATTERNS = (
 )
 
 
+#: an environment variable (``mcpServers.*.env``, a CLI model's ``env``) whose name says it holds a secret
+SECRET_ENV_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+def secret_env_values(env: Any) -> list[str]:
+    """The values of an ``env`` object (an MCP server's, a CLI model's) whose names say they are
+    secret (``SECRET_ENV_NAME``); not every value: masking ``debug`` or ``1`` would garble text."""
+    if not isinstance(env, dict):
+        return []
+    return [v for k, v in env.items() if isinstance(k, str) and isinstance(v, str) and SECRET_ENV_NAME.search(k)]
+
+
 def remember_secret(value: str | None) -> None:
     """Register a secret value; every later :func:`redact` removes it."""
     global _ORDERED

@@ -31,8 +31,6 @@ from acp.schema import (AgentCapabilities, Implementation, InitializeResponse, L
                         SessionListCapabilities, SessionMode, SessionModeState, SetSessionConfigOptionResponse,
                         SetSessionModeResponse, Usage, UsageUpdate)
 
-from operate_sidecar.server import redaction
-
 from .port import AcpPort, Turn
 from .reply import PLAN_REPLY_FORMAT, REPLY_FORMAT, ReplyText
 
@@ -106,9 +104,6 @@ class OperateAgent(Agent):
         self._live: set[asyncio.Task] = set()   # every turn (and background) task until it has finished
         self._cancelled: set[str] = set()       # sessions whose running turn the client cancelled
         self._starting: set[str] = set()        # sessions whose prompt arrived, its turn not yet running
-        self._mcp: dict[str, ClientMcp] = {}    # client MCP servers, by their name and config
-        self._mcp_last: asyncio.Event | None = None  # set once the last client MCP server started is ready
-        self._session_mcp: dict[str, set[str]] = {}  # session → the client MCP servers it passed
         self._closing = False                   # ``aclose`` has begun: start nothing more
 
     def on_connect(self, conn: Any) -> None:
@@ -308,7 +303,7 @@ class OperateAgent(Agent):
         except Exception as e:
             raise self._error(e) from None
         sc.set_branch_folders(sid, folders)  # its tools reach its folders, not another session's
-        self._add_mcp(sid, mcp_servers)
+        await self._add_mcp(sid, mcp_servers)
         # the first prompt must cost what a warm one does: finish the warm-up and build the tools now
         # that the folder is known (configured MCP servers start in the background; a prompt waits)
         # and what a turn builds on first use for this session's tools, reply format and model
@@ -324,7 +319,7 @@ class OperateAgent(Agent):
                            additional_directories: Any = None, **kw: Any) -> LoadSessionResponse:
         b = await self._branch(session_id)
         self.sidecar.set_branch_folders(session_id, self._add_folders(cwd, additional_directories))
-        self._add_mcp(session_id, mcp_servers)
+        await self._add_mcp(session_id, mcp_servers)
         info = self.sidecar.branch_info(session_id)
         if info.get("cwd") != cwd:  # now listed under this folder (a branch made natively: listed from now on)
             await self._save(session_id, {"cwd": cwd} if info.get("updatedAt") else {"cwd": cwd, "updatedAt": _now()})
@@ -419,69 +414,19 @@ class OperateAgent(Agent):
             self.sidecar.workspace_changed()
         return folders
 
-    def _add_mcp(self, sid: str, servers: Any) -> None:
-        """The client MCP servers (stdio) a session passed (``session/new``, ``session/load``):
-        tool sources of the service, started in the background, one after the other (a prompt
-        waits for them; ``session/new`` does not), and the session's own: its turns are offered
-        the tools of the servers it passed and no other session's (``_params``). A server
-        another session passed with the same name and the same command, args and env is shared;
-        one with the same name and another command, args or env is started for this session
-        under a name of its own (``<name>-2`` ...; where its tools' names clash with the
-        other's, they are ``<name>-2__<tool>``), with one warning line that names it. The values
-        of its ``env`` whose names say they are secret are known secrets from here on
-        (masked wherever the server emits or stores text)."""
-        from operate_sidecar.server.rpc.settings import secret_env_values
-
-        keys: set[str] = set()
+    async def _add_mcp(self, sid: str, servers: Any) -> None:
+        """The client MCP servers a session passed (``session/new``, ``session/load``): stdio
+        ones become the session's own tool sources (``Service.add_branch_mcp_servers``: started
+        in the background, shared or renamed there; a prompt waits for them, ``session/new``
+        does not); http and sse ones are not advertised, and are ignored with a warning."""
+        stdio = []
         for s in servers or ():
             command = getattr(s, "command", None)
             if not isinstance(command, str):  # http / sse: not advertised
                 log.warning("MCP server %r ignored: only stdio servers are supported", getattr(s, "name", "?"))
                 continue
-            config = {"command": [command, *(s.args or [])], "env": {e.name: e.value for e in s.env or ()}}
-            for value in secret_env_values(config["env"]):  # before anything can echo them
-                redaction.remember_secret(value)
-            key = json.dumps([s.name, config], sort_keys=True)
-            keys.add(key)
-            if key in self._mcp:
-                continue
-            name, taken = s.name, {m.name for m in self._mcp.values()}
-            if name in taken:
-                n = 2
-                while f"{s.name}-{n}" in taken:
-                    n += 1
-                name = f"{s.name}-{n}"
-                log.warning("MCP server %r of session %s differs (command, args or env) from the one another "
-                            "session started under that name: started as %r for this session", s.name, sid, name)
-            entry = self._mcp[key] = ClientMcp(name, config)
-            self._background(self._start_mcp(entry, self._mcp_last))
-            self._mcp_last = entry.ready
-        self._session_mcp[sid] = keys
-
-    async def _start_mcp(self, entry: "ClientMcp", after: asyncio.Event | None) -> None:
-        """Start a client MCP server once the one before it is ready (so that each one's tool
-        names are chosen knowing every tool already registered), and note its tools."""
-        try:
-            if after is not None:
-                await after.wait()
-            sc = self.sidecar
-            await sc.ensure_tools()  # the configured tools first: their names are taken
-            started = await sc.add_mcp_server(entry.name, entry.config)
-            await started.wait()
-            entry.tools = set(started.tools)
-        except Exception:  # reported by the service; a bad config is the prompt's to report
-            log.debug("client MCP server %s not started", entry.name, exc_info=True)
-        finally:
-            entry.ready.set()
-
-    def _tool_selection(self, sid: str) -> list[str] | None:
-        """The tools a turn of the session is offered: every tool but those of the client MCP
-        servers other sessions passed (None: all, when no session passed one)."""
-        if not self._mcp or self.sidecar is None:
-            return None
-        own = self._session_mcp.get(sid, set())
-        other = set().union(*(m.tools for k, m in self._mcp.items() if k not in own))
-        return [n for n in self.sidecar.registry.names() if n not in other]
+            stdio.append((s.name, {"command": [command, *(s.args or [])], "env": {e.name: e.value for e in s.env or ()}}))
+        await self.sidecar.add_branch_mcp_servers(sid, stdio)
 
     # ------------------------------------------------------------------ prompt turns
     async def prompt(self, prompt: list, session_id: str, **kw: Any) -> PromptResponse:
@@ -557,7 +502,7 @@ class OperateAgent(Agent):
         model = self._model(sid)
         params = {"branchId": sid, "instruction": instruction, "actions": True,
                   "responseFormat": reply_format(self.settings, model), "workDoneToken": sid, "chatModel": model}
-        tools = self._tool_selection(sid)
+        tools = self.sidecar.branch_tools(sid)
         if tools is not None:
             params["tools"] = tools
         return params
@@ -576,8 +521,7 @@ class OperateAgent(Agent):
         sid = branch.id
         sc = await self._ready(warm=True)
         await sc.ensure_tools()
-        for mcp in list(self._mcp.values()):  # client MCP servers still starting
-            await mcp.ready.wait()
+        await sc.branch_mcp_ready()  # client MCP servers still starting
         turn = self.port.turns[sid] = Turn()
         limit = MAX_ROUNDS
         params = self._params(sid, instruction)
@@ -666,17 +610,6 @@ class OperateAgent(Agent):
                 log.warning("the service did not close cleanly: %s", str(e) or type(e).__name__,
                             exc_info=self.debug)
         await self.port.aclose()
-
-
-class ClientMcp:
-    """A client MCP server: the name it runs under, its config, its tools once it is ready."""
-
-    __slots__ = ("name", "config", "ready", "tools")
-
-    def __init__(self, name: str, config: dict[str, Any]) -> None:
-        self.name, self.config = name, config
-        self.ready = asyncio.Event()  # set once it is ready, or failed
-        self.tools: set[str] = set()
 
 
 def _prompt_parts(prompt: list) -> tuple[str, Any]:

@@ -9,6 +9,8 @@ import re
 import sys
 from typing import Any
 
+from operate_sidecar.server.redaction import secret_env_values
+
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_PERMISSION_TIMEOUT_MS = 120_000
 DEFAULT_TOOL_TIMEOUT_MS = 120_000        # tools without their own time-out (client and MCP tools included)
@@ -187,18 +189,8 @@ def _mcp_problem(spec: Any) -> str | None:
     return None
 
 
-#: an environment variable (``mcpServers.*.env``, a CLI model's ``env``) whose name says it holds a secret
-SECRET_ENV_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
 #: an HTTP header (a model's ``options.extraHeaders``) whose name says it carries a secret
 SECRET_HEADER_NAME = re.compile(r"auth|api[-_]?key|token|secret|password|credential|cookie", re.IGNORECASE)
-
-
-def secret_env_values(env: Any) -> list[str]:
-    """The values of an ``env`` object (an MCP server's, a CLI model's) whose names say they are
-    secret (``SECRET_ENV_NAME``); not every value: masking ``debug`` or ``1`` would garble text."""
-    if not isinstance(env, dict):
-        return []
-    return [v for k, v in env.items() if isinstance(k, str) and isinstance(v, str) and SECRET_ENV_NAME.search(k)]
 
 
 def secret_values(settings: dict[str, Any]) -> list[str]:

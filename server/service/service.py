@@ -105,6 +105,11 @@ class Service:
         self._doomed: set[asyncio.Task] = set()
         #: branch id -> a delete of it in progress (done when it is over, deleted or not)
         self._deleting: dict[str, asyncio.Future] = {}
+        #: the MCP servers front ends' sessions passed (``add_branch_mcp_servers``), by their name
+        #: and config: the name each runs under and its ready event (its tools once ready)
+        self._branch_mcp: dict[str, tuple[str, McpServerReady]] = {}
+        #: branch id -> the keys of ``_branch_mcp`` it passed
+        self._branch_mcp_of: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------------ setup
     @property
@@ -476,16 +481,19 @@ class Service:
         if self._tools_ready is not None:
             self._register_workspace_tools()
 
-    async def add_mcp_server(self, name: str, config: dict[str, Any]) -> McpServerReady:
+    async def add_mcp_server(self, name: str, config: dict[str, Any],
+                             after: asyncio.Event | None = None) -> McpServerReady:
         """One more MCP server (``{command, env}``, e.g. one the client passed) as a tool
         source, started in the background in the service's task group after the configured
-        tools, stopped by :meth:`aclose`. The event returned is set once its tools are
-        registered (their names, as offered, are then its ``tools``), or it failed (reported;
-        the other tools are unaffected; ``tools`` stays empty)."""
+        tools (and once ``after`` is set), stopped by :meth:`aclose`. The event returned is set
+        once its tools are registered (their names, as offered, are then its ``tools``), or it
+        failed (reported; the other tools are unaffected; ``tools`` stays empty)."""
         ready = McpServerReady()
 
         async def run() -> None:
             try:
+                if after is not None:
+                    await after.wait()
                 await self.ensure_tools()  # its tools' names must not shadow those
                 await self._serve_mcp({name: config}, ready)
             finally:
@@ -493,6 +501,54 @@ class Service:
 
         await self._spawn(run, name=f"mcp server {name}")
         return ready
+
+    async def add_branch_mcp_servers(self, branch_id: str, servers: list[tuple[str, dict[str, Any]]]) -> None:
+        """The MCP servers (``(name, {command, env})``) a front end's session passed for this
+        branch (ACP's ``session/new`` and ``session/load``): tool sources of the service
+        (:meth:`add_mcp_server`), started one after the other (each one's tool names are then
+        chosen knowing every tool already registered), and the branch's own: its operates are
+        offered the tools of the servers it passed and no other branch's (:meth:`branch_tools`).
+        A server another branch passed with the same name and the same command and env is
+        shared; one with the same name and another command or env is started for this branch
+        under a name of its own (``<name>-2`` ...; where its tools' names clash with the
+        other's, they are ``<name>-2__<tool>``), with one warning line that names it. The
+        values of its ``env`` whose names say they are secret are known secrets from here on
+        (masked wherever the server emits or stores text)."""
+        from operate_sidecar.server import redaction
+
+        keys: set[str] = set()
+        for name, config in servers:
+            for value in redaction.secret_env_values(config.get("env")):  # before anything can echo them
+                redaction.remember_secret(value)
+            key = json.dumps([name, config], sort_keys=True)
+            keys.add(key)
+            if key in self._branch_mcp:
+                continue
+            public, taken, n = name, {public for public, _ in self._branch_mcp.values()}, 2
+            while public in taken:
+                public, n = f"{name}-{n}", n + 1
+            if public != name:
+                log.warning("MCP server %r of session %s differs (command, args or env) from the one another "
+                            "session started under that name: started as %r for this session", name, branch_id, public)
+            last = next(reversed(self._branch_mcp.values()))[1] if self._branch_mcp else None
+            self._branch_mcp[key] = (public, await self.add_mcp_server(public, config, after=last))
+        self._branch_mcp_of[branch_id] = keys
+
+    async def branch_mcp_ready(self) -> None:
+        """Once every MCP server a branch passed is ready (or failed): a turn waits for this,
+        since a server still starting decides which tool names the others are offered under."""
+        for _, ready in list(self._branch_mcp.values()):
+            await ready.wait()
+
+    def branch_tools(self, branch_id: str) -> list[str] | None:
+        """The tools an operate of this branch is offered: every tool but those of the MCP
+        servers other branches passed (:meth:`add_branch_mcp_servers`); None (all) when no
+        branch passed one."""
+        if not self._branch_mcp:
+            return None
+        own = self._branch_mcp_of.get(branch_id, set())
+        other = set().union(*(ready.tools for key, (_, ready) in self._branch_mcp.items() if key not in own))
+        return [n for n in self.registry.names() if n not in other]
 
     async def _serve_mcp(self, config: dict[str, Any], ready: asyncio.Event) -> None:
         """Run MCP servers as tool sources until :meth:`aclose`; ``ready`` is set once their

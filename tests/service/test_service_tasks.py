@@ -73,3 +73,41 @@ def test_a_failing_mcp_server_is_reported_and_leaves_the_others_running():
         assert svc._owner.done()
 
     asyncio.run(main())
+
+
+def test_mcp_servers_passed_for_a_branch_are_its_own_shared_when_the_same_renamed_when_not(caplog):
+    """``add_branch_mcp_servers`` (ACP's ``mcpServers``): each branch is offered the tools of the
+    servers it passed and no other branch's; a server passed again as it was is shared (one
+    process); one under a taken name with another env runs under ``<name>-2`` with one warning
+    line; a secret value in a passed ``env`` is a known secret at once."""
+    from operate_sidecar.server import redaction
+
+    port = Port(S.finalize(S.merge(S.DEFAULTS, {})))
+
+    def fx(tag: str, token: str = "") -> tuple[str, dict]:
+        env = {"MCP_FIXTURE_TAG": tag, **({"FX_API_TOKEN": token} if token else {})}
+        return "fx", {"command": [sys.executable, MCP_SERVER, tag], "env": env}
+
+    async def main() -> None:
+        svc = Service(port)
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)
+        assert svc.branch_tools("a") is None  # no branch passed a server: every tool
+        await svc.add_branch_mcp_servers("a", [fx("alpha", token="tok-0123456789-abcdef")])
+        await svc.add_branch_mcp_servers("b", [fx("beta")])
+        await svc.add_branch_mcp_servers("c", [fx("alpha", token="tok-0123456789-abcdef")])
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        assert redaction.redact("key tok-0123456789-abcdef") == f"key {redaction.MASK}"
+        a, b, c = (set(svc.branch_tools(x)) for x in "abc")
+        assert "whoami" in a and "fx-2__whoami" not in a
+        assert "fx-2__whoami" in b and "whoami" not in b
+        assert a == c  # the same server, shared
+        assert set(svc.branch_tools("native")) == a & b  # a branch that passed none: no client server's
+        ctx = ToolCallContext(branch_id="b", call_id="1")
+        assert await asyncio.wait_for(svc.registry.get("fx-2__whoami").call({}, ctx), WAIT) == "beta:beta"
+        pids = [t for t in svc.registry if t.name.endswith("pid")]
+        assert len(pids) == 2, [t.name for t in svc.registry]  # alpha once (shared), beta once
+        await asyncio.wait_for(svc.aclose(), WAIT)
+
+    asyncio.run(main())
+    warned = [r.getMessage() for r in caplog.records if "started as 'fx-2'" in r.getMessage()]
+    assert len(warned) == 1 and "'fx'" in warned[0], warned
