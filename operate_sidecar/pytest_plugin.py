@@ -183,6 +183,7 @@ def sidecar_script(request: pytest.FixtureRequest) -> Any:
     """``sidecar_script(path, scripted=False, server=None, step_timeout=None, env=None)``: run a
     session script against a fresh sidecar; a failing step fails the test with the report. A
     relative ``path`` is found beside the test file first, then from the working directory."""
+    from operate_sidecar.server.script.runner import ScriptError
     from operate_sidecar.testing import run_session_script
 
     here = Path(str(request.node.path)).parent
@@ -192,6 +193,13 @@ def sidecar_script(request: pytest.FixtureRequest) -> Any:
         given = Path(path)
         if not given.is_absolute() and (here / given).is_file():
             path = here / given  # beside the test file: pytest may run from any directory
-        return run_session_script(path, **kwargs)
+        elif not given.is_absolute() and not given.exists():
+            _refuse(f"sidecar_script: no session script {str(path)!r} beside the test file ({here}) "
+                    f"nor in the working directory ({Path.cwd()})")
+        try:
+            return run_session_script(path, **kwargs)
+        except (OSError, ScriptError) as e:  # the script is the test's mistake: what and where, no runner frames
+            problem = str(e)
+        _refuse(f"sidecar_script: {problem}")
 
     return run

@@ -218,7 +218,10 @@ class SidecarTestClient(JsonRPCClient):
             raise self._exited(f"request {method} not sent", method)
         try:
             fut = self.protocol.send_request_async(method, params)
-            return await asyncio.wait_for(fut, timeout)
+            # shielded: a time-out must not cancel pygls's future, or the answer that comes later
+            # fails to be set on it (a logged traceback); that answer is dropped, its error retrieved
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except JsonRpcException as e:
             raise SidecarError(method, e.code, e.message, getattr(e, "data", None)) from None
         except asyncio.TimeoutError:
@@ -347,10 +350,13 @@ def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None
                        env: dict[str, str] | None = None, cwd: str | None = None) -> list[Any]:
     """Run a session script (``operate-sidecar replay``) against a fresh sidecar; raises
     :class:`ScriptFailed` (an ``AssertionError``) whose message lists every step, the failing
-    ones with the JSON path of the first difference. Returns the step results."""
+    ones with the JSON path of the first difference. ``env`` is added to this process's
+    environment. Returns the step results."""
     from operate_sidecar.server.script.runner import DEFAULT_STEP_TIMEOUT_S, format_report, replay
 
     __tracebackhide__ = True
+    if env is not None:  # added to this process's environment, as the sidecar marker's env is
+        env = {**os.environ, **env}
     runner = replay(path, server, scripted=scripted, step_timeout=step_timeout or DEFAULT_STEP_TIMEOUT_S,
                     env=env, cwd=cwd)
     if runner.failed:

@@ -32,6 +32,7 @@ recorded model turns, used by ``replay --scripted`` to replay without the real m
 
 from __future__ import annotations
 
+import codecs
 import copy
 import io
 import itertools
@@ -165,6 +166,10 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
                 raise ScriptError(f"{source}:{n}: answered can only be false (a request whose answer is not judged)")
             if "expect" in obj or "save" in obj:
                 raise ScriptError(f"{source}:{n}: a request with answered false has no expect or save")
+        if kind == "request" and "id" in obj and json.dumps(obj["id"]) in unawaited:
+            raise ScriptError(f"{source}:{n}: id {short(obj['id'], 60)} is the id of the request of line "
+                              f"{unawaited[json.dumps(obj['id'])]}, still in flight (not awaited yet); "
+                              "give this one another id")
         if kind == "request" and obj.get("wait") is False and "id" in obj and "answered" not in obj:
             unawaited[json.dumps(obj["id"])] = n
         steps.append(Step(n, kind, method, obj))
@@ -172,9 +177,11 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
 
 
 def load_script(path: str | os.PathLike[str]) -> Script:
-    """Read and parse a script; text that is not UTF-8 is a :class:`ScriptError` naming the line."""
+    """Read and parse a script (a UTF-8 byte-order mark at its start is ignored); text that is not
+    UTF-8 is a :class:`ScriptError` naming the line."""
     with open(path, "rb") as f:
         raw = f.read()
+    raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark, as Windows editors write one
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

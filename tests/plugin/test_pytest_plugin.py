@@ -496,3 +496,89 @@ def test_marker_options_of_the_wrong_type_are_refused_by_name_before_a_sidecar_s
     assert text.count(" - Failed: side") == 7, text  # the message alone, no traceback
     assert "pytest_asyncio" not in text and "def _check_options" not in text, text
     assert "PASSED test_options.py::test_no_sidecar_left_running" in text, text
+
+
+SCRIPT_MISTAKE_TESTS = '''
+def test_script_missing(sidecar_script):
+    sidecar_script("no_such.jsonl")
+
+
+def test_script_misspelt_step(sidecar_script):
+    sidecar_script("misspelt.jsonl")
+
+
+def test_script_not_recorded(sidecar_script):
+    sidecar_script("good.jsonl", scripted=True)
+'''
+
+
+def test_a_script_that_is_missing_or_malformed_fails_with_what_and_where_and_no_traceback(tmp_path):
+    """``sidecar_script`` on a file that does not exist, a misspelt step kind, ``scripted=True``
+    on a script that is no recording: the test fails with the replay's own words (the file and
+    line; where the missing script was looked for), not a traceback through the plugin and the
+    runner (``FileNotFoundError`` naming only the relative path; ``ScriptError`` from deep in
+    ``parse_script``)."""
+    project = make_project(tmp_path / "ext")
+    (project / "misspelt.jsonl").write_text(script(INIT) + '{"reqest": "createBranch"}\n')
+    (project / "test_scripts.py").write_text(SCRIPT_MISTAKE_TESTS)
+    out = run_pytest(tmp_path, "-rA", "ext/test_scripts.py")  # from the project's parent
+    text = out.stdout + out.stderr
+    assert "3 failed" in text, text
+    assert (f"sidecar_script: no session script 'no_such.jsonl' beside the test file ({project}) nor in the "
+            f"working directory ({tmp_path})") in text, text
+    assert (f"sidecar_script: {project}/misspelt.jsonl:2: a step has exactly one of request, notify, "
+            "expectNotification, respond, await (found none; its key(s): reqest)") in text, text
+    assert "sidecar_script: the script holds no recorded model turns (record it with --record)" in text, text
+    assert text.count(" - Failed: side") == 3, text  # the message alone
+    assert "def parse_script" not in text and "runner.py" not in text and "During handling" not in text, text
+
+
+LATE_ANSWER_TESTS = '''
+import asyncio
+
+import pytest
+
+SLOW = {"models": {"m": {"provider": "scripted", "responses": [{"delayMs": 1500, "text": "late"},
+                                                                {"delayMs": 1500, "error": "late too"}]}}}
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SLOW, timeout=60)
+async def test_answers_after_the_time_out(sidecar):
+    branch = (await sidecar.request("createBranch"))["branchId"]
+    for _ in range(2):
+        with pytest.raises(TimeoutError, match="no answer to operate within 0.3 s"):
+            await sidecar.request("operate", {"branchId": branch, "instruction": "hi", "skipValidation": True},
+                                  timeout=0.3)
+    await asyncio.sleep(3)  # both answers (a result, an error) come while the test still runs
+    assert await sidecar.request("ping") == {}
+'''
+
+
+def test_an_answer_that_comes_after_its_request_timed_out_is_dropped_quietly(tmp_path):
+    """A request that timed out, then answered (a result or an error): the test goes on, and no
+    traceback is logged (pygls set the answer on the future the time-out had cancelled:
+    ``InvalidStateError`` logged with its traceback as "Unable to handle message")."""
+    text = run_tests_file(tmp_path, "test_late.py", LATE_ANSWER_TESTS, "-o", "log_level=DEBUG")
+    assert "1 passed" in text, text
+    assert "Traceback" not in text and "InvalidStateError" not in text and "never retrieved" not in text, text
+
+
+SCRIPT_ENV_TESTS = '''
+import os
+import sys
+
+CHECK = '[ "$OUTER_FLAG/$MY_FLAG" = outer/mine ] || { echo "got $OUTER_FLAG/$MY_FLAG" >&2; exit 9; }; exec "$0" -m operate_sidecar.server'
+
+
+def test_script_with_env(sidecar_script):
+    os.environ["OUTER_FLAG"] = "outer"
+    sidecar_script("good.jsonl", env={"MY_FLAG": "mine"}, server=["sh", "-c", CHECK, sys.executable])
+'''
+
+
+def test_a_script_run_with_env_keeps_the_environment_as_the_marker_does(tmp_path):
+    """``sidecar_script(..., env={...})`` adds to the test's environment, as the marker's ``env``
+    does (it replaced it: a server started with nothing but those variables, no PATH nor HOME)."""
+    text = run_tests_file(tmp_path, "test_env.py", SCRIPT_ENV_TESTS)
+    assert "1 passed" in text, text

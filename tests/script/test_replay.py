@@ -254,3 +254,33 @@ def test_help_texts_name_replay_and_its_server_argv():
     sub = replay("--help")
     assert sub.returncode == 0
     assert sub.stdout.startswith("usage: operate-sidecar replay ") and "[-- SERVER ARGV...]" in sub.stdout
+
+
+def test_a_script_saved_by_a_windows_editor_replays(tmp_path):
+    """A UTF-8 byte-order mark (Notepad, PowerShell's ``Out-File -Encoding utf8``), CRLF line
+    ends and non-ASCII text: the script runs (the mark was "line 1: not JSON: Unexpected UTF-8
+    BOM"); a text that is not UTF-8 after the mark is still refused naming its line."""
+    steps = session()
+    steps[2]["params"]["name"] = "première ☃"
+    steps[5]["expect"]["result"]["branches"][0]["name"] = "première ☃"
+    p = tmp_path / "windows.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(s, ensure_ascii=False) + "\r\n" for s in steps).encode())
+    out = replay(p)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "all 7 steps passed (windows.jsonl)"
+    p.write_bytes(b'\xef\xbb\xbf{"request": "initialize"}\r\n{"request": "ping", "id": "caf\xe9"}\r\n')
+    out = replay(p)
+    assert out.returncode == 2 and "windows.jsonl:2: not UTF-8 text" in out.stderr, out.stderr
+
+
+def test_a_request_reusing_the_id_of_one_still_in_flight_is_refused_before_anything_runs(tmp_path):
+    """Two requests in flight with one id (a line copied without changing its ``id``): refused
+    naming both lines (the server was sent both; the first never got its answer, and its step
+    failed "no answer" only after the whole time-out)."""
+    p = tmp_path / "dup.jsonl"
+    p.write_text('{"request": "initialize"}\n{"request": "ping", "id": 1, "wait": false}\n'
+                 '{"request": "ping", "id": 1}\n')
+    out = replay("--timeout", "30", p)
+    assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+    assert ("dup.jsonl:3: id 1 is the id of the request of line 2, still in flight (not awaited yet); "
+            "give this one another id") in out.stderr, out.stderr
