@@ -540,6 +540,28 @@ def test_diff_review_reject_leaves_the_buffer_alone(sv):
     assert resp["error"] == "denied by governance gate"
 
 
+def test_diff_review_gives_the_file_buffer_its_own_mappings_back(sv):
+    path, bid = _diff_setup(sv, "ownmaps", ["not edited"])
+    buf = sv.lua("return vim.fn.bufnr(...)", str(path))
+    # the user's buffer-local keys (an LSP on_attach maps `gr` so), one a Lua callback
+    sv.lua("""local b = ...
+        vim.keymap.set('n', 'gr', function() _G.my_gr = (_G.my_gr or 0) + 1 end, { buffer = b, desc = 'my refs' })
+        vim.keymap.set('n', 'ga', '<Cmd>let g:my_ga = 1<CR>', { buffer = b, silent = true })""", buf)
+    sv.chat_send("make it return 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.diff').current.left)")
+    sv.send_keys("gr")                                   # during the review, the review's keys
+    assert sv.wait_done()["err"] is None and sv.lua("return _G.my_gr") is None
+    maps = sv.lua("""local out = {}
+        for _, m in ipairs(vim.api.nvim_buf_get_keymap(..., 'n')) do out[m.lhs] = m.desc or m.rhs end
+        return out""", buf)
+    assert maps == {"gr": "my refs", "ga": "<Cmd>let g:my_ga = 1<CR>"}, maps
+    sv.n.command(f"buffer {buf}")
+    sv.send_keys("gr")
+    sv.send_keys("ga")
+    assert sv.lua("return {_G.my_gr, vim.g.my_ga}") == [1, 1]
+
+
 def test_diff_review_waits_while_the_user_types_elsewhere(sv):
     path, bid = _diff_setup(sv, "later", ["ok"])
     sv.lua("require('operate_sidecar.chat').open(nil, true)")
@@ -746,6 +768,22 @@ def test_a_chat_deleted_with_bdelete_or_bwipeout_comes_back_whole(sv):
     assert sv.wait_done()["err"] is None
     final = sv.chat(bid)
     assert final[:len(lines) - 2] == lines[:-2] and "reply three" in final and final[-2] == PROMPT, final
+
+
+def test_closing_the_chat_window_closes_its_prompt_window_too(sv):
+    """`:q` in the transcript left its prompt window behind, grown into the transcript's room."""
+    sv.n.command("OperateChat")
+    wins = "#vim.api.nvim_tabpage_list_wins(0)"
+    assert sv.lua(f"return {wins}") == 3
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    sv.n.command("quit")
+    sv.wait(f"{wins} == 1", "the prompt window to close with its transcript", ms=2000)
+    assert sv.lua("return require('operate_sidecar.chat').prompt_window()") is None
+    sv.n.command("OperateChat")                          # shown again, whole
+    assert sv.lua(f"return {wins}") == 3
+    sv.n.command("only")                                 # from the prompt: it stays, the last window
+    sv.lua("vim.wait(100)")
+    assert sv.lua(f"return {wins}") == 1 and sv.lua("return require('operate_sidecar.chat').prompt_window()")
 
 
 def test_a_buffer_whose_file_a_tool_wrote_on_disk_is_reloaded_unless_it_has_unsaved_changes(sv):
@@ -1361,6 +1399,17 @@ def test_model_picker_statusline_and_completion(nv):
     assert nv.n.call("maparg", "<Plug>(operate-sidecar-send-selection)", "x") != ""
 
 
+def test_branch_ids_complete_where_a_command_takes_one(sv):
+    bid = sv.new_branch(["unused"], "completeid")
+    comp = lambda line: sv.n.call("getcompletion", line, "cmdline")     # noqa: E731
+    for line in ("OperateBranch delete ", "OperateMessages "):
+        ids = comp(line)
+        assert bid in ids, (line, ids)
+        some = comp(line + bid[:-1])
+        assert bid in some and all(i.startswith(bid[:-1]) for i in some) and comp(line + bid) == [bid], line
+    assert comp("OperateBranch fork ") == []                            # (fork takes no id)
+
+
 def test_checkhealth_and_help(nv):
     nv.setup(["x"])
     nv.start()
@@ -1381,6 +1430,18 @@ def test_checkhealth_and_help(nv):
     for tag in ("operate-sidecar-review", ":OperateChat", "operate-sidecar-context"):
         nv.n.command(f"help {tag}")
         assert nv.n.current.buffer.name.endswith("operate_sidecar.txt")
+    # every |link| (as help's syntax sees one: `{allow|deny|ask}` made `deny` one) leads to a tag
+    doc = (PLUGIN / "doc" / "operate_sidecar.txt").read_text(encoding="utf-8")
+    links = sorted(set(re.findall(r"(?<!\\)\|([#-)!+-~]+)\|", doc)))
+    assert ":OperateChat" in links and "operate-sidecar-review" in links
+    broken = nv.lua("""local bad = {}
+        for _, l in ipairs(...) do
+          if not pcall(vim.cmd, 'help ' .. l) then table.insert(bad, l) end
+        end
+        vim.v.errmsg = ''
+        return bad""", links)
+    assert broken == [], f"|links| to no help tag: {broken}"
+    assert "list" not in links                          # (`:help list` is the 'list' option)
 
 
 def test_checkhealth_tells_a_server_command_that_is_not_executable(nv, tmp_path):
@@ -1418,6 +1479,16 @@ def test_client_tool_is_invoked_in_the_editor(sv, tmp_path):
     resp = [m for m in sv.messages(bid) if m["kind"] == "action_response"][0]["content"]
     assert resp["function"] == "nvim_buffer_text"
     assert resp["output"] == {"name": str(tmp_path / "notes.txt"), "text": "hello from a buffer\nsecond"}
+
+
+def test_a_client_tool_failure_names_no_plugin_source_line(sv):
+    sv.new_branch([call("nvim_buffer_text", path="nope.txt"), "no such buffer"], "clienttoolerr")
+    out = sv.operate_cmd("Operate read nope.txt")
+    resp = [m for m in sv.messages(out["branchId"]) if m["kind"] == "action_response"][0]["content"]
+    assert resp["output"]["error"] == "no loaded buffer named nope.txt", resp      # what the model reads
+    sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), "
+            "'✗ nvim_buffer_text nope.txt — no loaded buffer named nope.txt')", "the card of the failed call")
+    assert not any(".lua:" in ln for ln in sv.chat(out["branchId"]))
 
 
 def test_screen_capture_of_a_chat_with_a_diff_review(tmp_path):

@@ -49,7 +49,13 @@ end, { desc = 'Show the waiting permission request or diff review' })
 
 cmd('OperateMessages', function(opts)
   os_().command_messages(fargs(opts))
-end, { nargs = '?', desc = 'Open the chat of the current branch (or of {branchId})' })
+end, {
+  nargs = '?',
+  desc = 'Open the chat of the current branch (or of {branchId})',
+  complete = function(lead)
+    return os_().complete_branch_id(lead)
+  end,
+})
 
 cmd('OperateBranch', function(opts)
   os_().command_branch(fargs(opts))

@@ -933,6 +933,40 @@ function M.show(chat, stay)
   return w
 end
 
+-- Closing a transcript window (`:q`) closes its prompt window too: the two are one chat, and a
+-- prompt left alone took the transcript's room. (Not the tab's last window: nothing else is closed.)
+api.nvim_create_autocmd('WinClosed', {
+  group = api.nvim_create_augroup('operate_sidecar_chat', { clear = true }),
+  callback = function(ev)
+    local w = tonumber(ev.match)
+    if not (w and api.nvim_win_is_valid(w)) then
+      return
+    end
+    local chat = by_buf[api.nvim_win_get_buf(w)]
+    if not chat then
+      return
+    end
+    local tab = api.nvim_win_get_tabpage(w)
+    vim.schedule(function()
+      if not api.nvim_tabpage_is_valid(tab) then
+        return
+      end
+      local wins, prompt = api.nvim_tabpage_list_wins(tab), nil
+      for _, pw in ipairs(wins) do
+        local b = api.nvim_win_get_buf(pw)
+        if b == chat.buf then
+          return -- the transcript is still shown in this tab
+        elseif b == chat.prompt_buf then
+          prompt = pw
+        end
+      end
+      if prompt and #wins > 1 then
+        pcall(api.nvim_win_close, prompt, false)
+      end
+    end)
+  end,
+})
+
 --- Open the chat of `branch` (default: the current branch; none yet = a new chat).
 function M.open(branch, stay)
   branch = branch or branches.current()

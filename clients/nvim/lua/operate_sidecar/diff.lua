@@ -33,18 +33,32 @@ function M.stats(diff)
   return add, del
 end
 
+-- Map the review keys in buffer b; returns the buffer's own mappings of those keys (an LSP
+-- `gr`, say), which unmap_keys puts back.
 local function map_keys(b, decide)
+  local saved = {}
+  for _, m in ipairs(api.nvim_buf_get_keymap(b, 'n')) do
+    if M.KEYS[m.lhs] then
+      saved[#saved + 1] = m
+    end
+  end
   for key, decision in pairs(M.KEYS) do
     vim.keymap.set('n', key, function()
       decide(decision)
     end, { buffer = b, nowait = true, desc = 'operate-sidecar: ' .. decision })
   end
+  return saved
 end
 
-local function unmap_keys(b)
+local function unmap_keys(b, saved)
   if b and api.nvim_buf_is_valid(b) then
     for key in pairs(M.KEYS) do
       pcall(vim.keymap.del, 'n', key, { buffer = b })
+    end
+    for _, m in ipairs(saved or {}) do
+      pcall(api.nvim_buf_set_keymap, b, 'n', m.lhs, m.rhs or '', { noremap = m.noremap == 1,
+        silent = m.silent == 1, expr = m.expr == 1, nowait = m.nowait == 1, script = m.script == 1,
+        desc = m.desc, callback = m.callback })
     end
   end
 end
@@ -91,13 +105,13 @@ function M.open(req, decide)
   local add, del = M.stats(p.diff)
   vim.wo[left].statusline = ' %f (now)%m'
   vim.wo[right].statusline = (' proposed +%d −%d · %s'):format(add, del, M.HINT)
-  map_keys(fb, decide)
+  local saved = map_keys(fb, decide)
   map_keys(pb, decide)
   api.nvim_set_current_win(right)
   M.current = { req = req, tab = tab, file_buf = fb, proposed_buf = pb, left = left, right = right }
   req.diff_view = M.current
   req.close = function()
-    unmap_keys(fb)
+    unmap_keys(fb, saved)
     local view = req.diff_view
     req.diff_view = nil
     if M.current == view then

@@ -216,11 +216,26 @@ local function filter(items, lead)
 end
 M.filter = filter
 
+--- Completion of a branch id: the server's branches (when it runs).
+function M.complete_branch_id(lead)
+  local ids = {}
+  if server.state.ready then
+    local res = server.request_sync('listBranches', nil, 2000)
+    for _, b in ipairs(res and res.branches or {}) do
+      ids[#ids + 1] = b.branchId
+    end
+    table.sort(ids)
+  end
+  return filter(ids, lead)
+end
+
 --- Completion for :OperateBranch (subcommands, then branch ids for delete).
 function M.complete_branch(lead, line)
   local words = vim.split(line, '%s+', { trimempty = false })
   if #words <= 2 then
     return filter(M.BRANCH_SUBCOMMANDS, lead)
+  elseif #words == 3 and words[2] == 'delete' then
+    return M.complete_branch_id(lead)
   end
   return {}
 end

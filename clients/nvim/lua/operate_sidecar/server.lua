@@ -152,7 +152,7 @@ local function builtin_tools()
             end
           end
           if not b then
-            error('no loaded buffer named ' .. args.path)
+            error('no loaded buffer named ' .. args.path, 0) -- (level 0: no source position)
           end
         end
         return {
