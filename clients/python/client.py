@@ -261,7 +261,8 @@ class SidecarClient:
         return self.proc.wait(timeout)
 
     def close(self, timeout: float = 10.0) -> int:
-        """shutdown + exit; returns the exit code (kills the server if it hangs)."""
+        """shutdown + exit, then the end of the server's input; returns the exit code (kills the
+        server if it hangs)."""
         if self.proc.poll() is None:
             try:
                 self.request("shutdown", None, timeout=timeout)
@@ -271,6 +272,7 @@ class SidecarClient:
                 self.notify("exit")
             except (OSError, ValueError):
                 pass
+        self._close_pipes()  # the end of its input: a server that did not take ``exit`` ends on that
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -144,6 +144,16 @@ def test_once_the_output_is_unreadable_every_request_fails_at_once():
     assert c.proc.poll() is not None
 
 
+def test_close_ends_the_servers_input_so_one_that_ignores_exit_ends_without_being_killed():
+    """``close()`` sends shutdown and exit, then ends the server's input: a server that did not
+    take them (here one whose output went bad, which reads its input to the end) ends there,
+    with its own exit code; it used to be waited for in full, then killed (-9)."""
+    c = fake("garbage")
+    with pytest.raises(RpcError):
+        c.request("x", timeout=10)
+    assert c.close(timeout=10) == 0
+
+
 def test_waiting_for_an_answer_inside_a_notification_callback_fails_at_once():
     """Notification callbacks run on the reader thread: request() there used to block that thread
     (and with it every answer) until its time-out. It raises at once; request_async works."""
