@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import json
 import os
 import signal
@@ -130,6 +131,7 @@ class SidecarTestClient(JsonRPCClient):
         self.timeout = DEFAULT_TIMEOUT_S
         self.initialize_result: Any = None                  # set by the pytest fixture
         self.handler_errors: list[tuple[str, BaseException]] = []  # (method, error) of failed handlers
+        self._ids = itertools.count(1)  # request ids: a timed-out one is cancelled by its id
 
     # ------------------------------------------------------------------ process
     async def start_io(self, cmd: str, *args: str, **kwargs: Any) -> None:
@@ -216,8 +218,9 @@ class SidecarTestClient(JsonRPCClient):
         if self._gone():
             await self._reaped()
             raise self._exited(f"request {method} not sent", method)
+        msg_id = next(self._ids)
         try:
-            fut = self.protocol.send_request_async(method, params)
+            fut = self.protocol.send_request_async(method, params, msg_id=msg_id)
             # shielded: a time-out must not cancel pygls's future, or the answer that comes later
             # fails to be set on it (a logged traceback); that answer is dropped, its error retrieved
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -225,6 +228,8 @@ class SidecarTestClient(JsonRPCClient):
         except JsonRpcException as e:
             raise SidecarError(method, e.code, e.message, getattr(e, "data", None)) from None
         except asyncio.TimeoutError:
+            if not self._gone():  # the sidecar stops working on it (its -32800 answer is dropped)
+                self.protocol.notify("$/cancelRequest", {"id": msg_id})
             raise TimeoutError(f"no answer to {method} within {timeout:g} s") from None
         except (RuntimeError, OSError):  # pygls fails the requests of a server that exited
             if self.returncode is None and not self._gone():

@@ -564,6 +564,32 @@ def test_an_answer_that_comes_after_its_request_timed_out_is_dropped_quietly(tmp
     assert "Traceback" not in text and "InvalidStateError" not in text and "never retrieved" not in text, text
 
 
+CANCEL_ON_TIME_OUT_TESTS = '''
+import pytest
+
+SLOW = {"models": {"m": {"provider": "scripted", "responses": [{"delayMs": 60000, "text": "never"},
+                                                                {"text": "next"}]}}}
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SLOW, timeout=60)
+async def test_a_timed_out_request_is_cancelled(sidecar):
+    branch = (await sidecar.request("createBranch"))["branchId"]
+    op = {"branchId": branch, "instruction": "hi", "skipValidation": True}
+    with pytest.raises(TimeoutError):
+        await sidecar.request("operate", op, timeout=0.5)
+    # the branch is free at once: the first operate no longer holds it for its minute
+    assert (await sidecar.request("operate", op, timeout=20))["result"] == "next"
+'''
+
+
+def test_a_request_that_timed_out_is_cancelled_on_the_sidecar(tmp_path):
+    """A request the test client gave up on (its time-out) is cancelled on the sidecar
+    (``$/cancelRequest``), not left running: an operate that timed out frees its branch."""
+    text = run_tests_file(tmp_path, "test_cancel.py", CANCEL_ON_TIME_OUT_TESTS)
+    assert "1 passed" in text, text
+
+
 SCRIPT_ENV_TESTS = '''
 import os
 import sys
