@@ -103,9 +103,16 @@ def sidecar_options(request: pytest.FixtureRequest) -> dict[str, Any]:
     return options
 
 
-async def _sidecar(sidecar_options: dict[str, Any]) -> Any:
+async def _sidecar(sidecar_options: dict[str, Any], request: pytest.FixtureRequest) -> Any:
     """An initialized operate-sidecar over stdio (see the module doc)."""
+    import inspect
     import os
+
+    test = getattr(request, "function", None)
+    if test is not None and not inspect.iscoroutinefunction(test) and "sidecar" in inspect.signature(test).parameters:
+        _refuse(f"{test.__name__}: the sidecar fixture is async: make the test `async def` (with "
+                "@pytest.mark.asyncio, or asyncio_mode = auto); in a plain `def` test its requests are "
+                "coroutines nobody runs, and the test would pass having checked nothing")
 
     from pytest_lsp import ClientServerConfig
 

@@ -590,6 +590,20 @@ def test_a_request_that_timed_out_is_cancelled_on_the_sidecar(tmp_path):
     assert "1 passed" in text, text
 
 
+SYNC_TEST_TESTS = '''
+def test_forgot_async(sidecar):
+    sidecar.request("operate", {"branchId": "nope"})  # a coroutine nobody runs: checks nothing
+'''
+
+
+def test_a_plain_def_test_that_takes_the_async_fixture_fails_saying_why(tmp_path):
+    """A sync test that takes ``sidecar`` made its requests as coroutines nobody ran, and passed
+    having checked nothing; it fails at set-up, saying to make the test ``async def``."""
+    text = run_tests_file(tmp_path, "test_sync.py", SYNC_TEST_TESTS)
+    assert "1 error" in text and "the sidecar fixture is async: make the test `async def`" in text, text
+    assert "test_forgot_async" in text and "passed" not in text, text
+
+
 SCRIPT_ENV_TESTS = '''
 import os
 import sys
