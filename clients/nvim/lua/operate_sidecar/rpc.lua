@@ -65,6 +65,24 @@ function M.parse_frames(buf)
   return bodies, buf, nil
 end
 
+local signal_names = { [1] = 'SIGHUP', [2] = 'SIGINT', [3] = 'SIGQUIT', [4] = 'SIGILL', [6] = 'SIGABRT',
+  [7] = 'SIGBUS', [8] = 'SIGFPE', [9] = 'SIGKILL', [11] = 'SIGSEGV', [13] = 'SIGPIPE', [14] = 'SIGALRM',
+  [15] = 'SIGTERM' }
+
+--- A signal's name ("SIGKILL"), or "signal N".
+function M.signal_label(signal)
+  return signal_names[signal] or ('signal ' .. tostring(signal))
+end
+
+--- How a process ended, for messages: "exited with code 3", "was killed by signal 9 (SIGKILL)".
+function M.describe_exit(code, signal)
+  if signal and signal ~= 0 then
+    return ('was killed by signal %s%s'):format(tostring(signal),
+      signal_names[signal] and (' (' .. signal_names[signal] .. ')') or '')
+  end
+  return 'exited with code ' .. tostring(code)
+end
+
 local Client = {}
 Client.__index = Client
 
@@ -322,7 +340,7 @@ function Client:_finalize()
     table.sort(ids, function(a, b)
       return tostring(a) < tostring(b)
     end)
-    local why = ('server exited (code %s, signal %s)'):format(tostring(self.exit_code), tostring(self.exit_signal))
+    local why = 'the server ' .. M.describe_exit(self.exit_code, self.exit_signal)
     for _, id in ipairs(ids) do
       pending[id]({ code = M.codes.server_exited, message = why }, nil)
     end

@@ -228,22 +228,10 @@ local function last_log_lines(n)
 end
 M.last_log_lines = last_log_lines
 
-local signal_names = { [1] = 'SIGHUP', [2] = 'SIGINT', [3] = 'SIGQUIT', [4] = 'SIGILL', [6] = 'SIGABRT',
-  [7] = 'SIGBUS', [8] = 'SIGFPE', [9] = 'SIGKILL', [11] = 'SIGSEGV', [13] = 'SIGPIPE', [14] = 'SIGALRM',
-  [15] = 'SIGTERM' }
-
-local function signal_label(signal)
-  return signal_names[signal] or ('signal ' .. tostring(signal))
-end
+local signal_label = rpc.signal_label
 
 --- How a process ended, for messages: "exited with code 3", "was killed by signal 9 (SIGKILL)".
-function M.describe_exit(code, signal)
-  if signal and signal ~= 0 then
-    return ('was killed by signal %s%s'):format(tostring(signal),
-      signal_names[signal] and (' (' .. signal_names[signal] .. ')') or '')
-  end
-  return 'exited with code ' .. tostring(code)
-end
+M.describe_exit = rpc.describe_exit
 
 local function on_exit(client, code, signal)
   if S.client ~= client then
