@@ -226,6 +226,15 @@ class Nvim:
                 pass
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def scripted(responses: list) -> dict:
     return {"provider": "scripted", "responses": responses}
 
@@ -1088,6 +1097,32 @@ def test_cancel_with_ctrl_c_in_the_chat(sv):
     assert res[0] is True and res[1]["code"] == -32098 and "within 300 ms" in res[1]["message"]
     after = sv.operate_cmd("Operate after the timeout")     # the branch stays usable
     assert after["result"]["result"] == "after timeout"
+
+
+def test_quitting_nvim_mid_turn_cancels_it_before_the_shutdown(nvim_bin, tmp_path):
+    """:qa! while a turn runs: the plugin cancels its running requests ($/cancelRequest), then
+    sends shutdown, so the server answers at once instead of waiting for the turn (its 0.5 s
+    bound, which held up the quit every time); the server's own recording shows the operate
+    cancelled, and no process is left."""
+    record = tmp_path / "session.jsonl"
+    v = Nvim(nvim_bin[1], tmp_path)
+    try:
+        v.setup([{"text": "never", "delayMs": 60000}])
+        v.lua("local c = require('operate_sidecar').config; c.cmd = vim.list_extend(vim.deepcopy(c.cmd), {...})",
+              "--record", str(record))
+        st = v.start()
+        v.n.command("Operate wait forever")
+        v.wait("require('operate_sidecar')._state.progress.phase == 'request'", "the model call to start")
+        v.n.command("qa!", async_=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in (v.pid, st["pid"])):
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in (v.pid, st["pid"])), "nvim or its server outlived :qa!"
+        steps = [json.loads(line) for line in record.read_text().splitlines()]
+        operate = [x for x in steps if x.get("request") == "operate"]
+        assert len(operate) == 1 and operate[0].get("cancelAfterModelCalls") == 1, steps
+    finally:
+        v.close()
 
 
 def test_server_exit_fails_pending_requests_instead_of_hanging(nv):

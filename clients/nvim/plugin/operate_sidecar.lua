@@ -118,6 +118,9 @@ vim.api.nvim_create_autocmd('VimLeavePre', {
     local m = package.loaded['operate_sidecar.server']
     if m and m.is_running() then
       local c = m.state.client
+      for id in pairs(c.pending) do -- cancelled first: the shutdown answer does not wait for them
+        c:cancel(id)
+      end
       c:request_sync('shutdown', nil, 500)
       c:notify('exit')
       c:close_stdin()
