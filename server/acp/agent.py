@@ -104,6 +104,7 @@ class OperateAgent(Agent):
         self._live: set[asyncio.Task] = set()   # every turn (and background) task until it has finished
         self._cancelled: set[str] = set()       # sessions whose running turn the client cancelled
         self._starting: set[str] = set()        # sessions whose prompt arrived, its turn not yet running
+        self._prompts: dict[str, asyncio.Lock] = {}  # held by a session's prompt until it is answered
         self._closing = False                   # ``aclose`` has begun: start nothing more
 
     def on_connect(self, conn: Any) -> None:
@@ -430,10 +431,18 @@ class OperateAgent(Agent):
 
     # ------------------------------------------------------------------ prompt turns
     async def prompt(self, prompt: list, session_id: str, **kw: Any) -> PromptResponse:
-        if session_id in self._turns or session_id in self._starting:
+        lock = self._prompts.setdefault(session_id, asyncio.Lock())
+        if lock.locked() and not (session_id in self._turns and session_id in self._cancelled
+                                  and session_id not in self._starting):
             raise RequestError.invalid_params({"sessionId": session_id, "reason": "a prompt turn is already running"})
+        # else the turn running, if any, is cancelled (that cancel is its own: its task has it) but
+        # not answered yet: this one starts once it is (CodeCompanion does not wait for that answer)
         self._cancelled.discard(session_id)
         self._starting.add(session_id)  # a cancel from here on applies to this turn
+        async with lock:
+            return await self._prompt(prompt, session_id)
+
+    async def _prompt(self, prompt: list, session_id: str) -> PromptResponse:
         try:
             b = await self._branch(session_id)
             if self.sidecar.branch_folders(session_id) is None:
@@ -466,9 +475,11 @@ class OperateAgent(Agent):
         finally:
             self._turns.pop(session_id, None)
             self.port.turns.pop(session_id, None)
+        self.port.end_calls(session_id)
+        await self.port.flush()  # every update of the turn before its answer, an error answer too
         if task.cancelled() or session_id in self._cancelled:
-            self._cancelled.discard(session_id)
-            await self.port.flush()
+            if session_id not in self._starting:  # else the cancel of the next prompt, waiting for this one
+                self._cancelled.discard(session_id)
             return PromptResponse(stop_reason="cancelled")
         exc = task.exception()
         if exc is not None:
@@ -548,7 +559,6 @@ class OperateAgent(Agent):
             size = sc.context_size(self._model(sid))
             if size and usage.get("contextTokens") is not None:
                 self.port.send(sid, UsageUpdate(session_update="usage_update", used=usage["contextTokens"], size=size))
-        await self.port.flush()
         return out
 
     def _round_text(self, sid: str, turn: Any, res: dict) -> None:

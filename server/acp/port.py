@@ -230,6 +230,16 @@ class AcpPort:
         self.send(sid, finish)
         self.calls.pop(call_id, None)
 
+    def end_calls(self, session_id: str) -> None:
+        """The end of a turn: a call of the session that the editor was shown but that got no
+        final status (the turn was cancelled while the editor was asked about it: nothing ran)
+        is ``failed`` now, as a call cancelled while running is; one never shown is dropped."""
+        for call_id, info in list(self.calls.items()):
+            if info.session_id == session_id:
+                del self.calls[call_id]
+                if info.started:
+                    self.send(session_id, self._finish(call_id, info, "failed", None, "cancelled"))
+
     @staticmethod
     def _finish(call_id: str, info: CallInfo, status: str, output: Any, error: Any = None) -> ToolCallProgress:
         """The call's last ``tool_call_update``: its status, raw output, and content (the diff

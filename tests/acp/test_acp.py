@@ -156,6 +156,37 @@ def test_cancel_mid_model_call(tmp_path, ws):
     run(main())
 
 
+@pytest.mark.parametrize("stage", ["model", "tool"])
+def test_a_prompt_sent_right_after_a_cancel_runs_once_the_cancelled_turn_is_answered(tmp_path, ws, stage):
+    """CodeCompanion sends ``session/cancel`` and takes the turn as over: the next prompt may come
+    before the cancelled turn's answer. It runs after that answer (it was refused, -32602, as a
+    second prompt at once is); a prompt sent while a turn runs that is not cancelled still is."""
+    async def main():
+        c = RecordingClient()
+        first = reply("late", delayMs=60_000) if stage == "model" else reply("", [("slow", {"seconds": 60})])
+        config = cfg(tmp_path, first, reply("second", delayMs=500), toolModules=[TOOLS])
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            turn = asyncio.ensure_future(prompt(conn, sid))
+            for _ in range(200):
+                if stage == "model" or c.of("tool_call"):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            await conn.cancel(session_id=sid)
+            second = asyncio.ensure_future(prompt(conn, sid, "next"))
+            assert (await turn).stop_reason == "cancelled"
+            await asyncio.sleep(0.2)
+            if second.done():  # refused
+                second.result()
+            with pytest.raises(acp.RequestError) as e:  # the second turn is running, not cancelled
+                await prompt(conn, sid, "third")
+            assert e.value.code == -32602 and "already running" in str(e.value.data)
+            assert (await second).stop_reason == "end_turn" and c.text() == "second"
+
+    run(main())
+
+
 def test_cancel_mid_tool_keeps_the_branch_consistent(tmp_path, ws):
     async def main():
         c = RecordingClient()
@@ -200,6 +231,63 @@ def test_a_cancelled_permission_outcome_cancels_the_turn(tmp_path, ws):
             sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
             assert (await prompt(conn, sid)).stop_reason == "cancelled"
             assert (ws / "a.txt").read_text() == "old text\n" and c.text() == ""
+
+    run(main())
+
+
+async def updates_after_the_last_prompt_answer(conn):
+    """The session updates the client got after the agent's last ``session/prompt`` answer (a
+    round trip first: whatever the agent wrote before the next answer has been read)."""
+    await bounded(conn.list_sessions())
+    tap = conn.tap
+    last = max(i for i, m in enumerate(tap.incoming)
+               if "method" not in m and tap.methods.get(m.get("id")) == "session/prompt")
+    return [m["params"]["update"]["sessionUpdate"] for m in tap.incoming[last + 1:] if m.get("method") == "session/update"]
+
+
+@pytest.mark.parametrize("choice", ["cancel", "never"])
+def test_a_turn_cancelled_while_asking_ends_every_tool_call_it_showed_before_its_answer(tmp_path, ws, choice):
+    """Two edits asked about at once, the turn cancelled while the editor is asked (it answers
+    ``cancelled``, or never): each ``tool_call`` shown as pending gets its final ``failed``
+    update, before the prompt's answer. Nothing ran, so the core reported nothing for them,
+    and the editor showed them pending for ever."""
+    async def main():
+        c = RecordingClient(choice)
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "x\n"}),
+                                          ("write_file", {"path": "b.txt", "content": "y\n"})]), reply("after"))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            turn = asyncio.ensure_future(prompt(conn, sid))
+            if choice == "never":
+                await bounded(c.asked.wait())
+                await conn.cancel(session_id=sid)
+            assert (await turn).stop_reason == "cancelled"
+            shown = [u.tool_call_id for u in c.of("tool_call")]
+            ended = {u.tool_call_id: u for u in c.of("tool_call_update") if u.status in ("completed", "failed")}
+            assert len(shown) == 2 and sorted(ended) == sorted(shown), c.kinds()
+            assert all(u.status == "failed" and u.raw_output == {"error": "cancelled"} for u in ended.values())
+            assert await updates_after_the_last_prompt_answer(conn) == []
+            assert not (ws / "b.txt").exists() and (ws / "a.txt").read_text() == "old text\n"
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"  # the session goes on
+            assert len(c.of("tool_call_update")) == 2  # nothing more about those calls
+
+    run(main())
+
+
+def test_a_turn_that_fails_sends_every_update_before_its_error_answer(tmp_path, ws):
+    """The model fails in the second round: the first round's text and tool calls reach the
+    client before the prompt's error answer (they came after it, for a turn already over)."""
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, reply("reading " * 40, [("list_dir", {}), ("read_file", {"path": "a.txt"})], chunks=40),
+                     {"error": "the model failed"})
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            with pytest.raises(acp.RequestError) as e:
+                await prompt(conn, sid)
+            assert "the model failed" in str(e.value)
+            assert await updates_after_the_last_prompt_answer(conn) == []
+            assert [u.status for u in c.of("tool_call_update")] == ["completed", "completed"]
 
     run(main())
 
