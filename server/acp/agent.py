@@ -330,6 +330,10 @@ class OperateAgent(Agent):
 
     async def list_sessions(self, cwd: str | None = None, cursor: str | None = None, additional_directories: Any = None,
                             **kw: Any) -> ListSessionsResponse:
+        if cwd is not None:
+            if not os.path.isabs(cwd):
+                raise RequestError.invalid_params({"cwd": cwd, "reason": "must be an absolute path"})
+            cwd = os.path.normpath(cwd)  # "/ws/" and "/ws/." name the folder "/ws" is
         sc = await self._restored()
         try:
             branches = (await sc.listBranches({}))["branches"]
@@ -338,7 +342,9 @@ class OperateAgent(Agent):
         out = []
         for b in branches:
             info = sc.branch_info(b["branchId"])
-            if not info or (cwd is not None and info.get("cwd") != cwd):  # not a session (made natively)
+            if not info:  # not a session (made natively)
+                continue
+            if cwd is not None and os.path.normpath(info.get("cwd") or "/") != cwd:
                 continue
             out.append(SessionInfo(session_id=b["branchId"], cwd=info.get("cwd") or "", title=info.get("title"),
                                    updated_at=info.get("updatedAt")))

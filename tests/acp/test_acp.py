@@ -1084,6 +1084,22 @@ def test_sessions_are_listed_most_recent_first_within_a_second(tmp_path, ws):
     assert all(_when(a) < _when(b) for a, b in zip(stamps, stamps[1:])), stamps
 
 
+def test_sessions_are_listed_under_their_folder_however_its_path_is_written(tmp_path, ws):
+    """``session/list``'s ``cwd`` names a folder: "/ws/" and "/ws/." list the sessions made in
+    "/ws" (an exact string match listed none); a relative ``cwd`` is -32602, as in session/new."""
+    async def main():
+        async with spawn(RecordingClient(), cfg(tmp_path, reply("ok"))) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            for written in (str(ws), str(ws) + "/", str(ws) + "/.", str(ws / "sub" / "..")):
+                listed = (await bounded(conn.list_sessions(cwd=written))).sessions
+                assert [s.session_id for s in listed] == [sid], written
+            assert (await bounded(conn.list_sessions(cwd=str(tmp_path / "elsewhere")))).sessions == []
+            with pytest.raises(acp.RequestError) as ei:
+                await bounded(conn.list_sessions(cwd="relative/dir"))
+            assert ei.value.code == -32602, ei.value
+    run(main())
+
+
 def test_sessions_passing_one_mcp_server_name_with_other_args_each_get_their_own(tmp_path, ws, capfd):
     """Client MCP servers are the session's: a second session that passes a server under a name
     another session's server has, with other args or env, gets its own under a name of its own
