@@ -25,8 +25,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from acp import PROTOCOL_VERSION, Agent, RequestError, update_agent_message_text
-from acp.schema import (AgentCapabilities, Implementation, InitializeResponse, ListSessionsResponse,
-                        LoadSessionResponse, McpCapabilities, NewSessionResponse, PromptCapabilities, PromptResponse,
+from acp.schema import (AgentCapabilities, ConfigOptionUpdate, CurrentModeUpdate, Implementation,
+                        InitializeResponse, ListSessionsResponse, LoadSessionResponse, McpCapabilities, NewSessionResponse, PromptCapabilities, PromptResponse,
                         SessionCapabilities, SessionConfigOptionSelect, SessionConfigSelectOption, SessionInfo,
                         SessionListCapabilities, SessionMode, SessionModeState, SetSessionConfigOptionResponse,
                         SetSessionModeResponse, Usage, UsageUpdate)
@@ -389,6 +389,9 @@ class OperateAgent(Agent):
             await self._save(session_id, {"model": value})
         elif config_id == "mode" and value in MODES:
             await self._save(session_id, mode=value)  # the service applies it from the next tool call
+            # the mode is also the session's ACP mode: a client's mode selector follows
+            self.port.send(session_id, CurrentModeUpdate(session_update="current_mode_update", current_mode_id=value))
+            await self.port.flush()
         else:
             allowed = list(self.settings["models"]) if config_id == "model" else list(MODES)
             raise RequestError.invalid_params({"configId": config_id, "value": value,
@@ -397,7 +400,10 @@ class OperateAgent(Agent):
         return SetSessionConfigOptionResponse(config_options=self._options(session_id))
 
     async def set_session_mode(self, mode_id: str, session_id: str, **kw: Any) -> SetSessionModeResponse:
-        await self.set_config_option("mode", session_id, mode_id)
+        options = (await self.set_config_option("mode", session_id, mode_id)).config_options
+        # the mode is also a config option: a client's option selectors follow
+        self.port.send(session_id, ConfigOptionUpdate(session_update="config_option_update", config_options=options))
+        await self.port.flush()
         return SetSessionModeResponse()
 
     def _background(self, coro: Any) -> None:

@@ -127,10 +127,14 @@ def test_modes_read_only_denies_without_asking_and_auto_edit_writes_without_aski
             sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
             res = await bounded(conn.set_config_option(config_id="mode", session_id=sid, value="read-only"))
             assert {o.id: o.current_value for o in res.config_options}["mode"] == "read-only"
+            # the mode is both an ACP mode and a config option: setting one tells the client of the other
+            assert [u.current_mode_id for u in c.of("current_mode_update")] == ["read-only"]
             await prompt(conn, sid)
             assert c.permissions == [] and (ws / "a.txt").read_text() == "old text\n"
             assert "read-only" in c.of("tool_call_update")[-1].raw_output["reason"]
             await bounded(conn.set_session_mode(mode_id="auto-edit", session_id=sid))
+            options = c.of("config_option_update")
+            assert len(options) == 1 and {o.id: o.current_value for o in options[0].config_options}["mode"] == "auto-edit"
             await prompt(conn, sid)
             assert c.permissions == [] and (ws / "a.txt").read_text() == "auto\n"
 
