@@ -404,7 +404,7 @@ export class SidecarClient {
   }
 
   /**
-   * shutdown + exit; kills the process if it has not exited within `timeoutMs`. With an unreadable stream
+   * shutdown + exit, then the end of its stdin; kills the process if it has not exited within `timeoutMs`. With an unreadable stream
    * (SidecarStreamError) it closes the server's stdin instead, which makes it exit.
    */
   async stop(timeoutMs = 5000): Promise<number | string | null> {
@@ -419,6 +419,7 @@ export class SidecarClient {
         await Promise.race([this.request('shutdown'), timer(timeoutMs)]);
       } catch { /* already gone, or refused: exit anyway */ }
       try { await this.connection.sendNotification('exit'); } catch { /* already gone */ }
+      this.process.stdin?.end();  // the end of its input: a server that did not take `exit` ends on that
       if ((await Promise.race([this.exited, timer(timeoutMs)])) === 'timeout') this.process.kill('SIGKILL');
     }
     return this.exited;
