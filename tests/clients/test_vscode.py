@@ -16,7 +16,8 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
       and key presses over Chromium's DevTools protocol (also the chat hidden and shown again while a
       review waits, keyboard-only use and the extension's keybindings: Ctrl+Backspace / Ctrl+Enter
-      in the diff editor, the Open Chat shortcut, Escape); screenshots land in .test-results/.
+      in the diff editor, the Open Chat shortcut, Escape; Stop / Cancel in the command palette only while
+      something runs; long lines wrap, Hebrew reads right to left); screenshots land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -112,7 +113,7 @@ def test_a_protocol_client_against_the_real_server_with_node_test():
     for topic in ("initialize", "$/progress", "toolEvents", "requestToolPermission", "invokeClientTool",
                   "cancel mid model call", "error codes", "dies", "fs/readTextFile and fs/writeTextFile",
                   "structured replies show their prose fields", "sanitized", "tool cards",
-                  'plain text starting with "{"', "refusesField"):
+                  'plain text starting with "{"', "refusesField", "no empty message bubble"):
         assert topic in names, f"missing test about {topic!r}: {names}"
 
 
@@ -178,6 +179,12 @@ def test_c_vsce_package_produces_a_complete_vsix(vsix):
         when = keys[decide]["when"]
         assert "operateSidecar.reviewPending" in when and "resourceScheme == operate-sidecar-proposed" in when, when
     assert keys["operateSidecar.stop"]["when"] == "operateSidecar.chatRunning && operateSidecar.chatFocus && !inputFocus"
+    # the command palette offers a command only where it can work: Stop / Cancel while something runs, the
+    # decisions while a review waits; Send to Chat (it needs its text) never
+    palette = {m["command"]: m["when"] for m in c["menus"]["commandPalette"]}
+    assert palette == {"operateSidecar.stop": "operateSidecar.chatRunning", "operateSidecar.cancel": "operateSidecar.busy",
+                       "operateSidecar.chat": "false", **{f"operateSidecar.{d}": "operateSidecar.reviewPending"
+                                                          for d in ("acceptEdit", "rejectEdit", "alwaysAllowEdit")}}, palette
     readme = (EXT / "README.md").read_text()
     shot = EXT / "media" / "chat-diff-review.png"
     assert readme.startswith("# operate-sidecar for VS Code\n\n![") and "(media/chat-diff-review.png)" in readme.split("\n")[2]
@@ -210,7 +217,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     summary, report = run_itest_suite(vsix, tmp_path, "(d) extension-host itest")
     TIMINGS["(d) code-server ready"] = round(summary.get("timings", {}).get("codeServerReadyMs", 0) / 1000, 1)
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
-    assert len(report["checks"]) == 34, report["checks"]
+    assert len(report["checks"]) == 35, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -219,7 +226,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "chat command", "acceptEdit lands as a WorkspaceEdit", "rejectEdit denies", "restarts the server by itself",
                   "dies at start", "Always for this branch", "#selection (file, language, line range), #problems",
                   "invalid maxRounds", "command given as a string", "Stop pressed twice while the server is starting",
-                  "never answers initialize", "crashes mid-reply", "nobody answers times out",
+                  "never answers initialize", "crashes mid-reply", "program is missing", "nobody answers times out",
                   "rendered and shown in batches", "reviewed one after the other", "running tool card shows its arguments"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 

@@ -5,7 +5,8 @@
 // stream, accepts one diff (card button) and rejects another (diff editor title button), rejects
 // and accepts two more with the extension's keybindings pressed in either side of the diff editor,
 // checks the editor buffer (dirty, undo, save) and the files on disk, switches chats through the
-// picker, picks a model, opens the chat with its shortcut and stops a running turn (Stop, Escape).
+// picker, picks a model, opens the chat with its shortcut and stops a running turn (Stop, Escape);
+// Stop and Cancel show in the command palette only while a turn runs; long lines wrap, Hebrew is right to left.
 // Screenshots go to --out.
 // Prints one JSON summary on stdout. Exit: 0 all checks passed, 1 a check failed, 3 harness error.
 // Usage: node scripts/run-ui-test.mjs [--ext DIR] [--out DIR] [--timeout SECONDS] [--keep]
@@ -95,7 +96,7 @@ async function main() {
           edit('Or `add` could multiply.', 'src/util.py', 'return a + b', 'return a * b'),   // rejected by Ctrl+Backspace
           edit('Then `add` swaps its operands.', 'src/util.py', 'return a + b', 'return b + a'),   // accepted by Ctrl+Enter
           { json: { answer: 'Swapped.' } },
-          'A **second** chat.',
+          `A **second** chat, with a long link: https://example.com/${'x'.repeat(300)}\n\nשלום! זו תשובה בעברית.`,
           'After the stops.',
         ], 14, 60),
         slow: scripted({ text: 'too late', delayMs: 120000 }, { text: 'too late again', delayMs: 120000 }),
@@ -399,13 +400,21 @@ async function main() {
     await waitFor('not dirty after the undo', async () => !(await tabDirty('util.py')), 10000);
   });
 
-  await check('New chat (+), then switch back through the chat picker (name, last message, model)', async () => {
+  await check('New chat (+), then switch back through the chat picker (name, last message, model); a long unbroken line wraps (no sideways scrolling), Hebrew reads right to left', async () => {
     await webClick('#new');
     await waitFor('an empty chat', () => inWeb(`!!document.querySelector('.empty')`), 10000);
-    await type('Start a second chat');
+    await type(`Start a second chat\n${'y'.repeat(300)}\nשלום עולם, מה שלומך?`);
     await submit();
     await turnDone();
     expect((await lastTurn(`t.querySelector('.prose').innerHTML`)).includes('<strong>second</strong>'), 'second chat answered');
+    const log = await inWeb(`(() => { const l = document.getElementById('log'); return { scroll: l.scrollWidth, client: l.clientWidth }; })()`);
+    expect(log.scroll <= log.client, `the long lines wrap in the chat: ${JSON.stringify(log)}`);
+    // the first Hebrew letter of a line or paragraph starts at its right edge (its own direction), not in its middle
+    const gaps = await lastTurn(`[t.querySelector('.user'), [...t.querySelectorAll('.prose p')].at(-1)].map((el) => {
+      const w = document.createTreeWalker(el, NodeFilter.SHOW_TEXT); let n; while ((n = w.nextNode()) && !n.data.includes('ש'));
+      const r = document.createRange(); const i = n.data.indexOf('ש'); r.setStart(n, i); r.setEnd(n, i + 1);
+      const s = getComputedStyle(el); return Math.round(el.getBoundingClientRect().right - parseFloat(s.paddingRight) - parseFloat(s.borderRightWidth) - r.getBoundingClientRect().right); })`);
+    expect(gaps.every((g) => g >= 0 && g < 4), `Hebrew right to left (gap to the right edge, message and reply): ${JSON.stringify(gaps)}`);
     expect(await inWeb(`document.getElementById('branch').textContent`) === 'Start a second chat', 'second chat named');
     await webClick('#branch');
     await waitFor('chat picker', () => evalIn(`[...document.querySelectorAll('.quick-input-list .monaco-list-row')].some((r) => (r.getAttribute('aria-label') ?? '').includes('Explain the plan for'))`), 10000);
@@ -456,10 +465,32 @@ async function main() {
     expect(await lastTurn(`t.querySelector('.note')?.textContent`) === 'Stopped.', 'Escape stopped the turn');
   });
 
-  await check('Stop a running turn: "Stopped.", no error in the chat, no error notification; the server still serves', async () => {
+  /** The command palette's rows for `text` (closed again); `expected`: wait until it is among them. */
+  const paletteRows = async (text, expected) => {
+    await key('F1', 'F1', 112);
+    await waitFor('quick input', () => evalIn(`!!document.querySelector('.quick-input-widget input:focus')`), 10000);
+    await send('Input.insertText', { text });
+    const rows = () => evalIn(`[...document.querySelectorAll('.quick-input-list .monaco-list-row')].map((r) => r.getAttribute('aria-label') ?? '')`);
+    if (expected) await waitFor(`palette row "${expected}"`, async () => (await rows()).some((r) => r.includes(expected)), 10000);
+    else await sleep(800);
+    const found = await rows();
+    await key('Escape', 'Escape', 27);
+    await waitFor('the palette closed', () => evalIn(`!document.querySelector('.quick-input-widget input:focus')`), 5000);
+    return found;
+  };
+
+  await check('Stop a running turn: "Stopped.", no error in the chat, no error notification; the server still serves; the view is not dimmed while it runs; Stop and Cancel are in the command palette only while it runs', async () => {
+    for (const title of ['Stop the Chat Turn', 'Cancel Running Operate', 'Send to Chat']) {
+      const idle = await paletteRows(`operate-sidecar: ${title}`);
+      expect(!idle.some((r) => r.includes(title)), `"${title}" in the palette with nothing running: ${JSON.stringify(idle)}`);
+    }
     await type('This will take forever');
     await submit();
     await waitFor('running', () => inWeb(`!document.getElementById('stop').hidden`), 10000);
+    const view = await inWeb(`({ opacity: getComputedStyle(document.body).opacity, overflow: document.documentElement.scrollHeight - document.documentElement.clientHeight })`);
+    expect(view.opacity === '1' && view.overflow <= 0, `the whole view, not dimmed or shifted while the turn runs: ${JSON.stringify(view)}`);
+    await paletteRows('operate-sidecar: Stop the Chat', 'Stop the Chat Turn');
+    await paletteRows('operate-sidecar: Cancel Running', 'Cancel Running Operate');
     const status = await evalIn(`[...document.querySelectorAll('.statusbar-item')].map((s) => s.textContent).find((t) => t.includes(' · ')) ?? ''`);
     expect(status.includes('running'), `status bar while running: ${status}`);
     await webClick('#stop');

@@ -488,7 +488,9 @@ export function turnHtml(t: Turn, index: number): string {
   const error = t.error ? `<div class="error">${escapeHtml(t.error)}</div>` : '';
   const usage = t.usage ? `<div class="usage">${escapeHtml(usageLine(t.usage))}</div>` : '';
   const cls = t.outcome ? ` ${t.outcome}` : '';
-  return `<section class="turn${cls}" data-turn="${index}"><div class="user">${escapeHtml(t.user)}${chips ? `<div class="chips">${chips}</div>` : ''}</div>`
+  // no instruction (the server could not be read): no empty message bubble above the error
+  const user = t.user || chips ? `<div class="user">${escapeHtml(t.user)}${chips ? `<div class="chips">${chips}</div>` : ''}</div>` : '';
+  return `<section class="turn${cls}" data-turn="${index}">${user}`
     + `<div class="assistant">${items}${running}${note}${error}${usage}</div></section>`;
 }
 

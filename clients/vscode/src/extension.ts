@@ -21,10 +21,24 @@ const SERVER_SETTINGS = ['command', 'settings', 'stateDir', 'env', 'toolPolicy']
 /** Defaults (and bounds) of the numeric settings, as in package.json. */
 const MAX_ROUNDS = { dflt: 4, min: 1, max: 50 };
 const STARTUP_TIMEOUT_S = { dflt: 30, min: 1, max: 600 };
+/** Context key: an operate or a chat turn runs (package.json: when Cancel shows in the command palette). */
+const BUSY_KEY = 'operateSidecar.busy';
 
 /** Cancels a token source once: a second `cancel()` of a source whose token was never read throws in vscode-jsonrpc. */
 export function cancelOnce(source: CancellationTokenSource): void {
   if (!source.token.isCancellationRequested) source.cancel();
+}
+
+/**
+ * Why the server program could not be started, in words (not Node's `spawn x ENOENT`): a program
+ * that is not there or not executable names the setting to fix.
+ */
+function spawnProblem(command: string[], e: unknown): string {
+  const msg = (e instanceof Error ? e.message : String(e)).replace(/^operate-sidecar: /, '');
+  const fix = `Install operate-sidecar or set operateSidecar.command to the server's full path (it is ${JSON.stringify(command)}).`;
+  if (/\bENOENT\b/.test(msg)) return `cannot start the server: the program "${command[0]}" was not found${command[0].includes('/') ? '' : ' on the PATH'}. ${fix}`;
+  if (/\bEACCES\b/.test(msg)) return `cannot start the server: the program "${command[0]}" is not executable (permission denied). ${fix}`;
+  return msg;
 }
 
 /** The error of a start that `stop()` (a restart, Stop, deactivation) abandoned. */
@@ -124,6 +138,7 @@ class Sidecar {
     const model = this.branches.model ?? 'default model';
     const busy = this.chat?.running || this.running.size > 0;
     this.status.text = `$(comment-discussion) ${model} · ${branch}${busy ? ' · $(loading~spin) running' : ''}`;
+    void vscode.commands.executeCommand('setContext', BUSY_KEY, busy);   // Cancel in the command palette
   }
 
   /** Shows an error with actions; records it for the tests. */
@@ -238,8 +253,9 @@ class Sidecar {
       });
     } catch (e) {
       this.abortStart = undefined;
-      this.notify(`operate-sidecar: ${e instanceof Error ? e.message : String(e)}`, ['Open settings']);
-      throw e;
+      const why = spawnProblem(command, e);
+      this.notify(`operate-sidecar: ${why}`, ['Open settings']);
+      throw new Error(why);
     }
     if (aborted) { this.abortStart = undefined; client.kill(); throw new StartAborted(); }
     client.onToolEvent((e) => this.onToolEvent(e));

@@ -716,6 +716,30 @@ export async function run(): Promise<void> {
       expect(Array.isArray(tools) && api!.client()?.running, 'the server serves again');
     });
 
+    await check('the server program is missing: one readable error saying it was not found and which setting to fix (no "spawn ... ENOENT", no doubled prefix); fixing it recovers', async () => {
+      const good = cfg().get<string[]>('command')!;
+      const missing = path.join(path.dirname(good[0]), 'no-such-dir', 'operate-sidecar');
+      const n0 = api!.notices().length;
+      let err: any;
+      try {
+        await within(cfg().update('command', [missing], vscode.ConfigurationTarget.Workspace), 'a missing program');
+        await sleep(500);   // the restart of the running server (see onDidChangeConfiguration)
+        await exec('operateSidecar.listTools', {}).catch((e: unknown) => { err = e; });
+        await until(() => api!.notices().length > n0, 'an error notice', 20_000);
+      } finally {
+        await within(cfg().update('command', good, vscode.ConfigurationTarget.Workspace), 'restore the command');
+      }
+      const shown = api!.notices().slice(n0);
+      const readable = `operate-sidecar: cannot start the server: the program "${missing}" was not found. Install operate-sidecar or set operateSidecar.command`;
+      expect(shown.length >= 1 && shown.every((n) => n.message.startsWith(readable) && !/ENOENT|spawn/.test(n.message)
+        && JSON.stringify(n.actions) === '["Open settings"]'), `readable notices: ${JSON.stringify(shown)}`);
+      const msg = String(err?.message ?? err);
+      expect(msg.includes('was not found') && !/ENOENT|operate-sidecar: operate-sidecar/.test(msg), `the command fails in words: ${msg}`);
+      await sleep(300);
+      const tools: any = await exec('operateSidecar.listTools', {});
+      expect(Array.isArray(tools) && api!.client()?.running, 'the server serves again');
+    });
+
     await check('Stop pressed twice while the server is starting: the turn ends Stopped., no error; Restart works', async () => {
       await exec('operateSidecar.listTools', {});   // a running server (whatever the checks before left)
       const c = client();

@@ -197,6 +197,13 @@ test('local turns: a failed or stopped turn stays in order among the server\'s t
   assert.ok(html.includes('<section class="turn failed" data-turn="1">') && html.includes('the server died'), html);
 });
 
+test('a chat that could not be read (the server is not running) shows its error with no empty message bubble above it', () => {
+  const html = conversationHtml([{ user: '', contextLabels: [], items: [], error: 'The operate-sidecar server is not running (it exited).' }]);
+  assert.ok(html.includes('<div class="error">The operate-sidecar server is not running (it exited).</div>'), html);
+  assert.ok(!html.includes('class="user"'), `no empty bubble: ${html}`);
+  assert.ok(conversationHtml([{ user: 'hi', contextLabels: [], items: [] }]).includes('<div class="user">hi</div>'));
+});
+
 test('fs/readTextFile and fs/writeTextFile: edit_file reads the unsaved buffer and writes through the client; the chat shows prose, card and usage', async () => {
   const ws = fs.mkdtempSync(path.join(os.tmpdir(), 'chat-fs-'));
   const file = path.join(ws, 'a.py');
