@@ -161,13 +161,19 @@ class Service:
     @staticmethod
     def _open_state(state_dir: str) -> tuple[Any, list, str | None]:
         """Open the store and read every branch (blocking): (store, loaded branches, error)."""
+        import sqlite3
+
         from operate_sidecar.server.state import StateStore, UnavailableStore
 
         try:
             store = StateStore(state_dir)
             return store, store.load(), None
         except Exception as e:
-            log.exception("state directory %s unusable", state_dir)
+            # a fault of the directory or the database is said in one line (``_apply_restore``);
+            # anything else is a bug: its traceback too
+            expected = isinstance(e, (OSError, sqlite3.Error))
+            log.log(logging.DEBUG if expected else logging.ERROR, "state directory %s unusable", state_dir,
+                    exc_info=True)
             return UnavailableStore(state_dir, str(e)), [], str(e)
 
     def _apply_restore(self, opened: tuple[Any, list, str | None] | None) -> None:
@@ -246,8 +252,13 @@ class Service:
             self._apply_restore(self._opened)
         if self.journal is None or self.journal.unchanged():
             return
+        import sqlite3  # loaded with the store
+
         try:
             changes = await self._to_thread(self.journal.poll, self._busy_branches())
+        except (OSError, sqlite3.Error) as e:  # a damaged or vanished database: one line, not a traceback
+            log.error("could not read other processes' changes from the state store: %s", e)
+            return
         except Exception:
             log.exception("could not read other processes' changes from the state store")
             return

@@ -28,7 +28,9 @@ whole, so two processes changing different things of one branch both keep theirs
 
 At open, the database is checked (``PRAGMA quick_check``); a damaged file is moved aside
 (kept, with its ``-wal``/``-shm``), whatever can still be read from it is copied into a fresh
-database, and :attr:`StateStore.problems` says so for the server to report.
+database, and :attr:`StateStore.problems` says so for the server to report. That copy is
+marked in ``info`` until it is done: a process that dies during it leaves a database that
+passes the check, and the next open finishes the copy.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class StateStore:
         self._stale = False
         self.read_only = False
         self.conn = self._open()
-        self._file_id = self._identity()  # the file this connection writes to (see ``_check_file``)
+        self._file_id = self._identity()  # the files this connection writes to (see ``_check_file``)
         if self._file_id is None:
             log.warning("state: cannot stat %s; a database deleted or replaced while the server runs will not "
                         "be noticed", self.path)
@@ -173,25 +175,39 @@ class StateStore:
                 raise
             problem = str(e)
         if problem is None:
+            row = conn.execute("SELECT value FROM info WHERE key='salvaging'").fetchone()
+            if row is not None:  # the process died while it copied a damaged database: finish that
+                branches, messages = self._finish_salvage(row[0], conn)
+                self.problems.append(
+                    f"state database {self.path} was being rebuilt from the damaged {row[0]} when the server "
+                    f"stopped; finished now ({branches} branches, {messages} messages could be read)")
             return conn
         conn.close()
         return self._replace_damaged(problem)
 
-    def _identity(self) -> tuple[int, int] | None:
+    def _identity(self) -> tuple[int, int, tuple[int, int] | None] | None:
+        """(device, inode) of the database file and of its ``-wal`` (None when there is none);
+        None when the database file cannot be stat-ed."""
         try:
             st = os.stat(self.path)
         except OSError:
             return None
-        return st.st_dev, st.st_ino
+        try:
+            wal = os.stat(self.path + "-wal")
+        except OSError:
+            return st.st_dev, st.st_ino, None
+        return st.st_dev, st.st_ino, (wal.st_dev, wal.st_ino)
 
     def _check_file(self) -> None:
         """A commit is acknowledged only if it lands in ``<stateDir>/state.sqlite3``: once that
-        file is deleted or replaced (by a person, a backup restore, another server setting a
-        damaged file aside), this connection would write to a file nobody will read again.
-        Every change is then refused (StateNotSaved) until the server is restarted."""
+        file or its ``-wal`` (where a commit lands first; SQLite keeps it while a connection is
+        open) is deleted or replaced (by a person, a backup restore, a clean-up of "stale"
+        files, another server setting a damaged file aside), this connection would write to a
+        file nobody will read again. Every change is then refused (StateNotSaved) until the
+        server is restarted."""
         if self._file_id is not None and self._identity() != self._file_id:
-            raise StateNotSaved(f"the state database {self.path} was deleted or replaced while the server was "
-                                "running; changes are refused until the server is restarted")
+            raise StateNotSaved(f"the state database {self.path} (or its -wal) was deleted or replaced while the "
+                                "server was running; changes are refused until the server is restarted")
 
     def _open_read_only(self, error: BaseException) -> sqlite3.Connection:
         """The database exists but cannot be written (a read-only filesystem, say): serve its
@@ -229,11 +245,20 @@ class StateStore:
             if os.path.exists(self.path + suffix):
                 os.replace(self.path + suffix, aside + suffix)
         conn = self._connect()
-        branches, messages = self._salvage(aside, conn)
+        # marked first: a process that dies half-way leaves a database that looks whole, and the
+        # next open finishes the copy (``_open``)
+        conn.execute("INSERT OR REPLACE INTO info(key, value) VALUES ('salvaging', ?)", (aside,))
+        branches, messages = self._finish_salvage(aside, conn)
         self.problems.append(
             f"state database {self.path} is damaged ({problem}); kept as {aside}; a fresh database is in "
             f"use, with what could still be read from the damaged one ({branches} branches, {messages} messages)")
         return conn
+
+    def _finish_salvage(self, aside: str, conn: sqlite3.Connection) -> tuple[int, int]:
+        """Copy what ``aside`` still yields (again: a copied row is kept as it is), then unmark."""
+        counts = self._salvage(aside, conn)
+        conn.execute("DELETE FROM info WHERE key='salvaging'")
+        return counts
 
     def _salvage(self, aside: str, conn: sqlite3.Connection) -> tuple[int, int]:
         """Copy what the damaged database still yields: every readable branch row, and each

@@ -241,6 +241,28 @@ def test_an_unusable_state_dir_refuses_changes_instead_of_going_memory_only(spaw
     assert _branch_ids(c) == set()
     assert [p for p in c.of("window/logMessage") if p["type"] == 1 and "unusable" in p["message"]]
     c.close()
+    assert "Traceback" not in c.stderr_text(), c.stderr_text()           # said in one line, not a traceback
+
+
+def test_a_database_damaged_while_the_server_runs_refuses_changes_in_one_line_each(spawn, tmp_path):
+    """The file's header overwritten while the server runs: every change is refused (-32013),
+    memory keeps what was acknowledged, and each failure is one line on stderr. Every later
+    request logged a whole traceback (the look for other processes' commits failing)."""
+    state = str(tmp_path / "state")
+    c = _start(spawn, state)
+    bid = c.branch(name="b")
+    assert _operate(c, bid, "before")
+    raw = sqlite3.connect(os.path.join(state, DB_FILE))
+    raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")                       # everything in the main file ...
+    raw.close()
+    with open(os.path.join(state, DB_FILE), "r+b") as fh:
+        fh.write(b"garbage!" * 512)                                      # ... whose first page is gone
+    assert not _operate(c, bid, "after")
+    assert c.error_of("createBranch", {"name": "x"}).code == STATE_NOT_SAVED
+    assert _branch_ids(c) == {bid} and _instructions(c, bid) == ["before"]
+    errors = [line for line in c.stderr_text().splitlines() if " ERROR " in line]
+    assert errors and "Traceback" not in c.stderr_text(), c.stderr_text()
+    c.close()
 
 
 def test_a_jsonl_journal_from_0_1_is_imported_over_the_wire(spawn, tmp_path):

@@ -293,6 +293,41 @@ def test_a_damaged_database_is_moved_aside_and_a_fresh_one_used(tmp_path):
     assert c.id in _reload(tmp_path)
 
 
+def test_a_salvage_cut_short_by_a_crash_is_finished_at_the_next_open(tmp_path, monkeypatch):
+    """The process dies while it copies what a damaged database still yields (a SIGKILL at
+    start; a large database takes seconds). The fresh database, holding part of it, passed the
+    next start's check: every branch not copied yet was silently gone (it is still in the file
+    kept aside), and nobody was told."""
+    import shutil
+
+    s = StateStore(str(tmp_path / "a"))
+    for k in range(5):
+        _branch(s, 200, name=f"b{k}", created=k)
+    s.flush()
+    s.close()
+    path = tmp_path / "a" / DB_FILE
+    with open(path, "r+b") as fh:                               # one damaged page: the rest is readable
+        fh.seek(os.path.getsize(path) - 4096)
+        fh.write(b"\xa5" * 64)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    whole = {lb.id for lb in StateStore(str(tmp_path / "b")).load()}  # what an uninterrupted salvage keeps
+    assert len(whole) >= 4
+
+    def killed(self, aside, conn):
+        raise SystemExit("killed mid-salvage")
+
+    monkeypatch.setattr(StateStore, "_salvage", killed)
+    with pytest.raises(SystemExit):
+        StateStore(str(tmp_path / "a"))
+    monkeypatch.undo()
+    again = StateStore(str(tmp_path / "a"))
+    assert {lb.id for lb in again.load()} == whole
+    assert any("damaged" in p for p in again.problems), again.problems
+    again.close()
+    assert {lb.id for lb in StateStore(str(tmp_path / "a")).load()} == whole
+    assert not StateStore(str(tmp_path / "a")).problems         # finished once, not at every open
+
+
 def test_a_file_that_is_no_database_is_moved_aside(tmp_path):
     with open(os.path.join(str(tmp_path), DB_FILE), "wb") as fh:
         fh.write(os.urandom(8192))
@@ -425,6 +460,25 @@ def test_a_database_deleted_or_replaced_under_the_store_refuses_every_change(tmp
         s.delete(a.id)
     s.close()
     assert _reload(tmp_path) == {}  # nothing was claimed saved that is not there
+
+
+def test_a_write_ahead_log_deleted_under_the_store_refuses_every_change(tmp_path):
+    """Only ``state.sqlite3-wal`` deleted (a clean-up of "stale" files while the server runs):
+    the connection went on appending commits to the unlinked log, each acknowledged, none in a
+    file a restart reads (after a SIGKILL the branch and every operate were gone)."""
+    s = StateStore(str(tmp_path))
+    a = _branch(s, 1, name="a")
+    s.flush()
+    (tmp_path / (DB_FILE + "-wal")).unlink()
+    _group(a, 1)
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        s.flush({a.id})
+    b = _branch(s, 1, name="b")
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        s.flush({b.id})
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        s.delete(a.id)
+    s.close()
 
 
 def test_a_jsonl_line_nested_too_deeply_is_skipped_and_nan_becomes_a_string(tmp_path):
