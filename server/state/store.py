@@ -159,6 +159,7 @@ class StateStore:
 
     def _open(self) -> sqlite3.Connection:
         if not os.path.exists(self.path):
+            self._keep_orphan_log()
             return self._connect()
         try:
             conn = self._connect()
@@ -238,9 +239,28 @@ class StateStore:
                              f"{note}")
         return conn
 
-    def _replace_damaged(self, problem: str) -> sqlite3.Connection:
+    def _keep_orphan_log(self) -> None:
+        """The database file is gone but its ``-wal`` is not (deleted by hand, a clean-up, a
+        backup restored without it): SQLite would silently discard that log, which may hold
+        most of the branches. It is moved aside (with its ``-shm``) and reported instead."""
+        wal = self.path + "-wal"
+        if not (os.path.exists(wal) and os.path.getsize(wal) > 0):
+            return
+        aside = self._aside("orphan")
+        for suffix in ("-wal", "-shm"):
+            if os.path.exists(self.path + suffix):
+                os.replace(self.path + suffix, aside + suffix)
+        self.problems.append(f"state database {self.path} is missing but its write-ahead log was not; the log "
+                             f"({os.path.getsize(aside + '-wal')} bytes) is kept as {aside}-wal and a fresh "
+                             "database is in use")
+
+    def _aside(self, why: str) -> str:
+        """Where a file set aside for ``why`` goes: beside the database, stamped."""
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
-        aside = f"{self.path}.damaged-{stamp}"
+        return f"{self.path}.{why}-{stamp}"
+
+    def _replace_damaged(self, problem: str) -> sqlite3.Connection:
+        aside = self._aside("damaged")
         for suffix in ("", "-wal", "-shm"):
             if os.path.exists(self.path + suffix):
                 os.replace(self.path + suffix, aside + suffix)

@@ -462,6 +462,27 @@ def test_a_database_deleted_or_replaced_under_the_store_refuses_every_change(tmp
     assert _reload(tmp_path) == {}  # nothing was claimed saved that is not there
 
 
+def test_a_write_ahead_log_left_without_its_database_is_kept_aside_and_reported(tmp_path):
+    """The database file gone (deleted by hand, a backup restored without it) but its -wal not:
+    SQLite would discard that log silently, and with it what it holds; it is set aside and said."""
+    s = StateStore(str(tmp_path))
+    _branch(s, 1, name="a")
+    s.flush()
+    wal = tmp_path / (DB_FILE + "-wal")
+    held = wal.read_bytes()  # as a crash leaves it: the commit is in the log, not yet in the file
+    assert held
+    s.close()
+    (tmp_path / DB_FILE).unlink()
+    wal.write_bytes(held)
+    again = StateStore(str(tmp_path))
+    try:
+        assert len(again.problems) == 1 and "missing but its write-ahead log was not" in again.problems[0]
+        kept = [f for f in tmp_path.iterdir() if f.name.startswith(DB_FILE + ".orphan-") and f.name.endswith("-wal")]
+        assert len(kept) == 1 and kept[0].read_bytes() == held and str(kept[0]) in again.problems[0]
+    finally:
+        again.close()
+
+
 def test_a_write_ahead_log_deleted_under_the_store_refuses_every_change(tmp_path):
     """Only ``state.sqlite3-wal`` deleted (a clean-up of "stale" files while the server runs):
     the connection went on appending commits to the unlinked log, each acknowledged, none in a
