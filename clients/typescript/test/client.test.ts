@@ -358,33 +358,9 @@ test('listeners that throw: the other toolEvent and onExit listeners still run, 
   }
 });
 
-// A stand-in server that answers every request (shutdown too) and never takes `exit`: it ends at the end of its input.
-const NO_EXIT_SERVER = `
-let buf = Buffer.alloc(0);
-const send = (o) => { const b = Buffer.from(JSON.stringify(o)); process.stdout.write('Content-Length: ' + b.length + '\\r\\n\\r\\n'); process.stdout.write(b); };
-process.stdin.on('data', (d) => {
-  buf = Buffer.concat([buf, d]);
-  for (;;) {
-    const end = buf.indexOf('\\r\\n\\r\\n'); if (end < 0) return;
-    const len = Number(/Content-Length: (\\d+)/i.exec(buf.subarray(0, end).toString())[1]);
-    if (buf.length < end + 4 + len) return;
-    const msg = JSON.parse(buf.subarray(end + 4, end + 4 + len).toString()); buf = buf.subarray(end + 4 + len);
-    if (msg.id !== undefined) send({ jsonrpc: '2.0', id: msg.id, result: null });
-  }
-});
-process.stdin.on('end', () => process.exit(0));
-`;
-
-test('stop ends the server input after exit: a server that does not take exit ends on it, not killed after the wait', async () => {
-  const c = await SidecarClient.start({ command: [process.execPath, '-e', NO_EXIT_SERVER] });
-  try {
-    assert.equal(await within(c.ping(), 'ping'), null);
-    assert.equal(await within(c.stop(5000), 'stop', 15_000), 0);
-  } finally { c.kill(); }
-});
-
-// A stand-in server: answers the first request, then writes a line that is not a frame before the next answer.
-const GARBAGE_SERVER = `
+// A stand-in server (node -e): reads framed messages and hands each request to `onRequest(msg)` (its code,
+// with `send(obj)` to answer); it ends at the end of its input.
+const standIn = (onRequest: string) => `
 let buf = Buffer.alloc(0); let n = 0;
 const send = (o) => { const b = Buffer.from(JSON.stringify(o)); process.stdout.write('Content-Length: ' + b.length + '\\r\\n\\r\\n'); process.stdout.write(b); };
 process.stdin.on('data', (d) => {
@@ -395,12 +371,26 @@ process.stdin.on('data', (d) => {
     if (buf.length < end + 4 + len) return;
     const msg = JSON.parse(buf.subarray(end + 4, end + 4 + len).toString()); buf = buf.subarray(end + 4 + len);
     if (msg.id === undefined) continue;
-    if (++n === 2) process.stdout.write('a stray print from a library\\n');
-    send({ jsonrpc: '2.0', id: msg.id, result: {} });
+    ${onRequest}
   }
 });
 process.stdin.on('end', () => process.exit(0));
 `;
+
+// answers every request (shutdown too) and never takes `exit`
+const NO_EXIT_SERVER = standIn(`send({ jsonrpc: '2.0', id: msg.id, result: null });`);
+
+test('stop ends the server input after exit: a server that does not take exit ends on it, not killed after the wait', async () => {
+  const c = await SidecarClient.start({ command: [process.execPath, '-e', NO_EXIT_SERVER] });
+  try {
+    assert.equal(await within(c.ping(), 'ping'), null);
+    assert.equal(await within(c.stop(5000), 'stop', 15_000), 0);
+  } finally { c.kill(); }
+});
+
+// answers the first request, then writes a line that is not a frame before the next answer
+const GARBAGE_SERVER = standIn(`if (++n === 2) process.stdout.write('a stray print from a library\\n');
+    send({ jsonrpc: '2.0', id: msg.id, result: {} });`);
 
 test('a server that writes garbage mid-session: pending and later requests reject with SidecarStreamError instead of hanging; stop ends it', async () => {
   const c = await SidecarClient.start({ command: [process.execPath, '-e', GARBAGE_SERVER] });
