@@ -17,7 +17,8 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       and key presses over Chromium's DevTools protocol (also the chat hidden and shown again while a
       review waits, keyboard-only use and the extension's keybindings: Ctrl+Backspace / Ctrl+Enter
       in the diff editor, the Open Chat shortcut, Escape; Stop / Cancel in the command palette only while
-      something runs; long lines wrap, Hebrew reads right to left); screenshots land in .test-results/.
+      something runs; long lines wrap, Hebrew reads right to left; a redraw keeps the focus and a selection
+      in the turns it did not change; the input's label and the live region); screenshots land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -191,6 +192,11 @@ def test_c_vsce_package_produces_a_complete_vsix(vsix):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size < 300_000, "the README screenshot stays small"
     props = c["configuration"]["properties"]
     assert props["operateSidecar.maxRounds"]["default"] == 4 and props["operateSidecar.toolPolicy"]["type"] == "object"
+    # a dropdown setting: each choice described, the empty one labelled (not a blank entry)
+    answer = props["operateSidecar.permissionAnswer"]
+    assert answer["enum"][0] == answer["default"] == "" and answer["enumItemLabels"][0] == "(ask)", answer
+    assert len(answer["enumDescriptions"]) == len(answer["enumItemLabels"]) == len(answer["enum"]), answer
+    assert all(d.strip() for d in answer["enumDescriptions"]) and "(ask)" in answer["markdownDescription"], answer
 
 
 def run_itest_suite(vsix, tmp_path, label, *suite):
@@ -217,7 +223,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     summary, report = run_itest_suite(vsix, tmp_path, "(d) extension-host itest")
     TIMINGS["(d) code-server ready"] = round(summary.get("timings", {}).get("codeServerReadyMs", 0) / 1000, 1)
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
-    assert len(report["checks"]) == 35, report["checks"]
+    assert len(report["checks"]) == 36, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -227,7 +233,9 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "dies at start", "Always for this branch", "#selection (file, language, line range), #problems",
                   "invalid maxRounds", "command given as a string", "Stop pressed twice while the server is starting",
                   "never answers initialize", "crashes mid-reply", "program is missing", "nobody answers times out",
-                  "rendered and shown in batches", "reviewed one after the other", "running tool card shows its arguments"):
+                  "rendered and shown in batches", "reviewed one after the other", "running tool card shows its arguments",
+                  "the status bar says stopped (why in its tooltip) and its click restarts", "the status bar says stopped; the next turn",
+                  "outputText() is the channel's last 200 000 characters"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 
@@ -266,13 +274,14 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     bad = [c for c in summary.get("checks", []) if not c["ok"]]
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     names = " | ".join(c["name"] for c in summary["checks"])
-    assert len(summary["checks"]) == 13, names
+    assert len(summary["checks"]) == 14, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
                   "Stop a running turn", "hidden and shown again while it waits",
                   "Open Chat from the editor puts the cursor in the chat input", "stopped turns stay in the chat",
                   "Ctrl+Backspace in its left (file) side rejects", "Ctrl+Enter in its right (proposed) side accepts",
-                  "its shortcut, Ctrl+Shift+Alt+/", "Escape in the editor leaves the turn running"):
+                  "its shortcut, Ctrl+Shift+Alt+/", "Escape in the editor leaves the turn running",
+                  "the input has a label and a polite live region", "replaces only what changed"):
         assert topic in names, f"missing browser check about {topic!r}: {names}"
     for shot in ("chat.png", "diff-review.png", "chat-final.png"):
         png = shots / shot

@@ -11,17 +11,34 @@
   let running = false;
 
   const nearBottom = () => log.scrollHeight - log.scrollTop - log.clientHeight < 60;
+  /** The HTML each placed turn section (data-turn) was made from. */
+  const placed = new WeakMap();
+  // only what changed is replaced: a turn section whose HTML is the same keeps its DOM, and with
+  // it the keyboard focus and a text selection in it (a redraw while another turn streams)
   function place(html) {
     const stick = nearBottom();
-    log.innerHTML = html;
-    for (const d of log.querySelectorAll('details.tool')) if (openCards.has(d.dataset.call)) d.open = true;
+    const t = document.createElement('template');
+    t.innerHTML = html;
+    const was = [...log.children], next = [...t.content.children];
+    next.forEach((n, i) => {
+      const h = n.outerHTML;
+      if (placed.get(was[i]) === h) return;
+      placed.set(n, h);
+      for (const d of n.querySelectorAll('details.tool')) if (openCards.has(d.dataset.call)) d.open = true;
+      if (was[i]) was[i].replaceWith(n); else log.append(n);
+    });
+    for (const o of was.slice(next.length)) o.remove();
     if (stick) log.scrollTop = log.scrollHeight;
   }
   function setRunning(r) {
+    if (r === running) return;
     running = r;
     stop.hidden = !r;
     send.disabled = r;
-    $('status').textContent = r ? 'working…' : '';
+    // the live region (role=status) says that a turn runs and how it ended, not each streamed piece
+    const last = log.querySelector('section.turn:last-of-type');
+    $('status').textContent = r ? 'working…' : last?.classList.contains('failed') ? 'Turn failed.'
+      : last?.classList.contains('stopped') ? 'Turn stopped.' : 'Turn finished.';
     document.body.classList.toggle('running', r);
   }
   function submit() {

@@ -6,7 +6,8 @@
 // and accepts two more with the extension's keybindings pressed in either side of the diff editor,
 // checks the editor buffer (dirty, undo, save) and the files on disk, switches chats through the
 // picker, picks a model, opens the chat with its shortcut and stops a running turn (Stop, Escape);
-// Stop and Cancel show in the command palette only while a turn runs; long lines wrap, Hebrew is right to left.
+// Stop and Cancel show in the command palette only while a turn runs; long lines wrap, Hebrew is right to left;
+// a redraw while a turn streams keeps the focus and a selection in earlier turns; the input's label and the live region.
 // Screenshots go to --out.
 // Prints one JSON summary on stdout. Exit: 0 all checks passed, 1 a check failed, 3 harness error.
 // Usage: node scripts/run-ui-test.mjs [--ext DIR] [--out DIR] [--timeout SECONDS] [--keep]
@@ -251,9 +252,12 @@ async function main() {
     }
   });
 
-  await check('type a prompt with #file: the prose streams in, renders as Markdown with code-block buttons, branch named after it', async () => {
+  await check('type a prompt with #file: the prose streams in, renders as Markdown with code-block buttons, branch named after it; for screen readers the input has a label and a polite live region says "working…" and "Turn finished.", not each piece', async () => {
     await inWeb(`window.__seen = []; new MutationObserver(() => { const ps = document.querySelectorAll('section.turn .prose'); const p = ps[ps.length - 1];
       if (p) window.__seen.push(p.textContent.length); }).observe(document.getElementById('log'), { childList: true, subtree: true, characterData: true }); true`);
+    // what the live region says: each change of its text (a screen reader reads each one)
+    await inWeb(`window.__said = []; const st = document.getElementById('status'); new MutationObserver(() => window.__said.push(st.textContent))
+      .observe(st, { childList: true, subtree: true, characterData: true }); true`);
     await type('Explain the plan for #file');
     await submit();
     await turnDone();
@@ -266,6 +270,10 @@ async function main() {
     expect(await lastTurn(`[...t.querySelectorAll('.chip')].map((c) => c.textContent).join()`) === 'src/app.py', 'the #file reference is shown as a chip');
     expect(/model call/.test(await lastTurn(`t.querySelector('.usage')?.textContent ?? ''`)), 'a usage line under the turn');
     expect(await inWeb(`document.getElementById('branch').textContent`) === 'Explain the plan for', 'the branch is named after the first instruction');
+    const a11y = await inWeb(`(() => { const i = document.getElementById('input'), st = document.getElementById('status');
+      return { label: i.getAttribute('aria-label'), placeholder: i.placeholder, role: st.getAttribute('role'), live: st.getAttribute('aria-live'), said: window.__said }; })()`);
+    expect(a11y.label && a11y.label !== a11y.placeholder && a11y.role === 'status' && a11y.live === 'polite', `the input's label, the live region: ${JSON.stringify(a11y)}`);
+    expect(JSON.stringify(a11y.said) === JSON.stringify(['working…', 'Turn finished.']), `the live region said the state changes only: ${JSON.stringify(a11y.said)}`);
     return { proseLengths: distinct.length };
   });
   await shot('chat', await chatClip());
@@ -496,6 +504,7 @@ async function main() {
     await webClick('#stop');
     await turnDone();
     expect(await lastTurn(`t.querySelector('.note')?.textContent`) === 'Stopped.', 'stopped note');
+    expect(await inWeb(`document.getElementById('status').textContent`) === 'Turn stopped.', 'the live region says the turn stopped');
     expect(await lastTurn(`!t.querySelector('.error')`), 'no error in the chat');
     const toasts = await evalIn(`[...document.querySelectorAll('.notifications-toasts .notification-toast')].map((t) => t.textContent)`);
     expect(!toasts.some((t) => /error|cancel/i.test(t)), `no error notification: ${JSON.stringify(toasts)}`);
@@ -504,10 +513,21 @@ async function main() {
     await waitFor('model back to the default', () => inWeb(`document.getElementById('model').textContent === 'default model'`), 10000);
   });
 
-  await check('stopped turns stay in the chat (marked, in order) after the next turn and when the chat is shown again', async () => {
+  await check('a redraw while a turn streams replaces only what changed: the keyboard focus on a button and a text selection in earlier turns stay', async () => {
     await type('One more after the stops');
     await submit();
+    const set = await inWeb(`(() => { const ts = document.querySelectorAll('section.turn');
+      window.__btn = ts[0].querySelector('.code-block button[data-action=copy]'); window.__btn.focus();
+      getSelection().selectAllChildren(ts[1].querySelector('.user')); window.__sel = getSelection().toString();
+      return { running: document.body.classList.contains('running'), focus: document.activeElement === window.__btn, selection: window.__sel }; })()`);
+    expect(set.running && set.focus && set.selection === 'Make greet shout', `set while the turn runs: ${JSON.stringify(set)}`);
     await turnDone();
+    expect(await lastTurn(`t.querySelector('.prose')?.textContent.trim()`) === 'After the stops.', 'the turn answered');
+    const kept = await inWeb(`({ focus: document.activeElement === window.__btn && window.__btn.isConnected, selection: getSelection().toString() })`);
+    expect(kept.focus && kept.selection === set.selection, `the focus and the selection after the redraws: ${JSON.stringify(kept)}`);
+  });
+
+  await check('stopped turns stay in the chat (marked, in order) after the next turn and when the chat is shown again', async () => {
     const lastThree = () => inWeb(`JSON.stringify([...document.querySelectorAll('section.turn')].slice(-3).map((t) =>
       [t.querySelector('.user').textContent, t.classList.contains('stopped'), t.querySelector('.note')?.textContent ?? '', t.querySelector('.prose')?.textContent.trim() ?? '']))`);
     const expected = JSON.stringify([['Typed without the mouse', true, 'Stopped.', ''], ['This will take forever', true, 'Stopped.', ''],

@@ -16,6 +16,8 @@ import {
 
 const CHANNEL = 'operate-sidecar';
 const STDERR_TAIL_LINES = 12;
+/** How much of the output channel's text the extension keeps for `outputText()` (its end). */
+const OUTPUT_KEPT = 200_000;
 /** Settings whose change restarts the server. */
 const SERVER_SETTINGS = ['command', 'settings', 'stateDir', 'env', 'toolPolicy'].map((k) => `operateSidecar.${k}`);
 /** Defaults (and bounds) of the numeric settings, as in package.json. */
@@ -56,8 +58,10 @@ export interface OperateCommandArgs extends Partial<OperateParams> {
 
 /** What `activate` returns (used by the integration tests and by other extensions). */
 export interface OperateSidecarApi {
-  /** Everything written to the "operate-sidecar" output channel, in order. */
+  /** The end of what was written to the "operate-sidecar" output channel: its last 200 000 characters. */
   outputText(): string;
+  /** How many characters were written to that channel in all: a mark, the text after it ends `outputText()`. */
+  outputLength(): number;
   client(): SidecarClient | undefined;
   currentBranch(): string | undefined;
   initializeResult(): InitializeResult | undefined;
@@ -71,6 +75,8 @@ export interface OperateSidecarApi {
   reviews(): ReviewRecord[];
   /** The status bar item's text. */
   statusText(): string;
+  /** The status bar item: its text, tooltip and the command a click runs. */
+  statusItem(): { text: string; tooltip: string; command: string };
   /** Error notifications shown by the extension (message and offered actions), oldest first. */
   notices(): { message: string; actions: string[] }[];
 }
@@ -82,7 +88,11 @@ class Sidecar {
   private readonly running = new Set<CancellationTokenSource>();
   /** branchId -> pre-answered decision, for operates started with `permissionAnswer`. */
   private readonly preAnswers = new Map<string, PermissionDecision>();
+  /** The end of the output channel's text (OUTPUT_KEPT characters) and how much was written in all. */
   private transcript = '';
+  private written = 0;
+  /** Why the server is not running after it failed to start or died (the status bar says so); undefined otherwise. */
+  private down: string | undefined;
   private stderrTail = '';
   private stopping = false;
   /** Abandons the start in progress (kills its process); set while one runs. */
@@ -116,8 +126,6 @@ class Sidecar {
       serverProblem: (e) => this.serverProblem(e),
     });
     this.status = vscode.window.createStatusBarItem(vscode.StatusBarAlignment.Left, 50);
-    this.status.command = `${VIEW_ID}.focus`;
-    this.status.tooltip = 'operate-sidecar: model · chat · state (click to open the chat)';
     this.updateStatus();
     this.status.show();
     ctx.subscriptions.push(this.channel, this.serverChannel, this.editors, this.review, this.chat, this.status,
@@ -125,20 +133,35 @@ class Sidecar {
   }
 
   // ---- output ----------------------------------------------------------------------------------
-  append(text: string): void { this.transcript += text; this.channel.append(text); }
+  append(text: string): void {
+    this.transcript = (this.transcript + text).slice(-OUTPUT_KEPT);
+    this.written += text.length;
+    this.channel.append(text);
+  }
   line(text: string): void { this.append(text + '\n'); }
   outputText(): string { return this.transcript; }
+  outputLength(): number { return this.written; }
   currentBranch(): string | undefined { return this.branches.current; }
   initializeResult(): InitializeResult | undefined { return this.initResult; }
   currentClient(): SidecarClient | undefined { return this.client; }
 
   updateStatus(): void {
+    const busy = this.chat?.running || this.running.size > 0;
+    void vscode.commands.executeCommand('setContext', BUSY_KEY, busy);   // Cancel in the command palette
+    const down = this.down !== undefined;
+    // the server failed to start or died: the item says so, its tooltip why, and a click restarts it
+    this.status.backgroundColor = down ? new vscode.ThemeColor('statusBarItem.errorBackground') : undefined;
+    this.status.command = down ? 'operateSidecar.restart' : `${VIEW_ID}.focus`;
+    if (down) {
+      this.status.text = '$(error) operate-sidecar: stopped';
+      this.status.tooltip = `operate-sidecar: the server is not running: ${this.down}\nClick to restart it.`;
+      return;
+    }
     const id = this.branches.current;
     const branch = (id && (this.branches.nameOf(id) ?? id.slice(0, 8))) || 'new chat';
     const model = this.branches.model ?? 'default model';
-    const busy = this.chat?.running || this.running.size > 0;
     this.status.text = `$(comment-discussion) ${model} · ${branch}${busy ? ' · $(loading~spin) running' : ''}`;
-    void vscode.commands.executeCommand('setContext', BUSY_KEY, busy);   // Cancel in the command palette
+    this.status.tooltip = 'operate-sidecar: model · chat · state (click to open the chat)';
   }
 
   /** Shows an error with actions; records it for the tests. */
@@ -199,9 +222,18 @@ class Sidecar {
   ensure(): Promise<SidecarClient> {
     if (this.client?.running) return Promise.resolve(this.client);
     if (!this.starting) {
-      this.starting = this.start().finally(() => { this.starting = undefined; });
+      this.starting = this.start().catch((e) => {
+        if (!(e instanceof StartAborted)) this.serverDown(e instanceof Error ? e.message : String(e));
+        throw e;
+      }).finally(() => { this.starting = undefined; });
     }
     return this.starting;
+  }
+
+  /** The server failed to start or died (`why`): the status bar says so until a server runs again. */
+  private serverDown(why: string): void {
+    this.down = why;
+    this.updateStatus();
   }
 
   private stateDir(cfg: vscode.WorkspaceConfiguration, settings: JsonObject): Json {
@@ -274,6 +306,7 @@ class Sidecar {
       this.updateStatus();
       if (!this.stopping && initialized) {
         await new Promise((r) => setTimeout(r, 100));   // let the last stderr lines arrive
+        if (!this.client) this.serverDown(`it exited (${code})${this.tailLines() ? '\n' + this.tailLines() : ''}`);
         this.notify(`operate-sidecar: the server stopped (exit ${code}).${this.tailLines() ? '\n' + this.tailLines() : ''}`,
           ['Show server log', 'Open settings']);
       }
@@ -304,6 +337,7 @@ class Sidecar {
     }
     initialized = true;
     this.client = client;
+    this.down = undefined;   // updateStatus below
     this.chat.serverStarted();   // a new server: what the previous one refused may work now
     const caps = this.initResult.capabilities;
     this.line(`[server] ${this.initResult.serverInfo.name} ${this.initResult.serverInfo.version}; models: ${caps.models.join(', ')}; stateDir: ${caps.stateDir}`);
@@ -635,6 +669,7 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
   }), { dispose: () => clearTimeout(restartTimer) });
   return {
     outputText: () => s.outputText(),
+    outputLength: () => s.outputLength(),
     client: () => s.currentClient(),
     currentBranch: () => s.currentBranch(),
     initializeResult: () => s.initializeResult(),
@@ -642,6 +677,7 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
     chatTurns: () => s.chat.shownTurns(),
     reviews: () => [...s.review.history],
     statusText: () => s.status.text,
+    statusItem: () => ({ text: s.status.text, tooltip: String(s.status.tooltip ?? ''), command: String(s.status.command ?? '') }),
     notices: () => [...s.noticeLog],
   };
 }

@@ -113,6 +113,10 @@ export async function run(): Promise<void> {
   // a check that timed out must not leave scripted prompts behind
   const check = checkRunner(checks, () => restoreUi?.());
   const out = () => api?.outputText() ?? '';
+  /** A mark in the output channel's text (outputText() keeps only its end: marks count all that was written). */
+  const mark = () => api?.outputLength() ?? 0;
+  /** What the output channel got since `m`, a mark(). */
+  const since = (m: number) => { const t = out(); return t.slice(Math.max(0, t.length - (mark() - m))); };
   const outputs = (r: any) => (r.result.action_responses as any[]).map((a) => a.output);
   /** An operate through the command that records how it settled instead of throwing. */
   const startOperate = (args: object) => {
@@ -150,10 +154,10 @@ export async function run(): Promise<void> {
       const doc = await within(vscode.workspace.openTextDocument({ content: 'line one\nSELECTED CODE\nline three' }), 'open doc');
       const editor = await within(vscode.window.showTextDocument(doc), 'show doc');
       editor.selection = new vscode.Selection(1, 0, 1, 'SELECTED CODE'.length);
-      const before = out().length;
+      const before = mark();
       first = await exec('operateSidecar.operate', { instruction: 'greet the itest', showResult: true });
       expect(first?.result === 'hello from the scripted model, streamed in pieces' && first.kind === 'text', `result: ${JSON.stringify(first)}`);
-      const written = out().slice(before);
+      const written = since(before);
       const m = /\[progress\] begin communicate\n([\s\S]*)\n\[progress\] end/.exec(written);
       expect(m, `progress begin/end in the output channel:\n${written}`);
       expect(m[1] === first.result, `deltas in order between begin and end: ${JSON.stringify(m[1])}`);
@@ -168,10 +172,10 @@ export async function run(): Promise<void> {
     });
 
     await check('permission request answered by the pre-answer (allow_once): tool runs, toolEvents in the channel', async () => {
-      const before = out().length;
+      const before = mark();
       const r: any = await exec('operateSidecar.operate', { instruction: 'call shout', actions: true, chatModel: 'tooly', permissionAnswer: 'allow_once', showResult: false });
       expect(JSON.stringify(outputs(r)) === JSON.stringify(['HEY!']), `outputs: ${JSON.stringify(r)}`);
-      const written = out().slice(before);
+      const written = since(before);
       const perm = written.indexOf('[permission] shout {"text":"hey"} -> allow_once');
       const pre = written.indexOf('[tool pre] shout');
       const post = written.indexOf('[tool post] shout');
@@ -181,11 +185,11 @@ export async function run(): Promise<void> {
     });
 
     await check('permission request answered deny_once: never invoked, denied toolEvent', async () => {
-      const before = out().length;
+      const before = mark();
       const r: any = await exec('operateSidecar.operate', { instruction: 'call shout', actions: true, chatModel: 'tooly', permissionAnswer: 'deny_once', showResult: false });
       const o = outputs(r)[0];
       expect(o?.error === 'denied by governance gate' && o.function === 'shout', `denied output: ${JSON.stringify(o)}`);
-      const written = out().slice(before);
+      const written = since(before);
       expect(written.includes('-> deny_once') && written.includes('[tool denied] shout') && !written.includes('[tool pre] shout'), written);
     });
 
@@ -204,15 +208,27 @@ export async function run(): Promise<void> {
       expect(forkMsgs.total === msgs.total && msgs.total >= 7, `fork copies ${msgs.total} messages: ${forkMsgs.total}`);
     });
 
+    await check('the output the extension keeps is bounded: after a 250 000-character reply outputText() is the channel\'s last 200 000 characters, its start dropped', async () => {
+      const before = mark();
+      const big = Array.from({ length: 25_000 }, (_, i) => `w${String(i).padStart(9, '0')}`).join('');
+      const bid = (await within(api!.client()!.createBranch({ name: 'itest-long' }), 'createBranch')).branchId;
+      const r: any = await exec('operateSidecar.operate', { instruction: 'a long reply', chatModel: scripted({ text: big, chunks: 25 }), branchId: bid, showResult: false });
+      expect(r?.result === big, `the whole reply: ${String(r?.result).length} characters`);
+      const kept = out();
+      expect(mark() - before > big.length && kept.length === 200_000, `kept ${kept.length} of ${mark()} characters written`);
+      expect(kept.includes(big.slice(-1000)) && /=== result \(text[^\n]*\)\n$/.test(kept) && !kept.includes('[server] starting'), 'the end kept, the start dropped');
+      expect(since(before) === kept, 'a mark from before still finds what came after it');
+    });
+
     await check('cancel command stops a running operate (the server answers -32800; the command resolves, no error) and the channel says so', async () => {
-      const before = out().length;
+      const before = mark();
       const { s, p } = startOperate({ instruction: 'wait forever', chatModel: 'slow', showResult: false });
-      await until(() => out().slice(before).includes('[progress] begin') || s.done, 'the slow operate started');
+      await until(() => since(before).includes('[progress] begin') || s.done, 'the slow operate started');
       const n = await exec<number>('operateSidecar.cancel');
       expect(n === 1, `cancelled ${n} operate(s): ${JSON.stringify(s)}`);
       await within(p, 'cancelled operate settles');
       expect(!s.err && s.res === undefined, `the user's cancel resolves without an error: ${JSON.stringify(s)} ${s.err}`);
-      expect(/=== cancelled: .*\(-32800\)/.test(out().slice(before)), 'channel shows the cancellation (-32800)');
+      expect(/=== cancelled: .*\(-32800\)/.test(since(before)), 'channel shows the cancellation (-32800)');
     });
 
     await check('restart: a new server process, state journaled in the stateDir survives', async () => {
@@ -244,7 +260,7 @@ export async function run(): Promise<void> {
 
     await check('operate without arguments asks for the instruction (input box); dismissed or empty runs nothing', async () => {
       const bid = (await exec<string>('operateSidecar.newBranch', { name: 'itest-input', chatModel: scripted({ text: 'answer to the typed instruction', chunks: 3 }) }))!;
-      const before = out().length;
+      const before = mark();
       await withScriptedUi(win, [{ input: undefined }, { input: '' }], async (ui) => {
         expect(await exec('operateSidecar.operate') === undefined, 'dismissed: no result');
         expect(await exec('operateSidecar.operate') === undefined, 'empty: no result');
@@ -252,7 +268,7 @@ export async function run(): Promise<void> {
           && p.options?.ignoreFocusOut === true), `prompts: ${JSON.stringify(ui.prompts)}`);
         expect(ui.progress.length === 0, 'no progress notification');
       });
-      expect(!out().slice(before).includes('=== operate'), 'no operate started');
+      expect(!since(before).includes('=== operate'), 'no operate started');
       expect(!(await messagesOf(bid)).some((m) => m.kind === 'instruction'), 'nothing reached the branch');
       await withScriptedUi(win, [{ input: 'typed instruction' }], async (ui) => {
         const r: any = await exec('operateSidecar.operate');
@@ -263,7 +279,7 @@ export async function run(): Promise<void> {
       });
       const instr = (await messagesOf(bid)).filter((m) => m.kind === 'instruction');
       expect(instr.length === 1 && instr[0].content.instruction === 'typed instruction', `instruction on the branch: ${JSON.stringify(instr)}`);
-      expect(out().slice(before).includes(`=== operate [${bid}] "typed instruction"`), 'the channel shows the operate');
+      expect(since(before).includes(`=== operate [${bid}] "typed instruction"`), 'the channel shows the operate');
     });
 
     // [answer of the quick pick (undefined = dismissed), the tool ran, the branch's policy afterwards]
@@ -275,7 +291,7 @@ export async function run(): Promise<void> {
       await check(`permission quick pick for an "ask" tool ${what}: tool ${ran ? 'runs' : 'never runs'}, branch policy ${policyAfter}`, async () => {
         const bid = await freshBranch(`itest-permission-${answer ?? 'dismissed'}`);
         const text = `permission ${answer ?? 'dismissed'}`;
-        const before = out().length;
+        const before = mark();
         let r: any;
         await withScriptedUi(win, [{ pick: answer ? pickDecision(answer) : () => undefined }], async (ui) => {
           r = await operateShout(bid, text);
@@ -287,7 +303,7 @@ export async function run(): Promise<void> {
             && p.options?.ignoreFocusOut === true, `quick pick options: ${JSON.stringify(p.options)}`);
           expect(p.token && !p.token.isCancellationRequested, 'the prompt got a live cancellation token');
         });
-        const written = out().slice(before);
+        const written = since(before);
         expect(written.includes(`[permission] shout ${JSON.stringify({ text })} -> ${answer ?? 'deny_once'}`), `permission line:\n${written}`);
         const responses = (await messagesOf(bid)).filter((m) => m.kind === 'action_response').map((m) => m.content.output as any);
         if (ran) {
@@ -317,13 +333,13 @@ export async function run(): Promise<void> {
       const other = await freshBranch('itest-policy-other');
       const bid = (await exec<string>('operateSidecar.newBranch', { name: 'itest-policy' }))!;
       const shoutItem = (items: any[]) => items.find((i) => i.label === 'shout');
-      const before = out().length;
+      const before = mark();
       await withScriptedUi(win, [{ pick: () => undefined }, { pick: shoutItem }, { pick: () => undefined }], async (ui) => {
         await exec('operateSidecar.listTools');   // dismissed at the tool pick
         await exec('operateSidecar.listTools');   // dismissed at the decision pick
         expect(ui.prompts.length === 3, `prompts: ${ui.prompts.length}`);
       });
-      expect(!out().slice(before).includes('[policy]') && await policyOf(bid) === 'ask', 'dismissed: no policy change');
+      expect(!since(before).includes('[policy]') && await policyOf(bid) === 'ask', 'dismissed: no policy change');
       await withScriptedUi(win, [{ pick: shoutItem }, { pick: (items) => items.find((i) => i === 'allow') }], async (ui) => {
         const tools: any[] = (await exec<any[]>('operateSidecar.listTools'))!;
         const [tp, dp] = ui.prompts;
@@ -332,7 +348,7 @@ export async function run(): Promise<void> {
         expect(JSON.stringify(dp.items) === '["allow","deny","ask"]' && dp.options?.title === 'policy for shout on this branch',
           `decision pick: ${JSON.stringify(dp)}`);
       });
-      expect(out().slice(before).includes(`[policy] shout -> allow (${bid})`), `policy line:\n${out().slice(before)}`);
+      expect(since(before).includes(`[policy] shout -> allow (${bid})`), `policy line:\n${since(before)}`);
       expect(await policyOf(bid) === 'allow', 'listTools: the branch policy is now allow');
       expect(await policyOf(other) === 'ask' && await policyOf() === 'ask', 'another branch and the server-wide policy are untouched');
       await withScriptedUi(win, [], async (ui) => {   // real effect: the tool runs on this branch without asking
@@ -367,18 +383,18 @@ export async function run(): Promise<void> {
       const bid = await freshBranch('itest-cancel-notification');
       const pid = client().process.pid;
       await exec('notifications.clearAll');
-      const before = out().length;
+      const before = mark();
       await withScriptedUi(win, [], async (ui) => {
         const { s, p } = startOperate({ instruction: 'wait for the cancel', branchId: bid, showResult: false,
           chatModel: scripted({ text: 'too late (notification)', delayMs: 120000 }) });
-        await until(() => out().slice(before).includes('[progress] begin') || s.done, 'the slow operate started');
+        await until(() => since(before).includes('[progress] begin') || s.done, 'the slow operate started');
         expect(ui.progress.length === 1 && ui.progress[0].cancellable === true, `progress options: ${JSON.stringify(ui.progress)}`);
         await pressCancelOnProgress();
         await within(p, 'the operate settles after Cancel', 15_000);
         expect(!s.err && s.res === undefined, `the cancel resolves the command: ${JSON.stringify(s)} ${s.err}`);
         expect(ui.errors.length === 0, `no error message for the user's own cancel: ${JSON.stringify(ui.errors)}`);
       });
-      expect(out().slice(before).includes('=== cancelled:'), 'the channel says cancelled');
+      expect(since(before).includes('=== cancelled:'), 'the channel says cancelled');
       expect(await exec<number>('operateSidecar.cancel') === 0, 'nothing left running');
       const r: any = await exec('operateSidecar.operate', { instruction: 'after the cancel', branchId: bid, showResult: false,
         chatModel: scripted('still serving after the cancel') });
@@ -388,7 +404,7 @@ export async function run(): Promise<void> {
     await check('Cancel while the permission quick pick is open: the server withdraws the prompt (its token is cancelled), the tool never runs', async () => {
       const bid = await freshBranch('itest-cancel-at-prompt');
       await exec('notifications.clearAll');
-      const before = out().length;
+      const before = mark();
       let promptToken: vscode.CancellationToken | undefined;
       const waitForToken = (_items: any[], _options: any, token?: vscode.CancellationToken) => new Promise((resolve) => {
         promptToken = token;
@@ -405,7 +421,7 @@ export async function run(): Promise<void> {
         expect(!s.err && s.res === undefined, `the cancel resolves the command: ${JSON.stringify(s)} ${s.err}`);
         await until(() => promptToken!.isCancellationRequested, 'the server cancelled requestToolPermission', 10_000);
       });
-      const written = out().slice(before);
+      const written = since(before);
       expect(written.includes('=== cancelled:') && !written.includes('[tool pre] shout'), `channel:\n${written}`);
       const msgs = await messagesOf(bid);
       const responses = msgs.filter((m) => m.kind === 'action_response');
@@ -585,21 +601,32 @@ export async function run(): Promise<void> {
       await until(() => !!api!.client()?.running && api!.client()!.process.pid !== pid2, 'restarted after the reset', 20_000);
     });
 
-    await check('a server that dies at start: an error with its last stderr lines, "Show server log" and "Open settings"; fixing the setting recovers', async () => {
+    await check('a server that dies at start: an error with its last stderr lines, "Show server log" and "Open settings"; the status bar says stopped (why in its tooltip) and its click restarts the server once the setting is fixed', async () => {
       const cfg = vscode.workspace.getConfiguration('operateSidecar');
       const good = cfg.get<string[]>('command')!;
       const n0 = api!.notices().length;
-      await within(cfg.update('command', [good[0], '-c', 'import sys; sys.stderr.write("boom: the config is broken\\n"); sys.exit(3)'],
-        vscode.ConfigurationTarget.Workspace), 'break the command');
-      await until(() => api!.notices().length > n0, 'an error notice', 20_000);
-      const n = api!.notices()[n0];
-      expect(n.message.includes('boom: the config is broken') && !/EPIPE/.test(n.message), `notice: ${JSON.stringify(n)}`);
-      expect(JSON.stringify(n.actions) === '["Show server log","Open settings"]', `actions: ${JSON.stringify(n.actions)}`);
-      let err: any;
-      await exec('operateSidecar.listTools', { branchId: undefined }).catch((e: unknown) => { err = e; });
-      expect(err && /boom: the config is broken/.test(String(err?.message ?? err)), `a command fails with the server's words: ${err}`);
-      await within(cfg.update('command', good, vscode.ConfigurationTarget.Workspace), 'restore the command');
+      let down = api!.statusItem();
+      try {
+        await within(cfg.update('command', [good[0], '-c', 'import sys; sys.stderr.write("boom: the config is broken\\n"); sys.exit(3)'],
+          vscode.ConfigurationTarget.Workspace), 'break the command');
+        await until(() => api!.notices().length > n0, 'an error notice', 20_000);
+        const n = api!.notices()[n0];
+        expect(n.message.includes('boom: the config is broken') && !/EPIPE/.test(n.message), `notice: ${JSON.stringify(n)}`);
+        expect(JSON.stringify(n.actions) === '["Show server log","Open settings"]', `actions: ${JSON.stringify(n.actions)}`);
+        let err: any;
+        await exec('operateSidecar.listTools', { branchId: undefined }).catch((e: unknown) => { err = e; });
+        expect(err && /boom: the config is broken/.test(String(err?.message ?? err)), `a command fails with the server's words: ${err}`);
+        down = api!.statusItem();
+        expect(down.text === '$(error) operate-sidecar: stopped' && down.tooltip.includes('boom: the config is broken')
+          && down.command === 'operateSidecar.restart', `the status bar: ${JSON.stringify(down)}`);
+      } finally {
+        await within(cfg.update('command', good, vscode.ConfigurationTarget.Workspace), 'restore the command');
+      }
       await new Promise((r) => setTimeout(r, 300));
+      const init: any = await exec(down.command);   // the status bar item clicked
+      expect(init?.protocolVersion === 1 && api!.client()?.running, `restarted: ${JSON.stringify(init)}`);
+      const up = api!.statusItem();
+      expect(up.text.startsWith('$(comment-discussion) ') && up.command === 'operateSidecar.chat.focus', `the status bar is back: ${JSON.stringify(up)}`);
       const tools: any = await exec('operateSidecar.listTools', {});
       expect(Array.isArray(tools) && api!.client()?.running, 'the server serves again');
     });
@@ -759,12 +786,12 @@ export async function run(): Promise<void> {
       expect(!api!.chatStats().running, 'no turn left running');
     });
 
-    await check('the server crashes mid-reply: the turn ends with an error naming the crash, its stderr lines once; the next turn starts a new server on the same chat', async () => {
+    await check('the server crashes mid-reply: the turn ends with an error naming the crash, its stderr lines once, the status bar says stopped; the next turn starts a new server on the same chat', async () => {
       // a fresh server whose stderr ends with its warning about the broken tool module
-      const mark = out().length;
+      const start = mark();
       await exec('operateSidecar.restart');
       await exec('operateSidecar.listTools', {});
-      await until(() => out().slice(mark).includes('no_such_module_xyz'), 'the server warned about the broken tool module');
+      await until(() => since(start).includes('no_such_module_xyz'), 'the server warned about the broken tool module');
       await exec('operateSidecar.pickModel', 'slow');
       await exec('operateSidecar.newChat');
       const c = client();
@@ -775,11 +802,14 @@ export async function run(): Promise<void> {
       await within(p, 'the turn ends', 10_000);
       const err: string = s.res?.error ?? '';
       expect(!s.err && !s.res?.cancelled && /SIGKILL/.test(err), `the turn failed naming the crash: ${JSON.stringify(s)}`);
+      await until(() => api!.statusItem().text === '$(error) operate-sidecar: stopped', 'the status bar says stopped');
+      expect(/exited \(SIGKILL\)/.test(api!.statusItem().tooltip), `why, in its tooltip: ${JSON.stringify(api!.statusItem())}`);
       const logLine = "No module named 'no_such_module_xyz'";   // the server's last stderr line (a broken tool module)
       expect(err.split(logLine).length - 1 === 1, `the server's last stderr lines shown once: ${JSON.stringify(err)}`);
       await exec('operateSidecar.pickModel', 'twice');
       const o: any = await exec('operateSidecar.chat', 'after the crash');
       expect(o?.result?.result === 'Noted.' && o.branchId === bid && api!.client()?.running, `a new server: ${JSON.stringify(o)}`);
+      expect(api!.statusItem().text.includes(' · '), `the status bar is back: ${api!.statusText()}`);
       // the server never recorded the crashed turn (no reply): the chat keeps it, marked, before the next one
       const shown = () => api!.chatTurns().map((t) => `${t.user}|${t.outcome ?? 'ok'}`).join(' / ');
       const expected = 'crash during this reply|failed / after the crash|ok';
