@@ -571,6 +571,47 @@ def test_diff_review_gives_the_file_buffer_its_own_mappings_back(sv):
     assert sv.lua("return {_G.my_gr, vim.g.my_ga}") == [1, 1]
 
 
+def test_the_statusline_in_the_review_tab_names_the_branch_of_the_review(sv):
+    path, bid = _diff_setup(sv, "slbranch", ["not edited"])
+    first_tab = sv.lua("return vim.api.nvim_get_current_tabpage()")
+    sv.chat_send("make it return 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    assert sv.lua("return vim.api.nvim_get_current_tabpage() == require('operate_sidecar.diff').current.tab")
+    assert sv.lua("return require('operate_sidecar').statusline()") == "operate · s · slbranch · waiting for you"
+    assert sv.lua("return require('operate_sidecar').status().branch") == bid
+    assert sv.lua("return require('operate_sidecar').current_branch()") is None   # the tab still has none
+    sv.send_keys("gr")
+    assert sv.wait_done()["err"] is None
+    assert sv.lua("return vim.api.nvim_get_current_tabpage()") == first_tab
+    assert sv.lua("return require('operate_sidecar').statusline()") == "operate · s · slbranch"
+
+
+def test_ctrl_c_in_the_review_cancels_the_turn_and_gives_the_buffer_its_own_back(sv):
+    path, bid = _diff_setup(sv, "ctrlc", ["unused"])
+    buf = sv.lua("return vim.fn.bufnr(...)", str(path))
+    sv.lua("vim.keymap.set('n', '<C-c>', function() _G.my_cc = (_G.my_cc or 0) + 1 end, "
+           "{ buffer = ..., desc = 'my ctrl-c' })", buf)
+    sv.chat_send("make it return 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    assert sv.lua("local d = require('operate_sidecar.diff').current; return vim.api.nvim_buf_call(d.proposed_buf, "
+                  "function() return vim.fn.maparg('<C-c>', 'n', false, true).desc end)") == \
+        "operate-sidecar: cancel"                                    # in the proposal too
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.diff').current.left)")
+    sv.send_keys("<C-c>")                                # in the file's window: the review's key
+    out = sv.wait_done()
+    assert out["err"]["code"] == -32800 and sv.lua("return _G.my_cc") is None
+    sv.wait("#require('operate_sidecar.permission').queue == 0", "the request to go")
+    assert sv.lua("return #vim.api.nvim_list_tabpages()") == 1 and path.read_text().count("return 1") == 1
+    assert any(ln.startswith("⊘ edit_file ctrlc.py") and ln.endswith("(cancelled)") for ln in sv.chat(bid))
+    maps = sv.lua("""local out = {}
+        for _, m in ipairs(vim.api.nvim_buf_get_keymap(..., 'n')) do out[m.lhs] = m.desc or m.rhs end
+        return out""", buf)
+    assert maps == {"<C-C>": "my ctrl-c"}, maps                 # the buffer's own <C-c> is back
+    sv.n.command(f"buffer {buf}")
+    sv.send_keys("<C-c>")
+    assert sv.lua("return _G.my_cc") == 1
+
+
 def test_diff_review_waits_while_the_user_types_elsewhere(sv):
     path, bid = _diff_setup(sv, "later", ["ok"])
     sv.lua("require('operate_sidecar.chat').open(nil, true)")

@@ -1,15 +1,18 @@
 -- Diff review of a proposed file change: a tab with the file's buffer and the proposed text
 -- side by side (`:diffthis`), `ga` accept, `gr` reject, `gA` accept always (this branch),
--- `gR` reject always. An accepted change is then written by the server through the editor's
--- file system (fs.lua), so it lands in this very buffer as one undoable change. A new file is
--- reviewed against an empty buffer of its path that the review makes; when the change is not
--- accepted that buffer goes again (fs.lua treats it as "no such file" meanwhile).
+-- `gR` reject always, `<C-c>` cancel the running turn. An accepted change is then written by
+-- the server through the editor's file system (fs.lua), so it lands in this very buffer as one
+-- undoable change. A new file is reviewed against an empty buffer of its path that the review
+-- makes; when the change is not accepted that buffer goes again (fs.lua treats it as "no such
+-- file" meanwhile).
 local api = vim.api
 local util = require('operate_sidecar.util')
 
 local M = {}
 
-M.KEYS = { ga = 'allow_once', gA = 'allow_always', gr = 'deny_once', gR = 'deny_always' }
+-- the review's keys: a decision each, and <C-c> cancels the running turn as in the chat
+-- (spelled as nvim_buf_get_keymap() gives it back, so the buffer's own <C-c> is saved too)
+M.KEYS = { ga = 'allow_once', gA = 'allow_always', gr = 'deny_once', gR = 'deny_always', ['<C-C>'] = 'cancel' }
 M.HINT = 'ga accept · gr reject · gA always · gR never'
 
 M.current = nil -- {req, tab, file_buf, proposed_buf}
@@ -44,7 +47,11 @@ local function map_keys(b, decide)
   end
   for key, decision in pairs(M.KEYS) do
     vim.keymap.set('n', key, function()
-      decide(decision)
+      if decision == 'cancel' then
+        require('operate_sidecar.server').cancel()
+      else
+        decide(decision)
+      end
     end, { buffer = b, nowait = true, desc = 'operate-sidecar: ' .. decision })
   end
   return saved
@@ -157,6 +164,16 @@ function M.review(req, decide)
     M.open(req, decide)
   else
     require('operate_sidecar.permission').open_preview_float(req)
+  end
+end
+
+--- The branch of the review shown in the current tab page (nil elsewhere): the review tab has
+--- no current branch of its own, yet the statusline there names the branch of the request.
+function M.branch()
+  local view = M.current
+  if view and view.tab == api.nvim_get_current_tabpage() then
+    local id = view.req.params.branchId
+    return type(id) == 'string' and id or nil
   end
 end
 

@@ -60,7 +60,7 @@ function M.status()
     running = server.is_running(),
     ready = S.ready,
     pid = S.client and S.client.pid or nil,
-    branch = branches.current(),
+    branch = require('operate_sidecar.diff').branch() or branches.current(), -- (the review tab: its request's)
     operating = S.running ~= nil,
     phase = S.progress.phase,
     exit = S.exit,
