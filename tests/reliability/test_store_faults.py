@@ -320,22 +320,29 @@ def test_a_change_cancelled_while_it_is_being_saved_answers_what_happened_and_me
     c.request("initialize", {"workspaceFolders": [str(tmp_path)], "settings": {
         "models": {"m": scripted("reply")}, "defaultModel": "m", "stateDir": state}}, timeout=TIMEOUT)
     gone, kept = c.branch(name="gone"), c.branch(name="kept")
-    holder = sqlite3.connect(os.path.join(state, DB_FILE), isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")  # every commit of the server now waits (busy timeout: 10 s)
-    try:
-        pending = [c.request_async("deleteBranch", {"branchId": gone}),
-                   c.request_async("createBranch", {"name": "new"}),
-                   c.request_async("forkBranch", {"branchId": kept}),
-                   c.request_async("authorizeTool", {"tool": "write_file", "decision": "deny", "branchId": kept})]
-        # a round trip served after them: each has run up to its commit, which waits for the lock
-        assert c.request("listTools", {})["tools"]
-        for p in pending:
-            c.cancel(p.id)
-        assert c.request("ping") == {}  # answered in order: every cancel has arrived
-    finally:
-        holder.execute("COMMIT")
-        holder.close()
-    deleted, created, forked, authorized = (p.result(TIMEOUT) for p in pending)
+
+    def cancelled_while_saved(method: str, params: dict):
+        """``method`` sent while another process holds the database's write lock (its commit
+        waits: busy timeout 10 s), then cancelled; its outcome once the lock is free. One change
+        at a time: a second one sent meanwhile would wait behind the first's commit before it
+        began anything (a cancel then stops it before any effect: -32800, rightly)."""
+        holder = sqlite3.connect(os.path.join(state, DB_FILE), isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            pending = c.request_async(method, params)
+            # served after the change's first step, which runs up to its commit (waiting for the lock)
+            assert c.request("listTools", {})["tools"]
+            c.cancel(pending.id)
+            assert c.request("ping") == {}  # answered in order: the cancel has arrived
+        finally:
+            holder.execute("COMMIT")
+            holder.close()
+        return pending.result(TIMEOUT)
+
+    deleted = cancelled_while_saved("deleteBranch", {"branchId": gone})
+    created = cancelled_while_saved("createBranch", {"name": "new"})
+    forked = cancelled_while_saved("forkBranch", {"branchId": kept})
+    authorized = cancelled_while_saved("authorizeTool", {"tool": "write_file", "decision": "deny", "branchId": kept})
     assert deleted == {} and authorized["decision"] == "deny"
     mem = {b["branchId"]: b["name"] for b in c.request("listBranches", {})["branches"]}
     assert mem == {kept: "kept", created["branchId"]: "new", forked["branchId"]: "kept"}
