@@ -278,8 +278,6 @@ class SidecarClient:
         except subprocess.TimeoutExpired:
             self.kill()
             return self.proc.wait(timeout)
-        finally:
-            self._close_pipes()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -26,8 +26,9 @@ from typing import Any
 
 from acp import PROTOCOL_VERSION, Agent, RequestError, update_agent_message_text
 from acp.schema import (AgentCapabilities, ConfigOptionUpdate, CurrentModeUpdate, Implementation,
-                        InitializeResponse, ListSessionsResponse, LoadSessionResponse, McpCapabilities, NewSessionResponse, PromptCapabilities, PromptResponse,
-                        SessionCapabilities, SessionConfigOptionSelect, SessionConfigSelectOption, SessionInfo,
+                        InitializeResponse, ListSessionsResponse, LoadSessionResponse, McpCapabilities,
+                        NewSessionResponse, PromptCapabilities, PromptResponse, SessionCapabilities,
+                        SessionConfigOptionSelect, SessionConfigSelectOption, SessionInfo,
                         SessionListCapabilities, SessionMode, SessionModeState, SetSessionConfigOptionResponse,
                         SetSessionModeResponse, Usage, UsageUpdate)
 
@@ -384,27 +385,32 @@ class OperateAgent(Agent):
 
     async def set_config_option(self, config_id: str, session_id: str, value: Any,
                                 **kw: Any) -> SetSessionConfigOptionResponse:
+        await self._set_option(config_id, session_id, value)
+        if config_id == "mode":  # the mode is also the session's ACP mode: a client's mode selector follows
+            self.port.send(session_id, CurrentModeUpdate(session_update="current_mode_update", current_mode_id=value))
+            await self.port.flush()
+        return SetSessionConfigOptionResponse(config_options=self._options(session_id))
+
+    async def set_session_mode(self, mode_id: str, session_id: str, **kw: Any) -> SetSessionModeResponse:
+        await self._set_option("mode", session_id, mode_id)
+        # the mode is also a config option: a client's option selectors follow
+        self.port.send(session_id, ConfigOptionUpdate(session_update="config_option_update",
+                                                      config_options=self._options(session_id)))
+        await self.port.flush()
+        return SetSessionModeResponse()
+
+    async def _set_option(self, config_id: str, session_id: str, value: Any) -> None:
+        """The session's ``model`` or ``mode`` (-32602 for another option or value)."""
         await self._branch(session_id)
         if config_id == "model" and value in self.settings["models"]:
             await self._save(session_id, {"model": value})
         elif config_id == "mode" and value in MODES:
             await self._save(session_id, mode=value)  # the service applies it from the next tool call
-            # the mode is also the session's ACP mode: a client's mode selector follows
-            self.port.send(session_id, CurrentModeUpdate(session_update="current_mode_update", current_mode_id=value))
-            await self.port.flush()
         else:
             allowed = list(self.settings["models"]) if config_id == "model" else list(MODES)
             raise RequestError.invalid_params({"configId": config_id, "value": value,
                                                "reason": "unknown option" if config_id not in ("model", "mode")
                                                else f"one of {', '.join(allowed)}"})
-        return SetSessionConfigOptionResponse(config_options=self._options(session_id))
-
-    async def set_session_mode(self, mode_id: str, session_id: str, **kw: Any) -> SetSessionModeResponse:
-        options = (await self.set_config_option("mode", session_id, mode_id)).config_options
-        # the mode is also a config option: a client's option selectors follow
-        self.port.send(session_id, ConfigOptionUpdate(session_update="config_option_update", config_options=options))
-        await self.port.flush()
-        return SetSessionModeResponse()
 
     def _background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -1033,6 +1033,7 @@ class Service:
         self._model_specs.pop(branch_id, None)
         self._info.pop(branch_id, None)
         self._roots.pop(branch_id, None)
+        self._branch_mcp_of.pop(branch_id, None)
         self.governance.forget_branch(branch_id)  # type: ignore[union-attr]
 
     async def listBranches(self, params: dict) -> dict:

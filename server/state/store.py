@@ -246,24 +246,23 @@ class StateStore:
         wal = self.path + "-wal"
         if not (os.path.exists(wal) and os.path.getsize(wal) > 0):
             return
-        aside = self._aside("orphan")
-        for suffix in ("-wal", "-shm"):
-            if os.path.exists(self.path + suffix):
-                os.replace(self.path + suffix, aside + suffix)
+        aside = self._set_aside("orphan", ("-wal", "-shm"))
         self.problems.append(f"state database {self.path} is missing but its write-ahead log was not; the log "
                              f"({os.path.getsize(aside + '-wal')} bytes) is kept as {aside}-wal and a fresh "
                              "database is in use")
 
-    def _aside(self, why: str) -> str:
-        """Where a file set aside for ``why`` goes: beside the database, stamped."""
+    def _set_aside(self, why: str, suffixes: tuple[str, ...]) -> str:
+        """Move the database's files of these ``suffixes`` ("" the database itself) aside, for
+        ``why``: beside it, stamped. Returns the path they now have (without the suffix)."""
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
-        return f"{self.path}.{why}-{stamp}"
-
-    def _replace_damaged(self, problem: str) -> sqlite3.Connection:
-        aside = self._aside("damaged")
-        for suffix in ("", "-wal", "-shm"):
+        aside = f"{self.path}.{why}-{stamp}"
+        for suffix in suffixes:
             if os.path.exists(self.path + suffix):
                 os.replace(self.path + suffix, aside + suffix)
+        return aside
+
+    def _replace_damaged(self, problem: str) -> sqlite3.Connection:
+        aside = self._set_aside("damaged", ("", "-wal", "-shm"))
         conn = self._connect()
         # marked first: a process that dies half-way leaves a database that looks whole, and the
         # next open finishes the copy (``_open``)

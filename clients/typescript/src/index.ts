@@ -410,15 +410,12 @@ export class SidecarClient {
   async stop(timeoutMs = 5000): Promise<number | string | null> {
     if (this.running) {
       const timer = (ms: number) => new Promise<'timeout'>((r) => setTimeout(() => r('timeout'), ms).unref());
-      if (this.streamError) {
-        this.process.stdin?.end();
-        if ((await Promise.race([this.exited, timer(timeoutMs)])) === 'timeout') this.process.kill('SIGKILL');
-        return this.exited;
+      if (!this.streamError) {  // (with an unreadable stream nothing could be answered: only the end of its input)
+        try {
+          await Promise.race([this.request('shutdown'), timer(timeoutMs)]);
+        } catch { /* already gone, or refused: exit anyway */ }
+        try { await this.connection.sendNotification('exit'); } catch { /* already gone */ }
       }
-      try {
-        await Promise.race([this.request('shutdown'), timer(timeoutMs)]);
-      } catch { /* already gone, or refused: exit anyway */ }
-      try { await this.connection.sendNotification('exit'); } catch { /* already gone */ }
       this.process.stdin?.end();  // the end of its input: a server that did not take `exit` ends on that
       if ((await Promise.race([this.exited, timer(timeoutMs)])) === 'timeout') this.process.kill('SIGKILL');
     }
