@@ -450,8 +450,8 @@ class OperateAgent(Agent):
     # ------------------------------------------------------------------ prompt turns
     async def prompt(self, prompt: list, session_id: str, **kw: Any) -> PromptResponse:
         lock = self._prompts.setdefault(session_id, asyncio.Lock())
-        if lock.locked() and not (session_id in self._turns and session_id in self._cancelled
-                                  and session_id not in self._starting):
+        # (the cancelled turn stays in ``_cancelled`` until its answer: its task may be gone already)
+        if lock.locked() and not (session_id in self._cancelled and session_id not in self._starting):
             raise RequestError.invalid_params({"sessionId": session_id, "reason": "a prompt turn is already running"})
         # else the turn running, if any, is cancelled (that cancel is its own: its task has it) but
         # not answered yet: this one starts once it is (CodeCompanion does not wait for that answer)
