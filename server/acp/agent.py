@@ -56,6 +56,9 @@ LEGACY_SESSIONS = "acp-sessions.json"
 #: the session fields kept in the branch's info
 INFO_FIELDS = ("cwd", "title", "model", "updatedAt")
 
+#: ``session/list`` answers at most this many sessions, with a ``nextCursor`` when more follow
+LIST_PAGE = 100
+
 
 _LAST_MS = [0]
 
@@ -77,6 +80,27 @@ def _when(updated_at: str | None) -> float:
     except ValueError:
         return float("-inf")
     return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _issue_cursor(key: tuple[float, str]) -> str:
+    """``session/list``'s ``nextCursor``: where the page ended, in the list's order (opaque to
+    the client). A page goes on after it even when that session was deleted meanwhile."""
+    import base64
+
+    return base64.urlsafe_b64encode(json.dumps([repr(key[0]), key[1]]).encode()).decode().rstrip("=")
+
+
+def _cursor_key(cursor: Any) -> tuple[float, str]:
+    """The position a ``cursor`` of ours names; anything else is -32602."""
+    import base64
+
+    try:
+        when, sid = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if not isinstance(sid, str):
+            raise ValueError(sid)
+        return float(when), sid
+    except Exception:
+        raise RequestError.invalid_params({"cursor": cursor, "reason": "not a cursor this agent gave"}) from None
 
 
 class OperateAgent(Agent):
@@ -340,17 +364,22 @@ class OperateAgent(Agent):
             branches = (await sc.listBranches({}))["branches"]
         except Exception as e:
             raise self._error(e) from None
-        out = []
+        after = _cursor_key(cursor) if cursor is not None else None
+        keyed = []
         for b in branches:
             info = sc.branch_info(b["branchId"])
             if not info:  # not a session (made natively)
                 continue
             if cwd is not None and os.path.normpath(info.get("cwd") or "/") != cwd:
                 continue
-            out.append(SessionInfo(session_id=b["branchId"], cwd=info.get("cwd") or "", title=info.get("title"),
-                                   updated_at=info.get("updatedAt")))
-        out.sort(key=lambda s: _when(s.updated_at), reverse=True)
-        return ListSessionsResponse(sessions=out)
+            key = (-_when(info.get("updatedAt")), b["branchId"])  # most recent first; ties by id, stably
+            if after is None or key > after:
+                keyed.append((key, SessionInfo(session_id=b["branchId"], cwd=info.get("cwd") or "",
+                                               title=info.get("title"), updated_at=info.get("updatedAt"))))
+        keyed.sort(key=lambda k: k[0])
+        page = keyed[:LIST_PAGE]
+        more = _issue_cursor(page[-1][0]) if len(keyed) > LIST_PAGE else None
+        return ListSessionsResponse(sessions=[s for _, s in page], next_cursor=more)
 
     async def _save(self, sid: str, info: dict[str, Any] | None = None, mode: str | None = None) -> None:
         """Save a change of the session's info or mode (durable before the answer; -32013 when not)."""

@@ -1104,6 +1104,45 @@ def test_sessions_are_listed_under_their_folder_however_its_path_is_written(tmp_
     run(main())
 
 
+def test_session_list_comes_in_pages_a_cursor_goes_on_from(tmp_path, ws):
+    """``session/list`` answers at most ``LIST_PAGE`` sessions and a ``nextCursor`` while more
+    follow; passing it lists the rest, each session once, in the same order (most recently
+    updated first), with the ``cwd`` filter applied to every page; the last page has no cursor.
+    A cursor the agent never gave is -32602, not the whole list."""
+    from operate_sidecar.server.acp.agent import LIST_PAGE
+
+    async def main():
+        async with spawn(RecordingClient(), cfg(tmp_path, reply("ok"))) as (conn, _):
+            other = ws / "other"
+            other.mkdir()
+            made = [(await bounded(conn.new_session(cwd=str(ws if i % 5 else other)))).session_id
+                    for i in range(LIST_PAGE + 30)]
+            mine = {s for i, s in enumerate(made) if i % 5}
+
+            async def pages(cwd=None):
+                ids, cursor, n = [], None, 0
+                while True:
+                    r = await bounded(conn.list_sessions(cwd=cwd, cursor=cursor))
+                    n += 1
+                    assert len(r.sessions) <= LIST_PAGE and n < 5, (len(r.sessions), n)
+                    assert cwd is None or all(s.cwd == cwd for s in r.sessions)
+                    ids += [s.session_id for s in r.sessions]
+                    if r.next_cursor is None:
+                        return ids, n
+                    cursor = r.next_cursor
+
+            everyone, n_all = await pages()
+            assert n_all == 2 and sorted(everyone) == sorted(made)  # each once
+            assert everyone == made[::-1]  # most recently updated first, across the pages
+            in_ws, n_ws = await pages(str(ws))
+            assert n_ws == 2 and in_ws == [s for s in everyone if s in mine]
+            for bad in ("nonsense", "e30", "W10"):
+                with pytest.raises(acp.RequestError) as ei:
+                    await bounded(conn.list_sessions(cursor=bad))
+                assert ei.value.code == -32602, ei.value
+    run(main())
+
+
 def test_sessions_passing_one_mcp_server_name_with_other_args_each_get_their_own(tmp_path, ws, capfd):
     """Client MCP servers are the session's: a second session that passes a server under a name
     another session's server has, with other args or env, gets its own under a name of its own
