@@ -194,6 +194,8 @@ export class SidecarClient {
   private stdoutHead = '';
   /** Set when the reader could not read stdout as framing (then nothing can be answered). */
   private streamError: Error | undefined;
+  /** Cancels a request waiting for its answer, one per request: `stop()` calls them before `shutdown`. */
+  private readonly unanswered = new Set<() => void>();
 
   private constructor(child: ChildProcess, opts: StartOptions) {
     this.process = child;
@@ -316,7 +318,8 @@ export class SidecarClient {
   /**
    * A request, typed for the methods the protocol declares. Omitted params are sent as `{}` (vscode-jsonrpc
    * would send `"params": null`). If the server process is gone (or goes before answering), the promise
-   * rejects with a SidecarExitedError carrying its exit code and stderr tail.
+   * rejects with a SidecarExitedError carrying its exit code and stderr tail. Cancelling `token` (or `stop()`
+   * while it runs) sends `$/cancelRequest`.
    */
   request<M extends keyof P.ClientRequests>(method: M, params?: P.ClientRequests[M]['params'], token?: rpc.CancellationToken):
     Promise<P.ClientRequests[M]['result']>;
@@ -324,15 +327,22 @@ export class SidecarClient {
   async request<R>(method: string, params: object = {}, token?: rpc.CancellationToken): Promise<R> {
     if (!this.running) throw new SidecarExitedError(method, await this.exitInfo);
     if (this.streamError) throw new SidecarStreamError(method, this.streamError, this.stdoutHead);
-    const sent = token ? this.connection.sendRequest<R>(method, params, token) : this.connection.sendRequest<R>(method, params);
+    // cancelled by `token` or by stop(); once (a second cancel() of a source whose token was never read throws)
+    const source = new rpc.CancellationTokenSource();
+    const cancel = () => { if (!source.token.isCancellationRequested) source.cancel(); };
+    const linked = token?.onCancellationRequested(cancel);
+    if (token?.isCancellationRequested) cancel();
+    this.unanswered.add(cancel);
+    const sent = this.connection.sendRequest<R>(method, params, source.token);
     const gone = this.exitInfo.then((info) => { throw new SidecarExitedError(method, info); });
     gone.catch(() => { /* handled by the race below */ });
     try {
       return await Promise.race([sent, gone]);
     } catch (e) {
       if (e instanceof SidecarExitedError) throw e;
-      // vscode-jsonrpc rejects pending requests with these codes when the connection is disposed (process gone)
-      const transport = [rpc.ErrorCodes.PendingResponseRejected, rpc.ErrorCodes.ConnectionInactive] as number[];
+      // vscode-jsonrpc rejects a request it could not write (EPIPE: the process is gone, its exit maybe not reported
+      // yet) and the pending ones when the connection is disposed (process gone) with these codes
+      const transport = [rpc.ErrorCodes.MessageWriteError, rpc.ErrorCodes.PendingResponseRejected, rpc.ErrorCodes.ConnectionInactive] as number[];
       if (e instanceof rpc.ResponseError && !transport.includes(e.code)) throw e;
       if (this.streamError && !this.processGone) throw new SidecarStreamError(method, this.streamError, this.stdoutHead);
       // a transport error (write EPIPE, connection disposed): when the process is ending, say why instead
@@ -340,6 +350,10 @@ export class SidecarClient {
       if (info) throw new SidecarExitedError(method, info);
       if (this.streamError) throw new SidecarStreamError(method, this.streamError, this.stdoutHead);
       throw e;
+    } finally {
+      this.unanswered.delete(cancel);
+      linked?.dispose();
+      source.dispose();
     }
   }
   /**
@@ -404,13 +418,15 @@ export class SidecarClient {
   }
 
   /**
-   * shutdown + exit, then the end of its stdin; kills the process if it has not exited within `timeoutMs`. With an unreadable stream
-   * (SidecarStreamError) it closes the server's stdin instead, which makes it exit.
+   * shutdown + exit, then the end of its stdin; kills the process if it has not exited within `timeoutMs`. The requests still
+   * waiting for their answer are cancelled first (`$/cancelRequest`, so the shutdown answer does not wait for them; they reject
+   * with -32800). With an unreadable stream (SidecarStreamError) it closes the server's stdin instead, which makes it exit.
    */
   async stop(timeoutMs = 5000): Promise<number | string | null> {
     if (this.running) {
       const timer = (ms: number) => new Promise<'timeout'>((r) => setTimeout(() => r('timeout'), ms).unref());
       if (!this.streamError) {  // (with an unreadable stream nothing could be answered: only the end of its input)
+        for (const cancel of this.unanswered) cancel();   // written before shutdown (one write queue, in order)
         try {
           await Promise.race([this.request('shutdown'), timer(timeoutMs)]);
         } catch { /* already gone, or refused: exit anyway */ }

@@ -5,12 +5,13 @@ import * as assert from 'node:assert/strict';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
+import { Trace, TraceFormat } from 'vscode-jsonrpc/node';
 import {
   CancellationTokenSource, ErrorCodes, ExitInfo, LogMessage, PermissionRequest, ProgressValue, ReadTextFileRequest,
-  DEFAULT_INITIALIZE_TIMEOUT_MS, SidecarClient, SidecarExitedError, SidecarStreamError, SidecarTimeoutError, ToolEvent, WriteTextFileRequest,
+  DEFAULT_INITIALIZE_TIMEOUT_MS, ResponseError, SidecarClient, SidecarExitedError, SidecarStreamError, SidecarTimeoutError, ToolEvent, WriteTextFileRequest,
 } from '../src/index';
 import {
-  callTool, initialized, outputs, rejection, REPO, scripted, server, serverCommand, stderr, stopAll, until, within,
+  callTool, endedUnreported, initialized, outputs, rejection, REPO, scripted, server, serverCommand, stderr, stopAll, until, within,
 } from './support';
 
 afterEach(stopAll);
@@ -227,6 +228,31 @@ test('cancel mid model call sends $/cancelRequest: -32800, progress ends "cancel
   assert.equal(again.result, 'next');
 });
 
+test('stop cancels the running requests first ($/cancelRequest before shutdown): they end -32800, answered before shutdown is', async () => {
+  const { c } = await initialized({ models: { s: scripted({ text: 'late', delayMs: 60000 }) } });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  // the messages in wire order, as the client sent and received them
+  const wire: string[] = [];
+  await c.connection.trace(Trace.Messages, {
+    log: (m: any) => {
+      const msg = m.message ?? {};
+      if (m.type === 'send-request' || m.type === 'send-notification') wire.push(`-> ${msg.method}${msg.id !== undefined ? ` #${msg.id}` : ''}`);
+      if (m.type === 'receive-response') wire.push(`<- #${msg.id}${msg.error ? ` ${msg.error.code}` : ''}`);
+    },
+  }, { traceFormat: TraceFormat.JSON });
+  const values: ProgressValue[] = [];
+  const pending = c.operate({ branchId, instruction: 'wait' }, { onProgress: (v) => values.push(v) }).then(() => undefined, (e) => e);
+  await until(() => values.length > 0, 'progress begin (the model call started)');
+  assert.equal(await within(c.stop(5000), 'stop', 15_000), 0);
+  const err = await within(pending, 'the running operate ends');
+  assert.ok(err instanceof ResponseError && err.code === ErrorCodes.Cancelled, `cancelled (-32800), got ${err}`);
+  const op = /^-> operate #(\d+)$/.exec(wire[0])?.[1];
+  const shutdown = wire.find((w) => w.startsWith('-> shutdown'))?.split('#')[1];
+  assert.ok(op && shutdown, JSON.stringify(wire));
+  assert.deepEqual(wire, ['-> operate #' + op, '-> $/cancelRequest', '-> shutdown #' + shutdown, `<- #${op} -32800`, `<- #${shutdown}`, '-> exit'],
+    'the operate is cancelled before shutdown is sent, and answered before it');
+});
+
 test('error codes surface as ResponseError with the right code', async () => {
   const answer = { title: 'Answer', type: 'object', properties: { answer: { type: 'string' } }, required: ['answer'] };
   const { c } = await initialized({ models: { s: scripted({ error: 'provider down' }, { json: { wrong: 1 } }) } });
@@ -289,6 +315,24 @@ test('a server that dies mid-request fails the pending request with SidecarExite
   await assert.rejects(c.ping(), SidecarExitedError);
   assert.equal(c.running, false);
   void stderr;
+});
+
+test('a request written to a server that was killed, its exit not reported yet, fails naming the signal (not "write EPIPE")', async () => {
+  const { c } = await initialized({ models: { s: scripted('x') } });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  // the kill and the wait for the end of the process run just before the request is written (both immediates, in
+  // this order): the write meets a dead process whose exit Node has not reported yet
+  let unreported: boolean | undefined;
+  setImmediate(() => { c.process.kill('SIGKILL'); endedUnreported(c.process.pid!); unreported = c.running; });
+  let writeError: string | undefined;
+  c.process.stdin!.once('error', (e: NodeJS.ErrnoException) => { writeError = e.code; });
+  const err = await within(c.operate({ branchId, instruction: 'too late' }).then(() => undefined, (e) => e), 'operate to the killed server');
+  assert.equal(unreported, true, 'the process had ended, its exit not reported, when the request was written');
+  assert.equal(writeError, 'EPIPE', 'the write failed');
+  assert.ok(err instanceof SidecarExitedError, `expected SidecarExitedError, got ${err}`);
+  assert.equal(err.signal, 'SIGKILL');
+  assert.match(err.message, /^operate-sidecar: the server exited \(signal SIGKILL\) before answering operate/);
+  assert.doesNotMatch(err.message, /EPIPE/);
 });
 
 test('initialize time-out: a server that never answers (or prints a non-frame line first) rejects with SidecarTimeoutError instead of hanging', async () => {

@@ -23,6 +23,21 @@ export async function until(cond: () => boolean, what: string, ms = WAIT_MS): Pr
     await new Promise((r) => setTimeout(r, 10));
   }
 }
+/**
+ * Blocks (the event loop too, so Node cannot report the exit) until process `pid` has ended: a zombie whose
+ * threads have all exited, so its pipes are closed, but not yet reaped by Node. Linux (/proc); bounded by `ms`.
+ */
+export function endedUnreported(pid: number, ms = WAIT_MS): void {
+  const end = Date.now() + ms;
+  const nap = new Int32Array(new SharedArrayBuffer(4));
+  for (;;) {
+    const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8');
+    // the main thread is a zombie once it exited; the process's files are closed once no other thread is left
+    if (stat.slice(stat.lastIndexOf(')') + 2).startsWith('Z') && fs.readdirSync(`/proc/${pid}/task`).length === 1) return;
+    if (Date.now() > end) throw new Error(`timeout after ${ms} ms waiting for process ${pid} to end`);
+    Atomics.wait(nap, 0, 0, 5);
+  }
+}
 export async function rejection(p: Promise<unknown>, what: string): Promise<ResponseError<unknown>> {
   try {
     await within(p, what);

@@ -148,10 +148,17 @@ class Sidecar {
   updateStatus(): void {
     const busy = this.chat?.running || this.running.size > 0;
     void vscode.commands.executeCommand('setContext', BUSY_KEY, busy);   // Cancel in the command palette
-    const down = this.down !== undefined;
+    // a server is starting (abortStart is set from its spawn until it answered initialize), also after one died
+    const starting = this.abortStart !== undefined;
+    const down = !starting && this.down !== undefined;
     // the server failed to start or died: the item says so, its tooltip why, and a click restarts it
     this.status.backgroundColor = down ? new vscode.ThemeColor('statusBarItem.errorBackground') : undefined;
     this.status.command = down ? 'operateSidecar.restart' : `${VIEW_ID}.focus`;
+    if (starting) {
+      this.status.text = '$(sync~spin) operate-sidecar: starting…';
+      this.status.tooltip = 'operate-sidecar: the server is starting (click to open the chat)';
+      return;
+    }
     if (down) {
       this.status.text = '$(error) operate-sidecar: stopped';
       this.status.tooltip = `operate-sidecar: the server is not running: ${this.down}\nClick to restart it.`;
@@ -225,7 +232,7 @@ class Sidecar {
       this.starting = this.start().catch((e) => {
         if (!(e instanceof StartAborted)) this.serverDown(e instanceof Error ? e.message : String(e));
         throw e;
-      }).finally(() => { this.starting = undefined; });
+      }).finally(() => { this.starting = undefined; this.updateStatus(); });   // (no longer starting, whatever the end)
     }
     return this.starting;
   }
@@ -275,6 +282,7 @@ class Sidecar {
       this.abortStart = () => { aborted = true; reject(new StartAborted()); };
     });
     abort.catch(() => undefined);
+    this.updateStatus();   // starting
     let client: SidecarClient;
     try {
       client = await SidecarClient.start({
@@ -337,7 +345,8 @@ class Sidecar {
     }
     initialized = true;
     this.client = client;
-    this.down = undefined;   // updateStatus below
+    this.down = undefined;
+    this.updateStatus();   // initialize answered: no longer starting (again below: the model or the branch may change)
     this.chat.serverStarted();   // a new server: what the previous one refused may work now
     const caps = this.initResult.capabilities;
     this.line(`[server] ${this.initResult.serverInfo.name} ${this.initResult.serverInfo.version}; models: ${caps.models.join(', ')}; stateDir: ${caps.stateDir}`);

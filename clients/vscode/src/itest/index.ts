@@ -876,7 +876,7 @@ export async function run(): Promise<void> {
       }
     });
 
-    await check('a server that never answers initialize (a non-frame line on stdout): Stop ends the waiting turn; the start times out with "Show server log" / "Open settings"; the next turn fails, not hangs; Restart recovers', async () => {
+    await check('a server that never answers initialize (a non-frame line on stdout): Stop ends the waiting turn; the start times out with "Show server log" / "Open settings"; the next turn fails, not hangs; the status bar says starting while a start waits; Restart recovers', async () => {
       const good = cfg().get<string[]>('command')!;
       const hang = [good[0], '-c', 'import sys, time; print("this is not a frame"); sys.stdout.flush(); time.sleep(120)'];
       await exec('operateSidecar.listTools', {});   // a running server (whatever the checks before left)
@@ -900,12 +900,18 @@ export async function run(): Promise<void> {
         expect(Date.now() - t0 < 8_000, 'bounded by the setting');
         const o: any = await exec('operateSidecar.chat', 'hello again');   // a new start, which times out too
         expect(o?.error && /did not answer initialize/.test(o.error) && !api!.chatStats().running, `the turn fails: ${JSON.stringify(o)}`);
+        expect(api!.statusItem().text === '$(error) operate-sidecar: stopped', `the failed start: ${JSON.stringify(api!.statusItem())}`);
         // a start that would wait long: fixing the command restarts at once, and Restart works
         await within(cfg().update('startupTimeoutSeconds', 120, vscode.ConfigurationTarget.Workspace), 'a long time-out');
         const waiting = startChat('waiting for the server');
         await until(() => api!.chatStats().running, 'the turn waits for the start');
+        // from the spawn until initialize is answered the status bar says starting (not stopped, as the last start ended)
+        const starting = api!.statusItem();
+        expect(starting.text === '$(sync~spin) operate-sidecar: starting…' && starting.command === 'operateSidecar.chat.focus',
+          `the status bar while the server starts: ${JSON.stringify(starting)}`);
         await within(cfg().update('command', good, vscode.ConfigurationTarget.Workspace), 'fix the command');
         await until(() => !!api!.client()?.running && api!.client()!.process.pid !== pid0, 'the fixed server', 20_000);
+        expect(api!.statusItem().text.startsWith('$(comment-discussion) '), `initialize answered: ${JSON.stringify(api!.statusItem())}`);
         await within(waiting.p, 'the waiting turn ends', 10_000);
         expect(waiting.s.res?.cancelled === true, `the waiting turn: ${JSON.stringify(waiting.s)}`);
         const init: any = await exec('operateSidecar.restart');
