@@ -15,6 +15,7 @@ version is imported once (then renamed ``acp-sessions.json.imported``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
 import importlib
 import json
@@ -85,17 +86,13 @@ def _when(updated_at: str | None) -> float:
 def _issue_cursor(key: tuple[float, str]) -> str:
     """``session/list``'s ``nextCursor``: where the page ended, in the list's order (opaque to
     the client). A page goes on after it even when that session was deleted meanwhile."""
-    import base64
-
-    return base64.urlsafe_b64encode(json.dumps([repr(key[0]), key[1]]).encode()).decode().rstrip("=")
+    return base64.urlsafe_b64encode(json.dumps(key).encode()).decode()
 
 
-def _cursor_key(cursor: Any) -> tuple[float, str]:
+def _cursor_key(cursor: str) -> tuple[float, str]:
     """The position a ``cursor`` of ours names; anything else is -32602."""
-    import base64
-
     try:
-        when, sid = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        when, sid = json.loads(base64.urlsafe_b64decode(cursor))
         if not isinstance(sid, str):
             raise ValueError(sid)
         return float(when), sid

@@ -1136,7 +1136,7 @@ def test_session_list_comes_in_pages_a_cursor_goes_on_from(tmp_path, ws):
             assert everyone == made[::-1]  # most recently updated first, across the pages
             in_ws, n_ws = await pages(str(ws))
             assert n_ws == 2 and in_ws == [s for s in everyone if s in mine]
-            for bad in ("nonsense", "e30", "W10"):
+            for bad in ("nonsense", "e30=", "W10=", "WzEsIDJd"):  # not base64 JSON; {}; []; [1, 2]
                 with pytest.raises(acp.RequestError) as ei:
                     await bounded(conn.list_sessions(cursor=bad))
                 assert ei.value.code == -32602, ei.value
