@@ -130,10 +130,11 @@ export class SidecarExitedError extends Error {
   readonly exitCode: number | null;
   readonly signal: NodeJS.Signals | null;
   readonly stderrTail: string;
-  constructor(what: string, info: ExitInfo) {
+  /** `doing`: what the server did not get to do with `what` ('answering' a request, 'receiving' a notification). */
+  constructor(what: string, info: ExitInfo, doing = 'answering') {
     const how = info.signal ? `signal ${info.signal}` : `exit code ${info.exitCode}`;
     const tail = info.stderrTail.trim();
-    super(`operate-sidecar: the server exited (${how}) before answering ${what}${tail ? `; its stderr ends with:\n${tail}` : ''}`);
+    super(`operate-sidecar: the server exited (${how}) before ${doing} ${what}${tail ? `; its stderr ends with:\n${tail}` : ''}`);
     this.name = 'SidecarExitedError';
     this.exitCode = info.exitCode;
     this.signal = info.signal;
@@ -196,6 +197,8 @@ export class SidecarClient {
   private streamError: Error | undefined;
   /** Cancels a request waiting for its answer, one per request: `stop()` calls them before `shutdown`. */
   private readonly unanswered = new Set<() => void>();
+  /** The stop in progress (or done): a `stop()` called while one runs shares it. */
+  private stopped: Promise<number | string | null> | undefined;
 
   private constructor(child: ChildProcess, opts: StartOptions) {
     this.process = child;
@@ -344,12 +347,7 @@ export class SidecarClient {
       // yet) and the pending ones when the connection is disposed (process gone) with these codes
       const transport = [rpc.ErrorCodes.MessageWriteError, rpc.ErrorCodes.PendingResponseRejected, rpc.ErrorCodes.ConnectionInactive] as number[];
       if (e instanceof rpc.ResponseError && !transport.includes(e.code)) throw e;
-      if (this.streamError && !this.processGone) throw new SidecarStreamError(method, this.streamError, this.stdoutHead);
-      // a transport error (write EPIPE, connection disposed): when the process is ending, say why instead
-      const info = await Promise.race([this.exitInfo, new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000).unref())]);
-      if (info) throw new SidecarExitedError(method, info);
-      if (this.streamError) throw new SidecarStreamError(method, this.streamError, this.stdoutHead);
-      throw e;
+      throw await this.whyGone(method, e);
     } finally {
       this.unanswered.delete(cancel);
       linked?.dispose();
@@ -357,12 +355,30 @@ export class SidecarClient {
     }
   }
   /**
+   * A transport error `e` of `what` (write EPIPE, the connection closed or disposed): when the process is ending, the
+   * error that says how it ended (SidecarExitedError; its exit is waited for at most 2 s), or that its output is
+   * unreadable (SidecarStreamError); `e` otherwise.
+   */
+  private async whyGone(what: string, e: unknown, doing?: string): Promise<unknown> {
+    if (this.streamError && !this.processGone) return new SidecarStreamError(what, this.streamError, this.stdoutHead);
+    const info = await Promise.race([this.exitInfo, new Promise<undefined>((r) => setTimeout(() => r(undefined), 2000).unref())]);
+    if (info) return new SidecarExitedError(what, info, doing);
+    if (this.streamError) return new SidecarStreamError(what, this.streamError, this.stdoutHead);
+    return e;
+  }
+  /**
    * `initialize` then `initialized`. Bounded: without an answer within `opts.timeoutMs` (default 30 s) it
    * rejects with a SidecarTimeoutError (quoting the start of stdout when that was not JSON-RPC framing).
+   * A server that exits right after its answer, before `initialized` could be written to it, rejects
+   * with a SidecarExitedError too.
    */
   initialize(params: InitializeParams = {}, opts: InitializeOptions = {}): Promise<InitializeResult> {
     const answered = this.request<InitializeResult>('initialize', { protocolVersion: 1, ...params }).then(async (r) => {
-      await this.connection.sendNotification('initialized', {});
+      try {
+        await this.connection.sendNotification('initialized', {});
+      } catch (e) {   // (write EPIPE, the connection closed: the process is gone) as a request's would
+        throw await this.whyGone('the initialized notification', e, 'receiving');
+      }
       return r;
     });
     const ms = opts.timeoutMs ?? DEFAULT_INITIALIZE_TIMEOUT_MS;
@@ -421,8 +437,13 @@ export class SidecarClient {
    * shutdown + exit, then the end of its stdin; kills the process if it has not exited within `timeoutMs`. The requests still
    * waiting for their answer are cancelled first (`$/cancelRequest`, so the shutdown answer does not wait for them; they reject
    * with -32800). With an unreadable stream (SidecarStreamError) it closes the server's stdin instead, which makes it exit.
+   * A `stop()` called while one runs returns that one's promise (one shutdown, one exit).
    */
-  async stop(timeoutMs = 5000): Promise<number | string | null> {
+  stop(timeoutMs = 5000): Promise<number | string | null> {
+    this.stopped ??= this.stopOnce(timeoutMs);
+    return this.stopped;
+  }
+  private async stopOnce(timeoutMs: number): Promise<number | string | null> {
     if (this.running) {
       const timer = (ms: number) => new Promise<'timeout'>((r) => setTimeout(() => r('timeout'), ms).unref());
       if (!this.streamError) {  // (with an unreadable stream nothing could be answered: only the end of its input)

@@ -253,6 +253,26 @@ test('stop cancels the running requests first ($/cancelRequest before shutdown):
     'the operate is cancelled before shutdown is sent, and answered before it');
 });
 
+test('stop() called again while it runs shares that stop: the same promise and result; shutdown and exit written once, the shutdown not cancelled', async () => {
+  const { c } = await initialized({ models: { s: scripted('x') } });
+  const wire: string[] = [];
+  await c.connection.trace(Trace.Messages, {
+    log: (m: any) => {
+      const msg = m.message ?? {};
+      if (m.type === 'send-request' || m.type === 'send-notification') wire.push(`-> ${msg.method}${msg.id !== undefined ? ` #${msg.id}` : ''}`);
+      if (m.type === 'receive-response') wire.push(`<- #${msg.id}${msg.error ? ` ${msg.error.code}` : ''}`);
+    },
+  }, { traceFormat: TraceFormat.JSON });
+  const first = c.stop(5000);
+  const second = c.stop(5000);   // while the first waits for the answer to its shutdown
+  assert.equal(await within(first, 'first stop', 15_000), 0);
+  assert.equal(await within(second, 'second stop', 15_000), 0);
+  const shutdown = /^-> shutdown #(\d+)$/.exec(wire[0] ?? '')?.[1];
+  assert.deepEqual(wire, [`-> shutdown #${shutdown}`, `<- #${shutdown}`, '-> exit'], 'one shutdown, answered (not cancelled), one exit');
+  assert.equal(second, first, 'the second stop() returns the first one\'s promise');
+  assert.equal(await within(c.stop(5000), 'a stop after the end', 15_000), 0);
+});
+
 test('error codes surface as ResponseError with the right code', async () => {
   const answer = { title: 'Answer', type: 'object', properties: { answer: { type: 'string' } }, required: ['answer'] };
   const { c } = await initialized({ models: { s: scripted({ error: 'provider down' }, { json: { wrong: 1 } }) } });
@@ -449,4 +469,34 @@ test('a server that writes garbage mid-session: pending and later requests rejec
     assert.equal(c.running, true, 'the process is still there');
     assert.equal(await within(c.stop(5000), 'stop closes its stdin', 10_000), 0);
   } finally { c.kill(); }
+});
+
+// answers initialize (and says so on stderr); exits with code 3 on SIGUSR2
+const ANSWERS_INITIALIZE = `process.on('SIGUSR2', () => process.exit(3));
+${standIn(`send({ jsonrpc: '2.0', id: msg.id, result: { protocolVersion: 1, serverInfo: { name: 'stand-in', version: '0' }, capabilities: {} } });
+    process.stderr.write('stand-in: initialize answered\\n');`)}`;
+
+test('a server that exits right after answering initialize (with a code, by a signal): initialize rejects with SidecarExitedError naming how (not "write EPIPE")', async () => {
+  for (const [signal, how] of [['SIGUSR2', 'exit code 3'], ['SIGKILL', 'signal SIGKILL']] as const) {
+    const c = await SidecarClient.start({ command: [process.execPath, '-e', ANSWERS_INITIALIZE] });
+    try {
+      // the answer has arrived (it is being handled, not yet delivered): the server ends now, and the client waits
+      // (blocking: Node reports no exit meanwhile) until it has ended. `initialized` is then written to a dead process.
+      await c.connection.trace(Trace.Messages, {
+        log: (m: any) => {
+          if (m.type !== 'receive-response') return;
+          c.process.kill(signal);
+          endedUnreported(c.process.pid!);
+        },
+      }, { traceFormat: TraceFormat.JSON });
+      const err = await within(c.initialize({}).then(() => undefined, (e) => e), `initialize (${signal})`);
+      assert.ok(err instanceof SidecarExitedError, `${signal}: expected SidecarExitedError, got ${err}`);
+      assert.deepEqual([err.exitCode, err.signal], signal === 'SIGKILL' ? [null, 'SIGKILL'] : [3, null]);
+      assert.ok(err.message.startsWith(`operate-sidecar: the server exited (${how}) before receiving the initialized notification`), err.message);
+      assert.match(err.message, /its stderr ends with:\nstand-in: initialize answered/);
+      assert.match(err.stderrTail, /stand-in: initialize answered/);
+      assert.doesNotMatch(err.message, /EPIPE|Connection is/);
+      assert.equal(c.running, false);
+    } finally { c.kill(); }
+  }
 });

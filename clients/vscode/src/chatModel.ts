@@ -2,6 +2,7 @@
 // instruction, the model's prose, tool cards, a usage line), and turns become sanitized HTML.
 // No `vscode` import: unit-tested with node's test runner.
 import MarkdownIt from 'markdown-it';
+import { ErrorCodes, ResponseError } from './rpcClient';
 import type { Json, Message, ToolEvent, Usage } from './rpcClient';
 
 export type CardState = 'running' | 'ok' | 'error' | 'denied' | 'ask' | 'cancelled';
@@ -418,6 +419,21 @@ export function withLocalTurns(server: Turn[], locals: LocalTurn[]): Turn[] {
   }
   while (i < inserts.length) merged.push(inserts[i++].turn);
   return merged;
+}
+
+/**
+ * What the chat shows after reading its branch failed with `e`: its local turns, then (unless the branch is gone) the
+ * error, in words (`problem`: the server's state, undefined when it runs). Undefined: what it shows stays, for a read
+ * cancelled (-32800) by the server's stop, i.e. a restart (changed settings, Restart Server): a request the user never
+ * made, and the chat reads its branch again once the server runs.
+ */
+export function turnsAfterFailedRead(e: unknown, locals: LocalTurn[], problem: (e: unknown) => string | undefined): Turn[] | undefined {
+  if (e instanceof ResponseError && e.code === ErrorCodes.Cancelled) return undefined;
+  const turns = withLocalTurns([], locals);
+  if (!(e instanceof ResponseError && e.code === ErrorCodes.BranchNotFound)) {
+    turns.push({ user: '', contextLabels: [], items: [], error: problem(e) ?? String(e) });
+  }
+  return turns;
 }
 
 // ---- HTML -------------------------------------------------------------------------------------

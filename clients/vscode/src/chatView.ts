@@ -5,7 +5,7 @@ import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
   cardOfToolEvent, cardTitle, conversationHtml, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, ToolCard, Turn,
-  turnsFromMessages, usageFromResult, withLocalTurns,
+  turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
 import { DiffReview, previewOf } from './diffReview';
@@ -195,10 +195,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       this.loaded(await allMessages(client, id));
       this.loads++;
     } catch (e) {
+      const shown = turnsAfterFailedRead(e, this.locals, (x) => this.host.serverProblem(x));
+      if (!shown) return;   // cancelled by a restart: no error (the chat is read again once the server runs)
       this.serverTurns = [];
-      this.turns = withLocalTurns([], this.locals);
+      this.turns = shown;
       if (e instanceof ResponseError && e.code === ErrorCodes.BranchNotFound) await this.host.branches.setCurrent(undefined);
-      else this.turns.push({ user: '', contextLabels: [], items: [], error: this.host.serverProblem(e) ?? String(e) });
     }
     this.render();
   }

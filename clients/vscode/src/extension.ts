@@ -11,7 +11,7 @@ import { clientFs, DiffReview, previewOf, PROPOSED_SCHEME, ReviewRecord } from '
 import {
   CancellationTokenSource, ErrorCodes, InitializeResult, Json, JsonObject, OperateParams, OperateResult,
   PERMISSION_OPTIONS, PermissionDecision, PermissionRequest, PolicyDecision, ResponseError, SidecarClient,
-  SidecarTimeoutError, ToolEvent,
+  SidecarExitedError, SidecarTimeoutError, ToolEvent,
 } from './rpcClient';
 
 const CHANNEL = 'operate-sidecar';
@@ -337,6 +337,8 @@ class Sidecar {
         : e instanceof SidecarTimeoutError
           ? `it did not answer initialize within ${timeoutS} s (operateSidecar.startupTimeoutSeconds). Is operateSidecar.command the operate-sidecar server?`
             + (e.stdoutHead ? ` It printed something that is not JSON-RPC: ${JSON.stringify(e.stdoutHead.trim().slice(0, 120))}` : '')
+          // how it ended (before answering initialize, or right after): its exit code or signal; its stderr follows
+          : e instanceof SidecarExitedError ? `the server exited during start (${e.signal ? `signal ${e.signal}` : `exit code ${e.exitCode}`})`
           : 'the server exited during start';
       this.notify(`operate-sidecar: could not start the server: ${why}${tail ? '\n' + tail : ''}`, ['Show server log', 'Open settings']);
       throw new Error(`cannot start the server: ${why}${tail ? '\n' + tail : ''}`);

@@ -8,9 +8,9 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import {
   cardHtml, cardOfToolEvent, cardTitle, conversationHtml, escapeHtml, LocalTurn, nameFrom, proseOf, proseOfResult, refusesField, renderMarkdown, resolveLocalTurns,
-  SUMMARY_LIMIT, toolSummary, ToolCard, Turn, turnsFromMessages, withLocalTurns,
+  SUMMARY_LIMIT, toolSummary, ToolCard, Turn, turnsAfterFailedRead, turnsFromMessages, withLocalTurns,
 } from '../chatModel';
-import { PermissionRequest, SidecarClient, ToolEvent } from '../rpcClient';
+import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
 
 const REPO = path.resolve(__dirname, '..', '..', '..', '..');
 const VENV_PY = path.join(REPO, '.venv', 'bin', 'python');
@@ -202,6 +202,35 @@ test('a chat that could not be read (the server is not running) shows its error 
   assert.ok(html.includes('<div class="error">The operate-sidecar server is not running (it exited).</div>'), html);
   assert.ok(!html.includes('class="user"'), `no empty bubble: ${html}`);
   assert.ok(conversationHtml([{ user: 'hi', contextLabels: [], items: [] }]).includes('<div class="user">hi</div>'));
+});
+
+test('a read of the chat cancelled by a restart (stop() cancels what still runs: -32800) shows no error; one the server could not answer does', async () => {
+  const client = await SidecarClient.start({ command: [PYTHON, '-m', 'operate_sidecar.server'], cwd: REPO });
+  let cancelled: unknown;
+  let gone: unknown;
+  try {
+    await within(client.initialize({ settings: { stateDir: null, defaultModel: 'm', models: { m: { provider: 'scripted', responses: [{ text: 'late', delayMs: 60000 }] } } } }), 'initialize');
+    const { branchId } = await within(client.createBranch({}), 'createBranch');
+    // a request still running when the server is stopped for a restart (the chat's reads are quicker; they end the same way)
+    let begun!: () => void;
+    const began = new Promise<void>((r) => { begun = r; });
+    const running = client.operate({ branchId, instruction: 'wait' }, { onProgress: () => begun() }).then(() => undefined, (e) => e);
+    await within(began, 'the operate began');
+    await within(client.stop(), 'stop');
+    cancelled = await within(running, 'the running request ends');
+    gone = await within(client.branchMessages(branchId).then(() => undefined, (e) => e), 'a read after the stop');
+  } finally {
+    await client.stop();
+  }
+  assert.ok(cancelled instanceof ResponseError && cancelled.code === ErrorCodes.Cancelled, `cancelled by stop(): ${cancelled}`);
+  assert.ok(gone instanceof SidecarExitedError, `the server is gone: ${gone}`);
+  const locals: LocalTurn[] = [{ turn: { user: 'failed before', contextLabels: [], items: [], outcome: 'failed', error: 'boom' }, at: 0, recorded: false }];
+  // (while the server restarts, the extension says it is not running whatever the error)
+  const problem = (e: unknown) => `The operate-sidecar server is not running (${e instanceof Error ? e.message : String(e)}).`;
+  assert.equal(turnsAfterFailedRead(cancelled, locals, problem), undefined, 'a read the restart cancelled: the chat keeps what it shows, no error');
+  assert.deepEqual(turnsAfterFailedRead(gone, locals, problem)?.map((t) => [t.user, t.error]), [['failed before', 'boom'], ['', problem(gone)]]);
+  const missing = new ResponseError(ErrorCodes.BranchNotFound, 'no such branch');
+  assert.deepEqual(turnsAfterFailedRead(missing, locals, problem)?.map((t) => [t.user, t.error]), [['failed before', 'boom']], 'a deleted branch: no error');
 });
 
 test('fs/readTextFile and fs/writeTextFile: edit_file reads the unsaved buffer and writes through the client; the chat shows prose, card and usage', async () => {
