@@ -26,12 +26,13 @@ from datetime import datetime, timezone
 from typing import Any
 
 from acp import PROTOCOL_VERSION, Agent, RequestError, update_agent_message_text
-from acp.schema import (AgentCapabilities, ConfigOptionUpdate, CurrentModeUpdate, Implementation,
-                        InitializeResponse, ListSessionsResponse, LoadSessionResponse, McpCapabilities,
-                        NewSessionResponse, PromptCapabilities, PromptResponse, SessionCapabilities,
-                        SessionConfigOptionSelect, SessionConfigSelectOption, SessionInfo,
-                        SessionListCapabilities, SessionMode, SessionModeState, SetSessionConfigOptionResponse,
-                        SetSessionModeResponse, Usage, UsageUpdate)
+from acp.schema import (AgentCapabilities, CloseSessionResponse, ConfigOptionUpdate, CurrentModeUpdate,
+                        ForkSessionResponse, Implementation, InitializeResponse, ListSessionsResponse,
+                        LoadSessionResponse, McpCapabilities, NewSessionResponse, PromptCapabilities, PromptResponse,
+                        ResumeSessionResponse, SessionCapabilities, SessionCloseCapabilities,
+                        SessionConfigOptionSelect, SessionConfigSelectOption, SessionForkCapabilities, SessionInfo,
+                        SessionListCapabilities, SessionMode, SessionModeState, SessionResumeCapabilities,
+                        SetSessionConfigOptionResponse, SetSessionModeResponse, Usage, UsageUpdate)
 
 from .port import AcpPort, Turn
 from .reply import PLAN_REPLY_FORMAT, REPLY_FORMAT, ReplyText
@@ -59,6 +60,8 @@ INFO_FIELDS = ("cwd", "title", "model", "updatedAt")
 
 #: ``session/list`` answers at most this many sessions, with a ``nextCursor`` when more follow
 LIST_PAGE = 100
+#: ``session/close`` waits this long for the session's cancelled turn to end
+CLOSE_WAIT_S = 10.0
 
 
 _LAST_MS = [0]
@@ -102,13 +105,6 @@ def _cursor_key(cursor: str) -> tuple[float, str]:
 
 class OperateAgent(Agent):
     """``acp.Agent`` over the service. ``settings`` are the validated flags + config file."""
-
-    # Methods of ACP's unstable protocol, which this agent does not serve: the ``acp.Agent``
-    # protocol's stubs would have the SDK print a two-line UserWarning on stderr for each such
-    # request before it answers -32601; with no handler it answers -32601 and prints nothing.
-    close_session = None
-    resume_session = None
-    fork_session = None
 
     def __init__(self, settings: dict[str, Any], version: str = "0", debug: bool = False) -> None:
         self.settings = settings
@@ -307,7 +303,10 @@ class OperateAgent(Agent):
                 load_session=True,
                 prompt_capabilities=PromptCapabilities(image=False, audio=False, embedded_context=True),
                 mcp_capabilities=McpCapabilities(http=False, sse=False),
-                session_capabilities=SessionCapabilities(list=SessionListCapabilities())),
+                session_capabilities=SessionCapabilities(list=SessionListCapabilities(),
+                                                         resume=SessionResumeCapabilities(),
+                                                         close=SessionCloseCapabilities(),
+                                                         fork=SessionForkCapabilities())),
             agent_info=Implementation(name="operate-sidecar", title="operate-sidecar", version=self.version),
             auth_methods=[])
 
@@ -340,15 +339,65 @@ class OperateAgent(Agent):
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
                            additional_directories: Any = None, **kw: Any) -> LoadSessionResponse:
+        b = await self._take_up(cwd, session_id, mcp_servers, additional_directories)
+        self._replay(session_id, b)
+        await self.port.flush()  # every update before the answer
+        return LoadSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
+
+    async def resume_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
+                             additional_directories: Any = None, **kw: Any) -> ResumeSessionResponse:
+        """``session/load`` without the history: the client shows what it kept."""
+        await self._take_up(cwd, session_id, mcp_servers, additional_directories)
+        return ResumeSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
+
+    async def _take_up(self, cwd: str, session_id: str, mcp_servers: Any, additional_directories: Any) -> Any:
+        """A stored session (one made by an earlier run, another server on the state directory,
+        or closed) served again: its folders and MCP servers given, listed under ``cwd``."""
         b = await self._branch(session_id)
         self.sidecar.set_branch_folders(session_id, self._add_folders(cwd, additional_directories))
         await self._add_mcp(session_id, mcp_servers)
         info = self.sidecar.branch_info(session_id)
         if info.get("cwd") != cwd:  # now listed under this folder (a branch made natively: listed from now on)
             await self._save(session_id, {"cwd": cwd} if info.get("updatedAt") else {"cwd": cwd, "updatedAt": _now()})
-        self._replay(session_id, b)
-        await self.port.flush()  # every update before the answer
-        return LoadSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
+        return b
+
+    async def fork_session(self, session_id: str, cwd: str, additional_directories: Any = None,
+                           mcp_servers: Any = None, **kw: Any) -> ForkSessionResponse:
+        """A new session on a fork of the session's branch (its messages, as they were before a
+        turn still running on it, its mode, policy, model and title), in ``cwd``; the source
+        session goes on as it was."""
+        await self._branch(session_id)
+        sc = self.sidecar
+        folders = self._add_folders(cwd, additional_directories)
+        info = {k: v for k, v in sc.branch_info(session_id).items() if k in ("title", "model")}
+        try:  # the fork's info is saved with it, in one transaction
+            sid = (await sc.forkBranch({"branchId": session_id}, info={**info, "cwd": cwd, "updatedAt": _now()}))["branchId"]
+        except Exception as e:
+            raise self._error(e) from None
+        sc.set_branch_folders(sid, folders)
+        await self._add_mcp(sid, mcp_servers)
+        if not self.settings.get("mcpServers"):  # (else they may still be starting: a prompt waits)
+            await self._prime(sc, sid)
+        return ForkSessionResponse(session_id=sid, config_options=self._options(sid), modes=self._modes(sid))
+
+    async def close_session(self, session_id: str, **kw: Any) -> CloseSessionResponse:
+        """Cancel the session's turn (as ``session/cancel``) and wait for it to be answered, then
+        free what serving it holds: its folders, the MCP servers only it passed. The session
+        stays stored and listed; ``session/load`` or ``session/resume`` takes it up again (a
+        prompt before that is -32602)."""
+        await self._branch(session_id)
+        self._cancel_turn(session_id)
+        lock = self._prompts.get(session_id)
+        if lock is not None and lock.locked():
+            try:  # the cancelled turn ends promptly; its answer (``cancelled``) goes out first
+                await asyncio.wait_for(lock.acquire(), CLOSE_WAIT_S)
+                lock.release()
+            except asyncio.TimeoutError:
+                log.warning("session %s: its cancelled turn did not end within %.0f s; closed without it",
+                            session_id, CLOSE_WAIT_S)
+        self._prompts.pop(session_id, None)
+        self.sidecar.release_branch(session_id)
+        return CloseSessionResponse()
 
     async def list_sessions(self, cwd: str | None = None, cursor: str | None = None, additional_directories: Any = None,
                             **kw: Any) -> ListSessionsResponse:

@@ -329,7 +329,10 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     reader, writer, bound = await _bounded_streams(fds[0], fds[1], limit)
     loop = asyncio.get_running_loop()
     WIRE.set(bound)  # the connection's task gets a copy of this context
-    main = loop.create_task(acp.run_agent(agent, writer, reader, stdio_buffer_limit_bytes=limit))
+    # (the SDK routes session/close, /resume and /fork only with its unstable protocol on; the
+    # first two are stable ACP now)
+    main = loop.create_task(acp.run_agent(agent, writer, reader, stdio_buffer_limit_bytes=limit,
+                                          use_unstable_protocol=True))
     stopping = asyncio.Event()  # stdin's EOF, a signal or the client's death
 
     def stop() -> None:

@@ -505,8 +505,9 @@ class Service:
             try:
                 if after is not None:
                     await after.wait()
-                await self.ensure_tools()  # its tools' names must not shadow those
-                await self._serve_mcp({name: config}, ready)
+                if not ready.stop.is_set():  # released before its turn came (``release_branch``)
+                    await self.ensure_tools()  # its tools' names must not shadow those
+                    await self._serve_mcp({name: config}, ready, ready.stop)
             finally:
                 ready.set()
 
@@ -545,6 +546,20 @@ class Service:
             self._branch_mcp[key] = (public, await self.add_mcp_server(public, config, after=last))
         self._branch_mcp_of[branch_id] = keys
 
+    def release_branch(self, branch_id: str) -> None:
+        """A front end is done with the branch for now (ACP's ``session/close``): it keeps its
+        messages, info and policy (stored, listed, taken up again with its folders), but its
+        folders are forgotten and the MCP servers it passed that no other branch passed are
+        stopped (their tools unregistered). The operate running on it is the front end's to
+        end first."""
+        self._roots.pop(branch_id, None)
+        mine = self._branch_mcp_of.pop(branch_id, set())
+        shared = set().union(*self._branch_mcp_of.values())
+        for key in mine - shared:
+            entry = self._branch_mcp.pop(key, None)
+            if entry is not None:
+                entry[1].stop.set()
+
     async def branch_mcp_ready(self) -> None:
         """Once every MCP server a branch passed is ready (or failed): a turn waits for this,
         since a server still starting decides which tool names the others are offered under."""
@@ -561,8 +576,9 @@ class Service:
         other = set().union(*(ready.tools for key, (_, ready) in self._branch_mcp.items() if key not in own))
         return [n for n in self.registry.names() if n not in other]
 
-    async def _serve_mcp(self, config: dict[str, Any], ready: asyncio.Event) -> None:
-        """Run MCP servers as tool sources until :meth:`aclose`; ``ready`` is set once their
+    async def _serve_mcp(self, config: dict[str, Any], ready: asyncio.Event, stop: asyncio.Event | None = None) -> None:
+        """Run MCP servers as tool sources until :meth:`aclose` (or ``stop``, which ``aclose``
+        sets too); ``ready`` is set once their
         tools are registered or they failed. Their tools are named knowing every tool registered
         when they are (also those registered while the servers started: another MCP server's, a
         client's), so a taken name is offered as ``<server>__<tool>`` (with a warning naming
@@ -574,8 +590,9 @@ class Service:
         label = f"MCP server{'s' if len(config) > 1 else ''} {', '.join(map(repr, config))}"
         taken = _TakenNames(self.registry)
         registered: list[Any] = []
+        stop = self._mcp_stop if stop is None else stop
         try:
-            async with open_mcp_sources(config, reserved=taken, stop=self._mcp_stop) as tools:
+            async with open_mcp_sources(config, reserved=taken, stop=stop) as tools:
                 # the names were chosen just now (no wait since): a clash here is a bug, and it
                 # refuses the servers whole rather than leave some of their tools registered
                 names = [t.name for t in tools]
@@ -594,7 +611,7 @@ class Service:
                 if isinstance(ready, McpServerReady):
                     ready.tools = tuple(t.name for t in registered)
                 ready.set()
-                await self._mcp_stop.wait()
+                await stop.wait()
         except Exception as e:
             self.conn.log_message(2, f"{label} unavailable: {e}")
         finally:
@@ -706,6 +723,8 @@ class Service:
         if self._tool_threads is not None:
             self._tool_threads.shutdown(wait=False, cancel_futures=True)
         self._mcp_stop.set()
+        for _, ready in self._branch_mcp.values():
+            ready.stop.set()
         try:
             if self._owner is not None:
                 self._closing.set()  # type: ignore[union-attr]
@@ -969,7 +988,8 @@ class Service:
             await self._to_the_end(self._commit_new_branch(b.id))
         return {"branchId": b.id}
 
-    async def forkBranch(self, params: dict) -> dict:
+    async def forkBranch(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
+        """``info`` (not on the wire): the front end's info of the new branch, saved with it."""
         from operate_sidecar.protocol import BranchParams, structure
 
         p = structure(BranchParams, params)
@@ -982,6 +1002,8 @@ class Service:
         if src.id in self._roots:
             self._roots[b.id] = self._roots[src.id]
         self._adopt(b)
+        if info:
+            self._info[b.id] = dict(info)
         if self.journal is not None:
             src_models = {k: v for k, v in self._model_specs.get(src.id, {}).items()}
             self._model_specs[b.id] = src_models
@@ -1382,6 +1404,7 @@ class McpServerReady(asyncio.Event):
     def __init__(self) -> None:
         super().__init__()
         self.tools: tuple[str, ...] = ()
+        self.stop = asyncio.Event()  # set: the server stops (its tools are unregistered)
 
 
 class _TakenNames:

@@ -60,7 +60,8 @@ RESULTS = {"initialize": S.InitializeResponse, "authenticate": S.AuthenticateRes
            "session/new": S.NewSessionResponse, "session/load": S.LoadSessionResponse,
            "session/list": S.ListSessionsResponse, "session/prompt": S.PromptResponse,
            "session/set_config_option": S.SetSessionConfigOptionResponse,
-           "session/set_mode": S.SetSessionModeResponse}
+           "session/set_mode": S.SetSessionModeResponse, "session/resume": S.ResumeSessionResponse,
+           "session/fork": S.ForkSessionResponse, "session/close": S.CloseSessionResponse}
 _VALIDATORS: dict[Any, Any] = {}
 
 

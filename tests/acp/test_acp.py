@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import select
 import subprocess
 import sys
@@ -1182,16 +1183,121 @@ def test_sessions_passing_one_mcp_server_name_with_other_args_each_get_their_own
     assert len(warned) == 1, err
 
 
-def test_unstable_methods_are_method_not_found_without_a_warning_on_stderr(tmp_path):
-    """session/close, session/resume and session/fork (ACP's unstable protocol) are -32601 with
-    nothing on stderr; the SDK printed a two-line UserWarning for each."""
-    lines = [INIT] + [json.dumps({"jsonrpc": "2.0", "id": i, "method": m,
-                                  "params": {"sessionId": "x", "cwd": "/", "mcpServers": []}}).encode()
-                      for i, m in enumerate(("session/close", "session/resume", "session/fork"))]
-    answers, err, code = raw_session(tmp_path, lines)
-    assert [(a["id"], a.get("error", {}).get("code")) for a in answers[1:]] == [(0, -32601), (1, -32601), (2, -32601)]
-    assert "Warning" not in err and "warn" not in err, err
-    assert code == 0
+def _mcp_running(tag):
+    """Whether a fixture MCP server started with ``tag`` runs (any process's command line)."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if MCP_SERVER.encode() in args and tag.encode() in args:
+            return True
+    return False
+
+
+async def _until(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_resume_takes_a_stored_session_up_without_replaying_it(tmp_path, ws):
+    async def main():
+        state = str(tmp_path / "state")
+        config = cfg(tmp_path, reply("first answer"))
+        later = write_config(tmp_path / "later.toml", {"models": {"s": scripted(reply("second answer"))}})
+        async with spawn(RecordingClient(), config, state_dir=state) as (conn, _):
+            caps = conn.init.agent_capabilities.session_capabilities
+            assert caps.resume is not None and caps.close is not None and caps.fork is not None
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            await bounded(conn.set_config_option(config_id="mode", session_id=sid, value="auto-edit"))
+            assert (await prompt(conn, sid, "hello")).stop_reason == "end_turn"
+        c = RecordingClient()
+        async with spawn(c, later, state_dir=state) as (conn, _):
+            with pytest.raises(acp.RequestError) as e:  # not taken up yet in this process
+                await prompt(conn, sid)
+            assert e.value.code == -32602 and "session/load" in str(e.value.data)
+            resumed = await bounded(conn.resume_session(cwd=str(ws), session_id=sid))
+            assert {o.id: o.current_value for o in resumed.config_options}["mode"] == "auto-edit"
+            assert resumed.modes.current_mode_id == "auto-edit"
+            assert c.updates == []  # nothing replayed
+            assert (await prompt(conn, sid, "again")).stop_reason == "end_turn"
+            assert c.text() == "second answer"
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.resume_session(cwd=str(ws), session_id="nope"))
+            assert e.value.code == -32602
+        c = RecordingClient()
+        async with spawn(c, config, state_dir=state) as (conn, _):  # the resumed turn was kept
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+            assert [u.content.text for u in c.of("agent_message_chunk")] == ["first answer", "second answer"]
+
+    run(main())
+
+
+def test_close_cancels_the_running_turn_and_frees_the_session_until_it_is_taken_up_again(tmp_path, ws):
+    async def main():
+        tag = f"closing-{os.getpid()}-{time.monotonic_ns()}"
+        config = cfg(tmp_path, reply("ready"), reply("late", delayMs=60_000), reply("after the load"))
+        server = McpServerStdio(name="fx", command=sys.executable, args=[MCP_SERVER, tag], env=[])
+        other = McpServerStdio(name="other", command=sys.executable, args=[MCP_SERVER, tag + "-kept"], env=[])
+        c = RecordingClient()
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))).session_id
+            kept = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[other]))).session_id
+            await prompt(conn, sid)  # answered: its MCP servers are up
+            assert _mcp_running(tag) and _mcp_running(tag + "-kept")
+            turn = asyncio.ensure_future(prompt(conn, sid))
+            await asyncio.sleep(0.3)  # the turn is in its (minute-long) model call
+            await bounded(conn.close_session(session_id=sid))
+            assert (await bounded(turn)).stop_reason == "cancelled"
+            await _until(lambda: not _mcp_running(tag))  # the server only it passed is stopped
+            assert _mcp_running(tag + "-kept")  # another session's is not
+            with pytest.raises(acp.RequestError) as e:  # closed: taken up again first
+                await prompt(conn, sid)
+            assert e.value.code == -32602 and "session/load" in str(e.value.data)
+            listed = [s.session_id for s in (await bounded(conn.list_sessions())).sessions]
+            assert sid in listed and kept in listed  # closed, not deleted
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+            c.updates.clear()
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            assert c.text() == "after the load"
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.close_session(session_id="nope"))
+            assert e.value.code == -32602
+
+    run(main())
+
+
+def test_fork_copies_the_session_and_each_goes_its_own_way(tmp_path, ws):
+    async def main():
+        state = str(tmp_path / "state")
+        other = tmp_path / "other"
+        other.mkdir()
+        config = cfg(tmp_path, reply("one"), reply("two"), reply("three"))
+        async with spawn(RecordingClient(), config, state_dir=state) as (conn, _):
+            a = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            await bounded(conn.set_config_option(config_id="mode", session_id=a, value="read-only"))
+            await prompt(conn, a, "start here")
+            fork = await bounded(conn.fork_session(session_id=a, cwd=str(other)))
+            b = fork.session_id
+            assert b != a
+            assert {o.id: o.current_value for o in fork.config_options}["mode"] == "read-only"
+            await prompt(conn, b, "on the fork")
+            await prompt(conn, a, "on the source")
+            listed = {s.session_id: (s.title, s.cwd) for s in (await bounded(conn.list_sessions())).sessions}
+            assert listed == {a: ("start here", str(ws)), b: ("start here", str(other))}
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.fork_session(session_id="nope", cwd=str(ws)))
+            assert e.value.code == -32602
+        for sid, cwd, texts in ((a, ws, ["one", "three"]), (b, other, ["one", "two"])):  # after a restart
+            c = RecordingClient()
+            async with spawn(c, config, state_dir=state) as (conn, _):
+                await bounded(conn.load_session(cwd=str(cwd), session_id=sid))
+                assert [u.content.text for u in c.of("agent_message_chunk")] == texts
+
+    run(main())
 
 
 def test_an_mcp_server_that_hangs_in_its_handshake_delays_exit_with_one_line_not_a_traceback(tmp_path, ws, capfd):
