@@ -364,12 +364,14 @@ class OperateAgent(Agent):
     async def fork_session(self, session_id: str, cwd: str, additional_directories: Any = None,
                            mcp_servers: Any = None, **kw: Any) -> ForkSessionResponse:
         """A new session on a fork of the session's branch (its messages, as they were before a
-        turn still running on it, its mode, policy, model and title), in ``cwd``; the source
-        session goes on as it was."""
+        turn still running on it, its mode, policy and model; its title marked ``(fork)``), in
+        ``cwd``; the source session goes on as it was."""
         await self._branch(session_id)
         sc = self.sidecar
         folders = self._add_folders(cwd, additional_directories)
         info = {k: v for k, v in sc.branch_info(session_id).items() if k in ("title", "model")}
+        if info.get("title"):  # the two are told apart in a list of sessions
+            info["title"] += " (fork)"
         try:  # the fork's info is saved with it, in one transaction
             sid = (await sc.forkBranch({"branchId": session_id}, info={**info, "cwd": cwd, "updatedAt": _now()}))["branchId"]
         except Exception as e:

@@ -1287,7 +1287,7 @@ def test_fork_copies_the_session_and_each_goes_its_own_way(tmp_path, ws):
             await prompt(conn, b, "on the fork")
             await prompt(conn, a, "on the source")
             listed = {s.session_id: (s.title, s.cwd) for s in (await bounded(conn.list_sessions())).sessions}
-            assert listed == {a: ("start here", str(ws)), b: ("start here", str(other))}
+            assert listed == {a: ("start here", str(ws)), b: ("start here (fork)", str(other))}
             with pytest.raises(acp.RequestError) as e:
                 await bounded(conn.fork_session(session_id="nope", cwd=str(ws)))
             assert e.value.code == -32602
