@@ -384,9 +384,9 @@ class OperateAgent(Agent):
 
     async def close_session(self, session_id: str, **kw: Any) -> CloseSessionResponse:
         """Cancel the session's turn (as ``session/cancel``) and wait for it to be answered, then
-        free what serving it holds: its folders, the MCP servers only it passed. The session
-        stays stored and listed; ``session/load`` or ``session/resume`` takes it up again (a
-        prompt before that is -32602)."""
+        free what serving it holds: its folders, the MCP servers only it passed (stopped before
+        the answer). The session stays stored and listed; ``session/load`` or
+        ``session/resume`` takes it up again (a prompt before that is -32602)."""
         await self._branch(session_id)
         self._cancel_turn(session_id)
         lock = self._prompts.get(session_id)
@@ -398,7 +398,7 @@ class OperateAgent(Agent):
                 log.warning("session %s: its cancelled turn did not end within %.0f s; closed without it",
                             session_id, CLOSE_WAIT_S)
         self._prompts.pop(session_id, None)
-        self.sidecar.release_branch(session_id)
+        await self.sidecar.release_branch(session_id)
         return CloseSessionResponse()
 
     async def list_sessions(self, cwd: str | None = None, cursor: str | None = None, additional_directories: Any = None,

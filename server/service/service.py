@@ -510,6 +510,7 @@ class Service:
                     await self._serve_mcp({name: config}, ready, ready.stop)
             finally:
                 ready.set()
+                ready.stopped.set()
 
         await self._spawn(run, name=f"mcp server {name}")
         return ready
@@ -546,19 +547,30 @@ class Service:
             self._branch_mcp[key] = (public, await self.add_mcp_server(public, config, after=last))
         self._branch_mcp_of[branch_id] = keys
 
-    def release_branch(self, branch_id: str) -> None:
+    async def release_branch(self, branch_id: str) -> None:
         """A front end is done with the branch for now (ACP's ``session/close``): it keeps its
         messages, info and policy (stored, listed, taken up again with its folders), but its
         folders are forgotten and the MCP servers it passed that no other branch passed are
-        stopped (their tools unregistered). The operate running on it is the front end's to
-        end first."""
+        stopped, their tools unregistered, before this returns (bounded: ``CLOSE_TIMEOUT_S``
+        more than a server's own stop bound; one that takes longer is left to end on its own,
+        with a warning). The operate running on it is the front end's to end first."""
         self._roots.pop(branch_id, None)
         mine = self._branch_mcp_of.pop(branch_id, set())
         shared = set().union(*self._branch_mcp_of.values())
+        stopping = []
         for key in mine - shared:
             entry = self._branch_mcp.pop(key, None)
             if entry is not None:
                 entry[1].stop.set()
+                stopping.append(entry)
+        if stopping:
+            from operate_sidecar.server.tools.mcp_source import STOP_BOUND_S
+
+            done, _ = await asyncio.wait([asyncio.ensure_future(r.stopped.wait()) for _, r in stopping],
+                                         timeout=STOP_BOUND_S + CLOSE_TIMEOUT_S)
+            if len(done) < len(stopping):
+                log.warning("branch %s: its MCP server(s) %s did not stop in time; left to end on their own",
+                            branch_id, ", ".join(repr(n) for n, r in stopping if not r.stopped.is_set()))
 
     async def branch_mcp_ready(self) -> None:
         """Once every MCP server a branch passed is ready (or failed): a turn waits for this,
@@ -1405,6 +1417,7 @@ class McpServerReady(asyncio.Event):
         super().__init__()
         self.tools: tuple[str, ...] = ()
         self.stop = asyncio.Event()  # set: the server stops (its tools are unregistered)
+        self.stopped = asyncio.Event()  # set once it has stopped (or never started)
 
 
 class _TakenNames:

@@ -75,6 +75,8 @@ _CONFIG_KEYS = frozenset({"command", "env"})
 _STOP_GRACE = 1.5
 #: seconds between SIGTERM and SIGKILL (to the server's whole process group)
 _KILL_GRACE = 1.0
+#: the longest a started server's stop takes: its grace, SIGTERM, SIGKILL and the wait after
+STOP_BOUND_S = _STOP_GRACE + 2 * _KILL_GRACE
 _POLL_S = 0.02
 
 
