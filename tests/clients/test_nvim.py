@@ -1186,10 +1186,58 @@ def test_server_exit_fails_pending_requests_instead_of_hanging(nv):
     assert res[0] is True and res[1]["code"] == -32096
 
 
+def test_a_server_killed_while_a_review_waits_leaves_no_card_waiting_for_you(nv):
+    nv.setup(["unused"], toolPolicy={"edit_file": "ask"}, _state_dir=False)
+    st = nv.start()
+    path = nv.tmp / "crash.py"
+    path.write_text("a = 1\n")
+    bid = nv.new_branch([call("edit_file", path=str(path), edits=[{"oldText": "a = 1", "newText": "a = 3"}]),
+                         "unused"], "crash")
+    nv.chat_send("edit it")
+    nv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    os.kill(st["pid"], signal.SIGKILL)
+    nv.wait("require('operate_sidecar')._state.exit ~= nil", "the exit to be recorded")
+    assert nv.last()["err"]["code"] == -32099
+    assert nv.lua("return #vim.api.nvim_list_tabpages()") == 1                  # the review is gone
+    assert nv.lua("return #require('operate_sidecar.permission').queue") == 0
+    card = [ln for ln in nv.chat(bid) if "edit_file" in ln and not ln.startswith("  │")]
+    assert card == ["⊘ edit_file crash.py +1 −1 (cancelled)"], card          # nobody can answer it now
+
+
+def test_operate_stop_while_a_request_waits_says_cancelled_and_the_server_stays_stopped(nv):
+    nv.setup(["unused"], toolPolicy={"mark_file": "ask"}, _state_dir=False)
+    nv.start()
+    bid = nv.new_branch([call("mark_file", path=str(nv.tmp / "m.txt"), text="x"), "unused"], "stopmid")
+    nv.chat_send("mark it")
+    nv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+    nv.n.command("OperateStop")
+    assert nv.wait_done()["err"]["code"] == -32800
+    nv.wait("vim.tbl_contains(_G.notes, '[operate] server stopped (code 0)')", "the server to stop")
+    nv.lua("vim.wait(1500)")                             # (a server started again would be up by now)
+    assert nv.lua("return require('operate_sidecar').status().running") is False, nv.lua("return _G.notes")
+    card = [ln for ln in nv.chat(bid) if ln.startswith("⊘ mark_file")]
+    assert len(card) == 1 and card[0].endswith("(cancelled)"), card             # not "(timed out)"
+    assert nv.lua("return _G.notes") == ["[operate] cancelled", "[operate] server stopped (code 0)"]
+
+
 def _capture_levels(v) -> None:
     """Notifications with their levels: _G.notes (messages) and _G.levels, in step."""
     v.lua("_G.notes, _G.levels = {}, {}; require('operate_sidecar').config.notify = function(msg, level) "
           "table.insert(_G.notes, msg); table.insert(_G.levels, level or vim.log.levels.INFO) end")
+
+
+def test_a_first_message_sent_while_the_server_starts_stays_in_the_tab_it_was_sent_from(nv):
+    nv.setup(["reply one"], _state_dir=False)
+    first = nv.lua("return vim.api.nvim_get_current_tabpage()")
+    nv.chat_send("hello from tab one")                   # the server starts now (not started yet) ...
+    nv.n.command("tabnew")                               # ... and the user goes on in another tab
+    out = nv.wait_done()
+    assert out["err"] is None
+    assert nv.lua("return require('operate_sidecar').current_branch()") is None    # not this tab's
+    nv.lua("vim.api.nvim_set_current_tabpage(...)", first)
+    assert nv.lua("return require('operate_sidecar').current_branch()") == out["branchId"]
+    nv.n.command("OperateChat")
+    assert "reply one" in nv.chat()                      # the tab's chat is the conversation sent from it
 
 
 def test_a_missing_server_command_is_one_clear_message_per_command(nv, tmp_path):

@@ -18,9 +18,11 @@ local function key()
   end
   return api.nvim_get_current_tabpage()
 end
+M.key = key
 
-function M.current()
-  local k = key()
+--- The current branch (of tab page `k`, default the current one).
+function M.current(k)
+  k = k or key()
   if k == nil then
     return S.branches.global
   end
@@ -69,8 +71,8 @@ function M.name_from(text)
 end
 
 -- createBranch / forkBranch, then make the new branch current (in the tab that asked).
-local function request_new(method, params, cb)
-  local k = key()
+local function request_new(method, params, cb, k)
+  k = k or key()
   server.request_or_notify(method, params, cb, function(res)
     if params.name then
       M.names[res.branchId] = params.name
@@ -81,8 +83,8 @@ local function request_new(method, params, cb)
 end
 
 --- Create a branch and make it current. cb(err, branchId). params default to config.branch
---- (+ the picked model); `name` names it.
-function M.new(cb, params, name)
+--- (+ the picked model); `name` names it; current in tab page `k` (default the current one).
+function M.new(cb, params, name, k)
   params = vim.deepcopy(params or config.values.branch or {})
   if params.chatModel == nil and config.values.model then
     params.chatModel = config.values.model
@@ -90,7 +92,7 @@ function M.new(cb, params, name)
   if name and params.name == nil then
     params.name = name
   end
-  request_new('createBranch', util.as_object(params), cb or function() end)
+  request_new('createBranch', util.as_object(params), cb or function() end, k)
 end
 
 --- Fork the current branch (or `id`) and make the fork current. cb(err, branchId).
@@ -133,12 +135,12 @@ function M.delete(cb, id)
   end)
 end
 
-function M.ensure(cb, first_instruction)
-  local id = M.current()
+function M.ensure(cb, first_instruction, k)
+  local id = M.current(k)
   if id then
     cb(nil, id)
   else
-    M.new(cb, nil, M.name_from(first_instruction))
+    M.new(cb, nil, M.name_from(first_instruction), k)
   end
 end
 

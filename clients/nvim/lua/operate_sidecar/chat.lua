@@ -1100,7 +1100,8 @@ end
 -- those not read yet (a long branch's come in pages; its first 1000 alone left later turns'
 -- cards bare), one read at a time (a turn of many calls asks at each; one more read follows).
 local function fill_cards(chat, turn)
-  if next(turn.cards) == nil or not chat.branch then
+  -- (not without a ready server: a request would start one again, right after :OperateStop)
+  if next(turn.cards) == nil or not chat.branch or not server.state.ready then
     return
   end
   if chat.filling then
@@ -1248,8 +1249,9 @@ function M.send(chat, text, extra)
       end -- else the result kept no prose (e.g. only tool calls): the streamed prose stays
     end
     for _, card in pairs(turn.cards) do
-      if card.status == 'running' or card.status == 'waiting' then
-        card.status = turn.status == 'cancelled' and 'cancelled' or card.status
+      -- (a request still waiting when its turn ended, the server gone say, is answered by nobody)
+      if card.status == 'waiting' or (card.status == 'running' and turn.status == 'cancelled') then
+        card.status = 'cancelled'
       end
     end
     render_turn(chat, turn)

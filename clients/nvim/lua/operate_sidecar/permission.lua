@@ -292,7 +292,7 @@ function M.on_server_cancel(id)
   for _, req in ipairs(queue) do
     if req.id == id then
       local run = server.state.running
-      if run and run.cancel_requested then
+      if (run and run.cancel_requested) or server.state.stopping then -- (:OperateStop cancels it too)
         settle(req, 'cancelled', 'the operate was cancelled')
       else
         settle(req, 'timedout', 'the request timed out')

@@ -555,6 +555,7 @@ function M.operate(params, on_done, hooks)
 
   -- implicit: the caller means "the current branch" (a forgotten one is replaced, once)
   local implicit = params.branchId == nil or (hooks and hooks.implicit)
+  local tab = branches.key() -- (the tab page it was sent from: the server may start meanwhile)
   local send
   local function with_current_branch()
     branches.ensure(function(berr, bid)
@@ -562,7 +563,7 @@ function M.operate(params, on_done, hooks)
         return finish(berr)
       end
       send(bid)
-    end, instruction)
+    end, instruction, tab)
   end
   send = function(bid)
     if run.cancel_requested then
