@@ -201,6 +201,10 @@ class SidecarClient:
                 self.stream_errors.append(repr(e))
             reason = f"the server's output is no longer readable, so nothing can be answered: {e}"
         finally:
+            try:  # read to its end (or unreadable): nothing reads it again
+                self._out.close()
+            except (OSError, ValueError):
+                pass
             with self._plock:  # from now on a request fails at once (_register)
                 self._closed = reason
                 waiting = list(self._pending.values())

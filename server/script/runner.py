@@ -38,6 +38,7 @@ import io
 import itertools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -397,6 +398,8 @@ class Runner:
                                                        "without answering")
             got: dict[str, Any] = {"result": result}
         except RpcError as e:
+            if e.code == -32099 and e.message == self.client._closed:  # the client's own: the server gave none
+                return StepResult(step, False, self._unanswered(e.message))
             err: dict[str, Any] = {"code": e.code, "message": e.message}
             if e.data is not None:
                 err["data"] = e.data
@@ -420,6 +423,15 @@ class Runner:
         if problem:
             return StepResult(step, False, problem, got=got)
         return res
+
+    def _unanswered(self, reason: str) -> str:
+        """Why a request got no answer once the client stopped reading the server's output."""
+        if reason == "the server closed its output":  # it is exiting: name its exit code (briefly waited for)
+            try:
+                return f"the server exited (code {self.client.proc.wait(5)}) without answering"
+            except subprocess.TimeoutExpired:
+                pass
+        return f"no answer: {reason}"
 
     def _save(self, save: dict[str, str] | None, value: Any) -> str:
         for name, path in (save or {}).items():

@@ -622,3 +622,16 @@ def test_a_script_run_with_env_keeps_the_environment_as_the_marker_does(tmp_path
     does (it replaced it: a server started with nothing but those variables, no PATH nor HOME)."""
     text = run_tests_file(tmp_path, "test_env.py", SCRIPT_ENV_TESTS)
     assert "1 passed" in text, text
+
+
+def test_a_project_that_turns_warnings_into_errors_passes(tmp_path):
+    """``filterwarnings = ["error"]`` (a strict project's setting): the fixture and the script
+    helper leave no file open (the sidecar's stderr file, the server's output pipe of a script
+    run), so no ResourceWarning fails a later test as PytestUnraisableExceptionWarning."""
+    project = make_project(tmp_path / "ext")
+    out = run_pytest(project, "-rA", "-W", "error",
+                     "test_extension.py::test_extension_flow", "test_extension.py::test_session_script_passes",
+                     "test_extension.py::test_settings_by_parametrization")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "4 passed" in text, text
+    assert "ResourceWarning" not in text, text

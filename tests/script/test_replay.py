@@ -284,3 +284,21 @@ def test_a_request_reusing_the_id_of_one_still_in_flight_is_refused_before_anyth
     assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
     assert ("dup.jsonl:3: id 1 is the id of the request of line 2, still in flight (not awaited yet); "
             "give this one another id") in out.stderr, out.stderr
+
+
+def test_a_server_that_dies_during_a_request_fails_its_step_even_when_an_error_is_expected(tmp_path):
+    """The server killed while it works on a request: the step fails saying so (it passed when it
+    expected an error, matched by the client's own "the server closed its output" -32099, and
+    failed otherwise as if the server had answered that error)."""
+    die = {"provider": "cli", "profile": "jsonl",
+           "command": [sys.executable, "-c", "import os, signal; os.kill(os.getppid(), signal.SIGKILL)"]}
+    op = {"branchId": "${b}", "instruction": "x", "skipValidation": True}
+    steps = [{"request": "initialize", "params": {"settings": {"models": {"die": die}}}},
+             {"request": "createBranch", "save": {"b": "branchId"}},
+             {"request": "operate", "params": op, "expect": {"error": {"code": "*"}}},
+             {"request": "listBranches"}]
+    out = replay(write_script(tmp_path / "die.jsonl", steps))
+    assert out.returncode == 1, out.stdout + out.stderr
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert fails == ["FAIL line 3: request operate: the server exited (code -9) without answering",
+                     "FAIL line 4: request listBranches: the server has exited (code -9)"], out.stdout
