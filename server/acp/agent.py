@@ -29,10 +29,11 @@ from acp import PROTOCOL_VERSION, Agent, RequestError, update_agent_message_text
 from acp.schema import (AgentCapabilities, CloseSessionResponse, ConfigOptionUpdate, CurrentModeUpdate,
                         ForkSessionResponse, Implementation, InitializeResponse, ListSessionsResponse,
                         LoadSessionResponse, McpCapabilities, NewSessionResponse, PromptCapabilities, PromptResponse,
-                        ResumeSessionResponse, SessionCapabilities, SessionCloseCapabilities,
-                        SessionConfigOptionSelect, SessionConfigSelectOption, SessionForkCapabilities, SessionInfo,
-                        SessionListCapabilities, SessionMode, SessionModeState, SessionResumeCapabilities,
-                        SetSessionConfigOptionResponse, SetSessionModeResponse, Usage, UsageUpdate)
+                        ResumeSessionResponse, SessionAdditionalDirectoriesCapabilities, SessionCapabilities,
+                        SessionCloseCapabilities, SessionConfigOptionSelect, SessionConfigSelectOption,
+                        SessionForkCapabilities, SessionInfo, SessionListCapabilities, SessionMode, SessionModeState,
+                        SessionResumeCapabilities, SetSessionConfigOptionResponse, SetSessionModeResponse, Usage,
+                        UsageUpdate)
 
 from .port import AcpPort, Turn
 from .reply import PLAN_REPLY_FORMAT, REPLY_FORMAT, ReplyText
@@ -306,7 +307,9 @@ class OperateAgent(Agent):
                 session_capabilities=SessionCapabilities(list=SessionListCapabilities(),
                                                          resume=SessionResumeCapabilities(),
                                                          close=SessionCloseCapabilities(),
-                                                         fork=SessionForkCapabilities())),
+                                                         fork=SessionForkCapabilities(),
+                                                         # a session's folders: its cwd and these
+                                                         additional_directories=SessionAdditionalDirectoriesCapabilities())),
             agent_info=Implementation(name="operate-sidecar", title="operate-sidecar", version=self.version),
             auth_methods=[])
 

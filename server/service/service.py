@@ -524,17 +524,23 @@ class Service:
         A server another branch passed with the same name and the same command and env is
         shared; one with the same name and another command or env is started for this branch
         under a name of its own (``<name>-2`` ...; where its tools' names clash with the
-        other's, they are ``<name>-2__<tool>``), with one warning line that names it. The
-        values of its ``env`` whose names say they are secret are known secrets from here on
-        (masked wherever the server emits or stores text)."""
+        other's, they are ``<name>-2__<tool>``), with one warning line that names it. A branch
+        taken up again (``session/load``) passes its servers again: one it passed before and
+        passes no more (its args or env changed) is stopped first, unless another branch passed
+        it, so the changed one is started under the name passed. The values of its ``env``
+        whose names say they are secret are known secrets from here on (masked wherever the
+        server emits or stores text)."""
         from operate_sidecar.server import redaction
 
-        keys: set[str] = set()
-        for name, config in servers:
+        for _, config in servers:
             for value in redaction.secret_env_values(config.get("env")):  # before anything can echo them
                 redaction.remember_secret(value)
+        keys = {json.dumps([name, config], sort_keys=True) for name, config in servers}
+        # the ones it passed before and passes no more (a session taken up again with a server's
+        # args or env changed) stop first: a changed server gets the name it is passed under
+        await self._stop_branch_mcp(branch_id, self._branch_mcp_of.get(branch_id, set()) - keys)
+        for name, config in servers:
             key = json.dumps([name, config], sort_keys=True)
-            keys.add(key)
             if key in self._branch_mcp:
                 continue
             public, taken, n = name, {public for public, _ in self._branch_mcp.values()}, 2
@@ -555,10 +561,14 @@ class Service:
         more than a server's own stop bound; one that takes longer is left to end on its own,
         with a warning). The operate running on it is the front end's to end first."""
         self._roots.pop(branch_id, None)
-        mine = self._branch_mcp_of.pop(branch_id, set())
-        shared = set().union(*self._branch_mcp_of.values())
+        await self._stop_branch_mcp(branch_id, self._branch_mcp_of.pop(branch_id, set()))
+
+    async def _stop_branch_mcp(self, branch_id: str, keys: set[str]) -> None:
+        """Stop the MCP servers of ``keys`` (ones the branch passed) that no other branch passed,
+        their tools unregistered, before this returns (bounded as :meth:`release_branch` says)."""
+        shared = set().union(*(k for b, k in self._branch_mcp_of.items() if b != branch_id))
         stopping = []
-        for key in mine - shared:
+        for key in keys - shared:
             entry = self._branch_mcp.pop(key, None)
             if entry is not None:
                 entry[1].stop.set()

@@ -699,6 +699,27 @@ def test_each_session_s_tools_are_confined_to_its_own_cwd(tmp_path, fs):
     run(main())
 
 
+def test_additional_directories_are_advertised_and_reached(tmp_path, ws):
+    """A session's ``additionalDirectories`` are its folders too; the agent says so in
+    ``sessionCapabilities.additionalDirectories``, without which a client that follows the
+    schema ("omitted means the agent does not advertise support") never sends them."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "b.txt").write_text("in the extra folder\n")
+
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, reply("", [("read_file", {"path": str(extra / "b.txt")})]), reply("read"))
+        async with spawn(c, config) as (conn, _):
+            assert conn.init.agent_capabilities.session_capabilities.additional_directories is not None
+            sid = (await bounded(conn.new_session(cwd=str(ws), additional_directories=[str(extra)]))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            done = c.of("tool_call_update")[-1]
+            assert done.status == "completed" and "in the extra folder" in json.dumps(done.raw_output)
+
+    run(main())
+
+
 def test_an_unanswered_permission_request_times_out_as_deny(tmp_path, ws):
     async def main():
         c = RecordingClient("never")
@@ -1291,6 +1312,36 @@ def test_fork_copies_the_session_and_each_goes_its_own_way(tmp_path, ws):
                 assert [u.content.text for u in c.of("agent_message_chunk")] == texts
 
     run(main())
+
+
+def test_a_session_loaded_again_with_an_mcp_server_changed_gets_it_under_its_own_name(tmp_path, ws, capfd):
+    """An editor passes a session's MCP servers as its settings have them now: a session loaded
+    again with a server's args or env changed gets the new server under the name it passed
+    (its tools as the server names them), and the old one, passed by no session any more,
+    stops (it was left running, and the new one renamed ``fx-2`` as if another session had
+    it, every tool ``fx-2__<tool>``, so the model's ``whoami`` was not selected)."""
+    tag = f"reloaded-{os.getpid()}-{time.monotonic_ns()}"
+    config = cfg(tmp_path, reply("", [("whoami", {})]), reply("a done"), reply("", [("whoami", {})]), reply("b done"))
+
+    def fx(t):
+        return McpServerStdio(name="fx", command=sys.executable, args=[MCP_SERVER, t],
+                              env=[acp.schema.EnvVariable(name="MCP_FIXTURE_TAG", value=t)])
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx(tag + "-old")]))).session_id
+            await prompt(conn, sid)
+            assert str(c.of("tool_call_update")[-1].raw_output) == f"{tag}-old:{tag}-old"
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid, mcp_servers=[fx(tag + "-new")]))
+            c.updates.clear()
+            await prompt(conn, sid)
+            done = c.of("tool_call_update")[-1]
+            assert (done.status, str(done.raw_output)) == ("completed", f"{tag}-new:{tag}-new"), done.raw_output
+            assert not _mcp_running(tag + "-old") and _mcp_running(tag + "-new")
+
+    run(main())
+    assert "fx-2" not in capfd.readouterr().err
 
 
 def test_an_mcp_server_that_hangs_in_its_handshake_delays_exit_with_one_line_not_a_traceback(tmp_path, ws, capfd):
