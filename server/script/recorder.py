@@ -6,7 +6,8 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
 - each client request as a ``request`` step whose ``expect`` is the answer it got, with the
   values that differ from run to run replaced: ``branchId``s the server made up are saved
   (``"save": {"branch1": "branchId"}``) and later steps refer to them as ``${branch1}``;
-  timestamps, durations, token usage, message and call ids become ``"*"``;
+  timestamps, durations, token usage, message and call ids, the server's version and the
+  methods and notifications its release offers become ``"*"``;
 - each client notification as a ``notify`` step;
 - each notification the client got as an ``expectNotification`` step (of a ``$/progress``
   stream only the first report per phase is kept, its ``delta`` as ``"*"``, since how a
@@ -59,8 +60,11 @@ from .matcher import escape
 VOLATILE_KEYS = frozenset({"createdAt", "durationMs", "usage", "callId", "requestId", "stateDir", "seq",
                            "processId", "elapsedMs", "timestamp"})
 #: keys volatile only beside particular keys: message ids, the server's version, the model name a
-#: provider reports in an assistant_response (a scripted replay reports its configured name)
-_VOLATILE_IN = {"id": ("kind", "role"), "version": ("name",), "model": ("text",)}
+#: provider reports in an assistant_response (a scripted replay reports its configured name), and
+#: the methods and notifications a server release offers (``initialize``: a later release that adds
+#: one still replays the session)
+_VOLATILE_IN = {"id": ("kind", "role"), "version": ("name",), "model": ("text",),
+                "methods": ("notifications",), "notifications": ("methods",)}
 _ID_RESULTS = {"createBranch": "branch", "forkBranch": "branch"}
 #: a model invocation that was cancelled when recorded waits this long when replayed (cancellable)
 CANCELLED_DELAY_MS = 600_000

@@ -394,3 +394,21 @@ def test_the_working_directory_is_written_only_where_it_is_a_whole_path(tmp_path
 
     monkeypatch.setattr(os, "getcwd", lambda: cwd)
     assert Recorder(str(tmp_path / "r.jsonl"))._text(text) == written
+
+
+def test_a_recording_replays_against_a_later_release_that_offers_more_methods(tmp_path):
+    """What a release offers (its version, the methods and notifications ``initialize`` lists)
+    is not part of the recorded session: a server that offers one method more replays it."""
+    rec = tmp_path / "release.jsonl"
+    models = {"m": {"provider": "scripted", "responses": [{"text": "hi"}]}}
+    record(rec, lambda c: (c.request("initialize", {"settings": {"models": models}}, timeout=60),
+                           c.request("operate", {"branchId": c.request("createBranch", {})["branchId"],
+                                                 "instruction": "hi"}, timeout=60)))
+    caps = lines(rec)[0]["expect"]["result"]["capabilities"]
+    assert caps["methods"] == "*" and caps["notifications"] == "*" and caps["models"] == ["m"], caps
+    later = ("import sys; import operate_sidecar.server.rpc.transport as t; "
+             "t.REQUEST_METHODS = (*t.REQUEST_METHODS, 'someLaterMethod'); "
+             "t.SERVER_NOTIFICATIONS = (*t.SERVER_NOTIFICATIONS, 'someLaterNotification'); "
+             "from operate_sidecar.server.__main__ import main; sys.exit(main())")
+    out = replay("--scripted", rec, "--", sys.executable, "-c", later)
+    assert out.returncode == 0, out.stdout + out.stderr
