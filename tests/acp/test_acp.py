@@ -1165,6 +1165,12 @@ def test_session_list_comes_in_pages_a_cursor_goes_on_from(tmp_path, ws):
     run(main())
 
 
+def fx_server(tag):
+    """The fixture MCP server as a session passes it, named ``fx``, telling ``tag`` (args and env)."""
+    return McpServerStdio(name="fx", command=sys.executable, args=[MCP_SERVER, tag],
+                          env=[acp.schema.EnvVariable(name="MCP_FIXTURE_TAG", value=tag)])
+
+
 def test_sessions_passing_one_mcp_server_name_with_other_args_each_get_their_own(tmp_path, ws, capfd):
     """Client MCP servers are the session's: a second session that passes a server under a name
     another session's server has, with other args or env, gets its own under a name of its own
@@ -1175,15 +1181,11 @@ def test_sessions_passing_one_mcp_server_name_with_other_args_each_get_their_own
                  reply("", [("whoami", {})]),
                  reply("", [("whoami", {})]), reply("c done"))
 
-    def fx(tag):
-        return McpServerStdio(name="fx", command=sys.executable, args=[MCP_SERVER, tag],
-                              env=[acp.schema.EnvVariable(name="MCP_FIXTURE_TAG", value=tag)])
-
     async def main():
         c = RecordingClient()
         async with spawn(c, config) as (conn, _):
-            a = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx("alpha")]))).session_id
-            b = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx("beta")]))).session_id
+            a = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx_server("alpha")]))).session_id
+            b = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx_server("beta")]))).session_id
             seen = []
             for sid in (a, b, b):
                 c.updates.clear()
@@ -1192,7 +1194,7 @@ def test_sessions_passing_one_mcp_server_name_with_other_args_each_get_their_own
                 seen.append((done.status, str(done.raw_output)))
             assert seen[0] == ("completed", "alpha:alpha") and seen[1] == ("completed", "beta:beta"), seen
             assert seen[2][0] == "failed" and "tool not selected" in seen[2][1], seen  # a's server is not b's
-            c3 = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx("alpha")]))).session_id
+            c3 = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx_server("alpha")]))).session_id
             c.updates.clear()
             await prompt(conn, c3)
             assert str(c.of("tool_call_update")[-1].raw_output) == "alpha:alpha"  # the same server: shared
@@ -1323,17 +1325,13 @@ def test_a_session_loaded_again_with_an_mcp_server_changed_gets_it_under_its_own
     tag = f"reloaded-{os.getpid()}-{time.monotonic_ns()}"
     config = cfg(tmp_path, reply("", [("whoami", {})]), reply("a done"), reply("", [("whoami", {})]), reply("b done"))
 
-    def fx(t):
-        return McpServerStdio(name="fx", command=sys.executable, args=[MCP_SERVER, t],
-                              env=[acp.schema.EnvVariable(name="MCP_FIXTURE_TAG", value=t)])
-
     async def main():
         c = RecordingClient()
         async with spawn(c, config) as (conn, _):
-            sid = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx(tag + "-old")]))).session_id
+            sid = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[fx_server(tag + "-old")]))).session_id
             await prompt(conn, sid)
             assert str(c.of("tool_call_update")[-1].raw_output) == f"{tag}-old:{tag}-old"
-            await bounded(conn.load_session(cwd=str(ws), session_id=sid, mcp_servers=[fx(tag + "-new")]))
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid, mcp_servers=[fx_server(tag + "-new")]))
             c.updates.clear()
             await prompt(conn, sid)
             done = c.of("tool_call_update")[-1]

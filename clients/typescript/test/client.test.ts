@@ -228,10 +228,8 @@ test('cancel mid model call sends $/cancelRequest: -32800, progress ends "cancel
   assert.equal(again.result, 'next');
 });
 
-test('stop cancels the running requests first ($/cancelRequest before shutdown): they end -32800, answered before shutdown is', async () => {
-  const { c } = await initialized({ models: { s: scripted({ text: 'late', delayMs: 60000 }) } });
-  const { branchId } = await within(c.createBranch(), 'createBranch');
-  // the messages in wire order, as the client sent and received them
+/** The messages in wire order, as the client sends and receives them from now on (`-> method #id`, `<- #id [code]`). */
+async function wireOf(c: SidecarClient): Promise<string[]> {
   const wire: string[] = [];
   await c.connection.trace(Trace.Messages, {
     log: (m: any) => {
@@ -240,6 +238,13 @@ test('stop cancels the running requests first ($/cancelRequest before shutdown):
       if (m.type === 'receive-response') wire.push(`<- #${msg.id}${msg.error ? ` ${msg.error.code}` : ''}`);
     },
   }, { traceFormat: TraceFormat.JSON });
+  return wire;
+}
+
+test('stop cancels the running requests first ($/cancelRequest before shutdown): they end -32800, answered before shutdown is', async () => {
+  const { c } = await initialized({ models: { s: scripted({ text: 'late', delayMs: 60000 }) } });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const wire = await wireOf(c);
   const values: ProgressValue[] = [];
   const pending = c.operate({ branchId, instruction: 'wait' }, { onProgress: (v) => values.push(v) }).then(() => undefined, (e) => e);
   await until(() => values.length > 0, 'progress begin (the model call started)');
@@ -255,14 +260,7 @@ test('stop cancels the running requests first ($/cancelRequest before shutdown):
 
 test('stop() called again while it runs shares that stop: the same promise and result; shutdown and exit written once, the shutdown not cancelled', async () => {
   const { c } = await initialized({ models: { s: scripted('x') } });
-  const wire: string[] = [];
-  await c.connection.trace(Trace.Messages, {
-    log: (m: any) => {
-      const msg = m.message ?? {};
-      if (m.type === 'send-request' || m.type === 'send-notification') wire.push(`-> ${msg.method}${msg.id !== undefined ? ` #${msg.id}` : ''}`);
-      if (m.type === 'receive-response') wire.push(`<- #${msg.id}${msg.error ? ` ${msg.error.code}` : ''}`);
-    },
-  }, { traceFormat: TraceFormat.JSON });
+  const wire = await wireOf(c);
   const first = c.stop(5000);
   const second = c.stop(5000);   // while the first waits for the answer to its shutdown
   assert.equal(await within(first, 'first stop', 15_000), 0);
