@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-__all__ = ["SidecarClient", "RpcError", "StreamError"]
+__all__ = ["SidecarClient", "RpcError", "NoAnswer", "StreamError"]
 
 _HEADER = re.compile(rb"Content-Length: (\d+)\r\n")
 
@@ -33,6 +33,15 @@ class RpcError(Exception):
     def __init__(self, code: int, message: str, data: Any = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code, self.message, self.data = code, message, data
+
+
+class NoAnswer(RpcError):
+    """The client's own -32099 for a request the server can no longer answer: its output closed
+    (it is exiting) or is unreadable; ``message`` says which. Not an answer of the server's."""
+
+
+def _no_answer(reason: str) -> dict:
+    return {"error": {"code": -32099, "message": reason}, "noAnswer": True}
 
 
 class StreamError(Exception):
@@ -67,6 +76,8 @@ class _Pending:
         if not self._done.wait(timeout):
             raise TimeoutError(f"no response to request {self.id!r} within {timeout}s")
         msg = self._msg or {}
+        if msg.get("noAnswer"):
+            raise NoAnswer(-32099, msg["error"]["message"])
         if "error" in msg:
             err = msg["error"] or {}
             raise RpcError(err.get("code", 0), err.get("message", ""), err.get("data"))
@@ -116,7 +127,7 @@ class SidecarClient:
             if closed is None:
                 self._pending[msg_id] = pending
         if closed is not None:  # the reader has stopped: nothing can answer it, fail it now
-            pending._set({"error": {"code": -32099, "message": closed}})
+            pending._set(_no_answer(closed))
         return pending
 
     def request_async(self, method: str, params: Any = None, msg_id: Any = None) -> _Pending:
@@ -210,7 +221,7 @@ class SidecarClient:
                 waiting = list(self._pending.values())
                 self._pending.clear()
             for pending in waiting:  # nobody will answer these now
-                pending._set({"error": {"code": -32099, "message": reason}})
+                pending._set(_no_answer(reason))
             with self._cond:
                 self._cond.notify_all()
 

@@ -333,11 +333,7 @@ class OperateAgent(Agent):
         # that the folder is known (configured MCP servers start in the background; a prompt waits)
         # and what a turn builds on first use for this session's tools, reply format and model
         await self._ready(warm=True)
-        if self.settings.get("mcpServers"):
-            self._background(self._prime(sc, sid))
-        else:
-            await sc.ensure_tools()
-            await self._prime(sc, sid)
+        await self._primed(sc, sid)
         return NewSessionResponse(session_id=sid, config_options=self._options(sid), modes=self._modes(sid))
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
@@ -381,8 +377,7 @@ class OperateAgent(Agent):
             raise self._error(e) from None
         sc.set_branch_folders(sid, folders)
         await self._add_mcp(sid, mcp_servers)
-        if not self.settings.get("mcpServers"):  # (else they may still be starting: a prompt waits)
-            await self._prime(sc, sid)
+        await self._primed(sc, sid)
         return ForkSessionResponse(session_id=sid, config_options=self._options(sid), modes=self._modes(sid))
 
     async def close_session(self, session_id: str, **kw: Any) -> CloseSessionResponse:
@@ -615,6 +610,14 @@ class OperateAgent(Agent):
         if tools is not None:
             params["tools"] = tools
         return params
+
+    async def _primed(self, sc: Any, sid: str) -> None:
+        """A new session primed before its answer (``_prime``); with configured MCP servers, which
+        may still be starting (a prompt waits for them), in the background instead."""
+        if self.settings.get("mcpServers"):
+            self._background(self._prime(sc, sid))
+        else:
+            await self._prime(sc, sid)
 
     async def _prime(self, sc: Any, sid: str) -> None:
         """The tools (configured MCP servers included), the session's model object (a provider

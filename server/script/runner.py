@@ -381,7 +381,7 @@ class Runner:
         return StepResult(step, res.ok, f"line {req.line} {'passed' if res.ok else 'failed'}")
 
     def _judge(self, step: Step, data: dict, pending: Any, timeout: float | None = None) -> StepResult:
-        from operate_sidecar.clients.python.client import RpcError
+        from operate_sidecar.clients.python.client import NoAnswer, RpcError
 
         timeout = self._timeout(step) if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -398,7 +398,7 @@ class Runner:
                                                        "without answering")
             got: dict[str, Any] = {"result": result}
         except RpcError as e:
-            if e.code == -32099 and e.message == self.client._closed:  # the client's own: the server gave none
+            if isinstance(e, NoAnswer):  # the client's own: the server gave none
                 return StepResult(step, False, self._unanswered(e.message))
             err: dict[str, Any] = {"code": e.code, "message": e.message}
             if e.data is not None:
@@ -426,7 +426,7 @@ class Runner:
 
     def _unanswered(self, reason: str) -> str:
         """Why a request got no answer once the client stopped reading the server's output."""
-        if reason == "the server closed its output":  # it is exiting: name its exit code (briefly waited for)
+        if not self.client.stream_errors:  # its output closed, it is exiting: name its exit code (briefly waited for)
             try:
                 return f"the server exited (code {self.client.proc.wait(5)}) without answering"
             except subprocess.TimeoutExpired:

@@ -110,6 +110,8 @@ class Service:
         self._branch_mcp: dict[str, tuple[str, McpServerReady]] = {}
         #: branch id -> the keys of ``_branch_mcp`` it passed
         self._branch_mcp_of: dict[str, set[str]] = {}
+        #: every MCP server :meth:`add_mcp_server` started and not yet stopped (``aclose`` stops them)
+        self._added_mcp: set[McpServerReady] = set()
 
     # ------------------------------------------------------------------ setup
     @property
@@ -500,6 +502,7 @@ class Service:
         once its tools are registered (their names, as offered, are then its ``tools``), or it
         failed (reported; the other tools are unaffected; ``tools`` stays empty)."""
         ready = McpServerReady()
+        self._added_mcp.add(ready)
 
         async def run() -> None:
             try:
@@ -511,6 +514,7 @@ class Service:
             finally:
                 ready.set()
                 ready.stopped.set()
+                self._added_mcp.discard(ready)
 
         await self._spawn(run, name=f"mcp server {name}")
         return ready
@@ -535,12 +539,12 @@ class Service:
         for _, config in servers:
             for value in redaction.secret_env_values(config.get("env")):  # before anything can echo them
                 redaction.remember_secret(value)
-        keys = {json.dumps([name, config], sort_keys=True) for name, config in servers}
+        keyed = [(json.dumps([name, config], sort_keys=True), name, config) for name, config in servers]
+        keys = {key for key, _, _ in keyed}
         # the ones it passed before and passes no more (a session taken up again with a server's
         # args or env changed) stop first: a changed server gets the name it is passed under
         await self._stop_branch_mcp(branch_id, self._branch_mcp_of.get(branch_id, set()) - keys)
-        for name, config in servers:
-            key = json.dumps([name, config], sort_keys=True)
+        for key, name, config in keyed:
             if key in self._branch_mcp:
                 continue
             public, taken, n = name, {public for public, _ in self._branch_mcp.values()}, 2
@@ -576,9 +580,10 @@ class Service:
         if stopping:
             from operate_sidecar.server.tools.mcp_source import STOP_BOUND_S
 
-            done, _ = await asyncio.wait([asyncio.ensure_future(r.stopped.wait()) for _, r in stopping],
-                                         timeout=STOP_BOUND_S + CLOSE_TIMEOUT_S)
-            if len(done) < len(stopping):
+            try:
+                await asyncio.wait_for(asyncio.gather(*(r.stopped.wait() for _, r in stopping)),
+                                       STOP_BOUND_S + CLOSE_TIMEOUT_S)
+            except asyncio.TimeoutError:
                 log.warning("branch %s: its MCP server(s) %s did not stop in time; left to end on their own",
                             branch_id, ", ".join(repr(n) for n, r in stopping if not r.stopped.is_set()))
 
@@ -745,7 +750,7 @@ class Service:
         if self._tool_threads is not None:
             self._tool_threads.shutdown(wait=False, cancel_futures=True)
         self._mcp_stop.set()
-        for _, ready in self._branch_mcp.values():
+        for ready in self._added_mcp:
             ready.stop.set()
         try:
             if self._owner is not None:

@@ -47,6 +47,7 @@ def test_mcp_servers_run_in_the_service_task_group_and_stop_on_aclose():
         await asyncio.wait_for(svc.aclose(), WAIT)
         assert owner.done() and svc._tg is None
         assert not any(_alive(p) for p in pids), pids
+        assert ready.stop.is_set() and ready.stopped.is_set()  # asked to stop, not cut off at the deadline
         # the one thing said: the added server's tools named like the configured one's are prefixed
         assert len(port.logged) == 1 and port.logged[0].startswith("MCP server 'client': its tool 'echo' is "
                                                                   "offered as 'client__echo' (MCP server 'cfg' "
