@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import re
 import signal
 import sys
 from typing import Any
@@ -45,11 +46,30 @@ async def _bounded_streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any
     return reader, writer, bound
 
 
+#: one JSON escape as ``json.dumps`` writes it (lower-case hex): a surrogate pair whole, else a
+#: lone surrogate (group 1), else any other escape (``\\\\`` among them, so a backslash the text
+#: holds is never read as the start of an escape)
+_ESCAPE = re.compile(rb"\\(?:ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|(ud[89a-f][0-9a-f]{2})|.)")
+
+
+def unicode_only(data: bytes) -> bytes:
+    """``data`` (JSON lines) with each lone surrogate escape written as U+FFFD. A file name
+    the file system holds as bytes that are not UTF-8 is a string with lone surrogates here
+    (Python's ``surrogateescape``), which ``json.dumps`` writes as ``\\udcXX``: legal JSON
+    text, but not Unicode, and strict readers (Rust's serde_json, which Zed uses) refuse the
+    whole line, so a tool's result or a turn's answer would be lost. A path shown that way is
+    one the client could not name anyway: ACP paths are text."""
+    if b"\\ud" not in data:
+        return data
+    return _ESCAPE.sub(lambda m: b"\\ufffd" if m.group(1) else m.group(0), data)
+
+
 class RedactingWriter(asyncio.StreamWriter):
     """The wire's writer: the last net before the client, as the native front end has
     (``server.rpc.transport``). Every line written has every known secret value masked in
     every form ``redaction.redact_bytes`` knows, whatever built the message: a tool call's
-    ``rawInput`` and title made from arguments a model wrote, a tool's output, an error text.
+    ``rawInput`` and title made from arguments a model wrote, a tool's output, an error text;
+    and is Unicode text (``unicode_only``).
     Lines are masked whole, however they are cut into ``write()`` calls: the bytes after the
     last newline wait for the rest of their line (a secret split across two writes is still
     masked), and go out as they are at ``drain()`` (the SDK drains after each message),
@@ -61,18 +81,18 @@ class RedactingWriter(asyncio.StreamWriter):
 
     def write(self, data: Any) -> None:
         if not self._partial and not redaction.has_secrets():
-            super().write(data)
+            super().write(unicode_only(data))
             return
         data = self._partial + bytes(data)
         end = data.rfind(b"\n") + 1
         self._partial = data[end:]
         if end:
-            super().write(redaction.redact_bytes(data[:end]))
+            super().write(unicode_only(redaction.redact_bytes(data[:end])))
 
     def _flush_partial(self) -> None:
         if self._partial:
             data, self._partial = self._partial, b""
-            super().write(redaction.redact_bytes(data))
+            super().write(unicode_only(redaction.redact_bytes(data)))
 
     async def drain(self) -> None:
         self._flush_partial()

@@ -28,7 +28,7 @@ def toml_value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return json.dumps(v)
+        return json.dumps(v, ensure_ascii=False)  # TOML has no escape for half a surrogate pair
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
@@ -74,6 +74,22 @@ def schema_errors(model: Any, value: Any) -> list[str]:
     return [f"{model.__name__}: {'/'.join(map(str, e.absolute_path))}: {e.message[:300]}" for e in v.iter_errors(value)]
 
 
+def not_utf8(value: Any, where: str = "") -> list[str]:
+    """Each string in ``value`` that is not Unicode text (a lone surrogate: Python's JSON reader
+    takes a lone ``\\udXXX`` escape, strict readers such as Rust's serde_json refuse the line)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return [f"{where or '/'}: not Unicode text: {value[:80]!r}"]
+        return []
+    if isinstance(value, dict):
+        return [e for k, v in value.items() for e in not_utf8(k, where + "/<key>") + not_utf8(v, f"{where}/{k}")]
+    if isinstance(value, list):
+        return [e for i, v in enumerate(value) for e in not_utf8(v, f"{where}/{i}")]
+    return []
+
+
 class SchemaTap:
     """Sees every message on the client's connection; ``violations()`` lists each message the
     agent sent that is not the schema's (checked at the end, when every request's method is
@@ -106,6 +122,7 @@ class SchemaTap:
                 errors += schema_errors(S.Error, msg["error"])
             elif msg.get("id") in self.methods and self.methods[msg["id"]] in RESULTS:
                 errors += schema_errors(RESULTS[self.methods[msg["id"]]], msg.get("result"))
+            errors += not_utf8(msg)
             if errors:
                 out.append((json.dumps(msg)[:300], errors))
         return out

@@ -416,6 +416,28 @@ def test_stdout_stays_clean_when_tools_print(tmp_path, ws):
     run(main())
 
 
+def test_a_file_name_that_is_not_utf8_reaches_the_client_as_unicode_text(tmp_path, ws):
+    """A name the file system holds as bytes that are not UTF-8 is shown with U+FFFD in its
+    place: a lone surrogate escape on the wire makes a strict JSON reader (Zed's serde_json)
+    refuse the whole line. The schema tap checks every message for that too."""
+    os.mkdir(os.path.join(os.fsencode(ws), b"d\xe9"))
+    with open(os.path.join(os.fsencode(ws), b"caf\xe9.txt"), "wb") as f:
+        f.write(b"x\n")
+
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, reply("", [("list_dir", {"path": "."})]), reply("Listed \U0001F600."))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            done, = [u for u in c.of("tool_call_update") if u.status == "completed"]
+            names = json.dumps(done.raw_output, ensure_ascii=False)
+            assert "caf\ufffd.txt" in names and "d\ufffd" in names, names
+            assert c.text() == "Listed \U0001F600."  # a surrogate pair is one character, kept as it is
+
+    run(main())
+
+
 @pytest.mark.parametrize("mode", ["ask", "auto-edit"])
 def test_diff_old_text_comes_from_the_clients_buffer(tmp_path, ws, mode):
     async def main():

@@ -125,3 +125,16 @@ def test_a_closed_stdin_is_an_empty_input_and_a_closed_stdout_no_traceback(tmp_p
                                 input=_lines(_init(1)), stderr=subprocess.PIPE, env=agent_env(), timeout=TIMEOUT)
     assert closed_out.returncode == 0 and b"Traceback" not in closed_out.stderr, closed_out.stderr.decode()
     assert b"stdout is closed" in closed_out.stderr
+
+
+def test_only_lone_surrogate_escapes_are_replaced_on_the_way_out():
+    """``unicode_only`` on what ``json.dumps`` writes: a pair stays whole, an escaped backslash
+    before ``udce9`` is text, a lone half of either kind becomes U+FFFD."""
+    from operate_sidecar.server.acp.run import unicode_only
+
+    cases = {"caf\udce9": "caf\ufffd", "\U0001F600": "\U0001F600", "a\\udce9": "a\\udce9",
+             "x\\\udce9": "x\\\ufffd", "\ud800 \udfff\ud83d": "\ufffd \ufffd\ufffd",
+             "\ud83d\ude00\udc00": "\U0001F600\ufffd", "plain \\ text": "plain \\ text"}
+    for text, shown in cases.items():
+        out = unicode_only(json.dumps({"t": text}).encode() + b"\n")
+        assert json.loads(out)["t"] == shown and out.decode("ascii").endswith("}\n"), (text, out)
