@@ -586,6 +586,40 @@ def test_the_statusline_in_the_review_tab_names_the_branch_of_the_review(sv):
     assert sv.lua("return require('operate_sidecar').statusline()") == "operate · s · slbranch"
 
 
+def _new_chat_bufs(v) -> list:
+    """The buffers (listed or not) and chats of new, unbound chats: `new:N` in their names or keys."""
+    return v.lua("""local out = {}
+        for _, b in ipairs(vim.api.nvim_list_bufs()) do
+          local name = vim.api.nvim_buf_get_name(b)
+          if name:find('new:', 1, true) then table.insert(out, name) end
+        end
+        for key in pairs(require('operate_sidecar.chat').chats) do
+          if tostring(key):find('new:', 1, true) then table.insert(out, 'chat ' .. key) end
+        end
+        return out""")
+
+
+def test_operate_chat_in_the_review_tab_opens_the_chat_of_the_review(sv):
+    path, bid = _diff_setup(sv, "chatinreview", ["not edited"])
+    sv.chat_send("make it return 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    sv.n.command("OperateChat")
+    shown = sv.lua("""local chat = require('operate_sidecar.chat')
+        local w = chat.window()
+        return { tab = vim.api.nvim_get_current_tabpage() == require('operate_sidecar.diff').current.tab,
+                 name = w and vim.api.nvim_buf_get_name(vim.api.nvim_win_get_buf(w)),
+                 current = chat.current().branch }""")
+    assert shown == {"tab": True, "name": f"operate://chat/{bid}", "current": bid}, shown
+    lines = sv.chat()                                    # (the chat of this tab: the review's)
+    assert "make it return 2" in lines and any(ln.startswith("? edit_file chatinreview.py +1 −1") for ln in lines), lines
+    tab = sv.lua("return vim.api.nvim_get_current_tabpage()")
+    assert [b for b in _new_chat_bufs(sv) if b.endswith(f"new:{tab}")] == []   # no empty chat for the review tab
+    sv.send_keys("gr")                                   # answered from that chat's prompt
+    assert sv.wait_done()["err"] is None
+    assert sv.lua("return #vim.api.nvim_list_tabpages()") == 1
+    assert any(ln.startswith("⊘ edit_file chatinreview.py") for ln in sv.chat(bid))
+
+
 def test_ctrl_c_in_the_review_cancels_the_turn_and_gives_the_buffer_its_own_back(sv):
     path, bid = _diff_setup(sv, "ctrlc", ["unused"])
     buf = sv.lua("return vim.fn.bufnr(...)", str(path))
@@ -834,6 +868,28 @@ def test_closing_the_chat_window_closes_its_prompt_window_too(sv):
     sv.n.command("only")                                 # from the prompt: it stays, the last window
     sv.lua("vim.wait(100)")
     assert sv.lua(f"return {wins}") == 1 and sv.lua("return require('operate_sidecar.chat').prompt_window()")
+
+
+def test_new_chats_leave_no_new_n_buffers_behind(sv):
+    """A new chat is `operate://chat/new:N` until its first message makes a branch: renamed then,
+    it leaves no unlisted buffer of the old name; one closed with its tab (never sent) goes whole."""
+    sv.lua("require('operate_sidecar').config.branch = {chatModel = vim.json.decode(...)}",
+           json.dumps(scripted(["first reply", "(unused)"])))
+    before = set(_new_chat_bufs(sv))                     # (the first tab's own, of earlier tests)
+    sv.n.command("tabnew")                               # a tab with no branch yet: a new chat
+    sv.chat_send("hello")
+    out = sv.wait_done()
+    assert out["err"] is None and "first reply" in sv.chat(out["branchId"])
+    assert set(_new_chat_bufs(sv)) == before             # bound: no `new:N` buffer is left
+    sv.n.command("tabnew")
+    sv.n.command("OperateChat")                          # an empty chat, never sent ...
+    tab = sv.lua("return vim.api.nvim_get_current_tabpage()")
+    made = set(_new_chat_bufs(sv)) - before
+    assert made == {f"operate://chat/new:{tab}", f"operate://prompt/new:{tab}", f"chat new:{tab}"}, made
+    sv.n.command("tabclose")                             # ... goes with its tab
+    sv.wait(f"require('operate_sidecar.chat').chats['new:{tab}'] == nil", "the new chat to go")
+    assert set(_new_chat_bufs(sv)) == before
+    assert out["branchId"] in sv.lua("return vim.tbl_keys(require('operate_sidecar.chat').chats)")  # (kept)
 
 
 def test_a_buffer_whose_file_a_tool_wrote_on_disk_is_reloaded_unless_it_has_unsaved_changes(sv):
@@ -1166,12 +1222,18 @@ def test_quitting_nvim_mid_turn_cancels_it_before_the_shutdown(nvim_bin, tmp_pat
         v.close()
 
 
-def test_server_exit_fails_pending_requests_instead_of_hanging(nv):
-    nv.setup([{"text": "never", "delayMs": 60000}])
+def _a_model_call_waits(nv, **settings) -> dict:
+    """Start the server and an operate whose model call waits a minute; its start state."""
+    nv.setup([{"text": "never", "delayMs": 60000}], **settings)
     st = nv.start()
     nv.lua("require('operate_sidecar')._state.last = nil")
     nv.n.command("Operate wait forever")
     nv.wait("require('operate_sidecar')._state.progress.phase == 'request'", "the model call to start")
+    return st
+
+
+def test_server_exit_fails_pending_requests_instead_of_hanging(nv):
+    st = _a_model_call_waits(nv)
     os.kill(st["pid"], signal.SIGKILL)
     nv.wait("require('operate_sidecar')._state.last ~= nil", "the pending operate to fail")
     out = nv.last()
@@ -1201,7 +1263,57 @@ def test_a_server_killed_while_a_review_waits_leaves_no_card_waiting_for_you(nv)
     assert nv.lua("return #vim.api.nvim_list_tabpages()") == 1                  # the review is gone
     assert nv.lua("return #require('operate_sidecar.permission').queue") == 0
     card = [ln for ln in nv.chat(bid) if "edit_file" in ln and not ln.startswith("  │")]
-    assert card == ["⊘ edit_file crash.py +1 −1 (cancelled)"], card          # nobody can answer it now
+    assert card == ["⊘ edit_file crash.py +1 −1 (server killed by SIGKILL)"], card  # nobody can answer it now
+
+
+def test_a_server_stopped_by_sigterm_while_a_review_waits_says_so_and_the_next_message_starts_it_again(nv):
+    """SIGTERM (the OS, another tool): the server stops by itself (it cancels its request to the
+    editor and the turn, then exits with code 1). The card and the turn say the server exited,
+    never "timed out" or "cancelled"; the next message starts a server again."""
+    nv.setup(["unused"], toolPolicy={"edit_file": "ask"})        # journaled: the branch outlives the process
+    st = nv.start()
+    path = nv.tmp / "term.py"
+    path.write_text("a = 1\n")
+    edit = call("edit_file", path=str(path), edits=[{"oldText": "a = 1", "newText": "a = 3"}])
+    bid = nv.new_branch([edit, "unused"], "term")
+    nv.chat_send("edit it")
+    nv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    os.kill(st["pid"], signal.SIGTERM)
+    nv.wait("require('operate_sidecar')._state.exit ~= nil and require('operate_sidecar')._state.last ~= nil",
+            "the exit and the end of the turn")
+    err = nv.last()["err"]
+    assert err["code"] == -32099 and err["message"] == "the server exited with code 1", err
+    assert nv.lua("return #vim.api.nvim_list_tabpages()") == 1                  # the review is gone
+    assert nv.lua("return #require('operate_sidecar.permission').queue") == 0
+    lines = nv.chat(bid)
+    card = [ln for ln in lines if "edit_file" in ln and not ln.startswith("  │")]
+    assert card == ["⊘ edit_file term.py +1 −1 (server exited with code 1)"], card
+    assert "**error:** the server exited with code 1" in lines and "_cancelled_" not in lines, lines
+    notes = nv.lua("return _G.notes")
+    assert notes[:2] == ["[operate] failed: the server exited with code 1", "[operate] server exited with code 1"], notes
+    assert not any("timed out" in n or n == "[operate] cancelled" for n in notes), notes
+    # the next message starts a server again and the branch goes on (its model starts over)
+    nv.chat_send("edit it again")
+    nv.wait("require('operate_sidecar.diff').current ~= nil", "the review from the new server")
+    pid = nv.lua("return require('operate_sidecar').status().pid")
+    nv.server_pids.append(pid)
+    assert pid != st["pid"]
+    nv.send_keys("gr")
+    out = nv.wait_done()
+    assert out["err"] is None and out["branchId"] == bid, out
+    cards = [ln for ln in nv.chat(bid) if ln.startswith("⊘ edit_file")]
+    assert cards == ["⊘ edit_file term.py +1 −1 (server exited with code 1)", "⊘ edit_file term.py +1 −1 (denied)"], cards
+
+
+def test_a_server_stopped_by_sigterm_mid_turn_ends_the_turn_with_its_exit(nv):
+    st = _a_model_call_waits(nv, _state_dir=False)
+    os.kill(st["pid"], signal.SIGTERM)
+    nv.wait("require('operate_sidecar')._state.last ~= nil", "the turn to end")
+    assert nv.last()["err"]["message"] == "the server exited with code 1"
+    lines = nv.chat()
+    assert "**error:** the server exited with code 1" in lines and "_cancelled_" not in lines, lines
+    nv.wait("require('operate_sidecar')._state.exit ~= nil", "the exit to be recorded")
+    assert nv.lua("return require('operate_sidecar').status().running") is False
 
 
 def test_operate_stop_while_a_request_waits_says_cancelled_and_the_server_stays_stopped(nv):

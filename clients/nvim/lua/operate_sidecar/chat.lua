@@ -24,6 +24,7 @@ local by_buf = {} -- transcript buffer -> chat
 local chats = {} -- key (branchId, or 'new:<n>') -> chat
 M.chats = chats
 local new_seq = 0
+local running_turn -- {chat, turn} of the turn in flight
 
 -- ---------------------------------------------------------------- prose from replies
 
@@ -274,7 +275,7 @@ end
 -- ---------------------------------------------------------------- tool cards
 
 local ICONS = { running = '…', waiting = '?', ok = '✓', error = '✗', denied = '⊘', cancelled = '⊘',
-  timedout = '⊘' }
+  timedout = '⊘', gone = '⊘' }
 -- what a card's headline says after its summary, by status
 local STATUS_NOTE = { denied = ' (denied)', cancelled = ' (cancelled)', timedout = ' (timed out)',
   waiting = ' (waiting for you: ga accept · gr reject)' }
@@ -326,6 +327,8 @@ function M.card_headline(card)
   end
   if STATUS_NOTE[card.status] then
     line = line .. STATUS_NOTE[card.status]
+  elseif card.status == 'gone' then -- the server ended while the call waited or ran
+    line = line .. ' (server ' .. (card.gone or 'stopped') .. ')'
   elseif card.status == 'error' and type(card.error) == 'string' then
     line = line .. ' — ' .. card.error:gsub('\n.*', '')
   end
@@ -406,7 +409,8 @@ end
 
 -- A card's lines, made again only when what they show changed (a turn of hundreds of calls
 -- gets an event per call: its other cards are not laid out again for each).
-local CARD_FIELDS = { 'status', 'tool', 'arguments', 'output', 'argsSummary', 'resultSummary', 'error', 'stats' }
+local CARD_FIELDS = { 'status', 'tool', 'arguments', 'output', 'argsSummary', 'resultSummary', 'error', 'stats',
+  'gone' }
 local function cached_card_lines(card)
   local memo = card.memo
   if memo then
@@ -811,6 +815,17 @@ function M.get(branch)
   return chat, true
 end
 
+-- Rename buffer b. Renaming leaves an unlisted buffer of the old name behind (as `:file` does,
+-- for the alternate file): it goes, so that no `operate://chat/new:N` piles up.
+local function rename(b, name)
+  local old = api.nvim_buf_get_name(b)
+  pcall(api.nvim_buf_set_name, b, name)
+  local left = old ~= '' and old ~= name and util.find_buf(old)
+  if left and left ~= b and not api.nvim_buf_is_loaded(left) then
+    pcall(api.nvim_buf_delete, left, { force = true })
+  end
+end
+
 local function bind(chat, branch)
   if chat.branch == branch then
     return
@@ -820,10 +835,10 @@ local function bind(chat, branch)
   chat.seen = nil -- (another branch: none of its messages read yet)
   chats[branch] = chat
   vim.b[chat.buf].operate_sidecar_branch = branch
-  pcall(api.nvim_buf_set_name, chat.buf, 'operate://chat/' .. branch)
+  rename(chat.buf, 'operate://chat/' .. branch)
   if api.nvim_buf_is_valid(chat.prompt_buf) then
     vim.b[chat.prompt_buf].operate_sidecar_branch = branch
-    pcall(api.nvim_buf_set_name, chat.prompt_buf, 'operate://prompt/' .. branch)
+    rename(chat.prompt_buf, 'operate://prompt/' .. branch)
   end
   M.set_title(chat)
 end
@@ -967,9 +982,43 @@ api.nvim_create_autocmd('WinClosed', {
   end,
 })
 
---- Open the chat of `branch` (default: the current branch; none yet = a new chat).
+-- The branch this tab page's chat is about: in the review tab, the reviewed change's branch
+-- (that tab has no branch of its own); elsewhere the tab's current branch.
+local function tab_branch()
+  return require('operate_sidecar.diff').branch() or branches.current()
+end
+
+-- A new chat (not bound to a branch yet) belongs to its tab page: when that tab closes (a review
+-- tab, say), it goes with its buffers, unless a turn is starting in it or a window shows it.
+api.nvim_create_autocmd('TabClosed', {
+  group = 'operate_sidecar_chat',
+  callback = function()
+    vim.schedule(M.wipe_closed_tabs)
+  end,
+})
+
+function M.wipe_closed_tabs()
+  for key, chat in pairs(chats) do
+    local tab = chat.branch == nil and tonumber(tostring(key):match('^new:(%d+)$'))
+    local busy = running_turn and running_turn.chat == chat
+    if tab and not api.nvim_tabpage_is_valid(tab) and not busy then
+      local shown = false
+      for _, b in ipairs({ chat.buf, chat.prompt_buf }) do
+        if b and api.nvim_buf_is_valid(b) and #vim.fn.win_findbuf(b) > 0 then
+          shown = true
+        end
+      end
+      if not shown then
+        M.forget(key)
+      end
+    end
+  end
+end
+
+--- Open the chat of `branch` (default: the current branch, in the review tab the branch of the
+--- review; none yet = a new chat).
 function M.open(branch, stay)
-  branch = branch or branches.current()
+  branch = branch or tab_branch()
   local chat = M.get(branch)
   M.show(chat, stay)
   return chat
@@ -986,7 +1035,7 @@ function M.current()
       end
     end
   end
-  return (M.get(branches.current()))
+  return (M.get(tab_branch()))
 end
 
 --- The prompt text (the prompt buffer's lines).
@@ -1001,8 +1050,6 @@ function M.set_prompt(chat, text)
 end
 
 -- ---------------------------------------------------------------- a turn
-
-local running_turn -- {chat, turn} of the turn in flight
 
 local function text_block(turn)
   local last = turn.blocks[#turn.blocks]
@@ -1059,7 +1106,7 @@ local function apply_tool_event(turn, e)
   elseif e.event == 'error' then
     card.status = 'error'
     card.error = not is_null(e.error) and tostring(e.error) or 'failed'
-  elseif e.event == 'denied' and card.status ~= 'timedout' and card.status ~= 'cancelled' then
+  elseif e.event == 'denied' and card.status ~= 'timedout' and card.status ~= 'cancelled' and card.status ~= 'gone' then
     card.status = 'denied' -- (a request that timed out or was cancelled is denied too: say which)
   end
 end
@@ -1089,6 +1136,8 @@ function M.on_permission_answer(p, decision)
   if card and card.status == 'waiting' then
     if decision == 'cancelled' or decision == 'timedout' then
       card.status = decision
+      -- (the server stopped waiting by itself: a timeout, unless the server is going away)
+      card.by_server = decision == 'timedout'
     else
       card.status = decision:match('^allow') and 'running' or 'denied'
     end
@@ -1101,7 +1150,7 @@ end
 -- cards bare), one read at a time (a turn of many calls asks at each; one more read follows).
 local function fill_cards(chat, turn)
   -- (not without a ready server: a request would start one again, right after :OperateStop)
-  if next(turn.cards) == nil or not chat.branch or not server.state.ready then
+  if next(turn.cards) == nil or not chat.branch or not (server.state.ready and server.is_running()) then
     return
   end
   if chat.filling then
@@ -1248,9 +1297,14 @@ function M.send(chat, text, extra)
         last.final = final
       end -- else the result kept no prose (e.g. only tool calls): the streamed prose stays
     end
+    -- the server ended (killed, or it stopped by itself: a SIGTERM): its cards say how
+    local gone = err and err.code == require('operate_sidecar.rpc').codes.server_exited and type(err.data) == 'table'
+      and require('operate_sidecar.rpc').exit_note(err.data.exitCode, err.data.signal) or nil
     for _, card in pairs(turn.cards) do
       -- (a request still waiting when its turn ended, the server gone say, is answered by nobody)
-      if card.status == 'waiting' or (card.status == 'running' and turn.status == 'cancelled') then
+      if gone and (card.status == 'waiting' or card.status == 'running' or (card.status == 'timedout' and card.by_server)) then
+        card.status, card.gone = 'gone', gone
+      elseif card.status == 'waiting' or (card.status == 'running' and turn.status == 'cancelled') then
         card.status = 'cancelled'
       end
     end

@@ -83,6 +83,21 @@ function M.describe_exit(code, signal)
   return 'exited with code ' .. tostring(code)
 end
 
+--- How a process ended, in short (a tool card's note): "exited with code 1", "killed by SIGTERM".
+function M.exit_note(code, signal)
+  if signal and signal ~= 0 then
+    return 'killed by ' .. M.signal_label(signal)
+  end
+  return 'exited with code ' .. tostring(code)
+end
+
+--- The error of a request the process never answered because it ended (-32099): its message
+--- tells how ("the server exited with code 1"), its data the exit code and signal.
+function M.exit_error(code, signal)
+  return { code = M.codes.server_exited, message = 'the server ' .. M.describe_exit(code, signal),
+    data = { exitCode = code, signal = signal } }
+end
+
 local Client = {}
 Client.__index = Client
 
@@ -116,6 +131,7 @@ function M.start(opts)
     exit_code = nil,
     exit_signal = nil,
     stream_errors = {},
+    exit_waiters = {}, -- fn(code, signal) to run once the process has exited
   }, Client)
 
   local stdin, stdout, stderr = uv.new_pipe(false), uv.new_pipe(false), uv.new_pipe(false)
@@ -152,6 +168,13 @@ function M.start(opts)
   }, function(code, signal)
     self.exited = true
     self.exit_code, self.exit_signal = code, signal
+    local waiters = self.exit_waiters
+    self.exit_waiters = {}
+    for _, fn in ipairs(waiters) do
+      vim.schedule(function()
+        fn(code, signal)
+      end)
+    end
     if self.handle and not self.handle:is_closing() then
       self.handle:close()
     end
@@ -340,9 +363,8 @@ function Client:_finalize()
     table.sort(ids, function(a, b)
       return tostring(a) < tostring(b)
     end)
-    local why = 'the server ' .. M.describe_exit(self.exit_code, self.exit_signal)
     for _, id in ipairs(ids) do
-      pending[id]({ code = M.codes.server_exited, message = why }, nil)
+      pending[id](M.exit_error(self.exit_code, self.exit_signal), nil)
     end
     if self.log then
       self.log:close()
@@ -402,6 +424,17 @@ end
 --- Ask the server to cancel request `id` ($/cancelRequest).
 function Client:cancel(id)
   return self:notify('$/cancelRequest', { id = id })
+end
+
+--- Run fn(code, signal) on the main loop once the process has exited (at once if it has).
+function Client:when_exited(fn)
+  if self.exited then
+    vim.schedule(function()
+      fn(self.exit_code, self.exit_signal)
+    end)
+  else
+    self.exit_waiters[#self.exit_waiters + 1] = fn
+  end
 end
 
 function Client:is_running()

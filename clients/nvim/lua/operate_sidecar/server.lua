@@ -395,12 +395,12 @@ end
 --- Run fn(err) once the server is ready (starting it when auto_start is on). A failure to start
 --- is only passed to fn (the caller reports it, once).
 function M.when_ready(fn)
-  if S.ready then
-    fn(nil)
-  elseif going_away() then
+  if going_away() then -- (first: a server that just died may not be marked so yet)
     S.after_exit[#S.after_exit + 1] = function()
       M.when_ready(fn)
     end
+  elseif S.ready then
+    fn(nil)
   elseif S.client then
     S.queue[#S.queue + 1] = fn
   elseif config.values.auto_start then
@@ -505,6 +505,9 @@ end
 
 -- ---------------------------------------------------------------- operate
 
+-- how long a turn the server cancelled by itself waits for the server's exit (see operate)
+M.EXIT_WAIT_MS = 5000
+
 --- Run `operate`. params: the operate params (branchId defaults to the current branch; a
 --- workDoneToken is added). hooks: {on_start(run), on_delta(delta, run), on_phase(phase, run),
 --- on_tool_event(e, run)}. on_done(err, result, run). One notification tells how it ended.
@@ -553,6 +556,29 @@ function M.operate(params, on_done, hooks)
     event('OperateSidecarDone')
   end
 
+  -- The server cancelled the turn by itself (nobody here asked): it is going away (a SIGTERM, its
+  -- parent gone ...). The turn ends with how it ended, as when it dies without a word, once it
+  -- has exited (at most EXIT_WAIT_MS later; a server that stays is taken at its word).
+  local function finish_or_wait_exit(err, result)
+    local c = run.client
+    if not (err and err.code == rpc.codes.cancelled and not run.cancel_requested and not S.stopping and c) then
+      return finish(err, result)
+    end
+    local settled = false
+    local function once(e, r)
+      if not settled then
+        settled = true
+        finish(e, r)
+      end
+    end
+    c:when_exited(function(code, signal)
+      once(rpc.exit_error(code, signal))
+    end)
+    vim.defer_fn(function()
+      once(err, result)
+    end, M.EXIT_WAIT_MS)
+  end
+
   -- implicit: the caller means "the current branch" (a forgotten one is replaced, once)
   local implicit = params.branchId == nil or (hooks and hooks.implicit)
   local tab = branches.key() -- (the tab page it was sent from: the server may start meanwhile)
@@ -583,7 +609,7 @@ function M.operate(params, on_done, hooks)
         params.branchId = nil
         return with_current_branch()
       end
-      finish(err, result)
+      finish_or_wait_exit(err, result)
     end)
   end
 
