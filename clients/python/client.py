@@ -17,9 +17,11 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 __all__ = ["SidecarClient", "RpcError", "NoAnswer", "StreamError"]
@@ -46,6 +48,38 @@ def _no_answer(reason: str) -> dict:
 
 class StreamError(Exception):
     """The server's stdout carried something other than a protocol frame."""
+
+
+#: POSIX: the server starts in a session of its own, and killing it kills every process of that
+#: session. A wrapper that forks rather than execs (``sh -c "operate-sidecar ..."`` without
+#: ``exec``, ``uv run operate-sidecar``) is only the process this client started; the server runs
+#: under it (and leads a process group of its own once it has loaded), in the same session.
+_SESSIONS = os.name == "posix" and hasattr(os, "killpg")
+
+
+def _session_groups(sid: int) -> set[int]:
+    """The process groups of the live (not zombie) processes of session ``sid``, read from
+    ``/proc`` (Linux); empty where that cannot be read."""
+    groups: set[int] = set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return groups
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # state ppid pgrp session ...
+        try:
+            if len(fields) > 3 and fields[0] != b"Z" and int(fields[3]) == sid:
+                groups.add(int(fields[2]))
+        except ValueError:
+            continue
+    return groups
 
 
 def _encode(msg: dict) -> bytes:
@@ -91,8 +125,10 @@ class SidecarClient:
         operate-sidecar writes); anything else on stdout is a :class:`StreamError`."""
         self.strict = strict
         argv = argv or [sys.executable, "-m", "operate_sidecar.server"]
+        # POSIX: a session of its own (see _SESSIONS), so that kill() reaches the server under a
+        # wrapper too. It no longer gets a terminal's Ctrl+C: close() and kill() end it.
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                     env=env, cwd=cwd, bufsize=0)
+                                     env=env, cwd=cwd, bufsize=0, start_new_session=_SESSIONS)
         self._out = io.BufferedReader(self.proc.stdout, 1 << 16)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()    # one writer at a time
@@ -276,34 +312,91 @@ class SidecarClient:
         return self.proc.wait(timeout)
 
     def close(self, timeout: float = 10.0) -> int:
-        """shutdown + exit, then the end of the server's input; returns the exit code (kills the
-        server if it hangs)."""
-        if self.proc.poll() is None:
-            try:
-                self.request("shutdown", None, timeout=timeout)
-            except (RpcError, TimeoutError, OSError, ValueError):
-                pass  # not answered (a broken stream, a hung server): exit anyway
-            try:
-                self.notify("exit")
-            except (OSError, ValueError):
-                pass
-        self._close_pipes()  # the end of its input: a server that did not take ``exit`` ends on that
+        """shutdown + exit, then the end of the server's input; returns the exit code. A server
+        that does not answer ``shutdown`` within ``timeout`` s gets ``exit`` all the same, and one
+        that has not exited ``timeout`` s after the end of its input is killed (:meth:`kill`: with
+        every process of its session). Interrupted (Ctrl+C), it kills the server and re-raises."""
         try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+            if self.proc.poll() is None:
+                try:
+                    self.request("shutdown", None, timeout=timeout)
+                except (RpcError, TimeoutError, OSError, ValueError):
+                    pass  # not answered (a broken stream, a hung server): exit anyway
+                try:
+                    self.notify("exit")
+                except (OSError, ValueError):
+                    pass
+            self.close_input()  # the end of its input: a server that did not take ``exit`` ends on that
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return self.proc.wait(timeout)
+        except BaseException:  # interrupted: nothing is left running
             self.kill()
-            return self.proc.wait(timeout)
+            raise
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """SIGKILL the server. On POSIX, every process of the session it was started in goes too:
+        a wrapper that forked it (``sh -c`` without ``exec``, ``uv run``), the server under it and
+        the children it started in its session; a process that started a session of its own
+        (``setsid``) is not reached. Elsewhere only the process this client started is killed."""
+        self._signal(signal.SIGKILL if _SESSIONS else None)
 
-    def _close_pipes(self) -> None:
-        for f in (self.proc.stdin,):
+    def terminate(self, grace: float = 2.0) -> int | None:
+        """SIGTERM the server (on POSIX every process of its session, as a terminal's Ctrl+C reaches
+        a whole job), then :meth:`kill` what is left of it after ``grace`` seconds; returns the
+        exit code of the process this client started."""
+        if not _SESSIONS:
+            if self.proc.poll() is None:
+                self.proc.terminate()
             try:
-                f.close()
-            except OSError:
-                pass
+                return self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait(grace)
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:  # the process started and what its session holds
+            if self.proc.poll() is not None and not _session_groups(self.proc.pid):
+                return self.proc.returncode
+            time.sleep(0.02)
+        self.kill()
+        try:
+            return self.proc.wait(grace)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILLed
+            return None
+
+    def _signal(self, sig: int | None) -> None:
+        if sig is None:  # no sessions here (Windows): the process started, as before
+            if self.proc.poll() is None:
+                self.proc.kill()
+            return
+        pid = self.proc.pid
+        # while this client has not reaped it, the pid (the group's and the session's id) is not
+        # another process's; after, only the processes /proc shows in that session are signalled
+        targets = {pid} if self.proc.returncode is None else set()
+        for _ in range(3):  # again for a process that changed its group meanwhile
+            targets |= _session_groups(pid)
+            if not targets:
+                break
+            for pgid in targets:
+                try:
+                    os.killpg(pgid, sig)
+                except OSError:  # gone meanwhile
+                    pass
+            targets = set()
+            if sig != signal.SIGKILL:
+                break
+
+    def close_input(self) -> None:
+        """Close the server's stdin (the end of its input: the server exits on it)."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+    _close_pipes = close_input  # its former, private name
 
     def __enter__(self) -> "SidecarClient":
         return self
@@ -312,7 +405,7 @@ class SidecarClient:
         if self.proc.poll() is None:
             self.close()
         else:
-            self._close_pipes()
+            self.close_input()
 
 
 if __name__ == "__main__":  # tiny smoke run: python -m clients.python.client

@@ -54,6 +54,16 @@ DEFAULT_STEP_TIMEOUT_S = 60.0
 #: answer to the request that caused them, so a long wait only delays the report of a miss
 DEFAULT_NOTIFICATION_TIMEOUT_S = 10.0
 DIVERGED_WAIT_S = 1.0   # how long expectNotification waits once an earlier step has failed
+#: the end of a replay (a script that ends without stopping the server itself): how long the
+#: replay waits for the answer to its ``shutdown`` (at most the step time-out)
+SHUTDOWN_WAIT_S = 5.0
+#: ... then for the server to exit after ``exit`` and the end of its input (it answered, or was not
+#: asked: it may be flushing its state)
+EXIT_WAIT_S = 10.0
+#: ... for a server that did not answer ``shutdown``: it is killed this long after ``exit``
+EXIT_GRACE_S = 1.0
+#: interrupted (Ctrl+C): SIGTERM to the server (as the terminal would have sent it SIGINT), SIGKILL this long after
+INTERRUPT_GRACE_S = 2.0
 STEP_KINDS = ("request", "notify", "expectNotification", "respond", "await")
 _STEP_KEYS = {
     "request": {"request", "params", "expect", "save", "timeoutMs", "id", "wait", "cancelAfterModelCalls",
@@ -274,6 +284,10 @@ class Runner:
         # cancelAfterModelCalls: request id (JSON) -> (its workDoneToken, model calls to wait for, pending)
         self._watched: dict[str, tuple[Any, int, Any]] = {}
         self._hidden_tokens: set[str] = set()   # tokens the replay added: their $/progress is no step's
+        self._exit_sent = False             # the script sent ``exit`` itself
+        #: how the server ended when that was not clean (it did not answer shutdown, did not exit
+        #: and was killed), for the report; None when it exited by itself
+        self.ending: str | None = None
         taken = {json.dumps(s.data["id"]) for s in script.steps if "id" in s.data}
         taken |= {json.dumps(s.data["params"].get("id")) for s in script.steps  # a cancel never hits another
                   if s.kind == "notify" and s.method == "$/cancelRequest" and isinstance(s.data.get("params"), dict)}
@@ -288,6 +302,7 @@ class Runner:
                 self.client = SidecarClient(argv=self.argv, env=self.env, cwd=self.cwd, stderr=err)
             except OSError as e:
                 raise ServerStartError(f"cannot start the server {' '.join(self.argv)!r}: {e}") from None
+            interrupted = True
             try:
                 for step in self.script.steps:
                     if step.method in ("shutdown", "exit") and step.kind in ("request", "notify"):
@@ -298,8 +313,9 @@ class Runner:
                     self._report(res)
                 self._judge_unawaited()
                 self.results.sort(key=lambda r: r.step.line)
+                interrupted = False
             finally:
-                self._close()
+                self._close(interrupted)
                 err.seek(0)
                 self.stderr_tail = "\n".join(err.read().decode("utf-8", "replace").splitlines()[-30:])
         return all(r.ok for r in self.results)
@@ -447,6 +463,8 @@ class Runner:
         if step.method == "$/cancelRequest" and isinstance(params, dict):
             problem = self._await_model_calls(step, params.get("id"))
         self.client.notify(step.method, params)
+        if step.method == "exit":
+            self._exit_sent = True
         return StepResult(step, not problem, problem)
 
     def _model_calls_started(self, token: Any) -> int:
@@ -554,20 +572,52 @@ class Runner:
         where = f" when params match {short(data['match'], 80)}" if data.get("match") is not None else ""
         return StepResult(step, True, "standing answer " + short(answer, 100) + where)
 
-    def _close(self) -> None:
+    def _close(self, interrupted: bool = False) -> None:
+        """End the server: every wait bounded, and a server that does not end in time is killed
+        with every process of its session (a wrapper that forked it included)."""
+        from operate_sidecar.clients.python.client import RpcError
+
         client = self.client
         try:
-            if client.proc.poll() is None and any(not p.done() for p in self._abandoned):
-                # a request its recorded client left unanswered is still running: end the session
-                # as that client did, by closing the server's input (no shutdown to wait for it)
-                client._close_pipes()
-                client.proc.wait(10)
+            if interrupted:  # Ctrl+C (or a failure of the replay itself): stop it now
+                client.terminate(INTERRUPT_GRACE_S)
+                return
+            waited = ""
+            if client.proc.poll() is None and not self._exit_sent:
+                if any(not p.done() for p in self._abandoned):
+                    # a request its recorded client left unanswered is still running: end the session
+                    # as that client did, by closing the server's input (no shutdown to wait for it)
+                    waited = "the end of its input"
+                else:
+                    wait = min(self.step_timeout, SHUTDOWN_WAIT_S)
+                    try:
+                        client.request("shutdown", None, timeout=wait)
+                    except TimeoutError:
+                        self.ending = f"the server did not answer shutdown within {wait:g} s"
+                    except (RpcError, OSError, ValueError):
+                        pass  # an error answer (the script shut it down already), or it is exiting
+                    try:
+                        client.notify("exit")
+                    except (OSError, ValueError):
+                        pass
+                    waited = "exit"
             elif client.proc.poll() is None:
-                client.close(timeout=10)
-            else:
-                client._close_pipes()
-        except Exception:
+                waited = "the script's exit"
+            client.close_input()
+            grace = EXIT_GRACE_S if self.ending else EXIT_WAIT_S
+            try:
+                client.wait(grace)
+            except subprocess.TimeoutExpired:
+                if self.ending is None:
+                    self.ending = f"the server did not exit within {grace:g} s of {waited}"
+                self.ending += "; killed it and every process of its session"
+                client.kill()
+                client.wait(EXIT_WAIT_S)
+        except Exception:  # whatever went wrong in ending it: nothing is left running
             client.kill()
+        except BaseException:  # interrupted while ending it (Ctrl+C again)
+            client.kill()
+            raise
 
 
 # --------------------------------------------------------------------------- report
@@ -579,6 +629,8 @@ def format_report(runner: Runner, path: str = "script") -> str:
                      f"first: {failed[0].step.label}")
     else:
         lines.append(f"all {len(runner.results)} steps passed in {path}")
+    if runner.ending:
+        lines.append(f"note: {runner.ending}")
     return "\n".join(lines)
 
 
@@ -629,7 +681,10 @@ def main(argv: list[str]) -> int:
         usage="%(prog)s [-h] [--scripted] [--timeout S] [--quiet] SCRIPT.jsonl [-- SERVER ARGV...]",
         description="Run a session script (JSON Lines) against a fresh server and report every step; "
                     "exit 0 only when every step passed. The server is this one (same interpreter) "
-                    "unless a command follows --.")
+                    "unless a command follows -- (a wrapper that forks it is fine: the server runs in a "
+                    f"session of its own, ended as a whole). At the end the server gets shutdown (its answer "
+                    f"waited for {SHUTDOWN_WAIT_S:g} s at most) and exit; one that does not end is killed, and "
+                    "a note says so.")
     p.add_argument("script", metavar="SCRIPT.jsonl", help="the session script (JSON Lines)")
     p.add_argument("--scripted", action="store_true",
                    help="replace every recorded model with a scripted one that replays its recorded turns "
@@ -659,7 +714,12 @@ def main(argv: list[str]) -> int:
     except ServerStartError as e:
         print(f"operate-sidecar replay: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the server was stopped (run() ends it: it is not in the terminal's job)
+        print(f"operate-sidecar replay: interrupted after {len(runner.results)} step(s)", file=sys.stderr)
+        return 130
     failed = runner.failed
+    if runner.ending:
+        print(f"note: {runner.ending}")
     if ok:
         print(f"all {len(runner.results)} steps passed ({Path(args.script).name})")
         return 0

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +202,54 @@ def test_close_returns_the_exit_code_of_the_real_server():
         c.request("initialize", {"settings": {"models": {"s": {"provider": "scripted", "responses": []}}}},
                   timeout=20)
         assert c.close() == 0
+
+
+# ---------------------------------------------------------------- a server under a wrapper that forks
+sys.path.insert(0, str(ROOT / "tests"))
+import wedge_tools  # noqa: E402
+
+_SERVER_WRITING_ITS_PID = ('import os, sys; open(sys.argv[1], "w").write(str(os.getpid())); '
+                           'os.execv(sys.executable, [sys.executable, "-m", "operate_sidecar.server"])')
+posix_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists() or sys.platform == "win32",
+                                reason="process sessions, and /proc to see which processes live")
+
+
+def forked(pidfile: Path) -> SidecarClient:
+    """The real server under ``sh -c "...; exit $?"``: the shell forks it (no exec) and waits,
+    as ``sh -c "operate-sidecar ..."`` or ``uv run operate-sidecar`` do."""
+    return SidecarClient(argv=["sh", "-c", '"$0" -c "$1" "$2"; exit $?', sys.executable, _SERVER_WRITING_ITS_PID,
+                               str(pidfile)], env=wedge_tools.server_env(), cwd=str(ROOT))
+
+
+@posix_proc
+def test_kill_ends_the_server_under_a_wrapper_that_forked_it(tmp_path):
+    c = forked(tmp_path / "pid")
+    c.request("initialize", {"settings": {"models": {"s": {"provider": "scripted", "responses": []}}}}, timeout=30)
+    c.request("createBranch", timeout=30)  # the core is loaded: the server leads a process group of its own
+    server = int((tmp_path / "pid").read_text())
+    assert server != c.proc.pid and os.getpgid(server) != os.getpgid(c.proc.pid)
+    c.kill()
+    assert c.wait(10) == -signal.SIGKILL
+    assert wedge_tools.gone(server), "the server outlived kill()"
+
+
+@posix_proc
+def test_close_kills_a_server_that_answers_nothing_with_the_wrapper_that_forked_it(tmp_path):
+    trigger = str(tmp_path / "wedge")
+    c = forked(tmp_path / "pid")
+    c.request("initialize", {"settings": wedge_tools.settings(trigger)}, timeout=30)
+    branch = c.request("createBranch", timeout=30)["branchId"]
+    out = c.request("operate", {"branchId": branch, "instruction": "arm", "actions": True}, timeout=30)
+    assert out["result"]["action_responses"][0]["output"] == "armed", out
+    server = wedge_tools.pull(trigger)  # its loop is blocked: no shutdown, exit or end of input is taken
+    t0 = time.monotonic()
+    assert c.close(timeout=2) == -signal.SIGKILL
+    assert time.monotonic() - t0 < 8  # 2 s for shutdown, 2 s for the exit: a hang check
+    assert wedge_tools.gone(server), "the server outlived close()"
+
+
+def test_close_input_ends_the_real_server_with_no_signal():
+    c = SidecarClient(env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(ROOT))
+    assert c.request("ping", timeout=20) == {}
+    c.close_input()
+    assert c.wait(20) == 1  # its input ended before shutdown: code 1, not a signal
