@@ -465,7 +465,9 @@ class Service:
             if self.conn.client_capabilities.get("fs"):  # the client's buffers, not the disk
                 from operate_sidecar.server.tools.file_tools import ClientFiles
 
-                files = ClientFiles(self.rpc.request_client)
+                # each fs/* request waits at most as long as a tool may run: the preview's read
+                # too, which is made before the user is asked, outside any tool time-out
+                files = ClientFiles(self.rpc.request_client, timeout=float(self.settings["toolTimeoutMs"]) / 1000.0)
             for t in WorkspaceTools(self.conn.workspace_folders, files=files,
                                     per_branch=getattr(self.conn, "folders_per_branch", False)).tools():
                 self.registry.register(t, update=True)

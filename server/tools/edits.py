@@ -66,12 +66,25 @@ def apply_edits(text: str, edits: Iterable[Any]) -> str:
         if n == 0:
             where = " (after the edits before it)" if i else ""
             raise EditError(f"edit {i}: oldText not found in the file{where}; it must match the file's text "
-                            "exactly, whitespace and line breaks included", i)
+                            f"exactly, whitespace and line breaks included{_line_end_hint(out, old)}", i)
         if n > 1 and not replace_all:
             raise EditError(f"edit {i}: oldText matches {n} times; include more surrounding text so it matches "
                             "exactly once, or set replaceAll", i)
         out = out.replace(old, new) if replace_all else out.replace(old, new, 1)
     return out
+
+
+def _line_end_hint(text: str, old: str) -> str:
+    """What to say when ``old`` is not in ``text`` only because their line ends differ (the
+    file's lines end with CRLF and oldText's with LF, or the other way round): "" otherwise."""
+    if "\n" not in old:
+        return ""
+    lf = old.replace("\r\n", "\n")
+    if "\r\n" not in old and lf.replace("\n", "\r\n") in text:
+        return ": the file's lines end with \\r\\n (CRLF) and oldText's with \\n; write them as the file has them"
+    if "\r\n" in old and lf in text:
+        return ": the file's lines end with \\n and oldText's with \\r\\n (CRLF); write them as the file has them"
+    return ""
 
 
 def split_lines(text: str) -> list[str]:

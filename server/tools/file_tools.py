@@ -123,7 +123,7 @@ class ClientFiles:
             res = await self.request("fs/readTextFile", {"branchId": ctx.branch_id, "callId": ctx.call_id,
                                                          "path": str(real)}, self.timeout)
         except (TimeoutError, OSError) as e:
-            raise ToolCallError(f"the client did not answer fs/readTextFile for {real}: {e or 'timed out'}") from None
+            raise ToolCallError(f"the client did not answer fs/readTextFile for {real}: {self._why(e)}") from None
         except Exception as e:  # ClientRequestError (an error answer)
             if not os.path.lexists(real) and client_says_not_found(e, real):
                 return None
@@ -138,9 +138,15 @@ class ClientFiles:
             await self.request("fs/writeTextFile", {"branchId": ctx.branch_id, "callId": ctx.call_id,
                                                     "path": str(real), "text": text}, self.timeout)
         except (TimeoutError, OSError) as e:
-            raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {e or 'timed out'}") from None
+            raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {self._why(e)}") from None
         except Exception as e:
-            raise ToolCallError(f"the client could not write {real}: {getattr(e, 'message', None) or e}") from None
+            raise ToolCallError(f"the client could not write {real}: {_reason(e)}") from None
+
+    def _why(self, e: BaseException) -> str:
+        """Why a request got no answer (an exception is truthy even when its text is empty)."""
+        if isinstance(e, TimeoutError):
+            return str(e) or (f"no answer within {self.timeout:g} s" if self.timeout is not None else "timed out")
+        return str(e) or type(e).__name__
 
 
 @dataclass(slots=True, eq=False)
@@ -290,6 +296,9 @@ class FileTools:
             real = self.ws.resolve(path)  # confined before anything is read or asked
         if real.is_dir():
             raise WorkspacePathError(f"{path!r} is a directory")
+        if isinstance(path, str) and path.endswith(("/", os.sep)):  # as open(2) says (EISDIR, ENOTDIR)
+            raise WorkspacePathError(f"{path!r} ends with a slash, so it names a directory, not a file; "
+                                     "give the file's path")
         check = getattr(self.files, "check_writable", None)
         if check is not None:  # a write bound to fail is never put to the user (the write checks again)
             await check(real, ctx)

@@ -245,3 +245,57 @@ def test_the_clients_not_found_answers_let_write_file_create_the_file(sidecar, t
     assert "'new.txt' does not exist (edit_file changes" in outputs(operate(sidecar, bid))[0]["error"]
     out = outputs(operate(sidecar, bid))[0]
     assert out["created"] is True and files == {path: "x\n"}, out
+
+
+def test_a_client_that_never_answers_the_preview_read_fails_the_call_within_the_tool_time_out(sidecar, tmp_path):
+    """The preview's ``fs/readTextFile`` (made before the user is asked, outside any tool
+    time-out) waits no longer than ``toolTimeoutMs``: it used to wait a fixed 60 s whatever the
+    setting, and the error then ended in an empty reason ("...did not answer ... for <path>: ").
+    Nobody is asked, nothing is written, the server takes the request back ($/cancelRequest),
+    and the file is free for the next call."""
+    f = tmp_path / "m.py"
+    f.write_text("a\n")
+    hang = threading.Event()
+    reads, asked = [], []
+
+    def read(p):
+        reads.append(p)
+        if len(reads) == 1:
+            hang.wait(TIMEOUT)  # the first read never gets its answer in time
+        return {"text": "a\n"}
+
+    written: dict[str, str] = {}
+    sidecar.on_request("fs/readTextFile", read)
+    sidecar.on_request("fs/writeTextFile", lambda p: written.__setitem__(p["path"], p["text"]) or {})
+    sidecar.on_request("requestToolPermission", lambda p: asked.append(p) or {"decision": "allow_once"})
+    e = call("edit_file", path="m.py", edits=[{"oldText": "a", "newText": "b"}])
+    sidecar.request("initialize", {"workspaceFolders": [str(tmp_path)], "capabilities": FS, "settings": {
+        "models": {"s": scripted(e, e)}, "toolPolicy": {"edit_file": "ask"}, "toolTimeoutMs": 1500}},
+        timeout=TIMEOUT)
+    bid = sidecar.branch()
+    try:
+        out = outputs(operate(sidecar, bid))[0]
+    finally:
+        hang.set()
+    assert out["error"] == f"the client did not answer fs/readTextFile for {f}: no answer within 1.5 s", out
+    assert asked == [] and written == {}
+    assert sidecar.wait_for(lambda n: any(m == "$/cancelRequest" for m, _ in n), TIMEOUT)
+    out = outputs(operate(sidecar, bid))[0]                        # the file was given back
+    assert out["removed"] == 1 and written == {str(f): "b\n"} and len(asked) == 1, out
+
+
+def test_a_failed_client_write_names_the_clients_reason_with_its_data(sidecar, tmp_path):
+    """An error answer to ``fs/writeTextFile`` names the client's message and, when it is text,
+    its ``data`` (an ACP client's "Internal error" says why there), as a failed read does."""
+    f = tmp_path / "m.py"
+    f.write_text("a\n")
+
+    def fail(p):
+        raise RpcError(-32603, "Internal error", "EROFS: read-only file system")
+
+    sidecar.on_request("fs/readTextFile", lambda p: {"text": "a\n"})
+    sidecar.on_request("fs/writeTextFile", fail)
+    bid = start(sidecar, tmp_path, call("edit_file", path="m.py", edits=[{"oldText": "a", "newText": "b"}]))
+    out = outputs(operate(sidecar, bid))[0]
+    assert out["error"] == f"the client could not write {f}: Internal error (EROFS: read-only file system)", out
+    assert f.read_text() == "a\n"

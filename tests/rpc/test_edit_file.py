@@ -390,3 +390,37 @@ def test_with_the_clients_file_system_changes_of_one_file_are_proposed_one_after
     calls = [p["callId"] for p in asked]
     for before, after in zip(calls, calls[1:]):  # each call's first read after the one before wrote
         assert log.index(("write", before)) < log.index(("read", after)), log
+
+
+def test_an_edit_whose_line_ends_differ_from_the_files_says_so_and_writes_nothing(sidecar, tmp_path):
+    """A CRLF file and an oldText written with \\n (what a model usually writes): the edit does
+    not apply (matching is exact), and the error says why, so the next round can correct it;
+    it used to say only "not found". The other way round too."""
+    crlf, lf = tmp_path / "w.txt", tmp_path / "u.txt"
+    crlf.write_bytes(b"a = 1\r\nb = 2\r\n")
+    lf.write_bytes(b"a = 1\nb = 2\n")
+    bid = start(sidecar, tmp_path, edit("w.txt", ("a = 1\nb = 2", "c = 3")), edit("u.txt", ("a = 1\r\nb = 2", "c")),
+                edit("w.txt", ("a = 1\r\nb = 2", "c = 3")))
+    err = outputs(operate(sidecar, bid))[0]["error"]
+    assert "edit 0: oldText not found" in err and "the file's lines end with \\r\\n (CRLF) and oldText's with \\n" in err
+    err = outputs(operate(sidecar, bid))[0]["error"]
+    assert "the file's lines end with \\n and oldText's with \\r\\n (CRLF)" in err
+    assert crlf.read_bytes() == b"a = 1\r\nb = 2\r\n" and lf.read_bytes() == b"a = 1\nb = 2\n"
+    assert outputs(operate(sidecar, bid))[0]["removed"] == 2 and crlf.read_bytes() == b"c = 3\r\n"
+
+
+def test_a_path_ending_with_a_slash_is_never_taken_for_a_file(sidecar, tmp_path):
+    """``docs/`` names a directory (open(2) refuses it): write_file used to drop the slash and
+    create, or replace, the *file* ``docs``; edit_file edited ``m.py`` for ``m.py/``. Both are
+    refused before anything is written or anybody is asked."""
+    (tmp_path / "docs").write_text("keep\n")
+    (tmp_path / "m.py").write_text("a\n")
+    asked = []
+    sidecar.on_request("requestToolPermission", lambda p: asked.append(p) or {"decision": "allow_once"})
+    bid = start(sidecar, tmp_path, call("write_file", path="docs/", content="x\n"),
+                call("write_file", path="new/", content="x\n"), edit("m.py/", ("a", "b")), policy="ask", caps=PERM)
+    for path in ("docs/", "new/", "m.py/"):
+        out = outputs(operate(sidecar, bid))[0]
+        assert out["error"] == f"{path!r} ends with a slash, so it names a directory, not a file; give the file's path"
+    assert (tmp_path / "docs").read_text() == "keep\n" and (tmp_path / "m.py").read_text() == "a\n"
+    assert not (tmp_path / "new").exists() and asked == []
