@@ -322,7 +322,11 @@ class FileTools:
         return real, change(shown, old, new)
 
     def _check_size(self, text: str) -> None:
-        n = len(text.encode("utf-8"))
+        try:
+            n = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate: a JSON escape can carry one, a file cannot
+            raise ToolCallError(f"the new text is not Unicode text: character {e.start} is "
+                                f"{text[e.start]!r}, half of a surrogate pair; nothing written") from None
         if n > self.ws.max_write_bytes:
             raise WorkspacePathError(f"the new text is {n} bytes; the limit is {self.ws.max_write_bytes}")
 

@@ -3,6 +3,7 @@ end to end over real pipes with the scripted model."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -424,3 +425,24 @@ def test_a_path_ending_with_a_slash_is_never_taken_for_a_file(sidecar, tmp_path)
         assert out["error"] == f"{path!r} ends with a slash, so it names a directory, not a file; give the file's path"
     assert (tmp_path / "docs").read_text() == "keep\n" and (tmp_path / "m.py").read_text() == "a\n"
     assert not (tmp_path / "new").exists() and asked == []
+
+
+def test_new_text_that_is_not_unicode_is_refused_in_words_before_anyone_is_asked(sidecar, tmp_path):
+    """A lone surrogate (a JSON escape can carry one, a file cannot) in write_file's content or
+    an edit's newText: refused before the user is asked, saying what is wrong (it used to be
+    Python's codec message), and nothing is written."""
+    (tmp_path / "m.py").write_text("a\n")
+    asked = []
+    sidecar.on_request("requestToolPermission", lambda p: asked.append(p) or {"decision": "allow_once"})
+
+    def written_by_the_model(function: str, **arguments) -> dict:  # its reply text holds the escape
+        return {"text": json.dumps(call(function, **arguments)["json"]).replace("SURROGATE", "\\ud800")}
+
+    bid = start(sidecar, tmp_path, written_by_the_model("write_file", path="n.py", content="xSURROGATEy"),
+                written_by_the_model("edit_file", path="m.py", edits=[{"oldText": "a", "newText": "bSURROGATE"}]),
+                policy="ask", caps=PERM)
+    for _ in ("write_file", "edit_file"):
+        err = outputs(operate(sidecar, bid))[0]["error"]
+        assert err == "the new text is not Unicode text: character 1 is '\\ud800', half of a surrogate pair; " \
+                      "nothing written", err
+    assert (tmp_path / "m.py").read_text() == "a\n" and not (tmp_path / "n.py").exists() and asked == []
