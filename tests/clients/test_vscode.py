@@ -18,7 +18,9 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       review waits, keyboard-only use and the extension's keybindings: Ctrl+Backspace / Ctrl+Enter
       in the diff editor, the Open Chat shortcut, Escape; Stop / Cancel in the command palette only while
       something runs; long lines wrap, Hebrew reads right to left; a redraw keeps the focus and a selection
-      in the turns it did not change; the input's label and the live region); screenshots land in .test-results/.
+      in the turns it did not change; the input's label and the live region; a call waiting for a decision said in
+      the turn, the live region and the activity bar's badge; a window reload while a review waits); screenshots
+      land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -223,7 +225,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     summary, report = run_itest_suite(vsix, tmp_path, "(d) extension-host itest")
     TIMINGS["(d) code-server ready"] = round(summary.get("timings", {}).get("codeServerReadyMs", 0) / 1000, 1)
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
-    assert len(report["checks"]) == 36, report["checks"]
+    assert len(report["checks"]) == 38, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -235,7 +237,8 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "never answers initialize", "crashes mid-reply", "program is missing", "nobody answers times out",
                   "rendered and shown in batches", "reviewed one after the other", "running tool card shows its arguments",
                   "the status bar says stopped (why in its tooltip) and its click restarts", "the status bar says stopped; the next turn",
-                  "outputText() is the channel's last 200 000 characters"):
+                  "outputText() is the channel's last 200 000 characters",
+                  "waiting for your decision says so where you look", "a long chat stays light"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 
@@ -274,14 +277,16 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     bad = [c for c in summary.get("checks", []) if not c["ok"]]
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     names = " | ".join(c["name"] for c in summary["checks"])
-    assert len(summary["checks"]) == 14, names
+    assert len(summary["checks"]) == 15, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
                   "Stop a running turn", "hidden and shown again while it waits",
                   "Open Chat from the editor puts the cursor in the chat input", "stopped turns stay in the chat",
                   "Ctrl+Backspace in its left (file) side rejects", "Ctrl+Enter in its right (proposed) side accepts",
                   "its shortcut, Ctrl+Shift+Alt+/", "Escape in the editor leaves the turn running",
-                  "the input has a label and a polite live region", "replaces only what changed"):
+                  "the input has a label and a polite live region", "replaces only what changed",
+                  "the activity bar badge counts it while the chat is hidden",
+                  "the window reloaded while a review waits"):
         assert topic in names, f"missing browser check about {topic!r}: {names}"
     for shot in ("chat.png", "diff-review.png", "chat-final.png"):
         png = shots / shot

@@ -11,24 +11,43 @@
   let running = false;
 
   const nearBottom = () => log.scrollHeight - log.scrollTop - log.clientHeight < 60;
-  /** The HTML each placed turn section (data-turn) was made from. */
-  const placed = new WeakMap();
-  // only what changed is replaced: a turn section whose HTML is the same keeps its DOM, and with
-  // it the keyboard focus and a text selection in it (a redraw while another turn streams)
-  function place(html) {
+  /** The HTML each child of the log (a turn section, data-turn) was made from, by index. */
+  const placed = [];
+  // the extension sends only the parts (turns) that changed, by index, and how many there are: only
+  // those are parsed and replaced; the others keep their DOM, and with it the keyboard focus and a
+  // text selection in them (a redraw while another turn streams), and a long chat costs no more per
+  // update than a short one
+  function place(count, parts) {
     const stick = nearBottom();
-    const t = document.createElement('template');
-    t.innerHTML = html;
-    const was = [...log.children], next = [...t.content.children];
-    next.forEach((n, i) => {
-      const h = n.outerHTML;
-      if (placed.get(was[i]) === h) return;
-      placed.set(n, h);
+    const was = [...log.children];
+    for (const i of Object.keys(parts).map(Number).sort((a, b) => a - b)) {
+      const h = parts[i];
+      if (placed[i] === h && was[i]) continue;
+      const t = document.createElement('template');
+      t.innerHTML = h;
+      const n = t.content.firstElementChild;
+      if (!n) continue;
       for (const d of n.querySelectorAll('details.tool')) if (openCards.has(d.dataset.call)) d.open = true;
       if (was[i]) was[i].replaceWith(n); else log.append(n);
-    });
-    for (const o of was.slice(next.length)) o.remove();
+      placed[i] = h;
+    }
+    for (const o of was.slice(count)) o.remove();
+    placed.length = Math.min(placed.length, count);
     if (stick) log.scrollTop = log.scrollHeight;
+  }
+  /**
+   * While a turn runs, the live region says whether a call waits for the user's decision (which
+   * one), else "working…"; it changes only when that changes. A new request is scrolled into view.
+   */
+  let asked = '';
+  function announceWaiting() {
+    const ask = log.querySelector('details.tool.ask');
+    const what = ask ? ask.querySelector('summary').textContent.replace(/^\?\s*/, '').replace(/\s*\(waiting for you\)$/, '') : '';
+    if (ask && what !== asked) ask.scrollIntoView({ block: 'nearest' });
+    asked = what;
+    if (!running) return;
+    const text = ask ? `Waiting for your decision: ${what}` : 'working…';
+    if ($('status').textContent !== text) $('status').textContent = text;
   }
   function setRunning(r) {
     if (r === running) return;
@@ -52,8 +71,9 @@
   window.addEventListener('message', (e) => {
     const m = e.data;
     if (m.type === 'state') {
-      place(m.html);
+      place(m.count, m.parts);
       setRunning(m.running);
+      announceWaiting();
       $('branch').textContent = m.branch;
       $('model').textContent = m.model;
     } else if (m.type === 'stream') {
@@ -64,6 +84,7 @@
       if (el) {
         const stick = nearBottom();
         el.innerHTML = m.html;
+        placed[turns.length - 1] = undefined;   // its DOM is no longer what its HTML made
         if (stick) log.scrollTop = log.scrollHeight;
       }
     }

@@ -120,6 +120,8 @@ async function main() {
           { function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText: 'delta', newText: 'DELTA' }] } },
           { function: 'edit_file', arguments: { path: 'notes.txt', edits: [{ oldText: 'DELTA', newText: 'DELTA!' }] } }] } }),
         // a tool call that runs for a while (its card shows its arguments while it runs)
+        // a call that needs the user's decision (shout is "ask"), with no diff: the card alone asks
+        asker: scripted({ json: { answer: 'Shouting.', action_requests: [{ function: 'shout', arguments: { text: 'wait' } }] } }),
         napper: scripted({ json: { answer: 'Resting.', action_requests: [{ function: 'nap', arguments: { note: 'a short rest', seconds: 2 } }] } }),
         drip: drip(path.join(W, 'drip-state'), [DRIP_TEXT], 300, 5),
         // multi-root: an edit of the second folder's file, named the way the server takes it

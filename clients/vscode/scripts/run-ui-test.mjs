@@ -99,6 +99,7 @@ async function main() {
           { json: { answer: 'Swapped.' } },
           `A **second** chat, with a long link: https://example.com/${'x'.repeat(300)}\n\nשלום! זו תשובה בעברית.`,
           'After the stops.',
+          edit('This edit waits through a reload.', 'src/util.py', 'return a + b', 'return a + b + 0'),
         ], 14, 60),
         slow: scripted({ text: 'too late', delayMs: 120000 }, { text: 'too late again', delayMs: 120000 }),
       },
@@ -330,15 +331,23 @@ async function main() {
     expect(!(await tabDirty('app.py')), 'clean after save');
   });
 
-  await check('a second edit, the chat hidden and shown again while it waits (the turn once, its card still asks), rejected from the diff editor title: card shows the rejection, util.py untouched and not dirty', async () => {
+  await check('a second edit, the chat hidden and shown again while it waits (the turn once, its card still asks; the turn and the live region say it waits for your decision, the activity bar badge counts it while the chat is hidden), rejected from the diff editor title: card shows the rejection, util.py untouched and not dirty', async () => {
     await type('Now change util');
     await submit();
     await waitFor('Reject in the diff editor title', () => evalIn(`!!document.querySelector('.editor-actions [aria-label^="Reject Edit"]')`), STEP);
     await waitFor('Accept button in the card', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
+    // waiting for you: said in the turn (not "working…") and by the live region, which names the call
+    const waitingSaid = async () => ({ turn: await lastTurn(`t.querySelector('.running')?.textContent.trim() ?? ''`),
+      status: await inWeb(`document.getElementById('status').textContent`) });
+    const said = await waitingSaid();
+    expect(said.turn === 'waiting for your decision: Accept or Reject above' && said.status === 'Waiting for your decision: edit_file src/util.py',
+      `the waiting state: ${JSON.stringify(said)}`);
     const turns = await turnCount();
     // the Explorer takes the side bar: the chat's webview is disposed; Open Chat builds it again
     await palette('View: Show Explorer');
     await waitFor('the chat webview gone', async () => !(await findWebview()), STEP);
+    const badge = await evalIn(`document.querySelector('.activitybar .action-item a[aria-label^="Sidecar Chat"]')?.parentElement?.querySelector('.badge-content')?.textContent ?? null`);
+    expect(badge === '1', `the Sidecar Chat activity's badge while the chat is hidden: ${JSON.stringify(badge)}`);
     await palette('operate-sidecar: Open Chat');
     await settleWebview();
     await waitFor('the card asks again', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
@@ -346,6 +355,8 @@ async function main() {
     expect(users.length === turns && users.filter((u) => u.startsWith('Now change util')).length === 1,
       `the running turn shown once after the chat came back: ${JSON.stringify(users)}`);
     expect(await lastTurn(`t.querySelectorAll('.prose').length`) === 1, 'its prose once');
+    const again = await waitingSaid();
+    expect(again.turn === said.turn && again.status === said.status, `the waiting state, shown again: ${JSON.stringify(again)}`);
     await waitFor('diff decorations', () => evalIn(`document.querySelectorAll('.monaco-diff-editor .line-insert, .monaco-diff-editor .char-insert').length > 0`), STEP);
     await click(await centerOf('.editor-actions [aria-label^="Reject Edit"]'));
     await turnDone();
@@ -353,6 +364,9 @@ async function main() {
     expect(title.startsWith('⊘ edit_file src/util.py'), `tool card: ${title}`);
     expect(disk('src/util.py') === UTIL_OLD && !(await tabDirty('util.py')), 'util.py unchanged');
     expect(!(await evalIn(`!!document.querySelector('.monaco-diff-editor')`)), 'the diff editor closed');
+    const activity = `document.querySelector('.activitybar .action-item a[aria-label^="Sidecar Chat"]')?.parentElement`;
+    await waitFor('no badge once decided', () => evalIn(`(() => { const b = ${activity}?.querySelector('.badge'); return !!b && (!b.offsetParent || !b.textContent.trim()); })()`), 5000)
+      .catch(async (e) => { throw new Error(`${e.message}: ${await evalIn(`${activity}?.outerHTML`)}`); });
   });
 
   // the extension's keybindings (package.json contributes.keybindings), pressed as real keys
@@ -538,6 +552,30 @@ async function main() {
     await palette('operate-sidecar: Open Chat');
     await settleWebview();
     await waitFor('the chat shown again', async () => (await lastThree()) === expected, STEP);
+  });
+  await check('the window reloaded while a review waits: the chat comes back with its conversation and the draft in its input; the interrupted call, if the server recorded it, says its request failed in words; no diff editor is left, util.py untouched', async () => {
+    const before = await inWeb(`[...document.querySelectorAll('section.turn')].filter((t) => !t.classList.contains('stopped')).map((t) => t.querySelector('.user').textContent)`);
+    await type('Edit util while I reload');
+    await submit();
+    await waitFor('Reject in the diff editor title', reviewPending, STEP);
+    await type('a draft kept through the reload');
+    await sleep(300);
+    await evalIn(`window.__beforeReload = true`);
+    await palette('Developer: Reload Window');
+    await waitFor('the reloaded workbench', () => evalIn(`!window.__beforeReload && !!document.querySelector('.activitybar .action-item a[aria-label^="Sidecar Chat"]')`).catch(() => false), 60000);
+    await palette('operate-sidecar: Open Chat');
+    await settleWebview();
+    // the turns the server recorded (the stopped ones were the extension's own); the interrupted turn as far as the server had it
+    const users = () => inWeb(`[...document.querySelectorAll('section.turn')].map((t) => t.querySelector('.user')?.textContent ?? '')`);
+    await waitFor('the conversation shown again', async () => { const u = await users(); return JSON.stringify(u.slice(0, before.length)) === JSON.stringify(before); }, STEP)
+      .catch(async (e) => { throw new Error(`${e.message}: ${JSON.stringify(await users())} (before: ${JSON.stringify(before)})`); });
+    const after = await users();
+    expect(after.length <= before.length + 1 && after.slice(before.length).every((u) => u === 'Edit util while I reload'), `after the reload: ${JSON.stringify(after)}`);
+    expect(await inWeb(`document.getElementById('input').value`) === 'a draft kept through the reload', `the draft: ${JSON.stringify(await inWeb(`document.getElementById('input').value`))}`);
+    const card = await lastTurn(`t.querySelector('details.tool summary')?.textContent ?? ''`);
+    expect(!card || card === '⊘ edit_file src/util.py (no answer: the request to the editor failed)', `the interrupted call: ${card}`);
+    await waitFor('no diff editor of a proposed text', async () => !(await evalIn(`[...document.querySelectorAll('.tabs-container .tab')].some((t) => (t.getAttribute('aria-label') ?? '').includes('proposed'))`)), 15000);
+    expect(disk('src/util.py') === UTIL_OLD && !(await tabDirty('util.py')), 'util.py untouched');
   });
   await shot('chat-final', await chatClip());
   await shot('workbench');

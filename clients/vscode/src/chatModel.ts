@@ -222,6 +222,9 @@ function deniedWhy(output: Json | undefined): string {
   const o = output && typeof output === 'object' && !Array.isArray(output) ? output as Record<string, Json> : {};
   const reason = typeof o.reason === 'string' ? o.reason : '';
   if (/timed out/i.test(reason)) return 'timed out: no answer, denied';
+  // the request itself failed (the window was reloaded or closed while it waited, or the extension's handler failed):
+  // no rejection either, and not the transport's words
+  if (/permission request failed/i.test(reason)) return 'no answer: the request to the editor failed';
   if (/policy/i.test(reason)) return 'denied by policy';
   if (/stopped|cancel/i.test(reason)) return 'cancelled';
   if (!reason || /by the user/i.test(reason) || o.error === 'rejected') return 'rejected';
@@ -454,8 +457,18 @@ function markdown(): MarkdownIt {
   };
   return md;
 }
+/** Rendered Markdown by its source, the most recently used last (a redraw renders each turn's prose again). */
+const rendered = new Map<string, string>();
+const RENDERED_KEPT = 2000;
 /** Markdown to HTML; raw HTML in the source is escaped, never rendered. */
-export function renderMarkdown(text: string): string { return markdown().render(text); }
+export function renderMarkdown(text: string): string {
+  let html = rendered.get(text);
+  if (html !== undefined) { rendered.delete(text); rendered.set(text, html); return html; }
+  html = markdown().render(text);
+  rendered.set(text, html);
+  if (rendered.size > RENDERED_KEPT) rendered.delete(rendered.keys().next().value!);
+  return html;
+}
 
 function diffHtml(diff: string): string {
   return diff.split('\n').map((l) => {
@@ -499,7 +512,11 @@ export function turnHtml(t: Turn, index: number): string {
   const chips = t.contextLabels.map((l) => `<span class="chip${l.startsWith('#') ? ' missing' : ''}">${escapeHtml(l)}</span>`).join('');
   const items = t.items.map((it) => (it.kind === 'prose'
     ? `<div class="prose">${renderMarkdown(it.text)}</div>` : cardHtml(it.card))).join('');
-  const running = t.running ? '<div class="running"><span class="spinner"></span> working…</div>' : '';
+  // a call waiting for the user's decision: the turn says so (not "working…")
+  const waiting = t.items.some((it) => it.kind === 'tool' && !!it.card.ask);
+  const running = !t.running ? '' : waiting
+    ? '<div class="running waiting"><span class="spinner"></span> waiting for your decision: Accept or Reject above</div>'
+    : '<div class="running"><span class="spinner"></span> working…</div>';
   const note = t.note ? `<div class="note">${escapeHtml(t.note)}</div>` : '';
   const error = t.error ? `<div class="error">${escapeHtml(t.error)}</div>` : '';
   const usage = t.usage ? `<div class="usage">${escapeHtml(usageLine(t.usage))}</div>` : '';
@@ -510,9 +527,14 @@ export function turnHtml(t: Turn, index: number): string {
     + `<div class="assistant">${items}${running}${note}${error}${usage}</div></section>`;
 }
 
+/** The conversation as the HTML of its parts, one per turn (the chat view replaces only the parts that changed). */
+export function conversationParts(turns: Turn[]): string[] {
+  if (!turns.length) return ['<div class="empty">Ask about your code. Use <code>#file</code>, <code>#selection</code> or <code>#problems</code> to add context.</div>'];
+  return turns.map(turnHtml);
+}
+
 export function conversationHtml(turns: Turn[]): string {
-  if (!turns.length) return '<div class="empty">Ask about your code. Use <code>#file</code>, <code>#selection</code> or <code>#problems</code> to add context.</div>';
-  return turns.map(turnHtml).join('');
+  return conversationParts(turns).join('');
 }
 
 /** A branch name from its first instruction. */

@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  cardOfToolEvent, cardTitle, conversationHtml, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, ToolCard, Turn,
+  cardOfToolEvent, cardTitle, conversationParts, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, ToolCard, Turn,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
@@ -57,7 +57,7 @@ export interface ChatHost {
   readonly editors: EditorTracker;
   readonly review: DiffReview;
   maxRounds(): number;
-  /** Called when a turn starts or ends (status bar). */
+  /** Called when a turn starts or ends, and when a call starts or stops waiting for the user's decision (status bar). */
   runningChanged(running: boolean): void;
   /** Logs a line to the output channel. */
   line(text: string): void;
@@ -112,6 +112,15 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private lastProse = '';
   /** Reloads of the branch from the server (for the tests). */
   private loads = 0;
+  /**
+   * The HTML of each part of the conversation as last posted to the webview: a redraw posts only
+   * the parts that changed (a long chat costs no more per update than a short one). Cleared when
+   * the webview (re)starts: it reports `ready`, and gets all of them.
+   */
+  private sentParts: string[] = [];
+  /** Characters of HTML posted in `state` messages, and their number (for the tests). */
+  private postedChars = 0;
+  private posts = 0;
 
   constructor(private readonly ctx: vscode.ExtensionContext, private readonly host: ChatHost) {
     this.subs.push(vscode.window.registerWebviewViewProvider(VIEW_ID, this), this.ready);
@@ -123,6 +132,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   // ---- webview ---------------------------------------------------------------------------------
   resolveWebviewView(view: vscode.WebviewView): void {
     this.view = view;
+    this.sentParts = [];
+    this.showWaiting();
     const media = vscode.Uri.joinPath(this.ctx.extensionUri, 'media');
     view.webview.options = { enableScripts: true, localResourceRoots: [media] };
     const nonce = Math.random().toString(36).slice(2) + Date.now().toString(36);
@@ -145,7 +156,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private async onMessage(m: { type: string; [k: string]: unknown }): Promise<void> {
     try {
       switch (m.type) {
-        case 'ready': await this.refresh(); this.ready.fire(); break;
+        case 'ready': this.sentParts = []; await this.refresh(); this.ready.fire(); break;
         case 'send': if (typeof m.text === 'string' && m.text.trim()) void this.send(m.text).catch(() => undefined); break;
         case 'stop': this.stop(); break;
         case 'focus': setContext(FOCUS_KEY, m.focused === true); break;
@@ -176,11 +187,36 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     };
   }
 
-  /** Sends the whole conversation (structure changes); prose deltas go through `stream`. */
+  /** Sends the conversation's turns that changed since the last post (structure changes); prose deltas go through `stream`. */
   render(): void {
     const turns = this.live ? [...this.turns, this.live.turn] : this.turns;
-    this.post({ type: 'state', html: conversationHtml(turns), running: !!this.live, ...this.header() });
+    const all = conversationParts(turns);
+    // only the parts that changed since the last post (by index); `count` drops the ones after
+    const parts: Record<number, string> = {};
+    let chars = 0;
+    all.forEach((h, i) => { if (this.sentParts[i] !== h) { parts[i] = h; chars += h.length; } });
+    if (!this.view) return;   // nothing shown: the view gets everything when it reports ready
+    this.sentParts = all;
+    this.posts++;
+    this.postedChars += chars;
+    this.post({ type: 'state', count: all.length, parts, running: !!this.live, ...this.header() });
   }
+
+  /** Calls waiting for the user's decision: the view's badge counts them (seen also when the chat is hidden); the status bar says so. */
+  private showWaiting(): void {
+    const n = this.pendingAsks.size;
+    try {
+      // none left: a badge of 0, which shows nothing (VS Code 1.99 leaves a webview view's last badge up when it is set to undefined)
+      if (this.view) {
+        this.view.badge = n ? { value: n, tooltip: n === 1 ? 'A tool call waits for your decision' : `${n} tool calls wait for your decision` }
+          : this.view.badge ? { value: 0, tooltip: '' } : undefined;
+      }
+    } catch { /* a view being disposed: nothing to show it on (never in the way of a decision) */ }
+    this.host.runningChanged(!!this.live);
+  }
+
+  /** How many tool calls of the running turn wait for the user's decision. */
+  get waiting(): number { return this.pendingAsks.size; }
 
   /** Reloads the current branch's conversation from the server. */
   async refresh(): Promise<void> {
@@ -245,7 +281,12 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   stats() {
     // the running turn's tool cards as the chat shows them
     const cards = [...this.live?.cards.values() ?? []].map((c) => ({ tool: c.tool, state: c.state, title: cardTitle(c), args: c.args, argsCut: !!c.argsCut }));
-    return { streamUpdates: this.streamUpdates, deltas: this.deltas, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, cards };
+    return { streamUpdates: this.streamUpdates, deltas: this.deltas, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, cards,
+      badge: this.badgeValue(), posts: this.posts, postedChars: this.postedChars };
+  }
+
+  private badgeValue(): number {
+    try { return this.view?.badge?.value ?? 0; } catch { return 0; }
   }
 
   /** One chat turn on the current branch (created, named after the instruction, when there is none). */
@@ -473,6 +514,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.render();
     const decision = await new Promise<PermissionDecision>((resolve) => {
       this.pendingAsks.set(req.callId, { resolve, card: card! });
+      this.showWaiting();
       // the server withdrew the request: its operate was stopped, or nobody answered in time
       token.onCancellationRequested(() => this.settleAsk(req.callId, 'deny_once',
         live.source.token.isCancellationRequested ? 'the turn was stopped' : 'permission request timed out'));
@@ -494,6 +536,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const p = this.pendingAsks.get(callId);
     if (!p) return false;
     this.pendingAsks.delete(callId);
+    this.showWaiting();
     if (this.host.review.has(callId)) this.host.review.decide(callId, decision, true);
     delete p.card.ask;
     p.card.state = decision.startsWith('allow') ? 'running' : 'denied';

@@ -67,6 +67,8 @@ export interface OperateSidecarApi {
   initializeResult(): InitializeResult | undefined;
   /** The chat view's counters (prose stream updates, turns, open permission cards). */
   chatStats(): { streamUpdates: number; deltas: number; lastProse: string; turns: number; pendingAsks: string[]; running: boolean; loads: number;
+    /** the chat view's badge (calls waiting for a decision); `state` messages posted to the webview and their HTML's characters */
+    badge: number; posts: number; postedChars: number;
     /** the running turn's tool cards */
     cards: { tool: string; state: string; title: string; args: Json; argsCut: boolean }[] };
   /** The turns the chat shows, oldest first: the instruction, a failed or stopped turn's mark, card titles. */
@@ -75,8 +77,8 @@ export interface OperateSidecarApi {
   reviews(): ReviewRecord[];
   /** The status bar item's text. */
   statusText(): string;
-  /** The status bar item: its text, tooltip and the command a click runs. */
-  statusItem(): { text: string; tooltip: string; command: string };
+  /** The status bar item: its text, tooltip, the command a click runs and its background colour's id ('' = none). */
+  statusItem(): { text: string; tooltip: string; command: string; background: string };
   /** Error notifications shown by the extension (message and offered actions), oldest first. */
   notices(): { message: string; actions: string[] }[];
 }
@@ -152,7 +154,7 @@ class Sidecar {
     const starting = this.abortStart !== undefined;
     const down = !starting && this.down !== undefined;
     // the server failed to start or died: the item says so, its tooltip why, and a click restarts it
-    this.status.backgroundColor = down ? new vscode.ThemeColor('statusBarItem.errorBackground') : undefined;
+    this.setStatusBackground(down ? 'statusBarItem.errorBackground' : '');
     this.status.command = down ? 'operateSidecar.restart' : `${VIEW_ID}.focus`;
     if (starting) {
       this.status.text = '$(sync~spin) operate-sidecar: starting…';
@@ -167,8 +169,21 @@ class Sidecar {
     const id = this.branches.current;
     const branch = (id && (this.branches.nameOf(id) ?? id.slice(0, 8))) || 'new chat';
     const model = this.branches.model ?? 'default model';
-    this.status.text = `$(comment-discussion) ${model} · ${branch}${busy ? ' · $(loading~spin) running' : ''}`;
-    this.status.tooltip = 'operate-sidecar: model · chat · state (click to open the chat)';
+    // a chat turn's tool call waits for the user: said (and coloured) until it is decided, also with the chat hidden
+    const waiting = this.chat?.waiting ?? 0;
+    this.setStatusBackground(waiting ? 'statusBarItem.warningBackground' : '');
+    const state = waiting ? ' · $(bell-dot) waiting for you' : busy ? ' · $(loading~spin) running' : '';
+    this.status.text = `$(comment-discussion) ${model} · ${branch}${state}`;
+    this.status.tooltip = waiting
+      ? `operate-sidecar: ${waiting === 1 ? 'a tool call waits' : `${waiting} tool calls wait`} for your decision (Accept or Reject in the chat; click to open it)`
+      : 'operate-sidecar: model · chat · state (click to open the chat)';
+  }
+
+  /** The status bar item's background colour ('' = none), kept by its id for statusItem(). */
+  statusBackground = '';
+  private setStatusBackground(id: string): void {
+    this.statusBackground = id;
+    this.status.backgroundColor = id ? new vscode.ThemeColor(id) : undefined;
   }
 
   /** Shows an error with actions; records it for the tests. */
@@ -688,7 +703,8 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
     chatTurns: () => s.chat.shownTurns(),
     reviews: () => [...s.review.history],
     statusText: () => s.status.text,
-    statusItem: () => ({ text: s.status.text, tooltip: String(s.status.tooltip ?? ''), command: String(s.status.command ?? '') }),
+    statusItem: () => ({ text: s.status.text, tooltip: String(s.status.tooltip ?? ''), command: String(s.status.command ?? ''),
+      background: s.statusBackground }),
     notices: () => [...s.noticeLog],
   };
 }

@@ -573,6 +573,68 @@ export async function run(): Promise<void> {
       }
     });
 
+    await check('a tool call waiting for your decision says so where you look, also with the chat hidden: the status bar says "waiting for you" (warning background, the tooltip says what to do) and the chat view\'s badge counts it; once decided both are back to a running turn', async () => {
+      const chat = api!.currentBranch();
+      await exec('operateSidecar.pickModel', { model: 'asker' });
+      await exec('operateSidecar.newChat');
+      const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: 'Shout, then wait for me' }));
+      let ended: any;
+      void turn.then((o) => { ended = o ?? {}; });
+      try {
+        await until(() => !!ended || api!.chatStats().pendingAsks.length === 1, 'the request waits');
+        expect(!ended, `the turn ended before the request: ${String(JSON.stringify(ended)).slice(0, 1000)}`);
+        // the chat hidden: the Explorer takes the side bar
+        await exec('workbench.view.explorer');
+        const st = api!.statusItem();
+        expect(st.text.endsWith(' · $(bell-dot) waiting for you') && st.background === 'statusBarItem.warningBackground'
+          && /a tool call waits for your decision/.test(st.tooltip) && st.command === 'operateSidecar.chat.focus', `the status bar: ${JSON.stringify(st)}`);
+        expect(api!.chatStats().badge === 1, `the chat's badge: ${api!.chatStats().badge}`);
+        expect(JSON.stringify(api!.chatTurns().at(-1)?.cards) === JSON.stringify(['? shout wait (waiting for you)']), `the card: ${JSON.stringify(api!.chatTurns().at(-1))}`);
+        expect(await exec('operateSidecar.acceptEdit', { callId: api!.chatStats().pendingAsks[0] }) === true, 'accepted');
+        const after = api!.statusItem();
+        expect(!after.text.includes('waiting') && after.background === '' && api!.chatStats().badge === 0,
+          `decided: ${JSON.stringify(after)}, badge ${api!.chatStats().badge}`);
+        const o: any = await within(turn, 'the turn ends');
+        expect(o && !o.error && o.result?.result?.action_responses?.[0]?.output === 'WAIT!', `outcome: ${JSON.stringify(o).slice(0, 600)}`);
+        expect(!api!.statusItem().text.includes('waiting') && !api!.statusItem().text.includes('running'), `ended: ${api!.statusText()}`);
+      } finally {
+        await within(turn, 'the turn ends').catch(() => undefined);
+        await exec('operateSidecar.pickBranch', { branchId: chat });
+        await exec('operateSidecar.pickModel', { model: 'chat' });
+      }
+    });
+
+    await check('a long chat stays light: while a turn runs in a chat of 120 turns, each redraw posts only the turns that changed to the webview, not the whole conversation', async () => {
+      const chat = api!.currentBranch();
+      const N = 120;
+      const answer = (i: number) => `Answer ${i}: here is **code**\n\n\`\`\`python\n${'def f(x):\n    return x + 1\n'.repeat(8)}\`\`\`\n\n- one\n- two\n`;
+      // the branch's own model answers its N turns and one more (the chat turn below)
+      const bid = (await within(client().createBranch({ name: 'a long chat',
+        chatModel: scripted(...Array.from({ length: N }, (_, i) => answer(i)), 'The last answer.') as any }), 'createBranch')).branchId;
+      for (let i = 0; i < N; i++) await within(client().operate({ branchId: bid, instruction: `question ${i}` }), `turn ${i}`);
+      try {
+        await exec('operateSidecar.pickModel', '');
+        await exec('operateSidecar.pickBranch', { branchId: bid });
+        await until(() => api!.chatTurns().length === N, `the long chat shown (${api!.chatTurns().length} turns)`);
+        // the chat shown (the check before hid it): its webview starts, reports ready and gets the whole chat
+        const l0 = api!.chatStats().loads;
+        await exec('operateSidecar.openChat');
+        await until(() => api!.chatStats().loads > l0, 'the chat view loaded the chat', 10_000).catch(() => undefined);
+        await new Promise((r) => setTimeout(r, 300));
+        const s0 = api!.chatStats();
+        const o: any = await exec('operateSidecar.chat', { text: 'One more question' });
+        const s1 = api!.chatStats();
+        expect(o && !o.error && o.result?.result === 'The last answer.', `outcome: ${JSON.stringify(o).slice(0, 400)}`);
+        const posts = s1.posts - s0.posts, chars = s1.postedChars - s0.postedChars;
+        expect(api!.chatTurns().length === N + 1, `the turn was added: ${api!.chatTurns().length}`);
+        // the whole conversation is over N * 1 000 characters of HTML; a turn's redraws send only that turn
+        expect(posts >= 3 && chars < 20_000, `${posts} redraws posted ${chars} characters of HTML`);
+      } finally {
+        await exec('operateSidecar.pickBranch', { branchId: chat });
+        await exec('operateSidecar.pickModel', { model: 'chat' });
+      }
+    });
+
     await check('diff review: rejectEdit denies the call; buffer and disk keep their text; the tool card says rejected', async () => {
       const doc = await within(vscode.workspace.openTextDocument(notesUri), 'open notes.txt');
       const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: 'Upper-case alpha' }));

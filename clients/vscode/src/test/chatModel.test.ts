@@ -7,7 +7,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import {
-  cardHtml, cardOfToolEvent, cardTitle, conversationHtml, escapeHtml, LocalTurn, nameFrom, proseOf, proseOfResult, refusesField, renderMarkdown, resolveLocalTurns,
+  cardHtml, cardOfToolEvent, cardTitle, conversationHtml, conversationParts, escapeHtml, LocalTurn, nameFrom, proseOf, proseOfResult, refusesField, renderMarkdown, resolveLocalTurns,
   SUMMARY_LIMIT, toolSummary, ToolCard, Turn, turnsAfterFailedRead, turnsFromMessages, withLocalTurns,
 } from '../chatModel';
 import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
@@ -195,6 +195,28 @@ test('local turns: a failed or stopped turn stays in order among the server\'s t
     .map((t) => t.user), ['edit it', 'B']);
   const html = conversationHtml(shown);
   assert.ok(html.includes('<section class="turn failed" data-turn="1">') && html.includes('the server died'), html);
+});
+
+test('a running turn whose call waits for the user says so (not "working…"); the conversation comes in parts, one per turn; Markdown renders the same from its cache', () => {
+  const card: ToolCard = { callId: 'c1', tool: 'shout', args: { text: 'x' }, state: 'ask', ask: { diff: false } };
+  const waiting: Turn = { user: 'go', contextLabels: [], items: [{ kind: 'tool', card }], running: true };
+  const html = conversationHtml([waiting]);
+  assert.ok(html.includes('<div class="running waiting"><span class="spinner"></span> waiting for your decision: Accept or Reject above</div>') && !html.includes('working…'), html);
+  delete card.ask;
+  card.state = 'running';
+  assert.ok(conversationHtml([waiting]).includes('working…') && !conversationHtml([waiting]).includes('waiting for your decision'));
+  const parts = conversationParts([{ user: 'a', contextLabels: [], items: [] }, waiting]);
+  assert.equal(parts.length, 2);
+  assert.ok(parts[0].startsWith('<section class="turn" data-turn="0">') && parts[1].startsWith('<section class="turn" data-turn="1">'), parts.join('\n'));
+  assert.deepEqual(conversationParts([]).length, 1);
+  // a permission request that failed (the window reloaded while it waited) says so in words, not the transport's
+  const failed = cardOfToolEvent(cardOfToolEvent(undefined, { branchId: 'b', callId: 'c2', tool: 'edit_file', event: 'pre', argsSummary: '{"path":"src/u.py"}' } as ToolEvent),
+    { branchId: 'b', callId: 'c2', tool: 'edit_file', event: 'denied', error: 'permission request failed: Request requestToolPermission failed with message: x' } as ToolEvent);
+  assert.equal(cardTitle(failed), '⊘ edit_file src/u.py (no answer: the request to the editor failed)');
+  const md = '# T\n\n<img src=x onerror=alert(1)> **b**\n\n```js\nlet a = "<b>";\n```\n';
+  const first = renderMarkdown(md);
+  assert.equal(renderMarkdown(md), first);
+  assert.ok(!first.includes('<img') && first.includes('&lt;img') && first.includes('data-code="let a = &quot;&lt;b&gt;&quot;;'), first);
 });
 
 test('a chat that could not be read (the server is not running) shows its error with no empty message bubble above it', () => {
