@@ -130,6 +130,8 @@ class SidecarClient:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                      env=env, cwd=cwd, bufsize=0, start_new_session=_SESSIONS)
         self._out = io.BufferedReader(self.proc.stdout, 1 << 16)
+        #: after :meth:`close`: how the server ended when that was not clean, else None
+        self.ending: str | None = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()    # one writer at a time
         self._plock = threading.Lock()   # guards _pending and _closed
@@ -311,25 +313,38 @@ class SidecarClient:
     def wait(self, timeout: float = 10.0) -> int:
         return self.proc.wait(timeout)
 
-    def close(self, timeout: float = 10.0) -> int:
-        """shutdown + exit, then the end of the server's input; returns the exit code. A server
-        that does not answer ``shutdown`` within ``timeout`` s gets ``exit`` all the same, and one
-        that has not exited ``timeout`` s after the end of its input is killed (:meth:`kill`: with
-        every process of its session). Interrupted (Ctrl+C), it kills the server and re-raises."""
+    def close(self, timeout: float = 10.0, *, shutdown: bool = True, answer_within: float | None = None,
+              unanswered_grace: float | None = None) -> int:
+        """shutdown + exit, then the end of the server's input; returns the exit code. The answer
+        to ``shutdown`` is waited for ``answer_within`` s (default ``timeout``); a server that does
+        not answer gets ``exit`` all the same and is killed (:meth:`kill`: with every process of its
+        session) if it has not exited ``unanswered_grace`` s (default ``timeout``) after the end of
+        its input; one that answered, ``timeout`` s after. ``shutdown=False``: the end of its input
+        alone. :attr:`ending` then says how it ended when that was not clean (None when it exited
+        by itself). Interrupted (Ctrl+C), it kills the server and re-raises."""
+        self.ending = None
         try:
-            if self.proc.poll() is None:
+            grace = timeout
+            if shutdown and self.proc.poll() is None:
+                wait = timeout if answer_within is None else answer_within
                 try:
-                    self.request("shutdown", None, timeout=timeout)
-                except (RpcError, TimeoutError, OSError, ValueError):
-                    pass  # not answered (a broken stream, a hung server): exit anyway
+                    self.request("shutdown", None, timeout=wait)
+                except TimeoutError:
+                    self.ending = f"the server did not answer shutdown within {wait:g} s"
+                    grace = timeout if unanswered_grace is None else unanswered_grace
+                except (RpcError, OSError, ValueError):
+                    pass  # an error answer, or a broken stream: exit anyway
                 try:
                     self.notify("exit")
                 except (OSError, ValueError):
                     pass
             self.close_input()  # the end of its input: a server that did not take ``exit`` ends on that
             try:
-                return self.proc.wait(timeout)
+                return self.proc.wait(grace)
             except subprocess.TimeoutExpired:
+                if self.ending is None:
+                    self.ending = f"the server did not exit within {grace:g} s of the end of its input"
+                self.ending += "; killed it and every process of its session" if _SESSIONS else "; killed it"
                 self.kill()
                 return self.proc.wait(timeout)
         except BaseException:  # interrupted: nothing is left running
@@ -396,7 +411,6 @@ class SidecarClient:
         except OSError:
             pass
 
-    _close_pipes = close_input  # its former, private name
 
     def __enter__(self) -> "SidecarClient":
         return self

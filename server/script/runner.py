@@ -575,49 +575,20 @@ class Runner:
     def _close(self, interrupted: bool = False) -> None:
         """End the server: every wait bounded, and a server that does not end in time is killed
         with every process of its session (a wrapper that forked it included)."""
-        from operate_sidecar.clients.python.client import RpcError
-
         client = self.client
         try:
             if interrupted:  # Ctrl+C (or a failure of the replay itself): stop it now
                 client.terminate(INTERRUPT_GRACE_S)
                 return
-            waited = ""
-            if client.proc.poll() is None and not self._exit_sent:
-                if any(not p.done() for p in self._abandoned):
-                    # a request its recorded client left unanswered is still running: end the session
-                    # as that client did, by closing the server's input (no shutdown to wait for it)
-                    waited = "the end of its input"
-                else:
-                    wait = min(self.step_timeout, SHUTDOWN_WAIT_S)
-                    try:
-                        client.request("shutdown", None, timeout=wait)
-                    except TimeoutError:
-                        self.ending = f"the server did not answer shutdown within {wait:g} s"
-                    except (RpcError, OSError, ValueError):
-                        pass  # an error answer (the script shut it down already), or it is exiting
-                    try:
-                        client.notify("exit")
-                    except (OSError, ValueError):
-                        pass
-                    waited = "exit"
-            elif client.proc.poll() is None:
-                waited = "the script's exit"
-            client.close_input()
-            grace = EXIT_GRACE_S if self.ending else EXIT_WAIT_S
-            try:
-                client.wait(grace)
-            except subprocess.TimeoutExpired:
-                if self.ending is None:
-                    self.ending = f"the server did not exit within {grace:g} s of {waited}"
-                self.ending += "; killed it and every process of its session"
-                client.kill()
-                client.wait(EXIT_WAIT_S)
+            # no shutdown when the script sent exit itself (only its exit is waited for), nor when
+            # a request its recorded client left unanswered is still running: the session ends as
+            # that client ended it, with the end of the server's input
+            ask = not self._exit_sent and all(p.done() for p in self._abandoned)
+            client.close(EXIT_WAIT_S, shutdown=ask, answer_within=min(self.step_timeout, SHUTDOWN_WAIT_S),
+                         unanswered_grace=EXIT_GRACE_S)
+            self.ending = client.ending
         except Exception:  # whatever went wrong in ending it: nothing is left running
             client.kill()
-        except BaseException:  # interrupted while ending it (Ctrl+C again)
-            client.kill()
-            raise
 
 
 # --------------------------------------------------------------------------- report

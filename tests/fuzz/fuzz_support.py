@@ -141,7 +141,7 @@ class FuzzServer:
                 c.proc.wait(10)
             except Exception:
                 pass
-            c._close_pipes()
+            c.close_input()
         self.start()
 
     def close(self) -> None:

@@ -493,7 +493,7 @@ class _Wire:
         if self.client.proc.poll() is None:
             self.client.kill()
         self.client.proc.wait(30)
-        self.client._close_pipes()
+        self.client.close_input()
         self.stderr.close()
 
 

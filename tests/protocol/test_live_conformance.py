@@ -102,7 +102,7 @@ def session(tmp_path):
     finally:
         c.kill()
         c.wait(TIMEOUT)
-        c._close_pipes()
+        c.close_input()
         stderr.close()
 
 

@@ -51,7 +51,7 @@ def wire(tmp_path_factory):
     finally:
         c.kill()
         c.wait(TIMEOUT)
-        c._close_pipes()
+        c.close_input()
 
 
 def run(c, model: str, **params):

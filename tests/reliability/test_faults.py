@@ -47,7 +47,7 @@ def faulty(tmp_path_factory):
         c.release.set()
         c.kill()
         c.wait(TIMEOUT)
-        c._close_pipes()
+        c.close_input()
 
 
 def act(c, bid, **extra):

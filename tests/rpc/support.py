@@ -126,4 +126,4 @@ def spawner(factory: Callable[..., "Sidecar"]) -> Iterator[Callable[..., "Sideca
                 c.proc.wait(10)
             except subprocess.TimeoutExpired:  # pragma: no cover
                 pass
-            c._close_pipes()
+            c.close_input()

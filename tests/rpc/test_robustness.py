@@ -31,7 +31,7 @@ def server():
     yield c
     c.kill()
     c.proc.wait(10)
-    c._close_pipes()
+    c.close_input()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
