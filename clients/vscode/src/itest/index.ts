@@ -550,39 +550,50 @@ export async function run(): Promise<void> {
       expect(await within(vscode.workspace.applyEdit(all), 'restore'), 'restored');
     });
 
-    await check('a running tool card shows its arguments (the toolEvent\'s argsSummary is JSON text): title and arguments while the call runs, the output after', async () => {
+    /**
+     * A chat turn sent on a new chat with `model`: `turn` its outcome, `ended()` that outcome once
+     * it has ended (else undefined); `after()` waits for its end and goes back to the chat and model
+     * the next checks go on with (also after a failure).
+     */
+    const turnOnNewChat = async (model: string, text: string) => {
       const chat = api!.currentBranch();
-      await exec('operateSidecar.pickModel', { model: 'napper' });
+      await exec('operateSidecar.pickModel', { model });
       await exec('operateSidecar.newChat');
-      const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: 'Take a nap' }));
-      let ended: any;
-      void turn.then((o) => { ended = o ?? {}; });
+      const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text }));
+      let outcome: any;
+      void turn.then((o) => { outcome = o ?? {}; });
+      return {
+        turn,
+        ended: () => outcome,
+        after: async () => {
+          await within(turn, 'the turn ends').catch(() => undefined);
+          await exec('operateSidecar.pickBranch', { branchId: chat });
+          await exec('operateSidecar.pickModel', { model: 'chat' });
+        },
+      };
+    };
+
+    await check('a running tool card shows its arguments (the toolEvent\'s argsSummary is JSON text): title and arguments while the call runs, the output after', async () => {
+      const { turn, ended, after } = await turnOnNewChat('napper', 'Take a nap');
       try {
         const nap = () => api!.chatStats().cards.find((c) => c.tool === 'nap');
-        await until(() => !!ended || nap()?.state === 'running', 'the running nap card');
-        expect(!ended, `the turn ended before the card ran: ${String(JSON.stringify(ended)).slice(0, 1000)}`);
+        await until(() => !!ended() || nap()?.state === 'running', 'the running nap card');
+        expect(!ended(), `the turn ended before the card ran: ${String(JSON.stringify(ended())).slice(0, 1000)}`);
         const card = nap()!;
         expect(card.title === '… nap a short rest', `title while it runs: ${JSON.stringify(card.title)}`);
         expect(JSON.stringify(card.args) === JSON.stringify({ note: 'a short rest', seconds: 2 }) && !card.argsCut, `arguments while it runs: ${JSON.stringify(card)}`);
         const o: any = await within(turn, 'the turn ends');
         expect(o && !o.error && o.result?.result?.action_responses?.[0]?.output === 'rested', `outcome: ${JSON.stringify(o).slice(0, 600)}`);
-      } finally {   // the next checks go on with the chat and model they had, also after a failure here
-        await within(turn, 'the turn ends').catch(() => undefined);
-        await exec('operateSidecar.pickBranch', { branchId: chat });
-        await exec('operateSidecar.pickModel', { model: 'chat' });
+      } finally {
+        await after();
       }
     });
 
     await check('a tool call waiting for your decision says so where you look, also with the chat hidden: the status bar says "waiting for you" (warning background, the tooltip says what to do) and the chat view\'s badge counts it; once decided both are back to a running turn', async () => {
-      const chat = api!.currentBranch();
-      await exec('operateSidecar.pickModel', { model: 'asker' });
-      await exec('operateSidecar.newChat');
-      const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: 'Shout, then wait for me' }));
-      let ended: any;
-      void turn.then((o) => { ended = o ?? {}; });
+      const { turn, ended, after } = await turnOnNewChat('asker', 'Shout, then wait for me');
       try {
-        await until(() => !!ended || api!.chatStats().pendingAsks.length === 1, 'the request waits');
-        expect(!ended, `the turn ended before the request: ${String(JSON.stringify(ended)).slice(0, 1000)}`);
+        await until(() => !!ended() || api!.chatStats().pendingAsks.length === 1, 'the request waits');
+        expect(!ended(), `the turn ended before the request: ${String(JSON.stringify(ended())).slice(0, 1000)}`);
         // the chat hidden: the Explorer takes the side bar
         await exec('workbench.view.explorer');
         const st = api!.statusItem();
@@ -591,16 +602,14 @@ export async function run(): Promise<void> {
         expect(api!.chatStats().badge === 1, `the chat's badge: ${api!.chatStats().badge}`);
         expect(JSON.stringify(api!.chatTurns().at(-1)?.cards) === JSON.stringify(['? shout wait (waiting for you)']), `the card: ${JSON.stringify(api!.chatTurns().at(-1))}`);
         expect(await exec('operateSidecar.acceptEdit', { callId: api!.chatStats().pendingAsks[0] }) === true, 'accepted');
-        const after = api!.statusItem();
-        expect(!after.text.includes('waiting') && after.background === '' && api!.chatStats().badge === 0,
-          `decided: ${JSON.stringify(after)}, badge ${api!.chatStats().badge}`);
+        const decided = api!.statusItem();
+        expect(!decided.text.includes('waiting') && decided.background === '' && api!.chatStats().badge === 0,
+          `decided: ${JSON.stringify(decided)}, badge ${api!.chatStats().badge}`);
         const o: any = await within(turn, 'the turn ends');
         expect(o && !o.error && o.result?.result?.action_responses?.[0]?.output === 'WAIT!', `outcome: ${JSON.stringify(o).slice(0, 600)}`);
         expect(!api!.statusItem().text.includes('waiting') && !api!.statusItem().text.includes('running'), `ended: ${api!.statusText()}`);
       } finally {
-        await within(turn, 'the turn ends').catch(() => undefined);
-        await exec('operateSidecar.pickBranch', { branchId: chat });
-        await exec('operateSidecar.pickModel', { model: 'chat' });
+        await after();
       }
     });
 
