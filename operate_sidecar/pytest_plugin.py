@@ -139,13 +139,11 @@ async def _sidecar(sidecar_options: dict[str, Any], request: pytest.FixtureReque
     except Exception as e:  # the sidecar did not start (bad args, bad settings...): say what it said
         await client.stop()
         _add_stderr(e, client)
-        client._stderr.close()  # the file that kept its stderr (left open, a ResourceWarning)
         raise
     try:
         yield client
     finally:
         await client.stop()
-        client._stderr.close()
     if client.handler_errors:  # the sidecar got -32603 and went on: the test must not pass
         from operate_sidecar.testing import HandlerFailed
 

@@ -128,6 +128,7 @@ class SidecarTestClient(JsonRPCClient):
         self._consumed: set[int] = set()
         self._changed: asyncio.Condition | None = None
         self._stderr = tempfile.TemporaryFile()
+        self._stderr_kept = ""  # what the stderr file held when :meth:`stop` closed it
         self.timeout = DEFAULT_TIMEOUT_S
         self.initialize_result: Any = None                  # set by the pytest fixture
         self.handler_errors: list[tuple[str, BaseException]] = []  # (method, error) of failed handlers
@@ -174,7 +175,9 @@ class SidecarTestClient(JsonRPCClient):
         return server.returncode is not None or server.stdin is None or server.stdin.is_closing()
 
     def stderr_text(self) -> str:
-        """What the server wrote to stderr so far."""
+        """What the server wrote to stderr so far (after :meth:`stop`: all it wrote)."""
+        if self._stderr.closed:
+            return self._stderr_kept
         self._stderr.seek(0)
         return self._stderr.read().decode("utf-8", "replace")
 
@@ -204,6 +207,9 @@ class SidecarTestClient(JsonRPCClient):
             if not task.done():
                 task.cancel()
         await asyncio.gather(*self._async_tasks, return_exceptions=True)
+        if not self._stderr.closed:  # its text kept, the file closed (an open one is a ResourceWarning)
+            self._stderr_kept = self.stderr_text()
+            self._stderr.close()
         return None if server is None else server.returncode
 
     # ------------------------------------------------------------------ client → server

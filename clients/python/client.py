@@ -356,24 +356,22 @@ class SidecarClient:
         a wrapper that forked it (``sh -c`` without ``exec``, ``uv run``), the server under it and
         the children it started in its session; a process that started a session of its own
         (``setsid``) is not reached. Elsewhere only the process this client started is killed."""
-        self._signal(signal.SIGKILL if _SESSIONS else None)
+        if _SESSIONS:
+            self._signal_session(signal.SIGKILL)
+        elif self.proc.poll() is None:
+            self.proc.kill()
 
     def terminate(self, grace: float = 2.0) -> int | None:
         """SIGTERM the server (on POSIX every process of its session, as a terminal's Ctrl+C reaches
         a whole job), then :meth:`kill` what is left of it after ``grace`` seconds; returns the
         exit code of the process this client started."""
-        if not _SESSIONS:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-            try:
-                return self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                return self.proc.wait(grace)
-        self._signal(signal.SIGTERM)
+        if _SESSIONS:
+            self._signal_session(signal.SIGTERM)
+        elif self.proc.poll() is None:
+            self.proc.terminate()
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:  # the process started and what its session holds
-            if self.proc.poll() is not None and not _session_groups(self.proc.pid):
+        while time.monotonic() < deadline:  # the process started, and (POSIX) what its session holds
+            if self.proc.poll() is not None and not (_SESSIONS and _session_groups(self.proc.pid)):
                 return self.proc.returncode
             time.sleep(0.02)
         self.kill()
@@ -382,16 +380,13 @@ class SidecarClient:
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILLed
             return None
 
-    def _signal(self, sig: int | None) -> None:
-        if sig is None:  # no sessions here (Windows): the process started, as before
-            if self.proc.poll() is None:
-                self.proc.kill()
-            return
+    def _signal_session(self, sig: int) -> None:
+        """``sig`` to every process group of the server's session (POSIX)."""
         pid = self.proc.pid
         # while this client has not reaped it, the pid (the group's and the session's id) is not
         # another process's; after, only the processes /proc shows in that session are signalled
         targets = {pid} if self.proc.returncode is None else set()
-        for _ in range(3):  # again for a process that changed its group meanwhile
+        for _ in range(3 if sig == signal.SIGKILL else 1):  # again for a process that changed its group meanwhile
             targets |= _session_groups(pid)
             if not targets:
                 break
@@ -401,8 +396,6 @@ class SidecarClient:
                 except OSError:  # gone meanwhile
                     pass
             targets = set()
-            if sig != signal.SIGKILL:
-                break
 
     def close_input(self) -> None:
         """Close the server's stdin (the end of its input: the server exits on it)."""

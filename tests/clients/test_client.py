@@ -244,7 +244,8 @@ def test_close_kills_a_server_that_answers_nothing_with_the_wrapper_that_forked_
     server = wedge_tools.pull(trigger)  # its loop is blocked: no shutdown, exit or end of input is taken
     t0 = time.monotonic()
     assert c.close(timeout=2) == -signal.SIGKILL
-    assert time.monotonic() - t0 < 8  # 2 s for shutdown, 2 s for the exit: a hang check
+    assert time.monotonic() - t0 < 15  # 2 s for shutdown, 2 s for the exit: a hang check, not a speed target
+    assert c.ending == "the server did not answer shutdown within 2 s; killed it and every process of its session"
     assert wedge_tools.gone(server), "the server outlived close()"
 
 
