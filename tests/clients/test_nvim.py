@@ -1196,6 +1196,145 @@ def test_cancel_with_ctrl_c_in_the_chat(sv):
     assert after["result"]["result"] == "after timeout"
 
 
+RETRY_HINT = "_R retry · gi edit and resend_"
+
+
+def _in_transcript(v, pattern: str) -> None:
+    """The cursor in the chat's transcript window, on the last line matching `pattern`."""
+    v.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    v.n.command("normal! G")
+    v.n.command(f"call search('{pattern}', 'bW')")
+
+
+def test_a_failed_or_stopped_turn_is_sent_again_with_its_context(sv):
+    """A turn that failed (a model error) or was stopped had no way to run again: `R` in the
+    transcript (or :OperateRetry) sends its message again on its branch, with the context it was
+    sent with (not read again from the buffer, changed since); `gi` (or :OperateRetry edit) puts
+    it back in the prompt. Neither attempt was recorded (the failure and the stop came before the
+    model's reply), so the branch holds each message once."""
+    bid = sv.new_branch([{"error": "provider down"}, "second try worked", {"text": "slow", "delayMs": 60000},
+                         "after the stop"], "retry")
+    src = sv.tmp / "retry.txt"
+    src.write_text("the context line\n")
+    sv.n.command(f"edit {src}")
+    sv.chat_send("summarise #buffer")
+    out = sv.wait_done()
+    assert out["err"]["message"] == "provider down", out
+    lines = sv.chat(bid)
+    failed = lines.index("**error:** provider down")
+    assert lines[failed + 1] == RETRY_HINT and lines[failed - 3:failed - 1] == ["_with #buffer (retry.txt)_", ""], lines
+    sv.lua("vim.api.nvim_buf_set_lines(vim.fn.bufnr(...), 0, -1, false, {'changed since'})", str(src))
+    _capture_levels(sv)
+    _in_transcript(sv, "^## You")                        # on the failed turn's own lines
+    sv.lua("require('operate_sidecar')._state.last = nil")
+    sv.send_keys("R")
+    out = sv.wait_done()
+    assert out["err"] is None and out["result"]["result"] == "second try worked" and out["branchId"] == bid, out
+    sent = [m["content"] for m in sv.messages(bid) if m["kind"] == "instruction"]
+    assert [c["instruction"] for c in sent] == ["summarise #buffer"], sent
+    assert "the context line" in json.dumps(sent[0]["context"]) and "changed" not in json.dumps(sent[0]["context"])
+    lines = sv.chat(bid)                                 # the failed turn stays, the new one below it
+    assert lines.count("summarise #buffer") == 2 and lines.index("**error:** provider down") < \
+        lines.index("second try worked"), lines
+    sv.lua("_G.notes = {}")
+    sv.send_keys("GR")                                   # after the last turn, which did not fail
+    assert sv.lua("return _G.notes") == ["[operate] nothing to retry: R sends a turn that failed or was stopped again"]
+    assert sv.lua("return require('operate_sidecar')._state.running") is None
+    # a stopped turn: :OperateRetry sends it again
+    sv.chat_send("wait for it")
+    sv.wait("require('operate_sidecar')._state.progress.phase == 'request'", "the model call to start")
+    sv.send_keys("<C-c>")
+    assert sv.wait_done()["err"]["code"] == -32800
+    lines = sv.chat(bid)
+    assert lines[lines.index("_cancelled_") + 1] == RETRY_HINT, lines
+    sv.lua("require('operate_sidecar')._state.last = nil")
+    sv.n.command("OperateRetry")
+    out = sv.wait_done()
+    assert out["err"] is None and out["result"]["result"] == "after the stop", out
+    sent = [m["content"]["instruction"] for m in sv.messages(bid) if m["kind"] == "instruction"]
+    assert sent == ["summarise #buffer", "wait for it"], sent
+    # edit and resend: the message goes back in the prompt (`u` there brings back what was typed)
+    sv.lua("_G.notes = {}")
+    sv.n.command("OperateRetry now")
+    assert sv.lua("return _G.notes") == ["[operate] unexpected: now; usage: :OperateRetry [edit]"]
+    sv.n.command("OperateChat")
+    sv.send_keys("idraft<Esc>")
+    _in_transcript(sv, "^summarise #buffer$")
+    sv.send_keys("gi")
+    assert sv.lua("return require('operate_sidecar.chat').prompt_text()") == "summarise #buffer"
+    assert sv.lua("return vim.b.operate_sidecar_prompt and vim.api.nvim_get_mode().mode") == "i"
+    sv.send_keys("<Esc>u")
+    assert sv.lua("return require('operate_sidecar.chat').prompt_text()") == "draft"
+    sv.n.command("OperateRetry edit")                    # the last turn's
+    assert sv.lua("return require('operate_sidecar.chat').prompt_text()") == "wait for it"
+    sv.send_keys("<Esc>")
+
+
+def test_the_prompt_recalls_the_messages_sent_and_keeps_the_draft(sv):
+    """<Up> on the prompt's first line shows the message sent before (again: the one before that),
+    <Down> on its last line the one after, and past the newest the text that was being typed."""
+    sv.new_branch(["one", "two", "three"], "history")
+    for text in ("first message", "two\nlines", "third"):
+        sv.lua("require('operate_sidecar')._state.last = nil")
+        sv.lua("require('operate_sidecar.chat').set_prompt(require('operate_sidecar.chat').open(), ...)", text)
+        sv.send_keys("<Esc><CR>")
+        sv.wait_done()
+
+    def prompt() -> list[str]:
+        return sv.lua("return vim.api.nvim_buf_get_lines(0, 0, -1, false)")
+
+    sv.send_keys("idraft 1<CR>draft 2")                   # a draft of two lines, the cursor on the second
+    sv.send_keys("<Up>")                                 # not on the first line: the cursor moves up
+    assert prompt() == ["draft 1", "draft 2"] and sv.lua("return vim.fn.line('.')") == 1
+    sv.send_keys("<Up>")
+    assert prompt() == ["third"]
+    sv.send_keys("<Up>")
+    assert prompt() == ["two", "lines"] and sv.lua("return vim.fn.line('.')") == 1
+    sv.send_keys("<Up><Up>")                             # the oldest stays
+    assert prompt() == ["first message"]
+    sv.send_keys("<Esc><Down>")                          # normal mode too
+    assert prompt() == ["two", "lines"] and sv.lua("return vim.fn.line('.')") == 2
+    sv.send_keys("<Down>")
+    assert prompt() == ["third"]
+    sv.send_keys("<Down>")                               # past the newest: the draft again
+    assert prompt() == ["draft 1", "draft 2"]
+    sv.send_keys("<Down>")                               # (nothing after the draft)
+    assert prompt() == ["draft 1", "draft 2"]
+    assert sv.lua("return vim.bo.buftype") == "nofile" and sv.lua("return vim.b.operate_sidecar_prompt")
+    sv.send_keys("ggdG")
+
+
+def test_failed_and_stopped_turns_stay_in_place_when_the_chat_is_closed_and_opened_again(sv):
+    """The branch has no record of a failed turn, nor of a turn stopped before the model's reply:
+    a chat rebuilt from its messages would lose them. Closed (`:q`, `:bwipeout`), left for another
+    branch's chat and opened again, the chat still shows them where they were, saying why."""
+    bid = sv.new_branch(["one", {"error": "provider down"}, {"text": "slow", "delayMs": 60000}, "four"], "keep")
+    for text in ("first", "second", "third"):
+        sv.chat_send(text)
+        if text == "third":
+            sv.wait("require('operate_sidecar')._state.progress.phase == 'request'", "the model call to start")
+            sv.send_keys("<C-c>")
+        sv.wait_done()
+    sv.chat_send("fourth")
+    sv.wait_done()
+    before = sv.chat(bid)
+    assert [m["content"]["instruction"] for m in sv.messages(bid) if m["kind"] == "instruction"] == [
+        "first", "fourth"]                               # (the server's record)
+    for cmd in ("quit", "bwipeout"):
+        sv.n.command("OperateChat")
+        sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+        sv.n.command(cmd)
+    sv.new_branch(["other"], "elsewhere")
+    sv.n.command("OperateChat")
+    sv.n.command(f"OperateBranch {bid}")
+    sv.wait(f"require('operate_sidecar').current_branch() == '{bid}'", "the branch again")
+    lines = sv.chat(bid)
+    assert lines == before, lines
+    order = [lines.index(x) for x in ("first", "one", "second", "**error:** provider down", "third", "_cancelled_",
+                                      "fourth", "four")]
+    assert order == sorted(order) and lines.count(RETRY_HINT) == 2, lines
+
+
 def test_quitting_nvim_mid_turn_cancels_it_before_the_shutdown(nvim_bin, tmp_path):
     """:qa! while a turn runs: the plugin cancels its running requests ($/cancelRequest), then
     sends shutdown, so the server answers at once instead of waiting for the turn (its 0.5 s
@@ -1220,6 +1359,19 @@ def test_quitting_nvim_mid_turn_cancels_it_before_the_shutdown(nvim_bin, tmp_pat
         assert len(operate) == 1 and operate[0].get("cancelAfterModelCalls") == 1, steps
     finally:
         v.close()
+
+
+def _record_chat_renderings(v) -> None:
+    """From now on, every state of the current chat's transcript as each change leaves it
+    (a buffer-change hook: a label shown for a moment is caught too); read by _renderings."""
+    v.lua("""
+        _G.renderings = {}
+        vim.api.nvim_buf_attach(require('operate_sidecar.chat').current().buf, false, {
+          on_lines = function(_, b) table.insert(_G.renderings, vim.api.nvim_buf_get_lines(b, 0, -1, false)) end })""")
+
+
+def _renderings(v) -> list[list[str]]:
+    return v.lua("return _G.renderings")
 
 
 def _a_model_call_waits(nv, **settings) -> dict:
@@ -1278,6 +1430,7 @@ def test_a_server_stopped_by_sigterm_while_a_review_waits_says_so_and_the_next_m
     bid = nv.new_branch([edit, "unused"], "term")
     nv.chat_send("edit it")
     nv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    _record_chat_renderings(nv)
     os.kill(st["pid"], signal.SIGTERM)
     nv.wait("require('operate_sidecar')._state.exit ~= nil and require('operate_sidecar')._state.last ~= nil",
             "the exit and the end of the turn")
@@ -1289,6 +1442,9 @@ def test_a_server_stopped_by_sigterm_while_a_review_waits_says_so_and_the_next_m
     card = [ln for ln in lines if "edit_file" in ln and not ln.startswith("  │")]
     assert card == ["⊘ edit_file term.py +1 −1 (server exited with code 1)"], card
     assert "**error:** the server exited with code 1" in lines and "_cancelled_" not in lines, lines
+    # never, not even for a moment before the exit was known, did the card read "timed out"
+    shown = _renderings(nv)
+    assert shown and not [ln for r in shown for ln in r if "timed out" in ln], shown
     notes = nv.lua("return _G.notes")
     assert notes[:2] == ["[operate] failed: the server exited with code 1", "[operate] server exited with code 1"], notes
     assert not any("timed out" in n or n == "[operate] cancelled" for n in notes), notes
@@ -1307,11 +1463,14 @@ def test_a_server_stopped_by_sigterm_while_a_review_waits_says_so_and_the_next_m
 
 def test_a_server_stopped_by_sigterm_mid_turn_ends_the_turn_with_its_exit(nv):
     st = _a_model_call_waits(nv, _state_dir=False)
+    _record_chat_renderings(nv)
     os.kill(st["pid"], signal.SIGTERM)
     nv.wait("require('operate_sidecar')._state.last ~= nil", "the turn to end")
     assert nv.last()["err"]["message"] == "the server exited with code 1"
     lines = nv.chat()
     assert "**error:** the server exited with code 1" in lines and "_cancelled_" not in lines, lines
+    shown = _renderings(nv)                              # (the turn never read cancelled or timed out)
+    assert shown and not [ln for r in shown for ln in r if "timed out" in ln or ln == "_cancelled_"], shown
     nv.wait("require('operate_sidecar')._state.exit ~= nil", "the exit to be recorded")
     assert nv.lua("return require('operate_sidecar').status().running") is False
 

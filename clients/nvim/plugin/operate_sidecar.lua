@@ -43,6 +43,16 @@ cmd('OperateCancel', function()
   os_().cancel()
 end, { desc = 'Cancel the running turn' })
 
+cmd('OperateRetry', function(opts)
+  os_().command_retry(fargs(opts))
+end, {
+  nargs = '*',
+  desc = "Send the chat's last turn again if it failed or was stopped (edit: put it in the prompt)",
+  complete = function(lead)
+    return os_().filter({ 'edit' }, lead)
+  end,
+})
+
 cmd('OperatePermission', function()
   require('operate_sidecar.permission').focus()
 end, { desc = 'Show the waiting permission request or diff review' })

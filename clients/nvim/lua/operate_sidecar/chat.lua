@@ -15,6 +15,7 @@ local M = {}
 
 M.PROMPT = '## You  (<CR> send · <C-c> cancel · #buffer #selection #diagnostics)'
 M.CARD = '  │ ' -- prefix of a tool card's folded detail lines
+M.RETRY_HINT = '_R retry · gi edit and resend_' -- under a turn that failed or was stopped
 M.PROMPT_HEIGHT = 3 -- lines of the prompt window (config chat.prompt_height)
 -- the instruction of a turn's every round after the first (fixed by the protocol, §11)
 M.CONTINUATION = 'Continue the same task. The results of the tools you called are above. If the task needs '
@@ -274,8 +275,10 @@ end
 
 -- ---------------------------------------------------------------- tool cards
 
+-- (settling: the server stopped waiting for the user's answer by itself; "timed out" once the
+-- server is seen to go on, "server exited ..." if it was going away)
 local ICONS = { running = '…', waiting = '?', ok = '✓', error = '✗', denied = '⊘', cancelled = '⊘',
-  timedout = '⊘', gone = '⊘' }
+  timedout = '⊘', gone = '⊘', settling = '…' }
 -- what a card's headline says after its summary, by status
 local STATUS_NOTE = { denied = ' (denied)', cancelled = ' (cancelled)', timedout = ' (timed out)',
   waiting = ' (waiting for you: ga accept · gr reject)' }
@@ -476,9 +479,11 @@ local function turn_lines(turn)
     lines[#lines + 1] = ''
   elseif turn.status == 'cancelled' then
     lines[#lines + 1] = '_cancelled_'
+    lines[#lines + 1] = M.RETRY_HINT
     lines[#lines + 1] = ''
   elseif turn.status == 'error' then
     lines[#lines + 1] = '**error:** ' .. tostring(turn.error):gsub('\n', ' ')
+    lines[#lines + 1] = M.RETRY_HINT
     lines[#lines + 1] = ''
   end
   local u = turn.status ~= 'running' and usage_line(turn)
@@ -649,6 +654,25 @@ local function set_keymaps(chat, b)
   map('n', 'gm', function()
     branches.pick_model()
   end, 'pick a model')
+  if b == chat.buf then -- (the transcript is read-only: these keys edit nothing there)
+    map('n', 'R', function()
+      M.retry(chat, M.turn_at(chat, api.nvim_win_get_cursor(0)[1]))
+    end, 'send the failed or stopped turn (under the cursor, else the last) again')
+    map('n', 'gi', function()
+      M.edit_again(chat, M.turn_at(chat, api.nvim_win_get_cursor(0)[1]))
+    end, "put the turn's message (under the cursor, else the last) in the prompt")
+  else -- the prompt: <Up> on its first line, <Down> on its last, go through the messages sent
+    for lhs, step in pairs({ ['<Up>'] = -1, ['<Down>'] = 1 }) do
+      vim.keymap.set({ 'n', 'i' }, lhs, function()
+        local row = api.nvim_win_get_cursor(0)[1]
+        if row ~= (step < 0 and 1 or api.nvim_buf_line_count(b)) then
+          return lhs -- (not at that edge: the cursor moves as usual)
+        end
+        return ('<Cmd>lua require("operate_sidecar.chat").recall(%d)<CR>'):format(step)
+      end, { buffer = b, expr = true, desc = 'operate-sidecar: ' .. (step < 0 and 'an earlier' or 'a later')
+        .. ' message sent (on the first / last line)' })
+    end
+  end
 end
 
 -- Make (or make again) a chat's transcript and prompt buffers. A chat whose buffers were
@@ -1088,6 +1112,9 @@ function M.summary_value(text)
   end
 end
 
+-- statuses a `denied` event leaves alone: the request ended otherwise, which the card says
+local NOT_DENIED = { timedout = true, cancelled = true, gone = true, settling = true }
+
 local function apply_tool_event(turn, e)
   local card = card_for(turn, e.callId, e.tool)
   card.argsSummary = not is_null(e.argsSummary) and e.argsSummary or card.argsSummary
@@ -1106,7 +1133,7 @@ local function apply_tool_event(turn, e)
   elseif e.event == 'error' then
     card.status = 'error'
     card.error = not is_null(e.error) and tostring(e.error) or 'failed'
-  elseif e.event == 'denied' and card.status ~= 'timedout' and card.status ~= 'cancelled' and card.status ~= 'gone' then
+  elseif e.event == 'denied' and not NOT_DENIED[card.status] then
     card.status = 'denied' -- (a request that timed out or was cancelled is denied too: say which)
   end
 end
@@ -1132,16 +1159,28 @@ function M.on_permission_answer(p, decision)
   if not running_turn or running_turn.turn.branch ~= p.branchId then
     return
   end
-  local card = running_turn.turn.cards[p.callId]
+  local chat, turn = running_turn.chat, running_turn.turn
+  local card = turn.cards[p.callId]
   if card and card.status == 'waiting' then
-    if decision == 'cancelled' or decision == 'timedout' then
+    if decision == 'timedout' then
+      -- The server stopped waiting by itself: a timeout, unless it is going away (a SIGTERM
+      -- cancels its requests, then it exits). Said once known: it answers a ping, or it ends.
+      card.status = 'settling'
+      server.probe(function(serving, err)
+        if card.status == 'settling' then
+          local data = not serving and type(err) == 'table' and type(err.data) == 'table' and err.data or nil
+          card.status = serving and 'timedout' or 'gone'
+          card.gone = not serving and (data and require('operate_sidecar.rpc').exit_note(data.exitCode, data.signal)
+            or 'stopped') or nil
+          render_turn(chat, turn)
+        end
+      end)
+    elseif decision == 'cancelled' then
       card.status = decision
-      -- (the server stopped waiting by itself: a timeout, unless the server is going away)
-      card.by_server = decision == 'timedout'
     else
       card.status = decision:match('^allow') and 'running' or 'denied'
     end
-    render_turn(running_turn.chat, running_turn.turn)
+    render_turn(chat, turn)
   end
 end
 
@@ -1214,13 +1253,20 @@ function M.send(chat, text, extra)
     notify('a turn is already running (<C-c> cancels it)', vim.log.levels.WARN)
     return false
   end
-  local ctx = (extra and extra.context) or context.expand(text)
+  local again = extra and extra.again -- a turn sent again: its context and model, not read anew
+  local ctx, model
+  if again then
+    ctx, model = again.context, again.model
+  else
+    ctx, model = (extra and extra.context) or context.expand(text), config.values.model
+  end
   if from_prompt then
     M.set_prompt(chat, '') -- one undoable change of the prompt: `u` there brings the text back
+    chat.recall = nil -- (the prompt history starts again from its newest message)
   end
-  local model = config.values.model
   local turn = new_turn(chat, { user = text, time = os.date('%H:%M'), status = 'running',
-    ctx_label = extra and extra.label or context.describe(ctx), model = model, branch = chat.branch })
+    ctx_label = extra and extra.label or context.describe(ctx), model = model, branch = chat.branch,
+    context = ctx, params = extra and extra.params })
   running_turn = { chat = chat, turn = turn }
   local params = { instruction = text, branchId = chat.branch }
   if ctx ~= nil then
@@ -1302,8 +1348,10 @@ function M.send(chat, text, extra)
       and require('operate_sidecar.rpc').exit_note(err.data.exitCode, err.data.signal) or nil
     for _, card in pairs(turn.cards) do
       -- (a request still waiting when its turn ended, the server gone say, is answered by nobody)
-      if gone and (card.status == 'waiting' or card.status == 'running' or (card.status == 'timedout' and card.by_server)) then
+      if gone and (card.status == 'waiting' or card.status == 'running' or card.status == 'settling') then
         card.status, card.gone = 'gone', gone
+      elseif card.status == 'settling' then -- (the turn went on to its end: the server is there)
+        card.status = 'timedout'
       elseif card.status == 'waiting' or (card.status == 'running' and turn.status == 'cancelled') then
         card.status = 'cancelled'
       end
@@ -1316,6 +1364,103 @@ end
 
 function M.cancel()
   return server.cancel()
+end
+
+--- The turn shown at line `lnum` of a chat's transcript; after the last turn (the prompt
+--- header) or before the first, the last turn.
+function M.turn_at(chat, lnum)
+  local row = lnum - 2 -- below the title and its blank line: the turns, in order
+  if row >= 1 then
+    for _, t in ipairs(chat.turns) do
+      if row <= t.nlines then
+        return t
+      end
+      row = row - t.nlines
+    end
+  end
+  return chat.turns[#chat.turns]
+end
+
+local function retryable(turn)
+  return turn ~= nil and (turn.status == 'error' or turn.status == 'cancelled')
+end
+
+--- Send a turn that failed or was stopped again (default: the chat's last turn): the same
+--- message with the same context and model, on the chat's branch, as a new turn. (A failed
+--- operate recorded nothing on the branch; a stopped one may have recorded its first rounds,
+--- which stay there, as the stopped turn stays in the chat: the message is simply sent again.)
+function M.retry(chat, turn)
+  chat = chat or M.current()
+  turn = turn or chat.turns[#chat.turns]
+  if not retryable(turn) then
+    notify('nothing to retry: R sends a turn that failed or was stopped again', vim.log.levels.WARN)
+    return false
+  end
+  return M.send(chat, turn.user, { again = turn, label = turn.ctx_label, params = turn.params })
+end
+
+--- Put a turn's message (default: the chat's last turn) in the prompt, to edit and send again
+--- (its #references are read again when it is sent). `u` in the prompt brings back what was there.
+function M.edit_again(chat, turn)
+  chat = chat or M.current()
+  turn = turn or chat.turns[#chat.turns]
+  if not (turn and turn.user and turn.user ~= '') then
+    notify('no message to edit yet', vim.log.levels.WARN)
+    return false
+  end
+  M.set_prompt(chat, turn.user)
+  chat.recall = nil
+  M.show(chat)
+  vim.cmd('startinsert!')
+  return true
+end
+
+--- The messages sent in a chat, oldest first (one sent twice in a row is one entry).
+function M.sent(chat)
+  local out = {}
+  for _, t in ipairs(chat.turns) do
+    if type(t.user) == 'string' and t.user ~= '' and t.user ~= out[#out] then
+      out[#out + 1] = t.user
+    end
+  end
+  return out
+end
+
+--- In a chat's prompt: an earlier (step -1) or later (1) message sent in place of the prompt's
+--- text. The text being typed is kept and comes back past the newest message.
+function M.recall(step)
+  local b = api.nvim_get_current_buf()
+  local chat
+  for _, c in pairs(chats) do
+    if c.prompt_buf == b then
+      chat = c
+    end
+  end
+  if not chat then
+    return
+  end
+  local sent, r = M.sent(chat), chat.recall
+  local text = table.concat(api.nvim_buf_get_lines(b, 0, -1, false), '\n')
+  if not r then
+    if step > 0 or #sent == 0 then
+      return -- (nothing later than the text being typed)
+    end
+    r = { pos = #sent + 1, draft = text }
+  elseif text ~= sent[r.pos] then
+    r.draft = text -- a recalled message edited: that is the text being typed now
+  end
+  r.pos = math.max(1, r.pos + step)
+  if r.pos > #sent then
+    chat.recall = nil
+    M.set_prompt(chat, r.draft)
+  else
+    chat.recall = r
+    M.set_prompt(chat, sent[r.pos])
+  end
+  -- (on the first line going back, on the last going on: the next key goes on at once)
+  local row = step < 0 and 1 or api.nvim_buf_line_count(b)
+  local col = #(api.nvim_buf_get_lines(b, row - 1, row, false)[1] or '')
+  pcall(api.nvim_win_set_cursor, 0, { row, col })
 end
 
 --- The lines of a branch's chat: the transcript, then the prompt (for scripts and tests).

@@ -130,6 +130,23 @@ local function refuse(what, usage)
   util.notify(('%s; usage: %s'):format(what, usage), vim.log.levels.ERROR)
 end
 
+M.RETRY_USAGE = ':OperateRetry [edit]'
+
+--- :OperateRetry [edit]: send the chat's last turn again if it failed or was stopped (with
+--- `edit`: put its message in the prompt instead).
+function M.command_retry(opts)
+  local chat = require('operate_sidecar.chat')
+  local what = opts.fargs[1]
+  if #opts.fargs > 1 or (what and what ~= 'edit') then
+    return refuse(('unexpected: %s'):format(table.concat(opts.fargs, ' ')), M.RETRY_USAGE)
+  end
+  if what == 'edit' then
+    chat.edit_again()
+  else
+    chat.retry()
+  end
+end
+
 function M.command_branch(opts)
   local sub = opts.fargs[1] or 'pick'
   local most = ({ new = math.huge, delete = 2 })[sub] or 1 -- the words it takes, itself included

@@ -456,6 +456,36 @@ function M.is_running()
   return S.client ~= nil and S.client:is_running()
 end
 
+--- Does the server process go on serving? cb(true) once it answers a ping; cb(false, err) if it
+--- ends first (err: rpc.exit_error, how it ended; nil without a process). A server stopping by
+--- itself (a SIGTERM) reads no more requests, so its ping is answered only by its exit. One
+--- that neither answers nor ends within EXIT_WAIT_MS is taken to go on. Starts no server.
+function M.probe(cb)
+  local c, settled = S.client, false
+  local function once(serving, err)
+    if not settled then
+      settled = true
+      cb(serving, err)
+    end
+  end
+  if not c then
+    return vim.schedule(function()
+      once(false, nil)
+    end)
+  end
+  c:request('ping', nil, function(err)
+    if err and err.code == rpc.codes.not_running then -- (gone already: how, once its exit is known)
+      return c:when_exited(function(code, signal)
+        once(false, rpc.exit_error(code, signal))
+      end)
+    end
+    once(err == nil, err)
+  end)
+  vim.defer_fn(function()
+    once(true)
+  end, M.EXIT_WAIT_MS)
+end
+
 function M.models()
   local caps = S.init_result and S.init_result.capabilities
   if caps and type(caps.models) == 'table' then
@@ -505,7 +535,8 @@ end
 
 -- ---------------------------------------------------------------- operate
 
--- how long a turn the server cancelled by itself waits for the server's exit (see operate)
+-- how long a turn the server cancelled by itself waits for the server's exit (see operate), and
+-- a card whose request the server stopped waiting for, for its answer to a ping (see probe)
 M.EXIT_WAIT_MS = 5000
 
 --- Run `operate`. params: the operate params (branchId defaults to the current branch; a
