@@ -9,6 +9,8 @@
   if (saved.draft) input.value = saved.draft;
   const openCards = new Set(saved.open || []);
   let running = false;
+  /** The modifier of the view's shortcuts, as the keyboard says it. */
+  const MOD = /Mac|iPhone|iPad/.test(navigator.platform || navigator.userAgent) ? 'Cmd' : 'Ctrl';
 
   const nearBottom = () => log.scrollHeight - log.scrollTop - log.clientHeight < 60;
   /** The HTML each child of the log (a turn section, data-turn) was made from, by index. */
@@ -46,7 +48,8 @@
     if (ask && what !== asked) ask.scrollIntoView({ block: 'nearest' });
     asked = what;
     if (!running) return;
-    const text = ask ? `Waiting for your decision: ${what}` : 'working…';
+    // the keys that answer it (see the keydown handler below), said once with the request
+    const text = ask ? `Waiting for your decision: ${what}. ${MOD}+Enter accepts, ${MOD}+Backspace rejects.` : 'working…';
     if ($('status').textContent !== text) $('status').textContent = text;
   }
   function setRunning(r) {
@@ -65,7 +68,48 @@
     if (!text.trim() || running) return;
     vscode.postMessage({ type: 'send', text });
     input.value = '';
+    recalled = null;
     vscode.setState({ ...vscode.getState(), draft: '' });
+  }
+  /** The message of a turn (its .user text without the chips). */
+  const userText = (turn) => [...(turn?.querySelector('.user')?.childNodes ?? [])].filter((n) => n.nodeType === Node.TEXT_NODE).map((n) => n.data).join('');
+  /** Puts `text` into the input, the caret at its start or end. */
+  function setInput(text, atEnd) {
+    input.value = text;
+    const at = atEnd ? text.length : 0;
+    input.setSelectionRange(at, at);
+  }
+
+  // Input history: Up on the input's first line recalls the chat's earlier messages (its turns, so it
+  // is the chat's own and comes back with it: shown again, reloaded), Down on its last line the later
+  // ones and, past the newest, the draft that was being typed
+  let recalled = null;   // index into the history of the message shown; null: the draft
+  let draft = '';
+  function history() {
+    const out = [];
+    for (const t of log.querySelectorAll('section.turn')) {
+      const u = userText(t);
+      if (u.trim() && out[out.length - 1] !== u) out.push(u);
+    }
+    return out;
+  }
+  function recall(e) {
+    const up = e.key === 'ArrowUp';
+    if (e.altKey || e.ctrlKey || e.metaKey || e.shiftKey || e.isComposing) return;
+    const v = input.value, a = input.selectionStart, b = input.selectionEnd;
+    if (up ? v.slice(0, a).includes('\n') : v.slice(b).includes('\n')) return;   // not on the first / last line: the caret moves
+    const h = history();
+    if (recalled !== null && recalled >= h.length) recalled = null;   // another chat meanwhile
+    let next;
+    if (up) next = recalled === null ? h.length - 1 : recalled - 1;
+    else if (recalled === null) return;
+    else next = recalled + 1;
+    if (next < 0) return;
+    e.preventDefault();
+    if (recalled === null) draft = v;
+    recalled = next < h.length ? next : null;
+    // Up leaves the caret at the start (Up again goes on to older ones), Down at the end
+    setInput(recalled === null ? draft : h[recalled], !up);
   }
 
   window.addEventListener('message', (e) => {
@@ -74,6 +118,7 @@
       place(m.count, m.parts);
       setRunning(m.running);
       announceWaiting();
+      if ($('branch').textContent !== m.branch) recalled = null;
       $('branch').textContent = m.branch;
       $('model').textContent = m.model;
     } else if (m.type === 'stream') {
@@ -96,10 +141,28 @@
   $('model').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.pickModel' }));
   $('new').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.newChat' }));
   input.addEventListener('keydown', (e) => {
-    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }
+    if (e.key === 'ArrowUp' || e.key === 'ArrowDown') recall(e);
+    else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }
     else if (e.key === 'Escape' && running) { e.preventDefault(); vscode.postMessage({ type: 'stop' }); }
   });
   input.addEventListener('input', () => vscode.setState({ ...vscode.getState(), draft: input.value }));
+  /** Answers a call waiting for a decision with one of its card's buttons. */
+  function decide(b) {
+    b.closest('.ask')?.querySelectorAll('button').forEach((x) => (x.disabled = true));
+    vscode.postMessage({ type: 'decide', callId: b.dataset.call, decision: b.dataset.decision });
+  }
+  // the keys of a call waiting for a decision, anywhere in the chat (the diff editor's own, for any
+  // request, with a diff or without): Ctrl+Enter accepts the first waiting call, Ctrl+Backspace rejects
+  // it, except in the input, where it deletes a word as everywhere (Tab reaches the card's buttons)
+  document.addEventListener('keydown', (e) => {
+    if (!(e.ctrlKey || e.metaKey) || e.altKey || e.shiftKey || e.isComposing) return;
+    const decision = e.key === 'Enter' ? 'allow_once' : e.key === 'Backspace' && e.target !== input ? 'deny_once' : '';
+    const b = decision && log.querySelector(`.ask button[data-decision="${decision}"]:not(:disabled)`);
+    if (!b) return;
+    e.preventDefault();
+    e.stopPropagation();
+    decide(b);
+  }, true);
   log.addEventListener('toggle', (e) => {
     const d = e.target;
     if (!(d instanceof HTMLDetailsElement) || !d.dataset.call) return;
@@ -115,8 +178,14 @@
       vscode.postMessage({ type: a, code: block ? block.dataset.code : '' });
       if (a === 'copy') { b.textContent = 'Copied'; setTimeout(() => (b.textContent = 'Copy'), 1200); }
     } else if (a === 'decide') {
-      b.closest('.ask')?.querySelectorAll('button').forEach((x) => (x.disabled = true));
-      vscode.postMessage({ type: 'decide', callId: b.dataset.call, decision: b.dataset.decision });
+      decide(b);
+    } else if (a === 'retry') {
+      if (!running) vscode.postMessage({ type: 'retry', id: b.dataset.turnId });
+    } else if (a === 'edit') {
+      setInput(userText(b.closest('section.turn')), true);
+      recalled = null;
+      vscode.setState({ ...vscode.getState(), draft: input.value });
+      input.focus();
     } else if (a === 'showDiff') {
       vscode.postMessage({ type: 'showDiff', callId: b.dataset.call });
     }

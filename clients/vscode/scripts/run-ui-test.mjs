@@ -7,7 +7,9 @@
 // checks the editor buffer (dirty, undo, save) and the files on disk, switches chats through the
 // picker, picks a model, opens the chat with its shortcut and stops a running turn (Stop, Escape);
 // Stop and Cancel show in the command palette only while a turn runs; long lines wrap, Hebrew is right to left;
-// a redraw while a turn streams keeps the focus and a selection in earlier turns; the input's label and the live region.
+// a redraw while a turn streams keeps the focus and a selection in earlier turns; the input's label and the live region;
+// Retry (and Edit) on a stopped turn, the input's history (Up / Down), Ctrl+Enter / Ctrl+Backspace on a request without a
+// diff, and the stopped turns kept through a window reload.
 // Screenshots go to --out.
 // Prints one JSON summary on stdout. Exit: 0 all checks passed, 1 a check failed, 3 harness error.
 // Usage: node scripts/run-ui-test.mjs [--ext DIR] [--out DIR] [--timeout SECONDS] [--keep]
@@ -86,7 +88,7 @@ async function main() {
   fs.writeFileSync(path.join(ws, 'src', 'util.py'), UTIL_OLD);
   fs.writeFileSync(path.join(ws, '.vscode', 'settings.json'), JSON.stringify({
     'operateSidecar.command': serverCommand(),
-    'operateSidecar.env': { PYTHONPATH: REPO },
+    'operateSidecar.env': { PYTHONPATH: [path.join(HERE, 'test-fixtures'), REPO].join(path.delimiter) },
     'operateSidecar.settings': {
       models: {
         chatty: drip(path.join(W, 'drip-state'), [
@@ -99,12 +101,18 @@ async function main() {
           { json: { answer: 'Swapped.' } },
           `A **second** chat, with a long link: https://example.com/${'x'.repeat(300)}\n\nשלום! זו תשובה בעברית.`,
           'After the stops.',
+          'Retried: here it is.',
+          { json: { answer: 'Shouting.', action_requests: [{ function: 'shout', arguments: { text: 'no' } }] } },   // rejected by Ctrl+Backspace
+          { json: { answer: 'Shouting again.', action_requests: [{ function: 'shout', arguments: { text: 'yes' } }] } },   // accepted by Ctrl+Enter
+          { json: { answer: 'Shouted.' } },
           edit('This edit waits through a reload.', 'src/util.py', 'return a + b', 'return a + b + 0'),
         ], 14, 60),
         slow: scripted({ text: 'too late', delayMs: 120000 }, { text: 'too late again', delayMs: 120000 }),
       },
       defaultModel: 'chatty',
       stateDir: path.join(W, 'state'),
+      toolModules: ['vscode_fixture_tools'],
+      toolPolicy: { shout: 'ask' },   // a call that needs a decision and has no diff
     },
     'workbench.startupEditor': 'none',
     'security.workspace.trust.enabled': false,
@@ -340,7 +348,7 @@ async function main() {
     const waitingSaid = async () => ({ turn: await lastTurn(`t.querySelector('.running')?.textContent.trim() ?? ''`),
       status: await inWeb(`document.getElementById('status').textContent`) });
     const said = await waitingSaid();
-    expect(said.turn === 'waiting for your decision: Accept or Reject above' && said.status === 'Waiting for your decision: edit_file src/util.py',
+    expect(said.turn === 'waiting for your decision: Accept or Reject above' && said.status === 'Waiting for your decision: edit_file src/util.py. Ctrl+Enter accepts, Ctrl+Backspace rejects.',
       `the waiting state: ${JSON.stringify(said)}`);
     const turns = await turnCount();
     // the Explorer takes the side bar: the chat's webview is disposed; Open Chat builds it again
@@ -553,8 +561,120 @@ async function main() {
     await settleWebview();
     await waitFor('the chat shown again', async () => (await lastThree()) === expected, STEP);
   });
-  await check('the window reloaded while a review waits: the chat comes back with its conversation and the draft in its input; the interrupted call, if the server recorded it, says its request failed in words; no diff editor is left, util.py untouched', async () => {
-    const before = await inWeb(`[...document.querySelectorAll('section.turn')].filter((t) => !t.classList.contains('stopped')).map((t) => t.querySelector('.user').textContent)`);
+
+  const inputValue = () => inWeb(`document.getElementById('input').value`);
+  /** Waits until the input has `text`. */
+  const shows = (what, text) => waitFor(`${what}: ${JSON.stringify(text)}`, async () => (await inputValue()) === text, 5000)
+    .catch(async (e) => { throw new Error(`${e.message} (it has ${JSON.stringify(await inputValue())})`); });
+  const clearInput = () => inWeb(`(() => { const i = document.getElementById('input'); i.value = ''; i.dispatchEvent(new Event('input')); return true; })()`);
+  /** Each turn's message and Retry button (label, text) if it has one. */
+  const retryButtons = () => inWeb(`[...document.querySelectorAll('section.turn')].map((t) => { const b = t.querySelector('button[data-action=retry]');
+    return [t.querySelector('.user')?.textContent ?? '', b ? [b.getAttribute('aria-label'), b.textContent, b.tabIndex] : null]; })`);
+
+  await check('Retry on a stopped turn (a labelled button, reached with Shift+Tab from the input and pressed with Enter) sends the same message again on the same chat with what was attached to it then (nothing: not the selection in the editor now); Edit puts a message back into the input', async () => {
+    const buttons = await retryButtons();
+    const label = ['Retry: send this message again', 'Retry', 0];
+    expect(JSON.stringify(buttons.filter(([, b]) => b)) === JSON.stringify([['Typed without the mouse', label], ['This will take forever', label]]),
+      `Retry on the stopped turns only: ${JSON.stringify(buttons)}`);
+    const branch = await inWeb(`document.getElementById('branch').textContent`);
+    // a selection in the editor: a message sent now would take it along
+    await click(await centerOf('.editor-instance .monaco-editor .view-lines'));
+    await key('a', 'KeyA', 65, { modifiers: 2 });
+    await waitFor('a selection in the editor', () => evalIn(`!!document.querySelector('.editor-instance .monaco-editor .selected-text')`), 5000);
+    await webClick('#input');
+    await waitFor('chat input focused', () => inWeb(`document.activeElement?.id === 'input'`), 5000);
+    for (let i = 0; i < 6 && !(await inWeb(`document.activeElement?.dataset.action === 'retry'`)); i++) await key('Tab', 'Tab', 9, { modifiers: 8 });
+    const focused = await inWeb(`(() => { const a = document.activeElement; return a?.dataset.action === 'retry' ? a.closest('section.turn').querySelector('.user').textContent : null; })()`);
+    expect(focused === 'This will take forever', `Shift+Tab from the input reaches the last Retry: ${focused}`);
+    const before = await turnCount();
+    await enter();
+    await waitFor('the retried turn starts', async () => (await turnCount()) === before + 1, 10000);
+    await turnDone();
+    const last = await lastTurn(`({ user: t.querySelector('.user').textContent, chips: t.querySelectorAll('.chip').length, stopped: t.classList.contains('stopped'),
+      prose: t.querySelector('.prose')?.textContent.trim() })`);
+    expect(JSON.stringify(last) === JSON.stringify({ user: 'This will take forever', chips: 0, stopped: false, prose: 'Retried: here it is.' }), `the retried turn: ${JSON.stringify(last)}`);
+    expect(await inWeb(`document.getElementById('branch').textContent`) === branch, 'on the same chat');
+    const still = (await retryButtons()).slice(-3).map(([u, b]) => [u, !!b]);
+    expect(JSON.stringify(still) === JSON.stringify([['This will take forever', true], ['One more after the stops', false], ['This will take forever', false]]),
+      `the stopped turn stays (with its Retry) before the next ones: ${JSON.stringify(still)}`);
+    await click(await centerOf('.editor-instance .monaco-editor .view-lines'));   // no selection any more
+    await waitFor('no selection in the editor', () => evalIn(`!document.querySelector('.editor-instance .monaco-editor .selected-text')`), 5000);
+    await webClick('section.turn.stopped button[data-action=edit]');
+    await waitFor('Edit puts the message into the input', async () => (await inWeb(`document.activeElement?.id === 'input'`)) && (await inputValue()) === 'This will take forever', 5000);
+    await clearInput();
+  });
+
+  await check('input history: Up on the first line of the input recalls the chat\'s earlier messages, Down goes back to the draft being typed; inside a multi-line text the caret moves first; kept when the chat is hidden and shown again', async () => {
+    const up = () => key('ArrowUp', 'ArrowUp', 38);
+    const down = () => key('ArrowDown', 'ArrowDown', 40);
+    await type('a draft');
+    await up();
+    await shows('Up: the newest message', 'This will take forever');
+    await up();
+    await shows('Up again: the one before', 'One more after the stops');
+    await down();
+    await shows('Down: the newer one', 'This will take forever');
+    await down();
+    await shows('Down past the newest: the draft', 'a draft');
+    await clearInput();
+    await send('Input.insertText', { text: 'line one\nline two' });
+    await up();
+    await waitFor('Up on the second line moves the caret to the first', async () => (await inWeb(`document.getElementById('input').selectionStart`)) <= 'line one'.length, 5000);
+    expect(await inputValue() === 'line one\nline two', 'the multi-line draft is still there');
+    await up();
+    await shows('Up on the first line: the newest message', 'This will take forever');
+    await down();
+    await shows('Down: the multi-line draft', 'line one\nline two');
+    await clearInput();
+    await palette('View: Show Explorer');
+    await waitFor('the chat webview gone', async () => !(await findWebview()), STEP);
+    await palette('operate-sidecar: Open Chat');
+    await settleWebview();
+    await waitFor('the chat input focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
+    await up();
+    await shows('shown again, Up: the newest message', 'This will take forever');
+    await clearInput();
+  });
+
+  await check('a call waiting for a decision without a diff (shout, policy ask): the live region says its keys, its buttons carry them; Ctrl+Backspace in the input still deletes a word, outside it (on a card button) rejects; Ctrl+Enter in the input accepts and the second round answers', async () => {
+    const waitingKeys = (call) => `Waiting for your decision: ${call}. Ctrl+Enter accepts, Ctrl+Backspace rejects.`;
+    await type('Shout no');
+    await submit();
+    await waitFor('the card asks', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
+    await waitFor('the live region says the keys', async () => (await inWeb(`document.getElementById('status').textContent`)) === waitingKeys('shout no'), 5000)
+      .catch(async (e) => { throw new Error(`${e.message}: ${await inWeb(`document.getElementById('status').textContent`)}`); });
+    expect(!(await reviewPending()), 'no diff review');
+    const buttons = await lastTurn(`[...t.querySelectorAll('.ask button')].map((b) => [b.textContent, b.getAttribute('aria-keyshortcuts') ?? '', b.tabIndex])`);
+    expect(JSON.stringify(buttons) === JSON.stringify([['Accept', 'Control+Enter Meta+Enter', 0], ['Reject', 'Control+Backspace Meta+Backspace', 0],
+      ['Always for this branch', '', 0]]), `the card's buttons: ${JSON.stringify(buttons)}`);
+    await type('two words');
+    await key('Backspace', 'Backspace', 8, { modifiers: 2 });
+    await shows('Ctrl+Backspace in the input deletes a word', 'two ');
+    expect(await lastTurn(`!!t.querySelector('.ask button.accept:not(:disabled)')`), 'and decided nothing');
+    await clearInput();
+    await key('Tab', 'Tab', 9, { modifiers: 8 });
+    await waitFor('Shift+Tab from the input: a button of the card', () => inWeb(`!!document.activeElement?.closest('.ask')`), 5000);
+    await key('Backspace', 'Backspace', 8, { modifiers: 2 });
+    await turnDone();
+    expect(await lastTurn(`t.querySelector('details.tool summary').textContent`) === '⊘ shout no (rejected)', `rejected: ${await lastTurn(`t.querySelector('details.tool summary').textContent`)}`);
+    await type('Shout yes');
+    await submit();
+    await waitFor('the card asks', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
+    await waitFor('the live region says the keys', async () => (await inWeb(`document.getElementById('status').textContent`)) === waitingKeys('shout yes'), 5000);
+    expect(await inWeb(`document.activeElement?.id === 'input'`), 'the focus is in the input');
+    const turns = await turnCount();
+    await key('Enter', 'Enter', 13, { modifiers: 2 });
+    await turnDone();
+    const done = await lastTurn(`({ card: t.querySelector('details.tool summary').textContent, prose: [...t.querySelectorAll('.prose')].map((p) => p.textContent.trim()) })`);
+    expect(JSON.stringify(done) === JSON.stringify({ card: '✓ shout yes', prose: ['Shouting again.', 'Shouted.'] }), `accepted, the second round answered: ${JSON.stringify(done)}`);
+    expect(await turnCount() === turns && await inputValue() === '', 'Ctrl+Enter sent nothing');
+  });
+  await check('the window reloaded while a review waits: the chat comes back with its conversation, its stopped turns in place (marked, with Retry), and the draft in its input (Up recalls the newest message, Down the draft); the interrupted call, if the server recorded it, says its request failed in words; no diff editor is left, util.py untouched', async () => {
+    const stoppedTurns = () => inWeb(`JSON.stringify([...document.querySelectorAll('section.turn')].map((t, i) => [i, t.querySelector('.user').textContent,
+      t.classList.contains('stopped'), t.querySelector('.note')?.textContent ?? '', !!t.querySelector('button[data-action=retry]')]).filter((x) => x[2]))`);
+    const stoppedBefore = await stoppedTurns();
+    expect(JSON.parse(stoppedBefore).length === 2, `two stopped turns: ${stoppedBefore}`);
+    const before = await inWeb(`[...document.querySelectorAll('section.turn')].map((t) => t.querySelector('.user').textContent)`);
     await type('Edit util while I reload');
     await submit();
     await waitFor('Reject in the diff editor title', reviewPending, STEP);
@@ -572,6 +692,13 @@ async function main() {
     const after = await users();
     expect(after.length <= before.length + 1 && after.slice(before.length).every((u) => u === 'Edit util while I reload'), `after the reload: ${JSON.stringify(after)}`);
     expect(await inWeb(`document.getElementById('input').value`) === 'a draft kept through the reload', `the draft: ${JSON.stringify(await inWeb(`document.getElementById('input').value`))}`);
+    expect(await stoppedTurns() === stoppedBefore, `the stopped turns after the reload: ${await stoppedTurns()} (before: ${stoppedBefore})`);
+    await waitFor('the chat input focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
+    const newest = after.at(-1);
+    await key('ArrowUp', 'ArrowUp', 38);
+    await waitFor(`Up: the newest message (${newest})`, async () => (await inputValue()) === newest, 5000);
+    await key('ArrowDown', 'ArrowDown', 40);
+    await waitFor('Down: the draft again', async () => (await inputValue()) === 'a draft kept through the reload', 5000);
     const card = await lastTurn(`t.querySelector('details.tool summary')?.textContent ?? ''`);
     expect(!card || card === '⊘ edit_file src/util.py (no answer: the request to the editor failed)', `the interrupted call: ${card}`);
     await waitFor('no diff editor of a proposed text', async () => !(await evalIn(`[...document.querySelectorAll('.tabs-container .tab')].some((t) => (t.getAttribute('aria-label') ?? '').includes('proposed'))`)), 15000);

@@ -1,11 +1,13 @@
 // Branches as the user sees them: the current one (remembered per workspace, so a restart resumes
 // it), names taken from the first instruction, and a picker with name, last message, model and time.
 import * as vscode from 'vscode';
-import { proseOf } from './chatModel';
+import { LocalTurn, proseOf, StoredLocalTurns, storeLocalTurns } from './chatModel';
 import type { BranchInfo, Message, SidecarClient } from './rpcClient';
 
 const CURRENT_KEY = 'operateSidecar.currentBranch';
 const MODEL_KEY = 'operateSidecar.chatModel';
+/** The chats' turns that failed or were stopped (the server has no record of them), kept across window reloads. */
+const LOCAL_TURNS_KEY = 'operateSidecar.localTurns';
 
 export interface BranchSummary extends BranchInfo { lastMessage: string; lastTime: number | undefined }
 
@@ -50,6 +52,18 @@ export class BranchStore {
   }
   get model(): string | undefined { return this.state.get<string>(MODEL_KEY) || undefined; }
   async setModel(model: string | undefined): Promise<void> { await this.state.update(MODEL_KEY, model); }
+
+  /** The local turns kept for a chat (branch id; '' = a chat not yet bound to a branch), oldest first. */
+  localTurns(chat: string): LocalTurn[] {
+    const kept = this.state.get<StoredLocalTurns>(LOCAL_TURNS_KEY)?.[chat]?.turns ?? [];
+    return JSON.parse(JSON.stringify(kept)) as LocalTurn[];   // a copy: the chat changes its own
+  }
+  /** Keeps a chat's local turns (none: forgets them); bounded, see storeLocalTurns. */
+  setLocalTurns(chat: string, locals: LocalTurn[]): Thenable<void> {
+    const stored = this.state.get<StoredLocalTurns>(LOCAL_TURNS_KEY);
+    if (!locals.length && !stored?.[chat]) return Promise.resolve();
+    return this.state.update(LOCAL_TURNS_KEY, storeLocalTurns(stored, chat, locals, Date.now()));
+  }
 
   nameOf(branchId: string | undefined): string | undefined { return branchId ? this.names.get(branchId) : undefined; }
   remember(branchId: string, name: string | null | undefined): void { if (name) this.names.set(branchId, name); }

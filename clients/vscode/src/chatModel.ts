@@ -3,7 +3,7 @@
 // No `vscode` import: unit-tested with node's test runner.
 import MarkdownIt from 'markdown-it';
 import { ErrorCodes, ResponseError } from './rpcClient';
-import type { Json, Message, ToolEvent, Usage } from './rpcClient';
+import type { Json, JsonObject, Message, ToolEvent, Usage } from './rpcClient';
 
 export type CardState = 'running' | 'ok' | 'error' | 'denied' | 'ask' | 'cancelled';
 export interface ToolCard {
@@ -28,6 +28,8 @@ export interface Turn {
   outcome?: 'failed' | 'stopped';
   /** The index of the turn's first message on the branch (turns read from the server). */
   start?: number;
+  /** A local turn's id (see LocalTurn): a turn that failed or was stopped offers Retry by it. */
+  id?: string;
 }
 export interface TurnUsage { inputTokens: number | null; outputTokens: number | null; modelCalls: number; rounds?: number }
 
@@ -388,11 +390,36 @@ export function turnsFromMessages(messages: Message[]): Turn[] {
  * branch's messages before it; `recorded`: whether its messages begin there (undefined: not known
  * yet, decided by the next read of the branch, see `resolveLocalTurns`).
  */
-export interface LocalTurn { turn: Turn; at: number; recorded?: boolean }
+export interface LocalTurn {
+  turn: Turn; at: number; recorded?: boolean;
+  /** The context sent with the instruction (Retry sends it again as it was, not the editor's state then). */
+  context?: JsonObject;
+}
 
-/** Decides the unknown `recorded` of local turns from the branch's message count, read first after they ended. */
-export function resolveLocalTurns(locals: LocalTurn[], total: number): void {
-  for (const l of locals) if (l.recorded === undefined) l.recorded = total > l.at;
+/** Decides the unknown `recorded` of local turns from the branch's message count, read first after they ended; whether any changed. */
+export function resolveLocalTurns(locals: LocalTurn[], total: number): boolean {
+  let changed = false;
+  for (const l of locals) if (l.recorded === undefined) { l.recorded = total > l.at; changed = true; }
+  return changed;
+}
+
+/** Local turns kept per chat, and chats kept (the most recently changed), across window reloads (workspaceState). */
+export const KEPT_LOCAL_TURNS = 20;
+export const KEPT_LOCAL_CHATS = 30;
+/** The stored local turns of the chats: by branch id ('' = a chat not yet bound), with when they last changed. */
+export type StoredLocalTurns = Record<string, { time: number; turns: LocalTurn[] }>;
+
+/**
+ * `stored` with `chat`'s local turns set to `locals` (none: the chat is dropped), bounded: the last
+ * KEPT_LOCAL_TURNS of a chat, the KEPT_LOCAL_CHATS chats changed last. A new object; `stored` is not changed.
+ */
+export function storeLocalTurns(stored: StoredLocalTurns | undefined, chat: string, locals: LocalTurn[], now: number): StoredLocalTurns {
+  const out: StoredLocalTurns = { ...(stored ?? {}) };
+  delete out[chat];
+  if (locals.length) out[chat] = { time: now, turns: locals.slice(-KEPT_LOCAL_TURNS) };
+  const chats = Object.keys(out).sort((a, b) => out[b].time - out[a].time);
+  for (const c of chats.slice(KEPT_LOCAL_CHATS)) delete out[c];
+  return out;
 }
 
 /**
@@ -407,6 +434,7 @@ export function withLocalTurns(server: Turn[], locals: LocalTurn[]): Turn[] {
   for (const l of locals) {
     const target = l.recorded ? byStart.get(l.at) : undefined;
     if (target && target.user === l.turn.user) {
+      if (l.turn.id) target.id = l.turn.id;
       if (l.turn.note) target.note = l.turn.note;
       if (l.turn.error) target.error = l.turn.error;
       if (l.turn.outcome) target.outcome = l.turn.outcome;
@@ -490,8 +518,8 @@ function label(name: string, cut?: boolean): string {
 export function cardHtml(card: ToolCard): string {
   const ask = card.ask
     ? `<div class="ask">`
-      + `<button class="accept" data-action="decide" data-decision="allow_once" data-call="${escapeHtml(card.callId)}">Accept</button>`
-      + `<button class="reject secondary" data-action="decide" data-decision="deny_once" data-call="${escapeHtml(card.callId)}">Reject</button>`
+      + `<button class="accept" data-action="decide" data-decision="allow_once" data-call="${escapeHtml(card.callId)}" title="Accept (Ctrl+Enter in the chat)" aria-keyshortcuts="Control+Enter Meta+Enter">Accept</button>`
+      + `<button class="reject secondary" data-action="decide" data-decision="deny_once" data-call="${escapeHtml(card.callId)}" title="Reject (Ctrl+Backspace in the chat, outside the input)" aria-keyshortcuts="Control+Backspace Meta+Backspace">Reject</button>`
       + `<button class="always secondary" data-action="decide" data-decision="allow_always" data-call="${escapeHtml(card.callId)}">Always for this branch</button>`
       + (card.ask.diff ? `<button class="show-diff link" data-action="showDiff" data-call="${escapeHtml(card.callId)}">Show diff</button>` : '')
       + `</div>` : '';
@@ -521,10 +549,16 @@ export function turnHtml(t: Turn, index: number): string {
   const error = t.error ? `<div class="error">${escapeHtml(t.error)}</div>` : '';
   const usage = t.usage ? `<div class="usage">${escapeHtml(usageLine(t.usage))}</div>` : '';
   const cls = t.outcome ? ` ${t.outcome}` : '';
+  // a turn that failed or was stopped: send it again (Retry), or put it back into the input to change it first (Edit)
+  const retry = t.outcome && t.id && t.user && !t.running
+    ? `<div class="turn-actions"><button class="retry secondary" data-action="retry" data-turn-id="${escapeHtml(t.id)}" `
+      + `aria-label="Retry: send this message again" title="Send this message again (with what was attached to it)">Retry</button>`
+      + `<button class="edit link" data-action="edit" aria-label="Edit and resend: put this message back into the input" `
+      + `title="Put this message back into the input">Edit</button></div>` : '';
   // no instruction (the server could not be read): no empty message bubble above the error
   const user = t.user || chips ? `<div class="user">${escapeHtml(t.user)}${chips ? `<div class="chips">${chips}</div>` : ''}</div>` : '';
   return `<section class="turn${cls}" data-turn="${index}">${user}`
-    + `<div class="assistant">${items}${running}${note}${error}${usage}</div></section>`;
+    + `<div class="assistant">${items}${running}${note}${error}${usage}${retry}</div></section>`;
 }
 
 /** The conversation as the HTML of its parts, one per turn (the chat view replaces only the parts that changed). */

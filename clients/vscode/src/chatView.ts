@@ -10,7 +10,7 @@ import {
 import { EditorTracker, resolveInput } from './context';
 import { DiffReview, previewOf } from './diffReview';
 import {
-  CancellationToken, CancellationTokenSource, ErrorCodes, Json, Message, OperateParams, OperateResult, PermissionDecision,
+  CancellationToken, CancellationTokenSource, ErrorCodes, Json, JsonObject, Message, OperateParams, OperateResult, PermissionDecision,
   PermissionRequest, ResponseError, SidecarClient, ToolEvent,
 } from './rpcClient';
 
@@ -79,6 +79,8 @@ interface Live {
   stopNote?: string;
   /** The chat it was sent in (`localBranch` then). */
   chat: string;
+  /** The context sent with the instruction (kept with the turn if it fails, for Retry). */
+  context?: JsonObject;
   /** The branch's message count before this turn; whether its operate was sent. */
   at: number;
   sent: boolean;
@@ -95,8 +97,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private serverTurns: Turn[] = [];
   private serverTotal = 0;
   /**
-   * Turns of this chat the server did not record as shown (failed, stopped): kept, in order,
-   * until the chat shows another branch. `localBranch`: their branch ('' = a chat not yet bound).
+   * Turns of this chat the server did not record as shown (failed, stopped): kept, in order, per
+   * chat in the workspace state (see BranchStore.localTurns), so that they come back when the chat
+   * is shown again, also after a window reload. `localBranch`: their branch ('' = a chat not yet bound).
    */
   private locals: LocalTurn[] = [];
   private localBranch = '';
@@ -125,6 +128,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   constructor(private readonly ctx: vscode.ExtensionContext, private readonly host: ChatHost) {
     this.subs.push(vscode.window.registerWebviewViewProvider(VIEW_ID, this), this.ready);
     this.subs.push(host.review.onDidDecide((r) => this.settleAsk(r.callId, r.decision)));
+    this.locals = host.branches.localTurns(this.localBranch);   // a new chat's own, kept through a window reload
     setContext(RUNNING_KEY, false);
     setContext(FOCUS_KEY, false);
   }
@@ -158,6 +162,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       switch (m.type) {
         case 'ready': this.sentParts = []; await this.refresh(); this.ready.fire(); break;
         case 'send': if (typeof m.text === 'string' && m.text.trim()) void this.send(m.text).catch(() => undefined); break;
+        case 'retry': void this.retry(String(m.id)).catch(() => undefined); break;
         case 'stop': this.stop(); break;
         case 'focus': setContext(FOCUS_KEY, m.focused === true); break;
         case 'decide': this.decide(String(m.callId), m.decision as PermissionDecision); break;
@@ -240,16 +245,23 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.render();
   }
 
-  /** The chat shows `branchId` ('' = a new chat): the local turns of another branch are dropped. */
+  /**
+   * The chat shows `branchId` ('' = a new chat): its own local turns (kept), not another branch's.
+   * Those of a new chat that never got a branch go when it is left (there is no way back to it).
+   */
   private bindLocal(branchId: string): void {
     if (branchId === this.localBranch) return;
-    this.locals = [];
+    if (this.localBranch === '') void this.host.branches.setLocalTurns('', []);
+    this.locals = this.host.branches.localTurns(branchId);
     this.localBranch = branchId;
   }
 
+  /** Keeps the chat's local turns (workspace state). */
+  private saveLocals(): void { void this.host.branches.setLocalTurns(this.localBranch, this.locals); }
+
   /** The branch's messages were read: the local turns are placed among its turns. */
   private loaded(messages: Message[]): void {
-    resolveLocalTurns(this.locals, messages.length);
+    if (resolveLocalTurns(this.locals, messages.length)) this.saveLocals();
     this.serverTotal = messages.length;
     this.serverTurns = turnsFromMessages(messages);
     this.turns = withLocalTurns(this.serverTurns, this.locals);
@@ -259,6 +271,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   clearUnbound(): void {
     if (this.live || this.host.branches.current) return;
     this.locals = [];
+    this.saveLocals();
     this.serverTurns = [];
     this.turns = [];
     this.render();
@@ -289,15 +302,31 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     try { return this.view?.badge?.value ?? 0; } catch { return 0; }
   }
 
-  /** One chat turn on the current branch (created, named after the instruction, when there is none). */
-  async send(text: string): Promise<TurnOutcome> {
+  /**
+   * Sends a failed or stopped turn of this chat again, by its id: the same text with the same context
+   * (what was attached then, not the editor's state now), as a new turn on the same branch. Nothing of
+   * it needs undoing first: the server records a turn only with its reply (an operate that fails
+   * records nothing), and the part of a stopped turn it recorded (the rounds before the stop, their
+   * tool calls each with its response) is the branch's history, which the model sees.
+   */
+  async retry(id: string): Promise<TurnOutcome | undefined> {
+    const l = this.locals.find((x) => x.turn.id === id);
+    if (!l || this.live) return undefined;
+    return this.send(l.turn.user, { context: l.context });
+  }
+
+  /**
+   * One chat turn on the current branch (created, named after the instruction, when there is none).
+   * `sent`: the context to send as it is (Retry), instead of resolving the text's references now.
+   */
+  async send(text: string, sent?: { context?: JsonObject }): Promise<TurnOutcome> {
     if (this.live) throw new Error('a chat turn is already running');
-    const resolved = resolveInput(text, this.host.editors.editor);
+    const resolved = sent ? { instruction: text, ...(sent.context && { context: sent.context }) } : resolveInput(text, this.host.editors.editor);
     const turn: Turn = { user: text, contextLabels: (resolved.context?.labels as string[] | undefined) ?? [], items: [], running: true };
     const source = new CancellationTokenSource();
     this.bindLocal(this.host.branches.current ?? '');
     this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), chat: this.localBranch, at: this.serverTotal, sent: false,
-      flushed: '', lastFlush: 0 };
+      flushed: '', lastFlush: 0, ...(resolved.context && { context: resolved.context }) };
     this.render();
     this.host.runningChanged(true);
     setContext(RUNNING_KEY, true);
@@ -312,7 +341,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         branchId = (await unlessCancelled(client.createBranch({ name, ...(model && { chatModel: model }) }), source.token)).branchId;
         this.host.branches.remember(branchId, name);
         // the turns that failed before the chat had a branch stay with it, before its first message
-        if (this.localBranch === '') this.localBranch = this.live.chat = branchId;
+        if (this.localBranch === '') {
+          void this.host.branches.setLocalTurns('', []);
+          this.localBranch = this.live.chat = branchId;
+          this.saveLocals();
+        }
         this.serverTurns = [];
         this.serverTotal = 0;
         this.live.at = 0;
@@ -323,7 +356,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         // the server had recorded part of that one)
         try {
           const total = (await unlessCancelled(client.branchMessages(branchId, 0, 0), source.token)).total;
-          resolveLocalTurns(this.locals, total);
+          if (resolveLocalTurns(this.locals, total)) this.saveLocals();
           this.live.at = total;
         } catch (e) {
           if (e instanceof ResponseError && e.code === ErrorCodes.Cancelled) throw e;
@@ -452,7 +485,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const mine = live.chat === this.localBranch;
     if (mine) {
       if (messages) {
-        resolveLocalTurns(this.locals, messages.length);
+        if (resolveLocalTurns(this.locals, messages.length)) this.saveLocals();
         this.serverTotal = messages.length;
         this.serverTurns = turnsFromMessages(messages);
       }
@@ -463,7 +496,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         else if (own.usage && result?.rounds) own.usage.rounds = result.rounds;
       }
       // kept here unless the server's record of it is complete (a turn that ended well, read back)
-      if (t.outcome || !own) this.locals.push({ turn: t, at: live.at, recorded });
+      if (t.outcome || !own) {
+        if (t.outcome) t.id = `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;   // for Retry
+        this.locals.push({ turn: t, at: live.at, recorded, ...(live.context && { context: live.context }) });
+        this.saveLocals();
+      }
       this.turns = withLocalTurns(this.serverTurns, this.locals);
     }
     this.live = undefined;

@@ -557,6 +557,7 @@ class Sidecar {
     if (!id) return false;
     await client.deleteBranch(id);
     this.line(`[branch] deleted ${id}`);
+    void this.branches.setLocalTurns(id, []);   // its failed and stopped turns go with it
     if (this.branches.current === id) await this.branches.setCurrent(undefined);
     return true;
   }

@@ -7,8 +7,9 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import {
-  cardHtml, cardOfToolEvent, cardTitle, conversationHtml, conversationParts, escapeHtml, LocalTurn, nameFrom, proseOf, proseOfResult, refusesField, renderMarkdown, resolveLocalTurns,
-  SUMMARY_LIMIT, toolSummary, ToolCard, Turn, turnsAfterFailedRead, turnsFromMessages, withLocalTurns,
+  cardHtml, cardOfToolEvent, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
+  refusesField, renderMarkdown, resolveLocalTurns, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn, turnHtml, turnsAfterFailedRead, turnsFromMessages,
+  withLocalTurns,
 } from '../chatModel';
 import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
 
@@ -195,6 +196,54 @@ test('local turns: a failed or stopped turn stays in order among the server\'s t
     .map((t) => t.user), ['edit it', 'B']);
   const html = conversationHtml(shown);
   assert.ok(html.includes('<section class="turn failed" data-turn="1">') && html.includes('the server died'), html);
+});
+
+test('a failed or stopped turn offers Retry (a labelled button, by the turn\'s id) and Edit, also on the server\'s turn that got its mark; none on a finished or running turn', () => {
+  const msg = (kind: string, content: object, i: number) => ({ id: String(i), kind, role: '', sender: null, recipient: null, createdAt: i, content }) as any;
+  const local = (user: string, extra: Partial<Turn>): Turn => ({ user, contextLabels: [], items: [], ...extra });
+  const retryOf = (html: string) => /<button class="retry secondary" data-action="retry" data-turn-id="([^"]*)" aria-label="Retry: send this message again"/.exec(html)?.[1];
+  const failed = turnHtml(local('fix <it>', { error: 'boom', outcome: 'failed', id: 'a"1' }), 0);
+  assert.equal(retryOf(failed), escapeHtml('a"1'), failed);
+  assert.ok(failed.includes('<button class="edit link" data-action="edit" aria-label="Edit and resend: put this message back into the input"'), failed);
+  assert.equal(retryOf(turnHtml(local('stop me', { note: 'Stopped.', outcome: 'stopped', id: 's1' }), 0)), 's1');
+  for (const t of [local('done', {}), local('running', { outcome: 'stopped', id: 'r', running: true }), local('', { error: 'unreadable', outcome: 'failed', id: 'e' }),
+    local('no id', { outcome: 'failed', error: 'x' })]) {
+    assert.ok(!turnHtml(t, 0).includes('data-action="retry"'), `no Retry: ${JSON.stringify(t)}`);
+  }
+  // stopped in its second round: the server recorded the first; its turn gets the mark and the id (Retry finds the local turn)
+  const withPartial = withLocalTurns(turnsFromMessages([msg('instruction', { instruction: 'edit it' }, 0), msg('assistant_response', { text: 'Editing.' }, 1)]),
+    [{ turn: local('edit it', { note: 'Stopped.', outcome: 'stopped', id: 'p1' }), at: 0, recorded: true }]);
+  assert.deepEqual(withPartial.map((t) => [t.user, t.id, t.items.length]), [['edit it', 'p1', 1]]);
+  assert.equal(retryOf(conversationHtml(withPartial)), 'p1');
+  // the keys of a waiting call are on its buttons
+  const ask = cardHtml({ callId: 'c', tool: 'shout', args: { text: 'x' }, state: 'ask', ask: { diff: false } });
+  assert.ok(ask.includes('aria-keyshortcuts="Control+Enter Meta+Enter">Accept</button>') && ask.includes('aria-keyshortcuts="Control+Backspace Meta+Backspace">Reject</button>'), ask);
+});
+
+test('local turns are stored per chat (kept through a window reload), with the context Retry sends again; bounded per chat and by chats', () => {
+  const turn = (user: string): LocalTurn => ({ turn: { user, contextLabels: ['src/a.py'], items: [], outcome: 'failed', error: 'x', id: user }, at: 2, recorded: false,
+    context: { labels: ['src/a.py'], file: { file: 'src/a.py', text: 'print(1)\n' } } });
+  let stored = storeLocalTurns(undefined, 'b1', [turn('one')], 1);
+  // as the workspace state keeps it (JSON): the turn and its context come back whole
+  stored = JSON.parse(JSON.stringify(stored));
+  assert.deepEqual(stored.b1.turns, [turn('one')]);
+  const many = Array.from({ length: KEPT_LOCAL_TURNS + 5 }, (_, i) => turn(`t${i}`));
+  stored = storeLocalTurns(stored, 'b2', many, 2);
+  assert.deepEqual(stored.b2.turns.map((l) => l.turn.user), many.slice(-KEPT_LOCAL_TURNS).map((l) => l.turn.user), 'the last ones of a chat');
+  assert.equal(stored.b1.turns.length, 1, 'another chat is kept');
+  const before = stored;
+  stored = storeLocalTurns(stored, 'b1', [], 3);
+  assert.ok(!('b1' in stored) && 'b1' in before, 'none left: the chat is dropped (a new object, the old one unchanged)');
+  for (let i = 0; i < KEPT_LOCAL_CHATS + 3; i++) stored = storeLocalTurns(stored, `c${i}`, [turn('x')], 10 + i);
+  assert.equal(Object.keys(stored).length, KEPT_LOCAL_CHATS);
+  assert.ok(!('b2' in stored) && !('c0' in stored) && `c${KEPT_LOCAL_CHATS + 2}` in stored, 'the chats changed last are kept');
+  // a turn of a chat not yet bound to a branch ('') is a chat like any other
+  assert.deepEqual(storeLocalTurns(undefined, '', [turn('early')], 1)[''].turns.map((l) => l.turn.user), ['early']);
+  // resolveLocalTurns says whether it decided anything (the chat then stores them again)
+  const locals: LocalTurn[] = [{ turn: turn('u').turn, at: 2 }];
+  assert.equal(resolveLocalTurns(locals, 2), true);
+  assert.equal(resolveLocalTurns(locals, 5), false);
+  assert.equal(locals[0].recorded, false);
 });
 
 test('a running turn whose call waits for the user says so (not "working…"); the conversation comes in parts, one per turn; Markdown renders the same from its cache', () => {
