@@ -116,7 +116,7 @@ async def _sidecar(sidecar_options: dict[str, Any], request: pytest.FixtureReque
 
     from pytest_lsp import ClientServerConfig
 
-    from operate_sidecar.testing import SidecarTestClient, server_command
+    from operate_sidecar.testing import SidecarError, SidecarExited, SidecarTestClient, server_command
 
     _check_options(sidecar_options)
     env = None
@@ -126,6 +126,7 @@ async def _sidecar(sidecar_options: dict[str, Any], request: pytest.FixtureReque
                                 client_factory=SidecarTestClient, server_env=env)
     client: SidecarTestClient = await config.start()  # type: ignore[assignment]
     client.timeout = float(sidecar_options.get("timeout", client.timeout))
+    failed: BaseException | None = None
     try:
         if sidecar_options.get("initialize", True):
             params: dict[str, Any] = {"clientInfo": sidecar_options.get("client_info") or {"name": "pytest"}}
@@ -137,9 +138,16 @@ async def _sidecar(sidecar_options: dict[str, Any], request: pytest.FixtureReque
                 params["workspaceFolders"] = sidecar_options["workspace_folders"]
             client.initialize_result = await client.request("initialize", params)
     except Exception as e:  # the sidecar did not start (bad args, bad settings...): say what it said
+        failed = e
+    if failed is not None:
         await client.stop()
-        _add_stderr(e, client)
-        raise
+        _add_stderr(failed, client)
+        if not isinstance(failed, (SidecarError, SidecarExited, TimeoutError)):
+            raise failed
+        # the test's options are wrong: the sidecar's words, without the frames of pytest-asyncio and of
+        # this fixture around them (refused outside the except: no chained traceback)
+        _refuse(f"the sidecar did not start and initialize with {short_repr(sidecar_options, 300)}:\n"
+                + "\n".join([f"{type(failed).__name__}: {failed}", *getattr(failed, "__notes__", ())]))
     try:
         yield client
     finally:

@@ -22,7 +22,8 @@ A script is JSON Lines; each line is one step:
   for a notification of that method, not matched by an earlier step, whose params match ``M``.
 - ``{"respond": method, "match"?: M, "result": {...}}`` (or ``"error": {"code", "message"}``): the
   standing answer to that server-to-client request from here on; with ``match``, only to those
-  whose params match ``M`` (the latest standing answer that matches is given).
+  whose params match ``M`` (the latest standing answer that matches is given). A server-to-client
+  request no standing answer fits is refused (-32601) and fails the step running when it came.
 
 Patterns are matched by :mod:`.matcher`; ``${name}`` anywhere in a step is a saved value, and
 ``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the server's working directory.
@@ -45,7 +46,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 from .matcher import Mismatch, PathError, UnknownName, first_mismatch, get_path, short, substitute
 
@@ -125,10 +126,12 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
             continue
         try:
             obj = json.loads(text)
-        except ValueError as e:
-            raise ScriptError(f"{source}:{n}: not JSON: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ScriptError(f"{source}:{n}: not JSON: {_not_json(text, e)}") from None
         if not isinstance(obj, dict):
-            raise ScriptError(f"{source}:{n}: a step must be a JSON object, got {short(obj, 60)}")
+            hint = "; a JSON array of steps is not a script: write each step on a line of its own" \
+                if isinstance(obj, list) and obj and all(isinstance(o, dict) for o in obj) else ""
+            raise ScriptError(f"{source}:{n}: a step must be a JSON object, got {short(obj, 60)}{hint}")
         if MODELS_KEY in obj:
             if not isinstance(obj[MODELS_KEY], dict):
                 raise ScriptError(f"{source}:{n}: {MODELS_KEY} must be an object")
@@ -184,7 +187,27 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
         if kind == "request" and obj.get("wait") is False and "id" in obj and "answered" not in obj:
             unawaited[json.dumps(obj["id"])] = n
         steps.append(Step(n, kind, method, obj))
+    if not steps:  # an empty file (a recording of a session that sent nothing): it would pass checking nothing
+        raise ScriptError(f"{source}: no steps: a session script has at least one step (one JSON object per line)")
     return Script(steps, models)
+
+
+def _not_json(text: str, error: json.JSONDecodeError) -> str:
+    """Why a line of a script is not JSON, in words for the usual mistakes: a pretty-printed
+    (multi-line) step, a comment, a comma between steps."""
+    if text.startswith(("#", "//")):
+        return "a session script has no comments (JSON Lines: one JSON object per line, nothing else)"
+    if text.endswith(","):
+        try:
+            json.loads(text[:-1])
+            return "a comma after the step; JSON Lines have nothing between the lines' objects"
+        except ValueError:
+            pass
+    if error.pos >= len(text):  # the line ends inside a value: the step goes on on the next lines
+        return ("the line ends inside a JSON value; each step must be one whole JSON object on one line "
+                "(JSON Lines: a pretty-printed, multi-line object is not; write each step with json.dumps(), "
+                "or jq -c)")
+    return f"{error.msg} at column {error.colno}"
 
 
 def load_script(path: str | os.PathLike[str]) -> Script:
@@ -250,7 +273,19 @@ class _Standing:
     def __init__(self) -> None:
         self.answers: dict[str, list[tuple[Any, dict[str, Any]]]] = {}   # method -> [(match, answer)]
         self.seen: list[tuple[str, Any]] = []
+        #: server-to-client requests no ``respond`` line answered (they got -32601): each fails the
+        #: step reported next, the one that was running when it came
+        self.unanswered: list[tuple[str, Any, str]] = []   # (method, params, why)
         self.lock = threading.Lock()
+
+    def refuse(self, method: str, params: Any, why: str) -> NoReturn:
+        """Answer a server-to-client request the script has no answer for with -32601, and keep it
+        for the report (the step it came during fails: the session went another way)."""
+        from operate_sidecar.clients.python.client import RpcError
+
+        with self.lock:
+            self.unanswered.append((method, params, why))
+        raise RpcError(-32601, f"the session script has no answer to {method}: {why}")
 
 
 class ServerStartError(OSError):
@@ -296,12 +331,15 @@ class Runner:
     # ------------------------------------------------------------------ public
     def run(self) -> bool:
         from operate_sidecar.clients.python.client import SidecarClient
+        from operate_sidecar.protocol.methods import CLIENT_REQUESTS
 
         with tempfile.TemporaryFile() as err:
             try:
                 self.client = SidecarClient(argv=self.argv, env=self.env, cwd=self.cwd, stderr=err)
             except OSError as e:
                 raise ServerStartError(f"cannot start the server {' '.join(self.argv)!r}: {e}") from None
+            for method in CLIENT_REQUESTS:  # until a respond line answers it: refused, and the step fails
+                self.client.on_request(method, self._unscripted(method))
             interrupted = True
             try:
                 for step in self.script.steps:
@@ -320,7 +358,23 @@ class Runner:
                 self.stderr_tail = "\n".join(err.read().decode("utf-8", "replace").splitlines()[-30:])
         return all(r.ok for r in self.results)
 
+    def _unscripted(self, method: str) -> Callable[[Any], Any]:
+        def handler(params: Any) -> Any:
+            self._standing.refuse(method, params, "no respond line answers it")
+        return handler
+
     def _report(self, res: StepResult) -> None:
+        standing = self._standing
+        with standing.lock:
+            unanswered, standing.unanswered = standing.unanswered, []
+        if unanswered:  # the server asked the client something the script does not answer
+            method, params, why = unanswered[0]
+            more = f" (and {len(unanswered) - 1} more such request(s))" if len(unanswered) > 1 else ""
+            problem = (f"the server asked {method} {short(params, 400)} and {why}, so it was refused "
+                       f"(-32601){more}; add a line {{\"respond\": \"{method}\", \"result\": ...}} before "
+                       f"line {res.step.line}")
+            res = StepResult(res.step, False, f"{res.detail}; {problem}" if not res.ok else problem,
+                             mismatch=res.mismatch, got=res.got)
         self.results.append(res)
         if self.on_result is not None:
             self.on_result(res)
@@ -561,8 +615,7 @@ class Runner:
                     ans = next((a for m, a in reversed(standing.answers[method])
                                 if m is None or first_mismatch(m, params) is None), None)
                 if ans is None:
-                    raise RpcError(-32601, f"the script has no standing answer to {method} matching "
-                                           f"{short(params, 200)}")
+                    standing.refuse(method, params, "no respond line's match fits it")
                 if "error" in ans:
                     e = ans["error"] if isinstance(ans["error"], dict) else {}
                     raise RpcError(int(e.get("code", -32000)), str(e.get("message", "refused")), e.get("data"))

@@ -179,6 +179,8 @@ def test_a_sidecar_that_fails_to_start_or_dies_is_reported_at_once_with_its_stde
     assert "2 failed, 1 error" in text, text
     # start-up failed: the server's own words (argparse's), not only its exit code
     assert "the sidecar exited (code 2)" in text and "unrecognized arguments: --no-such-flag" in text, text
+    assert ("the sidecar did not start and initialize with {'args': ['--no-such-flag']}:\nSidecarExited: request "
+            "initialize not answered: the sidecar exited (code 2)\nsidecar stderr (last lines):\n  usage: ") in text, text
     # killed while a test waits for a notification: a RuntimeError at once, not a time-out after 60 s
     assert ("SidecarExited: no matching toolEvent notification came: the sidecar exited (code -9, killed by "
             "SIGKILL)") in text, text
@@ -209,6 +211,11 @@ def test_a_sidecar_that_refuses_initialize_or_was_shut_down_by_the_test_is_stopp
     text = run_tests_file(tmp_path, "test_refused.py", REFUSING_SIDECAR_TESTS, "--durations=0", "--durations-min=0")
     assert "1 passed, 1 error" in text, text
     assert "SidecarError: initialize failed with -32602" in text and "unknown provider 'nope'" in text, text
+    # the test's settings are wrong: said in words with the options, not as a traceback through
+    # pytest-asyncio and the fixture's source
+    assert ("the sidecar did not start and initialize with {'settings': {'models': {'m': {'provider': 'nope'}}}}:\n"
+            "SidecarError: initialize failed with -32602") in text, text
+    assert "pytest_asyncio" not in text and "pytest_plugin.py" not in text and "Traceback" not in text, text
     timed = [ln for ln in text.splitlines() if "test_refused.py::" in ln and ln.split("s", 1)[0][:1].isdigit()]
     assert len(timed) >= 4, text
     for line in timed:

@@ -302,3 +302,57 @@ def test_a_server_that_dies_during_a_request_fails_its_step_even_when_an_error_i
     fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
     assert fails == ["FAIL line 3: request operate: the server exited (code -9) without answering",
                      "FAIL line 4: request listBranches: the server has exited (code -9)"], out.stdout
+
+
+def test_a_server_request_the_script_does_not_answer_fails_the_step_it_came_during(tmp_path):
+    """A permission request with no ``respond`` line (or none whose ``match`` fits) was answered
+    -32601 in silence: the tool was refused and the script passed all the same when its ``expect``
+    did not look at the tool's output. Now the step it came during fails, naming the request and
+    the line to add."""
+    ask = {"json": {"answer": "4", "action_requests": [{"function": "get_weather", "arguments": {"city": "Lima"}}]}}
+    op = {"branchId": "${b}", "instruction": "weather?", "responseFormat": ANSWER, "actions": True}
+    steps = [{"request": "initialize", "params": {"capabilities": PERM, "settings": {
+                 "models": {"m": scripted(ask, ask)}, "toolModules": ["operate_sidecar.clients.python.demo_tools"],
+                 "toolPolicy": {"get_weather": "ask"}}}},
+             {"request": "createBranch", "save": {"b": "branchId"}},
+             {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
+             {"respond": "requestToolPermission", "match": {"tool": "other"}, "result": {"decision": "allow_once"}},
+             {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
+             {"request": "listBranches"}]
+    out = replay(write_script(tmp_path / "ask.jsonl", steps))
+    assert out.returncode == 1, out.stdout + out.stderr
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 2, out.stdout
+    assert fails[0].startswith('FAIL line 3: request operate: the server asked requestToolPermission {"arguments": '
+                               '{"city": "Lima"}, "branchId": '), fails[0]
+    assert fails[0].endswith('"tool": "get_weather"} and no respond line answers it, so it was refused (-32601); '
+                             'add a line {"respond": "requestToolPermission", "result": ...} before line 3'), fails[0]
+    assert fails[1].startswith("FAIL line 5: request operate: the server asked requestToolPermission "), fails[1]
+    assert "and no respond line's match fits it, so it was refused (-32601)" in fails[1], fails[1]
+    assert "2 of 6 steps failed (ask.jsonl); first: line 3: request operate" in out.stdout
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{\n  "request": "initialize"\n}\n',
+     "x.jsonl:1: not JSON: the line ends inside a JSON value; each step must be one whole JSON object on one line "
+     "(JSON Lines: a pretty-printed, multi-line object is not; write each step with json.dumps(), or jq -c)"),
+    ('[{"request": "initialize"}, {"request": "ping"}]\n',
+     'x.jsonl:1: a step must be a JSON object, got [{"request": "initialize"}, {"request": "ping"}]; a JSON array '
+     "of steps is not a script: write each step on a line of its own"),
+    ('{"request": "initialize"}\n# then ping\n{"request": "ping"}\n',
+     "x.jsonl:2: not JSON: a session script has no comments (JSON Lines: one JSON object per line, nothing else)"),
+    ('{"request": "initialize"},\n{"request": "ping"}\n',
+     "x.jsonl:1: not JSON: a comma after the step; JSON Lines have nothing between the lines' objects"),
+    ("{'request': 'initialize'}\n", "x.jsonl:1: not JSON: Expecting property name enclosed in double quotes at column 2"),
+    ("", "x.jsonl: no steps: a session script has at least one step (one JSON object per line)"),
+    ('\n{"recordedModels": {}}\n', "x.jsonl: no steps: a session script has at least one step"),
+])
+def test_a_file_that_is_not_a_json_lines_script_is_refused_saying_what_to_write(tmp_path, text, problem):
+    """The usual ways a hand-written script is not JSON Lines, each in words (a pretty-printed step
+    was "line 1: not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char
+    1)"); a script with no step is refused (it passed "all 0 steps", having checked nothing)."""
+    p = tmp_path / "x.jsonl"
+    p.write_text(text)
+    out = replay(p)
+    assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+    assert problem in out.stderr and "Traceback" not in out.stderr, out.stderr
