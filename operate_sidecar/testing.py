@@ -26,7 +26,7 @@ from pygls.exceptions import JsonRpcException
 from pygls.io_ import run_async
 from pygls.protocol import JsonRPCNotification, JsonRPCProtocol, JsonRPCRequestMessage, JsonRPCResponseMessage
 
-from operate_sidecar.server.script.matcher import first_mismatch, short
+from operate_sidecar.server.script.matcher import first_mismatch, notification_miss, short
 
 __all__ = ["SidecarError", "SidecarExited", "HandlerFailed", "SidecarTestClient", "ScriptFailed", "run_session_script",
            "server_command"]
@@ -337,14 +337,12 @@ class SidecarTestClient(JsonRPCClient):
         return self.notifications[i][1]
 
     def _miss(self, method: str, match: Any, timeout: float) -> str:
-        near = [(i, first_mismatch(match, p, "$.params")) for i, (m, p) in enumerate(self.notifications)
-                if m == method and i not in self._consumed]
         text = f"no {method} notification matching {'any params' if match is None else short(match, 120)} " \
                f"within {timeout:g} s"
-        if near:
-            i, mm = max(near, key=lambda t: (t[1].path.count(".") + t[1].path.count("["), t[0]))  # type: ignore[union-attr]
-            text += f"; {len(near)} unmatched, nearest {mm.describe()}"  # type: ignore[union-attr]
-        return text
+        miss = notification_miss(match, [(p, 0 if i in self._consumed else None)
+                                         for i, (m, p) in enumerate(self.notifications) if m == method],
+                                 ("an earlier wait_for_notification", "earlier wait_for_notification calls"))
+        return f"{text}; {miss}" if miss else text
 
     def of(self, method: str) -> list[Any]:
         """The params of every ``method`` notification so far."""

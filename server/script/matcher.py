@@ -15,10 +15,11 @@ value's text. ``$${`` is a literal ``${`` (as in docker-compose): ``"$${HOME}"``
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 ANY = "*"
 _MISSING = object()
@@ -50,6 +51,12 @@ def short(value: Any, limit: int = 160) -> str:
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def did_you_mean(word: Any, choices: Iterable[str]) -> str | None:
+    """The one of ``choices`` a misspelt name is closest to (``expcet``: ``expect``), if any is close."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _key_path(path: str, key: str) -> str:
@@ -108,6 +115,49 @@ def first_mismatch(pattern: Any, value: Any, path: str = "$") -> Mismatch | None
     if pattern != value:
         return Mismatch(path, pattern, value)
     return None
+
+
+def nearest(misses: list[tuple[int, Mismatch]]) -> tuple[int, Mismatch]:
+    """Of ``(index, mismatch)`` pairs, the candidate that matched deepest before parting (the
+    latest of equals)."""
+    return max(misses, key=lambda t: (t[1].path.count(".") + t[1].path.count("["), t[0]))
+
+
+def notification_miss(pattern: Any, arrived: list[tuple[Any, int | None]],
+                      takers: tuple[str, str] = ("an earlier step", "earlier steps")) -> str:
+    """What came instead of a notification whose params match ``pattern`` (``None``: any), for a
+    wait that timed out: ``arrived`` holds the params of every notification of that method so far,
+    each with the line of the step that took it (``0``: taken by an earlier wait of no line;
+    ``None``: not taken). The nearest of those not taken (its first mismatch), and those an
+    earlier wait took (their lines); ``""`` when none arrived."""
+    if not arrived:
+        return ""
+
+    def by(taken: list[int]) -> str:  # "earlier steps (lines 4, 6)"
+        named = sorted({n for n in taken if n})
+        lines = f" (line{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})" if named else ""
+        return takers[len(taken) > 1] + lines
+
+    misses = [(i, first_mismatch(pattern, p, "$.params") if pattern is not None else None)
+              for i, (p, _) in enumerate(arrived)]
+    free = [(i, mm) for i, mm in misses if arrived[i][1] is None and mm is not None]
+    taken_matching = [arrived[i][1] or 0 for i, mm in misses if arrived[i][1] is not None and mm is None]
+    parts = []
+    if free:
+        i, mm = nearest(free)
+        parts.append(f"{len(free)} unmatched, nearest {mm.describe()}")
+    if len(taken_matching) == len(arrived):
+        parts.append(f"{len(arrived)} arrived, {'all ' if len(arrived) > 1 else ''}matched by {by(taken_matching)}")
+    elif taken_matching:
+        n = len(taken_matching)
+        parts.append(f"{n} that match{'es' if n == 1 else ''} arrived but {'was' if n == 1 else 'were'} matched by "
+                     f"{by(taken_matching)}")
+    elif not free:  # all taken, none of them matches: the nearest of them
+        i, mm = nearest([(i, mm) for i, mm in misses if mm is not None])
+        taken = [line or 0 for _, line in arrived]
+        parts.append(f"{len(arrived)} arrived, {'all ' if len(arrived) > 1 else ''}matched by {by(taken)}; "
+                     f"nearest {mm.describe()}")
+    return "; ".join(parts)
 
 
 def matches(pattern: Any, value: Any) -> bool:

@@ -4,7 +4,8 @@ A script is JSON Lines; each line is one step:
 
 - ``{"request": method, "params"?: {...}, "expect"?: {"result": M} | {"error": M}, "save"?: {name: path},
   "timeoutMs"?: n, "id"?: id, "wait"?: true, "cancelAfterModelCalls"?: n}``: send a request and
-  wait for its answer. Without ``expect`` any result passes (an error answer fails the step).
+  wait for its answer. Without ``expect`` any result passes (an error answer fails the step). One
+  not answered in time is cancelled (``$/cancelRequest``) and fails naming the time-out to raise.
   ``save`` keeps values of the result for later steps. ``"wait": false`` sends it and goes on
   (so that a later step can cancel it by its ``id``); its answer is checked before
   ``shutdown``/``exit`` or at the end. ``cancelAfterModelCalls`` (written by ``--record`` for a
@@ -48,7 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn
 
-from .matcher import Mismatch, PathError, UnknownName, first_mismatch, get_path, short, substitute
+from .matcher import (Mismatch, PathError, UnknownName, did_you_mean, first_mismatch, get_path, nearest,
+                      notification_miss, short, substitute)
 
 DEFAULT_STEP_TIMEOUT_S = 60.0
 #: expectNotification without timeoutMs: most notifications a script waits for came before the
@@ -143,6 +145,8 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
                 found = f" (found {', '.join(kinds)})"
             else:  # name what is there: a misspelt kind, or a step of a kind that does not exist
                 found = f" (found none; its key(s): {', '.join(map(str, obj)) or 'none'})"
+                meant = next(filter(None, (did_you_mean(k, STEP_KINDS) for k in obj)), None)
+                found += f"; did you mean {meant}?" if meant else ""
             raise ScriptError(f"{source}:{n}: a step has exactly one of " + ", ".join(STEP_KINDS) + found)
         kind = kinds[0]
         method = obj[kind]
@@ -156,7 +160,8 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
             raise ScriptError(f"{source}:{n}: {kind} must name a method")
         unknown = sorted(set(obj) - _STEP_KEYS[kind])
         if unknown:
-            raise ScriptError(f"{source}:{n}: unknown field(s) for a {kind} step: {', '.join(unknown)}")
+            raise ScriptError(f"{source}:{n}: unknown field(s) for a {kind} step: "
+                              + ", ".join(_misspelt(k, _STEP_KEYS[kind]) for k in unknown))
         if kind == "request" and "expect" in obj:
             exp = obj["expect"]
             if not isinstance(exp, dict) or len(set(exp) & {"result", "error"}) != 1 or set(exp) - {"result", "error"}:
@@ -192,6 +197,11 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
     return Script(steps, models)
 
 
+def _misspelt(name: str, known: Iterable[str]) -> str:
+    meant = did_you_mean(name, known)
+    return f"{name} (did you mean {meant}?)" if meant else name
+
+
 def _not_json(text: str, error: json.JSONDecodeError) -> str:
     """Why a line of a script is not JSON, in words for the usual mistakes: a pretty-printed
     (multi-line) step, a comment, a comma between steps."""
@@ -213,8 +223,11 @@ def _not_json(text: str, error: json.JSONDecodeError) -> str:
 def load_script(path: str | os.PathLike[str]) -> Script:
     """Read and parse a script (a UTF-8 byte-order mark at its start is ignored); text that is not
     UTF-8 is a :class:`ScriptError` naming the line."""
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:  # in words: the path as given and where that is, not "[Errno 2] ..."
+        raise ScriptError(_unreadable(path, e)) from None
     raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark, as Windows editors write one
     try:
         text = raw.decode("utf-8")
@@ -224,6 +237,19 @@ def load_script(path: str | os.PathLike[str]) -> Script:
         raise ScriptError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}: "
                           f"{e.reason}); a session script is UTF-8 JSON Lines") from None
     return parse_script(io.StringIO(text, newline=None), str(path))
+
+
+def _unreadable(path: str | os.PathLike[str], error: OSError) -> str:
+    """Why the script file cannot be read: the path as given, and for a relative one the path it
+    is from the working directory."""
+    given = os.fspath(path)
+    where = "" if os.path.isabs(given) else \
+        f" ({os.path.abspath(given)}: a relative path is from the working directory, {os.getcwd()})"
+    if isinstance(error, FileNotFoundError):
+        return f"no session script {given!r}{where}"
+    why = {IsADirectoryError: "it is a directory, not a file", PermissionError: "permission denied"}.get(
+        type(error), error.strerror or str(error))
+    return f"cannot read the session script {given!r}{where}: {why}"
 
 
 # --------------------------------------------------------------------------- --scripted
@@ -301,8 +327,10 @@ class Runner:
 
     def __init__(self, script: Script, server_argv: list[str] | None = None, *,
                  step_timeout: float = DEFAULT_STEP_TIMEOUT_S, env: dict[str, str] | None = None,
-                 cwd: str | None = None, on_result: Callable[[StepResult], None] | None = None) -> None:
+                 cwd: str | None = None, on_result: Callable[[StepResult], None] | None = None,
+                 timeout_option: str = "run with --timeout S") -> None:
         self.script = script
+        self.timeout_option = timeout_option  # how the user of the runner sets step_timeout, for a time-out's hint
         self.argv = list(server_argv or default_server_argv())
         self.step_timeout = step_timeout
         self.env = env
@@ -312,7 +340,7 @@ class Runner:
         self.saved: dict[str, Any] = {"cwd": os.path.abspath(cwd) if cwd else os.getcwd()}
         self.results: list[StepResult] = []
         self._standing = _Standing()
-        self._matched: set[int] = set()     # indexes into client.notifications
+        self._matched: dict[int, int] = {}  # index into client.notifications -> line of the step that matched it
         self.stderr_tail = ""
         self._unawaited: list[tuple[Step, dict, Any]] = []   # "wait": false requests in flight
         self._abandoned: list[Any] = []     # "answered": false requests: never judged
@@ -446,14 +474,17 @@ class Runner:
                 break
         else:  # the parser checked it names one: only a request that was never sent gets here
             return StepResult(step, False, f"no request with id {short(data['await'])} is in flight")
-        res = self._judge(req, req_data, pending, timeout=self._timeout(step) if "timeoutMs" in data else None)
+        res = self._judge(req, req_data, pending, limit=step if "timeoutMs" in data else None)
         self._report(res)
         return StepResult(step, res.ok, f"line {req.line} {'passed' if res.ok else 'failed'}")
 
-    def _judge(self, step: Step, data: dict, pending: Any, timeout: float | None = None) -> StepResult:
+    def _judge(self, step: Step, data: dict, pending: Any, limit: Step | None = None) -> StepResult:
+        """The answer to ``step``'s request, waited for as long as ``limit`` (the ``await`` step
+        with a ``timeoutMs``; by default the request's own step) says."""
         from operate_sidecar.clients.python.client import NoAnswer, RpcError
 
-        timeout = self._timeout(step) if timeout is None else timeout
+        limit = step if limit is None else limit
+        timeout = self._timeout(limit)
         deadline = time.monotonic() + timeout
         try:
             while True:  # in slices, so that a server that died fails the step at once
@@ -462,7 +493,7 @@ class Runner:
                     break
                 except TimeoutError:
                     if time.monotonic() >= deadline:
-                        return StepResult(step, False, f"no answer within {timeout:g} s")
+                        return StepResult(step, False, self._timed_out(limit, timeout, pending.id))
                     if self.client.proc.poll() is not None and not self.client._reader.is_alive():
                         return StepResult(step, False, f"the server exited (code {self.client.proc.returncode}) "
                                                        "without answering")
@@ -493,6 +524,22 @@ class Runner:
         if problem:
             return StepResult(step, False, problem, got=got)
         return res
+
+    def _timed_out(self, limit: Step, timeout: float, msg_id: Any) -> str:
+        """A request not answered in time: cancelled, so that the server stops working on it (its
+        -32800 answer is dropped) and the end of the replay does not wait for it; and how to
+        give it longer."""
+        if self.client.proc.poll() is None:
+            try:
+                self.client.cancel(msg_id)
+            except OSError:  # its input is closed: it is exiting anyway
+                pass
+        ms = limit.data.get("timeoutMs")
+        if ms:
+            longer = f'raise the "timeoutMs" ({ms:g})' + (f" of line {limit.line}" if limit.kind == "await" else "")
+        else:
+            longer = f'give the step a "timeoutMs" (milliseconds) or {self.timeout_option}'
+        return f"no answer within {timeout:g} s, so it was cancelled ($/cancelRequest); to wait longer, {longer}"
 
     def _unanswered(self, reason: str) -> str:
         """Why a request got no answer once the client stopped reading the server's output."""
@@ -560,14 +607,21 @@ class Runner:
         return (f"request {short(msg_id)} had started {started} of the {calls} model invocation(s) it had "
                 f"started when recorded within {timeout:g} s; cancelled anyway")
 
-    def _find(self, method: str, pattern: Any) -> tuple[int | None, list[tuple[int, Mismatch]]]:
-        near: list[tuple[int, Mismatch]] = []
+    def _of(self, method: str) -> Iterable[tuple[int, Any]]:
+        """(index, params) of every ``method`` notification so far that is the script's."""
         for i, (m, params) in enumerate(self.client.notifications):
-            if m != method or i in self._matched:
+            if m != method:
                 continue
             if (self._hidden_tokens and m == "$/progress" and isinstance(params, dict)
                     and json.dumps(params.get("token")) in self._hidden_tokens):
                 continue  # the replay's own token (cancelAfterModelCalls): not the script's
+            yield i, params
+
+    def _find(self, method: str, pattern: Any) -> tuple[int | None, list[tuple[int, Mismatch]]]:
+        near: list[tuple[int, Mismatch]] = []
+        for i, params in self._of(method):
+            if i in self._matched:
+                continue
             mm = first_mismatch(pattern, params, "$.params") if pattern is not None else None
             if mm is None:
                 return i, near
@@ -582,21 +636,21 @@ class Runner:
                                        or self.client.proc.poll() is not None, timeout)
             index, near = self._find(step.method, pattern)
         if index is not None:
-            self._matched.add(index)
+            self._matched[index] = step.line
             params = self.client.notifications[index][1]
             problem = self._save(data.get("save"), params)
             if problem:
                 return StepResult(step, False, problem, got=params)
             return StepResult(step, True, "got " + short(params, 100), got=params)
         gone = "" if self.client.proc.poll() is None else f"; the server exited (code {self.client.proc.returncode})"
+        # what came instead: the nearest of those no step took, and those earlier steps took (their lines)
+        miss = notification_miss(pattern, [(params, self._matched.get(i)) for i, params in self._of(step.method)])
         if not near:
             expected = "any params" if pattern is None else short(pattern, 100)
             return StepResult(step, False, f"no {step.method} notification within {timeout:g} s"
-                                           f" (expected {expected}){gone}")
-        # the nearest candidate: the one that matched deepest before parting
-        i, mm = max(near, key=lambda t: (t[1].path.count(".") + t[1].path.count("["), t[0]))
-        return StepResult(step, False, f"no matching {step.method} within {timeout:g} s; "
-                                       f"{len(near)} unmatched, nearest {mm.describe()}{gone}", mismatch=mm)
+                                           f" (expected {expected}){'; ' + miss if miss else ''}{gone}")
+        return StepResult(step, False, f"no matching {step.method} within {timeout:g} s; {miss}{gone}",
+                          mismatch=nearest(near)[1])
 
     def _respond(self, step: Step, data: dict) -> StepResult:
         from operate_sidecar.clients.python.client import RpcError
@@ -660,8 +714,9 @@ def format_report(runner: Runner, path: str = "script") -> str:
 
 def replay(path: str | os.PathLike[str], server_argv: list[str] | None = None, *, scripted: bool = False,
            step_timeout: float = DEFAULT_STEP_TIMEOUT_S, env: dict[str, str] | None = None,
-           cwd: str | None = None, out: Any = None) -> Runner:
-    """Load and run a script; stream one line per step to ``out`` (when given)."""
+           cwd: str | None = None, out: Any = None, timeout_option: str = "pass step_timeout=S") -> Runner:
+    """Load and run a script; stream one line per step to ``out`` (when given). ``timeout_option``
+    says how the caller sets ``step_timeout``, in the hint of a request step that timed out."""
     script = load_script(path)
     if scripted:
         apply_scripted(script)
@@ -670,7 +725,8 @@ def replay(path: str | os.PathLike[str], server_argv: list[str] | None = None, *
         if out is not None:
             print(res.line(), file=out, flush=True)
 
-    runner = Runner(script, server_argv, step_timeout=step_timeout, env=env, cwd=cwd, on_result=emit)
+    runner = Runner(script, server_argv, step_timeout=step_timeout, env=env, cwd=cwd, on_result=emit,
+                    timeout_option=timeout_option)
     runner.run()
     return runner
 

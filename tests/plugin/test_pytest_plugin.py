@@ -642,3 +642,81 @@ def test_a_project_that_turns_warnings_into_errors_passes(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0 and "4 passed" in text, text
     assert "ResourceWarning" not in text, text
+
+
+HINT_TESTS = '''
+import pytest
+
+SETTINGS = {"models": {"m": {"provider": "scripted", "responses": [{"json": {"summary": "sunny", "action_requests": [
+    {"function": "get_weather", "arguments": {"city": "Lima"}}]}}]}},
+    "toolModules": ["operate_sidecar.clients.python.demo_tools"]}
+
+
+def test_script_too_slow(sidecar_script):
+    sidecar_script("slow.jsonl", step_timeout=0.3)
+
+
+def test_script_missing_absolute(sidecar_script, tmp_path):
+    sidecar_script(tmp_path / "nowhere" / "session.jsonl")
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS)
+async def test_waits_twice_for_one_notification(sidecar):
+    branch = (await sidecar.request("createBranch"))["branchId"]
+    await sidecar.request("operate", {"branchId": branch, "instruction": "weather?", "actions": True,
+                                      "responseFormat": {"type": "object", "properties": {"summary": {"type": "string"}}}})
+    await sidecar.wait_for_notification("toolEvent", {"event": "post"}, timeout=10)
+    await sidecar.wait_for_notification("toolEvent", {"event": "post"}, timeout=0.5)
+'''
+
+SLOW = script({**INIT, "params": {"settings": {"models": {"m": {"provider": "scripted", "responses": [
+                  {"text": "slow", "delayMs": 30000}]}}}}, "timeoutMs": 20000},
+              {"request": "createBranch", "save": {"b": "branchId"}, "timeoutMs": 20000},
+              {"request": "operate", "params": {"branchId": "${b}", "instruction": "hi", "skipValidation": True}})
+
+
+def test_a_time_out_a_missing_script_and_a_notification_already_waited_for_say_what_to_do(tmp_path):
+    """In a test, as on the command line: a request step that timed out names the fixture's
+    ``step_timeout=`` (not the command line's --timeout), an absolute script path that does not
+    exist is said in words (it was "[Errno 2] No such file or directory"), and a wait for a
+    notification an earlier wait already returned says so (it was "no toolEvent notification
+    matching ... within 0.5 s" alone)."""
+    project = make_project(tmp_path / "ext")
+    (project / "slow.jsonl").write_text(SLOW)
+    (project / "test_hints.py").write_text(HINT_TESTS)
+    out = run_pytest(project, "-rA", "test_hints.py")
+    text = out.stdout + out.stderr
+    assert "3 failed" in text, text
+    assert ('FAIL line 3: request operate: no answer within 0.3 s, so it was cancelled ($/cancelRequest); to wait '
+            'longer, give the step a "timeoutMs" (milliseconds) or pass step_timeout=S') in text, text
+    assert "sidecar_script: no session script '" in text and "/nowhere/session.jsonl'" in text, text
+    assert "Errno" not in text, text
+    assert ('TimeoutError: no toolEvent notification matching {"event": "post"} within 0.5 s; 1 unmatched, nearest at '
+            '$.params.event: expected "post", got "pre"; 1 that matches arrived but was matched by an earlier '
+            "wait_for_notification\n") in text, text
+
+
+def test_a_project_configured_as_the_readme_says_gets_no_deprecation_warning(tmp_path):
+    """pytest-asyncio warns (PytestDeprecationWarning) in every project that leaves
+    asyncio_default_fixture_loop_scope unset; the README gives the line to set, and with it a new
+    project's sidecar test runs without the warning."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Testing your extension against the sidecar\n", 1)[1].split("\n## ", 1)[0]
+    assert "```toml\n" in section, "the README's testing section gives no pytest configuration"
+    config = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    project = tmp_path / "new"
+    project.mkdir()
+    (project / "pyproject.toml").write_text('[project]\nname = "new"\nversion = "0"\n\n' + config)
+    (project / "test_new.py").write_text(textwrap.dedent('''\
+        import pytest
+
+
+        @pytest.mark.asyncio
+        async def test_ping(sidecar):
+            assert await sidecar.request("ping") == {}
+        '''))
+    out = run_pytest(project, "-W", "error::DeprecationWarning")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "1 passed" in text, text
+    assert "asyncio_default_fixture_loop_scope" not in text and "Warning" not in text, text

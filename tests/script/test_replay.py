@@ -356,3 +356,106 @@ def test_a_file_that_is_not_a_json_lines_script_is_refused_saying_what_to_write(
     out = replay(p)
     assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
     assert problem in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_request_not_answered_in_time_is_cancelled_and_says_how_to_give_it_longer(tmp_path):
+    """A request that timed out said only "no answer within 3 s" (not which time-out to raise) and
+    was left running on the server (it held the branch, and delayed the end of the replay). Now
+    it is cancelled with $/cancelRequest, and the failure names the time-out to raise: the step's
+    own timeoutMs, the await's, or --timeout. The last operate, on the same branch (operates on
+    a branch run one at a time), gets its answer only because the three before it were cancelled
+    (each would have run 30 s)."""
+    slow = {"text": "slow", "delayMs": 30000}
+    models = {"slow": scripted(slow, slow, slow), "quick": scripted("done")}
+
+    def op(model: str, **step) -> dict:
+        return {"request": "operate", "params": {"branchId": "${b}", "instruction": "x", "skipValidation": True,
+                                                 "chatModel": model}, **step}
+
+    steps = [{"request": "initialize", "params": {"settings": {"models": models}}, "timeoutMs": 20000},
+             {"request": "createBranch", "save": {"b": "branchId"}, "timeoutMs": 20000},
+             op("slow"),
+             op("slow", timeoutMs=300),
+             op("slow", id="w", wait=False),
+             {"await": "w", "timeoutMs": 300},
+             op("quick", expect={"result": {"result": "done"}}, timeoutMs=20000)]
+    out = replay("--timeout", "0.3", write_script(tmp_path / "slow.jsonl", steps))
+    assert out.returncode == 1, out.stdout + out.stderr
+    cancelled = "so it was cancelled ($/cancelRequest); to wait longer,"
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert fails == [f'FAIL line 3: request operate: no answer within 0.3 s, {cancelled} give the step a "timeoutMs" '
+                     "(milliseconds) or run with --timeout S",
+                     f'FAIL line 4: request operate: no answer within 0.3 s, {cancelled} raise the "timeoutMs" (300)',
+                     f'FAIL line 5: request operate: no answer within 0.3 s, {cancelled} raise the "timeoutMs" (300) '
+                     "of line 6",
+                     'FAIL line 6: await "w": line 5 failed'], out.stdout
+    assert "PASS line 7: request operate: result matched" in out.stdout, out.stdout
+
+
+def test_a_notification_matched_by_earlier_steps_is_named_when_a_later_step_waits_for_it(tmp_path):
+    """"no toolEvent notification within 0.3 s" was all a step said when the notifications it
+    waited for had come but earlier steps had matched them: it names them (with the lines of
+    the steps that matched them), and when none of them matches, the nearest one's first
+    difference."""
+    call = {"json": {"answer": "4", "action_requests": [{"function": "get_weather", "arguments": {"city": "Lima"}}]}}
+    steps = [{"request": "initialize", "params": {"settings": {
+                 "models": {"m": scripted(call)}, "toolModules": ["operate_sidecar.clients.python.demo_tools"]}}},
+             {"request": "createBranch", "save": {"b": "branchId"}},
+             {"request": "operate", "params": {"branchId": "${b}", "instruction": "weather?", "responseFormat": ANSWER,
+                                               "actions": True, "workDoneToken": "w"}},
+             {"expectNotification": "toolEvent", "match": {"event": "pre"}},
+             {"expectNotification": "toolEvent", "match": {"event": "post"}},
+             {"expectNotification": "toolEvent", "match": {"event": "post"}, "timeoutMs": 300},
+             {"expectNotification": "toolEvent", "timeoutMs": 300},
+             {"expectNotification": "toolEvent", "match": {"event": "denied"}, "timeoutMs": 300},
+             {"expectNotification": "$/progress", "match": {"token": "w", "value": {"kind": "end"}}},
+             {"expectNotification": "$/progress", "match": {"token": "w", "value": {"kind": "end"}}, "timeoutMs": 300}]
+    out = replay(write_script(tmp_path / "n.jsonl", steps))
+    assert out.returncode == 1, out.stdout + out.stderr
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert fails[:3] == [
+        'FAIL line 6: expectNotification toolEvent: no toolEvent notification within 0.3 s (expected {"event": "post"}); '
+        "1 that matches arrived but was matched by an earlier step (line 5)",
+        "FAIL line 7: expectNotification toolEvent: no toolEvent notification within 0.3 s (expected any params); "
+        "2 arrived, all matched by earlier steps (lines 4, 5)",
+        "FAIL line 8: expectNotification toolEvent: no toolEvent notification within 0.3 s (expected "
+        '{"event": "denied"}); 2 arrived, all matched by earlier steps (lines 4, 5); nearest at $.params.event: '
+        'expected "denied", got "post"'], out.stdout
+    assert len(fails) == 4 and fails[3].startswith("FAIL line 10: expectNotification $/progress: no matching "
+                                                   "$/progress within 0.3 s; "), out.stdout
+    assert fails[3].endswith("; 1 that matches arrived but was matched by an earlier step (line 9)"), fails[3]
+    assert "unmatched, nearest at $.params.value.kind: expected \"end\", got " in fails[3], fails[3]
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"reqest": "initialize"}\n', "a step has exactly one of request, notify, expectNotification, respond, await "
+                                   "(found none; its key(s): reqest); did you mean request?"),
+    ('{"expectNotificaton": "toolEvent", "match": {}}\n', "a step has exactly one of request, notify, expectNotification, "
+     "respond, await (found none; its key(s): expectNotificaton, match); did you mean expectNotification?"),
+    ('{"request": "initialize", "expcet": {}, "timeout": 3, "typo": 1}\n',
+     "unknown field(s) for a request step: expcet (did you mean expect?), timeout (did you mean timeoutMs?), typo"),
+    ('{"respond": "requestToolPermission", "reslt": {}}\n',
+     "unknown field(s) for a respond step: reslt (did you mean result?)"),
+])
+def test_a_misspelt_step_kind_or_field_is_named_with_the_name_it_is_closest_to(tmp_path, text, problem):
+    p = tmp_path / "x.jsonl"
+    p.write_text(text)
+    out = replay(p)
+    assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+    assert f"x.jsonl:1: {problem}" in out.stderr, out.stderr
+
+
+def test_a_missing_or_unreadable_script_is_said_in_words_with_where_it_was_looked_for(tmp_path):
+    """It was "[Errno 2] No such file or directory: 'missing.jsonl'"; the path as given, where a
+    relative one is (from the working directory), and exit 2."""
+    (tmp_path / "sub").mkdir()
+    for given, problem in [
+            ("missing.jsonl", f"no session script 'missing.jsonl' ({tmp_path}/missing.jsonl: a relative path is "
+                              f"from the working directory, {tmp_path})"),
+            (f"{tmp_path}/no/x.jsonl", f"no session script '{tmp_path}/no/x.jsonl'"),
+            ("sub", f"cannot read the session script 'sub' ({tmp_path}/sub: a relative path is from the working "
+                    f"directory, {tmp_path}): it is a directory, not a file")]:
+        out = subprocess.run([sys.executable, "-m", "operate_sidecar.server", "replay", given], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=TIMEOUT)
+        assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+        assert out.stderr == f"operate-sidecar replay: {problem}\n", out.stderr
