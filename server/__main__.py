@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     base: dict = {}
     if args.state_dir:
         base["stateDir"] = args.state_dir
+    config_error = None
     try:
         if args.config:
             base = S.merge(base, _load_config(args.config))
@@ -120,13 +121,18 @@ def main(argv: list[str] | None = None) -> int:
             raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown))
         S.finalize(S.merge(S.DEFAULTS, base))
     except (OSError, ValueError) as e:
-        print(f"operate-sidecar: bad configuration: {e}", file=sys.stderr)
-        return 2
+        config_error = f"operate-sidecar: bad configuration: {e}"
+        print(config_error, file=sys.stderr)
+        if not args.acp or os.isatty(0):  # (a person at a terminal has read the line: nothing to wait for)
+            return 2
+        # an ACP editor shows answers, not stderr: the server answers every request with the
+        # line (server.acp.run.Unconfigured), then exits 2
 
     if args.acp:
         from operate_sidecar.server.acp.run import run as run_acp
 
-        code = run_acp(base_settings=base, version=__version__, debug=args.debug, client_pid=args.client_process_id)
+        code = run_acp(base_settings=base, version=__version__, debug=args.debug, client_pid=args.client_process_id,
+                       config_error=config_error)
         logging.shutdown()
         os._exit(code)
 

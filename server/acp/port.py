@@ -59,6 +59,30 @@ DIFF_FILE_LIMIT = 2 * 1024 * 1024  # larger files get no diff content
 UINT32_MAX = 2**32 - 1            # a location's line is a uint32 in the schema
 
 
+#: builtin tool → the verb of its title, as editors title their own agents' calls ("Read src/app.py")
+TOOL_VERBS = {"read_file": "Read", "list_dir": "List", "search_text": "Search", "write_file": "Write",
+              "edit_file": "Edit"}
+
+
+def tool_title(tool: str, args: dict[str, Any]) -> str:
+    """A call's title: short human text, the path as the model gave it. A builtin tool is its
+    verb and what it works on ("Read src/app.py", "Search 'TODO' in src", "List ."); another
+    tool is its name and the ``path`` or ``pattern`` argument it has, if any."""
+    path = args.get("path") if isinstance(args.get("path"), str) else None
+    pattern = args.get("pattern") if isinstance(args.get("pattern"), str) else None
+    verb = TOOL_VERBS.get(tool)
+    if verb is None:
+        return f"{tool} {path}" if path else f"{tool} {pattern!r}" if pattern is not None else tool
+    if tool == "search_text":
+        return f"{verb} {pattern!r}" + (f" in {path}" if path and path != "." else "") if pattern is not None \
+            else verb
+    if tool == "list_dir":
+        return f"{verb} {path or '.'}"
+    offset = args.get("offset") if tool == "read_file" else None
+    where = f" (from line {offset})" if type(offset) is int and offset > 1 else ""
+    return f"{verb} {path}{where}" if path else verb
+
+
 def tool_kind(name: str) -> str:
     k = TOOL_KINDS.get(name)
     if k is not None:
@@ -243,10 +267,11 @@ class AcpPort:
     @staticmethod
     def _finish(call_id: str, info: CallInfo, status: str, output: Any, error: Any = None) -> ToolCallProgress:
         """The call's last ``tool_call_update``: its status, raw output, and content (the diff
-        of an edit; the output as text, but for a completed edit that has its diff)."""
+        of an edit; the output as text, but for a completed edit that has its diff; for a
+        failed call, its error in words: ``_failure``)."""
         content = list(info.content)
         if output is not None and not (status == "completed" and info.kind == "edit" and content):
-            content.append(_text_content(output))
+            content.append(_text_content(_failure(output) if status == "failed" else output))
         return ToolCallProgress(session_update="tool_call_update", tool_call_id=call_id, status=status,
                                 raw_output=output if output is not None else {"error": error},
                                 content=content or None)
@@ -285,10 +310,7 @@ class AcpPort:
         args = arguments if isinstance(arguments, dict) else {}
         path = args.get("path") if isinstance(args.get("path"), str) else None
         real = self.resolve(path, session_id) if path else None
-        title = f"{tool} {path}" if path else tool
-        if not path and isinstance(args.get("pattern"), str):
-            title = f"{tool} {args['pattern']!r}"
-        info = CallInfo(session_id, tool, tool_kind(tool), title, raw_input=arguments)
+        info = CallInfo(session_id, tool, tool_kind(tool), tool_title(tool, args), raw_input=arguments)
         if real:
             line = args.get("offset") if tool == "read_file" else None
             if type(line) is not int or not 0 <= line <= UINT32_MAX:  # the schema's uint32, or none
@@ -479,6 +501,15 @@ UNREADABLE = object()
 
 def _too_large(text: str) -> bool:
     return len(text) > DIFF_FILE_LIMIT or len(text.encode("utf-8", "surrogatepass")) > DIFF_FILE_LIMIT
+
+
+def _failure(output: Any) -> Any:
+    """What a failed call's content says: its error (and the reason it was denied), not the
+    whole output object, which repeats the call's name and arguments (``rawOutput`` keeps it)."""
+    if not isinstance(output, dict) or not isinstance(output.get("error"), str):
+        return output
+    reason = output.get("reason")
+    return output["error"] + (f" ({reason})" if isinstance(reason, str) and reason else "")
 
 
 def _text_content(output: Any) -> ContentToolCallContent:

@@ -210,7 +210,10 @@ class ReplyText:
 
 
 def message_of(value: Any) -> str:
-    """The user text of a reply: a result envelope, a parsed reply, or a raw reply text."""
+    """The user text of a reply: a result envelope, a parsed reply, or a raw reply text. A
+    reply text that is not the reply format (a model that answered with broken JSON, or JSON
+    without a ``message``: the result of a reply that failed validation) is shown as it came,
+    not as an empty turn."""
     if isinstance(value, dict) and "kind" in value and "result" in value:
         value = value["result"]
     if isinstance(value, dict):
@@ -220,10 +223,11 @@ def message_of(value: Any) -> str:
         r = ReplyText()
         r.feed(value)
         if r._mode == "json" and not r.emitted:
-            try:
-                parsed = json.loads(value)
-            except ValueError:
-                return ""
-            return message_of(parsed) if isinstance(parsed, dict) else ""
+            from operate_sidecar.server.core.parse import extract_json  # the pipeline's (fences, repair)
+
+            parsed = extract_json(value)
+            if isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
+                return parsed["message"]
+            return value.strip()
         return r.emitted
     return ""

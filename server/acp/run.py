@@ -338,13 +338,56 @@ def _no_docstrings(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class Unconfigured:
+    """The agent of a server whose configuration is bad (a ``--config`` file that is not TOML,
+    a misspelt key): an editor shows an agent's answers, not its stderr, and a process that
+    died before ``initialize`` reads there as "server exited". So the server stays up and
+    answers ``initialize``, and every request after it, with an error whose message is the
+    line written on stderr (-32603); notifications are ignored. It exits with code 2 at the
+    end of the input, as the server does without ``--acp``."""
+
+    #: the ACP requests (the SDK's handler names): each is answered with the error
+    REQUESTS = frozenset({"initialize", "authenticate", "new_session", "load_session", "list_sessions",
+                          "resume_session", "close_session", "fork_session", "prompt", "set_session_mode",
+                          "set_config_option", "ext_method"})
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self.REQUESTS:
+            raise AttributeError(name)
+
+        async def refuse(*args: Any, **kwargs: Any) -> Any:
+            from acp import RequestError
+
+            raise RequestError(-32603, self.reason)
+
+        return refuse
+
+    def on_connect(self, conn: Any) -> None:
+        pass
+
+    async def cancel(self, session_id: str, **kw: Any) -> None:
+        pass
+
+    async def ext_notification(self, method: str, params: Any) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
 async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool = False,
-                    client_pid: int | None = None, fds: tuple[int, int]) -> int:
+                    client_pid: int | None = None, fds: tuple[int, int], config_error: str | None = None) -> int:
+    """Serve until stdin's EOF, a signal or the client's death; with ``config_error`` (the bad
+    configuration's line) every request is answered with it (``Unconfigured``), then exit 2."""
     import acp
 
     from .agent import OperateAgent
 
-    agent = OperateAgent(settings, version=version, debug=debug)
+    agent: Any = OperateAgent(settings, version=version, debug=debug) if config_error is None \
+        else Unconfigured(config_error)
     limit = int(settings.get("maxMessageBytes") or 0) or 64 * 1024 * 1024
     reader, writer, bound = await _bounded_streams(fds[0], fds[1], limit)
     loop = asyncio.get_running_loop()
@@ -381,7 +424,7 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     if watchdog is not None:
         watchdog.cancel()
     await agent.aclose()
-    return 0
+    return 0 if config_error is None else 2
 
 
 #: on the way out, the client has this long to read what is still queued for it
@@ -400,18 +443,21 @@ async def _bound_exit(main: asyncio.Task, stopping: asyncio.Event) -> None:
         main.cancel()
 
 
-def run(*, base_settings: dict[str, Any], version: str, debug: bool, client_pid: int | None) -> int:
+def run(*, base_settings: dict[str, Any], version: str, debug: bool, client_pid: int | None,
+        config_error: str | None = None) -> int:
+    """Serve ACP on stdio; ``config_error`` (the line a bad configuration wrote on stderr) is the
+    answer to every request instead (``Unconfigured``), and the exit code is 2."""
     from operate_sidecar.server.rpc import settings as S
     from operate_sidecar.server.rpc.stdio import guard_stdio
 
     fds = guard_stdio()  # before anything can write to fd 1
     logging.getLogger().addFilter(NotificationNotices(debug))  # the SDK logs on the root logger
     import_sdk()
-    settings = S.finalize(S.merge(S.DEFAULTS, base_settings))
+    settings = S.finalize(S.merge(S.DEFAULTS, base_settings)) if config_error is None else {}
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
         return loop.run_until_complete(serve_acp(settings=settings, version=version, debug=debug,
-                                                 client_pid=client_pid, fds=fds))
+                                                 client_pid=client_pid, fds=fds, config_error=config_error))
     except KeyboardInterrupt:
         return 1

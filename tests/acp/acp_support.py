@@ -191,11 +191,12 @@ def agent_env(**extra: str) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def spawn(client: acp.Client, config: str | None = None, *extra: str, fs: bool = False,
-                state_dir: str | None = None, env: dict[str, str] | None = None) -> AsyncIterator[tuple[Any, Any]]:
-    """Spawn the sidecar in ACP mode, initialize it, yield ``(conn, process)``; the process
-    is reaped (killed if it does not exit on EOF within the time-out). Every message the
-    agent sent is then checked against the ACP schema (``SchemaTap``; ``conn.tap``). ``env``
-    is added to the agent's environment."""
+                state_dir: str | None = None, env: dict[str, str] | None = None,
+                initialize: bool = True) -> AsyncIterator[tuple[Any, Any]]:
+    """Spawn the sidecar in ACP mode, initialize it (unless ``initialize`` is false: the test
+    does), yield ``(conn, process)``; the process is reaped (killed if it does not exit on EOF
+    within the time-out). Every message the agent sent is then checked against the ACP schema
+    (``SchemaTap``; ``conn.tap``). ``env`` is added to the agent's environment."""
     args = ["-m", "operate_sidecar.server", "--acp", *extra]
     if config:
         args += ["--config", config]
@@ -209,11 +210,11 @@ async def spawn(client: acp.Client, config: str | None = None, *extra: str, fs: 
         try:
             caps = ClientCapabilities(fs=FileSystemCapabilities(read_text_file=True, write_text_file=True)) \
                 if fs else ClientCapabilities()
-            init = await asyncio.wait_for(conn.initialize(protocol_version=acp.PROTOCOL_VERSION,
-                                                          client_capabilities=caps,
-                                                          client_info=Implementation(name="tests", version="0")),
-                                          TIMEOUT)
-            conn.init = init
+            if initialize:
+                conn.init = await asyncio.wait_for(conn.initialize(protocol_version=acp.PROTOCOL_VERSION,
+                                                                   client_capabilities=caps,
+                                                                   client_info=Implementation(name="tests", version="0")),
+                                                   TIMEOUT)
             yield conn, proc
         finally:
             if proc.returncode is None and proc.stdin is not None:

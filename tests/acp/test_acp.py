@@ -51,6 +51,47 @@ def test_initialize_and_new_session_answer_what_is_implemented(tmp_path, ws):
     run(main())
 
 
+@pytest.mark.parametrize("content, why", [('defaultModle = "s"\n', "unknown settings field(s): defaultModle"),
+                                          ("models = {\n", "settings.toml is not a TOML file: ")])
+def test_a_bad_config_is_the_answer_to_every_request_not_a_process_that_died_before_initialize(tmp_path, ws, content,
+                                                                                              why):
+    # an editor shows the agent's answers, not its stderr: a process that exits at once reads
+    # there as "server exited" (Zed) or a closed connection, with the reason only on stderr
+    (tmp_path / "settings.toml").write_text(content)
+
+    async def main():
+        async with spawn(RecordingClient(), str(tmp_path / "settings.toml"), initialize=False) as (conn, proc):
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.initialize(protocol_version=acp.PROTOCOL_VERSION))
+            assert e.value.code == -32603 and str(e.value).startswith("operate-sidecar: bad configuration: ")
+            assert why in str(e.value), str(e.value)
+            with pytest.raises(acp.RequestError) as again:  # a client that goes on anyway is told the same
+                await bounded(conn.new_session(cwd=str(ws)))
+            assert (again.value.code, str(again.value)) == (-32603, str(e.value))
+            await conn.cancel(session_id="s")  # a notification: ignored
+            proc.stdin.close()
+            assert await bounded(proc.wait()) == 2  # at the end of the input: the exit code without --acp
+
+    run(main())
+
+
+def test_a_bad_config_at_a_terminal_exits_2_at_once(tmp_path):
+    # a person who typed the command has read the line on stderr: nothing to wait for
+    import pty
+
+    (tmp_path / "settings.toml").write_text('defaultModle = "s"\n')
+    leader, follower = pty.openpty()
+    try:
+        p = subprocess.run([sys.executable, "-m", "operate_sidecar.server", "--acp", "--config",
+                            str(tmp_path / "settings.toml")], stdin=follower, capture_output=True,
+                           env=agent_env(), timeout=60)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert p.returncode == 2 and p.stdout == b"", p
+    assert b"bad configuration: unknown settings field(s): defaultModle" in p.stderr, p.stderr
+
+
 def test_prompt_streams_the_reply_text_as_agent_message_chunks(tmp_path, ws):
     async def main():
         c = RecordingClient()
@@ -66,6 +107,27 @@ def test_prompt_streams_the_reply_text_as_agent_message_chunks(tmp_path, ws):
             c.updates.clear()
             r = await prompt(conn, sid, "again")  # a reply that ignored the format is shown as it streams
             assert r.stop_reason == "end_turn" and c.text() == "plain prose" and len(c.of("agent_message_chunk")) == 3
+
+    run(main())
+
+
+@pytest.mark.parametrize("garbage", ['{"answer": 42}', "{not json at all"])
+def test_a_reply_that_is_not_the_reply_format_is_shown_as_it_came_not_as_an_empty_turn(tmp_path, ws, garbage):
+    # a model that answers with broken JSON, or JSON without the reply's message (after the
+    # pipeline's repair turns): the user saw a turn that ended with nothing at all
+    state = str(tmp_path / "state")
+
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, *[{"text": garbage}] * 8)
+        async with spawn(c, config, state_dir=state) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            assert c.text() == garbage and "tool_call" not in c.kinds()
+        c2 = RecordingClient()
+        async with spawn(c2, config, state_dir=state) as (conn, _):
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+        assert c2.text() == garbage  # the replay shows it alike
 
     run(main())
 
@@ -94,6 +156,50 @@ def test_permission_allow_writes_with_diff_content(tmp_path, ws):
             assert last.status == "completed" and last.raw_output["created"] is False
             assert (ws / "a.txt").read_text() == "new text\n"
             assert c.text() == "Writing.\n\nDone."
+
+    run(main())
+
+
+def test_tool_calls_are_titled_in_words_as_editors_title_their_own_agents_calls(tmp_path, ws):
+    # Zed shows a call's title as its line in the thread ("Read src/app.py", "Edit README.md"),
+    # and asks permission with it: a tool's identifier is not words
+    async def main():
+        c = RecordingClient("allow_once")
+        edit = {"path": "a.txt", "edits": [{"oldText": "old", "newText": "new"}]}
+        config = cfg(tmp_path, reply("", [("read_file", {"path": "a.txt", "offset": 2}), ("list_dir", {}),
+                                          ("search_text", {"pattern": "old", "path": "."}),
+                                          ("search_text", {"pattern": "x", "path": "sub"})]),
+                     reply("", [("edit_file", edit), ("write_file", {"path": "b.txt", "content": "b\n"})]),
+                     reply("Done."))
+        (ws / "sub").mkdir()
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            shown = {u.title: (u.kind, [x.path for x in u.locations or ()]) for u in c.of("tool_call")}
+            assert shown == {"Read a.txt (from line 2)": ("read", [str(ws / "a.txt")]), "List .": ("read", []),
+                             "Search 'old'": ("search", [str(ws)]), "Search 'x' in sub": ("search", [str(ws / "sub")]),
+                             "Edit a.txt": ("edit", [str(ws / "a.txt")]), "Write b.txt": ("edit", [str(ws / "b.txt")])}
+            assert sorted(t.title for t, _ in c.permissions) == ["Edit a.txt", "Write b.txt"]
+
+    run(main())
+
+
+def test_a_failed_tool_call_shows_its_error_in_words_not_its_output_object(tmp_path, ws):
+    # the editor shows a failed call's content under its title: the error, not a JSON dump
+    # that repeats the call's name and arguments (rawOutput keeps the whole output)
+    async def main():
+        c = RecordingClient("reject_once")
+        config = cfg(tmp_path, reply("", [("read_file", {"path": "nope.py"}),
+                                          ("write_file", {"path": "a.txt", "content": "new\n"})]), reply("Sorry."))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            failed = {u.tool_call_id: u for u in c.of("tool_call_update") if u.status == "failed"}
+            titles = {u.tool_call_id: u.title for u in c.of("tool_call")}
+            shown = {titles[i]: [x.content.text for x in u.content if x.type == "content"] for i, u in failed.items()}
+            assert shown == {"Read nope.py": ["'nope.py' does not exist"],
+                             "Write a.txt": ["denied by governance gate (denied by the user)"]}
+            assert all(u.raw_output["function"] in ("read_file", "write_file") for u in failed.values())
 
     run(main())
 
@@ -1067,12 +1173,11 @@ def test_load_replays_what_the_client_saw_live(tmp_path, ws):
         assert replay[0] == live[0]
         assert replay[1] == live[1]
         titles = sorted(d["tool_call"]["title"] for d in replay[1].values())
-        assert titles == ["edit_file e.txt", "read_file e.txt", "search_text 'two'", "write_file a.txt",
-                          "write_file b.txt"]
+        assert titles == ["Edit e.txt", "Read e.txt (from line 2)", "Search 'two'", "Write a.txt", "Write b.txt"]
         diffs = {d["tool_call"]["title"]: d["tool_call"].get("content") for d in replay[1].values()}
-        assert diffs["write_file a.txt"] == [{"type": "diff", "path": str(ws / "a.txt"), "old_text": "old text\n",
-                                              "new_text": "brand new\nsecond\n"}]
-        assert diffs["write_file b.txt"][0]["new_text"] == "hello\n" and "old_text" not in diffs["write_file b.txt"][0]
+        assert diffs["Write a.txt"] == [{"type": "diff", "path": str(ws / "a.txt"), "old_text": "old text\n",
+                                         "new_text": "brand new\nsecond\n"}]
+        assert diffs["Write b.txt"][0]["new_text"] == "hello\n" and "old_text" not in diffs["Write b.txt"][0]
         assert [x if x == "tools" else x[0] for x in replay[0][:4]] == ["user_message_chunk", "agent_message_chunk",
                                                                          "plan", "tools"]
         assert replay[0][-2:] == [("user_message_chunk", {"content": link.model_dump(exclude_none=True)}),
