@@ -1270,6 +1270,28 @@ def test_a_failed_or_stopped_turn_is_sent_again_with_its_context(sv):
     sv.send_keys("<Esc>")
 
 
+def test_retry_and_edit_again_have_plug_mappings_that_work_from_any_buffer(sv):
+    """<Plug>(operate-sidecar-retry) and <Plug>(operate-sidecar-edit-again), mapped by the user,
+    do what :OperateRetry and :OperateRetry edit do, from a file's window too."""
+    bid = sv.new_branch([{"error": "provider down"}, "the plug retried it"], "plugretry")
+    sv.chat_send("retry me by a key")
+    assert sv.wait_done()["err"]["message"] == "provider down"
+    sv.n.command(f"edit {sv.tmp / 'plug.txt'}")
+    sv.n.command("nmap <F5> <Plug>(operate-sidecar-retry)")
+    sv.n.command("nmap <F6> <Plug>(operate-sidecar-edit-again)")
+    sv.lua("require('operate_sidecar')._state.last = nil")
+    sv.send_keys("<F5>")
+    out = sv.wait_done()
+    assert out["err"] is None and out["result"]["result"] == "the plug retried it" and out["branchId"] == bid, out
+    sv.send_keys("<Esc>")
+    sv.lua("vim.fn.win_gotoid(vim.fn.bufwinid(...))", str(sv.tmp / "plug.txt"))   # back in the file's window
+    assert sv.lua("return vim.fn.expand('%:t')") == "plug.txt"
+    sv.send_keys("<F6>")
+    assert sv.lua("return require('operate_sidecar.chat').prompt_text()") == "retry me by a key"
+    assert sv.lua("return vim.b.operate_sidecar_prompt and vim.api.nvim_get_mode().mode") == "i"
+    sv.send_keys("<Esc>")
+
+
 def test_the_prompt_recalls_the_messages_sent_and_keeps_the_draft(sv):
     """<Up> on the prompt's first line shows the message sent before (again: the one before that),
     <Down> on its last line the one after, and past the newest the text that was being typed."""

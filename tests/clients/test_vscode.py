@@ -16,12 +16,12 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
       and key presses over Chromium's DevTools protocol (also the chat hidden and shown again while a
       review waits, keyboard-only use and the extension's keybindings: Ctrl+Backspace / Ctrl+Enter
-      in the diff editor, the Open Chat shortcut, Escape; Stop / Cancel in the command palette only while
-      something runs; long lines wrap, Hebrew reads right to left; a redraw keeps the focus and a selection
+      in the diff editor, the Open Chat shortcut, Escape (also before the view reported its focus); Stop /
+      Cancel in the command palette only while something runs; long lines wrap, Hebrew reads right to left; a redraw keeps the focus and a selection
       in the turns it did not change; the input's label and the live region; a call waiting for a decision said in
       the turn, the live region and the activity bar's badge; a window reload while a review waits, the stopped
-      turns kept through it; Retry on a stopped turn, the input's history on Up / Down, Ctrl+Enter /
-      Ctrl+Backspace on a request without a diff); screenshots land in .test-results/.
+      turns kept through it; Retry on a stopped turn and on a failed one, the input's history on Up / Down,
+      Ctrl+Enter / Ctrl+Backspace on a request without a diff); screenshots land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -278,7 +278,7 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     bad = [c for c in summary.get("checks", []) if not c["ok"]]
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     names = " | ".join(c["name"] for c in summary["checks"])
-    assert len(summary["checks"]) == 18, names
+    assert len(summary["checks"]) == 19, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
                   "Stop a running turn", "hidden and shown again while it waits",
@@ -290,7 +290,8 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
                   "the window reloaded while a review waits", "its stopped turns in place (marked, with Retry)",
                   "Retry on a stopped turn", "not the selection in the editor now", "Edit puts a message back into the input",
                   "input history: Up on the first line", "Down goes back to the draft", "kept when the chat is hidden and shown again",
-                  "without a diff (shout, policy ask)", "Ctrl+Enter in the input accepts"):
+                  "without a diff (shout, policy ask)", "Ctrl+Enter in the input accepts",
+                  "also before the view has reported its focus", "Retry on a failed turn", "the failed turn stays in its place"):
         assert topic in names, f"missing browser check about {topic!r}: {names}"
     for shot in ("chat.png", "diff-review.png", "chat-final.png"):
         png = shots / shot

@@ -143,8 +143,17 @@
   input.addEventListener('keydown', (e) => {
     if (e.key === 'ArrowUp' || e.key === 'ArrowDown') recall(e);
     else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }
-    else if (e.key === 'Escape' && running) { e.preventDefault(); vscode.postMessage({ type: 'stop' }); }
   });
+  // Escape anywhere in the chat stops the running turn, handled here: the keybinding (its `when` needs
+  // the focus this view reports, a round trip through the extension host) would miss the keys pressed
+  // before that report arrived, right after the view is opened or focused by a command; not passed on
+  // to the workbench, whose keybinding would stop it a second time
+  document.addEventListener('keydown', (e) => {
+    if (e.key !== 'Escape' || !running || e.isComposing || e.altKey || e.ctrlKey || e.metaKey || e.shiftKey) return;
+    e.preventDefault();
+    e.stopPropagation();
+    vscode.postMessage({ type: 'stop' });
+  }, true);
   input.addEventListener('input', () => vscode.setState({ ...vscode.getState(), draft: input.value }));
   /** Answers a call waiting for a decision with one of its card's buttons. */
   function decide(b) {
@@ -192,8 +201,8 @@
   });
   // the view focused (Open Chat, the status bar, a keybinding): the cursor goes to the input, as
   // in the editor's own chat, unless something in the view already has it; and the extension
-  // learns where the keyboard focus is, for the view's keybindings (Escape stops a running turn):
-  // the workbench's focusedView does not follow the focus into a webview
+  // learns where the keyboard focus is, for the view's keybindings (Escape, which the view also
+  // handles itself, see above): the workbench's focusedView does not follow the focus into a webview
   const focused = (f) => vscode.postMessage({ type: 'focus', focused: f });
   const onFocus = () => {
     const a = document.activeElement;
@@ -203,5 +212,5 @@
   window.addEventListener('focus', onFocus);
   window.addEventListener('blur', () => focused(false));
   if (document.hasFocus()) onFocus();
-  vscode.postMessage({ type: 'ready' });
+  vscode.postMessage({ type: 'ready', mod: MOD });   // the cards' tooltips name the same modifier
 })();

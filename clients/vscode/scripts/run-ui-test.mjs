@@ -8,7 +8,7 @@
 // picker, picks a model, opens the chat with its shortcut and stops a running turn (Stop, Escape);
 // Stop and Cancel show in the command palette only while a turn runs; long lines wrap, Hebrew is right to left;
 // a redraw while a turn streams keeps the focus and a selection in earlier turns; the input's label and the live region;
-// Retry (and Edit) on a stopped turn, the input's history (Up / Down), Ctrl+Enter / Ctrl+Backspace on a request without a
+// Retry (and Edit) on a stopped turn, Retry on a failed one, the input's history (Up / Down), Ctrl+Enter / Ctrl+Backspace on a request without a
 // diff, and the stopped turns kept through a window reload.
 // Screenshots go to --out.
 // Prints one JSON summary on stdout. Exit: 0 all checks passed, 1 a check failed, 3 harness error.
@@ -108,6 +108,7 @@ async function main() {
           edit('This edit waits through a reload.', 'src/util.py', 'return a + b', 'return a + b + 0'),
         ], 14, 60),
         slow: scripted({ text: 'too late', delayMs: 120000 }, { text: 'too late again', delayMs: 120000 }),
+        flaky: scripted({ error: 'the model is down' }, { text: 'Up again: retried.' }),   // a turn that fails, then its Retry
       },
       defaultModel: 'chatty',
       stateDir: path.join(W, 'state'),
@@ -465,7 +466,7 @@ async function main() {
     expect(status.includes('slow · Explain the plan for'), `status bar: ${status}`);
   });
 
-  await check('keyboard only: Open Chat from the editor puts the cursor in the chat input (its shortcut, Ctrl+Shift+Alt+/); Enter sends; Escape in the editor leaves the turn running, Escape in the chat view (on its Stop button, not the input) stops it', async () => {
+  await check('keyboard only: Open Chat from the editor puts the cursor in the chat input (its shortcut, Ctrl+Shift+Alt+/); Enter sends; Escape in the editor leaves the turn running, Escape in the chat view (on its Stop button, not the input) stops it, also before the view has reported its focus', async () => {
     const editorFocused = () => waitFor('the editor focused', () => evalIn(`!!document.activeElement?.closest('.editor-instance')`), 10000);
     const openChat = async () => {
       await key('?', 'Slash', 191, { modifiers: 2 | 1 | 8 });   // Ctrl+Shift+Alt+/
@@ -490,6 +491,10 @@ async function main() {
     await openChat();
     await key('Tab', 'Tab', 9);
     await waitFor('the Stop button focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'stop'`), 5000);
+    // the extension told that the chat has no focus, as it is before the view's focus report arrives (right
+    // after it is opened, or focused by a command): Escape in the chat stops the turn all the same
+    await inWeb(`dispatchEvent(new FocusEvent('blur')); document.hasFocus()`);
+    await sleep(1000);
     await key('Escape', 'Escape', 27);
     await turnDone();
     expect(await lastTurn(`t.querySelector('.note')?.textContent`) === 'Stopped.', 'Escape stopped the turn');
@@ -668,6 +673,30 @@ async function main() {
     const done = await lastTurn(`({ card: t.querySelector('details.tool summary').textContent, prose: [...t.querySelectorAll('.prose')].map((p) => p.textContent.trim()) })`);
     expect(JSON.stringify(done) === JSON.stringify({ card: '✓ shout yes', prose: ['Shouting again.', 'Shouted.'] }), `accepted, the second round answered: ${JSON.stringify(done)}`);
     expect(await turnCount() === turns && await inputValue() === '', 'Ctrl+Enter sent nothing');
+  });
+  await check('Retry on a failed turn (the model failed: an error, not a stop) sends the same message again as a new turn that answers; the failed turn stays in its place, marked, with its error and Retry', async () => {
+    await webClick('#model');
+    await quickPickChoose('flaky', 'flaky');
+    await waitFor('model in the header', () => inWeb(`document.getElementById('model').textContent === 'flaky'`), 10000);
+    await type('Fail, then retry');
+    await submit();
+    await turnDone();
+    const failed = () => inWeb(`JSON.stringify([...document.querySelectorAll('section.turn.failed')].map((t) => [t.querySelector('.user').textContent,
+      t.querySelector('.error')?.textContent.includes('the model is down') ?? false, !!t.querySelector('button[data-action=retry]')]))`);
+    const marked = JSON.stringify([['Fail, then retry', true, true]]);
+    expect(await failed() === marked, `the failed turn: ${await failed()}`);
+    expect(await inWeb(`document.getElementById('status').textContent`) === 'Turn failed.', 'the live region says the turn failed');
+    const before = await turnCount();
+    await webClick('section.turn.failed button[data-action=retry]');
+    await waitFor('the retried turn starts', async () => (await turnCount()) === before + 1, 10000);
+    await turnDone();
+    const last = await lastTurn(`({ user: t.querySelector('.user').textContent, failed: t.classList.contains('failed'), prose: t.querySelector('.prose')?.textContent.trim() })`);
+    expect(JSON.stringify(last) === JSON.stringify({ user: 'Fail, then retry', failed: false, prose: 'Up again: retried.' }), `the retried turn: ${JSON.stringify(last)}`);
+    expect(await failed() === marked, `the failed turn stays, marked, with its Retry: ${await failed()}`);
+    expect(await inWeb(`[...document.querySelectorAll('section.turn')].at(-2).classList.contains('failed')`), 'the failed turn is just before the retried one');
+    await webClick('#model');
+    await quickPickChoose('default', '(default)');
+    await waitFor('model back to the default', () => inWeb(`document.getElementById('model').textContent === 'default model'`), 10000);
   });
   await check('the window reloaded while a review waits: the chat comes back with its conversation, its stopped turns in place (marked, with Retry), and the draft in its input (Up recalls the newest message, Down the draft); the interrupted call, if the server recorded it, says its request failed in words; no diff editor is left, util.py untouched', async () => {
     const stoppedTurns = () => inWeb(`JSON.stringify([...document.querySelectorAll('section.turn')].map((t, i) => [i, t.querySelector('.user').textContent,

@@ -515,11 +515,15 @@ function label(name: string, cut?: boolean): string {
   return `<div class="label">${name}${cut ? ` <span class="cut">(the first ${SUMMARY_LIMIT} characters)</span>` : ''}</div>`;
 }
 
-export function cardHtml(card: ToolCard): string {
+/** The modifier key of the chat's shortcuts as the user's keyboard names it: Cmd on macOS (the webview says which). */
+export type KeyMod = 'Ctrl' | 'Cmd';
+
+/** A tool card; `mod`: the modifier its buttons' tooltips name. */
+export function cardHtml(card: ToolCard, mod: KeyMod = 'Ctrl'): string {
   const ask = card.ask
     ? `<div class="ask">`
-      + `<button class="accept" data-action="decide" data-decision="allow_once" data-call="${escapeHtml(card.callId)}" title="Accept (Ctrl+Enter in the chat)" aria-keyshortcuts="Control+Enter Meta+Enter">Accept</button>`
-      + `<button class="reject secondary" data-action="decide" data-decision="deny_once" data-call="${escapeHtml(card.callId)}" title="Reject (Ctrl+Backspace in the chat, outside the input)" aria-keyshortcuts="Control+Backspace Meta+Backspace">Reject</button>`
+      + `<button class="accept" data-action="decide" data-decision="allow_once" data-call="${escapeHtml(card.callId)}" title="Accept (${mod}+Enter in the chat)" aria-keyshortcuts="Control+Enter Meta+Enter">Accept</button>`
+      + `<button class="reject secondary" data-action="decide" data-decision="deny_once" data-call="${escapeHtml(card.callId)}" title="Reject (${mod}+Backspace in the chat, outside the input)" aria-keyshortcuts="Control+Backspace Meta+Backspace">Reject</button>`
       + `<button class="always secondary" data-action="decide" data-decision="allow_always" data-call="${escapeHtml(card.callId)}">Always for this branch</button>`
       + (card.ask.diff ? `<button class="show-diff link" data-action="showDiff" data-call="${escapeHtml(card.callId)}">Show diff</button>` : '')
       + `</div>` : '';
@@ -536,10 +540,10 @@ export function cardHtml(card: ToolCard): string {
     + `${label('arguments', card.argsCut)}<pre class="args">${escapeHtml(pretty(card.args, card.argsCut))}</pre>${output}</details>${ask}`;
 }
 
-export function turnHtml(t: Turn, index: number): string {
+export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
   const chips = t.contextLabels.map((l) => `<span class="chip${l.startsWith('#') ? ' missing' : ''}">${escapeHtml(l)}</span>`).join('');
   const items = t.items.map((it) => (it.kind === 'prose'
-    ? `<div class="prose">${renderMarkdown(it.text)}</div>` : cardHtml(it.card))).join('');
+    ? `<div class="prose">${renderMarkdown(it.text)}</div>` : cardHtml(it.card, mod))).join('');
   // a call waiting for the user's decision: the turn says so (not "working…")
   const waiting = t.items.some((it) => it.kind === 'tool' && !!it.card.ask);
   const running = !t.running ? '' : waiting
@@ -561,10 +565,10 @@ export function turnHtml(t: Turn, index: number): string {
     + `<div class="assistant">${items}${running}${note}${error}${usage}${retry}</div></section>`;
 }
 
-/** The conversation as the HTML of its parts, one per turn (the chat view replaces only the parts that changed). */
-export function conversationParts(turns: Turn[]): string[] {
+/** The conversation as the HTML of its parts, one per turn (the chat view replaces only the parts that changed); `mod`: see cardHtml. */
+export function conversationParts(turns: Turn[], mod: KeyMod = 'Ctrl'): string[] {
   if (!turns.length) return ['<div class="empty">Ask about your code. Use <code>#file</code>, <code>#selection</code> or <code>#problems</code> to add context.</div>'];
-  return turns.map(turnHtml);
+  return turns.map((t, i) => turnHtml(t, i, mod));
 }
 
 export function conversationHtml(turns: Turn[]): string {

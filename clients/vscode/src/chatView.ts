@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  cardOfToolEvent, cardTitle, conversationParts, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, ToolCard, Turn,
+  cardOfToolEvent, cardTitle, conversationParts, KeyMod, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, ToolCard, Turn,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
@@ -115,6 +115,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private lastProse = '';
   /** Reloads of the branch from the server (for the tests). */
   private loads = 0;
+  /** The modifier the user's keyboard names (the webview says it when it starts): the cards' tooltips name it. */
+  private keyMod: KeyMod = 'Ctrl';
   /**
    * The HTML of each part of the conversation as last posted to the webview: a redraw posts only
    * the parts that changed (a long chat costs no more per update than a short one). Cleared when
@@ -160,7 +162,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private async onMessage(m: { type: string; [k: string]: unknown }): Promise<void> {
     try {
       switch (m.type) {
-        case 'ready': this.sentParts = []; await this.refresh(); this.ready.fire(); break;
+        case 'ready': this.keyMod = m.mod === 'Cmd' ? 'Cmd' : 'Ctrl'; this.sentParts = []; await this.refresh(); this.ready.fire(); break;
         case 'send': if (typeof m.text === 'string' && m.text.trim()) void this.send(m.text).catch(() => undefined); break;
         case 'retry': void this.retry(String(m.id)).catch(() => undefined); break;
         case 'stop': this.stop(); break;
@@ -195,7 +197,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   /** Sends the conversation's turns that changed since the last post (structure changes); prose deltas go through `stream`. */
   render(): void {
     const turns = this.live ? [...this.turns, this.live.turn] : this.turns;
-    const all = conversationParts(turns);
+    const all = conversationParts(turns, this.keyMod);
     // only the parts that changed since the last post (by index); `count` drops the ones after
     const parts: Record<number, string> = {};
     let chars = 0;

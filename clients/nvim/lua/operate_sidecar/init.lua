@@ -310,6 +310,12 @@ M.PLUGS = {
   ['<Plug>(operate-sidecar-permission)'] = { 'n', function()
     require('operate_sidecar.permission').focus()
   end },
+  ['<Plug>(operate-sidecar-retry)'] = { 'n', function()
+    require('operate_sidecar.chat').retry()
+  end },
+  ['<Plug>(operate-sidecar-edit-again)'] = { 'n', function()
+    require('operate_sidecar.chat').edit_again()
+  end },
 }
 
 return M

@@ -220,6 +220,18 @@ test('a failed or stopped turn offers Retry (a labelled button, by the turn\'s i
   assert.ok(ask.includes('aria-keyshortcuts="Control+Enter Meta+Enter">Accept</button>') && ask.includes('aria-keyshortcuts="Control+Backspace Meta+Backspace">Reject</button>'), ask);
 });
 
+test('the Accept / Reject tooltips name the modifier the user\'s keyboard has: Ctrl, Cmd on macOS (the webview says which), through the whole conversation', () => {
+  const card: ToolCard = { callId: 'c', tool: 'shout', args: { text: 'x' }, state: 'ask', ask: { diff: false } };
+  const titles = (html: string) => [...html.matchAll(/title="([^"]*)" aria-keyshortcuts/g)].map((m) => m[1]);
+  assert.deepEqual(titles(cardHtml(card)), ['Accept (Ctrl+Enter in the chat)', 'Reject (Ctrl+Backspace in the chat, outside the input)']);
+  assert.deepEqual(titles(cardHtml(card, 'Cmd')), ['Accept (Cmd+Enter in the chat)', 'Reject (Cmd+Backspace in the chat, outside the input)']);
+  const turns: Turn[] = [{ user: 'go', contextLabels: [], items: [{ kind: 'tool', card }], running: true }];
+  assert.deepEqual(titles(conversationParts(turns, 'Cmd')[0]), titles(cardHtml(card, 'Cmd')));
+  assert.deepEqual(titles(conversationHtml(turns)), titles(cardHtml(card)));
+  // the keys themselves are the same on every platform (the view takes either modifier)
+  assert.ok(cardHtml(card, 'Cmd').includes('aria-keyshortcuts="Control+Enter Meta+Enter">Accept</button>'));
+});
+
 test('local turns are stored per chat (kept through a window reload), with the context Retry sends again; bounded per chat and by chats', () => {
   const turn = (user: string): LocalTurn => ({ turn: { user, contextLabels: ['src/a.py'], items: [], outcome: 'failed', error: 'x', id: user }, at: 2, recorded: false,
     context: { labels: ['src/a.py'], file: { file: 'src/a.py', text: 'print(1)\n' } } });
