@@ -367,7 +367,7 @@ def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None
     if env is not None:  # added to this process's environment, as the sidecar marker's env is
         env = {**os.environ, **env}
     runner = replay(path, server, scripted=scripted, step_timeout=step_timeout or DEFAULT_STEP_TIMEOUT_S,
-                    env=env, cwd=cwd)
+                    env=env, cwd=cwd, timeout_option="pass step_timeout=S")
     if runner.failed:
         report = format_report(runner, os.fspath(path))
         if runner.stderr_tail:

@@ -72,10 +72,12 @@ def tool_title(tool: str, args: dict[str, Any]) -> str:
     pattern = args.get("pattern") if isinstance(args.get("pattern"), str) else None
     verb = TOOL_VERBS.get(tool)
     if verb is None:
-        return f"{tool} {path}" if path else f"{tool} {pattern!r}" if pattern is not None else tool
+        what = path or (repr(pattern) if pattern is not None else "")
+        return f"{tool} {what}" if what else tool
     if tool == "search_text":
-        return f"{verb} {pattern!r}" + (f" in {path}" if path and path != "." else "") if pattern is not None \
-            else verb
+        if pattern is None:
+            return verb
+        return f"{verb} {pattern!r}" + (f" in {path}" if path and path != "." else "")
     if tool == "list_dir":
         return f"{verb} {path or '.'}"
     offset = args.get("offset") if tool == "read_file" else None

@@ -226,8 +226,7 @@ def message_of(value: Any) -> str:
             from operate_sidecar.server.core.parse import extract_json  # the pipeline's (fences, repair)
 
             parsed = extract_json(value)
-            if isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
-                return parsed["message"]
-            return value.strip()
+            msg = parsed.get("message") if isinstance(parsed, dict) else None
+            return msg if isinstance(msg, str) else value.strip()
         return r.emitted
     return ""

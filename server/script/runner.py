@@ -714,7 +714,7 @@ def format_report(runner: Runner, path: str = "script") -> str:
 
 def replay(path: str | os.PathLike[str], server_argv: list[str] | None = None, *, scripted: bool = False,
            step_timeout: float = DEFAULT_STEP_TIMEOUT_S, env: dict[str, str] | None = None,
-           cwd: str | None = None, out: Any = None, timeout_option: str = "pass step_timeout=S") -> Runner:
+           cwd: str | None = None, out: Any = None, timeout_option: str = "run with --timeout S") -> Runner:
     """Load and run a script; stream one line per step to ``out`` (when given). ``timeout_option``
     says how the caller sets ``step_timeout``, in the hint of a request step that timed out."""
     script = load_script(path)

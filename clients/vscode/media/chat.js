@@ -144,33 +144,33 @@
     if (e.key === 'ArrowUp' || e.key === 'ArrowDown') recall(e);
     else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }
   });
-  // Escape anywhere in the chat stops the running turn, handled here: the keybinding (its `when` needs
-  // the focus this view reports, a round trip through the extension host) would miss the keys pressed
-  // before that report arrived, right after the view is opened or focused by a command; not passed on
-  // to the workbench, whose keybinding would stop it a second time
-  document.addEventListener('keydown', (e) => {
-    if (e.key !== 'Escape' || !running || e.isComposing || e.altKey || e.ctrlKey || e.metaKey || e.shiftKey) return;
-    e.preventDefault();
-    e.stopPropagation();
-    vscode.postMessage({ type: 'stop' });
-  }, true);
   input.addEventListener('input', () => vscode.setState({ ...vscode.getState(), draft: input.value }));
   /** Answers a call waiting for a decision with one of its card's buttons. */
   function decide(b) {
     b.closest('.ask')?.querySelectorAll('button').forEach((x) => (x.disabled = true));
     vscode.postMessage({ type: 'decide', callId: b.dataset.call, decision: b.dataset.decision });
   }
-  // the keys of a call waiting for a decision, anywhere in the chat (the diff editor's own, for any
-  // request, with a diff or without): Ctrl+Enter accepts the first waiting call, Ctrl+Backspace rejects
-  // it, except in the input, where it deletes a word as everywhere (Tab reaches the card's buttons)
+  // The chat's own keys, anywhere in its page, handled here and not passed on to the workbench:
+  // - Escape stops the running turn (the keybinding's `when` needs the focus this view reports, a
+  //   round trip through the extension host, so it would miss a key pressed right after the view was
+  //   opened or focused by a command; passed on, the keybinding would stop it a second time);
+  // - for a call waiting for a decision (the diff editor's keys, for any request, with a diff or
+  //   without): Ctrl+Enter accepts the first waiting call, Ctrl+Backspace rejects it, except in the
+  //   input, where it deletes a word as everywhere (Tab reaches the card's buttons).
   document.addEventListener('keydown', (e) => {
-    if (!(e.ctrlKey || e.metaKey) || e.altKey || e.shiftKey || e.isComposing) return;
-    const decision = e.key === 'Enter' ? 'allow_once' : e.key === 'Backspace' && e.target !== input ? 'deny_once' : '';
-    const b = decision && log.querySelector(`.ask button[data-decision="${decision}"]:not(:disabled)`);
-    if (!b) return;
+    if (e.altKey || e.shiftKey || e.isComposing) return;
+    const mod = e.ctrlKey || e.metaKey;
+    let act;
+    if (e.key === 'Escape' && !mod && running) act = () => vscode.postMessage({ type: 'stop' });
+    else if (mod) {
+      const decision = e.key === 'Enter' ? 'allow_once' : e.key === 'Backspace' && e.target !== input ? 'deny_once' : '';
+      const b = decision && log.querySelector(`.ask button[data-decision="${decision}"]:not(:disabled)`);
+      if (b) act = () => decide(b);
+    }
+    if (!act) return;
     e.preventDefault();
     e.stopPropagation();
-    decide(b);
+    act();
   }, true);
   log.addEventListener('toggle', (e) => {
     const d = e.target;

@@ -1048,18 +1048,19 @@ function M.open(branch, stay)
   return chat
 end
 
+-- The chat whose transcript or prompt buffer `b` is, if any.
+local function chat_of_buf(b)
+  for _, c in pairs(chats) do
+    if c.buf == b or c.prompt_buf == b then
+      return c
+    end
+  end
+end
+
 --- The chat shown in this tab, or the current branch's.
 function M.current()
   local w = M.window() or M.prompt_window()
-  if w then
-    local b = api.nvim_win_get_buf(w)
-    for _, c in pairs(chats) do
-      if c.buf == b or c.prompt_buf == b then
-        return c
-      end
-    end
-  end
-  return (M.get(tab_branch()))
+  return w and chat_of_buf(api.nvim_win_get_buf(w)) or M.get(tab_branch())
 end
 
 --- The prompt text (the prompt buffer's lines).
@@ -1430,13 +1431,8 @@ end
 --- text. The text being typed is kept and comes back past the newest message.
 function M.recall(step)
   local b = api.nvim_get_current_buf()
-  local chat
-  for _, c in pairs(chats) do
-    if c.prompt_buf == b then
-      chat = c
-    end
-  end
-  if not chat then
+  local chat = chat_of_buf(b)
+  if not chat or chat.prompt_buf ~= b then
     return
   end
   local sent, r = M.sent(chat), chat.recall
