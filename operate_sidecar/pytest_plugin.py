@@ -17,6 +17,9 @@ Fixtures:
 - ``sidecar_script``: ``sidecar_script("session.jsonl", scripted=False)`` runs a session script
   against a fresh sidecar and fails the test with the replay report if any step fails.
 
+An unknown option (of the marker, the ``sidecar_options`` fixture or ``sidecar_script``) fails
+the test naming it, with the option it is closest to (``setings (did you mean settings?)``).
+
 Tests that use ``sidecar`` are ``async def`` tests run by pytest-asyncio (mark them
 ``@pytest.mark.asyncio``). Nothing heavy is imported until a fixture is used.
 """
@@ -24,7 +27,7 @@ Tests that use ``sidecar`` are ``async def`` tests run by pytest-asyncio (mark t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import pytest
 
@@ -53,6 +56,18 @@ def _refuse(message: str) -> None:
     pytest.fail(message, pytrace=False)
 
 
+def _unknown_options(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """``unknown option(s) setings (did you mean settings?)``, as a script's misspelt step field is
+    named; the known names too when one of the unknown is close to none of them."""
+    from operate_sidecar.server.script.matcher import did_you_mean, misspelt
+
+    known, unknown = sorted(known), sorted(unknown)
+    text = "unknown option(s) " + ", ".join(misspelt(name, known) for name in unknown)
+    if any(did_you_mean(name, known) is None for name in unknown):
+        text += f"; known: {', '.join(known)}"
+    return text
+
+
 def _check_options(options: Any) -> None:
     """Refuse, by name, options of the wrong type or unknown ones, before any sidecar starts (a
     wrong type failed deep inside the start-up, or after it with the sidecar left running)."""
@@ -60,8 +75,7 @@ def _check_options(options: Any) -> None:
         _refuse(f"sidecar options must be a dict of keywords, got {type(options).__name__}")
     unknown = set(options) - _OPTION_KEYS
     if unknown:
-        _refuse(f"sidecar marker: unknown option(s) {', '.join(sorted(unknown))}; "
-                                f"known: {', '.join(sorted(_OPTION_KEYS))}")
+        _refuse(f"sidecar marker: {_unknown_options(unknown, _OPTION_KEYS)}")
 
     def bad(key: str, want: str) -> None:
         _refuse(f"sidecar marker: {key} must be {want}, got {options[key]!r}")
@@ -198,13 +212,20 @@ def sidecar_script(request: pytest.FixtureRequest) -> Any:
     """``sidecar_script(path, scripted=False, server=None, step_timeout=None, env=None)``: run a
     session script against a fresh sidecar; a failing step fails the test with the report. A
     relative ``path`` is found beside the test file first, then from the working directory."""
+    import inspect
+
     from operate_sidecar.server.script.runner import ScriptError
     from operate_sidecar.testing import run_session_script
 
     here = Path(str(request.node.path)).parent
+    options = [name for name, p in inspect.signature(run_session_script).parameters.items()
+               if p.kind is p.KEYWORD_ONLY]
 
     def run(path: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
+        unknown = set(kwargs) - set(options)
+        if unknown:  # a TypeError from run_session_script, under the plugin's frames, said only the name
+            _refuse(f"sidecar_script: {_unknown_options(unknown, options)}")
         given = Path(path)
         if not given.is_absolute() and (here / given).is_file():
             path = here / given  # beside the test file: pytest may run from any directory

@@ -359,7 +359,7 @@ def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None
                        env: dict[str, str] | None = None, cwd: str | None = None) -> list[Any]:
     """Run a session script (``operate-sidecar replay``) against a fresh sidecar; raises
     :class:`ScriptFailed` (an ``AssertionError``) whose message lists every step, the failing
-    ones with the JSON path of the first difference. ``env`` is added to this process's
+    ones with the JSON path of each difference (the first few). ``env`` is added to this process's
     environment. Returns the step results."""
     from operate_sidecar.server.script.runner import DEFAULT_STEP_TIMEOUT_S, format_report, replay
 

@@ -5,7 +5,8 @@ subsets (keys the pattern does not name are ignored), arrays match element by el
 (same length), ``"*"`` matches anything (including a missing key), and anything else must
 be equal (``1`` and ``1.0`` are equal, ``true`` and ``1`` are not). :func:`first_mismatch`
 returns the smallest difference: the JSON path of the first place where they part,
-what was expected there and what came.
+what was expected there and what came; :func:`mismatches` every difference, in the pattern's
+order, and :func:`describe_mismatches` says them in one line.
 
 ``"${name}"`` is a saved value: a string that is exactly ``"${name}"`` becomes the saved
 value itself (any JSON type); a reference inside a longer string is replaced by the
@@ -19,13 +20,15 @@ import difflib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 ANY = "*"
 _MISSING = object()
 _REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_.-]*)\}")
 #: ``$${`` (a literal ``${``) or a reference, scanned left to right
 _ESCAPED_OR_REF = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_.-]*)\}")
+#: how many differences :func:`describe_mismatches` names (then "and N more")
+SHOWN_MISMATCHES = 5
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,10 @@ class Mismatch:
     got: Any           # ``MISSING`` when the key is absent
     why: str = ""
 
-    def describe(self) -> str:
-        got = "(missing)" if self.got is _MISSING else short(self.got)
-        expected = "(nothing)" if self.expected is _MISSING else short(self.expected)  # an extra array item
+    def describe(self, limit: int = 160) -> str:
+        """``at PATH: expected X, got Y`` (each value at most ``limit`` characters)."""
+        got = "(missing)" if self.got is _MISSING else short(self.got, limit)
+        expected = "(nothing)" if self.expected is _MISSING else short(self.expected, limit)  # an extra array item
         text = f"at {self.path}: expected {expected}, got {got}"
         return f"{text} ({self.why})" if self.why else text
 
@@ -57,6 +61,12 @@ def did_you_mean(word: Any, choices: Iterable[str]) -> str | None:
     """The one of ``choices`` a misspelt name is closest to (``expcet``: ``expect``), if any is close."""
     close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
     return close[0] if close else None
+
+
+def misspelt(name: Any, known: Iterable[str]) -> str:
+    """An unknown name, with the known one it is closest to: ``expcet (did you mean expect?)``."""
+    meant = did_you_mean(name, known)
+    return f"{name} (did you mean {meant}?)" if meant else str(name)
 
 
 def _key_path(path: str, key: str) -> str:
@@ -81,40 +91,52 @@ def _type(v: Any) -> str:
     return type(v).__name__
 
 
-def first_mismatch(pattern: Any, value: Any, path: str = "$") -> Mismatch | None:
-    """``None`` when ``pattern`` matches ``value``, else the first difference."""
+def mismatches(pattern: Any, value: Any, path: str = "$") -> Iterator[Mismatch]:
+    """Every difference between ``pattern`` and ``value``, in the pattern's order (an object's keys
+    as the pattern names them, an array's items by index; of arrays of different lengths, the
+    items they share, then the first extra or missing one); none when the pattern matches."""
     if isinstance(pattern, str) and pattern == ANY:
-        return None
+        return
     if value is _MISSING:
-        return Mismatch(path, pattern, _MISSING)
-    if isinstance(pattern, dict):
+        yield Mismatch(path, pattern, _MISSING)
+    elif isinstance(pattern, dict):
         if not isinstance(value, dict):
-            return Mismatch(path, pattern, value, f"expected an object, got {_type(value)}")
+            yield Mismatch(path, pattern, value, f"expected an object, got {_type(value)}")
+            return
         for key, sub in pattern.items():
-            found = first_mismatch(sub, value.get(key, _MISSING), _key_path(path, key))
-            if found is not None:
-                return found
-        return None
-    if isinstance(pattern, list):
+            yield from mismatches(sub, value.get(key, _MISSING), _key_path(path, key))
+    elif isinstance(pattern, list):
         if not isinstance(value, list):
-            return Mismatch(path, pattern, value, f"expected an array, got {_type(value)}")
+            yield Mismatch(path, pattern, value, f"expected an array, got {_type(value)}")
+            return
         for i, (sub, item) in enumerate(zip(pattern, value)):
-            found = first_mismatch(sub, item, f"{path}[{i}]")
-            if found is not None:
-                return found
+            yield from mismatches(sub, item, f"{path}[{i}]")
         if len(pattern) != len(value):
             i = min(len(pattern), len(value))
+            why = f"expected {len(pattern)} items, got {len(value)}"
             if len(value) > len(pattern):
-                return Mismatch(f"{path}[{i}]", _MISSING, value[i],
-                                f"expected {len(pattern)} items, got {len(value)}")
-            return Mismatch(f"{path}[{i}]", pattern[i], _MISSING,
-                            f"expected {len(pattern)} items, got {len(value)}")
-        return None
-    if _type(pattern) != _type(value):
-        return Mismatch(path, pattern, value, f"expected a {_type(pattern)}, got a {_type(value)}")
-    if pattern != value:
-        return Mismatch(path, pattern, value)
-    return None
+                yield Mismatch(f"{path}[{i}]", _MISSING, value[i], why)
+            else:
+                yield Mismatch(f"{path}[{i}]", pattern[i], _MISSING, why)
+    elif _type(pattern) != _type(value):
+        yield Mismatch(path, pattern, value, f"expected a {_type(pattern)}, got a {_type(value)}")
+    elif pattern != value:
+        yield Mismatch(path, pattern, value)
+
+
+def first_mismatch(pattern: Any, value: Any, path: str = "$") -> Mismatch | None:
+    """``None`` when ``pattern`` matches ``value``, else the first difference."""
+    return next(mismatches(pattern, value, path), None)
+
+
+def describe_mismatches(found: list[Mismatch], shown: int = SHOWN_MISMATCHES) -> str:
+    """Differences in one line: one as :meth:`Mismatch.describe` says it; several counted, the
+    first ``shown`` of them (their values shorter), then how many more."""
+    if len(found) == 1:
+        return found[0].describe()
+    more = len(found) - shown
+    return (f"{len(found)} differences: " + "; ".join(m.describe(60) for m in found[:shown])
+            + (f"; and {more} more" if more > 0 else ""))
 
 
 def nearest(misses: list[tuple[int, Mismatch]]) -> tuple[int, Mismatch]:

@@ -4,7 +4,8 @@ A script is JSON Lines; each line is one step:
 
 - ``{"request": method, "params"?: {...}, "expect"?: {"result": M} | {"error": M}, "save"?: {name: path},
   "timeoutMs"?: n, "id"?: id, "wait"?: true, "cancelAfterModelCalls"?: n}``: send a request and
-  wait for its answer. Without ``expect`` any result passes (an error answer fails the step). One
+  wait for its answer. Without ``expect`` any result passes (an error answer fails the step); a
+  failing ``expect`` lists its differences (the first few, then how many more). One
   not answered in time is cancelled (``$/cancelRequest``) and fails naming the time-out to raise.
   ``save`` keeps values of the result for later steps. ``"wait": false`` sends it and goes on
   (so that a later step can cancel it by its ``id``); its answer is checked before
@@ -20,7 +21,8 @@ A script is JSON Lines; each line is one step:
   answer, so that later steps are sent only once it came, as they were).
 - ``{"notify": method, "params"?: {...}}``: send a notification.
 - ``{"expectNotification": method, "match"?: M, "timeoutMs"?: n, "save"?: {name: path}}``: wait
-  for a notification of that method, not matched by an earlier step, whose params match ``M``.
+  for a notification of that method, not matched by an earlier step, whose params match ``M``;
+  one that timed out names the nearest miss and, as a request does, the time-out to raise.
 - ``{"respond": method, "match"?: M, "result": {...}}`` (or ``"error": {"code", "message"}``): the
   standing answer to that server-to-client request from here on; with ``match``, only to those
   whose params match ``M`` (the latest standing answer that matches is given). A server-to-client
@@ -49,8 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn
 
-from .matcher import (Mismatch, PathError, UnknownName, did_you_mean, first_mismatch, get_path, nearest,
-                      notification_miss, short, substitute)
+from .matcher import (Mismatch, PathError, UnknownName, describe_mismatches, did_you_mean, first_mismatch, get_path,
+                      mismatches, misspelt, nearest, notification_miss, short, substitute)
 
 DEFAULT_STEP_TIMEOUT_S = 60.0
 #: expectNotification without timeoutMs: most notifications a script waits for came before the
@@ -161,7 +163,7 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
         unknown = sorted(set(obj) - _STEP_KEYS[kind])
         if unknown:
             raise ScriptError(f"{source}:{n}: unknown field(s) for a {kind} step: "
-                              + ", ".join(_misspelt(k, _STEP_KEYS[kind]) for k in unknown))
+                              + ", ".join(misspelt(k, _STEP_KEYS[kind]) for k in unknown))
         if kind == "request" and "expect" in obj:
             exp = obj["expect"]
             if not isinstance(exp, dict) or len(set(exp) & {"result", "error"}) != 1 or set(exp) - {"result", "error"}:
@@ -195,11 +197,6 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
     if not steps:  # an empty file (a recording of a session that sent nothing): it would pass checking nothing
         raise ScriptError(f"{source}: no steps: a session script has at least one step (one JSON object per line)")
     return Script(steps, models)
-
-
-def _misspelt(name: str, known: Iterable[str]) -> str:
-    meant = did_you_mean(name, known)
-    return f"{name} (did you mean {meant}?)" if meant else name
 
 
 def _not_json(text: str, error: json.JSONDecodeError) -> str:
@@ -417,7 +414,8 @@ class Runner:
         return [r for r in self.results if not r.ok]
 
     # ------------------------------------------------------------------ steps
-    def _timeout(self, step: Step) -> float:
+    def _timeout(self, step: Step, diverged: bool = True) -> float:
+        """How long ``step`` waits (``diverged=False``: as if no earlier step had failed)."""
         ms = step.data.get("timeoutMs")
         if ms:
             timeout = float(ms) / 1000.0
@@ -425,7 +423,7 @@ class Runner:
             timeout = min(self.step_timeout, DEFAULT_NOTIFICATION_TIMEOUT_S)
         else:
             timeout = self.step_timeout
-        if step.kind == "expectNotification" and self.failed:
+        if diverged and step.kind == "expectNotification" and self.failed:
             # the session has already gone another way: do not wait out every later notification
             timeout = min(timeout, DIVERGED_WAIT_S)
         return timeout
@@ -516,9 +514,9 @@ class Runner:
                 other = "error" if which == "result" else "result"
                 return StepResult(step, False, f"expected {which} {short(expect[which], 100)}, "
                                                 f"got {other} {short(got[other], 200)}", got=got)
-            mm = first_mismatch(expect[which], got[which], f"$.{which}")
-            if mm is not None:
-                return StepResult(step, False, mm.describe(), mismatch=mm, got=got)
+            found = list(mismatches(expect[which], got[which], f"$.{which}"))
+            if found:
+                return StepResult(step, False, describe_mismatches(found), mismatch=found[0], got=got)
             res = StepResult(step, True, f"{which} matched", got=got)
         problem = self._save(data.get("save"), got.get("result"))
         if problem:
@@ -534,12 +532,23 @@ class Runner:
                 self.client.cancel(msg_id)
             except OSError:  # its input is closed: it is exiting anyway
                 pass
+        return (f"no answer within {timeout:g} s, so it was cancelled ($/cancelRequest); "
+                f"{self._wait_longer(limit, timeout)}")
+
+    def _wait_longer(self, limit: Step, timeout: float) -> str:
+        """How to give a step that waited ``timeout`` s in vain (a request, an ``await``, an
+        ``expectNotification``) longer: the ``timeoutMs`` of ``limit`` (the step whose time-out it
+        was), or the option that sets the step time-out (``timeout_option``) when that is what
+        limited it (an expectNotification without timeoutMs waits 10 s at most, however long that is)."""
+        if self._timeout(limit, diverged=False) > timeout:  # cut short: waiting longer would not help
+            return f"it waited {timeout:g} s only, as an earlier step failed (the session went another way)"
         ms = limit.data.get("timeoutMs")
         if ms:
-            longer = f'raise the "timeoutMs" ({ms:g})' + (f" of line {limit.line}" if limit.kind == "await" else "")
-        else:
-            longer = f'give the step a "timeoutMs" (milliseconds) or {self.timeout_option}'
-        return f"no answer within {timeout:g} s, so it was cancelled ($/cancelRequest); to wait longer, {longer}"
+            return f'to wait longer, raise the "timeoutMs" ({ms:g})' + (
+                f" of line {limit.line}" if limit.kind == "await" else "")
+        option = limit.kind != "expectNotification" or self.step_timeout < DEFAULT_NOTIFICATION_TIMEOUT_S
+        return 'to wait longer, give the step a "timeoutMs" (milliseconds)' + (
+            f" or {self.timeout_option}" if option else "")
 
     def _unanswered(self, reason: str) -> str:
         """Why a request got no answer once the client stopped reading the server's output."""
@@ -642,14 +651,16 @@ class Runner:
             if problem:
                 return StepResult(step, False, problem, got=params)
             return StepResult(step, True, "got " + short(params, 100), got=params)
-        gone = "" if self.client.proc.poll() is None else f"; the server exited (code {self.client.proc.returncode})"
+        # the server exited (waiting longer would not help), else how to wait longer
+        end = f"; the server exited (code {self.client.proc.returncode})" if self.client.proc.poll() is not None \
+            else "; " + self._wait_longer(step, timeout)
         # what came instead: the nearest of those no step took, and those earlier steps took (their lines)
         miss = notification_miss(pattern, [(params, self._matched.get(i)) for i, params in self._of(step.method)])
         if not near:
             expected = "any params" if pattern is None else short(pattern, 100)
             return StepResult(step, False, f"no {step.method} notification within {timeout:g} s"
-                                           f" (expected {expected}){'; ' + miss if miss else ''}{gone}")
-        return StepResult(step, False, f"no matching {step.method} within {timeout:g} s; {miss}{gone}",
+                                           f" (expected {expected}){'; ' + miss if miss else ''}{end}")
+        return StepResult(step, False, f"no matching {step.method} within {timeout:g} s; {miss}{end}",
                           mismatch=nearest(near)[1])
 
     def _respond(self, step: Step, data: dict) -> StepResult:

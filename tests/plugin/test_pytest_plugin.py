@@ -496,7 +496,7 @@ def test_marker_options_of_the_wrong_type_are_refused_by_name_before_a_sidecar_s
                     "timeout must be a number of seconds above 0, got 'abc'",
                     "env must be a dict of strings to strings, got ['A=1']",
                     "settings must be a dict, got 'models.toml'",
-                    "unknown option(s) setings; known: args,",
+                    "unknown option(s) setings (did you mean settings?)",
                     "options are keywords (settings=..., args=[...]), got positional ({'settings': {}},)",
                     "sidecar options must be a dict of keywords, got str"]:
         assert message in text, message + "\n" + text
@@ -538,6 +538,55 @@ def test_a_script_that_is_missing_or_malformed_fails_with_what_and_where_and_no_
     assert "sidecar_script: the script holds no recorded model turns (record it with --record)" in text, text
     assert text.count(" - Failed: side") == 3, text  # the message alone
     assert "def parse_script" not in text and "runner.py" not in text and "During handling" not in text, text
+
+
+MISSPELT_OPTION_TESTS = '''
+import pytest
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(setings={}, timout=5)
+async def test_marker_misspelt(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(verbose=True)
+async def test_marker_unknown(sidecar):
+    pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sidecar_options", [{"capabilites": {"toolPermission": True}}], indirect=True)
+async def test_parametrized_misspelt(sidecar):
+    pass
+
+
+def test_script_misspelt_option(sidecar_script):
+    sidecar_script("good.jsonl", step_timout=5)
+
+
+def test_script_unknown_option(sidecar_script):
+    sidecar_script("good.jsonl", verbose=True)
+'''
+
+
+def test_misspelt_marker_and_fixture_options_are_named_with_the_name_they_are_closest_to(tmp_path):
+    """A misspelt option of the marker, of an indirect parametrization or of ``sidecar_script`` was
+    named with the whole list of options (the marker's) or as a TypeError from deep in the plugin
+    (``sidecar_script``), while a misspelt step field in a script got "did you mean": all of them get
+    it now, from the same helper, and the known names when nothing is close."""
+    text = run_tests_file(tmp_path, "test_misspelt.py", MISSPELT_OPTION_TESTS)
+    assert "2 failed, 3 errors" in text, text
+    for message in ["sidecar marker: unknown option(s) setings (did you mean settings?), timout (did you mean "
+                    "timeout?)\n",
+                    "sidecar marker: unknown option(s) verbose; known: args, capabilities, client_info, env, "
+                    "initialize, settings, timeout, workspace_folders\n",
+                    "sidecar marker: unknown option(s) capabilites (did you mean capabilities?)\n",
+                    "sidecar_script: unknown option(s) step_timout (did you mean step_timeout?)\n",
+                    "sidecar_script: unknown option(s) verbose; known: cwd, env, scripted, server, step_timeout\n"]:
+        assert message in text, message + "\n" + text
+    assert text.count(" - Failed") == 5 and "TypeError" not in text and "def run(" not in text, text  # no traceback
 
 
 LATE_ANSWER_TESTS = '''

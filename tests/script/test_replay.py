@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from operate_sidecar.server.script.matcher import escape, first_mismatch, get_path, substitute
+from operate_sidecar.server.script.matcher import (describe_mismatches, escape, first_mismatch, get_path, mismatches,
+                                                   substitute)
+from operate_sidecar.server.script.runner import Runner, parse_script
 
 TIMEOUT = 120
 ANSWER = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
@@ -185,6 +187,74 @@ def test_a_longer_array_names_the_extra_item_not_an_internal_object():
     assert mm is not None and mm.describe() == 'at $.a[1]: expected (nothing), got {"x": 2} (expected 1 items, got 2)'
 
 
+def test_every_difference_is_described_in_the_patterns_order_with_short_values():
+    found = list(mismatches({"b": 1, "a": {"c": [1, 2]}, "d": "x" * 100, "e": "*", "f": 1},
+                            {"a": {"c": [1, 3, 4]}, "b": True, "d": "y", "e": None}))
+    assert [m.path for m in found] == ["$.b", "$.a.c[1]", "$.a.c[2]", "$.d", "$.f"]
+    assert first_mismatch({"b": 1, "a": {"c": [1, 2]}}, {"a": {"c": [1, 3, 4]}, "b": True}) == found[0]
+    assert describe_mismatches(found) == (
+        "5 differences: at $.b: expected 1, got true (expected a number, got a boolean); at $.a.c[1]: expected 2, "
+        "got 3; at $.a.c[2]: expected (nothing), got 4 (expected 2 items, got 3); at $.d: expected "
+        f'"{"x" * 58}…, got "y"; at $.f: expected 1, got (missing)')
+    assert describe_mismatches(found[:1]) == found[0].describe()  # one difference: as before
+    assert describe_mismatches(found, shown=2).endswith("; at $.a.c[1]: expected 2, got 3; and 3 more")
+
+
+def test_an_answer_that_differs_in_several_places_lists_its_differences_the_first_five_then_how_many_more(tmp_path):
+    """Only the first difference was shown, so a wrong expectation took one replay per wrong value:
+    every difference is listed (JSON path, expected, got) in the expectation's order, the first five,
+    then how many more."""
+    branch = {"branchId": "${b}", "name": "second", "messageCount": 1, "chatModel": "*", "usage": {"modelCalls": 2}}
+    steps = [{"request": "initialize"},
+             {"request": "createBranch", "params": {"name": "first"}, "save": {"b": "branchId"}},
+             {"request": "listBranches", "expect": {"result": {"branches": [branch]}}},
+             {"request": "listBranches", "expect": {"result": {"branches": [{
+                 **branch, "chatModel": "m", "usage": {"inputTokens": 1, "outputTokens": 2, "modelCalls": 3},
+                 "archived": True}]}}}]
+    out = replay(write_script(tmp_path / "many.jsonl", steps))
+    assert out.returncode == 1, out.stdout + out.stderr
+    at = "at $.result.branches[0]."
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert fails == [
+        f'FAIL line 3: request listBranches: 3 differences: {at}name: expected "second", got "first"; '
+        f"{at}messageCount: expected 1, got 0; {at}usage.modelCalls: expected 2, got 0",
+        f'FAIL line 4: request listBranches: 7 differences: {at}name: expected "second", got "first"; '
+        f'{at}messageCount: expected 1, got 0; {at}chatModel: expected "m", got "local"; '
+        f"{at}usage.inputTokens: expected 1, got 0; {at}usage.outputTokens: expected 2, got 0; and 2 more"], out.stdout
+
+
+def test_a_notification_that_does_not_come_in_time_says_how_to_wait_longer_as_a_request_does(tmp_path):
+    """An expectNotification that timed out named the nearest miss but not how to wait longer (a
+    timed-out request did): it names the same time-out to raise, its "timeoutMs" or --timeout (only
+    when that was shorter than the 10 s an expectNotification waits at most); a wait cut short
+    because an earlier step failed says so instead (raising its time-out would not help)."""
+    steps = [{"request": "initialize", "params": {"settings": {"models": {"m": scripted("hi")}}}, "timeoutMs": 20000},
+             {"request": "createBranch", "save": {"b": "branchId"}, "timeoutMs": 20000},
+             {"request": "operate", "params": {"branchId": "${b}", "instruction": "x", "skipValidation": True,
+                                               "workDoneToken": "w"}, "timeoutMs": 20000},
+             {"expectNotification": "$/progress", "match": {"token": "w", "value": {"kind": "nope"}}},
+             {"expectNotification": "toolEvent", "timeoutMs": 200},
+             {"expectNotification": "toolEvent", "timeoutMs": 5000}]
+    out = replay("--timeout", "0.3", write_script(tmp_path / "late.jsonl", steps))
+    assert out.returncode == 1, out.stdout + out.stderr
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 3, out.stdout
+    assert fails[0].startswith("FAIL line 4: expectNotification $/progress: no matching $/progress within 0.3 s; ")
+    assert 'unmatched, nearest at $.params.value.kind: expected "nope", got "' in fails[0], fails[0]
+    assert fails[0].endswith('"; to wait longer, give the step a "timeoutMs" (milliseconds) or run with --timeout S'), \
+        fails[0]
+    assert fails[1:] == [
+        "FAIL line 5: expectNotification toolEvent: no toolEvent notification within 0.2 s (expected any params); "
+        'to wait longer, raise the "timeoutMs" (200)',
+        "FAIL line 6: expectNotification toolEvent: no toolEvent notification within 1 s (expected any params); "
+        "it waited 1 s only, as an earlier step failed (the session went another way)"], out.stdout
+    # with the default --timeout (60 s) an expectNotification without timeoutMs waits 10 s: only its
+    # timeoutMs gives it longer
+    runner = Runner(parse_script([json.dumps(steps[3])]))
+    assert runner._wait_longer(runner.script.steps[0], 10) == \
+        'to wait longer, give the step a "timeoutMs" (milliseconds)'
+
+
 def test_failure_messages_read_well_for_extra_items_and_notifications_with_any_params(tmp_path):
     steps = [{"request": "initialize"},
              {"request": "createBranch"},
@@ -198,7 +268,7 @@ def test_failure_messages_read_well_for_extra_items_and_notifications_with_any_p
                                'got {"branchId": ')
     assert fails[0].endswith("(expected 0 items, got 1)")
     assert fails[1] == "FAIL line 4: expectNotification toolEvent: no toolEvent notification within 0.2 s " \
-                       "(expected any params)"
+                       '(expected any params); to wait longer, raise the "timeoutMs" (200)'
 
 
 def test_a_request_cancelled_after_its_model_call_started_is_cancelled_only_then(tmp_path):
@@ -216,7 +286,7 @@ def test_a_request_cancelled_after_its_model_call_started_is_cancelled_only_then
     out = replay(write_script(tmp_path / "c.jsonl", steps))
     fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
     assert fails == ["FAIL line 6: expectNotification $/progress: no $/progress notification within 0.3 s "
-                     "(expected any params)"], out.stdout + out.stderr
+                     '(expected any params); to wait longer, raise the "timeoutMs" (300)'], out.stdout + out.stderr
     bad = write_script(tmp_path / "b.jsonl", [{**steps[2], "id": None, "cancelAfterModelCalls": 0}])
     out = replay(bad)
     assert out.returncode == 2 and "b.jsonl:1: cancelAfterModelCalls must be a positive integer" in out.stderr
@@ -413,17 +483,18 @@ def test_a_notification_matched_by_earlier_steps_is_named_when_a_later_step_wait
     out = replay(write_script(tmp_path / "n.jsonl", steps))
     assert out.returncode == 1, out.stdout + out.stderr
     fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    longer = '; to wait longer, raise the "timeoutMs" (300)'
     assert fails[:3] == [
         'FAIL line 6: expectNotification toolEvent: no toolEvent notification within 0.3 s (expected {"event": "post"}); '
-        "1 that matches arrived but was matched by an earlier step (line 5)",
+        "1 that matches arrived but was matched by an earlier step (line 5)" + longer,
         "FAIL line 7: expectNotification toolEvent: no toolEvent notification within 0.3 s (expected any params); "
-        "2 arrived, all matched by earlier steps (lines 4, 5)",
+        "2 arrived, all matched by earlier steps (lines 4, 5)" + longer,
         "FAIL line 8: expectNotification toolEvent: no toolEvent notification within 0.3 s (expected "
         '{"event": "denied"}); 2 arrived, all matched by earlier steps (lines 4, 5); nearest at $.params.event: '
-        'expected "denied", got "post"'], out.stdout
+        'expected "denied", got "post"' + longer], out.stdout
     assert len(fails) == 4 and fails[3].startswith("FAIL line 10: expectNotification $/progress: no matching "
                                                    "$/progress within 0.3 s; "), out.stdout
-    assert fails[3].endswith("; 1 that matches arrived but was matched by an earlier step (line 9)"), fails[3]
+    assert fails[3].endswith("; 1 that matches arrived but was matched by an earlier step (line 9)" + longer), fails[3]
     assert "unmatched, nearest at $.params.value.kind: expected \"end\", got " in fails[3], fails[3]
 
 
