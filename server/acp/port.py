@@ -489,9 +489,15 @@ class AcpPort:
                                      raw_input=info.raw_input, locations=info.locations or None,
                                      content=info.content or None))
         outcome = answer.outcome
-        if getattr(outcome, "outcome", None) == "selected" and outcome.option_id in PERMISSION_KINDS:
-            return {"decision": outcome.option_id}
-        if getattr(outcome, "outcome", None) == "cancelled":  # the client cancelled the turn: nothing runs
+        offered = [o.option_id for o in options]
+        if getattr(outcome, "outcome", None) == "selected":
+            if outcome.option_id in offered:
+                return {"decision": outcome.option_id}
+            # deny, as on a time-out or a cancel; but never silently: an editor that answers
+            # with ids of its own would see every call denied and not know why
+            log.warning("the client's answer to session/request_permission selected the option %r, which was not "
+                        "offered (offered: %s): taken as a reject", outcome.option_id, ", ".join(offered))
+        elif getattr(outcome, "outcome", None) == "cancelled":  # the client cancelled the turn: nothing runs
             self.cancel_turn(sid)
             raise asyncio.CancelledError()
         return {"decision": "deny_once"}

@@ -484,6 +484,26 @@ class Service:
 
         self._roots[branch_id] = resolve_roots(folders)
 
+    async def read_for_user(self, branch_id: str, path: str) -> dict[str, Any]:
+        """``path`` read as the branch's ``read_file`` tool reads it for the model (confined to
+        the branch's folders, the client's buffer when the client serves files, the tool's
+        bounds), for a file the user gave with a message (an ACP ``resource_link``): no
+        governance and nothing recorded, as the user's own message. The tool's result
+        (``content``, ``truncated``, ``nextOffset``); its error (``ToolCallError``) as it says
+        why (outside the folders, missing, binary); ``ToolNotRegistered`` with no folder."""
+        await self.ensure_tools()
+        tool = self.registry.get("read_file")
+        ctx = _module(_CORE + "tools").ToolCallContext(branch_id=branch_id, call_id=f"read-for-user-{time.monotonic_ns()}")
+        scoped_roots = _module("operate_sidecar.server.tools.builtin").scoped_roots
+        token = scoped_roots.set(self._roots[branch_id]) if branch_id in self._roots else None
+        threads = _module(_CORE + "tools").tool_executor.set(self.tool_threads)
+        try:
+            return await tool.call({"path": path}, ctx)
+        finally:
+            _module(_CORE + "tools").tool_executor.reset(threads)
+            if token is not None:
+                scoped_roots.reset(token)
+
     def branch_folders(self, branch_id: str) -> list[str] | None:
         """The folders :meth:`set_branch_folders` gave the branch, or None (the workspace's)."""
         roots = self._roots.get(branch_id)

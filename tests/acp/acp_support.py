@@ -46,6 +46,17 @@ def scripted(*responses: Any) -> dict[str, Any]:
     return {"provider": "scripted", "responses": list(responses)}
 
 
+def echo_model(folder: Path) -> tuple[dict[str, Any], Path]:
+    """A model (``cli``, ``jsonl``) that writes each prompt it is given as one JSON line to a file
+    and answers ``ok``: (its config, the file). What the model saw, not what the branch holds."""
+    script, seen = folder / "echo_model.py", folder / "model-prompts.jsonl"
+    script.write_text("import json, sys\n"
+                      "with open(sys.argv[1], 'a') as f:\n    f.write(json.dumps(sys.stdin.read()) + '\\n')\n"
+                      "print(json.dumps({'type': 'text', 'text': json.dumps({'message': 'ok'})}))\n")
+    seen.write_text("")
+    return {"provider": "cli", "profile": "jsonl", "command": [sys.executable, str(script), str(seen)]}, seen
+
+
 def reply(message: str = "", calls: list[tuple[str, dict]] | None = None, **entry: Any) -> dict[str, Any]:
     """A scripted structured reply: a message for the user and the tool calls to make."""
     body: dict[str, Any] = {"message": message, "action_required": bool(calls),

