@@ -2,6 +2,7 @@
 
 Native name (what the service sends)        ACP (what the editor sees)
 - ``$/progress`` report ``delta``            ``agent_message_chunk`` (the reply's user text)
+- ``$/progress`` report ``repair attempt N`` ``agent_thought_chunk`` (why the reply takes longer)
 - ``$/progress`` ``end`` ``usage``           kept for the turn's ``usage_update`` / ``usage``
 - ``toolEvent`` pre / post / error / denied  ``tool_call`` / ``tool_call_update`` (kind,
                                              locations, raw input and output, ``diff`` content)
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from acp import RequestError, tool_diff_content, update_agent_message_text
+from acp import RequestError, tool_diff_content, update_agent_message_text, update_agent_thought_text
 from acp.schema import (ContentToolCallContent, PermissionOption, TextContentBlock, ToolCallLocation, ToolCallProgress,
                         ToolCallStart, ToolCallUpdate)
 from pydantic import ValidationError
@@ -210,8 +211,16 @@ class AcpPort:
         kind, phase = value.get("kind"), value.get("phase")
         if kind == "report" and phase == "request":  # a new model call: a new reply to read
             turn.reply = ReplyText()
-        elif kind == "report" and phase == "parse":  # the reply is whole: its plan, before its tools run
-            self.send_plan(sid, turn, turn.reply.raw)
+        elif kind == "report" and phase == "parse":
+            from operate_sidecar.server.core.progress import REPAIR_ATTEMPT  # loaded: a turn runs
+
+            message = str(value.get("message") or "")
+            if message.startswith(REPAIR_ATTEMPT):  # the reply did not parse: a repair turn, seconds of silence
+                n = message[len(REPAIR_ATTEMPT):].strip()
+                self.send(sid, update_agent_thought_text(
+                    f"The reply was not in the expected format; asking the model to correct it (attempt {n}).\n"))
+            else:  # the reply is whole: its plan, before its tools run
+                self.send_plan(sid, turn, turn.reply.raw)
         elif kind == "report" and phase == "stream" and value.get("delta"):
             text = turn.text(turn.reply.feed(value["delta"]))
             if text:

@@ -310,7 +310,7 @@ async def parse(branch: Any, text: Any, parse_param: ParseParam) -> Any:
                 guidance += (f" This is attempt {n + 1}; earlier attempts failed. Return only the JSON object,"
                              " with no text before or after it.")
             request: ModelRequest = render_repair_request(branch, str(text), fmt, guidance, parse_param.imodel_kw)
-            progress.report(f"repair attempt {n + 1}", "parse")
+            progress.report(f"{progress.REPAIR_ATTEMPT} {n + 1}", "parse")
             with model_deadline(model):
                 reply = await model.invoke(request)
             try:

@@ -16,6 +16,10 @@ class ProgressSink(Protocol):
     def report(self, message: str, phase: str, delta: str | None = None) -> None: ...
 
 
+#: the ``parse`` report's message before each repair turn (``REPAIR_ATTEMPT 2``): a front end
+#: may tell its user why the reply is taking longer
+REPAIR_ATTEMPT = "repair attempt"
+
 current_progress: ContextVar[ProgressSink | None] = ContextVar("current_progress", default=None)
 
 

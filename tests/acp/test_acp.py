@@ -124,6 +124,11 @@ def test_a_reply_that_is_not_the_reply_format_is_shown_as_it_came_not_as_an_empt
             sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
             assert (await prompt(conn, sid)).stop_reason == "end_turn"
             assert c.text() == garbage and "tool_call" not in c.kinds()
+            # the seconds of repair turns are not silent: each is said as a thought, as it starts
+            thoughts = [u.content.text for u in c.of("agent_thought_chunk")]
+            assert thoughts == [f"The reply was not in the expected format; asking the model to correct it "
+                                f"(attempt {n}).\n" for n in range(1, len(thoughts) + 1)] and thoughts, thoughts
+            assert c.kinds().index("agent_thought_chunk") < c.kinds().index("agent_message_chunk")
         c2 = RecordingClient()
         async with spawn(c2, config, state_dir=state) as (conn, _):
             await bounded(conn.load_session(cwd=str(ws), session_id=sid))
