@@ -1270,6 +1270,64 @@ def test_a_failed_or_stopped_turn_is_sent_again_with_its_context(sv):
     sv.send_keys("<Esc>")
 
 
+def test_a_retry_sends_no_context_the_branch_holds_already(sv):
+    """A turn stopped (or failed) in its second round left its first round on the branch: the
+    server recorded its instruction with the context it was sent with, which the model reads in
+    the branch's history. Its Retry sent that context again (the model read the attached buffer
+    twice); it now goes without it, and the new turn says where its context is. A turn that
+    failed before any round ended left nothing there: its Retry still sends the context."""
+    bid = sv.new_branch([call("fixture_echo", text="round one"), {"text": "slow", "delayMs": 60000},
+                         "retried after the stop",
+                         {"error": "provider down"}, "retried after the failure",
+                         call("fixture_echo", text="round one again"), {"error": "provider down late"},
+                         "retried after the late failure"], "retryctx")
+    src = sv.tmp / "retryctx.txt"
+    src.write_text("the attached line\n")
+    sv.n.command(f"edit {src}")
+
+    def instructions(text: str) -> list[dict]:
+        return [m["content"] for m in sv.messages(bid) if m["kind"] == "instruction"
+                and m["content"]["instruction"] == text]
+
+    def retry() -> dict:
+        sv.lua("require('operate_sidecar')._state.last = nil")
+        sv.n.command("OperateRetry")
+        return sv.wait_done()
+
+    attached = "the attached line"
+    # stopped in its second round (its model call), the first (a tool call) recorded
+    sv.chat_send("check #buffer")
+    sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '✓ fixture_echo round one') "
+            "and require('operate_sidecar')._state.progress.phase == 'request'", "the second round's model call")
+    sv.send_keys("<C-c>")
+    assert sv.wait_done()["err"]["code"] == -32800
+    out = retry()                                        # (at once: a read of the branch in flight is waited for)
+    assert out["err"] is None and out["result"]["result"] == "retried after the stop", out
+    sent = instructions("check #buffer")
+    assert len(sent) == 2 and attached in json.dumps(sent[0]["context"]), sent     # the stopped turn's, recorded
+    assert sent[1].get("context") is None, f"the retry sent the context again: {sent[1]['context']}"
+    lines = sv.chat(bid)
+    assert lines.count("_with #buffer (retryctx.txt)_") == 1 and \
+        lines.count("_#buffer (retryctx.txt): in the stopped turn above, not sent again_") == 1, lines
+    # failed before any round ended: nothing on the branch, the retry sends the context
+    sv.chat_send("then #buffer fails")
+    assert sv.wait_done()["err"]["message"] == "provider down"
+    out = retry()
+    assert out["err"] is None and out["result"]["result"] == "retried after the failure", out
+    sent = instructions("then #buffer fails")
+    assert len(sent) == 1 and attached in json.dumps(sent[0]["context"]), sent      # the retry's, with it
+    assert sv.chat(bid).count("_with #buffer (retryctx.txt)_") == 3
+    # failed in its second round: the first is on the branch, with the context
+    sv.chat_send("last #buffer fails late")
+    assert sv.wait_done()["err"]["message"] == "provider down late"
+    out = retry()
+    assert out["err"] is None and out["result"]["result"] == "retried after the late failure", out
+    sent = instructions("last #buffer fails late")
+    assert len(sent) == 2 and attached in json.dumps(sent[0]["context"]), sent
+    assert sent[1].get("context") is None, f"the retry sent the context again: {sent[1]['context']}"
+    assert "_#buffer (retryctx.txt): in the failed turn above, not sent again_" in sv.chat(bid)
+
+
 def test_retry_and_edit_again_have_plug_mappings_that_work_from_any_buffer(sv):
     """<Plug>(operate-sidecar-retry) and <Plug>(operate-sidecar-edit-again), mapped by the user,
     do what :OperateRetry and :OperateRetry edit do, from a file's window too."""

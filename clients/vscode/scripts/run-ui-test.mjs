@@ -9,7 +9,7 @@
 // Stop and Cancel show in the command palette only while a turn runs; long lines wrap, Hebrew is right to left;
 // a redraw while a turn streams keeps the focus and a selection in earlier turns; the input's label and the live region;
 // Retry (and Edit) on a stopped turn, Retry on a failed one, the input's history (Up / Down), Ctrl+Enter / Ctrl+Backspace on a request without a
-// diff, and the stopped turns kept through a window reload.
+// diff, the stopped turns kept through a window reload, and Retry on a turn stopped after its first round (its #file not sent twice).
 // Screenshots go to --out.
 // Prints one JSON summary on stdout. Exit: 0 all checks passed, 1 a check failed, 3 harness error.
 // Usage: node scripts/run-ui-test.mjs [--ext DIR] [--out DIR] [--timeout SECONDS] [--keep]
@@ -109,6 +109,12 @@ async function main() {
         ], 14, 60),
         slow: scripted({ text: 'too late', delayMs: 120000 }, { text: 'too late again', delayMs: 120000 }),
         flaky: scripted({ error: 'the model is down' }, { text: 'Up again: retried.' }),   // a turn that fails, then its Retry
+        // a turn stopped while its first round's call waits for a decision (the round is recorded), then its Retry;
+        // the prompts it was given go to asker-state.prompts
+        asker: drip(path.join(W, 'asker-state'), [
+          { json: { answer: 'Shouting about the file.', action_requests: [{ function: 'shout', arguments: { text: 'file' } }] } },
+          { json: { answer: 'Retried: the file once.' } },
+        ], 4, 30),
       },
       defaultModel: 'chatty',
       stateDir: path.join(W, 'state'),
@@ -734,6 +740,45 @@ async function main() {
     expect(disk('src/util.py') === UTIL_OLD && !(await tabDirty('util.py')), 'util.py untouched');
   });
   await shot('chat-final', await chatClip());
+
+  await check('Retry on a turn stopped after its first round (a call waited for a decision): the branch holds its message with the #file sent then, so the retried message goes without it: the model reads the file once, the retried turn shows no attachment, the Retry button says why', async () => {
+    const prompts = () => { try { return fs.readFileSync(path.join(W, 'asker-state.prompts'), 'utf8').trim().split('\n').filter(Boolean).map((l) => JSON.parse(l)); } catch { return []; } };
+    const times = (text, what) => text.split(what).length - 1;
+    const FILE_MARK = "name.upper() + '!'";   // in src/app.py (saved above), in no message
+    await palette('src/app.py', { clear: true, match: 'app.py' });
+    await waitFor('app.py in the editor', async () => (await editorText())?.includes(FILE_MARK), 10000);
+    await webClick('#new');
+    await waitFor('an empty chat', () => inWeb(`!!document.querySelector('.empty')`), 10000);
+    await webClick('#model');
+    await quickPickChoose('asker', 'asker');
+    await waitFor('model in the header', () => inWeb(`document.getElementById('model').textContent === 'asker'`), 10000);
+    await clearInput();   // (the draft kept through the reload)
+    await type('Shout about #file');
+    await submit();
+    await waitFor('the card asks', () => lastTurn(`!!t.querySelector('.ask button.accept')`), STEP);
+    await webClick('#stop');
+    await turnDone();
+    const message = (t) => `${t}.querySelector('.user').firstChild.textContent`;   // (the message: the chips follow it)
+    const stopped = () => inWeb(`JSON.stringify([...document.querySelectorAll('section.turn.stopped')].map((t) => [${message('t')},
+      [...t.querySelectorAll('.chip')].map((c) => c.textContent), t.querySelector('button[data-action=retry]')?.title ?? null]))`);
+    const marked = JSON.stringify([['Shout about #file', ['src/app.py'],
+      'Send this message again (what was attached to it is in this turn already: not sent twice)']]);
+    expect(await stopped() === marked, `the stopped turn, as the branch holds it (its #file), with Retry: ${await stopped()}`);
+    const first = prompts();
+    expect(first.length === 1 && times(first[0], FILE_MARK) === 1, `the first round read the file once: ${first.map((p) => times(p, FILE_MARK))}`);
+    const before = await turnCount();
+    await webClick('section.turn.stopped button[data-action=retry]');
+    await waitFor('the retried turn starts', async () => (await turnCount()) === before + 1, 10000);
+    await turnDone();
+    const all = prompts();
+    expect(all.length === 2 && times(all[1], FILE_MARK) === 1,
+      `the retry's model call read the file once (in the stopped turn's message), not twice: ${all.map((p) => times(p, FILE_MARK))}`);
+    const last = await lastTurn(`({ user: ${message('t')}, chips: [...t.querySelectorAll('.chip')].map((c) => c.textContent),
+      stopped: t.classList.contains('stopped'), prose: t.querySelector('.prose')?.textContent.trim() })`);
+    expect(JSON.stringify(last) === JSON.stringify({ user: 'Shout about #file', chips: [], stopped: false, prose: 'Retried: the file once.' }),
+      `the retried turn (as the branch holds it: no context): ${JSON.stringify(last)}`);
+    expect(await stopped() === marked, `the stopped turn stays as it was: ${await stopped()}`);
+  });
   await shot('workbench');
   cdp.close();
 }

@@ -392,8 +392,27 @@ export function turnsFromMessages(messages: Message[]): Turn[] {
  */
 export interface LocalTurn {
   turn: Turn; at: number; recorded?: boolean;
-  /** The context sent with the instruction (Retry sends it again as it was, not the editor's state then). */
+  /** The context sent with the instruction (Retry sends it again as it was, not the editor's state then; see retryContext). */
   context?: JsonObject;
+}
+
+/**
+ * Whether the branch holds (the first rounds of) a local turn: `recorded`, and the server's turn
+ * that begins where it began is its message. Such a turn shows as that server turn, with its mark.
+ */
+export function onBranch(l: LocalTurn, server: Turn[]): boolean {
+  return l.recorded === true && server.some((t) => t.start === l.at && t.user === l.turn.user);
+}
+
+/**
+ * The context Retry sends with a local turn's message: the one it was sent with, unless the branch
+ * holds the turn (stopped, or failed, after a round had ended): the server recorded its instruction
+ * with that context, which the model reads in the branch's history; sent again, it would read (and
+ * pay for) it twice. A turn the branch does not hold (an operate that failed records nothing), or
+ * not known to (`recorded` undefined), gets it as it was.
+ */
+export function retryContext(l: LocalTurn, server: Turn[]): JsonObject | undefined {
+  return onBranch(l, server) ? undefined : l.context;
 }
 
 /** Decides the unknown `recorded` of local turns from the branch's message count, read first after they ended; whether any changed. */
@@ -553,10 +572,13 @@ export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
   const error = t.error ? `<div class="error">${escapeHtml(t.error)}</div>` : '';
   const usage = t.usage ? `<div class="usage">${escapeHtml(usageLine(t.usage))}</div>` : '';
   const cls = t.outcome ? ` ${t.outcome}` : '';
-  // a turn that failed or was stopped: send it again (Retry), or put it back into the input to change it first (Edit)
+  // a turn that failed or was stopped: send it again (Retry), or put it back into the input to change it first (Edit);
+  // one of the branch's turns (it has a start: its first rounds are there) has what was attached to it there already
+  const resend = t.start !== undefined ? 'Send this message again (what was attached to it is in this turn already: not sent twice)'
+    : 'Send this message again (with what was attached to it)';
   const retry = t.outcome && t.id && t.user && !t.running
     ? `<div class="turn-actions"><button class="retry secondary" data-action="retry" data-turn-id="${escapeHtml(t.id)}" `
-      + `aria-label="Retry: send this message again" title="Send this message again (with what was attached to it)">Retry</button>`
+      + `aria-label="Retry: send this message again" title="${resend}">Retry</button>`
       + `<button class="edit link" data-action="edit" aria-label="Edit and resend: put this message back into the input" `
       + `title="Put this message back into the input">Edit</button></div>` : '';
   // no instruction (the server could not be read): no empty message bubble above the error

@@ -4,8 +4,8 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  cardOfToolEvent, cardTitle, conversationParts, KeyMod, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, ToolCard, Turn,
-  turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
+  cardOfToolEvent, cardTitle, conversationParts, KeyMod, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, retryContext,
+  ToolCard, Turn, turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
 import { DiffReview, previewOf } from './diffReview';
@@ -106,6 +106,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private live: Live | undefined;
   private supportsMaxRounds = true;
   private readonly pendingAsks = new Map<string, { resolve: (d: PermissionDecision) => void; card: ToolCard }>();
+  /** Requests of calls that waited when their turn was stopped: shown as stopped, answered once the server withdraws them or the turn ends (see stop). */
+  private readonly unanswered = new Map<string, () => void>();
   private readonly subs: vscode.Disposable[] = [];
   private readonly ready = new vscode.EventEmitter<void>();
   private streamUpdates = 0;
@@ -305,16 +307,18 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   }
 
   /**
-   * Sends a failed or stopped turn of this chat again, by its id: the same text with the same context
-   * (what was attached then, not the editor's state now), as a new turn on the same branch. Nothing of
-   * it needs undoing first: the server records a turn only with its reply (an operate that fails
-   * records nothing), and the part of a stopped turn it recorded (the rounds before the stop, their
-   * tool calls each with its response) is the branch's history, which the model sees.
+   * Sends a failed or stopped turn of this chat again, by its id: the same text, as a new turn on the
+   * same branch. Nothing of it needs undoing first: the server records a turn only with its reply (an
+   * operate that fails records nothing), and the part of a stopped turn it recorded (the rounds before
+   * the stop, their tool calls each with its response) is the branch's history, which the model sees.
+   * A turn the branch does not hold goes with the same context (what was attached then, not the
+   * editor's state now); one it holds goes without: its recorded instruction has that context
+   * already (see retryContext), and the new turn shows no attachment.
    */
   async retry(id: string): Promise<TurnOutcome | undefined> {
     const l = this.locals.find((x) => x.turn.id === id);
     if (!l || this.live) return undefined;
-    return this.send(l.turn.user, { context: l.context });
+    return this.send(l.turn.user, { context: retryContext(l, this.serverTurns) });
   }
 
   /**
@@ -506,6 +510,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       this.turns = withLocalTurns(this.serverTurns, this.locals);
     }
     this.live = undefined;
+    this.answerStopped();   // (requests the server did not withdraw: the turn is over)
     live.source.dispose();
     this.host.runningChanged(false);
     setContext(RUNNING_KEY, false);
@@ -523,8 +528,20 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     if (why && !this.live.source.token.isCancellationRequested) this.live.stopNote = `Stopped: ${why}.`;
     // a second Stop (or Stop then Restart) cancels nothing more
     if (!this.live.source.token.isCancellationRequested) this.live.source.cancel();
-    for (const id of [...this.pendingAsks.keys()]) this.settleAsk(id, 'deny_once', 'the turn was stopped');
+    // the calls waiting for a decision show the stop now, but their requests get no answer yet: the server withdraws
+    // them as it stops the operate (as with the Neovim plugin). A denial sent now could reach it before the cancel, and
+    // the turn would go on, the call rejected, instead of stopping.
+    for (const id of [...this.pendingAsks.keys()]) this.settleAsk(id, 'deny_once', 'the turn was stopped', false);
     return true;
+  }
+
+  /** Answers the requests of a stopped turn's calls (`callId`: that one's): the server withdrew it, or the turn ended. */
+  private answerStopped(callId?: string): void {
+    for (const [id, answer] of [...this.unanswered]) {
+      if (callId !== undefined && id !== callId) continue;
+      this.unanswered.delete(id);
+      answer();
+    }
   }
 
   // ---- permission requests of chat turns --------------------------------------------------------
@@ -555,8 +572,10 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       this.pendingAsks.set(req.callId, { resolve, card: card! });
       this.showWaiting();
       // the server withdrew the request: its operate was stopped, or nobody answered in time
-      token.onCancellationRequested(() => this.settleAsk(req.callId, 'deny_once',
-        live.source.token.isCancellationRequested ? 'the turn was stopped' : 'permission request timed out'));
+      token.onCancellationRequested(() => {
+        this.answerStopped(req.callId);
+        this.settleAsk(req.callId, 'deny_once', live.source.token.isCancellationRequested ? 'the turn was stopped' : 'permission request timed out');
+      });
       if (preview) {
         void this.host.review.review(req, preview, token).then((d) => this.settleAsk(req.callId, d));
       }
@@ -571,7 +590,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     return this.settleAsk(callId, decision);
   }
 
-  private settleAsk(callId: string, decision: PermissionDecision, withdrawn?: string): boolean {
+  /** `answer` false: the card shows the decision, the request is answered later (see stop). */
+  private settleAsk(callId: string, decision: PermissionDecision, withdrawn?: string, answer = true): boolean {
     const p = this.pendingAsks.get(callId);
     if (!p) return false;
     this.pendingAsks.delete(callId);
@@ -581,12 +601,14 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     p.card.state = decision.startsWith('allow') ? 'running' : 'denied';
     if (p.card.state === 'denied') p.card.output = { error: 'denied by governance gate', reason: withdrawn ?? 'denied by the user' };
     this.render();
-    p.resolve(decision);
+    if (answer) p.resolve(decision);
+    else this.unanswered.set(callId, () => p.resolve(decision));
     return true;
   }
 
   dispose(): void {
     this.stop();
+    this.answerStopped();
     for (const s of this.subs) s.dispose();
   }
 }

@@ -451,7 +451,9 @@ local function turn_lines(turn)
   if turn.user then
     lines[#lines + 1] = '## You' .. (turn.time and (' · ' .. turn.time) or '')
     util.extend(lines, util.split_lines(turn.user))
-    if turn.ctx_label and turn.ctx_label ~= '' then
+    if turn.ctx_label and turn.ctx_label ~= '' and turn.ctx_earlier then -- (sent again without it)
+      lines[#lines + 1] = ('_%s: in the %s turn above, not sent again_'):format(turn.ctx_label, turn.ctx_earlier)
+    elseif turn.ctx_label and turn.ctx_label ~= '' then
       lines[#lines + 1] = '_with ' .. turn.ctx_label .. '_'
     end
     lines[#lines + 1] = ''
@@ -1242,7 +1244,42 @@ local function fill_cards(chat, turn)
   end)
 end
 
---- Send a prompt (default: the chat's prompt area) as a chat turn.
+-- Whether the branch holds a turn that failed or was stopped (its first rounds: the server
+-- records each round that ended, its instruction with the context rendered in): the message at
+-- `turn.at` (the branch's message count when the turn began) is its instruction. turn.recorded
+-- is true or false once the branch was read; nil while unknown (never read: the turn began or
+-- ended without a running server, or its start was not read). turn.checking: callbacks waiting
+-- for the read in flight (run when it answers, at the latest after CHECK_MS: then not known).
+local CHECK_MS = 5000
+local function check_recorded(turn)
+  if turn.at == nil or not turn.branch or not (server.state.ready and server.is_running()) then
+    return
+  end
+  local waiting = {}
+  turn.checking = waiting
+  local function settle()
+    if turn.checking == waiting then
+      turn.checking = nil
+      for _, fn in ipairs(waiting) do
+        fn()
+      end
+    end
+  end
+  server.request('branchMessages', { branchId = turn.branch, offset = turn.at, limit = 1 }, function(err, res)
+    if not err and type(res) == 'table' then
+      local m = type(res.messages) == 'table' and res.messages[1] or nil
+      local c = type(m) == 'table' and type(m.content) == 'table' and m.content or {}
+      turn.recorded = type(m) == 'table' and m.kind == 'instruction' and c.instruction == turn.user
+    end
+    settle()
+  end)
+  vim.defer_fn(settle, CHECK_MS)
+end
+
+--- Send a prompt (default: the chat's prompt area) as a chat turn. extra: {context, label,
+--- params} (given, not read from the text), or {again = turn} to send a turn again (Retry: its
+--- context and model; `earlier` = 'stopped' / 'failed': no context, it is in that turn on the
+--- branch already).
 function M.send(chat, text, extra)
   chat = chat or M.current()
   local from_prompt = text == nil
@@ -1257,7 +1294,7 @@ function M.send(chat, text, extra)
   local again = extra and extra.again -- a turn sent again: its context and model, not read anew
   local ctx, model
   if again then
-    ctx, model = again.context, again.model
+    ctx, model = not extra.earlier and again.context or nil, again.model
   else
     ctx, model = (extra and extra.context) or context.expand(text), config.values.model
   end
@@ -1267,7 +1304,7 @@ function M.send(chat, text, extra)
   end
   local turn = new_turn(chat, { user = text, time = os.date('%H:%M'), status = 'running',
     ctx_label = extra and extra.label or context.describe(ctx), model = model, branch = chat.branch,
-    context = ctx, params = extra and extra.params })
+    context = ctx, params = extra and extra.params, ctx_earlier = extra and extra.earlier })
   running_turn = { chat = chat, turn = turn }
   local params = { instruction = text, branchId = chat.branch }
   if ctx ~= nil then
@@ -1290,7 +1327,15 @@ function M.send(chat, text, extra)
       if chat.branch ~= run.branchId then
         bind(chat, run.branchId)
       end
-      turn.branch = run.branchId
+      turn.branch, turn.at = run.branchId, nil
+      if ctx ~= nil then -- where the turn begins on the branch: a Retry asks whether it is there (check_recorded)
+        local bid = run.branchId
+        server.request('branchMessages', { branchId = bid, offset = 0, limit = 0 }, function(err, res)
+          if not err and type(res) == 'table' and turn.branch == bid then
+            turn.at = tonumber(res.total)
+          end
+        end)
+      end
     end,
     on_delta = function(delta)
       local blk = text_block(turn)
@@ -1359,6 +1404,9 @@ function M.send(chat, text, extra)
     end
     render_turn(chat, turn)
     fill_cards(chat, turn)
+    if err and ctx ~= nil then
+      check_recorded(turn) -- (what a Retry sends: the context, unless the branch has it already)
+    end
   end, hooks)
   return true
 end
@@ -1387,9 +1435,12 @@ local function retryable(turn)
 end
 
 --- Send a turn that failed or was stopped again (default: the chat's last turn): the same
---- message with the same context and model, on the chat's branch, as a new turn. (A failed
---- operate recorded nothing on the branch; a stopped one may have recorded its first rounds,
---- which stay there, as the stopped turn stays in the chat: the message is simply sent again.)
+--- message with the same model, on the chat's branch, as a new turn. A turn that failed or was
+--- stopped before a round ended left nothing on the branch: its context (as it was sent, not
+--- read again) goes along again. One stopped (or failed) in a later round left its first rounds
+--- there, which stay, as the turn stays in the chat: the server recorded its instruction with
+--- its context, which the model sees in the branch's history, so the message goes without it
+--- (not twice); the new turn says where its context is. Not known (never read): sent with it.
 function M.retry(chat, turn)
   chat = chat or M.current()
   turn = turn or chat.turns[#chat.turns]
@@ -1397,7 +1448,17 @@ function M.retry(chat, turn)
     notify('nothing to retry: R sends a turn that failed or was stopped again', vim.log.levels.WARN)
     return false
   end
-  return M.send(chat, turn.user, { again = turn, label = turn.ctx_label, params = turn.params })
+  local function again()
+    local earlier = turn.ctx_earlier -- (a retry of a retry: the context is still in that turn)
+      or (turn.recorded and turn.context ~= nil and (turn.status == 'cancelled' and 'stopped' or 'failed'))
+      or nil
+    return M.send(chat, turn.user, { again = turn, earlier = earlier, label = turn.ctx_label, params = turn.params })
+  end
+  if turn.checking then -- the branch is being read: whether it holds the turn decides (a moment)
+    table.insert(turn.checking, again)
+    return true
+  end
+  return again()
 end
 
 --- Put a turn's message (default: the chat's last turn) in the prompt, to edit and send again

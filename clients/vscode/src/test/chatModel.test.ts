@@ -8,8 +8,8 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import {
   cardHtml, cardOfToolEvent, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
-  refusesField, renderMarkdown, resolveLocalTurns, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn, turnHtml, turnsAfterFailedRead, turnsFromMessages,
-  withLocalTurns,
+  onBranch, refusesField, renderMarkdown, resolveLocalTurns, retryContext, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn, turnHtml, turnsAfterFailedRead,
+  turnsFromMessages, withLocalTurns,
 } from '../chatModel';
 import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
 
@@ -218,6 +218,35 @@ test('a failed or stopped turn offers Retry (a labelled button, by the turn\'s i
   // the keys of a waiting call are on its buttons
   const ask = cardHtml({ callId: 'c', tool: 'shout', args: { text: 'x' }, state: 'ask', ask: { diff: false } });
   assert.ok(ask.includes('aria-keyshortcuts="Control+Enter Meta+Enter">Accept</button>') && ask.includes('aria-keyshortcuts="Control+Backspace Meta+Backspace">Reject</button>'), ask);
+});
+
+test('Retry sends a turn\'s context again unless the branch holds the turn (stopped after its first round): the server recorded its instruction with that context, so it is not sent twice; the Retry button says which', () => {
+  const msg = (kind: string, content: object, i: number) => ({ id: String(i), kind, role: '', sender: null, recipient: null, createdAt: i, content }) as any;
+  const local = (user: string, extra: Partial<Turn>): Turn => ({ user, contextLabels: ['src/a.py'], items: [], ...extra });
+  const context = { labels: ['src/a.py'], file: { file: 'src/a.py', text: 'print(1)\n' } };
+  // a turn stopped while its first round's call waited for permission: the instruction (with its context) and the reply are on the branch
+  const server = turnsFromMessages([
+    msg('instruction', { instruction: 'A' }, 0), msg('assistant_response', { text: 'a' }, 1),
+    msg('instruction', { instruction: 'edit #file', context }, 2),
+    msg('assistant_response', { text: '{"answer": "Editing.", "action_requests": [{"function": "shout", "arguments": {"text": "x"}}]}' }, 3),
+  ]);
+  const stopped: LocalTurn = { turn: local('edit #file', { note: 'Stopped.', outcome: 'stopped', id: 's1' }), at: 2, recorded: true, context };
+  assert.equal(onBranch(stopped, server), true);
+  assert.equal(retryContext(stopped, server), undefined, 'the context is in the branch\'s history: not sent again');
+  // a failed operate recorded nothing; not known yet (the end of the turn could not be read): the context as it was sent
+  const failed: LocalTurn = { turn: local('edit #file', { error: 'boom', outcome: 'failed', id: 'f1' }), at: 4, recorded: false, context };
+  assert.deepEqual(retryContext(failed, server), context);
+  assert.deepEqual(retryContext({ ...stopped, recorded: undefined }, server), context);
+  // recorded, but the branch's turn there is another message (or the branch was not read back): the context goes along
+  assert.deepEqual(retryContext({ ...stopped, turn: local('something else', { outcome: 'stopped', id: 's2' }) }, server), context);
+  assert.deepEqual(retryContext(stopped, []), context);
+  assert.equal(retryContext({ ...failed, context: undefined }, server), undefined, 'nothing attached: nothing to send');
+  // the Retry button's tooltip: the branch's turn has what was attached already; a local one sends it again
+  const title = (html: string) => /data-action="retry"[^>]* title="([^"]*)"/.exec(html)?.[1];
+  const shown = withLocalTurns(server, [stopped, failed]);
+  assert.deepEqual(shown.map((t) => [t.user, t.outcome ?? 'ok', t.contextLabels]), [['A', 'ok', []], ['edit #file', 'stopped', ['src/a.py']], ['edit #file', 'failed', ['src/a.py']]]);
+  assert.equal(title(turnHtml(shown[1], 1)), 'Send this message again (what was attached to it is in this turn already: not sent twice)');
+  assert.equal(title(turnHtml(shown[2], 2)), 'Send this message again (with what was attached to it)');
 });
 
 test('the Accept / Reject tooltips name the modifier the user\'s keyboard has: Ctrl, Cmd on macOS (the webview says which), through the whole conversation', () => {
