@@ -127,7 +127,10 @@ class SidecarProtocol(JsonRPCProtocol):
         try:
             if timeout is None:
                 return await fut
-            return await asyncio.wait_for(fut, timeout)
+            # not ``wait_for``: on 3.11 it returns an answer that came with a cancel and loses the
+            # cancel (a turn stopped while the user's deny arrived would go on)
+            async with asyncio.timeout(timeout):
+                return await fut
         except (asyncio.CancelledError, asyncio.TimeoutError, TimeoutError):
             conn.notify("$/cancelRequest", {"id": msg_id})
             raise

@@ -128,3 +128,32 @@ def test_broken_tool_module_is_reported_with_window_log_message(sidecar):
     assert "echo_tool" in names
     logs = sidecar.of("window/logMessage")
     assert logs and logs[0]["type"] == 2 and "no_such_module_xyz" in logs[0]["message"]
+
+
+def test_a_client_answer_that_comes_with_the_cancel_does_not_lose_the_cancel():
+    """``request_client`` with a time-out: the client's answer (a permission deny) and the
+    cancel of the request waiting for it (the user stopped the turn) land in one turn of the
+    loop; the cancel wins and the client is told, where ``asyncio.wait_for`` on 3.11 returned
+    the answer and the turn went on."""
+    import asyncio
+    import itertools
+    from types import SimpleNamespace
+
+    from operate_sidecar.server.rpc.server import SidecarProtocol
+
+    sent: list = []
+    conn = SimpleNamespace(send=sent.append, notify=lambda method, params: sent.append((method, params)))
+    proto = SimpleNamespace(_out_ids=itertools.count(1), _outgoing={}, _server=SimpleNamespace(conn=conn))
+
+    async def main():
+        task = asyncio.ensure_future(SidecarProtocol.request_client(proto, "requestToolPermission", {}, 30.0))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        (msg_id, fut), = proto._outgoing.items()
+        fut.set_result({"decision": "deny_once"})   # the answer...
+        task.cancel()                                 # ...and the stop, before the request's task runs again
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), 5)
+        assert ("$/cancelRequest", {"id": msg_id}) in sent
+
+    asyncio.run(main())
