@@ -39,6 +39,10 @@ def server_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "operate_sidecar.server", *args]
 
 
+#: the end of a time-out's message: how to give the call (or every call) longer
+WAIT_LONGER = "to wait longer, pass timeout=S to this call, or give the client a longer timeout " \
+              "(the sidecar marker's timeout=S)"
+
 class SidecarError(Exception):
     """An error answer from the sidecar: ``code``, ``message``, ``data``."""
 
@@ -236,7 +240,7 @@ class SidecarTestClient(JsonRPCClient):
         except asyncio.TimeoutError:
             if not self._gone():  # the sidecar stops working on it (its -32800 answer is dropped)
                 self.protocol.notify("$/cancelRequest", {"id": msg_id})
-            raise TimeoutError(f"no answer to {method} within {timeout:g} s") from None
+            raise TimeoutError(f"no answer to {method} within {timeout:g} s; {WAIT_LONGER}") from None
         except (RuntimeError, OSError):  # pygls fails the requests of a server that exited
             if self.returncode is None and not self._gone():
                 raise
@@ -342,7 +346,7 @@ class SidecarTestClient(JsonRPCClient):
         miss = notification_miss(match, [(p, 0 if i in self._consumed else None)
                                          for i, (m, p) in enumerate(self.notifications) if m == method],
                                  ("an earlier wait_for_notification", "earlier wait_for_notification calls"))
-        return f"{text}; {miss}" if miss else text
+        return f"{text}; {miss}; {WAIT_LONGER}" if miss else f"{text}; {WAIT_LONGER}"
 
     def of(self, method: str) -> list[Any]:
         """The params of every ``method`` notification so far."""

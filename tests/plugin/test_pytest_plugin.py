@@ -603,7 +603,9 @@ SLOW = {"models": {"m": {"provider": "scripted", "responses": [{"delayMs": 1500,
 async def test_answers_after_the_time_out(sidecar):
     branch = (await sidecar.request("createBranch"))["branchId"]
     for _ in range(2):
-        with pytest.raises(TimeoutError, match="no answer to operate within 0.3 s"):
+        with pytest.raises(TimeoutError, match=r"no answer to operate within 0.3 s; to wait longer, pass timeout=S "
+                                               r"to this call, or give the client a longer timeout [(]the sidecar "
+                                               r"marker's timeout=S[)]$"):
             await sidecar.request("operate", {"branchId": branch, "instruction": "hi", "skipValidation": True},
                                   timeout=0.3)
     await asyncio.sleep(3)  # both answers (a result, an error) come while the test still runs
@@ -743,7 +745,8 @@ def test_a_time_out_a_missing_script_and_a_notification_already_waited_for_say_w
     assert "Errno" not in text, text
     assert ('TimeoutError: no toolEvent notification matching {"event": "post"} within 0.5 s; 1 unmatched, nearest at '
             '$.params.event: expected "post", got "pre"; 1 that matches arrived but was matched by an earlier '
-            "wait_for_notification\n") in text, text
+            "wait_for_notification; to wait longer, pass timeout=S to this call, or give the client a longer "
+            "timeout (the sidecar marker's timeout=S)\n") in text, text
 
 
 def test_a_project_configured_as_the_readme_says_gets_no_deprecation_warning(tmp_path):
