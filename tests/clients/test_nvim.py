@@ -838,10 +838,10 @@ def test_a_chat_deleted_with_bdelete_or_bwipeout_comes_back_whole(sv):
     sv.n.command("bdelete")                             # while the turn runs
     sv.n.command("OperateChat")
     lines = sv.chat(bid)
-    assert lines[:len(whole) - 2] == whole[:-2] and "second question" in lines and "_…_" in lines, lines
+    assert lines[:len(whole) - 2] == whole[:-2] and "second question" in lines and "_waiting for the model…_" in lines, lines
     sv.wait_done()                                      # the running turn ends in the rebuilt transcript
     lines = sv.chat(bid)
-    assert "late reply" in lines and "_…_" not in lines and lines[0] == "# bdelete" and lines[-2] == PROMPT, lines
+    assert "late reply" in lines and not any(ln.endswith("…_") for ln in lines) and lines[0] == "# bdelete" and lines[-2] == PROMPT, lines
     sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
     sv.n.command("bwipeout")
     sv.n.command("OperateChat")
@@ -1024,6 +1024,80 @@ def _reopen_from_the_branch(sv, bid: str, last: str) -> list[str]:
     sv.n.command(f"OperateMessages {bid}")
     sv.wait(f"vim.tbl_contains(require('operate_sidecar.chat').lines('{bid}'), '{last}')", "the rebuilt history")
     return sv.chat(bid)
+
+
+REPAIR_STATUS = "_the reply was not in the expected format: asking the model again (attempt 1)…_"
+
+
+def _status_lines(v) -> None:
+    """Record, at each change of the chat, the running turn's last line (above its blank line and
+    the prompt header) when it is a status line (`_…_`), each change once: _G.said."""
+    v.lua("""
+        _G.said = {}
+        vim.api.nvim_create_autocmd('User', { group = 'test', pattern = 'OperateSidecarChat', callback = function()
+          local chat = require('operate_sidecar.chat')
+          local lines = chat.lines()
+          for i = #lines, 3, -1 do
+            if lines[i] == chat.PROMPT then
+              local l = lines[i - 2]
+              if l:match('^_.*…_$') and l ~= _G.said[#_G.said] then table.insert(_G.said, l) end
+              break
+            end
+          end
+        end })""")
+
+
+def test_the_running_turn_says_a_repair_attempt_while_the_model_is_asked_again_and_nothing_once_it_ends(sv):
+    """A reply not in the response format is asked for again (a repair turn: seconds with nothing new
+    on screen): the running turn's last line says so while the repair reply waits, as it said before
+    what it waited for and did (the model, its text, reading the reply); the line is gone once the
+    turn ends."""
+    bid = sv.new_branch(["not in the format", {"json": {"answer": "in the format now", "tags": ["t"]}, "delayMs": 1500}],
+                        "repairstatus")
+    sv.n.command("OperateChat")
+    _status_lines(sv)
+    sv.lua("require('operate_sidecar')._state.last = nil; "
+           "require('operate_sidecar.chat').send(nil, 'answer in the format', {params = {responseFormat = vim.json.decode(...)}})",
+           json.dumps(ANSWER_SCHEMA))
+    sv.wait(f"vim.tbl_contains(require('operate_sidecar.chat').lines(), {json.dumps(REPAIR_STATUS, ensure_ascii=False)}) "
+            "or require('operate_sidecar')._state.last ~= nil", "the repair status (or the turn's end)")
+    # (read while the repair reply waits: the turn runs, the server's last report the repair attempt)
+    state = sv.lua("local os = require('operate_sidecar'); return { running = os._state.running ~= nil, "
+                   "message = os._state.progress.message, activity = os.status().activity, "
+                   "lines = require('operate_sidecar.chat').lines(...) }", bid)
+    lines = state["lines"]
+    assert REPAIR_STATUS in lines, f"no repair status while the turn ran: its last line read {sv.lua('return _G.said')}"
+    assert state["running"] and state["message"] == "repair attempt 1", state
+    assert lines[-4:] == [REPAIR_STATUS, "", PROMPT, ""], lines              # the running turn's last line
+    assert lines.count(REPAIR_STATUS) == 1 and "not in the format" in lines and state["activity"] == REPAIR_STATUS[1:-1]
+    out = sv.wait_done()
+    assert out["err"] is None and out["result"]["result"]["answer"] == "in the format now"
+    lines = sv.chat(bid)
+    assert "in the format now" in lines and not any(ln.endswith("…_") for ln in lines), lines
+    assert "model call" in lines[-4] and lines[-3:] == ["", PROMPT, ""], lines   # its last line: the usage line
+    assert sv.lua("return require('operate_sidecar').status().activity") is None
+    assert sv.lua("return _G.said") == ["_working…_", "_waiting for the model…_", "_writing…_", "_reading the reply…_",
+                                        REPAIR_STATUS]
+
+
+def test_the_running_turn_says_its_round_after_its_tool_calls_ran(sv):
+    """A turn of several rounds: a model call after tool calls ran is the next round (the wire has no
+    round number), said with the rounds the turn may run (chat.max_rounds)."""
+    bid = sv.new_branch([call("fixture_echo", text="r1"), {"text": "all done", "delayMs": 1000}], "roundstatus")
+    _status_lines(sv)
+    sv.chat_send("echo, then answer")
+    status = "_round 2 of up to 8 · waiting for the model…_"
+    sv.wait(f"vim.tbl_contains(require('operate_sidecar.chat').lines(), {json.dumps(status, ensure_ascii=False)}) "
+            "or require('operate_sidecar')._state.last ~= nil", "the second round's status (or the turn's end)")
+    lines = sv.chat(bid)
+    assert status in lines, f"no round status while the turn ran: its last line read {sv.lua('return _G.said')}"
+    assert sv.lua("return require('operate_sidecar')._state.running ~= nil") and lines[-4:] == [status, "", PROMPT, ""] and lines.index("✓ fixture_echo r1") < lines.index(status), lines
+    out = sv.wait_done()
+    lines = sv.chat(bid)
+    assert out["err"] is None and "all done" in lines and not any(ln.endswith("…_") for ln in lines), lines
+    assert sv.lua("return _G.said") == ["_working…_", "_waiting for the model…_", "_writing…_", "_reading the reply…_",
+                                        "_running tools…_", status, "_round 2 of up to 8 · writing…_",
+                                        "_round 2 of up to 8 · reading the reply…_"]
 
 
 def test_a_rebuilt_chat_shows_a_turn_of_several_rounds_as_one_turn(sv):

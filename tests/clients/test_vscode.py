@@ -22,7 +22,9 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       the turn, the live region and the activity bar's badge; a window reload while a review waits, the stopped
       turns kept through it; Retry on a stopped turn and on a failed one, the input's history on Up / Down,
       Ctrl+Enter / Ctrl+Backspace on a request without a diff; Retry on a turn stopped after its first
-      round sends no context, the branch has it); screenshots land in .test-results/.
+      round sends no context, the branch has it; the running turn's status line and the live region
+      read the repair attempt while a reply not in the expected format is asked for again); screenshots
+      land in .test-results/.
 Every subprocess has a finite timeout; timings go to clients/vscode/.test-results/pytest-timings.json.
 """
 
@@ -118,7 +120,8 @@ def test_a_protocol_client_against_the_real_server_with_node_test():
     for topic in ("initialize", "$/progress", "toolEvents", "requestToolPermission", "invokeClientTool",
                   "cancel mid model call", "error codes", "dies", "fs/readTextFile and fs/writeTextFile",
                   "structured replies show their prose fields", "sanitized", "tool cards",
-                  'plain text starting with "{"', "refusesField", "no empty message bubble"):
+                  'plain text starting with "{"', "refusesField", "no empty message bubble",
+                  "the status line of a running turn says what it does", "a repair attempt"):
         assert topic in names, f"missing test about {topic!r}: {names}"
 
 
@@ -279,7 +282,7 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     bad = [c for c in summary.get("checks", []) if not c["ok"]]
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     names = " | ".join(c["name"] for c in summary["checks"])
-    assert len(summary["checks"]) == 20, names
+    assert len(summary["checks"]) == 21, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
                   "Stop a running turn", "hidden and shown again while it waits",
@@ -293,7 +296,8 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
                   "input history: Up on the first line", "Down goes back to the draft", "kept when the chat is hidden and shown again",
                   "without a diff (shout, policy ask)", "Ctrl+Enter in the input accepts",
                   "also before the view has reported its focus", "Retry on a failed turn", "the failed turn stays in its place",
-                  "Retry on a turn stopped after its first round", "the model reads the file once"):
+                  "Retry on a turn stopped after its first round", "the model reads the file once",
+                  'what the turn does ("writing…")', "read the repair attempt", "both go when the turn ends"):
         assert topic in names, f"missing browser check about {topic!r}: {names}"
     for shot in ("chat.png", "diff-review.png", "chat-final.png"):
         png = shots / shot

@@ -38,8 +38,31 @@
     if (stick) log.scrollTop = log.scrollHeight;
   }
   /**
+   * The live region (role=status, polite) says what the user needs to hear, each once: that a turn
+   * runs and how it ended, a call waiting for a decision, and what the running turn does (its status
+   * line: waiting for the model, writing, a repair attempt, running tools...), never each streamed
+   * piece. A status is said once it has held for SETTLE_MS (one that passes quicker, such as reading a
+   * reply that parses at once, is not said); the start, the end and a decision to make at once.
+   */
+  const SETTLE_MS = 300;
+  let sayTimer;
+  function say(text, now) {
+    clearTimeout(sayTimer);
+    sayTimer = undefined;
+    const st = $('status');
+    if (st.textContent === text) return;
+    if (now) { st.textContent = text; return; }
+    sayTimer = setTimeout(() => { sayTimer = undefined; if (running && st.textContent !== text) st.textContent = text; }, SETTLE_MS);
+  }
+  /** The running turn's status line (the last turn's), as it reads. */
+  function statusLine() {
+    const turns = log.querySelectorAll('section.turn');
+    const line = turns.length ? turns[turns.length - 1].querySelector('.running') : null;
+    return line ? line.textContent.trim() : '';
+  }
+  /**
    * While a turn runs, the live region says whether a call waits for the user's decision (which
-   * one), else "working…"; it changes only when that changes. A new request is scrolled into view.
+   * one), else the turn's status line; it changes only when that changes. A new request is scrolled into view.
    */
   let asked = '';
   function announceWaiting() {
@@ -49,18 +72,18 @@
     asked = what;
     if (!running) return;
     // the keys that answer it (see the keydown handler below), said once with the request
-    const text = ask ? `Waiting for your decision: ${what}. ${MOD}+Enter accepts, ${MOD}+Backspace rejects.` : 'working…';
-    if ($('status').textContent !== text) $('status').textContent = text;
+    if (ask) say(`Waiting for your decision: ${what}. ${MOD}+Enter accepts, ${MOD}+Backspace rejects.`, true);
+    else say(statusLine() || 'working…', false);
   }
   function setRunning(r) {
     if (r === running) return;
     running = r;
     stop.hidden = !r;
     send.disabled = r;
-    // the live region (role=status) says that a turn runs and how it ended, not each streamed piece
+    // the live region says that a turn runs and how it ended
     const last = log.querySelector('section.turn:last-of-type');
-    $('status').textContent = r ? 'working…' : last?.classList.contains('failed') ? 'Turn failed.'
-      : last?.classList.contains('stopped') ? 'Turn stopped.' : 'Turn finished.';
+    say(r ? 'working…' : last?.classList.contains('failed') ? 'Turn failed.'
+      : last?.classList.contains('stopped') ? 'Turn stopped.' : 'Turn finished.', true);
     document.body.classList.toggle('running', r);
   }
   function submit() {

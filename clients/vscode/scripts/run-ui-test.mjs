@@ -46,6 +46,9 @@ const APP_OLD = "def greet(name):\n    return 'hello ' + name\n";
 const APP_NEW = "def greet(name):\n    return 'HELLO ' + name.upper() + '!'\n";
 const UTIL_OLD = 'def add(a, b):\n    return a + b\n';
 const scripted = (...responses) => ({ provider: 'scripted', responses });
+/** How long the repair reply of the `mender` model waits: the running turn's status is read meanwhile. */
+const REPAIR_DELAY_MS = 2000;
+const FORMAT_TURN = 'Answer in the format';
 const edit = (answer, p, oldText, newText) => ({ json: { answer, action_requests: [{ function: 'edit_file', arguments: { path: p, edits: [{ oldText, newText }] } }] } });
 /** A model that streams its replies in pieces with a pause between them, as a real one does (test-fixtures/drip_model.py). */
 const drip = (state, replies, pieces, pauseMs) => ({ provider: 'cli', profile: 'llm',
@@ -111,6 +114,8 @@ async function main() {
         flaky: scripted({ error: 'the model is down' }, { text: 'Up again: retried.' }),   // a turn that fails, then its Retry
         // a turn stopped while its first round's call waits for a decision (the round is recorded), then its Retry;
         // the prompts it was given go to asker-state.prompts
+        // a reply not in the chat's response format, then (the repair turn: the model asked again) one that is, after a pause
+        mender: scripted('Not in the format at all.', { json: { answer: 'In the format now.' }, delayMs: REPAIR_DELAY_MS }),
         asker: drip(path.join(W, 'asker-state'), [
           { json: { answer: 'Shouting about the file.', action_requests: [{ function: 'shout', arguments: { text: 'file' } }] } },
           { json: { answer: 'Retried: the file once.' } },
@@ -129,6 +134,12 @@ async function main() {
     'diffEditor.renderSideBySide': true,
     'diffEditor.useInlineViewWhenSpaceIsLimited': false,
   }, null, 2));
+
+  // a key that sends a chat turn asking for a structured reply (the chat command's responseFormat): the chat's own
+  // turns ask for none, and only a turn with a response format has repair turns
+  fs.mkdirSync(path.join(W, 'data', 'User'), { recursive: true });
+  fs.writeFileSync(path.join(W, 'data', 'User', 'keybindings.json'), JSON.stringify([{ key: 'ctrl+shift+alt+f10', command: 'operateSidecar.chat',
+    args: { text: FORMAT_TURN, responseFormat: { type: 'object', properties: { answer: { type: 'string' } }, required: ['answer'] } } }], null, 2));
 
   const csPort = await freePort(), cdpPort = await freePort();
   const env = { ...process.env, XDG_CONFIG_HOME: path.join(W, 'xdg-config'), XDG_DATA_HOME: path.join(W, 'xdg-data'), XDG_CACHE_HOME: path.join(W, 'xdg-cache') };
@@ -188,12 +199,25 @@ async function main() {
     expect(c, `no element ${selector}`);
     return c;
   };
+  // a second try when the row does not come (seen after a window reload on a loaded machine: the
+  // palette opened while the workbench was still restoring): what the palette showed is logged
   const palette = async (text, { clear = false, match = text.replace(/^>/, '') } = {}) => {
-    await key('F1', 'F1', 112);
-    await waitFor('quick input', () => evalIn(`!!document.querySelector('.quick-input-widget input:focus')`), 10000);
-    if (clear) await key('Backspace', 'Backspace', 8);
-    await send('Input.insertText', { text });
-    await waitFor(`quick input row "${match}"`, () => evalIn(`(document.querySelector('.quick-input-list .monaco-list-row.focused')?.getAttribute('aria-label') ?? '').includes(${JSON.stringify(match)})`), 10000);
+    for (let attempt = 1; ; attempt++) {
+      await key('F1', 'F1', 112);
+      await waitFor('quick input', () => evalIn(`!!document.querySelector('.quick-input-widget input:focus')`), 10000);
+      if (clear) await key('Backspace', 'Backspace', 8);
+      await send('Input.insertText', { text });
+      try {
+        await waitFor(`quick input row "${match}"`, () => evalIn(`(document.querySelector('.quick-input-list .monaco-list-row.focused')?.getAttribute('aria-label') ?? '').includes(${JSON.stringify(match)})`), 10000);
+        break;
+      } catch (e) {
+        if (attempt >= 2) throw e;
+        const shown = await evalIn(`JSON.stringify({ input: document.querySelector('.quick-input-widget input')?.value,
+          rows: [...document.querySelectorAll('.quick-input-list .monaco-list-row')].slice(0, 5).map((r) => r.getAttribute('aria-label')) })`);
+        console.error(`[ui-test] the palette showed no row "${match}" in 10 s (${shown}); closing it and typing again`);
+        await key('Escape', 'Escape', 27);
+      }
+    }
     await enter();
   };
   const quickPickChoose = async (filter, match) => {
@@ -268,7 +292,7 @@ async function main() {
     }
   });
 
-  await check('type a prompt with #file: the prose streams in, renders as Markdown with code-block buttons, branch named after it; for screen readers the input has a label and a polite live region says "working…" and "Turn finished.", not each piece', async () => {
+  await check('type a prompt with #file: the prose streams in, renders as Markdown with code-block buttons, branch named after it; for screen readers the input has a label and a polite live region says "working…", what the turn does ("writing…") and "Turn finished.", each once, not each piece', async () => {
     await inWeb(`window.__seen = []; new MutationObserver(() => { const ps = document.querySelectorAll('section.turn .prose'); const p = ps[ps.length - 1];
       if (p) window.__seen.push(p.textContent.length); }).observe(document.getElementById('log'), { childList: true, subtree: true, characterData: true }); true`);
     // what the live region says: each change of its text (a screen reader reads each one)
@@ -289,8 +313,14 @@ async function main() {
     const a11y = await inWeb(`(() => { const i = document.getElementById('input'), st = document.getElementById('status');
       return { label: i.getAttribute('aria-label'), placeholder: i.placeholder, role: st.getAttribute('role'), live: st.getAttribute('aria-live'), said: window.__said }; })()`);
     expect(a11y.label && a11y.label !== a11y.placeholder && a11y.role === 'status' && a11y.live === 'polite', `the input's label, the live region: ${JSON.stringify(a11y)}`);
-    expect(JSON.stringify(a11y.said) === JSON.stringify(['working…', 'Turn finished.']), `the live region said the state changes only: ${JSON.stringify(a11y.said)}`);
-    return { proseLengths: distinct.length };
+    // the changes of state only: the start, the turn's status while it held (a status that passed within the live region's
+    // settle time, e.g. the model called or the reply read, may go unsaid), the end; each once, never a streamed piece
+    const states = new Set(['working…', 'waiting for the model…', 'writing…', 'reading the reply…', 'Turn finished.']);
+    const said = a11y.said;
+    expect(said[0] === 'working…' && said.at(-1) === 'Turn finished.' && said.includes('writing…') && said.every((x) => states.has(x))
+      && said.every((x, i) => i === 0 || x !== said[i - 1]) && new Set(said).size === said.length,
+      `the live region said the state changes only: ${JSON.stringify(said)}`);
+    return { proseLengths: distinct.length, said };
   });
   await shot('chat', await chatClip());
 
@@ -778,6 +808,41 @@ async function main() {
     expect(JSON.stringify(last) === JSON.stringify({ user: 'Shout about #file', chips: [], stopped: false, prose: 'Retried: the file once.' }),
       `the retried turn (as the branch holds it: no context): ${JSON.stringify(last)}`);
     expect(await stopped() === marked, `the stopped turn stays as it was: ${await stopped()}`);
+  });
+  await check('a reply not in the expected format (a turn that asks for one, sent by a key bound to the chat command): while the model is asked again, the running turn\'s status line and the polite live region read the repair attempt (said once); both go when the turn ends', async () => {
+    const REPAIR = 'the reply was not in the expected format: asking the model again (attempt 1)…';
+    await webClick('#new');
+    await waitFor('an empty chat', () => inWeb(`!!document.querySelector('.empty')`), 10000);
+    await webClick('#model');
+    await quickPickChoose('mender', 'mender');
+    await waitFor('model in the header', () => inWeb(`document.getElementById('model').textContent === 'mender'`), 10000);
+    await inWeb(`window.__said = []; const st = document.getElementById('status'); new MutationObserver(() => window.__said.push(st.textContent))
+      .observe(st, { childList: true, subtree: true, characterData: true }); true`);
+    const statusLine = () => lastTurn(`t.querySelector('.running')?.textContent.trim() ?? null`);
+    const liveRegion = () => inWeb(`document.getElementById('status').textContent`);
+    await click(await centerOf('.editor-instance .monaco-editor .view-lines'));
+    await waitFor('the editor focused', () => evalIn(`!!document.activeElement?.closest('.editor-instance')`), 10000);
+    const t0 = Date.now();
+    await key('F10', 'F10', 121, { modifiers: 2 | 1 | 8 });   // Ctrl+Shift+Alt+F10 (keybindings.json)
+    await waitFor('the turn starts', () => lastTurn(`t.querySelector('.user')?.firstChild?.textContent === ${JSON.stringify(FORMAT_TURN)}`), 10000);
+    const read = [];   // what the status line read meanwhile (null: no status line, the turn over), for the error
+    await waitFor('the status line reads the repair attempt', async () => {
+      const now = await statusLine();
+      if (read.at(-1) !== now) read.push(now);
+      return now === REPAIR;
+    }, REPAIR_DELAY_MS + 5000, 50).catch((e) => { throw new Error(`${e.message}; it read ${JSON.stringify(read)}`); });
+    await waitFor('the live region reads it', async () => (await liveRegion()) === REPAIR, REPAIR_DELAY_MS, 50)
+      .catch(async (e) => { throw new Error(`${e.message}: ${JSON.stringify(await liveRegion())}`); });
+    const waited = Date.now() - t0;
+    // (read while the repair reply waited: the turn had not ended)
+    expect(await inWeb(`document.body.classList.contains('running')`) && await statusLine() === REPAIR, 'the turn still runs, its status the repair');
+    await turnDone();
+    expect(await statusLine() === null, `no status line once the turn ended: ${JSON.stringify(await statusLine())}`);
+    expect(await liveRegion() === 'Turn finished.', `the live region: ${JSON.stringify(await liveRegion())}`);
+    const said = await inWeb('window.__said');
+    expect(said.filter((x) => x === REPAIR).length === 1 && said.at(-1) === 'Turn finished.' && said.every((x, i) => i === 0 || x !== said[i - 1]),
+      `the live region said the repair once, then the end: ${JSON.stringify(said)}`);
+    return { waitedMs: waited, said };
   });
   await shot('workbench');
   cdp.close();

@@ -24,6 +24,8 @@ export interface Turn {
   note?: string;
   error?: string;
   running?: boolean;
+  /** While it runs: what it is doing, from its progress reports (see statusText); shown in place of *working…*. */
+  status?: string;
   /** A turn that did not finish: it failed (the server crashed, an error) or was stopped. */
   outcome?: 'failed' | 'stopped';
   /** The index of the turn's first message on the branch (turns read from the server). */
@@ -394,6 +396,8 @@ export interface LocalTurn {
   turn: Turn; at: number; recorded?: boolean;
   /** The context sent with the instruction (Retry sends it again as it was, not the editor's state then; see retryContext). */
   context?: JsonObject;
+  /** The response format it asked for (Retry asks for it again). */
+  responseFormat?: JsonObject;
 }
 
 /**
@@ -486,6 +490,67 @@ export function turnsAfterFailedRead(e: unknown, locals: LocalTurn[], problem: (
   return turns;
 }
 
+// ---- what a running turn is doing ----------------------------------------------------------------
+/**
+ * A running turn's `$/progress` reports, as far as they tell what it does (docs/PROTOCOL.md §6):
+ * the phase of the last report (`repair`: a `parse` report of a repair turn, the reply did not match
+ * the response format), the repair attempt, and the model round. The wire has no round number: a
+ * `request` report after tool calls ran begins the next round (§11). `maxRounds`: what the turn's
+ * operate was sent (undefined: one round, or not known).
+ */
+export interface TurnProgress {
+  phase?: 'request' | 'stream' | 'parse' | 'repair' | 'actions';
+  attempt?: number;
+  round: number;
+  /** Tools ran in this round (its calls were reported): the next `request` is a new round. */
+  toolsRan?: boolean;
+  maxRounds?: number;
+}
+/** The message of a `parse` report before a repair turn (`repair attempt 2`; the server's REPAIR_ATTEMPT). */
+const REPAIR_MESSAGE = /^repair attempt\s+(\d+)/;
+/** What a running turn shows before its first report (the server starting, the branch being made). */
+export const WORKING = 'working…';
+
+/** The progress after one `$/progress` value (a new object; `begin` and `end` change nothing). */
+export function progressAfter(p: TurnProgress, v: { kind: string; phase?: string; message?: string }): TurnProgress {
+  if (v.kind !== 'report') return p;
+  const next: TurnProgress = { round: p.round, ...(p.maxRounds !== undefined && { maxRounds: p.maxRounds }) };
+  if (p.toolsRan) next.toolsRan = true;
+  switch (v.phase) {
+    case 'request':
+      if (p.toolsRan) { next.round = p.round + 1; delete next.toolsRan; }
+      next.phase = 'request';
+      break;
+    case 'stream': next.phase = 'stream'; break;
+    case 'parse': {
+      const m = REPAIR_MESSAGE.exec(v.message ?? '');
+      if (m) { next.phase = 'repair'; next.attempt = Number(m[1]); } else next.phase = 'parse';
+      break;
+    }
+    case 'actions': next.phase = 'actions'; next.toolsRan = true; break;
+    default: return p;   // a phase this client does not know: what it showed stays
+  }
+  return next;
+}
+
+/**
+ * The running turn's status line: what it waits for or does (`waiting for the model…` until the reply
+ * begins, `writing…` while it streams, `reading the reply…`, a repair attempt, `running tools…`), and
+ * from the second round on which round (`round 2 of up to 4 · …`).
+ */
+export function statusText(p: TurnProgress | undefined): string {
+  if (!p?.phase) return WORKING;
+  const what = {
+    request: 'waiting for the model…',
+    stream: 'writing…',
+    parse: 'reading the reply…',
+    repair: `the reply was not in the expected format: asking the model again (attempt ${p.attempt ?? 1})…`,
+    actions: 'running tools…',
+  }[p.phase];
+  if (p.round < 2) return what;
+  return `round ${p.round}${p.maxRounds && p.maxRounds > 1 ? ` of up to ${p.maxRounds}` : ''} · ${what}`;
+}
+
 // ---- HTML -------------------------------------------------------------------------------------
 export function escapeHtml(s: string): string {
   return s.replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]!));
@@ -563,11 +628,11 @@ export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
   const chips = t.contextLabels.map((l) => `<span class="chip${l.startsWith('#') ? ' missing' : ''}">${escapeHtml(l)}</span>`).join('');
   const items = t.items.map((it) => (it.kind === 'prose'
     ? `<div class="prose">${renderMarkdown(it.text)}</div>` : cardHtml(it.card, mod))).join('');
-  // a call waiting for the user's decision: the turn says so (not "working…")
+  // a call waiting for the user's decision: the turn says so (not what it was doing before: running tools)
   const waiting = t.items.some((it) => it.kind === 'tool' && !!it.card.ask);
   const running = !t.running ? '' : waiting
     ? '<div class="running waiting"><span class="spinner"></span> waiting for your decision: Accept or Reject above</div>'
-    : '<div class="running"><span class="spinner"></span> working…</div>';
+    : `<div class="running"><span class="spinner"></span> ${escapeHtml(t.status ?? WORKING)}</div>`;
   const note = t.note ? `<div class="note">${escapeHtml(t.note)}</div>` : '';
   const error = t.error ? `<div class="error">${escapeHtml(t.error)}</div>` : '';
   const usage = t.usage ? `<div class="usage">${escapeHtml(usageLine(t.usage))}</div>` : '';

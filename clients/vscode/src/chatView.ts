@@ -4,8 +4,8 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  cardOfToolEvent, cardTitle, conversationParts, KeyMod, LocalTurn, nameFrom, proseOf, refusesField, renderMarkdown, resolveLocalTurns, retryContext,
-  ToolCard, Turn, turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
+  cardOfToolEvent, cardTitle, conversationParts, KeyMod, LocalTurn, nameFrom, progressAfter, proseOf, refusesField, renderMarkdown, resolveLocalTurns,
+  retryContext, statusText, ToolCard, Turn, TurnProgress, turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
 import { DiffReview, previewOf } from './diffReview';
@@ -81,6 +81,10 @@ interface Live {
   chat: string;
   /** The context sent with the instruction (kept with the turn if it fails, for Retry). */
   context?: JsonObject;
+  /** The response format the turn asked for (see send; kept with the turn if it fails, for Retry). */
+  responseFormat?: JsonObject;
+  /** What its `$/progress` reports told so far: the turn's status line (turn.status). */
+  progress: TurnProgress;
   /** The branch's message count before this turn; whether its operate was sent. */
   at: number;
   sent: boolean;
@@ -299,6 +303,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     // the running turn's tool cards as the chat shows them
     const cards = [...this.live?.cards.values() ?? []].map((c) => ({ tool: c.tool, state: c.state, title: cardTitle(c), args: c.args, argsCut: !!c.argsCut }));
     return { streamUpdates: this.streamUpdates, deltas: this.deltas, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, cards,
+      status: this.live?.turn.status,
       badge: this.badgeValue(), posts: this.posts, postedChars: this.postedChars };
   }
 
@@ -318,21 +323,24 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   async retry(id: string): Promise<TurnOutcome | undefined> {
     const l = this.locals.find((x) => x.turn.id === id);
     if (!l || this.live) return undefined;
-    return this.send(l.turn.user, { context: retryContext(l, this.serverTurns) });
+    return this.send(l.turn.user, { context: retryContext(l, this.serverTurns) }, l.responseFormat && { responseFormat: l.responseFormat });
   }
 
   /**
    * One chat turn on the current branch (created, named after the instruction, when there is none).
    * `sent`: the context to send as it is (Retry), instead of resolving the text's references now.
+   * `responseFormat`: a JSON Schema the reply must follow (the server asks the model again, a repair
+   * turn, when it does not); its fields show as prose.
    */
-  async send(text: string, sent?: { context?: JsonObject }): Promise<TurnOutcome> {
+  async send(text: string, sent?: { context?: JsonObject }, opts?: { responseFormat?: JsonObject }): Promise<TurnOutcome> {
     if (this.live) throw new Error('a chat turn is already running');
     const resolved = sent ? { instruction: text, ...(sent.context && { context: sent.context }) } : resolveInput(text, this.host.editors.editor);
     const turn: Turn = { user: text, contextLabels: (resolved.context?.labels as string[] | undefined) ?? [], items: [], running: true };
     const source = new CancellationTokenSource();
     this.bindLocal(this.host.branches.current ?? '');
     this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), chat: this.localBranch, at: this.serverTotal, sent: false,
-      flushed: '', lastFlush: 0, ...(resolved.context && { context: resolved.context }) };
+      flushed: '', lastFlush: 0, progress: { round: 1 }, ...(resolved.context && { context: resolved.context }),
+      ...(opts?.responseFormat && { responseFormat: opts.responseFormat }) };
     this.render();
     this.host.runningChanged(true);
     setContext(RUNNING_KEY, true);
@@ -374,7 +382,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       const model = this.host.branches.model;
       const params: OperateParams = {
         branchId, instruction: resolved.instruction, ...(resolved.context && { context: resolved.context }),
-        actions: true, tools: true, ...(model && { chatModel: model }),
+        actions: true, tools: true, ...(model && { chatModel: model }), ...(opts?.responseFormat && { responseFormat: opts.responseFormat }),
       };
       this.live.sent = true;
       const result = await this.operate(client, params, source);
@@ -390,10 +398,16 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   private async operate(client: SidecarClient, params: OperateParams, source: CancellationTokenSource): Promise<OperateResult> {
     const maxRounds = this.host.maxRounds();
-    const go = (p: OperateParams) => client.operate(p, {
-      token: source.token,
-      onProgress: (v) => { if (v.kind === 'report' && v.delta !== undefined) this.delta(v.delta); },
-    });
+    const go = (p: OperateParams) => {
+      if (this.live) this.live.progress = { round: 1, ...(p.maxRounds !== undefined && { maxRounds: p.maxRounds }) };
+      return client.operate(p, {
+        token: source.token,
+        onProgress: (v) => {
+          if (v.kind === 'report' && v.delta !== undefined) this.delta(v.delta);
+          this.progressed(v);
+        },
+      });
+    };
     if (this.supportsMaxRounds && maxRounds > 1) {
       try {
         return await go({ ...params, maxRounds });
@@ -406,6 +420,20 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       }
     }
     return go(params);
+  }
+
+  /**
+   * A `$/progress` value of the running turn: its status line says what it does now (redrawn only
+   * when that changes: not for each streamed piece).
+   */
+  private progressed(v: { kind: string; phase?: string; message?: string }): void {
+    const live = this.live;
+    if (!live) return;
+    live.progress = progressAfter(live.progress, v);
+    const status = statusText(live.progress);
+    if (status === live.turn.status) return;
+    live.turn.status = status;
+    this.render();
   }
 
   /**
@@ -478,6 +506,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     }
     const t = live.turn;
     t.running = false;
+    delete t.status;
     if (note) { t.note = note; t.outcome = 'stopped'; }
     if (error) { t.error = error; t.outcome = 'failed'; }
     for (const it of t.items) {   // calls the turn never saw finish
@@ -504,7 +533,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       // kept here unless the server's record of it is complete (a turn that ended well, read back)
       if (t.outcome || !own) {
         if (t.outcome) t.id = `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;   // for Retry
-        this.locals.push({ turn: t, at: live.at, recorded, ...(live.context && { context: live.context }) });
+        this.locals.push({ turn: t, at: live.at, recorded, ...(live.context && { context: live.context }),
+          ...(live.responseFormat && { responseFormat: live.responseFormat }) });
         this.saveLocals();
       }
       this.turns = withLocalTurns(this.serverTurns, this.locals);

@@ -607,11 +607,13 @@ class Sidecar {
     return this.branches.model;
   }
 
-  async chatSend(arg?: string | { text?: string }): Promise<TurnOutcome | undefined> {
+  async chatSend(arg?: string | { text?: string; responseFormat?: JsonObject }): Promise<TurnOutcome | undefined> {
     const text = typeof arg === 'string' ? arg : arg?.text;
+    const responseFormat = typeof arg === 'object' && arg?.responseFormat && typeof arg.responseFormat === 'object' && !Array.isArray(arg.responseFormat)
+      ? arg.responseFormat : undefined;
     await this.chat.reveal();
     if (!text) return undefined;
-    return this.chat.send(text);
+    return this.chat.send(text, undefined, responseFormat && { responseFormat });
   }
 
   decideEdit(arg: unknown, decision: PermissionDecision): boolean {
@@ -678,7 +680,7 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
   reg('listTools', (a?: { branchId?: string }) => s.listTools(a));
   reg('restart', () => s.restart());
   reg('openChat', () => s.chat.reveal());
-  reg('chat', (a?: string | { text?: string }) => s.chatSend(a));
+  reg('chat', (a?: string | { text?: string; responseFormat?: JsonObject }) => s.chatSend(a));
   reg('stop', () => s.chat.stop());
   reg('newChat', () => s.newChat());
   reg('pickBranch', (a?: { branchId?: string }) => s.pickBranch(a));

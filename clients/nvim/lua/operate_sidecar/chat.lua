@@ -381,6 +381,76 @@ local function card_lines(card)
   return lines
 end
 
+-- ---------------------------------------------------------------- what a running turn does
+
+-- A running turn's `$/progress` reports, as far as they tell what it does (turn.activity): the
+-- phase of the last report ('repair': a `parse` report of a repair turn: the reply did not match
+-- the response format and the model is asked again), the repair attempt, and the model round. The
+-- wire has no round number: a `request` report after tool calls ran begins the next round.
+-- max_rounds: what the turn's operate was sent (nil: not known).
+M.WORKING = 'working…'
+M.WAITING = 'waiting for your decision'
+local DOING = { request = 'waiting for the model…', stream = 'writing…', parse = 'reading the reply…',
+  actions = 'running tools…' }
+
+--- The activity after a report of `phase` with `message` (changed in place; returned).
+function M.activity_step(a, phase, message)
+  if phase == 'request' then
+    if a.tools_ran then
+      a.round, a.tools_ran = (a.round or 1) + 1, nil
+    end
+    a.phase, a.attempt = 'request', nil
+  elseif phase == 'stream' then
+    a.phase = 'stream'
+  elseif phase == 'parse' then
+    local n = type(message) == 'string' and tonumber(message:match('^repair attempt%s+(%d+)')) or nil
+    if n then
+      a.phase, a.attempt = 'repair', n
+    else
+      a.phase = 'parse'
+    end
+  elseif phase == 'actions' then
+    a.phase, a.tools_ran = 'actions', true
+  end -- (a phase not known here: what it showed stays)
+  return a
+end
+
+--- What a running turn does, in words: what it waits for or does, and from the second round on
+--- which round ("round 2 of up to 8 · waiting for the model…").
+function M.activity_text(a)
+  if type(a) ~= 'table' then
+    return M.WORKING
+  end
+  local what = DOING[a.phase]
+  if a.phase == 'repair' then
+    what = ('the reply was not in the expected format: asking the model again (attempt %d)…'):format(a.attempt or 1)
+  end
+  if not what then
+    return M.WORKING
+  end
+  local round = tonumber(a.round) or 1
+  if round < 2 then
+    return what
+  end
+  local max = tonumber(a.max_rounds)
+  return ('round %d%s · %s'):format(round, max and max > 1 and (' of up to %d'):format(max) or '', what)
+end
+
+-- The status line of a running turn: a call waiting for the user's decision, else what it does.
+local function running_text(turn)
+  for _, card in pairs(turn.cards or {}) do
+    if card.status == 'waiting' then
+      return M.WAITING
+    end
+  end
+  return M.activity_text(turn.activity)
+end
+
+--- The status line of the turn in flight (nil when none runs): for a statusline (status().activity).
+function M.activity()
+  return running_turn and running_text(running_turn.turn) or nil
+end
+
 -- ---------------------------------------------------------------- turns
 
 local function usage_line(turn)
@@ -477,7 +547,8 @@ local function turn_lines(turn)
     end
   end
   if turn.status == 'running' then
-    lines[#lines + 1] = '_…_'
+    -- (its last line: what it does now; only this line is written again when that changes)
+    lines[#lines + 1] = '_' .. running_text(turn) .. '_'
     lines[#lines + 1] = ''
   elseif turn.status == 'cancelled' then
     lines[#lines + 1] = '_cancelled_'
@@ -1304,7 +1375,7 @@ function M.send(chat, text, extra)
   end
   local turn = new_turn(chat, { user = text, time = os.date('%H:%M'), status = 'running',
     ctx_label = extra and extra.label or context.describe(ctx), model = model, branch = chat.branch,
-    context = ctx, params = extra and extra.params, ctx_earlier = extra and extra.earlier })
+    context = ctx, params = extra and extra.params, ctx_earlier = extra and extra.earlier, activity = { round = 1 } })
   running_turn = { chat = chat, turn = turn }
   local params = { instruction = text, branchId = chat.branch }
   if ctx ~= nil then
@@ -1321,6 +1392,7 @@ function M.send(chat, text, extra)
   for k, v in pairs(extra and extra.params or {}) do
     params[k] = v
   end
+  turn.activity.max_rounds = tonumber(params.maxRounds) or tonumber((config.values.operate_defaults or {}).maxRounds)
   local hooks = {
     implicit = chat.branch == nil or chat.branch == branches.current(),
     on_start = function(run)
@@ -1342,13 +1414,15 @@ function M.send(chat, text, extra)
       blk.raw = blk.raw .. delta
       render_turn(chat, turn)
     end,
-    on_phase = function(phase)
+    on_phase = function(phase, _, message)
       if phase == 'request' then
         local last = turn.blocks[#turn.blocks]
         if last and last.kind == 'text' then
           last.closed = true -- a new model round
         end
       end
+      M.activity_step(turn.activity, phase, message)
+      render_turn(chat, turn) -- (its status line)
     end,
     on_tool_event = function(e)
       apply_tool_event(turn, e)

@@ -63,6 +63,8 @@ function M.status()
     branch = require('operate_sidecar.diff').branch() or branches.current(), -- (the review tab: its request's)
     operating = S.running ~= nil,
     phase = S.progress.phase,
+    -- what the chat turn in flight does ("waiting for the model…", a repair attempt ...; nil: none runs)
+    activity = package.loaded['operate_sidecar.chat'] and package.loaded['operate_sidecar.chat'].activity() or nil,
     exit = S.exit,
     model = config.values.model,
     waiting = require('operate_sidecar.permission').current() ~= nil,

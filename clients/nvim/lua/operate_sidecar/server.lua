@@ -77,9 +77,11 @@ local function on_progress(p)
       hook(run, 'on_delta', v.delta, run)
       event('OperateSidecarDelta')
     end
-    if v.phase ~= S.progress.phase then
+    -- a new phase, or a new step of one (`parse`: "parsing reply", then "repair attempt N" before
+    -- each repair turn); not each streamed piece
+    if v.phase ~= S.progress.phase or (v.phase ~= 'stream' and v.message ~= S.progress.message) then
       S.progress = { phase = v.phase, message = v.message }
-      hook(run, 'on_phase', v.phase, run)
+      hook(run, 'on_phase', v.phase, run, v.message)
     end
   elseif v.kind == 'end' then
     S.progress = { phase = 'end', message = v.message }
@@ -540,8 +542,9 @@ end
 M.EXIT_WAIT_MS = 5000
 
 --- Run `operate`. params: the operate params (branchId defaults to the current branch; a
---- workDoneToken is added). hooks: {on_start(run), on_delta(delta, run), on_phase(phase, run),
---- on_tool_event(e, run)}. on_done(err, result, run). One notification tells how it ended.
+--- workDoneToken is added). hooks: {on_start(run), on_delta(delta, run), on_phase(phase, run,
+--- message) (a new phase, or a new message of one other than `stream`), on_tool_event(e, run)}.
+--- on_done(err, result, run). One notification tells how it ended.
 function M.operate(params, on_done, hooks)
   on_done = on_done or function() end
   local branches = require('operate_sidecar.branches')

@@ -8,8 +8,8 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import {
   cardHtml, cardOfToolEvent, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
-  onBranch, refusesField, renderMarkdown, resolveLocalTurns, retryContext, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn, turnHtml, turnsAfterFailedRead,
-  turnsFromMessages, withLocalTurns,
+  onBranch, progressAfter, refusesField, renderMarkdown, resolveLocalTurns, retryContext, statusText, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn,
+  TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns,
 } from '../chatModel';
 import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
 
@@ -285,6 +285,54 @@ test('local turns are stored per chat (kept through a window reload), with the c
   assert.equal(resolveLocalTurns(locals, 2), true);
   assert.equal(resolveLocalTurns(locals, 5), false);
   assert.equal(locals[0].recorded, false);
+});
+
+test('the status line of a running turn says what it does, from its $/progress phases: waiting for the model, writing, reading the reply, a repair attempt, running tools, the round after tool calls; a waiting decision comes first; gone once the turn ends', () => {
+  const report = (phase: string, message = '', delta?: string) => ({ kind: 'report', phase, message, ...(delta !== undefined && { delta }) });
+  /** The status line after each value, from a new turn of `maxRounds`. */
+  const said = (values: { kind: string; phase?: string; message?: string }[], maxRounds?: number) => {
+    let p: TurnProgress = { round: 1, ...(maxRounds !== undefined && { maxRounds }) };
+    return values.map((v) => { p = progressAfter(p, v); return statusText(p); });
+  };
+  assert.equal(statusText(undefined), 'working…');   // nothing reported yet (the server starting, the branch made)
+  assert.equal(statusText({ round: 1 }), 'working…');
+  const repair = 'the reply was not in the expected format: asking the model again (attempt 1)…';
+  assert.deepEqual(said([
+    { kind: 'begin', message: 'communicate' },
+    report('request', 'calling s'),
+    report('stream', 'streaming', 'not '), report('stream', 'streaming', 'json'),
+    report('parse', 'parsing reply'),
+    report('parse', 'repair attempt 1'),
+    report('parse', 'repair attempt 2'),
+    { kind: 'end', message: 'completed' },
+  ], 4), ['working…', 'waiting for the model…', 'writing…', 'writing…', 'reading the reply…', repair,
+    'the reply was not in the expected format: asking the model again (attempt 2)…',
+    'the reply was not in the expected format: asking the model again (attempt 2)…']);
+  // several rounds: a request after tool calls ran is the next round (the wire has no round number); a
+  // repair in a later round says both
+  assert.deepEqual(said([
+    report('request'), report('stream', 'streaming', '{'), report('parse', 'parsing reply'), report('actions', 'running tools'),
+    report('request'), report('parse', 'parsing reply'), report('parse', 'repair attempt 1'), report('actions', 'running tools'),
+    report('request'), report('stream', 'streaming', 'done'),
+  ], 8), ['waiting for the model…', 'writing…', 'reading the reply…', 'running tools…',
+    'round 2 of up to 8 · waiting for the model…', 'round 2 of up to 8 · reading the reply…', `round 2 of up to 8 · ${repair}`, 'round 2 of up to 8 · running tools…',
+    'round 3 of up to 8 · waiting for the model…', 'round 3 of up to 8 · writing…']);
+  // the round limit not known (a server without maxRounds: single rounds): the round alone, never an invented limit
+  assert.deepEqual(said([report('request'), report('actions'), report('request')]), ['waiting for the model…', 'running tools…', 'round 2 · waiting for the model…']);
+  // a request that follows no tool call is no new round; a phase this client does not know changes nothing
+  assert.deepEqual(said([report('request'), report('parse', 'repair attempt 3'), report('later-phase'), report('request')], 4),
+    ['waiting for the model…', 'the reply was not in the expected format: asking the model again (attempt 3)…',
+      'the reply was not in the expected format: asking the model again (attempt 3)…', 'waiting for the model…']);
+  // the turn shows it (escaped) in place of "working…"; a call waiting for a decision says that instead; an ended turn has no status line
+  const turn: Turn = { user: 'go', contextLabels: [], items: [], running: true, status: `${repair} <b>` };
+  assert.ok(turnHtml(turn, 0).includes(`<div class="running"><span class="spinner"></span> ${repair} &lt;b&gt;</div>`), turnHtml(turn, 0));
+  const card: ToolCard = { callId: 'c1', tool: 'shout', args: { text: 'x' }, state: 'ask', ask: { diff: false } };
+  turn.items.push({ kind: 'tool', card });
+  turn.status = 'running tools…';
+  const waiting = turnHtml(turn, 0);
+  assert.ok(waiting.includes('waiting for your decision: Accept or Reject above') && !waiting.includes('running tools…'), waiting);
+  turn.running = false;
+  assert.ok(!turnHtml(turn, 0).includes('class="running'), turnHtml(turn, 0));
 });
 
 test('a running turn whose call waits for the user says so (not "working…"); the conversation comes in parts, one per turn; Markdown renders the same from its cache', () => {
