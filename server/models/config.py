@@ -6,7 +6,8 @@ JSON types, and a checker for it.
 check with it too, so a config is judged the same everywhere and a provider's accepted
 keys cannot drift from what initialize accepts. This module is on the cold-start path:
 it imports nothing but the standard library's ``shlex`` (and that only for a string
-``command``).
+``command``), and ``importlib.util`` and ``pathlib`` to find the ``local`` model's default file
+(:func:`default_local_model`, on first need).
 
 Types are JSON types and never coerced (``"4"`` is not an integer, ``true`` is not a
 number). ``null`` means "the default" for every field (for ``maxStringLength`` it turns
