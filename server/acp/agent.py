@@ -96,6 +96,12 @@ def _issue_cursor(key: tuple[float, str]) -> str:
     return base64.urlsafe_b64encode(json.dumps(key).encode()).decode()
 
 
+def _invalid(message: str, data: dict[str, Any]) -> RequestError:
+    """-32602 with what is wrong and what to do as its message (an editor shows the message;
+    the SDK's ``RequestError.invalid_params`` says only "Invalid params"), ``data`` as before."""
+    return RequestError(-32602, message, data)
+
+
 def _cursor_key(cursor: str) -> tuple[float, str]:
     """The position a ``cursor`` of ours names; anything else is -32602."""
     try:
@@ -104,7 +110,8 @@ def _cursor_key(cursor: str) -> tuple[float, str]:
             raise ValueError(sid)
         return float(when), sid
     except Exception:
-        raise RequestError.invalid_params({"cursor": cursor, "reason": "not a cursor this agent gave"}) from None
+        raise _invalid(f"session/list: cursor {cursor!r} is not a cursor this agent gave (pass a nextCursor back as it came)",
+                       {"cursor": cursor, "reason": "not a cursor this agent gave"}) from None
 
 
 class OperateAgent(Agent):
@@ -131,7 +138,10 @@ class OperateAgent(Agent):
         self._warned_models: set[str] = set()   # models whose problem (``model_problem``) was logged
 
     def on_connect(self, conn: Any) -> None:
+        from .run import explain_invalid_params
+
         self.port.client = conn
+        explain_invalid_params(conn)  # a request the schema refuses: its message says why
 
     # ------------------------------------------------------------------ the core, loaded early
     def start_loading(self) -> None:
@@ -236,7 +246,8 @@ class OperateAgent(Agent):
         try:
             return sc.branch(session_id)
         except RpcError:
-            raise RequestError.invalid_params({"sessionId": session_id, "reason": "unknown session"}) from None
+            raise _invalid(f"unknown session {session_id!r} (session/list lists the stored ones)",
+                           {"sessionId": session_id, "reason": "unknown session"}) from None
 
     async def _import_legacy(self, sc: Any) -> None:
         """Import ``acp-sessions.json`` (written by older versions) into the branches' info and
@@ -318,7 +329,8 @@ class OperateAgent(Agent):
             auth_methods=[])
 
     async def authenticate(self, method_id: str, **kw: Any) -> None:
-        raise RequestError.invalid_params({"methodId": method_id, "reason": "no authentication methods"})
+        raise _invalid(f"authentication method {method_id!r}: this agent has none and needs none",
+                       {"methodId": method_id, "reason": "no authentication methods"})
 
     # ------------------------------------------------------------------ sessions
     async def new_session(self, cwd: str, additional_directories: Any = None, mcp_servers: Any = None,
@@ -414,7 +426,8 @@ class OperateAgent(Agent):
                             **kw: Any) -> ListSessionsResponse:
         if cwd is not None:
             if not os.path.isabs(cwd):
-                raise RequestError.invalid_params({"cwd": cwd, "reason": "must be an absolute path"})
+                raise _invalid(f"session/list: cwd {cwd!r} must be an absolute path",
+                               {"cwd": cwd, "reason": "must be an absolute path"})
             cwd = os.path.normpath(cwd)  # "/ws/" and "/ws/." name the folder "/ws" is
         sc = await self._restored()
         try:
@@ -512,17 +525,25 @@ class OperateAgent(Agent):
         return SetSessionModeResponse()
 
     async def _set_option(self, config_id: str, session_id: str, value: Any) -> None:
-        """The session's ``model`` or ``mode`` (-32602 for another option or value)."""
+        """The session's ``model`` or ``mode`` (-32602 for another option or value). A model that
+        cannot run (``_unrunnable``: its ``local`` model file is missing) is refused at once
+        with the error a prompt on it would meet, and the session keeps its model."""
         await self._branch(session_id)
         if config_id == "model" and value in self.settings["models"]:
+            found = self._unrunnable(value)
+            if found is not None:  # said before anything is saved
+                raise self._model_error(value, found)
             await self._save(session_id, {"model": value})
         elif config_id == "mode" and value in MODES:
             await self._save(session_id, mode=value)  # the service applies it from the next tool call
         else:
             allowed = list(self.settings["models"]) if config_id == "model" else list(MODES)
-            raise RequestError.invalid_params({"configId": config_id, "value": value,
-                                               "reason": "unknown option" if config_id not in ("model", "mode")
-                                               else f"one of {', '.join(allowed)}"})
+            known = config_id in ("model", "mode")
+            shown = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+            message = f"{shown} is not a {config_id} option: one of {', '.join(allowed)}" if known \
+                else f"unknown config option {config_id!r}: this agent has model and mode"
+            raise _invalid(message, {"configId": config_id, "value": value,
+                                     "reason": f"one of {', '.join(allowed)}" if known else "unknown option"})
 
     def _background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -535,9 +556,12 @@ class OperateAgent(Agent):
         is a folder (each operate is confined to its session's: ``Service.set_branch_folders``)."""
         added = False
         folders = [cwd, *(more or [])]
+        for folder in folders:  # every one checked before any is added
+            why = _not_a_folder(folder)
+            if why is not None:
+                name = "cwd" if folder is cwd else "additionalDirectories"
+                raise _invalid(f"{name} {folder!r} {why}", {"cwd": folder, "reason": "must be an absolute directory"})
         for folder in folders:
-            if not isinstance(folder, str) or not os.path.isabs(folder) or not os.path.isdir(folder):
-                raise RequestError.invalid_params({"cwd": folder, "reason": "must be an absolute directory"})
             if folder not in self.port.workspace_folders:
                 self.port.workspace_folders.append(folder)
                 added = True
@@ -555,6 +579,8 @@ class OperateAgent(Agent):
             command = getattr(s, "command", None)
             if not isinstance(command, str):  # http / sse: not advertised
                 log.warning("MCP server %r ignored: only stdio servers are supported", getattr(s, "name", "?"))
+                self.port.tell(sid, 2, f"MCP server {getattr(s, 'name', '?')!r} ignored: this agent runs stdio MCP "
+                                       "servers only (an http or sse one is not connected)")
                 continue
             stdio.append((s.name, {"command": [command, *(s.args or [])], "env": {e.name: e.value for e in s.env or ()}}))
         await self.sidecar.add_branch_mcp_servers(sid, stdio)
@@ -564,7 +590,9 @@ class OperateAgent(Agent):
         lock = self._prompts.setdefault(session_id, asyncio.Lock())
         # (the cancelled turn stays in ``_cancelled`` until its answer: its task may be gone already)
         if lock.locked() and not (session_id in self._cancelled and session_id not in self._starting):
-            raise RequestError.invalid_params({"sessionId": session_id, "reason": "a prompt turn is already running"})
+            raise _invalid(f"session {session_id!r}: a prompt turn is already running (wait for its answer, or "
+                           "session/cancel it first)",
+                           {"sessionId": session_id, "reason": "a prompt turn is already running"})
         # else the turn running, if any, is cancelled (that cancel is its own: its task has it) but
         # not answered yet: this one starts once it is (CodeCompanion does not wait for that answer)
         self._cancelled.discard(session_id)
@@ -579,8 +607,8 @@ class OperateAgent(Agent):
                 # a session this process has not taken up (made by an earlier run or another
                 # server on the state directory): it has no folders here, and its tools would
                 # reach every session's; ACP has it loaded first, which gives them
-                raise RequestError.invalid_params({"sessionId": session_id,
-                                                   "reason": "the session is not loaded: session/load it first"})
+                raise _invalid(f"session {session_id!r} is not loaded here: session/load or session/resume it first",
+                               {"sessionId": session_id, "reason": "the session is not loaded: session/load it first"})
             instruction, context = _prompt_parts(prompt)
             model = self._model(session_id)
             found = self._unrunnable(model)
@@ -698,6 +726,10 @@ class OperateAgent(Agent):
         await sc.ensure_tools()
         await sc.branch_mcp_ready()  # client MCP servers still starting
         turn = self.port.turns[sid] = Turn()
+        if self.port.noticed.get(sid, 0) != self.port.notice_gen:  # a warning not told to this session yet
+            notice = self.port.notices_for(sid, sc.branch_mcp_problems)  # its MCP servers' failures too
+            if notice:  # before the reply, never recorded (not the model's words)
+                self.port.send(sid, update_agent_message_text(notice))
         limit = MAX_ROUNDS
         params = self._params(sid, instruction)
         if context:
@@ -790,9 +822,11 @@ def _prompt_parts(prompt: list) -> tuple[str, Any]:
     """ACP content blocks → (instruction text, context). Text is the instruction; resource
     links (with their ``name``: ``OperateAgent._link`` adds the file's text) and embedded
     text resources become context."""
+    if not prompt:  # a turn on nothing: the model would be asked about an empty message
+        raise _invalid("the prompt is empty: send at least one content block", {"prompt": "empty"})
     texts: list[str] = []
     context: list[Any] = []
-    for block in prompt or ():
+    for block in prompt:
         t = getattr(block, "type", None)
         if t == "text":
             texts.append(block.text)
@@ -803,8 +837,25 @@ def _prompt_parts(prompt: list) -> tuple[str, Any]:
             text = getattr(res, "text", None)
             context.append({"resource": res.uri, "text": text} if text is not None else {"resource": res.uri})
         else:
-            raise RequestError.invalid_params({"prompt": f"content type {t!r} is not supported"})
-    return "\n".join(texts), context
+            raise _invalid(f"content type {t!r} is not supported: this agent takes text, resource links and "
+                           "embedded resources (initialize's promptCapabilities)",
+                           {"prompt": f"content type {t!r} is not supported"})
+    instruction = "\n".join(texts)
+    if not context and not instruction.strip():  # only whitespace: as empty for the model
+        raise _invalid("the prompt is empty: its text is only whitespace; send some text or a resource",
+                       {"prompt": "empty"})
+    return instruction, context
+
+
+def _not_a_folder(folder: Any) -> str | None:
+    """Why ``folder`` cannot be a session's folder (None when it can)."""
+    if not isinstance(folder, str) or not os.path.isabs(folder):
+        return "must be an absolute path"
+    if not os.path.exists(folder):
+        return "does not exist"
+    if not os.path.isdir(folder):
+        return "is not a directory"
+    return None
 
 
 def _prompt_blocks(instruction: Any, context: Any) -> list[Any]:

@@ -12,7 +12,10 @@ Native name (what the service sends)        ACP (what the editor sees)
                                              reject_once / reject_always
 - ``fs/readTextFile`` / ``fs/writeTextFile`` ``fs/read_text_file`` / ``fs/write_text_file``
 - ``invokeClientTool``                       refused (ACP clients register no tools)
-- ``window/logMessage``                      stderr only (ACP has no log notification)
+- ``window/logMessage`` / ``log_message``    stderr, and an error or warning (type 1, 2) also as
+                                             a notice: a short ``agent_message_chunk`` at the start
+                                             of the next turn of each session it concerns, once
+                                             (ACP has no log notification; editors hide stderr)
 - ``tool_decided`` (a decided call)          what the editor is shown: title, kind, locations,
                                              the diff of an allowed edit (before it runs)
 
@@ -58,6 +61,8 @@ _GUESS = (("search", "search"), ("grep", "search"), ("find", "search"), ("fetch"
 TEXT_CONTENT_LIMIT = 4000        # characters of a tool's output shown as its text content
 DIFF_FILE_LIMIT = 2 * 1024 * 1024  # larger files get no diff content
 UINT32_MAX = 2**32 - 1            # a location's line is a uint32 in the schema
+NOTICE_LINE_LIMIT = 400           # characters of a warning's first line shown in a notice
+NOTICES_KEPT = 50                 # server-wide warnings kept for sessions' next turns (then the oldest go)
 
 
 #: builtin tool → the verb of its title, as editors title their own agents' calls ("Read src/app.py")
@@ -84,6 +89,26 @@ def tool_title(tool: str, args: dict[str, Any]) -> str:
     offset = args.get("offset") if tool == "read_file" else None
     where = f" (from line {offset})" if type(offset) is int and offset > 1 else ""
     return f"{verb} {path}{where}" if path else verb
+
+
+def _log(type_: int, message: str) -> None:
+    log.log({1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO}.get(type_, logging.DEBUG), "%s", message)
+
+
+def notice_line(type_: int, message: str) -> str:
+    """One warning as the editor shows it before the turn's reply: a markdown quote, its
+    first line (the rest, an MCP server's stderr, stays in the log) and what to do."""
+    first, _, rest = message.strip().partition("\n")
+    if len(first) > NOTICE_LINE_LIMIT:
+        first = first[:NOTICE_LINE_LIMIT - 1] + "…"
+    first = first.rstrip(".")
+    if first.startswith("MCP server") and " unavailable: " in first:
+        todo = (" Its tools are not available in this session: check the server's command, arguments and "
+                "environment in the editor's MCP server settings.")
+    else:
+        todo = ""
+    more = " The agent's log (stderr) has the details." if rest.strip() else ""
+    return f"> ⚠ **{'Error' if type_ == 1 else 'Warning'}:** {first}.{todo}{more}\n\n"
 
 
 def tool_kind(name: str) -> str:
@@ -151,10 +176,58 @@ class AcpPort:
         self._outbox: asyncio.Queue | None = None
         self._pump: asyncio.Task | None = None
         self._warned_write_fallback = False
+        #: notices: the errors and warnings (type 1, 2) a session's user is told at the start of
+        #: its next turn (``notices_for``). ``notice_gen`` counts them: a turn of a session whose
+        #: ``noticed`` is that count has nothing to tell (the one check on a warm prompt)
+        self.notice_gen = 0
+        self.noticed: dict[str, int] = {}
+        self.notices: dict[str, int] = {}                       # server-wide: message -> type
+        self.session_notices: dict[str, list[tuple[int, str]]] = {}  # one session's own
+        self._said: dict[str, set[str]] = {}                   # session -> the messages it was told
 
     # ------------------------------------------------------------------ ClientInfo
     def log_message(self, type_: int, message: str) -> None:
-        log.log({1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO}.get(type_, logging.DEBUG), "%s", message)
+        """stderr; an error or warning is also told to the sessions at their next turn: to the
+        session ``branch <id>: ...`` names (a stored branch's restore), else to every session."""
+        _log(type_, message)
+        if type_ not in (1, 2):
+            return
+        if message.startswith("branch "):
+            sid, sep, _ = message[7:].partition(": ")
+            if sep and sid and " " not in sid:
+                self.tell(sid, type_, message)
+                return
+        if message not in self.notices:
+            self.notices[message] = type_
+            if len(self.notices) > NOTICES_KEPT:
+                del self.notices[next(iter(self.notices))]
+        self.notice_gen += 1
+
+    def log_mcp_problem(self, type_: int, message: str) -> None:
+        """A warning about an MCP server sessions passed: stderr, and told to those sessions
+        (the service keeps it for them: ``notices_for``'s ``mcp_problems``)."""
+        _log(type_, message)
+        if type_ in (1, 2):
+            self.notice_gen += 1
+
+    def tell(self, session_id: str, type_: int, message: str) -> None:
+        """A warning for one session's user, at its next turn (not logged here)."""
+        self.session_notices.setdefault(session_id, []).append((type_, message))
+        self.notice_gen += 1
+
+    def notices_for(self, session_id: str, mcp_problems: Callable[[str], list[str]]) -> str | None:
+        """The notice a turn of the session starts with: the warnings it was not told yet (its
+        own, those about the MCP servers it passed, the server-wide ones), as markdown; None when
+        there are none. Each is told once per session. Called when ``noticed`` is behind."""
+        self.noticed[session_id] = self.notice_gen
+        said = self._said.setdefault(session_id, set())
+        new: list[tuple[int, str]] = []
+        for type_, message in (*self.session_notices.pop(session_id, ()),
+                               *((2, m) for m in mcp_problems(session_id)), *((t, m) for m, t in self.notices.items())):
+            if message not in said:
+                said.add(message)
+                new.append((type_, message))
+        return "".join(notice_line(t, m) for t, m in new) or None
 
     # ------------------------------------------------------------------ the outbox
     def send(self, session_id: str, update: Any) -> None:

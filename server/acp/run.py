@@ -299,6 +299,37 @@ class NotificationNotices(logging.Filter):
         return True
 
 
+def explain_invalid_params(conn: Any) -> None:
+    """Requests whose params fail the schema (a missing ``cwd``, a prompt that is not a list)
+    are answered by the SDK with -32602 and the bare message "Invalid params", pydantic's
+    details in ``data`` only; an editor shows the message. On ``conn`` (an
+    ``AgentSideConnection``, from the agent's ``on_connect``) such an answer gets a message
+    naming the method and each field with what is wrong (at most three), its ``data`` as the
+    SDK makes it. A notification's failure is left to the SDK (``NotificationNotices``). With
+    an SDK laid out otherwise, its own answer stays."""
+    inner_conn = getattr(conn, "_conn", None)
+    handler = getattr(inner_conn, "_handler", None)
+    if handler is None or getattr(handler, "explains_invalid_params", False):
+        return
+    from acp.exceptions import RequestError
+    from pydantic import ValidationError
+
+    async def explained(method: str, params: Any, is_notification: bool) -> Any:
+        try:
+            return await handler(method, params, is_notification)
+        except ValidationError as exc:
+            if is_notification:
+                raise
+            errors = exc.errors()
+            fields = "; ".join(f"{'.'.join(map(str, e.get('loc', ()))) or 'params'}: {e.get('msg', '')}"
+                               for e in errors[:3])
+            more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+            raise RequestError(-32602, f"invalid params for {method}: {fields}{more}", {"errors": errors}) from None
+
+    explained.explains_invalid_params = True  # type: ignore[attr-defined]
+    inner_conn._handler = explained  # type: ignore[union-attr]
+
+
 def import_sdk() -> None:
     """Import the ACP SDK without two of pydantic's start-up costs, which are most of the time
     from spawn to the ``initialize`` answer. ``acp.schema`` declares about 270 models with

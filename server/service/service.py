@@ -666,20 +666,39 @@ class Service:
                     registered.append(t)
                     self._tool_origin[t.name] = label
                 for server, pairs in renamed.items():
-                    self.conn.log_message(2, f"MCP server {server!r}: " + "; ".join(
+                    self._mcp_problem(ready, f"MCP server {server!r}: " + "; ".join(
                         f"its tool {plain!r} is offered as {public!r} ({why})" for plain, public, why in pairs))
                 if isinstance(ready, McpServerReady):
                     ready.tools = tuple(t.name for t in registered)
                 ready.set()
                 await stop.wait()
         except Exception as e:
-            self.conn.log_message(2, f"{label} unavailable: {e}")
+            self._mcp_problem(ready, f"{label} unavailable: {e}")
         finally:
             for t in registered:  # the servers are stopped: their tools go with them
                 if t.name in self.registry and self.registry.get(t.name) is t:
                     self.registry.unregister(t.name)
                     self._tool_origin.pop(t.name, None)
             ready.set()
+
+    def _mcp_problem(self, ready: asyncio.Event, message: str) -> None:
+        """A warning about MCP servers: for one a front end's session passed (``ready`` is its
+        ``McpServerReady``), kept on it for :meth:`branch_mcp_problems` and told through the
+        port's optional ``log_mcp_problem`` when it has one (a front end that tells each session
+        its own), else ``log_message`` as any other."""
+        if isinstance(ready, McpServerReady):
+            ready.problems.append(message)
+            tell = getattr(self.conn, "log_mcp_problem", None)
+            if tell is not None:
+                tell(2, message)
+                return
+        self.conn.log_message(2, message)
+
+    def branch_mcp_problems(self, branch_id: str) -> list[str]:
+        """The warnings reported about the MCP servers the branch passed (:meth:`_mcp_problem`:
+        one failed to start or stopped, its tools are offered under other names), in order."""
+        own = self._branch_mcp_of.get(branch_id, ())
+        return [p for key, (_, ready) in self._branch_mcp.items() if key in own for p in ready.problems]
 
     def _renamed_mcp_tools(self, config: dict[str, Any], names: list[str],
                            taken: frozenset[str]) -> dict[str, list[tuple[str, str, str]]]:
@@ -1460,6 +1479,7 @@ class McpServerReady(asyncio.Event):
         self.tools: tuple[str, ...] = ()
         self.stop = asyncio.Event()  # set: the server stops (its tools are unregistered)
         self.stopped = asyncio.Event()  # set once it has stopped (or never started)
+        self.problems: list[str] = []  # the warnings reported about it (``Service._mcp_problem``)
 
 
 class _TakenNames:

@@ -441,6 +441,91 @@ def test_load_after_restart_and_list(tmp_path, ws):
     run(main())
 
 
+def test_bad_requests_are_answered_32602_with_a_message_saying_what_is_wrong_not_just_invalid_params(tmp_path, ws):
+    """An editor shows an error's message: each request the agent cannot take (an unknown
+    session, option or value, a folder that is relative, missing or a file, a content type not
+    advertised, a second prompt while one runs) is -32602 with a message naming the culprit and
+    why, not the SDK's bare "Invalid params"; its ``data`` is as it was."""
+    async def main():
+        c = RecordingClient()
+        config = cfg(tmp_path, reply("late", delayMs=60_000))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            text = [acp.text_block("x")]
+            cases = [
+                (conn.prompt(session_id="nope", prompt=text), ["unknown session", "'nope'"], {"sessionId": "nope"}),
+                (conn.load_session(cwd=str(ws), session_id="nope"), ["unknown session", "'nope'"], None),
+                (conn.set_config_option(config_id="mode", session_id="nope", value="ask"), ["unknown session"], None),
+                (conn.set_config_option(config_id="zzz", session_id=sid, value="ask"),
+                 ["unknown config option 'zzz'", "model and mode"], {"reason": "unknown option"}),
+                (conn.set_config_option(config_id="model", session_id=sid, value="zzz"),
+                 ["'zzz' is not a model option", "one of s"], {"reason": "one of s"}),
+                (conn.set_config_option(config_id="mode", session_id=sid, value="zzz"),
+                 ["'zzz' is not a mode option", "ask, auto-edit, read-only"], None),
+                (conn.new_session(cwd="rel/dir"), ["cwd 'rel/dir'", "must be an absolute path"], {"cwd": "rel/dir"}),
+                (conn.new_session(cwd=str(ws / "gone")), ["does not exist"], None),
+                (conn.new_session(cwd=str(ws / "a.txt")), ["is not a directory"], None),
+                (conn.new_session(cwd=str(ws), additional_directories=["rel"]),
+                 ["additionalDirectories 'rel'", "absolute path"], None),
+                (conn.prompt(session_id=sid, prompt=[acp.image_block("AAAA", "image/png")]),
+                 ["content type 'image' is not supported", "promptCapabilities"], None),
+                (conn.prompt(session_id=sid, prompt=[acp.audio_block("AAAA", "audio/wav")]),
+                 ["content type 'audio' is not supported"], None),
+            ]
+            for request, words, data in cases:
+                with pytest.raises(acp.RequestError) as e:
+                    await bounded(request)
+                assert e.value.code == -32602 and all(w in str(e.value) for w in words), (words, str(e.value))
+                assert str(e.value) != "Invalid params"
+                assert data is None or {k: e.value.data.get(k) for k in data} == data, e.value.data
+            turn = asyncio.ensure_future(prompt(conn, sid, "slow"))
+            await asyncio.sleep(0.3)
+            with pytest.raises(acp.RequestError) as e:
+                await prompt(conn, sid, "again")
+            assert e.value.code == -32602 and "already running" in str(e.value) and "session/cancel" in str(e.value)
+            await conn.cancel(session_id=sid)
+            assert (await turn).stop_reason == "cancelled"
+
+    run(main())
+
+
+def test_params_the_schema_refuses_are_answered_32602_naming_the_method_and_the_fields(tmp_path, ws):
+    """A request whose params fail ACP's schema (no ``cwd``, a prompt that is not a list, a block
+    of an unknown type) is -32602 with a message naming the method and each field with what is
+    wrong, not the SDK's bare "Invalid params"; pydantic's details stay in ``data.errors``."""
+    async def main():
+        async with spawn(RecordingClient(), cfg(tmp_path, reply("hello"))) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            cases = [("session/new", {"mcpServers": []}, ["session/new", "cwd: Field required"]),
+                     ("session/prompt", {"sessionId": sid, "prompt": "hello"}, ["session/prompt", "prompt:"]),
+                     ("session/prompt", {"sessionId": sid, "prompt": [{"type": "video"}]}, ["prompt.0", "video"])]
+            for method, params, words in cases:
+                with pytest.raises(acp.RequestError) as e:
+                    await bounded(conn._conn.send_request(method, params))
+                assert e.value.code == -32602 and all(w in str(e.value) for w in words), (words, str(e.value))
+                assert e.value.data["errors"][0]["loc"], e.value.data
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"  # the connection goes on
+
+    run(main())
+
+
+def test_an_empty_prompt_is_refused_and_records_nothing(tmp_path, ws):
+    """A prompt with no content block is -32602 saying so, before anything is recorded (no model
+    call, no update time); the session goes on."""
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, cfg(tmp_path, reply("hello")), state_dir=str(tmp_path / "state")) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            before = (await bounded(conn.list_sessions())).sessions
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.prompt(session_id=sid, prompt=[]))
+            assert e.value.code == -32602 and "the prompt is empty" in str(e.value), str(e.value)
+            assert (await bounded(conn.list_sessions())).sessions == before and c.updates == []
+            assert (await prompt(conn, sid, "hi")).stop_reason == "end_turn" and c.text() == "hello"
+
+    run(main())
+
+
 def test_model_switch(tmp_path, ws):
     async def main():
         models = {"a": scripted(reply("from a")), "b": scripted(reply("from b"))}
@@ -489,6 +574,35 @@ def test_a_missing_local_model_file_is_shown_when_the_session_opens_and_another_
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if str(gguf) in line]
     assert len(lines) == 1 and "WARNING" in lines[0] and "session/set_config_option" in lines[0], err
+
+
+def test_choosing_a_model_whose_local_file_is_missing_is_refused_at_once_and_the_session_keeps_its_model(tmp_path,
+                                                                                                         ws):
+    """``session/set_config_option`` picking the embedded local model whose file is missing is
+    answered with the error a prompt on it would get (-32011, the file and the fix), and
+    changes nothing: the session keeps its model (a prompt runs on it, ``session/resume`` shows
+    it), nothing is saved or sent."""
+    gguf = tmp_path / "models" / "tiny.gguf"
+    models = {"s": scripted(reply("from s")), "tiny": {"provider": "local", "path": str(gguf)}}
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, cfg(tmp_path, models=models, defaultModel="s"), state_dir=str(tmp_path / "state")) \
+                as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            before = (await bounded(conn.list_sessions())).sessions
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn.set_config_option(config_id="model", session_id=sid, value="tiny"))
+            assert e.value.code == -32011 and str(gguf) in str(e.value), str(e.value)
+            assert '"path"' in str(e.value) and "another model in the session's Model option" in str(e.value)
+            assert (e.value.data or {}).get("model") == "tiny", e.value.data
+            assert (await bounded(conn.list_sessions())).sessions == before  # nothing saved
+            assert c.of("config_option_update") == []
+            resumed = await bounded(conn.resume_session(cwd=str(ws), session_id=sid))
+            assert {o.id: o.current_value for o in resumed.config_options}["model"] == "s"
+            assert (await prompt(conn, sid)).stop_reason == "end_turn" and c.text() == "from s"
+
+    run(main())
 
 
 @pytest.mark.parametrize("how", ["path", "package"])
@@ -1659,3 +1773,92 @@ def test_an_mcp_server_that_hangs_in_its_handshake_delays_exit_with_one_line_not
     err = capfd.readouterr().err
     assert "Traceback" not in err, err
     assert len([line for line in err.splitlines() if "did not close" in line]) <= 1, err
+
+
+def test_an_empty_prompt_of_whitespace_text_is_refused_and_records_nothing(tmp_path, ws):
+    """A prompt whose text blocks are all whitespace (and that has no resource) is refused as an
+    empty one is: -32602 saying so, before anything is recorded; whitespace with a resource is a
+    prompt."""
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, cfg(tmp_path, reply("hello")), state_dir=str(tmp_path / "state")) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            before = (await bounded(conn.list_sessions())).sessions
+            for blocks in ([acp.text_block("  \n\t ")], [acp.text_block(""), acp.text_block("\n")]):
+                with pytest.raises(acp.RequestError) as e:
+                    await bounded(conn.prompt(session_id=sid, prompt=blocks))
+                assert e.value.code == -32602 and "the prompt is empty" in str(e.value), str(e.value)
+                assert "whitespace" in str(e.value) and e.value.data == {"prompt": "empty"}, e.value.data
+            assert (await bounded(conn.list_sessions())).sessions == before and c.updates == []
+            link = acp.resource_link_block(name="a.txt", uri=(ws / "a.txt").as_uri())
+            assert (await bounded(conn.prompt(session_id=sid, prompt=[acp.text_block(" "), link]))).stop_reason \
+                == "end_turn" and c.text() == "hello"
+
+    run(main())
+
+
+def _chunks(c, sid):
+    return [u.content.text for s, u in c.updates if s == sid and u.session_update == "agent_message_chunk"]
+
+
+def test_an_mcp_server_that_fails_is_told_at_the_next_turn_of_the_sessions_that_passed_it(tmp_path, ws, capfd):
+    """A client MCP server that fails (its command not found; one that exits while the first
+    turn waits for it) was said on stderr only, which editors do not show: the answers came
+    without its tools and no sign why. The next turn of the session that passed it starts with a
+    notice naming it and what to do, before the reply, once; a session that did not pass it is
+    not told; the notice is not the model's: not recorded, not replayed by session/load."""
+    missing = McpServerStdio(name="nope", command=str(tmp_path / "no-such-server"), args=[], env=[])
+    late = McpServerStdio(name="late", command=sys.executable,
+                          args=["-c", "import time; time.sleep(1.5); raise SystemExit(3)"], env=[])
+    config = cfg(tmp_path, reply("first"), reply("other"), reply("second"))
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, config, state_dir=str(tmp_path / "state")) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[missing, late]))).session_id
+            other = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            chunks = _chunks(c, sid)
+            notice, rest = chunks[0], "".join(chunks[1:])
+            assert notice.startswith("> ⚠ **Warning:** MCP server 'nope' unavailable: "), notice
+            assert "command not found" in notice and "MCP server 'late' unavailable: " in notice, notice
+            assert notice.count("check the server's command") == 2 and notice.endswith("\n\n"), notice
+            assert rest == "first", chunks
+            c.updates.clear()
+            await prompt(conn, other)
+            await prompt(conn, sid)
+            assert (_chunks(c, other), _chunks(c, sid)) == (["other"], ["second"]), c.updates
+            c.updates.clear()
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid, mcp_servers=[]))
+            assert c.text() == "firstsecond", c.text()  # the replay: the replies, no notice
+
+    run(main())
+    err = capfd.readouterr().err
+    assert "MCP server 'nope' unavailable" in err and "MCP server 'late' unavailable" in err, err
+
+
+def test_a_server_wide_warning_is_told_once_to_each_session_and_an_ignored_mcp_server_to_its_own(tmp_path, ws,
+                                                                                               capfd):
+    """A warning about the server (a tool module that cannot be imported) starts the next turn
+    of every session, once each; an http MCP server a session passed (not connected: stdio only)
+    is told to that session alone. Both stay on stderr too."""
+    config = cfg(tmp_path, reply("a1"), reply("b1"), reply("a2"), reply("b2"), toolModules=["no_such_tool_module"])
+    web = {"type": "http", "name": "web", "url": "http://127.0.0.1:9/mcp", "headers": []}
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, config) as (conn, _):  # (the SDK's client drops an http server: sent as is)
+            a = (await bounded(conn._conn.send_request("session/new", {"cwd": str(ws), "mcpServers": [web]})))["sessionId"]
+            b = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            for sid in (a, b, a, b):
+                await prompt(conn, sid)
+            first_a, first_b = _chunks(c, a)[0], _chunks(c, b)[0]
+            for first in (first_a, first_b):
+                assert first.startswith("> ⚠ **Warning:** ") and first.count("> ⚠ ") == (2 if first is first_a else 1)
+                assert "**Warning:** tool module 'no_such_tool_module' could not be imported" in first, first
+            assert "MCP server 'web' ignored" in first_a and "'web'" not in first_b, (first_a, first_b)
+            assert _chunks(c, a)[1:] == ["a1", "a2"] and _chunks(c, b)[1:] == ["b1", "b2"], c.updates
+
+    run(main())
+    err = capfd.readouterr().err
+    assert "no_such_tool_module" in err and "MCP server 'web' ignored" in err, err

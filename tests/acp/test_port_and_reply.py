@@ -194,3 +194,27 @@ def test_a_link_names_a_file_by_a_local_file_uri_or_a_path():
     assert _link_path("file:///w/a%20b.txt") == "/w/a b.txt" == _link_path("file://localhost/w/a%20b.txt")
     assert _link_path("src/a.py") == "src/a.py"
     assert [_link_path(u) for u in ("https://x.org/a", "file://other-host/a", "zed:///agent/x", "")] == [None] * 4
+
+
+def test_notices_errors_and_warnings_once_per_session_info_on_stderr_only():
+    """What a turn starts with (``AcpPort.notices_for``): the errors and warnings the session
+    was not told yet; info and log messages never; ``branch <id>: ...`` to that session only."""
+    port = AcpPort(S.finalize(S.merge(S.DEFAULTS, {})))
+    port.log_message(3, "an info")
+    port.log_message(4, "a log line")
+    assert port.notice_gen == 0 and port.noticed.get("a", 0) == port.notice_gen  # a turn checks no more
+    port.log_message(2, "tool module 'm' could not be imported")
+    port.log_message(1, "state directory /s unusable: gone")
+    port.log_message(2, "branch b1: model 'x' is not configured; using the default model")
+    port.log_mcp_problem(2, "MCP server 'fx' unavailable: failed to start\nstderr (last lines):\nboom")
+    problems = {"a": ["MCP server 'fx' unavailable: failed to start\nstderr (last lines):\nboom"]}
+    said = port.notices_for("a", lambda sid: problems.get(sid, []))
+    assert said is not None and port.noticed["a"] == port.notice_gen
+    assert said.count("> ⚠ ") == 3 and "**Error:** state directory /s unusable: gone." in said, said
+    assert "**Warning:** MCP server 'fx' unavailable: failed to start. Its tools are not available" in said
+    assert "has the details" in said and "boom" not in said and "branch b1" not in said, said
+    assert port.notices_for("a", lambda sid: problems.get(sid, [])) is None  # once
+    port.log_message(2, "tool module 'm' could not be imported")  # said again: not told again
+    assert port.notices_for("a", lambda sid: problems.get(sid, [])) is None
+    b1 = port.notices_for("b1", lambda sid: [])
+    assert b1 is not None and "branch b1: model 'x'" in b1 and "tool module 'm'" in b1 and "'fx'" not in b1, b1
