@@ -215,7 +215,7 @@ def sidecar_script(request: pytest.FixtureRequest) -> Any:
     import inspect
 
     from operate_sidecar.server.script.runner import ScriptError
-    from operate_sidecar.testing import run_session_script
+    from operate_sidecar.testing import run_session_script, script_options_problem
 
     here = Path(str(request.node.path)).parent
     options = [name for name, p in inspect.signature(run_session_script).parameters.items()
@@ -226,6 +226,9 @@ def sidecar_script(request: pytest.FixtureRequest) -> Any:
         unknown = set(kwargs) - set(options)
         if unknown:  # a TypeError from run_session_script, under the plugin's frames, said only the name
             _refuse(f"sidecar_script: {_unknown_options(unknown, options)}")
+        problem = script_options_problem(kwargs.get("server"), kwargs.get("step_timeout"), kwargs.get("env"))
+        if problem:
+            _refuse(f"sidecar_script: {problem}")
         given = Path(path)
         if not given.is_absolute() and (here / given).is_file():
             path = here / given  # beside the test file: pytest may run from any directory

@@ -358,6 +358,23 @@ class ScriptFailed(AssertionError):
     """A session script had failing steps; the message is the replay report."""
 
 
+def script_options_problem(server: Any = None, step_timeout: Any = None, env: Any = None) -> str | None:
+    """What is wrong with :func:`run_session_script`'s options, in words (None when nothing): a
+    wrong type failed deep in the start of the server (``env={"X": 1}``), started a command spelt
+    letter by letter (``server="operate-sidecar ..."``) or was taken as the default (``step_timeout=0``)."""
+    if server is not None and (isinstance(server, (str, bytes)) or not isinstance(server, (list, tuple))
+                               or not server or not all(isinstance(a, str) for a in server)):
+        return (f"server must be a list of strings, the command and its arguments, got {server!r}; "
+                "for this sidecar with flags: server_command('--config', 'settings.toml')")
+    if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
+                                     or not 0 < step_timeout < float("inf")):
+        return f"step_timeout must be a positive number of seconds, got {step_timeout!r}"
+    if env is not None and (not isinstance(env, dict)
+                            or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        return f"env must be a dict of strings to strings (added to the environment), got {env!r}"
+    return None
+
+
 def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None = None,
                        scripted: bool = False, step_timeout: float | None = None,
                        env: dict[str, str] | None = None, cwd: str | None = None) -> list[Any]:
@@ -368,9 +385,14 @@ def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None
     from operate_sidecar.server.script.runner import DEFAULT_STEP_TIMEOUT_S, format_report, replay
 
     __tracebackhide__ = True
+    problem = script_options_problem(server, step_timeout, env)
+    if problem:
+        raise TypeError(problem)
     if env is not None:  # added to this process's environment, as the sidecar marker's env is
         env = {**os.environ, **env}
-    runner = replay(path, server, scripted=scripted, step_timeout=step_timeout or DEFAULT_STEP_TIMEOUT_S,
+    if step_timeout is None:
+        step_timeout = DEFAULT_STEP_TIMEOUT_S
+    runner = replay(path, server, scripted=scripted, step_timeout=step_timeout,
                     env=env, cwd=cwd, timeout_option="pass step_timeout=S")
     if runner.failed:
         report = format_report(runner, os.fspath(path))

@@ -52,3 +52,14 @@ def test_the_sample_config_starts_and_a_missing_key_is_told_at_the_first_operate
     # the sample's tool module is a placeholder: one warning naming it, no traceback
     stderr = (tmp_path / "stderr.txt").read_text()
     assert "tool module 'mypackage.tools' could not be imported" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_the_replay_synopsis_of_the_readme_and_the_protocol_is_the_one_help_prints():
+    """docs/PROTOCOL.md wrote ``replay SCRIPT.jsonl [--scripted] ...`` while the README and
+    ``replay --help`` put the options first: one synopsis, the one --help prints."""
+    usage = subprocess.run([sys.executable, "-m", "operate_sidecar.server", "replay", "--help"], capture_output=True,
+                           text=True, timeout=30).stdout.split("\n", 1)[0]
+    synopsis = "operate-sidecar replay " + usage.split("operate-sidecar replay [-h] ", 1)[1]
+    protocol = (ROOT / "docs" / "PROTOCOL.md").read_text(encoding="utf-8")
+    assert synopsis in section("Running the server"), synopsis
+    assert f"`{synopsis}`" in protocol.split("\n## 12. Session scripts\n", 1)[1], synopsis

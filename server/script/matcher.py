@@ -197,6 +197,17 @@ def escape(text: str) -> str:
     return text.replace("${", "$${")
 
 
+def references(value: Any) -> set[str]:
+    """The names ``value`` refers to (``${name}``, not the literal ``$${``), in its values at any depth."""
+    if isinstance(value, str):
+        return {m.group(1) for m in _ESCAPED_OR_REF.finditer(value) if m.group(1) is not None}
+    if isinstance(value, dict):
+        return set().union(*map(references, value.values()))
+    if isinstance(value, list):
+        return set().union(*map(references, value))
+    return set()
+
+
 def substitute(value: Any, saved: dict[str, Any]) -> Any:
     """``value`` with every ``${name}`` replaced by ``saved[name]`` and every ``$${`` by a
     literal ``${``."""

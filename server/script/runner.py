@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn
 
 from .matcher import (Mismatch, PathError, UnknownName, describe_mismatches, did_you_mean, first_mismatch, get_path,
-                      mismatches, misspelt, nearest, notification_miss, short, substitute)
+                      mismatches, misspelt, nearest, notification_miss, references, short, substitute)
 
 DEFAULT_STEP_TIMEOUT_S = 60.0
 #: expectNotification without timeoutMs: most notifications a script waits for came before the
@@ -124,6 +124,7 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
     steps: list[Step] = []
     models: dict[str, Any] = {}
     unawaited: dict[str, int] = {}   # id (JSON) of a "wait": false request -> its line
+    saved = {"cwd"}                  # the names a step may refer to: ${cwd} and those earlier lines save
     for n, raw in enumerate(lines, 1):
         text = raw.strip()
         if not text:
@@ -173,6 +174,12 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
             raise ScriptError(f'{source}:{n}: save must be {{"name": "path.in.result"}}')
         if kind == "respond" and ("result" in obj) == ("error" in obj):
             raise ScriptError(f"{source}:{n}: respond needs a result or an error")
+        if kind == "respond" and "error" in obj:
+            err = obj["error"]
+            if not isinstance(err, dict) or not isinstance(err.get("code"), int) or isinstance(err.get("code"), bool) \
+                    or not isinstance(err.get("message", ""), str) or set(err) - {"code", "message", "data"}:
+                raise ScriptError(f'{source}:{n}: a respond error is a JSON-RPC error, {{"code": integer, '
+                                  f'"message": "text", "data"?: any}}, got {short(err, 60)}')
         if "timeoutMs" in obj and (not isinstance(obj["timeoutMs"], (int, float)) or isinstance(obj["timeoutMs"], bool)
                                    or not 0 < obj["timeoutMs"] < float("inf")):
             raise ScriptError(f"{source}:{n}: timeoutMs must be a positive number")
@@ -193,6 +200,13 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
                               "give this one another id")
         if kind == "request" and obj.get("wait") is False and "id" in obj and "answered" not in obj:
             unawaited[json.dumps(obj["id"])] = n
+        for name in sorted(references(obj) - saved):  # a misspelt name, or one saved only later
+            meant = did_you_mean(name, saved)
+            raise ScriptError(f"{source}:{n}: ${{{name}}} is not saved by an earlier line"
+                              + (f" (did you mean ${{{meant}}}?)" if meant else "")
+                              + "; names it may use: " + ", ".join(sorted(saved))
+                              + f" (a step's \"save\" names a value; $${{{name}}} is the text ${{{name}}} itself)")
+        saved |= set(obj.get("save") or ())
         steps.append(Step(n, kind, method, obj))
     if not steps:  # an empty file (a recording of a session that sent nothing): it would pass checking nothing
         raise ScriptError(f"{source}: no steps: a session script has at least one step (one JSON object per line)")
@@ -359,10 +373,19 @@ class Runner:
         from operate_sidecar.protocol.methods import CLIENT_REQUESTS
 
         with tempfile.TemporaryFile() as err:
+            if self.cwd is not None and not os.path.isdir(self.cwd):  # else said as the server command missing
+                raise ServerStartError(f"cannot start the server in {os.fspath(self.cwd)!r}: "
+                                       f"{'not a directory' if os.path.exists(self.cwd) else 'no such directory'} "
+                                       f"(the working directory given for the server)")
             try:
                 self.client = SidecarClient(argv=self.argv, env=self.env, cwd=self.cwd, stderr=err)
             except OSError as e:
-                raise ServerStartError(f"cannot start the server {' '.join(self.argv)!r}: {e}") from None
+                hint = ""
+                if self.argv[0].startswith("-"):  # flags for this sidecar, given without the command
+                    hint = ("; the server command starts with its program, then its flags: "
+                            "operate-sidecar --config settings.toml after --, or "
+                            "server_command('--config', 'settings.toml') from operate_sidecar.testing in a test")
+                raise ServerStartError(f"cannot start the server {' '.join(self.argv)!r}: {e}{hint}") from None
             for method in CLIENT_REQUESTS:  # until a respond line answers it: refused, and the step fails
                 self.client.on_request(method, self._unscripted(method))
             interrupted = True
@@ -432,7 +455,13 @@ class Runner:
         try:
             data = substitute(step.data, self.saved)
         except UnknownName as e:
-            return StepResult(step, False, str(e))
+            savers = [s.line for s in self.script.steps
+                      if s.line < step.line and e.args[0] in (s.data.get("save") or {})]
+            failed = {r.step.line for r in self.results if not r.ok}
+            why = ""
+            if savers and savers[-1] in failed:  # say so: the step that failed is the one to look at
+                why = f": line {savers[-1]}, which saves it, failed"
+            return StepResult(step, False, str(e) + why)
         if self.client.proc.poll() is not None and step.kind in ("request", "notify", "expectNotification"):
             if not (step.kind == "expectNotification" and self._find(step.method, data.get("match"))[0] is not None):
                 return StepResult(step, False, f"the server has exited (code {self.client.proc.returncode})")

@@ -772,3 +772,54 @@ def test_a_project_configured_as_the_readme_says_gets_no_deprecation_warning(tmp
     text = out.stdout + out.stderr
     assert out.returncode == 0 and "1 passed" in text, text
     assert "asyncio_default_fixture_loop_scope" not in text and "Warning" not in text, text
+
+
+SCRIPT_OPTION_TYPE_TESTS = '''
+def test_server_a_string(sidecar_script):
+    sidecar_script("good.jsonl", server="operate-sidecar --log-level error")
+
+
+def test_env_not_strings(sidecar_script):
+    sidecar_script("good.jsonl", env={"X": 1})
+
+
+def test_step_timeout_zero(sidecar_script):
+    sidecar_script("good.jsonl", step_timeout=0)
+
+
+def test_server_flags_only(sidecar_script):
+    sidecar_script("good.jsonl", server=["--log-level", "error"])
+'''
+
+
+def test_sidecar_script_options_of_the_wrong_type_are_refused_by_name(tmp_path):
+    """As the marker's options are: ``server="operate-sidecar ..."`` was started letter by letter
+    ("No such file or directory: 'o'"), ``env={"X": 1}`` failed with a TypeError from deep in
+    ``os``, ``step_timeout=0`` ran with the default time-out; flags without the command (as for the
+    marker's ``args``) said only "No such file or directory: '--log-level'"."""
+    text = run_tests_file(tmp_path, "test_types.py", SCRIPT_OPTION_TYPE_TESTS)
+    assert "4 failed" in text, text
+    for message in [
+            "sidecar_script: server must be a list of strings, the command and its arguments, got "
+            "'operate-sidecar --log-level error'; for this sidecar with flags: server_command('--config', "
+            "'settings.toml')\n",
+            "sidecar_script: env must be a dict of strings to strings (added to the environment), got {'X': 1}\n",
+            "sidecar_script: step_timeout must be a positive number of seconds, got 0\n",
+            "sidecar_script: cannot start the server '--log-level error': [Errno 2] No such file or directory: "
+            "'--log-level'; the server command starts with its program, then its flags: operate-sidecar --config "
+            "settings.toml after --, or server_command('--config', 'settings.toml') from operate_sidecar.testing "
+            "in a test\n"]:
+        assert message in text, message + "\n" + text
+    assert text.count(" - Failed") == 4 and "TypeError" not in text and "def run(" not in text, text
+
+
+def test_the_readme_names_every_keyword_of_sidecar_script():
+    """``cwd=`` was taken (and listed by a misspelt keyword's message) but not in the README."""
+    import inspect
+
+    from operate_sidecar.testing import run_session_script
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Testing your extension against the sidecar\n", 1)[1].split("\n## ", 1)[0]
+    keywords = [n for n, p in inspect.signature(run_session_script).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    assert keywords and [k for k in keywords if f"`{k}=" not in section] == [], keywords

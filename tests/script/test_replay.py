@@ -530,3 +530,76 @@ def test_a_missing_or_unreadable_script_is_said_in_words_with_where_it_was_looke
                              capture_output=True, text=True, timeout=TIMEOUT)
         assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
         assert out.stderr == f"operate-sidecar replay: {problem}\n", out.stderr
+
+
+@pytest.mark.parametrize("lines, problem", [
+    (['{"request": "initialize"}', '{"request": "createBranch", "save": {"branch": "branchId"}}',
+      '{"request": "deleteBranch", "params": {"branchId": "${brnach}"}}'],
+     'x.jsonl:3: ${brnach} is not saved by an earlier line (did you mean ${branch}?); names it may use: branch, cwd '
+     '(a step\'s "save" names a value; $${brnach} is the text ${brnach} itself)'),
+    (['{"request": "deleteBranch", "params": {"branchId": "id-${b}"}}',
+      '{"request": "createBranch", "save": {"b": "branchId"}}'],
+     "x.jsonl:1: ${b} is not saved by an earlier line; names it may use: cwd (a step's \"save\" names a value; "
+     "$${b} is the text ${b} itself)"),
+])
+def test_a_reference_no_earlier_line_saves_is_refused_before_anything_runs(tmp_path, lines, problem):
+    """A misspelt ``${name}`` (or one saved only on a later line) was found only while the server
+    ran, as "${brnach} was never saved" with no hint: now the script is refused at once, with the
+    name it is closest to and the names the line may use."""
+    p = tmp_path / "x.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    out = replay(p)
+    assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+    assert out.stderr.startswith("operate-sidecar replay: ") and out.stderr.endswith(f"/{problem}\n"), out.stderr
+
+
+@pytest.mark.parametrize("error", ['"no"', '{"code": "x", "message": "m"}', '{"code": -1, "mesage": "m"}',
+                                   '{"message": "m"}'])
+def test_a_respond_error_that_is_not_a_json_rpc_error_is_refused_before_anything_runs(tmp_path, error):
+    """``{"respond": ..., "error": "no"}`` passed and answered the server some other error than
+    written (and a code that is not a number broke the answering thread): refused now, saying what
+    an error is."""
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"respond": "requestToolPermission", "error": ' + error + '}\n')
+    out = replay(p)
+    assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+    assert ('x.jsonl:1: a respond error is a JSON-RPC error, {"code": integer, "message": "text", "data"?: any}, got '
+            in out.stderr), out.stderr
+
+
+def test_a_value_not_saved_because_its_step_failed_names_that_step(tmp_path):
+    """It said "${b} was never saved" alone, though the line that saves it had failed just above."""
+    p = write_script(tmp_path / "x.jsonl", [
+        {"request": "initialize"},
+        {"request": "createBranch", "save": {"b": "branch_id"}},
+        {"request": "deleteBranch", "params": {"branchId": "${b}"}}])
+    out = replay(p)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "FAIL line 2: request createBranch: save b: $ has no 'branch_id'" in out.stdout, out.stdout
+    assert "FAIL line 3: request deleteBranch: ${b} was never saved: line 2, which saves it, failed\n" in out.stdout
+
+
+def test_server_flags_after_double_dash_without_the_command_say_how_to_write_it(tmp_path):
+    """``replay s.jsonl -- --config settings.toml`` said only "No such file or directory:
+    '--config'"."""
+    script = write_script(tmp_path / "s.jsonl", [{"request": "initialize"}])
+    out = replay(script, "--", "--config", "settings.toml")
+    assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+    assert ("cannot start the server '--config settings.toml': [Errno 2] No such file or directory: '--config'; "
+            "the server command starts with its program, then its flags: operate-sidecar --config settings.toml "
+            "after --, or server_command('--config', 'settings.toml') from operate_sidecar.testing in a test\n"
+            in out.stderr), out.stderr
+
+
+def test_a_working_directory_that_does_not_exist_is_named_not_the_server_command(tmp_path):
+    """``run_session_script(..., cwd=missing)`` said "cannot start the server '.../python -m
+    operate_sidecar.server': [Errno 2] No such file or directory: '<cwd>'", as if the server were
+    missing."""
+    from operate_sidecar.server.script.runner import ServerStartError
+    from operate_sidecar.testing import run_session_script
+
+    script = write_script(tmp_path / "s.jsonl", [{"request": "initialize"}])
+    with pytest.raises(ServerStartError) as e:
+        run_session_script(script, cwd=str(tmp_path / "gone"))
+    assert str(e.value) == (f"cannot start the server in '{tmp_path}/gone': no such directory (the working "
+                            "directory given for the server)"), e.value
