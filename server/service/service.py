@@ -559,7 +559,10 @@ class Service:
         chosen knowing every tool already registered), and the branch's own: its operates are
         offered the tools of the servers it passed and no other branch's (:meth:`branch_tools`).
         A server another branch passed with the same name and the same command and env is
-        shared; one with the same name and another command or env is started for this branch
+        shared while it runs or starts (a turn waits for it); once it has failed (it did not
+        start, or stopped on its own), a branch passing it (again) starts it again in its place,
+        for every branch that passed it (their turns do not: each would wait out its handshake);
+        one with the same name and another command or env is started for this branch
         under a name of its own (``<name>-2`` ...; where its tools' names clash with the
         other's, they are ``<name>-2__<tool>``), with one warning line that names it. A branch
         taken up again (``session/load``) passes its servers again: one it passed before and
@@ -578,14 +581,27 @@ class Service:
         # args or env changed) stop first: a changed server gets the name it is passed under
         await self._stop_branch_mcp(branch_id, self._branch_mcp_of.get(branch_id, set()) - keys)
         for key, name, config in keyed:
-            if key in self._branch_mcp:
-                continue
-            public, taken, n = name, {public for public, _ in self._branch_mcp.values()}, 2
-            while public in taken:
-                public, n = f"{name}-{n}", n + 1
-            if public != name:
-                log.warning("MCP server %r of session %s differs (command, args or env) from the one another "
-                            "session started under that name: started as %r for this session", name, branch_id, public)
+            entry = self._branch_mcp.get(key)
+            if entry is not None and not _mcp_ended(entry[1]):
+                continue  # running, or still starting (a turn waits for it): shared
+            if entry is not None:
+                # it failed to start, or stopped on its own: passed anew, it is started again
+                # under its name (its tools are gone with it), in place of the old entry; the
+                # branches that passed that one hold the key, so they have this one (its tools,
+                # its problems: the old one's are no longer current), and a later turn of theirs
+                # does not start it again: only a branch passing it again does
+                del self._branch_mcp[key]
+                public = entry[0]
+                log.info("MCP server %r (%r) passed again by session %s after it %s: starting it again",
+                         name, public, branch_id, "failed to start" if not entry[1].tools else "stopped")
+            else:
+                public, taken, n = name, {public for public, _ in self._branch_mcp.values()}, 2
+                while public in taken:
+                    public, n = f"{name}-{n}", n + 1
+                if public != name:
+                    log.warning("MCP server %r of session %s differs (command, args or env) from the one another "
+                                "session started under that name: started as %r for this session",
+                                name, branch_id, public)
             last = next(reversed(self._branch_mcp.values()))[1] if self._branch_mcp else None
             self._branch_mcp[key] = (public, await self.add_mcp_server(public, config, after=last))
         self._branch_mcp_of[branch_id] = keys
@@ -696,7 +712,8 @@ class Service:
 
     def branch_mcp_problems(self, branch_id: str) -> list[str]:
         """The warnings reported about the MCP servers the branch passed (:meth:`_mcp_problem`:
-        one failed to start or stopped, its tools are offered under other names), in order."""
+        one failed to start or stopped, its tools are offered under other names), in order: those
+        of each server as it is now (one started again in place of one that failed has its own)."""
         own = self._branch_mcp_of.get(branch_id, ())
         return [p for key, (_, ready) in self._branch_mcp.items() if key in own for p in ready.problems]
 
@@ -1468,6 +1485,12 @@ class Service:
         out["usage"] = meter.to_wire()
         out["rounds"] = rounds
         return out
+
+
+def _mcp_ended(ready: McpServerReady) -> bool:
+    """The added MCP server is over though nothing asked it to stop: it failed to start (not
+    found, it exited or timed out in its handshake) or stopped on its own; its tools are gone."""
+    return ready.stopped.is_set() and not ready.stop.is_set()
 
 
 class McpServerReady(asyncio.Event):

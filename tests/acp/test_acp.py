@@ -1837,6 +1837,46 @@ def test_an_mcp_server_that_fails_is_told_at_the_next_turn_of_the_sessions_that_
     assert "MCP server 'nope' unavailable" in err and "MCP server 'late' unavailable" in err, err
 
 
+FLAG_SERVER = os.path.normpath(os.path.join(MCP_SERVER, "../../../service/fixtures/flag_mcp_server.py"))
+
+
+def test_an_mcp_server_that_failed_to_start_is_started_again_by_a_new_session_that_passes_it(tmp_path, ws):
+    """A client MCP server that failed to start (its flag file missing: as a program not yet
+    installed) stayed failed for every later session passing it until the agent restarted. Once
+    the user fixes the cause, a new session passing it starts it again and gets its tools, with
+    no notice of the old failure; the session that passed it first then has its tools too (the
+    server it passed runs), with no notice either; that session's turns do not start it again."""
+    flag = tmp_path / "flag"
+    server = McpServerStdio(name="fl", command=sys.executable, args=[FLAG_SERVER, "fl", str(flag)], env=[])
+    config = cfg(tmp_path, reply("a1"), reply("a2"), reply("", [("probe", {})]), reply("b done"),
+                 reply("", [("probe", {})]), reply("a done"))
+
+    def started():
+        return len((tmp_path / "flag.starts").read_text().split())
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, config) as (conn, _):
+            a = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))).session_id
+            await prompt(conn, a)
+            chunks = _chunks(c, a)
+            assert chunks[0].startswith("> ⚠ **Warning:** MCP server 'fl' unavailable: ") and chunks[1:] == ["a1"], chunks
+            flag.write_text("fixed")  # the user fixes the cause
+            c.updates.clear()
+            await prompt(conn, a)  # a turn does not start it again
+            assert _chunks(c, a) == ["a2"] and started() == 1, c.updates
+            b = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))).session_id
+            for sid, last in ((b, "b done"), (a, "a done")):
+                c.updates.clear()
+                await prompt(conn, sid)
+                done = c.of("tool_call_update")[-1]
+                assert done.status == "completed" and "fl:up" in str(done.raw_output), (sid, done)
+                assert _chunks(c, sid) == [last], c.updates  # no notice of the old failure
+            assert started() == 2
+
+    run(main())
+
+
 def test_a_server_wide_warning_is_told_once_to_each_session_and_an_ignored_mcp_server_to_its_own(tmp_path, ws,
                                                                                                capfd):
     """A warning about the server (a tool module that cannot be imported) starts the next turn

@@ -112,3 +112,70 @@ def test_mcp_servers_passed_for_a_branch_are_its_own_shared_when_the_same_rename
     asyncio.run(main())
     warned = [r.getMessage() for r in caplog.records if "started as 'fx-2'" in r.getMessage()]
     assert len(warned) == 1 and "'fx'" in warned[0], warned
+
+
+FLAG_SERVER = str(Path(__file__).resolve().parent / "fixtures" / "flag_mcp_server.py")
+
+
+def test_an_mcp_server_that_failed_to_start_is_started_again_when_a_branch_passes_it_again(tmp_path):
+    """A branch's MCP server that failed to start (its flag file missing: as a missing program
+    or config) was kept under its key, so every later branch passing it shared the dead entry
+    until the process restarted. Now a branch passing it again starts it again, in the old
+    entry's place, for every branch that passed it: those earlier branches get its tools and its
+    problems as they are now (not the old failure on top). A branch's turns (``branch_mcp_ready``)
+    never start it again; one still starting or running is shared, not started twice; it stops
+    when the last branch holding it is released."""
+    flag = tmp_path / "flag"
+    starts = tmp_path / "flag.starts"
+    server = ("fl", {"command": [sys.executable, FLAG_SERVER, "fl", str(flag)]})
+    port = Port(S.finalize(S.merge(S.DEFAULTS, {})))
+
+    def started() -> int:
+        return len(starts.read_text().split()) if starts.exists() else 0
+
+    async def main() -> None:
+        svc = Service(port)
+
+        def unavailable(branch: str) -> list[str]:
+            return [p for p in svc.branch_mcp_problems(branch) if "unavailable" in p]
+
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)
+        await svc.add_branch_mcp_servers("a", [server])
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        assert started() == 1 and "probe" not in svc.branch_tools("a")
+        assert len(unavailable("a")) == 1 and "is missing" in unavailable("a")[0], svc.branch_mcp_problems("a")
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)  # a's next turn: not started again
+        assert started() == 1
+
+        await svc.add_branch_mcp_servers("b", [server])  # passed anew, still failing: tried again
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        assert started() == 2 and "probe" not in svc.branch_tools("b")
+        for branch in "ab":  # the failure as it is now, once: not the old one's on top
+            assert len(unavailable(branch)) == 1, (branch, svc.branch_mcp_problems(branch))
+
+        flag.write_text("fixed")  # the user fixes the cause
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)  # a turn of a or b: not started again
+        assert started() == 2 and "probe" not in svc.branch_tools("a")
+
+        await svc.add_branch_mcp_servers("c", [server])  # a new session: started again, and it works
+        await svc.add_branch_mcp_servers("d", [server])  # while that one starts: shared, not started twice
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        await svc.add_branch_mcp_servers("e", [server])  # running: shared
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        assert started() == 3, starts.read_text()
+        for branch in "abcde":  # the earlier branches hold the server started again: its tools, no problem
+            assert "probe" in svc.branch_tools(branch) and svc.branch_mcp_problems(branch) == [], branch
+        ctx = ToolCallContext(branch_id="a", call_id="1")
+        assert await asyncio.wait_for(svc.registry.get("probe").call({}, ctx), WAIT) == "fl:up"
+        pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)
+        assert _alive(pid)
+
+        for branch in "abcd":  # released one by one: the server runs while a branch holds it
+            await asyncio.wait_for(svc.release_branch(branch), WAIT)
+            assert "probe" in svc.registry and _alive(pid), branch
+        await asyncio.wait_for(svc.release_branch("e"), WAIT)
+        assert "probe" not in svc.registry and not _alive(pid) and not svc._branch_mcp
+        assert started() == 3
+        await asyncio.wait_for(svc.aclose(), WAIT)
+
+    asyncio.run(main())
