@@ -73,7 +73,8 @@ def _parser():  # type: ignore[no-untyped-def]
     p.add_argument("--record", metavar="FILE",
                    help="write the session served as a replayable session script (JSON Lines) to FILE, "
                         "with every model turn, so that `operate-sidecar replay --scripted FILE` replays "
-                        "it without the model. `operate-sidecar replay` runs such scripts (see its --help)")
+                        "it without the model; an existing FILE is overwritten. `operate-sidecar replay` runs "
+                        "such scripts (see its --help)")
     return p
 
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from operate_sidecar.server.rpc.stdio import guard_stdio
 
     recorder = None
-    if args.record:
+    if args.record is not None:  # --record "" too: said, not ignored
         from operate_sidecar.server.script.recorder import Recorder
 
         try:

@@ -197,6 +197,16 @@ def escape(text: str) -> str:
     return text.replace("${", "$${")
 
 
+def is_name(name: Any) -> bool:
+    """Whether ``${name}`` refers to ``name`` (a name ``save`` may give)."""
+    return isinstance(name, str) and _REF.fullmatch("${%s}" % name) is not None
+
+
+def whole_reference(value: Any) -> bool:
+    """Whether ``value`` is a string that is exactly ``"${name}"`` (substituted by the value itself, any JSON type)."""
+    return isinstance(value, str) and _REF.fullmatch(value) is not None
+
+
 def references(value: Any) -> set[str]:
     """The names ``value`` refers to (``${name}``, not the literal ``$${``), in its values at any depth."""
     if isinstance(value, str):

@@ -41,7 +41,9 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
   with the text of every model invocation, per model, in order, so ``replay --scripted`` can
   replay the session with ``scripted`` models instead of the real ones.
 
-The file is rewritten (atomically) after every answered request and when the server stops.
+The file is rewritten (atomically) after every answered request and when the server stops; an
+existing file is overwritten at start, and one that cannot be written (its folder missing, the
+file written beside it refused) is an ``OSError`` in words then, before anything is served.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class Recorder:
         self._conn: Any = None
         self._closed = False
         self._cwd = _cwd_pattern(os.getcwd())
-        open(path, "w", encoding="utf-8").close()  # a bad path fails at start, not at the end
+        self._write(at_start=True)  # a file that cannot be written fails at start, not at the end (nor in silence)
 
     # ------------------------------------------------------------------ wiring
     def attach(self, conn: Any, wire: Any) -> None:
@@ -305,16 +307,32 @@ class Recorder:
         return out
 
     def write(self) -> None:
+        self._write(at_start=False)
+
+    def _write(self, at_start: bool) -> None:
+        """Write the script as recorded so far: to a file beside ``path``, then renamed to it.
+        ``at_start`` (the empty script, an existing file overwritten): an ``OSError`` saying in
+        words why it cannot be written; later a warning only (recording never breaks serving)."""
         from operate_sidecar.server import redaction
 
         data = "".join(line + "\n" for line in self.lines()).encode("utf-8")
         data = redaction.redact_bytes(data)  # no known secret leaves the process in a recording either
         tmp = f"{self.path}.tmp{os.getpid()}"
         try:
+            if not self.path:
+                raise FileNotFoundError("no file name given")
+            if os.path.isdir(self.path):  # else said as the file beside it failing
+                raise IsADirectoryError("it is a folder")
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, self.path)
-        except OSError as e:  # never let recording break serving
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if at_start:
+                raise OSError(_unwritable(self.path, tmp, e)) from None
             import logging
 
             logging.getLogger("operate_sidecar.server.script").warning("could not write %s: %s", self.path, e)
@@ -398,6 +416,22 @@ def _cwd_pattern(cwd: str) -> re.Pattern | None:
     if not cwd or "${" in cwd:
         return None
     return re.compile(r"(?<![\w.-])" + re.escape(cwd) + r"(?![\w-]|\.[\w-])")  # a sentence's full stop may follow
+
+
+def _unwritable(path: str, tmp: str, error: OSError) -> str:
+    """Why the recording cannot be written to ``path``, in words (not "[Errno 2] ..." naming the file)."""
+    if not path:
+        return "no file name given"
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "it is a folder; give the name of a file"
+    if not os.path.exists(folder):
+        return f"its folder {folder} does not exist (create it first)"
+    if not os.path.isdir(folder):
+        return f"{folder} is not a folder"
+    why = "permission denied" if isinstance(error, PermissionError) else (error.strerror or str(error))
+    return (f"cannot write {os.path.basename(tmp)} in {folder} ({why}); the recording is written to that file, "
+            "then renamed to the file given")
 
 
 def _decode(body: bytes) -> dict | None:

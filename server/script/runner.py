@@ -26,7 +26,9 @@ A script is JSON Lines; each line is one step:
 - ``{"respond": method, "match"?: M, "result": {...}}`` (or ``"error": {"code", "message"}``): the
   standing answer to that server-to-client request from here on; with ``match``, only to those
   whose params match ``M`` (the latest standing answer that matches is given). A server-to-client
-  request no standing answer fits is refused (-32601) and fails the step running when it came.
+  request no standing answer fits is refused (-32601) and fails the step running when it came;
+  so does a ``requestToolPermission`` answered with a ``decision`` not among its ``options``
+  (answered as written: the server takes it as a deny).
 
 Patterns are matched by :mod:`.matcher`; ``${name}`` anywhere in a step is a saved value, and
 ``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the server's working directory.
@@ -51,8 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn
 
-from .matcher import (Mismatch, PathError, UnknownName, describe_mismatches, did_you_mean, first_mismatch, get_path,
-                      mismatches, misspelt, nearest, notification_miss, references, short, substitute)
+from .matcher import (ANY, Mismatch, PathError, UnknownName, describe_mismatches, did_you_mean, first_mismatch,
+                      get_path, is_name, mismatches, misspelt, nearest, notification_miss, references, short,
+                      substitute, whole_reference)
 
 DEFAULT_STEP_TIMEOUT_S = 60.0
 #: expectNotification without timeoutMs: most notifications a script waits for came before the
@@ -194,6 +197,9 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
                 raise ScriptError(f"{source}:{n}: answered can only be false (a request whose answer is not judged)")
             if "expect" in obj or "save" in obj:
                 raise ScriptError(f"{source}:{n}: a request with answered false has no expect or save")
+        shape = _shape_problem(kind, method, obj, references_taken=True)
+        if shape:
+            raise ScriptError(f"{source}:{n}: {shape[0]}")
         if kind == "request" and "id" in obj and json.dumps(obj["id"]) in unawaited:
             raise ScriptError(f"{source}:{n}: id {short(obj['id'], 60)} is the id of the request of line "
                               f"{unawaited[json.dumps(obj['id'])]}, still in flight (not awaited yet); "
@@ -211,6 +217,48 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
     if not steps:  # an empty file (a recording of a session that sent nothing): it would pass checking nothing
         raise ScriptError(f"{source}: no steps: a session script has at least one step (one JSON object per line)")
     return Script(steps, models)
+
+
+def _shape_problem(kind: str, method: Any, obj: dict[str, Any],
+                   references_taken: bool) -> tuple[str, tuple[str, ...]] | None:
+    """What is wrong with the type of a field of a step whose type the protocol fixes (an object
+    where it says ``{...}``, an id, ``wait``, the names ``save`` gives), and the field's path in
+    the step; None when nothing. A pattern may be ``"*"`` (anything); with ``references_taken``
+    (when the script loads) a string that is exactly ``"${name}"`` stands for any type: the
+    step checks it again once substituted."""
+    def an_object(value: Any, pattern: bool = False) -> bool:
+        return (isinstance(value, dict) or (pattern and value == ANY)
+                or (references_taken and whole_reference(value)))
+
+    if "match" in obj and not an_object(obj["match"], pattern=True):
+        whose = "notification's" if kind == "expectNotification" else "request's"
+        out = "for any params" if kind == "expectNotification" else f"to answer every {method}"
+        return (f"match must be a JSON object, a pattern for the {whose} params (the keys it names must match; "
+                f"leave match out {out}), got {short(obj['match'], 60)}", ("match",))
+    # params: JSON-RPC's are an object or an array (the server answers an array itself, with an
+    # error a script may expect); a respond result may be null (what a client answers to a
+    # request whose result holds nothing, fs/writeTextFile, and --record writes it so)
+    if "params" in obj and not (an_object(obj["params"]) or isinstance(obj["params"], list)):
+        whose = "request's" if kind == "request" else "notification's"
+        return (f"params must be a JSON object, the {whose} named parameters (leave params out for none), "
+                f"got {short(obj['params'], 60)}", ("params",))
+    if kind == "respond" and "result" in obj and not (an_object(obj["result"]) or obj["result"] is None):
+        return ('a respond result must be a JSON object, the result the client answers with (requestToolPermission: '
+                f'{{"decision": "allow_once"}}), got {short(obj["result"], 60)}', ("result",))
+    expect = obj.get("expect")
+    if isinstance(expect, dict) and "error" in expect and not an_object(expect["error"], pattern=True):
+        return ('expect\'s error must be a JSON object, a pattern for the error answer ({"code": -32012}; "*" for '
+                f"any error), got {short(expect['error'], 60)}", ("expect", "error"))
+    if kind == "request" and "id" in obj and (isinstance(obj["id"], bool) or not isinstance(obj["id"], (int, str))):
+        return f"id must be a string or an integer (the request's JSON-RPC id), got {short(obj['id'], 60)}", ("id",)
+    if "wait" in obj and not isinstance(obj["wait"], bool):
+        return f"wait must be true or false, got {short(obj['wait'], 60)}", ("wait",)
+    save = obj.get("save")
+    for name in save if isinstance(save, dict) else ():
+        if not is_name(name):
+            return ("save names a value that a later ${name} refers to: letters, digits, _, . and -, starting "
+                    f"with a letter or _, got {name!r}", ("save",))
+    return None
 
 
 def _not_json(text: str, error: json.JSONDecodeError) -> str:
@@ -308,11 +356,14 @@ def apply_scripted(script: Script) -> None:
 # --------------------------------------------------------------------------- running
 class _Standing:
     def __init__(self) -> None:
-        self.answers: dict[str, list[tuple[Any, dict[str, Any]]]] = {}   # method -> [(match, answer)]
+        self.answers: dict[str, list[tuple[Any, dict[str, Any], int]]] = {}   # method -> [(match, answer, line)]
         self.seen: list[tuple[str, Any]] = []
         #: server-to-client requests no ``respond`` line answered (they got -32601): each fails the
         #: step reported next, the one that was running when it came
         self.unanswered: list[tuple[str, Any, str]] = []   # (method, params, why)
+        #: answers a respond line gave that the request did not offer (a decision not among its
+        #: options): each fails the step reported next, as an unanswered request does
+        self.wrong: list[str] = []
         self.lock = threading.Lock()
 
     def refuse(self, method: str, params: Any, why: str) -> NoReturn:
@@ -323,6 +374,28 @@ class _Standing:
         with self.lock:
             self.unanswered.append((method, params, why))
         raise RpcError(-32601, f"the session script has no answer to {method}: {why}")
+
+
+def _not_offered(method: str, params: Any, answer: dict[str, Any], line: int) -> str:
+    """Why the answer of the respond line ``line`` is not one the request offered (``""`` when it
+    is): a ``requestToolPermission`` answer's ``decision`` must be one of the request's
+    ``options``; any other (a typo, ``"allow"``, none) the server takes as a deny, so a script
+    that meant to allow would test the deny path unawares."""
+    if method != "requestToolPermission" or "result" not in answer or not isinstance(params, dict):
+        return ""
+    offered = params.get("options")
+    if not isinstance(offered, list):  # a server that offers no list: nothing to hold the answer to
+        return ""
+    result = answer["result"]
+    decision = result.get("decision") if isinstance(result, dict) else None
+    if isinstance(decision, str) and decision in offered:
+        return ""
+    given = f"decision {short(decision, 60)}" if isinstance(result, dict) and "decision" in result \
+        else f"no decision ({short(result, 60)})"
+    tool = f" (tool {params['tool']})" if isinstance(params.get("tool"), str) else ""
+    return (f"line {line} answered {method}{tool} with {given}, not one of the decisions it offered: "
+            f"{', '.join(map(str, offered))}; the server took it as a deny (to deny, answer \"deny_once\" or "
+            "an error)")
 
 
 class ServerStartError(OSError):
@@ -415,12 +488,18 @@ class Runner:
         standing = self._standing
         with standing.lock:
             unanswered, standing.unanswered = standing.unanswered, []
+            wrong, standing.wrong = standing.wrong, []
+        problems = []
         if unanswered:  # the server asked the client something the script does not answer
             method, params, why = unanswered[0]
             more = f" (and {len(unanswered) - 1} more such request(s))" if len(unanswered) > 1 else ""
-            problem = (f"the server asked {method} {short(params, 400)} and {why}, so it was refused "
-                       f"(-32601){more}; add a line {{\"respond\": \"{method}\", \"result\": ...}} before "
-                       f"line {res.step.line}")
+            problems.append(f"the server asked {method} {short(params, 400)} and {why}, so it was refused "
+                            f"(-32601){more}; add a line {{\"respond\": \"{method}\", \"result\": ...}} before "
+                            f"line {res.step.line}")
+        if wrong:  # a respond line answered with what the request did not offer
+            problems.append(wrong[0] + (f" (and {len(wrong) - 1} more such answer(s))" if len(wrong) > 1 else ""))
+        if problems:
+            problem = "; ".join(problems)
             res = StepResult(res.step, False, f"{res.detail}; {problem}" if not res.ok else problem,
                              mismatch=res.mismatch, got=res.got)
         self.results.append(res)
@@ -462,6 +541,12 @@ class Runner:
             if savers and savers[-1] in failed:  # say so: the step that failed is the one to look at
                 why = f": line {savers[-1]}, which saves it, failed"
             return StepResult(step, False, str(e) + why)
+        shape = _shape_problem(step.kind, step.method, data, references_taken=False)
+        if shape:  # a whole "${name}" that stood for a value of another type
+            written: Any = step.data
+            for key in shape[1]:
+                written = written.get(key) if isinstance(written, dict) else None
+            return StepResult(step, False, shape[0] + (f" (the value of {written})" if whole_reference(written) else ""))
         if self.client.proc.poll() is not None and step.kind in ("request", "notify", "expectNotification"):
             if not (step.kind == "expectNotification" and self._find(step.method, data.get("match"))[0] is not None):
                 return StepResult(step, False, f"the server has exited (code {self.client.proc.returncode})")
@@ -699,17 +784,21 @@ class Runner:
         standing = self._standing
         with standing.lock:
             first = step.method not in standing.answers
-            standing.answers.setdefault(step.method, []).append((data.get("match"), answer))
+            standing.answers.setdefault(step.method, []).append((data.get("match"), answer, step.line))
         if first:
             method = step.method
 
             def handler(params: Any) -> Any:
                 with standing.lock:
                     standing.seen.append((method, params))
-                    ans = next((a for m, a in reversed(standing.answers[method])
-                                if m is None or first_mismatch(m, params) is None), None)
+                    ans, line = next(((a, n) for m, a, n in reversed(standing.answers[method])
+                                      if m is None or first_mismatch(m, params) is None), (None, 0))
                 if ans is None:
                     standing.refuse(method, params, "no respond line's match fits it")
+                problem = _not_offered(method, params, ans, line)
+                if problem:  # answered as written all the same: the server does with it what it does
+                    with standing.lock:
+                        standing.wrong.append(problem)
                 if "error" in ans:
                     e = ans["error"] if isinstance(ans["error"], dict) else {}
                     raise RpcError(int(e.get("code", -32000)), str(e.get("message", "refused")), e.get("data"))

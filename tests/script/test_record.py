@@ -412,3 +412,44 @@ def test_a_recording_replays_against_a_later_release_that_offers_more_methods(tm
              "from operate_sidecar.server.__main__ import main; sys.exit(main())")
     out = replay("--scripted", rec, "--", sys.executable, "-c", later)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _serve_recording(target: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "operate_sidecar.server", "--record", target], cwd=cwd,
+                          input="", capture_output=True, text=True, timeout=60)
+
+
+def test_a_record_file_that_cannot_be_written_is_one_line_and_exit_2_at_start(tmp_path):
+    """A missing folder said "[Errno 2] No such file or directory: '<the file>'", as if the file
+    had to exist; a file the recorder could open but not write beside (it writes a file next to
+    it, then renames it) was served and recorded nothing, with a warning per request; ``--record
+    ""`` recorded nothing and said nothing."""
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    long_name = "r" * 245 + ".jsonl"  # the name fits; the name of the file written beside it does not
+    for target, problem in [
+            (str(tmp_path / "no" / "r.jsonl"), f"its folder {tmp_path}/no does not exist (create it first)"),
+            (str(tmp_path / "a-file" / "r.jsonl"), f"{tmp_path}/a-file is not a folder"),
+            ("dir", "it is a folder; give the name of a file"),
+            ("", "no file name given"),
+            (long_name, f"cannot write {long_name}.tmp"),
+    ]:
+        out = _serve_recording(target, tmp_path)
+        assert out.returncode == 2 and not out.stdout, (target, out.stdout + out.stderr)
+        assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr, (target, out.stderr)
+        assert out.stderr.startswith(f"operate-sidecar: cannot record to {target}: {problem}"), (target, out.stderr)
+    assert not (tmp_path / long_name).exists()
+
+
+def test_the_record_file_is_overwritten_as_the_help_and_the_readme_say(tmp_path):
+    """An editor relaunches the server with the same argv: the last session is the one kept."""
+    rec = tmp_path / "r.jsonl"
+    rec.write_text('{"request": "earlier session"}\n')
+    out = _serve_recording(str(rec), tmp_path)
+    assert out.returncode in (0, 1) and rec.read_text() == "", out.stderr
+    help_text = subprocess.run([sys.executable, "-m", "operate_sidecar.server", "--help"], capture_output=True,
+                               text=True, timeout=60).stdout
+    record_help = help_text.split("\n  --record FILE", 1)[1].split("Session scripts:", 1)[0]
+    assert "an existing FILE is overwritten" in " ".join(record_help.split()), help_text
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert "an existing FILE is overwritten" in " ".join(readme.split()), "README"

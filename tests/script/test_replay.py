@@ -603,3 +603,109 @@ def test_a_working_directory_that_does_not_exist_is_named_not_the_server_command
         run_session_script(script, cwd=str(tmp_path / "gone"))
     assert str(e.value) == (f"cannot start the server in '{tmp_path}/gone': no such directory (the working "
                             "directory given for the server)"), e.value
+
+
+@pytest.mark.parametrize("step, problem", [
+    ({"expectNotification": "toolEvent", "match": 5},
+     "match must be a JSON object, a pattern for the notification's params (the keys it names must match; "
+     "leave match out for any params), got 5"),
+    ({"expectNotification": "toolEvent", "match": "pre"},
+     "match must be a JSON object, a pattern for the notification's params (the keys it names must match; "
+     'leave match out for any params), got "pre"'),
+    ({"expectNotification": "toolEvent", "match": [{"event": "pre"}]},
+     "match must be a JSON object, a pattern for the notification's params (the keys it names must match; "
+     'leave match out for any params), got [{"event": "pre"}]'),
+    ({"expectNotification": "toolEvent", "match": None},
+     "match must be a JSON object, a pattern for the notification's params (the keys it names must match; "
+     "leave match out for any params), got null"),
+    ({"respond": "requestToolPermission", "match": "get_weather", "result": {"decision": "allow_once"}},
+     "match must be a JSON object, a pattern for the request's params (the keys it names must match; "
+     'leave match out to answer every requestToolPermission), got "get_weather"'),
+    ({"respond": "requestToolPermission", "result": "allow_once"},
+     'a respond result must be a JSON object, the result the client answers with (requestToolPermission: '
+     '{"decision": "allow_once"}), got "allow_once"'),
+    ({"request": "listBranches", "params": 5},
+     "params must be a JSON object, the request's named parameters (leave params out for none), got 5"),
+    ({"notify": "initialized", "params": "x"},
+     'params must be a JSON object, the notification\'s named parameters (leave params out for none), got "x"'),
+    ({"request": "deleteBranch", "params": {"branchId": "nope"}, "expect": {"error": -32012}},
+     'expect\'s error must be a JSON object, a pattern for the error answer ({"code": -32012}; "*" for any '
+     "error), got -32012"),
+    ({"request": "ping", "id": [1]}, "id must be a string or an integer (the request's JSON-RPC id), got [1]"),
+    ({"request": "ping", "id": True}, "id must be a string or an integer (the request's JSON-RPC id), got true"),
+    ({"request": "ping", "id": 1, "wait": "no"}, 'wait must be true or false, got "no"'),
+    ({"request": "createBranch", "save": {"my branch": "branchId"}},
+     "save names a value that a later ${name} refers to: letters, digits, _, . and -, starting with a letter "
+     "or _, got 'my branch'"),
+])
+def test_a_step_field_of_the_wrong_type_is_refused_before_anything_runs(tmp_path, step, problem):
+    """``"match": 5`` (a string, a list) was accepted and could only time out: no notification's
+    params are 5. Every field the protocol says is an object (``match``, ``params``, a respond's
+    ``result``, an expected ``error``), an ``id``, ``wait`` and the names ``save`` gives are
+    checked when the script loads, as the other malformed lines are: exit 2, the line named."""
+    p = write_script(tmp_path / "x.jsonl", [{"request": "initialize"}, step])
+    out = replay(p)
+    assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+    assert out.stderr == f"operate-sidecar replay: {p}:2: {problem}\n", out.stderr
+
+
+def test_patterns_that_match_anything_and_whole_references_are_still_taken():
+    """``"*"`` is a pattern (any value), and ``"${name}"`` alone is the saved value itself (any
+    JSON type): both stand where an object is asked for."""
+    script = parse_script([json.dumps(s) for s in [
+        {"request": "initialize", "save": {"caps": "capabilities", "v": "protocolVersion"}},
+        {"expectNotification": "toolEvent", "match": "*"},
+        {"respond": "requestToolPermission", "match": "*", "result": {"decision": "deny_once"}},
+        {"request": "deleteBranch", "params": {"branchId": "x"}, "expect": {"error": "*"}},
+        {"notify": "initialized", "params": "${caps}"},
+        {"respond": "fs/readTextFile", "match": "${caps}", "result": "${caps}"},
+        {"request": "ping", "id": "a-1", "wait": False},
+        {"await": "a-1"},
+        {"request": "listBranches", "params": [1], "expect": {"error": {"code": -32602}}},  # JSON-RPC allows it
+        {"respond": "fs/writeTextFile", "result": None}]])  # as --record writes a client's null result
+    assert [s.kind for s in script.steps] == ["request", "expectNotification", "respond", "request", "notify",
+                                              "respond", "request", "await", "request", "respond"]
+
+
+def test_a_whole_reference_that_is_not_an_object_where_one_is_asked_for_fails_its_step(tmp_path):
+    """The load-time check cannot know what ``"${v}"`` will be: the step itself says it, once substituted."""
+    p = write_script(tmp_path / "x.jsonl", [
+        {"request": "initialize", "save": {"v": "protocolVersion"}},
+        {"notify": "initialized", "params": "${v}"},
+        {"request": "listBranches"}])
+    out = replay(p)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert ("FAIL line 2: notify initialized: params must be a JSON object, the notification's named parameters "
+            "(leave params out for none), got 1 (the value of ${v})\n") in out.stdout, out.stdout
+    assert "PASS line 3: request listBranches" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("answer, said", [
+    ({"decision": "allow"}, 'decision "allow"'),
+    ({"decision": "ALLOW_ONCE"}, 'decision "ALLOW_ONCE"'),
+    ({"allow": True}, 'no decision ({"allow": true})'),
+])
+def test_a_permission_answer_the_request_did_not_offer_fails_the_step_it_came_during(tmp_path, answer, said):
+    """``{"decision": "allow"}`` passed in silence: the server took it as a deny ("invalid
+    permission answer") and a script whose ``expect`` did not look at the tool's output tested the
+    deny path while its author meant allow. Now the step that was running fails, naming the
+    decision given, those offered and the respond line that gave it."""
+    ask = {"json": {"answer": "4", "action_requests": [{"function": "get_weather", "arguments": {"city": "Lima"}}]}}
+    op = {"branchId": "${b}", "instruction": "weather?", "responseFormat": ANSWER, "actions": True}
+    steps = [{"request": "initialize", "params": {"capabilities": PERM, "settings": {
+                 "models": {"m": scripted(ask, ask)}, "toolModules": ["operate_sidecar.clients.python.demo_tools"],
+                 "toolPolicy": {"get_weather": "ask"}}}},
+             {"request": "createBranch", "save": {"b": "branchId"}},
+             {"respond": "requestToolPermission", "result": answer},
+             {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
+             {"respond": "requestToolPermission", "result": {"decision": "allow_once"}},
+             {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4", "action_responses": [
+                 {"output": {"city": "Lima"}}]}}}}]
+    out = replay(write_script(tmp_path / "perm.jsonl", steps))
+    assert out.returncode == 1, out.stdout + out.stderr
+    fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
+    assert fails == [
+        f'FAIL line 4: request operate: line 3 answered requestToolPermission (tool get_weather) with {said}, '
+        'not one of the decisions it offered: allow_once, allow_always, deny_once, deny_always; the server took '
+        'it as a deny (to deny, answer "deny_once" or an error)'], out.stdout
+    assert "PASS line 6: request operate" in out.stdout, out.stdout
