@@ -86,6 +86,20 @@ def test_read_file_sees_the_unsaved_buffer(sidecar, tmp_path):
     assert out["content"] == "l2\n" and out["nextOffset"] == 3 and out["path"] == "m.py"
 
 
+def test_a_buffer_whose_text_holds_nul_is_a_binary_file_to_read_and_edit_and_is_never_written(sidecar, tmp_path):
+    f = tmp_path / "img.png"
+    f.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    as_text = "\ufffdPNG\r\n\x1a\n\x00\x00"  # an editor's text of it
+    bufs = Buffers({str(f): as_text}).attach(sidecar)
+    bid = start(sidecar, tmp_path, {"json": {"action_requests": [
+        {"function": "read_file", "arguments": {"path": "img.png"}},
+        {"function": "edit_file", "arguments": {"path": "img.png", "edits": [{"oldText": "PNG", "newText": "GIF"}]}}]}})
+    read, edit = outputs(operate(sidecar, bid))
+    assert "binary file" in read.get("error", "") and "content" not in read, read
+    assert "binary file" in edit.get("error", ""), edit
+    assert [k for k, _ in bufs.log] == ["read", "read"] and bufs.files[str(f)] == as_text  # nothing written
+
+
 def test_write_file_creates_through_the_client(sidecar, tmp_path):
     bufs = Buffers({}).attach(sidecar)
     bid = start(sidecar, tmp_path, call("write_file", path="new.txt", content="x\n"))
