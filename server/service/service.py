@@ -77,6 +77,10 @@ class Service:
         #: "MCP server 'y'"; tools not in it are named by their kind, ``_origin``)
         self._tool_origin: dict[str, str] = {}
         self._mcp_stop = asyncio.Event()  # set by ``aclose``: the MCP servers stop cleanly
+        #: set when a configured MCP server (``settings.mcpServers``) stopped on its own: the next
+        #: ``ensure_tools`` starts them again; ``_mcp_restarted``: set once that start is over
+        self._mcp_lost = False
+        self._mcp_restarted: asyncio.Event | None = None
         self._state_loaded = False
         self._restored: asyncio.Event | None = None  # set when the restore (a background task) is done
         self._opened: tuple[Any, list, str | None] | None = None  # what it read
@@ -392,6 +396,19 @@ class Service:
                 ready.set()
                 raise
         await self._tools_ready.wait()
+        if self._mcp_lost and not self._mcp_stop.is_set():
+            # the configured MCP servers stopped, one of them on its own: no session passes them
+            # again, so the next need (an operate, listTools, a session's server) starts them again
+            self._mcp_lost = False
+            restarted = self._mcp_restarted = asyncio.Event()
+            try:
+                await self._spawn(self._serve_mcp, self.settings["mcpServers"], restarted,
+                                  name="tool sources (started again)")
+            except BaseException:
+                restarted.set()
+                raise
+        if self._mcp_restarted is not None:
+            await self._mcp_restarted.wait()
 
     async def _load_tools(self, ready: asyncio.Event) -> None:
         try:
@@ -619,6 +636,11 @@ class Service:
     async def _stop_branch_mcp(self, branch_id: str, keys: set[str]) -> None:
         """Stop the MCP servers of ``keys`` (ones the branch passed) that no other branch passed,
         their tools unregistered, before this returns (bounded as :meth:`release_branch` says)."""
+        await self._mcp_stopped(branch_id, self._drop_branch_mcp(branch_id, keys))
+
+    def _drop_branch_mcp(self, branch_id: str, keys: set[str]) -> list[tuple[str, McpServerReady]]:
+        """Ask the MCP servers of ``keys`` (ones the branch passed) that no other branch passed
+        to stop, out of the branch servers; those asked (:meth:`_mcp_stopped` waits for them)."""
         shared = set().union(*(k for b, k in self._branch_mcp_of.items() if b != branch_id))
         stopping = []
         for key in keys - shared:
@@ -626,6 +648,11 @@ class Service:
             if entry is not None:
                 entry[1].stop.set()
                 stopping.append(entry)
+        return stopping
+
+    async def _mcp_stopped(self, branch_id: str, stopping: list[tuple[str, McpServerReady]]) -> None:
+        """Once the MCP servers :meth:`_drop_branch_mcp` asked to stop have stopped (bounded as
+        :meth:`release_branch` says; one that takes longer is left to end on its own)."""
         if stopping:
             from operate_sidecar.server.tools.mcp_source import STOP_BOUND_S
 
@@ -649,7 +676,8 @@ class Service:
         if not self._branch_mcp:
             return None
         own = self._branch_mcp_of.get(branch_id, set())
-        other = set().union(*(ready.tools for key, (_, ready) in self._branch_mcp.items() if key not in own))
+        other = set().union(*(ready.tools for key, (_, ready) in self._branch_mcp.items()
+                              if key not in own and not ready.stopped.is_set()))  # a stopped one's are gone
         return [n for n in self.registry.names() if n not in other]
 
     async def _serve_mcp(self, config: dict[str, Any], ready: asyncio.Event, stop: asyncio.Event | None = None) -> None:
@@ -659,7 +687,12 @@ class Service:
         when they are (also those registered while the servers started: another MCP server's, a
         client's), so a taken name is offered as ``<server>__<tool>`` (with a warning naming
         both sources), and they are registered all at once or not at all; they are unregistered
-        when the servers stop, so no tool is left pointing at a stopped server."""
+        when the servers stop, so no tool is left pointing at a stopped server. A server that
+        stops on its own (it exits, crashes, is killed) ends them all the same way, told as
+        ``MCP server 'x' stopped: why`` (:meth:`_mcp_problem`): a branch's is then over
+        (:func:`_mcp_ended`: a branch passing it again starts it again); the configured ones
+        (``settings.mcpServers``, served together) are started again at the next
+        :meth:`ensure_tools` (an operate, listTools)."""
         from operate_sidecar.server.tools.errors import ToolSourceError
         from operate_sidecar.server.tools.mcp_source import open_mcp_sources
 
@@ -667,8 +700,20 @@ class Service:
         taken = _TakenNames(self.registry)
         registered: list[Any] = []
         stop = self._mcp_stop if stop is None else stop
+        lost: list[tuple[str, str]] = []
+        over = asyncio.Event()  # asked to stop, or a server stopped on its own
+
+        def on_lost(server: str, why: str) -> None:
+            lost.append((server, why))
+            over.set()
+
+        async def until_stop() -> None:
+            await stop.wait()
+            over.set()
+
+        watch = asyncio.get_running_loop().create_task(until_stop())
         try:
-            async with open_mcp_sources(config, reserved=taken, stop=stop) as tools:
+            async with open_mcp_sources(config, reserved=taken, stop=stop, lost=on_lost) as tools:
                 # the names were chosen just now (no wait since): a clash here is a bug, and it
                 # refuses the servers whole rather than leave some of their tools registered
                 names = [t.name for t in tools]
@@ -687,15 +732,24 @@ class Service:
                 if isinstance(ready, McpServerReady):
                     ready.tools = tuple(t.name for t in registered)
                 ready.set()
-                await stop.wait()
+                await over.wait()
         except Exception as e:
             self._mcp_problem(ready, f"{label} unavailable: {e}")
         finally:
+            watch.cancel()
             for t in registered:  # the servers are stopped: their tools go with them
                 if t.name in self.registry and self.registry.get(t.name) is t:
                     self.registry.unregister(t.name)
                     self._tool_origin.pop(t.name, None)
             ready.set()
+        if lost and not stop.is_set():  # (told once their tools are gone)
+            if not isinstance(ready, McpServerReady):
+                self._mcp_lost = True
+            again = ("; a session passing it again starts it again" if isinstance(ready, McpServerReady) else
+                     "; the configured MCP servers are started again when their tools are next needed")
+            for server, why in lost:  # what to do on the first line (the rest: its last stderr lines)
+                first, nl, rest = why.partition("\n")
+                self._mcp_problem(ready, f"MCP server {server!r} stopped: {first}{again}{nl}{rest}")
 
     def _mcp_problem(self, ready: asyncio.Event, message: str) -> None:
         """A warning about MCP servers: for one a front end's session passed (``ready`` is its
@@ -1116,6 +1170,7 @@ class Service:
 
         p = structure(BranchParams, params)
         await self._stored_branch(p.branch_id)
+        stopping: list[tuple[str, McpServerReady]] = []  # the MCP servers only it held
         if self.journal is not None:
             from operate_sidecar.server.state import StateNotSaved
 
@@ -1128,7 +1183,7 @@ class Service:
                     except StateNotSaved as e:
                         raise E.state_not_saved(f"branch {p.branch_id} was not deleted ({e})",
                                                 {"branchId": p.branch_id}) from None
-                    self._forget(p.branch_id)
+                    stopping.extend(self._forget(p.branch_id))
                 finally:
                     if self._deleting.get(p.branch_id) is over:
                         del self._deleting[p.branch_id]
@@ -1136,11 +1191,17 @@ class Service:
 
             await self._to_the_end(delete())  # forgets the branch once it is deleted on disk
         else:
-            self._forget(p.branch_id)
+            stopping = self._forget(p.branch_id)
+        # the MCP servers only it held were asked to stop (``_forget``): answered once they have
+        # stopped, as a released branch is (a cancelled caller leaves them to stop on their own)
+        await self._mcp_stopped(p.branch_id, stopping)
         return {}
 
-    def _forget(self, branch_id: str) -> None:
-        """A deleted branch out of memory; the operate running on it is ended (-32012)."""
+    def _forget(self, branch_id: str) -> list[tuple[str, McpServerReady]]:
+        """A deleted branch out of memory; the operate running on it is ended (-32012); the MCP
+        servers it passed that no other branch holds are stopped (their tools unregistered), as
+        for a released branch (:meth:`release_branch`): those asked to stop, returned
+        (:meth:`_mcp_stopped` waits for them)."""
         task = self._running.pop(branch_id, None)
         if task is not None and not task.done() and task not in self._doomed:
             self._doomed.add(task)
@@ -1151,8 +1212,9 @@ class Service:
         self._model_specs.pop(branch_id, None)
         self._info.pop(branch_id, None)
         self._roots.pop(branch_id, None)
-        self._branch_mcp_of.pop(branch_id, None)
+        stopping = self._drop_branch_mcp(branch_id, self._branch_mcp_of.pop(branch_id, set()))
         self.governance.forget_branch(branch_id)  # type: ignore[union-attr]
+        return stopping
 
     async def listBranches(self, params: dict) -> dict:
         if params:

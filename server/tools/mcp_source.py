@@ -32,6 +32,12 @@ both with a task group of its own. :func:`open_mcp_sources` starts all configure
 concurrently in a task group it owns and stops them when its block exits (or, with its
 ``stop`` event, as soon as that is set, starts included).
 
+A started server that stops on its own (it exits, crashes or is killed: the SDK's read stream
+from its stdout ends, which the SDK itself tells no one) is over: a call running on it fails
+at once with a :class:`ToolCallError` (``Connection closed``), later ones too (``not running``),
+and the source's ``on_lost`` (``open_mcp_sources``' ``lost``) is called with why, so that its
+host can unregister its tools and say so.
+
 The SDK starts each server in a session (process group) of its own, out of reach of the
 sidecar's own reaper, so each server's group gets one here (Linux: the server is found as
 the child that holds its stderr pipe): a server still running when the sidecar dies, by
@@ -52,7 +58,7 @@ import signal
 import sys
 from collections import Counter, deque
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Collection, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Collection, Mapping, TextIO
 
 from .. import __version__
 from ..core.tools import Tool, ToolCallContext
@@ -84,12 +90,33 @@ class _Stopped(Exception):
     """The source was stopped (closed, or its host is exiting) before its server had started."""
 
 
+class _Lost(Exception):
+    """The server, started, ended its session (its stdout) though nothing asked it to."""
+
+
+async def _relay_until_end(source: Any, ended: Any, *, task_status: Any) -> None:
+    """Pass what ``source`` (the SDK's read stream) receives on to the stream given to
+    ``task_status``, and close that one when ``source`` ends: then set ``ended``."""
+    import anyio
+
+    send, receive = anyio.create_memory_object_stream[Any](0)
+    task_status.started(receive)
+    try:
+        async with send:
+            async for item in source:
+                await send.send(item)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        return  # the session is gone (stopped on purpose)
+    ended.set()
+
+
 class McpToolSource:
     """One MCP server spawned over stdio and the tools it offers."""
 
     def __init__(self, name: str, command: list[str], env: Mapping[str, str] | None = None, *,
                  start_timeout: float = DEFAULT_START_TIMEOUT, call_timeout: float | None = None,
-                 errlog: TextIO | None = None) -> None:
+                 errlog: TextIO | None = None, on_lost: Callable[[str], None] | None = None) -> None:
+        """``on_lost(why)``: called once the server, started, stops though nothing asked it to."""
         if not isinstance(name, str) or not name:
             raise ToolSourceError(f"MCP server names must be non-empty strings, got {name!r}")
         if (not isinstance(command, (list, tuple)) or not command
@@ -104,6 +131,7 @@ class McpToolSource:
         self.start_timeout = start_timeout
         self.call_timeout = call_timeout
         self._errlog = errlog
+        self._on_lost = on_lost
         self._session: Any = None
         self._remote: list[mcp_types.Tool] = []
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
@@ -196,6 +224,7 @@ class McpToolSource:
 
         started = False
         failure: BaseException | None = None
+        lost: str | None = None
 
         def on_started() -> None:
             nonlocal started
@@ -216,15 +245,27 @@ class McpToolSource:
                 os.close(read_fd)  # the relay task has finished: its group has exited
         except Exception as e:
             if started:  # a failure after the start: the tools fail from now on, the host goes on
-                log.error("MCP server %r stopped unexpectedly: %s", self.name, _describe(e))
+                lost = _describe(e)
             else:
                 failure = failure or e
         finally:
             self._session = None
             if self._done is not None:
                 self._done.set()
+        if started and isinstance(failure, _Lost):
+            lost = "it exited or closed its output"
+        if lost is not None and not (self._stop is not None and self._stop.is_set()):
+            self._lost(lost)
         if failure is not None and not started:
             raise ToolSourceError(self._start_failure(failure)) from failure
+
+    def _lost(self, why: str) -> None:
+        tail = [line for line in self._stderr_tail if line.strip()]
+        if tail:
+            why += "\nstderr (last lines):\n" + "\n".join(tail[-10:])
+        log.error("MCP server %r stopped unexpectedly: %s", self.name, why)
+        if self._on_lost is not None:
+            self._on_lost(why)
 
     async def _run_session(self, write_fd: int, on_started: Any) -> BaseException | None:
         """Run stdio_client + ClientSession; return the start failure instead of raising it
@@ -279,6 +320,12 @@ class McpToolSource:
 
         read, write = self._streams
         self._streams = None
+        # the SDK ends its session quietly when the server's stdout does (its pending requests
+        # fail): the stream is relayed, so that its end is seen here
+        ended = anyio.Event()
+        relay_tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(relay_tg.cancel_scope.cancel)  # unwound before the group is left
+        read = await relay_tg.start(_relay_until_end, read, ended)
         session = await stack.enter_async_context(ClientSession(
             read, write, client_info=Implementation(name="operate-sidecar", version=__version__)))
         remote: list[Any] = []
@@ -305,9 +352,15 @@ class McpToolSource:
         self._remote = remote
         self._session = session
         on_started()
-        await self._stop.wait()
+        async with anyio.create_task_group() as wait:
+            async def until(event: Any) -> None:
+                await event.wait()
+                wait.cancel_scope.cancel()
+
+            wait.start_soon(until, self._stop)
+            wait.start_soon(until, ended)
         self._session = None
-        return None
+        return None if self._stop.is_set() else _Lost()
 
     def tools(self, prefixed: Collection[str] = ()) -> list[Tool]:
         """The server's tools as :class:`Tool` s; names in ``prefixed`` become ``<server>__<name>``."""
@@ -524,7 +577,8 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
 @asynccontextmanager
 async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, reserved: Collection[str] = (),
                            start_timeout: float = DEFAULT_START_TIMEOUT, call_timeout: float | None = None,
-                           errlog: TextIO | None = None, stop: Any = None) -> AsyncIterator[list[Tool]]:
+                           errlog: TextIO | None = None, stop: Any = None,
+                           lost: Callable[[str, str], None] | None = None) -> AsyncIterator[list[Tool]]:
     """Start every server in ``config`` (``{name: {"command": [..], "env"?: {..}}}``) and
     yield all their tools; stop the servers when the block exits.
 
@@ -538,6 +592,10 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
     ``stop`` (an event: ``wait()`` and ``is_set()``), once set, stops the servers still
     starting at once (their start is abandoned, and the block gets no tools); the host
     sets it when it exits, so that a server hanging in its handshake is not waited for.
+
+    ``lost(name, why)`` is called when a server, started, stops on its own (it exited, crashed,
+    was killed): its tools fail from then on, and the others run on; the block goes on until
+    its host leaves it.
     """
     if not config:
         yield []
@@ -545,7 +603,7 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
     if not isinstance(config, Mapping):
         raise ToolSourceError(f"mcpServers must be an object of name → {{command, env}}, got {type(config).__name__}")
     sources = [_source_from_config(name, spec, start_timeout=start_timeout, call_timeout=call_timeout,
-                                   errlog=errlog) for name, spec in config.items()]
+                                   errlog=errlog, on_lost=_bound(lost, name)) for name, spec in config.items()]
 
     import anyio
 
@@ -595,6 +653,10 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
         raise failures[0]
     if body_error is not None:
         raise body_error
+
+
+def _bound(lost: Callable[[str, str], None] | None, name: str) -> Callable[[str], None] | None:
+    return None if lost is None else (lambda why: lost(name, why))
 
 
 async def _close_all(sources: list[McpToolSource]) -> None:

@@ -1454,12 +1454,11 @@ def test_a_resource_link_to_a_file_in_the_session_reaches_the_model_with_its_tex
         assert by_name.pop("a.txt") == {"text": "unsaved buffer\n" if fs else "old text\n"}
         assert by_name.pop("long.txt") == {"text": "".join(lines[:LINK_MAX_LINES]) + LINK_CUT}
         assert by_name.pop("with space.txt") == {"text": "spaced\n"}
-        if fs:  # the editor's buffer of a binary file is its text, as the read_file tool gets it
-            assert by_name.pop("bin.dat") == {"text": "GIF89a\x00\x01\x02"}
         assert all("text" not in item for item in by_name.values()), by_name
         # the read_file tool's own errors: what the model would be told
         notes = {name: item["note"] for name, item in by_name.items()}
-        assert notes == {**({} if fs else {"bin.dat": f"not included: '{ws}/bin.dat' is a binary file"}),
+        assert notes == {"bin.dat": f"not included: '{ws}/bin.dat' is a binary file" + (  # the editor's text of it too
+                             " (the client's text of it holds NUL characters)" if fs else ""),
                          "secret.txt": f"not included: path '{tmp_path}/secret.txt' is outside the workspace folders",
                          "page": "not included: not a file",
                          "gone.txt": f"not included: '{ws}/gone.txt' does not exist",
@@ -1902,3 +1901,49 @@ def test_a_server_wide_warning_is_told_once_to_each_session_and_an_ignored_mcp_s
     run(main())
     err = capfd.readouterr().err
     assert "no_such_tool_module" in err and "MCP server 'web' ignored" in err, err
+
+
+def test_an_mcp_server_that_dies_is_told_at_the_next_turn_and_started_again_by_a_session_passing_it(
+        tmp_path, ws, capfd):
+    """A client MCP server that started and then died (killed) went on being offered, every call
+    failing, and no session was told. Now the next turn of the session that passed it starts
+    with the notice that it stopped, and a new session passing it starts it again."""
+    import signal
+
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    server = McpServerStdio(name="fl", command=sys.executable, args=[FLAG_SERVER, "fl", str(flag)], env=[])
+    config = cfg(tmp_path, reply("", [("pid", {})]), reply("a1"), reply("a2"),
+                 reply("", [("probe", {})]), reply("b done"))
+
+    def started():
+        return len((tmp_path / "flag.starts").read_text().split())
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, config) as (conn, _):
+            a = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))).session_id
+            await prompt(conn, a)
+            done = c.of("tool_call_update")[-1]
+            assert done.status == "completed", done
+            pid = int(str(done.raw_output).strip("'\" "))
+            os.kill(pid, signal.SIGKILL)
+            err, deadline = "", time.monotonic() + 60  # bounded: until the agent has noticed
+            while "MCP server 'fl' stopped" not in err:
+                assert time.monotonic() < deadline, f"the agent did not say that the server stopped: {err!r}"
+                await asyncio.sleep(0.1)
+                err += capfd.readouterr().err
+            c.updates.clear()
+            await prompt(conn, a)
+            chunks = _chunks(c, a)
+            assert chunks[0].startswith("> ⚠ **Warning:** MCP server 'fl' stopped: ") and chunks[1:] == ["a2"], chunks
+            assert "a session passing it again starts it again" in chunks[0], chunks
+            assert started() == 1
+            b = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))).session_id
+            c.updates.clear()
+            await prompt(conn, b)
+            done = c.of("tool_call_update")[-1]
+            assert done.status == "completed" and "fl:up" in str(done.raw_output), done
+            assert _chunks(c, b) == ["b done"] and started() == 2, c.updates
+
+    run(main())

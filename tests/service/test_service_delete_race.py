@@ -85,9 +85,9 @@ def test_a_delete_forgets_its_branch_once_with_or_without_a_store(tmp_path, stor
         forgotten: list[str] = []
         forget = svc._forget
 
-        def spy(branch_id: str) -> None:
+        def spy(branch_id: str) -> list:
             forgotten.append(branch_id)
-            forget(branch_id)
+            return forget(branch_id)  # the MCP servers it asked to stop (none here)
 
         svc._forget = spy
         assert await asyncio.wait_for(svc.deleteBranch({"branchId": bid}), WAIT) == {}

@@ -179,3 +179,158 @@ def test_an_mcp_server_that_failed_to_start_is_started_again_when_a_branch_passe
         await asyncio.wait_for(svc.aclose(), WAIT)
 
     asyncio.run(main())
+
+
+async def _until(check, what: str) -> None:
+    """Wait (bounded: WAIT) until ``check()`` is true."""
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {WAIT} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+def test_a_branch_mcp_server_that_dies_ends_its_entry_and_is_started_again_when_passed_again(tmp_path):
+    """A branch's MCP server that started and then died (killed) kept its entry: the service
+    waited for a stop request, its tools stayed registered, every call failed, no one was told.
+    Now its end is seen: a call running on it fails at once with a tool error naming it, its
+    tools are unregistered, every branch that passed it has the problem (``MCP server 'fl'
+    stopped``), their turns do not start it again, and a branch passing it again does."""
+    import signal
+
+    from operate_sidecar.server.tools.errors import ToolCallError
+
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    starts = tmp_path / "flag.starts"
+    stalling = tmp_path / "flag.stalling"
+    server = ("fl", {"command": [sys.executable, FLAG_SERVER, "fl", str(flag)]})
+    port = Port(S.finalize(S.merge(S.DEFAULTS, {})))
+
+    def started() -> int:
+        return len(starts.read_text().split()) if starts.exists() else 0
+
+    async def main() -> None:
+        svc = Service(port)
+
+        def stopped(branch: str) -> list[str]:
+            return [p for p in svc.branch_mcp_problems(branch) if "MCP server 'fl' stopped" in p]
+
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)
+        await svc.add_branch_mcp_servers("a", [server])
+        await svc.add_branch_mcp_servers("b", [server])
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        assert started() == 1 and "probe" in svc.branch_tools("a") and "probe" in svc.branch_tools("b")
+        ctx = ToolCallContext(branch_id="a", call_id="1")
+        old_probe = svc.registry.get("probe")
+        pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)
+        stall = asyncio.ensure_future(svc.registry.get("stall").call({}, ctx))
+        await _until(stalling.exists, "the stall call reaches the server")
+
+        os.kill(pid, signal.SIGKILL)  # it dies on its own: nothing asked it to stop
+        try:
+            await asyncio.wait_for(stall, WAIT)
+            raise AssertionError("the call running on the dead server answered")
+        except ToolCallError as e:  # not a hang: a tool error naming the server
+            assert "MCP server 'fl', tool 'stall'" in str(e) and "closed" in str(e), str(e)
+        await _until(lambda: stopped("a"), "the dead server's entry ends")
+        assert "probe" not in svc.registry and "probe" not in svc.branch_tools("a")
+        for branch in "ab":  # told to every branch that passed it, once
+            assert len(stopped(branch)) == 1, (branch, svc.branch_mcp_problems(branch))
+        assert "a session passing it again starts it again" in stopped("a")[0].splitlines()[0], stopped("a")
+        try:
+            await asyncio.wait_for(old_probe.call({}, ctx), WAIT)
+            raise AssertionError("a tool of the dead server answered")
+        except ToolCallError as e:
+            assert "MCP server 'fl'" in str(e), str(e)
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)  # a turn of a or b: not started again
+        assert started() == 1
+        await _until(lambda: not _alive(pid), "the killed server is reaped")
+
+        await svc.add_branch_mcp_servers("c", [server])  # passed again: started again, for a and b too
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        assert started() == 2, starts.read_text()
+        for branch in "abc":  # its tools, and the old stop no longer told as current
+            assert "probe" in svc.branch_tools(branch) and svc.branch_mcp_problems(branch) == [], branch
+        new_pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)
+        assert new_pid != pid and _alive(new_pid)
+        assert await asyncio.wait_for(svc.registry.get("probe").call({}, ctx), WAIT) == "fl:up"
+        await asyncio.wait_for(svc.aclose(), WAIT)
+        assert not _alive(new_pid)
+
+    asyncio.run(main())
+
+
+def test_a_configured_mcp_server_that_dies_is_told_and_started_again_at_the_next_need(tmp_path):
+    """A configured MCP server (``settings.mcpServers``: no session passes it again) that died
+    kept its tools registered, failing, with nothing said. Now its tools go, a warning says it
+    stopped and when it starts again, and the next ``ensure_tools`` (an operate, listTools)
+    starts it again."""
+    import signal
+
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    starts = tmp_path / "flag.starts"
+    settings = S.finalize(S.merge(S.DEFAULTS, {"mcpServers": {
+        "cfg": {"command": [sys.executable, FLAG_SERVER, "cfg", str(flag)]}}}))
+    port = Port(settings)
+
+    def started() -> int:
+        return len(starts.read_text().split()) if starts.exists() else 0
+
+    async def main() -> None:
+        svc = Service(port)
+        ctx = ToolCallContext(branch_id="b", call_id="1")
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)
+        pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)
+        os.kill(pid, signal.SIGKILL)
+        await _until(lambda: "probe" not in svc.registry, "the dead server's tools go")
+        await _until(lambda: any("MCP server 'cfg' stopped" in m for m in port.logged), "it is told")
+        told = [m for m in port.logged if "MCP server 'cfg' stopped" in m]
+        assert len(told) == 1 and "started again when their tools are next needed" in told[0].splitlines()[0], port.logged
+        assert started() == 1
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)  # the next need: started again
+        assert started() == 2 and "probe" in svc.registry
+        assert await asyncio.wait_for(svc.registry.get("probe").call({}, ctx), WAIT) == "cfg:up"
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)  # running: not started again
+        assert started() == 2
+        new_pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)
+        await asyncio.wait_for(svc.aclose(), WAIT)
+        assert not _alive(new_pid) and len([m for m in port.logged if "stopped" in m]) == 1, port.logged
+
+    asyncio.run(main())
+
+
+def test_deleting_a_branch_stops_the_mcp_servers_only_it_held(tmp_path):
+    """``deleteBranch`` dropped the branch's server list without stopping them: a server only
+    that branch held ran until the service closed. Now it is stopped (its process gone, its
+    tools unregistered) by the time the delete is answered, as a released branch's are; one
+    another branch holds runs on."""
+    mine = ("mine", {"command": [sys.executable, MCP_SERVER, "mine"]})
+    both = ("both", {"command": [sys.executable, FLAG_SERVER, "both", str(tmp_path / "flag")]})
+    (tmp_path / "flag").write_text("up")
+    settings = S.finalize(S.merge(S.DEFAULTS, {"stateDir": str(tmp_path / "state")}))
+
+    async def main() -> None:
+        svc = Service(Port(settings))
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)
+        a = (await svc.createBranch({}))["branchId"]
+        b = (await svc.createBranch({}))["branchId"]
+        await svc.add_branch_mcp_servers(a, [mine, both])
+        await svc.add_branch_mcp_servers(b, [both])
+        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        ctx = ToolCallContext(branch_id=a, call_id="1")
+        tools = {public: set(ready.tools) for public, ready in svc._branch_mcp.values()}
+        mine_pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)  # started first
+        both_pid = await asyncio.wait_for(svc.registry.get("both__pid").call({}, ctx), WAIT)
+        assert _alive(mine_pid) and _alive(both_pid) and tools["mine"] <= set(svc.branch_tools(a))
+        assert "probe" in tools["both"] and "probe" in svc.branch_tools(b)
+
+        assert await asyncio.wait_for(svc.deleteBranch({"branchId": a}), WAIT) == {}
+        assert not tools["mine"] & set(svc.registry.names()), tools
+        await _until(lambda: not _alive(mine_pid), "the server only the deleted branch held is gone")
+        assert _alive(both_pid) and tools["both"] <= set(svc.branch_tools(b))
+        assert await asyncio.wait_for(svc.registry.get("probe").call({}, ctx), WAIT) == "both:up"
+        await asyncio.wait_for(svc.aclose(), WAIT)
+        assert not _alive(both_pid)
+
+    asyncio.run(main())
