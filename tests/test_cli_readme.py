@@ -60,6 +60,6 @@ def test_the_replay_synopsis_of_the_readme_and_the_protocol_is_the_one_help_prin
     usage = subprocess.run([sys.executable, "-m", "operate_sidecar.server", "replay", "--help"], capture_output=True,
                            text=True, timeout=30).stdout.split("\n", 1)[0]
     synopsis = "operate-sidecar replay " + usage.split("operate-sidecar replay [-h] ", 1)[1]
-    protocol = (ROOT / "docs" / "PROTOCOL.md").read_text(encoding="utf-8")
+    protocol = (ROOT / "docs/PROTOCOL.md").read_text(encoding="utf-8")
     assert synopsis in section("Running the server"), synopsis
     assert f"`{synopsis}`" in protocol.split("\n## 12. Session scripts\n", 1)[1], synopsis

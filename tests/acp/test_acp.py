@@ -1839,6 +1839,16 @@ def test_an_mcp_server_that_fails_is_told_at_the_next_turn_of_the_sessions_that_
 FLAG_SERVER = os.path.normpath(os.path.join(MCP_SERVER, "../../../service/fixtures/flag_mcp_server.py"))
 
 
+def flag_server(tmp_path, up=False):
+    """The flag MCP server as a client passes it (it starts only once ``tmp_path/flag`` exists:
+    made now with ``up``) and how many times it was started so far."""
+    flag = tmp_path / "flag"
+    if up:
+        flag.write_text("up")
+    server = McpServerStdio(name="fl", command=sys.executable, args=[FLAG_SERVER, "fl", str(flag)], env=[])
+    return server, lambda: len((tmp_path / "flag.starts").read_text().split())
+
+
 def test_an_mcp_server_that_failed_to_start_is_started_again_by_a_new_session_that_passes_it(tmp_path, ws):
     """A client MCP server that failed to start (its flag file missing: as a program not yet
     installed) stayed failed for every later session passing it until the agent restarted. Once
@@ -1846,12 +1856,9 @@ def test_an_mcp_server_that_failed_to_start_is_started_again_by_a_new_session_th
     no notice of the old failure; the session that passed it first then has its tools too (the
     server it passed runs), with no notice either; that session's turns do not start it again."""
     flag = tmp_path / "flag"
-    server = McpServerStdio(name="fl", command=sys.executable, args=[FLAG_SERVER, "fl", str(flag)], env=[])
+    server, started = flag_server(tmp_path)
     config = cfg(tmp_path, reply("a1"), reply("a2"), reply("", [("probe", {})]), reply("b done"),
                  reply("", [("probe", {})]), reply("a done"))
-
-    def started():
-        return len((tmp_path / "flag.starts").read_text().split())
 
     async def main():
         c = RecordingClient()
@@ -1910,14 +1917,9 @@ def test_an_mcp_server_that_dies_is_told_at_the_next_turn_and_started_again_by_a
     with the notice that it stopped, and a new session passing it starts it again."""
     import signal
 
-    flag = tmp_path / "flag"
-    flag.write_text("up")
-    server = McpServerStdio(name="fl", command=sys.executable, args=[FLAG_SERVER, "fl", str(flag)], env=[])
+    server, started = flag_server(tmp_path, up=True)
     config = cfg(tmp_path, reply("", [("pid", {})]), reply("a1"), reply("a2"),
                  reply("", [("probe", {})]), reply("b done"))
-
-    def started():
-        return len((tmp_path / "flag.starts").read_text().split())
 
     async def main():
         c = RecordingClient()

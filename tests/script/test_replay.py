@@ -374,21 +374,27 @@ def test_a_server_that_dies_during_a_request_fails_its_step_even_when_an_error_i
                      "FAIL line 4: request listBranches: the server has exited (code -9)"], out.stdout
 
 
+def weather_asked() -> tuple[dict, list[dict]]:
+    """An operate whose model calls get_weather twice (policy ``ask``: a permission request each
+    time), and the steps up to it: initialize with permissions, createBranch saved as ``b``."""
+    ask = {"json": {"answer": "4", "action_requests": [{"function": "get_weather", "arguments": {"city": "Lima"}}]}}
+    op = {"branchId": "${b}", "instruction": "weather?", "responseFormat": ANSWER, "actions": True}
+    return op, [{"request": "initialize", "params": {"capabilities": PERM, "settings": {
+                    "models": {"m": scripted(ask, ask)}, "toolModules": ["operate_sidecar.clients.python.demo_tools"],
+                    "toolPolicy": {"get_weather": "ask"}}}},
+                {"request": "createBranch", "save": {"b": "branchId"}}]
+
+
 def test_a_server_request_the_script_does_not_answer_fails_the_step_it_came_during(tmp_path):
     """A permission request with no ``respond`` line (or none whose ``match`` fits) was answered
     -32601 in silence: the tool was refused and the script passed all the same when its ``expect``
     did not look at the tool's output. Now the step it came during fails, naming the request and
     the line to add."""
-    ask = {"json": {"answer": "4", "action_requests": [{"function": "get_weather", "arguments": {"city": "Lima"}}]}}
-    op = {"branchId": "${b}", "instruction": "weather?", "responseFormat": ANSWER, "actions": True}
-    steps = [{"request": "initialize", "params": {"capabilities": PERM, "settings": {
-                 "models": {"m": scripted(ask, ask)}, "toolModules": ["operate_sidecar.clients.python.demo_tools"],
-                 "toolPolicy": {"get_weather": "ask"}}}},
-             {"request": "createBranch", "save": {"b": "branchId"}},
-             {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
-             {"respond": "requestToolPermission", "match": {"tool": "other"}, "result": {"decision": "allow_once"}},
-             {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
-             {"request": "listBranches"}]
+    op, steps = weather_asked()
+    steps += [{"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
+              {"respond": "requestToolPermission", "match": {"tool": "other"}, "result": {"decision": "allow_once"}},
+              {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
+              {"request": "listBranches"}]
     out = replay(write_script(tmp_path / "ask.jsonl", steps))
     assert out.returncode == 1, out.stdout + out.stderr
     fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]
@@ -690,17 +696,12 @@ def test_a_permission_answer_the_request_did_not_offer_fails_the_step_it_came_du
     permission answer") and a script whose ``expect`` did not look at the tool's output tested the
     deny path while its author meant allow. Now the step that was running fails, naming the
     decision given, those offered and the respond line that gave it."""
-    ask = {"json": {"answer": "4", "action_requests": [{"function": "get_weather", "arguments": {"city": "Lima"}}]}}
-    op = {"branchId": "${b}", "instruction": "weather?", "responseFormat": ANSWER, "actions": True}
-    steps = [{"request": "initialize", "params": {"capabilities": PERM, "settings": {
-                 "models": {"m": scripted(ask, ask)}, "toolModules": ["operate_sidecar.clients.python.demo_tools"],
-                 "toolPolicy": {"get_weather": "ask"}}}},
-             {"request": "createBranch", "save": {"b": "branchId"}},
-             {"respond": "requestToolPermission", "result": answer},
-             {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
-             {"respond": "requestToolPermission", "result": {"decision": "allow_once"}},
-             {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4", "action_responses": [
-                 {"output": {"city": "Lima"}}]}}}}]
+    op, steps = weather_asked()
+    steps += [{"respond": "requestToolPermission", "result": answer},
+              {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
+              {"respond": "requestToolPermission", "result": {"decision": "allow_once"}},
+              {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4", "action_responses": [
+                  {"output": {"city": "Lima"}}]}}}}]
     out = replay(write_script(tmp_path / "perm.jsonl", steps))
     assert out.returncode == 1, out.stdout + out.stderr
     fails = [ln for ln in out.stdout.splitlines() if ln.startswith("FAIL")]

@@ -5,6 +5,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from operate_sidecar.server.core.tools import ToolCallContext
 from operate_sidecar.server.rpc import settings as S
@@ -117,6 +118,16 @@ def test_mcp_servers_passed_for_a_branch_are_its_own_shared_when_the_same_rename
 FLAG_SERVER = str(Path(__file__).resolve().parent / "fixtures" / "flag_mcp_server.py")
 
 
+def flag_server(tmp_path: Path, name: str = "fl", up: bool = False) -> tuple[list[str], Callable[[], int]]:
+    """The flag MCP server's command (it starts only once ``tmp_path/flag`` exists: made now
+    with ``up``) and how many times it was started so far."""
+    flag, starts = tmp_path / "flag", tmp_path / "flag.starts"
+    if up:
+        flag.write_text("up")
+    return ([sys.executable, FLAG_SERVER, name, str(flag)],
+            lambda: len(starts.read_text().split()) if starts.exists() else 0)
+
+
 def test_an_mcp_server_that_failed_to_start_is_started_again_when_a_branch_passes_it_again(tmp_path):
     """A branch's MCP server that failed to start (its flag file missing: as a missing program
     or config) was kept under its key, so every later branch passing it shared the dead entry
@@ -126,12 +137,9 @@ def test_an_mcp_server_that_failed_to_start_is_started_again_when_a_branch_passe
     never start it again; one still starting or running is shared, not started twice; it stops
     when the last branch holding it is released."""
     flag = tmp_path / "flag"
-    starts = tmp_path / "flag.starts"
-    server = ("fl", {"command": [sys.executable, FLAG_SERVER, "fl", str(flag)]})
+    command, started = flag_server(tmp_path)
+    server = ("fl", {"command": command})
     port = Port(S.finalize(S.merge(S.DEFAULTS, {})))
-
-    def started() -> int:
-        return len(starts.read_text().split()) if starts.exists() else 0
 
     async def main() -> None:
         svc = Service(port)
@@ -162,7 +170,7 @@ def test_an_mcp_server_that_failed_to_start_is_started_again_when_a_branch_passe
         await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
         await svc.add_branch_mcp_servers("e", [server])  # running: shared
         await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
-        assert started() == 3, starts.read_text()
+        assert started() == 3, (tmp_path / "flag.starts").read_text()
         for branch in "abcde":  # the earlier branches hold the server started again: its tools, no problem
             assert "probe" in svc.branch_tools(branch) and svc.branch_mcp_problems(branch) == [], branch
         ctx = ToolCallContext(branch_id="a", call_id="1")
@@ -199,15 +207,10 @@ def test_a_branch_mcp_server_that_dies_ends_its_entry_and_is_started_again_when_
 
     from operate_sidecar.server.tools.errors import ToolCallError
 
-    flag = tmp_path / "flag"
-    flag.write_text("up")
-    starts = tmp_path / "flag.starts"
+    command, started = flag_server(tmp_path, up=True)
     stalling = tmp_path / "flag.stalling"
-    server = ("fl", {"command": [sys.executable, FLAG_SERVER, "fl", str(flag)]})
+    server = ("fl", {"command": command})
     port = Port(S.finalize(S.merge(S.DEFAULTS, {})))
-
-    def started() -> int:
-        return len(starts.read_text().split()) if starts.exists() else 0
 
     async def main() -> None:
         svc = Service(port)
@@ -248,7 +251,7 @@ def test_a_branch_mcp_server_that_dies_ends_its_entry_and_is_started_again_when_
 
         await svc.add_branch_mcp_servers("c", [server])  # passed again: started again, for a and b too
         await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
-        assert started() == 2, starts.read_text()
+        assert started() == 2, (tmp_path / "flag.starts").read_text()
         for branch in "abc":  # its tools, and the old stop no longer told as current
             assert "probe" in svc.branch_tools(branch) and svc.branch_mcp_problems(branch) == [], branch
         new_pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)
@@ -267,15 +270,9 @@ def test_a_configured_mcp_server_that_dies_is_told_and_started_again_at_the_next
     starts it again."""
     import signal
 
-    flag = tmp_path / "flag"
-    flag.write_text("up")
-    starts = tmp_path / "flag.starts"
-    settings = S.finalize(S.merge(S.DEFAULTS, {"mcpServers": {
-        "cfg": {"command": [sys.executable, FLAG_SERVER, "cfg", str(flag)]}}}))
+    command, started = flag_server(tmp_path, "cfg", up=True)
+    settings = S.finalize(S.merge(S.DEFAULTS, {"mcpServers": {"cfg": {"command": command}}}))
     port = Port(settings)
-
-    def started() -> int:
-        return len(starts.read_text().split()) if starts.exists() else 0
 
     async def main() -> None:
         svc = Service(port)
@@ -306,8 +303,7 @@ def test_deleting_a_branch_stops_the_mcp_servers_only_it_held(tmp_path):
     tools unregistered) by the time the delete is answered, as a released branch's are; one
     another branch holds runs on."""
     mine = ("mine", {"command": [sys.executable, MCP_SERVER, "mine"]})
-    both = ("both", {"command": [sys.executable, FLAG_SERVER, "both", str(tmp_path / "flag")]})
-    (tmp_path / "flag").write_text("up")
+    both = ("both", {"command": flag_server(tmp_path, "both", up=True)[0]})
     settings = S.finalize(S.merge(S.DEFAULTS, {"stateDir": str(tmp_path / "state")}))
 
     async def main() -> None:
