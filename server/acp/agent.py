@@ -727,7 +727,7 @@ class OperateAgent(Agent):
         await sc.branch_mcp_ready()  # client MCP servers still starting
         turn = self.port.turns[sid] = Turn()
         if self.port.noticed.get(sid, 0) != self.port.notice_gen:  # a warning not told to this session yet
-            notice = self.port.notices_for(sid, sc.branch_mcp_problems)  # its MCP servers' failures too
+            notice = self.port.notices_for(sid, sc.branch_problems)  # its own, its MCP servers' too
             if notice:  # before the reply, never recorded (not the model's words)
                 self.port.send(sid, update_agent_message_text(notice))
         limit = MAX_ROUNDS
@@ -822,8 +822,6 @@ def _prompt_parts(prompt: list) -> tuple[str, Any]:
     """ACP content blocks → (instruction text, context). Text is the instruction; resource
     links (with their ``name``: ``OperateAgent._link`` adds the file's text) and embedded
     text resources become context."""
-    if not prompt:  # a turn on nothing: the model would be asked about an empty message
-        raise _invalid("the prompt is empty: send at least one content block", {"prompt": "empty"})
     texts: list[str] = []
     context: list[Any] = []
     for block in prompt:
@@ -841,9 +839,9 @@ def _prompt_parts(prompt: list) -> tuple[str, Any]:
                            "embedded resources (initialize's promptCapabilities)",
                            {"prompt": f"content type {t!r} is not supported"})
     instruction = "\n".join(texts)
-    if not context and not instruction.strip():  # only whitespace: as empty for the model
-        raise _invalid("the prompt is empty: its text is only whitespace; send some text or a resource",
-                       {"prompt": "empty"})
+    if not context and not instruction.strip():  # no block, or only whitespace: nothing to ask the model
+        raise _invalid("the prompt is empty (no content block, or text that is only whitespace): send some text "
+                       "or a resource", {"prompt": "empty"})
     return instruction, context
 
 

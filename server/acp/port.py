@@ -187,25 +187,19 @@ class AcpPort:
 
     # ------------------------------------------------------------------ ClientInfo
     def log_message(self, type_: int, message: str) -> None:
-        """stderr; an error or warning is also told to the sessions at their next turn: to the
-        session ``branch <id>: ...`` names (a stored branch's restore), else to every session."""
+        """stderr; an error or warning is also told to every session at its next turn."""
         _log(type_, message)
         if type_ not in (1, 2):
             return
-        if message.startswith("branch "):
-            sid, sep, _ = message[7:].partition(": ")
-            if sep and sid and " " not in sid:
-                self.tell(sid, type_, message)
-                return
         if message not in self.notices:
             self.notices[message] = type_
             if len(self.notices) > NOTICES_KEPT:
                 del self.notices[next(iter(self.notices))]
         self.notice_gen += 1
 
-    def log_mcp_problem(self, type_: int, message: str) -> None:
-        """A warning about an MCP server sessions passed: stderr, and told to those sessions
-        (the service keeps it for them: ``notices_for``'s ``mcp_problems``)."""
+    def log_branch_problem(self, type_: int, message: str) -> None:
+        """A warning that concerns some sessions only: stderr, and told to those sessions (the
+        service keeps it for them: ``notices_for``'s ``problems``)."""
         _log(type_, message)
         if type_ in (1, 2):
             self.notice_gen += 1
@@ -215,7 +209,7 @@ class AcpPort:
         self.session_notices.setdefault(session_id, []).append((type_, message))
         self.notice_gen += 1
 
-    def notices_for(self, session_id: str, mcp_problems: Callable[[str], list[str]]) -> str | None:
+    def notices_for(self, session_id: str, problems: Callable[[str], list[str]]) -> str | None:
         """The notice a turn of the session starts with: the warnings it was not told yet (its
         own, those about the MCP servers it passed, the server-wide ones), as markdown; None when
         there are none. Each is told once per session. Called when ``noticed`` is behind."""
@@ -223,7 +217,7 @@ class AcpPort:
         said = self._said.setdefault(session_id, set())
         new: list[tuple[int, str]] = []
         for type_, message in (*self.session_notices.pop(session_id, ()),
-                               *((2, m) for m in mcp_problems(session_id)), *((t, m) for m, t in self.notices.items())):
+                               *((2, m) for m in problems(session_id)), *((t, m) for m, t in self.notices.items())):
             if message not in said:
                 said.add(message)
                 new.append((type_, message))

@@ -132,11 +132,12 @@ class ClientPort(Protocol):
     #     (the ACP one records the title, locations and diff the editor is shown). It cannot
     #     change the decision; an error it raises is logged.
     #
-    # def log_mcp_problem(self, type_: int, message: str) -> None:   (on ``conn``)
-    #     Instead of ``log_message``, a warning about an MCP server a session passed
-    #     (``Service.add_branch_mcp_servers``): its failure, its tools offered under other names.
-    #     The service keeps it for the branches that passed the server
-    #     (``Service.branch_mcp_problems``), so a front end can tell those sessions only.
+    # def log_branch_problem(self, type_: int, message: str) -> None:   (on ``conn``)
+    #     Instead of ``log_message``, a warning that concerns some branches only: a stored
+    #     branch's model not configured, an MCP server a session passed
+    #     (``Service.add_branch_mcp_servers``) failed or had its tools offered under other names.
+    #     The service keeps it for those branches (``Service.branch_problems``), so a front end
+    #     can tell those sessions only.
 
 
 __all__ = ["ClientInfo", "ClientPort", "ClientRequestError", "client_error_reason", "client_says_not_found"]

@@ -81,6 +81,8 @@ class Service:
         #: ``ensure_tools`` starts them again; ``_mcp_restarted``: set once that start is over
         self._mcp_lost = False
         self._mcp_restarted: asyncio.Event | None = None
+        #: branch -> the warnings that concern it alone (``_branch_problem``, ``branch_problems``)
+        self._problems: dict[str, list[str]] = {}
         self._state_loaded = False
         self._restored: asyncio.Event | None = None  # set when the restore (a background task) is done
         self._opened: tuple[Any, list, str | None] | None = None  # what it read
@@ -225,7 +227,8 @@ class Service:
             chat = self.resolve_model(meta.get("chatModel")) if meta.get("chatModel") else self.default_model()
             parse = self.resolve_model(meta.get("parseModel")) if meta.get("parseModel") else None
         except RpcError as e:
-            self.conn.log_message(2, f"branch {lb.id}: {e.message}; using the default model")
+            self._problems[lb.id] = []  # (restored again: said again, not kept twice)
+            self._branch_problem(self._problems[lb.id], f"branch {lb.id}: {e.message}; using the default model")
             chat, parse = self.default_model(), None
         b = Branch(id=lb.id, name=meta.get("name"), chat_model=chat, parse_model=parse, tools=self.registry,
                    messages=MessageLog(lb.messages))
@@ -409,6 +412,7 @@ class Service:
                 raise
         if self._mcp_restarted is not None:
             await self._mcp_restarted.wait()
+            self._mcp_restarted = None  # started again: the next need waits for nothing
 
     async def _load_tools(self, ready: asyncio.Event) -> None:
         try:
@@ -752,24 +756,30 @@ class Service:
                 self._mcp_problem(ready, f"MCP server {server!r} stopped: {first}{again}{nl}{rest}")
 
     def _mcp_problem(self, ready: asyncio.Event, message: str) -> None:
-        """A warning about MCP servers: for one a front end's session passed (``ready`` is its
-        ``McpServerReady``), kept on it for :meth:`branch_mcp_problems` and told through the
-        port's optional ``log_mcp_problem`` when it has one (a front end that tells each session
-        its own), else ``log_message`` as any other."""
+        """A warning about MCP servers: about one a front end's session passed (``ready`` is its
+        ``McpServerReady``), a problem of the branches that passed it (:meth:`_branch_problem`);
+        about the configured ones, the whole server's."""
         if isinstance(ready, McpServerReady):
-            ready.problems.append(message)
-            tell = getattr(self.conn, "log_mcp_problem", None)
-            if tell is not None:
-                tell(2, message)
-                return
-        self.conn.log_message(2, message)
+            self._branch_problem(ready.problems, message)
+        else:
+            self.conn.log_message(2, message)
 
-    def branch_mcp_problems(self, branch_id: str) -> list[str]:
-        """The warnings reported about the MCP servers the branch passed (:meth:`_mcp_problem`:
-        one failed to start or stopped, its tools are offered under other names), in order: those
-        of each server as it is now (one started again in place of one that failed has its own)."""
+    def _branch_problem(self, problems: list[str], message: str) -> None:
+        """A warning that concerns some branches only, kept in ``problems`` (a branch's own, or
+        those of an MCP server branches passed) for :meth:`branch_problems`, and told through the
+        port's optional ``log_branch_problem`` when it has one (a front end that tells each
+        session its own problems), else ``log_message`` as any other."""
+        problems.append(message)
+        getattr(self.conn, "log_branch_problem", self.conn.log_message)(2, message)
+
+    def branch_problems(self, branch_id: str) -> list[str]:
+        """The warnings that concern the branch (:meth:`_branch_problem`), in order: its own (its
+        stored model not configured), then those of the MCP servers it passed (one failed to
+        start or stopped, its tools are offered under other names), each server as it is now
+        (one started again in place of one that failed has its own)."""
         own = self._branch_mcp_of.get(branch_id, ())
-        return [p for key, (_, ready) in self._branch_mcp.items() if key in own for p in ready.problems]
+        return [*self._problems.get(branch_id, ()),
+                *(p for key, (_, ready) in self._branch_mcp.items() if key in own for p in ready.problems)]
 
     def _renamed_mcp_tools(self, config: dict[str, Any], names: list[str],
                            taken: frozenset[str]) -> dict[str, list[tuple[str, str, str]]]:
@@ -1212,6 +1222,7 @@ class Service:
         self._model_specs.pop(branch_id, None)
         self._info.pop(branch_id, None)
         self._roots.pop(branch_id, None)
+        self._problems.pop(branch_id, None)
         stopping = self._drop_branch_mcp(branch_id, self._branch_mcp_of.pop(branch_id, set()))
         self.governance.forget_branch(branch_id)  # type: ignore[union-attr]
         return stopping
@@ -1564,7 +1575,7 @@ class McpServerReady(asyncio.Event):
         self.tools: tuple[str, ...] = ()
         self.stop = asyncio.Event()  # set: the server stops (its tools are unregistered)
         self.stopped = asyncio.Event()  # set once it has stopped (or never started)
-        self.problems: list[str] = []  # the warnings reported about it (``Service._mcp_problem``)
+        self.problems: list[str] = []  # the warnings reported about it (``Service._branch_problem``)
 
 
 class _TakenNames:

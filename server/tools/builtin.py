@@ -52,7 +52,7 @@ from . import safe_fs
 from .edits import EditError, apply_edits, change, split_lines, unified_diff
 from .errors import ToolCallError, ToolSourceError, WorkspacePathError
 
-__all__ = ["WorkspaceTools", "resolve_roots", "scoped_roots"]
+__all__ = ["BINARY_SNIFF", "WorkspaceTools", "resolve_roots", "scoped_roots"]
 
 #: The folders the builtin tools are confined to while an operate runs on a branch that has
 #: its own (an ACP session's ``cwd`` and additional directories: ``Service.set_branch_folders``),
@@ -101,7 +101,9 @@ def _entry_name(entry: os.DirEntry[str]) -> str:
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", ".mypy_cache",
                        ".pytest_cache", ".ruff_cache", ".tox"})
-_BINARY_SNIFF = 8192
+#: the first bytes of a file looked at for a NUL: one there makes it a binary file (read_file, the
+#: changing tools; the client's text of a file alike, ``file_tools.ClientFiles``)
+BINARY_SNIFF = 8192
 
 #: edit_file's arguments (hand-written: camelCase edit fields, no $defs, so grammars stay simple)
 EDIT_FILE_SCHEMA: dict[str, Any] = {
@@ -257,7 +259,7 @@ class WorkspaceTools:
         # caps applied while reading: at most max_read_bytes kept, at most max_search_bytes
         # scanned to reach ``offset``, never a whole line of unbounded length in memory
         with self._open_file(real, path) as f:
-            if b"\x00" in f.peek(_BINARY_SNIFF)[:_BINARY_SNIFF]:
+            if b"\x00" in f.peek(BINARY_SNIFF)[:BINARY_SNIFF]:
                 raise WorkspacePathError(f"{path!r} is a binary file")
             scanned = 0
             number = 0
@@ -368,7 +370,7 @@ class WorkspaceTools:
                 continue
             files += 1
             scanned += len(data)
-            if b"\x00" in data[:_BINARY_SNIFF]:
+            if b"\x00" in data[:BINARY_SNIFF]:
                 continue
             text = data.decode("utf-8", "replace")
             for number, line in enumerate(split_lines(text), start=1):  # numbered as read_file numbers them
@@ -476,7 +478,7 @@ class WorkspaceTools:
         data, more = self._read_bytes(real, cap)
         if more:
             raise WorkspacePathError(f"{self.display(real)!r} is larger than {cap} bytes")
-        if b"\x00" in data[:_BINARY_SNIFF]:
+        if b"\x00" in data[:BINARY_SNIFF]:
             raise WorkspacePathError(f"{self.display(real)!r} is a binary file")
         if strict:
             try:

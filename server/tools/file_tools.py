@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 from ..core.tools import Tool, ToolCallContext
 from ..service.port import client_error_reason as _reason
 from ..service.port import client_says_not_found
-from .builtin import _BINARY_SNIFF  # a client's text is looked at for a NUL as far as the disk's bytes are
+from .builtin import BINARY_SNIFF  # a client's text is looked at for a NUL as far as the disk's bytes are
 from .edits import EditError, FileChange, apply_edits, change, split_lines
 from .errors import ToolCallError, WorkspacePathError
 
@@ -132,7 +132,7 @@ class ClientFiles:
         text = res.get("text") if isinstance(res, dict) else None
         if not isinstance(text, str):
             raise ToolCallError(f"the client's fs/readTextFile answer for {real} has no text")
-        if "\x00" in text[:_BINARY_SNIFF]:  # an editor's text of a binary file: refused as the disk's is
+        if "\x00" in text[:BINARY_SNIFF]:  # an editor's text of a binary file: refused as the disk's is
             raise ToolCallError(f"{str(real)!r} is a binary file (the client's text of it holds NUL characters)")
         return text
 

@@ -198,16 +198,18 @@ def test_a_link_names_a_file_by_a_local_file_uri_or_a_path():
 
 def test_notices_errors_and_warnings_once_per_session_info_on_stderr_only():
     """What a turn starts with (``AcpPort.notices_for``): the errors and warnings the session
-    was not told yet; info and log messages never; ``branch <id>: ...`` to that session only."""
+    was not told yet; info and log messages never; a problem of some sessions (the service keeps
+    them: ``Service.branch_problems``) to those sessions only."""
     port = AcpPort(S.finalize(S.merge(S.DEFAULTS, {})))
     port.log_message(3, "an info")
     port.log_message(4, "a log line")
     assert port.notice_gen == 0 and port.noticed.get("a", 0) == port.notice_gen  # a turn checks no more
     port.log_message(2, "tool module 'm' could not be imported")
     port.log_message(1, "state directory /s unusable: gone")
-    port.log_message(2, "branch b1: model 'x' is not configured; using the default model")
-    port.log_mcp_problem(2, "MCP server 'fx' unavailable: failed to start\nstderr (last lines):\nboom")
-    problems = {"a": ["MCP server 'fx' unavailable: failed to start\nstderr (last lines):\nboom"]}
+    port.log_branch_problem(2, "branch b1: model 'x' is not configured; using the default model")
+    port.log_branch_problem(2, "MCP server 'fx' unavailable: failed to start\nstderr (last lines):\nboom")
+    problems = {"a": ["MCP server 'fx' unavailable: failed to start\nstderr (last lines):\nboom"],  # the service's
+                "b1": ["branch b1: model 'x' is not configured; using the default model"]}
     said = port.notices_for("a", lambda sid: problems.get(sid, []))
     assert said is not None and port.noticed["a"] == port.notice_gen
     assert said.count("> ⚠ ") == 3 and "**Error:** state directory /s unusable: gone." in said, said
@@ -216,5 +218,5 @@ def test_notices_errors_and_warnings_once_per_session_info_on_stderr_only():
     assert port.notices_for("a", lambda sid: problems.get(sid, [])) is None  # once
     port.log_message(2, "tool module 'm' could not be imported")  # said again: not told again
     assert port.notices_for("a", lambda sid: problems.get(sid, [])) is None
-    b1 = port.notices_for("b1", lambda sid: [])
+    b1 = port.notices_for("b1", lambda sid: problems.get(sid, []))
     assert b1 is not None and "branch b1: model 'x'" in b1 and "tool module 'm'" in b1 and "'fx'" not in b1, b1

@@ -145,13 +145,13 @@ def test_an_mcp_server_that_failed_to_start_is_started_again_when_a_branch_passe
         svc = Service(port)
 
         def unavailable(branch: str) -> list[str]:
-            return [p for p in svc.branch_mcp_problems(branch) if "unavailable" in p]
+            return [p for p in svc.branch_problems(branch) if "unavailable" in p]
 
         await asyncio.wait_for(svc.ensure_tools(), WAIT)
         await svc.add_branch_mcp_servers("a", [server])
         await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
         assert started() == 1 and "probe" not in svc.branch_tools("a")
-        assert len(unavailable("a")) == 1 and "is missing" in unavailable("a")[0], svc.branch_mcp_problems("a")
+        assert len(unavailable("a")) == 1 and "is missing" in unavailable("a")[0], svc.branch_problems("a")
         await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)  # a's next turn: not started again
         assert started() == 1
 
@@ -159,7 +159,7 @@ def test_an_mcp_server_that_failed_to_start_is_started_again_when_a_branch_passe
         await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
         assert started() == 2 and "probe" not in svc.branch_tools("b")
         for branch in "ab":  # the failure as it is now, once: not the old one's on top
-            assert len(unavailable(branch)) == 1, (branch, svc.branch_mcp_problems(branch))
+            assert len(unavailable(branch)) == 1, (branch, svc.branch_problems(branch))
 
         flag.write_text("fixed")  # the user fixes the cause
         await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)  # a turn of a or b: not started again
@@ -172,7 +172,7 @@ def test_an_mcp_server_that_failed_to_start_is_started_again_when_a_branch_passe
         await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
         assert started() == 3, (tmp_path / "flag.starts").read_text()
         for branch in "abcde":  # the earlier branches hold the server started again: its tools, no problem
-            assert "probe" in svc.branch_tools(branch) and svc.branch_mcp_problems(branch) == [], branch
+            assert "probe" in svc.branch_tools(branch) and svc.branch_problems(branch) == [], branch
         ctx = ToolCallContext(branch_id="a", call_id="1")
         assert await asyncio.wait_for(svc.registry.get("probe").call({}, ctx), WAIT) == "fl:up"
         pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)
@@ -216,7 +216,7 @@ def test_a_branch_mcp_server_that_dies_ends_its_entry_and_is_started_again_when_
         svc = Service(port)
 
         def stopped(branch: str) -> list[str]:
-            return [p for p in svc.branch_mcp_problems(branch) if "MCP server 'fl' stopped" in p]
+            return [p for p in svc.branch_problems(branch) if "MCP server 'fl' stopped" in p]
 
         await asyncio.wait_for(svc.ensure_tools(), WAIT)
         await svc.add_branch_mcp_servers("a", [server])
@@ -238,7 +238,7 @@ def test_a_branch_mcp_server_that_dies_ends_its_entry_and_is_started_again_when_
         await _until(lambda: stopped("a"), "the dead server's entry ends")
         assert "probe" not in svc.registry and "probe" not in svc.branch_tools("a")
         for branch in "ab":  # told to every branch that passed it, once
-            assert len(stopped(branch)) == 1, (branch, svc.branch_mcp_problems(branch))
+            assert len(stopped(branch)) == 1, (branch, svc.branch_problems(branch))
         assert "a session passing it again starts it again" in stopped("a")[0].splitlines()[0], stopped("a")
         try:
             await asyncio.wait_for(old_probe.call({}, ctx), WAIT)
@@ -253,7 +253,7 @@ def test_a_branch_mcp_server_that_dies_ends_its_entry_and_is_started_again_when_
         await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
         assert started() == 2, (tmp_path / "flag.starts").read_text()
         for branch in "abc":  # its tools, and the old stop no longer told as current
-            assert "probe" in svc.branch_tools(branch) and svc.branch_mcp_problems(branch) == [], branch
+            assert "probe" in svc.branch_tools(branch) and svc.branch_problems(branch) == [], branch
         new_pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)
         assert new_pid != pid and _alive(new_pid)
         assert await asyncio.wait_for(svc.registry.get("probe").call({}, ctx), WAIT) == "fl:up"
@@ -330,3 +330,39 @@ def test_deleting_a_branch_stops_the_mcp_servers_only_it_held(tmp_path):
         assert not _alive(both_pid)
 
     asyncio.run(main())
+
+
+def test_a_restored_branchs_unconfigured_model_is_a_problem_of_that_branch_alone(tmp_path):
+    """A stored branch whose chat model is no longer configured is restored with the default
+    model and a warning that concerns it alone: kept for it (``branch_problems``, which the ACP
+    front end tells that session only), told through the port's ``log_branch_problem`` when it
+    has one, else logged as any other; another branch has no such problem."""
+    scripted = {"provider": "scripted", "responses": []}
+    state = str(tmp_path / "state")
+    before = S.finalize(S.merge(S.DEFAULTS, {"models": {"s": scripted, "gone": scripted}, "defaultModel": "s",
+                                             "stateDir": state}))
+    after = S.finalize(S.merge(S.DEFAULTS, {"models": {"s": scripted}, "defaultModel": "s", "stateDir": state}))
+
+    class Telling(Port):
+        def __init__(self, settings: dict) -> None:
+            super().__init__(settings)
+            self.told: list[str] = []
+
+        def log_branch_problem(self, type_: int, message: str) -> None:
+            self.told.append(message)
+
+    async def main() -> None:
+        svc = Service(Port(before))
+        gone = (await svc.createBranch({"chatModel": "gone"}))["branchId"]
+        other = (await svc.createBranch({}))["branchId"]
+        await svc.aclose()
+        for port in (Telling(after), Port(after)):
+            again = Service(port)
+            await again.restore()
+            said = again.branch_problems(gone)
+            assert len(said) == 1 and said[0].startswith(f"branch {gone}: ") and "using the default model" in said[0]
+            assert again.branch_problems(other) == []
+            assert (port.told if isinstance(port, Telling) else port.logged) == said, (port.logged, said)
+            await again.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), WAIT))
