@@ -15,7 +15,9 @@ Fixtures:
                            args=["--state-dir", "/tmp/x"], env={...}, initialize=True)
 
 - ``sidecar_script``: ``sidecar_script("session.jsonl", scripted=False)`` runs a session script
-  against a fresh sidecar and fails the test with the replay report if any step fails.
+  against a fresh sidecar and fails the test with the replay report if any step fails, or if a
+  server-to-client request that came as the session ended (after the last step) was not
+  answered, or was answered with what it did not offer.
 
 An unknown option (of the marker, the ``sidecar_options`` fixture or ``sidecar_script``) fails
 the test naming it, with the option it is closest to (``setings (did you mean settings?)``).

@@ -143,6 +143,7 @@ class SidecarClient:
         self.notifications: list[tuple[str, Any]] = []  # every notification, in arrival order
         self.stream_errors: list[str] = []              # anything on stdout that was not a frame
         self.unmatched: list[dict] = []                 # responses nobody waited for (e.g. id null)
+        self._answering = 0  # server-to-client requests read and not answered yet (under _cond)
         self._reader = threading.Thread(target=self._read_loop, name="sidecar-reader", daemon=True)
         self._reader.start()
 
@@ -265,7 +266,13 @@ class SidecarClient:
 
     def _dispatch(self, msg: dict) -> None:
         if "method" in msg and "id" in msg:
-            threading.Thread(target=self._answer, args=(msg,), daemon=True).start()
+            with self._cond:
+                self._answering += 1
+            try:
+                threading.Thread(target=self._answer, args=(msg,), daemon=True).start()
+            except BaseException:  # no thread to answer it
+                self._answered_one()
+                raise
         elif "method" in msg:
             with self._cond:
                 self.notifications.append((msg["method"], msg.get("params")))
@@ -286,6 +293,17 @@ class SidecarClient:
                 pending._set(msg)
 
     def _answer(self, msg: dict) -> None:
+        try:
+            self._answer_now(msg)
+        finally:
+            self._answered_one()
+
+    def _answered_one(self) -> None:
+        with self._cond:
+            self._answering -= 1
+            self._cond.notify_all()
+
+    def _answer_now(self, msg: dict) -> None:
         handler = self._req_handlers.get(msg["method"])
         reply: dict[str, Any] = {"jsonrpc": "2.0", "id": msg["id"]}
         try:
@@ -312,6 +330,17 @@ class SidecarClient:
     # -- lifecycle -----------------------------------------------------------
     def wait(self, timeout: float = 10.0) -> int:
         return self.proc.wait(timeout)
+
+    def wait_answered(self, timeout: float = 1.0) -> bool:
+        """Wait (at most ``timeout`` s) until the server's output has been read to its end and
+        every server-to-client request read from it has been answered (its handler returned or
+        raised); True when both are so. For after :meth:`close`: a request the server sent as it
+        ended has then been handled."""
+        deadline = time.monotonic() + timeout
+        self._reader.join(timeout)
+        with self._cond:
+            return self._cond.wait_for(lambda: self._answering <= 0 and not self._reader.is_alive(),
+                                       max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float = 10.0, *, shutdown: bool = True, answer_within: float | None = None,
               unanswered_grace: float | None = None) -> int:

@@ -28,7 +28,9 @@ A script is JSON Lines; each line is one step:
   whose params match ``M`` (the latest standing answer that matches is given). A server-to-client
   request no standing answer fits is refused (-32601) and fails the step running when it came;
   so does a ``requestToolPermission`` answered with a ``decision`` not among its ``options``
-  (answered as written: the server takes it as a deny).
+  (answered as written: the server takes it as a deny). Such a request that comes after the
+  last step (as the session ends) fails the end of the session: a result of its own, after the
+  steps', whose step is of the kind ``END`` (not a step of the script).
 
 Patterns are matched by :mod:`.matcher`; ``${name}`` anywhere in a step is a saved value, and
 ``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the server's working directory.
@@ -72,6 +74,13 @@ EXIT_WAIT_S = 10.0
 EXIT_GRACE_S = 1.0
 #: interrupted (Ctrl+C): SIGTERM to the server (as the terminal would have sent it SIGINT), SIGKILL this long after
 INTERRUPT_GRACE_S = 2.0
+#: once the server has ended: how long the replay waits for the client to have read the rest of its
+#: output and answered the server-to-client requests on it (at once, unless something else holds
+#: the server's output open), so that one that came as the session ended is judged too
+END_DRAIN_S = 1.0
+#: the kind of the result that judges what came after the last step (a server-to-client request
+#: no respond line answers, or answered with what it did not offer): not a step of the script
+END = "end"
 STEP_KINDS = ("request", "notify", "expectNotification", "respond", "await")
 _STEP_KEYS = {
     "request": {"request", "params", "expect", "save", "timeoutMs", "id", "wait", "cancelAfterModelCalls",
@@ -99,6 +108,8 @@ class Step:
 
     @property
     def label(self) -> str:
+        if self.kind == END:
+            return f"the end of the session (after line {self.line})"
         if self.kind == "await":
             return f"line {self.line}: await {short(self.data['await'], 60)}"
         return f"line {self.line}: {self.kind} {self.method}"
@@ -359,7 +370,7 @@ class _Standing:
         self.answers: dict[str, list[tuple[Any, dict[str, Any], int]]] = {}   # method -> [(match, answer, line)]
         self.seen: list[tuple[str, Any]] = []
         #: server-to-client requests no ``respond`` line answered (they got -32601): each fails the
-        #: step reported next, the one that was running when it came
+        #: step reported next, the one that was running when it came (after the last step: the end)
         self.unanswered: list[tuple[str, Any, str]] = []   # (method, params, why)
         #: answers a respond line gave that the request did not offer (a decision not among its
         #: options): each fails the step reported next, as an unanswered request does
@@ -477,6 +488,7 @@ class Runner:
                 self._close(interrupted)
                 err.seek(0)
                 self.stderr_tail = "\n".join(err.read().decode("utf-8", "replace").splitlines()[-30:])
+            self._report_end()
         return all(r.ok for r in self.results)
 
     def _unscripted(self, method: str) -> Callable[[Any], Any]:
@@ -484,24 +496,49 @@ class Runner:
             self._standing.refuse(method, params, "no respond line answers it")
         return handler
 
-    def _report(self, res: StepResult) -> None:
+    def _problems(self, line: int | None) -> list[str]:
+        """The server-to-client requests since the last report that no respond line answered, or
+        answered with what they did not offer, in words (and takes them): those that came while
+        the step of ``line`` ran, or (None) after the last step, as the session ended."""
         standing = self._standing
         with standing.lock:
             unanswered, standing.unanswered = standing.unanswered, []
             wrong, standing.wrong = standing.wrong, []
+        after = " after the last step" if line is None else ""
         problems = []
         if unanswered:  # the server asked the client something the script does not answer
             method, params, why = unanswered[0]
             more = f" (and {len(unanswered) - 1} more such request(s))" if len(unanswered) > 1 else ""
-            problems.append(f"the server asked {method} {short(params, 400)} and {why}, so it was refused "
+            where = f"line {line}" if line is not None else "the request that leads to it"
+            problems.append(f"the server asked {method} {short(params, 400)}{after} and {why}, so it was refused "
                             f"(-32601){more}; add a line {{\"respond\": \"{method}\", \"result\": ...}} before "
-                            f"line {res.step.line}")
+                            f"{where}")
         if wrong:  # a respond line answered with what the request did not offer
-            problems.append(wrong[0] + (f" (and {len(wrong) - 1} more such answer(s))" if len(wrong) > 1 else ""))
+            problems.append(after.lstrip() + ", " * bool(after) + wrong[0]
+                            + (f" (and {len(wrong) - 1} more such answer(s))" if len(wrong) > 1 else ""))
+        return problems
+
+    def _report(self, res: StepResult) -> None:
+        problems = self._problems(res.step.line)
         if problems:
             problem = "; ".join(problems)
             res = StepResult(res.step, False, f"{res.detail}; {problem}" if not res.ok else problem,
                              mismatch=res.mismatch, got=res.got)
+        self.results.append(res)
+        if self.on_result is not None:
+            self.on_result(res)
+
+    def _report_end(self) -> None:
+        """Once the server has ended: a server-to-client request that came after the last step
+        was reported (while the replay ended the session, or as the server ended it) and that no
+        respond line answered, or answered with what it did not offer, fails the end of the
+        session, as it would have failed a step running when it came. Waits (bounded) for the
+        client to have read the server's output to its end and answered what it read."""
+        self.client.wait_answered(END_DRAIN_S)
+        problems = self._problems(None)
+        if not problems:
+            return
+        res = StepResult(Step(self.script.steps[-1].line, END, "", {}), False, "; ".join(problems))
         self.results.append(res)
         if self.on_result is not None:
             self.on_result(res)
@@ -828,14 +865,24 @@ class Runner:
 
 
 # --------------------------------------------------------------------------- report
+def summary(runner: Runner, where: str) -> str:
+    """The verdict in one line: ``where`` is the script (`` in PATH``, `` (NAME)``). The end of
+    the session (a server request that came after the last step, unanswered or answered wrongly)
+    is said apart: it is not a step of the script."""
+    steps = [r for r in runner.results if r.step.kind != END]
+    failed = [r for r in steps if not r.ok]
+    end = any(not r.ok for r in runner.results if r.step.kind == END)
+    if not failed:
+        if end:
+            return f"the end of the session failed{where}, after all {len(steps)} steps passed"
+        return f"all {len(steps)} steps passed{where}"
+    return (f"{len(failed)} of {len(steps)} steps failed{where}" + (", and the end of the session" if end else "")
+            + f"; first: {failed[0].step.label}")
+
+
 def format_report(runner: Runner, path: str = "script") -> str:
     lines = [r.line() for r in runner.results]
-    failed = runner.failed
-    if failed:
-        lines.append(f"{len(failed)} of {len(runner.results)} steps failed in {path}; "
-                     f"first: {failed[0].step.label}")
-    else:
-        lines.append(f"all {len(runner.results)} steps passed in {path}")
+    lines.append(summary(runner, f" in {path}"))
     if runner.ending:
         lines.append(f"note: {runner.ending}")
     return "\n".join(lines)
@@ -926,14 +973,11 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:  # the server was stopped (run() ends it: it is not in the terminal's job)
         print(f"operate-sidecar replay: interrupted after {len(runner.results)} step(s)", file=sys.stderr)
         return 130
-    failed = runner.failed
     if runner.ending:
         print(f"note: {runner.ending}")
+    print(summary(runner, f" ({Path(args.script).name})"))
     if ok:
-        print(f"all {len(runner.results)} steps passed ({Path(args.script).name})")
         return 0
-    print(f"{len(failed)} of {len(runner.results)} steps failed ({Path(args.script).name}); "
-          f"first: {failed[0].step.label}")
     if runner.stderr_tail:
         print("server stderr (last lines):\n" + "\n".join("  " + ln for ln in runner.stderr_tail.splitlines()))
     return 1

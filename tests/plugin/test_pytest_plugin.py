@@ -823,3 +823,40 @@ def test_the_readme_names_every_keyword_of_sidecar_script():
     section = readme.split("\n## Testing your extension against the sidecar\n", 1)[1].split("\n## ", 1)[0]
     keywords = [n for n, p in inspect.signature(run_session_script).parameters.items() if p.kind is p.KEYWORD_ONLY]
     assert keywords and [k for k in keywords if f"`{k}=" not in section] == [], keywords
+
+
+LATE_REQUEST_TESTS = '''
+def test_script_whose_server_asks_as_it_ends(sidecar_script):
+    sidecar_script("late.jsonl")
+'''
+
+
+def test_a_server_request_answered_wrongly_as_the_script_ends_fails_the_test(tmp_path):
+    """The server asked for permission once the script's last step had passed (its client had
+    left mid-operate: ``shutdown`` and ``exit`` unanswered), and the script answered with a
+    decision the request did not offer: no step judged it, and the test passed. Now it fails with
+    the report, the end of the session naming the request and what was wrong."""
+    ask = {"json": {"answer": "4", "action_requests": [{"function": "get_weather", "arguments": {"city": "Lima"}}]},
+           "delayMs": 50}
+    op = {"branchId": "${b}", "instruction": "weather?", "actions": True, "responseFormat": {
+        "title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}
+    late = script({"request": "initialize", "params": {"capabilities": {"toolPermission": True}, "settings": {
+                      "models": {"m": {"provider": "scripted", "responses": [{"json": {"answer": "3"}}, ask]}},
+                      "toolModules": ["operate_sidecar.clients.python.demo_tools"],
+                      "toolPolicy": {"get_weather": "ask"}}}},
+                  {"request": "createBranch", "save": {"b": "branchId"}},
+                  {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "3"}}}},
+                  {"respond": "requestToolPermission", "result": {"decision": "allow"}},
+                  {"request": "operate", "params": op, "answered": False},
+                  {"request": "shutdown", "answered": False},
+                  {"notify": "exit"})
+    project = make_project(tmp_path / "ext")
+    (project / "late.jsonl").write_text(late)
+    (project / "test_late.py").write_text(LATE_REQUEST_TESTS)
+    out = run_pytest(project, "-rA", "test_late.py")
+    text = (out.stdout + out.stderr).replace(str(project) + "/", "")
+    assert "1 failed" in text, text
+    assert ('FAIL the end of the session (after line 7): after the last step, line 4 answered requestToolPermission '
+            '(tool get_weather) with decision "allow", not one of the decisions it offered: allow_once, allow_always, '
+            'deny_once, deny_always; the server took it as a deny (to deny, answer "deny_once" or an error)') in text, text
+    assert "the end of the session failed in late.jsonl, after all 7 steps passed" in text, text
