@@ -15,7 +15,8 @@ Native name (what the service sends)        ACP (what the editor sees)
 - ``window/logMessage`` / ``log_message``    stderr, and an error or warning (type 1, 2) also as
                                              a notice: a short ``agent_message_chunk`` at the start
                                              of the next turn of each session it concerns, once
-                                             (ACP has no log notification; editors hide stderr)
+                                             per occurrence (ACP has no log notification; editors
+                                             hide stderr); ``log_problem_over`` ends an occurrence
 - ``tool_decided`` (a decided call)          what the editor is shown: title, kind, locations,
                                              the diff of an allowed edit (before it runs)
 
@@ -183,7 +184,13 @@ class AcpPort:
         self.noticed: dict[str, int] = {}
         self.notices: dict[str, int] = {}                       # server-wide: message -> type
         self.session_notices: dict[str, list[tuple[int, str]]] = {}  # one session's own
-        self._said: dict[str, set[str]] = {}                   # session -> the messages it was told
+        #: a warning is told once per occurrence: message -> the number of its current one; a
+        #: message said again is the same occurrence until the service says it is over
+        #: (``log_problem_over``: in ``_over``), then it is a new one, told again
+        self._occurrence: dict[str, int] = {}
+        self._occurrences = 0
+        self._over: set[str] = set()
+        self._said: dict[str, dict[str, int]] = {}  # session -> message -> the occurrence it was told
 
     # ------------------------------------------------------------------ ClientInfo
     def log_message(self, type_: int, message: str) -> None:
@@ -191,7 +198,8 @@ class AcpPort:
         _log(type_, message)
         if type_ not in (1, 2):
             return
-        if message not in self.notices:
+        if self._occur(message) or message not in self.notices:  # (a new one is the newest)
+            self.notices.pop(message, None)
             self.notices[message] = type_
             if len(self.notices) > NOTICES_KEPT:
                 del self.notices[next(iter(self.notices))]
@@ -202,7 +210,25 @@ class AcpPort:
         service keeps it for them: ``notices_for``'s ``problems``)."""
         _log(type_, message)
         if type_ in (1, 2):
+            self._occur(message)
             self.notice_gen += 1
+
+    def log_problem_over(self, message: str) -> None:
+        """A warning told before is over (the MCP server it was about is started again, or no
+        session holds it any more): the same message logged from now on is a new occurrence,
+        told again to every session it concerns, those told the last one too. Nothing to tell
+        now (no turn checks more for it)."""
+        if message in self._occurrence:
+            self._over.add(message)
+
+    def _occur(self, message: str) -> bool:
+        """``message`` logged: a new occurrence (True) unless its current one is not over."""
+        if message in self._occurrence and message not in self._over:
+            return False
+        self._over.discard(message)
+        self._occurrences += 1
+        self._occurrence[message] = self._occurrences
+        return True
 
     def tell(self, session_id: str, type_: int, message: str) -> None:
         """A warning for one session's user, at its next turn (not logged here)."""
@@ -212,14 +238,16 @@ class AcpPort:
     def notices_for(self, session_id: str, problems: Callable[[str], list[str]]) -> str | None:
         """The notice a turn of the session starts with: the warnings it was not told yet (its
         own, those about the MCP servers it passed, the server-wide ones), as markdown; None when
-        there are none. Each is told once per session. Called when ``noticed`` is behind."""
+        there are none. Each occurrence of a warning is told once per session (``_occur``).
+        Called when ``noticed`` is behind."""
         self.noticed[session_id] = self.notice_gen
-        said = self._said.setdefault(session_id, set())
+        said = self._said.setdefault(session_id, {})
         new: list[tuple[int, str]] = []
         for type_, message in (*self.session_notices.pop(session_id, ()),
                                *((2, m) for m in problems(session_id)), *((t, m) for m, t in self.notices.items())):
-            if message not in said:
-                said.add(message)
+            occurrence = self._occurrence.get(message, 0)
+            if said.get(message) != occurrence:
+                said[message] = occurrence
                 new.append((type_, message))
         return "".join(notice_line(t, m) for t, m in new) or None
 

@@ -305,7 +305,7 @@ def explain_invalid_params(conn: Any) -> None:
     details in ``data`` only; an editor shows the message. On ``conn`` (an
     ``AgentSideConnection``, from the agent's ``on_connect``) such an answer gets a message
     naming the method and each field with what is wrong (at most three), its ``data`` as the
-    SDK makes it. A notification's failure is left to the SDK (``NotificationNotices``). With
+    SDK makes it; both agents install it (``OperateAgent`` and ``Unconfigured``). A notification's failure is left to the SDK (``NotificationNotices``). With
     an SDK laid out otherwise, its own answer stays."""
     inner_conn = getattr(conn, "_conn", None)
     handler = getattr(inner_conn, "_handler", None)
@@ -374,8 +374,9 @@ class Unconfigured:
     a misspelt key): an editor shows an agent's answers, not its stderr, and a process that
     died before ``initialize`` reads there as "server exited". So the server stays up and
     answers ``initialize``, and every request after it, with an error whose message is the
-    line written on stderr (-32603); notifications are ignored. It exits with code 2 at the
-    end of the input, as the server does without ``--acp``."""
+    line written on stderr (-32603); notifications are ignored. A request whose params fail
+    ACP's schema is answered as ``OperateAgent`` answers it (``explain_invalid_params``). It
+    exits with code 2 at the end of the input, as the server does without ``--acp``."""
 
     #: the ACP requests (the SDK's handler names): each is answered with the error
     REQUESTS = frozenset({"initialize", "authenticate", "new_session", "load_session", "list_sessions",
@@ -397,7 +398,7 @@ class Unconfigured:
         return refuse
 
     def on_connect(self, conn: Any) -> None:
-        pass
+        explain_invalid_params(conn)  # the SDK checks params before any method is called
 
     async def cancel(self, session_id: str, **kw: Any) -> None:
         pass

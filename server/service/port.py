@@ -138,6 +138,11 @@ class ClientPort(Protocol):
     #     (``Service.add_branch_mcp_servers``) failed or had its tools offered under other names.
     #     The service keeps it for those branches (``Service.branch_problems``), so a front end
     #     can tell those sessions only.
+    #
+    # def log_problem_over(self, message: str) -> None:   (on ``conn``)
+    #     A warning logged before is over (the MCP server it was about is started again, or no
+    #     branch holds it any more): the same message logged later is a new occurrence, which a
+    #     front end that tells each warning once (the ACP one) tells again.
 
 
 __all__ = ["ClientInfo", "ClientPort", "ClientRequestError", "client_error_reason", "client_says_not_found"]

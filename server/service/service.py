@@ -18,7 +18,7 @@ import importlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection
 
 from . import errors as E
 from .errors import RpcError, invalid_params
@@ -77,10 +77,14 @@ class Service:
         #: "MCP server 'y'"; tools not in it are named by their kind, ``_origin``)
         self._tool_origin: dict[str, str] = {}
         self._mcp_stop = asyncio.Event()  # set by ``aclose``: the MCP servers stop cleanly
-        #: set when a configured MCP server (``settings.mcpServers``) stopped on its own: the next
-        #: ``ensure_tools`` starts them again; ``_mcp_restarted``: set once that start is over
-        self._mcp_lost = False
+        #: the configured MCP servers (``settings.mcpServers``) that stopped on their own, each with
+        #: the warning that told it: the next ``ensure_tools`` starts those again (their running
+        #: siblings are left alone); ``_mcp_restarted``: set once that start is over
+        self._mcp_lost: dict[str, str] = {}
         self._mcp_restarted: asyncio.Event | None = None
+        #: configured MCP server running -> its own names for its tools (one started again is
+        #: named knowing its siblings' names: its tools keep the names they had)
+        self._mcp_own_names: dict[str, tuple[str, ...]] = {}
         #: branch -> the warnings that concern it alone (``_branch_problem``, ``branch_problems``)
         self._problems: dict[str, list[str]] = {}
         self._state_loaded = False
@@ -400,19 +404,26 @@ class Service:
                 raise
         await self._tools_ready.wait()
         if self._mcp_lost and not self._mcp_stop.is_set():
-            # the configured MCP servers stopped, one of them on its own: no session passes them
-            # again, so the next need (an operate, listTools, a session's server) starts them again
-            self._mcp_lost = False
-            restarted = self._mcp_restarted = asyncio.Event()
-            try:
-                await self._spawn(self._serve_mcp, self.settings["mcpServers"], restarted,
-                                  name="tool sources (started again)")
-            except BaseException:
-                restarted.set()
-                raise
-        if self._mcp_restarted is not None:
-            await self._mcp_restarted.wait()
-            self._mcp_restarted = None  # started again: the next need waits for nothing
+            # configured MCP servers that stopped on their own: no session passes them again, so
+            # the next need (an operate, listTools, a session's server) starts those again, and
+            # only those (the others run on, untouched); each one's stop is then over: told
+            # again if it stops again (the port's optional ``log_problem_over``)
+            lost, self._mcp_lost = self._mcp_lost, {}
+            self._problems_over(lost.values())
+            configured = self.settings.get("mcpServers") or {}
+            again = {name: configured[name] for name in lost if name in configured}
+            if again:
+                restarted = self._mcp_restarted = asyncio.Event()
+                try:
+                    await self._spawn(self._serve_mcp, again, restarted, name="tool sources (started again)")
+                except BaseException:
+                    restarted.set()
+                    raise
+        restarted = self._mcp_restarted
+        if restarted is not None:
+            await restarted.wait()
+            if self._mcp_restarted is restarted:
+                self._mcp_restarted = None  # started again: the next need waits for nothing
 
     async def _load_tools(self, ready: asyncio.Event) -> None:
         try:
@@ -612,6 +623,7 @@ class Service:
                 # its problems: the old one's are no longer current), and a later turn of theirs
                 # does not start it again: only a branch passing it again does
                 del self._branch_mcp[key]
+                self._problems_over(entry[1].problems)  # a new stop or failure of it is told again
                 public = entry[0]
                 log.info("MCP server %r (%r) passed again by session %s after it %s: starting it again",
                          name, public, branch_id, "failed to start" if not entry[1].tools else "stopped")
@@ -651,6 +663,7 @@ class Service:
             entry = self._branch_mcp.pop(key, None)
             if entry is not None:
                 entry[1].stop.set()
+                self._problems_over(entry[1].problems)
                 stopping.append(entry)
         return stopping
 
@@ -692,24 +705,45 @@ class Service:
         client's), so a taken name is offered as ``<server>__<tool>`` (with a warning naming
         both sources), and they are registered all at once or not at all; they are unregistered
         when the servers stop, so no tool is left pointing at a stopped server. A server that
-        stops on its own (it exits, crashes, is killed) ends them all the same way, told as
-        ``MCP server 'x' stopped: why`` (:meth:`_mcp_problem`): a branch's is then over
-        (:func:`_mcp_ended`: a branch passing it again starts it again); the configured ones
-        (``settings.mcpServers``, served together) are started again at the next
-        :meth:`ensure_tools` (an operate, listTools)."""
+        stops on its own (it exits, crashes, is killed) has its tools unregistered at once, and
+        is told as ``MCP server 'x' stopped: why`` (:meth:`_mcp_problem`); the others run on
+        (this returns once none runs). A branch's is then over (:func:`_mcp_ended`: a branch
+        passing it again starts it again); a configured one (``settings.mcpServers``, served
+        together) is started again at the next :meth:`ensure_tools` (an operate, listTools),
+        alone, its tools named as they were (its running siblings' own names are taken)."""
         from operate_sidecar.server.tools.errors import ToolSourceError
         from operate_sidecar.server.tools.mcp_source import open_mcp_sources
 
         label = f"MCP server{'s' if len(config) > 1 else ''} {', '.join(map(repr, config))}"
-        taken = _TakenNames(self.registry)
+        configured = not isinstance(ready, McpServerReady)
+        # a configured server started again alone: its siblings' own tool names count as taken,
+        # as when they all started together (a name two of them offer stays prefixed)
+        siblings = {n for server, names in self._mcp_own_names.items() if server not in config for n in names} \
+            if configured else set()
+        taken = _TakenNames(self.registry, siblings)
         registered: list[Any] = []
         stop = self._mcp_stop if stop is None else stop
         lost: list[tuple[str, str]] = []
+        running = set(config)  # the servers of ``config`` still running (once started)
         over = asyncio.Event()  # asked to stop, or a server stopped on its own
 
         def on_lost(server: str, why: str) -> None:
             lost.append((server, why))
             over.set()
+
+        origin: dict[str, tuple[str, str]] = {}  # tool name as offered -> (its server, its own name)
+
+        def unregister(servers: Any) -> None:
+            """The tools of ``servers`` (of ``config``) out of the registry: they are stopped."""
+            for t in [t for t in registered if origin.get(t.name, ("",))[0] in servers]:
+                registered.remove(t)
+                if t.name in self.registry and self.registry.get(t.name) is t:
+                    self.registry.unregister(t.name)
+                    self._tool_origin.pop(t.name, None)
+            for server in servers:
+                if configured and server in running:
+                    self._mcp_own_names.pop(server, None)
+                running.discard(server)
 
         async def until_stop() -> None:
             await stop.wait()
@@ -726,34 +760,56 @@ class Service:
                     raise ToolSourceError("tool names taken: " + ", ".join(
                         f"{n!r} ({self._origin(n)})" if n in self.registry else repr(n) for n in clash))
                 renamed = self._renamed_mcp_tools(config, names, taken.seen)
+                origin = getattr(tools, "origin", {})
                 for t in tools:
                     self.registry.register(t)
                     registered.append(t)
                     self._tool_origin[t.name] = label
+                if configured:
+                    for server in config:
+                        self._mcp_own_names[server] = tuple(own for s, own in origin.values() if s == server)
                 for server, pairs in renamed.items():
                     self._mcp_problem(ready, f"MCP server {server!r}: " + "; ".join(
                         f"its tool {plain!r} is offered as {public!r} ({why})" for plain, public, why in pairs))
                 if isinstance(ready, McpServerReady):
                     ready.tools = tuple(t.name for t in registered)
                 ready.set()
-                await over.wait()
+                while True:
+                    await over.wait()
+                    over.clear()
+                    if stop.is_set() or running <= {server for server, _ in lost}:
+                        break  # asked to stop, or none runs any more: the block ends (told below)
+                    # some stopped on their own, the others run on: the stopped ones' tools go
+                    # now, then they are told (as below)
+                    gone, lost[:] = list(lost), []
+                    unregister({server for server, _ in gone})
+                    for server, why in gone:
+                        self._mcp_lost_told(ready, server, why)
         except Exception as e:
             self._mcp_problem(ready, f"{label} unavailable: {e}")
         finally:
             watch.cancel()
-            for t in registered:  # the servers are stopped: their tools go with them
+            unregister(set(running))  # the servers are stopped: their tools go with them
+            for t in registered:  # (any left: none has an origin when the block failed)
                 if t.name in self.registry and self.registry.get(t.name) is t:
                     self.registry.unregister(t.name)
                     self._tool_origin.pop(t.name, None)
             ready.set()
-        if lost and not stop.is_set():  # (told once their tools are gone)
-            if not isinstance(ready, McpServerReady):
-                self._mcp_lost = True
-            again = ("; a session passing it again starts it again" if isinstance(ready, McpServerReady) else
-                     "; the configured MCP servers are started again when their tools are next needed")
-            for server, why in lost:  # what to do on the first line (the rest: its last stderr lines)
-                first, nl, rest = why.partition("\n")
-                self._mcp_problem(ready, f"MCP server {server!r} stopped: {first}{again}{nl}{rest}")
+        if not stop.is_set():  # (told once their tools are gone)
+            for server, why in lost:
+                self._mcp_lost_told(ready, server, why)
+
+    def _mcp_lost_told(self, ready: asyncio.Event, server: str, why: str) -> None:
+        """Tell that the MCP server ``server`` (of ``ready``: a branch's, or a configured one)
+        stopped on its own, its tools gone; a configured one is started again at the next
+        :meth:`ensure_tools`."""
+        again = ("; a session passing it again starts it again" if isinstance(ready, McpServerReady) else
+                 "; the configured MCP servers are started again when their tools are next needed")
+        first, nl, rest = why.partition("\n")  # what to do on the first line (the rest: its last stderr lines)
+        message = f"MCP server {server!r} stopped: {first}{again}{nl}{rest}"
+        if not isinstance(ready, McpServerReady):
+            self._mcp_lost[server] = message
+        self._mcp_problem(ready, message)
 
     def _mcp_problem(self, ready: asyncio.Event, message: str) -> None:
         """A warning about MCP servers: about one a front end's session passed (``ready`` is its
@@ -771,6 +827,15 @@ class Service:
         session its own problems), else ``log_message`` as any other."""
         problems.append(message)
         getattr(self.conn, "log_branch_problem", self.conn.log_message)(2, message)
+
+    def _problems_over(self, messages: Any) -> None:
+        """Warnings told before that are over (the MCP server they were about is started again,
+        or no branch holds it any more): through the port's optional ``log_problem_over``, so
+        that the same text told later, a new occurrence (it stopped again), is told again."""
+        over = getattr(self.conn, "log_problem_over", None)
+        if over is not None:
+            for message in messages:
+                over(message)
 
     def branch_problems(self, branch_id: str) -> list[str]:
         """The warnings that concern the branch (:meth:`_branch_problem`), in order: its own (its
@@ -1582,22 +1647,23 @@ class _TakenNames:
     """The names registered in ``registry`` as they are when read (an MCP source chooses its
     tools' names with it); ``seen``: what the last read gave."""
 
-    __slots__ = ("_registry", "seen")
+    __slots__ = ("_registry", "_also", "seen")
 
-    def __init__(self, registry: Any) -> None:
+    def __init__(self, registry: Any, also: Collection[str] = ()) -> None:
         self._registry = registry
+        self._also = frozenset(also)  # names taken though not registered (not in ``seen``)
         self.seen: frozenset[str] = frozenset()
 
     def __contains__(self, name: object) -> bool:
-        return name in self._registry
+        return name in self._registry or name in self._also
 
     def __len__(self) -> int:
-        return len(self._registry)
+        return len(set(self._registry.names()) | self._also)
 
     def __iter__(self) -> Any:
-        names = self._registry.names()
+        names = list(self._registry.names())
         self.seen = frozenset(names)
-        return iter(names)
+        return iter([*names, *sorted(self._also - self.seen)])
 
 
 _PIPELINE_NAMES: frozenset[str] | None = None

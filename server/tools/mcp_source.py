@@ -58,7 +58,7 @@ import signal
 import sys
 from collections import Counter, deque
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Collection, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Collection, Iterable, Mapping, TextIO
 
 from .. import __version__
 from ..core.tools import Tool, ToolCallContext
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["McpToolSource", "open_mcp_sources", "DEFAULT_START_TIMEOUT"]
+__all__ = ["McpToolSource", "McpTools", "open_mcp_sources", "DEFAULT_START_TIMEOUT"]
 
 DEFAULT_START_TIMEOUT = 30.0
 _STDERR_TAIL_LINES = 20
@@ -578,9 +578,10 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
 async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, reserved: Collection[str] = (),
                            start_timeout: float = DEFAULT_START_TIMEOUT, call_timeout: float | None = None,
                            errlog: TextIO | None = None, stop: Any = None,
-                           lost: Callable[[str, str], None] | None = None) -> AsyncIterator[list[Tool]]:
+                           lost: Callable[[str, str], None] | None = None) -> AsyncIterator[McpTools]:
     """Start every server in ``config`` (``{name: {"command": [..], "env"?: {..}}}``) and
-    yield all their tools; stop the servers when the block exits.
+    yield all their tools (an :class:`McpTools`: its ``origin`` says which server offers each,
+    under which name of its own); stop the servers when the block exits.
 
     Servers start concurrently, each in a task of a task group owned by this context
     manager. If any fails to start, the others are stopped (or their starts cancelled)
@@ -598,7 +599,7 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
     its host leaves it.
     """
     if not config:
-        yield []
+        yield McpTools()
         return
     if not isinstance(config, Mapping):
         raise ToolSourceError(f"mcpServers must be an object of name → {{command, env}}, got {type(config).__name__}")
@@ -641,7 +642,7 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
             failures.clear()  # stopped on purpose: nothing failed
         try:
             if stopped:
-                yield []
+                yield McpTools()
             elif not failures:
                 try:
                     yield _named_tools(sources, reserved)
@@ -702,11 +703,24 @@ def _source_from_config(name: str, spec: Any, **kw: Any) -> McpToolSource:
     return McpToolSource(name, spec["command"], spec.get("env"), **kw)
 
 
-def _named_tools(sources: list[McpToolSource], reserved: Collection[str]) -> list[Tool]:
+class McpTools(list):
+    """The tools :func:`open_mcp_sources` yields (a list of :class:`Tool`); ``origin``: each
+    one's name as offered -> (its server, the server's own name for it)."""
+
+    def __init__(self, tools: Iterable[Tool] = (), origin: dict[str, tuple[str, str]] | None = None) -> None:
+        super().__init__(tools)
+        self.origin: dict[str, tuple[str, str]] = origin or {}
+
+
+def _named_tools(sources: list[McpToolSource], reserved: Collection[str]) -> McpTools:
     counts = Counter(n for s in sources for n in s.tool_names())
     taken = set(reserved)
     clashing = {n for n, c in counts.items() if c > 1 or n in taken}
-    tools = [t for s in sources for t in s.tools(prefixed=clashing)]
+    tools = McpTools()
+    for s in sources:
+        for remote, t in zip(s.tool_names(), s.tools(prefixed=clashing)):
+            tools.append(t)
+            tools.origin[t.name] = (s.name, remote)
     seen: set[str] = set()
     for t in tools:
         if t.name in seen or (t.name not in counts and t.name in taken):

@@ -75,6 +75,28 @@ def test_a_bad_config_is_the_answer_to_every_request_not_a_process_that_died_bef
     run(main())
 
 
+def test_a_bad_config_still_names_the_fields_of_params_the_schema_refuses(tmp_path, ws):
+    """With a bad configuration, a request whose params fail ACP's schema gets the message a
+    configured server gives (the method and each field), not the SDK's bare "Invalid params";
+    a valid request still gets the configuration's line."""
+    (tmp_path / "settings.toml").write_text('defaultModle = "s"\n')
+
+    async def main():
+        async with spawn(RecordingClient(), str(tmp_path / "settings.toml"), initialize=False) as (conn, proc):
+            with pytest.raises(acp.RequestError) as e:
+                await bounded(conn._conn.send_request("session/new", {"mcpServers": []}))
+            assert e.value.code == -32602, (e.value.code, str(e.value))
+            assert "invalid params for session/new: cwd: Field required" in str(e.value), str(e.value)
+            assert e.value.data["errors"][0]["loc"] == ["cwd"], e.value.data
+            with pytest.raises(acp.RequestError) as again:
+                await bounded(conn.new_session(cwd=str(ws)))
+            assert again.value.code == -32603 and "bad configuration: " in str(again.value), str(again.value)
+            proc.stdin.close()
+            assert await bounded(proc.wait()) == 2
+
+    run(main())
+
+
 def test_a_bad_config_at_a_terminal_exits_2_at_once(tmp_path):
     # a person who typed the command has read the line on stderr: nothing to wait for
     import pty
@@ -1947,5 +1969,106 @@ def test_an_mcp_server_that_dies_is_told_at_the_next_turn_and_started_again_by_a
             done = c.of("tool_call_update")[-1]
             assert done.status == "completed" and "fl:up" in str(done.raw_output), done
             assert _chunks(c, b) == ["b done"] and started() == 2, c.updates
+
+    run(main())
+
+
+async def _said_on_stderr(capfd, text, times, err=""):
+    """stderr read so far (``err`` and what came since), once ``text`` is in it ``times`` times
+    (bounded: until the agent has noticed)."""
+    deadline = time.monotonic() + 60
+    while err.count(text) < times:
+        assert time.monotonic() < deadline, f"the agent did not say {text!r} {times} times: {err!r}"
+        await asyncio.sleep(0.1)
+        err += capfd.readouterr().err
+    return err
+
+
+def _pid_of_last_call(c):
+    done = c.of("tool_call_update")[-1]
+    assert done.status == "completed", done
+    return int(str(done.raw_output).strip("'\" "))
+
+
+def test_an_mcp_server_that_dies_again_once_started_again_is_told_again(tmp_path, ws, capfd):
+    """A warning was told once per session by its words: a client MCP server that died, was
+    started again (a new session passed it) and died again the same way was not told the second
+    time to the session told the first. Now each stop is told once to each session that passed
+    the server: the second one again, to the session told the first too, and no stop twice."""
+    import signal
+
+    server, started = flag_server(tmp_path, up=True)
+    config = cfg(tmp_path, reply("", [("pid", {})]), reply("a1"), reply("a2"), reply("", [("pid", {})]),
+                 reply("b1"), reply("a3"), reply("b2"), reply("a4"), reply("b3"))
+    stopped = "> ⚠ **Warning:** MCP server 'fl' stopped: "
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, config) as (conn, _):
+            a = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))).session_id
+            await prompt(conn, a)
+            pid = _pid_of_last_call(c)
+            os.kill(pid, signal.SIGKILL)
+            err = await _said_on_stderr(capfd, "MCP server 'fl' stopped: ", 1)
+            c.updates.clear()
+            await prompt(conn, a)
+            chunks = _chunks(c, a)
+            assert chunks[0].startswith(stopped) and chunks[1:] == ["a2"], chunks
+            b = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))).session_id
+            c.updates.clear()
+            await prompt(conn, b)  # started again: b was not told of the first stop (it is over)
+            new_pid = _pid_of_last_call(c)
+            assert _chunks(c, b) == ["b1"] and started() == 2 and new_pid != pid, c.updates
+            os.kill(new_pid, signal.SIGKILL)  # the same server dies again, the same way
+            await _said_on_stderr(capfd, "MCP server 'fl' stopped: ", 2, err)
+            for sid, text in ((a, "a3"), (b, "b2")):  # told to both: a was told the first stop only
+                c.updates.clear()
+                await prompt(conn, sid)
+                chunks = _chunks(c, sid)
+                assert chunks[0].startswith(stopped) and chunks[0].count("> ⚠ ") == 1, (sid, chunks)
+                assert chunks[1:] == [text], (sid, chunks)
+            for sid, text in ((a, "a4"), (b, "b3")):  # each stop told once
+                c.updates.clear()
+                await prompt(conn, sid)
+                assert _chunks(c, sid) == [text], (sid, c.updates)
+
+    run(main())
+
+
+def test_a_configured_mcp_server_that_dies_again_once_started_again_is_told_again(tmp_path, ws, capfd):
+    """The same for a server of the agent's settings (``mcpServers``: told to every session):
+    its second stop, after the turn that started it again, is told again to the session told
+    the first, once."""
+    import signal
+
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    command = [sys.executable, FLAG_SERVER, "cfg", str(flag)]
+    config = cfg(tmp_path, reply("", [("pid", {})]), reply("a1"), reply("", [("pid", {})]), reply("a2"),
+                 reply("a3"), reply("a4"), mcpServers={"cfg": {"command": command}})
+    stopped = "> ⚠ **Warning:** MCP server 'cfg' stopped: "
+
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, config) as (conn, _):
+            a = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            await prompt(conn, a)
+            pid = _pid_of_last_call(c)
+            os.kill(pid, signal.SIGKILL)
+            err = await _said_on_stderr(capfd, "MCP server 'cfg' stopped: ", 1)
+            c.updates.clear()
+            await prompt(conn, a)  # started again for this turn; told that it stopped
+            new_pid = _pid_of_last_call(c)
+            chunks = _chunks(c, a)
+            assert chunks[0].startswith(stopped) and chunks[1:] == ["a2"] and new_pid != pid, chunks
+            os.kill(new_pid, signal.SIGKILL)
+            await _said_on_stderr(capfd, "MCP server 'cfg' stopped: ", 2, err)
+            c.updates.clear()
+            await prompt(conn, a)
+            chunks = _chunks(c, a)
+            assert chunks[0].startswith(stopped) and chunks[1:] == ["a3"], chunks
+            c.updates.clear()
+            await prompt(conn, a)
+            assert _chunks(c, a) == ["a4"], c.updates
 
     run(main())

@@ -220,3 +220,35 @@ def test_notices_errors_and_warnings_once_per_session_info_on_stderr_only():
     assert port.notices_for("a", lambda sid: problems.get(sid, [])) is None
     b1 = port.notices_for("b1", lambda sid: problems.get(sid, []))
     assert b1 is not None and "branch b1: model 'x'" in b1 and "tool module 'm'" in b1 and "'fx'" not in b1, b1
+
+
+def test_a_warning_over_and_said_again_is_a_new_occurrence_told_again_once():
+    """A warning was told once per session by its words, so the same problem again (an MCP
+    server that stopped, was started again and stopped again the same way) was never told again.
+    Once the service says an occurrence is over (``log_problem_over``), the same words logged
+    again are a new one: told once more to each session it concerns, those told the first
+    included; until then, said again, it is not; nothing is pending meanwhile (a warm turn
+    checks no more)."""
+    port = AcpPort(S.finalize(S.merge(S.DEFAULTS, {})))
+    wide, own = "MCP server 'cfg' stopped: it exited", "MCP server 'fl' stopped: it exited"
+    problems: dict[str, list[str]] = {}
+
+    def told(sid: str) -> str | None:
+        return port.notices_for(sid, lambda s: problems.get(s, []))
+
+    for round_ in (1, 2):
+        port.log_message(2, wide)
+        port.log_branch_problem(2, own)
+        problems["a"] = [own]
+        said = told("a")
+        assert said is not None and said.count("> ⚠ ") == 2 and "'cfg'" in said and "'fl'" in said, (round_, said)
+        port.log_message(2, wide)  # said again, the same occurrence: not told again
+        port.log_branch_problem(2, own)
+        assert told("a") is None, round_
+        port.log_problem_over(wide)  # the servers started again: nothing new to tell
+        port.log_problem_over(own)
+        problems["a"] = []
+        assert port.noticed["a"] == port.notice_gen, round_
+    b = told("b")  # a session told neither: the server-wide one once, the other is not its own
+    assert b is not None and b.count("> ⚠ ") == 1 and "'cfg'" in b, b
+    assert told("b") is None

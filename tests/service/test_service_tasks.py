@@ -297,6 +297,62 @@ def test_a_configured_mcp_server_that_dies_is_told_and_started_again_at_the_next
     asyncio.run(main())
 
 
+def test_a_configured_mcp_server_that_dies_is_started_again_alone_its_siblings_run_on(tmp_path):
+    """When one of the configured MCP servers (served together) stopped on its own, all of them
+    were stopped with it and started again at the next need: a healthy sibling lost its state
+    and a call running on it failed. Now only the one that stopped goes (its tools, told once)
+    and is started again at the next need, under the tool names it had; the sibling keeps its
+    process, its tools and its running call; ``aclose`` still stops both."""
+    import signal
+
+    from operate_sidecar.server.tools.errors import ToolCallError
+
+    (tmp_path / "dies").mkdir()
+    (tmp_path / "sib").mkdir()
+    dies, dies_started = flag_server(tmp_path / "dies", "dies", up=True)
+    sib, sib_started = flag_server(tmp_path / "sib", "sib", up=True)
+    settings = S.finalize(S.merge(S.DEFAULTS, {"mcpServers": {"dies": {"command": dies}, "sib": {"command": sib}}}))
+    port = Port(settings)
+
+    async def main() -> None:
+        svc = Service(port)
+        ctx = ToolCallContext(branch_id="b", call_id="1")
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)
+        names = {t.name for t in svc.registry if t.source == "mcp"}
+        assert {"dies__probe", "sib__probe"} <= names, names  # both offer it: prefixed
+        pid = await asyncio.wait_for(svc.registry.get("dies__pid").call({}, ctx), WAIT)
+        sib_pid = await asyncio.wait_for(svc.registry.get("sib__pid").call({}, ctx), WAIT)
+        stall = asyncio.ensure_future(svc.registry.get("sib__stall").call({}, ctx))
+        await _until((tmp_path / "sib" / "flag.stalling").exists, "the sibling's call reaches it")
+
+        os.kill(pid, signal.SIGKILL)  # one of them dies on its own
+        await _until(lambda: "dies__probe" not in svc.registry, "the dead server's tools go")
+        await _until(lambda: any("MCP server 'dies' stopped" in m for m in port.logged), "it is told")
+        assert {n for n in names if n.startswith("sib__")} <= set(svc.registry.names()), svc.registry.names()
+        assert await asyncio.wait_for(svc.registry.get("sib__probe").call({}, ctx), WAIT) == "sib:up"
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)  # the next need: the dead one started again
+        assert (dies_started(), sib_started()) == (2, 1)
+        assert {t.name for t in svc.registry if t.source == "mcp"} == names  # the names they had
+        assert await asyncio.wait_for(svc.registry.get("dies__probe").call({}, ctx), WAIT) == "dies:up"
+        new_pid = await asyncio.wait_for(svc.registry.get("dies__pid").call({}, ctx), WAIT)
+        assert new_pid != pid and _alive(new_pid)
+        assert await asyncio.wait_for(svc.registry.get("sib__pid").call({}, ctx), WAIT) == sib_pid
+        assert _alive(sib_pid) and not stall.done()  # the sibling's running call was not disrupted
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)  # all running: nothing started again
+        assert (dies_started(), sib_started()) == (2, 1)
+        told = [m for m in port.logged if "stopped" in m]
+        assert len(told) == 1 and told[0].startswith("MCP server 'dies' stopped: "), port.logged
+        await asyncio.wait_for(svc.aclose(), WAIT)
+        try:  # stopped with its server, as any call running at the close
+            await asyncio.wait_for(stall, WAIT)
+        except ToolCallError:
+            pass
+        assert not _alive(new_pid) and not _alive(sib_pid)
+        assert not [t.name for t in svc.registry if t.source == "mcp"]
+
+    asyncio.run(main())
+
+
 def test_deleting_a_branch_stops_the_mcp_servers_only_it_held(tmp_path):
     """``deleteBranch`` dropped the branch's server list without stopping them: a server only
     that branch held ran until the service closed. Now it is stopped (its process gone, its
