@@ -260,15 +260,18 @@ def show_server_log(path: str, lines: int = 15) -> None:
         console.print(f"the sidecar wrote nothing on stderr ({escape(path)})", soft_wrap=True)
 
 
-def usage_line(out: dict) -> str:
+def usage_line(out: dict, scripted: bool = False) -> str:
+    """The operate's usage in one line; ``scripted``: its model replays replies and reads no
+    tokens, which the line says instead of counts of 0."""
     u = out.get("usage") or {}
 
     def n(v: object) -> str:
         return "n/a" if v is None else str(v)
 
-    return (f"[dim]usage: {n(u.get('inputTokens'))} input + {n(u.get('outputTokens'))} output tokens, "
-            f"context {n(u.get('contextTokens'))}, {u.get('modelCalls', 0)} model call(s), "
-            f"{out.get('rounds', 1)} round(s)[/]")
+    tokens = ("no tokens (a scripted model reads none)" if scripted else
+              f"{n(u.get('inputTokens'))} input + {n(u.get('outputTokens'))} output tokens, "
+              f"context {n(u.get('contextTokens'))}")
+    return f"[dim]usage: {tokens}, {u.get('modelCalls', 0)} model call(s), {out.get('rounds', 1)} round(s)[/]"
 
 
 def edit_part(client: SidecarClient, workspace: Path, asked: list[dict], screen: Screen) -> bool:
@@ -302,7 +305,7 @@ def edit_part(client: SidecarClient, workspace: Path, asked: list[dict], screen:
     console.print(Panel(out["result"].get("summary", ""), title="answer (last round)", border_style="green"))
     after = path.read_text()
     console.print(Panel(Syntax(after, "python"), title=f"{EDIT_FILE} after", border_style="blue"))
-    console.print(usage_line(out))
+    console.print(usage_line(out, scripted=True))
     return after != EDIT_BEFORE and len(asked) > n_asked
 
 

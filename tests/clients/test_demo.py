@@ -110,6 +110,17 @@ def test_the_edit_part_shows_its_tool_events_and_permission_in_order(piped_run):
     assert '"nextOffset"' not in text and '"added"' not in text and text.count("…") >= 2, lines
 
 
+def test_the_usage_lines_give_the_local_models_tokens_and_say_the_scripted_one_reads_none(piped_run):
+    """The local model's operate counts its tokens; the scripted edit part says it reads none,
+    not "0 input + 0 output tokens, context 0", which reads as a broken count."""
+    usage = [ln for ln in piped_run[0].stdout.splitlines() if ln.startswith("usage: ")]
+    assert len(usage) == 2, usage
+    m = re.match(r"usage: (\d+) input \+ (\d+) output tokens, context (\d+), 1 model call\(s\), 1 round\(s\)$",
+                 usage[0])
+    assert m and all(int(v) > 0 for v in m.groups()), usage[0]
+    assert usage[1] == "usage: no tokens (a scripted model reads none), 3 model call(s), 3 round(s)", usage[1]
+
+
 def test_a_failed_demo_shows_why_from_the_servers_stderr(tmp_path, monkeypatch, capsys):
     # the sidecar dies at start (a model that cannot load, a broken install): the demo says so with
     # the server's own words and where its whole stderr is, not only "the server closed its output"
