@@ -804,7 +804,7 @@ class Service:
         stopped on its own, its tools gone; a configured one is started again at the next
         :meth:`ensure_tools`."""
         again = ("; a session passing it again starts it again" if isinstance(ready, McpServerReady) else
-                 "; the configured MCP servers are started again when their tools are next needed")
+                 "; it is started again when its tools are next needed (the other configured servers run on)")
         first, nl, rest = why.partition("\n")  # what to do on the first line (the rest: its last stderr lines)
         message = f"MCP server {server!r} stopped: {first}{again}{nl}{rest}"
         if not isinstance(ready, McpServerReady):

@@ -283,7 +283,7 @@ def test_a_configured_mcp_server_that_dies_is_told_and_started_again_at_the_next
         await _until(lambda: "probe" not in svc.registry, "the dead server's tools go")
         await _until(lambda: any("MCP server 'cfg' stopped" in m for m in port.logged), "it is told")
         told = [m for m in port.logged if "MCP server 'cfg' stopped" in m]
-        assert len(told) == 1 and "started again when their tools are next needed" in told[0].splitlines()[0], port.logged
+        assert len(told) == 1 and "started again when its tools are next needed" in told[0].splitlines()[0], port.logged
         assert started() == 1
         await asyncio.wait_for(svc.ensure_tools(), WAIT)  # the next need: started again
         assert started() == 2 and "probe" in svc.registry
