@@ -25,12 +25,17 @@ A script is JSON Lines; each line is one step:
   one that timed out names the nearest miss and, as a request does, the time-out to raise.
 - ``{"respond": method, "match"?: M, "result": {...}}`` (or ``"error": {"code", "message"}``): the
   standing answer to that server-to-client request from here on; with ``match``, only to those
-  whose params match ``M`` (the latest standing answer that matches is given). A server-to-client
-  request no standing answer fits is refused (-32601) and fails the step running when it came;
-  so does a ``requestToolPermission`` answered with a ``decision`` not among its ``options``
-  (answered as written: the server takes it as a deny). Such a request that comes after the
-  last step (as the session ends) fails the end of the session: a result of its own, after the
-  steps', whose step is of the kind ``END`` (not a step of the script).
+  whose params match ``M`` (the latest standing answer that matches is given). The ``result`` of
+  a request protocol/ declares (``requestToolPermission``, ``invokeClientTool``,
+  ``fs/readTextFile``, ``fs/writeTextFile``) must have the shape it declares for it, checked when
+  the script loads, except where a ``${name}`` stands (known only once substituted). A request of
+  those four no standing answer fits is refused (-32601) and fails the step running when it came;
+  so does a ``requestToolPermission`` answered with a ``decision`` not among its ``options`` (given
+  by a ``${name}``; answered as written: the server takes it as a deny). Such a request that comes
+  after the last step (as the session ends) fails the end of the session: a result of its own,
+  after the steps', whose step is of the kind ``END`` (not a step of the script). A request of any
+  other method (this server sends none) is judged only when a respond line names it: else the
+  client refuses it (-32601, method not found) and no step fails.
 
 Patterns are matched by :mod:`.matcher`; ``${name}`` anywhere in a step is a saved value, and
 ``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the server's working directory.
@@ -211,6 +216,9 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
         shape = _shape_problem(kind, method, obj, references_taken=True)
         if shape:
             raise ScriptError(f"{source}:{n}: {shape[0]}")
+        problem = _result_problem(method, obj["result"]) if kind == "respond" and "result" in obj else None
+        if problem:
+            raise ScriptError(f"{source}:{n}: {problem}")
         if kind == "request" and "id" in obj and json.dumps(obj["id"]) in unawaited:
             raise ScriptError(f"{source}:{n}: id {short(obj['id'], 60)} is the id of the request of line "
                               f"{unawaited[json.dumps(obj['id'])]}, still in flight (not awaited yet); "
@@ -270,6 +278,79 @@ def _shape_problem(kind: str, method: Any, obj: dict[str, Any],
             return ("save names a value that a later ${name} refers to: letters, digits, _, . and -, starting "
                     f"with a letter or _, got {name!r}", ("save",))
     return None
+
+
+def _result_problem(method: str, result: Any) -> str | None:
+    """What is wrong, as far as can be known when the script loads, with the ``result`` a
+    ``respond`` line gives to the server-to-client request ``method``: it is held to the result
+    type protocol/ declares for that request (``SERVER_TO_CLIENT_REQUESTS``: ``{"decision":
+    ...}``, ``{"output": ...}``, ``{"text": ...}``, ``{}``), field by field, with the protocol's
+    own converter. A value that holds a ``${name}`` is what it is only once substituted: a lone
+    ``"${name}"`` stands for any value, a longer string for a string. None when nothing is
+    wrong, or when the protocol declares no such request. Without it, a result of another shape
+    is sent as written and the server takes it as an error or a failed tool (a permission
+    answer as a deny, a file read as failed): the script would test that path unawares."""
+    from operate_sidecar.protocol import SERVER_TO_CLIENT_REQUESTS
+
+    if method not in SERVER_TO_CLIENT_REQUESTS or whole_reference(result) or not isinstance(result, (dict, type(None))):
+        return None   # not a request the protocol declares; a lone ${name}; not an object (said by _shape_problem)
+    cls = SERVER_TO_CLIENT_REQUESTS[method][1]
+    problems = _wire_problems(cls, {} if result is None else result, "result")  # null: a result that holds nothing
+    if not problems:
+        return None
+    return (f"a respond result for {method} must be {_wire_shape(cls)}, as docs/PROTOCOL.md declares it, got "
+            f"{short(result, 60)}: " + "; ".join(problems))
+
+
+def _wire_problems(cls: type, value: dict[str, Any], path: str) -> list[str]:
+    """Every field of ``value`` that the wire type ``cls`` does not take (a missing one, with
+    the unknown fields beside it, a value of another type), named by its path; values holding a
+    ``${name}`` are taken (see :func:`_result_problem`)."""
+    import attrs
+
+    from operate_sidecar.protocol import ParamsError, describe_type
+    from operate_sidecar.protocol.convert import wire_fields
+
+    fields = wire_fields(cls)
+    known = {f.key for f in fields}
+    # a field the type does not know is named only beside a missing one (a misspelt field): on
+    # its own the server ignores it, and a client's answer recorded with one (--record) must load
+    unknown = [f"{path}.{k}: unknown field" + (f" (did you mean {meant}?)" if (meant := did_you_mean(k, known))
+                                               else "") for k in value if k not in known]
+    problems: list[str] = []
+    for f in fields:
+        where = f"{path}.{f.key}"
+        if f.key not in value:
+            if f.required:
+                problems += [*unknown, f"{where}: missing"]
+                unknown = []
+            continue
+        v = value[f.key]
+        if references(v) or f.hook is None:  # known once substituted (a lone ${name} may be of any type)
+            continue
+        v = substitute(v, {})  # $${ is a literal ${
+        if v is None and not f.any_json:
+            if not f.nullable:
+                problems.append(f"{where}: expected {describe_type(f.type)}, got null")
+            continue
+        if attrs.has(f.type) and isinstance(v, dict):
+            problems += _wire_problems(f.type, v, where)
+            continue
+        try:
+            f.hook(v, f.type)
+        except ParamsError as e:
+            inner = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path)
+            problems.append(f"{where}{inner}: {e.detail}")
+    return problems
+
+
+def _wire_shape(cls: type) -> str:
+    """A wire type's fields in words, from its declaration: ``{"text": string}``."""
+    from operate_sidecar.protocol import describe_type
+    from operate_sidecar.protocol.convert import wire_fields
+
+    return "{" + ", ".join(f'"{f.key}"{"" if f.required else "?"}: {describe_type(f.type)}'
+                           for f in wire_fields(cls)) + "}"
 
 
 def _not_json(text: str, error: json.JSONDecodeError) -> str:

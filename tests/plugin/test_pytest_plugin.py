@@ -840,13 +840,16 @@ def test_a_server_request_answered_wrongly_as_the_script_ends_fails_the_test(tmp
            "delayMs": 50}
     op = {"branchId": "${b}", "instruction": "weather?", "actions": True, "responseFormat": {
         "title": "Answer", "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}
+    # the decision, one the protocol does not know, is the name of a spare model saved from the answer to
+    # initialize: written in the script it would be refused when the script loads
     late = script({"request": "initialize", "params": {"capabilities": {"toolPermission": True}, "settings": {
-                      "models": {"m": {"provider": "scripted", "responses": [{"json": {"answer": "3"}}, ask]}},
+                      "models": {"m": {"provider": "scripted", "responses": [{"json": {"answer": "3"}}, ask]},
+                                 "allow": {"provider": "scripted", "responses": []}},
                       "toolModules": ["operate_sidecar.clients.python.demo_tools"],
-                      "toolPolicy": {"get_weather": "ask"}}}},
+                      "toolPolicy": {"get_weather": "ask"}}}, "save": {"given": "capabilities.models.1"}},
                   {"request": "createBranch", "save": {"b": "branchId"}},
                   {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "3"}}}},
-                  {"respond": "requestToolPermission", "result": {"decision": "allow"}},
+                  {"respond": "requestToolPermission", "result": {"decision": "${given}"}},
                   {"request": "operate", "params": op, "answered": False},
                   {"request": "shutdown", "answered": False},
                   {"notify": "exit"})

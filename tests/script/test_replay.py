@@ -655,6 +655,96 @@ def test_a_step_field_of_the_wrong_type_is_refused_before_anything_runs(tmp_path
     assert out.stderr == f"operate-sidecar replay: {p}:2: {problem}\n", out.stderr
 
 
+PERMISSION_SHAPE = '{"decision": one of "allow_always", "allow_once", "deny_always", "deny_once"}'
+
+
+@pytest.mark.parametrize("step, problem", [
+    ({"respond": "fs/readTextFile", "result": {"content": "hello"}},
+     'a respond result for fs/readTextFile must be {"text": string}, as docs/PROTOCOL.md declares it, got '
+     '{"content": "hello"}: result.content: unknown field; result.text: missing'),
+    ({"respond": "fs/readTextFile", "match": {"path": "${cwd}/a.txt"}, "result": {"text": 3}},
+     'a respond result for fs/readTextFile must be {"text": string}, as docs/PROTOCOL.md declares it, got '
+     '{"text": 3}: result.text: expected string, got integer 3'),
+    ({"respond": "fs/readTextFile", "result": None},
+     'a respond result for fs/readTextFile must be {"text": string}, as docs/PROTOCOL.md declares it, got null: '
+     'result.text: missing'),
+    ({"respond": "fs/writeTextFile", "result": "done"},
+     'a respond result must be a JSON object, the result the client answers with (requestToolPermission: '
+     '{"decision": "allow_once"}), got "done"'),
+    ({"respond": "invokeClientTool", "match": {"tool": "lookup"}, "result": {"result": {"rows": 2}}},
+     'a respond result for invokeClientTool must be {"output": any JSON value}, as docs/PROTOCOL.md declares it, '
+     'got {"result": {"rows": 2}}: result.result: unknown field; result.output: missing'),
+    ({"respond": "requestToolPermission", "result": {"decision": "allow"}},
+     f'a respond result for requestToolPermission must be {PERMISSION_SHAPE}, as docs/PROTOCOL.md declares it, got '
+     '{"decision": "allow"}: result.decision: expected one of "allow_always", "allow_once", "deny_always", '
+     '"deny_once", got string "allow"'),
+    ({"respond": "requestToolPermission", "result": {"decison": "allow_once"}},
+     f'a respond result for requestToolPermission must be {PERMISSION_SHAPE}, as docs/PROTOCOL.md declares it, got '
+     '{"decison": "allow_once"}: result.decison: unknown field (did you mean decision?); result.decision: missing'),
+    ({"respond": "requestToolPermission", "result": {"allow": True}},
+     f'a respond result for requestToolPermission must be {PERMISSION_SHAPE}, as docs/PROTOCOL.md declares it, got '
+     '{"allow": true}: result.allow: unknown field; result.decision: missing'),
+    ({"respond": "requestToolPermission", "result": {"decision": "$${d}"}},  # $${ is the text ${: no reference
+     f'a respond result for requestToolPermission must be {PERMISSION_SHAPE}, as docs/PROTOCOL.md declares it, got '
+     '{"decision": "$${d}"}: result.decision: expected one of "allow_always", "allow_once", "deny_always", '
+     '"deny_once", got string "${d}"'),
+])
+def test_a_respond_result_of_another_shape_than_the_protocol_declares_is_refused_before_anything_runs(
+        tmp_path, step, problem):
+    """``{"respond": "fs/readTextFile", "result": {"content": ...}}`` was sent as written: the
+    server took it as a failed read (a tool error), and the script tested that path while its
+    author meant a read. Every respond result is now held, when the script loads, to the result
+    protocol/ declares for that request: exit 2, the line, the field and the shape named."""
+    p = write_script(tmp_path / "x.jsonl", [{"request": "initialize"}, step])
+    out = replay(p)
+    assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+    assert out.stderr == f"operate-sidecar replay: {p}:2: {problem}\n", out.stderr
+
+
+def test_a_respond_result_is_checked_only_where_no_saved_value_stands():
+    """What a ``${name}`` will be is known only once its line runs: a lone ``"${name}"`` may be
+    of any type, a longer string is a string. A result that fits, the null a client answers
+    fs/writeTextFile with (as --record writes it), a field the server ignores beside the ones it
+    needs (a client's answer recorded as it came), and an error answer are taken."""
+    script = parse_script([json.dumps(s) for s in [
+        {"request": "initialize", "save": {"caps": "capabilities", "v": "protocolVersion"}},
+        {"respond": "requestToolPermission", "result": {"decision": "${v}"}},
+        {"respond": "requestToolPermission", "match": {"tool": "x"}, "result": {"decision": "allow_${v}"}},
+        {"respond": "requestToolPermission", "match": {"tool": "y"}, "result": "${caps}"},
+        {"respond": "requestToolPermission", "match": {"tool": "z"}, "result": {"decision": "deny_always"}},
+        {"respond": "fs/readTextFile", "result": {"text": "${v}"}},
+        {"respond": "fs/readTextFile", "match": {"path": "${cwd}/a"}, "result": {"text": "at ${cwd}: $${x}"}},
+        {"respond": "invokeClientTool", "result": {"output": "${caps}"}},
+        {"respond": "invokeClientTool", "match": {"tool": "n"}, "result": {"output": None}},
+        {"respond": "fs/writeTextFile", "result": {}},
+        {"respond": "fs/writeTextFile", "match": {"path": "${cwd}/a"}, "result": None},
+        {"respond": "fs/writeTextFile", "match": {"path": "${cwd}/c"}, "result": {"written": True}},
+        {"respond": "fs/writeTextFile", "match": {"path": "${cwd}/b"}, "error": {"code": -32000, "message": "no"}}]])
+    assert [s.kind for s in script.steps] == ["request"] + ["respond"] * 12
+
+
+def test_every_request_the_replay_answers_has_its_result_declared_in_protocol():
+    """The shapes are protocol/'s own (its method table and declarations), not a copy: each
+    server-to-client request a respond line answers has one, and a result it does not declare
+    is refused naming the field."""
+    from operate_sidecar.protocol import SERVER_TO_CLIENT_REQUESTS
+    from operate_sidecar.protocol.methods import CLIENT_REQUESTS
+    from operate_sidecar.server.script.runner import ScriptError
+
+    from operate_sidecar.protocol.convert import wire_fields
+
+    assert set(CLIENT_REQUESTS) == set(SERVER_TO_CLIENT_REQUESTS)
+    for method in CLIENT_REQUESTS:
+        required = [f.key for f in wire_fields(SERVER_TO_CLIENT_REQUESTS[method][1]) if f.required]
+        if not required:  # (fs/writeTextFile: {}) a field the server ignores is taken
+            assert parse_script([json.dumps({"respond": method, "result": {"surely": 1}})], "x").steps
+            continue
+        with pytest.raises(ScriptError, match=rf"^x:1: a respond result for {method} must be {{.*, as docs/PROTOCOL.md "
+                                               rf"declares it, got {{\"surely\": 1}}: result.surely: unknown field; "
+                                               rf"result.{required[0]}: missing"):
+            parse_script([json.dumps({"respond": method, "result": {"surely": 1}})], "x")
+
+
 def test_patterns_that_match_anything_and_whole_references_are_still_taken():
     """``"*"`` is a pattern (any value), and ``"${name}"`` alone is the saved value itself (any
     JSON type): both stand where an object is asked for."""
@@ -686,18 +776,34 @@ def test_a_whole_reference_that_is_not_an_object_where_one_is_asked_for_fails_it
     assert "PASS line 3: request listBranches" in out.stdout, out.stdout
 
 
+def given_once_substituted(initialize: dict, answer: dict | str) -> dict | str:
+    """``answer`` as a respond line gives it once its ``${name}`` is substituted: a decision the
+    protocol does not know, written in the script, is refused when the script loads; given by a
+    saved value it is known only when the line runs. The value is the name of a spare model
+    that ``initialize`` configures, saved from its answer (``capabilities.models``, in the
+    order configured); a whole answer (a string) is the saved value of that path itself."""
+    if isinstance(answer, str):  # "capabilities": the saved object itself
+        initialize["save"] = {**initialize.get("save", {}), "given": answer}
+        return "${given}"
+    settings = initialize["params"]["settings"]
+    settings["models"] = {**settings["models"], answer["decision"]: scripted()}
+    initialize["save"] = {**initialize.get("save", {}), "given": f"capabilities.models.{len(settings['models']) - 1}"}
+    return {**answer, "decision": "${given}"}
+
+
 @pytest.mark.parametrize("answer, said", [
     ({"decision": "allow"}, 'decision "allow"'),
     ({"decision": "ALLOW_ONCE"}, 'decision "ALLOW_ONCE"'),
-    ({"allow": True}, 'no decision ({"allow": true})'),
+    ("capabilities", 'no decision ({"methods": ["initialize", "ping", "shutdown", "createBranc…)'),
 ])
 def test_a_permission_answer_the_request_did_not_offer_fails_the_step_it_came_during(tmp_path, answer, said):
     """``{"decision": "allow"}`` passed in silence: the server took it as a deny ("invalid
     permission answer") and a script whose ``expect`` did not look at the tool's output tested the
     deny path while its author meant allow. Now the step that was running fails, naming the
-    decision given, those offered and the respond line that gave it."""
+    decision given, those offered and the respond line that gave it. (Written in the script such
+    an answer is refused when it loads; a ``${name}`` is known only when its line runs.)"""
     op, steps = weather_asked()
-    steps += [{"respond": "requestToolPermission", "result": answer},
+    steps += [{"respond": "requestToolPermission", "result": given_once_substituted(steps[0], answer)},
               {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4"}}}},
               {"respond": "requestToolPermission", "result": {"decision": "allow_once"}},
               {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "4", "action_responses": [

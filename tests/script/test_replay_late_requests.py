@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_replay import ANSWER, PERM, replay, scripted, write_script  # noqa: E402
+from test_replay import ANSWER, PERM, given_once_substituted, replay, scripted, write_script  # noqa: E402
 
 from operate_sidecar.server.script.runner import Runner, format_report, parse_script  # noqa: E402
 
@@ -34,6 +34,8 @@ def leaving_mid_operate(respond: dict | None) -> list[dict]:
                  "toolModules": ["operate_sidecar.clients.python.demo_tools"], "toolPolicy": {"get_weather": "ask"}}}},
              {"request": "createBranch", "save": {"b": "branchId"}},
              {"request": "operate", "params": op, "expect": {"result": {"result": {"answer": "3"}}}}]
+    if respond and respond["result"].get("decision") == "allow":  # a decision the protocol does not know:
+        respond = {**respond, "result": given_once_substituted(steps[0], respond["result"])}  # known once run
     steps += [respond] if respond else []
     steps += [{"request": "operate", "params": op, "answered": False},
               {"request": "shutdown", "answered": False},
