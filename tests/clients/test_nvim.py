@@ -1764,6 +1764,25 @@ def test_buffer_selection_and_diagnostics_references(sv):
     assert "_with #buffer (refs.py), #selection (refs.py:2-3), #diagnostics (1)_" in sv.chat(bid)
 
 
+def test_a_selection_asked_for_where_there_is_none_is_named_as_none(sv):
+    """`#selection` in a buffer that never had a visual selection sent nothing for it and the turn
+    said nothing either (no `_with ..._` line): the user could not tell the model had not seen it."""
+    bid = sv.new_branch(["seen"], "nosel")
+    src = sv.tmp / "nosel.py"
+    src.write_text("a = 1\n")
+    sv.n.command(f"edit {src}")
+    assert sv.n.call("line", "'<") == 0                                   # never a visual selection here
+    sv.chat_send("explain #selection")
+    assert sv.wait_done()["err"] is None
+    ctx = [m for m in sv.messages(bid) if m["kind"] == "instruction"][-1]["content"].get("context") or {}
+    assert ctx.get("selection") is None                                 # nothing sent for it
+    lines = sv.chat(bid)
+    assert "_with #selection (none: no visual selection)_" in lines, lines
+    sv.chat_send("then #buffer and #selection")                          # with something that is there
+    sv.wait_done()
+    assert "_with #buffer (nosel.py), #selection (none: no visual selection)_" in sv.chat(bid)
+
+
 def test_branch_picker_fork_and_tools(sv):
     b1 = sv.new_branch(["first answer", "second answer", "third answer"], "branches")
     sv.operate_cmd("Operate first question")
@@ -1919,6 +1938,44 @@ def test_commands_given_words_they_do_not_take_are_refused(sv):
     sv.wait(f"require('operate_sidecar').current_branch() ~= '{bid}'", "the new branch")
     assert sv.lua("return require('operate_sidecar.branches').name(require('operate_sidecar').current_branch())") \
         == "two words"
+
+
+def test_unknown_tools_policies_and_branch_ids_to_delete_are_refused_in_plain_words(sv):
+    """`:OperateTools edit_file maybe` showed the server's parameter validation
+    (`authorizeTool failed: invalid params: decision: expected one of ...`), `:OperateTools nosuch
+    allow` `authorizeTool failed: unknown tool 'nosuch'` and `:OperateBranch delete nosuch`
+    `deleteBranch failed: branch not found: nosuch`: protocol method names, no usage, no list of
+    what there is. Each is now refused as an unknown model or branch id is, and nothing changes."""
+    bid = sv.new_branch(["unused"], "refusals")
+    _capture_levels(sv)
+    tools = sorted(sv.lua("return vim.tbl_map(function(t) return t.name end, "
+                          "require('operate_sidecar').request_sync('listTools', {}, 10000).tools)"))
+    before = sv.lua("return require('operate_sidecar').request_sync('listTools', {branchId = ...}, 10000).tools", bid)
+    branches = sv.lua("return require('operate_sidecar').request_sync('listBranches', {}, 10000).branches")
+    usage_tools = "usage: :OperateTools [{tool} {allow|deny|ask} [global]]"
+    for command, want in (
+            ("OperateTools edit_file maybe", f"[operate] unknown policy: maybe (allow, deny or ask); {usage_tools}"),
+            ("OperateTools edit_file Allow global",
+             f"[operate] unknown policy: Allow (allow, deny or ask); {usage_tools}"),
+            ("OperateTools nosuch allow", f"[operate] unknown tool: nosuch; the server's tools: {', '.join(tools)}"),
+            ("OperateBranch delete nosuch", "[operate] unknown branch: nosuch; the server's branches:\n")):
+        sv.lua("_G.notes, _G.levels = {}, {}")
+        sv.n.command(command)
+        sv.wait("#_G.notes > 0", f"the answer to :{command}")
+        sv.lua("vim.wait(300)")                                          # (a second message would come now)
+        notes = sv.lua("return _G.notes")
+        assert len(notes) == 1 and notes[0].startswith(want), (command, notes)
+        assert "failed:" not in notes[0] and "invalid params" not in notes[0], notes
+        assert sv.lua("return _G.levels") == [sv.lua("return vim.log.levels.ERROR")]
+    assert f"  {bid}  refusals" in notes[0]                              # the branches there are, named
+    assert sv.lua("return require('operate_sidecar').request_sync('listTools', {branchId = ...}, 10000).tools",
+                  bid) == before                                        # no policy changed
+    assert sv.lua("return require('operate_sidecar').request_sync('listBranches', {}, 10000).branches") == branches
+    assert sv.lua("return require('operate_sidecar').current_branch()") == bid
+    sv.lua("_G.notes = {}")
+    sv.n.command("OperateTools fixture_echo deny")                       # a known tool and policy still go
+    sv.wait("#_G.notes > 0", "the policy change")
+    assert sv.lua("return _G.notes") == [f"[operate] fixture_echo: deny ({bid})"]
 
 
 def test_model_picker_statusline_and_completion(nv):

@@ -85,7 +85,7 @@ end
 --- Create a branch and make it current. cb(err, branchId). params default to config.branch
 --- (+ the picked model); `name` names it; current in tab page `k` (default the current one).
 function M.new(cb, params, name, k)
-  params = vim.deepcopy(params or config.values.branch or {})
+  params = util.copy(params or config.values.branch or {})
   if params.chatModel == nil and config.values.model then
     params.chatModel = config.values.model
   end
@@ -238,7 +238,7 @@ function M.pick_model(cb)
       notify('cannot list models: ' .. tostring(err.message), vim.log.levels.ERROR)
       return cb(nil)
     end
-    local models = vim.deepcopy(server.models())
+    local models = util.copy(server.models())
     table.sort(models)
     local cur = config.values.model
     vim.ui.select(models, {
@@ -299,7 +299,7 @@ function M.choose_model(name, cb)
       notify('cannot list models: ' .. tostring(err.message), vim.log.levels.ERROR)
       return cb(err)
     end
-    local models = vim.deepcopy(server.models())
+    local models = util.copy(server.models())
     table.sort(models)
     if not vim.tbl_contains(models, name) then
       local msg = ('unknown model: %s; the server\'s models: %s'):format(name,

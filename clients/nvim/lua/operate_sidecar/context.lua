@@ -131,7 +131,9 @@ function M.describe(ctx)
   local parts = {}
   for _, r in ipairs(M.REFS) do
     local v = ctx and ctx[r]
-    if v and v ~= vim.NIL then
+    if v == vim.NIL and r == 'selection' then -- asked for, but there is none: say so, not nothing
+      parts[#parts + 1] = '#selection (none: no visual selection)'
+    elseif v and v ~= vim.NIL then
       if r == 'selection' then
         parts[#parts + 1] = ('#selection (%s:%d-%d)'):format(v.path, v.startLine, v.endLine)
       elseif r == 'diagnostics' then

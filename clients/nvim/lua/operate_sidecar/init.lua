@@ -169,7 +169,15 @@ function M.command_branch(opts)
       end
     end)
   elseif sub == 'delete' then
-    branches.delete(nil, opts.fargs[2])
+    local id = opts.fargs[2]
+    if not id then
+      return branches.delete()
+    end
+    branches.check(id, function(err) -- an unknown id is refused with the server's branches
+      if not err then
+        branches.delete(nil, id)
+      end
+    end)
   elseif sub == 'list' then
     branches.list(function(err, list)
       if err then
@@ -210,7 +218,23 @@ function M.command_tools(opts)
     return refuse(('unexpected: %s'):format(table.concat(vim.list_slice(opts.fargs, 3), ' ')), M.TOOLS_USAGE)
   end
   if n >= 2 then
-    permission.authorize(opts.fargs[1], opts.fargs[2], nil, opts.fargs[3] == 'global')
+    local tool, policy = opts.fargs[1], opts.fargs[2]
+    if not vim.tbl_contains({ 'allow', 'deny', 'ask' }, policy) then
+      return refuse(('unknown policy: %s (allow, deny or ask)'):format(policy), M.TOOLS_USAGE)
+    end
+    -- a tool the server does not have is refused here, naming the ones it has (as a model is)
+    server.request_or_notify('listTools', nil, function() end, function(res)
+      local names = {}
+      for _, t in ipairs(res.tools or {}) do
+        names[#names + 1] = t.name
+      end
+      table.sort(names)
+      if not vim.tbl_contains(names, tool) then
+        return util.notify(('unknown tool: %s; the server\'s tools: %s'):format(tool,
+          #names > 0 and table.concat(names, ', ') or 'none'), vim.log.levels.ERROR)
+      end
+      permission.authorize(tool, policy, nil, opts.fargs[3] == 'global')
+    end)
   else
     permission.show_tools()
   end
@@ -260,7 +284,7 @@ function M.complete_branch(lead, line)
 end
 
 function M.complete_model(lead)
-  local models = vim.deepcopy(server.models())
+  local models = util.copy(server.models())
   table.sort(models)
   return filter(models, lead)
 end

@@ -184,7 +184,7 @@ end
 -- ---------------------------------------------------------------- lifecycle
 
 local function init_settings()
-  local s = vim.deepcopy(config.values.settings or {})
+  local s = util.copy(config.values.settings or {})
   if s.stateDir == nil then
     if config.values.state_dir == false then
       s.stateDir = vim.NIL
@@ -548,7 +548,7 @@ M.EXIT_WAIT_MS = 5000
 function M.operate(params, on_done, hooks)
   on_done = on_done or function() end
   local branches = require('operate_sidecar.branches')
-  params = vim.tbl_extend('keep', vim.deepcopy(params or {}), vim.deepcopy(config.values.operate_defaults or {}))
+  params = vim.tbl_extend('keep', util.copy(params or {}), util.copy(config.values.operate_defaults or {}))
   if S.running then
     local err = { code = -32600, message = 'an operate is already running (:OperateCancel)' }
     notify(err.message, vim.log.levels.WARN)

@@ -214,4 +214,17 @@ function M.human_time(ts)
   return os.date('%Y-%m-%d %H:%M', t)
 end
 
+--- vim.deepcopy that keeps vim.NIL (a JSON null: a `#selection` there is none of, say). On 0.7
+--- vim.deepcopy raises "Cannot deepcopy object of type userdata" on it.
+function M.copy(v)
+  if type(v) ~= 'table' then
+    return v
+  end
+  local out = {}
+  for k, x in pairs(v) do
+    out[M.copy(k)] = M.copy(x)
+  end
+  return setmetatable(out, getmetatable(v))
+end
+
 return M
