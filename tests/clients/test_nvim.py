@@ -1741,6 +1741,41 @@ def test_operate_with_a_range_sends_the_selection_as_context(sv):
     assert ins["instruction"] == "explain the selection" and ins["context"] == "two ✓"
 
 
+def test_operate_without_words_asks_for_the_instruction_and_a_cancelled_prompt_does_nothing(sv):
+    """`:Operate` with no words asks at an `Instruction:` prompt (the help now says so). Cancelling
+    it (<Esc>, CTRL-C, an empty or blank answer) sends nothing and says nothing: on nvim 0.7 CTRL-C
+    there raised a Lua traceback ("Keyboard interrupt"), and a blank answer was sent as a turn."""
+    bid = sv.new_branch(["asked and answered"], "prompted")
+    sv.n.command("enew")
+    wins = sv.lua("return #vim.api.nvim_list_wins()")
+    asked = len([m for m in sv.messages(bid) if m["kind"] == "instruction"])
+    _capture_levels(sv)
+    for cancel in ("<Esc>", "<C-c>", "<CR>", "   <CR>"):
+        sv.lua("require('operate_sidecar')._state.last = nil")
+        sv.send_keys(":Operate<CR>")
+        sv.wait("vim.fn.getcmdtype() == '@'", f"the Instruction: prompt (to answer {cancel})")
+        sv.send_keys(cancel)
+        sv.wait("vim.api.nvim_get_mode().mode == 'n'", f"the prompt to close after {cancel}")
+        sv.lua("vim.wait(300)")                                          # (a turn or a message would come now)
+        messages = sv.lua("return vim.api.nvim_exec('messages', true)")
+        assert "Keyboard interrupt" not in messages and "Error" not in messages, (cancel, messages)
+        assert sv.n.eval("v:errmsg") == "", cancel
+        assert sv.lua("return _G.notes") == [], cancel                   # nothing said
+        assert sv.lua("return require('operate_sidecar')._state.running") is None, cancel   # nothing sent
+        assert sv.lua("return require('operate_sidecar')._state.last") is None, cancel
+        assert sv.lua("return #vim.api.nvim_list_wins()") == wins, cancel  # no chat opened
+    assert len([m for m in sv.messages(bid) if m["kind"] == "instruction"]) == asked
+    # answered, the instruction is sent as a turn
+    sv.lua("require('operate_sidecar')._state.last = nil")
+    sv.send_keys(":Operate<CR>")
+    sv.wait("vim.fn.getcmdtype() == '@'", "the Instruction: prompt")
+    sv.send_keys("what is this<CR>")
+    assert sv.wait_done()["err"] is None
+    ins = [m for m in sv.messages(bid) if m["kind"] == "instruction"][-1]["content"]
+    assert ins["instruction"] == "what is this"
+    assert "asked and answered" in sv.chat(bid)
+
+
 def test_buffer_selection_and_diagnostics_references(sv):
     bid = sv.new_branch(["seen"], "refs")
     src = sv.tmp / "refs.py"
@@ -1837,6 +1872,37 @@ def test_branch_picker_fork_and_tools(sv):
     sv.wait(f"require('operate_sidecar.chat').chats['{b2}'] == nil", "the deletion")
     ids = [b["branchId"] for b in sv.lua("return require('operate_sidecar').request_sync('listBranches', {}).branches")]
     assert b2 not in ids and b1 in ids
+
+
+def test_fork_with_no_current_branch_is_refused_and_creates_nothing(sv):
+    """`:OperateBranch fork` in a tab page with no current branch created a new, empty branch and
+    said `forked into <id>`. There is nothing to fork: it says so, with what to do, and creates
+    nothing."""
+    sv.new_branch(["unused"], "forkable")
+    sv.n.command("tabnew")
+    assert sv.lua("return require('operate_sidecar').current_branch()") is None
+    _capture_levels(sv)
+    listed = sv.lua("return require('operate_sidecar').request_sync('listBranches', {}, 10000).branches")
+    chats = sv.lua("return vim.tbl_keys(require('operate_sidecar.chat').chats)")
+    wins = sv.lua("return #vim.api.nvim_list_wins()")
+    sv.n.command("OperateBranch fork")
+    sv.wait("#_G.notes > 0", "the answer to :OperateBranch fork")
+    sv.lua("vim.wait(300)")                                              # (a second message would come now)
+    assert sv.lua("return _G.notes") == ["[operate] no branch to fork: there is no current branch "
+                                         "(:OperateBranch new starts one, :OperateBranch picks one)"]
+    assert sv.lua("return _G.levels") == [sv.lua("return vim.log.levels.WARN")]
+    assert sv.lua("return require('operate_sidecar').request_sync('listBranches', {}, 10000).branches") \
+        == listed                                                       # no branch created
+    assert sv.lua("return require('operate_sidecar').current_branch()") is None
+    assert sv.lua("return vim.tbl_keys(require('operate_sidecar.chat').chats)") == chats
+    assert sv.lua("return #vim.api.nvim_list_wins()") == wins            # no chat opened
+    # the Lua API says the same and hands the error to its callback
+    sv.lua("_G.notes, _G.levels, _G.forked = {}, {}, nil; "
+           "require('operate_sidecar').branch_fork(function(err, id) _G.forked = {err = err, id = id} end)")
+    sv.wait("_G.forked ~= nil", "branch_fork's callback")
+    assert sv.lua("return _G.forked.err.message") == "no current branch" and sv.lua("return _G.forked.id") is None
+    assert len(sv.lua("return _G.notes")) == 1 and sv.lua("return _G.notes")[0].startswith("[operate] no branch to fork")
+    assert sv.lua("return require('operate_sidecar').request_sync('listBranches', {}, 10000).branches") == listed
 
 
 def test_the_branch_picker_never_names_a_branch_after_a_later_round(sv):
@@ -2037,6 +2103,19 @@ def test_checkhealth_and_help(nv):
     for tag in ("operate-sidecar-review", ":OperateChat", "operate-sidecar-context"):
         nv.n.command(f"help {tag}")
         assert nv.n.current.buffer.name.endswith("operate_sidecar.txt")
+    # `:Operate` without words asks for the instruction: the help says so, not that it is required
+    nv.n.command("help :Operate")
+    row = nv.n.current.window.cursor[0]
+    entry = re.sub(r"\s+", " ", " ".join(nv.n.current.buffer[row - 1:row + 4]))
+    assert entry.startswith(":[range]Operate [{instruction}] *:Operate*"), entry
+    assert "Without {instruction}, it is asked for at an `Instruction:` prompt" in entry, entry
+    assert "<Esc>, CTRL-C or an empty answer sends nothing." in entry, entry
+    # `:OperateBranch fork` with no current branch: nothing to fork, nothing created
+    nv.n.command("help :OperateBranch")
+    row = nv.n.current.window.cursor[0]
+    entry = re.sub(r"\s+", " ", " ".join(nv.n.current.buffer[row - 1:row + 10]))
+    assert "with no current branch (a new tab page, say) there is nothing to fork: it says so and creates " \
+        "nothing" in entry, entry
     # every |link| (as help's syntax sees one: `{allow|deny|ask}` made `deny` one) leads to a tag
     doc = (PLUGIN / "doc" / "operate_sidecar.txt").read_text(encoding="utf-8")
     links = sorted(set(re.findall(r"(?<!\\)\|([#-)!+-~]+)\|", doc)))

@@ -37,7 +37,7 @@ end, { desc = 'Open the chat of the current branch' })
 
 cmd('Operate', function(opts)
   os_().command_operate(opts)
-end, { nargs = '*', range = true, desc = 'Send {instruction} to the chat; a range/selection goes along as context' })
+end, { nargs = '*', range = true, desc = 'Send {instruction} to the chat (asked for when omitted); a range/selection goes along as context' })
 
 cmd('OperateCancel', function()
   os_().cancel()

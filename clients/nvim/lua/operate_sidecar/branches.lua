@@ -96,12 +96,14 @@ function M.new(cb, params, name, k)
 end
 
 --- Fork the current branch (or `id`) and make the fork current. cb(err, branchId).
+--- With no current branch there is nothing to fork: refused (nothing is created).
 function M.fork(cb, id)
   cb = cb or function() end
   id = id or M.current()
   if not id then
-    M.new(cb)
-    return
+    notify('no branch to fork: there is no current branch (:OperateBranch new starts one, '
+      .. ':OperateBranch picks one)', vim.log.levels.WARN)
+    return cb({ code = -32012, message = 'no current branch' })
   end
   local name = M.names[id] and (M.names[id] .. ' (fork)') or nil
   local k = key()

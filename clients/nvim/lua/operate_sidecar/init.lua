@@ -98,11 +98,12 @@ end
 -- ---------------------------------------------------------------- commands
 
 --- :Operate {instruction} — a chat turn (with a range: the lines/selection go along as context).
+--- Without words it asks for the instruction (vim.ui.input); cancelled or left empty, nothing is sent.
 function M.command_operate(opts)
   local chat = require('operate_sidecar.chat')
   local context = require('operate_sidecar.context')
   local function run(instruction)
-    if not instruction or instruction == '' then
+    if type(instruction) ~= 'string' or vim.trim(instruction) == '' then
       return
     end
     local extra
@@ -119,7 +120,11 @@ function M.command_operate(opts)
   if opts.args and opts.args ~= '' then
     run(opts.args)
   else
-    vim.ui.input({ prompt = 'Instruction: ' }, run)
+    -- CTRL-C in the default prompt (input()) raises "Keyboard interrupt" on nvim 0.7: a cancel too
+    local ok, err = pcall(vim.ui.input, { prompt = 'Instruction: ' }, run)
+    if not ok and not tostring(err):find('Keyboard interrupt', 1, true) then
+      error(err, 0)
+    end
   end
 end
 
