@@ -8,7 +8,8 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
   (d) the extension-host integration test: the unpacked .vsix inside code-server's real extension
       host, driven by headless chromium; its interactive paths (input boxes, quick picks) answer from
       scripted replacements of the extension's own window.showInputBox/showQuickPick, and Cancel is
-      the real progress notification's button; the chat command, the diff review (WorkspaceEdit in the
+      the real progress notification's button; Delete Branch from the palette asks first (a modal naming
+      the chat); the chat command, the diff review (WorkspaceEdit in the
       buffer, undo), restart on a settings change and a server that dies at start; bad settings, Stop
       while the server starts, a server that never answers initialize, a server killed mid-reply.
   (d2) the same harness in a multi-root workspace (--suite multi-root): paths of the second folder.
@@ -230,7 +231,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     summary, report = run_itest_suite(vsix, tmp_path, "(d) extension-host itest")
     TIMINGS["(d) code-server ready"] = round(summary.get("timings", {}).get("codeServerReadyMs", 0) / 1000, 1)
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
-    assert len(report["checks"]) == 38, report["checks"]
+    assert len(report["checks"]) == 39, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -243,7 +244,8 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "rendered and shown in batches", "reviewed one after the other", "running tool card shows its arguments",
                   "the status bar says stopped (why in its tooltip) and its click restarts", "the status bar says stopped; the next turn",
                   "outputText() is the channel's last 200 000 characters",
-                  "waiting for your decision says so where you look", "a long chat stays light"):
+                  "waiting for your decision says so where you look", "a long chat stays light",
+                  "Delete Branch from the command palette (no argument) asks first"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 

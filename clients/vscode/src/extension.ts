@@ -551,10 +551,25 @@ class Sidecar {
     return branchId;
   }
 
+  /**
+   * Deletes a chat (branch). With `{branchId}` (a script, the picker's delete button) at once; without
+   * an argument (the command palette) it is the current chat, and only after the user confirmed it by
+   * its name: the conversation is deleted on the server, there is no undo.
+   */
   async deleteBranch(arg?: { branchId?: string }) {
     const client = await this.ensure();
     const id = arg?.branchId ?? this.branches.current;
-    if (!id) return false;
+    if (!id) {
+      if (arg === undefined) void vscode.window.showInformationMessage('operate-sidecar: there is no chat to delete (the current chat has no messages yet).');
+      return false;
+    }
+    if (arg === undefined) {
+      const name = this.branches.nameOf(id)
+        ?? (await client.listBranches()).branches.find((b) => b.branchId === id)?.name ?? id.slice(0, 8);
+      const answer = await vscode.window.showWarningMessage(`Delete the chat "${name}"?`,
+        { modal: true, detail: 'Its conversation is deleted on the server; this cannot be undone.' }, 'Delete');
+      if (answer !== 'Delete') return false;
+    }
     await client.deleteBranch(id);
     this.line(`[branch] deleted ${id}`);
     void this.branches.setLocalTurns(id, []);   // its failed and stopped turns go with it

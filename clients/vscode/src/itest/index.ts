@@ -35,11 +35,12 @@ function extensionVscode(ext: vscode.Extension<unknown>): typeof vscode {
   return createRequire(main)('vscode') as typeof vscode;
 }
 
-/** One scripted answer: an input box's value or a quick pick's choice (undefined = dismissed). */
+/** One scripted answer: an input box's value, a quick pick's choice or a warning's button (undefined = dismissed). */
 type Step =
   | { input: string | undefined }
-  | { pick: (items: any[], options: any, token?: vscode.CancellationToken) => unknown };
-interface Prompt { kind: 'input' | 'pick'; items?: any[]; options?: any; token?: vscode.CancellationToken }
+  | { pick: (items: any[], options: any, token?: vscode.CancellationToken) => unknown }
+  | { warn: string | undefined };
+interface Prompt { kind: 'input' | 'pick' | 'warn'; items?: any[]; options?: any; token?: vscode.CancellationToken; message?: string }
 interface ScriptedUi {
   prompts: Prompt[];
   /** options of every withProgress call (passed through to the real one) */
@@ -51,17 +52,18 @@ interface ScriptedUi {
 let restoreUi: (() => void) | undefined;
 
 /**
- * Runs `fn` with showInputBox/showQuickPick of the extension's `vscode.window` answering from
+ * Runs `fn` with showInputBox/showQuickPick and modal showWarningMessage of the extension's `vscode.window` answering from
  * `steps`, in order; withProgress and showErrorMessage are recorded and passed through. Restores
  * the originals afterwards and fails when a prompt came unexpectedly or a step was left unused.
  */
 async function withScriptedUi(win: typeof vscode.window, steps: Step[], fn: (ui: ScriptedUi) => Promise<void>): Promise<void> {
   const w = win as any;
-  const orig = { showInputBox: w.showInputBox, showQuickPick: w.showQuickPick, withProgress: w.withProgress, showErrorMessage: w.showErrorMessage };
+  const orig = { showInputBox: w.showInputBox, showQuickPick: w.showQuickPick, withProgress: w.withProgress, showErrorMessage: w.showErrorMessage,
+    showWarningMessage: w.showWarningMessage };
   const ui: ScriptedUi = { prompts: [], progress: [], errors: [] };
   const problems: string[] = [];
   const queue = [...steps];
-  const next = (kind: 'input' | 'pick'): any => {
+  const next = (kind: 'input' | 'pick' | 'warn'): any => {
     const s = queue[0];
     if (!s || !(kind in s)) { problems.push(`unexpected ${kind} prompt (next step: ${s ? Object.keys(s)[0] : 'none'})`); return undefined; }
     return queue.shift();
@@ -76,6 +78,13 @@ async function withScriptedUi(win: typeof vscode.window, steps: Step[], fn: (ui:
       ui.prompts.push({ kind: 'pick', items: list, options, token });
       const s = next('pick');
       return s ? await s.pick(list, options, token) : undefined;
+    },
+    /** a modal warning (a confirmation): answered from `steps`; other warnings (the server's) pass through */
+    showWarningMessage: async (message: string, ...rest: any[]) => {
+      const options = rest[0] && typeof rest[0] === 'object' && !('title' in rest[0]) ? rest[0] : undefined;
+      if (!options?.modal) return orig.showWarningMessage.call(win, message, ...rest);
+      ui.prompts.push({ kind: 'warn', message, options, items: rest.slice(1) });
+      return next('warn')?.warn;
     },
     withProgress: (options: vscode.ProgressOptions, task: any) => { ui.progress.push(options); return orig.withProgress.call(win, options, task); },
     showErrorMessage: (message: string, ...rest: any[]) => { ui.errors.push(message); return orig.showErrorMessage.call(win, message, ...rest); },
@@ -377,6 +386,32 @@ export async function run(): Promise<void> {
       const sys = (await messagesOf(typed!)).filter((m) => m.kind === 'system');
       expect(sys.length === 1 && sys[0].content.text === 'typed system prompt', `system message: ${JSON.stringify(sys)}`);
       expect(!(await messagesOf(empty!)).some((m) => m.kind === 'system'), 'no system message for an empty answer');
+    });
+
+    await check('Delete Branch from the command palette (no argument) asks first, modal, naming the chat: dismissed deletes nothing; "Delete" deletes it; with no current chat it says so', async () => {
+      const ids = async () => (await within(client().listBranches(), 'listBranches')).branches.map((b) => b.branchId);
+      const before = api!.currentBranch();
+      const bid = (await exec<string>('operateSidecar.newBranch', { name: 'itest-delete-me' }))!;
+      expect(api!.currentBranch() === bid, 'the branch to delete is current');
+      await withScriptedUi(win, [{ warn: undefined }, { warn: 'Delete' }], async (ui) => {
+        expect(await exec('operateSidecar.deleteBranch') === false, 'dismissed: deleteBranch resolves false');
+        expect((await ids()).includes(bid) && api!.currentBranch() === bid, 'dismissed: the chat is kept, still current');
+        expect(await exec('operateSidecar.deleteBranch') === true, 'confirmed: deleteBranch resolves true');
+        expect(!(await ids()).includes(bid) && api!.currentBranch() === undefined, 'confirmed: deleted; no current chat');
+        expect(ui.prompts.length === 2 && ui.prompts.every((p) => p.kind === 'warn' && p.message === 'Delete the chat "itest-delete-me"?'
+          && p.options?.modal === true && JSON.stringify(p.items) === '["Delete"]'), `prompts: ${JSON.stringify(ui.prompts)}`);
+      });
+      // nothing current: nothing to delete, and nothing asked
+      await withScriptedUi(win, [], async () => {
+        expect(await exec('operateSidecar.deleteBranch') === false, 'no current chat: false');
+      });
+      // with an argument (scripts, the picker's delete button) it deletes without asking
+      const other = await freshBranch('itest-delete-by-id');
+      await withScriptedUi(win, [], async () => {
+        expect(await exec('operateSidecar.deleteBranch', { branchId: other }) === true && !(await ids()).includes(other), 'deleted by id, unasked');
+      });
+      if (before) await exec('operateSidecar.pickBranch', { branchId: before });
+      expect(api!.currentBranch() === before, `the earlier chat is current again: ${api!.currentBranch()}`);
     });
 
     await check('Cancel on the progress notification: $/cancelRequest, -32800, "cancelled" in the channel, no error message; the server keeps serving', async () => {
