@@ -31,7 +31,7 @@ import cattrs
 from ._base import OMITTED, Omitted, wire_name
 from .errors import ParamsError
 
-__all__ = ["converter", "structure", "unstructure", "describe_type"]
+__all__ = ["converter", "structure", "unstructure", "describe_type", "wire_fields"]
 
 NoneType = type(None)
 _UNION_ORIGINS = (typing.Union, types.UnionType)

@@ -733,9 +733,12 @@ class Service:
 
         origin: dict[str, tuple[str, str]] = {}  # tool name as offered -> (its server, its own name)
 
-        def unregister(servers: Any) -> None:
-            """The tools of ``servers`` (of ``config``) out of the registry: they are stopped."""
-            for t in [t for t in registered if origin.get(t.name, ("",))[0] in servers]:
+        def unregister(servers: Any = None) -> None:
+            """The tools of ``servers`` (of ``config``; None: all) out of the registry: they are
+            stopped."""
+            every = servers is None
+            servers = set(running) if every else servers
+            for t in [t for t in registered if every or origin.get(t.name, ("",))[0] in servers]:
                 registered.remove(t)
                 if t.name in self.registry and self.registry.get(t.name) is t:
                     self.registry.unregister(t.name)
@@ -789,11 +792,7 @@ class Service:
             self._mcp_problem(ready, f"{label} unavailable: {e}")
         finally:
             watch.cancel()
-            unregister(set(running))  # the servers are stopped: their tools go with them
-            for t in registered:  # (any left: none has an origin when the block failed)
-                if t.name in self.registry and self.registry.get(t.name) is t:
-                    self.registry.unregister(t.name)
-                    self._tool_origin.pop(t.name, None)
+            unregister()  # the servers are stopped: all their tools go with them
             ready.set()
         if not stop.is_set():  # (told once their tools are gone)
             for server, why in lost:
