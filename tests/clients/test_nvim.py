@@ -749,6 +749,27 @@ def test_permission_float_fits_wrapped_lines_and_keeps_its_keys_in_view(sv):
         sv.n.command("set columns=80 lines=24")
 
 
+def test_the_permission_float_counts_the_same_rows_whichever_window_is_current(sv):
+    """The float's size does not depend on the window the user is in. It measured its lines with
+    strdisplaywidth(), which counts the padding the current window's 'linebreak' adds where a line
+    would wrap there: from the chat window (linebreak on) a request whose lines wrap got a float
+    taller than its rows (seen failing on 0.7.2 and 0.11.4: 7 rows here for 6; the float test above
+    gave 12 for 11 on 0.7.2 when the request's path was 76 characters long). Tabs count to the next
+    tab stop."""
+    lines = ["[a] allow once", " ".join(["words"] * 25), "\tkey\tvalue " + "v" * 70, "```"]
+    code = """
+      local lines, lbr = ...
+      vim.cmd('botright 32vnew')
+      vim.wo.wrap, vim.wo.linebreak = true, lbr
+      local l = require('operate_sidecar.permission').float_layout(lines, 80, 40)
+      vim.cmd('close')
+      return l"""
+    plain, lbr = sv.lua(code, lines, False), sv.lua(code, lines, True)
+    assert plain == lbr, (plain, lbr)
+    expanded = [ln.expandtabs(8) for ln in lines]
+    assert plain["width"] == 76 and plain["height"] == _rows(expanded, 76) == 6, plain
+
+
 def test_typing_the_next_prompt_while_a_turn_streams_keeps_its_undo(sv):
     echo = {"function": "fixture_echo", "arguments": {"text": "r"}}
     sv.new_branch([{"json": {"answer": f"round {i}", "action_requests": [echo]}, "delayMs": 300, "chunks": 3}

@@ -127,17 +127,35 @@ end
 
 --- Where the float of `lines` goes in an editor of `columns` x `rows`: {row, col, width, height}.
 --- The height counts the screen rows of the wrapped lines, so nothing is cut when it fits.
+--- The cells `s` takes in the float (tabs to the next 'tabstop' stop) and whether it holds a
+--- double-width character. Not strdisplaywidth(): that also counts the padding the *current*
+--- window's 'linebreak' adds where the line would wrap there (the chat window has it on), which
+--- made the float taller than its lines.
+local function measure(s, tabstop)
+  local cells, wide = 0, false
+  for i, part in ipairs(vim.split(s, '\t', { plain = true })) do
+    if i > 1 then
+      cells = cells + tabstop - cells % tabstop
+    end
+    local w = api.nvim_strwidth(part)
+    wide = wide or w > vim.fn.strchars(part)
+    cells = cells + w
+  end
+  return cells, wide
+end
+
 function M.float_layout(lines, columns, rows)
+  local tabstop = vim.go.tabstop
   local width = 20
   for _, l in ipairs(lines) do
-    width = math.max(width, vim.fn.strdisplaywidth(l))
+    width = math.max(width, (measure(l, tabstop)))
   end
   width = math.max(math.min(width + 2, columns - 4), 1)
   local need = 0
   for _, l in ipairs(lines) do
-    local cells = vim.fn.strdisplaywidth(l)
+    local cells, wide = measure(l, tabstop)
     -- a double-width character that does not fit at the end of a row starts the next one
-    local per_row = (cells > vim.fn.strchars(l) and width > 1) and width - 1 or width
+    local per_row = (wide and width > 1) and width - 1 or width
     need = need + math.max(1, math.ceil(cells / per_row))
   end
   local height = math.max(math.min(need, rows - 6), 1)
