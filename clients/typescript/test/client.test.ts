@@ -470,9 +470,10 @@ test('a server that writes garbage mid-session: pending and later requests rejec
 });
 
 // answers initialize (and says so on stderr); exits with code 3 on SIGUSR2
+// stderr first: the test kills the stand-in as soon as the answer is read (a line written after it could be lost)
 const ANSWERS_INITIALIZE = `process.on('SIGUSR2', () => process.exit(3));
-${standIn(`send({ jsonrpc: '2.0', id: msg.id, result: { protocolVersion: 1, serverInfo: { name: 'stand-in', version: '0' }, capabilities: {} } });
-    process.stderr.write('stand-in: initialize answered\\n');`)}`;
+${standIn(`process.stderr.write('stand-in: initialize answered\\n');
+    send({ jsonrpc: '2.0', id: msg.id, result: { protocolVersion: 1, serverInfo: { name: 'stand-in', version: '0' }, capabilities: {} } });`)}`;
 
 test('a server that exits right after answering initialize (with a code, by a signal): initialize rejects with SidecarExitedError naming how (not "write EPIPE")', async () => {
   for (const [signal, how] of [['SIGUSR2', 'exit code 3'], ['SIGKILL', 'signal SIGKILL']] as const) {
