@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+# `make test` runs the test files in this many processes (pytest-xdist; a file's tests stay in one
+# process, in order). 2 fits the 2-core CI machine; TEST_JOBS=1 runs everything in one process.
+TEST_JOBS ?= 2
 
 # `make check`: lint plus the tests that need no network, no root, no editor and no model
 # server (they run against the real server process, the scripted and the embedded local model).
@@ -57,14 +60,14 @@ demo: $(STAMP)
 	@$(PY) -m operate_sidecar.clients.python.demo
 
 test: $(STAMP) system-deps
-	@$(PYTEST) --timeout=180 -m "not slow" tests
+	@$(PYTEST) --timeout=180 -m "not slow" -n $(TEST_JOBS) --dist loadfile tests
 
 lint: $(STAMP)
 	@$(PY) -m ruff check .
 
 # the quick local check: lint and the fast tests; no network, no root
 check: lint
-	@$(PYTEST) --timeout=180 -m "not slow" $(CHECK_TESTS)
+	@$(PYTEST) --timeout=180 -m "not slow" -n $(TEST_JOBS) --dist loadfile $(CHECK_TESTS)
 
 bench: $(STAMP)
 	@$(PY) -m bench.run
