@@ -1316,7 +1316,7 @@ def test_a_failed_or_stopped_turn_is_sent_again_with_its_context(sv):
     out = sv.wait_done()
     assert out["err"]["message"] == "provider down", out
     lines = sv.chat(bid)
-    failed = lines.index("**error:** provider down")
+    failed = lines.index("**error:** the model reported an error: provider down")
     assert lines[failed + 1] == RETRY_HINT and lines[failed - 3:failed - 1] == ["_with #buffer (retry.txt)_", ""], lines
     sv.lua("vim.api.nvim_buf_set_lines(vim.fn.bufnr(...), 0, -1, false, {'changed since'})", str(src))
     _capture_levels(sv)
@@ -1329,8 +1329,8 @@ def test_a_failed_or_stopped_turn_is_sent_again_with_its_context(sv):
     assert [c["instruction"] for c in sent] == ["summarise #buffer"], sent
     assert "the context line" in json.dumps(sent[0]["context"]) and "changed" not in json.dumps(sent[0]["context"])
     lines = sv.chat(bid)                                 # the failed turn stays, the new one below it
-    assert lines.count("summarise #buffer") == 2 and lines.index("**error:** provider down") < \
-        lines.index("second try worked"), lines
+    assert lines.count("summarise #buffer") == 2 \
+        and lines.index("**error:** the model reported an error: provider down") < lines.index("second try worked"), lines
     sv.lua("_G.notes = {}")
     sv.send_keys("GR")                                   # after the last turn, which did not fail
     assert sv.lua("return _G.notes") == ["[operate] nothing to retry: R sends a turn that failed or was stopped again"]
@@ -1505,8 +1505,8 @@ def test_failed_and_stopped_turns_stay_in_place_when_the_chat_is_closed_and_open
     sv.wait(f"require('operate_sidecar').current_branch() == '{bid}'", "the branch again")
     lines = sv.chat(bid)
     assert lines == before, lines
-    order = [lines.index(x) for x in ("first", "one", "second", "**error:** provider down", "third", "_cancelled_",
-                                      "fourth", "four")]
+    order = [lines.index(x) for x in ("first", "one", "second", "**error:** the model reported an error: provider down",
+                                      "third", "_cancelled_", "fourth", "four")]
     assert order == sorted(order) and lines.count(RETRY_HINT) == 2, lines
 
 
@@ -1621,7 +1621,8 @@ def test_a_server_stopped_by_sigterm_while_a_review_waits_says_so_and_the_next_m
     shown = _renderings(nv)
     assert shown and not [ln for r in shown for ln in r if "timed out" in ln], shown
     notes = nv.lua("return _G.notes")
-    assert notes[:2] == ["[operate] failed: the server exited with code 1", "[operate] server exited with code 1"], notes
+    assert notes[:2] == ["[operate] the turn did not finish: the server exited with code 1",
+                         "[operate] server exited with code 1"], notes
     assert not any("timed out" in n or n == "[operate] cancelled" for n in notes), notes
     # the next message starts a server again and the branch goes on (its model starts over)
     nv.chat_send("edit it again")
@@ -2027,6 +2028,84 @@ def test_commands_given_words_they_do_not_take_are_refused(sv):
         == "two words"
 
 
+# Server errors reached the user in the wire's words: `:Operate` with a model the server does not
+# have said `createBranch failed: chatModel: unknown model 'nosuch'; configured: s` and then
+# `failed: ...` the same again; `:OperateBranch fork` / `delete` of a branch deleted meanwhile (from
+# another editor) `forkBranch failed: branch not found: <id>`; a model error `failed: provider
+# down`. Each is now one sentence (util.error_text) saying what went wrong and what to do, naming
+# the command, not the request.
+GONE = ("the branch is gone (deleted, from another editor say, or unknown to the server); "
+        ":OperateBranch picks another, :OperateBranch new starts one")
+
+
+def _said(v, command: str, done: str) -> tuple[list[str], list[int]]:
+    """The notifications (and their levels) that `:command` gave, none in protocol words."""
+    _capture_levels(v)
+    v.lua("require('operate_sidecar')._state.last = nil")
+    v.n.command(command)
+    v.wait(done, f"the answer to :{command}")
+    v.lua("vim.wait(300)")                                               # (a second message would come now)
+    notes = v.lua("return _G.notes")
+    for note in notes:
+        for jargon in ("failed:", "invalid params", "createBranch", "forkBranch", "deleteBranch", "-320"):
+            assert jargon not in note, (command, notes)
+    return notes, v.lua("return _G.levels")
+
+
+def test_a_model_the_server_does_not_have_is_one_plain_message_naming_its_models(sv):
+    sv.n.command("tabnew")                                               # (no current branch here)
+    sv.lua("require('operate_sidecar').config.model = 'nosuch'")         # the user's `model`
+    notes, levels = _said(sv, "Operate hello", "require('operate_sidecar')._state.last ~= nil")
+    assert notes == ["[operate] cannot start a branch: the model nosuch is not one of the server's models (s); "
+                     ":OperateModel picks one"], notes
+    assert levels == [sv.lua("return vim.log.levels.ERROR")]
+    assert sv.lua("return require('operate_sidecar').current_branch()") is None
+
+
+def test_fork_and_delete_of_a_branch_deleted_meanwhile_say_it_is_gone_and_what_to_do(sv):
+    bid = sv.new_branch(["unused"], "gonemeanwhile")
+    assert sv.lua("local _, e = require('operate_sidecar').request_sync('deleteBranch', {branchId = ...}, 10000); "
+                  "return e == nil", bid)                                # (as another editor would)
+    notes, levels = _said(sv, "OperateBranch fork", "#_G.notes > 0")
+    assert notes == [f"[operate] cannot fork the branch (:OperateBranch fork): {GONE}"], notes
+    assert levels == [sv.lua("return vim.log.levels.ERROR")]
+    assert sv.lua("return require('operate_sidecar').current_branch()") == bid          # no fork made current
+    notes, levels = _said(sv, "OperateBranch delete", "#_G.notes > 0")
+    assert notes == [f"[operate] cannot delete the branch (:OperateBranch delete): {GONE}"], notes
+
+
+def test_a_model_error_keeps_the_model_text_and_says_how_to_send_it_again(sv):
+    bid = sv.new_branch([{"error": "provider down"}], "modelerror")
+    notes, levels = _said(sv, "Operate hi", "require('operate_sidecar')._state.last ~= nil")
+    assert notes == ["[operate] the turn did not finish: the model reported an error: provider down; "
+                     "R in the chat (:OperateRetry) sends it again"], notes
+    assert levels == [sv.lua("return vim.log.levels.WARN")]
+    assert "**error:** the model reported an error: provider down" in sv.chat(bid), sv.chat(bid)
+
+
+def test_the_documented_error_codes_are_said_in_plain_words_in_one_place(sv):
+    """util.error_text: each code of docs/PROTOCOL.md's table (and the plugin's own) as a sentence;
+    the server's detail kept, its protocol wording ("invalid params:") and the code not."""
+    def text(err: dict) -> str:
+        return sv.lua("return require('operate_sidecar.util').error_text(vim.json.decode(...))", json.dumps(err))
+
+    assert text({"code": -32602, "message": "invalid params: instruct.maxRounds: expected an integer"}) \
+        == "the server refused it: instruct.maxRounds: expected an integer"
+    assert text({"code": -32011, "message": "rate limited", "data": {"refusal": "I can't help with that"}}) \
+        == "the model declined the request: I can't help with that"
+    assert text({"code": -32013, "message": "disk full"}) \
+        == "the change could not be saved in the state directory, so nothing was changed: disk full"
+    assert text({"code": -32010, "message": "reply does not match Answer"}) \
+        == "the model's reply was not in the format asked for: reply does not match Answer"
+    assert text({"code": -32800, "message": "Request cancelled"}) == "cancelled"
+    assert text({"code": -32603, "message": "internal error"}).startswith("the server hit an internal error (a bug")
+    assert text({"code": -32099, "message": "the server exited with code 1"}) == "the server exited with code 1"
+    assert sv.lua("return require('operate_sidecar.util').error_message('cannot list the tools', "
+                  "{code = -32012, message = 'branch not found: x'})") \
+        == ("cannot list the tools: the branch is gone (deleted, from another editor say, or unknown to the "
+            "server); :OperateBranch picks another, :OperateBranch new starts one")
+
+
 def test_unknown_tools_policies_and_branch_ids_to_delete_are_refused_in_plain_words(sv):
     """`:OperateTools edit_file maybe` showed the server's parameter validation
     (`authorizeTool failed: invalid params: decision: expected one of ...`), `:OperateTools nosuch
@@ -2121,7 +2200,7 @@ def test_checkhealth_and_help(nv):
     nv.n.command("help operate-sidecar")
     assert nv.n.current.buffer.name.endswith("operate_sidecar.txt")
     assert "*operate-sidecar*" in nv.n.current.line
-    for tag in ("operate-sidecar-review", ":OperateChat", "operate-sidecar-context"):
+    for tag in ("operate-sidecar-review", ":OperateChat", "operate-sidecar-context", "operate-sidecar-errors"):
         nv.n.command(f"help {tag}")
         assert nv.n.current.buffer.name.endswith("operate_sidecar.txt")
     # `:Operate` without words asks for the instruction: the help says so, not that it is required

@@ -1442,7 +1442,7 @@ function M.send(chat, text, extra)
     turn.usage = run and run.usage
     if err then
       turn.status = err.code == require('operate_sidecar.rpc').codes.cancelled and 'cancelled' or 'error'
-      turn.error = err.message
+      turn.error = util.error_text(err) -- (plain words: no protocol wording)
     else
       turn.status = 'done'
       turn.rounds = type(result) == 'table' and tonumber(result.rounds) or nil

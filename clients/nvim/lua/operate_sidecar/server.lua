@@ -343,7 +343,7 @@ local function start(cb, quiet)
     timer:close()
     if err then
       if not quiet then
-        notify('start failed: ' .. tostring(err.message), vim.log.levels.ERROR)
+        notify(util.error_message('cannot start the server', err), vim.log.levels.ERROR)
       end
       if not client.exited then -- (one that died by itself is reported as such by on_exit)
         client.killed_on_purpose = true
@@ -381,7 +381,7 @@ local function start(cb, quiet)
     end
     client:request('registerClientTools', { tools = specs }, function(rerr)
       if rerr then
-        notify('registerClientTools failed: ' .. tostring(rerr.message), vim.log.levels.WARN)
+        notify(util.error_message('the editor\'s tools (client_tools) were not added', rerr), vim.log.levels.WARN)
       end
       settle(nil)
     end)
@@ -524,11 +524,28 @@ function M.request_sync(method, params, timeout_ms)
   return res, rerr
 end
 
---- M.request where a failure is notified and passed on as cb(err); on_result(res) handles success.
+-- what could not be done, per request, as the user asked for it (not the wire method's name)
+M.CANNOT = {
+  createBranch = 'cannot start a branch',
+  forkBranch = 'cannot fork the branch (:OperateBranch fork)',
+  deleteBranch = 'cannot delete the branch (:OperateBranch delete)',
+  listBranches = 'cannot list the branches',
+  listTools = 'cannot list the tools (:OperateTools)',
+  authorizeTool = 'cannot set the tool\'s policy (:OperateTools)',
+  branchMessages = 'cannot read the branch\'s messages',
+}
+
+--- M.request where a failure is notified (in plain words: util.error_message) and passed on as
+--- cb(err), err marked `notified` (so that a turn it ends does not say it again); on_result(res)
+--- handles success.
 function M.request_or_notify(method, params, cb, on_result)
   M.request(method, params, function(err, res)
     if err then
-      notify(method .. ' failed: ' .. tostring(err.message), vim.log.levels.ERROR)
+      notify(util.error_message(M.CANNOT[method] or ('cannot ' .. method), err), vim.log.levels.ERROR)
+      if type(err) == 'table' then -- (a copy: one failed start's error may reach other callers too)
+        err = util.copy(err)
+        err.notified = true
+      end
       return cb(err)
     end
     on_result(res)
@@ -581,8 +598,10 @@ function M.operate(params, on_done, hooks)
     local secs = ('%.1f s'):format(run.elapsed_ms / 1000)
     if err and err.code == rpc.codes.cancelled then
       notify('cancelled')
+    elseif err and err.notified then -- (said already: a branch that could not be made, say)
     elseif err then
-      notify('failed: ' .. tostring(err.message), vim.log.levels.WARN)
+      local hint = err.code == -32011 and '; R in the chat (:OperateRetry) sends it again' or ''
+      notify('the turn did not finish: ' .. util.error_text(err) .. hint, vim.log.levels.WARN)
     else
       notify('done · ' .. secs)
     end
