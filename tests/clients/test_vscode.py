@@ -231,7 +231,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     summary, report = run_itest_suite(vsix, tmp_path, "(d) extension-host itest")
     TIMINGS["(d) code-server ready"] = round(summary.get("timings", {}).get("codeServerReadyMs", 0) / 1000, 1)
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
-    assert len(report["checks"]) == 39, report["checks"]
+    assert len(report["checks"]) == 41, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -245,7 +245,9 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "the status bar says stopped (why in its tooltip) and its click restarts", "the status bar says stopped; the next turn",
                   "outputText() is the channel's last 200 000 characters",
                   "waiting for your decision says so where you look", "a long chat stays light",
-                  "Delete Branch from the command palette (no argument) asks first"):
+                  "Delete Branch from the command palette (no argument) asks first",
+                  "the chat picker's delete button asks first, the same modal as Delete Branch",
+                  "with two reviews waiting and no diff editor focused: a quick pick names them"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 

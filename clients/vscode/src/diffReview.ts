@@ -61,6 +61,9 @@ export async function previewOf(req: PermissionRequest): Promise<DiffPreview | u
   return undefined;
 }
 
+/** The diff editor's title of a review: the file's name and the tool. */
+function titleOf(p: Pending): string { return `${path.basename(p.preview.path)} ↔ proposed by ${p.req.tool}`; }
+
 export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Disposable {
   private readonly pending = new Map<string, Pending>();
   private readonly texts = new Map<string, string>();
@@ -80,6 +83,10 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
   provideTextDocumentContent(uri: vscode.Uri): string { return this.texts.get(uri.toString()) ?? ''; }
 
   pendingCallIds(): string[] { return [...this.pending.keys()]; }
+  /** The waiting reviews, oldest first: the file, the tool and the title their diff editor shows. */
+  pendingReviews(): { callId: string; path: string; tool: string; title: string }[] {
+    return [...this.pending.entries()].map(([callId, p]) => ({ callId, path: p.preview.path, tool: p.req.tool, title: titleOf(p) }));
+  }
   has(callId: string): boolean { return this.pending.has(callId); }
 
   /** Opens the diff editor and resolves with the user's decision (deny_once when the request is withdrawn). */
@@ -110,8 +117,7 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
       leftUri = vscode.Uri.from({ scheme: PROPOSED_SCHEME, path: p.preview.path + '.empty', query: 'empty' });
       this.texts.set(leftUri.toString(), '');
     }
-    const name = path.basename(p.preview.path);
-    await vscode.commands.executeCommand('vscode.diff', leftUri, p.uri, `${name} ↔ proposed by ${p.req.tool}`, { preview: false });
+    await vscode.commands.executeCommand('vscode.diff', leftUri, p.uri, titleOf(p), { preview: false });
   }
 
   /** `callId` undefined: the review shown in the active diff editor, else the only pending one. */

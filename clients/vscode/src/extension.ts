@@ -552,7 +552,7 @@ class Sidecar {
   }
 
   /**
-   * Deletes a chat (branch). With `{branchId}` (a script, the picker's delete button) at once; without
+   * Deletes a chat (branch). With `{branchId}` (a script) at once; without
    * an argument (the command palette) it is the current chat, and only after the user confirmed it by
    * its name: the conversation is deleted on the server, there is no undo.
    */
@@ -563,7 +563,12 @@ class Sidecar {
       if (arg === undefined) void vscode.window.showInformationMessage('operate-sidecar: there is no chat to delete (the current chat has no messages yet).');
       return false;
     }
-    if (arg === undefined) {
+    return this.removeBranch(client, id, arg === undefined);
+  }
+
+  /** Deletes the branch `id`; `ask`: only after the user confirmed it by its name (a modal; dismissed = kept). */
+  private async removeBranch(client: SidecarClient, id: string, ask: boolean): Promise<boolean> {
+    if (ask) {
       const name = this.branches.nameOf(id)
         ?? (await client.listBranches()).branches.find((b) => b.branchId === id)?.name ?? id.slice(0, 8);
       const answer = await vscode.window.showWarningMessage(`Delete the chat "${name}"?`,
@@ -577,7 +582,7 @@ class Sidecar {
     return true;
   }
 
-  /** Switch to a branch (argument) or pick one (no argument; its buttons fork and delete). */
+  /** Switch to a branch (argument) or pick one (no argument; its buttons fork, and delete once confirmed). */
   async pickBranch(arg?: { branchId?: string }): Promise<string | undefined> {
     const client = await this.ensure();
     if (arg?.branchId) {
@@ -590,7 +595,7 @@ class Sidecar {
     if (choice.action === 'new') { await this.newChat(); return undefined; }
     if (choice.action === 'switch') { await this.branches.setCurrent(choice.branchId); return choice.branchId; }
     if (choice.action === 'fork') return this.forkBranch({ branchId: choice.branchId });
-    await this.deleteBranch({ branchId: choice.branchId });
+    await this.removeBranch(client, choice.branchId!, true);   // the user's click: confirmed first
     return this.branches.current;
   }
 
@@ -631,8 +636,25 @@ class Sidecar {
     return this.chat.send(text, undefined, responseFormat && { responseFormat });
   }
 
-  decideEdit(arg: unknown, decision: PermissionDecision): boolean {
-    const callId = this.review.callIdFor(arg) ?? (arg && typeof arg === 'object' && 'callId' in arg ? String((arg as { callId: unknown }).callId) : undefined);
+  /**
+   * Accept / Reject / Always for an edit review: the one named by the argument, else the one in the
+   * active diff editor, else the only one waiting. Without an argument (the palette, a key) and
+   * several waiting it asks which (a quick pick naming file and tool); with none it says so.
+   */
+  async decideEdit(arg: unknown, decision: PermissionDecision): Promise<boolean> {
+    let callId = this.review.callIdFor(arg) ?? (arg && typeof arg === 'object' && 'callId' in arg ? String((arg as { callId: unknown }).callId) : undefined);
+    if (!callId && arg === undefined) {
+      const waiting = this.review.pendingReviews();
+      if (!waiting.length) {
+        void vscode.window.showInformationMessage('operate-sidecar: no edit is waiting for review.');
+        return false;
+      }
+      const verb = decision.startsWith('allow') ? (decision === 'allow_always' ? 'Always allow' : 'Accept') : 'Reject';
+      const pick = await vscode.window.showQuickPick(
+        waiting.map((r) => ({ label: r.title, description: vscode.workspace.asRelativePath(r.path), detail: `tool: ${r.tool}`, callId: r.callId })),
+        { title: `operate-sidecar: ${verb} which edit?`, placeHolder: `${waiting.length} edits are waiting for review` });
+      callId = pick?.callId;
+    }
     if (!callId) return false;
     return this.chat.decide(callId, decision) || this.review.decide(callId, decision);
   }

@@ -39,14 +39,44 @@ function extensionVscode(ext: vscode.Extension<unknown>): typeof vscode {
 type Step =
   | { input: string | undefined }
   | { pick: (items: any[], options: any, token?: vscode.CancellationToken) => unknown }
-  | { warn: string | undefined };
-interface Prompt { kind: 'input' | 'pick' | 'warn'; items?: any[]; options?: any; token?: vscode.CancellationToken; message?: string }
+  | { warn: string | undefined }
+  /** a createQuickPick picker (the chat picker) once shown: `act` clicks in it through `FakeQuickPick` */
+  | { picker: (qp: FakeQuickPick) => void };
+interface Prompt { kind: 'input' | 'pick' | 'warn' | 'picker'; items?: any[]; options?: any; token?: vscode.CancellationToken; message?: string }
+
+/** What createQuickPick hands the extension while scripted: the properties it sets, its events, and the user's clicks. */
+class FakeQuickPick {
+  title?: string; placeholder?: string; matchOnDetail = false; items: any[] = []; selectedItems: any[] = []; activeItems: any[] = [];
+  private readonly accepted = new vscode.EventEmitter<void>();
+  private readonly hidden = new vscode.EventEmitter<void>();
+  private readonly buttonPressed = new vscode.EventEmitter<{ button: any; item: any }>();
+  readonly onDidAccept = this.accepted.event;
+  readonly onDidHide = this.hidden.event;
+  readonly onDidTriggerItemButton = this.buttonPressed.event;
+  readonly onDidChangeValue = new vscode.EventEmitter<string>().event;
+  readonly onDidChangeActive = new vscode.EventEmitter<any[]>().event;
+  readonly onDidChangeSelection = new vscode.EventEmitter<any[]>().event;
+  readonly onDidTriggerButton = new vscode.EventEmitter<any>().event;
+  disposed = false;
+  constructor(private readonly shown: (qp: FakeQuickPick) => void) {}
+  show(): void { setTimeout(() => this.shown(this), 0); }
+  hide(): void { this.hidden.fire(); }
+  dispose(): void { this.disposed = true; }
+  /** The user clicks the item's button with this tooltip. */
+  press(item: any, tooltip: string): void {
+    const button = (item.buttons as any[] | undefined)?.find((b) => b.tooltip === tooltip);
+    expect(button, `no "${tooltip}" button on ${item.label}`);
+    this.buttonPressed.fire({ button, item });
+  }
+}
 interface ScriptedUi {
   prompts: Prompt[];
   /** options of every withProgress call (passed through to the real one) */
   progress: vscode.ProgressOptions[];
   /** messages of every showErrorMessage call (passed through to the real one) */
   errors: string[];
+  /** messages of every showInformationMessage call (passed through to the real one) */
+  infos: string[];
 }
 /** Restores the real UI functions; set while a script is installed. */
 let restoreUi: (() => void) | undefined;
@@ -59,11 +89,11 @@ let restoreUi: (() => void) | undefined;
 async function withScriptedUi(win: typeof vscode.window, steps: Step[], fn: (ui: ScriptedUi) => Promise<void>): Promise<void> {
   const w = win as any;
   const orig = { showInputBox: w.showInputBox, showQuickPick: w.showQuickPick, withProgress: w.withProgress, showErrorMessage: w.showErrorMessage,
-    showWarningMessage: w.showWarningMessage };
-  const ui: ScriptedUi = { prompts: [], progress: [], errors: [] };
+    showWarningMessage: w.showWarningMessage, showInformationMessage: w.showInformationMessage, createQuickPick: w.createQuickPick };
+  const ui: ScriptedUi = { prompts: [], progress: [], errors: [], infos: [] };
   const problems: string[] = [];
   const queue = [...steps];
-  const next = (kind: 'input' | 'pick' | 'warn'): any => {
+  const next = (kind: 'input' | 'pick' | 'warn' | 'picker'): any => {
     const s = queue[0];
     if (!s || !(kind in s)) { problems.push(`unexpected ${kind} prompt (next step: ${s ? Object.keys(s)[0] : 'none'})`); return undefined; }
     return queue.shift();
@@ -86,6 +116,15 @@ async function withScriptedUi(win: typeof vscode.window, steps: Step[], fn: (ui:
       ui.prompts.push({ kind: 'warn', message, options, items: rest.slice(1) });
       return next('warn')?.warn;
     },
+    /** the chat picker: a FakeQuickPick; once shown, the next `picker` step clicks in it (none: dismissed) */
+    createQuickPick: () => new FakeQuickPick((qp) => {
+      ui.prompts.push({ kind: 'picker', items: qp.items, options: { title: qp.title, placeholder: qp.placeholder } });
+      const s = next('picker');
+      try {
+        if (s) s.picker(qp); else qp.hide();
+      } catch (e) { problems.push(`picker: ${e instanceof Error ? e.message : String(e)}`); qp.hide(); }
+    }),
+    showInformationMessage: (message: string, ...rest: any[]) => { ui.infos.push(message); return orig.showInformationMessage.call(win, message, ...rest); },
     withProgress: (options: vscode.ProgressOptions, task: any) => { ui.progress.push(options); return orig.withProgress.call(win, options, task); },
     showErrorMessage: (message: string, ...rest: any[]) => { ui.errors.push(message); return orig.showErrorMessage.call(win, message, ...rest); },
   };
@@ -405,13 +444,36 @@ export async function run(): Promise<void> {
       await withScriptedUi(win, [], async () => {
         expect(await exec('operateSidecar.deleteBranch') === false, 'no current chat: false');
       });
-      // with an argument (scripts, the picker's delete button) it deletes without asking
+      // with an argument (scripts) it deletes without asking
       const other = await freshBranch('itest-delete-by-id');
       await withScriptedUi(win, [], async () => {
         expect(await exec('operateSidecar.deleteBranch', { branchId: other }) === true && !(await ids()).includes(other), 'deleted by id, unasked');
       });
       if (before) await exec('operateSidecar.pickBranch', { branchId: before });
       expect(api!.currentBranch() === before, `the earlier chat is current again: ${api!.currentBranch()}`);
+    });
+
+    await check('the chat picker\'s delete button asks first, the same modal as Delete Branch: dismissed deletes nothing; "Delete" deletes that chat', async () => {
+      const ids = async () => (await within(client().listBranches(), 'listBranches')).branches.map((b) => b.branchId);
+      const before = api!.currentBranch();
+      const bid = await freshBranch('itest-picker-delete');
+      const pressDelete = (qp: FakeQuickPick) => {
+        const item = qp.items.find((i) => i.branchId === bid);
+        expect(item, `the chat is in the picker: ${JSON.stringify(qp.items.map((i) => i.label))}`);
+        qp.press(item, 'Delete this branch');
+      };
+      await withScriptedUi(win, [{ picker: pressDelete }, { warn: undefined }, { picker: pressDelete }, { warn: 'Delete' }], async (ui) => {
+        await exec('operateSidecar.pickBranch');
+        expect((await ids()).includes(bid), 'dismissed: the chat is kept');
+        expect(api!.currentBranch() === before, `dismissed: the current chat is unchanged: ${api!.currentBranch()}`);
+        await exec('operateSidecar.pickBranch');
+        expect(!(await ids()).includes(bid), 'confirmed: the chat is deleted');
+        const warns = ui.prompts.filter((p) => p.kind === 'warn');
+        expect(JSON.stringify(ui.prompts.map((p) => p.kind)) === '["picker","warn","picker","warn"]' && warns.every((p) =>
+          p.message === 'Delete the chat "itest-picker-delete"?' && p.options?.modal === true && /cannot be undone/.test(p.options?.detail)
+          && JSON.stringify(p.items) === '["Delete"]'), `prompts: ${JSON.stringify(ui.prompts.map((p) => ({ kind: p.kind, message: p.message, options: p.options, items: p.kind === 'warn' ? p.items : undefined })))}`);
+      });
+      expect(api!.currentBranch() === before, `the earlier chat is still current: ${api!.currentBranch()}`);
     });
 
     await check('Cancel on the progress notification: $/cancelRequest, -32800, "cancelled" in the channel, no error message; the server keeps serving', async () => {
@@ -692,6 +754,57 @@ export async function run(): Promise<void> {
       expect(api!.reviews().at(-1)?.decision === 'deny_once', 'review record');
       await within(vscode.window.showTextDocument(doc), 'focus notes.txt');
       await exec('workbench.action.files.revert');
+    });
+
+    await check('Accept / Reject Edit from the palette with two reviews waiting and no diff editor focused: a quick pick names them (file, tool), the chosen one is decided (dismissed: none); one waiting: decided unasked; none: an information message says so', async () => {
+      const files = ['review-a.txt', 'review-b.txt'].map((f) => vscode.Uri.joinPath(folder, f));
+      for (const f of files) fs.writeFileSync(f.fsPath, `${path.basename(f.fsPath)} text\n`);
+      const reviewTabs = () => vscode.window.tabGroups.all.flatMap((g) => g.tabs).filter((t) =>
+        t.input instanceof vscode.TabInputTextDiff && t.input.modified.scheme === 'operate-sidecar-proposed');
+      const runs = await Promise.all(files.map(async (f) => {
+        const name = path.basename(f.fsPath);
+        const model = scripted({ json: { answer: `Editing ${name}.`, action_requests: [{ function: 'edit_file',
+          arguments: { path: name, edits: [{ oldText: 'text', newText: 'TEXT' }] } }] } });
+        return startOperate({ instruction: `edit ${name}`, actions: true, chatModel: model, branchId: await freshBranch(`itest-${name}`), showResult: false });
+      }));
+      const [a, b] = runs;
+      try {
+        await until(() => reviewTabs().length === 2, 'two diff reviews waiting');
+        const notes = await within(vscode.workspace.openTextDocument(notesUri), 'open notes.txt');
+        await within(vscode.window.showTextDocument(notes), 'focus notes.txt (no diff editor)');
+        const labels = ['review-a.txt ↔ proposed by edit_file', 'review-b.txt ↔ proposed by edit_file'];
+        const sameLabels = (items: any[] | undefined) => JSON.stringify((items ?? []).map((i) => i.label).sort()) === JSON.stringify(labels);
+        await withScriptedUi(win, [{ pick: () => undefined }, { pick: (items) => items.find((i) => i.description === 'review-b.txt') }], async (ui) => {
+          expect(await exec('operateSidecar.rejectEdit') === false, 'dismissed quick pick: rejectEdit decided nothing');
+          expect(reviewTabs().length === 2 && !a.s.done && !b.s.done, 'dismissed: both reviews still wait');
+          expect(await exec('operateSidecar.acceptEdit') === true, 'acceptEdit decided the picked review');
+          expect(ui.prompts.length === 2 && ui.prompts.every((p) => p.kind === 'pick' && sameLabels(p.items)
+            && JSON.stringify(p.items!.map((i) => i.description).sort()) === '["review-a.txt","review-b.txt"]'),
+          `the quick pick names the waiting reviews: ${JSON.stringify(ui.prompts.map((p) => p.items?.map((i) => [i.label, i.description])))}`);
+        });
+        await within(b.p, 'the accepted operate ends');
+        expect(!b.s.err && !outputs(b.s.res)[0]?.error, `review-b.txt accepted: ${JSON.stringify(b.s.err ?? b.s.res)}`);
+        expect(!a.s.done, 'review-a.txt still waits');
+        await within(vscode.window.showTextDocument(notes), 'focus notes.txt again');
+        await withScriptedUi(win, [], async () => {
+          expect(await exec('operateSidecar.rejectEdit') === true, 'one waiting: rejectEdit decides it without asking');
+        });
+        await within(a.p, 'the rejected operate ends');
+        expect(!a.s.err && outputs(a.s.res)[0]?.error === 'denied by governance gate', `review-a.txt rejected: ${JSON.stringify(a.s.err ?? a.s.res)}`);
+        await withScriptedUi(win, [], async (ui) => {
+          expect(await exec('operateSidecar.acceptEdit') === false, 'none waiting: false');
+          expect(ui.infos.includes('operate-sidecar: no edit is waiting for review.'), `information message: ${JSON.stringify(ui.infos)}`);
+        });
+      } finally {
+        for (const r of runs) if (!r.s.done) await exec('operateSidecar.cancel');
+        for (const f of files) {
+          const doc = vscode.workspace.textDocuments.find((d) => d.uri.toString() === f.toString());
+          if (doc?.isDirty) { await within(vscode.window.showTextDocument(doc), 'focus'); await exec('workbench.action.files.revert'); }
+          const tabs = vscode.window.tabGroups.all.flatMap((g) => g.tabs).filter((t) => t.input instanceof vscode.TabInputText && t.input.uri.toString() === f.toString());
+          if (tabs.length) await within(vscode.window.tabGroups.close(tabs), 'close its tabs');
+          fs.rmSync(f.fsPath, { force: true });
+        }
+      }
     });
 
     await check('changing a server setting (operateSidecar.toolPolicy) restarts the server by itself and applies it', async () => {
