@@ -82,7 +82,6 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
 
   provideTextDocumentContent(uri: vscode.Uri): string { return this.texts.get(uri.toString()) ?? ''; }
 
-  pendingCallIds(): string[] { return [...this.pending.keys()]; }
   /** The waiting reviews, oldest first: the file, the tool and the title their diff editor shows. */
   pendingReviews(): { callId: string; path: string; tool: string; title: string }[] {
     return [...this.pending.entries()].map(([callId, p]) => ({ callId, path: p.preview.path, tool: p.req.tool, title: titleOf(p) }));

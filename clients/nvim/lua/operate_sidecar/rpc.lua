@@ -14,15 +14,22 @@ local uv = vim.uv or vim.loop
 
 local M = {}
 
--- Error codes used for failures detected on the client side.
+-- Error codes: the server's (docs/PROTOCOL.md, "Error codes") and those of failures detected on
+-- the client side.
 M.codes = {
   server_exited = -32099, -- the process exited (or its stdout closed) before answering
   timeout = -32098, -- request_sync gave up waiting
   stream = -32097, -- the server wrote something that is not a frame
   not_running = -32096, -- a request was made while the server is not running
+  not_initialized = -32002,
   method_not_found = -32601,
+  invalid_params = -32602,
   internal = -32603,
   cancelled = -32800,
+  validation_failed = -32010,
+  model_error = -32011,
+  branch_not_found = -32012,
+  store_failed = -32013,
 }
 
 local function is_null(v)

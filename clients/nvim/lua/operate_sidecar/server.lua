@@ -600,7 +600,7 @@ function M.operate(params, on_done, hooks)
       notify('cancelled')
     elseif err and err.notified then -- (said already: a branch that could not be made, say)
     elseif err then
-      local hint = err.code == -32011 and '; R in the chat (:OperateRetry) sends it again' or ''
+      local hint = err.code == rpc.codes.model_error and '; R in the chat (:OperateRetry) sends it again' or ''
       notify('the turn did not finish: ' .. util.error_text(err) .. hint, vim.log.levels.WARN)
     else
       notify('done · ' .. secs)

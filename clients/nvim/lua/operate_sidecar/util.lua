@@ -229,19 +229,24 @@ end
 
 -- ---------------------------------------------------------------- errors in plain words
 
--- The server's documented error codes (docs/PROTOCOL.md, "Error codes") and the plugin's own
--- (rpc.codes), said as a user would: what went wrong, and what to do about it.
+local codes = require('operate_sidecar.rpc').codes
+
+-- The server's documented error codes and the plugin's own (rpc.codes), said as a user would:
+-- what went wrong, and what to do about it; `detail`: the server's message follows (it carries
+-- the useful part: the model's error text, the reason the change was not saved).
 M.ERRORS = {
-  [-32012] = 'the branch is gone (deleted, from another editor say, or unknown to the server); '
-    .. ':OperateBranch picks another, :OperateBranch new starts one',
-  [-32011] = 'the model reported an error',
-  [-32010] = 'the model\'s reply was not in the format asked for',
-  [-32013] = 'the change could not be saved in the state directory, so nothing was changed',
-  [-32800] = 'cancelled',
-  [-32603] = 'the server hit an internal error (a bug: its log, see :checkhealth operate_sidecar, may say more)',
-  [-32601] = 'the server does not know this request (is it an older operate-sidecar? see :checkhealth operate_sidecar)',
-  [-32002] = 'the server is not ready yet; try again',
-  [-32098] = 'the server did not answer in time',
+  [codes.branch_not_found] = { 'the branch is gone (deleted, from another editor say, or unknown to the server); '
+    .. ':OperateBranch picks another, :OperateBranch new starts one' },
+  [codes.model_error] = { 'the model reported an error', detail = true },
+  [codes.validation_failed] = { 'the model\'s reply was not in the format asked for', detail = true },
+  [codes.store_failed] = { 'the change could not be saved in the state directory, so nothing was changed', detail = true },
+  [codes.cancelled] = { 'cancelled' },
+  [codes.internal] = { 'the server hit an internal error (a bug: its log, see :checkhealth operate_sidecar, may say more)',
+    detail = true },
+  [codes.method_not_found] = { 'the server does not know this request (is it an older operate-sidecar? see '
+    .. ':checkhealth operate_sidecar)' },
+  [codes.not_initialized] = { 'the server is not ready yet; try again' },
+  [codes.timeout] = { 'the server did not answer in time' },
 }
 
 -- protocol wording the user has no use for, stripped from the front of a server's message
@@ -271,24 +276,21 @@ function M.error_text(err)
   end
   local code, msg = err.code, plain(err.message)
   local data = type(err.data) == 'table' and err.data or {}
-  if code == -32011 then
-    if type(data.refusal) == 'string' and data.refusal ~= '' then
-      return 'the model declined the request: ' .. data.refusal
-    end
-    return msg ~= '' and (M.ERRORS[code] .. ': ' .. msg) or M.ERRORS[code]
-  elseif code == -32602 then
+  if code == codes.model_error and type(data.refusal) == 'string' and data.refusal ~= '' then
+    return 'the model declined the request: ' .. data.refusal
+  elseif code == codes.invalid_params then
     -- a model the server does not have (config `model` or `branch.chatModel`, say)
     local name, known = msg:match("unknown model '([^']*)'; configured: (.*)$")
     if name then
       return ('the model %s is not one of the server\'s models (%s); :OperateModel picks one'):format(name, known)
     end
     return msg ~= '' and ('the server refused it: ' .. msg) or 'the server refused it'
-  elseif code == -32012 or code == -32800 or code == -32601 or code == -32002 or code == -32098 then
-    return M.ERRORS[code]
-  elseif M.ERRORS[code] then
-    return msg ~= '' and (M.ERRORS[code] .. ': ' .. msg) or M.ERRORS[code]
   end
-  return msg ~= '' and msg or ('error ' .. tostring(code)) -- (the plugin's own: already in plain words)
+  local known = M.ERRORS[code]
+  if not known then
+    return msg ~= '' and msg or ('error ' .. tostring(code)) -- (the plugin's own: already in plain words)
+  end
+  return (known.detail and msg ~= '') and (known[1] .. ': ' .. msg) or known[1]
 end
 
 --- `what` (what could not be done: 'cannot delete the branch') and why, in plain words.
