@@ -31,11 +31,13 @@ import asyncio
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from acp import RequestError, tool_diff_content, update_agent_message_text, update_agent_thought_text
+from acp import (RequestError, text_block, tool_content, tool_diff_content, update_agent_message_text,
+                 update_agent_thought_text)
 from acp.schema import (ContentToolCallContent, PermissionOption, TextContentBlock, ToolCallLocation, ToolCallProgress,
                         ToolCallStart, ToolCallUpdate)
 from pydantic import ValidationError
@@ -64,6 +66,7 @@ DIFF_FILE_LIMIT = 2 * 1024 * 1024  # larger files get no diff content
 UINT32_MAX = 2**32 - 1            # a location's line is a uint32 in the schema
 NOTICE_LINE_LIMIT = 400           # characters of a warning's first line shown in a notice
 NOTICES_KEPT = 50                 # server-wide warnings kept for sessions' next turns (then the oldest go)
+REFUSED_WRITE_LIMIT = 4000        # characters of a refused write_file's proposed text shown on session/load
 
 
 #: builtin tool → the verb of its title, as editors title their own agents' calls ("Read src/app.py")
@@ -501,8 +504,9 @@ class AcpPort:
     # ------------------------------------------------------------------ a recorded call (session/load)
     def replay_call(self, session_id: str, call_id: str, response: dict) -> tuple[ToolCallStart, ToolCallProgress]:
         """A recorded call (its ``action_response``) as the editor was shown it: its ``tool_call``
-        (title, kind, locations, raw input, diff) and its last ``tool_call_update``. The diff is
-        the one the branch holds (``recorded_diff``): a file is never read for it."""
+        (title, kind, locations, raw input, diff) and its last ``tool_call_update``. The diff (or
+        what a refused write proposed) is what the branch holds (``recorded_diff``): a file is
+        never read for it."""
         args, output = response.get("arguments"), response.get("output")
         info = self.call_info(session_id, str(response.get("function")), args)
         real = self._edited(info, args)
@@ -636,8 +640,10 @@ def recorded_diff(path: str, arguments: dict, output: Any) -> list[Any]:
     as it is now: a ``write_file`` has its whole new text (``content``) and the unified ``diff``
     of its output, which gives the whole old text back (none: the file was created); any other
     call that ran has that diff, one content per hunk (the changed lines with their context).
-    A denied call has its edits' ``oldText`` / ``newText``; a denied ``write_file`` has no old
-    text on record, so no diff (nor has a call that failed: it changed nothing)."""
+    A denied call has its edits' ``oldText`` / ``newText``. A denied ``write_file`` has no old
+    text on record, so no diff (a diff with no old text would tell the editor the file was
+    created): its content is a text block saying the write was refused, with the text it
+    proposed (``refused_write``). A call that failed has none: it changed nothing."""
     from operate_sidecar.server.core.act import DENIED
 
     diff = output.get("diff") if isinstance(output, dict) else None
@@ -652,7 +658,36 @@ def recorded_diff(path: str, arguments: dict, output: Any) -> list[Any]:
     if isinstance(output, dict) and output.get("error") == DENIED and isinstance(arguments.get("edits"), list):
         return [tool_diff_content(path, e["newText"], e["oldText"]) for e in arguments["edits"]
                 if isinstance(e, dict) and isinstance(e.get("oldText"), str) and isinstance(e.get("newText"), str)]
+    if isinstance(output, dict) and output.get("error") == DENIED and isinstance(new, str):
+        return [refused_write(new)]
     return []
+
+
+def refused_write(text: str) -> ContentToolCallContent:
+    """A refused ``write_file`` as ``session/load`` shows it: that the write was refused and the
+    text it proposed, in a code fence (longer than any run of backticks in it), at most
+    ``REFUSED_WRITE_LIMIT`` characters (cut at a line end if one is in its second half), then how much
+    was left out. Live, the user was shown a diff against the file as it was then; that old
+    text is not on record, and the file as it is now is not it."""
+    said = "The write was refused: nothing was written."
+    if not text:
+        return tool_content(text_block(f"{said} The proposed text was empty."))
+    shown, rest = text, ""
+    if len(text) > REFUSED_WRITE_LIMIT:
+        cut = text.rfind("\n", REFUSED_WRITE_LIMIT // 2, REFUSED_WRITE_LIMIT) + 1 or REFUSED_WRITE_LIMIT
+        shown, rest = text[:cut], text[cut:]
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", shown)), default=0))
+    block = shown if shown.endswith("\n") else shown + "\n"
+    body = (f"{said} The proposed text ({_count(len(text.splitlines()), 'line')}, {_count(len(text), 'character')}):"
+            f"\n\n{fence}\n{block}{fence}")
+    if rest:
+        body += (f"\n\n[cut: {_count(len(rest), 'more character')} "
+                 f"({_count(len(rest.splitlines()), 'more line')}) not shown]")
+    return tool_content(text_block(body))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _hunks(diff: str) -> list[tuple[int, list[str], list[str]]]:

@@ -1501,8 +1501,9 @@ def test_a_recorded_diff_is_rebuilt_from_what_the_branch_holds():
     """Edit calls replayed by ``session/load``: a ``write_file`` gets its whole old text back
     from its new text and the diff in its output (a missing newline at the end included); an
     ``edit_file`` that ran, one ``diff`` per hunk; a denied ``edit_file``, its edits; a denied
-    ``write_file`` (no old text on record), none."""
-    from operate_sidecar.server.acp.port import recorded_diff
+    ``write_file`` (no old text on record), no diff but a text saying it was refused, with the
+    text it proposed (cut at ``REFUSED_WRITE_LIMIT``, saying how much was left out)."""
+    from operate_sidecar.server.acp.port import REFUSED_WRITE_LIMIT, recorded_diff
     from operate_sidecar.server.tools.edits import unified_diff
 
     def pairs(content):
@@ -1521,8 +1522,61 @@ def test_a_recorded_diff_is_rebuilt_from_what_the_branch_holds():
     denied = {"error": "denied by governance gate"}
     edits = [{"oldText": "a", "newText": "b"}]
     assert pairs(recorded_diff("/w/f.txt", {"path": "f.txt", "edits": edits}, denied)) == [("a", "b")]
-    assert recorded_diff("/w/f.txt", {"path": "f.txt", "content": "x"}, denied) == []
+    refused, = recorded_diff("/w/f.txt", {"path": "f.txt", "content": "x"}, denied)
+    assert refused.type == "content" and refused.content.text == (
+        "The write was refused: nothing was written. The proposed text (1 line, 1 character):\n\n```\nx\n```")
+    fenced, = recorded_diff("/w/f.txt", {"path": "f.txt", "content": "a ```b```\n"}, denied)
+    assert "\n````\na ```b```\n````" in fenced.content.text  # a fence longer than the text's backticks
+    long = "".join(f"line {i}\n" for i in range(1, 2001))
+    cut, = recorded_diff("/w/f.txt", {"path": "f.txt", "content": long}, denied)
+    shown = long[:long.rindex("\n", 0, REFUSED_WRITE_LIMIT) + 1]  # cut at a line end
+    left = long[len(shown):]
+    assert cut.content.text.endswith(f"\n{shown}```\n\n[cut: {len(left)} more characters "
+                                     f"({len(left.splitlines())} more lines) not shown]"), cut.content.text[-300:]
+    assert f"(2000 lines, {len(long)} characters)" in cut.content.text and len(shown) <= REFUSED_WRITE_LIMIT
     assert recorded_diff("/w/f.txt", {"path": "f.txt", "edits": edits}, {"error": "oldText not found"}) == []
+
+
+def test_load_replays_a_refused_write_with_the_text_it_proposed(tmp_path, ws):
+    """A ``write_file`` the user refused was shown live with its diff; the branch holds no old
+    text for it, so ``session/load`` shows no diff (one with no old text would say the file was
+    created) but says the write was refused and gives the text it proposed, after the restart
+    too; the file is not read for it, and nothing was written."""
+    proposed = "proposed line 1\nproposed line 2\n"
+    config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": proposed}),
+                                      ("write_file", {"path": "new.txt", "content": "brand new\n"})]))
+    state = str(tmp_path / "state")
+
+    async def main():
+        c = RecordingClient("reject_once")
+        async with spawn(c, config, state_dir=state) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+        live = {u.title: u.content for u, _ in c.permissions}  # what the user was asked with: the diffs
+        assert [(x.type, x.old_text, x.new_text) for x in live["Write a.txt"]] == [("diff", "old text\n", proposed)]
+        assert [(x.type, x.old_text, x.new_text) for x in live["Write new.txt"]] == [("diff", None, "brand new\n")]
+        live_last = [u for u in c.of("tool_call_update") if u.status == "failed"]  # the diff, then the error
+        assert [[x.type for x in u.content] for u in live_last] == [["diff", "content"]] * 2
+        (ws / "a.txt").write_text("changed since\n")  # the replay does not read it
+        c2 = RecordingClient()
+        async with spawn(c2, config, state_dir=state) as (conn, _):
+            await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+        titles = {u.tool_call_id: u.title for u in c2.of("tool_call")}
+        assert sorted(titles.values()) == ["Write a.txt", "Write new.txt"]
+        shown = {titles[u.tool_call_id]: u for u in c2.of("tool_call_update")}
+        for title, text in (("Write a.txt", proposed), ("Write new.txt", "brand new\n")):
+            start = next(u for u in c2.of("tool_call") if u.title == title)
+            last = shown[title]
+            assert last.status == "failed" and last.raw_output["error"] == "denied by governance gate"
+            assert [x.type for x in start.content or ()] == ["content"], start.content  # no diff
+            said = [x.content.text for x in last.content or () if x.type == "content"]
+            assert len(said) == 2 and said[0].startswith("The write was refused: nothing was written."), said
+            assert f"```\n{text}```" in said[0], said[0]
+            assert said[1] == "denied by governance gate (denied by the user)"
+            assert "changed since" not in said[0]
+        assert (ws / "a.txt").read_text() == "changed since\n" and not (ws / "new.txt").exists()
+
+    run(main())
 
 
 def test_sessions_are_listed_most_recent_first_within_a_second(tmp_path, ws):
