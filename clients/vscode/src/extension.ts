@@ -48,6 +48,14 @@ class StartAborted extends Error {
   constructor() { super('the server start was stopped'); }
 }
 
+/** Errors the extension has already shown the user (an error notification): `runCommand` does not show them again. */
+const shownErrors = new WeakSet<object>();
+/** Marks `e` as shown to the user; returns it (to be thrown on). */
+function markShown<T>(e: T): T {
+  if (typeof e === 'object' && e !== null) shownErrors.add(e);
+  return e;
+}
+
 /** Arguments of `operateSidecar.operate` (a plain string is the instruction). */
 export interface OperateCommandArgs extends Partial<OperateParams> {
   /** Answer permission requests of this operate with this decision instead of asking. */
@@ -276,11 +284,13 @@ class Sidecar {
     } catch (e) {
       const msg = (e as Error).message;
       this.line(`[server] ${msg}`);
+      const err = new Error(`cannot start the server: ${msg}`);
       if (!this.reportedSettings.has(msg)) {   // once per bad value: every start attempt fails the same way
         this.reportedSettings.add(msg);
         this.notify(`operate-sidecar: ${msg}`, ['Open settings']);
+        markShown(err);
       }
-      throw new Error(`cannot start the server: ${msg}`);
+      throw err;
     }
     const timeoutS = this.intSetting('startupTimeoutSeconds', STARTUP_TIMEOUT_S);
     const settings: JsonObject = { ...(cfg.get<JsonObject>('settings') ?? {}) };
@@ -310,7 +320,7 @@ class Sidecar {
       this.abortStart = undefined;
       const why = spawnProblem(command, e);
       this.notify(`operate-sidecar: ${why}`, ['Open settings']);
-      throw new Error(why);
+      throw markShown(new Error(why));
     }
     if (aborted) { this.abortStart = undefined; client.kill(); throw new StartAborted(); }
     client.onToolEvent((e) => this.onToolEvent(e));
@@ -356,7 +366,7 @@ class Sidecar {
           : e instanceof SidecarExitedError ? `the server exited during start (${e.signal ? `signal ${e.signal}` : `exit code ${e.exitCode}`})`
           : 'the server exited during start';
       this.notify(`operate-sidecar: could not start the server: ${why}${tail ? '\n' + tail : ''}`, ['Show server log', 'Open settings']);
-      throw new Error(`cannot start the server: ${why}${tail ? '\n' + tail : ''}`);
+      throw markShown(new Error(`cannot start the server: ${why}${tail ? '\n' + tail : ''}`));
     } finally {
       this.abortStart = undefined;
     }
@@ -490,13 +500,39 @@ class Sidecar {
       this.line(`=== error: ${msg}`);
       const problem = this.serverProblem(e);
       if (problem) this.notify(`operate-sidecar: ${problem}`, ['Show server log', 'Open settings']);
-      else void vscode.window.showErrorMessage(`operate-sidecar: ${msg}`);
-      throw e;
+      else this.notify(`operate-sidecar: ${msg}`);
+      throw markShown(e);   // shown: the command from the palette resolves (runCommand), a script still gets the error
     } finally {
       this.running.delete(source);
       source.dispose();
       this.updateStatus();
       if (permissionAnswer) this.preAnswers.delete(branchId);
+    }
+  }
+
+  /**
+   * Runs a command's handler: every registration goes through here. A failure is shown to the user
+   * once, by the extension (a notification, recorded in noticeLog): an error it has shown already (a
+   * failed start, a failed operate) is not shown again, any other is shown here when the command was
+   * run from the UI. Run from the UI (no argument: the command palette, a key binding, a view's title
+   * button, the status bar; or the URI an editor's title menu passes) the command then resolves
+   * (undefined): a rejection would make the workbench add its own "Command '…' resulted in an error"
+   * (from the palette a modal dialog) to the extension's message. Run with an argument (a script,
+   * another extension, the tests) it rejects with the error, as before. A start abandoned on purpose
+   * (Restart, Stop, a settings change) is not an error: nothing is shown.
+   */
+  async runCommand(fn: (...a: any[]) => unknown, args: unknown[]): Promise<unknown> {
+    try {
+      return await fn(...args);
+    } catch (e) {
+      const fromUi = args.every((a) => a === undefined || a instanceof vscode.Uri);
+      if (fromUi && !(e instanceof StartAborted) && !shownErrors.has(e as object)) {
+        const msg = e instanceof ResponseError ? `${e.message} (${e.code})` : e instanceof Error ? e.message : String(e);
+        this.notify(`operate-sidecar: ${msg.replace(/^operate-sidecar: /, '')}`);
+        markShown(e);
+      }
+      if (fromUi) return undefined;
+      throw e;
     }
   }
 
@@ -706,8 +742,9 @@ let sidecar: Sidecar | undefined;
 export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
   const s = new Sidecar(ctx);
   sidecar = s;
+  // every command through runCommand: one error message per failure (the extension's), none added by the workbench
   const reg = (id: string, fn: (...a: any[]) => unknown) =>
-    ctx.subscriptions.push(vscode.commands.registerCommand(`operateSidecar.${id}`, fn));
+    ctx.subscriptions.push(vscode.commands.registerCommand(`operateSidecar.${id}`, (...a: unknown[]) => s.runCommand(fn, a)));
   reg('operate', (a?: string | OperateCommandArgs) => s.operate(a));
   reg('cancel', () => s.cancel());
   reg('showMessages', (a?: { branchId?: string; show?: boolean }) => s.showMessages(a));

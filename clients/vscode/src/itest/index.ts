@@ -1140,6 +1140,66 @@ export async function run(): Promise<void> {
         await within(cfg().update('startupTimeoutSeconds', undefined, vscode.ConfigurationTarget.Workspace), 'restore the time-out');
       }
     });
+
+    // The workbench's own "Command '…' resulted in an error" (from the palette a modal dialog) is not
+    // observable from the extension host: what is, is that a command run as the palette runs it (no
+    // argument) resolves, so the palette has no rejection to show, and that the extension showed
+    // exactly one error message of its own (every showErrorMessage of its window is recorded).
+    await check('a command from the palette whose request fails shows one error message, not two: the server cannot start (Operate, List Tools, Restart) or answers an error (Operate on a deleted chat); each resolves (no rejection for the workbench to report again), a script still gets the error', async () => {
+      const good = cfg().get<string[]>('command')!;
+      const before = api!.currentBranch();
+      /** Runs `id` as the command palette does (no argument) and says how it settled. */
+      const fromPalette = (id: string) => Promise.resolve(vscode.commands.executeCommand(`operateSidecar.${id}`))
+        .then((res) => ({ res, err: undefined as unknown }), (err: unknown) => ({ res: undefined, err }));
+      /** `id` from the palette: it resolves, and the extension showed exactly one error message, recorded as one notice. */
+      const once = async (id: string, ui: ScriptedUi, words: RegExp) => {
+        const n0 = api!.notices().length;
+        const e0 = ui.errors.length;
+        const r = await within(fromPalette(id), `${id} from the palette`);
+        expect(r.err === undefined && r.res === undefined,
+          `${id} from the palette resolves, nothing left for the workbench to show again: rejected with ${String((r.err as Error)?.message ?? r.err)}`);
+        await sleep(300);   // a late second message would land here
+        const shown = api!.notices().slice(n0);
+        expect(shown.length === 1 && words.test(shown[0].message), `${id}: one notice in the extension's words: ${JSON.stringify(shown)}`);
+        expect(ui.errors.length - e0 === 1, `${id}: one error message shown: ${JSON.stringify(ui.errors.slice(e0))}`);
+      };
+      await exec('operateSidecar.listTools', {});   // a running server (whatever the checks before left)
+      const n0 = api!.notices().length;
+      try {
+        await within(cfg().update('command', [good[0], '-c', 'import sys; sys.stderr.write("boom: palette start\\n"); sys.exit(3)'],
+          vscode.ConfigurationTarget.Workspace), 'a server that dies at start');   // restarts (and fails, one notice)
+        await until(() => api!.notices().length > n0 && !api!.client(), 'the failed restart', 20_000);
+        await sleep(500);
+        await withScriptedUi(win, [{ input: 'hello from the palette' }], async (ui) => {
+          await once('operate', ui, /boom: palette start/);
+          await once('listTools', ui, /boom: palette start/);
+          await once('restart', ui, /boom: palette start/);
+          expect(ui.prompts.length === 1 && ui.prompts[0].kind === 'input', `prompts: ${JSON.stringify(ui.prompts)}`);
+        });
+        // a script (an argument) still gets the rejection, in the same words
+        let err: any;
+        await exec('operateSidecar.listTools', {}).catch((e: unknown) => { err = e; });
+        expect(/boom: palette start/.test(String(err?.message ?? err)), `a script gets the error: ${err}`);
+      } finally {
+        await within(cfg().update('command', good, vscode.ConfigurationTarget.Workspace), 'restore the command');
+      }
+      await sleep(300);
+      await exec('operateSidecar.listTools', {});
+      // the server answers an error: an operate on a chat it no longer has (deleted underneath, through the protocol)
+      const gone = await freshBranch('itest-gone');
+      const loads = api!.chatStats().loads;
+      await exec('operateSidecar.pickBranch', { branchId: gone });
+      await until(() => api!.chatStats().loads > loads, 'the chat loaded it (before it goes)', 10_000);
+      await within(client().deleteBranch(gone), 'delete it on the server only');
+      expect(api!.currentBranch() === gone, 'the deleted chat is still current in the extension');
+      const start = mark();
+      await withScriptedUi(win, [{ input: 'operate on a deleted chat' }], async (ui) => {
+        await once('operate', ui, /^operate-sidecar: .*-32012/);
+      });
+      expect(since(start).includes('=== error:'), `the channel has the error: ${since(start)}`);
+      if (before) await exec('operateSidecar.pickBranch', { branchId: before });
+      else await exec('operateSidecar.newChat');
+    });
   } catch (e) {
     fatal = e instanceof Error ? e.stack ?? e.message : String(e);
   }
