@@ -1620,9 +1620,10 @@ def test_a_server_stopped_by_sigterm_while_a_review_waits_says_so_and_the_next_m
     # never, not even for a moment before the exit was known, did the card read "timed out"
     shown = _renderings(nv)
     assert shown and not [ln for r in shown for ln in r if "timed out" in ln], shown
-    notes = nv.lua("return _G.notes")
-    assert notes[:2] == ["[operate] the turn did not finish: the server exited with code 1",
-                         "[operate] server exited with code 1"], notes
+    notes = nv.lua("return _G.notes")                   # one message: the exit's (the turn's is in the chat)
+    assert len(notes) == 1 and notes[0].startswith(
+        "[operate] server exited with code 1; the turn did not finish (R in the chat sends it again); "
+        "the next message or :OperateStart starts the server again"), notes
     assert not any("timed out" in n or n == "[operate] cancelled" for n in notes), notes
     # the next message starts a server again and the branch goes on (its model starts over)
     nv.chat_send("edit it again")
@@ -1649,6 +1650,39 @@ def test_a_server_stopped_by_sigterm_mid_turn_ends_the_turn_with_its_exit(nv):
     assert shown and not [ln for r in shown for ln in r if "timed out" in ln or ln == "_cancelled_"], shown
     nv.wait("require('operate_sidecar')._state.exit ~= nil", "the exit to be recorded")
     assert nv.lua("return require('operate_sidecar').status().running") is False
+
+
+def test_a_server_dying_mid_turn_with_a_request_waiting_is_one_message_saying_how_to_start_it_again(nv):
+    """The server dies (SIGKILL) while a turn runs and a request waits for its answer
+    (:OperateBranch list, sent while the process is stopped): one warning says how it ended,
+    that the turn did not finish, how to start it again and its last log lines; neither the
+    turn nor the request says it again (it was three messages). The chat marks the turn failed."""
+    st = _a_model_call_waits(nv)
+    log = nv.xdg["XDG_CACHE_HOME"] / "nvim" / "operate-sidecar.log"
+    with log.open("a") as f:                                # a line this server process "wrote"
+        f.write("LAST WORDS of the dying server\n")
+    _capture_levels(nv)
+    os.kill(st["pid"], signal.SIGSTOP)                       # (it reads nothing more: the request waits)
+    nv.n.command("OperateBranch list")
+    nv.lua("vim.wait(200)")
+    assert nv.lua("return _G.notes") == []
+    os.kill(st["pid"], signal.SIGKILL)
+    nv.wait("require('operate_sidecar')._state.exit ~= nil and require('operate_sidecar')._state.last ~= nil",
+            "the exit and the end of the turn")
+    nv.lua("vim.wait(500)")                                  # (a second message would come now)
+    notes, levels = nv.lua("return _G.notes"), nv.lua("return _G.levels")
+    assert notes == ["[operate] server was killed by signal 9 (SIGKILL); the turn did not finish (R in the chat "
+                     "sends it again); the next message or :OperateStart starts the server again; its log ends:\n"
+                     "LAST WORDS of the dying server"], notes
+    assert levels == [nv.lua("return vim.log.levels.WARN")], levels
+    assert nv.last()["err"]["message"] == "the server was killed by signal 9 (SIGKILL)"
+    lines = nv.chat()
+    assert "**error:** the server was killed by signal 9 (SIGKILL)" in lines and RETRY_HINT in lines, lines
+    assert nv.lua("return require('operate_sidecar').status().running") is False
+    # without auto_start, only :OperateStart starts it again, and the notice says so
+    nv.lua("require('operate_sidecar').config.auto_start = false")
+    assert nv.lua("return require('operate_sidecar.util').exit_notice({code = 1, abnormal = true}, {})") == \
+        "server exited with code 1; :OperateStart starts the server again"
 
 
 def test_operate_stop_while_a_request_waits_says_cancelled_and_the_server_stays_stopped(nv):
@@ -1718,9 +1752,9 @@ def test_a_server_killed_by_a_signal_is_a_warning_with_its_log_tail(nv):
     exit_ = nv.lua("return require('operate_sidecar')._state.exit")
     assert exit_["code"] == 0 and exit_["signal"] == 9, exit_               # (what libuv reports for a kill)
     notes, levels = nv.lua("return _G.notes"), nv.lua("return _G.levels")
-    warn = [n for n in notes if n.startswith("[operate] server ")]
-    assert len(warn) == 1 and warn[0].startswith("[operate] server was killed by signal 9 (SIGKILL):\n"), notes
-    assert "LAST WORDS of the killed server" in warn[0]
+    assert len(notes) == 1 and notes[0].startswith("[operate] server was killed by signal 9 (SIGKILL); "), notes
+    warn = notes
+    assert "; its log ends:\n" in warn[0] and "LAST WORDS of the killed server" in warn[0].split("\n", 1)[1]
     assert levels[notes.index(warn[0])] == nv.lua("return vim.log.levels.WARN")
     assert not any("server stopped" in n for n in notes)
     nv.n.command("checkhealth operate_sidecar")                          # :checkhealth tells it too
@@ -1738,9 +1772,11 @@ def test_the_exit_warning_shows_only_this_server_process_log_lines(nv):
         nv.lua("require('operate_sidecar').config.cmd = ...", [sys.executable, "-c", prog])
         nv.lua("_G.notes = {}; require('operate_sidecar')._state.exit = nil")
         nv.n.command("OperateStart")
-        nv.wait("require('operate_sidecar')._state.exit ~= nil and #_G.notes >= 2", f"the {session} server to exit")
-        warn = [n for n in nv.lua("return _G.notes") if n.startswith("[operate] server exited")]
-        assert warn == [f"[operate] server exited with code 3:\n{session} SESSION: failure"], nv.lua("return _G.notes")
+        nv.wait("require('operate_sidecar')._state.exit ~= nil and #_G.notes >= 1", f"the {session} server to exit")
+        nv.lua("vim.wait(300)")                                        # (a second message would come now)
+        assert nv.lua("return _G.notes") == [                          # one: not "cannot start the server" too
+            f"[operate] server exited with code 3 while starting; the next message or :OperateStart tries again; "
+            f"its log ends:\n{session} SESSION: failure"], nv.lua("return _G.notes")
     nv.n.command("checkhealth operate_sidecar")
     report = "\n".join(nv.n.current.buffer[:])
     assert "the server exited with code 3" in report and "SECOND SESSION: failure" in report, report

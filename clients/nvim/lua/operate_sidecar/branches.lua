@@ -237,7 +237,7 @@ function M.pick_model(cb)
   cb = cb or function() end
   server.when_ready(function(err)
     if err then
-      notify(util.error_message('cannot list the models', err), vim.log.levels.ERROR)
+      util.notify_failure(util.error_message('cannot list the models', err), err, vim.log.levels.ERROR)
       return cb(nil)
     end
     local models = util.copy(server.models())
@@ -298,7 +298,7 @@ function M.choose_model(name, cb)
   cb = cb or function() end
   server.when_ready(function(err)
     if err then
-      notify(util.error_message('cannot list the models', err), vim.log.levels.ERROR)
+      util.notify_failure(util.error_message('cannot list the models', err), err, vim.log.levels.ERROR)
       return cb(err)
     end
     local models = util.copy(server.models())

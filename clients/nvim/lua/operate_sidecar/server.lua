@@ -230,8 +230,6 @@ local function last_log_lines(n)
 end
 M.last_log_lines = last_log_lines
 
-local signal_label = rpc.signal_label
-
 --- How a process ended, for messages: "exited with code 3", "was killed by signal 9 (SIGKILL)".
 M.describe_exit = rpc.describe_exit
 
@@ -253,14 +251,11 @@ local function on_exit(client, code, signal)
   end
   flush_queue({ code = rpc.codes.server_exited, message = 'operate-sidecar exited during start-up' })
   require('operate_sidecar.permission').server_gone()
-  if not abnormal then
-    notify(('server stopped (%s)'):format((signal and signal ~= 0) and signal_label(signal)
-      or ('code ' .. tostring(code))))
-  else
-    local tail = last_log_lines(was_ready and 3 or 8)
-    notify(('server %s%s'):format(M.describe_exit(code, signal),
-      #tail > 0 and (':\n' .. table.concat(tail, '\n')) or ''), vim.log.levels.WARN)
-  end
+  -- the one message of this end: the requests and the turn it ended are not notified (util.told_by_exit)
+  local run = S.running
+  notify(util.exit_notice(S.exit, { starting = not was_ready,
+    turn = client.ended_turn or (run ~= nil and run.client == client),
+    tail = abnormal and last_log_lines(was_ready and 3 or 8) or nil }))
   S.stopping = false
   event('OperateSidecarExit')
   local after = S.after_exit
@@ -343,7 +338,7 @@ local function start(cb, quiet)
     timer:close()
     if err then
       if not quiet then
-        notify(util.error_message('cannot start the server', err), vim.log.levels.ERROR)
+        util.notify_failure(util.error_message('cannot start the server', err), err, vim.log.levels.ERROR)
       end
       if not client.exited then -- (one that died by itself is reported as such by on_exit)
         client.killed_on_purpose = true
@@ -381,7 +376,8 @@ local function start(cb, quiet)
     end
     client:request('registerClientTools', { tools = specs }, function(rerr)
       if rerr then
-        notify(util.error_message('the editor\'s tools (client_tools) were not added', rerr), vim.log.levels.WARN)
+        util.notify_failure(util.error_message('the editor\'s tools (client_tools) were not added', rerr), rerr,
+          vim.log.levels.WARN)
       end
       settle(nil)
     end)
@@ -541,7 +537,8 @@ M.CANNOT = {
 function M.request_or_notify(method, params, cb, on_result)
   M.request(method, params, function(err, res)
     if err then
-      notify(util.error_message(M.CANNOT[method] or ('cannot ' .. method), err), vim.log.levels.ERROR)
+      util.notify_failure(util.error_message(M.CANNOT[method] or ('cannot ' .. method), err), err,
+        vim.log.levels.ERROR)
       if type(err) == 'table' then -- (a copy: one failed start's error may reach other callers too)
         err = util.copy(err)
         err.notified = true
@@ -561,7 +558,8 @@ M.EXIT_WAIT_MS = 5000
 --- Run `operate`. params: the operate params (branchId defaults to the current branch; a
 --- workDoneToken is added). hooks: {on_start(run), on_delta(delta, run), on_phase(phase, run,
 --- message) (a new phase, or a new message of one other than `stream`), on_tool_event(e, run)}.
---- on_done(err, result, run). One notification tells how it ended.
+--- on_done(err, result, run). One notification tells how it ended (ended by the server's end:
+--- that end's notice, util.exit_notice).
 function M.operate(params, on_done, hooks)
   on_done = on_done or function() end
   local branches = require('operate_sidecar.branches')
@@ -598,6 +596,11 @@ function M.operate(params, on_done, hooks)
     local secs = ('%.1f s'):format(run.elapsed_ms / 1000)
     if err and err.code == rpc.codes.cancelled then
       notify('cancelled')
+    elseif util.told_by_exit(err) then -- (the server's exit notice says it, and that this turn ended)
+      local c = run.client or S.client
+      if c then
+        c.ended_turn = true
+      end
     elseif err and err.notified then -- (said already: a branch that could not be made, say)
     elseif err then
       local hint = err.code == rpc.codes.model_error and '; R in the chat (:OperateRetry) sends it again' or ''

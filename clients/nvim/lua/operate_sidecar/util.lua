@@ -229,7 +229,8 @@ end
 
 -- ---------------------------------------------------------------- errors in plain words
 
-local codes = require('operate_sidecar.rpc').codes
+local rpc = require('operate_sidecar.rpc')
+local codes = rpc.codes
 
 -- The server's documented error codes and the plugin's own (rpc.codes), said as a user would:
 -- what went wrong, and what to do about it; `detail`: the server's message follows (it carries
@@ -296,6 +297,55 @@ end
 --- `what` (what could not be done: 'cannot delete the branch') and why, in plain words.
 function M.error_message(what, err)
   return what .. ': ' .. M.error_text(err)
+end
+
+-- ---------------------------------------------------------------- the server's end
+
+-- One message per server process that ends: its exit notice (exit_notice, from server.lua's
+-- on_exit) says how it ended, what it ended and how to start it again. A request or turn that
+-- failed because the process ended (-32099, rpc.exit_error) is not notified as well: its caller
+-- notifies through notify_failure (the chat still marks the turn failed, with the same words).
+
+--- Whether the failure err is told by the server's exit notice (the process ended before it
+--- answered), so that its caller says nothing more.
+function M.told_by_exit(err)
+  return type(err) == 'table' and err.code == codes.server_exited
+end
+
+--- Notify `text`, the message of the failure err, at `level`; nothing when the server's exit
+--- notice tells it (told_by_exit).
+function M.notify_failure(text, err, level)
+  if not M.told_by_exit(err) then
+    M.notify(text, level)
+  end
+end
+
+--- The notice of a server process's end: text, level. exit: {code, signal, stopped, abnormal}
+--- (server.lua's state.exit); ctx: {starting (it ended before it was ready), turn (a turn ended
+--- with it), tail (the last lines it wrote to the log)}. A server stopped on purpose (:OperateStop)
+--- is just that; any other end says how, what did not finish, and how to start it again.
+function M.exit_notice(exit, ctx)
+  local signaled = exit.signal ~= nil and exit.signal ~= 0
+  local how = signaled and rpc.signal_label(exit.signal) or ('code ' .. tostring(exit.code))
+  if exit.stopped then
+    return ('server stopped (%s)'):format(how), vim.log.levels.INFO
+  end
+  local parts = { exit.abnormal and ('server ' .. rpc.describe_exit(exit.code, exit.signal))
+    or ('server stopped (' .. how .. ')') }
+  if ctx.starting then
+    parts[1] = parts[1] .. ' while starting'
+  end
+  if ctx.turn then
+    parts[#parts + 1] = 'the turn did not finish (R in the chat sends it again)'
+  end
+  local again = ctx.starting and 'tries again' or 'starts the server again'
+  parts[#parts + 1] = (config.values.auto_start and 'the next message or :OperateStart ' or ':OperateStart ') .. again
+  local text = table.concat(parts, '; ')
+  local tail = exit.abnormal and ctx.tail or {}
+  if #tail > 0 then
+    text = text .. '; its log ends:\n' .. table.concat(tail, '\n')
+  end
+  return text, exit.abnormal and vim.log.levels.WARN or vim.log.levels.INFO
 end
 
 return M
