@@ -340,6 +340,7 @@ class Sidecar {
       if (!this.stopping && initialized) {
         await new Promise((r) => setTimeout(r, 100));   // let the last stderr lines arrive
         if (!this.client) this.serverDown(`it exited (${code})${this.tailLines() ? '\n' + this.tailLines() : ''}`);
+        // the one message of this death: what failed with it shows none of its own (reportedByExit)
         this.notify(`operate-sidecar: the server stopped (exit ${code}).${this.tailLines() ? '\n' + this.tailLines() : ''}`,
           ['Show server log', 'Open settings']);
       }
@@ -498,9 +499,11 @@ class Sidecar {
         return undefined;
       }
       this.line(`=== error: ${msg}`);
-      const problem = this.serverProblem(e);
-      if (problem) this.notify(`operate-sidecar: ${problem}`, ['Show server log', 'Open settings']);
-      else this.notify(`operate-sidecar: ${msg}`);
+      if (!this.reportedByExit(e)) {   // the server died under it: its exit notice is the one message
+        const problem = this.serverProblem(e);
+        if (problem) this.notify(`operate-sidecar: ${problem}`, ['Show server log', 'Open settings']);
+        else this.notify(`operate-sidecar: ${msg}`);
+      }
       throw markShown(e);   // shown: the command from the palette resolves (runCommand), a script still gets the error
     } finally {
       this.running.delete(source);
@@ -508,6 +511,22 @@ class Sidecar {
       this.updateStatus();
       if (permissionAnswer) this.preAnswers.delete(branchId);
     }
+  }
+
+  /**
+   * Whether `e` is a request that failed because the server died while it ran, a death the exit
+   * handler (see start()) reports: "the server stopped (exit N)", how it ended, its last stderr lines,
+   * Show server log and Open settings. One message per death: what failed with it (a running Operate,
+   * a command's request) shows nothing of its own; it is still logged to the output channel, still
+   * rejects for a script, and a chat turn is still marked failed in the chat (the chat shows no
+   * notification of its own). The death is a SidecarExitedError, or, when it came just as the request
+   * was being sent (its stdout already closed, its exit not yet reported), vscode-jsonrpc's "Connection
+   * is closed.". Not when the server is being stopped on purpose (Stop, Restart, a settings change):
+   * the exit handler is silent then, so the error is shown as before.
+   */
+  private reportedByExit(e: unknown): boolean {
+    const died = e instanceof SidecarExitedError || (e instanceof Error && e.message === 'Connection is closed.');
+    return died && !this.stopping;
   }
 
   /**
@@ -526,7 +545,7 @@ class Sidecar {
       return await fn(...args);
     } catch (e) {
       const fromUi = args.every((a) => a === undefined || a instanceof vscode.Uri);
-      if (fromUi && !(e instanceof StartAborted) && !shownErrors.has(e as object)) {
+      if (fromUi && !(e instanceof StartAborted) && !shownErrors.has(e as object) && !this.reportedByExit(e)) {
         const msg = e instanceof ResponseError ? `${e.message} (${e.code})` : e instanceof Error ? e.message : String(e);
         this.notify(`operate-sidecar: ${msg.replace(/^operate-sidecar: /, '')}`);
         markShown(e);

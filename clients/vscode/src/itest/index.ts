@@ -1200,6 +1200,71 @@ export async function run(): Promise<void> {
       if (before) await exec('operateSidecar.pickBranch', { branchId: before });
       else await exec('operateSidecar.newChat');
     });
+
+    // A server that dies while a request runs is one event: its exit notice (the server stopped, how,
+    // its last stderr lines, Show server log / Open settings) is the one error message; the Operate
+    // (or the chat turn) that failed with it shows none of its own (it did: "The operate-sidecar
+    // server is not running (… exited (signal SIGKILL) before answering operate …)" as a second one).
+    await check('the server dies during an Operate from the palette: one error message, the exit notice (the server stopped, how, its last stderr lines, Show server log and Open settings), not also the Operate\'s own; the Operate resolves, the channel has its error; a chat turn the same, the turn marked failed', async () => {
+      const before = api!.currentBranch();
+      const logLine = "No module named 'no_such_module_xyz'";   // the server's last stderr line (a broken tool module)
+      /** A fresh server whose stderr ends with its warning about the broken tool module. */
+      const freshServer = async () => {
+        const m = mark();
+        await exec('operateSidecar.restart');
+        await exec('operateSidecar.listTools', {});
+        await until(() => since(m).includes('no_such_module_xyz'), 'the server warned about the broken tool module');
+        return client();
+      };
+      /** `run` starts a request on `c`; the server is killed once `running()`; exactly one notice follows: the exit notice. */
+      const oneNotice = async (what: string, c: ReturnType<typeof client>, ui: ScriptedUi, run: () => Promise<void>, running: () => boolean) => {
+        const n0 = api!.notices().length;
+        const e0 = ui.errors.length;
+        const done = run();
+        await until(running, `${what} runs`);
+        await sleep(500);   // its operate request sent (the model answers after 2 minutes)
+        c.process.kill('SIGKILL');
+        await within(done, `${what} ends`, 15_000);
+        await until(() => api!.notices().length > n0, `${what}: the exit notice`, 10_000);
+        await sleep(600);   // a late second message would land here
+        const shown = api!.notices().slice(n0);
+        expect(shown.length === 1, `${what}: one notice per death: ${JSON.stringify(shown)}`);
+        const [n] = shown;
+        expect(/^operate-sidecar: the server stopped \(exit SIGKILL\)\./.test(n.message) && n.message.split(logLine).length - 1 === 1
+          && JSON.stringify(n.actions) === '["Show server log","Open settings"]', `${what}: the exit notice says how, with the stderr lines and buttons: ${JSON.stringify(n)}`);
+        expect(ui.errors.length - e0 === 1, `${what}: one error message shown: ${JSON.stringify(ui.errors.slice(e0))}`);
+        await until(() => api!.statusItem().text === '$(error) operate-sidecar: stopped', `${what}: the status bar says stopped`);
+      };
+      // Operate from the palette (no argument: the input box), on a chat whose model answers after 2 minutes
+      let c = await freshServer();
+      await exec('operateSidecar.newBranch', { name: 'itest-dies', chatModel: 'slow' });
+      const start = mark();
+      await withScriptedUi(win, [{ input: 'the server dies during this operate' }], async (ui) => {
+        let r: { res?: unknown; err?: unknown } = {};
+        await oneNotice('Operate from the palette', c, ui, async () => {
+          r = await Promise.resolve(vscode.commands.executeCommand('operateSidecar.operate'))
+            .then((res) => ({ res }), (err: unknown) => ({ err }));
+        }, () => since(start).includes('=== operate ['));
+        expect(r.err === undefined && r.res === undefined, `the Operate from the palette resolves: ${JSON.stringify(r)} ${String((r.err as Error)?.message ?? '')}`);
+      });
+      expect(/=== error: .*SIGKILL/.test(since(start)), `the channel has the Operate's error: ${since(start)}`);
+      // a chat turn: marked failed in the chat, naming the crash; the exit notice is the one message
+      c = await freshServer();
+      await exec('operateSidecar.pickModel', 'slow');
+      await exec('operateSidecar.newChat');
+      await withScriptedUi(win, [], async (ui) => {
+        let res: any;
+        await oneNotice('a chat turn', c, ui, async () => { res = await vscode.commands.executeCommand<any>('operateSidecar.chat', 'the server dies during this turn'); },
+          () => api!.chatStats().running && !!api!.currentBranch());
+        expect(!res?.cancelled && /SIGKILL/.test(res?.error ?? ''), `the turn failed naming the crash: ${JSON.stringify(res)}`);
+      });
+      const turns = api!.chatTurns();
+      expect(turns.length === 1 && turns[0].outcome === 'failed' && /SIGKILL/.test(turns[0].error ?? ''), `the chat marks the turn failed: ${JSON.stringify(turns)}`);
+      await exec('operateSidecar.pickModel', '');
+      await exec('operateSidecar.listTools', {});   // a server again
+      if (before) await exec('operateSidecar.pickBranch', { branchId: before });
+      else await exec('operateSidecar.newChat');
+    });
   } catch (e) {
     fatal = e instanceof Error ? e.stack ?? e.message : String(e);
   }
