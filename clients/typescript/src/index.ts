@@ -336,10 +336,12 @@ export class SidecarClient {
     const linked = token?.onCancellationRequested(cancel);
     if (token?.isCancellationRequested) cancel();
     this.unanswered.add(cancel);
-    const sent = this.connection.sendRequest<R>(method, params, source.token);
     const gone = this.exitInfo.then((info) => { throw new SidecarExitedError(method, info); });
     gone.catch(() => { /* handled by the race below */ });
     try {
+      // (sendRequest throws at once, "Connection is closed.", when the server's output has ended and its exit is not
+      // reported yet: the same transport error as a failed write, said as how the server ended)
+      const sent = this.connection.sendRequest<R>(method, params, source.token);
       return await Promise.race([sent, gone]);
     } catch (e) {
       if (e instanceof SidecarExitedError) throw e;

@@ -469,6 +469,27 @@ test('a server that writes garbage mid-session: pending and later requests rejec
   } finally { c.kill(); }
 });
 
+// answers initialize, then on `initialized` closes its output and exits with code 4 a moment later: the client sees
+// its output end while the process still runs
+const CLOSES_OUTPUT = standIn(`send({ jsonrpc: '2.0', id: msg.id, result: { protocolVersion: 1, serverInfo: { name: 'stand-in', version: '0' }, capabilities: {} } });`)
+  .replace("if (msg.id === undefined) continue;", "if (msg.method === 'initialized') { process.stderr.write('stand-in: closing stdout\\n'); require('fs').closeSync(1); setTimeout(() => process.exit(4), 300); }\n    if (msg.id === undefined) continue;");
+
+test('a request sent after the server closed its output, its exit not reported yet, fails naming how it ended (not "Connection is closed.")', async () => {
+  const c = await SidecarClient.start({ command: [process.execPath, '-e', CLOSES_OUTPUT] });
+  try {
+    const closed = new Promise<void>((r) => c.connection.onClose(() => r()));
+    await within(c.initialize({}), 'initialize');
+    await within(closed, 'the connection closes when the output ends');
+    assert.equal(c.running, true, 'the process still runs when the request is sent');
+    const err = await within(c.request('listBranches').then(() => undefined, (e) => e), 'a request after the output ended');
+    assert.ok(err instanceof SidecarExitedError, `expected SidecarExitedError, got ${err}`);
+    assert.equal(err.exitCode, 4);
+    assert.match(err.message, /^operate-sidecar: the server exited \(exit code 4\) before answering listBranches/);
+    assert.match(err.stderrTail, /stand-in: closing stdout/);
+    assert.doesNotMatch(err.message, /Connection is/);
+  } finally { c.kill(); }
+});
+
 // answers initialize (and says so on stderr); exits with code 3 on SIGUSR2
 // stderr first: the test kills the stand-in as soon as the answer is read (a line written after it could be lost)
 const ANSWERS_INITIALIZE = `process.on('SIGUSR2', () => process.exit(3));

@@ -519,14 +519,13 @@ class Sidecar {
    * Show server log and Open settings. One message per death: what failed with it (a running Operate,
    * a command's request) shows nothing of its own; it is still logged to the output channel, still
    * rejects for a script, and a chat turn is still marked failed in the chat (the chat shows no
-   * notification of its own). The death is a SidecarExitedError, or, when it came just as the request
-   * was being sent (its stdout already closed, its exit not yet reported), vscode-jsonrpc's "Connection
-   * is closed.". Not when the server is being stopped on purpose (Stop, Restart, a settings change):
-   * the exit handler is silent then, so the error is shown as before.
+   * notification of its own). The death is a SidecarExitedError (the client says so also for a request
+   * sent just after the server's output ended, before its exit was reported). Not when the server is
+   * being stopped on purpose (Stop, Restart, a settings change): the exit handler is silent then, so
+   * the error is shown as before.
    */
   private reportedByExit(e: unknown): boolean {
-    const died = e instanceof SidecarExitedError || (e instanceof Error && e.message === 'Connection is closed.');
-    return died && !this.stopping;
+    return e instanceof SidecarExitedError && !this.stopping;
   }
 
   /**
