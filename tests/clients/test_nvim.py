@@ -1785,6 +1785,74 @@ def test_the_exit_warning_shows_only_this_server_process_log_lines(nv):
     assert "EARLIER EDITOR" in text and "FIRST SESSION" in text and "SECOND SESSION" in text
 
 
+# A server command that starts but never answers `initialize` (it says one line on stderr).
+HUNG = "import sys, time; sys.stderr.write('HUNG SERVER: reading nothing\\n'); sys.stderr.flush(); time.sleep(120)"
+
+
+def test_a_server_that_does_not_answer_in_time_is_one_error_saying_so_and_what_to_check(nv):
+    """A start that times out (the plugin then kills the server) is one error: it did not answer
+    within request_timeout and was stopped, what to check, its log tail; not "cannot start the
+    server: ..." and then "server stopped (SIGKILL)"."""
+    nv.setup(["unused"])
+    cmd = [sys.executable, "-c", HUNG]
+    nv.lua("local c = require('operate_sidecar').config; c.cmd = ...; c.request_timeout = 1500", cmd)
+    _capture_levels(nv)
+    error_level = nv.lua("return vim.log.levels.ERROR")
+    turn = "the turn did not finish (R in the chat sends it again); "
+    for command, ended in (("OperateStart", ""), ("Operate hello", turn)):
+        nv.lua("_G.notes, _G.levels = {}, {}; require('operate_sidecar')._state.exit = nil")
+        nv.n.command(command)
+        nv.wait("require('operate_sidecar')._state.exit ~= nil and #_G.notes >= 1", f"the start of :{command} "
+                "to time out")
+        nv.lua("vim.wait(500)")                                        # (a second message would come now)
+        assert nv.lua("return _G.notes") == [
+            f"[operate] server did not answer within 1.5 s (request_timeout) and was stopped; {ended}"
+            f"check that the server command (cmd: {' '.join(cmd)}) starts operate-sidecar; "
+            "the next message or :OperateStart tries again; its log ends:\nHUNG SERVER: reading nothing"
+        ], f":{command}"
+        assert nv.lua("return _G.levels") == [error_level]
+        assert nv.lua("return require('operate_sidecar').status().running") is False
+    assert nv.last()["err"]["code"] == -32098
+    assert "**error:** the server did not answer in time" in nv.chat(nv.last()["branchId"] or None)
+    nv.n.command("checkhealth operate_sidecar")                          # :checkhealth tells it too
+    report = "\n".join(nv.n.current.buffer[:])
+    assert "server did not answer within 1.5 s (request_timeout) and was stopped" in report, report
+
+
+def test_a_server_that_refuses_to_start_is_one_error(nv):
+    """initialize answered with an error: the plugin kills the server; one message says why."""
+    nv.setup(["unused"])
+    body = json.dumps({"jsonrpc": "2.0", "id": 1,
+                       "error": {"code": -32602, "message": "invalid params: protocolVersion 1 is not supported"}})
+    prog = (f"import sys, time; b = {body!r}; sys.stdout.write('Content-Length: %d\\r\\n\\r\\n%s' % (len(b), b)); "
+            "sys.stdout.flush(); time.sleep(120)")
+    nv.lua("require('operate_sidecar').config.cmd = ...", [sys.executable, "-c", prog])
+    _capture_levels(nv)
+    nv.n.command("OperateStart")
+    nv.wait("require('operate_sidecar')._state.exit ~= nil and #_G.notes >= 1", "the refused start")
+    nv.lua("vim.wait(500)")
+    assert nv.lua("return _G.notes") == [
+        "[operate] server could not start and was stopped: the server refused it: protocolVersion 1 is not "
+        "supported; the next message or :OperateStart tries again"], nv.lua("return _G.notes")
+    assert nv.lua("return _G.levels") == [nv.lua("return vim.log.levels.ERROR")]
+
+
+def test_operate_stop_while_the_server_starts_is_one_message(nv):
+    """:OperateStop during a start that then times out (before the stop's kill, 3 s later) says
+    only that the server stopped, once."""
+    nv.setup(["unused"])
+    nv.lua("local c = require('operate_sidecar').config; c.cmd = ...; c.request_timeout = 1000",
+           [sys.executable, "-c", HUNG])
+    _capture_levels(nv)
+    nv.n.command("OperateStart")
+    nv.lua("vim.wait(200)")
+    nv.n.command("OperateStop")
+    nv.wait("require('operate_sidecar')._state.exit ~= nil and #_G.notes >= 1", "the server to stop")
+    nv.lua("vim.wait(500)")
+    assert nv.lua("return _G.notes") == ["[operate] server stopped (SIGKILL)"]
+    assert nv.lua("return _G.levels") == [nv.lua("return vim.log.levels.INFO")]
+
+
 def test_operate_with_a_range_sends_the_selection_as_context(sv):
     bid = sv.new_branch(["r1", "r2"], "range")
     sv.n.command("enew")

@@ -52,6 +52,7 @@ function M.check()
   local r = reporter()
   local config = require('operate_sidecar.config').values
   local server = require('operate_sidecar.server')
+  local util = require('operate_sidecar.util')
 
   r.start('operate-sidecar: editor')
   if vim.fn.has('nvim-0.7.2') == 1 then
@@ -92,6 +93,9 @@ function M.check()
     else
       r.info('branches live in memory only (stateDir is off)')
     end
+  elseif st.exit and st.exit.failure then -- (a start that failed, and was stopped over it)
+    local tail = server.last_log_lines(5)
+    r.warn((util.exit_notice(st.exit, {})), #tail > 0 and table.concat(tail, '\n') or nil)
   elseif st.exit and st.exit.abnormal then
     local tail = server.last_log_lines(5)
     r.warn('the server ' .. server.describe_exit(st.exit.code, st.exit.signal),

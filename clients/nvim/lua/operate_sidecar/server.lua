@@ -240,10 +240,12 @@ local function on_exit(client, code, signal)
   local was_ready = S.ready
   S.client, S.ready = nil, false
   -- stopped: we asked for it (:OperateStop, or a failed start killed); abnormal: anything else
-  -- but a clean exit (a non-zero code, or a signal: libuv then reports code 0)
+  -- but a clean exit (a non-zero code, or a signal: libuv then reports code 0); failure: why a
+  -- start that failed was killed (a timeout, an error answer), unless :OperateStop came first
   local stopped = S.stopping or client.killed_on_purpose == true
   local abnormal = not stopped and (code ~= 0 or (signal ~= nil and signal ~= 0))
-  S.exit = { code = code, signal = signal, stopped = stopped, abnormal = abnormal }
+  local failure = not S.stopping and client.start_failure or nil
+  S.exit = { code = code, signal = signal, stopped = stopped, abnormal = abnormal, failure = failure }
   local journaled = S.init_result and S.init_result.capabilities
     and not is_null(S.init_result.capabilities.stateDir)
   if not journaled then
@@ -255,7 +257,7 @@ local function on_exit(client, code, signal)
   local run = S.running
   notify(util.exit_notice(S.exit, { starting = not was_ready,
     turn = client.ended_turn or (run ~= nil and run.client == client),
-    tail = abnormal and last_log_lines(was_ready and 3 or 8) or nil }))
+    tail = (abnormal or failure) and last_log_lines(was_ready and 3 or 8) or nil }))
   S.stopping = false
   event('OperateSidecarExit')
   local after = S.after_exit
@@ -337,10 +339,16 @@ local function start(cb, quiet)
     timer:stop()
     timer:close()
     if err then
-      if not quiet then
-        util.notify_failure(util.error_message('cannot start the server', err), err, vim.log.levels.ERROR)
-      end
-      if not client.exited then -- (one that died by itself is reported as such by on_exit)
+      if client.exited then -- (one that died by itself is reported as such by on_exit)
+        if not quiet then
+          util.notify_failure(util.error_message('cannot start the server', err), err, vim.log.levels.ERROR)
+        end
+      else
+        -- killed over err: its exit notice (util.exit_notice) is the one message of this failure,
+        -- and says why; the callers waiting for the start say nothing (util.told_by_exit)
+        err = util.copy(err)
+        err.server_stopped = true
+        client.start_failure = err
         client.killed_on_purpose = true
         client:kill(9) -- on_exit then forgets this client
       end
@@ -352,7 +360,11 @@ local function start(cb, quiet)
     flush_queue(nil)
   end
   timer:start(cfg.request_timeout, 0, vim.schedule_wrap(function()
-    settle({ code = rpc.codes.timeout, message = 'initialize timed out' })
+    if S.stopping and S.client == client then
+      return -- (:OperateStop came first: its kill ends the start, and its notice is the one message)
+    end
+    settle({ code = rpc.codes.timeout, timeout_ms = cfg.request_timeout,
+      message = ('initialize: no answer within %d ms'):format(cfg.request_timeout) })
   end))
 
   local specs = collect_tools()

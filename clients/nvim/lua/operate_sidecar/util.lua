@@ -303,13 +303,20 @@ end
 
 -- One message per server process that ends: its exit notice (exit_notice, from server.lua's
 -- on_exit) says how it ended, what it ended and how to start it again. A request or turn that
--- failed because the process ended (-32099, rpc.exit_error) is not notified as well: its caller
--- notifies through notify_failure (the chat still marks the turn failed, with the same words).
+-- failed because the process ended (-32099, rpc.exit_error), or because it could not start and
+-- the plugin stopped it over that (a start that timed out: err.server_stopped), is not notified
+-- as well: its caller notifies through notify_failure (the chat still marks the turn failed,
+-- with the same words).
 
 --- Whether the failure err is told by the server's exit notice (the process ended before it
---- answered), so that its caller says nothing more.
+--- answered, or was stopped because of err), so that its caller says nothing more.
 function M.told_by_exit(err)
-  return type(err) == 'table' and err.code == codes.server_exited
+  return type(err) == 'table' and (err.code == codes.server_exited or err.server_stopped == true)
+end
+
+--- A duration in ms, for messages: "30 s", "1.5 s".
+local function seconds(ms)
+  return ('%g s'):format((tonumber(ms) or 0) / 1000)
 end
 
 --- Notify `text`, the message of the failure err, at `level`; nothing when the server's exit
@@ -320,32 +327,50 @@ function M.notify_failure(text, err, level)
   end
 end
 
---- The notice of a server process's end: text, level. exit: {code, signal, stopped, abnormal}
---- (server.lua's state.exit); ctx: {starting (it ended before it was ready), turn (a turn ended
---- with it), tail (the last lines it wrote to the log)}. A server stopped on purpose (:OperateStop)
---- is just that; any other end says how, what did not finish, and how to start it again.
+--- The notice of a server process's end: text, level. exit: {code, signal, stopped, abnormal,
+--- failure} (server.lua's state.exit; failure: why the plugin stopped a server that could not
+--- start, e.g. one that did not answer `initialize` within request_timeout); ctx: {starting (it
+--- ended before it was ready), turn (a turn ended with it), tail (the last lines it wrote to the
+--- log)}. A server stopped on purpose (:OperateStop) is just that; one stopped because it could
+--- not start says why, that it was stopped and what to check; any other end says how; both say
+--- what did not finish and how to start it again.
 function M.exit_notice(exit, ctx)
   local signaled = exit.signal ~= nil and exit.signal ~= 0
   local how = signaled and rpc.signal_label(exit.signal) or ('code ' .. tostring(exit.code))
-  if exit.stopped then
+  local failure = exit.failure
+  if exit.stopped and not failure then
     return ('server stopped (%s)'):format(how), vim.log.levels.INFO
   end
-  local parts = { exit.abnormal and ('server ' .. rpc.describe_exit(exit.code, exit.signal))
-    or ('server stopped (' .. how .. ')') }
-  if ctx.starting then
-    parts[1] = parts[1] .. ' while starting'
+  local parts
+  if failure and failure.code == codes.timeout then
+    parts = { ('server did not answer within %s (request_timeout) and was stopped'):format(
+      seconds(failure.timeout_ms or config.values.request_timeout)) }
+  elseif failure then
+    parts = { 'server could not start and was stopped: ' .. M.error_text(failure) }
+  else
+    parts = { exit.abnormal and ('server ' .. rpc.describe_exit(exit.code, exit.signal))
+      or ('server stopped (' .. how .. ')') }
+    if ctx.starting then
+      parts[1] = parts[1] .. ' while starting'
+    end
   end
   if ctx.turn then
     parts[#parts + 1] = 'the turn did not finish (R in the chat sends it again)'
   end
-  local again = ctx.starting and 'tries again' or 'starts the server again'
+  if failure and failure.code == codes.timeout then
+    local cmd = config.values.cmd
+    parts[#parts + 1] = ('check that the server command (cmd: %s) starts operate-sidecar'):format(
+      type(cmd) == 'table' and table.concat(vim.tbl_map(tostring, cmd), ' ') or tostring(cmd))
+  end
+  local again = (ctx.starting or failure) and 'tries again' or 'starts the server again'
   parts[#parts + 1] = (config.values.auto_start and 'the next message or :OperateStart ' or ':OperateStart ') .. again
   local text = table.concat(parts, '; ')
-  local tail = exit.abnormal and ctx.tail or {}
+  local tail = (exit.abnormal or failure) and ctx.tail or {}
   if #tail > 0 then
     text = text .. '; its log ends:\n' .. table.concat(tail, '\n')
   end
-  return text, exit.abnormal and vim.log.levels.WARN or vim.log.levels.INFO
+  local level = failure and vim.log.levels.ERROR or exit.abnormal and vim.log.levels.WARN or vim.log.levels.INFO
+  return text, level
 end
 
 return M
