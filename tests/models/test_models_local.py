@@ -357,6 +357,7 @@ def _is_json(text: str) -> bool:
     return True
 
 
+@pytest.mark.timeout(400)  # a hang guard: two long rounds, 64 s alone on a slow day, on two busy cores
 def test_two_round_read_then_edit_session_with_the_embedded_model(tmp_path):
     out, calls, _text = _edit_session({"provider": "local", "options": {"temperature": 0.2, "seed": 3}}, tmp_path)
     assert out["rounds"] == 2                                  # round 1 ran a tool, so a 2nd round ran
@@ -368,6 +369,7 @@ def test_two_round_read_then_edit_session_with_the_embedded_model(tmp_path):
     assert u["modelCalls"] == 2 and u["inputTokens"] > u["contextTokens"] > 500 and u["outputTokens"] > 20
 
 
+@pytest.mark.timeout(400)  # a hang guard: two long rounds, 64 s alone on a slow day, on two busy cores
 def test_two_round_read_then_edit_session_through_llama_cpp_server(llama_server, tmp_path):
     out, calls, _text = _edit_session({"provider": "openai", "model": "smollm2", "baseUrl": llama_server.base_url,
                                        # max_tokens: round 2 must fit the server's n_ctx 4096 (a reply
