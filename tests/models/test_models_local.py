@@ -369,12 +369,16 @@ def test_two_round_read_then_edit_session_with_the_embedded_model(tmp_path):
     assert u["modelCalls"] == 2 and u["inputTokens"] > u["contextTokens"] > 500 and u["outputTokens"] > 20
 
 
-@pytest.mark.timeout(400)  # a hang guard: two long rounds, 64 s alone on a slow day, on two busy cores
+@pytest.mark.timeout(600)  # a hang guard: two long rounds through llama_cpp.server (one thread), 64 s alone on a slow day
 def test_two_round_read_then_edit_session_through_llama_cpp_server(llama_server, tmp_path):
     out, calls, _text = _edit_session({"provider": "openai", "model": "smollm2", "baseUrl": llama_server.base_url,
                                        # max_tokens: round 2 must fit the server's n_ctx 4096 (a reply
                                        # repeating calls to the window's end overflowed it; the stream then
                                        # ends with no finish_reason, which is -32011)
+                                       # timeoutS: a round took 57 s alone on a slow day (1,042 prompt tokens
+                                       # at 64/s, 383 generated at 23/s) and passed the default 120 s on two
+                                       # busy cores; a bound on a hang, not on speed
+                                       "timeoutS": 300,
                                        "options": {"temperature": 0.2, "seed": 3, "max_tokens": 384}},
                                       tmp_path, grammar=False)
     assert out["rounds"] == 2 and calls
