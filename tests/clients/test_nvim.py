@@ -840,8 +840,12 @@ def test_a_review_closed_by_half_is_rebuilt(sv):
         sv.wait("#vim.api.nvim_tabpage_list_wins(0) == 2", "the review to be rebuilt")
         assert sv.lua(review) == whole, close
     sv.send_keys("ga")
-    assert sv.wait_done()["err"] is None
-    assert sv.buf_lines(str(path))[1] == "    return 2"
+    done = sv.wait_done()
+    assert done["err"] is None
+    # (failed once in a full parallel run on nvim 0.7.2, the buffer unchanged and not reproduced
+    # since: the turn's calls, the writes the plugin took and the file on disk say where it went)
+    assert sv.buf_lines(str(path))[1] == "    return 2", (
+        done["result"], sv.lua("return require('operate_sidecar.fs').writes"), path.read_text())
 
 
 def test_a_chat_deleted_with_bdelete_or_bwipeout_comes_back_whole(sv):
