@@ -547,7 +547,6 @@ class Sidecar {
       if (fromUi && !(e instanceof StartAborted) && !shownErrors.has(e as object) && !this.reportedByExit(e)) {
         const msg = e instanceof ResponseError ? `${e.message} (${e.code})` : e instanceof Error ? e.message : String(e);
         this.notify(`operate-sidecar: ${msg.replace(/^operate-sidecar: /, '')}`);
-        markShown(e);
       }
       if (fromUi) return undefined;
       throw e;

@@ -338,11 +338,12 @@ function M.exit_notice(exit, ctx)
   local signaled = exit.signal ~= nil and exit.signal ~= 0
   local how = signaled and rpc.signal_label(exit.signal) or ('code ' .. tostring(exit.code))
   local failure = exit.failure
+  local timed_out = failure ~= nil and failure.code == codes.timeout
   if exit.stopped and not failure then
     return ('server stopped (%s)'):format(how), vim.log.levels.INFO
   end
   local parts
-  if failure and failure.code == codes.timeout then
+  if timed_out then
     parts = { ('server did not answer within %s (request_timeout) and was stopped'):format(
       seconds(failure.timeout_ms or config.values.request_timeout)) }
   elseif failure then
@@ -357,7 +358,7 @@ function M.exit_notice(exit, ctx)
   if ctx.turn then
     parts[#parts + 1] = 'the turn did not finish (R in the chat sends it again)'
   end
-  if failure and failure.code == codes.timeout then
+  if timed_out then
     local cmd = config.values.cmd
     parts[#parts + 1] = ('check that the server command (cmd: %s) starts operate-sidecar'):format(
       type(cmd) == 'table' and table.concat(vim.tbl_map(tostring, cmd), ' ') or tostring(cmd))
@@ -365,7 +366,7 @@ function M.exit_notice(exit, ctx)
   local again = (ctx.starting or failure) and 'tries again' or 'starts the server again'
   parts[#parts + 1] = (config.values.auto_start and 'the next message or :OperateStart ' or ':OperateStart ') .. again
   local text = table.concat(parts, '; ')
-  local tail = (exit.abnormal or failure) and ctx.tail or {}
+  local tail = ctx.tail or {} -- (the caller reads it for an abnormal end or a failed start only)
   if #tail > 0 then
     text = text .. '; its log ends:\n' .. table.concat(tail, '\n')
   end
