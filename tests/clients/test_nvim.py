@@ -843,9 +843,14 @@ def test_a_review_closed_by_half_is_rebuilt(sv):
     done = sv.wait_done()
     assert done["err"] is None
     # (failed once in a full parallel run on nvim 0.7.2, the buffer unchanged and not reproduced
-    # since: the turn's calls, the writes the plugin took and the file on disk say where it went)
-    assert sv.buf_lines(str(path))[1] == "    return 2", (
-        done["result"], sv.lua("return require('operate_sidecar.fs').writes"), path.read_text())
+    # since: the turn's calls, the writes the plugin took and the file on disk say where it went;
+    # the whole buffer (a reload from disk loses its unsaved line), the answers the plugin gave
+    # and the call's recorded output (a denial's reason, or the tool's error) say why)
+    lines = sv.buf_lines(str(path))
+    assert lines[1] == "    return 2", (
+        lines, done["result"], sv.lua("return require('operate_sidecar.fs').writes"), path.read_text(),
+        sv.lua("return require('operate_sidecar.permission').answered"),
+        [m["content"] for m in sv.messages(bid) if m["kind"] == "action_response"])
 
 
 def test_a_chat_deleted_with_bdelete_or_bwipeout_comes_back_whole(sv):
