@@ -549,6 +549,142 @@ def test_diff_review_reject_leaves_the_buffer_alone(sv):
     assert resp["error"] == "denied by governance gate"
 
 
+def test_a_review_that_fails_to_open_is_one_error_leaves_nothing_asking_and_the_next_one_works(sv):
+    """The review throws while it opens (a bug, a broken buffer): the request is answered with the
+    error (the server counts it as a denial and the turn goes on), one error says what failed, it
+    is logged, and nothing stays on screen or in the queue that still asks; the next review works."""
+    edit = call("edit_file", path=str(sv.tmp / "failedopen.py"), edits=[{"oldText": "return 1", "newText": "return 2"}])
+    path, bid = _diff_setup(sv, "failedopen", [edit, "edited"])   # (a denied call ends the turn)
+    _capture_levels(sv)
+    sv.lua("""
+        local diff = require('operate_sidecar.diff')
+        _G.real_open = diff.open
+        diff.open = function(req, decide)  -- once: the tab opens, then something in it throws
+          diff.open = _G.real_open
+          _G.real_open(req, decide)
+          error('the review broke')
+        end""")
+    try:
+        sv.chat_send("make it return 2")
+        out = sv.wait_done()
+    finally:
+        sv.lua("require('operate_sidecar.diff').open = _G.real_open")
+    assert out["err"] is None, out
+    notes, levels = sv.lua("return _G.notes"), sv.lua("return _G.levels")
+    error_level = sv.lua("return vim.log.levels.ERROR")
+    errors = [n for n, level in zip(notes, levels) if level == error_level]
+    assert len(errors) == 1 and errors[0].startswith(
+        "[operate] the permission request of edit_file could not be shown, so it was denied: ") \
+        and errors[0].endswith("the review broke"), notes
+    assert [n for n in notes if "broke" in n] == errors, notes       # said once, and only as the error
+    assert sv.lua("return #require('operate_sidecar.permission').queue") == 0
+    assert sv.lua("return require('operate_sidecar.diff').current == nil") is True
+    assert sv.lua("return #vim.api.nvim_list_tabpages()") == 1 and sv.floats() == []   # nothing still asks
+    buf = sv.lua("return vim.fn.bufnr(...)", str(path))
+    unchanged = ["def f():", "    return 1", "", "print(f(), 'unsaved')"]
+    assert sv.lua("return vim.api.nvim_buf_get_lines(..., 0, -1, false)", buf) == unchanged
+    assert path.read_text() == "def f():\n    return 1\n\nprint(f())\n"
+    assert sv.lua("return vim.api.nvim_buf_call(..., function() return vim.fn.maparg('ga', 'n') end)", buf) == ""
+    answered = sv.lua("local a = require('operate_sidecar.permission').answered; return a[#a]")
+    assert answered["tool"] == "edit_file" and answered["decision"] == "deny_once", answered
+    assert any(ln.startswith("⊘ edit_file failedopen.py") and ln.endswith("(denied)") for ln in sv.chat(bid)), \
+        sv.chat(bid)
+    resp = [m for m in sv.messages(bid) if m["kind"] == "action_response"][0]["content"]["output"]
+    assert resp["error"] == "denied by governance gate" and resp["reason"].startswith(
+        "permission request failed: ") and resp["reason"].endswith("the review broke"), resp   # the error answer
+    log = sv.xdg["XDG_CACHE_HOME"] / "nvim" / "operate-sidecar.log"
+    assert "request handler for requestToolPermission failed: " in log.read_text()
+    # the next request is reviewed and accepted as ever, and nothing more is said
+    sv.chat_send("now make it return 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the next review tab")
+    sv.send_keys("ga")
+    out = sv.wait_done()
+    assert out["err"] is None, out
+    assert sv.lua("return vim.api.nvim_buf_get_lines(..., 0, -1, false)", buf) == \
+        ["def f():", "    return 2", "", "print(f(), 'unsaved')"]
+    assert sv.lua("return #vim.api.nvim_list_tabpages()") == 1
+    assert sv.lua("return #require('operate_sidecar.permission').queue") == 0
+    assert sv.lua("return _G.levels").count(error_level) == 1, sv.lua("return _G.notes")
+    sv.lua("require('operate_sidecar').config.notify = function(msg) table.insert(_G.notes, msg) end")
+
+
+def test_a_queued_review_that_fails_half_made_is_closed_and_the_next_request_is_shown(sv):
+    """Requests wait in turn: the one after the answered one fails while its review tab is half
+    made; that tab goes, it is answered with the error (told once), and the next one is shown."""
+    path = sv.tmp / "halfmade.py"
+    path.write_text("a = 1\n")
+    sv.lua("require('operate_sidecar').config.permission_focus = 'always'")
+    _capture_levels(sv)
+    out = sv.lua("""
+        local perm, diff = require('operate_sidecar.permission'), require('operate_sidecar.diff')
+        _G.answers, _G.fails = {}, {}
+        local function ask(n, preview)
+          perm.on_request({ branchId = 'nobranch', callId = 'call' .. n, tool = 'tool' .. n, arguments = {},
+              preview = preview },
+            function(result, err) _G.answers[n] = err and ('error: ' .. err.message) or result.decision end,
+            { id = 'req' .. n, cancelled = function() return false end,
+              fail = function(err, text) table.insert(_G.fails, text); _G.answers[n] = 'error: ' .. tostring(err) end })
+        end
+        local preview = { kind = 'diff', path = ..., oldText = 'a = 1\\n', newText = 'a = 2\\n',
+          diff = '-a = 1\\n+a = 2\\n' }
+        ask(1)                                      -- shown (a float)
+        ask(2, preview)                             -- waits behind it
+        ask(3)                                      -- and this one behind that
+        _G.real_open = diff.open
+        diff.open = function()
+          diff.open = _G.real_open
+          vim.cmd('tabnew')                         -- half made ...
+          error('half made', 0)                     -- ... then it throws
+        end
+        local tabs = #vim.api.nvim_list_tabpages()
+        perm.answer('allow_once')                   -- 1 answered: 2 is shown next (and fails), then 3
+        vim.wait(2000, function() return perm.current() and perm.current().params.callId == 'call3'
+          and perm.current().win ~= nil end, 10)
+        diff.open = _G.real_open
+        return { tabs_before = tabs, tabs = #vim.api.nvim_list_tabpages(), queue = #perm.queue,
+                 current = perm.current().params.callId, answers = _G.answers, fails = _G.fails }""", str(path))
+    try:
+        assert out["answers"] == ["allow_once", "error: half made"], out
+        assert out["fails"] == ["the permission request of tool2 could not be shown, so it was denied: half made"], out
+        assert out["tabs"] == out["tabs_before"] == 1, out                 # the half-made tab went
+        assert out["queue"] == 1 and out["current"] == "call3", out          # 3 is shown
+        assert len(sv.floats()) == 1 and "**tool3** asks to run" in sv.floats()[0]["lines"]
+        assert sv.lua("return _G.notes") == []                              # (told by ctx.fail, here recorded)
+        sv.lua("require('operate_sidecar.permission').answer('deny_once')")
+        assert sv.lua("return _G.answers[3]") == "deny_once"
+        assert sv.lua("return #require('operate_sidecar.permission').queue") == 0 and sv.floats() == []
+    finally:
+        sv.lua("require('operate_sidecar').config.notify = function(msg) table.insert(_G.notes, msg) end")
+
+
+def test_a_request_handler_that_throws_is_one_error_naming_the_request_and_is_logged(sv):
+    """Any handler of a server request that throws (here fs/readTextFile): the server gets the
+    error as its answer, the user one error naming the request and the error, the log a line."""
+    path = sv.tmp / "throwing.txt"
+    path.write_text("text\n")
+    bid = sv.new_branch([call("read_file", path=str(path)), "read"], "throwing")
+    _capture_levels(sv)
+    sv.lua("""
+        local handlers = require('operate_sidecar')._state.client.handlers
+        _G.real_read = handlers['fs/readTextFile']
+        handlers['fs/readTextFile'] = function() error('reading broke', 0) end""")
+    try:
+        sv.chat_send("read it")
+        out = sv.wait_done()
+    finally:
+        sv.lua("require('operate_sidecar')._state.client.handlers['fs/readTextFile'] = _G.real_read")
+        sv.lua("require('operate_sidecar').config.notify = function(msg) table.insert(_G.notes, msg) end")
+    assert out["err"] is None, out
+    notes, levels = sv.lua("return _G.notes"), sv.lua("return _G.levels")
+    errors = [n for n, level in zip(notes, levels) if level == sv.lua("return vim.log.levels.ERROR")]
+    assert errors == ["[operate] the editor could not answer the server's fs/readTextFile request (it was answered "
+                      "with an error): reading broke"], notes
+    resp = [m for m in sv.messages(bid) if m["kind"] == "action_response"][0]["content"]["output"]
+    assert "reading broke" in json.dumps(resp), resp                             # the model reads the error
+    log = sv.xdg["XDG_CACHE_HOME"] / "nvim" / "operate-sidecar.log"
+    assert "request handler for fs/readTextFile failed: reading broke" in log.read_text()
+
+
 def test_diff_review_gives_the_file_buffer_its_own_mappings_back(sv):
     path, bid = _diff_setup(sv, "ownmaps", ["not edited"])
     buf = sv.lua("return vim.fn.bufnr(...)", str(path))

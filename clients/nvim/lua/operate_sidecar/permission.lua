@@ -262,12 +262,68 @@ function M.focus()
   return true
 end
 
-show_next = function()
-  local req = queue[1]
-  if not req or req.shown then
-    return
+-- The tab pages and windows there are (to close what a failed show opened before it failed).
+local function layout()
+  local tabs, wins = {}, {}
+  for _, t in ipairs(api.nvim_list_tabpages()) do
+    tabs[t] = true
   end
-  req.shown = true
+  for _, w in ipairs(api.nvim_list_wins()) do
+    wins[w] = true
+  end
+  return { tabs = tabs, wins = wins, tab = api.nvim_get_current_tabpage(), win = api.nvim_get_current_win() }
+end
+
+-- Close the floats and tab pages opened since `before` (a review tab half made, say).
+local function close_opened(before)
+  for _, w in ipairs(api.nvim_list_wins()) do
+    if not before.wins[w] and api.nvim_win_get_config(w).relative ~= '' then
+      pcall(api.nvim_win_close, w, true)
+    end
+  end
+  for _, t in ipairs(api.nvim_list_tabpages()) do
+    if not before.tabs[t] and api.nvim_tabpage_is_valid(t) and #api.nvim_list_tabpages() > 1 then
+      pcall(vim.cmd, 'tabclose! ' .. api.nvim_tabpage_get_number(t))
+    end
+  end
+  if api.nvim_tabpage_is_valid(before.tab) then
+    pcall(api.nvim_set_current_tabpage, before.tab)
+  end
+  if api.nvim_win_is_valid(before.win) then
+    pcall(api.nvim_set_current_win, before.win)
+  end
+end
+
+-- Showing `req` failed with err: it leaves the queue and the screen (nothing stays that still
+-- asks), counts as denied (as the server takes the error answer), the user is told once and the
+-- server gets the error (the rpc layer's ctx.fail); then the next request is shown.
+local function show_failed(req, err, before)
+  req.done = true
+  req.decision = 'deny_once'
+  close_view(req)
+  if req.win and api.nvim_win_is_valid(req.win) then
+    pcall(api.nvim_win_close, req.win, true)
+  end
+  req.win = nil
+  close_opened(before)
+  for i, r in ipairs(queue) do
+    if r == req then
+      table.remove(queue, i)
+      break
+    end
+  end
+  local why = tostring(err)
+  M.answered[#M.answered + 1] = { tool = req.params.tool, decision = 'deny_once', callId = req.params.callId,
+    why = 'it could not be shown: ' .. why }
+  pcall(require('operate_sidecar.chat').on_permission_answer, req.params, 'deny_once')
+  local text = ('the permission request of %s could not be shown, so it was denied: %s'):format(
+    tostring(req.params.tool), why)
+  req.ctx.fail(err, text)
+  util.event('OperateSidecarPermission')
+  vim.schedule(show_next)
+end
+
+local function show(req)
   local p = req.params
   require('operate_sidecar.chat').on_permission_request(p)
   if type(p.preview) == 'table' and p.preview.kind == 'diff' then
@@ -277,6 +333,20 @@ show_next = function()
     end)
   else
     open_float(req, want_focus())
+  end
+end
+
+show_next = function()
+  local req = queue[1]
+  if not req or req.shown then
+    return
+  end
+  req.shown = true
+  local before = layout()
+  local ok, err = pcall(show, req)
+  if not ok then
+    show_failed(req, err, before)
+    return
   end
   util.event('OperateSidecarPermissionShown')
 end

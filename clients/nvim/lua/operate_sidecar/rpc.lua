@@ -121,7 +121,9 @@ end
 --- before this process wrote to it), on_notification?(method, params),
 --- handlers? {method = function(params, reply, ctx)} for server->client requests (call
 --- reply(result) or reply(nil, {code, message, data}); ctx.cancelled() tells whether the server
---- has cancelled it), on_exit?(code, signal), on_server_cancel?(id).
+--- has cancelled it; a handler that throws, or calls ctx.fail(err, text?) for a failure found
+--- later, is logged, told the user once and answered with the error), on_exit?(code, signal),
+--- on_server_cancel?(id).
 function M.start(opts)
   assert(type(opts.cmd) == 'table' and #opts.cmd > 0, 'rpc.start: cmd must be a non-empty list')
   local self = setmetatable({
@@ -340,14 +342,33 @@ function Client:_on_server_request(msg)
     reply(nil, { code = M.codes.method_not_found, message = 'method not found: ' .. method })
     return
   end
+  -- The handler failed (it threw, or it calls this for a failure after it returned): logged,
+  -- told the user once (`text`, else which request and the error), and the server gets the
+  -- error as the answer unless it has one already.
+  local failed = false
+  local function fail(err, text)
+    local why = tostring(err)
+    self:_log(('request handler for %s failed: %s'):format(method, why))
+    if failed then
+      return -- (told once)
+    end
+    failed = true
+    local e = { code = M.codes.internal, message = why }
+    -- (required here: util requires this module)
+    local util = require('operate_sidecar.util')
+    util.notify_failure(text or ('the editor could not answer the server\'s %s request (it was answered with '
+      .. 'an error): %s'):format(method, why), e, vim.log.levels.ERROR)
+    reply(nil, e)
+  end
   local ok, err = pcall(handler, msg.params, reply, {
     id = id,
     cancelled = function()
       return state.cancelled
     end,
+    fail = fail,
   })
   if not ok then
-    reply(nil, { code = M.codes.internal, message = tostring(err) })
+    fail(err)
   end
 end
 
