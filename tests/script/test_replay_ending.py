@@ -55,9 +55,12 @@ def run_wedged(tmp_path: Path, argv: list[str] | None) -> tuple[Runner, int, flo
             seen["pid"] = wedge_tools.pull(str(trigger))
             seen["blocked"] = time.monotonic()
 
-    runner = Runner(parse_script(wedged_steps(trigger)), argv, step_timeout=3, env=wedge_tools.server_env(),
+    # the steps get TIMEOUT (a first createBranch under a loaded parallel run took over 3 s); the
+    # shutdown at the end is then waited for SHUTDOWN_WAIT_S (5 s), the replay's own bound
+    runner = Runner(parse_script(wedged_steps(trigger)), argv, step_timeout=TIMEOUT, env=wedge_tools.server_env(),
                     on_result=on_result)
     runner.run()
+    assert "blocked" in seen, format_report(runner)  # the steps passed, so the server's loop was blocked
     elapsed = time.monotonic() - seen["blocked"]
     assert not runner.failed, format_report(runner)
     return runner, int(seen["pid"]), elapsed
@@ -70,7 +73,7 @@ def test_a_wrapper_that_forks_is_ended_with_the_server_under_it(tmp_path):
     assert wedge_tools.gone(server_pid), f"the server {server_pid} outlived the replay"
     assert not wedge_tools.alive(wrapper_pid)
     assert elapsed < HANG, f"the replay took {elapsed:.1f} s to end a server that answers nothing"
-    assert runner.ending == ("the server did not answer shutdown within 3 s; "
+    assert runner.ending == ("the server did not answer shutdown within 5 s; "
                              "killed it and every process of its session")
 
 
@@ -82,7 +85,7 @@ def test_a_server_that_does_not_answer_shutdown_is_killed_soon_and_the_report_sa
     report = format_report(runner)
     assert report.splitlines()[-2:] == [
         "all 3 steps passed in script",
-        "note: the server did not answer shutdown within 3 s; killed it and every process of its session"]
+        "note: the server did not answer shutdown within 5 s; killed it and every process of its session"]
 
 
 def test_a_wrapper_and_a_server_that_exit_normally_are_not_signalled(tmp_path):
@@ -97,12 +100,12 @@ def test_a_wrapper_and_a_server_that_exit_normally_are_not_signalled(tmp_path):
 
 def test_a_script_that_shuts_the_server_down_itself_is_judged_and_left_to_exit(tmp_path):
     script = [{"request": "initialize"}, {"request": "shutdown", "expect": {"result": None}}, {"notify": "exit"}]
-    runner = Runner(parse_script(json.dumps(s) for s in script), WRAPPER, step_timeout=5)
+    runner = Runner(parse_script(json.dumps(s) for s in script), WRAPPER, step_timeout=TIMEOUT)
     assert runner.run(), format_report(runner)
     assert runner.ending is None
     assert "wrapper: server exited 0" in runner.stderr_tail
     bad = [{"request": "initialize"}, {"request": "shutdown", "expect": {"result": {"no": 1}}}, {"notify": "exit"}]
-    runner = Runner(parse_script(json.dumps(s) for s in bad), WRAPPER, step_timeout=5)
+    runner = Runner(parse_script(json.dumps(s) for s in bad), WRAPPER, step_timeout=TIMEOUT)
     assert not runner.run()
     assert [r.ok for r in runner.results] == [True, False, True]
 
