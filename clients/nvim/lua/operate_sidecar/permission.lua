@@ -42,8 +42,9 @@ end
 
 local show_next
 
--- Answer `req` with `decision`; or, with `why` (the server stopped waiting, or is gone), drop it
--- as `decision` ('cancelled' or 'timedout': how the chat shows it), sending no answer.
+-- Answer `req` with `decision`; or, with `why` (the server stopped waiting, or is gone, or it was
+-- answered with an error), drop it as `decision` ('cancelled', 'timedout' or 'deny_once': how the
+-- chat shows it), sending no answer.
 local function settle(req, decision, why)
   if req.done then
     return
@@ -294,33 +295,15 @@ local function close_opened(before)
   end
 end
 
--- Showing `req` failed with err: it leaves the queue and the screen (nothing stays that still
--- asks), counts as denied (as the server takes the error answer), the user is told once and the
--- server gets the error (the rpc layer's ctx.fail); then the next request is shown.
+-- Showing `req` failed with err: the user is told once and the server gets the error (the rpc
+-- layer's ctx.fail; the server counts it as a denial), and it is settled as denied: it leaves the
+-- queue and the screen (what it opened before it failed included), and the next one is shown.
 local function show_failed(req, err, before)
-  req.done = true
-  req.decision = 'deny_once'
-  close_view(req)
-  if req.win and api.nvim_win_is_valid(req.win) then
-    pcall(api.nvim_win_close, req.win, true)
-  end
-  req.win = nil
-  close_opened(before)
-  for i, r in ipairs(queue) do
-    if r == req then
-      table.remove(queue, i)
-      break
-    end
-  end
   local why = tostring(err)
-  M.answered[#M.answered + 1] = { tool = req.params.tool, decision = 'deny_once', callId = req.params.callId,
-    why = 'it could not be shown: ' .. why }
-  pcall(require('operate_sidecar.chat').on_permission_answer, req.params, 'deny_once')
-  local text = ('the permission request of %s could not be shown, so it was denied: %s'):format(
-    tostring(req.params.tool), why)
-  req.ctx.fail(err, text)
-  util.event('OperateSidecarPermission')
-  vim.schedule(show_next)
+  req.ctx.fail(err, ('the permission request of %s could not be shown, so it was denied: %s'):format(
+    tostring(req.params.tool), why))
+  settle(req, 'deny_once', 'it could not be shown: ' .. why)
+  close_opened(before)
 end
 
 local function show(req)
