@@ -605,7 +605,6 @@ def test_a_review_that_fails_to_open_is_one_error_leaves_nothing_asking_and_the_
     assert sv.lua("return #vim.api.nvim_list_tabpages()") == 1
     assert sv.lua("return #require('operate_sidecar.permission').queue") == 0
     assert sv.lua("return _G.levels").count(error_level) == 1, sv.lua("return _G.notes")
-    sv.lua("require('operate_sidecar').config.notify = function(msg) table.insert(_G.notes, msg) end")
 
 
 def test_a_queued_review_that_fails_half_made_is_closed_and_the_next_request_is_shown(sv):
@@ -643,18 +642,15 @@ def test_a_queued_review_that_fails_half_made_is_closed_and_the_next_request_is_
         diff.open = _G.real_open
         return { tabs_before = tabs, tabs = #vim.api.nvim_list_tabpages(), queue = #perm.queue,
                  current = perm.current().params.callId, answers = _G.answers, fails = _G.fails }""", str(path))
-    try:
-        assert out["answers"] == ["allow_once", "error: half made"], out
-        assert out["fails"] == ["the permission request of tool2 could not be shown, so it was denied: half made"], out
-        assert out["tabs"] == out["tabs_before"] == 1, out                 # the half-made tab went
-        assert out["queue"] == 1 and out["current"] == "call3", out          # 3 is shown
-        assert len(sv.floats()) == 1 and "**tool3** asks to run" in sv.floats()[0]["lines"]
-        assert sv.lua("return _G.notes") == []                              # (told by ctx.fail, here recorded)
-        sv.lua("require('operate_sidecar.permission').answer('deny_once')")
-        assert sv.lua("return _G.answers[3]") == "deny_once"
-        assert sv.lua("return #require('operate_sidecar.permission').queue") == 0 and sv.floats() == []
-    finally:
-        sv.lua("require('operate_sidecar').config.notify = function(msg) table.insert(_G.notes, msg) end")
+    assert out["answers"] == ["allow_once", "error: half made"], out
+    assert out["fails"] == ["the permission request of tool2 could not be shown, so it was denied: half made"], out
+    assert out["tabs"] == out["tabs_before"] == 1, out                 # the half-made tab went
+    assert out["queue"] == 1 and out["current"] == "call3", out          # 3 is shown
+    assert len(sv.floats()) == 1 and "**tool3** asks to run" in sv.floats()[0]["lines"]
+    assert sv.lua("return _G.notes") == []                              # (told by ctx.fail, here recorded)
+    sv.lua("require('operate_sidecar.permission').answer('deny_once')")
+    assert sv.lua("return _G.answers[3]") == "deny_once"
+    assert sv.lua("return #require('operate_sidecar.permission').queue") == 0 and sv.floats() == []
 
 
 def test_a_request_handler_that_throws_is_one_error_naming_the_request_and_is_logged(sv):
@@ -673,7 +669,6 @@ def test_a_request_handler_that_throws_is_one_error_naming_the_request_and_is_lo
         out = sv.wait_done()
     finally:
         sv.lua("require('operate_sidecar')._state.client.handlers['fs/readTextFile'] = _G.real_read")
-        sv.lua("require('operate_sidecar').config.notify = function(msg) table.insert(_G.notes, msg) end")
     assert out["err"] is None, out
     notes, levels = sv.lua("return _G.notes"), sv.lua("return _G.levels")
     errors = [n for n, level in zip(notes, levels) if level == sv.lua("return vim.log.levels.ERROR")]

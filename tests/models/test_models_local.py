@@ -358,6 +358,9 @@ def _is_json(text: str) -> bool:
     return True
 
 
+SESSION_SEEDS = (3, 1, 5)
+
+
 def _session_with_a_call(model_config: Callable[[int], dict], tmp_path: Path, **kw) -> tuple[dict, list[dict], str]:
     """An edit session in which round 1 asked for a tool, trying the seeds in turn.
 
@@ -374,9 +377,6 @@ def _session_with_a_call(model_config: Callable[[int], dict], tmp_path: Path, **
         if calls:
             return out, calls, text
     raise AssertionError(f"round 1 asked for no tool with any of the seeds {SESSION_SEEDS}")
-
-
-SESSION_SEEDS = (3, 1, 5)
 
 
 @pytest.mark.timeout(900)  # a hang guard: up to 4 long rounds, 64 s each alone on a slow day, on two busy cores
