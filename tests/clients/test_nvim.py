@@ -564,15 +564,10 @@ def test_a_review_that_fails_to_open_is_one_error_leaves_nothing_asking_and_the_
           _G.real_open(req, decide)
           error('the review broke')
         end""")
-    try:
-        sv.chat_send("make it return 2")
-        out = sv.wait_done()
-    finally:
-        sv.lua("require('operate_sidecar.diff').open = _G.real_open")
+    out = _turn_then(sv, "make it return 2", "require('operate_sidecar.diff').open = _G.real_open")
     assert out["err"] is None, out
-    notes, levels = sv.lua("return _G.notes"), sv.lua("return _G.levels")
+    notes, errors = sv.lua("return _G.notes"), _error_notes(sv)
     error_level = sv.lua("return vim.log.levels.ERROR")
-    errors = [n for n, level in zip(notes, levels) if level == error_level]
     assert len(errors) == 1 and errors[0].startswith(
         "[operate] the permission request of edit_file could not be shown, so it was denied: ") \
         and errors[0].endswith("the review broke"), notes
@@ -664,14 +659,9 @@ def test_a_request_handler_that_throws_is_one_error_naming_the_request_and_is_lo
         local handlers = require('operate_sidecar')._state.client.handlers
         _G.real_read = handlers['fs/readTextFile']
         handlers['fs/readTextFile'] = function() error('reading broke', 0) end""")
-    try:
-        sv.chat_send("read it")
-        out = sv.wait_done()
-    finally:
-        sv.lua("require('operate_sidecar')._state.client.handlers['fs/readTextFile'] = _G.real_read")
+    out = _turn_then(sv, "read it", "require('operate_sidecar')._state.client.handlers['fs/readTextFile'] = _G.real_read")
     assert out["err"] is None, out
-    notes, levels = sv.lua("return _G.notes"), sv.lua("return _G.levels")
-    errors = [n for n, level in zip(notes, levels) if level == sv.lua("return vim.log.levels.ERROR")]
+    notes, errors = sv.lua("return _G.notes"), _error_notes(sv)
     assert errors == ["[operate] the editor could not answer the server's fs/readTextFile request (it was answered "
                       "with an error): reading broke"], notes
     resp = [m for m in sv.messages(bid) if m["kind"] == "action_response"][0]["content"]["output"]
@@ -1845,6 +1835,22 @@ def _capture_levels(v) -> None:
     """Notifications with their levels: _G.notes (messages) and _G.levels, in step."""
     v.lua("_G.notes, _G.levels = {}, {}; require('operate_sidecar').config.notify = function(msg, level) "
           "table.insert(_G.notes, msg); table.insert(_G.levels, level or vim.log.levels.INFO) end")
+
+
+def _turn_then(v, text: str, restore: str) -> dict:
+    """Send `text` in the chat and wait for the turn's end; then (whatever happened) run the Lua
+    `restore` (putting back what a test broke on purpose)."""
+    try:
+        v.chat_send(text)
+        return v.wait_done()
+    finally:
+        v.lua(restore)
+
+
+def _error_notes(v) -> list[str]:
+    """The messages _capture_levels recorded at ERROR level."""
+    return v.lua("local out = {}; for i, msg in ipairs(_G.notes) do "
+                 "if _G.levels[i] == vim.log.levels.ERROR then table.insert(out, msg) end end; return out")
 
 
 def test_a_first_message_sent_while_the_server_starts_stays_in_the_tab_it_was_sent_from(nv):
