@@ -14,7 +14,9 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       while the server starts, a server that never answers initialize, a server killed mid-reply; a palette
       command whose request fails shows one error message (the extension's) and resolves, so the workbench
       adds no "Command '...' resulted in an error" of its own; a server that dies during an Operate from the
-      palette or a chat turn shows one error message, its exit notice (not also the Operate's own).
+      palette or a chat turn shows one error message, its exit notice (not also the Operate's own); a
+      diff review that fails to open, or an fs handler that throws (the API's test seam `faults`), is
+      one error naming it, the call denied or failed, nothing left waiting.
   (d2) the same harness in a multi-root workspace (--suite multi-root): paths of the second folder.
   (d3) the same harness in a window with no folder open (--suite no-folder, user settings).
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
@@ -234,7 +236,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     summary, report = run_itest_suite(vsix, tmp_path, "(d) extension-host itest")
     TIMINGS["(d) code-server ready"] = round(summary.get("timings", {}).get("codeServerReadyMs", 0) / 1000, 1)
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
-    assert len(report["checks"]) == 43, report["checks"]
+    assert len(report["checks"]) == 45, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -252,7 +254,8 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "the chat picker's delete button asks first, the same modal as Delete Branch",
                   "with two reviews waiting and no diff editor focused: a quick pick names them",
                   "from the palette whose request fails shows one error message, not two",
-                  "the server dies during an Operate from the palette: one error message, the exit notice"):
+                  "the server dies during an Operate from the palette: one error message, the exit notice",
+                  "a diff review that fails to open", "an fs handler that throws"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 

@@ -598,6 +598,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     card.state = 'ask';
     card.ask = { diff: !!preview, ...(preview && { path: preview.path }) };
     this.render();
+    let failed: Error | undefined;
     const decision = await new Promise<PermissionDecision>((resolve) => {
       this.pendingAsks.set(req.callId, { resolve, card: card! });
       this.showWaiting();
@@ -607,9 +608,14 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         this.settleAsk(req.callId, 'deny_once', live.source.token.isCancellationRequested ? 'the turn was stopped' : 'permission request timed out');
       });
       if (preview) {
-        void this.host.review.review(req, preview, token).then((d) => this.settleAsk(req.callId, d));
+        // a review that could not be shown: the card says denied, the request is answered with the error (a denial)
+        this.host.review.review(req, preview, token).then((d) => this.settleAsk(req.callId, d), (e) => {
+          failed = e instanceof Error ? e : new Error(String(e));
+          this.settleAsk(req.callId, 'deny_once', `permission request failed: ${failed.message}`);
+        });
       }
     });
+    if (failed) throw failed;
     this.host.line(`\n[permission] ${req.tool} ${JSON.stringify(req.arguments).slice(0, 200)} -> ${decision} [${req.callId}] (chat)`);
     return decision;
   }

@@ -3,7 +3,7 @@
 // the editor title (and in the chat card). The decision answers the permission request.
 import * as path from 'node:path';
 import * as vscode from 'vscode';
-import type { DiffPreview, PermissionDecision, PermissionRequest } from './rpcClient';
+import { type DiffPreview, ErrorCodes, type PermissionDecision, type PermissionRequest, ResponseError } from './rpcClient';
 
 export const PROPOSED_SCHEME = 'operate-sidecar-proposed';
 const CONTEXT_KEY = 'operateSidecar.reviewPending';
@@ -13,9 +13,26 @@ interface Pending {
   preview: DiffPreview;
   uri: vscode.Uri;
   resolve: (d: PermissionDecision) => void;
+  /** The review could not be shown: the request fails with `e`. */
+  fail: (e: unknown) => void;
 }
 
 export interface ReviewRecord { callId: string; path: string; decision: PermissionDecision }
+
+/**
+ * Test seam, for the integration tests only (the API's `faults`): a step named here throws an
+ * Error with that message the next time it runs, once. `vscode.diff`: a review's diff editor,
+ * once opened; a server request's method (`requestToolPermission`, `fs/readTextFile`,
+ * `fs/writeTextFile`): its handler. Empty, so without effect, unless a test sets it.
+ */
+export const faults = new Map<string, string>();
+/** Throws the fault a test set for `step` (see `faults`), once. */
+export function fault(step: string): void {
+  const message = faults.get(step);
+  if (message === undefined) return;
+  faults.delete(step);
+  throw new Error(message);
+}
 
 function workspaceRoot(): string | undefined {
   return vscode.workspace.workspaceFolders?.find((f) => f.uri.scheme === 'file')?.uri.fsPath;
@@ -88,19 +105,24 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
   }
   has(callId: string): boolean { return this.pending.has(callId); }
 
-  /** Opens the diff editor and resolves with the user's decision (deny_once when the request is withdrawn). */
+  /**
+   * Opens the diff editor and resolves with the user's decision (deny_once when the request is
+   * withdrawn). A diff editor that fails to open rejects with the error: the review is gone (with
+   * whatever of it did open), nothing waits for a decision.
+   */
   review(req: PermissionRequest, preview: DiffPreview, token: vscode.CancellationToken): Promise<PermissionDecision> {
     const fsPath = absPath(preview.path);
     const uri = vscode.Uri.from({ scheme: PROPOSED_SCHEME, path: fsPath, query: `callId=${encodeURIComponent(req.callId)}` });
     this.texts.set(uri.toString(), preview.newText);
-    return new Promise<PermissionDecision>((resolve) => {
+    return new Promise<PermissionDecision>((resolve, reject) => {
       const sub = token.onCancellationRequested(() => this.decide(req.callId, 'deny_once', true));
       this.pending.set(req.callId, {
         req, preview: { ...preview, path: fsPath }, uri,
         resolve: (d) => { sub.dispose(); resolve(d); },
+        fail: (e) => { sub.dispose(); reject(e); },
       });
       void this.updateContext();
-      void this.show(req.callId);
+      this.show(req.callId).catch((e) => this.take(req.callId)?.fail(e));
     });
   }
 
@@ -117,6 +139,7 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
       this.texts.set(leftUri.toString(), '');
     }
     await vscode.commands.executeCommand('vscode.diff', leftUri, p.uri, titleOf(p), { preview: false });
+    fault('vscode.diff');
   }
 
   /** `callId` undefined: the review shown in the active diff editor, else the only pending one. */
@@ -134,12 +157,8 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
   }
 
   decide(callId: string | undefined, decision: PermissionDecision, withdrawn = false): boolean {
-    const p = callId ? this.pending.get(callId) : undefined;
+    const p = this.take(callId);
     if (!p) return false;
-    this.pending.delete(callId!);
-    void this.updateContext();
-    void this.closeTabs(p.uri);
-    this.texts.delete(p.uri.toString());
     if (!withdrawn) {
       const rec = { callId: callId!, path: p.preview.path, decision };
       this.history.push(rec);
@@ -147,6 +166,17 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
     }
     p.resolve(decision);
     return true;
+  }
+
+  /** Removes the pending review `callId` (its diff editor closes); undefined when there is none. */
+  private take(callId: string | undefined): Pending | undefined {
+    const p = callId ? this.pending.get(callId) : undefined;
+    if (!p) return undefined;
+    this.pending.delete(callId!);
+    void this.updateContext();
+    void this.closeTabs(p.uri);
+    this.texts.delete(p.uri.toString());
+    return p;
   }
 
   private async closeTabs(uri: vscode.Uri): Promise<void> {
@@ -166,12 +196,21 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
 /**
  * The client's file system for builtin file tools: reads serve open buffers (unsaved text
  * included), writes land in the buffer as one WorkspaceEdit (dirty, undoable), never on disk.
+ * A file that cannot be read (none there, a folder) is an error answer (a ResponseError), not a
+ * failure of the editor: a missing one is answered -32002, which the server takes as "no such
+ * file" (write_file creates it).
  */
 export const clientFs = {
   async readTextFile(p: { path: string }): Promise<string> {
     const open = vscode.workspace.textDocuments.find((d) => d.uri.scheme === 'file' && d.uri.fsPath === p.path);
     if (open) return open.getText();
-    return new TextDecoder().decode(await vscode.workspace.fs.readFile(vscode.Uri.file(p.path)));
+    try {
+      return new TextDecoder().decode(await vscode.workspace.fs.readFile(vscode.Uri.file(p.path)));
+    } catch (e) {   // none there: -32002, the protocol's "no such file" for fs/readTextFile
+      const missing = e instanceof vscode.FileSystemError && e.code === 'FileNotFound';
+      throw new ResponseError(missing ? -32002 : ErrorCodes.InternalError,
+        `cannot read ${p.path}: ${e instanceof Error ? e.message : String(e)}`);
+    }
   },
   async writeTextFile(p: { path: string; text: string }): Promise<void> {
     const uri = vscode.Uri.file(p.path);

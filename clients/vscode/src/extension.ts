@@ -7,9 +7,9 @@ import { BranchStore } from './branchStore';
 import { toolSummary } from './chatModel';
 import { ChatView, TurnOutcome, VIEW_ID } from './chatView';
 import { EditorTracker, selectionOf } from './context';
-import { clientFs, DiffReview, previewOf, PROPOSED_SCHEME, ReviewRecord } from './diffReview';
+import { clientFs, DiffReview, fault, faults, previewOf, PROPOSED_SCHEME, ReviewRecord } from './diffReview';
 import {
-  CancellationTokenSource, ErrorCodes, InitializeResult, Json, JsonObject, OperateParams, OperateResult,
+  CancellationToken, CancellationTokenSource, ErrorCodes, InitializeResult, Json, JsonObject, OperateParams, OperateResult,
   PERMISSION_OPTIONS, PermissionDecision, PermissionRequest, PolicyDecision, ResponseError, SidecarClient,
   SidecarExitedError, SidecarTimeoutError, ToolEvent,
 } from './rpcClient';
@@ -89,6 +89,12 @@ export interface OperateSidecarApi {
   statusItem(): { text: string; tooltip: string; command: string; background: string };
   /** Error notifications shown by the extension (message and offered actions), oldest first. */
   notices(): { message: string; actions: string[] }[];
+  /**
+   * Test seam, for the integration tests only: step -> message; the step throws an Error with that
+   * message the next time it runs, once (`vscode.diff`: a review's diff editor, once opened; a server
+   * request's method: the extension's handler of it). Empty, so without effect, unless a test sets it.
+   */
+  faults: Map<string, string>;
 }
 
 class Sidecar {
@@ -330,8 +336,12 @@ class Sidecar {
       if (m.type === 1) void vscode.window.showErrorMessage(`operate-sidecar: ${m.message}`);
       if (m.type === 2) void vscode.window.showWarningMessage(`operate-sidecar: ${m.message}`);
     });
-    client.setPermissionHandler((req, token) => this.askPermission(req, token));
-    client.setFsHandlers(clientFs);
+    client.setPermissionHandler((req, token) => this.serve('requestToolPermission', token, () => this.askPermission(req, token),
+      `the permission request of ${req.tool} could not be shown, so it was denied`));
+    client.setFsHandlers({
+      readTextFile: (p, token) => this.serve('fs/readTextFile', token, () => clientFs.readTextFile(p)),
+      writeTextFile: (p, token) => this.serve('fs/writeTextFile', token, () => clientFs.writeTextFile(p)),
+    });
     let initialized = false;
     void client.exited.then(async (code) => {
       this.line(`[server] exited (${code})`);
@@ -413,6 +423,26 @@ class Sidecar {
     const ms = e.durationMs !== undefined ? ` (${Math.round(e.durationMs)} ms)` : '';
     this.line(`\n[tool ${e.event}] ${e.tool} ${text(e.argsSummary)}${extra}${ms} [${e.callId}]`);
     this.chat.onToolEvent(e);
+  }
+
+  /**
+   * Answers the server's request `method` with `handler`. A handler that fails (it throws; not an
+   * error answer it chose, a ResponseError, nor after the server withdrew the request) is logged and
+   * told the user once: `what` (else that the editor could not answer the request) and the error; the
+   * server gets the error as the answer (for requestToolPermission: a denial).
+   */
+  private async serve<T>(method: string, token: CancellationToken, handler: () => Promise<T>, what?: string): Promise<T> {
+    try {
+      fault(method);
+      return await handler();
+    } catch (e) {
+      if (!(e instanceof ResponseError) && !token.isCancellationRequested) {
+        const why = e instanceof Error ? e.message : String(e);
+        this.line(`\n[${method}] failed: ${why}`);
+        this.notify(`operate-sidecar: ${what ?? `the editor could not answer the server's ${method} request (it was answered with an error)`}: ${why}`);
+      }
+      throw e;
+    }
   }
 
   private async askPermission(req: PermissionRequest, token: vscode.CancellationToken): Promise<PermissionDecision> {
@@ -800,6 +830,7 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
     statusItem: () => ({ text: s.status.text, tooltip: String(s.status.tooltip ?? ''), command: String(s.status.command ?? ''),
       background: s.statusBackground }),
     notices: () => [...s.noticeLog],
+    faults,
   };
 }
 

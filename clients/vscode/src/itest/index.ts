@@ -807,6 +807,88 @@ export async function run(): Promise<void> {
       }
     });
 
+    await check('a diff review that fails to open (vscode.diff throws once, its tab open): one error, "the permission request of edit_file could not be shown, so it was denied: …", a line in the output channel; no review or diff editor left, the call denied, nothing written; in a chat turn the card says so; the next edit is reviewed and accepted as ever', async () => {
+      const file = vscode.Uri.joinPath(folder, 'broken-review.txt');
+      fs.writeFileSync(file.fsPath, 'one\n');
+      const edit = (newText: string) => ({ json: { answer: 'Editing.', action_requests: [{ function: 'edit_file',
+        arguments: { path: 'broken-review.txt', edits: [{ oldText: 'one', newText }] } }] } });
+      const said = 'operate-sidecar: the permission request of edit_file could not be shown, so it was denied: the review broke';
+      const chat = api!.currentBranch();
+      const n0 = api!.notices().length;
+      const reviews0 = api!.reviews().length;
+      const m0 = mark();
+      const bid0 = await freshBranch('itest-broken-review');
+      // an Operate: the request is answered with the error, a denial
+      api!.faults.set('vscode.diff', 'the review broke');
+      const run = startOperate({ instruction: 'edit it', actions: true, chatModel: scripted(edit('ONE')), branchId: bid0, showResult: false });
+      try {
+        await within(run.p, 'the operate ends');
+        const out = run.s.err ? undefined : outputs(run.s.res)[0];
+        expect(out?.error === 'denied by governance gate' && /^permission request failed: .*the review broke$/.test(out.reason), `denied: ${JSON.stringify(run.s.err ?? run.s.res)}`);
+        const shown = api!.notices().slice(n0);
+        expect(shown.length === 1 && shown[0].message === said, `one error: ${JSON.stringify(shown)}`);
+        expect(since(m0).includes('[requestToolPermission] failed: the review broke'), `the output channel: ${since(m0).slice(-2000)}`);
+        await until(() => !proposedTab(), 'the half-open diff editor closed');
+        expect(!api!.faults.size && api!.reviews().length === reviews0, `the fault used, no decision recorded: ${JSON.stringify(api!.reviews().slice(reviews0))}`);
+        const text = () => vscode.workspace.textDocuments.find((d) => d.uri.toString() === file.toString())?.getText() ?? fs.readFileSync(file.fsPath, 'utf8');
+        expect(text() === 'one\n' && fs.readFileSync(file.fsPath, 'utf8') === 'one\n', `nothing written: ${JSON.stringify(text())}`);
+        // a chat turn: its card says denied (no answer), the turn goes on; the next turn's review is accepted
+        const bid = (await within(client().createBranch({ name: 'itest-broken-review-chat', chatModel: scripted(edit('ONE'), edit('uno')) as any }), 'createBranch')).branchId;
+        await exec('operateSidecar.pickModel', '');
+        await exec('operateSidecar.pickBranch', { branchId: bid });
+        api!.faults.set('vscode.diff', 'the review broke');
+        const o: any = await exec('operateSidecar.chat', { text: 'Upper-case one' });
+        const t = api!.chatTurns().at(-1);
+        expect(o && !o.error && !o.cancelled && JSON.stringify(t?.cards) === JSON.stringify(['⊘ edit_file broken-review.txt (no answer: the request to the editor failed)']),
+          `the card: ${JSON.stringify(t)} ${JSON.stringify(o).slice(0, 600)}`);
+        await until(() => !proposedTab(), 'the half-open diff editor closed');
+        expect(api!.chatStats().pendingAsks.length === 0 && text() === 'one\n', `nothing waits, nothing written: ${JSON.stringify(api!.chatStats().pendingAsks)} ${JSON.stringify(text())}`);
+        expect(JSON.stringify(api!.notices().slice(n0).map((n) => n.message)) === JSON.stringify([said, said]), `one error each: ${JSON.stringify(api!.notices().slice(n0))}`);
+        const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: 'Make it Spanish' }));
+        await until(() => !!proposedTab(), 'the next diff review');
+        expect(await exec('operateSidecar.acceptEdit', (proposedTab()!.input as vscode.TabInputTextDiff).modified) === true, 'accepted');
+        const o2: any = await within(turn, 'the turn ends');
+        expect(o2 && !o2.error && text() === 'uno\n' && api!.reviews().at(-1)?.decision === 'allow_once', `accepted: ${JSON.stringify(text())} ${JSON.stringify(o2).slice(0, 600)}`);
+        expect(api!.notices().length === n0 + 2, `nothing more said: ${JSON.stringify(api!.notices().slice(n0))}`);
+      } finally {
+        api!.faults.clear();
+        if (!run.s.done) await exec('operateSidecar.cancel');
+        const doc = vscode.workspace.textDocuments.find((d) => d.uri.toString() === file.toString());
+        if (doc?.isDirty) { await within(vscode.window.showTextDocument(doc), 'focus'); await exec('workbench.action.files.revert'); }
+        const tabs = vscode.window.tabGroups.all.flatMap((g) => g.tabs).filter((t) => t.input instanceof vscode.TabInputText && t.input.uri.toString() === file.toString());
+        if (tabs.length) await within(vscode.window.tabGroups.close(tabs), 'close its tabs');
+        fs.rmSync(file.fsPath, { force: true });
+        await exec('operateSidecar.pickBranch', { branchId: chat });
+        await exec('operateSidecar.pickModel', { model: 'chat' });
+      }
+    });
+
+    await check('an fs handler that throws (fs/readTextFile, once): one error naming the request and the error, a line in the output channel; the server gets the error (the read_file call fails with it) and the operate ends; a file that is not there is an answer, not an error', async () => {
+      const n0 = api!.notices().length;
+      const m0 = mark();
+      const model = scripted({ json: { answer: 'Reading.', action_requests: [{ function: 'read_file', arguments: { path: 'notes.txt' } }] } });
+      const bid = await freshBranch('itest-read-broke');
+      api!.faults.set('fs/readTextFile', 'reading broke');
+      const run = startOperate({ instruction: 'read the notes', actions: true, chatModel: model, branchId: bid, showResult: false });
+      try {
+        await within(run.p, 'the operate ends');
+        const out = run.s.err ? undefined : outputs(run.s.res)[0];
+        expect(out?.error && JSON.stringify(out).includes('reading broke'), `the call failed with the error: ${JSON.stringify(run.s.err ?? run.s.res)}`);
+        const shown = api!.notices().slice(n0);
+        expect(shown.length === 1 && shown[0].message === 'operate-sidecar: the editor could not answer the server\'s fs/readTextFile request (it was answered with an error): reading broke',
+          `one error: ${JSON.stringify(shown)}`);
+        expect(since(m0).includes('[fs/readTextFile] failed: reading broke'), `the output channel: ${since(m0).slice(-2000)}`);
+        // no such file: the editor's answer (the call fails saying so), not its failure: nothing more is said
+        const missing: any = await exec('operateSidecar.operate', { instruction: 'read a missing file', actions: true, branchId: bid, showResult: false,
+          chatModel: scripted({ json: { answer: 'Reading.', action_requests: [{ function: 'read_file', arguments: { path: 'no-such-file.txt' } }] } }) });
+        const gone = outputs(missing)[0];
+        expect(/does not exist/.test(gone?.error) && api!.notices().length === n0 + 1, `no such file: ${JSON.stringify(gone)}, notices ${JSON.stringify(api!.notices().slice(n0))}`);
+      } finally {
+        api!.faults.clear();
+        if (!run.s.done) await exec('operateSidecar.cancel');
+      }
+    });
+
     await check('changing a server setting (operateSidecar.toolPolicy) restarts the server by itself and applies it', async () => {
       const cfg = vscode.workspace.getConfiguration('operateSidecar');
       const pid = client().process.pid;
