@@ -3,6 +3,7 @@ providers, an event log, and ``authorize()`` — with the ``operate`` facade."""
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from typing import Any, Awaitable, Callable
 
@@ -19,6 +20,19 @@ Authorizer = Callable[[ToolInvocation], Awaitable["AuthorizationResult | bool"]]
 DEFAULT_SYSTEM = None
 EVENT_LOG_LIMIT = 1000
 MAX_TOOL_OUTPUT_CHARS = 100_000  # a tool output larger than this (as JSON) is kept as a preview
+
+
+def _facade_signature() -> inspect.Signature:
+    """``Branch.operate``'s signature: ``prepare_operate_kw``'s, its branch as ``self`` (the
+    parameter list exists once, there)."""
+    sig = inspect.signature(prepare_operate_kw)
+    first, *rest = sig.parameters.values()
+    return sig.replace(parameters=[first.replace(name="self", annotation=inspect.Parameter.empty), *rest],
+                       return_annotation="Any")
+
+
+#: the names of ``prepare_operate_kw``'s parameters, which the facade leaves out when None
+_PREPARE_NAMES = frozenset(inspect.signature(prepare_operate_kw).parameters) - {"branch", "kwargs"}
 
 
 class Branch:
@@ -73,55 +87,16 @@ class Branch:
         self.logs.append(event)
 
     # ------------------------------------------------------------ operations
-    async def operate(
-        self,
-        *,
-        instruct: Any = None,
-        instruction: Any = None,
-        guidance: Any = None,
-        context: Any = None,
-        sender: Any = None,
-        recipient: Any = None,
-        progression: Any = None,
-        chat_model: Any = None,
-        invoke_actions: bool = True,
-        tool_schemas: list[dict] | None = None,
-        images: list | None = None,
-        image_detail: str | None = None,
-        parse_model: Any = None,
-        skip_validation: bool = False,
-        tools: Any = None,
-        operative: Any = None,
-        response_format: Any = None,
-        actions: bool = False,
-        reason: bool = False,
-        call_params: AlcallParams | None = None,
-        action_strategy: str = "concurrent",
-        verbose_action: bool = False,
-        field_models: list | None = None,
-        handle_validation: str = "return_value",
-        include_token_usage_to_model: bool = False,
-        stream_persist: bool = False,
-        persist_dir: str | None = None,
-        middle: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        """The Python facade. ``action_strategy`` defaults to the truthy
-        ``"concurrent"`` and is always forwarded, so an ``Instruct``'s own
-        strategy cannot win here (a seam, docs/PIPELINE.md); pass it explicitly."""
-        local = dict(
-            instruct=instruct, instruction=instruction, guidance=guidance, context=context, sender=sender,
-            recipient=recipient, progression=progression, chat_model=chat_model, invoke_actions=invoke_actions,
-            tool_schemas=tool_schemas, images=images, image_detail=image_detail, parse_model=parse_model,
-            skip_validation=skip_validation, tools=tools, operative=operative, response_format=response_format,
-            actions=actions, reason=reason, call_params=call_params, action_strategy=action_strategy,
-            verbose_action=verbose_action, field_models=field_models, handle_validation=handle_validation,
-            include_token_usage_to_model=include_token_usage_to_model, stream_persist=stream_persist,
-            persist_dir=persist_dir, middle=middle,
-        )
-        params = {k: v for k, v in local.items() if v is not None}
-        params.update(kwargs)
+    async def operate(self, **kw: Any) -> Any:
+        """The Python facade: ``prepare_operate_kw``'s parameters (its signature is this one's,
+        with the branch as ``self``), by name. One of them given as None is left out, so its
+        default applies: ``action_strategy`` defaults to the truthy ``"concurrent"`` and is always
+        forwarded, so an ``Instruct``'s own strategy cannot win here (a seam, docs/PIPELINE.md);
+        pass it explicitly. Other names go to the model call as they are."""
+        params = {k: v for k, v in kw.items() if v is not None or k not in _PREPARE_NAMES}
         return await _operate(self, **prepare_operate_kw(self, **params))
+
+    operate.__signature__ = _facade_signature()  # type: ignore[attr-defined]
 
     async def act(self, action_request: Any, *, strategy: str = "concurrent", verbose_action: bool = False,
                   suppress_errors: bool = True, call_params: AlcallParams | None = None, tools: Any = None) -> list:

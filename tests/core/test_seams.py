@@ -77,6 +77,23 @@ def test_seam_facade_default_is_truthy_concurrent():
     assert inspect.signature(Branch.operate).parameters["action_strategy"].default == "concurrent"
 
 
+def test_facade_takes_the_preparers_parameter_list():
+    """Branch.operate's parameters are prepare_operate_kw's (the list exists once), the branch as self."""
+    facade, preparer = inspect.signature(Branch.operate).parameters, inspect.signature(prepare_operate_kw).parameters
+    assert list(facade)[0] == "self" and list(facade)[1:] == list(preparer)[1:]
+
+
+async def test_facade_none_means_the_default_and_other_names_reach_the_model_call():
+    """Through Branch.operate a parameter of the preparer given as None takes its default (the truthy
+    "concurrent" strategy, handle_validation's "return_value", not a refusal); another name, None
+    included, reaches the model call's options as it is."""
+    log, b = branch_for_strategy([{"json": {"action_requests": [call("first"), call("second")]}}])
+    await b.operate(instruct=Instruct(instruction="x", actions=True, action_strategy="sequential"),
+                    action_strategy=None, handle_validation=None, temperature=None, seed=7)
+    assert overlapped(log)
+    assert b.chat_model.requests[0].options == {"temperature": None, "seed": 7}
+
+
 async def test_seam_direct_preparer_with_falsy_strategy_lets_instruct_decide():
     """D1 seam: a direct preparer call with a falsy strategy lets Instruct.action_strategy decide."""
     log, b = branch_for_strategy([{"json": {"action_requests": [call("first"), call("second")]}}])
