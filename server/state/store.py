@@ -41,8 +41,9 @@ import os
 import sqlite3
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from operate_sidecar.server.core.messages import Message
 from operate_sidecar.server.redaction import has_secrets, redact_value
@@ -109,6 +110,22 @@ def _dumps(obj: Any) -> str:
             # stored escaped, so it reads back as it came
             text = json.dumps(obj, ensure_ascii=True, default=str, separators=(",", ":"))
     return text
+
+
+@contextmanager
+def _transaction(conn: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iterator[None]:
+    """One transaction on ``conn`` (autocommit mode): committed when the block ends, rolled back
+    when it raises (a failed rollback is not what is reported: the block's error is)."""
+    conn.execute(begin)
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+        raise
 
 
 def _is_damage(e: BaseException) -> bool:
@@ -301,16 +318,15 @@ class StateStore:
                 except sqlite3.Error:
                     pass
                 try:
-                    conn.execute("BEGIN IMMEDIATE")
-                    conn.execute("INSERT OR IGNORE INTO branches(id, meta, created_at, version, clear_gen) "
-                                 "VALUES (?,?,?,?,?)", (bid, meta, created, version, clear_gen))
-                    conn.executemany("INSERT OR IGNORE INTO messages(branch_id, seq, msg_id, record) "
-                                     "VALUES (?,?,?,?)", msgs)
-                    conn.execute("COMMIT")
+                    with _transaction(conn):
+                        conn.execute("INSERT OR IGNORE INTO branches(id, meta, created_at, version, clear_gen) "
+                                     "VALUES (?,?,?,?,?)", (bid, meta, created, version, clear_gen))
+                        conn.executemany("INSERT OR IGNORE INTO messages(branch_id, seq, msg_id, record) "
+                                         "VALUES (?,?,?,?)", msgs)
                     nb += 1
                     nm += len(msgs)
                 except sqlite3.Error:
-                    conn.execute("ROLLBACK")
+                    pass
         finally:
             old.close()
         return nb, nm
@@ -329,8 +345,7 @@ class StateStore:
             skipped = sum(b.skipped for b in imported)
             with self._db:
                 c = self.conn
-                c.execute("BEGIN IMMEDIATE")
-                try:
+                with _transaction(c):
                     for b in imported:
                         c.execute("INSERT OR IGNORE INTO branches(id, meta, created_at, version, clear_gen) "
                                   "VALUES (?,?,?,1,0)", (b.id, _dumps(b.meta), created_at(b.meta)))
@@ -339,10 +354,6 @@ class StateStore:
                                       [(b.id, i + 1, r["id"], _dumps(r)) for i, r in enumerate(b.records)])
                     c.execute("INSERT OR REPLACE INTO info(key, value) VALUES ('jsonl_imported', ?)",
                               (_dumps({"branches": len(imported), "skipped": skipped, "at": time.time()}),))
-                    c.execute("COMMIT")
-                except BaseException:
-                    c.execute("ROLLBACK")
-                    raise
             note = (f"imported the 0.1 journal in {old_dir}: {len(imported)} branches, "
                     f"{sum(len(b.records) for b in imported)} messages")
             if skipped:
@@ -400,15 +411,12 @@ class StateStore:
         """Every stored branch, oldest first by creation (blocking: call from a worker thread)."""
         with self._db:
             c = self.conn
-            c.execute("BEGIN")
-            try:
+            with _transaction(c, "BEGIN"):
                 branches = c.execute("SELECT id, CAST(meta AS BLOB), version, clear_gen FROM branches "
                                      "ORDER BY created_at, rowid").fetchall()
                 per = {bid: c.execute("SELECT seq, CAST(record AS BLOB) FROM messages WHERE branch_id=? "
                                       "ORDER BY seq", (bid,)).fetchall() for bid, *_ in branches}
                 self._data_version = c.execute("PRAGMA data_version").fetchone()[0]
-            finally:
-                c.execute("COMMIT")
         out = []
         for bid, meta_json, version, clear_gen in branches:
             lb, max_seq = self._rows_to_branch(bid, meta_json, per[bid])
@@ -452,8 +460,7 @@ class StateStore:
             if dv == self._data_version and not self._stale:
                 return None
             self._data_version = dv
-            c.execute("BEGIN")
-            try:
+            with _transaction(c, "BEGIN"):
                 rows = c.execute("SELECT id, version, clear_gen FROM branches").fetchall()
                 on_disk = {r[0] for r in rows}
                 changed: list[LoadedBranch] = []
@@ -488,8 +495,6 @@ class StateStore:
                         del self._branches[bid]
                         removed.append(bid)
                 self._stale = stale
-            finally:
-                c.execute("COMMIT")
         return (changed, removed) if changed or removed else None
 
     # ------------------------------------------------------------ recording
@@ -589,8 +594,7 @@ class StateStore:
             new, known_version = st.new, st.version
         c = self.conn
         try:
-            c.execute("BEGIN IMMEDIATE")
-            try:
+            with _transaction(c):
                 self._check_file()
                 row = c.execute("SELECT version, clear_gen FROM branches WHERE id=?", (bid,)).fetchone()
                 if new:
@@ -630,13 +634,6 @@ class StateStore:
                 else:
                     c.execute("UPDATE branches SET version=version+1, clear_gen=? WHERE id=?", (clear_gen, bid))
                 version += 1
-                c.execute("COMMIT")
-            except BaseException:
-                try:
-                    c.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-                raise
         except Exception as e:  # whatever it was, nothing of it is on disk: say so, put memory back
             with self._lock:
                 st2 = self._branches.get(bid)
@@ -702,18 +699,10 @@ class StateStore:
         with self._db:
             c = self.conn
             try:
-                c.execute("BEGIN IMMEDIATE")
-                try:
+                with _transaction(c):
                     self._check_file()
                     c.execute("DELETE FROM messages WHERE branch_id=?", (bid,))
                     c.execute("DELETE FROM branches WHERE id=?", (bid,))
-                    c.execute("COMMIT")
-                except BaseException:
-                    try:
-                        c.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass
-                    raise
             except (sqlite3.Error, OSError, StateNotSaved) as e:
                 log.error("state: could not delete branch %s: %s", bid, e)
                 raise StateNotSaved(str(e), [bid]) from e
