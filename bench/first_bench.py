@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .report import replace_section
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 BEGIN, END = "<!-- first-request-bench:begin -->", "<!-- first-request-bench:end -->"
@@ -278,16 +280,8 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
 
 def write_section(res: dict[str, Any] | None, meta: dict[str, Any], path: Path = BENCH / "RESULTS.md") -> None:
     """Replace (or append) this benchmark's section of RESULTS.md."""
-    if not res or "summary" not in res:
-        return
-    text = path.read_text() if path.exists() else ""
-    block = section(res, meta)
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+    if res and "summary" in res:
+        replace_section(path, BEGIN, END, section(res, meta))
 
 
 def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True) -> int:

@@ -64,6 +64,18 @@ def keep_sections(old: str, head: str) -> str:
     return head if first is None else head.rstrip("\n") + "\n\n" + old[first.start():]
 
 
+def replace_section(path: Path, begin: str, end: str, block: str) -> None:
+    """Put ``block`` (which opens with ``begin`` and closes with ``end``) in place of the section
+    of ``path`` between those marks, or after its text when it has none yet."""
+    text = path.read_text() if path.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
 def write_markdown(results: dict, path: Path) -> None:
     L = []
     add = L.append
