@@ -232,16 +232,24 @@ function M.pick(cb)
   end)
 end
 
---- Pick the chat model (from the server's configured models). cb(model|nil).
-function M.pick_model(cb)
-  cb = cb or function() end
+-- The server's configured models, sorted, to fn(models) once it is ready; a server that cannot
+-- start is one error message and fail(err).
+local function with_models(fail, fn)
   server.when_ready(function(err)
     if err then
       util.notify_failure(util.error_message('cannot list the models', err), err, vim.log.levels.ERROR)
-      return cb(nil)
+      return fail(err)
     end
     local models = util.copy(server.models())
     table.sort(models)
+    fn(models)
+  end)
+end
+
+--- Pick the chat model (from the server's configured models). cb(model|nil).
+function M.pick_model(cb)
+  cb = cb or function() end
+  with_models(function() cb(nil) end, function(models)
     local cur = config.values.model
     vim.ui.select(models, {
       prompt = 'operate-sidecar: model',
@@ -296,13 +304,7 @@ end
 --- naming them, and nothing changes). cb(err).
 function M.choose_model(name, cb)
   cb = cb or function() end
-  server.when_ready(function(err)
-    if err then
-      util.notify_failure(util.error_message('cannot list the models', err), err, vim.log.levels.ERROR)
-      return cb(err)
-    end
-    local models = util.copy(server.models())
-    table.sort(models)
+  with_models(cb, function(models)
     if not vim.tbl_contains(models, name) then
       local msg = ('unknown model: %s; the server\'s models: %s'):format(name,
         #models > 0 and table.concat(models, ', ') or 'none')
