@@ -22,17 +22,13 @@ EVENT_LOG_LIMIT = 1000
 MAX_TOOL_OUTPUT_CHARS = 100_000  # a tool output larger than this (as JSON) is kept as a preview
 
 
-def _facade_signature() -> inspect.Signature:
-    """``Branch.operate``'s signature: ``prepare_operate_kw``'s, its branch as ``self`` (the
-    parameter list exists once, there)."""
-    sig = inspect.signature(prepare_operate_kw)
-    first, *rest = sig.parameters.values()
-    return sig.replace(parameters=[first.replace(name="self", annotation=inspect.Parameter.empty), *rest],
-                       return_annotation="Any")
-
-
-#: the names of ``prepare_operate_kw``'s parameters, which the facade leaves out when None
-_PREPARE_NAMES = frozenset(inspect.signature(prepare_operate_kw).parameters) - {"branch", "kwargs"}
+#: ``Branch.operate``'s signature: ``prepare_operate_kw``'s (the parameter list exists once,
+#: there), its branch as ``self``; and the names of those parameters, left out when None
+_PREPARER = inspect.signature(prepare_operate_kw)
+_BRANCH, *_PARAMS = _PREPARER.parameters.values()
+_FACADE_SIGNATURE = _PREPARER.replace(
+    parameters=[_BRANCH.replace(name="self", annotation=inspect.Parameter.empty), *_PARAMS], return_annotation="Any")
+_PREPARE_NAMES = frozenset(p.name for p in _PARAMS if p.kind is not inspect.Parameter.VAR_KEYWORD)
 
 
 class Branch:
@@ -96,7 +92,7 @@ class Branch:
         params = {k: v for k, v in kw.items() if v is not None or k not in _PREPARE_NAMES}
         return await _operate(self, **prepare_operate_kw(self, **params))
 
-    operate.__signature__ = _facade_signature()  # type: ignore[attr-defined]
+    operate.__signature__ = _FACADE_SIGNATURE  # type: ignore[attr-defined]
 
     async def act(self, action_request: Any, *, strategy: str = "concurrent", verbose_action: bool = False,
                   suppress_errors: bool = True, call_params: AlcallParams | None = None, tools: Any = None) -> list:
