@@ -35,6 +35,7 @@ from acp.schema import (AgentCapabilities, CloseSessionResponse, ConfigOptionUpd
                         SessionResumeCapabilities, SetSessionConfigOptionResponse, SetSessionModeResponse, Usage,
                         UsageUpdate)
 
+from .. import codecache
 from .port import AcpPort, Turn
 from .reply import PLAN_REPLY_FORMAT, REPLY_FORMAT, ReplyText
 
@@ -162,6 +163,7 @@ class OperateAgent(Agent):
         def load() -> None:
             t0 = time.perf_counter()
             try:
+                codecache.install()  # before protocol/'s attrs classes are defined
                 for name in CORE_MODULES:
                     importlib.import_module(name)
                 from operate_sidecar.server.rpc.stdio import bind_children_to_process
@@ -183,7 +185,8 @@ class OperateAgent(Agent):
             try:
                 loop.call_soon_threadsafe(self._start_warm_up, sidecar)
             except RuntimeError:  # the loop is closed: the process is exiting
-                pass
+                return
+            codecache.save_soon()  # what the core compiled (only when something was new)
 
         loop.run_in_executor(None, load)  # the loop's own worker thread: warm for the service's to_thread calls
 

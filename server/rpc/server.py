@@ -28,6 +28,7 @@ from pygls.protocol.json_rpc import JsonRPCProtocol
 from pygls.server import JsonRPCServer
 
 from operate_sidecar.protocol import catalog
+from operate_sidecar.server import codecache
 
 from operate_sidecar.server.service.errors import map_exception
 from operate_sidecar.server.service.port import ClientRequestError
@@ -315,6 +316,7 @@ class CoreLoader:
             return False
         log.info("core loaded in %.0f ms (thread %s)", (time.perf_counter() - t0) * 1000,
                  threading.current_thread().name)
+        codecache.save_soon()  # what was compiled up to here, when anything was new
         return True
 
     @staticmethod

@@ -28,7 +28,7 @@ import threading
 import traceback
 from typing import Any, Callable
 
-from .. import redaction
+from .. import codecache, redaction
 from . import errors as E
 from . import settings as S
 from .framing import FrameParser, looks_like_answer, peek_id
@@ -443,6 +443,7 @@ class Connection:
         def load() -> None:
             mod, error = None, None
             try:
+                codecache.install()  # before the first attrs class: lsprotocol's ~550 compile from it
                 from . import server as mod  # pygls, lsprotocol ... off the critical path
                 import importlib
 
@@ -467,6 +468,7 @@ class Connection:
             except RuntimeError:  # the loop is already closed: the process is exiting
                 return
             if not chain:
+                codecache.save_soon()  # what pygls and protocol/ compiled (the core saves its own)
                 return
             ok = mod.CoreLoader.load()  # logs its own failure; the replayed requests then fail -32603
             linecache.clearcache()

@@ -1,0 +1,267 @@
+"""A cache of the code that attrs and cattrs generate, kept across processes.
+
+attrs writes the methods of every class it builds (``__init__``, ``__repr__``, ``__eq__`` ...)
+as source text and compiles it when the class is defined; cattrs does the same for each
+(un)structure function it makes. The native front end imports pygls, whose ``lsprotocol.types``
+alone is ~550 such classes: compiling their methods is over a third of that import, and the
+editor's first request after a spawn waits for it. Python keeps the bytecode of a module in
+``__pycache__`` for the same reason; this keeps the bytecode of the generated methods.
+
+How it works: while installed, ``compile`` in those libraries' modules is a function that looks
+the code up by the name the library gives it (``<attrs generated methods lsprotocol.types.Position>``),
+the mode and the compiler flags, and uses it only when it was compiled from the same source (a
+hash of the text); else it compiles, as the builtin would. So the code is exactly what ``compile``
+gives, and an entry whose library changed is compiled again and replaced, never used. The cache
+is one file per interpreter bytecode version, ``$XDG_CACHE_HOME/operate-sidecar/generated-code-*``
+(``~/.cache`` without it), read once (the marshalled code of each entry is unmarshalled only
+when used) and written back atomically, merged with what another process wrote meanwhile, when
+a process compiled a class the cache did not have, or many that changed. A class whose source
+differs in every process (attrs's ``__hash__`` holds a randomised string hash) is compiled each
+time and costs no write. ``OPERATE_SIDECAR_CODE_CACHE`` names another file, or turns the cache
+off (``off``, ``0`` or empty).
+
+Nothing here may break the server: a cache that cannot be read, written or trusted (not ours,
+writable by others, damaged) is ignored, and everything is compiled as before.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("operate_sidecar.server.codecache")
+
+ENV = "OPERATE_SIDECAR_CODE_CACHE"
+#: the modules whose ``compile`` is the cached one: where attrs and cattrs compile what they generate
+MODULES = ("attr._make", "cattrs.gen", "cattrs.gen.typeddicts")
+#: a cache grown past this (many library versions over time) starts again from this process's entries
+MAX_ENTRIES = 20_000
+#: values of OPERATE_SIDECAR_CODE_CACHE that turn the cache off
+OFF = ("", "0", "off", "false", "no")
+TMP_PREFIX = ".codecache-"
+#: a temporary file older than this is a writer's that died
+LEFTOVER_AGE_S = 600
+#: more changed entries than this in one process is a library that changed: the cache is written
+CHANGED_WORTH_SAVING = 8
+
+_builtin_compile = builtins.compile
+_lock = threading.Lock()
+_state: _Cache | None = None
+
+
+class _Cache:
+    """The entries: one per generated file name (``<attrs generated methods lsprotocol.types.Position>``),
+    each the hash of the source it was compiled from and its marshalled code. Keyed by name, the
+    cache holds one entry per class however often a library changes, so it stays the size of
+    what is imported. A compile without a name is keyed by its source."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.entries: dict[bytes, tuple[bytes, bytes]] = {}   # name key -> (source hash, code), as read
+        self.mine: dict[bytes, tuple[bytes, bytes]] = {}      # what this process compiled
+        self.hits = 0
+        self.added = 0      # compiled under a name the cache did not have (a class not seen before)
+        self.changed = 0    # compiled under a known name whose source differs (a new library version,
+        #                     or a source that differs per process: attrs's __hash__ holds a str hash)
+        self.unsaved = False
+
+    def read(self) -> None:
+        import marshal
+
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return  # none yet
+        try:
+            st = os.fstat(fd)
+            import stat
+
+            if not stat.S_ISREG(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()) \
+                    or st.st_mode & 0o022:
+                log.warning("code cache %s ignored: not a file owned by this user and writable by no one else",
+                            self.path)
+                self.unsaved = True   # replaced by one this process writes
+                return
+            import mmap
+
+            if st.st_size == 0:
+                raise ValueError("empty file")
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:  # no heap copy of the whole file (idle RSS)
+                data = marshal.loads(view)
+            if isinstance(data, dict) and all(
+                    type(k) is bytes and type(v) is tuple and len(v) == 2 and type(v[0]) is bytes
+                    and type(v[1]) is bytes for k, v in data.items()):
+                self.entries = data
+            else:
+                log.warning("code cache %s ignored: not a cache", self.path)
+        except Exception as e:  # damaged: compile as usual, and write a good one back
+            log.warning("code cache %s ignored: %s", self.path, e)
+            self.unsaved = True
+        finally:
+            os.close(fd)
+
+    def compile_for(self, flags: int) -> Callable[..., Any]:
+        """``compile`` as called from a module with these future flags (what the builtin would
+        inherit there)."""
+        import hashlib
+        import marshal
+
+        def cached_compile(source: Any, filename: Any, mode: str, flags_: int = 0, dont_inherit: bool = False,
+                           optimize: int = -1, **kw: Any) -> Any:
+            flags_ |= 0 if dont_inherit else flags
+            if not isinstance(source, str) or not isinstance(filename, str) or kw or optimize != -1:
+                return _builtin_compile(source, filename, mode, flags_, True, optimize, **kw)
+            src = hashlib.blake2b(source.encode("utf-8", "surrogatepass"), digest_size=20).digest()
+            name = f"{mode}\0{flags_}\0{filename}".encode("utf-8", "surrogatepass") + (b"" if filename else src)
+            entry = self.entries.get(name)
+            if entry is not None and entry[0] == src:
+                try:
+                    code = marshal.loads(entry[1])
+                except Exception:
+                    pass
+                else:
+                    self.hits += 1
+                    self.entries[name] = (src, b"")   # a class is defined once: free its code (idle RSS)
+                    return code
+            code = _builtin_compile(source, filename, mode, flags_, True)
+            try:
+                blob = marshal.dumps(code)
+            except ValueError:
+                return code
+            with _lock:
+                self.mine[name] = (src, blob)
+                if entry is None:
+                    self.added += 1
+                else:
+                    self.changed += 1
+                self.unsaved = True
+            return code
+
+        return cached_compile
+
+    def worth_saving(self) -> bool:
+        """Whether to write: a class not seen before, or many changed (a library upgraded). One
+        or two that change in every process (a ``__hash__``) are not worth a write per spawn."""
+        return self.unsaved and (self.added > 0 or self.changed > CHANGED_WORTH_SAVING)
+
+    def save(self) -> None:
+        import marshal
+        import tempfile
+
+        with _lock:
+            worth = self.worth_saving()
+            self.unsaved = False
+            mine = dict(self.mine)
+        log.info("code cache %s: %d found, %d compiled (%d not there, %d changed): %s", self.path, self.hits,
+                 self.added + self.changed, self.added, self.changed, "writing" if worth else "nothing to write")
+        if not worth:
+            return
+        directory = os.path.dirname(self.path) or "."
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            other = _Cache(self.path)   # what another process wrote since this one read
+            other.read()
+            merged = {**other.entries, **mine}
+            if len(merged) > MAX_ENTRIES:
+                merged = mine
+            _remove_leftovers(directory)
+            fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    marshal.dump(merged, f)
+                os.replace(tmp, self.path)   # (mkstemp made it 0600)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            for name, (src, _) in mine.items():  # known now; their code is in use, not needed again
+                self.entries[name] = (src, b"")
+        except Exception as e:
+            log.info("code cache %s not written: %s", self.path, e)
+
+
+def _remove_leftovers(directory: str) -> None:
+    """Temporary files of writers that died mid-write (a daemon thread stops with its process)."""
+    now = time.time()
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                if e.name.startswith(TMP_PREFIX) and now - e.stat(follow_symlinks=False).st_mtime > LEFTOVER_AGE_S:
+                    os.unlink(e.path)
+    except OSError:
+        pass
+
+
+def default_path() -> str | None:
+    """The cache file: ``$OPERATE_SIDECAR_CODE_CACHE`` (None when it turns the cache off), else
+    one per interpreter bytecode version under ``$XDG_CACHE_HOME/operate-sidecar``."""
+    value = os.environ.get(ENV)
+    if value is not None:
+        return None if value.strip().lower() in OFF else value
+    from importlib.util import MAGIC_NUMBER
+
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):   # unset, empty or relative: ignored, as the XDG spec says
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    tag = sys.implementation.cache_tag or sys.implementation.name
+    return os.path.join(base, "operate-sidecar", f"generated-code-{tag}-{MAGIC_NUMBER.hex()}.marshal")
+
+
+def install() -> None:
+    """Read the cache and make it the ``compile`` of :data:`MODULES` (imported here). Once per
+    process; call it before the first class of lsprotocol or protocol/ is defined."""
+    global _state
+    if _state is not None:
+        return
+    path = default_path()
+    if path is None:
+        return
+    try:
+        import __future__
+        import importlib
+
+        cache = _Cache(path)
+        cache.read()
+        for name in MODULES:
+            mod = importlib.import_module(name)
+            if mod.__dict__.get("compile", _builtin_compile) is not _builtin_compile:
+                continue  # someone else's compile there: leave it
+            flags = 0
+            for feature in __future__.all_feature_names:
+                if mod.__dict__.get(feature) is getattr(__future__, feature):
+                    flags |= getattr(__future__, feature).compiler_flag
+            mod.compile = cache.compile_for(flags)  # type: ignore[attr-defined]
+        _state = cache
+    except Exception as e:  # a library laid out otherwise: no cache
+        log.info("code cache not used: %s", e)
+
+
+def save() -> None:
+    """Write what this process compiled (nothing when it compiled nothing new)."""
+    if _state is not None:
+        _state.save()
+
+
+def save_soon(later_s: float = 5.0) -> None:
+    """Write what this process compiled now, on a daemon thread, and once more ``later_s``
+    after (what its first requests compiled: cattrs's hooks for the types they used)."""
+    if _state is None:
+        return
+
+    def run() -> None:
+        save()
+        time.sleep(later_s)
+        save()
+
+    threading.Thread(target=run, name="code-cache", daemon=True).start()
+
+
+def stats() -> dict[str, int]:
+    """What this process found in the cache and compiled (for tests and the log)."""
+    if _state is None:
+        return {"hits": 0, "added": 0, "changed": 0}
+    return {"hits": _state.hits, "added": _state.added, "changed": _state.changed}

@@ -1,0 +1,225 @@
+"""The cache of the code attrs and cattrs generate (server/codecache.py): what it gives is
+byte for byte what ``compile`` gives, a changed source is compiled again, a damaged or
+untrusted file is ignored, and both front ends fill it and use it on the next spawn without
+writing it again when nothing is new."""
+
+from __future__ import annotations
+
+import json
+import marshal
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from operate_sidecar.server import codecache
+
+from .support import ROOT, TIMEOUT, scripted, server_env, wait_log
+
+FOUND = "code cache "
+
+
+def _run(code: str, cache: Path | str) -> dict:
+    """``code`` in a fresh interpreter with the cache at ``cache``; its last stdout line, as JSON."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         env=server_env({codecache.ENV: str(cache)}), cwd=str(ROOT), timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+IMPORT_LSP = """
+    import json
+    from operate_sidecar.server import codecache
+    codecache.install()
+    import lsprotocol.types as t
+    r = t.Range(start=t.Position(line=1, character=2), end=t.Position(line=3, character=4))
+    same = r == t.Range(start=t.Position(line=1, character=2), end=t.Position(line=3, character=4))
+    print(json.dumps({**codecache.stats(), "repr": repr(r), "eq": same, "ne": r != t.Range(start=r.end, end=r.end)}))
+    codecache.save()
+"""
+
+
+def test_a_second_process_finds_every_class_it_compiled_and_the_classes_work(tmp_path):
+    cache = tmp_path / "c.marshal"
+    first = _run(IMPORT_LSP, cache)
+    assert first["hits"] == 0 and first["added"] > 500, first   # lsprotocol.types: ~550 classes
+    assert cache.exists() and oct(cache.stat().st_mode & 0o777) == "0o600"
+    second = _run(IMPORT_LSP, cache)
+    assert second["hits"] >= first["added"] - 2 and second["added"] == 0, second
+    assert second["changed"] <= codecache.CHANGED_WORTH_SAVING
+    assert second["repr"] == first["repr"] == "1:2-3:4" and second["eq"] is second["ne"] is True
+
+
+def test_the_cached_code_is_byte_for_byte_what_compile_gives(tmp_path):
+    cache = tmp_path / "c.marshal"
+    _run(IMPORT_LSP, cache)
+    checked = _run("""
+        from __future__ import annotations
+        import builtins, json, marshal, sys
+        from operate_sidecar.server import codecache
+        codecache.install()
+        same = []
+        for name in codecache.MODULES:
+            mod = sys.modules[name]
+            cached = mod.compile
+            def both(source, filename, mode, *a, _cached=cached, **kw):
+                code = _cached(source, filename, mode, *a, **kw)
+                fresh = codecache._builtin_compile(source, filename, mode, *a, **kw)  # inherits this file's flags
+                same.append(marshal.dumps(code) == marshal.dumps(fresh))
+                return code
+            mod.compile = both
+        import lsprotocol.types
+        print(json.dumps({"same": sum(same), "differ": len(same) - sum(same), **codecache.stats()}))
+    """, cache)
+    # that code has `from __future__ import annotations` as attrs's and cattrs's modules do, so the
+    # builtin there compiles with the flags their own compile would have
+    assert checked["same"] > 500 and checked["differ"] == 0, checked
+
+
+def test_a_changed_source_under_the_same_name_is_compiled_again_never_served_stale(tmp_path):
+    path = str(tmp_path / "c.marshal")
+    first = codecache._Cache(path)
+    compile_ = first.compile_for(0)
+    ns: dict = {}
+    exec(compile_("x = 1", "<attrs generated methods m.C>", "exec"), ns)
+    first.save()
+    second = codecache._Cache(path)
+    second.read()
+    compile_ = second.compile_for(0)
+    exec(compile_("x = 1", "<attrs generated methods m.C>", "exec"), ns)
+    assert ns["x"] == 1 and (second.hits, second.added, second.changed) == (1, 0, 0)
+    exec(compile_("x = 2", "<attrs generated methods m.C>", "exec"), ns)
+    assert ns["x"] == 2 and (second.hits, second.changed) == (1, 1)
+    # the mode and the compiler flags are part of what is looked up too
+    assert eval(compile_("x", "<attrs generated methods m.C>", "eval"), {"x": 3}) == 3
+
+
+def test_one_class_that_changes_in_every_process_costs_no_write(tmp_path):
+    path = str(tmp_path / "c.marshal")
+    first = codecache._Cache(path)
+    first.compile_for(0)("y = 1", "<attrs generated methods m.D>", "exec")
+    first.save()
+    mtime = os.stat(path).st_mtime_ns
+    again = codecache._Cache(path)
+    again.read()
+    again.compile_for(0)("y = 2", "<attrs generated methods m.D>", "exec")   # a __hash__ with another seed
+    assert not again.worth_saving()
+    again.save()
+    assert os.stat(path).st_mtime_ns == mtime
+    for i in range(codecache.CHANGED_WORTH_SAVING + 1):   # a library upgraded: many changed
+        again.compile_for(0)(f"z = {i}", f"<attrs generated methods m.E{i}>", "exec")
+    assert again.worth_saving()
+
+
+def test_two_processes_merge_what_each_compiled(tmp_path):
+    path = str(tmp_path / "c.marshal")
+    one, two = codecache._Cache(path), codecache._Cache(path)
+    one.read()
+    two.read()
+    one.compile_for(0)("a = 1", "<g a>", "exec")
+    two.compile_for(0)("b = 1", "<g b>", "exec")
+    one.save()
+    two.save()   # read before one wrote: merges one's entry instead of dropping it
+    three = codecache._Cache(path)
+    three.read()
+    assert len(three.entries) == 2
+
+
+def test_a_damaged_or_untrusted_cache_is_ignored_and_replaced(tmp_path):
+    cache = tmp_path / "c.marshal"
+    cache.write_bytes(b"\x00 not marshal at all")
+    cache.chmod(0o600)
+    r = _run(IMPORT_LSP, cache)
+    assert r["hits"] == 0 and r["added"] > 500 and r["repr"] == "1:2-3:4"
+    assert isinstance(marshal.loads(cache.read_bytes()), dict)       # written back whole
+    cache.chmod(0o666)                                                # anyone could have put code in it
+    r = _run(IMPORT_LSP, cache)
+    assert r["hits"] == 0 and r["added"] > 500
+    assert oct(cache.stat().st_mode & 0o777) == "0o600"
+
+
+def test_off_writes_nothing(tmp_path):
+    r = _run(IMPORT_LSP, "off")
+    assert r["hits"] == r["added"] == 0
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(IMPORT_LSP)], capture_output=True, text=True,
+                         env=server_env({codecache.ENV: "", "XDG_CACHE_HOME": str(tmp_path)}), cwd=str(ROOT),
+                         timeout=120)
+    assert out.returncode == 0 and not any(tmp_path.iterdir())
+
+
+def _found(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if FOUND in line and " found, " in line]
+
+
+def test_the_native_server_fills_the_cache_then_uses_it_without_writing_again(spawn, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    first = spawn("--log-level", "info", env=env)
+    first.init(models={"s": scripted("x")})
+    assert first.request("createBranch", {}, timeout=TIMEOUT)["branchId"]
+    assert wait_log(first, ": writing")
+    deadline, files = time.monotonic() + TIMEOUT, []
+    while time.monotonic() < deadline and not (files and len(marshal.loads(files[0].read_bytes())) > 500):
+        time.sleep(0.05)   # (each write is atomic; wait for the one after pygls and the core)
+        files = list((tmp_path / "operate-sidecar").glob("generated-code-*.marshal"))
+    assert len(files) == 1 and len(marshal.loads(files[0].read_bytes())) > 500
+    first.close()
+    mtime = files[0].stat().st_mtime_ns
+    second = spawn("--log-level", "info", env=env)
+    second.init(models={"s": scripted("x")})
+    assert second.request("createBranch", {}, timeout=TIMEOUT)["branchId"]
+    assert wait_log(second, ": nothing to write")
+    line = _found(second.stderr_text())[0]
+    found = int(re.search(r"(\d+) found", line).group(1))  # type: ignore[union-attr]
+    assert found > 500, line
+    assert files[0].stat().st_mtime_ns == mtime
+
+
+def _answer(p: subprocess.Popen, msg_id: int) -> dict:
+    """The answer to ``msg_id`` on the ACP server's stdout (notifications skipped), within TIMEOUT."""
+    import select
+
+    assert p.stdout is not None
+    deadline, buf = time.monotonic() + TIMEOUT, b""
+    while time.monotonic() < deadline:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            msg = json.loads(line)
+            if msg.get("id") == msg_id and "method" not in msg:
+                return msg
+        if select.select([p.stdout], [], [], 0.2)[0]:
+            chunk = os.read(p.stdout.fileno(), 65536)
+            assert chunk, "the server closed its output"
+            buf += chunk
+    raise AssertionError(f"no answer to {msg_id} within {TIMEOUT} s")
+
+
+def test_the_acp_front_end_fills_the_cache(tmp_path):
+    env = server_env({"XDG_CACHE_HOME": str(tmp_path)})
+    env.pop(codecache.ENV, None)
+    p = subprocess.Popen([sys.executable, "-m", "operate_sidecar.server", "--acp", "--log-level", "info"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                         cwd=str(tmp_path))
+    try:
+        assert p.stdin is not None
+        for i, (method, params) in enumerate([("initialize", {"protocolVersion": 1, "clientCapabilities": {}}),
+                                              ("session/new", {"cwd": str(tmp_path), "mcpServers": []})]):
+            p.stdin.write((json.dumps({"jsonrpc": "2.0", "id": i, "method": method, "params": params}) + "\n").encode())
+            p.stdin.flush()
+            assert "result" in _answer(p, i)
+        deadline = time.monotonic() + TIMEOUT
+        files: list[Path] = []
+        while time.monotonic() < deadline and not files:
+            files = list((tmp_path / "operate-sidecar").glob("generated-code-*.marshal"))
+            time.sleep(0.05)
+        assert files and len(marshal.loads(files[0].read_bytes())) > 20   # protocol/'s classes
+    finally:
+        p.stdin.close()   # type: ignore[union-attr]
+        try:
+            p.wait(timeout=TIMEOUT)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=TIMEOUT)
