@@ -105,19 +105,19 @@ class _Cache:
         finally:
             os.close(fd)
 
-    def compile_for(self, flags: int) -> Callable[..., Any]:
+    def compile_for(self, module_flags: int) -> Callable[..., Any]:
         """``compile`` as called from a module with these future flags (what the builtin would
         inherit there)."""
         import hashlib
         import marshal
 
-        def cached_compile(source: Any, filename: Any, mode: str, flags_: int = 0, dont_inherit: bool = False,
+        def cached_compile(source: Any, filename: Any, mode: str, flags: int = 0, dont_inherit: bool = False,
                            optimize: int = -1, **kw: Any) -> Any:
-            flags_ |= 0 if dont_inherit else flags
+            flags |= 0 if dont_inherit else module_flags
             if not isinstance(source, str) or not isinstance(filename, str) or kw or optimize != -1:
-                return _builtin_compile(source, filename, mode, flags_, True, optimize, **kw)
+                return _builtin_compile(source, filename, mode, flags, True, optimize, **kw)
             src = hashlib.blake2b(source.encode("utf-8", "surrogatepass"), digest_size=20).digest()
-            name = f"{mode}\0{flags_}\0{filename}".encode("utf-8", "surrogatepass") + (b"" if filename else src)
+            name = f"{mode}\0{flags}\0{filename}".encode("utf-8", "surrogatepass") + (b"" if filename else src)
             entry = self.entries.get(name)
             if entry is not None and entry[0] == src:
                 try:
@@ -128,7 +128,7 @@ class _Cache:
                     self.hits += 1
                     self.entries[name] = (src, b"")   # a class is defined once: free its code (idle RSS)
                     return code
-            code = _builtin_compile(source, filename, mode, flags_, True)
+            code = _builtin_compile(source, filename, mode, flags, True)
             try:
                 blob = marshal.dumps(code)
             except ValueError:

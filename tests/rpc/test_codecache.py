@@ -97,6 +97,27 @@ def test_a_changed_source_under_the_same_name_is_compiled_again_never_served_sta
     assert eval(compile_("x", "<attrs generated methods m.C>", "eval"), {"x": 3}) == 3
 
 
+def test_it_takes_every_way_the_builtin_compile_is_called(tmp_path):
+    import __future__
+    import ast
+
+    compile_ = codecache._Cache(str(tmp_path / "c.marshal")).compile_for(__future__.annotations.compiler_flag)
+    # by keyword, as the builtin's parameters are named
+    code = compile_(source="def f(x: undefined): return x", filename="<g f>", mode="exec", flags=0,
+                    dont_inherit=False)
+    ns: dict = {}
+    exec(code, ns)
+    assert ns["f"].__annotations__ == {"x": "undefined"}   # the module's future flag was inherited
+    with_flags = compile_("def g(x: int): return x", "<g g>", "exec", dont_inherit=True)
+    exec(with_flags, ns)
+    assert ns["g"].__annotations__ == {"x": int}            # ... and not when told not to
+    tree = ast.parse("h = 5")                               # not a str: compiled as the builtin does
+    exec(compile_(tree, "<g h>", "exec"), ns)
+    assert ns["h"] == 5
+    exec(compile_("k = 6", "<g k>", "exec", 0, False, 2), ns)  # an optimize level: as the builtin does
+    assert ns["k"] == 6
+
+
 def test_one_class_that_changes_in_every_process_costs_no_write(tmp_path):
     path = str(tmp_path / "c.marshal")
     first = codecache._Cache(path)
