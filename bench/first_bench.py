@@ -298,6 +298,10 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
              f"{IDLE_GAP_S * 1000:g} ms of idle time (the row marked reference) costs more than the first.",
              "- Before the core was loaded in the same pass (2026-12-02, same machine, unpinned, interleaved, "
              "median of 15): createBranch 0.36–0.39 s, first operate 8–10 ms against 0.3 ms warm.",
+             "- Before the code cache (2026-12-03, a fair day for this machine): createBranch 0.538 s, 1.50× bare "
+             "pygls's spawn → initialize (0.359 s). Absolute figures follow the machine's speed, which varies "
+             "from day to day by more than 2× (bare pygls's initialize is printed beside them); the reference "
+             "ratio to bare pygls does not.",
              "",
              "| measure | value |",
              "|---|---|",
