@@ -376,7 +376,8 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
                     with anyio.fail_after(timeout):
                         output = await tool.call(valid, ctx)
                 except TimeoutError:
-                    raise ToolTimeout(f"tool {function} timed out after {timeout:g} s") from None
+                    raise ToolTimeout(f"tool {function} timed out after {timeout:g} s"
+                                      + "".join(f"; {note}" for note in ctx.pending)) from None
             else:
                 output = await tool.call(valid, ctx)
             if isinstance(output, BaseModel):

@@ -30,6 +30,9 @@ ToolSource = Literal["builtin", "python", "mcp", "client"]
 class ToolCallContext:
     branch_id: str
     call_id: str
+    #: what the call has asked for that cannot be taken back and is not answered yet (a write
+    #: sent to the client), in words: a call that times out meanwhile says it in its error
+    pending: list[str] = field(default_factory=list, compare=False, repr=False)
 
 
 ToolFunc = Callable[[dict[str, Any], ToolCallContext], Awaitable[Any]]

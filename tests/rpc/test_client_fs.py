@@ -51,10 +51,10 @@ class Buffers:
         return self
 
 
-def start(c, ws, *responses, policy="allow"):
+def start(c, ws, *responses, policy="allow", **settings):
     c.request("initialize", {"workspaceFolders": [str(ws)], "capabilities": FS,
                              "settings": {"models": {"s": scripted(*responses)},
-                                          "toolPolicy": {"edit_file": policy, "write_file": policy}}},
+                                          "toolPolicy": {"edit_file": policy, "write_file": policy}, **settings}},
               timeout=TIMEOUT)
     return c.branch()
 
@@ -313,3 +313,30 @@ def test_a_failed_client_write_names_the_clients_reason_with_its_data(sidecar, t
     out = outputs(operate(sidecar, bid))[0]
     assert out["error"] == f"the client could not write {f}: Internal error (EROFS: read-only file system)", out
     assert f.read_text() == "a\n"
+
+
+def test_a_client_write_that_times_out_tells_the_model_it_may_still_land(sidecar, tmp_path):
+    """A ``fs/writeTextFile`` with no answer in time fails the call, and its error says that the
+    client may still apply the write, so that the model reads the file before changing it again
+    (the server cannot take back a request the client already has)."""
+    f = tmp_path / "m.py"
+    f.write_text("a\n")
+    hang = threading.Event()
+    writes: list = []
+
+    def write(p):
+        writes.append(p)
+        hang.wait(TIMEOUT)
+        return {}
+
+    sidecar.on_request("fs/readTextFile", lambda p: {"text": "a\n"})
+    sidecar.on_request("fs/writeTextFile", write)
+    try:
+        bid = start(sidecar, tmp_path, call("edit_file", path="m.py", edits=[{"oldText": "a", "newText": "b"}]),
+                    toolTimeoutMs=1500)
+        out = outputs(operate(sidecar, bid))[0]
+    finally:
+        hang.set()
+    assert len(writes) == 1
+    assert out["error"] == (f"tool edit_file timed out after 1.5 s; the client was asked to write {f} and may "
+                            "still do so: read it before changing it again"), out
