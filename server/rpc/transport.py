@@ -28,7 +28,7 @@ import threading
 import traceback
 from typing import Any, Callable
 
-from .. import codecache, redaction
+from .. import redaction
 from . import errors as E
 from . import settings as S
 from .framing import FrameParser, looks_like_answer, peek_id
@@ -441,6 +441,8 @@ class Connection:
     # ------------------------------------------------------------------ app loading
     def start_app_loader(self, loop: asyncio.AbstractEventLoop) -> None:
         def load() -> None:
+            from .. import codecache  # (here, not at the top: the initialize path imports nothing it does not use)
+
             mod, error = None, None
             try:
                 codecache.install()  # before the first attrs class: lsprotocol's ~550 compile from it
