@@ -17,7 +17,7 @@ is one file per interpreter bytecode version, ``$XDG_CACHE_HOME/operate-sidecar/
 when used) and written back atomically, merged with what another process wrote meanwhile, when
 a process compiled a class the cache did not have, or many that changed. A class whose source
 differs in every process (attrs's ``__hash__`` holds a randomised string hash) is compiled each
-time and costs no write. ``OPERATE_SIDECAR_CODE_CACHE`` names another file, or turns the cache
+time and never kept. ``OPERATE_SIDECAR_CODE_CACHE`` names another file, or turns the cache
 off (``off``, ``0`` or empty).
 
 Nothing here may break the server: a cache that cannot be read, written or trusted (not ours,
@@ -58,7 +58,9 @@ class _Cache:
     """The entries: one per generated file name (``<attrs generated methods lsprotocol.types.Position>``),
     each the hash of the source it was compiled from and its marshalled code. Keyed by name, the
     cache holds one entry per class however often a library changes, so it stays the size of
-    what is imported. A compile without a name is keyed by its source."""
+    what is imported. Classes of one name (a class made by a function, as jsonschema makes one
+    ``Validator`` per draft) are told apart by their order in the process; a compile without a
+    name is keyed by its source."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -68,6 +70,8 @@ class _Cache:
         self.added = 0      # compiled under a name the cache did not have (a class not seen before)
         self.changed = 0    # compiled under a known name whose source differs (a new library version,
         #                     or a source that differs per process: attrs's __hash__ holds a str hash)
+        self.per_process = 0  # compiled, never kept: a source that differs in every process
+        self.seen: dict[bytes, int] = {}   # name -> how many times this process compiled under it
         self.unsaved = False
 
     def read(self) -> None:
@@ -116,8 +120,15 @@ class _Cache:
             flags |= 0 if dont_inherit else module_flags
             if not isinstance(source, str) or not isinstance(filename, str) or kw or optimize != -1:
                 return _builtin_compile(source, filename, mode, flags, True, optimize, **kw)
+            if _per_process(source, filename):
+                self.per_process += 1
+                return _builtin_compile(source, filename, mode, flags, True)
             src = hashlib.blake2b(source.encode("utf-8", "surrogatepass"), digest_size=20).digest()
             name = f"{mode}\0{flags}\0{filename}".encode("utf-8", "surrogatepass") + (b"" if filename else src)
+            with _lock:  # the n-th class of one name in this process (jsonschema makes several `Validator`s)
+                n = self.seen[name] = self.seen.get(name, -1) + 1
+            if n:
+                name += b"#%d" % n
             entry = self.entries.get(name)
             if entry is not None and entry[0] == src:
                 try:
@@ -157,8 +168,9 @@ class _Cache:
             worth = self.worth_saving()
             self.unsaved = False
             mine = dict(self.mine)
-        log.info("code cache %s: %d found, %d compiled (%d not there, %d changed): %s", self.path, self.hits,
-                 self.added + self.changed, self.added, self.changed, "writing" if worth else "nothing to write")
+        log.info("code cache %s: %d found, %d compiled (%d not there, %d changed, %d never kept): %s", self.path,
+                 self.hits, self.added + self.changed + self.per_process, self.added, self.changed, self.per_process,
+                 "writing" if worth else "nothing to write")
         if not worth:
             return
         directory = os.path.dirname(self.path) or "."
@@ -182,6 +194,20 @@ class _Cache:
                 self.entries[name] = (src, b"")
         except Exception as e:
             log.info("code cache %s not written: %s", self.path, e)
+
+
+_ATTRS_METHODS = "<attrs generated methods "
+
+
+def _per_process(source: str, filename: str) -> bool:
+    """Whether attrs wrote this source for this process only: the ``__hash__`` it generates for
+    a frozen or hashable class holds ``hash("<attrs generated hash module.Class>")``, a string
+    hash, which differs in every process (hash randomisation). Kept, it would be compiled again
+    by the next process anyway, and with many such classes (jsonschema's ``referencing``) every
+    process would write the cache."""
+    if not filename.startswith(_ATTRS_METHODS) or "__hash__" not in source:
+        return False
+    return str(hash("<attrs generated hash " + filename[len(_ATTRS_METHODS):])) in source
 
 
 def _remove_leftovers(directory: str) -> None:
@@ -263,5 +289,5 @@ def save_soon(later_s: float = 5.0) -> None:
 def stats() -> dict[str, int]:
     """What this process found in the cache and compiled (for tests and the log)."""
     if _state is None:
-        return {"hits": 0, "added": 0, "changed": 0}
-    return {"hits": _state.hits, "added": _state.added, "changed": _state.changed}
+        return {"hits": 0, "added": 0, "changed": 0, "per_process": 0}
+    return {"hits": _state.hits, "added": _state.added, "changed": _state.changed, "per_process": _state.per_process}

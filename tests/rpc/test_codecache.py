@@ -82,19 +82,19 @@ def test_the_cached_code_is_byte_for_byte_what_compile_gives(tmp_path):
 def test_a_changed_source_under_the_same_name_is_compiled_again_never_served_stale(tmp_path):
     path = str(tmp_path / "c.marshal")
     first = codecache._Cache(path)
-    compile_ = first.compile_for(0)
     ns: dict = {}
-    exec(compile_("x = 1", "<attrs generated methods m.C>", "exec"), ns)
+    exec(first.compile_for(0)("x = 1", "<attrs generated methods m.C>", "exec"), ns)
     first.save()
-    second = codecache._Cache(path)
-    second.read()
-    compile_ = second.compile_for(0)
-    exec(compile_("x = 1", "<attrs generated methods m.C>", "exec"), ns)
-    assert ns["x"] == 1 and (second.hits, second.added, second.changed) == (1, 0, 0)
-    exec(compile_("x = 2", "<attrs generated methods m.C>", "exec"), ns)
-    assert ns["x"] == 2 and (second.hits, second.changed) == (1, 1)
+    same = codecache._Cache(path)   # the next process, same library
+    same.read()
+    exec(same.compile_for(0)("x = 1", "<attrs generated methods m.C>", "exec"), ns)
+    assert ns["x"] == 1 and (same.hits, same.added, same.changed) == (1, 0, 0)
+    upgraded = codecache._Cache(path)   # a process after the library changed
+    upgraded.read()
+    exec(upgraded.compile_for(0)("x = 2", "<attrs generated methods m.C>", "exec"), ns)
+    assert ns["x"] == 2 and (upgraded.hits, upgraded.changed) == (0, 1)
     # the mode and the compiler flags are part of what is looked up too
-    assert eval(compile_("x", "<attrs generated methods m.C>", "eval"), {"x": 3}) == 3
+    assert eval(upgraded.compile_for(0)("x", "<attrs generated methods m.C>", "eval"), {"x": 3}) == 3
 
 
 def test_it_takes_every_way_the_builtin_compile_is_called(tmp_path):
@@ -133,6 +133,51 @@ def test_one_class_that_changes_in_every_process_costs_no_write(tmp_path):
     for i in range(codecache.CHANGED_WORTH_SAVING + 1):   # a library upgraded: many changed
         again.compile_for(0)(f"z = {i}", f"<attrs generated methods m.E{i}>", "exec")
     assert again.worth_saving()
+
+
+def test_classes_of_one_name_are_each_kept_in_their_order(tmp_path):
+    """jsonschema's ``create`` makes one ``Validator`` class per draft, all of one name: each is
+    found again by the next process (they used to replace one another, never found)."""
+    path = str(tmp_path / "c.marshal")
+    name = "<attrs generated methods jsonschema.validators.create.<locals>.Validator>"
+    first = codecache._Cache(path)
+    for draft in range(4):
+        first.compile_for(0)(f"draft = {draft}", name, "exec")
+    first.save()
+    again = codecache._Cache(path)
+    again.read()
+    ns: dict = {}
+    for draft in range(4):
+        exec(again.compile_for(0)(f"draft = {draft}", name, "exec"), ns)
+        assert ns["draft"] == draft
+    assert (again.hits, again.added, again.changed) == (4, 0, 0)
+
+
+FROZEN = """
+    import json, attrs
+    from operate_sidecar.server import codecache
+    codecache.install()
+
+    @attrs.frozen
+    class Point:
+        x: int
+
+    p = Point(1)
+    print(json.dumps({**codecache.stats(), "hashes": hash(p) == hash(Point(1)) and p == Point(1)}))
+    codecache.save()
+"""
+
+
+def test_a_frozen_class_whose_hash_differs_per_process_is_never_kept(tmp_path):
+    """attrs's ``__hash__`` of a frozen class holds a string hash, randomised per process: the
+    source differs in every process, so it is compiled each time and never written (with many
+    such classes, every process would otherwise write the cache)."""
+    cache = tmp_path / "c.marshal"
+    first = _run(FROZEN, cache)
+    second = _run(FROZEN, cache)
+    for r in (first, second):
+        assert r["per_process"] >= 1 and r["hashes"] is True, r
+    assert second["changed"] == 0 and second["added"] == 0, second
 
 
 def test_two_processes_merge_what_each_compiled(tmp_path):
