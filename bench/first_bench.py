@@ -300,7 +300,7 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
              "median of 15): createBranch 0.36–0.39 s, first operate 8–10 ms against 0.3 ms warm.",
              "- Before the code cache (2026-12-03, a fair day for this machine): createBranch 0.538 s, 1.50× bare "
              "pygls's spawn → initialize (0.359 s). Absolute figures follow the machine's speed, which varies "
-             "from day to day by more than 2× (bare pygls's initialize is printed beside them); the reference "
+             "from day to day by more than 2× (bare pygls's initialize is printed beside them); their "
              "ratio to bare pygls does not.",
              "",
              "| measure | value |",
