@@ -12,7 +12,7 @@ the code up by the name the library gives it (``<attrs generated methods lsproto
 the mode and the compiler flags, and uses it only when it was compiled from the same source (a
 hash of the text); else it compiles, as the builtin would. So the code is exactly what ``compile``
 gives, and an entry whose library changed is compiled again and replaced, never used. The cache
-is one file per interpreter bytecode version, ``$XDG_CACHE_HOME/operate-sidecar/generated-code-*``
+is one file per interpreter bytecode version and environment, ``$XDG_CACHE_HOME/operate-sidecar/generated-code-*``
 (``~/.cache`` without it), read once (the marshalled code of each entry is unmarshalled only
 when used) and written back atomically, merged with what another process wrote meanwhile, when
 a process compiled a class the cache did not have, or many that changed. A class whose source
@@ -68,8 +68,7 @@ class _Cache:
         self.mine: dict[bytes, tuple[bytes, bytes]] = {}      # what this process compiled
         self.hits = 0
         self.added = 0      # compiled under a name the cache did not have (a class not seen before)
-        self.changed = 0    # compiled under a known name whose source differs (a new library version,
-        #                     or a source that differs per process: attrs's __hash__ holds a str hash)
+        self.changed = 0    # compiled under a known name whose source differs (a new library version)
         self.per_process = 0  # compiled, never kept: a source that differs in every process
         self.seen: dict[bytes, int] = {}   # name -> how many times this process compiled under it
         self.unsaved = False
@@ -156,8 +155,8 @@ class _Cache:
         return cached_compile
 
     def worth_saving(self) -> bool:
-        """Whether to write: a class not seen before, or many changed (a library upgraded). One
-        or two that change in every process (a ``__hash__``) are not worth a write per spawn."""
+        """Whether to write: a class not seen before, or many changed (a library upgraded). A
+        few changed are not worth a write of the whole file."""
         return self.unsaved and (self.added > 0 or self.changed > CHANGED_WORTH_SAVING)
 
     def save(self) -> None:
@@ -224,7 +223,8 @@ def _remove_leftovers(directory: str) -> None:
 
 def default_path() -> str | None:
     """The cache file: ``$OPERATE_SIDECAR_CODE_CACHE`` (None when it turns the cache off), else
-    one per interpreter bytecode version under ``$XDG_CACHE_HOME/operate-sidecar``."""
+    one per interpreter bytecode version and environment (``sys.prefix``) under
+    ``$XDG_CACHE_HOME/operate-sidecar``."""
     value = os.environ.get(ENV)
     if value is not None:
         return None if value.strip().lower() in OFF else value
@@ -233,8 +233,13 @@ def default_path() -> str | None:
     base = os.environ.get("XDG_CACHE_HOME", "")
     if not os.path.isabs(base):   # unset, empty or relative: ignored, as the XDG spec says
         base = os.path.join(os.path.expanduser("~"), ".cache")
+    import hashlib
+
     tag = sys.implementation.cache_tag or sys.implementation.name
-    return os.path.join(base, "operate-sidecar", f"generated-code-{tag}-{MAGIC_NUMBER.hex()}.marshal")
+    # one per environment too: two virtualenvs with other library versions would replace each
+    # other's entries at every spawn
+    env = hashlib.blake2b(os.fsencode(sys.prefix), digest_size=4).hexdigest()
+    return os.path.join(base, "operate-sidecar", f"generated-code-{tag}-{MAGIC_NUMBER.hex()}-{env}.marshal")
 
 
 def install() -> None:

@@ -289,3 +289,19 @@ def test_the_acp_front_end_fills_the_cache(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=TIMEOUT)
+
+
+def test_each_environment_has_a_cache_of_its_own(monkeypatch, tmp_path):
+    """Two virtualenvs with other library versions would replace each other's entries at every
+    spawn: the file name holds the interpreter's bytecode version and the environment."""
+    monkeypatch.delenv(codecache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    here = codecache.default_path()
+    monkeypatch.setattr(sys, "prefix", "/elsewhere/venv")
+    there = codecache.default_path()
+    assert here != there and Path(here).parent == Path(there).parent == tmp_path / "operate-sidecar"
+    assert Path(here).name.startswith(f"generated-code-{sys.implementation.cache_tag}-")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")   # not absolute: ignored, as the XDG spec says
+    assert codecache.default_path().startswith(os.path.expanduser("~"))
+    monkeypatch.setenv(codecache.ENV, "off")
+    assert codecache.default_path() is None
