@@ -73,8 +73,12 @@ class _Cache:
         self.seen: dict[bytes, int] = {}   # name -> how many times this process compiled under it
         self.unsaved = False
 
-    def read(self) -> None:
+    def read(self, warn: bool = True) -> None:
+        """The entries of the file; none when there is no file, or one that cannot be trusted or
+        read (said on stderr unless ``warn`` is false: a re-read to merge has been said)."""
         import marshal
+
+        say = log.warning if warn else log.debug
 
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -86,10 +90,8 @@ class _Cache:
 
             if not stat.S_ISREG(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()) \
                     or st.st_mode & 0o022:
-                log.warning("code cache %s ignored: not a file owned by this user and writable by no one else",
-                            self.path)
-                self.unsaved = True   # replaced by one this process writes
-                return
+                say("code cache %s ignored: not a file owned by this user and writable by no one else", self.path)
+                return  # (so every class is compiled as new: the file is replaced by one written here)
             import mmap
 
             if st.st_size == 0:
@@ -101,10 +103,9 @@ class _Cache:
                     and type(v[1]) is bytes for k, v in data.items()):
                 self.entries = data
             else:
-                log.warning("code cache %s ignored: not a cache", self.path)
+                say("code cache %s ignored: not a cache", self.path)
         except Exception as e:  # damaged: compile as usual, and write a good one back
-            log.warning("code cache %s ignored: %s", self.path, e)
-            self.unsaved = True
+            say("code cache %s ignored: %s", self.path, e)
         finally:
             os.close(fd)
 
@@ -176,7 +177,7 @@ class _Cache:
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             other = _Cache(self.path)   # what another process wrote since this one read
-            other.read()
+            other.read(warn=False)
             merged = {**other.entries, **mine}
             if len(merged) > MAX_ENTRIES:
                 merged = mine

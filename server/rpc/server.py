@@ -28,8 +28,8 @@ from pygls.protocol.json_rpc import JsonRPCProtocol
 from pygls.server import JsonRPCServer
 
 from operate_sidecar.protocol import catalog
-from operate_sidecar.server import codecache
 
+from operate_sidecar.server import codecache
 from operate_sidecar.server.service.errors import map_exception
 from operate_sidecar.server.service.port import ClientRequestError
 from operate_sidecar.server.service.service import Service

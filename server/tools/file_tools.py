@@ -138,24 +138,22 @@ class ClientFiles:
 
     async def write_text(self, real: Path, text: str, ctx: ToolCallContext) -> None:
         # a request the client has cannot be taken back: until it is answered, a time-out of the
-        # call (or of this request) says the write may still land, so the model reads before it
-        # changes the file again
+        # call (which cancels this; the note stays for its error) or of this request says the
+        # write may still land, so the model reads before it changes the file again
         note = f"the client was asked to write {real} and may still do so: read it before changing it again"
         ctx.pending.append(note)
         try:
             await self.request("fs/writeTextFile", {"branchId": ctx.branch_id, "callId": ctx.call_id,
                                                     "path": str(real), "text": text}, self.timeout)
-        except TimeoutError as e:
-            ctx.pending.remove(note)
-            raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {self._why(e)}; it may "
-                                "still write it: read it before changing it again") from None
-        except OSError as e:
-            ctx.pending.remove(note)
-            raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {self._why(e)}") from None
         except Exception as e:
             ctx.pending.remove(note)
+            if isinstance(e, TimeoutError):
+                raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {self._why(e)}; "
+                                    f"{note}") from None
+            if isinstance(e, OSError):
+                raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {self._why(e)}") from None
             raise ToolCallError(f"the client could not write {real}: {_reason(e)}") from None
-        ctx.pending.remove(note)   # (kept when the call is cancelled: its time-out says it)
+        ctx.pending.remove(note)
 
     def _why(self, e: BaseException) -> str:
         """Why a request got no answer (an exception is truthy even when its text is empty)."""

@@ -340,3 +340,24 @@ def test_a_client_write_that_times_out_tells_the_model_it_may_still_land(sidecar
     assert len(writes) == 1
     assert out["error"] == (f"tool edit_file timed out after 1.5 s; the client was asked to write {f} and may "
                             "still do so: read it before changing it again"), out
+
+
+def test_a_client_write_past_its_own_request_time_out_says_it_may_still_land(tmp_path):
+    """The same when the request's own time-out ends the wait (a call with no time-out of its
+    own): the error says the write may still land, and nothing is left pending."""
+    import asyncio
+
+    from operate_sidecar.server.core.tools import ToolCallContext
+    from operate_sidecar.server.tools.errors import ToolCallError
+    from operate_sidecar.server.tools.file_tools import ClientFiles
+
+    async def no_answer(method, params, timeout):
+        raise TimeoutError(f"no answer within {timeout:g} s")
+
+    ctx = ToolCallContext("b", "c")
+    with pytest.raises(ToolCallError) as ei:
+        asyncio.run(ClientFiles(no_answer, timeout=2.0).write_text(tmp_path / "m.py", "x\n", ctx))
+    assert str(ei.value) == (f"the client did not answer fs/writeTextFile for {tmp_path / 'm.py'}: no answer "
+                             f"within 2 s; the client was asked to write {tmp_path / 'm.py'} and may still do so: "
+                             "read it before changing it again")
+    assert ctx.pending == []
