@@ -4,6 +4,7 @@ model call, no message, no tool and nothing sent, so the first operate builds no
 (the ACP front end primes each new session this way). Real service, tools and renderer."""
 
 import asyncio
+import importlib
 
 from operate_sidecar.server.core import render
 from operate_sidecar.server.rpc import settings as S
@@ -79,6 +80,87 @@ def test_a_pinned_reply_format_is_not_serialized_again_per_operate(tmp_path, mon
                                                 "responseFormat": dict(REPLY)}), WAIT)
             assert keyed == ["PrimedReply", "PrimedReply"]  # a copy is keyed as before
             assert len(svc.schemas._models) == 1            # and finds the same model
+        finally:
+            await svc.aclose()
+
+    asyncio.run(main())
+
+
+def _plain_settings(**extra):
+    return S.finalize(S.merge(S.DEFAULTS, {"models": {"s": {"provider": "scripted", "responses": ["hi"]}},
+                                           "defaultModel": "s", **extra}))
+
+
+def test_the_first_branch_is_primed_for_a_plain_operate(tmp_path, monkeypatch):
+    """The service's first ``createBranch`` builds what the first plain operate would build on
+    first use (the builtin tools, the tools' thread pool, what ``core.operate.prime`` builds),
+    before its answer: the editor's first operate often follows at once. Once per service; no
+    model call, no message, nothing sent."""
+    core_operate = importlib.import_module("operate_sidecar.server.core.operate")  # (the package's ``operate`` is the function)
+
+    primed: list[str] = []
+    real = core_operate.prime
+    monkeypatch.setattr(core_operate, "prime", lambda branch, **kw: primed.append(branch.id) or real(branch, **kw))
+
+    async def main() -> None:
+        port = Port(_plain_settings(), (str(tmp_path),))
+        svc = Service(port)
+        try:
+            bid = (await asyncio.wait_for(svc.createBranch({}), WAIT))["branchId"]
+            assert primed == [bid]
+            assert svc._tool_threads is not None and svc._tools_ready is not None and svc._tools_ready.is_set()
+            assert len(svc.messages_of(bid)) == 0 and port.sent == [] and svc.resolve_model("s").calls == 0
+            await asyncio.wait_for(svc.createBranch({}), WAIT)
+            assert primed == [bid]                       # once per service
+            res = await asyncio.wait_for(svc.operate({"branchId": bid, "instruction": "go"}), WAIT)
+            assert res["result"] == "hi"
+        finally:
+            await svc.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_first_branch_is_not_primed_when_tools_must_load(tmp_path, monkeypatch):
+    """Tool modules (or MCP servers) may take long to load: ``createBranch`` does not wait for
+    them to prime (the first operate waits for them anyway)."""
+    core_operate = importlib.import_module("operate_sidecar.server.core.operate")  # (the package's ``operate`` is the function)
+
+    primed: list[str] = []
+    monkeypatch.setattr(core_operate, "prime", lambda branch, **kw: primed.append(branch.id))
+
+    async def main() -> None:
+        svc = Service(Port(_plain_settings(toolModules=["no_such_module_here"]), (str(tmp_path),)))
+        try:
+            await asyncio.wait_for(svc.createBranch({}), WAIT)
+            assert primed == [] and svc._tools_ready is None
+        finally:
+            await svc.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_cancel_while_the_first_branch_is_primed_comes_too_late(tmp_path, monkeypatch):
+    """The branch is made (and saved) before the priming: a cancel during it is ignored, and the
+    answer names the branch, as for any request cancelled after its change was made."""
+    gate = asyncio.Event
+
+    async def main() -> None:
+        svc = Service(Port(_plain_settings(stateDir=str(tmp_path / "state")), (str(tmp_path),)))
+        entered, release = gate(), gate()
+
+        async def slow_prime(params: dict) -> None:
+            entered.set()
+            await release.wait()
+
+        monkeypatch.setattr(svc, "prime", slow_prime)
+        try:
+            task = asyncio.ensure_future(svc.createBranch({}))
+            await asyncio.wait_for(entered.wait(), WAIT)
+            task.cancel()
+            await asyncio.sleep(0)
+            release.set()
+            bid = (await asyncio.wait_for(task, WAIT))["branchId"]
+            assert bid in svc.branches
         finally:
             await svc.aclose()
 
