@@ -1,24 +1,28 @@
-"""A cache of the code that attrs and cattrs generate, kept across processes.
+"""A cache of the code that attrs, cattrs and dataclasses generate, kept across processes.
 
 attrs writes the methods of every class it builds (``__init__``, ``__repr__``, ``__eq__`` ...)
 as source text and compiles it when the class is defined; cattrs does the same for each
-(un)structure function it makes. The native front end imports pygls, whose ``lsprotocol.types``
-alone is ~550 such classes: compiling their methods is over a third of that import, and the
-editor's first request after a spawn waits for it. Python keeps the bytecode of a module in
-``__pycache__`` for the same reason; this keeps the bytecode of the generated methods.
+(un)structure function it makes, and the standard library's ``dataclasses`` for each dataclass
+(an ``exec`` of the text: ~310 in the core, a sixth of its import). The native front end imports
+pygls, whose ``lsprotocol.types`` alone is ~550 such classes: compiling their methods is over a
+third of that import, and the editor's first request after a spawn waits for it. Python keeps
+the bytecode of a module in ``__pycache__`` for the same reason; this keeps the bytecode of the
+generated methods.
 
 How it works: while installed, ``compile`` in those libraries' modules is a function that looks
 the code up by the name the library gives it (``<attrs generated methods lsprotocol.types.Position>``),
 the mode and the compiler flags, and uses it only when it was compiled from the same source (a
-hash of the text); else it compiles, as the builtin would. So the code is exactly what ``compile``
-gives, and an entry whose library changed is compiled again and replaced, never used. The cache
-is one file per interpreter bytecode version and environment, ``$XDG_CACHE_HOME/operate-sidecar/generated-code-*``
-(``~/.cache`` without it), read once (the marshalled code of each entry is unmarshalled only
-when used) and written back atomically, merged with what another process wrote meanwhile, when
-a process compiled a class the cache did not have, or many that changed. A class whose source
-differs in every process (attrs's ``__hash__`` holds a randomised string hash) is compiled each
-time and never kept. ``OPERATE_SIDECAR_CODE_CACHE`` names another file, or turns the cache
-off (``off``, ``0`` or empty).
+hash of the text); else it compiles, as the builtin would. ``exec`` in ``dataclasses`` compiles
+its text the same way, keyed by the text itself (it names none), then runs the code. So the code
+is exactly what ``compile`` gives, and an entry whose library changed is compiled again and
+replaced, never used. The cache is one file per interpreter bytecode version and environment,
+``$XDG_CACHE_HOME/operate-sidecar/generated-code-*`` (``~/.cache`` without it), read once (the
+marshalled code of each entry is unmarshalled only when used) and written back atomically,
+merged with what another process wrote meanwhile, when a process compiled a class the cache did
+not have, or many that changed. A class whose source differs in every process (attrs's
+``__hash__`` holds a randomised string hash) is compiled each time and never kept.
+``OPERATE_SIDECAR_CODE_CACHE`` names another file, or turns the cache off (``off``, ``0`` or
+empty).
 
 Nothing here may break the server: a cache that cannot be read, written or trusted (not ours,
 writable by others, damaged) is ignored, and everything is compiled as before.
@@ -39,6 +43,8 @@ log = logging.getLogger("operate_sidecar.server.codecache")
 ENV = "OPERATE_SIDECAR_CODE_CACHE"
 #: the modules whose ``compile`` is the cached one: where attrs and cattrs compile what they generate
 MODULES = ("attr._make", "cattrs.gen", "cattrs.gen.typeddicts")
+#: the modules whose ``exec`` of a source text compiles through the cache (keyed by the text)
+EXEC_MODULES = ("dataclasses",)
 #: a cache grown past this (many library versions over time) starts again from this process's entries
 MAX_ENTRIES = 20_000
 #: values of OPERATE_SIDECAR_CODE_CACHE that turn the cache off
@@ -50,6 +56,7 @@ LEFTOVER_AGE_S = 600
 CHANGED_WORTH_SAVING = 8
 
 _builtin_compile = builtins.compile
+_builtin_exec = builtins.exec
 _lock = threading.Lock()
 _state: _Cache | None = None
 
@@ -71,6 +78,8 @@ class _Cache:
         self.changed = 0    # compiled under a known name whose source differs (a new library version)
         self.per_process = 0  # compiled, never kept: a source that differs in every process
         self.seen: dict[bytes, int] = {}   # name -> how many times this process compiled under it
+        #: text key -> its code, once used here (one text, many classes), until the next save (RSS)
+        self.by_text: dict[bytes, Any] = {}
         self.unsaved = False
 
     def read(self, warn: bool = True) -> None:
@@ -109,11 +118,12 @@ class _Cache:
         finally:
             os.close(fd)
 
-    def compile_for(self, module_flags: int) -> Callable[..., Any]:
+    def compile_for(self, module_flags: int, by_text: bool = False) -> Callable[..., Any]:
         """``compile`` as called from a module with these future flags (what the builtin would
-        inherit there)."""
+        inherit there). ``by_text``: entries are keyed by the source text, not by the name
+        (dataclasses name every text ``<string>``); one text compiled once serves every class
+        that has it."""
         import hashlib
-        import marshal
 
         def cached_compile(source: Any, filename: Any, mode: str, flags: int = 0, dont_inherit: bool = False,
                            optimize: int = -1, **kw: Any) -> Any:
@@ -125,35 +135,74 @@ class _Cache:
                 return _builtin_compile(source, filename, mode, flags, True)
             src = hashlib.blake2b(source.encode("utf-8", "surrogatepass"), digest_size=20).digest()
             name = f"{mode}\0{flags}\0{filename}".encode("utf-8", "surrogatepass") + (b"" if filename else src)
-            with _lock:  # the n-th class of one name in this process (jsonschema makes several `Validator`s)
-                n = self.seen[name] = self.seen.get(name, -1) + 1
-            if n:
-                name += b"#%d" % n
-            entry = self.entries.get(name)
-            if entry is not None and entry[0] == src:
-                try:
-                    code = marshal.loads(entry[1])
-                except Exception:
-                    pass
-                else:
-                    self.hits += 1
-                    self.entries[name] = (src, b"")   # a class is defined once: free its code (idle RSS)
+            if by_text:
+                name = b"text\0" + name + src
+                code = self.by_text.get(name)
+                if code is not None:
                     return code
-            code = _builtin_compile(source, filename, mode, flags, True)
-            try:
-                blob = marshal.dumps(code)
-            except ValueError:
-                return code
-            with _lock:
-                self.mine[name] = (src, blob)
-                if entry is None:
-                    self.added += 1
-                else:
-                    self.changed += 1
-                self.unsaved = True
+            else:
+                with _lock:  # the n-th class of one name in this process (jsonschema makes several `Validator`s)
+                    n = self.seen[name] = self.seen.get(name, -1) + 1
+                if n:
+                    name += b"#%d" % n
+            code = self._found(name, src)
+            if code is None and by_text and self.entries.get(name) == (src, b""):
+                # used in this process already, and its code let go at the last save: nothing new
+                code = _builtin_compile(source, filename, mode, flags, True)
+            if code is None:
+                code = self._compiled(name, src, source, filename, mode, flags)
+            if by_text:
+                self.by_text[name] = code
             return code
 
         return cached_compile
+
+    def exec_for(self, module_flags: int, module_globals: dict) -> Callable[..., Any]:
+        """``exec`` as called from a module (its future flags, its globals when none are given):
+        a source text is compiled through the cache (keyed by the text), then run."""
+        compile_text = self.compile_for(module_flags, by_text=True)
+
+        def cached_exec(source: Any, globals: Any = None, locals: Any = None, /, **kw: Any) -> Any:  # noqa: A002
+            if isinstance(source, str):
+                source = compile_text(source, "<string>", "exec")
+            if globals is None:
+                globals = module_globals  # noqa: A001 - what the builtin would take (the caller's module)
+            return _builtin_exec(source, globals, locals, **kw)
+
+        return cached_exec
+
+    def _found(self, name: bytes, src: bytes) -> Any:
+        """The code of entry ``name`` when it was compiled from the source hashed ``src``."""
+        import marshal
+
+        entry = self.entries.get(name)
+        if entry is not None and entry[0] == src:
+            try:
+                code = marshal.loads(entry[1])
+            except Exception:
+                return None
+            self.hits += 1
+            self.entries[name] = (src, b"")   # a class is defined once: free its code (idle RSS)
+            return code
+        return None
+
+    def _compiled(self, name: bytes, src: bytes, source: str, filename: str, mode: str, flags: int) -> Any:
+        """``source`` compiled, and kept as entry ``name`` (to save)."""
+        import marshal
+
+        code = _builtin_compile(source, filename, mode, flags, True)
+        try:
+            blob = marshal.dumps(code)
+        except ValueError:
+            return code
+        with _lock:
+            self.mine[name] = (src, blob)
+            if name not in self.entries:
+                self.added += 1
+            else:
+                self.changed += 1
+            self.unsaved = True
+        return code
 
     def worth_saving(self) -> bool:
         """Whether to write: a class not seen before, or many changed (a library upgraded). A
@@ -168,6 +217,7 @@ class _Cache:
             worth = self.worth_saving()
             self.unsaved = False
             mine = dict(self.mine)
+            self.by_text.clear()   # the classes are made (a text used again is compiled again, ~0.2 ms)
         log.info("code cache %s: %d found, %d compiled (%d not there, %d changed, %d never kept): %s", self.path,
                  self.hits, self.added + self.changed + self.per_process, self.added, self.changed, self.per_process,
                  "writing" if worth else "nothing to write")
@@ -253,7 +303,6 @@ def install() -> None:
     if path is None:
         return
     try:
-        import __future__
         import importlib
 
         cache = _Cache(path)
@@ -262,14 +311,27 @@ def install() -> None:
             mod = importlib.import_module(name)
             if mod.__dict__.get("compile", _builtin_compile) is not _builtin_compile:
                 continue  # someone else's compile there: leave it
-            flags = 0
-            for feature in __future__.all_feature_names:
-                if mod.__dict__.get(feature) is getattr(__future__, feature):
-                    flags |= getattr(__future__, feature).compiler_flag
-            mod.compile = cache.compile_for(flags)  # type: ignore[attr-defined]
+            mod.compile = cache.compile_for(_future_flags(mod))  # type: ignore[attr-defined]
+        for name in EXEC_MODULES:
+            mod = importlib.import_module(name)
+            if mod.__dict__.get("exec", _builtin_exec) is not _builtin_exec:
+                continue
+            mod.exec = cache.exec_for(_future_flags(mod), mod.__dict__)  # type: ignore[attr-defined]
         _state = cache
     except Exception as e:  # a library laid out otherwise: no cache
         log.info("code cache not used: %s", e)
+
+
+def _future_flags(mod: Any) -> int:
+    """The compiler flags of the ``__future__`` features ``mod`` imports (what ``compile`` and
+    ``exec`` called there inherit)."""
+    import __future__
+
+    flags = 0
+    for feature in __future__.all_feature_names:
+        if mod.__dict__.get(feature) is getattr(__future__, feature):
+            flags |= getattr(__future__, feature).compiler_flag
+    return flags
 
 
 def save() -> None:

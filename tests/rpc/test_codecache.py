@@ -1,4 +1,4 @@
-"""The cache of the code attrs and cattrs generate (server/codecache.py): what it gives is
+"""The cache of the code attrs, cattrs and dataclasses generate (server/codecache.py): what it gives is
 byte for byte what ``compile`` gives, a changed source is compiled again, a damaged or
 untrusted file is ignored, and both front ends fill it and use it on the next spawn without
 writing it again when nothing is new."""
@@ -305,3 +305,103 @@ def test_each_environment_has_a_cache_of_its_own(monkeypatch, tmp_path):
     assert codecache.default_path().startswith(os.path.expanduser("~"))
     monkeypatch.setenv(codecache.ENV, "off")
     assert codecache.default_path() is None
+
+
+DATACLASSES = """
+    import dataclasses, json
+    from operate_sidecar.server import codecache
+    codecache.install()
+    cached_exec = dataclasses.exec
+    calls, same, through = [], [], []
+
+    def checking(src, globals=None, locals=None):
+        kept = len(codecache._state.by_text)
+        out = cached_exec(src, globals, locals)
+        through.append(src in calls or len(codecache._state.by_text) == kept + 1)   # through the cache
+        # the function the text made, against the one the builtin compiles from the text
+        # (dataclasses' module has no __future__ flags; exec names a text "<string>"). Compared as
+        # code objects (bytecode, constants, names, line table...) and file names, not marshalled:
+        # a code object once marshalled or run marshals its bytecode with a reference flag
+        ran = locals["__create_fn__"].__code__
+        fresh = next(c for c in compile(src, "<string>", "exec", dont_inherit=True).co_consts if hasattr(c, "co_code"))
+        same.append(ran == fresh and ran.co_filename == fresh.co_filename == "<string>"
+                    and [c.co_qualname for c in ran.co_consts if hasattr(c, "co_qualname")]
+                    == [c.co_qualname for c in fresh.co_consts if hasattr(c, "co_qualname")])
+        calls.append(src)
+        return out
+
+    dataclasses.exec = checking
+
+    @dataclasses.dataclass(frozen=True, order=True)
+    class P:
+        x: int
+        y: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+    @dataclasses.dataclass
+    class Q:
+        x: int
+
+    @dataclasses.dataclass
+    class R:   # the very texts of Q: compiled (or found) once
+        x: int
+
+    import operate_sidecar.server.core.params   # the core's dataclasses
+    try:
+        P(1).x = 2
+        frozen = False
+    except dataclasses.FrozenInstanceError:
+        frozen = True
+    works = (P(1) < P(2) and P(1, [1]) == P(1) and hash(P(1)) == hash(P(1)) and P(3).y == [] and frozen
+             and repr(Q(1)) == "Q(x=1)" and R(2) == R(2) and R(2) != R(3))
+    print(json.dumps({**codecache.stats(), "calls": len(calls), "texts": len(set(calls)), "through": all(through),
+                      "same": sum(same), "differ": len(same) - sum(same), "works": works}))
+    codecache.save()
+"""
+
+
+def test_dataclasses_are_found_by_their_text_as_compile_gives_them_and_work(tmp_path):
+    """The standard library's dataclasses ``exec`` a text per class; the cache keys that text
+    (all are named ``<string>``), gives what the builtin compiles from it, and compiles or
+    finds a text used by several classes once per process."""
+    cache = tmp_path / "c.marshal"
+    first = _run(DATACLASSES, cache)
+    assert first["works"] is first["through"] is True and first["differ"] == 0 and first["texts"] > 50, first
+    assert first["hits"] == 0 and first["added"] >= first["texts"], first
+    second = _run(DATACLASSES, cache)
+    assert second["works"] is second["through"] is True, second
+    assert second["differ"] == 0 and second["same"] == second["calls"], second
+    assert second["added"] == second["changed"] == 0, second
+    assert second["calls"] > second["texts"]                    # Q's and R's texts, among others
+    assert second["hits"] == first["added"], second   # each text found once (and the attrs classes imported)
+
+
+def test_a_text_is_found_or_compiled_once_and_used_again_without_a_write(tmp_path):
+    """One text, many classes: found (or compiled) once, then served again; after a save the
+    process keeps no copy of it (RSS), and a later use compiles it quietly: nothing to write."""
+    path = str(tmp_path / "c.marshal")
+    first = codecache._Cache(path)
+    run = first.exec_for(0, {})
+    for _ in range(2):
+        g: dict = {}
+        run("a = 1", g)
+        assert g["a"] == 1
+    assert (first.hits, first.added, first.changed) == (0, 1, 0)
+    first.save()
+    assert first.by_text == {}
+    g = {}
+    run("a = 1", g)
+    assert g["a"] == 1 and (first.added, first.changed) == (1, 0) and not first.worth_saving()
+    again = codecache._Cache(path)   # the next process
+    again.read()
+    module: dict = {"b": 2}
+    run = again.exec_for(0, module)
+    for _ in range(3):
+        g = {}
+        run("a = 1", g)
+        assert g["a"] == 1
+    assert (again.hits, again.added, again.changed) == (1, 0, 0)
+    g = {"b": 3}
+    run("c = b", g)          # globals given: used, as the builtin does
+    assert g["c"] == 3
+    run("d = b")             # none given: the module's, as the builtin takes the caller's
+    assert module["d"] == 2
