@@ -67,7 +67,7 @@ class _Cache:
     cache holds one entry per class however often a library changes, so it stays the size of
     what is imported. Classes of one name (a class made by a function, as jsonschema makes one
     ``Validator`` per draft) are told apart by their order in the process; a compile without a
-    name is keyed by its source."""
+    name, and a dataclass's text (``exec_for``), are keyed by their source."""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -86,6 +86,11 @@ def test_a_pinned_reply_format_is_not_serialized_again_per_operate(tmp_path, mon
     asyncio.run(main())
 
 
+def _core_operate():
+    """``server.core.operate`` the module (the package's ``operate`` is the function)."""
+    return importlib.import_module("operate_sidecar.server.core.operate")
+
+
 def _plain_settings(**extra):
     return S.finalize(S.merge(S.DEFAULTS, {"models": {"s": {"provider": "scripted", "responses": ["hi"]}},
                                            "defaultModel": "s", **extra}))
@@ -96,7 +101,7 @@ def test_the_first_branch_is_primed_for_a_plain_operate(tmp_path, monkeypatch):
     first use (the builtin tools, the tools' thread pool, what ``core.operate.prime`` builds),
     before its answer: the editor's first operate often follows at once. Once per service; no
     model call, no message, nothing sent."""
-    core_operate = importlib.import_module("operate_sidecar.server.core.operate")  # (the package's ``operate`` is the function)
+    core_operate = _core_operate()
 
     primed: list[str] = []
     real = core_operate.prime
@@ -123,7 +128,7 @@ def test_the_first_branch_is_primed_for_a_plain_operate(tmp_path, monkeypatch):
 def test_the_first_branch_is_not_primed_when_tools_must_load(tmp_path, monkeypatch):
     """Tool modules (or MCP servers) may take long to load: ``createBranch`` does not wait for
     them to prime (the first operate waits for them anyway)."""
-    core_operate = importlib.import_module("operate_sidecar.server.core.operate")  # (the package's ``operate`` is the function)
+    core_operate = _core_operate()
 
     primed: list[str] = []
     monkeypatch.setattr(core_operate, "prime", lambda branch, **kw: primed.append(branch.id))
@@ -142,11 +147,11 @@ def test_the_first_branch_is_not_primed_when_tools_must_load(tmp_path, monkeypat
 def test_a_cancel_while_the_first_branch_is_primed_comes_too_late(tmp_path, monkeypatch):
     """The branch is made (and saved) before the priming: a cancel during it is ignored, and the
     answer names the branch, as for any request cancelled after its change was made."""
-    gate = asyncio.Event
+    settings = _plain_settings(stateDir=str(tmp_path / "state"))
 
     async def main() -> None:
-        svc = Service(Port(_plain_settings(stateDir=str(tmp_path / "state")), (str(tmp_path),)))
-        entered, release = gate(), gate()
+        svc = Service(Port(settings, (str(tmp_path),)))
+        entered, release = asyncio.Event(), asyncio.Event()
 
         async def slow_prime(params: dict) -> None:
             entered.set()
@@ -163,5 +168,11 @@ def test_a_cancel_while_the_first_branch_is_primed_comes_too_late(tmp_path, monk
             assert bid in svc.branches
         finally:
             await svc.aclose()
+        again = Service(Port(settings, (str(tmp_path),)))   # the next process: it was saved
+        try:
+            listed = await asyncio.wait_for(again.listBranches({}), WAIT)
+            assert [b["branchId"] for b in listed["branches"]] == [bid]
+        finally:
+            await again.aclose()
 
     asyncio.run(main())
