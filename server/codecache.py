@@ -136,26 +136,27 @@ class _Cache:
             src = hashlib.blake2b(source.encode("utf-8", "surrogatepass"), digest_size=20).digest()
             name = f"{mode}\0{flags}\0{filename}".encode("utf-8", "surrogatepass") + (b"" if filename else src)
             if by_text:
-                name = b"text\0" + name + src
-                code = self.by_text.get(name)
-                if code is not None:
-                    return code
-            else:
-                with _lock:  # the n-th class of one name in this process (jsonschema makes several `Validator`s)
-                    n = self.seen[name] = self.seen.get(name, -1) + 1
-                if n:
-                    name += b"#%d" % n
-            code = self._found(name, src)
-            if code is None and by_text and self.entries.get(name) == (src, b""):
-                # used in this process already, and its code let go at the last save: nothing new
-                code = _builtin_compile(source, filename, mode, flags, True)
-            if code is None:
-                code = self._compiled(name, src, source, filename, mode, flags)
-            if by_text:
-                self.by_text[name] = code
-            return code
+                return self._text_code(b"text\0" + name + src, src, source, filename, mode, flags)
+            with _lock:  # the n-th class of one name in this process (jsonschema makes several `Validator`s)
+                n = self.seen[name] = self.seen.get(name, -1) + 1
+            if n:
+                name += b"#%d" % n
+            return self._found(name, src) or self._compiled(name, src, source, filename, mode, flags)
 
         return cached_compile
+
+    def _text_code(self, key: bytes, src: bytes, source: str, filename: str, mode: str, flags: int) -> Any:
+        """The code of a text keyed by itself. One text serves every class that has it, so its
+        code is kept once used here, until the next save (RSS); used again after that, it is
+        compiled, with nothing new to keep."""
+        code = self.by_text.get(key)
+        if code is None:
+            code = self._found(key, src)
+            if code is None:
+                code = (_builtin_compile(source, filename, mode, flags, True) if self.entries.get(key) == (src, b"")
+                        else self._compiled(key, src, source, filename, mode, flags))
+            self.by_text[key] = code
+        return code
 
     def exec_for(self, module_flags: int, module_globals: dict) -> Callable[..., Any]:
         """``exec`` as called from a module (its future flags, its globals when none are given):

@@ -109,7 +109,6 @@ class Service:
         self._roots: dict[str, tuple[Any, ...]] = {}
         self._tool_threads: Any = None  # see ``tool_threads``
         self._tool_threads_closed = False
-        self._first_primed = False  # see ``_prime_first``
         #: branch id -> the task of the operate running on it (``deleteBranch`` ends it)
         self._running: dict[str, asyncio.Task] = {}
         #: the operates whose branch was deleted while they ran: they answer -32012
@@ -1468,21 +1467,19 @@ class Service:
         from operate_sidecar.server.core.operate import prime
         from operate_sidecar.server.core.prepare import prepare_operate_kw
 
-        _, branch, kw = await self._operate_call(params)
         self.tool_threads  # noqa: B018 - the pool the operate enters its tools' scope with (no thread starts)
+        _, branch, kw = await self._operate_call(params)
         prime(branch, **prepare_operate_kw(branch, **kw))
 
     async def _prime_first(self, branch_id: str) -> None:
-        """The first branch this service makes: what its first plain ``operate`` builds on first
-        use (the builtin tools, the tools' pool, :meth:`prime`'s types) is built now, ~0.1 ms
-        before the answer, rather than in the editor's first operate, which often follows its
-        first ``createBranch`` at once (the ACP front end primes each session its own way too). Skipped
+        """A branch made before any operate or prime in this service (the tools' pool, which
+        both make, is not made yet): what its first plain ``operate`` builds on first use (the
+        builtin tools, the tools' pool, :meth:`prime`'s types) is built now, ~0.1 ms before the
+        answer, rather than in the editor's first operate, which often follows its first
+        ``createBranch`` at once (the ACP front end primes each session its own way too). Skipped
         when tool modules or MCP servers are configured (their loading may take long, and the
         first operate waits for it anyway); a failure is left to the operate that meets it."""
-        if self._first_primed:
-            return
-        self._first_primed = True
-        if self.settings.get("toolModules") or self.settings.get("mcpServers"):
+        if self._tool_threads is not None or self.settings.get("toolModules") or self.settings.get("mcpServers"):
             return
         try:
             await self.prime({"branchId": branch_id})

@@ -147,11 +147,10 @@ class ClientFiles:
                                                     "path": str(real), "text": text}, self.timeout)
         except Exception as e:
             ctx.pending.remove(note)
-            if isinstance(e, TimeoutError):
-                raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {self._why(e)}; "
-                                    f"{note}") from None
-            if isinstance(e, OSError):
-                raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {self._why(e)}") from None
+            if isinstance(e, (TimeoutError, OSError)):
+                may_land = f"; {note}" if isinstance(e, TimeoutError) else ""
+                raise ToolCallError(f"the client did not answer fs/writeTextFile for {real}: {self._why(e)}{may_land}") \
+                    from None
             raise ToolCallError(f"the client could not write {real}: {_reason(e)}") from None
         ctx.pending.remove(note)
 
