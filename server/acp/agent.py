@@ -348,7 +348,8 @@ class OperateAgent(Agent):
             raise self._model_error(default, found)
         folders = self._add_folders(cwd, additional_directories)
         try:  # the session's info is saved with the new branch, in one transaction
-            sid = (await sc.createBranch({}, info={"cwd": cwd, "updatedAt": _now()}))["branchId"]
+            sid = (await sc.createBranch({}, info={"cwd": cwd, "updatedAt": _now()},
+                                         prime_first=False))["branchId"]  # primed below, for its turns
         except RequestError:
             raise
         except Exception as e:

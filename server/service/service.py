@@ -1188,8 +1188,11 @@ class Service:
             params["durationMs"] = ev.duration_ms
         self.rpc.notify("toolEvent", params)
 
-    async def createBranch(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
-        """``info`` (not on the wire): the front end's info of the new branch, saved with it."""
+    async def createBranch(self, params: dict, *, info: dict[str, Any] | None = None,
+                           prime_first: bool = True) -> dict:
+        """``info`` (not on the wire): the front end's info of the new branch, saved with it.
+        ``prime_first=False``: a front end that primes the branch its own way (ACP's sessions,
+        with their tools and reply format) skips the plain operate's priming of a first branch."""
         from operate_sidecar.protocol import CreateBranchParams, structure
 
         p = structure(CreateBranchParams, params)
@@ -1210,7 +1213,8 @@ class Service:
             self._model_specs[b.id] = specs
             self.journal.attach(b, self._meta(b, specs["chatModel"], specs["parseModel"]))
             await self._to_the_end(self._commit_new_branch(b.id))
-        await self._to_the_end(self._prime_first(b.id))  # (the branch is made: a cancel now is too late)
+        if prime_first:
+            await self._to_the_end(self._prime_first(b.id))  # (the branch is made: a cancel now is too late)
         return {"branchId": b.id}
 
     async def forkBranch(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:

@@ -805,7 +805,8 @@ def test_the_acp_front_end_never_imports_pygls():
 def test_session_new_builds_what_the_first_prompt_would_build(ws):
     """``session/new`` primes the session (``Service.prime``): the reply schema narrowed to the
     session's own tools is built before the answer, so the first prompt builds none of it. The
-    real agent and service, in a child process (the agent's loader freezes the collector)."""
+    real agent and service, in a child process (the agent's loader freezes the collector). It is
+    primed once, for its own turns: not also as a plain operate's first branch."""
     code = ("import asyncio, json, sys\n"
             "import acp\n"
             "from operate_sidecar.server.acp.agent import OperateAgent\n"
@@ -819,10 +820,16 @@ def test_session_new_builds_what_the_first_prompt_would_build(ws):
             "    from operate_sidecar.server.core import render\n"
             "    built, narrow = [], render._narrow_action_requests\n"
             "    render._narrow_action_requests = lambda s, t: built.append(len(t)) or narrow(s, t)\n"
+            "    from operate_sidecar.server.service.service import Service\n"
+            "    primes, prime = [], Service.prime\n"
+            "    async def counting(self, params):\n"
+            "        primes.append(sorted(params))\n"
+            "        return await prime(self, params)\n"
+            "    Service.prime = counting\n"
             "    sid = (await a.new_session(cwd=sys.argv[1])).session_id\n"
             "    at_new = list(built)\n"
             "    r = await a.prompt(prompt=[acp.text_block('go')], session_id=sid)\n"
-            "    print(json.dumps({'new': at_new, 'after_prompt': built, 'stop': r.stop_reason}))\n"
+            "    print(json.dumps({'new': at_new, 'after_prompt': built, 'stop': r.stop_reason, 'primes': primes}))\n"
             "    await a.aclose()\n"
             "asyncio.run(main())\n")
     out = subprocess.run([sys.executable, "-c", code, str(ws)], capture_output=True, text=True, timeout=120)
@@ -831,6 +838,8 @@ def test_session_new_builds_what_the_first_prompt_would_build(ws):
     assert res["stop"] == "end_turn"
     assert res["new"] == [5]            # built by session/new, for the session's 5 builtin tools
     assert res["after_prompt"] == [5]   # and nothing more by the first prompt
+    primed, = res["primes"]             # one prime, the session's own (actions, its tools), no plain one
+    assert "actions" in primed and "responseFormat" in primed
 
 
 def test_edit_file_shows_diff_content_when_asked_and_applies_on_allow(tmp_path, ws):
