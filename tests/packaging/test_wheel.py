@@ -7,6 +7,7 @@ with ``--no-deps`` into a fresh venv that sees this venv's dependencies through 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -97,6 +98,13 @@ def make_project(root: Path) -> Path:
     return root
 
 
+def _child_env() -> dict[str, str]:
+    """This environment for the new venv's processes: without this one's path settings, and
+    without ``PYTEST_ADDOPTS`` (the inner pytest runs the command written here, whatever the
+    outer one was given)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTEST_ADDOPTS")}
+
+
 def test_a_project_with_its_own_server_and_protocol_packages_uses_the_installed_wheel(wheel, tmp_path):
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)
@@ -107,7 +115,7 @@ def test_a_project_with_its_own_server_and_protocol_packages_uses_the_installed_
     (new_site / "_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     run(sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", wheel)
     project = make_project(tmp_path / "project")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = _child_env()
 
     # the console script, from inside the project: initialize + ping over stdio
     from operate_sidecar.clients.python.client import SidecarClient
@@ -137,7 +145,7 @@ def test_the_checkout_runs_its_tests_without_being_installed(tmp_path):
     py = venv / "bin" / "python"
     new_site = Path(run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
     (new_site / "_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")  # .pth files there are not run
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = _child_env()
     elsewhere = run(py, "-c", "import importlib.util as u; print(u.find_spec('operate_sidecar'))", env=env,
                     cwd=tmp_path).stdout
     assert elsewhere.strip() == "None"             # really not installed in this venv
@@ -149,4 +157,5 @@ def test_the_checkout_runs_its_tests_without_being_installed(tmp_path):
                           "initialize or ping or client"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert " passed" in out.stdout and "error" not in out.stdout.lower()
+    summary = out.stdout.strip().splitlines()[-1]  # e.g. "20 passed, 18 deselected in 25.29s"
+    assert re.fullmatch(r"\d+ passed(, \d+ deselected)?(, \d+ warnings?)? in [\d.]+s( \([\d:]+\))?", summary), out.stdout
