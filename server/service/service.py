@@ -1480,7 +1480,8 @@ class Service:
         both make, is not made yet): what its first plain ``operate`` builds on first use (the
         builtin tools, the tools' pool, :meth:`prime`'s types) is built now, ~0.1 ms before the
         answer, rather than in the editor's first operate, which often follows its first
-        ``createBranch`` at once (the ACP front end primes each session its own way too). Skipped
+        ``createBranch`` at once. Not for the ACP front end, which primes each session for its own
+        turns once its folders and tools are known (``createBranch(prime_first=False)``). Skipped
         when tool modules or MCP servers are configured (their loading may take long, and the
         first operate waits for it anyway); a failure is left to the operate that meets it."""
         if self._tool_threads is not None or self.settings.get("toolModules") or self.settings.get("mcpServers"):

@@ -176,3 +176,24 @@ def test_a_cancel_while_the_first_branch_is_primed_comes_too_late(tmp_path, monk
             await again.aclose()
 
     asyncio.run(main())
+
+
+def test_a_front_end_that_primes_its_own_way_skips_the_first_branch_priming(tmp_path, monkeypatch):
+    """``createBranch(prime_first=False)`` (ACP's sessions, primed for their own turns) primes
+    nothing; the service's next plain ``createBranch`` is still its first primed one."""
+    core_operate = _core_operate()
+
+    primed: list[str] = []
+    monkeypatch.setattr(core_operate, "prime", lambda branch, **kw: primed.append(branch.id))
+
+    async def main() -> None:
+        svc = Service(Port(_plain_settings(), (str(tmp_path),)))
+        try:
+            await asyncio.wait_for(svc.createBranch({}, prime_first=False), WAIT)
+            assert primed == [] and svc._tool_threads is None
+            bid = (await asyncio.wait_for(svc.createBranch({}), WAIT))["branchId"]
+            assert primed == [bid]
+        finally:
+            await svc.aclose()
+
+    asyncio.run(main())
