@@ -2,9 +2,11 @@
 
 A session is a branch (the session id is the branch id). A prompt turn is an ``operate``
 with actions and every tool, repeated while the model keeps calling tools, up to
-``MAX_ROUNDS`` rounds. Per session the editor picks a ``model`` (a configured model) and
-a ``mode`` (the permission policy: ``ask``, ``auto-edit``, ``read-only``), both as config
-options (and the mode also as an ACP session mode). The mode is the branch's permission
+``MAX_ROUNDS`` rounds, or until the same calls failed the same way ``REPEAT_LIMIT`` rounds in
+a row (``service.rounds``; the turn then ends ``end_turn`` with a notice saying so). Per
+session the editor picks a ``model`` (a configured model) and a ``mode`` (the permission
+policy: ``ask``, ``auto-edit``, ``read-only``), both as config options (and the mode also as
+an ACP session mode). The mode is the branch's permission
 mode in the service, which applies it; this module only maps the option to it. What a
 session has beyond its branch (cwd, title, model, update time) is the branch's info, which
 the service saves with the branch (``Service.set_branch_info``; the title and update time
@@ -36,6 +38,7 @@ from acp.schema import (AgentCapabilities, CloseSessionResponse, ConfigOptionUpd
                         UsageUpdate)
 
 from .. import codecache
+from ..service.rounds import REPEAT_LIMIT
 from .port import AcpPort, Turn
 from .reply import PLAN_REPLY_FORMAT, REPLY_FORMAT, ReplyText
 
@@ -741,7 +744,7 @@ class OperateAgent(Agent):
         from operate_sidecar.server.core.errors import ModelRefused
 
         try:
-            res = await sc.operate({**params, "maxRounds": limit}, info=info)
+            res = await sc.operate({**params, "maxRounds": limit}, info=info, repeat_limit=REPEAT_LIMIT)
         except ModelRefused as e:  # the model declined: its explanation is the turn's last words
             self.port.send(sid, update_agent_message_text(("\n\n" if turn.shown else "") + e.refusal))
             res, stop = {}, "refusal"
@@ -750,6 +753,8 @@ class OperateAgent(Agent):
             self.port.send_plan(sid, turn, res)
             self._round_text(sid, turn, res)
             stop = "max_turn_requests" if _ran_tools(res) and rounds >= limit else "end_turn"
+            if res.get("repeated"):  # the same calls failed the same way REPEAT_LIMIT rounds in a row
+                self.port.send(sid, update_agent_message_text(("\n\n" if turn.shown else "") + repeat_notice(res)))
         usage: dict[str, Any] = {}
         _add_usage(usage, res.get("usage") or turn.usage)
         out = PromptResponse(stop_reason=stop)
@@ -891,6 +896,20 @@ def _link_path(uri: str) -> str | None:
     if parts.scheme == "file" and parts.netloc in ("", "localhost") and parts.path:
         return unquote(parts.path)
     return uri if not parts.scheme and uri else None
+
+
+def repeat_notice(res: Any) -> str:
+    """What the editor is shown when a turn stopped because the model kept making the same
+    failed calls: which call and its error (the last round's first), and what to do."""
+    r = res.get("result") if isinstance(res, dict) else None
+    responses = r.get("action_responses") if isinstance(r, dict) else None
+    first = responses[0] if isinstance(responses, list) and responses and isinstance(responses[0], dict) else {}
+    output = first.get("output")
+    error = output.get("error") if isinstance(output, dict) else None
+    what = f" (`{first.get('function')}`: {str(error).splitlines()[0][:200].rstrip('.')})" if error else ""
+    calls = "calls" if isinstance(responses, list) and len(responses) > 1 else "call"
+    return (f"> ⚠ **Stopped:** the model made the same failing tool {calls}{what} {REPEAT_LIMIT} rounds in a row, so "
+            "another round would not help. Rephrase the request, or choose another model.\n\n")
 
 
 def _ran_tools(res: Any) -> bool:

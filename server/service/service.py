@@ -1505,14 +1505,16 @@ class Service:
                                      {"unknownTools": unknown})
         return p, branch, await self._operate_kw(p)
 
-    async def operate(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
+    async def operate(self, params: dict, *, info: dict[str, Any] | None = None, repeat_limit: int = 0) -> dict:
         """``info`` (not on the wire): merged into the branch's info once the operate has run,
         and saved in the same transaction as its messages (e.g. ACP's title and update time).
         A branch deleted while the operate runs ends it (``deleteBranch`` cancels its task):
-        it answers -32012, unless it was cancelled as well (-32800)."""
+        it answers -32012, unless it was cancelled as well (-32800). ``repeat_limit`` (not on the
+        wire): the rounds also stop after that many rounds in a row of the same failed calls
+        (``service.rounds``), and the result then has ``repeated: true``."""
         me = asyncio.current_task()
         try:
-            out = await self._operate(params, info)
+            out = await self._operate(params, info, repeat_limit)
         except asyncio.CancelledError:
             if me is None or me not in self._doomed:
                 raise
@@ -1543,7 +1545,7 @@ class Service:
     def _doomed_id(params: dict) -> Any:
         return params.get("branchId") if isinstance(params, dict) else None
 
-    async def _operate(self, params: dict, info: dict[str, Any] | None) -> dict:
+    async def _operate(self, params: dict, info: dict[str, Any] | None, repeat_limit: int = 0) -> dict:
         p, branch, kw = await self._operate_call(params)
         imodel, rounds = _module(_CORE + "imodel"), _module("operate_sidecar.server.service.rounds")
         UsageMeter, current_usage = imodel.UsageMeter, imodel.current_usage
@@ -1587,7 +1589,8 @@ class Service:
             usage_token = current_usage.set(meter)
             scope = self._enter_tools_scope(branch.id)
             try:
-                result, rounds = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate)
+                result, rounds, repeated = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate,
+                                                             repeat_limit=repeat_limit)
             except asyncio.CancelledError:
                 self._end_if_deleted(me, branch.id, sink, meter)
                 if sink is not None:
@@ -1643,6 +1646,8 @@ class Service:
         out = envelope(result)
         out["usage"] = meter.to_wire()
         out["rounds"] = rounds
+        if repeated:  # (not on the native wire: only a caller that passed repeat_limit gets it)
+            out["repeated"] = True
         return out
 
 

@@ -682,6 +682,42 @@ def test_max_turn_requests_when_the_model_keeps_calling_tools(tmp_path, ws):
     run(main())
 
 
+def test_a_turn_that_repeats_the_same_failing_call_stops_after_three_rounds_and_says_why(tmp_path, ws):
+    # a small local model was seen calling list_dir("list_dir") eight rounds running, ~55 s each
+    async def main():
+        from operate_sidecar.server.acp.agent import MAX_ROUNDS
+        from operate_sidecar.server.service.rounds import REPEAT_LIMIT
+
+        c = RecordingClient()
+        missing = reply("", [("read_file", {"path": "nope.txt"})])
+        config = cfg(tmp_path, *[missing] * (MAX_ROUNDS + 1))
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            assert REPEAT_LIMIT < MAX_ROUNDS and len(c.of("tool_call")) == REPEAT_LIMIT
+            assert all(u.status == "failed" for u in c.of("tool_call_update"))
+            said = "".join(u.content.text for u in c.of("agent_message_chunk"))
+            assert said.startswith("> ⚠ **Stopped:** the model made the same failing tool call (`read_file`: "
+                                   "'nope.txt' does not exist) 3 rounds in a row"), said
+
+    run(main())
+
+
+def test_failing_calls_that_change_from_round_to_round_get_every_round(tmp_path, ws):
+    async def main():
+        from operate_sidecar.server.acp.agent import MAX_ROUNDS
+
+        c = RecordingClient()
+        config = cfg(tmp_path, *[reply("", [("read_file", {"path": f"nope{i}.txt"})]) for i in range(MAX_ROUNDS + 1)])
+        async with spawn(c, config) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "max_turn_requests"
+            assert len(c.of("tool_call")) == MAX_ROUNDS
+            assert "Stopped" not in "".join(u.content.text for u in c.of("agent_message_chunk"))
+
+    run(main())
+
+
 def test_a_refusal_ends_the_turn_with_stop_reason_refusal_and_the_models_words(tmp_path, ws):
     """Round 1 lists the folder; in round 2 the model declines (OpenAI's refusal stream, from a
     loopback stand-in of the remote API: tests/openai_stub.py). The turn ends with ``refusal``,

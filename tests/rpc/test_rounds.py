@@ -75,6 +75,15 @@ def test_a_tool_that_ran_and_failed_gives_the_model_another_round(sidecar):
     assert msgs[i - 1]["kind"] == "action_response" and msgs[i - 1]["content"]["output"]["error"] == "tool exploded"
 
 
+def test_the_native_wire_runs_every_round_of_the_same_failing_call(sidecar):
+    # the loop guard (service.rounds repeat_limit) is the ACP front end's: the native wire's
+    # rule stays "until a round runs no tool or maxRounds rounds are done"
+    bid = start(sidecar, FAIL, FAIL, FAIL, FAIL, FAIL, DONE)
+    out = operate(sidecar, bid, maxRounds=5)
+    assert out["rounds"] == 5 and "repeated" not in out
+    assert [e["event"] for e in sidecar.of("toolEvent")] == ["pre", "error"] * 5
+
+
 def test_one_progress_begin_and_end_span_all_rounds(sidecar):
     bid = start(sidecar, ECHO, ECHO, DONE)
     out = operate(sidecar, bid, maxRounds=3, workDoneToken="tok")
