@@ -63,3 +63,36 @@ def test_the_replay_synopsis_of_the_readme_and_the_protocol_is_the_one_help_prin
     protocol = (ROOT / "docs/PROTOCOL.md").read_text(encoding="utf-8")
     assert synopsis in section("Running the server"), synopsis
     assert f"`{synopsis}`" in protocol.split("\n## 12. Session scripts\n", 1)[1], synopsis
+
+
+def test_the_acp_sections_larger_model_config_starts_and_both_models_are_in_the_menu(tmp_path):
+    """The config the *Agent Client Protocol* section gives for work (a llama.cpp server on
+    loopback, the embedded model kept in the menu) is one the ACP front end takes: its session
+    offers both models, the configured default first."""
+    import json
+
+    toml = section("Agent Client Protocol").split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "settings.toml").write_text(toml)
+    lines = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}},
+             {"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"cwd": str(tmp_path), "mcpServers": []}}]
+    proc = subprocess.Popen([sys.executable, "-m", "operate_sidecar.server", "--acp", "--config",
+                             str(tmp_path / "settings.toml")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, cwd=str(tmp_path))
+    try:
+        proc.stdin.write("".join(json.dumps(x) + "\n" for x in lines).encode())
+        proc.stdin.flush()
+        answer = None
+        while answer is None:  # (bounded by the test's time-out; a closed stdout ends it too)
+            line = proc.stdout.readline()
+            assert line, "the agent closed its output before answering session/new"
+            msg = json.loads(line)
+            answer = msg if msg.get("id") == 2 else None
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    model = next(o for o in answer["result"]["configOptions"] if o["id"] == "model")
+    assert model["currentValue"] == "coder" and [o["value"] for o in model["options"]][:2] == ["coder", "local"]

@@ -30,8 +30,10 @@ async def _streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any, Any]:
     return reader, writer
 
 
-async def _bounded_streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any, Any, LineBound]:
-    """``_streams`` and the ``LineBound`` in front of the reader."""
+async def _bounded_streams(wire_in: int, wire_out: int, limit: int,
+                           drains: bool = False) -> tuple[Any, Any, LineBound]:
+    """``_streams`` and the ``LineBound`` in front of the reader (``drains``: the real
+    connection's, see ``LineBound.drains``)."""
     from operate_sidecar.server.rpc.stdio import open_read_transport, open_write_transport
 
     loop = asyncio.get_running_loop()
@@ -42,6 +44,7 @@ async def _bounded_streams(wire_in: int, wire_out: int, limit: int) -> tuple[Any
     writer = RedactingWriter(w_transport, w_protocol, None, loop)
     reader = asyncio.StreamReader(limit=limit + 1)
     bound = LineBound(reader, writer, limit)
+    bound.drains = drains  # before the first byte: the input may end before the connection is made
     await open_read_transport(wire_in, lambda: asyncio.StreamReaderProtocol(reader))
     return reader, writer, bound
 
@@ -137,11 +140,34 @@ class LineBound:
         self._head = b""
         self._size = 0  # the current line's length so far
         self.on_eof: Any = None  # called at the input's end
+        self._ended = False
         self._feed_eof = reader.feed_eof
         reader.feed_data = self.feed_data  # the SDK's protocol feeds the reader through this
         reader.feed_eof = self.feed_eof
 
+    #: set on the real connection: at the input's end the SDK is fed ``END_OF_INPUT`` first,
+    #: which it dispatches after every line before it, and whose handler (installed by
+    #: ``explain_invalid_params``) answers the requests still in flight, then calls ``end_input``
+    drains = False
+    ending = False  # the input ended, and ``END_OF_INPUT`` was fed
+
     def feed_eof(self) -> None:
+        if self.ending:  # (the protocol says it twice: at the EOF and as the pipe closes)
+            return
+        if self.drains:
+            self.drains = False
+            self.ending = True
+            self._feed(END_OF_INPUT_LINE)
+            # (should the SDK not dispatch it, the input still ends)
+            asyncio.get_running_loop().call_later(EXIT_GRACE_S + 1.0, self.end_input)
+            return
+        self.end_input()
+
+    def end_input(self) -> None:
+        """The connection's input ends (once)."""
+        if self._ended:
+            return
+        self._ended = True
         self._feed_eof()
         if self.on_eof is not None:
             self.on_eof()
@@ -299,14 +325,26 @@ class NotificationNotices(logging.Filter):
         return True
 
 
+#: on the way out, the client has this long to read what is still queued for it (and the
+#: requests in flight at the input's end this long to be answered, before that)
+EXIT_GRACE_S = 2.0
+#: the notification ``LineBound`` feeds the SDK at the input's end (an extension method's
+#: name; a client's own, before its input ended, is ignored as any extension notification is)
+END_OF_INPUT = "_operate_sidecar/end_of_input"
+END_OF_INPUT_LINE = b'{"jsonrpc": "2.0", "method": "' + END_OF_INPUT.encode() + b'"}\n'
+
+
 def explain_invalid_params(conn: Any) -> None:
     """Requests whose params fail the schema (a missing ``cwd``, a prompt that is not a list)
     are answered by the SDK with -32602 and the bare message "Invalid params", pydantic's
     details in ``data`` only; an editor shows the message. On ``conn`` (an
     ``AgentSideConnection``, from the agent's ``on_connect``) such an answer gets a message
     naming the method and each field with what is wrong (at most three), its ``data`` as the
-    SDK makes it; both agents install it (``OperateAgent`` and ``Unconfigured``). A notification's failure is left to the SDK (``NotificationNotices``). With
-    an SDK laid out otherwise, its own answer stays."""
+    SDK makes it; both agents install it (``OperateAgent`` and ``Unconfigured``). A
+    notification's failure is left to the SDK (``NotificationNotices``). On the real connection
+    it also answers the requests still being served when the input ends: the SDK would cancel
+    them unanswered as it closes; each is cancelled and answered -32800 first
+    (``answer_in_flight``, once ``END_OF_INPUT`` is dispatched). With an SDK laid out otherwise, its own answers stay."""
     inner_conn = getattr(conn, "_conn", None)
     handler = getattr(inner_conn, "_handler", None)
     if handler is None or getattr(handler, "explains_invalid_params", False):
@@ -314,7 +352,17 @@ def explain_invalid_params(conn: Any) -> None:
     from acp.exceptions import RequestError
     from pydantic import ValidationError
 
+    inflight: set[asyncio.Task] = set()  # the requests being served
+    ended: set[asyncio.Task] = set()     # those cancelled because the input ended
+
     async def explained(method: str, params: Any, is_notification: bool) -> Any:
+        if is_notification and method == END_OF_INPUT and wire is not None and wire.ending:
+            await answer_in_flight()
+            wire.end_input()
+            return None
+        me = None if is_notification else asyncio.current_task()
+        if me is not None:
+            inflight.add(me)
         try:
             return await handler(method, params, is_notification)
         except ValidationError as exc:
@@ -325,9 +373,31 @@ def explain_invalid_params(conn: Any) -> None:
                                for e in errors[:3])
             more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
             raise RequestError(-32602, f"invalid params for {method}: {fields}{more}", {"errors": errors}) from None
+        except asyncio.CancelledError:
+            if me is None or me not in ended:
+                raise
+            me.uncancel()  # answered: the SDK sends the error below on this task
+            raise RequestError(-32800, f"{method} cancelled: the client's input ended before its answer",
+                               {"method": method}) from None
+        finally:
+            if me is not None:
+                inflight.discard(me)
+                ended.discard(me)
+
+    async def answer_in_flight() -> None:
+        """The input ended (every line before it dispatched): each request still being served
+        is cancelled and answered -32800, none dropped (as in the native front end), within
+        ``EXIT_GRACE_S``."""
+        tasks = [t for t in inflight if not t.done()]
+        for t in tasks:
+            ended.add(t)
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=EXIT_GRACE_S)
 
     explained.explains_invalid_params = True  # type: ignore[attr-defined]
     inner_conn._handler = explained  # type: ignore[union-attr]
+    wire = WIRE.get()  # the real connection's (not the warm-up's): its END_OF_INPUT is served here
 
 
 def import_sdk() -> None:
@@ -421,7 +491,7 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     agent: Any = OperateAgent(settings, version=version, debug=debug) if config_error is None \
         else Unconfigured(config_error)
     limit = int(settings.get("maxMessageBytes") or 0) or 64 * 1024 * 1024
-    reader, writer, bound = await _bounded_streams(fds[0], fds[1], limit)
+    reader, writer, bound = await _bounded_streams(fds[0], fds[1], limit, drains=True)
     loop = asyncio.get_running_loop()
     WIRE.set(bound)  # the connection's task gets a copy of this context
     # (the SDK routes session/close, /resume and /fork only with its unstable protocol on; the
@@ -459,8 +529,6 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     return 0 if config_error is None else 2
 
 
-#: on the way out, the client has this long to read what is still queued for it
-EXIT_GRACE_S = 2.0
 
 
 async def _bound_exit(main: asyncio.Task, stopping: asyncio.Event) -> None:

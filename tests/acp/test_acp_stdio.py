@@ -115,6 +115,49 @@ def test_a_whole_turn_written_to_a_regular_file_stdout_keeps_it_to_acp_lines_onl
     assert "not a protocol frame" in err and '"method": "bogus"' in err and "Traceback" not in err
 
 
+def test_requests_still_running_when_the_input_ends_are_answered_not_dropped(tmp_path, ws):
+    """The input ends while a prompt turn waits for its model (and, read from a file, while a
+    ``session/new`` waits for the core): the SDK would cancel them unanswered as it closes; each
+    is answered -32800 (as the native front end answers what it never finished), and the
+    process still exits promptly."""
+    config = _config(tmp_path, reply("too late", delayMs=60_000))
+    answers = tmp_path / "answers.ndjson"
+    with open(answers, "wb") as stdout:
+        proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=stdout,
+                                stderr=subprocess.PIPE, env=agent_env())
+    try:
+        proc.stdin.write(_lines(_init(0), {"jsonrpc": "2.0", "id": 1, "method": "session/new",
+                                           "params": {"cwd": str(ws), "mcpServers": []}}))
+        proc.stdin.flush()
+        sid = _wait_for_answer(answers, 1, proc)["result"]["sessionId"]
+        proc.stdin.write(_lines({"jsonrpc": "2.0", "id": 2, "method": "session/prompt",
+                                 "params": {"sessionId": sid, "prompt": [{"type": "text", "text": "go"}]}}))
+        proc.stdin.close()  # at once: the prompt is still waiting for its model
+        started = time.monotonic()
+        assert proc.wait(TIMEOUT) == 0
+        assert time.monotonic() - started < 10  # (the model would take 60 s)
+        err = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    got = {m.get("id"): m for m in map(json.loads, answers.read_bytes().splitlines())}
+    assert got[2]["error"]["code"] == -32800, got
+    assert "session/prompt cancelled: the client's input ended" in got[2]["error"]["message"]
+    assert "Traceback" not in err, err
+
+    script = tmp_path / "session.ndjson"
+    script.write_bytes(_lines(_init(0), {"jsonrpc": "2.0", "id": 1, "method": "session/new",
+                                         "params": {"cwd": str(ws), "mcpServers": []}}))
+    with open(script, "rb") as stdin:
+        out = subprocess.run(AGENT + ["--config", config], stdin=stdin, capture_output=True, env=agent_env(),
+                             timeout=TIMEOUT)
+    got = {m.get("id"): m for m in map(json.loads, out.stdout.splitlines())}
+    assert out.returncode == 0 and sorted(got) == [0, 1], out.stdout  # each request answered
+    assert "result" in got[1] or got[1]["error"]["code"] == -32800, got[1]
+
+
 def test_a_closed_stdin_is_an_empty_input_and_a_closed_stdout_no_traceback(tmp_path):
     config = _config(tmp_path, "x")
     closed_in = subprocess.run(["sh", "-c", 'exec "$@" <&-', "sh", *AGENT, "--config", config], capture_output=True,
