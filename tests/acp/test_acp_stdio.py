@@ -5,6 +5,7 @@ stdout still carries ACP lines only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -75,6 +76,22 @@ def _wait_for_answer(path, msg_id: int, proc: subprocess.Popen) -> dict:
     raise AssertionError(f"no answer to {msg_id} in {TIMEOUT} s")
 
 
+@contextlib.contextmanager
+def _agent_writing_to(answers, config: str):
+    """The agent on a stdin pipe, its stdout the file ``answers``; killed if the test left it
+    running, its stderr pipe closed."""
+    with open(answers, "wb") as stdout:
+        proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=stdout,
+                                stderr=subprocess.PIPE, env=agent_env())
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
 def test_a_whole_turn_written_to_a_regular_file_stdout_keeps_it_to_acp_lines_only(tmp_path, ws):
     """A client that logs the agent's output to a file: a prompt turn with a tool that prints to
     fd 1 and runs a child that does. The guard still sends those to stderr; the file holds the
@@ -82,10 +99,7 @@ def test_a_whole_turn_written_to_a_regular_file_stdout_keeps_it_to_acp_lines_onl
     config = _config(tmp_path, reply("", [("noisy", {"text": "quiet"})]), reply("still here"),
                      toolModules=["acp_fixture_tools"])
     answers = tmp_path / "answers.ndjson"
-    with open(answers, "wb") as stdout:
-        proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=stdout,
-                                stderr=subprocess.PIPE, env=agent_env())
-    try:
+    with _agent_writing_to(answers, config) as proc:
         def send(msg: dict) -> None:
             proc.stdin.write(_lines(msg))
             proc.stdin.flush()
@@ -100,11 +114,6 @@ def test_a_whole_turn_written_to_a_regular_file_stdout_keeps_it_to_acp_lines_onl
         proc.stdin.close()
         assert proc.wait(TIMEOUT) == 0
         err = proc.stderr.read().decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
     msgs = [json.loads(line) for line in answers.read_bytes().splitlines()]
     assert all(m.get("jsonrpc") == "2.0" for m in msgs)
     updates = [m["params"]["update"] for m in msgs if m.get("method") == "session/update"]
@@ -122,10 +131,7 @@ def test_requests_still_running_when_the_input_ends_are_answered_not_dropped(tmp
     process still exits promptly."""
     config = _config(tmp_path, reply("too late", delayMs=60_000))
     answers = tmp_path / "answers.ndjson"
-    with open(answers, "wb") as stdout:
-        proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=stdout,
-                                stderr=subprocess.PIPE, env=agent_env())
-    try:
+    with _agent_writing_to(answers, config) as proc:
         proc.stdin.write(_lines(_init(0), {"jsonrpc": "2.0", "id": 1, "method": "session/new",
                                            "params": {"cwd": str(ws), "mcpServers": []}}))
         proc.stdin.flush()
@@ -137,11 +143,6 @@ def test_requests_still_running_when_the_input_ends_are_answered_not_dropped(tmp
         assert proc.wait(TIMEOUT) == 0
         assert time.monotonic() - started < 10  # (the model would take 60 s)
         err = proc.stderr.read().decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
     got = {m.get("id"): m for m in map(json.loads, answers.read_bytes().splitlines())}
     assert got[2]["error"]["code"] == -32800, got
     assert "session/prompt cancelled: the client's input ended" in got[2]["error"]["message"]
