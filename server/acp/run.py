@@ -344,7 +344,8 @@ def explain_invalid_params(conn: Any) -> None:
     notification's failure is left to the SDK (``NotificationNotices``). On the real connection
     it also answers the requests still being served when the input ends: the SDK would cancel
     them unanswered as it closes; each is cancelled and answered -32800 first
-    (``answer_in_flight``, once ``END_OF_INPUT`` is dispatched). With an SDK laid out otherwise, its own answers stay."""
+    (``answer_in_flight``, once ``END_OF_INPUT`` is dispatched). With an SDK laid out
+    otherwise, its own answers stay (and the input ends ``EXIT_GRACE_S`` + 1 s after its EOF)."""
     inner_conn = getattr(conn, "_conn", None)
     handler = getattr(inner_conn, "_handler", None)
     if handler is None or getattr(handler, "explains_invalid_params", False):
@@ -527,8 +528,6 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
         watchdog.cancel()
     await agent.aclose()
     return 0 if config_error is None else 2
-
-
 
 
 async def _bound_exit(main: asyncio.Task, stopping: asyncio.Event) -> None:
