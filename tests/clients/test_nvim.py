@@ -1184,18 +1184,34 @@ def _status_lines(v) -> None:
     """Record, at each change of the chat, the running turn's last line (above its blank line and
     the prompt header) when it is a status line (`_…_`), each change once: _G.said."""
     v.lua("""
-        _G.said = {}
+        _G.said, _G.said_errors, _G.phases = {}, {}, {}
         vim.api.nvim_create_autocmd('User', { group = 'test', pattern = 'OperateSidecarChat', callback = function()
-          local chat = require('operate_sidecar.chat')
-          local lines = chat.lines()
-          for i = #lines, 3, -1 do
-            if lines[i] == chat.PROMPT then
-              local l = lines[i - 2]
-              if l:match('^_.*…_$') and l ~= _G.said[#_G.said] then table.insert(_G.said, l) end
-              break
+          local ok, err = pcall(function()
+            local chat = require('operate_sidecar.chat')
+            local lines = chat.lines()
+            for i = #lines, 3, -1 do
+              if lines[i] == chat.PROMPT then
+                local l = lines[i - 2]
+                if l:match('^_.*…_$') and l ~= _G.said[#_G.said] then table.insert(_G.said, l) end
+                break
+              end
             end
-          end
+          end)
+          if not ok then table.insert(_G.said_errors, tostring(err)) end  -- (the event's pcall would hide it)
+        end })
+        -- (diagnostics: the progress phases the client was told, in order)
+        vim.api.nvim_create_autocmd('User', { group = 'test', pattern = 'OperateSidecarProgress', callback = function()
+          local p = require('operate_sidecar')._state.progress or {}
+          local tag = tostring(p.phase) .. ':' .. tostring(p.message)
+          if tag ~= _G.phases[#_G.phases] then table.insert(_G.phases, tag) end
         end })""")
+
+
+def _said_why(v) -> str:
+    """What a failed status assertion needs to be read: the status lines recorded, the errors
+    of the recorder, the progress phases the client was told."""
+    return (f"said {v.lua('return _G.said')}; recorder errors {v.lua('return _G.said_errors')}; "
+            f"phases {v.lua('return _G.phases')}")
 
 
 def test_the_running_turn_says_a_repair_attempt_while_the_model_is_asked_again_and_nothing_once_it_ends(sv):
@@ -1228,7 +1244,7 @@ def test_the_running_turn_says_a_repair_attempt_while_the_model_is_asked_again_a
     assert "model call" in lines[-4] and lines[-3:] == ["", PROMPT, ""], lines   # its last line: the usage line
     assert sv.lua("return require('operate_sidecar').status().activity") is None
     assert sv.lua("return _G.said") == ["_working…_", "_waiting for the model…_", "_writing…_", "_reading the reply…_",
-                                        REPAIR_STATUS]
+                                        REPAIR_STATUS], _said_why(sv)
 
 
 def test_the_running_turn_says_its_round_after_its_tool_calls_ran(sv):
@@ -1248,7 +1264,7 @@ def test_the_running_turn_says_its_round_after_its_tool_calls_ran(sv):
     assert out["err"] is None and "all done" in lines and not any(ln.endswith("…_") for ln in lines), lines
     assert sv.lua("return _G.said") == ["_working…_", "_waiting for the model…_", "_writing…_", "_reading the reply…_",
                                         "_running tools…_", status, "_round 2 of up to 8 · writing…_",
-                                        "_round 2 of up to 8 · reading the reply…_"]
+                                        "_round 2 of up to 8 · reading the reply…_"], _said_why(sv)
 
 
 def test_a_rebuilt_chat_shows_a_turn_of_several_rounds_as_one_turn(sv):
