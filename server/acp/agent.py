@@ -6,9 +6,8 @@ with actions and every tool, repeated while the model keeps calling tools, up to
 a row (``service.rounds``; the turn then ends ``end_turn`` with a notice saying so). Per
 session the editor picks a ``model`` (a configured model) and a ``mode`` (the permission
 policy: ``ask``, ``auto-edit``, ``read-only``), both as config options (and the mode also as
-an ACP session mode). The mode is the branch's permission
-mode in the service, which applies it; this module only maps the option to it. What a
-session has beyond its branch (cwd, title, model, update time) is the branch's info, which
+an ACP session mode). The mode is the branch's permission mode in the service, which applies
+it; this module only maps the option to it. What a session has beyond its branch (cwd, title, model, update time) is the branch's info, which
 the service saves with the branch (``Service.set_branch_info``; the title and update time
 with the turn's messages). An ``acp-sessions.json`` left in the state directory by an older
 version is imported once (then renamed ``acp-sessions.json.imported``).
@@ -898,26 +897,30 @@ def _link_path(uri: str) -> str | None:
     return uri if not parts.scheme and uri else None
 
 
+def _responses(res: Any) -> list:
+    """The action responses of an operate's result envelope (its last round's); [] for none."""
+    r = res.get("result") if isinstance(res, dict) else None
+    responses = r.get("action_responses") if isinstance(r, dict) else None
+    return responses if isinstance(responses, list) else []
+
+
 def repeat_notice(res: Any) -> str:
     """What the editor is shown when a turn stopped because the model kept making the same
     failed calls: which call and its error (the last round's first), and what to do."""
-    r = res.get("result") if isinstance(res, dict) else None
-    responses = r.get("action_responses") if isinstance(r, dict) else None
-    first = responses[0] if isinstance(responses, list) and responses and isinstance(responses[0], dict) else {}
+    responses = _responses(res)
+    first = responses[0] if responses and isinstance(responses[0], dict) else {}
     output = first.get("output")
     error = output.get("error") if isinstance(output, dict) else None
     what = f" (`{first.get('function')}`: {str(error).splitlines()[0][:200].rstrip('.')})" if error else ""
-    calls = "calls" if isinstance(responses, list) and len(responses) > 1 else "call"
+    calls = "calls" if len(responses) > 1 else "call"
     return (f"> ⚠ **Stopped:** the model made the same failing tool {calls}{what} {REPEAT_LIMIT} rounds in a row, so "
             "another round would not help. Rephrase the request, or choose another model.\n\n")
 
 
 def _ran_tools(res: Any) -> bool:
     """Whether the (last) round ran a tool: a response that is not a governance denial."""
-    r = res.get("result") if isinstance(res, dict) else None
-    responses = r.get("action_responses") if isinstance(r, dict) else None
     return any(not (isinstance(x, dict) and isinstance(x.get("output"), dict)
-                    and x["output"].get("error") == "denied by governance gate") for x in responses or ())
+                    and x["output"].get("error") == "denied by governance gate") for x in _responses(res))
 
 
 def _add_usage(total: dict, usage: Any) -> None:

@@ -43,8 +43,7 @@ async def _bounded_streams(wire_in: int, wire_out: int, limit: int,
         wire_out, lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()))
     writer = RedactingWriter(w_transport, w_protocol, None, loop)
     reader = asyncio.StreamReader(limit=limit + 1)
-    bound = LineBound(reader, writer, limit)
-    bound.drains = drains  # before the first byte: the input may end before the connection is made
+    bound = LineBound(reader, writer, limit, drains)  # before the first byte: the input may end at once
     await open_read_transport(wire_in, lambda: asyncio.StreamReaderProtocol(reader))
     return reader, writer, bound
 
@@ -131,8 +130,13 @@ class LineBound:
 
     HEAD = 4096
 
-    def __init__(self, reader: Any, writer: Any, limit: int) -> None:
+    def __init__(self, reader: Any, writer: Any, limit: int, drains: bool = False) -> None:
         self.limit = limit
+        #: the real connection's: at the input's end the SDK is fed ``END_OF_INPUT`` first, which
+        #: it dispatches after every line before it, and whose handler (installed by
+        #: ``explain_invalid_params``) answers the requests still in flight, then calls ``end_input``
+        self.drains = drains
+        self.ending = False  # the input ended, and ``END_OF_INPUT`` was fed
         self._feed = reader.feed_data
         self._writer = writer
         self._held = bytearray()  # the current line's bytes, while it may still be too long
@@ -145,17 +149,10 @@ class LineBound:
         reader.feed_data = self.feed_data  # the SDK's protocol feeds the reader through this
         reader.feed_eof = self.feed_eof
 
-    #: set on the real connection: at the input's end the SDK is fed ``END_OF_INPUT`` first,
-    #: which it dispatches after every line before it, and whose handler (installed by
-    #: ``explain_invalid_params``) answers the requests still in flight, then calls ``end_input``
-    drains = False
-    ending = False  # the input ended, and ``END_OF_INPUT`` was fed
-
     def feed_eof(self) -> None:
         if self.ending:  # (the protocol says it twice: at the EOF and as the pipe closes)
             return
         if self.drains:
-            self.drains = False
             self.ending = True
             self._feed(END_OF_INPUT_LINE)
             # (should the SDK not dispatch it, the input still ends)

@@ -74,7 +74,7 @@ async def run_rounds(branch: Any, max_rounds: int, prepare: Callable[[int], dict
                 if branch.messages.generation != generation:  # round 1 cleared the branch first
                     start = 0
                 failed = _failed_calls(branch.messages[start:])
-                same = same + 1 if failed is not None and failed == last else (1 if failed is not None else 0)
+                same = 0 if failed is None else same + 1 if failed == last else 1
                 last = failed
                 if same >= repeat_limit:
                     return Rounds(result, k, True)
