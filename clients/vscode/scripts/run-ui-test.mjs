@@ -273,7 +273,8 @@ async function main() {
     await waitFor('app.py editor', async () => (await editorText())?.includes("return 'hello ' + name"), STEP);
     await palette('operate-sidecar: Open Chat');
     await settleWebview();
-    expect(await inWeb(`document.querySelector('.empty') !== null`), 'an empty chat to start');
+    // the webview draws its turns once the extension answers its 'ready' (a round trip that a loaded machine delays)
+    await waitFor('an empty chat to start', () => inWeb(`document.querySelector('.empty') !== null && !document.querySelector('section.turn')`), STEP);
     // a wider side bar for the screenshots (the drag handle between the side bar and the editors)
     const sash = await centerOf('.monaco-sash.vertical:not(.disabled)').catch(() => undefined);
     if (sash) {
