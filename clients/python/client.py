@@ -419,7 +419,9 @@ class SidecarClient:
             targets |= _session_groups(pid)
             if not targets:
                 break
-            for pgid in targets:
+            # the group of the process started here first: a wrapper that forked the server (``sh -c``
+            # without ``exec``) signalled after it could see its child die and exit by itself (137)
+            for pgid in sorted(targets, key=lambda g: g != pid):
                 try:
                     os.killpg(pgid, sig)
                 except OSError:  # gone meanwhile

@@ -234,6 +234,30 @@ def test_kill_ends_the_server_under_a_wrapper_that_forked_it(tmp_path):
 
 
 @posix_proc
+def test_kill_signals_the_wrapper_before_the_server_it_forked(tmp_path, monkeypatch):
+    """The wrapper's group first: signalled after the server's, a wrapper could see its child die
+    and exit by itself (137, not killed by the signal: close() once returned that under load)."""
+    c = forked(tmp_path / "pid")
+    c.request("initialize", {"settings": {"models": {"s": {"provider": "scripted", "responses": []}}}}, timeout=30)
+    c.request("createBranch", timeout=30)  # the server now leads a group of its own
+    server = int((tmp_path / "pid").read_text())
+    server_group = os.getpgid(server)
+    assert server_group != c.proc.pid
+    signalled: list[int] = []
+    real_killpg = os.killpg
+
+    def killpg(pgid: int, sig: int) -> None:  # the real signal, and whom it was for
+        signalled.append(pgid)
+        real_killpg(pgid, sig)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    c.kill()
+    assert c.wait(10) == -signal.SIGKILL
+    assert signalled[0] == c.proc.pid and server_group in signalled, signalled
+    assert wedge_tools.gone(server), "the server outlived kill()"
+
+
+@posix_proc
 def test_close_kills_a_server_that_answers_nothing_with_the_wrapper_that_forked_it(tmp_path):
     trigger = str(tmp_path / "wedge")
     c = forked(tmp_path / "pid")
