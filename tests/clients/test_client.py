@@ -222,27 +222,16 @@ def forked(pidfile: Path) -> SidecarClient:
 
 
 @posix_proc
-def test_kill_ends_the_server_under_a_wrapper_that_forked_it(tmp_path):
+def test_kill_ends_the_server_under_a_wrapper_that_forked_it(tmp_path, monkeypatch):
+    """Every group of the session is killed, the wrapper's first: signalled after the server's,
+    a wrapper could see its child die and exit by itself (137, not killed by the signal: close()
+    once returned that under load)."""
     c = forked(tmp_path / "pid")
     c.request("initialize", {"settings": {"models": {"s": {"provider": "scripted", "responses": []}}}}, timeout=30)
     c.request("createBranch", timeout=30)  # the core is loaded: the server leads a process group of its own
     server = int((tmp_path / "pid").read_text())
-    assert server != c.proc.pid and os.getpgid(server) != os.getpgid(c.proc.pid)
-    c.kill()
-    assert c.wait(10) == -signal.SIGKILL
-    assert wedge_tools.gone(server), "the server outlived kill()"
-
-
-@posix_proc
-def test_kill_signals_the_wrapper_before_the_server_it_forked(tmp_path, monkeypatch):
-    """The wrapper's group first: signalled after the server's, a wrapper could see its child die
-    and exit by itself (137, not killed by the signal: close() once returned that under load)."""
-    c = forked(tmp_path / "pid")
-    c.request("initialize", {"settings": {"models": {"s": {"provider": "scripted", "responses": []}}}}, timeout=30)
-    c.request("createBranch", timeout=30)  # the server now leads a group of its own
-    server = int((tmp_path / "pid").read_text())
     server_group = os.getpgid(server)
-    assert server_group != c.proc.pid
+    assert server != c.proc.pid and server_group != os.getpgid(c.proc.pid)
     signalled: list[int] = []
     real_killpg = os.killpg
 
