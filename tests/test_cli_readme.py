@@ -4,6 +4,7 @@ the missing API key being reported at the first operate, not at start-up."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -69,8 +70,6 @@ def test_the_acp_sections_larger_model_config_starts_and_both_models_are_in_the_
     """The config the *Agent Client Protocol* section gives for work (a llama.cpp server on
     loopback, the embedded model kept in the menu) is one the ACP front end takes: its session
     offers both models, the configured default first."""
-    import json
-
     toml = section("Agent Client Protocol").split("```toml\n", 1)[1].split("```", 1)[0]
     (tmp_path / "settings.toml").write_text(toml)
     lines = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}},

@@ -7,10 +7,11 @@ a row (``service.rounds``; the turn then ends ``end_turn`` with a notice saying 
 session the editor picks a ``model`` (a configured model) and a ``mode`` (the permission
 policy: ``ask``, ``auto-edit``, ``read-only``), both as config options (and the mode also as
 an ACP session mode). The mode is the branch's permission mode in the service, which applies
-it; this module only maps the option to it. What a session has beyond its branch (cwd, title, model, update time) is the branch's info, which
-the service saves with the branch (``Service.set_branch_info``; the title and update time
-with the turn's messages). An ``acp-sessions.json`` left in the state directory by an older
-version is imported once (then renamed ``acp-sessions.json.imported``).
+it; this module only maps the option to it. What a session has beyond its branch (cwd, title,
+model, update time) is the branch's info, which the service saves with the branch
+(``Service.set_branch_info``; the title and update time with the turn's messages). An
+``acp-sessions.json`` left in the state directory by an older version is imported once (then
+renamed ``acp-sessions.json.imported``).
 """
 
 from __future__ import annotations

@@ -350,6 +350,7 @@ def explain_invalid_params(conn: Any) -> None:
     from acp.exceptions import RequestError
     from pydantic import ValidationError
 
+    wire = WIRE.get()  # the real connection's (not the warm-up's): its END_OF_INPUT is served here
     inflight: set[asyncio.Task] = set()  # the requests being served
     ended: set[asyncio.Task] = set()     # those cancelled because the input ended
 
@@ -395,7 +396,6 @@ def explain_invalid_params(conn: Any) -> None:
 
     explained.explains_invalid_params = True  # type: ignore[attr-defined]
     inner_conn._handler = explained  # type: ignore[union-attr]
-    wire = WIRE.get()  # the real connection's (not the warm-up's): its END_OF_INPUT is served here
 
 
 def import_sdk() -> None:
