@@ -6,13 +6,14 @@ The interpreter runs a path slowly the first times (CPython specializes code as 
 and much is built on first use (cattrs structuring code, pydantic models and schemas, the
 pipeline's operative types). Right after the core is loaded, and before the requests that
 waited for it are served, :func:`warm_up` drives a second ``transport.Connection`` with its
-own app (``server.SidecarServer``) and service through frames, as a client would:
+own app (``server.SidecarServer``) and service through frames, as a client would, over a pair
+of pipes read and written by the same reader and ``Wire`` as stdio (so their code warms too):
 ``initialize`` with a scripted model, ``createBranch``, then ``operate`` calls of the shapes
 editors send, each several times: a plain one before the waiting requests are served
 (``FIRST``), and, a little later in the background, one with progress and a response format
 and one with actions and a tool round (``LATER``). The frames are parsed by the same parser, dispatched by pygls through
-the catalog, answered through the same serialization; only the output goes to a sink here,
-never to the client. Its workspace is this package's own folder, which the warm-up only
+the catalog, answered through the same serialization; only the output goes to a pipe of
+its own, never to the client. Its workspace is this package's own folder, which the warm-up only
 lists: nothing is written anywhere, and nothing is saved (no state directory).
 """
 
@@ -27,30 +28,29 @@ from typing import Any
 
 log = logging.getLogger("operate_sidecar.server.rpc")
 
-#: how many times each operate shape is sent: enough for the interpreter to specialize the path
-WARM_CYCLES = 5
+#: how many times the plain operate is sent before the first requests are served: enough for
+#: the interpreter to specialize the path (CPython quickens a function after 8 calls; with 5
+#: the first real operate was 1.5x a warm one, with 12 to 24 1.2-1.3x, in alternated runs of
+#: ``python -m bench.run --only first``; each costs well under a millisecond)
+WARM_CYCLES = 20
+#: ... and each of the later shapes, in the background
+LATER_CYCLES = 8
 #: the whole warm-up is abandoned after this long (the waiting requests are served anyway)
 WARM_TIMEOUT_S = 5.0
 
 
-class _Sink:
-    """The throwaway connection's wire: answers are matched to their requests, the rest dropped."""
-
-    closed = False
-    on_broken = None
-    tap = None
+class _Answers:
+    """The throwaway connection's answers, seen as its wire sends them (the wire's ``tap``):
+    each is matched to its request, the rest dropped."""
 
     def __init__(self) -> None:
         self.waiting: dict[Any, asyncio.Future] = {}
 
-    def send_bytes(self, body: bytes) -> None:
+    def __call__(self, body: bytes) -> None:
         msg = json.loads(body)
         fut = self.waiting.pop(msg.get("id"), None) if "method" not in msg else None
         if fut is not None and not fut.done():
             fut.set_result(msg)
-
-    def close(self) -> None:
-        self.closed = True
 
 
 #: the operate shapes editors send, as (params, the scripted model's replies for one call)
@@ -74,29 +74,44 @@ FIRST = ("plain",)
 LATER = ("format", "tools")
 
 
-async def warm_up(version: str = "0", shapes: tuple[str, ...] = FIRST, cycles: int = WARM_CYCLES) -> None:
+async def warm_up(version: str = "0", shapes: tuple[str, ...] = FIRST, cycles: int | None = None) -> None:
+    """``cycles`` rounds of the ``shapes``' operates (``WARM_CYCLES`` for the first ones,
+    ``LATER_CYCLES`` for the others) through a throwaway connection over two pipes."""
     from . import server as app
     from .framing import encode_frame
+    from .stdio import Wire, attach_reader
     from .transport import Connection
 
+    if cycles is None:
+        cycles = WARM_CYCLES if shapes == FIRST else LATER_CYCLES
+    loop = asyncio.get_running_loop()
     folder = os.path.dirname(os.path.abspath(__file__))
     replies = [r for _ in range(cycles) for name in shapes for r in SHAPES[name][1]]
-    sink = _Sink()
-    conn = Connection(sink, base_settings={"models": {"warm": {"provider": "scripted", "responses": replies}},
+    answers = _Answers()
+    in_r, in_w = os.pipe()    # the frames, to the connection's reader
+    out_r, out_w = os.pipe()  # its output, read back and dropped
+    wire = Wire(out_w)
+    wire.tap = answers
+    conn = Connection(wire, base_settings={"models": {"warm": {"provider": "scripted", "responses": replies}},
                                            "defaultModel": "warm"}, version=version)
+    loop.add_reader(out_r, os.read, out_r, 1 << 16)
+    reader = None
     ids = iter(range(1, 1 << 30))
 
     async def call(method: str, params: dict) -> Any:
         msg_id = next(ids)
-        fut = sink.waiting[msg_id] = asyncio.get_running_loop().create_future()
-        conn.feed(encode_frame(json.dumps({"jsonrpc": "2.0", "id": msg_id, "method": method,
-                                           "params": params}).encode()))
+        fut = answers.waiting[msg_id] = loop.create_future()
+        # (a frame is far smaller than a pipe's buffer, and one is in flight at a time: no wait)
+        os.write(in_w, encode_frame(json.dumps({"jsonrpc": "2.0", "id": msg_id, "method": method,
+                                                "params": params}).encode()))
         answer = await fut
         if "error" in answer:
             raise RuntimeError(f"warm-up {method}: {answer['error'].get('message')}")
         return answer["result"]
 
     try:
+        reader = await attach_reader(in_r, conn.feed, lambda: None)  # (it owns ``in_r`` now)
+        in_r = -1
         await call("initialize", {"clientInfo": {"name": "warm-up"}, "workspaceFolders": [folder]})
         conn._app_loaded(app, None)  # the app and its service, without a loader thread
         branch = (await call("createBranch", {}))["branchId"]
@@ -104,8 +119,15 @@ async def warm_up(version: str = "0", shapes: tuple[str, ...] = FIRST, cycles: i
             for name in shapes:
                 await call("operate", {"branchId": branch, "instruction": "warm", **SHAPES[name][0]})
     finally:
-        sink.close()
+        if reader is not None:
+            reader.close()
+        wire.tap = None
         await conn.aclose()
+        wire.close()  # (closes ``out_w``)
+        loop.remove_reader(out_r)
+        for fd in (in_r, in_w, out_r):
+            if fd >= 0:
+                os.close(fd)
 
 
 async def warm_then(version: str, then: Any, shapes: tuple[str, ...] = FIRST) -> None:

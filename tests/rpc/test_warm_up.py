@@ -1,6 +1,7 @@
 """The native front end's warm-up (server/rpc/warm.py): once the core is loaded, and before
 the requests that waited for it are served, plain ``operate`` calls run through a throwaway
-connection (the same parser, pygls dispatch and serialization) with its own service, so that
+connection (the same reader, parser, pygls dispatch, serialization and ``Wire``, over two pipes
+of its own) with its own service, so that
 the first real operate costs what a warm one does; nothing of it reaches the client, and a
 warm-up that fails holds nothing up. A real connection in a child process (the core load and
 the interpreter's warmed code are process-wide); the client's output is captured."""
@@ -110,7 +111,7 @@ def _answers(events: list) -> list:
 
 
 def test_plain_operates_are_warmed_before_the_waiting_create_branch_is_answered_and_the_rest_later():
-    from operate_sidecar.server.rpc.warm import FIRST, WARM_CYCLES
+    from operate_sidecar.server.rpc.warm import FIRST, LATER_CYCLES, WARM_CYCLES
 
     events, loaded = _run("ok")
     start = events.index(["warm-up", list(FIRST)])
@@ -127,13 +128,13 @@ def test_plain_operates_are_warmed_before_the_waiting_create_branch_is_answered_
     # per cycle, each answered (else no "warmed"), and nothing sent to the client meanwhile but
     # the real operate's answer, should a slow machine still be serving it
     after = events[events.index(["warm-up", ["format", "tools"]]) + 1:]
-    assert [e for e in after if e[0] == "operate" and e[1] == "warm"] == [["operate", "warm"]] * (2 * WARM_CYCLES)
+    assert [e for e in after if e[0] == "operate" and e[1] == "warm"] == [["operate", "warm"]] * (2 * LATER_CYCLES)
     assert after[-1] == ["warmed"]
     assert [e for e in after if e[0] == "sent" and e[1].get("id") != 3] == []
     # the tool shape runs its tool round each cycle, and its replies keep to the keys of the
     # request model an ``actions`` operate asks for: the fuzzy key matcher (rapidfuzz, several
     # MiB that a model keeping to the schema never needs) is not loaded by the warm-up
-    assert after.count(["tool", "list_dir"]) == WARM_CYCLES
+    assert after.count(["tool", "list_dir"]) == LATER_CYCLES
     assert loaded == []
 
 
@@ -228,3 +229,30 @@ def test_the_first_operate_after_create_branch_runs_the_calls_a_warm_one_does():
                          env=server_env(paths=(Path(call_count.HERE),)))
     assert out.returncode == 0, out.stderr[-3000:]
     call_count.assert_first_as_warm(json.loads(out.stdout.strip().splitlines()[-1]), "operate")
+
+
+FDS = r'''
+import asyncio, json, os
+from operate_sidecar.server.rpc import warm
+
+
+async def main():
+    await warm.warm_up()  # (the first also starts what the core keeps: the tools' reaper ...)
+    before = sorted(os.listdir("/proc/self/fd"))
+    await warm.warm_up()
+    await warm.warm_up(shapes=warm.LATER)
+    print(json.dumps([before, sorted(os.listdir("/proc/self/fd"))]))
+
+
+asyncio.run(main())
+'''
+
+
+def test_the_warm_up_closes_its_pipes():
+    """The throwaway connection runs over two pipes of its own, read and written by the same
+    reader and ``Wire`` as stdio: a warm-up leaves none of their four ends open."""
+    out = subprocess.run([sys.executable, "-c", FDS], capture_output=True, text=True, timeout=120,
+                         env=server_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert after == before
