@@ -119,15 +119,17 @@ async def warm_up(version: str = "0", shapes: tuple[str, ...] = FIRST, cycles: i
             for name in shapes:
                 await call("operate", {"branchId": branch, "instruction": "warm", **SHAPES[name][0]})
     finally:
-        if reader is not None:
-            reader.close()
-        wire.tap = None
-        await conn.aclose()
-        wire.close()  # (closes ``out_w``)
-        loop.remove_reader(out_r)
-        for fd in (in_r, in_w, out_r):
-            if fd >= 0:
-                os.close(fd)
+        try:
+            if reader is not None:
+                reader.close()
+            wire.tap = None
+            await conn.aclose()
+        finally:  # (the pipes are closed even when the close above is cancelled)
+            wire.close()  # (closes ``out_w``; the drain goes with it, before the loop runs again)
+            loop.remove_reader(out_r)
+            for fd in (in_r, in_w, out_r):
+                if fd >= 0:
+                    os.close(fd)
 
 
 async def warm_then(version: str, then: Any, shapes: tuple[str, ...] = FIRST) -> None:

@@ -234,14 +234,49 @@ def test_the_first_operate_after_create_branch_runs_the_calls_a_warm_one_does():
 FDS = r'''
 import asyncio, json, os
 from operate_sidecar.server.rpc import warm
+from operate_sidecar.server.service import service
+
+real_operate, operating = service.Service.operate, []
+
+
+async def operate(self, params, **kw):
+    operating.append(1)
+    return await real_operate(self, params, **kw)
+
+
+service.Service.operate = operate
+
+
+def fds():
+    """This process's open descriptors and what each is (the listing's own, gone when read, left out)."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:
+            pass
+    return out
 
 
 async def main():
     await warm.warm_up()  # (the first also starts what the core keeps: the tools' reaper ...)
-    before = sorted(os.listdir("/proc/self/fd"))
+    await asyncio.sleep(0.1)  # (a transport's close completes on a later turn of the loop)
+    before = fds()
     await warm.warm_up()
     await warm.warm_up(shapes=warm.LATER)
-    print(json.dumps([before, sorted(os.listdir("/proc/self/fd"))]))
+    # one stopped in the middle (its time-out, or the server closing): cancelled after its
+    # third operate has started
+    operating.clear()
+    task = asyncio.ensure_future(warm.warm_up())
+    while len(operating) < 3:
+        await asyncio.sleep(0)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    await asyncio.sleep(0.1)
+    print(json.dumps([before, fds(), task.cancelled()]))
 
 
 asyncio.run(main())
@@ -250,9 +285,11 @@ asyncio.run(main())
 
 def test_the_warm_up_closes_its_pipes():
     """The throwaway connection runs over two pipes of its own, read and written by the same
-    reader and ``Wire`` as stdio: a warm-up leaves none of their four ends open."""
+    reader and ``Wire`` as stdio: a warm-up leaves none of their four ends open, a warm-up
+    cancelled in the middle neither."""
     out = subprocess.run([sys.executable, "-c", FDS], capture_output=True, text=True, timeout=120,
                          env=server_env())
     assert out.returncode == 0, out.stderr[-3000:]
-    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    before, after, cancelled = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cancelled  # (the last one was stopped in the middle)
     assert after == before
