@@ -268,8 +268,12 @@ async def main():
     # third operate has started
     operating.clear()
     task = asyncio.ensure_future(warm.warm_up())
-    while len(operating) < 3:
-        await asyncio.sleep(0)
+
+    async def third_operate():
+        while len(operating) < 3 and not task.done():
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(third_operate(), 30)
     task.cancel()
     try:
         await task
