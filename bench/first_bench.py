@@ -405,8 +405,9 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
              "one does (~10 % more). About half the first's extra is the rest: the client has just waited for `createBranch`, "
              "the processes wake from idle. The other half is spread evenly over the server's path (each of "
              "eight steps, from the read through the pipeline to the write, ~30 % slower in a one-off trace of 8 "
-             "processes on 2026-12-05; most likely the data the real connection and service touch for the "
-             "first time, as the code is warm). The warm figure is an operate sent the moment the previous "
+             "processes on 2026-12-05). One-off checks that day found no cause in the program: no page fault and "
+             "no collection during it, and ten operates run on the real service itself (a throwaway branch, "
+             "before `createBranch` is served) left it as it was. The warm figure is an operate sent the moment the previous "
              "one is answered; one sent after "
              f"{IDLE_GAP_S * 1000:g} ms of idle time costs several times the first, in the server's own time "
              "too. Bare pygls's own first request after `initialize` (a `ping`) is 2.5× its warm one.",
