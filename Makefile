@@ -20,11 +20,23 @@ SYSTEM_PACKAGES := neovim:/usr/bin/nvim tmux:tmux chromium:chromium ripgrep:rg l
 
 .PHONY: demo test check lint system-deps bench stress clean
 
+# llama.cpp's AMX kernels (Intel Xeons since Sapphire Rapids, which a CI machine may be) crash
+# on the embedded model's Q4_1 weights: a segmentation fault in the first decode (ggml-org/llama.cpp
+# issue 20824). On x86-64, llama-cpp-python is compiled for the machine without them, and compiled
+# again when the installed one is another version or has them; the version is read from
+# pyproject.toml when the recipe runs. (With a build that has them, the sidecar itself loads its
+# local models with AMX repacking off: server/models/local.py.)
+LLAMA_VERSION = $(shell sed -n 's/.*llama-cpp-python==\([0-9.]*\).*/\1/p' pyproject.toml | head -1)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@echo ">> installing operate-sidecar and its dependencies into $(VENV)"
 	@echo ">> (first time only: llama-cpp-python compiles llama.cpp from source, about 6 minutes on 2 cores)"
+	@if [ "$$(uname -m)" = x86_64 ] && ! $(PY) -c 'import sys, llama_cpp; sys.exit(llama_cpp.__version__ != "$(LLAMA_VERSION)" or b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())' 2>/dev/null; then \
+	  CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" $(PY) -m pip install -q --no-cache-dir --force-reinstall --no-deps 'llama-cpp-python==$(LLAMA_VERSION)'; \
+	fi
 	@$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
@@ -59,8 +71,13 @@ system-deps:
 demo: $(STAMP)
 	@$(PY) -m operate_sidecar.clients.python.demo
 
+# The whole run is bounded too (each test is, at 180 s): a worker that dies in native code can
+# leave pytest-xdist waiting for it for ever. After TEST_TIMEOUT pytest is interrupted, says
+# what failed and what had run, and make fails (a run takes about 15-20 minutes on 2 cores).
+TEST_TIMEOUT ?= 60m
+
 test: $(STAMP) system-deps
-	@$(PYTEST) --timeout=180 -m "not slow" -n $(TEST_JOBS) --dist loadfile tests
+	@timeout --signal=INT --kill-after=2m $(TEST_TIMEOUT) $(PYTEST) --timeout=180 -m "not slow" -n $(TEST_JOBS) --dist loadfile tests
 
 lint: $(STAMP)
 	@$(PY) -m ruff check .

@@ -350,9 +350,8 @@ def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
         # oversubscribed machine make generation many times slower, not faster.
         threads = n_threads or max(1, min((os.cpu_count() or 2) // 2, 8))
         try:
-            llama = Llama(
-                model_path=path, n_ctx=used, n_threads=threads, n_threads_batch=threads, verbose=False
-            )
+            llama = _new_llama(Llama, model_path=path, n_ctx=used, n_threads=threads, n_threads_batch=threads,
+                               verbose=False)
         except Exception as e:  # noqa: BLE001 - llama.cpp raises ValueError/RuntimeError
             raise ModelError(f"could not load local model {path}: {e}") from e
         loaded = _Loaded(llama=llama, lock=threading.Lock(), n_ctx=used)
@@ -360,6 +359,47 @@ def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
             atexit.register(_close_all)
         _CACHE[key] = _CACHE[(path, used)] = loaded
         return loaded
+
+
+def amx_in_build() -> bool:
+    """Whether the installed llama.cpp was compiled with its AMX kernels (``AMX_INT8 = 1`` in
+    its system info: a build made on an Intel Xeon since Sapphire Rapids)."""
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info()
+    except Exception:  # noqa: BLE001 - no llama.cpp, or one without the call: nothing to turn off
+        return False
+    if isinstance(info, bytes):
+        info = info.decode("utf-8", "replace")
+    return "AMX_INT8 = 1" in str(info)
+
+
+def _new_llama(Llama: Any, **kw: Any) -> Any:
+    """``Llama(**kw)``; with a llama.cpp that has AMX kernels (:func:`amx_in_build`), loaded with
+    its extra buffer types off (``use_extra_bufts``), so that no weight is repacked for AMX.
+    Those kernels crash on Q4_0/Q4_1 weights, the embedded model's among them: a segmentation
+    fault in the first decode (ggml-org/llama.cpp issue 20824), which would take the whole
+    sidecar down. ``Llama`` takes no such argument, so its model parameters' defaults are
+    changed for the one call (under ``_CACHE_LOCK``: one load at a time)."""
+    if not amx_in_build():
+        return Llama(**kw)
+    import llama_cpp.llama_cpp as lib
+
+    defaults = lib.llama_model_default_params
+
+    def without_extra_buffers() -> Any:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    log.info("llama.cpp has AMX kernels: loading %s without weight repacking (they crash on Q4 weights)",
+             os.path.basename(str(kw.get("model_path", ""))))
+    lib.llama_model_default_params = without_extra_buffers
+    try:
+        return Llama(**kw)
+    finally:
+        lib.llama_model_default_params = defaults
 
 
 def _close_all() -> None:

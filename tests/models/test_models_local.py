@@ -664,3 +664,49 @@ def test_a_llama_grammar_without_its_text_attribute_still_gives_a_grammar(monkey
     finally:
         local_mod._grammar_for.cache_clear()
     assert isinstance(entry.grammar, Bare) and entry.reason is None
+
+
+def test_with_amx_kernels_in_llama_cpp_the_model_loads_without_weight_repacking(monkeypatch, gguf_path):
+    """llama.cpp's AMX kernels crash on Q4 weights (the embedded model's): a segmentation fault
+    in the first decode. A build that has them (``amx_in_build``, forced here: the test venv's
+    llama.cpp is compiled without them) loads the model with its extra buffer types off, so no
+    weight is repacked for AMX; the real model then answers. Without them nothing changes."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as lib
+
+    from operate_sidecar.server.models import local as local_mod
+
+    defaults = lib.llama_model_default_params
+    made = []
+    try:
+        for amx in (True, False):
+            monkeypatch.setattr(local_mod, "amx_in_build", lambda amx=amx: amx)
+            llama = local_mod._new_llama(llama_cpp.Llama, model_path=gguf_path, n_ctx=256, n_threads=1,
+                                         n_threads_batch=1, verbose=False)
+            made.append(llama)
+            assert llama.model_params.use_extra_bufts is (not amx)
+            assert lib.llama_model_default_params is defaults  # put back after the load
+            reply = llama.create_completion("The sky is", max_tokens=4, temperature=0)
+            assert reply["choices"][0]["text"].strip()
+    finally:
+        for llama in made:
+            llama.close()
+
+
+def test_amx_in_build_reads_llama_cpp_system_info(monkeypatch):
+    import llama_cpp
+
+    from operate_sidecar.server.models.local import amx_in_build
+
+    assert amx_in_build() is (b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())
+    for info, expected in ((b"CPU : AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 | ", True),
+                           (b"CPU : AVX2 = 1 | AVX512 = 1 | REPACK = 1 | ", False),
+                           ("CPU : AMX_INT8 = 1 | ", True)):
+        monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda info=info: info)
+        assert amx_in_build() is expected
+
+    def broken() -> bytes:
+        raise OSError("no such symbol")
+
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", broken)
+    assert amx_in_build() is False

@@ -70,3 +70,22 @@ def test_nothing_missing_does_nothing(tmp_path):
     out = subprocess.run([MAKE, "-s", "-C", str(ROOT), "system-deps", "SYSTEM_PACKAGES=present:sh"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout == out.stderr == "" and not log.exists()
+
+
+def test_on_x86_64_the_venvs_llama_cpp_is_compiled_without_amx_kernels():
+    """The set-up (`$(STAMP)`) compiles llama-cpp-python without llama.cpp's AMX kernels on
+    x86-64: they crash on the embedded model's Q4 weights, in the sidecar's in-process model and
+    in the `llama_cpp.server` and `llm` processes the model tests start. (On other machines there
+    is nothing to leave out.)"""
+    import platform
+
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    if platform.machine() == "x86_64":
+        assert b"AVX" in info  # compiled for this machine, not a bare baseline
+        assert b"AMX_INT8 = 1" not in info, info
+    recipe = subprocess.run([MAKE, "-n", "-C", str(ROOT), "-W", "pyproject.toml", ".venv/.installed-stamp"],
+                            capture_output=True, text=True, timeout=60).stdout
+    assert 'CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"' in recipe
+    assert "llama-cpp-python==" + llama_cpp.__version__ in recipe
