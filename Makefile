@@ -21,11 +21,11 @@ SYSTEM_PACKAGES := neovim:/usr/bin/nvim tmux:tmux chromium:chromium ripgrep:rg l
 .PHONY: demo test check lint system-deps bench stress clean
 
 # llama.cpp's AMX kernels (Intel Xeons since Sapphire Rapids, which a CI machine may be) crash
-# on the embedded model's Q4_1 weights: a segmentation fault in the first decode (ggml-org/llama.cpp
-# issue 20824). On x86-64, llama-cpp-python is compiled for the machine without them, and compiled
-# again when the installed one is another version or has them; the version is read from
-# pyproject.toml when the recipe runs. (With a build that has them, the sidecar itself loads its
-# local models with AMX repacking off: server/models/local.py.)
+# on the embedded model's Q4_1 weights: a segmentation fault in the first decode
+# (https://github.com/ggml-org/llama.cpp/issues/20824). On x86-64, llama-cpp-python is compiled for
+# the machine without them, and compiled again when the installed one is another version or has
+# them; the version is read from pyproject.toml when the recipe runs. (With a build that has
+# them, the sidecar itself loads its local models with AMX repacking off: server/models/local.py.)
 LLAMA_VERSION = $(shell sed -n 's/.*llama-cpp-python==\([0-9.]*\).*/\1/p' pyproject.toml | head -1)
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 
