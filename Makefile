@@ -73,7 +73,7 @@ demo: $(STAMP)
 
 # The whole run is bounded too (each test is, at 180 s): a worker that dies in native code can
 # leave pytest-xdist waiting for it for ever. After TEST_TIMEOUT pytest is interrupted, says
-# what failed and what had run, and make fails (a run takes about 15-20 minutes on 2 cores).
+# what failed and what had run, and make fails (a run takes 8 to 20 minutes on 2 cores).
 TEST_TIMEOUT ?= 60m
 
 test: $(STAMP) system-deps
