@@ -215,6 +215,8 @@ def _split(spans: list[tuple[float, float]], trace: Path) -> tuple[list[float], 
 #: short pause and a few after ``IDLE_GAP_S`` of idle time
 TRACED = (("first", 1), ("warm", WARM_OPS), ("new branch", 1), ("1 ms pause", 3), ("idle", IDLE_OPS))
 SHORT_PAUSE_S = 0.001
+#: the client's pause before each operate of a kind (none for the others)
+PAUSES = {"1 ms pause": SHORT_PAUSE_S, "idle": IDLE_GAP_S}
 
 
 def _traced_once(argv: list[str], env: dict[str, str], trace: Path) -> dict[str, dict[str, float]]:
@@ -234,8 +236,8 @@ def _traced_once(argv: list[str], env: dict[str, str], trace: Path) -> dict[str,
                 for _ in range(n):
                     if kind == "new branch":
                         branch = proc.call(next(ids), "createBranch", {})["branchId"]
-                    elif kind in ("1 ms pause", "idle"):
-                        time.sleep(SHORT_PAUSE_S if kind == "1 ms pause" else IDLE_GAP_S)
+                    if kind in PAUSES:
+                        time.sleep(PAUSES[kind])
                     t = time.perf_counter()
                     proc.call(next(ids), "operate", {"branchId": branch, "instruction": "x"})
                     spans.append((kind, t, time.perf_counter()))

@@ -380,8 +380,8 @@ def _new_llama(Llama: Any, **kw: Any) -> Any:
     its extra buffer types off (``use_extra_bufts``), so that no weight is repacked for AMX.
     Those kernels crash on Q4_0/Q4_1 weights, the embedded model's among them: a segmentation
     fault in the first decode (https://github.com/ggml-org/llama.cpp/issues/20824), which would
-    take the whole sidecar down. ``Llama`` takes no such argument, so its model parameters' defaults are
-    changed for the one call (under ``_CACHE_LOCK``: one load at a time)."""
+    take the whole sidecar down. ``Llama`` takes no such argument, so its model parameters'
+    defaults are changed for the one call (under ``_CACHE_LOCK``: one load at a time)."""
     if not amx_in_build():
         return Llama(**kw)
     import llama_cpp.llama_cpp as lib
