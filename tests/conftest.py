@@ -29,3 +29,36 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+class _Unrun:
+    """Under pytest-xdist, in the controlling process: how many of the tests collected never
+    reported, said at the end. `make test` runs with ``--max-worker-restart=0``, because
+    pytest-xdist 3.8 with ``--dist loadfile`` waits for ever once a crashed worker is replaced
+    (https://github.com/pytest-dev/pytest-xdist/issues/784); without a replacement the run ends
+    at once, failing on the crash, but the files the crashed worker had been handed are not run
+    by any other, and nothing else would say so. An interrupted run (``TEST_TIMEOUT``) has its
+    count said the same way."""
+
+    collected: int | None = None
+    reported: set[str] = set()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    _Unrun.collected = len(ids)  # every worker collects the same tests
+
+
+def pytest_runtest_logreport(report):
+    _Unrun.reported.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _Unrun.collected is None:
+        return
+    unrun = _Unrun.collected - len(_Unrun.reported)
+    if unrun > 0:
+        terminalreporter.write_line(
+            f"{unrun} of the {_Unrun.collected} tests collected did not run: a worker crashed (its files "
+            "were not handed to another: see 'crashed while running' above) or the run was interrupted",
+            red=True, bold=True)

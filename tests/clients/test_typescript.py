@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tied import run_tied
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "clients" / "typescript"
@@ -39,8 +40,7 @@ def run(argv: list[str], timeout: float, cwd: Path = PKG) -> subprocess.Complete
     env = dict(os.environ, OPERATE_SIDECAR_PYTHON=str(py) if py.exists() else sys.executable)
     env.pop("NODE_OPTIONS", None)
     try:
-        return subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout, start_new_session=True, check=False)
+        return run_tied(argv, timeout, cwd=cwd, env=env, stdin=subprocess.DEVNULL, text=True)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{argv}: timed out after {timeout}s\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
 

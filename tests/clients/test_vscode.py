@@ -46,6 +46,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tied import run_tied
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT = ROOT / "clients" / "vscode"
@@ -71,8 +72,7 @@ def run(argv: list[str], timeout: float, name: str, cwd: Path = EXT, **kw) -> su
     env.pop("NODE_OPTIONS", None)
     t0 = time.monotonic()
     try:
-        return subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=timeout, start_new_session=True, **kw)
+        return run_tied(argv, timeout, cwd=cwd, env=env, stdin=subprocess.DEVNULL, text=True, **kw)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{name}: timed out after {timeout}s\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
     finally:

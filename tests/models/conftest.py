@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tied import popen_tied
 
 SERVER_START_TIMEOUT_S = 90.0
 
@@ -50,7 +51,7 @@ class LlamaServer:
 
     def start(self) -> "LlamaServer":
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
+        self.proc, self._tie = popen_tied(
             [
                 sys.executable, "-m", "llama_cpp.server",
                 "--model", self.gguf,
@@ -58,7 +59,6 @@ class LlamaServer:
                 "--n_ctx", "4096",  # an edit session's second round: ~1,800 tokens and the first reply
             ],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while True:
@@ -83,6 +83,8 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=15)
+        if getattr(self, "_tie", None):
+            self._tie.close()
         if getattr(self, "_log", None):
             self._log.close()
 
