@@ -7,30 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from tied import run_tied
+from wedge_tools import gone
 
 HERE = Path(__file__).resolve().parent
 WAIT_S = 20
-
-
-def _gone(pid: int, within: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:  # dead but not reaped yet (a container's init may be slow to): gone too
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except OSError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_tied_server_dies_with_the_process_that_started_it_when_that_one_is_killed():
@@ -50,8 +34,8 @@ def test_a_tied_server_dies_with_the_process_that_started_it_when_that_one_is_ki
     assert worker.returncode == -9, worker.stderr
     server, grandchild = (int(x) for x in worker.stdout.split())
     try:
-        assert _gone(server), "the server outlived the killed process that started it"
-        assert _gone(grandchild), "the server's own child outlived it"
+        assert gone(server, WAIT_S), "the server outlived the killed process that started it"
+        assert gone(grandchild, WAIT_S), "the server's own child outlived it"
     finally:
         for pid in (server, grandchild):
             try:
@@ -69,11 +53,11 @@ def test_run_tied_kills_what_a_timed_out_command_started_and_keeps_its_output(tm
     with pytest.raises(subprocess.TimeoutExpired) as got:
         run_tied(["sh", "-c", script], 1.5, text=True)
     assert "started" in str(got.value.stdout)
-    assert _gone(int(pidfile.read_text())), "the timed-out command's background child lived on"
+    assert gone(int(pidfile.read_text()), WAIT_S), "the timed-out command's background child lived on"
 
 
 def test_run_tied_returns_as_subprocess_run_does_and_kills_what_the_command_left_running(tmp_path):
     pidfile = tmp_path / "pid"
     p = run_tied(["sh", "-c", f"sleep 300 >/dev/null 2>&1 & echo $! > {pidfile}; echo out; echo err >&2; exit 3"], WAIT_S, text=True)
     assert (p.returncode, p.stdout, p.stderr) == (3, "out\n", "err\n")
-    assert _gone(int(pidfile.read_text())), "what the command left running outlived it"
+    assert gone(int(pidfile.read_text()), WAIT_S), "what the command left running outlived it"

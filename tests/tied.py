@@ -58,18 +58,17 @@ def run_tied(argv: list[str], timeout: float, **kw: Any) -> subprocess.Completed
     kw.setdefault("stderr", subprocess.PIPE)
     proc, tie = popen_tied(argv, **kw)
     try:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            os.killpg(proc.pid, signal.SIGKILL)
-            try:  # the output so far; a process that left the group may still hold the pipes
-                e.stdout, e.stderr = proc.communicate(timeout=REAPER_EXIT_S)
-            except subprocess.TimeoutExpired:
-                proc.wait()
-            raise
-        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:  # the output so far; a process that left the group may still hold the pipes
+            e.stdout, e.stderr = proc.communicate(timeout=REAPER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        raise
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         tie.close()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

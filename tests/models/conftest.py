@@ -48,6 +48,7 @@ class LlamaServer:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self._tie = None  # (ties the server's group to this process: tests/tied.py)
 
     def start(self) -> "LlamaServer":
         self._log = open(self.log_path, "wb")
@@ -83,8 +84,9 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=15)
-        if getattr(self, "_tie", None):
+        if self._tie is not None:
             self._tie.close()
+            self._tie = None
         if getattr(self, "_log", None):
             self._log.close()
 
