@@ -46,6 +46,7 @@ def _load_config(path: str) -> dict:
 def _parser():  # type: ignore[no-untyped-def]
     import argparse
 
+    from operate_sidecar.server import __version__
     from operate_sidecar.server.rpc.settings import DEFAULTS
 
     p = argparse.ArgumentParser(prog="operate-sidecar", description=DESCRIPTION,
@@ -75,6 +76,8 @@ def _parser():  # type: ignore[no-untyped-def]
                         "with every model turn, so that `operate-sidecar replay --scripted FILE` replays "
                         "it without the model; an existing FILE is overwritten. `operate-sidecar replay` runs "
                         "such scripts (see its --help)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print the version and exit")
     return p
 
 

@@ -61,3 +61,18 @@ def test_help_names_every_setting_a_config_file_may_hold():
     config_help = " ".join(proc.stdout.split("\n  --config FILE", 1)[1].split("\n  --state-dir", 1)[0].split())
     missing = [key for key in DEFAULTS if key not in config_help]
     assert not missing, (missing, config_help)
+
+
+def test_version_prints_the_installed_version_on_stdout_and_starts_no_server():
+    """``--version`` (what an editor's health check or a bug report asks first): the version the
+    installed distribution has, the one ``initialize`` reports as ``serverInfo.version``."""
+    import importlib.metadata
+
+    import operate_sidecar
+    from operate_sidecar.server import __version__
+
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stderr == "", (proc.returncode, proc.stderr)
+    installed = importlib.metadata.version("operate-sidecar")
+    assert proc.stdout == f"operate-sidecar {installed}\n", proc.stdout
+    assert __version__ == operate_sidecar.__version__ == installed
