@@ -490,6 +490,8 @@ class OperateAgent(Agent):
         return RequestError(MODEL_ERROR, message, {"model": model})
 
     def _options(self, sid: str) -> list[SessionConfigOptionSelect]:
+        from operate_sidecar.server.models.config import describe as describe_model
+
         models = self.settings["models"]
         current = self._model(sid)
         problems = {n: model_problem(self.settings, n) for n in models}
@@ -499,10 +501,11 @@ class OperateAgent(Agent):
                         problems[current])
         return [
             SessionConfigOptionSelect(type="select", id="model", name="Model", category="model",
-                                      current_value=current, description=problems[current],
+                                      current_value=current,
+                                      description=problems[current] or describe_model(models[current]),
                                       options=[SessionConfigSelectOption(
                                           value=n, name=f"{n} (model file missing)" if problems[n] else n,
-                                          description=problems[n] or str(c.get("provider")))
+                                          description=problems[n] or describe_model(c))
                                           for n, c in models.items()]),
             SessionConfigOptionSelect(type="select", id="mode", name="Permissions", category="mode",
                                       current_value=self.sidecar.permission_mode(sid),

@@ -195,6 +195,36 @@ def local_model_problem(config: dict[str, Any]) -> str | None:
     return None if os.path.isfile(path) else f"the local model file {path} does not exist: {fix}"
 
 
+def describe(config: dict[str, Any]) -> str:
+    """One line saying what a (valid) model config runs, for a model picker: the provider in
+    words and what it names (the GGUF file, the API model and its server, the command).
+    Nothing is loaded or spawned; the default local model's file is found as ``local_model_problem``
+    finds it (its name, or the package that would ship it)."""
+    import os
+
+    provider = config.get("provider")
+    if provider == "local":
+        path = config.get("path")
+        if path is None:
+            try:
+                path = default_local_model()
+            except LookupError:
+                path = f"the default model ({LOCAL_MODEL_PACKAGE})"
+        return f"embedded llama.cpp model, runs offline: {os.path.basename(str(path)) or path}"
+    if provider == "openai":
+        where = config.get("baseUrl") or "the OpenAI API"
+        return f"{config.get('model') or '(no model named)'} at {where} (OpenAI-compatible API)"
+    if provider == "cli":
+        command = config.get("command")
+        if isinstance(command, list):
+            command = " ".join(str(c) for c in command)
+        return f"command-line model ({config.get('profile')}): {command}" if command \
+            else f"command-line model ({config.get('profile')})"
+    if provider == "scripted":
+        return "scripted replies (for tests)"
+    return str(provider)
+
+
 # --- the checker ---------------------------------------------------------------------------
 
 def json_kind(value: Any) -> str:

@@ -549,11 +549,28 @@ def test_an_empty_prompt_is_refused_and_records_nothing(tmp_path, ws):
 
 
 def test_model_switch(tmp_path, ws):
+    """The Model option lists every configured model, each described by what it runs (a model
+    picker's second line: the API model and its server, the command, the embedded model's file),
+    and switching it changes the model the next prompt runs on."""
+    gguf = tmp_path / "small.gguf"
+    gguf.write_bytes(b"GGUF")  # (only its name is shown: never loaded)
+
     async def main():
-        models = {"a": scripted(reply("from a")), "b": scripted(reply("from b"))}
+        models = {"a": scripted(reply("from a")), "b": scripted(reply("from b")),
+                  "gpt": {"provider": "openai", "model": "gpt-4o-mini", "baseUrl": "http://127.0.0.1:9/v1"},
+                  "llm": {"provider": "cli", "profile": "llm", "command": ["llm", "-m", "mistral"]},
+                  "small": {"provider": "local", "path": str(gguf)}}
         c = RecordingClient()
         async with spawn(c, cfg(tmp_path, models=models, defaultModel="a")) as (conn, _):
-            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            new = await bounded(conn.new_session(cwd=str(ws)))
+            sid = new.session_id
+            model = {o.id: o for o in new.config_options}["model"]
+            assert model.description == "scripted replies (for tests)", model
+            assert {o.value: (o.name, o.description) for o in model.options} == {
+                "a": ("a", "scripted replies (for tests)"), "b": ("b", "scripted replies (for tests)"),
+                "gpt": ("gpt", "gpt-4o-mini at http://127.0.0.1:9/v1 (OpenAI-compatible API)"),
+                "llm": ("llm", "command-line model (llm): llm -m mistral"),
+                "small": ("small", "embedded llama.cpp model, runs offline: small.gguf")}
             res = await bounded(conn.set_config_option(config_id="model", session_id=sid, value="b"))
             assert {o.id: o.current_value for o in res.config_options}["model"] == "b"
             await prompt(conn, sid)
@@ -582,7 +599,7 @@ def test_a_missing_local_model_file_is_shown_when_the_session_opens_and_another_
             assert model.current_value == "tiny" and str(gguf) in (model.description or ""), model
             shown = {o.value: (o.name, o.description) for o in model.options}
             assert shown["tiny"][0] == "tiny (model file missing)" and str(gguf) in shown["tiny"][1], shown
-            assert shown["s"] == ("s", "scripted")
+            assert shown["s"] == ("s", "scripted replies (for tests)")
             with pytest.raises(acp.RequestError) as e:
                 await prompt(conn, sid, "first try")
             assert e.value.code == -32011 and str(gguf) in str(e.value), str(e.value)

@@ -315,3 +315,22 @@ def test_inline_models_out_of_range_are_refused_too(sidecar):
                    {"provider": "scripted", "responses": [{"text": "x", "delayMs": 1e300}]}):
         err = sidecar.error_of("createBranch", {"chatModel": config})
         assert err.code == INVALID_PARAMS and "chatModel" in err.message, err.message
+
+
+def test_a_model_picker_describes_each_provider_by_what_it_runs(tmp_path, monkeypatch):
+    """``config.describe`` (the ACP Model option's descriptions): the embedded model by its GGUF
+    file (the default one found in the installed package, else the package to install), an API
+    model by its name and server, a command-line model by its command."""
+    from operate_sidecar.server.models import config as C
+
+    assert C.describe({"provider": "local"}) == \
+        "embedded llama.cpp model, runs offline: " + C.default_local_model().rsplit("/", 1)[1]
+    monkeypatch.setattr(C, "_FOUND", [])
+    monkeypatch.setattr(C, "LOCAL_MODEL_PACKAGE", "no_such_package_here")
+    assert C.describe({"provider": "local"}) == \
+        "embedded llama.cpp model, runs offline: the default model (no_such_package_here)"
+    assert C.describe({"provider": "openai", "model": "gpt-4o-mini"}) == \
+        "gpt-4o-mini at the OpenAI API (OpenAI-compatible API)"
+    assert C.describe({"provider": "cli", "profile": "claude-code"}) == "command-line model (claude-code)"
+    assert C.describe({"provider": "cli", "profile": "jsonl", "command": "my-model --json"}) == \
+        "command-line model (jsonl): my-model --json"
