@@ -51,12 +51,14 @@ class CliModelConfig:
 
 @wire
 class ScriptedEntry:
-    """One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text."""
+    """One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text;
+    ``thinking``: streamed first as the model's thoughts (a reasoning model's), never the reply."""
     text: str | None = None
     json: JsonValue | Omitted = OMITTED
     delay_ms: int | None = None
     chunks: int | None = None
     error: str | None = None
+    thinking: str | None = None
 
 
 @wire

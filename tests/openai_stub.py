@@ -1,5 +1,6 @@
 """Loopback stand-ins for OpenAI endpoints (``loopback`` serves any handler). The main one stands in for the remote OpenAI API, for the replies no local server produces
-(llama.cpp's server never refuses): it answers every ``POST /v1/chat/completions`` with the
+(llama.cpp's server never refuses, and ``llama_cpp.server`` streams no reasoning model's
+thoughts): it answers every ``POST /v1/chat/completions`` with the
 streamed chunks it is given, in OpenAI's documented server-sent-events form, so the real
 ``openai`` SDK and the real provider read them over real HTTP. Everything else of the
 provider is tested against llama.cpp's real server (``tests/models/conftest.py``)."""
@@ -31,6 +32,15 @@ def content_stream(text: str) -> list[dict]:
     out = [chunk({"role": "assistant", "content": ""})]
     out += [chunk({"content": text[i:i + 16]}) for i in range(0, len(text), 16)]
     return out + [chunk({}, finish="stop")]
+
+
+def reasoning_stream(thoughts: list[str], text: str, field: str = "reasoning_content") -> list[dict]:
+    """What a reasoning model's API streams (DeepSeek's ``deepseek-reasoner`` and vLLM:
+    ``reasoning_content``; OpenRouter and Ollama: ``reasoning``; llama_cpp.server streams neither):
+    the thoughts as deltas of ``field`` with no content, then the reply as content deltas."""
+    out = [chunk({"role": "assistant", "content": None})]
+    out += [chunk({field: t, "content": None}) for t in thoughts]
+    return out + content_stream(text)[1:]
 
 
 def refusal_stream(text: str, usage: dict | None = None) -> list[dict]:

@@ -3,6 +3,7 @@
 Native name (what the service sends)        ACP (what the editor sees)
 - ``$/progress`` report ``delta``            ``agent_message_chunk`` (the reply's user text)
 - ``$/progress`` report ``repair attempt N`` ``agent_thought_chunk`` (why the reply takes longer)
+- ``thought`` (a reasoning model's thoughts) ``agent_thought_chunk`` (the thoughts, as they stream)
 - ``$/progress`` ``end`` ``usage``           kept for the turn's ``usage_update`` / ``usage``
 - ``toolEvent`` pre / post / error / denied  ``tool_call`` / ``tool_call_update`` (kind,
                                              locations, raw input and output, ``diff`` content)
@@ -325,6 +326,12 @@ class AcpPort:
                 self.send(sid, update_agent_message_text(text))
         elif kind == "end" and value.get("usage") is not None:
             turn.usage = value["usage"]
+
+    def thought(self, token: Any, text: str) -> None:
+        """A reasoning model's thoughts in a turn (``WireProgress.think``), shown as the editor
+        shows an agent's thinking."""
+        if isinstance(token, str) and token in self.turns and text:
+            self.send(token, update_agent_thought_text(text))
 
     def send_plan(self, sid: str, turn: Turn, reply: Any) -> None:
         """An ACP ``plan`` update when ``reply`` (a reply text or a result) reports a plan that

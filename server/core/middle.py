@@ -67,6 +67,14 @@ def _take_text(chunk: StreamChunk, out: list[str], sink: Any) -> None:
             sink.report("streaming", "stream", chunk.text)
 
 
+def _take_thought(chunk: StreamChunk, sink: Any) -> None:
+    """A ``thinking`` chunk (a reasoning model's thoughts, before or between its text): not part
+    of the reply, never recorded; passed to a sink that shows thoughts (``think``), if any."""
+    think = getattr(sink, "think", None)
+    if chunk.text and think is not None:
+        think(chunk.text)
+
+
 def _end_text(sink: Any) -> None:
     """The model's text has ended, or pauses for a tool use: a sink that holds back the end of
     the streamed text (the wire's, which waits to see whether it begins a secret) sends it now."""
@@ -102,6 +110,8 @@ async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, pars
             t = chunk.type
             if t == "text":
                 _take_text(chunk, parts, sink)
+            elif t == "thinking":
+                _take_thought(chunk, sink)
             elif t == "result":
                 usage = chunk.usage or usage
                 model_name = chunk.model or model_name
@@ -274,6 +284,8 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
                 t = chunk.type
                 if t == "text":
                     _take_text(chunk, buf, sink)
+                elif t == "thinking":
+                    _take_thought(chunk, sink)
                 elif t == "tool_use":
                     _end_text(sink)
                     flush_text()

@@ -11,6 +11,10 @@ from typing import Protocol
 
 
 class ProgressSink(Protocol):
+    """``begin`` and ``report`` (``delta``: a piece of the model's reply text). A sink may also
+    have ``think(text)``: the model's thoughts (``thinking`` chunks), which are not the reply
+    and are never recorded; the core passes them to a sink that has it."""
+
     def begin(self, message: str) -> None: ...
 
     def report(self, message: str, phase: str, delta: str | None = None) -> None: ...

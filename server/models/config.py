@@ -131,6 +131,7 @@ ENTRY_FIELDS: dict[str, str] = {
     "delayMs": "non-negative number",
     "chunks": "positive integer",
     "error": "string",
+    "thinking": "string",
 }
 
 #: the largest value of a numeric entry field

@@ -421,7 +421,12 @@ def _read_chunk(chunk: Any) -> _Part:
         refused = _text_field(delta, "refusal", "refusal")
         if refused:
             part.refusal.append(refused)
-        thinking = _text_field(delta, "reasoning_content", "reasoning_content")
+        # (the thoughts of a reasoning model: ``reasoning_content`` from llama.cpp's server,
+        # vLLM and DeepSeek; ``reasoning`` from OpenRouter, Ollama and LM Studio, used only as
+        # text: a server may give that name something else, which is not a reason to fail)
+        other = _field(delta, "reasoning")
+        thinking = _text_field(delta, "reasoning_content", "reasoning_content") \
+            or (other if isinstance(other, str) and other else None)
         if thinking:
             part.out.append(("thinking", thinking))
         content = _text_field(delta, "content", "content")

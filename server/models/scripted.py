@@ -70,6 +70,9 @@ class ScriptedModel(BaseModelProvider):
             await anyio.sleep(delay)
         if not isinstance(entry, str) and entry.get("error") is not None:
             raise ModelError(str(entry["error"]))
+        thinking = None if isinstance(entry, str) else entry.get("thinking")
+        if thinking:  # a reasoning model's thoughts, before its reply
+            yield StreamChunk(type="thinking", text=thinking)
         if chunks <= 1 or len(text) <= 1:
             if text:
                 yield StreamChunk(type="text", text=text)

@@ -38,7 +38,8 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
   defines it as its server's working directory), so a session recorded in one checkout
   replays in another (workspace folders, the paths of ``fs/*`` requests, tool descriptions);
 - a last line ``{"recordedModels": {name: {"responses": [...], "cli"?: true, "inline"?: spec}}}``
-  with the text of every model invocation, per model, in order, so ``replay --scripted`` can
+  with the text of every model invocation (and a reasoning model's thoughts, as ``thinking``),
+  per model, in order, so ``replay --scripted`` can
   replay the session with ``scripted`` models instead of the real ones.
 
 The file is rewritten (atomically) after every answered request and when the server stops; an
@@ -363,11 +364,14 @@ class RecordingModel:
         self._recorder._model_call_started()
         slot = self._recorder._reserve(self._rec_name)
         parts: list[str] = []
+        thoughts: list[str] = []
         entry: dict[str, Any] | None = None
         try:
             async for chunk in self._inner.stream(request):
                 if chunk.type == "text":
                     parts.append(chunk.text)
+                elif chunk.type == "thinking" and chunk.text:
+                    thoughts.append(chunk.text)
                 elif chunk.type == "error":
                     entry = {"error": chunk.text or "model reported an error"}
                 yield chunk
@@ -382,6 +386,8 @@ class RecordingModel:
                 entry = {"text": "".join(parts)}
                 if len(parts) > 1:
                     entry["chunks"] = len(parts)
+            if thoughts and "error" not in entry:  # (replayed as one stretch of thoughts, before the text)
+                entry["thinking"] = "".join(thoughts)
             self._recorder._fill(self._rec_name, slot, entry)
 
     async def invoke(self, request: Any) -> Any:

@@ -132,6 +132,13 @@ class ClientPort(Protocol):
     #     (the ACP one records the title, locations and diff the editor is shown). It cannot
     #     change the decision; an error it raises is logged.
     #
+    # def thought(self, token: Any, text: str) -> None:
+    #     A reasoning model's thoughts (the provider's ``thinking`` chunks: ``reasoning_content``
+    #     of an OpenAI-compatible server, a CLI model's thinking blocks), streamed, redacted, in
+    #     order with the operate's ``$/progress`` of that ``token``. Not part of the reply and
+    #     never recorded. For a front end that shows them (the ACP one: ``agent_thought_chunk``);
+    #     on the native wire a stretch of thoughts is only a ``report`` "thinking" with no delta.
+    #
     # def log_branch_problem(self, type_: int, message: str) -> None:   (on ``conn``)
     #     Instead of ``log_message``, a warning that concerns some branches only: a stored
     #     branch's model not configured, an MCP server a session passed

@@ -11,7 +11,12 @@ a model writes across several deltas is masked, the few characters that could st
 waiting for the next delta. What waits is sent (redacted) before any other report, by
 :meth:`WireProgress.end_text` when the model's text ends, and before the ``end``, so
 ``$/progress`` and every front end built on it (ACP's ``agent_message_chunk``) see the text
-whole and in order. With no secret registered nothing waits."""
+whole and in order. With no secret registered nothing waits.
+
+A reasoning model's thoughts (:meth:`WireProgress.think`) are not the reply: each stretch of them
+is one ``report`` with the message ``thinking`` (phase ``stream``, no ``delta``), so a client can
+say the model is thinking; their text goes, redacted the same way, only to a port that shows
+thoughts (``thought``, see ``server.service.port``)."""
 
 from __future__ import annotations
 
@@ -22,9 +27,11 @@ from ..redaction import StreamRedactor
 
 
 class WireProgress:
-    __slots__ = ("_notify", "token", "default_begin", "began", "ended", "_text", "_text_message")
+    __slots__ = ("_notify", "token", "default_begin", "began", "ended", "_text", "_text_message", "_on_thought",
+                 "_thought", "_thinking")
 
-    def __init__(self, notify: Any, token: Any, default_begin: str = "communicate") -> None:
+    def __init__(self, notify: Any, token: Any, default_begin: str = "communicate",
+                 thought: Any = None) -> None:
         self._notify = notify
         self.token = token
         self.default_begin = default_begin
@@ -32,6 +39,9 @@ class WireProgress:
         self.ended = False
         self._text = StreamRedactor()   # the streamed text's pending tail (secrets split across deltas)
         self._text_message = "streaming"
+        self._on_thought = thought      # the port's ``thought(token, text)``, or None
+        self._thought = StreamRedactor()  # the thoughts' pending tail
+        self._thinking = False          # a stretch of thoughts is running (its report was sent)
 
     def _send(self, value: dict[str, Any]) -> None:
         self._notify("$/progress", {"token": self.token, "value": value})
@@ -42,11 +52,36 @@ class WireProgress:
         self.began = True
         self._send({"kind": "begin", "title": "operate", "message": message})
 
+    def think(self, text: str) -> None:
+        """A piece of a reasoning model's thoughts: the first of a stretch sends the ``thinking``
+        report; the text goes to the port's ``thought`` (redacted), if it has one."""
+        if self.ended:
+            return
+        if not self.began:
+            self.begin(self.default_begin)
+        if not self._thinking:
+            self.end_text()
+            self._thinking = True
+            self._send({"kind": "report", "message": "thinking", "phase": "stream"})
+        if self._on_thought is not None:
+            piece = self._thought.feed(text)
+            if piece:
+                self._on_thought(self.token, piece)
+
+    def _end_thought(self) -> None:
+        """The stretch of thoughts is over: what of them was held back goes to the port."""
+        if self._thinking:
+            self._thinking = False
+            rest = self._thought.flush() if self._thought.pending else ""
+            if rest and self._on_thought is not None:
+                self._on_thought(self.token, rest)
+
     def report(self, message: str, phase: str, delta: str | None = None) -> None:
         if self.ended:
             return
         if not self.began:
             self.begin(self.default_begin)
+        self._end_thought()
         if delta is not None:
             self._text_message = message
             piece, delta = delta, self._text.feed(delta)
@@ -79,6 +114,7 @@ class WireProgress:
             pass
         if not self.began:
             self.begin(self.default_begin)
+        self._end_thought()
         self.end_text()
         self.ended = True
         value: dict[str, Any] = {"kind": "end", "message": message}

@@ -763,6 +763,39 @@ def test_a_refusal_ends_the_turn_with_stop_reason_refusal_and_the_models_words(t
     run(main())
 
 
+def test_a_reasoning_models_thoughts_stream_as_thought_chunks_before_its_reply_and_are_redacted(tmp_path, ws):
+    """A reasoning model's thoughts (``reasoning_content``, from a loopback stand-in of the
+    remote API: llama_cpp.server streams none) reach the editor as ``agent_thought_chunk``s, in
+    order and before the reply's ``agent_message_chunk``s; a ``secretEnv`` value the model thinks
+    about, split across two deltas, is masked; the thoughts are not the reply, so a load of the
+    session does not replay them."""
+    from openai_stub import openai_stub, reasoning_stream
+
+    secret = "tok_7c41e2b9a0d35f86"
+    thoughts = ["The user wants a greeting. The token is ", secret[:9], secret[9:], ", never to be shown."]
+    reply_text = json.dumps({"message": "Hello!"})
+
+    async def main():
+        c = RecordingClient()
+        with openai_stub(reasoning_stream(thoughts, reply_text)) as (url, _):
+            config = cfg(tmp_path, models={"r": {"provider": "openai", "model": "r1", "baseUrl": url}},
+                         secretEnv=["ACP_TEST_TOKEN"], stateDir=str(tmp_path / "state"))
+            async with spawn(c, config, env={"ACP_TEST_TOKEN": secret}) as (conn, _):
+                sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+                assert (await prompt(conn, sid, "hi")).stop_reason == "end_turn"
+                kinds = [u.session_update for _, u in c.updates]
+                thought = "".join(u.content.text for u in c.of("agent_thought_chunk"))
+                assert thought == "The user wants a greeting. The token is [REDACTED], never to be shown.", thought
+                assert max(i for i, k in enumerate(kinds) if k == "agent_thought_chunk") < \
+                    kinds.index("agent_message_chunk"), kinds
+                assert c.text() == "Hello!"
+                c.updates.clear()
+                await bounded(conn.load_session(cwd=str(ws), session_id=sid))
+                assert c.of("agent_thought_chunk") == [] and "Hello!" in c.text()
+
+    run(main())
+
+
 def test_stdout_stays_clean_when_tools_print(tmp_path, ws):
     async def main():
         c = RecordingClient()

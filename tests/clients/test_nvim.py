@@ -1267,6 +1267,22 @@ def test_the_running_turn_says_its_round_after_its_tool_calls_ran(sv):
                                         "_round 2 of up to 8 · reading the reply…_"], _said_why(sv)
 
 
+def test_the_running_turn_says_thinking_while_a_reasoning_model_thinks_and_never_shows_its_thoughts(sv):
+    """A reasoning model's thoughts (a scripted entry's ``thinking``: on the wire one report
+    "thinking" with no text) are said as such in the running turn's status line, between
+    waiting for the model and its writing; their text is nowhere in the chat."""
+    bid = sv.new_branch([{"thinking": "Private chain of thought.", "text": "thought it through", "delayMs": 300}],
+                        "thinkstatus")
+    _status_lines(sv)
+    sv.chat_send("think first")
+    out = sv.wait_done()
+    lines = sv.chat(bid)
+    assert out["err"] is None and "thought it through" in lines, lines
+    assert not any("Private chain" in ln for ln in lines) and not any(ln.endswith("…_") for ln in lines), lines
+    assert sv.lua("return _G.said") == ["_working…_", "_waiting for the model…_", "_thinking…_", "_writing…_",
+                                        "_reading the reply…_"], _said_why(sv)
+
+
 def test_a_rebuilt_chat_shows_a_turn_of_several_rounds_as_one_turn(sv):
     """A chat rebuilt from the branch showed the server's instruction of each further round as a
     message of yours ('## You: Continue the same task. The results of the tools ...')."""

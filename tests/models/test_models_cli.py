@@ -501,3 +501,39 @@ async def test_a_line_without_end_costs_its_length_not_its_square(tmp_path):
     with pytest.raises(ModelError, match=r"model 'liner': python wrote a line longer than 64 MiB"):
         await drain(model, ModelRequest(messages=[{"role": "user", "content": "go"}]), timeout=12)
     assert await wait_gone(model.last_pid)
+
+
+def test_over_the_wire_a_cli_models_thinking_is_said_thinking_and_never_streamed_as_its_reply(tmp_path):
+    """The run-and-collect path (a CLI model): a stretch of the program's thinking events is one
+    ``$/progress`` report "thinking" (no delta); the reply's text streams after it; the thinking
+    text is in no delta and in no message of the branch."""
+    import os
+    import subprocess
+
+    from operate_sidecar.clients.python.client import SidecarClient
+
+    body = """
+    import json, sys
+    sys.stdin.read()
+    for event in ({"type": "thinking", "text": "Private musing, "}, {"type": "thinking", "text": "then more."},
+                  {"type": "text", "text": "Done."}, {"type": "result", "model": "thinker"}):
+        print(json.dumps(event), flush=True)
+    """
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    model = {"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "thinker.py", body)]}
+    with SidecarClient(argv=[sys.executable, "-m", "operate_sidecar.server"], env=env, cwd=str(repo),
+                       stderr=subprocess.DEVNULL) as c:
+        values: list[dict] = []
+        c.on_notification("$/progress", lambda p: values.append(p["value"]))
+        c.request("initialize", {"workspaceFolders": [str(tmp_path)],
+                                 "settings": {"models": {"t": model}, "defaultModel": "t"}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        out = c.request("operate", {"branchId": bid, "instruction": "go", "workDoneToken": "w"}, timeout=60)
+        messages = c.request("branchMessages", {"branchId": bid})["messages"]
+    reports = [v for v in values if v["kind"] == "report"]
+    said = [v for v in reports if v.get("message") == "thinking"]
+    assert said == [{"kind": "report", "message": "thinking", "phase": "stream"}], reports
+    assert reports.index(said[0]) < min(i for i, v in enumerate(reports) if "delta" in v)
+    assert "".join(v["delta"] for v in reports if "delta" in v) == "Done." and out["result"] == "Done."
+    assert "musing" not in json.dumps([values, out, messages])

@@ -293,6 +293,76 @@ def test_a_refusal_over_the_wire_is_a_model_error_with_the_refusal_and_records_n
     assert (tmp_path / "a.txt").read_text() == "keep\n"
 
 
+# -- a reasoning model's thoughts ------------------------------------------------------------
+# llama_cpp.server streams no thoughts: a loopback stand-in of the remote APIs that do
+# (tests/openai_stub.py), read by the real SDK and provider over real HTTP.
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_a_reasoning_models_thoughts_are_thinking_chunks_never_text(field):
+    from openai_stub import openai_stub, reasoning_stream
+
+    with openai_stub(reasoning_stream(["The user ", "greets me."], "Hello there!", field)) as (url, _):
+        model = openai_model(url)
+        try:
+            with anyio.fail_after(30):
+                chunks = [c async for c in model.stream(ask("hi"))]
+        finally:
+            await model.aclose()
+    assert "".join(c.text for c in chunks if c.type == "thinking") == "The user greets me."
+    assert "".join(c.text for c in chunks if c.type == "text") == "Hello there!"
+    kinds = [c.type for c in chunks]
+    assert kinds.index("text") > max(i for i, k in enumerate(kinds) if k == "thinking") and kinds[-1] == "result"
+
+
+async def test_a_reasoning_field_that_is_not_text_is_left_alone():
+    """``reasoning`` is the thoughts' name on some servers only: one that gives it something
+    else (an object) still has its reply read."""
+    from openai_stub import chunk, content_stream, openai_stub
+
+    stream = [chunk({"role": "assistant", "content": None, "reasoning": {"effort": "low"}})] + content_stream("ok")[1:]
+    with openai_stub(stream) as (url, _):
+        model = openai_model(url)
+        try:
+            with anyio.fail_after(30):
+                chunks = [c async for c in model.stream(ask("hi"))]
+        finally:
+            await model.aclose()
+    assert [c.type for c in chunks] == ["text", "result"] and chunks[0].text == "ok"
+
+
+def test_over_the_wire_a_reasoning_model_is_said_thinking_and_only_its_reply_is_streamed_and_recorded():
+    """Native protocol, real server over pipes: a stretch of thoughts is one ``$/progress``
+    report "thinking" (phase ``stream``, no delta) before the reply's deltas; the thoughts' text
+    reaches no delta, no result, no message of the branch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from openai_stub import openai_stub, reasoning_stream
+
+    from operate_sidecar.clients.python.client import SidecarClient
+
+    repo = Path(__file__).resolve().parents[2]
+    thoughts = ["Secret plan: ", "say hello ", "politely."]
+    with openai_stub(reasoning_stream(thoughts, "Hello!")) as (url, _), SidecarClient(
+            argv=[sys.executable, "-m", "operate_sidecar.server"], cwd=str(repo), stderr=subprocess.DEVNULL) as c:
+        values: list[dict] = []
+        c.on_notification("$/progress", lambda p: values.append(p["value"]))
+        c.request("initialize", {"settings": {"models": {"m": {"provider": "openai", "model": "r1", "baseUrl": url}},
+                                              "defaultModel": "m"}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        out = c.request("operate", {"branchId": bid, "instruction": "hi", "workDoneToken": "t"}, timeout=60)
+        messages = c.request("branchMessages", {"branchId": bid})["messages"]
+    reports = [v for v in values if v["kind"] == "report"]
+    thinking = [i for i, v in enumerate(reports) if v.get("message") == "thinking"]
+    deltas = [i for i, v in enumerate(reports) if "delta" in v]
+    assert len(thinking) == 1 and reports[thinking[0]] == {"kind": "report", "message": "thinking", "phase": "stream"}
+    assert deltas and thinking[0] < deltas[0], reports
+    assert "".join(reports[i]["delta"] for i in deltas) == "Hello!" and out["result"] == "Hello!"
+    seen = json.dumps([values, out, messages])
+    assert "Secret plan" not in seen and "politely" not in seen
+
+
 # -- what a misbehaving OpenAI-compatible server may send ------------------------------------
 # A loopback server answering with the raw bytes given (tests/openai_stub.py's ``loopback``):
 # the real SDK and provider read them over real HTTP.

@@ -213,6 +213,38 @@ def test_a_recording_holds_no_known_secret(tmp_path):
     assert "the key is [REDACTED]" in text and secret not in text
 
 
+def test_a_reasoning_models_session_is_recorded_with_its_thoughts_and_replays_green_without_it(tmp_path):
+    """A reasoning model (a loopback stand-in of a remote API that streams ``reasoning_content``:
+    tests/openai_stub.py) answers an operate with progress: the recording keeps its thoughts as
+    the scripted turn's ``thinking`` (redacted), so ``replay --scripted`` streams the same
+    "thinking" report before the reply's text, with the stand-in gone."""
+    from openai_stub import openai_stub, reasoning_stream
+
+    rec = tmp_path / "reasoning.jsonl"
+    secret = "tok-5be1c08a77d24f39"
+    with openai_stub(reasoning_stream(["Weighing it; token ", secret, "."], "Yes.")) as (url, _):
+        models = {"r": {"provider": "openai", "model": "r1", "baseUrl": url}}
+
+        def session(c: SidecarClient) -> None:
+            c.request("initialize", {"settings": {"models": models, "defaultModel": "r", "secretEnv": ["REC_TOKEN"]}},
+                      timeout=60)
+            bid = c.request("createBranch", {})["branchId"]
+            out = c.request("operate", {"branchId": bid, "instruction": "ok?", "workDoneToken": "w"}, timeout=60)
+            assert out["result"] == "Yes."
+
+        argv = [sys.executable, "-m", "operate_sidecar.server", "--record", str(rec)]
+        with SidecarClient(argv=argv, stderr=subprocess.DEVNULL, env={**os.environ, "REC_TOKEN": secret}) as c:
+            session(c)
+            assert c.close() == 0
+    steps = lines(rec)
+    (recorded,) = [s["recordedModels"] for s in steps if "recordedModels" in s]
+    assert recorded["r"]["responses"] == [{"text": "Yes.", "thinking": "Weighing it; token [REDACTED]."}], recorded
+    said = [s["match"]["value"] for s in steps if s.get("expectNotification") == "$/progress"]
+    assert {"kind": "report", "message": "*", "phase": "stream"} in said, said   # the thinking report
+    out = replay("--scripted", rec)   # the stand-in is gone: only the recorded turns can answer
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_literal_dollar_brace_text_is_recorded_escaped_and_replays_as_it_was(tmp_path):
     rec = tmp_path / "dollar.jsonl"
     reply = 'Use "${HOME}/bin" (not $${HOME}) in your PATH.'

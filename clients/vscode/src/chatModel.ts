@@ -499,7 +499,7 @@ export function turnsAfterFailedRead(e: unknown, locals: LocalTurn[], problem: (
  * operate was sent (undefined: one round, or not known).
  */
 export interface TurnProgress {
-  phase?: 'request' | 'stream' | 'parse' | 'repair' | 'actions';
+  phase?: 'request' | 'thinking' | 'stream' | 'parse' | 'repair' | 'actions';
   attempt?: number;
   round: number;
   /** Tools ran in this round (its calls were reported): the next `request` is a new round. */
@@ -508,11 +508,13 @@ export interface TurnProgress {
 }
 /** The message of a `parse` report before a repair turn (`repair attempt 2`; the server's REPAIR_ATTEMPT). */
 const REPAIR_MESSAGE = /^repair attempt\s+(\d+)/;
+/** The message of the `stream` report (no delta) that begins a reasoning model's thoughts (the server's). */
+const THINKING_MESSAGE = 'thinking';
 /** What a running turn shows before its first report (the server starting, the branch being made). */
 export const WORKING = 'working…';
 
 /** The progress after one `$/progress` value (a new object; `begin` and `end` change nothing). */
-export function progressAfter(p: TurnProgress, v: { kind: string; phase?: string; message?: string }): TurnProgress {
+export function progressAfter(p: TurnProgress, v: { kind: string; phase?: string; message?: string; delta?: string }): TurnProgress {
   if (v.kind !== 'report') return p;
   const next: TurnProgress = { round: p.round, ...(p.maxRounds !== undefined && { maxRounds: p.maxRounds }) };
   if (p.toolsRan) next.toolsRan = true;
@@ -521,7 +523,8 @@ export function progressAfter(p: TurnProgress, v: { kind: string; phase?: string
       if (p.toolsRan) { next.round = p.round + 1; delete next.toolsRan; }
       next.phase = 'request';
       break;
-    case 'stream': next.phase = 'stream'; break;
+    // (a `stream` report with the message `thinking` and no delta: a reasoning model thinks before it writes)
+    case 'stream': next.phase = v.message === THINKING_MESSAGE && v.delta === undefined ? 'thinking' : 'stream'; break;
     case 'parse': {
       const m = REPAIR_MESSAGE.exec(v.message ?? '');
       if (m) { next.phase = 'repair'; next.attempt = Number(m[1]); } else next.phase = 'parse';
@@ -535,13 +538,14 @@ export function progressAfter(p: TurnProgress, v: { kind: string; phase?: string
 
 /**
  * The running turn's status line: what it waits for or does (`waiting for the model…` until the reply
- * begins, `writing…` while it streams, `reading the reply…`, a repair attempt, `running tools…`), and
+ * begins, `thinking…` while a reasoning model thinks, `writing…` while it streams, `reading the reply…`, a repair attempt, `running tools…`), and
  * from the second round on which round (`round 2 of up to 4 · …`).
  */
 export function statusText(p: TurnProgress | undefined): string {
   if (!p?.phase) return WORKING;
   const what = {
     request: 'waiting for the model…',
+    thinking: 'thinking…',
     stream: 'writing…',
     parse: 'reading the reply…',
     repair: `the reply was not in the expected format: asking the model again (attempt ${p.attempt ?? 1})…`,

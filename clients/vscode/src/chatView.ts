@@ -426,7 +426,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
    * A `$/progress` value of the running turn: its status line says what it does now (redrawn only
    * when that changes: not for each streamed piece).
    */
-  private progressed(v: { kind: string; phase?: string; message?: string }): void {
+  private progressed(v: { kind: string; phase?: string; message?: string; delta?: string }): void {
     const live = this.live;
     if (!live) return;
     live.progress = progressAfter(live.progress, v);

@@ -390,8 +390,8 @@ end
 -- max_rounds: what the turn's operate was sent (nil: not known).
 M.WORKING = 'working…'
 M.WAITING = 'waiting for your decision'
-local DOING = { request = 'waiting for the model…', stream = 'writing…', parse = 'reading the reply…',
-  actions = 'running tools…' }
+local DOING = { request = 'waiting for the model…', thinking = 'thinking…', stream = 'writing…',
+  parse = 'reading the reply…', actions = 'running tools…' }
 
 --- The activity after a report of `phase` with `message` (changed in place; returned).
 function M.activity_step(a, phase, message)
@@ -400,8 +400,8 @@ function M.activity_step(a, phase, message)
       a.round, a.tools_ran = (a.round or 1) + 1, nil
     end
     a.phase, a.attempt = 'request', nil
-  elseif phase == 'stream' then
-    a.phase = 'stream'
+  elseif phase == 'stream' or phase == 'thinking' then
+    a.phase = phase
   elseif phase == 'parse' then
     local n = type(message) == 'string' and tonumber(message:match('^repair attempt%s+(%d+)')) or nil
     if n then

@@ -77,11 +77,17 @@ local function on_progress(p)
       hook(run, 'on_delta', v.delta, run)
       event('OperateSidecarDelta')
     end
+    -- a `stream` report "thinking" with no delta: a reasoning model thinks before it writes
+    -- (its thoughts are not on the wire); this client calls that phase `thinking`
+    local phase = v.phase
+    if phase == 'stream' and v.message == 'thinking' and (is_null(v.delta) or v.delta == '') then
+      phase = 'thinking'
+    end
     -- a new phase, or a new step of one (`parse`: "parsing reply", then "repair attempt N" before
     -- each repair turn); not each streamed piece
-    if v.phase ~= S.progress.phase or (v.phase ~= 'stream' and v.message ~= S.progress.message) then
-      S.progress = { phase = v.phase, message = v.message }
-      hook(run, 'on_phase', v.phase, run, v.message)
+    if phase ~= S.progress.phase or (phase ~= 'stream' and v.message ~= S.progress.message) then
+      S.progress = { phase = phase, message = v.message }
+      hook(run, 'on_phase', phase, run, v.message)
     end
   elseif v.kind == 'end' then
     S.progress = { phase = 'end', message = v.message }

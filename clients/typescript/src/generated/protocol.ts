@@ -206,7 +206,7 @@ export interface ScriptedModelConfig {
   timeoutS?: number;
 }
 /**
- * One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text.
+ * One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text; ``thinking``: streamed first as the model's thoughts (a reasoning model's), never the reply.
  */
 export interface ScriptedEntry {
   text?: string;
@@ -214,6 +214,7 @@ export interface ScriptedEntry {
   delayMs?: number;
   chunks?: number;
   error?: string;
+  thinking?: string;
 }
 /**
  * What a file-changing builtin call would do, computed without writing. ``old_text`` is null for a file that does not exist yet; ``diff`` is a unified diff.

@@ -290,7 +290,7 @@ test('local turns are stored per chat (kept through a window reload), with the c
 test('the status line of a running turn says what it does, from its $/progress phases: waiting for the model, writing, reading the reply, a repair attempt, running tools, the round after tool calls; a waiting decision comes first; gone once the turn ends', () => {
   const report = (phase: string, message = '', delta?: string) => ({ kind: 'report', phase, message, ...(delta !== undefined && { delta }) });
   /** The status line after each value, from a new turn of `maxRounds`. */
-  const said = (values: { kind: string; phase?: string; message?: string }[], maxRounds?: number) => {
+  const said = (values: { kind: string; phase?: string; message?: string; delta?: string }[], maxRounds?: number) => {
     let p: TurnProgress = { round: 1, ...(maxRounds !== undefined && { maxRounds }) };
     return values.map((v) => { p = progressAfter(p, v); return statusText(p); });
   };
@@ -317,6 +317,11 @@ test('the status line of a running turn says what it does, from its $/progress p
   ], 8), ['waiting for the model…', 'writing…', 'reading the reply…', 'running tools…',
     'round 2 of up to 8 · waiting for the model…', 'round 2 of up to 8 · reading the reply…', `round 2 of up to 8 · ${repair}`, 'round 2 of up to 8 · running tools…',
     'round 3 of up to 8 · waiting for the model…', 'round 3 of up to 8 · writing…']);
+  // a reasoning model: its thoughts are one `stream` report "thinking" with no delta (their text is not on the wire),
+  // then it writes; a delta whose message happens to be "thinking" is writing
+  assert.deepEqual(said([report('request'), report('stream', 'thinking'), report('stream', 'streaming', 'Hi'),
+    report('stream', 'thinking'), report('stream', 'thinking', 'x')]),
+  ['waiting for the model…', 'thinking…', 'writing…', 'thinking…', 'writing…']);
   // the round limit not known (a server without maxRounds: single rounds): the round alone, never an invented limit
   assert.deepEqual(said([report('request'), report('actions'), report('request')]), ['waiting for the model…', 'running tools…', 'round 2 · waiting for the model…']);
   // a request that follows no tool call is no new round; a phase this client does not know changes nothing
