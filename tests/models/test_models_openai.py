@@ -297,17 +297,24 @@ def test_a_refusal_over_the_wire_is_a_model_error_with_the_refusal_and_records_n
 # llama_cpp.server streams no thoughts: a loopback stand-in of the remote APIs that do
 # (tests/openai_stub.py), read by the real SDK and provider over real HTTP.
 
-@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
-async def test_a_reasoning_models_thoughts_are_thinking_chunks_never_text(field):
-    from openai_stub import openai_stub, reasoning_stream
+async def streamed_from(stream: list[dict]) -> list:
+    """The chunks the provider makes of ``stream`` (served by the loopback stand-in)."""
+    from openai_stub import openai_stub
 
-    with openai_stub(reasoning_stream(["The user ", "greets me."], "Hello there!", field)) as (url, _):
+    with openai_stub(stream) as (url, _):
         model = openai_model(url)
         try:
             with anyio.fail_after(30):
-                chunks = [c async for c in model.stream(ask("hi"))]
+                return [c async for c in model.stream(ask("hi"))]
         finally:
             await model.aclose()
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_a_reasoning_models_thoughts_are_thinking_chunks_never_text(field):
+    from openai_stub import reasoning_stream
+
+    chunks = await streamed_from(reasoning_stream(["The user ", "greets me."], "Hello there!", field))
     assert "".join(c.text for c in chunks if c.type == "thinking") == "The user greets me."
     assert "".join(c.text for c in chunks if c.type == "text") == "Hello there!"
     kinds = [c.type for c in chunks]
@@ -317,16 +324,10 @@ async def test_a_reasoning_models_thoughts_are_thinking_chunks_never_text(field)
 async def test_a_reasoning_field_that_is_not_text_is_left_alone():
     """``reasoning`` is the thoughts' name on some servers only: one that gives it something
     else (an object) still has its reply read."""
-    from openai_stub import chunk, content_stream, openai_stub
+    from openai_stub import chunk, content_stream
 
-    stream = [chunk({"role": "assistant", "content": None, "reasoning": {"effort": "low"}})] + content_stream("ok")[1:]
-    with openai_stub(stream) as (url, _):
-        model = openai_model(url)
-        try:
-            with anyio.fail_after(30):
-                chunks = [c async for c in model.stream(ask("hi"))]
-        finally:
-            await model.aclose()
+    chunks = await streamed_from([chunk({"role": "assistant", "content": None, "reasoning": {"effort": "low"}}),
+                                  *content_stream("ok")[1:]])
     assert [c.type for c in chunks] == ["text", "result"] and chunks[0].text == "ok"
 
 
