@@ -40,7 +40,7 @@ class WireProgress:
         self._text = StreamRedactor()   # the streamed text's pending tail (secrets split across deltas)
         self._text_message = "streaming"
         self._on_thought = thought      # the port's ``thought(token, text)``, or None
-        self._thought = StreamRedactor()  # the thoughts' pending tail
+        self._thought: StreamRedactor | None = None  # the thoughts' pending tail (made at the first)
         self._thinking = False          # a stretch of thoughts is running (its report was sent)
 
     def _send(self, value: dict[str, Any]) -> None:
@@ -64,6 +64,8 @@ class WireProgress:
             self._thinking = True
             self._send({"kind": "report", "message": "thinking", "phase": "stream"})
         if self._on_thought is not None:
+            if self._thought is None:
+                self._thought = StreamRedactor()
             piece = self._thought.feed(text)
             if piece:
                 self._on_thought(self.token, piece)
@@ -72,7 +74,7 @@ class WireProgress:
         """The stretch of thoughts is over: what of them was held back goes to the port."""
         if self._thinking:
             self._thinking = False
-            rest = self._thought.flush() if self._thought.pending else ""
+            rest = self._thought.flush() if self._thought is not None and self._thought.pending else ""
             if rest and self._on_thought is not None:
                 self._on_thought(self.token, rest)
 
