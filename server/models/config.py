@@ -219,8 +219,8 @@ def describe(config: dict[str, Any]) -> str:
         command = config.get("command")
         if isinstance(command, list):
             command = " ".join(str(c) for c in command)
-        return f"command-line model ({config.get('profile')}): {command}" if command \
-            else f"command-line model ({config.get('profile')})"
+        what = f"command-line model ({config.get('profile')})"
+        return f"{what}: {command}" if command else what
     if provider == "scripted":
         return "scripted replies (for tests)"
     return str(provider)

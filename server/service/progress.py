@@ -26,6 +26,10 @@ from typing import Any
 from ..redaction import StreamRedactor
 
 
+#: the message of the ``stream`` report (no ``delta``) that begins a stretch of a model's thoughts
+THINKING = "thinking"
+
+
 class WireProgress:
     __slots__ = ("_notify", "token", "default_begin", "began", "ended", "_text", "_text_message", "_on_thought",
                  "_thought", "_thinking")
@@ -62,7 +66,7 @@ class WireProgress:
         if not self._thinking:
             self.end_text()
             self._thinking = True
-            self._send({"kind": "report", "message": "thinking", "phase": "stream"})
+            self._send({"kind": "report", "message": THINKING, "phase": "stream"})
         if self._on_thought is not None:
             if self._thought is None:
                 self._thought = StreamRedactor()
