@@ -22,6 +22,7 @@ class LocalModelConfig:
     max_string_length: int | None | Omitted = OMITTED  # null turns the bound off
     options: JsonObject | None = None  # default request options (temperature, seed, ...)
     timeout_s: float | None = None
+    inline_thinking: bool | None = None  # false: a reply opening with <think>...</think> stays as it is
 
 
 @wire
@@ -34,6 +35,7 @@ class OpenAIModelConfig:
     timeout_s: float | None = None
     max_retries: int | None = None
     options: JsonObject | None = None
+    inline_thinking: bool | None = None
 
 
 @wire
@@ -47,6 +49,7 @@ class CliModelConfig:
     prompt_via: Literal["arg", "stdin"] | None = None
     timeout_s: float | None = None
     kill_grace_s: float | None = None
+    inline_thinking: bool | None = None
 
 
 @wire

@@ -79,6 +79,96 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
     return value
 
 
+# --- inline thoughts ----------------------------------------------------------
+# A reasoning model that a server does not parse (llama-cpp-python's server, a GGUF run by the
+# embedded model, an ``llm`` CLI) writes its thoughts into its text: ``<think>...</think>`` and
+# then the reply. Those thoughts are not the reply: they are split off as ``thinking`` chunks.
+
+#: the tags a reply may open with, each with its closing tag
+THOUGHT_TAGS: tuple[tuple[str, str], ...] = (("<think>", "</think>"), ("<thinking>", "</thinking>"))
+_LONGEST_OPEN = max(len(o) for o, _ in THOUGHT_TAGS)
+_START, _THOUGHT, _AFTER, _REPLY = range(4)
+
+
+class InlineThoughts:
+    """Splits the streamed text of one model call: a reply that opens (after white space) with
+    ``<think>`` or ``<thinking>`` has everything up to the matching closing tag as thoughts
+    (``("thinking", text)``) and the rest, its leading white space dropped, as the reply
+    (``("text", text)``). Any other reply is passed on as it is, from its first visible
+    character on. A tag split across deltas is recognised; only a possible tag is held back.
+    ``unclosed`` is true when the call ended inside the thoughts (no reply followed them)."""
+
+    __slots__ = ("_state", "_held", "_close", "unclosed")
+
+    def __init__(self) -> None:
+        self._state = _START
+        self._held = ""
+        self._close = ""
+        self.unclosed = False
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """The pieces of one text delta, in order: ``("thinking" | "text", text)``."""
+        if self._state == _REPLY:
+            return [("text", text)] if text else []
+        out: list[tuple[str, str]] = []
+        held = self._held + text
+        self._held = ""
+        if self._state == _START:
+            head = held.lstrip()
+            for open_tag, close_tag in THOUGHT_TAGS:
+                if head.startswith(open_tag):
+                    self._state, self._close = _THOUGHT, close_tag
+                    held = head[len(open_tag):]
+                    break
+            else:
+                if len(head) < _LONGEST_OPEN and any(o.startswith(head) for o, _ in THOUGHT_TAGS):
+                    self._held = held  # white space or the start of a tag so far: wait
+                    return out
+                self._state = _REPLY
+                return [("text", held)] if held else out
+        if self._state == _THOUGHT:
+            end = held.find(self._close)
+            if end < 0:
+                keep = _tag_start(held, self._close)
+                if len(held) > keep:
+                    out.append(("thinking", held[:len(held) - keep]))
+                self._held = held[len(held) - keep:]
+                return out
+            if end:
+                out.append(("thinking", held[:end]))
+            held = held[end + len(self._close):]
+            self._state = _AFTER
+        held = held.lstrip()  # _AFTER: the white space between the thoughts and the reply
+        if held:
+            self._state = _REPLY
+            out.append(("text", held))
+        return out
+
+    def end(self) -> list[tuple[str, str]]:
+        """What is still held at the end of the call: a reply's first characters (that might
+        have begun a tag), or the last of unclosed thoughts."""
+        held, self._held = self._held, ""
+        if self._state == _THOUGHT:
+            self.unclosed = True
+            return [("thinking", held)] if held else []
+        return [("text", held)] if held and self._state == _START else []
+
+
+def unclosed_thoughts(name: str) -> str:
+    """The model error of a call that ended inside the model's inline thoughts."""
+    return (f"model {name!r}: the reply ended inside the model's thoughts (a <think> block that was never "
+            "closed), with no answer after them; a larger maxTokens may let it finish "
+            '(or "inlineThinking": false keeps such text as the reply)')
+
+
+def _tag_start(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (0 when none does)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
 # --- redaction --------------------------------------------------------------
 # One implementation for the whole server (``server/redaction.py``): provider error texts
 # get the registered secrets *and* the key-looking patterns removed.

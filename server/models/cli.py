@@ -34,14 +34,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 import anyio
 
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import MAX_REPLY_CHARS, field_value, loads_json_safe, redact, render_prompt
+from ._common import MAX_REPLY_CHARS, InlineThoughts, field_value, loads_json_safe, redact, render_prompt, unclosed_thoughts
 from .config import CLI_PROFILES, FIELDS, check_model_config
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class CLIModel(BaseModelProvider):
         prompt_via: str | None = None,
         timeout_s: float | None = None,
         kill_grace_s: float = 2.0,
+        inline_thinking: bool = True,
     ) -> None:
         from . import ModelConfigError
 
@@ -90,6 +91,7 @@ class CLIModel(BaseModelProvider):
         self.prompt_via = prompt_via or ("stdin" if profile == "jsonl" else "arg")
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
+        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts
         self.last_pid: int | None = None  # pid (= process group id) of the latest run
 
     @classmethod
@@ -107,6 +109,7 @@ class CLIModel(BaseModelProvider):
             prompt_via=field_value(name, config, "promptVia", None, str),
             timeout_s=field_value(name, config, "timeoutS", None, float),
             kill_grace_s=field_value(name, config, "killGraceS", 2.0, float),
+            inline_thinking=field_value(name, config, "inlineThinking", True, bool),
         )
 
     # -- argv -----------------------------------------------------------------
@@ -174,6 +177,14 @@ class CLIModel(BaseModelProvider):
             produced = True
             return chunk
 
+        inline = InlineThoughts() if self.inline_thinking else None
+
+        def split(chunk: StreamChunk) -> Iterable[StreamChunk]:
+            """A text chunk's inline thoughts (``<think>...</think>`` opening the reply) as thinking."""
+            if inline is None or chunk.type != "text" or not chunk.text:
+                return (chunk,)
+            return [StreamChunk(type=kind, text=text) for kind, text in inline.feed(chunk.text)]
+
         try:
             assert process.stdout is not None
             drain_end: float | None = None  # set once the program exited while stdout stays open
@@ -198,12 +209,16 @@ class CLIModel(BaseModelProvider):
                     break
                 try:
                     for chunk in parser.feed(data):
-                        yield checked(chunk)
+                        for piece in split(checked(chunk)):
+                            yield piece
                 except _LineTooLong:
                     raise _model_error(f"model {self.name!r}: {program} wrote a line longer than "
                                        f"{MAX_LINE_BYTES >> 20} MiB; it was stopped") from None
             for chunk in parser.close():
-                yield checked(chunk)
+                for piece in split(checked(chunk)):
+                    yield piece
+            for kind, text in inline.end() if inline is not None else ():
+                yield StreamChunk(type=kind, text=text)
             if process.returncode is None:  # stdout closed: wait for the program itself
                 if deadline is None:
                     await process.wait()
@@ -222,6 +237,8 @@ class CLIModel(BaseModelProvider):
                     f"model {self.name!r}: {program} exited with status {rc}"
                     + (f": {tail}" if tail else " and no output")
                 )
+            if inline is not None and inline.unclosed:
+                raise _model_error(unclosed_thoughts(self.name))
             result = parser.result
             result.is_error = result.is_error or rc != 0
             if result.usage is None:  # e.g. `llm -u` prints "Token usage: 10 input, 5 output" on stderr

@@ -47,6 +47,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "maxStringLength": "integer",
         "options": "object",
         "timeoutS": "positive number",
+        "inlineThinking": "boolean",
     },
     "openai": {
         "model": "string",
@@ -55,6 +56,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "timeoutS": "positive number",
         "maxRetries": "integer",
         "options": "object",
+        "inlineThinking": "boolean",
     },
     "cli": {
         "profile": CLI_PROFILES,
@@ -64,6 +66,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "promptVia": PROMPT_VIA,
         "timeoutS": "positive number",
         "killGraceS": "number",
+        "inlineThinking": "boolean",
     },
     "scripted": {
         "responses": "responses",

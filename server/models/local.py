@@ -48,7 +48,7 @@ import anyio.to_thread
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import bound_schema, field_value, snake_options
+from ._common import InlineThoughts, bound_schema, field_value, snake_options, unclosed_thoughts
 from .config import FIELDS, MAX_GRAMMAR_REPEAT, check_model_config, default_local_model
 
 log = logging.getLogger(__name__)
@@ -656,6 +656,7 @@ class LocalModel(BaseModelProvider):
         max_string_length: int | None = 200,
         options: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        inline_thinking: bool = True,
     ) -> None:
         self.name = name
         self._path = path
@@ -666,6 +667,7 @@ class LocalModel(BaseModelProvider):
         self.max_string_length = max_string_length
         self.options = snake_options(options)
         self.timeout_s = timeout_s  # applied by core around each call (server.core.imodel.model_deadline)
+        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "LocalModel":
@@ -682,6 +684,7 @@ class LocalModel(BaseModelProvider):
             ),
             options=field_value(name, config, "options", None, dict),
             timeout_s=field_value(name, config, "timeoutS", None, float),
+            inline_thinking=field_value(name, config, "inlineThinking", True, bool),
         )
 
     @property
@@ -755,6 +758,7 @@ class LocalModel(BaseModelProvider):
                 raise ModelError(f"local model failed: {e}") from e
             n_chunks = 0
             finish = None
+            inline = InlineThoughts() if self.inline_thinking else None
             while True:
                 try:
                     # the steps up to the first text evaluate the prompt: those may be aborted
@@ -771,7 +775,16 @@ class LocalModel(BaseModelProvider):
                 finish = choice.get("finish_reason") or finish
                 if text:
                     n_chunks += 1
-                    yield StreamChunk(type="text", text=text)
+                    if inline is None:
+                        yield StreamChunk(type="text", text=text)
+                    else:
+                        for kind, piece in inline.feed(text):
+                            yield StreamChunk(type=kind, text=piece)
+            if inline is not None:
+                for kind, piece in inline.end():
+                    yield StreamChunk(type=kind, text=piece)
+                if inline.unclosed:
+                    raise ModelError(unclosed_thoughts(self.name))
             completion = n_chunks
             prompt = max(0, int(getattr(llama, "n_tokens", 0)) - completion)
             usage = {

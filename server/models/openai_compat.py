@@ -28,7 +28,18 @@ import anyio
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import MAX_REPLY_CHARS, field_value, is_loopback_url, json_safe, redact, remember_secret, snake, snake_options
+from ._common import (
+    MAX_REPLY_CHARS,
+    InlineThoughts,
+    field_value,
+    is_loopback_url,
+    json_safe,
+    redact,
+    remember_secret,
+    snake,
+    snake_options,
+    unclosed_thoughts,
+)
 from .config import FIELDS, check_model_config, json_kind
 
 log = logging.getLogger(__name__)
@@ -80,6 +91,7 @@ class OpenAIModel(BaseModelProvider):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_retries: int = 2,
         options: dict[str, Any] | None = None,
+        inline_thinking: bool = True,
     ) -> None:
         if not model:
             from . import ModelConfigError
@@ -93,6 +105,7 @@ class OpenAIModel(BaseModelProvider):
         self.max_retries = int(max_retries)
         _check_options(name, "options", options)
         self.options = snake_options(options)
+        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts
         self._client: Any = None
         self._api_key: str | None = None
         self._rf_mode: str | None = None  # what worked for structured output
@@ -109,6 +122,7 @@ class OpenAIModel(BaseModelProvider):
             timeout_s=field_value(name, config, "timeoutS", DEFAULT_TIMEOUT_S, float),
             max_retries=field_value(name, config, "maxRetries", 2, int),
             options=field_value(name, config, "options", None, dict),
+            inline_thinking=field_value(name, config, "inlineThinking", True, bool),
         )
 
     # -- client ---------------------------------------------------------------
@@ -277,6 +291,7 @@ class OpenAIModel(BaseModelProvider):
         done = _watch_done(stream)  # [DONE] seen (where the SDK lets us see it)
         reply_chars = 0             # text and thinking so far: bounded (a server streaming on and on)
         chunks = 0
+        inline = InlineThoughts() if self.inline_thinking else None
         try:
             async for chunk in stream:
                 chunks += 1
@@ -290,7 +305,16 @@ class OpenAIModel(BaseModelProvider):
                     reply_chars += len(text)
                     if reply_chars > MAX_REPLY_CHARS:
                         raise _TooLong(f"more than {MAX_REPLY_CHARS >> 20} Mi characters")
+                    if kind == "text" and inline is not None:
+                        for piece, piece_text in inline.feed(text):
+                            yield StreamChunk(type=piece, text=piece_text)
+                    else:
+                        yield StreamChunk(type=kind, text=text)
+            if inline is not None:
+                for kind, text in inline.end():
                     yield StreamChunk(type=kind, text=text)
+                if inline.unclosed:
+                    raise ModelError(unclosed_thoughts(self.name))
             if not (finished or done[0]):
                 kind = _content_type(stream)
                 if not chunks and kind and "event-stream" not in kind:

@@ -253,6 +253,43 @@ async def test_llm_profile_runs_the_real_llm_cli_offline(tmp_path):
     assert (tmp_path / "logs.db").exists()  # llm used the temp user dir
 
 
+THINKER = """
+import sys, time
+for part in sys.argv[1:]:  # each argument: one write, as a model's tokens come
+    sys.stdout.write(part.replace("\\\\n", "\\n"))
+    sys.stdout.flush()
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("inline", [True, False])
+async def test_a_text_programs_inline_thoughts_are_thinking_chunks_not_the_reply(tmp_path, inline):
+    """A plain-text CLI model (``llm`` profile: `llm` with a local reasoning model prints the
+    thoughts into its text): a real program writing "<think>...</think>" in pieces cut inside
+    the tags; with ``inlineThinking: false`` the text stays the reply as it was written."""
+    parts = ["<thi", "nk>\\nI will ", "greet them.</th", "ink>\\n\\n", "Hello ", "there."]
+    command = [PY, script(tmp_path, "thinker.py", THINKER), *parts]
+    model = make_model({"provider": "cli", "profile": "llm", "command": command, "promptVia": "stdin",
+                        "inlineThinking": inline}, name="thinker")
+    chunks = await drain(model, REQUEST)
+    thoughts = "".join(c.text for c in chunks if c.type == "thinking")
+    text = "".join(c.text for c in chunks if c.type == "text")
+    if inline:
+        assert (thoughts, text) == ("\nI will greet them.", "Hello there."), chunks
+        kinds = [c.type for c in chunks]
+        assert kinds.index("text") > max(i for i, k in enumerate(kinds) if k == "thinking")
+    else:
+        assert (thoughts, text) == ("", "<think>\nI will greet them.</think>\n\nHello there."), chunks
+    assert chunks[-1].type == "result"
+
+
+async def test_a_program_that_ends_inside_its_thoughts_fails_the_call_saying_so(tmp_path):
+    command = [PY, script(tmp_path, "thinker.py", THINKER), "<think>", "and on and on"]
+    model = make_model({"provider": "cli", "profile": "llm", "command": command, "promptVia": "stdin"}, name="t")
+    with pytest.raises(ModelError, match="ended inside the model's thoughts"):
+        await drain(model, REQUEST)
+
+
 def test_render_prompt_without_history_is_the_instruction():
     assert render_prompt([{"role": "user", "content": "Do it."}]) == "Do it."
 

@@ -710,3 +710,59 @@ def test_amx_in_build_reads_llama_cpp_system_info(monkeypatch):
 
     monkeypatch.setattr(llama_cpp, "llama_print_system_info", broken)
     assert amx_in_build() is False
+
+
+# -- a reasoning model's thoughts written into its text ----------------------------------------
+# A reasoning GGUF run by the embedded model writes "<think>...</think>" and then its reply. The
+# real SmolLM2 in llama.cpp, held to such a reply by a grammar that the test hands to llama.cpp
+# (the provider makes a grammar only for a response schema).
+
+THINK_GBNF = r'root ::= "<think>" [a-z ]{4,40} "</think>" "\n\n" "Hello" [a-z !]{0,10}'
+
+
+@pytest.fixture
+def thinks_first(monkeypatch):
+    """Every local generation is held to THINK_GBNF (or the given grammar)."""
+    from llama_cpp import LlamaGrammar
+
+    from operate_sidecar.server.models.local import _Grammar
+
+    held = {"gbnf": THINK_GBNF}
+    kwargs = LocalModel._kwargs
+
+    def with_grammar(self, request):
+        kw = kwargs(self, request)
+        kw["grammar"] = _Grammar(LlamaGrammar.from_string(held["gbnf"], verbose=False))
+        return kw
+
+    monkeypatch.setattr(LocalModel, "_kwargs", with_grammar)
+    return held
+
+
+async def test_the_embedded_models_inline_thoughts_are_thinking_chunks_not_the_reply(thinks_first):
+    split = make_model({"provider": "local"}, name="local")
+    kept = make_model({"provider": "local", "inlineThinking": False}, name="kept")
+    with anyio.fail_after(120):
+        chunks = [c async for c in split.stream(ask("Say hello", max_tokens=60))]
+        raw = [c async for c in kept.stream(ask("Say hello", max_tokens=60))]
+    kinds = [c.type for c in chunks]
+    thoughts = "".join(c.text for c in chunks if c.type == "thinking")
+    text = "".join(c.text for c in chunks if c.type == "text")
+    assert thoughts.strip() and "<" not in thoughts and ">" not in thoughts, chunks
+    assert text.startswith("Hello") and "think>" not in text, chunks
+    assert kinds.index("text") > max(i for i, k in enumerate(kinds) if k == "thinking") and kinds[-1] == "result"
+    # the usage still counts every generated token, the thoughts' too
+    assert chunks[-1].usage["completion_tokens"] >= len([k for k in kinds if k != "result"])
+    raw_text = "".join(c.text for c in raw if c.type == "text")
+    assert "thinking" not in [c.type for c in raw] and raw_text.startswith("<think>") and "</think>" in raw_text
+
+
+async def test_the_embedded_model_ending_inside_its_thoughts_is_a_model_error_and_stays_usable(thinks_first, local):
+    thinks_first["gbnf"] = r'root ::= "<think>" [a-z ]{40,60} "</think>" "Hello"'
+    with anyio.fail_after(120), pytest.raises(ModelError, match="ended inside the model's thoughts"):
+        async for _ in local.stream(ask("Say hello", max_tokens=6)):
+            pass
+    thinks_first["gbnf"] = THINK_GBNF
+    with anyio.fail_after(120):  # the context was given back: the next call runs
+        chunks = [c async for c in local.stream(ask("Say hello", max_tokens=60))]
+    assert "".join(c.text for c in chunks if c.type == "text").startswith("Hello")

@@ -364,6 +364,80 @@ def test_over_the_wire_a_reasoning_model_is_said_thinking_and_only_its_reply_is_
     assert "Secret plan" not in seen and "politely" not in seen
 
 
+# -- thoughts written into the text ---------------------------------------------------------
+# A reasoning model behind a server that does not parse its thoughts (llama_cpp.server, a plain
+# llama.cpp build) writes them into its text: "<think>...</think>", then the reply. The real
+# llama_cpp.server with SmolLM2, held to such a reply by a grammar (llama_cpp.server's own
+# ``grammar`` request field, sent through the options).
+
+THINK_GRAMMAR = r'root ::= "<think>" [a-z ]{4,40} "</think>" "\n\n" "Hello" [a-z !]{0,10}'
+
+
+async def test_thoughts_a_real_server_streams_in_the_text_are_thinking_chunks_not_the_reply(llama_server):
+    split = openai_model(llama_server.base_url)
+    kept = openai_model(llama_server.base_url, inlineThinking=False)
+    try:
+        with anyio.fail_after(120):
+            chunks = [c async for c in split.stream(ask("Say hello", grammar=THINK_GRAMMAR, max_tokens=60))]
+            raw = [c async for c in kept.stream(ask("Say hello", grammar=THINK_GRAMMAR, max_tokens=60))]
+    finally:
+        await split.aclose()
+        await kept.aclose()
+    kinds = [c.type for c in chunks]
+    thoughts = "".join(c.text for c in chunks if c.type == "thinking")
+    text = "".join(c.text for c in chunks if c.type == "text")
+    assert thoughts.strip() and "<" not in thoughts and ">" not in thoughts, chunks
+    assert text.startswith("Hello") and "think>" not in text, chunks
+    assert kinds.index("text") > max(i for i, k in enumerate(kinds) if k == "thinking") and kinds[-1] == "result"
+    # "inlineThinking": false: the text is the reply, as the server sent it
+    raw_text = "".join(c.text for c in raw if c.type == "text")
+    assert "thinking" not in [c.type for c in raw]
+    assert raw_text.startswith("<think>") and "</think>\n\nHello" in raw_text, raw
+
+
+async def test_a_reply_that_ends_inside_its_thoughts_is_a_model_error_that_says_so(llama_server):
+    model = openai_model(llama_server.base_url)
+    grammar = r'root ::= "<think>" [a-z ]{40,60} "</think>" "Hello"'
+    try:
+        with anyio.fail_after(120), pytest.raises(ModelError) as e:
+            async for _ in model.stream(ask("Say hello", grammar=grammar, max_tokens=6)):
+                pass
+    finally:
+        await model.aclose()
+    assert "ended inside the model's thoughts" in str(e.value) and "maxTokens" in str(e.value)
+
+
+def test_over_the_wire_thoughts_in_a_real_servers_text_are_said_thinking_and_kept_out_of_the_reply(llama_server):
+    """Native protocol, real server over pipes, real llama_cpp.server: the thoughts are one
+    "thinking" report, and neither the streamed deltas, nor the result, nor the branch's
+    recorded reply hold them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from operate_sidecar.clients.python.client import SidecarClient
+
+    repo = Path(__file__).resolve().parents[2]
+    model = {"provider": "openai", "model": "smollm2", "baseUrl": llama_server.base_url}
+    with SidecarClient(argv=[sys.executable, "-m", "operate_sidecar.server"], cwd=str(repo),
+                       stderr=subprocess.DEVNULL) as c:
+        values: list[dict] = []
+        c.on_notification("$/progress", lambda p: values.append(p["value"]))
+        c.request("initialize", {"settings": {"models": {"m": model}, "defaultModel": "m"}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        out = c.request("operate", {"branchId": bid, "instruction": "Say hello", "workDoneToken": "t",
+                                    "modelOptions": {"grammar": THINK_GRAMMAR, "temperature": 0, "maxTokens": 60}},
+                        timeout=120)
+        messages = c.request("branchMessages", {"branchId": bid})["messages"]
+    reports = [v for v in values if v["kind"] == "report"]
+    thinking = [i for i, v in enumerate(reports) if v.get("message") == "thinking"]
+    deltas = [i for i, v in enumerate(reports) if "delta" in v]
+    assert len(thinking) == 1 and deltas and thinking[0] < deltas[0], reports
+    streamed = "".join(reports[i]["delta"] for i in deltas)
+    assert streamed == out["result"] and out["result"].startswith("Hello"), (reports, out)
+    assert "think" not in json.dumps([reports, out, messages]).replace('"thinking"', ""), (reports, messages)
+
+
 # -- what a misbehaving OpenAI-compatible server may send ------------------------------------
 # A loopback server answering with the raw bytes given (tests/openai_stub.py's ``loopback``):
 # the real SDK and provider read them over real HTTP.

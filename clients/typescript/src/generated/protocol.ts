@@ -138,6 +138,7 @@ export interface CliModelConfig {
   promptVia?: 'arg' | 'stdin';
   timeoutS?: number;
   killGraceS?: number;
+  inlineThinking?: boolean;
 }
 /**
  * Unknown capabilities are ignored (clients may announce more than this server knows).
@@ -181,6 +182,7 @@ export interface LocalModelConfig {
     [k: string]: unknown;
   };
   timeoutS?: number;
+  inlineThinking?: boolean;
 }
 /**
  * Any OpenAI-compatible Chat Completions endpoint.
@@ -195,6 +197,7 @@ export interface OpenAIModelConfig {
   options?: {
     [k: string]: unknown;
   };
+  inlineThinking?: boolean;
 }
 /**
  * Deterministic replay: each invocation consumes the next entry (a string is the text).

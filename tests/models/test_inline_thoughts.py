@@ -1,0 +1,73 @@
+"""``InlineThoughts``: a reasoning model's ``<think>...</think>`` written into its text (what a
+server that does not parse them passes on) is split off as thoughts, wherever the deltas cut
+the tags. Over real servers, models and programs: tests/models/test_models_{openai,local,cli}.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from operate_sidecar.server.models._common import InlineThoughts
+
+
+def split(deltas: list[str]) -> tuple[list[tuple[str, str]], bool]:
+    """The pieces of ``deltas`` (neighbours of one kind joined), and whether the thoughts were unclosed."""
+    splitter = InlineThoughts()
+    pieces = [p for d in deltas for p in splitter.feed(d)] + splitter.end()
+    assert all(text for _, text in pieces), pieces  # never an empty piece
+    joined: list[tuple[str, str]] = []
+    for kind, text in pieces:
+        if joined and joined[-1][0] == kind:
+            joined[-1] = (kind, joined[-1][1] + text)
+        else:
+            joined.append((kind, text))
+    return joined, splitter.unclosed
+
+
+def every_cut(text: str):
+    """``text`` as one delta, one delta per character, and every cut into three deltas."""
+    yield [text]
+    yield list(text)
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            yield [text[:i], text[i:j], text[j:]]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("<think>\nThe user greets me. </thin k> not yet </think>\n\nHello!",
+     [("thinking", "\nThe user greets me. </thin k> not yet "), ("text", "Hello!")]),
+    ("\n  <thinking>plan</thinking> {\"a\": 1}", [("thinking", "plan"), ("text", '{"a": 1}')]),
+    ("<think></think>\n\nNo thoughts today.", [("text", "No thoughts today.")]),  # Qwen3 with thinking off
+])
+def test_thoughts_opening_the_reply_are_split_off_wherever_the_deltas_cut_the_tags(text, expected):
+    for deltas in every_cut(text):
+        assert split(deltas) == (expected, False), deltas
+
+
+@pytest.mark.parametrize("text", [
+    "Hello <think>not at the start</think>",
+    "  indented reply",
+    "<thi",                              # ended while it could still have been a tag
+    "<thought>other tag</thought>",
+    "   ",
+    "</think> a closing tag only",
+])
+def test_any_other_reply_passes_as_it_is(text):
+    for deltas in every_cut(text):
+        assert split(deltas) == ([("text", text)], False), deltas
+
+
+def test_a_reply_that_ends_inside_its_thoughts_is_unclosed():
+    for deltas in every_cut("<think>still thinking </thi"):
+        assert split(deltas) == ([("thinking", "still thinking </thi")], True), deltas
+
+
+def test_only_a_possible_tag_is_held_back():
+    """Thoughts and the reply stream as they come: a delta waits only while it may be a tag."""
+    splitter = InlineThoughts()
+    assert splitter.feed("  <thi") == []
+    assert splitter.feed("nk>Let me see") == [("thinking", "Let me see")]
+    assert splitter.feed(" more </th") == [("thinking", " more ")]
+    assert splitter.feed("ink>\n") == []
+    assert splitter.feed("\nAnswer") == [("text", "Answer")]
+    assert splitter.feed(" <think>") == [("text", " <think>")]
+    assert splitter.end() == [] and not splitter.unclosed
