@@ -117,6 +117,7 @@ class ClientCapabilities:
     tool_permission: bool | None = None
     client_tools: bool | None = None
     fs: bool | None = None  # serves fs/readTextFile and fs/writeTextFile: builtin file tools use them
+    thoughts: bool | None = None  # shows a reasoning model's thoughts: their text comes in $/progress reports
 
 
 @wire

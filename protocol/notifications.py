@@ -20,11 +20,13 @@ class WorkDoneProgressBegin:
 
 @wire
 class WorkDoneProgressReport:
-    """``delta`` carries streamed model text, in order."""
+    """``delta`` carries streamed model text, in order; ``thought``, a reasoning model's thoughts
+    (message ``thinking``), only to a client that announced ``capabilities.thoughts``."""
     kind: Literal["report"] = "report"
     message: str
     phase: ProgressPhase
     delta: str | None = None
+    thought: str | None = None
 
 
 @wire

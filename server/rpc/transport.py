@@ -70,7 +70,7 @@ _EOF: dict = {"$eof": True}
 _INIT_KEYS = frozenset({"protocolVersion", "clientInfo", "processId", "capabilities", "workspaceFolders",
                         "settings"})
 #: the capabilities this server knows (booleans); others a client announces are ignored
-_CAPABILITY_KEYS = frozenset({"toolPermission", "clientTools", "fs"})
+_CAPABILITY_KEYS = frozenset({"toolPermission", "clientTools", "fs", "thoughts"})
 
 
 def _json_default(o: Any) -> Any:

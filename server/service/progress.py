@@ -16,7 +16,8 @@ whole and in order. With no secret registered nothing waits.
 A reasoning model's thoughts (:meth:`WireProgress.think`) are not the reply: each stretch of them
 is one ``report`` with the message ``thinking`` (phase ``stream``, no ``delta``), so a client can
 say the model is thinking; their text goes, redacted the same way, only to a port that shows
-thoughts (``thought``, see ``server.service.port``)."""
+thoughts (``thought``, see ``server.service.port``) or, for a native client that announced
+``capabilities.thoughts``, in the reports after it (``thinking`` with a ``thought``)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class WireProgress:
                  "_thought", "_thinking")
 
     def __init__(self, notify: Any, token: Any, default_begin: str = "communicate",
-                 thought: Any = None) -> None:
+                 thought: Any = None, thoughts_on_wire: bool = False) -> None:
         self._notify = notify
         self.token = token
         self.default_begin = default_begin
@@ -43,7 +44,8 @@ class WireProgress:
         self.ended = False
         self._text = StreamRedactor()   # the streamed text's pending tail (secrets split across deltas)
         self._text_message = "streaming"
-        self._on_thought = thought      # the port's ``thought(token, text)``, or None
+        # the port's ``thought(token, text)``; else, for a native client that shows them, a report each
+        self._on_thought = thought if thought is not None or not thoughts_on_wire else self._thought_report
         self._thought: StreamRedactor | None = None  # the thoughts' pending tail (made at the first)
         self._thinking = False          # a stretch of thoughts is running (its report was sent)
 
@@ -73,6 +75,9 @@ class WireProgress:
             piece = self._thought.feed(text)
             if piece:
                 self._on_thought(self.token, piece)
+
+    def _thought_report(self, _token: Any, text: str) -> None:
+        self._send({"kind": "report", "message": THINKING, "phase": "stream", "thought": text})
 
     def _end_thought(self) -> None:
         """The stretch of thoughts is over: what of them was held back goes to the port."""

@@ -1582,7 +1582,8 @@ class Service:
                 sink = WireProgress(self.rpc.notify, p.work_done_token,
                                     "run_and_collect" if isinstance(prepared["chat_param"], RunParam)
                                     or getattr(prepared["chat_param"].imodel, "is_cli", False) else "communicate",
-                                    getattr(self.rpc, "thought", None))
+                                    getattr(self.rpc, "thought", None),
+                                    bool(self.conn.client_capabilities.get("thoughts")))
             # what forkBranch copies while this operate runs: the messages before it
             self._settled[branch.id] = (len(branch.messages), list(branch.messages) if p.clear_messages else None)
             token = current_progress.set(sink)

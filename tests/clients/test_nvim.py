@@ -1267,20 +1267,30 @@ def test_the_running_turn_says_its_round_after_its_tool_calls_ran(sv):
                                         "_round 2 of up to 8 · reading the reply…_"], _said_why(sv)
 
 
-def test_the_running_turn_says_thinking_while_a_reasoning_model_thinks_and_never_shows_its_thoughts(sv):
-    """A reasoning model's thoughts (a scripted entry's ``thinking``: on the wire one report
-    "thinking" with no text) are said as such in the running turn's status line, between
-    waiting for the model and its writing; their text is nowhere in the chat."""
-    bid = sv.new_branch([{"thinking": "Private chain of thought.", "text": "thought it through", "delayMs": 300}],
-                        "thinkstatus")
+def test_a_reasoning_models_thoughts_are_said_thinking_then_folded_above_its_reply(sv):
+    """A reasoning model's thoughts (a scripted entry's ``thinking``: the client announces
+    ``thoughts``, so their text comes in the "thinking" reports) are said as such in the running
+    turn's status line, between waiting for the model and its writing, and shown above the reply
+    under a headline, folded like a card's details; they are not the reply."""
+    bid = sv.new_branch([{"thinking": "Private chain of thought.\nThen a second line.", "text": "thought it through",
+                          "delayMs": 300}], "thinkstatus")
     _status_lines(sv)
     sv.chat_send("think first")
     out = sv.wait_done()
     lines = sv.chat(bid)
-    assert out["err"] is None and "thought it through" in lines, lines
-    assert not any("Private chain" in ln for ln in lines) and not any(ln.endswith("…_") for ln in lines), lines
+    assert out["err"] is None and out["result"]["result"] == "thought it through", out
+    head = lines.index("_thoughts_")
+    assert lines[head:head + 5] == ["_thoughts_", "  ┊ Private chain of thought.", "  ┊ Then a second line.", "",
+                                    "thought it through"], lines
+    assert sum("Private chain" in ln for ln in lines) == 1 and not any(ln.endswith("…_") for ln in lines), lines
     assert sv.lua("return _G.said") == ["_working…_", "_waiting for the model…_", "_thinking…_", "_writing…_",
                                         "_reading the reply…_"], _said_why(sv)
+    # folded in the chat window (both lines in one fold), the headline is not
+    win = sv.lua("return require('operate_sidecar.chat').window()")
+    closed = sv.lua("local w, a, b, c = ...; return vim.api.nvim_win_call(w, function() "
+                    "return {vim.fn.foldclosed(a), vim.fn.foldclosed(b), vim.fn.foldclosedend(c)} end)",
+                    win, head + 1, head + 2, head + 3)
+    assert closed == [-1, head + 2, head + 3], closed
 
 
 def test_a_rebuilt_chat_shows_a_turn_of_several_rounds_as_one_turn(sv):

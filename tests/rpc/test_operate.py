@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from .support import ANSWER_SCHEMA, TIMEOUT, RpcError, scripted
 
 
@@ -181,6 +183,33 @@ def test_progress_notifications_precede_the_response_in_order(sidecar):
     assert all(v["kind"] == "report" and v["phase"] in ("request", "stream", "parse", "actions") for v in reports)
     assert "".join(v.get("delta", "") for v in reports if v["phase"] == "stream") == "streamed reply text"
     assert len([v for v in reports if "delta" in v]) == 4
+
+
+def test_a_client_that_shows_thoughts_gets_their_text_redacted_in_thinking_reports(spawn):
+    """``capabilities.thoughts``: after the stretch's "thinking" report, the thoughts' text comes
+    in "thinking" reports with ``thought``, before the reply's deltas, a secret in them masked;
+    a client that did not announce it gets the one report and no text."""
+    key = "think-SECRET-0123456789"
+    entry = {"thinking": f"Plan: use {key} quietly.", "text": "Done.", "chunks": 2}
+    seen = {}
+    for shows in (True, False):
+        c = spawn(env={"THINK_TOKEN": key})
+        c.init(models={"s": scripted(entry)}, secretEnv=["THINK_TOKEN"],
+               capabilities={"thoughts": True} if shows else None)
+        bid = c.branch()
+        out = op(c, bid, instruction="x", workDoneToken="t")
+        assert out["result"] == "Done."
+        reports = [p["value"] for p in c.of("$/progress") if p["value"]["kind"] == "report"]
+        seen[shows] = reports
+        thinking = [i for i, v in enumerate(reports) if v["message"] == "thinking"]
+        first_delta = min(i for i, v in enumerate(reports) if "delta" in v)
+        assert thinking and max(thinking) < first_delta, reports
+        assert reports[thinking[0]] == {"kind": "report", "message": "thinking", "phase": "stream"}
+        assert "".join(reports[i]["delta"] for i in range(len(reports)) if "delta" in reports[i]) == "Done."
+        assert key not in json.dumps(reports) and key not in json.dumps(c.messages(bid))
+    thoughts = "".join(v.get("thought", "") for v in seen[True])
+    assert thoughts == "Plan: use [REDACTED] quietly.", seen[True]
+    assert all("thought" not in v for v in seen[False]) and len(seen[False]) < len(seen[True])
 
 
 def test_progress_for_a_cli_model_says_run_and_collect_and_no_progress_without_token(sidecar):

@@ -46,6 +46,8 @@ const APP_OLD = "def greet(name):\n    return 'hello ' + name\n";
 const APP_NEW = "def greet(name):\n    return 'HELLO ' + name.upper() + '!'\n";
 const UTIL_OLD = 'def add(a, b):\n    return a + b\n';
 const scripted = (...responses) => ({ provider: 'scripted', responses });
+/** The thoughts of the first reply (shown open while they stream, then folded as "Thought"). */
+const THOUGHT = 'The user wants the plan for app.py: read it first, then make greet shout.';
 /** How long the repair reply of the `mender` model waits: the running turn's status is read meanwhile. */
 const REPAIR_DELAY_MS = 2000;
 const FORMAT_TURN = 'Answer in the format';
@@ -95,7 +97,8 @@ async function main() {
     'operateSidecar.settings': {
       models: {
         chatty: drip(path.join(W, 'drip-state'), [
-          'Here is the **plan**:\n\n1. read `src/app.py`\n2. make `greet` shout\n\n```python\nprint(greet("you"))\n```\n\nThat is all it takes.',
+          // a reasoning model that writes its thoughts into its text (the server takes them apart: inlineThinking)
+          '<think>' + THOUGHT + '</think>\n\nHere is the **plan**:\n\n1. read `src/app.py`\n2. make `greet` shout\n\n```python\nprint(greet("you"))\n```\n\nThat is all it takes.',
           edit('I will make `greet` shout.', 'src/app.py', "return 'hello ' + name", "return 'HELLO ' + name.upper() + '!'"),
           { json: { answer: 'Done: `greet` shouts now.' } },   // round 2 (the tool ran); the default maxRounds is 4
           edit('And `add` could subtract.', 'src/util.py', 'return a + b', 'return a - b'),
@@ -286,9 +289,12 @@ async function main() {
     }
   });
 
-  await check('type a prompt with #file: the prose streams in, renders as Markdown with code-block buttons, branch named after it; for screen readers the input has a label and a polite live region says "working…", what the turn does ("writing…") and "Turn finished.", each once, not each piece', async () => {
-    await inWeb(`window.__seen = []; new MutationObserver(() => { const ps = document.querySelectorAll('section.turn .prose'); const p = ps[ps.length - 1];
-      if (p) window.__seen.push(p.textContent.length); }).observe(document.getElementById('log'), { childList: true, subtree: true, characterData: true }); true`);
+  await check('type a prompt with #file: the model\'s thoughts show open ("Thinking…") while they stream, then fold ("Thought"), never in the reply; the prose streams in, renders as Markdown with code-block buttons, branch named after it; for screen readers the input has a label and a polite live region says "working…", what the turn does ("writing…") and "Turn finished.", each once, not each piece', async () => {
+    await inWeb(`window.__seen = []; window.__thinking = []; new MutationObserver(() => { const ps = document.querySelectorAll('section.turn .prose'); const p = ps[ps.length - 1];
+      if (p) window.__seen.push(p.textContent.length);
+      const th = document.querySelector('section.turn:last-child details.thought[open]');
+      if (th) window.__thinking.push(th.querySelector('summary').textContent + '|' + th.querySelector('.thought-text').textContent.trim().length);
+    }).observe(document.getElementById('log'), { childList: true, subtree: true, characterData: true }); true`);
     // what the live region says: each change of its text (a screen reader reads each one)
     await inWeb(`window.__said = []; const st = document.getElementById('status'); new MutationObserver(() => window.__said.push(st.textContent))
       .observe(st, { childList: true, subtree: true, characterData: true }); true`);
@@ -298,7 +304,13 @@ async function main() {
     const seen = await inWeb('window.__seen');
     const distinct = [...new Set(seen)];
     expect(distinct.length >= 3 && distinct[distinct.length - 1] === Math.max(...distinct), `the prose grew in steps: ${JSON.stringify(distinct)}`);
+    const thinking = [...new Set(await inWeb('window.__thinking'))];
+    expect(thinking.length >= 1 && thinking.every((x) => x.startsWith('Thinking…|')), `the thoughts showed open while they streamed: ${JSON.stringify(thinking)}`);
+    const folded = await lastTurn(`[...t.querySelectorAll('details.thought')].map((d) => ({ open: d.open, summary: d.querySelector('summary').textContent,
+      text: d.querySelector('.thought-text').textContent.trim(), beforeProse: !!(d.compareDocumentPosition(t.querySelector('.prose')) & Node.DOCUMENT_POSITION_FOLLOWING) }))`);
+    expect(JSON.stringify(folded) === JSON.stringify([{ open: false, summary: 'Thought', text: THOUGHT, beforeProse: true }]), `folded, whole, before the reply: ${JSON.stringify(folded)}`);
     const prose = await lastTurn(`t.querySelector('.prose').innerHTML`);
+    expect(!prose.includes('think') && !prose.includes('greet shout'), `no thought in the reply: ${prose}`);
     expect(prose.includes('<strong>plan</strong>') && prose.includes('<ol>') && prose.includes('<code>src/app.py</code>'), `Markdown rendered: ${prose}`);
     expect(await lastTurn(`t.querySelectorAll('.code-block button[data-action=copy]').length === 1 && t.querySelectorAll('.code-block button[data-action=insert]').length === 1`), 'copy and insert buttons on the code block');
     expect(await lastTurn(`[...t.querySelectorAll('.chip')].map((c) => c.textContent).join()`) === 'src/app.py', 'the #file reference is shown as a chip');
@@ -309,12 +321,12 @@ async function main() {
     expect(a11y.label && a11y.label !== a11y.placeholder && a11y.role === 'status' && a11y.live === 'polite', `the input's label, the live region: ${JSON.stringify(a11y)}`);
     // the changes of state only: the start, the turn's status while it held (a status that passed within the live region's
     // settle time, e.g. the model called or the reply read, may go unsaid), the end; each once, never a streamed piece
-    const states = new Set(['working…', 'waiting for the model…', 'writing…', 'reading the reply…', 'Turn finished.']);
+    const states = new Set(['working…', 'waiting for the model…', 'thinking…', 'writing…', 'reading the reply…', 'Turn finished.']);
     const said = a11y.said;
     expect(said[0] === 'working…' && said.at(-1) === 'Turn finished.' && said.includes('writing…') && said.every((x) => states.has(x))
       && said.every((x, i) => i === 0 || x !== said[i - 1]) && new Set(said).size === said.length,
       `the live region said the state changes only: ${JSON.stringify(said)}`);
-    return { proseLengths: distinct.length, said };
+    return { proseLengths: distinct.length, said, thinking };
   });
   await shot('chat', await chatClip());
 

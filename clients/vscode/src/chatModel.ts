@@ -13,7 +13,12 @@ export interface ToolCard {
   /** A pending permission request: shows Accept / Reject / Always (a diff review when `diff`). */
   ask?: { diff: boolean; path?: string };
 }
-export type TurnItem = { kind: 'prose'; text: string } | { kind: 'tool'; card: ToolCard };
+/**
+ * `thought`: a stretch of a reasoning model's thoughts (the `thought`s of its `thinking` reports, sent
+ * to a client that announces `capabilities.thoughts`); `live` while it streams. Never on the branch:
+ * the chat keeps them for the turns it ran (see keepThoughts).
+ */
+export type TurnItem = { kind: 'prose'; text: string } | { kind: 'tool'; card: ToolCard } | { kind: 'thought'; text: string; live?: boolean };
 export interface Turn {
   user: string;
   /** Short labels of the context sent with the instruction (file and line range, #problems...). */
@@ -514,7 +519,7 @@ const THINKING_MESSAGE = 'thinking';
 export const WORKING = 'working…';
 
 /** The progress after one `$/progress` value (a new object; `begin` and `end` change nothing). */
-export function progressAfter(p: TurnProgress, v: { kind: string; phase?: string; message?: string; delta?: string }): TurnProgress {
+export function progressAfter(p: TurnProgress, v: { kind: string; phase?: string; message?: string; delta?: string; thought?: string }): TurnProgress {
   if (v.kind !== 'report') return p;
   const next: TurnProgress = { round: p.round, ...(p.maxRounds !== undefined && { maxRounds: p.maxRounds }) };
   if (p.toolsRan) next.toolsRan = true;
@@ -553,6 +558,59 @@ export function statusText(p: TurnProgress | undefined): string {
   }[p.phase];
   if (p.round < 2) return what;
   return `round ${p.round}${p.maxRounds && p.maxRounds > 1 ? ` of up to ${p.maxRounds}` : ''} · ${what}`;
+}
+
+// ---- a reasoning model's thoughts ---------------------------------------------------------------
+/** A piece of the model's thoughts: added to the stretch that streams, else the start of a new one (last in the turn). */
+export function addThought(items: TurnItem[], text: string): void {
+  const last = items[items.length - 1];
+  if (last?.kind === 'thought' && last.live) last.text += text;
+  else items.push({ kind: 'thought', text, live: true });
+}
+
+/** The stretch of thoughts that streams has ended (the reply or a tool call came); whether there was one. */
+export function endThought(items: TurnItem[]): boolean {
+  const last = items[items.length - 1];
+  if (last?.kind !== 'thought' || !last.live) return false;
+  delete last.live;
+  return true;
+}
+
+/**
+ * The thoughts of a turn as it ran (`shown`), where they came: before the first, second... of its
+ * other items, as a list of (that index, the thought). Empty when it had none.
+ */
+export function thoughtsOf(shown: TurnItem[]): { at: number; text: string }[] {
+  const out: { at: number; text: string }[] = [];
+  let at = 0;
+  for (const it of shown) {
+    if (it.kind === 'thought') { if (it.text.trim()) out.push({ at, text: it.text }); } else at++;
+  }
+  return out;
+}
+
+/**
+ * The turn read back from the branch (`t`, which holds no thoughts) with the thoughts it showed while
+ * it ran (thoughtsOf), each before the item it came before (after the last one, when the branch holds
+ * fewer). A new items list; `t` itself is changed.
+ */
+export function keepThoughts(t: Turn, thoughts: { at: number; text: string }[]): Turn {
+  if (!thoughts.length) return t;
+  const items: TurnItem[] = [];
+  let next = 0;
+  t.items.forEach((it, i) => {
+    while (next < thoughts.length && thoughts[next].at <= i) items.push({ kind: 'thought', text: thoughts[next++].text });
+    items.push(it);
+  });
+  while (next < thoughts.length) items.push({ kind: 'thought', text: thoughts[next++].text });
+  t.items = items;
+  return t;
+}
+
+/** A stretch of thoughts: open, *Thinking…*, while it streams; then folded, *Thought*, to be opened. */
+export function thoughtHtml(text: string, live?: boolean): string {
+  return `<details class="thought"${live ? ' open' : ''}><summary>${live ? 'Thinking…' : 'Thought'}</summary>`
+    + `<div class="thought-text">${renderMarkdown(text)}</div></details>`;
 }
 
 // ---- HTML -------------------------------------------------------------------------------------
@@ -630,8 +688,8 @@ export function cardHtml(card: ToolCard, mod: KeyMod = 'Ctrl'): string {
 
 export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
   const chips = t.contextLabels.map((l) => `<span class="chip${l.startsWith('#') ? ' missing' : ''}">${escapeHtml(l)}</span>`).join('');
-  const items = t.items.map((it) => (it.kind === 'prose'
-    ? `<div class="prose">${renderMarkdown(it.text)}</div>` : cardHtml(it.card, mod))).join('');
+  const items = t.items.map((it) => (it.kind === 'prose' ? `<div class="prose">${renderMarkdown(it.text)}</div>`
+    : it.kind === 'thought' ? thoughtHtml(it.text, it.live && t.running) : cardHtml(it.card, mod))).join('');
   // a call waiting for the user's decision: the turn says so (not what it was doing before: running tools)
   const waiting = t.items.some((it) => it.kind === 'tool' && !!it.card.ask);
   const running = !t.running ? '' : waiting

@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  cardOfToolEvent, cardTitle, conversationParts, KeyMod, LocalTurn, nameFrom, progressAfter, proseOf, refusesField, renderMarkdown, resolveLocalTurns,
+  addThought, cardOfToolEvent, cardTitle, conversationParts, endThought, keepThoughts, thoughtsOf, KeyMod, LocalTurn, nameFrom, progressAfter, proseOf, refusesField, renderMarkdown, resolveLocalTurns,
   retryContext, statusText, ToolCard, Turn, TurnProgress, turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
@@ -25,6 +25,8 @@ const FINISH_MS = 10_000;
 const PAGE = 1000;
 /** At most one render of the streaming prose per this many ms. */
 const STREAM_MS = 50;
+/** Turns whose thoughts a chat keeps (see ChatView.thoughts). */
+const KEPT_THOUGHTS = 200;
 
 /** All of a branch's messages (in pages: a long chat has more than one). */
 async function allMessages(client: SidecarClient, branchId: string): Promise<Message[]> {
@@ -92,6 +94,8 @@ interface Live {
   flushed: string;
   lastFlush: number;
   flushTimer?: NodeJS.Timeout;
+  /** The pending redraw of the thoughts that stream (see thought). */
+  thoughtTimer?: NodeJS.Timeout;
 }
 
 export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
@@ -121,6 +125,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private lastProse = '';
   /** Reloads of the branch from the server (for the tests). */
   private loads = 0;
+  /**
+   * The thoughts of the turns this chat ran (they are not on the branch), by `branchId@start`: put
+   * back into those turns whenever the branch is read (until the window reloads). The latest KEPT_THOUGHTS turns.
+   */
+  private readonly thoughts = new Map<string, { at: number; text: string }[]>();
   /** The modifier the user's keyboard names (the webview says it when it starts): the cards' tooltips name it. */
   private keyMod: KeyMod = 'Ctrl';
   /**
@@ -272,6 +281,10 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     if (resolveLocalTurns(this.locals, messages.length)) this.saveLocals();
     this.serverTotal = messages.length;
     this.serverTurns = turnsFromMessages(messages);
+    for (const t of this.serverTurns) {
+      const kept = t.start !== undefined ? this.thoughts.get(`${this.localBranch}@${t.start}`) : undefined;
+      if (kept) keepThoughts(t, kept);
+    }
     this.turns = withLocalTurns(this.serverTurns, this.locals);
   }
 
@@ -286,10 +299,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   }
 
   /** The turns shown (for the tests and other extensions). */
-  shownTurns(): { user: string; outcome?: string; note?: string; error?: string; cards: string[] }[] {
+  shownTurns(): { user: string; outcome?: string; note?: string; error?: string; cards: string[]; thoughts: string[] }[] {
     const turns = this.live ? [...this.turns, this.live.turn] : this.turns;
     return turns.map((t) => ({ user: t.user, ...(t.outcome && { outcome: t.outcome }), ...(t.note && { note: t.note }),
-      ...(t.error && { error: t.error }), cards: t.items.flatMap((i) => (i.kind === 'tool' ? [cardTitle(i.card)] : [])) }));
+      ...(t.error && { error: t.error }), cards: t.items.flatMap((i) => (i.kind === 'tool' ? [cardTitle(i.card)] : [])),
+      thoughts: t.items.flatMap((i) => (i.kind === 'thought' ? [i.text] : [])) }));
   }
 
   async reveal(): Promise<void> {
@@ -404,6 +418,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         token: source.token,
         onProgress: (v) => {
           if (v.kind === 'report' && v.delta !== undefined) this.delta(v.delta);
+          if (v.kind === 'report' && typeof v.thought === 'string') this.thought(v.thought);
           this.progressed(v);
         },
       });
@@ -444,11 +459,24 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private delta(d: string): void {
     const live = this.live;
     if (!live) return;
+    endThought(live.turn.items);   // the reply begins: the thoughts fold (shown so with the reply's first render)
     live.stream += d;
     this.deltas++;
     if (live.flushTimer) return;
     const wait = Math.max(0, live.lastFlush + STREAM_MS - Date.now());
     live.flushTimer = setTimeout(() => { live.flushTimer = undefined; if (this.live === live) this.flush(); }, wait);
+  }
+
+  /**
+   * A piece of a reasoning model's thoughts: shown, open, in the running turn as they stream (redrawn at
+   * most once per STREAM_MS), folded once its reply or a tool call comes.
+   */
+  private thought(text: string): void {
+    const live = this.live;
+    if (!live || !text) return;
+    addThought(live.turn.items, text);
+    if (live.thoughtTimer) return;
+    live.thoughtTimer = setTimeout(() => { live.thoughtTimer = undefined; if (this.live === live) this.render(); }, STREAM_MS);
   }
 
   /** Shows the streamed prose now (pending pieces of the running turn). */
@@ -478,6 +506,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const live = this.live;
     if (!live || e.branchId !== live.branchId) return;
     this.flush();
+    endThought(live.turn.items);
     live.stream = '';
     live.flushed = '';
     live.proseIdx = -1;
@@ -507,6 +536,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const t = live.turn;
     t.running = false;
     delete t.status;
+    if (live.thoughtTimer) { clearTimeout(live.thoughtTimer); live.thoughtTimer = undefined; }
+    endThought(t.items);
+    const thoughts = thoughtsOf(t.items);
     if (note) { t.note = note; t.outcome = 'stopped'; }
     if (error) { t.error = error; t.outcome = 'failed'; }
     for (const it of t.items) {   // calls the turn never saw finish
@@ -526,9 +558,14 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       }
       const recorded = !live.sent ? false : messages ? messages.length > live.at : undefined;
       const own = recorded ? this.serverTurns.find((x) => x.start === live.at && x.user === t.user) : undefined;
-      if (own) {   // the server's record of this turn, with what only the client knows (usage, rounds)
+      if (own) {   // the server's record of this turn, with what only the client knows (usage, rounds, thoughts)
         if (u) own.usage = u;
         else if (own.usage && result?.rounds) own.usage.rounds = result.rounds;
+        if (thoughts.length) {
+          keepThoughts(own, thoughts);
+          this.thoughts.set(`${live.branchId}@${live.at}`, thoughts);
+          if (this.thoughts.size > KEPT_THOUGHTS) this.thoughts.delete(this.thoughts.keys().next().value!);
+        }
       }
       // kept here unless the server's record of it is complete (a turn that ended well, read back)
       if (t.outcome || !own) {

@@ -359,7 +359,7 @@ class Sidecar {
       this.initResult = await Promise.race([abort, client.initialize({
         clientInfo: { name: 'vscode', version: vscode.version },
         processId: process.pid,
-        capabilities: { toolPermission: true, clientTools: false, fs: true },
+        capabilities: { toolPermission: true, clientTools: false, fs: true, thoughts: true },
         workspaceFolders: folders,
         settings,
       }, { timeoutMs: timeoutS * 1000 })]);

@@ -15,6 +15,8 @@ local M = {}
 
 M.PROMPT = '## You  (<CR> send · <C-c> cancel · #buffer #selection #diagnostics)'
 M.CARD = '  │ ' -- prefix of a tool card's folded detail lines
+M.THOUGHT = '  ┊ ' -- prefix of the folded lines of a reasoning model's thoughts
+M.THOUGHTS = '_thoughts_' -- the headline above them
 M.RETRY_HINT = '_R retry · gi edit and resend_' -- under a turn that failed or was stopped
 M.PROMPT_HEIGHT = 3 -- lines of the prompt window (config chat.prompt_height)
 -- the instruction of a turn's every round after the first (fixed by the protocol, §11)
@@ -536,6 +538,14 @@ local function turn_lines(turn)
         util.extend(lines, body)
         lines[#lines + 1] = ''
       end
+    elseif blk.kind == 'thought' then
+      -- a reasoning model's thoughts: a headline, and the text folded under it (zo opens it)
+      lines[#lines + 1] = M.THOUGHTS
+      for _, l in ipairs(util.split_lines((blk.raw:gsub('^%s+', ''):gsub('%s+$', '')))) do
+        lines[#lines + 1] = M.THOUGHT .. l
+        details[#lines] = true
+      end
+      lines[#lines + 1] = ''
     else
       for i, l in ipairs(cached_card_lines(blk.card)) do
         lines[#lines + 1] = l
@@ -1154,6 +1164,9 @@ local function text_block(turn)
   if last and last.kind == 'text' and not last.closed then
     return last
   end
+  if last and last.kind == 'thought' then
+    last.closed = true -- the reply begins: the thoughts are over
+  end
   local blk = { kind = 'text', raw = '' }
   turn.blocks[#turn.blocks + 1] = blk
   return blk
@@ -1165,8 +1178,8 @@ local function card_for(turn, callId, tool)
     card = { callId = callId, tool = tool, status = 'running' }
     turn.cards[callId] = card
     local last = turn.blocks[#turn.blocks]
-    if last and last.kind == 'text' then
-      last.closed = true -- the next streamed text starts below this card
+    if last and (last.kind == 'text' or last.kind == 'thought') then
+      last.closed = true -- the next streamed text (or thoughts) starts below this card
     end
     turn.blocks[#turn.blocks + 1] = { kind = 'card', card = card }
   end
@@ -1414,10 +1427,23 @@ function M.send(chat, text, extra)
       blk.raw = blk.raw .. delta
       render_turn(chat, turn)
     end,
+    on_thought = function(thought)
+      -- a reasoning model's thoughts (never on the branch: the chat keeps them while it shows the turn)
+      local last = turn.blocks[#turn.blocks]
+      if not (last and last.kind == 'thought' and not last.closed) then
+        if last and last.kind == 'text' then
+          last.closed = true -- text after these thoughts starts below them
+        end
+        last = { kind = 'thought', raw = '' }
+        turn.blocks[#turn.blocks + 1] = last
+      end
+      last.raw = last.raw .. thought
+      render_turn(chat, turn)
+    end,
     on_phase = function(phase, _, message)
       if phase == 'request' then
         local last = turn.blocks[#turn.blocks]
-        if last and last.kind == 'text' then
+        if last and (last.kind == 'text' or last.kind == 'thought') then
           last.closed = true -- a new model round
         end
       end

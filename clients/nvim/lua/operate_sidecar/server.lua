@@ -77,8 +77,12 @@ local function on_progress(p)
       hook(run, 'on_delta', v.delta, run)
       event('OperateSidecarDelta')
     end
-    -- a `stream` report "thinking" with no delta: a reasoning model thinks before it writes
-    -- (its thoughts are not on the wire); this client calls that phase `thinking`
+    -- a `stream` report "thinking" with no delta: a reasoning model thinks before it writes (the
+    -- text of its thoughts in more such reports, as `thought`: this client announces `thoughts`);
+    -- this client calls that phase `thinking`
+    if type(v.thought) == 'string' and v.thought ~= '' then
+      hook(run, 'on_thought', v.thought, run)
+    end
     local phase = v.phase
     if phase == 'stream' and v.message == 'thinking' and (is_null(v.delta) or v.delta == '') then
       phase = 'thinking'
@@ -378,7 +382,7 @@ local function start(cb, quiet)
     protocolVersion = 1,
     clientInfo = { name = 'operate-sidecar.nvim', version = M.version },
     processId = vim.fn.getpid(),
-    capabilities = { toolPermission = true, clientTools = true, fs = cfg.fs and true or false },
+    capabilities = { toolPermission = true, clientTools = true, fs = cfg.fs and true or false, thoughts = true },
     workspaceFolders = { vim.fn.getcwd() },
     settings = init_settings(),
   }, function(err, result)
@@ -574,8 +578,9 @@ end
 M.EXIT_WAIT_MS = 5000
 
 --- Run `operate`. params: the operate params (branchId defaults to the current branch; a
---- workDoneToken is added). hooks: {on_start(run), on_delta(delta, run), on_phase(phase, run,
---- message) (a new phase, or a new message of one other than `stream`), on_tool_event(e, run)}.
+--- workDoneToken is added). hooks: {on_start(run), on_delta(delta, run), on_thought(text, run)
+--- (a reasoning model's thoughts), on_phase(phase, run, message) (a new phase, or a new message of
+--- one other than `stream`), on_tool_event(e, run)}.
 --- on_done(err, result, run). One notification tells how it ended (ended by the server's end:
 --- that end's notice, util.exit_notice).
 function M.operate(params, on_done, hooks)

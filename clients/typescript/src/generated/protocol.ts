@@ -147,6 +147,7 @@ export interface ClientCapabilities {
   toolPermission?: boolean;
   clientTools?: boolean;
   fs?: boolean;
+  thoughts?: boolean;
   [k: string]: unknown;
 }
 export interface ClientInfo {
@@ -435,13 +436,14 @@ export interface WorkDoneProgressEnd {
   usage: Usage;
 }
 /**
- * ``delta`` carries streamed model text, in order.
+ * ``delta`` carries streamed model text, in order; ``thought``, a reasoning model's thoughts (message ``thinking``), only to a client that announced ``capabilities.thoughts``.
  */
 export interface WorkDoneProgressReport {
   kind: 'report';
   message: string;
   phase: 'actions' | 'parse' | 'request' | 'stream';
   delta?: string;
+  thought?: string;
 }
 /**
  * ``fs/readTextFile``: ``path`` is absolute and inside a workspace folder.

@@ -7,7 +7,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import {
-  cardHtml, cardOfToolEvent, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
+  addThought, cardHtml, cardOfToolEvent, endThought, keepThoughts, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
   onBranch, progressAfter, refusesField, renderMarkdown, resolveLocalTurns, retryContext, statusText, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn,
   TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns,
 } from '../chatModel';
@@ -158,7 +158,7 @@ test('turns: a further round (the continuation instruction after tools ran) stay
     msg('instruction', { instruction: 'Continue the same task. (typed by the user, no tool before)' }, 7),
   ]);
   assert.equal(turns.length, 2);
-  assert.deepEqual(turns[0].items.map((i) => (i.kind === 'prose' ? i.text : cardTitle(i.card))), ['Fixing.', '✓ edit_file x.py +1 −1', 'Fixed.']);
+  assert.deepEqual(turns[0].items.map((i) => (i.kind === 'tool' ? cardTitle(i.card) : i.text)), ['Fixing.', '✓ edit_file x.py +1 −1', 'Fixed.']);
   assert.deepEqual(turns[0].usage, { inputTokens: 12, outputTokens: 3, modelCalls: 2, rounds: 2 });
   assert.equal(turns[1].user, 'Continue the same task. (typed by the user, no tool before)');
 });
@@ -317,11 +317,13 @@ test('the status line of a running turn says what it does, from its $/progress p
   ], 8), ['waiting for the model…', 'writing…', 'reading the reply…', 'running tools…',
     'round 2 of up to 8 · waiting for the model…', 'round 2 of up to 8 · reading the reply…', `round 2 of up to 8 · ${repair}`, 'round 2 of up to 8 · running tools…',
     'round 3 of up to 8 · waiting for the model…', 'round 3 of up to 8 · writing…']);
-  // a reasoning model: its thoughts are one `stream` report "thinking" with no delta (their text is not on the wire),
-  // then it writes; a delta whose message happens to be "thinking" is writing
-  assert.deepEqual(said([report('request'), report('stream', 'thinking'), report('stream', 'streaming', 'Hi'),
+  // a reasoning model: its thoughts begin with a `stream` report "thinking" with no delta (their text, to a client
+  // that announced `thoughts`, in more such reports with `thought`), then it writes; a delta whose message happens
+  // to be "thinking" is writing
+  const thought = { kind: 'report', phase: 'stream', message: 'thinking', thought: 'hmm' };
+  assert.deepEqual(said([report('request'), report('stream', 'thinking'), thought, report('stream', 'streaming', 'Hi'),
     report('stream', 'thinking'), report('stream', 'thinking', 'x')]),
-  ['waiting for the model…', 'thinking…', 'writing…', 'thinking…', 'writing…']);
+  ['waiting for the model…', 'thinking…', 'thinking…', 'writing…', 'thinking…', 'writing…']);
   // the round limit not known (a server without maxRounds: single rounds): the round alone, never an invented limit
   assert.deepEqual(said([report('request'), report('actions'), report('request')]), ['waiting for the model…', 'running tools…', 'round 2 · waiting for the model…']);
   // a request that follows no tool call is no new round; a phase this client does not know changes nothing
@@ -481,4 +483,38 @@ test('toolEvents of the real server become cards that show the arguments while t
     await client.stop();
     fs.rmSync(ws, { recursive: true, force: true });
   }
+});
+
+test('a reasoning model\'s thoughts: one item per stretch, open while it streams, folded after, kept where they came', () => {
+  const items: Turn['items'] = [];
+  addThought(items, 'The user wants ');
+  addThought(items, 'a **greeting**.');
+  assert.deepEqual(items, [{ kind: 'thought', text: 'The user wants a **greeting**.', live: true }]);
+  const running: Turn = { user: 'hi', contextLabels: [], items, running: true };
+  const open = turnHtml(running, 0);
+  assert.match(open, /<details class="thought" open><summary>Thinking…<\/summary><div class="thought-text"><p>The user wants a <strong>greeting<\/strong>.<\/p>/);
+  // the reply (or a tool call) ends the stretch: folded, "Thought"; the next thoughts are a new stretch
+  assert.equal(endThought(items), true);
+  assert.equal(endThought(items), false);
+  items.push({ kind: 'prose', text: 'Hello!' });
+  addThought(items, 'Now <script>x</script> the tool.');
+  items.push({ kind: 'tool', card: { callId: 'c1', tool: 'read_file', args: { path: 'a.txt' }, state: 'ok' } });
+  endThought(items);
+  const html = turnHtml({ ...running, running: false }, 0);
+  assert.equal((html.match(/<details class="thought">/g) ?? []).length, 2);
+  assert.doesNotMatch(html, /class="thought" open|Thinking…|<script>/);   // folded once the turn ended; raw HTML escaped
+  assert.match(html, /<summary>Thought<\/summary>.*Hello!.*<summary>Thought<\/summary>.*read_file/s);
+  // a stretch still streaming when the turn ends (stopped) shows folded too
+  assert.doesNotMatch(turnHtml({ ...running, running: false, items: [{ kind: 'thought', text: 'x', live: true }] }, 0), / open>/);
+  // read back from the branch (which holds no thoughts), the turn gets them again before the items they came before
+  const kept = thoughtsOf(items);
+  assert.deepEqual(kept, [{ at: 0, text: 'The user wants a **greeting**.' }, { at: 1, text: 'Now <script>x</script> the tool.' }]);
+  const readBack: Turn = { user: 'hi', contextLabels: [], items: [{ kind: 'prose', text: 'Hello!' },
+    { kind: 'tool', card: { callId: 'c1', tool: 'read_file', args: { path: 'a.txt' }, state: 'ok' } }] };
+  assert.deepEqual(keepThoughts(readBack, kept).items.map((i) => i.kind), ['thought', 'prose', 'thought', 'tool']);
+  // fewer items on the branch than shown: the rest go last; no thoughts: the turn as it was
+  const short: Turn = { user: 'hi', contextLabels: [], items: [{ kind: 'prose', text: 'Hello!' }] };
+  assert.deepEqual(keepThoughts(short, kept).items.map((i) => i.kind), ['thought', 'prose', 'thought']);
+  assert.deepEqual(keepThoughts({ user: '', contextLabels: [], items: [] }, []).items, []);
+  assert.equal(thoughtHtml('a', false), '<details class="thought"><summary>Thought</summary><div class="thought-text"><p>a</p>\n</div></details>');
 });
