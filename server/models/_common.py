@@ -96,14 +96,18 @@ class InlineThoughts:
     (``("thinking", text)``) and the rest, its leading white space dropped, as the reply
     (``("text", text)``). Any other reply is passed on as it is, from its first visible
     character on. A tag split across deltas is recognised; only a possible tag is held back.
-    ``unclosed`` is true when the call ended inside the thoughts (no reply followed them)."""
+    ``unclosed`` is true when the call ended inside the thoughts (no reply followed them).
+
+    ``opened``: the closing tag of thoughts the prompt itself opened (a chat template whose
+    generation prompt ends with ``<think>``, as DeepSeek-R1's and QwQ's do): the text is thoughts
+    from its first character, up to that tag."""
 
     __slots__ = ("_state", "_held", "_close", "unclosed")
 
-    def __init__(self) -> None:
-        self._state = _START
+    def __init__(self, opened: str | None = None) -> None:
+        self._state = _THOUGHT if opened else _START
         self._held = ""
-        self._close = ""
+        self._close = opened or ""
         self.unclosed = False
 
     def feed(self, text: str) -> list[tuple[str, str]]:
@@ -152,6 +156,16 @@ class InlineThoughts:
             self.unclosed = True
             return [("thinking", held)] if held else []
         return [("text", held)] if held and self._state == _START else []
+
+
+def opened_thought(prompt: str) -> str | None:
+    """The closing tag of the thoughts a rendered prompt opens (it ends, but for white space,
+    with an opening tag), else None."""
+    tail = prompt.rstrip()
+    for open_tag, close_tag in THOUGHT_TAGS:
+        if tail.endswith(open_tag):
+            return close_tag
+    return None
 
 
 def unclosed_thoughts(name: str) -> str:

@@ -48,7 +48,7 @@ import anyio.to_thread
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import InlineThoughts, bound_schema, field_value, snake_options, unclosed_thoughts
+from ._common import InlineThoughts, bound_schema, field_value, opened_thought, snake_options, unclosed_thoughts
 from .config import FIELDS, MAX_GRAMMAR_REPEAT, check_model_config, default_local_model
 
 log = logging.getLogger(__name__)
@@ -531,6 +531,14 @@ class _TokenCounter:
         self.llama = llama
         self.formatter = _template_formatter(llama)
         self.per_message = MESSAGE_OVERHEAD
+        #: the closing tag of thoughts the template's generation prompt opens (DeepSeek-R1's ends
+        #: with "<think>"): the reply is thoughts from its first token up to that tag
+        self.thought_close: str | None = None
+        if self.formatter is not None:
+            try:
+                self.thought_close = opened_thought(self.formatter(messages=[{"role": "user", "content": "b"}]).prompt)
+            except Exception:  # noqa: BLE001 - an unusual template: its replies are read as they come
+                pass
         if self.formatter is not None:
             one = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
             short = self.exact(one)
@@ -731,7 +739,7 @@ class LocalModel(BaseModelProvider):
         try:
             llama = loaded.llama
 
-            def start() -> Any:  # in the worker: building a grammar from a big schema takes a while
+            def start() -> str | None:  # in the worker: building a grammar from a big schema takes a while
                 kwargs = self._kwargs(request)
                 entry = kwargs.pop("grammar", None)
                 if entry is not None:
@@ -746,19 +754,22 @@ class LocalModel(BaseModelProvider):
                              "(the branch keeps them)", self.name, dropped,
                              len(messages) - 1 - (messages[0]["role"] == "system"), n_ctx)
                 lease.gen = llama.create_chat_completion(messages=sent, stream=True, **kwargs)
+                # thoughts the prompt opens (not for a structured reply: a grammar or JSON mode holds it to JSON)
+                free = request.response_schema is None and self.inline_thinking
+                return loaded.counter.thought_close if free else None
 
             def step() -> Any:
                 return next(lease.gen, _DONE)
 
             try:
-                await loaded.run(lease, start)
+                opened = await loaded.run(lease, start)
             except ModelError:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise ModelError(f"local model failed: {e}") from e
             n_chunks = 0
             finish = None
-            inline = InlineThoughts() if self.inline_thinking else None
+            inline = InlineThoughts(opened) if self.inline_thinking else None
             while True:
                 try:
                     # the steps up to the first text evaluate the prompt: those may be aborted

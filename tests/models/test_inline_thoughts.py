@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from operate_sidecar.server.models._common import InlineThoughts
+from operate_sidecar.server.models._common import InlineThoughts, opened_thought
 
 
-def split(deltas: list[str]) -> tuple[list[tuple[str, str]], bool]:
+def split(deltas: list[str], opened: str | None = None) -> tuple[list[tuple[str, str]], bool]:
     """The pieces of ``deltas`` (neighbours of one kind joined), and whether the thoughts were unclosed."""
-    splitter = InlineThoughts()
+    splitter = InlineThoughts(opened)
     pieces = [p for d in deltas for p in splitter.feed(d)] + splitter.end()
     assert all(text for _, text in pieces), pieces  # never an empty piece
     joined: list[tuple[str, str]] = []
@@ -71,3 +71,29 @@ def test_only_a_possible_tag_is_held_back():
     assert splitter.feed("\nAnswer") == [("text", "Answer")]
     assert splitter.feed(" <think>") == [("text", " <think>")]
     assert splitter.end() == [] and not splitter.unclosed
+
+
+def test_thoughts_the_prompt_opened_run_from_the_first_character_to_the_closing_tag():
+    for deltas in every_cut("Let me see. <think> is not it.</think>\n\nHello"):
+        assert split(deltas, "</think>") == ([("thinking", "Let me see. <think> is not it."), ("text", "Hello")], False)
+    for deltas in every_cut("still thinking"):
+        assert split(deltas, "</think>") == ([("thinking", "still thinking")], True)
+
+
+@pytest.mark.parametrize("template, closing", [
+    # DeepSeek-R1 (and QwQ): the generation prompt opens the thoughts
+    ("{% for m in messages %}<｜User｜>{{ m['content'] }}{% endfor %}"
+     "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}", "</think>"),
+    # Qwen3 with thinking off: an empty thought block, closed in the prompt
+    ("{% for m in messages %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}", None),
+    # ChatML (SmolLM2): nothing opened
+    ("{% for m in messages %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", None),
+])
+def test_the_thoughts_a_chat_template_opens_are_read_from_its_rendered_prompt(template, closing):
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    prompt = Jinja2ChatFormatter(template=template, eos_token="", bos_token="")(
+        messages=[{"role": "user", "content": "b"}]).prompt
+    assert opened_thought(prompt) == closing, prompt

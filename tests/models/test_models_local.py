@@ -766,3 +766,36 @@ async def test_the_embedded_model_ending_inside_its_thoughts_is_a_model_error_an
     with anyio.fail_after(120):  # the context was given back: the next call runs
         chunks = [c async for c in local.stream(ask("Say hello", max_tokens=60))]
     assert "".join(c.text for c in chunks if c.type == "text").startswith("Hello")
+
+
+#: the end of DeepSeek-R1's chat template (QwQ's is alike): its generation prompt opens the thoughts
+R1_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}")
+
+
+async def test_thoughts_the_chat_template_opens_are_thinking_up_to_their_closing_tag(thinks_first, monkeypatch):
+    """A GGUF whose chat template ends its generation prompt with "<think>" (DeepSeek-R1, QwQ):
+    the reply has no opening tag, it is thoughts from its first token up to "</think>". The
+    template is read from the model's real formatter (llama-cpp-python's Jinja2ChatFormatter, here
+    given R1's template); the real SmolLM2 is held to such a reply by a grammar."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from operate_sidecar.server.models import local as local_module
+
+    model = make_model({"provider": "local"}, name="r1")
+    loaded = await model.load()
+    monkeypatch.setattr(loaded, "_counter", None)  # (made again, from the template below)
+    monkeypatch.setattr(local_module, "_template_formatter",
+                        lambda _llama: Jinja2ChatFormatter(template=R1_TEMPLATE, eos_token="", bos_token=""))
+    thinks_first["gbnf"] = r'root ::= [a-z ]{4,40} "</think>" "\n\n" "Hello" [a-z !]{0,10}'
+    with anyio.fail_after(120):
+        chunks = [c async for c in model.stream(ask("Say hello", max_tokens=60))]
+    thoughts = "".join(c.text for c in chunks if c.type == "thinking")
+    text = "".join(c.text for c in chunks if c.type == "text")
+    assert thoughts.strip() and "<" not in thoughts and text.startswith("Hello") and "think" not in text, chunks
+    # a structured reply is held to JSON by a grammar: no thoughts are looked for in it
+    thinks_first["gbnf"] = r'root ::= "{\"a\": \"b\"}"'
+    with anyio.fail_after(120):
+        chunks = [c async for c in model.stream(ModelRequest(messages=[{"role": "user", "content": "json"}],
+                                                             response_schema={"type": "object"}))]
+    assert [c.type for c in chunks[:-1]] == ["text"] * (len(chunks) - 1) and "".join(c.text for c in chunks[:-1]) == '{"a": "b"}'
