@@ -18,7 +18,9 @@ export interface ToolCard {
  * to a client that announces `capabilities.thoughts`); `live` while it streams. Never on the branch:
  * the chat keeps them for the turns it ran (see keepThoughts).
  */
-export type TurnItem = { kind: 'prose'; text: string } | { kind: 'tool'; card: ToolCard } | { kind: 'thought'; text: string; live?: boolean };
+export type TurnItem = { kind: 'prose'; text: string } | { kind: 'tool'; card: ToolCard } | ThoughtItem;
+/** A stretch of thoughts: `started` (ms since the epoch) while it streams, `ms` (how long it took) once it ended. */
+export interface ThoughtItem { kind: 'thought'; text: string; live?: boolean; started?: number; ms?: number }
 export interface Turn {
   user: string;
   /** Short labels of the context sent with the instruction (file and line range, #problems...). */
@@ -562,17 +564,19 @@ export function statusText(p: TurnProgress | undefined): string {
 
 // ---- a reasoning model's thoughts ---------------------------------------------------------------
 /** A piece of the model's thoughts: added to the stretch that streams, else the start of a new one (last in the turn). */
-export function addThought(items: TurnItem[], text: string): void {
+export function addThought(items: TurnItem[], text: string, now = Date.now()): void {
   const last = items[items.length - 1];
   if (last?.kind === 'thought' && last.live) last.text += text;
-  else items.push({ kind: 'thought', text, live: true });
+  else items.push({ kind: 'thought', text, live: true, started: now });
 }
 
-/** The stretch of thoughts that streams has ended (the reply or a tool call came); whether there was one. */
-export function endThought(items: TurnItem[]): boolean {
+/** The stretch of thoughts that streams has ended (the reply or a tool call came): how long it took is kept; whether there was one. */
+export function endThought(items: TurnItem[], now = Date.now()): boolean {
   const last = items[items.length - 1];
   if (last?.kind !== 'thought' || !last.live) return false;
   delete last.live;
+  if (last.started !== undefined) last.ms = Math.max(0, now - last.started);
+  delete last.started;
   return true;
 }
 
@@ -580,36 +584,43 @@ export function endThought(items: TurnItem[]): boolean {
  * The thoughts of a turn as it ran (`shown`), where they came: before the first, second... of its
  * other items, as a list of (that index, the thought). Empty when it had none.
  */
-export function thoughtsOf(shown: TurnItem[]): { at: number; text: string }[] {
-  const out: { at: number; text: string }[] = [];
+export function thoughtsOf(shown: TurnItem[]): KeptThought[] {
+  const out: KeptThought[] = [];
   let at = 0;
   for (const it of shown) {
-    if (it.kind === 'thought') { if (it.text.trim()) out.push({ at, text: it.text }); } else at++;
+    if (it.kind === 'thought') { if (it.text.trim()) out.push({ at, text: it.text, ...(it.ms !== undefined && { ms: it.ms }) }); } else at++;
   }
   return out;
 }
+/** A turn's stretch of thoughts kept by the chat (see thoughtsOf): before its `at`-th other item. */
+export interface KeptThought { at: number; text: string; ms?: number }
 
 /**
  * The turn read back from the branch (`t`, which holds no thoughts) with the thoughts it showed while
  * it ran (thoughtsOf), each before the item it came before (after the last one, when the branch holds
  * fewer). A new items list; `t` itself is changed.
  */
-export function keepThoughts(t: Turn, thoughts: { at: number; text: string }[]): Turn {
+export function keepThoughts(t: Turn, thoughts: KeptThought[]): Turn {
   if (!thoughts.length) return t;
   const items: TurnItem[] = [];
+  const item = (k: KeptThought): ThoughtItem => ({ kind: 'thought', text: k.text, ...(k.ms !== undefined && { ms: k.ms }) });
   let next = 0;
   t.items.forEach((it, i) => {
-    while (next < thoughts.length && thoughts[next].at <= i) items.push({ kind: 'thought', text: thoughts[next++].text });
+    while (next < thoughts.length && thoughts[next].at <= i) items.push(item(thoughts[next++]));
     items.push(it);
   });
-  while (next < thoughts.length) items.push({ kind: 'thought', text: thoughts[next++].text });
+  while (next < thoughts.length) items.push(item(thoughts[next++]));
   t.items = items;
   return t;
 }
 
-/** A stretch of thoughts: open, *Thinking…*, while it streams; then folded, *Thought*, to be opened. */
-export function thoughtHtml(text: string, live?: boolean): string {
-  return `<details class="thought"${live ? ' open' : ''}><summary>${live ? 'Thinking…' : 'Thought'}</summary>`
+/**
+ * A stretch of thoughts: open, *Thinking…*, while it streams; then folded, to be opened: *Thought for 12 s*
+ * (*Thought* when that took under a second or is not known).
+ */
+export function thoughtHtml(text: string, live?: boolean, ms?: number): string {
+  const summary = live ? 'Thinking…' : ms !== undefined && ms >= 1000 ? `Thought for ${Math.round(ms / 1000)} s` : 'Thought';
+  return `<details class="thought"${live ? ' open' : ''}><summary>${summary}</summary>`
     + `<div class="thought-text">${renderMarkdown(text)}</div></details>`;
 }
 
@@ -689,7 +700,7 @@ export function cardHtml(card: ToolCard, mod: KeyMod = 'Ctrl'): string {
 export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
   const chips = t.contextLabels.map((l) => `<span class="chip${l.startsWith('#') ? ' missing' : ''}">${escapeHtml(l)}</span>`).join('');
   const items = t.items.map((it) => (it.kind === 'prose' ? `<div class="prose">${renderMarkdown(it.text)}</div>`
-    : it.kind === 'thought' ? thoughtHtml(it.text, it.live && t.running) : cardHtml(it.card, mod))).join('');
+    : it.kind === 'thought' ? thoughtHtml(it.text, it.live && t.running, it.ms) : cardHtml(it.card, mod))).join('');
   // a call waiting for the user's decision: the turn says so (not what it was doing before: running tools)
   const waiting = t.items.some((it) => it.kind === 'tool' && !!it.card.ask);
   const running = !t.running ? '' : waiting

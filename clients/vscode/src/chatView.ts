@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  addThought, cardOfToolEvent, cardTitle, conversationParts, endThought, keepThoughts, thoughtsOf, KeyMod, LocalTurn, nameFrom, progressAfter, proseOf, refusesField, renderMarkdown, resolveLocalTurns,
+  addThought, cardOfToolEvent, KeptThought, cardTitle, conversationParts, endThought, keepThoughts, thoughtsOf, KeyMod, LocalTurn, nameFrom, progressAfter, proseOf, refusesField, renderMarkdown, resolveLocalTurns,
   retryContext, statusText, ToolCard, Turn, TurnProgress, turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
@@ -129,7 +129,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
    * The thoughts of the turns this chat ran (they are not on the branch), by `branchId@start`: put
    * back into those turns whenever the branch is read (until the window reloads). The latest KEPT_THOUGHTS turns.
    */
-  private readonly thoughts = new Map<string, { at: number; text: string }[]>();
+  private readonly thoughts = new Map<string, KeptThought[]>();
   /** The modifier the user's keyboard names (the webview says it when it starts): the cards' tooltips name it. */
   private keyMod: KeyMod = 'Ctrl';
   /**

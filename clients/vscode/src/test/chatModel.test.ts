@@ -487,14 +487,14 @@ test('toolEvents of the real server become cards that show the arguments while t
 
 test('a reasoning model\'s thoughts: one item per stretch, open while it streams, folded after, kept where they came', () => {
   const items: Turn['items'] = [];
-  addThought(items, 'The user wants ');
-  addThought(items, 'a **greeting**.');
-  assert.deepEqual(items, [{ kind: 'thought', text: 'The user wants a **greeting**.', live: true }]);
+  addThought(items, 'The user wants ', 1000);
+  addThought(items, 'a **greeting**.', 1500);
+  assert.deepEqual(items, [{ kind: 'thought', text: 'The user wants a **greeting**.', live: true, started: 1000 }]);
   const running: Turn = { user: 'hi', contextLabels: [], items, running: true };
   const open = turnHtml(running, 0);
   assert.match(open, /<details class="thought" open><summary>Thinking…<\/summary><div class="thought-text"><p>The user wants a <strong>greeting<\/strong>.<\/p>/);
   // the reply (or a tool call) ends the stretch: folded, "Thought"; the next thoughts are a new stretch
-  assert.equal(endThought(items), true);
+  assert.equal(endThought(items, 13_400), true);   // how long it took: "Thought for 12 s"
   assert.equal(endThought(items), false);
   items.push({ kind: 'prose', text: 'Hello!' });
   addThought(items, 'Now <script>x</script> the tool.');
@@ -503,15 +503,18 @@ test('a reasoning model\'s thoughts: one item per stretch, open while it streams
   const html = turnHtml({ ...running, running: false }, 0);
   assert.equal((html.match(/<details class="thought">/g) ?? []).length, 2);
   assert.doesNotMatch(html, /class="thought" open|Thinking…|<script>/);   // folded once the turn ended; raw HTML escaped
-  assert.match(html, /<summary>Thought<\/summary>.*Hello!.*<summary>Thought<\/summary>.*read_file/s);
+  assert.match(html, /<summary>Thought for 12 s<\/summary>.*Hello!.*<summary>Thought<\/summary>.*read_file/s);   // (the second: under a second)
   // a stretch still streaming when the turn ends (stopped) shows folded too
   assert.doesNotMatch(turnHtml({ ...running, running: false, items: [{ kind: 'thought', text: 'x', live: true }] }, 0), / open>/);
   // read back from the branch (which holds no thoughts), the turn gets them again before the items they came before
   const kept = thoughtsOf(items);
-  assert.deepEqual(kept, [{ at: 0, text: 'The user wants a **greeting**.' }, { at: 1, text: 'Now <script>x</script> the tool.' }]);
+  assert.equal(kept.length, 2);
+  assert.deepEqual(kept[0], { at: 0, text: 'The user wants a **greeting**.', ms: 12_400 });
+  assert.deepEqual([kept[1].at, kept[1].text], [1, 'Now <script>x</script> the tool.']);
   const readBack: Turn = { user: 'hi', contextLabels: [], items: [{ kind: 'prose', text: 'Hello!' },
     { kind: 'tool', card: { callId: 'c1', tool: 'read_file', args: { path: 'a.txt' }, state: 'ok' } }] };
   assert.deepEqual(keepThoughts(readBack, kept).items.map((i) => i.kind), ['thought', 'prose', 'thought', 'tool']);
+  assert.match(turnHtml(readBack, 0), /<summary>Thought for 12 s<\/summary>/);   // read back, it still says how long
   // fewer items on the branch than shown: the rest go last; no thoughts: the turn as it was
   const short: Turn = { user: 'hi', contextLabels: [], items: [{ kind: 'prose', text: 'Hello!' }] };
   assert.deepEqual(keepThoughts(short, kept).items.map((i) => i.kind), ['thought', 'prose', 'thought']);
