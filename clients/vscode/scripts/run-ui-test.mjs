@@ -292,8 +292,8 @@ async function main() {
   await check('type a prompt with #file: the model\'s thoughts show open ("Thinking…") while they stream, then fold ("Thought"), never in the reply; the prose streams in, renders as Markdown with code-block buttons, branch named after it; for screen readers the input has a label and a polite live region says "working…", what the turn does ("writing…") and "Turn finished.", each once, not each piece', async () => {
     await inWeb(`window.__seen = []; window.__thinking = []; new MutationObserver(() => { const ps = document.querySelectorAll('section.turn .prose'); const p = ps[ps.length - 1];
       if (p) window.__seen.push(p.textContent.length);
-      const th = document.querySelector('section.turn:last-child details.thought[open]');
-      if (th) window.__thinking.push(th.querySelector('summary').textContent + '|' + th.querySelector('.thought-text').textContent.trim().length);
+      const th = document.querySelector('section.turn:last-child .thought.live');
+      if (th) window.__thinking.push(th.querySelector('.thought-head').textContent + '|' + th.querySelector('.thought-text').textContent.trim().length);
     }).observe(document.getElementById('log'), { childList: true, subtree: true, characterData: true }); true`);
     // what the live region says: each change of its text (a screen reader reads each one)
     await inWeb(`window.__said = []; const st = document.getElementById('status'); new MutationObserver(() => window.__said.push(st.textContent))

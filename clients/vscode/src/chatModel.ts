@@ -615,13 +615,17 @@ export function keepThoughts(t: Turn, thoughts: KeptThought[]): Turn {
 }
 
 /**
- * A stretch of thoughts: open, *Thinking…*, while it streams; then folded, to be opened: *Thought for 12 s*
- * (*Thought* when that took under a second or is not known).
+ * A stretch of thoughts. While it streams: shown under *Thinking…*, its newest lines in view (a block that
+ * does not fold: redrawn as it grows, a fold would open again under the user's click). Then folded, to be
+ * opened: *Thought for 12 s* (*Thought* when that took under a second or is not known).
  */
 export function thoughtHtml(text: string, live?: boolean, ms?: number): string {
-  const summary = live ? 'Thinking…' : ms !== undefined && ms >= 1000 ? `Thought for ${Math.round(ms / 1000)} s` : 'Thought';
-  return `<details class="thought"${live ? ' open' : ''}><summary>${summary}</summary>`
-    + `<div class="thought-text">${renderMarkdown(text)}</div></details>`;
+  if (live) {
+    return `<div class="thought live"><div class="thought-head">Thinking…</div>`
+      + `<div class="thought-text"><div>${renderMarkdown(text)}</div></div></div>`;
+  }
+  const summary = ms !== undefined && ms >= 1000 ? `Thought for ${Math.round(ms / 1000)} s` : 'Thought';
+  return `<details class="thought"><summary>${summary}</summary><div class="thought-text">${renderMarkdown(text)}</div></details>`;
 }
 
 // ---- HTML -------------------------------------------------------------------------------------

@@ -492,7 +492,8 @@ test('a reasoning model\'s thoughts: one item per stretch, open while it streams
   assert.deepEqual(items, [{ kind: 'thought', text: 'The user wants a **greeting**.', live: true, started: 1000 }]);
   const running: Turn = { user: 'hi', contextLabels: [], items, running: true };
   const open = turnHtml(running, 0);
-  assert.match(open, /<details class="thought" open><summary>Thinking…<\/summary><div class="thought-text"><p>The user wants a <strong>greeting<\/strong>.<\/p>/);
+  assert.match(open, /<div class="thought live"><div class="thought-head">Thinking…<\/div><div class="thought-text"><div><p>The user wants a <strong>greeting<\/strong>.<\/p>/);
+  assert.doesNotMatch(open, /<details class="thought"/);   // (no fold while it streams)
   // the reply (or a tool call) ends the stretch: folded, "Thought"; the next thoughts are a new stretch
   assert.equal(endThought(items, 13_400), true);   // how long it took: "Thought for 12 s"
   assert.equal(endThought(items), false);
@@ -502,10 +503,10 @@ test('a reasoning model\'s thoughts: one item per stretch, open while it streams
   endThought(items);
   const html = turnHtml({ ...running, running: false }, 0);
   assert.equal((html.match(/<details class="thought">/g) ?? []).length, 2);
-  assert.doesNotMatch(html, /class="thought" open|Thinking…|<script>/);   // folded once the turn ended; raw HTML escaped
+  assert.doesNotMatch(html, /thought live|Thinking…|<script>/);   // folded once the turn ended; raw HTML escaped
   assert.match(html, /<summary>Thought for 12 s<\/summary>.*Hello!.*<summary>Thought<\/summary>.*read_file/s);   // (the second: under a second)
   // a stretch still streaming when the turn ends (stopped) shows folded too
-  assert.doesNotMatch(turnHtml({ ...running, running: false, items: [{ kind: 'thought', text: 'x', live: true }] }, 0), / open>/);
+  assert.doesNotMatch(turnHtml({ ...running, running: false, items: [{ kind: 'thought', text: 'x', live: true }] }, 0), /thought live/);
   // read back from the branch (which holds no thoughts), the turn gets them again before the items they came before
   const kept = thoughtsOf(items);
   assert.equal(kept.length, 2);
