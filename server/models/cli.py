@@ -41,7 +41,15 @@ import anyio
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import MAX_REPLY_CHARS, InlineThoughts, field_value, loads_json_safe, redact, render_prompt, unclosed_thoughts
+from ._common import (
+    MAX_REPLY_CHARS,
+    InlineThoughts,
+    field_value,
+    loads_json_safe,
+    redact,
+    render_prompt,
+    unclosed_thoughts,
+)
 from .config import CLI_PROFILES, FIELDS, check_model_config
 
 log = logging.getLogger(__name__)

@@ -539,7 +539,6 @@ class _TokenCounter:
                 self.thought_close = opened_thought(self.formatter(messages=[{"role": "user", "content": "b"}]).prompt)
             except Exception:  # noqa: BLE001 - an unusual template: its replies are read as they come
                 pass
-        if self.formatter is not None:
             one = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
             short = self.exact(one)
             longer = self.exact([*one, {"role": "assistant", "content": "c"}, {"role": "user", "content": "b"}])
