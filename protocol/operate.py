@@ -94,10 +94,14 @@ class OperateParams:
     model_options: JsonObject | None = None
     work_done_token: Id | None = None
     max_rounds: int | None = None  # None = 1; N > 1: another round after each round in which a tool ran
+    # None = off; N >= 1: the rounds stop after N in a row that each made the same calls, all failing the same way
+    repeat_limit: int | None = None
 
     def __wire_check__(self) -> None:
         if self.max_rounds is not None and self.max_rounds < 1:
             raise ParamsError("maxRounds must be an integer of at least 1", path=("maxRounds",))
+        if self.repeat_limit is not None and self.repeat_limit < 1:
+            raise ParamsError("repeatLimit must be an integer of at least 1", path=("repeatLimit",))
         for key in self.model_options or ():
             if key in REMOVED_MODEL_OPTIONS:
                 raise ParamsError(
@@ -120,12 +124,13 @@ class Usage:
 class OperateResult:
     """``model`` is the class name when ``kind`` is ``model``, else null. ``rounds``: how many
     rounds ran (1 unless ``maxRounds`` > 1); ``result`` is the last round's. ``usage`` and ``rounds``
-    are always sent."""
+    are always sent; ``repeated`` (true) only when ``repeatLimit`` stopped the rounds."""
     result: JsonValue
     kind: ResultKind
     model: str | None
     usage: Usage
     rounds: int
+    repeated: bool | None = None
 
 
 @wire

@@ -1509,9 +1509,10 @@ class Service:
         """``info`` (not on the wire): merged into the branch's info once the operate has run,
         and saved in the same transaction as its messages (e.g. ACP's title and update time).
         A branch deleted while the operate runs ends it (``deleteBranch`` cancels its task):
-        it answers -32012, unless it was cancelled as well (-32800). ``repeat_limit`` (not on the
-        wire): the rounds also stop after that many rounds in a row of the same failed calls
-        (``service.rounds``), and the result then has ``repeated: true``."""
+        it answers -32012, unless it was cancelled as well (-32800). ``repeat_limit`` (the ACP
+        front end's; on the native wire the params' ``repeatLimit``): the rounds also stop after
+        that many rounds in a row of the same failed calls (``service.rounds``), and the result
+        then has ``repeated: true``."""
         me = asyncio.current_task()
         try:
             out = await self._operate(params, info, repeat_limit)
@@ -1592,7 +1593,7 @@ class Service:
             scope = self._enter_tools_scope(branch.id)
             try:
                 result, rounds, repeated = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate,
-                                                             repeat_limit=repeat_limit)
+                                                             repeat_limit=repeat_limit or p.repeat_limit or 0)
             except asyncio.CancelledError:
                 self._end_if_deleted(me, branch.id, sink, meter)
                 if sink is not None:
@@ -1648,7 +1649,7 @@ class Service:
         out = envelope(result)
         out["usage"] = meter.to_wire()
         out["rounds"] = rounds
-        if repeated:  # (not on the native wire: only a caller that passed repeat_limit gets it)
+        if repeated:  # (only for a caller that asked for the stop: repeatLimit, or the ACP front end)
             out["repeated"] = True
         return out
 
@@ -1702,7 +1703,7 @@ _AS_IS: tuple[str, ...] | None = None
 CONVERTED = frozenset({"instruct", "instruction", "guidance", "context", "chat_model", "parse_model",
                        "response_format", "field_models", "parse_options"})
 #: ... and those it uses itself
-CONSUMED = frozenset({"branch_id", "model_options", "work_done_token", "max_rounds"})
+CONSUMED = frozenset({"branch_id", "model_options", "work_done_token", "max_rounds", "repeat_limit"})
 
 
 @functools.cache

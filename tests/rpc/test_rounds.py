@@ -76,12 +76,38 @@ def test_a_tool_that_ran_and_failed_gives_the_model_another_round(sidecar):
 
 
 def test_the_native_wire_runs_every_round_of_the_same_failing_call(sidecar):
-    # the loop guard (service.rounds repeat_limit) is the ACP front end's: the native wire's
-    # rule stays "until a round runs no tool or maxRounds rounds are done"
+    # without repeatLimit the rule stays "until a round runs no tool or maxRounds rounds are done"
     bid = start(sidecar, FAIL, FAIL, FAIL, FAIL, FAIL, DONE)
     out = operate(sidecar, bid, maxRounds=5)
     assert out["rounds"] == 5 and "repeated" not in out
     assert [e["event"] for e in sidecar.of("toolEvent")] == ["pre", "error"] * 5
+
+
+def test_repeat_limit_stops_the_rounds_after_that_many_of_the_same_failing_calls(sidecar):
+    """``repeatLimit`` N: the rounds stop after N rounds in a row that each made the same calls
+    and got the same error from all of them (the model would be shown the same results again);
+    the result says so (``repeated``) and holds the last round."""
+    bid = start(sidecar, FAIL, FAIL, FAIL, FAIL, FAIL, DONE)
+    out = operate(sidecar, bid, maxRounds=5, repeatLimit=3)
+    assert out["rounds"] == 3 and out["repeated"] is True
+    assert [e["event"] for e in sidecar.of("toolEvent")] == ["pre", "error"] * 3
+    assert out["result"]["action_responses"][0]["output"]["error"] == "tool exploded"
+    assert len(instructions(sidecar, bid)) == 3  # three rounds recorded, no fourth
+
+
+def test_repeat_limit_counts_the_same_failure_in_a_row_only(sidecar):
+    # a round whose call succeeded (or differed) starts the count again; a loop that ends by
+    # itself never says repeated
+    bid = start(sidecar, FAIL, FAIL, ECHO, FAIL, FAIL, DONE)
+    out = operate(sidecar, bid, maxRounds=8, repeatLimit=3)
+    assert out["rounds"] == 6 and "repeated" not in out
+
+
+def test_repeat_limit_must_be_a_positive_integer(sidecar):
+    bid = start(sidecar, "x")
+    for bad in (0, -1, 1.5, "2", True):
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "q", "maxRounds": 3, "repeatLimit": bad})
+        assert err.code == -32602 and "repeatLimit" in err.message, bad
 
 
 def test_one_progress_begin_and_end_span_all_rounds(sidecar):

@@ -394,6 +394,7 @@ export interface OperateParams {
   };
   workDoneToken?: number | string;
   maxRounds?: number;
+  repeatLimit?: number;
 }
 /**
  * Structured-parse retry settings (the pipeline's D1 defaults, docs/PIPELINE.md).
@@ -406,7 +407,7 @@ export interface ParseOptions {
   throttlePeriod?: number;
 }
 /**
- * ``model`` is the class name when ``kind`` is ``model``, else null. ``rounds``: how many rounds ran (1 unless ``maxRounds`` > 1); ``result`` is the last round's. ``usage`` and ``rounds`` are always sent.
+ * ``model`` is the class name when ``kind`` is ``model``, else null. ``rounds``: how many rounds ran (1 unless ``maxRounds`` > 1); ``result`` is the last round's. ``usage`` and ``rounds`` are always sent; ``repeated`` (true) only when ``repeatLimit`` stopped the rounds.
  */
 export interface OperateResult {
   result: unknown;
@@ -414,6 +415,7 @@ export interface OperateResult {
   model: string | null;
   usage: Usage;
   rounds: number;
+  repeated?: boolean;
 }
 /**
  * ``$/progress`` for an operate that carried ``workDoneToken``.
