@@ -1293,6 +1293,23 @@ def test_a_reasoning_models_thoughts_are_said_thinking_then_folded_above_its_rep
     assert closed == [-1, head + 2, head + 3], closed
 
 
+def test_a_model_stuck_on_the_same_failing_call_is_stopped_after_three_rounds_and_the_turn_says_why(sv):
+    """The chat sends repeatLimit 3: a model that makes the same failing call round after round
+    (a small model was seen doing so for all 8 rounds) ends its turn after 3, with a note naming
+    the call, its error and what to do; the model is not called a fourth time."""
+    stuck = call("read_file", path="nope.txt")
+    bid = sv.new_branch([stuck, stuck, stuck, stuck, "never reached"], "stuck")
+    sv.chat_send("keep failing")
+    out = sv.wait_done()
+    assert out["err"] is None and out["result"]["rounds"] == 3 and out["result"]["repeated"] is True, out
+    lines = sv.chat(bid)
+    note = [ln for ln in lines if ln.startswith("_Stopped:")]
+    assert len(note) == 1 and re.fullmatch(
+        r"_Stopped: the model made the same failing tool call \(read_file: [^)]*nope\.txt[^)]*\) 3 rounds in a row, "
+        r"so another round would not help\. Rephrase the request, or choose another model\._", note[0]), lines
+    assert sum(ln.startswith("✗ read_file nope.txt") for ln in lines) == 3 and "never reached" not in lines, lines
+
+
 def test_a_rebuilt_chat_shows_a_turn_of_several_rounds_as_one_turn(sv):
     """A chat rebuilt from the branch showed the server's instruction of each further round as a
     message of yours ('## You: Continue the same task. The results of the tools ...')."""

@@ -111,6 +111,9 @@ async function main() {
         // two rounds per turn (read_file is read-only: allowed without asking), for two turns
         rounds: scripted(readNotes('Reading the notes.'), { text: 'Read them.' }, readNotes('Reading again.'), { text: 'Read them again.' }),
         twice: scripted('Noted.', 'Noted again.'),
+        // a model stuck on a call that fails the same way each round (the chat's repeat stop ends the turn after 3)
+        stuck: scripted(...[1, 2, 3, 4].map(() => ({ json: { answer: 'Looking.', action_requests: [{ function: 'read_file', arguments: { path: 'nope.txt' } }] } })),
+          'never reached'),
         twice2: scripted('Noted.', 'Noted again.'),
         // one reply, two edits of one file, the second editing the first's text (reviewed one after the other)
         twoEdits: scripted({ json: { answer: 'Two edits.', action_requests: [

@@ -562,6 +562,21 @@ export function statusText(p: TurnProgress | undefined): string {
   return `round ${p.round}${p.maxRounds && p.maxRounds > 1 ? ` of up to ${p.maxRounds}` : ''} · ${what}`;
 }
 
+/**
+ * The note under a turn whose rounds the server stopped because the model kept making the same failing
+ * calls (`repeated`): which call and its error (the last round's first), and what to do.
+ */
+export function repeatNote(result: { result?: unknown; repeated?: boolean | null }, limit = 3): string {
+  const r = result.result && typeof result.result === 'object' && !Array.isArray(result.result) ? result.result as Record<string, Json> : {};
+  const responses = Array.isArray(r.action_responses) ? r.action_responses : [];
+  const first = responses[0] && typeof responses[0] === 'object' && !Array.isArray(responses[0]) ? responses[0] as Record<string, Json> : {};
+  const out = first.output && typeof first.output === 'object' && !Array.isArray(first.output) ? first.output as Record<string, Json> : {};
+  const error = typeof out.error === 'string' ? out.error.split('\n')[0].slice(0, 200).replace(/\.$/, '') : '';
+  const what = error && typeof first.function === 'string' ? ` (${first.function}: ${error})` : '';
+  return `Stopped: the model made the same failing tool call${responses.length > 1 ? 's' : ''}${what} ${limit} rounds in a row, `
+    + 'so another round would not help. Rephrase the request, or choose another model.';
+}
+
 // ---- a reasoning model's thoughts ---------------------------------------------------------------
 /** A piece of the model's thoughts: added to the stretch that streams, else the start of a new one (last in the turn). */
 export function addThought(items: TurnItem[], text: string, now = Date.now()): void {

@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  addThought, cardOfToolEvent, KeptThought, cardTitle, conversationParts, endThought, keepThoughts, thoughtsOf, KeyMod, LocalTurn, nameFrom, progressAfter, proseOf, refusesField, renderMarkdown, resolveLocalTurns,
+  addThought, cardOfToolEvent, KeptThought, repeatNote, cardTitle, conversationParts, endThought, keepThoughts, thoughtsOf, KeyMod, LocalTurn, nameFrom, progressAfter, proseOf, refusesField, renderMarkdown, resolveLocalTurns,
   retryContext, statusText, ToolCard, Turn, TurnProgress, turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
@@ -25,6 +25,8 @@ const FINISH_MS = 10_000;
 const PAGE = 1000;
 /** At most one render of the streaming prose per this many ms. */
 const STREAM_MS = 50;
+/** A turn's rounds stop after this many in a row that made the same calls, all failing the same way (the server's repeatLimit). */
+const REPEAT_LIMIT = 3;
 /** Turns whose thoughts a chat keeps (see ChatView.thoughts). */
 const KEPT_THOUGHTS = 200;
 
@@ -113,6 +115,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private localBranch = '';
   private live: Live | undefined;
   private supportsMaxRounds = true;
+  private supportsRepeatLimit = true;
   private readonly pendingAsks = new Map<string, { resolve: (d: PermissionDecision) => void; card: ToolCard }>();
   /** Requests of calls that waited when their turn was stopped: shown as stopped, answered once the server withdraws them or the turn ends (see stop). */
   private readonly unanswered = new Map<string, () => void>();
@@ -126,10 +129,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   /** Reloads of the branch from the server (for the tests). */
   private loads = 0;
   /**
-   * The thoughts of the turns this chat ran (they are not on the branch), by `branchId@start`: put
-   * back into those turns whenever the branch is read (until the window reloads). The latest KEPT_THOUGHTS turns.
+   * What the branch does not hold of the turns this chat ran, by `branchId@start`: their thoughts, and the note
+   * of a turn whose rounds the repeat stop ended; put back into those turns whenever the branch is read (until
+   * the window reloads). The latest KEPT_THOUGHTS turns.
    */
-  private readonly thoughts = new Map<string, KeptThought[]>();
+  private readonly kept = new Map<string, { thoughts: KeptThought[]; note?: string }>();
   /** The modifier the user's keyboard names (the webview says it when it starts): the cards' tooltips name it. */
   private keyMod: KeyMod = 'Ctrl';
   /**
@@ -282,8 +286,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.serverTotal = messages.length;
     this.serverTurns = turnsFromMessages(messages);
     for (const t of this.serverTurns) {
-      const kept = t.start !== undefined ? this.thoughts.get(`${this.localBranch}@${t.start}`) : undefined;
-      if (kept) keepThoughts(t, kept);
+      const kept = t.start !== undefined ? this.kept.get(`${this.localBranch}@${t.start}`) : undefined;
+      if (kept) keepThoughts(t, kept.thoughts);
+      if (kept?.note) t.note = kept.note;
     }
     this.turns = withLocalTurns(this.serverTurns, this.locals);
   }
@@ -424,12 +429,18 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       });
     };
     if (this.supportsMaxRounds && maxRounds > 1) {
+      // (the rounds stop after REPEAT_LIMIT rounds in a row of the same failing calls: the model is stuck)
+      const repeat = this.supportsRepeatLimit ? { repeatLimit: REPEAT_LIMIT } : {};
       try {
-        return await go({ ...params, maxRounds });
+        return await go({ ...params, maxRounds, ...repeat });
       } catch (e) {
-        // a server without rounds refuses the field as unknown, before any model call: run single
-        // rounds (until the next server start). Any other -32602 (a bad value) is the error it is.
-        if (!(e instanceof ResponseError && refusesField(e, 'maxRounds'))) throw e;
+        // a server without rounds (or without their repeat stop) refuses the field as unknown, before any model
+        // call: run without it (until the next server start). Any other -32602 (a bad value) is the error it is.
+        const noRounds = e instanceof ResponseError && refusesField(e, 'maxRounds');
+        const noRepeat = e instanceof ResponseError && refusesField(e, 'repeatLimit');
+        if (!noRounds && !noRepeat) throw e;
+        if (noRepeat) { this.host.line('[chat] the server has no repeatLimit: rounds without the repeat stop'); this.supportsRepeatLimit = false; }
+        if (!noRounds) return go({ ...params, maxRounds });
         this.host.line('[chat] the server has no maxRounds: single rounds');
         this.supportsMaxRounds = false;
       }
@@ -561,10 +572,12 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       if (own) {   // the server's record of this turn, with what only the client knows (usage, rounds, thoughts)
         if (u) own.usage = u;
         else if (own.usage && result?.rounds) own.usage.rounds = result.rounds;
-        if (thoughts.length) {
+        const note = result?.repeated ? repeatNote(result) : undefined;
+        if (thoughts.length || note) {
           keepThoughts(own, thoughts);
-          this.thoughts.set(`${live.branchId}@${live.at}`, thoughts);
-          if (this.thoughts.size > KEPT_THOUGHTS) this.thoughts.delete(this.thoughts.keys().next().value!);
+          if (note) own.note = note;
+          this.kept.set(`${live.branchId}@${live.at}`, { thoughts, ...(note && { note }) });
+          if (this.kept.size > KEPT_THOUGHTS) this.kept.delete(this.kept.keys().next().value!);
         }
       }
       // kept here unless the server's record of it is complete (a turn that ended well, read back)
@@ -587,7 +600,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   }
 
   /** A new server process answered initialize: forget what the previous one did not support. */
-  serverStarted(): void { this.supportsMaxRounds = true; }
+  serverStarted(): void { this.supportsMaxRounds = true; this.supportsRepeatLimit = true; }
 
   /** Stops the running turn; `why`: its note when the extension stops it (a restart), not the user. */
   stop(why?: string): boolean {

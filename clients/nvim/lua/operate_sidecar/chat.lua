@@ -18,6 +18,7 @@ M.CARD = '  │ ' -- prefix of a tool card's folded detail lines
 M.THOUGHT = '  ┊ ' -- prefix of the folded lines of a reasoning model's thoughts
 M.THOUGHTS = '_thoughts_' -- the headline above them
 M.RETRY_HINT = '_R retry · gi edit and resend_' -- under a turn that failed or was stopped
+M.REPEAT_LIMIT = 3 -- a turn's rounds stop after this many in a row of the same calls all failing the same way
 M.PROMPT_HEIGHT = 3 -- lines of the prompt window (config chat.prompt_height)
 -- the instruction of a turn's every round after the first (fixed by the protocol, §11)
 M.CONTINUATION = 'Continue the same task. The results of the tools you called are above. If the task needs '
@@ -383,6 +384,23 @@ local function card_lines(card)
   return lines
 end
 
+--- The note under a turn whose rounds the server stopped because the model kept making the same
+--- failing calls (`repeated`): which call and its error (the last round's first), and what to do.
+function M.repeat_note(result)
+  local r = type(result.result) == 'table' and result.result or {}
+  local responses = type(r.action_responses) == 'table' and r.action_responses or {}
+  local first = type(responses[1]) == 'table' and responses[1] or {}
+  local out = type(first.output) == 'table' and first.output or {}
+  local what = ''
+  if type(out.error) == 'string' and type(first['function']) == 'string' then
+    local err = vim.split(out.error, '\n', { plain = true })[1]:sub(1, 200):gsub('%.$', '')
+    what = (' (%s: %s)'):format(first['function'], err)
+  end
+  return ('Stopped: the model made the same failing tool call%s%s %d rounds in a row, so another round would '
+    .. 'not help. Rephrase the request, or choose another model.'):format(#responses > 1 and 's' or '', what,
+    M.REPEAT_LIMIT)
+end
+
 -- ---------------------------------------------------------------- what a running turn does
 
 -- A running turn's `$/progress` reports, as far as they tell what it does (turn.activity): the
@@ -567,6 +585,10 @@ local function turn_lines(turn)
   elseif turn.status == 'error' then
     lines[#lines + 1] = '**error:** ' .. tostring(turn.error):gsub('\n', ' ')
     lines[#lines + 1] = M.RETRY_HINT
+    lines[#lines + 1] = ''
+  end
+  if turn.note then
+    lines[#lines + 1] = '_' .. turn.note .. '_'
     lines[#lines + 1] = ''
   end
   local u = turn.status ~= 'running' and usage_line(turn)
@@ -1398,6 +1420,8 @@ function M.send(chat, text, extra)
     params.actions = true
     params.tools = true
     params.maxRounds = config.values.chat.max_rounds or nil
+    -- (the rounds stop after REPEAT_LIMIT in a row of the same failing calls: the model is stuck)
+    params.repeatLimit = M.REPEAT_LIMIT
   end
   if model then
     params.chatModel = model
@@ -1472,6 +1496,7 @@ function M.send(chat, text, extra)
     else
       turn.status = 'done'
       turn.rounds = type(result) == 'table' and tonumber(result.rounds) or nil
+      turn.note = type(result) == 'table' and result.repeated == true and M.repeat_note(result) or nil
       local final = M.result_lines(result)
       -- the last round's streamed text is the reply the result holds: show it once, as prose
       local last

@@ -1022,6 +1022,32 @@ export async function run(): Promise<void> {
       }
     });
 
+    await check('a model stuck on the same failing call: the chat\'s rounds stop after 3 in a row (repeatLimit), the turn\'s note says which call failed and what to do, also when the chat is shown again', async () => {
+      const before = api!.currentBranch();
+      const rounds = cfg().inspect('maxRounds')?.workspaceValue;
+      try {
+        await within(cfg().update('maxRounds', 8, vscode.ConfigurationTarget.Workspace), 'maxRounds 8');
+        await exec('operateSidecar.pickModel', { model: 'stuck' });
+        await exec('operateSidecar.newChat');
+        const o: any = await exec('operateSidecar.chat', { text: 'Read nope.txt' });
+        expect(o && !o.error && !o.cancelled && o.result?.rounds === 3 && o.result?.repeated === true, `stopped after 3 rounds: ${JSON.stringify(o)}`);
+        const note = () => api!.chatTurns().at(-1)?.note ?? '';
+        const want = /^Stopped: the model made the same failing tool call \(read_file: .*nope\.txt.*\) 3 rounds in a row, so another round would not help\. Rephrase the request, or choose another model\.$/;
+        expect(want.test(note()), `the turn's note: ${JSON.stringify(api!.chatTurns().at(-1))}`);
+        // shown again (another chat, then this one: read back from the branch, which holds no note)
+        if (before) await exec('operateSidecar.pickBranch', { branchId: before });
+        const loads = api!.chatStats().loads;
+        await exec('operateSidecar.pickBranch', { branchId: o.branchId });
+        await until(() => api!.currentBranch() === o.branchId && api!.chatStats().loads > loads, 'the stuck chat read again');
+        expect(api!.chatTurns().length === 1, `one turn: ${JSON.stringify(api!.chatTurns())}`);
+        expect(want.test(note()), `the note after the chat was shown again: ${JSON.stringify(api!.chatTurns())}`);
+      } finally {
+        await within(cfg().update('maxRounds', rounds, vscode.ConfigurationTarget.Workspace), 'restore maxRounds');
+        await exec('operateSidecar.pickModel', { model: 'chat' });
+        if (before) await exec('operateSidecar.pickBranch', { branchId: before });
+      }
+    });
+
     await check('operateSidecar.command given as a string: one clear error naming the setting (not a Node error); fixing it recovers', async () => {
       const good = cfg().get<string[]>('command')!;
       const n0 = api!.notices().length;

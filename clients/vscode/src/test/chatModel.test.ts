@@ -7,7 +7,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import {
-  addThought, cardHtml, cardOfToolEvent, endThought, keepThoughts, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
+  addThought, cardHtml, cardOfToolEvent, endThought, keepThoughts, repeatNote, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
   onBranch, progressAfter, refusesField, renderMarkdown, resolveLocalTurns, retryContext, statusText, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn,
   TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns,
 } from '../chatModel';
@@ -521,4 +521,12 @@ test('a reasoning model\'s thoughts: one item per stretch, open while it streams
   assert.deepEqual(keepThoughts(short, kept).items.map((i) => i.kind), ['thought', 'prose', 'thought']);
   assert.deepEqual(keepThoughts({ user: '', contextLabels: [], items: [] }, []).items, []);
   assert.equal(thoughtHtml('a', false), '<details class="thought"><summary>Thought</summary><div class="thought-text"><p>a</p>\n</div></details>');
+});
+
+test('the note of a turn the repeat stop ended names the failing call and its error, and what to do', () => {
+  const failed = (fn: string, error: string) => ({ function: fn, arguments: {}, output: { error } });
+  assert.equal(repeatNote({ repeated: true, result: { answer: 'Looking.', action_responses: [failed('read_file', "'nope.txt' does not exist.\nmore")] } }),
+    "Stopped: the model made the same failing tool call (read_file: 'nope.txt' does not exist) 3 rounds in a row, so another round would not help. Rephrase the request, or choose another model.");
+  assert.match(repeatNote({ result: { action_responses: [failed('a', 'x'), failed('b', 'y')] } }, 5), /^Stopped: the model made the same failing tool calls \(a: x\) 5 rounds in a row/);
+  assert.match(repeatNote({ result: 'text' }), /^Stopped: the model made the same failing tool call 3 rounds in a row/);   // nothing to name
 });
