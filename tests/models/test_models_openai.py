@@ -383,12 +383,9 @@ async def test_thoughts_a_real_server_streams_in_the_text_are_thinking_chunks_no
     finally:
         await split.aclose()
         await kept.aclose()
-    kinds = [c.type for c in chunks]
-    thoughts = "".join(c.text for c in chunks if c.type == "thinking")
-    text = "".join(c.text for c in chunks if c.type == "text")
-    assert thoughts.strip() and "<" not in thoughts and ">" not in thoughts, chunks
-    assert text.startswith("Hello") and "think>" not in text, chunks
-    assert kinds.index("text") > max(i for i, k in enumerate(kinds) if k == "thinking") and kinds[-1] == "result"
+    from thought_checks import assert_thoughts_then_reply
+
+    assert_thoughts_then_reply(chunks)
     # "inlineThinking": false: the text is the reply, as the server sent it
     raw_text = "".join(c.text for c in raw if c.type == "text")
     assert "thinking" not in [c.type for c in raw]
