@@ -4,8 +4,9 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  addThought, cardOfToolEvent, KeptThought, repeatNote, cardTitle, conversationParts, endThought, keepThoughts, thoughtsOf, KeyMod, LocalTurn, nameFrom, progressAfter, proseOf, refusesField, renderMarkdown, resolveLocalTurns,
-  retryContext, statusText, ToolCard, Turn, TurnProgress, turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
+  addThought, cardOfToolEvent, cardTitle, conversationParts, endThought, KeptThought, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
+  proseOf, refusesField, renderMarkdown, repeatNote, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
+  turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, resolveInput } from './context';
 import { DiffReview, previewOf } from './diffReview';
@@ -27,8 +28,8 @@ const PAGE = 1000;
 const STREAM_MS = 50;
 /** A turn's rounds stop after this many in a row that made the same calls, all failing the same way (the server's repeatLimit). */
 const REPEAT_LIMIT = 3;
-/** Turns whose thoughts a chat keeps (see ChatView.thoughts). */
-const KEPT_THOUGHTS = 200;
+/** Turns whose thoughts and notes a chat keeps (see ChatView.kept). */
+const KEPT_TURNS = 200;
 
 /** All of a branch's messages (in pages: a long chat has more than one). */
 async function allMessages(client: SidecarClient, branchId: string): Promise<Message[]> {
@@ -131,7 +132,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   /**
    * What the branch does not hold of the turns this chat ran, by `branchId@start`: their thoughts, and the note
    * of a turn whose rounds the repeat stop ended; put back into those turns whenever the branch is read (until
-   * the window reloads). The latest KEPT_THOUGHTS turns.
+   * the window reloads). The latest KEPT_TURNS turns.
    */
   private readonly kept = new Map<string, { thoughts: KeptThought[]; note?: string }>();
   /** The modifier the user's keyboard names (the webview says it when it starts): the cards' tooltips name it. */
@@ -479,8 +480,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   }
 
   /**
-   * A piece of a reasoning model's thoughts: shown, open, in the running turn as they stream (redrawn at
-   * most once per STREAM_MS), folded once its reply or a tool call comes.
+   * A piece of a reasoning model's thoughts: shown under *Thinking…* in the running turn as they stream
+   * (redrawn at most once per STREAM_MS), folded once its reply or a tool call comes.
    */
   private thought(text: string): void {
     const live = this.live;
@@ -550,6 +551,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     if (live.thoughtTimer) { clearTimeout(live.thoughtTimer); live.thoughtTimer = undefined; }
     endThought(t.items);
     const thoughts = thoughtsOf(t.items);
+    // the server's repeat stop ended its rounds: the turn says why (also when it is kept here, the branch not read back)
+    const repeated = result?.repeated ? repeatNote(result, REPEAT_LIMIT) : undefined;
+    if (repeated) t.note = repeated;
     if (note) { t.note = note; t.outcome = 'stopped'; }
     if (error) { t.error = error; t.outcome = 'failed'; }
     for (const it of t.items) {   // calls the turn never saw finish
@@ -572,12 +576,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       if (own) {   // the server's record of this turn, with what only the client knows (usage, rounds, thoughts)
         if (u) own.usage = u;
         else if (own.usage && result?.rounds) own.usage.rounds = result.rounds;
-        const note = result?.repeated ? repeatNote(result) : undefined;
-        if (thoughts.length || note) {
+        if (thoughts.length || repeated) {
           keepThoughts(own, thoughts);
-          if (note) own.note = note;
-          this.kept.set(`${live.branchId}@${live.at}`, { thoughts, ...(note && { note }) });
-          if (this.kept.size > KEPT_THOUGHTS) this.kept.delete(this.kept.keys().next().value!);
+          if (repeated) own.note = repeated;
+          this.kept.set(`${live.branchId}@${live.at}`, { thoughts, ...(repeated && { note: repeated }) });
+          if (this.kept.size > KEPT_TURNS) this.kept.delete(this.kept.keys().next().value!);
         }
       }
       // kept here unless the server's record of it is complete (a turn that ended well, read back)

@@ -535,6 +535,19 @@ local function cached_text_lines(blk)
   return blk.memo
 end
 
+-- A thought block's lines (each with its prefix), made again only when its text changed.
+local function cached_thought_lines(blk)
+  if blk.memo and blk.memo_raw == blk.raw then
+    return blk.memo
+  end
+  local out = {}
+  for _, l in ipairs(util.split_lines(vim.trim(blk.raw))) do
+    out[#out + 1] = M.THOUGHT .. l
+  end
+  blk.memo, blk.memo_raw = out, blk.raw
+  return out
+end
+
 --- The lines of a turn, and the set of indices of its card detail lines (the folded ones).
 local function turn_lines(turn)
   local lines, details = {}, {}
@@ -559,8 +572,8 @@ local function turn_lines(turn)
     elseif blk.kind == 'thought' then
       -- a reasoning model's thoughts: a headline, and the text folded under it (zo opens it)
       lines[#lines + 1] = M.THOUGHTS
-      for _, l in ipairs(util.split_lines((blk.raw:gsub('^%s+', ''):gsub('%s+$', '')))) do
-        lines[#lines + 1] = M.THOUGHT .. l
+      for _, l in ipairs(cached_thought_lines(blk)) do
+        lines[#lines + 1] = l
         details[#lines] = true
       end
       lines[#lines + 1] = ''
