@@ -100,12 +100,13 @@ class InlineThoughts:
 
     ``opened``: the closing tag of thoughts the prompt itself opened (a chat template whose
     generation prompt ends with ``<think>``, as DeepSeek-R1's and QwQ's do): the text is thoughts
-    from its first character, up to that tag."""
+    from its first character, up to that tag. ``enabled=False`` (the model config's
+    ``inlineThinking: false``): every delta is text, as it came."""
 
     __slots__ = ("_state", "_held", "_close", "unclosed")
 
-    def __init__(self, opened: str | None = None) -> None:
-        self._state = _THOUGHT if opened else _START
+    def __init__(self, opened: str | None = None, enabled: bool = True) -> None:
+        self._state = _REPLY if not enabled else _THOUGHT if opened else _START
         self._held = ""
         self._close = opened or ""
         self.unclosed = False
@@ -156,6 +157,14 @@ class InlineThoughts:
             self.unclosed = True
             return [("thinking", held)] if held else []
         return [("text", held)] if held and self._state == _START else []
+
+    def check(self, name: str) -> None:
+        """After :meth:`end`: a ModelError (-32011, saying so) when model ``name``'s call ended
+        inside its thoughts."""
+        if self.unclosed:
+            from operate_sidecar.server.core.errors import ModelError
+
+            raise ModelError(unclosed_thoughts(name))
 
 
 def opened_thought(prompt: str) -> str | None:

@@ -48,7 +48,6 @@ from ._common import (
     loads_json_safe,
     redact,
     render_prompt,
-    unclosed_thoughts,
 )
 from .config import CLI_PROFILES, FIELDS, check_model_config
 
@@ -185,11 +184,11 @@ class CLIModel(BaseModelProvider):
             produced = True
             return chunk
 
-        inline = InlineThoughts() if self.inline_thinking else None
+        inline = InlineThoughts(enabled=self.inline_thinking)
 
         def split(chunk: StreamChunk) -> Iterable[StreamChunk]:
             """A text chunk's inline thoughts (``<think>...</think>`` opening the reply) as thinking."""
-            if inline is None or chunk.type != "text" or not chunk.text:
+            if chunk.type != "text" or not chunk.text:
                 return (chunk,)
             return [StreamChunk(type=kind, text=text) for kind, text in inline.feed(chunk.text)]
 
@@ -225,7 +224,7 @@ class CLIModel(BaseModelProvider):
             for chunk in parser.close():
                 for piece in split(checked(chunk)):
                     yield piece
-            for kind, text in inline.end() if inline is not None else ():
+            for kind, text in inline.end():
                 yield StreamChunk(type=kind, text=text)
             if process.returncode is None:  # stdout closed: wait for the program itself
                 if deadline is None:
@@ -245,8 +244,7 @@ class CLIModel(BaseModelProvider):
                     f"model {self.name!r}: {program} exited with status {rc}"
                     + (f": {tail}" if tail else " and no output")
                 )
-            if inline is not None and inline.unclosed:
-                raise _model_error(unclosed_thoughts(self.name))
+            inline.check(self.name)
             result = parser.result
             result.is_error = result.is_error or rc != 0
             if result.usage is None:  # e.g. `llm -u` prints "Token usage: 10 input, 5 output" on stderr

@@ -48,7 +48,7 @@ import anyio.to_thread
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import InlineThoughts, bound_schema, field_value, opened_thought, snake_options, unclosed_thoughts
+from ._common import InlineThoughts, bound_schema, field_value, opened_thought, snake_options
 from .config import FIELDS, MAX_GRAMMAR_REPEAT, check_model_config, default_local_model
 
 log = logging.getLogger(__name__)
@@ -754,8 +754,7 @@ class LocalModel(BaseModelProvider):
                              len(messages) - 1 - (messages[0]["role"] == "system"), n_ctx)
                 lease.gen = llama.create_chat_completion(messages=sent, stream=True, **kwargs)
                 # thoughts the prompt opens (not for a structured reply: a grammar or JSON mode holds it to JSON)
-                free = request.response_schema is None and self.inline_thinking
-                return loaded.counter.thought_close if free else None
+                return loaded.counter.thought_close if request.response_schema is None else None
 
             def step() -> Any:
                 return next(lease.gen, _DONE)
@@ -768,7 +767,7 @@ class LocalModel(BaseModelProvider):
                 raise ModelError(f"local model failed: {e}") from e
             n_chunks = 0
             finish = None
-            inline = InlineThoughts(opened) if self.inline_thinking else None
+            inline = InlineThoughts(opened, enabled=self.inline_thinking)
             while True:
                 try:
                     # the steps up to the first text evaluate the prompt: those may be aborted
@@ -785,16 +784,11 @@ class LocalModel(BaseModelProvider):
                 finish = choice.get("finish_reason") or finish
                 if text:
                     n_chunks += 1
-                    if inline is None:
-                        yield StreamChunk(type="text", text=text)
-                    else:
-                        for kind, piece in inline.feed(text):
-                            yield StreamChunk(type=kind, text=piece)
-            if inline is not None:
-                for kind, piece in inline.end():
-                    yield StreamChunk(type=kind, text=piece)
-                if inline.unclosed:
-                    raise ModelError(unclosed_thoughts(self.name))
+                    for kind, piece in inline.feed(text):
+                        yield StreamChunk(type=kind, text=piece)
+            for kind, piece in inline.end():
+                yield StreamChunk(type=kind, text=piece)
+            inline.check(self.name)
             completion = n_chunks
             prompt = max(0, int(getattr(llama, "n_tokens", 0)) - completion)
             usage = {

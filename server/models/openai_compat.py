@@ -38,7 +38,6 @@ from ._common import (
     remember_secret,
     snake,
     snake_options,
-    unclosed_thoughts,
 )
 from .config import FIELDS, check_model_config, json_kind
 
@@ -291,7 +290,7 @@ class OpenAIModel(BaseModelProvider):
         done = _watch_done(stream)  # [DONE] seen (where the SDK lets us see it)
         reply_chars = 0             # text and thinking so far: bounded (a server streaming on and on)
         chunks = 0
-        inline = InlineThoughts() if self.inline_thinking else None
+        inline = InlineThoughts(enabled=self.inline_thinking)
         try:
             async for chunk in stream:
                 chunks += 1
@@ -305,16 +304,11 @@ class OpenAIModel(BaseModelProvider):
                     reply_chars += len(text)
                     if reply_chars > MAX_REPLY_CHARS:
                         raise _TooLong(f"more than {MAX_REPLY_CHARS >> 20} Mi characters")
-                    if kind == "text" and inline is not None:
-                        for piece, piece_text in inline.feed(text):
-                            yield StreamChunk(type=piece, text=piece_text)
-                    else:
-                        yield StreamChunk(type=kind, text=text)
-            if inline is not None:
-                for kind, text in inline.end():
-                    yield StreamChunk(type=kind, text=text)
-                if inline.unclosed:
-                    raise ModelError(unclosed_thoughts(self.name))
+                    for piece, piece_text in inline.feed(text) if kind == "text" else ((kind, text),):
+                        yield StreamChunk(type=piece, text=piece_text)
+            for kind, text in inline.end():
+                yield StreamChunk(type=kind, text=text)
+            inline.check(self.name)
             if not (finished or done[0]):
                 kind = _content_type(stream)
                 if not chunks and kind and "event-stream" not in kind:

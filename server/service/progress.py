@@ -45,7 +45,9 @@ class WireProgress:
         self._text = StreamRedactor()   # the streamed text's pending tail (secrets split across deltas)
         self._text_message = "streaming"
         # the port's ``thought(token, text)``; else, for a native client that shows them, a report each
-        self._on_thought = thought if thought is not None or not thoughts_on_wire else self._thought_report
+        if thought is None and thoughts_on_wire:
+            thought = self._thought_report
+        self._on_thought = thought
         self._thought: StreamRedactor | None = None  # the thoughts' pending tail (made at the first)
         self._thinking = False          # a stretch of thoughts is running (its report was sent)
 

@@ -97,3 +97,17 @@ def test_the_thoughts_a_chat_template_opens_are_read_from_its_rendered_prompt(te
     prompt = Jinja2ChatFormatter(template=template, eos_token="", bos_token="")(
         messages=[{"role": "user", "content": "b"}]).prompt
     assert opened_thought(prompt) == closing, prompt
+
+
+def test_turned_off_every_delta_is_text_as_it_came_and_an_unclosed_call_is_a_model_error():
+    from operate_sidecar.server.core.errors import ModelError
+
+    off = InlineThoughts("</think>", enabled=False)
+    assert [p for d in ["<think>", "x</think>", "y"] for p in off.feed(d)] + off.end() == \
+        [("text", "<think>"), ("text", "x</think>"), ("text", "y")]
+    off.check("m")  # nothing held, nothing unclosed
+    on = InlineThoughts()
+    on.feed("<think>on and on")
+    on.end()
+    with pytest.raises(ModelError, match="'m': the reply ended inside the model's thoughts"):
+        on.check("m")
