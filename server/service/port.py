@@ -137,7 +137,9 @@ class ClientPort(Protocol):
     #     of an OpenAI-compatible server, a CLI model's thinking blocks), streamed, redacted, in
     #     order with the operate's ``$/progress`` of that ``token``. Not part of the reply and
     #     never recorded. For a front end that shows them (the ACP one: ``agent_thought_chunk``);
-    #     on the native wire a stretch of thoughts is only a ``report`` "thinking" with no delta.
+    #     without it, the native wire sends them as ``thinking`` reports with ``thought`` to a
+    #     client that announced ``capabilities.thoughts`` (``WireProgress``), else nothing but the
+    #     stretch's one "thinking" report.
     #
     # def log_branch_problem(self, type_: int, message: str) -> None:   (on ``conn``)
     #     Instead of ``log_message``, a warning that concerns some branches only: a stored
