@@ -1293,6 +1293,29 @@ def test_a_reasoning_models_thoughts_are_said_thinking_then_folded_above_its_rep
     assert closed == [-1, head + 2, head + 3], closed
 
 
+def test_the_thoughts_headline_says_how_long_the_model_thought_once_its_reply_began(sv):
+    """Once the reply begins, the headline above the folded thoughts says how long they took
+    (``_thought for 12 s_``, the chat's clock read when the thoughts began and when the reply
+    came); under a second, or while they stream, it stays ``_thoughts_``."""
+    headline = "return require('operate_sidecar.chat').thoughts_headline(...)"
+    assert [sv.lua(headline, ms) for ms in (None, 0, 999, 1000, 12_499, 12_500, 75_000)] == [
+        "_thoughts_", "_thoughts_", "_thoughts_", "_thought for 1 s_", "_thought for 12 s_", "_thought for 13 s_",
+        "_thought for 75 s_"]
+    bid = sv.new_branch([{"thinking": "Weighing it.", "text": "weighed"}], "thinkclock")
+    sv.lua("local c = require('operate_sidecar.chat'); _G.real_clock = c.clock; _G.ticks = {}; "
+           "c.clock = function() local t = #_G.ticks == 0 and 1000 or 13400; table.insert(_G.ticks, t); return t end")
+    try:
+        sv.chat_send("think a while")
+        out = sv.wait_done()
+    finally:
+        sv.lua("require('operate_sidecar.chat').clock = _G.real_clock")
+    lines = sv.chat(bid)
+    assert out["err"] is None and sv.lua("return _G.ticks") == [1000, 13400], (out, sv.lua("return _G.ticks"))
+    head = lines.index("_thought for 12 s_")
+    assert lines[head:head + 4] == ["_thought for 12 s_", "  ┊ Weighing it.", "", "weighed"], lines
+    assert "_thoughts_" not in lines, lines
+
+
 def test_a_model_stuck_on_the_same_failing_call_is_stopped_after_three_rounds_and_the_turn_says_why(sv):
     """The chat sends repeatLimit 3: a model that makes the same failing call round after round
     (a small model was seen doing so for all 8 rounds) ends its turn after 3, with a note naming

@@ -16,7 +16,19 @@ local M = {}
 M.PROMPT = '## You  (<CR> send · <C-c> cancel · #buffer #selection #diagnostics)'
 M.CARD = '  │ ' -- prefix of a tool card's folded detail lines
 M.THOUGHT = '  ┊ ' -- prefix of the folded lines of a reasoning model's thoughts
-M.THOUGHTS = '_thoughts_' -- the headline above them
+M.THOUGHTS = '_thoughts_' -- the headline above them (while they stream, or when they took under a second)
+M.clock = function() -- milliseconds, for how long a model thought (a test may replace it)
+  return vim.loop.hrtime() / 1e6
+end
+
+--- The headline above a stretch of thoughts: how long the model thought once it is over
+--- (`_thought for 12 s_`), else `_thoughts_`.
+function M.thoughts_headline(ms)
+  if type(ms) == 'number' and ms >= 1000 then
+    return ('_thought for %d s_'):format(math.floor(ms / 1000 + 0.5))
+  end
+  return M.THOUGHTS
+end
 M.RETRY_HINT = '_R retry · gi edit and resend_' -- under a turn that failed or was stopped
 M.REPEAT_LIMIT = 3 -- a turn's rounds stop after this many in a row of the same calls all failing the same way
 M.PROMPT_HEIGHT = 3 -- lines of the prompt window (config chat.prompt_height)
@@ -571,7 +583,7 @@ local function turn_lines(turn)
       end
     elseif blk.kind == 'thought' then
       -- a reasoning model's thoughts: a headline, and the text folded under it (zo opens it)
-      lines[#lines + 1] = M.THOUGHTS
+      lines[#lines + 1] = M.thoughts_headline(blk.ms)
       for _, l in ipairs(cached_thought_lines(blk)) do
         lines[#lines + 1] = l
         details[#lines] = true
@@ -1194,14 +1206,24 @@ end
 
 -- ---------------------------------------------------------------- a turn
 
+-- The last block of a turn is over: the next text (or thoughts) starts below it; a stretch of
+-- thoughts keeps how long it took.
+local function close_last(turn)
+  local last = turn.blocks[#turn.blocks]
+  if last and (last.kind == 'text' or last.kind == 'thought') and not last.closed then
+    last.closed = true
+    if last.kind == 'thought' and last.started then
+      last.ms = math.max(0, M.clock() - last.started)
+    end
+  end
+end
+
 local function text_block(turn)
   local last = turn.blocks[#turn.blocks]
   if last and last.kind == 'text' and not last.closed then
     return last
   end
-  if last and last.kind == 'thought' then
-    last.closed = true -- the reply begins: the thoughts are over
-  end
+  close_last(turn) -- (thoughts: the reply begins, they are over)
   local blk = { kind = 'text', raw = '' }
   turn.blocks[#turn.blocks + 1] = blk
   return blk
@@ -1212,10 +1234,7 @@ local function card_for(turn, callId, tool)
   if not card then
     card = { callId = callId, tool = tool, status = 'running' }
     turn.cards[callId] = card
-    local last = turn.blocks[#turn.blocks]
-    if last and (last.kind == 'text' or last.kind == 'thought') then
-      last.closed = true -- the next streamed text (or thoughts) starts below this card
-    end
+    close_last(turn) -- the next streamed text (or thoughts) starts below this card
     turn.blocks[#turn.blocks + 1] = { kind = 'card', card = card }
   end
   return card
@@ -1468,10 +1487,8 @@ function M.send(chat, text, extra)
       -- a reasoning model's thoughts (never on the branch: the chat keeps them while it shows the turn)
       local last = turn.blocks[#turn.blocks]
       if not (last and last.kind == 'thought' and not last.closed) then
-        if last and last.kind == 'text' then
-          last.closed = true -- text after these thoughts starts below them
-        end
-        last = { kind = 'thought', raw = '' }
+        close_last(turn) -- text after these thoughts starts below them
+        last = { kind = 'thought', raw = '', started = M.clock() }
         turn.blocks[#turn.blocks + 1] = last
       end
       last.raw = last.raw .. thought
@@ -1479,10 +1496,7 @@ function M.send(chat, text, extra)
     end,
     on_phase = function(phase, _, message)
       if phase == 'request' then
-        local last = turn.blocks[#turn.blocks]
-        if last and (last.kind == 'text' or last.kind == 'thought') then
-          last.closed = true -- a new model round
-        end
+        close_last(turn) -- a new model round
       end
       M.activity_step(turn.activity, phase, message)
       render_turn(chat, turn) -- (its status line)
@@ -1503,6 +1517,7 @@ function M.send(chat, text, extra)
     end
     turn.elapsed_ms = run and run.elapsed_ms
     turn.usage = run and run.usage
+    close_last(turn) -- (thoughts the turn ended in: how long they took)
     if err then
       turn.status = err.code == require('operate_sidecar.rpc').codes.cancelled and 'cancelled' or 'error'
       turn.error = util.error_text(err) -- (plain words: no protocol wording)
