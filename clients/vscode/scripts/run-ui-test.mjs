@@ -744,12 +744,16 @@ async function main() {
     await quickPickChoose('default', '(default)');
     await waitFor('model back to the default', () => inWeb(`document.getElementById('model').textContent === 'default model'`), 10000);
   });
-  await check('the window reloaded while a review waits: the chat comes back with its conversation, its stopped turns in place (marked, with Retry), and the draft in its input (Up recalls the newest message, Down the draft); the interrupted call, if the server recorded it, says its request failed in words; no diff editor is left, util.py untouched', async () => {
+  await check('the window reloaded while a review waits: the chat comes back with its conversation, the model\'s thoughts folded where they were (not on the branch: the chat keeps them), its stopped turns in place (marked, with Retry), and the draft in its input (Up recalls the newest message, Down the draft); the interrupted call, if the server recorded it, says its request failed in words; no diff editor is left, util.py untouched', async () => {
     const stoppedTurns = () => inWeb(`JSON.stringify([...document.querySelectorAll('section.turn')].map((t, i) => [i, t.querySelector('.user').textContent,
       t.classList.contains('stopped'), t.querySelector('.note')?.textContent ?? '', !!t.querySelector('button[data-action=retry]')]).filter((x) => x[2]))`);
     const stoppedBefore = await stoppedTurns();
     expect(JSON.parse(stoppedBefore).length === 2, `two stopped turns: ${stoppedBefore}`);
     const before = await inWeb(`[...document.querySelectorAll('section.turn')].map((t) => t.querySelector('.user').textContent)`);
+    const thoughts = () => inWeb(`JSON.stringify([...document.querySelectorAll('section.turn')].map((t, i) => [...t.querySelectorAll('details.thought')].map((d) =>
+      [i, d.open, d.querySelector('summary').textContent, d.querySelector('.thought-text').textContent.trim()])).flat())`);
+    const thoughtsBefore = await thoughts();
+    expect(JSON.parse(thoughtsBefore).some((x) => x[3] === THOUGHT), `the first turn's thoughts before the reload: ${thoughtsBefore} (turns: ${JSON.stringify(before)})`);
     await type('Edit util while I reload');
     await submit();
     await waitFor('Reject in the diff editor title', reviewPending, STEP);
@@ -775,6 +779,7 @@ async function main() {
     expect(after.length <= before.length + 1 && after.slice(before.length).every((u) => u === 'Edit util while I reload'), `after the reload: ${JSON.stringify(after)}`);
     expect(await inWeb(`document.getElementById('input').value`) === 'a draft kept through the reload', `the draft: ${JSON.stringify(await inWeb(`document.getElementById('input').value`))}`);
     expect(await stoppedTurns() === stoppedBefore, `the stopped turns after the reload: ${await stoppedTurns()} (before: ${stoppedBefore})`);
+    expect(await thoughts() === thoughtsBefore, `the thoughts after the reload: ${await thoughts()} (before: ${thoughtsBefore})`);
     await waitFor('the chat input focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
     const newest = after.at(-1);
     await key('ArrowUp', 'ArrowUp', 38);

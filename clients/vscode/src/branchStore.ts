@@ -1,13 +1,15 @@
 // Branches as the user sees them: the current one (remembered per workspace, so a restart resumes
 // it), names taken from the first instruction, and a picker with name, last message, model and time.
 import * as vscode from 'vscode';
-import { LocalTurn, proseOf, StoredLocalTurns, storeLocalTurns } from './chatModel';
+import { forgetKeptTurns, KeptTurn, LocalTurn, proseOf, StoredKeptTurns, storeKeptTurn, StoredLocalTurns, storeLocalTurns } from './chatModel';
 import type { BranchInfo, Message, SidecarClient } from './rpcClient';
 
 const CURRENT_KEY = 'operateSidecar.currentBranch';
 const MODEL_KEY = 'operateSidecar.chatModel';
 /** The chats' turns that failed or were stopped (the server has no record of them), kept across window reloads. */
 const LOCAL_TURNS_KEY = 'operateSidecar.localTurns';
+/** What the branches do not hold of the turns the chats ran (thoughts, repeat notes), kept across window reloads. */
+const KEPT_TURNS_KEY = 'operateSidecar.keptTurns';
 
 export interface BranchSummary extends BranchInfo { lastMessage: string; lastTime: number | undefined }
 
@@ -41,6 +43,8 @@ export class BranchStore {
   readonly onDidChangeCurrent = this.changed.event;
   /** Names of branches this session knows (the server's list is the truth). */
   private readonly names = new Map<string, string>();
+  /** What the chats kept of their turns (see keptTurn), read once from the workspace state. */
+  private kept: Map<string, KeptTurn> | undefined;
 
   constructor(private readonly state: vscode.Memento) {}
 
@@ -65,6 +69,25 @@ export class BranchStore {
     return this.state.update(LOCAL_TURNS_KEY, storeLocalTurns(stored, chat, locals, Date.now()));
   }
 
+  /** What the chat kept of the turn that began at message `start` of `branchId` (its thoughts, its note), if anything. */
+  keptTurn(branchId: string, start: number): KeptTurn | undefined {
+    if (!this.kept) this.kept = new Map(this.state.get<StoredKeptTurns>(KEPT_TURNS_KEY) ?? []);
+    return this.kept.get(`${branchId}@${start}`);
+  }
+  /** Keeps what the branch does not hold of a turn (workspace state; bounded, see storeKeptTurn). */
+  keepTurn(branchId: string, start: number, turn: KeptTurn): Thenable<void> {
+    const stored = storeKeptTurn(this.state.get<StoredKeptTurns>(KEPT_TURNS_KEY), `${branchId}@${start}`, turn);
+    this.kept = new Map(stored);
+    return this.state.update(KEPT_TURNS_KEY, stored);
+  }
+  /** Forgets what was kept of a deleted branch's turns. */
+  forgetKept(branchId: string): Thenable<void> {
+    const stored = this.state.get<StoredKeptTurns>(KEPT_TURNS_KEY);
+    if (!stored?.some(([k]) => k.startsWith(`${branchId}@`))) return Promise.resolve();
+    const left = forgetKeptTurns(stored, branchId);
+    this.kept = new Map(left);
+    return this.state.update(KEPT_TURNS_KEY, left);
+  }
   nameOf(branchId: string | undefined): string | undefined { return branchId ? this.names.get(branchId) : undefined; }
   remember(branchId: string, name: string | null | undefined): void { if (name) this.names.set(branchId, name); }
 

@@ -610,6 +610,38 @@ export function thoughtsOf(shown: TurnItem[]): KeptThought[] {
 /** A turn's stretch of thoughts kept by the chat (see thoughtsOf): before its `at`-th other item. */
 export interface KeptThought { at: number; text: string; ms?: number }
 
+/** What the branch does not hold of a turn a chat ran: its thoughts, and the note of a turn the repeat stop ended. */
+export interface KeptTurn { thoughts: KeptThought[]; note?: string }
+/** Kept turns by `branchId@start`, oldest first (workspace state: they come back after a window reload). */
+export type StoredKeptTurns = [string, KeptTurn][];
+/** Kept turns at most (the latest), and characters of thoughts in all of them at most; a stretch of thoughts is cut to KEPT_THOUGHT_CHARS. */
+export const KEPT_TURNS = 200;
+export const KEPT_CHARS = 1_000_000;
+export const KEPT_THOUGHT_CHARS = 100_000;
+/** The mark at the end of a kept stretch of thoughts that was cut. */
+export const THOUGHT_CUT = '\n… (cut: the chat keeps the first 100,000 characters of a model\'s thoughts)';
+
+const keptChars = (k: KeptTurn): number => k.thoughts.reduce((n, t) => n + t.text.length, 0);
+
+/**
+ * `stored` with the turn `key` (`branchId@start`) kept as the newest (replacing what was kept for it), bounded: each
+ * stretch of thoughts cut to KEPT_THOUGHT_CHARS (marked THOUGHT_CUT), then the oldest turns dropped while there are
+ * more than KEPT_TURNS or more than KEPT_CHARS characters of thoughts. A new list; `stored` is not changed.
+ */
+export function storeKeptTurn(stored: StoredKeptTurns | undefined, key: string, turn: KeptTurn): StoredKeptTurns {
+  const thoughts = turn.thoughts.map((t) => t.text.length > KEPT_THOUGHT_CHARS ? { ...t, text: t.text.slice(0, KEPT_THOUGHT_CHARS) + THOUGHT_CUT } : t);
+  const out: StoredKeptTurns = (stored ?? []).filter(([k]) => k !== key);
+  out.push([key, { ...turn, thoughts }]);
+  let chars = out.reduce((n, [, k]) => n + keptChars(k), 0);
+  while (out.length > KEPT_TURNS || (chars > KEPT_CHARS && out.length > 1)) chars -= keptChars(out.shift()![1]);
+  return out;
+}
+
+/** `stored` without the turns of `branchId` (the chat was deleted). A new list. */
+export function forgetKeptTurns(stored: StoredKeptTurns | undefined, branchId: string): StoredKeptTurns {
+  return (stored ?? []).filter(([k]) => !k.startsWith(`${branchId}@`));
+}
+
 /**
  * The turn read back from the branch (`t`, which holds no thoughts) with the thoughts it showed while
  * it ran (thoughtsOf), each before the item it came before (after the last one, when the branch holds

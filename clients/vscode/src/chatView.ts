@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  addThought, cardOfToolEvent, cardTitle, conversationParts, endThought, KeptThought, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
+  addThought, cardOfToolEvent, cardTitle, conversationParts, endThought, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
   proseOf, refusesField, renderMarkdown, repeatNote, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
@@ -28,8 +28,6 @@ const PAGE = 1000;
 const STREAM_MS = 50;
 /** A turn's rounds stop after this many in a row that made the same calls, all failing the same way (the server's repeatLimit). */
 const REPEAT_LIMIT = 3;
-/** Turns whose thoughts and notes a chat keeps (see ChatView.kept). */
-const KEPT_TURNS = 200;
 
 /** All of a branch's messages (in pages: a long chat has more than one). */
 async function allMessages(client: SidecarClient, branchId: string): Promise<Message[]> {
@@ -129,12 +127,6 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private lastProse = '';
   /** Reloads of the branch from the server (for the tests). */
   private loads = 0;
-  /**
-   * What the branch does not hold of the turns this chat ran, by `branchId@start`: their thoughts, and the note
-   * of a turn whose rounds the repeat stop ended; put back into those turns whenever the branch is read (until
-   * the window reloads). The latest KEPT_TURNS turns.
-   */
-  private readonly kept = new Map<string, { thoughts: KeptThought[]; note?: string }>();
   /** The modifier the user's keyboard names (the webview says it when it starts): the cards' tooltips name it. */
   private keyMod: KeyMod = 'Ctrl';
   /**
@@ -285,13 +277,19 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private loaded(messages: Message[]): void {
     if (resolveLocalTurns(this.locals, messages.length)) this.saveLocals();
     this.serverTotal = messages.length;
-    this.serverTurns = turnsFromMessages(messages);
-    for (const t of this.serverTurns) {
-      const kept = t.start !== undefined ? this.kept.get(`${this.localBranch}@${t.start}`) : undefined;
+    this.serverTurns = this.turnsOf(messages);
+    this.turns = withLocalTurns(this.serverTurns, this.locals);
+  }
+
+  /** The turns of the chat's branch, read as `messages`, with what it kept of them that the branch does not hold (see BranchStore.keptTurn). */
+  private turnsOf(messages: Message[]): Turn[] {
+    const turns = turnsFromMessages(messages);
+    for (const t of turns) {
+      const kept = t.start !== undefined ? this.host.branches.keptTurn(this.localBranch, t.start) : undefined;
       if (kept) keepThoughts(t, kept.thoughts);
       if (kept?.note) t.note = kept.note;
     }
-    this.turns = withLocalTurns(this.serverTurns, this.locals);
+    return turns;
   }
 
   /** A new chat (New with no branch yet): forgets the turns that failed before it had one. */
@@ -569,7 +567,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       if (messages) {
         if (resolveLocalTurns(this.locals, messages.length)) this.saveLocals();
         this.serverTotal = messages.length;
-        this.serverTurns = turnsFromMessages(messages);
+        this.serverTurns = this.turnsOf(messages);   // (the earlier turns with their thoughts)
       }
       const recorded = !live.sent ? false : messages ? messages.length > live.at : undefined;
       const own = recorded ? this.serverTurns.find((x) => x.start === live.at && x.user === t.user) : undefined;
@@ -579,8 +577,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         if (thoughts.length || repeated) {
           keepThoughts(own, thoughts);
           if (repeated) own.note = repeated;
-          this.kept.set(`${live.branchId}@${live.at}`, { thoughts, ...(repeated && { note: repeated }) });
-          if (this.kept.size > KEPT_TURNS) this.kept.delete(this.kept.keys().next().value!);
+          void this.host.branches.keepTurn(live.branchId, live.at, { thoughts, ...(repeated && { note: repeated }) });
         }
       }
       // kept here unless the server's record of it is complete (a turn that ended well, read back)

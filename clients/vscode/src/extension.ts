@@ -661,6 +661,7 @@ class Sidecar {
     await client.deleteBranch(id);
     this.line(`[branch] deleted ${id}`);
     void this.branches.setLocalTurns(id, []);   // its failed and stopped turns go with it
+    void this.branches.forgetKept(id);   // and its turns' thoughts
     if (this.branches.current === id) await this.branches.setCurrent(undefined);
     return true;
   }

@@ -9,7 +9,8 @@ import * as path from 'node:path';
 import {
   addThought, cardHtml, cardOfToolEvent, endThought, keepThoughts, repeatNote, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
   onBranch, progressAfter, refusesField, renderMarkdown, resolveLocalTurns, retryContext, statusText, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn,
-  TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns,
+  TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns, forgetKeptTurns, KEPT_CHARS, KEPT_THOUGHT_CHARS, KEPT_TURNS,
+  KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT,
 } from '../chatModel';
 import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
 
@@ -285,6 +286,34 @@ test('local turns are stored per chat (kept through a window reload), with the c
   assert.equal(resolveLocalTurns(locals, 2), true);
   assert.equal(resolveLocalTurns(locals, 5), false);
   assert.equal(locals[0].recorded, false);
+});
+
+test('the thoughts and notes of the turns a chat ran are kept by branch and turn (through a window reload), the newest replacing; bounded in turns and characters, a long stretch cut and marked; a deleted branch\'s go', () => {
+  const kept = (text: string, note?: string): KeptTurn => ({ thoughts: [{ at: 0, text, ms: 1200 }], ...(note && { note }) });
+  let stored = storeKeptTurn(undefined, 'b1@0', kept('first thought'));
+  stored = storeKeptTurn(stored, 'b2@0', kept('other chat'));
+  const before = stored;
+  stored = storeKeptTurn(stored, 'b1@0', kept('first thought, again', 'Stopped: …'));
+  assert.equal(before.length, 2, 'a new list: the old one unchanged');
+  // as the workspace state keeps it (JSON): whole, the one stored last newest
+  stored = JSON.parse(JSON.stringify(stored)) as StoredKeptTurns;
+  assert.deepEqual(stored, [['b2@0', kept('other chat')], ['b1@0', kept('first thought, again', 'Stopped: …')]]);
+  for (let i = 0; i < KEPT_TURNS + 5; i++) stored = storeKeptTurn(stored, `b3@${i * 2}`, kept(`t${i}`));
+  assert.equal(stored.length, KEPT_TURNS);
+  assert.deepEqual([stored[0][0], stored.at(-1)![0]], ['b3@10', `b3@${(KEPT_TURNS + 4) * 2}`], 'the latest turns');
+  // a stretch longer than KEPT_THOUGHT_CHARS: its beginning, marked as cut; turns beyond KEPT_CHARS of thoughts: dropped, oldest first
+  const long = 'x'.repeat(KEPT_THOUGHT_CHARS + 10);
+  for (let i = 0; i < 12; i++) stored = storeKeptTurn(stored, `b4@${i}`, kept(long));
+  const texts = stored.flatMap(([, k]) => k.thoughts.map((t) => t.text));
+  assert.ok(texts.reduce((n, t) => n + t.length, 0) <= KEPT_CHARS + 12 * THOUGHT_CUT.length, 'at most KEPT_CHARS characters of thoughts');
+  assert.equal(stored.at(-1)![1].thoughts[0].text, long.slice(0, KEPT_THOUGHT_CHARS) + THOUGHT_CUT);
+  assert.ok(stored.length < 12 && stored.every(([k]) => k.startsWith('b4@')), `only the newest long ones: ${stored.map(([k]) => k)}`);
+  // a turn over all the bounds alone is still kept (cut)
+  assert.equal(storeKeptTurn([], 'b5@0', { thoughts: Array.from({ length: 20 }, () => ({ at: 0, text: long })) }).length, 1);
+  // a deleted branch's turns go; another branch's (whose id begins the same) stay
+  stored = storeKeptTurn(storeKeptTurn(stored, 'b4x@1', kept('stays')), 'b4@99', kept('goes'));
+  assert.deepEqual(forgetKeptTurns(stored, 'b4').map(([k]) => k), ['b4x@1']);
+  assert.deepEqual(forgetKeptTurns(undefined, 'b4'), []);
 });
 
 test('the status line of a running turn says what it does, from its $/progress phases: waiting for the model, writing, reading the reply, a repair attempt, running tools, the round after tool calls; a waiting decision comes first; gone once the turn ends', () => {
