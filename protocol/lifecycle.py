@@ -22,7 +22,9 @@ class LocalModelConfig:
     max_string_length: int | None | Omitted = OMITTED  # null turns the bound off
     options: JsonObject | None = None  # default request options (temperature, seed, ...)
     timeout_s: float | None = None
-    inline_thinking: bool | None = None  # false: a reply opening with <think>...</think> stays as it is
+    #: a reply opening with <think>...</think>: those are thoughts (true, the default); false: it stays as it
+    #: is; "opened": the server's chat template opens the thoughts, so the reply is thoughts up to </think>
+    inline_thinking: bool | Literal["opened"] | None = None
 
 
 @wire
@@ -35,7 +37,7 @@ class OpenAIModelConfig:
     timeout_s: float | None = None
     max_retries: int | None = None
     options: JsonObject | None = None
-    inline_thinking: bool | None = None
+    inline_thinking: bool | Literal["opened"] | None = None
 
 
 @wire
@@ -49,7 +51,7 @@ class CliModelConfig:
     prompt_via: Literal["arg", "stdin"] | None = None
     timeout_s: float | None = None
     kill_grace_s: float | None = None
-    inline_thinking: bool | None = None
+    inline_thinking: bool | Literal["opened"] | None = None
 
 
 @wire

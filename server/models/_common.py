@@ -86,6 +86,9 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
 
 #: the tags a reply may open with, each with its closing tag
 THOUGHT_TAGS: tuple[tuple[str, str], ...] = (("<think>", "</think>"), ("<thinking>", "</thinking>"))
+#: ``inlineThinking: "opened"``: the server's chat template opens the thoughts (DeepSeek-R1's and
+#: QwQ's generation prompt ends with ``<think>``), so the reply begins inside them.
+OPENED = "opened"
 _LONGEST_OPEN = max(len(o) for o, _ in THOUGHT_TAGS)
 _START, _THOUGHT, _AFTER, _REPLY = range(4)
 
@@ -103,13 +106,31 @@ class InlineThoughts:
     from its first character, up to that tag. ``enabled=False`` (the model config's
     ``inlineThinking: false``): every delta is text, as it came."""
 
-    __slots__ = ("_state", "_held", "_close", "unclosed")
+    __slots__ = ("_state", "_held", "_close", "_declared", "unclosed")
 
-    def __init__(self, opened: str | None = None, enabled: bool = True) -> None:
+    def __init__(self, opened: str | None = None, enabled: bool = True, declared: bool = False) -> None:
         self._state = _REPLY if not enabled else _THOUGHT if opened else _START
         self._held = ""
         self._close = opened or ""
+        self._declared = declared  # (opened because the model config says so: its error says how to undo that)
         self.unclosed = False
+
+    @classmethod
+    def of(cls, setting: bool | str, *, structured: bool = False, template: str | None = None) -> "InlineThoughts":
+        """The splitter of one call. ``setting``: the model config's ``inlineThinking`` (true,
+        false or ``"opened"``: the server's chat template opens the thoughts, so the reply is
+        thoughts up to ``</think>``); ``template``: the closing tag of thoughts the model's own
+        template opens (the embedded model reads it there). Neither opens the thoughts of a
+        ``structured`` reply, which a grammar or a JSON mode holds to JSON."""
+        if not setting:
+            return cls(enabled=False)
+        if structured:
+            return cls()
+        if template:
+            return cls(template)
+        if setting == OPENED:
+            return cls(THOUGHT_TAGS[0][1], declared=True)
+        return cls()
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         """The pieces of one text delta, in order: ``("thinking" | "text", text)``."""
@@ -164,7 +185,7 @@ class InlineThoughts:
         if self.unclosed:
             from operate_sidecar.server.core.errors import ModelError
 
-            raise ModelError(unclosed_thoughts(name))
+            raise ModelError(unclosed_thoughts(name, self._declared))
 
 
 def opened_thought(prompt: str) -> str | None:
@@ -177,11 +198,29 @@ def opened_thought(prompt: str) -> str | None:
     return None
 
 
-def unclosed_thoughts(name: str) -> str:
-    """The model error of a call that ended inside the model's inline thoughts."""
+def unclosed_thoughts(name: str, declared: bool = False) -> str:
+    """The model error of a call that ended inside the model's inline thoughts (``declared``:
+    the model config said its template opens them, ``inlineThinking: "opened"``)."""
+    if declared:
+        return (f"model {name!r}: the reply never closed the thoughts that its model config says the chat "
+                'template opens ("inlineThinking": "opened": the reply is thoughts up to </think>), so no answer '
+                "came after them; if the server takes the thoughts apart itself, or its template does not open "
+                'them, set "inlineThinking" to true; else a larger maxTokens may let the model finish')
     return (f"model {name!r}: the reply ended inside the model's thoughts (a <think> block that was never "
             "closed), with no answer after them; a larger maxTokens may let it finish "
             '(or "inlineThinking": false keeps such text as the reply)')
+
+
+def inline_setting(name: str, config: dict[str, Any]) -> bool | str:
+    """The model config's ``inlineThinking``: true (the default), false or ``"opened"``."""
+    value = config.get("inlineThinking")
+    if value is None:
+        return True
+    if isinstance(value, bool) or value == OPENED:
+        return value
+    from . import ModelConfigError
+
+    raise ModelConfigError(f'model config {name!r}: inlineThinking must be true, false or "opened", not {value!r}')
 
 
 def _tag_start(text: str, tag: str) -> int:

@@ -45,6 +45,7 @@ from ._common import (
     MAX_REPLY_CHARS,
     InlineThoughts,
     field_value,
+    inline_setting,
     loads_json_safe,
     redact,
     render_prompt,
@@ -79,7 +80,7 @@ class CLIModel(BaseModelProvider):
         prompt_via: str | None = None,
         timeout_s: float | None = None,
         kill_grace_s: float = 2.0,
-        inline_thinking: bool = True,
+        inline_thinking: bool | str = True,
     ) -> None:
         from . import ModelConfigError
 
@@ -98,7 +99,7 @@ class CLIModel(BaseModelProvider):
         self.prompt_via = prompt_via or ("stdin" if profile == "jsonl" else "arg")
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
-        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts
+        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts ("opened": the reply does)
         self.last_pid: int | None = None  # pid (= process group id) of the latest run
 
     @classmethod
@@ -116,7 +117,7 @@ class CLIModel(BaseModelProvider):
             prompt_via=field_value(name, config, "promptVia", None, str),
             timeout_s=field_value(name, config, "timeoutS", None, float),
             kill_grace_s=field_value(name, config, "killGraceS", 2.0, float),
-            inline_thinking=field_value(name, config, "inlineThinking", True, bool),
+            inline_thinking=inline_setting(name, config),
         )
 
     # -- argv -----------------------------------------------------------------
@@ -184,7 +185,7 @@ class CLIModel(BaseModelProvider):
             produced = True
             return chunk
 
-        inline = InlineThoughts(enabled=self.inline_thinking)
+        inline = InlineThoughts.of(self.inline_thinking)
 
         def split(chunk: StreamChunk) -> Iterable[StreamChunk]:
             """A text chunk's inline thoughts (``<think>...</think>`` opening the reply) as thinking."""

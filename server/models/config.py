@@ -33,7 +33,8 @@ PROMPT_VIA = ("arg", "stdin")
 
 # Field types: "string", "integer", "number", "boolean", "object" (any JSON object),
 # "positive number", "string map" (object of strings), "argv" (list of strings, or a
-# shell-style string), "responses" (scripted entries), or a tuple of allowed strings.
+# shell-style string), "responses" (scripted entries), "inline thinking" (a boolean or
+# "opened"), or a tuple of allowed strings.
 
 #: provider → {field: type}; ``provider`` itself is implied. The providers take their
 #: ``CONFIG_FIELDS`` from here.
@@ -47,7 +48,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "maxStringLength": "integer",
         "options": "object",
         "timeoutS": "positive number",
-        "inlineThinking": "boolean",
+        "inlineThinking": "inline thinking",
     },
     "openai": {
         "model": "string",
@@ -56,7 +57,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "timeoutS": "positive number",
         "maxRetries": "integer",
         "options": "object",
-        "inlineThinking": "boolean",
+        "inlineThinking": "inline thinking",
     },
     "cli": {
         "profile": CLI_PROFILES,
@@ -66,7 +67,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "promptVia": PROMPT_VIA,
         "timeoutS": "positive number",
         "killGraceS": "number",
-        "inlineThinking": "boolean",
+        "inlineThinking": "inline thinking",
     },
     "scripted": {
         "responses": "responses",
@@ -321,6 +322,11 @@ def _type_problem(field: str, kind: Any, value: Any) -> str | None:
         ok, want = False, "a positive integer"
     elif kind == "boolean":
         ok, want = isinstance(value, bool), "a boolean"
+    elif kind == "inline thinking":
+        if isinstance(value, bool) or value == "opened":
+            return None
+        got = _short(value) if isinstance(value, str) else json_kind(value)
+        return f'{field} must be true, false or "opened", not {got}'
     elif kind == "object":
         ok, want = isinstance(value, dict), "an object"
     elif kind == "string map":

@@ -48,7 +48,7 @@ import anyio.to_thread
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import InlineThoughts, bound_schema, field_value, opened_thought, snake_options
+from ._common import InlineThoughts, bound_schema, field_value, inline_setting, opened_thought, snake_options
 from .config import FIELDS, MAX_GRAMMAR_REPEAT, check_model_config, default_local_model
 
 log = logging.getLogger(__name__)
@@ -663,7 +663,7 @@ class LocalModel(BaseModelProvider):
         max_string_length: int | None = 200,
         options: dict[str, Any] | None = None,
         timeout_s: float | None = None,
-        inline_thinking: bool = True,
+        inline_thinking: bool | str = True,
     ) -> None:
         self.name = name
         self._path = path
@@ -691,7 +691,7 @@ class LocalModel(BaseModelProvider):
             ),
             options=field_value(name, config, "options", None, dict),
             timeout_s=field_value(name, config, "timeoutS", None, float),
-            inline_thinking=field_value(name, config, "inlineThinking", True, bool),
+            inline_thinking=inline_setting(name, config),
         )
 
     @property
@@ -753,8 +753,7 @@ class LocalModel(BaseModelProvider):
                              "(the branch keeps them)", self.name, dropped,
                              len(messages) - 1 - (messages[0]["role"] == "system"), n_ctx)
                 lease.gen = llama.create_chat_completion(messages=sent, stream=True, **kwargs)
-                # thoughts the prompt opens (not for a structured reply: a grammar or JSON mode holds it to JSON)
-                return loaded.counter.thought_close if request.response_schema is None else None
+                return loaded.counter.thought_close  # (thoughts the model's chat template opens)
 
             def step() -> Any:
                 return next(lease.gen, _DONE)
@@ -767,7 +766,7 @@ class LocalModel(BaseModelProvider):
                 raise ModelError(f"local model failed: {e}") from e
             n_chunks = 0
             finish = None
-            inline = InlineThoughts(opened, enabled=self.inline_thinking)
+            inline = InlineThoughts.of(self.inline_thinking, structured=request.response_schema is not None, template=opened)
             while True:
                 try:
                     # the steps up to the first text evaluate the prompt: those may be aborted

@@ -32,6 +32,7 @@ from ._common import (
     MAX_REPLY_CHARS,
     InlineThoughts,
     field_value,
+    inline_setting,
     is_loopback_url,
     json_safe,
     redact,
@@ -90,7 +91,7 @@ class OpenAIModel(BaseModelProvider):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_retries: int = 2,
         options: dict[str, Any] | None = None,
-        inline_thinking: bool = True,
+        inline_thinking: bool | str = True,
     ) -> None:
         if not model:
             from . import ModelConfigError
@@ -104,7 +105,7 @@ class OpenAIModel(BaseModelProvider):
         self.max_retries = int(max_retries)
         _check_options(name, "options", options)
         self.options = snake_options(options)
-        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts
+        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts ("opened": the reply does)
         self._client: Any = None
         self._api_key: str | None = None
         self._rf_mode: str | None = None  # what worked for structured output
@@ -121,7 +122,7 @@ class OpenAIModel(BaseModelProvider):
             timeout_s=field_value(name, config, "timeoutS", DEFAULT_TIMEOUT_S, float),
             max_retries=field_value(name, config, "maxRetries", 2, int),
             options=field_value(name, config, "options", None, dict),
-            inline_thinking=field_value(name, config, "inlineThinking", True, bool),
+            inline_thinking=inline_setting(name, config),
         )
 
     # -- client ---------------------------------------------------------------
@@ -219,9 +220,10 @@ class OpenAIModel(BaseModelProvider):
             kw["extra_body"] = extra
         return kw
 
-    async def _open(self, request: ModelRequest) -> tuple[Any, str | None]:
+    async def _open(self, request: ModelRequest) -> tuple[Any, str | None, bool]:
         """Start a streamed completion, walking the structured-output ladder when
-        the server rejects a response format."""
+        the server rejects a response format: the stream, the ladder's mode, and whether a
+        ``response_format`` was sent (the server holds the reply to JSON)."""
         openai = _require_openai()
 
         client = self._get_client()
@@ -254,7 +256,7 @@ class OpenAIModel(BaseModelProvider):
                     stream = await use.chat.completions.create(
                         model=self.model, messages=request.messages, stream=True, **kw
                     )
-                    return stream, mode
+                    return stream, mode, "response_format" in kw
                 except openai.APIStatusError as e:
                     msg = _status_message(e)
                     if self._stream_options_ok and _rejects(e, msg, "stream_options"):
@@ -279,7 +281,7 @@ class OpenAIModel(BaseModelProvider):
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         openai = _require_openai()
 
-        stream, mode = await self._open(request)
+        stream, mode, structured = await self._open(request)
         if mode is not None:
             self._rf_mode = mode  # the server accepted it: start there next time
         usage: dict | None = None
@@ -290,7 +292,7 @@ class OpenAIModel(BaseModelProvider):
         done = _watch_done(stream)  # [DONE] seen (where the SDK lets us see it)
         reply_chars = 0             # text and thinking so far: bounded (a server streaming on and on)
         chunks = 0
-        inline = InlineThoughts(enabled=self.inline_thinking)
+        inline = InlineThoughts.of(self.inline_thinking, structured=structured)
         try:
             async for chunk in stream:
                 chunks += 1

@@ -4,6 +4,8 @@ the tags. Over real servers, models and programs: tests/models/test_models_{open
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from operate_sidecar.server.models._common import InlineThoughts, opened_thought
@@ -97,6 +99,44 @@ def test_the_thoughts_a_chat_template_opens_are_read_from_its_rendered_prompt(te
     prompt = Jinja2ChatFormatter(template=template, eos_token="", bos_token="")(
         messages=[{"role": "user", "content": "b"}]).prompt
     assert opened_thought(prompt) == closing, prompt
+
+
+def _run(splitter, deltas):
+    return [p for d in deltas for p in splitter.feed(d)] + splitter.end()
+
+
+def test_the_splitter_of_a_call_follows_the_model_setting_the_template_and_a_structured_reply():
+    """``InlineThoughts.of``: true looks for an opening tag; ``"opened"`` takes the reply for
+    thoughts up to ``</think>``; a template that opens them does too (its own closing tag);
+    neither for a structured reply; false passes every delta as text."""
+    from operate_sidecar.server.core.errors import ModelError
+
+    opened_reply = ["I will gr", "eet.</thi", "nk>\n\nHello"]
+    tagged_reply = ["<think>x</think>", "Hello"]
+    assert _run(InlineThoughts.of("opened"), opened_reply) == [("thinking", "I will gr"), ("thinking", "eet."), ("text", "Hello")]
+    assert _run(InlineThoughts.of(True), opened_reply) == [("text", d) for d in opened_reply]
+    assert _run(InlineThoughts.of(True), tagged_reply) == [("thinking", "x"), ("text", "Hello")]
+    assert _run(InlineThoughts.of(True, template="</think>"), opened_reply) == _run(InlineThoughts.of("opened"), opened_reply)
+    for setting in (True, "opened"):
+        assert _run(InlineThoughts.of(setting, structured=True, template="</think>"), ['{"a": 1}']) == [("text", '{"a": 1}')]
+    assert _run(InlineThoughts.of(False, template="</think>"), tagged_reply) == [("text", d) for d in tagged_reply]
+    # the declared setting's error says the setting may be wrong; a template's, the usual one
+    for splitter, words in [(InlineThoughts.of("opened"), 'set "inlineThinking" to true'),
+                            (InlineThoughts.of(True, template="</think>"), "a larger maxTokens may let it finish (or")]:
+        _run(splitter, ["Hello, no thoughts here."])
+        with pytest.raises(ModelError, match=re.escape(words)):
+            splitter.check("m")
+
+
+def test_the_setting_is_true_false_or_opened():
+    from operate_sidecar.server.models import ModelConfigError
+    from operate_sidecar.server.models._common import inline_setting
+
+    assert [inline_setting("m", c) for c in ({}, {"inlineThinking": None}, {"inlineThinking": False},
+                                            {"inlineThinking": "opened"})] == [True, True, False, "opened"]
+    for wrong in ("open", 1, "true"):
+        with pytest.raises(ModelConfigError, match='inlineThinking must be true, false or "opened"'):
+            inline_setting("m", {"inlineThinking": wrong})
 
 
 def test_turned_off_every_delta_is_text_as_it_came_and_an_unclosed_call_is_a_model_error():

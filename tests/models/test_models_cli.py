@@ -283,6 +283,29 @@ async def test_a_text_programs_inline_thoughts_are_thinking_chunks_not_the_reply
     assert chunks[-1].type == "result"
 
 
+async def test_opened_a_program_whose_template_opens_the_thoughts_writes_them_up_to_the_closing_tag(tmp_path):
+    """``inlineThinking: "opened"`` (a reasoning model whose chat template opens the thoughts:
+    its text has no ``<think>``): a real program's text up to ``</think>`` (cut across writes)
+    is thinking, the rest the reply; the default (true) leaves all of it as the reply; a reply
+    that never closes them fails the call, saying the setting may be wrong."""
+    parts = ["I will ", "greet them.</th", "ink>\\n\\n", "Hello ", "there."]
+    command = [PY, script(tmp_path, "thinker.py", THINKER), *parts]
+    out = {}
+    for setting in ("opened", True):
+        model = make_model({"provider": "cli", "profile": "llm", "command": command, "promptVia": "stdin",
+                            "inlineThinking": setting}, name="opener")
+        chunks = await drain(model, REQUEST)
+        out[setting] = ("".join(c.text for c in chunks if c.type == "thinking"),
+                        "".join(c.text for c in chunks if c.type == "text"))
+    assert out == {"opened": ("I will greet them.", "Hello there."),
+                   True: ("", "I will greet them.</think>\n\nHello there.")}, out
+    plain = [PY, script(tmp_path, "thinker.py", THINKER), "Hello ", "there."]
+    model = make_model({"provider": "cli", "profile": "llm", "command": plain, "promptVia": "stdin",
+                        "inlineThinking": "opened"}, name="opener")
+    with pytest.raises(ModelError, match='never closed the thoughts.*"inlineThinking": "opened".*set "inlineThinking" to true'):
+        await drain(model, REQUEST)
+
+
 async def test_a_program_that_ends_inside_its_thoughts_fails_the_call_saying_so(tmp_path):
     command = [PY, script(tmp_path, "thinker.py", THINKER), "<think>", "and on and on"]
     model = make_model({"provider": "cli", "profile": "llm", "command": command, "promptVia": "stdin"}, name="t")

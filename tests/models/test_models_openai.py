@@ -392,6 +392,43 @@ async def test_thoughts_a_real_server_streams_in_the_text_are_thinking_chunks_no
     assert raw_text.startswith("<think>") and "</think>\n\nHello" in raw_text, raw
 
 
+#: the reply of a template that opens the thoughts itself (DeepSeek-R1, QwQ): no opening tag
+OPENED_GRAMMAR = r'root ::= [a-z ]{4,40} "</think>" "\n\n" "Hello" [a-z !]{0,10}'
+
+
+async def test_opened_a_server_whose_template_opens_the_thoughts_has_its_reply_split_at_the_closing_tag(llama_server):
+    """``inlineThinking: "opened"`` (R1 or QwQ behind llama_cpp.server, whose template opens the
+    thoughts: the reply writes no ``<think>``): the real server's text up to ``</think>`` is
+    thinking, then the reply; with the default the thoughts and the tag stay in the reply. A
+    structured reply (a ``response_format`` sent: the server holds it to JSON) is not taken for
+    thoughts; a reply with no ``</think>`` fails, saying the setting may be wrong."""
+    opened = openai_model(llama_server.base_url, inlineThinking="opened")
+    default = openai_model(llama_server.base_url)
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}}, "required": ["answer"]}
+    structured = ModelRequest(messages=[{"role": "user", "content": "Answer hello"}],
+                              options={"temperature": 0, "max_tokens": 40}, response_schema=schema, schema_name="A")
+    try:
+        with anyio.fail_after(180):
+            chunks = [c async for c in opened.stream(ask("Say hello", grammar=OPENED_GRAMMAR, max_tokens=60))]
+            raw = [c async for c in default.stream(ask("Say hello", grammar=OPENED_GRAMMAR, max_tokens=60))]
+            held = [c async for c in opened.stream(structured)]
+            with pytest.raises(ModelError) as e:
+                async for _ in opened.stream(ask("Say hello", grammar=r'root ::= "Hello" [a-z ]{2,10}', max_tokens=20)):
+                    pass
+    finally:
+        await opened.aclose()
+        await default.aclose()
+    from thought_checks import assert_thoughts_then_reply
+
+    assert_thoughts_then_reply(chunks)
+    raw_text = "".join(c.text for c in raw if c.type == "text")
+    assert "thinking" not in [c.type for c in raw] and "</think>\n\nHello" in raw_text, raw
+    assert opened.structured_mode not in (None, "none"), opened.structured_mode  # (a response_format was sent)
+    assert "thinking" not in [c.type for c in held], held
+    assert isinstance(json.loads("".join(c.text for c in held if c.type == "text"))["answer"], str), held
+    assert 'never closed the thoughts' in str(e.value) and 'set "inlineThinking" to true' in str(e.value), e.value
+
+
 async def test_a_reply_that_ends_inside_its_thoughts_is_a_model_error_that_says_so(llama_server):
     model = openai_model(llama_server.base_url)
     grammar = r'root ::= "<think>" [a-z ]{40,60} "</think>" "Hello"'

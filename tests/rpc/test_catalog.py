@@ -178,3 +178,5 @@ def test_the_model_field_kinds_are_the_protocols():
                 assert kind in {"object", "string map"}, f"{_provider(cls)}.{name}: {kind}"
             elif typing.get_origin(arm) is list:
                 assert kind in {"argv", "responses"}, f"{_provider(cls)}.{name}: {kind}"
+            elif set(arms) == {bool, typing.Literal["opened"]}:
+                assert kind == "inline thinking", f"{_provider(cls)}.{name}: {kind}"

@@ -147,9 +147,9 @@ def test_a_bad_model_in_the_config_file_exits_2_naming_it(tmp_path):
 # --- the table agrees with the constructors and the wire types ----------------------------
 
 SAMPLES = {"string": "x", "integer": 3, "number": 1.5, "positive number": 2, "boolean": True, "object": {"k": 1},
-           "string map": {"K": "v"}, "argv": ["prog", "arg"], "responses": ["t", {"text": "u"}]}
+           "string map": {"K": "v"}, "argv": ["prog", "arg"], "responses": ["t", {"text": "u"}], "inline thinking": "opened"}
 WRONG = {"string": 5, "integer": "3", "number": "1.5", "positive number": "2", "boolean": "yes", "object": [1],
-         "string map": {"K": 1}, "argv": [1], "responses": "t"}
+         "string map": {"K": 1}, "argv": [1], "responses": "t", "inline thinking": "open"}
 
 
 def _sample_config(provider: str, override: dict | None = None) -> dict:

@@ -138,7 +138,7 @@ export interface CliModelConfig {
   promptVia?: 'arg' | 'stdin';
   timeoutS?: number;
   killGraceS?: number;
-  inlineThinking?: boolean;
+  inlineThinking?: 'opened' | boolean;
 }
 /**
  * Unknown capabilities are ignored (clients may announce more than this server knows).
@@ -183,7 +183,7 @@ export interface LocalModelConfig {
     [k: string]: unknown;
   };
   timeoutS?: number;
-  inlineThinking?: boolean;
+  inlineThinking?: 'opened' | boolean;
 }
 /**
  * Any OpenAI-compatible Chat Completions endpoint.
@@ -198,7 +198,7 @@ export interface OpenAIModelConfig {
   options?: {
     [k: string]: unknown;
   };
-  inlineThinking?: boolean;
+  inlineThinking?: 'opened' | boolean;
 }
 /**
  * Deterministic replay: each invocation consumes the next entry (a string is the text).
