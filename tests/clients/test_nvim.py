@@ -1316,6 +1316,81 @@ def test_the_thoughts_headline_says_how_long_the_model_thought_once_its_reply_be
     assert "_thoughts_" not in lines, lines
 
 
+def test_the_thoughts_and_the_repeat_note_come_back_with_the_branch_also_in_a_new_neovim(nvim_bin, tmp_path):
+    """The branch does not hold a reasoning model's thoughts, nor the note of a turn the repeat
+    stop ended: the chat keeps them by branch and turn in the server's state directory
+    (nvim-chat-kept.json), so a chat read from the branch again (the picker, or Neovim started
+    again) shows them where they were: the folded thoughts with their duration above the reply,
+    the note under its turn. A deleted branch's go with it."""
+    state = tmp_path / "state"
+    stuck = call("read_file", path="nope.txt")
+    responses = [{"thinking": "First I weigh it.", "text": "weighed"}, stuck, stuck, stuck, "never reached"]
+    first = Nvim(nvim_bin[1], tmp_path / "first")
+    try:
+        first.setup(responses, _state_dir=str(state))
+        first.lua("local c = require('operate_sidecar.chat'); local n = 0; "
+                  "c.clock = function() n = n + 1; return n == 1 and 1000 or 13400 end")
+        first.chat_send("think")
+        assert first.wait_done()["err"] is None
+        first.chat_send("keep failing")
+        assert first.wait_done()["result"]["repeated"] is True
+        bid = first.lua("return require('operate_sidecar').current_branch()")
+        shown = first.chat(bid)
+        first.wait(f"require('operate_sidecar.kept').get('{bid}', 2) ~= nil", "the second turn kept")
+        first.assert_no_errors()
+    finally:
+        first.close()
+    stored = json.loads((state / "nvim-chat-kept.json").read_text())
+    assert [e["key"] for e in stored["turns"]] == [f"{bid}@0", f"{bid}@2"], stored
+    again = Nvim(nvim_bin[1], tmp_path / "again")
+    try:
+        again.setup(["unused"], _state_dir=str(state))
+        again.n.command(f"OperateMessages {bid}")
+        again.wait(f"vim.tbl_contains(require('operate_sidecar.chat').lines('{bid}'), 'weighed')", "the history")
+        lines = again.chat(bid)
+        head = lines.index("_thought for 12 s_")
+        assert lines[head:head + 4] == ["_thought for 12 s_", "  ┊ First I weigh it.", "", "weighed"], lines
+        notes = [ln for ln in lines if ln.startswith("_Stopped:")]
+        assert notes == [ln for ln in shown if ln.startswith("_Stopped:")] and len(notes) == 1, (notes, shown)
+        assert lines.index(notes[0]) > lines.index("keep failing"), lines
+        # a deleted branch's kept turns go with it
+        again.n.command(f"OperateBranch delete {bid}")
+        again.wait(f"require('operate_sidecar.kept').get('{bid}', 0) == nil", "the kept turns forgotten")
+        assert json.loads((state / "nvim-chat-kept.json").read_text())["turns"] == []
+        again.assert_no_errors()
+    finally:
+        again.close()
+
+
+def test_what_the_chat_keeps_of_its_turns_is_bounded_and_survives_a_damaged_file(nv, tmp_path):
+    """kept.lua: the latest MAX_TURNS turns and at most MAX_CHARS characters of thoughts (oldest
+    dropped first), a stretch cut to MAX_THOUGHT and marked; the same turn kept again replaces
+    it; a damaged file reads as empty (and is written anew); with no journal (state_dir = false)
+    they are kept in memory only, no file written."""
+    state = tmp_path / "st"
+    state.mkdir()
+    (state / "nvim-chat-kept.json").write_text("{not json")
+    nv.setup(["unused"], _state_dir=str(state))
+    k = "require('operate_sidecar.kept')"
+    put = k + ".put('b', ..., {{at = 0, text = select(2, ...)}}, nil)"
+    assert nv.lua(f"return {k}.get('b', 0) == nil")
+    nv.lua(f"{k}.MAX_TURNS, {k}.MAX_THOUGHT = 3, 10")
+    for at in range(5):
+        nv.lua(put, at, f"t{at}")
+    nv.lua(put, 3, "t3 again")
+    keys = lambda: [e["key"] for e in json.loads((state / "nvim-chat-kept.json").read_text())["turns"]]  # noqa: E731
+    assert keys() == ["b@2", "b@4", "b@3"], keys()
+    assert nv.lua(f"return {k}.get('b', 3).thoughts[1].text") == "t3 again"
+    # a stretch cut to 10 and marked; then t4 (2) is dropped for the characters: 8 + 10 + the mark fit, not 2 more
+    nv.lua(f"{k}.MAX_CHARS = 8 + 10 + #{k}.CUT")
+    nv.lua(put, 9, "x" * 12)
+    assert nv.lua(f"return {k}.get('b', 9).thoughts[1].text") == "x" * 10 + nv.lua(f"return {k}.CUT")
+    assert keys() == ["b@3", "b@9"], keys()
+    nv.lua("require('operate_sidecar').config.state_dir = false")
+    nv.lua(put, 20, "in memory")
+    assert nv.lua(f"return {k}.get('b', 20).thoughts[1].text") == "in memory" and keys() == ["b@3", "b@9"]
+
+
 def test_a_model_stuck_on_the_same_failing_call_is_stopped_after_three_rounds_and_the_turn_says_why(sv):
     """The chat sends repeatLimit 3: a model that makes the same failing call round after round
     (a small model was seen doing so for all 8 rounds) ends its turn after 3, with a note naming

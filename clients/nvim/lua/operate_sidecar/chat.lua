@@ -7,6 +7,7 @@ local server = require('operate_sidecar.server')
 local branches = require('operate_sidecar.branches')
 local context = require('operate_sidecar.context')
 local util = require('operate_sidecar.util')
+local kept = require('operate_sidecar.kept')
 
 local api = vim.api
 local is_null, notify = util.is_null, util.notify
@@ -873,6 +874,44 @@ function M.set_title(chat)
   end
 end
 
+-- What a turn showed that its branch does not hold, to keep (kept.lua): its stretches of
+-- thoughts, each with the number of the turn's other blocks before it.
+local function thoughts_of(turn)
+  local out, at = {}, 0
+  for _, blk in ipairs(turn.blocks) do
+    if blk.kind ~= 'thought' then
+      at = at + 1
+    elseif vim.trim(blk.raw) ~= '' then
+      out[#out + 1] = { at = at, text = blk.raw, ms = blk.ms }
+    end
+  end
+  return out
+end
+
+-- A turn read from the branch (`turn`) with what was kept of it: each stretch of thoughts before
+-- the block it came before (after the last, when the branch holds fewer), and its note.
+local function put_back(turn, k)
+  if not k then
+    return
+  end
+  local blocks, next_t = {}, 1
+  local function thought(t)
+    blocks[#blocks + 1] = { kind = 'thought', raw = t.text, ms = t.ms, closed = true }
+  end
+  for i, blk in ipairs(turn.blocks) do
+    while next_t <= #k.thoughts and k.thoughts[next_t].at <= i - 1 do
+      thought(k.thoughts[next_t])
+      next_t = next_t + 1
+    end
+    blocks[#blocks + 1] = blk
+  end
+  for j = next_t, #k.thoughts do
+    thought(k.thoughts[j])
+  end
+  turn.blocks = blocks
+  turn.note = turn.note or k.note
+end
+
 -- A branch's messages from `offset` on, every page of them (the server sends at most 1000 at
 -- a time): cb(err, messages, next_offset).
 local function fetch_messages(branch, offset, cb)
@@ -903,7 +942,8 @@ local function load_history(chat, cb)
     end
     chat.seen = seen -- (the messages read so far: a turn's cards are filled from there on)
     local turn
-    for _, m in ipairs(messages) do
+    local loaded = {}
+    for i, m in ipairs(messages) do
       local c = type(m.content) == 'table' and m.content or {}
       if m.kind == 'instruction' and turn and c.instruction == M.CONTINUATION then
         turn.rounds = (turn.rounds or 1) + 1 -- the server's next round of that turn, not yours
@@ -912,7 +952,8 @@ local function load_history(chat, cb)
           branches.names[chat.branch] = branches.name_from(c.instruction)
         end
         turn = new_turn(chat, { user = is_null(c.instruction) and '' or tostring(c.instruction),
-          time = util.human_time(m.createdAt), status = 'done' })
+          time = util.human_time(m.createdAt), status = 'done', branch = chat.branch, at = i - 1 })
+        loaded[#loaded + 1] = turn
       elseif turn and m.kind == 'assistant_response' and type(c.text) == 'string' then
         local lines = M.stream_lines(c.text)
         local ok, decoded = pcall(vim.json.decode, c.text)
@@ -928,6 +969,9 @@ local function load_history(chat, cb)
         turn.cards[c.callId or #turn.blocks] = card
         turn.blocks[#turn.blocks + 1] = { kind = 'card', card = card }
       end
+    end
+    for _, t in ipairs(loaded) do
+      put_back(t, kept.get(chat.branch, t.at))
     end
     for _, t in ipairs(chat.turns) do
       render_turn(chat, t)
@@ -1000,6 +1044,7 @@ end
 function M.forget(branch)
   local chat = chats[branch]
   chats[branch] = nil
+  kept.forget(branch) -- (its turns' thoughts and notes)
   if chat then
     by_buf[chat.buf] = nil
     for _, b in ipairs({ chat.buf, chat.prompt_buf }) do
@@ -1382,6 +1427,41 @@ local function fill_cards(chat, turn)
   end)
 end
 
+-- Keeps what the branch does not hold of a turn that ended well (its thoughts, its note:
+-- kept.lua) by where its instruction is on the branch: known when the turn read that as it
+-- began, else the last instruction among the branch's last KEEP_LOOKBACK messages (the turn's
+-- first round's: a later round's instruction is the server's continuation).
+local KEEP_LOOKBACK = 200
+local function keep_turn(turn)
+  local thoughts = thoughts_of(turn)
+  if (#thoughts == 0 and not turn.note) or not turn.branch then
+    return
+  end
+  local bid = turn.branch
+  if turn.at then
+    return kept.put(bid, turn.at, thoughts, turn.note)
+  elseif not (server.state.ready and server.is_running()) then
+    return -- (a request would start the server again)
+  end
+  server.request('branchMessages', { branchId = bid, offset = 0, limit = 0 }, function(err, res)
+    local total = not err and type(res) == 'table' and tonumber(res.total)
+    if not total or total == 0 then
+      return
+    end
+    local from = math.max(0, total - KEEP_LOOKBACK)
+    server.request('branchMessages', { branchId = bid, offset = from, limit = total - from }, function(err2, res2)
+      local msgs = not err2 and type(res2) == 'table' and type(res2.messages) == 'table' and res2.messages or {}
+      for i = #msgs, 1, -1 do
+        local c = type(msgs[i].content) == 'table' and msgs[i].content or {}
+        if msgs[i].kind == 'instruction' and c.instruction ~= M.CONTINUATION then
+          turn.at = turn.at or (from + i - 1)
+          return kept.put(bid, turn.at, thoughts, turn.note)
+        end
+      end
+    end)
+  end)
+end
+
 -- Whether the branch holds a turn that failed or was stopped (its first rounds: the server
 -- records each round that ended, its instruction with the context rendered in): the message at
 -- `turn.at` (the branch's message count when the turn began) is its instruction. turn.recorded
@@ -1525,6 +1605,7 @@ function M.send(chat, text, extra)
       turn.status = 'done'
       turn.rounds = type(result) == 'table' and tonumber(result.rounds) or nil
       turn.note = type(result) == 'table' and result.repeated == true and M.repeat_note(result) or nil
+      keep_turn(turn) -- (its thoughts and note: the branch does not hold them)
       local final = M.result_lines(result)
       -- the last round's streamed text is the reply the result holds: show it once, as prose
       local last

@@ -193,14 +193,22 @@ end
 
 -- ---------------------------------------------------------------- lifecycle
 
+--- The server's state directory (its journal) as configured, or nil when it keeps none
+--- (state_dir = false, or settings.stateDir = vim.NIL).
+function M.state_dir()
+  local s = config.values.settings or {}
+  if type(s.stateDir) == 'string' then
+    return s.stateDir
+  elseif s.stateDir ~= nil or config.values.state_dir == false then
+    return nil
+  end
+  return config.values.state_dir or M.default_state_dir()
+end
+
 local function init_settings()
   local s = util.copy(config.values.settings or {})
   if s.stateDir == nil then
-    if config.values.state_dir == false then
-      s.stateDir = vim.NIL
-    else
-      s.stateDir = config.values.state_dir or M.default_state_dir()
-    end
+    s.stateDir = M.state_dir() or vim.NIL
   end
   for _, k in ipairs({ 'models', 'toolPolicy', 'mcpServers' }) do
     if s[k] ~= nil then
