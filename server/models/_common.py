@@ -11,6 +11,8 @@ import re
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
+from .config import INLINE_OPENED
+
 # --- option names -----------------------------------------------------------
 
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
@@ -86,9 +88,6 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
 
 #: the tags a reply may open with, each with its closing tag
 THOUGHT_TAGS: tuple[tuple[str, str], ...] = (("<think>", "</think>"), ("<thinking>", "</thinking>"))
-#: ``inlineThinking: "opened"``: the server's chat template opens the thoughts (DeepSeek-R1's and
-#: QwQ's generation prompt ends with ``<think>``), so the reply begins inside them.
-OPENED = "opened"
 _LONGEST_OPEN = max(len(o) for o, _ in THOUGHT_TAGS)
 _START, _THOUGHT, _AFTER, _REPLY = range(4)
 
@@ -128,7 +127,7 @@ class InlineThoughts:
             return cls()
         if template:
             return cls(template)
-        if setting == OPENED:
+        if setting == INLINE_OPENED:
             return cls(THOUGHT_TAGS[0][1], declared=True)
         return cls()
 
@@ -211,16 +210,11 @@ def unclosed_thoughts(name: str, declared: bool = False) -> str:
             '(or "inlineThinking": false keeps such text as the reply)')
 
 
-def inline_setting(name: str, config: dict[str, Any]) -> bool | str:
-    """The model config's ``inlineThinking``: true (the default), false or ``"opened"``."""
+def inline_setting(config: dict[str, Any]) -> bool | str:
+    """A checked model config's ``inlineThinking`` (``config.check_model_config``): true (the
+    default), false or ``"opened"``."""
     value = config.get("inlineThinking")
-    if value is None:
-        return True
-    if isinstance(value, bool) or value == OPENED:
-        return value
-    from . import ModelConfigError
-
-    raise ModelConfigError(f'model config {name!r}: inlineThinking must be true, false or "opened", not {value!r}')
+    return True if value is None else value
 
 
 def _tag_start(text: str, tag: str) -> int:

@@ -99,7 +99,7 @@ class CLIModel(BaseModelProvider):
         self.prompt_via = prompt_via or ("stdin" if profile == "jsonl" else "arg")
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
-        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts ("opened": the reply does)
+        self.inline_thinking = inline_thinking  # true: <think>...</think> opening a reply is thoughts; "opened": every reply begins in them
         self.last_pid: int | None = None  # pid (= process group id) of the latest run
 
     @classmethod
@@ -117,7 +117,7 @@ class CLIModel(BaseModelProvider):
             prompt_via=field_value(name, config, "promptVia", None, str),
             timeout_s=field_value(name, config, "timeoutS", None, float),
             kill_grace_s=field_value(name, config, "killGraceS", 2.0, float),
-            inline_thinking=inline_setting(name, config),
+            inline_thinking=inline_setting(config),
         )
 
     # -- argv -----------------------------------------------------------------

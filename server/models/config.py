@@ -29,6 +29,9 @@ PROVIDERS: dict[str, str] = {
 }
 
 CLI_PROFILES = ("claude-code", "llm", "jsonl")
+#: ``inlineThinking: "opened"``: the server's chat template opens the thoughts (DeepSeek-R1's and
+#: QwQ's generation prompt ends with ``<think>``), so every reply begins inside them.
+INLINE_OPENED = "opened"
 PROMPT_VIA = ("arg", "stdin")
 
 # Field types: "string", "integer", "number", "boolean", "object" (any JSON object),
@@ -323,10 +326,10 @@ def _type_problem(field: str, kind: Any, value: Any) -> str | None:
     elif kind == "boolean":
         ok, want = isinstance(value, bool), "a boolean"
     elif kind == "inline thinking":
-        if isinstance(value, bool) or value == "opened":
+        if isinstance(value, bool) or value == INLINE_OPENED:
             return None
         got = _short(value) if isinstance(value, str) else json_kind(value)
-        return f'{field} must be true, false or "opened", not {got}'
+        return f'{field} must be true, false or "{INLINE_OPENED}", not {got}'
     elif kind == "object":
         ok, want = isinstance(value, dict), "an object"
     elif kind == "string map":

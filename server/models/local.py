@@ -674,7 +674,7 @@ class LocalModel(BaseModelProvider):
         self.max_string_length = max_string_length
         self.options = snake_options(options)
         self.timeout_s = timeout_s  # applied by core around each call (server.core.imodel.model_deadline)
-        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts
+        self.inline_thinking = inline_thinking  # true: <think>...</think> opening a reply is thoughts; "opened": every reply begins in them
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "LocalModel":
@@ -691,7 +691,7 @@ class LocalModel(BaseModelProvider):
             ),
             options=field_value(name, config, "options", None, dict),
             timeout_s=field_value(name, config, "timeoutS", None, float),
-            inline_thinking=inline_setting(name, config),
+            inline_thinking=inline_setting(config),
         )
 
     @property

@@ -105,7 +105,7 @@ class OpenAIModel(BaseModelProvider):
         self.max_retries = int(max_retries)
         _check_options(name, "options", options)
         self.options = snake_options(options)
-        self.inline_thinking = inline_thinking  # a reply opening with <think>...</think>: those are thoughts ("opened": the reply does)
+        self.inline_thinking = inline_thinking  # true: <think>...</think> opening a reply is thoughts; "opened": every reply begins in them
         self._client: Any = None
         self._api_key: str | None = None
         self._rf_mode: str | None = None  # what worked for structured output
@@ -122,7 +122,7 @@ class OpenAIModel(BaseModelProvider):
             timeout_s=field_value(name, config, "timeoutS", DEFAULT_TIMEOUT_S, float),
             max_retries=field_value(name, config, "maxRetries", 2, int),
             options=field_value(name, config, "options", None, dict),
-            inline_thinking=inline_setting(name, config),
+            inline_thinking=inline_setting(config),
         )
 
     # -- client ---------------------------------------------------------------

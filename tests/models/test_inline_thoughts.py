@@ -129,14 +129,14 @@ def test_the_splitter_of_a_call_follows_the_model_setting_the_template_and_a_str
 
 
 def test_the_setting_is_true_false_or_opened():
-    from operate_sidecar.server.models import ModelConfigError
-    from operate_sidecar.server.models._common import inline_setting
+    from operate_sidecar.server.models import ModelConfigError, make_model
 
-    assert [inline_setting("m", c) for c in ({}, {"inlineThinking": None}, {"inlineThinking": False},
-                                            {"inlineThinking": "opened"})] == [True, True, False, "opened"]
+    base = {"provider": "cli", "profile": "llm", "command": ["llm"]}
+    assert [make_model({**base, **c}, name="m").inline_thinking for c in (
+        {}, {"inlineThinking": None}, {"inlineThinking": False}, {"inlineThinking": "opened"})] == [True, True, False, "opened"]
     for wrong in ("open", 1, "true"):
-        with pytest.raises(ModelConfigError, match='inlineThinking must be true, false or "opened"'):
-            inline_setting("m", {"inlineThinking": wrong})
+        with pytest.raises(ModelConfigError, match='inlineThinking must be true, false or "opened", not'):
+            make_model({**base, "inlineThinking": wrong}, name="m")
 
 
 def test_turned_off_every_delta_is_text_as_it_came_and_an_unclosed_call_is_a_model_error():

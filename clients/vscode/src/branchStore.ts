@@ -88,6 +88,7 @@ export class BranchStore {
     this.kept = new Map(left);
     return this.state.update(KEPT_TURNS_KEY, left);
   }
+
   nameOf(branchId: string | undefined): string | undefined { return branchId ? this.names.get(branchId) : undefined; }
   remember(branchId: string, name: string | null | undefined): void { if (name) this.names.set(branchId, name); }
 

@@ -132,6 +132,7 @@ function M.delete(cb, id)
     M.forget(id)
     M.names[id] = nil
     require('operate_sidecar.chat').forget(id)
+    require('operate_sidecar.kept').forget(id) -- (its turns' thoughts and notes)
     notify('deleted branch ' .. (M.label_of(id)))
     cb(nil)
   end)

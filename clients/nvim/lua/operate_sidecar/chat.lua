@@ -1044,7 +1044,6 @@ end
 function M.forget(branch)
   local chat = chats[branch]
   chats[branch] = nil
-  kept.forget(branch) -- (its turns' thoughts and notes)
   if chat then
     by_buf[chat.buf] = nil
     for _, b in ipairs({ chat.buf, chat.prompt_buf }) do
