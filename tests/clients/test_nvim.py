@@ -2228,6 +2228,45 @@ def test_buffer_selection_and_diagnostics_references(sv):
     assert "_with #buffer (refs.py), #selection (refs.py:2-3), #diagnostics (1)_" in sv.chat(bid)
 
 
+def test_file_references_attach_other_files_their_unsaved_buffer_text_or_say_why_not(sv):
+    """`#file:<path>` attaches that file: a loaded buffer's text (unsaved changes too), else the
+    file's from the disk, at most MAX_FILE_CHARS characters (cut at a character, and said); a
+    reference followed by punctuation names the file without it; one that names no text file
+    (missing, a directory, a binary file) says why, to the model and on the turn's line."""
+    bid = sv.new_branch(["seen"], "filerefs")
+    d = sv.tmp / "frefs"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.py").write_text("print('a')\n")
+    (d / "b.bin").write_bytes(b"PK\x00\x01")
+    (d / "big.txt").write_text("é" * 40_010)
+    (d / "open.txt").write_text("on disk\n")
+    sv.n.command(f"edit {d / 'open.txt'}")
+    sv.n.command("setfiletype text")
+    sv.lua("vim.api.nvim_buf_set_lines(0, 0, -1, false, {'unsaved', 'text'})")
+    rel = "frefs/"
+    sv.chat_send(f"compare #file:{rel}a.py, #file:{rel}open.txt #file:{rel}b.bin #file:{rel}nope.txt "
+                 f"#file:{rel}sub #file:{rel}big.txt and #file:{rel}a.py again")
+    assert sv.wait_done()["err"] is None
+    ctx = [m for m in sv.messages(bid) if m["kind"] == "instruction"][-1]["content"]["context"]
+    files = ctx["files"]
+    assert files[:5] == [
+        {"path": "frefs/a.py", "text": "print('a')\n"},
+        {"path": "frefs/open.txt", "text": "unsaved\ntext", "language": "text"},
+        {"path": "frefs/b.bin", "error": "a binary file"},
+        {"path": "frefs/nope.txt", "error": "not found"},
+        {"path": "frefs/sub/", "error": "a directory, not a file"}], files
+    assert files[5] == {"path": "frefs/big.txt", "text": "é" * 40_000, "truncated": True} and len(files) == 6, files[5:]
+    assert set(ctx) == {"files"}, ctx
+    assert ("_with #file (frefs/a.py), #file (frefs/open.txt), #file (frefs/b.bin: a binary file), "
+            "#file (frefs/nope.txt: not found), #file (frefs/sub/: a directory, not a file), "
+            "#file (frefs/big.txt, cut)_") in sv.chat(bid), sv.chat(bid)
+    # at most MAX_FILES files are read; a reference beyond says so
+    expanded = sv.lua("local c = require('operate_sidecar.context'); local max = c.MAX_FILES; c.MAX_FILES = 2; "
+                      "local ok, r = pcall(c.expand, ...); c.MAX_FILES = max; assert(ok, r); return r.files",
+                      f"#file:{rel}a.py #file:{rel}open.txt #file:{rel}big.txt")
+    assert [f.get("error") for f in expanded] == [None, None, "more than 2 #file: references in one message"], expanded
+
+
 def test_a_selection_asked_for_where_there_is_none_is_named_as_none(sv):
     """`#selection` in a buffer that never had a visual selection sent nothing for it and the turn
     said nothing either (no `_with ..._` line): the user could not tell the model had not seen it."""

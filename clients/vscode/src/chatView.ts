@@ -163,7 +163,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 <body><header id="bar"><button id="branch" class="link" title="Switch chat (fork, delete)"></button><span class="grow"></span>
 <button id="model" class="link" title="Pick the model"></button><button id="new" class="link" title="New chat">New</button></header>
 <main id="log"></main>
-<footer><textarea id="input" rows="3" aria-label="Message to the chat" placeholder="Ask or instruct… (#file, #selection, #problems)  Enter to send, Shift+Enter for a new line"></textarea>
+<footer><textarea id="input" rows="3" aria-label="Message to the chat" placeholder="Ask or instruct… (#file, #file:path, #selection, #problems)  Enter to send, Shift+Enter for a new line"></textarea>
 <div class="row"><span id="status" role="status" aria-live="polite"></span><span class="grow"></span><button id="stop" class="secondary" hidden>Stop</button><button id="send">Send</button></div></footer>
 <script nonce="${nonce}" src="${js}"></script></body></html>`;
     view.webview.onDidReceiveMessage((m) => this.onMessage(m), undefined, this.subs);

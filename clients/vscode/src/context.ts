@@ -1,11 +1,14 @@
 // What the editor adds to an instruction: the selection (file, language, line range) and the
-// `#file`, `#selection`, `#problems` references typed in the chat input.
+// `#file`, `#file:<path>`, `#selection`, `#problems` references typed in the chat input.
+import * as fs from 'node:fs';
 import * as path from 'node:path';
 import * as vscode from 'vscode';
 import type { Json, JsonObject } from './rpcClient';
 
 const MAX_FILE_CHARS = 40_000;
 const MAX_PROBLEMS = 50;
+/** `#file:<path>` references read per message (one beyond is named as not read). */
+export const MAX_FILE_REFS = 10;
 
 /** The last text editor the user worked in (focus in the chat view does not clear it). */
 export class EditorTracker implements vscode.Disposable {
@@ -75,15 +78,70 @@ function problems(): JsonObject[] {
 
 export interface ResolvedInput { instruction: string; context?: JsonObject }
 
+/** The `#file:<path>` references of a message (a path without spaces, or one in double quotes), each once, in order. */
+export function fileRefs(text: string): string[] {
+  const out: string[] = [];
+  for (const m of text.matchAll(/#file:(?:"([^"]+)"|(\S+))/g)) {
+    const ref = m[1] ?? m[2];
+    if (!out.includes(ref)) out.push(ref);
+  }
+  return out;
+}
+
+/** The places a reference may name: absolute; `<folder name>/<path>` (see relPath) or a path in a workspace folder. */
+function candidates(ref: string): vscode.Uri[] {
+  if (path.isAbsolute(ref)) return [vscode.Uri.file(ref)];
+  const folders = vscode.workspace.workspaceFolders ?? [];
+  const [head, ...rest] = ref.split('/');
+  return [
+    ...folders.filter((f) => rest.length && path.posix.basename(f.uri.path) === head).map((f) => vscode.Uri.joinPath(f.uri, ...rest)),
+    ...folders.map((f) => vscode.Uri.joinPath(f.uri, ref)),
+  ];
+}
+
+const openDoc = (uri: vscode.Uri) => vscode.workspace.textDocuments.find((d) => d.uri.toString() === uri.toString());
+const isFile = (uri: vscode.Uri) => { try { return fs.statSync(uri.fsPath).isFile(); } catch { return false; } };
+const isDir = (uri: vscode.Uri) => { try { return fs.statSync(uri.fsPath).isDirectory(); } catch { return false; } };
+
 /**
- * The instruction with its context: `#file` (the active file), `#selection` (the selection with
- * its file, language and line range), `#problems` (diagnostics). A non-empty selection is sent even
- * without `#selection`. `labels` (shown in the chat) name what was attached.
+ * The file a `#file:` reference names, as `{file, language?, text, truncated?}`: an open document's text (unsaved
+ * changes too), else the file's, at most MAX_FILE_CHARS characters; a reference followed by punctuation
+ * (`#file:a.py,`) names the file without it when only that one exists. Else why it was not attached.
+ */
+export function fileOfRef(ref: string): { file: JsonObject } | { unavailable: string } {
+  const bare = ref.replace(/[.,;:!?)\]}'"]+$/, '');
+  const found = (r: string) => candidates(r).find((u) => openDoc(u) || isFile(u));
+  const uri = found(ref) ?? (bare && bare !== ref ? found(bare) : undefined);
+  if (!uri) {
+    const dir = candidates(ref).some(isDir);
+    return { unavailable: `#file:${ref}: ${dir ? 'a folder, not a file' : 'not found in the workspace'}` };
+  }
+  const doc = openDoc(uri);
+  let text: string;
+  if (doc) text = doc.getText();
+  else {
+    let bytes: Buffer;
+    try { bytes = fs.readFileSync(uri.fsPath); } catch (e) { return { unavailable: `#file:${ref}: cannot be read (${(e as Error).message})` }; }
+    if (bytes.includes(0)) return { unavailable: `#file:${ref}: a binary file` };
+    text = bytes.toString('utf8');
+  }
+  const chars = [...text.slice(0, MAX_FILE_CHARS * 2)];   // (by characters: a surrogate pair is never cut)
+  const cut = chars.length > MAX_FILE_CHARS;
+  return { file: {
+    file: relPath(uri), ...(doc && { language: doc.languageId }),
+    text: cut ? chars.slice(0, MAX_FILE_CHARS).join('') : text, ...(cut && { truncated: true }),
+  } };
+}
+
+/**
+ * The instruction with its context: `#file` (the active file), `#file:<path>` (that file, see fileOfRef: `files`),
+ * `#selection` (the selection with its file, language and line range), `#problems` (diagnostics). A non-empty
+ * selection is sent even without `#selection`. `labels` (shown in the chat) name what was attached.
  */
 export function resolveInput(text: string, editor: vscode.TextEditor | undefined): ResolvedInput {
   const ctx: JsonObject = {};
   const labels: string[] = [];
-  const refs = new Set((text.match(/#(file|selection|problems)\b/g) ?? []).map((r) => r.slice(1)));
+  const refs = new Set((text.match(/#(file|selection|problems)\b(?!:)/g) ?? []).map((r) => r.slice(1)));
   const sel = selectionOf(editor);
   if (sel && (refs.has('selection') || !refs.has('file'))) {
     ctx.selection = sel as unknown as Json;
@@ -103,6 +161,17 @@ export function resolveInput(text: string, editor: vscode.TextEditor | undefined
     ctx.problems = p;
     labels.push(`${p.length} problem${p.length === 1 ? '' : 's'}`);
   }
+  const files: JsonObject[] = [];
+  for (const ref of fileRefs(text)) {
+    if (files.length >= MAX_FILE_REFS) { unavailable.push(`#file:${ref}: not read (at most ${MAX_FILE_REFS} files per message)`); continue; }
+    const r = fileOfRef(ref);
+    if ('unavailable' in r) unavailable.push(r.unavailable);
+    else if (!files.some((f) => f.file === r.file.file)) {   // (`a.py` and `a.py,` are one file)
+      files.push(r.file);
+      labels.push(`${String(r.file.file)}${r.file.truncated ? ' (cut)' : ''}`);
+    }
+  }
+  if (files.length) ctx.files = files;
   if (unavailable.length) { ctx.unavailable = unavailable; labels.push(...unavailable); }
   if (!labels.length) return { instruction: text };
   ctx.labels = labels;

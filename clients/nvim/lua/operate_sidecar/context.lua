@@ -1,11 +1,14 @@
 -- Context for a chat turn: `#buffer`, `#selection` and `#diagnostics` references in the prompt
--- expand to the text, selection and diagnostics of the buffer the user came from.
+-- expand to the text, selection and diagnostics of the buffer the user came from; `#file:<path>`
+-- to the text of that file (its buffer's, when it is loaded: unsaved changes included).
 local api = vim.api
 local util = require('operate_sidecar.util')
 
 local M = {}
 
 M.REFS = { 'buffer', 'selection', 'diagnostics' }
+M.MAX_FILE_CHARS = 40000 -- of a `#file:` reference's text (the rest is left out, and it says so)
+M.MAX_FILES = 10 -- `#file:` references per prompt
 
 local last_source -- the last ordinary buffer the user was in
 
@@ -99,6 +102,75 @@ function M.range_text(line1, line2)
   return table.concat(api.nvim_buf_get_lines(0, line1 - 1, line2, false), '\n')
 end
 
+--- The `#file:<path>` references of a prompt (a path with no spaces), each once, in order.
+function M.file_refs(text)
+  local out, seen = {}, {}
+  for ref in text:gmatch('#file:(%S+)') do
+    if not seen[ref] then
+      seen[ref] = true
+      out[#out + 1] = ref
+    end
+  end
+  return out
+end
+
+local function loaded_buf(full)
+  for _, b in ipairs(api.nvim_list_bufs()) do
+    if api.nvim_buf_is_loaded(b) and api.nvim_buf_get_name(b) == full then
+      return b
+    end
+  end
+  return nil
+end
+
+--- The file a `#file:` reference names (relative to the current directory, `~` for home), as
+--- {path, language?, text, truncated?}: its loaded buffer's text, else the file's, at most
+--- MAX_FILE_CHARS characters. A reference that names no readable text file: {path, error}. A
+--- reference followed by punctuation (`#file:a.py,`) names the file without it, when only that
+--- one exists.
+function M.file(ref)
+  local function full_of(r)
+    return vim.fn.fnamemodify(r, ':p') -- (`:p` expands a leading ~)
+  end
+  local full = full_of(ref)
+  local bare = ref:gsub('[%.,;:!%?%)%]}\'"]+$', '')
+  if not loaded_buf(full) and vim.fn.filereadable(full) == 0 and bare ~= '' and bare ~= ref then
+    local other = full_of(bare)
+    if loaded_buf(other) or vim.fn.filereadable(other) == 1 then
+      full = other
+    end
+  end
+  local out = { path = util.display_path(full) }
+  local b = loaded_buf(full)
+  local text
+  if b then
+    out.language = vim.bo[b].filetype ~= '' and vim.bo[b].filetype or nil
+    text = table.concat(api.nvim_buf_get_lines(b, 0, -1, false), '\n')
+  elseif vim.fn.isdirectory(full) == 1 then
+    out.error = 'a directory, not a file'
+    return out
+  else
+    local f = vim.fn.filereadable(full) == 1 and io.open(full, 'rb') or nil
+    if not f then
+      out.error = 'not found'
+      return out
+    end
+    text = f:read(M.MAX_FILE_CHARS * 4 + 1) or '' -- (enough bytes for MAX_FILE_CHARS characters)
+    local more = f:read(1) ~= nil
+    f:close()
+    if text:find('\0', 1, true) then
+      out.error = 'a binary file'
+      return out
+    end
+    out.truncated = more or nil
+  end
+  if vim.fn.strchars(text) > M.MAX_FILE_CHARS then
+    text, out.truncated = vim.fn.strcharpart(text, 0, M.MAX_FILE_CHARS), true
+  end
+  out.text = text
+  return out
+end
+
 --- The references in a prompt: a list of names in the order they appear (each once).
 function M.refs(text)
   local found, seen = {}, {}
@@ -113,8 +185,8 @@ end
 
 --- Expand the references of a prompt into an operate `context` object (nil when there are none).
 function M.expand(text, b)
-  local refs = M.refs(text)
-  if #refs == 0 then
+  local refs, files = M.refs(text), M.file_refs(text)
+  if #refs == 0 and #files == 0 then
     return nil
   end
   b = b or M.source_buf()
@@ -122,6 +194,18 @@ function M.expand(text, b)
   for _, r in ipairs(refs) do
     local v = M[r](b)
     ctx[r] = v == nil and vim.NIL or v
+  end
+  if #files > 0 then
+    ctx.files = {}
+    local seen = {}
+    for _, ref in ipairs(files) do
+      local f = #ctx.files < M.MAX_FILES and M.file(ref) -- (beyond that: said, not read)
+        or { path = ref, error = ('more than %d #file: references in one message'):format(M.MAX_FILES) }
+      if not seen[f.path] then -- (`a.py` and `a.py,` are one file)
+        seen[f.path] = true
+        ctx.files[#ctx.files + 1] = f
+      end
+    end
   end
   return ctx
 end
@@ -142,6 +226,10 @@ function M.describe(ctx)
         parts[#parts + 1] = ('#buffer (%s)'):format(v.path)
       end
     end
+  end
+  for _, f in ipairs(ctx and type(ctx.files) == 'table' and ctx.files or {}) do
+    parts[#parts + 1] = f.error and ('#file (%s: %s)'):format(f.path, f.error)
+      or ('#file (%s%s)'):format(f.path, f.truncated and ', cut' or '')
   end
   return table.concat(parts, ', ')
 end
