@@ -144,6 +144,13 @@
       if ($('branch').textContent !== m.branch) recalled = null;
       $('branch').textContent = m.branch;
       $('model').textContent = m.model;
+    } else if (m.type === 'attach') {   // Attach File: the reference goes in at the caret, set apart by spaces
+      const a = input.selectionStart, b = input.selectionEnd, v = input.value;
+      const text = (a > 0 && !/\s$/.test(v.slice(0, a)) ? ' ' : '') + m.ref + (/^\s/.test(v.slice(b)) ? '' : ' ');
+      input.value = v.slice(0, a) + text + v.slice(b);
+      input.setSelectionRange(a + text.length, a + text.length);
+      input.focus();
+      vscode.setState({ ...vscode.getState(), draft: input.value });
     } else if (m.type === 'stream') {
       const turns = log.querySelectorAll('section.turn');
       const last = turns[turns.length - 1];
@@ -163,6 +170,7 @@
   $('branch').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.pickBranch' }));
   $('model').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.pickModel' }));
   $('new').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.newChat' }));
+  $('attach').addEventListener('click', () => vscode.postMessage({ type: 'attach' }));
   input.addEventListener('keydown', (e) => {
     if (e.key === 'ArrowUp' || e.key === 'ArrowDown') recall(e);
     else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }

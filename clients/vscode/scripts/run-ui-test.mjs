@@ -535,6 +535,8 @@ async function main() {
     await sleep(1000);
     expect(await inWeb(`!document.getElementById('stop').hidden`), 'Escape in the editor left the turn running');
     await openChat();
+    await key('Tab', 'Tab', 9);   // (the input, + File, Stop: in the order they are shown)
+    await waitFor('+ File focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'attach'`), 5000);
     await key('Tab', 'Tab', 9);
     await waitFor('the Stop button focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'stop'`), 5000);
     // the extension told that the chat has no focus, as it is before the view's focus report arrives (right
@@ -655,6 +657,17 @@ async function main() {
     await clearInput();
   });
 
+  await check('Attach file (+ File under the input): a quick pick of the workspace\'s files puts #file:<path> into the input at the caret, set apart by spaces, the text typed around it kept, the input focused again', async () => {
+    await clearInput();
+    await type('Compare  with the app');
+    // the caret after "Compare ": the reference goes there
+    await inWeb(`(() => { const i = document.getElementById('input'); i.focus(); i.setSelectionRange(8, 8); return true; })()`);
+    await webClick('#attach');
+    await quickPickChoose('util', 'util.py');
+    await shows('the reference at the caret', 'Compare #file:src/util.py with the app');
+    await waitFor('the input focused again', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
+    await clearInput();
+  });
   await check('input history: Up on the first line of the input recalls the chat\'s earlier messages, Down goes back to the draft being typed; inside a multi-line text the caret moves first; kept when the chat is hidden and shown again', async () => {
     const up = () => key('ArrowUp', 'ArrowUp', 38);
     const down = () => key('ArrowDown', 'ArrowDown', 40);

@@ -8,7 +8,7 @@ import {
   proseOf, refusesField, renderMarkdown, repeatNote, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
-import { EditorTracker, resolveInput } from './context';
+import { EditorTracker, pickFileRef, resolveInput } from './context';
 import { DiffReview, previewOf } from './diffReview';
 import {
   CancellationToken, CancellationTokenSource, ErrorCodes, Json, JsonObject, Message, OperateParams, OperateResult, PermissionDecision,
@@ -28,6 +28,8 @@ const PAGE = 1000;
 const STREAM_MS = 50;
 /** A turn's rounds stop after this many in a row that made the same calls, all failing the same way (the server's repeatLimit). */
 const REPEAT_LIMIT = 3;
+/** How long Attach File waits for a chat view being built to listen. */
+const READY_MS = 10_000;
 
 /** All of a branch's messages (in pages: a long chat has more than one). */
 async function allMessages(client: SidecarClient, branchId: string): Promise<Message[]> {
@@ -120,6 +122,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private readonly unanswered = new Map<string, () => void>();
   private readonly subs: vscode.Disposable[] = [];
   private readonly ready = new vscode.EventEmitter<void>();
+  /** The webview's script listens (it reported `ready` since the view was last built). */
+  private scriptReady = false;
   private streamUpdates = 0;
   /** Streamed pieces received (streamUpdates: how often the prose was rendered and shown). */
   private deltas = 0;
@@ -151,6 +155,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   resolveWebviewView(view: vscode.WebviewView): void {
     this.view = view;
     this.sentParts = [];
+    this.scriptReady = false;
     this.showWaiting();
     const media = vscode.Uri.joinPath(this.ctx.extensionUri, 'media');
     view.webview.options = { enableScripts: true, localResourceRoots: [media] };
@@ -164,7 +169,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 <button id="model" class="link" title="Pick the model"></button><button id="new" class="link" title="New chat">New</button></header>
 <main id="log"></main>
 <footer><textarea id="input" rows="3" aria-label="Message to the chat" placeholder="Ask or instruct… (#file, #file:path, #selection, #problems)  Enter to send, Shift+Enter for a new line"></textarea>
-<div class="row"><span id="status" role="status" aria-live="polite"></span><span class="grow"></span><button id="stop" class="secondary" hidden>Stop</button><button id="send">Send</button></div></footer>
+<div class="row"><button id="attach" class="secondary" title="Attach a file of the workspace to the message (#file:path)">+ File</button><span id="status" role="status" aria-live="polite"></span><span class="grow"></span><button id="stop" class="secondary" hidden>Stop</button><button id="send">Send</button></div></footer>
 <script nonce="${nonce}" src="${js}"></script></body></html>`;
     view.webview.onDidReceiveMessage((m) => this.onMessage(m), undefined, this.subs);
     view.onDidDispose(() => { if (this.view === view) { this.view = undefined; setContext(FOCUS_KEY, false); } }, undefined, this.subs);
@@ -174,7 +179,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private async onMessage(m: { type: string; [k: string]: unknown }): Promise<void> {
     try {
       switch (m.type) {
-        case 'ready': this.keyMod = m.mod === 'Cmd' ? 'Cmd' : 'Ctrl'; this.sentParts = []; await this.refresh(); this.ready.fire(); break;
+        case 'ready': this.keyMod = m.mod === 'Cmd' ? 'Cmd' : 'Ctrl'; this.sentParts = []; await this.refresh(); this.scriptReady = true; this.ready.fire(); break;
         case 'send': if (typeof m.text === 'string' && m.text.trim()) void this.send(m.text).catch(() => undefined); break;
         case 'retry': void this.retry(String(m.id)).catch(() => undefined); break;
         case 'stop': this.stop(); break;
@@ -184,6 +189,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         case 'copy': await vscode.env.clipboard.writeText(String(m.code)); break;
         case 'insert': await this.insert(String(m.code)); break;
         case 'command': await vscode.commands.executeCommand(String(m.id)); break;
+        case 'attach': await this.attachFile(); break;
       }
     } catch (e) {
       void vscode.window.showErrorMessage(`operate-sidecar: ${e instanceof Error ? e.message : String(e)}`);
@@ -312,6 +318,25 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   async reveal(): Promise<void> {
     await vscode.commands.executeCommand(`${VIEW_ID}.focus`);
+  }
+
+  /** Resolves once the webview's script listens (it reported `ready`), at the latest after READY_MS. */
+  private whenReady(): Promise<void> {
+    if (this.scriptReady) return Promise.resolve();
+    return new Promise((resolve) => {
+      const done = () => { clearTimeout(timer); sub.dispose(); resolve(); };
+      const timer = setTimeout(done, READY_MS);
+      const sub = this.ready.event(done);
+    });
+  }
+
+  /** Attach File (the button under the input, or the command): the chosen file's `#file:<path>` goes into the input, at the caret. */
+  async attachFile(): Promise<void> {
+    const ref = await pickFileRef();
+    if (!ref) return;
+    await this.reveal();
+    await this.whenReady();
+    this.post({ type: 'attach', ref });
   }
 
   // ---- turns -----------------------------------------------------------------------------------

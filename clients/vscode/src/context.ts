@@ -78,6 +78,32 @@ function problems(): JsonObject[] {
 
 export interface ResolvedInput { instruction: string; context?: JsonObject }
 
+/** How a message names the file at `rel` (see relPath): `#file:<path>`, in double quotes when it holds white space. */
+export const fileRefText = (rel: string): string => (/\s/.test(rel) ? `#file:"${rel}"` : `#file:${rel}`);
+
+/**
+ * Attach File: a quick pick of the workspace's files (the open ones first; `files.exclude` applies), answering the
+ * chosen one's reference (fileRefText), or undefined (dismissed, or no folder to pick from: said).
+ */
+export async function pickFileRef(): Promise<string | undefined> {
+  if (!vscode.workspace.workspaceFolders?.length) {
+    void vscode.window.showInformationMessage('operate-sidecar: no folder is open; type #file:<absolute path> to attach a file');
+    return undefined;
+  }
+  const open = new Set(vscode.workspace.textDocuments.map((d) => d.uri.toString()));
+  const uris = await vscode.workspace.findFiles('**/*', undefined, 10_000);
+  const items = uris.map((u) => {
+    const rel = relPath(u);
+    const dir = path.posix.dirname(rel);
+    return { label: path.posix.basename(rel), description: dir === '.' ? '' : dir, rel, open: open.has(u.toString()) };
+  }).sort((a, b) => Number(b.open) - Number(a.open) || a.rel.localeCompare(b.rel));
+  const pick = await vscode.window.showQuickPick(items, {
+    title: 'operate-sidecar: attach a file to the message', matchOnDescription: true,
+    placeHolder: 'A file of the workspace: its text goes along with the message (#file:<path>)',
+  });
+  return pick && fileRefText(pick.rel);
+}
+
 /** The `#file:<path>` references of a message (a path without spaces, or one in double quotes), each once, in order. */
 export function fileRefs(text: string): string[] {
   const out: string[] = [];

@@ -807,6 +807,7 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
   reg('newChat', () => s.newChat());
   reg('pickBranch', (a?: { branchId?: string }) => s.pickBranch(a));
   reg('pickModel', (a?: { model?: string } | string) => s.pickModel(a));
+  reg('attachFile', () => s.chat.attachFile());
   reg('acceptEdit', (a?: unknown) => s.decideEdit(a, 'allow_once'));
   reg('rejectEdit', (a?: unknown) => s.decideEdit(a, 'deny_once'));
   reg('alwaysAllowEdit', (a?: unknown) => s.decideEdit(a, 'allow_always'));
