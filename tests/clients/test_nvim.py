@@ -2267,6 +2267,41 @@ def test_file_references_attach_other_files_their_unsaved_buffer_text_or_say_why
     assert [f.get("error") for f in expanded] == [None, None, "more than 2 #file: references in one message"], expanded
 
 
+def test_attach_puts_a_file_reference_into_the_prompt_typed_or_picked(sv):
+    """`:OperateAttach {file}` puts `#file:<path>` at the end of the chat's prompt (in double
+    quotes when the path has spaces, which the prompt's references then read); CTRL-F in the
+    prompt's insert mode picks one of the project's files (vim.ui.select) and puts it at the
+    cursor, set apart by spaces. The turn then attaches them."""
+    bid = sv.new_branch(["seen"], "attach")
+    d = sv.tmp / "attach"
+    d.mkdir()
+    (d / "x.py").write_text("x = 1\n")
+    (d / "my notes.txt").write_text("notes\n")
+    sv.n.command("OperateChat")
+    sv.lua("local c = require('operate_sidecar.chat'); c.set_prompt(c.current(), 'compare')")
+    sv.n.command("wincmd p")                                    # (the cursor elsewhere: the reference goes at the end)
+    sv.n.command("OperateAttach attach/my notes.txt")
+    chat = "require('operate_sidecar.chat')"
+    assert sv.lua(f"return {chat}.prompt_text()") == 'compare #file:"attach/my notes.txt"'
+    assert sv.lua("return vim.api.nvim_get_current_buf() == require('operate_sidecar.chat').current().prompt_buf")
+    sv.lua(f"{chat}.set_prompt({chat}.current(), 'see now')")
+    sv.lua("""
+        _G.offered = nil
+        vim.ui.select = function(items, opts, on_choice)
+          _G.offered = { prompt = opts.prompt, n = #items, has = vim.tbl_contains(items, 'attach/x.py') }
+          on_choice('attach/x.py')
+        end""")
+    sv.lua("vim.api.nvim_win_set_cursor(0, {1, 3})")           # on the space in "see now"
+    sv.send_keys("i<C-f><Esc>")
+    assert sv.lua("return _G.offered")["has"] is True and sv.lua("return _G.offered")["prompt"] == "Attach a file: "
+    assert sv.lua(f"return {chat}.prompt_text()") == "see #file:attach/x.py now"
+    sv.lua(f"{chat}.set_prompt({chat}.current(), ...)", 'both #file:attach/x.py and #file:"attach/my notes.txt"')
+    sv.send_keys("<CR>")
+    assert sv.wait_done()["err"] is None
+    files = [m for m in sv.messages(bid) if m["kind"] == "instruction"][-1]["content"]["context"]["files"]
+    assert files == [{"path": "attach/x.py", "text": "x = 1\n"}, {"path": "attach/my notes.txt", "text": "notes\n"}], files
+
+
 def test_a_selection_asked_for_where_there_is_none_is_named_as_none(sv):
     """`#selection` in a buffer that never had a visual selection sent nothing for it and the turn
     said nothing either (no `_with ..._` line): the user could not tell the model had not seen it."""

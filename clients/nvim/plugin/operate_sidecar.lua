@@ -53,6 +53,14 @@ end, {
   end,
 })
 
+cmd('OperateAttach', function(opts)
+  require('operate_sidecar.chat').attach(nil, opts.args)
+end, {
+  nargs = '?',
+  complete = 'file',
+  desc = "Attach {file} to the chat's message (#file:<path>; picked from the project's files when omitted)",
+})
+
 cmd('OperatePermission', function()
   require('operate_sidecar.permission').focus()
 end, { desc = 'Show the waiting permission request or diff review' })

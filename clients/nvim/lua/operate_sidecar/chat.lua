@@ -785,6 +785,11 @@ local function set_keymaps(chat, b)
   map('n', 'gm', function()
     branches.pick_model()
   end, 'pick a model')
+  if b == chat.prompt_buf then
+    map('i', '<C-f>', function()
+      M.attach(chat)
+    end, 'attach a file (#file:<path>, picked)')
+  end
   if b == chat.buf then -- (the transcript is read-only: these keys edit nothing there)
     map('n', 'R', function()
       M.retry(chat, M.turn_at(chat, api.nvim_win_get_cursor(0)[1]))
@@ -1246,6 +1251,44 @@ end
 
 function M.set_prompt(chat, text)
   api.nvim_buf_set_lines(chat.prompt_buf, 0, -1, false, util.split_lines(text))
+end
+
+--- Attach a file to the message being written: `#file:<path>` goes into the chat's prompt, at
+--- the cursor when it is in the prompt, else at its end (set apart by spaces). Without `path`,
+--- the file is picked from the project's files (context.project_files) with vim.ui.select.
+function M.attach(chat, path)
+  chat = chat or M.current()
+  -- where it goes: the cursor's place in the prompt (insert mode: before the cursor; normal: after
+  -- the character under it), else the prompt's end
+  local at = api.nvim_get_current_buf() == chat.prompt_buf and api.nvim_win_get_cursor(0) or nil
+  local after_cursor = vim.fn.mode() ~= 'i'
+  local function put(p)
+    local pb = chat.prompt_buf
+    M.show(chat)
+    local w = api.nvim_get_current_win()
+    local last = api.nvim_buf_line_count(pb)
+    local row = at and math.min(at[1], last) or last
+    local line = api.nvim_buf_get_lines(pb, row - 1, row, false)[1] or ''
+    local col = at and math.min(at[2] + ((after_cursor and #line > 0) and 1 or 0), #line) or #line
+    local before, after = line:sub(col, col), line:sub(col + 1, col + 1)
+    local text = ((before ~= '' and not before:match('%s')) and ' ' or '') .. context.file_ref_text(p)
+      .. (after:match('%s') and '' or ' ')
+    api.nvim_buf_set_text(pb, row - 1, col, row - 1, col, { text })
+    pcall(api.nvim_win_set_cursor, w, { row, col + #text })
+  end
+  if path and path ~= '' then
+    return put(path)
+  end
+  local files = context.project_files()
+  if #files == 0 then
+    notify('no files here to attach (type #file:<path>)', vim.log.levels.WARN)
+    return
+  end
+  vim.ui.select(files, { prompt = 'Attach a file: ' }, function(choice)
+    if choice then
+      put(choice)
+    end
+  end)
 end
 
 -- ---------------------------------------------------------------- a turn

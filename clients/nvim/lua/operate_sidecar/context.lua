@@ -102,13 +102,42 @@ function M.range_text(line1, line2)
   return table.concat(api.nvim_buf_get_lines(0, line1 - 1, line2, false), '\n')
 end
 
---- The `#file:<path>` references of a prompt (a path with no spaces), each once, in order.
+--- The `#file:<path>` references of a prompt (a path with no spaces, or one in double quotes),
+--- each once, in order.
 function M.file_refs(text)
-  local out, seen = {}, {}
-  for ref in text:gmatch('#file:(%S+)') do
-    if not seen[ref] then
+  local out, seen, at = {}, {}, 1
+  while true do
+    local s, e = text:find('#file:', at, true)
+    if not s then
+      return out
+    end
+    local ref = text:match('^"([^"]+)"', e + 1) or text:match('^([^%s"]%S*)', e + 1)
+    at = e + 1
+    if ref and not seen[ref] then
       seen[ref] = true
       out[#out + 1] = ref
+    end
+  end
+end
+
+--- How a prompt names the file `path`: `#file:<path>`, in double quotes when it holds white space.
+function M.file_ref_text(path)
+  return path:find('%s') and ('#file:"%s"'):format(path) or ('#file:' .. path)
+end
+
+--- The files under the current directory a `#file:` reference may name, for a picker: git's
+--- (tracked and untracked, not ignored) in a git work tree, else every file (at most 10,000).
+function M.project_files()
+  local ok, files = pcall(vim.fn.systemlist, { 'git', 'ls-files', '--cached', '--others', '--exclude-standard' })
+  if ok and vim.v.shell_error == 0 and type(files) == 'table' then
+    return files
+  end
+  local out = {}
+  for _, f in ipairs(vim.fn.glob('**/*', false, true)) do
+    if #out >= 10000 then
+      break
+    elseif vim.fn.isdirectory(f) == 0 then
+      out[#out + 1] = f
     end
   end
   return out
