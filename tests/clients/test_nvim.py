@@ -2279,7 +2279,7 @@ def test_attach_puts_a_file_reference_into_the_prompt_typed_or_picked(sv):
     (d / "my notes.txt").write_text("notes\n")
     sv.n.command("OperateChat")
     sv.lua("local c = require('operate_sidecar.chat'); c.set_prompt(c.current(), 'compare')")
-    sv.n.command("wincmd p")                                    # (the cursor elsewhere: the reference goes at the end)
+    sv.n.command("wincmd p")                                    # (the cursor elsewhere: the #file: goes at the end)
     sv.n.command("OperateAttach attach/my notes.txt")
     chat = "require('operate_sidecar.chat')"
     assert sv.lua(f"return {chat}.prompt_text()") == 'compare #file:"attach/my notes.txt"'
@@ -2300,6 +2300,33 @@ def test_attach_puts_a_file_reference_into_the_prompt_typed_or_picked(sv):
     assert sv.wait_done()["err"] is None
     files = [m for m in sv.messages(bid) if m["kind"] == "instruction"][-1]["content"]["context"]["files"]
     assert files == [{"path": "attach/x.py", "text": "x = 1\n"}, {"path": "attach/my notes.txt", "text": "notes\n"}], files
+
+
+def test_the_attach_picker_offers_the_projects_files(nv, tmp_path):
+    """The files :OperateAttach offers: in a git work tree git's (tracked and untracked, not the
+    ignored ones); elsewhere a walk of the directory, hidden ones and node_modules left out,
+    MAX_PICK at most."""
+    import subprocess
+
+    plain = tmp_path / "plain"
+    for f in ("a.txt", "sub/b.txt", "sub/deeper/c.txt", ".hidden/d.txt", ".e", "node_modules/x/f.js"):
+        (plain / f).parent.mkdir(parents=True, exist_ok=True)
+        (plain / f).write_text("x\n")
+    files = "return require('operate_sidecar.context').project_files()"
+    nv.n.command(f"cd {plain}")
+    assert nv.lua(files) == ["a.txt", "sub/b.txt", "sub/deeper/c.txt"]
+    nv.lua("require('operate_sidecar.context').MAX_PICK = 2")
+    assert len(nv.lua(files)) == 2
+    nv.lua("require('operate_sidecar.context').MAX_PICK = 10000")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, timeout=30)
+    for f, text in ((".gitignore", "ignored.txt\n"), ("kept.py", "k\n"), ("ignored.txt", "i\n"), ("src/new.py", "n\n")):
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        (repo / f).write_text(text)
+    subprocess.run(["git", "-C", str(repo), "add", "kept.py"], check=True, timeout=30)
+    nv.n.command(f"cd {repo}")
+    assert sorted(nv.lua(files)) == [".gitignore", "kept.py", "src/new.py"]
 
 
 def test_a_selection_asked_for_where_there_is_none_is_named_as_none(sv):

@@ -93,6 +93,7 @@ async function main() {
   fs.writeFileSync(path.join(ws, 'src', 'util.py'), UTIL_OLD);
   fs.writeFileSync(path.join(ws, '.vscode', 'settings.json'), JSON.stringify({
     'operateSidecar.command': serverCommand(),
+    'search.exclude': { '**/generated': true },   // (Attach File offers no file a search leaves out)
     'operateSidecar.env': { PYTHONPATH: [path.join(HERE, 'test-fixtures'), REPO].join(path.delimiter) },
     'operateSidecar.settings': {
       models: {
@@ -657,14 +658,25 @@ async function main() {
     await clearInput();
   });
 
-  await check('Attach file (+ File under the input): a quick pick of the workspace\'s files puts #file:<path> into the input at the caret, set apart by spaces, the text typed around it kept, the input focused again', async () => {
+  await check('Attach file (+ File under the input): a quick pick of the workspace\'s files (not those a search leaves out) puts #file:<path> into the input at the caret, set apart by spaces, the text typed around it kept, the input focused again', async () => {
     await clearInput();
     await type('Compare  with the app');
-    // the caret after "Compare ": the reference goes there
+    // the caret after "Compare ": the #file: goes there
     await inWeb(`(() => { const i = document.getElementById('input'); i.focus(); i.setSelectionRange(8, 8); return true; })()`);
+    // a file a search leaves out (search.exclude: node_modules, and generated/ in this workspace) is not offered
+    for (const dir of [['node_modules', 'junk'], ['generated']]) {
+      fs.mkdirSync(path.join(W, 'ws', ...dir), { recursive: true });
+      fs.writeFileSync(path.join(W, 'ws', ...dir, 'util.py'), 'junk\n');
+    }
     await webClick('#attach');
-    await quickPickChoose('util', 'util.py');
-    await shows('the reference at the caret', 'Compare #file:src/util.py with the app');
+    await waitFor('quick pick open', () => evalIn(`!!document.querySelector('.quick-input-widget:not([style*="display: none"]) input:focus')`), 10000);
+    await send('Input.insertText', { text: 'util' });
+    const rows = () => evalIn(`[...document.querySelectorAll('.quick-input-list .monaco-list-row')].map((r) => r.getAttribute('aria-label') ?? '')`);
+    await waitFor('util.py offered', async () => (await rows()).some((r) => r.includes('util.py')), 10000);
+    expect(JSON.stringify(await rows()) === JSON.stringify(['util.py, src']), `rows: ${JSON.stringify(await rows())}`);
+    await waitFor('util.py focused', () => evalIn(`(document.querySelector('.quick-input-list .monaco-list-row.focused')?.getAttribute('aria-label') ?? '').includes('util.py')`), 10000);
+    await enter();
+    await shows('the #file: at the caret', 'Compare #file:src/util.py with the app');
     await waitFor('the input focused again', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
     await clearInput();
   });

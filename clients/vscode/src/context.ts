@@ -82,7 +82,8 @@ export interface ResolvedInput { instruction: string; context?: JsonObject }
 export const fileRefText = (rel: string): string => (/\s/.test(rel) ? `#file:"${rel}"` : `#file:${rel}`);
 
 /**
- * Attach File: a quick pick of the workspace's files (the open ones first; `files.exclude` applies), answering the
+ * Attach File: a quick pick of the workspace's files (the open ones first; those `files.exclude` and `search.exclude`
+ * leave out are not offered), answering the
  * chosen one's reference (fileRefText), or undefined (dismissed, or no folder to pick from: said).
  */
 export async function pickFileRef(): Promise<string | undefined> {
@@ -91,7 +92,11 @@ export async function pickFileRef(): Promise<string | undefined> {
     return undefined;
   }
   const open = new Set(vscode.workspace.textDocuments.map((d) => d.uri.toString()));
-  const uris = await vscode.workspace.findFiles('**/*', undefined, 10_000);
+  // the files a search would look in: `files.exclude` and `search.exclude` (node_modules...) left out
+  const on = (section: string) => Object.entries(vscode.workspace.getConfiguration(section).get<Record<string, unknown>>('exclude') ?? {})
+    .filter(([, v]) => v === true).map(([glob]) => glob);
+  const globs = [...new Set([...on('files'), ...on('search')])];
+  const uris = await vscode.workspace.findFiles('**/*', globs.length ? `{${globs.join(',')}}` : undefined, 10_000);
   const items = uris.map((u) => {
     const rel = relPath(u);
     const dir = path.posix.dirname(rel);

@@ -125,21 +125,37 @@ function M.file_ref_text(path)
   return path:find('%s') and ('#file:"%s"'):format(path) or ('#file:' .. path)
 end
 
+M.MAX_PICK = 10000 -- files offered by the picker at most
+
 --- The files under the current directory a `#file:` reference may name, for a picker: git's
---- (tracked and untracked, not ignored) in a git work tree, else every file (at most 10,000).
+--- (tracked and untracked, not ignored) in a git work tree, else the files found walking the
+--- directory breadth first, hidden ones and `node_modules` left out; MAX_PICK at most (a walk
+--- stops there: a home directory is not read whole).
 function M.project_files()
   local ok, files = pcall(vim.fn.systemlist, { 'git', 'ls-files', '--cached', '--others', '--exclude-standard' })
   if ok and vim.v.shell_error == 0 and type(files) == 'table' then
-    return files
+    return vim.list_slice(files, 1, M.MAX_PICK)
   end
-  local out = {}
-  for _, f in ipairs(vim.fn.glob('**/*', false, true)) do
-    if #out >= 10000 then
-      break
-    elseif vim.fn.isdirectory(f) == 0 then
-      out[#out + 1] = f
+  local out, dirs, i = {}, { '' }, 1
+  while i <= #dirs and #out < M.MAX_PICK do
+    local dir = dirs[i]
+    i = i + 1
+    local handle = vim.loop.fs_scandir(dir == '' and '.' or dir)
+    while handle and #out < M.MAX_PICK do
+      local name, kind = vim.loop.fs_scandir_next(handle)
+      if not name then
+        break
+      end
+      local path = dir == '' and name or (dir .. '/' .. name)
+      if name:sub(1, 1) == '.' or name == 'node_modules' then -- (left out)
+      elseif kind == 'directory' then
+        dirs[#dirs + 1] = path
+      elseif kind == 'file' or kind == 'link' then
+        out[#out + 1] = path
+      end
     end
   end
+  table.sort(out)
   return out
 end
 
