@@ -29,7 +29,7 @@ export async function run(): Promise<void> {
       return messages.filter((m) => m.kind === 'instruction').at(-1)!.content.context as any;
     };
 
-    await check('#file and the selection of a file in the second folder are sent as second/src/app.py; of the first folder as src/app.py', async () => {
+    await check('#file and the selection of a file in the second folder are sent as second/src/app.py; of the first folder as src/app.py; #file:<path> takes those names', async () => {
       const ed = await within(vscode.window.showTextDocument(await within(vscode.workspace.openTextDocument(secondApp), 'open')), 'show second');
       ed.selection = new vscode.Selection(0, 0, 0, 3);
       await exec('operateSidecar.pickModel', { model: 'twice' });
@@ -45,6 +45,12 @@ export async function run(): Promise<void> {
       const o1: any = await exec('operateSidecar.chat', 'And #selection in #file');
       const c1 = await contextOf(o1.branchId);
       expect(c1.file?.file === 'src/app.py' && c1.selection?.file === 'src/app.py', `first folder: ${JSON.stringify(c1)}`);
+      // #file:<path> names them the same way: <folder name>/<path> in another folder, the path in the first
+      await exec('operateSidecar.pickModel', { model: 'twice2' });
+      const o2: any = await exec('operateSidecar.chat', 'Compare #file:second/src/app.py and #file:src/app.py');
+      const c2 = await contextOf(o2.branchId);
+      expect(JSON.stringify(c2.files?.map((f: any) => [f.file, f.text])) === JSON.stringify([['second/src/app.py', 'two\n'], ['src/app.py', 'one\n']]),
+        `#file:<path>: ${JSON.stringify(c2.files)}`);
     });
 
     await check('an edit of that path lands in the second folder\'s file, not in the first\'s', async () => {
