@@ -156,7 +156,7 @@ export function fileOfRef(ref: string): { file: JsonObject } | { unavailable: st
     if (bytes.includes(0)) return { unavailable: `#file:${ref}: a binary file` };
     text = bytes.toString('utf8');
   }
-  const chars = [...text.slice(0, MAX_FILE_CHARS * 2)];   // (by characters: a surrogate pair is never cut)
+  const chars = [...text.slice(0, MAX_FILE_CHARS * 2 + 2)];   // (by characters, a surrogate pair never cut: more than MAX when longer)
   const cut = chars.length > MAX_FILE_CHARS;
   return { file: {
     file: relPath(uri), ...(doc && { language: doc.languageId }),

@@ -988,17 +988,19 @@ export async function run(): Promise<void> {
         fs.writeFileSync(vscode.Uri.joinPath(folder, 'other.txt').fsPath, 'other text\n');
         fs.writeFileSync(vscode.Uri.joinPath(folder, 'bin.dat').fsPath, Buffer.from([80, 75, 0, 1]));
         fs.mkdirSync(vscode.Uri.joinPath(folder, 'adir').fsPath, { recursive: true });
+        fs.writeFileSync(vscode.Uri.joinPath(folder, 'big.txt').fsPath, '😀'.repeat(40_001));   // (40,000 characters kept: 80,000 UTF-16 units)
         ed.selection = new vscode.Selection(0, 0, 0, 0);
-        const text = 'Compare #file:other.txt, #file:notes.txt #file:missing.txt #file:bin.dat #file:adir and #file:other.txt';
+        const text = 'Compare #file:other.txt, #file:notes.txt #file:missing.txt #file:bin.dat #file:adir #file:big.txt and #file:other.txt';
         const o2: any = await exec('operateSidecar.chat', { text });
         expect(o2 && !o2.error, `outcome: ${JSON.stringify(o2)}`);
         const c2: any = (await messagesOf(o2.branchId)).filter((m) => m.kind === 'instruction').at(-1)!.content.context;
         expect(JSON.stringify(c2.files) === JSON.stringify([{ file: 'other.txt', text: 'other text\n' },
-          { file: 'notes.txt', language: 'plaintext', text: doc.getText() }]), `files: ${JSON.stringify(c2.files)}`);
+          { file: 'notes.txt', language: 'plaintext', text: doc.getText() }, { file: 'big.txt', text: '😀'.repeat(40_000), truncated: true }]),
+          `files: ${JSON.stringify(c2.files).slice(0, 300)}`);
         const missing = ['#file:missing.txt: not found in the workspace', '#file:bin.dat: a binary file', '#file:adir: a folder, not a file'];
         expect(JSON.stringify(c2.unavailable) === JSON.stringify(missing), `unavailable: ${JSON.stringify(c2.unavailable)}`);
         expect(c2.file === undefined && c2.selection === undefined, `no #file, no selection: ${JSON.stringify(c2)}`);
-        expect(JSON.stringify(c2.labels) === JSON.stringify(['other.txt', 'notes.txt', ...missing]), `labels: ${JSON.stringify(c2.labels)}`);
+        expect(JSON.stringify(c2.labels) === JSON.stringify(['other.txt', 'notes.txt', 'big.txt (cut)', ...missing]), `labels: ${JSON.stringify(c2.labels)}`);
       } finally {
         diags.dispose();
       }
