@@ -210,13 +210,6 @@ def unclosed_thoughts(name: str, declared: bool = False) -> str:
             '(or "inlineThinking": false keeps such text as the reply)')
 
 
-def inline_setting(config: dict[str, Any]) -> bool | str:
-    """A checked model config's ``inlineThinking`` (``config.check_model_config``): true (the
-    default), false or ``"opened"``."""
-    value = config.get("inlineThinking")
-    return True if value is None else value
-
-
 def _tag_start(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (0 when none does)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):

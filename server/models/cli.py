@@ -45,7 +45,6 @@ from ._common import (
     MAX_REPLY_CHARS,
     InlineThoughts,
     field_value,
-    inline_setting,
     loads_json_safe,
     redact,
     render_prompt,
@@ -117,7 +116,7 @@ class CLIModel(BaseModelProvider):
             prompt_via=field_value(name, config, "promptVia", None, str),
             timeout_s=field_value(name, config, "timeoutS", None, float),
             kill_grace_s=field_value(name, config, "killGraceS", 2.0, float),
-            inline_thinking=inline_setting(config),
+            inline_thinking=field_value(name, config, "inlineThinking", True),  # true, false or "opened" (checked)
         )
 
     # -- argv -----------------------------------------------------------------

@@ -48,7 +48,7 @@ import anyio.to_thread
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import InlineThoughts, bound_schema, field_value, inline_setting, opened_thought, snake_options
+from ._common import InlineThoughts, bound_schema, field_value, opened_thought, snake_options
 from .config import FIELDS, MAX_GRAMMAR_REPEAT, check_model_config, default_local_model
 
 log = logging.getLogger(__name__)
@@ -691,7 +691,7 @@ class LocalModel(BaseModelProvider):
             ),
             options=field_value(name, config, "options", None, dict),
             timeout_s=field_value(name, config, "timeoutS", None, float),
-            inline_thinking=inline_setting(config),
+            inline_thinking=field_value(name, config, "inlineThinking", True),  # true, false or "opened" (checked)
         )
 
     @property

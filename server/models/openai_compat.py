@@ -32,7 +32,6 @@ from ._common import (
     MAX_REPLY_CHARS,
     InlineThoughts,
     field_value,
-    inline_setting,
     is_loopback_url,
     json_safe,
     redact,
@@ -122,7 +121,7 @@ class OpenAIModel(BaseModelProvider):
             timeout_s=field_value(name, config, "timeoutS", DEFAULT_TIMEOUT_S, float),
             max_retries=field_value(name, config, "maxRetries", 2, int),
             options=field_value(name, config, "options", None, dict),
-            inline_thinking=inline_setting(config),
+            inline_thinking=field_value(name, config, "inlineThinking", True),  # true, false or "opened" (checked)
         )
 
     # -- client ---------------------------------------------------------------

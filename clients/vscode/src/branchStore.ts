@@ -43,8 +43,6 @@ export class BranchStore {
   readonly onDidChangeCurrent = this.changed.event;
   /** Names of branches this session knows (the server's list is the truth). */
   private readonly names = new Map<string, string>();
-  /** What the chats kept of their turns (see keptTurn), read once from the workspace state. */
-  private kept: Map<string, KeptTurn> | undefined;
 
   constructor(private readonly state: vscode.Memento) {}
 
@@ -71,22 +69,18 @@ export class BranchStore {
 
   /** What the chat kept of the turn that began at message `start` of `branchId` (its thoughts, its note), if anything. */
   keptTurn(branchId: string, start: number): KeptTurn | undefined {
-    if (!this.kept) this.kept = new Map(this.state.get<StoredKeptTurns>(KEPT_TURNS_KEY) ?? []);
-    return this.kept.get(`${branchId}@${start}`);
+    const key = `${branchId}@${start}`;
+    return this.state.get<StoredKeptTurns>(KEPT_TURNS_KEY)?.find(([k]) => k === key)?.[1];
   }
   /** Keeps what the branch does not hold of a turn (workspace state; bounded, see storeKeptTurn). */
   keepTurn(branchId: string, start: number, turn: KeptTurn): Thenable<void> {
-    const stored = storeKeptTurn(this.state.get<StoredKeptTurns>(KEPT_TURNS_KEY), `${branchId}@${start}`, turn);
-    this.kept = new Map(stored);
-    return this.state.update(KEPT_TURNS_KEY, stored);
+    return this.state.update(KEPT_TURNS_KEY, storeKeptTurn(this.state.get<StoredKeptTurns>(KEPT_TURNS_KEY), `${branchId}@${start}`, turn));
   }
   /** Forgets what was kept of a deleted branch's turns. */
   forgetKept(branchId: string): Thenable<void> {
     const stored = this.state.get<StoredKeptTurns>(KEPT_TURNS_KEY);
     if (!stored?.some(([k]) => k.startsWith(`${branchId}@`))) return Promise.resolve();
-    const left = forgetKeptTurns(stored, branchId);
-    this.kept = new Map(left);
-    return this.state.update(KEPT_TURNS_KEY, left);
+    return this.state.update(KEPT_TURNS_KEY, forgetKeptTurns(stored, branchId));
   }
 
   nameOf(branchId: string | undefined): string | undefined { return branchId ? this.names.get(branchId) : undefined; }

@@ -589,11 +589,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     if (u) t.usage = u;
     const mine = live.chat === this.localBranch;
     if (mine) {
-      if (messages) {
-        if (resolveLocalTurns(this.locals, messages.length)) this.saveLocals();
-        this.serverTotal = messages.length;
-        this.serverTurns = this.turnsOf(messages);   // (the earlier turns with their thoughts)
-      }
+      if (messages) this.loaded(messages);   // (the earlier turns with what was kept of them; this one's is placed below)
       const recorded = !live.sent ? false : messages ? messages.length > live.at : undefined;
       const own = recorded ? this.serverTurns.find((x) => x.start === live.at && x.user === t.user) : undefined;
       if (own) {   // the server's record of this turn, with what only the client knows (usage, rounds, thoughts)

@@ -131,8 +131,10 @@ function candidates(ref: string): vscode.Uri[] {
 }
 
 const openDoc = (uri: vscode.Uri) => vscode.workspace.textDocuments.find((d) => d.uri.toString() === uri.toString());
-const isFile = (uri: vscode.Uri) => { try { return fs.statSync(uri.fsPath).isFile(); } catch { return false; } };
-const isDir = (uri: vscode.Uri) => { try { return fs.statSync(uri.fsPath).isDirectory(); } catch { return false; } };
+/** What is at `uri` on the disk: a file, a folder, or neither (nothing, or not readable). */
+const kindOf = (uri: vscode.Uri): 'file' | 'folder' | undefined => {
+  try { const s = fs.statSync(uri.fsPath); return s.isFile() ? 'file' : s.isDirectory() ? 'folder' : undefined; } catch { return undefined; }
+};
 
 /**
  * The file a `#file:` reference names, as `{file, language?, text, truncated?}`: an open document's text (unsaved
@@ -141,10 +143,10 @@ const isDir = (uri: vscode.Uri) => { try { return fs.statSync(uri.fsPath).isDire
  */
 export function fileOfRef(ref: string): { file: JsonObject } | { unavailable: string } {
   const bare = ref.replace(/[.,;:!?)\]}'"]+$/, '');
-  const found = (r: string) => candidates(r).find((u) => openDoc(u) || isFile(u));
+  const found = (r: string) => candidates(r).find((u) => openDoc(u) || kindOf(u) === 'file');
   const uri = found(ref) ?? (bare && bare !== ref ? found(bare) : undefined);
   if (!uri) {
-    const dir = candidates(ref).some(isDir);
+    const dir = candidates(ref).some((u) => kindOf(u) === 'folder');
     return { unavailable: `#file:${ref}: ${dir ? 'a folder, not a file' : 'not found in the workspace'}` };
   }
   const doc = openDoc(uri);

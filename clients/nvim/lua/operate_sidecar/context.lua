@@ -178,15 +178,16 @@ function M.file(ref)
     return vim.fn.fnamemodify(r, ':p') -- (`:p` expands a leading ~)
   end
   local full = full_of(ref)
+  local b = loaded_buf(full)
   local bare = ref:gsub('[%.,;:!%?%)%]}\'"]+$', '')
-  if not loaded_buf(full) and vim.fn.filereadable(full) == 0 and bare ~= '' and bare ~= ref then
+  if not b and vim.fn.filereadable(full) == 0 and bare ~= '' and bare ~= ref then
     local other = full_of(bare)
-    if loaded_buf(other) or vim.fn.filereadable(other) == 1 then
-      full = other
+    local other_b = loaded_buf(other)
+    if other_b or vim.fn.filereadable(other) == 1 then
+      full, b = other, other_b
     end
   end
   local out = { path = util.display_path(full) }
-  local b = loaded_buf(full)
   local text
   if b then
     out.language = vim.bo[b].filetype ~= '' and vim.bo[b].filetype or nil
