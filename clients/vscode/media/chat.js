@@ -90,6 +90,7 @@
     const text = input.value;
     if (!text.trim() || running) return;
     vscode.postMessage({ type: 'send', text });
+    endCompletion();
     input.value = '';
     recalled = null;
     vscode.setState({ ...vscode.getState(), draft: '' });
@@ -135,6 +136,94 @@
     setInput(recalled === null ? draft : h[recalled], !up);
   }
 
+  // Inline completion of the input's # references: typing `#` offers #file:, #file, #selection and
+  // #problems, typing `#file:` the workspace's files (the extension matches them: refCompletion.ts),
+  // in a list above the input. Up and Down choose, Enter or Tab takes one (it replaces the reference
+  // being typed), Escape closes the list; a click takes one too. The list follows each keystroke; a
+  // suggestion list of the editor's own is what it looks like.
+  const list = $('complete');
+  let items = [], active = 0, tokenStart = -1, seq = 0;
+  /** A completion is under way (the caret is in a reference): the extension lists the files once per completion. */
+  let completing = false;
+  const listOpen = () => !list.hidden;
+  function hideList() {
+    list.hidden = true;
+    list.replaceChildren();
+    items = [];
+    input.removeAttribute('aria-activedescendant');
+    input.setAttribute('aria-expanded', 'false');
+  }
+  function endCompletion() {
+    completing = false;
+    seq++;   // an answer on its way is dropped
+    hideList();
+  }
+  /** Asks for the suggestions of the reference at the caret, if the text before it may end in one. */
+  function complete() {
+    const a = input.selectionStart;
+    const before = input.value.slice(0, a);
+    if (a !== input.selectionEnd || !/(?:^|\s)#[^\n]*$/.test(before)) { endCompletion(); return; }
+    vscode.postMessage({ type: 'complete', seq: ++seq, before, fresh: !completing });
+    completing = true;
+  }
+  function markActive() {
+    [...list.children].forEach((li, i) => { li.classList.toggle('active', i === active); li.setAttribute('aria-selected', String(i === active)); });
+    const li = list.children[active];
+    if (li) { input.setAttribute('aria-activedescendant', li.id); li.scrollIntoView({ block: 'nearest' }); }
+  }
+  function showList(m) {
+    if (m.seq !== seq) return;   // a newer request is on its way (or the completion ended)
+    if (m.start < 0) { endCompletion(); return; }
+    if (!m.items.length) { hideList(); return; }
+    items = m.items;
+    tokenStart = m.start;
+    active = 0;
+    list.replaceChildren(...items.map((it, i) => {
+      const li = document.createElement('li');
+      li.id = `suggestion-${i}`;
+      li.setAttribute('role', 'option');
+      li.dataset.i = String(i);
+      const label = document.createElement('span');
+      label.textContent = it.label;
+      const detail = document.createElement('span');
+      detail.className = 'detail';
+      detail.textContent = it.detail;
+      li.append(label, detail);
+      return li;
+    }));
+    list.hidden = false;
+    input.setAttribute('aria-expanded', 'true');
+    markActive();
+  }
+  /** Takes suggestion `i`: it replaces the reference from its `#` to the end of the word at the caret. */
+  function accept(i) {
+    const it = items[i];
+    if (!it) return;
+    const v = input.value;
+    let b = input.selectionStart;
+    while (b < v.length && !/\s/.test(v[b])) b++;
+    const goesOn = it.ref.endsWith(':');   // #file: goes on to the files
+    const text = it.ref + (goesOn || /^\s/.test(v.slice(b)) ? '' : ' ');
+    input.value = v.slice(0, tokenStart) + text + v.slice(b);
+    const at = tokenStart + text.length;
+    input.setSelectionRange(at, at);
+    endCompletion();
+    vscode.setState({ ...vscode.getState(), draft: input.value });
+    if (goesOn) complete();
+  }
+  function move(by) {
+    active = (active + by + items.length) % items.length;
+    markActive();
+  }
+  list.addEventListener('mousedown', (e) => {   // (mousedown: the input keeps the focus)
+    const li = e.target.closest('li[data-i]');
+    e.preventDefault();
+    if (li) accept(Number(li.dataset.i));
+  });
+  input.addEventListener('blur', endCompletion);
+  input.addEventListener('click', complete);
+  input.addEventListener('keyup', (e) => { if (['ArrowLeft', 'ArrowRight', 'Home', 'End'].includes(e.key)) complete(); });
+
   window.addEventListener('message', (e) => {
     const m = e.data;
     if (m.type === 'state') {
@@ -151,6 +240,8 @@
       input.setSelectionRange(a + text.length, a + text.length);
       input.focus();
       vscode.setState({ ...vscode.getState(), draft: input.value });
+    } else if (m.type === 'completions') {
+      showList(m);
     } else if (m.type === 'stream') {
       const turns = log.querySelectorAll('section.turn');
       const last = turns[turns.length - 1];
@@ -172,10 +263,15 @@
   $('new').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.newChat' }));
   $('attach').addEventListener('click', () => vscode.postMessage({ type: 'attach' }));
   input.addEventListener('keydown', (e) => {
+    if (listOpen() && !e.altKey && !e.ctrlKey && !e.metaKey && !e.isComposing) {
+      const act = e.key === 'ArrowDown' ? () => move(1) : e.key === 'ArrowUp' ? () => move(-1)
+        : (e.key === 'Enter' || e.key === 'Tab') && !e.shiftKey ? () => accept(active) : undefined;
+      if (act) { e.preventDefault(); act(); return; }
+    }
     if (e.key === 'ArrowUp' || e.key === 'ArrowDown') recall(e);
     else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }
   });
-  input.addEventListener('input', () => vscode.setState({ ...vscode.getState(), draft: input.value }));
+  input.addEventListener('input', () => { vscode.setState({ ...vscode.getState(), draft: input.value }); complete(); });
   /** Answers a call waiting for a decision with one of its card's buttons. */
   function decide(b) {
     b.closest('.ask')?.querySelectorAll('button').forEach((x) => (x.disabled = true));
@@ -192,7 +288,8 @@
     if (e.altKey || e.shiftKey || e.isComposing) return;
     const mod = e.ctrlKey || e.metaKey;
     let act;
-    if (e.key === 'Escape' && !mod && running) act = () => vscode.postMessage({ type: 'stop' });
+    if (e.key === 'Escape' && !mod && listOpen()) act = endCompletion;   // (the list closes; a running turn goes on)
+    else if (e.key === 'Escape' && !mod && running) act = () => vscode.postMessage({ type: 'stop' });
     else if (mod) {
       const decision = e.key === 'Enter' ? 'allow_once' : e.key === 'Backspace' && e.target !== input ? 'deny_once' : '';
       const b = decision && log.querySelector(`.ask button[data-decision="${decision}"]:not(:disabled)`);

@@ -680,6 +680,50 @@ async function main() {
     await waitFor('the input focused again', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
     await clearInput();
   });
+  await check('inline completion in the input: # offers the references, #file: the workspace\'s files (not those a search leaves out), narrowed as it is typed; Up/Down choose, Enter or Tab takes one (never sends), Escape closes the list, a click takes one; the input says which suggestion is chosen', async () => {
+    const suggestions = () => inWeb(`document.getElementById('complete').hidden ? null : [...document.querySelectorAll('#complete li')].map((li) => li.textContent)`);
+    const listed = (what, want) => waitFor(`${what}: ${JSON.stringify(want)}`, async () => JSON.stringify(await suggestions()) === JSON.stringify(want), 5000)
+      .catch(async (e) => { throw new Error(`${e.message} (it shows ${JSON.stringify(await suggestions())})`); });
+    const chosen = () => inWeb(`(() => { const i = document.getElementById('input'), id = i.getAttribute('aria-activedescendant');
+      return [i.getAttribute('aria-expanded'), id && document.getElementById(id)?.getAttribute('aria-selected') === 'true' ? document.getElementById(id).textContent : null]; })()`);
+    const turns = await turnCount();
+    await clearInput();
+    await type('Explain #');
+    await listed('# offers the references', ['#file:a file of the workspace…', '#filethe active file', '#selectionthe selection in the editor', '#problemsthe workspace\'s problems']);
+    expect(JSON.stringify(await chosen()) === JSON.stringify(['true', '#file:a file of the workspace…']), `chosen: ${JSON.stringify(await chosen())}`);
+    await send('Input.insertText', { text: 'fi' });
+    await listed('#fi narrows them', ['#file:a file of the workspace…', '#filethe active file']);
+    await enter();
+    await shows('Enter takes #file:', 'Explain #file:');
+    // #file: goes on to the files, none of those a search leaves out (node_modules/, generated/ hold a util.py each)
+    await waitFor('the files offered', async () => (await suggestions())?.some((t) => t.startsWith('util.py')), 10000);
+    const all = await suggestions();
+    expect(all.includes('app.pysrc') && all.includes('util.pysrc') && !all.some((t) => /node_modules|generated/.test(t)), `files: ${JSON.stringify(all)}`);
+    expect(await turnCount() === turns, 'Enter with the list open sent nothing');
+    await key('ArrowDown', 'ArrowDown', 40);
+    await waitFor('Down chooses the second', async () => (await chosen())[1] === all[1], 5000);
+    await key('ArrowUp', 'ArrowUp', 38);
+    await waitFor('Up the first again', async () => (await chosen())[1] === all[0], 5000);
+    await send('Input.insertText', { text: 'util' });
+    await listed('#file:util narrows them to the one a search sees', ['util.pysrc']);
+    await shot('chat-completion', await chatClip());
+    await key('Tab', 'Tab', 9);
+    await shows('Tab takes it, set apart by a space', 'Explain #file:src/util.py ');
+    await listed('the list closed', null);
+    expect(JSON.stringify(await chosen()) === JSON.stringify(['false', null]), `closed: ${JSON.stringify(await chosen())}`);
+    await send('Input.insertText', { text: 'and #' });
+    await listed('# again', ['#file:a file of the workspace…', '#filethe active file', '#selectionthe selection in the editor', '#problemsthe workspace\'s problems']);
+    await key('Escape', 'Escape', 27);
+    await listed('Escape closes the list', null);
+    await shows('... and leaves the text', 'Explain #file:src/util.py and #');
+    await send('Input.insertText', { text: 'pro' });
+    await listed('#pro', ['#problemsthe workspace\'s problems']);
+    await webClick('#complete li');
+    await shows('a click takes it', 'Explain #file:src/util.py and #problems ');
+    await waitFor('the input keeps the focus', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 5000);
+    expect(await turnCount() === turns, 'nothing was sent');
+    await clearInput();
+  });
   await check('input history: Up on the first line of the input recalls the chat\'s earlier messages, Down goes back to the draft being typed; inside a multi-line text the caret moves first; kept when the chat is hidden and shown again', async () => {
     const up = () => key('ArrowUp', 'ArrowUp', 38);
     const down = () => key('ArrowDown', 'ArrowDown', 40);

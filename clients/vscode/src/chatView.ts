@@ -8,7 +8,8 @@ import {
   proseOf, refusesField, renderMarkdown, repeatNote, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
-import { EditorTracker, pickFileRef, resolveInput } from './context';
+import { EditorTracker, pickFileRef, resolveInput, workspaceFiles } from './context';
+import { FileEntry, suggestionsFor, tokenAt } from './refCompletion';
 import { DiffReview, previewOf } from './diffReview';
 import {
   CancellationToken, CancellationTokenSource, ErrorCodes, Json, JsonObject, Message, OperateParams, OperateResult, PermissionDecision,
@@ -142,6 +143,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   /** Characters of HTML posted in `state` messages, and their number (for the tests). */
   private postedChars = 0;
   private posts = 0;
+  /**
+   * The workspace's files for the input's `#file:` completion: listed when a completion begins (the
+   * webview says `fresh`) and reused while it is typed, so a file made meanwhile is offered next time.
+   */
+  private files: Promise<FileEntry[]> | undefined;
 
   constructor(private readonly ctx: vscode.ExtensionContext, private readonly host: ChatHost) {
     this.subs.push(vscode.window.registerWebviewViewProvider(VIEW_ID, this), this.ready);
@@ -168,7 +174,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 <body><header id="bar"><button id="branch" class="link" title="Switch chat (fork, delete)"></button><span class="grow"></span>
 <button id="model" class="link" title="Pick the model"></button><button id="new" class="link" title="New chat">New</button></header>
 <main id="log"></main>
-<footer><textarea id="input" rows="3" aria-label="Message to the chat" placeholder="Ask or instruct… (#file, #file:path, #selection, #problems)  Enter to send, Shift+Enter for a new line"></textarea>
+<footer><ul id="complete" role="listbox" aria-label="Suggestions" hidden></ul><textarea id="input" rows="3" aria-label="Message to the chat" aria-autocomplete="list" aria-controls="complete" aria-expanded="false" placeholder="Ask or instruct… (#file, #file:path, #selection, #problems)  Enter to send, Shift+Enter for a new line"></textarea>
 <div class="row"><button id="attach" class="secondary" title="Attach a file of the workspace to the message (#file:path)">+ File</button><span id="status" role="status" aria-live="polite"></span><span class="grow"></span><button id="stop" class="secondary" hidden>Stop</button><button id="send">Send</button></div></footer>
 <script nonce="${nonce}" src="${js}"></script></body></html>`;
     view.webview.onDidReceiveMessage((m) => this.onMessage(m), undefined, this.subs);
@@ -190,6 +196,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         case 'insert': await this.insert(String(m.code)); break;
         case 'command': await vscode.commands.executeCommand(String(m.id)); break;
         case 'attach': await this.attachFile(); break;
+        case 'complete': await this.complete(Number(m.seq), String(m.before), m.fresh === true); break;
       }
     } catch (e) {
       void vscode.window.showErrorMessage(`operate-sidecar: ${e instanceof Error ? e.message : String(e)}`);
@@ -337,6 +344,21 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     await this.reveal();
     await this.whenReady();
     this.post({ type: 'attach', ref });
+  }
+
+  /**
+   * The inline completion of the input's `#` references: the suggestions for the token that ends
+   * `before` (the text up to the caret), answered with the request's `seq` (the webview shows the
+   * newest only). The file list is read again when a completion begins (`fresh`).
+   */
+  private async complete(seq: number, before: string, fresh: boolean): Promise<void> {
+    const token = tokenAt(before);
+    let files: FileEntry[] = [];
+    if (token?.kind === 'file') {
+      if (fresh || !this.files) this.files = workspaceFiles().catch(() => []);
+      files = await this.files;
+    }
+    this.post({ type: 'completions', seq, start: token?.start ?? -1, items: token ? suggestionsFor(token, files) : [] });
   }
 
   // ---- turns -----------------------------------------------------------------------------------

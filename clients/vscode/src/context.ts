@@ -4,6 +4,7 @@ import * as fs from 'node:fs';
 import * as path from 'node:path';
 import * as vscode from 'vscode';
 import type { Json, JsonObject } from './rpcClient';
+import { FileEntry, fileRefText } from './refCompletion';
 
 const MAX_FILE_CHARS = 40_000;
 const MAX_PROBLEMS = 50;
@@ -78,12 +79,22 @@ function problems(): JsonObject[] {
 
 export interface ResolvedInput { instruction: string; context?: JsonObject }
 
-/** How a message names the file at `rel` (see relPath): `#file:<path>`, in double quotes when it holds white space. */
-export const fileRefText = (rel: string): string => (/\s/.test(rel) ? `#file:"${rel}"` : `#file:${rel}`);
+/**
+ * The workspace's files (see relPath), those `files.exclude` and `search.exclude` leave out (node_modules...) not among
+ * them, as a search would look in them (at most 10,000), each said open in an editor or not; none without a folder.
+ */
+export async function workspaceFiles(): Promise<FileEntry[]> {
+  if (!vscode.workspace.workspaceFolders?.length) return [];
+  const open = new Set(vscode.workspace.textDocuments.map((d) => d.uri.toString()));
+  const on = (section: string) => Object.entries(vscode.workspace.getConfiguration(section).get<Record<string, unknown>>('exclude') ?? {})
+    .filter(([, v]) => v === true).map(([glob]) => glob);
+  const globs = [...new Set([...on('files'), ...on('search')])];
+  const uris = await vscode.workspace.findFiles('**/*', globs.length ? `{${globs.join(',')}}` : undefined, 10_000);
+  return uris.map((u) => ({ rel: relPath(u), open: open.has(u.toString()) }));
+}
 
 /**
- * Attach File: a quick pick of the workspace's files (the open ones first; those `files.exclude` and `search.exclude`
- * leave out are not offered), answering the
+ * Attach File: a quick pick of the workspace's files (workspaceFiles: the open ones first), answering the
  * chosen one's reference (fileRefText), or undefined (dismissed, or no folder to pick from: said).
  */
 export async function pickFileRef(): Promise<string | undefined> {
@@ -91,16 +102,9 @@ export async function pickFileRef(): Promise<string | undefined> {
     void vscode.window.showInformationMessage('operate-sidecar: no folder is open; type #file:<absolute path> to attach a file');
     return undefined;
   }
-  const open = new Set(vscode.workspace.textDocuments.map((d) => d.uri.toString()));
-  // the files a search would look in: `files.exclude` and `search.exclude` (node_modules...) left out
-  const on = (section: string) => Object.entries(vscode.workspace.getConfiguration(section).get<Record<string, unknown>>('exclude') ?? {})
-    .filter(([, v]) => v === true).map(([glob]) => glob);
-  const globs = [...new Set([...on('files'), ...on('search')])];
-  const uris = await vscode.workspace.findFiles('**/*', globs.length ? `{${globs.join(',')}}` : undefined, 10_000);
-  const items = uris.map((u) => {
-    const rel = relPath(u);
+  const items = (await workspaceFiles()).map(({ rel, open }) => {
     const dir = path.posix.dirname(rel);
-    return { label: path.posix.basename(rel), description: dir === '.' ? '' : dir, rel, open: open.has(u.toString()) };
+    return { label: path.posix.basename(rel), description: dir === '.' ? '' : dir, rel, open };
   }).sort((a, b) => Number(b.open) - Number(a.open) || a.rel.localeCompare(b.rel));
   const pick = await vscode.window.showQuickPick(items, {
     title: 'operate-sidecar: attach a file to the message', matchOnDescription: true,
