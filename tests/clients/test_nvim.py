@@ -2302,6 +2302,46 @@ def test_attach_puts_a_file_reference_into_the_prompt_typed_or_picked(sv):
     assert files == [{"path": "attach/x.py", "text": "x = 1\n"}, {"path": "attach/my notes.txt", "text": "notes\n"}], files
 
 
+def test_the_prompt_completes_references_and_file_paths(sv):
+    """CTRL-X CTRL-O in the chat's prompt (its 'omnifunc'): after a `#` the references, narrowed by
+    what follows; after `#file:` the project's files that match what follows (fuzzily, best
+    first), the loaded buffers' first when nothing follows, a path with spaces quoted; the chosen
+    one replaces the reference typed. Inside a word, nothing is offered."""
+    d = sv.tmp / "omni"
+    (d / "deep").mkdir(parents=True)
+    (d / "deep" / "helper_util.py").write_text("h\n")
+    (d / "my notes.txt").write_text("notes\n")
+    (d / "zeta.py").write_text("z\n")
+    sv.n.command(f"edit {d / 'zeta.py'}")                      # (loaded: offered first with nothing typed)
+    sv.n.command("OperateChat")
+    chat = "require('operate_sidecar.chat')"
+    words = "return vim.tbl_map(function(i) return i.word end, vim.fn.complete_info({'items'}).items)"
+
+    def complete(prompt: str) -> list[str]:
+        sv.lua(f"{chat}.set_prompt({chat}.current(), ...)", prompt)
+        sv.send_keys("A<C-x><C-o>")
+        got = sv.lua(words)
+        sv.send_keys("<C-e><Esc>")                               # (closed, nothing taken)
+        return got
+
+    assert sv.lua("return vim.bo.omnifunc") == "v:lua.require'operate_sidecar.context'.omnifunc"
+    assert complete("see #") == ["#file:", "#buffer", "#selection", "#diagnostics"]
+    assert complete("see #s") == ["#selection"]
+    assert complete("see#") == [] and complete("see #file:omni/zz_nothing_like_it") == []
+    got = complete("see #file:")                               # the loaded buffers' files first (other tests' too)
+    loaded = set(sv.lua("""return vim.tbl_map(function(b) return vim.fn.fnamemodify(vim.api.nvim_buf_get_name(b), ':.') end,
+        vim.tbl_filter(vim.api.nvim_buf_is_loaded, vim.api.nvim_list_bufs()))"""))
+    firsts = [w for w in got if w.removeprefix("#file:").strip('"') in loaded]
+    assert "#file:omni/zeta.py" in firsts and got[:len(firsts)] == firsts and len(got) > len(firsts), got
+    assert complete("see #file:omniutil")[0] == "#file:omni/deep/helper_util.py"
+    assert complete('see #file:"omni/my no')[0] == '#file:"omni/my notes.txt"'
+    # taken: it replaces the reference typed
+    sv.lua(f"{chat}.set_prompt({chat}.current(), 'compare #file:omniutil')")
+    sv.send_keys("A<C-x><C-o><C-y><Esc>")
+    assert sv.lua(f"return {chat}.prompt_text()") == "compare #file:omni/deep/helper_util.py"
+    sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
+
+
 def test_the_attach_picker_offers_the_projects_files(nv, tmp_path):
     """The files :OperateAttach offers: in a git work tree git's (tracked and untracked, not the
     ignored ones); elsewhere a walk of the directory, hidden ones and node_modules left out,

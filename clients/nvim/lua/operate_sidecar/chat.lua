@@ -853,6 +853,7 @@ local function create(chat)
   vim.bo[pb].bufhidden = 'hide'
   vim.bo[pb].swapfile = false
   vim.bo[pb].filetype = 'markdown'
+  vim.bo[pb].omnifunc = "v:lua.require'operate_sidecar.context'.omnifunc" -- (# references, #file: paths)
   vim.b[pb].operate_sidecar_chat = true
   vim.b[pb].operate_sidecar_prompt = true
   vim.b[pb].operate_sidecar_branch = chat.branch

@@ -159,6 +159,59 @@ function M.project_files()
   return out
 end
 
+--- What a `#` offers in the prompt's completion (|i_CTRL-X_CTRL-O|), with what each sends.
+local OFFERED = {
+  { '#file:', 'a file: CTRL-X CTRL-O again completes its path' },
+  { '#buffer', "the buffer's text" },
+  { '#selection', 'the last visual selection' },
+  { '#diagnostics', "the buffer's diagnostics" },
+}
+M.MAX_COMPLETE = 100 -- files offered by the completion at most (typing more narrows them)
+
+--- 'omnifunc' of the chat's prompt (|i_CTRL-X_CTRL-O|): after a `#` (at the start of a line or
+--- after white space) the references, after `#file:` (the path bare, or after a double quote) the
+--- project's files (project_files) that match what follows, best first (|matchfuzzy()|), the
+--- loaded buffers' first when nothing follows; each as its `#file:<path>` (file_ref_text).
+function M.omnifunc(findstart, base)
+  if findstart == 1 then
+    local line = api.nvim_get_current_line():sub(1, api.nvim_win_get_cursor(0)[2])
+    local s = line:find('#file:"[^"]*$') or line:find('#file:[^%s"]*$') or line:find('#%l*$')
+    if s and (s == 1 or line:sub(s - 1, s - 1):match('%s')) then
+      return s - 1
+    end
+    return -3 -- (no reference before the cursor: the completion stops, saying nothing)
+  end
+  local query = base:match('^#file:"?(.*)$')
+  local items = {}
+  if not query then
+    for _, o in ipairs(OFFERED) do
+      if vim.startswith(o[1], base) then
+        items[#items + 1] = { word = o[1], menu = o[2] }
+      end
+    end
+    return items
+  end
+  local files = M.project_files()
+  if query ~= '' then
+    files = vim.fn.matchfuzzy(files, query)
+  else
+    local open, first, rest = {}, {}, {}
+    for _, b in ipairs(api.nvim_list_bufs()) do
+      if api.nvim_buf_is_loaded(b) and api.nvim_buf_get_name(b) ~= '' then
+        open[vim.fn.fnamemodify(api.nvim_buf_get_name(b), ':.')] = true
+      end
+    end
+    for _, f in ipairs(files) do
+      table.insert(open[f] and first or rest, f)
+    end
+    files = vim.list_extend(first, rest)
+  end
+  for i = 1, math.min(#files, M.MAX_COMPLETE) do
+    items[i] = { word = M.file_ref_text(files[i]), abbr = files[i], menu = '[file]' }
+  end
+  return items
+end
+
 local function loaded_buf(full)
   for _, b in ipairs(api.nvim_list_bufs()) do
     if api.nvim_buf_is_loaded(b) and api.nvim_buf_get_name(b) == full then
