@@ -1140,9 +1140,10 @@ def test_a_running_card_shows_its_arguments_and_output_from_the_tool_events(sv):
     sv.lua("""
         local server = require('operate_sidecar.server')
         _G.orig_request, _G.reads = server.request, 0
-        server.request = function(method, ...)
-          if method == 'branchMessages' then _G.reads = _G.reads + 1 end
-          return _G.orig_request(method, ...)
+        server.request = function(method, params, ...)
+          -- (a read of messages: the turn's start reads only the branch's count, limit 0)
+          if method == 'branchMessages' and params.limit ~= 0 then _G.reads = _G.reads + 1 end
+          return _G.orig_request(method, params, ...)
         end""")
     try:
         sv.chat_send("echo hi")
@@ -1362,6 +1363,78 @@ def test_the_thoughts_and_the_repeat_note_come_back_with_the_branch_also_in_a_ne
         again.close()
 
 
+def test_failed_and_stopped_turns_come_back_with_the_branch_also_in_a_new_neovim(nvim_bin, tmp_path):
+    """The branch holds nothing of a turn that failed or was stopped before its first round
+    ended, and of one that failed in a later round not how it ended: the chat keeps them by
+    branch (nvim-chat-kept.json, in the server's state directory), so a chat read from the branch
+    again (here in a new Neovim) shows each where it was, with its error or its stop and R; R
+    there sends it again with the context it was sent with (not read again). A deleted branch's
+    go with it."""
+    state = tmp_path / "state"
+    responses = ["first answer", {"error": "provider down"}, {"text": "slow", "delayMs": 60000},
+                 call("fixture_echo", text="round one"), {"error": "provider down late"}, "last answer"]
+    first = Nvim(nvim_bin[1], tmp_path / "first")
+    try:
+        first.setup(responses, _state_dir=str(state))
+        first.chat_send("hello")
+        assert first.wait_done()["err"] is None
+        (tmp_path / "first" / "ctx.txt").write_text("attached then\n")
+        first.chat_send("this fails #file:ctx.txt")
+        assert first.wait_done()["err"]["message"] == "provider down"
+        first.chat_send("wait for it")
+        first.wait("require('operate_sidecar')._state.progress.phase == 'request'", "the model call to start")
+        first.send_keys("<C-c>")
+        assert first.wait_done()["err"]["code"] == -32800
+        first.chat_send("echo then fail")
+        assert first.wait_done()["err"]["message"] == "provider down late"
+        first.chat_send("bye")
+        assert first.wait_done()["err"] is None
+        bid = first.lua("return require('operate_sidecar').current_branch()")
+        shown = first.chat(bid)
+        first.wait(f"#require('operate_sidecar.kept').locals('{bid}') == 3", "the three turns kept")
+        first.assert_no_errors()
+    finally:
+        first.close()
+    stored = json.loads((state / "nvim-chat-kept.json").read_text())["locals"]
+    assert [(r["user"], r["status"], r.get("recorded")) for r in stored[0]["turns"]] == [
+        ("this fails #file:ctx.txt", "error", False), ("wait for it", "cancelled", False),
+        ("echo then fail", "error", True)], stored
+
+    def marks(lines: list[str]) -> list[str]:
+        return [ln for ln in lines if ln in ("hello", "first answer", "this fails #file:ctx.txt", "wait for it",
+                                             "echo then fail", "bye", "last answer", "_cancelled_", RETRY_HINT,
+                                             "✓ fixture_echo round one")
+                or ln.startswith("**error:**") or ln.startswith("_with ")]
+
+    assert marks(shown) == ["hello", "first answer", "this fails #file:ctx.txt", "_with #file (ctx.txt)_",
+                            "**error:** the model reported an error: provider down", RETRY_HINT, "wait for it",
+                            "_cancelled_", RETRY_HINT, "echo then fail", "✓ fixture_echo round one",
+                            "**error:** the model reported an error: provider down late", RETRY_HINT, "bye",
+                            "last answer"], shown
+    again = Nvim(nvim_bin[1], tmp_path / "again")
+    try:
+        again.setup(["retried now"], _state_dir=str(state))
+        again.n.command(f"OperateMessages {bid}")
+        again.wait(f"vim.tbl_contains(require('operate_sidecar.chat').lines('{bid}'), 'last answer')", "the history")
+        assert marks(again.chat(bid)) == marks(shown), again.chat(bid)
+        # R on the failed turn: its message again, with the context it was sent with (no ctx.txt here)
+        _in_transcript(again, "^this fails")
+        again.lua("require('operate_sidecar')._state.last = nil")
+        again.send_keys("R")
+        out = again.wait_done()
+        assert out["err"] is None and out["result"]["result"] == "retried now", out
+        sent = [m["content"] for m in again.messages(bid) if m["kind"] == "instruction"]
+        assert sent[-1]["instruction"] == "this fails #file:ctx.txt" and \
+            sent[-1]["context"]["files"] == [{"path": "ctx.txt", "text": "attached then\n"}], sent[-1]
+        # a deleted branch's kept turns go with it
+        again.n.command(f"OperateBranch delete {bid}")
+        again.wait(f"#require('operate_sidecar.kept').locals('{bid}') == 0", "the kept turns forgotten")
+        assert json.loads((state / "nvim-chat-kept.json").read_text())["locals"] == []
+        again.assert_no_errors()
+    finally:
+        again.close()
+
+
 def test_what_the_chat_keeps_of_its_turns_is_bounded_and_survives_a_damaged_file(nv, tmp_path):
     """kept.lua: the latest MAX_TURNS turns and at most MAX_CHARS characters of thoughts (oldest
     dropped first), a stretch cut to MAX_THOUGHT and marked; the same turn kept again replaces
@@ -1389,6 +1462,42 @@ def test_what_the_chat_keeps_of_its_turns_is_bounded_and_survives_a_damaged_file
     nv.lua("require('operate_sidecar').config.state_dir = false")
     nv.lua(put, 20, "in memory")
     assert nv.lua(f"return {k}.get('b', 20).thoughts[1].text") == "in memory" and keys() == ["b@3", "b@9"]
+
+
+def test_the_failed_and_stopped_turns_kept_are_bounded_and_a_damaged_record_is_dropped(nv, tmp_path):
+    """kept.lua's failed and stopped turns: the latest MAX_LOCAL_TURNS of a branch, of the
+    MAX_LOCAL_BRANCHES branches changed last, at most MAX_LOCAL_CHARS characters in all (the
+    oldest turns of the branch changed longest ago dropped first); a record that is not one
+    (written by hand, another version) is dropped when the file is read."""
+    state = tmp_path / "st"
+    state.mkdir()
+    good = {"at": 0, "user": "kept", "status": "error", "error": "down", "recorded": False, "blocks": [
+        {"kind": "text", "raw": "partial"}, {"kind": "card", "card": {"tool": "read_file", "status": "cancelled"}},
+        {"kind": "bogus"}]}
+    (state / "nvim-chat-kept.json").write_text(json.dumps({"version": 1, "turns": [], "locals": [
+        {"branch": "old", "turns": [good, {"at": "x", "user": "bad"}, {"at": 1, "user": "u", "status": "done"}, 7]},
+        {"branch": 5, "turns": []}, "junk"]}))
+    nv.setup(["unused"], _state_dir=str(state))
+    k = "require('operate_sidecar.kept')"
+    users = f"return vim.tbl_map(function(r) return r.user end, {k}.locals(...))"
+    assert nv.lua(f"return {k}.locals('old')") == [{**good, "blocks": good["blocks"][:2]}]
+    assert nv.lua(f"return {k}.locals('nothing')") == []
+    put = k + ".put_local(select(1, ...), {at = select(2, ...), user = select(3, ...), status = 'cancelled', blocks = {}})"
+    nv.lua(f"{k}.MAX_LOCAL_TURNS, {k}.MAX_LOCAL_BRANCHES = 3, 2")
+    for i in range(5):
+        nv.lua(put, "b", i, f"u{i}")
+    assert nv.lua(users, "b") == ["u2", "u3", "u4"]
+    assert nv.lua(users, "old") == ["kept"]
+    nv.lua(put, "c", 0, "c0")                                    # a third branch: the one changed longest ago goes
+    assert nv.lua(users, "old") == [] and nv.lua(users, "b") == ["u2", "u3", "u4"]
+    on_disk = lambda: [(l["branch"], [r["user"] for r in l["turns"]])  # noqa: E731
+                       for l in json.loads((state / "nvim-chat-kept.json").read_text())["locals"]]
+    assert on_disk() == [("b", ["u2", "u3", "u4"]), ("c", ["c0"])]
+    # the characters: room for three records of this size; b (changed longest ago) loses its oldest first
+    size = len(json.dumps({"at": 0, "blocks": [], "status": "cancelled", "user": "u0"}, separators=(",", ":")))
+    nv.lua(f"{k}.MAX_LOCAL_CHARS = ...", 3 * size)
+    nv.lua(put, "c", 1, "c1")
+    assert on_disk() == [("b", ["u4"]), ("c", ["c0", "c1"])], on_disk()
 
 
 def test_a_model_stuck_on_the_same_failing_call_is_stopped_after_three_rounds_and_the_turn_says_why(sv):

@@ -918,6 +918,62 @@ local function put_back(turn, k)
   turn.note = turn.note or k.note
 end
 
+-- A turn that failed or was stopped, as kept.lua keeps it (kept.put_local): what it showed and
+-- what a Retry sends (its message, context, model and parameters).
+local function local_record(turn)
+  local blocks = {}
+  for _, blk in ipairs(turn.blocks) do
+    if (blk.kind == 'text' or blk.kind == 'thought') and vim.trim(blk.raw or '') ~= '' then
+      blocks[#blocks + 1] = { kind = blk.kind, raw = blk.raw, ms = blk.ms }
+    elseif blk.kind == 'card' then
+      local card = { callId = blk.card.callId }
+      for _, f in ipairs(CARD_FIELDS) do
+        card[f] = blk.card[f]
+      end
+      blocks[#blocks + 1] = { kind = 'card', card = card }
+    end
+  end
+  return { at = turn.at, recorded = turn.recorded, user = turn.user, status = turn.status, error = turn.error,
+    time = turn.time, ctx_label = turn.ctx_label, ctx_earlier = turn.ctx_earlier, model = turn.model,
+    note = turn.note, context = turn.context, params = turn.params, blocks = blocks }
+end
+
+-- A kept failed or stopped turn (`rec`) put back in a chat read from its branch (`loaded`: the
+-- turns read, each with `at`, where its instruction is): when the branch holds its first rounds,
+-- that turn, with how it ended; else a turn of its own, where it was: before the first turn read
+-- that began after it (or at the same place: the branch holds nothing of it).
+local function put_back_local(chat, loaded, rec)
+  if rec.recorded ~= false then
+    for _, t in ipairs(loaded) do
+      if t.at == rec.at and t.user == rec.user and t.status == 'done' then
+        t.status, t.error, t.recorded, t.note = rec.status, rec.error, true, t.note or rec.note
+        t.ctx_label, t.ctx_earlier, t.context, t.model, t.params = rec.ctx_label, rec.ctx_earlier, rec.context,
+          rec.model, rec.params
+        return
+      end
+    end
+  end
+  local turn = { user = rec.user, time = rec.time, status = rec.status, error = rec.error, recorded = rec.recorded,
+    ctx_label = rec.ctx_label, ctx_earlier = rec.ctx_earlier, context = rec.context, model = rec.model,
+    params = rec.params, note = rec.note, branch = chat.branch, at = rec.at, kept_local = true, blocks = {},
+    cards = {}, nlines = 0 }
+  for _, b in ipairs(rec.blocks) do
+    if b.kind == 'card' then
+      turn.cards[b.card.callId or #turn.blocks] = b.card
+    end
+    turn.blocks[#turn.blocks + 1] = b.kind == 'thought' and { kind = 'thought', raw = b.raw, ms = b.ms, closed = true }
+      or b
+  end
+  local pos = #chat.turns + 1
+  for i, t in ipairs(chat.turns) do
+    if t.at and (t.at > rec.at or (t.at == rec.at and not t.kept_local)) then
+      pos = i
+      break
+    end
+  end
+  table.insert(chat.turns, pos, turn) -- (drawn with the others: render_turn places it by the turns after it)
+end
+
 -- A branch's messages from `offset` on, every page of them (the server sends at most 1000 at
 -- a time): cb(err, messages, next_offset).
 local function fetch_messages(branch, offset, cb)
@@ -978,6 +1034,9 @@ local function load_history(chat, cb)
     end
     for _, t in ipairs(loaded) do
       put_back(t, kept.get(chat.branch, t.at))
+    end
+    for _, rec in ipairs(kept.locals(chat.branch)) do
+      put_back_local(chat, loaded, rec)
     end
     for _, t in ipairs(chat.turns) do
       render_turn(chat, t)
@@ -1592,14 +1651,14 @@ function M.send(chat, text, extra)
         bind(chat, run.branchId)
       end
       turn.branch, turn.at = run.branchId, nil
-      if ctx ~= nil then -- where the turn begins on the branch: a Retry asks whether it is there (check_recorded)
-        local bid = run.branchId
-        server.request('branchMessages', { branchId = bid, offset = 0, limit = 0 }, function(err, res)
-          if not err and type(res) == 'table' and turn.branch == bid then
-            turn.at = tonumber(res.total)
-          end
-        end)
-      end
+      -- where the turn begins on the branch: a Retry asks whether it is there (check_recorded), and
+      -- one that fails or is stopped is kept by it (kept.put_local). (Sent before the operate: answered first.)
+      local bid = run.branchId
+      server.request('branchMessages', { branchId = bid, offset = 0, limit = 0 }, function(err, res)
+        if not err and type(res) == 'table' and turn.branch == bid then
+          turn.at = tonumber(res.total)
+        end
+      end)
     end,
     on_delta = function(delta)
       local blk = text_block(turn)
@@ -1681,8 +1740,20 @@ function M.send(chat, text, extra)
     end
     render_turn(chat, turn)
     fill_cards(chat, turn)
-    if err and ctx ~= nil then
-      check_recorded(turn) -- (what a Retry sends: the context, unless the branch has it already)
+    if err then
+      -- (what a Retry sends: the context, unless the branch has it already) then the turn is kept,
+      -- so that it comes back when the chat is read from the branch again (also in a new Neovim)
+      check_recorded(turn)
+      local function keep()
+        if turn.branch and turn.at then
+          kept.put_local(turn.branch, local_record(turn))
+        end
+      end
+      if turn.checking then
+        table.insert(turn.checking, keep)
+      else
+        keep()
+      end
     end
   end, hooks)
   return true
