@@ -1464,6 +1464,27 @@ def test_what_the_chat_keeps_of_its_turns_is_bounded_and_survives_a_damaged_file
     assert nv.lua(f"return {k}.get('b', 20).thoughts[1].text") == "in memory" and keys() == ["b@3", "b@9"]
 
 
+def test_a_kept_turn_shows_what_it_showed_and_drawing_it_changes_nothing_kept(sv):
+    """A kept turn the branch holds nothing of comes back with what it showed (its streamed
+    text, its thoughts folded, its cards) before the turns that began after it; drawing it caches
+    its lines in the turn's own copy, never in what is kept (which would grow the file by them)."""
+    bid = sv.new_branch(["after it"], "keptshow")
+    sv.chat_send("later")
+    assert sv.wait_done()["err"] is None
+    k = "require('operate_sidecar.kept')"
+    sv.lua(f"""{k}.put_local(..., {{at = 0, user = 'the stopped one', status = 'cancelled', blocks = {{
+        {{kind = 'thought', raw = 'Weighing it.', ms = 2000}}, {{kind = 'text', raw = 'Partial words'}},
+        {{kind = 'card', card = {{callId = 'c1', tool = 'fixture_echo', arguments = {{text = 'x'}}, status = 'cancelled'}}}}}}}})""",
+           bid)
+    before = sv.lua(f"return vim.json.encode({k}.locals(...))", bid)
+    lines = _reopen_from_the_branch(sv, bid, "after it")
+    shown = [ln for ln in lines if ln in ("the stopped one", "_thought for 2 s_", "  ┊ Weighing it.", "Partial words",
+                                           "_cancelled_", "later", "after it") or ln.startswith("⊘ fixture_echo")]
+    assert shown == ["the stopped one", "_thought for 2 s_", "  ┊ Weighing it.", "Partial words",
+                     "⊘ fixture_echo x (cancelled)", "_cancelled_", "later", "after it"], lines
+    assert sv.lua(f"return vim.json.encode({k}.locals(...))", bid) == before
+
+
 def test_the_failed_and_stopped_turns_kept_are_bounded_and_a_damaged_record_is_dropped(nv, tmp_path):
     """kept.lua's failed and stopped turns: the latest MAX_LOCAL_TURNS of a branch, of the
     MAX_LOCAL_BRANCHES branches changed last, at most MAX_LOCAL_CHARS characters in all (the
@@ -2415,7 +2436,7 @@ def test_the_prompt_completes_references_and_file_paths(sv):
     """CTRL-X CTRL-O in the chat's prompt (its 'omnifunc'): after a `#` the references, narrowed by
     what follows; after `#file:` the project's files that match what follows (fuzzily, best
     first), the loaded buffers' first when nothing follows, a path with spaces quoted; the chosen
-    one replaces the reference typed. Inside a word, nothing is offered."""
+    one replaces the `#` word typed. Inside a word, nothing is offered."""
     d = sv.tmp / "omni"
     (d / "deep").mkdir(parents=True)
     (d / "deep" / "helper_util.py").write_text("h\n")
@@ -2444,7 +2465,7 @@ def test_the_prompt_completes_references_and_file_paths(sv):
     assert "#file:omni/zeta.py" in firsts and got[:len(firsts)] == firsts and len(got) > len(firsts), got
     assert complete("see #file:omniutil")[0] == "#file:omni/deep/helper_util.py"
     assert complete('see #file:"omni/my no')[0] == '#file:"omni/my notes.txt"'
-    # taken: it replaces the reference typed
+    # taken: it replaces the `#` word typed
     sv.lua(f"{chat}.set_prompt({chat}.current(), 'compare #file:omniutil')")
     sv.send_keys("A<C-x><C-o><C-y><Esc>")
     assert sv.lua(f"return {chat}.prompt_text()") == "compare #file:omni/deep/helper_util.py"

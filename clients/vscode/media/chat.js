@@ -138,7 +138,7 @@
 
   // Inline completion of the input's # references: typing `#` offers #file:, #file, #selection and
   // #problems, typing `#file:` the workspace's files (the extension matches them: refCompletion.ts),
-  // in a list above the input. Up and Down choose, Enter or Tab takes one (it replaces the reference
+  // in a list above the input. Up and Down choose, Enter or Tab takes one (it replaces the # word
   // being typed), Escape closes the list; a click takes one too. The list follows each keystroke; a
   // suggestion list of the editor's own is what it looks like.
   const list = $('complete');
@@ -158,7 +158,7 @@
     seq++;   // an answer on its way is dropped
     hideList();
   }
-  /** Asks for the suggestions of the reference at the caret, if the text before it may end in one. */
+  /** Asks for the suggestions of the # word at the caret, if the text before it may end in one. */
   function complete() {
     const a = input.selectionStart;
     const before = input.value.slice(0, a);
@@ -195,7 +195,7 @@
     input.setAttribute('aria-expanded', 'true');
     markActive();
   }
-  /** Takes suggestion `i`: it replaces the reference from its `#` to the end of the word at the caret. */
+  /** Takes suggestion `i`: it replaces the # word, from its `#` to the end of the word at the caret. */
   function accept(i) {
     const it = items[i];
     if (!it) return;

@@ -22,7 +22,7 @@ export const REFERENCES: readonly Suggestion[] = [
 ];
 
 /**
- * The reference being typed at the end of `before` (the input's text up to the caret), if any: a `#`
+ * The `#` word being typed at the end of `before` (the input's text up to the caret), if any: a `#`
  * at the start or after white space, then a reference name (`kind: 'reference'`) or `#file:` and a
  * path, bare or after a double quote (`kind: 'file'`). `start` is where the `#` is.
  */

@@ -957,12 +957,13 @@ local function put_back_local(chat, loaded, rec)
     ctx_label = rec.ctx_label, ctx_earlier = rec.ctx_earlier, context = rec.context, model = rec.model,
     params = rec.params, note = rec.note, branch = chat.branch, at = rec.at, kept_local = true, blocks = {},
     cards = {}, nlines = 0 }
-  for _, b in ipairs(rec.blocks) do
+  for _, kept_block in ipairs(rec.blocks) do
+    local b = vim.deepcopy(kept_block) -- (the turn's own: drawing it caches its lines in it, never stored)
+    b.closed = b.kind == 'thought' or nil
     if b.kind == 'card' then
       turn.cards[b.card.callId or #turn.blocks] = b.card
     end
-    turn.blocks[#turn.blocks + 1] = b.kind == 'thought' and { kind = 'thought', raw = b.raw, ms = b.ms, closed = true }
-      or b
+    turn.blocks[#turn.blocks + 1] = b
   end
   local pos = #chat.turns + 1
   for i, t in ipairs(chat.turns) do

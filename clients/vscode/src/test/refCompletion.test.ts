@@ -12,7 +12,7 @@ test('the token at the caret: a # at the start or after white space, a reference
   assert.deepEqual(tokenAt('see #file:src/ut'), { kind: 'file', query: 'src/ut', start: 4 });
   assert.deepEqual(tokenAt('see #file:"my fi'), { kind: 'file', query: 'my fi', start: 4 });
   // not a reference being typed: inside a word, after it, a closed quote, an upper-case name, a new line
-  for (const before of ['', 'x#file:a', 'issue#12', '#file:a.py ', '#file:"a b"', '#File', '#file:"a\nb', '# ']) {
+  for (const before of ['', 'x#file:a', 'tag#12', '#file:a.py ', '#file:"a b"', '#File', '#file:"a\nb', '# ']) {
     assert.equal(tokenAt(before), undefined, JSON.stringify(before));
   }
 });
