@@ -1840,6 +1840,46 @@ def test_a_retry_sends_no_context_the_branch_holds_already(sv):
     assert "_#buffer (retryctx.txt): in the failed turn above, not sent again_" in sv.chat(bid)
 
 
+def test_the_transcript_moves_between_turns_and_yanks_code_blocks(sv):
+    """In the transcript, `]]` and `[[` (with a count) go to the next and the previous turn's
+    `## You` line; `gy` yanks the code block under the cursor (its lines, not the fences) into
+    the register given (`"agy`), else the last code block of the turn under the cursor, and says
+    how many lines, or that the turn has none."""
+    reply = "Two blocks:\n\n```python\nprint(1)\nprint(2)\n```\n\nand\n\n~~~\nsecond\n~~~\n\nend"
+    bid = sv.new_branch([reply, "no code here", "third"], "yank")
+    for text in ("code please", "and prose", "once more"):
+        sv.chat_send(text)
+        assert sv.wait_done()["err"] is None
+    lines = sv.chat(bid)
+    starts = [i + 1 for i, ln in enumerate(lines) if ln.startswith("## You ·")]      # (not the prompt's header)
+    assert len(starts) == 3, lines
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    cursor = "return vim.api.nvim_win_get_cursor(0)[1]"
+    sv.send_keys("gg]]")
+    assert sv.lua(cursor) == starts[0]
+    sv.send_keys("2]]")
+    assert sv.lua(cursor) == starts[2]
+    sv.send_keys("]]")                                          # no turn after the last: stays
+    assert sv.lua(cursor) == starts[2]
+    sv.send_keys("[[")
+    assert sv.lua(cursor) == starts[1]
+    sv.send_keys("G[[")                                         # from the prompt header: the last turn
+    assert sv.lua(cursor) == starts[2]
+    sv.lua("_G.notes = {}")
+    inside = lines.index("print(2)") + 1
+    sv.lua("vim.api.nvim_win_set_cursor(0, ...)", [inside, 0])
+    sv.send_keys('"agy')
+    assert sv.n.call("getreg", "a") == "print(1)\nprint(2)\n" and sv.n.call("getregtype", "a") == "V"
+    sv.lua("vim.api.nvim_win_set_cursor(0, ...)", [starts[0], 0])
+    sv.send_keys("gy")                                          # on the turn's first line: its last block
+    assert sv.n.call("getreg", '"') == "second\n"
+    sv.lua("vim.api.nvim_win_set_cursor(0, ...)", [starts[1], 0])
+    sv.send_keys("gy")
+    assert sv.lua("return _G.notes") == ["[operate] yanked 2 lines of code", "[operate] yanked 1 line of code",
+                                         "[operate] no code block in this turn"]
+    assert sv.n.call("getreg", '"') == "second\n"
+
+
 def test_retry_and_edit_again_have_plug_mappings_that_work_from_any_buffer(sv):
     """<Plug>(operate-sidecar-retry) and <Plug>(operate-sidecar-edit-again), mapped by the user,
     do what :OperateRetry and :OperateRetry edit do, from a file's window too."""

@@ -797,6 +797,15 @@ local function set_keymaps(chat, b)
     map('n', 'gi', function()
       M.edit_again(chat, M.turn_at(chat, api.nvim_win_get_cursor(0)[1]))
     end, "put the turn's message (under the cursor, else the last) in the prompt")
+    map('n', ']]', function()
+      M.jump_turn(chat, vim.v.count1)
+    end, 'the next turn')
+    map('n', '[[', function()
+      M.jump_turn(chat, -vim.v.count1)
+    end, 'the turn before')
+    map('n', 'gy', function()
+      M.yank_code(chat, api.nvim_win_get_cursor(0)[1], vim.v.register)
+    end, "yank the code block under the cursor (else the turn's last)")
   else -- the prompt: <Up> on its first line, <Down> on its last, go through the messages sent
     for lhs, step in pairs({ ['<Up>'] = -1, ['<Down>'] = 1 }) do
       vim.keymap.set({ 'n', 'i' }, lhs, function()
@@ -1777,6 +1786,93 @@ function M.turn_at(chat, lnum)
     end
   end
   return chat.turns[#chat.turns]
+end
+
+--- The first line of each turn in a chat's transcript (its `## You` line), in order.
+local function turn_starts(chat)
+  local out, row = {}, 2 -- below the title and its blank line
+  for _, t in ipairs(chat.turns) do
+    out[#out + 1] = row + 1
+    row = row + t.nlines
+  end
+  return out
+end
+
+--- Move the cursor to the start of the `step`-th turn after the cursor's line (before it when
+--- `step` is negative), as far as there are turns.
+function M.jump_turn(chat, step)
+  local starts, cur = turn_starts(chat), api.nvim_win_get_cursor(0)[1]
+  local target
+  if step > 0 then
+    for _, l in ipairs(starts) do
+      if l > cur then
+        target, step = l, step - 1
+        if step == 0 then
+          break
+        end
+      end
+    end
+  else
+    for i = #starts, 1, -1 do
+      if starts[i] < cur then
+        target, step = starts[i], step + 1
+        if step == 0 then
+          break
+        end
+      end
+    end
+  end
+  if target then
+    api.nvim_win_set_cursor(0, { target, 0 })
+  end
+end
+
+--- The code blocks (``` or ~~~ fences) of lines `from`..`to` of a chat's transcript: { {open, close} } (the fences' lines).
+local function code_blocks(chat, from, to)
+  local lines = api.nvim_buf_get_lines(chat.buf, from - 1, to, false)
+  local out, open, fence = {}, nil, nil
+  for i, l in ipairs(lines) do
+    local f = l:match('^%s*(```+)') or l:match('^%s*(~~~+)')
+    if f and not open then
+      open, fence = from + i - 1, f
+    elseif f and f:sub(1, 1) == fence:sub(1, 1) and #f >= #fence and vim.trim(l) == f then
+      out[#out + 1] = { open, from + i - 1 }
+      open = nil
+    end
+  end
+  return out
+end
+
+--- Yank into `register` the code block at line `lnum` of a chat's transcript (its lines, not
+--- the fences), else the last code block of the turn at that line; says how many lines, or that
+--- there is none.
+function M.yank_code(chat, lnum, register)
+  local starts = turn_starts(chat)
+  local turn, first, last = M.turn_at(chat, lnum), nil, nil
+  for i, t in ipairs(chat.turns) do
+    if t == turn then
+      first, last = starts[i], starts[i] + t.nlines - 1
+    end
+  end
+  if not first then
+    notify('no code block here', vim.log.levels.WARN)
+    return false
+  end
+  local blocks, pick = code_blocks(chat, first, last), nil
+  for _, b in ipairs(blocks) do
+    if lnum >= b[1] and lnum <= b[2] then
+      pick = b
+    end
+  end
+  pick = pick or blocks[#blocks]
+  if not pick then
+    notify("no code block in this turn", vim.log.levels.WARN)
+    return false
+  end
+  local code = api.nvim_buf_get_lines(chat.buf, pick[1], pick[2] - 1, false)
+  vim.fn.setreg(register ~= '' and register or '"', code, 'l')
+  notify(('yanked %d line%s of code'):format(#code, #code == 1 and '' or 's'))
+  return true
 end
 
 local function retryable(turn)
