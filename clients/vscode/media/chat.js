@@ -323,6 +323,10 @@
       recalled = null;
       vscode.setState({ ...vscode.getState(), draft: input.value });
       input.focus();
+    } else if (a === 'copyReply') {
+      vscode.postMessage({ type: 'copyReply', index: Number(b.closest('section.turn')?.dataset.turn) });
+      b.textContent = 'Copied';
+      setTimeout(() => (b.textContent = 'Copy'), 1200);
     } else if (a === 'showDiff') {
       vscode.postMessage({ type: 'showDiff', callId: b.dataset.call });
     }

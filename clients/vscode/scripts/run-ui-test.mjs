@@ -334,12 +334,17 @@ async function main() {
   });
   await shot('chat', await chatClip());
 
-  await check('Insert on a code block puts the code into the editor at the cursor, Copy puts it on the clipboard (real clicks)', async () => {
+  await check('Insert on a code block puts the code into the editor at the cursor, Copy puts it on the clipboard (real clicks); Copy under the reply puts the whole reply there as Markdown, without the thoughts', async () => {
     await evalIn(`document.querySelector('.code-block')?.dispatchEvent(new MouseEvent('mouseover'))`).catch(() => undefined);
     await webClick('.code-block button[data-action=insert]');
     await waitFor('code inserted', async () => (await editorText())?.includes('print(greet("you"))'), 10000);
     await webClick('.code-block button[data-action=copy]');
     await waitFor('code on the clipboard', async () => (await evalIn(`navigator.clipboard.readText().catch((e) => 'ERR ' + e)`)) === 'print(greet("you"))\n', 10000);
+    await webClick('section.turn button[data-action=copyReply]');
+    const reply = 'Here is the **plan**:\n\n1. read `src/app.py`\n2. make `greet` shout\n\n```python\nprint(greet("you"))\n```\n\nThat is all it takes.';
+    await waitFor('the reply on the clipboard', async () => (await evalIn(`navigator.clipboard.readText().catch((e) => 'ERR ' + e)`)) === reply, 10000)
+      .catch(async (e) => { throw new Error(`${e.message}: it holds ${JSON.stringify(await evalIn(`navigator.clipboard.readText().catch((e) => 'ERR ' + e)`))}`); });
+    expect(await inWeb(`document.querySelector('section.turn button[data-action=copyReply]').textContent`) === 'Copied', 'the button says Copied');
   });
 
   await check('a structured reply with an edit_file call: prose field shown (never JSON), diff editor opens with the proposed text, Accept in the card; a second round answers', async () => {

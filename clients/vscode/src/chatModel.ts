@@ -748,6 +748,11 @@ export function cardHtml(card: ToolCard, mod: KeyMod = 'Ctrl'): string {
     + `${label('arguments', card.argsCut)}<pre class="args">${escapeHtml(pretty(card.args, card.argsCut))}</pre>${output}</details>${ask}`;
 }
 
+/** A turn's reply as Markdown: its prose, each piece once (what Copy under a reply copies). */
+export function replyText(t: Turn): string {
+  return t.items.flatMap((it) => (it.kind === 'prose' && it.text.trim() ? [it.text.trim()] : [])).join('\n\n');
+}
+
 export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
   const chips = t.contextLabels.map((l) => `<span class="chip${l.startsWith('#') ? ' missing' : ''}">${escapeHtml(l)}</span>`).join('');
   const items = t.items.map((it) => (it.kind === 'prose' ? `<div class="prose">${renderMarkdown(it.text)}</div>`
@@ -770,10 +775,14 @@ export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
       + `aria-label="Retry: send this message again" title="${resend}">Retry</button>`
       + `<button class="edit link" data-action="edit" aria-label="Edit and resend: put this message back into the input" `
       + `title="Put this message back into the input">Edit</button></div>` : '';
+  // a reply that ended well: Copy puts its Markdown on the clipboard (the extension has it: not repeated in the page)
+  const copy = !t.running && !t.outcome && replyText(t)
+    ? '<div class="turn-actions"><button class="link" data-action="copyReply" aria-label="Copy this reply as Markdown" '
+      + 'title="Copy this reply (Markdown)">Copy</button></div>' : '';
   // no instruction (the server could not be read): no empty message bubble above the error
   const user = t.user || chips ? `<div class="user">${escapeHtml(t.user)}${chips ? `<div class="chips">${chips}</div>` : ''}</div>` : '';
   return `<section class="turn${cls}" data-turn="${index}">${user}`
-    + `<div class="assistant">${items}${running}${note}${error}${usage}${retry}</div></section>`;
+    + `<div class="assistant">${items}${running}${note}${error}${usage}${retry}${copy}</div></section>`;
 }
 
 /** The conversation as the HTML of its parts, one per turn (the chat view replaces only the parts that changed); `mod`: see cardHtml. */

@@ -5,7 +5,7 @@ import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
   addThought, cardOfToolEvent, cardTitle, conversationParts, endThought, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
-  proseOf, refusesField, renderMarkdown, repeatNote, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
+  proseOf, refusesField, renderMarkdown, repeatNote, replyText, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, pickFileRef, resolveInput, workspaceFiles } from './context';
@@ -193,6 +193,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         case 'decide': this.decide(String(m.callId), m.decision as PermissionDecision); break;
         case 'showDiff': await this.host.review.show(String(m.callId)); break;
         case 'copy': await vscode.env.clipboard.writeText(String(m.code)); break;
+        case 'copyReply': await this.copyReply(Number(m.index)); break;
         case 'insert': await this.insert(String(m.code)); break;
         case 'command': await vscode.commands.executeCommand(String(m.id)); break;
         case 'attach': await this.attachFile(); break;
@@ -201,6 +202,12 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     } catch (e) {
       void vscode.window.showErrorMessage(`operate-sidecar: ${e instanceof Error ? e.message : String(e)}`);
     }
+  }
+
+  /** Copy under a reply: the Markdown of the turn shown at `index` goes on the clipboard. */
+  private async copyReply(index: number): Promise<void> {
+    const turn = (this.live ? [...this.turns, this.live.turn] : this.turns)[index];
+    if (turn) await vscode.env.clipboard.writeText(replyText(turn));
   }
 
   private async insert(code: string): Promise<void> {

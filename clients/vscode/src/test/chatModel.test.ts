@@ -10,7 +10,7 @@ import {
   addThought, cardHtml, cardOfToolEvent, endThought, keepThoughts, repeatNote, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
   onBranch, progressAfter, refusesField, renderMarkdown, resolveLocalTurns, retryContext, statusText, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn,
   TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns, forgetKeptTurns, KEPT_CHARS, KEPT_THOUGHT_CHARS, KEPT_TURNS,
-  KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT,
+  KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT, replyText,
 } from '../chatModel';
 import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
 
@@ -219,6 +219,20 @@ test('a failed or stopped turn offers Retry (a labelled button, by the turn\'s i
   // the keys of a waiting call are on its buttons
   const ask = cardHtml({ callId: 'c', tool: 'shout', args: { text: 'x' }, state: 'ask', ask: { diff: false } });
   assert.ok(ask.includes('aria-keyshortcuts="Control+Enter Meta+Enter">Accept</button>') && ask.includes('aria-keyshortcuts="Control+Backspace Meta+Backspace">Reject</button>'), ask);
+});
+
+test('a reply that ended well offers Copy (its Markdown, each prose piece once, the tool cards and thoughts left out); none while it runs, after a failure or a stop, or with no prose', () => {
+  const turn = (extra: Partial<Turn>): Turn => ({ user: 'u', contextLabels: [], items: [], ...extra });
+  const card: ToolCard = { callId: 'c', tool: 'read_file', args: { path: 'a' }, state: 'ok' };
+  const done = turn({ items: [{ kind: 'thought', text: 'hmm' }, { kind: 'prose', text: 'First **part**.\n' }, { kind: 'tool', card },
+    { kind: 'prose', text: '  ' }, { kind: 'prose', text: '```py\nx = 1\n```' }] });
+  assert.equal(replyText(done), 'First **part**.\n\n```py\nx = 1\n```');
+  const copy = '<button class="link" data-action="copyReply" aria-label="Copy this reply as Markdown"';
+  assert.ok(turnHtml(done, 3).includes(copy), turnHtml(done, 3));
+  for (const t of [turn({ ...done, running: true }), turn({ ...done, outcome: 'failed', error: 'x', id: 'f' }),
+    turn({ ...done, outcome: 'stopped', id: 's' }), turn({ items: [{ kind: 'tool', card }] })]) {
+    assert.ok(!turnHtml(t, 0).includes('copyReply'), `no Copy: ${JSON.stringify(t)}`);
+  }
 });
 
 test('Retry sends a turn\'s context again unless the branch holds the turn (stopped after its first round): the server recorded its instruction with that context, so it is not sent twice; the Retry button says which', () => {
