@@ -1317,6 +1317,31 @@ def test_the_thoughts_headline_says_how_long_the_model_thought_once_its_reply_be
     assert "_thoughts_" not in lines, lines
 
 
+def _first_neovim(nvim_bin, tmp: Path, state: Path, responses: list, drive, kept: str) -> tuple[str, list[str]]:
+    """A Neovim on the server state directory `state` whose chat `drive(v)` runs turns in; once
+    `kept` (a Lua condition, `{bid}` the branch) holds, it is closed. Returns the branch and the
+    lines its chat showed."""
+    first = Nvim(nvim_bin[1], tmp)
+    try:
+        first.setup(responses, _state_dir=str(state))
+        drive(first)
+        bid = first.lua("return require('operate_sidecar').current_branch()")
+        shown = first.chat(bid)
+        first.wait(kept.format(bid=bid), "what the chat keeps written")
+        first.assert_no_errors()
+        return bid, shown
+    finally:
+        first.close()
+
+
+def _deleting_the_branch_forgets(v: Nvim, bid: str, state: Path, gone: str, key: str) -> None:
+    """`:OperateBranch delete`: what the chat kept of the branch goes with it: `gone` (a Lua
+    condition, `{bid}` the branch) holds, and the file's `key` list is empty."""
+    v.n.command(f"OperateBranch delete {bid}")
+    v.wait(gone.format(bid=bid), "the kept turns forgotten")
+    assert json.loads((state / "nvim-chat-kept.json").read_text())[key] == []
+
+
 def test_the_thoughts_and_the_repeat_note_come_back_with_the_branch_also_in_a_new_neovim(nvim_bin, tmp_path):
     """The branch does not hold a reasoning model's thoughts, nor the note of a turn the repeat
     stop ended: the chat keeps them by branch and turn in the server's state directory
@@ -1326,21 +1351,16 @@ def test_the_thoughts_and_the_repeat_note_come_back_with_the_branch_also_in_a_ne
     state = tmp_path / "state"
     stuck = call("read_file", path="nope.txt")
     responses = [{"thinking": "First I weigh it.", "text": "weighed"}, stuck, stuck, stuck, "never reached"]
-    first = Nvim(nvim_bin[1], tmp_path / "first")
-    try:
-        first.setup(responses, _state_dir=str(state))
+    def drive(first: Nvim) -> None:
         first.lua("local c = require('operate_sidecar.chat'); local n = 0; "
                   "c.clock = function() n = n + 1; return n == 1 and 1000 or 13400 end")
         first.chat_send("think")
         assert first.wait_done()["err"] is None
         first.chat_send("keep failing")
         assert first.wait_done()["result"]["repeated"] is True
-        bid = first.lua("return require('operate_sidecar').current_branch()")
-        shown = first.chat(bid)
-        first.wait(f"require('operate_sidecar.kept').get('{bid}', 2) ~= nil", "the second turn kept")
-        first.assert_no_errors()
-    finally:
-        first.close()
+
+    bid, shown = _first_neovim(nvim_bin, tmp_path / "first", state, responses, drive,
+                               "require('operate_sidecar.kept').get('{bid}', 2) ~= nil")   # (the second turn kept)
     stored = json.loads((state / "nvim-chat-kept.json").read_text())
     assert [e["key"] for e in stored["turns"]] == [f"{bid}@0", f"{bid}@2"], stored
     again = Nvim(nvim_bin[1], tmp_path / "again")
@@ -1354,10 +1374,7 @@ def test_the_thoughts_and_the_repeat_note_come_back_with_the_branch_also_in_a_ne
         notes = [ln for ln in lines if ln.startswith("_Stopped:")]
         assert notes == [ln for ln in shown if ln.startswith("_Stopped:")] and len(notes) == 1, (notes, shown)
         assert lines.index(notes[0]) > lines.index("keep failing"), lines
-        # a deleted branch's kept turns go with it
-        again.n.command(f"OperateBranch delete {bid}")
-        again.wait(f"require('operate_sidecar.kept').get('{bid}', 0) == nil", "the kept turns forgotten")
-        assert json.loads((state / "nvim-chat-kept.json").read_text())["turns"] == []
+        _deleting_the_branch_forgets(again, bid, state, "require('operate_sidecar.kept').get('{bid}', 0) == nil", "turns")
         again.assert_no_errors()
     finally:
         again.close()
@@ -1373,9 +1390,7 @@ def test_failed_and_stopped_turns_come_back_with_the_branch_also_in_a_new_neovim
     state = tmp_path / "state"
     responses = ["first answer", {"error": "provider down"}, {"text": "slow", "delayMs": 60000},
                  call("fixture_echo", text="round one"), {"error": "provider down late"}, "last answer"]
-    first = Nvim(nvim_bin[1], tmp_path / "first")
-    try:
-        first.setup(responses, _state_dir=str(state))
+    def drive(first: Nvim) -> None:
         first.chat_send("hello")
         assert first.wait_done()["err"] is None
         (tmp_path / "first" / "ctx.txt").write_text("attached then\n")
@@ -1389,12 +1404,9 @@ def test_failed_and_stopped_turns_come_back_with_the_branch_also_in_a_new_neovim
         assert first.wait_done()["err"]["message"] == "provider down late"
         first.chat_send("bye")
         assert first.wait_done()["err"] is None
-        bid = first.lua("return require('operate_sidecar').current_branch()")
-        shown = first.chat(bid)
-        first.wait(f"#require('operate_sidecar.kept').locals('{bid}') == 3", "the three turns kept")
-        first.assert_no_errors()
-    finally:
-        first.close()
+
+    bid, shown = _first_neovim(nvim_bin, tmp_path / "first", state, responses, drive,
+                               "#require('operate_sidecar.kept').locals('{bid}') == 3")   # (the three turns kept)
     stored = json.loads((state / "nvim-chat-kept.json").read_text())["locals"]
     assert [(r["user"], r["status"], r.get("recorded")) for r in stored[0]["turns"]] == [
         ("this fails #file:ctx.txt", "error", False), ("wait for it", "cancelled", False),
@@ -1426,10 +1438,7 @@ def test_failed_and_stopped_turns_come_back_with_the_branch_also_in_a_new_neovim
         sent = [m["content"] for m in again.messages(bid) if m["kind"] == "instruction"]
         assert sent[-1]["instruction"] == "this fails #file:ctx.txt" and \
             sent[-1]["context"]["files"] == [{"path": "ctx.txt", "text": "attached then\n"}], sent[-1]
-        # a deleted branch's kept turns go with it
-        again.n.command(f"OperateBranch delete {bid}")
-        again.wait(f"#require('operate_sidecar.kept').locals('{bid}') == 0", "the kept turns forgotten")
-        assert json.loads((state / "nvim-chat-kept.json").read_text())["locals"] == []
+        _deleting_the_branch_forgets(again, bid, state, "#require('operate_sidecar.kept').locals('{bid}') == 0", "locals")
         again.assert_no_errors()
     finally:
         again.close()
@@ -1511,8 +1520,8 @@ def test_the_failed_and_stopped_turns_kept_are_bounded_and_a_damaged_record_is_d
     assert nv.lua(users, "old") == ["kept"]
     nv.lua(put, "c", 0, "c0")                                    # a third branch: the one changed longest ago goes
     assert nv.lua(users, "old") == [] and nv.lua(users, "b") == ["u2", "u3", "u4"]
-    on_disk = lambda: [(l["branch"], [r["user"] for r in l["turns"]])  # noqa: E731
-                       for l in json.loads((state / "nvim-chat-kept.json").read_text())["locals"]]
+    on_disk = lambda: [(b["branch"], [r["user"] for r in b["turns"]])  # noqa: E731
+                       for b in json.loads((state / "nvim-chat-kept.json").read_text())["locals"]]
     assert on_disk() == [("b", ["u2", "u3", "u4"]), ("c", ["c0"])]
     # the characters: room for three records of this size; b (changed longest ago) loses its oldest first
     size = len(json.dumps({"at": 0, "blocks": [], "status": "cancelled", "user": "u0"}, separators=(",", ":")))
