@@ -1853,7 +1853,7 @@ def test_the_transcript_moves_between_turns_and_yanks_code_blocks(sv):
     """In the transcript, `]]` and `[[` (with a count) go to the next and the previous turn's
     `## You` line; `gy` yanks the code block under the cursor (its lines, not the fences) into
     the register given (`"agy`), else the last code block of the turn under the cursor, and says
-    how many lines, or that the turn has none."""
+    how many lines, or that the turn has none; `gY` yanks the turn's whole reply as it reads."""
     reply = "Two blocks:\n\n```python\nprint(1)\nprint(2)\n```\n\nand\n\n~~~\nsecond\n~~~\n\nend"
     bid = sv.new_branch([reply, "no code here", "third"], "yank")
     for text in ("code please", "and prose", "once more"):
@@ -1887,6 +1887,13 @@ def test_the_transcript_moves_between_turns_and_yanks_code_blocks(sv):
     assert sv.lua("return _G.notes") == ["[operate] yanked 2 lines of code", "[operate] yanked 1 line of code",
                                          "[operate] no code block in this turn"]
     assert sv.n.call("getreg", '"') == "second\n"
+    # gY: the whole reply of the turn under the cursor, as it reads
+    sv.lua("vim.api.nvim_win_set_cursor(0, ...)", [inside, 0])
+    sv.send_keys('"bgY')
+    assert sv.n.call("getreg", "b") == reply + "\n"
+    sv.send_keys("GgY")                                         # after the last turn: the last turn's
+    assert sv.n.call("getreg", '"') == "third\n" and sv.lua("return _G.notes")[-2:] == [
+        "[operate] yanked the reply (14 lines)", "[operate] yanked the reply (1 line)"]
 
 
 def test_retry_and_edit_again_have_plug_mappings_that_work_from_any_buffer(sv):

@@ -806,6 +806,9 @@ local function set_keymaps(chat, b)
     map('n', 'gy', function()
       M.yank_code(chat, api.nvim_win_get_cursor(0)[1], vim.v.register)
     end, "yank the code block under the cursor (else the turn's last)")
+    map('n', 'gY', function()
+      M.yank_reply(chat, api.nvim_win_get_cursor(0)[1], vim.v.register)
+    end, 'yank the reply of the turn under the cursor (else the last)')
   else -- the prompt: <Up> on its first line, <Down> on its last, go through the messages sent
     for lhs, step in pairs({ ['<Up>'] = -1, ['<Down>'] = 1 }) do
       vim.keymap.set({ 'n', 'i' }, lhs, function()
@@ -1872,6 +1875,28 @@ function M.yank_code(chat, lnum, register)
   local code = api.nvim_buf_get_lines(chat.buf, pick[1], pick[2] - 1, false)
   vim.fn.setreg(register ~= '' and register or '"', code, 'l')
   notify(('yanked %d line%s of code'):format(#code, #code == 1 and '' or 's'))
+  return true
+end
+
+--- Yank into `register` the reply of the turn at line `lnum` of a chat's transcript (else the
+--- last turn's) as it reads: its text, not its thoughts or tool cards; says how many lines.
+function M.yank_reply(chat, lnum, register)
+  local turn, out = M.turn_at(chat, lnum), {}
+  for _, blk in ipairs(turn and turn.blocks or {}) do
+    local body = blk.kind == 'text' and cached_text_lines(blk) or {}
+    if #body > 1 or (body[1] or '') ~= '' then
+      if #out > 0 then
+        out[#out + 1] = ''
+      end
+      util.extend(out, body)
+    end
+  end
+  if #out == 0 then
+    notify('no reply in this turn', vim.log.levels.WARN)
+    return false
+  end
+  vim.fn.setreg(register ~= '' and register or '"', out, 'l')
+  notify(('yanked the reply (%d line%s)'):format(#out, #out == 1 and '' or 's'))
   return true
 end
 
