@@ -1896,6 +1896,31 @@ def test_the_transcript_moves_between_turns_and_yanks_code_blocks(sv):
         "[operate] yanked the reply (14 lines)", "[operate] yanked the reply (1 line)"]
 
 
+def test_g_question_mark_lists_the_chats_keys(sv):
+    """`g?` in the transcript or the prompt shows the chat's keys there, each with what it does
+    (from the mappings themselves, so the list cannot go stale), in a float that `q` closes."""
+    sv.n.command("OperateChat")
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    sv.send_keys("g?")
+    float_lines = "return vim.api.nvim_buf_get_lines(vim.api.nvim_get_current_buf(), 0, -1, false)"
+    shown = sv.lua(float_lines)
+    assert sv.lua("return vim.api.nvim_win_get_config(0).relative") == "editor" and shown[0] == "Keys of the chat (q closes)"
+    for key, what in (("gy", "yank the code block under the cursor (else the turn's last)"), ("]]", "the next turn"),
+                      ("R", "send the failed or stopped turn (under the cursor, else the last) again"),
+                      ("<CR>", "send the prompt"), ("g?", "show the chat's keys")):
+        assert any(ln.split()[:1] == [key] and ln.endswith(what) for ln in shown), (key, shown)
+    sv.send_keys("q")
+    assert sv.lua("return vim.api.nvim_win_get_config(0).relative") == ""
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').prompt_window())")
+    sv.send_keys("g?")
+    shown = sv.lua(float_lines)
+    assert shown[0] == "Keys of the prompt (q closes)" and not any(ln.startswith("gy ") for ln in shown), shown
+    assert any(ln.startswith("insert <C-F>") and ln.endswith("attach a file (#file:<path>, picked)") for ln in shown), shown
+    sv.n.command("wincmd p")                                    # leaving it closes it too
+    assert sv.lua("return #vim.tbl_filter(function(w) return vim.api.nvim_win_get_config(w).relative ~= '' end, "
+                  "vim.api.nvim_list_wins())") == 0
+
+
 def test_retry_and_edit_again_have_plug_mappings_that_work_from_any_buffer(sv):
     """<Plug>(operate-sidecar-retry) and <Plug>(operate-sidecar-edit-again), mapped by the user,
     do what :OperateRetry and :OperateRetry edit do, from a file's window too."""

@@ -757,6 +757,57 @@ function M.foldexpr(lnum)
   return 0
 end
 
+M.KEYS_BUF = 'operate://keys'
+
+--- A float listing the chat's keys in buffer `b` (its mappings of this plugin, with what each
+--- does), normal mode's then insert mode's; `q`, `<Esc>` or `g?` closes it.
+function M.show_keys(b)
+  local rows = {}
+  for _, mode in ipairs({ 'n', 'i' }) do
+    local mine = {}
+    for _, m in ipairs(api.nvim_buf_get_keymap(b, mode)) do
+      local desc = type(m.desc) == 'string' and m.desc:match('^operate%-sidecar: (.*)$')
+      if desc then
+        mine[#mine + 1] = { (mode == 'i' and 'insert ' or '') .. m.lhs, desc }
+      end
+    end
+    table.sort(mine, function(x, y)
+      return x[1] < y[1]
+    end)
+    vim.list_extend(rows, mine)
+  end
+  local width = 0
+  for _, r in ipairs(rows) do
+    width = math.max(width, vim.fn.strdisplaywidth(r[1]))
+  end
+  local lines = { ('Keys of the %s (q closes)'):format(vim.b[b].operate_sidecar_prompt and 'prompt' or 'chat'), '' }
+  for _, r in ipairs(rows) do
+    lines[#lines + 1] = r[1] .. string.rep(' ', width - vim.fn.strdisplaywidth(r[1]) + 2) .. r[2]
+  end
+  local kb = util.scratch(M.KEYS_BUF, 'operate_sidecar')
+  util.set_lines(kb, 0, -1, lines)
+  vim.bo[kb].modifiable = false
+  local w = 0
+  for _, l in ipairs(lines) do
+    w = math.max(w, vim.fn.strdisplaywidth(l))
+  end
+  w = math.min(w + 1, math.max(vim.o.columns - 4, 1))
+  local h = math.min(#lines, math.max(vim.o.lines - 6, 1))
+  local win = api.nvim_open_win(kb, true, { relative = 'editor', style = 'minimal', border = 'rounded', zindex = 50,
+    width = w, height = h, row = math.max(math.floor((vim.o.lines - h) / 2) - 1, 0),
+    col = math.max(math.floor((vim.o.columns - w) / 2), 0) })
+  local function close()
+    if api.nvim_win_is_valid(win) then
+      api.nvim_win_close(win, true)
+    end
+  end
+  for _, key in ipairs({ 'q', '<Esc>', 'g?' }) do
+    vim.keymap.set('n', key, close, { buffer = kb, nowait = true })
+  end
+  api.nvim_create_autocmd('WinLeave', { buffer = kb, once = true, callback = close }) -- (no float left behind)
+  return win
+end
+
 local function set_keymaps(chat, b)
   local function map(modes, lhs, fn, desc)
     vim.keymap.set(modes, lhs, fn, { buffer = b, desc = 'operate-sidecar: ' .. desc })
@@ -782,6 +833,9 @@ local function set_keymaps(chat, b)
   map('n', 'gb', function()
     branches.pick()
   end, 'pick a branch')
+  map('n', 'g?', function()
+    M.show_keys(b)
+  end, "show the chat's keys")
   map('n', 'gm', function()
     branches.pick_model()
   end, 'pick a model')
