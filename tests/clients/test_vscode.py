@@ -174,7 +174,8 @@ def test_c_vsce_package_produces_a_complete_vsix(vsix):
     assert {c["command"] for c in manifest["contributes"]["commands"]} == {
         f"operateSidecar.{c}" for c in ("operate", "cancel", "showMessages", "newBranch", "forkBranch", "deleteBranch",
                                          "listTools", "restart", "openChat", "chat", "stop", "newChat", "pickBranch",
-                                         "pickModel", "attachFile", "acceptEdit", "rejectEdit", "alwaysAllowEdit")}
+                                         "pickModel", "attachFile", "attachSelection", "acceptEdit", "rejectEdit",
+                                         "alwaysAllowEdit")}
     # the chat view in its own activity-bar container; Accept/Reject in the diff editor's title behind a context key
     c = manifest["contributes"]
     assert c["viewsContainers"]["activitybar"][0]["id"] == "operateSidecar"
@@ -295,7 +296,7 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     bad = [c for c in summary.get("checks", []) if not c["ok"]]
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     names = " | ".join(c["name"] for c in summary["checks"])
-    assert len(summary["checks"]) == 23, names
+    assert len(summary["checks"]) == 24, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
                   "Stop a running turn", "hidden and shown again while it waits", "Attach file (+ File under the input)",

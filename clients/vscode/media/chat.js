@@ -233,7 +233,7 @@
       if ($('branch').textContent !== m.branch) recalled = null;
       $('branch').textContent = m.branch;
       $('model').textContent = m.model;
-    } else if (m.type === 'attach') {   // Attach File: its #file: goes in at the caret, set apart by spaces
+    } else if (m.type === 'attach') {   // Attach File (its #file:), Add the Selection (#selection): in at the caret, set apart by spaces
       const a = input.selectionStart, b = input.selectionEnd, v = input.value;
       const text = (a > 0 && !/\s$/.test(v.slice(0, a)) ? ' ' : '') + m.ref + (/^\s/.test(v.slice(b)) ? '' : ' ');
       input.value = v.slice(0, a) + text + v.slice(b);

@@ -729,6 +729,57 @@ async function main() {
     expect(await turnCount() === turns, 'nothing was sent');
     await clearInput();
   });
+  await check('the context menus (real right clicks): Attach File to the Chat Message in the Explorer\'s menu of a file puts its #file:<path> into the chat input, the chat shown again; Add the Selection to the Chat Message in the editor\'s menu of a selection puts #selection after it', async () => {
+    const rightClick = async ({ x, y }) => {
+      await send('Input.dispatchMouseEvent', { type: 'mouseMoved', x, y });
+      await send('Input.dispatchMouseEvent', { type: 'mousePressed', x, y, button: 'right', buttons: 2, clickCount: 1 });
+      await send('Input.dispatchMouseEvent', { type: 'mouseReleased', x, y, button: 'right', buttons: 0, clickCount: 1 });
+    };
+    // an item of the open context menu, by its title (the workbench draws its menus in a shadow root)
+    const menuItem = (title) => evalIn(`(() => {
+      const roots = [document, ...[...document.querySelectorAll('.shadow-root-host')].map((h) => h.shadowRoot).filter(Boolean)];
+      for (const r of roots) for (const a of r.querySelectorAll('.monaco-menu .action-item .action-label')) {
+        if ((a.getAttribute('aria-label') || a.textContent).trim() === ${JSON.stringify(title)}) {
+          const b = a.getBoundingClientRect(); return { x: b.left + b.width / 2, y: b.top + b.height / 2 }; } }
+      return null; })()`);
+    const menuItems = () => evalIn(`[document, ...[...document.querySelectorAll('.shadow-root-host')].map((h) => h.shadowRoot).filter(Boolean)]
+      .flatMap((r) => [...r.querySelectorAll('.monaco-menu .action-item .action-label')].map((a) => (a.getAttribute('aria-label') || a.textContent).trim()))`);
+    const choose = async (title) => {
+      const at = await waitFor(`the menu item "${title}"`, () => menuItem(title), 10000)
+        .catch(async (e) => { throw new Error(`${e.message}; the menu has ${JSON.stringify(await menuItems())}`); });
+      await send('Input.dispatchMouseEvent', { type: 'mouseMoved', x: at.x, y: at.y });
+      await sleep(250);   // (a menu takes no click in the moment it opens)
+      await click(at);
+    };
+    await clearInput();
+    await palette('src/util.py', { clear: true, match: 'util.py' });
+    await palette('File: Reveal Active File in Explorer View');
+    await waitFor('the chat webview gone (the Explorer in the side bar)', async () => !(await findWebview()), STEP);
+    const row = '.explorer-folders-view .monaco-list-row.selected';
+    await waitFor('util.py selected in the Explorer', () => evalIn(`document.querySelector(${JSON.stringify(row)})?.textContent.trim() === 'util.py'`), 10000);
+    // (where the row is once the Explorer has stopped moving: revealing the file expands and scrolls the tree)
+    let at = await centerOf(row);
+    for (;;) { await sleep(300); const now = await centerOf(row); if (now.x === at.x && now.y === at.y) break; at = now; }
+    await rightClick(at);
+    await choose('Attach File to the Chat Message…');
+    await settleWebview();
+    await shows('the file\'s #file: in the input', '#file:src/util.py ');
+    await waitFor('the input focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
+    // a selection in the editor: its menu adds #selection at the caret
+    const line = await evalIn(`(() => { const l = [...document.querySelectorAll('.editor-instance .monaco-editor .view-line')].find((v) => v.textContent.replace(/\\u00a0/g, ' ').includes('def add'));
+      if (!l) return null; const b = l.getBoundingClientRect(); return { x: b.left + 4, y: b.top + b.height / 2 }; })()`);
+    expect(line, 'the line of util.py to select');
+    await click(line);
+    await key('Home', 'Home', 36);
+    await key('End', 'End', 35, { modifiers: 8 });   // (Shift: selects the line)
+    await waitFor('a selection in the editor', () => evalIn(`!!document.querySelector('.editor-instance .monaco-editor .selected-text')`), 5000);
+    await rightClick(await centerOf('.editor-instance .monaco-editor .selected-text'));
+    await choose('Add the Selection to the Chat Message');
+    await shows('#selection after it', '#file:src/util.py #selection ');
+    await clearInput();
+    await click(line);   // (no selection left for the checks after this one)
+    await waitFor('no selection in the editor', () => evalIn(`!document.querySelector('.editor-instance .monaco-editor .selected-text')`), 5000);
+  });
   await check('input history: Up on the first line of the input recalls the chat\'s earlier messages, Down goes back to the draft being typed; inside a multi-line text the caret moves first; kept when the chat is hidden and shown again', async () => {
     const up = () => key('ArrowUp', 'ArrowUp', 38);
     const down = () => key('ArrowDown', 'ArrowDown', 40);

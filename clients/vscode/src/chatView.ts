@@ -8,8 +8,8 @@ import {
   proseOf, refusesField, renderMarkdown, repeatNote, replyText, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
-import { EditorTracker, pickFileRef, resolveInput, workspaceFiles } from './context';
-import { FileEntry, suggestionsFor, tokenAt } from './refCompletion';
+import { EditorTracker, kindOf, pickFileRef, relPath, resolveInput, workspaceFiles } from './context';
+import { FileEntry, fileRefText, suggestionsFor, tokenAt } from './refCompletion';
 import { DiffReview, previewOf } from './diffReview';
 import {
   CancellationToken, CancellationTokenSource, ErrorCodes, Json, JsonObject, Message, OperateParams, OperateResult, PermissionDecision,
@@ -344,10 +344,20 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     });
   }
 
-  /** Attach File (the button under the input, or the command): the chosen file's `#file:<path>` goes into the input, at the caret. */
-  async attachFile(): Promise<void> {
-    const ref = await pickFileRef();
-    if (!ref) return;
+  /**
+   * Attach File: the `#file:<path>` of the files given (the Explorer's or an editor tab's menu: the
+   * file it was opened on, or all the files of a multiple selection; folders left out), else of the
+   * file picked (the button under the input, the command), goes into the input at the caret.
+   */
+  async attachFile(uri?: unknown, uris?: unknown): Promise<void> {
+    const given = (Array.isArray(uris) && uris.length ? uris : [uri]).filter((u): u is vscode.Uri => u instanceof vscode.Uri);
+    const ref = given.length ? given.filter((u) => kindOf(u) !== 'folder').map((u) => fileRefText(relPath(u))).join(' ')
+      : await pickFileRef();
+    if (ref) await this.attachRef(ref);
+  }
+
+  /** `ref` (`#file:<path>`, `#selection`...) into the chat's input at the caret, set apart by spaces; the chat shown, the input focused. */
+  async attachRef(ref: string): Promise<void> {
     await this.reveal();
     await this.whenReady();
     this.post({ type: 'attach', ref });

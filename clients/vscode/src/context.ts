@@ -136,7 +136,7 @@ function candidates(ref: string): vscode.Uri[] {
 
 const openDoc = (uri: vscode.Uri) => vscode.workspace.textDocuments.find((d) => d.uri.toString() === uri.toString());
 /** What is at `uri` on the disk: a file, a folder, or neither (nothing, or not readable). */
-const kindOf = (uri: vscode.Uri): 'file' | 'folder' | undefined => {
+export const kindOf = (uri: vscode.Uri): 'file' | 'folder' | undefined => {
   try { const s = fs.statSync(uri.fsPath); return s.isFile() ? 'file' : s.isDirectory() ? 'folder' : undefined; } catch { return undefined; }
 };
 

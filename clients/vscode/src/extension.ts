@@ -807,7 +807,9 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
   reg('newChat', () => s.newChat());
   reg('pickBranch', (a?: { branchId?: string }) => s.pickBranch(a));
   reg('pickModel', (a?: { model?: string } | string) => s.pickModel(a));
-  reg('attachFile', () => s.chat.attachFile());
+  // (from the Explorer's or an editor tab's menu: the file it was opened on, and all of a multiple selection)
+  reg('attachFile', (uri?: unknown, uris?: unknown) => s.chat.attachFile(uri, uris));
+  reg('attachSelection', () => s.chat.attachRef('#selection'));
   reg('acceptEdit', (a?: unknown) => s.decideEdit(a, 'allow_once'));
   reg('rejectEdit', (a?: unknown) => s.decideEdit(a, 'deny_once'));
   reg('alwaysAllowEdit', (a?: unknown) => s.decideEdit(a, 'allow_always'));
