@@ -198,8 +198,14 @@ def test_c_vsce_package_produces_a_complete_vsix(vsix):
     # decisions while a review waits; Send to Chat (it needs its text) never
     palette = {m["command"]: m["when"] for m in c["menus"]["commandPalette"]}
     assert palette == {"operateSidecar.stop": "operateSidecar.chatRunning", "operateSidecar.cancel": "operateSidecar.busy",
-                       "operateSidecar.chat": "false", **{f"operateSidecar.{d}": "operateSidecar.reviewPending"
-                                                          for d in ("acceptEdit", "rejectEdit", "alwaysAllowEdit")}}, palette
+                       "operateSidecar.chat": "false", "operateSidecar.attachSelection": "editorHasSelection",
+                       **{f"operateSidecar.{d}": "operateSidecar.reviewPending"
+                          for d in ("acceptEdit", "rejectEdit", "alwaysAllowEdit")}}, palette
+    # the context menus: Attach File on a file (Explorer, editor tab), Add the Selection on a selection
+    assert [(m["command"], m["when"]) for m in c["menus"]["explorer/context"] + c["menus"]["editor/title/context"]
+            + c["menus"]["editor/context"]] == [
+        ("operateSidecar.attachFile", "!explorerResourceIsFolder"), ("operateSidecar.attachFile", "resourceScheme == file"),
+        ("operateSidecar.attachSelection", "editorHasSelection && resourceScheme != operate-sidecar-proposed")]
     readme = (EXT / "README.md").read_text()
     shot = EXT / "media" / "chat-diff-review.png"
     assert readme.startswith("# operate-sidecar for VS Code\n\n![") and "(media/chat-diff-review.png)" in readme.split("\n")[2]
