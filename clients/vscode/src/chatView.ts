@@ -143,6 +143,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   /** Characters of HTML posted in `state` messages, and their number (for the tests). */
   private postedChars = 0;
   private posts = 0;
+  /** What Attach File and Add the Selection put into the input, in order (for the tests). */
+  private readonly attached: string[] = [];
   /**
    * The workspace's files for the input's `#file:` completion: listed when a completion begins (the
    * webview says `fresh`) and reused while it is typed, so a file made meanwhile is offered next time.
@@ -360,6 +362,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   async attachRef(ref: string): Promise<void> {
     await this.reveal();
     await this.whenReady();
+    this.attached.push(ref);
     this.post({ type: 'attach', ref });
   }
 
@@ -386,7 +389,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const cards = [...this.live?.cards.values() ?? []].map((c) => ({ tool: c.tool, state: c.state, title: cardTitle(c), args: c.args, argsCut: !!c.argsCut }));
     return { streamUpdates: this.streamUpdates, deltas: this.deltas, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, cards,
       status: this.live?.turn.status,
-      badge: this.badgeValue(), posts: this.posts, postedChars: this.postedChars };
+      badge: this.badgeValue(), posts: this.posts, postedChars: this.postedChars, attached: [...this.attached] };
   }
 
   private badgeValue(): number {

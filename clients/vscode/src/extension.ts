@@ -77,6 +77,8 @@ export interface OperateSidecarApi {
   chatStats(): { streamUpdates: number; deltas: number; lastProse: string; turns: number; pendingAsks: string[]; running: boolean; loads: number;
     /** the chat view's badge (calls waiting for a decision); `state` messages posted to the webview and their HTML's characters */
     badge: number; posts: number; postedChars: number;
+    /** what Attach File and Add the Selection put into the chat input, in order */
+    attached: string[];
     /** the running turn's tool cards */
     cards: { tool: string; state: string; title: string; args: Json; argsCut: boolean }[] };
   /** The turns the chat shows, oldest first: the instruction, a failed or stopped turn's mark, card titles. */

@@ -1006,6 +1006,17 @@ export async function run(): Promise<void> {
       }
     });
 
+    await check('Attach File with the arguments the Explorer\'s menu gives (the file, then every file selected): their #file: references (a path with spaces quoted) go into the chat input, a folder left out; Add the Selection: #selection', async () => {
+      fs.writeFileSync(vscode.Uri.joinPath(folder, 'my notes.md').fsPath, 'spaced\n');
+      const spaced = vscode.Uri.joinPath(folder, 'my notes.md'), other = vscode.Uri.joinPath(folder, 'other.txt');
+      await exec('operateSidecar.attachFile', other, [other, vscode.Uri.joinPath(folder, 'adir'), spaced]);
+      await exec('operateSidecar.attachFile', spaced);   // (the tab's menu: the one file)
+      await exec('operateSidecar.attachSelection');
+      const attached = api!.chatStats().attached.slice(-3);
+      expect(JSON.stringify(attached) === JSON.stringify(['#file:other.txt #file:"my notes.md"', '#file:"my notes.md"', '#selection']),
+        `attached: ${JSON.stringify(attached)}`);
+    });
+
     // ---- settings with bad values, Stop and Restart while the server starts, a server that hangs ----
     const cfg = () => vscode.workspace.getConfiguration('operateSidecar');
     const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
