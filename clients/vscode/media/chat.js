@@ -138,7 +138,7 @@
 
   // Inline completion of the input's # references: typing `#` offers #file:, #file, #selection and
   // #problems, typing `#file:` the workspace's files (the extension matches them: refCompletion.ts),
-  // in a list above the input. Up and Down choose, Enter or Tab takes one (it replaces the # word
+  // in a list above the input (Ctrl+Space shows it too). Up and Down choose, Enter or Tab takes one (it replaces the # word
   // being typed), Escape closes the list; a click takes one too. The list follows each keystroke; a
   // suggestion list of the editor's own is what it looks like.
   const list = $('complete');
@@ -262,7 +262,24 @@
   $('model').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.pickModel' }));
   $('new').addEventListener('click', () => vscode.postMessage({ type: 'command', id: 'operateSidecar.newChat' }));
   $('attach').addEventListener('click', () => vscode.postMessage({ type: 'attach' }));
+  /** Ctrl+Space: the suggestions for the # word at the caret, else a `#` typed there and its suggestions. */
+  function suggest() {
+    const a = input.selectionStart, b = input.selectionEnd, v = input.value;
+    if (a === b && !/(?:^|\s)#\S*$/.test(v.slice(0, a))) {
+      const text = (a > 0 && !/\s$/.test(v.slice(0, a)) ? ' ' : '') + '#';
+      input.value = v.slice(0, a) + text + v.slice(b);
+      input.setSelectionRange(a + text.length, a + text.length);
+      vscode.setState({ ...vscode.getState(), draft: input.value });
+    }
+    completing = false;   // (the file list read again)
+    complete();
+  }
   input.addEventListener('keydown', (e) => {
+    if (e.key === ' ' && e.ctrlKey && !e.altKey && !e.metaKey && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      suggest();
+      return;
+    }
     if (listOpen() && !e.altKey && !e.ctrlKey && !e.metaKey && !e.isComposing) {
       const act = e.key === 'ArrowDown' ? () => move(1) : e.key === 'ArrowUp' ? () => move(-1)
         : (e.key === 'Enter' || e.key === 'Tab') && !e.shiftKey ? () => accept(active) : undefined;

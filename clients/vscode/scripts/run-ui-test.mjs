@@ -685,7 +685,7 @@ async function main() {
     await waitFor('the input focused again', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
     await clearInput();
   });
-  await check('inline completion in the input: # offers the references, #file: the workspace\'s files (not those a search leaves out), narrowed as it is typed; Up/Down choose, Enter or Tab takes one (never sends), Escape closes the list, a click takes one; the input says which suggestion is chosen', async () => {
+  await check('inline completion in the input: # offers the references, #file: the workspace\'s files (not those a search leaves out), narrowed as it is typed; Up/Down choose, Enter or Tab takes one (never sends), Escape closes the list, Ctrl+Space opens it (typing a # in an empty input), a click takes one; the input says which suggestion is chosen', async () => {
     const suggestions = () => inWeb(`document.getElementById('complete').hidden ? null : [...document.querySelectorAll('#complete li')].map((li) => li.textContent)`);
     const listed = (what, want) => waitFor(`${what}: ${JSON.stringify(want)}`, async () => JSON.stringify(await suggestions()) === JSON.stringify(want), 5000)
       .catch(async (e) => { throw new Error(`${e.message} (it shows ${JSON.stringify(await suggestions())})`); });
@@ -721,12 +721,21 @@ async function main() {
     await key('Escape', 'Escape', 27);
     await listed('Escape closes the list', null);
     await shows('... and leaves the text', 'Explain #file:src/util.py and #');
+    await key(' ', 'Space', 32, { modifiers: 2 });   // Ctrl+Space: the list again
+    await listed('Ctrl+Space shows it again', ['#file:a file of the workspace…', '#filethe active file', '#selectionthe selection in the editor', '#problemsthe workspace\'s problems']);
+    await key('Escape', 'Escape', 27);
+    await listed('closed again', null);
     await send('Input.insertText', { text: 'pro' });
     await listed('#pro', ['#problemsthe workspace\'s problems']);
     await webClick('#complete li');
     await shows('a click takes it', 'Explain #file:src/util.py and #problems ');
     await waitFor('the input keeps the focus', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 5000);
     expect(await turnCount() === turns, 'nothing was sent');
+    await clearInput();
+    await key(' ', 'Space', 32, { modifiers: 2 });   // in an empty input: a # and its suggestions
+    await listed('Ctrl+Space in an empty input', ['#file:a file of the workspace…', '#filethe active file', '#selectionthe selection in the editor', '#problemsthe workspace\'s problems']);
+    await shows('the # typed for it', '#');
+    await key('Escape', 'Escape', 27);
     await clearInput();
   });
   await check('the context menus (real right clicks): Attach File to the Chat Message in the Explorer\'s menu of a file puts its #file:<path> into the chat input, the chat shown again; Add the Selection to the Chat Message in the editor\'s menu of a selection puts #selection after it', async () => {
