@@ -2480,7 +2480,8 @@ def test_file_references_attach_other_files_their_unsaved_buffer_text_or_say_why
 
 def test_attach_puts_a_file_reference_into_the_prompt_typed_or_picked(sv):
     """`:OperateAttach {file}` puts `#file:<path>` at the end of the chat's prompt (in double
-    quotes when the path has spaces, which the prompt's references then read); CTRL-F in the
+    quotes when the path has spaces, which the prompt's references then read; `%` names the file
+    the command is given in, or from the chat the file it was opened from); CTRL-F in the
     prompt's insert mode picks one of the project's files (vim.ui.select) and puts it at the
     cursor, set apart by spaces. The turn then attaches them."""
     bid = sv.new_branch(["seen"], "attach")
@@ -2506,6 +2507,14 @@ def test_attach_puts_a_file_reference_into_the_prompt_typed_or_picked(sv):
     sv.send_keys("i<C-f><Esc>")
     assert sv.lua("return _G.offered")["has"] is True and sv.lua("return _G.offered")["prompt"] == "Attach a file: "
     assert sv.lua(f"return {chat}.prompt_text()") == "see #file:attach/x.py now"
+    # `%`: the file of the window it is typed in; from the chat, the file the chat was opened from
+    sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
+    (d / "pct.py").write_text("p\n")
+    sv.n.command(f"edit {d / 'pct.py'}")
+    sv.n.command("OperateAttach %")
+    assert sv.lua(f"return {chat}.prompt_text()") == "#file:attach/pct.py"
+    sv.n.command("OperateAttach %")                              # (now in the prompt: pct.py again)
+    assert sv.lua(f"return {chat}.prompt_text()") == "#file:attach/pct.py #file:attach/pct.py"
     sv.lua(f"{chat}.set_prompt({chat}.current(), ...)", 'both #file:attach/x.py and #file:"attach/my notes.txt"')
     sv.send_keys("<CR>")
     assert sv.wait_done()["err"] is None

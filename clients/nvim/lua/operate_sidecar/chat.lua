@@ -1403,8 +1403,18 @@ function M.attach(chat, path)
     api.nvim_buf_set_text(pb, row - 1, col, row - 1, col, { text })
     pcall(api.nvim_win_set_cursor, w, { row, col + #text })
   end
+  if path and path:match('^[%%#<]') then
+    path = vim.fn.expand(path) -- (the command's file completion expands `%`, `#` already)
+  end
+  if path and path:match('^operate://') then -- `%` in the chat: the file it was opened from
+    path = api.nvim_buf_get_name(context.source_buf())
+    if path == '' or path:match('^operate://') then
+      notify('no file to attach: name one, or run :OperateAttach % from its window', vim.log.levels.WARN)
+      return
+    end
+  end
   if path and path ~= '' then
-    return put(path)
+    return put(vim.fn.fnamemodify(path, ':.')) -- (a file under the current directory: by its relative path)
   end
   local files = context.project_files()
   if #files == 0 then
