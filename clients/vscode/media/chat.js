@@ -138,9 +138,9 @@
 
   // Inline completion of the input's # references: typing `#` offers #file:, #file, #selection and
   // #problems, typing `#file:` the workspace's files (the extension matches them: refCompletion.ts),
-  // in a list above the input (Ctrl+Space shows it too). Up and Down choose, Enter or Tab takes one (it replaces the # word
-  // being typed), Escape closes the list; a click takes one too. The list follows each keystroke; a
-  // suggestion list of the editor's own is what it looks like.
+  // in a list above the input (Ctrl+Space shows it too). Up and Down choose, Enter or Tab takes one
+  // (it replaces the # word being typed), Escape closes the list; a click takes one too. The list
+  // follows each keystroke; a suggestion list of the editor's own is what it looks like.
   const list = $('complete');
   let items = [], active = 0, tokenStart = -1, seq = 0;
   /** A completion is under way (the caret is in a reference): the extension lists the files once per completion. */
@@ -265,7 +265,7 @@
   /** Ctrl+Space: the suggestions for the # word at the caret, else a `#` typed there and its suggestions. */
   function suggest() {
     const a = input.selectionStart, b = input.selectionEnd, v = input.value;
-    if (a === b && !/(?:^|\s)#\S*$/.test(v.slice(0, a))) {
+    if (a === b && !/(?:^|\s)#(?:file:"[^"\n]*|\S*)$/.test(v.slice(0, a))) {   // (not in a # word: one typed)
       const text = (a > 0 && !/\s$/.test(v.slice(0, a)) ? ' ' : '') + '#';
       input.value = v.slice(0, a) + text + v.slice(b);
       input.setSelectionRange(a + text.length, a + text.length);

@@ -143,7 +143,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   /** Characters of HTML posted in `state` messages, and their number (for the tests). */
   private postedChars = 0;
   private posts = 0;
-  /** What Attach File and Add the Selection put into the input, in order (for the tests). */
+  /** What Attach File and Add the Selection put into the input, the last 20 in order (for the tests). */
   private readonly attached: string[] = [];
   /**
    * The workspace's files for the input's `#file:` completion: listed when a completion begins (the
@@ -363,6 +363,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     await this.reveal();
     await this.whenReady();
     this.attached.push(ref);
+    if (this.attached.length > 20) this.attached.shift();
     this.post({ type: 'attach', ref });
   }
 
