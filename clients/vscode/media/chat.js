@@ -146,6 +146,8 @@
   /** A completion is under way (the caret is in a reference): the extension lists the files once per completion. */
   let completing = false;
   const listOpen = () => !list.hidden;
+  /** The text before the caret ends in a # word (a reference name, or #file: and a path, bare or quoted): the extension's token (refCompletion.ts tokenAt) is one of these. */
+  const IN_REF = /(?:^|\s)#(?:file:"[^"\n]*|\S*)$/;
   function hideList() {
     list.hidden = true;
     list.replaceChildren();
@@ -162,7 +164,7 @@
   function complete() {
     const a = input.selectionStart;
     const before = input.value.slice(0, a);
-    if (a !== input.selectionEnd || !/(?:^|\s)#[^\n]*$/.test(before)) { endCompletion(); return; }
+    if (a !== input.selectionEnd || !IN_REF.test(before)) { endCompletion(); return; }
     vscode.postMessage({ type: 'complete', seq: ++seq, before, fresh: !completing });
     completing = true;
   }
@@ -265,7 +267,7 @@
   /** Ctrl+Space: the suggestions for the # word at the caret, else a `#` typed there and its suggestions. */
   function suggest() {
     const a = input.selectionStart, b = input.selectionEnd, v = input.value;
-    if (a === b && !/(?:^|\s)#(?:file:"[^"\n]*|\S*)$/.test(v.slice(0, a))) {   // (not in a # word: one typed)
+    if (a === b && !IN_REF.test(v.slice(0, a))) {   // (not in a # word: one typed)
       const text = (a > 0 && !/\s$/.test(v.slice(0, a)) ? ' ' : '') + '#';
       input.value = v.slice(0, a) + text + v.slice(b);
       input.setSelectionRange(a + text.length, a + text.length);

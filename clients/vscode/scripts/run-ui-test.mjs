@@ -768,7 +768,12 @@ async function main() {
     await waitFor('util.py selected in the Explorer', () => evalIn(`document.querySelector(${JSON.stringify(row)})?.textContent.trim() === 'util.py'`), 10000);
     // (where the row is once the Explorer has stopped moving: revealing the file expands and scrolls the tree)
     let at = await centerOf(row);
-    for (;;) { await sleep(300); const now = await centerOf(row); if (now.x === at.x && now.y === at.y) break; at = now; }
+    await waitFor('the Explorer row in place', async () => {
+      await sleep(300);
+      const now = await centerOf(row), still = now.x === at.x && now.y === at.y;
+      at = now;
+      return still;
+    }, 10000);
     await rightClick(at);
     await choose('Attach File to the Chat Message…');
     await settleWebview();

@@ -548,6 +548,12 @@ local function cached_text_lines(blk)
   return blk.memo
 end
 
+-- A text block's lines as the transcript shows them, nil when it shows none (empty text).
+local function shown_text(blk)
+  local body = cached_text_lines(blk)
+  return (#body > 1 or (body[1] or '') ~= '') and body or nil
+end
+
 -- A thought block's lines (each with its prefix), made again only when its text changed.
 local function cached_thought_lines(blk)
   if blk.memo and blk.memo_raw == blk.raw then
@@ -577,8 +583,8 @@ local function turn_lines(turn)
   lines[#lines + 1] = '## Assistant' .. (turn.model and (' · ' .. turn.model) or '')
   for _, blk in ipairs(turn.blocks) do
     if blk.kind == 'text' then
-      local body = cached_text_lines(blk)
-      if #body > 0 and not (#body == 1 and body[1] == '') then
+      local body = shown_text(blk)
+      if body then
         util.extend(lines, body)
         lines[#lines + 1] = ''
       end
@@ -1868,29 +1874,16 @@ end
 --- Move the cursor to the start of the `step`-th turn after the cursor's line (before it when
 --- `step` is negative), as far as there are turns.
 function M.jump_turn(chat, step)
-  local starts, cur = turn_starts(chat), api.nvim_win_get_cursor(0)[1]
-  local target
-  if step > 0 then
-    for _, l in ipairs(starts) do
-      if l > cur then
-        target, step = l, step - 1
-        if step == 0 then
-          break
-        end
-      end
-    end
-  else
-    for i = #starts, 1, -1 do
-      if starts[i] < cur then
-        target, step = starts[i], step + 1
-        if step == 0 then
-          break
-        end
-      end
+  local cur, ahead = api.nvim_win_get_cursor(0)[1], {} -- the turns' starts that way, nearest first
+  for _, l in ipairs(turn_starts(chat)) do
+    if step > 0 and l > cur then
+      ahead[#ahead + 1] = l
+    elseif step < 0 and l < cur then
+      table.insert(ahead, 1, l)
     end
   end
-  if target then
-    api.nvim_win_set_cursor(0, { target, 0 })
+  if #ahead > 0 then
+    api.nvim_win_set_cursor(0, { ahead[math.min(math.abs(step), #ahead)], 0 })
   end
 end
 
@@ -1908,6 +1901,13 @@ local function code_blocks(chat, from, to)
     end
   end
   return out
+end
+
+-- `lines` into `register` (linewise; '' is the unnamed one), said as "yanked <what>".
+local function yank(lines, register, what)
+  vim.fn.setreg(register ~= '' and register or '"', lines, 'l')
+  notify('yanked ' .. what)
+  return true
 end
 
 --- Yank into `register` the code block at line `lnum` of a chat's transcript (its lines, not
@@ -1937,9 +1937,7 @@ function M.yank_code(chat, lnum, register)
     return false
   end
   local code = api.nvim_buf_get_lines(chat.buf, pick[1], pick[2] - 1, false)
-  vim.fn.setreg(register ~= '' and register or '"', code, 'l')
-  notify(('yanked %d line%s of code'):format(#code, #code == 1 and '' or 's'))
-  return true
+  return yank(code, register, ('%d line%s of code'):format(#code, #code == 1 and '' or 's'))
 end
 
 --- Yank into `register` the reply of the turn at line `lnum` of a chat's transcript (else the
@@ -1947,8 +1945,8 @@ end
 function M.yank_reply(chat, lnum, register)
   local turn, out = M.turn_at(chat, lnum), {}
   for _, blk in ipairs(turn and turn.blocks or {}) do
-    local body = blk.kind == 'text' and cached_text_lines(blk) or {}
-    if #body > 1 or (body[1] or '') ~= '' then
+    local body = blk.kind == 'text' and shown_text(blk)
+    if body then
       if #out > 0 then
         out[#out + 1] = ''
       end
@@ -1959,9 +1957,7 @@ function M.yank_reply(chat, lnum, register)
     notify('no reply in this turn', vim.log.levels.WARN)
     return false
   end
-  vim.fn.setreg(register ~= '' and register or '"', out, 'l')
-  notify(('yanked the reply (%d line%s)'):format(#out, #out == 1 and '' or 's'))
-  return true
+  return yank(out, register, ('the reply (%d line%s)'):format(#out, #out == 1 and '' or 's'))
 end
 
 local function retryable(turn)
