@@ -174,12 +174,16 @@ def test_c_vsce_package_produces_a_complete_vsix(vsix):
     assert {c["command"] for c in manifest["contributes"]["commands"]} == {
         f"operateSidecar.{c}" for c in ("operate", "cancel", "showMessages", "newBranch", "forkBranch", "deleteBranch",
                                          "listTools", "restart", "openChat", "chat", "stop", "newChat", "pickBranch",
-                                         "pickModel", "attachFile", "attachSelection", "acceptEdit", "rejectEdit",
-                                         "alwaysAllowEdit")}
+                                         "pickModel", "attachFile", "attachSelection", "exportChat", "acceptEdit",
+                                         "rejectEdit", "alwaysAllowEdit")}
     # the chat view in its own activity-bar container; Accept/Reject in the diff editor's title behind a context key
     c = manifest["contributes"]
     assert c["viewsContainers"]["activitybar"][0]["id"] == "operateSidecar"
     assert c["views"]["operateSidecar"] == [{"type": "webview", "id": "operateSidecar.chat", "name": "Chat"}]
+    # the chat view's title: New Chat and Switch Chat as buttons, Export Chat in its "..." menu
+    assert [(m["command"], m["group"]) for m in c["menus"]["view/title"] if m["when"] == "view == operateSidecar.chat"] == [
+        ("operateSidecar.newChat", "navigation@1"), ("operateSidecar.pickBranch", "navigation@2"),
+        ("operateSidecar.exportChat", "1_chat@1")], c["menus"]["view/title"]
     title = {m["command"]: m["when"] for m in c["menus"]["editor/title"]}
     assert set(title) == {"operateSidecar.acceptEdit", "operateSidecar.rejectEdit", "operateSidecar.alwaysAllowEdit"}
     assert all("operateSidecar.reviewPending" in w for w in title.values()), title
@@ -243,7 +247,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     summary, report = run_itest_suite(vsix, tmp_path, "(d) extension-host itest")
     TIMINGS["(d) code-server ready"] = round(summary.get("timings", {}).get("codeServerReadyMs", 0) / 1000, 1)
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
-    assert len(report["checks"]) == 47, report["checks"]
+    assert len(report["checks"]) == 49, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",

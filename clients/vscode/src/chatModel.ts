@@ -753,6 +753,64 @@ export function replyText(t: Turn): string {
   return t.items.flatMap((it) => (it.kind === 'prose' && it.text.trim() ? [it.text.trim()] : [])).join('\n\n');
 }
 
+/** `text` in a fenced code block whose fence is longer than any run of backticks in it. */
+function fenced(text: string, lang = ''): string {
+  const longest = Math.max(0, ...(text.match(/`+/g) ?? []).map((r) => r.length));
+  const fence = '`'.repeat(Math.max(3, longest + 1));
+  return `${fence}${lang}\n${text.replace(/\n$/, '')}\n${fence}`;
+}
+
+/** `text` as inline code, whatever backticks it holds. */
+function inlineCode(text: string): string {
+  const longest = Math.max(0, ...(text.match(/`+/g) ?? []).map((r) => r.length));
+  const ticks = '`'.repeat(longest + 1);
+  return /^`|`$/.test(text) ? `${ticks} ${text} ${ticks}` : `${ticks}${text}${ticks}`;
+}
+
+/** A tool card as Markdown: its title line, a failed call's error, an edit's diff. */
+function cardMarkdown(card: ToolCard): string {
+  let line = `- ${inlineCode(cardTitle(card))}`;
+  const o = card.output && typeof card.output === 'object' && !Array.isArray(card.output) ? card.output as Record<string, Json> : undefined;
+  if (card.state === 'error' && typeof o?.error === 'string') {
+    const why = o.error.split('\n')[0];
+    line += `: ${why.length > 200 ? why.slice(0, 199) + '…' : why}`;
+  }
+  if (typeof o?.diff === 'string' && o.diff.trim()) line += `\n\n${fenced(o.diff, 'diff').replace(/^/gm, '  ')}`;
+  return line;
+}
+
+/**
+ * The conversation as one Markdown document (Export Chat): each turn's message with the context sent
+ * with it, then the reply as it shows (its prose, its thoughts folded, each tool call's title line
+ * with an edit's diff), its error or note and its usage. `title`: the chat's name; `when`: a line under it.
+ */
+export function chatMarkdown(turns: Turn[], title: string, when?: string): string {
+  const out = [`# ${title.replace(/\s+/g, ' ').trim() || 'Chat'}`];
+  if (when) out.push(`*${when}*`);
+  for (const t of turns) {
+    out.push('---');
+    if (t.user || t.contextLabels.length) {
+      out.push('### You');
+      if (t.user) out.push(t.user);
+      if (t.contextLabels.length) out.push(`*Context:* ${t.contextLabels.map(inlineCode).join(' · ')}`);
+    }
+    out.push('### Assistant');
+    for (const it of t.items) {
+      if (it.kind === 'prose') { if (it.text.trim()) out.push(it.text.trim()); }
+      else if (it.kind === 'tool') out.push(cardMarkdown(it.card));
+      else if (it.text.trim()) {
+        const summary = it.ms !== undefined && it.ms >= 1000 ? `Thought for ${Math.round(it.ms / 1000)} s` : 'Thought';
+        out.push(`<details><summary>${summary}</summary>\n\n${it.text.trim()}\n\n</details>`);
+      }
+    }
+    if (t.running) out.push('*(still running when the chat was exported)*');
+    if (t.note) out.push(`*${t.note}*`);
+    if (t.error) out.push(`**Error:** ${t.error}`);
+    if (t.usage) out.push(`*${usageLine(t.usage)}*`);
+  }
+  return out.join('\n\n') + '\n';
+}
+
 export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
   const chips = t.contextLabels.map((l) => `<span class="chip${l.startsWith('#') ? ' missing' : ''}">${escapeHtml(l)}</span>`).join('');
   const items = t.items.map((it) => (it.kind === 'prose' ? `<div class="prose">${renderMarkdown(it.text)}</div>`

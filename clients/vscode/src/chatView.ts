@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  addThought, cardOfToolEvent, cardTitle, conversationParts, endThought, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
+  addThought, cardOfToolEvent, cardTitle, chatMarkdown, conversationParts, endThought, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
   proseOf, refusesField, renderMarkdown, repeatNote, replyText, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
@@ -210,6 +210,22 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private async copyReply(index: number): Promise<void> {
     const turn = (this.live ? [...this.turns, this.live.turn] : this.turns)[index];
     if (turn) await vscode.env.clipboard.writeText(replyText(turn));
+  }
+
+  /**
+   * Export Chat: the conversation (read from the branch again, with the turns kept here) as one Markdown
+   * document, opened unsaved: the user saves it where they like. An empty chat: a message, no document.
+   */
+  async exportMarkdown(): Promise<vscode.TextDocument | undefined> {
+    await this.refresh();
+    const turns = this.live ? [...this.turns, this.live.turn] : this.turns;
+    if (!turns.length) { void vscode.window.showInformationMessage('operate-sidecar: nothing to export: the chat is empty'); return undefined; }
+    const id = this.host.branches.current;
+    const title = this.host.branches.nameOf(id) ?? nameFrom(turns.find((t) => t.user)?.user ?? '');
+    const when = `Exported from operate-sidecar on ${new Date().toLocaleString()}${id ? ` (branch ${id})` : ''}`;
+    const doc = await vscode.workspace.openTextDocument({ language: 'markdown', content: chatMarkdown(turns, title, when) });
+    await vscode.window.showTextDocument(doc, { preview: false });
+    return doc;
   }
 
   private async insert(code: string): Promise<void> {

@@ -812,6 +812,7 @@ export function activate(ctx: vscode.ExtensionContext): OperateSidecarApi {
   // (from the Explorer's or an editor tab's menu: the file it was opened on, and all of a multiple selection)
   reg('attachFile', (uri?: unknown, uris?: unknown) => s.chat.attachFile(uri, uris));
   reg('attachSelection', () => s.chat.attachRef('#selection'));
+  reg('exportChat', () => s.chat.exportMarkdown());
   reg('acceptEdit', (a?: unknown) => s.decideEdit(a, 'allow_once'));
   reg('rejectEdit', (a?: unknown) => s.decideEdit(a, 'deny_once'));
   reg('alwaysAllowEdit', (a?: unknown) => s.decideEdit(a, 'allow_always'));

@@ -557,6 +557,16 @@ export async function run(): Promise<void> {
         `renders: ${renders} for ${deltas} pieces in ${ms} ms (at most ${Math.ceil(ms / 50) + 2})`);
     });
 
+    await check('Export Chat on an empty chat: an information message says so, no document opens', async () => {
+      await exec('operateSidecar.newChat');
+      const docs = vscode.workspace.textDocuments.length;
+      await withScriptedUi(win, [], async (ui) => {
+        expect(await exec('operateSidecar.exportChat') === undefined, 'no document');
+        expect(ui.infos.includes('operate-sidecar: nothing to export: the chat is empty'), `information message: ${JSON.stringify(ui.infos)}`);
+      });
+      expect(vscode.workspace.textDocuments.length === docs, 'no document opened');
+    });
+
     await check('chat command: a turn on a new chat named after the instruction, prose streamed, usage; status bar shows model · chat', async () => {
       await exec('operateSidecar.pickModel', { model: 'chat' });
       await exec('operateSidecar.newChat');
@@ -594,6 +604,20 @@ export async function run(): Promise<void> {
       expect(doc.getText() === 'alpha\nBETA\n', 'redo');
       const r = api!.reviews().at(-1);
       expect(r?.decision === 'allow_once' && r.path === notesUri.fsPath, `review record: ${JSON.stringify(r)}`);
+    });
+
+    await check('Export Chat: the chat as an unsaved Markdown document, opened: its name, each message, the reply\'s prose, the edit\'s line and diff, the usage', async () => {
+      const doc: any = await exec('operateSidecar.exportChat');
+      const ed = vscode.window.activeTextEditor;
+      expect(doc && ed?.document === doc && doc.isUntitled && doc.languageId === 'markdown', `an untitled Markdown editor: ${ed?.document.uri}`);
+      const md: string = doc.getText();
+      for (const part of ['# Say hello\n', '### You\n\nSay hello\n', 'Hello from the **chat**, streamed.', '### You\n\nUpper-case beta\n',
+        '- `✓ edit_file notes.txt +1 −1`\n\n  ```diff\n', '  +BETA\n']) {
+        expect(md.includes(part), `${JSON.stringify(part)} in the export:\n${md}`);
+      }
+      expect(/\n\*\S+ in · \S+ out tokens · \d+ model calls?( · \d+ rounds)?\*\n/.test(md), `the usage line:\n${md}`);
+      expect(md.indexOf('Say hello') < md.indexOf('Upper-case beta'), 'in order');
+      await exec('workbench.action.revertAndCloseActiveEditor');
     });
 
     await check('two edits of one file in one reply are reviewed one after the other: the second diff opens after the first closes, on the text after the first edit; accept then accept, accept then reject', async () => {

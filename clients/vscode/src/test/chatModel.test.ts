@@ -10,7 +10,7 @@ import {
   addThought, cardHtml, cardOfToolEvent, endThought, keepThoughts, repeatNote, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
   onBranch, progressAfter, refusesField, renderMarkdown, resolveLocalTurns, retryContext, statusText, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn,
   TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns, forgetKeptTurns, KEPT_CHARS, KEPT_THOUGHT_CHARS, KEPT_TURNS,
-  KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT, replyText,
+  KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT, replyText, chatMarkdown,
 } from '../chatModel';
 import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
 
@@ -233,6 +233,35 @@ test('a reply that ended well offers Copy (its Markdown, each prose piece once, 
     turn({ ...done, outcome: 'stopped', id: 's' }), turn({ items: [{ kind: 'tool', card }] })]) {
     assert.ok(!turnHtml(t, 0).includes('copyReply'), `no Copy: ${JSON.stringify(t)}`);
   }
+});
+
+test('Export Chat: the conversation as one Markdown document, each message with its context, the reply\'s prose, thoughts folded, tool calls as lines with an edit\'s diff (a fence longer than any backticks in it) and a failed call\'s error, the turn\'s error, note, usage; a running turn says so', () => {
+  const edit: ToolCard = { callId: 'e', tool: 'edit_file', args: { path: 'src/x.py' }, state: 'ok',
+    output: { path: 'src/x.py', diff: '--- a/src/x.py\n+++ b/src/x.py\n@@ -1 +1 @@\n-s = "```"\n+s = "````"\n' } };
+  const failed: ToolCard = { callId: 'f', tool: 'run_command', args: { command: 'make `x`' }, state: 'error', output: { error: 'exit status 2\nmore' } };
+  const turns: Turn[] = [
+    { user: 'Fix #file:src/x.py', contextLabels: ['src/x.py'], items: [
+      { kind: 'thought', text: 'Look at it.', ms: 3000 }, { kind: 'prose', text: 'Done:\n\n```py\ns = 1\n```' },
+      { kind: 'tool', card: edit }, { kind: 'tool', card: failed }, { kind: 'prose', text: '  ' }],
+    usage: { inputTokens: 120, outputTokens: 30, modelCalls: 2, rounds: 2 } },
+    { user: 'Again', contextLabels: [], items: [], outcome: 'failed', error: 'the server stopped' },
+    { user: 'Stop', contextLabels: [], items: [{ kind: 'prose', text: 'Part' }], outcome: 'stopped', note: 'Stopped.' },
+    { user: 'Now', contextLabels: [], items: [], running: true },
+  ];
+  const md = chatMarkdown(turns, '  Fix  the\nbug ', 'Exported then');
+  assert.equal(md, [
+    '# Fix the bug', '*Exported then*',
+    '---', '### You', 'Fix #file:src/x.py', '*Context:* `src/x.py`',
+    '### Assistant', '<details><summary>Thought for 3 s</summary>\n\nLook at it.\n\n</details>', 'Done:\n\n```py\ns = 1\n```',
+    '- `✓ edit_file src/x.py +1 −1`\n\n  `````diff\n  --- a/src/x.py\n  +++ b/src/x.py\n  @@ -1 +1 @@\n  -s = "```"\n  +s = "````"\n  `````',
+    '- `` ✗ run_command make `x` ``: exit status 2', // (a space inside both ends: CommonMark strips one from each)
+    '*120 in · 30 out tokens · 2 model calls · 2 rounds*',
+    '---', '### You', 'Again', '### Assistant', '**Error:** the server stopped',
+    '---', '### You', 'Stop', '### Assistant', 'Part', '*Stopped.*',
+    '---', '### You', 'Now', '### Assistant', '*(still running when the chat was exported)*',
+  ].join('\n\n') + '\n');
+  // a title with nothing in it; a turn with no message (the server could not be read) has no "You"
+  assert.equal(chatMarkdown([{ user: '', contextLabels: [], items: [], error: 'x' }], ' '), '# Chat\n\n---\n\n### Assistant\n\n**Error:** x\n');
 });
 
 test('Retry sends a turn\'s context again unless the branch holds the turn (stopped after its first round): the server recorded its instruction with that context, so it is not sent twice; the Retry button says which', () => {
