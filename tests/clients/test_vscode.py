@@ -306,7 +306,7 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     bad = [c for c in summary.get("checks", []) if not c["ok"]]
     assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
     names = " | ".join(c["name"] for c in summary["checks"])
-    assert len(summary["checks"]) == 24, names
+    assert len(summary["checks"]) == 25, names
     for topic in ("prose streams in", "Insert on a code block", "diff editor opens", "Ctrl+Z undoes it",
                   "rejected from the diff editor title", "switch back through the chat picker", "pick a model",
                   "Stop a running turn", "hidden and shown again while it waits", "Attach file (+ File under the input)",
@@ -319,6 +319,7 @@ def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
                   "Retry on a stopped turn", "not the selection in the editor now", "Edit puts a message back into the input",
                   "input history: Up on the first line", "Down goes back to the draft", "kept when the chat is hidden and shown again",
                   "without a diff (shout, policy ask)", "Ctrl+Enter in the input accepts",
+                  "an editor tab dragged for real", "a folder alone: a message",
                   "also before the view has reported its focus", "Retry on a failed turn", "the failed turn stays in its place",
                   "Retry on a turn stopped after its first round", "the model reads the file once",
                   'what the turn does ("writing…")', "read the repair attempt", "both go when the turn ends"):

@@ -291,6 +291,37 @@
     else if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }
   });
   input.addEventListener('input', () => { vscode.setState({ ...vscode.getState(), draft: input.value }); complete(); });
+  // Files dropped on the chat: dragged from the Explorer or an editor tab with Shift held (the workbench passes a
+  // drag on to a webview only then), their #file: references go into the input at the caret, as Attach File puts
+  // them. The workbench's own list of the dragged resources first (text/uri-list holds only the first of several).
+  const URI_TYPES = ['application/vnd.code.uri-list', 'resourceurls', 'text/uri-list'];
+  const carriesUris = (dt) => !!dt && [...dt.types].some((t) => URI_TYPES.includes(t.toLowerCase()));
+  function droppedUris(dt) {
+    const lines = (s) => (s || '').split(/\r?\n/).map((l) => l.trim()).filter((l) => l && !l.startsWith('#'));
+    const internal = lines(dt.getData('application/vnd.code.uri-list'));
+    if (internal.length) return internal;
+    try {
+      const r = JSON.parse(dt.getData('resourceurls') || 'null');
+      if (Array.isArray(r) && r.length) return r.filter((u) => typeof u === 'string');
+    } catch { /* not JSON: the next */ }
+    return lines(dt.getData('text/uri-list'));
+  }
+  const dropping = (on) => document.body.classList.toggle('dropping', on);
+  document.addEventListener('dragover', (e) => {
+    if (!carriesUris(e.dataTransfer)) return;
+    e.preventDefault();   // (a drop here: not the textarea's own, which would type the path)
+    e.dataTransfer.dropEffect = 'copy';
+    dropping(true);
+  });
+  document.addEventListener('dragleave', (e) => { if (!e.relatedTarget) dropping(false); });
+  document.addEventListener('drop', (e) => {
+    dropping(false);
+    if (!carriesUris(e.dataTransfer)) return;
+    e.preventDefault();
+    e.stopPropagation();
+    const uris = droppedUris(e.dataTransfer);
+    if (uris.length) vscode.postMessage({ type: 'drop', uris });
+  }, true);
   /** Answers a call waiting for a decision with one of its card's buttons. */
   function decide(b) {
     b.closest('.ask')?.querySelectorAll('button').forEach((x) => (x.disabled = true));

@@ -845,7 +845,7 @@ export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
 
 /** The conversation as the HTML of its parts, one per turn (the chat view replaces only the parts that changed); `mod`: see cardHtml. */
 export function conversationParts(turns: Turn[], mod: KeyMod = 'Ctrl'): string[] {
-  if (!turns.length) return ['<div class="empty">Ask about your code. Use <code>#file</code>, <code>#file:path</code>, <code>#selection</code> or <code>#problems</code> to add context (type <code>#</code>, or press Ctrl+Space, for suggestions).</div>'];
+  if (!turns.length) return ['<div class="empty">Ask about your code. Use <code>#file</code>, <code>#file:path</code>, <code>#selection</code> or <code>#problems</code> to add context (type <code>#</code>, or press Ctrl+Space, for suggestions), or drop files here with Shift held.</div>'];
   return turns.map((t, i) => turnHtml(t, i, mod));
 }
 

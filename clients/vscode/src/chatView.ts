@@ -17,6 +17,17 @@ import {
 } from './rpcClient';
 
 export const VIEW_ID = 'operateSidecar.chat';
+/** Dropped resources read at most (a drag of a whole selection in the Explorer). */
+const MAX_DROPPED = 100;
+/**
+ * A URI of the window's side as this extension sees it: with a remote workspace (VS Code remote, code-server) a
+ * drag in the window names `vscode-remote://<host>/<path>` where the extension, running beside the files, has
+ * `file:` URIs; the `file:` of that path then. Unchanged when the extension's own workspace folders are remote.
+ */
+function asExtensionUri(u: vscode.Uri): vscode.Uri {
+  const remote = (vscode.workspace.workspaceFolders ?? []).some((f) => f.uri.scheme === 'vscode-remote');
+  return u.scheme === 'vscode-remote' && !remote ? vscode.Uri.file(u.path) : u;
+}
 /** Context keys of the view's Escape keybinding (package.json): a chat turn runs; the keyboard focus is in the chat. */
 const RUNNING_KEY = 'operateSidecar.chatRunning';
 const FOCUS_KEY = 'operateSidecar.chatFocus';
@@ -199,6 +210,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         case 'insert': await this.insert(String(m.code)); break;
         case 'command': await vscode.commands.executeCommand(String(m.id)); break;
         case 'attach': await this.attachFile(); break;
+        case 'drop': await this.attachDropped(m.uris); break;
         case 'complete': await this.complete(Number(m.seq), String(m.before), m.fresh === true); break;
       }
     } catch (e) {
@@ -372,6 +384,21 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const ref = given.length ? given.filter((u) => kindOf(u) !== 'folder').map((u) => fileRefText(relPath(u))).join(' ')
       : await pickFileRef();
     if (ref) await this.attachRef(ref);
+  }
+
+  /**
+   * Files dropped on the chat (the URIs the webview read from the drag): their `#file:` references, as Attach File
+   * puts them; a folder is left out. Nothing to attach (only folders, or what is not a file here): a message says so.
+   */
+  async attachDropped(uris: unknown): Promise<void> {
+    const given = (Array.isArray(uris) ? uris : []).filter((u): u is string => typeof u === 'string').slice(0, MAX_DROPPED)
+      .flatMap((u) => { try { return [asExtensionUri(vscode.Uri.parse(u, true))]; } catch { return []; } });
+    const files = given.filter((u) => kindOf(u) === 'file');
+    if (!files.length) {
+      void vscode.window.showInformationMessage('operate-sidecar: only files can be attached to the chat message (drop files, not folders)');
+      return;
+    }
+    await this.attachFile(files[0], files);
   }
 
   /** `ref` (`#file:<path>`, `#selection`...) into the chat's input at the caret, set apart by spaces; the chat shown, the input focused. */
