@@ -2562,6 +2562,65 @@ def test_the_prompt_completes_references_and_file_paths(sv):
     sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
 
 
+def test_the_prompt_completes_as_you_type(sv):
+    """Typing a `#` word in the prompt opens its completion by itself (`chat.complete = 'auto'`),
+    putting nothing in: after `#` the references, narrowed as typed; CTRL-Y takes the one chosen,
+    and `#file:` taken goes on to the files, narrowed fuzzily as typed on. Not inside a word. The
+    user's 'completeopt' and 'shortmess' are back once the prompt leaves Insert mode. It does not
+    open by itself with `complete = false`, nor with a completion plugin loaded (its own menu)."""
+    (sv.tmp / "typed" / "deep").mkdir(parents=True)
+    (sv.tmp / "typed" / "deep" / "helper_util.py").write_text("h\n")
+    sv.n.command("OperateChat")
+    chat = "require('operate_sidecar.chat')"
+    menu = "return {vim.fn.pumvisible(), vim.tbl_map(function(i) return i.word end, vim.fn.complete_info({'items'}).items)}"
+    text = f"return {chat}.prompt_text()"
+    options = "return {vim.o.completeopt, vim.o.shortmess}"
+    user = sv.lua(options)
+    sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
+    sv.send_keys("isee #")
+    assert sv.lua(menu) == [1, ["#file:", "#buffer", "#selection", "#diagnostics"]]
+    assert sv.lua(text) == "see #"                                          # nothing put in by itself
+    assert sv.lua(options) == ["menuone,noinsert", user[1].replace("c", "") + "c"]
+    sv.send_keys("f")
+    assert sv.lua(menu)[0] == 1 and sv.lua(text) == "see #f"                # (narrowed by what is typed)
+    sv.send_keys("<C-y>")
+    assert sv.lua(text) == "see #file:" and sv.lua(menu)[0] == 1            # the files' menu next
+    sv.send_keys("typedhelper")
+    got = sv.lua(menu)
+    assert got[0] == 1 and got[1][0] == "#file:typed/deep/helper_util.py", got
+    sv.send_keys("<C-y><Esc>")
+    assert sv.lua(text) == "see #file:typed/deep/helper_util.py"
+    assert sv.lua(options) == user                                          # the user's again
+    # a `#file:` path that matches nothing: no menu, asked once (not again and again), typing goes on
+    sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
+    sv.send_keys("isee #file:zz_nothing_like_it")
+    assert sv.lua(menu)[0] == 0
+    sv.send_keys(" ok<Esc>")
+    assert sv.lua(text) == "see #file:zz_nothing_like_it ok"
+    # a message put in the prompt (to edit it) opens nothing when Insert mode begins: only typing does
+    sv.lua(f"{chat}.set_prompt({chat}.current(), 'see #buffer')")
+    sv.send_keys("A")
+    assert sv.lua(menu)[0] == 0 and sv.lua("return vim.api.nvim_get_mode().mode") == "i"
+    sv.send_keys("<Esc>")
+    # inside a word: nothing
+    sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
+    sv.send_keys("isee#")
+    assert sv.lua(menu)[0] == 0
+    sv.send_keys("<Esc>")
+    # off: by the setting, or with a completion plugin's own menu
+    for off in ("require('operate_sidecar.config').values.chat.complete = false", "package.loaded['cmp'] = {}"):
+        sv.lua(off)
+        try:
+            sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
+            sv.send_keys("isee #")
+            assert sv.lua(menu)[0] == 0 and sv.lua(text) == "see #", off
+            sv.send_keys("<Esc>")
+            assert sv.lua(options) == user, off
+        finally:
+            sv.lua("require('operate_sidecar.config').values.chat.complete = 'auto'; package.loaded['cmp'] = nil")
+    sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
+
+
 def test_the_attach_picker_offers_the_projects_files(nv, tmp_path):
     """The files :OperateAttach offers: in a git work tree git's (tracked and untracked, not the
     ignored ones); elsewhere a walk of the directory, hidden ones and node_modules left out,

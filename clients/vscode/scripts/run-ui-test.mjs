@@ -1059,7 +1059,7 @@ async function main() {
     const text = await inputValue();
     await dropAt({ items: [{ mimeType: 'text/uri-list', data: src }], dragOperationsMask: 1 }, await webCenter('#input'));
     await waitFor('a message: only files', () => evalIn(`[...document.querySelectorAll('.notifications-toasts .notification-list-item-message')]
-      .some((m) => m.textContent.includes('only files can be attached'))`), 10000);
+      .some((m) => m.textContent.includes('only files on the disk can be attached'))`), 10000);
     expect(await inputValue() === text, `the input unchanged: ${JSON.stringify(await inputValue())}`);
     await palette('Notifications: Clear All Notifications');
     await clearInput();

@@ -395,7 +395,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       .flatMap((u) => { try { return [asExtensionUri(vscode.Uri.parse(u, true))]; } catch { return []; } });
     const files = given.filter((u) => kindOf(u) === 'file');
     if (!files.length) {
-      void vscode.window.showInformationMessage('operate-sidecar: only files can be attached to the chat message (drop files, not folders)');
+      void vscode.window.showInformationMessage('operate-sidecar: only files on the disk can be attached to the chat message (not a folder, not an unsaved document)');
       return;
     }
     await this.attachFile(files[0], files);

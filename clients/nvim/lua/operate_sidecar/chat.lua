@@ -926,6 +926,7 @@ local function create(chat)
   vim.bo[pb].swapfile = false
   vim.bo[pb].filetype = 'markdown'
   vim.bo[pb].omnifunc = "v:lua.require'operate_sidecar.context'.omnifunc" -- (# references, #file: paths)
+  require('operate_sidecar.context').complete_as_you_type(pb)
   vim.b[pb].operate_sidecar_chat = true
   vim.b[pb].operate_sidecar_prompt = true
   vim.b[pb].operate_sidecar_branch = chat.branch

@@ -26,6 +26,10 @@ M.defaults = {
     prompt_height = 3, -- lines of the prompt window under the transcript
     tools = true, -- chat turns may call tools
     max_rounds = 8, -- model rounds per chat turn while tools keep running
+    -- the prompt's completion of `#` words opens as you type: 'auto' (unless a completion plugin
+    -- with its own menu is loaded: nvim-cmp, blink.cmp, coq, mini.completion), true, or false
+    -- (CTRL-X CTRL-O only)
+    complete = 'auto',
   },
 }
 

@@ -159,6 +159,19 @@ function M.project_files()
   return out
 end
 
+local recent -- {cwd, files, at}: what recent_files read last
+M.RECENT_FILES_MS = 5000
+--- project_files(), read again when the last read is older than RECENT_FILES_MS, of another
+--- directory, or from before the prompt entered Insert mode: the completion asks for them at each
+--- key typed in a `#file:` word.
+local function recent_files()
+  local cwd, now = vim.loop.cwd(), vim.loop.now()
+  if not (recent and recent.cwd == cwd and now - recent.at < M.RECENT_FILES_MS) then
+    recent = { cwd = cwd, files = M.project_files(), at = now }
+  end
+  return recent.files
+end
+
 --- What a `#` offers in the prompt's completion (|i_CTRL-X_CTRL-O|), with what each sends.
 local OFFERED = {
   { '#file:', 'a file: CTRL-X CTRL-O again completes its path' },
@@ -168,18 +181,25 @@ local OFFERED = {
 }
 M.MAX_COMPLETE = 100 -- files offered by the completion at most (typing more narrows them)
 
+--- Where the `#` word before the cursor begins (a column, from 0): a `#` at the start of the line
+--- or after white space, then a reference's name, or `#file:` and a path (bare, or after a double
+--- quote). nil: none there.
+local function ref_start()
+  local line = api.nvim_get_current_line():sub(1, api.nvim_win_get_cursor(0)[2])
+  local s = line:find('#file:"[^"]*$') or line:find('#file:[^%s"]*$') or line:find('#%l*$')
+  if s and (s == 1 or line:sub(s - 1, s - 1):match('%s')) then
+    return s - 1
+  end
+  return nil
+end
+
 --- 'omnifunc' of the chat's prompt (|i_CTRL-X_CTRL-O|): after a `#` (at the start of a line or
 --- after white space) the references, after `#file:` (the path bare, or after a double quote) the
 --- project's files (project_files) that match what follows, best first (|matchfuzzy()|), the
 --- loaded buffers' first when nothing follows; each as its `#file:<path>` (file_ref_text).
 function M.omnifunc(findstart, base)
   if findstart == 1 then
-    local line = api.nvim_get_current_line():sub(1, api.nvim_win_get_cursor(0)[2])
-    local s = line:find('#file:"[^"]*$') or line:find('#file:[^%s"]*$') or line:find('#%l*$')
-    if s and (s == 1 or line:sub(s - 1, s - 1):match('%s')) then
-      return s - 1
-    end
-    return -3 -- (no reference before the cursor: the completion stops, saying nothing)
+    return ref_start() or -3 -- (no reference before the cursor: the completion stops, saying nothing)
   end
   local query = base:match('^#file:"?(.*)$')
   local items = {}
@@ -191,7 +211,7 @@ function M.omnifunc(findstart, base)
     end
     return items
   end
-  local files = M.project_files()
+  local files = recent_files()
   if query ~= '' then
     files = vim.fn.matchfuzzy(files, query)
   else
@@ -210,6 +230,69 @@ function M.omnifunc(findstart, base)
     items[i] = { word = M.file_ref_text(files[i]), abbr = files[i], menu = '[file]' }
   end
   return items
+end
+
+--- Completion plugins with a menu of their own: with one of them loaded, the prompt's completion
+--- does not open by itself (`chat.complete = 'auto'`); their omni source reaches it.
+M.COMPLETION_PLUGINS = { 'cmp', 'blink.cmp', 'coq', 'mini.completion' }
+
+--- Whether the prompt's completion opens by itself as a `#` word is typed (`chat.complete`).
+function M.completes_by_itself()
+  local c = require('operate_sidecar.config').values.chat.complete
+  if c == 'auto' then
+    for _, p in ipairs(M.COMPLETION_PLUGINS) do
+      if package.loaded[p] then
+        return false
+      end
+    end
+    return true
+  end
+  return c == true
+end
+
+--- The prompt buffer `pb`'s completion as you type (once per buffer; see completes_by_itself):
+--- typing a `#` word opens the menu CTRL-X CTRL-O would, without putting anything in:
+--- CTRL-N / CTRL-P or the arrows choose, CTRL-Y or <CR> takes the one chosen, typing on narrows
+--- the menu (asked again when nothing in it matches any more: a path matches fuzzily). While the
+--- prompt is in Insert mode 'completeopt' is "menuone,noinsert" and 'shortmess' has "c" (no
+--- "Pattern not found" at each key); both are the user's again when it leaves Insert mode or the
+--- buffer.
+function M.complete_as_you_type(pb)
+  if vim.b[pb].operate_sidecar_completes then
+    return
+  end
+  vim.b[pb].operate_sidecar_completes = true
+  local saved -- the user's options while ours are set
+  -- the text before the cursor when the menu was last asked for: not asked again for the same
+  -- (a completion that found nothing, or was closed with CTRL-E, puts the text back: a change)
+  local asked
+  -- the buffer's 'changedtick' when Insert mode began: the first TextChangedI can be for a change
+  -- made before it (a message put back to edit), which is not typing
+  local entered
+  local function restore()
+    if saved then
+      vim.o.completeopt, vim.o.shortmess = saved.completeopt, saved.shortmess
+      saved = nil
+    end
+  end
+  api.nvim_create_autocmd('InsertEnter', { buffer = pb, callback = function()
+    recent = nil -- (the files are read again once per Insert mode: a file made since is offered)
+    entered = vim.b[pb].changedtick
+    if not saved and M.completes_by_itself() then
+      asked = nil
+      saved = { completeopt = vim.o.completeopt, shortmess = vim.o.shortmess }
+      vim.o.completeopt = 'menuone,noinsert'
+      vim.o.shortmess = saved.shortmess:gsub('c', '') .. 'c'
+    end
+  end })
+  api.nvim_create_autocmd({ 'InsertLeave', 'BufLeave' }, { buffer = pb, callback = restore })
+  api.nvim_create_autocmd('TextChangedI', { buffer = pb, callback = function()
+    local before = api.nvim_get_current_line():sub(1, api.nvim_win_get_cursor(0)[2])
+    if saved and before ~= asked and vim.b[pb].changedtick ~= entered and vim.fn.pumvisible() == 0 and ref_start() then
+      asked = before
+      api.nvim_feedkeys(api.nvim_replace_termcodes('<C-x><C-o>', true, false, true), 'n', false)
+    end
+  end })
 end
 
 local function loaded_buf(full)
