@@ -753,17 +753,18 @@ export function replyText(t: Turn): string {
   return t.items.flatMap((it) => (it.kind === 'prose' && it.text.trim() ? [it.text.trim()] : [])).join('\n\n');
 }
 
+/** The length of the longest run of backticks in `text` (0: none). */
+const longestTicks = (text: string): number => Math.max(0, ...(text.match(/`+/g) ?? []).map((r) => r.length));
+
 /** `text` in a fenced code block whose fence is longer than any run of backticks in it. */
 function fenced(text: string, lang = ''): string {
-  const longest = Math.max(0, ...(text.match(/`+/g) ?? []).map((r) => r.length));
-  const fence = '`'.repeat(Math.max(3, longest + 1));
+  const fence = '`'.repeat(Math.max(3, longestTicks(text) + 1));
   return `${fence}${lang}\n${text.replace(/\n$/, '')}\n${fence}`;
 }
 
 /** `text` as inline code, whatever backticks it holds. */
 function inlineCode(text: string): string {
-  const longest = Math.max(0, ...(text.match(/`+/g) ?? []).map((r) => r.length));
-  const ticks = '`'.repeat(longest + 1);
+  const ticks = '`'.repeat(longestTicks(text) + 1);
   return /^`|`$/.test(text) ? `${ticks} ${text} ${ticks}` : `${ticks}${text}${ticks}`;
 }
 

@@ -174,7 +174,7 @@ end
 
 --- What a `#` offers in the prompt's completion (|i_CTRL-X_CTRL-O|), with what each sends.
 local OFFERED = {
-  { '#file:', 'a file: CTRL-X CTRL-O again completes its path' },
+  { '#file:', 'a file of the project: its path next' },
   { '#buffer', "the buffer's text" },
   { '#selection', 'the last visual selection' },
   { '#diagnostics', "the buffer's diagnostics" },
