@@ -2591,6 +2591,12 @@ def test_the_prompt_completes_as_you_type(sv):
     sv.send_keys("<C-y><Esc>")
     assert sv.lua(text) == "see #file:typed/deep/helper_util.py"
     assert sv.lua(options) == user                                          # the user's again
+    # <CR> takes the one chosen too (no new line)
+    sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
+    sv.send_keys("isee #s")
+    sv.send_keys("<CR>")
+    assert sv.lua(text) == "see #selection"
+    sv.send_keys("<Esc>")
     # a `#file:` path that matches nothing: no menu, asked once (not again and again), typing goes on
     sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
     sv.send_keys("isee #file:zz_nothing_like_it")
