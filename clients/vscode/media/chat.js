@@ -103,6 +103,18 @@
     const at = atEnd ? text.length : 0;
     input.setSelectionRange(at, at);
   }
+  /** `text` in place of the input's characters `from`..`to`, the caret after it; kept as the draft. */
+  function replaceInput(from, to, text) {
+    const v = input.value;
+    input.value = v.slice(0, from) + text + v.slice(to);
+    input.setSelectionRange(from + text.length, from + text.length);
+    vscode.setState({ ...vscode.getState(), draft: input.value });
+  }
+  /** `text` at the caret (over what is selected), set apart by a space from a word before it. */
+  function atCaret(text) {
+    const a = input.selectionStart;
+    replaceInput(a, input.selectionEnd, (a > 0 && !/\s$/.test(input.value.slice(0, a)) ? ' ' : '') + text);
+  }
 
   // Input history: Up on the input's first line recalls the chat's earlier messages (its turns, so it
   // is the chat's own and comes back with it: shown again, reloaded), Down on its last line the later
@@ -205,12 +217,8 @@
     let b = input.selectionStart;
     while (b < v.length && !/\s/.test(v[b])) b++;
     const goesOn = it.ref.endsWith(':');   // #file: goes on to the files
-    const text = it.ref + (goesOn || /^\s/.test(v.slice(b)) ? '' : ' ');
-    input.value = v.slice(0, tokenStart) + text + v.slice(b);
-    const at = tokenStart + text.length;
-    input.setSelectionRange(at, at);
+    replaceInput(tokenStart, b, it.ref + (goesOn || /^\s/.test(v.slice(b)) ? '' : ' '));
     endCompletion();
-    vscode.setState({ ...vscode.getState(), draft: input.value });
     if (goesOn) complete();
   }
   function move(by) {
@@ -236,12 +244,8 @@
       $('branch').textContent = m.branch;
       $('model').textContent = m.model;
     } else if (m.type === 'attach') {   // Attach File (its #file:), Add the Selection (#selection): in at the caret, set apart by spaces
-      const a = input.selectionStart, b = input.selectionEnd, v = input.value;
-      const text = (a > 0 && !/\s$/.test(v.slice(0, a)) ? ' ' : '') + m.ref + (/^\s/.test(v.slice(b)) ? '' : ' ');
-      input.value = v.slice(0, a) + text + v.slice(b);
-      input.setSelectionRange(a + text.length, a + text.length);
+      atCaret(m.ref + (/^\s/.test(input.value.slice(input.selectionEnd)) ? '' : ' '));
       input.focus();
-      vscode.setState({ ...vscode.getState(), draft: input.value });
     } else if (m.type === 'completions') {
       showList(m);
     } else if (m.type === 'stream') {
@@ -266,13 +270,8 @@
   $('attach').addEventListener('click', () => vscode.postMessage({ type: 'attach' }));
   /** Ctrl+Space: the suggestions for the # word at the caret, else a `#` typed there and its suggestions. */
   function suggest() {
-    const a = input.selectionStart, b = input.selectionEnd, v = input.value;
-    if (a === b && !IN_REF.test(v.slice(0, a))) {   // (not in a # word: one typed)
-      const text = (a > 0 && !/\s$/.test(v.slice(0, a)) ? ' ' : '') + '#';
-      input.value = v.slice(0, a) + text + v.slice(b);
-      input.setSelectionRange(a + text.length, a + text.length);
-      vscode.setState({ ...vscode.getState(), draft: input.value });
-    }
+    const a = input.selectionStart;
+    if (a === input.selectionEnd && !IN_REF.test(input.value.slice(0, a))) atCaret('#');   // (not in a # word: one typed)
     completing = false;   // (the file list read again)
     complete();
   }
@@ -356,6 +355,11 @@
     if (d.open) openCards.add(d.dataset.call); else openCards.delete(d.dataset.call);
     vscode.setState({ ...vscode.getState(), open: [...openCards] });
   }, true);
+  /** A Copy button says "Copied" for a moment. */
+  function copied(b) {
+    b.textContent = 'Copied';
+    setTimeout(() => (b.textContent = 'Copy'), 1200);
+  }
   log.addEventListener('click', (e) => {
     const b = e.target.closest('button[data-action]');
     if (!b) return;
@@ -363,7 +367,7 @@
     if (a === 'copy' || a === 'insert') {
       const block = b.closest('.code-block');
       vscode.postMessage({ type: a, code: block ? block.dataset.code : '' });
-      if (a === 'copy') { b.textContent = 'Copied'; setTimeout(() => (b.textContent = 'Copy'), 1200); }
+      if (a === 'copy') copied(b);
     } else if (a === 'decide') {
       decide(b);
     } else if (a === 'retry') {
@@ -375,8 +379,7 @@
       input.focus();
     } else if (a === 'copyReply') {
       vscode.postMessage({ type: 'copyReply', index: Number(b.closest('section.turn')?.dataset.turn) });
-      b.textContent = 'Copied';
-      setTimeout(() => (b.textContent = 'Copy'), 1200);
+      copied(b);
     } else if (a === 'showDiff') {
       vscode.postMessage({ type: 'showDiff', callId: b.dataset.call });
     }

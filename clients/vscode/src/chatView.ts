@@ -218,9 +218,12 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     }
   }
 
+  /** The turns the chat shows: the branch's with the local ones, then the running one. */
+  private get shown(): Turn[] { return this.live ? [...this.turns, this.live.turn] : this.turns; }
+
   /** Copy under a reply: the Markdown of the turn shown at `index` goes on the clipboard. */
   private async copyReply(index: number): Promise<void> {
-    const turn = (this.live ? [...this.turns, this.live.turn] : this.turns)[index];
+    const turn = this.shown[index];
     if (turn) await vscode.env.clipboard.writeText(replyText(turn));
   }
 
@@ -230,7 +233,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
    */
   async exportMarkdown(): Promise<vscode.TextDocument | undefined> {
     await this.refresh();
-    const turns = this.live ? [...this.turns, this.live.turn] : this.turns;
+    const turns = this.shown;
     if (!turns.length) { void vscode.window.showInformationMessage('operate-sidecar: nothing to export: the chat is empty'); return undefined; }
     const id = this.host.branches.current;
     const title = this.host.branches.nameOf(id) ?? nameFrom(turns.find((t) => t.user)?.user ?? '');
@@ -258,7 +261,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   /** Sends the conversation's turns that changed since the last post (structure changes); prose deltas go through `stream`. */
   render(): void {
-    const turns = this.live ? [...this.turns, this.live.turn] : this.turns;
+    const turns = this.shown;
     const all = conversationParts(turns, this.keyMod);
     // only the parts that changed since the last post (by index); `count` drops the ones after
     const parts: Record<number, string> = {};
@@ -354,7 +357,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   /** The turns shown (for the tests and other extensions). */
   shownTurns(): { user: string; outcome?: string; note?: string; error?: string; cards: string[]; thoughts: string[] }[] {
-    const turns = this.live ? [...this.turns, this.live.turn] : this.turns;
+    const turns = this.shown;
     return turns.map((t) => ({ user: t.user, ...(t.outcome && { outcome: t.outcome }), ...(t.note && { note: t.note }),
       ...(t.error && { error: t.error }), cards: t.items.flatMap((i) => (i.kind === 'tool' ? [cardTitle(i.card)] : [])),
       thoughts: t.items.flatMap((i) => (i.kind === 'thought' ? [i.text] : [])) }));
@@ -381,24 +384,25 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
    */
   async attachFile(uri?: unknown, uris?: unknown): Promise<void> {
     const given = (Array.isArray(uris) && uris.length ? uris : [uri]).filter((u): u is vscode.Uri => u instanceof vscode.Uri);
-    const ref = given.length ? given.filter((u) => kindOf(u) !== 'folder').map((u) => fileRefText(relPath(u))).join(' ')
-      : await pickFileRef();
+    if (given.length) return this.attachFiles(given);
+    const ref = await pickFileRef();
     if (ref) await this.attachRef(ref);
   }
 
-  /**
-   * Files dropped on the chat (the URIs the webview read from the drag): their `#file:` references, as Attach File
-   * puts them; a folder is left out. Nothing to attach (only folders, or what is not a file here): a message says so.
-   */
-  async attachDropped(uris: unknown): Promise<void> {
-    const given = (Array.isArray(uris) ? uris : []).filter((u): u is string => typeof u === 'string').slice(0, MAX_DROPPED)
-      .flatMap((u) => { try { return [asExtensionUri(vscode.Uri.parse(u, true))]; } catch { return []; } });
-    const files = given.filter((u) => kindOf(u) === 'file');
+  /** The `#file:` references of the files among `uris` into the input (a folder left out); none of them a file on the disk: a message says so. */
+  private async attachFiles(uris: vscode.Uri[]): Promise<void> {
+    const files = uris.filter((u) => kindOf(u) === 'file');
     if (!files.length) {
       void vscode.window.showInformationMessage('operate-sidecar: only files on the disk can be attached to the chat message (not a folder, not an unsaved document)');
       return;
     }
-    await this.attachFile(files[0], files);
+    await this.attachRef(files.map((u) => fileRefText(relPath(u))).join(' '));
+  }
+
+  /** Files dropped on the chat (the URIs the webview read from the drag): as Attach File with them (attachFiles). */
+  private async attachDropped(uris: unknown): Promise<void> {
+    await this.attachFiles((Array.isArray(uris) ? uris : []).filter((u): u is string => typeof u === 'string').slice(0, MAX_DROPPED)
+      .flatMap((u) => { try { return [asExtensionUri(vscode.Uri.parse(u, true))]; } catch { return []; } }));
   }
 
   /** `ref` (`#file:<path>`, `#selection`...) into the chat's input at the caret, set apart by spaces; the chat shown, the input focused. */

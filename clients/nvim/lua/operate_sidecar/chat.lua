@@ -991,8 +991,12 @@ local function put_back(turn, k)
   turn.note = turn.note or k.note
 end
 
--- A turn that failed or was stopped, as kept.lua keeps it (kept.put_local): what it showed and
--- what a Retry sends (its message, context, model and parameters).
+-- What kept.lua keeps of a turn that failed or was stopped besides what it showed (its blocks):
+-- where it began, how it ended, and what a Retry sends (its message, context, model, parameters).
+local LOCAL_FIELDS = { 'at', 'recorded', 'user', 'status', 'error', 'time', 'ctx_label', 'ctx_earlier', 'model', 'note',
+  'context', 'params' }
+
+-- A turn that failed or was stopped, as kept.lua keeps it (kept.put_local).
 local function local_record(turn)
   local blocks = {}
   for _, blk in ipairs(turn.blocks) do
@@ -1006,9 +1010,11 @@ local function local_record(turn)
       blocks[#blocks + 1] = { kind = 'card', card = card }
     end
   end
-  return { at = turn.at, recorded = turn.recorded, user = turn.user, status = turn.status, error = turn.error,
-    time = turn.time, ctx_label = turn.ctx_label, ctx_earlier = turn.ctx_earlier, model = turn.model,
-    note = turn.note, context = turn.context, params = turn.params, blocks = blocks }
+  local rec = { blocks = blocks }
+  for _, f in ipairs(LOCAL_FIELDS) do
+    rec[f] = turn[f]
+  end
+  return rec
 end
 
 -- A kept failed or stopped turn (`rec`) put back in a chat read from its branch (`loaded`: the
@@ -1026,10 +1032,10 @@ local function put_back_local(chat, loaded, rec)
       end
     end
   end
-  local turn = { user = rec.user, time = rec.time, status = rec.status, error = rec.error, recorded = rec.recorded,
-    ctx_label = rec.ctx_label, ctx_earlier = rec.ctx_earlier, context = rec.context, model = rec.model,
-    params = rec.params, note = rec.note, branch = chat.branch, at = rec.at, kept_local = true, blocks = {},
-    cards = {}, nlines = 0 }
+  local turn = { branch = chat.branch, kept_local = true, blocks = {}, cards = {}, nlines = 0 }
+  for _, f in ipairs(LOCAL_FIELDS) do
+    turn[f] = rec[f]
+  end
   for _, kept_block in ipairs(rec.blocks) do
     local b = vim.deepcopy(kept_block) -- (the turn's own: drawing it caches its lines in it, never stored)
     b.closed = b.kind == 'thought' or nil

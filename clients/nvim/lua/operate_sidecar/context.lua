@@ -181,11 +181,15 @@ local OFFERED = {
 }
 M.MAX_COMPLETE = 100 -- files offered by the completion at most (typing more narrows them)
 
---- Where the `#` word before the cursor begins (a column, from 0): a `#` at the start of the line
---- or after white space, then a reference's name, or `#file:` and a path (bare, or after a double
---- quote). nil: none there.
-local function ref_start()
-  local line = api.nvim_get_current_line():sub(1, api.nvim_win_get_cursor(0)[2])
+-- The current line up to the cursor.
+local function before_cursor()
+  return api.nvim_get_current_line():sub(1, api.nvim_win_get_cursor(0)[2])
+end
+
+--- Where the `#` word at the end of `line` (the text before the cursor) begins (a column, from 0):
+--- a `#` at the start of the line or after white space, then a reference's name, or `#file:` and a
+--- path (bare, or after a double quote). nil: none there.
+local function ref_start(line)
   local s = line:find('#file:"[^"]*$') or line:find('#file:[^%s"]*$') or line:find('#%l*$')
   if s and (s == 1 or line:sub(s - 1, s - 1):match('%s')) then
     return s - 1
@@ -199,7 +203,7 @@ end
 --- loaded buffers' first when nothing follows; each as its `#file:<path>` (file_ref_text).
 function M.omnifunc(findstart, base)
   if findstart == 1 then
-    return ref_start() or -3 -- (no reference before the cursor: the completion stops, saying nothing)
+    return ref_start(before_cursor()) or -3 -- (no reference before the cursor: the completion stops, saying nothing)
   end
   local query = base:match('^#file:"?(.*)$')
   local items = {}
@@ -277,9 +281,8 @@ function M.complete_as_you_type(pb)
   end
   api.nvim_create_autocmd('InsertEnter', { buffer = pb, callback = function()
     recent = nil -- (the files are read again once per Insert mode: a file made since is offered)
-    entered = vim.b[pb].changedtick
+    entered, asked = vim.b[pb].changedtick, nil
     if not saved and M.completes_by_itself() then
-      asked = nil
       saved = { completeopt = vim.o.completeopt, shortmess = vim.o.shortmess }
       vim.o.completeopt = 'menuone,noinsert'
       vim.o.shortmess = saved.shortmess:gsub('c', '') .. 'c'
@@ -287,8 +290,8 @@ function M.complete_as_you_type(pb)
   end })
   api.nvim_create_autocmd({ 'InsertLeave', 'BufLeave' }, { buffer = pb, callback = restore })
   api.nvim_create_autocmd('TextChangedI', { buffer = pb, callback = function()
-    local before = api.nvim_get_current_line():sub(1, api.nvim_win_get_cursor(0)[2])
-    if saved and before ~= asked and vim.b[pb].changedtick ~= entered and vim.fn.pumvisible() == 0 and ref_start() then
+    local before = before_cursor()
+    if saved and before ~= asked and vim.b[pb].changedtick ~= entered and vim.fn.pumvisible() == 0 and ref_start(before) then
       asked = before
       api.nvim_feedkeys(api.nvim_replace_termcodes('<C-x><C-o>', true, false, true), 'n', false)
     end
