@@ -768,7 +768,18 @@ function inlineCode(text: string): string {
   return /^`|`$/.test(text) ? `${ticks} ${text} ${ticks}` : `${ticks}${text}${ticks}`;
 }
 
-/** A tool card as Markdown: its title line, a failed call's error, an edit's diff. */
+/** A tool call's arguments or output in a fence (JSON, or the text itself); undefined when there is nothing to show. */
+function valueMarkdown(name: string, v: Json | undefined, cut?: boolean): string | undefined {
+  if (v === undefined || v === null || (typeof v === 'object' && !Array.isArray(v) && !Object.keys(v).length)) return undefined;
+  const text = pretty(v, cut);
+  if (!text.trim()) return undefined;
+  return `${name}${cut ? ` (the first ${SUMMARY_LIMIT} characters)` : ''}:\n\n${fenced(text, typeof v === 'string' ? '' : 'json')}`;
+}
+
+/**
+ * A tool card as Markdown: its title line, a failed call's error, its arguments and output folded
+ * (what the card shows when opened; an edit's diff apart), an edit's diff.
+ */
 function cardMarkdown(card: ToolCard): string {
   let line = `- ${inlineCode(cardTitle(card))}`;
   const o = card.output && typeof card.output === 'object' && !Array.isArray(card.output) ? card.output as Record<string, Json> : undefined;
@@ -776,7 +787,12 @@ function cardMarkdown(card: ToolCard): string {
     const why = o.error.split('\n')[0];
     line += `: ${why.length > 200 ? why.slice(0, 199) + '…' : why}`;
   }
-  if (typeof o?.diff === 'string' && o.diff.trim()) line += `\n\n${fenced(o.diff, 'diff').replace(/^/gm, '  ')}`;
+  const diff = typeof o?.diff === 'string' ? o.diff : undefined;
+  const output = diff !== undefined ? Object.fromEntries(Object.entries(o!).filter(([k]) => k !== 'diff')) : card.output;
+  const shown = [valueMarkdown('Arguments', card.args, card.argsCut), valueMarkdown('Output', output, card.outputCut)].filter((p) => p);
+  const indent = (text: string) => text.replace(/^(?=.)/gm, '  ');
+  if (shown.length) line += `\n\n${indent(`<details><summary>Arguments and output</summary>\n\n${shown.join('\n\n')}\n\n</details>`)}`;
+  if (diff?.trim()) line += `\n\n${indent(fenced(diff, 'diff'))}`;
   return line;
 }
 

@@ -606,13 +606,14 @@ export async function run(): Promise<void> {
       expect(r?.decision === 'allow_once' && r.path === notesUri.fsPath, `review record: ${JSON.stringify(r)}`);
     });
 
-    await check('Export Chat: the chat as an unsaved Markdown document, opened: its name, each message, the reply\'s prose, the edit\'s line and diff, the usage', async () => {
+    await check('Export Chat: the chat as an unsaved Markdown document, opened: its name, each message, the reply\'s prose, the edit\'s line, its arguments folded, its diff, the usage', async () => {
       const doc: any = await exec('operateSidecar.exportChat');
       const ed = vscode.window.activeTextEditor;
       expect(doc && ed?.document === doc && doc.isUntitled && doc.languageId === 'markdown', `an untitled Markdown editor: ${ed?.document.uri}`);
       const md: string = doc.getText();
       for (const part of ['# Say hello\n', '### You\n\nSay hello\n', 'Hello from the **chat**, streamed.', '### You\n\nUpper-case beta\n',
-        '- `✓ edit_file notes.txt +1 −1`\n\n  ```diff\n', '  +BETA\n']) {
+        '- `✓ edit_file notes.txt +1 −1`\n\n  <details><summary>Arguments and output</summary>\n\n  Arguments:\n\n  ```json\n',
+        '  "path": "notes.txt"', '  </details>\n\n  ```diff\n', '  +BETA\n']) {
         expect(md.includes(part), `${JSON.stringify(part)} in the export:\n${md}`);
       }
       expect(/\n\*\S+ in · \S+ out tokens · \d+ model calls?( · \d+ rounds)?\*\n/.test(md), `the usage line:\n${md}`);

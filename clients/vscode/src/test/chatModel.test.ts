@@ -235,14 +235,18 @@ test('a reply that ended well offers Copy (its Markdown, each prose piece once, 
   }
 });
 
-test('Export Chat: the conversation as one Markdown document, each message with its context, the reply\'s prose, thoughts folded, tool calls as lines with an edit\'s diff (a fence longer than any backticks in it) and a failed call\'s error, the turn\'s error, note, usage; a running turn says so', () => {
+test('Export Chat: the conversation as one Markdown document, each message with its context, the reply\'s prose, thoughts folded, tool calls as lines with their arguments and output folded, an edit\'s diff (a fence longer than any backticks in it) and a failed call\'s error, the turn\'s error, note, usage; a running turn says so', () => {
   const edit: ToolCard = { callId: 'e', tool: 'edit_file', args: { path: 'src/x.py' }, state: 'ok',
     output: { path: 'src/x.py', diff: '--- a/src/x.py\n+++ b/src/x.py\n@@ -1 +1 @@\n-s = "```"\n+s = "````"\n' } };
   const failed: ToolCard = { callId: 'f', tool: 'run_command', args: { command: 'make `x`' }, state: 'error', output: { error: 'exit status 2\nmore' } };
+  // a plain output the server cut (text, not a value), no arguments; a call not answered yet: its title only
+  const cut: ToolCard = { callId: 'c', tool: 'read_file', args: {}, state: 'ok', output: 'line 1\n\n```', outputCut: true };
+  const asked: ToolCard = { callId: 'a', tool: 'shout', args: '', state: 'running' };
   const turns: Turn[] = [
     { user: 'Fix #file:src/x.py', contextLabels: ['src/x.py'], items: [
       { kind: 'thought', text: 'Look at it.', ms: 3000 }, { kind: 'prose', text: 'Done:\n\n```py\ns = 1\n```' },
-      { kind: 'tool', card: edit }, { kind: 'tool', card: failed }, { kind: 'prose', text: '  ' }],
+      { kind: 'tool', card: edit }, { kind: 'tool', card: failed }, { kind: 'tool', card: cut }, { kind: 'tool', card: asked },
+      { kind: 'prose', text: '  ' }],
     usage: { inputTokens: 120, outputTokens: 30, modelCalls: 2, rounds: 2 } },
     { user: 'Again', contextLabels: [], items: [], outcome: 'failed', error: 'the server stopped' },
     { user: 'Stop', contextLabels: [], items: [{ kind: 'prose', text: 'Part' }], outcome: 'stopped', note: 'Stopped.' },
@@ -253,8 +257,18 @@ test('Export Chat: the conversation as one Markdown document, each message with 
     '# Fix the bug', '*Exported then*',
     '---', '### You', 'Fix #file:src/x.py', '*Context:* `src/x.py`',
     '### Assistant', '<details><summary>Thought for 3 s</summary>\n\nLook at it.\n\n</details>', 'Done:\n\n```py\ns = 1\n```',
-    '- `✓ edit_file src/x.py +1 −1`\n\n  `````diff\n  --- a/src/x.py\n  +++ b/src/x.py\n  @@ -1 +1 @@\n  -s = "```"\n  +s = "````"\n  `````',
-    '- `` ✗ run_command make `x` ``: exit status 2', // (a space inside both ends: CommonMark strips one from each)
+    '- `✓ edit_file src/x.py +1 −1`\n\n'
+      + '  <details><summary>Arguments and output</summary>\n\n'
+      + '  Arguments:\n\n  ```json\n  {\n    "path": "src/x.py"\n  }\n  ```\n\n'
+      + '  Output:\n\n  ```json\n  {\n    "path": "src/x.py"\n  }\n  ```\n\n  </details>\n\n'
+      + '  `````diff\n  --- a/src/x.py\n  +++ b/src/x.py\n  @@ -1 +1 @@\n  -s = "```"\n  +s = "````"\n  `````',
+    '- `` ✗ run_command make `x` ``: exit status 2\n\n' // (a space inside both ends: CommonMark strips one from each)
+      + '  <details><summary>Arguments and output</summary>\n\n'
+      + '  Arguments:\n\n  ```json\n  {\n    "command": "make `x`"\n  }\n  ```\n\n'
+      + '  Output:\n\n  ```json\n  {\n    "error": "exit status 2\\nmore"\n  }\n  ```\n\n  </details>',
+    '- `✓ read_file`\n\n  <details><summary>Arguments and output</summary>\n\n'
+      + '  Output (the first ' + SUMMARY_LIMIT + ' characters):\n\n  ````\n  line 1\n\n  ```…\n  ````\n\n  </details>',
+    '- `… shout`',
     '*120 in · 30 out tokens · 2 model calls · 2 rounds*',
     '---', '### You', 'Again', '### Assistant', '**Error:** the server stopped',
     '---', '### You', 'Stop', '### Assistant', 'Part', '*Stopped.*',
