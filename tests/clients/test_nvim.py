@@ -2565,7 +2565,8 @@ def test_the_prompt_completes_references_and_file_paths(sv):
 def test_the_prompt_completes_as_you_type(sv):
     """Typing a `#` word in the prompt opens its completion by itself (`chat.complete = 'auto'`),
     putting nothing in: after `#` the references, narrowed as typed; CTRL-Y takes the one chosen,
-    and `#file:` taken goes on to the files, narrowed fuzzily as typed on. Not inside a word. The
+    and `#file:` taken goes on to the files, narrowed fuzzily as typed on; a word typed whole closes
+    the menu (<CR> makes a new line). Not inside a word. The
     user's 'completeopt' and 'shortmess' are back once the prompt leaves Insert mode. It does not
     open by itself with `complete = false`, nor with a completion plugin loaded (its own menu)."""
     (sv.tmp / "typed" / "deep").mkdir(parents=True)
@@ -2597,6 +2598,17 @@ def test_the_prompt_completes_as_you_type(sv):
     sv.send_keys("<CR>")
     assert sv.lua(text) == "see #selection"
     sv.send_keys("<Esc>")
+    # a word typed whole (nothing else in the menu goes on from it): the menu closes, so <CR> makes a
+    # new line; `#file:` typed whole goes on to the files' menu
+    sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
+    sv.send_keys("isee #buffer")
+    assert sv.lua(menu)[0] == 0
+    sv.send_keys("<CR>and #file")
+    sv.send_keys(":")
+    got = sv.lua(menu)
+    assert got[0] == 1 and "#file:typed/deep/helper_util.py" in got[1] and "#file:" not in got[1], got
+    sv.send_keys("<C-e><Esc>")
+    assert sv.lua(text) == "see #buffer\nand #file:"
     # a `#file:` path that matches nothing: no menu, asked once (not again and again), typing goes on
     sv.lua(f"{chat}.set_prompt({chat}.current(), '')")
     sv.send_keys("isee #file:zz_nothing_like_it")

@@ -257,7 +257,8 @@ end
 --- The prompt buffer `pb`'s completion as you type (once per buffer; see completes_by_itself):
 --- typing a `#` word opens the menu CTRL-X CTRL-O would, without putting anything in:
 --- CTRL-N / CTRL-P or the arrows choose, CTRL-Y or <CR> takes the one chosen, typing on narrows
---- the menu (asked again when nothing in it matches any more: a path matches fuzzily). While the
+--- the menu (asked again when nothing in it matches any more: a path matches fuzzily), a word
+--- typed whole closes it (<CR> then makes a new line; `#file:` goes on to the files). While the
 --- prompt is in Insert mode 'completeopt' is "menuone,noinsert" and 'shortmess' has "c" (no
 --- "Pattern not found" at each key); both are the user's again when it leaves Insert mode or the
 --- buffer.
@@ -294,6 +295,27 @@ function M.complete_as_you_type(pb)
     if saved and before ~= asked and vim.b[pb].changedtick ~= entered and vim.fn.pumvisible() == 0 and ref_start(before) then
       asked = before
       api.nvim_feedkeys(api.nvim_replace_termcodes('<C-x><C-o>', true, false, true), 'n', false)
+    end
+  end })
+  -- a word typed whole while the menu is open (`#buffer`, a file's whole path), with nothing else
+  -- in the menu that goes on from it: the menu closes, so <CR> makes a new line rather than taking
+  -- what is there already; `#file:` goes on to the files' menu
+  api.nvim_create_autocmd('TextChangedP', { buffer = pb, callback = function()
+    local before = before_cursor()
+    local s = saved and ref_start(before)
+    if not s then
+      return
+    end
+    local base, left, whole = before:sub(s + 1), 0, false
+    for _, item in ipairs(vim.fn.complete_info({ 'items' }).items) do
+      if vim.startswith(item.word, base) then
+        left, whole = left + 1, whole or item.word == base
+      end
+    end
+    if whole and left == 1 then
+      asked = before
+      local keys = base == '#file:' and '<C-e><C-x><C-o>' or '<C-e>'
+      api.nvim_feedkeys(api.nvim_replace_termcodes(keys, true, false, true), 'n', false)
     end
   end })
 end
