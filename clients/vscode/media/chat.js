@@ -291,8 +291,9 @@
   });
   input.addEventListener('input', () => { vscode.setState({ ...vscode.getState(), draft: input.value }); complete(); });
   // Files dropped on the chat: dragged from the Explorer or an editor tab with Shift held (the workbench passes a
-  // drag on to a webview only then), their #file: references go into the input at the caret, as Attach File puts
-  // them. The workbench's own list of the dragged resources first (text/uri-list holds only the first of several).
+  // drag on to a webview only then), their #file: references go into the input where they are dropped on it (else
+  // at the caret), as Attach File puts them. The workbench's own list of the dragged resources first (text/uri-list
+  // holds only the first of several).
   const URI_TYPES = ['application/vnd.code.uri-list', 'resourceurls', 'text/uri-list'];
   const carriesUris = (dt) => !!dt && [...dt.types].some((t) => URI_TYPES.includes(t.toLowerCase()));
   function droppedUris(dt) {
@@ -319,7 +320,11 @@
     e.preventDefault();
     e.stopPropagation();
     const uris = droppedUris(e.dataTransfer);
-    if (uris.length) vscode.postMessage({ type: 'drop', uris });
+    if (!uris.length) return;
+    // dropped on the input's text: the caret goes there first (where the references then go in)
+    const at = document.caretPositionFromPoint?.(e.clientX, e.clientY);
+    if (at?.offsetNode === input) input.setSelectionRange(at.offset, at.offset);
+    vscode.postMessage({ type: 'drop', uris });
   }, true);
   /** Answers a call waiting for a decision with one of its card's buttons. */
   function decide(b) {

@@ -238,12 +238,14 @@ async function main() {
   const inWeb = (expr) => evalIn(expr, web);
   const OUTER = `document.querySelector('iframe.webview.ready[src*="extensionId=${EXT_ID}"]')`;
   /** Page coordinates of an element inside the chat webview (outer iframe + inner frame + element). */
-  const webCenter = async (selector) => {
-    const c = await evalIn(`(() => { const outer = ${OUTER};
+  /** The page's point at the chat's element `selector` (the last of them): its center, or `at` (pixels from its top left). */
+  const webCenter = async (selector, at) => {
+    const c = await evalIn(`(() => { const outer = ${OUTER}; const at = ${JSON.stringify(at ?? null)};
       const inner = outer.contentDocument.getElementById('active-frame'); const els = inner.contentDocument.querySelectorAll(${JSON.stringify(selector)});
       const el = els[els.length - 1]; if (!el) return null;
       const o = outer.getBoundingClientRect(), i = inner.getBoundingClientRect(), e = el.getBoundingClientRect();
-      return { x: o.left + outer.clientLeft + i.left + inner.clientLeft + e.left + e.width / 2, y: o.top + outer.clientTop + i.top + inner.clientTop + e.top + e.height / 2 }; })()`);
+      return { x: o.left + outer.clientLeft + i.left + inner.clientLeft + e.left + (at ? at.x : e.width / 2),
+        y: o.top + outer.clientTop + i.top + inner.clientTop + e.top + (at ? at.y : e.height / 2) }; })()`);
     expect(c, `no element ${selector} in the chat`);
     return c;
   };
@@ -1008,7 +1010,7 @@ async function main() {
   });
   // (the last check: a drag the protocol intercepted leaves the browser's drag session open, and a page reloaded after
   // it took no keys in the window reload check, which passes with the same drops made up instead; nothing is reloaded now)
-  await check('files dragged onto the chat with Shift held: an editor tab dragged for real (Chromium starts the drag, the protocol hands over its data) and dropped on the input puts its #file: at the caret; a drag of several files and a folder (the workbench\'s own list of them) puts each file\'s; a folder alone: a message, nothing in the input', async () => {
+  await check('files dragged onto the chat with Shift held: an editor tab dragged for real (Chromium starts the drag, the protocol hands over its data) and dropped on the input puts its #file: at the caret; a drag of several files and a folder (the workbench\'s own list of them) puts each file\'s; a folder alone: a message, nothing in the input; a file dropped on the start of the input\'s text goes in there', async () => {
     const SHIFT = 8;
     /** A real drag from `from` with the mouse, until Chromium starts it: its data (intercepted, so no drag of the OS runs). */
     const startDrag = async (from) => {
@@ -1061,6 +1063,9 @@ async function main() {
     await waitFor('a message: only files', () => evalIn(`[...document.querySelectorAll('.notifications-toasts .notification-list-item-message')]
       .some((m) => m.textContent.includes('only files on the disk can be attached'))`), 10000);
     expect(await inputValue() === text, `the input unchanged: ${JSON.stringify(await inputValue())}`);
+    // dropped on the input's text, at its start (the caret at its end): the reference goes in where it was dropped
+    await dropAt({ items: [{ mimeType: 'text/uri-list', data: `${src}/app.py` }], dragOperationsMask: 1 }, await webCenter('#input', { x: 8, y: 14 }));
+    await shows('the file where it was dropped', `#file:src/app.py ${text}`);
     await palette('Notifications: Clear All Notifications');
     await clearInput();
   });
