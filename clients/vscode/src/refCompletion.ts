@@ -37,7 +37,8 @@ export function tokenAt(before: string): { kind: 'reference' | 'file'; query: st
 /**
  * How well `query` matches the path `rel` (higher is better; -1: not at all), case aside: the file's
  * name starting with it, then holding it, then the path starting with it, then holding it, then the
- * query's characters in order in the path (`sutpy` finds `src/util.py`), closer together better.
+ * query's characters in order in the path (`sutpy` finds `src/util.py`), scored by their best
+ * placing (subsequenceCost): closer together, and at the starts of words, better.
  */
 export function matchScore(query: string, rel: string): number {
   const q = query.toLowerCase();
@@ -48,14 +49,37 @@ export function matchScore(query: string, rel: string): number {
   if (base.includes(q)) return 400;
   if (p.startsWith(q)) return 300;
   if (p.includes(q)) return 200;
-  let at = -1, gaps = 0;
-  for (const c of q) {
-    const next = p.indexOf(c, at + 1);
-    if (next < 0) return -1;
-    if (at >= 0) gaps += next - at - 1;
-    at = next;
+  const cost = subsequenceCost(q, p, rel);
+  return cost === undefined ? -1 : Math.max(1, Math.min(199, 100 - cost));
+}
+
+/** A character of `rel` at `j` that starts a word: the first, after a separator, or a capital after a small letter. */
+function wordStart(rel: string, j: number): boolean {
+  return j === 0 || /[/\\_\-. ]/.test(rel[j - 1]) || (/[A-Z]/.test(rel[j]) && /[a-z]/.test(rel[j - 1]));
+}
+
+/**
+ * The lowest cost of placing the characters of `q` in order in `p` (`rel` lower-cased): the
+ * characters skipped between two placed ones, less 3 for each placed at a word's start; undefined
+ * when they are not all there in order. One pass per character of `q` (a running best of the last).
+ */
+function subsequenceCost(q: string, p: string, rel: string): number | undefined {
+  for (let i = 0, at = -1; i < q.length; i++) if ((at = p.indexOf(q[i], at + 1)) < 0) return undefined; // (not all there: no table)
+  let prev: number[] | undefined; // prev[j]: the lowest cost with q's previous character placed at j (Infinity: not there)
+  for (let i = 0; i < q.length; i++) {
+    const cur = new Array<number>(p.length).fill(Infinity);
+    let best = Infinity; // the lowest prev[k] - k for k < j
+    for (let j = 0; j < p.length; j++) {
+      if (p[j] === q[i]) {
+        const before = i === 0 ? 0 : best + j - 1;
+        if (before < Infinity) cur[j] = before - (wordStart(rel, j) ? 3 : 0);
+      }
+      if (prev && prev[j] < Infinity) best = Math.min(best, prev[j] - j);
+    }
+    prev = cur;
   }
-  return 100 - Math.min(99, gaps);
+  const least = Math.min(...(prev ?? []));
+  return least < Infinity ? least : undefined;
 }
 
 /** The suggestions for a token (see tokenAt): the references starting with its name, or the files matching its path, best first. */

@@ -32,6 +32,15 @@ test('match score: the name starting with the query, then holding it, then the p
   assert.equal(matchScore('UTIL', 'src/Util.py'), 500, 'case aside');
   assert.equal(matchScore('xyz', 'src/util.py'), -1);
   assert.ok(matchScore('sutpy', 'src/util.py') > matchScore('sutpy', 'src/u/t/x/other/p/y.txt'), 'closer together is better');
+  // the best placing of the letters, not the first one found: `um` as util_main's starts, not user's u
+  assert.ok(matchScore('um', 'user/x/util_main.py') > matchScore('um', 'user/x/utilxmain.py'), 'at the starts of words is better');
+  assert.equal(matchScore('um', 'user/x/util_main.py'), 100 - (4 - 6));
+  assert.ok(matchScore('cm', 'src/chatModel.ts') > matchScore('cm', 'src/cxxm.ts'), 'a capital starts a word');
+  assert.ok(matchScore('mv', 'src/model_view.ts') > matchScore('mv', 'src/mxxxxv.ts'), 'word starts before a smaller gap');
+  for (const [q, p] of [['sutpy', 'src/util.py'], ['um', 'user/x/util_main.py'], ['zq', 'a/z/' + 'x'.repeat(500) + 'q']]) {
+    const s = matchScore(q, p);
+    assert.ok(s >= 1 && s < 200, `${q} in ${p}: below the tier of the paths holding the query (${s})`);
+  }
   assert.equal(matchScore('', 'anything'), 0);
 });
 
