@@ -1063,7 +1063,7 @@ async function main() {
     await waitFor('a message: only files', () => evalIn(`[...document.querySelectorAll('.notifications-toasts .notification-list-item-message')]
       .some((m) => m.textContent.includes('only files on the disk can be attached'))`), 10000);
     expect(await inputValue() === text, `the input unchanged: ${JSON.stringify(await inputValue())}`);
-    // dropped on the input's text, at its start (the caret at its end): the reference goes in where it was dropped
+    // dropped on the input's text, at its start (the caret at its end): its #file: goes in where it was dropped
     await dropAt({ items: [{ mimeType: 'text/uri-list', data: `${src}/app.py` }], dragOperationsMask: 1 }, await webCenter('#input', { x: 8, y: 14 }));
     await shows('the file where it was dropped', `#file:src/app.py ${text}`);
     await palette('Notifications: Clear All Notifications');
