@@ -718,6 +718,11 @@ function pretty(v: Json | undefined, cut?: boolean): string {
   if (typeof v === 'string') return v;
   return JSON.stringify(v, null, 2) ?? '';
 }
+/** A tool's output with an edit's `diff` apart (the card shows it as a diff) and the rest of it. */
+function diffApart(o: Json | undefined): { diff?: string; rest: Json | undefined } {
+  if (!o || typeof o !== 'object' || Array.isArray(o) || typeof o.diff !== 'string') return { rest: o };
+  return { diff: o.diff, rest: Object.fromEntries(Object.entries(o).filter(([k]) => k !== 'diff')) };
+}
 /** A section's label; a cut summary says so. */
 function label(name: string, cut?: boolean): string {
   return `<div class="label">${name}${cut ? ` <span class="cut">(the first ${SUMMARY_LIMIT} characters)</span>` : ''}</div>`;
@@ -737,9 +742,7 @@ export function cardHtml(card: ToolCard, mod: KeyMod = 'Ctrl'): string {
       + `</div>` : '';
   let output = '';
   if (card.output !== undefined) {
-    const o = card.output;
-    const diff = o && typeof o === 'object' && !Array.isArray(o) && typeof o.diff === 'string' ? o.diff : undefined;
-    const rest = diff !== undefined ? Object.fromEntries(Object.entries(o as Record<string, Json>).filter(([k]) => k !== 'diff')) : o;
+    const { diff, rest } = diffApart(card.output);
     output = `${label('output', card.outputCut)}<pre class="out">${escapeHtml(pretty(rest, card.outputCut))}</pre>`;
     if (diff !== undefined) output += `<pre class="diff">${diffHtml(diff)}</pre>`;
   }
@@ -787,9 +790,8 @@ function cardMarkdown(card: ToolCard): string {
     const why = o.error.split('\n')[0];
     line += `: ${why.length > 200 ? why.slice(0, 199) + '…' : why}`;
   }
-  const diff = typeof o?.diff === 'string' ? o.diff : undefined;
-  const output = diff !== undefined ? Object.fromEntries(Object.entries(o!).filter(([k]) => k !== 'diff')) : card.output;
-  const shown = [valueMarkdown('Arguments', card.args, card.argsCut), valueMarkdown('Output', output, card.outputCut)].filter((p) => p);
+  const { diff, rest } = diffApart(card.output);
+  const shown = [valueMarkdown('Arguments', card.args, card.argsCut), valueMarkdown('Output', rest, card.outputCut)].filter((p) => p);
   const indent = (text: string) => text.replace(/^(?=.)/gm, '  ');
   if (shown.length) line += `\n\n${indent(`<details><summary>Arguments and output</summary>\n\n${shown.join('\n\n')}\n\n</details>`)}`;
   if (diff?.trim()) line += `\n\n${indent(fenced(diff, 'diff'))}`;
