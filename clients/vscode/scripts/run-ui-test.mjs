@@ -237,8 +237,10 @@ async function main() {
   const settleWebview = async () => { web = await waitFor('chat webview', findWebview, STEP); await sleep(400); web = await waitFor('chat webview (settled)', findWebview, STEP); };
   const inWeb = (expr) => evalIn(expr, web);
   const OUTER = `document.querySelector('iframe.webview.ready[src*="extensionId=${EXT_ID}"]')`;
-  /** Page coordinates of an element inside the chat webview (outer iframe + inner frame + element). */
-  /** The page's point at the chat's element `selector` (the last of them): its center, or `at` (pixels from its top left). */
+  /**
+   * Page coordinates of an element inside the chat webview (outer iframe + inner frame + element), `selector`'s last:
+   * its center, or `at` (pixels from its top left).
+   */
   const webCenter = async (selector, at) => {
     const c = await evalIn(`(() => { const outer = ${OUTER}; const at = ${JSON.stringify(at ?? null)};
       const inner = outer.contentDocument.getElementById('active-frame'); const els = inner.contentDocument.querySelectorAll(${JSON.stringify(selector)});

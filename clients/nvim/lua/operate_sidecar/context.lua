@@ -274,6 +274,9 @@ function M.complete_as_you_type(pb)
   -- the buffer's 'changedtick' when Insert mode began: the first TextChangedI can be for a change
   -- made before it (a message put back to edit), which is not typing
   local entered
+  local function feed(keys) -- (as typed, not remapped)
+    api.nvim_feedkeys(api.nvim_replace_termcodes(keys, true, false, true), 'n', false)
+  end
   local function restore()
     if saved then
       vim.o.completeopt, vim.o.shortmess = saved.completeopt, saved.shortmess
@@ -294,7 +297,7 @@ function M.complete_as_you_type(pb)
     local before = before_cursor()
     if saved and before ~= asked and vim.b[pb].changedtick ~= entered and vim.fn.pumvisible() == 0 and ref_start(before) then
       asked = before
-      api.nvim_feedkeys(api.nvim_replace_termcodes('<C-x><C-o>', true, false, true), 'n', false)
+      feed('<C-x><C-o>')
     end
   end })
   -- a word typed whole while the menu is open (`#buffer`, a file's whole path), with nothing else
@@ -314,8 +317,7 @@ function M.complete_as_you_type(pb)
     end
     if whole and left == 1 then
       asked = before
-      local keys = base == '#file:' and '<C-e><C-x><C-o>' or '<C-e>'
-      api.nvim_feedkeys(api.nvim_replace_termcodes(keys, true, false, true), 'n', false)
+      feed(base == '#file:' and '<C-e><C-x><C-o>' or '<C-e>')
     end
   end })
 end
