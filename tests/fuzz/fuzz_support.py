@@ -68,9 +68,14 @@ def encode(msg: Any) -> bytes:
     return json.dumps(msg, ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
-def has_traceback(err: dict) -> bool:
-    text = json.dumps(err, ensure_ascii=True)
-    return "Traceback (most recent call last)" in text or '"traceback"' in text
+def has_traceback(err: Any) -> bool:
+    """A Python traceback's text anywhere in ``err``, or a member named ``traceback`` in an
+    object of it (a fuzzed field's name that an answer lists, ``unknownFields``, is neither)."""
+    if isinstance(err, dict):
+        return any(k == "traceback" or has_traceback(v) for k, v in err.items())
+    if isinstance(err, list):
+        return any(has_traceback(v) for v in err)
+    return isinstance(err, str) and "Traceback (most recent call last)" in err
 
 
 def sane(msg: dict) -> None:
