@@ -316,7 +316,11 @@ class OperateAgent(Agent):
     async def initialize(self, protocol_version: int, client_capabilities: Any = None, client_info: Any = None,
                          **kw: Any) -> InitializeResponse:
         fs = getattr(client_capabilities, "fs", None)
-        if fs is not None and fs.read_text_file and fs.write_text_file:
+        if isinstance(fs, dict):  # (the SDK puts its default's JSON in place of an fs it cannot read)
+            read, write = fs.get("readTextFile"), fs.get("writeTextFile")
+        else:
+            read, write = getattr(fs, "read_text_file", False), getattr(fs, "write_text_file", False)
+        if read is True and write is True:
             self.port.client_capabilities["fs"] = True
         self.start_loading()
         return InitializeResponse(

@@ -1350,6 +1350,17 @@ def test_a_line_that_is_not_json_is_a_parse_error_with_one_warning_line_and_the_
     assert len(warnings) == 4 and all("not valid JSON" in w for w in warnings), err
 
 
+def test_an_fs_capability_of_the_wrong_shape_is_no_fs_capability_not_an_internal_error(tmp_path):
+    """The SDK reads an ``fs`` it cannot take as its default (both false, as JSON): initialize
+    answers with the agent's capabilities, the files stay the agent's own (found by the fuzz)."""
+    lines = [json.dumps({"jsonrpc": "2.0", "id": i, "method": "initialize",
+                         "params": {"protocolVersion": 1, "clientCapabilities": {"fs": fs}}}).encode()
+             for i, fs in enumerate([[True], "yes", {"readTextFile": "yes", "writeTextFile": True}], 1)]
+    answers, err, rc = raw_session(tmp_path, lines)
+    assert [a["id"] for a in answers] == [1, 2, 3] and all(a["result"]["protocolVersion"] == 1 for a in answers), answers
+    assert "Traceback" not in err and "ERROR" not in err and rc == 0, err
+
+
 def test_an_unknown_extension_request_is_method_not_found_and_a_notification_is_ignored(tmp_path):
     lines = [b'{"jsonrpc": "2.0", "id": 3, "method": "_vendor.example/unknown", "params": {"a": 1}}',
              b'{"jsonrpc": "2.0", "method": "_vendor.example/note", "params": {}}', INIT]

@@ -38,12 +38,15 @@ from frame_model import json_values
 from fuzz_support import COUNTS, OUTCOMES, has_traceback, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "acp"))
-from acp_support import RESULTS, agent_env, not_utf8, reply, schema_errors, write_config  # noqa: E402
+from acp_support import AGENT_REQUESTS, RESULTS, agent_env, not_utf8, reply, schema_errors, write_config  # noqa: E402
 from acp import schema as S  # noqa: E402
 
 ANSWER_TIMEOUT = 30.0   # a fuzzed request (a prompt runs a whole turn with the scripted model)
 SYNC_TIMEOUT = 10.0     # the session/list after each input
-REPLIES = 8000          # scripted replies: more than the prompts of the stress run can take
+REPLIES = 3000          # scripted replies (x3): more than the prompts of the stress run can take
+#: one reply in three makes a tool call: a write, which asks the client first (in the ask mode),
+#: the client refuses that request, so the write is denied and the turn goes on to its next round
+WRITE = reply("", [("write_file", {"path": "b.txt", "content": "new\n"})])
 
 #: the methods the agent serves (a request each; session/cancel is a notification)
 METHODS = ["initialize", "authenticate", "session/new", "session/load", "session/resume", "session/fork",
@@ -80,8 +83,8 @@ class AgentDied(AssertionError):
 
 class FuzzAgent:
     """One ``--acp`` process over real pipes: a reader thread parses each stdout line; the
-    agent's own requests to the client are refused (-32601: none comes, the scripted replies
-    call no tool)."""
+    agent's own requests to the client (a permission, a file when an input gave the client the
+    ``fs`` capability) are refused (-32601), which the agent takes as a deny or a failed read."""
 
     def __init__(self) -> None:
         self.dir = tempfile.TemporaryDirectory(prefix="fuzz-acp-")
@@ -90,7 +93,7 @@ class FuzzAgent:
         self.ws.mkdir()
         (self.ws / "a.txt").write_text("old text\n")
         self.config = write_config(root / "settings.toml", {
-            "models": {"s": {"provider": "scripted", "responses": [reply("ok")] * REPLIES},
+            "models": {"s": {"provider": "scripted", "responses": [reply("ok"), WRITE, reply("ok")] * REPLIES},
                        "t": {"provider": "scripted", "responses": [reply("ok")] * 50}},
             "defaultModel": "s", "permissionTimeoutMs": 1000})
         self.ids = itertools.count(1)
@@ -237,9 +240,13 @@ class FuzzAgent:
             got = answers.get(json.dumps(msg_id), [])
             assert len(got) == 1, f"{method} {msg_id!r} answered {len(got)} times: {got!r:.800} ({shown})"
         for msg in others:
-            assert msg["method"] in ("session/update",), f"the agent sent {msg['method']}: {msg!r:.600} ({shown})"
-            problems = schema_errors(S.SessionNotification, msg.get("params")) + not_utf8(msg)
-            assert problems == [], f"a session/update not of the schema: {problems} in {msg!r:.600} ({shown})"
+            model = S.SessionNotification if msg["method"] == "session/update" and "id" not in msg \
+                else AGENT_REQUESTS.get(msg["method"]) if "id" in msg else None
+            assert model is not None, f"the agent sent {msg['method']}: {msg!r:.600} ({shown})"
+            if "id" in msg:  # (how often the turns reached the client: printed with the outcomes)
+                OUTCOMES[f"acp asked the client {msg['method']}"] = OUTCOMES.get(f"acp asked the client {msg['method']}", 0) + 1
+            problems = schema_errors(model, msg.get("params")) + not_utf8(msg)
+            assert problems == [], f"a {msg['method']} not of the schema: {problems} in {msg!r:.600} ({shown})"
         err = self.new_stderr()
         assert "Traceback" not in err, f"a traceback on stderr after {shown}:\n{err[-3000:]}"
 
