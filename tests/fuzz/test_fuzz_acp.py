@@ -47,6 +47,11 @@ REPLIES = 3000          # scripted replies (x3): more than the prompts of the st
 #: one reply in three makes a tool call: a write, which asks the client first (in the ask mode),
 #: the client refuses that request, so the write is denied and the turn goes on to its next round
 WRITE = reply("", [("write_file", {"path": "b.txt", "content": "new\n"})])
+#: the turns of the agent whose client has the fs capability: a read, an edit and a write, each
+#: through the client (fs/read_text_file, fs/write_text_file) and the edits asked about first
+FS_TURNS = [reply("", [("read_file", {"path": "a.txt"})]), reply("ok"),
+            reply("", [("edit_file", {"path": "a.txt", "edits": [{"oldText": "old", "newText": "new"}]})]), reply("ok"),
+            reply("", [("write_file", {"path": "c.txt", "content": "c\n"})]), reply("ok")]
 
 #: the methods the agent serves (a request each; session/cancel is a notification)
 METHODS = ["initialize", "authenticate", "session/new", "session/load", "session/resume", "session/fork",
@@ -77,23 +82,53 @@ PARAM_PROFILES = [pytest.param(profile("fast", 150), id="fast"),
                   pytest.param(profile("stress", 3000), id="stress", marks=pytest.mark.slow)]
 
 
+#: the answers once the plan has none left: the first option offered (allow once), a file not
+#: found (a write goes on, an edit of it fails), a write done
+FALLBACK = {"session/request_permission": ("select", 0), "fs/read_text_file": ("error", -32002, "not found"),
+            "fs/write_text_file": ("result", None)}
+
+
+def answer(request: dict, how: tuple) -> dict:
+    """The client's answer to the agent's ``request``, as ``how`` says: ("select", k) the k-th
+    option offered (a permission request; else a result of that shape all the same),
+    ("cancelled",), ("content", text) (a read's), ("result", any JSON) or ("error", code, message)."""
+    out: dict[str, Any] = {"jsonrpc": "2.0", "id": request["id"]}
+    kind = how[0]
+    if kind == "select":
+        options = (request.get("params") or {}).get("options") or [{"optionId": "none"}]
+        out["result"] = {"outcome": {"outcome": "selected", "optionId": options[how[1] % len(options)]["optionId"]}}
+    elif kind == "cancelled":
+        out["result"] = {"outcome": {"outcome": "cancelled"}}
+    elif kind == "content":
+        out["result"] = {"content": how[1]}
+    elif kind == "result":
+        out["result"] = how[1]
+    else:
+        out["error"] = {"code": how[1], "message": how[2]}
+    return out
+
+
 class AgentDied(AssertionError):
     pass
 
 
 class FuzzAgent:
     """One ``--acp`` process over real pipes: a reader thread parses each stdout line; the
-    agent's own requests to the client (a permission, a file when an input gave the client the
-    ``fs`` capability) are refused (-32601), which the agent takes as a deny or a failed read."""
+    agent's own requests to the client (a permission, a file when the client has the ``fs``
+    capability) are answered as ``plan`` says, then as a client would (FALLBACK)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fs: bool = False) -> None:
+        self.fs = fs
+        #: how the client answers the agent's next requests (``answer``); refused once none is left
+        self.plan: list[tuple] = []
         self.dir = tempfile.TemporaryDirectory(prefix="fuzz-acp-")
         root = Path(self.dir.name)
         self.ws = root / "ws"
         self.ws.mkdir()
         (self.ws / "a.txt").write_text("old text\n")
         self.config = write_config(root / "settings.toml", {
-            "models": {"s": {"provider": "scripted", "responses": [reply("ok"), WRITE, reply("ok")] * REPLIES},
+            "models": {"s": {"provider": "scripted", "responses": (FS_TURNS if fs else [reply("ok"), WRITE, reply("ok")])
+                             * REPLIES},
                        "t": {"provider": "scripted", "responses": [reply("ok")] * 50}},
             "defaultModel": "s", "permissionTimeoutMs": 1000})
         self.ids = itertools.count(1)
@@ -117,7 +152,8 @@ class FuzzAgent:
         self.arrived = threading.Condition()
         self.tainted = False
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
-        self.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        self.call("initialize", {"protocolVersion": 1, "clientCapabilities": {
+            "fs": {"readTextFile": True, "writeTextFile": True}} if self.fs else {}})
         new = self.call("session/new", {"cwd": str(self.ws), "mcpServers": []})
         self.sid = new["sessionId"]
         self.modes = [m["id"] for m in (new.get("modes") or {}).get("availableModes", [])] or ["ask"]
@@ -135,9 +171,9 @@ class FuzzAgent:
                     self.bad_lines.append(raw.decode("utf-8", "replace")[:300])
                 elif "method" in msg:
                     self.others.append(msg)
-                    if "id" in msg:  # a request of the agent's: none is expected; refused, not left waiting
-                        self.write({"jsonrpc": "2.0", "id": msg["id"],
-                                    "error": {"code": -32601, "message": "not in this test"}})
+                    if "id" in msg:  # a request of the agent's: answered as planned, else refused
+                        self.write(answer(msg, self.plan.pop(0) if self.plan else FALLBACK.get(
+                            msg["method"], ("error", -32601, "not in this test"))))
                 elif msg.get("id") is None:
                     self.null_answers.append(msg)
                 else:
@@ -270,14 +306,24 @@ class FuzzAgent:
                                                f"{shown} -> {err!r:.800}"
 
 
-@pytest.fixture(scope="module")
-def agent():
-    a = FuzzAgent()
+def _agent(fs: bool):
+    a = FuzzAgent(fs)
     try:
         yield a
     finally:
         a.stop()
         a.dir.cleanup()
+
+
+@pytest.fixture(scope="module")
+def agent():
+    yield from _agent(False)
+
+
+@pytest.fixture(scope="module")
+def fs_agent():
+    """An agent whose client has the fs capability: its turns read and write through the client."""
+    yield from _agent(True)
 
 
 def run_example(agent: FuzzAgent, test: str, body) -> None:
@@ -469,5 +515,47 @@ def test_mutated_and_random_params_of_every_method_get_a_schema_result_or_a_fitt
                 agent.judge(msg["id"], method, msg.get("params"))
 
         run_example(agent, "acp.params", body)
+
+    inner()
+
+
+# ---------------------------------------------------------------------- the client's answers
+ANSWER_PROFILES = [pytest.param(profile("fast", 40), id="fast"),
+                   pytest.param(profile("stress", 800), id="stress", marks=pytest.mark.slow)]
+
+answers = st.one_of(
+    st.just(("content", "old text\n")),  # (the file as it is: the edit goes on to be asked about and written)
+    st.tuples(st.just("select"), st.integers(0, 5)), st.just(("cancelled",)), st.just(("result", None)),
+    st.tuples(st.just("content"), texts | st.sampled_from(["old text\n", "", "x" * 5000, "\x00bin"])),
+    st.tuples(st.just("result"), json_values | st.sampled_from([
+        None, {}, {"outcome": {}}, {"outcome": {"outcome": "selected"}}, {"outcome": {"outcome": "selected", "optionId": 5}},
+        {"outcome": "allow"}, {"content": 5}, {"content": None}, {"content": ["x"]}, [], "ok"])),
+    st.tuples(st.just("error"), st.sampled_from([-32002, -32601, -32603, -32602, -32000, 1, 0]),
+              st.sampled_from(["", "not found", "No such file or directory", "boom"])))
+
+
+@pytest.mark.parametrize("prof", ANSWER_PROFILES)
+def test_whatever_the_client_answers_to_a_turns_requests_the_turn_ends_with_an_answer(fs_agent, prof):
+    """A turn's permission requests and file reads and writes through the client, answered
+    with the right shapes and the wrong ones, errors and cancels: the prompt is answered once
+    (a stop reason, or an error the front end may answer with), and the agent stays in sync."""
+    a = fs_agent
+
+    @prof
+    @given(st.lists(answers, min_size=1, max_size=6), st.sampled_from(["ask", "auto-edit", None]))
+    def inner(plan, mode):
+        def body() -> None:
+            a.plan = list(plan)
+            if mode is not None and mode in a.modes:
+                a.call("session/set_mode", {"sessionId": a.sid, "modeId": mode})
+            msg_id = f"fz-{next(a.ids)}"
+            params = {"sessionId": a.sid, "prompt": [{"type": "text", "text": "go"}]}
+            a.write({"jsonrpc": "2.0", "id": msg_id, "method": "session/prompt", "params": params})
+            shown = f"a turn with the client's answers {plan!r:.1200}"
+            a.checked([(msg_id, "session/prompt")], shown)
+            a.judge(msg_id, "session/prompt", params)
+            a.plan = []
+
+        run_example(a, "acp.client answers", body)
 
     inner()
