@@ -263,8 +263,14 @@ class Recorder:
 
     def _text(self, text: str) -> str:
         """A string as a script writes it: a literal ``${`` as ``$${``, the working directory as ``${cwd}``."""
-        text = escape(text)
-        return self._cwd.sub(CWD_REF, text) if self._cwd is not None else text
+        if self._cwd is None:
+            return escape(text)
+        out, last = [], 0
+        for m in self._cwd.finditer(text):  # (found in the text as it is: an escape never splits the folder)
+            out += [escape(text[last:m.start()]), CWD_REF]
+            last = m.end()
+        out.append(escape(text[last:]))
+        return "".join(out)
 
     def _escaped(self, value: Any) -> Any:
         """``value`` with every string written as a script writes it (:meth:`_text`): the model
@@ -417,11 +423,12 @@ CWD_REF = "${cwd}"
 
 def _cwd_pattern(cwd: str) -> re.Pattern | None:
     """The working directory where it is a whole path (or a path's head), not part of a longer
-    name; ``None`` for the root, which is the head of every path."""
+    name, and not right after a ``$`` (``$${cwd}`` would be the literal text ``${cwd}``); ``None``
+    for the root, which is the head of every path."""
     cwd = cwd.rstrip("/\\")
     if not cwd or "${" in cwd:
         return None
-    return re.compile(r"(?<![\w.-])" + re.escape(cwd) + r"(?![\w-]|\.[\w-])")  # a sentence's full stop may follow
+    return re.compile(r"(?<![\w.$-])" + re.escape(cwd) + r"(?![\w-]|\.[\w-])")  # a sentence's full stop may follow
 
 
 def _unwritable(path: str, tmp: str, error: OSError) -> str:

@@ -485,3 +485,31 @@ def test_the_record_file_is_overwritten_as_the_help_and_the_readme_say(tmp_path)
     assert "an existing FILE is overwritten" in " ".join(record_help.split()), help_text
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     assert "an existing FILE is overwritten" in " ".join(readme.split()), "README"
+
+
+_PIECES = ["${", "$${", "$", "{", "}", "cwd}", "${cwd}", "x", "/", ".", "-", " ", "a.py", "\\"]
+
+
+@pytest.mark.parametrize("cwd", ["/home/me/proj", "/tmp/a$b", "/tmp/a$", "/tmp/x.y", "/tmp/{d}", "/w/$$"])
+def test_any_text_recorded_replays_as_it_was_whatever_the_working_directory(tmp_path, monkeypatch, cwd):
+    """What ``--record`` writes for a string (``$${`` for a literal ``${``, ``${cwd}`` for the
+    working directory) substitutes back to that string in the replay, which defines ``cwd``
+    as its own server's working directory: texts made of the working directory and the
+    pieces the two rules work on, in any order."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from operate_sidecar.server.script.matcher import substitute
+    from operate_sidecar.server.script.recorder import Recorder
+
+    monkeypatch.setattr(os, "getcwd", lambda: cwd)
+    rec = Recorder(str(tmp_path / "r.jsonl"))
+
+    @settings(max_examples=300, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.sampled_from([cwd, cwd + "/", *_PIECES]) | st.text(max_size=3), max_size=8).map("".join))
+    def round_trip(text):
+        written = rec._text(text)
+        assert substitute(written, {"cwd": cwd}) == text, (text, written)
+
+    round_trip()
