@@ -816,3 +816,35 @@ def test_a_permission_answer_the_request_did_not_offer_fails_the_step_it_came_du
         'not one of the decisions it offered: allow_once, allow_always, deny_once, deny_always; the server took '
         'it as a deny (to deny, answer "deny_once" or an error)'], out.stdout
     assert "PASS line 6: request operate" in out.stdout, out.stdout
+
+
+def test_any_script_text_loads_or_is_refused_with_a_script_error_naming_its_line():
+    """Whatever a script file holds (JSON or not, steps of every kind with fields of any type,
+    references, saved names), loading it gives its steps or a ScriptError (``file:line: ...``,
+    what the command line prints), never another exception."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from operate_sidecar.server.script.runner import _STEP_KEYS, STEP_KINDS, ScriptError
+
+    scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8) | \
+        st.sampled_from(["*", "${a}", "${cwd}", "$${x}", "x ${a} y", "${", "requestToolPermission",
+                         "fs/readTextFile", "operate", "result.branchId", ""])
+    values = st.recursive(scalars, lambda ch: st.lists(ch, max_size=3) | st.dictionaries(
+        st.sampled_from(["result", "error", "decision", "text", "code", "message", "output", "x"]) | st.text(max_size=4),
+        ch, max_size=3), max_leaves=8)
+    keys = sorted({k for ks in _STEP_KEYS.values() for k in ks} | {"recordedModels", "extra"})
+    steps = st.tuples(st.sampled_from(STEP_KINDS), values, st.dictionaries(st.sampled_from(keys), values, max_size=4)).map(
+        lambda t: {t[0]: t[1], **t[2]})  # a step of one kind (or of two, when the fields name another)
+    lines = st.lists(st.one_of(steps.map(json.dumps), values.map(json.dumps), st.text(max_size=20)), max_size=6)
+
+    @settings(max_examples=400, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(lines)
+    def load(texts):
+        try:
+            parse_script(texts, "s.jsonl")
+        except ScriptError as e:
+            assert str(e).startswith("s.jsonl"), e
+
+    load()
