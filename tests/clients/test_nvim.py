@@ -3181,3 +3181,40 @@ def test_screen_capture_of_a_chat_with_a_diff_review(tmp_path):
     results.mkdir(exist_ok=True)
     (results / "diff-review.txt").write_text(review + "\n")
     (results / "chat.txt").write_text(chat + "\n")
+
+
+def test_a_server_that_sends_junk_never_raises_a_lua_error_and_the_chat_goes_on(nv):
+    """``junk_server.py`` answers start-up as the server does, then each turn with notifications
+    of every kind whose fields hold values of any type, permission requests of odd params, and a
+    result or error of the wrong shapes (a server of another version, or a broken one). Each
+    turn ends (the chat is not left running), no Lua error reaches the user (not even one
+    caught and told), the permission requests can be answered, and a sane turn afterwards
+    shows its answer."""
+    cfg = {"cmd": [sys.executable, str(HERE / "junk_server.py")], "cmd_cwd": str(nv.tmp), "settings": {}}
+    nv.lua("""
+        local cfg = vim.json.decode(...)
+        _G.notes = {}
+        cfg.notify = function(msg, level) table.insert(_G.notes, msg) end
+        require('operate_sidecar').setup(cfg)""", json.dumps(cfg))
+    nv.start()
+    for seed in range(1, 121):
+        nv.chat_send(f"turn seed {seed}")
+        nv.wait("require('operate_sidecar')._state.last ~= nil and require('operate_sidecar')._state.running == nil",
+                f"the turn of seed {seed} to end")
+        nv.lua("""
+            local perm = require('operate_sidecar.permission')
+            local n = 0
+            while perm.current() and n < 50 do perm.answer('deny_once'); n = n + 1 end
+            vim.cmd('stopinsert')""")
+        try:
+            nv.assert_no_errors()
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {e}") from None
+        # what the user was told: in words, never a Lua error caught on the way ("chat.lua:1758: ...")
+        told = nv.lua("local n = _G.notes; _G.notes = {}; return n")
+        assert not [t for t in told if ".lua:" in str(t) or "traceback" in str(t)], f"seed {seed}: {told}"
+        assert nv.lua("return require('operate_sidecar').status().ready"), f"seed {seed}: the client gave up"
+    nv.chat_send("a plain question")
+    out = nv.wait_done()
+    assert out["err"] is None and out["result"]["result"] == "ok", out
+    assert "ok" in nv.chat(out["branchId"]), nv.chat(out["branchId"])[-12:]

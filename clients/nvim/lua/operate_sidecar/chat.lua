@@ -339,7 +339,7 @@ local function card_summary(card)
 end
 
 function M.card_headline(card)
-  local line = ('%s %s'):format(ICONS[card.status] or '•', card.tool)
+  local line = ('%s %s'):format(ICONS[card.status] or '•', util.one_line(card.tool))
   local s = card_summary(card)
   if s ~= '' then
     line = line .. ' ' .. s
@@ -1494,6 +1494,9 @@ end
 local NOT_DENIED = { timedout = true, cancelled = true, gone = true, settling = true }
 
 local function apply_tool_event(turn, e)
+  if type(e) ~= 'table' or e.callId == nil or is_null(e.callId) then -- (not a call's event: nothing to show)
+    return
+  end
   local card = card_for(turn, e.callId, e.tool)
   card.argsSummary = not is_null(e.argsSummary) and e.argsSummary or card.argsSummary
   if card.arguments == nil then -- its arguments from the event itself, when they are whole

@@ -87,15 +87,26 @@ end
 M.KEYS_LINE = '[a] allow once  [A] always  [d] deny  [D] never  [q] later'
 M.KEYS_LINE_DIFF = '[o] review the diff  [a] accept  [A] always  [d] reject  [D] never  [q] later'
 
+--- The request's diff preview (`kind` "diff", the file's `path`, the `diff` and the `newText` the
+--- review shows), or nil: without those as text there is nothing to review, and the float asks.
+function M.diff_preview(p)
+  local preview = p.preview
+  if type(preview) == 'table' and preview.kind == 'diff' and type(preview.path) == 'string' and preview.path ~= ''
+      and type(preview.diff) == 'string' and type(preview.newText) == 'string' then
+    return preview
+  end
+  return nil
+end
+
 -- The float's lines: the keys first (always in view, however long the rest), then the request.
 local function float_lines(p)
-  local lines = { M.KEYS_LINE, ('**%s** asks to run'):format(tostring(p.tool)), '' }
+  local lines = { M.KEYS_LINE, ('**%s** asks to run'):format(util.one_line(p.tool)), '' }
   local args = p.arguments
-  local preview = type(p.preview) == 'table' and p.preview.kind == 'diff' and p.preview or nil
+  local preview = M.diff_preview(p)
   if preview then
     local add, del = require('operate_sidecar.diff').stats(preview.diff)
     lines[1] = M.KEYS_LINE_DIFF
-    lines[2] = ('**%s** wants to change %s (+%d −%d)'):format(tostring(p.tool), util.display_path(preview.path), add,
+    lines[2] = ('**%s** wants to change %s (+%d −%d)'):format(util.one_line(p.tool), util.display_path(preview.path), add,
       del)
     lines[#lines + 1] = '```diff'
     vim.list_extend(lines, util.split_lines((tostring(preview.diff or '')):gsub('\n$', '')))
@@ -309,7 +320,7 @@ end
 local function show(req)
   local p = req.params
   require('operate_sidecar.chat').on_permission_request(p)
-  if type(p.preview) == 'table' and p.preview.kind == 'diff' then
+  if M.diff_preview(p) then
     req.diff = true
     require('operate_sidecar.diff').review(req, function(decision)
       settle(req, decision)

@@ -72,7 +72,7 @@ local function on_progress(p)
   if v.kind == 'begin' then
     S.progress = { phase = 'begin', message = v.message }
   elseif v.kind == 'report' then
-    if not is_null(v.delta) and v.delta ~= '' then
+    if type(v.delta) == 'string' and v.delta ~= '' then -- (text: a delta of another type is not the reply's)
       run.deltas[#run.deltas + 1] = v.delta
       hook(run, 'on_delta', v.delta, run)
       event('OperateSidecarDelta')
@@ -84,7 +84,7 @@ local function on_progress(p)
       hook(run, 'on_thought', v.thought, run)
     end
     local phase = v.phase
-    if phase == 'stream' and v.message == 'thinking' and (is_null(v.delta) or v.delta == '') then
+    if phase == 'stream' and v.message == 'thinking' and (type(v.delta) ~= 'string' or v.delta == '') then
       phase = 'thinking'
     end
     -- a new phase, or a new step of one (`parse`: "parsing reply", then "repair attempt N" before

@@ -184,9 +184,15 @@ end
 --- A path relative to the working directory when it lies inside it.
 function M.display_path(path)
   if type(path) ~= 'string' then
-    return tostring(path)
+    return M.one_line(path)
   end
-  return vim.fn.fnamemodify(path, ':~:.')
+  return M.one_line(vim.fn.fnamemodify(path, ':~:.'))
+end
+
+--- `v` as text on one line (a line break and the blanks around it as one space): a name from
+--- the server put in a headline, which a buffer line cannot hold otherwise.
+function M.one_line(v)
+  return (tostring(v):gsub('%s*[\r\n]+%s*', ' '))
 end
 
 --- "HH:MM" today, else "YYYY-MM-DD HH:MM", for an ISO-8601 timestamp (or epoch seconds).
