@@ -5,7 +5,8 @@ hold values of any type, a ``requestToolPermission`` of odd params, and a result
 of the wrong shapes. What a client must survive from a server of another version, or a
 broken one. The junk is drawn from ``random.Random(seed)``, the seed the operate's
 instruction ends with (``... seed 7``), so a failing turn can be sent again; an instruction
-without one gets a sane answer (``ok``).
+without one gets a sane answer (``ok``). The history of a branch named ``junk-history-<seed>``
+is junk too (``branchMessages``).
 
     python junk_server.py
 """
@@ -107,11 +108,18 @@ class Server:
                 self.answer(msg, {"branchId": b})
             elif method == "deleteBranch":
                 self.answer(msg, {"deleted": bool(self.branches.pop(p.get("branchId"), None) is not None)})
-            elif method == "listBranches":
+            elif method == "listBranches":  # (and the branches of junk history, with fields of any type)
+                r = random.Random(0)
                 self.answer(msg, {"branches": [{"branchId": b, "name": None, "messageCount": len(m)}
-                                               for b, m in self.branches.items()]})
+                                               for b, m in self.branches.items()] + [
+                    {"branchId": f"junk-history-{i}", "name": maybe(r, f"history {i}"), "messageCount": maybe(r, 3),
+                     "chatModel": junk(r), "usage": junk(r), "updatedAt": junk(r)} for i in range(1, 61)]})
             elif method == "branchMessages":
-                self.answer(msg, {"messages": self.branches.get(p.get("branchId"), [])})
+                m = re.fullmatch(r"junk-history-(\d+)", str(p.get("branchId")))
+                if m:  # a branch whose history is junk (its messages of odd shapes, in pages)
+                    self.answer(msg, self.history(random.Random(int(m.group(1))), p))
+                else:
+                    self.answer(msg, {"messages": self.branches.get(p.get("branchId"), [])})
             elif method == "listTools":
                 self.answer(msg, {"tools": [{"name": "junk_tool", "description": "d", "source": "python",
                                              "inputSchema": {"type": "object"}, "decision": "ask"}]})
@@ -121,6 +129,23 @@ class Server:
                 self.operate(msg, p)
             else:
                 self.send({"jsonrpc": "2.0", "id": msg["id"], "error": {"code": -32601, "message": "method not found"}})
+
+    def history(self, r: random.Random, p: dict) -> Any:
+        """A page of a junk history: messages of every kind with fields of any type, among
+        items that are not messages; ``total`` and the page of the wrong types at times."""
+        def message() -> Any:
+            kind = r.choice(["instruction", "assistant_response", "action_request", "action_response", "system",
+                             "x", None])
+            content = {"instruction": maybe(r, "a question"), "text": maybe(r, r.choice(["an answer", '{"a": 1}'])),
+                       "function": maybe(r, "read_file"), "callId": maybe(r, f"c{r.randint(1, 4)}"),
+                       "arguments": maybe(r, {"path": "a.txt"}), "output": junk(r)}
+            return maybe(r, {"id": maybe(r, "m"), "kind": kind, "role": junk(r), "createdAt": maybe(r, "2026-12-01T10:00:00Z"),
+                             "content": maybe(r, content)})
+        if r.random() < 0.1:
+            return junk(r)
+        msgs = [message() for _ in range(r.randint(0, 12))]
+        offset = p.get("offset") if isinstance(p.get("offset"), int) else 0
+        return {"messages": maybe(r, msgs[offset:] if offset < 3 else []), "total": maybe(r, len(msgs))}
 
     def operate(self, msg: dict, p: dict) -> None:
         text = str(p.get("instruction") or (p.get("instruct") or {}).get("instruction") or "")

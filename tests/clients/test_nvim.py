@@ -3214,6 +3214,26 @@ def test_a_server_that_sends_junk_never_raises_a_lua_error_and_the_chat_goes_on(
         told = nv.lua("local n = _G.notes; _G.notes = {}; return n")
         assert not [t for t in told if ".lua:" in str(t) or "traceback" in str(t)], f"seed {seed}: {told}"
         assert nv.lua("return require('operate_sidecar').status().ready"), f"seed {seed}: the client gave up"
+    for seed in range(1, 61):  # a branch whose history is junk, opened in the chat
+        nv.n.command(f"OperateMessages junk-history-{seed}")
+        nv.wait(f"(function() local c = require('operate_sidecar.chat').current(); return c and c.branch == "
+                f"'junk-history-{seed}' end)()", f"the chat of junk history {seed}")
+        nv.lua("vim.wait(100)")
+        try:
+            nv.assert_no_errors()
+        except AssertionError as e:
+            raise AssertionError(f"history seed {seed}: {e}") from None
+        told = nv.lua("local n = _G.notes; _G.notes = {}; return n")
+        assert not [t for t in told if ".lua:" in str(t) or "traceback" in str(t)], f"history seed {seed}: {told}"
+    nv.n.command("OperateBranch list")  # (their names, times and models of any type, each read for its last message)
+    nv.wait("(function() for _, n in ipairs(_G.notes) do if tostring(n):find('branches:', 1, true) then return true end "
+            "end end)()", "the list of branches")
+    nv.assert_no_errors()
+    told = nv.lua("local n = _G.notes; _G.notes = {}; return n")
+    assert "junk-history-60" in told[-1] and not [t for t in told if ".lua:" in str(t)], told
+    nv.n.command("OperateBranch new")
+    nv.wait("(function() local b = require('operate_sidecar').current_branch(); return b and b:find('^junk%-branch') end)()",
+            "a new branch")
     nv.chat_send("a plain question")
     out = nv.wait_done()
     assert out["err"] is None and out["result"]["result"] == "ok", out

@@ -153,10 +153,26 @@ end
 
 --- List the branches with their last activity: cb(err, list of {branchId, name, messageCount,
 --- chatModel, updatedAt}), newest first.
+--- The branches of a `listBranches` answer, each with the fields of the types this client reads
+--- (a branch id as text, else the entry is left out; a name as text, else none; a time as text,
+--- a message count as a number), whatever a server of another version sends.
+function M.entries(res)
+  local out = {}
+  for _, b in ipairs(type(res) == 'table' and type(res.branches) == 'table' and res.branches or {}) do
+    if type(b) == 'table' and type(b.branchId) == 'string' and b.branchId ~= '' then
+      b.name = type(b.name) == 'string' and b.name or nil
+      b.updatedAt = type(b.updatedAt) == 'string' and b.updatedAt or nil
+      b.messageCount = tonumber(b.messageCount) or 0
+      out[#out + 1] = b
+    end
+  end
+  return out
+end
+
 function M.list(cb)
   cb = cb or function() end
   server.request_or_notify('listBranches', nil, cb, function(res)
-    local list = res.branches or {}
+    local list = M.entries(res)
     local pending = #list
     if pending == 0 then
       return cb(nil, list)
@@ -174,10 +190,8 @@ function M.list(cb)
       -- a name given here (a fork's) wins over the server's copy
       if M.names[b.branchId] then
         b.name = M.names[b.branchId]
-      elseif not is_null(b.name) then
+      elseif b.name then
         M.names[b.branchId] = b.name
-      else
-        b.name = nil
       end
       if type(b.updatedAt) == 'string' then
         one_done()
@@ -186,8 +200,9 @@ function M.list(cb)
         local count = tonumber(b.messageCount) or 0
         server.request('branchMessages', { branchId = b.branchId, offset = math.max(count - 1, 0), limit = 1 },
           function(err, m)
-            local last = not err and m and m.messages and m.messages[#m.messages]
-            b.updatedAt = last and last.createdAt or nil
+            local msgs = not err and type(m) == 'table' and type(m.messages) == 'table' and m.messages or {}
+            local last = type(msgs[#msgs]) == 'table' and msgs[#msgs] or nil
+            b.updatedAt = last and type(last.createdAt) == 'string' and last.createdAt or nil
             local c = last and last.kind == 'instruction' and type(last.content) == 'table' and last.content
             -- (not the server's instruction of a turn's later round: that names no branch)
             if c and not b.name and c.instruction ~= require('operate_sidecar.chat').CONTINUATION then
@@ -273,11 +288,11 @@ function M.check(id, cb)
   cb = cb or function() end
   server.request_or_notify('listBranches', nil, cb, function(res)
     local lines = {}
-    for _, b in ipairs(res.branches or {}) do
+    for _, b in ipairs(M.entries(res)) do
       if b.branchId == id then
         return cb(nil)
       end
-      local name = M.names[b.branchId] or (not is_null(b.name) and b.name) or nil
+      local name = M.names[b.branchId] or b.name
       lines[#lines + 1] = '  ' .. b.branchId .. (name and ('  ' .. name) or '')
     end
     local msg = ('unknown branch: %s; %s'):format(id, #lines > 0

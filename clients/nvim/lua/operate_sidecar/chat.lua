@@ -1086,6 +1086,7 @@ local function load_history(chat, cb)
     local turn
     local loaded = {}
     for i, m in ipairs(messages) do
+      m = type(m) == 'table' and m or {} -- (an item that is no message: nothing to show, still counted)
       local c = type(m.content) == 'table' and m.content or {}
       if m.kind == 'instruction' and turn and c.instruction == M.CONTINUATION then
         turn.rounds = (turn.rounds or 1) + 1 -- the server's next round of that turn, not yours

@@ -268,8 +268,7 @@ M.filter = filter
 function M.complete_branch_id(lead)
   local ids = {}
   if server.state.ready then
-    local res = server.request_sync('listBranches', nil, 2000)
-    for _, b in ipairs(res and res.branches or {}) do
+    for _, b in ipairs(require('operate_sidecar.branches').entries(server.request_sync('listBranches', nil, 2000))) do
       ids[#ids + 1] = b.branchId
     end
     table.sort(ids)
