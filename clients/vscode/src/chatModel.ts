@@ -224,6 +224,28 @@ function addedRemoved(output: Json): { added: number; removed: number } | undefi
   return undefined;
 }
 
+/**
+ * What is wrong with a `requestToolPermission`'s params for this client to put it to the user (its
+ * branch, call and tool as text, its options a list of the four decisions, its arguments an
+ * object), or undefined when nothing is: a server of another version, or a broken one, may
+ * send others. Such a request is denied without asking.
+ */
+export function permissionProblem(p: unknown): string | undefined {
+  if (!isObject(p)) return 'its params are not an object';
+  for (const k of ['branchId', 'callId', 'tool']) if (typeof p[k] !== 'string') return `its ${k} is not text`;
+  const options = p.options;
+  if (!Array.isArray(options) || !options.length || !options.every((o) => ['allow_once', 'allow_always', 'deny_once', 'deny_always'].includes(o as string))) {
+    return 'its options are not a list of allow_once, allow_always, deny_once, deny_always';
+  }
+  if (!isObject(p.arguments)) return 'its arguments are not an object';
+  return undefined;
+}
+
+/** Whether `v` is a JSON object (not null, not an array). */
+export function isObject(v: unknown): v is Record<string, Json> {
+  return typeof v === 'object' && v !== null && !Array.isArray(v);
+}
+
 export function isErrorOutput(output: Json | undefined): boolean {
   return !!output && typeof output === 'object' && !Array.isArray(output) && 'error' in output;
 }
@@ -251,7 +273,7 @@ export const SUMMARY_LIMIT = 200;
  * (a cut JSON string shows as its text, without the quotes and escapes).
  */
 export function toolSummary(text: string | null | undefined): { value: Json; cut: boolean } {
-  if (text === undefined || text === null) return { value: null, cut: false };
+  if (typeof text !== 'string') return { value: null, cut: false };   // (none, or not the summary's text)
   try {
     return { value: JSON.parse(text) as Json, cut: false };
   } catch {
@@ -268,18 +290,20 @@ export function toolSummary(text: string | null | undefined): { value: Json; cut
 export function cardOfToolEvent(card: ToolCard | undefined, e: ToolEvent): ToolCard {
   if (!card) {
     const a = toolSummary(e.argsSummary);
-    card = { callId: e.callId, tool: e.tool, args: a.value, ...(a.cut && { argsCut: true }), state: 'running' };
+    card = { callId: String(e.callId), tool: typeof e.tool === 'string' ? e.tool : String(e.tool),
+      args: a.value, ...(a.cut && { argsCut: true }), state: 'running' };
   }
+  const error = typeof e.error === 'string' && e.error ? e.error : undefined;
   if (e.event === 'post') {
     const r = toolSummary(e.resultSummary);
     card.state = 'ok';
     card.output = r.value;
     if (r.cut) card.outputCut = true;
   }
-  if (e.event === 'error') { card.state = 'error'; card.output = { error: e.error ?? 'failed' }; }
+  if (e.event === 'error') { card.state = 'error'; card.output = { error: error ?? 'failed' }; }
   if (e.event === 'denied') {   // the server's reason: rejected, timed out, policy...
     card.state = 'denied';
-    card.output = { error: 'denied by governance gate', ...(e.error && { reason: e.error }) };
+    card.output = { error: 'denied by governance gate', ...(error && { reason: error }) };
   }
   return card;
 }
@@ -352,11 +376,13 @@ export function turnsFromMessages(messages: Message[]): Turn[] {
     return cur;
   };
   let prevKind = '';
-  for (const m of messages) {
+  for (const item of messages as unknown[]) {
     index++;
-    const c = m.content as Record<string, Json>;
+    // (a server of another version may send what this client does not know: read as nothing shown)
+    const m = (isObject(item) ? item : {}) as Partial<Message>;
+    const c = (isObject(m.content) ? m.content : {}) as Record<string, Json>;
     const kindBefore = prevKind;
-    prevKind = m.kind;
+    prevKind = typeof m.kind === 'string' ? m.kind : '';
     if (m.kind === 'instruction') {
       const text = instructionText(c.instruction);
       if (cur && text.startsWith(CONTINUATION_PREFIX) && kindBefore === 'action_response') {
@@ -677,7 +703,7 @@ export function thoughtHtml(text: string, live?: boolean, ms?: number): string {
 
 // ---- HTML -------------------------------------------------------------------------------------
 export function escapeHtml(s: string): string {
-  return s.replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]!));
+  return String(s ?? '').replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]!));
 }
 
 let md: MarkdownIt | undefined;

@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  addThought, cardOfToolEvent, cardTitle, chatMarkdown, conversationParts, endThought, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
+  addThought, cardOfToolEvent, cardTitle, isObject, chatMarkdown, conversationParts, endThought, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
   proseOf, refusesField, renderMarkdown, repeatNote, replyText, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
@@ -536,7 +536,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       return client.operate(p, {
         token: source.token,
         onProgress: (v) => {
-          if (v.kind === 'report' && v.delta !== undefined) this.delta(v.delta);
+          if (!isObject(v)) return;   // (a server of another version: a value this client cannot read)
+          if (v.kind === 'report' && typeof v.delta === 'string') this.delta(v.delta);
           if (v.kind === 'report' && typeof v.thought === 'string') this.thought(v.thought);
           this.progressed(v);
         },

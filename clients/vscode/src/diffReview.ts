@@ -59,7 +59,13 @@ export async function currentText(fsPath: string): Promise<string> {
  * builtin `write_file` and `edit_file` calls.
  */
 export async function previewOf(req: PermissionRequest): Promise<DiffPreview | undefined> {
-  if (req.preview?.kind === 'diff') return req.preview;
+  const given = req.preview as Partial<DiffPreview> | null | undefined;
+  if (given?.kind === 'diff' && typeof given.path === 'string' && given.path && typeof given.newText === 'string') {
+    // (the fields as their types: a server of another version may send others; those are not reviewed)
+    return { kind: 'diff', path: given.path, oldText: typeof given.oldText === 'string' ? given.oldText : null,
+      newText: given.newText, diff: typeof given.diff === 'string' ? given.diff : '' };
+  }
+  if (given?.kind === 'diff') return undefined;
   const a = req.arguments as Record<string, unknown> | null;
   if (!a || typeof a.path !== 'string') return undefined;
   const p = absPath(a.path);

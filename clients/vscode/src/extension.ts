@@ -4,7 +4,7 @@
 import * as fs from 'node:fs';
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
-import { toolSummary } from './chatModel';
+import { permissionProblem, toolSummary } from './chatModel';
 import { ChatView, TurnOutcome, VIEW_ID } from './chatView';
 import { EditorTracker, selectionOf } from './context';
 import { clientFs, DiffReview, fault, faults, previewOf, PROPOSED_SCHEME, ReviewRecord } from './diffReview';
@@ -338,8 +338,15 @@ class Sidecar {
       if (m.type === 1) void vscode.window.showErrorMessage(`operate-sidecar: ${m.message}`);
       if (m.type === 2) void vscode.window.showWarningMessage(`operate-sidecar: ${m.message}`);
     });
-    client.setPermissionHandler((req, token) => this.serve('requestToolPermission', token, () => this.askPermission(req, token),
-      `the permission request of ${req.tool} could not be shown, so it was denied`));
+    client.setPermissionHandler((req, token) => {
+      const problem = permissionProblem(req);
+      if (problem) {   // (nothing to put to the user: denied, said in the output channel)
+        this.line(`\n[permission] a request this client cannot read (${problem}), denied: ${JSON.stringify(req).slice(0, 300)}`);
+        return Promise.resolve<PermissionDecision>('deny_once');
+      }
+      return this.serve('requestToolPermission', token, () => this.askPermission(req, token),
+        `the permission request of ${req.tool} could not be shown, so it was denied`);
+    });
     client.setFsHandlers({
       readTextFile: (p, token) => this.serve('fs/readTextFile', token, () => clientFs.readTextFile(p)),
       writeTextFile: (p, token) => this.serve('fs/writeTextFile', token, () => clientFs.writeTextFile(p)),
