@@ -3197,6 +3197,18 @@ def test_a_server_that_sends_junk_never_raises_a_lua_error_and_the_chat_goes_on(
         cfg.notify = function(msg, level) table.insert(_G.notes, msg) end
         require('operate_sidecar').setup(cfg)""", json.dumps(cfg))
     nv.start()
+
+    def no_lua_error(what: str) -> list:
+        """No Lua error shown, and what the user was told (returned, then cleared) in words, never
+        a Lua error caught on the way ("chat.lua:1758: ...")."""
+        try:
+            nv.assert_no_errors()
+        except AssertionError as e:
+            raise AssertionError(f"{what}: {e}") from None
+        told = nv.lua("local n = _G.notes; _G.notes = {}; return n")
+        assert not [t for t in told if ".lua:" in str(t) or "traceback" in str(t)], f"{what}: {told}"
+        return told
+
     for seed in range(1, 121):
         nv.chat_send(f"turn seed {seed}")
         nv.wait("require('operate_sidecar')._state.last ~= nil and require('operate_sidecar')._state.running == nil",
@@ -3206,31 +3218,18 @@ def test_a_server_that_sends_junk_never_raises_a_lua_error_and_the_chat_goes_on(
             local n = 0
             while perm.current() and n < 50 do perm.answer('deny_once'); n = n + 1 end
             vim.cmd('stopinsert')""")
-        try:
-            nv.assert_no_errors()
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}: {e}") from None
-        # what the user was told: in words, never a Lua error caught on the way ("chat.lua:1758: ...")
-        told = nv.lua("local n = _G.notes; _G.notes = {}; return n")
-        assert not [t for t in told if ".lua:" in str(t) or "traceback" in str(t)], f"seed {seed}: {told}"
+        no_lua_error(f"seed {seed}")
         assert nv.lua("return require('operate_sidecar').status().ready"), f"seed {seed}: the client gave up"
     for seed in range(1, 61):  # a branch whose history is junk, opened in the chat
         nv.n.command(f"OperateMessages junk-history-{seed}")
         nv.wait(f"(function() local c = require('operate_sidecar.chat').current(); return c and c.branch == "
                 f"'junk-history-{seed}' end)()", f"the chat of junk history {seed}")
         nv.lua("vim.wait(100)")
-        try:
-            nv.assert_no_errors()
-        except AssertionError as e:
-            raise AssertionError(f"history seed {seed}: {e}") from None
-        told = nv.lua("local n = _G.notes; _G.notes = {}; return n")
-        assert not [t for t in told if ".lua:" in str(t) or "traceback" in str(t)], f"history seed {seed}: {told}"
+        no_lua_error(f"history seed {seed}")
     nv.n.command("OperateBranch list")  # (their names, times and models of any type, each read for its last message)
     nv.wait("(function() for _, n in ipairs(_G.notes) do if tostring(n):find('branches:', 1, true) then return true end "
             "end end)()", "the list of branches")
-    nv.assert_no_errors()
-    told = nv.lua("local n = _G.notes; _G.notes = {}; return n")
-    assert "junk-history-60" in told[-1] and not [t for t in told if ".lua:" in str(t)], told
+    assert "junk-history-60" in no_lua_error("the branch list")[-1]
     nv.n.command("OperateBranch new")
     nv.wait("(function() local b = require('operate_sidecar').current_branch(); return b and b:find('^junk%-branch') end)()",
             "a new branch")
