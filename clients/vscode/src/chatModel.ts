@@ -247,7 +247,7 @@ export function isObject(v: unknown): v is Record<string, Json> {
 }
 
 export function isErrorOutput(output: Json | undefined): boolean {
-  return !!output && typeof output === 'object' && !Array.isArray(output) && 'error' in output;
+  return isObject(output) && 'error' in output;
 }
 
 /** Why a call was denied, from its output's `reason` (the server's words): a timed-out permission request is no rejection. */

@@ -151,8 +151,6 @@ function M.label_of(id)
   return M.names[id] or id
 end
 
---- List the branches with their last activity: cb(err, list of {branchId, name, messageCount,
---- chatModel, updatedAt}), newest first.
 --- The branches of a `listBranches` answer, each with the fields of the types this client reads
 --- (a branch id as text, else the entry is left out; a name as text, else none; a time as text,
 --- a message count as a number), whatever a server of another version sends.
@@ -169,6 +167,8 @@ function M.entries(res)
   return out
 end
 
+--- List the branches with their last activity: cb(err, list of {branchId, name, messageCount,
+--- chatModel, updatedAt}), newest first.
 function M.list(cb)
   cb = cb or function() end
   server.request_or_notify('listBranches', nil, cb, function(res)
