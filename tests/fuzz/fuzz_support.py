@@ -168,6 +168,9 @@ class FuzzServer:
         if c is None or c.proc.poll() is not None or self.tainted or c.stream_errors:
             self.restart()
 
+    def dead(self) -> bool:
+        return self.client is not None and self.client.proc.poll() is not None
+
     def check_alive(self) -> None:
         rc = self.c.proc.poll()
         if rc is not None:
@@ -215,9 +218,6 @@ class FuzzServer:
         assert msg.get("error", {}).get("code") != -32099, "the server closed its output"
         return msg
 
-    def count(self, test: str) -> None:
-        COUNTS[test] = COUNTS.get(test, 0) + 1
-
 
 def fuzz_server_fixture(server: FuzzServer):
     """Yield helper for module-scoped fixtures: close the process at the end."""
@@ -227,16 +227,18 @@ def fuzz_server_fixture(server: FuzzServer):
         server.close()
 
 
-def run_example(server: FuzzServer, test: str, body) -> None:
-    """Run one generated input: fresh process if needed, the input's own checks, then sync."""
-    server.count(test)
+def run_example(server: Any, test: str, body) -> None:
+    """Run one generated input: fresh process if needed, the input's own checks, then sync.
+    ``server``: a FuzzServer, or any fuzzed process with the same ``begin``, ``dead``,
+    ``check_alive`` and ``sync`` (the ACP fuzz's agent)."""
+    COUNTS[test] = COUNTS.get(test, 0) + 1
     server.begin()
     try:
         body()
     except ServerDied:
         raise
     except BaseException:
-        if server.client is not None and server.client.proc.poll() is not None:
+        if server.dead():
             server.check_alive()  # name the death rather than the symptom
         raise
     server.sync()

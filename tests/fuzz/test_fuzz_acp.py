@@ -35,7 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from frame_model import json_values
-from fuzz_support import COUNTS, OUTCOMES, has_traceback, profile
+from fuzz_support import OUTCOMES, ServerDied, has_traceback, profile, run_example
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "acp"))
 from acp_support import AGENT_REQUESTS, RESULTS, agent_env, not_utf8, reply, schema_errors, write_config  # noqa: E402
@@ -108,10 +108,6 @@ def answer(request: dict, how: tuple) -> dict:
     return out
 
 
-class AgentDied(AssertionError):
-    pass
-
-
 class FuzzAgent:
     """One ``--acp`` process over real pipes: a reader thread parses each stdout line; the
     agent's own requests to the client (a permission, a file when the client has the ``fs``
@@ -132,13 +128,11 @@ class FuzzAgent:
                        "t": {"provider": "scripted", "responses": [reply("ok")] * 50}},
             "defaultModel": "s", "permissionTimeoutMs": 1000})
         self.ids = itertools.count(1)
-        self.restarts = -1
         self.proc: subprocess.Popen | None = None
         self.start()
 
     # ------------------------------------------------------------------ the process
     def start(self) -> None:
-        self.restarts += 1
         self.err = tempfile.TemporaryFile()
         self.err_seen = 0
         self.proc = subprocess.Popen([sys.executable, "-m", "operate_sidecar.server", "--acp", "--config", self.config],
@@ -148,7 +142,6 @@ class FuzzAgent:
         self.null_answers: list[dict] = []
         self.others: list[dict] = []          # notifications and the agent's requests
         self.bad_lines: list[str] = []        # stdout lines that are not JSON-RPC messages
-        self.methods: dict[Any, str] = {}
         self.arrived = threading.Condition()
         self.tainted = False
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
@@ -237,13 +230,21 @@ class FuzzAgent:
             self.proc.wait(10)
         self.start()
 
-    # ------------------------------------------------------------------ per input
+    # ------------------------------------------------------------------ per input (fuzz_support.run_example)
+    def begin(self) -> None:
+        """Before an input: a fresh process if the last one died or lost sync."""
+        if self.tainted or self.dead():
+            self.restart()
+
+    def dead(self) -> bool:
+        return self.proc is None or self.proc.poll() is not None
+
     def check_alive(self) -> None:
         assert self.proc is not None
         rc = self.proc.poll()
         if rc is not None:
             self.tainted = True
-            raise AgentDied(f"the agent died (exit code {rc}); stderr tail:\n{self.stderr_tail()}")
+            raise ServerDied(f"the agent died (exit code {rc}); stderr tail:\n{self.stderr_tail()}")
 
     def sync(self) -> None:
         """A ``session/list`` with a fresh id is answered with a list: alive and in sync."""
@@ -324,22 +325,6 @@ def agent():
 def fs_agent():
     """An agent whose client has the fs capability: its turns read and write through the client."""
     yield from _agent(True)
-
-
-def run_example(agent: FuzzAgent, test: str, body) -> None:
-    COUNTS[test] = COUNTS.get(test, 0) + 1
-    if agent.tainted or agent.proc is None or agent.proc.poll() is not None:
-        agent.restart()
-    try:
-        body()
-    except AgentDied:
-        raise
-    except BaseException:
-        agent.tainted = True
-        if agent.proc is not None and agent.proc.poll() is not None:
-            agent.check_alive()  # name the death rather than the symptom
-        raise
-    agent.sync()
 
 
 # ---------------------------------------------------------------------- lines

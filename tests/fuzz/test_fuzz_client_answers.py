@@ -53,7 +53,6 @@ class AnswerServer(FuzzServer):
         super().start()
 
     def on_start(self) -> None:
-        ws = self.workdir.name
         self.plan: list[tuple] = []
         self.lock = threading.Lock()
         self.asked: list[str] = []
@@ -63,7 +62,6 @@ class AnswerServer(FuzzServer):
         for method in METHODS:
             self.c.on_request(method, lambda p, m=method: self.answer(m, p))
         self.branch = self.c.request("createBranch", {}, timeout=REQUEST_TIMEOUT)["branchId"]
-        self.ws = ws
         self.err_seen = len(self.stderr_tail(1 << 20))
 
     def answer(self, method: str, params: Any) -> Any:

@@ -252,7 +252,7 @@ export function isErrorOutput(output: Json | undefined): boolean {
 
 /** Why a call was denied, from its output's `reason` (the server's words): a timed-out permission request is no rejection. */
 function deniedWhy(output: Json | undefined): string {
-  const o = output && typeof output === 'object' && !Array.isArray(output) ? output as Record<string, Json> : {};
+  const o = isObject(output) ? output : {};
   const reason = typeof o.reason === 'string' ? o.reason : '';
   if (/timed out/i.test(reason)) return 'timed out: no answer, denied';
   // the request itself failed (the window was reloaded or closed while it waited, or the extension's handler failed):
@@ -312,7 +312,7 @@ export function cardOfToolEvent(card: ToolCard | undefined, e: ToolEvent): ToolC
 export function cardTitle(card: ToolCard): string {
   const icon = { running: '…', ok: '✓', error: '✗', denied: '⊘', ask: '?', cancelled: '⊘' }[card.state];
   // a cut summary of the arguments: its fields that are there whole
-  const a = card.args && typeof card.args === 'object' && !Array.isArray(card.args) ? card.args as Record<string, Json>
+  const a = isObject(card.args) ? card.args
     : card.argsCut && typeof card.args === 'string' && card.args.startsWith('{') ? partialStringFields(card.args, true) : {};
   let subject = '';
   if (typeof a.path === 'string') subject = a.path;
@@ -703,7 +703,7 @@ export function thoughtHtml(text: string, live?: boolean, ms?: number): string {
 
 // ---- HTML -------------------------------------------------------------------------------------
 export function escapeHtml(s: string): string {
-  return String(s ?? '').replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]!));
+  return s.replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]!));
 }
 
 let md: MarkdownIt | undefined;

@@ -4,7 +4,7 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  addThought, cardOfToolEvent, cardTitle, isObject, chatMarkdown, conversationParts, endThought, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
+  addThought, cardOfToolEvent, cardTitle, chatMarkdown, conversationParts, endThought, isObject, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
   proseOf, refusesField, renderMarkdown, repeatNote, replyText, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
