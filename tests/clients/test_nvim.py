@@ -3230,9 +3230,10 @@ def test_a_server_that_sends_junk_never_raises_a_lua_error_and_the_chat_goes_on(
     nv.wait("(function() for _, n in ipairs(_G.notes) do if tostring(n):find('branches:', 1, true) then return true end "
             "end end)()", "the list of branches")
     assert "junk-history-60" in no_lua_error("the branch list")[-1]
+    before = nv.lua("return require('operate_sidecar').current_branch()")  # (the turns' branch)
     nv.n.command("OperateBranch new")
-    nv.wait("(function() local b = require('operate_sidecar').current_branch(); return b and b:find('^junk%-branch') end)()",
-            "a new branch")
+    nv.wait("(function() local b = require('operate_sidecar').current_branch(); "
+            f"return b and b ~= {json.dumps(before)} and b:find('^junk%-branch') end)()", "a new branch")
     nv.chat_send("a plain question")
     out = nv.wait_done()
     assert out["err"] is None and out["result"]["result"] == "ok", out

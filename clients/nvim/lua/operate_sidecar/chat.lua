@@ -665,13 +665,11 @@ end
 
 -- Is this chat buffer still ours: valid, loaded and marked? (`:bdelete` unloads a buffer and
 -- clears its variables and mappings; `:bwipeout` makes it invalid.)
--- (the API directly: vim.b goes through vim.validate, kept off the render path)
 local function usable(b)
   if b == nil or not api.nvim_buf_is_valid(b) or not api.nvim_buf_is_loaded(b) then
     return false
   end
-  local ok, mark = pcall(api.nvim_buf_get_var, b, 'operate_sidecar_chat')
-  return ok and mark == true
+  return util.buf_var(b, 'operate_sidecar_chat') == true
 end
 
 --- The editor was resized: in each transcript window (but the one the user is in) the end of the
@@ -786,7 +784,7 @@ function M.show_keys(b)
   for _, r in ipairs(rows) do
     width = math.max(width, vim.fn.strdisplaywidth(r[1]))
   end
-  local lines = { ('Keys of the %s (q closes)'):format(vim.b[b].operate_sidecar_prompt and 'prompt' or 'chat'), '' }
+  local lines = { ('Keys of the %s (q closes)'):format(util.buf_var(b, 'operate_sidecar_prompt') and 'prompt' or 'chat'), '' }
   for _, r in ipairs(rows) do
     lines[#lines + 1] = r[1] .. string.rep(' ', width - vim.fn.strdisplaywidth(r[1]) + 2) .. r[2]
   end
@@ -1227,7 +1225,7 @@ end
 local function find_win(want)
   for _, w in ipairs(api.nvim_tabpage_list_wins(0)) do
     local b = api.nvim_win_get_buf(w)
-    if vim.b[b].operate_sidecar_chat and want(b) then
+    if util.buf_var(b, 'operate_sidecar_chat') and want(b) then
       return w
     end
   end
@@ -1236,14 +1234,14 @@ end
 --- The window of the current tab that shows a chat transcript, if any.
 function M.window()
   return find_win(function(b)
-    return not vim.b[b].operate_sidecar_prompt
+    return not util.buf_var(b, 'operate_sidecar_prompt')
   end)
 end
 
 --- The window of the current tab that shows a chat prompt, if any.
 function M.prompt_window()
   return find_win(function(b)
-    return vim.b[b].operate_sidecar_prompt == true
+    return util.buf_var(b, 'operate_sidecar_prompt') == true
   end)
 end
 

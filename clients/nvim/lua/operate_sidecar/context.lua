@@ -13,7 +13,7 @@ M.MAX_FILES = 10 -- `#file:` references per prompt
 local last_source -- the last ordinary buffer the user was in
 
 local function is_source(b)
-  return b and api.nvim_buf_is_valid(b) and vim.bo[b].buftype == '' and not vim.b[b].operate_sidecar_chat
+  return b and api.nvim_buf_is_valid(b) and vim.bo[b].buftype == '' and not util.buf_var(b, 'operate_sidecar_chat')
 end
 
 --- Remember the ordinary buffer the user is in (called on BufEnter, and when the chat opens).
@@ -263,7 +263,7 @@ end
 --- "Pattern not found" at each key); both are the user's again when it leaves Insert mode or the
 --- buffer.
 function M.complete_as_you_type(pb)
-  if vim.b[pb].operate_sidecar_completes then
+  if util.buf_var(pb, 'operate_sidecar_completes') then
     return
   end
   vim.b[pb].operate_sidecar_completes = true
@@ -285,7 +285,7 @@ function M.complete_as_you_type(pb)
   end
   api.nvim_create_autocmd('InsertEnter', { buffer = pb, callback = function()
     recent = nil -- (the files are read again once per Insert mode: a file made since is offered)
-    entered, asked = vim.b[pb].changedtick, nil
+    entered, asked = api.nvim_buf_get_changedtick(pb), nil
     if not saved and M.completes_by_itself() then
       saved = { completeopt = vim.o.completeopt, shortmess = vim.o.shortmess }
       vim.o.completeopt = 'menuone,noinsert'
@@ -295,7 +295,7 @@ function M.complete_as_you_type(pb)
   api.nvim_create_autocmd({ 'InsertLeave', 'BufLeave' }, { buffer = pb, callback = restore })
   api.nvim_create_autocmd('TextChangedI', { buffer = pb, callback = function()
     local before = before_cursor()
-    if saved and before ~= asked and vim.b[pb].changedtick ~= entered and vim.fn.pumvisible() == 0 and ref_start(before) then
+    if saved and before ~= asked and api.nvim_buf_get_changedtick(pb) ~= entered and vim.fn.pumvisible() == 0 and ref_start(before) then
       asked = before
       feed('<C-x><C-o>')
     end

@@ -124,6 +124,16 @@ function M.compact(v, limit)
   return s
 end
 
+--- Buffer `b`'s variable `name`, or nil (none, or no such buffer). Through the API, not
+--- `vim.b[b]`: on 0.7 each `vim.b[b]` makes an accessor through `vim.validate`, and a chat's
+--- windows are looked for often (LuaJIT once failed inside it, "invalid type name: 0").
+function M.buf_var(b, name)
+  local ok, v = pcall(api.nvim_buf_get_var, b, name)
+  if ok then
+    return v
+  end
+end
+
 function M.find_buf(name)
   for _, b in ipairs(api.nvim_list_bufs()) do
     if api.nvim_buf_is_valid(b) and api.nvim_buf_get_name(b) == name then
