@@ -118,12 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         base["stateDir"] = args.state_dir
     config_error = None
     try:
-        if args.config:
-            base = S.merge(base, _load_config(args.config))
+        config = _load_config(args.config) if args.config else {}
+        base = S.merge(base, config)
         unknown = [k for k in base if k not in S.DEFAULTS]
         if unknown:
             raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown))
         S.finalize(S.merge(S.DEFAULTS, base))
+        problem = config and S.not_json(config)  # (after the fields' own checks, which say more)
+        if problem:
+            raise S.SettingsError(f"{args.config}: {problem}")
     except (OSError, ValueError) as e:
         config_error = f"operate-sidecar: bad configuration: {e}"
         print(config_error, file=sys.stderr)

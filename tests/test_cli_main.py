@@ -40,6 +40,37 @@ def test_a_config_file_that_is_not_toml_is_named_as_such(tmp_path, content, why)
     assert line.startswith("operate-sidecar: bad configuration: settings.toml " + why), line
 
 
+OPENAI = '[models.m]\nprovider = "openai"\nbaseUrl = "http://127.0.0.1:9/v1"\nmodel = "x"\n'
+NOT_JSON = "which no setting holds (settings are JSON values: write it as a quoted string)"
+
+
+@pytest.mark.parametrize("content, why", [
+    # (a date in a model's options went on to the provider's request: an internal error at the first operate)
+    (OPENAI + "options = { when = 1979-05-27T07:32:00Z }\n",
+     f"models.m.options.when is a TOML date-time (1979-05-27T07:32:00+00:00), {NOT_JSON}"),
+    (OPENAI + 'options = { extraBody = { "my.key" = [1, { at = 07:32:00 }] } }\n',
+     f'models.m.options.extraBody."my.key"[1].at is a TOML time (07:32:00), {NOT_JSON}'),
+    ('[settings.models.m]\nprovider = "local"\noptions = { stop = ["a", 1979-05-27] }\n',
+     f"models.m.options.stop[1] is a TOML date (1979-05-27), {NOT_JSON}"),
+    (OPENAI + "options = { temperature = nan }\n",
+     "models.m.options.temperature is nan, not a finite number (settings are JSON values)"),
+    (OPENAI + "options = { seed = 1, n = -inf }\n",
+     "models.m.options.n is -inf, not a finite number (settings are JSON values)"),
+    # (deeper than the parser's recursion: a RecursionError's traceback; or deeper than the wire allows)
+    ("a = " + "[" * 5000 + "]" * 5000 + "\n", "the settings are nested more than 32 levels deep"),
+    ("[models.m]\nprovider = \"local\"\noptions = " + "{ a = " * 40 + "1" + " }" * 40 + "\n",
+     "the settings are nested more than 32 levels deep"),
+])
+def test_a_config_value_that_json_cannot_hold_is_named_by_its_key(tmp_path, content, why):
+    """The file's settings are those ``initialize`` may send: JSON values. TOML also has dates,
+    times, NaN and infinities, and nests as deep as its parser recurses; each is refused at start
+    with the key that holds it, never passed on to fail later, never a traceback. (In a field
+    that is checked, the field's own check names it: test_settings_validation.py.)"""
+    (tmp_path / "settings.toml").write_text(content)
+    line = one_line_error(cli("--config", "settings.toml", cwd=tmp_path))
+    assert line == "operate-sidecar: bad configuration: settings.toml: " + why, line
+
+
 @pytest.mark.parametrize("path, why", [("missing.toml", "No such file or directory"), (".", "Is a directory")])
 def test_a_config_file_that_cannot_be_read_is_one_plain_line(tmp_path, path, why):
     line = one_line_error(cli("--config", path, cwd=tmp_path))

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 import sys
 from typing import Any
@@ -91,14 +92,49 @@ def merge(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def load_toml(path: str) -> dict[str, Any]:
+    """A ``--config`` file's settings; SettingsError for nesting deeper than ``MAX_SETTINGS_DEPTH``,
+    as on the wire (a deep one would exhaust the parser's recursion). What JSON cannot hold is
+    found by ``not_json`` once the fields are checked."""
     import tomllib
 
     with open(path, "rb") as f:
-        data = tomllib.load(f)
+        try:
+            data = tomllib.load(f)
+        except RecursionError:
+            raise SettingsError(f"{path}: the settings are nested more than {MAX_SETTINGS_DEPTH} levels deep") \
+                from None
     # allow either top-level keys or a [settings] table
     if isinstance(data.get("settings"), dict) and len(data) == 1:
         data = data["settings"]
+    check_depth(data, where=f"{path}: the settings")
     return data
+
+
+def not_json(settings: dict[str, Any]) -> str | None:
+    """The first value (in the file's order) of a ``--config`` file's settings that JSON cannot
+    hold (a TOML date or time, a NaN or infinity), named by its key path, or None. The file's
+    settings are those ``initialize`` may send: a value in a free-form object (a model's
+    ``options``) would otherwise go on to a provider and fail there, at the first operate."""
+    import datetime
+    import math
+
+    def key(k: str) -> str:
+        return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k, ensure_ascii=False)
+
+    stack: list[tuple[str, Any]] = [(key(k), v) for k, v in reversed(settings.items())]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{where}.{key(k)}", x) for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+        elif isinstance(v, (datetime.date, datetime.time)):  # (a datetime is a date)
+            kind = "date-time" if isinstance(v, datetime.datetime) else type(v).__name__
+            return (f"{where} is a TOML {kind} ({v.isoformat()}), which no setting holds "
+                    "(settings are JSON values: write it as a quoted string)")
+        elif isinstance(v, float) and not math.isfinite(v):
+            return f"{where} is {v}, not a finite number (settings are JSON values)"
+    return None
 
 
 def finalize(settings: dict[str, Any]) -> dict[str, Any]:
