@@ -33,7 +33,7 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 
-from .errors import ConfigurationError, OperateError, ToolNotRegistered, ToolTimeout
+from .errors import ConfigurationError, OperateError, ToolNotRegistered, ToolTimeout, exception_text
 from .hooks import HookEvent, HookEventType, summarize
 from .messages import Message, new_id
 from .operative import ActionRequestModel, ActionResponseModel
@@ -224,7 +224,7 @@ def _jsonable(v: Any, path: str, active: set[int], depth: int) -> Any:
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e) or type(e).__name__).splitlines()[0][:200]
+    return (exception_text(e) or type(e).__name__).splitlines()[0][:200]
 
 
 def _json_key(k: Any, path: str) -> str:
@@ -282,10 +282,11 @@ def bound_text(text: str, limit: int | None) -> str:
 
 def _failure_text(e: BaseException) -> str:
     """The error text of a failed call, secrets removed (before anything shortens it)."""
+    said = exception_text(e)
     if isinstance(e, Exception):
-        text = str(e) or type(e).__name__
+        text = said or type(e).__name__
     else:  # SystemExit, KeyboardInterrupt, ... raised by a tool: name the kind
-        text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        text = f"{type(e).__name__}: {said}" if said else type(e).__name__
     return redact(text)
 
 

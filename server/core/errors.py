@@ -5,6 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 
+def exception_text(e: BaseException) -> str:
+    """``str(e)``; when that raises (a tool's exception whose ``__str__`` is broken), its type's
+    name and that its message could not be read: a tool's failure is its call's error, never the
+    server's."""
+    try:
+        return str(e)
+    except Exception:
+        return f"{type(e).__name__} (its message could not be read)"
+
+
 class OperateError(Exception):
     """Base of every error the core raises on purpose."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Awaitable, Callable, Literal
 
-from .errors import ToolArgumentError, ToolNotRegistered
+from .errors import ToolArgumentError, ToolNotRegistered, exception_text
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ class ToolProcessExit(RuntimeError):
     failure, never the process's. The message names what was raised."""
 
     def __init__(self, exc: BaseException) -> None:
-        text = str(exc)
+        text = exception_text(exc)
         super().__init__(f"tool raised {type(exc).__name__}" + (f": {text}" if text else ""))
 
 

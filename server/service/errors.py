@@ -51,7 +51,10 @@ def truncate_received(value: Any, limit: int = RECEIVED_LIMIT) -> Any:
 
 
 def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    from operate_sidecar.server.core.errors import exception_text
+
+    said = exception_text(e).strip()
+    text = said.splitlines()[0] if said else ""
     text = text[:300]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 

@@ -27,6 +27,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Iterable
 
+from ..core.errors import exception_text
 from ..core.tools import Tool
 from .errors import ToolSourceError
 
@@ -131,5 +132,5 @@ def _valid_name(name: str) -> bool:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
+    text = exception_text(e).strip()
     return text.splitlines()[0] if text else type(e).__name__

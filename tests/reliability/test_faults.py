@@ -168,9 +168,13 @@ def _one_shot(c, *requests, **settings):
     ("exiting_tool", {"code": 2}, "SystemExit: 2"),
     ("interrupted_tool", {}, "KeyboardInterrupt"),
     ("async_exiting_tool", {}, "SystemExit: 3"),
+    # (an exception whose __str__ raises was an internal error answering the operate)
+    ("unsayable_tool", {}, "_Unsayable (its message could not be read)"),
+    ("unsayable_exit_tool", {}, "tool raised _UnsayableExit: _UnsayableExit (its message could not be read)"),
 ])
 def test_a_tool_raising_systemexit_or_keyboardinterrupt_is_that_calls_error(spawn, tool, args, raised):
-    """Any BaseException from a tool is that call's error output; the server lives on."""
+    """Any BaseException from a tool is that call's error output, even one whose message cannot
+    be read; the server lives on."""
     c = spawn()
     bid, [o] = _one_shot(c, (tool, args), toolModules=["hostile_tools"])
     assert o["function"] == tool and raised in o["error"]
