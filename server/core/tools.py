@@ -9,6 +9,7 @@ validated before invocation; a mismatch raises :class:`ToolArgumentError`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -425,14 +426,54 @@ def _short_validation_error(name: str, e: Any) -> str:
     return f"invalid arguments for {name}: " + "; ".join(parts)
 
 
-def _jsonschema_validator(schema: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+class _LinearRegex:
+    """What jsonschema calls as ``re`` (``re.search`` only: ``pattern``, ``patternProperties``,
+    ``additionalProperties``), on RE2: a tool's schema comes from an MCP server or the client,
+    its arguments from the model, and Python's backtracking engine holds the GIL for hours on a
+    pattern like ``(a+)+$`` (no ping, no cancel). A pattern RE2 cannot run (a lookaround, a
+    backreference) matches anything: it is left for the tool to check."""
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def _compiled(pattern: str) -> Any:
+        import re2  # google-re2
+
+        opts = re2.Options()
+        opts.log_errors = False
+        try:
+            return re2.compile(pattern, options=opts)
+        except Exception:  # re2.error: not RE2 syntax
+            return None
+
+    @classmethod
+    def search(cls, pattern: str, string: str) -> Any:
+        compiled = cls._compiled(pattern)
+        return True if compiled is None else compiled.search(string)
+
+
+def _linear_jsonschema() -> Any:
     import jsonschema
+    from jsonschema import _keywords, _legacy_keywords, _utils
+
+    for module in (_keywords, _legacy_keywords, _utils):  # (each calls re.search, nothing else of re)
+        module.re = _LinearRegex  # type: ignore[attr-defined]
+    return jsonschema
+
+
+def _jsonschema_validator(schema: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    jsonschema = _linear_jsonschema()
+    from referencing.exceptions import Unresolvable
 
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     validator = cls(schema)
 
     def validate(arguments: dict[str, Any]) -> dict[str, Any]:
-        errors = sorted(validator.iter_errors(arguments), key=lambda er: list(er.path))
+        try:
+            errors = sorted(validator.iter_errors(arguments), key=lambda er: list(er.path))
+        except (jsonschema.exceptions.UnknownType, Unresolvable) as e:  # the schema, not the arguments
+            what = f"unknown type {e.type!r}" if isinstance(e, jsonschema.exceptions.UnknownType) \
+                else f"unresolvable $ref: {(exception_text(e).splitlines() or [''])[0][:200]}"
+            raise ToolArgumentError(f"the tool's input schema cannot check arguments ({what})") from None
         if errors:
             msgs = [f"{'.'.join(str(p) for p in er.path) or '(arguments)'}: {er.message}" for er in errors[:5]]
             raise ToolArgumentError("invalid arguments: " + "; ".join(msgs))

@@ -200,6 +200,43 @@ def test_a_catastrophic_regex_in_search_text_cannot_freeze_the_server(spawn, tmp
     assert o["matches"] == [{"path": "evil.txt", "line": 2, "text": "a" * 10}]
 
 
+EVIL = "a" * 40 + "!"  # (a+)+$ backtracks 2**40 ways over it
+
+
+@pytest.mark.parametrize("schema, arguments, error", [
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(a+)+$"}}}, {"a": EVIL},
+     f"invalid arguments: a: '{EVIL}' does not match '(a+)+$'"),
+    ({"type": "object", "patternProperties": {"^(a+)+$": {"type": "integer"}}}, {EVIL: "x", "aaa": "y"},
+     "invalid arguments: aaa: 'y' is not of type 'integer'"),
+    ({"type": "object", "patternProperties": {"^(a+)+$": {}}, "additionalProperties": False}, {EVIL: 1},
+     f"invalid arguments: (arguments): '{EVIL}' does not match any of the regexes: '^(a+)+$'"),
+    # (and a schema that cannot check anything says so, not jsonschema's traceback-like text)
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/gone"}}}, {"a": "x"},
+     "the tool's input schema cannot check arguments (unresolvable $ref: PointerToNowhere: '/$defs/gone' does not exist "
+     "within {'type': 'object', 'properties': {'a': {'$ref': '#/$defs/gone'}}})"),
+    # a pattern RE2 cannot run (a lookahead) is not checked here: the tool checks its own arguments
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=b)"}}}, {"a": EVIL}, None),
+])
+def test_arguments_are_checked_against_a_tool_schema_in_linear_time_and_its_faults_named(spawn, schema, arguments, error):
+    """A client tool's (or an MCP server's) input schema may hold a pattern that backtracks for
+    hours in Python's engine, holding the GIL: no ping, no cancel, no exit. Arguments are checked
+    against it in linear time (RE2), the call is refused as any invalid one, and the loop is never
+    frozen meanwhile."""
+    c = spawn()
+    c.init(models={"s": scripted(calls(("slow_field", arguments)), "after")}, capabilities={"clientTools": True})
+    assert c.request("registerClientTools", {"tools": [
+        {"name": "slow_field", "description": "d", "inputSchema": schema}]}, timeout=TIMEOUT) == {"registered": ["slow_field"]}
+    invoked = []
+    c.on_request("invokeClientTool", lambda p: invoked.append(p) or {"output": "called"})
+    pending = c.request_async("operate", {"branchId": c.branch(), "instruction": "go", "actions": True})
+    assert c.request("ping", timeout=5) == {}          # the loop is not frozen meanwhile
+    [o] = outputs(pending.result(TIMEOUT))
+    if error is None:
+        assert o == "called" and [p["arguments"] for p in invoked] == [arguments], (o, invoked)
+    else:
+        assert o["error"] == error and not invoked, o
+
+
 def test_search_text_skips_a_fifo_instead_of_blocking_on_it(spawn, tmp_path):
     ws = tmp_path / "ws"
     (ws / "sub").mkdir(parents=True)
