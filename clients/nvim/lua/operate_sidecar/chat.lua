@@ -641,11 +641,12 @@ end
 -- Edit the transcript buffer (not modifiable for the user; it keeps no undo history).
 local function edit(chat, fn)
   local b = chat.buf
-  local was = vim.bo[b].modifiable
-  vim.bo[b].modifiable = true
+  local bo = vim.bo[b] -- (one accessor: on 0.7 each vim.bo[b] goes through vim.validate)
+  local was = bo.modifiable
+  bo.modifiable = true
   local ok, err = pcall(fn, b)
-  vim.bo[b].modifiable = was
-  vim.bo[b].modified = false
+  bo.modifiable = was
+  bo.modified = false
   if not ok then
     error(err)
   end
