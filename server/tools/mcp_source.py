@@ -51,6 +51,7 @@ The ``mcp`` SDK is imported only when a server is started, never at import time.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -94,9 +95,11 @@ class _Lost(Exception):
     """The server, started, ended its session (its stdout) though nothing asked it to."""
 
 
-async def _relay_until_end(source: Any, ended: Any, *, task_status: Any) -> None:
+async def _relay_until_end(source: Any, ended: Any, unread: deque[str], *, task_status: Any) -> None:
     """Pass what ``source`` (the SDK's read stream) receives on to the stream given to
-    ``task_status``, and close that one when ``source`` ends: then set ``ended``."""
+    ``task_status``, and close that one when ``source`` ends: then set ``ended``. A line of the
+    server's that the SDK could not read reaches it as an exception, and its request is never
+    answered: what it was is kept in ``unread``, for the time-out's message."""
     import anyio
 
     send, receive = anyio.create_memory_object_stream[Any](0)
@@ -104,6 +107,8 @@ async def _relay_until_end(source: Any, ended: Any, *, task_status: Any) -> None
     try:
         async with send:
             async for item in source:
+                if isinstance(item, Exception):
+                    unread.append(_unread_text(item))
                 await send.send(item)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
         return  # the session is gone (stopped on purpose)
@@ -135,6 +140,7 @@ class McpToolSource:
         self._session: Any = None
         self._remote: list[mcp_types.Tool] = []
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        self._unread: deque[str] = deque(maxlen=1)  # the last message of the server's the SDK could not read
         self._stop: Any = None  # anyio.Event: ask the serving task to stop
         self._done: Any = None  # anyio.Event: the serving task has finished
         self._own_tg: AsyncExitStack | None = None  # holds the task group of ``async with source``
@@ -325,7 +331,8 @@ class McpToolSource:
         ended = anyio.Event()
         relay_tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(relay_tg.cancel_scope.cancel)  # unwound before the group is left
-        read = await relay_tg.start(_relay_until_end, read, ended)
+        self._unread.clear()  # (of this start, not an earlier one's)
+        read = await relay_tg.start(_relay_until_end, read, ended, self._unread)
         session = await stack.enter_async_context(ClientSession(
             read, write, client_info=Implementation(name="operate-sidecar", version=__version__)))
         remote: list[Any] = []
@@ -454,6 +461,8 @@ class McpToolSource:
     def _start_failure(self, e: BaseException) -> str:
         if isinstance(e, TimeoutError):
             reason = f"no answer to initialize/tools/list within {self.start_timeout:g} s"
+            if self._unread:
+                reason += f" (a message it sent could not be read: {self._unread[-1]})"
         elif isinstance(e, _Stopped):
             reason = "stopped while starting"
         elif isinstance(e, FileNotFoundError):
@@ -727,6 +736,18 @@ def _named_tools(sources: list[McpToolSource], reserved: Collection[str]) -> Mcp
             raise ToolSourceError(f"MCP tool name {t.name!r} is taken twice even with the server prefix")
         seen.add(t.name)
     return tools
+
+
+def _unread_text(e: Exception) -> str:
+    """What a line the SDK could not read was: not JSON (its parser's reason), or JSON that is no
+    JSON-RPC message (its head)."""
+    try:
+        first = e.errors()[0]  # type: ignore[attr-defined]  # (a pydantic ValidationError)
+    except Exception:
+        return " ".join(_describe(e).split())
+    if first.get("type") == "json_invalid":
+        return str(first.get("msg"))
+    return "not a JSON-RPC message: " + json.dumps(first.get("input"), default=str)[:200]
 
 
 def _describe(e: BaseException) -> str:

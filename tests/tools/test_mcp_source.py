@@ -2,6 +2,7 @@
 
 import io
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -160,6 +161,18 @@ async def test_server_that_never_answers_times_out_with_its_name():
         async with open_mcp_sources({"sleepy": spec("--hang")}, start_timeout=1, errlog=io.StringIO()):
             pass  # pragma: no cover
     assert "hanging (--hang)" in str(info.value)
+
+
+async def test_a_server_whose_answer_cannot_be_read_is_named_with_what_could_not_be_read():
+    """The SDK drops a line it cannot read (logging it) and its request is never answered: the
+    time-out's message says what the line was, not only that no answer came."""
+    unreadable = {"command": [sys.executable, str(Path(SERVER).parent / "unreadable_mcp_server.py")]}
+    with pytest.raises(ToolSourceError) as info:
+        async with open_mcp_sources({"odd": unreadable}, start_timeout=2, errlog=io.StringIO()):
+            pass  # pragma: no cover
+    msg = str(info.value)
+    assert "'odd' failed to start" in msg and ("within 2 s (a message it sent could not be read: not a JSON-RPC "
+                                               'message: {"jsonrpc": "2.0", "id": 2, "result": null})') in msg, msg
 
 
 async def test_one_failing_server_stops_the_others_and_names_the_failure():
