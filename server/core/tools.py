@@ -431,7 +431,8 @@ class _LinearRegex:
     ``additionalProperties``), on RE2: a tool's schema comes from an MCP server or the client,
     its arguments from the model, and Python's backtracking engine holds the GIL for hours on a
     pattern like ``(a+)+$`` (no ping, no cancel). A pattern RE2 cannot run (a lookaround, a
-    backreference) matches anything: it is left for the tool to check."""
+    backreference) counts as a match: such a ``pattern`` is left for the tool to check, and such a
+    ``patternProperties`` pattern applies its schema to every property."""
 
     @staticmethod
     @functools.lru_cache(maxsize=256)
