@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown))
         S.finalize(S.merge(S.DEFAULTS, base))
-        problem = config and S.not_json(config)  # (after the fields' own checks, which say more)
+        problem = S.not_json(config) if config else None  # (after the fields' own checks, which say more)
         if problem:
             raise S.SettingsError(f"{args.config}: {problem}")
     except (OSError, ValueError) as e:

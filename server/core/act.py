@@ -33,7 +33,7 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 
-from .errors import ConfigurationError, OperateError, ToolNotRegistered, ToolTimeout, exception_text
+from .errors import ConfigurationError, OperateError, ToolNotRegistered, ToolTimeout, exception_line, exception_text
 from .hooks import HookEvent, HookEventType, summarize
 from .messages import Message, new_id
 from .operative import ActionRequestModel, ActionResponseModel
@@ -224,7 +224,7 @@ def _jsonable(v: Any, path: str, active: set[int], depth: int) -> Any:
 
 
 def _first_line(e: BaseException) -> str:
-    return (exception_text(e) or type(e).__name__).splitlines()[0][:200]
+    return exception_line(e)[:200]
 
 
 def _json_key(k: Any, path: str) -> str:

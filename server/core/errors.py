@@ -15,6 +15,12 @@ def exception_text(e: BaseException) -> str:
         return f"{type(e).__name__} (its message could not be read)"
 
 
+def exception_line(e: BaseException) -> str:
+    """The first line of ``exception_text(e)``, or the type's name when it says nothing."""
+    text = exception_text(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class OperateError(Exception):
     """Base of every error the core raises on purpose."""
 

@@ -62,6 +62,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Collection, Iterable, Mapping, TextIO
 
 from .. import __version__
+from ..core.errors import exception_text
 from ..core.tools import Tool, ToolCallContext
 from ..redaction import redact
 from .errors import ToolCallError, ToolSourceError
@@ -751,7 +752,7 @@ def _unread_text(e: Exception) -> str:
 
 
 def _describe(e: BaseException) -> str:
-    text = str(e).strip()
+    text = exception_text(e).strip()
     if not text:
         return type(e).__name__
     return text if len(text) <= 500 else text[:500] + "…"

@@ -27,7 +27,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Iterable
 
-from ..core.errors import exception_text
+from ..core.errors import exception_line
 from ..core.tools import Tool
 from .errors import ToolSourceError
 
@@ -76,7 +76,7 @@ def module_tools(module: ModuleType) -> list[Tool]:
                 tool_name = None if _valid_name(fn.__name__) else attr
                 t = Tool.from_function(fn, name=tool_name, source="python")
             except Exception as e:  # pydantic cannot make a schema for an annotation, etc.
-                reason = f"{type(e).__name__}: {_first_line(e)}"
+                reason = f"{type(e).__name__}: {exception_line(e)}"
         if reason is not None:
             log.warning("tool module %s: skipping function %s: its signature cannot be a tool schema (%s)",
                         module.__name__, qualname, reason)
@@ -94,7 +94,7 @@ def _import(name: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except (Exception, SystemExit) as e:
-        raise ToolSourceError(f"tool module {name!r} could not be imported: {type(e).__name__}: {_first_line(e)}") from e
+        raise ToolSourceError(f"tool module {name!r} could not be imported: {type(e).__name__}: {exception_line(e)}") from e
 
 
 def is_stdlib_module(name: str) -> bool:
@@ -129,8 +129,3 @@ def _unsupported_signature(fn: Callable[..., Any]) -> str | None:
 
 def _valid_name(name: str) -> bool:
     return name.isidentifier()
-
-
-def _first_line(e: BaseException) -> str:
-    text = exception_text(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
