@@ -90,6 +90,26 @@ def check_valid(schema: dict[str, Any], where: str) -> None:
         raise invalid_params(f"{where}: not a valid JSON Schema at {at}: {complaint}", {"path": at}) from None
 
 
+#: what a pattern's refusal says of the engine that runs it
+PATTERN_ENGINE = "replies are checked in linear time, with no look-around and no backreferences"
+
+
+def _check_pattern(pattern: str, path: str, where: str) -> None:
+    """-32602 unless the reply's validator (pydantic-core, whose regex engine runs in linear
+    time) can run ``pattern``; built alone, the refusal would be pydantic's multi-line text."""
+    from pydantic_core import SchemaError, SchemaValidator, core_schema
+
+    try:
+        SchemaValidator(core_schema.str_schema(pattern=pattern))
+    except SchemaError as e:
+        lines = str(e).splitlines()
+        why = next((ln.strip()[len("error: "):] for ln in lines if ln.strip().startswith("error: ")),
+                   lines[-1].strip() if lines else "")
+        at = f"{path}/pattern"
+        raise invalid_params(f"{where}: the pattern {pattern!r} at {at} cannot be used: {why} ({PATTERN_ENGINE})",
+                             {"path": at, "pattern": pattern}) from None
+
+
 def _check(schema: Any, path: str, where: str) -> None:
     if not isinstance(schema, dict):
         if isinstance(schema, bool):
@@ -100,6 +120,9 @@ def _check(schema: Any, path: str, where: str) -> None:
         raise invalid_params(f"{where}: JSON Schema keyword{'s' if len(bad) > 1 else ''} "
                              f"{', '.join(bad)} at {path or '/'} not supported",
                              {"unsupported": bad, "path": path or "/"})
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        _check_pattern(pattern, path, where)
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise invalid_params(f"{where}: only local $ref (#/...) is supported, got {ref!r}")

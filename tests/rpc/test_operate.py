@@ -401,6 +401,33 @@ def test_a_field_model_taking_an_action_fields_name_is_invalid_params_before_any
     assert out["result"] == {"action_requests": ["echo_tool"]} and out["kind"] == "model"
 
 
+def test_a_pattern_the_linear_time_validator_cannot_run_is_invalid_params_in_one_line_naming_it(sidecar):
+    """A reply is checked against the schema's patterns in linear time (pydantic-core's engine),
+    so a pattern with look-around or a backreference cannot be used: -32602 naming the pattern,
+    where it is and why, in one line (it was pydantic's multi-line build error), before any model
+    call, in a responseFormat and in a fieldModels schema alike. A pattern that backtracks
+    catastrophically in Python's ``re`` is taken, and a long reply is checked against it at once."""
+    sidecar.init(models={"s": scripted({"json": {"s": "a" * 5000 + "!"}}, {"json": {"s": "aaa"}})})
+    bid = sidecar.branch()
+    for pattern, why in (("(?=a)a+", "look-around"), ("(a)\\1", "backreferences")):
+        schema = {"type": "object", "title": "T", "properties": {"w": {"type": "array", "items": {
+            "type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}}}}
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "responseFormat": schema})
+        assert err.code == -32602 and "\n" not in err.message, err
+        assert repr(pattern) in err.message and why in err.message and "linear time" in err.message, err
+        assert err.data == {"path": "/properties/w/items/properties/s/pattern", "pattern": pattern}, err
+        err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x",
+                                           "fieldModels": [{"name": "c", "schema": {"type": "string",
+                                                                                    "pattern": pattern}}]})
+        assert err.code == -32602 and "fieldModels[0].schema" in err.message and "\n" not in err.message, err
+    assert sidecar.messages(bid) == []
+    schema = {"type": "object", "title": "T", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}},
+              "required": ["s"]}
+    out = op(sidecar, bid, instruction="x", responseFormat=schema)
+    # 5,000 a's and a '!' do not match (checked at once): the repair turn's reply is the result
+    assert out["result"] == {"s": "aaa"} and out["usage"]["modelCalls"] == 2, out
+
+
 def test_a_response_format_property_the_pipeline_generates_is_invalid_params_before_any_model_call(sidecar):
     """A responseFormat property named reason (reason on) or like an action field (actions on)
     was silently replaced by the generated field: the caller's schema was not the one asked
