@@ -110,10 +110,15 @@ def _check_pattern(pattern: str, path: str, where: str) -> None:
                              {"path": at, "pattern": pattern}) from None
 
 
-def _check(schema: Any, path: str, where: str) -> None:
+def _check(schema: Any, path: str, where: str) -> Any:
+    """-32602 for what the builder cannot take or enforce; else the schema as the builder takes it
+    (a copy where something was rewritten): a ``true`` subschema (any value) is written ``{}``,
+    and ``"items": false`` (only an empty array) ``"maxItems": 0``, which the builder enforces
+    (``true`` broke the build with an ``AttributeError``, and ``"items": false`` let any array
+    through). A ``false`` subschema elsewhere (no value) is refused, named."""
     if not isinstance(schema, dict):
         if isinstance(schema, bool):
-            return
+            return schema
         raise invalid_params(f"{where}: schema at {path or '/'} must be an object")
     bad = sorted(k for k in schema if k in UNSUPPORTED_KEYWORDS)
     if bad:
@@ -126,24 +131,95 @@ def _check(schema: Any, path: str, where: str) -> None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise invalid_params(f"{where}: only local $ref (#/...) is supported, got {ref!r}")
+    if ref == "#":
+        raise invalid_params(f"{where}: a $ref to the whole schema ('#') at {path or '/'} is not supported: put the "
+                             "part that repeats under $defs and refer to it as '#/$defs/<name>'",
+                             {"path": f"{path}/$ref"})
     props = schema.get("properties")
     if isinstance(props, dict):
         for name in props:
             _check_name(name, f"{path}/properties", where)
+    out = schema
+
+    def put(key: str, value: Any) -> None:
+        nonlocal out
+        if out is schema:
+            out = dict(schema)
+        out[key] = value
+
     for key in _SUBSCHEMA_MAPS:
         sub = schema.get(key)
         if isinstance(sub, dict):
-            for name, s in sub.items():
-                _check(s, f"{path}/{key}/{name}", where)
+            new = {name: _subschema(s, f"{path}/{key}/{name}", where) for name, s in sub.items()}
+            if any(new[name] is not s for name, s in sub.items()):
+                put(key, new)
     for key in _SUBSCHEMA_LISTS:
         sub = schema.get(key)
         if isinstance(sub, list):
-            for i, s in enumerate(sub):
-                _check(s, f"{path}/{key}/{i}", where)
+            listed = [_subschema(s, f"{path}/{key}/{i}", where) for i, s in enumerate(sub)]
+            if any(a is not b for a, b in zip(listed, sub)):
+                put(key, listed)
     for key in _SUBSCHEMA_ONE:
         sub = schema.get(key)
         if isinstance(sub, dict):
-            _check(sub, f"{path}/{key}", where)
+            checked = _check(sub, f"{path}/{key}", where)
+            if checked is not sub:
+                put(key, checked)
+    if schema.get("items") is True:
+        put("items", {})
+    elif schema.get("items") is False:
+        put("maxItems", 0)
+        del out["items"]
+    if isinstance(out.get("allOf"), list):
+        out = _all_of_merged(out, path, where)
+    return out
+
+
+#: keywords that describe a value and check nothing: where an ``allOf`` is merged into its
+#: schema, the schema's own are kept
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                         "writeOnly"})
+
+
+def _is_object_schema(schema: dict[str, Any]) -> bool:
+    return schema.get("type") == "object" or "properties" in schema
+
+
+def _all_of_merged(schema: dict[str, Any], path: str, where: str) -> dict[str, Any]:
+    """``allOf`` written into its schema where the builder would get it wrong: the builder takes
+    an ``allOf`` as object schemas to merge, so ``{"allOf": [{"$ref": "#/$defs/Colour"}],
+    "description": ...}`` (as pydantic 1 and other generators write a described reference) or
+    ``{"type": "string", "allOf": [{"minLength": 2}]}`` made a field no value could fill. Parts
+    that are ``{}`` go; one part under a schema that only describes is merged into it; parts that
+    check no object (no ``properties``, no ``$ref``) are merged keyword by keyword, and a keyword
+    two of them set differently is refused (-32602), as is not merged. Object parts stay the
+    builder's."""
+    parts = [x for x in schema["allOf"] if x != {}]
+    rest = {k: v for k, v in schema.items() if k != "allOf"}
+    if not parts:
+        return rest
+    if len(parts) == 1 and set(rest) <= ANNOTATIONS:
+        return {**parts[0], **rest}
+    if any(not isinstance(x, dict) or _is_object_schema(x) or "$ref" in x for x in parts) or _is_object_schema(rest):
+        return schema
+    for i, x in enumerate(parts):
+        for k, v in x.items():
+            if k in rest and rest[k] != v and k not in ANNOTATIONS:
+                raise invalid_params(f"{where}: allOf at {path or '/'} sets {k!r} differently in two places "
+                                     f"({json.dumps(rest[k])[:60]} and {json.dumps(v)[:60]}): not supported; "
+                                     "write the schema as one", {"path": f"{path}/allOf/{i}/{k}"})
+            rest.setdefault(k, v)
+    return rest
+
+
+def _subschema(schema: Any, path: str, where: str) -> Any:
+    """A subschema under ``properties``, ``$defs`` or a combinator, checked (see ``_check``)."""
+    if schema is True:
+        return {}
+    if schema is False:
+        raise invalid_params(f"{where}: the schema at {path} is false, which no value matches: not supported "
+                             "(leave it out, or give it a schema)", {"path": path})
+    return _check(schema, path, where)
 
 
 def _check_default(annotation: Any, default: Any, where: str) -> None:
@@ -209,10 +285,10 @@ class SchemaCache:
             return cached
         if self._pinned_key(schema) is None:  # (a pinned schema is a front end's own constant)
             check_valid(schema, where)
-        _check(schema, "", where)
+        built = _check(schema, "", where)
         if schema.get("type", "object") != "object":
             raise invalid_params(f"{where}: must be an object schema (\"type\": \"object\")")
-        model = self._build(dict(schema, title=schema.get("title") or DEFAULT_TITLE), where)
+        model = self._build(dict(built, title=schema.get("title") or DEFAULT_TITLE), where)
         with self._lock:
             if len(self._models) >= CACHE_LIMIT:
                 self._models.pop(next(iter(self._models)))
@@ -236,8 +312,8 @@ class SchemaCache:
         annotation = self._specs.get(key)
         if annotation is None:
             check_valid(schema, f"{where}.schema")
-            _check(schema, "", f"{where}.schema")
-            wrapper = {"title": "FieldWrapper", "type": "object", "properties": {"value": schema},
+            built = _check(schema, "", f"{where}.schema")
+            wrapper = {"title": "FieldWrapper", "type": "object", "properties": {"value": built},
                        "required": ["value"]}
             model = self._build(wrapper, f"{where}.schema")
             fi = model.model_fields["value"]

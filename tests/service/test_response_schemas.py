@@ -1,0 +1,72 @@
+"""What a responseFormat / fieldModels schema becomes (``server.service.schemas``): the JSON
+Schema forms the model builder (json-schema-to-pydantic) gets wrong are written in forms it
+enforces, or refused naming where, so that a reply is held to the schema the client wrote."""
+
+from __future__ import annotations
+
+import pytest
+
+from operate_sidecar.server.service.schemas import SchemaCache
+
+
+def _accepts(schema_a: object, values: list) -> list[bool]:
+    """Which of ``values`` a reply ``{"a": value}`` may hold under ``{"properties": {"a": schema_a}}``."""
+    model = SchemaCache().model_for({"type": "object", "title": "T", "properties": {"a": schema_a},
+                                     "$defs": {"Colour": {"type": "string", "enum": ["red", "green"]},
+                                               "Named": {"type": "object", "properties": {"n": {"type": "string"}},
+                                                         "required": ["n"]}}})
+    out = []
+    for v in values:
+        try:
+            model.model_validate({"a": v})
+            out.append(True)
+        except Exception:  # noqa: BLE001 - pydantic's ValidationError
+            out.append(False)
+    return out
+
+
+@pytest.mark.parametrize("schema_a, values, expected", [
+    # a described reference, as pydantic 1 and other generators write it (no value fitted it)
+    ({"allOf": [{"$ref": "#/$defs/Colour"}], "description": "the colour"}, ["red", "blue", 1], [True, False, False]),
+    ({"allOf": [{"$ref": "#/$defs/Named"}], "description": "who"}, [{"n": "x"}, {}, "x"], [True, False, False]),
+    # keywords added to a type through allOf (no value fitted it)
+    ({"type": "string", "allOf": [{"minLength": 2}]}, ["ab", "a", 5], [True, False, False]),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}, {}]}, [3, 2, 3.5], [True, False, False]),
+    # object parts are merged as before
+    ({"allOf": [{"type": "object", "properties": {"p": {"type": "string"}}},
+                {"type": "object", "properties": {"q": {"type": "integer"}}}]},
+     [{"p": "x", "q": 1}, {"p": 1}], [True, False]),
+    # true: any value (it broke the build with an AttributeError), in every place a schema goes
+    (True, ["x", 1, None, [1], {"k": 1}], [True] * 5),
+    ({"anyOf": [True, {"type": "string"}]}, ["x", 1], [True, True]),
+    ({"type": "array", "items": True}, [[1, "x"], "x"], [True, False]),
+    # "items": false is only the empty array (any array passed)
+    ({"type": "array", "items": False}, [[], [1]], [True, False]),
+])
+def test_a_schema_the_builder_got_wrong_holds_a_reply_to_what_it_says(schema_a, values, expected):
+    assert _accepts(schema_a, values) == expected
+
+
+@pytest.mark.parametrize("schema_a, path, words", [
+    (False, "/properties/a", "false, which no value matches"),
+    ({"oneOf": [False, {"type": "string"}]}, "/properties/a/oneOf/0", "false, which no value matches"),
+    ({"$ref": "#"}, "/properties/a/$ref", "'#/$defs/<name>'"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "/properties/a/allOf/1/type", "sets 'type' differently"),
+])
+def test_a_schema_the_builder_cannot_take_is_refused_in_one_line_naming_where(schema_a, path, words):
+    from operate_sidecar.server.service.errors import RpcError
+
+    with pytest.raises(RpcError) as e:
+        SchemaCache().model_for({"type": "object", "title": "T", "properties": {"a": schema_a}})
+    assert e.value.code == -32602 and e.value.data["path"] == path, e.value.data
+    assert words in e.value.message and "\n" not in e.value.message, e.value.message
+
+
+def test_field_models_take_the_same_schemas():
+    from pydantic import TypeAdapter, ValidationError
+
+    spec = SchemaCache().spec_for({"name": "c", "schema": {"allOf": [{"type": "string"}, {"maxLength": 1}]}})
+    adapter = TypeAdapter(spec.annotation)
+    assert adapter.validate_python("x") == "x"
+    with pytest.raises(ValidationError):
+        adapter.validate_python("xy")
