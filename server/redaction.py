@@ -94,10 +94,16 @@ def _walk(v: Any, depth: int) -> Any:
         return redact(v) if any(f in v for f in _known_text_forms()) else v
     if depth > 200:
         return v
+    # a container is copied only when a secret was found in it: with a key configured, every tool
+    # output passes here, and one with nothing to hide is kept as it is (not copied whole)
     if isinstance(v, dict):
-        return {(_walk(k, depth + 1) if isinstance(k, str) else k): _walk(x, depth + 1) for k, x in v.items()}
+        pairs = [((_walk(k, depth + 1) if isinstance(k, str) else k), _walk(x, depth + 1)) for k, x in v.items()]
+        if all(k2 is k and x2 is x for (k2, x2), (k, x) in zip(pairs, v.items())):
+            return v
+        return dict(pairs)
     if isinstance(v, (list, tuple)):
-        return [_walk(x, depth + 1) for x in v]
+        items = [_walk(x, depth + 1) for x in v]
+        return v if all(a is b for a, b in zip(items, v)) else items
     return v
 
 

@@ -760,10 +760,30 @@ async def test_tool_output_that_cannot_be_json_is_a_tool_error_naming_the_proble
     json.dumps(b.to_dict(), allow_nan=False)
 
 
-async def test_json_tool_output_is_kept_as_returned():
-    """D4: the common case (output json.dumps already writes) is recorded as it is, not copied."""
-    value = {"a": [1, 2.5, "x", None, True], "b": {"c": "d"}}
+@pytest.fixture
+def no_secrets(monkeypatch):
+    """The process's registered secrets emptied for the test (another test in this worker may
+    have registered one: a key in a config), restored after it."""
+    from operate_sidecar.server import redaction
+
+    monkeypatch.setattr(redaction, "_KNOWN", set())
+    monkeypatch.setattr(redaction, "_ORDERED", ())
+    return redaction
+
+
+async def test_json_tool_output_is_kept_as_returned(no_secrets):
+    """D4: the common case (output json.dumps already writes) is recorded as it is, not copied,
+    with no secret registered and with one registered that the output does not hold (as when an
+    API key is configured: the output was copied whole); one holding the secret is redacted."""
+    value = {"a": [1, 2.5, "x", None, True], "b": {"c": "d"}, "t": (1, "y")}
     b, _ = make_branch([])
     b.tools.register(Tool.from_function(lambda: value, name="plain"))
     (resp,) = await b.act({"function": "plain", "arguments": {}})
     assert resp.output is value and action_outputs(b)[0] is value
+    no_secrets.remember_secret("sk-test-not-in-the-output")
+    (resp,) = await b.act({"function": "plain", "arguments": {}})
+    assert resp.output is value and action_outputs(b)[1] is value
+    value["b"]["c"] = "key sk-test-not-in-the-output"
+    (resp,) = await b.act({"function": "plain", "arguments": {}})
+    assert resp.output == {**value, "b": {"c": "key [REDACTED]"}}  # (the tool's own object is left as it was)
+    assert resp.output["a"] is value["a"] and value["b"]["c"] == "key sk-test-not-in-the-output"
