@@ -170,6 +170,9 @@ def _check(schema: Any, path: str, where: str) -> Any:
     elif schema.get("items") is False:
         put("maxItems", 0)
         del out["items"]
+    if "uniqueItems" in schema:  # (the builder makes it a set: objects never fit, and repeats were dropped)
+        put("uniqueItems", None)
+        del out["uniqueItems"]
     if isinstance(out.get("allOf"), list):
         out = _all_of_merged(out, path, where)
     return out
@@ -237,6 +240,69 @@ def _check_default(annotation: Any, default: Any, where: str) -> None:
                              f"{complaint}", {"path": at}) from None
 
 
+#: how much of the schema's complaint about a reply the validation error quotes
+MAX_REPLY_COMPLAINT_CHARS = 300
+
+
+def _reply_check(schema: dict[str, Any]) -> Any:
+    """``check(data)``: a ``ValueError`` naming where ``data`` (a reply, as validated and coerced
+    by the built model, dumped as JSON without its defaults) is not a value of ``schema``, the
+    client's own. The builder enforces only part of JSON Schema (``uniqueItems``,
+    ``minProperties``, ``maxProperties``, ``additionalProperties`` of a map were not held), so the
+    whole schema is checked here, with ``pattern`` on the linear-time engine the tools' arguments
+    use. Raised inside a pydantic validator, the error is the reply's validation error: a repair
+    turn, then ``handleValidation``, as for any other."""
+    from operate_sidecar.server.core.tools import _linear_jsonschema
+
+    jsonschema = _linear_jsonschema()
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+
+    def check(data: Any) -> None:
+        error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+        if error is not None:
+            at = "/" + "/".join(str(x) for x in error.absolute_path)
+            message = error.message if len(error.message) <= MAX_REPLY_COMPLAINT_CHARS else \
+                error.message[:MAX_REPLY_COMPLAINT_CHARS] + "..."
+            raise ValueError(f"not a value of the schema at {at}: {message}")
+
+    return check
+
+
+def _held_to_schema(model: type, schema: dict[str, Any]) -> type:
+    """``model`` (its name kept) with an after-validator holding a reply to the whole ``schema``
+    (``_reply_check``): only the model's own fields are checked, so a type the pipeline derives
+    from it (the tool fields of an ``actions`` operate) is checked on the client's fields alone."""
+    from pydantic import create_model, model_validator
+
+    check = _reply_check(schema)
+    names = set(model.model_fields)
+
+    def held(self: Any) -> Any:
+        check(self.model_dump(mode="json", by_alias=True, exclude_defaults=True, include=names))
+        return self
+
+    return create_model(model.__name__, __base__=model, __module__=model.__module__,
+                        __validators__={"held_to_schema": model_validator(mode="after")(held)})
+
+
+def _value_held_to_schema(annotation: Any, schema: dict[str, Any]) -> Any:
+    """A field's ``annotation`` whose values are held to its whole ``schema`` (``_reply_check``);
+    null, which a field made optional by a null default may hold, is not checked."""
+    from typing import Annotated
+
+    from pydantic import AfterValidator, TypeAdapter
+
+    check = _reply_check(schema)
+    adapter = TypeAdapter(annotation)
+
+    def held(value: Any) -> Any:
+        if value is not None:
+            check(adapter.dump_python(value, mode="json", by_alias=True, exclude_defaults=True))
+        return value
+
+    return Annotated[annotation, AfterValidator(held)]
+
+
 class SchemaCache:
     def __init__(self) -> None:
         self._models: dict[str, type] = {}
@@ -289,6 +355,8 @@ class SchemaCache:
         if schema.get("type", "object") != "object":
             raise invalid_params(f"{where}: must be an object schema (\"type\": \"object\")")
         model = self._build(dict(built, title=schema.get("title") or DEFAULT_TITLE), where)
+        if self._pinned_key(schema) is None:
+            model = _held_to_schema(model, schema)
         with self._lock:
             if len(self._models) >= CACHE_LIMIT:
                 self._models.pop(next(iter(self._models)))
@@ -322,6 +390,7 @@ class SchemaCache:
                 from typing import Annotated
 
                 annotation = Annotated[(annotation, *fi.metadata)]  # type: ignore[valid-type]
+            annotation = _value_held_to_schema(annotation, schema)
             with self._lock:
                 if len(self._specs) >= CACHE_LIMIT:
                     self._specs.pop(next(iter(self._specs)))
@@ -349,4 +418,17 @@ class SchemaCache:
         try:
             return j2p.create_model(schema, allow_undefined_array_items=True, allow_undefined_type=True)
         except Exception as e:  # noqa: BLE001 - the client's schema, valid JSON Schema, that cannot be built
-            raise invalid_params(f"{where}: {type(e).__name__}: {e}") from None
+            raise invalid_params(f"{where}: {_build_error(e)}") from None
+
+
+def _build_error(e: BaseException) -> str:
+    """The builder's error in one line: pydantic's schema errors are a nested, multi-line text
+    (``Error building "model" validator: ... Field "a": ... 'ge' must be coercible to an
+    integer``): the fields it names and its last line."""
+    from operate_sidecar.server.core.errors import exception_text
+
+    lines = [ln.strip() for ln in exception_text(e).splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return f"{type(e).__name__}: {lines[0] if lines else ''}"
+    fields = [ln.split('"')[1] for ln in lines if ln.startswith('SchemaError: Field "') and ln.count('"') >= 2]
+    return f"cannot build a reply model{' (field ' + '.'.join(fields) + ')' if fields else ''}: {lines[-1]}"

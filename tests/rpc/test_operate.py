@@ -160,6 +160,36 @@ def test_validation_failed_raise_is_32010_and_runs_no_tool(sidecar):
     assert not [m for m in sidecar.messages(bid) if m["kind"].startswith("action")]
 
 
+def test_a_reply_is_held_to_the_whole_response_format_with_actions_too(sidecar):
+    """Keywords the model builder does not enforce (here ``uniqueItems``, which it made a set
+    that dropped the repeat, and ``maxProperties``) hold the reply: a reply breaking one is a
+    validation failure (-32010 under ``raise``, no tool run) naming where; one that keeps them is
+    the result, and an ``actions`` operate's tool fields are not the client's fields
+    (``additionalProperties: false``), so its tool runs. (Where the reply breaks the schema is
+    named in the validation error the repair turn is sent: ``tests/service/test_response_schemas.py``.)"""
+    schema = {"type": "object", "title": "Tags", "additionalProperties": False, "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        "extra": {"type": "object", "maxProperties": 1}}}
+    bad = {"json": {"tags": ["x", "x"], "action_requests": [{"function": "echo_tool", "arguments": {"text": "x"}}]}}
+    good = {"json": {"tags": ["x", "y"], "extra": {"k": 1}, "action_required": True,
+                     "action_requests": [{"function": "echo_tool", "arguments": {"text": "hi"}}]}}
+    many = {"json": {"tags": [], "extra": {"i": 1, "j": 2}}}
+    sidecar.init(models={"s": scripted(bad, bad, many, many, bad, bad, good)}, toolModules=["slow_tools"])
+    bid = sidecar.branch()
+    no_retry = {"retryAttempts": 0, "retryInitialDelay": 0}
+    for _ in range(2):  # each reply, and its repair turn's, breaks the schema
+        out = op(sidecar, bid, instruction="x", responseFormat=schema, actions=True, handleValidation="return_none",
+                 parseOptions=no_retry)
+        assert out["kind"] == "none" and out["usage"]["modelCalls"] == 2, out
+    err = sidecar.error_of("operate", {"branchId": bid, "instruction": "x", "responseFormat": schema,
+                                       "handleValidation": "raise", "actions": True, "parseOptions": no_retry})
+    assert err.code == -32010 and err.data["expected"] == "Tags", err
+    assert sidecar.of("toolEvent") == []
+    out = op(sidecar, bid, instruction="x", responseFormat=schema, actions=True)
+    assert out["result"]["tags"] == ["x", "y"] and out["result"]["extra"] == {"k": 1}, out
+    assert [r["output"] for r in out["result"]["action_responses"]] == ["echo:hi"], out
+
+
 def test_model_failure_is_32011(sidecar):
     sidecar.init(models={"s": scripted({"error": "provider down"})})
     bid = sidecar.branch()

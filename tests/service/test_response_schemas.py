@@ -42,6 +42,19 @@ def _accepts(schema_a: object, values: list) -> list[bool]:
     ({"type": "array", "items": True}, [[1, "x"], "x"], [True, False]),
     # "items": false is only the empty array (any array passed)
     ({"type": "array", "items": False}, [[], [1]], [True, False]),
+    # what the builder does not enforce, held by the whole schema's check: uniqueItems (made a set:
+    # objects never fitted and repeats were dropped), min/maxProperties, a map's value schema
+    ({"type": "array", "uniqueItems": True}, [[1, 2], [1, 1]], [True, False]),
+    ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, [[{"k": 1}, {"k": 2}], [{"k": 1}, {"k": 1}]],
+     [True, False]),
+    ({"type": "object", "minProperties": 1, "maxProperties": 2}, [{"k": 1}, {}, {"i": 1, "j": 2, "k": 3}],
+     [True, False, False]),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, [{"k": 1}, {"k": "x"}], [True, False]),
+    ({"type": "array", "items": {"type": "object", "properties": {"p": {"type": "array", "uniqueItems": True}}}},
+     [[{"p": [1, 2]}], [{"p": [2, 2]}]], [True, False]),
+    # a field left out is not checked against its schema (its default, null, is the model's)
+    ({"type": "object", "properties": {"p": {"type": "string"}, "q": {"type": "string"}}, "required": ["p"]},
+     [{"p": "x"}, {"q": "x"}], [True, False]),
 ])
 def test_a_schema_the_builder_got_wrong_holds_a_reply_to_what_it_says(schema_a, values, expected):
     assert _accepts(schema_a, values) == expected
@@ -70,3 +83,26 @@ def test_field_models_take_the_same_schemas():
     assert adapter.validate_python("x") == "x"
     with pytest.raises(ValidationError):
         adapter.validate_python("xy")
+
+
+def test_the_whole_schemas_check_covers_only_the_clients_fields_of_a_derived_type():
+    """The pipeline derives types from the model (an ``actions`` operate adds the tool fields):
+    ``additionalProperties: false`` holds the client's fields, not those."""
+    from pydantic import create_model
+
+    model = SchemaCache().model_for({"type": "object", "title": "T", "additionalProperties": False,
+                                     "properties": {"a": {"type": "array", "uniqueItems": True}}})
+    derived = create_model("TResponse", __base__=model, action_required=(bool, False))
+    assert derived.model_validate({"a": [1], "action_required": True}).action_required is True
+    with pytest.raises(ValueError, match="non-unique"):
+        derived.model_validate({"a": [1, 1]})
+
+
+def test_a_reply_refused_by_the_whole_schemas_check_names_where():
+    from pydantic import ValidationError
+
+    model = SchemaCache().model_for({"type": "object", "title": "T", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}})
+    with pytest.raises(ValidationError) as e:
+        model.model_validate({"tags": ["x", "x"]})
+    assert "not a value of the schema at /tags" in str(e.value) and "non-unique" in str(e.value)
