@@ -110,12 +110,20 @@ def _check_pattern(pattern: str, path: str, where: str) -> None:
                              {"path": at, "pattern": pattern}) from None
 
 
+#: ``uniqueItems`` as the builder is given it: a keyword it does not know, which it passes through
+#: to the schema the model is shown, where it is named back (``_held_to_schema``); the reply's
+#: check (``_reply_check``) enforces the client's own
+UNIQUE_ITEMS_SHOWN = "x-operate-sidecar-uniqueItems"
+
+
 def _check(schema: Any, path: str, where: str) -> Any:
     """-32602 for what the builder cannot take or enforce; else the schema as the builder takes it
     (a copy where something was rewritten): a ``true`` subschema (any value) is written ``{}``,
     and ``"items": false`` (only an empty array) ``"maxItems": 0``, which the builder enforces
     (``true`` broke the build with an ``AttributeError``, and ``"items": false`` let any array
-    through). A ``false`` subschema elsewhere (no value) is refused, named."""
+    through); ``uniqueItems`` is renamed (the builder made the array a set); an ``allOf`` of
+    keywords is merged (``_all_of_merged``). A ``false`` subschema elsewhere (no value) is
+    refused, named."""
     if not isinstance(schema, dict):
         if isinstance(schema, bool):
             return schema
@@ -147,6 +155,12 @@ def _check(schema: Any, path: str, where: str) -> Any:
             out = dict(schema)
         out[key] = value
 
+    def drop(key: str) -> None:
+        nonlocal out
+        if out is schema:
+            out = dict(schema)
+        del out[key]
+
     for key in _SUBSCHEMA_MAPS:
         sub = schema.get(key)
         if isinstance(sub, dict):
@@ -168,11 +182,11 @@ def _check(schema: Any, path: str, where: str) -> Any:
     if schema.get("items") is True:
         put("items", {})
     elif schema.get("items") is False:
+        drop("items")
         put("maxItems", 0)
-        del out["items"]
     if "uniqueItems" in schema:  # (the builder makes it a set: objects never fit, and repeats were dropped)
-        put("uniqueItems", None)
-        del out["uniqueItems"]
+        drop("uniqueItems")
+        put(UNIQUE_ITEMS_SHOWN, schema["uniqueItems"])  # (passed through, and named back in the schema shown)
     if isinstance(out.get("allOf"), list):
         out = _all_of_merged(out, path, where)
     return out
@@ -195,8 +209,8 @@ def _all_of_merged(schema: dict[str, Any], path: str, where: str) -> dict[str, A
     ``{"type": "string", "allOf": [{"minLength": 2}]}`` made a field no value could fill. Parts
     that are ``{}`` go; one part under a schema that only describes is merged into it; parts that
     check no object (no ``properties``, no ``$ref``) are merged keyword by keyword, and a keyword
-    two of them set differently is refused (-32602), as is not merged. Object parts stay the
-    builder's."""
+    that two of them set differently is refused (-32602). Object parts are left to the
+    builder, which merges them."""
     parts = [x for x in schema["allOf"] if x != {}]
     rest = {k: v for k, v in schema.items() if k != "allOf"}
     if not parts:
@@ -268,11 +282,61 @@ def _reply_check(schema: dict[str, Any]) -> Any:
     return check
 
 
+def _named_back(value: Any, name: str | None = "uniqueItems") -> Any:
+    """A JSON Schema with ``UNIQUE_ITEMS_SHOWN`` named ``name`` again, or left out (None), in
+    place (only the builder's copies hold it: ``_check`` copies what it rewrites)."""
+    if isinstance(value, dict):
+        if UNIQUE_ITEMS_SHOWN in value:
+            shown = value.pop(UNIQUE_ITEMS_SHOWN)
+            if name is not None:
+                value[name] = shown
+        for v in value.values():
+            _named_back(v, name)
+    elif isinstance(value, list):
+        for v in value:
+            _named_back(v, name)
+    return value
+
+
+#: the keywords the builder's model holds a reply to by itself, or that check nothing (tested in
+#: ``tests/service/test_response_schemas.py``); a schema with any other (``uniqueItems``,
+#: ``minProperties``, ``maxProperties``, ``allOf``, ``oneOf`` (the builder's union takes a value
+#: that fits two of its parts), a map's value schema, ...) is checked whole
+HELD_BY_THE_BUILDER = frozenset({
+    "type", "properties", "required", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "multipleOf", "minLength", "maxLength", "pattern", "minItems", "maxItems", "items", "anyOf", "$ref",
+    "$defs", "definitions", "format", "$schema", "$id", "contentEncoding", "contentMediaType", *ANNOTATIONS})
+
+
+def _needs_whole_check(schema: Any) -> bool:
+    """``schema`` uses a keyword the builder does not hold a reply to (``HELD_BY_THE_BUILDER``;
+    ``x-...`` extensions check nothing): the reply is then checked against the whole of it."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key == "anyOf" and isinstance(value, list):
+                stack.extend(value)
+            elif key == "items":
+                stack.append(value)
+            elif key == "additionalProperties" and isinstance(value, bool):
+                continue  # (false: keys the schema does not name are dropped from the reply)
+            elif key not in HELD_BY_THE_BUILDER and not key.startswith("x-"):
+                return True
+    return False
+
+
 def _held_to_schema(model: type, schema: dict[str, Any]) -> type:
     """``model`` (its name kept) with an after-validator holding a reply to the whole ``schema``
     (``_reply_check``): only the model's own fields are checked, so a type the pipeline derives
-    from it (the tool fields of an ``actions`` operate) is checked on the client's fields alone."""
-    from pydantic import create_model, model_validator
+    from it (the tool fields of an ``actions`` operate) is checked on the client's fields alone.
+    Its JSON Schema, the one the model is shown, and that of a type derived from it, names
+    ``uniqueItems`` as the client did."""
+    from pydantic import model_validator
 
     check = _reply_check(schema)
     names = set(model.model_fields)
@@ -281,8 +345,13 @@ def _held_to_schema(model: type, schema: dict[str, Any]) -> type:
         check(self.model_dump(mode="json", by_alias=True, exclude_defaults=True, include=names))
         return self
 
-    return create_model(model.__name__, __base__=model, __module__=model.__module__,
-                        __validators__={"held_to_schema": model_validator(mode="after")(held)})
+    def model_json_schema(cls: Any, *args: Any, **kw: Any) -> dict[str, Any]:
+        return _named_back(super(held_type, cls).model_json_schema(*args, **kw))
+
+    held_type: type = type(model)(model.__name__, (model,), {
+        "__module__": model.__module__, "__qualname__": model.__qualname__,
+        "held_to_schema": model_validator(mode="after")(held), "model_json_schema": classmethod(model_json_schema)})
+    return held_type
 
 
 def _value_held_to_schema(annotation: Any, schema: dict[str, Any]) -> Any:
@@ -355,7 +424,7 @@ class SchemaCache:
         if schema.get("type", "object") != "object":
             raise invalid_params(f"{where}: must be an object schema (\"type\": \"object\")")
         model = self._build(dict(built, title=schema.get("title") or DEFAULT_TITLE), where)
-        if self._pinned_key(schema) is None:
+        if self._pinned_key(schema) is None and _needs_whole_check(schema):
             model = _held_to_schema(model, schema)
         with self._lock:
             if len(self._models) >= CACHE_LIMIT:
@@ -380,7 +449,9 @@ class SchemaCache:
         annotation = self._specs.get(key)
         if annotation is None:
             check_valid(schema, f"{where}.schema")
-            built = _check(schema, "", f"{where}.schema")
+            # (a field's type is built into the pipeline's own model, whose schema is not named
+            # back: uniqueItems is held by the check but not shown)
+            built = _named_back(_check(schema, "", f"{where}.schema"), None)
             wrapper = {"title": "FieldWrapper", "type": "object", "properties": {"value": built},
                        "required": ["value"]}
             model = self._build(wrapper, f"{where}.schema")
@@ -390,7 +461,8 @@ class SchemaCache:
                 from typing import Annotated
 
                 annotation = Annotated[(annotation, *fi.metadata)]  # type: ignore[valid-type]
-            annotation = _value_held_to_schema(annotation, schema)
+            if _needs_whole_check(schema):
+                annotation = _value_held_to_schema(annotation, schema)
             with self._lock:
                 if len(self._specs) >= CACHE_LIMIT:
                     self._specs.pop(next(iter(self._specs)))

@@ -166,7 +166,8 @@ def test_a_reply_is_held_to_the_whole_response_format_with_actions_too(sidecar):
     validation failure (-32010 under ``raise``, no tool run) naming where; one that keeps them is
     the result, and an ``actions`` operate's tool fields are not the client's fields
     (``additionalProperties: false``), so its tool runs. (Where the reply breaks the schema is
-    named in the validation error the repair turn is sent: ``tests/service/test_response_schemas.py``.)"""
+    named in the validation error the repair turn is sent: ``tests/service/test_response_schemas.py``.)
+    The schema the model is shown keeps ``uniqueItems``."""
     schema = {"type": "object", "title": "Tags", "additionalProperties": False, "properties": {
         "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
         "extra": {"type": "object", "maxProperties": 1}}}
@@ -188,6 +189,8 @@ def test_a_reply_is_held_to_the_whole_response_format_with_actions_too(sidecar):
     out = op(sidecar, bid, instruction="x", responseFormat=schema, actions=True)
     assert out["result"]["tags"] == ["x", "y"] and out["result"]["extra"] == {"k": 1}, out
     assert [r["output"] for r in out["result"]["action_responses"]] == ["echo:hi"], out
+    shown = [m for m in sidecar.messages(bid) if m["kind"] == "instruction"][-1]["content"]["responseSchema"]
+    assert shown["properties"]["tags"]["uniqueItems"] is True and "x-" not in json.dumps(shown), shown
 
 
 def test_model_failure_is_32011(sidecar):
