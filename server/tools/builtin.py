@@ -415,7 +415,7 @@ class WorkspaceTools:
         real = self.resolve(path)
         old = self._read_text(real, strict=True)
         try:
-            new = apply_edits(old, edits)
+            new = apply_edits(old, edits, self.max_write_bytes)
         except EditError as e:
             raise ToolCallError(f"{e}; nothing was written to {self.display(real)}") from None
         ch = change(self.display(real), old, new)

@@ -43,13 +43,16 @@ def _field(edit: Any, *names: str) -> Any:
     return None
 
 
-def apply_edits(text: str, edits: Iterable[Any]) -> str:
+def apply_edits(text: str, edits: Iterable[Any], max_chars: int | None = None) -> str:
     """``text`` with ``edits`` applied in order (each to the result of the ones before).
 
     An edit is a mapping (or object) with ``oldText``, ``newText`` and optional
     ``replaceAll`` (default false). ``oldText`` must occur exactly once, or at least once
     with ``replaceAll``. Raises :class:`EditError` for the first edit that does not apply;
-    the caller then writes nothing."""
+    the caller then writes nothing. With ``max_chars``, an edit whose result would be longer
+    is refused before it is made (a ``replaceAll`` of a common text by a long one multiplies
+    the file: a 1 MB file could ask for gigabytes, which were allocated before the size
+    bound of the write could refuse them)."""
     out = text
     items = list(edits)
     if not items:
@@ -70,6 +73,10 @@ def apply_edits(text: str, edits: Iterable[Any]) -> str:
         if n > 1 and not replace_all:
             raise EditError(f"edit {i}: oldText matches {n} times; include more surrounding text so it matches "
                             "exactly once, or set replaceAll", i)
+        if max_chars is not None:
+            size = len(out) + (n if replace_all else 1) * (len(new) - len(old))
+            if size > max_chars:
+                raise EditError(f"edit {i}: the text would be {size} characters long; the limit is {max_chars}", i)
         out = out.replace(old, new) if replace_all else out.replace(old, new, 1)
     return out
 

@@ -327,7 +327,7 @@ class FileTools:
             raise WorkspacePathError(f"{path!r} does not exist (edit_file changes an existing file; "
                                      "use write_file to create one)")
         try:
-            new = apply_edits(old, arguments.get("edits") or [])
+            new = apply_edits(old, arguments.get("edits") or [], self.ws.max_write_bytes)
         except EditError as e:
             raise ToolCallError(f"{e}; nothing was written to {shown}") from None
         self._check_size(new)

@@ -446,3 +446,24 @@ def test_new_text_that_is_not_unicode_is_refused_in_words_before_anyone_is_asked
         assert err == "the new text is not Unicode text: character 1 is '\\ud800', half of a surrogate pair; " \
                       "nothing written", err
     assert (tmp_path / "m.py").read_text() == "a\n" and not (tmp_path / "n.py").exists() and asked == []
+
+
+def test_a_replace_all_that_would_multiply_the_file_past_the_write_limit_is_refused_before_it_is_made(
+        sidecar, tmp_path):
+    """Each of 1,000,000 a's replaced by 300 b's is 300 MB of text (the write limit is 10 MB):
+    the edit is refused naming the size and the limit, nothing is written, and the text is never
+    built (the server's peak memory does not grow by it; it was built, then refused)."""
+    (tmp_path / "a.txt").write_text("a" * 1_000_000)
+
+    def peak_kib() -> int:
+        status = open(f"/proc/{sidecar.proc.pid}/status").read()
+        return int(next(ln for ln in status.splitlines() if ln.startswith("VmHWM:")).split()[1])
+
+    bid = start(sidecar, tmp_path, edit("a.txt", ("nowhere", "x")), edit("a.txt", ("a", "b" * 300, True)))
+    assert "not found" in outputs(operate(sidecar, bid))[0]["error"]  # (the core and the tools in)
+    before = peak_kib()
+    out = outputs(operate(sidecar, bid))[0]
+    assert peak_kib() - before < 100 * 1024, (before, peak_kib())
+    assert "300000000 characters" in out["error"] and "the limit is 10485760" in out["error"], out
+    assert "nothing was written" in out["error"], out
+    assert (tmp_path / "a.txt").read_text() == "a" * 1_000_000
