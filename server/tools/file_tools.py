@@ -262,6 +262,21 @@ class _Plan:
     turn: _Turn | None = None
 
 
+#: a text longer than this is edited and diffed on a worker thread (a shorter one on the event
+#: loop: the common case pays no thread hop); a thousand edits of a 10 MB file held the loop,
+#: ping and cancel included, for seconds
+INLINE_CHANGE_CHARS = 256 * 1024
+
+
+async def _off_the_loop(size: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, on a worker thread when ``size`` (characters) is over ``INLINE_CHANGE_CHARS``."""
+    if size <= INLINE_CHANGE_CHARS:
+        return fn(*args)
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
 class FileTools:
     """``read_file`` (through a client port), ``write_file`` and ``edit_file`` over a :class:`FileAccess`."""
 
@@ -321,17 +336,21 @@ class FileTools:
                 raise ToolCallError("content must be a string")
             self._check_size(content)
             old = await self.files.read_text(real, ctx)
-            return real, change(shown, old, content)
+            return real, await _off_the_loop(max(len(old or ""), len(content)), change, shown, old, content)
         old = await self.files.read_text(real, ctx)
         if old is None:
             raise WorkspacePathError(f"{path!r} does not exist (edit_file changes an existing file; "
                                      "use write_file to create one)")
-        try:
-            new = apply_edits(old, arguments.get("edits") or [], self.ws.max_write_bytes)
-        except EditError as e:
-            raise ToolCallError(f"{e}; nothing was written to {shown}") from None
-        self._check_size(new)
-        return real, change(shown, old, new)
+
+        def edited(old: str) -> FileChange:
+            try:
+                new = apply_edits(old, arguments.get("edits") or [], self.ws.max_write_bytes)
+            except EditError as e:
+                raise ToolCallError(f"{e}; nothing was written to {shown}") from None
+            self._check_size(new)
+            return change(shown, old, new)
+
+        return real, await _off_the_loop(len(old), edited, old)
 
     def _check_size(self, text: str) -> None:
         try:

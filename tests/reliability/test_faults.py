@@ -237,6 +237,35 @@ def test_arguments_are_checked_against_a_tool_schema_in_linear_time_and_its_faul
         assert o["error"] == error and not invoked, o
 
 
+def test_a_long_edit_of_a_large_file_never_holds_the_loop(spawn, tmp_path):
+    """800 edits of a 10 MB file take seconds (each scans and copies the text), then its diff:
+    done on a worker thread, so ``ping`` is answered within a second all along (on the event
+    loop it waited for the whole edit); the edit lands as asked."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    big = ws / "big.txt"
+    big.write_text("".join(f"line {i} some text here\n" for i in range(380_000)))  # (under 10 MiB)
+    edits = [{"oldText": f"line {i} some", "newText": f"LINE {i} some"} for i in range(0, 380_000, 475)]
+    c = spawn()
+    c.request("initialize", {"workspaceFolders": [str(ws)], "settings": {
+        "models": {"s": scripted(calls(("edit_file", {"path": "big.txt", "edits": edits})), "after")},
+        "toolPolicy": {"edit_file": "allow"}, "toolTimeoutMs": 120_000}}, timeout=TIMEOUT)
+    bid = c.branch()
+    started = time.monotonic()
+    pending = c.request_async("operate", {"branchId": bid, "instruction": "go", "actions": True})
+    slowest = 0.0
+    while not pending.done():
+        t = time.monotonic()
+        assert c.request("ping", timeout=TIMEOUT) == {}
+        slowest = max(slowest, time.monotonic() - t)
+        time.sleep(0.01)
+    [out] = outputs(pending.result(TIMEOUT))
+    took = time.monotonic() - started
+    assert "error" not in out, out  # (its diff is over the output bound: the output is its preview)
+    assert took > 2 and slowest < 1.0, (took, slowest)  # (the edit is long; no ping waited for it)
+    assert big.read_text().count("LINE ") == len(edits)
+
+
 def test_search_text_skips_a_fifo_instead_of_blocking_on_it(spawn, tmp_path):
     ws = tmp_path / "ws"
     (ws / "sub").mkdir(parents=True)
