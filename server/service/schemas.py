@@ -4,7 +4,10 @@ Built with ``json-schema-to-pydantic`` (imported on first use), cached by the
 canonical schema text so a repeated schema builds nothing. A schema that is not
 valid JSON Schema (checked against its metaschema with ``jsonschema``, imported on
 first use: ``"properties": "x"``, ``"required": "a"``, ``"type": 5``) and a keyword
-the builder would silently ignore are refused (-32602 naming them and where).
+the builder would silently ignore are refused (-32602 naming them and where). Forms the
+builder gets wrong are rewritten before it sees them (``_check``), and a schema using a
+keyword the built model does not hold a reply to gets a check of the reply against the
+whole schema, as the client wrote it (``_held_to_schema``).
 
 Building is bounded and kept off the event loop: a schema longer than
 ``MAX_SCHEMA_CHARS`` characters of JSON, with more than ``MAX_SCHEMA_NODES``
