@@ -262,7 +262,8 @@ def test_a_long_edit_of_a_large_file_never_holds_the_loop(spawn, tmp_path):
     [out] = outputs(pending.result(TIMEOUT))
     took = time.monotonic() - started
     assert "error" not in out, out  # (its diff is over the output bound: the output is its preview)
-    assert took > 2 and slowest < 1.0, (took, slowest)  # (the edit is long; no ping waited for it)
+    # no ping waited for the edit (on the loop, the slowest waited for nearly all of it: 4.8 of 4.9 s)
+    assert slowest < min(1.0, took / 3), (took, slowest)
     assert big.read_text().count("LINE ") == len(edits)
 
 
