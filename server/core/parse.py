@@ -22,6 +22,7 @@ from .imodel import ModelRequest, model_deadline
 from .operative import request_info
 from .params import FuzzyMatchKeysParams, ParseParam
 from .render import render_repair_request
+from .tools import off_the_loop
 
 #: a reply longer than this holds no JSON for the pipeline (a 10 MB cap, docs/PIPELINE.md); cutting
 #: it instead would make valid JSON invalid and hand megabytes to the repair
@@ -269,11 +270,8 @@ INLINE_PARSE_CHARS = 32 * 1024
 
 async def _validate(text: Any, response_format: Any, fuzzy: FuzzyMatchKeysParams | None) -> Any:
     """``validate_into``, on a worker thread for a long reply."""
-    if isinstance(text, str) and len(text) > INLINE_PARSE_CHARS:
-        import anyio.to_thread
-
-        return await anyio.to_thread.run_sync(validate_into, text, response_format, fuzzy, abandon_on_cancel=True)
-    return validate_into(text, response_format, fuzzy)
+    return await off_the_loop(isinstance(text, str) and len(text) > INLINE_PARSE_CHARS,
+                              validate_into, text, response_format, fuzzy)
 
 
 REFORMAT_GUIDANCE = "follow the required response format, using the model schema as a guide"

@@ -461,12 +461,29 @@ def _linear_jsonschema() -> Any:
     return jsonschema
 
 
-def _jsonschema_validator(schema: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+def linear_validator(schema: dict[str, Any]) -> Any:
+    """A jsonschema validator of ``schema`` (its ``$schema``'s draft, else 2020-12) whose patterns
+    run on RE2 (:class:`_LinearRegex`): for values a model wrote, a tool's arguments or a reply."""
     jsonschema = _linear_jsonschema()
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+
+
+async def off_the_loop(large: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``: on a worker thread when the input is ``large`` (parsing, editing or diffing
+    megabytes held the event loop, ``ping`` and cancel included), else at once (the common case
+    pays no thread hop). A cancel abandons the thread's work."""
+    if not large:
+        return fn(*args)
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
+def _jsonschema_validator(schema: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    import jsonschema
     from referencing.exceptions import Unresolvable
 
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    validator = cls(schema)
+    validator = linear_validator(schema)
 
     def validate(arguments: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -75,8 +75,12 @@ def _check_name(name: Any, path: str, where: str) -> None:
                              f"(names may not start with {' or '.join(RESERVED_PREFIXES)})", {"field": name})
 
 
-#: how much of the metaschema's complaint an error message quotes
+#: how much of a complaint (the metaschema's of a schema, the schema's of a reply) a message quotes
 MAX_COMPLAINT_CHARS = 300
+
+
+def _cut(complaint: str) -> str:
+    return complaint if len(complaint) <= MAX_COMPLAINT_CHARS else complaint[:MAX_COMPLAINT_CHARS] + "..."
 
 
 def check_valid(schema: dict[str, Any], where: str) -> None:
@@ -89,7 +93,7 @@ def check_valid(schema: dict[str, Any], where: str) -> None:
         validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as e:
         at = "/" + "/".join(str(x) for x in e.path)
-        complaint = e.message if len(e.message) <= MAX_COMPLAINT_CHARS else e.message[:MAX_COMPLAINT_CHARS] + "..."
+        complaint = _cut(e.message)
         raise invalid_params(f"{where}: not a valid JSON Schema at {at}: {complaint}", {"path": at}) from None
 
 
@@ -105,9 +109,8 @@ def _check_pattern(pattern: str, path: str, where: str) -> None:
     try:
         SchemaValidator(core_schema.str_schema(pattern=pattern))
     except SchemaError as e:
-        lines = str(e).splitlines()
-        why = next((ln.strip()[len("error: "):] for ln in lines if ln.strip().startswith("error: ")),
-                   lines[-1].strip() if lines else "")
+        lines = _lines_of(e)
+        why = lines[-1].removeprefix("error: ") if lines else ""
         at = f"{path}/pattern"
         raise invalid_params(f"{where}: the pattern {pattern!r} at {at} cannot be used: {why} ({PATTERN_ENGINE})",
                              {"path": at, "pattern": pattern}) from None
@@ -257,10 +260,6 @@ def _check_default(annotation: Any, default: Any, where: str) -> None:
                              f"{complaint}", {"path": at}) from None
 
 
-#: how much of the schema's complaint about a reply the validation error quotes
-MAX_REPLY_COMPLAINT_CHARS = 300
-
-
 def _reply_check(schema: dict[str, Any]) -> Any:
     """``check(data)``: a ``ValueError`` naming where ``data`` (a reply, as validated and coerced
     by the built model, dumped as JSON without its defaults) is not a value of ``schema``, the
@@ -269,18 +268,17 @@ def _reply_check(schema: dict[str, Any]) -> Any:
     whole schema is checked here, with ``pattern`` on the linear-time engine the tools' arguments
     use. Raised inside a pydantic validator, the error is the reply's validation error: a repair
     turn, then ``handleValidation``, as for any other."""
-    from operate_sidecar.server.core.tools import _linear_jsonschema
+    from jsonschema.exceptions import best_match
 
-    jsonschema = _linear_jsonschema()
-    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+    from operate_sidecar.server.core.tools import linear_validator
+
+    validator = linear_validator(schema)
 
     def check(data: Any) -> None:
-        error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+        error = best_match(validator.iter_errors(data))
         if error is not None:
             at = "/" + "/".join(str(x) for x in error.absolute_path)
-            message = error.message if len(error.message) <= MAX_REPLY_COMPLAINT_CHARS else \
-                error.message[:MAX_REPLY_COMPLAINT_CHARS] + "..."
-            raise ValueError(f"not a value of the schema at {at}: {message}")
+            raise ValueError(f"not a value of the schema at {at}: {_cut(error.message)}")
 
     return check
 
@@ -500,10 +498,15 @@ def _build_error(e: BaseException) -> str:
     """The builder's error in one line: pydantic's schema errors are a nested, multi-line text
     (``Error building "model" validator: ... Field "a": ... 'ge' must be coercible to an
     integer``): the fields it names and its last line."""
-    from operate_sidecar.server.core.errors import exception_text
-
-    lines = [ln.strip() for ln in exception_text(e).splitlines() if ln.strip()]
+    lines = _lines_of(e)
     if len(lines) <= 1:
         return f"{type(e).__name__}: {lines[0] if lines else ''}"
     fields = [ln.split('"')[1] for ln in lines if ln.startswith('SchemaError: Field "') and ln.count('"') >= 2]
     return f"cannot build a reply model{' (field ' + '.'.join(fields) + ')' if fields else ''}: {lines[-1]}"
+
+
+def _lines_of(e: BaseException) -> list[str]:
+    """The non-blank lines of an error's text, stripped (pydantic's schema errors nest over several)."""
+    from operate_sidecar.server.core.errors import exception_text
+
+    return [ln.strip() for ln in exception_text(e).splitlines() if ln.strip()]

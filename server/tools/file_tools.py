@@ -47,7 +47,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
-from ..core.tools import Tool, ToolCallContext
+from ..core.tools import Tool, ToolCallContext, off_the_loop
 from ..service.port import client_error_reason as _reason
 from ..service.port import client_says_not_found
 from .builtin import BINARY_SNIFF  # a client's text is looked at for a NUL as far as the disk's bytes are
@@ -262,19 +262,9 @@ class _Plan:
     turn: _Turn | None = None
 
 
-#: a text longer than this is edited and diffed on a worker thread (a shorter one on the event
-#: loop: the common case pays no thread hop); a thousand edits of a 10 MB file held the loop,
-#: ping and cancel included, for seconds
+#: a text longer than this is edited and diffed on a worker thread (``off_the_loop``); a
+#: thousand edits of a 10 MB file held the loop, ping and cancel included, for seconds
 INLINE_CHANGE_CHARS = 256 * 1024
-
-
-async def _off_the_loop(size: int, fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, on a worker thread when ``size`` (characters) is over ``INLINE_CHANGE_CHARS``."""
-    if size <= INLINE_CHANGE_CHARS:
-        return fn(*args)
-    import anyio.to_thread
-
-    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
 
 
 class FileTools:
@@ -336,7 +326,8 @@ class FileTools:
                 raise ToolCallError("content must be a string")
             self._check_size(content)
             old = await self.files.read_text(real, ctx)
-            return real, await _off_the_loop(max(len(old or ""), len(content)), change, shown, old, content)
+            large = max(len(old or ""), len(content)) > INLINE_CHANGE_CHARS
+            return real, await off_the_loop(large, change, shown, old, content)
         old = await self.files.read_text(real, ctx)
         if old is None:
             raise WorkspacePathError(f"{path!r} does not exist (edit_file changes an existing file; "
@@ -350,7 +341,7 @@ class FileTools:
             self._check_size(new)
             return change(shown, old, new)
 
-        return real, await _off_the_loop(len(old), edited, old)
+        return real, await off_the_loop(len(old) > INLINE_CHANGE_CHARS, edited, old)
 
     def _check_size(self, text: str) -> None:
         try:
