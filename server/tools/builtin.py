@@ -193,6 +193,11 @@ class WorkspaceTools:
             raise WorkspacePathError(f"path must be a string, got {type(path).__name__}")
         if "\x00" in path:
             raise WorkspacePathError("path contains a NUL character")
+        try:
+            os.fsencode(path)  # a name listed from the disk holds its non-UTF-8 bytes as \udc80-\udcff
+        except UnicodeEncodeError as e:
+            raise WorkspacePathError(f"path is not a file name: character {e.start} is {path[e.start]!r}, "
+                                     "half of a surrogate pair") from None
         p = Path(path or ".")
         if p.is_absolute():
             candidate = p

@@ -85,6 +85,22 @@ def test_paths_outside_the_root_are_rejected(workspace, path):
         ws.read_file(path)
 
 
+def test_a_name_listed_from_the_disk_round_trips_and_a_path_no_file_can_have_is_refused(workspace):
+    """A name that is not UTF-8 on disk is listed with its bytes as \\udc80-\\udcff (as Python
+    reads it) and found again by that name; a lone surrogate outside that range names no file."""
+    with open(os.path.join(os.fsencode(workspace), b"\xff.txt"), "wb") as f:
+        f.write(b"hello\n")
+    ws = WorkspaceTools([workspace])
+    names = [e["name"] for e in ws.list_dir(".")["entries"]]
+    assert "\udcff.txt" in names
+    assert ws.read_file("\udcff.txt")["content"] == "hello\n"
+    for path in ("\ud800.txt", "a/\udfff"):
+        with pytest.raises(WorkspacePathError, match="not a file name: character [0-9]+ is .*half of a surrogate"):
+            ws.write_file(path, "x")
+    assert sorted(os.listdir(os.fsencode(workspace))) == sorted([b"src", b"README.md", b"node_modules",
+                                                                 b"blob.bin", b"\xff.txt"])
+
+
 def test_symlink_escaping_the_root_is_rejected(workspace):
     os.symlink(workspace.parent / "secret.txt", workspace / "link.txt")
     os.symlink(workspace.parent, workspace / "updir")
