@@ -1896,6 +1896,65 @@ def test_the_transcript_moves_between_turns_and_yanks_code_blocks(sv):
         "[operate] yanked the reply (14 lines)", "[operate] yanked the reply (1 line)"]
 
 
+def test_operate_export_writes_the_chat_as_markdown_to_a_file_or_a_new_tab(sv, tmp_path):
+    """`:OperateExport {file}` writes the chat as Markdown: each message, the reply as it reads (a
+    code block fenced apart from the tool output's own backticks), each tool call's headline with its
+    arguments and output folded, an edit's diff, the usage; an existing file only with `!`; without a
+    file, a new unsaved markdown buffer in a new tab; a chat whose history is still being read is
+    exported once it is; an empty chat is a warning."""
+    target = sv.tmp / "exported.py"                                     # (in the workspace)
+    bid = sv.new_branch([call("fixture_echo", text="```tick"), "Here:\n\n```python\nprint(1)\n```",
+                         call("write_file", path=str(target), content="x = 1\n"), "written"], "export")
+    sv.chat_send("echo it")
+    assert sv.wait_done()["err"] is None
+    sv.chat_send("write it")
+    sv.wait("#require('operate_sidecar.permission').queue == 1", "the write's permission request")
+    sv.lua("require('operate_sidecar.permission').answer('allow_once')")
+    assert sv.wait_done()["err"] is None and target.read_text() == "x = 1\n"
+    out = tmp_path / "chat.md"
+    sv.lua("_G.notes = {}")
+    sv.n.command(f"OperateExport {out}")
+    sv.wait(f"vim.loop.fs_stat({json.dumps(str(out))}) ~= nil", "the export")
+    md = out.read_text()
+    assert md.startswith("# export\n\n*Exported from operate-sidecar on ") and f"(branch {bid})*" in md
+    assert md.count("\n---\n") == 2 and md.count("### You") == 2 and md.count("### Assistant") == 2
+    assert "echo it\n" in md and "Here:\n\n```python\nprint(1)\n```\n" in md and "\n\nwritten\n" in md
+    assert "- ````✓ fixture_echo ```tick````\n" in md                  # a code span its backticks cannot end
+    assert '````json\n  {\n    "text": "```tick"\n  }\n  ````' in md                    # its fence outruns them
+    assert "- `✓ write_file exported.py" in md and "  ```diff\n  --- /dev/null\n" in md and "  +x = 1\n" in md
+    assert "2 rounds" in md and "model call" in md
+    assert sv.lua("return _G.notes") == [f"[operate] exported the chat (2 turns) to {out}"]
+    # an existing file: refused without !, replaced with it
+    out.write_text("keep me")
+    sv.n.command(f"OperateExport {out}")
+    sv.wait("#_G.notes == 2", "the refusal")
+    assert out.read_text() == "keep me" and "exists: :OperateExport! " in sv.lua("return _G.notes")[1]
+    sv.n.command(f"OperateExport! {out}")
+    sv.wait("#_G.notes == 3", "the export")
+    again = out.read_text()
+    assert again.split("\n")[3:] == md.split("\n")[3:]                   # (all but the time of export)
+    # no file: a new tab with an unsaved markdown buffer
+    tabs = sv.lua("return #vim.api.nvim_list_tabpages()")
+    sv.n.command("OperateExport")
+    sv.wait(f"#vim.api.nvim_list_tabpages() == {tabs + 1}", "the export's tab")
+    assert sv.lua("return vim.bo.filetype") == "markdown" and sv.lua("return vim.api.nvim_buf_get_name(0)") == ""
+    shown = "\n".join(sv.lua("return vim.api.nvim_buf_get_lines(0, 0, -1, false)")) + "\n"
+    assert shown.split("\n")[3:] == md.split("\n")[3:]
+    # a chat whose history is still being read (gone, opened again by the export) waits for it
+    sv.n.command("tabclose!")                                            # (back to the chat's tab)
+    sv.lua("require('operate_sidecar.chat').forget(...)", bid)
+    out2 = tmp_path / "again.md"
+    sv.n.command(f"OperateExport {out2}")
+    sv.wait(f"vim.loop.fs_stat({json.dumps(str(out2))}) ~= nil", "the export of the reloaded chat")
+    assert out2.read_text().count("### You") == 2 and "print(1)" in out2.read_text()
+    # an empty chat
+    sv.new_branch(["unused"], "export-empty")
+    sv.lua("_G.notes = {}")
+    sv.n.command("OperateExport")
+    sv.wait("#_G.notes == 1", "the warning")
+    assert sv.lua("return _G.notes") == ["[operate] nothing to export: the chat is empty"]
+
+
 def test_g_question_mark_lists_the_chats_keys(sv):
     """`g?` in the transcript or the prompt shows the chat's keys there, each with what it does
     (from the mappings themselves, so the list cannot go stale), in a float that `q` closes."""

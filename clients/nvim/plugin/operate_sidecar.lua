@@ -61,6 +61,15 @@ end, {
   desc = "Attach {file} to the chat's message (#file:<path>; picked from the project's files when omitted)",
 })
 
+cmd('OperateExport', function(opts)
+  require('operate_sidecar.chat').export(opts.args, opts.bang)
+end, {
+  nargs = '?',
+  bang = true,
+  complete = 'file',
+  desc = 'The chat as Markdown: in a new tab, or written to {file} (! replaces an existing one)',
+})
+
 cmd('OperatePermission', function()
   require('operate_sidecar.permission').focus()
 end, { desc = 'Show the waiting permission request or diff review' })

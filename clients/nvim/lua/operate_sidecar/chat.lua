@@ -1153,9 +1153,26 @@ function M.get(branch)
   create(chat)
   chats[chat.key] = chat
   if branch then
-    load_history(chat) -- (whoever asks first: a chat of a branch is never left without its past)
+    -- (whoever asks first: a chat of a branch is never left without its past; M.loaded waits for it)
+    chat.waiting = {}
+    load_history(chat, function(err)
+      local waiting = chat.waiting or {}
+      chat.waiting = nil
+      for _, fn in ipairs(waiting) do
+        fn(err)
+      end
+    end)
   end
   return chat, true
+end
+
+--- Call fn(err) once the chat's history is read from its branch (at once when it is).
+function M.loaded(chat, fn)
+  if chat.waiting then
+    chat.waiting[#chat.waiting + 1] = fn
+  else
+    fn(nil)
+  end
 end
 
 -- Rename buffer b. Renaming leaves an unlisted buffer of the old name behind (as `:file` does,
@@ -2058,6 +2075,156 @@ function M.recall(step)
   local row = step < 0 and 1 or api.nvim_buf_line_count(b)
   local col = #(api.nvim_buf_get_lines(b, row - 1, row, false)[1] or '')
   pcall(api.nvim_win_set_cursor, 0, { row, col })
+end
+
+-- ---------------------------------------------------------------- export
+
+-- A fenced block of `text`: its fence longer than any run of backticks in it.
+local function fenced(text, lang)
+  local longest = 2
+  for run in text:gmatch('`+') do
+    longest = math.max(longest, #run)
+  end
+  local fence = string.rep('`', longest + 1)
+  return fence .. (lang or '') .. '\n' .. text:gsub('\n$', '') .. '\n' .. fence
+end
+
+-- A code span of `text`: its delimiter longer than any run of backticks in it (CommonMark).
+local function inline_code(text)
+  local longest = 0
+  for run in text:gmatch('`+') do
+    longest = math.max(longest, #run)
+  end
+  local tick = string.rep('`', longest + 1)
+  local pad = (text:sub(1, 1) == '`' or text:sub(-1) == '`') and ' ' or ''
+  return tick .. pad .. text .. pad .. tick
+end
+
+local function json_text(v)
+  return type(v) == 'string' and v or table.concat(util.pretty(v), '\n')
+end
+
+-- A tool call as Markdown: its headline as code, then its arguments and output folded in a
+-- <details>, and an edit's diff fenced (shown, as the transcript shows it).
+local function card_markdown(card)
+  local out = { '- ' .. inline_code(M.card_headline(card)) }
+  local parts = {}
+  if type(card.arguments) == 'table' and next(card.arguments) ~= nil then
+    parts[#parts + 1] = '**Arguments**\n\n' .. fenced(json_text(card.arguments), 'json')
+  elseif type(card.argsSummary) == 'string' then
+    parts[#parts + 1] = '**Arguments:** ' .. util.one_line(card.argsSummary)
+  end
+  local o, diff = card.output, nil
+  if type(o) == 'table' and type(o.diff) == 'string' then
+    diff, o = o.diff, vim.deepcopy(o)
+    o.diff = nil
+  end
+  if o ~= nil and not (type(o) == 'table' and next(o) == nil and diff) then
+    parts[#parts + 1] = '**Output**\n\n' .. fenced(json_text(o), type(o) == 'string' and '' or 'json')
+  elseif type(card.resultSummary) == 'string' then
+    parts[#parts + 1] = '**Output:** ' .. util.one_line(card.resultSummary)
+  end
+  local indent = function(text)
+    return (text:gsub('\n([^\n])', '\n  %1'))
+  end
+  if #parts > 0 then
+    out[#out + 1] = indent('  <details><summary>Arguments and output</summary>\n\n' .. table.concat(parts, '\n\n')
+      .. '\n\n</details>')
+  end
+  if diff and vim.trim(diff) ~= '' then
+    out[#out + 1] = indent('  ' .. fenced(diff, 'diff'))
+  end
+  return table.concat(out, '\n\n')
+end
+
+--- A chat as one Markdown document (:OperateExport): its title and `when`, then each turn: the
+--- message and what was sent with it, the reply as it reads (thoughts folded in a <details>, each
+--- tool call's headline with its arguments and output folded and an edit's diff), its error or
+--- note, and its usage.
+function M.markdown(chat, when)
+  local title = chat_title(chat):gsub('^# ', '')
+  local out = { '# ' .. util.one_line(title) }
+  if when then
+    out[#out + 1] = '*' .. when .. '*'
+  end
+  for _, turn in ipairs(chat.turns) do
+    out[#out + 1] = '---'
+    if turn.user and turn.user ~= '' then
+      out[#out + 1] = '### You' .. (turn.time and (' · ' .. turn.time) or '')
+      out[#out + 1] = turn.user
+      if turn.ctx_label and turn.ctx_label ~= '' then
+        out[#out + 1] = '*Context:* ' .. turn.ctx_label
+      end
+    end
+    out[#out + 1] = '### Assistant' .. (turn.model and (' · ' .. turn.model) or '')
+    for _, blk in ipairs(turn.blocks) do
+      if blk.kind == 'text' then
+        local body = shown_text(blk)
+        if body then
+          out[#out + 1] = vim.trim(table.concat(body, '\n'))
+        end
+      elseif blk.kind == 'thought' then
+        if vim.trim(blk.raw or '') ~= '' then
+          out[#out + 1] = ('<details><summary>%s</summary>\n\n%s\n\n</details>'):format(
+            M.thoughts_headline(blk.ms):gsub('_', ''), vim.trim(blk.raw))
+        end
+      else
+        out[#out + 1] = card_markdown(blk.card)
+      end
+    end
+    if turn.status == 'running' then
+      out[#out + 1] = '*(still running when the chat was exported)*'
+    elseif turn.status == 'cancelled' then
+      out[#out + 1] = '*cancelled*'
+    elseif turn.status == 'error' then
+      out[#out + 1] = '**Error:** ' .. util.one_line(turn.error)
+    end
+    if turn.note then
+      out[#out + 1] = '*' .. turn.note .. '*'
+    end
+    local u = turn.status ~= 'running' and usage_line(turn)
+    if u then
+      out[#out + 1] = '*' .. u:sub(2, -2) .. '*'
+    end
+  end
+  return table.concat(out, '\n\n') .. '\n'
+end
+
+--- :OperateExport [file]: the chat of this tab (else of the current branch) as Markdown: into a
+--- new buffer in a new tab, unsaved (`:w name` keeps it), or written to `file` (an existing one
+--- only with `force`, :OperateExport!). Waits for the chat's history; an empty chat: a warning.
+function M.export(file, force, chat)
+  chat = chat or M.current()
+  M.loaded(chat, function(err)
+    if err then
+      return notify('cannot export the chat: ' .. tostring(err), vim.log.levels.ERROR)
+    elseif #chat.turns == 0 then
+      return notify('nothing to export: the chat is empty', vim.log.levels.WARN)
+    end
+    local when = 'Exported from operate-sidecar on ' .. os.date('%Y-%m-%d %H:%M')
+      .. (chat.branch and (' (branch ' .. chat.branch .. ')') or '')
+    local lines = util.split_lines((M.markdown(chat, when):gsub('\n$', '')))
+    local n = #chat.turns
+    local what = ('%d turn%s'):format(n, n == 1 and '' or 's')
+    if file and file ~= '' then
+      local path = vim.fn.fnamemodify(vim.fn.expand(file), ':p')
+      if vim.fn.isdirectory(path) == 1 then
+        return notify(('cannot export to %s: it is a directory'):format(path), vim.log.levels.ERROR)
+      elseif vim.fn.filereadable(path) == 1 and not force then
+        return notify(('%s exists: :OperateExport! %s replaces it'):format(path, file), vim.log.levels.ERROR)
+      end
+      if vim.fn.writefile(lines, path) ~= 0 then
+        return notify(('cannot write %s'):format(path), vim.log.levels.ERROR)
+      end
+      return notify(('exported the chat (%s) to %s'):format(what, path))
+    end
+    vim.cmd('tabnew')
+    local b = api.nvim_get_current_buf()
+    api.nvim_buf_set_lines(b, 0, -1, false, lines)
+    vim.bo[b].filetype = 'markdown'
+    api.nvim_win_set_cursor(0, { 1, 0 })
+    notify(('exported the chat (%s): :w {file} keeps it'):format(what))
+  end)
 end
 
 --- The lines of a branch's chat: the transcript, then the prompt (for scripts and tests).
