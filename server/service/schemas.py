@@ -260,6 +260,41 @@ def _check_default(annotation: Any, default: Any, where: str) -> None:
                              f"{complaint}", {"path": at}) from None
 
 
+def _check_property_defaults(schema: dict[str, Any], where: str) -> None:
+    """-32602 for a property's ``default`` that is not a value of that property's schema: the
+    built model puts it, unchecked, into a reply that leaves the property out, so the result would
+    break the schema the client wrote. ``null`` is taken: an optional property the reply leaves
+    out is written ``null`` anyway (§14)."""
+    from jsonschema.exceptions import best_match
+
+    from operate_sidecar.server.core.tools import linear_validator
+
+    validator = None
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+                for name, sub in value.items():
+                    at = f"{path}/{key}/{name}"
+                    if key == "properties" and isinstance(sub, dict) and sub.get("default") is not None:
+                        validator = validator or linear_validator(schema)
+                        error = best_match(validator.evolve(schema=sub).iter_errors(sub["default"]))
+                        if error is not None:
+                            inner = "".join(f"/{x}" for x in error.absolute_path)
+                            raise invalid_params(
+                                f"{where}: the default at {at}/default is not a value of its property's schema"
+                                f"{' at ' + inner if inner else ''}: {_cut(error.message)}",
+                                {"path": f"{at}/default"})
+                    stack.append((sub, at))
+            elif key in ("items", "additionalProperties", "not"):
+                stack.append((value, f"{path}/{key}"))
+            elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
+                stack.extend((v, f"{path}/{key}/{i}") for i, v in enumerate(value))
+
+
 def _reply_check(schema: dict[str, Any]) -> Any:
     """``check(data)``: a ``ValueError`` naming where ``data`` (a reply, as validated and coerced
     by the built model, dumped as JSON without its defaults) is not a value of ``schema``, the
@@ -422,6 +457,8 @@ class SchemaCache:
         if self._pinned_key(schema) is None:  # (a pinned schema is a front end's own constant)
             check_valid(schema, where)
         built = _check(schema, "", where)
+        if self._pinned_key(schema) is None:
+            _check_property_defaults(schema, where)
         if schema.get("type", "object") != "object":
             raise invalid_params(f"{where}: must be an object schema (\"type\": \"object\")")
         model = self._build(dict(built, title=schema.get("title") or DEFAULT_TITLE), where)

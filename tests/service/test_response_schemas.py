@@ -121,3 +121,29 @@ def test_a_schema_the_builder_holds_by_itself_is_not_checked_twice():
     for extra in ({"uniqueItems": True}, {"minItems": 1, "uniqueItems": False}):
         schema = {**held, "properties": {**held["properties"], "b": {**held["properties"]["b"], **extra}}}
         assert "held_to_schema" in SchemaCache().model_for(schema).__pydantic_decorators__.model_validators
+
+
+@pytest.mark.parametrize("properties, path, words", [
+    ({"n": {"type": "integer", "default": "x"}}, "/properties/n/default", "'x' is not of type 'integer'"),
+    ({"c": {"$ref": "#/$defs/Colour", "default": "blue"}}, "/properties/c/default", "'blue' is not one of"),
+    ({"k": {"type": "object", "properties": {"z": {"type": "array", "items": {"type": "integer"}, "default": [1, "a"]}}}},
+     "/properties/k/properties/z/default", "schema at /1: 'a' is not of type 'integer'"),
+    ({"s": {"type": "string", "pattern": "^a+$", "default": "b"}}, "/properties/s/default", "does not match"),
+])
+def test_a_property_default_that_breaks_its_schema_is_refused(properties, path, words):
+    """The built model puts a property's default, unchecked, into a reply that leaves it out."""
+    from operate_sidecar.server.service.errors import RpcError
+
+    with pytest.raises(RpcError) as e:
+        SchemaCache().model_for({"type": "object", "title": "T", "properties": properties,
+                                 "$defs": {"Colour": {"type": "string", "enum": ["red", "green"]}}})
+    assert e.value.code == -32602 and e.value.data == {"path": path}, e.value.data
+    assert words in e.value.message and "\n" not in e.value.message, e.value.message
+
+
+def test_a_property_default_that_fits_its_schema_or_is_null_is_the_value_of_a_property_left_out():
+    model = SchemaCache().model_for({"type": "object", "title": "T", "properties": {
+        "n": {"type": "integer", "default": 3}, "s": {"type": "string", "default": None},
+        "c": {"$ref": "#/$defs/Colour", "default": "red"}},
+        "$defs": {"Colour": {"type": "string", "enum": ["red", "green"]}}})
+    assert model.model_validate({}).model_dump(mode="json") == {"n": 3, "s": None, "c": "red"}
