@@ -694,6 +694,8 @@ async def _import_sdk() -> None:
         import mcp.client.stdio  # noqa: F401
         import mcp_types  # noqa: F401
 
+        logging.getLogger("mcp.client.stdio").addFilter(_one_line_for_an_unread_line)
+
     try:
         await anyio.to_thread.run_sync(load)
     except ImportError as e:
@@ -737,6 +739,18 @@ def _named_tools(sources: list[McpToolSource], reserved: Collection[str]) -> Mcp
             raise ToolSourceError(f"MCP tool name {t.name!r} is taken twice even with the server prefix")
         seen.add(t.name)
     return tools
+
+
+def _one_line_for_an_unread_line(record: logging.LogRecord) -> bool:
+    """The SDK logs a line of a server's that it cannot read with a traceback of its parser
+    (``logger.exception``): the log says in one line what the line was instead (its request is
+    never answered; the time-out that follows names it too)."""
+    e = record.exc_info[1] if record.exc_info else None
+    if isinstance(e, Exception) and str(record.msg).startswith("Failed to parse"):
+        record.msg, record.args = "an MCP server wrote a line that could not be read, which is ignored: %s", (
+            _unread_text(e),)
+        record.exc_info = record.exc_text = None
+    return True
 
 
 def _unread_text(e: Exception) -> str:

@@ -388,3 +388,19 @@ def test_a_started_server_and_its_child_die_with_a_killed_sidecar(sidecar, tmp_p
     sidecar.proc.kill()                                   # SIGKILL: no clean-up of its own
     sidecar.proc.wait(WAIT)
     assert wait_gone(no_leftovers, 5.0) == []
+
+
+async def test_a_line_the_sdk_cannot_read_is_logged_in_one_line_saying_what_it_was(caplog):
+    """The SDK logs such a line with its parser's traceback; the log says what the line was."""
+    import logging
+
+    unreadable = {"command": [sys.executable, str(Path(SERVER).parent / "unreadable_mcp_server.py")]}
+    with caplog.at_level(logging.ERROR, logger="mcp.client.stdio"):
+        with pytest.raises(ToolSourceError):
+            async with open_mcp_sources({"odd": unreadable}, start_timeout=2, errlog=io.StringIO()):
+                pass  # pragma: no cover
+    records = [r for r in caplog.records if r.name == "mcp.client.stdio"]
+    assert records and all(r.exc_info is None and r.exc_text is None for r in records)
+    assert records[0].getMessage() == ("an MCP server wrote a line that could not be read, which is ignored: not a "
+                                       'JSON-RPC message: {"jsonrpc": "2.0", "id": 2, "result": null}')
+    assert "Traceback" not in caplog.text
