@@ -2079,23 +2079,25 @@ end
 
 -- ---------------------------------------------------------------- export
 
--- A fenced block of `text`: its fence longer than any run of backticks in it.
-local function fenced(text, lang)
-  local longest = 2
+-- Backticks one more than the longest run of them in `text` (at least `least`): a Markdown
+-- fence or code span that nothing inside it ends.
+local function ticks_around(text, least)
+  local longest = least - 1
   for run in text:gmatch('`+') do
     longest = math.max(longest, #run)
   end
-  local fence = string.rep('`', longest + 1)
+  return string.rep('`', longest + 1)
+end
+
+-- A fenced block of `text`.
+local function fenced(text, lang)
+  local fence = ticks_around(text, 3)
   return fence .. (lang or '') .. '\n' .. text:gsub('\n$', '') .. '\n' .. fence
 end
 
--- A code span of `text`: its delimiter longer than any run of backticks in it (CommonMark).
+-- A code span of `text` (CommonMark: a space inside each end when it starts or ends with a backtick).
 local function inline_code(text)
-  local longest = 0
-  for run in text:gmatch('`+') do
-    longest = math.max(longest, #run)
-  end
-  local tick = string.rep('`', longest + 1)
+  local tick = ticks_around(text, 1)
   local pad = (text:sub(1, 1) == '`' or text:sub(-1) == '`') and ' ' or ''
   return tick .. pad .. text .. pad .. tick
 end
