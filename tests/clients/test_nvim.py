@@ -1955,6 +1955,78 @@ def test_operate_export_writes_the_chat_as_markdown_to_a_file_or_a_new_tab(sv, t
     assert sv.lua("return _G.notes") == ["[operate] nothing to export: the chat is empty"]
 
 
+def _rendered(md: str) -> str:
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").render(md)
+
+
+def test_operate_export_keeps_the_document_whole_and_says_why_it_cannot(sv, tmp_path):
+    """Nothing the chat holds breaks the exported document: thoughts (often cut off) are fenced in
+    their fold, a reply that leaves a code fence open has it closed, a NUL byte is written as it
+    is, and a call waiting for a decision says so without the transcript's keys. A file that cannot
+    be written, or a history that cannot be read, is one message saying why, and the history is
+    read again by the next try; a trailing blank is no part of the file's name."""
+    bid = sv.new_branch([{"thinking": "Draft:\n```python\nprint(1)\n</details>", "text": "Open:\n```python\nx = 1"},
+                         call("fixture_echo", text="nul\u0000byte"), "after the echo",
+                         call("mark_file", path=str(sv.tmp / "never.txt"), text="x")], "export-odd")
+    sv.chat_send("first")
+    assert sv.wait_done()["err"] is None
+    sv.chat_send("second")
+    assert sv.wait_done()["err"] is None
+    sv.n.command("OperateTools mark_file ask")
+    sv.wait("#_G.notes > 0", "the policy change")
+    sv.chat_send("third")
+    sv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+    out = tmp_path / "odd.md"
+    sv.lua("_G.notes = {}")
+    sv.n.command(f"OperateExport {out} ")                                 # (a trailing blank)
+    sv.wait("#_G.notes == 1", "the export")
+    assert sv.lua("return _G.notes") == [f"[operate] exported the chat (3 turns) to {out}"]
+    md = out.read_bytes().decode()
+    assert "<details><summary>thoughts</summary>\n\n````text\nDraft:\n```python\nprint(1)\n</details>\n````\n\n</details>" \
+        in md
+    assert "Open:\n```python\nx = 1\n```\n" in md                         # (the reply's fence closed)
+    assert "echo:nul\x00byte" in md
+    assert "- `? mark_file never.txt (waiting for a decision)`" in md and "ga accept" not in md
+    html = _rendered(md)
+    assert (html.count("<h3>"), html.count("<details>"), html.count("</details>")) == (6, 3, 3), html
+    sv.lua("require('operate_sidecar.permission').answer('deny_once')")
+    sv.wait_done()
+    # a file that cannot be written: one message, no Lua error (the fixture checks :messages)
+    sv.lua("_G.notes = {}")
+    sv.n.command(f"OperateExport {tmp_path / 'nodir' / 'x.md'}")
+    sv.wait("#_G.notes == 1", "the refusal")
+    assert sv.lua("return _G.notes") == [f"[operate] cannot write {tmp_path / 'nodir' / 'x.md'}: "
+                                         "No such file or directory"]
+    # a history that cannot be read (the server's answer fails once): said in words, read again next time
+    sv.lua("""
+        local server = require('operate_sidecar.server')
+        local request, failed = server.request, false
+        _G.orig_request = request
+        server.request = function(method, params, cb)
+          if method == 'branchMessages' and not failed then
+            failed = true
+            return cb({ code = -32603, message = 'the server is restarting' })
+          end
+          return request(method, params, cb)
+        end
+        _G.notes = {}
+        require('operate_sidecar.chat').forget(...)""", bid)
+    again = tmp_path / "again.md"
+    try:
+        sv.n.command(f"OperateExport {again}")
+        sv.wait("#_G.notes == 1", "the failure")
+        note = sv.lua("return _G.notes")[0]
+        assert note.startswith("[operate] cannot export the chat: its history could not be read: ") and \
+            "the server is restarting" in note and "table: 0x" not in note, note
+        sv.n.command(f"OperateExport {again}")
+        sv.wait("#_G.notes == 2", "the export of the history read again")
+        assert again.read_bytes().decode().count("### You") == 3 and "after the echo" in again.read_bytes().decode()
+    finally:
+        sv.lua("require('operate_sidecar.server').request = _G.orig_request")
+
+
 def test_g_question_mark_lists_the_chats_keys(sv):
     """`g?` in the transcript or the prompt shows the chat's keys there, each with what it does
     (from the mappings themselves, so the list cannot go stale), in a float that `q` closes."""

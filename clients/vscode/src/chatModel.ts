@@ -791,6 +791,22 @@ function fenced(text: string, lang = ''): string {
   return `${fence}${lang}\n${text.replace(/\n$/, '')}\n${fence}`;
 }
 
+/**
+ * `text` with a code fence it leaves open closed at its end: an open fence would take in the rest
+ * of the document (every turn after it). CommonMark's fences: 3 or more ` or ~, indented by 3
+ * spaces at most, closed by a run of the same character at least as long and nothing after it.
+ */
+export function fencesClosed(text: string): string {
+  let open: string | undefined;
+  for (const line of text.split('\n')) {
+    const m = /^ {0,3}(`{3,}|~{3,})/.exec(line);
+    if (!m) continue;
+    if (open === undefined) open = m[1];
+    else if (m[1][0] === open[0] && m[1].length >= open.length && /^ *(`+|~+)\s*$/.test(line)) open = undefined;
+  }
+  return open === undefined ? text : `${text}\n${open}`;
+}
+
 /** `text` as inline code, whatever backticks it holds. */
 function inlineCode(text: string): string {
   const ticks = '`'.repeat(longestTicks(text) + 1);
@@ -836,16 +852,17 @@ export function chatMarkdown(turns: Turn[], title: string, when?: string): strin
     out.push('---');
     if (t.user || t.contextLabels.length) {
       out.push('### You');
-      if (t.user) out.push(t.user);
+      if (t.user) out.push(fencesClosed(t.user));
       if (t.contextLabels.length) out.push(`*Context:* ${t.contextLabels.map(inlineCode).join(' · ')}`);
     }
     out.push('### Assistant');
     for (const it of t.items) {
-      if (it.kind === 'prose') { if (it.text.trim()) out.push(it.text.trim()); }
+      if (it.kind === 'prose') { if (it.text.trim()) out.push(fencesClosed(it.text.trim())); }
       else if (it.kind === 'tool') out.push(cardMarkdown(it.card));
       else if (it.text.trim()) {
         const summary = it.ms !== undefined && it.ms >= 1000 ? `Thought for ${Math.round(it.ms / 1000)} s` : 'Thought';
-        out.push(`<details><summary>${summary}</summary>\n\n${it.text.trim()}\n\n</details>`);
+        // (fenced: raw thoughts, often cut off, would break the fold or the rest of the document)
+        out.push(`<details><summary>${summary}</summary>\n\n${fenced(it.text.trim(), 'text')}\n\n</details>`);
       }
     }
     if (t.running) out.push('*(still running when the chat was exported)*');

@@ -64,8 +64,8 @@ function M.name_from(text)
   if line == '' then
     return nil
   end
-  if vim.fn.strchars(line) > 40 then
-    line = vim.fn.strcharpart(line, 0, 39) .. '…'
+  if util.nchars(line) > 40 then
+    line = util.first_chars(line, 39) .. '…'
   end
   return line
 end

@@ -332,8 +332,8 @@ local function card_summary(card)
     parts[#parts + 1] = card.stats
   end
   local s = table.concat(parts, ' ')
-  if vim.fn.strchars(s) > 60 then
-    s = vim.fn.strcharpart(s, 0, 59) .. '…'
+  if util.nchars(s) > 60 then
+    s = util.first_chars(s, 59) .. '…'
   end
   return s
 end
@@ -1133,9 +1133,29 @@ local function intact(chat)
   return chat ~= nil and usable(chat.buf) and usable(chat.prompt_buf)
 end
 
+-- Read a chat's history from its branch; M.loaded waits for it. A read that failed (the server
+-- down, the branch gone) is tried again by the next M.get of a chat that has no turns yet.
+local function read_history(chat)
+  chat.waiting, chat.history_failed = chat.waiting or {}, nil
+  load_history(chat, function(err)
+    chat.history_failed = err
+    local waiting = chat.waiting or {}
+    chat.waiting = nil
+    for _, fn in ipairs(waiting) do
+      local ok, e = pcall(fn, err)
+      if not ok then
+        notify(tostring(e), vim.log.levels.ERROR)
+      end
+    end
+  end)
+end
+
 function M.get(branch)
   local key = branch or ('new:' .. api.nvim_get_current_tabpage())
   local known = chats[key]
+  if known and known.history_failed and not known.waiting and #known.turns == 0 then
+    read_history(known)
+  end
   if intact(known) then
     return known, false
   elseif known then -- its buffers were deleted: rebuilt from the turns it holds
@@ -1153,25 +1173,18 @@ function M.get(branch)
   create(chat)
   chats[chat.key] = chat
   if branch then
-    -- (whoever asks first: a chat of a branch is never left without its past; M.loaded waits for it)
-    chat.waiting = {}
-    load_history(chat, function(err)
-      local waiting = chat.waiting or {}
-      chat.waiting = nil
-      for _, fn in ipairs(waiting) do
-        fn(err)
-      end
-    end)
+    read_history(chat) -- (whoever asks first: a chat of a branch is never left without its past)
   end
   return chat, true
 end
 
---- Call fn(err) once the chat's history is read from its branch (at once when it is).
+--- Call fn(err) once the chat's history is read from its branch (at once when it is, or when its
+--- read failed: err says why).
 function M.loaded(chat, fn)
   if chat.waiting then
     chat.waiting[#chat.waiting + 1] = fn
   else
-    fn(nil)
+    fn(chat.history_failed)
   end
 end
 
@@ -2106,15 +2119,40 @@ local function json_text(v)
   return type(v) == 'string' and v or table.concat(util.pretty(v), '\n')
 end
 
+-- `text` with a code fence it leaves open closed at its end: an open fence would take in the
+-- rest of the document (every turn after it). CommonMark's fences: 3 or more ` or ~, indented
+-- by 3 spaces at most, closed by a run of the same character at least as long.
+local function fences_closed(text)
+  local open_char, open_len
+  for line in (text .. '\n'):gmatch('(.-)\n') do
+    local indent, char = line:match('^( *)([`~])')
+    local runs = char == '`' and '`+' or '~+'
+    local run = char and #indent <= 3 and line:match('^ *(' .. runs .. ')')
+    if run and #run >= 3 then
+      if not open_char then
+        open_char, open_len = char, #run
+      elseif char == open_char and #run >= open_len and line:match('^ *' .. runs .. '%s*$') then
+        open_char = nil
+      end
+    end
+  end
+  return open_char and (text .. '\n' .. string.rep(open_char, open_len)) or text
+end
+
 -- A tool call as Markdown: its headline as code, then its arguments and output folded in a
--- <details>, and an edit's diff fenced (shown, as the transcript shows it).
+-- <details>, and an edit's diff fenced (shown, as the transcript shows it). A call waiting for
+-- the user's decision says so, without the transcript's keys.
 local function card_markdown(card)
-  local out = { '- ' .. inline_code(M.card_headline(card)) }
+  local headline = M.card_headline(card)
+  if card.status == 'waiting' then
+    headline = headline:sub(1, -#STATUS_NOTE.waiting - 1) .. ' (waiting for a decision)'
+  end
+  local out = { '- ' .. inline_code(headline) }
   local parts = {}
   if type(card.arguments) == 'table' and next(card.arguments) ~= nil then
     parts[#parts + 1] = '**Arguments**\n\n' .. fenced(json_text(card.arguments), 'json')
   elseif type(card.argsSummary) == 'string' then
-    parts[#parts + 1] = '**Arguments:** ' .. util.one_line(card.argsSummary)
+    parts[#parts + 1] = '**Arguments:** ' .. inline_code(util.one_line(card.argsSummary))
   end
   local o, diff = card.output, nil
   if type(o) == 'table' and type(o.diff) == 'string' then
@@ -2124,7 +2162,7 @@ local function card_markdown(card)
   if o ~= nil and not (type(o) == 'table' and next(o) == nil and diff) then
     parts[#parts + 1] = '**Output**\n\n' .. fenced(json_text(o), type(o) == 'string' and '' or 'json')
   elseif type(card.resultSummary) == 'string' then
-    parts[#parts + 1] = '**Output:** ' .. util.one_line(card.resultSummary)
+    parts[#parts + 1] = '**Output:** ' .. inline_code(util.one_line(card.resultSummary))
   end
   local indent = function(text)
     return (text:gsub('\n([^\n])', '\n  %1'))
@@ -2153,7 +2191,7 @@ function M.markdown(chat, when)
     out[#out + 1] = '---'
     if turn.user and turn.user ~= '' then
       out[#out + 1] = '### You' .. (turn.time and (' · ' .. turn.time) or '')
-      out[#out + 1] = turn.user
+      out[#out + 1] = fences_closed(turn.user)
       if turn.ctx_label and turn.ctx_label ~= '' then
         out[#out + 1] = '*Context:* ' .. turn.ctx_label
       end
@@ -2163,12 +2201,13 @@ function M.markdown(chat, when)
       if blk.kind == 'text' then
         local body = shown_text(blk)
         if body then
-          out[#out + 1] = vim.trim(table.concat(body, '\n'))
+          out[#out + 1] = fences_closed(vim.trim(table.concat(body, '\n')))
         end
       elseif blk.kind == 'thought' then
+        -- (fenced: raw thoughts, often cut off, would break the fold or the rest of the document)
         if vim.trim(blk.raw or '') ~= '' then
           out[#out + 1] = ('<details><summary>%s</summary>\n\n%s\n\n</details>'):format(
-            M.thoughts_headline(blk.ms):gsub('_', ''), vim.trim(blk.raw))
+            M.thoughts_headline(blk.ms):gsub('_', ''), fenced(vim.trim(blk.raw), 'text'))
         end
       else
         out[#out + 1] = card_markdown(blk.card)
@@ -2197,29 +2236,41 @@ end
 --- only with `force`, :OperateExport!). Waits for the chat's history; an empty chat: a warning.
 function M.export(file, force, chat)
   chat = chat or M.current()
+  file = vim.trim(file or '') -- (as :w, which takes no trailing blank into the name)
   M.loaded(chat, function(err)
     if err then
-      return notify('cannot export the chat: ' .. tostring(err), vim.log.levels.ERROR)
+      return notify('cannot export the chat: its history could not be read: ' .. util.error_text(err),
+        vim.log.levels.ERROR)
     elseif #chat.turns == 0 then
       return notify('nothing to export: the chat is empty', vim.log.levels.WARN)
     end
     local when = 'Exported from operate-sidecar on ' .. os.date('%Y-%m-%d %H:%M')
       .. (chat.branch and (' (branch ' .. chat.branch .. ')') or '')
-    local lines = util.split_lines((M.markdown(chat, when):gsub('\n$', '')))
+    local text = M.markdown(chat, when)
     local n = #chat.turns
     local what = ('%d turn%s'):format(n, n == 1 and '' or 's')
-    if file and file ~= '' then
-      local path = vim.fn.fnamemodify(vim.fn.expand(file), ':p')
+    if file ~= '' then
+      -- (expanded as :w expands its file: ~, $VAR, %, wildcards)
+      local ok, expanded = pcall(vim.fn.expand, file)
+      local path = vim.fn.fnamemodify(ok and expanded ~= '' and expanded or file, ':p')
       if vim.fn.isdirectory(path) == 1 then
         return notify(('cannot export to %s: it is a directory'):format(path), vim.log.levels.ERROR)
       elseif vim.fn.filereadable(path) == 1 and not force then
         return notify(('%s exists: :OperateExport! %s replaces it'):format(path, file), vim.log.levels.ERROR)
       end
-      if vim.fn.writefile(lines, path) ~= 0 then
-        return notify(('cannot write %s'):format(path), vim.log.levels.ERROR)
+      -- (the bytes as they are: writefile() would take a NUL for a Blob, and raises on failure)
+      local f, why = io.open(path, 'wb')
+      why = why and why:gsub('^' .. vim.pesc(path) .. ': ', '')
+      local written = f and f:write(text)
+      if f then
+        written = f:close() and written
+      end
+      if not written then
+        return notify(('cannot write %s: %s'):format(path, why or 'the write failed'), vim.log.levels.ERROR)
       end
       return notify(('exported the chat (%s) to %s'):format(what, path))
     end
+    local lines = util.split_lines((text:gsub('\n$', '')))
     vim.cmd('tabnew')
     local b = api.nvim_get_current_buf()
     api.nvim_buf_set_lines(b, 0, -1, false, lines)

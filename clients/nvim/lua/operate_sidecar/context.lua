@@ -373,8 +373,8 @@ function M.file(ref)
     end
     out.truncated = more or nil
   end
-  if vim.fn.strchars(text) > M.MAX_FILE_CHARS then
-    text, out.truncated = vim.fn.strcharpart(text, 0, M.MAX_FILE_CHARS), true
+  if util.nchars(text) > M.MAX_FILE_CHARS then
+    text, out.truncated = util.first_chars(text, M.MAX_FILE_CHARS), true
   end
   out.text = text
   return out

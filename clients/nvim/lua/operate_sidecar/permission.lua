@@ -150,7 +150,7 @@ local function measure(s, tabstop)
       cells = cells + tabstop - cells % tabstop
     end
     local w = api.nvim_strwidth(part)
-    wide = wide or w > vim.fn.strchars(part)
+    wide = wide or w > util.nchars(part)
     cells = cells + w
   end
   return cells, wide

@@ -199,6 +199,27 @@ function M.display_path(path)
   return M.one_line(vim.fn.fnamemodify(path, ':~:.'))
 end
 
+--- The number of characters (code points) of `s`, and its first `n` characters: as strchars()
+--- and strcharpart() count, but for any text, a NUL byte included (a Lua string holding one
+--- reaches a Vim function as a Blob: E976, an error in the middle of drawing the chat).
+function M.nchars(s)
+  return select(2, s:gsub('[^\128-\191]', ''))
+end
+
+function M.first_chars(s, n)
+  local at, count = 1, 0
+  while true do
+    local i = s:find('[^\128-\191]', at)
+    if not i then
+      return s
+    end
+    if count == n then
+      return s:sub(1, i - 1)
+    end
+    count, at = count + 1, i + 1
+  end
+end
+
 --- `v` as text on one line (a line break and the blanks around it as one space): a name from
 --- the server put in a headline, which a buffer line cannot hold otherwise.
 function M.one_line(v)

@@ -6,11 +6,12 @@ import * as assert from 'node:assert/strict';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
+import MarkdownIt from 'markdown-it';
 import {
   addThought, cardHtml, cardOfToolEvent, endThought, keepThoughts, repeatNote, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
   onBranch, progressAfter, refusesField, renderMarkdown, resolveLocalTurns, retryContext, statusText, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn,
   TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns, forgetKeptTurns, KEPT_CHARS, KEPT_THOUGHT_CHARS, KEPT_TURNS,
-  KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT, replyText, chatMarkdown,
+  KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT, replyText, chatMarkdown, fencesClosed,
 } from '../chatModel';
 import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
 
@@ -256,7 +257,7 @@ test('Export Chat: the conversation as one Markdown document, each message with 
   assert.equal(md, [
     '# Fix the bug', '*Exported then*',
     '---', '### You', 'Fix #file:src/x.py', '*Context:* `src/x.py`',
-    '### Assistant', '<details><summary>Thought for 3 s</summary>\n\nLook at it.\n\n</details>', 'Done:\n\n```py\ns = 1\n```',
+    '### Assistant', '<details><summary>Thought for 3 s</summary>\n\n```text\nLook at it.\n```\n\n</details>', 'Done:\n\n```py\ns = 1\n```',
     '- `✓ edit_file src/x.py +1 −1`\n\n'
       + '  <details><summary>Arguments and output</summary>\n\n'
       + '  Arguments:\n\n  ```json\n  {\n    "path": "src/x.py"\n  }\n  ```\n\n'
@@ -276,6 +277,24 @@ test('Export Chat: the conversation as one Markdown document, each message with 
   ].join('\n\n') + '\n');
   // a title with nothing in it; a turn with no message (the server could not be read) has no "You"
   assert.equal(chatMarkdown([{ user: '', contextLabels: [], items: [], error: 'x' }], ' '), '# Chat\n\n---\n\n### Assistant\n\n**Error:** x\n');
+});
+
+test('Export Chat keeps the document whole: thoughts (often cut off) are fenced in their fold, and a message or reply that leaves a code fence open has it closed, so the turns after it stay turns', () => {
+  assert.equal(fencesClosed('a\n```py\nx = 1'), 'a\n```py\nx = 1\n```');
+  assert.equal(fencesClosed('~~~~\n```\n~~~'), '~~~~\n```\n~~~\n~~~~');          // (a shorter run, another character: still open)
+  assert.equal(fencesClosed('```\nx\n````  \n    ```'), '```\nx\n````  \n    ```');  // (closed; then indented 4: code, no fence)
+  assert.equal(fencesClosed('``` x\n``` y'), '``` x\n``` y\n```');                  // (a closing fence holds nothing after it)
+  const turns: Turn[] = [
+    { user: 'Show:\n```sh\nls', contextLabels: [], items: [
+      { kind: 'thought', text: 'Draft:\n```python\nprint(1)\n</details>' }, { kind: 'prose', text: 'Open:\n~~~python\nx = 1' }] },
+    { user: 'Next', contextLabels: [], items: [{ kind: 'prose', text: 'Fine.' }] },
+  ];
+  const md = chatMarkdown(turns, 'T');
+  assert.ok(md.includes('<details><summary>Thought</summary>\n\n````text\nDraft:\n```python\nprint(1)\n</details>\n````\n\n</details>'), md);
+  assert.ok(md.includes('Show:\n```sh\nls\n```') && md.includes('Open:\n~~~python\nx = 1\n~~~'), md);
+  const html = new MarkdownIt('commonmark').render(md);
+  assert.deepEqual([html.split('<h3>').length - 1, html.split('<details>').length - 1, html.split('</details>').length - 1,
+    html.includes('<p>Fine.</p>')], [4, 1, 1, true], html);
 });
 
 test('Retry sends a turn\'s context again unless the branch holds the turn (stopped after its first round): the server recorded its instruction with that context, so it is not sent twice; the Retry button says which', () => {
