@@ -22,6 +22,7 @@ import gc
 import importlib
 import json
 import logging
+import math
 import os
 import time
 from datetime import datetime, timezone
@@ -110,12 +111,30 @@ def _cursor_key(cursor: str) -> tuple[float, str]:
     """The position a ``cursor`` of ours names; anything else is -32602."""
     try:
         when, sid = json.loads(base64.urlsafe_b64decode(cursor))
-        if not isinstance(sid, str):
-            raise ValueError(sid)
+        if not isinstance(sid, str) or isinstance(when, bool) or not isinstance(when, (int, float)) \
+                or not math.isfinite(when):  # (json reads NaN and Infinity; ours are finite numbers)
+            raise ValueError(when, sid)
         return float(when), sid
     except Exception:
         raise _invalid(f"session/list: cursor {cursor!r} is not a cursor this agent gave (pass a nextCursor back as it came)",
                        {"cursor": cursor, "reason": "not a cursor this agent gave"}) from None
+
+
+def _folder(path: str) -> str:
+    """An absolute path as the folder it names: "/ws/", "/ws/." and "//ws" are "/ws" (``normpath``
+    keeps two leading slashes, which POSIX leaves to the system; on Linux they are one)."""
+    p = os.path.normpath(path)
+    return "/" + p.lstrip("/") if p.startswith("//") else p
+
+
+class _Prompt:
+    """A prompt of a session: cancelled by ``session/cancel``; its task once it runs."""
+
+    __slots__ = ("cancelled", "task")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.task: asyncio.Task | None = None
 
 
 class OperateAgent(Agent):
@@ -133,11 +152,11 @@ class OperateAgent(Agent):
         self._imported: asyncio.Task | None = None  # the one-time import of ``LEGACY_SESSIONS``
         self._core: asyncio.Future | None = None   # the service, once the core is imported
         self._warm: asyncio.Future | None = None   # set once first-use paths are warmed
-        self._turns: dict[str, asyncio.Task] = {}
         self._live: set[asyncio.Task] = set()   # every turn (and background) task until it has finished
-        self._cancelled: set[str] = set()       # sessions whose running turn the client cancelled
-        self._starting: set[str] = set()        # sessions whose prompt arrived, its turn not yet running
         self._prompts: dict[str, asyncio.Lock] = {}  # held by a session's prompt until it is answered
+        self._current: dict[str, _Prompt] = {}  # the prompt holding a session's lock
+        self._waiting: dict[str, _Prompt] = {}  # a prompt sent after its session's turn was cancelled
+        self._shutting: set[str] = set()        # sessions being closed (session/close)
         self._closing = False                   # ``aclose`` has begun: start nothing more
         self._warned_models: set[str] = set()   # models whose problem (``model_problem``) was logged
 
@@ -420,17 +439,21 @@ class OperateAgent(Agent):
         the answer). The session stays stored and listed; ``session/load`` or
         ``session/resume`` takes it up again (a prompt before that is -32602)."""
         await self._branch(session_id)
-        self._cancel_turn(session_id)
-        lock = self._prompts.get(session_id)
-        if lock is not None and lock.locked():
-            try:  # the cancelled turn ends promptly; its answer (``cancelled``) goes out first
-                await asyncio.wait_for(lock.acquire(), CLOSE_WAIT_S)
-                lock.release()
-            except asyncio.TimeoutError:
-                log.warning("session %s: its cancelled turn did not end within %.0f s; closed without it",
-                            session_id, CLOSE_WAIT_S)
-        self._prompts.pop(session_id, None)
-        await self.sidecar.release_branch(session_id)
+        self._shutting.add(session_id)  # a prompt from here on is refused, as after the close
+        try:
+            self._cancel_turn(session_id)
+            lock = self._prompts.get(session_id)
+            if lock is not None and lock.locked():
+                try:  # the cancelled turn ends promptly; its answer (``cancelled``) goes out first
+                    await asyncio.wait_for(lock.acquire(), CLOSE_WAIT_S)
+                    lock.release()
+                except asyncio.TimeoutError:
+                    log.warning("session %s: its cancelled turn did not end within %.0f s; closed without it",
+                                session_id, CLOSE_WAIT_S)
+            self._prompts.pop(session_id, None)
+            await self.sidecar.release_branch(session_id)
+        finally:
+            self._shutting.discard(session_id)
         return CloseSessionResponse()
 
     async def list_sessions(self, cwd: str | None = None, cursor: str | None = None, additional_directories: Any = None,
@@ -439,7 +462,7 @@ class OperateAgent(Agent):
             if not os.path.isabs(cwd):
                 raise _invalid(f"session/list: cwd {cwd!r} must be an absolute path",
                                {"cwd": cwd, "reason": "must be an absolute path"})
-            cwd = os.path.normpath(cwd)  # "/ws/" and "/ws/." name the folder "/ws" is
+            cwd = _folder(cwd)  # "/ws/" and "/ws/." name the folder "/ws" is
         sc = await self._restored()
         try:
             branches = (await sc.listBranches({}))["branches"]
@@ -451,7 +474,7 @@ class OperateAgent(Agent):
             info = sc.branch_info(b["branchId"])
             if not info:  # not a session (made natively)
                 continue
-            if cwd is not None and os.path.normpath(info.get("cwd") or "/") != cwd:
+            if cwd is not None and _folder(info.get("cwd") or "/") != cwd:
                 continue
             key = (-_when(info.get("updatedAt")), b["branchId"])  # most recent first; ties by id, stably
             if after is None or key > after:
@@ -601,48 +624,40 @@ class OperateAgent(Agent):
 
     # ------------------------------------------------------------------ prompt turns
     async def prompt(self, prompt: list, session_id: str, **kw: Any) -> PromptResponse:
+        """One prompt turn at a time per session. A prompt sent while the session's turn runs is
+        refused, unless that turn was cancelled and not answered yet: it then starts once that
+        answer is sent (CodeCompanion does not wait for it); a second such prompt is refused
+        unless the first was cancelled too. ``session/cancel`` stops the prompt at whatever it
+        does (reading a linked file from the client, the model, a tool) and a waiting one."""
+        if session_id in self._shutting:  # (a prompt sent with the close, read before its answer)
+            raise self._not_loaded(session_id)
         lock = self._prompts.setdefault(session_id, asyncio.Lock())
-        # (the cancelled turn stays in ``_cancelled`` until its answer: its task may be gone already)
-        if lock.locked() and not (session_id in self._cancelled and session_id not in self._starting):
-            raise _invalid(f"session {session_id!r}: a prompt turn is already running (wait for its answer, or "
-                           "session/cancel it first)",
-                           {"sessionId": session_id, "reason": "a prompt turn is already running"})
-        # else the turn running, if any, is cancelled (that cancel is its own: its task has it) but
-        # not answered yet: this one starts once it is (CodeCompanion does not wait for that answer)
-        self._cancelled.discard(session_id)
-        self._starting.add(session_id)  # a cancel from here on applies to this turn
-        async with lock:
-            return await self._prompt(prompt, session_id)
-
-    async def _prompt(self, prompt: list, session_id: str) -> PromptResponse:
+        me = _Prompt()
+        if lock.locked():
+            current, waiting = self._current.get(session_id), self._waiting.get(session_id)
+            if not (current is None or current.cancelled) or (waiting is not None and not waiting.cancelled):
+                raise _invalid(f"session {session_id!r}: a prompt turn is already running (wait for its answer, or "
+                               "session/cancel it first)",
+                               {"sessionId": session_id, "reason": "a prompt turn is already running"})
+            self._waiting[session_id] = me
         try:
-            b = await self._branch(session_id)
-            if self.sidecar.branch_folders(session_id) is None:
-                # a session this process has not taken up (made by an earlier run or another
-                # server on the state directory): it has no folders here, and its tools would
-                # reach every session's; ACP has it loaded first, which gives them
-                raise _invalid(f"session {session_id!r} is not loaded here: session/load or session/resume it first",
-                               {"sessionId": session_id, "reason": "the session is not loaded: session/load it first"})
-            instruction, context = _prompt_parts(prompt)
-            model = self._model(session_id)
-            found = self._unrunnable(model)
-            if found is not None:  # said before anything is recorded
-                raise self._model_error(model, found)
-            if context:  # a file a link names reaches the model with its text
-                context = [await self._link(session_id, c) if "name" in c else c for c in context]
+            async with lock:
+                if self._waiting.get(session_id) is me:
+                    del self._waiting[session_id]
+                if me.cancelled or session_id in self._shutting:
+                    return PromptResponse(stop_reason="cancelled")
+                self._current[session_id] = me
+                try:
+                    return await self._run_prompt(me, prompt, session_id)
+                finally:
+                    del self._current[session_id]
         finally:
-            self._starting.discard(session_id)
-        # saved with the turn's messages: the update time, and the first prompt's line as the title
-        info: dict[str, Any] = {"updatedAt": _now()}
-        if not self.sidecar.branch_info(session_id).get("title"):
-            title = (instruction.strip().splitlines() or [""])[0][:80]
-            if title:
-                info["title"] = title
-        if session_id in self._cancelled:
-            self._cancelled.discard(session_id)
-            return PromptResponse(stop_reason="cancelled")
-        task = asyncio.get_running_loop().create_task(self._turn(b, instruction, context, info))
-        self._turns[session_id] = task
+            if self._waiting.get(session_id) is me:  # (the connection closed while it waited)
+                del self._waiting[session_id]
+
+    async def _run_prompt(self, me: "_Prompt", prompt: list, session_id: str) -> PromptResponse:
+        """The prompt ``me`` as a task that ``session/cancel`` cancels; its answer."""
+        me.task = task = asyncio.get_running_loop().create_task(self._prompt(prompt, session_id))
         self._live.add(task)
         task.add_done_callback(self._live.discard)
         try:
@@ -651,13 +666,10 @@ class OperateAgent(Agent):
             task.cancel()
             raise
         finally:
-            self._turns.pop(session_id, None)
             self.port.turns.pop(session_id, None)
         self.port.end_calls(session_id)
         await self.port.flush()  # every update of the turn before its answer, an error answer too
-        if task.cancelled() or session_id in self._cancelled:
-            if session_id not in self._starting:  # else the cancel of the next prompt, waiting for this one
-                self._cancelled.discard(session_id)
+        if task.cancelled() or me.cancelled:
             return PromptResponse(stop_reason="cancelled")
         exc = task.exception()
         if exc is not None:
@@ -665,6 +677,34 @@ class OperateAgent(Agent):
                 raise exc
             raise self._error(exc) from None
         return task.result()
+
+    @staticmethod
+    def _not_loaded(session_id: str) -> RequestError:
+        return _invalid(f"session {session_id!r} is not loaded here: session/load or session/resume it first",
+                        {"sessionId": session_id, "reason": "the session is not loaded: session/load it first"})
+
+    async def _prompt(self, prompt: list, session_id: str) -> PromptResponse:
+        """The prompt turn: checks, linked files read, then the operate (``_turn``)."""
+        b = await self._branch(session_id)
+        if self.sidecar.branch_folders(session_id) is None:
+            # a session this process has not taken up (made by an earlier run or another
+            # server on the state directory): it has no folders here, and its tools would
+            # reach every session's; ACP has it loaded first, which gives them
+            raise self._not_loaded(session_id)
+        instruction, context = _prompt_parts(prompt)
+        model = self._model(session_id)
+        found = self._unrunnable(model)
+        if found is not None:  # said before anything is recorded
+            raise self._model_error(model, found)
+        if context:  # a file a link names reaches the model with its text
+            context = [await self._link(session_id, c) if "name" in c else c for c in context]
+        # saved with the turn's messages: the update time, and the first prompt's line as the title
+        info: dict[str, Any] = {"updatedAt": _now()}
+        if not self.sidecar.branch_info(session_id).get("title"):
+            title = (instruction.strip().splitlines() or [""])[0][:80]
+            if title:
+                info["title"] = title
+        return await self._turn(b, instruction, context, info)
 
     async def cancel(self, session_id: str, **kw: Any) -> None:
         self._cancel_turn(session_id)
@@ -679,12 +719,12 @@ class OperateAgent(Agent):
         return None  # ignored, as JSON-RPC has a notification no one serves
 
     def _cancel_turn(self, session_id: str) -> None:
-        if session_id in self._starting:
-            self._cancelled.add(session_id)
-        task = self._turns.get(session_id)
-        if task is not None:
-            self._cancelled.add(session_id)
-            task.cancel()
+        """Cancel the session's prompt, at whatever it does, and the one waiting for it."""
+        for p in (self._current.get(session_id), self._waiting.get(session_id)):
+            if p is not None:
+                p.cancelled = True
+                if p.task is not None:
+                    p.task.cancel()
 
     # ------------------------------------------------------------------ resource links
     async def _link(self, sid: str, item: dict[str, Any]) -> dict[str, Any]:

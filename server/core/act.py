@@ -364,6 +364,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
     req = _record_request(branch, call_id, function, redact_value(args))
     started = time.perf_counter()
     responded = False
+    ctx: ToolCallContext | None = None
     try:
         try:
             if tool is None:
@@ -419,8 +420,10 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
         return ActionResponseModel(function=function or "", arguments=args, output=output)
     finally:
         if not responded:  # cancelled mid-call: keep the branch consistent
+            # (with what the call left pending, as a time-out says it: a write the client may still make)
+            error = "cancelled" + ("".join(f"; {note}" for note in ctx.pending) if ctx is not None else "")
             with anyio.CancelScope(shield=True):
-                _record_response(branch, req, {"error": "cancelled", "function": function})
+                _record_response(branch, req, {"error": error, "function": function})
                 if hooks:
                     await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function),
                                                summarize(redact_value(args)), error="cancelled",

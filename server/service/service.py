@@ -1574,6 +1574,10 @@ class Service:
             # waited is -32012 (it would have run, and answered, on a branch that is gone)
             branch = self.branch(branch.id)
             self._check_message_room(branch, bool(p.clear_messages))
+            refusal = self.journal.refusal() if self.journal is not None else None
+            if refusal is not None:  # its save is bound to fail: refused before the model and tools run
+                raise E.state_not_saved(f"the operate on branch {branch.id} was not run: {refusal}",
+                                        {"branchId": branch.id})
             me = asyncio.current_task()
             if me is not None:  # what deleteBranch ends
                 self._running[branch.id] = me

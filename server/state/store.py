@@ -227,6 +227,19 @@ class StateStore:
             raise StateNotSaved(f"the state database {self.path} (or its -wal) was deleted or replaced while the "
                                 "server was running; changes are refused until the server is restarted")
 
+    def refusal(self) -> str | None:
+        """Why every change is refused now, else None: the database is read-only, or was deleted
+        or replaced since it was opened (``_check_file``: a stat or two). A change bound to fail
+        is refused before it has any effect (an operate: before its model and tools run)."""
+        if self.read_only:
+            return (f"the state database {self.path} cannot be written; every change is refused until it can be "
+                    "(restart the server)")
+        try:
+            self._check_file()
+        except StateNotSaved as e:
+            return str(e)
+        return None
+
     def _open_read_only(self, error: BaseException) -> sqlite3.Connection:
         """The database exists but cannot be written (a read-only filesystem, say): serve its
         branches; every change fails (and is refused with :class:`StateNotSaved`)."""
@@ -720,7 +733,10 @@ class UnavailableStore:
         self.problems: list[str] = []
 
     def _refuse(self, bids: Any = ()) -> None:
-        raise StateNotSaved(f"the state directory {self.root} is unusable: {self.reason}", bids or ())
+        raise StateNotSaved(self.refusal(), bids or ())
+
+    def refusal(self) -> str:
+        return f"the state directory {self.root} is unusable: {self.reason}"
 
     def attach(self, branch: Any, meta: dict[str, Any], *, new: bool = True) -> None:
         pass

@@ -1709,12 +1709,12 @@ def test_sessions_are_listed_most_recent_first_within_a_second(tmp_path, ws):
 
 
 def test_sessions_are_listed_under_their_folder_however_its_path_is_written(tmp_path, ws):
-    """``session/list``'s ``cwd`` names a folder: "/ws/" and "/ws/." list the sessions made in
+    """``session/list``'s ``cwd`` names a folder: "/ws/", "/ws/." and "//ws" list the sessions made in
     "/ws" (an exact string match listed none); a relative ``cwd`` is -32602, as in session/new."""
     async def main():
         async with spawn(RecordingClient(), cfg(tmp_path, reply("ok"))) as (conn, _):
             sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
-            for written in (str(ws), str(ws) + "/", str(ws) + "/.", str(ws / "sub" / "..")):
+            for written in (str(ws), str(ws) + "/", str(ws) + "/.", str(ws / "sub" / ".."), "/" + str(ws)):
                 listed = (await bounded(conn.list_sessions(cwd=written))).sessions
                 assert [s.session_id for s in listed] == [sid], written
             assert (await bounded(conn.list_sessions(cwd=str(tmp_path / "elsewhere")))).sessions == []
@@ -1756,10 +1756,14 @@ def test_session_list_comes_in_pages_a_cursor_goes_on_from(tmp_path, ws):
             assert everyone == made[::-1]  # most recently updated first, across the pages
             in_ws, n_ws = await pages(str(ws))
             assert n_ws == 2 and in_ws == [s for s in everyone if s in mine]
-            for bad in ("nonsense", "e30=", "W10=", "WzEsIDJd"):  # not base64 JSON; {}; []; [1, 2]
+            import base64
+
+            made_up = [base64.urlsafe_b64encode(t.encode()).decode()  # a position no cursor of ours holds
+                       for t in ('[NaN, "x"]', '[Infinity, "x"]', '["1e5", "x"]', '[true, "x"]')]
+            for bad in ("nonsense", "e30=", "W10=", "WzEsIDJd", *made_up):  # not base64 JSON; {}; []; [1, 2]
                 with pytest.raises(acp.RequestError) as ei:
                     await bounded(conn.list_sessions(cursor=bad))
-                assert ei.value.code == -32602, ei.value
+                assert ei.value.code == -32602, (bad, ei.value)
     run(main())
 
 

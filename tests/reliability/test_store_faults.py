@@ -355,3 +355,29 @@ def test_a_change_cancelled_while_it_is_being_saved_answers_what_happened_and_me
     assert {b["branchId"]: b["name"] for b in c.request("listBranches", {})["branches"]} == mem
     assert [t["policy"] for t in c.request("listTools", {"branchId": kept})["tools"] if t["name"] == "write_file"] \
         == ["deny"]
+
+
+def test_an_operate_whose_save_is_bound_to_fail_is_refused_before_its_model_and_tools_run(spawn, tmp_path):
+    """The state database deleted while the server runs: every change is refused until a restart.
+    An operate then called its model and ran its tools (a file written) and only its save
+    failed; it is now refused before either, and the branch is as it was."""
+    ws, state = tmp_path / "ws", tmp_path / "state"
+    ws.mkdir()
+    call = {"json": {"action_requests": [{"function": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]}}
+    c = spawn()
+    c.request("initialize", {"workspaceFolders": [str(ws)], "settings": {
+        "models": {"m": scripted({"text": "first"}, call, call)}, "defaultModel": "m", "stateDir": str(state),
+        "toolPolicy": {"write_file": "allow"}}}, timeout=TIMEOUT)
+    bid = c.branch()
+    assert _operate(c, bid, "first")
+    for name in os.listdir(state):
+        if name.startswith(DB_FILE):
+            os.remove(state / name)
+    for _ in range(2):
+        try:
+            c.request("operate", {"branchId": bid, "instruction": "write", "actions": True}, timeout=TIMEOUT)
+            raise AssertionError("the operate was answered")
+        except RpcError as e:
+            assert e.code == STATE_NOT_SAVED and "was not run" in e.message and "deleted or replaced" in e.message, e
+        assert not (ws / "x.txt").exists()                               # no tool ran
+    assert _calls(c, bid) == 1 and _instructions(c, bid) == ["first"]   # no model call; the branch as it was

@@ -361,3 +361,27 @@ def test_a_client_write_past_its_own_request_time_out_says_it_may_still_land(tmp
                              f"within 2 s; the client was asked to write {tmp_path / 'm.py'} and may still do so: "
                              "read it before changing it again")
     assert ctx.pending == []
+
+
+def test_a_call_cancelled_while_its_client_write_waits_tells_the_model_it_may_still_land(sidecar, tmp_path):
+    """An operate cancelled while the client has its ``fs/writeTextFile``: the call's recorded
+    error says the write may still land, as a time-out's does, so that the next turn's model
+    reads the file before it changes it again (it said only "cancelled")."""
+    f = tmp_path / "m.py"
+    f.write_text("a\n")
+    asked, hang = threading.Event(), threading.Event()
+    sidecar.on_request("fs/readTextFile", lambda p: {"text": "a\n"})
+    sidecar.on_request("fs/writeTextFile", lambda p: (asked.set(), hang.wait(TIMEOUT), {})[2])
+    try:
+        bid = start(sidecar, tmp_path, call("edit_file", path="m.py", edits=[{"oldText": "a", "newText": "b"}]))
+        pending = sidecar.request_async("operate", {"branchId": bid, "instruction": "go", "actions": True})
+        assert asked.wait(TIMEOUT)
+        sidecar.cancel(pending.id)
+        with pytest.raises(RpcError) as e:
+            pending.result(TIMEOUT)
+        assert e.value.code == -32800
+    finally:
+        hang.set()
+    [resp] = [m for m in sidecar.messages(bid) if m["kind"] == "action_response"]
+    assert resp["content"]["output"]["error"] == (f"cancelled; the client was asked to write {f} and may still do "
+                                                  "so: read it before changing it again"), resp

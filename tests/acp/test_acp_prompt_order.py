@@ -1,0 +1,148 @@
+"""The order of a session's prompts, cancels and close when a client sends them in one burst
+(as CodeCompanion and Zed do: a cancel and the next prompt together, a close as the panel
+goes), over real pipes from a plain newline-delimited JSON client, so that the lines reach the
+agent in one read: the SDK's client writes each message on its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+from acp_support import TIMEOUT, agent_env, reply, scripted, write_config
+
+AGENT = [sys.executable, "-m", "operate_sidecar.server", "--acp"]
+
+
+class Raw:
+    """The agent over pipes: ``send`` writes any number of messages in one write; every
+    message the agent writes is kept (``seen``) and answers are waited for by id."""
+
+    def __init__(self, config: str) -> None:
+        self.proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=agent_env())
+        self.seen: list[dict] = []
+        self._answers: dict[object, dict] = {}
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self._cond:
+                self.seen.append(msg)
+                if "id" in msg and "method" not in msg:
+                    self._answers[msg["id"]] = msg
+                self._cond.notify_all()
+
+    def send(self, *msgs: dict) -> None:
+        self.proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in msgs))
+        self.proc.stdin.flush()
+
+    def answer(self, msg_id: object, timeout: float = TIMEOUT) -> dict:
+        with self._cond:
+            assert self._cond.wait_for(lambda: msg_id in self._answers, timeout), f"no answer to {msg_id} in {timeout} s"
+            return self._answers[msg_id]
+
+    def request_seen(self, method: str, timeout: float = TIMEOUT) -> dict:
+        with self._cond:
+            found = self._cond.wait_for(lambda: [m for m in self.seen if m.get("method") == method], timeout)
+            assert found, f"no {method} in {timeout} s"
+            return found[0]
+
+    def text(self) -> str:
+        with self._cond:
+            return "".join(m["params"]["update"]["content"]["text"] for m in self.seen
+                           if m.get("method") == "session/update"
+                           and m["params"]["update"].get("sessionUpdate") == "agent_message_chunk")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def req(msg_id: int, method: str, **params: object) -> dict:
+    return {"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params}
+
+
+def prompt(msg_id: int, sid: str, text: str = "hi", *extra: dict) -> dict:
+    return req(msg_id, "session/prompt", sessionId=sid, prompt=[{"type": "text", "text": text}, *extra])
+
+
+def cancel(sid: str) -> dict:
+    return {"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": sid}}
+
+
+def start(tmp_path, ws, *responses, fs: bool = False, **settings) -> tuple[Raw, str]:
+    config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(*responses)}, **settings})
+    a = Raw(config)
+    caps = {"fs": {"readTextFile": True, "writeTextFile": True}} if fs else {}
+    a.send(req(1, "initialize", protocolVersion=1, clientCapabilities=caps))
+    a.answer(1)
+    a.send(req(2, "session/new", cwd=str(ws), mcpServers=[]))
+    return a, a.answer(2)["result"]["sessionId"]
+
+
+def test_a_prompt_sent_with_the_close_is_refused_and_the_close_answers_once_the_turn_it_cancelled_has(tmp_path, ws):
+    """The prompt came in the same read as the close: it ran a whole turn on the closed session,
+    and the close waited for it."""
+    a, sid = start(tmp_path, ws, reply("r0", delayMs=60_000), reply("r1", delayMs=3_000), reply("r2"))
+    try:
+        a.send(prompt(3, sid, "running"))
+        time.sleep(0.4)                                            # (in its minute-long model call)
+        t0 = time.monotonic()
+        a.send(req(4, "session/close", sessionId=sid), prompt(5, sid, "after close"))
+        assert a.answer(3)["result"]["stopReason"] == "cancelled"
+        refused = a.answer(5)
+        assert refused["error"]["code"] == -32602, refused
+        assert a.answer(4) == {"jsonrpc": "2.0", "id": 4, "result": {}} and time.monotonic() - t0 < 2.5
+        a.send(req(6, "session/load", cwd=str(ws), sessionId=sid, mcpServers=[]))
+        a.answer(6)
+        assert "after close" not in json.dumps(a.seen)             # never recorded, never replayed
+        a.send(prompt(7, sid, "next"))
+        assert a.answer(7)["result"]["stopReason"] == "end_turn" and a.text().endswith("r1")
+    finally:
+        a.close()
+
+
+def test_a_cancel_stops_a_prompt_while_it_reads_a_linked_file_from_the_client(tmp_path, ws):
+    """The client's ``fs/read_text_file`` of a file the prompt links was waited for (up to the
+    tool time-out) before the cancel took effect, and the turn then ran anyway."""
+    a, sid = start(tmp_path, ws, reply("r0"), reply("r1"), fs=True, toolTimeoutMs=3_000)
+    try:
+        link = {"type": "resource_link", "name": "a.txt", "uri": (ws / "a.txt").as_uri()}
+        a.send(prompt(3, sid, "read it", link))
+        a.request_seen("fs/read_text_file")                        # (never answered)
+        t0 = time.monotonic()
+        a.send(cancel(sid))
+        assert a.answer(3)["result"]["stopReason"] == "cancelled" and time.monotonic() - t0 < 2.0
+        a.send(prompt(4, sid, "again"))
+        assert a.answer(4)["result"]["stopReason"] == "end_turn" and a.text() == "r0"   # the model was not asked
+        time.sleep(3.5)                                            # (past the read's time-out)
+        assert a.text() == "r0" and len([m for m in a.seen if "id" in m and "method" not in m]) == 4
+    finally:
+        a.close()
+
+
+def test_cancel_prompt_cancel_prompt_in_one_burst_runs_the_last_prompt(tmp_path, ws):
+    """The second cancel cancels the prompt waiting for the first cancelled turn; the last
+    prompt then waits and runs (it was refused as a second prompt)."""
+    a, sid = start(tmp_path, ws, reply("slow", delayMs=60_000), reply("last"))
+    try:
+        a.send(prompt(3, sid, "one"))
+        time.sleep(0.4)
+        a.send(cancel(sid), prompt(4, sid, "two"), cancel(sid), prompt(5, sid, "three"))
+        assert a.answer(3)["result"]["stopReason"] == "cancelled"
+        assert a.answer(4)["result"]["stopReason"] == "cancelled"
+        assert a.answer(5)["result"]["stopReason"] == "end_turn" and a.text() == "last"
+        a.send(prompt(6, sid, "four"), prompt(7, sid, "five"))     # (no cancel: the second is refused)
+        assert a.answer(7)["error"]["code"] == -32602 and "already running" in json.dumps(a.answer(7))
+    finally:
+        a.close()
