@@ -122,14 +122,15 @@ def _check_pattern(pattern: str, path: str, where: str) -> None:
 UNIQUE_ITEMS_SHOWN = "x-operate-sidecar-uniqueItems"
 
 
-def _check(schema: Any, path: str, where: str) -> Any:
+def _check(schema: Any, path: str, where: str, defaults: list[tuple[str, dict]] | None = None) -> Any:
     """-32602 for what the builder cannot take or enforce; else the schema as the builder takes it
     (a copy where something was rewritten): a ``true`` subschema (any value) is written ``{}``,
     and ``"items": false`` (only an empty array) ``"maxItems": 0``, which the builder enforces
     (``true`` broke the build with an ``AttributeError``, and ``"items": false`` let any array
     through); ``uniqueItems`` is renamed (the builder made the array a set); an ``allOf`` of
     keywords is merged (``_all_of_merged``). A ``false`` subschema elsewhere (no value) is
-    refused, named."""
+    refused, named. Each property with a ``default`` other than null goes into ``defaults`` (its
+    path, its schema), for ``_check_defaults``."""
     if not isinstance(schema, dict):
         if isinstance(schema, bool):
             return schema
@@ -151,8 +152,10 @@ def _check(schema: Any, path: str, where: str) -> Any:
                              {"path": f"{path}/$ref"})
     props = schema.get("properties")
     if isinstance(props, dict):
-        for name in props:
+        for name, sub in props.items():
             _check_name(name, f"{path}/properties", where)
+            if defaults is not None and isinstance(sub, dict) and sub.get("default") is not None:
+                defaults.append((f"{path}/properties/{name}", sub))
     out = schema
 
     def put(key: str, value: Any) -> None:
@@ -170,19 +173,19 @@ def _check(schema: Any, path: str, where: str) -> Any:
     for key in _SUBSCHEMA_MAPS:
         sub = schema.get(key)
         if isinstance(sub, dict):
-            new = {name: _subschema(s, f"{path}/{key}/{name}", where) for name, s in sub.items()}
+            new = {name: _subschema(s, f"{path}/{key}/{name}", where, defaults) for name, s in sub.items()}
             if any(new[name] is not s for name, s in sub.items()):
                 put(key, new)
     for key in _SUBSCHEMA_LISTS:
         sub = schema.get(key)
         if isinstance(sub, list):
-            listed = [_subschema(s, f"{path}/{key}/{i}", where) for i, s in enumerate(sub)]
+            listed = [_subschema(s, f"{path}/{key}/{i}", where, defaults) for i, s in enumerate(sub)]
             if any(a is not b for a, b in zip(listed, sub)):
                 put(key, listed)
     for key in _SUBSCHEMA_ONE:
         sub = schema.get(key)
         if isinstance(sub, dict):
-            checked = _check(sub, f"{path}/{key}", where)
+            checked = _check(sub, f"{path}/{key}", where, defaults)
             if checked is not sub:
                 put(key, checked)
     if schema.get("items") is True:
@@ -235,14 +238,14 @@ def _all_of_merged(schema: dict[str, Any], path: str, where: str) -> dict[str, A
     return rest
 
 
-def _subschema(schema: Any, path: str, where: str) -> Any:
+def _subschema(schema: Any, path: str, where: str, defaults: list[tuple[str, dict]] | None = None) -> Any:
     """A subschema under ``properties``, ``$defs`` or a combinator, checked (see ``_check``)."""
     if schema is True:
         return {}
     if schema is False:
         raise invalid_params(f"{where}: the schema at {path} is false, which no value matches: not supported "
                              "(leave it out, or give it a schema)", {"path": path})
-    return _check(schema, path, where)
+    return _check(schema, path, where, defaults)
 
 
 def _check_default(annotation: Any, default: Any, where: str) -> None:
@@ -260,39 +263,24 @@ def _check_default(annotation: Any, default: Any, where: str) -> None:
                              f"{complaint}", {"path": at}) from None
 
 
-def _check_property_defaults(schema: dict[str, Any], where: str) -> None:
-    """-32602 for a property's ``default`` that is not a value of that property's schema: the
-    built model puts it, unchecked, into a reply that leaves the property out, so the result would
-    break the schema the client wrote. ``null`` is taken: an optional property the reply leaves
-    out is written ``null`` anyway (§14)."""
+def _check_defaults(root: dict[str, Any], defaults: list[tuple[str, dict]], where: str) -> None:
+    """-32602 for a property's ``default`` (``_check`` collects them) that is not a value of that
+    property's schema (``$ref`` resolved in ``root``): the built model puts it, unchecked, into a
+    reply that leaves the property out, so the result would break the schema the client wrote.
+    ``null`` is taken: an optional property the reply leaves out is written ``null`` anyway (§14)."""
+    if not defaults:
+        return
     from jsonschema.exceptions import best_match
 
     from operate_sidecar.server.core.tools import linear_validator
 
-    validator = None
-    stack: list[tuple[Any, str]] = [(schema, "")]
-    while stack:
-        node, path = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        for key, value in node.items():
-            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-                for name, sub in value.items():
-                    at = f"{path}/{key}/{name}"
-                    if key == "properties" and isinstance(sub, dict) and sub.get("default") is not None:
-                        validator = validator or linear_validator(schema)
-                        error = best_match(validator.evolve(schema=sub).iter_errors(sub["default"]))
-                        if error is not None:
-                            inner = "".join(f"/{x}" for x in error.absolute_path)
-                            raise invalid_params(
-                                f"{where}: the default at {at}/default is not a value of its property's schema"
-                                f"{' at ' + inner if inner else ''}: {_cut(error.message)}",
-                                {"path": f"{at}/default"})
-                    stack.append((sub, at))
-            elif key in ("items", "additionalProperties", "not"):
-                stack.append((value, f"{path}/{key}"))
-            elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
-                stack.extend((v, f"{path}/{key}/{i}") for i, v in enumerate(value))
+    validator = linear_validator(root)
+    for at, sub in defaults:
+        error = best_match(validator.evolve(schema=sub).iter_errors(sub["default"]))
+        if error is not None:
+            inner = "".join(f"/{x}" for x in error.absolute_path)
+            raise invalid_params(f"{where}: the default at {at}/default is not a value of its property's schema"
+                                 f"{' at ' + inner if inner else ''}: {_cut(error.message)}", {"path": f"{at}/default"})
 
 
 def _reply_check(schema: dict[str, Any]) -> Any:
@@ -456,9 +444,10 @@ class SchemaCache:
             return cached
         if self._pinned_key(schema) is None:  # (a pinned schema is a front end's own constant)
             check_valid(schema, where)
-        built = _check(schema, "", where)
+        defaults: list[tuple[str, dict]] = []
+        built = _check(schema, "", where, defaults)
         if self._pinned_key(schema) is None:
-            _check_property_defaults(schema, where)
+            _check_defaults(schema, defaults, where)
         if schema.get("type", "object") != "object":
             raise invalid_params(f"{where}: must be an object schema (\"type\": \"object\")")
         model = self._build(dict(built, title=schema.get("title") or DEFAULT_TITLE), where)
@@ -489,7 +478,9 @@ class SchemaCache:
             check_valid(schema, f"{where}.schema")
             # (a field's type is built into the pipeline's own model, whose schema is not named
             # back: uniqueItems is held by the check but not shown)
-            built = _named_back(_check(schema, "", f"{where}.schema"), None)
+            defaults: list[tuple[str, dict]] = []
+            built = _named_back(_check(schema, "", f"{where}.schema", defaults), None)
+            _check_defaults(schema, defaults, f"{where}.schema")
             wrapper = {"title": "FieldWrapper", "type": "object", "properties": {"value": built},
                        "required": ["value"]}
             model = self._build(wrapper, f"{where}.schema")

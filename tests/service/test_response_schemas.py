@@ -147,3 +147,13 @@ def test_a_property_default_that_fits_its_schema_or_is_null_is_the_value_of_a_pr
         "c": {"$ref": "#/$defs/Colour", "default": "red"}},
         "$defs": {"Colour": {"type": "string", "enum": ["red", "green"]}}})
     assert model.model_validate({}).model_dump(mode="json") == {"n": 3, "s": None, "c": "red"}
+
+
+def test_a_field_models_property_default_that_breaks_its_schema_is_refused_the_same_way():
+    from operate_sidecar.server.service.errors import RpcError
+
+    with pytest.raises(RpcError) as e:
+        SchemaCache().spec_for({"name": "c", "schema": {"type": "object", "properties": {
+            "n": {"type": "integer", "default": "x"}}}})
+    assert e.value.code == -32602 and e.value.data == {"path": "/properties/n/default"}, e.value.data
+    assert e.value.message.startswith("fieldModels[0].schema: the default at /properties/n/default"), e.value.message
