@@ -2027,6 +2027,79 @@ def test_operate_export_keeps_the_document_whole_and_says_why_it_cannot(sv, tmp_
         sv.lua("require('operate_sidecar.server').request = _G.orig_request")
 
 
+def test_a_chat_reads_its_history_before_a_message_and_waits_for_it_no_longer_than_it_says(sv, tmp_path):
+    """A message sent in a chat whose history could not be read goes after the branch's earlier
+    turns, read again first (it came first, before the earlier turns, and they were never read
+    again). A server that never sends the history: the export and the message each say so after
+    their wait, and the message stays in the prompt. In the tab an export opened, :OperateExport
+    exports the same chat again (it found no chat there)."""
+    bid = sv.new_branch(["the first answer", "the second answer"], "history-first")
+    sv.chat_send("first question")
+    assert sv.wait_done()["err"] is None
+    # the export's own tab
+    sv.n.command("OperateExport")
+    sv.wait("vim.bo.filetype == 'markdown'", "the export's tab")
+    out = tmp_path / "from-export-tab.md"
+    sv.lua("_G.notes = {}")
+    sv.n.command(f"OperateExport {out}")
+    sv.wait("#_G.notes == 1", "the export from the export's tab")
+    assert sv.lua("return _G.notes") == [f"[operate] exported the chat (1 turn) to {out}"]
+    assert f"(branch {bid})" in out.read_text() and "the first answer" in out.read_text()
+    sv.n.command("tabclose!")
+    # the history's read fails twice (opening the chat, and :OperateChat before the message)
+    sv.lua("""
+        local server = require('operate_sidecar.server')
+        local request, failures = server.request, 0
+        _G.orig_request = request
+        server.request = function(method, params, cb)
+          if method == 'branchMessages' and params.limit ~= 0 and failures < 2 then
+            failures = failures + 1
+            return cb({ code = -32603, message = 'the server is restarting' })
+          end
+          return request(method, params, cb)
+        end
+        _G.notes = {}
+        require('operate_sidecar.chat').forget(...)
+        require('operate_sidecar.chat').get(...)""", bid)
+    try:
+        sv.chat_send("second question")
+        assert sv.wait_done()["err"] is None
+        lines = "\n".join(sv.lua("return require('operate_sidecar.chat').lines(...)", bid))
+        assert 0 <= lines.find("first question") < lines.find("the first answer") < lines.find("second question") \
+            < lines.find("the second answer"), lines
+    finally:
+        sv.lua("require('operate_sidecar.server').request = _G.orig_request")
+    # a server that never answers the history's read
+    sv.lua("""
+        local server = require('operate_sidecar.server')
+        local request = server.request
+        server.request = function(method, params, cb)
+          if method == 'branchMessages' and params.limit ~= 0 then
+            return -- (never answered)
+          end
+          return request(method, params, cb)
+        end
+        require('operate_sidecar.chat').HISTORY_WAIT_MS = 300
+        _G.notes = {}
+        require('operate_sidecar.chat').forget(...)""", bid)
+    try:
+        sv.n.command(f"OperateExport {tmp_path / 'never.md'}")
+        sv.wait("#_G.notes == 1", "the export's wait to end")
+        assert sv.lua("return _G.notes") == ["[operate] cannot export the chat yet: the server has not sent its history "
+                                             "in 0.3 s (:OperateExport again waits again; :OperateStop then :OperateStart "
+                                             "restarts it)"]
+        assert not (tmp_path / "never.md").exists()
+        sv.chat_send("third question")
+        sv.wait("#_G.notes == 2", "the message's wait to end")
+        assert sv.lua("return _G.notes")[1].startswith("[operate] not sent: the server has not sent the chat's history "
+                                                       "in 0.3 s (the message stays in the prompt")
+        assert sv.lua("return require('operate_sidecar.chat').prompt_text()") == "third question"
+        assert not sv.lua("return require('operate_sidecar.server').state.running")
+    finally:
+        sv.lua("require('operate_sidecar.server').request = _G.orig_request; "
+               "require('operate_sidecar.chat').HISTORY_WAIT_MS = 10000")
+
+
 def test_g_question_mark_lists_the_chats_keys(sv):
     """`g?` in the transcript or the prompt shows the chat's keys there, each with what it does
     (from the mappings themselves, so the list cannot go stale), in a float that `q` closes."""

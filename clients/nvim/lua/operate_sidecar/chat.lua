@@ -1178,13 +1178,28 @@ function M.get(branch)
   return chat, true
 end
 
+--- How long a send or an export waits for a chat's history still being read (ms).
+M.HISTORY_WAIT_MS = 10000
+
 --- Call fn(err) once the chat's history is read from its branch (at once when it is, or when its
---- read failed: err says why).
-function M.loaded(chat, fn)
-  if chat.waiting then
-    chat.waiting[#chat.waiting + 1] = fn
-  else
-    fn(chat.history_failed)
+--- read failed: err says why). With `ms`: fn({ timeout = ms }) if it has not come by then (a
+--- server alive but not answering), and not again when it comes.
+function M.loaded(chat, fn, ms)
+  if not chat.waiting then
+    return fn(chat.history_failed)
+  end
+  local done = false
+  local function once(err)
+    if not done then
+      done = true
+      fn(err)
+    end
+  end
+  chat.waiting[#chat.waiting + 1] = once
+  if ms then
+    vim.defer_fn(function()
+      once({ timeout = ms })
+    end, ms)
   end
 end
 
@@ -1734,6 +1749,29 @@ function M.send(chat, text, extra)
     notify('a turn is already running (<C-c> cancels it)', vim.log.levels.WARN)
     return false
   end
+  if chat.branch and (chat.waiting or (chat.history_failed and #chat.turns == 0)) and not (extra and extra.after_history) then
+    -- the branch's earlier turns first (still being read, or their read failed and nothing was
+    -- sent since: read again), so that the transcript shows them before this one, as the branch
+    -- holds them; the message stays in the prompt meanwhile
+    if not chat.waiting then
+      read_history(chat)
+    end
+    M.loaded(chat, function(err)
+      if err and err.timeout then
+        return notify(('not sent: the server has not sent the chat\'s history in %g s (the message '
+          .. 'stays in the prompt; :OperateStop then :OperateStart restarts the server)'):format(err.timeout / 1000),
+          vim.log.levels.ERROR)
+      elseif err then
+        notify("the chat's earlier turns could not be read (" .. util.error_text(err)
+          .. '): this message still goes on the branch after them', vim.log.levels.WARN)
+      end
+      if from_prompt and M.prompt_text(chat) ~= text then
+        return -- (the prompt was changed meanwhile: that text is the user's now, not this one)
+      end
+      M.send(chat, not from_prompt and text or nil, vim.tbl_extend('force', extra or {}, { after_history = true }))
+    end, M.HISTORY_WAIT_MS)
+    return true
+  end
   local again = extra and extra.again -- a turn sent again: its context and model, not read anew
   local ctx, model
   if again then
@@ -2235,10 +2273,16 @@ end
 --- new buffer in a new tab, unsaved (`:w name` keeps it), or written to `file` (an existing one
 --- only with `force`, :OperateExport!). Waits for the chat's history; an empty chat: a warning.
 function M.export(file, force, chat)
-  chat = chat or M.current()
+  -- (in the tab an export opened: the chat it was exported from)
+  local from = not chat and not (M.window() or M.prompt_window()) and vim.t.operate_export_of
+  chat = chat or (from and (chats[from] or (not from:match('^new:') and M.get(from)))) or M.current()
   file = vim.trim(file or '') -- (as :w, which takes no trailing blank into the name)
   M.loaded(chat, function(err)
-    if err then
+    if err and err.timeout then
+      return notify(('cannot export the chat yet: the server has not sent its history in %g s '
+        .. '(:OperateExport again waits again; :OperateStop then :OperateStart restarts it)')
+        :format(err.timeout / 1000), vim.log.levels.ERROR)
+    elseif err then
       return notify('cannot export the chat: its history could not be read: ' .. util.error_text(err),
         vim.log.levels.ERROR)
     elseif #chat.turns == 0 then
@@ -2272,12 +2316,13 @@ function M.export(file, force, chat)
     end
     local lines = util.split_lines((text:gsub('\n$', '')))
     vim.cmd('tabnew')
+    vim.t.operate_export_of = chat.key
     local b = api.nvim_get_current_buf()
     api.nvim_buf_set_lines(b, 0, -1, false, lines)
     vim.bo[b].filetype = 'markdown'
     api.nvim_win_set_cursor(0, { 1, 0 })
     notify(('exported the chat (%s): :w {file} keeps it'):format(what))
-  end)
+  end, M.HISTORY_WAIT_MS)
 end
 
 --- The lines of a branch's chat: the transcript, then the prompt (for scripts and tests).
