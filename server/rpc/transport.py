@@ -238,15 +238,12 @@ class Connection:
         self._route(msg)
 
     def _route(self, msg: dict) -> None:
-        if msg.get("jsonrpc") != "2.0":
-            self._invalid(msg, 'invalid request: "jsonrpc" must be "2.0"')
-            return
         method = msg.get("method")
         if method is None:
-            if "id" in msg and ("result" in msg or "error" in msg):
-                self._ordered(msg, needs_app=True)
-            else:
-                self._invalid(msg, "invalid request: no method")
+            self._answer(msg)
+            return
+        if msg.get("jsonrpc") != "2.0":
+            self._invalid(msg, 'invalid request: "jsonrpc" must be "2.0"')
             return
         if type(method) is not str:
             self._invalid(msg, 'invalid request: "method" must be a string')
@@ -260,7 +257,10 @@ class Connection:
         elif type(params) is not dict:
             if "id" in msg:
                 self.send_error(msg["id"], E.INVALID_PARAMS, "invalid params: params must be an object")
-            return
+                return
+            if method != "exit":  # (a notification cannot be answered; exit is obeyed whatever it holds)
+                return
+            msg["params"] = {}
         if "id" in msg:
             needs_app = method in _APP_METHODS
             if needs_app and self.app is None and self.initialized:
@@ -268,6 +268,26 @@ class Connection:
             self._ordered(msg, needs_app=needs_app)
         else:
             self._ordered(msg, needs_app=method == "$/cancelRequest")
+
+    def _answer(self, msg: dict) -> None:
+        """A body with no method: the client's answer to a request of ours, or no message. Never
+        answered under its id: an error there would answer the client's own request of that id.
+        A malformed one with an id (no ``jsonrpc``, neither ``result`` nor ``error``) is
+        ``-32600`` with ``id: null``, and the request of ours it answers fails at once, as if the
+        client had answered that error (it would wait for its time-out)."""
+        msg_id = msg.get("id")
+        if not _valid_id(msg_id):  # (a list or an object is no id: nothing it could answer)
+            self.send_error(None, E.INVALID_REQUEST, "invalid request: no method")
+            return
+        has_answer = "result" in msg or "error" in msg
+        if msg.get("jsonrpc") == "2.0" and has_answer:
+            self._ordered(msg, needs_app=True)
+            return
+        why = 'an answer needs "jsonrpc": "2.0"' if has_answer else 'an answer holds "result" or "error"'
+        log.warning("a malformed answer of the client (id %r): %s", msg_id, why)
+        self.send_error(None, E.INVALID_REQUEST, f"invalid request: no method, and not an answer: {why}")
+        self._ordered({"jsonrpc": "2.0", "id": msg_id, "error": {
+            "code": E.INVALID_REQUEST, "message": f"the client's answer is malformed: {why}"}}, needs_app=True)
 
     def _invalid(self, msg: dict, message: str) -> None:
         msg_id = msg.get("id")

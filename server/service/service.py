@@ -13,6 +13,7 @@ Imports no transport: no pygls, no lsprotocol, nothing from ``server.rpc`` or ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import json
@@ -111,6 +112,8 @@ class Service:
         self._tool_threads_closed = False
         #: branch id -> the task of the operate running on it (``deleteBranch`` ends it)
         self._running: dict[str, asyncio.Task] = {}
+        #: branch id -> the operates waiting for their turn on it (``deleteBranch`` ends them too)
+        self._waiting: dict[str, set[asyncio.Task]] = {}
         #: the operates whose branch was deleted while they ran: they answer -32012
         self._doomed: set[asyncio.Task] = set()
         #: branch id -> a delete of it in progress (done when it is over, deleted or not)
@@ -1128,6 +1131,27 @@ class Service:
             self._operate_slots = asyncio.Semaphore(int(self.settings["maxConcurrentOperates"]))
         return self._operate_slots
 
+    @contextlib.asynccontextmanager
+    async def _turn(self, branch_id: str) -> Any:
+        """An operate's turn: its branch's FIFO first, then one of maxConcurrentOperates slots
+        (waiters queue FIFO, cancellable). A delete of the branch ends a waiting operate (-32012)
+        as it ends the running one: it would wait for another branch's operate to free a slot."""
+        me = asyncio.current_task()
+        waiting = self._waiting.setdefault(branch_id, set())
+        if me is not None:
+            waiting.add(me)
+        try:
+            async with self._lock(branch_id), self._slots():
+                self._not_waiting(branch_id, waiting, me)
+                yield
+        finally:
+            self._not_waiting(branch_id, waiting, me)
+
+    def _not_waiting(self, branch_id: str, waiting: set[asyncio.Task], me: asyncio.Task | None) -> None:
+        waiting.discard(me)  # type: ignore[arg-type]
+        if not waiting and self._waiting.get(branch_id) is waiting:
+            del self._waiting[branch_id]
+
     def _lock(self, branch_id: str) -> asyncio.Lock:
         lock = self._locks.get(branch_id)
         if lock is None:
@@ -1277,14 +1301,15 @@ class Service:
         return {}
 
     def _forget(self, branch_id: str) -> list[tuple[str, McpServerReady]]:
-        """A deleted branch out of memory; the operate running on it is ended (-32012); the MCP
+        """A deleted branch out of memory; the operate running on it, and those waiting for their
+        turn on it, are ended (-32012); the MCP
         servers it passed that no other branch holds are stopped (their tools unregistered), as
         for a released branch (:meth:`release_branch`): those asked to stop, returned
         (:meth:`_mcp_stopped` waits for them)."""
-        task = self._running.pop(branch_id, None)
-        if task is not None and not task.done() and task not in self._doomed:
-            self._doomed.add(task)
-            task.cancel()
+        for task in (self._running.pop(branch_id, None), *self._waiting.pop(branch_id, ())):
+            if task is not None and not task.done() and task not in self._doomed:
+                self._doomed.add(task)
+                task.cancel()
         self.branches.pop(branch_id, None)
         self._locks.pop(branch_id, None)
         self._usage.pop(branch_id, None)
@@ -1568,8 +1593,8 @@ class Service:
             return prepare_operate_kw(branch, **later)
 
         self._check_message_room(branch, bool(p.clear_messages))
-        # per-branch FIFO first, then one of maxConcurrentOperates slots (waiters queue FIFO, cancellable)
-        async with self._lock(branch.id), self._slots():
+        branch = self.branch(branch.id)  # (deleted while its params were read: -32012, not once a slot frees)
+        async with self._turn(branch.id):
             # the branch as it is now that this operate's turn has come: one deleted while it
             # waited is -32012 (it would have run, and answered, on a branch that is gone)
             branch = self.branch(branch.id)

@@ -123,3 +123,23 @@ def test_a_fork_taken_while_the_operate_runs_and_then_deleting_the_source(sideca
     branch_not_found(p)
     assert [m["content"] for m in sidecar.messages(fork)] == [m["content"] for m in before]
     assert sidecar.request("operate", {"branchId": fork, "instruction": "x"})["result"] == "forked"
+
+
+def test_delete_ends_an_operate_waiting_for_a_slot_that_another_branch_holds(sidecar):
+    """With maxConcurrentOperates 1 and another branch's operate running, an operate waiting for
+    the slot is ended by its branch's delete (-32012) at once, as a cancel ends it: it waited for
+    the other branch's operate to free the slot, then answered."""
+    sidecar.init(models={"s": scripted({"text": "late", "delayMs": 60000}, "unused")}, maxConcurrentOperates=1)
+    b1, b2 = sidecar.branch(), sidecar.branch()
+    p1 = sidecar.request_async("operate", {"branchId": b1, "instruction": "hold", "workDoneToken": "t1"})
+    assert sidecar.wait_for(lambda n: any(m == "$/progress" for m, _ in n), TIMEOUT)  # b1 holds the slot
+    p2 = sidecar.request_async("operate", {"branchId": b2, "instruction": "wait", "workDoneToken": "t2"})
+    assert sidecar.request("deleteBranch", {"branchId": b2}) == {}
+    assert b2 in branch_not_found(p2).message
+    assert not p1.done()                                  # (not once b1's operate freed the slot)
+    assert not [v for v in sidecar.of("$/progress") if v["token"] == "t2"]  # it never started
+    sidecar.cancel(p1.id)
+    with pytest.raises(RpcError) as ei:
+        p1.result(TIMEOUT)
+    assert ei.value.code == -32800
+    assert [b["branchId"] for b in sidecar.request("listBranches")["branches"]] == [b1]

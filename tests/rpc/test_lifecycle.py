@@ -87,6 +87,15 @@ def test_exit_without_shutdown_exits_1(sidecar):
     assert sidecar.wait(TIMEOUT) == 1
 
 
+@pytest.mark.parametrize("params", [[0], "bye", 5])
+def test_exit_is_obeyed_whatever_its_params_hold(sidecar, params):
+    """A notification whose params are no object is dropped (it cannot be answered); exit is
+    obeyed all the same (it was dropped, and only the end of input stopped the process)."""
+    sidecar.init(models={"s": scripted("x")})
+    sidecar.notify("exit", params)
+    assert sidecar.wait(TIMEOUT) == 1
+
+
 def test_close_sends_shutdown_and_exit_and_returns_0(sidecar):
     sidecar.init(models={"s": scripted("x")})
     assert sidecar.close() == 0

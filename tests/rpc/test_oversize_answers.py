@@ -1,8 +1,11 @@
-"""A client's answer (to a server → client request) larger than ``maxMessageBytes``, end to end
-over real pipes: the server's request it answers fails at once, and the client is sent nothing
-(an error under that id would answer a pending request of the client's own with the same id)."""
+"""A client's answer (to a server → client request) larger than ``maxMessageBytes``, or
+malformed, end to end over real pipes: the server's request it answers fails at once, and the
+client is sent nothing under that id (an error there would answer a pending request of the
+client's own with the same id)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -86,3 +89,39 @@ def test_an_oversized_request_is_still_answered_and_a_stray_answer_never(sidecar
     assert sidecar.request("ping", timeout=TIMEOUT) == {}
     assert sidecar.unmatched == []
     assert sidecar.request("listBranches", timeout=TIMEOUT)["branches"] == []
+
+
+@pytest.mark.parametrize("answer", [{"id": FIRST_OUT_ID, "result": {"decision": "allow_once"}},
+                                    {"jsonrpc": "2.0", "id": FIRST_OUT_ID}],
+                         ids=["no jsonrpc", "neither result nor error"])
+def test_a_malformed_permission_answer_is_a_deny_at_once_and_no_answer_under_its_id(sidecar, answer):
+    """The answer is -32600 with id null (it was -32600 under the server's request id, which the
+    client's own operate had: that operate would have got it), and the request it answers fails
+    at once (it waited for its time-out, 120 s)."""
+    release = threading.Event()
+
+    def ask(p):
+        sidecar.send_raw(frame(answer))
+        release.wait(60)  # (the proper answer after it comes too late to count)
+        return {"decision": "allow_once"}
+
+    sidecar.on_request("requestToolPermission", ask)
+    sidecar.init(models={"s": scripted(call("echo_tool", text="a"))}, capabilities={"toolPermission": True},
+                 toolModules=["slow_tools"], toolPolicy={"echo_tool": "ask"})
+    try:
+        (out,) = run(sidecar, sidecar.branch())
+    finally:
+        release.set()
+    assert out["error"] == "denied by governance gate" and "malformed" in out["reason"], out
+    assert [(m["id"], m["error"]["code"]) for m in sidecar.unmatched] == [(None, -32600)]
+    assert sidecar.request("ping", timeout=TIMEOUT) == {}
+
+
+def test_an_answer_whose_id_is_a_list_or_an_object_is_answered_with_no_id_and_no_traceback(sidecar):
+    sidecar.init(models={"s": scripted("x")})
+    sidecar.branch()                                          # (the core is loaded)
+    sidecar.send_raw(frame({"jsonrpc": "2.0", "id": [1], "result": {}}))
+    sidecar.send_raw(frame({"jsonrpc": "2.0", "id": {"a": 1}, "error": {"code": 1, "message": "x"}}))
+    assert sidecar.request("ping", timeout=TIMEOUT) == {}
+    assert [(m["id"], m["error"]["code"]) for m in sidecar.unmatched] == [(None, -32600), (None, -32600)]
+    assert "Traceback" not in sidecar.stderr_text() and "unhashable" not in sidecar.stderr_text()
