@@ -2027,6 +2027,28 @@ def test_operate_export_keeps_the_document_whole_and_says_why_it_cannot(sv, tmp_
         sv.lua("require('operate_sidecar.server').request = _G.orig_request")
 
 
+def test_operate_export_writes_a_turns_error_and_note_as_they_read(sv, tmp_path):
+    """A turn's error is fenced (a traceback kept its lines, `__init__` was not read as bold, and a
+    fence at a line's start would open over the rest of the document); a turn's note is escaped
+    (it quotes a tool's error)."""
+    stuck = call("read_file", path="__x__.txt")
+    trace = 'Traceback (most recent call last):\n  File "pkg/__init__.py", line 1\n```json\n{"a": 1'
+    sv.new_branch([stuck, stuck, stuck, {"error": trace}, "after it"], "export-error")
+    for text in ("keep failing", "fail", "go on"):
+        sv.chat_send(text)
+        sv.wait_done()
+    out = tmp_path / "errors.md"
+    sv.lua("_G.notes = {}")
+    sv.n.command(f"OperateExport {out}")
+    sv.wait("#_G.notes == 1", "the export")
+    html = _rendered(out.read_text())
+    assert html.count("<h3>") == 6 and "after it" in html, html          # (nothing taken in by a fence)
+    assert '<pre><code class="language-text">' in html and 'File &quot;pkg/__init__.py&quot;, line 1\n```json\n' \
+        in html, html
+    assert "<strong>x</strong>" not in html and "<strong>init</strong>" not in html, html
+    assert re.search(r"<em>Stopped: [^<]*\(read_file: [^<]*__x__\.txt[^<]*</em>", html), html
+
+
 def test_a_chat_reads_its_history_before_a_message_and_waits_for_it_no_longer_than_it_says(sv, tmp_path):
     """A message sent in a chat whose history could not be read goes after the branch's earlier
     turns, read again first (it came first, before the earlier turns, and they were never read

@@ -2153,6 +2153,13 @@ local function inline_code(text)
   return tick .. pad .. text .. pad .. tick
 end
 
+-- `text` with every ASCII punctuation character escaped: read as it is, never as Markdown.
+local function md_escaped(text)
+  return (text:gsub('[%p]', function(c)
+    return c:byte() < 128 and '\\' .. c or c
+  end))
+end
+
 local function json_text(v)
   return type(v) == 'string' and v or table.concat(util.pretty(v), '\n')
 end
@@ -2256,10 +2263,12 @@ function M.markdown(chat, when)
     elseif turn.status == 'cancelled' then
       out[#out + 1] = '*cancelled*'
     elseif turn.status == 'error' then
-      out[#out + 1] = '**Error:** ' .. util.one_line(turn.error)
+      -- (fenced: an error quotes server output, a traceback or a reply, which as Markdown would
+      -- lose its lines, take `__init__` for bold, or open a fence over the rest of the document)
+      out[#out + 1] = '**Error**\n\n' .. fenced(tostring(turn.error or 'failed'), 'text')
     end
     if turn.note then
-      out[#out + 1] = '*' .. turn.note .. '*'
+      out[#out + 1] = '*' .. md_escaped(util.one_line(turn.note)) .. '*'
     end
     local u = turn.status ~= 'running' and usage_line(turn)
     if u then
