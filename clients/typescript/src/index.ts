@@ -171,7 +171,6 @@ function callEach<A>(listeners: Iterable<(arg: A) => void>, arg: A): void {
   if (first) throw first.error;
 }
 
-const progressType = new rpc.ProgressType<ProgressValue>();
 let tokenCounter = 0;
 /** After the process exited, how long to wait for the rest of its stderr (a grandchild may hold the pipe). */
 const STDERR_DRAIN_MS = 500;
@@ -183,6 +182,13 @@ export class SidecarClient {
   readonly exited: Promise<number | string | null>;
   private readonly exitInfo: Promise<ExitInfo>;
   private notificationListeners = new Map<string, Set<(params: any) => void>>();
+  /**
+   * operate's `onProgress` by workDoneToken. `$/progress` is dispatched here, not by vscode-jsonrpc's `onProgress`:
+   * vscode-jsonrpc keeps one handler per notification method, so an `onNotification('$/progress', ...)` listener
+   * would replace its progress dispatch. `settled`: that operate's promise has settled (it was cancelled) while the
+   * server has not answered yet; its handler still gets the values until then, unless a new operate takes the token.
+   */
+  private readonly progressHandlers = new Map<P.ProgressParams['token'], { handler: (v: ProgressValue) => void; settled: boolean }>();
   private exitListeners = new Set<(info: ExitInfo) => void>();
   private permissionHandler: PermissionHandler | undefined;
   private clientToolHandler: ClientToolHandler | undefined;
@@ -257,6 +263,15 @@ export class SidecarClient {
       await this.fsHandler.writeTextFile(p, token);
       return {};
     });
+    // $/progress: operate's onProgress for its token first, then every onNotification('$/progress') listener
+    const progressListeners = new Set<(params: any) => void>();
+    this.notificationListeners.set('$/progress', progressListeners);
+    this.connection.onNotification('$/progress', (params: P.ProgressParams) => {
+      const own = this.progressHandlers.get(params.token);
+      const calls: (() => void)[] = own ? [() => own.handler(params.value)] : [];
+      for (const l of progressListeners) calls.push(() => l(params));
+      callEach<void>(calls, undefined);
+    });
     this.connection.onError(() => { /* a broken pipe surfaces through exited / rejected requests */ });
     this.connection.listen();
   }
@@ -327,14 +342,21 @@ export class SidecarClient {
   request<M extends keyof P.ClientRequests>(method: M, params?: P.ClientRequests[M]['params'], token?: rpc.CancellationToken):
     Promise<P.ClientRequests[M]['result']>;
   request<R>(method: string, params?: object, token?: rpc.CancellationToken): Promise<R>;
-  async request<R>(method: string, params: object = {}, token?: rpc.CancellationToken): Promise<R> {
+  request<R>(method: string, params: object = {}, token?: rpc.CancellationToken): Promise<R> {
+    return this.call<R>(method, params, token);
+  }
+  /**
+   * `request`; `onSent` gets the promise of the server's answer (it settles when the answer arrives or the
+   * connection ends, which may be after the request was cancelled and its promise rejected).
+   */
+  private async call<R>(method: string, params: object, token?: rpc.CancellationToken, onSent?: (answer: Promise<unknown>) => void): Promise<R> {
     if (!this.running) throw new SidecarExitedError(method, await this.exitInfo);
     if (this.streamError) throw new SidecarStreamError(method, this.streamError, this.stdoutHead);
     // cancelled by `token` or by stop(); once (a second cancel() of a source whose token was never read throws)
     const source = new rpc.CancellationTokenSource();
     const cancel = () => { if (!source.token.isCancellationRequested) source.cancel(); };
-    const linked = token?.onCancellationRequested(cancel);
-    if (token?.isCancellationRequested) cancel();
+    let linked: rpc.Disposable | undefined;
+    let onCancel: rpc.Disposable | undefined;
     this.unanswered.add(cancel);
     const gone = this.exitInfo.then((info) => { throw new SidecarExitedError(method, info); });
     gone.catch(() => { /* handled by the race below */ });
@@ -342,7 +364,18 @@ export class SidecarClient {
       // (sendRequest throws at once, "Connection is closed.", when the server's output has ended and its exit is not
       // reported yet: the same transport error as a failed write, said as how the server ended)
       const sent = this.connection.sendRequest<R>(method, params, source.token);
-      return await Promise.race([sent, gone]);
+      onSent?.(sent.then(() => undefined, () => undefined));
+      // A cancel rejects at once, whether or not the server ever answers (a later answer is ignored). This listener
+      // comes after the one sendRequest added, which writes $/cancelRequest: the cancel is written (after the
+      // request) before the promise rejects. (Linked only now, so that a token cancelled already is handled the
+      // same way, not by sendRequest's own path, which writes the cancel only once the request is written.)
+      const cancelled = new Promise<never>((_, reject) => {
+        onCancel = source.token.onCancellationRequested(() => reject(new rpc.ResponseError(ErrorCodes.Cancelled,
+          `operate-sidecar: ${method} was cancelled (the client sent $/cancelRequest)`)));
+      });
+      linked = token?.onCancellationRequested(cancel);
+      if (token?.isCancellationRequested) cancel();
+      return await Promise.race([sent, gone, cancelled]);
     } catch (e) {
       if (e instanceof SidecarExitedError) throw e;
       // vscode-jsonrpc rejects a request it could not write (EPIPE: the process is gone, its exit maybe not reported
@@ -353,6 +386,7 @@ export class SidecarClient {
     } finally {
       this.unanswered.delete(cancel);
       linked?.dispose();
+      onCancel?.dispose();
       source.dispose();
     }
   }
@@ -418,20 +452,28 @@ export class SidecarClient {
 
   /**
    * operate; with `onProgress` a fresh workDoneToken is sent (unless params has one) and every
-   * `$/progress` value for it is delivered in order. Cancelling `token` sends `$/cancelRequest`;
-   * the promise then rejects with a ResponseError of code -32800.
+   * `$/progress` value for it is delivered in order (`onNotification('$/progress', ...)` listeners get them
+   * too). Cancelling `token` sends `$/cancelRequest`; the promise then rejects at once with a ResponseError
+   * of code -32800. `onProgress` still gets the values the server sends until it answers the cancelled
+   * request (its last one, `end` with message `cancelled`), unless a new operate reuses that workDoneToken.
    */
   async operate(params: OperateParams, opts: OperateOptions = {}): Promise<OperateResult> {
-    let sub: rpc.Disposable | undefined;
     const p: OperateParams = { ...params };
-    if (opts.onProgress) {
-      if (p.workDoneToken === undefined) p.workDoneToken = `operate-${process.pid}-${++tokenCounter}`;
-      sub = this.connection.onProgress(progressType, p.workDoneToken, opts.onProgress);
-    }
+    const onProgress = opts.onProgress;
+    if (!onProgress) return this.call<OperateResult>('operate', p, opts.token);
+    if (p.workDoneToken === undefined) p.workDoneToken = `operate-${process.pid}-${++tokenCounter}`;
+    const key = p.workDoneToken;
+    if (this.progressHandlers.get(key)?.settled === false) throw new Error(`Progress handler for token ${key} already registered`);
+    const entry = { handler: onProgress, settled: false };
+    this.progressHandlers.set(key, entry);
+    const release = () => { if (this.progressHandlers.get(key) === entry) this.progressHandlers.delete(key); };
+    let answer: Promise<unknown> | undefined;
     try {
-      return await this.request<OperateResult>('operate', p, opts.token);
+      return await this.call<OperateResult>('operate', p, opts.token, (a) => { answer = a; });
     } finally {
-      sub?.dispose();
+      entry.settled = true;
+      // kept until the server's answer (or the end of the connection), for the progress it sends after a cancel
+      if (answer) void answer.then(release); else release();
     }
   }
 

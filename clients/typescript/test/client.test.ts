@@ -7,7 +7,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { Trace, TraceFormat } from 'vscode-jsonrpc/node';
 import {
-  CancellationTokenSource, ErrorCodes, ExitInfo, LogMessage, PermissionRequest, ProgressValue, ReadTextFileRequest,
+  CancellationTokenSource, ErrorCodes, ExitInfo, LogMessage, PermissionRequest, ProgressParams, ProgressValue, ReadTextFileRequest,
   DEFAULT_INITIALIZE_TIMEOUT_MS, ResponseError, SidecarClient, SidecarExitedError, SidecarStreamError, SidecarTimeoutError, ToolEvent, WriteTextFileRequest,
 } from '../src/index';
 import {
@@ -60,6 +60,33 @@ test('branches: create, operate with $/progress in order before the response, me
   assert.deepEqual(counts, { [branchId]: 3, [fork.branchId]: 3 });
   assert.deepEqual(await within(c.deleteBranch(fork.branchId), 'deleteBranch'), {});
   assert.deepEqual((await within(c.listBranches(), 'listBranches')).branches.map((b) => b.branchId), [branchId]);
+});
+
+test('$/progress listeners: onNotification("$/progress") listeners and operate\'s onProgress all get every value, in order', async () => {
+  const { c } = await initialized({ models: { s: scripted({ text: 'streamed reply text', chunks: 4 }, { text: 'again', chunks: 2 }) } });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const heard: ProgressParams[] = [];
+  const heardToo: ProgressParams[] = [];
+  c.onNotification('$/progress', (p) => heard.push(p));
+  const second = c.onNotification('$/progress', (p) => heardToo.push(p));   // any number per method
+  const values: ProgressValue[] = [];
+  const out = await within(c.operate({ branchId, instruction: 'say it' }, { onProgress: (v) => values.push(v) }), 'operate');
+  assert.equal(out.result, 'streamed reply text');
+  const deltas = (vs: ProgressValue[]) => vs.flatMap((v) => (v.kind === 'report' && v.delta !== undefined ? [v.delta] : []));
+  assert.equal(values[0]?.kind, 'begin', 'onProgress got the values');
+  assert.equal(values[values.length - 1].kind, 'end');
+  assert.equal(deltas(values).join(''), 'streamed reply text');
+  const token = heard[0]?.token;
+  assert.ok(token !== undefined, 'the listener heard the progress');
+  assert.deepEqual(heard, values.map((value) => ({ token, value })), 'the listener heard the same values, in order');
+  assert.deepEqual(heardToo, heard);
+  // one listener disposed: the other and onProgress still get everything
+  second.dispose();
+  const more: ProgressValue[] = [];
+  await within(c.operate({ branchId, instruction: 'again', workDoneToken: 'mine' }, { onProgress: (v) => more.push(v) }), 'operate again');
+  assert.deepEqual([more[0]?.kind, more[more.length - 1]?.kind, deltas(more).join('')], ['begin', 'end', 'again']);
+  assert.deepEqual(heard.slice(values.length), more.map((value) => ({ token: 'mine', value })));
+  assert.equal(heardToo.length, values.length);
 });
 
 test('toolEvents: a Python tool runs, pre then post with one callId; window/logMessage for a broken module', async () => {
@@ -518,5 +545,57 @@ test('a server that exits right after answering initialize (with a code, by a si
       assert.doesNotMatch(err.message, /EPIPE|Connection is/);
       assert.equal(c.running, false);
     } finally { c.kill(); }
+  }
+});
+
+// A stand-in server that never answers operate (the real server always answers a cancelled request, with -32800): it
+// holds every operate until a `release` request, then answers the held ones (late) and the release; it answers any
+// other request (shutdown too) at once.
+const HOLDS_OPERATE = `const held = [];
+${standIn(`if (msg.method === 'operate') { held.push(msg.id); continue; }
+    if (msg.method === 'release') for (const id of held.splice(0)) send({ jsonrpc: '2.0', id, result: { result: 'late', kind: 'text' } });
+    send({ jsonrpc: '2.0', id: msg.id, result: {} });`)}`;
+
+test('cancel when the server never answers: the request rejects -32800 at once, after its $/cancelRequest is written; a late answer is ignored', async () => {
+  const unhandled: unknown[] = [];
+  const onUnhandled = (e: unknown) => { unhandled.push(e); };
+  process.on('unhandledRejection', onUnhandled);
+  const c = await SidecarClient.start({ command: [process.execPath, '-e', HOLDS_OPERATE] });
+  try {
+    const wire = await wireOf(c);
+    // how the promise settled, and the wire at that moment
+    const ended = (p: Promise<unknown>) => p.then((r) => ({ r, e: undefined, wire: [...wire] }), (e) => ({ r: undefined, e, wire: [...wire] }));
+    const source = new CancellationTokenSource();
+    const values: ProgressValue[] = [];
+    const pending = ended(c.operate({ branchId: 'b', instruction: 'wait' }, { token: source.token, onProgress: (v) => values.push(v) }));
+    assert.deepEqual(await within(c.ping(), 'ping (the operate was written before it)'), {});
+    source.cancel();
+    const first = await within(pending, 'the cancelled operate settles though the server never answers it', 10_000);
+    assert.ok(first.e instanceof ResponseError && first.e.code === ErrorCodes.Cancelled, `expected -32800, got ${first.e ?? JSON.stringify(first.r)}`);
+    const op = /^-> operate #(\d+)$/.exec(first.wire[0])?.[1];
+    assert.ok(op, JSON.stringify(first.wire));
+    assert.equal(first.wire[first.wire.length - 1], '-> $/cancelRequest', `$/cancelRequest written before the rejection: ${JSON.stringify(first.wire)}`);
+    assert.ok(!first.wire.includes(`<- #${op}`), 'the server had not answered');
+
+    // a token cancelled already: the request is written, then its cancel, then it rejects
+    const pre = new CancellationTokenSource();
+    pre.cancel();
+    const from = wire.length;
+    const second = await within(ended(c.request('operate', { branchId: 'b', instruction: 'x' }, pre.token)), 'a request with a cancelled token settles', 10_000);
+    assert.ok(second.e instanceof ResponseError && second.e.code === ErrorCodes.Cancelled, `expected -32800, got ${second.e ?? JSON.stringify(second.r)}`);
+    const op2 = /^-> operate #(\d+)$/.exec(second.wire[from] ?? '')?.[1];
+    assert.deepEqual(second.wire.slice(from), [`-> operate #${op2}`, '-> $/cancelRequest'], JSON.stringify(second.wire));
+
+    // the server answers both now, late: ignored; the connection goes on
+    assert.deepEqual(await within(c.request('release'), 'release'), {});
+    assert.ok(wire.includes(`<- #${op}`) && wire.includes(`<- #${op2}`), `the late answers arrived: ${JSON.stringify(wire)}`);
+    assert.deepEqual(await within(c.ping(), 'ping after the late answers'), {});
+    assert.deepEqual(values, []);
+    await new Promise((r) => setImmediate(r));
+    assert.deepEqual(unhandled, []);
+    assert.equal(await within(c.stop(5000), 'stop', 15_000), 0);
+  } finally {
+    c.kill();
+    process.off('unhandledRejection', onUnhandled);
   }
 });
