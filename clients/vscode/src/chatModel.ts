@@ -2,8 +2,8 @@
 // instruction, the model's prose, tool cards, a usage line), and turns become sanitized HTML.
 // No `vscode` import: unit-tested with node's test runner.
 import MarkdownIt from 'markdown-it';
-import { ErrorCodes, ResponseError } from './rpcClient';
-import type { Json, JsonObject, Message, ToolEvent, Usage } from './rpcClient';
+import { ErrorCodes, PERMISSION_OPTIONS, ResponseError, SidecarExitedError } from './rpcClient';
+import type { Json, JsonObject, Message, PermissionDecision, ToolEvent, Usage } from './rpcClient';
 
 export type CardState = 'running' | 'ok' | 'error' | 'denied' | 'ask' | 'cancelled';
 export interface ToolCard {
@@ -239,6 +239,38 @@ export function permissionProblem(p: unknown): string | undefined {
   }
   if (!isObject(p.arguments)) return 'its arguments are not an object';
   return undefined;
+}
+
+/**
+ * vscode-jsonrpc's codes of a request that never reached a server or whose answer can no longer come: it could
+ * not be written (MessageWriteError), the connection went while it waited (PendingResponseRejected), or it was
+ * sent on a connection no longer listening (ConnectionInactive).
+ */
+const TRANSPORT_CODES = [-32099, -32097, -32096];
+
+/**
+ * Whether `e` says the server is gone (or never came): its process is not `running`, it exited under the request,
+ * the connection to it was lost, or it could not be started. An error response of a running server is not that,
+ * whatever its words: a model error quoting "a <think> block that was never closed" or a provider's "peer closed
+ * connection" is the model's failure, said as such.
+ */
+export function serverGone(e: unknown, running: boolean): boolean {
+  if (!running || e instanceof SidecarExitedError) return true;
+  if (e instanceof ResponseError) return TRANSPORT_CODES.includes(e.code);
+  // the extension's own start errors and the transport's (a write to a dead pipe, a closed connection)
+  return e instanceof Error && /^(operate-sidecar: )?cannot start|did not answer initialize|\bEPIPE\b|Connection is (disposed|closed)|connection got disposed/i.test(e.message);
+}
+
+/**
+ * The `operateSidecar.permissionAnswer` setting read: a decision (answer every request with it), none (unset or
+ * empty: ask), or, for any other value (settings.json is not checked against package.json's enum: `"allow"`, the
+ * policy's word), none with the `problem` to report (once), naming the setting and the values it takes.
+ */
+export function permissionAnswerSetting(v: unknown): { answer?: PermissionDecision; problem?: string } {
+  if (v === undefined || v === null || v === '') return {};
+  if (typeof v === 'string' && (PERMISSION_OPTIONS as readonly string[]).includes(v)) return { answer: v as PermissionDecision };
+  return { problem: `operateSidecar.permissionAnswer must be one of ${PERMISSION_OPTIONS.join(', ')}, or empty to be asked `
+    + `(it is ${JSON.stringify(v)}); asking instead.` };
 }
 
 /** Whether `v` is a JSON object (not null, not an array). */
@@ -509,6 +541,40 @@ export function withLocalTurns(server: Turn[], locals: LocalTurn[]): Turn[] {
 }
 
 /**
+ * Whether the events of a branch (its `toolEvent`s, its `requestToolPermission`s, which carry the branch and the call,
+ * not the operate) are the chat's operate's: operates on one branch run one at a time, in arrival order (§5), and an
+ * operate's `$/progress` begins (its first report, once the branch is its turn) before any of its tool calls and ends
+ * before its answer (§6). So from its first progress value to its `end` the branch's events are its own; before (an
+ * operate sent earlier on the branch, e.g. by the Operate command, runs while this one waits) and after (one sent
+ * later) they are another's. `began`/`ended`: what its progress said so far (see operateSpanAfter).
+ */
+export interface OperateSpan { branchId: string; began: boolean; ended: boolean }
+export function ownsBranchEvent(span: OperateSpan | undefined, branchId: unknown): boolean {
+  return !!span && !!span.branchId && span.branchId === branchId && span.began && !span.ended;
+}
+/** The span after one of its operate's `$/progress` values (`span` changed). */
+export function operateSpanAfter(span: OperateSpan, v: { kind?: unknown }): void {
+  if (v.kind === 'begin' || v.kind === 'report') span.began = true;
+  if (v.kind === 'end') span.ended = true;
+}
+
+/**
+ * The chat's own turn among the branch's turns read back after it ended: it began at or after `at` (the branch's
+ * messages before it was sent) with its message `user`; others may have been recorded there first (an operate sent
+ * earlier on the same branch, which it waited behind) or after. Several with the same message: the one whose last
+ * prose is the reply (`reply`, the operate's result), else the first.
+ */
+export function ownTurn(server: Turn[], at: number, user: string, reply?: string): Turn | undefined {
+  const mine = server.filter((t) => t.start !== undefined && t.start >= at && t.user === user);
+  if (mine.length > 1 && reply?.trim()) {
+    const last = (t: Turn) => [...t.items].reverse().find((it) => it.kind === 'prose')?.text.trim();
+    const same = mine.find((t) => last(t) === reply.trim());
+    if (same) return same;
+  }
+  return mine[0];
+}
+
+/**
  * What the chat shows after reading its branch failed with `e`: its local turns, then (unless the branch is gone) the
  * error, in words (`problem`: the server's state, undefined when it runs). Undefined: what it shows stays, for a read
  * cancelled (-32800) by the server's stop, i.e. a restart (changed settings, Restart Server): a request the user never
@@ -695,7 +761,7 @@ export function keepThoughts(t: Turn, thoughts: KeptThought[]): Turn {
 export function thoughtHtml(text: string, live?: boolean, ms?: number): string {
   if (live) {
     return `<div class="thought live"><div class="thought-head">Thinking…</div>`
-      + `<div class="thought-text"><div>${renderMarkdown(text)}</div></div></div>`;
+      + `<div class="thought-text"><div>${renderMarkdown(text, true)}</div></div></div>`;
   }
   const summary = ms !== undefined && ms >= 1000 ? `Thought for ${Math.round(ms / 1000)} s` : 'Thought';
   return `<details class="thought"><summary>${summary}</summary><div class="thought-text">${renderMarkdown(text)}</div></details>`;
@@ -719,17 +785,44 @@ function markdown(): MarkdownIt {
   };
   return md;
 }
-/** Rendered Markdown by its source, the most recently used last (a redraw renders each turn's prose again). */
+/**
+ * Rendered Markdown of finished text by its source, the most recently used last (a redraw renders each turn's prose
+ * again), bounded by entries and by characters (source and HTML): a few long replies must not pin hundreds of MB.
+ */
 const rendered = new Map<string, string>();
+let renderedChars = 0;
 const RENDERED_KEPT = 2000;
-/** Markdown to HTML; raw HTML in the source is escaped, never rendered. */
-export function renderMarkdown(text: string): string {
+const RENDERED_CHARS = 4_000_000;
+/**
+ * Text that still streams (a reply, thoughts): each render is of a longer prefix, never asked for again once the
+ * next one came, so only the latest is kept (a redraw of the running turn right after a flush reuses it). Cached
+ * like finished text, a 100 KB reply streamed for a minute kept every prefix: hundreds of MB.
+ */
+let liveRendered: { text: string; html: string } | undefined;
+/** Markdown to HTML; raw HTML in the source is escaped, never rendered. `live`: a text still streaming (see liveRendered). */
+export function renderMarkdown(text: string, live = false): string {
+  if (live) {
+    if (liveRendered?.text !== text) liveRendered = { text, html: markdown().render(text) };
+    return liveRendered.html;
+  }
   let html = rendered.get(text);
   if (html !== undefined) { rendered.delete(text); rendered.set(text, html); return html; }
-  html = markdown().render(text);
+  html = liveRendered?.text === text ? liveRendered.html : markdown().render(text);   // (the stream's last render, now finished)
+  const size = text.length + html.length;
+  if (size > RENDERED_CHARS) return html;   // (larger than the whole cache: not kept)
   rendered.set(text, html);
-  if (rendered.size > RENDERED_KEPT) rendered.delete(rendered.keys().next().value!);
+  renderedChars += size;
+  while (rendered.size > RENDERED_KEPT || renderedChars > RENDERED_CHARS) {
+    const [oldest, h] = rendered.entries().next().value!;
+    rendered.delete(oldest);
+    renderedChars -= oldest.length + h.length;
+  }
   return html;
+}
+/** What the rendered-Markdown cache holds: its entries and their characters (source and HTML), the streaming one included (for the tests). */
+export function markdownCacheSize(): { entries: number; chars: number } {
+  const live = liveRendered ? liveRendered.text.length + liveRendered.html.length : 0;
+  return { entries: rendered.size + (liveRendered ? 1 : 0), chars: renderedChars + live };
 }
 
 function diffHtml(diff: string): string {
@@ -807,6 +900,14 @@ export function fencesClosed(text: string): string {
   return open === undefined ? text : `${text}\n${open}`;
 }
 
+/**
+ * One line of text to read as such in Markdown (inside emphasis): the characters that would open
+ * emphasis, code, a link, an HTML tag or an entity are escaped (`__init__.py` stays as it is).
+ */
+export function escapeMarkdown(text: string): string {
+  return text.replace(/[\\`*_[\]<>&~]/g, (c) => `\\${c}`);
+}
+
 /** `text` as inline code, whatever backticks it holds. */
 function inlineCode(text: string): string {
   const ticks = '`'.repeat(longestTicks(text) + 1);
@@ -829,8 +930,9 @@ function cardMarkdown(card: ToolCard): string {
   let line = `- ${inlineCode(cardTitle(card))}`;
   const o = card.output && typeof card.output === 'object' && !Array.isArray(card.output) ? card.output as Record<string, Json> : undefined;
   if (card.state === 'error' && typeof o?.error === 'string') {
+    // as code: an error's text is not Markdown (`__init__.py` is no bold, a backtick opens nothing)
     const why = o.error.split('\n')[0];
-    line += `: ${why.length > 200 ? why.slice(0, 199) + '…' : why}`;
+    if (why.trim()) line += `: ${inlineCode(why.length > 200 ? why.slice(0, 199) + '…' : why)}`;
   }
   const { diff, rest } = diffApart(card.output);
   const shown = [valueMarkdown('Arguments', card.args, card.argsCut), valueMarkdown('Output', rest, card.outputCut)].filter((p) => p);
@@ -866,8 +968,10 @@ export function chatMarkdown(turns: Turn[], title: string, when?: string): strin
       }
     }
     if (t.running) out.push('*(still running when the chat was exported)*');
-    if (t.note) out.push(`*${t.note}*`);
-    if (t.error) out.push(`**Error:** ${t.error}`);
+    // the note and the error are text, not Markdown: the note (one line) escaped, the error (a traceback, a
+    // provider's message quoting the reply, with its own fences) fenced, its layout kept
+    if (t.note) out.push(t.note.includes('\n') ? fenced(t.note, 'text') : `*${escapeMarkdown(t.note)}*`);
+    if (t.error) out.push(`**Error:**\n\n${fenced(t.error, 'text')}`);
     if (t.usage) out.push(`*${usageLine(t.usage)}*`);
   }
   return out.join('\n\n') + '\n';
@@ -875,7 +979,8 @@ export function chatMarkdown(turns: Turn[], title: string, when?: string): strin
 
 export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
   const chips = t.contextLabels.map((l) => `<span class="chip${l.startsWith('#') ? ' missing' : ''}">${escapeHtml(l)}</span>`).join('');
-  const items = t.items.map((it) => (it.kind === 'prose' ? `<div class="prose">${renderMarkdown(it.text)}</div>`
+  // (the prose of a running turn's last item may still stream: rendered as such, not cached, see renderMarkdown)
+  const items = t.items.map((it, i) => (it.kind === 'prose' ? `<div class="prose">${renderMarkdown(it.text, t.running && i === t.items.length - 1)}</div>`
     : it.kind === 'thought' ? thoughtHtml(it.text, it.live && t.running, it.ms) : cardHtml(it.card, mod))).join('');
   // a call waiting for the user's decision: the turn says so (not what it was doing before: running tools)
   const waiting = t.items.some((it) => it.kind === 'tool' && !!it.card.ask);
@@ -905,10 +1010,54 @@ export function turnHtml(t: Turn, index: number, mod: KeyMod = 'Ctrl'): string {
     + `<div class="assistant">${items}${running}${note}${error}${usage}${retry}${copy}</div></section>`;
 }
 
-/** The conversation as the HTML of its parts, one per turn (the chat view replaces only the parts that changed); `mod`: see cardHtml. */
+/**
+ * The HTML of the turns that ended, by turn, with what it was built from (see turnKey): the chat redraws on every
+ * tool event and every 50 ms of thoughts, and a long chat's finished turns (each card's output escaped again) cost
+ * far more than the running one. Weak: a turn the chat no longer shows goes with it.
+ */
+const builtTurns = new WeakMap<Turn, { key: unknown[]; html: string }>();
+/** Turns whose HTML was built (not taken from builtTurns), in all (for the tests). */
+let turnBuilds = 0;
+export function turnsBuilt(): number { return turnBuilds; }
+
+/**
+ * What a finished turn's HTML depends on, each compared with ===: its place and the modifier, its fields (the
+ * usage as its line: it is changed in place), its items list and each item's text or card fields. Cheap (no
+ * output is read), and a turn changed in any of them (a mark, thoughts kept, a late decision on a card) is built
+ * again. Undefined for a turn that may still change: one running, or with a card running or waiting for a decision.
+ */
+function turnKey(t: Turn, index: number, mod: KeyMod): unknown[] | undefined {
+  if (t.running) return undefined;
+  const key: unknown[] = [index, mod, t.user, t.contextLabels, t.contextLabels.length, t.note, t.error, t.outcome, t.id, t.start,
+    t.usage && usageLine(t.usage), t.items, t.items.length];
+  for (const it of t.items) {
+    if (it.kind === 'tool') {
+      const c = it.card;
+      if (c.state === 'running' || c.state === 'ask' || c.ask) return undefined;
+      key.push(c, c.state, c.tool, c.args, c.argsCut, c.output, c.outputCut);
+    } else key.push(it, it.text, it.kind === 'thought' ? `${it.live}${it.ms}` : '');
+  }
+  return key;
+}
+
+/** A turn's HTML (turnHtml), from builtTurns when it ended and nothing it is built from changed. */
+function turnPart(t: Turn, index: number, mod: KeyMod): string {
+  const key = turnKey(t, index, mod);
+  const built = key && builtTurns.get(t);
+  if (key && built && built.key.length === key.length && built.key.every((k, i) => k === key[i])) return built.html;
+  turnBuilds++;
+  const html = turnHtml(t, index, mod);
+  if (key) builtTurns.set(t, { key, html });
+  return html;
+}
+
+/**
+ * The conversation as the HTML of its parts, one per turn (the chat view replaces only the parts that changed); `mod`: see cardHtml.
+ * A finished turn's is built once (see builtTurns): a redraw of a long chat costs about its running turn.
+ */
 export function conversationParts(turns: Turn[], mod: KeyMod = 'Ctrl'): string[] {
   if (!turns.length) return ['<div class="empty">Ask about your code. Use <code>#file</code>, <code>#file:path</code>, <code>#selection</code> or <code>#problems</code> to add context (type <code>#</code>, or press Ctrl+Space, for suggestions), or drop files here with Shift held.</div>'];
-  return turns.map((t, i) => turnHtml(t, i, mod));
+  return turns.map((t, i) => turnPart(t, i, mod));
 }
 
 export function conversationHtml(turns: Turn[]): string {

@@ -4,13 +4,14 @@
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
-  addThought, cardOfToolEvent, cardTitle, chatMarkdown, conversationParts, endThought, isObject, keepThoughts, KeyMod, LocalTurn, nameFrom, progressAfter,
-  proseOf, refusesField, renderMarkdown, repeatNote, replyText, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
+  addThought, cardOfToolEvent, cardTitle, chatMarkdown, conversationParts, endThought, isObject, keepThoughts, KeyMod, LocalTurn, nameFrom, operateSpanAfter,
+  ownsBranchEvent, ownTurn, progressAfter, proseOf, proseOfResult, refusesField, renderMarkdown, repeatNote, replyText, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, kindOf, pickFileRef, relPath, resolveInput, workspaceFiles } from './context';
 import { FileEntry, fileRefText, suggestionsFor, tokenAt } from './refCompletion';
 import { DiffReview, previewOf } from './diffReview';
+import { offeredDecision, webviewMessage } from './webviewMessages';
 import {
   CancellationToken, CancellationTokenSource, ErrorCodes, Json, JsonObject, Message, OperateParams, OperateResult, PermissionDecision,
   PermissionRequest, ResponseError, SidecarClient, ToolEvent,
@@ -105,6 +106,12 @@ interface Live {
   /** The branch's message count before this turn; whether its operate was sent. */
   at: number;
   sent: boolean;
+  /**
+   * Its operate's progress began (it has the branch) and has not ended: the branch's tool events and permission
+   * requests are its own only then (see ownsBranchEvent; another operate on the branch, e.g. the Operate command's, has them otherwise).
+   */
+  began: boolean;
+  ended: boolean;
   /** The stream as last shown; when; the pending flush (see delta). */
   flushed: string;
   lastFlush: number;
@@ -129,7 +136,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private live: Live | undefined;
   private supportsMaxRounds = true;
   private supportsRepeatLimit = true;
-  private readonly pendingAsks = new Map<string, { resolve: (d: PermissionDecision) => void; card: ToolCard }>();
+  private readonly pendingAsks = new Map<string, { resolve: (d: PermissionDecision) => void; card: ToolCard; options: readonly string[] }>();
   /** Requests of calls that waited when their turn was stopped: shown as stopped, answered once the server withdraws them or the turn ends (see stop). */
   private readonly unanswered = new Map<string, () => void>();
   private readonly subs: vscode.Disposable[] = [];
@@ -143,6 +150,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private lastProse = '';
   /** Reloads of the branch from the server (for the tests). */
   private loads = 0;
+  /** Reads of the chat begun (refresh): one that ends after a later one began shows nothing (the user switched chats meanwhile: the latest wins). */
+  private reads = 0;
   /** The modifier the user's keyboard names (the webview says it when it starts): the cards' tooltips name it. */
   private keyMod: KeyMod = 'Ctrl';
   /**
@@ -195,23 +204,26 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     view.onDidChangeVisibility(() => { if (!view.visible) setContext(FOCUS_KEY, false); }, undefined, this.subs);
   }
 
-  private async onMessage(m: { type: string; [k: string]: unknown }): Promise<void> {
+  /** A message of the webview: checked first (webviewMessage); one of another shape is logged and ignored (a waiting request stays waiting). */
+  private async onMessage(raw: unknown): Promise<void> {
+    const m = webviewMessage(raw);
+    if (!m) { this.host.line(`[chat] ignored a message from the chat view: ${String(JSON.stringify(raw)).slice(0, 200)}`); return; }
     try {
       switch (m.type) {
-        case 'ready': this.keyMod = m.mod === 'Cmd' ? 'Cmd' : 'Ctrl'; this.sentParts = []; await this.refresh(); this.scriptReady = true; this.ready.fire(); break;
-        case 'send': if (typeof m.text === 'string' && m.text.trim()) void this.send(m.text).catch(() => undefined); break;
-        case 'retry': void this.retry(String(m.id)).catch(() => undefined); break;
+        case 'ready': this.keyMod = m.mod; this.sentParts = []; await this.refresh(); this.scriptReady = true; this.ready.fire(); break;
+        case 'send': if (m.text.trim()) void this.send(m.text).catch(() => undefined); break;
+        case 'retry': void this.retry(m.id).catch(() => undefined); break;
         case 'stop': this.stop(); break;
-        case 'focus': setContext(FOCUS_KEY, m.focused === true); break;
-        case 'decide': this.decide(String(m.callId), m.decision as PermissionDecision); break;
-        case 'showDiff': await this.host.review.show(String(m.callId)); break;
-        case 'copy': await vscode.env.clipboard.writeText(String(m.code)); break;
-        case 'copyReply': await this.copyReply(Number(m.index)); break;
-        case 'insert': await this.insert(String(m.code)); break;
-        case 'command': await vscode.commands.executeCommand(String(m.id)); break;
+        case 'focus': setContext(FOCUS_KEY, m.focused); break;
+        case 'decide': this.decide(m.callId, m.decision); break;
+        case 'showDiff': await this.host.review.show(m.callId); break;
+        case 'copy': await vscode.env.clipboard.writeText(m.code); break;
+        case 'copyReply': await this.copyReply(m.index); break;
+        case 'insert': await this.insert(m.code); break;
+        case 'command': await vscode.commands.executeCommand(m.id); break;   // (one of WEBVIEW_COMMANDS)
         case 'attach': await this.attachFile(); break;
         case 'drop': await this.attachDropped(m.uris); break;
-        case 'complete': await this.complete(Number(m.seq), String(m.before), m.fresh === true); break;
+        case 'complete': await this.complete(m.seq, m.before, m.fresh); break;
       }
     } catch (e) {
       void vscode.window.showErrorMessage(`operate-sidecar: ${e instanceof Error ? e.message : String(e)}`);
@@ -292,17 +304,23 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   /** Reloads the current branch's conversation from the server. */
   async refresh(): Promise<void> {
+    const read = ++this.reads;
     const id = this.host.branches.current;
     this.bindLocal(id ?? '');
     if (!id) { this.serverTurns = []; this.serverTotal = 0; this.turns = withLocalTurns([], this.locals); this.render(); return; }
     // a turn running on this branch: the server has already recorded part of it (the reply, its
     // calls) and the live turn shows it; the turns before it are unchanged (a view shown again)
     if (this.live?.branchId === id) { this.render(); return; }
+    // a later read began while this one waited (another chat was picked): its chat is shown, not this one's
+    const stale = () => read !== this.reads || (this.host.branches.current ?? '') !== id;
     try {
       const client = await this.host.ensure();
-      this.loaded(await allMessages(client, id));
+      const messages = await allMessages(client, id);
+      if (stale()) return;
+      this.loaded(messages);
       this.loads++;
     } catch (e) {
+      if (stale()) return;
       const shown = turnsAfterFailedRead(e, this.locals, (x) => this.host.serverProblem(x));
       if (!shown) return;   // cancelled by a restart: no error (the chat is read again once the server runs)
       this.serverTurns = [];
@@ -471,7 +489,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const turn: Turn = { user: text, contextLabels: (resolved.context?.labels as string[] | undefined) ?? [], items: [], running: true };
     const source = new CancellationTokenSource();
     this.bindLocal(this.host.branches.current ?? '');
-    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), chat: this.localBranch, at: this.serverTotal, sent: false,
+    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), chat: this.localBranch, at: this.serverTotal, sent: false, began: false, ended: false,
       flushed: '', lastFlush: 0, progress: { round: 1 }, ...(resolved.context && { context: resolved.context }),
       ...(opts?.responseFormat && { responseFormat: opts.responseFormat }) };
     this.render();
@@ -532,11 +550,13 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private async operate(client: SidecarClient, params: OperateParams, source: CancellationTokenSource): Promise<OperateResult> {
     const maxRounds = this.host.maxRounds();
     const go = (p: OperateParams) => {
-      if (this.live) this.live.progress = { round: 1, ...(p.maxRounds !== undefined && { maxRounds: p.maxRounds }) };
+      const live = this.live;
+      if (live) { live.progress = { round: 1, ...(p.maxRounds !== undefined && { maxRounds: p.maxRounds }) }; live.began = live.ended = false; }
       return client.operate(p, {
         token: source.token,
         onProgress: (v) => {
           if (!isObject(v)) return;   // (a server of another version: a value this client cannot read)
+          if (live) operateSpanAfter(live, v);   // (its progress says when the branch's events are its own)
           if (v.kind === 'report' && typeof v.delta === 'string') this.delta(v.delta);
           if (v.kind === 'report' && typeof v.thought === 'string') this.thought(v.thought);
           this.progressed(v);
@@ -624,13 +644,13 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     }
     live.turn.items[live.proseIdx] = { kind: 'prose', text: prose };
     this.streamUpdates++;
-    this.post({ type: 'stream', html: renderMarkdown(prose) });
+    this.post({ type: 'stream', html: renderMarkdown(prose, true) });   // (a prefix: not cached)
   }
 
   /** toolEvent notifications of the running turn become (updated) cards. */
   onToolEvent(e: ToolEvent): void {
     const live = this.live;
-    if (!live || e.branchId !== live.branchId) return;
+    if (!live || !ownsBranchEvent(live, e.branchId)) return;   // (another operate's on this branch: not this turn's)
     this.flush();
     endThought(live.turn.items);
     live.stream = '';
@@ -680,22 +700,24 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     if (u) t.usage = u;
     const mine = live.chat === this.localBranch;
     if (mine) {
-      if (messages) this.loaded(messages);   // (the earlier turns with what was kept of them; this one's is placed below)
-      const recorded = !live.sent ? false : messages ? messages.length > live.at : undefined;
-      const own = recorded ? this.serverTurns.find((x) => x.start === live.at && x.user === t.user) : undefined;
+      if (messages) { this.reads++; this.loaded(messages); }   // (the earlier turns with what was kept of them; this one's is placed below; a read begun before holds less)
+      // its own turn on the branch: where it began, after any other operate's the branch recorded first (see ownTurn)
+      const own = live.sent && messages ? ownTurn(this.serverTurns, live.at, t.user, result && proseOfResult(result.result as Json)) : undefined;
+      const recorded = !live.sent ? false : messages ? !!own : undefined;
+      const at = own?.start ?? live.at;
       if (own) {   // the server's record of this turn, with what only the client knows (usage, rounds, thoughts)
         if (u) own.usage = u;
         else if (own.usage && result?.rounds) own.usage.rounds = result.rounds;
         if (thoughts.length || repeated) {
           keepThoughts(own, thoughts);
           if (repeated) own.note = repeated;
-          void this.host.branches.keepTurn(live.branchId, live.at, { thoughts, ...(repeated && { note: repeated }) });
+          void this.host.branches.keepTurn(live.branchId, at, { thoughts, ...(repeated && { note: repeated }) });
         }
       }
       // kept here unless the server's record of it is complete (a turn that ended well, read back)
       if (t.outcome || !own) {
         if (t.outcome) t.id = `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;   // for Retry
-        this.locals.push({ turn: t, at: live.at, recorded, ...(live.context && { context: live.context }),
+        this.locals.push({ turn: t, at, recorded, ...(live.context && { context: live.context }),
           ...(live.responseFormat && { responseFormat: live.responseFormat }) });
         this.saveLocals();
       }
@@ -738,7 +760,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   // ---- permission requests of chat turns --------------------------------------------------------
   /** Whether this permission request belongs to the running chat turn. */
-  owns(req: PermissionRequest): boolean { return !!this.live && this.live.branchId === req.branchId; }
+  owns(req: PermissionRequest): boolean { return ownsBranchEvent(this.live, req.branchId); }
 
   /** Shows the request as a card (and the diff editor when it has a preview); resolves with the decision. */
   async ask(req: PermissionRequest, token: vscode.CancellationToken): Promise<PermissionDecision> {
@@ -762,7 +784,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.render();
     let failed: Error | undefined;
     const decision = await new Promise<PermissionDecision>((resolve) => {
-      this.pendingAsks.set(req.callId, { resolve, card: card! });
+      this.pendingAsks.set(req.callId, { resolve, card: card!, options: req.options });
       this.showWaiting();
       // the server withdrew the request: its operate was stopped, or nobody answered in time
       token.onCancellationRequested(() => {
@@ -782,8 +804,16 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     return decision;
   }
 
-  /** A decision from the card's buttons (or a command with a callId). */
+  /**
+   * A decision from the card's buttons (or a command with a callId). One the request did not offer (PROTOCOL §4: the
+   * answer is one of its options) is not sent: logged, and the request waits on for a decision it offered.
+   */
   decide(callId: string, decision: PermissionDecision): boolean {
+    const p = this.pendingAsks.get(callId);
+    if (p && !offeredDecision(p.options, decision)) {
+      this.host.line(`[chat] ignored the decision ${JSON.stringify(decision)} for ${callId}: not one of the request's options (${p.options.join(', ')})`);
+      return false;
+    }
     if (this.host.review.has(callId)) return this.host.review.decide(callId, decision);   // settles the ask through onDidDecide
     return this.settleAsk(callId, decision);
   }

@@ -4,7 +4,7 @@
 import * as fs from 'node:fs';
 import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
-import { permissionProblem, toolSummary } from './chatModel';
+import { permissionAnswerSetting, permissionProblem, serverGone, toolSummary } from './chatModel';
 import { ChatView, TurnOutcome, VIEW_ID } from './chatView';
 import { EditorTracker, selectionOf } from './context';
 import { clientFs, DiffReview, fault, faults, previewOf, PROPOSED_SCHEME, ReviewRecord } from './diffReview';
@@ -246,8 +246,8 @@ class Sidecar {
 
   /** A message for the user when the server cannot serve (start failure, death): the last stderr lines. */
   serverProblem(e: unknown): string | undefined {
-    const dead = !this.client?.running || (e instanceof Error && /cannot start|did not answer|EPIPE|Connection is disposed|closed/i.test(e.message));
-    if (!dead) return undefined;
+    // (a connection lost or an exit; an error answer of a running server is its own message, whatever its words)
+    if (!serverGone(e, !!this.client?.running)) return undefined;
     const tail = this.tailLines();
     const why = e instanceof Error ? e.message : String(e);
     // the client's error of a server that died already quotes the end of its stderr: not twice
@@ -454,9 +454,24 @@ class Sidecar {
     }
   }
 
+  /**
+   * The `operateSidecar.permissionAnswer` setting: a decision, or undefined (ask). Any other value is reported once,
+   * naming the setting and its values, and treated as unset (the chat's card and the diff review ask), as intSetting does.
+   */
+  private permissionAnswer(): PermissionDecision | undefined {
+    const v = vscode.workspace.getConfiguration('operateSidecar').get<unknown>('permissionAnswer');
+    const { answer, problem } = permissionAnswerSetting(v);
+    const report = `permissionAnswer=${JSON.stringify(v)}`;
+    if (problem && !this.reportedSettings.has(report)) {
+      this.reportedSettings.add(report);
+      this.line(`[settings] operateSidecar.permissionAnswer ${JSON.stringify(v)} is invalid; asking instead`);
+      this.notify(`operate-sidecar: ${problem}`, ['Open settings']);
+    }
+    return answer;
+  }
+
   private async askPermission(req: PermissionRequest, token: vscode.CancellationToken): Promise<PermissionDecision> {
-    const pre = this.preAnswers.get(req.branchId)
-      || (vscode.workspace.getConfiguration('operateSidecar').get<string>('permissionAnswer') as PermissionDecision | '');
+    const pre = this.preAnswers.get(req.branchId) || this.permissionAnswer();
     if (!pre && this.chat.owns(req)) return this.chat.ask(req, token);
     let decision: PermissionDecision;
     const preview = pre ? undefined : await previewOf(req);

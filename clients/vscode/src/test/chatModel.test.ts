@@ -11,7 +11,8 @@ import {
   addThought, cardHtml, cardOfToolEvent, endThought, keepThoughts, repeatNote, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
   onBranch, progressAfter, refusesField, renderMarkdown, resolveLocalTurns, retryContext, statusText, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn,
   TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns, forgetKeptTurns, KEPT_CHARS, KEPT_THOUGHT_CHARS, KEPT_TURNS,
-  KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT, replyText, chatMarkdown, fencesClosed,
+  KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT, replyText, chatMarkdown, fencesClosed, markdownCacheSize, turnsBuilt,
+  permissionAnswerSetting, serverGone, OperateSpan, operateSpanAfter, ownsBranchEvent, ownTurn,
 } from '../chatModel';
 import { ErrorCodes, PermissionRequest, ResponseError, SidecarClient, SidecarExitedError, ToolEvent } from '../rpcClient';
 
@@ -263,7 +264,7 @@ test('Export Chat: the conversation as one Markdown document, each message with 
       + '  Arguments:\n\n  ```json\n  {\n    "path": "src/x.py"\n  }\n  ```\n\n'
       + '  Output:\n\n  ```json\n  {\n    "path": "src/x.py"\n  }\n  ```\n\n  </details>\n\n'
       + '  `````diff\n  --- a/src/x.py\n  +++ b/src/x.py\n  @@ -1 +1 @@\n  -s = "```"\n  +s = "````"\n  `````',
-    '- `` ✗ run_command make `x` ``: exit status 2\n\n' // (a space inside both ends: CommonMark strips one from each)
+    '- `` ✗ run_command make `x` ``: `exit status 2`\n\n' // (a space inside both ends: CommonMark strips one from each)
       + '  <details><summary>Arguments and output</summary>\n\n'
       + '  Arguments:\n\n  ```json\n  {\n    "command": "make `x`"\n  }\n  ```\n\n'
       + '  Output:\n\n  ```json\n  {\n    "error": "exit status 2\\nmore"\n  }\n  ```\n\n  </details>',
@@ -271,12 +272,12 @@ test('Export Chat: the conversation as one Markdown document, each message with 
       + '  Output (the first ' + SUMMARY_LIMIT + ' characters):\n\n  ````\n  line 1\n\n  ```…\n  ````\n\n  </details>',
     '- `… shout`',
     '*120 in · 30 out tokens · 2 model calls · 2 rounds*',
-    '---', '### You', 'Again', '### Assistant', '**Error:** the server stopped',
+    '---', '### You', 'Again', '### Assistant', '**Error:**\n\n```text\nthe server stopped\n```',
     '---', '### You', 'Stop', '### Assistant', 'Part', '*Stopped.*',
     '---', '### You', 'Now', '### Assistant', '*(still running when the chat was exported)*',
   ].join('\n\n') + '\n');
   // a title with nothing in it; a turn with no message (the server could not be read) has no "You"
-  assert.equal(chatMarkdown([{ user: '', contextLabels: [], items: [], error: 'x' }], ' '), '# Chat\n\n---\n\n### Assistant\n\n**Error:** x\n');
+  assert.equal(chatMarkdown([{ user: '', contextLabels: [], items: [], error: 'x' }], ' '), '# Chat\n\n---\n\n### Assistant\n\n**Error:**\n\n```text\nx\n```\n');
 });
 
 test('Export Chat keeps the document whole: thoughts (often cut off) are fenced in their fold, and a message or reply that leaves a code fence open has it closed, so the turns after it stay turns', () => {
@@ -295,6 +296,28 @@ test('Export Chat keeps the document whole: thoughts (often cut off) are fenced 
   const html = new MarkdownIt('commonmark').render(md);
   assert.deepEqual([html.split('<h3>').length - 1, html.split('<details>').length - 1, html.split('</details>').length - 1,
     html.includes('<p>Fine.</p>')], [4, 1, 1, true], html);
+});
+
+test('Export Chat: a turn\'s error, a failed call\'s error and a note are text, not Markdown: a traceback keeps its layout, `__init__.py` is no bold, a fence in an error takes in none of the turns after it', () => {
+  const traceback = 'The server is not running (exit code 1).\nTraceback (most recent call last):\n  File "/srv/pkg/__init__.py", line 3\n'
+    + '  File "/srv/tools.py", line 9\n    ```\n    ^\nSyntaxError: invalid syntax';
+  const card: ToolCard = { callId: 'f', tool: 'read_file', args: { path: 'a.py' }, state: 'error', output: { error: 'no __init__.py in `pkg` <here>' } };
+  const turns: Turn[] = [
+    { user: 'first', contextLabels: [], items: [{ kind: 'prose', text: 'hi' }, { kind: 'tool', card }], error: traceback, outcome: 'failed' },
+    { user: 'a', contextLabels: [], items: [], error: 'model error: could not parse the reply:\n```json\n{"answer": "x"', outcome: 'failed' },
+    { user: 'b', contextLabels: [], items: [], note: 'Stopped: read_file: __init__.py *was* [gone] <b>', outcome: 'stopped' },
+    { user: 'second question', contextLabels: [], items: [{ kind: 'prose', text: 'second answer' }] },
+  ];
+  const md = chatMarkdown(turns, 'T');
+  const html = new MarkdownIt().render(md);
+  // every turn is there: 4 "You" and 4 "Assistant" headings, the last answer a paragraph
+  assert.equal(html.split('<h3>').length - 1, 8, html);
+  assert.ok(html.includes('<p>second answer</p>'), html);
+  // the traceback as it was, in a code block; nothing of the errors or the note read as emphasis or HTML
+  assert.ok(html.includes('  File &quot;/srv/pkg/__init__.py&quot;, line 3\n'), html);
+  assert.ok(!html.includes('<strong>init</strong>') && !html.includes('<em>init</em>') && !html.includes('<em>was</em>') && !html.includes('<b>'), html);
+  assert.ok(html.includes('<code>no __init__.py in `pkg` &lt;here&gt;</code>'), html);
+  assert.ok(html.includes('<em>Stopped: read_file: __init__.py *was* [gone] &lt;b&gt;</em>'), html);
 });
 
 test('Retry sends a turn\'s context again unless the branch holds the turn (stopped after its first round): the server recorded its instruction with that context, so it is not sent twice; the Retry button says which', () => {
@@ -467,6 +490,128 @@ test('a running turn whose call waits for the user says so (not "working…"); t
   const first = renderMarkdown(md);
   assert.equal(renderMarkdown(md), first);
   assert.ok(!first.includes('<img') && first.includes('&lt;img') && first.includes('data-code="let a = &quot;&lt;b&gt;&quot;;'), first);
+});
+
+test('the rendered-Markdown cache keeps no streamed prefix (only the latest), and finished text within a bound of characters', () => {
+  const line = 'Some text of the reply, with `code` and **bold** words in it, line N.\n';
+  const reply = line.repeat(Math.ceil(30_000 / line.length));
+  const before = markdownCacheSize();
+  // the reply streams: the view's flush renders each prefix, a redraw renders the running turn (its last item streams)
+  for (let i = 1; i <= 300; i++) {
+    const prefix = reply.slice(0, Math.floor(reply.length * i / 300));
+    renderMarkdown(prefix, true);
+    if (i % 30 === 0) conversationParts([{ user: 'q', contextLabels: [], items: [{ kind: 'thought', text: prefix, live: true }], running: true },
+      { user: 'q', contextLabels: [], items: [{ kind: 'prose', text: prefix }], running: true }]);
+  }
+  const streamed = markdownCacheSize();
+  assert.ok(streamed.entries <= before.entries + 1, `entries ${before.entries} -> ${streamed.entries}`);
+  assert.ok(streamed.chars <= before.chars + 3 * reply.length, `chars ${before.chars} -> ${streamed.chars}`);
+  // the reply ended: cached (one entry more), rendered the same
+  const html = renderMarkdown(reply, true);
+  assert.equal(renderMarkdown(reply), html);
+  assert.equal(renderMarkdown(reply), html);
+  // long finished texts: the oldest go once the cache holds 4,000,000 characters (source and HTML)
+  for (let i = 0; i < 30; i++) renderMarkdown(`${i} ${line.repeat(1400)}`);
+  const full = markdownCacheSize();
+  assert.ok(full.chars <= 4_000_000 + 3 * reply.length && full.entries < 30, JSON.stringify(full));
+});
+
+test('a redraw of a long chat builds the HTML of its running turn only: a finished turn\'s is built once, again when it changes', () => {
+  const body = 'x = 1  # <some> "code" & more\n'.repeat(300);
+  const turns: Turn[] = Array.from({ length: 50 }, (_, i) => ({ user: `q${i}`, contextLabels: [], items: Array.from({ length: 5 }, (_, j) => ({ kind: 'tool' as const,
+    card: { callId: `c${i}-${j}`, tool: 'read_file', args: { path: `f${j}.py` }, output: { path: `f${j}.py`, text: body }, state: 'ok' as const } })) }));
+  const live: Turn = { user: 'now', contextLabels: [], items: [], running: true };
+  const built = () => { const n = turnsBuilt(); const parts = conversationParts([...turns, live]); return { n: turnsBuilt() - n, parts }; };
+  const first = built();
+  assert.equal(first.n, 51);
+  // a tool event of the running turn, thoughts streaming: only the running turn is built again, the rest is the same HTML
+  live.items.push({ kind: 'tool', card: { callId: 'r', tool: 'list_dir', args: { path: '.' }, state: 'running' } });
+  for (let k = 0; k < 5; k++) {
+    const again = built();
+    assert.equal(again.n, 1);
+    assert.deepEqual(again.parts.slice(0, 50), first.parts.slice(0, 50));
+  }
+  // what changes a finished turn builds it again: a mark, thoughts kept (a new items list), a card decided late, the modifier
+  turns[3].note = 'Stopped.';
+  turns[7].items = [{ kind: 'thought', text: 'hm', ms: 2000 }, ...turns[7].items];
+  const late = turns[9].items[0];
+  if (late.kind === 'tool') { late.card.state = 'denied'; late.card.output = { error: 'denied by governance gate' }; }
+  const changed = built();
+  assert.equal(changed.n, 4);
+  assert.ok(changed.parts[3].includes('Stopped.') && changed.parts[7].includes('Thought for 2 s') && changed.parts[9].includes('⊘ read_file'));
+  let n = turnsBuilt();
+  conversationParts([...turns, live], 'Cmd');
+  assert.equal(turnsBuilt() - n, 51);
+  // a turn with a card that still runs or waits is built each time; a turn placed elsewhere (its data-turn) too
+  const waiting: Turn = { user: 'w', contextLabels: [], items: [{ kind: 'tool', card: { callId: 'a', tool: 'shout', args: {}, state: 'ask', ask: { diff: false } } }] };
+  n = turnsBuilt(); conversationParts([waiting]); conversationParts([waiting]);
+  assert.equal(turnsBuilt() - n, 2);
+  n = turnsBuilt(); const moved = conversationParts([live, ...turns]);
+  assert.equal(turnsBuilt() - n, 51);
+  assert.ok(moved[1].startsWith('<section class="turn" data-turn="1">'));
+});
+
+test('only a server that is gone says "the server is not running": an error answer of a running server is its own, also one with "closed" in it', () => {
+  // the model's failures, answered by a running server
+  for (const e of [
+    new ResponseError(-32011, "model 'qwen3': the reply ended inside the model's thoughts (a <think> block that was never closed), with no answer after them"),
+    new ResponseError(-32011, 'model error: RemoteProtocolError: peer closed connection without sending complete message body'),
+    new ResponseError(-32011, 'the model did not answer initialize... within 30 s'),
+    new ResponseError(-32602, 'EPIPE is not a field'),
+    new Error('tool output: the file was closed'),
+  ]) assert.equal(serverGone(e, true), false, e.message);
+  // a server that is gone: not running, exited under the request, the connection lost, a start that failed
+  const exited = new SidecarExitedError('operate', { exitCode: 1, signal: null, stderrTail: 'Traceback' });
+  for (const e of [exited, new ResponseError(-32097, 'Pending response rejected since connection got disposed'), new ResponseError(-32099, 'write EPIPE'),
+    new Error('Connection is closed.'), new Error('Connection is disposed.'), new Error('write EPIPE'),
+    new Error('cannot start the server: the program "x" was not found on the PATH'), new Error('cannot start the server: it did not answer initialize within 30 s')]) {
+    assert.equal(serverGone(e, true), true, e.message);
+  }
+  assert.equal(serverGone(new ResponseError(-32011, 'any'), false), true);
+});
+
+test('the permissionAnswer setting: a decision answers, empty or unset asks, any other value is a problem naming the setting and its values (and asks)', () => {
+  for (const v of [undefined, null, '']) assert.deepEqual(permissionAnswerSetting(v), {});
+  for (const v of ['allow_once', 'allow_always', 'deny_once', 'deny_always']) assert.deepEqual(permissionAnswerSetting(v), { answer: v });
+  for (const v of ['allow', 'deny', 'Allow_once', 3, true, ['allow_once'], {}]) {
+    const r = permissionAnswerSetting(v);
+    assert.equal(r.answer, undefined);
+    assert.ok(r.problem?.includes('operateSidecar.permissionAnswer') && r.problem.includes('allow_once, allow_always, deny_once, deny_always')
+      && r.problem.includes(JSON.stringify(v)), r.problem);
+  }
+});
+
+test('another operate on the chat\'s branch (the Operate command\'s) keeps its tool events and permission requests: the chat turn\'s are those between its progress\'s begin and end', () => {
+  const span: OperateSpan = { branchId: 'B', began: false, ended: false };
+  // the chat's operate waits behind the Operate command's on B: B's events are that one's
+  assert.equal(ownsBranchEvent(span, 'B'), false);
+  operateSpanAfter(span, { kind: 'begin' });
+  assert.equal(ownsBranchEvent(span, 'B'), true);
+  assert.equal(ownsBranchEvent(span, 'C'), false);
+  assert.equal(ownsBranchEvent(undefined, 'B'), false);
+  assert.equal(ownsBranchEvent({ branchId: '', began: true, ended: false }, ''), false);   // (no branch yet)
+  operateSpanAfter(span, { kind: 'report' });
+  assert.equal(ownsBranchEvent(span, 'B'), true);
+  // it ended: an operate sent after it (waiting behind it) has the branch
+  operateSpanAfter(span, { kind: 'end' });
+  assert.equal(ownsBranchEvent(span, 'B'), false);
+  // a first report without a begin (a server of another version) begins it too
+  const s2: OperateSpan = { branchId: 'B', began: false, ended: false };
+  operateSpanAfter(s2, { kind: 'report' });
+  assert.equal(ownsBranchEvent(s2, 'B'), true);
+});
+
+test('the chat\'s own turn read back after it ended: where it began, also after another operate\'s turn recorded first on the branch; of two with the same message, the one with its reply', () => {
+  const msg = (kind: string, content: object) => ({ kind, content, createdAt: 1 });
+  const turn = (q: string, a: string) => [msg('instruction', { instruction: q }), msg('assistant_response', { text: a })];
+  const server = turnsFromMessages([...turn('earlier', 'e'), ...turn('from the Operate command', 'its answer'), ...turn('chat question', 'chat answer')] as any);
+  assert.equal(ownTurn(server, 2, 'chat question')?.start, 4);
+  assert.equal(ownTurn(server, 2, 'not there'), undefined);
+  assert.equal(ownTurn(server, 6, 'chat question'), undefined);   // (not recorded: the turn failed)
+  const same = turnsFromMessages([...turn('q', 'e'), ...turn('go', 'the command\'s answer'), ...turn('go', 'the chat\'s answer')] as any);
+  assert.equal(ownTurn(same, 2, 'go', "the chat's answer")?.start, 4);
+  assert.equal(ownTurn(same, 2, 'go', "the command's answer")?.start, 2);
+  assert.equal(ownTurn(same, 2, 'go')?.start, 2);
 });
 
 test('a chat that could not be read (the server is not running) shows its error with no empty message bubble above it', () => {

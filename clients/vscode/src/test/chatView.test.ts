@@ -1,0 +1,296 @@
+// The chat view (chatView.ts) and the extension (extension.ts) against a scripted client, with a stand-in for the
+// `vscode` module (below): what reaches a chat turn when another operate runs on its branch, a read of a chat that
+// answers late, the webview's messages, a model error that is no server death, a permissionAnswer setting that is
+// none of its values. The real workbench and server: src/itest.
+// Run: tsc -p . && node --test out/test/
+import { test } from 'node:test';
+import * as assert from 'node:assert/strict';
+import Module = require('node:module');
+import type { BranchStore as BranchStoreT } from '../branchStore';
+import type { ChatView as ChatViewT } from '../chatView';
+import type { DiffReview as DiffReviewT } from '../diffReview';
+import type * as ExtensionT from '../extension';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { CancellationTokenSource, ErrorCodes, Message, OperateParams, OperateResult, PermissionDecision, PermissionHandler, PermissionRequest, ResponseError,
+  SidecarClient } from '../rpcClient';
+
+// ---- a stand-in for `vscode`: enough for the chat view to run; it records the commands run and the messages shown,
+// its webview what is posted, and hands the test the view's message listener. `require('vscode')` resolves to it.
+const log = { commands: [] as unknown[][], errors: [] as string[], infos: [] as string[], picks: [] as unknown[] };
+
+class EventEmitter<T> {
+  private readonly listeners = new Set<(v: T) => void>();
+  readonly event = (l: (v: T) => void) => { this.listeners.add(l); return { dispose: () => this.listeners.delete(l) }; };
+  fire(v: T): void { for (const l of [...this.listeners]) l(v); }
+  dispose(): void { this.listeners.clear(); }
+}
+class Uri {
+  constructor(readonly scheme: string, readonly path: string) {}
+  get fsPath(): string { return this.path; }
+  static file(p: string): Uri { return new Uri('file', p); }
+  static parse(s: string): Uri { const m = /^([a-z-]+):(?:\/\/)?(.*)$/.exec(s); return new Uri(m ? m[1] : 'file', m ? m[2] : s); }
+  static joinPath(u: Uri, ...p: string[]): Uri { return new Uri(u.scheme, [u.path, ...p].join('/')); }
+  toString(): string { return `${this.scheme}://${this.path}`; }
+}
+const none = () => ({ dispose() { /* nothing */ } });
+
+/** The settings the extension reads (operateSidecar.*): defaults unless a test sets one. */
+const settings = new Map<string, unknown>();
+const vscode = {
+  EventEmitter, Uri, version: '1.99.3', StatusBarAlignment: { Left: 1 }, ProgressLocation: { Notification: 15 },
+  Disposable: class { constructor(private readonly f?: () => void) {} dispose() { this.f?.(); } },
+  ThemeColor: class { constructor(readonly id: string) {} },
+  commands: { executeCommand: async (id: string, ...a: unknown[]) => { log.commands.push([id, ...a]); }, registerCommand: none },
+
+  env: { clipboard: { writeText: async () => undefined } },
+  languages: { getDiagnostics: () => [] },
+  window: {
+    registerWebviewViewProvider: none, activeTextEditor: undefined, visibleTextEditors: [], onDidChangeActiveTextEditor: none,
+    showErrorMessage: async (m: string) => { log.errors.push(m); }, showWarningMessage: async (m: string) => { log.errors.push(m); },
+    showInformationMessage: async (m: string) => { log.infos.push(m); }, tabGroups: { all: [], close: async () => true },
+    showTextDocument: async () => undefined, showQuickPick: async (items: unknown) => { log.picks.push(items); return undefined; },
+    createOutputChannel: () => ({ append() { /* */ }, appendLine() { /* */ }, show() { /* */ }, dispose() { /* */ } }),
+    createStatusBarItem: () => ({ show() { /* */ }, dispose() { /* */ } }),
+  },
+  workspace: {
+    workspaceFolders: [{ uri: Uri.file('/ws'), name: 'ws' }], textDocuments: [], onDidChangeConfiguration: none,
+    getConfiguration: () => ({ get: (k: string, d: unknown) => (settings.has(k) ? settings.get(k) : d) }),
+    registerTextDocumentContentProvider: none, asRelativePath: (u: Uri | string) => String(typeof u === 'string' ? u : u.path),
+    findFiles: async () => [], getWorkspaceFolder: () => undefined, applyEdit: async () => true,
+    fs: { stat: async () => ({}), readFile: async () => Buffer.from('') },
+    openTextDocument: async (o: object) => ({ getText: () => '', ...o }),
+  },
+};
+
+const M = Module as unknown as { _resolveFilename: (req: string, ...rest: unknown[]) => string };
+const resolve = M._resolveFilename;
+M._resolveFilename = function (req: string, ...rest: unknown[]) { return req === 'vscode' ? 'vscode' : resolve.call(this, req, ...rest); };
+require.cache.vscode = { id: 'vscode', filename: 'vscode', loaded: true, exports: vscode } as NodeJS.Module;
+
+/** A workspace state (Memento) in memory. */
+function memento() {
+  const m = new Map<string, unknown>();
+  return { get: (k: string, d?: unknown) => (m.has(k) ? m.get(k) : d), update: async (k: string, v: unknown) => { m.set(k, v); }, keys: () => [...m.keys()] };
+}
+
+/** A webview view: what the chat posts to it, and `send` to post the chat a message as its page would. */
+function webviewView() {
+  const posted: { type: string; [k: string]: unknown }[] = [];
+  let listener: ((m: unknown) => Promise<void>) | undefined;
+  const view = {
+    visible: true, badge: undefined as unknown,
+    webview: { options: {}, html: '', cspSource: 'x', asWebviewUri: (u: Uri) => u,
+      postMessage: async (m: { type: string }) => { posted.push(m); return true; },
+      onDidReceiveMessage: (f: (m: unknown) => Promise<void>) => { listener = f; return none(); } },
+    onDidDispose: none, onDidChangeVisibility: none,
+  };
+  return { view, posted, send: (m: unknown) => listener!(m) };
+}
+
+const { BranchStore } = require('../branchStore') as { BranchStore: typeof BranchStoreT };
+const { ChatView } = require('../chatView') as { ChatView: typeof ChatViewT };
+const { DiffReview } = require('../diffReview') as { DiffReview: typeof DiffReviewT };
+const extension = require('../extension') as typeof ExtensionT;
+
+/** Resolves once `cond` holds; fails after `ms`. */
+async function until(cond: () => boolean, what: string, ms = 3000): Promise<void> {
+  const end = Date.now() + ms;
+  while (!cond()) {
+    if (Date.now() > end) throw new Error(`timeout after ${ms} ms: ${what}`);
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+/** What `p` settled to within `ms`, else 'waiting'. */
+function settled<T>(p: Promise<T>, ms = 200): Promise<T | 'waiting'> {
+  let timer: NodeJS.Timeout;
+  return Promise.race([p, new Promise<'waiting'>((r) => { timer = setTimeout(() => r('waiting'), ms); })]).finally(() => clearTimeout(timer));
+}
+
+const msg = (kind: string, content: object): Message => ({ kind, content, createdAt: 1 } as unknown as Message);
+const turn = (instruction: string, text: string) => [msg('instruction', { instruction }), msg('assistant_response', { text, usage: { inputTokens: 1, outputTokens: 1 } })];
+
+interface Op { params: OperateParams; progress: (v: object) => void; resolve: (r: OperateResult) => void; reject: (e: unknown) => void }
+/** The client's calls the chat makes, scripted: branches with their messages (a read of one in `slow` answers after that many ms); operates resolved by the test. */
+class FakeClient {
+  running = true;
+  readonly branches = new Map<string, Message[]>();
+  readonly slow = new Map<string, number>();
+  readonly ops: Op[] = [];
+  private n = 0;
+  async createBranch() { const id = `new${++this.n}`; this.branches.set(id, []); return { branchId: id }; }
+  async branchMessages(id: string, offset = 0, limit = 1000) {
+    const ms = this.slow.get(id);
+    if (ms) await new Promise((r) => setTimeout(r, ms));
+    const all = this.branches.get(id);
+    if (!all) throw new ResponseError(ErrorCodes.BranchNotFound, `branch not found: ${id}`);
+    return { messages: all.slice(offset, offset + limit), total: all.length };
+  }
+  operate(params: OperateParams, opts: { onProgress?: (v: object) => void }): Promise<OperateResult> {
+    return new Promise((resolve, reject) => this.ops.push({ params, progress: (v) => opts.onProgress?.(v), resolve, reject }));
+  }
+}
+const result = (text: string) => ({ result: text, kind: 'text', model: null, usage: { inputTokens: 1, outputTokens: 1, contextTokens: 1, modelCalls: 1 }, rounds: 1 } as unknown as OperateResult);
+
+function makeChat() {
+  const client = new FakeClient();
+  const branches = new BranchStore(memento() as never);
+  const lines: string[] = [];
+  const host = { ensure: async () => client, current: () => client, branches, editors: { editor: undefined }, review: new DiffReview(),
+    maxRounds: () => 1, runningChanged() { /* no status bar */ }, line: (t: string) => lines.push(t), serverProblem: () => undefined };
+  const chat = new ChatView({ extensionUri: vscode.Uri.file('/ext') } as never, host as never);
+  const page = webviewView();
+  chat.resolveWebviewView(page.view as never);
+  return { chat, client, branches, lines, ...page };
+}
+
+test('an operate on the chat\'s branch started elsewhere (the Operate command) keeps its tool events and permission requests; the chat turn waiting behind it reads back its own turn, kept once', async () => {
+  const { chat, client, branches, send } = makeChat();
+  client.branches.set('B', [...turn('earlier question', 'earlier answer')]);
+  await send({ type: 'ready', mod: 'Ctrl' });
+  await branches.setCurrent('B');
+  await chat.refresh();
+  // the Operate command's operate runs on B (sent first); the chat's is sent and waits for the branch
+  const done = chat.send('chat question');
+  await until(() => client.ops.length === 1, 'the chat\'s operate sent');
+  const foreign = (callId: string) => ({ seq: 1, branchId: 'B', callId, event: 'pre', tool: 'list_dir', argsSummary: '{"path":"."}' } as const);
+  const request = (callId: string): PermissionRequest => ({ branchId: 'B', callId, tool: 'shout', arguments: { text: 'x' }, options: ['allow_once', 'allow_always', 'deny_once', 'deny_always'] });
+  chat.onToolEvent(foreign('cmd-1'));
+  assert.deepEqual(chat.stats().cards, []);
+  assert.equal(chat.owns(request('cmd-2')), false);
+  // the chat's operate has the branch: its progress began
+  client.ops[0].progress({ kind: 'begin', title: 'operate', message: 'communicate' });
+  client.ops[0].progress({ kind: 'report', message: 'calling m', phase: 'request' });
+  chat.onToolEvent({ seq: 2, branchId: 'B', callId: 'chat-1', event: 'pre', tool: 'read_file', argsSummary: '{"path":"a.py"}' });
+  assert.deepEqual(chat.stats().cards.map((c) => c.title), ['… read_file a.py']);
+  assert.equal(chat.owns(request('chat-2')), true);
+  chat.onToolEvent({ seq: 3, branchId: 'B', callId: 'chat-1', event: 'post', tool: 'read_file', argsSummary: '{"path":"a.py"}', resultSummary: '"x"' });
+  // its progress ended: what follows on B is an operate sent after it
+  client.ops[0].progress({ kind: 'end', message: 'completed' });
+  chat.onToolEvent(foreign('later-1'));
+  assert.equal(chat.owns(request('later-2')), false);
+  assert.deepEqual(chat.stats().cards.map((c) => c.title), ['✓ read_file a.py']);
+  // the branch recorded the Operate command's turn first, then the chat's
+  client.branches.get('B')!.push(...turn('instruction of the Operate command', 'its answer'), ...turn('chat question', 'chat answer'));
+  client.ops[0].resolve(result('chat answer'));
+  const o = await done;
+  assert.equal(o.error, undefined);
+  assert.deepEqual(chat.shownTurns().map((t) => t.user), ['earlier question', 'instruction of the Operate command', 'chat question']);
+  assert.deepEqual(branches.localTurns('B'), []);
+});
+
+test('switching chats quickly: the chat picked last is shown, also when the read of the one picked before answers after its read (latest wins)', async () => {
+  const { chat, client, branches, send, posted } = makeChat();
+  client.branches.set('A', [...turn('question in chat A', 'answer A')]);
+  client.branches.set('B', [...turn('question in chat B', 'answer B')]);
+  client.slow.set('A', 150);   // chat A is long, or the server busy: its read answers later
+  branches.onDidChangeCurrent(() => { if (!chat.running) void chat.refresh(); });   // (as the extension does)
+  await send({ type: 'ready', mod: 'Ctrl' });
+  branches.remember('A', 'Chat A');
+  branches.remember('B', 'Chat B');
+  await branches.setCurrent('A');
+  await branches.setCurrent('B');
+  await until(() => chat.shownTurns()[0]?.user === 'question in chat B', 'chat B shown');
+  await new Promise((r) => setTimeout(r, 400));   // (chat A's read has answered meanwhile)
+  assert.deepEqual(chat.shownTurns().map((t) => t.user), ['question in chat B']);
+  assert.equal(posted.filter((m) => m.type === 'state').at(-1)?.branch, 'Chat B');
+});
+
+test('the webview\'s messages are checked: a decision the request did not offer, or none, answers nothing (the request waits on for a proper one); only the page\'s own commands run', async () => {
+  const { chat, client, send, lines } = makeChat();
+  await send({ type: 'ready', mod: 'Ctrl' });
+  const done = chat.send('edit it');
+  await until(() => client.ops.length === 1, 'the operate sent');
+  client.ops[0].progress({ kind: 'begin', title: 'operate', message: 'communicate' });
+  const branchId = chat.runningBranch()!;
+  const ask = (callId: string, options: PermissionDecision[] = ['allow_once', 'allow_always', 'deny_once', 'deny_always']) =>
+    chat.ask({ branchId, callId, tool: 'shout', arguments: { text: 'x' }, options }, new CancellationTokenSource().token);
+  const a1 = ask('c1');
+  await until(() => chat.stats().pendingAsks.includes('c1'), 'c1 waits');
+  await send({ type: 'decide', callId: 'c1', decision: 'allow_everything' });
+  await send({ type: 'decide', callId: 'c1' });
+  await send({ type: 'decide', callId: 'c1', decision: 7 });
+  assert.equal(await settled(a1), 'waiting');
+  assert.deepEqual(chat.stats().pendingAsks, ['c1']);
+  assert.equal(log.errors.length, 0, log.errors.join('\n'));
+  await send({ type: 'decide', callId: 'c1', decision: 'allow_once' });
+  assert.equal(await settled(a1), 'allow_once');
+  // a request that offers fewer options: a decision it did not offer is not sent
+  const a2 = ask('c2', ['allow_once', 'deny_once']);
+  await until(() => chat.stats().pendingAsks.includes('c2'), 'c2 waits');
+  await send({ type: 'decide', callId: 'c2', decision: 'allow_always' });
+  assert.equal(await settled(a2), 'waiting');
+  await send({ type: 'decide', callId: 'c2', decision: 'deny_once' });
+  assert.equal(await settled(a2), 'deny_once');
+  // commands: the header's buttons' only
+  const ran = () => log.commands.map((c) => c[0]).filter((id) => id !== 'setContext');
+  await send({ type: 'command', id: 'workbench.action.closeAllEditors' });
+  await send({ type: 'command', id: 'operateSidecar.deleteBranch' });
+  await send({ type: 'command' });
+  assert.deepEqual(ran(), []);
+  await send({ type: 'command', id: 'operateSidecar.pickModel' });
+  assert.deepEqual(ran(), ['operateSidecar.pickModel']);
+  assert.ok(lines.filter((l) => l.startsWith('[chat] ignored')).length >= 6, lines.join('\n'));
+  client.ops[0].resolve(result('done'));
+  await done;
+});
+
+/**
+ * The extension activated on a FakeClient (SidecarClient.start answers it): its API, its chat view, the permission
+ * handler it gave the client. The server runs (its `exited` never settles) unless a test says otherwise.
+ */
+async function activated() {
+  const client = Object.assign(new FakeClient(), {
+    exited: new Promise<number>(() => undefined), kill() { /* */ }, async stop() { /* */ },
+    onToolEvent() { /* */ }, onLogMessage() { /* */ }, setFsHandlers() { /* */ },
+    handler: undefined as PermissionHandler | undefined,
+    setPermissionHandler(h: PermissionHandler) { client.handler = h; },
+    async initialize() { return { serverInfo: { name: 'fake', version: '1' }, capabilities: { models: ['m'], stateDir: null } }; },
+    async listBranches() { return { branches: [] }; },
+  });
+  (SidecarClient as unknown as { start: () => Promise<unknown> }).start = async () => client;
+  const ctx = { subscriptions: [] as unknown[], workspaceState: memento(), extensionUri: Uri.file('/ext'),
+    globalStorageUri: Uri.file(path.join(os.tmpdir(), `operate-sidecar-unit-${process.pid}`)) };
+  const api = extension.activate(ctx as never);
+  const chat = ctx.subscriptions.find((x) => x instanceof ChatView) as ChatViewT;
+  return { api, chat, client, ctx };
+}
+
+test('a model error with "closed" in its words, from a running server, is the turn\'s error as it is: not "the server is not running"', async () => {
+  const { api, chat, client } = await activated();
+  const done = chat.send('think hard');
+  await until(() => client.ops.length === 1, 'the operate sent');
+  const said = "model 'qwen3': the reply ended inside the model's thoughts (a <think> block that was never closed), with no answer after them";
+  client.ops[0].reject(new ResponseError(-32011, said));
+  const o = await done;
+  assert.equal(o.error, said);
+  assert.equal(api.chatTurns().at(-1)?.error, said);
+});
+
+test('a permissionAnswer setting that is none of its values ("allow") is reported once, naming the setting and its values, and asks as if unset: in the chat\'s card, not in a bare quick pick', async () => {
+  settings.set('permissionAnswer', 'allow');
+  try {
+    const { api, chat, client } = await activated();
+    const done = chat.send('fix the bug');
+    await until(() => client.ops.length === 1, 'the operate sent');
+    client.ops[0].progress({ kind: 'begin', title: 'operate', message: 'communicate' });
+    const req = (callId: string): PermissionRequest => ({ branchId: chat.runningBranch()!, callId, tool: 'shout', arguments: { text: 'x' },
+      options: ['allow_once', 'allow_always', 'deny_once', 'deny_always'] });
+    const picks = log.picks.length;
+    const d1 = client.handler!(req('c1'), new CancellationTokenSource().token);
+    await until(() => chat.stats().pendingAsks.includes('c1'), 'the chat\'s card asks');
+    const d2 = client.handler!(req('c2'), new CancellationTokenSource().token);
+    await until(() => chat.stats().pendingAsks.includes('c2'), 'the second card asks');
+    assert.equal(log.picks.length, picks);
+    const notices = api.notices().filter((n) => n.message.includes('operateSidecar.permissionAnswer'));
+    assert.equal(notices.length, 1, JSON.stringify(api.notices()));
+    assert.ok(notices[0].message.includes('"allow"') && notices[0].message.includes('allow_once, allow_always, deny_once, deny_always'), notices[0].message);
+    chat.decide('c1', 'allow_once');
+    chat.decide('c2', 'deny_once');
+    assert.deepEqual([await settled(Promise.resolve(d1)), await settled(Promise.resolve(d2))], ['allow_once', 'deny_once']);
+    client.ops[0].resolve(result('done'));
+    await done;
+  } finally {
+    settings.delete('permissionAnswer');
+  }
+});
