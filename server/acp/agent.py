@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import gc
 import importlib
 import json
 import logging
 import math
 import os
+import sys
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -86,13 +88,17 @@ def _now() -> str:
     return when.isoformat(timespec="milliseconds")
 
 
+#: the update time of a session without a readable one: older than any (finite: a cursor holds it)
+_OLDEST = -sys.float_info.max
+
+
 def _when(updated_at: str | None) -> float:
     """An update time as a timestamp for ordering (any ISO 8601 precision; unreadable: oldest)."""
     try:
         when = datetime.fromisoformat(updated_at or "")
-    except ValueError:
-        return float("-inf")
-    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+        return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+    except (ValueError, TypeError, OverflowError):
+        return _OLDEST
 
 
 def _issue_cursor(key: tuple[float, str]) -> str:
@@ -135,6 +141,50 @@ class _Prompt:
     def __init__(self) -> None:
         self.cancelled = False
         self.task: asyncio.Task | None = None
+
+
+#: the requests whose lists ACP's schema says to skip a bad item of (``mcpServers``,
+#: ``additionalDirectories``: ``x-deserialize-skip-invalid-items``): the SDK drops it unseen
+_SESSION_REQUESTS = frozenset({"session/new", "session/load", "session/resume", "session/fork"})
+#: what the SDK dropped of the request being served (:func:`dropped_items`, set by
+#: ``run.explain_invalid_params``): told to its session (``_add_mcp``), never lost without a word
+DROPPED: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar("acp_dropped", default=())
+
+
+def dropped_items(method: str, params: Any) -> tuple[tuple[str, str], ...]:
+    """(what, why) of each item of a session request's ``mcpServers`` and
+    ``additionalDirectories`` that fails ACP's schema, which the SDK drops as the schema says
+    (a server entry without its ``env``, say: it would never start, and nothing would say so)."""
+    if method not in _SESSION_REQUESTS or type(params) is not dict:
+        return ()
+    out: list[tuple[str, str]] = []
+    servers = params.get("mcpServers")
+    if type(servers) is list and servers:
+        from acp.schema import AcpMcpServer, HttpMcpServer, McpServerStdio, SseMcpServer
+        from pydantic import ValidationError
+
+        kinds: dict[Any, Any] = {"http": HttpMcpServer, "sse": SseMcpServer, "acp": AcpMcpServer}
+        for i, item in enumerate(servers, 1):
+            name = item.get("name") if type(item) is dict else None
+            what = f"MCP server {name!r}" if isinstance(name, str) else f"MCP server #{i}"
+            if type(item) is not dict:
+                out.append((what, "its entry is not an object"))
+                continue
+            kind = item.get("type")
+            if "type" in item and kind not in kinds and kind != "stdio":
+                out.append((what, f"its type {json.dumps(kind)[:40]} is none that ACP names"))
+                continue
+            try:
+                kinds.get(kind, McpServerStdio).model_validate(item)
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(map(str, err.get("loc", ()))) or "entry"
+                out.append((what, f"{where}: {err.get('msg', 'invalid')}"))
+    folders = params.get("additionalDirectories")
+    if type(folders) is list:
+        out.extend((f"additionalDirectories item {i}", f"{json.dumps(f)[:40]} is not a path")
+                   for i, f in enumerate(folders, 1) if not isinstance(f, str))
+    return tuple(out)
 
 
 class OperateAgent(Agent):
@@ -597,7 +647,7 @@ class OperateAgent(Agent):
             why = _not_a_folder(folder)
             if why is not None:
                 name = "cwd" if folder is cwd else "additionalDirectories"
-                raise _invalid(f"{name} {folder!r} {why}", {"cwd": folder, "reason": "must be an absolute directory"})
+                raise _invalid(f"{name} {folder!r} {why}", {name: folder, "reason": "must be an absolute directory"})
         for folder in folders:
             if folder not in self.port.workspace_folders:
                 self.port.workspace_folders.append(folder)
@@ -610,7 +660,11 @@ class OperateAgent(Agent):
         """The client MCP servers a session passed (``session/new``, ``session/load``): stdio
         ones become the session's own tool sources (``Service.add_branch_mcp_servers``: started
         in the background, shared or renamed there; a prompt waits for them, ``session/new``
-        does not); http and sse ones are not advertised, and are ignored with a warning."""
+        does not); http and sse ones are not advertised, and are ignored with a warning. What
+        the SDK dropped of the request (:data:`DROPPED`) is told to the session too."""
+        for what, why in DROPPED.get():
+            log.warning("session %s: %s ignored: it does not fit ACP's schema (%s)", sid, what, why)
+            self.port.tell(sid, 2, f"{what} ignored: its entry does not fit ACP's schema ({why})")
         stdio = []
         for s in servers or ():
             command = getattr(s, "command", None)
@@ -778,7 +832,7 @@ class OperateAgent(Agent):
         sid = branch.id
         sc = await self._ready(warm=True)
         await sc.ensure_tools()
-        await sc.branch_mcp_ready()  # client MCP servers still starting
+        await sc.branch_mcp_ready(sid)  # the session's MCP servers still starting
         turn = self.port.turns[sid] = Turn()
         if self.port.noticed.get(sid, 0) != self.port.notice_gen:  # a warning not told to this session yet
             notice = self.port.notices_for(sid, sc.branch_problems)  # its own, its MCP servers' too

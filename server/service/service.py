@@ -591,7 +591,7 @@ class Service:
         """The MCP servers (``(name, {command, env})``) a front end's session passed for this
         branch (ACP's ``session/new`` and ``session/load``): tool sources of the service
         (:meth:`add_mcp_server`), started one after the other (each one's tool names are then
-        chosen knowing every tool already registered), and the branch's own: its operates are
+        chosen knowing every tool already registered, whatever the timing), and the branch's own: its operates are
         offered the tools of the servers it passed and no other branch's (:meth:`branch_tools`).
         A server another branch passed with the same name and the same command and env is
         shared while it runs or starts (a turn waits for it); once it has failed (it did not
@@ -683,11 +683,16 @@ class Service:
                 log.warning("branch %s: its MCP server(s) %s did not stop in time; left to end on their own",
                             branch_id, ", ".join(repr(n) for n, r in stopping if not r.stopped.is_set()))
 
-    async def branch_mcp_ready(self) -> None:
-        """Once every MCP server a branch passed is ready (or failed): a turn waits for this,
-        since a server still starting decides which tool names the others are offered under."""
-        for _, ready in list(self._branch_mcp.values()):
-            await ready.wait()
+    async def branch_mcp_ready(self, branch_id: str) -> None:
+        """Once every MCP server this branch passed is ready (or failed): its turn waits for
+        this, since a server still starting decides which tool names it is offered. Not for
+        other branches' servers: their tools are not its own (:meth:`branch_tools`), and one
+        that hangs in its handshake would hold up every session's turns. (A server of its own
+        passed after another's starts after it: see :meth:`add_branch_mcp_servers`.)"""
+        for key in list(self._branch_mcp_of.get(branch_id, ())):
+            entry = self._branch_mcp.get(key)
+            if entry is not None:
+                await entry[1].wait()
 
     def branch_tools(self, branch_id: str) -> list[str] | None:
         """The tools an operate of this branch is offered: every tool but those of the MCP

@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -247,3 +249,82 @@ def run(coro: Any, timeout: float = 120.0) -> Any:
 
 async def bounded(aw: Any, timeout: float = TIMEOUT) -> Any:
     return await asyncio.wait_for(aw, timeout)
+
+
+# ---------------------------------------------------------------- a plain JSON-lines client
+AGENT = [sys.executable, "-m", "operate_sidecar.server", "--acp"]
+
+
+class Raw:
+    """The agent over pipes from a plain newline-delimited JSON client (no SDK: lines in one
+    write reach the agent in one read, and params the SDK's client would refuse can be sent): ``send`` writes any number of messages in one write; every
+    message the agent writes is kept (``seen``) and answers are waited for by id."""
+
+    def __init__(self, config: str) -> None:
+        self.proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=agent_env())
+        self.seen: list[dict] = []
+        self._answers: dict[object, dict] = {}
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self._cond:
+                self.seen.append(msg)
+                if "id" in msg and "method" not in msg:
+                    self._answers[msg["id"]] = msg
+                self._cond.notify_all()
+
+    def send(self, *msgs: dict) -> None:
+        self.proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in msgs))
+        self.proc.stdin.flush()
+
+    def answer(self, msg_id: object, timeout: float = TIMEOUT) -> dict:
+        with self._cond:
+            assert self._cond.wait_for(lambda: msg_id in self._answers, timeout), f"no answer to {msg_id} in {timeout} s"
+            return self._answers[msg_id]
+
+    def request_seen(self, method: str, timeout: float = TIMEOUT) -> dict:
+        with self._cond:
+            found = self._cond.wait_for(lambda: [m for m in self.seen if m.get("method") == method], timeout)
+            assert found, f"no {method} in {timeout} s"
+            return found[0]
+
+    def text(self) -> str:
+        with self._cond:
+            return "".join(m["params"]["update"]["content"]["text"] for m in self.seen
+                           if m.get("method") == "session/update"
+                           and m["params"]["update"].get("sessionUpdate") == "agent_message_chunk")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def req(msg_id: int, method: str, **params: object) -> dict:
+    return {"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params}
+
+
+def prompt(msg_id: int, sid: str, text: str = "hi", *extra: dict) -> dict:
+    return req(msg_id, "session/prompt", sessionId=sid, prompt=[{"type": "text", "text": text}, *extra])
+
+
+def cancel(sid: str) -> dict:
+    return {"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": sid}}
+
+
+def start(tmp_path, ws, *responses, fs: bool = False, **settings) -> tuple[Raw, str]:
+    config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(*responses)}, **settings})
+    a = Raw(config)
+    caps = {"fs": {"readTextFile": True, "writeTextFile": True}} if fs else {}
+    a.send(req(1, "initialize", protocolVersion=1, clientCapabilities=caps))
+    a.answer(1)
+    a.send(req(2, "session/new", cwd=str(ws), mcpServers=[]))
+    return a, a.answer(2)["result"]["sessionId"]

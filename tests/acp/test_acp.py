@@ -15,8 +15,9 @@ import acp
 import pytest
 from acp.schema import AllowedOutcome, McpServerStdio, RequestPermissionResponse
 
-from acp_support import (MCP_SERVER, RecordingClient, agent_env, bounded, echo_model, reply, run, scripted, spawn,
-                         write_config)
+from acp_support import (MCP_SERVER, Raw, RecordingClient, agent_env, bounded, echo_model, reply, req, run, scripted,
+                         spawn, write_config)
+from acp_support import prompt as raw_prompt
 
 TOOLS = "acp_fixture_tools"
 
@@ -488,7 +489,7 @@ def test_bad_requests_are_answered_32602_with_a_message_saying_what_is_wrong_not
                 (conn.new_session(cwd=str(ws / "gone")), ["does not exist"], None),
                 (conn.new_session(cwd=str(ws / "a.txt")), ["is not a directory"], None),
                 (conn.new_session(cwd=str(ws), additional_directories=["rel"]),
-                 ["additionalDirectories 'rel'", "absolute path"], None),
+                 ["additionalDirectories 'rel'", "absolute path"], {"additionalDirectories": "rel", "cwd": None}),
                 (conn.prompt(session_id=sid, prompt=[acp.image_block("AAAA", "image/png")]),
                  ["content type 'image' is not supported", "promptCapabilities"], None),
                 (conn.prompt(session_id=sid, prompt=[acp.audio_block("AAAA", "audio/wav")]),
@@ -1767,6 +1768,18 @@ def test_session_list_comes_in_pages_a_cursor_goes_on_from(tmp_path, ws):
     run(main())
 
 
+def test_a_cursor_issued_after_a_session_without_an_update_time_is_taken_back():
+    """A session with no readable update time (an older version's record, or one made natively)
+    is listed oldest; a page ending on it gave a cursor holding Infinity, which the agent then
+    refused as no cursor of its own (the sessions after it could never be listed)."""
+    from operate_sidecar.server.acp.agent import _cursor_key, _issue_cursor, _when
+
+    for unreadable in (None, "", "yesterday", 5):
+        key = (-_when(unreadable), "sid")
+        assert key[0] > -_when("1970-01-01T00:00:00"), unreadable       # (after every readable one)
+        assert _cursor_key(_issue_cursor(key)) == key, unreadable
+
+
 def fx_server(tag):
     """The fixture MCP server as a session passes it, named ``fx``, telling ``tag`` (args and env)."""
     return McpServerStdio(name="fx", command=sys.executable, args=[MCP_SERVER, tag],
@@ -1958,6 +1971,72 @@ def test_an_mcp_server_that_hangs_in_its_handshake_delays_exit_with_one_line_not
     err = capfd.readouterr().err
     assert "Traceback" not in err, err
     assert len([line for line in err.splitlines() if "did not close" in line]) <= 1, err
+
+
+def test_another_sessions_mcp_server_hanging_in_its_handshake_holds_up_no_turn_of_a_session_without(tmp_path, ws):
+    """Session A's MCP server never answers its handshake (it is given up after 30 s): session B,
+    which passed none, has its turn at once (each turn waited for every session's servers)."""
+    marker = f"hang-{os.getpid()}-{id(tmp_path)}"
+    config = cfg(tmp_path, reply("b alone"))
+
+    def hanging() -> bool:
+        return subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0
+
+    async def main():
+        c = RecordingClient()
+        stuck = McpServerStdio(name="stuck", command=sys.executable, args=[MCP_SERVER, "stuck", "--hang", marker],
+                               env=[])
+        async with spawn(c, config) as (conn, _):
+            a = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[stuck]))).session_id
+            b = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            for _ in range(150):                              # (A's server has started its handshake)
+                if hanging():
+                    break
+                await asyncio.sleep(0.1)
+            assert hanging()
+            # (bounded by 15 s, half the time A's server is given to answer: answered before that)
+            assert (await bounded(conn.prompt(session_id=b, prompt=[acp.text_block("go")]), 15)).stop_reason \
+                == "end_turn" and c.text() == "b alone"
+            assert hanging()                                  # (A's server is still in its handshake)
+            assert a
+
+    run(main())
+
+
+def test_mcp_server_entries_and_folders_the_sdk_drops_are_told_to_the_session(tmp_path, ws):
+    """ACP's schema has a bad item of ``mcpServers`` or ``additionalDirectories`` skipped: the SDK
+    dropped it unseen, so a server entry without its ``env`` never started and nothing said why.
+    The session is told at its next turn, each with what is wrong; the valid entry is served."""
+    config = write_config(tmp_path / "settings.toml",
+                          {"models": {"s": scripted(reply("", [("whoami", {})]), reply("done"))}})
+    a = Raw(config)
+    try:
+        a.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
+        a.answer(1)
+        good = {"name": "fx", "command": sys.executable, "args": [MCP_SERVER, "delta"],
+                "env": [{"name": "MCP_FIXTURE_TAG", "value": "delta"}]}
+        no_env = {"name": "noenv", "command": sys.executable, "args": [MCP_SERVER, "x"]}
+        odd = {"name": "odd", "type": "websocket", "url": "ws://127.0.0.1:9"}
+        a.send(req(2, "session/new", cwd=str(ws), mcpServers=[no_env, good, odd, 5], additionalDirectories=[7]))
+        sid = a.answer(2)["result"]["sessionId"]
+        a.send(raw_prompt(3, sid, "go"))
+        asked = a.request_seen("session/request_permission")         # (the MCP tool's call: allowed)
+        allow = next(o["optionId"] for o in asked["params"]["options"] if o["kind"] == "allow_once")
+        a.send({"jsonrpc": "2.0", "id": asked["id"], "result": {"outcome": {"outcome": "selected", "optionId": allow}}})
+        assert a.answer(3)["result"]["stopReason"] == "end_turn"
+        told = a.text()
+        for line in ("MCP server 'noenv' ignored: its entry does not fit ACP's schema (env: Field required)",
+                     "MCP server 'odd' ignored: its entry does not fit ACP's schema (its type \"websocket\" is none "
+                     "that ACP names)",
+                     "MCP server #4 ignored: its entry does not fit ACP's schema (its entry is not an object)",
+                     "additionalDirectories item 1 ignored: its entry does not fit ACP's schema (7 is not a path)"):
+            assert line in told, told
+        done = [m["params"]["update"] for m in a.seen if m.get("method") == "session/update"
+                and m["params"]["update"].get("sessionUpdate") == "tool_call_update"
+                and m["params"]["update"].get("status") == "completed"]
+        assert len(done) == 1 and "delta:delta" in json.dumps(done[0]), done   # (the valid entry is served)
+    finally:
+        a.close()
 
 
 def test_an_empty_prompt_of_whitespace_text_is_refused_and_records_nothing(tmp_path, ws):
