@@ -362,6 +362,8 @@ def script_options_problem(server: Any = None, step_timeout: Any = None, env: An
     """What is wrong with :func:`run_session_script`'s options, in words (None when nothing): a
     wrong type failed deep in the start of the server (``env={"X": 1}``), started a command spelt
     letter by letter (``server="operate-sidecar ..."``) or was taken as the default (``step_timeout=0``)."""
+    from operate_sidecar.server.script.runner import MAX_TIMEOUT_MS
+
     if server is not None and (isinstance(server, (str, bytes)) or not isinstance(server, (list, tuple))
                                or not server or not all(isinstance(a, str) for a in server)):
         return (f"server must be a list of strings, the command and its arguments, got {server!r}; "
@@ -369,6 +371,8 @@ def script_options_problem(server: Any = None, step_timeout: Any = None, env: An
     if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
                                      or not 0 < step_timeout < float("inf")):
         return f"step_timeout must be a positive number of seconds, got {step_timeout!r}"
+    if step_timeout is not None and step_timeout * 1000 > MAX_TIMEOUT_MS:  # the clock's waits refuse 1e300
+        return f"step_timeout must be at most {MAX_TIMEOUT_MS // 1000} seconds (one day), got {step_timeout!r}"
     if env is not None and (not isinstance(env, dict)
                             or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
         return f"env must be a dict of strings to strings (added to the environment), got {env!r}"

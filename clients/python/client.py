@@ -394,15 +394,19 @@ class SidecarClient:
         """SIGTERM the server (on POSIX every process of its session, as a terminal's Ctrl+C reaches
         a whole job), then :meth:`kill` what is left of it after ``grace`` seconds; returns the
         exit code of the process this client started."""
-        if _SESSIONS:
-            self._signal_session(signal.SIGTERM)
-        elif self.proc.poll() is None:
-            self.proc.terminate()
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:  # the process started, and (POSIX) what its session holds
-            if self.proc.poll() is not None and not (_SESSIONS and _session_groups(self.proc.pid)):
-                return self.proc.returncode
-            time.sleep(0.02)
+        try:
+            if _SESSIONS:
+                self._signal_session(signal.SIGTERM)
+            elif self.proc.poll() is None:
+                self.proc.terminate()
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:  # the process started, and (POSIX) what its session holds
+                if self.proc.poll() is not None and not (_SESSIONS and _session_groups(self.proc.pid)):
+                    return self.proc.returncode
+                time.sleep(0.02)
+        except BaseException:  # interrupted during the grace (a second Ctrl+C): nothing is left running
+            self.kill()
+            raise
         self.kill()
         try:
             return self.proc.wait(grace)

@@ -2,8 +2,9 @@
 
 A pattern matches a value when every key it names matches recursively: objects are
 subsets (keys the pattern does not name are ignored), arrays match element by element
-(same length), ``"*"`` matches anything (including a missing key), and anything else must
-be equal (``1`` and ``1.0`` are equal, ``true`` and ``1`` are not). :func:`first_mismatch`
+(same length), ``"*"`` matches anything (including a missing key; ``"$*"`` is the literal
+text ``*``, ``"$$*"`` the text ``$*``), and anything else must be equal (``1`` and ``1.0`` are
+equal, ``true`` and ``1`` are not). :func:`first_mismatch`
 returns the smallest difference: the JSON path of the first place where they part,
 what was expected there and what came; :func:`mismatches` every difference, in the pattern's
 order, and :func:`describe_mismatches` says them in one line.
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 ANY = "*"
+#: a pattern's literal ``"*"``: ``"$*"`` (and ``"$$*"`` the text ``$*``: one ``$`` fewer, as ``$${`` is ``${``)
+_ESCAPED_ANY = re.compile(r"\$+\*")
 _MISSING = object()
 _REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_.-]*)\}")
 #: ``$${`` (a literal ``${``) or a reference, scanned left to right
@@ -39,9 +42,13 @@ class Mismatch:
     why: str = ""
 
     def describe(self, limit: int = 160) -> str:
-        """``at PATH: expected X, got Y`` (each value at most ``limit`` characters)."""
-        got = "(missing)" if self.got is _MISSING else short(self.got, limit)
-        expected = "(nothing)" if self.expected is _MISSING else short(self.expected, limit)  # an extra array item
+        """``at PATH: expected X, got Y`` (each value at most ``limit`` characters; two long values
+        cut around the first character where they differ, so the difference shows)."""
+        if self.got is _MISSING or self.expected is _MISSING:
+            got = "(missing)" if self.got is _MISSING else short(self.got, limit)
+            expected = "(nothing)" if self.expected is _MISSING else short(self.expected, limit)  # an extra item
+        else:
+            expected, got = short_pair(self.expected, self.got, limit)
         text = f"at {self.path}: expected {expected}, got {got}"
         return f"{text} ({self.why})" if self.why else text
 
@@ -49,12 +56,35 @@ class Mismatch:
 MISSING = _MISSING
 
 
-def short(value: Any, limit: int = 160) -> str:
+def _json_text(value: Any) -> str:
     try:
-        text = json.dumps(value, ensure_ascii=False, sort_keys=True)
-    except (TypeError, ValueError):
-        text = repr(value)
+        return json.dumps(value, ensure_ascii=False, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
+
+
+def short(value: Any, limit: int = 160) -> str:
+    text = _json_text(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def short_pair(expected: Any, got: Any, limit: int = 160) -> tuple[str, str]:
+    """Two values that differ, each at most ``limit`` characters: cut from their start only when
+    the first difference shows so; else both around the first character where they part (``…``
+    on either side), since two long texts cut alike would read as equal."""
+    a, b = _json_text(expected), _json_text(got)
+    if len(a) <= limit and len(b) <= limit:
+        return a, b
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if same < limit - 1 - limit // 4:  # the difference is within what a cut from the start shows
+        return short(expected, limit), short(got, limit)
+    start = same - limit // 4  # a quarter of the window before the difference, the rest after it
+
+    def window(text: str) -> str:
+        body = text[start + 1:start + limit - 1]
+        return "…" + body + ("…" if start + limit - 1 < len(text) else text[start + limit - 1:])
+
+    return window(a), window(b)
 
 
 def did_you_mean(word: Any, choices: Iterable[str]) -> str | None:
@@ -97,6 +127,7 @@ def mismatches(pattern: Any, value: Any, path: str = "$") -> Iterator[Mismatch]:
     items they share, then the first extra or missing one); none when the pattern matches."""
     if isinstance(pattern, str) and pattern == ANY:
         return
+    pattern = literal(pattern)
     if value is _MISSING:
         yield Mismatch(path, pattern, _MISSING)
     elif isinstance(pattern, dict):
@@ -139,10 +170,17 @@ def describe_mismatches(found: list[Mismatch], shown: int = SHOWN_MISMATCHES) ->
             + (f"; and {more} more" if more > 0 else ""))
 
 
-def nearest(misses: list[tuple[int, Mismatch]]) -> tuple[int, Mismatch]:
-    """Of ``(index, mismatch)`` pairs, the candidate that matched deepest before parting (the
-    latest of equals)."""
-    return max(misses, key=lambda t: (t[1].path.count(".") + t[1].path.count("["), t[0]))
+def nearest(misses: list[tuple[int, Mismatch]], pattern: Any = None, values: Any = None) -> tuple[int, Mismatch]:
+    """Of ``(index, mismatch)`` pairs, the candidate that matched most: with ``pattern`` and
+    ``values`` (index -> the value the pattern was held to), the one with the fewest differences
+    (one wrong value of many that match is nearer than two), then the one that matched deepest
+    before parting, then the latest of equals."""
+    def differences(i: int) -> int:
+        if pattern is None or values is None:
+            return 0
+        return sum(1 for _ in mismatches(pattern, values[i], "$.params"))
+
+    return min(misses, key=lambda t: (differences(t[0]), -(t[1].path.count(".") + t[1].path.count("[")), -t[0]))
 
 
 def notification_miss(pattern: Any, arrived: list[tuple[Any, int | None]],
@@ -165,8 +203,9 @@ def notification_miss(pattern: Any, arrived: list[tuple[Any, int | None]],
     free = [(i, mm) for i, mm in misses if arrived[i][1] is None and mm is not None]
     taken_matching = [arrived[i][1] or 0 for i, mm in misses if arrived[i][1] is not None and mm is None]
     parts = []
+    values = {i: p for i, (p, _) in enumerate(arrived)}
     if free:
-        i, mm = nearest(free)
+        i, mm = nearest(free, pattern, values)
         parts.append(f"{len(free)} unmatched, nearest {mm.describe()}")
     if len(taken_matching) == len(arrived):
         parts.append(f"{len(arrived)} arrived, {'all ' if len(arrived) > 1 else ''}matched by {by(taken_matching)}")
@@ -175,7 +214,7 @@ def notification_miss(pattern: Any, arrived: list[tuple[Any, int | None]],
         parts.append(f"{n} that match{'es' if n == 1 else ''} arrived but {'was' if n == 1 else 'were'} matched by "
                      f"{by(taken_matching)}")
     elif not free:  # all taken, none of them matches: the nearest of them
-        i, mm = nearest([(i, mm) for i, mm in misses if mm is not None])
+        i, mm = nearest([(i, mm) for i, mm in misses if mm is not None], pattern, values)
         taken = [line or 0 for _, line in arrived]
         parts.append(f"{len(arrived)} arrived, {'all ' if len(arrived) > 1 else ''}matched by {by(taken)}; "
                      f"nearest {mm.describe()}")
@@ -195,6 +234,21 @@ def escape(text: str) -> str:
     """``text`` as it is written in a script: every literal ``${`` as ``$${`` (so that
     :func:`substitute` gives ``text`` back, an original ``$${`` included)."""
     return text.replace("${", "$${")
+
+
+def escape_pattern(text: str) -> str:
+    """A string as a pattern writes it so that it matches that text only: ``"*"`` (else any
+    value) as ``"$*"``, and a string that is ``$``s then ``*`` with one ``$`` more; any literal
+    ``${`` as :func:`escape` writes it."""
+    return "$" + text if text == ANY or _ESCAPED_ANY.fullmatch(text) else escape(text)
+
+
+def literal(pattern: Any) -> Any:
+    """The text a pattern's string stands for: ``"$*"`` is the text ``*`` (a ``"*"`` matches
+    anything), ``"$$*"`` the text ``$*``; any other value as it is."""
+    if isinstance(pattern, str) and _ESCAPED_ANY.fullmatch(pattern):
+        return pattern[1:]
+    return pattern
 
 
 def is_name(name: Any) -> bool:

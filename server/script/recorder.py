@@ -16,7 +16,10 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
   previous answer to the same call, as a ``respond`` step placed before the request that was
   in flight: a standing answer that ``match``es the call (tool and arguments for permission
   and client-tool requests, the path for the client's file system), so calls answered
-  differently within one operate are answered the same way when replayed, in any order;
+  differently within one operate are answered the same way when replayed, in any order; a
+  request the client had not answered when the server withdrew it (``$/cancelRequest``: a
+  permission prompt timed out, its operate cancelled) or the session ended as ``"unanswered":
+  true`` (an answer that came after the withdrawal reached no one: not written);
 - a request still unanswered when the client sent its next one with ``"wait": false`` and its
   ``id`` (the replay does not wait for it either, so the same requests overlap, and a later
   ``$/cancelRequest`` can name it), and an ``{"await": id}`` step where its answer came (the
@@ -30,11 +33,17 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
   invocations made in that request's task). The replay sends that cancel only once the server
   has started the request's ``n``-th model invocation (it watches the request's ``$/progress``,
   giving it a ``workDoneToken`` of its own when it has none), so the request takes exactly the
-  model turns it took when recorded, never the next request's. A model invocation cancelled
-  mid-answer is recorded with a long ``delayMs``, so the replayed one is still running when
-  the cancel comes, as it was. A request cancelled before it reached its model is cancelled at
+  model turns it took when recorded, never the next request's; and, when a server-to-client
+  request was open as the cancel came (a permission prompt), ``"cancelAfterServerRequests": n``,
+  the number of those the server had sent, so the replay cancels while that one is open too.
+  A model invocation cancelled mid-answer is recorded with a long ``delayMs``, so the replayed
+  one is still running when the cancel comes, as it was. A request cancelled before it reached its model is cancelled at
   once (as before: no model turn is recorded for it, and none is taken in the replay);
-- every path under the server's working directory with ``${cwd}`` in its place (the replay
+- a literal ``"*"`` in an expectation or a ``match`` as ``"$*"`` (else it would match anything);
+- a line the replay would refuse (what a faulty client sent: params that are not an object, an
+  answer of another shape than the protocol's) with ``"raw": true``, sent as written;
+- every path under the server's working directory (physical, or as ``$PWD`` names it through a
+  symlink) with ``${cwd}`` in its place (the replay
   defines it as its server's working directory), so a session recorded in one checkout
   replays in another (workspace folders, the paths of ``fs/*`` requests, tool descriptions);
 - a last line ``{"recordedModels": {name: {"responses": [...], "cli"?: true, "inline"?: spec}}}``
@@ -57,7 +66,7 @@ import threading
 import weakref
 from typing import Any, AsyncIterator
 
-from .matcher import escape
+from .matcher import escape, escape_pattern
 
 #: keys whose values differ between two runs of the same session
 VOLATILE_KEYS = frozenset({"createdAt", "durationMs", "usage", "callId", "requestId", "stateDir", "seq",
@@ -81,6 +90,8 @@ class Recorder:
         self._pending: dict[Any, dict[str, Any]] = {}       # client request id -> its step
         self._ids: dict[Any, Any] = {}                      # client request id (key) -> the id as sent
         self._out: dict[Any, tuple[str, Any]] = {}          # server request id -> (method, match)
+        self._withdrawn: set[str] = set()   # server requests the server cancelled before the client answered
+        self._server_requests = 0           # server-to-client requests so far
         self._standing: dict[str, Any] = {}
         self._saved: dict[str, str] = {}                    # volatile value -> save name
         self._counts: dict[str, int] = {}
@@ -89,7 +100,7 @@ class Recorder:
         self._model_calls: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # task -> started
         self._conn: Any = None
         self._closed = False
-        self._cwd = _cwd_pattern(os.getcwd())
+        self._cwd = _cwd_pattern(*_working_directories())
         self._write(at_start=True)  # a file that cannot be written fails at start, not at the end (nor in silence)
 
     # ------------------------------------------------------------------ wiring
@@ -129,27 +140,32 @@ class Recorder:
                         started = self._started_model_calls(params.get("id"))
                         if started:  # ... once its model invocations have started as they had here
                             target["cancelAfterModelCalls"] = started
+                        if self._out:  # ... and once the server has asked what the client was being asked
+                            target["cancelAfterServerRequests"] = self._server_requests
                 step = {"notify": method}
                 if params not in (None, {}):
                     step["params"] = self._template(params)
                 self.steps.append(step)
             elif "id" in msg:  # the client's answer to a server-to-client request
                 out = self._out.pop(_key(msg["id"]), None)
-                if out is None:
+                if out is None:  # (an answer after the server withdrew the request reached no one: not written)
                     return
-                out_method, match = out
                 answer = {"result": msg.get("result")} if "error" not in msg else {"error": msg.get("error")}
-                answer = self._template(answer)
-                key = (out_method, json.dumps(match, sort_keys=True))
-                if self._standing.get(key) == answer:
-                    return
-                self._standing[key] = answer
-                step = {"respond": out_method, **({"match": match} if match is not None else {}), **answer}
-                first = min((self._index(s) for s in self._pending.values()), default=None)
-                if first is None:
-                    self.steps.append(step)
-                else:
-                    self.steps.insert(first, step)
+                self._respond(*out, self._template(answer))
+
+    def _respond(self, method: str, match: Any, answer: dict[str, Any]) -> None:
+        """A ``respond`` step for an answer (or ``{"unanswered": True}``) that differs from the
+        standing one, placed before the request that was in flight."""
+        key = (method, json.dumps(match, sort_keys=True))
+        if self._standing.get(key) == answer:
+            return
+        self._standing[key] = answer
+        step = {"respond": method, **({"match": match} if match is not None else {}), **answer}
+        first = min((self._index(s) for s in self._pending.values()), default=None)
+        if first is None:
+            self.steps.append(step)
+        else:
+            self.steps.insert(first, step)
 
     def _ended(self) -> bool:
         """The session is over (end of input, ``exit``, a signal): nothing sent now reaches the client."""
@@ -162,10 +178,17 @@ class Recorder:
         with self._lock:
             method = msg.get("method")
             if isinstance(method, str) and "id" in msg:
-                self._out[_key(msg["id"])] = (method, self._template(_answer_match(method, msg.get("params"))))
+                self._server_requests += 1
+                self._out[_key(msg["id"])] = (method, self._template(_answer_match(method, msg.get("params")),
+                                                                     pattern=True))
                 return
             if isinstance(method, str):
-                self._notification(method, msg.get("params"))
+                params = msg.get("params")
+                if method == "$/cancelRequest" and isinstance(params, dict):
+                    out = self._out.pop(_key(params.get("id")), None)
+                    if out is not None:  # withdrawn unanswered (timed out, its operate cancelled): so in the replay
+                        self._respond(*out, {"unanswered": True})
+                self._notification(method, params)
                 return
             step = self._pending.pop(_key(msg.get("id")), None)
             if step is None:
@@ -175,18 +198,20 @@ class Recorder:
                 step["expect"] = {"error": {"code": err.get("code")}}
             else:
                 result = msg.get("result")
+                expected = self._volatile(result)
                 prefix = _ID_RESULTS.get(step["request"])
                 if prefix and isinstance(result, dict) and isinstance(result.get("branchId"), str):
                     name = self._new_name(prefix)
                     step["save"] = {name: "branchId"}
                     self._saved[result["branchId"]] = name
-                    result = {**result, "branchId": "*"}
-                step["expect"] = {"result": self._volatile(result)}
+                    expected["branchId"] = "*"  # (after _volatile: this "*" is a pattern's, not a literal one)
+                step["expect"] = {"result": expected}
             if step.get("wait") is False:  # the client had gone on: the replay waits for it here
                 self.steps.append({"await": step["id"]})
             self.write()
 
     def _notification(self, method: str, params: Any) -> None:
+        cut: tuple[str, ...] = ()   # keys of a progress report's value that match anything
         if method == "$/progress" and isinstance(params, dict) and isinstance(params.get("value"), dict):
             value = params["value"]
             if value.get("kind") == "report":
@@ -194,11 +219,12 @@ class Recorder:
                 if key in self._progress_seen:
                     return
                 self._progress_seen.add(key)
-                params = {**params, "value": {k: ("*" if k in ("delta", "message") else v)
-                                              for k, v in value.items()}}
+                cut = tuple(k for k in ("delta", "message") if k in value)
         step: dict[str, Any] = {"expectNotification": method}
         if params is not None:
             step["match"] = self._volatile(params)
+            for k in cut:  # (after _volatile: these "*" are a pattern's, not literal ones)
+                step["match"]["value"][k] = "*"
         self.steps.append(step)
 
     # ------------------------------------------------------------------ models
@@ -249,16 +275,20 @@ class Recorder:
         self._counts[prefix] = self._counts.get(prefix, 0) + 1
         return f"{prefix}{self._counts[prefix]}"
 
-    def _template(self, value: Any) -> Any:
+    def _template(self, value: Any, pattern: bool = False) -> Any:
         """Client-sent values: the server's made-up ids become ``${name}`` references; any other
-        string is written escaped (a literal ``${`` as ``$${``), so it replays as it was."""
+        string is written escaped (a literal ``${`` as ``$${``), so it replays as it was. In a
+        ``pattern`` (an ``expect``, a ``match``) a literal ``"*"`` is written ``"$*"``: as it
+        came, it would match anything."""
         if isinstance(value, str):
             name = self._saved.get(value)
-            return "${%s}" % name if name else self._text(value)
+            if name:
+                return "${%s}" % name
+            return escape_pattern(value) if pattern and escape_pattern(value) != escape(value) else self._text(value)
         if isinstance(value, dict):
-            return {k: self._template(v) for k, v in value.items()}
+            return {k: self._template(v, pattern) for k, v in value.items()}
         if isinstance(value, list):
-            return [self._template(v) for v in value]
+            return [self._template(v, pattern) for v in value]
         return value
 
     def _text(self, text: str) -> str:
@@ -294,7 +324,7 @@ class Recorder:
             return out
         if isinstance(value, list):
             return [self._volatile(v) for v in value]
-        return self._template(value)
+        return self._template(value, pattern=True)
 
     def _index(self, step: dict) -> int:
         for i, s in enumerate(self.steps):
@@ -305,7 +335,7 @@ class Recorder:
     # ------------------------------------------------------------------ output
     def lines(self) -> list[str]:
         with self._lock:
-            out = [json.dumps(s, ensure_ascii=False) for s in self.steps]
+            out = [json.dumps(_raw_if_malformed(s), ensure_ascii=False) for s in self.steps]
             models = {name: self._escaped({**m, "responses": [r if r is not None else {"error": "(not finished when recorded)"}
                                                          for r in m["responses"]]})
                       for name, m in self.models.items()}
@@ -346,6 +376,10 @@ class Recorder:
 
     def close(self) -> None:
         with self._lock:
+            # server-to-client requests the client had not answered when the session ended
+            for out in list(self._out.values()):
+                self._respond(*out, {"unanswered": True})
+            self._out.clear()
             # requests still unanswered when the session ended: their client never saw an answer
             for step in self._pending.values():
                 step["wait"] = False
@@ -421,14 +455,40 @@ def _answer_match(method: str, params: Any) -> Any:
 CWD_REF = "${cwd}"
 
 
-def _cwd_pattern(cwd: str) -> re.Pattern | None:
-    """The working directory where it is a whole path (or a path's head), not part of a longer
-    name, and not right after a ``$`` (``$${cwd}`` would be the literal text ``${cwd}``); ``None``
-    for the root, which is the head of every path."""
-    cwd = cwd.rstrip("/\\")
-    if not cwd or "${" in cwd:
+def _working_directories() -> list[str]:
+    """The server's working directory as its clients may write it: the physical path, and the
+    logical one (``$PWD``, the path its launcher reached it by, through a symlink) when it names
+    the same folder; a client that was given one of them sends that one."""
+    physical = os.getcwd()
+    logical = os.environ.get("PWD", "")
+    try:
+        same = os.path.isabs(logical) and logical != physical and os.path.samefile(logical, physical)
+    except OSError:
+        same = False
+    return [physical, logical] if same else [physical]
+
+
+def _cwd_pattern(*cwds: str) -> re.Pattern | None:
+    """Any of the working directory's paths ``cwds`` where it is a whole path (or a path's head),
+    not part of a longer name, and not right after a ``$`` (``$${cwd}`` would be the literal text
+    ``${cwd}``); ``None`` for the root, which is the head of every path."""
+    paths = [p for p in (c.rstrip("/\\") for c in cwds) if p and "${" not in p]
+    if not paths:
         return None
-    return re.compile(r"(?<![\w.$-])" + re.escape(cwd) + r"(?![\w-]|\.[\w-])")  # a sentence's full stop may follow
+    alternatives = "|".join(re.escape(c) for c in sorted(set(paths), key=len, reverse=True))  # the longest first
+    return re.compile(r"(?<![\w.$-])(?:" + alternatives + r")(?![\w-]|\.[\w-])")  # a sentence's full stop may follow
+
+
+def _raw_if_malformed(step: dict[str, Any]) -> dict[str, Any]:
+    """A step a replay would refuse to load (what a faulty client sent: params that are not an
+    object, an answer of another shape than the protocol's) marked ``"raw": true``: the replay
+    sends it as written, as the client did, so a session testing such a client replays."""
+    from .runner import step_problem
+
+    kind = next((k for k in ("request", "notify", "respond") if k in step), None)
+    if kind is None or not step_problem(kind, step[kind], step):
+        return step
+    return {**step, "raw": True}
 
 
 def _unwritable(path: str, tmp: str, error: OSError) -> str:

@@ -3,7 +3,8 @@
 A script is JSON Lines; each line is one step:
 
 - ``{"request": method, "params"?: {...}, "expect"?: {"result": M} | {"error": M}, "save"?: {name: path},
-  "timeoutMs"?: n, "id"?: id, "wait"?: true, "cancelAfterModelCalls"?: n}``: send a request and
+  "timeoutMs"?: n, "id"?: id, "wait"?: true, "cancelAfterModelCalls"?: n, "cancelAfterServerRequests"?: n,
+  "raw"?: true}``: send a request and
   wait for its answer. Without ``expect`` any result passes (an error answer fails the step); a
   failing ``expect`` lists its differences (the first few, then how many more). One
   not answered in time is cancelled (``$/cancelRequest``) and fails naming the time-out to raise.
@@ -13,13 +14,15 @@ A script is JSON Lines; each line is one step:
   cancelled operate): a later ``$/cancelRequest`` for this ``id`` is sent only once the server
   has started that many model invocations for the request (seen in its ``$/progress``; a request
   without a ``workDoneToken`` is given one, whose notifications no step sees).
+  ``cancelAfterServerRequests`` (a cancel recorded while a server-to-client request was open):
+  ... and once the server has sent that many requests to the client in the session.
   ``"answered": false`` (written by ``--record`` for a request its client left before the answer
   came): sent without waiting and never judged; when it is still unanswered at the end, the
   script ends as that client did, by closing the server's input.
 - ``{"await": id, "timeoutMs"?: n}``: wait here for the answer to the earlier ``"wait": false``
   request with that ``id`` and judge it (``--record`` writes one where its client got the
   answer, so that later steps are sent only once it came, as they were).
-- ``{"notify": method, "params"?: {...}}``: send a notification.
+- ``{"notify": method, "params"?: {...}, "raw"?: true}``: send a notification.
 - ``{"expectNotification": method, "match"?: M, "timeoutMs"?: n, "save"?: {name: path}}``: wait
   for a notification of that method, not matched by an earlier step, whose params match ``M``;
   one that timed out names the nearest miss and, as a request does, the time-out to raise.
@@ -35,10 +38,16 @@ A script is JSON Lines; each line is one step:
   after the last step (as the session ends) fails the end of the session: a result of its own,
   after the steps', whose step is of the kind ``END`` (not a step of the script). A request of any
   other method (this server sends none) is judged only when a respond line names it: else the
-  client refuses it (-32601, method not found) and no step fails.
+  client refuses it (-32601, method not found) and no step fails. ``"unanswered": true`` instead
+  of a result leaves the requests it fits unanswered for the rest of the session.
 
-Patterns are matched by :mod:`.matcher`; ``${name}`` anywhere in a step is a saved value, and
-``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the server's working directory.
+``"raw": true`` (written by ``--record`` on what a faulty client sent) takes a request, notify or
+respond line as written: its fields' types and shapes are not checked, nor a permission answer
+against the request's options.
+
+Patterns are matched by :mod:`.matcher` (``"$*"`` is a literal ``*``); ``${name}`` anywhere in a
+step is a saved value, and ``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the
+server's working directory.
 A line ``{"recordedModels": {...}}`` (written by ``--record``) is not a step: it holds the
 recorded model turns, used by ``replay --scripted`` to replay without the real models.
 """
@@ -65,6 +74,9 @@ from .matcher import (ANY, Mismatch, PathError, UnknownName, describe_mismatches
                       substitute, whole_reference)
 
 DEFAULT_STEP_TIMEOUT_S = 60.0
+#: the longest a step may wait (``timeoutMs``, ``--timeout``): one day; a longer wait is a typo
+#: (``1e300``), and the clock's waits refuse one past what ``time_t`` holds
+MAX_TIMEOUT_MS = 86_400_000
 #: expectNotification without timeoutMs: most notifications a script waits for came before the
 #: answer to the request that caused them, so a long wait only delays the report of a miss
 DEFAULT_NOTIFICATION_TIMEOUT_S = 10.0
@@ -89,11 +101,11 @@ END = "end"
 STEP_KINDS = ("request", "notify", "expectNotification", "respond", "await")
 _STEP_KEYS = {
     "request": {"request", "params", "expect", "save", "timeoutMs", "id", "wait", "cancelAfterModelCalls",
-                "answered"},
+                "cancelAfterServerRequests", "answered", "raw"},
     "await": {"await", "timeoutMs"},
-    "notify": {"notify", "params"},
+    "notify": {"notify", "params", "raw"},
     "expectNotification": {"expectNotification", "match", "timeoutMs", "save"},
-    "respond": {"respond", "match", "result", "error"},
+    "respond": {"respond", "match", "result", "error", "unanswered", "raw"},
 }
 MODELS_KEY = "recordedModels"
 #: the workDoneToken the replay gives a request it must watch (cancelAfterModelCalls) when it has none
@@ -149,9 +161,17 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
         if not text:
             continue
         try:
-            obj = json.loads(text)
+            obj = json.loads(text, parse_constant=_not_a_number)
         except json.JSONDecodeError as e:
             raise ScriptError(f"{source}:{n}: not JSON: {_not_json(text, e)}") from None
+        except ValueError as e:  # NaN, Infinity: Python reads them, JSON has no such number, nor can the step send one
+            raise ScriptError(f"{source}:{n}: not JSON: {e}") from None
+        except RecursionError:
+            raise ScriptError(f"{source}:{n}: not a script step: nested too deeply (more than "
+                              f"{MAX_DEPTH} arrays or objects inside each other)") from None
+        if _depth(obj) > MAX_DEPTH:  # deep enough to fail later (substituted, matched, sent): refused now
+            raise ScriptError(f"{source}:{n}: not a script step: nested too deeply (more than "
+                              f"{MAX_DEPTH} arrays or objects inside each other)")
         if not isinstance(obj, dict):
             hint = "; a JSON array of steps is not a script: write each step on a line of its own" \
                 if isinstance(obj, list) and obj and all(isinstance(o, dict) for o in obj) else ""
@@ -191,32 +211,36 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
         if "save" in obj and (not isinstance(obj["save"], dict)
                               or not all(isinstance(v, str) for v in obj["save"].values())):
             raise ScriptError(f'{source}:{n}: save must be {{"name": "path.in.result"}}')
-        if kind == "respond" and ("result" in obj) == ("error" in obj):
-            raise ScriptError(f"{source}:{n}: respond needs a result or an error")
-        if kind == "respond" and "error" in obj:
-            err = obj["error"]
-            if not isinstance(err, dict) or not isinstance(err.get("code"), int) or isinstance(err.get("code"), bool) \
-                    or not isinstance(err.get("message", ""), str) or set(err) - {"code", "message", "data"}:
-                raise ScriptError(f'{source}:{n}: a respond error is a JSON-RPC error, {{"code": integer, '
-                                  f'"message": "text", "data"?: any}}, got {short(err, 60)}')
+        if "raw" in obj and obj["raw"] is not True:
+            raise ScriptError(f"{source}:{n}: raw can only be true (the step is sent as written, unchecked)")
+        if "unanswered" in obj:
+            if obj["unanswered"] is not True:
+                raise ScriptError(f"{source}:{n}: unanswered can only be true (the request is left unanswered)")
+            if "result" in obj or "error" in obj:
+                raise ScriptError(f"{source}:{n}: a respond with unanswered true has no result or error")
+        elif kind == "respond" and ("result" in obj) == ("error" in obj):
+            raise ScriptError(f"{source}:{n}: respond needs a result or an error (or \"unanswered\": true)")
+        problem = _error_problem(obj["error"]) if kind == "respond" and "error" in obj and "raw" not in obj else None
+        if problem:
+            raise ScriptError(f"{source}:{n}: {problem}")
         if "timeoutMs" in obj and (not isinstance(obj["timeoutMs"], (int, float)) or isinstance(obj["timeoutMs"], bool)
-                                   or not 0 < obj["timeoutMs"] < float("inf")):
-            raise ScriptError(f"{source}:{n}: timeoutMs must be a positive number")
-        if "cancelAfterModelCalls" in obj:
-            calls = obj["cancelAfterModelCalls"]
+                                   or not 0 < obj["timeoutMs"] <= MAX_TIMEOUT_MS):
+            raise ScriptError(f"{source}:{n}: timeoutMs must be a positive number of milliseconds, at most "
+                              f"{MAX_TIMEOUT_MS} (one day), got {short(obj['timeoutMs'], 60)}")
+        for field_ in ("cancelAfterModelCalls", "cancelAfterServerRequests"):
+            if field_ not in obj:
+                continue
+            calls = obj[field_]
             if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
-                raise ScriptError(f"{source}:{n}: cancelAfterModelCalls must be a positive integer")
+                raise ScriptError(f"{source}:{n}: {field_} must be a positive integer")
             if "id" not in obj:
-                raise ScriptError(f"{source}:{n}: cancelAfterModelCalls needs the request's id (the cancel names it)")
+                raise ScriptError(f"{source}:{n}: {field_} needs the request's id (the cancel names it)")
         if "answered" in obj:
             if obj["answered"] is not False:
                 raise ScriptError(f"{source}:{n}: answered can only be false (a request whose answer is not judged)")
             if "expect" in obj or "save" in obj:
                 raise ScriptError(f"{source}:{n}: a request with answered false has no expect or save")
-        shape = _shape_problem(kind, method, obj, references_taken=True)
-        if shape:
-            raise ScriptError(f"{source}:{n}: {shape[0]}")
-        problem = _result_problem(method, obj["result"]) if kind == "respond" and "result" in obj else None
+        problem = None if obj.get("raw") else step_problem(kind, method, obj)
         if problem:
             raise ScriptError(f"{source}:{n}: {problem}")
         if kind == "request" and "id" in obj and json.dumps(obj["id"]) in unawaited:
@@ -236,6 +260,49 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
     if not steps:  # an empty file (a recording of a session that sent nothing): it would pass checking nothing
         raise ScriptError(f"{source}: no steps: a session script has at least one step (one JSON object per line)")
     return Script(steps, models)
+
+
+#: how deeply a step's arrays and objects may nest: the matcher, the substitution and the JSON
+#: encoder recurse, and Python's recursion limit is 1000 frames
+MAX_DEPTH = 200
+
+
+def _not_a_number(word: str) -> NoReturn:
+    raise ValueError(f"{word} is not a JSON number")
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value``'s arrays and objects nest (level by level, not recursing: a deep one
+    is what is looked for), counted up to one more than :data:`MAX_DEPTH`."""
+    depth, level = 0, [value]
+    while depth <= MAX_DEPTH:
+        containers = [x for x in level if isinstance(x, (dict, list))]
+        if not containers:
+            break
+        depth += 1
+        level = [v for x in containers for v in (x.values() if isinstance(x, dict) else x)]
+    return depth
+
+
+def step_problem(kind: str, method: Any, obj: dict[str, Any]) -> str | None:
+    """What is wrong, as far as can be known when the script loads, with the types and shapes of
+    a step's fields (:func:`_shape_problem`, a ``respond`` line's result or error); None when
+    nothing. ``--record`` marks a step of which this finds something ``"raw": true``: what a
+    faulty client sent, which the replay sends as written."""
+    shape = _shape_problem(kind, method, obj, references_taken=True)
+    if shape:
+        return shape[0]
+    if kind == "respond" and "error" in obj:
+        return _error_problem(obj["error"])
+    return _result_problem(method, obj["result"]) if kind == "respond" and "result" in obj else None
+
+
+def _error_problem(err: Any) -> str | None:
+    if not isinstance(err, dict) or not isinstance(err.get("code"), int) or isinstance(err.get("code"), bool) \
+            or not isinstance(err.get("message", ""), str) or set(err) - {"code", "message", "data"}:
+        return f'a respond error is a JSON-RPC error, {{"code": integer, "message": "text", "data"?: any}}, ' \
+               f"got {short(err, 60)}"
+    return None
 
 
 def _shape_problem(kind: str, method: Any, obj: dict[str, Any],
@@ -490,6 +557,19 @@ def _not_offered(method: str, params: Any, answer: dict[str, Any], line: int) ->
             "an error)")
 
 
+def _bad_exit(code: int | None, shutdown: bool, line: int, ending: str | None) -> str:
+    """How the server ended after the script's own ``exit`` (line ``line``) when that is not as
+    docs/PROTOCOL.md says (code 0 after ``shutdown``, 1 without), in words; ``""`` when it is."""
+    expected = 0 if shutdown else 1
+    if ending:  # it did not exit in time: killed
+        return f"after the script's exit (line {line}), {ending}"
+    if code == expected:
+        return ""
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    return (f"after the script's exit (line {line}), the server {how} (expected {expected}: exit "
+            f"{'after' if shutdown else 'without'} shutdown)")
+
+
 class ServerStartError(OSError):
     """The server command could not be started."""
 
@@ -520,10 +600,17 @@ class Runner:
         self.stderr_tail = ""
         self._unawaited: list[tuple[Step, dict, Any]] = []   # "wait": false requests in flight
         self._abandoned: list[Any] = []     # "answered": false requests: never judged
-        # cancelAfterModelCalls: request id (JSON) -> (its workDoneToken, model calls to wait for, pending)
-        self._watched: dict[str, tuple[Any, int, Any]] = {}
+        # cancelAfterModelCalls, cancelAfterServerRequests: request id (JSON) -> (its workDoneToken,
+        # model calls to wait for, server-to-client requests of the session to wait for, pending)
+        self._watched: dict[str, tuple[Any, int, int, Any]] = {}
         self._hidden_tokens: set[str] = set()   # tokens the replay added: their $/progress is no step's
+        self._server_requests = 0           # server-to-client requests so far (under client._cond)
         self._exit_sent = False             # the script sent ``exit`` itself
+        self._exit_line = 0                 # ... on this line
+        self._shutdown_sent = False         # the script sent ``shutdown`` itself (then exit is code 0)
+        #: how the server ended after the script's own ``exit``, when not as the protocol says
+        #: (code 0 after shutdown, else 1): it fails the end of the session
+        self._bad_exit = ""
         #: how the server ended when that was not clean (it did not answer shutdown, did not exit
         #: and was killed), for the report; None when it exited by itself
         self.ending: str | None = None
@@ -574,6 +661,7 @@ class Runner:
 
     def _unscripted(self, method: str) -> Callable[[Any], Any]:
         def handler(params: Any) -> Any:
+            self._asked()
             self._standing.refuse(method, params, "no respond line answers it")
         return handler
 
@@ -616,7 +704,7 @@ class Runner:
         session, as it would have failed a step running when it came. Waits (bounded) for the
         client to have read the server's output to its end and answered what it read."""
         self.client.wait_answered(END_DRAIN_S)
-        problems = self._problems(None)
+        problems = self._problems(None) + ([self._bad_exit] if self._bad_exit else [])
         if not problems:
             return
         res = StepResult(Step(self.script.steps[-1].line, END, "", {}), False, "; ".join(problems))
@@ -659,7 +747,7 @@ class Runner:
             if savers and savers[-1] in failed:  # say so: the step that failed is the one to look at
                 why = f": line {savers[-1]}, which saves it, failed"
             return StepResult(step, False, str(e) + why)
-        shape = _shape_problem(step.kind, step.method, data, references_taken=False)
+        shape = None if data.get("raw") else _shape_problem(step.kind, step.method, data, references_taken=False)
         if shape:  # a whole "${name}" that stood for a value of another type
             written: Any = step.data
             for key in shape[1]:
@@ -676,6 +764,8 @@ class Runner:
     def _request(self, step: Step, data: dict) -> StepResult | None:
         msg_id = data["id"] if "id" in data else next(self._ids)
         params = data.get("params")
+        if step.method == "shutdown":
+            self._shutdown_sent = True
         calls = data.get("cancelAfterModelCalls")
         token = None
         if calls and isinstance(params, (dict, type(None))):  # watch its model calls in its $/progress
@@ -685,8 +775,9 @@ class Runner:
                 self._hidden_tokens.add(json.dumps(params["workDoneToken"]))
             token = params["workDoneToken"]
         pending = self.client.request_async(step.method, params, msg_id)
-        if token is not None:
-            self._watched[json.dumps(msg_id)] = (token, int(calls), pending)
+        asked = data.get("cancelAfterServerRequests") or 0
+        if token is not None or asked:
+            self._watched[json.dumps(msg_id)] = (token, int(calls or 0), int(asked), pending)
         if data.get("answered") is False:  # its recorded client left before the answer: never judged
             self._abandoned.append(pending)
             return StepResult(step, True, "sent; not judged (its client left before the answer)")
@@ -807,6 +898,7 @@ class Runner:
         self.client.notify(step.method, params)
         if step.method == "exit":
             self._exit_sent = True
+            self._exit_line = step.line
         return StepResult(step, not problem, problem)
 
     def _model_calls_started(self, token: Any) -> int:
@@ -825,28 +917,36 @@ class Runner:
         return n
 
     def _await_model_calls(self, step: Step, msg_id: Any) -> str:
-        """Before cancelling a request recorded with ``cancelAfterModelCalls``: wait until the
-        server has started as many model invocations for it as it had when recorded (so that it
-        takes the same model turns), unless it has been answered or the server is gone."""
+        """Before cancelling a request recorded with ``cancelAfterModelCalls`` (or
+        ``cancelAfterServerRequests``): wait until the server has started as many model
+        invocations for it as it had when recorded (so that it takes the same model turns), and
+        has sent as many requests to the client in the session (so that the one the recorded
+        cancel came during is open), unless it has been answered or the server is gone."""
         watched = self._watched.pop(json.dumps(msg_id), None)
         if watched is None:
             return ""
-        token, calls, pending = watched
+        token, calls, asked, pending = watched
         timeout = self._timeout(step)
         deadline = time.monotonic() + timeout
 
+        def started() -> int:
+            return self._model_calls_started(token) if calls else 0
+
         def ready() -> bool:
-            return (self._model_calls_started(token) >= calls or pending.done()
+            return ((started() >= calls and self._server_requests >= asked) or pending.done()
                     or self.client.proc.poll() is not None)
 
-        with self.client._cond:  # woken by every notification; in slices for the answer and the exit
+        with self.client._cond:  # woken by every notification and request; in slices for the answer and the exit
             while not ready() and time.monotonic() < deadline:
                 self.client._cond.wait_for(ready, max(0.0, min(0.25, deadline - time.monotonic())))
-        started = self._model_calls_started(token)
-        if started >= calls or pending.done() or self.client.proc.poll() is not None:
-            return ""  # an answer before the cancel: the request's own step reports the difference
-        return (f"request {short(msg_id)} had started {started} of the {calls} model invocation(s) it had "
-                f"started when recorded within {timeout:g} s; cancelled anyway")
+            if ready():
+                return ""  # (an answer before the cancel: the request's own step reports the difference)
+            if started() < calls:
+                return (f"request {short(msg_id)} had started {started()} of the {calls} model invocation(s) it had "
+                        f"started when recorded within {timeout:g} s; cancelled anyway")
+            return (f"the server had sent {self._server_requests} of the {asked} request(s) to the client it had "
+                    f"sent when the cancel of request {short(msg_id)} was recorded, within {timeout:g} s; "
+                    "cancelled anyway")
 
     def _of(self, method: str) -> Iterable[tuple[int, Any]]:
         """(index, params) of every ``method`` notification so far that is the script's."""
@@ -893,12 +993,12 @@ class Runner:
             return StepResult(step, False, f"no {step.method} notification within {timeout:g} s"
                                            f" (expected {expected}){'; ' + miss if miss else ''}{end}")
         return StepResult(step, False, f"no matching {step.method} within {timeout:g} s; {miss}{end}",
-                          mismatch=nearest(near)[1])
+                          mismatch=nearest(near, pattern, dict(self._of(step.method)))[1])
 
     def _respond(self, step: Step, data: dict) -> StepResult:
         from operate_sidecar.clients.python.client import RpcError
 
-        answer = {k: data[k] for k in ("result", "error") if k in data}
+        answer = {k: data[k] for k in ("result", "error", "unanswered", "raw") if k in data}
         standing = self._standing
         with standing.lock:
             first = step.method not in standing.answers
@@ -907,13 +1007,18 @@ class Runner:
             method = step.method
 
             def handler(params: Any) -> Any:
+                self._asked()
                 with standing.lock:
                     standing.seen.append((method, params))
                     ans, line = next(((a, n) for m, a, n in reversed(standing.answers[method])
                                       if m is None or first_mismatch(m, params) is None), (None, 0))
                 if ans is None:
                     standing.refuse(method, params, "no respond line's match fits it")
-                problem = _not_offered(method, params, ans, line)
+                if ans.get("unanswered"):  # as its recorded client did: no answer while the session lasts
+                    self._leave_unanswered()
+                    return None  # (the server's input is closed or it is gone: this reaches nobody)
+                # a raw answer is what a faulty client gave: sent as written, as it was when recorded
+                problem = "" if ans.get("raw") else _not_offered(method, params, ans, line)
                 if problem:  # answered as written all the same: the server does with it what it does
                     with standing.lock:
                         standing.wrong.append(problem)
@@ -924,7 +1029,21 @@ class Runner:
 
             self.client.on_request(method, handler)
         where = f" when params match {short(data['match'], 80)}" if data.get("match") is not None else ""
+        if data.get("unanswered"):
+            return StepResult(step, True, "leaves it unanswered" + where)
         return StepResult(step, True, "standing answer " + short(answer, 100) + where)
+
+    def _asked(self) -> None:
+        """A server-to-client request came (counted for ``cancelAfterServerRequests``)."""
+        with self.client._cond:
+            self._server_requests += 1
+            self.client._cond.notify_all()
+
+    def _leave_unanswered(self) -> None:
+        """Wait (in a handler's thread of its own) until the session is over: the server's input
+        closed or the server gone."""
+        while not self.client.proc.stdin.closed and self.client.proc.poll() is None:
+            time.sleep(0.05)
 
     def _close(self, interrupted: bool = False) -> None:
         """End the server: every wait bounded, and a server that does not end in time is killed
@@ -938,11 +1057,15 @@ class Runner:
             # a request its recorded client left unanswered is still running: the session ends as
             # that client ended it, with the end of the server's input
             ask = not self._exit_sent and all(p.done() for p in self._abandoned)
-            client.close(EXIT_WAIT_S, shutdown=ask, answer_within=min(self.step_timeout, SHUTDOWN_WAIT_S),
-                         unanswered_grace=EXIT_GRACE_S)
+            code = client.close(EXIT_WAIT_S, shutdown=ask, answer_within=min(self.step_timeout, SHUTDOWN_WAIT_S),
+                                unanswered_grace=EXIT_GRACE_S)
             self.ending = client.ending
-        except Exception:  # whatever went wrong in ending it: nothing is left running
+            if self._exit_sent:  # how the server shuts down is what such a script checks
+                self._bad_exit = _bad_exit(code, self._shutdown_sent, self._exit_line, client.ending)
+        except BaseException as e:  # whatever went wrong in ending it (a second Ctrl+C too): nothing is left running
             client.kill()
+            if not isinstance(e, Exception):  # an interrupt still interrupts
+                raise
 
 
 # --------------------------------------------------------------------------- report
@@ -991,14 +1114,14 @@ def replay(path: str | os.PathLike[str], server_argv: list[str] | None = None, *
 def _positive_seconds(text: str) -> float:
     """``--timeout``: a positive number of seconds (like a step's ``timeoutMs``)."""
     import argparse
-    import math
 
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    if not (value > 0 and value * 1000 <= MAX_TIMEOUT_MS):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, at most {MAX_TIMEOUT_MS // 1000} "
+                                         f"(one day), got {text}")
     return value
 
 
