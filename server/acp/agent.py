@@ -441,27 +441,29 @@ class OperateAgent(Agent):
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
                            additional_directories: Any = None, **kw: Any) -> LoadSessionResponse:
-        b = await self._take_up(cwd, session_id, mcp_servers, additional_directories)
-        self._replay(session_id, b)
+        b, was = await self._take_up(cwd, session_id, mcp_servers, additional_directories)
+        self._replay(session_id, b, was)
         await self.port.flush()  # every update before the answer
         return LoadSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
 
     async def resume_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
                              additional_directories: Any = None, **kw: Any) -> ResumeSessionResponse:
         """``session/load`` without the history: the client shows what it kept."""
-        await self._take_up(cwd, session_id, mcp_servers, additional_directories)
+        await self._take_up(cwd, session_id, mcp_servers, additional_directories)  # (its history is not replayed)
         return ResumeSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
 
     async def _take_up(self, cwd: str, session_id: str, mcp_servers: Any, additional_directories: Any) -> Any:
         """A stored session (one made by an earlier run, another server on the state directory,
-        or closed) served again: its folders and MCP servers given, listed under ``cwd``."""
+        or closed) served again: its folders and MCP servers given, listed under ``cwd``. Returns
+        its branch, and the folder it was listed under before (None: none)."""
         b = await self._branch(session_id)
         self.sidecar.set_branch_folders(session_id, self._add_folders(cwd, additional_directories))
         await self._add_mcp(session_id, mcp_servers)
         info = self.sidecar.branch_info(session_id)
         if info.get("cwd") != cwd:  # now listed under this folder (a branch made natively: listed from now on)
             await self._save(session_id, {"cwd": cwd} if info.get("updatedAt") else {"cwd": cwd, "updatedAt": _now()})
-        return b
+        was = info.get("cwd")
+        return b, was if isinstance(was, str) and os.path.isabs(was) else None
 
     async def fork_session(self, session_id: str, cwd: str, additional_directories: Any = None,
                            mcp_servers: Any = None, **kw: Any) -> ForkSessionResponse:
@@ -875,10 +877,11 @@ class OperateAgent(Agent):
         turn.reply = ReplyText()
 
     # ------------------------------------------------------------------ load: replay history
-    def _replay(self, sid: str, branch: Any) -> None:
+    def _replay(self, sid: str, branch: Any, was: str | None = None) -> None:
         """The session's history as the client was shown it live, through the live paths, from
         what the branch holds: each prompt (its text and resources), each reply's text and plan
-        (a plan once per turn where it changed), each tool call (``AcpPort.replay_call``)."""
+        (a plan once per turn where it changed), each tool call (``AcpPort.replay_call``, where
+        it was made: in ``was``, the folder the session was in)."""
         from acp import update_user_message
 
         send = self.port.send
@@ -904,10 +907,12 @@ class OperateAgent(Agent):
                 if call_id not in calls:
                     if call_id not in responses:  # never answered (the turn was stopped): not shown
                         continue
-                    calls[call_id] = self.port.replay_call(sid, call_id, responses[call_id])
+                    calls[call_id] = self.port.replay_call(sid, call_id, responses[call_id], was)
                     send(sid, calls[call_id][0])
                 if kind == "action_response":
                     send(sid, calls[call_id][1])
+        for start in self.port.running_calls(sid, calls):  # the running turn's calls (asked about, or running)
+            send(sid, start)
 
     # ------------------------------------------------------------------ shutdown
     async def aclose(self, timeout: float = 3.0) -> None:

@@ -35,7 +35,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from acp import (RequestError, text_block, tool_content, tool_diff_content, update_agent_message_text,
                  update_agent_thought_text)
@@ -139,6 +139,7 @@ class CallInfo:
     locations: list[Any] = field(default_factory=list)
     content: list[Any] = field(default_factory=list)
     started: bool = False    # the ``tool_call`` went out
+    running: bool = False    # its ``in_progress`` went out (it runs)
     finished: bool = False   # a completed / failed status went out
 
 
@@ -351,6 +352,7 @@ class AcpPort:
         if info is None:
             info = self.calls[call_id] = CallInfo(sid, tool, tool_kind(tool), tool)
         if event == "pre":
+            info.running = True
             if not info.started:
                 info.started = True
                 self.send(sid, lambda: self._start(call_id, info, "in_progress"))
@@ -421,11 +423,12 @@ class AcpPort:
             info = self.calls[call_id] = self.call_info(session_id, tool, arguments)
         return info
 
-    def call_info(self, session_id: str, tool: str, arguments: Any) -> CallInfo:
-        """What the editor is told about a call: title, kind, locations, raw input."""
+    def call_info(self, session_id: str, tool: str, arguments: Any, at: str | None = None) -> CallInfo:
+        """What the editor is told about a call: title, kind, locations, raw input. ``at``: a
+        recorded call's folder (see :meth:`replay_call`)."""
         args = arguments if isinstance(arguments, dict) else {}
         path = args.get("path") if isinstance(args.get("path"), str) else None
-        real = self.resolve(path, session_id) if path else None
+        real = self._path_of(path, session_id, at) if path else None
         info = CallInfo(session_id, tool, tool_kind(tool), tool_title(tool, args), raw_input=arguments)
         if real:
             line = args.get("offset") if tool == "read_file" else None
@@ -501,27 +504,49 @@ class AcpPort:
         if new is not None and not _too_large(new):
             info.content = [tool_diff_content(real, new, old)]
 
-    def _edited(self, info: CallInfo, arguments: Any) -> str | None:
+    def _edited(self, info: CallInfo, arguments: Any, at: str | None = None) -> str | None:
         """The file an edit call changes (inside the session's folders), when it gets a diff."""
         if info.kind != "edit" or info.content or not isinstance(arguments, dict):
             return None
         path = arguments.get("path")
-        return self.resolve(path, info.session_id) if isinstance(path, str) else None
+        return self._path_of(path, info.session_id, at) if isinstance(path, str) else None
+
+    def _path_of(self, path: str, session_id: str, at: str | None) -> str | None:
+        """A call's path as an absolute one inside the session's folders (:meth:`resolve`), else
+        None; for a call recorded in the folder ``at``, a relative path is taken from there, and
+        one inside ``at`` is shown (as it was live; never read or written)."""
+        if at is None:
+            return self.resolve(path, session_id)
+        real, root = os.path.realpath(os.path.join(at, path)), os.path.realpath(at)
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return real
+        return self.resolve(path, session_id) if os.path.isabs(path) else None
 
     # ------------------------------------------------------------------ a recorded call (session/load)
-    def replay_call(self, session_id: str, call_id: str, response: dict) -> tuple[ToolCallStart, ToolCallProgress]:
+    def replay_call(self, session_id: str, call_id: str, response: dict,
+                    at: str | None = None) -> tuple[ToolCallStart, ToolCallProgress]:
         """A recorded call (its ``action_response``) as the editor was shown it: its ``tool_call``
         (title, kind, locations, raw input, diff) and its last ``tool_call_update``. The diff (or
         what a refused write proposed) is what the branch holds (``recorded_diff``): a file is
-        never read for it."""
+        never read for it. ``at``: the folder the session was in when the call ran (a session
+        loaded in another folder shows its calls where they were made, not under the new one)."""
         args, output = response.get("arguments"), response.get("output")
-        info = self.call_info(session_id, str(response.get("function")), args)
-        real = self._edited(info, args)
+        info = self.call_info(session_id, str(response.get("function")), args, at)
+        real = self._edited(info, args, at)
         if real is not None:
             info.content = recorded_diff(real, args, output)
         failed = isinstance(output, dict) and "error" in output
         return self._start(call_id, info, "pending"), self._finish(call_id, info, "failed" if failed else "completed",
                                                                    output)
+
+    def running_calls(self, session_id: str, shown: Collection[str]) -> list[ToolCallStart]:
+        """The calls of the turn running on the session that the editor was shown and that have
+        no outcome yet (asked about, or running), but for those in ``shown``, as ``tool_call``
+        updates again for a client that loads the session meanwhile: the updates of them that
+        follow then name calls it knows."""
+        return [self._start(call_id, info, "in_progress" if info.running else "pending")
+                for call_id, info in list(self.calls.items())
+                if info.session_id == session_id and info.started and not info.finished and call_id not in shown]
 
     # ------------------------------------------------------------------ client requests
     async def request_client(self, method: str, params: Any, timeout: float | None) -> Any:

@@ -16,7 +16,7 @@ import pytest
 from acp.schema import AllowedOutcome, McpServerStdio, RequestPermissionResponse
 
 from acp_support import (MCP_SERVER, Raw, RecordingClient, agent_env, bounded, echo_model, reply, req, run, scripted,
-                         spawn, write_config)
+                         spawn, start, write_config)
 from acp_support import prompt as raw_prompt
 
 TOOLS = "acp_fixture_tools"
@@ -1512,6 +1512,14 @@ def test_load_replays_what_the_client_saw_live(tmp_path, ws):
                                                                          "plan", "tools"]
         assert replay[0][-2:] == [("user_message_chunk", {"content": link.model_dump(exclude_none=True)}),
                                   ("agent_message_chunk", {"content": {"type": "text", "text": "only a link"}})]
+        # loaded in another folder: the calls are shown where they were made (they were shown
+        # under the new folder, where nothing was written, and the edit lost its file and diff)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        c3 = RecordingClient()
+        async with spawn(c3, config, state_dir=state) as (conn, _):
+            await bounded(conn.load_session(cwd=str(elsewhere), session_id=sid))
+        assert _shown([u for _, u in c3.updates])[1] == live[1]
 
     run(main())
 
@@ -2035,6 +2043,31 @@ def test_mcp_server_entries_and_folders_the_sdk_drops_are_told_to_the_session(tm
                 and m["params"]["update"].get("sessionUpdate") == "tool_call_update"
                 and m["params"]["update"].get("status") == "completed"]
         assert len(done) == 1 and "delta:delta" in json.dumps(done[0]), done   # (the valid entry is served)
+    finally:
+        a.close()
+
+
+def test_a_session_loaded_while_its_turn_waits_for_permission_shows_that_call_again(tmp_path, ws):
+    """``session/load`` while the turn waits on a permission request: the replay left the asked
+    call out (it has no outcome yet), and the live turn then updated a call the loading client
+    was never shown."""
+    a, sid = start(tmp_path, ws, reply("writing", [("write_file", {"path": "c.txt", "content": "C\n"})]),
+                   reply("after c"))
+    try:
+        a.send(raw_prompt(3, sid, "write c"))
+        asked = a.request_seen("session/request_permission")
+        mark = len(a.seen)
+        a.send(req(4, "session/load", cwd=str(ws), sessionId=sid, mcpServers=[]))
+        a.answer(4)
+        allow = next(o["optionId"] for o in asked["params"]["options"] if o["kind"] == "allow_once")
+        a.send({"jsonrpc": "2.0", "id": asked["id"], "result": {"outcome": {"outcome": "selected", "optionId": allow}}})
+        assert a.answer(3)["result"]["stopReason"] == "end_turn"
+        after = [m["params"]["update"] for m in a.seen[mark:] if m.get("method") == "session/update"]
+        shown = [u for u in after if u["sessionUpdate"] == "tool_call"]
+        updated = {u["toolCallId"] for u in after if u["sessionUpdate"] == "tool_call_update"}
+        assert [(u["toolCallId"], u["status"], u["title"]) for u in shown] == \
+            [(asked["params"]["toolCall"]["toolCallId"], "pending", "Write c.txt")], after
+        assert updated == {shown[0]["toolCallId"]} and (ws / "c.txt").read_text() == "C\n"
     finally:
         a.close()
 
