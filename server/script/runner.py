@@ -107,6 +107,10 @@ _STEP_KEYS = {
     "expectNotification": {"expectNotification", "match", "timeoutMs", "save"},
     "respond": {"respond", "match", "result", "error", "unanswered", "raw"},
 }
+#: the fields that hold one value only: (field, value, what it says)
+_FLAGS = (("raw", True, "the step is sent as written, unchecked"),
+          ("unanswered", True, "the request is left unanswered"),
+          ("answered", False, "a request whose answer is not judged"))
 MODELS_KEY = "recordedModels"
 #: the workDoneToken the replay gives a request it must watch (cancelAfterModelCalls) when it has none
 WATCH_TOKEN_PREFIX = "operate-sidecar replay: request "
@@ -211,11 +215,10 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
         if "save" in obj and (not isinstance(obj["save"], dict)
                               or not all(isinstance(v, str) for v in obj["save"].values())):
             raise ScriptError(f'{source}:{n}: save must be {{"name": "path.in.result"}}')
-        if "raw" in obj and obj["raw"] is not True:
-            raise ScriptError(f"{source}:{n}: raw can only be true (the step is sent as written, unchecked)")
+        for flag, value, meaning in _FLAGS:
+            if flag in obj and obj[flag] is not value:
+                raise ScriptError(f"{source}:{n}: {flag} can only be {json.dumps(value)} ({meaning})")
         if "unanswered" in obj:
-            if obj["unanswered"] is not True:
-                raise ScriptError(f"{source}:{n}: unanswered can only be true (the request is left unanswered)")
             if "result" in obj or "error" in obj:
                 raise ScriptError(f"{source}:{n}: a respond with unanswered true has no result or error")
         elif kind == "respond" and ("result" in obj) == ("error" in obj):
@@ -235,11 +238,8 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
                 raise ScriptError(f"{source}:{n}: {field_} must be a positive integer")
             if "id" not in obj:
                 raise ScriptError(f"{source}:{n}: {field_} needs the request's id (the cancel names it)")
-        if "answered" in obj:
-            if obj["answered"] is not False:
-                raise ScriptError(f"{source}:{n}: answered can only be false (a request whose answer is not judged)")
-            if "expect" in obj or "save" in obj:
-                raise ScriptError(f"{source}:{n}: a request with answered false has no expect or save")
+        if "answered" in obj and ("expect" in obj or "save" in obj):
+            raise ScriptError(f"{source}:{n}: a request with answered false has no expect or save")
         problem = None if obj.get("raw") else step_problem(kind, method, obj)
         if problem:
             raise ScriptError(f"{source}:{n}: {problem}")
