@@ -494,7 +494,7 @@ class Service:
         if not self.conn.workspace_folders:
             return
         try:
-            from operate_sidecar.server.tools.builtin import WorkspaceTools
+            from operate_sidecar.server.tools.builtin import MAX_READ_BYTES, WorkspaceTools
 
             files = None
             if self.conn.client_capabilities.get("fs"):  # the client's buffers, not the disk
@@ -503,7 +503,11 @@ class Service:
                 # each fs/* request waits at most as long as a tool may run: the preview's read
                 # too, which is made before the user is asked, outside any tool time-out
                 files = ClientFiles(self.rpc.request_client, timeout=float(self.settings["toolTimeoutMs"]) / 1000.0)
-            for t in WorkspaceTools(self.conn.workspace_folders, files=files,
+            # a read_file page fits in a tool output (maxToolOutputChars, which cuts a longer one
+            # into a preview without its nextOffset): at most half as many bytes, since JSON
+            # writes a newline, a quote or a backslash as two characters
+            page = max(1, min(int(self.settings["maxToolOutputChars"]) // 2, MAX_READ_BYTES))
+            for t in WorkspaceTools(self.conn.workspace_folders, files=files, max_read_bytes=page,
                                     per_branch=getattr(self.conn, "folders_per_branch", False)).tools():
                 self.registry.register(t, update=True)
         except Exception as e:

@@ -130,10 +130,26 @@ EDIT_FILE_SCHEMA: dict[str, Any] = {
 }
 
 
+#: the most of a file one read_file call returns (bytes; the service lowers it to what fits in
+#: a tool output, see ``Service``'s workspace tools)
+MAX_READ_BYTES = 256 * 1024
+
+
+def _page_end(lines: list[str], cut: str, number: int) -> tuple[int, bool]:
+    """A read_file page's end at line ``number``, which does not fit in what is left of the
+    page (``cut``: the part that does): it starts the next page (``nextOffset``), whole; only a
+    page's first line, longer than a page, is cut (``truncated``), the rest of it never shown.
+    (Cut at the end of a page, its rest was skipped by the next page, which began after it.)"""
+    if lines:
+        return number, False
+    lines.append(cut)
+    return number + 1, True
+
+
 class WorkspaceTools:
     """Factory of the builtin workspace tools for the given roots."""
 
-    def __init__(self, roots: Iterable[str | os.PathLike[str]], *, max_read_bytes: int = 256 * 1024,
+    def __init__(self, roots: Iterable[str | os.PathLike[str]], *, max_read_bytes: int = MAX_READ_BYTES,
                  max_list_entries: int = 1000, max_results: int = 200, max_line_chars: int = 300,
                  max_search_file_bytes: int = 2 * 1024 * 1024, max_search_files: int = 20_000,
                  max_search_bytes: int = 64 * 1024 * 1024, max_search_entries: int = 200_000,
@@ -291,9 +307,7 @@ class WorkspaceTools:
                     break
                 line = raw.decode("utf-8", "replace")
                 if len(raw) > room:
-                    lines.append(raw[:room].decode("utf-8", "ignore"))
-                    truncated = True
-                    next_offset = number + 1
+                    next_offset, truncated = _page_end(lines, raw[:room].decode("utf-8", "ignore"), number)
                     break
                 lines.append(line)
                 size += len(raw)

@@ -198,14 +198,30 @@ def unified_diff(old: str | None, new: str, path: str, *, context: int = 3) -> s
         return ""
     a = _lines(old or "")
     b = _lines(new)
-    fromfile = "/dev/null" if old is None else f"a/{path}"
-    return "".join(_unified(a, b, fromfile, f"b/{path}", context))
+    fromfile = "/dev/null" if old is None else _diff_name("a/", path)
+    return "".join(_unified(a, b, fromfile, _diff_name("b/", path), context))
+
+
+#: what a path's name in a diff header escapes (git's quoting): a newline would split the header
+_DIFF_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _diff_name(prefix: str, path: str) -> str:
+    """``prefix + path`` as a diff header names it: quoted with C escapes, as git quotes it,
+    when it holds a control character, a quote or a backslash."""
+    name = prefix + path
+    if not any(c in '"\\' or ord(c) < 32 or ord(c) == 127 for c in name):
+        return name
+    return '"' + "".join(_DIFF_ESCAPES.get(c) or (f"\\{ord(c):03o}" if ord(c) < 32 or ord(c) == 127 else c)
+                         for c in name) + '"'
 
 
 def count_changes(diff: str) -> tuple[int, int]:
     """(added, removed) line counts of a unified diff."""
     added = removed = 0
-    for line in diff.split("\n")[2:]:  # after the ---/+++ header
+    lines = diff.split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith("@@")), len(lines))
+    for line in lines[start:]:  # after the ---/+++ header
         if line.startswith("+"):
             added += 1
         elif line.startswith("-"):

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 from ..core.tools import Tool, ToolCallContext, off_the_loop
 from ..service.port import client_error_reason as _reason
 from ..service.port import client_says_not_found
-from .builtin import BINARY_SNIFF  # a client's text is looked at for a NUL as far as the disk's bytes are
+from .builtin import BINARY_SNIFF, _page_end  # a client's text is looked at for a NUL as far as the disk's bytes are
 from .edits import EditError, FileChange, apply_edits, change, split_lines
 from .errors import ToolCallError, WorkspacePathError
 
@@ -439,6 +439,8 @@ class FileTools:
         if limit < 1:
             raise WorkspacePathError("limit must be 1 or more")
         real = self.ws.resolve(path)
+        if real.is_dir():  # (as read_file from the disk says it; the client would be asked to read it)
+            raise WorkspacePathError(f"{path!r} is not a file")
         text = await self.files.read_text(real, ctx)
         if text is None:
             raise WorkspacePathError(f"{path!r} does not exist")
@@ -453,9 +455,7 @@ class FileTools:
                 break
             line = all_lines[number - 1]
             if size + len(line) > self.ws.max_read_bytes:
-                lines.append(line[: self.ws.max_read_bytes - size])
-                truncated = True
-                next_offset = number + 1
+                next_offset, truncated = _page_end(lines, line[: self.ws.max_read_bytes - size], number)
                 break
             lines.append(line)
             size += len(line)

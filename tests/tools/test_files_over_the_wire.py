@@ -17,10 +17,10 @@ def call(function: str, **arguments) -> dict:
     return {"json": {"action_requests": [{"function": function, "arguments": arguments}]}}
 
 
-def start(c, ws, *responses, caps=None, policy="allow"):
+def start(c, ws, *responses, caps=None, policy="allow", **settings):
     c.request("initialize", {"workspaceFolders": [str(ws)], "capabilities": caps or {},
                              "settings": {"models": {"s": scripted(*responses)}, "defaultModel": "s",
-                                          "toolPolicy": {"edit_file": policy, "write_file": policy}}},
+                                          "toolPolicy": {"edit_file": policy, "write_file": policy}, **settings}},
               timeout=TIMEOUT)
     return c.branch()
 
@@ -65,6 +65,43 @@ def test_the_client_buffers_read_file_numbers_lines_as_the_disk_does(sidecar, tm
     bid = start(sidecar, tmp_path, call("read_file", path="odd.py", offset=6), caps={"fs": True})
     out = output(sidecar, bid)
     assert out["content"] == "target = 1\n" and out["path"] == "odd.py" and path.endswith(out["path"])
+
+
+def test_a_read_file_page_fits_in_a_tool_output_from_the_disk_and_the_client_alike(tmp_path):
+    """read_file's page is at most half of maxToolOutputChars bytes: a default page (256 KiB)
+    was over the default output bound (100,000), so the model got a preview cut mid-line without
+    its nextOffset. Pages from the client's buffers are the same, and a directory is not a file
+    there either (the client was asked to read it)."""
+    text = "".join(f"line {i:05d} \"quoted\" " + "w" * 40 + "\n" for i in range(3000))
+    (tmp_path / "big.txt").write_text(text)
+    (tmp_path / "src").mkdir()
+    with spawner(lambda _i, *a, **kw: Sidecar(*a, **kw)) as make:
+        for caps in ({}, {"fs": True}):
+            c = make()
+            asked = []
+            c.on_request("fs/readTextFile", lambda p: asked.append(p["path"]) or {"text": text})
+            bid = start(c, tmp_path, call("read_file", path="big.txt"), call("read_file", path="src"), caps=caps,
+                        maxToolOutputChars=20_000)
+            out = output(c, bid)
+            assert "preview" not in out and out["nextOffset"] > 1 and not out["truncated"], str(out)[:300]
+            assert len(out["content"].encode()) <= 10_000 and text.startswith(out["content"])
+            assert output(c, bid)["error"] == "'src' is not a file"
+            assert all(not p.endswith("/src") for p in asked), asked
+
+
+def test_a_file_name_with_a_newline_is_quoted_in_the_diff_header(sidecar, tmp_path):
+    """The header was split in two, and a deleted line was counted as one added."""
+    (tmp_path / "nl\nname.txt").write_text("keep\ndrop\n")
+    bid = start(sidecar, tmp_path, call("edit_file", path="nl\nname.txt", edits=[{"oldText": "drop\n", "newText": ""}]))
+    out = output(sidecar, bid)
+    assert out["diff"].split("\n")[:2] == ['--- "a/nl\\nname.txt"', '+++ "b/nl\\nname.txt"'], out["diff"]
+    assert (out["added"], out["removed"]) == (0, 1)
+    repo = tmp_path / "repo"                                              # (git reads the quoted name)
+    repo.mkdir()
+    (repo / "nl\nname.txt").write_text("keep\ndrop\n")
+    (repo / "p.diff").write_text(out["diff"])
+    done = subprocess.run(["git", "apply", "p.diff"], cwd=repo, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0 and (repo / "nl\nname.txt").read_text() == "keep\n", done.stderr
 
 
 def test_a_write_that_fails_leaves_no_directory_or_temporary_file_behind(sidecar, tmp_path):

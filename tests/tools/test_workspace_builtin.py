@@ -61,11 +61,36 @@ def test_read_file_returns_lines_from_offset(workspace):
     assert out["path"] == "src/app.py" and out["nextOffset"] == 4 and out["lines"] == 1
 
 
-def test_read_file_caps_the_output_size(workspace):
+def test_read_file_pages_by_whole_lines_and_cuts_only_a_line_longer_than_a_page(workspace):
+    """A line that does not fit in what is left of a page starts the next one (it was cut, and
+    the next page, at nextOffset, began after it: its rest was never shown; a blank line at a
+    full page's end was counted and never shown). Only a page's first line, longer than a page,
+    is cut."""
     (workspace / "big.txt").write_text("x" * 100 + "\n" + "y" * 100 + "\n")
     ws = WorkspaceTools([workspace], max_read_bytes=150)
-    out = call(tools_of(ws)["read_file"], {"path": "big.txt"})
-    assert len(out["content"]) == 150 and out["truncated"] is True
+    read = tools_of(ws)["read_file"]
+    out = call(read, {"path": "big.txt"})
+    assert (out["content"], out["truncated"], out["nextOffset"], out["lines"]) == ("x" * 100 + "\n", False, 2, 1)
+    out = call(read, {"path": "big.txt", "offset": 2})
+    assert (out["content"], out["truncated"], out["nextOffset"]) == ("y" * 100 + "\n", False, None)
+    read = tools_of(WorkspaceTools([workspace], max_read_bytes=8))["read_file"]
+    for text, expected in (("aaaa\nbbbbbbbbbb\ncccc\n", [("aaaa\n", False), ("bbbbbbbb", True), ("cccc\n", False)]),
+                           ("aaaaaaa\n\nb\n", [("aaaaaaa\n", False), ("\nb\n", False)])):
+        (workspace / "small.txt").write_text(text)
+        pages, offset = [], 1
+        while offset is not None:
+            out = call(read, {"path": "small.txt", "offset": offset})
+            pages.append((out["content"], out["truncated"]))
+            offset = out["nextOffset"]
+        assert pages == expected, pages
+    (workspace / "many.txt").write_text("".join(f"{i:04d} " + "z" * 195 + "\n" for i in range(1400)))
+    read = tools_of(WorkspaceTools([workspace], max_read_bytes=8192))["read_file"]
+    text, offset = "", 1
+    while offset is not None:
+        out = call(read, {"path": "many.txt", "offset": offset})
+        assert not out["truncated"]
+        text, offset = text + out["content"], out["nextOffset"]
+    assert text == (workspace / "many.txt").read_text()                  # (the pages, joined, are the file)
 
 
 def test_read_file_refuses_binary_and_missing_files(workspace):
