@@ -974,6 +974,194 @@ def test_a_review_closed_by_half_is_rebuilt(sv):
         [m["content"] for m in sv.messages(bid) if m["kind"] == "action_response"])
 
 
+def _outputs(sv, bid: str) -> list:
+    return [m["content"]["output"] for m in sv.messages(bid) if m["kind"] == "action_response"]
+
+
+def _review_lines(sv) -> dict:
+    return sv.lua("""
+        local d = require('operate_sidecar.diff').current
+        local hl = function(w) return vim.api.nvim_win_call(w, function() return vim.fn.diff_hlID(1, 1) end) end
+        return { proposed = vim.api.nvim_buf_get_lines(d.proposed_buf, 0, -1, false),
+                 first_marked = { hl(d.left), hl(d.right) }, diff = { vim.wo[d.left].diff, vim.wo[d.right].diff },
+                 status = vim.wo[d.right].statusline }""")
+
+
+@pytest.mark.parametrize("kind", ["crlf", "bom", "noeol"])
+def test_an_accepted_edit_of_a_crlf_bom_or_noeol_file_not_open_lands_and_writes_its_bytes(sv, kind):
+    """The preview is computed from the disk; the review loads the file into a buffer; the
+    server reads it again through the editor on `ga`: that text must be the file's bytes (its
+    \\r\\n, its BOM, no final newline), else "changed after the change was previewed"."""
+    raw, written = {"crlf": (b"def f():\r\n    return 1\r\n", b"def f():\r\n    return 2\r\n"),
+                    "bom": (b"\xef\xbb\xbfdef f():\n    return 1\n", b"\xef\xbb\xbfdef f():\n    return 2\n"),
+                    "noeol": (b"def f():\n    return 1", b"def f():\n    return 2")}[kind]
+    path = sv.tmp / f"bytes_{kind}.py"
+    path.write_bytes(raw)
+    bid = sv.new_branch([call("edit_file", path=str(path), edits=[{"oldText": "return 1", "newText": "return 2"}]),
+                         "done"], f"bytes{kind}")
+    assert sv.lua("return vim.fn.bufloaded(...)", str(path)) == 0          # not open before the review
+    sv.chat_send("make it return 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    view = _review_lines(sv)
+    # the proposal is split as a buffer of that file holds it: no \r, no BOM in its lines, and
+    # the unchanged first line is not marked changed
+    assert view["proposed"] == ["def f():", "    return 2"], view
+    assert view["first_marked"] == [0, 0], view
+    sv.send_keys("ga")
+    assert sv.wait_done()["err"] is None
+    out = _outputs(sv, bid)
+    assert "error" not in out[0], out
+    buf = sv.lua("return vim.fn.bufnr(...)", str(path))
+    assert sv.buf_lines(str(path)) == ["def f():", "    return 2"]
+    assert sv.lua("return vim.bo[...].modified", buf) is True
+    assert path.read_bytes() == raw                                          # in the buffer, not on disk
+    sv.lua("vim.api.nvim_buf_call(..., function() vim.cmd('silent write') end)", buf)
+    assert path.read_bytes() == written                                      # :w writes exactly the new text
+
+
+def edit_branch(sv, path, old: str, new: str, tag: str) -> str:
+    """A new branch whose model edits ``path`` (``old`` to ``new``) once, then says "done"."""
+    return sv.new_branch([call("edit_file", path=str(path), edits=[{"oldText": old, "newText": new}]), "done"], tag)
+
+
+def test_deleting_the_files_buffer_closes_the_review_and_the_change_still_lands_in_a_buffer(sv):
+    """`:bd` of the file side left `ga` mapped in the proposal, and the write went straight to
+    the disk (the buffer was no longer loaded), though the review promises the buffer."""
+    path = sv.tmp / "bd_review.py"
+    path.write_text("def f():\n    return 1\n")
+    edit_branch(sv, path, "return 1", "return 2", "bdreview")
+    sv.chat_send("make it return 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.diff').current.left)")
+    sv.n.command("bdelete")
+    sv.wait("require('operate_sidecar.diff').current == nil", "the review, no longer whole, to close")
+    shown = sv.lua("return vim.tbl_map(function(w) return vim.api.nvim_buf_get_name(vim.api.nvim_win_get_buf(w)) end,"
+                   " vim.api.nvim_list_wins())")
+    assert not [n for n in shown if n.startswith("operate://proposed/")], shown
+    assert sv.lua("""local keys = {}                                     -- no review key left live
+        for _, b in ipairs(vim.api.nvim_list_bufs()) do
+          for _, m in ipairs(vim.api.nvim_buf_get_keymap(b, 'n')) do
+            if m.desc == 'operate-sidecar: allow_once' then keys[#keys + 1] = b end
+          end
+        end
+        return keys""") == []
+    assert sv.lua("return #require('operate_sidecar.permission').queue") == 1  # the request still waits
+    sv.n.command("OperatePermission")                                         # ... and is built again
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the review built again")
+    sv.send_keys("ga")
+    assert sv.wait_done()["err"] is None
+    assert sv.buf_lines(str(path)) == ["def f():", "    return 2"]
+    assert sv.lua("return vim.bo[vim.fn.bufnr(...)].modified", str(path)) is True
+    assert path.read_text() == "def f():\n    return 1\n"
+
+
+def test_a_write_to_a_file_whose_buffer_is_not_loaded_lands_in_that_buffer(sv):
+    path = sv.tmp / "unloaded.py"
+    path.write_text("def f():\n    return 1\n")
+    sv.n.command(f"edit {path}")
+    sv.n.command("bdelete")                                   # a buffer of it remains, not loaded
+    assert sv.lua("local b = vim.fn.bufnr(...) return b > 0 and vim.fn.bufloaded(b) == 0", str(path))
+    edit_branch(sv, path, "return 1", "return 2", "unloaded")
+    sv.lua("require('operate_sidecar').config.permission_handler = function() return 'allow_once' end")
+    sv.chat_send("make it return 2")
+    assert sv.wait_done()["err"] is None
+    assert path.read_text() == "def f():\n    return 1\n"                   # not behind the user's back
+    assert sv.buf_lines(str(path)) == ["def f():", "    return 2"]
+    assert sv.lua("local b = vim.fn.bufnr(...) return {vim.bo[b].modified, vim.bo[b].buflisted}", str(path)) == \
+        [True, True]
+
+
+CHAT_FOLDEXPR = "v:lua.require'operate_sidecar.chat'.foldexpr(v:lnum)"
+
+
+def test_the_review_and_a_file_edited_in_the_chat_window_do_not_get_the_chats_window_options(sv):
+    """The chat's options were set with vim.wo (global too) and copied into the review tab: a
+    markdown `**` concealed on one side only, so both sides read alike on a line marked changed."""
+    path = sv.tmp / "opts.md"
+    path.write_text("# T\n\nSee **bold**.\n")
+    edit_branch(sv, path, "**bold**", "bold", "winopts")
+    sv.chat_send("unbold it")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    opts = sv.lua("""
+        local d = require('operate_sidecar.diff').current
+        return vim.tbl_map(function(w) return { vim.wo[w].conceallevel, vim.wo[w].foldexpr, vim.wo[w].linebreak } end,
+                           { d.left, d.right })""")
+    assert opts == [[0, "0", False], [0, "0", False]], opts
+    sv.send_keys("gr")
+    sv.wait_done()
+    other = sv.tmp / "edited_in_chat.py"
+    other.write_text("\n".join(f"x{i} = {i}" for i in range(30)) + "\n")
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    sv.n.command(f"edit {other}")
+    got = sv.lua("return { vim.wo.foldexpr, vim.wo.conceallevel, vim.wo.foldmethod, vim.go.conceallevel, vim.go.foldexpr }")
+    assert got == ["0", 0, "manual", 0, "0"], got
+
+
+def test_a_read_only_file_or_buffer_is_refused_by_the_clients_write(sv):
+    """With the client's file system the checks are the client's (§9): a file of mode 0444
+    (root's access() says writable: the mode bits say no) or a buffer with 'nomodifiable'."""
+    ro, nm = sv.tmp / "ro.py", sv.tmp / "nomodifiable.py"
+    for p in (ro, nm):
+        p.write_text("def f():\n    return 1\n")
+    ro.chmod(0o444)
+    try:
+        sv.n.command(f"edit {nm}")
+        sv.n.command("setlocal nomodifiable")
+        bid = sv.new_branch([{"json": {"action_requests": [
+            {"function": "edit_file", "arguments": {"path": str(p), "edits": [{"oldText": "return 1", "newText": "return 2"}]}}
+            for p in (ro, nm)]}}, "done"], "readonly")
+        sv.lua("require('operate_sidecar').config.permission_handler = function() return 'allow_once' end")
+        sv.chat_send("make them return 2")
+        assert sv.wait_done()["err"] is None
+        out = _outputs(sv, bid)
+        assert "'ro.py' is read-only; nothing written" in out[0].get("error", ""), out
+        assert "'nomodifiable.py' is not modifiable" in out[1].get("error", ""), out
+        assert ro.read_text() == nm.read_text() == "def f():\n    return 1\n"
+        assert sv.buf_lines(str(nm)) == ["def f():", "    return 1"]
+    finally:
+        ro.chmod(0o644)
+        sv.lua("local b = vim.fn.bufnr(...) pcall(function() vim.bo[b].modifiable = true end)", str(nm))
+
+
+def test_a_file_changed_on_disk_while_its_review_is_open_is_not_written(sv):
+    path = sv.tmp / "disk_changed.py"
+    path.write_text("def f():\n    return 1\n")
+    bid = edit_branch(sv, path, "return 1", "return 2", "diskchanged")
+    sv.chat_send("make it return 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    path.write_text("# changed on disk\ndef f():\n    return 1\n")
+    sv.send_keys("ga")
+    assert sv.wait_done()["err"] is None
+    out = _outputs(sv, bid)
+    assert "changed on disk after the change was previewed" in out[0].get("error", ""), out
+    assert sv.buf_lines(str(path)) == ["def f():", "    return 1"]           # nothing written
+    assert sv.lua("return vim.bo[vim.fn.bufnr(...)].modified", str(path)) is False
+    assert path.read_text() == "# changed on disk\ndef f():\n    return 1\n"
+
+
+def test_a_review_of_a_file_typed_in_since_the_proposal_says_so_instead_of_a_misleading_diff(sv):
+    path = sv.tmp / "typed_in.py"
+    path.write_text("def f():\n    return 1\n\nprint(f())\n")
+    edit_branch(sv, path, "return 1", "return 2", "typedin")
+    sv.lua("require('operate_sidecar.chat').open(nil, true)")
+    sv.n.command(f"edit {path}")
+    sv.send_keys("Gox = 0")                  # typing in the file: the request waits (as a float)
+    sv.lua("require('operate_sidecar')._state.last = nil; require('operate_sidecar').send('make it return 2')")
+    sv.wait("#require('operate_sidecar.permission').queue == 1", "the permission request")
+    sv.send_keys("<CR>y = 1<Esc>")            # ... and goes on typing after it was proposed
+    sv.n.command("OperatePermission")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    view = _review_lines(sv)
+    stale = sv.lua("return require('operate_sidecar.diff').STALE")
+    # no diff against the typed lines (they would read as the model's deletions): the notice,
+    # then the change as proposed
+    assert view["proposed"][:len(stale)] == stale and view["diff"] == [False, False], view
+    assert "+    return 2" in view["proposed"] and "ga will fail" in view["status"], view
+    sv.send_keys("gr")
+    assert sv.wait_done()["err"] is None
+    assert sv.buf_lines(str(path)) == ["def f():", "    return 1", "", "print(f())", "x = 0", "y = 1"]
+
+
 def test_a_chat_deleted_with_bdelete_or_bwipeout_comes_back_whole(sv):
     """`:bd` unloads the transcript (its lines, variables and mappings go) and `:bw` wipes it: the
     next :OperateChat showed an empty buffer and the next turn was drawn without title or prompt

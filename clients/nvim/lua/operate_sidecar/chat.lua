@@ -1244,28 +1244,34 @@ function M.forget(branch)
   end
 end
 
+-- The chat's window options, set window-locally (util.set_win_local): `vim.wo[w].x = v` sets
+-- the global value too (as :set does), and a file then opened with :edit in the chat window (or
+-- a window split off it, the review's tab say) got the chat's folds and concealing.
+M.WIN_OPTIONS = {
+  { 'wrap', true }, { 'linebreak', true }, { 'number', false }, { 'relativenumber', false },
+  { 'signcolumn', 'no' }, { 'foldmethod', 'expr' },
+  { 'foldexpr', "v:lua.require'operate_sidecar.chat'.foldexpr(v:lnum)" },
+  { 'foldtext', "'  │ ⋯ '.(v:foldend-v:foldstart+1).' lines (zo to open)'" },
+  { 'foldlevel', 0 }, { 'foldminlines', 0 }, { 'foldenable', true }, { 'conceallevel', 2 },
+  { 'statusline', " %<%{luaeval('require(\"operate_sidecar\").statusline()')}" },
+  { 'fillchars', 'fold: ' },
+}
+M.PROMPT_WIN_OPTIONS = {
+  { 'wrap', true }, { 'linebreak', true }, { 'number', false }, { 'relativenumber', false },
+  { 'signcolumn', 'no' }, { 'foldenable', false }, { 'winfixheight', true },
+  { 'statusline', ' prompt · <CR> send · <C-s> send · <C-c> cancel' },
+}
+
 local function win_options(w)
-  local o = vim.wo[w]
-  o.wrap, o.linebreak, o.number, o.relativenumber, o.signcolumn = true, true, false, false, 'no'
-  o.foldmethod = 'expr'
-  o.foldexpr = "v:lua.require'operate_sidecar.chat'.foldexpr(v:lnum)"
-  o.foldtext = "'  │ ⋯ '.(v:foldend-v:foldstart+1).' lines (zo to open)'"
-  o.foldlevel = 0
-  o.foldminlines = 0
-  o.foldenable = true
-  o.conceallevel = 2
-  o.statusline = " %<%{luaeval('require(\"operate_sidecar\").statusline()')}"
-  pcall(function()
-    o.fillchars = 'fold: '
-  end)
+  for _, o in ipairs(M.WIN_OPTIONS) do
+    pcall(util.set_win_local, w, o[1], o[2])
+  end
 end
 
 local function prompt_win_options(w)
-  local o = vim.wo[w]
-  o.wrap, o.linebreak, o.number, o.relativenumber, o.signcolumn = true, true, false, false, 'no'
-  o.foldenable = false
-  o.winfixheight = true
-  o.statusline = ' prompt · <CR> send · <C-s> send · <C-c> cancel'
+  for _, o in ipairs(M.PROMPT_WIN_OPTIONS) do
+    pcall(util.set_win_local, w, o[1], o[2])
+  end
 end
 
 local function find_win(want)
@@ -1311,7 +1317,7 @@ function M.show(chat, stay)
       api.nvim_win_set_height(w, size)
     else
       api.nvim_win_set_width(w, size)
-      vim.wo[w].winfixwidth = true
+      util.set_win_local(w, 'winfixwidth', true)
     end
   end
   api.nvim_win_set_buf(w, chat.buf)

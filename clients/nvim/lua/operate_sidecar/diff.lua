@@ -70,10 +70,33 @@ local function unmap_keys(b, saved)
   end
 end
 
+-- The review's windows get the user's options, not the chat's: the tab is opened from the
+-- chat window (whose options a new window copies), and concealing there hid what changed (a
+-- markdown `**` shown on one side only, the line marked changed and both sides alike).
+local function review_win_options(w)
+  local chat = require('operate_sidecar.chat')
+  for _, list in ipairs({ chat.WIN_OPTIONS, chat.PROMPT_WIN_OPTIONS }) do
+    for _, o in ipairs(list) do
+      pcall(function()
+        util.set_win_local(w, o[1], util.global_option(o[1]))
+      end)
+    end
+  end
+  util.set_win_local(w, 'conceallevel', 0) -- every character of both sides in view
+end
+
+M.STALE = {
+  'The file changed after this change was proposed (it no longer holds the text the change',
+  'was made from), so accepting it will fail and write nothing. gr rejects it; then ask again.',
+  'The change as proposed:',
+  '',
+}
+
 --- Open the review tab for request `req` (its params carry preview {path, oldText, newText,
 --- diff}); decide(decision) answers it. Sets req.close.
 function M.open(req, decide)
   local p = req.params.preview
+  local fs = require('operate_sidecar.fs')
   local prev_tab = api.nvim_get_current_tabpage()
   vim.cmd('tabnew')
   local tab = api.nvim_get_current_tabpage()
@@ -89,16 +112,25 @@ function M.open(req, decide)
   if scratch_of_tabnew ~= fb and api.nvim_buf_is_valid(scratch_of_tabnew) then
     pcall(api.nvim_buf_delete, scratch_of_tabnew, { force = true })
   end
+  -- the file's text is no longer what the change was computed from (the user typed in it while
+  -- the request waited, or the disk changed): a diff against it would show the user's own lines
+  -- as the model's deletions, and the write fails (§9) whatever is decided
+  local stale = type(p.oldText) == 'string' and fs.buf_text(fb) ~= p.oldText
   local name = proposed_name(p.path)
   local old = util.find_buf(name)
   if old then
     pcall(api.nvim_buf_delete, old, { force = true })
   end
-  local pb = util.scratch(name, vim.bo[fb].filetype ~= '' and vim.bo[fb].filetype or 'text')
+  local ft = vim.bo[fb].filetype ~= '' and vim.bo[fb].filetype or 'text'
+  local pb = util.scratch(name, stale and 'diff' or ft)
   vim.bo[pb].bufhidden = 'wipe'
-  local lines = util.split_lines(p.newText or '')
-  if #lines > 1 and lines[#lines] == '' then
-    table.remove(lines)
+  local lines
+  if stale then
+    lines = util.extend(util.extend({}, M.STALE), util.split_lines((tostring(p.diff or '')):gsub('\n$', '')))
+  else
+    -- split as a buffer of that file holds it (its 'fileformat', 'bomb'): a CRLF file's lines
+    -- end without their \r on both sides, so only the lines that change are marked
+    lines = fs.text_lines(p.newText or '', fb)
   end
   util.set_lines(pb, 0, -1, lines)
   vim.bo[pb].modifiable = false
@@ -106,20 +138,27 @@ function M.open(req, decide)
   local right = api.nvim_get_current_win()
   api.nvim_win_set_buf(right, pb)
   for _, w in ipairs({ left, right }) do
-    api.nvim_set_current_win(w)
-    vim.cmd('diffthis')
+    review_win_options(w)
+    if not stale then
+      api.nvim_set_current_win(w)
+      vim.cmd('diffthis')
+    end
   end
   local add, del = M.stats(p.diff)
-  vim.wo[left].statusline = ' %f (now)%m'
-  vim.wo[right].statusline = (' proposed +%d −%d · %s'):format(add, del, M.HINT)
+  util.set_win_local(left, 'statusline', stale and ' %f (now: changed since the proposal)%m' or ' %f (now)%m')
+  util.set_win_local(right, 'statusline', (stale and ' proposed +%d −%d, for a text the file no longer holds · %s'
+    or ' proposed +%d −%d · %s'):format(add, del, stale and 'gr reject · ga will fail' or M.HINT))
   local saved = map_keys(fb, decide)
   map_keys(pb, decide)
   api.nvim_set_current_win(right)
-  M.current = { req = req, tab = tab, file_buf = fb, proposed_buf = pb, left = left, right = right }
-  req.diff_view = M.current
+  local view = { req = req, tab = tab, file_buf = fb, proposed_buf = pb, left = left, right = right, stale = stale }
+  M.current = view
+  req.diff_view = view
+  local group = api.nvim_create_augroup('operate_sidecar_review', { clear = true })
   req.close = function()
+    pcall(api.nvim_del_augroup_by_id, group)
     unmap_keys(fb, saved)
-    local view = req.diff_view
+    view = req.diff_view
     req.diff_view = nil
     if M.current == view then
       M.current = nil
@@ -150,6 +189,23 @@ function M.open(req, decide)
       pcall(api.nvim_buf_delete, fb, { force = true }) -- no empty buffer of a file that was never made
     end
   end
+  -- A review no longer whole (a window of it closed, the file's buffer deleted or unloaded with
+  -- :bd, its tab closed) closes at once: its keys stayed live in what was left, and `ga` in the
+  -- proposal after `:bd` of the file wrote around the buffer the review promised. The request
+  -- still waits: :OperatePermission (gp in the chat) builds the review again.
+  local watch = view
+  api.nvim_create_autocmd({ 'WinClosed', 'BufWinLeave', 'BufUnload', 'BufWipeout', 'TabClosed' }, {
+    group = group,
+    callback = function()
+      vim.schedule(function()
+        if req.diff_view == watch and not req.done and not M.intact(watch) then
+          pcall(req.close)
+          util.notify(('the review of %s was closed; :OperatePermission (gp in the chat) shows it again'):format(
+            util.display_path(p.path)))
+        end
+      end)
+    end,
+  })
   util.event('OperateSidecarDiff')
 end
 

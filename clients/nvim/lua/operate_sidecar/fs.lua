@@ -10,31 +10,77 @@ local M = {}
 
 M.writes = {} -- the last writes, for the views: {path, buf, ...}
 
-local function buf_text(b)
-  local text = table.concat(api.nvim_buf_get_lines(b, 0, -1, false), '\n')
-  if vim.bo[b].eol or vim.bo[b].fixeol then
-    text = text .. '\n'
+local BOM = '\239\187\191'
+
+-- Whether buffer b is written as UTF-8 (a 'bomb' is a UTF-8 BOM only then).
+local function utf8_buf(b)
+  local fenc = vim.bo[b].fileencoding
+  if fenc == '' then
+    fenc = vim.o.encoding
   end
-  if text == '\n' and api.nvim_buf_line_count(b) == 1 then
-    return '' -- an empty buffer is an empty file
+  return fenc == 'utf-8' or fenc == 'utf8'
+end
+
+-- The line break of buffer b's file ('fileformat').
+local function line_break(b)
+  local ff = vim.bo[b].fileformat
+  return ff == 'dos' and '\r\n' or ff == 'mac' and '\r' or '\n'
+end
+
+--- Buffer b's text as the bytes of its file: the server compares it with the file it previewed
+--- (read from disk when no buffer held it) and a difference fails the write ("changed after the
+--- change was previewed"). So the line breaks of its 'fileformat' (\r\n for dos), the BOM when
+--- 'bomb' is set, and a final line break as :w writes it: 'eol', or 'fixeol' once the buffer is
+--- modified (an unmodified buffer is the file as it was read: a file without a final newline
+--- loaded with 'fixeol' on has none until it is changed and written).
+local function buf_text(b)
+  local nl = line_break(b)
+  local lines = api.nvim_buf_get_lines(b, 0, -1, false)
+  local text = table.concat(lines, nl)
+  local eol = vim.bo[b].eol
+  if not eol and vim.bo[b].fixeol and not vim.bo[b].binary and vim.bo[b].modified then
+    eol = true
+  end
+  if eol then
+    text = text .. nl
+  end
+  if text == nl and #lines == 1 then
+    text = '' -- an empty buffer is an empty file
+  end
+  if vim.bo[b].bomb and utf8_buf(b) then
+    text = BOM .. text
   end
   return text
 end
 M.buf_text = buf_text
 
-local function to_lines(text)
+--- The lines of `text` as a buffer like b holds them (its 'fileformat': the \r of \r\n is no
+--- part of a line of a dos buffer), whether it ends with a line break, and whether it starts
+--- with a UTF-8 BOM (which a buffer holds as 'bomb', not as text). b nil: a unix buffer.
+function M.text_lines(text, b)
+  local bom = false
+  if text:sub(1, 3) == BOM and (not b or utf8_buf(b)) then
+    bom, text = true, text:sub(4)
+  end
+  local nl = b and line_break(b) or '\n'
+  if nl ~= '\n' then
+    -- the format's line breaks end the lines; another \r stays in its line, as :e shows it
+    -- (a bare \n in a dos file's text ends a line too: a buffer line cannot hold one)
+    text = text:gsub(nl, '\n')
+  end
   local lines = util.split_lines(text)
   local eol = false
   if #lines > 1 and lines[#lines] == '' then
     table.remove(lines)
     eol = true
   end
-  return lines, eol
+  return lines, eol, bom
 end
 
---- Replace buffer b's text with `text`, touching only the lines that differ (one undo step).
+--- Replace buffer b's text with `text`, touching only the lines that differ (one undo step);
+--- 'eol' and 'bomb' follow the text, so that :w writes exactly `text`.
 function M.set_buf_text(b, text)
-  local new, eol = to_lines(text)
+  local new, eol, bom = M.text_lines(text, b)
   local old = api.nvim_buf_get_lines(b, 0, -1, false)
   local pre = 0
   while pre < #old and pre < #new and old[pre + 1] == new[pre + 1] do
@@ -51,9 +97,16 @@ function M.set_buf_text(b, text)
   if pre < #old - suf or #repl > 0 then
     api.nvim_buf_set_lines(b, pre, #old - suf, false, repl)
   end
-  if text ~= '' and vim.bo[b].eol ~= eol then
-    vim.bo[b].eol = eol
-    vim.bo[b].fixeol = eol
+  if text ~= '' then
+    if vim.bo[b].eol ~= eol then
+      vim.bo[b].eol = eol
+    end
+    if not eol and vim.bo[b].fixeol then
+      vim.bo[b].fixeol = false -- else :w adds the final line break the text has not
+    end
+  end
+  if vim.bo[b].bomb ~= bom and utf8_buf(b) then
+    vim.bo[b].bomb = bom
   end
 end
 
@@ -83,15 +136,81 @@ function M.on_read(params, reply)
   reply({ text = text })
 end
 
---- fs/writeTextFile {path, text} -> {}: into the loaded buffer (modified, undoable), else to disk;
---- a buffer that stands for no file gets the text and is written (the file is created).
+-- The bytes of the file at path (nil when it cannot be read).
+local function disk_text(path)
+  local f = io.open(path, 'rb')
+  if not f then
+    return nil
+  end
+  local text = f:read('*a')
+  f:close()
+  return text
+end
+
+-- Whether a mode has a write bit (0o200, 0o020 or 0o002; no bit library needed).
+local function any_write_bit(mode)
+  return math.floor(mode / 128) % 2 == 1 or math.floor(mode / 16) % 2 == 1 or math.floor(mode / 2) % 2 == 1
+end
+
+-- Why the file at path (and its buffer b, if any) may not be written, or nil. The server's own
+-- checks (§9: a read-only file is not replaced) are the client's with its file system. The mode
+-- bits are read as well as access(): as root access(W_OK) says yes to a file of mode 0444.
+local function not_writable(path, b)
+  local uv = vim.uv or vim.loop
+  local shown = util.display_path(path)
+  if b and vim.bo[b].readonly then
+    return ("'%s' is read-only (its buffer has 'readonly'); nothing written"):format(shown)
+  end
+  if b and not vim.bo[b].modifiable then
+    return ("'%s' is not modifiable (its buffer has 'nomodifiable'); nothing written"):format(shown)
+  end
+  local st = uv.fs_stat(path)
+  if st and st.type == 'directory' then
+    return ("'%s' is a directory; nothing written"):format(shown)
+  end
+  if st and st.type == 'file' and (not any_write_bit(st.mode) or not uv.fs_access(path, 'W')) then
+    return ("'%s' is read-only; nothing written"):format(shown)
+  end
+end
+
+-- A buffer with no unsaved changes holds its file's bytes (buf_text): when the file on disk
+-- differs, it changed outside after the buffer read it, so after the text the change was
+-- previewed from (§9: such a write fails, nothing is written). A file in another encoding than
+-- UTF-8 is not compared (its buffer's text is not its bytes).
+local function changed_on_disk(path, b)
+  if vim.bo[b].modified or not utf8_buf(b) or not on_disk(path) then
+    return false
+  end
+  local text = disk_text(path)
+  return text ~= nil and text ~= buf_text(b)
+end
+
+--- fs/writeTextFile {path, text} -> {}: into the file's buffer (modified, undoable), else to
+--- disk; a buffer that stands for no file gets the text and is written (the file is created).
+--- A buffer of the file that is not loaded (after :bdelete, say) is loaded first: the change
+--- lands in a buffer, as the review promised, never on disk behind the user's back.
 function M.on_write(params, reply)
   local path, text = params.path, params.text
   if type(path) ~= 'string' or type(text) ~= 'string' then
     return reply(nil, { code = -32602, message = 'fs/writeTextFile needs path and text' })
   end
-  local b = util.buf_for_path(path)
+  local b = util.buf_for_path(path, true)
+  if b and not api.nvim_buf_is_loaded(b) then
+    local ok, err = pcall(vim.fn.bufload, b)
+    if not ok then
+      return reply(nil, { code = -32603, message = ('cannot load the buffer of %s: %s'):format(path, tostring(err)) })
+    end
+    vim.bo[b].buflisted = true -- (:bdelete unlisted it: the modified buffer is one to find in :ls)
+  end
+  local why = not_writable(path, b)
+  if why then
+    return reply(nil, { code = -32603, message = why })
+  end
   if b then
+    if changed_on_disk(path, b) then
+      return reply(nil, { code = -32603, message = ('%s changed on disk after the change was previewed; '
+        .. 'nothing was written (:checktime reloads it)'):format(util.display_path(path)) })
+    end
     local create = no_file(b, path)
     local ok, err = pcall(M.set_buf_text, b, text)
     if ok and create then -- a new file: the buffer is written, as the server would write it
@@ -116,7 +235,6 @@ function M.on_write(params, reply)
   end
   f:write(text)
   f:close()
-  -- a listed but unloaded buffer of that file reads the new text when it is loaded
   M.writes[#M.writes + 1] = { path = path, callId = params.callId }
   util.event('OperateSidecarWrite')
   reply(vim.empty_dict())

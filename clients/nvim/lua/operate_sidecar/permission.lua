@@ -213,9 +213,10 @@ local function open_float(req, focus)
       return true -- the float is gone: drop this autocmd
     end
   end })
-  vim.wo[win].wrap = true
-  vim.wo[win].linebreak = false
-  vim.wo[win].conceallevel = 2
+  -- window-locally: `vim.wo[win]` would set the global values too, for every window after
+  util.set_win_local(win, 'wrap', true)
+  util.set_win_local(win, 'linebreak', false)
+  util.set_win_local(win, 'conceallevel', 2)
   for key, decision in pairs(M.KEYS) do
     vim.keymap.set('n', key, function()
       settle(req, decision)

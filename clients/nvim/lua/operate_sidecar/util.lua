@@ -168,6 +168,20 @@ function M.set_lines(b, first, last, lines)
   end
 end
 
+--- Set window w's option `name` for that window only (as :setlocal): `vim.wo[w].x = v` also
+--- sets the global value (as :set), which every window opened or file edited later inherits.
+--- nvim_set_option_value with scope "local" (0.7+; its `win` key is 0.8+, hence win_call).
+function M.set_win_local(w, name, value)
+  api.nvim_win_call(w, function()
+    api.nvim_set_option_value(name, value, { scope = 'local' })
+  end)
+end
+
+--- The global value of option `name` (the user's default for new windows).
+function M.global_option(name)
+  return api.nvim_get_option_value(name, { scope = 'global' })
+end
+
 --- The absolute, resolved form of a path (for comparing buffer names with server paths).
 function M.norm_path(p)
   if not p or p == '' then
@@ -178,11 +192,12 @@ function M.norm_path(p)
   return real or full
 end
 
---- The loaded buffer holding `path`, if any.
-function M.buf_for_path(path)
+--- The loaded buffer holding `path`, if any (`unloaded`: a buffer of it that is not loaded, after
+--- :bdelete say, counts too).
+function M.buf_for_path(path, unloaded)
   local want = M.norm_path(path)
   for _, b in ipairs(api.nvim_list_bufs()) do
-    if api.nvim_buf_is_loaded(b) and vim.bo[b].buftype == '' then
+    if (unloaded or api.nvim_buf_is_loaded(b)) and vim.bo[b].buftype == '' then
       local name = api.nvim_buf_get_name(b)
       if name ~= '' and M.norm_path(name) == want then
         return b
