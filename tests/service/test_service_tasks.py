@@ -17,6 +17,12 @@ MCP_SERVER = str(Path(__file__).resolve().parents[1] / "tools" / "fixtures" / "m
 WAIT = 60  # seconds: every wait here is bounded
 
 
+async def mcp_ready(svc: Service, *branches: str) -> None:
+    """Once the MCP servers each of ``branches`` passed are ready (what a turn of each waits for)."""
+    for branch in branches:
+        await asyncio.wait_for(svc.branch_mcp_ready(branch), WAIT)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -97,7 +103,7 @@ def test_mcp_servers_passed_for_a_branch_are_its_own_shared_when_the_same_rename
         await svc.add_branch_mcp_servers("a", [fx("alpha", token="tok-0123456789-abcdef")])
         await svc.add_branch_mcp_servers("b", [fx("beta")])
         await svc.add_branch_mcp_servers("c", [fx("alpha", token="tok-0123456789-abcdef")])
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        await mcp_ready(svc, "a", "b", "c")
         assert redaction.redact("key tok-0123456789-abcdef") == f"key {redaction.MASK}"
         a, b, c = (set(svc.branch_tools(x)) for x in "abc")
         assert "whoami" in a and "fx-2__whoami" not in a
@@ -149,27 +155,27 @@ def test_an_mcp_server_that_failed_to_start_is_started_again_when_a_branch_passe
 
         await asyncio.wait_for(svc.ensure_tools(), WAIT)
         await svc.add_branch_mcp_servers("a", [server])
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        await mcp_ready(svc, "a")
         assert started() == 1 and "probe" not in svc.branch_tools("a")
         assert len(unavailable("a")) == 1 and "is missing" in unavailable("a")[0], svc.branch_problems("a")
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)  # a's next turn: not started again
+        await mcp_ready(svc, "a")  # a's next turn: not started again
         assert started() == 1
 
         await svc.add_branch_mcp_servers("b", [server])  # passed anew, still failing: tried again
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        await mcp_ready(svc, "b")
         assert started() == 2 and "probe" not in svc.branch_tools("b")
         for branch in "ab":  # the failure as it is now, once: not the old one's on top
             assert len(unavailable(branch)) == 1, (branch, svc.branch_problems(branch))
 
         flag.write_text("fixed")  # the user fixes the cause
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)  # a turn of a or b: not started again
+        await mcp_ready(svc, "a", "b")  # a turn of a or b: not started again
         assert started() == 2 and "probe" not in svc.branch_tools("a")
 
         await svc.add_branch_mcp_servers("c", [server])  # a new session: started again, and it works
         await svc.add_branch_mcp_servers("d", [server])  # while that one starts: shared, not started twice
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        await mcp_ready(svc, "c", "d")
         await svc.add_branch_mcp_servers("e", [server])  # running: shared
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        await mcp_ready(svc, "e")
         assert started() == 3, (tmp_path / "flag.starts").read_text()
         for branch in "abcde":  # the earlier branches hold the server started again: its tools, no problem
             assert "probe" in svc.branch_tools(branch) and svc.branch_problems(branch) == [], branch
@@ -221,7 +227,7 @@ def test_a_branch_mcp_server_that_dies_ends_its_entry_and_is_started_again_when_
         await asyncio.wait_for(svc.ensure_tools(), WAIT)
         await svc.add_branch_mcp_servers("a", [server])
         await svc.add_branch_mcp_servers("b", [server])
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        await mcp_ready(svc, "a", "b")
         assert started() == 1 and "probe" in svc.branch_tools("a") and "probe" in svc.branch_tools("b")
         ctx = ToolCallContext(branch_id="a", call_id="1")
         old_probe = svc.registry.get("probe")
@@ -245,12 +251,12 @@ def test_a_branch_mcp_server_that_dies_ends_its_entry_and_is_started_again_when_
             raise AssertionError("a tool of the dead server answered")
         except ToolCallError as e:
             assert "MCP server 'fl'" in str(e), str(e)
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)  # a turn of a or b: not started again
+        await mcp_ready(svc, "a", "b")  # a turn of a or b: not started again
         assert started() == 1
         await _until(lambda: not _alive(pid), "the killed server is reaped")
 
         await svc.add_branch_mcp_servers("c", [server])  # passed again: started again, for a and b too
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        await mcp_ready(svc, "c")
         assert started() == 2, (tmp_path / "flag.starts").read_text()
         for branch in "abc":  # its tools, and the old stop no longer told as current
             assert "probe" in svc.branch_tools(branch) and svc.branch_problems(branch) == [], branch
@@ -369,7 +375,7 @@ def test_deleting_a_branch_stops_the_mcp_servers_only_it_held(tmp_path):
         b = (await svc.createBranch({}))["branchId"]
         await svc.add_branch_mcp_servers(a, [mine, both])
         await svc.add_branch_mcp_servers(b, [both])
-        await asyncio.wait_for(svc.branch_mcp_ready(), WAIT)
+        await mcp_ready(svc, a, b)
         ctx = ToolCallContext(branch_id=a, call_id="1")
         tools = {public: set(ready.tools) for public, ready in svc._branch_mcp.values()}
         mine_pid = await asyncio.wait_for(svc.registry.get("pid").call({}, ctx), WAIT)  # started first

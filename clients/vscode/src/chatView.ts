@@ -805,7 +805,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   }
 
   /**
-   * A decision from the card's buttons (or a command with a callId). One the request did not offer (PROTOCOL §4: the
+   * A decision from the card's buttons (or a command with a callId). One the request did not offer (docs/PROTOCOL.md §4: the
    * answer is one of its options) is not sent: logged, and the request waits on for a decision it offered.
    */
   decide(callId: string, decision: PermissionDecision): boolean {

@@ -56,7 +56,7 @@ export function webviewMessage(m: unknown): WebviewMessage | undefined {
   }
 }
 
-/** A decision for a request that offered `options`: it, when it is one of them (PROTOCOL §4: the answer is one of the options); else undefined. */
+/** A decision for a request that offered `options`: it, when it is one of them (docs/PROTOCOL.md §4: the answer is one of the options); else undefined. */
 export function offeredDecision(options: readonly string[], decision: unknown): PermissionDecision | undefined {
   return isText(decision) && options.includes(decision) && (PERMISSION_OPTIONS as readonly string[]).includes(decision)
     ? decision as PermissionDecision : undefined;
