@@ -445,9 +445,11 @@ class AcpPort:
         if p.get("allowed"):
             await self.add_diff(info, p.get("arguments"))
 
-    def resolve(self, path: str, session_id: str | None = None) -> str | None:
-        """An absolute path inside the session's folders, else None."""
-        folders = (self.branch_folders(session_id) if session_id is not None else None) or self.workspace_folders
+    def resolve(self, path: str, session_id: str | None = None, folders: list[str] | None = None) -> str | None:
+        """An absolute path inside the session's folders (or ``folders``; a relative one is
+        taken from the first), else None."""
+        folders = folders or (self.branch_folders(session_id) if session_id is not None else None) \
+            or self.workspace_folders
         if not folders:
             return None
         real = os.path.realpath(path if os.path.isabs(path) else os.path.join(folders[0], path))
@@ -517,10 +519,7 @@ class AcpPort:
         one inside ``at`` is shown (as it was live; never read or written)."""
         if at is None:
             return self.resolve(path, session_id)
-        real, root = os.path.realpath(os.path.join(at, path)), os.path.realpath(at)
-        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
-            return real
-        return self.resolve(path, session_id) if os.path.isabs(path) else None
+        return self.resolve(path, folders=[at, *(self.branch_folders(session_id) or ())])
 
     # ------------------------------------------------------------------ a recorded call (session/load)
     def replay_call(self, session_id: str, call_id: str, response: dict,
