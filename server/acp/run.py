@@ -350,7 +350,7 @@ def explain_invalid_params(conn: Any) -> None:
     from acp.exceptions import RequestError
     from pydantic import ValidationError
 
-    from .agent import _SESSION_REQUESTS, DROPPED, dropped_items
+    from .agent import DROPPED, dropped_items
 
     wire = WIRE.get()  # the real connection's (not the warm-up's): its END_OF_INPUT is served here
     inflight: set[asyncio.Task] = set()  # the requests being served
@@ -364,8 +364,7 @@ def explain_invalid_params(conn: Any) -> None:
         me = None if is_notification else asyncio.current_task()
         if me is not None:
             inflight.add(me)
-            if method in _SESSION_REQUESTS:  # what the SDK drops of its lists, told (``OperateAgent._add_mcp``)
-                DROPPED.set(dropped_items(method, params))
+            DROPPED.set(dropped_items(method, params))  # what the SDK drops of its lists, told (``_add_mcp``)
         try:
             return await handler(method, params, is_notification)
         except ValidationError as exc:

@@ -223,9 +223,6 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
                 raise ScriptError(f"{source}:{n}: a respond with unanswered true has no result or error")
         elif kind == "respond" and ("result" in obj) == ("error" in obj):
             raise ScriptError(f"{source}:{n}: respond needs a result or an error (or \"unanswered\": true)")
-        problem = _error_problem(obj["error"]) if kind == "respond" and "error" in obj and "raw" not in obj else None
-        if problem:
-            raise ScriptError(f"{source}:{n}: {problem}")
         if "timeoutMs" in obj and (not isinstance(obj["timeoutMs"], (int, float)) or isinstance(obj["timeoutMs"], bool)
                                    or not 0 < obj["timeoutMs"] <= MAX_TIMEOUT_MS):
             raise ScriptError(f"{source}:{n}: timeoutMs must be a positive number of milliseconds, at most "
@@ -605,8 +602,7 @@ class Runner:
         self._watched: dict[str, tuple[Any, int, int, Any]] = {}
         self._hidden_tokens: set[str] = set()   # tokens the replay added: their $/progress is no step's
         self._server_requests = 0           # server-to-client requests so far (under client._cond)
-        self._exit_sent = False             # the script sent ``exit`` itself
-        self._exit_line = 0                 # ... on this line
+        self._exit_line = 0                 # the line the script sent ``exit`` on itself (0: it did not)
         self._shutdown_sent = False         # the script sent ``shutdown`` itself (then exit is code 0)
         #: how the server ended after the script's own ``exit``, when not as the protocol says
         #: (code 0 after shutdown, else 1): it fails the end of the session
@@ -897,7 +893,6 @@ class Runner:
             problem = self._await_model_calls(step, params.get("id"))
         self.client.notify(step.method, params)
         if step.method == "exit":
-            self._exit_sent = True
             self._exit_line = step.line
         return StepResult(step, not problem, problem)
 
@@ -1056,11 +1051,11 @@ class Runner:
             # no shutdown when the script sent exit itself (only its exit is waited for), nor when
             # a request its recorded client left unanswered is still running: the session ends as
             # that client ended it, with the end of the server's input
-            ask = not self._exit_sent and all(p.done() for p in self._abandoned)
+            ask = not self._exit_line and all(p.done() for p in self._abandoned)
             code = client.close(EXIT_WAIT_S, shutdown=ask, answer_within=min(self.step_timeout, SHUTDOWN_WAIT_S),
                                 unanswered_grace=EXIT_GRACE_S)
             self.ending = client.ending
-            if self._exit_sent:  # how the server shuts down is what such a script checks
+            if self._exit_line:  # how the server shuts down is what such a script checks
                 self._bad_exit = _bad_exit(code, self._shutdown_sent, self._exit_line, client.ending)
         except BaseException as e:  # whatever went wrong in ending it (a second Ctrl+C too): nothing is left running
             client.kill()

@@ -1150,6 +1150,7 @@ class Service:
         if me is not None:
             waiting.add(me)
         try:
+            self.branch(branch_id)  # (deleted before it waited, while its params were read: -32012 now)
             async with self._lock(branch_id), self._slots():
                 self._not_waiting(branch_id, waiting, me)
                 yield
@@ -1602,7 +1603,6 @@ class Service:
             return prepare_operate_kw(branch, **later)
 
         self._check_message_room(branch, bool(p.clear_messages))
-        branch = self.branch(branch.id)  # (deleted while its params were read: -32012, not once a slot frees)
         async with self._turn(branch.id):
             # the branch as it is now that this operate's turn has come: one deleted while it
             # waited is -32012 (it would have run, and answered, on a branch that is gone)

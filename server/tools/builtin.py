@@ -135,7 +135,7 @@ EDIT_FILE_SCHEMA: dict[str, Any] = {
 MAX_READ_BYTES = 256 * 1024
 
 
-def _page_end(lines: list[str], cut: str, number: int) -> tuple[int, bool]:
+def page_end(lines: list[str], cut: str, number: int) -> tuple[int, bool]:
     """A read_file page's end at line ``number``, which does not fit in what is left of the
     page (``cut``: the part that does): it starts the next page (``nextOffset``), whole; only a
     page's first line, longer than a page, is cut (``truncated``), the rest of it never shown.
@@ -307,7 +307,7 @@ class WorkspaceTools:
                     break
                 line = raw.decode("utf-8", "replace")
                 if len(raw) > room:
-                    next_offset, truncated = _page_end(lines, raw[:room].decode("utf-8", "ignore"), number)
+                    next_offset, truncated = page_end(lines, raw[:room].decode("utf-8", "ignore"), number)
                     break
                 lines.append(line)
                 size += len(raw)

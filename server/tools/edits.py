@@ -210,10 +210,8 @@ def _diff_name(prefix: str, path: str) -> str:
     """``prefix + path`` as a diff header names it: quoted with C escapes, as git quotes it,
     when it holds a control character, a quote or a backslash."""
     name = prefix + path
-    if not any(c in '"\\' or ord(c) < 32 or ord(c) == 127 for c in name):
-        return name
-    return '"' + "".join(_DIFF_ESCAPES.get(c) or (f"\\{ord(c):03o}" if ord(c) < 32 or ord(c) == 127 else c)
-                         for c in name) + '"'
+    quoted = "".join(_DIFF_ESCAPES.get(c) or (f"\\{ord(c):03o}" if ord(c) < 32 or ord(c) == 127 else c) for c in name)
+    return name if quoted == name else f'"{quoted}"'
 
 
 def count_changes(diff: str) -> tuple[int, int]:

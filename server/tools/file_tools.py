@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 from ..core.tools import Tool, ToolCallContext, off_the_loop
 from ..service.port import client_error_reason as _reason
 from ..service.port import client_says_not_found
-from .builtin import BINARY_SNIFF, _page_end  # a client's text is looked at for a NUL as far as the disk's bytes are
+from .builtin import BINARY_SNIFF, page_end  # a client's text is looked at for a NUL as far as the disk's bytes are
 from .edits import EditError, FileChange, apply_edits, change, split_lines
 from .errors import ToolCallError, WorkspacePathError
 
@@ -455,7 +455,7 @@ class FileTools:
                 break
             line = all_lines[number - 1]
             if size + len(line) > self.ws.max_read_bytes:
-                next_offset, truncated = _page_end(lines, line[: self.ws.max_read_bytes - size], number)
+                next_offset, truncated = page_end(lines, line[: self.ws.max_read_bytes - size], number)
                 break
             lines.append(line)
             size += len(line)

@@ -6,6 +6,7 @@ break the loader; what a failure names. Real servers over real pipes where it is
 from __future__ import annotations
 
 import json
+import threading
 import os
 import signal
 import subprocess
@@ -64,8 +65,12 @@ def test_a_cancel_that_came_while_a_permission_prompt_was_open_replays_as_record
 
         def permission(_params):  # the user cancels while the prompt is open; the prompt answers afterwards
             c.cancel(op.id)
-            assert server_cancelled(c)
+            withdrawn.append(server_cancelled(c))  # (asserted below: an assert here only fails the answer)
+            asked.set()
             return {"decision": "allow_once"}
+
+        withdrawn: list[bool] = []
+        asked = threading.Event()
 
         c.on_request("requestToolPermission", permission)
         bid = c.request("createBranch")["branchId"]
@@ -73,6 +78,7 @@ def test_a_cancel_that_came_while_a_permission_prompt_was_open_replays_as_record
         with pytest.raises(RpcError) as cancelled:
             op.result(30)
         assert cancelled.value.code == -32800
+        assert asked.wait(30) and withdrawn == [True]
         assert c.request("operate", {"branchId": bid, "instruction": "again", "skipValidation": True},
                          timeout=30)["result"] == "later"
 
@@ -338,7 +344,7 @@ def test_a_missed_notification_names_the_candidate_that_matched_most(tmp_path):
     script = tmp_path / "nearest.jsonl"
     script.write_text("".join(json.dumps(s) + "\n" for s in steps))
     out = replay(script, cwd=tmp_path)
-    fail = next(ln for ln in out.stdout.splitlines() if ln.startswith("FAIL line 4"))
+    fail = next((ln for ln in out.stdout.splitlines() if ln.startswith("FAIL line 4")), out.stdout)
     assert "nearest at $.params.resultSummary" in fail and '\\"content\\":\\"hello\\\\n\\"' in fail, fail
 
 

@@ -267,10 +267,18 @@ export class SidecarClient {
     const progressListeners = new Set<(params: any) => void>();
     this.notificationListeners.set('$/progress', progressListeners);
     this.connection.onNotification('$/progress', (params: P.ProgressParams) => {
+      // called directly (a hot path: every streamed delta), as callEach would: each runs, the first error is rethrown after
+      let first: { error: unknown } | undefined;
       const own = this.progressHandlers.get(params.token);
-      const calls: (() => void)[] = own ? [() => own.handler(params.value)] : [];
-      for (const l of progressListeners) calls.push(() => l(params));
-      callEach<void>(calls, undefined);
+      if (own) {
+        try { own.handler(params.value); } catch (error) { first = { error }; }
+      }
+      if (progressListeners.size) {
+        for (const l of [...progressListeners]) {
+          try { l(params); } catch (error) { first ??= { error }; }
+        }
+      }
+      if (first) throw first.error;
     });
     this.connection.onError(() => { /* a broken pipe surfaces through exited / rejected requests */ });
     this.connection.listen();

@@ -549,11 +549,14 @@ test('a server that exits right after answering initialize (with a code, by a si
 });
 
 // A stand-in server that never answers operate (the real server always answers a cancelled request, with -32800): it
-// holds every operate until a `release` request, then answers the held ones (late) and the release; it answers any
-// other request (shutdown too) at once.
+// holds every operate until a `release` request, then answers the held ones (late: for one with a workDoneToken, its
+// last $/progress, end "cancelled", just before) and the release; it answers any other request (shutdown too) at once.
 const HOLDS_OPERATE = `const held = [];
-${standIn(`if (msg.method === 'operate') { held.push(msg.id); continue; }
-    if (msg.method === 'release') for (const id of held.splice(0)) send({ jsonrpc: '2.0', id, result: { result: 'late', kind: 'text' } });
+${standIn(`if (msg.method === 'operate') { held.push({ id: msg.id, token: msg.params && msg.params.workDoneToken }); continue; }
+    if (msg.method === 'release') for (const { id, token } of held.splice(0)) {
+      if (token !== undefined) send({ jsonrpc: '2.0', method: '$/progress', params: { token, value: { kind: 'end', message: 'cancelled' } } });
+      send({ jsonrpc: '2.0', id, result: { result: 'late', kind: 'text' } });
+    }
     send({ jsonrpc: '2.0', id: msg.id, result: {} });`)}`;
 
 test('cancel when the server never answers: the request rejects -32800 at once, after its $/cancelRequest is written; a late answer is ignored', async () => {
@@ -587,10 +590,12 @@ test('cancel when the server never answers: the request rejects -32800 at once, 
     assert.deepEqual(second.wire.slice(from), [`-> operate #${op2}`, '-> $/cancelRequest'], JSON.stringify(second.wire));
 
     // the server answers both now, late: ignored; the connection goes on
+    assert.deepEqual(values, []);   // no progress before the release
     assert.deepEqual(await within(c.request('release'), 'release'), {});
     assert.ok(wire.includes(`<- #${op}`) && wire.includes(`<- #${op2}`), `the late answers arrived: ${JSON.stringify(wire)}`);
     assert.deepEqual(await within(c.ping(), 'ping after the late answers'), {});
-    assert.deepEqual(values, []);
+    // the cancelled operate's last progress, sent just before its late answer, reached onProgress (kept until the answer)
+    assert.deepEqual(values, [{ kind: 'end', message: 'cancelled' }]);
     await new Promise((r) => setImmediate(r));
     assert.deepEqual(unhandled, []);
     assert.equal(await within(c.stop(5000), 'stop', 15_000), 0);

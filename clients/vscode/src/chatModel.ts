@@ -261,6 +261,11 @@ export function serverGone(e: unknown, running: boolean): boolean {
   return e instanceof Error && /^(operate-sidecar: )?cannot start|did not answer initialize|\bEPIPE\b|Connection is (disposed|closed)|connection got disposed/i.test(e.message);
 }
 
+/** Whether `v` is one of the protocol's permission decisions (PERMISSION_OPTIONS). */
+export function isPermissionDecision(v: unknown): v is PermissionDecision {
+  return typeof v === 'string' && (PERMISSION_OPTIONS as readonly string[]).includes(v);
+}
+
 /**
  * The `operateSidecar.permissionAnswer` setting read: a decision (answer every request with it), none (unset or
  * empty: ask), or, for any other value (settings.json is not checked against package.json's enum: `"allow"`, the
@@ -268,7 +273,7 @@ export function serverGone(e: unknown, running: boolean): boolean {
  */
 export function permissionAnswerSetting(v: unknown): { answer?: PermissionDecision; problem?: string } {
   if (v === undefined || v === null || v === '') return {};
-  if (typeof v === 'string' && (PERMISSION_OPTIONS as readonly string[]).includes(v)) return { answer: v as PermissionDecision };
+  if (isPermissionDecision(v)) return { answer: v };
   return { problem: `operateSidecar.permissionAnswer must be one of ${PERMISSION_OPTIONS.join(', ')}, or empty to be asked `
     + `(it is ${JSON.stringify(v)}); asking instead.` };
 }

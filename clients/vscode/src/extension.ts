@@ -10,7 +10,7 @@ import { EditorTracker, selectionOf } from './context';
 import { clientFs, DiffReview, fault, faults, previewOf, PROPOSED_SCHEME, ReviewRecord } from './diffReview';
 import {
   CancellationToken, CancellationTokenSource, ErrorCodes, InitializeResult, Json, JsonObject, OperateParams, OperateResult,
-  PERMISSION_OPTIONS, PermissionDecision, PermissionRequest, PolicyDecision, ResponseError, SidecarClient,
+  PermissionDecision, PermissionRequest, PolicyDecision, ResponseError, SidecarClient,
   SidecarExitedError, SidecarTimeoutError, ToolEvent,
 } from './rpcClient';
 
@@ -475,7 +475,7 @@ class Sidecar {
     if (!pre && this.chat.owns(req)) return this.chat.ask(req, token);
     let decision: PermissionDecision;
     const preview = pre ? undefined : await previewOf(req);
-    if (pre && PERMISSION_OPTIONS.includes(pre)) {
+    if (pre) {
       decision = pre;
     } else if (preview) {
       decision = await this.review.review(req, preview, token);

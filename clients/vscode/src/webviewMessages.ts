@@ -3,7 +3,7 @@
 // the rendered conversation), so a message of another shape (a bug, a page of another version) must not send
 // the server an answer it did not offer, leave a request unanswered, or run an arbitrary command.
 // No `vscode` import: unit-tested with node's test runner.
-import { PERMISSION_OPTIONS } from './rpcClient';
+import { isPermissionDecision } from './chatModel';
 import type { PermissionDecision } from './rpcClient';
 
 /** The commands the page runs (its header's buttons: the chat picker, the model picker, New): no other. */
@@ -43,8 +43,8 @@ export function webviewMessage(m: unknown): WebviewMessage | undefined {
     case 'retry': return isText(o.id) && o.id ? { type: 'retry', id: o.id } : undefined;
     case 'focus': return typeof o.focused === 'boolean' ? { type: 'focus', focused: o.focused } : undefined;
     case 'decide':
-      return isText(o.callId) && o.callId && isText(o.decision) && (PERMISSION_OPTIONS as readonly string[]).includes(o.decision)
-        ? { type: 'decide', callId: o.callId, decision: o.decision as PermissionDecision } : undefined;
+      return isText(o.callId) && o.callId && isPermissionDecision(o.decision)
+        ? { type: 'decide', callId: o.callId, decision: o.decision } : undefined;
     case 'showDiff': return isText(o.callId) && o.callId ? { type: 'showDiff', callId: o.callId } : undefined;
     case 'copy': case 'insert': return isText(o.code) ? { type: o.type, code: o.code } : undefined;
     case 'copyReply': return Number.isInteger(o.index) && (o.index as number) >= 0 ? { type: 'copyReply', index: o.index as number } : undefined;
@@ -58,6 +58,5 @@ export function webviewMessage(m: unknown): WebviewMessage | undefined {
 
 /** A decision for a request that offered `options`: it, when it is one of them (docs/PROTOCOL.md §4: the answer is one of the options); else undefined. */
 export function offeredDecision(options: readonly string[], decision: unknown): PermissionDecision | undefined {
-  return isText(decision) && options.includes(decision) && (PERMISSION_OPTIONS as readonly string[]).includes(decision)
-    ? decision as PermissionDecision : undefined;
+  return isPermissionDecision(decision) && options.includes(decision) ? decision : undefined;
 }

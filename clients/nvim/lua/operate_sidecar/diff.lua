@@ -154,7 +154,7 @@ function M.open(req, decide)
   local view = { req = req, tab = tab, file_buf = fb, proposed_buf = pb, left = left, right = right, stale = stale }
   M.current = view
   req.diff_view = view
-  local group = api.nvim_create_augroup('operate_sidecar_review', { clear = true })
+  local group = api.nvim_create_augroup('operate_sidecar_review_' .. tostring(req.params.callId), { clear = true })
   req.close = function()
     pcall(api.nvim_del_augroup_by_id, group)
     unmap_keys(fb, saved)
@@ -194,18 +194,21 @@ function M.open(req, decide)
   -- proposal after `:bd` of the file wrote around the buffer the review promised. The request
   -- still waits: :OperatePermission (gp in the chat) builds the review again.
   local watch = view
-  api.nvim_create_autocmd({ 'WinClosed', 'BufWinLeave', 'BufUnload', 'BufWipeout', 'TabClosed' }, {
-    group = group,
-    callback = function()
-      vim.schedule(function()
-        if req.diff_view == watch and not req.done and not M.intact(watch) then
-          pcall(req.close)
-          util.notify(('the review of %s was closed; :OperatePermission (gp in the chat) shows it again'):format(
-            util.display_path(p.path)))
-        end
-      end)
-    end,
-  })
+  local function check()
+    vim.schedule(function()
+      if req.diff_view == watch and not req.done and not M.intact(watch) then
+        pcall(req.close)
+        util.notify(('the review of %s was closed; :OperatePermission (gp in the chat) shows it again'):format(
+          util.display_path(p.path)))
+      end
+    end)
+  end
+  -- (the review's own windows and buffers only, and a tab closed: no check for every other event)
+  api.nvim_create_autocmd('WinClosed', { group = group, pattern = { tostring(left), tostring(right) }, callback = check })
+  api.nvim_create_autocmd('TabClosed', { group = group, callback = check })
+  for _, b in ipairs({ fb, pb }) do
+    api.nvim_create_autocmd({ 'BufWinLeave', 'BufUnload', 'BufWipeout' }, { group = group, buffer = b, callback = check })
+  end
   util.event('OperateSidecarDiff')
 end
 

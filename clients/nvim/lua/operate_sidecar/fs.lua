@@ -119,6 +119,17 @@ local function no_file(b, path)
   return not vim.bo[b].modified and buf_text(b) == '' and not on_disk(path)
 end
 
+-- The bytes of the file at path; nil and why when it cannot be read.
+local function disk_text(path)
+  local f, err = io.open(path, 'rb')
+  if not f then
+    return nil, err
+  end
+  local text = f:read('*a')
+  f:close()
+  return text
+end
+
 --- fs/readTextFile {path} -> {text}: a loaded buffer's text (unsaved changes included), else disk.
 --- No file (on disk or as a buffer with text) is an error answer, as the server expects.
 function M.on_read(params, reply)
@@ -127,24 +138,11 @@ function M.on_read(params, reply)
   if b and not no_file(b, path) then
     return reply({ text = buf_text(b) })
   end
-  local f, err = io.open(path, 'rb')
-  if not f then
+  local text, err = disk_text(path)
+  if not text then
     return reply(nil, { code = -32602, message = ('cannot read %s: %s'):format(path, tostring(err)) })
   end
-  local text = f:read('*a')
-  f:close()
   reply({ text = text })
-end
-
--- The bytes of the file at path (nil when it cannot be read).
-local function disk_text(path)
-  local f = io.open(path, 'rb')
-  if not f then
-    return nil
-  end
-  local text = f:read('*a')
-  f:close()
-  return text
 end
 
 -- Whether a mode has a write bit (0o200, 0o020 or 0o002; no bit library needed).

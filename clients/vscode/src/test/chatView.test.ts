@@ -118,10 +118,19 @@ class FakeClient {
   readonly slow = new Map<string, number>();
   readonly ops: Op[] = [];
   private n = 0;
+  private readonly answered = new Map<string, { done: Promise<void>; resolve: () => void }>();
+  /** Resolves once a read of branch `id` has answered (the first one; also when it answered before this call). */
+  readAnswered(id: string): Promise<void> { return this.answer(id).done; }
+  private answer(id: string) {
+    let a = this.answered.get(id);
+    if (!a) { let resolve!: () => void; const done = new Promise<void>((r) => { resolve = r; }); a = { done, resolve }; this.answered.set(id, a); }
+    return a;
+  }
   async createBranch() { const id = `new${++this.n}`; this.branches.set(id, []); return { branchId: id }; }
   async branchMessages(id: string, offset = 0, limit = 1000) {
     const ms = this.slow.get(id);
     if (ms) await new Promise((r) => setTimeout(r, ms));
+    this.answer(id).resolve();
     const all = this.branches.get(id);
     if (!all) throw new ResponseError(ErrorCodes.BranchNotFound, `branch not found: ${id}`);
     return { messages: all.slice(offset, offset + limit), total: all.length };
@@ -191,7 +200,11 @@ test('switching chats quickly: the chat picked last is shown, also when the read
   await branches.setCurrent('A');
   await branches.setCurrent('B');
   await until(() => chat.shownTurns()[0]?.user === 'question in chat B', 'chat B shown');
-  await new Promise((r) => setTimeout(r, 400));   // (chat A's read has answered meanwhile)
+  // chat A's read answers after B is shown; then the chat's handling of it (no further reads) has run
+  let aAnswered = false;
+  void client.readAnswered('A').then(() => { aAnswered = true; });
+  await until(() => aAnswered, 'chat A\'s read answered');
+  await new Promise((r) => setImmediate(r));
   assert.deepEqual(chat.shownTurns().map((t) => t.user), ['question in chat B']);
   assert.equal(posted.filter((m) => m.type === 'state').at(-1)?.branch, 'Chat B');
 });
