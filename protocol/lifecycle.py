@@ -57,13 +57,16 @@ class CliModelConfig:
 @wire
 class ScriptedEntry:
     """One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text;
-    ``thinking``: streamed first as the model's thoughts (a reasoning model's), never the reply."""
+    ``thinking``: streamed first as the model's thoughts (a reasoning model's), never the reply;
+    ``events`` (a ``"cli": true`` model only): the run's text, tool_use and tool_result events, in
+    order, as the ``jsonl`` profile writes them, instead of ``text``."""
     text: str | None = None
     json: JsonValue | Omitted = OMITTED
     delay_ms: int | None = None
     chunks: int | None = None
     error: str | None = None
     thinking: str | None = None
+    events: list[dict[str, JsonValue]] | None = None
 
 
 @wire

@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return replay_main(argv[1:])
     args = _parser().parse_args(argv)
+    if args.state_dir == "":  # (--state-dir "$STATE" with STATE unset): said, not memory only in silence
+        print("operate-sidecar: --state-dir: no folder name given (leave the flag out to keep branches in memory "
+              "only)", file=sys.stderr)
+        return 2
     if args.record and args.acp:
         print("operate-sidecar: --record records the native protocol; it cannot be combined with --acp",
               file=sys.stderr)
@@ -114,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:  # keys never reach stderr, --debug included
         handler.addFilter(RedactingFilter())
     base: dict = {}
-    if args.state_dir:
+    if args.state_dir is not None:
         base["stateDir"] = args.state_dir
     config_error = None
     try:
         config = _load_config(args.config) if args.config else {}
+        if config.get("stateDir") == "":
+            raise S.SettingsError(f"{args.config}: stateDir must name a folder, not be empty "
+                                  "(leave it out, or null, to keep branches in memory only)")
         base = S.merge(base, config)
         unknown = [k for k in base if k not in S.DEFAULTS]
         if unknown:

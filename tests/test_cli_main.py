@@ -107,3 +107,14 @@ def test_version_prints_the_installed_version_on_stdout_and_starts_no_server():
     installed = importlib.metadata.version("operate-sidecar")
     assert proc.stdout == f"operate-sidecar {installed}\n", proc.stdout
     assert __version__ == operate_sidecar.__version__ == installed
+
+
+def test_an_empty_state_dir_is_refused_not_memory_only_in_silence(tmp_path):
+    """``--state-dir "$STATE"`` with STATE unset (or ``stateDir = ""`` in the config file) gave a
+    server that kept its branches in memory only, lost at exit with no word; ``--record ""`` was
+    already refused. Now an empty state dir is refused the same way."""
+    line = one_line_error(cli("--state-dir", ""))
+    assert line.startswith("operate-sidecar: --state-dir: no folder name given"), line
+    (tmp_path / "settings.toml").write_text('stateDir = ""\n')
+    line = one_line_error(cli("--config", "settings.toml", cwd=tmp_path))
+    assert line.startswith("operate-sidecar: bad configuration: settings.toml: stateDir must name a folder"), line

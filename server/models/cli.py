@@ -7,23 +7,36 @@ Config fields: ``profile`` (``claude-code`` | ``llm`` | ``jsonl``), ``command``
 element containing ``{prompt}`` is substituted instead), ``timeoutS`` (none by
 default), ``killGraceS`` (SIGTERM → SIGKILL grace, default 2).
 
+``arg`` puts the prompt last on the command line. Left at its default, a prompt no argument
+can carry as it is goes on stdin instead (both default programs read it there when no prompt
+argument is given): one longer than Linux takes (MAX_ARG_STRLEN, 131072 bytes with its NUL: a
+long branch history), one holding a NUL, and one beginning with ``-`` (a markdown list or
+``---`` front matter, which the program would read as an option). With ``promptVia = "arg"``
+said, a prompt beginning with ``-`` comes after a ``--`` argument, and a prompt (or a
+``{prompt}`` argument) too long for one argument is a ``ModelError`` naming ``promptVia =
+"stdin"``.
+
 The process runs in its own session/process group, with stdin from /dev/null
 (or from a file holding the prompt) and stderr to a temporary file (its tail
 goes into error messages). stdout is read as it streams: JSON lines for
 claude-code/jsonl, raw text for llm. When the awaiting scope is cancelled (or
 the consumer stops iterating), the whole process group gets SIGTERM, then
-SIGKILL after the grace period. The run ends when the program exits, even if a child it
+SIGKILL after the grace period. That teardown cannot be cut short: it runs as a task of its own
+(``_Ending``), so a second cancel (the native front end cancels a request's task itself, which
+a shielded scope does not stop) ends only the wait for it. The run ends when the program exits, even if a child it
 left running holds stdout open: what it wrote is read, then its group (and any process still
 holding its stdout) is stopped the same way; a per-run reaper kills the group if the sidecar
 dies. Lines that are not JSON, and events of an unexpected shape, are ignored; NaN/Infinity in
 them are read as null. An in-stream error event (jsonl ``error``,
 claude-code ``result`` with ``is_error``) raises ``ModelError`` after the run is
-torn down; so does a non-zero exit with no output (with the stderr tail).
+torn down; so does a non-zero exit, or death by a signal, whatever the program wrote before
+(with the stderr tail): a reply cut short is no reply.
 """
 
 from __future__ import annotations
 
 import codecs
+import errno
 import logging
 import os
 import re
@@ -60,6 +73,9 @@ DEFAULT_COMMANDS: dict[str, list[str]] = {
 }
 CONFIG_FIELDS = frozenset(FIELDS["cli"])  # declared (with their types) in config.py
 STDERR_TAIL_BYTES = 2000
+#: the longest argument a program can be given, its closing NUL included (Linux's MAX_ARG_STRLEN;
+#: a longer one fails the spawn with E2BIG, "Argument list too long")
+MAX_ARG_BYTES = 131072
 MAX_LINE_BYTES = 64 * 1024 * 1024
 
 
@@ -96,6 +112,7 @@ class CLIModel(BaseModelProvider):
         self.cwd = cwd
         self.env = dict(env or {})
         self.prompt_via = prompt_via or ("stdin" if profile == "jsonl" else "arg")
+        self.prompt_via_set = prompt_via is not None  # said in the config (else arg may fall back to stdin)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
         self.inline_thinking = inline_thinking  # true: <think>...</think> opening a reply is thoughts; "opened": every reply begins in them
@@ -132,10 +149,23 @@ class CLIModel(BaseModelProvider):
             if resume:
                 argv += ["--resume", str(resume)]
         if any("{prompt}" in a for a in argv):
-            return [a.replace("{prompt}", prompt) for a in argv], None
+            argv = [a.replace("{prompt}", prompt) for a in argv]
+            why = next((w for w in map(_no_argument, argv) if w), None)
+            if why:
+                raise _model_error(f"model {self.name!r}: the command with the prompt in it {why}; take "
+                                   '"{prompt}" out of the command and set promptVia = "stdin" to pass it on stdin')
+            return argv, None
         if self.prompt_via == "stdin":
             return argv, prompt
-        return argv + [prompt], None
+        why = _no_argument(prompt)
+        if not self.prompt_via_set:  # the default: on stdin what one argument cannot carry as it is
+            if why or prompt.startswith("-"):
+                return argv, prompt
+            return argv + [prompt], None
+        if why:
+            raise _model_error(f'model {self.name!r}: the prompt {why}; set promptVia = "stdin" to pass it on stdin')
+        # a prompt opening with "-" (a markdown list, "---" front matter) is no option
+        return argv + (["--"] if prompt.startswith("-") else []) + [prompt], None
 
     # -- run ------------------------------------------------------------------
 
@@ -145,20 +175,25 @@ class CLIModel(BaseModelProvider):
         env = {**os.environ, **self.env} if self.env else None
         stderr_file = tempfile.TemporaryFile()
         stdin_file: Any = subprocess.DEVNULL
-        if stdin_text is not None:
-            stdin_file = tempfile.TemporaryFile()
-            stdin_file.write(stdin_text.encode())
-            stdin_file.seek(0)
         try:
-            process = await _spawn(argv, stdin=stdin_file, stderr=stderr_file, cwd=self.cwd, env=env)
-        except OSError as e:
-            stderr_file.close()
             if stdin_text is not None:
-                stdin_file.close()
-            what = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename and e.filename != argv[0] else "")
-            raise _model_error(f"model {self.name!r}: could not start {argv[0]!r}: {what}") from None
+                stdin_file = tempfile.TemporaryFile()
+                stdin_file.write(stdin_text.encode(errors="replace"))  # (a lone surrogate as "?")
+                stdin_file.seek(0)
+            process = await _spawn(argv, stdin=stdin_file, stderr=stderr_file, cwd=self.cwd, env=env)
+        except BaseException as e:  # whatever fails, neither file is left open
+            stderr_file.close()
+            if isinstance(e, OSError) and e.errno == errno.E2BIG:
+                raise _model_error(f"model {self.name!r}: could not start {argv[0]!r}: its command line is too "
+                                   'long (the prompt is passed as an argument); set promptVia = "stdin"') from None
+            if isinstance(e, (OSError, ValueError)):  # (ValueError: what the config checks did not catch)
+                what = f"{getattr(e, 'strerror', None) or e}"
+                filename = getattr(e, "filename", None)
+                what += f" ({filename})" if filename and filename != argv[0] else ""
+                raise _model_error(f"model {self.name!r}: could not start {argv[0]!r}: {what}") from None
+            raise
         finally:
-            if stdin_text is not None and not stdin_file.closed:
+            if stdin_file is not subprocess.DEVNULL:
                 stdin_file.close()  # the child has its own copy of the descriptor
         self.last_pid = process.pid
         reaper = _GroupReaper.start(process.pid)  # the group dies with the sidecar, even by SIGKILL
@@ -167,7 +202,10 @@ class CLIModel(BaseModelProvider):
         produced = False
         reply_chars = 0   # text and thinking so far: bounded (a program printing on and on)
         eof = False       # stdout reached its end: nothing holds it open any more
-        cleaned = False   # the run's processes are gone (or were never left behind)
+        ending = _Ending()  # the run's teardown: once, and never cut short
+
+        def finish() -> Any:
+            return _finish_run(process, self.kill_grace_s, eof, reaper)
 
         def timed_out() -> ModelError:
             return _model_error(f"model {self.name!r}: {program} timed out after {self.timeout_s:g}s")
@@ -236,32 +274,50 @@ class CLIModel(BaseModelProvider):
                         raise timed_out()
             rc = process.returncode
             # The program is done: nothing it started outlives the call.
-            await _end_run(process, self.kill_grace_s, eof, reaper)
-            cleaned = True
-            if rc != 0 and not produced:
+            await ending.run(finish)
+            if rc != 0:  # a failed run, whatever it wrote before: a reply cut short is no reply
                 tail = _tail(stderr_file)
                 raise _model_error(
-                    f"model {self.name!r}: {program} exited with status {rc}"
-                    + (f": {tail}" if tail else " and no output")
+                    f"model {self.name!r}: {program} {_exit_status(rc)}"
+                    + (f": {tail}" if tail else " and no output on stderr" if produced else " and no output")
                 )
             inline.check(self.name)
             result = parser.result
-            result.is_error = result.is_error or rc != 0
             if result.usage is None:  # e.g. `llm -u` prints "Token usage: 10 input, 5 output" on stderr
                 result.usage = _usage_line(stderr_file)
             yield result
         finally:
-            if not cleaned:
-                await _end_run(process, self.kill_grace_s, eof, reaper)
-            with anyio.CancelScope(shield=True), anyio.move_on_after(max(self.kill_grace_s, 1.0)):
-                try:
-                    await process.aclose()
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
-            stderr_file.close()
+            try:
+                await ending.run(finish)
+            finally:
+                stderr_file.close()
 
 
 _USAGE_LINE = re.compile(rb"Token usage: ([\d,]+) input, ([\d,]+) output")
+
+
+def _exit_status(rc: int) -> str:
+    """How the program ended, in words: its exit status, or the signal that killed it."""
+    if rc < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def _too_long_for_an_argument(arg: str) -> bool:
+    return len(arg) >= MAX_ARG_BYTES // 4 and len(arg.encode(errors="surrogatepass")) + 1 > MAX_ARG_BYTES
+
+
+def _no_argument(arg: str) -> str | None:
+    """Why ``arg`` cannot be one command-line argument (too long, or holding a NUL), or None."""
+    if "\0" in arg:
+        return "holds a NUL character, which no command-line argument can carry"
+    if _too_long_for_an_argument(arg):
+        return (f"({len(arg.encode(errors='surrogatepass'))} bytes) is too long for one command-line argument "
+                f"(at most {MAX_ARG_BYTES - 1} bytes)")
+    return None
 
 
 def _usage_line(f: Any) -> dict | None:
@@ -422,6 +478,71 @@ async def _end_run(process: Any, grace: float, stdout_closed: bool, reaper: "_Gr
             await _kill_pipe_holders(inode, grace)
         if reaper is not None:
             await reaper.stop()
+
+
+async def _finish_run(process: Any, grace: float, stdout_closed: bool, reaper: "_GroupReaper | None") -> None:
+    """The whole end of a run: what it left behind stopped (``_end_run``), then the program
+    reaped and its pipes closed."""
+    await _end_run(process, grace, stdout_closed, reaper)
+    with anyio.CancelScope(shield=True), anyio.move_on_after(max(grace, 1.0)):
+        try:
+            await process.aclose()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+#: run teardowns under way as tasks of their own (kept here until they end: the event loop
+#: holds its tasks weakly, and the one that awaited a teardown may be gone)
+_ENDINGS: set[Any] = set()
+
+
+class _Ending:
+    """A run's teardown (SIGTERM → grace → SIGKILL of its group, the processes still holding
+    its stdout, its reaper, the program reaped), started once and always run to its end.
+
+    Under asyncio it runs as a task of its own, awaited through ``asyncio.shield``: the native
+    front end cancels a request's task itself (``$/cancelRequest``), and such a cancel goes
+    through a shielded anyio scope. A cancel of the awaiting task (a second ``$/cancelRequest``,
+    or one that comes while a time-out's grace runs) then ends only the wait, so the answer may
+    go at once, while the teardown goes on and the processes still die within the grace. A wait
+    cut short is not taken up again. Elsewhere (trio) the teardown runs in a shielded scope."""
+
+    __slots__ = ("_task", "_over")
+
+    def __init__(self) -> None:
+        self._task: Any = None
+        self._over = False  # done, or its wait was cancelled
+
+    async def run(self, start: Any) -> None:
+        """Start the teardown ``start()`` (the first time) and wait for its end."""
+        import asyncio
+
+        if self._over:
+            return
+        if self._task is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is None:
+                self._over = True
+                with anyio.CancelScope(shield=True):
+                    await start()
+                return
+            self._task = loop.create_task(start())
+            _ENDINGS.add(self._task)
+            self._task.add_done_callback(_ending_done)
+        try:
+            with anyio.CancelScope(shield=True):
+                await asyncio.shield(self._task)
+        finally:
+            self._over = True
+
+
+def _ending_done(task: Any) -> None:
+    _ENDINGS.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("cli: a run's teardown failed", exc_info=task.exception())
 
 
 class _GroupReaper:

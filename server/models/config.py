@@ -139,6 +139,15 @@ ENTRY_FIELDS: dict[str, str] = {
     "chunks": "positive integer",
     "error": "string",
     "thinking": "string",
+    "events": "cli events",
+}
+
+#: the events of a scripted CLI run (an entry's ``events``): the ``jsonl`` profile's event types
+#: that make the branch's messages, and each one's fields
+EVENT_FIELDS: dict[str, dict[str, str]] = {
+    "text": {"text": "string"},
+    "tool_use": {"id": "string", "name": "string", "input": "object"},
+    "tool_result": {"id": "string", "output": "any", "is_error": "boolean"},
 }
 
 #: the largest value of a numeric entry field
@@ -351,6 +360,8 @@ def _type_problem(field: str, kind: Any, value: Any) -> str | None:
         if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
             return f"{field} must be a list of strings"
         return None
+    elif kind == "cli events":
+        return _events_problem(field, value)
     elif kind == "responses":
         if not isinstance(value, list):
             return f"{field} must be a list, not {json_kind(value)}"
@@ -362,6 +373,32 @@ def _type_problem(field: str, kind: Any, value: Any) -> str | None:
     else:  # pragma: no cover - a typo in FIELDS
         raise AssertionError(f"unknown field type {kind!r}")
     return None if ok else f"{field} must be {want}, not {json_kind(value)}"
+
+
+def _events_problem(field: str, value: Any) -> str | None:
+    """Why ``value`` is not a list of CLI run events (:data:`EVENT_FIELDS`), or None."""
+    if not isinstance(value, list):
+        return f"{field} must be a list, not {json_kind(value)}"
+    for i, event in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(event, dict):
+            return f"{where} must be an object, not {json_kind(event)}"
+        kind = event.get("type")
+        if kind not in EVENT_FIELDS:
+            got = _short(kind) if isinstance(kind, str) else json_kind(kind)
+            return f"{where}.type must be one of {', '.join(map(repr, EVENT_FIELDS))}, not {got}"
+        fields = EVENT_FIELDS[kind]
+        unknown = [k for k in event if k != "type" and k not in fields]
+        if unknown:
+            return f"{where}: {_unknown(unknown)} (a {kind} event accepts: {', '.join(sorted(fields))})"
+        for key, field_kind in fields.items():
+            if event.get(key) is not None:
+                problem = _type_problem(f"{where}.{key}", field_kind, event[key])
+                if problem:
+                    return problem
+        if kind == "text" and not isinstance(event.get("text"), str):
+            return f"{where}.text must be a string"
+    return None
 
 
 def entry_problem(entry: Any, where: str) -> str | None:
@@ -424,14 +461,43 @@ def config_problem(config: Any, provider: str | None = None) -> str | None:
             if isinstance(fields[key], tuple):
                 need += f" (one of {', '.join(fields[key])})"
             return need
-    if provider == "cli" and config["profile"] == "jsonl":
-        command = config.get("command")
-        if isinstance(command, str):
-            import shlex
+    if provider == "cli":
+        problem = _cli_problem(config)
+        if problem:
+            return problem
+    if provider == "scripted" and not config.get("cli"):
+        for i, entry in enumerate(config.get("responses") or ()):
+            if isinstance(entry, dict) and entry.get("events") is not None:
+                return f'responses[{i}].events is a CLI run\'s: the model needs "cli": true'
+    return None
 
-            command = shlex.split(command)
-        if not command:
-            return "cli profile 'jsonl' needs a 'command'"
+
+def _cli_problem(config: dict[str, Any]) -> str | None:
+    """Why a ``cli`` config (its fields of the right types) cannot start a program: what no
+    command line, environment or folder name can hold (a NUL character; ``=`` or nothing as a
+    variable's name), which would fail every call at its start; a ``jsonl`` profile without a
+    command. Values are never quoted (an ``env`` value may be a secret)."""
+    command = config.get("command")
+    if isinstance(command, str):
+        import shlex
+
+        command = shlex.split(command)
+    if any("\0" in a for a in command or ()):
+        return "command must not contain a NUL character"
+    cwd = config.get("cwd")
+    if cwd is not None and "\0" in cwd:
+        return "cwd must not contain a NUL character"
+    for name, value in (config.get("env") or {}).items():
+        if not name:
+            return "env must not have a variable with an empty name"
+        if "\0" in name:
+            return f"env variable name {_short(name)} must not contain a NUL character"
+        if "=" in name:
+            return f"env variable name {_short(name)} must not contain '='"
+        if "\0" in value:
+            return f"env.{name} must not contain a NUL character"
+    if config["profile"] == "jsonl" and not command:
+        return "cli profile 'jsonl' needs a 'command'"
     return None
 
 

@@ -5,8 +5,12 @@ config's ``responses``. An entry is a string (the text) or an object with
 ``text``, ``json`` (serialized as the text), ``delayMs`` (a cancellable wait
 before answering), ``chunks`` (stream the text in that many deltas) and
 ``error`` (the invocation fails). An exhausted list fails with a model error.
-``"cli": true`` makes the model CLI-backed. It is a product feature: other
-runtimes test their integration against it.
+``"cli": true`` makes the model CLI-backed. Its entries may hold ``events``
+instead of ``text``: a CLI run's text, ``tool_use`` and ``tool_result`` events,
+in order, as the ``jsonl`` profile writes them (what ``--record`` writes for a
+run that made its own tool calls), streamed as that profile streams them (an
+``error`` then fails the invocation after them, as the run failed after them).
+It is a product feature: other runtimes test their integration against it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class ScriptedModel(BaseModelProvider):
         self.is_cli = cli
         self.timeout_s = timeout_s
         self._queue: deque[Any] = deque(_check_entry(i, e, name) for i, e in enumerate(responses))
+        if not cli and any(isinstance(e, dict) and e.get("events") is not None for e in self._queue):
+            raise ModelConfigError(f'scripted model {name!r}: events are a CLI run\'s: the model needs "cli": true')
         self.requests: deque[ModelRequest] = deque(maxlen=REQUEST_LOG_LIMIT)
         self.calls = 0
 
@@ -68,11 +74,19 @@ class ScriptedModel(BaseModelProvider):
                 text = str(entry.get("text", ""))
         if delay:
             await anyio.sleep(delay)
-        if not isinstance(entry, str) and entry.get("error") is not None:
+        events = None if isinstance(entry, str) else entry.get("events")
+        if events is None and not isinstance(entry, str) and entry.get("error") is not None:
             raise ModelError(str(entry["error"]))
         thinking = None if isinstance(entry, str) else entry.get("thinking")
         if thinking:  # a reasoning model's thoughts, before its reply
             yield StreamChunk(type="thinking", text=thinking)
+        if events is not None:  # a CLI run's events, then its end (or its failure)
+            for event in events:
+                yield _event_chunk(event)
+            if entry.get("error") is not None:
+                raise ModelError(str(entry["error"]))
+            yield StreamChunk(type="result", model=self.name, usage={"prompt_tokens": 0, "completion_tokens": 0})
+            return
         if chunks <= 1 or len(text) <= 1:
             if text:
                 yield StreamChunk(type="text", text=text)
@@ -85,3 +99,14 @@ class ScriptedModel(BaseModelProvider):
                 yield StreamChunk(type="text", text=text[pos: pos + step])
                 pos += step
         yield StreamChunk(type="result", model=self.name, usage={"prompt_tokens": 0, "completion_tokens": 0})
+
+
+def _event_chunk(event: dict[str, Any]) -> StreamChunk:
+    """One event of an entry's ``events`` (checked) as the ``jsonl`` profile streams it."""
+    kind = event["type"]
+    if kind == "tool_use":
+        return StreamChunk(type="tool_use", id=event.get("id"), name=event.get("name"), input=event.get("input"))
+    if kind == "tool_result":
+        return StreamChunk(type="tool_result", id=event.get("id"), output=event.get("output"),
+                           is_error=bool(event.get("is_error")))
+    return StreamChunk(type="text", text=event.get("text") or "")

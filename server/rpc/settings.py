@@ -189,8 +189,9 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
     secret_env = s.get("secretEnv")
     if not isinstance(secret_env, list) or not all(isinstance(n, str) and n for n in secret_env):
         raise SettingsError("settings.secretEnv must be a list of environment variable names")
-    if s.get("stateDir") is not None and not isinstance(s["stateDir"], str):
-        raise SettingsError("settings.stateDir must be a path or null")
+    if s.get("stateDir") is not None and (not isinstance(s["stateDir"], str) or not s["stateDir"]):
+        # "" is no path: it would have kept nothing on disk, in silence
+        raise SettingsError("settings.stateDir must be a path (not empty) or null")
     from .. import redaction  # standard library only
 
     for value in secret_values(s):  # every front end's settings pass here: one registration point

@@ -49,11 +49,18 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
 - a last line ``{"recordedModels": {name: {"responses": [...], "cli"?: true, "inline"?: spec}}}``
   with the text of every model invocation (and a reasoning model's thoughts, as ``thinking``),
   per model, in order, so ``replay --scripted`` can
-  replay the session with ``scripted`` models instead of the real ones.
+  replay the session with ``scripted`` models instead of the real ones. A CLI run that made its
+  own tool calls (claude-code's tool_use and tool_result, which the branch keeps as
+  action_request and action_response messages), or that failed after writing, is recorded as
+  its ``events`` (its text and tool events, in order, as the ``jsonl`` profile writes them) in
+  place of its text, with its ``error`` if it failed: the scripted replay streams them the same.
 
 The file is rewritten (atomically) after every answered request and when the server stops; an
 existing file is overwritten at start, and one that cannot be written (its folder missing, the
-file written beside it refused) is an ``OSError`` in words then, before anything is served.
+file written beside it refused) is an ``OSError`` in words then, before anything is served. A
+symlink is followed (the file it points to is rewritten, beside it, and the link stays); a path
+that exists and is no regular file (a named pipe, a device, a socket) is refused the same way,
+never replaced.
 """
 
 from __future__ import annotations
@@ -354,22 +361,29 @@ class Recorder:
 
         data = "".join(line + "\n" for line in self.lines()).encode("utf-8")
         data = redaction.redact_bytes(data)  # no known secret leaves the process in a recording either
-        tmp = f"{self.path}.tmp{os.getpid()}"
+        # a symlink is followed: the recording replaces the file it points to (written beside that
+        # file), not the link
+        target = os.path.realpath(self.path) if self.path else self.path
+        tmp = f"{target}.tmp{os.getpid()}"
         try:
             if not self.path:
                 raise FileNotFoundError("no file name given")
-            if os.path.isdir(self.path):  # else said as the file beside it failing
+            if os.path.isdir(target):  # else said as the file beside it failing
                 raise IsADirectoryError("it is a folder")
+            kind = _special_kind(target)
+            if kind:  # a named pipe or a device is never replaced by a regular file
+                raise _NotAFile(f"it is {kind}, not a regular file; give the name of a file")
             with open(tmp, "wb") as f:
                 f.write(data)
-            os.replace(tmp, self.path)
+            os.replace(tmp, target)
         except OSError as e:
             try:
-                os.unlink(tmp)
+                if not isinstance(e, _NotAFile):
+                    os.unlink(tmp)
             except OSError:
                 pass
             if at_start:
-                raise OSError(_unwritable(self.path, tmp, e)) from None
+                raise OSError(str(e) if isinstance(e, _NotAFile) else _unwritable(target, tmp, e)) from None
             import logging
 
             logging.getLogger("operate_sidecar.server.script").warning("could not write %s: %s", self.path, e)
@@ -405,13 +419,19 @@ class RecordingModel:
         slot = self._recorder._reserve(self._rec_name)
         parts: list[str] = []
         thoughts: list[str] = []
+        events: list[dict[str, Any]] = []  # a CLI run's text and tool events, in order
+        tools = False
         entry: dict[str, Any] | None = None
         try:
             async for chunk in self._inner.stream(request):
                 if chunk.type == "text":
                     parts.append(chunk.text)
+                    _add_text(events, chunk.text)
                 elif chunk.type == "thinking" and chunk.text:
                     thoughts.append(chunk.text)
+                elif chunk.type in ("tool_use", "tool_result"):
+                    tools = True
+                    events.append(_event(chunk))
                 elif chunk.type == "error":
                     entry = {"error": chunk.text or "model reported an error"}
                 yield chunk
@@ -428,6 +448,13 @@ class RecordingModel:
                     entry["chunks"] = len(parts)
             if thoughts and "error" not in entry:  # (replayed as one stretch of thoughts, before the text)
                 entry["thinking"] = "".join(thoughts)
+            if (getattr(self._inner, "is_cli", False) and "delayMs" not in entry
+                    and (tools or ("error" in entry and events))):
+                # a CLI run that made its own tool calls (or failed after writing): the branch holds
+                # what it streamed, in its order, so the replay streams the same (docs/PROTOCOL.md §2)
+                entry.pop("text", None)
+                entry.pop("chunks", None)
+                entry["events"] = events
             self._recorder._fill(self._rec_name, slot, entry)
 
     async def invoke(self, request: Any) -> Any:
@@ -437,6 +464,28 @@ class RecordingModel:
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _add_text(events: list[dict[str, Any]], text: str) -> None:
+    """A run's text delta: one ``text`` event per stretch of text between its tool events."""
+    if not text:
+        return
+    if events and events[-1]["type"] == "text":
+        events[-1]["text"] += text
+    else:
+        events.append({"type": "text", "text": text})
+
+
+def _event(chunk: Any) -> dict[str, Any]:
+    """A run's ``tool_use`` / ``tool_result`` chunk as the ``jsonl`` profile's event (and a
+    scripted entry's ``events`` item): its fields that are set."""
+    if chunk.type == "tool_use":
+        event = {"type": "tool_use", "id": chunk.id, "name": chunk.name, "input": chunk.input}
+    else:
+        event = {"type": "tool_result", "id": chunk.id, "output": chunk.output}
+        if chunk.is_error:
+            event["is_error"] = True
+    return {k: v for k, v in event.items() if v is not None or k == "output"}
 
 
 #: server-to-client requests: the params a recorded answer is tied to (the call, not its ids)
@@ -489,6 +538,29 @@ def _raw_if_malformed(step: dict[str, Any]) -> dict[str, Any]:
     if kind is None or not step_problem(kind, step[kind], step):
         return step
     return {**step, "raw": True}
+
+
+class _NotAFile(OSError):
+    """The recording's file exists and is no regular file (a named pipe, a device, a socket)."""
+
+
+def _special_kind(path: str) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a folder, in words; else None."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # (not there yet, or not to be looked at: the write says why)
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
 
 
 def _unwritable(path: str, tmp: str, error: OSError) -> str:

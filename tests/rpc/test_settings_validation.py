@@ -92,6 +92,13 @@ def test_unknown_missing_or_malformed_provider(sidecar):
     assert "models.m must be an object" in init_error(sidecar, {"m": "local"})
 
 
+def test_an_empty_state_dir_is_refused_at_initialize_not_memory_only_in_silence(sidecar):
+    """``stateDir: ""`` names no folder: it is refused (it made a server that kept nothing)."""
+    assert "settings.stateDir must be a path (not empty) or null" in init_error(sidecar, {"s": scripted("x")},
+                                                                                stateDir="")
+    assert sidecar.init(models={"s": scripted("x")}, stateDir=None)["capabilities"]["models"] == ["s"]
+
+
 def test_default_model_must_be_configured(sidecar):
     msg = init_error(sidecar, {"s": scripted("x")}, defaultModel="t")
     assert "defaultModel" in msg and "'t'" in msg

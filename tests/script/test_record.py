@@ -513,3 +513,123 @@ def test_any_text_recorded_replays_as_it_was_whatever_the_working_directory(tmp_
         assert substitute(written, {"cwd": cwd}) == text, (text, written)
 
     round_trip()
+
+
+def test_a_record_file_that_is_a_symlink_is_followed_and_a_special_file_refused(tmp_path):
+    """The recording was written beside FILE and renamed onto it: a symlink was replaced by a
+    regular file (its target never got the recording), and so was a named pipe (and, as root, a
+    device). Now a symlink is followed, the file it points to rewritten; a FILE that exists and is
+    no regular file is refused at start, one line and exit 2, and left as it was."""
+    import stat
+
+    target = tmp_path / "recordings" / "real.jsonl"
+    target.parent.mkdir()
+    target.write_text('{"request": "earlier session"}\n')
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "recordings" / "new.jsonl")
+    for path, points_to in ((link, target), (dangling, tmp_path / "recordings" / "new.jsonl")):
+        record(path, lambda c: c.request("initialize", {"settings": {
+            "models": {"m": {"provider": "scripted", "responses": ["a"]}}, "defaultModel": "m"}}, timeout=60))
+        assert path.is_symlink() and os.readlink(path) == str(points_to)
+        assert lines(points_to)[0]["request"] == "initialize", points_to.read_text()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["new.jsonl", "real.jsonl"]  # nothing left beside
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path / "to-pipe.jsonl"):
+        if path != fifo:
+            path.symlink_to(fifo)
+        out = _serve_recording(str(path), tmp_path)
+        assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+        assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"operate-sidecar: cannot record to {path}: it is a named pipe, "
+                                     "not a regular file"), out.stderr
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp" in p.name) == []
+
+
+#: a ``claude -p --output-format stream-json --verbose`` stand-in whose run makes its own tool
+#: calls (one with an input that is no object), then answers; or, with "fail", stops after a tool
+#: call and some text with exit status 3
+TOOL_CLAUDE = """
+import json, sys
+def emit(e):
+    print(json.dumps(e), flush=True)
+emit({"type": "system", "subtype": "init", "session_id": "s-1", "model": "claude-fake"})
+emit({"type": "assistant", "message": {"content": [{"type": "text", "text": "Looking."},
+      {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls ${HOME}"}}]}})
+emit({"type": "user", "message": {"content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+      "content": [{"type": "text", "text": "a\\nb"}]}]}})
+if sys.argv[1] == "fail":
+    emit({"type": "assistant", "message": {"content": [{"type": "text", "text": "half"}]}})
+    sys.exit(3)
+emit({"type": "assistant", "message": {"content": [{"type": "tool_use", "id": "toolu_2", "name": "Bash",
+      "input": "not an object"}]}})
+emit({"type": "user", "message": {"content": [{"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+      "content": "denied"}]}})
+emit({"type": "assistant", "message": {"content": [{"type": "text", "text": "done"}]}})
+emit({"type": "result", "subtype": "success", "is_error": False, "result": "done"})
+"""
+
+
+def test_a_cli_run_with_its_own_tool_calls_is_recorded_with_them_and_replays_green(tmp_path):
+    """A claude-code run's tool_use and tool_result events are action_request and action_response
+    messages of the branch: the recording kept only the run's text, and the scripted replay failed
+    at branchMessages. Now the run is recorded as its ``events``, and ``replay --scripted`` replays
+    them (a run that failed after some of them too)."""
+    program = tmp_path / "claude.py"
+    program.write_text(TOOL_CLAUDE)
+    models = {"cc": {"provider": "cli", "profile": "claude-code", "command": [sys.executable, str(program), "ok"]},
+              "bad": {"provider": "cli", "profile": "claude-code", "command": [sys.executable, str(program), "fail"]}}
+    rec = tmp_path / "tools.jsonl"
+
+    def session(c: SidecarClient) -> None:
+        c.request("initialize", {"settings": {"models": models, "defaultModel": "cc"}}, timeout=60)
+        bid = c.request("createBranch", {})["branchId"]
+        assert c.request("operate", {"branchId": bid, "instruction": "go", "skipValidation": True},
+                         timeout=60)["result"] == "Looking.\n\ndone"
+        kinds = [m["kind"] for m in c.request("branchMessages", {"branchId": bid})["messages"]]
+        assert kinds.count("action_request") == 2 and kinds.count("action_response") == 2, kinds
+        bad = c.request("createBranch", {"chatModel": "bad"})["branchId"]
+        with pytest.raises(RpcError) as e:
+            c.request("operate", {"branchId": bad, "instruction": "go"}, timeout=60)
+        assert e.value.code == -32011
+        c.request("branchMessages", {"branchId": bad})
+
+    record(rec, session)
+    (recorded,) = [s["recordedModels"] for s in lines(rec) if "recordedModels" in s]
+    (run,) = recorded["cc"]["responses"]
+    assert run == {"events": [
+        {"type": "text", "text": "Looking."},
+        {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls $${HOME}"}},
+        {"type": "tool_result", "id": "toolu_1", "output": "a\nb"},
+        {"type": "tool_use", "id": "toolu_2", "name": "Bash", "input": {"value": "not an object"}},
+        {"type": "tool_result", "id": "toolu_2", "output": "denied", "is_error": True},
+        {"type": "text", "text": "done"}]}, run
+    (failed,) = recorded["bad"]["responses"]
+    assert [e["type"] for e in failed["events"]] == ["text", "tool_use", "tool_result", "text"]
+    assert "exited with status 3" in failed["error"]
+    out = replay("--scripted", rec)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_scripted_events_are_checked_and_belong_to_a_cli_model():
+    from operate_sidecar.server.models import ModelConfigError, make_model
+
+    ok = {"events": [{"type": "text", "text": "a"}, {"type": "tool_use", "id": "t", "name": "ls", "input": {}},
+                     {"type": "tool_result", "id": "t", "output": [1], "is_error": False}]}
+    make_model({"provider": "scripted", "cli": True, "responses": [ok]}, name="s")
+    for config, why in [
+            ({"cli": False, "responses": [ok]}, 'responses[0].events is a CLI run\'s: the model needs "cli": true'),
+            ({"cli": True, "responses": [{"events": {}}]}, "responses[0].events must be a list, not an object"),
+            ({"cli": True, "responses": [{"events": [{"type": "tool"}]}]},
+             "responses[0].events[0].type must be one of 'text', 'tool_use', 'tool_result', not 'tool'"),
+            ({"cli": True, "responses": [{"events": [{"type": "text", "txt": "a"}]}]},
+             "responses[0].events[0]: unknown field 'txt' (a text event accepts: text)"),
+            ({"cli": True, "responses": [{"events": [{"type": "tool_use", "input": []}]}]},
+             "responses[0].events[0].input must be an object, not a list"),
+    ]:
+        with pytest.raises(ModelConfigError) as e:
+            make_model({"provider": "scripted", **config}, name="s")
+        assert why in str(e.value), str(e.value)

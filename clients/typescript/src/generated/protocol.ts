@@ -210,7 +210,7 @@ export interface ScriptedModelConfig {
   timeoutS?: number;
 }
 /**
- * One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text; ``thinking``: streamed first as the model's thoughts (a reasoning model's), never the reply.
+ * One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text; ``thinking``: streamed first as the model's thoughts (a reasoning model's), never the reply; ``events`` (a ``"cli": true`` model only): the run's text, tool_use and tool_result events, in order, as the ``jsonl`` profile writes them, instead of ``text``.
  */
 export interface ScriptedEntry {
   text?: string;
@@ -219,6 +219,9 @@ export interface ScriptedEntry {
   chunks?: number;
   error?: string;
   thinking?: string;
+  events?: {
+    [k: string]: unknown;
+  }[];
 }
 /**
  * What a file-changing builtin call would do, computed without writing. ``old_text`` is null for a file that does not exist yet; ``diff`` is a unified diff.
