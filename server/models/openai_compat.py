@@ -11,15 +11,25 @@ provider falls back, once per step, to ``json_object`` with the schema (the
 llama.cpp-server/Anyscale extension), plain ``json_object``, then no response
 format, and remembers what worked for later calls. Every error becomes a
 ``ModelError`` whose message never contains the API key.
+
+What a server sends is bounded: a reply longer than ``MAX_REPLY_CHARS``, a stream event (or
+bytes that never complete one) larger than ``MAX_EVENT_BYTES``, and an error body beyond its
+first ``MAX_ERROR_BODY_BYTES`` are not read on. A reply is complete at a ``finish_reason`` of its
+first choice or at ``[DONE]``; after a ``finish_reason`` the rest of the stream (a usage chunk,
+``[DONE]``, its end) is waited for at most ``FINISH_GRACE_S``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
+import json
 import logging
 import math
 import os
 import re
+import weakref
 from functools import lru_cache
 from typing import Any, AsyncIterator
 
@@ -55,6 +65,25 @@ RF_NONE = "none"
 RF_LADDER = (RF_JSON_SCHEMA, RF_JSON_OBJECT_SCHEMA, RF_JSON_OBJECT, RF_NONE)
 
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_-]")
+
+#: After a chunk whose choice has a ``finish_reason``, the longest wait for the rest of the
+#: stream (a usage chunk, ``[DONE]``, the end of the response): a server that sends neither
+#: and holds the connection has its complete reply passed on, not timed out.
+FINISH_GRACE_S = 2.0
+#: The most bytes a response may send without completing a stream event (one ``data:`` line
+#: without end, ``data:`` lines without the blank line that ends them): the SDK's decoder
+#: holds such bytes without bound. As large as the longest reply, ``MAX_REPLY_CHARS``.
+MAX_EVENT_BYTES = 64 * 1024 * 1024
+#: The most of an error response's body read (its message is cut to MAX_ERROR_CHARS anyway).
+MAX_ERROR_BODY_BYTES = 64 * 1024
+#: The first bytes of a streamed response kept, to say what came when it is not a stream.
+HEAD_BYTES = 8 * 1024
+#: the HTTP clients in use, by event loop and by what a client is made of (the server's address,
+#: the API key, the time-out, the retries) → [client, how many models use it]. Models that differ
+#: only in their options share one client and its connections: an inline ``chatModel`` per
+#: temperature made a client (about 0.85 MB and a kept-alive connection) each, kept for the
+#: process's life, until the sidecar ran out of file descriptors.
+_CLIENTS: "weakref.WeakKeyDictionary[Any, dict[tuple, list]]" = weakref.WeakKeyDictionary()
 
 
 @lru_cache(maxsize=1)
@@ -105,7 +134,8 @@ class OpenAIModel(BaseModelProvider):
         _check_options(name, "options", options)
         self.options = snake_options(options)
         self.inline_thinking = inline_thinking  # true: <think>...</think> opening a reply is thoughts; "opened": every reply begins in them
-        self._client: Any = None
+        self._client: Any = None  # shared with every model made of the same client (``_CLIENTS``)
+        self._shared: tuple[Any, tuple] = (None, ())
         self._api_key: str | None = None
         self._rf_mode: str | None = None  # what worked for structured output
         self._stream_options_ok = True
@@ -146,19 +176,41 @@ class OpenAIModel(BaseModelProvider):
                     f"model {self.name!r}: the API key environment variable {self.api_key_env} is not set "
                     f"(needed for {self._where()})"
                 )
-        AsyncOpenAI = _client_class()  # heavy: imported on first use only
         self._api_key = key
         remember_secret(key)
-        self._client = AsyncOpenAI(
-            api_key=key, base_url=self.base_url, timeout=self.timeout_s, max_retries=self.max_retries
-        )
+        problem = _header_value_problem(key)
+        if problem:  # httpx would fail on it (a UnicodeEncodeError that shows the key, or "Illegal header value")
+            raise ModelError(f"model {self.name!r}: the API key in the environment variable {self.api_key_env} "
+                             f"{problem}, which an HTTP header cannot carry; set it again without that")
+        try:
+            loop: Any = asyncio.get_running_loop()
+        except RuntimeError:  # (no loop: a client of its own)
+            loop = None
+        made_of = (self.base_url, key, self.timeout_s, self.max_retries)
+        shared = _CLIENTS.setdefault(loop, {}) if loop is not None else {}
+        entry = shared.get(made_of)
+        if entry is None:
+            AsyncOpenAI = _client_class()  # heavy: imported on first use only
+            entry = shared[made_of] = [AsyncOpenAI(api_key=key, base_url=self.base_url, timeout=self.timeout_s,
+                                                   max_retries=self.max_retries), 0]
+        entry[1] += 1
+        self._client, self._shared = entry[0], (loop, made_of)
         return self._client
 
     async def aclose(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
-            with anyio.CancelScope(shield=True):
-                await client.close()
+        if client is None:
+            return
+        loop, made_of = self._shared
+        shared = _CLIENTS.get(loop, {}) if loop is not None else {}
+        entry = shared.get(made_of)
+        if entry is not None and entry[0] is client:
+            entry[1] -= 1
+            if entry[1] > 0:  # another model still uses it
+                return
+            del shared[made_of]
+        with anyio.CancelScope(shield=True):
+            await client.close()
 
     # -- errors ---------------------------------------------------------------
 
@@ -171,16 +223,28 @@ class OpenAIModel(BaseModelProvider):
             msg = f"model {self.name!r}: request to {where} timed out after {self.timeout_s:g}s"
         elif isinstance(e, openai.APIConnectionError) or (streaming and _is_http_error(e)):
             cause = e.__cause__ or e
-            what = (f"the stream from {where} ended before the reply was complete" if streaming
-                    else f"could not connect to {where}")
-            msg = f"model {self.name!r}: {what}: {type(cause).__name__}: {cause}"
+            kind, text = type(cause).__name__, str(cause)
+            if streaming:
+                what = f"the stream from {where} ended before the reply was complete"
+            elif kind in _CLOSED_ERRORS:  # it connected: the server (or a proxy) hung up
+                what = f"the connection to {where} was closed before an answer came"
+            elif kind == "LocalProtocolError":  # a header h11 refuses: never show its value
+                what, text = f"could not send the request to {where}", text.split(" b'")[0].split(' b"')[0]
+            else:
+                what = f"could not connect to {where}"
+            msg = f"model {self.name!r}: {what}: {kind}" + (f": {text}" if text else "")
         elif isinstance(e, (ValueError, RecursionError)) and streaming:  # an SSE event that is not JSON
             msg = f"model {self.name!r}: {where} sent a stream event that is not JSON: {e}"
         elif isinstance(e, _BadChunk):
             msg = f"model {self.name!r}: {where} sent a stream chunk of an unexpected shape: {e}"
+        elif isinstance(e, _NotAStream) and e.error is not None:
+            msg = f"model {self.name!r}: {where} answered with an error instead of a stream: {e.error}"
         elif isinstance(e, _NotAStream):
-            msg = (f"model {self.name!r}: {where} answered with {e} content, not a stream of server-sent events "
+            msg = (f"model {self.name!r}: {where} answered with {e}, not a stream of server-sent events "
                    "(is baseUrl the API's own, such as http://host:port/v1, and does that server stream replies?)")
+        elif isinstance(e, _ToolCalls):
+            msg = (f"model {self.name!r}: the model answered with tool calls ({e}) that the sidecar did not offer "
+                   "it, and no text")
         elif isinstance(e, _TooLong):
             msg = f"model {self.name!r}: the reply from {where} is too long ({e}); it was stopped"
         elif isinstance(e, _Incomplete):
@@ -273,6 +337,9 @@ class OpenAIModel(BaseModelProvider):
                         use = client
                         continue
                     raise self._error(e) from None
+                except UnicodeError:  # a header httpx cannot encode (its text would show the value, maybe the key)
+                    raise ModelError(f"model {self.name!r}: a request header holds a character that is not "
+                                     "ASCII, which an HTTP header cannot carry") from None
             log.info("model %r: response_format mode %s rejected, falling back", self.name, mode)
         assert last is not None
         raise self._error(last) from None
@@ -287,13 +354,27 @@ class OpenAIModel(BaseModelProvider):
         model_name = self.model
         refusal: list[str] = []   # OpenAI's ``refusal`` deltas: the model declined (structured outputs)
         filtered = False          # a ``content_filter`` stop: the provider cut the reply
-        finished = False          # a choice said why it stopped (finish_reason)
-        done = _watch_done(stream)  # [DONE] seen (where the SDK lets us see it)
-        reply_chars = 0             # text and thinking so far: bounded (a server streaming on and on)
+        finished = False          # the first choice said why it stopped (finish_reason)
+        tools: list[str] = []     # the names of native tool calls (no tools are offered: no reply)
+        tool_stop = False         # the reply stopped for tool calls
+        said = False              # some reply text (not white space, not thoughts) was passed on
+        seen = _watch(stream)     # [DONE] seen, the bytes of an event so far, the body's first bytes
+        reply_chars = 0           # text and thinking so far: bounded (a server streaming on and on)
         chunks = 0
         inline = InlineThoughts.of(self.inline_thinking, structured=structured)
+        chunk_iter = stream.__aiter__()
+        grace_end: float | None = None  # once finished: how long the rest of the stream is waited for
         try:
-            async for chunk in stream:
+            while True:
+                with anyio.move_on_after(None if grace_end is None else grace_end - anyio.current_time()) as grace:
+                    try:
+                        chunk = await chunk_iter.__anext__()
+                    except StopAsyncIteration:
+                        break
+                if grace.cancelled_caught:  # finished, then neither [DONE] nor the end came: complete
+                    log.debug("model %r: no end of the stream %gs after its finish_reason; the reply is complete",
+                              self.name, FINISH_GRACE_S)
+                    break
                 chunks += 1
                 part = _read_chunk(chunk)
                 model_name = part.model or model_name
@@ -301,21 +382,30 @@ class OpenAIModel(BaseModelProvider):
                 finished = finished or part.finished
                 filtered = filtered or part.filtered
                 refusal += part.refusal
+                tools += part.tools
+                tool_stop = tool_stop or part.tool_stop
                 for kind, text in part.out:
                     reply_chars += len(text)
                     if reply_chars > MAX_REPLY_CHARS:
                         raise _TooLong(f"more than {MAX_REPLY_CHARS >> 20} Mi characters")
                     for piece, piece_text in inline.feed(text) if kind == "text" else ((kind, text),):
+                        said = said or (piece == "text" and bool(piece_text.strip()))
                         yield StreamChunk(type=piece, text=piece_text)
+                if finished and grace_end is None:
+                    grace_end = anyio.current_time() + FINISH_GRACE_S
             for kind, text in inline.end():
+                said = said or (kind == "text" and bool(text.strip()))
                 yield StreamChunk(type=kind, text=text)
             inline.check(self.name)
-            if not (finished or done[0]):
-                kind = _content_type(stream)
-                if not chunks and kind and "event-stream" not in kind:
-                    raise _NotAStream(kind)
+            if not (finished or seen.done):
+                if not chunks:
+                    what = _not_a_stream(_content_type(stream), bytes(seen.head))
+                    if what is not None:
+                        raise what
                 raise _Incomplete("no finish_reason and no [DONE]")
-        except (openai.OpenAIError, _BadChunk, _Incomplete, _TooLong, _NotAStream) as e:
+            if (tools or tool_stop) and not said and not refusal:
+                raise _ToolCalls(", ".join(dict.fromkeys(tools)) or "unnamed")
+        except (openai.OpenAIError, _BadChunk, _Incomplete, _TooLong, _NotAStream, _ToolCalls) as e:
             raise self._error(e, streaming=True) from None
         except (ValueError, RecursionError) as e:  # the SDK could not parse an event's JSON
             raise self._error(e, streaming=True) from None
@@ -326,10 +416,12 @@ class OpenAIModel(BaseModelProvider):
             raise
         finally:
             with anyio.CancelScope(shield=True):
-                try:
-                    await stream.close()
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
+                for close in (getattr(chunk_iter, "aclose", None), stream.close):
+                    try:  # the response is closed (a server holding it open after the reply is let go)
+                        if close is not None:
+                            await close()
+                    except Exception:  # noqa: BLE001 - best effort
+                        pass
         yield StreamChunk(type="result", usage=usage, model=model_name)  # what the call cost, refused or not
         if refusal or filtered:  # no reply to parse: say that the model declined, and why
             from operate_sidecar.server.core.errors import ModelRefused
@@ -337,6 +429,10 @@ class OpenAIModel(BaseModelProvider):
             why = redact("".join(refusal).strip() or "stopped by the provider's content filter",
                          [self._api_key, os.environ.get(self.api_key_env)])[:MAX_ERROR_CHARS]
             raise ModelRefused(f"model {self.name!r} declined the request: {why}", refusal=why)
+
+
+#: httpx errors of a connection made, then lost before the response's headers came
+_CLOSED_ERRORS = frozenset({"ReadError", "WriteError", "RemoteProtocolError", "CloseError"})
 
 
 class _BadChunk(Exception):
@@ -348,7 +444,34 @@ class _Incomplete(Exception):
 
 
 class _NotAStream(Exception):
-    """A 200 whose body is not an event stream (an HTML page, a JSON document)."""
+    """A 200 whose body is not an event stream (an HTML page, a JSON document): its text says
+    what came; ``error``: the message of a JSON error document (``{"error": {"message": ...}}``)."""
+
+    def __init__(self, what: str, error: str | None = None) -> None:
+        super().__init__(what)
+        self.error = error
+
+
+class _ToolCalls(Exception):
+    """A reply of native tool calls only (the sidecar offers the model none this way)."""
+
+
+def _not_a_stream(kind: str, head: bytes) -> _NotAStream | None:
+    """What a 200 that yielded no stream chunk sent instead, from its content type (``kind``)
+    and its first bytes; None when it may be an (empty) event stream."""
+    text = head.decode("utf-8", "replace").lstrip()
+    error = _error_message(text) if text.startswith("{") else None
+    if error is not None:  # (whatever its content type said)
+        return _NotAStream(kind or "JSON", error)
+    if "event-stream" in kind:
+        return None
+    if kind:
+        return _NotAStream(f"{kind} content")
+    if text[:15].lower().startswith(("<!doctype html", "<html")):
+        return _NotAStream("an HTML page (and no content type)")
+    if text.startswith(("{", "[")):
+        return _NotAStream("a JSON document (and no content type)")
+    return _NotAStream("a body with no content type") if text else None
 
 
 def _content_type(stream: Any) -> str:
@@ -368,7 +491,7 @@ def _is_http_error(e: BaseException) -> bool:
 
 
 class _Part:
-    __slots__ = ("model", "usage", "finished", "filtered", "refusal", "out")
+    __slots__ = ("model", "usage", "finished", "filtered", "refusal", "tools", "tool_stop", "out")
 
     def __init__(self) -> None:
         self.model: str | None = None
@@ -376,6 +499,8 @@ class _Part:
         self.finished = False
         self.filtered = False
         self.refusal: list[str] = []
+        self.tools: list[str] = []  # names of native tool calls (``tool_calls``, ``function_call``)
+        self.tool_stop = False      # finish_reason "tool_calls" (or the older "function_call")
         self.out: list[tuple[str, str]] = []  # ("text" | "thinking", text)
 
 
@@ -428,15 +553,20 @@ def _read_chunk(chunk: Any) -> _Part:
     for choice in choices:
         if not (hasattr(choice, "model_dump") or isinstance(choice, dict)):
             raise _BadChunk(f"a choice is {type(choice).__name__}, not an object")
+        index = _field(choice, "index")
+        if index is not None and index != 0:
+            continue  # another choice of the same request (the reply is the first one's)
         reason = _field(choice, "finish_reason")
         if reason:
             part.finished = True
             part.filtered = part.filtered or reason == "content_filter"
+            part.tool_stop = reason in ("tool_calls", "function_call")
         delta = _field(choice, "delta")
         if delta is None:
             continue
         if not (hasattr(delta, "model_dump") or isinstance(delta, dict)):
             raise _BadChunk(f"a delta is {type(delta).__name__}, not an object")
+        part.tools += _tool_names(delta)
         refused = _text_field(delta, "refusal", "refusal")
         if refused:
             part.refusal.append(refused)
@@ -454,25 +584,75 @@ def _read_chunk(chunk: Any) -> _Part:
     return part
 
 
-def _watch_done(stream: Any) -> list[bool]:
-    """``[seen]``: set once the server's ``data: [DONE]`` event went by. Reads the SDK's event
-    iterator (``AsyncStream._iter_events``); where that is not there, ``[True]`` (unknown:
-    only ``finish_reason`` then tells a complete reply)."""
-    seen = [False]
+def _tool_names(delta: Any) -> list[str]:
+    """The names of the native tool calls a delta starts (any JSON may be there: only
+    string names are read)."""
+    out: list[str] = []
+    calls = _field(delta, "tool_calls")
+    legacy = _field(delta, "function_call")
+    for call in (calls if isinstance(calls, list) else []) + ([{"function": legacy}] if legacy else []):
+        function = _field(call, "function") if call is not None else None
+        name = _field(function, "name") if function is not None else None
+        if isinstance(name, str) and name:
+            out.append(name[:64])
+    return out
+
+
+class _Seen:
+    """What :func:`_watch` sees of a streamed response."""
+
+    __slots__ = ("done", "pending", "head")
+
+    def __init__(self) -> None:
+        self.done = False        # the server's ``data: [DONE]`` event went by
+        self.pending = 0         # bytes read since the last complete event
+        self.head = bytearray()  # the body's first HEAD_BYTES
+
+
+def _watch(stream: Any) -> _Seen:
+    """Watch a streamed response through the SDK's event iterator (``AsyncStream._iter_events``,
+    which decodes ``stream.response.aiter_bytes()``): note ``[DONE]``, keep the body's first
+    bytes, and fail (``_TooLong``) when more than MAX_EVENT_BYTES come without completing an
+    event, which the SDK's decoder would hold without bound. Where the SDK has no such
+    iterator, ``done`` is true (unknown: only ``finish_reason`` then tells a complete reply)."""
+    seen = _Seen()
     events = getattr(stream, "_iter_events", None)
     if events is None or not callable(events):
-        return [True]
+        seen.done = True
+        return seen
 
     async def watched() -> Any:
         async for sse in events():
+            seen.pending = 0
             if str(getattr(sse, "data", "")).startswith("[DONE]"):
-                seen[0] = True
+                seen.done = True
             yield sse
 
     try:
         stream._iter_events = watched
     except (AttributeError, TypeError):
-        return [True]
+        seen.done = True
+        return seen
+    response = getattr(stream, "response", None)
+    read = getattr(response, "aiter_bytes", None)
+    if not callable(read):
+        log.debug("openai: this SDK's stream has no response.aiter_bytes; stream events are not bounded")
+        return seen
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        async with contextlib.aclosing(read(*args, **kwargs)) as parts:
+            async for part in parts:
+                if len(seen.head) < HEAD_BYTES:
+                    seen.head += part[:HEAD_BYTES - len(seen.head)]
+                seen.pending += len(part)
+                if seen.pending > MAX_EVENT_BYTES:
+                    raise _TooLong(f"more than {MAX_EVENT_BYTES >> 20} MiB without the end of a stream event")
+                yield part
+
+    try:
+        response.aiter_bytes = counted
+    except (AttributeError, TypeError):
+        log.debug("openai: this SDK's response takes no reader; stream events are not bounded")
     return seen
 
 
@@ -495,6 +675,9 @@ def _check_options(name: str, where: str, options: dict[str, Any] | None) -> Non
             instead = _PROVIDER_KEYS[key]
             raise ModelConfigError(f"model {name!r}: {where}.{given} is set by the provider and cannot be given"
                                    + (f" (it is {instead})" if instead else ""))
+        if key == "n" and value is not None and not (type(value) is int and value == 1):
+            raise ModelConfigError(f"model {name!r}: {where}.{given} must be 1 (the provider reads one choice "
+                                   "of a reply), not " + (str(value) if type(value) is int else json_kind(value)))
         kind = _SDK_OPTION_TYPES.get(key)
         if kind is None or value is None:
             continue
@@ -503,6 +686,8 @@ def _check_options(name: str, where: str, options: dict[str, Any] | None) -> Non
             if ok and key == "extra_headers":
                 ok = all(isinstance(v, str) for v in value.values())
                 kind = "an object of strings"
+                if ok:
+                    _check_headers(name, f"{where}.{given}", value)
             else:
                 kind = "an object"
         else:
@@ -511,6 +696,40 @@ def _check_options(name: str, where: str, options: dict[str, Any] | None) -> Non
             kind = "a positive number of seconds"
         if not ok:
             raise ModelConfigError(f"model {name!r}: {where}.{given} must be {kind}, not {json_kind(value)}")
+
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _check_headers(name: str, where: str, headers: dict[str, str]) -> None:
+    """Refuse (ModelConfigError) extra headers HTTP cannot carry, naming the header, never its
+    value (which may be a key)."""
+    from . import ModelConfigError
+
+    for header, value in headers.items():
+        if not _HEADER_NAME.fullmatch(header):
+            raise ModelConfigError(f"model {name!r}: {where} has {header[:80]!r}, which is not an HTTP header name")
+        problem = _header_value_problem(value)
+        if problem:
+            raise ModelConfigError(f"model {name!r}: {where}[{header!r}] {problem}, which an HTTP header "
+                                   "cannot carry")
+
+
+def _header_value_problem(value: str) -> str | None:
+    """What keeps ``value`` out of an HTTP header (httpx sends header values as ASCII, without
+    line breaks, control characters, or white space at either end), said without the value;
+    None when nothing does."""
+    if not value.isascii():
+        return "holds a character that is not ASCII (a pasted no-break space, curly quote or ellipsis?)"
+    if value.endswith(("\n", "\r")):
+        return "ends with a line break"
+    if "\n" in value or "\r" in value:
+        return "holds a line break"
+    if any(c != "\t" and (c < " " or c == "\x7f") for c in value):
+        return "holds a control character"
+    if value != value.strip(" \t"):
+        return "begins or ends with white space"
+    return None
 
 
 def _rejects(e: Any, msg: str, *words: str) -> bool:
@@ -533,7 +752,37 @@ def _status_message(e: Any) -> str:
             return str(err["message"])
         if isinstance(body.get("detail"), (list, str)):
             return str(body["detail"])
+    if isinstance(body, str) and body.startswith("{"):  # a JSON body cut at MAX_ERROR_BODY_BYTES
+        message = _error_message(body)
+        if message:
+            return message
     return str(getattr(e, "message", None) or e)
+
+
+_MESSAGE_FIELD = re.compile(r'"message"\s*:\s*"((?:[^"\\]|\\.)*)')
+
+
+def _error_message(text: str) -> str | None:
+    """The ``error.message`` (or top-level ``message``) of a JSON error document, or of the
+    first part of one (a body read only so far): None when there is none."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        found = _MESSAGE_FIELD.search(text)
+        if found is None or '"error"' not in text[:found.start()]:
+            return None
+        try:
+            return json.loads('"' + found.group(1) + '"')
+        except ValueError:
+            return found.group(1)
+    if not isinstance(body, dict):
+        return None
+    err = body.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"]:
+        return err["message"]
+    if isinstance(err, str) and err:
+        return err
+    return None
 
 
 MAX_ERROR_CHARS = 600
@@ -545,7 +794,8 @@ def _client_class() -> Any:
     """``AsyncOpenAI``, except that a retry the server asks to wait for longer than the call has
     left (its ``Retry-After`` beyond the ``timeoutS`` deadline) is not waited for: the server's
     answer (a 429 or 503 and its message) is the error at once, instead of a time-out after
-    sleeping out the whole ``timeoutS``."""
+    sleeping out the whole ``timeoutS``; and that of an error response's body only the first
+    MAX_ERROR_BODY_BYTES are read (the SDK reads it whole, whatever its size)."""
     openai = _require_openai()
     if not callable(getattr(openai.AsyncOpenAI, "_should_retry", None)):  # a private hook of the SDK
         log.debug("openai: this SDK has no AsyncOpenAI._should_retry; a Retry-After beyond timeoutS is waited for")
@@ -564,7 +814,35 @@ def _client_class() -> Any:
                     return False
             return super()._should_retry(response)
 
+        async def _send_request(self, request: Any, *, stream: bool, **kwargs: Any) -> Any:
+            response = await super()._send_request(request, stream=stream, **kwargs)
+            if stream and getattr(response, "status_code", 0) >= 400:
+                await _read_error_head(response)
+            return response
+
     return Client
+
+
+async def _read_error_head(response: Any) -> None:
+    """Read the first MAX_ERROR_BODY_BYTES of a streamed error response, close it, and leave
+    them as its content (what the SDK's error then reads); a transport error while reading
+    keeps what came."""
+    if getattr(response, "is_closed", True) or hasattr(response, "_content"):
+        return
+    head = bytearray()
+    try:
+        async with contextlib.aclosing(response.aiter_bytes()) as parts:
+            async for part in parts:
+                head += part
+                if len(head) >= MAX_ERROR_BODY_BYTES:
+                    break
+    except Exception as e:
+        if not _is_http_error(e):
+            raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            await response.aclose()
+    response._content = bytes(head[:MAX_ERROR_BODY_BYTES])
 
 
 def _retry_after_seconds(headers: Any) -> float | None:
