@@ -70,6 +70,10 @@ INFO_FIELDS = ("cwd", "title", "model", "updatedAt")
 LIST_PAGE = 100
 #: ``session/close`` waits this long for the session's cancelled turn to end
 CLOSE_WAIT_S = 10.0
+#: a turn whose request is cancelled (the input ended, the connection closes) has this long to
+#: end and send its updates before the request's answer (less than ``run.EXIT_GRACE_S``, the
+#: time the requests in flight at the input's end have to be answered)
+WIND_UP_S = 1.5
 
 #: a ``resource_link``'s text was cut where the ``read_file`` tool stops reading
 LINK_CUT = "\n[cut here: the file goes on; the rest was not included]"
@@ -207,6 +211,7 @@ class OperateAgent(Agent):
         self._current: dict[str, _Prompt] = {}  # the prompt holding a session's lock
         self._waiting: dict[str, _Prompt] = {}  # a prompt sent after its session's turn was cancelled
         self._shutting: set[str] = set()        # sessions being closed (session/close)
+        self._closed: set[str] = set()          # sessions closed here and not taken up again since
         self._closing = False                   # ``aclose`` has begun: start nothing more
         self._warned_models: set[str] = set()   # models whose problem (``model_problem``) was logged
 
@@ -458,6 +463,7 @@ class OperateAgent(Agent):
         its branch, and the folder it was listed under before (None: none)."""
         b = await self._branch(session_id)
         self.sidecar.set_branch_folders(session_id, self._add_folders(cwd, additional_directories))
+        self._closed.discard(session_id)
         await self._add_mcp(session_id, mcp_servers)
         info = self.sidecar.branch_info(session_id)
         if info.get("cwd") != cwd:  # now listed under this folder (a branch made natively: listed from now on)
@@ -489,7 +495,8 @@ class OperateAgent(Agent):
         """Cancel the session's turn (as ``session/cancel``) and wait for it to be answered, then
         free what serving it holds: its folders, the MCP servers only it passed (stopped before
         the answer). The session stays stored and listed; ``session/load`` or
-        ``session/resume`` takes it up again (a prompt before that is -32602)."""
+        ``session/resume`` takes it up again (a prompt, or a change of its model or mode, before
+        that is -32602)."""
         await self._branch(session_id)
         self._shutting.add(session_id)  # a prompt from here on is refused, as after the close
         try:
@@ -503,6 +510,7 @@ class OperateAgent(Agent):
                     log.warning("session %s: its cancelled turn did not end within %.0f s; closed without it",
                                 session_id, CLOSE_WAIT_S)
             self._prompts.pop(session_id, None)
+            self._closed.add(session_id)
             await self.sidecar.release_branch(session_id)
         finally:
             self._shutting.discard(session_id)
@@ -616,8 +624,15 @@ class OperateAgent(Agent):
     async def _set_option(self, config_id: str, session_id: str, value: Any) -> None:
         """The session's ``model`` or ``mode`` (-32602 for another option or value). A model that
         cannot run (``_unrunnable``: its ``local`` model file is missing) is refused at once
-        with the error a prompt on it would meet, and the session keeps its model."""
+        with the error a prompt on it would meet, and the session keeps its model. A session
+        closed here (``session/close``) is -32602 until it is loaded or resumed again, as a
+        prompt on it is: it is not served, and its updates would name a session the client
+        let go. (One this process never took up, made by an earlier run or another server on
+        the state directory, is not closed: its options can be set, and the other servers see
+        them.)"""
         await self._branch(session_id)
+        if session_id in self._closed or session_id in self._shutting:
+            raise self._not_loaded(session_id)
         if config_id == "model" and value in self.settings["models"]:
             found = self._unrunnable(value)
             if found is not None:  # said before anything is saved
@@ -718,8 +733,9 @@ class OperateAgent(Agent):
         task.add_done_callback(self._live.discard)
         try:
             await asyncio.wait({task})
-        except asyncio.CancelledError:  # the connection is closing: stop the turn too
+        except asyncio.CancelledError:  # the input ended (answered -32800) or the connection closes: stop the turn
             task.cancel()
+            await self._wind_up(task, session_id)
             raise
         finally:
             self.port.turns.pop(session_id, None)
@@ -733,6 +749,21 @@ class OperateAgent(Agent):
                 raise exc
             raise self._error(exc) from None
         return task.result()
+
+    async def _wind_up(self, task: asyncio.Task, session_id: str) -> None:
+        """The turn ``task``, cancelled with its request (the input ended: the request is answered
+        -32800; or the connection closes), ends as a cancelled turn does before its answer: its
+        updates, and the ``failed`` of each call the editor was shown that has no final status,
+        go out first. Bounded (``WIND_UP_S``): a tool that does not stop, or a client that does
+        not read, holds up neither the answer nor the exit."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + WIND_UP_S
+        await asyncio.wait({task}, timeout=WIND_UP_S)
+        self.port.end_calls(session_id)
+        try:
+            await asyncio.wait_for(self.port.flush(), max(0.0, until - loop.time()))
+        except asyncio.TimeoutError:
+            log.debug("session %s: the cancelled turn's updates were not all sent before its answer", session_id)
 
     @staticmethod
     def _not_loaded(session_id: str) -> RequestError:

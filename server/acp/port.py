@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection
@@ -114,6 +115,14 @@ def notice_line(type_: int, message: str) -> str:
         todo = ""
     more = " The agent's log (stderr) has the details." if rest.strip() else ""
     return f"> ⚠ **{'Error' if type_ == 1 else 'Warning'}:** {first}.{todo}{more}\n\n"
+
+
+def changes_files(tool: str) -> bool:
+    """Whether ``tool`` is a builtin file-changing tool (``file_tools.FILE_CHANGING``): the
+    calls shown with a ``diff``. Asked once a call is made, so the core is loaded."""
+    from operate_sidecar.server.tools.file_tools import FILE_CHANGING
+
+    return tool in FILE_CHANGING
 
 
 def tool_kind(name: str) -> str:
@@ -385,10 +394,10 @@ class AcpPort:
     @staticmethod
     def _finish(call_id: str, info: CallInfo, status: str, output: Any, error: Any = None) -> ToolCallProgress:
         """The call's last ``tool_call_update``: its status, raw output, and content (the diff
-        of an edit; the output as text, but for a completed edit that has its diff; for a
-        failed call, its error in words: ``_failure``)."""
+        of a builtin file edit; the output as text, but for a completed file edit that has its
+        diff; for a failed call, its error in words: ``_failure``)."""
         content = list(info.content)
-        if output is not None and not (status == "completed" and info.kind == "edit" and content):
+        if output is not None and not (status == "completed" and changes_files(info.tool) and content):
             content.append(_text_content(_failure(output) if status == "failed" else output))
         return ToolCallProgress(session_update="tool_call_update", tool_call_id=call_id, status=status,
                                 raw_output=output if output is not None else {"error": error},
@@ -462,10 +471,18 @@ class AcpPort:
     async def read_text(self, session_id: str, real: str) -> str | None | object:
         """The file's current text (through the client when it serves files), None when there
         is no such file, or ``UNREADABLE`` (it could not be read, or it is larger than
-        ``DIFF_FILE_LIMIT``: no diff is shown for it)."""
+        ``DIFF_FILE_LIMIT``: no diff is shown for it). The client's read waits as long as the
+        tools' reads through it do (``toolTimeoutMs``), then the call is shown without a diff;
+        the disk's is made on a worker thread, and never of a file that is not a regular one
+        (``disk_text``)."""
         if self.client_capabilities.get("fs") and self.client is not None:
             try:
-                text = (await self.client.read_text_file(session_id=session_id, path=real)).content
+                async with asyncio.timeout(float(self.settings["toolTimeoutMs"]) / 1000.0):
+                    text = (await self.client.read_text_file(session_id=session_id, path=real)).content
+            except TimeoutError:
+                log.warning("the client did not answer fs/read_text_file for %s within %g s: the call is shown "
+                            "without its diff", real, float(self.settings["toolTimeoutMs"]) / 1000.0)
+                return UNREADABLE
             except Exception as e:  # noqa: BLE001 - any failed read: is it the editor saying "no such file"?
                 # only an answer that says so shows a creation diff: an unsaved buffer whose read
                 # failed for another reason (too big, an editor error) is not a new file
@@ -473,15 +490,7 @@ class AcpPort:
                     return UNREADABLE
                 return None
             return UNREADABLE if _too_large(text) else text
-        try:
-            if os.path.getsize(real) > DIFF_FILE_LIMIT:
-                return UNREADABLE
-            with open(real, encoding="utf-8") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-        except (OSError, UnicodeDecodeError):
-            return UNREADABLE
+        return await asyncio.to_thread(disk_text, real)
 
     async def add_diff(self, info: CallInfo, arguments: Any) -> None:
         """``diff`` content for a file-changing builtin call, computed without writing; none
@@ -507,8 +516,10 @@ class AcpPort:
             info.content = [tool_diff_content(real, new, old)]
 
     def _edited(self, info: CallInfo, arguments: Any, at: str | None = None) -> str | None:
-        """The file an edit call changes (inside the session's folders), when it gets a diff."""
-        if info.kind != "edit" or info.content or not isinstance(arguments, dict):
+        """The file a builtin file-changing call (``write_file``, ``edit_file``) changes, inside the
+        session's folders, when it gets a diff. Another tool never does, whatever its kind: one
+        guessed ``edit`` from its name (``write_note``) may append, or change another file."""
+        if not changes_files(info.tool) or info.content or not isinstance(arguments, dict):
             return None
         path = arguments.get("path")
         return self._path_of(path, info.session_id, at) if isinstance(path, str) else None
@@ -644,6 +655,36 @@ class AcpPort:
 
 #: ``AcpPort.read_text``: the file exists but its text is not known (unreadable, or too large)
 UNREADABLE = object()
+
+
+def disk_text(real: str) -> str | None | object:
+    """The text of the file ``real`` on disk for a diff: None when there is no such file,
+    ``UNREADABLE`` when it is not a regular file (a FIFO, a socket, a device: never opened for a
+    blocking read, a FIFO's open or read would wait for a writer for ever), is larger than
+    ``DIFF_FILE_LIMIT``, is not UTF-8, or cannot be read. Its bytes as they are (a CRLF file's
+    ``\\r`` kept, as the tools keep it). Blocking: called on a worker thread."""
+    try:
+        st = os.stat(real)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > DIFF_FILE_LIMIT:
+            return UNREADABLE
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return UNREADABLE
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for another kind of file since the stat
+            return UNREADABLE
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read(DIFF_FILE_LIMIT + 1)
+        return UNREADABLE if len(data) > DIFF_FILE_LIMIT else data.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return UNREADABLE
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _too_large(text: str) -> bool:

@@ -266,6 +266,7 @@ class Raw:
         self.seen: list[dict] = []
         self._answers: dict[object, dict] = {}
         self._cond = threading.Condition()
+        self.ended = False  # the agent's output ended (every message it wrote is in ``seen``)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -276,6 +277,19 @@ class Raw:
                 if "id" in msg and "method" not in msg:
                     self._answers[msg["id"]] = msg
                 self._cond.notify_all()
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def until(self, check: Any, what: str, timeout: float = TIMEOUT) -> None:
+        """Wait until ``check()`` holds (it is called with the messages' lock held)."""
+        with self._cond:
+            assert self._cond.wait_for(check, timeout), f"{what}: not in {timeout} s"
+
+    def updates(self) -> list[dict]:
+        """The session updates seen so far."""
+        with self._cond:
+            return [m["params"]["update"] for m in self.seen if m.get("method") == "session/update"]
 
     def send(self, *msgs: dict) -> None:
         self.proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in msgs))

@@ -1908,6 +1908,34 @@ def test_close_cancels_the_running_turn_and_frees_the_session_until_it_is_taken_
     run(main())
 
 
+def test_a_closed_session_s_options_are_refused_until_it_is_taken_up_again(tmp_path, ws):
+    """``session/set_config_option`` on a closed session was applied, and sent a
+    ``current_mode_update`` for a session the client had let go. It is -32602 as a prompt is,
+    ``session/set_mode`` too, until ``session/load`` or ``session/resume`` takes it up again."""
+    async def main():
+        c = RecordingClient()
+        async with spawn(c, cfg(tmp_path, reply("x"))) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            await bounded(conn.close_session(session_id=sid))
+            for call in (lambda: conn.set_config_option(config_id="mode", session_id=sid, value="read-only"),
+                         lambda: conn.set_config_option(config_id="model", session_id=sid, value="s"),
+                         lambda: conn.set_session_mode(mode_id="read-only", session_id=sid)):
+                with pytest.raises(acp.RequestError) as e:
+                    await bounded(call())
+                assert e.value.code == -32602 and "is not loaded here: session/load or session/resume it first" \
+                    in str(e.value), e.value
+                assert e.value.data == {"sessionId": sid,
+                                        "reason": "the session is not loaded: session/load it first"}
+            assert c.updates == []
+            resumed = await bounded(conn.resume_session(cwd=str(ws), session_id=sid))
+            assert {o.id: o.current_value for o in resumed.config_options}["mode"] == "ask"  # unchanged
+            res = await bounded(conn.set_config_option(config_id="mode", session_id=sid, value="read-only"))
+            assert {o.id: o.current_value for o in res.config_options}["mode"] == "read-only"
+            assert [u.current_mode_id for u in c.of("current_mode_update")] == ["read-only"]
+
+    run(main())
+
+
 def test_fork_copies_the_session_and_each_goes_its_own_way(tmp_path, ws):
     async def main():
         state = str(tmp_path / "state")
