@@ -14,7 +14,6 @@ import asyncio
 import contextvars
 import logging
 import re
-import signal
 import sys
 from typing import Any
 
@@ -506,11 +505,9 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
         main.cancel()
 
     bound.on_eof = stopping.set
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        try:  # a polite kill still cancels in-flight work and flushes journaled state
-            loop.add_signal_handler(sig, stop)
-        except (NotImplementedError, RuntimeError, ValueError):  # pragma: no cover
-            pass
+    from operate_sidecar.server.signals import install_signal_handlers
+
+    install_signal_handlers(loop, stop)
     watchdog = None
     if client_pid is not None:
         from operate_sidecar.server.rpc.watchdog import watch_parent

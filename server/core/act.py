@@ -7,10 +7,11 @@ is denied, fails, or is cancelled.
 A tool's output is made JSON once, where it is produced, before anything records it
 (``json_output``), so the branch, the answer and the store only ever hold JSON. An output
 ``json.dumps(..., allow_nan=False)`` writes is kept as it is (the common case: one dumps,
-no walk); any other is converted: NaN and
+no walk, and one strict UTF-8 encode of its text); any other is converted: NaN and
 ±Infinity become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``; bytes become UTF-8
-text (invalid bytes replaced by U+FFFD); tuples and sets become arrays; keys that are not
-strings become strings (as ``json.dumps`` writes them, ``str()`` for the others); pydantic
+text (invalid bytes replaced by U+FFFD); a lone surrogate in a string or a key (a file name
+``os.listdir`` made of bytes that are not UTF-8, one per such byte) becomes U+FFFD, as in a
+tool's error text; tuples and sets become arrays; keys that are not strings become strings (as ``json.dumps`` writes them, ``str()`` for the others); pydantic
 models, dataclasses, enums and dates become their JSON form; any other object with a string
 form of its own (``Decimal``, ``UUID``, ``Path``...) becomes that string. An output that
 contains itself, nests deeper than ``MAX_OUTPUT_DEPTH`` levels, holds an integer too long to
@@ -124,6 +125,31 @@ async def act(branch: Any, action_request: list | Any, action_param: ActionParam
     raise ConfigurationError("Invalid strategy. Choose 'concurrent' or 'sequential'.")
 
 
+def _own_copy(value: Any) -> Any:
+    """``value`` with its dicts and lists (what JSON arguments are made of) copied, the rest
+    shared (strings, numbers: nothing to change in place). Made without recursion, so any
+    depth the arguments came in with is copied; a list or dict met twice is copied once."""
+    if not isinstance(value, (dict, list)):
+        return value
+    copies: dict[int, Any] = {}
+
+    def fresh(v: Any) -> Any:
+        c = {} if isinstance(v, dict) else [None] * len(v)
+        copies[id(v)] = c
+        todo.append((v, c))
+        return c
+
+    todo: list[tuple[Any, Any]] = []
+    root = fresh(value)
+    while todo:
+        src, dst = todo.pop()
+        for k, v in (src.items() if isinstance(src, dict) else enumerate(src)):
+            if isinstance(v, (dict, list)):
+                v = copies[id(v)] if id(v) in copies else fresh(v)
+            dst[k] = v
+    return root
+
+
 def _record_request(branch: Any, call_id: str, function: Any, arguments: Any) -> Message:
     return branch.messages.add("action_request", {"callId": call_id, "function": function, "arguments": arguments},
                                sender=branch.id, recipient=branch.id)
@@ -150,22 +176,42 @@ def json_output(output: Any) -> tuple[Any, str | None]:
     the output already was JSON (the common case: one ``json.dumps``, nothing walked; None
     otherwise). Raises :class:`ToolOutputError` for an output that cannot be made JSON."""
     try:
-        return output, json.dumps(output, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(output, ensure_ascii=False, allow_nan=False)
     except RecursionError:
         raise ToolOutputError("tool output is not JSON: it nests too deeply") from None
     except (TypeError, ValueError):
         pass
+    else:
+        try:
+            text.encode("utf-8")  # Unicode text (the common case: nothing more to do)
+            return output, text
+        except UnicodeEncodeError:  # a lone surrogate: a file name that is not UTF-8 on disk
+            pass
     try:
         return _jsonable(output, "$", set(), 0), None
     except RecursionError:
         raise ToolOutputError("tool output is not JSON: it nests too deeply") from None
 
 
+def unicode_text(text: str) -> str:
+    """``text`` with each lone surrogate as U+FFFD: a name ``os.listdir`` or ``os.fsdecode``
+    made of bytes that are not UTF-8 holds one per such byte (``surrogateescape``), which JSON
+    can only write as a ``\\udcXX`` escape that strict readers refuse. A surrogate pair held as
+    two characters becomes the one character it stands for."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
 def _jsonable(v: Any, path: str, active: set[int], depth: int) -> Any:
-    if v is None or type(v) is str or isinstance(v, bool):
+    if type(v) is str:
+        return unicode_text(v)
+    if v is None or isinstance(v, bool):
         return v
     if isinstance(v, str):  # a str subclass (a StrEnum...): its text
-        return str.__str__(v)
+        return unicode_text(str.__str__(v))
     if isinstance(v, int):
         try:
             int.__repr__(v)
@@ -199,7 +245,7 @@ def _jsonable(v: Any, path: str, active: set[int], depth: int) -> Any:
             return _jsonable(v, path, active, depth)
         elif type(v).__str__ is not object.__str__:
             try:
-                return str(v)
+                return unicode_text(str(v))
             except Exception as e:
                 raise ToolOutputError(f"tool output is not JSON: {type(v).__name__} at {path} has no string "
                                       f"form ({type(e).__name__})") from None
@@ -230,14 +276,14 @@ def _first_line(e: BaseException) -> str:
 def _json_key(k: Any, path: str) -> str:
     """An object key as ``json.dumps`` writes it; ``str()`` of any other key."""
     if isinstance(k, str):
-        return k if type(k) is str else str.__str__(k)
+        return unicode_text(k if type(k) is str else str.__str__(k))
     if k is None or isinstance(k, bool):
         return "null" if k is None else "true" if k else "false"
     if isinstance(k, (int, float)):
         value = _jsonable(k, path, set(), 0)
         return value if isinstance(value, str) else json.dumps(value)
     try:
-        return str(k)
+        return unicode_text(str(k))
     except Exception as e:
         raise ToolOutputError(f"tool output is not JSON: a {type(k).__name__} key at {path} has no string "
                               f"form ({type(e).__name__})") from None
@@ -287,7 +333,7 @@ def _failure_text(e: BaseException) -> str:
         text = said or type(e).__name__
     else:  # SystemExit, KeyboardInterrupt, ... raised by a tool: name the kind
         text = f"{type(e).__name__}: {said}" if said else type(e).__name__
-    return redact(text)
+    return redact(unicode_text(text))
 
 
 async def _act(branch: Any, function: str | None, arguments: Any, action_param: ActionParam,
@@ -369,8 +415,10 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
         try:
             if tool is None:
                 raise ToolNotRegistered(str(function))
-            # validate what was requested: a non-object is a tool error, never a call with {}
-            valid = tool.validate_arguments(arguments if arguments is not None else {})
+            # validate what was requested: a non-object is a tool error, never a call with {};
+            # the tool gets its own copy: one that changes its arguments in place never
+            # rewrites the record of what the model asked for
+            valid = tool.validate_arguments(_own_copy(arguments) if arguments is not None else {})
             ctx = ToolCallContext(branch_id=bid, call_id=call_id)
             timeout = tool.timeout or getattr(branch, "default_tool_timeout", None)
             if timeout:

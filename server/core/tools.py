@@ -4,7 +4,9 @@ A :class:`Tool` has a name, a description, a JSON Schema for its arguments,
 an async callable and a source (``builtin``, ``python``, ``mcp``, ``client``).
 Python callables become tools whose input schema pydantic derives from the
 signature, so ``int`` is ``integer`` and ``int | None`` works. Arguments are
-validated before invocation; a mismatch raises :class:`ToolArgumentError`.
+validated before invocation against the tool's input schema (jsonschema, for every
+source alike; a Python tool's are then converted to the annotated types by pydantic);
+a mismatch raises :class:`ToolArgumentError`.
 """
 
 from __future__ import annotations
@@ -179,7 +181,15 @@ def function_to_tool(fn: Callable[..., Any], *, name: str | None = None, descrip
     tool_name = name or getattr(fn, "__tool_name__", None) or fn.__name__
     summary, model, schema = _arguments_model(fn, tool_name)
 
+    checks: list[Callable[[dict[str, Any]], dict[str, Any]]] = []  # the schema's check, made on first need
+
     def validate(arguments: dict[str, Any]) -> dict[str, Any]:
+        # what the tool advertises is what it takes: the arguments are checked against its
+        # inputSchema as an MCP or client tool's are (pydantic's lax mode alone took "3" for an
+        # integer, "no" for a boolean); pydantic then converts them to the annotated types
+        if not checks:
+            checks.append(_jsonschema_validator(schema))
+        checks[0](arguments)
         try:
             inst = model.model_validate(arguments)
         except ValidationError as e:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Any
 
+from ..signals import install_signal_handlers
 from .stdio import Wire, attach_reader, guard_stdio
 from .transport import Connection
 from .watchdog import watch_parent
@@ -39,11 +39,7 @@ async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "
         if c.client_pid is not None and not watchdog:
             watchdog.append(loop.create_task(watch_parent(c.client_pid, lambda: c.stop(1))))
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        try:  # a polite kill still cancels in-flight work and flushes journaled state
-            loop.add_signal_handler(sig, lambda: conn.stop(0 if conn.shutdown_requested else 1))
-        except (NotImplementedError, RuntimeError, ValueError):  # pragma: no cover - not the main thread
-            pass
+    install_signal_handlers(loop, lambda: conn.stop(0 if conn.shutdown_requested else 1))
     start_watchdog(conn)
     conn.on_initialized.append(start_watchdog)
     code = await conn.wait_stopped()

@@ -58,6 +58,8 @@ class SidecarProtocol(JsonRPCProtocol):
         super().__init__(server, converter)
         self._out_ids = itertools.count(1)
         self._outgoing: dict[str, asyncio.Future] = {}
+        #: requests answered -32800 on the way out while their handler still ran (``answer_unfinished``)
+        self._answered_unfinished: set[Any] = set()
 
     # ------------------------------------------------------------ client → server requests
     def handle_request(self, msg_id: Any, method: str, params: dict) -> None:
@@ -78,6 +80,9 @@ class SidecarProtocol(JsonRPCProtocol):
                 args=(params,))
 
     def _send_handler_result(self, future: Any, *, msg_id: Any) -> None:
+        if future in self._answered_unfinished:  # answered -32800 already: once only
+            self._answered_unfinished.discard(future)
+            return
         self._request_futures.pop(msg_id, None)
         conn = self._server.conn
         if future.cancelled():
@@ -94,6 +99,17 @@ class SidecarProtocol(JsonRPCProtocol):
         if code == E.INTERNAL_ERROR:
             log.error("request %r failed", msg_id, exc_info=exc)
         conn.send_error(msg_id, code, message, data)
+
+    def answer_unfinished(self) -> None:
+        """On the way out: answer -32800 every request whose handler still runs (one that kept
+        running though cancelled: a tool that swallows its cancellation); its handler's late
+        end sends nothing more (docs/PROTOCOL.md §2: no request is left unanswered)."""
+        for msg_id, future in list(self._request_futures.items()):
+            if not isinstance(future, asyncio.Future) or future.done():
+                continue
+            del self._request_futures[msg_id]
+            self._answered_unfinished.add(future)
+            self._server.conn.send_error(msg_id, E.REQUEST_CANCELLED, "request cancelled")
 
     def cancel_request(self, msg_id: Any) -> None:
         if self._server.core.drop(msg_id):
@@ -412,7 +428,8 @@ class SidecarServer(JsonRPCServer):
         return await self.protocol.request_client(method, params, timeout)
 
     async def aclose(self, timeout: float = 3.0) -> None:
-        """Cancel in-flight work, wait for it (bounded), stop tool sources, flush state."""
+        """Cancel in-flight work, wait for it (bounded), answer -32800 what is still running,
+        stop tool sources, flush state."""
         self.core.stop()
         for msg_id in self.core.abandon():  # never started, waiting for the core: cancelled, and said so
             self.conn.send_error(msg_id, E.REQUEST_CANCELLED, "request cancelled")
@@ -422,4 +439,5 @@ class SidecarServer(JsonRPCServer):
         self.protocol.cancel_outgoing()
         if pending:
             await asyncio.wait(pending, timeout=timeout)
+        self.protocol.answer_unfinished()  # still running past the wait: answered all the same
         await self.service.aclose()  # (no pygls thread pool: no handler is registered to run on one)

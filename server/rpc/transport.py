@@ -271,15 +271,22 @@ class Connection:
 
     def _answer(self, msg: dict) -> None:
         """A body with no method: the client's answer to a request of ours, or no message. Never
-        answered under its id: an error there would answer the client's own request of that id.
+        answered under its id: an error there would answer the client's own request of that id;
+        a well-formed answer whose id is null, a list or an object is not answered at all.
         A malformed one with an id (no ``jsonrpc``, neither ``result`` nor ``error``) is
         ``-32600`` with ``id: null``, and the request of ours it answers fails at once, as if the
         client had answered that error (it would wait for its time-out)."""
         msg_id = msg.get("id")
-        if not _valid_id(msg_id):  # (a list or an object is no id: nothing it could answer)
+        has_answer = "result" in msg or "error" in msg
+        if not _valid_id(msg_id):  # (null, a list or an object is no id of a request of ours)
+            if msg.get("jsonrpc") == "2.0" and has_answer and "id" in msg:
+                # an answer is never answered: one with id null is how a client says it could
+                # not read something the server sent
+                log.warning("an answer of the client with id %s answers no request of the server: %s",
+                            json.dumps(msg_id)[:80], str(msg.get("error", ""))[:200])
+                return
             self.send_error(None, E.INVALID_REQUEST, "invalid request: no method")
             return
-        has_answer = "result" in msg or "error" in msg
         if msg.get("jsonrpc") == "2.0" and has_answer:
             self._ordered(msg, needs_app=True)
             return

@@ -110,8 +110,10 @@ async def warm_up(version: str = "0", shapes: tuple[str, ...] = FIRST, cycles: i
         return answer["result"]
 
     try:
-        reader = await attach_reader(in_r, conn.feed, lambda: None)  # (it owns ``in_r`` now)
-        in_r = -1
+        # the reader owns ``in_r`` from the call on (its transport closes it, also when this is
+        # cancelled while it attaches: closed here too, it was closed twice, or another's fd)
+        fd, in_r = in_r, -1
+        reader = await attach_reader(fd, conn.feed, lambda: None)
         await call("initialize", {"clientInfo": {"name": "warm-up"}, "workspaceFolders": [folder]})
         conn._app_loaded(app, None)  # the app and its service, without a loader thread
         branch = (await call("createBranch", {}))["branchId"]

@@ -444,11 +444,18 @@ class Service:
         if modules:
             from operate_sidecar.server.tools.python_modules import load_tool_modules
 
+            loaded: list[Any] = []
             for name in modules:  # one at a time, in order: registration and reports keep that order
+                if name in loaded:  # named twice: loaded once (not one clash report per tool)
+                    continue
+                loaded.append(name)
                 try:
                     tools = await self._off_loop_until_close(load_tool_modules, [name])
-                except Exception as e:
-                    self.conn.log_message(2, str(e))
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as e:  # the module's failure, whatever it raised: the others load
+                    self.conn.log_message(2, str(e) or f"tool module {name!r} could not be loaded: "
+                                                       f"{type(e).__name__}")
                     continue
                 if tools is None:  # the service closed meanwhile
                     return
@@ -471,7 +478,9 @@ class Service:
         async def run() -> None:
             try:
                 outcome.append((True, await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)))
-            except Exception as e:
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as e:  # what ``fn`` raised (a KeyboardInterrupt too) is its outcome
                 outcome.append((False, e))
             tg.cancel_scope.cancel()
 

@@ -10,17 +10,25 @@ Records: ``{"s", "t": "meta", "meta"}``, ``{"s", "t": "msg", "m"}``, ``{"s", "t"
 
 Unlike the 0.1 loader (which took the first unreadable line for a torn tail and cut
 everything after it), this reader skips only what it cannot read: an unreadable line, a
-record of the wrong shape, one bad message. Every later record is kept. A bad ``createdAt``
-sorts the branch first instead of failing the whole journal. Nothing is written here.
+record of the wrong shape or with a sequence number that is no integer (``1e999``), one bad
+message (no id, no content object, a ``kind`` this version does not know). Every later record
+is kept. A bad ``createdAt`` (not a number, or one no date can hold: ``1e999``, 400 digits)
+sorts the branch first instead of failing the whole journal; a message's bad ``created_at``
+becomes the time of the message before it (0 for the first): it changes no order, and the
+message is kept. A message whose id was already read is read once. Nothing is written here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
+
+from ..core.messages import ROLE_OF
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +50,70 @@ def _loads(text: Any) -> Any:
 
 
 def _message_ok(r: Any) -> bool:
-    return (isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("kind"), str)
-            and isinstance(r.get("content"), dict) and isinstance(r.get("created_at"), (int, float)))
+    return (isinstance(r, dict) and isinstance(r.get("id"), str) and r.get("kind") in ROLE_OF
+            and isinstance(r.get("content"), dict))
+
+
+def _timestamp(v: Any) -> float | None:
+    """``v`` as a time a message's date can be made of (None: not a number, or out of range)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        t = float(v)
+        datetime.fromtimestamp(t, timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return None
+    return t if math.isfinite(t) else None
+
+
+class _Messages:
+    """The messages read so far, in order: each id once, each ``created_at`` a usable time."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._ids: set[str] = set()
+
+    def add(self, r: Any) -> bool:
+        """Keep ``r`` (True), or tell it is unreadable (False); an id already read: nothing."""
+        if not _message_ok(r):
+            return False
+        if r["id"] in self._ids:
+            return True
+        if _timestamp(r.get("created_at")) is None:
+            r = dict(r, created_at=self.items[-1]["created_at"] if self.items else 0.0)
+        self._ids.add(r["id"])
+        self.items.append(r)
+        return True
+
+    def keep(self, ids: set[str]) -> None:
+        self.items = [m for m in self.items if m["id"] in ids]
+        self._ids = {m["id"] for m in self.items}
 
 
 def created_at(meta: dict[str, Any]) -> float:
+    """The branch's creation time for ordering; 0 (first) when ``createdAt`` is no usable time."""
     v = meta.get("createdAt")
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return 0.0
+    try:
+        t = float(v)
+    except OverflowError:
+        return 0.0
+    return t if math.isfinite(t) else 0.0
+
+
+def _sequence(r: Any) -> int:
+    """A record's sequence number ``s`` (0 when it has none); ValueError when it is no integer."""
+    try:
+        return int(r.get("s", 0))
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        raise ValueError(f"bad sequence number: {r!r:.80}") from None
 
 
 def read_branch(directory: str, bid: str) -> ImportedBranch | None:
     """One branch of a 0.1 journal, everything readable kept (None: no meta anywhere)."""
     meta: dict[str, Any] = {}
-    records: list[dict[str, Any]] = []
+    records = _Messages()
     skipped = 0
     seq = 0
     snap_path = os.path.join(directory, f"{bid}.snap")
@@ -62,17 +121,16 @@ def read_branch(directory: str, bid: str) -> ImportedBranch | None:
         try:
             with open(snap_path, encoding="utf-8") as fh:
                 snap = _loads(fh.read())
-            seq = int(snap.get("s", 0))
+            seq = _sequence(snap)
             meta = snap.get("meta") if isinstance(snap.get("meta"), dict) else {}
             for r in snap.get("messages") or []:
-                if _message_ok(r):
-                    records.append(r)
-                else:
+                if not records.add(r):
                     skipped += 1
         except (OSError, ValueError, TypeError, AttributeError, RecursionError):
             log.warning("0.1 journal: snapshot of branch %s unreadable; its log is still imported", bid)
             skipped += 1
             seq = 0
+            records = _Messages()
     log_path = os.path.join(directory, f"{bid}.log")
     if os.path.exists(log_path):
         with open(log_path, "rb") as fh:
@@ -94,8 +152,8 @@ def read_branch(directory: str, bid: str) -> ImportedBranch | None:
                 continue
             for r in group:
                 try:
-                    s = int(r.get("s", 0))
-                except (TypeError, ValueError, AttributeError):
+                    s = _sequence(r)
+                except ValueError:  # (1e999 is no integer: it failed the whole journal)
                     skipped += 1
                     continue
                 if s and s <= seq:
@@ -104,16 +162,17 @@ def read_branch(directory: str, bid: str) -> ImportedBranch | None:
                 t = r.get("t")
                 if t == "meta" and isinstance(r.get("meta"), dict):
                     meta = r["meta"]
-                elif t == "msg" and _message_ok(r.get("m")):
-                    records.append(r["m"])
+                elif t == "msg" and records.add(r.get("m")):
+                    pass
                 elif t == "clear" and isinstance(r.get("keep"), list):
-                    keep = set(map(str, r["keep"]))
-                    records = [m for m in records if m["id"] in keep]
+                    records.keep(set(map(str, r["keep"])))
                 else:
                     skipped += 1
     if not meta:
         return None
-    return ImportedBranch(id=bid, meta=meta, records=records, skipped=skipped)
+    if _timestamp(meta.get("createdAt")) is None and isinstance(meta.get("createdAt"), (int, float)):
+        meta = dict(meta, createdAt=0.0)  # a number no time can be (1e999, 400 digits): ordered first
+    return ImportedBranch(id=bid, meta=meta, records=records.items, skipped=skipped)
 
 
 def read_journal(state_dir: str) -> list[ImportedBranch]:

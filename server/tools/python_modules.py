@@ -13,7 +13,9 @@ Each named module is imported; every *public* function defined in it becomes a
 
 A module of the Python standard library (``os``, ``subprocess``, ``shutil``, ...) is refused
 with :class:`ToolSourceError`: its functions were never written to be a model's tools.
-A module that does not import raises :class:`ToolSourceError` naming it and the reason.
+A module that does not import raises :class:`ToolSourceError` naming it and the reason, whatever
+its code raised: an ``Exception``, ``SystemExit``, ``KeyboardInterrupt`` or another
+``BaseException`` (a test runner's skip, say); the module's failure is that module's alone.
 A function whose signature cannot give a JSON Schema is skipped with a warning.
 Two modules defining the same tool name raise :class:`ToolSourceError`.
 """
@@ -49,7 +51,14 @@ def load_tool_modules(names: Iterable[str]) -> list[Tool]:
     owner: dict[str, str] = {}
     for name in names:
         module = _import(name)
-        for t in module_tools(module):
+        try:
+            made = module_tools(module)
+        except ToolSourceError:
+            raise
+        except BaseException as e:  # a function's signature or decorator ran code that raised
+            raise ToolSourceError(f"tool module {name!r} could not be loaded: {type(e).__name__}: "
+                                  f"{exception_line(e)}") from e
+        for t in made:
             if t.name in owner:
                 raise ToolSourceError(
                     f"tool {t.name!r} is defined by both tool modules {owner[t.name]!r} and {name!r}")
@@ -93,7 +102,7 @@ def _import(name: str) -> ModuleType:
                               "loaded as tools; name a module of your own that defines the tool functions")
     try:
         return importlib.import_module(name)
-    except (Exception, SystemExit) as e:
+    except BaseException as e:  # its code runs here: whatever it raises is this module's failure
         raise ToolSourceError(f"tool module {name!r} could not be imported: {type(e).__name__}: {exception_line(e)}") from e
 
 

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 
-from acp_support import TIMEOUT, agent_env, reply, scripted, write_config
+import pytest
+
+from acp_support import TIMEOUT, agent_env, prompt, reply, scripted, start, write_config
 
 AGENT = [sys.executable, "-m", "operate_sidecar.server", "--acp"]
 
@@ -182,3 +184,48 @@ def test_only_lone_surrogate_escapes_are_replaced_on_the_way_out():
     for text, shown in cases.items():
         out = unicode_only(json.dumps({"t": text}).encode() + b"\n")
         assert json.loads(out)["t"] == shown and out.decode("ascii").endswith("}\n"), (text, out)
+
+
+@pytest.mark.parametrize("case", ["asked", "running"])
+def test_the_input_ending_mid_turn_ends_its_shown_calls_before_the_turns_answer(tmp_path, ws, case):
+    """The input ends while a call of the turn is asked about (``write_file``, ask mode) or runs
+    (a minute-long tool): the call shown to the editor ends ``failed``, and before the prompt's
+    -32800 answer (every update of a turn before its answer, as session/cancel has it). The asked
+    call got no final status at all; the running one's ``failed`` came after the answer."""
+    call = ("write_file", {"path": "a.txt", "content": "x\n"}) if case == "asked" else ("slow", {"seconds": 60})
+    a, sid = start(tmp_path, ws, reply("", [call]), reply("done"), toolModules=["acp_fixture_tools"])
+    try:
+        a.send(prompt(10, sid))
+        if case == "asked":
+            a.request_seen("session/request_permission")
+        else:
+            a.until(lambda: any(u.get("status") == "in_progress" for u in a.updates()), "the tool running")
+        a.proc.stdin.close()
+        assert a.proc.wait(TIMEOUT) == 0
+        a.until(lambda: a.ended, "the end of the agent's output")
+        order = [("answer", m["error"]["code"]) if m.get("id") == 10
+                 else (m["params"]["update"]["sessionUpdate"], m["params"]["update"].get("status"))
+                 for m in a.seen if m.get("id") == 10 or m.get("method") == "session/update"]
+        first = "pending" if case == "asked" else "in_progress"
+        assert order == [("tool_call", first), ("tool_call_update", "failed"), ("answer", -32800)], order
+    finally:
+        a.close()
+
+
+def test_a_tool_s_forked_child_that_sigterms_itself_does_not_stop_the_agent(tmp_path, ws):
+    """A child forked by a tool keeps no tie to the agent's signal handling: the SIGTERM it
+    sends itself is its own (server/signals.py), so the turn ends and the agent serves on."""
+    a, sid = start(tmp_path, ws, reply("", [("fork_self_term", {})]), reply("done"), reply("again"),
+                   toolModules=["acp_fixture_tools"], toolPolicy={"fork_self_term": "allow"})
+    try:
+        a.send(prompt(3, sid))
+        assert a.answer(3)["result"]["stopReason"] == "end_turn"
+        outputs = [u.get("rawOutput") for u in a.updates()
+                   if u["sessionUpdate"] == "tool_call_update" and u.get("status") == "completed"]
+        assert len(outputs) == 1 and isinstance(outputs[0], list)
+        a.send(prompt(4, sid))
+        assert a.answer(4)["result"]["stopReason"] == "end_turn"
+        assert a.proc.poll() is None
+    finally:
+        a.close()
+    assert a.proc.returncode == 0

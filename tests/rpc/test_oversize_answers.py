@@ -117,11 +117,17 @@ def test_a_malformed_permission_answer_is_a_deny_at_once_and_no_answer_under_its
     assert sidecar.request("ping", timeout=TIMEOUT) == {}
 
 
-def test_an_answer_whose_id_is_a_list_or_an_object_is_answered_with_no_id_and_no_traceback(sidecar):
+def test_an_answer_whose_id_is_null_a_list_or_an_object_is_not_answered_and_logs_no_traceback(sidecar):
+    """An answer is never answered (JSON-RPC): one with id null is how a client says it could not
+    read what the server sent, and one whose id is a list or an object answers nothing either
+    (it logged an ``unhashable`` traceback). A body with no method that is no answer still gets
+    -32600 with id null."""
     sidecar.init(models={"s": scripted("x")})
     sidecar.branch()                                          # (the core is loaded)
     sidecar.send_raw(frame({"jsonrpc": "2.0", "id": [1], "result": {}}))
     sidecar.send_raw(frame({"jsonrpc": "2.0", "id": {"a": 1}, "error": {"code": 1, "message": "x"}}))
+    sidecar.send_raw(frame({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "parse error"}}))
+    sidecar.send_raw(frame({"jsonrpc": "2.0", "id": [2]}))
     assert sidecar.request("ping", timeout=TIMEOUT) == {}
-    assert [(m["id"], m["error"]["code"]) for m in sidecar.unmatched] == [(None, -32600), (None, -32600)]
+    assert [(m["id"], m["error"]["code"]) for m in sidecar.unmatched] == [(None, -32600)]
     assert "Traceback" not in sidecar.stderr_text() and "unhashable" not in sidecar.stderr_text()

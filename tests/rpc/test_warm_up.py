@@ -279,8 +279,19 @@ async def main():
         await task
     except asyncio.CancelledError:
         pass
+    # and one stopped as it begins, while its reader is being attached: the reader owns the
+    # pipe's read end from then on (its transport closes it): the warm-up closed it again
+    errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context["message"]))
+    first = asyncio.ensure_future(warm.warm_up())
+    await asyncio.sleep(0)
+    first.cancel()
+    try:
+        await first
+    except asyncio.CancelledError:
+        pass
     await asyncio.sleep(0.1)
-    print(json.dumps([before, fds(), task.cancelled()]))
+    print(json.dumps([before, fds(), task.cancelled() and first.cancelled(), errors]))
 
 
 asyncio.run(main())
@@ -290,10 +301,11 @@ asyncio.run(main())
 def test_the_warm_up_closes_its_pipes():
     """The throwaway connection runs over two pipes of its own, read and written by the same
     reader and ``Wire`` as stdio: a warm-up leaves none of their four ends open, a warm-up
-    cancelled in the middle neither."""
+    cancelled in the middle neither, and one cancelled as it attaches its reader closes no end twice."""
     out = subprocess.run([sys.executable, "-c", FDS], capture_output=True, text=True, timeout=120,
                          env=server_env())
     assert out.returncode == 0, out.stderr[-3000:]
-    before, after, cancelled = json.loads(out.stdout.strip().splitlines()[-1])
-    assert cancelled  # (the last one was stopped in the middle)
+    before, after, cancelled, errors = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cancelled  # (the last two were stopped: in the middle, and as the first began)
     assert after == before
+    assert errors == []  # (a descriptor closed twice: "Exception in callback ... Bad file descriptor")

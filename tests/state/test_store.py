@@ -542,3 +542,55 @@ def test_a_store_that_cannot_stat_its_file_says_the_replacement_check_is_off(tmp
     b = _branch(store, 1)
     store.flush()
     assert _ids(_reload(tmp_path)[b.id]) == [m.id for m in b.messages]
+
+
+def test_a_jsonl_record_no_number_can_hold_is_skipped_and_the_rest_imported(tmp_path):
+    """``"s": 1e999`` (OverflowError) and a createdAt of 400 digits made the whole state directory
+    unusable (every change refused); now that record is skipped and a bad createdAt only orders
+    its branch first (docs/SECURITY.md G3)."""
+    _write_jsonl(tmp_path, "b1", [{"s": 1, "t": "meta", "meta": {"name": "late", "createdAt": 5}}, _msg(1, 2),
+                                  '{"s": 1e999, "t": "msg", "m": {"id": "z"}}', _msg(2, 3)])
+    _write_jsonl(tmp_path, "b2", ['{"s": 1, "t": "meta", "meta": {"name": "huge", "createdAt": 1' + "0" * 400 + "}}",
+                                  _msg(1, 2)])
+    _write_jsonl(tmp_path, "b3", ['{"s": 1, "t": "meta", "meta": {"name": "inf", "createdAt": 1e999}}', _msg(1, 2)])
+    s = StateStore(str(tmp_path))
+    assert any("imported" in p and "1 unreadable" in p for p in s.problems), s.problems
+    assert not any("unusable" in p for p in s.problems), s.problems
+    loaded = s.load()
+    assert [b.id for b in loaded][-1] == "b1"  # the bad createdAt ones first
+    by_id = {b.id: b for b in loaded}
+    assert [m.id for m in by_id["b1"].messages] == ["m1", "m2"]
+    assert [m.id for m in by_id["b2"].messages] == ["m1"] and [m.id for m in by_id["b3"].messages] == ["m1"]
+    s.attach(Branch(system="sys", name="new"), {"name": "new", "createdAt": 6})  # the store takes changes
+    s.flush()
+    json.dumps([b.meta for b in loaded], allow_nan=False)
+
+
+def test_a_jsonl_message_of_an_unknown_kind_is_skipped_and_a_bad_time_is_the_one_before(tmp_path):
+    """A message of a kind this version does not know, or with a created_at no date can hold
+    (1e999, 400 digits, a string), was imported and failed every branchMessages of its branch
+    -32603; now the first is skipped and the others keep the time of the message before."""
+    def msg(i: int, s: int, **m) -> str:
+        return json.dumps({"s": s, "t": "msg", "m": dict(_msg(i, s)["m"], **m)})
+
+    _write_jsonl(tmp_path, "b1", [
+        {"s": 1, "t": "meta", "meta": {"name": "old", "createdAt": 1}}, _msg(1, 2),
+        msg(2, 3, kind="weird"),
+        msg(3, 4).replace('"created_at": 4.0', '"created_at": 1e999'),
+        msg(4, 5).replace('"created_at": 5.0', '"created_at": 1' + "0" * 400),
+        msg(5, 6, created_at="NaN"), msg(6, 7, created_at=-1e300), _msg(7, 8)])
+    s = StateStore(str(tmp_path))
+    assert any("imported" in p and "1 unreadable" in p for p in s.problems), s.problems
+    [lb] = s.load()
+    assert [m.id for m in lb.messages] == ["m1", "m3", "m4", "m5", "m6", "m7"]
+    assert [m.created_at for m in lb.messages] == [2.0, 2.0, 2.0, 2.0, 2.0, 8.0]
+    [m.to_dict() for m in lb.messages]  # what branchMessages sends: no OverflowError, no KeyError
+
+
+def test_jsonl_records_repeating_a_message_id_import_it_once(tmp_path):
+    """Records with ``"s": 0`` (no sequence number to tell them already read) and the same
+    message id were imported as so many copies of that message."""
+    _write_jsonl(tmp_path, "b1", [{"s": 1, "t": "meta", "meta": {"name": "old", "createdAt": 1}}, _msg(1, 2),
+                                  _msg(1, 0), _msg(1, 0), _msg(2, 0)])
+    [lb] = StateStore(str(tmp_path)).load()
+    assert [m.id for m in lb.messages] == ["m1", "m2"]

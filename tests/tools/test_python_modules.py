@@ -113,3 +113,20 @@ def test_standard_library_modules_are_refused_with_a_clear_error(name):
     getenv ... with policy allow: a module of the standard library is never a tool source."""
     with pytest.raises(ToolSourceError, match="standard library"):
         load_tool_modules([name])
+
+
+@pytest.mark.parametrize(("module", "raised"), [("skipping_tools", "Skipped: needs numpy"),
+                                                ("interrupting_tools", "KeyboardInterrupt")])
+def test_a_module_raising_a_base_exception_at_import_is_a_tool_source_error(fixture_modules, module, raised):
+    """A test runner's skip or a KeyboardInterrupt raised by the module's code is that module's
+    failure, named, like any other (never an escape that takes the other modules' tools along)."""
+    with pytest.raises(ToolSourceError, match=rf"{module!r} could not be imported: {raised}"):
+        load_tool_modules([module])
+
+
+def test_arguments_are_checked_against_the_advertised_schema_before_pydantic_converts_them(fixture_modules):
+    """pydantic's lax mode took "1" for an integer: the tool's inputSchema is what decides."""
+    add = by_name(load_tool_modules(["sample_tools"]))["add"]
+    with pytest.raises(ToolArgumentError, match=r"^invalid arguments: a: '1' is not of type 'integer'"):
+        add.validate_arguments({"a": "1", "b": 2})
+    assert add.validate_arguments({"a": 1.0, "b": 2}) == {"a": 1, "b": 2}
