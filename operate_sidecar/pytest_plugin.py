@@ -23,7 +23,10 @@ An unknown option (of the marker, the ``sidecar_options`` fixture or ``sidecar_s
 the test naming it, with the option it is closest to (``setings (did you mean settings?)``).
 
 Tests that use ``sidecar`` are ``async def`` tests run by pytest-asyncio (mark them
-``@pytest.mark.asyncio``). Nothing heavy is imported until a fixture is used.
+``@pytest.mark.asyncio``). The sidecar is started on the event loop the test runs in, whatever
+its loop scope (``asyncio_default_test_loop_scope``, ``@pytest.mark.asyncio(loop_scope=...)``),
+and whatever ``asyncio_default_fixture_loop_scope`` says. Nothing heavy is imported until a
+fixture is used.
 """
 
 from __future__ import annotations
@@ -201,8 +204,52 @@ def _add_stderr(error: BaseException, client: Any, lines: int = 40) -> None:
                    + ":\n" + "\n".join("  " + ln for ln in tail))
 
 
+#: pytest-asyncio's loop scopes: the ``sidecar`` fixture runs on the loop of the test that uses it
+_LOOP_SCOPES = ("function", "class", "module", "package", "session")
+
+
+def _test_loop_scope(request: pytest.FixtureRequest) -> str:
+    """The scope of the event loop the test runs in, by pytest-asyncio's rule: the closest
+    ``asyncio`` marker's ``loop_scope``, else the ``asyncio_default_test_loop_scope`` setting,
+    else ``function``."""
+    marker = request.node.get_closest_marker("asyncio")
+    scope = marker.kwargs.get("loop_scope") or marker.kwargs.get("scope") if marker is not None else None
+    if not scope:
+        try:
+            scope = request.config.getini("asyncio_default_test_loop_scope")
+        except ValueError:  # a pytest-asyncio without that setting
+            scope = None
+    return scope or "function"
+
+
+def _on_loop(scope: str) -> Any:
+    """``_sidecar`` as a pytest-asyncio fixture run on the ``scope`` loop (a copy of the function
+    each: pytest-asyncio marks the function object itself with its loop scope)."""
+    import types
+
+    func = types.FunctionType(_sidecar.__code__, _sidecar.__globals__, f"_sidecar_on_{scope}_loop",
+                              _sidecar.__defaults__, _sidecar.__closure__)
+    func.__doc__, func.__module__ = _sidecar.__doc__, _sidecar.__module__
+    return pytest_asyncio.fixture(func, name=f"_sidecar_on_{scope}_loop", loop_scope=scope)
+
+
 if pytest_asyncio is not None:
-    sidecar = pytest_asyncio.fixture(_sidecar, name="sidecar")
+    for _scope in _LOOP_SCOPES:
+        globals()[f"_sidecar_on_{_scope}_loop"] = _on_loop(_scope)
+    del _scope
+
+    @pytest.fixture(name="sidecar")
+    def _sidecar_on_the_tests_loop(sidecar_options: dict[str, Any], request: pytest.FixtureRequest) -> Any:
+        """An initialized operate-sidecar over stdio, as a ``SidecarTestClient``, started on the
+        event loop the test runs in (whatever its loop scope: ``asyncio_default_test_loop_scope``,
+        ``@pytest.mark.asyncio(loop_scope=...)``; a client started on another loop reads its
+        answers only while that loop runs, so every request of the test timed out). See the
+        ``operate_sidecar.pytest_plugin`` module doc."""
+        scope = _test_loop_scope(request)
+        if scope not in _LOOP_SCOPES:
+            _refuse(f"the sidecar fixture: the test's event loop scope {scope!r} is not one of "
+                    f"{', '.join(_LOOP_SCOPES)}")
+        return request.getfixturevalue(f"_sidecar_on_{scope}_loop")
 else:  # pragma: no cover - depends on the environment
     @pytest.fixture(name="sidecar")
     def _sidecar_missing() -> Any:
@@ -228,7 +275,8 @@ def sidecar_script(request: pytest.FixtureRequest) -> Any:
         unknown = set(kwargs) - set(options)
         if unknown:  # a TypeError from run_session_script, under the plugin's frames, said only the name
             _refuse(f"sidecar_script: {_unknown_options(unknown, options)}")
-        problem = script_options_problem(kwargs.get("server"), kwargs.get("step_timeout"), kwargs.get("env"))
+        problem = script_options_problem(kwargs.get("server"), kwargs.get("step_timeout"), kwargs.get("env"),
+                                         kwargs.get("cwd"), kwargs.get("scripted", False))
         if problem:
             _refuse(f"sidecar_script: {problem}")
         given = Path(path)

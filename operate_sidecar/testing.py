@@ -137,6 +137,7 @@ class SidecarTestClient(JsonRPCClient):
         self.initialize_result: Any = None                  # set by the pytest fixture
         self.handler_errors: list[tuple[str, BaseException]] = []  # (method, error) of failed handlers
         self._ids = itertools.count(1)  # request ids: a timed-out one is cancelled by its id
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was started on: it reads there
 
     # ------------------------------------------------------------------ process
     async def start_io(self, cmd: str, *args: str, **kwargs: Any) -> None:
@@ -146,6 +147,7 @@ class SidecarTestClient(JsonRPCClient):
             cmd, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=self._stderr, **kwargs)
         assert server.stdin is not None and server.stdout is not None
+        self._loop = asyncio.get_running_loop()
         self.protocol.set_writer(server.stdin)
         connection = asyncio.create_task(run_async(stop_event=self._stop_event, reader=server.stdout,
                                                    protocol=self.protocol, logger=None,
@@ -159,6 +161,22 @@ class SidecarTestClient(JsonRPCClient):
         except (OSError, ValueError):
             return ""
         return "\n".join("  " + ln for ln in text.splitlines()[-lines:])
+
+    def _check_loop(self, what: str) -> None:
+        """Refuse a call from another event loop than the client's: the client reads the sidecar's
+        answers on its own loop, so from another one every wait would last until its time-out."""
+        __tracebackhide__ = True
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a plain function): nothing is awaited here
+            return
+        if self._loop is not None and running is not self._loop:
+            raise RuntimeError(
+                f"{what}: the sidecar client was started on another event loop than this one, and reads the "
+                "sidecar's answers only while its own loop runs; use it on one loop: an async fixture of yours "
+                "that uses the sidecar fixture must run on the test's loop (its loop_scope, or "
+                "asyncio_default_fixture_loop_scope, the same as the test's: asyncio_default_test_loop_scope "
+                "or @pytest.mark.asyncio(loop_scope=...))")
 
     def _exited(self, what: str, method: str) -> SidecarExited:
         return SidecarExited(what, method, self.returncode, self._stderr_tail())
@@ -220,11 +238,14 @@ class SidecarTestClient(JsonRPCClient):
     async def request(self, method: str, params: Any = None, *, timeout: float | None = None) -> Any:
         """Send a request; returns its result, raises :class:`SidecarError` for an error answer,
         :class:`SidecarExited` at once when the sidecar has exited or exits before answering,
-        and ``TimeoutError`` when no answer comes in time."""
+        and ``TimeoutError`` when no answer comes in time. A request that times out, or whose
+        awaiting task is cancelled (``task.cancel()``, an ``asyncio.wait_for`` around it), is
+        cancelled on the sidecar with ``$/cancelRequest``."""
         __tracebackhide__ = True
         timeout = self.timeout if timeout is None else timeout
         params = {} if params is None else params
         _json(params, f"request {method}")
+        self._check_loop(f"request {method}")
         if self._gone():
             await self._reaped()
             raise self._exited(f"request {method} not sent", method)
@@ -238,19 +259,31 @@ class SidecarTestClient(JsonRPCClient):
         except JsonRpcException as e:
             raise SidecarError(method, e.code, e.message, getattr(e, "data", None)) from None
         except asyncio.TimeoutError:
-            if not self._gone():  # the sidecar stops working on it (its -32800 answer is dropped)
-                self.protocol.notify("$/cancelRequest", {"id": msg_id})
+            self._cancel(msg_id)
             raise TimeoutError(f"no answer to {method} within {timeout:g} s; {WAIT_LONGER}") from None
+        except asyncio.CancelledError:  # the test cancelled the task awaiting it (task.cancel(), wait_for)
+            self._cancel(msg_id)
+            raise
         except (RuntimeError, OSError):  # pygls fails the requests of a server that exited
             if self.returncode is None and not self._gone():
                 raise
             await self._reaped()
             raise self._exited(f"request {method} not answered", method) from None
 
+    def _cancel(self, msg_id: int) -> None:
+        """``$/cancelRequest`` for a request nobody waits for any more: the sidecar stops working on
+        it (its -32800 answer is dropped)."""
+        if not self._gone():
+            try:
+                self.protocol.notify("$/cancelRequest", {"id": msg_id})
+            except (RuntimeError, OSError, ConnectionError):  # it is going: nothing runs on it any more
+                pass
+
     def notify(self, method: str, params: Any = None) -> None:
         """Send a notification; raises :class:`SidecarExited` when the sidecar has exited."""
         __tracebackhide__ = True
         _json(params, f"notification {method}")
+        self._check_loop(f"notification {method}")
         if self._gone():
             raise self._exited(f"notification {method} not sent", method)
         self.protocol.notify(method, params)
@@ -316,6 +349,7 @@ class SidecarTestClient(JsonRPCClient):
         match the pattern ``match`` (objects are subsets, arrays element-wise, ``"*"`` anything);
         waits for it up to ``timeout`` seconds (``TimeoutError`` names the nearest miss)."""
         __tracebackhide__ = True
+        self._check_loop(f"wait_for_notification {method}")
         timeout = self.timeout if timeout is None else timeout
         if self._changed is None:
             self._changed = asyncio.Condition()
@@ -358,10 +392,11 @@ class ScriptFailed(AssertionError):
     """A session script had failing steps; the message is the replay report."""
 
 
-def script_options_problem(server: Any = None, step_timeout: Any = None, env: Any = None) -> str | None:
+def script_options_problem(server: Any = None, step_timeout: Any = None, env: Any = None, cwd: Any = None,
+                           scripted: Any = False) -> str | None:
     """What is wrong with :func:`run_session_script`'s options, in words (None when nothing): a
-    wrong type failed deep in the start of the server (``env={"X": 1}``), started a command spelt
-    letter by letter (``server="operate-sidecar ..."``) or was taken as the default (``step_timeout=0``)."""
+    wrong type failed deep in the start of the server (``env={"X": 1}``, ``cwd=5``), started a command
+    spelt letter by letter (``server="operate-sidecar ..."``) or was taken as the default (``step_timeout=0``)."""
     from operate_sidecar.server.script.runner import MAX_TIMEOUT_MS
 
     if server is not None and (isinstance(server, (str, bytes)) or not isinstance(server, (list, tuple))
@@ -376,12 +411,17 @@ def script_options_problem(server: Any = None, step_timeout: Any = None, env: An
     if env is not None and (not isinstance(env, dict)
                             or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
         return f"env must be a dict of strings to strings (added to the environment), got {env!r}"
+    if cwd is not None and not isinstance(cwd, (str, os.PathLike)):
+        return f"cwd must be a folder's path (a str or a pathlib.Path), got {cwd!r}"
+    if not isinstance(scripted, bool):
+        return f"scripted must be True or False, got {scripted!r}"
     return None
 
 
 def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None = None,
                        scripted: bool = False, step_timeout: float | None = None,
-                       env: dict[str, str] | None = None, cwd: str | None = None) -> list[Any]:
+                       env: dict[str, str] | None = None,
+                       cwd: str | os.PathLike[str] | None = None) -> list[Any]:
     """Run a session script (``operate-sidecar replay``) against a fresh sidecar; raises
     :class:`ScriptFailed` (an ``AssertionError``) whose message lists every step, the failing
     ones with the JSON path of each difference (the first few). ``env`` is added to this process's
@@ -389,7 +429,7 @@ def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None
     from operate_sidecar.server.script.runner import DEFAULT_STEP_TIMEOUT_S, format_report, replay
 
     __tracebackhide__ = True
-    problem = script_options_problem(server, step_timeout, env)
+    problem = script_options_problem(server, step_timeout, env, cwd, scripted)
     if problem:
         raise TypeError(problem)
     if env is not None:  # added to this process's environment, as the sidecar marker's env is

@@ -1,8 +1,12 @@
 """A synchronous, stdlib-only client for operate-sidecar (docs/PROTOCOL.md).
 
-Spawns the server, writes ``Content-Length`` framed JSON-RPC to its stdin and
-reads frames from its stdout on a reader thread. Server→client requests run
-on a worker thread, so a handler may itself call :meth:`SidecarClient.request`.
+Spawns the server, writes ``Content-Length`` framed JSON-RPC to its stdin on a
+writer thread and reads frames from its stdout on a reader thread. Server→client
+requests run on a worker thread, so a handler may itself call
+:meth:`SidecarClient.request`. A server that stops reading its input blocks no
+caller for longer than its time-out (the frames are written in order by the
+writer thread; one not begun when its caller stops waiting is not sent), and a
+server that is gone fails every request with :class:`NoAnswer`.
 
     with SidecarClient() as c:
         c.request("initialize", {"settings": {...}})
@@ -12,6 +16,7 @@ on a worker thread, so a handler may itself call :meth:`SidecarClient.request`.
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 import json
@@ -88,12 +93,116 @@ def _encode(msg: dict) -> bytes:
     return json.dumps(msg, ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
+class _Write:
+    """One frame for the writer thread (``data`` None: close the stream after the frames before it)."""
+
+    __slots__ = ("data", "started", "done", "error", "on_fail")
+
+    def __init__(self, data: bytes | None, on_fail: Callable[[str], None] | None = None) -> None:
+        self.data = data
+        self.started = False          # the writer has taken it: it is written in full, or the stream fails
+        self.done = threading.Event()
+        self.error: str | None = None  # why it was not written
+        self.on_fail = on_fail
+
+
+class _Writer:
+    """Writes the server's input on a thread of its own, frame after frame in the order they came, so
+    that a server that does not read its input blocks no caller: a caller waits for its frame a
+    bounded time, and the stream stays framed when it stops waiting (a frame not begun can be taken
+    back, one begun is finished). The thread ends when it has nothing to write for a while (and is
+    started again by the next frame), or for good once the stream is closed or fails."""
+
+    IDLE_S = 1.0
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._queue: collections.deque[_Write] = collections.deque()
+        self._cond = threading.Condition()
+        self._running = False
+        self.stopped: str | None = None  # why nothing more is written
+
+    def put(self, data: bytes | None, on_fail: Callable[[str], None] | None = None) -> _Write:
+        """Queue ``data`` (None: the end of the input); failed at once when the stream is gone."""
+        item = _Write(data, on_fail)
+        with self._cond:
+            if self.stopped is None:
+                self._queue.append(item)
+                if self._running:
+                    self._cond.notify()
+                else:
+                    threading.Thread(target=self._run, name="sidecar-writer", daemon=True).start()
+                    self._running = True
+                return item
+        item.error = self.stopped
+        if data is not None and on_fail is not None:
+            on_fail(item.error)
+        item.done.set()
+        return item
+
+    def take_back(self, item: _Write) -> bool:
+        """Remove a frame the writer has not begun; True when it was removed (it is never sent)."""
+        with self._cond:
+            if item.started or item not in self._queue:
+                return False
+            self._queue.remove(item)
+        item.error = "taken back before it was sent"
+        item.done.set()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    if not self._cond.wait(self.IDLE_S) and not self._queue:
+                        self._running = False
+                        return
+                item = self._queue.popleft()
+                item.started = True
+            if item.data is None:
+                self._stop("the client closed the server's input", item)
+                return
+            try:
+                view = memoryview(item.data)
+                while view:
+                    view = view[self._stream.write(view):]
+                self._stream.flush()
+            except ValueError:  # closed here, not through close_input()
+                self._stop("the server's input is closed", item)
+                return
+            except OSError as e:  # the server is gone (its end of the pipe is closed)
+                self._stop(f"the server no longer reads its input (it has exited): {e}", item)
+                return
+            item.data = b""  # (its handle may be kept a long time: not the data)
+            item.done.set()
+
+    def _stop(self, reason: str, item: _Write) -> None:
+        """Close the stream; ``item`` (a failed frame, or the end of the input) and every frame
+        queued after it are not written."""
+        try:
+            self._stream.close()
+        except (OSError, ValueError):
+            pass
+        with self._cond:
+            self.stopped = reason
+            self._running = False
+            failed = [item, *self._queue]
+            self._queue.clear()
+        for it in failed:
+            if it.data is not None:
+                it.error = reason
+                if it.on_fail is not None:
+                    it.on_fail(reason)
+            it.done.set()
+
+
 class _Pending:
     def __init__(self, msg_id: Any, reader: threading.Thread | None = None) -> None:
         self.id = msg_id
         self._done = threading.Event()
         self._msg: dict | None = None
         self._reader = reader
+        self._write: _Write | None = None  # its frame, while the writer has it
 
     def _set(self, msg: dict) -> None:
         self._msg = msg
@@ -108,6 +217,10 @@ class _Pending:
                                "block until the time-out (callbacks run on the thread that reads the answers); "
                                "use request_async() there and wait for it elsewhere")
         if not self._done.wait(timeout):
+            write = self._write
+            if write is not None and not write.done.is_set():
+                raise TimeoutError(f"no response to request {self.id!r} within {timeout}s; it is not written "
+                                   "in full yet: the server is not reading its input")
             raise TimeoutError(f"no response to request {self.id!r} within {timeout}s")
         msg = self._msg or {}
         if msg.get("noAnswer"):
@@ -133,8 +246,8 @@ class SidecarClient:
         #: after :meth:`close`: how the server ended when that was not clean, else None
         self.ending: str | None = None
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()    # one writer at a time
-        self._plock = threading.Lock()   # guards _pending and _closed
+        self._writer = _Writer(self.proc.stdin)  # the only one that writes the server's input
+        self._plock = threading.Lock()   # guards _pending, _closed and unmatched
         self._pending: dict[Any, _Pending] = {}
         self._closed: str | None = None  # why the reader stopped (then nothing will be answered)
         self._notif_handlers: dict[str, list[Callable[[Any], None]]] = {}
@@ -148,16 +261,27 @@ class SidecarClient:
         self._reader.start()
 
     # -- sending -------------------------------------------------------------
-    def send_raw(self, data: bytes) -> None:
-        with self._lock:
-            self.proc.stdin.write(data)
-            self.proc.stdin.flush()
+    def _write(self, data: bytes, what: str, timeout: float) -> None:
+        """Write ``data`` within ``timeout`` s: :class:`NoAnswer` when the server's input is gone
+        (it exited, or :meth:`close` closed it), TimeoutError when the server does not read it in
+        time (not sent at all when the writer had not begun it; else it is finished later)."""
+        item = self._writer.put(data)
+        if not item.done.wait(timeout):
+            if self._writer.take_back(item):
+                raise TimeoutError(f"{what} not sent within {timeout}s: the server is not reading its input")
+            if not item.done.is_set():
+                raise TimeoutError(f"{what} not written in full within {timeout}s: the server is not reading "
+                                   "its input (the rest is written once it reads)")
+        if item.error is not None:
+            raise NoAnswer(-32099, f"{what} not sent: {item.error}")
 
-    def _send(self, msg: dict) -> None:
-        self._send_body(_encode(msg))
+    def send_raw(self, data: bytes, timeout: float = 30.0) -> None:
+        """Write ``data`` as it is, waiting at most ``timeout`` s for the server to take it;
+        raises as :meth:`notify` does."""
+        self._write(data, "the data", timeout)
 
-    def _send_body(self, body: bytes) -> None:
-        self.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    def _frame(self, body: bytes) -> bytes:
+        return b"Content-Length: %d\r\n\r\n" % len(body) + body
 
     def _register(self, msg_id: Any) -> _Pending:
         pending = _Pending(msg_id, self._reader)
@@ -169,39 +293,71 @@ class SidecarClient:
             pending._set(_no_answer(closed))
         return pending
 
+    def _not_sent(self, pending: _Pending, reason: str) -> None:
+        """The writer could not write ``pending``'s request: nothing will answer it."""
+        with self._plock:
+            if self._pending.get(pending.id) is pending:
+                del self._pending[pending.id]
+        pending._set(_no_answer(f"request {pending.id!r} not sent: {reason}"))
+
     def request_async(self, method: str, params: Any = None, msg_id: Any = None) -> _Pending:
-        """Send a request; returns a handle with ``.id`` and ``.result(timeout)``. Params JSON cannot
-        hold (NaN, a set, ...) raise ValueError/TypeError here, before anything is sent."""
+        """Send a request; returns a handle with ``.id`` and ``.result(timeout)``. It does not wait for
+        the request to be written: ``.result`` raises :class:`NoAnswer` when it could not be (the
+        server has exited, or the client was closed). Params JSON cannot hold (NaN, a set, ...)
+        raise ValueError/TypeError here, before anything is sent."""
         msg_id = next(self._ids) if msg_id is None else msg_id
         msg = {"jsonrpc": "2.0", "id": msg_id, "method": method}
         if params is not None:
             msg["params"] = params
         body = _encode(msg)
         pending = self._register(msg_id)
-        try:
-            self._send_body(body)
-        except BaseException:
-            with self._plock:
-                if self._pending.get(msg_id) is pending:
-                    del self._pending[msg_id]
-            raise
+        if not pending.done():  # (the reader has stopped: nothing would read its answer)
+            pending._write = self._writer.put(self._frame(body), lambda reason: self._not_sent(pending, reason))
         return pending
 
     def expect(self, msg_id: Any) -> _Pending:
-        """Wait for the response to ``msg_id`` of a request sent with :meth:`send_raw`."""
-        return self._register(msg_id)
+        """The response to ``msg_id`` of a request you send with :meth:`send_raw`: call it *before*
+        sending. An answer that comes while nobody waits for its id goes to :attr:`unmatched` and
+        stays there: a later ``expect`` of the same id never takes it (it may be the answer to an
+        earlier request that reused the id)."""
+        pending = _Pending(msg_id, self._reader)
+        with self._plock:
+            closed = self._closed
+            if closed is None:
+                self._pending[msg_id] = pending
+        if closed is not None:
+            pending._set(_no_answer(closed))
+        return pending
 
     def request(self, method: str, params: Any = None, timeout: float = 30.0, msg_id: Any = None) -> Any:
-        return self.request_async(method, params, msg_id).result(timeout)
+        """Send a request and wait at most ``timeout`` s for its answer (writing it included); raises
+        :class:`RpcError` for an error answer, :class:`NoAnswer` (an RpcError, -32099) when the server
+        cannot answer (it has exited, its output ended or is unreadable, or the client was closed),
+        TimeoutError when no answer came in time (a request the server never read is then not sent)."""
+        pending = self.request_async(method, params, msg_id)
+        try:
+            return pending.result(timeout)
+        except TimeoutError:
+            if pending._write is not None and self._writer.take_back(pending._write):
+                with self._plock:
+                    if self._pending.get(pending.id) is pending:
+                        del self._pending[pending.id]
+                raise TimeoutError(f"request {pending.id!r} ({method}) not sent within {timeout}s: the server "
+                                   "is not reading its input") from None
+            raise
 
-    def notify(self, method: str, params: Any = None) -> None:
+    def notify(self, method: str, params: Any = None, timeout: float = 30.0) -> None:
+        """Send a notification, waiting at most ``timeout`` s for the server to take it. Raises
+        :class:`NoAnswer` (-32099) when it cannot be sent (the server has exited, or the client
+        was closed), TimeoutError when the server does not read it in time (it is then not sent,
+        or, begun, finished once the server reads)."""
         msg = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             msg["params"] = params
-        self._send(msg)
+        self._write(self._frame(_encode(msg)), f"notification {method}", timeout)
 
-    def cancel(self, msg_id: Any) -> None:
-        self.notify("$/cancelRequest", {"id": msg_id})
+    def cancel(self, msg_id: Any, timeout: float = 30.0) -> None:
+        self.notify("$/cancelRequest", {"id": msg_id}, timeout)
 
     # -- handlers ------------------------------------------------------------
     def on_notification(self, method: str, callback: Callable[[Any], None]) -> None:
@@ -285,9 +441,10 @@ class SidecarClient:
         else:
             with self._plock:
                 pending = self._pending.pop(msg.get("id"), None)
+                if pending is None:
+                    self.unmatched.append(msg)
             if pending is None:
                 with self._cond:
-                    self.unmatched.append(msg)
                     self._cond.notify_all()
             else:
                 pending._set(msg)
@@ -322,10 +479,7 @@ class SidecarClient:
             reply.pop("result", None)
             reply["error"] = {"code": -32603, "message": f"the client's answer to {msg['method']} is not JSON: {e}"}
             body = _encode(reply)
-        try:
-            self._send_body(body)
-        except (OSError, ValueError):  # the server is gone (or stdin was closed)
-            pass
+        self._writer.put(self._frame(body))  # not waited for: a server that is gone is not answered
 
     # -- lifecycle -----------------------------------------------------------
     def wait(self, timeout: float = 10.0) -> int:
@@ -350,23 +504,27 @@ class SidecarClient:
         session) if it has not exited ``unanswered_grace`` s (default ``timeout``) after the end of
         its input; one that answered, ``timeout`` s after. ``shutdown=False``: the end of its input
         alone. :attr:`ending` then says how it ended when that was not clean (None when it exited
-        by itself). Interrupted (Ctrl+C), it kills the server and re-raises."""
+        by itself). Interrupted (Ctrl+C), it kills the server and re-raises. These bounds hold
+        whatever the server reads: nothing here waits for a write (``exit`` and the end of the
+        input follow the frames already queued, and a server killed takes no more). Called in a
+        notification callback (on the thread that reads the answers), it sends shutdown and exit
+        without waiting for the answer to shutdown, then waits for the server to exit as above."""
         self.ending = None
         try:
             grace = timeout
             if shutdown and self.proc.poll() is None:
                 wait = timeout if answer_within is None else answer_within
-                try:
-                    self.request("shutdown", None, timeout=wait)
-                except TimeoutError:
-                    self.ending = f"the server did not answer shutdown within {wait:g} s"
-                    grace = timeout if unanswered_grace is None else unanswered_grace
-                except (RpcError, OSError, ValueError):
-                    pass  # an error answer, or a broken stream: exit anyway
-                try:
-                    self.notify("exit")
-                except (OSError, ValueError):
-                    pass
+                if threading.current_thread() is self._reader:  # its answer is read once the callback returns
+                    self.request_async("shutdown")
+                else:
+                    try:
+                        self.request("shutdown", None, timeout=wait)
+                    except TimeoutError:
+                        self.ending = f"the server did not answer shutdown within {wait:g} s"
+                        grace = timeout if unanswered_grace is None else unanswered_grace
+                    except RpcError:
+                        pass  # an error answer, or none possible (NoAnswer): exit anyway
+                self._writer.put(self._frame(_encode({"jsonrpc": "2.0", "method": "exit"})))
             self.close_input()  # the end of its input: a server that did not take ``exit`` ends on that
             try:
                 return self.proc.wait(grace)
@@ -433,12 +591,10 @@ class SidecarClient:
             targets = set()
 
     def close_input(self) -> None:
-        """Close the server's stdin (the end of its input: the server exits on it)."""
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-
+        """Close the server's stdin (the end of its input: the server exits on it), once the frames
+        sent before are written (at once when none is waiting); not waited for. Nothing can be sent
+        after it: a request fails with :class:`NoAnswer`."""
+        self._writer.put(None)
 
     def __enter__(self) -> "SidecarClient":
         return self

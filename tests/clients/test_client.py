@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from operate_sidecar.clients.python.client import RpcError, SidecarClient  # noqa: E402
+from operate_sidecar.clients.python.client import NoAnswer, RpcError, SidecarClient  # noqa: E402
 
 FAKE = textwrap.dedent('''
     import json, sys
@@ -43,6 +45,11 @@ FAKE = textwrap.dedent('''
         while True:
             send({"jsonrpc": "2.0", "id": req["id"], "result": req.get("params")})
             req = read()
+    elif mode == "deaf":  # closes its input, then answers: it reads nothing more, and stays
+        import os, time
+        os.close(0)
+        send({"jsonrpc": "2.0", "id": req["id"], "result": "deaf now"})
+        time.sleep(120)
     elif mode == "notify":  # a notification, then the answer
         send({"jsonrpc": "2.0", "method": "note", "params": {"n": 1}})
         send({"jsonrpc": "2.0", "id": req["id"], "result": "answered"})
@@ -157,6 +164,67 @@ def test_close_ends_the_servers_input_so_one_that_ignores_exit_ends_without_bein
     assert c.close(timeout=10) == 0
 
 
+def test_a_server_that_reads_no_more_fails_requests_and_notifications_with_no_answer():
+    """A server whose input is closed (it exited, or closed it) fails a request with NoAnswer
+    (-32099), as the docstring says; it raised BrokenPipeError from the write (ValueError after
+    close()). A notification, and data sent raw, raise NoAnswer too."""
+    c = fake("deaf")
+    try:
+        assert c.request("go", timeout=10) == "deaf now"  # its input is closed by now
+        with pytest.raises(NoAnswer) as ei:
+            c.request("again", timeout=10)
+        assert ei.value.code == -32099 and "not sent" in ei.value.message, ei.value
+        with pytest.raises(NoAnswer):
+            c.request_async("async").result(10)
+        with pytest.raises(NoAnswer) as ei:
+            c.notify("note", {"n": 1})
+        assert "notification note not sent" in ei.value.message, ei.value
+        with pytest.raises(NoAnswer):
+            c.send_raw(b"Content-Length: 2\r\n\r\n{}")
+        assert c._pending == {}
+    finally:
+        c.kill()
+        c.wait(10)
+
+
+def test_after_close_requests_and_notifications_fail_with_no_answer():
+    c = fake("echo")
+    assert c.request("x", {"a": 1}, timeout=10) == {"a": 1}
+    c.close(timeout=10)
+    with pytest.raises(NoAnswer):
+        c.request("ping", timeout=10)
+    with pytest.raises(NoAnswer) as ei:
+        c.notify("note")
+    assert "the client closed the server's input" in ei.value.message, ei.value
+
+
+def _wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_expect_never_takes_an_earlier_answer_of_the_same_id_from_unmatched():
+    """expect() is called before send_raw(); an answer nobody waited for stays in ``unmatched``.
+    A later expect() of the same id waits for the new answer: the one in ``unmatched`` may answer
+    an earlier request that reused the id (a fuzzer's bodies all say id 0)."""
+    c = fake("echo")
+    try:
+        body = json.dumps({"jsonrpc": "2.0", "id": "raw", "method": "m", "params": {"n": 1}}).encode()
+        c.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert _wait_until(lambda: len(c.unmatched) == 1), c.unmatched  # nobody waited: kept there
+        pending = c.expect("raw")
+        body = json.dumps({"jsonrpc": "2.0", "id": "raw", "method": "m", "params": {"n": 2}}).encode()
+        c.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert pending.result(5) == {"n": 2}
+        assert [m["result"] for m in c.unmatched] == [{"n": 1}]
+    finally:
+        c.kill()
+
+
 def test_waiting_for_an_answer_inside_a_notification_callback_fails_at_once():
     """Notification callbacks run on the reader thread: request() there used to block that thread
     (and with it every answer) until its time-out. It raises at once; request_async works."""
@@ -267,3 +335,76 @@ def test_close_input_ends_the_real_server_with_no_signal():
     assert c.request("ping", timeout=20) == {}
     c.close_input()
     assert c.wait(20) == 1  # its input ended before shutdown: code 1, not a signal
+
+
+def test_close_in_a_notification_callback_shuts_the_server_down():
+    """close() in a notification callback (on the thread that reads the answers) sends shutdown and
+    exit without waiting there for the answer: the server exits by itself (0). It raised the
+    RuntimeError about waiting in a callback, and the server was SIGKILLed."""
+    c = SidecarClient(env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(ROOT))
+    try:
+        c.request("initialize", {"settings": {"models": {"m": {"provider": "scripted", "responses": [
+            {"text": "a", "delayMs": 300}]}}}}, timeout=30)
+        branch = c.request("createBranch", timeout=30)["branchId"]
+        closed: list = []
+
+        def on_progress(params):
+            if params["value"]["kind"] == "begin" and not closed:
+                try:
+                    closed.append(c.close(timeout=10))
+                except Exception as e:  # noqa: BLE001 - recorded for the assertion
+                    closed.append(e)
+
+        c.on_notification("$/progress", on_progress)
+        try:
+            c.request("operate", {"branchId": branch, "instruction": "x", "skipValidation": True,
+                                  "workDoneToken": 1}, timeout=30)
+        except NoAnswer:  # (the server may end before its answer is read)
+            pass
+        assert closed == [0] and c.ending is None, (closed, c.ending)
+        assert c.wait(10) == 0
+    finally:
+        c.kill()
+
+
+@posix_proc
+def test_a_request_the_server_does_not_read_times_out_and_close_still_ends_it(tmp_path):
+    """A request larger than the pipe, to a server that reads nothing (its loop is blocked), waited
+    for ever in the write, whatever its time-out, and close() waited behind it. The write is bounded
+    by the request's time-out, a frame not begun is not sent at all, and close() kills the server
+    after its bounded waits."""
+    trigger = str(tmp_path / "wedge")
+    c = SidecarClient(env=wedge_tools.server_env(), cwd=str(ROOT))
+    try:
+        c.request("initialize", {"settings": wedge_tools.settings(trigger)}, timeout=30)
+        branch = c.request("createBranch", timeout=30)["branchId"]
+        out = c.request("operate", {"branchId": branch, "instruction": "arm", "actions": True}, timeout=30)
+        assert out["result"]["action_responses"][0]["output"] == "armed", out
+        server = wedge_tools.pull(trigger)
+        got: dict = {}
+
+        def run(name, call):
+            try:
+                got[name] = call()
+            except Exception as e:  # noqa: BLE001 - recorded for the assertion
+                got[name] = e
+
+        big = threading.Thread(target=run, args=("big", lambda: c.request(
+            "createBranch", {"system": "x" * (4 << 20)}, timeout=2)), daemon=True)
+        big.start()
+        big.join(20)  # a hang check (the wedge lasts 30 s), not a speed target
+        assert not big.is_alive(), "the request's write ignored its time-out"
+        assert isinstance(got["big"], TimeoutError) and "not written in full" in str(got["big"]), got
+        with pytest.raises(TimeoutError, match="not sent within"):  # queued behind it, and taken back
+            c.request("ping", timeout=0.5)
+        with pytest.raises(TimeoutError, match="notification note not sent within"):
+            c.notify("note", timeout=0.5)
+        closer = threading.Thread(target=run, args=("close", lambda: c.close(timeout=2)), daemon=True)
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive(), "close() waited behind the write"
+        assert got["close"] == -signal.SIGKILL, got
+        assert c.ending == "the server did not answer shutdown within 2 s; killed it and every process of its session"
+        assert wedge_tools.gone(server), "the server outlived close()"
+    finally:
+        c.kill()

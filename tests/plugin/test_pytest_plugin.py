@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 TIMEOUT = 240
 
 CONFTEST_FREE_TESTS = '''
@@ -863,3 +865,159 @@ def test_a_server_request_answered_wrongly_as_the_script_ends_fails_the_test(tmp
             '(tool get_weather) with decision "allow", not one of the decisions it offered: allow_once, allow_always, '
             'deny_once, deny_always; the server took it as a deny (to deny, answer "deny_once" or an error)') in text, text
     assert "the end of the session failed in late.jsonl, after all 7 steps passed" in text, text
+
+
+LOOP_SCOPE_TESTS = '''
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+SETTINGS = {"models": {"m": {"provider": "scripted", "responses": ["one", "two", "three", "four"]}}}
+
+
+async def chat(sidecar):
+    branch = (await sidecar.request("createBranch"))["branchId"]
+    out = await sidecar.request("operate", {"branchId": branch, "instruction": "hi", "skipValidation": True,
+                                            "workDoneToken": 1})
+    await sidecar.wait_for_notification("$/progress", {"token": 1, "value": {"kind": "end"}})
+    return out["result"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, timeout=20)
+async def test_default_loop(sidecar):
+    assert await chat(sidecar) == "one"
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SETTINGS, timeout=20)
+async def test_default_loop_again(sidecar):
+    assert await chat(sidecar) == "one"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.sidecar(settings=SETTINGS, timeout=20)
+async def test_module_loop(sidecar):
+    assert await chat(sidecar) == "one"
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.sidecar(settings=SETTINGS, timeout=20)
+async def test_session_loop(sidecar):
+    assert asyncio.get_running_loop() is sidecar._loop
+    assert await chat(sidecar) == "one"
+
+
+@pytest.mark.asyncio(loop_scope="class")
+class TestInAClassLoop:
+    @pytest.mark.sidecar(settings=SETTINGS, timeout=20)
+    async def test_class_loop(self, sidecar):
+        assert await chat(sidecar) == "one"
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def branch_on_the_module_loop(sidecar):
+    return (await sidecar.request("createBranch"))["branchId"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(timeout=20)
+async def test_a_fixture_of_mine_on_another_loop(branch_on_the_module_loop):
+    pass
+'''
+
+
+@pytest.mark.parametrize("ini", [
+    'asyncio_default_fixture_loop_scope = "function"',
+    'asyncio_default_fixture_loop_scope = "module"',
+    'asyncio_default_fixture_loop_scope = "session"',
+    'asyncio_default_fixture_loop_scope = "session"\nasyncio_default_test_loop_scope = "module"',
+])
+def test_the_fixture_runs_on_the_tests_loop_whatever_the_loop_scopes(tmp_path, ini):
+    """The sidecar is started on the loop the test runs in: with a fixture loop scope of module or
+    session, or a test marked ``loop_scope="module"``, it was started on another loop, which does
+    not run while the test does, so every request of the test timed out. A fixture of the test's
+    own that uses it on another loop fails at once, naming the settings (not a time-out)."""
+    project = make_project(tmp_path / "ext")
+    (project / "pyproject.toml").write_text(f"[tool.pytest.ini_options]\n{ini}\n")
+    (project / "test_loops.py").write_text(LOOP_SCOPE_TESTS)
+    out = run_pytest(project, "-rA", "test_loops.py")
+    text = out.stdout + out.stderr
+    if "asyncio_default_test_loop_scope" in ini:  # every test on the module's loop: that fixture's too
+        assert out.returncode == 0 and "6 passed" in text, text
+        return
+    assert "5 passed, 1 error" in text, text
+    assert ("request createBranch: the sidecar client was started on another event loop than this one, and reads "
+            "the sidecar's answers only while its own loop runs") in text, text
+    assert "asyncio_default_fixture_loop_scope" in text and "TimeoutError" not in text, text
+
+
+CANCEL_THE_AWAITING_TASK_TESTS = '''
+import asyncio
+
+import pytest
+
+SLOW = {"models": {"m": {"provider": "scripted", "responses": [{"delayMs": 60000, "text": "never"},
+                                                                {"text": "next"}]}}}
+
+
+async def operate(sidecar, branch, token=None, **kw):
+    params = {"branchId": branch, "instruction": "hi", "skipValidation": True}
+    if token is not None:
+        params["workDoneToken"] = token
+    return await sidecar.request("operate", params, **kw)
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SLOW, timeout=60)
+async def test_task_cancel(sidecar):
+    branch = (await sidecar.request("createBranch"))["branchId"]
+    task = asyncio.ensure_future(operate(sidecar, branch, token=1))
+    await sidecar.wait_for_notification("$/progress", {"token": 1, "value": {"kind": "begin"}})
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (await operate(sidecar, branch, timeout=20))["result"] == "next"
+
+
+@pytest.mark.asyncio
+@pytest.mark.sidecar(settings=SLOW, timeout=60)
+async def test_wait_for(sidecar):
+    branch = (await sidecar.request("createBranch"))["branchId"]
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(operate(sidecar, branch), 0.5)
+    assert (await operate(sidecar, branch, timeout=20))["result"] == "next"
+'''
+
+
+def test_cancelling_the_task_that_awaits_a_request_cancels_it_on_the_sidecar(tmp_path):
+    """``task.cancel()``, or ``asyncio.wait_for`` around ``sidecar.request(...)``, sent no
+    ``$/cancelRequest`` (the client's future is shielded): the operate ran on, holding its branch,
+    and the next operate on it waited its minute. It is cancelled on the sidecar."""
+    text = run_tests_file(tmp_path, "test_task_cancel.py", CANCEL_THE_AWAITING_TASK_TESTS)
+    assert "2 passed" in text, text
+
+
+SCRIPT_CWD_AND_SCRIPTED_TYPE_TESTS = '''
+def test_cwd_a_number(sidecar_script):
+    sidecar_script("good.jsonl", cwd=5)
+
+
+def test_scripted_a_string(sidecar_script):
+    sidecar_script("good.jsonl", scripted="yes")
+
+
+def test_cwd_a_path(sidecar_script, tmp_path):
+    sidecar_script("good.jsonl", cwd=tmp_path, scripted=False)
+'''
+
+
+def test_sidecar_script_cwd_and_scripted_of_the_wrong_type_are_refused_by_name(tmp_path):
+    """``cwd=5`` failed with a TypeError traceback from deep in the start of the server."""
+    text = run_tests_file(tmp_path, "test_cwd_types.py", SCRIPT_CWD_AND_SCRIPTED_TYPE_TESTS)
+    assert "2 failed, 1 passed" in text, text
+    for message in ["sidecar_script: cwd must be a folder's path (a str or a pathlib.Path), got 5\n",
+                    "sidecar_script: scripted must be True or False, got 'yes'\n"]:
+        assert message in text, message + "\n" + text
+    assert text.count(" - Failed") == 2 and "TypeError" not in text and "def run(" not in text, text
