@@ -2610,7 +2610,8 @@ def test_operate_stop_while_a_request_waits_says_cancelled_and_the_server_stays_
     assert nv.lua("return require('operate_sidecar').status().running") is False, nv.lua("return _G.notes")
     card = [ln for ln in nv.chat(bid) if ln.startswith("⊘ mark_file")]
     assert len(card) == 1 and card[0].endswith("(cancelled)"), card             # not "(timed out)"
-    assert nv.lua("return _G.notes") == ["[operate] cancelled", "[operate] server stopped (code 0)"]
+    # one notification tells how the turn ended: the stop's (the doc: nothing else)
+    assert nv.lua("return _G.notes") == ["[operate] server stopped (code 0)"]
 
 
 def _capture_levels(v) -> None:
@@ -3652,3 +3653,260 @@ def test_a_server_that_sends_junk_never_raises_a_lua_error_and_the_chat_goes_on(
     out = nv.wait_done()
     assert out["err"] is None and out["result"]["result"] == "ok", out
     assert "ok" in nv.chat(out["branchId"]), nv.chat(out["branchId"])[-12:]
+
+
+# ---------------------------------------------------------------- text that is not UTF-8
+
+def test_utf8_error_reads_as_a_strict_decoder_does(sv):
+    """rpc.utf8_error (what the plugin checks before sending text) finds the first byte Python's
+    strict UTF-8 decoder (the server's) refuses: overlong forms, surrogates, past U+10FFFF, a
+    sequence cut short, a stray continuation byte."""
+    cases = [b"", b"plain", "é – 😀 中".encode(), b"caf\xe9", b"\xff", b"\xc0\xaf", b"\xe0\x80\xaf",
+             b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xf0\x8f\xbf\xbf", b"ok \xe2\x82", b"\x80abc",
+             b"\xef\xbf\xbd", b"\xf4\x8f\xbf\xbf", b"a\xc3", "é".encode() + b"\xa9", b"\xc2\x80\xdf\xbf"]
+    got = sv.lua("""local out = {}
+        for i, bytes in ipairs(...) do
+          local s = string.char(unpack(bytes))
+          out[i] = require('operate_sidecar.rpc').utf8_error(s) or -1
+        end
+        return out""", [list(c) for c in cases])
+    want = []
+    for c in cases:
+        try:
+            c.decode("utf-8")
+            want.append(-1)
+        except UnicodeDecodeError as e:
+            want.append(e.start)
+    assert got == want, list(zip(cases, got, want))
+
+
+def test_text_that_is_not_utf8_is_refused_with_why_and_never_leaves_a_turn_running(sv):
+    """A `#file:` of a Latin-1 file and a `#buffer` holding raw bytes are named with why
+    (`not UTF-8 text`, as a binary file is) and the model is told the same; a prompt holding raw
+    bytes is not sent and stays in the prompt. Each turn ends (none is left `working…`: the
+    server could not have read such text), and the next message goes through."""
+    bid = sv.new_branch(["seen", "plain seen"], "notutf8")
+    (sv.tmp / "legacy.txt").write_bytes("caf\u00e9 = 1\n".encode("latin-1"))
+    sv.n.command("enew")
+    sv.lua(r'vim.api.nvim_buf_set_lines(0, 0, -1, false, {"caf\233 raw \255\254 bytes"})')
+    sv.chat_send("explain #buffer and #file:legacy.txt")
+    out = sv.wait_done()
+    assert out["err"] is None, out
+    assert "_with #buffer ([No Name]: not UTF-8 text), #file (legacy.txt: not UTF-8 text)_" in sv.chat(bid), sv.chat(bid)
+    ctx = [m for m in sv.messages(bid) if m["kind"] == "instruction"][-1]["content"]["context"]
+    assert ctx == {"buffer": {"path": "[No Name]", "language": "", "error": "not UTF-8 text"},
+                   "files": [{"path": "legacy.txt", "error": "not UTF-8 text"}]}, ctx
+    # the prompt's own raw bytes: refused before sending, the message left to fix
+    sv.lua("_G.notes = {}; require('operate_sidecar')._state.last = nil")
+    sv.lua(r"""local c = require('operate_sidecar.chat').current()
+        vim.api.nvim_set_current_win(require('operate_sidecar.chat').prompt_window())
+        vim.api.nvim_buf_set_lines(c.prompt_buf, 0, -1, false, {'prompt with raw \255 byte'})""")
+    sv.send_keys("<CR>")
+    assert sv.lua("return _G.notes") == ["[operate] not sent: the message is not UTF-8 text (byte 16); "
+                                         "it stays in the prompt"]
+    assert sv.lua("return require('operate_sidecar')._state.running == nil")
+    assert sv.lua("return vim.api.nvim_buf_get_lines(require('operate_sidecar.chat').current().prompt_buf, 0, -1, "
+                  "false)[1]:byte(17)") == 255
+    sv.lua("vim.api.nvim_buf_set_lines(require('operate_sidecar.chat').current().prompt_buf, 0, -1, false, {})")
+    sv.chat_send("plain follow-up")
+    assert sv.wait_done()["err"] is None
+    assert "plain seen" in sv.chat(bid)
+
+
+def test_a_read_through_the_editor_of_a_buffer_that_is_not_utf8_fails_the_call_saying_why(sv):
+    """The model's read_file of a buffer that holds raw bytes (typed in, or `:e ++bin` of a
+    Latin-1 file) is answered with an error naming why (docs/PROTOCOL.md §10: a failed read),
+    so the call fails at once and the turn goes on, instead of an answer the server cannot read."""
+    for how in ("typed", "bin"):
+        p = sv.tmp / f"raw_{how}.txt"
+        if how == "typed":
+            p.write_text("placeholder\n")
+            sv.n.command(f"edit {p}")
+            sv.lua(r'vim.api.nvim_buf_set_lines(0, 0, -1, false, {"caf\233 raw \255 bytes"})')
+        else:
+            p.write_bytes(b"caf\xe9 raw\n")
+            sv.n.command(f"edit ++bin {p}")
+        bid = sv.new_branch([call("read_file", path=str(p)), "read done"], f"fsread_{how}")
+        sv.chat_send("read it")
+        out = sv.wait_done()
+        assert out["err"] is None, out
+        card = [ln for ln in sv.chat(bid) if ln.startswith("✗ read_file")]
+        assert len(card) == 1 and f"'raw_{how}.txt' is not UTF-8 text (byte 3)" in card[0], sv.chat(bid)
+        assert "read done" in sv.chat(bid)
+
+
+def test_a_message_the_server_cannot_read_is_told_and_a_cancel_ends_the_turn_it_left_unanswered(sv):
+    """An error answer with id null (the server could not read a message: docs/PROTOCOL.md §1)
+    cannot be tied to a request, so none is failed on a guess; the user is told, and when it was
+    the turn's own request (nothing will ever answer it) <C-c> ends the turn anyway."""
+    bid = sv.new_branch(["never used", "after"], "stray")
+    sv.lua("""
+        local c = require('operate_sidecar')._state.client
+        local rpc = require('operate_sidecar.rpc')
+        -- the next operate request goes out as a body the server cannot read
+        c._send = function(self, msg)
+          if msg.method == 'operate' then
+            self._send = nil
+            self.stdin:write(rpc.frame('{"jsonrpc": "2.0", "id": ' .. tostring(msg.id) .. ', not json'))
+            return true
+          end
+          return getmetatable(self).__index._send(self, msg)
+        end""")
+    sv.lua("_G.notes = {}")
+    sv.chat_send("hello")
+    sv.wait("#_G.notes > 0", "the parse error to be told")
+    notes = sv.lua("return _G.notes")
+    assert len(notes) == 1 and notes[0].startswith("[operate] the server could not read a message from the "
+                                                   "editor (parse error: ") and notes[0].endswith(
+        "; if the turn does not go on, <C-c> in the chat (:OperateCancel) ends it"), notes
+    assert sv.lua("return require('operate_sidecar')._state.running ~= nil")
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    sv.send_keys("<C-c>")
+    out = sv.wait_done()
+    assert out["err"]["code"] == -32800, out
+    sv.chat_send("again")
+    assert sv.wait_done()["err"] is None
+    assert "never used" in sv.chat(bid)          # (the scripted model's first reply: the first turn never ran)
+
+
+# ---------------------------------------------------------------- configuration types
+
+def test_setup_refuses_an_option_of_the_wrong_type_naming_it_and_keeps_what_was_set(nv):
+    nv.setup(["unused"])
+    cases = {
+        "chat": ("x", '`chat` must be a table, got "x"'),
+        "chat.size": ({"chat": {"size": "big"}}, '`chat.size` must be a positive number, got "big"'),
+        "chat.position": ({"chat": {"position": "middle"}}, "`chat.position` must be one of 'right', 'left', "
+                          "'bottom', 'top', got \"middle\""),
+        "chat.prompt_height": ({"chat": {"prompt_height": -5}}, "`chat.prompt_height` must be a positive whole "
+                               "number, got -5"),
+        "chat.complete": ({"chat": {"complete": "sometimes"}}, "`chat.complete` must be one of 'auto', true, false"),
+        "cmd": (5, "`cmd` must be a non-empty list of strings (the program and its arguments), or one string, got 5"),
+        "cmd_empty": ({"cmd": []}, "`cmd` must be a non-empty list of strings"),
+        "request_timeout": ("5", '`request_timeout` must be a positive number, got "5"'),
+        "notify": ("x", "`notify` must be a function (or nil)"),
+        "permission_focus": (5, "`permission_focus` must be one of 'chat', 'always', 'never', got 5"),
+        "settings": ("x", '`settings` must be a table, got "x"'),
+        "branch_scope": ("window", "`branch_scope` must be one of 'tab', 'global'"),
+        "state_dir": (5, "`state_dir` must be a directory (a string), false (memory only) or nil"),
+        "client_tools": ("x", "`client_tools` must be a list of tools"),
+        "model": (5, "`model` must be a string (or nil), got 5"),
+        "branch": ("x", '`branch` must be a table, got "x"'),
+        "auto_start": ("no", '`auto_start` must be a boolean, got "no"'),
+    }
+    before = nv.lua("return vim.inspect(require('operate_sidecar').config)")
+    for name, (value, want) in cases.items():
+        opts = value if isinstance(value, dict) else {name: value}
+        err = nv.lua("local ok, err = pcall(require('operate_sidecar').setup, vim.json.decode(...)); "
+                     "return ok and 'accepted' or err", json.dumps(opts))
+        assert err.startswith("operate_sidecar.setup: ") and want in err, (name, err)
+        assert ".lua:" not in err, err
+    assert nv.lua("return vim.inspect(require('operate_sidecar').config)") == before   # nothing taken
+    # an unknown key is kept as given (as before), a string cmd is a one-item list
+    assert nv.lua("local o = require('operate_sidecar'); o.setup({cmd = 'x y', whatever = 1}); "
+                  "return {o.config.cmd, o.config.whatever}") == [["x y"], 1]
+
+
+def test_a_turn_that_fails_to_start_in_the_editor_ends_with_why_and_the_next_one_runs(nv):
+    """A configuration value of the wrong type set by hand (after setup) that throws while a turn
+    starts (the branch it makes, the settings the server starts with) ends that turn with the
+    error told: never a turn left running that refuses every later message."""
+    nv.setup(["r1", "r2"], _state_dir=False)
+    _capture_levels(nv)
+    nv.lua("require('operate_sidecar').config.settings = 'x'")            # (read as the server starts)
+    out = _turn_then(nv, "hello", "require('operate_sidecar').config.settings = vim.json.decode(...)".replace(
+        "...", "'" + json.dumps({"models": {"s": scripted(["r1", "r2"])}, "defaultModel": "s"}) + "'"))
+    assert out["err"]["code"] == -32094, out
+    assert _error_notes(nv) == ["[operate] the turn did not finish: the editor could not start the turn: the "
+                                "configuration cannot be used: `settings` must be a table, got \"x\""]
+    assert nv.lua("return require('operate_sidecar')._state.running == nil")
+    nv.start()
+    nv.lua("_G.notes, _G.levels = {}, {}; require('operate_sidecar').config.branch = 'x'")  # (read as the branch is made)
+    out = _turn_then(nv, "hello", "require('operate_sidecar').config.branch = {}")
+    assert out["err"]["code"] == -32094 and len(_error_notes(nv)) == 1, (out, nv.lua("return _G.notes"))
+    chat = nv.chat()
+    assert "**error:** the editor could not start the turn: the configuration cannot be used: `branch` must be a " \
+        'table, got "x"' in chat, chat
+    # whatever else throws on the way (here: params that cannot be sent) ends the turn the same way
+    nv.lua("_G.notes, _G.levels = {}, {}; _G.done = nil; require('operate_sidecar').operate("
+           "{instruction = 'x', guidance = function() end}, function(err) _G.done = err end)")
+    nv.wait("_G.done ~= nil", "the turn to end")
+    assert nv.lua("return require('operate_sidecar')._state.running == nil")
+    errors = _error_notes(nv)
+    assert len(errors) == 1 and "the editor could not start the turn: " in errors[0] \
+        and "cannot encode message" in errors[0], errors
+    out = _turn_then(nv, "hello again", "")
+    assert out["err"] is None and "r1" in nv.chat(out["branchId"]), (out, nv.chat())
+
+
+def test_checkhealth_says_a_server_command_of_the_wrong_type(nv):
+    nv.setup(["unused"])
+    for cmd, want in [(5, "`cmd` must be a list of strings (the program and its arguments), got number"),
+                      ([5, 6], "`cmd` must be a list of strings (the program and its arguments), but item 1 is a number"),
+                      ({}, "`cmd` must be a list of strings (the program and its arguments), got an empty list"),
+                      ("x", "the configuration cannot be used: `settings` must be a table")]:
+        if cmd == "x":
+            nv.lua("local c = require('operate_sidecar').config; c.cmd = {'operate-sidecar'}; c.settings = 'x'")
+        else:
+            nv.lua("require('operate_sidecar').config.cmd = ...", cmd if cmd != {} else [])
+        nv.n.command("checkhealth operate_sidecar")
+        report = "\n".join(nv.n.current.buffer[:])
+        assert want in report and "ERROR" in report, report
+        assert "stack traceback" not in report and "server command: " not in report, report
+        nv.n.command("bwipeout!")
+    nv.lua("require('operate_sidecar').config.settings = {}")
+
+
+# ---------------------------------------------------------------- the transcript, :OperateStop
+
+def test_edit_in_the_transcript_draws_it_again_whole(sv):
+    """`:e` / `:e!` in the transcript (a buffer with no file) would leave it empty: it is drawn
+    again whole, and the next turn goes after the earlier ones."""
+    bid = sv.new_branch(["first reply", "second reply", "third reply"], "reload")
+    sv.chat_send("one")
+    sv.wait_done()
+    before = sv.chat(bid)
+    assert "first reply" in before
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    for cmd in ("edit", "edit!"):
+        sv.n.command(cmd)
+        assert sv.chat(bid) == before, (cmd, sv.chat(bid))
+        assert sv.lua("return vim.bo.modifiable") is False
+    sv.chat_send("two")
+    sv.wait_done()
+    after = sv.chat(bid)
+    assert after[:len(before) - 2] == before[:-2] and "second reply" in after and after[-2] == PROMPT, after
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.chat').window())")
+    sv.send_keys("gg[[")             # (the keys still find the turns where they are)
+    sv.n.command("OperateChat")
+
+
+def test_operate_stop_right_after_start_is_one_message(nv):
+    """:OperateStop while the server starts (before the editor's tools are registered): only
+    `server stopped (code 0)`, never the refused registration in protocol words."""
+    nv.setup(["unused"], _state_dir=False)
+    _capture_levels(nv)
+    nv.n.command("OperateStart")
+    nv.wait("require('operate_sidecar')._state.client ~= nil and "
+            "next(require('operate_sidecar')._state.client.pending) ~= nil", "initialize to be sent")
+    nv.lua("""local c = require('operate_sidecar')._state.client
+        -- stop just as the editor's tools are being registered
+        local request = getmetatable(c).__index.request
+        c.request = function(self, method, params, cb)
+          local id = request(self, method, params, cb)
+          if method == 'registerClientTools' then vim.cmd('OperateStop') end
+          return id
+        end""")
+    nv.wait("require('operate_sidecar')._state.exit ~= nil and #_G.notes >= 1", "the server to stop")
+    nv.lua("vim.wait(500)")
+    assert nv.lua("return _G.notes") == ["[operate] server stopped (code 0)"]
+
+
+def test_a_crlf_reply_shows_no_carriage_returns_and_an_open_fence_is_closed_at_its_end(sv):
+    bid = sv.new_branch(["line one\r\nline two\r\n```python\r\nx = 1\r\n"], "crlf_fence")
+    sv.chat_send("show")
+    assert sv.wait_done()["err"] is None
+    chat = sv.chat(bid)
+    at = chat.index("line one")
+    assert chat[at:at + 5] == ["line one", "line two", "```python", "x = 1", "```"], chat
+    assert not [ln for ln in chat if "\r" in ln], chat

@@ -539,12 +539,46 @@ local function cached_card_lines(card)
   return memo.lines
 end
 
--- A text block's lines, made again only when its text changed.
+-- `text` with a code fence it leaves open closed at its end: an open fence would take in the
+-- rest of the document (every turn after it). CommonMark's fences: 3 or more ` or ~, indented
+-- by 3 spaces at most, closed by a run of the same character at least as long.
+local function fences_closed(text)
+  local open_char, open_len
+  for line in (text .. '\n'):gmatch('(.-)\n') do
+    local indent, char = line:match('^( *)([`~])')
+    local runs = char == '`' and '`+' or '~+'
+    local run = char and #indent <= 3 and line:match('^ *(' .. runs .. ')')
+    if run and #run >= 3 then
+      if not open_char then
+        open_char, open_len = char, #run
+      elseif char == open_char and #run >= open_len and line:match('^ *' .. runs .. '%s*$') then
+        open_char = nil
+      end
+    end
+  end
+  return open_char and (text .. '\n' .. string.rep(open_char, open_len)) or text
+end
+
+-- A text block's lines, made again only when its text changed. A reply with CRLF line ends shows
+-- no ^M (the CR is no part of a line), and once the block is complete (its round or turn ended)
+-- a code fence it leaves open is closed, as the export closes it: it would take in all below.
 local function cached_text_lines(blk)
-  if blk.memo and blk.memo_raw == blk.raw and blk.memo_final == blk.final then
+  local closed = blk.closed == true
+  if blk.memo and blk.memo_raw == blk.raw and blk.memo_final == blk.final and blk.memo_closed == closed then
     return blk.memo
   end
-  blk.memo, blk.memo_raw, blk.memo_final = blk.final or M.stream_lines(blk.raw), blk.raw, blk.final
+  local lines = {}
+  for i, l in ipairs(blk.final or M.stream_lines(blk.raw)) do
+    lines[i] = l:sub(-1) == '\r' and l:sub(1, -2) or l
+  end
+  if closed then
+    local text = table.concat(lines, '\n'):gsub('\n+$', '') -- (the fence right after its last line)
+    local shut = fences_closed(text)
+    if shut ~= text then
+      lines = util.split_lines(shut)
+    end
+  end
+  blk.memo, blk.memo_raw, blk.memo_final, blk.memo_closed = lines, blk.raw, blk.final, closed
   return blk.memo
 end
 
@@ -884,6 +918,19 @@ end
 
 -- Make (or make again) a chat's transcript and prompt buffers. A chat whose buffers were
 -- deleted (`:bdelete`, `:bwipeout`) keeps its turns: they are drawn again, the running one too.
+-- Draw the transcript of a chat whole: its title, each of its turns, the prompt header.
+local function draw_whole(chat)
+  edit(chat, function(b)
+    api.nvim_buf_set_lines(b, 0, -1, false, { chat_title(chat), '', M.PROMPT })
+  end)
+  for _, t in ipairs(chat.turns) do
+    t.nlines, t.lines = 0, nil -- none is drawn yet: each goes above the prompt header, after those before it
+  end
+  for _, t in ipairs(chat.turns) do
+    render_turn(chat, t)
+  end
+end
+
 local function create(chat)
   local key = chat.branch or chat.key
   local name = 'operate://chat/' .. key
@@ -904,15 +951,19 @@ local function create(chat)
   chat.buf = b
   chat.turns = chat.turns or {}
   by_buf[b] = chat
-  edit(chat, function()
-    api.nvim_buf_set_lines(b, 0, -1, false, { chat_title(chat), '', M.PROMPT })
-  end)
-  for _, t in ipairs(chat.turns) do
-    t.nlines, t.lines = 0, nil -- none is drawn yet: each goes above the prompt header, after those before it
-  end
-  for _, t in ipairs(chat.turns) do
-    render_turn(chat, t)
-  end
+  draw_whole(chat)
+  -- `:e` / `:e!` in the transcript would read a file of its name (there is none) and leave it
+  -- empty: it is drawn again whole instead, from the turns the chat holds
+  api.nvim_create_autocmd('BufReadCmd', {
+    group = api.nvim_create_augroup('operate_sidecar_chat_' .. b, { clear = true }),
+    buffer = b,
+    callback = function()
+      local c = by_buf[b]
+      if c and c.buf == b then
+        draw_whole(c)
+      end
+    end,
+  })
   local pname = 'operate://prompt/' .. key
   local pb = util.find_buf(pname)
   if not pb then
@@ -1131,6 +1182,8 @@ end
 --- The chat of a branch (created when missing; nil branch = a new, unbound chat).
 local function intact(chat)
   return chat ~= nil and usable(chat.buf) and usable(chat.prompt_buf)
+    -- (emptied some other way than by `:e`, which draws it again: its title is gone)
+    and (api.nvim_buf_get_lines(chat.buf, 0, 1, false)[1] or ''):sub(1, 2) == '# '
 end
 
 -- Read a chat's history from its branch; M.loaded waits for it. A read that failed (the server
@@ -1755,6 +1808,17 @@ function M.send(chat, text, extra)
     notify('a turn is already running (<C-c> cancels it)', vim.log.levels.WARN)
     return false
   end
+  -- text that is not UTF-8 (raw bytes typed or pasted, lines of a buffer opened with `++bin`)
+  -- cannot be sent: the server reads UTF-8 only. Refused as it is, not changed behind the user's
+  -- back; the message stays in the prompt to be fixed.
+  local bad = util.utf8_error(text)
+  local sel = extra and type(extra.context) == 'string' and util.utf8_error(extra.context)
+  if bad or sel then
+    notify(bad and ('not sent: the message is not UTF-8 text (byte %d)%s'):format(bad,
+      from_prompt and '; it stays in the prompt' or '')
+      or 'not sent: the lines are not UTF-8 text', vim.log.levels.ERROR)
+    return false
+  end
   if chat.branch and (chat.waiting or (chat.history_failed and #chat.turns == 0)) and not (extra and extra.after_history) then
     -- the branch's earlier turns first (still being read, or their read failed and nothing was
     -- sent since: read again), so that the transcript shows them before this one, as the branch
@@ -2168,26 +2232,6 @@ end
 
 local function json_text(v)
   return type(v) == 'string' and v or table.concat(util.pretty(v), '\n')
-end
-
--- `text` with a code fence it leaves open closed at its end: an open fence would take in the
--- rest of the document (every turn after it). CommonMark's fences: 3 or more ` or ~, indented
--- by 3 spaces at most, closed by a run of the same character at least as long.
-local function fences_closed(text)
-  local open_char, open_len
-  for line in (text .. '\n'):gmatch('(.-)\n') do
-    local indent, char = line:match('^( *)([`~])')
-    local runs = char == '`' and '`+' or '~+'
-    local run = char and #indent <= 3 and line:match('^ *(' .. runs .. ')')
-    if run and #run >= 3 then
-      if not open_char then
-        open_char, open_len = char, #run
-      elseif char == open_char and #run >= open_len and line:match('^ *' .. runs .. '%s*$') then
-        open_char = nil
-      end
-    end
-  end
-  return open_char and (text .. '\n' .. string.rep(open_char, open_len)) or text
 end
 
 -- A tool call as Markdown: its headline as code, then its arguments and output folded in a

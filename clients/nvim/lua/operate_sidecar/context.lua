@@ -42,11 +42,22 @@ local function info(b)
   return { path = name ~= '' and util.display_path(name) or '[No Name]', language = vim.bo[b].filetype }
 end
 
+-- What a reference sends: `text` in i, or, for text that is not UTF-8 (a file in another
+-- encoding opened without conversion, or with `++bin`), `error` saying so and no text: it
+-- cannot go over the wire (the server reads UTF-8 only), as a binary file's cannot.
+M.NOT_UTF8 = 'not UTF-8 text'
+local function with_text(i, text)
+  if util.utf8_error(text) then
+    i.error = M.NOT_UTF8
+  else
+    i.text = text
+  end
+  return i
+end
+
 function M.buffer(b)
   b = b or M.source_buf()
-  local i = info(b)
-  i.text = table.concat(api.nvim_buf_get_lines(b, 0, -1, false), '\n')
-  return i
+  return with_text(info(b), table.concat(api.nvim_buf_get_lines(b, 0, -1, false), '\n'))
 end
 
 --- The last visual selection in buffer b (charwise when it was `v`), with its line range.
@@ -70,8 +81,7 @@ function M.selection(b)
   end
   local i = info(b)
   i.startLine, i.endLine = s[1], e[1]
-  i.text = table.concat(lines, '\n')
-  return i
+  return with_text(i, table.concat(lines, '\n'))
 end
 
 local severities = { 'error', 'warning', 'info', 'hint' }
@@ -371,7 +381,20 @@ function M.file(ref)
       out.error = 'a binary file'
       return out
     end
+    if more then -- (the read may have cut the last character short: that is no fault of the file)
+      for _ = 1, 3 do
+        local bad = util.utf8_error(text)
+        if not bad or bad < #text - 3 then
+          break
+        end
+        text = text:sub(1, #text - 1)
+      end
+    end
     out.truncated = more or nil
+  end
+  if util.utf8_error(text) then
+    out.error, out.truncated = M.NOT_UTF8, nil
+    return out
   end
   if util.nchars(text) > M.MAX_FILE_CHARS then
     text, out.truncated = util.first_chars(text, M.MAX_FILE_CHARS), true
@@ -427,7 +450,9 @@ function M.describe(ctx)
     if v == vim.NIL and r == 'selection' then -- asked for, but there is none: say so, not nothing
       parts[#parts + 1] = '#selection (none: no visual selection)'
     elseif v and v ~= vim.NIL then
-      if r == 'selection' then
+      if v.error and r ~= 'diagnostics' then -- (text that cannot be sent: why, as for a #file)
+        parts[#parts + 1] = ('#%s (%s: %s)'):format(r, v.path, v.error)
+      elseif r == 'selection' then
         parts[#parts + 1] = ('#selection (%s:%d-%d)'):format(v.path, v.startLine, v.endLine)
       elseif r == 'diagnostics' then
         parts[#parts + 1] = ('#diagnostics (%d)'):format(#v)

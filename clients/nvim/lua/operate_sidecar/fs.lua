@@ -130,19 +130,33 @@ local function disk_text(path)
   return text
 end
 
+-- The answer to a read of `text`: it, or, when it is not UTF-8 text (a buffer opened with
+-- `++bin`, a file in another encoding), the error answer of a read that failed
+-- (docs/PROTOCOL.md §10: the call fails with this reason; never "does not exist", which would
+-- let write_file replace the file unseen). Text that is not UTF-8 cannot go over the wire at all.
+local function text_answer(path, text, reply)
+  local bad = util.utf8_error(text)
+  if bad then
+    return reply(nil, { code = -32603, message = ("'%s' is not UTF-8 text (byte %d); it cannot be read "
+      .. 'through the editor'):format(util.display_path(path), bad) })
+  end
+  reply({ text = text })
+end
+
 --- fs/readTextFile {path} -> {text}: a loaded buffer's text (unsaved changes included), else disk.
---- No file (on disk or as a buffer with text) is an error answer, as the server expects.
+--- No file (on disk or as a buffer with text) is an error answer, as the server expects; so is
+--- text that is not UTF-8.
 function M.on_read(params, reply)
   local path = params.path
   local b = util.buf_for_path(path)
   if b and not no_file(b, path) then
-    return reply({ text = buf_text(b) })
+    return text_answer(path, buf_text(b), reply)
   end
   local text, err = disk_text(path)
   if not text then
     return reply(nil, { code = -32602, message = ('cannot read %s: %s'):format(path, tostring(err)) })
   end
-  reply({ text = text })
+  text_answer(path, text, reply)
 end
 
 -- Whether a mode has a write bit (0o200, 0o020 or 0o002; no bit library needed).

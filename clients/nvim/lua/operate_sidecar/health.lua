@@ -63,9 +63,24 @@ function M.check()
   end
 
   r.start('operate-sidecar: server')
-  local cmd = config.cmd or {}
-  if type(cmd[1]) ~= 'string' then
-    r.error('`cmd` is not set', 'setup({cmd = {"operate-sidecar"}})')
+  local cmd = config.cmd
+  if type(cmd) == 'string' then -- (setup() makes a list of it; a value set by hand may be one)
+    cmd = { cmd }
+  end
+  local bad_cmd = cmd == nil and '`cmd` is not set'
+    or (type(cmd) ~= 'table' or #cmd == 0) and ('`cmd` must be a list of strings (the program and its '
+      .. 'arguments), got %s'):format(type(cmd) == 'table' and 'an empty list' or type(cmd))
+  for i, a in ipairs(type(cmd) == 'table' and cmd or {}) do
+    if not bad_cmd and type(a) ~= 'string' then
+      bad_cmd = ('`cmd` must be a list of strings (the program and its arguments), but item %d is a %s'):format(i, type(a))
+    end
+  end
+  local why_config = require('operate_sidecar.config').check(config)
+  if why_config and not (bad_cmd and why_config:find('^`cmd`')) then
+    r.error('the configuration cannot be used: ' .. why_config, 'fix it in setup({...})')
+  end
+  if bad_cmd then
+    r.error(bad_cmd, 'setup({cmd = {"operate-sidecar"}})')
   elseif vim.fn.executable(cmd[1]) == 1 then
     r.ok(('server command: %s'):format(table.concat(cmd, ' ')))
   else

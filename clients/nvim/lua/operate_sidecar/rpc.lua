@@ -21,6 +21,8 @@ M.codes = {
   timeout = -32098, -- request_sync gave up waiting
   stream = -32097, -- the server wrote something that is not a frame
   not_running = -32096, -- a request was made while the server is not running
+  not_utf8 = -32095, -- a message held text that is not UTF-8: not sent (the server could not read it)
+  client_failed = -32094, -- the plugin itself failed (an error thrown while a turn started)
   not_initialized = -32002,
   method_not_found = -32601,
   invalid_params = -32602,
@@ -36,6 +38,42 @@ local function is_null(v)
   return v == nil or v == vim.NIL
 end
 M.is_null = is_null
+
+--- Where the string s stops being UTF-8 text: the offset (from 0) of the first byte that is not,
+--- as a strict decoder (the server's) reads it: no overlong forms, no surrogates, nothing past
+--- U+10FFFF, no sequence cut short. nil: all of it is UTF-8. (The server answers a body that is
+--- not UTF-8 with a parse error it cannot tie to a request, so such text is never sent.)
+function M.utf8_error(s)
+  local i = 1
+  while true do
+    i = s:find('[\128-\255]', i)
+    if not i then
+      return nil
+    end
+    local c = s:byte(i)
+    local len, lo, hi = 0, 0x80, 0xBF -- (lo, hi: the range of the second byte)
+    if c >= 0xC2 and c <= 0xDF then
+      len = 2
+    elseif c >= 0xE0 and c <= 0xEF then
+      len = 3
+      lo = c == 0xE0 and 0xA0 or lo -- (below: an overlong form)
+      hi = c == 0xED and 0x9F or hi -- (above: a surrogate)
+    elseif c >= 0xF0 and c <= 0xF4 then
+      len = 4
+      lo = c == 0xF0 and 0x90 or lo
+      hi = c == 0xF4 and 0x8F or hi -- (above: past U+10FFFF)
+    else
+      return i - 1
+    end
+    for k = 1, len - 1 do
+      local b = s:byte(i + k)
+      if not b or b < (k == 1 and lo or 0x80) or b > (k == 1 and hi or 0xBF) then
+        return i - 1
+      end
+    end
+    i = i + len
+  end
+end
 
 --- Spawn-free framing helpers (exported for tests and reuse).
 function M.frame(body)
@@ -123,7 +161,9 @@ end
 --- reply(result) or reply(nil, {code, message, data}); ctx.cancelled() tells whether the server
 --- has cancelled it; a handler that throws, or calls ctx.fail(err, text?) for a failure found
 --- later, is logged, told the user once and answered with the error), on_exit?(code, signal),
---- on_server_cancel?(id).
+--- on_server_cancel?(id), on_stray_error?(error) (an error answer with id null: the server could
+--- not read a message of ours, and which one is unknown). A message holding text that is not
+--- UTF-8 is never sent: a request fails with codes.not_utf8, an answer becomes an error answer.
 function M.start(opts)
   assert(type(opts.cmd) == 'table' and #opts.cmd > 0, 'rpc.start: cmd must be a non-empty list')
   local self = setmetatable({
@@ -268,6 +308,9 @@ function Client:_on_stdout(chunk)
   end
 end
 
+-- Send msg; false when it was not sent: the process is gone, or (false, 'not_utf8') the message
+-- holds text that is not UTF-8 (the server would answer it with a parse error it cannot tie to
+-- this message: a request would never be answered).
 function Client:_send(msg)
   if self.closed or self.exited or not self.stdin or self.stdin:is_closing() then
     return false
@@ -277,9 +320,18 @@ function Client:_send(msg)
   if not ok then
     error('operate-sidecar: cannot encode message: ' .. tostring(body), 0)
   end
+  local bad = M.utf8_error(body)
+  if bad then
+    self:_log(('not sent (%s): text that is not UTF-8 at byte %d of its body'):format(
+      tostring(msg.method or ('answer to ' .. tostring(msg.id))), bad))
+    return false, 'not_utf8'
+  end
   self.stdin:write(M.frame(body))
   return true
 end
+
+--- The error of a request that was not sent because it held text that is not UTF-8.
+M.NOT_UTF8 = { code = M.codes.not_utf8, message = 'not sent: it holds text that is not UTF-8 (the server reads UTF-8 only)' }
 
 function Client:_dispatch(msg)
   local method = msg.method
@@ -314,8 +366,16 @@ function Client:_dispatch(msg)
       end
     end
   else
-    -- an error response with id null (the server could not read something we sent)
+    -- an error response with id null: the server could not read something we sent (docs/PROTOCOL.md
+    -- §1: -32700, not JSON; -32600, not a message). It cannot be tied to a request: which of the
+    -- pending ones (if any) it was is unknown, so none is failed here; on_stray_error tells the user.
     self:_log('response without id: ' .. vim.inspect(msg))
+    if self.opts.on_stray_error then
+      local ok, err = pcall(self.opts.on_stray_error, type(msg.error) == 'table' and msg.error or {})
+      if not ok then
+        self:_log('on_stray_error failed: ' .. tostring(err))
+      end
+    end
   end
 end
 
@@ -330,11 +390,16 @@ function Client:_on_server_request(msg)
     end
     answered = true
     self.server_requests[id] = nil
+    local _, why
     if err then
-      self:_send({ id = id, error = { code = err.code or M.codes.internal, message = err.message or tostring(err),
-        data = err.data } })
+      _, why = self:_send({ id = id, error = { code = err.code or M.codes.internal,
+        message = err.message or tostring(err), data = err.data } })
     else
-      self:_send({ id = id, result = is_null(result) and vim.NIL or result })
+      _, why = self:_send({ id = id, result = is_null(result) and vim.NIL or result })
+    end
+    if why == 'not_utf8' then -- (an answer the server could not read: it would wait for its time-out)
+      self:_send({ id = id, error = { code = M.codes.internal,
+        message = ('the editor\'s answer to %s holds text that is not UTF-8'):format(method) } })
     end
   end
   local handler = self.handlers[method]
@@ -413,9 +478,11 @@ function Client:request(method, params, callback)
   if params ~= nil then
     msg.params = empty_dict_if_empty(params)
   end
-  if not self:_send(msg) then
+  local sent, why = self:_send(msg)
+  if not sent then
     vim.schedule(function()
-      callback({ code = M.codes.not_running, message = 'operate-sidecar is not running' }, nil)
+      callback(why == 'not_utf8' and vim.deepcopy(M.NOT_UTF8)
+        or { code = M.codes.not_running, message = 'operate-sidecar is not running' }, nil)
     end)
     return id
   end

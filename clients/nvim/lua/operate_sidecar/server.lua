@@ -119,6 +119,21 @@ local function on_tool_event(e)
   event('OperateSidecarToolEvent')
 end
 
+-- An error answer with id null: the server could not read a message the editor sent (docs/PROTOCOL.md
+-- §1: -32700, not JSON; -32600, not a request). Which one is unknown (a request, an answer to
+-- one of the server's, a notification), so no request is failed on a guess; the user is told,
+-- and a running turn is marked: if its own request was the one, the server never answers it, so
+-- a cancel ends it here (M.cancel) when the server does not answer the cancel.
+local function on_stray_error(err)
+  local run = S.running
+  if run then
+    run.stray = true
+  end
+  local msg = type(err.message) == 'string' and err.message ~= '' and err.message or ('error ' .. tostring(err.code))
+  notify(('the server could not read a message from the editor (%s)%s'):format(msg,
+    run and '; if the turn does not go on, <C-c> in the chat (:OperateCancel) ends it' or ''), vim.log.levels.WARN)
+end
+
 local function on_notification(method, params)
   if method == '$/progress' then
     on_progress(params)
@@ -167,10 +182,11 @@ local function builtin_tools()
             error('no loaded buffer named ' .. args.path, 0) -- (level 0: no source position)
           end
         end
-        return {
-          name = api.nvim_buf_get_name(b),
-          text = table.concat(api.nvim_buf_get_lines(b, 0, -1, false), '\n'),
-        }
+        local text = table.concat(api.nvim_buf_get_lines(b, 0, -1, false), '\n')
+        if util.utf8_error(text) then -- (it could not be sent: the server reads UTF-8 only)
+          error(('the buffer %s is not UTF-8 text'):format(util.display_path(api.nvim_buf_get_name(b))), 0)
+        end
+        return { name = api.nvim_buf_get_name(b), text = text }
       end,
     },
   }
@@ -312,6 +328,25 @@ local function start(cb, quiet)
   end
   local cfg = config.values
   local permission, fs = require('operate_sidecar.permission'), require('operate_sidecar.fs')
+  -- what initialize sends, made before the process is (a value of the wrong type set by hand
+  -- after setup() fails the start here, with why, not a start that never sends initialize)
+  local why = config.check(cfg)
+  local made, specs, settings = pcall(function()
+    if why then
+      error('the configuration cannot be used: ' .. why, 0)
+    end
+    return collect_tools(), init_settings()
+  end)
+  local function failed(msg, code) -- the start failed before the process ran: said once, and answered
+    if not quiet then
+      notify(msg, vim.log.levels.ERROR)
+    end
+    cb({ code = code, message = msg })
+  end
+  if not made then
+    failed('cannot start the server: ' .. tostring(specs), rpc.codes.client_failed)
+    return
+  end
   local ok, client = pcall(function()
     local c
     c = rpc.start({
@@ -329,6 +364,7 @@ local function start(cb, quiet)
       on_server_cancel = function(id)
         permission.on_server_cancel(id)
       end,
+      on_stray_error = on_stray_error,
       on_exit = function(code, signal)
         on_exit(c, code, signal)
       end,
@@ -336,11 +372,7 @@ local function start(cb, quiet)
     return c
   end)
   if not ok then
-    local msg = tostring(client)
-    if not quiet then
-      notify(msg, vim.log.levels.ERROR)
-    end
-    cb({ code = rpc.codes.not_running, message = msg })
+    failed(tostring(client), rpc.codes.not_running)
     return
   end
   S.client, S.ready, S.init_result, S.exit = client, false, nil, nil
@@ -385,14 +417,13 @@ local function start(cb, quiet)
       message = ('initialize: no answer within %d ms'):format(cfg.request_timeout) })
   end))
 
-  local specs = collect_tools()
   client:request('initialize', {
     protocolVersion = 1,
     clientInfo = { name = 'operate-sidecar.nvim', version = M.version },
     processId = vim.fn.getpid(),
     capabilities = { toolPermission = true, clientTools = true, fs = cfg.fs and true or false, thoughts = true },
     workspaceFolders = { vim.fn.getcwd() },
-    settings = init_settings(),
+    settings = settings,
   }, function(err, result)
     if err then
       settle(err)
@@ -405,7 +436,8 @@ local function start(cb, quiet)
       return
     end
     client:request('registerClientTools', { tools = specs }, function(rerr)
-      if rerr then
+      -- (refused because :OperateStop came meanwhile, or the server is gone: that end's notice is the one message)
+      if rerr and S.client == client and not S.stopping then
         util.notify_failure(util.error_message('the editor\'s tools (client_tools) were not added', rerr), rerr,
           vim.log.levels.WARN)
       end
@@ -584,6 +616,9 @@ end
 -- how long a turn the server cancelled by itself waits for the server's exit (see operate), and
 -- a card whose request the server stopped waiting for, for its answer to a ping (see probe)
 M.EXIT_WAIT_MS = 5000
+-- how long a cancel of a turn that may never be answered (see on_stray_error) waits for the
+-- server's answer before the turn is ended here
+M.CANCEL_WAIT_MS = 3000
 
 --- Run `operate`. params: the operate params (branchId defaults to the current branch; a
 --- workDoneToken is added). hooks: {on_start(run), on_delta(delta, run), on_thought(text, run)
@@ -591,8 +626,48 @@ M.EXIT_WAIT_MS = 5000
 --- one other than `stream`), on_tool_event(e, run)}.
 --- on_done(err, result, run). One notification tells how it ended (ended by the server's end:
 --- that end's notice, util.exit_notice).
+local operate -- (below: M.operate runs it, guarded)
+
 function M.operate(params, on_done, hooks)
   on_done = on_done or function() end
+  local run
+  -- Something that throws while the turn starts (a configuration value of the wrong type, set
+  -- by hand after setup(), say) ends the turn with the error shown: never a turn left running
+  -- that blocks every later one.
+  local function failed(err)
+    local e = { code = rpc.codes.client_failed, message = 'the editor could not start the turn: ' .. tostring(err) }
+    if run and run.finish then
+      return run.finish(e)
+    end
+    if run and S.running == run then
+      S.running = nil
+    end
+    notify('the turn did not finish: ' .. e.message, vim.log.levels.ERROR)
+    e.notified = true
+    S.last = { err = e, deltas = {} }
+    vim.schedule(function()
+      on_done(e, nil, run)
+      event('OperateSidecarDone')
+    end)
+  end
+  local why = config.check(config.values) -- (values set by hand after setup(): said plainly)
+  if why then
+    failed('the configuration cannot be used: ' .. why)
+    return nil
+  end
+  local ok, res = pcall(function()
+    return operate(params, on_done, hooks, failed, function(r)
+      run = r
+    end)
+  end)
+  if not ok then
+    failed(res)
+    return run
+  end
+  return res
+end
+
+operate = function(params, on_done, hooks, failed, made)
   local branches = require('operate_sidecar.branches')
   params = vim.tbl_extend('keep', util.copy(params or {}), util.copy(config.values.operate_defaults or {}))
   if S.running then
@@ -612,6 +687,16 @@ function M.operate(params, on_done, hooks)
     hooks = hooks or {}, started = (vim.uv or vim.loop).hrtime() }
   params.workDoneToken = run.token
   S.running = run
+  made(run)
+  -- fn as a callback whose error ends the turn (see M.operate)
+  local function guarded(fn)
+    return function(...)
+      local ok, err = pcall(fn, ...)
+      if not ok then
+        failed(err)
+      end
+    end
+  end
   S.progress = {}
   event('OperateSidecarRunning')
 
@@ -625,7 +710,8 @@ function M.operate(params, on_done, hooks)
     end
     S.last = { err = err, result = result, deltas = run.deltas, branchId = run.branchId, usage = run.usage }
     local secs = ('%.1f s'):format(run.elapsed_ms / 1000)
-    if err and err.code == rpc.codes.cancelled then
+    if err and err.code == rpc.codes.cancelled and S.stopping then -- (by :OperateStop: its notice is the one message)
+    elseif err and err.code == rpc.codes.cancelled then
       notify('cancelled')
     elseif util.told_by_exit(err) then -- (the server's exit notice says it, and that this turn ended)
       local c = run.client or S.client
@@ -635,12 +721,19 @@ function M.operate(params, on_done, hooks)
     elseif err and err.notified then -- (said already: a branch that could not be made, say)
     elseif err then
       local hint = err.code == rpc.codes.model_error and '; R in the chat (:OperateRetry) sends it again' or ''
-      notify('the turn did not finish: ' .. util.error_text(err) .. hint, vim.log.levels.WARN)
+      notify('the turn did not finish: ' .. util.error_text(err) .. hint,
+        err.code == rpc.codes.client_failed and vim.log.levels.ERROR or vim.log.levels.WARN)
     else
       notify('done · ' .. secs)
     end
     on_done(err, result, run)
     event('OperateSidecarDone')
+  end
+  run.finish = function(err, result)
+    if not run.finished then
+      run.finished = true
+      finish(err, result)
+    end
   end
 
   -- The server cancelled the turn by itself (nobody here asked): it is going away (a SIGTERM, its
@@ -649,15 +742,9 @@ function M.operate(params, on_done, hooks)
   local function finish_or_wait_exit(err, result)
     local c = run.client
     if not (err and err.code == rpc.codes.cancelled and not run.cancel_requested and not S.stopping and c) then
-      return finish(err, result)
+      return run.finish(err, result)
     end
-    local settled = false
-    local function once(e, r)
-      if not settled then
-        settled = true
-        finish(e, r)
-      end
-    end
+    local once = run.finish
     c:when_exited(function(code, signal)
       once(rpc.exit_error(code, signal))
     end)
@@ -671,22 +758,22 @@ function M.operate(params, on_done, hooks)
   local tab = branches.key() -- (the tab page it was sent from: the server may start meanwhile)
   local send
   local function with_current_branch()
-    branches.ensure(function(berr, bid)
+    branches.ensure(guarded(function(berr, bid)
       if berr then
-        return finish(berr)
+        return run.finish(berr)
       end
       send(bid)
-    end, instruction, tab)
+    end), instruction, tab)
   end
   send = function(bid)
     if run.cancel_requested then
-      return finish({ code = rpc.codes.cancelled, message = 'cancelled before it was sent' })
+      return run.finish({ code = rpc.codes.cancelled, message = 'cancelled before it was sent' })
     end
     params.branchId = params.branchId or bid
     run.branchId = params.branchId
     run.client = S.client
     hook(run, 'on_start', run)
-    run.id = S.client:request('operate', params, function(err, result)
+    run.id = S.client:request('operate', params, guarded(function(err, result)
       -- The current branch is gone (a server restarted without its journal): use a new one, once.
       if err and err.code == -32012 and implicit and not run.retried and not run.cancel_requested then
         run.retried = true
@@ -697,19 +784,19 @@ function M.operate(params, on_done, hooks)
         return with_current_branch()
       end
       finish_or_wait_exit(err, result)
-    end)
+    end))
   end
 
-  M.when_ready(function(err)
+  M.when_ready(guarded(function(err)
     if err then
-      return finish(err)
+      return run.finish(err)
     end
     if params.branchId then
       send(params.branchId)
     else
       with_current_branch()
     end
-  end)
+  end))
   return run
 end
 
@@ -723,6 +810,15 @@ function M.cancel()
   run.cancel_requested = true
   if run.id and run.client then
     run.client:cancel(run.id)
+    if run.stray and run.finish then
+      -- the server could not read a message sent during this turn (on_stray_error): if it was
+      -- this turn's request, the server knows of no turn to cancel and would never answer
+      vim.defer_fn(function()
+        if S.running == run then
+          run.finish({ code = rpc.codes.cancelled, message = 'cancelled (the server did not answer the cancel)' })
+        end
+      end, M.CANCEL_WAIT_MS)
+    end
   end
   return true
 end

@@ -284,6 +284,9 @@ end
 local rpc = require('operate_sidecar.rpc')
 local codes = rpc.codes
 
+--- Where s stops being UTF-8 text (a byte offset, from 0), or nil: see rpc.utf8_error.
+M.utf8_error = rpc.utf8_error
+
 -- The server's documented error codes and the plugin's own (rpc.codes), said as a user would:
 -- what went wrong, and what to do about it; `detail`: the server's message follows (it carries
 -- the useful part: the model's error text, the reason the change was not saved).
