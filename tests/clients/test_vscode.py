@@ -16,7 +16,10 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       adds no "Command '...' resulted in an error" of its own; a server that dies during an Operate from the
       palette or a chat turn shows one error message, its exit notice (not also the Operate's own); a
       diff review that fails to open, or an fs handler that throws (the API's test seam `faults`), is
-      one error naming it, the call denied or failed, nothing left waiting.
+      one error naming it, the call denied or failed, nothing left waiting; a review's diff editor closed
+      without deciding denies the call; a file deleted or renamed on disk during its review is not
+      re-created by Accept; a file that is not UTF-8 text is not edited through the editor; a server that
+      dies while a review waits leaves nothing waiting (no diff editor, badge or "waiting for you").
   (d2) the same harness in a multi-root workspace (--suite multi-root): paths of the second folder.
   (d3) the same harness in a window with no folder open (--suite no-folder, user settings).
   (e) through the real browser: the chat view (a webview) and the diff editor driven by mouse clicks
@@ -247,7 +250,7 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
     summary, report = run_itest_suite(vsix, tmp_path, "(d) extension-host itest")
     TIMINGS["(d) code-server ready"] = round(summary.get("timings", {}).get("codeServerReadyMs", 0) / 1000, 1)
     assert report["vscodeVersion"] == "1.99.3" and report["appName"] == "code-server", report
-    assert len(report["checks"]) == 49, report["checks"]
+    assert len(report["checks"]) == 53, report["checks"]
     assert "[tool post] shout" in report["outputChannel"] and "=== cancelled:" in report["outputChannel"]
     names = " | ".join(c["name"] for c in report["checks"])
     for topic in ("asks for the instruction", "answered allow_once", "answered deny_once", "answered allow_always",
@@ -267,7 +270,11 @@ def test_d_extension_host_integration_on_the_unpacked_vsix(vsix, tmp_path):
                   "from the palette whose request fails shows one error message, not two",
                   "the server dies during an Operate from the palette: one error message, the exit notice",
                   "a diff review that fails to open", "an fs handler that throws",
-                  "a model stuck on the same failing call: the chat's rounds stop after 3 in a row"):
+                  "a model stuck on the same failing call: the chat's rounds stop after 3 in a row",
+                  "closing a review's diff editor without deciding denies the call once",
+                  "a file deleted or renamed on disk while its edit waits for review: Accept fails the call",
+                  "a file that is not UTF-8 text (Latin-1) is neither edited nor its bytes replaced",
+                  "the server dies while an edit waits for review (a chat turn, an Operate): the review is withdrawn"):
         assert topic in names, f"missing extension-host check about {topic!r}: {names}"
 
 

@@ -34,6 +34,10 @@ export type ClientToolRequest = P.InvokeClientToolParams;
 export type ReadTextFileRequest = P.ReadTextFileParams;
 export type WriteTextFileRequest = P.WriteTextFileParams;
 
+/**
+ * The handlers of the server's requests get a token that is cancelled when the server withdraws the request
+ * (`$/cancelRequest`) and when its process exits: a request whose asker is gone waits for nothing.
+ */
 export type PermissionHandler = (req: PermissionRequest, token: rpc.CancellationToken) =>
   PermissionDecision | Promise<PermissionDecision>;
 export type ClientToolHandler = (req: ClientToolRequest, token: rpc.CancellationToken) => unknown | Promise<unknown>;
@@ -171,6 +175,11 @@ function callEach<A>(listeners: Iterable<(arg: A) => void>, arg: A): void {
   if (first) throw first.error;
 }
 
+/** Cancels `source` once (a second cancel() of a source whose token was never read throws). */
+function cancelSource(source: rpc.CancellationTokenSource): void {
+  if (!source.token.isCancellationRequested) source.cancel();
+}
+
 let tokenCounter = 0;
 /** After the process exited, how long to wait for the rest of its stderr (a grandchild may hold the pipe). */
 const STDERR_DRAIN_MS = 500;
@@ -201,6 +210,12 @@ export class SidecarClient {
   private stdoutHead = '';
   /** Set when the reader could not read stdout as framing (then nothing can be answered). */
   private streamError: Error | undefined;
+  /**
+   * The tokens of the server's requests being answered (requestToolPermission, invokeClientTool, fs/*): all are
+   * cancelled when the process exits, so that a handler waiting for the user (a review, a prompt) is withdrawn
+   * instead of waiting for ever for a request nobody will read the answer of.
+   */
+  private readonly served = new Set<rpc.CancellationTokenSource>();
   /** Cancels a request waiting for its answer, one per request: `stop()` calls them before `shutdown`. */
   private readonly unanswered = new Set<() => void>();
   /** The stop in progress (or done): a `stop()` called while one runs shares it. */
@@ -218,6 +233,8 @@ export class SidecarClient {
     this.exitInfo = new Promise((resolve) => {
       child.once('exit', (code, signal) => {
         this.processGone = true;
+        // the server's own requests go with it: their handlers are told at once (their answers go nowhere)
+        for (const source of [...this.served]) cancelSource(source);
         const drained = new Promise<void>((r) => setTimeout(r, STDERR_DRAIN_MS).unref());
         void Promise.race([stderrEnded, drained]).then(() => {
           const info: ExitInfo = { exitCode: code, signal, stderrTail: this.stderrBuf };
@@ -244,21 +261,21 @@ export class SidecarClient {
     this.connection = rpc.createMessageConnection(reader, new rpc.StreamMessageWriter(child.stdin!));
     // a write to a dead server: the error surfaces through the request (as SidecarExitedError)
     child.stdin!.on('error', () => { /* EPIPE */ });
-    this.connection.onRequest('requestToolPermission', async (p: PermissionRequest, token) => {
+    this.serve('requestToolPermission', async (p: PermissionRequest, token) => {
       if (!this.permissionHandler) return { decision: 'deny_once' };
       return { decision: await this.permissionHandler(p, token) };
     });
-    this.connection.onRequest('invokeClientTool', async (p: ClientToolRequest, token) => {
+    this.serve('invokeClientTool', async (p: ClientToolRequest, token) => {
       if (!this.clientToolHandler) {
         throw new rpc.ResponseError(ErrorCodes.MethodNotFound, `no client tool handler for ${p.tool}`);
       }
       return { output: await this.clientToolHandler(p, token) };
     });
-    this.connection.onRequest('fs/readTextFile', async (p: ReadTextFileRequest, token) => {
+    this.serve('fs/readTextFile', async (p: ReadTextFileRequest, token) => {
       if (!this.fsHandler) throw new rpc.ResponseError(ErrorCodes.MethodNotFound, 'no file system handler');
       return { text: await this.fsHandler.readTextFile(p, token) };
     });
-    this.connection.onRequest('fs/writeTextFile', async (p: WriteTextFileRequest, token) => {
+    this.serve('fs/writeTextFile', async (p: WriteTextFileRequest, token) => {
       if (!this.fsHandler) throw new rpc.ResponseError(ErrorCodes.MethodNotFound, 'no file system handler');
       await this.fsHandler.writeTextFile(p, token);
       return {};
@@ -282,6 +299,26 @@ export class SidecarClient {
     });
     this.connection.onError(() => { /* a broken pipe surfaces through exited / rejected requests */ });
     this.connection.listen();
+  }
+
+  /**
+   * Answers the server's request `method` with `handler`, whose token is cancelled when the server withdraws the
+   * request ($/cancelRequest) or its process exits (see `served`).
+   */
+  private serve<P>(method: string, handler: (params: P, token: rpc.CancellationToken) => Promise<object>): void {
+    this.connection.onRequest(method, async (params: P, token: rpc.CancellationToken) => {
+      const source = new rpc.CancellationTokenSource();
+      const linked = token.onCancellationRequested(() => cancelSource(source));
+      this.served.add(source);
+      if (this.processGone || token.isCancellationRequested) cancelSource(source);
+      try {
+        return await handler(params, source.token);
+      } finally {
+        this.served.delete(source);
+        linked.dispose();
+        source.dispose();
+      }
+    });
   }
 
   /** Spawn the server; rejects if the executable cannot be started. */

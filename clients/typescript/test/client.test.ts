@@ -7,7 +7,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { Trace, TraceFormat } from 'vscode-jsonrpc/node';
 import {
-  CancellationTokenSource, ErrorCodes, ExitInfo, LogMessage, PermissionRequest, ProgressParams, ProgressValue, ReadTextFileRequest,
+  CancellationToken, CancellationTokenSource, ErrorCodes, ExitInfo, LogMessage, PermissionRequest, ProgressParams, ProgressValue, ReadTextFileRequest,
   DEFAULT_INITIALIZE_TIMEOUT_MS, ResponseError, SidecarClient, SidecarExitedError, SidecarStreamError, SidecarTimeoutError, ToolEvent, WriteTextFileRequest,
 } from '../src/index';
 import {
@@ -360,6 +360,29 @@ test('a server that dies mid-request fails the pending request with SidecarExite
   await assert.rejects(c.ping(), SidecarExitedError);
   assert.equal(c.running, false);
   void stderr;
+});
+
+test('a server that dies while a handler answers its request (requestToolPermission waiting for the user): the handler\'s token is cancelled, nothing waits for ever', async () => {
+  const call = callTool('shout', { text: 'hey' });
+  const { c } = await initialized({ models: { s: scripted(call) }, toolModules: ['ts_fixture_tools'], toolPolicy: { shout: 'ask' } },
+    { toolPermission: true });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  let asked: { token: CancellationToken; cancelledBefore: boolean } | undefined;
+  let withdrawn = false;
+  // a handler that waits for a decision that never comes: only its token ends it
+  c.setPermissionHandler((_req, token) => new Promise((resolve) => {
+    asked = { token, cancelledBefore: token.isCancellationRequested };
+    token.onCancellationRequested(() => { withdrawn = true; resolve('deny_once'); });
+  }));
+  const pending = c.operate({ branchId, instruction: 'call', actions: true });
+  pending.catch(() => undefined);
+  await until(() => asked !== undefined, 'the permission request');
+  assert.equal(asked!.cancelledBefore, false, 'a live request: its token is not cancelled');
+  assert.equal(withdrawn, false);
+  c.kill();
+  await until(() => withdrawn, 'the handler\'s token cancelled by the exit');
+  assert.equal(asked!.token.isCancellationRequested, true);
+  await assert.rejects(within(pending, 'the operate after kill'), (e: Error) => e instanceof SidecarExitedError && e.signal === 'SIGKILL');
 });
 
 test('a request written to a server that was killed, its exit not reported yet, fails naming the signal (not "write EPIPE")', async () => {

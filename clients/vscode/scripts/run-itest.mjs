@@ -201,6 +201,7 @@ try {
 }
 killAll();
 timings.totalMs = Date.now() - t0;
-process.stdout.write(JSON.stringify({ ...result.summary, extension: EXT, timings, workDir: KEEP ? W : undefined }, null, 2) + '\n');
 if (!KEEP) fs.rmSync(W, { recursive: true, force: true });
-process.exit(result.code);
+// exit once the summary is written: process.exit() right after a large write to a pipe would cut it short
+process.stdout.write(JSON.stringify({ ...result.summary, extension: EXT, timings, workDir: KEEP ? W : undefined }, null, 2) + '\n',
+  () => process.exit(result.code));

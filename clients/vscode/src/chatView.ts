@@ -725,6 +725,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     }
     this.live = undefined;
     this.answerStopped();   // (requests the server did not withdraw: the turn is over)
+    // requests still waiting for a decision (the server died under the turn): nothing can decide them any more
+    for (const id of [...this.pendingAsks.keys()]) this.withdrawAsk(id, 'the turn failed before this call was decided');
     live.source.dispose();
     this.host.runningChanged(false);
     setContext(RUNNING_KEY, false);
@@ -786,10 +788,12 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const decision = await new Promise<PermissionDecision>((resolve) => {
       this.pendingAsks.set(req.callId, { resolve, card: card!, options: req.options });
       this.showWaiting();
-      // the server withdrew the request: its operate was stopped, or nobody answered in time
+      // the server withdrew the request: its operate was stopped, or nobody answered in time; or the server exited
+      // (the client cancels its requests' tokens then): nothing can be decided any more, the call failed with its turn
       token.onCancellationRequested(() => {
         this.answerStopped(req.callId);
-        this.settleAsk(req.callId, 'deny_once', live.source.token.isCancellationRequested ? 'the turn was stopped' : 'permission request timed out');
+        if (!this.host.current()) this.withdrawAsk(req.callId, 'the server exited while this call waited for your decision');
+        else this.settleAsk(req.callId, 'deny_once', live.source.token.isCancellationRequested ? 'the turn was stopped' : 'permission request timed out');
       });
       if (preview) {
         // a review that could not be shown: the card says denied, the request is answered with the error (a denial)
@@ -832,6 +836,26 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     if (answer) p.resolve(decision);
     else this.unanswered.set(callId, () => p.resolve(decision));
     return true;
+  }
+
+  /**
+   * Takes back the request of `callId` that can no longer be decided (its server exited, or its turn ended without
+   * it): the card says `error` (unless the turn's end marked it already), its review closes, nothing is recorded; the
+   * request is answered deny_once, an answer nobody reads.
+   */
+  private withdrawAsk(callId: string, error: string): void {
+    const p = this.pendingAsks.get(callId);
+    if (!p) return;
+    this.pendingAsks.delete(callId);
+    this.showWaiting();
+    if (this.host.review.has(callId)) this.host.review.decide(callId, 'deny_once', true);
+    delete p.card.ask;
+    if (p.card.state === 'ask' || p.card.state === 'running') {
+      p.card.state = 'error';
+      p.card.output ??= { error };
+    }
+    this.render();
+    p.resolve('deny_once');
   }
 
   dispose(): void {

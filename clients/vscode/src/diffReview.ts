@@ -43,15 +43,68 @@ export function absPath(p: string): string {
   return root ? path.join(root, p) : path.resolve(p);
 }
 
-/** The current text of a file: the open buffer when there is one, else the disk ('' when missing). */
-export async function currentText(fsPath: string): Promise<string> {
-  const open = vscode.workspace.textDocuments.find((d) => d.uri.scheme === 'file' && d.uri.fsPath === fsPath);
-  if (open) return open.getText();
-  try {
-    return new TextDecoder().decode(await vscode.workspace.fs.readFile(vscode.Uri.file(fsPath)));
-  } catch {
-    return '';
+/**
+ * Where the first byte of `bytes` that is not part of UTF-8 text is (as Python's UnicodeDecodeError.start
+ * says it, so that the message matches the server's own for the disk); -1 when they are UTF-8.
+ */
+export function firstNonUtf8Byte(bytes: Uint8Array): number {
+  let i = 0;
+  while (i < bytes.length) {
+    const c = bytes[i];
+    if (c < 0x80) { i++; continue; }
+    // the length of the sequence and the range of its second byte (no overlong forms, no surrogates, at most U+10FFFF)
+    const [n, lo, hi] = c >= 0xc2 && c <= 0xdf ? [2, 0x80, 0xbf] : c === 0xe0 ? [3, 0xa0, 0xbf] : c === 0xed ? [3, 0x80, 0x9f]
+      : c >= 0xe1 && c <= 0xef ? [3, 0x80, 0xbf] : c === 0xf0 ? [4, 0x90, 0xbf] : c === 0xf4 ? [4, 0x80, 0x8f]
+        : c >= 0xf1 && c <= 0xf3 ? [4, 0x80, 0xbf] : [0, 0, 0];
+    if (!n || i + 1 >= bytes.length || bytes[i + 1] < lo || bytes[i + 1] > hi) return i;
+    for (let k = 2; k < n; k++) if (i + k >= bytes.length || (bytes[i + k] & 0xc0) !== 0x80) return i;
+    i += n;
   }
+  return -1;
+}
+
+/** What a file holds for the file tools (see fileText). */
+type FileText = { text: string } | { missing: unknown } | { notUtf8: number } | { unreadable: unknown };
+
+function openDocument(fsPath: string): vscode.TextDocument | undefined {
+  return vscode.workspace.textDocuments.find((d) => d.uri.scheme === 'file' && d.uri.fsPath === fsPath);
+}
+
+/**
+ * A file's text for the file tools: an unsaved (dirty) buffer's text, whatever the disk holds (docs/PROTOCOL.md §10);
+ * else the file must be on disk: an open buffer of a file deleted or renamed since is no file (`missing`). The disk's
+ * bytes must be UTF-8 (`notUtf8`: where they are not; an edit saved back as UTF-8 would replace them with U+FFFD),
+ * unless the file is open in another encoding the user chose (its buffer is then the text, saved back in that
+ * encoding). A file that is open is served as its buffer holds it (the line ends the editor keeps).
+ */
+async function fileText(fsPath: string): Promise<FileText> {
+  const open = openDocument(fsPath);
+  if (open?.isDirty) return { text: open.getText() };
+  let bytes: Uint8Array;
+  try {
+    bytes = await vscode.workspace.fs.readFile(vscode.Uri.file(fsPath));
+  } catch (e) {
+    return e instanceof vscode.FileSystemError && e.code === 'FileNotFound' ? { missing: e } : { unreadable: e };
+  }
+  // (TextDocument.encoding: not in the 1.90 API's types, there at run time from 1.99 on)
+  const encoding = (open as { encoding?: unknown } | undefined)?.encoding;
+  if (open && typeof encoding === 'string' && !encoding.startsWith('utf8')) return { text: open.getText() };
+  let text: string;
+  try {
+    text = new TextDecoder('utf-8', { fatal: true }).decode(bytes);
+  } catch {
+    return { notUtf8: Math.max(0, firstNonUtf8Byte(bytes)) };
+  }
+  return { text: open ? open.getText() : text };
+}
+
+/**
+ * The current text of a file for a preview computed here ('' when there is none); undefined when it cannot be
+ * shown as text (not UTF-8, unreadable): no preview, nothing to review it in.
+ */
+export async function currentText(fsPath: string): Promise<string | undefined> {
+  const f = await fileText(fsPath);
+  return 'text' in f ? f.text : 'missing' in f ? '' : undefined;
 }
 
 /**
@@ -70,10 +123,12 @@ export async function previewOf(req: PermissionRequest): Promise<DiffPreview | u
   if (!a || typeof a.path !== 'string') return undefined;
   const p = absPath(a.path);
   if (req.tool === 'write_file' && typeof a.content === 'string') {
-    return { kind: 'diff', path: p, oldText: await currentText(p), newText: a.content, diff: '' };
+    const oldText = await currentText(p);
+    return oldText === undefined ? undefined : { kind: 'diff', path: p, oldText, newText: a.content, diff: '' };
   }
   if (req.tool === 'edit_file' && Array.isArray(a.edits)) {
     const oldText = await currentText(p);
+    if (oldText === undefined) return undefined;
     let text = oldText;
     for (const e of a.edits as { oldText?: string; newText?: string; replaceAll?: boolean }[]) {
       if (typeof e?.oldText !== 'string' || typeof e.newText !== 'string' || !text.includes(e.oldText)) return undefined;
@@ -99,8 +154,27 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
   private readonly subs: vscode.Disposable[];
 
   constructor() {
-    this.subs = [vscode.workspace.registerTextDocumentContentProvider(PROPOSED_SCHEME, this), this.changed, this.decided];
+    this.subs = [vscode.workspace.registerTextDocumentContentProvider(PROPOSED_SCHEME, this), this.changed, this.decided,
+      vscode.window.tabGroups.onDidChangeTabs((e) => this.tabsClosed(e.closed))];
     void vscode.commands.executeCommand('setContext', CONTEXT_KEY, false);
+  }
+
+  /**
+   * The user closed a review's diff editor without deciding: that denies the call once, as dismissing the permission
+   * quick pick does (it would wait for the server's time-out otherwise, with nothing left on screen to decide it in).
+   * The editors this class closes itself go after their review was taken (decided, withdrawn): not a decision. A tab
+   * moved to another group (opened there, then closed here) still shows the review: nothing is decided.
+   */
+  private tabsClosed(closed: readonly vscode.Tab[]): void {
+    for (const t of closed) {
+      if (!(t.input instanceof vscode.TabInputTextDiff) || t.input.modified.scheme !== PROPOSED_SCHEME) continue;
+      const uri = t.input.modified.toString();
+      const callId = [...this.pending.entries()].find(([, p]) => p.uri.toString() === uri)?.[0];
+      if (callId === undefined) continue;
+      const shown = vscode.window.tabGroups.all.some((g) => g.tabs.some((o) =>
+        o.input instanceof vscode.TabInputTextDiff && o.input.modified.toString() === uri));
+      if (!shown) this.decide(callId, 'deny_once');
+    }
   }
 
   provideTextDocumentContent(uri: vscode.Uri): string { return this.texts.get(uri.toString()) ?? ''; }
@@ -200,36 +274,63 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
 }
 
 /**
+ * Whether each call's last read found its file (callId and path -> true: text was answered, false: "no such
+ * file"), so that its write can tell a file that vanished since from a new one. Bounded: the oldest go first.
+ */
+const readFound = new Map<string, boolean>();
+const READS_KEPT = 1000;
+function noteRead(p: { path: string; callId?: string }, found: boolean): void {
+  const key = `${p.callId ?? ''}\0${p.path}`;
+  readFound.delete(key);
+  readFound.set(key, found);
+  if (readFound.size > READS_KEPT) readFound.delete(readFound.keys().next().value!);
+}
+
+/**
  * The client's file system for builtin file tools: reads serve open buffers (unsaved text
  * included), writes land in the buffer as one WorkspaceEdit (dirty, undoable), never on disk.
  * A file that cannot be read (none there, a folder) is an error answer (a ResponseError), not a
  * failure of the editor: a missing one is answered -32002, which the server takes as "no such
- * file" (write_file creates it).
+ * file" (write_file creates it). So is the saved buffer of a file deleted or renamed on disk since
+ * it was opened (only an unsaved one is served without its file: docs/PROTOCOL.md §10), and the
+ * write of a call whose read found the file fails when it has vanished since (nothing is created:
+ * the edit would land behind the user's back). A file that is not UTF-8 text is an error answer
+ * saying so: the server's call fails with it, as it does for such a file on disk (docs/PROTOCOL.md
+ * §9), instead of editing a text decoded with U+FFFD that a save would write over its bytes.
  */
 export const clientFs = {
-  async readTextFile(p: { path: string }): Promise<string> {
-    const open = vscode.workspace.textDocuments.find((d) => d.uri.scheme === 'file' && d.uri.fsPath === p.path);
-    if (open) return open.getText();
-    try {
-      return new TextDecoder().decode(await vscode.workspace.fs.readFile(vscode.Uri.file(p.path)));
-    } catch (e) {   // none there: -32002, the protocol's "no such file" for fs/readTextFile
-      const missing = e instanceof vscode.FileSystemError && e.code === 'FileNotFound';
-      throw new ResponseError(missing ? -32002 : ErrorCodes.InternalError,
-        `cannot read ${p.path}: ${e instanceof Error ? e.message : String(e)}`);
+  async readTextFile(p: { path: string; callId?: string }): Promise<string> {
+    const f = await fileText(p.path);
+    if ('text' in f) { noteRead(p, true); return f.text; }
+    if ('notUtf8' in f) {
+      noteRead(p, true);
+      throw new ResponseError(ErrorCodes.InternalError, `'${p.path}' is not UTF-8 text (byte ${f.notUtf8}); it cannot be changed safely by this tool`);
     }
+    // none there: -32002, the protocol's "no such file" for fs/readTextFile
+    const e = 'missing' in f ? f.missing : f.unreadable;
+    if ('missing' in f) noteRead(p, false);
+    throw new ResponseError('missing' in f ? -32002 : ErrorCodes.InternalError,
+      `cannot read ${p.path}: ${e instanceof Error ? e.message : String(e)}`);
   },
-  async writeTextFile(p: { path: string; text: string }): Promise<void> {
+  async writeTextFile(p: { path: string; text: string; callId?: string }): Promise<void> {
     const uri = vscode.Uri.file(p.path);
+    const key = `${p.callId ?? ''}\0${p.path}`;
+    const found = readFound.get(key);
+    readFound.delete(key);
     let exists = true;
     try { await vscode.workspace.fs.stat(uri); } catch { exists = false; }
+    const open = openDocument(p.path);
     const edit = new vscode.WorkspaceEdit();
-    if (!exists) {
-      edit.createFile(uri, { ignoreIfExists: true });
-      edit.insert(uri, new vscode.Position(0, 0), p.text);
-    } else {
-      const doc = await vscode.workspace.openTextDocument(uri);
+    if (exists || open?.isDirty) {   // the file, or the unsaved buffer the call read (its file gone)
+      const doc = open ?? await vscode.workspace.openTextDocument(uri);
       const all = new vscode.Range(doc.positionAt(0), doc.positionAt(doc.getText().length));
       edit.replace(uri, all, p.text);
+    } else if (found) {
+      throw new ResponseError(ErrorCodes.InternalError,
+        `${p.path} no longer exists on disk (deleted or renamed since it was read); nothing written`);
+    } else {
+      edit.createFile(uri, { ignoreIfExists: true });
+      edit.insert(uri, new vscode.Position(0, 0), p.text);
     }
     if (!(await vscode.workspace.applyEdit(edit))) throw new Error(`could not apply the edit to ${p.path}`);
   },

@@ -781,6 +781,17 @@ export async function run(): Promise<void> {
       await exec('workbench.action.files.revert');
     });
 
+    /** Reverts and closes the editors of `files`, removes them from the disk. */
+    const dropFiles = async (...files: vscode.Uri[]) => {
+      for (const f of files) {
+        const doc = vscode.workspace.textDocuments.find((d) => d.uri.toString() === f.toString());
+        if (doc?.isDirty) { await within(vscode.window.showTextDocument(doc), 'focus'); await exec('workbench.action.files.revert'); }
+        const tabs = vscode.window.tabGroups.all.flatMap((g) => g.tabs).filter((t) => t.input instanceof vscode.TabInputText && t.input.uri.toString() === f.toString());
+        if (tabs.length) await within(vscode.window.tabGroups.close(tabs), 'close its tabs');
+        fs.rmSync(f.fsPath, { force: true });
+      }
+    };
+
     await check('Accept / Reject Edit from the palette with two reviews waiting and no diff editor focused: a quick pick names them (file, tool), the chosen one is decided (dismissed: none); one waiting: decided unasked; none: an information message says so', async () => {
       const files = ['review-a.txt', 'review-b.txt'].map((f) => vscode.Uri.joinPath(folder, f));
       for (const f of files) fs.writeFileSync(f.fsPath, `${path.basename(f.fsPath)} text\n`);
@@ -822,13 +833,7 @@ export async function run(): Promise<void> {
         });
       } finally {
         for (const r of runs) if (!r.s.done) await exec('operateSidecar.cancel');
-        for (const f of files) {
-          const doc = vscode.workspace.textDocuments.find((d) => d.uri.toString() === f.toString());
-          if (doc?.isDirty) { await within(vscode.window.showTextDocument(doc), 'focus'); await exec('workbench.action.files.revert'); }
-          const tabs = vscode.window.tabGroups.all.flatMap((g) => g.tabs).filter((t) => t.input instanceof vscode.TabInputText && t.input.uri.toString() === f.toString());
-          if (tabs.length) await within(vscode.window.tabGroups.close(tabs), 'close its tabs');
-          fs.rmSync(f.fsPath, { force: true });
-        }
+        await dropFiles(...files);
       }
     });
 
@@ -911,6 +916,125 @@ export async function run(): Promise<void> {
       } finally {
         api!.faults.clear();
         if (!run.s.done) await exec('operateSidecar.cancel');
+      }
+    });
+
+    /** A scripted model (unique by `answer`: inline models are cached by their JSON) that edits `file` once. */
+    const editOf = (file: string, oldText: string, newText: string, answer: string) =>
+      scripted({ json: { answer, action_requests: [{ function: 'edit_file', arguments: { path: file, edits: [{ oldText, newText }] } }] } });
+    /** A new chat on its own branch whose model is `model` (inline), made the current one. */
+    const chatOn = async (name: string, model: object) => {
+      const bid = (await within(client().createBranch({ name, chatModel: model as any }), 'createBranch')).branchId;
+      await exec('operateSidecar.pickModel', '');
+      await exec('operateSidecar.pickBranch', { branchId: bid });
+      return bid;
+    };
+
+    await check('closing a review\'s diff editor without deciding denies the call once, as dismissing the permission quick pick does: an Operate ends denied at once (not after the permission time-out), a chat turn\'s card says rejected and the turn goes on; the extension\'s own closing after Accept is no denial', async () => {
+      const name = 'close-review.txt';
+      const file = vscode.Uri.joinPath(folder, name);
+      fs.writeFileSync(file.fsPath, 'one\n');
+      const chat = api!.currentBranch();
+      const reviews0 = api!.reviews().length;
+      const decided = () => api!.reviews().slice(reviews0).map((r) => `${path.basename(r.path)}:${r.decision}`).join(' ');
+      const text = () => vscode.workspace.textDocuments.find((d) => d.uri.toString() === file.toString())?.getText() ?? fs.readFileSync(file.fsPath, 'utf8');
+      const run = startOperate({ instruction: 'edit it', actions: true, chatModel: editOf(name, 'one', 'ONE', 'Closing the review (operate).'),
+        branchId: await freshBranch('itest-close-review'), showResult: false });
+      try {
+        await until(() => !!proposedTab(), 'the diff review');
+        await within(vscode.window.tabGroups.close(proposedTab()!), 'close the diff tab');
+        // (the permission time-out is the default 120 s: an answer within this bound is the close's)
+        await within(run.p, 'the operate ends, denied', 20_000);
+        const out = run.s.err ? undefined : outputs(run.s.res)[0];
+        expect(out?.error === 'denied by governance gate', `denied: ${JSON.stringify(run.s.err ?? run.s.res)}`);
+        expect(decided() === `${name}:deny_once`, `one decision, deny_once: ${decided()}`);
+        expect(text() === 'one\n' && fs.readFileSync(file.fsPath, 'utf8') === 'one\n', `nothing written: ${JSON.stringify(text())}`);
+        // a chat turn: the card says rejected, the turn goes on
+        await chatOn('itest-close-review-chat', scripted(
+          { json: { answer: 'Closing the review (chat).', action_requests: [{ function: 'edit_file', arguments: { path: name, edits: [{ oldText: 'one', newText: 'ONE' }] } }] } },
+          { json: { answer: 'Accepting this one.', action_requests: [{ function: 'edit_file', arguments: { path: name, edits: [{ oldText: 'one', newText: 'uno' }] } }] } }));
+        const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: 'Upper-case one' }));
+        await until(() => !!proposedTab() && api!.chatStats().pendingAsks.length === 1, 'the chat\'s review waits');
+        await within(vscode.window.tabGroups.close(proposedTab()!), 'close the diff tab');
+        const o: any = await within(turn, 'the turn ends', 20_000);
+        const t = api!.chatTurns().at(-1);
+        expect(o && !o.error && !o.cancelled && JSON.stringify(t?.cards) === JSON.stringify([`⊘ edit_file ${name} (rejected)`]),
+          `the card: ${JSON.stringify(t)} ${JSON.stringify(o).slice(0, 600)}`);
+        expect(api!.chatStats().pendingAsks.length === 0 && api!.chatStats().badge === 0 && !api!.statusText().includes('waiting'),
+          `nothing waits: ${JSON.stringify(api!.chatStats().pendingAsks)} ${api!.statusText()}`);
+        expect(decided() === `${name}:deny_once ${name}:deny_once` && text() === 'one\n', `the second deny_once: ${decided()}, ${JSON.stringify(text())}`);
+        // Accept: the extension closes the diff editor itself, which is no denial
+        const turn2 = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', { text: 'Make it Spanish' }));
+        await until(() => !!proposedTab(), 'the next diff review');
+        expect(await exec('operateSidecar.acceptEdit', (proposedTab()!.input as vscode.TabInputTextDiff).modified) === true, 'accepted');
+        const o2: any = await within(turn2, 'the turn ends');
+        await until(() => !proposedTab(), 'the diff editor closed');
+        expect(o2 && !o2.error && text() === 'uno\n', `accepted: ${JSON.stringify(text())} ${JSON.stringify(o2).slice(0, 600)}`);
+        expect(decided() === `${name}:deny_once ${name}:deny_once ${name}:allow_once`, `only the accept is recorded: ${decided()}`);
+      } finally {
+        if (!run.s.done) await exec('operateSidecar.cancel');
+        await dropFiles(file);
+        if (chat) await exec('operateSidecar.pickBranch', { branchId: chat });
+        await exec('operateSidecar.pickModel', { model: 'chat' });
+      }
+    });
+
+    await check('a file deleted or renamed on disk while its edit waits for review: Accept fails the call ("was deleted after the change was previewed"), nothing is created on disk (no empty file), its open buffer is not edited', async () => {
+      const reviews0 = api!.reviews().length;
+      for (const how of ['deleted', 'renamed'] as const) {
+        const name = `vanish-${how}.txt`;
+        const file = vscode.Uri.joinPath(folder, name);
+        const moved = vscode.Uri.joinPath(folder, `${name}.moved`);
+        fs.writeFileSync(file.fsPath, 'one\n');
+        const doc = await within(vscode.workspace.openTextDocument(file), 'open the file');
+        await within(vscode.window.showTextDocument(doc), 'show the file');   // an editor of its own (and the diff's left side)
+        const run = startOperate({ instruction: 'edit it', actions: true, chatModel: editOf(name, 'one', 'ONE', `The file is ${how}.`),
+          branchId: await freshBranch(`itest-vanish-${how}`), showResult: false });
+        try {
+          await until(() => !!proposedTab(), 'the diff review');
+          const modified = (proposedTab()!.input as vscode.TabInputTextDiff).modified;
+          if (how === 'deleted') fs.unlinkSync(file.fsPath); else fs.renameSync(file.fsPath, moved.fsPath);
+          expect(await exec('operateSidecar.acceptEdit', modified) === true, 'accepted');
+          await within(run.p, 'the operate ends');
+          const out = run.s.err ? undefined : outputs(run.s.res)[0];
+          expect(/^vanish-\w+\.txt was deleted after the change was previewed; nothing was written/.test(out?.error ?? ''),
+            `${how}: the call failed: ${JSON.stringify(run.s.err ?? run.s.res)}`);
+          expect(!fs.existsSync(file.fsPath), `${how}: nothing created on disk: ${fs.existsSync(file.fsPath) ? JSON.stringify(fs.readFileSync(file.fsPath, 'utf8')) : ''}`);
+          expect(doc.getText() === 'one\n', `${how}: the buffer is not edited: ${JSON.stringify(doc.getText())} dirty=${doc.isDirty}`);
+          if (how === 'renamed') expect(fs.readFileSync(moved.fsPath, 'utf8') === 'one\n', 'the renamed file keeps its text');
+          expect(api!.reviews().at(-1)?.decision === 'allow_once', 'the decision is recorded (the call failed after it)');
+        } finally {
+          if (!run.s.done) await exec('operateSidecar.cancel');
+          await dropFiles(file, moved);
+        }
+      }
+      expect(api!.reviews().length === reviews0 + 2, `two reviews: ${JSON.stringify(api!.reviews().slice(reviews0))}`);
+    });
+
+    await check('a file that is not UTF-8 text (Latin-1) is neither edited nor its bytes replaced through the editor: the call fails saying so (which byte), as it does on disk; no review opens; also with the file open in an editor', async () => {
+      const name = 'latin1.txt';
+      const file = vscode.Uri.joinPath(folder, name);
+      const bytes = Buffer.from('caf\xe9 cr\xe8me\nbeta\n', 'latin1');
+      fs.writeFileSync(file.fsPath, bytes);
+      const reviews0 = api!.reviews().length;
+      try {
+        for (const opened of [false, true]) {
+          const doc = opened ? await within(vscode.workspace.openTextDocument(file), 'open the file') : undefined;
+          if (doc) await within(vscode.window.showTextDocument(doc), 'show the file');
+          const run = startOperate({ instruction: 'edit it', actions: true, chatModel: editOf(name, 'beta', 'BETA', `Latin-1, opened: ${opened}.`),
+            branchId: await freshBranch(`itest-latin1-${opened}`), showResult: false });
+          await until(() => run.s.done || !!proposedTab(), 'the operate ends or a review opens');
+          expect(!proposedTab(), `opened=${opened}: no review of a file that is not UTF-8`);
+          await within(run.p, 'the operate ends');
+          const out = run.s.err ? undefined : outputs(run.s.res)[0];
+          expect(typeof out?.error === 'string' && out.error.includes(`'${file.fsPath}' is not UTF-8 text (byte 3)`),
+            `opened=${opened}: the call failed saying so: ${JSON.stringify(run.s.err ?? run.s.res)}`);
+          expect(Buffer.compare(fs.readFileSync(file.fsPath), bytes) === 0, `opened=${opened}: its bytes are kept`);
+          expect(!doc?.isDirty, `opened=${opened}: the buffer is not edited`);
+        }
+        expect(api!.reviews().length === reviews0, 'nothing was put to the user');
+      } finally {
+        await dropFiles(file);
       }
     });
 
@@ -1427,6 +1551,57 @@ export async function run(): Promise<void> {
       if (before) await exec('operateSidecar.pickBranch', { branchId: before });
       else await exec('operateSidecar.newChat');
     });
+
+    await check('the server dies while an edit waits for review (a chat turn, an Operate): the review is withdrawn: its diff editor closes, nothing waits (no badge, the status bar does not say "waiting for you", also after Restart), Accept on it decides and records nothing, the card stays failed, nothing is written', async () => {
+      const name = 'dies-review.txt';
+      const file = vscode.Uri.joinPath(folder, name);
+      fs.writeFileSync(file.fsPath, 'one\n');
+      const chat = api!.currentBranch();
+      const reviews0 = api!.reviews().length;
+      const text = () => vscode.workspace.textDocuments.find((d) => d.uri.toString() === file.toString())?.getText() ?? fs.readFileSync(file.fsPath, 'utf8');
+      try {
+        await exec('operateSidecar.listTools', {});   // a server
+        await chatOn('itest-dies-review', editOf(name, 'one', 'ONE', 'The server dies (chat).'));
+        let c = client();
+        const { s, p } = startChat('Edit it; the server dies meanwhile');
+        await until(() => !!proposedTab() && api!.chatStats().pendingAsks.length === 1, 'the review waits');
+        const modified = (proposedTab()!.input as vscode.TabInputTextDiff).modified;
+        c.process.kill('SIGKILL');
+        await within(p, 'the turn ends', 15_000);
+        expect(!s.err && /SIGKILL/.test(s.res?.error ?? ''), `the turn failed naming the crash: ${JSON.stringify(s)}`);
+        await until(() => !proposedTab(), 'the diff editor closed', 10_000);
+        const failed = JSON.stringify([`✗ edit_file ${name}`]);
+        const nothingWaits = (when: string) => {
+          const st = api!.chatStats();
+          expect(st.pendingAsks.length === 0 && st.badge === 0 && !api!.statusText().includes('waiting'),
+            `${when}: nothing waits: ${JSON.stringify(st.pendingAsks)}, badge ${st.badge}, ${api!.statusText()}`);
+          expect(JSON.stringify(api!.chatTurns().at(-1)?.cards) === failed && api!.chatTurns().at(-1)?.outcome === 'failed',
+            `${when}: the card stays failed: ${JSON.stringify(api!.chatTurns().at(-1))}`);
+        };
+        nothingWaits('after the death');
+        expect(await exec('operateSidecar.acceptEdit', modified) === false, 'Accept on the withdrawn review decides nothing');
+        nothingWaits('after Accept');
+        await exec('operateSidecar.restart');
+        nothingWaits('after Restart');
+        // an Operate from the palette's command: its review goes the same way
+        c = client();
+        const run = startOperate({ instruction: 'edit it', actions: true, chatModel: editOf(name, 'one', 'ONE', 'The server dies (operate).'),
+          branchId: await freshBranch('itest-dies-review-op'), showResult: false });
+        await until(() => !!proposedTab(), 'the Operate\'s review waits');
+        const modified2 = (proposedTab()!.input as vscode.TabInputTextDiff).modified;
+        c.process.kill('SIGKILL');
+        await within(run.p, 'the operate ends', 15_000);
+        await until(() => !proposedTab(), 'the diff editor closed', 10_000);
+        expect(await exec('operateSidecar.acceptEdit', modified2) === false, 'Accept on the withdrawn review decides nothing');
+        expect(api!.reviews().length === reviews0, `no decision recorded: ${JSON.stringify(api!.reviews().slice(reviews0))}`);
+        expect(text() === 'one\n' && fs.readFileSync(file.fsPath, 'utf8') === 'one\n', `nothing written: ${JSON.stringify(text())}`);
+      } finally {
+        await exec('operateSidecar.listTools', {}).catch(() => undefined);   // a server again
+        await dropFiles(file);
+        if (chat) await exec('operateSidecar.pickBranch', { branchId: chat }).catch(() => undefined);
+        await exec('operateSidecar.pickModel', { model: 'chat' }).catch(() => undefined);
+      }
+    });
   } catch (e) {
     fatal = e instanceof Error ? e.stack ?? e.message : String(e);
   }
@@ -1435,6 +1610,6 @@ export async function run(): Promise<void> {
     uiKind: vscode.env.uiKind === vscode.UIKind.Web ? 'web' : 'desktop',
     /** whether the test module's `vscode.window` is the extension's (not when it lies outside the extension, e.g. the unpacked .vsix) */
     sameApiInstance,
-    outputChannel: out().slice(-30000),
+    outputChannel: out().slice(-60000),
   });
 }

@@ -8,7 +8,7 @@ import * as assert from 'node:assert/strict';
 import Module = require('node:module');
 import type { BranchStore as BranchStoreT } from '../branchStore';
 import type { ChatView as ChatViewT } from '../chatView';
-import type { DiffReview as DiffReviewT } from '../diffReview';
+import type { DiffReview as DiffReviewT, clientFs as ClientFsT, firstNonUtf8Byte as FirstNonUtf8ByteT } from '../diffReview';
 import type * as ExtensionT from '../extension';
 import * as os from 'node:os';
 import * as path from 'node:path';
@@ -34,11 +34,26 @@ class Uri {
   toString(): string { return `${this.scheme}://${this.path}`; }
 }
 const none = () => ({ dispose() { /* nothing */ } });
+class FileSystemError extends Error {
+  constructor(readonly code: string) { super(code); }
+}
+/** The editor's open documents (the stand-in's workspace.textDocuments) and the files on its disk (workspace.fs). */
+const docs: { uri: Uri; isDirty: boolean; getText: () => string }[] = [];
+const files = new Map<string, Uint8Array>();
+const edits: unknown[] = [];
 
 /** The settings the extension reads (operateSidecar.*): defaults unless a test sets one. */
 const settings = new Map<string, unknown>();
 const vscode = {
-  EventEmitter, Uri, version: '1.99.3', StatusBarAlignment: { Left: 1 }, ProgressLocation: { Notification: 15 },
+  EventEmitter, Uri, FileSystemError, version: '1.99.3',
+  Position: class { constructor(readonly line: number, readonly character: number) {} },
+  Range: class { constructor(readonly start: unknown, readonly end: unknown) {} },
+  WorkspaceEdit: class {
+    readonly ops: unknown[] = [];
+    createFile(u: Uri) { this.ops.push(['create', u.path]); }
+    insert(u: Uri, _at: unknown, t: string) { this.ops.push(['insert', u.path, t]); }
+    replace(u: Uri, _r: unknown, t: string) { this.ops.push(['replace', u.path, t]); }
+  }, StatusBarAlignment: { Left: 1 }, ProgressLocation: { Notification: 15 },
   Disposable: class { constructor(private readonly f?: () => void) {} dispose() { this.f?.(); } },
   ThemeColor: class { constructor(readonly id: string) {} },
   commands: { executeCommand: async (id: string, ...a: unknown[]) => { log.commands.push([id, ...a]); }, registerCommand: none },
@@ -48,18 +63,22 @@ const vscode = {
   window: {
     registerWebviewViewProvider: none, activeTextEditor: undefined, visibleTextEditors: [], onDidChangeActiveTextEditor: none,
     showErrorMessage: async (m: string) => { log.errors.push(m); }, showWarningMessage: async (m: string) => { log.errors.push(m); },
-    showInformationMessage: async (m: string) => { log.infos.push(m); }, tabGroups: { all: [], close: async () => true },
+    showInformationMessage: async (m: string) => { log.infos.push(m); }, tabGroups: { all: [], close: async () => true, onDidChangeTabs: none },
     showTextDocument: async () => undefined, showQuickPick: async (items: unknown) => { log.picks.push(items); return undefined; },
     createOutputChannel: () => ({ append() { /* */ }, appendLine() { /* */ }, show() { /* */ }, dispose() { /* */ } }),
     createStatusBarItem: () => ({ show() { /* */ }, dispose() { /* */ } }),
   },
   workspace: {
-    workspaceFolders: [{ uri: Uri.file('/ws'), name: 'ws' }], textDocuments: [], onDidChangeConfiguration: none,
+    workspaceFolders: [{ uri: Uri.file('/ws'), name: 'ws' }], textDocuments: docs, onDidChangeConfiguration: none,
     getConfiguration: () => ({ get: (k: string, d: unknown) => (settings.has(k) ? settings.get(k) : d) }),
     registerTextDocumentContentProvider: none, asRelativePath: (u: Uri | string) => String(typeof u === 'string' ? u : u.path),
-    findFiles: async () => [], getWorkspaceFolder: () => undefined, applyEdit: async () => true,
-    fs: { stat: async () => ({}), readFile: async () => Buffer.from('') },
-    openTextDocument: async (o: object) => ({ getText: () => '', ...o }),
+    findFiles: async () => [], getWorkspaceFolder: () => undefined, applyEdit: async (e: { ops: unknown[] }) => { edits.push(...e.ops); return true; },
+    // a file the test put in `files`, else an empty one (the chat tests' previews)
+    fs: {
+      stat: async (u: Uri) => { if (files.size && !files.has(u.path)) throw new FileSystemError('FileNotFound'); return {}; },
+      readFile: async (u: Uri) => { if (files.size && !files.has(u.path)) throw new FileSystemError('FileNotFound'); return files.get(u.path) ?? Buffer.from(''); },
+    },
+    openTextDocument: async (o: object) => ({ getText: () => '', positionAt: (n: number) => n, ...o }),
   },
 };
 
@@ -90,7 +109,8 @@ function webviewView() {
 
 const { BranchStore } = require('../branchStore') as { BranchStore: typeof BranchStoreT };
 const { ChatView } = require('../chatView') as { ChatView: typeof ChatViewT };
-const { DiffReview } = require('../diffReview') as { DiffReview: typeof DiffReviewT };
+const { DiffReview, clientFs, firstNonUtf8Byte } = require('../diffReview') as
+  { DiffReview: typeof DiffReviewT; clientFs: typeof ClientFsT; firstNonUtf8Byte: typeof FirstNonUtf8ByteT };
 const extension = require('../extension') as typeof ExtensionT;
 
 /** Resolves once `cond` holds; fails after `ms`. */
@@ -145,7 +165,7 @@ function makeChat() {
   const client = new FakeClient();
   const branches = new BranchStore(memento() as never);
   const lines: string[] = [];
-  const host = { ensure: async () => client, current: () => client, branches, editors: { editor: undefined }, review: new DiffReview(),
+  const host = { ensure: async () => client, current: () => (client.running ? client : undefined), branches, editors: { editor: undefined }, review: new DiffReview(),
     maxRounds: () => 1, runningChanged() { /* no status bar */ }, line: (t: string) => lines.push(t), serverProblem: () => undefined };
   const chat = new ChatView({ extensionUri: vscode.Uri.file('/ext') } as never, host as never);
   const page = webviewView();
@@ -305,5 +325,81 @@ test('a permissionAnswer setting that is none of its values ("allow") is reporte
     await done;
   } finally {
     settings.delete('permissionAnswer');
+  }
+});
+
+test('the server exits while a chat turn\'s call waits for a decision (its request\'s token cancelled, as the client does on exit; or the turn ends first): the ask is withdrawn, the card failed, nothing waits; a late decision decides nothing', async () => {
+  for (const first of ['token', 'turn'] as const) {
+    const { chat, client, send } = makeChat();
+    await send({ type: 'ready', mod: 'Ctrl' });
+    const done = chat.send('edit it');
+    await until(() => client.ops.length === 1, 'the operate sent');
+    client.ops[0].progress({ kind: 'begin', title: 'operate', message: 'communicate' });
+    const source = new CancellationTokenSource();
+    const asked = chat.ask({ branchId: chat.runningBranch()!, callId: 'c1', tool: 'shout', arguments: { text: 'x' },
+      options: ['allow_once', 'allow_always', 'deny_once', 'deny_always'] }, source.token);
+    await until(() => chat.stats().pendingAsks.includes('c1'), 'c1 waits');
+    assert.equal(chat.waiting, 1);
+    client.running = false;   // the server process is gone
+    if (first === 'token') source.cancel();
+    client.ops[0].reject(new Error('operate-sidecar: the server exited (signal SIGKILL) before answering operate'));
+    const o = await done;
+    if (first === 'turn') source.cancel();
+    assert.ok(o.error, `${first}: the turn failed`);
+    assert.equal(await settled(Promise.resolve(asked)), 'deny_once', `${first}: the request is answered (an answer nobody reads)`);
+    assert.deepEqual(chat.stats().pendingAsks, [], `${first}: nothing waits`);
+    assert.equal(chat.waiting, 0);
+    assert.equal(chat.stats().badge, 0);
+    const cards = () => chat.shownTurns().at(-1)?.cards;
+    assert.deepEqual(cards(), ['✗ shout x'], `${first}: the card failed, not denied`);
+    assert.equal(chat.decide('c1', 'allow_once'), false, `${first}: a late Accept decides nothing`);
+    assert.deepEqual(cards(), ['✗ shout x'], `${first}: the card stays failed`);
+  }
+});
+
+test('firstNonUtf8Byte: where bytes stop being UTF-8 (as Python says it: the start of the bad sequence); -1 for UTF-8', () => {
+  const at = (...b: number[]) => firstNonUtf8Byte(Uint8Array.from(b));
+  assert.equal(firstNonUtf8Byte(Buffer.from('café ☃ 𝄞 plain', 'utf8')), -1);
+  assert.equal(firstNonUtf8Byte(Buffer.from('caf\xe9 cr\xe8me', 'latin1')), 3);
+  assert.equal(at(0x61, 0xc0, 0x80), 1, 'an overlong form');
+  assert.equal(at(0xe0, 0x80, 0x80), 0, 'an overlong three-byte form');
+  assert.equal(at(0xed, 0xa0, 0x80), 0, 'a surrogate');
+  assert.equal(at(0xf4, 0x90, 0x80, 0x80), 0, 'past U+10FFFF');
+  assert.equal(at(0x61, 0x62, 0xe2, 0x98), 2, 'cut at the end');
+  assert.equal(at(0xe2, 0x41, 0x83), 0, 'a continuation byte missing');
+  assert.equal(at(0x80), 0, 'a lone continuation byte');
+});
+
+test('the client\'s file system: a file that is not UTF-8 is an error answer saying so (not text with U+FFFD); a saved buffer whose file is gone is "no such file" (-32002), an unsaved one is served; a write whose file vanished since its read fails and creates nothing', async () => {
+  files.set('/ws/latin.txt', Buffer.from('caf\xe9\nbeta\n', 'latin1'));
+  files.set('/ws/ok.txt', Buffer.from('ok\n'));
+  try {
+    await assert.rejects(clientFs.readTextFile({ path: '/ws/latin.txt', callId: 'l' }), (e: ResponseError<unknown>) =>
+      e instanceof ResponseError && e.code === ErrorCodes.InternalError && e.message === "'/ws/latin.txt' is not UTF-8 text (byte 3); it cannot be changed safely by this tool");
+    // open in the editor (decoded as UTF-8), not dirty: the disk's bytes decide
+    docs.push({ uri: Uri.file('/ws/latin.txt'), isDirty: false, getText: () => 'caf\ufffd\nbeta\n' });
+    await assert.rejects(clientFs.readTextFile({ path: '/ws/latin.txt', callId: 'l2' }), /is not UTF-8 text \(byte 3\)/);
+    assert.equal(await clientFs.readTextFile({ path: '/ws/ok.txt', callId: 'c' }), 'ok\n');
+    // a file deleted on disk, its document still open (saved): missing, as a file that is not there
+    docs.push({ uri: Uri.file('/ws/gone.txt'), isDirty: false, getText: () => 'was here\n' });
+    await assert.rejects(clientFs.readTextFile({ path: '/ws/gone.txt', callId: 'g' }), (e: ResponseError<unknown>) => e instanceof ResponseError && e.code === -32002);
+    // an unsaved buffer of it: its text (docs/PROTOCOL.md §10)
+    docs.push({ uri: Uri.file('/ws/draft.txt'), isDirty: true, getText: () => 'unsaved\n', positionAt: (n: number) => n } as never);
+    assert.equal(await clientFs.readTextFile({ path: '/ws/draft.txt', callId: 'd' }), 'unsaved\n');
+    // a write of a file the call read, deleted since: fails, nothing created
+    const read = await clientFs.readTextFile({ path: '/ws/ok.txt', callId: 'w' });
+    assert.equal(read, 'ok\n');
+    files.delete('/ws/ok.txt');
+    const n = edits.length;
+    await assert.rejects(clientFs.writeTextFile({ path: '/ws/ok.txt', text: 'OK\n', callId: 'w' }), /no longer exists on disk .*nothing written/);
+    assert.equal(edits.length, n, 'nothing applied');
+    // a new file (its read said "no such file"): created; an unsaved buffer whose file is gone: its text replaced
+    await assert.rejects(clientFs.readTextFile({ path: '/ws/new.txt', callId: 'n' }), (e: ResponseError<unknown>) => e.code === -32002);
+    await clientFs.writeTextFile({ path: '/ws/new.txt', text: 'new\n', callId: 'n' });
+    await clientFs.writeTextFile({ path: '/ws/draft.txt', text: 'edited\n', callId: 'd' });
+    assert.deepEqual(edits.slice(n), [['create', '/ws/new.txt'], ['insert', '/ws/new.txt', 'new\n'], ['replace', '/ws/draft.txt', 'edited\n']]);
+  } finally {
+    files.clear();
+    docs.splice(0);
   }
 });
