@@ -5,8 +5,8 @@ an async callable and a source (``builtin``, ``python``, ``mcp``, ``client``).
 Python callables become tools whose input schema pydantic derives from the
 signature, so ``int`` is ``integer`` and ``int | None`` works. Arguments are
 validated before invocation against the tool's input schema (jsonschema, for every
-source alike; a Python tool's are then converted to the annotated types by pydantic);
-a mismatch raises :class:`ToolArgumentError`.
+source alike but the builtin tools, checked by their own models; a Python tool's are then
+converted to the annotated types by pydantic); a mismatch raises :class:`ToolArgumentError`.
 """
 
 from __future__ import annotations
@@ -186,10 +186,13 @@ def function_to_tool(fn: Callable[..., Any], *, name: str | None = None, descrip
     def validate(arguments: dict[str, Any]) -> dict[str, Any]:
         # what the tool advertises is what it takes: the arguments are checked against its
         # inputSchema as an MCP or client tool's are (pydantic's lax mode alone took "3" for an
-        # integer, "no" for a boolean); pydantic then converts them to the annotated types
-        if not checks:
-            checks.append(_jsonschema_validator(schema))
-        checks[0](arguments)
+        # integer, "no" for a boolean); pydantic then converts them to the annotated types. The
+        # builtin tools, whose models are written for the wire, are checked by their models alone:
+        # jsonschema (40 ms to import) stays out of a start that only warms them
+        if source != "builtin":
+            if not checks:
+                checks.append(_jsonschema_validator(schema))
+            checks[0](arguments)
         try:
             inst = model.model_validate(arguments)
         except ValidationError as e:
