@@ -123,9 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     config_error = None
     try:
         config = _load_config(args.config) if args.config else {}
-        if config.get("stateDir") == "":
-            raise S.SettingsError(f"{args.config}: stateDir must name a folder, not be empty "
-                                  "(leave it out, or null, to keep branches in memory only)")
         base = S.merge(base, config)
         unknown = [k for k in base if k not in S.DEFAULTS]
         if unknown:

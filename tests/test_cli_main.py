@@ -117,4 +117,4 @@ def test_an_empty_state_dir_is_refused_not_memory_only_in_silence(tmp_path):
     assert line.startswith("operate-sidecar: --state-dir: no folder name given"), line
     (tmp_path / "settings.toml").write_text('stateDir = ""\n')
     line = one_line_error(cli("--config", "settings.toml", cwd=tmp_path))
-    assert line.startswith("operate-sidecar: bad configuration: settings.toml: stateDir must name a folder"), line
+    assert line.startswith("operate-sidecar: bad configuration: settings.stateDir must be a path (not empty)"), line

@@ -293,11 +293,15 @@ class SidecarClient:
             pending._set(_no_answer(closed))
         return pending
 
-    def _not_sent(self, pending: _Pending, reason: str) -> None:
-        """The writer could not write ``pending``'s request: nothing will answer it."""
+    def _forget(self, pending: _Pending) -> None:
+        """No answer is waited for ``pending`` any more (its request was never sent)."""
         with self._plock:
             if self._pending.get(pending.id) is pending:
                 del self._pending[pending.id]
+
+    def _not_sent(self, pending: _Pending, reason: str) -> None:
+        """The writer could not write ``pending``'s request: nothing will answer it."""
+        self._forget(pending)
         pending._set(_no_answer(f"request {pending.id!r} not sent: {reason}"))
 
     def request_async(self, method: str, params: Any = None, msg_id: Any = None) -> _Pending:
@@ -320,14 +324,7 @@ class SidecarClient:
         sending. An answer that comes while nobody waits for its id goes to :attr:`unmatched` and
         stays there: a later ``expect`` of the same id never takes it (it may be the answer to an
         earlier request that reused the id)."""
-        pending = _Pending(msg_id, self._reader)
-        with self._plock:
-            closed = self._closed
-            if closed is None:
-                self._pending[msg_id] = pending
-        if closed is not None:
-            pending._set(_no_answer(closed))
-        return pending
+        return self._register(msg_id)
 
     def request(self, method: str, params: Any = None, timeout: float = 30.0, msg_id: Any = None) -> Any:
         """Send a request and wait at most ``timeout`` s for its answer (writing it included); raises
@@ -339,9 +336,7 @@ class SidecarClient:
             return pending.result(timeout)
         except TimeoutError:
             if pending._write is not None and self._writer.take_back(pending._write):
-                with self._plock:
-                    if self._pending.get(pending.id) is pending:
-                        del self._pending[pending.id]
+                self._forget(pending)
                 raise TimeoutError(f"request {pending.id!r} ({method}) not sent within {timeout}s: the server "
                                    "is not reading its input") from None
             raise

@@ -476,12 +476,13 @@ class AcpPort:
         the disk's is made on a worker thread, and never of a file that is not a regular one
         (``disk_text``)."""
         if self.client_capabilities.get("fs") and self.client is not None:
+            wait = float(self.settings["toolTimeoutMs"]) / 1000.0
             try:
-                async with asyncio.timeout(float(self.settings["toolTimeoutMs"]) / 1000.0):
+                async with asyncio.timeout(wait):
                     text = (await self.client.read_text_file(session_id=session_id, path=real)).content
             except TimeoutError:
                 log.warning("the client did not answer fs/read_text_file for %s within %g s: the call is shown "
-                            "without its diff", real, float(self.settings["toolTimeoutMs"]) / 1000.0)
+                            "without its diff", real, wait)
                 return UNREADABLE
             except Exception as e:  # noqa: BLE001 - any failed read: is it the editor saying "no such file"?
                 # only an answer that says so shows a creation diff: an unsaved buffer whose read

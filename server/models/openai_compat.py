@@ -366,14 +366,17 @@ class OpenAIModel(BaseModelProvider):
         grace_end: float | None = None  # once finished: how long the rest of the stream is waited for
         try:
             while True:
-                with anyio.move_on_after(None if grace_end is None else grace_end - anyio.current_time()) as grace:
-                    try:
+                try:
+                    if grace_end is None:  # (no scope per chunk while the reply streams)
                         chunk = await chunk_iter.__anext__()
-                    except StopAsyncIteration:
-                        break
-                if grace.cancelled_caught:  # finished, then neither [DONE] nor the end came: complete
-                    log.debug("model %r: no end of the stream %gs after its finish_reason; the reply is complete",
-                              self.name, FINISH_GRACE_S)
+                    else:
+                        with anyio.move_on_after(grace_end - anyio.current_time()) as grace:
+                            chunk = await chunk_iter.__anext__()
+                        if grace.cancelled_caught:  # finished, then neither [DONE] nor the end came: complete
+                            log.debug("model %r: no end of the stream %gs after its finish_reason; the reply is "
+                                      "complete", self.name, FINISH_GRACE_S)
+                            break
+                except StopAsyncIteration:
                     break
                 chunks += 1
                 part = _read_chunk(chunk)
@@ -587,9 +590,11 @@ def _read_chunk(chunk: Any) -> _Part:
 def _tool_names(delta: Any) -> list[str]:
     """The names of the native tool calls a delta starts (any JSON may be there: only
     string names are read)."""
-    out: list[str] = []
     calls = _field(delta, "tool_calls")
     legacy = _field(delta, "function_call")
+    if not calls and not legacy:  # (every text delta)
+        return []
+    out: list[str] = []
     for call in (calls if isinstance(calls, list) else []) + ([{"function": legacy}] if legacy else []):
         function = _field(call, "function") if call is not None else None
         name = _field(function, "name") if function is not None else None

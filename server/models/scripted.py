@@ -43,8 +43,6 @@ class ScriptedModel(BaseModelProvider):
         self.is_cli = cli
         self.timeout_s = timeout_s
         self._queue: deque[Any] = deque(_check_entry(i, e, name) for i, e in enumerate(responses))
-        if not cli and any(isinstance(e, dict) and e.get("events") is not None for e in self._queue):
-            raise ModelConfigError(f'scripted model {name!r}: events are a CLI run\'s: the model needs "cli": true')
         self.requests: deque[ModelRequest] = deque(maxlen=REQUEST_LOG_LIMIT)
         self.calls = 0
 
@@ -80,9 +78,13 @@ class ScriptedModel(BaseModelProvider):
         thinking = None if isinstance(entry, str) else entry.get("thinking")
         if thinking:  # a reasoning model's thoughts, before its reply
             yield StreamChunk(type="thinking", text=thinking)
-        if events is not None:  # a CLI run's events, then its end (or its failure)
+        if events is not None:  # a CLI run's events as the jsonl profile reads them, then its end (or its failure)
+            from .cli import JsonlParser
+
+            parser = JsonlParser()
             for event in events:
-                yield _event_chunk(event)
+                for chunk in parser.event(event):
+                    yield chunk
             if entry.get("error") is not None:
                 raise ModelError(str(entry["error"]))
             yield StreamChunk(type="result", model=self.name, usage={"prompt_tokens": 0, "completion_tokens": 0})
@@ -100,13 +102,3 @@ class ScriptedModel(BaseModelProvider):
                 pos += step
         yield StreamChunk(type="result", model=self.name, usage={"prompt_tokens": 0, "completion_tokens": 0})
 
-
-def _event_chunk(event: dict[str, Any]) -> StreamChunk:
-    """One event of an entry's ``events`` (checked) as the ``jsonl`` profile streams it."""
-    kind = event["type"]
-    if kind == "tool_use":
-        return StreamChunk(type="tool_use", id=event.get("id"), name=event.get("name"), input=event.get("input"))
-    if kind == "tool_result":
-        return StreamChunk(type="tool_result", id=event.get("id"), output=event.get("output"),
-                           is_error=bool(event.get("is_error")))
-    return StreamChunk(type="text", text=event.get("text") or "")

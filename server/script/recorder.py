@@ -419,18 +419,19 @@ class RecordingModel:
         slot = self._recorder._reserve(self._rec_name)
         parts: list[str] = []
         thoughts: list[str] = []
-        events: list[dict[str, Any]] = []  # a CLI run's text and tool events, in order
-        tools = False
+        # a CLI run's events, in order: each stretch of text between its tool events as the
+        # index in ``parts`` where it begins (joined once, at the end)
+        events: list[Any] | None = [] if getattr(self._inner, "is_cli", False) else None
         entry: dict[str, Any] | None = None
         try:
             async for chunk in self._inner.stream(request):
                 if chunk.type == "text":
+                    if events is not None and chunk.text and not (events and isinstance(events[-1], int)):
+                        events.append(len(parts))
                     parts.append(chunk.text)
-                    _add_text(events, chunk.text)
                 elif chunk.type == "thinking" and chunk.text:
                     thoughts.append(chunk.text)
-                elif chunk.type in ("tool_use", "tool_result"):
-                    tools = True
+                elif chunk.type in ("tool_use", "tool_result") and events is not None:
                     events.append(_event(chunk))
                 elif chunk.type == "error":
                     entry = {"error": chunk.text or "model reported an error"}
@@ -448,13 +449,13 @@ class RecordingModel:
                     entry["chunks"] = len(parts)
             if thoughts and "error" not in entry:  # (replayed as one stretch of thoughts, before the text)
                 entry["thinking"] = "".join(thoughts)
-            if (getattr(self._inner, "is_cli", False) and "delayMs" not in entry
-                    and (tools or ("error" in entry and events))):
+            tools = events is not None and any(isinstance(e, dict) for e in events)
+            if events and "delayMs" not in entry and (tools or "error" in entry):
                 # a CLI run that made its own tool calls (or failed after writing): the branch holds
                 # what it streamed, in its order, so the replay streams the same (docs/PROTOCOL.md §2)
                 entry.pop("text", None)
                 entry.pop("chunks", None)
-                entry["events"] = events
+                entry["events"] = _events(events, parts)
             self._recorder._fill(self._rec_name, slot, entry)
 
     async def invoke(self, request: Any) -> Any:
@@ -466,14 +467,21 @@ class RecordingModel:
         await self._inner.aclose()
 
 
-def _add_text(events: list[dict[str, Any]], text: str) -> None:
-    """A run's text delta: one ``text`` event per stretch of text between its tool events."""
-    if not text:
-        return
-    if events and events[-1]["type"] == "text":
-        events[-1]["text"] += text
-    else:
-        events.append({"type": "text", "text": text})
+def _events(events: list[Any], parts: list[str]) -> list[dict[str, Any]]:
+    """A run's events as a scripted entry's ``events``: each text stretch (an index in ``parts``,
+    up to the next tool event's) one ``text`` event."""
+    out: list[dict[str, Any]] = []
+    starts = [e for e in events if isinstance(e, int)] + [len(parts)]
+    n = 0
+    for e in events:
+        if isinstance(e, int):
+            n += 1
+            text = "".join(parts[e:starts[n]])
+            if text:
+                out.append({"type": "text", "text": text})
+        else:
+            out.append(e)
+    return out
 
 
 def _event(chunk: Any) -> dict[str, Any]:

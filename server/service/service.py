@@ -444,11 +444,9 @@ class Service:
         if modules:
             from operate_sidecar.server.tools.python_modules import load_tool_modules
 
-            loaded: list[Any] = []
-            for name in modules:  # one at a time, in order: registration and reports keep that order
-                if name in loaded:  # named twice: loaded once (not one clash report per tool)
-                    continue
-                loaded.append(name)
+            # one at a time, in order: registration and reports keep that order; a module named
+            # twice is loaded once (not one clash report per tool)
+            for name in dict.fromkeys(modules):
                 try:
                     tools = await self._off_loop_until_close(load_tool_modules, [name])
                 except asyncio.CancelledError:

@@ -92,14 +92,7 @@ class _Messages:
 
 def created_at(meta: dict[str, Any]) -> float:
     """The branch's creation time for ordering; 0 (first) when ``createdAt`` is no usable time."""
-    v = meta.get("createdAt")
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return 0.0
-    try:
-        t = float(v)
-    except OverflowError:
-        return 0.0
-    return t if math.isfinite(t) else 0.0
+    return _timestamp(meta.get("createdAt")) or 0.0
 
 
 def _sequence(r: Any) -> int:
@@ -162,8 +155,8 @@ def read_branch(directory: str, bid: str) -> ImportedBranch | None:
                 t = r.get("t")
                 if t == "meta" and isinstance(r.get("meta"), dict):
                     meta = r["meta"]
-                elif t == "msg" and records.add(r.get("m")):
-                    pass
+                elif t == "msg":
+                    skipped += not records.add(r.get("m"))
                 elif t == "clear" and isinstance(r.get("keep"), list):
                     records.keep(set(map(str, r["keep"])))
                 else:

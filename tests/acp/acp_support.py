@@ -260,9 +260,9 @@ class Raw:
     write reach the agent in one read, and params the SDK's client would refuse can be sent): ``send`` writes any number of messages in one write; every
     message the agent writes is kept (``seen``) and answers are waited for by id."""
 
-    def __init__(self, config: str) -> None:
+    def __init__(self, config: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=agent_env())
+                                     stderr=subprocess.DEVNULL, env=env or agent_env())
         self.seen: list[dict] = []
         self._answers: dict[object, dict] = {}
         self._cond = threading.Condition()
@@ -334,9 +334,10 @@ def cancel(sid: str) -> dict:
     return {"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": sid}}
 
 
-def start(tmp_path, ws, *responses, fs: bool = False, **settings) -> tuple[Raw, str]:
+def start(tmp_path, ws, *responses, fs: bool = False, env: dict[str, str] | None = None,
+          **settings) -> tuple[Raw, str]:
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(*responses)}, **settings})
-    a = Raw(config)
+    a = Raw(config, env)
     caps = {"fs": {"readTextFile": True, "writeTextFile": True}} if fs else {}
     a.send(req(1, "initialize", protocolVersion=1, clientCapabilities=caps))
     a.answer(1)

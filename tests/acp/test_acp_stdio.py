@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -215,8 +217,10 @@ def test_the_input_ending_mid_turn_ends_its_shown_calls_before_the_turns_answer(
 def test_a_tool_s_forked_child_that_sigterms_itself_does_not_stop_the_agent(tmp_path, ws):
     """A child forked by a tool keeps no tie to the agent's signal handling: the SIGTERM it
     sends itself is its own (server/signals.py), so the turn ends and the agent serves on."""
+    env = agent_env()  # (the native front end's forking tools: tests/rpc/fixtures)
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parents[1] / "rpc" / "fixtures")
     a, sid = start(tmp_path, ws, reply("", [("fork_self_term", {})]), reply("done"), reply("again"),
-                   toolModules=["acp_fixture_tools"], toolPolicy={"fork_self_term": "allow"})
+                   toolModules=["forking_tools"], toolPolicy={"fork_self_term": "allow"}, env=env)
     try:
         a.send(prompt(3, sid))
         assert a.answer(3)["result"]["stopReason"] == "end_turn"

@@ -3805,6 +3805,9 @@ def test_setup_refuses_an_option_of_the_wrong_type_naming_it_and_keeps_what_was_
     # an unknown key is kept as given (as before), a string cmd is a one-item list
     assert nv.lua("local o = require('operate_sidecar'); o.setup({cmd = 'x y', whatever = 1}); "
                   "return {o.config.cmd, o.config.whatever}") == [["x y"], 1]
+    # false is a value of its own (it was read as a missing one: "`chat.tools` must be a boolean, got nil")
+    assert nv.lua("local o = require('operate_sidecar'); o.setup({chat = {tools = false, complete = false}}); "
+                  "return {o.config.chat.tools, o.config.chat.complete}") == [False, False]
 
 
 def test_a_turn_that_fails_to_start_in_the_editor_ends_with_why_and_the_next_one_runs(nv):

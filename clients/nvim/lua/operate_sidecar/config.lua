@@ -156,17 +156,16 @@ local ORDER = { 'cmd', 'cmd_env', 'cmd_cwd', 'settings', 'state_dir', 'branch_sc
 function M.check(v)
   for _, name in ipairs(ORDER) do
     local parent, key = name:match('^(%w+)%.(.+)$')
-    local value
-    if parent then
-      value = type(v[parent]) == 'table' and v[parent][key] or nil
-    else
-      value = v[name]
-    end
-    local check, what = M.CHECKS[name][1], M.CHECKS[name][2]
-    if not (parent and type(v[parent]) ~= 'table') then
-      local ok, must = check(value)
-      if not ok then
-        return ('`%s` must be %s, got %s'):format(name, what or must or '?', shown(value))
+    if not (parent and type(v[parent]) ~= 'table') then -- (a parent of the wrong type is said by its own check)
+      local value -- (false is a value: `chat.tools = false`)
+      if parent then
+        value = v[parent][key]
+      else
+        value = v[name]
+      end
+      local check, what = M.CHECKS[name][1], M.CHECKS[name][2]
+      if not check(value) then
+        return ('`%s` must be %s, got %s'):format(name, what or '?', shown(value))
       end
     end
   end
