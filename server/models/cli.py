@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import codecs
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -73,6 +74,9 @@ DEFAULT_COMMANDS: dict[str, list[str]] = {
 }
 CONFIG_FIELDS = frozenset(FIELDS["cli"])  # declared (with their types) in config.py
 STDERR_TAIL_BYTES = 2000
+#: the child's stderr file is emptied once it passes KEEP bytes, its last KEPT bytes kept in memory
+STDERR_KEEP_BYTES = 8 * 1024 * 1024
+STDERR_KEPT_BYTES = 64 * 1024
 #: the longest argument a program can be given, its closing NUL included (Linux's MAX_ARG_STRLEN;
 #: a longer one fails the spawn with E2BIG, "Argument list too long")
 MAX_ARG_BYTES = 131072
@@ -173,14 +177,14 @@ class CLIModel(BaseModelProvider):
         argv, stdin_text = self.build_argv(request)
         parser = _PARSERS[self.profile]()
         env = {**os.environ, **self.env} if self.env else None
-        stderr_file = tempfile.TemporaryFile()
+        stderr_file = _StderrFile()
         stdin_file: Any = subprocess.DEVNULL
         try:
             if stdin_text is not None:
                 stdin_file = tempfile.TemporaryFile()
                 stdin_file.write(stdin_text.encode(errors="replace"))  # (a lone surrogate as "?")
                 stdin_file.seek(0)
-            process = await _spawn(argv, stdin=stdin_file, stderr=stderr_file, cwd=self.cwd, env=env)
+            process = await _spawn(argv, stdin=stdin_file, stderr=stderr_file.file, cwd=self.cwd, env=env)
         except BaseException as e:  # whatever fails, neither file is left open
             stderr_file.close()
             if isinstance(e, OSError) and e.errno == errno.E2BIG:
@@ -236,7 +240,7 @@ class CLIModel(BaseModelProvider):
             while True:
                 if drain_end is None:
                     try:
-                        data = await _read_or_exit(process, deadline)
+                        data = await _read_or_exit(process, deadline, stderr_file.trim)
                     except TimeoutError:
                         raise timed_out() from None
                     if data is None:  # the program exited, but something it started still holds stdout:
@@ -320,20 +324,53 @@ def _no_argument(arg: str) -> str | None:
     return None
 
 
-def _usage_line(f: Any) -> dict | None:
+def _usage_line(f: "_StderrFile") -> dict | None:
     """Token counts from a usage line on the child's stderr (the ``llm`` CLI's ``-u``), or None."""
-    try:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - 4096))
-        m = None
-        for m in _USAGE_LINE.finditer(f.read()):
-            pass
-    except (OSError, ValueError):
-        return None
+    m = None
+    for m in _USAGE_LINE.finditer(f.last(4096)):
+        pass
     if m is None:
         return None
     return {"input_tokens": int(m.group(1).replace(b",", b"")), "output_tokens": int(m.group(2).replace(b",", b""))}
+
+
+class _StderrFile:
+    """The child's stderr: a temporary file (a pipe nobody reads could block it, and one that a
+    program it started keeps open could hold the run), bounded. The child's descriptor appends
+    (``O_APPEND``), so once the file passes ``STDERR_KEEP_BYTES`` (a program logging on and on)
+    :meth:`trim` keeps its last ``STDERR_KEPT_BYTES`` in memory and empties it, the child's
+    next lines landing at its start: what :meth:`last` reads is those kept bytes followed by
+    the file, never more than that bound on disk (``/tmp`` may be memory)."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile()
+        fd = self.file.fileno()
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        self.kept = b""
+
+    def trim(self) -> None:
+        try:
+            fd = self.file.fileno()
+            size = os.fstat(fd).st_size
+            if size <= STDERR_KEEP_BYTES:
+                return
+            self.kept = (self.kept + os.pread(fd, STDERR_KEPT_BYTES, size - STDERR_KEPT_BYTES))[-STDERR_KEPT_BYTES:]
+            os.ftruncate(fd, 0)
+        except (OSError, ValueError):
+            pass
+
+    def last(self, n: int) -> bytes:
+        """The last ``n`` bytes the child wrote (at most ``STDERR_KEPT_BYTES`` from before a trim)."""
+        try:
+            fd = self.file.fileno()
+            size = os.fstat(fd).st_size
+            tail = os.pread(fd, min(n, size), max(0, size - n))
+        except (OSError, ValueError):
+            return b""
+        return (self.kept + tail)[-n:] if len(tail) < n else tail
+
+    def close(self) -> None:
+        self.file.close()
 
 
 # -- process helpers ------------------------------------------------------------
@@ -450,10 +487,13 @@ async def _receive_within(stream: Any, timeout: float) -> bytes | None:
     return None
 
 
-async def _read_or_exit(process: Any, deadline: float | None) -> bytes | None:
+async def _read_or_exit(process: Any, deadline: float | None, tick: Any = None) -> bytes | None:
     """The next bytes of the program's stdout (b"" at its end), or None once the program has
-    exited while its stdout is still open. TimeoutError once ``deadline`` has passed."""
+    exited while its stdout is still open. TimeoutError once ``deadline`` has passed. ``tick()``
+    runs at every poll (the stderr file's bound: a program may write only there)."""
     while True:
+        if tick is not None:
+            tick()
         wait = EXIT_POLL_S
         if deadline is not None:
             left = deadline - anyio.current_time()
@@ -702,19 +742,13 @@ def _model_error(message: str) -> ModelError:
     return ModelError(redact(message))
 
 
-def _tail(f: Any, limit: int = STDERR_TAIL_BYTES) -> str:
+def _tail(f: "_StderrFile", limit: int = STDERR_TAIL_BYTES) -> str:
     """The last ``limit`` characters of the child's stderr, redacted *before* the cut (a
     window reaching back a little further, so a key straddling the cut is masked whole)."""
     from operate_sidecar.server.redaction import known_secrets
 
     reach = limit + 2 * max((len(k) for k in known_secrets()), default=0) + 256
-    try:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - reach))
-        text = redact(f.read().decode(errors="replace")).strip()
-    except (OSError, ValueError):
-        return ""
+    text = redact(f.last(reach).decode(errors="replace")).strip()
     return text[-limit:] if len(text) > limit else text
 
 

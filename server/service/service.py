@@ -74,6 +74,7 @@ class Service:
         self.governance: Governance | None = None
         self.journal: Any = None
         self._tools_ready: asyncio.Event | None = None
+        self._policy_names_checked = False  # ``_check_policy_names`` ran
         #: tool name -> the source that offers it, for what a name clash reports ("module 'x'",
         #: "MCP server 'y'"; tools not in it are named by their kind, ``_origin``)
         self._tool_origin: dict[str, str] = {}
@@ -406,6 +407,9 @@ class Service:
                 ready.set()
                 raise
         await self._tools_ready.wait()
+        if not self._policy_names_checked:
+            self._policy_names_checked = True
+            self._check_policy_names()
         if self._mcp_lost and not self._mcp_stop.is_set():
             # configured MCP servers that stopped on their own: no session passes them again, so
             # the next need (an operate, listTools, a session's server) starts those again, and
@@ -427,6 +431,27 @@ class Service:
             await restarted.wait()
             if self._mcp_restarted is restarted:
                 self._mcp_restarted = None  # started again: the next need waits for nothing
+
+    def _check_policy_names(self) -> None:
+        """Warn once, when the configured tool sources are loaded, about each ``settings.toolPolicy``
+        entry that names no tool the server offers (a typo, or ``echo`` for the MCP tool listed as
+        ``b__echo``): such an entry decides nothing, and would otherwise fail in silence."""
+        unknown = [name for name in self.settings.get("toolPolicy") or {} if name not in self.registry]
+        if not unknown:
+            return
+        import difflib
+
+        builtin = _module(_BUILTIN).TOOL_NAMES  # named before a workspace folder offers them: no typo
+        unknown = [name for name in unknown if name not in builtin]
+        known = sorted({*self.registry.names(), *builtin})
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            if not close:
+                close = [k for k in known if k.endswith("__" + name)][:1]
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            self.conn.log_message(2, f"settings.toolPolicy names {name!r}, which is not a tool of this server"
+                                     f"{hint}: the entry decides nothing until a tool of that name is offered "
+                                     f"(a tool is named as listTools lists it)")
 
     async def _load_tools(self, ready: asyncio.Event) -> None:
         try:

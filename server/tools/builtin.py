@@ -133,6 +133,8 @@ EDIT_FILE_SCHEMA: dict[str, Any] = {
 #: the most of a file one read_file call returns (bytes; the service lowers it to what fits in
 #: a tool output, see ``Service``'s workspace tools)
 MAX_READ_BYTES = 256 * 1024
+#: the builtin workspace tools, in the order they are offered (each a method of WorkspaceTools)
+TOOL_NAMES = ("read_file", "list_dir", "search_text", "write_file", "edit_file")
 
 
 def page_end(lines: list[str], cut: str, number: int) -> tuple[int, bool]:
@@ -187,15 +189,15 @@ class WorkspaceTools:
         else:
             where = (f"Paths are relative to the first workspace root {self.roots[0]} or start with another "
                      f"root's folder name ({', '.join(r.name for r in self.roots[1:])})")
+        from .file_tools import FILE_CHANGING, FileTools
+
         out = []
-        for fn, read_only in ((self.read_file, True), (self.list_dir, True), (self.search_text, True),
-                              (self.write_file, False), (self.edit_file, False)):
-            t = Tool.from_function(fn, source="builtin", read_only=read_only)
-            if fn == self.edit_file:
+        for name in TOOL_NAMES:
+            t = Tool.from_function(getattr(self, name), source="builtin", read_only=name not in FILE_CHANGING)
+            if name == "edit_file":
                 t.input_schema, t._validator = EDIT_FILE_SCHEMA, None  # camelCase edits, checked by jsonschema
             t.description = f"{t.description} {where}."
             out.append(t)
-        from .file_tools import FileTools
 
         return FileTools(self, self.files).wrap(out)
 

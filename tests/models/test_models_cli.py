@@ -17,6 +17,7 @@ from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import ModelRequest
 from operate_sidecar.server.models import make_model
 from operate_sidecar.server.models._common import SCHEMA_INSTRUCTION, render_prompt
+from operate_sidecar.server.models import cli as cli_module
 from operate_sidecar.server.models.cli import CLIModel
 
 pytestmark = pytest.mark.anyio
@@ -121,6 +122,35 @@ async def test_failing_command_is_a_model_error_with_the_stderr_tail(tmp_path):
     with anyio.fail_after(30), pytest.raises(ModelError) as info:
         await model.invoke(REQUEST)
     assert "status 3" in str(info.value) and "boom: the agent could not authenticate" in str(info.value)
+
+
+async def test_a_program_logging_on_and_on_keeps_its_stderr_file_bounded_and_its_tail(tmp_path):
+    """A program writing 30 MiB to stderr (a debug log) holds no more than about
+    ``STDERR_KEEP_BYTES`` of /tmp (it may be memory): the file is emptied past that bound, its
+    last bytes kept, so the failure still quotes the program's last line. The program measures
+    its own stderr file, waiting (bounded) for it to be trimmed once it passes the bound."""
+    body = """
+    import os, sys, time
+    KEEP = %d
+    largest = 0
+    for i in range(30):
+        os.write(2, (b"log line %%d " %% i + b"x" * 1000 + b"\\n") * 1024)
+        print('{"type": "text", "text": "."}', flush=True)
+        end = time.time() + 5
+        while os.fstat(2).st_size > KEEP + (2 << 20) and time.time() < end:
+            time.sleep(0.01)
+        largest = max(largest, os.fstat(2).st_size)
+    os.write(2, b"boom: the largest stderr file was %%d bytes\\n" %% largest)
+    sys.exit(1)
+    """ % cli_module.STDERR_KEEP_BYTES
+    model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "log.py", body)]},
+                       name="chatty")
+    with anyio.fail_after(60), pytest.raises(ModelError) as info:
+        await model.invoke(REQUEST)
+    text = str(info.value)
+    assert "status 1" in text and "boom: the largest stderr file was" in text, text
+    largest = int(text.split("the largest stderr file was ")[1].split()[0])
+    assert largest <= cli_module.STDERR_KEEP_BYTES + (2 << 20), largest
 
 
 async def test_missing_executable_is_a_model_error():

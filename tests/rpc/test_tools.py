@@ -383,3 +383,22 @@ def test_tool_names_taken_across_sources_are_reported_naming_both_sources(sideca
     assert err.code == -32602 and err.data == {"taken": ["two", "echo_tool"]}, err
     assert "two (by MCP servers 'a', 'b')" in err.message and "echo_tool (by module 'slow_tools')" in err.message
     assert "mine" not in {t["name"] for t in sidecar.request("listTools", {})["tools"]}  # none of the call's
+
+
+def test_a_tool_policy_entry_naming_no_tool_is_told_with_the_closest_name(sidecar):
+    """``settings.toolPolicy`` names tools as listTools lists them: an entry naming no tool (a
+    typo) decides nothing, so once the tool sources are loaded a warning names it and the closest
+    tool name; a builtin tool named before a workspace folder offers it, and a real tool, are
+    not warned about."""
+    sidecar.init(models={"s": scripted("x")}, toolModules=["slow_tools"],
+                 toolPolicy={"echo_tol": "deny", "write_file": "ask", "slow_tool": "deny", "qqq": "allow"})
+    sidecar.request("listTools", {}, timeout=TIMEOUT)
+    said = [m["message"] for m in sidecar.of("window/logMessage") if "toolPolicy" in m["message"]]
+    assert said == [
+        "settings.toolPolicy names 'echo_tol', which is not a tool of this server (did you mean 'echo_tool'?): "
+        "the entry decides nothing until a tool of that name is offered (a tool is named as listTools lists it)",
+        "settings.toolPolicy names 'qqq', which is not a tool of this server: the entry decides nothing until "
+        "a tool of that name is offered (a tool is named as listTools lists it)"], said
+    assert wait_log(sidecar, said[0]), sidecar.stderr_text()
+    sidecar.request("listTools", {}, timeout=TIMEOUT)  # told once
+    assert len([m for m in sidecar.of("window/logMessage") if "toolPolicy" in m["message"]]) == 2
