@@ -4,6 +4,8 @@
     python -m operate_sidecar.protocol.gen_schema --check    # exit 1 when schema.json is stale
     python -m operate_sidecar.protocol.gen_schema --stdout   # print instead of writing
 
+Any other argument is refused (usage, exit code 2) and writes nothing.
+
 The document has ``$defs`` for every wire type and named union, ``methods`` (method ->
 direction, params schema, result schema), ``notifications`` (method -> direction, params
 schema), ``errorCodes`` and ``errorData`` (the ``error.data`` shape per code). It is never
@@ -173,12 +175,22 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    """Rewrite, check (``--check``) or print (``--stdout``) the schema. Any other argument is
+    refused with the usage and exit code 2: a typo (``--chek``) must not rewrite the file."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m operate_sidecar.protocol.gen_schema", allow_abbrev=False,
+                                     description="Generate protocol/schema.json from the wire declarations in "
+                                                 "protocol/ (with no option: rewrite it).")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 when schema.json is stale; write nothing")
+    mode.add_argument("--stdout", action="store_true", help="print the schema instead of writing it")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     text = render()
-    if "--stdout" in args:
+    if args.stdout:
         sys.stdout.write(text)
         return 0
-    if "--check" in args:
+    if args.check:
         current = SCHEMA_PATH.read_text(encoding="utf-8") if SCHEMA_PATH.exists() else ""
         if current != text:
             print(f"{SCHEMA_PATH} is stale: run python -m operate_sidecar.protocol.gen_schema", file=sys.stderr)

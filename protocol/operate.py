@@ -99,9 +99,9 @@ class OperateParams:
 
     def __wire_check__(self) -> None:
         if self.max_rounds is not None and self.max_rounds < 1:
-            raise ParamsError("maxRounds must be an integer of at least 1", path=("maxRounds",))
+            raise ParamsError("must be an integer of at least 1", path=("maxRounds",))
         if self.repeat_limit is not None and self.repeat_limit < 1:
-            raise ParamsError("repeatLimit must be an integer of at least 1", path=("repeatLimit",))
+            raise ParamsError("must be an integer of at least 1", path=("repeatLimit",))
         for key in self.model_options or ():
             if key in REMOVED_MODEL_OPTIONS:
                 raise ParamsError(

@@ -12,6 +12,12 @@ subprocess; see docs/PROTOCOL.md. stdout carries protocol frames only; logs go t
 Settings are merged: initialize "settings" over the --config file over these flags."""
 
 
+class CommandLineMistake(Exception):
+    """A command-line mistake, as the one line ``operate-sidecar: error: ...`` argparse would
+    write: raised instead of exiting when ``--acp`` is asked for, so that the line can also be
+    the answer to the editor's requests (as a bad ``--config`` file's line is)."""
+
+
 def _pid(text: str) -> int:
     """A process id: a positive integer (0 or a negative number names a process group to kill(2),
     so a watchdog on it would never fire, or fire at once)."""
@@ -43,21 +49,30 @@ def _load_config(path: str) -> dict:
         raise S.SettingsError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _parser():  # type: ignore[no-untyped-def]
+def _parser(answer_mistakes: bool = False):  # type: ignore[no-untyped-def]
+    """The command line's parser. With ``answer_mistakes`` a mistake raises CommandLineMistake
+    (its one line) instead of printing the usage and exiting 2: the ``--acp`` server answers it."""
     import argparse
 
     from operate_sidecar.server import __version__
     from operate_sidecar.server.rpc.settings import DEFAULTS
 
-    p = argparse.ArgumentParser(prog="operate-sidecar", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Session scripts:\n"
-                                       "  operate-sidecar replay [--scripted] [--timeout S] [--quiet] SCRIPT.jsonl "
-                                       "[-- SERVER ARGV...]\n"
-                                       "      run a session script against a fresh server and report every step\n"
-                                       "      (see `operate-sidecar replay --help`; --record FILE writes one)")
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # type: ignore[override]
+            if answer_mistakes:
+                raise CommandLineMistake(f"{self.prog}: error: {message}")
+            super().error(message)
+
+    p = Parser(prog="operate-sidecar", description=DESCRIPTION,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="Session scripts:\n"
+                       "  operate-sidecar replay [--scripted] [--timeout S] [--quiet] SCRIPT.jsonl "
+                       "[-- SERVER ARGV...]\n"
+                       "      run a session script against a fresh server and report every step\n"
+                       "      (see `operate-sidecar replay --help`; --record FILE writes one)")
     p.add_argument("--config", metavar="FILE",
-                   help="TOML file with settings, as top-level keys or a [settings] table: any of "
+                   help="TOML file with settings, as top-level keys, in a [settings] table or both (each "
+                        "setting once; a UTF-8 byte-order mark is skipped): any of "
                         + ", ".join(DEFAULTS) + " (docs/PROTOCOL.md, initialize)")
     p.add_argument("--state-dir", metavar="DIR",
                    help="keep branches in a SQLite state store under DIR (DIR/state.sqlite3) so they survive "
@@ -81,7 +96,21 @@ def _parser():  # type: ignore[no-untyped-def]
     return p
 
 
+def _flag_mistake(args) -> str | None:  # type: ignore[no-untyped-def]
+    """The line for flags argparse accepts but that cannot go together or hold nothing."""
+    if args.state_dir == "":  # (--state-dir "$STATE" with STATE unset): said, not memory only in silence
+        return ("operate-sidecar: --state-dir: no folder name given (leave the flag out to keep branches in memory "
+                "only)")
+    if args.record and args.acp:
+        return "operate-sidecar: --record records the native protocol; it cannot be combined with --acp"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the server (or ``replay``). A mistake on the command line or in the ``--config`` file
+    is one line on stderr and exit code 2; with ``--acp`` (written as such) the server first
+    answers every request with that line (``server.acp.run.Unconfigured``), unless stdin is a
+    terminal: a person there has read it."""
     import logging
     import os
 
@@ -101,22 +130,37 @@ def main(argv: list[str] | None = None) -> int:
         from operate_sidecar.server.script.runner import main as replay_main
 
         return replay_main(argv[1:])
-    args = _parser().parse_args(argv)
-    if args.state_dir == "":  # (--state-dir "$STATE" with STATE unset): said, not memory only in silence
-        print("operate-sidecar: --state-dir: no folder name given (leave the flag out to keep branches in memory "
-              "only)", file=sys.stderr)
-        return 2
-    if args.record and args.acp:
-        print("operate-sidecar: --record records the native protocol; it cannot be combined with --acp",
-              file=sys.stderr)
-        return 2
-    level = logging.DEBUG if args.debug else getattr(logging, args.log_level.upper())
+    acp = "--acp" in argv  # (as written: a misspelt --acp is the native server's mistake)
+    args = None
+    try:
+        args = _parser(answer_mistakes=acp).parse_args(argv)
+    except CommandLineMistake as e:
+        mistake: str | None = str(e)
+    else:
+        mistake = _flag_mistake(args)
+    if mistake:
+        print(mistake, file=sys.stderr)
+        if not acp or os.isatty(0):
+            return 2
+        # answered as a bad --config file is (below): an ACP editor shows answers, not stderr
+    debug = args.debug if args is not None else "--debug" in argv
+    level = logging.DEBUG if debug else getattr(logging, args.log_level.upper()) if args is not None \
+        else logging.WARNING
     logging.basicConfig(stream=sys.stderr, level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from operate_sidecar.server.models._common import RedactingFilter
 
     for handler in logging.getLogger().handlers:  # keys never reach stderr, --debug included
         handler.addFilter(RedactingFilter())
+    logging.captureWarnings(True)  # a tool's warnings.warn(...) passes the filter too
+    if mistake:
+        from operate_sidecar.server.acp.run import run as run_acp
+
+        code = run_acp(base_settings={}, version=__version__, debug=debug,
+                       client_pid=args.client_process_id if args is not None else None, config_error=mistake)
+        logging.shutdown()
+        os._exit(code)
+    assert args is not None
     base: dict = {}
     if args.state_dir is not None:
         base["stateDir"] = args.state_dir

@@ -13,7 +13,15 @@ JSON-escaped, URL-encoded (``quote`` and ``quote_plus``) and base64 (standard an
 at any of the three byte alignments, so a key inside ``base64("user:" + key)`` of a Basic
 ``Authorization`` header is masked too; the one or two characters at each edge that mix
 with the neighbouring bytes stay). Values shorter than :data:`MIN_SECRET_CHARS` are not
-registered: masking them would garble ordinary text.
+registered: masking them would garble ordinary text; nor is a word of letters only of at most
+:data:`PLACEHOLDER_MAX_CHARS` (7) characters (``none``, ``EMPTY``, ``dummy``, ``ollama``: the
+placeholder a local server takes for a key), which is no secret, and whose masking would rewrite
+protocol words (``"kind": "none"``).
+
+A number whose JSON text is a registered value (a PIN, an account number) is masked too, as the
+string ``"[REDACTED]"``: in values (:func:`redact_value`) and in JSON text (:func:`redact_bytes`),
+which always stays valid JSON: a value is masked within its string, or a number replaced whole,
+never the bytes of a number or of the structure around it.
 """
 
 from __future__ import annotations
@@ -21,11 +29,16 @@ from __future__ import annotations
 import base64
 import json
 import re
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 MASK = "[REDACTED]"
 MIN_SECRET_CHARS = _MIN_LEN = 4
+#: a value of letters only (A-Z, a-z) this long or shorter is a placeholder, not a secret
+PLACEHOLDER_MAX_CHARS = 7
 _MIN_B64 = 16  # a base64 form shorter than this could occur by chance in an unrelated blob
+_MASK_B = MASK.encode()
+_MASK_JSON = b'"' + _MASK_B + b'"'   # a masked number: the mask as a JSON string
+_DEPTH = 200  # how deep the walk of a value recurses; what lies deeper is walked with a stack
 
 _KNOWN: set[str] = set()
 _ORDERED: tuple[str, ...] = ()   # longest first, so a key containing another is masked whole
@@ -50,10 +63,31 @@ def secret_env_values(env: Any) -> list[str]:
     return [v for k, v in env.items() if isinstance(k, str) and isinstance(v, str) and SECRET_ENV_NAME.search(k)]
 
 
+_PLACEHOLDERS: set[str] = set()  # placeholder values seen (each said once, on the debug log)
+
+
+def _is_placeholder(value: str) -> bool:
+    """A word of letters only, shorter than 8 characters (``none``, ``EMPTY``, ``dummy``,
+    ``ollama``): what a local server is given for a key it does not check. No secret, and
+    masking it would rewrite protocol words in the frames."""
+    return len(value) <= PLACEHOLDER_MAX_CHARS and value.isascii() and value.isalpha()
+
+
 def remember_secret(value: str | None) -> None:
-    """Register a secret value; every later :func:`redact` removes it."""
+    """Register a secret value; every later :func:`redact` removes it. A value shorter than
+    :data:`MIN_SECRET_CHARS`, or a placeholder word (:func:`_is_placeholder`), is not
+    registered."""
     global _ORDERED
     if isinstance(value, str) and len(value) >= _MIN_LEN and value not in _KNOWN:
+        if _is_placeholder(value):
+            if value not in _PLACEHOLDERS:
+                _PLACEHOLDERS.add(value)
+                import logging  # (loaded already: the server's logging is set up before any settings)
+
+                logging.getLogger("operate_sidecar.server.redaction").debug(
+                    "a secret value of %d letters is not masked: a word of letters only under 8 characters is a "
+                    "placeholder key (such as none, EMPTY, dummy), not a secret", len(value))
+            return
         _KNOWN.add(value)
         _ORDERED = tuple(sorted(_KNOWN, key=len, reverse=True))
 
@@ -70,7 +104,8 @@ def redact(text: Any, secrets: Iterable[str | None] = (), *, patterns: bool = Fa
     """``text`` with every registered secret (and ``secrets``) replaced by ``[REDACTED]``;
     with ``patterns``, key-looking tokens too (for error texts from providers)."""
     out = text if isinstance(text, str) else str(text)
-    extra = [s for s in secrets if isinstance(s, str) and len(s) >= _MIN_LEN and s not in _KNOWN]
+    extra = [s for s in secrets
+             if isinstance(s, str) and len(s) >= _MIN_LEN and s not in _KNOWN and not _is_placeholder(s)]
     forms = _text_forms_of(extra) + _known_text_forms() if extra else _known_text_forms()
     for f in forms:
         if f in out:
@@ -82,40 +117,196 @@ def redact(text: Any, secrets: Iterable[str | None] = (), *, patterns: bool = Fa
 
 
 def redact_value(value: Any) -> Any:
-    """``value`` (a JSON-like structure) with every registered secret redacted in every
-    string, keys included. Returns ``value`` itself when nothing is registered or found."""
+    """``value`` (a JSON-like structure, nested to any depth) with every registered secret
+    redacted in every string, keys included, and every number whose JSON text is a registered
+    value replaced by ``[REDACTED]``. Returns ``value`` itself when nothing is registered or found."""
     if not _ORDERED:
         return value
-    return _walk(value, 0)
+    return _walk(value, 0, _numeric_secrets()[0])
 
 
-def _walk(v: Any, depth: int) -> Any:
+def _walk(v: Any, depth: int, numbers: frozenset[str]) -> Any:
     if isinstance(v, str):
         return redact(v) if any(f in v for f in _known_text_forms()) else v
-    if depth > 200:
-        return v
+    if depth > _DEPTH and isinstance(v, (dict, list, tuple)):
+        return _walk_deep(v, numbers)
     # a container is copied only when a secret was found in it: with a key configured, every tool
     # output passes here, and one with nothing to hide is kept as it is (not copied whole)
     if isinstance(v, dict):
-        pairs = [((_walk(k, depth + 1) if isinstance(k, str) else k), _walk(x, depth + 1)) for k, x in v.items()]
+        pairs = [((_walk(k, depth + 1, numbers) if isinstance(k, str) else k), _walk(x, depth + 1, numbers))
+                 for k, x in v.items()]
         if all(k2 is k and x2 is x for (k2, x2), (k, x) in zip(pairs, v.items())):
             return v
         return dict(pairs)
     if isinstance(v, (list, tuple)):
-        items = [_walk(x, depth + 1) for x in v]
+        items = [_walk(x, depth + 1, numbers) for x in v]
         return v if all(a is b for a, b in zip(items, v)) else items
+    if numbers and (type(v) is int or type(v) is float) and repr(v) in numbers:  # (its JSON text)
+        return MASK
     return v
 
 
+def _walk_deep(root: dict | list | tuple, numbers: frozenset[str]) -> Any:
+    """:func:`_walk` for what lies deeper than it recurses, with the same result, by an explicit
+    stack (any depth). A container met again inside itself (a cycle, which no JSON holds) is
+    left as it is there: it is walked where it was first met."""
+    def frame(node: Any) -> list:  # [node, its items, next index, the items walked, changed]
+        return [node, list(node.items()) if isinstance(node, dict) else list(node), 0, [], False]
+
+    stack = [frame(root)]
+    open_ = {id(root)}
+    done: Any = None
+    while stack:
+        top = stack[-1]
+        node, items, i, out = top[0], top[1], top[2], top[3]
+        is_dict = isinstance(node, dict)
+        if done is not None:  # a child container just finished: it is item i
+            child, value = done
+            done = None
+            if is_dict:
+                k = items[i][0]
+                k2 = _walk(k, 0, numbers) if isinstance(k, str) else k
+                out.append((k2, value))
+                top[4] = top[4] or k2 is not k or value is not child
+            else:
+                out.append(value)
+                top[4] = top[4] or value is not child
+            i += 1
+        while i < len(items):
+            k, x = items[i] if is_dict else (None, items[i])
+            if isinstance(x, (dict, list, tuple)) and id(x) not in open_:
+                break
+            x2 = x if isinstance(x, (dict, list, tuple)) else _walk(x, 0, numbers)
+            if is_dict:
+                k2 = _walk(k, 0, numbers) if isinstance(k, str) else k
+                out.append((k2, x2))
+                top[4] = top[4] or k2 is not k or x2 is not x
+            else:
+                out.append(x2)
+                top[4] = top[4] or x2 is not x
+            i += 1
+        top[2] = i
+        if i < len(items):  # descend into item i
+            stack.append(frame(x))
+            open_.add(id(x))
+            continue
+        stack.pop()
+        open_.discard(id(node))
+        done = (node, (dict(out) if is_dict else out) if top[4] else node)
+    return done[1]
+
+
 def redact_bytes(data: bytes) -> bytes:
-    """A UTF-8/JSON byte string with every registered secret masked (the last net before
-    the wire): the value in every form :func:`redact` knows, and as JSON escapes each."""
+    """JSON text (a frame, or lines of JSON) with every registered secret masked (the last net
+    before the wire): the value in every form :func:`redact` knows, and as JSON escapes each.
+    The result is as valid JSON as ``data`` was: a value found in a string is masked within it
+    (:func:`_masked_string` when the plain replacement would break an escape), a number whose
+    text is a registered value becomes ``"[REDACTED]"``, and a value found in the structure
+    otherwise (in a longer number, say) is left there. With no value found (the usual case),
+    ``data`` itself is returned after one search per form."""
     if not _ORDERED:
         return data
-    for form in _known_byte_forms():
+    forms = _known_byte_forms()
+    for form in forms:
         if form in data:
-            data = data.replace(form, MASK.encode())
+            break
+    else:
+        return data
+    if b"\n" not in data:
+        return _redact_json(data, forms)
+    return b"\n".join(_redact_json(line, forms) for line in data.split(b"\n"))
+
+
+def redact_keeping(msg: dict, key: str, dumps: Callable[[Any], bytes]) -> bytes:
+    """``dumps(msg)`` through :func:`redact_bytes`, but for ``msg["params"][key]``, which goes
+    out as it is: the text a client is asked to write into a file (``fs/writeTextFile``'s
+    ``text``, ACP's ``fs/write_text_file`` ``content``), which must be what the tool wrote, as
+    the file written on disk is. ``dumps`` writes compact JSON (no spaces)."""
+    params = msg.get("params")
+    if not _ORDERED or not isinstance(params, dict) or key not in params:
+        return redact_bytes(dumps(msg))
+    rest = dict(params)
+    kept = rest.pop(key)
+    body = redact_bytes(dumps({**{k: v for k, v in msg.items() if k != "params"}, "params": rest}))
+    if not body.endswith(b"}}"):  # (not the compact JSON this expects: nothing is kept)
+        return redact_bytes(dumps(msg))
+    head = body[:-2]
+    return head + (b"" if head.endswith(b"{") else b",") + dumps(key) + b":" + dumps(kept) + b"}}"
+
+
+# one JSON string token and one number token, as the bytes of a JSON text hold them, and the
+# text of a JSON number: compiled when first needed (a secret was found, or registered), not at start
+_JSON_STRING = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
+_JSON_NUMBER = rb"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
+_NUMBER_TEXT = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
+
+
+def _replaced(data: bytes, forms: tuple[bytes, ...]) -> bytes:
+    for form in forms:
+        if form in data:
+            data = data.replace(form, _MASK_B)
     return data
+
+
+def _redact_json(text: bytes, forms: tuple[bytes, ...]) -> bytes:
+    """One JSON text (a line) with the registered values masked: every form replaced, when the
+    result still reads as JSON (the usual case: a value inside a string); else token by token."""
+    out = _replaced(text, forms)
+    if out is text:
+        return text
+    try:
+        json.loads(out)
+        return out
+    except (ValueError, RecursionError):
+        pass
+    return _redact_tokens(text, forms)
+
+
+def _redact_tokens(text: bytes, forms: tuple[bytes, ...]) -> bytes:
+    """``text`` with each string token masked as a string (:func:`_masked_string`) and each
+    number token whose text is a registered value replaced by ``"[REDACTED]"``; the bytes
+    between tokens are kept. A string left open at the end (a line cut short) has its forms
+    replaced."""
+    numbers = _numeric_secrets()[1]
+    out: list[bytes] = []
+    pos = 0
+    for m in re.finditer(_JSON_STRING, text, re.S):
+        out += [_masked_gap(text[pos:m.start()], forms, numbers), _masked_string(m.group(), forms)]
+        pos = m.end()
+    out.append(_masked_gap(text[pos:], forms, numbers))
+    return b"".join(out)
+
+
+def _masked_gap(gap: bytes, forms: tuple[bytes, ...], numbers: frozenset[bytes]) -> bytes:
+    """The structure between two strings: numbers, ``true``, punctuation ..."""
+    quote = gap.find(b'"')
+    if quote != -1:  # a string that does not end in this text
+        return _masked_gap(gap[:quote], forms, numbers) + _replaced(gap[quote:], forms)
+    if not numbers or not any(form in gap for form in forms):
+        return gap
+    return re.sub(_JSON_NUMBER, lambda m: _MASK_JSON if m.group() in numbers else m.group(), gap)
+
+
+def _masked_string(token: bytes, forms: tuple[bytes, ...]) -> bytes:
+    """A JSON string token with the registered values masked: the forms replaced in its bytes,
+    or, when that breaks an escape sequence, its text redacted and written again."""
+    out = _replaced(token, forms)
+    if out is token:
+        return token
+    try:
+        if isinstance(json.loads(out), str):
+            return out
+    except ValueError:
+        pass
+    try:
+        text = json.loads(token)
+    except ValueError:  # (no JSON string to begin with)
+        return out
+    masked = json.dumps(redact(text), ensure_ascii=False)
+    try:
+        return masked.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: written escaped, as it came
+        return json.dumps(redact(text)).encode("ascii")
 
 
 class StreamRedactor:
@@ -177,6 +368,18 @@ def _safe_cut(text: str, forms: tuple[str, ...]) -> int:
 # (keyed by the ``_ORDERED`` tuple itself, so restoring it restores them too)
 _TEXT_CACHE: tuple[Any, tuple[str, ...]] = (None, ())
 _BYTE_CACHE: tuple[Any, tuple[bytes, ...]] = (None, ())
+_NUMBER_CACHE: tuple[Any, tuple[frozenset[str], frozenset[bytes]]] = (None, (frozenset(), frozenset()))
+
+
+def _numeric_secrets() -> tuple[frozenset[str], frozenset[bytes]]:
+    """The registered values that are the JSON text of a number (as text, and as bytes)."""
+    global _NUMBER_CACHE
+    key, found = _NUMBER_CACHE
+    if key is not _ORDERED:
+        texts = frozenset(s for s in _ORDERED if re.fullmatch(_NUMBER_TEXT, s))
+        found = (texts, frozenset(s.encode("ascii") for s in texts))
+        _NUMBER_CACHE = (_ORDERED, found)
+    return found
 
 
 def _known_text_forms() -> tuple[str, ...]:
@@ -228,5 +431,5 @@ def _forms(s: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(f for f in forms if len(f) >= _MIN_LEN))
 
 
-__all__ = ["MASK", "MIN_SECRET_CHARS", "StreamRedactor", "remember_secret", "known_secrets", "has_secrets", "redact",
-           "redact_value", "redact_bytes"]
+__all__ = ["MASK", "MIN_SECRET_CHARS", "PLACEHOLDER_MAX_CHARS", "StreamRedactor", "remember_secret", "known_secrets",
+           "has_secrets", "redact", "redact_value", "redact_bytes", "redact_keeping"]

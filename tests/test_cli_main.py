@@ -50,7 +50,8 @@ NOT_JSON = "which no setting holds (settings are JSON values: write it as a quot
      f"models.m.options.when is a TOML date-time (1979-05-27T07:32:00+00:00), {NOT_JSON}"),
     (OPENAI + 'options = { extraBody = { "my.key" = [1, { at = 07:32:00 }] } }\n',
      f'models.m.options.extraBody."my.key"[1].at is a TOML time (07:32:00), {NOT_JSON}'),
-    ('[settings.models.m]\nprovider = "local"\noptions = { stop = ["a", 1979-05-27] }\n',
+    ('[settings.models.m]\nprovider = "openai"\nbaseUrl = "http://127.0.0.1:9/v1"\nmodel = "x"\n'
+     'options = { stop = ["a", 1979-05-27] }\n',
      f"models.m.options.stop[1] is a TOML date (1979-05-27), {NOT_JSON}"),
     (OPENAI + "options = { temperature = nan }\n",
      "models.m.options.temperature is nan, not a finite number (settings are JSON values)"),
@@ -117,4 +118,51 @@ def test_an_empty_state_dir_is_refused_not_memory_only_in_silence(tmp_path):
     assert line.startswith("operate-sidecar: --state-dir: no folder name given"), line
     (tmp_path / "settings.toml").write_text('stateDir = ""\n')
     line = one_line_error(cli("--config", "settings.toml", cwd=tmp_path))
-    assert line.startswith("operate-sidecar: bad configuration: settings.stateDir must be a path (not empty)"), line
+    assert line.startswith("operate-sidecar: bad configuration: stateDir must be a path (not empty)"), line
+
+
+MIXED = ('defaultModel = "b"\n[settings]\nmaxBranches = 1\n'
+         '[models.a]\nprovider = "scripted"\nresponses = ["x"]\n[models.b]\nprovider = "scripted"\nresponses = ["y"]\n')
+
+
+@pytest.mark.parametrize("content", [
+    # top-level keys and a [settings] table together: TOML puts [models.a] after [settings] back at the
+    # top, so such a file is easily written; it was "unknown settings field(s): settings"
+    MIXED.encode(),
+    # a UTF-8 byte-order mark, as Windows editors write one: it was "Invalid statement (at line 1, column 1)"
+    b"\xef\xbb\xbf" + MIXED.encode(),
+    # the same settings all in the table
+    MIXED.replace('defaultModel = "b"\n[settings]\n', '[settings]\ndefaultModel = "b"\n')
+         .replace("[models.", "[settings.models.").encode(),
+])
+def test_a_config_file_may_mix_top_level_keys_and_a_settings_table_and_start_with_a_bom(tmp_path, content):
+    from operate_sidecar.clients.python.client import RpcError, SidecarClient
+
+    (tmp_path / "settings.toml").write_bytes(content)
+    with open(tmp_path / "stderr.txt", "wb") as err, SidecarClient(
+            [sys.executable, "-m", "operate_sidecar.server", "--config", "settings.toml"], cwd=str(tmp_path),
+            stderr=err) as c:
+        assert c.request("initialize", {}, timeout=30)["capabilities"]["models"] == ["a", "b"]
+        c.request("createBranch", {}, timeout=30)
+        (branch,) = c.request("listBranches", {}, timeout=30)["branches"]
+        assert branch["chatModel"] == "b"  # the top-level key
+        with pytest.raises(RpcError) as e:  # the table's key
+            c.request("createBranch", {}, timeout=30)
+        assert "maxBranches" in e.value.message, e.value.message
+    assert "bad configuration" not in (tmp_path / "stderr.txt").read_text()
+
+
+def test_a_setting_given_both_at_the_top_level_and_in_the_settings_table_is_named(tmp_path):
+    (tmp_path / "settings.toml").write_text('maxBranches = 3\ndefaultModel = "a"\n[settings]\nmaxBranches = 5\n'
+                                            'defaultModel = "a"\n')
+    line = one_line_error(cli("--config", "settings.toml", cwd=tmp_path))
+    assert line == ("operate-sidecar: bad configuration: settings.toml: maxBranches, defaultModel are set both at "
+                    "the top level and in the [settings] table; set each setting once"), line
+
+
+def test_a_misspelt_default_model_in_the_config_file_names_the_closest_one(tmp_path):
+    (tmp_path / "settings.toml").write_text('defaultModel = "gtp"\n[models.gpt]\nprovider = "scripted"\n'
+                                            'responses = ["x"]\n')
+    line = one_line_error(cli("--config", "settings.toml", cwd=tmp_path))
+    assert line == ("operate-sidecar: bad configuration: defaultModel 'gtp' is not a configured model "
+                    "(did you mean 'gpt'?)"), line

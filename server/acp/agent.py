@@ -888,6 +888,7 @@ class OperateAgent(Agent):
             self._round_text(sid, turn, res)
             stop = "max_turn_requests" if _ran_tools(res) and rounds >= limit else "end_turn"
             if res.get("repeated"):  # the same calls failed the same way REPEAT_LIMIT rounds in a row
+                stop = "end_turn"  # (also when that was the last round allowed: it said why it stopped)
                 self.port.send(sid, update_agent_message_text(("\n\n" if turn.shown else "") + repeat_notice(res)))
         usage: dict[str, Any] = {}
         _add_usage(usage, res.get("usage") or turn.usage)

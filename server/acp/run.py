@@ -74,7 +74,12 @@ class RedactingWriter(asyncio.StreamWriter):
     Lines are masked whole, however they are cut into ``write()`` calls: the bytes after the
     last newline wait for the rest of their line (a secret split across two writes is still
     masked), and go out as they are at ``drain()`` (the SDK drains after each message),
-    ``write_eof()`` or ``close()``. With no secret registered, the bytes pass as they are."""
+    ``write_eof()`` or ``close()``. With no secret registered, the bytes pass as they are.
+    A line stays valid JSON (``redaction.redact_bytes``). The ``content`` of an
+    ``fs/write_text_file`` request goes as it is: it is what the tool wrote, and the client's
+    file must hold it, as a file written to the disk does."""
+
+    _WRITE = b'"fs/write_text_file"'
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -88,12 +93,44 @@ class RedactingWriter(asyncio.StreamWriter):
         end = data.rfind(b"\n") + 1
         self._partial = data[end:]
         if end:
-            super().write(unicode_only(redaction.redact_bytes(data[:end])))
+            super().write(unicode_only(self._redacted(data[:end])))
 
     def _flush_partial(self) -> None:
         if self._partial:
             data, self._partial = self._partial, b""
-            super().write(unicode_only(redaction.redact_bytes(data)))
+            super().write(unicode_only(self._redacted(data)))
+
+    @classmethod
+    def _redacted(cls, lines: bytes) -> bytes:
+        """``redaction.redact_bytes`` of JSON lines, but for the ``content`` of an
+        ``fs/write_text_file`` request."""
+        if cls._WRITE not in lines:
+            return redaction.redact_bytes(lines)
+        return b"\n".join(cls._redacted_line(line) for line in lines.split(b"\n"))
+
+    @classmethod
+    def _redacted_line(cls, line: bytes) -> bytes:
+        if cls._WRITE in line:
+            import json
+
+            try:
+                msg = json.loads(line)
+            except (ValueError, RecursionError):
+                msg = None
+            if isinstance(msg, dict) and msg.get("method") == "fs/write_text_file" and "id" in msg \
+                    and isinstance(msg.get("params"), dict) and isinstance(msg["params"].get("content"), str):
+                return redaction.redact_keeping(msg, "content", cls._compact)
+        return redaction.redact_bytes(line)
+
+    @staticmethod
+    def _compact(value: Any) -> bytes:
+        import json
+
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: escaped (``unicode_only`` writes it as U+FFFD)
+            return json.dumps(value, separators=(",", ":")).encode("ascii")
 
     async def drain(self) -> None:
         self._flush_partial()

@@ -2,7 +2,9 @@
 authorization first, then argument validation, hooks (TOOL_PRE, then TOOL_POST
 or TOOL_ERROR), invocation with its time-out, and message recording. Every
 recorded ``action_request`` gets its ``action_response``, also when the call
-is denied, fails, or is cancelled.
+is denied, fails, or is cancelled. A call whose authorization (a permission request to the
+client) was still pending when its operate was cancelled is denied by the cancel: recorded as a
+denied call (reason ``"cancelled"``) with its ``denied`` hook event, before the cancel goes on.
 
 A tool's output is made JSON once, where it is produced, before anything records it
 (``json_output``), so the branch, the answer and the store only ever hold JSON. An output
@@ -45,6 +47,8 @@ from ..redaction import redact, redact_value
 log = logging.getLogger(__name__)
 
 DENIED = "denied by governance gate"
+#: the reason of a call denied because its operate was cancelled while it was being authorized
+CANCELLED = "cancelled"
 
 
 @dataclass(slots=True, frozen=True)
@@ -336,11 +340,13 @@ def _failure_text(e: BaseException) -> str:
     return redact(unicode_text(text))
 
 
-async def _act(branch: Any, function: str | None, arguments: Any, action_param: ActionParam,
+async def _act(branch: Any, function: Any, arguments: Any, action_param: ActionParam,
                selected: set[str] | None, *, contain: bool = False) -> ActionResponseModel:
     call_id = new_id()
-    if function is not None and not isinstance(function, str):
-        function = str(function)  # a non-string name is an unknown tool (a tool error), never a crash
+    if not isinstance(function, str):
+        # a missing or null name is "" and a non-string one its text: an unknown tool (a tool
+        # error), never a crash, and one name alike in the record, the events and the answer
+        function = "" if function is None else str(function)
     if isinstance(arguments, str):  # a JSON-encoded object, as function-calling APIs send it
         arguments = _json_object(arguments)
     args = arguments if isinstance(arguments, dict) else {}
@@ -356,7 +362,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
         _record_response(branch, req, out)
         branch.log_event({"event": "error", "function": function, "callId": call_id, "error": message})
         if hooks:
-            await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function),
+            await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, function,
                                        summarize(redact_value(args)), error=summarize(message)))
         return ActionResponseModel(function=function or "", arguments=args, output=out)
 
@@ -368,7 +374,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
         _record_response(branch, req, output)
         branch.log_event({"event": "denied", "function": function, "callId": call_id, "reason": reason})
         if hooks:
-            await hooks.emit(HookEvent(HookEventType.TOOL_DENIED, bid, call_id, str(function),
+            await hooks.emit(HookEvent(HookEventType.TOOL_DENIED, bid, call_id, function,
                                        summarize(redact_value(args)), error=reason or DENIED))
         return ActionResponseModel(function=function or "", arguments=args, output=output)
 
@@ -383,6 +389,12 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
             decision = await branch.authorize(ToolInvocation(function=function, arguments=args, branch_id=bid,  # type: ignore[arg-type]
                                                              call_id=call_id, tool=tool))
         except anyio.get_cancelled_exc_class():
+            # cancelled while being authorized (a permission request pending): the cancel is the
+            # answer, deny. The call is recorded and evented as denied like any denied call
+            # (its callId may already be the client's), shielded as a call cancelled while
+            # running is answered below; nothing here waits on anything but the recording.
+            with anyio.CancelScope(shield=True):
+                await deny(CANCELLED)
             raise
         except Exception as e:
             if not contain:
@@ -398,7 +410,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
     # 3. TOOL_PRE: a handler that raises vetoes the call (propagates, nothing recorded)
     if hooks:
         try:
-            await hooks.emit(HookEvent(HookEventType.TOOL_PRE, bid, call_id, str(function),
+            await hooks.emit(HookEvent(HookEventType.TOOL_PRE, bid, call_id, function,
                                        summarize(redact_value(args))))
         except anyio.get_cancelled_exc_class():
             raise
@@ -414,7 +426,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
     try:
         try:
             if tool is None:
-                raise ToolNotRegistered(str(function))
+                raise ToolNotRegistered(function)
             # validate what was requested: a non-object is a tool error, never a call with {};
             # the tool gets its own copy: one that changes its arguments in place never
             # rewrites the record of what the model asked for
@@ -448,7 +460,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
             responded = True
             branch.log_event({"event": "error", "function": function, "callId": call_id, "error": message})
             if hooks:
-                await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function),
+                await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, function,
                                            summarize(redact_value(args)), error=summarize(message),
                                            duration_ms=duration))
             if not action_param.suppress_errors:
@@ -462,7 +474,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
         responded = True
         branch.log_event({"event": "post", "function": function, "callId": call_id, "durationMs": duration})
         if hooks:
-            await hooks.emit(HookEvent(HookEventType.TOOL_POST, bid, call_id, str(function),
+            await hooks.emit(HookEvent(HookEventType.TOOL_POST, bid, call_id, function,
                                        summarize(redact_value(args)), result_summary=summarize(output),
                                        duration_ms=duration))
         return ActionResponseModel(function=function or "", arguments=args, output=output)
@@ -473,7 +485,7 @@ async def _act(branch: Any, function: str | None, arguments: Any, action_param: 
             with anyio.CancelScope(shield=True):
                 _record_response(branch, req, {"error": error, "function": function})
                 if hooks:
-                    await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, str(function),
+                    await hooks.emit(HookEvent(HookEventType.TOOL_ERROR, bid, call_id, function,
                                                summarize(redact_value(args)), error="cancelled",
                                                duration_ms=(time.perf_counter() - started) * 1000))
 

@@ -73,7 +73,7 @@ class ToolNotRegistered(OperateError, ValueError):
     """A tool name that is not in the registry."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"Tool {name} is not registered.")
+        super().__init__(f"Tool {name} is not registered." if name else "The call names no tool (no function).")
         self.name = name
 
 

@@ -24,9 +24,12 @@ from .params import FuzzyMatchKeysParams, ParseParam
 from .render import render_repair_request
 from .tools import off_the_loop
 
-#: a reply longer than this holds no JSON for the pipeline (a 10 MB cap, docs/PIPELINE.md); cutting
-#: it instead would make valid JSON invalid and hand megabytes to the repair
-MAX_EXTRACT_CHARS = 10_000_000
+#: a reply longer than this holds no JSON for the pipeline (docs/PIPELINE.md, D3): twice the
+#: 10 MiB of new text a write_file may carry (JSON writes a newline, a tab, a quote or a
+#: backslash as two characters), and 1 MiB for the rest of the reply; at 10,000,000 a reply
+#: with a 10 MiB write_file was never extracted. Cutting it instead would make valid JSON
+#: invalid and hand megabytes to the repair
+MAX_EXTRACT_CHARS = 21 * 1024 * 1024
 #: json-repair is pure Python (~8 µs a character on a cut-off string): a candidate longer than
 #: this is not repaired, and the candidates of one reply get this many characters together
 #: (valid JSON of any size up to the cap is still parsed, by the C parser)

@@ -128,6 +128,106 @@ _WHY_MAX: dict[str, str] = {
     "delayMs": "about 31 years",
 }
 
+#: the llama parameters a ``local`` model's ``options`` and an operate's ``modelOptions`` may set
+#: (snake_case, as llama-cpp-python names them; given in camelCase or snake_case): each one's
+#: kind and range. llama-cpp-python checks none of them: a string temperature failed the call
+#: with Python's own message, a 64-bit seed was silently cut to 32 bits, a ``logitBias`` token
+#: id out of range printed tracebacks and a negative one biased another token. Other keys are
+#: not llama parameters and are left out of the call.
+LOCAL_OPTIONS: dict[str, tuple[str, int | float | None, int | float | None]] = {
+    "temperature": ("number", 0, None),
+    "max_tokens": ("integer", None, 2**31 - 1),  # 0 or less: until the context is full
+    "top_p": ("number", 0, 1),
+    "top_k": ("integer", 0, 2**31 - 1),  # 0: every token
+    "min_p": ("number", 0, 1),
+    "typical_p": ("number", 0, 1),
+    "seed": ("integer", 0, 2**32 - 1),
+    "stop": ("stop", None, None),
+    "repeat_penalty": ("positive number", None, None),
+    "presence_penalty": ("number", None, None),
+    "frequency_penalty": ("number", None, None),
+    "mirostat_mode": ("integer", 0, 2),
+    "mirostat_tau": ("number", 0, None),
+    "mirostat_eta": ("number", 0, None),
+    "logit_bias": ("logit bias", None, None),
+}
+#: why an option's maximum is what it is, for the message
+_WHY_OPTION_MAX: dict[str, str] = {
+    "max_tokens": "llama.cpp's token count is a 32-bit integer",
+    "top_k": "llama.cpp's top-k is a 32-bit integer",
+    "seed": "llama.cpp's seed is a 32-bit unsigned integer",
+    "mirostat_mode": "0: off, 1: Mirostat, 2: Mirostat 2.0",
+}
+
+
+def _snake(key: str) -> str:
+    """``maxTokens`` → ``max_tokens`` (as ``_common.snake``, without importing it)."""
+    return "".join("_" + c if "A" <= c <= "Z" and i else c for i, c in enumerate(key)).lower()
+
+
+def local_option_problem(field: str, key: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the ``local`` model's llama parameter ``key`` (snake_case; see
+    :data:`LOCAL_OPTIONS`), naming it ``field`` (as given); None when it can, or when ``key`` is
+    no llama parameter. ``null`` is the default. A ``logit_bias`` token id is checked against the
+    vocabulary only once the model is loaded (:func:`logit_bias_problem`)."""
+    rule = LOCAL_OPTIONS.get(key)
+    if rule is None or value is None:
+        return None
+    kind, least, most = rule
+    if kind == "stop":
+        if isinstance(value, str):
+            value = [value]
+        elif not isinstance(value, list):
+            return f"{field} must be a string or a list of strings, not {json_kind(value)}"
+        for i, s in enumerate(value):
+            if not isinstance(s, str):
+                return f"{field}[{i}] must be a string, not {json_kind(s)}"
+            if not s:
+                return f"{field} must not hold an empty string (it would stop every reply before its first token)"
+        return None
+    if kind == "logit bias":
+        return logit_bias_problem(field, value)
+    problem = _type_problem(field, kind, value)
+    if problem is None and (least is not None or most is not None):
+        problem = _bound_problem(field, value, least, most, _WHY_OPTION_MAX.get(key))
+    return problem
+
+
+def logit_bias_problem(field: str, value: Any, n_vocab: int | None = None) -> str | None:
+    """Why ``value`` is not a ``logitBias``: an object of token ids (decimal integers, at least
+    0 and, with ``n_vocab``, below it) to finite numbers."""
+    if not isinstance(value, dict):
+        return f"{field} must be an object of token ids to numbers, not {json_kind(value)}"
+    for token, bias in value.items():
+        where = f"{field}[{_short(str(token))}]"
+        if _is_int(token):
+            token_id = token
+        elif isinstance(token, str) and token.isascii() and token.isdigit():
+            token_id = int(token)
+        else:
+            return f"{where}: a token id must be a non-negative integer"
+        if n_vocab is not None and token_id >= n_vocab:
+            return f"{where}: token id {token_id} is not in the model's vocabulary (0 to {n_vocab - 1})"
+        if not _is_number(bias):
+            return f"{where} must be a number, not {json_kind(bias)}"
+        problem = _number_problem(where, bias)
+        if problem:
+            return problem
+    return None
+
+
+def local_options_problem(options: Any, where: str) -> str | None:
+    """Why ``options`` (a ``local`` model config's ``options``, or an operate's ``modelOptions``
+    for it: ``where``) holds a llama parameter it cannot use, naming the option as given."""
+    if not isinstance(options, dict):
+        return None  # (its type is checked as the field's)
+    for given, value in options.items():
+        problem = local_option_problem(f"{where}.{given}", _snake(str(given)), value)
+        if problem:
+            return problem
+    return None
+
+
 #: provider → fields that must be present, non-null and non-empty
 REQUIRED: dict[str, tuple[str, ...]] = {"openai": ("model",), "cli": ("profile",)}
 
@@ -209,7 +309,11 @@ def local_model_problem(config: dict[str, Any]) -> str | None:
                "(pip install 'operate-sidecar[local]')")
     import os
 
-    return None if os.path.isfile(path) else f"the local model file {path} does not exist: {fix}"
+    if os.path.isfile(path):
+        return None
+    if os.path.isdir(path):
+        return f"the local model path {path} is a directory, not a GGUF file: {fix}"
+    return f"the local model file {path} does not exist: {fix}"
 
 
 def describe(config: dict[str, Any]) -> str:
@@ -463,6 +567,10 @@ def config_problem(config: Any, provider: str | None = None) -> str | None:
             return need
     if provider == "cli":
         problem = _cli_problem(config)
+        if problem:
+            return problem
+    if provider == "local":
+        problem = local_options_problem(config.get("options"), "options")
         if problem:
             return problem
     if provider == "scripted" and not config.get("cli"):

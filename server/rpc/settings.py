@@ -64,9 +64,10 @@ class SettingsError(ValueError):
     pass
 
 
-def check_depth(value: Any, limit: int = MAX_SETTINGS_DEPTH, where: str = "settings") -> None:
+def check_depth(value: Any, limit: int = MAX_SETTINGS_DEPTH, where: str = "") -> None:
     """SettingsError when ``value`` nests objects/arrays more than ``limit`` deep (iterative:
-    any depth is measured without recursion)."""
+    any depth is measured without recursion). ``where`` names what is nested (``<file>: the
+    settings``); without it the message is bare, for a caller that says "settings" itself."""
     stack = [(value, 0)]
     while stack:
         v, d = stack.pop()
@@ -77,7 +78,8 @@ def check_depth(value: Any, limit: int = MAX_SETTINGS_DEPTH, where: str = "setti
         else:
             continue
         if d >= limit:
-            raise SettingsError(f"{where} are nested more than {limit} levels deep")
+            raise SettingsError(f"{where} are nested more than {limit} levels deep" if where
+                                else f"nested more than {limit} levels deep")
         stack.extend((x, d + 1) for x in items)
 
 
@@ -94,18 +96,31 @@ def merge(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
 def load_toml(path: str) -> dict[str, Any]:
     """A ``--config`` file's settings; SettingsError for nesting deeper than ``MAX_SETTINGS_DEPTH``,
     as on the wire (a deep one would exhaust the parser's recursion). What JSON cannot hold is
-    found by ``not_json`` once the fields are checked."""
+    found by ``not_json`` once the fields are checked.
+
+    The settings are top-level keys, a ``[settings]`` table, or both: TOML puts every key after
+    ``[settings]`` in that table and a later ``[models.m]`` back at the top, so a file may well
+    mix them, and each key then means one setting; a setting given in both places is refused,
+    naming it. A UTF-8 byte-order mark at the start (as Windows editors write one) is skipped,
+    as session scripts skip it."""
+    import codecs
     import tomllib
 
     with open(path, "rb") as f:
-        try:
-            data = tomllib.load(f)
-        except RecursionError:
-            raise SettingsError(f"{path}: the settings are nested more than {MAX_SETTINGS_DEPTH} levels deep") \
-                from None
-    # allow either top-level keys or a [settings] table
-    if isinstance(data.get("settings"), dict) and len(data) == 1:
-        data = data["settings"]
+        raw = f.read().removeprefix(codecs.BOM_UTF8)
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))  # (UnicodeDecodeError: the caller says "not UTF-8 text")
+    except RecursionError:
+        raise SettingsError(f"{path}: the settings are nested more than {MAX_SETTINGS_DEPTH} levels deep") \
+            from None
+    table = data.get("settings")
+    if isinstance(table, dict):
+        top = {k: v for k, v in data.items() if k != "settings"}
+        both = [k for k in table if k in top]
+        if both:
+            raise SettingsError(f"{path}: {', '.join(both)} {'is' if len(both) == 1 else 'are'} set both at the "
+                                "top level and in the [settings] table; set each setting once")
+        data = {**top, **table}
     check_depth(data, where=f"{path}: the settings")
     return data
 
@@ -139,10 +154,15 @@ def not_json(settings: dict[str, Any]) -> str | None:
 
 def finalize(settings: dict[str, Any]) -> dict[str, Any]:
     """Validate and fill the derived defaults (default model). Each ModelConfig is checked
-    field by field (``server.models.config``), so a typo fails here, not at first use."""
+    field by field (``server.models.config``), so a typo fails here, not at first use.
+
+    The secret values the settings name or hold (``secret_values``) are registered for
+    redaction first, before any check: settings that are refused (an ``initialize`` answered
+    -32602, a ``--record`` session script that keeps them) are masked too."""
     s = settings
+    _register_secrets(s)  # every front end's settings pass here: one registration point
     if not isinstance(s.get("models"), dict):
-        raise SettingsError("settings.models must be an object")
+        raise SettingsError("models must be an object")
     if s["models"]:  # every field of every model, up front (ModelConfig)
         from operate_sidecar.server.models.config import ModelConfigError, check_model_config  # a table; no provider
 
@@ -154,49 +174,63 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
     if not s["models"]:
         s["models"] = {DEFAULT_MODEL_NAME: dict(DEFAULT_MODEL_CONFIG)}
     if s.get("defaultModel") is not None and not isinstance(s["defaultModel"], str):
-        raise SettingsError("settings.defaultModel must be a model name")
+        raise SettingsError("defaultModel must be a model name")
     if not s.get("defaultModel"):
         s["defaultModel"] = next(iter(s["models"]))
     elif s["defaultModel"] not in s["models"]:
-        raise SettingsError(f"settings.defaultModel {s['defaultModel']!r} is not a configured model")
+        raise SettingsError(f"defaultModel {s['defaultModel']!r} is not a configured model"
+                            + _closest_model(s["defaultModel"], s["models"]))
     if not isinstance(s.get("toolPolicy"), dict):
-        raise SettingsError("settings.toolPolicy must be an object")
+        raise SettingsError("toolPolicy must be an object")
     for tool, decision in s["toolPolicy"].items():
         if decision not in _POLICIES:
-            raise SettingsError(f"settings.toolPolicy.{tool} must be one of {', '.join(_POLICIES)}")
+            raise SettingsError(f"toolPolicy.{tool} must be one of {', '.join(_POLICIES)}")
     for key in POSITIVE_INT_KEYS:
         v = s.get(key)
         if type(v) is not int or v < 1:
-            raise SettingsError(f"settings.{key} must be a positive integer")
+            raise SettingsError(f"{key} must be a positive integer")
         if v > MAX_JSON_INT:
-            raise SettingsError(f"settings.{key} must be a number within a double's range "
+            raise SettingsError(f"{key} must be a number within a double's range "
                                 "(at most 1.8e308 in size)")
         if v > MAXIMUM.get(key, v):
-            raise SettingsError(f"settings.{key} must be at most {MAXIMUM[key]} (about 31 years), not {v}")
+            raise SettingsError(f"{key} must be at most {MAXIMUM[key]} (about 31 years), not {v}")
     if not isinstance(s.get("toolModules"), list) or not all(isinstance(m, str) for m in s["toolModules"]):
-        raise SettingsError("settings.toolModules must be a list of module names")
+        raise SettingsError("toolModules must be a list of module names")
     stdlib = [m for m in s["toolModules"] if _is_stdlib_module(m)]
     if stdlib:
-        raise SettingsError(f"settings.toolModules: {', '.join(map(repr, stdlib))} "
+        raise SettingsError(f"toolModules: {', '.join(map(repr, stdlib))} "
                             f"{'is a module' if len(stdlib) == 1 else 'are modules'} of the Python standard "
                             "library; only your own tool modules can be loaded")
     if not isinstance(s.get("mcpServers"), dict):
-        raise SettingsError("settings.mcpServers must be an object")
+        raise SettingsError("mcpServers must be an object")
     for name, spec in s["mcpServers"].items():
         problem = _mcp_problem(spec)
         if problem:
-            raise SettingsError(f"settings.mcpServers.{name}: {problem}")
+            raise SettingsError(f"mcpServers.{name}: {problem}")
     secret_env = s.get("secretEnv")
     if not isinstance(secret_env, list) or not all(isinstance(n, str) and n for n in secret_env):
-        raise SettingsError("settings.secretEnv must be a list of environment variable names")
+        raise SettingsError("secretEnv must be a list of environment variable names")
     if s.get("stateDir") is not None and (not isinstance(s["stateDir"], str) or not s["stateDir"]):
         # "" is no path: it would have kept nothing on disk, in silence
-        raise SettingsError("settings.stateDir must be a path (not empty) or null")
+        raise SettingsError("stateDir must be a path (not empty) or null")
+    _register_secrets(s)  # (again: a default filled in above may name one)
+    return s
+
+
+def _register_secrets(settings: dict[str, Any]) -> None:
     from .. import redaction  # standard library only
 
-    for value in secret_values(s):  # every front end's settings pass here: one registration point
+    for value in secret_values(settings):
         redaction.remember_secret(value)
-    return s
+
+
+def _closest_model(name: str, models: dict[str, Any]) -> str:
+    """`` (did you mean 'gpt'?)`` for the configured model a misspelt name is closest to, else
+    the configured names."""
+    from operate_sidecar.server.script.matcher import did_you_mean  # (the error path only)
+
+    meant = did_you_mean(name, [m for m in models if isinstance(m, str)])
+    return f" (did you mean {meant!r}?)" if meant else " (configured: " + ", ".join(map(str, models)) + ")"
 
 
 def _is_stdlib_module(name: str) -> bool:
@@ -238,13 +272,24 @@ def secret_values(settings: dict[str, Any]) -> list[str]:
     named like ``SECRET_ENV_NAME`` (``API_KEY``, ``GITHUB_TOKEN``, ``DB_PASSWORD`` ...), and a
     header of a model's ``options.extraHeaders`` named like ``SECRET_HEADER_NAME``
     (``Authorization``, ``X-Api-Key`` ...), whole and without its scheme (``Bearer``, ``Basic``).
-    Used to redact them from everything the server emits or stores."""
+    Used to redact them from everything the server emits or stores. Settings of any shape
+    (not checked yet, or refused) give what can be read of them: a part of the wrong type is
+    skipped, a ``secretEnv`` that is one name instead of a list is that name."""
     import os
 
     names: list[str] = []
     values: list[str] = []
 
-    for cfg in (settings.get("models") or {}).values():
+    def of(v: Any) -> dict[str, Any]:
+        return v if isinstance(v, dict) else {}
+
+    def value_of(name: str) -> str | None:
+        try:
+            return os.environ.get(name)
+        except ValueError:  # (a name no environment can hold: a lone surrogate)
+            return None
+
+    for cfg in of(settings.get("models")).values():
         if isinstance(cfg, dict):
             env = cfg.get("apiKeyEnv")
             if isinstance(env, str) and env:
@@ -264,8 +309,9 @@ def secret_values(settings: dict[str, Any]) -> list[str]:
                                 scheme, _, credential = value.strip().partition(" ")
                                 if credential.strip() and scheme.isalpha():
                                     values.append(credential.strip())
-    for spec in (settings.get("mcpServers") or {}).values():
+    for spec in of(settings.get("mcpServers")).values():
         if isinstance(spec, dict):
             values.extend(secret_env_values(spec.get("env")))
-    names.extend(n for n in settings.get("secretEnv") or [] if isinstance(n, str))
-    return [v for v in (os.environ.get(n) for n in names) if v] + [v for v in values if v]
+    listed = settings.get("secretEnv")
+    names.extend(n for n in (listed if isinstance(listed, list) else [listed]) if isinstance(n, str) and n)
+    return [v for v in (value_of(n) for n in names) if v] + [v for v in values if v]

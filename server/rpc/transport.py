@@ -140,6 +140,11 @@ class Connection:
     # ------------------------------------------------------------------ output
     def send(self, msg: dict) -> None:
         try:
+            if msg.get("method") == "fs/writeTextFile" and redaction.has_secrets():
+                # the text the client is asked to write goes as the tool wrote it (as a write to
+                # the disk does): masked, the user's buffer would differ from what the tool reports
+                self.wire.send_bytes(redaction.redact_keeping(msg, "text", dumps))
+                return
             body = dumps(msg)
         except (TypeError, ValueError, RecursionError) as e:
             if "id" in msg and "method" not in msg:
@@ -149,7 +154,7 @@ class Connection:
                 log.error("dropping a %s message that is not JSON: %s", msg.get("method"), e)
                 return
         if redaction.has_secrets():  # the last net: no known secret value leaves the process
-            body = redaction.redact_bytes(body)
+            body = redaction.redact_bytes(body)  # (the frame stays valid JSON)
         self.wire.send_bytes(body)
 
     def send_result(self, msg_id: Any, result: Any) -> None:
@@ -232,8 +237,10 @@ class Connection:
         method = msg.get("method")
         if method == "ping" and "id" in msg and _valid_id(msg["id"]) and msg.get("jsonrpc") == "2.0" \
                 and not msg.get("params"):
-            # fast path: no allocation beyond the frame, allowed in every state
-            self.wire.send_bytes(self._ping_head + dumps(msg["id"]) + b',"result":{}}')
+            # fast path: no allocation beyond the frame, allowed in every state (through the
+            # last net when a secret is known: the id is the client's to choose)
+            body = self._ping_head + dumps(msg["id"]) + b',"result":{}}'
+            self.wire.send_bytes(redaction.redact_bytes(body) if redaction.has_secrets() else body)
             return
         self._route(msg)
 

@@ -55,6 +55,10 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
   its ``events`` (its text and tool events, in order, as the ``jsonl`` profile writes them) in
   place of its text, with its ``error`` if it failed: the scripted replay streams them the same.
 
+Every known secret value is masked in the file (``redaction.redact_bytes``; each line stays
+JSON), among them those the settings of every recorded ``initialize`` name or hold, of one the
+server refused too.
+
 The file is rewritten (atomically) after every answered request and when the server stops; an
 existing file is overwritten at start, and one that cannot be written (its folder missing, the
 file written beside it refused) is an ``OSError`` in words then, before anything is served. A
@@ -87,6 +91,18 @@ _VOLATILE_IN = {"id": ("kind", "role"), "version": ("name",), "model": ("text",)
 _ID_RESULTS = {"createBranch": "branch", "forkBranch": "branch"}
 #: a model invocation that was cancelled when recorded waits this long when replayed (cancellable)
 CANCELLED_DELAY_MS = 600_000
+
+
+def _remember_secrets(settings: Any) -> None:
+    """Register the secret values an ``initialize``'s settings name or hold (as the server does
+    when it takes them) before they are recorded: the script keeps the settings of an
+    ``initialize`` the server refused too (an unknown field, say), which it never took."""
+    if isinstance(settings, dict):
+        from operate_sidecar.server import redaction
+        from operate_sidecar.server.rpc.settings import secret_values
+
+        for value in secret_values(settings):
+            redaction.remember_secret(value)
 
 
 class Recorder:
@@ -126,8 +142,10 @@ class Recorder:
             if isinstance(method, str) and "id" in msg:
                 step: dict[str, Any] = {"request": method}
                 params = msg.get("params")
-                if method == "initialize" and isinstance(params, dict) and "processId" in params:
-                    params = {k: v for k, v in params.items() if k != "processId"}  # the recording client's pid
+                if method == "initialize" and isinstance(params, dict):
+                    _remember_secrets(params.get("settings"))
+                    if "processId" in params:
+                        params = {k: v for k, v in params.items() if k != "processId"}  # the recording client's pid
                 if params not in (None, {}):
                     step["params"] = self._template(params)
                 for key, earlier in self._pending.items():  # still unanswered: the client did not wait for it
@@ -360,7 +378,8 @@ class Recorder:
         from operate_sidecar.server import redaction
 
         data = "".join(line + "\n" for line in self.lines()).encode("utf-8")
-        data = redaction.redact_bytes(data)  # no known secret leaves the process in a recording either
+        data = redaction.redact_bytes(data)  # no known secret leaves the process in a recording either (each
+        # line stays JSON: a number that is a secret becomes "[REDACTED]")
         # a symlink is followed: the recording replaces the file it points to (written beside that
         # file), not the link
         target = os.path.realpath(self.path) if self.path else self.path

@@ -15,14 +15,25 @@ branch with the same parameters, except that
 
 until a round runs no tool or N rounds are done. The result is the last round's.
 
-A caller may also pass ``repeat_limit`` L (not on the native wire, whose rule is the one above;
-the ACP front end passes :data:`REPEAT_LIMIT`): the rounds then also stop once L rounds in a row
-each ran the same calls (the same tools with the same arguments), every one of which failed
-the same way. A model that repeats a failed call with nothing changed is in a loop: the next
-round would show it the same results again (a small local model was seen to call
-``list_dir("list_dir")`` eight rounds running). A failure is an output with an ``error``.
-Transport-free: no wire, no provider; cancellation between or inside rounds is the core's
-(every recorded call keeps its response), so the branch stays consistent.
+Before each round after the first, ``stop`` (the caller's, optional) is asked: true ends the
+rounds there, before that round's model is called or any of its tools runs, with the round
+before's result. The service stops so when the operate's save is already known to fail: its
+save then answers -32013 and puts the branch back, as round 1 would have been refused
+(docs/PROTOCOL.md §3, §11).
+
+A caller may also pass ``repeat_limit`` L (the native wire's ``repeatLimit``; the ACP front end
+passes :data:`REPEAT_LIMIT`): the rounds then also stop once L rounds in a row each ran the
+same calls (the same tools with the same arguments), every one of which failed the same way.
+A model that repeats a failed call with nothing changed is in a loop: the next round would
+show it the same results again (a small local model was seen to call ``list_dir("list_dir")``
+eight rounds running). The count is made after every round that ran a tool, the last one
+allowed by N included: a round that reaches L says ``repeated`` whether or not N also ends the
+rounds there. A call failed when its outcome hook event was not ``post`` (``error``: the tool
+raised, or its arguments or name were refused; ``denied``): the core's own decision, the one
+that sends the ``post`` or ``error`` toolEvent, never a guess from the output's shape (a tool
+may return ``{"error": null, ...}`` and have succeeded). Transport-free: no wire, no provider;
+cancellation between or inside rounds is the core's (every recorded call keeps its response),
+so the branch stays consistent.
 """
 
 from __future__ import annotations
@@ -51,51 +62,68 @@ class Rounds(NamedTuple):
 
 
 async def run_rounds(branch: Any, max_rounds: int, prepare: Callable[[int], dict[str, Any]],
-                     operate: Callable[..., Awaitable[Any]], *, repeat_limit: int = 0) -> Rounds:
+                     operate: Callable[..., Awaitable[Any]], *, repeat_limit: int = 0,
+                     stop: Callable[[], bool] | None = None) -> Rounds:
     """Run ``operate(branch, **prepare(k))`` for rounds k = 1, 2, ... as described above."""
-    if max_rounds <= 1:
+    if max_rounds <= 1 and repeat_limit <= 0:
         return Rounds(await operate(branch, **prepare(1)), 1)
+    # imported here, not at the top: the ACP front end imports this module before the core is loaded
+    from ..core.hooks import HookEventType
+
+    outcomes = (HookEventType.TOOL_POST, HookEventType.TOOL_ERROR, HookEventType.TOOL_DENIED)
+    bid = str(branch.id)
     ran = [0]
+    failed: dict[str, bool] = {}  # this round's calls by callId: whether each failed
 
     def count(event: Any) -> None:
-        if getattr(event.type, "value", event.type) == "pre" and event.branch_id == str(branch.id):
+        if event.branch_id != bid:
+            return
+        if event.type == HookEventType.TOOL_PRE:
             ran[0] += 1
+        elif event.type in outcomes:  # the call's outcome, as the core decided it
+            failed[event.call_id] = event.type != HookEventType.TOOL_POST
 
     unsubscribe = branch.hooks.subscribe(count)
     try:
-        k, last, same = 0, None, 0
+        k, last, same, result = 0, None, 0, None
         while True:
+            if k and stop is not None and stop():
+                return Rounds(result, k)
             k += 1
             before, start, generation = ran[0], len(branch.messages), branch.messages.generation
+            failed.clear()
             result = await operate(branch, **prepare(k))
-            if k >= max_rounds or ran[0] == before:
+            if ran[0] == before:
                 return Rounds(result, k)
             if repeat_limit > 0:
                 if branch.messages.generation != generation:  # round 1 cleared the branch first
                     start = 0
-                failed = _failed_calls(branch.messages[start:])
-                same = 0 if failed is None else same + 1 if failed == last else 1
-                last = failed
+                calls = _failed_calls(branch.messages[start:], failed)
+                same = 0 if calls is None else same + 1 if calls == last else 1
+                last = calls
                 if same >= repeat_limit:
                     return Rounds(result, k, True)
+            if k >= max_rounds:
+                return Rounds(result, k)
     finally:
         unsubscribe()
 
 
-def _failed_calls(messages: Any) -> tuple[str, ...] | None:
+def _failed_calls(messages: Any, failed: dict[str, bool]) -> tuple[str, ...] | None:
     """The calls a round made, each as the JSON text of its tool, arguments and output, sorted
-    (the order of concurrent calls is not the model's), when every one of them failed; None
-    when the round made none or one of them did not fail."""
+    (the order of concurrent calls is not the model's), when every one of them failed
+    (``failed``: each call's outcome hook event was not ``post``); None when the round made
+    none or one of them did not fail."""
     out = []
     for m in messages:
         if m.kind != "action_response":
             continue
         c = m.content
-        output = c.get("output")
-        if not (isinstance(output, dict) and "error" in output):
+        if not failed.get(c.get("callId")):
             return None
         try:
-            out.append(json.dumps([c.get("function"), c.get("arguments"), output], sort_keys=True, default=repr))
+            out.append(json.dumps([c.get("function"), c.get("arguments"), c.get("output")], sort_keys=True,
+                                  default=repr))
         except (TypeError, ValueError, RecursionError):  # an output JSON cannot hold: never the same
             return None
     return tuple(sorted(out)) or None

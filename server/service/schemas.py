@@ -5,9 +5,12 @@ canonical schema text so a repeated schema builds nothing. A schema that is not
 valid JSON Schema (checked against its metaschema with ``jsonschema``, imported on
 first use: ``"properties": "x"``, ``"required": "a"``, ``"type": 5``) and a keyword
 the builder would silently ignore are refused (-32602 naming them and where). Forms the
-builder gets wrong are rewritten before it sees them (``_check``), and a schema using a
-keyword the built model does not hold a reply to gets a check of the reply against the
-whole schema, as the client wrote it (``_held_to_schema``).
+builder gets wrong are rewritten before it sees them (``_check``), and a schema with a
+keyword the built model does not hold a reply to where it stands (found location by location
+in the built model, ``_Holds``: the builder keeps little but types under ``items``, in a map's
+value schema, an ``anyOf``'s parts or a ``$ref``'d definition) gets a check of the reply
+against the whole schema, as the client wrote it, and the schema the model is shown then has
+the client's properties as written (``_held_to_schema``).
 
 Building is bounded and kept off the event loop: a schema longer than
 ``MAX_SCHEMA_CHARS`` characters of JSON, with more than ``MAX_SCHEMA_NODES``
@@ -322,44 +325,314 @@ def _named_back(value: Any, name: str | None = "uniqueItems") -> Any:
     return value
 
 
-#: the keywords the builder's model holds a reply to by itself, or that check nothing (tested in
-#: ``tests/service/test_response_schemas.py``); a schema with any other (``uniqueItems``,
-#: ``minProperties``, ``maxProperties``, ``allOf``, ``oneOf`` (the builder's union takes a value
-#: that fits two of its parts), a map's value schema, ...) is checked whole
-HELD_BY_THE_BUILDER = frozenset({
-    "type", "properties", "required", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-    "multipleOf", "minLength", "maxLength", "pattern", "minItems", "maxItems", "items", "anyOf", "$ref",
-    "$defs", "definitions", "format", "$schema", "$id", "contentEncoding", "contentMediaType", *ANNOTATIONS})
+#: keywords that check nothing where they are (``format`` included: the reply's check does not
+#: assert it), with ``x-...`` extensions
+CHECK_NOTHING = frozenset({"$schema", "$id", "$anchor", "$defs", "definitions", "format", "contentEncoding",
+                           "contentMediaType", *ANNOTATIONS})
+
+#: by the type of a node of the built model's core schema (what pydantic-core validates), the key
+#: of that node that holds a value to a JSON Schema keyword
+_CORE_BOUNDS: dict[str, dict[str, str]] = {
+    "str": {"minLength": "min_length", "maxLength": "max_length", "pattern": "pattern"},
+    "list": {"minItems": "min_length", "maxItems": "max_length"},
+    "int": {"minimum": "ge", "maximum": "le", "exclusiveMinimum": "gt", "exclusiveMaximum": "lt",
+            "multipleOf": "multiple_of"},
+}
+_CORE_BOUNDS["float"] = _CORE_BOUNDS["int"]
+
+#: the core schema types whose values are all of a JSON type
+_CORE_TYPES = {"string": {"str", "datetime", "date", "time", "uuid", "url"}, "integer": {"int"},
+               "number": {"int", "float"}, "boolean": {"bool"}, "null": {"none"}, "object": {"model", "dict"},
+               "array": {"list"}}
+_CORE_ANY: dict[str, Any] = {"type": "any"}
 
 
-def _needs_whole_check(schema: Any) -> bool:
-    """``schema`` uses a keyword the builder does not hold a reply to (``HELD_BY_THE_BUILDER``;
-    ``x-...`` extensions check nothing): the reply is then checked against the whole of it."""
-    stack = [schema]
+def _of_json_type(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return name == "boolean"
+    if isinstance(value, int):
+        return name in ("integer", "number")
+    if isinstance(value, float):
+        return name == "number" or (name == "integer" and value.is_integer())
+    return {str: "string", type(None): "null", dict: "object", list: "array"}.get(type(value)) == name
+
+
+def _is_null_schema(schema: Any) -> bool:
+    return isinstance(schema, dict) and schema.get("type") == "null" and \
+        all(k == "type" or k in CHECK_NOTHING or k.startswith("x-") for k in schema)
+
+
+class _Holds:
+    """Whether a built model holds a reply to every keyword of the client's schema: each
+    location of the schema (a property, an array's ``items``, a map's value schema, a part of
+    an ``anyOf``, what a ``$ref`` names, ...) is found in the model's core schema, and each of
+    its keywords must be held there (``maxLength`` as that string's ``max_length``, ``enum`` as
+    the literal's values, ``properties`` as the model's fields, ...). Where the builder drops a
+    keyword (it did for everything under ``items`` but types and enums, in a map's value schema,
+    in an ``anyOf``'s parts, behind a ``$ref`` to a string or number), or keeps it in a form
+    not known here, the schema is not held: the reply is then checked against the whole of it.
+    So a keyword is taken as held only where the model shows that it is."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.defs: dict[str, Any] = {}
+        self.seen: set[tuple[int, int]] = set()
+        self.made: list[dict[str, Any]] = []  # (the parts of schemas made here: alive, their ids not reused)
+
+    def model(self, model: type) -> bool:
+        try:
+            return self.holds(self.root, model.__pydantic_core_schema__)  # type: ignore[attr-defined]
+        except RecursionError:  # (a chain of $refs deeper than the stack: checked whole)
+            return False
+
+    def _core(self, core: Any) -> Any:
+        """``core`` without what does not change which values it takes (a field's default, a
+        reference to a definition), or None when it cannot be followed."""
+        while isinstance(core, dict):
+            kind = core.get("type")
+            if kind == "definitions":
+                self.defs.update((d.get("ref"), d) for d in core.get("definitions", ()) if isinstance(d, dict))
+                core = core.get("schema")
+            elif kind == "definition-ref":
+                core = self.defs.get(core.get("schema_ref"))
+            elif kind == "default":
+                core = core.get("schema")
+            else:
+                return core
+        return None
+
+    def _resolve(self, ref: Any) -> Any:
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return None
+        node = self.root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def holds(self, schema: Any, core: Any) -> bool:
+        if schema is True:
+            return True
+        core = self._core(core)
+        if not isinstance(schema, dict) or core is None:
+            return False
+        seen = (id(schema), id(core))
+        if seen in self.seen:  # (a recursive schema: this pair is being checked already)
+            return True
+        self.seen.add(seen)
+        keys = {k for k in schema if k not in CHECK_NOTHING and not k.startswith("x-")}
+        if not keys:
+            return True
+        if "$ref" in keys:
+            target = self._resolve(schema["$ref"])
+            return target is not None and self.holds(target, core) and \
+                self.holds(self._made({k: schema[k] for k in keys - {"$ref"}}), core)
+        kind = core.get("type")
+        if kind == "nullable":
+            rest = self._without_null(schema)
+            return rest is not None and self.holds(self._made(rest), core.get("schema"))
+        if "anyOf" in keys:
+            parts = schema["anyOf"]
+            choices = [c[0] if isinstance(c, tuple) else c for c in core.get("choices", ())] \
+                if kind == "union" else [core]
+            return keys == {"anyOf"} and isinstance(parts, list) and len(parts) == len(choices) and \
+                all(self.holds(p, c) for p, c in zip(parts, choices))
+        if "type" in keys and not self._typed(schema["type"], core, only=keys == {"type"}):
+            return False
+        bounds = _CORE_BOUNDS.get(kind, {})
+        for key in keys - {"type"}:
+            value = schema[key]
+            if key in bounds:
+                held = core.get(bounds[key]) == value and not isinstance(value, bool) or \
+                    (key in ("minLength", "minItems") and value == 0)
+            elif kind == "list" and key == "items":
+                held = self.holds(value, core.get("items_schema", _CORE_ANY))
+            elif kind == "literal" and key in ("enum", "const"):
+                expected = [value] if key == "const" else value
+                held = json.dumps(core.get("expected"), default=repr) == json.dumps(expected, default=repr)
+            elif kind == "none" and key in ("enum", "const"):
+                held = value in ([None], None) and (key == "enum") == isinstance(value, list)
+            elif kind == "dict" and key == "additionalProperties":
+                held = self.holds(value, core.get("values_schema", _CORE_ANY))
+            elif kind == "model" and key in ("properties", "required", "additionalProperties"):
+                held = self._fields(schema, key, core)
+            else:
+                held = False
+            if not held:
+                return False
+        return True
+
+    def _made(self, schema: dict[str, Any]) -> dict[str, Any]:
+        self.made.append(schema)
+        return schema
+
+    @staticmethod
+    def _without_null(schema: dict[str, Any]) -> dict[str, Any] | None:
+        """``schema`` with the null it takes (a type, a part of its ``anyOf``) left out, or None when
+        it takes no null."""
+        types = schema.get("type")
+        if isinstance(types, list) and "null" in types:
+            left = [t for t in types if t != "null"]
+            return {**schema, "type": left[0] if len(left) == 1 else left} if left else None
+        parts = schema.get("anyOf")
+        if isinstance(parts, list):
+            left = [p for p in parts if not _is_null_schema(p)]
+            if left and len(left) < len(parts):
+                return {**schema, "anyOf": left}
+        return None
+
+    @staticmethod
+    def _typed(types: Any, core: dict[str, Any], only: bool) -> bool:
+        """Every value ``core`` takes is of a type ``types`` names (a union of them only with no
+        other keyword, which the builder would put on the union as a whole)."""
+        def fits(name: Any, node: Any) -> bool:
+            if not isinstance(node, dict):
+                return False
+            if node.get("type") == "literal":
+                return all(_of_json_type(v, name) for v in node.get("expected", ()))
+            return node.get("type") in _CORE_TYPES.get(name, ())
+
+        if isinstance(types, str):
+            return fits(types, core)
+        if not isinstance(types, list):
+            return False
+        if len(types) == 1:
+            return fits(types[0], core)
+        choices = [c[0] if isinstance(c, tuple) else c for c in core.get("choices", ())]
+        return only and core.get("type") == "union" and len(choices) == len(types) and \
+            all(fits(t, c) for t, c in zip(types, choices))
+
+    def _fields(self, schema: dict[str, Any], key: str, core: dict[str, Any]) -> bool:
+        """``properties``, ``required`` or ``additionalProperties`` held by a model: each
+        property by its field, each required name by a field without a default of null (one
+        with another default holds the result: the default fills it), and keys the schema does
+        not name dropped or refused (the model's extra fields are not kept)."""
+        fields_schema = core.get("schema")
+        if core.get("root_model") or not isinstance(fields_schema, dict) or \
+                fields_schema.get("type") != "model-fields" or \
+                (core.get("config") or {}).get("extra_fields_behavior") == "allow":
+            return False
+        fields = fields_schema.get("fields") or {}
+        if key == "additionalProperties":
+            return True
+        if key == "required":
+            required = schema["required"]
+            return isinstance(required, list) and all(
+                isinstance(fields.get(n), dict) and not (fields[n].get("schema", {}).get("type") == "default"
+                                                        and fields[n]["schema"].get("default") is None)
+                for n in required)
+        props = schema["properties"]
+        return isinstance(props, dict) and all(
+            isinstance(fields.get(n), dict) and fields[n].get("validation_alias") in (None, n)
+            and self.holds(sub, fields[n].get("schema")) for n, sub in props.items())
+
+
+def _needs_whole_check(schema: dict[str, Any], model: type) -> bool:
+    """``model``, built from the client's ``schema``, does not hold a reply to all of it
+    (``_Holds``): the reply is then checked against the whole of it (``_held_to_schema``)."""
+    return not _Holds(schema).model(model)
+
+
+def _refs_in(value: Any, found: set[str]) -> set[str]:
+    """Every ``$ref`` string in ``value``, added to ``found``."""
+    stack = [value]
     while stack:
         node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        for key, value in node.items():
-            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-                stack.extend(value.values())
-            elif key == "anyOf" and isinstance(value, list):
-                stack.extend(value)
-            elif key == "items":
-                stack.append(value)
-            elif key == "additionalProperties" and isinstance(value, bool):
-                continue  # (false: keys the schema does not name are dropped from the reply)
-            elif key not in HELD_BY_THE_BUILDER and not key.startswith("x-"):
-                return True
-    return False
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                found.add(ref)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
 
 
-def _held_to_schema(model: type, schema: dict[str, Any]) -> type:
+def _def_name(ref: str) -> str | None:
+    """The name a ``#/$defs/<name>`` reference (or one to a place inside that definition) names."""
+    if not ref.startswith("#/$defs/"):
+        return None
+    return ref[len("#/$defs/"):].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
+
+
+def _renamed_refs(value: Any, names: dict[str, str]) -> Any:
+    """``value`` with each reference to ``#/$defs/<name>`` renamed as ``names`` says, in place."""
+    def renamed(ref: str) -> str:
+        name = _def_name(ref)
+        if name not in names:
+            return ref
+        rest = ref[len("#/$defs/"):].split("/", 1)
+        return "#/$defs/" + names[name].replace("~", "~0").replace("/", "~1") + \
+            ("/" + rest[1] if len(rest) > 1 else "")
+
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                node["$ref"] = renamed(node["$ref"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return value
+
+
+def _with_clients_properties(shown: dict[str, Any], clients: dict[str, Any]) -> dict[str, Any]:
+    """``shown``, a built model's JSON Schema (or that of a type the pipeline derives from it),
+    with each of the client's properties written as the client wrote it (``clients``: the
+    client's schema as the builder took it, ``uniqueItems`` named back), and the client's
+    ``$defs`` and ``definitions`` with them: the built model's own leaves out what it does not
+    hold (``maxLength`` under ``items``, a map's value schema, ...), and the model (a local
+    model's grammar) would be steered by less than the reply is held to. The pipeline's own
+    properties (the tool fields of an ``actions`` operate) and definitions stay; a client's
+    definition with the name of one of them is renamed."""
+    import copy
+
+    props = shown.get("properties")
+    client_props = clients.get("properties")
+    if not isinstance(props, dict) or not isinstance(client_props, dict):
+        return shown
+    ours = [n for n in client_props if n in props]
+    defs = shown.pop("$defs", {})
+    # (the definitions the pipeline's own properties reach, through each other: kept)
+    kept: dict[str, Any] = {}
+    todo = _refs_in({k: v for k, v in shown.items() if k != "properties"}, set())
+    _refs_in([v for n, v in props.items() if n not in ours], todo)
+    while todo:
+        name = _def_name(todo.pop())
+        if name in defs and name not in kept:
+            kept[name] = defs[name]
+            _refs_in(kept[name], todo)
+    written = copy.deepcopy({"properties": {n: client_props[n] for n in ours},
+                             "$defs": clients.get("$defs") or {}})
+    clash = {n: n for n in written["$defs"] if n in kept}
+    for name in clash:
+        i = 1
+        while f"{name}_{i}" in kept or f"{name}_{i}" in written["$defs"]:
+            i += 1
+        clash[name] = f"{name}_{i}"
+    if clash:
+        _renamed_refs(written, clash)
+        written["$defs"] = {clash.get(n, n): v for n, v in written["$defs"].items()}
+    props.update(written["properties"])
+    if kept or written["$defs"]:
+        shown["$defs"] = {**kept, **written["$defs"]}
+    if isinstance(clients.get("definitions"), dict):
+        shown["definitions"] = copy.deepcopy(clients["definitions"])
+    return shown
+
+
+def _held_to_schema(model: type, schema: dict[str, Any], clients: dict[str, Any]) -> type:
     """``model`` (its name kept) with an after-validator holding a reply to the whole ``schema``
     (``_reply_check``): only the model's own fields are checked, so a type the pipeline derives
     from it (the tool fields of an ``actions`` operate) is checked on the client's fields alone.
-    Its JSON Schema, the one the model is shown, and that of a type derived from it, names
-    ``uniqueItems`` as the client did."""
+    Its JSON Schema, the one the model is shown, and that of a type derived from it, has the
+    client's properties as ``clients`` writes them (``_with_clients_properties``)."""
     from pydantic import model_validator
 
     check = _reply_check(schema)
@@ -370,7 +643,7 @@ def _held_to_schema(model: type, schema: dict[str, Any]) -> type:
         return self
 
     def model_json_schema(cls: Any, *args: Any, **kw: Any) -> dict[str, Any]:
-        return _named_back(super(held_type, cls).model_json_schema(*args, **kw))
+        return _with_clients_properties(_named_back(super(held_type, cls).model_json_schema(*args, **kw)), clients)
 
     held_type: type = type(model)(model.__name__, (model,), {
         "__module__": model.__module__, "__qualname__": model.__qualname__,
@@ -378,12 +651,15 @@ def _held_to_schema(model: type, schema: dict[str, Any]) -> type:
     return held_type
 
 
-def _value_held_to_schema(annotation: Any, schema: dict[str, Any]) -> Any:
+def _value_held_to_schema(annotation: Any, schema: dict[str, Any], clients: dict[str, Any]) -> Any:
     """A field's ``annotation`` whose values are held to its whole ``schema`` (``_reply_check``);
-    null, which a field made optional by a null default may hold, is not checked."""
+    null, which a field made optional by a null default may hold, is not checked. Its JSON Schema
+    (what the model is shown of the field) is ``clients``, the client's schema as the builder took
+    it, ``uniqueItems`` named back, unless that refers to its own definitions (a ``$ref``), which
+    the pipeline's model would not hold: the built type's then."""
     from typing import Annotated
 
-    from pydantic import AfterValidator, TypeAdapter
+    from pydantic import AfterValidator, TypeAdapter, WithJsonSchema
 
     check = _reply_check(schema)
     adapter = TypeAdapter(annotation)
@@ -393,7 +669,9 @@ def _value_held_to_schema(annotation: Any, schema: dict[str, Any]) -> Any:
             check(adapter.dump_python(value, mode="json", by_alias=True, exclude_defaults=True))
         return value
 
-    return Annotated[annotation, AfterValidator(held)]
+    if _refs_in(clients, set()):
+        return Annotated[annotation, AfterValidator(held)]
+    return Annotated[annotation, AfterValidator(held), WithJsonSchema(clients)]
 
 
 class SchemaCache:
@@ -451,8 +729,10 @@ class SchemaCache:
         if schema.get("type", "object") != "object":
             raise invalid_params(f"{where}: must be an object schema (\"type\": \"object\")")
         model = self._build(dict(built, title=schema.get("title") or DEFAULT_TITLE), where)
-        if self._pinned_key(schema) is None and _needs_whole_check(schema):
-            model = _held_to_schema(model, schema)
+        if self._pinned_key(schema) is None and _needs_whole_check(schema, model):
+            import copy
+
+            model = _held_to_schema(model, schema, _named_back(copy.deepcopy(built)))
         with self._lock:
             if len(self._models) >= CACHE_LIMIT:
                 self._models.pop(next(iter(self._models)))
@@ -476,10 +756,14 @@ class SchemaCache:
         annotation = self._specs.get(key)
         if annotation is None:
             check_valid(schema, f"{where}.schema")
-            # (a field's type is built into the pipeline's own model, whose schema is not named
-            # back: uniqueItems is held by the check but not shown)
+            # (a field's type is built into the pipeline's own model: the builder is given
+            # uniqueItems left out, held by the whole schema's check)
+            import copy
+
             defaults: list[tuple[str, dict]] = []
-            built = _named_back(_check(schema, "", f"{where}.schema", defaults), None)
+            checked = _check(schema, "", f"{where}.schema", defaults)
+            clients = _named_back(copy.deepcopy(checked))
+            built = _named_back(checked, None)
             _check_defaults(schema, defaults, f"{where}.schema")
             wrapper = {"title": "FieldWrapper", "type": "object", "properties": {"value": built},
                        "required": ["value"]}
@@ -490,8 +774,8 @@ class SchemaCache:
                 from typing import Annotated
 
                 annotation = Annotated[(annotation, *fi.metadata)]  # type: ignore[valid-type]
-            if _needs_whole_check(schema):
-                annotation = _value_held_to_schema(annotation, schema)
+            if _needs_whole_check({**wrapper, "properties": {"value": schema}}, model):
+                annotation = _value_held_to_schema(annotation, schema, clients)
             with self._lock:
                 if len(self._specs) >= CACHE_LIMIT:
                     self._specs.pop(next(iter(self._specs)))

@@ -27,6 +27,7 @@ from .governance import MODES, Governance
 from .port import ClientRequestError
 from .progress import WireProgress
 from .schemas import SchemaCache
+from .turns import Turns
 
 if TYPE_CHECKING:
     from .port import ClientPort
@@ -44,6 +45,9 @@ THREADS = 4
 TOOL_THREADS = 16
 #: how long ``aclose`` lets background tasks finish before they are cancelled
 CLOSE_TIMEOUT_S = 3.0
+#: how long one step of the event loop builds restored branches before it lets other work run
+#: (``Service._restore_build``: 12,000 branches built in one step froze the server for seconds)
+RESTORE_SLICE_S = 0.005
 
 
 def _camel_to_snake(name: str) -> str:
@@ -65,7 +69,7 @@ class Service:
         self.rpc = rpc
         self.conn = rpc.conn
         self.branches: dict[str, Any] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._turns_: Any = None  # ``_turns``: operates' turns in arrival order (``service.turns``)
         self._models: dict[str, Any] = {}
         self._inline: dict[str, Any] = {}
         self.schemas = SchemaCache()
@@ -100,7 +104,6 @@ class Service:
         self._threads: Any = None  # anyio.CapacityLimiter: blocking store work on worker threads
         self._model_specs: dict[str, dict[str, Any]] = {}  # branch id -> wire model specs (journal meta)
         self._flush_lock: asyncio.Lock | None = None
-        self._operate_slots: asyncio.Semaphore | None = None
         #: branch id -> (message count, copy if the operate clears) before the operate running on it
         self._settled: dict[str, tuple[int, list | None]] = {}
         #: branch id -> token usage of the operates run on it (``listBranches``)
@@ -193,22 +196,49 @@ class Service:
             return UnavailableStore(state_dir, str(e)), [], str(e)
 
     def _apply_restore(self, opened: tuple[Any, list, str | None] | None) -> None:
-        if self._state_loaded:
+        """Take in what a restore read, every branch built at once (blocking: for
+        ``_ensure_state``; ``_state`` builds them a slice at a time)."""
+        self._restore_begin(opened)
+        self._restore_build(None)
+
+    def _restore_begin(self, opened: tuple[Any, list, str | None] | None) -> None:
+        """Start taking in what a restore read: its store is the one in use, its problems are
+        told, and its branches wait in ``_opened`` (a deque) for ``_restore_build``. Once a
+        restore has begun, ``opened`` is closed unless it is that one (a blocking restore,
+        ``_ensure_state``, and the background one may both have read the store)."""
+        if self._state_loaded or self.journal is not None:
             if opened is not None and opened[0] is not self.journal:
-                opened[0].close()  # a blocking restore (``_ensure_state``) came first
+                opened[0].close()
             return
-        self._state_loaded = True
         if opened is None:
+            self._state_loaded = True
             return
+        import collections
+
         store, loaded, error = opened
         self.journal = store
+        self._opened = (store, collections.deque(loaded), error)
         if error is not None:
             self.conn.log_message(1, f"state directory {store.root} unusable: {error}; "
                                      "every change will be refused until it is fixed (restart the server)")
         for note in store.problems:
             self.conn.log_message(1 if ("damaged" in note or "cannot be written" in note) else 3, note)
-        for lb in loaded:
-            self._restored_branch(lb)
+
+    def _restore_build(self, budget: float | None) -> bool:
+        """Build the restored branches still waiting (``_restore_begin``), for ``budget``
+        seconds at most (None: all of them); True once none is left (``_state_loaded``: the
+        requests that waited for them go on, all at once)."""
+        if self._state_loaded:
+            return True
+        opened = self._opened  # (the deque ``_restore_begin`` left there, with the store in use)
+        waiting = opened[1] if opened is not None and opened[0] is self.journal else ()
+        start = time.monotonic()
+        while waiting:
+            self._restored_branch(waiting.popleft())  # (taken off first: a branch that fails is not built twice)
+            if budget is not None and waiting and time.monotonic() - start >= budget:
+                return False
+        self._state_loaded = True
+        return True
 
     def _restored_branch(self, lb: Any) -> None:
         """Build (or refresh in place) the in-memory branch of a stored one."""
@@ -247,7 +277,7 @@ class Service:
         self.journal.adopt(b, meta)
 
     def _busy_branches(self) -> set[str]:
-        return set(self._settled) | {bid for bid, lock in self._locks.items() if lock.locked()}
+        return set(self._settled) | (set() if self._turns_ is None else self._turns_.holding())
 
     async def _state(self) -> None:
         """Restore stored branches (once, on a worker thread: the event loop keeps answering),
@@ -266,7 +296,16 @@ class Service:
                     self._restored.set()  # nobody waits for a restore that never started
                     raise
             await self._restored.wait()
-            self._apply_restore(self._opened)
+            # the branches are built here, on the loop (they are its objects), RESTORE_SLICE_S at a
+            # time and with no garbage collection walking the growing heap meanwhile, so that it
+            # keeps answering (a ping, a cancel); every request waiting for them builds its share,
+            # and none goes on before all are built
+            from operate_sidecar.server.state import no_collection  # (loaded with the store)
+
+            self._restore_begin(self._opened)
+            with no_collection():
+                while not self._restore_build(RESTORE_SLICE_S):
+                    await asyncio.sleep(0)
         if self.journal is None or self.journal.unchanged():
             return
         import sqlite3  # loaded with the store
@@ -286,7 +325,6 @@ class Service:
             for bid in removed:
                 if bid in self.branches and bid not in self._busy_branches():
                     self.branches.pop(bid, None)
-                    self._locks.pop(bid, None)
                     self._model_specs.pop(bid, None)
                     self._info.pop(bid, None)
                     self._roots.pop(bid, None)
@@ -350,7 +388,6 @@ class Service:
             await self.flush_journal(branch_id)
         except StateNotSaved as e:
             self.branches.pop(branch_id, None)
-            self._locks.pop(branch_id, None)
             self._model_specs.pop(branch_id, None)
             self._info.pop(branch_id, None)
             self._roots.pop(branch_id, None)
@@ -384,8 +421,11 @@ class Service:
             self._restore_meta(branch.id)
             if operate_task is not None and operate_task.cancelling():
                 return
+            # a branch another process deleted meanwhile is not "as it was": it is gone (-32012 next)
+            after = ("the branch no longer exists" if branch.id in e.deleted
+                     else "the branch is as it was before it")
             raise E.state_not_saved(f"the messages of this operate on branch {branch.id} were not saved ({e}); "
-                                    "the branch is as it was before it", {"branchId": branch.id}) from None
+                                    f"{after}", {"branchId": branch.id}) from None
 
     async def ensure_tools(self) -> None:
         """Load tool sources on first need (never before initialize is answered). The loading
@@ -1167,25 +1207,38 @@ class Service:
                                  "or raise settings.maxMessagesPerBranch",
                                  {"limit": "maxMessagesPerBranch", "value": limit, "branchId": branch.id})
 
-    def _slots(self) -> asyncio.Semaphore:
-        if self._operate_slots is None:
-            self._operate_slots = asyncio.Semaphore(int(self.settings["maxConcurrentOperates"]))
-        return self._operate_slots
+    @property
+    def _turns(self) -> Any:
+        if self._turns_ is None:
+            self._turns_ = Turns(int(self.settings["maxConcurrentOperates"]))
+        return self._turns_
 
     @contextlib.asynccontextmanager
-    async def _turn(self, branch_id: str) -> Any:
-        """An operate's turn: its branch's FIFO first, then one of maxConcurrentOperates slots
-        (waiters queue FIFO, cancellable). A delete of the branch ends a waiting operate (-32012)
-        as it ends the running one: it would wait for another branch's operate to free a slot."""
+    async def _turn(self, branch_id: str, ticket: int) -> Any:
+        """An operate's turn, by the ticket it took as it arrived (``service.turns``): its
+        branch's line first (every earlier operate of the branch over), then one of
+        maxConcurrentOperates slots (the earliest waiting ticket first); cancellable. A delete of
+        the branch ends a waiting operate (-32012) as it ends the running one: it would wait for
+        another branch's operate to free a slot."""
         me = asyncio.current_task()
         waiting = self._waiting.setdefault(branch_id, set())
         if me is not None:
             waiting.add(me)
+        turns = self._turns
         try:
             self.branch(branch_id)  # (deleted before it waited, while its params were read: -32012 now)
-            async with self._lock(branch_id), self._slots():
-                self._not_waiting(branch_id, waiting, me)
-                yield
+            line = turns.line(branch_id)
+            await line.wait(ticket)
+            line.running = ticket
+            try:
+                await turns.slots.acquire(ticket)
+                try:
+                    self._not_waiting(branch_id, waiting, me)
+                    yield
+                finally:
+                    turns.slots.release()
+            finally:
+                line.running = None
         finally:
             self._not_waiting(branch_id, waiting, me)
 
@@ -1193,12 +1246,6 @@ class Service:
         waiting.discard(me)  # type: ignore[arg-type]
         if not waiting and self._waiting.get(branch_id) is waiting:
             del self._waiting[branch_id]
-
-    def _lock(self, branch_id: str) -> asyncio.Lock:
-        lock = self._locks.get(branch_id)
-        if lock is None:
-            lock = self._locks[branch_id] = asyncio.Lock()
-        return lock
 
     def _adopt(self, b: Any) -> None:
         b.authorizer = self._authorize
@@ -1353,7 +1400,6 @@ class Service:
                 self._doomed.add(task)
                 task.cancel()
         self.branches.pop(branch_id, None)
-        self._locks.pop(branch_id, None)
         self._usage.pop(branch_id, None)
         self._model_specs.pop(branch_id, None)
         self._info.pop(branch_id, None)
@@ -1581,8 +1627,13 @@ class Service:
         that many rounds in a row of the same failed calls (``service.rounds``), and the result
         then has ``repeated: true``."""
         me = asyncio.current_task()
+        # its place in line, taken as it arrives (before its first wait: its parameters may
+        # take longer to read than a later operate's, which must still wait for it)
+        branch_id = params.get("branchId") if isinstance(params, dict) else None
+        branch_id = branch_id if isinstance(branch_id, str) else ""  # ("": refused before any turn)
+        ticket = self._turns.arrive(branch_id)
         try:
-            out = await self._operate(params, info, repeat_limit)
+            out = await self._operate(params, info, repeat_limit, ticket)
         except asyncio.CancelledError:
             if me is None or me not in self._doomed:
                 raise
@@ -1590,6 +1641,8 @@ class Service:
             if me.uncancel() > 0:  # the client cancelled it too: a cancelled request
                 raise
             raise E.branch_not_found(self._doomed_id(params)) from None
+        finally:
+            self._turns.leave(branch_id, ticket)
         if me is not None and me in self._doomed:  # deleted after its last wait: its result is lost
             self._doomed.discard(me)
             if me.cancelling():
@@ -1613,7 +1666,7 @@ class Service:
     def _doomed_id(params: dict) -> Any:
         return params.get("branchId") if isinstance(params, dict) else None
 
-    async def _operate(self, params: dict, info: dict[str, Any] | None, repeat_limit: int = 0) -> dict:
+    async def _operate(self, params: dict, info: dict[str, Any] | None, repeat_limit: int, ticket: int) -> dict:
         p, branch, kw = await self._operate_call(params)
         imodel, rounds = _module(_CORE + "imodel"), _module("operate_sidecar.server.service.rounds")
         UsageMeter, current_usage = imodel.UsageMeter, imodel.current_usage
@@ -1634,8 +1687,15 @@ class Service:
                 later.update(instruction=CONTINUATION, context=None)
             return prepare_operate_kw(branch, **later)
 
+        def refused() -> bool:
+            """Before each round after the first, as before round 1: whether the operate's save is
+            already known to fail (a stat or two). Then the rounds end before the next round's model
+            is called or any of its tools runs, and the save below answers -32013 and puts the
+            branch back as it was before the operate (docs/PROTOCOL.md §3, §11)."""
+            return self.journal is not None and self.journal.refusal() is not None
+
         self._check_message_room(branch, bool(p.clear_messages))
-        async with self._turn(branch.id):
+        async with self._turn(branch.id, ticket):
             # the branch as it is now that this operate's turn has come: one deleted while it
             # waited is -32012 (it would have run, and answered, on a branch that is gone)
             branch = self.branch(branch.id)
@@ -1663,7 +1723,8 @@ class Service:
             scope = self._enter_tools_scope(branch.id)
             try:
                 result, rounds, repeated = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate,
-                                                             repeat_limit=repeat_limit or p.repeat_limit or 0)
+                                                             repeat_limit=repeat_limit or p.repeat_limit or 0,
+                                                             stop=refused)
             except asyncio.CancelledError:
                 self._end_if_deleted(me, branch.id, sink, meter)
                 if sink is not None:

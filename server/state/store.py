@@ -23,18 +23,24 @@ branch each land their whole group after the other's. A process learns of the ot
 with :meth:`poll` (``PRAGMA data_version`` first, so it is one cheap query when nothing
 changed) and when a commit finds the branch's version moved (the flush returns the branch
 re-read from disk). A commit that finds the branch's version moved applies its own meta changes
-over what is on disk: ``policy`` and ``client`` (a front end's info) entry by entry, other keys
-whole, so two processes changing different things of one branch both keep theirs.
+over what is on disk: ``policy`` and ``client`` (a front end's info) entry by entry, ``usage``
+by adding what this process added to each total, other keys whole, so two processes changing
+different things of one branch both keep theirs, and their operates both count.
 
 At open, the database is checked (``PRAGMA quick_check``); a damaged file is moved aside
 (kept, with its ``-wal``/``-shm``), whatever can still be read from it is copied into a fresh
 database, and :attr:`StateStore.problems` says so for the server to report. That copy is
 marked in ``info`` until it is done: a process that dies during it leaves a database that
-passes the check, and the next open finishes the copy.
+passes the check, and the next open finishes the copy. Opening is done under a lock on the
+state directory (``flock``: shared to check, exclusive to move aside and rebuild), so servers
+starting at once rebuild a damaged database once: the others wait for it and use the rebuilt
+file. The files a connection writes are taken when it connects, and every commit checks that
+they are still ``<stateDir>/state.sqlite3`` (and its ``-wal``).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -48,15 +54,27 @@ from typing import Any, Iterable, Iterator
 from operate_sidecar.server.core.messages import Message
 from operate_sidecar.server.redaction import has_secrets, redact_value
 
+try:
+    import fcntl
+except ImportError:  # Windows: no lock between servers opening one state directory (``_DirLock``)
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 DB_FILE = "state.sqlite3"
 SCHEMA_VERSION = "1"
 BUSY_TIMEOUT_MS = 10_000
+#: how long an open waits for another server checking or rebuilding the database (``StateStore._open``)
+LOCK_WAIT_S = 60.0
 _DAMAGE_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
 #: meta keys whose value is an object merged key by key when two processes changed one branch:
 #: ``policy`` (per tool) and ``client`` (the front end's info, per field)
 MERGED_PER_KEY = ("policy", "client")
+#: meta keys whose value holds running totals, and which of its fields are totals: when two
+#: processes changed one branch, each total is what is on disk plus what this process added since
+#: it last read it (``usage``: two servers' operates on one branch both count); its other fields
+#: (``contextTokens``: the last call's) are taken from the process that changed them
+SUMMED = {"usage": ("inputTokens", "outputTokens", "modelCalls")}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS info(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -72,9 +90,11 @@ CREATE TABLE IF NOT EXISTS messages(
 class StateNotSaved(Exception):
     """A change could not be committed; nothing of it is on disk."""
 
-    def __init__(self, message: str, branch_ids: Iterable[str] = ()) -> None:
+    def __init__(self, message: str, branch_ids: Iterable[str] = (), *, deleted: Iterable[str] = ()) -> None:
         super().__init__(message)
         self.branch_ids = list(branch_ids)
+        #: those of ``branch_ids`` that another process deleted: they are gone, on disk and soon here
+        self.deleted = list(deleted)
 
 
 @dataclass
@@ -128,6 +148,83 @@ def _transaction(conn: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> It
         raise
 
 
+class _DirLock:
+    """An advisory lock (``flock``) on the state directory itself (no file of its own), held
+    by a server only while it opens the database (see ``StateStore._open``): shared to check
+    it, exclusive to replace or rebuild it. Released when the process ends, however it ends.
+    Where there is no ``flock`` (Windows) or the directory cannot be opened or locked (some
+    network filesystems), every take succeeds: each server checks and rebuilds on its own."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: int | None = None
+        if fcntl is None:
+            return
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self.fd = None
+
+    def take(self, *, exclusive: bool, deadline: float) -> bool:
+        """Take the lock, waiting until ``deadline`` (``time.monotonic()``) at most; False
+        when another process still holds it then."""
+        if self.fd is None:
+            return True
+        op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        pause = 0.0
+        while True:
+            try:
+                fcntl.flock(self.fd, op)
+                return True
+            except BlockingIOError:
+                now = time.monotonic()
+                if now >= deadline:
+                    log.warning("state: the lock on %s is still held by another server; going on without it",
+                                self.path)
+                    return False
+                if not pause:
+                    log.info("state: another server holds the lock on %s (checking or rebuilding the state "
+                             "database); waiting for it, %.0f s at most", self.path, deadline - now)
+                pause = min(pause * 2 or 0.005, 0.1, deadline - now)
+                time.sleep(pause)
+            except OSError:  # a filesystem without flock (some network ones): as where there is none
+                return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # (releases the lock)
+            self.fd = None
+
+
+@contextmanager
+def no_collection() -> Iterator[None]:
+    """No cyclic garbage collection while a restore makes its objects (millions of them for a
+    large store: :meth:`StateStore.load` on its worker thread, then the server's branches built
+    from them on the event loop), and the objects then alive frozen (``gc.freeze``: never walked
+    again by a collection; still freed as usual once nothing refers to them). A collection walks
+    every object the process holds with the interpreter lock taken: while a restore grew the heap
+    one ran every few hundred ms, each longer than the last (0.1 s to 0.3 s at 12,000 branches),
+    and the event loop answered nothing meanwhile, wherever the restore ran. Process-wide: the
+    collections of other threads are put off by that long too, no more. (The young generations
+    are collected first, a quick one: garbage frozen with the rest would stay for good.)"""
+    enabled = gc.isenabled()
+    gc.collect(1)
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def _is_damage(e: BaseException) -> bool:
     return isinstance(e, sqlite3.DatabaseError) and (
         getattr(e, "sqlite_errorcode", None) in _DAMAGE_CODES
@@ -149,8 +246,9 @@ class StateStore:
         self._data_version: int | None = None
         self._stale = False
         self.read_only = False
+        #: the files this connection writes to (see ``_check_file``), taken when it connects
+        self._file_id: tuple[int, int, tuple[int, int] | None] | None = None
         self.conn = self._open()
-        self._file_id = self._identity()  # the files this connection writes to (see ``_check_file``)
         if self._file_id is None:
             log.warning("state: cannot stat %s; a database deleted or replaced while the server runs will not "
                         "be noticed", self.path)
@@ -172,9 +270,91 @@ class StateStore:
         except BaseException:
             conn.close()
             raise
+        # the files this connection has open (its -wal too, made by the write above): taken now,
+        # under the state directory's lock (``_open``), so that no other server has moved them
+        # since; taken later (after a salvage), it could be another server's fresh file
+        self._file_id = self._identity()
         return conn
 
     def _open(self) -> sqlite3.Connection:
+        """Open the database, checked, under the state directory's lock (``_DirLock``): a
+        shared hold to connect and check it (servers starting at once check side by side),
+        an exclusive one to set a damaged file aside and rebuild it, or to finish a rebuild a
+        server that stopped left half done. A server that finds the file damaged waits until
+        the one rebuilding it is done, checks again and uses the rebuilt file: it never moves
+        another server's fresh file aside as damaged (whose connection would then write to a
+        file nobody reads again), and never takes a rebuild still running for one that stopped.
+        The wait is bounded (``LOCK_WAIT_S``, then ``_open_unlocked``); a holder that dies
+        releases the lock with its process."""
+        lock = _DirLock(self.root)
+        try:
+            deadline = time.monotonic() + LOCK_WAIT_S
+            if os.path.exists(self.path):
+                if not lock.take(exclusive=False, deadline=deadline):
+                    return self._open_unlocked()
+                try:
+                    conn = self._open_if_sound()
+                finally:
+                    lock.release()
+                if conn is not None:
+                    return conn
+            if not lock.take(exclusive=True, deadline=deadline):
+                return self._open_unlocked()
+            return self._open_locked()
+        finally:
+            lock.close()
+
+    def _open_if_sound(self) -> sqlite3.Connection | None:
+        """A connection to the database when it exists, passes the check and no rebuild is
+        marked in it; else None (what to do is decided under the exclusive lock)."""
+        try:
+            conn = self._connect()
+        except sqlite3.DatabaseError:
+            return None
+        try:
+            if (conn.execute("PRAGMA quick_check").fetchall() == [("ok",)]
+                    and conn.execute("SELECT value FROM info WHERE key='salvaging'").fetchone() is None):
+                return conn
+        except sqlite3.DatabaseError:
+            pass
+        conn.close()
+        return None
+
+    def _open_unlocked(self) -> sqlite3.Connection:
+        """Another server has held the lock for ``LOCK_WAIT_S`` (a long rebuild): the database
+        is used as it is when it passes the check (a rebuild still running: its branches come
+        in as they are copied, as any other server's commits do, :meth:`poll`). Nothing is moved
+        aside or rebuilt here: a damaged file is the other server's to replace, and the store
+        cannot be opened meanwhile."""
+        busy = (f"another server has held the lock on {self.root} for over {LOCK_WAIT_S:.0f} s, checking "
+                "or rebuilding the state database")
+        if not os.path.exists(self.path):
+            return self._connect()
+        try:
+            conn = self._connect()
+        except sqlite3.DatabaseError as e:
+            if not _is_damage(e):
+                return self._open_read_only(e)
+            raise sqlite3.OperationalError(f"state database {self.path} is damaged ({e}) and {busy}; "
+                                           "restart the server once it is done") from None
+        try:
+            rows = conn.execute("PRAGMA quick_check").fetchall()
+            problem = None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:3])
+            row = conn.execute("SELECT value FROM info WHERE key='salvaging'").fetchone() if problem is None else None
+        except sqlite3.DatabaseError as e:
+            problem, row = str(e), None
+        if problem is not None:
+            conn.close()
+            raise sqlite3.OperationalError(f"state database {self.path} is damaged ({problem}) and {busy}; "
+                                           "restart the server once it is done")
+        if row is not None:
+            self.problems.append(f"state database {self.path} is being rebuilt from the damaged {row[0]} by {busy}; "
+                                 "the branches it has not copied yet appear as it copies them")
+        return conn
+
+    def _open_locked(self) -> sqlite3.Connection:
+        """Open, check, and rebuild the database if need be (under the exclusive lock: no other
+        server is rebuilding it, so a rebuild marked in it is one a server that stopped left)."""
         if not os.path.exists(self.path):
             self._keep_orphan_log()
             return self._connect()
@@ -194,11 +374,12 @@ class StateStore:
             problem = str(e)
         if problem is None:
             row = conn.execute("SELECT value FROM info WHERE key='salvaging'").fetchone()
-            if row is not None:  # the process died while it copied a damaged database: finish that
+            if row is not None:  # a server died while it copied a damaged database: finish that
                 branches, messages = self._finish_salvage(row[0], conn)
                 self.problems.append(
-                    f"state database {self.path} was being rebuilt from the damaged {row[0]} when the server "
-                    f"stopped; finished now ({branches} branches, {messages} messages could be read)")
+                    f"state database {self.path} was being rebuilt from the damaged {row[0]} by a server that "
+                    f"stopped before it was done; finished now ({branches} branches, {messages} messages could "
+                    "be read)")
             return conn
         conn.close()
         return self._replace_damaged(problem)
@@ -259,6 +440,7 @@ class StateStore:
         if conn is None:
             raise error from None
         self.read_only = True
+        self._file_id = self._identity()
         note = ""
         wal = self.path + "-wal"
         if immutable and os.path.exists(wal) and os.path.getsize(wal) > 0:
@@ -422,6 +604,10 @@ class StateStore:
 
     def load(self) -> list[LoadedBranch]:
         """Every stored branch, oldest first by creation (blocking: call from a worker thread)."""
+        with no_collection():
+            return self._load()
+
+    def _load(self) -> list[LoadedBranch]:
         with self._db:
             c = self.conn
             with _transaction(c, "BEGIN"):
@@ -582,16 +768,19 @@ class StateStore:
                         if (bids is None or bid in bids) and (st.meta_dirty or st.new or (messages and st.pending))]
             reloads: list[LoadedBranch] = []
             failed: dict[str, str] = {}
+            deleted: list[str] = []
             for bid in todo:
                 try:
                     lb = self._commit(bid, messages)
                 except StateNotSaved as e:
                     failed[bid] = str(e)
+                    deleted += e.deleted
                     continue
                 if lb is not None:
                     reloads.append(lb)
             if failed:
-                raise StateNotSaved("; ".join(f"branch {b}: {m}" for b, m in failed.items()), failed)
+                raise StateNotSaved("; ".join(f"branch {b}: {m}" for b, m in failed.items()), failed,
+                                    deleted=deleted)
             return reloads
 
     def _commit(self, bid: str, messages: bool) -> LoadedBranch | None:
@@ -618,7 +807,7 @@ class StateStore:
                     version, clear_gen = 0, 0
                 else:
                     if row is None:
-                        raise StateNotSaved("it was deleted by another process")
+                        raise StateNotSaved("it was deleted by another process", [bid], deleted=[bid])
                     version, clear_gen = row
                 diverged = not new and version != known_version
                 seq = c.execute("SELECT COALESCE(MAX(seq), 0) FROM messages WHERE branch_id=?",
@@ -654,7 +843,7 @@ class StateStore:
                     st2.meta = dict(st2.committed_meta)
                     st2.meta_dirty = False
             log.error("state: could not save branch %s: %s", bid, e)
-            raise StateNotSaved(str(e), [bid]) from e
+            raise StateNotSaved(str(e), [bid], deleted=getattr(e, "deleted", ())) from e
         with self._lock:
             st2 = self._branches.get(bid)
             if st2 is not None:
@@ -683,7 +872,8 @@ class StateStore:
 
     def _merge_meta(self, bid: str, meta: dict[str, Any]) -> dict[str, Any]:
         """Our meta changes applied over what is on disk now (policies per tool, the front
-        end's info per field: ``MERGED_PER_KEY``; everything else per key)."""
+        end's info per field: ``MERGED_PER_KEY``; running totals by adding our increase:
+        ``SUMMED``; everything else per key)."""
         row = self.conn.execute("SELECT CAST(meta AS BLOB) FROM branches WHERE id=?", (bid,)).fetchone()
         try:
             disk = json.loads(row[0]) if row else {}
@@ -703,6 +893,8 @@ class StateStore:
                         else:
                             merged.pop(key, None)
                 out[k] = merged
+            elif k in SUMMED and isinstance(v, dict) and base.get(k) != v:
+                out[k] = _summed(SUMMED[k], disk.get(k), base.get(k), v)
             elif base.get(k) != v:
                 out[k] = v
         return out
@@ -721,6 +913,33 @@ class StateStore:
                 raise StateNotSaved(str(e), [bid]) from e
             with self._lock:
                 self._branches.pop(bid, None)
+
+
+def _summed(totals: tuple[str, ...], disk: Any, base: Any, mine: dict[str, Any]) -> dict[str, Any]:
+    """``mine`` (this process's value, read as ``base``) applied over ``disk`` (another
+    process's since): each of ``totals`` is disk's plus what this process added to it (None,
+    unknown, when either side's is); every other field changed here is this process's."""
+    disk = disk if isinstance(disk, dict) else {}
+    base = base if isinstance(base, dict) else {}
+    out = dict(disk)
+
+    def count(d: dict[str, Any], key: str) -> int | None:
+        n = d.get(key, 0)
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+    for key, now in mine.items():
+        if key not in totals:
+            if base.get(key) != now:
+                out[key] = now
+            continue
+        there, before, mine_n = count(disk, key), count(base, key), count(mine, key)
+        if mine_n is not None and mine_n == before:
+            continue  # not added to here: disk's stands
+        if there is None or mine_n is None:
+            out[key] = None
+        else:
+            out[key] = there + max(mine_n - (before or 0), 0)
+    return out
 
 
 class UnavailableStore:

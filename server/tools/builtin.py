@@ -26,13 +26,17 @@ Paths: a relative path is relative to the first root; in a multi-root workspace 
 relative path may also start with another root's folder name (``other/src/x.py``), as
 editors show them. Absolute paths are accepted when inside a root. Every path is resolved
 (``..`` and symlinks followed) and must end inside a root, else the call fails with
-:class:`WorkspacePathError`. Paths in results are shown the same way (relative to the
+:class:`WorkspacePathError`; a ``..`` must follow a directory (``notes.txt/../x`` and
+``missing/../x`` are refused, as open(2) refuses them), and a path the file tools take for a
+file must not end with ``/``, ``.`` or ``..`` (:meth:`WorkspaceTools.resolve_file`). Paths in results are shown the same way (relative to the
 first root, or ``<folder name>/...`` for another root).
 
 Every disk read and write goes through one read path and one write path (``_read_text`` /
 ``_read_bytes`` / ``_open_file`` and ``_write_text``), which re-walk the resolved path from the
 root's directory descriptor without following symlinks (``server.tools.safe_fs``): a directory
-swapped for a symlink after the check makes the call fail instead of reaching outside. Only
+swapped for a symlink after the check makes the call fail instead of reaching outside.
+Directories are listed the same way (``list_dir`` through ``_open_dir``, search_text's walk
+from each parent's descriptor): a swapped one is refused or left out, never listed. Only
 regular files are read (a FIFO never blocks a call), and reads stop at their caps.
 ``search_text`` matches with RE2 (linear time, no backreferences or lookaround), so no pattern
 can hang it.
@@ -101,6 +105,41 @@ def _entry_name(entry: os.DirEntry[str]) -> str:
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", ".mypy_cache",
                        ".pytest_cache", ".ruff_cache", ".tox"})
+#: the directory descriptors search_text's walk holds at most (one per level; deeper ones are
+#: opened from the root again), far below the process's limit on open files
+_HELD_DIRS = 32
+
+
+def _is_link(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_symlink()
+    except OSError:
+        return False
+
+
+def _list_for_walk(dfd: int) -> tuple[list[str], list[tuple[str, bool]]] | None:
+    """The directory ``dfd`` as search_text walks it: its subdirectories to walk (by name;
+    ``SKIP_DIRS`` and links to directories left out) and its other entries (by name, each with
+    whether it is a symlink), told apart as ``os.walk`` tells them; None when it cannot be
+    listed (``os.walk`` leaves such a directory out)."""
+    dirs: list[str] = []
+    files: list[tuple[str, bool]] = []
+    try:
+        with os.scandir(dfd) as it:
+            for entry in it:
+                try:
+                    is_dir = entry.is_dir()
+                except OSError:
+                    is_dir = False
+                if not is_dir:
+                    files.append((entry.name, _is_link(entry)))
+                elif entry.name not in SKIP_DIRS and not _is_link(entry):
+                    dirs.append(entry.name)
+    except OSError:
+        return None
+    return sorted(dirs), sorted(files)
+
+
 #: the first bytes of a file looked at for a NUL: one there makes it a binary file (read_file, the
 #: changing tools; the client's text of a file alike, ``file_tools.ClientFiles``)
 BINARY_SNIFF = 8192
@@ -233,6 +272,38 @@ class WorkspaceTools:
         real = Path(os.path.realpath(candidate))
         if self._root_of(real) is None:
             raise WorkspacePathError(f"path {path!r} is outside the workspace folders")
+        self._check_ups(path, candidate)
+        return real
+
+    def _check_ups(self, path: str, candidate: Path) -> None:
+        """Refuse a ``..`` that follows something that is not a directory, as open(2) does
+        (ENOTDIR, ENOENT): ``realpath`` takes ``notes.txt/../other.txt`` and
+        ``missing/../other.txt`` for ``other.txt``, which no program could open. Only what is
+        before a ``..`` inside the workspace folders is looked at (the path as a whole is
+        already confined): the error never tells what is outside."""
+        parts = candidate.parts
+        for i, part in enumerate(parts):
+            if part != ".." or i == 0:
+                continue
+            before = Path(*parts[:i])
+            if os.path.isdir(before) or self._root_of(Path(os.path.realpath(before))) is None:
+                continue
+            what = "is not a directory" if os.path.lexists(before) else "does not exist"
+            shown = self.display(Path(os.path.realpath(before)))
+            raise WorkspacePathError(f"path {path!r} goes up ('..') from {shown!r}, which {what}")
+
+    def resolve_file(self, path: str) -> Path:
+        """:meth:`resolve` of a path that must name a file (read_file, write_file, edit_file):
+        one that ends with ``/``, or whose last component is ``.`` or ``..``, names a directory
+        (open(2) says EISDIR or ENOTDIR; ``notes.txt/.`` is not the file ``notes.txt``)."""
+        real = self.resolve(path)
+        if path.endswith("/"):
+            raise WorkspacePathError(f"{path!r} ends with a slash, so it names a directory, not a file; "
+                                     "give the file's path")
+        last = path.rsplit("/", 1)[-1]
+        if last in (".", ".."):
+            raise WorkspacePathError(f"{path!r} ends with {last!r}, so it names a directory, not a file; "
+                                     "give the file's path")
         return real
 
     def display(self, real: Path) -> str:
@@ -274,7 +345,7 @@ class WorkspaceTools:
             raise WorkspacePathError("offset must be 1 or more (line numbers are 1-based)")
         if limit < 1:
             raise WorkspacePathError("limit must be 1 or more")
-        real = self.resolve(path)
+        real = self.resolve_file(path)
         lines: list[str] = []
         size = 0
         truncated = False
@@ -326,26 +397,30 @@ class WorkspaceTools:
         if not real.is_dir():
             raise WorkspacePathError(f"{path!r} is not a directory" if real.exists() else f"{path!r} does not exist")
         entries: list[dict[str, Any]] = []
-        # the first max_list_entries by name, kept while reading (a directory of 300,000
-        # entries is never held, nor sorted, in full); one more tells that there were more
-        with os.scandir(real) as it:
-            items = heapq.nsmallest(self.max_list_entries + 1, it, key=_entry_name)
-        truncated = len(items) > self.max_list_entries
-        for entry in items[: self.max_list_entries]:
-            item: dict[str, Any] = {"name": entry.name}
-            try:
-                if entry.is_symlink():
-                    item["type"] = "symlink"
-                elif entry.is_dir():
-                    item["type"] = "dir"
-                elif entry.is_file():
-                    item["type"] = "file"
-                    item["size"] = entry.stat().st_size
-                else:
+        dfd = self._open_dir(real, path)
+        try:
+            # the first max_list_entries by name, kept while reading (a directory of 300,000
+            # entries is never held, nor sorted, in full); one more tells that there were more
+            with os.scandir(dfd) as it:
+                items = heapq.nsmallest(self.max_list_entries + 1, it, key=_entry_name)
+            truncated = len(items) > self.max_list_entries
+            for entry in items[: self.max_list_entries]:
+                item: dict[str, Any] = {"name": entry.name}
+                try:  # looked at in the directory listed (dfd), never through a link
+                    if entry.is_symlink():
+                        item["type"] = "symlink"
+                    elif entry.is_dir(follow_symlinks=False):
+                        item["type"] = "dir"
+                    elif entry.is_file(follow_symlinks=False):
+                        item["type"] = "file"
+                        item["size"] = entry.stat(follow_symlinks=False).st_size
+                    else:
+                        item["type"] = "other"
+                except OSError:
                     item["type"] = "other"
-            except OSError:
-                item["type"] = "other"
-            entries.append(item)
+                entries.append(item)
+        finally:
+            os.close(dfd)
         return {"path": self.display(real), "entries": entries, "truncated": truncated}
 
     def search_text(self, pattern: str, path: str = ".", regex: bool = False, ignore_case: bool = False,
@@ -418,7 +493,7 @@ class WorkspaceTools:
         data = content.encode("utf-8")
         if len(data) > self.max_write_bytes:
             raise WorkspacePathError(f"content is {len(data)} bytes; the limit is {self.max_write_bytes}")
-        real = self.resolve(path)
+        real = self.resolve_file(path)
         old = self._read_text(real) if os.path.lexists(real) and not real.is_dir() else None
         created = self._write_bytes(real, data, path)
         return {"path": self.display(real), "bytes": len(data), "created": created,
@@ -433,7 +508,7 @@ class WorkspaceTools:
             path: the file to edit
             edits: the replacements, as [{"oldText": ..., "newText": ..., "replaceAll": false}]
         """
-        real = self.resolve(path)
+        real = self.resolve_file(path)
         old = self._read_text(real, strict=True)
         try:
             new = apply_edits(old, edits, self.max_write_bytes)
@@ -469,6 +544,19 @@ class WorkspaceTools:
             raise WorkspacePathError(f"{shown or self.display(real)!r}: {e.strerror}") from None
         return io.BufferedReader(io.FileIO(fd, "rb", closefd=True), buffer_size=1 << 16)
 
+    def _open_dir(self, real: Path, shown: str | None = None) -> int:
+        """A descriptor of the directory ``real`` (resolved, inside a root) to list with
+        ``os.scandir``, opened as files are: re-walked from the root's descriptor, no symlink
+        followed, so a directory swapped for a symlink after ``resolve`` is refused, never
+        listed. The caller closes it."""
+        root, rel = self._where(real)
+        try:
+            return safe_fs.open_dir(root, rel)
+        except FileNotFoundError:
+            raise WorkspacePathError(f"{shown or self.display(real)!r} does not exist") from None
+        except safe_fs.UnsafePathError as e:
+            raise WorkspacePathError(f"{shown or self.display(real)!r}: {e.strerror}") from None
+
     def _read_bytes(self, real: Path, max_bytes: int | None = None) -> tuple[bytes, bool]:
         """At most ``max_bytes`` bytes of the regular file ``real`` and whether it had more."""
         with self._open_file(real) as f:
@@ -498,7 +586,7 @@ class WorkspaceTools:
         cap = self.max_write_bytes if max_bytes is None else max_bytes
         data, more = self._read_bytes(real, cap)
         if more:
-            raise WorkspacePathError(f"{self.display(real)!r} is larger than {cap} bytes")
+            raise self._too_large(real, cap)
         if b"\x00" in data[:BINARY_SNIFF]:
             raise WorkspacePathError(f"{self.display(real)!r} is a binary file")
         if strict:
@@ -508,6 +596,17 @@ class WorkspaceTools:
                 raise WorkspacePathError(f"{self.display(real)!r} is not UTF-8 text (byte {e.start}); "
                                          "it cannot be changed safely by this tool") from None
         return data.decode("utf-8", "replace")
+
+    def _too_large(self, real: Path, cap: int) -> WorkspacePathError:
+        return WorkspacePathError(f"{self.display(real)!r} is larger than {cap} bytes")
+
+    def check_text_size(self, real: Path, text: str) -> None:
+        """The size check :meth:`_read_text` makes of a file's bytes, made of a text that did
+        not come from the disk (the client's buffer of ``real``): longer than max_write_bytes in
+        UTF-8, it is refused with the same error."""
+        cap = self.max_write_bytes
+        if len(text) > cap or (len(text) * 4 > cap and len(text.encode("utf-8", "surrogatepass")) > cap):
+            raise self._too_large(real, cap)
 
     def _write_bytes(self, real: Path, data: bytes, shown: str | None = None) -> bool:
         root, rel = self._where(real)
@@ -556,18 +655,63 @@ class WorkspaceTools:
 
     def _walk_files(self, start: Path) -> Iterator[Path | None]:
         """The files to search under ``start``, in order; None for each directory entered and
-        each link left out, so that the caller can count the whole walk."""
+        each link left out, so that the caller can count the whole walk.
+
+        The walk ``os.walk`` made (a directory's files by name, then its subdirectories by
+        name, each walked whole; one that cannot be listed left out), but each directory is
+        opened from its parent's descriptor without following symlinks (``safe_fs``) and
+        listed by that descriptor: a directory swapped for a symlink mid-walk is left out,
+        never walked (by path, ``os.walk`` walked the folder the link led to, outside the
+        workspace). One descriptor is held per level, for the first ``_HELD_DIRS`` levels;
+        a directory deeper down is opened from the root again."""
         if start.is_file():
             yield start
             return
-        for dirpath, dirnames, filenames in os.walk(start, followlinks=False):
-            yield None
-            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-            for name in sorted(filenames):
-                p = Path(dirpath, name)
-                if p.is_symlink():
-                    target = Path(os.path.realpath(p))
-                    if self._root_of(target) is None or not target.is_file():
-                        yield None  # never read through a link that leaves the workspace
+        root, rel = self._where(start)
+        try:
+            fd: int | None = safe_fs.open_dir(root, rel)
+        except OSError:
+            return
+        # the directories being walked, deepest last: each one's descriptor (None when not
+        # held), path, components below the root, and subdirectories still to walk
+        stack: list[tuple[int | None, Path, list[str], Iterator[str]]] = []
+        path, parts = start, rel
+        try:
+            while fd is not None:
+                listed = None
+                try:
+                    listed = _list_for_walk(fd)
+                finally:
+                    if listed is None or len(stack) >= _HELD_DIRS:
+                        os.close(fd)
+                        fd = None
+                if listed is not None:
+                    subdirs, files = listed
+                    stack.append((fd, path, parts, iter(subdirs)))
+                    yield None
+                    for name, link in files:
+                        p = path / name
+                        if link:
+                            target = Path(os.path.realpath(p))
+                            if self._root_of(target) is None or not target.is_file():
+                                yield None  # never read through a link that leaves the workspace
+                                continue
+                        yield p
+                fd = None
+                while fd is None and stack:  # the next directory to walk
+                    pfd, ppath, pparts, pending = stack[-1]
+                    name = next(pending, None)
+                    if name is None:
+                        stack.pop()
+                        if pfd is not None:
+                            os.close(pfd)
                         continue
-                yield p
+                    path, parts = ppath / name, [*pparts, name]
+                    try:
+                        fd = safe_fs.open_subdir(pfd, name) if pfd is not None else safe_fs.open_dir(root, parts)
+                    except OSError:
+                        pass  # a symlink now, gone, or unreadable: not walked
+        finally:
+            for pfd, *_ in stack:
+                if pfd is not None:
+                    os.close(pfd)

@@ -23,7 +23,11 @@ the file just before it writes, with the same rule. A plan that cannot be made (
 not apply, a path outside the workspace, a write bound to fail: a read-only file, a file
 where a directory is needed, a directory we may not write to, checked by a port that can tell,
 ``check_writable``) is kept as a failure: the call then fails at once with that error, and
-nobody is asked. The write checks again (something can change meanwhile).
+nobody is asked. The write checks again (something can change meanwhile). At most
+``PENDING_LIMIT`` (256) changes wait at once, previewed and not yet run: a preview past it is
+refused the same way (the call fails at once saying too many changes are waiting for review),
+and a kept plan is never dropped for room, since the call, planned again when it runs, would
+write a change nobody saw. A plan goes when its call runs, is forgotten, or its task ends.
 
 **Turns.** Calls that change one file take turns (a lock per real path, for the whole
 process, first come first served), so of two changes made at once (two calls of one reply, or
@@ -33,7 +37,8 @@ timed out, cancelled): the next change of that file is planned, and put to the u
 then, from the file as it then is (a second edit that builds on the first applies; two
 independent ones both land). An unplanned call plans inside its turn, so it builds on the
 change before it. A call that holds a turn but will never run (vetoed after it was allowed)
-gives it up when its task ends, or when the same task asks for that file again. Calls on
+gives it up when its task ends, or when the same task asks for that file again or has
+another call previewed. Calls on
 other files never wait. A change made outside the server between the preview and the write
 still makes the call fail as above.
 """
@@ -42,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import OrderedDict
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
@@ -61,6 +65,8 @@ __all__ = ["FileAccess", "DiskFiles", "ClientFiles", "FileTools", "PreviewTool",
 
 #: builtin tools that change files (their permission requests carry a diff preview)
 FILE_CHANGING = ("write_file", "edit_file")
+#: the most changes previewed and waiting (for the user's answer, or to run) at once, each
+#: holding a file's old and new text (up to 10 MiB each); a preview past it is refused
 PENDING_LIMIT = 256
 
 
@@ -260,6 +266,8 @@ class _Plan:
     error: str | None = None
     #: the call's turn on ``real``, held from the preview until it runs or is forgotten
     turn: _Turn | None = None
+    #: the task the call runs in (the plan goes when it ends)
+    owner: asyncio.Task | None = None
 
 
 #: a text longer than this is edited and diffed on a worker thread (``off_the_loop``); a
@@ -274,7 +282,11 @@ class FileTools:
         self.ws = ws
         self.files: FileAccess = files if files is not None else DiskFiles(ws)
         self.client = files is not None and not isinstance(files, DiskFiles)
-        self._plans: OrderedDict[str, _Plan] = OrderedDict()
+        self._plans: dict[str, _Plan] = {}
+        #: the plans holding a change (and previews being made): at most PENDING_LIMIT
+        self._changes = 0
+        #: task -> the call id of its plan (a task's calls come one after another)
+        self._owned: dict[asyncio.Task, str] = {}
 
     # ------------------------------------------------------------------ wiring
     def wrap(self, tools: list[Tool]) -> list[Tool]:
@@ -310,12 +322,9 @@ class FileTools:
         ``real``: the path, already resolved from ``arguments["path"]``."""
         path = arguments.get("path")
         if real is None:
-            real = self.ws.resolve(path)  # confined before anything is read or asked
+            real = self.ws.resolve_file(path)  # confined before anything is read or asked
         if real.is_dir():
             raise WorkspacePathError(f"{path!r} is a directory")
-        if isinstance(path, str) and path.endswith(("/", os.sep)):  # as open(2) says (EISDIR, ENOTDIR)
-            raise WorkspacePathError(f"{path!r} ends with a slash, so it names a directory, not a file; "
-                                     "give the file's path")
         check = getattr(self.files, "check_writable", None)
         if check is not None:  # a write bound to fail is never put to the user (the write checks again)
             await check(real, ctx)
@@ -325,10 +334,10 @@ class FileTools:
             if not isinstance(content, str):
                 raise ToolCallError("content must be a string")
             self._check_size(content)
-            old = await self.files.read_text(real, ctx)
+            old = await self._read_old(real, ctx)
             large = max(len(old or ""), len(content)) > INLINE_CHANGE_CHARS
             return real, await off_the_loop(large, change, shown, old, content)
-        old = await self.files.read_text(real, ctx)
+        old = await self._read_old(real, ctx)
         if old is None:
             raise WorkspacePathError(f"{path!r} does not exist (edit_file changes an existing file; "
                                      "use write_file to create one)")
@@ -342,6 +351,15 @@ class FileTools:
             return change(shown, old, new)
 
         return real, await off_the_loop(len(old) > INLINE_CHANGE_CHARS, edited, old)
+
+    async def _read_old(self, real: Path, ctx: ToolCallContext) -> str | None:
+        """The text a change is computed from. The client's text of a file is held to the
+        disk's size bound (``WorkspaceTools._read_text``): over 10 MiB it is neither edited nor
+        replaced, with the same error (what it held could not be shown to the user)."""
+        old = await self.files.read_text(real, ctx)
+        if old is not None and not isinstance(self.files, DiskFiles):
+            self.ws.check_text_size(real, old)
+        return old
 
     def _check_size(self, text: str) -> None:
         try:
@@ -359,34 +377,85 @@ class FileTools:
         The plan is made in the call's turn on its file, and the turn is held until the call
         has run or is forgotten (denied, timed out, cancelled): another change of that file
         is planned, and put to the user, only after this one is decided and written, from
-        the file as it then is. Calls on other files do not wait."""
+        the file as it then is. Calls on other files do not wait.
+
+        At most :data:`PENDING_LIMIT` changes are previewed and waiting at once (a call waiting
+        for its turn is not one yet): past that a preview is refused (the call fails at once,
+        nobody is asked, nothing is written). A plan is never dropped
+        to make room: a call whose plan were gone would be planned again when it runs, and
+        write a change the user never saw."""
         turn: _Turn | None = None
+        counted = False
         try:
-            real = self.ws.resolve(arguments.get("path"))  # confined before anything is read or asked
+            self._drop_earlier(ctx.call_id)
+            real = self.ws.resolve_file(arguments.get("path"))  # confined before anything is read or asked
             turn = await _take_turn(real)
+            if self._changes >= PENDING_LIMIT:
+                raise ToolCallError(f"too many changes are waiting for review ({PENDING_LIMIT} at once); "
+                                    "this one was not put to the user and nothing was written: "
+                                    "make it again once those are decided")
+            self._changes += 1  # counted from now: a preview being made holds text too
+            counted = True
             real, ch = await self.plan(name, arguments, ctx, real)
         except BaseException as e:
             if turn is not None:
                 turn.end()
+            if counted:
+                self._changes -= 1
             if isinstance(e, Exception):  # any failure: the call must fail with it, never run unplanned
                 self._keep(ctx.call_id, _Plan(Path("."), None, str(e) or type(e).__name__))
             raise
         plan = _Plan(real, ch, turn=turn)
-        self._keep(ctx.call_id, plan)
+        self._keep(ctx.call_id, plan)  # its count is the one taken above
         turn.hold(lambda: self._drop(ctx.call_id, plan))
         return ch.preview(str(real))
 
     def _keep(self, call_id: str, plan: _Plan) -> None:
+        """Keep ``plan`` for ``call_id`` until the call runs, is forgotten, or its task ends
+        (or goes on to another call): a call whose plan was dropped is one that will never run,
+        so a plan, even a failure, is never dropped for room (the memory is bounded by
+        :data:`PENDING_LIMIT` changes and one failure per task)."""
         self._drop(call_id)
+        owner = asyncio.current_task()
+        if owner is not None:
+            self._drop_earlier(call_id, owner)
+            plan.owner = owner
+            self._owned[owner] = call_id
+            owner.add_done_callback(self._owner_done)
         self._plans[call_id] = plan
-        while len(self._plans) > PENDING_LIMIT:
-            self._release(self._plans.popitem(last=False)[1])
+
+    def _drop_earlier(self, call_id: str, owner: asyncio.Task | None = None) -> None:
+        """Drop the plan an earlier call of this task left (its calls come one after another:
+        that one will never run; it was vetoed after it was allowed)."""
+        owner = owner or asyncio.current_task()
+        earlier = self._owned.get(owner) if owner is not None else None
+        if earlier is not None and earlier != call_id:
+            self._drop(earlier)
+
+    def _owner_done(self, task: Any) -> None:
+        call_id = self._owned.get(task)
+        if call_id is not None:
+            self._drop(call_id)
+
+    def _take(self, call_id: str) -> _Plan | None:
+        """Remove ``call_id``'s plan from those kept (its turn, if any, stays with it)."""
+        plan = self._plans.pop(call_id, None)
+        if plan is None:
+            return None
+        if plan.owner is not None:
+            if self._owned.get(plan.owner) == call_id:
+                del self._owned[plan.owner]
+            plan.owner.remove_done_callback(self._owner_done)
+            plan.owner = None
+        if plan.change is not None:
+            self._changes -= 1
+        return plan
 
     def _drop(self, call_id: str, plan: _Plan | None = None) -> None:
         """Drop ``call_id``'s plan (only if it is ``plan``, when given) and give its turn back."""
         kept = self._plans.get(call_id)
         if kept is not None and (plan is None or kept is plan):
-            del self._plans[call_id]
+            self._take(call_id)
             self._release(kept)
 
     @staticmethod
@@ -399,13 +468,13 @@ class FileTools:
 
     # ------------------------------------------------------------------ running
     async def run(self, name: str, arguments: dict[str, Any], ctx: ToolCallContext) -> dict[str, Any]:
-        planned = self._plans.pop(ctx.call_id, None)
+        planned = self._take(ctx.call_id)
         if planned is not None and planned.error is not None:
             raise ToolCallError(planned.error)
         if planned is not None and planned.turn is not None:
             turn = planned.turn  # held since the preview
         else:
-            real = planned.real if planned is not None else self.ws.resolve(arguments.get("path"))
+            real = planned.real if planned is not None else self.ws.resolve_file(arguments.get("path"))
             turn = await _take_turn(real)
         try:  # in the turn: another call's plan, check and write never come between these
             if planned is not None:
@@ -438,7 +507,7 @@ class FileTools:
             raise WorkspacePathError("offset must be 1 or more (line numbers are 1-based)")
         if limit < 1:
             raise WorkspacePathError("limit must be 1 or more")
-        real = self.ws.resolve(path)
+        real = self.ws.resolve_file(path)
         if real.is_dir():  # (as read_file from the disk says it; the client would be asked to read it)
             raise WorkspacePathError(f"{path!r} is not a file")
         text = await self.files.read_text(real, ctx)

@@ -6,11 +6,14 @@ once per call; each component is then opened *relative to the directory descript
 previous one* with ``O_NOFOLLOW`` (``openat``-style, ``os.open(..., dir_fd=...)``), so a
 directory swapped for a symlink between a check and the open makes the call fail with
 :class:`UnsafePathError` instead of reaching outside the root. ``..`` components are refused.
+Directories are listed the same way: :func:`open_dir` gives a descriptor to ``os.scandir``, and
+:func:`open_subdir` opens a directory found in it, so a walk never enters a swapped symlink.
 
 Reads are bounded while reading (``max_bytes``): a 2 GB sparse file costs one bounded read.
 Anything that is not a regular file (a FIFO, a socket, a device) is refused without being
 opened for a blocking read (``O_NONBLOCK``, then ``fstat``). Writes go to a temporary file
-in the same directory, then ``os.replace`` over the name, both relative to the parent's
+in the same directory (its name starts with the file's, cut to at most 200 bytes, so that any
+legal name has a legal temporary one), then ``os.replace`` over the name, both relative to the parent's
 descriptor: a reader never sees half a file, and a symlink at the final name is replaced,
 never followed. The new text is flushed to disk (``fsync``) before the rename, and the
 directory after it (and the parent of every directory the write made), so a write that
@@ -29,7 +32,8 @@ import stat as _stat
 from pathlib import Path, PurePosixPath
 from typing import Iterable
 
-__all__ = ["UnsafePathError", "NotRegularFileError", "ReadOnlyFileError", "components", "lstat", "stat", "open_regular", "read_bytes", "read_text",
+__all__ = ["UnsafePathError", "NotRegularFileError", "ReadOnlyFileError", "components", "lstat", "stat", "open_dir", "open_subdir",
+           "open_regular", "read_bytes", "read_text",
            "check_writable", "write_bytes_atomic", "write_text_atomic"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -80,6 +84,23 @@ def _open_subdir(dfd: int, name: str) -> int:
         if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
             raise UnsafePathError(e.errno, f"{name!r} is a symlink or not a directory") from None
         raise
+
+
+def open_subdir(dfd: int, name: str) -> int:
+    """A descriptor of the directory ``name`` in the directory ``dfd`` (``O_NOFOLLOW |
+    O_DIRECTORY``): a symlink or a non-directory there is :class:`UnsafePathError`, a missing
+    one ``FileNotFoundError``. The caller closes it."""
+    if not name or name in (".", "..") or "/" in name or "\x00" in name:
+        raise UnsafePathError(errno.EINVAL, f"path component {name!r} is not allowed")
+    return _open_subdir(dfd, name)
+
+
+def open_dir(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str]) -> int:
+    """A descriptor of the directory ``rel`` under ``root``, to list with ``os.scandir(fd)``:
+    each component is opened from its parent's descriptor with ``O_NOFOLLOW | O_DIRECTORY``,
+    so a directory swapped for a symlink makes it fail (:class:`UnsafePathError`) instead of
+    listing another directory; a missing one is ``FileNotFoundError``. The caller closes it."""
+    return _walk(root, components(rel))
 
 
 def _walk(root: str | os.PathLike[str], parts: list[str], *, create: bool = False) -> int:
@@ -223,7 +244,7 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
         mode = _stat.S_IMODE(old.st_mode) if regular else None
         tmp = None
         for attempt in range(100):
-            candidate = f".{name[:200]}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+            candidate = f".{_stem(name)}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
             try:
                 fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                              0o666 if mode is None else 0o600, dir_fd=dfd)
@@ -258,6 +279,24 @@ def write_bytes_atomic(root: str | os.PathLike[str], rel: str | os.PathLike[str]
         raise
     finally:
         os.close(dfd)
+
+
+#: the bytes of the final name a temporary file's name starts with: with the dot, the process
+#: id, eight hex digits and ".tmp" (at most 22 bytes more) it stays under NAME_MAX (255 bytes)
+TEMP_STEM_BYTES = 200
+
+
+def _stem(name: str, limit: int = TEMP_STEM_BYTES) -> str:
+    """The start of ``name`` that takes at most ``limit`` bytes on disk, cut between characters
+    (a name of 80 CJK characters is 244 bytes: cut at 200 characters, its temporary file's name
+    was over NAME_MAX, and a legal name could never be written). A byte of a name that is not
+    UTF-8 (held as ``\udc80``-``\udcff``) is one byte on disk, and counts as one."""
+    size = 0
+    for i, ch in enumerate(name):
+        size += len(os.fsencode(ch))
+        if size > limit:
+            return name[:i]
+    return name
 
 
 def _replaceable(dfd: int, name: str) -> os.stat_result | None:

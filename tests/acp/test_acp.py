@@ -388,8 +388,9 @@ async def updates_after_the_last_prompt_answer(conn):
 def test_a_turn_cancelled_while_asking_ends_every_tool_call_it_showed_before_its_answer(tmp_path, ws, choice):
     """Two edits asked about at once, the turn cancelled while the editor is asked (it answers
     ``cancelled``, or never): each ``tool_call`` shown as pending gets its final ``failed``
-    update, before the prompt's answer. Nothing ran, so the core reported nothing for them,
-    and the editor showed them pending for ever."""
+    update, before the prompt's answer (the editor had showed them pending for ever), with the
+    output the branch records for a call whose permission request a cancel ended: denied,
+    as ``session/load`` replays it."""
     async def main():
         c = RecordingClient(choice)
         config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "x\n"}),
@@ -404,7 +405,8 @@ def test_a_turn_cancelled_while_asking_ends_every_tool_call_it_showed_before_its
             shown = [u.tool_call_id for u in c.of("tool_call")]
             ended = {u.tool_call_id: u for u in c.of("tool_call_update") if u.status in ("completed", "failed")}
             assert len(shown) == 2 and sorted(ended) == sorted(shown), c.kinds()
-            assert all(u.status == "failed" and u.raw_output == {"error": "cancelled"} for u in ended.values())
+            denied = {"error": "denied by governance gate", "function": "write_file", "reason": "cancelled"}
+            assert all(u.status == "failed" and u.raw_output == denied for u in ended.values()), ended
             assert await updates_after_the_last_prompt_answer(conn) == []
             assert not (ws / "b.txt").exists() and (ws / "a.txt").read_text() == "old text\n"
             assert (await prompt(conn, sid)).stop_reason == "end_turn"  # the session goes on
@@ -717,6 +719,26 @@ def test_a_turn_that_repeats_the_same_failing_call_stops_after_three_rounds_and_
             said = "".join(u.content.text for u in c.of("agent_message_chunk"))
             assert said.startswith("> ⚠ **Stopped:** the model made the same failing tool call (`read_file`: "
                                    "'nope.txt' does not exist) 3 rounds in a row"), said
+
+    run(main())
+
+
+def test_a_repeat_reached_on_the_last_round_allowed_ends_the_turn_as_a_repeat(tmp_path, ws):
+    """Calls that change for five rounds, then the same failing call for the last three of the
+    eight: the turn says why it stopped and its stop reason is ``end_turn`` (a repeat), not
+    ``max_turn_requests`` (which would have the editor offer to go on with the same call)."""
+    async def main():
+        from operate_sidecar.server.acp.agent import MAX_ROUNDS
+        from operate_sidecar.server.service.rounds import REPEAT_LIMIT
+
+        c = RecordingClient()
+        changing = [reply("", [("read_file", {"path": f"nope{i}.txt"})]) for i in range(MAX_ROUNDS - REPEAT_LIMIT)]
+        same = [reply("", [("read_file", {"path": "nope.txt"})])] * (REPEAT_LIMIT + 1)
+        async with spawn(c, cfg(tmp_path, *changing, *same)) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+            assert len(c.of("tool_call")) == MAX_ROUNDS
+            assert "**Stopped:**" in "".join(u.content.text for u in c.of("agent_message_chunk"))
 
     run(main())
 

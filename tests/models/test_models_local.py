@@ -211,7 +211,7 @@ class _WordCounter:
         return None
 
 
-def test_fit_context_leaves_out_the_oldest_turns_and_never_half_a_tool_call():
+def test_fit_context_leaves_out_the_oldest_turns():
     from operate_sidecar.server.models.local import PROMPT_OVERHEAD, _fit_context
 
     def turn(role, words, tag):
@@ -228,9 +228,13 @@ def test_fit_context_leaves_out_the_oldest_turns_and_never_half_a_tool_call():
 
     sent, dropped = _fit_context(_WordCounter(), messages, n_ctx=10_000, reserve=100)
     assert (sent, dropped) == (messages, 0)                     # fits: sent as it is
-    # Room for the last two turns only: the one with tool results cannot open the history
-    # (its calls are in the turn before), so the call and its results go together.
+    # Room for the last two turns only: the one with tool results opens the history (it names
+    # each call's function and arguments beside its output).
     room = base + sum(costs[id(m)] for m in history[4:])
+    sent, dropped = _fit_context(_WordCounter(), messages, n_ctx=room + 100, reserve=100)
+    assert (sent, dropped) == ([system, *history[4:], now], 4)
+    # Room for the last turn only: a reply that no results answer cannot open it.
+    room = base + sum(costs[id(m)] for m in history[5:])
     sent, dropped = _fit_context(_WordCounter(), messages, n_ctx=room + 100, reserve=100)
     assert (sent, dropped) == ([system, now], 6)
     room = base + sum(costs[id(m)] for m in history[2:])

@@ -1,7 +1,7 @@
 """A client that stops reading stdout (docs/PROTOCOL.md §1-2): the server never blocks on the
 pipe. What the client has not read waits in a bounded buffer, the server stops taking requests
-while it is full and takes them again once the client reads; SIGTERM and the client's death are
-served meanwhile."""
+while it is full and takes them again once the client reads; SIGTERM, the client's death, its
+exit and its end of input are served meanwhile."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import signal
 import subprocess
 import threading
 import time
+
+import pytest
 
 from .support import ROOT, SERVER, TIMEOUT, server_env
 
@@ -93,6 +95,44 @@ def test_once_the_client_reads_again_every_answer_arrives_in_order_and_requests_
         proc.stdin.write(_frame({"jsonrpc": "2.0", "method": "exit"}))
         proc.stdin.flush()
         assert proc.wait(TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize(("how", "code"), [("exit", 1), ("shutdown-exit", 0), ("eof", 1)])
+def test_a_client_that_stops_reading_can_still_end_the_server_with_exit_or_end_of_input(tmp_path, how, code):
+    """Operates stream more progress than the server buffers while the client reads nothing:
+    the server stops taking requests, yet an ``exit`` (after a ``shutdown`` or not) or the end
+    of input still ends it, within its drain bound, with the exit code they call for (it read
+    no more input, so it never saw them: only a signal stopped it)."""
+    err = tmp_path / "stderr.txt"
+    proc = subprocess.Popen(SERVER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(err, "wb"),
+                            env=server_env(), cwd=str(ROOT))
+    try:
+        reply = {"text": "z" * 100_000, "chunks": 100}
+        models = {"m": {"provider": "scripted", "responses": [reply] * 50}}
+        proc.stdin.write(_frame({"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                                 "params": {"settings": {"models": models, "defaultModel": "m"}}})
+                         + _frame({"jsonrpc": "2.0", "id": 1, "method": "createBranch", "params": {}}))
+        proc.stdin.flush()
+        assert "result" in _read_frame(proc.stdout)
+        branch = _read_frame(proc.stdout)["result"]["branchId"]
+        # from here on the client reads nothing
+        proc.stdin.write(b"".join(_frame({"jsonrpc": "2.0", "id": 10 + i, "method": "operate", "params": {
+            "branchId": branch, "instruction": "go", "skipValidation": True, "workDoneToken": i}}) for i in range(40)))
+        proc.stdin.flush()
+        assert _stderr_has(err, "not reading the server's output", proc), err.read_text()
+        if how != "eof":
+            if how == "shutdown-exit":
+                proc.stdin.write(_frame({"jsonrpc": "2.0", "id": 99, "method": "shutdown"}))
+            proc.stdin.write(_frame({"jsonrpc": "2.0", "method": "exit"}))
+            proc.stdin.flush()
+        else:
+            proc.stdin.close()
+        assert proc.wait(TIMEOUT) == code, err.read_text()[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

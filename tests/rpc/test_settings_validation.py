@@ -94,7 +94,7 @@ def test_unknown_missing_or_malformed_provider(sidecar):
 
 def test_an_empty_state_dir_is_refused_at_initialize_not_memory_only_in_silence(sidecar):
     """``stateDir: ""`` names no folder: it is refused (it made a server that kept nothing)."""
-    assert "settings.stateDir must be a path (not empty) or null" in init_error(sidecar, {"s": scripted("x")},
+    assert "settings: stateDir must be a path (not empty) or null" in init_error(sidecar, {"s": scripted("x")},
                                                                                 stateDir="")
     assert sidecar.init(models={"s": scripted("x")}, stateDir=None)["capabilities"]["models"] == ["s"]
 
@@ -251,11 +251,11 @@ def test_settings_bounds_beyond_a_double_or_a_usable_time_out_are_refused_at_ini
     for key in POSITIVE_INT_KEYS:
         err = sidecar.error_of("initialize", {"settings": {"models": {"s": scripted("x")}, key: HUGE}})
         assert err.code == INVALID_PARAMS, (key, err.message)
-        assert err.message == f"{PREFIX}settings.{key} must be a number within a double's range " \
+        assert err.message == f"{PREFIX}{key} must be a number within a double's range " \
                               "(at most 1.8e308 in size)", err.message
     for key in ("permissionTimeoutMs", "toolTimeoutMs"):
         err = sidecar.error_of("initialize", {"settings": {"models": {"s": scripted("x")}, key: MAX_TIMEOUT_MS + 1}})
-        assert err.code == INVALID_PARAMS and f"settings.{key} must be at most {MAX_TIMEOUT_MS}" in err.message
+        assert err.code == INVALID_PARAMS and f"settings: {key} must be at most {MAX_TIMEOUT_MS}" in err.message
     # at the bounds: accepted, and the server works with them
     big = {key: 10**300 for key in POSITIVE_INT_KEYS} | {"permissionTimeoutMs": MAX_TIMEOUT_MS,
                                                            "toolTimeoutMs": MAX_TIMEOUT_MS}
@@ -305,8 +305,8 @@ def test_non_finite_numbers_in_the_config_file_exit_2_naming_them(tmp_path):
     for body, expected in [
         ('[models.m]\nprovider = "scripted"\nresponses = ["x"]\ntimeoutS = inf\n', "models.m: timeoutS must be a finite number"),
         ('[models.m]\nprovider = "cli"\nprofile = "llm"\nkillGraceS = nan\n', "models.m: killGraceS must be a finite number"),
-        (f"toolTimeoutMs = {HUGE}\n", "settings.toolTimeoutMs must be a number within a double's range"),
-        ("permissionTimeoutMs = 10_000_000_000_000\n", "settings.permissionTimeoutMs must be at most"),
+        (f"toolTimeoutMs = {HUGE}\n", "bad configuration: toolTimeoutMs must be a number within a double's range"),
+        ("permissionTimeoutMs = 10_000_000_000_000\n", "bad configuration: permissionTimeoutMs must be at most"),
     ]:
         cfg = tmp_path / "bad.toml"
         cfg.write_text(body)

@@ -402,3 +402,21 @@ def test_a_tool_policy_entry_naming_no_tool_is_told_with_the_closest_name(sideca
     assert wait_log(sidecar, said[0]), sidecar.stderr_text()
     sidecar.request("listTools", {}, timeout=TIMEOUT)  # told once
     assert len([m for m in sidecar.of("window/logMessage") if "toolPolicy" in m["message"]]) == 2
+
+
+@pytest.mark.parametrize("call", [{"function": None, "arguments": {"a": 1}}, {"arguments": {"a": 1}}])
+def test_a_call_naming_no_tool_is_one_tool_error_named_alike_everywhere(sidecar, call):
+    """A reply's call whose ``function`` is null or missing: a tool error saying the call names
+    no tool, its name "" in the answer, the recorded messages and the tool events alike (the
+    events said "None", Python's word for null, and the answer "")."""
+    sidecar.init(models={"s": scripted({"json": {"action_requests": [call]}})})
+    bid = sidecar.branch()
+    res = echo_operate(sidecar, bid)
+    [resp] = res["result"]["action_responses"]
+    assert resp["function"] == "" and resp["output"]["error"] == "The call names no tool (no function)."
+    assert resp["output"]["function"] == ""
+    events = sidecar.of("toolEvent")
+    assert [(e["event"], e["tool"]) for e in events] == [("pre", ""), ("error", "")], events
+    recorded = [m["content"]["function"] for m in sidecar.request("branchMessages", {"branchId": bid})["messages"]
+                if m["kind"] in ("action_request", "action_response")]
+    assert recorded == ["", ""], recorded

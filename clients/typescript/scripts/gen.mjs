@@ -3,13 +3,17 @@
 //   node scripts/gen.mjs --check    exit 1 if the file on disk differs from what would be written
 //   node scripts/gen.mjs --stdout   print it
 //   --schema PATH                   read another schema (tests use this)
+//   --out PATH                      write (or check) another file (tests use this)
+//   --help                          print the usage
+// Any other argument is refused with the usage and exit code 2, and nothing is written: a typo
+// (`--chek`) must not regenerate the file.
 // Types come from json-schema-to-typescript (every $defs entry becomes a named type); the method and
 // notification maps and the error codes come from the schema's own `methods`, `notifications` and
 // `errorCodes` tables.
 import fs from 'node:fs';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { compile } from 'json-schema-to-typescript';
+import { parseArgs } from 'node:util';
 
 const HERE = path.dirname(fileURLToPath(import.meta.url));
 const PKG = path.resolve(HERE, '..');
@@ -36,7 +40,11 @@ function table(name, doc, entries, withResult) {
   return lines.join('\n');
 }
 
+export const USAGE = 'usage: node scripts/gen.mjs [--check | --stdout] [--schema PATH] [--out PATH]';
+
 export async function render(schemaPath = DEFAULT_SCHEMA) {
+  // (loaded here, not at the top: the usage and a wrong argument are said without the dependencies)
+  const { compile } = await import('json-schema-to-typescript');
   const schema = JSON.parse(fs.readFileSync(schemaPath, 'utf8'));
   const { methods = {}, notifications = {}, errorCodes = {}, protocolVersion } = schema;
   // The root itself only carries tables; give it a neutral title so that the root type is a marker.
@@ -80,22 +88,47 @@ export async function render(schemaPath = DEFAULT_SCHEMA) {
   ].join('\n');
 }
 
+/** The options of `argv`, or the reason it is refused (an unknown option, a value missing or left over). */
+export function parseCommandLine(argv) {
+  let values;
+  try {
+    ({ values } = parseArgs({
+      args: argv, allowPositionals: false, strict: true,
+      options: { check: { type: 'boolean' }, stdout: { type: 'boolean' }, schema: { type: 'string' },
+                 out: { type: 'string' }, help: { type: 'boolean', short: 'h' } },
+    }));
+  } catch (e) {
+    return { error: e.message };
+  }
+  if (values.check && values.stdout) return { error: '--check and --stdout cannot be combined' };
+  return { values };
+}
+
 async function main(argv) {
-  let schemaPath = DEFAULT_SCHEMA;
-  const i = argv.indexOf('--schema');
-  if (i >= 0) schemaPath = path.resolve(argv[i + 1]);
+  const { values, error } = parseCommandLine(argv);
+  if (error) { process.stderr.write(`${USAGE}\ngen.mjs: error: ${error}\n`); return 2; }
+  if (values.help) {
+    process.stdout.write(`${USAGE}\n\nGenerate src/generated/protocol.ts from protocol/schema.json (with no option: write it).\n` +
+      '  --check        exit 1 if the file on disk differs from what would be written; write nothing\n' +
+      '  --stdout       print it instead of writing it\n' +
+      '  --schema PATH  read another schema (default ../../protocol/schema.json)\n' +
+      '  --out PATH     write or check another file (default src/generated/protocol.ts)\n');
+    return 0;
+  }
+  const schemaPath = values.schema === undefined ? DEFAULT_SCHEMA : path.resolve(values.schema);
+  const out = values.out === undefined ? OUT : path.resolve(values.out);
   const text = await render(schemaPath);
-  if (argv.includes('--stdout')) { process.stdout.write(text); return 0; }
-  if (argv.includes('--check')) {
-    const onDisk = fs.existsSync(OUT) ? fs.readFileSync(OUT, 'utf8') : '';
+  if (values.stdout) { process.stdout.write(text); return 0; }
+  if (values.check) {
+    const onDisk = fs.existsSync(out) ? fs.readFileSync(out, 'utf8') : '';
     if (onDisk !== text) {
-      process.stderr.write(`${path.relative(process.cwd(), OUT)} is stale (schema ${schemaPath}): run \`npm run gen\`\n`);
+      process.stderr.write(`${path.relative(process.cwd(), out)} is stale (schema ${schemaPath}): run \`npm run gen\`\n`);
       return 1;
     }
     return 0;
   }
-  fs.mkdirSync(path.dirname(OUT), { recursive: true });
-  fs.writeFileSync(OUT, text);
+  fs.mkdirSync(path.dirname(out), { recursive: true });
+  fs.writeFileSync(out, text);
   return 0;
 }
 
