@@ -119,18 +119,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv is None:
         argv = sys.argv[1:]
-    if "--acp" in argv and argv[:1] != ["replay"]:
+    if argv[:1] == ["replay"]:  # operate-sidecar replay SCRIPT.jsonl [-- SERVER ARGV...]
+        from operate_sidecar.server.script.runner import main as replay_main
+
+        return replay_main(argv[1:])
+    acp = "--acp" in argv  # (as written: a misspelt --acp is the native server's mistake)
+    if acp:
         # start-up is import-bound (the ACP SDK's pydantic schema, then the core): no cyclic
         # collection walks the freshly built modules meanwhile. The core loader turns the
         # collector back on (and freezes what was loaded) once it is in.
         import gc
 
         gc.disable()
-    if argv[:1] == ["replay"]:  # operate-sidecar replay SCRIPT.jsonl [-- SERVER ARGV...]
-        from operate_sidecar.server.script.runner import main as replay_main
-
-        return replay_main(argv[1:])
-    acp = "--acp" in argv  # (as written: a misspelt --acp is the native server's mistake)
     args = None
     try:
         args = _parser(answer_mistakes=acp).parse_args(argv)
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(mistake, file=sys.stderr)
         if not acp or os.isatty(0):
             return 2
-        # answered as a bad --config file is (below): an ACP editor shows answers, not stderr
+        # answered as a bad --config file is (below, the config not read): an ACP editor shows
+        # answers, not stderr
     debug = args.debug if args is not None else "--debug" in argv
     level = logging.DEBUG if debug else getattr(logging, args.log_level.upper()) if args is not None \
         else logging.WARNING
@@ -153,43 +154,37 @@ def main(argv: list[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:  # keys never reach stderr, --debug included
         handler.addFilter(RedactingFilter())
     logging.captureWarnings(True)  # a tool's warnings.warn(...) passes the filter too
-    if mistake:
+    base: dict = {}
+    config_error = mistake
+    if args is not None and not mistake:
+        if args.state_dir is not None:
+            base["stateDir"] = args.state_dir
+        try:
+            config = _load_config(args.config) if args.config else {}
+            base = S.merge(base, config)
+            unknown = [k for k in base if k not in S.DEFAULTS]
+            if unknown:
+                raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown))
+            S.finalize(S.merge(S.DEFAULTS, base))
+            problem = S.not_json(config) if config else None  # (after the fields' own checks, which say more)
+            if problem:
+                raise S.SettingsError(f"{args.config}: {problem}")
+        except (OSError, ValueError) as e:
+            config_error = f"operate-sidecar: bad configuration: {e}"
+            print(config_error, file=sys.stderr)
+            if not args.acp or os.isatty(0):  # (a person at a terminal has read the line: nothing to wait for)
+                return 2
+            # an ACP editor shows answers, not stderr: the server answers every request with the
+            # line (server.acp.run.Unconfigured), then exits 2
+
+    if args is None or mistake or args.acp:  # (a mistake gets this far with --acp only)
         from operate_sidecar.server.acp.run import run as run_acp
 
-        code = run_acp(base_settings={}, version=__version__, debug=debug,
-                       client_pid=args.client_process_id if args is not None else None, config_error=mistake)
+        code = run_acp(base_settings=base, version=__version__, debug=debug,
+                       client_pid=args.client_process_id if args is not None else None, config_error=config_error)
         logging.shutdown()
         os._exit(code)
     assert args is not None
-    base: dict = {}
-    if args.state_dir is not None:
-        base["stateDir"] = args.state_dir
-    config_error = None
-    try:
-        config = _load_config(args.config) if args.config else {}
-        base = S.merge(base, config)
-        unknown = [k for k in base if k not in S.DEFAULTS]
-        if unknown:
-            raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown))
-        S.finalize(S.merge(S.DEFAULTS, base))
-        problem = S.not_json(config) if config else None  # (after the fields' own checks, which say more)
-        if problem:
-            raise S.SettingsError(f"{args.config}: {problem}")
-    except (OSError, ValueError) as e:
-        config_error = f"operate-sidecar: bad configuration: {e}"
-        print(config_error, file=sys.stderr)
-        if not args.acp or os.isatty(0):  # (a person at a terminal has read the line: nothing to wait for)
-            return 2
-        # an ACP editor shows answers, not stderr: the server answers every request with the
-        # line (server.acp.run.Unconfigured), then exits 2
-
-    if args.acp:
-        from operate_sidecar.server.acp.run import run as run_acp
-
-        code = run_acp(base_settings=base, version=__version__, debug=args.debug, client_pid=args.client_process_id,
-                       config_error=config_error)
-        logging.shutdown()
-        os._exit(code)
 
     import asyncio
 

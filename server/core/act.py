@@ -392,7 +392,8 @@ async def _act(branch: Any, function: Any, arguments: Any, action_param: ActionP
             # cancelled while being authorized (a permission request pending): the cancel is the
             # answer, deny. The call is recorded and evented as denied like any denied call
             # (its callId may already be the client's), shielded as a call cancelled while
-            # running is answered below; nothing here waits on anything but the recording.
+            # running is answered below: the recording, then the TOOL_DENIED hook event, whose
+            # async handlers are awaited in the shield (the cancel goes on once they return).
             with anyio.CancelScope(shield=True):
                 await deny(CANCELLED)
             raise

@@ -7,20 +7,12 @@ import copy
 import json
 import logging
 import math
-import re
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-from .config import INLINE_OPENED
+from .config import INLINE_OPENED, snake
 
 # --- option names -----------------------------------------------------------
-
-_CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
-
-
-def snake(key: str) -> str:
-    """``maxTokens`` → ``max_tokens`` (wire modelOptions are camelCase or snake_case)."""
-    return _CAMEL.sub("_", key).lower()
 
 
 def snake_options(options: dict[str, Any] | None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ said, a prompt beginning with ``-`` comes after a ``--`` argument, and a prompt 
 "stdin"``.
 
 The process runs in its own session/process group, with stdin from /dev/null
-(or from a file holding the prompt) and stderr to a temporary file (its tail
+(or from a file holding the prompt) and stderr to a temporary file (kept bounded; its tail
 goes into error messages). stdout is read as it streams: JSON lines for
 claude-code/jsonl, raw text for llm. When the awaiting scope is cancelled (or
 the consumer stops iterating), the whole process group gets SIGTERM, then
@@ -249,6 +249,7 @@ class CLIModel(BaseModelProvider):
                         drain_end = anyio.current_time() + DRAIN_MAX_S
                         continue
                 else:
+                    stderr_file.trim()  # a child left running may log on to stderr as it writes
                     left = drain_end - anyio.current_time()
                     data = await _receive_within(process.stdout, min(DRAIN_IDLE_S, left)) if left > 0 else None
                     if data is None:
@@ -269,13 +270,10 @@ class CLIModel(BaseModelProvider):
             for kind, text in inline.end():
                 yield StreamChunk(type=kind, text=text)
             if process.returncode is None:  # stdout closed: wait for the program itself
-                if deadline is None:
-                    await process.wait()
-                else:
-                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                        await process.wait()
-                    if process.returncode is None:
-                        raise timed_out()
+                try:
+                    await _wait_exit(process, deadline, stderr_file.trim)
+                except TimeoutError:
+                    raise timed_out() from None
             rc = process.returncode
             # The program is done: nothing it started outlives the call.
             await ending.run(finish)
@@ -340,7 +338,14 @@ class _StderrFile:
     (``O_APPEND``), so once the file passes ``STDERR_KEEP_BYTES`` (a program logging on and on)
     :meth:`trim` keeps its last ``STDERR_KEPT_BYTES`` in memory and empties it, the child's
     next lines landing at its start: what :meth:`last` reads is those kept bytes followed by
-    the file, never more than that bound on disk (``/tmp`` may be memory)."""
+    the file, never more than that bound on disk (``/tmp`` may be memory). It runs at every
+    poll of the run (``EXIT_POLL_S``), while stdout is read, drained, or closed and the program
+    not yet gone.
+
+    A trim is two system calls, a read of the tail and a truncate, which nothing makes one: bytes
+    the child appends between them are lost (the truncate removes them, and after it nothing of
+    them is left to recover). Those are lines of a log passing the bound, not its end: what the
+    child writes after the trim is kept."""
 
     def __init__(self) -> None:
         self.file = tempfile.TemporaryFile()
@@ -505,6 +510,22 @@ async def _read_or_exit(process: Any, deadline: float | None, tick: Any = None) 
             return data
         if process.returncode is not None:
             return None
+
+
+async def _wait_exit(process: Any, deadline: float | None, tick: Any) -> None:
+    """Wait for the program to exit once its stdout is closed, ``tick()`` at every poll (the
+    stderr file's bound: a program may log on there after closing stdout). TimeoutError once
+    ``deadline`` has passed."""
+    while process.returncode is None:
+        tick()
+        wait = EXIT_POLL_S
+        if deadline is not None:
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise TimeoutError
+            wait = min(wait, left)
+        with anyio.move_on_after(wait):
+            await process.wait()
 
 
 async def _end_run(process: Any, grace: float, stdout_closed: bool, reaper: "_GroupReaper | None") -> None:

@@ -132,16 +132,18 @@ _WHY_MAX: dict[str, str] = {
 #: (snake_case, as llama-cpp-python names them; given in camelCase or snake_case): each one's
 #: kind and range. llama-cpp-python checks none of them: a string temperature failed the call
 #: with Python's own message, a 64-bit seed was silently cut to 32 bits, a ``logitBias`` token
-#: id out of range printed tracebacks and a negative one biased another token. Other keys are
-#: not llama parameters and are left out of the call.
+#: id out of range printed tracebacks and a negative one biased another token. The ranges are
+#: what llama.cpp can take, no narrower: its own "off" and "random" values (``seed`` -1, ``topK``
+#: 0 or less, ``topP`` above 1, a negative ``temperature``) are accepted. Other keys are not
+#: llama parameters and are left out of the call.
 LOCAL_OPTIONS: dict[str, tuple[str, int | float | None, int | float | None]] = {
-    "temperature": ("number", 0, None),
+    "temperature": ("number", None, None),  # 0: greedy; below 0: sampled without temperature
     "max_tokens": ("integer", None, 2**31 - 1),  # 0 or less: until the context is full
-    "top_p": ("number", 0, 1),
-    "top_k": ("integer", 0, 2**31 - 1),  # 0: every token
+    "top_p": ("number", 0, None),  # 1 or more: off
+    "top_k": ("integer", -(2**31), 2**31 - 1),  # 0 or less: every token
     "min_p": ("number", 0, 1),
-    "typical_p": ("number", 0, 1),
-    "seed": ("integer", 0, 2**32 - 1),
+    "typical_p": ("number", 0, None),  # 1 or more: off
+    "seed": ("integer", -1, 2**32 - 1),  # -1: random (llama.cpp's LLAMA_DEFAULT_SEED, 2^32-1)
     "stop": ("stop", None, None),
     "repeat_penalty": ("positive number", None, None),
     "presence_penalty": ("number", None, None),
@@ -160,8 +162,10 @@ _WHY_OPTION_MAX: dict[str, str] = {
 }
 
 
-def _snake(key: str) -> str:
-    """``maxTokens`` → ``max_tokens`` (as ``_common.snake``, without importing it)."""
+def snake(key: str) -> str:
+    """``maxTokens`` → ``max_tokens`` (wire modelOptions are camelCase or snake_case). Lives here,
+    where the option check needs it without importing the providers' helpers (``_common``
+    imports this module); ``_common`` re-exports it."""
     return "".join("_" + c if "A" <= c <= "Z" and i else c for i, c in enumerate(key)).lower()
 
 
@@ -222,7 +226,7 @@ def local_options_problem(options: Any, where: str) -> str | None:
     if not isinstance(options, dict):
         return None  # (its type is checked as the field's)
     for given, value in options.items():
-        problem = local_option_problem(f"{where}.{given}", _snake(str(given)), value)
+        problem = local_option_problem(f"{where}.{given}", snake(str(given)), value)
         if problem:
             return problem
     return None

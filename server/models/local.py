@@ -269,7 +269,11 @@ def gguf_context_length(path: str) -> int | None:
     its metadata), read from the file's header without loading it (well under a millisecond);
     None when the file is not a GGUF (v2+), is damaged or cut short, or does not say. No read
     goes past the file's end: a length larger than what is left of the file is damage (a key
-    length of 2^40 once asked Python for a terabyte: MemoryError)."""
+    length of 2^40 once asked Python for a terabyte: MemoryError), and so is a count of entries
+    that what is left cannot hold (a metadata entry takes at least 13 bytes: its key's length,
+    its type, a one-byte value; a string at least its 8-byte length): a string array of 2^60
+    entries followed by zeros turned the loop once per 8 bytes of the file, minutes for a model
+    of gigabytes, on the event loop (``context_window``, before the model is loaded)."""
     import struct
 
     try:
@@ -295,7 +299,10 @@ def gguf_context_length(path: str) -> int | None:
             u64()  # tensor count
             arch: bytes | None = None
             lengths: dict[bytes, int] = {}
-            for _ in range(u64()):
+            entries = u64()
+            if entries > (size - f.tell()) // 13:
+                return None
+            for _ in range(entries):
                 key, kind = read(u64()), u32()
                 if kind == 8:
                     value = read(u64())
@@ -304,6 +311,8 @@ def gguf_context_length(path: str) -> int | None:
                 elif kind == 9:
                     item, count = u32(), u64()
                     if item == 8:
+                        if count > (size - f.tell()) // 8:
+                            return None
                         for _ in range(count):
                             f.seek(u64(), 1)
                     elif item in _GGUF_SIZES:
@@ -706,9 +715,10 @@ def _fit_context(counter: Any, messages: list[dict[str, str]], n_ctx: int, reser
     as much of the history as fits is kept. Each message is tokenized at most once, newest first,
     and only until the budget is spent; a prompt whose bytes already fit is not tokenized at all
     (a token is at least one byte). Where the chat template can be rendered, the chosen prompt is
-    then counted exactly (again, one boundary later, only if the estimate was short; a boundary
-    the template cannot render, such as an assistant turn right after the system message for a
-    template that wants roles to alternate, is passed over). Raises ModelError when the system
+    then counted exactly; when it does not fit after all (the estimate was short), or the template
+    cannot render it (such as an assistant turn right after the system message, for a template
+    that wants roles to alternate), each later boundary is tried in turn until one renders and
+    fits (the last, which keeps no history, is taken in any case). Raises ModelError when the system
     message and the instruction alone (or the instruction alone: the first one of a branch) are
     at least ``n_ctx`` tokens; when they fit that but not the budget, they are sent alone and
     llama.cpp shortens the reply."""

@@ -39,14 +39,17 @@ class FrameParser:
 
     ``on_oversize(head: bytes, size: int)`` is called once a too-large body has
     been skipped (``head`` holds its first bytes, to recover the request id).
+
+    ``quiet`` logs nothing: for a parser that looks over a stream another parser
+    reads (and reports on), which may start in the middle of a frame.
     """
 
     __slots__ = ("_buf", "_length", "_need", "_skip", "_skip_head", "_skip_size", "_reported",
-                 "max_bytes", "on_body", "on_oversize")
+                 "max_bytes", "on_body", "on_oversize", "quiet")
 
     def __init__(self, on_body: Callable[[bytes], None],
                  on_oversize: Callable[[bytes, int], None] | None = None,
-                 max_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_bytes: int = 64 * 1024 * 1024, quiet: bool = False) -> None:
         self._buf = bytearray()
         self._length: int | None = None   # Content-Length of the header block being read
         self._need = -1                   # >= 0: reading a body of this many bytes
@@ -57,6 +60,7 @@ class FrameParser:
         self.max_bytes = max_bytes
         self.on_body = on_body
         self.on_oversize = on_oversize
+        self.quiet = quiet
 
     def feed(self, data: bytes) -> None:
         if self._skip:
@@ -78,13 +82,15 @@ class FrameParser:
                 try:
                     self.on_body(body)
                 except Exception:  # a failing handler must not replay or lose the stream
-                    log.exception("error while handling a message")
+                    if not self.quiet:
+                        log.exception("error while handling a message")
                 continue
             nl = buf.find(b"\n", pos)              # a header line
             if nl < 0:
                 if n - pos > _MAX_HEADER_LINE:
                     # a runaway line: keep a tail that may hold a "Content-Length" prefix
-                    log.warning("dropping %d bytes of garbage between frames", n - pos - 32)
+                    if not self.quiet:
+                        log.warning("dropping %d bytes of garbage between frames", n - pos - 32)
                     pos = n - 32
                     self._length = None
                 break
@@ -125,13 +131,13 @@ class FrameParser:
         for found in _CL_ANYWHERE.finditer(line):  # the last "Content-Length:" on the line wins: a
             pass                                   # cut-off header glued to the next one resyncs there
         if found is not None:
-            if found.start() > 0 or line.count(b":") > 1:
+            if (found.start() > 0 or line.count(b":") > 1) and not self.quiet:
                 log.warning("garbage before a header; resynchronising")
             self._set_length(line[found.end():])
             return
         name, sep, _ = line.partition(b":")
         key = name.strip()
-        if not (sep and key and key.replace(b"-", b"").isalnum()):
+        if not (sep and key and key.replace(b"-", b"").isalnum()) and not self.quiet:
             log.warning("malformed header line ignored: %r", line[:80])
         # else: some other header, ignored
 
@@ -141,7 +147,8 @@ class FrameParser:
             if length < 0:
                 raise ValueError
         except ValueError:
-            log.warning("bad Content-Length %r; waiting for the next header", value[:40])
+            if not self.quiet:
+                log.warning("bad Content-Length %r; waiting for the next header", value[:40])
             self._length = None
             return
         self._length = length
@@ -172,7 +179,8 @@ class FrameParser:
             try:
                 self.on_oversize(head, size)
             except Exception:
-                log.exception("error while reporting an oversize message")
+                if not self.quiet:
+                    log.exception("error while reporting an oversize message")
 
 
 def _top_keys(head: bytes) -> tuple[list[tuple[str, int]], bool]:

@@ -4,13 +4,12 @@ client's death; returns the exit code (0 after ``shutdown``, else 1)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
 from ..signals import install_signal_handlers
 from .stdio import Wire, attach_reader, guard_stdio
-from .transport import Connection
+from .transport import Connection, _decoder
 from .watchdog import watch_parent
 
 log = logging.getLogger("operate_sidecar.server.rpc")
@@ -25,7 +24,10 @@ class InputHold:
     up), up to ``HOLD_MAX`` bytes, after which reading stops for real. An ``exit`` among what
     is held, or the end of input, still ends the server (docs/PROTOCOL.md §1-2): what was
     held is then handled first, in order (a ``shutdown`` before the ``exit`` counts), and the
-    process exits within its drain bound. ``resume`` hands the held input on, in order."""
+    process exits within its drain bound. Only what the connection obeys as an exit counts
+    (a notification: ``"jsonrpc": "2.0"``, no ``id``); an ``exit`` request, or one without
+    ``"jsonrpc"``, is held as any request is, and what comes after an exit is held again
+    while the client still reads nothing. ``resume`` hands the held input on, in order."""
 
     HOLD_MAX = 4 << 20
 
@@ -33,7 +35,7 @@ class InputHold:
         self._feed, self._on_eof = feed, on_eof
         self.reader: Any = None
         self.held = bytearray()
-        self._scan: Any = None     # a frame parser over the held bytes: spots an exit
+        self._scan: Any = None     # while paused: a frame parser over the held bytes, spots an exit
         self._exit = False         # an exit frame was among them
         self._stopped = False      # reading stopped for real (HOLD_MAX reached)
 
@@ -44,44 +46,54 @@ class InputHold:
         self.held += data
         self._scan.feed(data)
         if self._exit:
-            self._release()
+            # handed on now; the scan goes on (in step with the frames) over what comes next
+            self._exit = False
+            self._hand_on()
         elif len(self.held) > self.HOLD_MAX and not self._stopped:
             self._stopped = True
+            log.warning("the client sent over %d bytes while not reading the server's output; "
+                        "reading no more input until it does", self.HOLD_MAX)
             self.reader.pause()
 
     def on_eof(self) -> None:
-        if self._scan is not None:
-            self._release()
+        self._scan = None
+        self._hand_on()
         self._on_eof()
 
     def _scanned(self, body: bytes) -> None:
-        if b'"exit"' in body:
-            try:
-                self._exit = self._exit or json.loads(body).get("method") == "exit"
-            except (ValueError, AttributeError, RecursionError):
-                pass
+        if b'"exit"' in body and _obeyed_exit(body):
+            self._exit = True
 
     def pause(self) -> None:
         if self._scan is None:
             from .framing import FrameParser
 
             # it starts wherever the input is: a frame begun before is skipped by the scan (never
-            # by the connection, which is handed every held byte as it came)
-            self._scan = FrameParser(self._scanned, max_bytes=1 << 20)
+            # by the connection, which is handed every held byte as it came), without a word
+            self._scan = FrameParser(self._scanned, max_bytes=1 << 20, quiet=True)
 
     def resume(self) -> None:
-        self._release()
+        self._scan = None
+        self._hand_on()
 
-    def _release(self) -> None:
-        if self._scan is None:
-            return
-        self._scan, self._exit = None, False
+    def _hand_on(self) -> None:
         held, self.held = bytes(self.held), bytearray()
         if held:
             self._feed(held)
         if self._stopped:
             self._stopped = False
             self.reader.resume()
+
+
+def _obeyed_exit(body: bytes) -> bool:
+    """Whether the connection obeys this body as ``exit`` (``Connection._route``): one JSON
+    object, decoded as the connection decodes it, with ``"jsonrpc": "2.0"``, ``"method": "exit"``
+    and no ``id`` (a request named exit is answered -32601; without ``jsonrpc`` it is -32600)."""
+    try:
+        msg = _decoder.decode(body.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return False
+    return type(msg) is dict and msg.get("method") == "exit" and msg.get("jsonrpc") == "2.0" and "id" not in msg
 
 
 async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "0", debug: bool = False,

@@ -474,7 +474,11 @@ class _Holds:
     @staticmethod
     def _without_null(schema: dict[str, Any]) -> dict[str, Any] | None:
         """``schema`` with the null it takes (a type, a part of its ``anyOf``) left out, or None when
-        it takes no null."""
+        it takes no null: also when an ``enum`` without null or a ``const`` other than null beside
+        that type refuses it (the builder's nullable literal takes null, the schema does not)."""
+        if "enum" in schema and (not isinstance(schema["enum"], list) or None not in schema["enum"]) or \
+                "const" in schema and schema["const"] is not None:
+            return None
         types = schema.get("type")
         if isinstance(types, list) and "null" in types:
             left = [t for t in types if t != "null"]

@@ -203,26 +203,33 @@ class _DirLock:
             self.fd = None
 
 
+_collection_lock = threading.Lock()
+_collection_off = [0, False]  # how many ``no_collection`` scopes are open; was the collector on before the first
+
+
 @contextmanager
 def no_collection() -> Iterator[None]:
     """No cyclic garbage collection while a restore makes its objects (millions of them for a
     large store: :meth:`StateStore.load` on its worker thread, then the server's branches built
-    from them on the event loop), and the objects then alive frozen (``gc.freeze``: never walked
-    again by a collection; still freed as usual once nothing refers to them). A collection walks
-    every object the process holds with the interpreter lock taken: while a restore grew the heap
-    one ran every few hundred ms, each longer than the last (0.1 s to 0.3 s at 12,000 branches),
-    and the event loop answered nothing meanwhile, wherever the restore ran. Process-wide: the
-    collections of other threads are put off by that long too, no more. (The young generations
-    are collected first, a quick one: garbage frozen with the rest would stay for good.)"""
-    enabled = gc.isenabled()
-    gc.collect(1)
-    gc.disable()
+    from them on the event loop). A collection walks every object the process holds with the
+    interpreter lock taken: while a restore grew the heap one ran every few hundred ms, each
+    longer than the last (0.1 s to 0.3 s at 12,000 branches), and the event loop answered nothing
+    meanwhile, wherever the restore ran. The collector is only switched off, and back on when the
+    last scope open ends (scopes of two threads may overlap); nothing is frozen, so every object,
+    cycles too, is collected as usual afterwards. Process-wide: the collections of other threads
+    are put off by that long too, no more."""
+    with _collection_lock:
+        if _collection_off[0] == 0:
+            _collection_off[1] = gc.isenabled()
+            gc.disable()
+        _collection_off[0] += 1
     try:
         yield
     finally:
-        gc.freeze()
-        if enabled:
-            gc.enable()
+        with _collection_lock:
+            _collection_off[0] -= 1
+            if _collection_off[0] == 0 and _collection_off[1]:
+                gc.enable()
 
 
 def _is_damage(e: BaseException) -> bool:

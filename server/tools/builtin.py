@@ -44,6 +44,7 @@ can hang it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import errno
 import heapq
@@ -447,40 +448,42 @@ class WorkspaceTools:
         truncated = False
         # bounded work: every directory and file the walk visits counts (max_search_entries),
         # every byte read counts (max_search_bytes); a file over max_search_file_bytes is
-        # skipped by its size, never read
-        for file in self._walk_files(real):
-            visited += 1
-            if (files >= self.max_search_files or scanned >= self.max_search_bytes
-                    or visited > self.max_search_entries):
-                truncated = True
-                break
-            if file is None:  # a directory, or a link that is not followed
-                continue
-            try:  # regular files only (a FIFO would block), opened without following a swapped link
-                src = Path(os.path.realpath(file)) if file.is_symlink() else file  # checked by _walk_files
-                data = self._read_small(src, self.max_search_file_bytes)
-            except (OSError, WorkspacePathError):
-                data = None
-            if data is None:
-                skipped += 1
-                continue
-            files += 1
-            scanned += len(data)
-            if b"\x00" in data[:BINARY_SNIFF]:
-                continue
-            text = data.decode("utf-8", "replace")
-            for number, line in enumerate(split_lines(text), start=1):  # numbered as read_file numbers them
-                line = line.rstrip("\n").removesuffix("\r")
-                if rx.search(line):
-                    if len(matches) >= cap:
-                        truncated = True
-                        break
-                    shown = line.strip()
-                    if len(shown) > self.max_line_chars:
-                        shown = shown[: self.max_line_chars] + "…"
-                    matches.append({"path": self.display(file), "line": number, "text": shown})
-            if truncated:
-                break
+        # skipped by its size, never read. A walk stopped early is closed here: its directory
+        # descriptors (up to _HELD_DIRS + 1) are not left to the garbage collector
+        with contextlib.closing(self._walk_files(real)) as walk:
+            for file in walk:
+                visited += 1
+                if (files >= self.max_search_files or scanned >= self.max_search_bytes
+                        or visited > self.max_search_entries):
+                    truncated = True
+                    break
+                if file is None:  # a directory, or a link that is not followed
+                    continue
+                try:  # regular files only (a FIFO would block), opened without following a swapped link
+                    src = Path(os.path.realpath(file)) if file.is_symlink() else file  # checked by _walk_files
+                    data = self._read_small(src, self.max_search_file_bytes)
+                except (OSError, WorkspacePathError):
+                    data = None
+                if data is None:
+                    skipped += 1
+                    continue
+                files += 1
+                scanned += len(data)
+                if b"\x00" in data[:BINARY_SNIFF]:
+                    continue
+                text = data.decode("utf-8", "replace")
+                for number, line in enumerate(split_lines(text), start=1):  # numbered as read_file numbers them
+                    line = line.rstrip("\n").removesuffix("\r")
+                    if rx.search(line):
+                        if len(matches) >= cap:
+                            truncated = True
+                            break
+                        shown = line.strip()
+                        if len(shown) > self.max_line_chars:
+                            shown = shown[: self.max_line_chars] + "…"
+                        matches.append({"path": self.display(file), "line": number, "text": shown})
+                if truncated:
+                    break
         return {"matches": matches, "truncated": truncated, "filesSearched": files, "filesSkipped": skipped}
 
     def write_file(self, path: str, content: str) -> dict[str, Any]:

@@ -24,10 +24,13 @@ not apply, a path outside the workspace, a write bound to fail: a read-only file
 where a directory is needed, a directory we may not write to, checked by a port that can tell,
 ``check_writable``) is kept as a failure: the call then fails at once with that error, and
 nobody is asked. The write checks again (something can change meanwhile). At most
-``PENDING_LIMIT`` (256) changes wait at once, previewed and not yet run: a preview past it is
-refused the same way (the call fails at once saying too many changes are waiting for review),
-and a kept plan is never dropped for room, since the call, planned again when it runs, would
-write a change nobody saw. A plan goes when its call runs, is forgotten, or its task ends.
+``PENDING_LIMIT`` (256) changes wait at once, previewed and not yet run, holding at most
+``PENDING_CHARS`` (256 Mi) characters of text (old text, new text and diff), in the whole
+process (every ``FileTools``: the service builds new ones when the workspace folders change,
+while the old ones' plans wait on): a preview past either is refused the same way (the call
+fails at once saying too many changes, or too much text, are waiting for review), and a kept
+plan is never dropped for room, since the call, planned again when it runs, would write a
+change nobody saw. A plan goes when its call runs, is forgotten, or its task ends.
 
 **Turns.** Calls that change one file take turns (a lock per real path, for the whole
 process, first come first served), so of two changes made at once (two calls of one reply, or
@@ -65,9 +68,13 @@ __all__ = ["FileAccess", "DiskFiles", "ClientFiles", "FileTools", "PreviewTool",
 
 #: builtin tools that change files (their permission requests carry a diff preview)
 FILE_CHANGING = ("write_file", "edit_file")
-#: the most changes previewed and waiting (for the user's answer, or to run) at once, each
-#: holding a file's old and new text (up to 10 MiB each); a preview past it is refused
+#: the most changes previewed and waiting (for the user's answer, or to run) at once, in the
+#: process; a preview past it is refused
 PENDING_LIMIT = 256
+#: the most text (characters of old text, new text and diff) those changes hold at once, in the
+#: process: each may hold over 20 Mi characters (a 10 MiB file replaced by another), so the
+#: count alone bounds nothing; a preview past it is refused
+PENDING_CHARS = 256 * 1024 * 1024
 
 
 class FileAccess(Protocol):
@@ -191,6 +198,15 @@ class _PathLock:
 _PATH_LOCKS: dict[Path, _PathLock] = {}
 
 
+class _Pending:
+    """The changes previewed and waiting in this process, of every :class:`FileTools` (the
+    service builds a new one when the workspace folders change; the old one's plans still
+    wait): how many (previews being made included) and the text they hold."""
+
+    changes = 0
+    chars = 0
+
+
 class _Turn:
     """One call's turn on one real path, from when it is taken until :meth:`end` (idempotent)."""
 
@@ -268,6 +284,13 @@ class _Plan:
     turn: _Turn | None = None
     #: the task the call runs in (the plan goes when it ends)
     owner: asyncio.Task | None = None
+    #: the text the change holds (counted in ``_Pending.chars`` while the plan is kept)
+    chars: int = 0
+
+
+def _chars(ch: FileChange) -> int:
+    """The text a planned change holds: old text, new text and diff."""
+    return len(ch.old_text or "") + len(ch.new_text) + len(ch.diff)
 
 
 #: a text longer than this is edited and diffed on a worker thread (``off_the_loop``); a
@@ -283,8 +306,6 @@ class FileTools:
         self.files: FileAccess = files if files is not None else DiskFiles(ws)
         self.client = files is not None and not isinstance(files, DiskFiles)
         self._plans: dict[str, _Plan] = {}
-        #: the plans holding a change (and previews being made): at most PENDING_LIMIT
-        self._changes = 0
         #: task -> the call id of its plan (a task's calls come one after another)
         self._owned: dict[asyncio.Task, str] = {}
 
@@ -357,7 +378,7 @@ class FileTools:
         disk's size bound (``WorkspaceTools._read_text``): over 10 MiB it is neither edited nor
         replaced, with the same error (what it held could not be shown to the user)."""
         old = await self.files.read_text(real, ctx)
-        if old is not None and not isinstance(self.files, DiskFiles):
+        if old is not None and self.client:
             self.ws.check_text_size(real, old)
         return old
 
@@ -380,8 +401,9 @@ class FileTools:
         the file as it then is. Calls on other files do not wait.
 
         At most :data:`PENDING_LIMIT` changes are previewed and waiting at once (a call waiting
-        for its turn is not one yet): past that a preview is refused (the call fails at once,
-        nobody is asked, nothing is written). A plan is never dropped
+        for its turn is not one yet), holding at most :data:`PENDING_CHARS` characters of text,
+        counted over every ``FileTools`` of the process: past either a preview is refused (the
+        call fails at once, nobody is asked, nothing is written). A plan is never dropped
         to make room: a call whose plan were gone would be planned again when it runs, and
         write a change the user never saw."""
         turn: _Turn | None = None
@@ -390,22 +412,29 @@ class FileTools:
             self._drop_earlier(ctx.call_id)
             real = self.ws.resolve_file(arguments.get("path"))  # confined before anything is read or asked
             turn = await _take_turn(real)
-            if self._changes >= PENDING_LIMIT:
+            if _Pending.changes >= PENDING_LIMIT:
                 raise ToolCallError(f"too many changes are waiting for review ({PENDING_LIMIT} at once); "
                                     "this one was not put to the user and nothing was written: "
                                     "make it again once those are decided")
-            self._changes += 1  # counted from now: a preview being made holds text too
+            _Pending.changes += 1  # counted from now: a preview being made holds text too
             counted = True
             real, ch = await self.plan(name, arguments, ctx, real)
+            size = _chars(ch)
+            if _Pending.chars + size > PENDING_CHARS:  # (no await from here until it is counted)
+                raise ToolCallError(f"too much text is waiting for review (this change holds {size} characters, "
+                                    f"those waiting {_Pending.chars}; at most {PENDING_CHARS} at once); "
+                                    "this one was not put to the user and nothing was written: "
+                                    "make it again once those are decided")
         except BaseException as e:
             if turn is not None:
                 turn.end()
             if counted:
-                self._changes -= 1
+                _Pending.changes -= 1
             if isinstance(e, Exception):  # any failure: the call must fail with it, never run unplanned
                 self._keep(ctx.call_id, _Plan(Path("."), None, str(e) or type(e).__name__))
             raise
-        plan = _Plan(real, ch, turn=turn)
+        plan = _Plan(real, ch, turn=turn, chars=size)
+        _Pending.chars += size
         self._keep(ctx.call_id, plan)  # its count is the one taken above
         turn.hold(lambda: self._drop(ctx.call_id, plan))
         return ch.preview(str(real))
@@ -414,20 +443,21 @@ class FileTools:
         """Keep ``plan`` for ``call_id`` until the call runs, is forgotten, or its task ends
         (or goes on to another call): a call whose plan was dropped is one that will never run,
         so a plan, even a failure, is never dropped for room (the memory is bounded by
-        :data:`PENDING_LIMIT` changes and one failure per task)."""
+        :data:`PENDING_LIMIT` changes, :data:`PENDING_CHARS` characters, and one failure per
+        task). Its caller, :meth:`preview`, has dropped the plan an earlier call of this task
+        left (``_drop_earlier``)."""
         self._drop(call_id)
         owner = asyncio.current_task()
         if owner is not None:
-            self._drop_earlier(call_id, owner)
             plan.owner = owner
             self._owned[owner] = call_id
             owner.add_done_callback(self._owner_done)
         self._plans[call_id] = plan
 
-    def _drop_earlier(self, call_id: str, owner: asyncio.Task | None = None) -> None:
+    def _drop_earlier(self, call_id: str) -> None:
         """Drop the plan an earlier call of this task left (its calls come one after another:
         that one will never run; it was vetoed after it was allowed)."""
-        owner = owner or asyncio.current_task()
+        owner = asyncio.current_task()
         earlier = self._owned.get(owner) if owner is not None else None
         if earlier is not None and earlier != call_id:
             self._drop(earlier)
@@ -448,7 +478,8 @@ class FileTools:
             plan.owner.remove_done_callback(self._owner_done)
             plan.owner = None
         if plan.change is not None:
-            self._changes -= 1
+            _Pending.changes -= 1
+            _Pending.chars -= plan.chars
         return plan
 
     def _drop(self, call_id: str, plan: _Plan | None = None) -> None:

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import struct
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -208,6 +209,34 @@ async def test_a_damaged_gguf_header_is_a_clean_load_failure(tmp_path):
         await model.invoke(ask("hi", max_tokens=2))
 
 
+@pytest.mark.parametrize("header", [
+    # one metadata entry: a string array claiming 2^60 strings
+    struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2**60),
+    # 2^60 metadata entries
+    struct.pack("<IQQ", 3, 0, 2**60),
+], ids=["string-array", "entries"])
+def test_a_count_the_file_cannot_hold_is_damage_not_a_loop_over_the_whole_file(tmp_path, header):
+    """A GGUF header whose count of strings (or of metadata entries) is far more than the file
+    could hold, followed by zeros: reading the training context turned its loop once per 8 bytes
+    of the file (each zero length a string), minutes for a model of gigabytes, and
+    ``context_window`` does it on the event loop (``Service.context_size``) before the model is
+    loaded. The count is damage now. An 8 GiB sparse file, in a child process that is killed if
+    it does not answer in time."""
+    path = tmp_path / "hugecount.gguf"
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + header)
+        f.truncate(8 * 2**30)  # sparse: no disk space taken
+    code = ("import sys\n"
+            "from operate_sidecar.server.models import make_model\n"
+            "from operate_sidecar.server.models.local import gguf_context_length\n"
+            "print(gguf_context_length(sys.argv[1]))\n"
+            "print(make_model({'provider': 'local', 'path': sys.argv[1], 'nCtx': 4096}, name='m').context_window)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
+                          cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "4096"]
+
+
 async def test_a_path_that_is_a_directory_is_said_to_be_one(tmp_path):
     from operate_sidecar.server.models.config import local_model_problem
 
@@ -223,8 +252,11 @@ async def test_a_path_that_is_a_directory_is_said_to_be_one(tmp_path):
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"temperature": "hot"}, "options.temperature must be a number, not a string"),
-    ({"topP": 2}, "options.topP must be at most 1, not 2"),
+    ({"topP": -0.5}, "options.topP must be at least 0, not -0.5"),
+    ({"temperature": float("nan")}, "options.temperature must be a finite number, not nan"),
     ({"seed": 2**40}, "options.seed must be at most 4294967295"),
+    ({"seed": -2}, "options.seed must be at least -1, not -2"),
+    ({"topK": 2**31}, "options.topK must be at most 2147483647"),
     ({"stop": 5}, "options.stop must be a string or a list of strings, not an integer"),
     ({"stop": ["a", 1]}, r"options.stop\[1\] must be a string, not an integer"),
     ({"max_tokens": 1.5}, "options.max_tokens must be an integer, not a number"),
@@ -249,7 +281,7 @@ async def test_model_options_of_the_wrong_type_or_range_are_refused_before_the_c
     cases = [({"temperature": "hot"}, "modelOptions.temperature must be a number, not a string"),
              ({"stop": 5}, "modelOptions.stop must be a string or a list of strings"),
              ({"seed": "x"}, "modelOptions.seed must be an integer, not a string"),
-             ({"top_k": -1}, "modelOptions.top_k must be at least 0"),
+             ({"top_k": -2**31 - 1}, "modelOptions.top_k must be at least -2147483648"),
              ({"logitBias": [1, 2]}, "modelOptions.logitBias must be an object of token ids to numbers, not a list"),
              ({"logitBias": {"-3": 5}}, "a token id must be a non-negative integer"),
              ({"logitBias": {"99999999": 5}}, r"token id 99999999 is not in the model's vocabulary \(0 to 49151\)")]
@@ -264,6 +296,28 @@ async def test_model_options_of_the_wrong_type_or_range_are_refused_before_the_c
     with anyio.fail_after(120):
         response = await local.invoke(ask("Say hi.", max_tokens=2, logitBias={str(token): 100}))
     assert response.text.lstrip().startswith(piece), (piece, response.text)
+
+
+#: llama.cpp's own "random" and "off" values: seed -1 (LLAMA_DEFAULT_SEED once made a uint32),
+#: topK 0 or less, topP and typicalP above 1, a negative temperature (sampled without one)
+LLAMA_SPECIAL_VALUES = {"seed": -1, "topK": -1, "temperature": -1, "topP": 2, "typicalP": 1.5}
+
+
+def test_llama_cpps_own_off_and_random_values_are_accepted_in_a_config():
+    """``seed: -1`` and ``topK: -1`` (llama.cpp's usual "random" and "off") were refused at
+    start, as were a negative temperature and topP/typicalP above 1, which llama.cpp takes."""
+    from operate_sidecar.server.rpc import settings as S
+
+    make_model({"provider": "local", "options": LLAMA_SPECIAL_VALUES}, name="m")
+    S.finalize(S.merge(S.DEFAULTS, {"models": {"m": {"provider": "local", "options": LLAMA_SPECIAL_VALUES}}}))
+
+
+async def test_llama_cpps_own_off_and_random_values_run_as_model_options(local):
+    """The same values as an operate's ``modelOptions`` reach llama.cpp, which samples with them."""
+    with anyio.fail_after(120):
+        response = await local.invoke(ModelRequest(messages=[{"role": "user", "content": "Say hi."}],
+                                                   options={"max_tokens": 2, **LLAMA_SPECIAL_VALUES}))
+    assert response.usage["prompt_tokens"] > 0 and response.usage["completion_tokens"] <= 2, response.usage
 
 
 def test_model_options_of_the_wrong_type_are_minus_32602_over_the_wire(tmp_path):

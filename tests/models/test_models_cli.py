@@ -124,17 +124,24 @@ async def test_failing_command_is_a_model_error_with_the_stderr_tail(tmp_path):
     assert "status 3" in str(info.value) and "boom: the agent could not authenticate" in str(info.value)
 
 
-async def test_a_program_logging_on_and_on_keeps_its_stderr_file_bounded_and_its_tail(tmp_path):
-    """A program writing 30 MiB to stderr (a debug log) holds no more than about
-    ``STDERR_KEEP_BYTES`` of /tmp (it may be memory): the file is emptied past that bound, its
-    last bytes kept, so the failure still quotes the program's last line. The program measures
-    its own stderr file, waiting (bounded) for it to be trimmed once it passes the bound."""
+#: the stderr file's bound in the tests that pass it (the model runs in the test process): a
+#: quarter MiB, so a few MiB of log pass it many times over
+SMALL_KEEP = 256 * 1024
+
+
+async def test_a_program_logging_on_and_on_keeps_its_stderr_file_bounded_and_its_tail(tmp_path, monkeypatch):
+    """A program writing a long debug log to stderr (here 15 times the bound, made smaller for
+    the test) holds no more than about ``STDERR_KEEP_BYTES`` of /tmp (it may be memory): the file
+    is emptied past that bound, its last bytes kept, so the failure still quotes the program's
+    last line. The program measures its own stderr file, waiting (bounded) for it to be trimmed
+    once it passes the bound."""
+    monkeypatch.setattr(cli_module, "STDERR_KEEP_BYTES", SMALL_KEEP)
     body = """
     import os, sys, time
     KEEP = %d
     largest = 0
     for i in range(30):
-        os.write(2, (b"log line %%d " %% i + b"x" * 1000 + b"\\n") * 1024)
+        os.write(2, (b"log line %%d " %% i + b"x" * 1000 + b"\\n") * 128)
         print('{"type": "text", "text": "."}', flush=True)
         end = time.time() + 5
         while os.fstat(2).st_size > KEEP + (2 << 20) and time.time() < end:
@@ -151,6 +158,77 @@ async def test_a_program_logging_on_and_on_keeps_its_stderr_file_bounded_and_its
     assert "status 1" in text and "boom: the largest stderr file was" in text, text
     largest = int(text.split("the largest stderr file was ")[1].split()[0])
     assert largest <= cli_module.STDERR_KEEP_BYTES + (2 << 20), largest
+
+
+async def test_a_program_logging_on_after_closing_its_stdout_keeps_its_stderr_file_bounded(tmp_path, monkeypatch):
+    """A program that closes its stdout and logs on to stderr until it exits: the run waits for
+    it with its stderr file still kept under the bound (no ``timeoutS`` bounds that wait). The
+    program measures its own stderr file, as above."""
+    monkeypatch.setattr(cli_module, "STDERR_KEEP_BYTES", SMALL_KEEP)
+    chunk = 64 * 1024
+    body = """
+    import os, sys, time
+    KEEP, CHUNK = %d, %d
+    print('{"type": "text", "text": "done"}', flush=True)
+    os.close(1)
+    largest = 0
+    patience = time.time() + 20  # in all: without the bound, the log grows past it
+    for i in range(32):  # 2 MiB, 8 times the bound
+        os.write(2, (b"log line %%d " %% i).ljust(1023, b"x") * (CHUNK // 1024) + b"\\n")
+        while os.fstat(2).st_size > KEEP + 2 * CHUNK and time.time() < patience:
+            time.sleep(0.01)
+        largest = max(largest, os.fstat(2).st_size)
+    os.write(2, b"boom: the largest stderr file was %%d bytes\\n" %% largest)
+    sys.exit(1)
+    """ % (SMALL_KEEP, chunk)
+    model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "quiet.py", body)]},
+                       name="closer")
+    with anyio.fail_after(60), pytest.raises(ModelError) as info:
+        await model.invoke(REQUEST)
+    text = str(info.value)
+    assert "status 1" in text and "boom: the largest stderr file was" in text, text
+    largest = int(text.split("the largest stderr file was ")[1].split()[0])
+    assert largest <= SMALL_KEEP + 2 * chunk, largest
+
+
+async def test_a_child_logging_on_while_its_output_is_drained_keeps_the_stderr_file_bounded(tmp_path, monkeypatch):
+    """The program exits, a child it left running holds its stdout and logs on to stderr while
+    what it writes is drained (``DRAIN_MAX_S`` and ``DRAIN_IDLE_S`` made long here, so the
+    child's whole log passes within them): the stderr file stays under the bound then too. The child waits until the run
+    is draining (the program reaped, then silent for several ``EXIT_POLL_S``), then after every
+    piece of log prints a line, and reports the largest size its stderr file had."""
+    monkeypatch.setattr(cli_module, "STDERR_KEEP_BYTES", SMALL_KEEP)
+    monkeypatch.setattr(cli_module, "DRAIN_MAX_S", 60.0)
+    monkeypatch.setattr(cli_module, "DRAIN_IDLE_S", 30.0)
+    chunk = 64 * 1024
+    child = script(tmp_path, "child.py", """
+    import json, os, sys, time
+    KEEP, CHUNK, parent = %d, %d, int(sys.argv[1])
+    end = time.time() + 20
+    while os.path.exists("/proc/%%d" %% parent) and time.time() < end:  # until the program is reaped
+        time.sleep(0.01)
+    time.sleep(5 * %r)  # silent: the run finds the program gone with its stdout still open
+    largest = 0
+    patience = time.time() + 10  # in all: without the bound, the log grows past it
+    for i in range(32):  # 2 MiB, 8 times the bound
+        os.write(2, (b"log line %%d " %% i).ljust(1023, b"x") * (CHUNK // 1024) + b"\\n")
+        print(json.dumps({"type": "text", "text": "."}), flush=True)
+        while os.fstat(2).st_size > KEEP + CHUNK and time.time() < patience:
+            time.sleep(0.01)
+        largest = max(largest, os.fstat(2).st_size)
+    print(json.dumps({"type": "text", "text": " largest=%%d" %% largest}), flush=True)
+    """ % (SMALL_KEEP, chunk, cli_module.EXIT_POLL_S))
+    body = f"""
+    import os, subprocess
+    subprocess.Popen([{PY!r}, {child!r}, str(os.getpid())])
+    """
+    model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "leave.py", body)]},
+                       name="leaver")
+    with anyio.fail_after(60):
+        response = await model.invoke(REQUEST)
+    assert "largest=" in response.text, response.text
+    largest = int(response.text.split("largest=")[1].split()[0])
+    assert largest <= SMALL_KEEP + chunk, largest
 
 
 async def test_missing_executable_is_a_model_error():

@@ -40,9 +40,11 @@ def test_operates_on_one_branch_run_in_arrival_order_whatever_their_parameters_c
 def test_operates_waiting_for_a_slot_get_it_in_arrival_order(sidecar):
     """One slot, held by a slow operate; A (a format to build, on branch 2) arrives before B (a
     format already built, on branch 3): A takes the slot first, so the model's first reply
-    after the slow one is A's."""
+    after the slow one is A's. (A's format is built in milliseconds: the slow reply's 5 s
+    leave it waiting for the slot well before the slot frees, as the rule needs: an operate
+    still reading its parameters when a slot frees does not hold it.)"""
     seen = {"title": "Seen", "type": "object", "properties": {"q": {"type": "string"}}}
-    sidecar.init(models={"s": scripted({"json": {"q": "warm"}}, {"text": "slow", "delayMs": 1500},
+    sidecar.init(models={"s": scripted({"json": {"q": "warm"}}, {"text": "slow", "delayMs": 5000},
                                        {"json": {"q": "first"}}, {"json": {"q": "second"}})},
                  maxConcurrentOperates=1)
     b1, b2, b3 = (sidecar.branch() for _ in range(3))

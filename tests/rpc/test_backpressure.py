@@ -138,3 +138,90 @@ def test_a_client_that_stops_reading_can_still_end_the_server_with_exit_or_end_o
             proc.kill()
             proc.wait(TIMEOUT)
         proc.stdout.close()
+
+
+@pytest.mark.parametrize("exit_like, answer", [
+    ({"jsonrpc": "2.0", "id": "x", "method": "exit"}, ("x", -32601)),  # a request: "method not found"
+    ({"method": "exit"}, (None, -32600)),                              # no "jsonrpc": "2.0"
+], ids=["request", "no-jsonrpc"])
+def test_an_exit_the_server_does_not_obey_does_not_release_the_input_held_from_a_client_that_reads_nothing(
+        tmp_path, exit_like, answer):
+    """A body named ``exit`` that the server answers instead of obeying (a request, or one
+    without ``"jsonrpc": "2.0"``) is held as any request is: the requests after it are held
+    too, and once more than the hold's 4 MiB wait, input is no longer read (before, it released
+    the hold for good: every later request was taken and answered into a buffer that grew
+    without bound). Once the client reads, every request is answered, in order."""
+    err = tmp_path / "stderr.txt"
+    proc = subprocess.Popen(SERVER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(err, "wb"),
+                            env=server_env(), cwd=str(ROOT))
+    # enough pings for answers over the 8 MiB high-water mark; what is left (under 2 MiB) is held
+    first, more = 160_000, 80_000  # then over 5 MiB more: past the hold's 4 MiB
+
+    def pings(start: int, stop: int) -> bytes:
+        return b"".join(_frame({"jsonrpc": "2.0", "id": i, "method": "ping"}) for i in range(start, stop))
+
+    later = _frame(exit_like) + pings(first + 1, first + more + 1)
+
+    def write(blob: bytes) -> None:
+        try:
+            proc.stdin.write(blob)
+            proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
+
+    try:
+        writer = threading.Thread(target=write, daemon=True, args=(
+            _frame({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}) + pings(1, first + 1),))
+        writer.start()
+        assert _stderr_has(err, "not reading the server's output", proc), err.read_text()
+        writer.join(TIMEOUT)
+        assert not writer.is_alive()  # all of it read: answered or held
+        writer = threading.Thread(target=write, daemon=True, args=(later,))
+        writer.start()
+        assert _stderr_has(err, "reading no more input until it does", proc), err.read_text()[-2000:]
+        # the client reads again: every answer arrives, the pings' in order
+        answers = [_read_frame(proc.stdout) for _ in range(first + more + 2)]
+        assert answers[0]["id"] == 0 and "result" in answers[0]
+        others = [(a["id"], a["error"]["code"]) for a in answers[1:] if "error" in a]
+        assert others == [answer], others
+        assert [a["id"] for a in answers[1:] if "result" in a] == list(range(1, first + more + 1))
+        writer.join(TIMEOUT)
+        assert not writer.is_alive()
+        proc.stdin.write(_frame({"jsonrpc": "2.0", "id": "end", "method": "shutdown"})
+                         + _frame({"jsonrpc": "2.0", "method": "exit"}))
+        proc.stdin.flush()
+        assert _read_frame(proc.stdout) == {"jsonrpc": "2.0", "id": "end", "result": None}
+        assert proc.wait(TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        proc.stdout.close()
+
+
+def test_input_held_from_the_middle_of_a_frame_is_handed_on_whole_and_its_scan_logs_nothing(caplog):
+    """The client stops reading while one of its frames is half read: the hold's scan starts in
+    the middle of it, drops what it cannot use without a warning (the connection, which is
+    handed every byte, is the one that reports on the stream), and finds its way to the next
+    frame."""
+    from operate_sidecar.server.rpc.run import InputHold
+
+    fed: list[bytes] = []
+    ended: list[bool] = []
+    hold = InputHold(fed.append, lambda: ended.append(True))
+    pretty = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping"}, indent=1).encode()  # lines in the body
+    stream = (b"Content-Length: %d\r\n\r\n" % len(pretty) + pretty
+              + b"".join(_frame({"jsonrpc": "2.0", "id": i, "method": "ping"}) for i in (2, 3))
+              + _frame({"jsonrpc": "2.0", "method": "exit"}) + _frame({"jsonrpc": "2.0", "id": 4, "method": "ping"}))
+    cut = stream.index(b'"jsonrpc"')  # in the first body, before its lines
+    caplog.set_level("DEBUG")
+    hold.on_data(stream[:cut])
+    hold.pause()
+    rest = stream[cut:]
+    exit_at = rest.index(b'"method": "exit"')
+    hold.on_data(rest[:exit_at])
+    assert b"".join(fed) == stream[:cut]  # held
+    hold.on_data(rest[exit_at:])
+    assert b"".join(fed) == stream  # the exit was found: everything is handed on
+    assert not ended
+    assert [r.getMessage() for r in caplog.records if r.name.endswith(".framing")] == []

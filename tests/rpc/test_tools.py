@@ -395,10 +395,11 @@ def test_a_tool_policy_entry_naming_no_tool_is_told_with_the_closest_name(sideca
     sidecar.request("listTools", {}, timeout=TIMEOUT)
     said = [m["message"] for m in sidecar.of("window/logMessage") if "toolPolicy" in m["message"]]
     assert said == [
-        "settings.toolPolicy names 'echo_tol', which is not a tool of this server (did you mean 'echo_tool'?): "
-        "the entry decides nothing until a tool of that name is offered (a tool is named as listTools lists it)",
-        "settings.toolPolicy names 'qqq', which is not a tool of this server: the entry decides nothing until "
-        "a tool of that name is offered (a tool is named as listTools lists it)"], said
+        "settings.toolPolicy names 'echo_tol', which none of the configured tool sources offers (did you mean "
+        "'echo_tool'?): the entry decides nothing until a tool of that name is offered (a tool is named as "
+        "listTools lists it)",
+        "settings.toolPolicy names 'qqq', which none of the configured tool sources offers: the entry decides "
+        "nothing until a tool of that name is offered (a tool is named as listTools lists it)"], said
     assert wait_log(sidecar, said[0]), sidecar.stderr_text()
     sidecar.request("listTools", {}, timeout=TIMEOUT)  # told once
     assert len([m for m in sidecar.of("window/logMessage") if "toolPolicy" in m["message"]]) == 2

@@ -594,3 +594,60 @@ def test_jsonl_records_repeating_a_message_id_import_it_once(tmp_path):
                                   _msg(1, 0), _msg(1, 0), _msg(2, 0)])
     [lb] = StateStore(str(tmp_path)).load()
     assert [m.id for m in lb.messages] == ["m1", "m2"]
+
+
+def test_load_turns_the_collector_off_meanwhile_and_freezes_nothing(tmp_path):
+    """``load`` only turns cyclic garbage collection off while it reads, and back on: it froze
+    everything alive when it ended (``gc.freeze``, process-wide and for good), so garbage cycles
+    of the oldest generation then were never freed, and each load froze more."""
+    import gc
+    import weakref
+
+    s = StateStore(str(tmp_path))
+    _branch(s, 2)
+    s.flush()
+
+    class Cycle:
+        me: object = None
+
+    c = Cycle()
+    c.me = c
+    gone = weakref.ref(c)
+    gc.collect()  # it survives into the oldest generation ...
+    del c  # ... where only a full collection frees it
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
+    try:
+        for _ in range(2):
+            assert len(s.load()) == 1
+        assert gc.isenabled() == enabled
+        assert gc.get_freeze_count() == frozen
+        gc.collect()
+        assert gone() is None, "a garbage cycle was frozen by the load"
+    finally:
+        if gc.get_freeze_count() != frozen:
+            gc.unfreeze()
+        s.close()
+
+
+def test_no_collection_turns_the_collector_back_on_when_the_last_open_scope_ends():
+    """A restore keeps the collector off from its read (entered on a worker thread) to its last
+    branch built (left on the event loop): scopes overlap without nesting (``load``'s own, a
+    second restore's), and the collector comes back on when the last one ends, not the first."""
+    import gc
+
+    from operate_sidecar.server.state import no_collection
+
+    if not gc.isenabled():
+        pytest.skip("the collector is off in this process")
+    first, second = no_collection(), no_collection()
+    first.__enter__()
+    try:
+        second.__enter__()
+        try:
+            first.__exit__(None, None, None)
+            assert not gc.isenabled(), "the first scope to end turned the collector on under the other"
+        finally:
+            second.__exit__(None, None, None)
+        assert gc.isenabled()
+    finally:
+        gc.enable()

@@ -1,6 +1,6 @@
 """The file-changing tools at their limits, through the real server over real pipes with the
-scripted model (and the real tools on a real disk): more previews waiting than are kept, a
-client buffer over the size bound, long file names, paths that cannot name a file, and a reply
+scripted model (and the real tools on a real disk): more previews waiting than are kept, or
+holding more text than is kept (counted over every set of tools of the process), a client buffer over the size bound, long file names, paths that cannot name a file, and a reply
 carrying the largest new text a write may hold."""
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from rpc.support import TIMEOUT  # tests/ is on sys.path
 
 from operate_sidecar.server.core.tools import ToolCallContext
 from operate_sidecar.server.tools import ToolCallError, WorkspaceTools, safe_fs
+from operate_sidecar.server.tools import file_tools as file_tools_module
 from operate_sidecar.server.tools.file_tools import PENDING_LIMIT
 
 MAX_WRITE = 10 * 1024 * 1024
 PERM = {"toolPermission": True}
 TOO_MANY = "too many changes are waiting for review"
+TOO_MUCH = "too much text is waiting for review"
 
 
 def call(function: str, **arguments) -> dict:
@@ -156,7 +158,113 @@ async def test_a_failed_preview_keeps_its_error_however_many_previews_follow(tmp
     assert TOO_MANY in refused[0] and "nothing was written" in refused[0]
     await anyio.sleep(0)  # the ended tasks' callbacks
     file_tools = t.forget.__self__  # every call ran, was denied, or its task ended: nothing is kept
-    assert file_tools._plans == {} and file_tools._owned == {} and file_tools._changes == 0
+    assert file_tools._plans == {} and file_tools._owned == {} and file_tools_module._Pending.changes == 0
+
+
+EDIT = [{"oldText": "x = 1", "newText": "x = 2"}]
+
+
+def edit_tool(folder: Path):
+    """The edit_file tool of a new set of workspace tools, as the service builds one."""
+    return {t.name: t for t in WorkspaceTools([folder]).tools()}["edit_file"]
+
+
+def preview_size(preview: dict) -> int:
+    return len(preview["oldText"] or "") + len(preview["newText"]) + len(preview["diff"])
+
+
+async def hold_previews(tg, previews: list[tuple]) -> tuple[list[dict], anyio.Event]:
+    """Preview each ``(tool, path)`` in its own task (as a reply's calls run), held undecided until
+    the event returned is set, then denied; returns once all are previewed, with the previews."""
+    shown: list[dict] = []
+    done, decided = anyio.Event(), anyio.Event()
+
+    async def one(tool, path: str, call_id: str) -> None:
+        c = ToolCallContext("b1", call_id)
+        shown.append(await tool.preview({"path": path, "edits": EDIT}, c))
+        if len(shown) == len(previews):
+            done.set()
+        await decided.wait()
+        tool.forget(call_id)
+
+    for i, (tool, path) in enumerate(previews):
+        tg.start_soon(one, tool, path, f"held{i}")
+    await done.wait()
+    return shown, decided
+
+
+def assert_nothing_waits(*tools) -> None:
+    for t in tools:
+        ft = t.forget.__self__
+        assert ft._plans == {} and ft._owned == {}
+    assert file_tools_module._Pending.changes == 0 and file_tools_module._Pending.chars == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_previews_waiting_are_bounded_by_the_text_they_hold(tmp_path, monkeypatch, anyio_backend):
+    """Each waiting plan holds the file's old text, its new text and the diff (up to 10 MiB each):
+    256 of them could hold gigabytes. Past PENDING_CHARS characters of text waiting (made small
+    here) a preview is refused as one past the count is: nobody is asked, the call fails with that
+    error, nothing is written; once the others are decided, the change is previewed again."""
+    pad = "# " + "p" * 400 + "\n"
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text(pad + "x = 1\n")
+    t = edit_tool(tmp_path)
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            shown, decided = await hold_previews(tg, [(t, "a.txt"), (t, "b.txt")])
+            size = preview_size(shown[0])
+            assert file_tools_module._Pending.chars == 2 * size
+            monkeypatch.setattr(file_tools_module, "PENDING_CHARS", 2 * size + size // 2)
+            ctx = ToolCallContext("b1", "late")
+            with pytest.raises(ToolCallError, match=TOO_MUCH) as refused:
+                await t.preview({"path": "c.txt", "edits": EDIT}, ctx)
+            assert "nothing was written" in str(refused.value), refused.value
+            assert f"this change holds {size} characters" in str(refused.value), refused.value
+            with pytest.raises(ToolCallError, match=TOO_MUCH):  # the call fails with it, unplanned never
+                await t.call({"path": "c.txt", "edits": EDIT}, ctx)
+            decided.set()
+        assert (tmp_path / "c.txt").read_text() == pad + "x = 1\n"
+        assert_nothing_waits(t)
+        preview = await t.preview({"path": "c.txt", "edits": EDIT}, ToolCallContext("b1", "again"))
+        assert preview_size(preview) == size
+        await t.call({"path": "c.txt", "edits": EDIT}, ToolCallContext("b1", "again"))
+    assert (tmp_path / "c.txt").read_text() == pad + "x = 2\n"
+    assert_nothing_waits(t)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("bound", ["count", "text"])
+async def test_previews_waiting_are_counted_over_every_set_of_tools(tmp_path, monkeypatch, anyio_backend, bound):
+    """The service builds new workspace tools when the workspace folders change (an ACP session
+    with another cwd) while the old tools' previews still wait: the new tools started counting
+    from 0, so the bounds held per set of tools, not for the process. Two sets of tools (bounds
+    made small, room for two changes): two previews wait on the first, and a preview on the
+    second is refused."""
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in (tmp_path / "a.txt", tmp_path / "b.txt", other / "c.txt"):
+        f.write_text("x = 1\n")
+    first, second = edit_tool(tmp_path), edit_tool(other)
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            if bound == "count":
+                monkeypatch.setattr(file_tools_module, "PENDING_LIMIT", 2)
+            shown, decided = await hold_previews(tg, [(first, "a.txt"), (first, "b.txt")])
+            if bound == "text":
+                monkeypatch.setattr(file_tools_module, "PENDING_CHARS", 2 * preview_size(shown[0]) + 1)
+            with pytest.raises(ToolCallError, match=TOO_MANY if bound == "count" else TOO_MUCH) as refused:
+                await second.preview({"path": "c.txt", "edits": EDIT}, ToolCallContext("b2", "c"))
+            assert "nothing was written" in str(refused.value), refused.value
+            second.forget("c")
+            decided.set()
+        assert_nothing_waits(first, second)
+        await second.preview({"path": "c.txt", "edits": EDIT}, ToolCallContext("b2", "c"))  # room again
+        await second.call({"path": "c.txt", "edits": EDIT}, ToolCallContext("b2", "c"))
+    assert (other / "c.txt").read_text() == "x = 2\n" and (tmp_path / "a.txt").read_text() == "x = 1\n"
+    assert_nothing_waits(first, second)
 
 
 # ----------------------------------------------------------------- the client's text over the bound
