@@ -499,13 +499,7 @@ async def _read_or_exit(process: Any, deadline: float | None, tick: Any = None) 
     while True:
         if tick is not None:
             tick()
-        wait = EXIT_POLL_S
-        if deadline is not None:
-            left = deadline - anyio.current_time()
-            if left <= 0:
-                raise TimeoutError
-            wait = min(wait, left)
-        data = await _receive_within(process.stdout, wait)
+        data = await _receive_within(process.stdout, _poll_wait(deadline))
         if data is not None:
             return data
         if process.returncode is not None:
@@ -518,14 +512,19 @@ async def _wait_exit(process: Any, deadline: float | None, tick: Any) -> None:
     ``deadline`` has passed."""
     while process.returncode is None:
         tick()
-        wait = EXIT_POLL_S
-        if deadline is not None:
-            left = deadline - anyio.current_time()
-            if left <= 0:
-                raise TimeoutError
-            wait = min(wait, left)
-        with anyio.move_on_after(wait):
+        with anyio.move_on_after(_poll_wait(deadline)):
             await process.wait()
+
+
+def _poll_wait(deadline: float | None) -> float:
+    """How long the next poll waits: ``EXIT_POLL_S``, less once ``deadline`` is near;
+    TimeoutError once it has passed."""
+    if deadline is None:
+        return EXIT_POLL_S
+    left = deadline - anyio.current_time()
+    if left <= 0:
+        raise TimeoutError
+    return min(EXIT_POLL_S, left)
 
 
 async def _end_run(process: Any, grace: float, stdout_closed: bool, reaper: "_GroupReaper | None") -> None:

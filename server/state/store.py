@@ -232,6 +232,12 @@ def no_collection() -> Iterator[None]:
                 gc.enable()
 
 
+def _quick_check(conn: sqlite3.Connection) -> str | None:
+    """SQLite's quick check of the database: None when sound, else its first findings."""
+    rows = conn.execute("PRAGMA quick_check").fetchall()
+    return None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:3])
+
+
 def _is_damage(e: BaseException) -> bool:
     return isinstance(e, sqlite3.DatabaseError) and (
         getattr(e, "sqlite_errorcode", None) in _DAMAGE_CODES
@@ -319,7 +325,7 @@ class StateStore:
         except sqlite3.DatabaseError:
             return None
         try:
-            if (conn.execute("PRAGMA quick_check").fetchall() == [("ok",)]
+            if (_quick_check(conn) is None
                     and conn.execute("SELECT value FROM info WHERE key='salvaging'").fetchone() is None):
                 return conn
         except sqlite3.DatabaseError:
@@ -345,8 +351,7 @@ class StateStore:
             raise sqlite3.OperationalError(f"state database {self.path} is damaged ({e}) and {busy}; "
                                            "restart the server once it is done") from None
         try:
-            rows = conn.execute("PRAGMA quick_check").fetchall()
-            problem = None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:3])
+            problem = _quick_check(conn)
             row = conn.execute("SELECT value FROM info WHERE key='salvaging'").fetchone() if problem is None else None
         except sqlite3.DatabaseError as e:
             problem, row = str(e), None
@@ -372,8 +377,7 @@ class StateStore:
                 return self._open_read_only(e)
             return self._replace_damaged(str(e))
         try:
-            rows = conn.execute("PRAGMA quick_check").fetchall()
-            problem = None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:3])
+            problem = _quick_check(conn)
         except sqlite3.DatabaseError as e:
             if not _is_damage(e):
                 conn.close()

@@ -58,6 +58,22 @@ def installed():
     assert p.returncode == 0, f"npm ci failed\n{tail(p)}"
 
 
+def test_a_gen_out_writes_what_check_compares(tmp_path):
+    """``gen.mjs --out`` writes the types ``--check`` compares (the generator's own arguments are
+    checked in tests/protocol/test_generator_arguments.py; this one needs node_modules)."""
+    def gen(*args: str) -> subprocess.CompletedProcess:
+        return run(["node", "scripts/gen.mjs", *args], GEN_TIMEOUT)
+
+    out = tmp_path / "protocol.ts"
+    p = gen("--out", str(out))
+    assert p.returncode == 0, tail(p)
+    assert out.read_text() == (PKG / "src" / "generated" / "protocol.ts").read_text()
+    assert gen("--check", "--out", str(out)).returncode == 0
+    out.write_text("// stale\n")
+    stale = gen("--check", "--out", str(out))
+    assert stale.returncode == 1 and "stale" in stale.stderr, tail(stale)
+
+
 def test_a_generated_types_are_current_with_protocol_schema_json(tmp_path):
     p = run(["node", "scripts/gen.mjs", "--check"], GEN_TIMEOUT)
     assert p.returncode == 0, f"stale: run `npm run gen` in clients/typescript\n{tail(p)}"

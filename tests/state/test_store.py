@@ -637,8 +637,8 @@ def test_no_collection_turns_the_collector_back_on_when_the_last_open_scope_ends
 
     from operate_sidecar.server.state import no_collection
 
-    if not gc.isenabled():
-        pytest.skip("the collector is off in this process")
+    was = gc.isenabled()
+    gc.enable()  # (whatever this process had: the test needs it on to see it turned off)
     first, second = no_collection(), no_collection()
     first.__enter__()
     try:
@@ -650,4 +650,5 @@ def test_no_collection_turns_the_collector_back_on_when_the_last_open_scope_ends
             second.__exit__(None, None, None)
         assert gc.isenabled()
     finally:
-        gc.enable()
+        if not was:
+            gc.disable()
