@@ -21,9 +21,26 @@ _before_loop: dict[int, Any] = {}
 _fork_hook_installed = False
 
 
+def _block_for_fork() -> None:
+    """Before a fork, in the forking thread: the handled signals are held back, so the child
+    starts with them blocked. A child not scheduled until after a SIGTERM was sent to it (a
+    ``Pool.terminate`` of a worker that had not run yet, on a loaded machine) would otherwise
+    take it before ``_untie_forked_child`` ran, with the loop's handler, which writes it to the
+    wake-up fd the child still shares with the server: the server then stopped."""
+    if _before_loop:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _before_loop)
+
+
+def _unblock_after_fork() -> None:
+    """After a fork, in the parent's forking thread: the signals as they were."""
+    if _before_loop:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _before_loop)
+
+
 def _untie_forked_child() -> None:
     """In a forked child: the handled signals' dispositions from before the loop took them,
-    and no signal wake-up fd."""
+    and no signal wake-up fd; then the signals unblocked (one sent meanwhile is taken now,
+    as the child's own)."""
     if not _before_loop:
         return
     try:
@@ -32,6 +49,7 @@ def _untie_forked_child() -> None:
             signal.signal(sig, disposition)
     except (ValueError, OSError):  # pragma: no cover - the child cannot change them: leave as is
         pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _before_loop)
 
 
 def install_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Any) -> None:
@@ -46,5 +64,6 @@ def install_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Any) -> No
             continue
         _before_loop.setdefault(sig, signal.SIG_DFL if previous is None else previous)
     if _before_loop and not _fork_hook_installed and hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_untie_forked_child)
+        os.register_at_fork(before=_block_for_fork, after_in_parent=_unblock_after_fork,
+                            after_in_child=_untie_forked_child)
         _fork_hook_installed = True

@@ -47,3 +47,14 @@ def test_a_multiprocessing_pool_in_a_tool_does_not_stop_the_server(sidecar):
     assert sidecar.proc.poll() is None and sidecar.request("ping") == {}
     assert all(gone(p) for p in first["pids"] + second["pids"])
     assert sidecar.close() == 0
+
+
+def test_a_child_sent_sigterm_before_it_ran_does_not_stop_the_server(sidecar):
+    """A child SIGTERMed before it was scheduled took the signal with the server's handler (the
+    after-fork hook had not run yet), which wrote it to the wake-up fd it shares with the server:
+    the server stopped. The signals are blocked across the fork (server/signals.py)."""
+    sidecar.init(models={"s": scripted(call("fork_and_term_at_once"))}, toolModules=["forking_tools"])
+    [pids] = operate(sidecar)
+    assert len(pids) == 20
+    assert sidecar.proc.poll() is None and sidecar.request("ping") == {}
+    assert sidecar.close() == 0
