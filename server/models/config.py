@@ -495,15 +495,9 @@ def _events_problem(field: str, value: Any) -> str | None:
         if kind not in EVENT_FIELDS:
             got = _short(kind) if isinstance(kind, str) else json_kind(kind)
             return f"{where}.type must be one of {', '.join(map(repr, EVENT_FIELDS))}, not {got}"
-        fields = EVENT_FIELDS[kind]
-        unknown = [k for k in event if k != "type" and k not in fields]
-        if unknown:
-            return f"{where}: {_unknown(unknown)} (a {kind} event accepts: {', '.join(sorted(fields))})"
-        for key, field_kind in fields.items():
-            if event.get(key) is not None:
-                problem = _type_problem(f"{where}.{key}", field_kind, event[key])
-                if problem:
-                    return problem
+        problem = _fields_problem(event, EVENT_FIELDS[kind], "type", f"a {kind} event", f"{where}.", f"{where}: ")
+        if problem:
+            return problem
         if kind == "text" and not isinstance(event.get("text"), str):
             return f"{where}.text must be a string"
     return None
@@ -528,6 +522,22 @@ def entry_problem(entry: Any, where: str) -> str | None:
     return None
 
 
+def _fields_problem(obj: dict, fields: dict[str, Any], own: str, label: str, key_prefix: str = "",
+                    head: str = "") -> str | None:
+    """The first problem of ``obj``'s fields against ``fields`` (name -> kind), ``own`` (the key
+    that chose them) aside: an unknown field (named with what ``label`` accepts), else a value of
+    the wrong kind (named ``key_prefix`` + its key)."""
+    unknown = [k for k in obj if k != own and k not in fields]
+    if unknown:
+        return f"{head}{_unknown(unknown)} ({label} accepts: {', '.join(sorted(fields))})"
+    for key, kind in fields.items():
+        if obj.get(key) is not None:
+            problem = _type_problem(key_prefix + key, kind, obj[key])
+            if problem:
+                return problem
+    return None
+
+
 def _unknown(keys: list[Any]) -> str:
     names = ", ".join(_short(str(k)) for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
     return f"unknown field{'s' if len(keys) > 1 else ''} {names}"
@@ -547,15 +557,9 @@ def config_problem(config: Any, provider: str | None = None) -> str | None:
         if provider not in PROVIDERS:
             return f"unknown provider {_short(provider)} (expected one of {', '.join(sorted(PROVIDERS))})"
     fields = FIELDS[provider]
-    unknown = [k for k in config if k != "provider" and k not in fields]
-    if unknown:
-        return f"{_unknown(unknown)} ({provider} accepts: {', '.join(sorted(fields))})"
-    for key, kind in fields.items():
-        value = config.get(key)
-        if value is not None:
-            problem = _type_problem(key, kind, value)
-            if problem:
-                return problem
+    problem = _fields_problem(config, fields, "provider", provider)
+    if problem:
+        return problem
     least_of, most_of = MINIMUM.get(provider, {}), MAXIMUM.get(provider, {})
     for key in fields:
         value = config.get(key)
