@@ -58,6 +58,8 @@ class CliModelConfig:
 class ScriptedEntry:
     """One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text;
     ``thinking``: streamed first as the model's thoughts (a reasoning model's), never the reply;
+    ``error``: the invocation fails (after what it streamed); ``refusal``: it fails as the model
+    declining, with that explanation (``data.refusal``; ``error``, when given, is its message);
     ``events`` (a ``"cli": true`` model only): the run's text, tool_use and tool_result events, in
     order, as the ``jsonl`` profile writes them, instead of ``text``."""
     text: str | None = None
@@ -65,6 +67,7 @@ class ScriptedEntry:
     delay_ms: int | None = None
     chunks: int | None = None
     error: str | None = None
+    refusal: str | None = None
     thinking: str | None = None
     events: list[dict[str, JsonValue]] | None = None
 

@@ -106,6 +106,42 @@ def _flag_mistake(args) -> str | None:  # type: ignore[no-untyped-def]
     return None
 
 
+def _log_uncaught() -> None:
+    """Send the tracebacks Python itself prints on stderr through logging, so that they pass the
+    handlers' secret-masking filter as every log line does: an exception a tool's own thread
+    does not catch (``threading.excepthook``), one raised where nothing can catch it, in a
+    ``__del__`` or a finalizer (``sys.unraisablehook``), and one that ends the main thread
+    (``sys.excepthook``). Each is one ERROR record with the traceback, under the logger
+    ``operate_sidecar.server``; a thread ended by SystemExit stays silent, as Python's own
+    hook leaves it."""
+    import logging
+    import threading
+
+    log = logging.getLogger("operate_sidecar.server")
+
+    def thread_hook(args) -> None:  # type: ignore[no-untyped-def]
+        if args.exc_type is SystemExit:
+            return
+        name = args.thread.name if args.thread is not None else threading.get_ident()
+        log.error("Exception in thread %s", name, exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    def unraisable_hook(args) -> None:  # type: ignore[no-untyped-def]
+        try:
+            where = f"{args.err_msg or 'Exception ignored in'}: {args.object!r}" if args.object is not None \
+                else args.err_msg or "Exception ignored"
+        except Exception:
+            where = f"{args.err_msg or 'Exception ignored in'}: <object repr() failed>"
+        exc_info = (args.exc_type, args.exc_value, args.exc_traceback) if args.exc_type is not None else None
+        log.error("%s", where, exc_info=exc_info)
+
+    def main_hook(exc_type, exc_value, exc_traceback) -> None:  # type: ignore[no-untyped-def]
+        log.error("Uncaught exception", exc_info=(exc_type, exc_value, exc_traceback))
+
+    threading.excepthook = thread_hook
+    sys.unraisablehook = unraisable_hook
+    sys.excepthook = main_hook
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the server (or ``replay``). A mistake on the command line or in the ``--config`` file
     is one line on stderr and exit code 2; with ``--acp`` (written as such) the server first
@@ -154,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:  # keys never reach stderr, --debug included
         handler.addFilter(RedactingFilter())
     logging.captureWarnings(True)  # a tool's warnings.warn(...) passes the filter too
+    _log_uncaught()  # and a traceback Python would print on stderr itself
     base: dict = {}
     config_error = mistake
     if args is not None and not mistake:

@@ -16,12 +16,19 @@ with the neighbouring bytes stay). Values shorter than :data:`MIN_SECRET_CHARS` 
 registered: masking them would garble ordinary text; nor is a word of letters only of at most
 :data:`PLACEHOLDER_MAX_CHARS` (7) characters (``none``, ``EMPTY``, ``dummy``, ``ollama``: the
 placeholder a local server takes for a key), which is no secret, and whose masking would rewrite
-protocol words (``"kind": "none"``).
+protocol words (``"kind": "none"``); nor a number of digits only of at most
+:data:`SHORT_NUMBER_MAX_CHARS` (7) digits (``4096``, ``8080``, ``300000``: a count, a limit, a
+port, a time-out), which is no key (real keys are long: 20 characters and more), and whose
+masking would rewrite every such number on the wire, request ids, line numbers and sizes. An
+environment value is taken for a secret by its variable's name (:func:`secret_env_values`), but
+for a number under a name that says it counts (``MAX_TOKENS``, ``TOKEN_LIMIT``, ``AUTH_PORT``).
 
 A number whose JSON text is a registered value (a PIN, an account number) is masked too, as the
 string ``"[REDACTED]"``: in values (:func:`redact_value`) and in JSON text (:func:`redact_bytes`),
 which always stays valid JSON: a value is masked within its string, or a number replaced whole,
-never the bytes of a number or of the structure around it.
+never the bytes of a number or of the structure around it. On the wire (``keep_id``), a JSON-RPC
+message keeps its ``id`` as it is, whatever it holds: an answer must carry the id of the request
+it answers (the client chose it, or the server counted it), or it answers nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +42,11 @@ MASK = "[REDACTED]"
 MIN_SECRET_CHARS = _MIN_LEN = 4
 #: a value of letters only (A-Z, a-z) this long or shorter is a placeholder, not a secret
 PLACEHOLDER_MAX_CHARS = 7
+#: a value of digits only this long or shorter is a number (a count, a limit, a port), not a secret:
+#: every port (5 digits), token limits up to a million and time-outs in milliseconds up to 2.7
+#: hours fit, and no real key is that short (API keys have 20 characters and more); 8 digits and
+#: more (an account number, a PIN written as a date) may be one
+SHORT_NUMBER_MAX_CHARS = 7
 _MIN_B64 = 16  # a base64 form shorter than this could occur by chance in an unrelated blob
 _MASK_B = MASK.encode()
 _MASK_JSON = b'"' + _MASK_B + b'"'   # a masked number: the mask as a JSON string
@@ -53,17 +65,33 @@ _PATTERNS = (
 
 #: an environment variable (``mcpServers.*.env``, a CLI model's ``env``) whose name says it holds a secret
 SECRET_ENV_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
+#: the words of a variable's name that say its value is a count, a limit, a size or a port
+#: (``MAX_TOKENS``, ``TOKEN_LIMIT``, ``KEYCLOAK_PORT``, ``maxOutputTokens``), whatever
+#: ``SECRET_ENV_NAME`` finds in the name
+COUNT_ENV_WORDS = frozenset({"MAX", "MIN", "LIMIT", "COUNT", "NUM", "SIZE", "PORT", "TIMEOUT", "TTL", "LEN",
+                             "LENGTH", "RETRIES", "BUDGET", "TOKENS"})
+_NUMBER_VALUE = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 
 
 def secret_env_values(env: Any) -> list[str]:
     """The values of an ``env`` object (an MCP server's, a CLI model's) whose names say they are
-    secret (``SECRET_ENV_NAME``); not every value: masking ``debug`` or ``1`` would garble text."""
+    secret (``SECRET_ENV_NAME``); not every value: masking ``debug`` or ``1`` would garble text.
+    Nor a number under a name that says it counts (:func:`_counts`): ``MAX_TOKENS=4096`` holds
+    ``TOKEN`` but no secret, and masking ``4096`` would rewrite every 4096 on the wire."""
     if not isinstance(env, dict):
         return []
-    return [v for k, v in env.items() if isinstance(k, str) and isinstance(v, str) and SECRET_ENV_NAME.search(k)]
+    return [v for k, v in env.items() if isinstance(k, str) and isinstance(v, str) and SECRET_ENV_NAME.search(k)
+            and not (_counts(k) and _NUMBER_VALUE.fullmatch(v.strip()))]
 
 
-_PLACEHOLDERS: set[str] = set()  # placeholder values seen (each said once, on the debug log)
+def _counts(name: str) -> bool:
+    """Whether a variable's name has a word that says it counts (``COUNT_ENV_WORDS``); its words
+    are split at ``_``, ``-``, ``.`` and where a lower case letter meets an upper case one."""
+    words = re.split(r"[^A-Za-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name))
+    return any(w.upper() in COUNT_ENV_WORDS for w in words)
+
+
+_NOT_SECRETS: set[str] = set()  # placeholder words and short numbers seen (each said once, on the debug log)
 
 
 def _is_placeholder(value: str) -> bool:
@@ -73,20 +101,37 @@ def _is_placeholder(value: str) -> bool:
     return len(value) <= PLACEHOLDER_MAX_CHARS and value.isascii() and value.isalpha()
 
 
+def _is_short_number(value: str) -> bool:
+    """Digits only, at most ``SHORT_NUMBER_MAX_CHARS`` (7) of them (``4096``, ``8080``): a count,
+    a limit, a port, no key. Masking it would rewrite that number wherever the wire has it: a
+    request id (its answer would answer nothing), a line number or a size (a typed field would
+    become a string)."""
+    return len(value) <= SHORT_NUMBER_MAX_CHARS and value.isascii() and value.isdigit()
+
+
+def _not_secret(value: str) -> bool:
+    return _is_placeholder(value) or _is_short_number(value)
+
+
 def remember_secret(value: str | None) -> None:
     """Register a secret value; every later :func:`redact` removes it. A value shorter than
-    :data:`MIN_SECRET_CHARS`, or a placeholder word (:func:`_is_placeholder`), is not
-    registered."""
+    :data:`MIN_SECRET_CHARS`, a placeholder word (:func:`_is_placeholder`) or a short number
+    (:func:`_is_short_number`) is not registered."""
     global _ORDERED
     if isinstance(value, str) and len(value) >= _MIN_LEN and value not in _KNOWN:
-        if _is_placeholder(value):
-            if value not in _PLACEHOLDERS:
-                _PLACEHOLDERS.add(value)
+        if _not_secret(value):
+            if value not in _NOT_SECRETS:
+                _NOT_SECRETS.add(value)
                 import logging  # (loaded already: the server's logging is set up before any settings)
 
-                logging.getLogger("operate_sidecar.server.redaction").debug(
-                    "a secret value of %d letters is not masked: a word of letters only under 8 characters is a "
-                    "placeholder key (such as none, EMPTY, dummy), not a secret", len(value))
+                if value.isalpha():
+                    logging.getLogger("operate_sidecar.server.redaction").debug(
+                        "a secret value of %d letters is not masked: a word of letters only under 8 characters is a "
+                        "placeholder key (such as none, EMPTY, dummy), not a secret", len(value))
+                else:
+                    logging.getLogger("operate_sidecar.server.redaction").debug(
+                        "a secret value of %d digits is not masked: a number of digits only under 8 characters is "
+                        "a count, a limit or a port (such as 4096 or 8080), not a key", len(value))
             return
         _KNOWN.add(value)
         _ORDERED = tuple(sorted(_KNOWN, key=len, reverse=True))
@@ -105,7 +150,7 @@ def redact(text: Any, secrets: Iterable[str | None] = (), *, patterns: bool = Fa
     with ``patterns``, key-looking tokens too (for error texts from providers)."""
     out = text if isinstance(text, str) else str(text)
     extra = [s for s in secrets
-             if isinstance(s, str) and len(s) >= _MIN_LEN and s not in _KNOWN and not _is_placeholder(s)]
+             if isinstance(s, str) and len(s) >= _MIN_LEN and s not in _KNOWN and not _not_secret(s)]
     forms = _text_forms_of(extra) + _known_text_forms() if extra else _known_text_forms()
     for f in forms:
         if f in out:
@@ -196,13 +241,16 @@ def _walk_deep(root: dict | list | tuple, numbers: frozenset[str]) -> Any:
     return done[1]
 
 
-def redact_bytes(data: bytes) -> bytes:
+def redact_bytes(data: bytes, *, keep_id: bool = False) -> bytes:
     """JSON text (a frame, or lines of JSON) with every registered secret masked (the last net
     before the wire): the value in every form :func:`redact` knows, and as JSON escapes each.
     The result is as valid JSON as ``data`` was: a value found in a string is masked within it
     (:func:`_masked_string` when the plain replacement would break an escape), a number whose
     text is a registered value becomes ``"[REDACTED]"``, and a value found in the structure
-    otherwise (in a longer number, say) is left there. With no value found (the usual case),
+    otherwise (in a longer number, say) is left there. With ``keep_id`` (the wire's writers),
+    a JSON-RPC message (an object with an ``id``) keeps its ``id`` as it was, whatever is masked
+    (:func:`_id_kept`): an answer whose id is rewritten answers nothing, and the client's answer
+    to a request of the server's would not be matched. With no value found (the usual case),
     ``data`` itself is returned after one search per form."""
     if not _ORDERED:
         return data
@@ -213,23 +261,24 @@ def redact_bytes(data: bytes) -> bytes:
     else:
         return data
     if b"\n" not in data:
-        return _redact_json(data, forms)
-    return b"\n".join(_redact_json(line, forms) for line in data.split(b"\n"))
+        return _redact_json(data, forms, keep_id)
+    return b"\n".join(_redact_json(line, forms, keep_id) for line in data.split(b"\n"))
 
 
 def redact_keeping(msg: dict, key: str, dumps: Callable[[Any], bytes]) -> bytes:
-    """``dumps(msg)`` through :func:`redact_bytes`, but for ``msg["params"][key]``, which goes
-    out as it is: the text a client is asked to write into a file (``fs/writeTextFile``'s
-    ``text``, ACP's ``fs/write_text_file`` ``content``), which must be what the tool wrote, as
-    the file written on disk is. ``dumps`` writes compact JSON (no spaces)."""
+    """``dumps(msg)`` through :func:`redact_bytes` (keeping its ``id``: it is a request of the
+    server's that goes on the wire), but for ``msg["params"][key]``, which goes out as it is:
+    the text a client is asked to write into a file (``fs/writeTextFile``'s ``text``, ACP's
+    ``fs/write_text_file`` ``content``), which must be what the tool wrote, as the file written
+    on disk is. ``dumps`` writes compact JSON (no spaces)."""
     params = msg.get("params")
     if not _ORDERED or not isinstance(params, dict) or key not in params:
-        return redact_bytes(dumps(msg))
+        return redact_bytes(dumps(msg), keep_id=True)
     rest = dict(params)
     kept = rest.pop(key)
-    body = redact_bytes(dumps({**{k: v for k, v in msg.items() if k != "params"}, "params": rest}))
+    body = redact_bytes(dumps({**{k: v for k, v in msg.items() if k != "params"}, "params": rest}), keep_id=True)
     if not body.endswith(b"}}"):  # (not the compact JSON this expects: nothing is kept)
-        return redact_bytes(dumps(msg))
+        return redact_bytes(dumps(msg), keep_id=True)
     head = body[:-2]
     return head + (b"" if head.endswith(b"{") else b",") + dumps(key) + b":" + dumps(kept) + b"}}"
 
@@ -248,18 +297,69 @@ def _replaced(data: bytes, forms: tuple[bytes, ...]) -> bytes:
     return data
 
 
-def _redact_json(text: bytes, forms: tuple[bytes, ...]) -> bytes:
+def _redact_json(text: bytes, forms: tuple[bytes, ...], keep_id: bool = False) -> bytes:
     """One JSON text (a line) with the registered values masked: every form replaced, when the
-    result still reads as JSON (the usual case: a value inside a string); else token by token."""
+    result still reads as JSON (the usual case: a value inside a string); else token by token.
+    With ``keep_id``, a message keeps its ``id`` (:func:`_id_kept`)."""
     out = _replaced(text, forms)
     if out is text:
         return text
+    msg: Any = _UNREAD
     try:
-        json.loads(out)
-        return out
+        msg = json.loads(out)
     except (ValueError, RecursionError):
-        pass
-    return _redact_tokens(text, forms)
+        out = _redact_tokens(text, forms)
+    return _id_kept(text, out, msg, forms) if keep_id and b'"id"' in text else out
+
+
+_UNREAD = object()  # (a masked text not parsed yet)
+
+
+def _id_kept(text: bytes, masked: bytes, msg: Any = _UNREAD, forms: tuple[bytes, ...] | None = None) -> bytes:
+    """``masked`` (``text``, a JSON-RPC message, with the registered values masked; ``msg``, it
+    parsed, when it was already) with the ``id`` that ``text`` has, when masking changed it (a
+    request id that is, or holds, a registered value): the message is written again (compact
+    JSON) with that id. An id is the client's own (it chose it: nothing is told that it does not
+    know) or the server's count; rewritten, the answer would answer nothing. ``text`` is parsed
+    only when masking may have touched the id (:func:`_id_touched`), not for every message in
+    which a secret was masked."""
+    try:
+        msg = json.loads(masked) if msg is _UNREAD else msg
+    except (ValueError, RecursionError):
+        return masked
+    if not isinstance(msg, dict) or not _id_touched(msg, _known_byte_forms() if forms is None else forms):
+        return masked
+    try:
+        was = json.loads(text)
+    except (ValueError, RecursionError):
+        return masked
+    if not isinstance(was, dict) or "id" not in was \
+            or (type(msg.get("id")) is type(was["id"]) and msg.get("id") == was["id"]):
+        return masked
+    msg["id"] = was["id"]
+    try:
+        return json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: written escaped, as it came
+        return json.dumps(msg, separators=(",", ":")).encode("ascii")
+    except (ValueError, RecursionError):
+        return masked
+
+
+def _id_touched(msg: dict, forms: tuple[bytes, ...]) -> bool:
+    """Whether masking may have changed the ``id`` of a message (``msg``, parsed masked). A form
+    with no quote and no backslash is masked within one string or number (else the text is no
+    JSON, and is masked token by token), so the message keeps its shape, and an id it touched
+    holds the mask; one with a quote or a backslash may have masked across the JSON around the
+    id (or broken an escape): then the original is read, to be sure."""
+    if any(b'"' in form or b"\\" in form for form in forms):
+        return True
+    if "id" not in msg:
+        return False
+    value = msg["id"]
+    try:
+        return MASK in (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        return True
 
 
 def _redact_tokens(text: bytes, forms: tuple[bytes, ...]) -> bytes:
@@ -431,5 +531,5 @@ def _forms(s: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(f for f in forms if len(f) >= _MIN_LEN))
 
 
-__all__ = ["MASK", "MIN_SECRET_CHARS", "PLACEHOLDER_MAX_CHARS", "StreamRedactor", "remember_secret", "known_secrets",
-           "has_secrets", "redact", "redact_value", "redact_bytes", "redact_keeping"]
+__all__ = ["MASK", "MIN_SECRET_CHARS", "PLACEHOLDER_MAX_CHARS", "SHORT_NUMBER_MAX_CHARS", "StreamRedactor",
+           "remember_secret", "known_secrets", "has_secrets", "redact", "redact_value", "redact_bytes", "redact_keeping"]

@@ -283,9 +283,19 @@ class SidecarClient:
     def _frame(self, body: bytes) -> bytes:
         return b"Content-Length: %d\r\n\r\n" % len(body) + body
 
-    def _register(self, msg_id: Any) -> _Pending:
-        pending = _Pending(msg_id, self._reader)
+    def _register(self, msg_id: Any, fresh: bool = False) -> _Pending:
+        """Wait for the answer to ``msg_id`` (``fresh``: to a new id, one no pending request has). An id
+        still waited for is refused with ValueError: its answer would settle only one of the two, and the
+        other would wait for its time-out, that answer lost to it."""
         with self._plock:
+            if fresh:
+                msg_id = next(self._ids)
+                while msg_id in self._pending:  # (an id the caller chose for a request still waiting)
+                    msg_id = next(self._ids)
+            elif msg_id in self._pending:
+                raise ValueError(f"request id {msg_id!r} is still waiting for its answer: a second request "
+                                 "with it would lose one of the two answers; use another id")
+            pending = _Pending(msg_id, self._reader)
             closed = self._closed
             if closed is None:
                 self._pending[msg_id] = pending
@@ -308,13 +318,17 @@ class SidecarClient:
         """Send a request; returns a handle with ``.id`` and ``.result(timeout)``. It does not wait for
         the request to be written: ``.result`` raises :class:`NoAnswer` when it could not be (the
         server has exited, or the client was closed). Params JSON cannot hold (NaN, a set, ...)
-        raise ValueError/TypeError here, before anything is sent."""
-        msg_id = next(self._ids) if msg_id is None else msg_id
-        msg = {"jsonrpc": "2.0", "id": msg_id, "method": method}
+        raise ValueError/TypeError here, before anything is sent; so does a ``msg_id`` a request
+        still waiting for its answer has (ValueError)."""
+        pending = self._register(msg_id, fresh=msg_id is None)
+        msg = {"jsonrpc": "2.0", "id": pending.id, "method": method}
         if params is not None:
             msg["params"] = params
-        body = _encode(msg)
-        pending = self._register(msg_id)
+        try:
+            body = _encode(msg)
+        except (ValueError, TypeError):
+            self._forget(pending)
+            raise
         if not pending.done():  # (the reader has stopped: nothing would read its answer)
             pending._write = self._writer.put(self._frame(body), lambda reason: self._not_sent(pending, reason))
         return pending
@@ -323,14 +337,16 @@ class SidecarClient:
         """The response to ``msg_id`` of a request you send with :meth:`send_raw`: call it *before*
         sending. An answer that comes while nobody waits for its id goes to :attr:`unmatched` and
         stays there: a later ``expect`` of the same id never takes it (it may be the answer to an
-        earlier request that reused the id)."""
+        earlier request that reused the id). An id still waited for is refused (ValueError), as in
+        :meth:`request_async`."""
         return self._register(msg_id)
 
     def request(self, method: str, params: Any = None, timeout: float = 30.0, msg_id: Any = None) -> Any:
         """Send a request and wait at most ``timeout`` s for its answer (writing it included); raises
         :class:`RpcError` for an error answer, :class:`NoAnswer` (an RpcError, -32099) when the server
         cannot answer (it has exited, its output ended or is unreadable, or the client was closed),
-        TimeoutError when no answer came in time (a request the server never read is then not sent)."""
+        TimeoutError when no answer came in time (a request the server never read is then not sent);
+        ValueError, before anything is sent, as :meth:`request_async` does."""
         pending = self.request_async(method, params, msg_id)
         try:
             return pending.result(timeout)

@@ -965,10 +965,34 @@ class OperateAgent(Agent):
         await self.port.aclose()
 
 
+#: a resource's fields a prompt's context keeps (``_resource_fields``): ACP's name → the block's attribute
+RESOURCE_FIELDS = {"title": "title", "description": "description", "mimeType": "mime_type", "size": "size"}
+#: characters of a resource's ``title``, ``description`` or ``mimeType`` kept (the context is in
+#: every later model call of the session); a longer one is cut, with "…"
+RESOURCE_FIELD_LIMIT = 1000
+
+
+def _resource_fields(obj: Any) -> dict[str, Any]:
+    """The fields of a resource link or of an embedded resource's contents that a prompt's
+    context keeps beside its address (``RESOURCE_FIELDS``), those it has, so that
+    ``session/load`` shows the resource as it was sent (``_prompt_blocks``), and the model
+    reads them too: a text at most ``RESOURCE_FIELD_LIMIT`` characters, a size that is a
+    whole number."""
+    out: dict[str, Any] = {}
+    for key, attr in RESOURCE_FIELDS.items():
+        value = getattr(obj, attr, None)
+        if isinstance(value, str):
+            out[key] = value if len(value) <= RESOURCE_FIELD_LIMIT else value[:RESOURCE_FIELD_LIMIT - 1] + "…"
+        elif type(value) is int:
+            out[key] = value
+    return out
+
+
 def _prompt_parts(prompt: list) -> tuple[str, Any]:
     """ACP content blocks → (instruction text, context). Text is the instruction; resource
     links (with their ``name``: ``OperateAgent._link`` adds the file's text) and embedded
-    text resources become context."""
+    resources (a text one with its text) become context, with their title, description, MIME
+    type and size when they have them (``_resource_fields``)."""
     texts: list[str] = []
     context: list[Any] = []
     for block in prompt:
@@ -976,11 +1000,12 @@ def _prompt_parts(prompt: list) -> tuple[str, Any]:
         if t == "text":
             texts.append(block.text)
         elif t == "resource_link":
-            context.append({"resource": block.uri, "name": block.name})
+            context.append({"resource": block.uri, "name": block.name, **_resource_fields(block)})
         elif t == "resource":
             res = block.resource
             text = getattr(res, "text", None)
-            context.append({"resource": res.uri, "text": text} if text is not None else {"resource": res.uri})
+            context.append({"resource": res.uri, **({"text": text} if text is not None else {}),
+                            **_resource_fields(res)})
         else:
             raise _invalid(f"content type {t!r} is not supported: this agent takes text, resource links and "
                            "embedded resources (initialize's promptCapabilities)",
@@ -1006,8 +1031,9 @@ def _not_a_folder(folder: Any) -> str | None:
 def _prompt_blocks(instruction: Any, context: Any) -> list[Any]:
     """A stored prompt (instruction, context) → the ACP content blocks ``_prompt_parts`` took it
     from: its text (none when it had none), then its resources (a link, as the user sent it,
-    without the file's text the model was given; an embedded text resource with its text; an
-    embedded blob, whose bytes are not kept, as a link)."""
+    with its title, description, MIME type and size, without the file's text the model was
+    given; an embedded text resource with its text and MIME type; an embedded blob, whose bytes
+    are not kept, as a link with its MIME type)."""
     from acp import embedded_text_resource, resource_block, resource_link_block, text_block
 
     if instruction is not None and not isinstance(instruction, str):  # a branch made natively
@@ -1017,11 +1043,14 @@ def _prompt_blocks(instruction: Any, context: Any) -> list[Any]:
         uri = item.get("resource") if isinstance(item, dict) else None
         if not isinstance(uri, str):
             continue
+        kept = {attr: item[key] for key, attr in RESOURCE_FIELDS.items()
+                if type(item.get(key)) is (int if key == "size" else str)}  # (as ``_resource_fields`` keeps them)
         if isinstance(item.get("text"), str) and "name" not in item:  # a link has a name
-            blocks.append(resource_block(embedded_text_resource(uri, item["text"])))
+            blocks.append(resource_block(embedded_text_resource(uri, item["text"], mime_type=kept.get("mime_type"))))
         else:
             name = item.get("name")
-            blocks.append(resource_link_block(name if isinstance(name, str) else uri.rsplit("/", 1)[-1] or uri, uri))
+            blocks.append(resource_link_block(name if isinstance(name, str) else uri.rsplit("/", 1)[-1] or uri, uri,
+                                              **kept))
     return blocks
 
 
@@ -1172,32 +1201,116 @@ async def warm_up(sidecar: Any) -> None:
     the real prompts. Every step awaits, so a request that arrives meanwhile is served between
     them. The workspace is this package's own folder, which the warm-up only lists: nothing is
     created on disk, so nothing is left behind when the process is stopped in the middle of
-    it; nothing reaches the real client, and the pipes are closed after."""
+    it; nothing reaches the real client.
+
+    Every pipe, transport and task it opens is closed on every way out, a cancellation at any of
+    its awaits included (the warm-up's time-out, then the agent closing as the client goes, may
+    cancel it twice): the pipes are opened, and everything closed, by tasks of their own
+    (``_warm_pipes``, ``_warm_down``) that a cancellation of the warm-up does not interrupt; pipes
+    whose opening outlived the warm-up are closed as soon as they are open (``_close_warm_pipes``).
+    On the normal path those tasks are simply awaited: nothing is added but their creation."""
     import acp
 
-    from .run import _streams
-
     folder = os.path.dirname(os.path.abspath(__file__))
-    agent = _WarmAgent(sidecar)
-    to_agent, to_client = os.pipe(), os.pipe()
-    a_reader, a_writer = await _streams(to_agent[0], to_client[1], 1 << 20)
-    c_reader, c_writer = await _streams(to_client[0], to_agent[1], 1 << 20)
-    serve = asyncio.get_running_loop().create_task(acp.run_agent(agent, a_writer, a_reader))
-    conn = acp.connect_to_agent(_WarmClient(), c_writer, c_reader)
+    opening = _uninterrupted(_warm_pipes())
     try:
+        a_reader, a_writer, c_reader, c_writer = await asyncio.shield(opening)
+    except BaseException:
+        opening.add_done_callback(_close_warm_pipes)  # (at once if it is done already)
+        raise
+    agent = serve = conn = None
+    try:
+        agent = _WarmAgent(sidecar)
+        serve = asyncio.get_running_loop().create_task(acp.run_agent(agent, a_writer, a_reader))
+        conn = acp.connect_to_agent(_WarmClient(), c_writer, c_reader)
         await conn.initialize(protocol_version=PROTOCOL_VERSION)  # bounded as a whole (``WARM_TIMEOUT_S``)
         sid = (await conn.new_session(cwd=folder)).session_id
         for _ in range(WARM_PROMPTS):
             await conn.prompt(session_id=sid, prompt=[acp.text_block("warm")])
     finally:
         c_writer.close()  # EOF: the throwaway connection ends
+        await asyncio.shield(_uninterrupted(_warm_down(a_writer, agent, serve, conn)))
+
+
+#: the warm-up's tasks that its cancellation leaves running (``_uninterrupted``), held until done
+_WARM_TASKS: set[asyncio.Task] = set()
+
+
+def _uninterrupted(coro: Any) -> asyncio.Task:
+    """``coro`` as a task of its own, held (``_WARM_TASKS``) until it is done: the warm-up awaits
+    it through ``asyncio.shield``, so that a cancellation of the warm-up does not interrupt it."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _WARM_TASKS.add(task)
+    task.add_done_callback(_WARM_TASKS.discard)
+    return task
+
+
+async def _warm_pipes() -> tuple[Any, Any, Any, Any]:
+    """The warm-up's two pipes as streams (``run._streams``): the agent's reader and writer,
+    then the client side's. Not interrupted by the warm-up's cancellation (``_uninterrupted``): a
+    cancellation inside ``run._streams`` would lose the writer it has made (a pipe left open
+    until the collector finds it). Should it fail all the same (only a cancellation of every
+    task, as the loop ends, can), what it still holds is closed: the descriptors not yet handed
+    to ``run._streams``, and the agent's writer once the agent's streams are made."""
+    from .run import _streams
+
+    to_agent = os.pipe()
+    try:
+        to_client = os.pipe()
+    except BaseException:
+        _close_fds(*to_agent)
+        raise
+    try:
+        a_reader, a_writer = await _streams(to_agent[0], to_client[1], 1 << 20)
+    except BaseException:
+        _close_fds(to_client[0], to_agent[1])  # (the other two are the transports': closed with them)
+        raise
+    try:
+        c_reader, c_writer = await _streams(to_client[0], to_agent[1], 1 << 20)
+    except BaseException:
+        a_writer.close()
+        raise
+    return a_reader, a_writer, c_reader, c_writer
+
+
+def _close_warm_pipes(opening: asyncio.Task) -> None:
+    """The streams of a ``_warm_pipes`` that outlived its warm-up, closed once it is done: both
+    writers, and so both readers at the end of their input (each transport then closes its
+    pipe). An opening that failed closed what it had made."""
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    _, a_writer, _, c_writer = opening.result()
+    c_writer.close()
+    a_writer.close()
+
+
+async def _warm_down(a_writer: Any, agent: Any, serve: Any, conn: Any) -> None:
+    """The warm-up's way out, once the client side's writer is closed: the agent's connection
+    ends at that EOF (waited for 5 s at most, then cancelled), then its writer is closed (EOF to
+    the client side, every pipe closed), the agent (its service's tool threads) and the client
+    side's connection. Not interrupted by the warm-up's cancellation (``_uninterrupted``); the
+    writer is closed however it ends."""
+    try:
+        if serve is not None:
+            try:
+                await asyncio.wait_for(serve, 5)
+            except Exception:  # (a warm-up cut short: the agent's connection ended as it could)
+                log.debug("the warm-up's connection did not end cleanly", exc_info=True)
+        a_writer.close()  # the SDK leaves its writer open
+        if agent is not None:
+            await agent.aclose()
+        if conn is not None:
+            await conn.close()
+    finally:
+        a_writer.close()
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
         try:
-            await asyncio.wait_for(asyncio.shield(serve), 5)
-        except BaseException:
-            serve.cancel()
-        a_writer.close()  # the SDK leaves its writer open: EOF to the client side, every pipe closed
-        await agent.aclose()  # its service's tool threads
-        await conn.close()
+            os.close(fd)
+        except OSError:
+            pass
 
 
 __all__ = ["OperateAgent", "MAX_ROUNDS", "MODES", "warm_up"]

@@ -765,10 +765,15 @@ def _count(n: int, noun: str) -> str:
 
 def _hunks(diff: str) -> list[tuple[int, list[str], list[str]]]:
     """The hunks of a unified diff (``server.tools.edits.unified_diff``): (0-based index of the
-    hunk in the new text, its old lines, its new lines), line ends kept."""
+    hunk in the new text, its old lines, its new lines), line ends kept. Its lines end at ``\n``
+    only, as the diff was written (``server.tools.edits.split_lines``): a form feed, a lone
+    ``\r``, U+2028 or ``\x1e`` is part of its line (``str.splitlines`` would cut the line there,
+    and the piece after it, which starts with no `` ``, ``-`` or ``+``, would be lost)."""
+    from operate_sidecar.server.tools.edits import split_lines
+
     hunks: list[tuple[int, list[str], list[str]]] = []
     sides: tuple[list[str], ...] = ()
-    for line in diff.splitlines(keepends=True):
+    for line in split_lines(diff):
         if line.startswith("@@"):
             try:
                 start, _, count = line.split()[2][1:].partition(",")
@@ -791,8 +796,11 @@ def _hunks(diff: str) -> list[tuple[int, list[str], list[str]]]:
 
 
 def _unpatch(new: str, hunks: list[tuple[int, list[str], list[str]]]) -> str | None:
-    """The old text of a diff from the whole new text, or None when the hunks do not match it."""
-    lines = new.splitlines(keepends=True)
+    """The old text of a diff from the whole new text, or None when the hunks do not match it.
+    Its lines end at ``\n`` only, as the diff's do (``_hunks``)."""
+    from operate_sidecar.server.tools.edits import split_lines
+
+    lines = split_lines(new)
     out: list[str] = []
     at = 0
     for start, a, b in hunks:

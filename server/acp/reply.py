@@ -3,12 +3,13 @@
 A prompt turn asks for a structured reply (``REPLY_FORMAT``: a ``message`` for the user
 plus the action fields), so the raw stream is JSON. ``ReplyText`` pulls the ``message``
 string out of the partial JSON as it grows, decoding escapes, so that the editor shows
-prose, chunk by chunk. A reply that does not start as JSON (a model that ignored the
+prose, chunk by chunk: a surrogate pair's two escapes are one character (the first half waits
+for the second when the stream splits them), a lone half is U+FFFD and the text after it
+stays the string's. A reply that does not start as JSON (a model that ignored the
 format) is shown as it streams."""
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -70,6 +71,14 @@ def plan_of(value: Any) -> list[dict[str, str]] | None:
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", '"': '"', "\\": "\\", "/": "/"}
+#: the second half of a surrogate pair as a JSON escape (``\\uDC00``-``\\uDFFF``), or the
+#: beginning of one (what a stream may have delivered of it so far)
+_LOW_ESCAPE = re.compile(r"\\(?:u(?:[dD](?:[c-fC-F][0-9a-fA-F]{0,2})?)?)?")
+
+
+def _hex4(digits: str) -> int:
+    """The code of a ``\\uXXXX`` escape's four digits; U+FFFD when they are not four hex digits."""
+    return int(digits, 16) if re.fullmatch(r"[0-9a-fA-F]{4}", digits) else 0xFFFD
 
 
 class ReplyText:
@@ -137,16 +146,18 @@ class ReplyText:
                 continue
             if i + 6 > len(b):
                 break
-            code = int(b[i + 2:i + 6], 16) if re.fullmatch(r"[0-9a-fA-F]{4}", b[i + 2:i + 6]) else 0xFFFD
-            if 0xD800 <= code < 0xDC00:  # a surrogate pair: wait for its second half
-                if i + 12 > len(b):
+            code = _hex4(b[i + 2:i + 6])
+            if 0xD800 <= code < 0xDC00:  # the first half of a surrogate pair, or a lone one
+                low = b[i + 6:i + 12]
+                if len(low) < 6 and (not low or _LOW_ESCAPE.fullmatch(low)):  # its second half may be coming
                     break
-                try:
-                    out.append(json.loads('"' + b[i:i + 12] + '"'))
-                except ValueError:
-                    out.append("\ufffd")
-                i += 12
-                continue
+                if len(low) == 6 and _LOW_ESCAPE.fullmatch(low):
+                    out.append(chr(0x10000 + ((code - 0xD800) << 10) + (_hex4(low[2:]) - 0xDC00)))
+                    i += 12
+                    continue
+                code = 0xFFFD  # a lone half: the text after it is the string's own
+            elif 0xDC00 <= code < 0xE000:  # a second half with no first
+                code = 0xFFFD
             out.append(chr(code))
             i += 6
         self._i = i

@@ -75,9 +75,10 @@ class RedactingWriter(asyncio.StreamWriter):
     last newline wait for the rest of their line (a secret split across two writes is still
     masked), and go out as they are at ``drain()`` (the SDK drains after each message),
     ``write_eof()`` or ``close()``. With no secret registered, the bytes pass as they are.
-    A line stays valid JSON (``redaction.redact_bytes``). The ``content`` of an
-    ``fs/write_text_file`` request goes as it is: it is what the tool wrote, and the client's
-    file must hold it, as a file written to the disk does."""
+    A line stays valid JSON (``redaction.redact_bytes``), and a message keeps its ``id`` as it
+    was, whatever is masked (``keep_id``): an answer must carry the id of the request it
+    answers. The ``content`` of an ``fs/write_text_file`` request goes as it is: it is what the
+    tool wrote, and the client's file must hold it, as a file written to the disk does."""
 
     _WRITE = b'"fs/write_text_file"'
 
@@ -105,7 +106,7 @@ class RedactingWriter(asyncio.StreamWriter):
         """``redaction.redact_bytes`` of JSON lines, but for the ``content`` of an
         ``fs/write_text_file`` request."""
         if cls._WRITE not in lines:
-            return redaction.redact_bytes(lines)
+            return redaction.redact_bytes(lines, keep_id=True)
         return b"\n".join(cls._redacted_line(line) for line in lines.split(b"\n"))
 
     @classmethod
@@ -120,7 +121,7 @@ class RedactingWriter(asyncio.StreamWriter):
             if isinstance(msg, dict) and msg.get("method") == "fs/write_text_file" and "id" in msg \
                     and isinstance(msg.get("params"), dict) and isinstance(msg["params"].get("content"), str):
                 return redaction.redact_keeping(msg, "content", cls._compact)
-        return redaction.redact_bytes(line)
+        return redaction.redact_bytes(line, keep_id=True)
 
     @staticmethod
     def _compact(value: Any) -> bytes:

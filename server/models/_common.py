@@ -202,6 +202,17 @@ def unclosed_thoughts(name: str, declared: bool = False) -> str:
             '(or "inlineThinking": false keeps such text as the reply)')
 
 
+def cut_at_token_limit(name: str, thinking: bool, hint: str) -> str:
+    """The model error of a reply stopped at the token limit (``finish_reason`` ``"length"``)
+    that cannot be used as it is: a structured reply (its JSON is not whole: repaired, it would
+    run tool calls with cut-off arguments), or one with no answer at all (``thinking``: only the
+    model's thoughts came). ``hint``: the provider's word on where else the limit may come from
+    (docs/PROTOCOL.md §2: the same words for every provider but that)."""
+    where = "before any answer (only the model's thoughts came)" if thinking else "before it was complete"
+    return (f"model {name!r}: the reply was cut at the token limit (finish_reason \"length\") {where}, so none "
+            f"of it is used; a larger maxTokens may let it finish {hint}")
+
+
 def _tag_start(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (0 when none does)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):

@@ -242,6 +242,7 @@ ENTRY_FIELDS: dict[str, str] = {
     "delayMs": "non-negative number",
     "chunks": "positive integer",
     "error": "string",
+    "refusal": "string",
     "thinking": "string",
     "events": "cli events",
 }
@@ -581,11 +582,38 @@ def config_problem(config: Any, provider: str | None = None) -> str | None:
         problem = local_options_problem(config.get("options"), "options")
         if problem:
             return problem
+    if provider == "openai":
+        problem = base_url_problem(config.get("baseUrl"))
+        if problem:
+            return problem
     if provider == "scripted" and not config.get("cli"):
         for i, entry in enumerate(config.get("responses") or ()):
             if isinstance(entry, dict) and entry.get("events") is not None:
                 return f'responses[{i}].events is a CLI run\'s: the model needs "cli": true'
     return None
+
+
+def base_url_problem(url: Any) -> str | None:
+    """Why an ``openai`` model's ``baseUrl`` cannot be the address of its API, or None: the API
+    client speaks ``http://`` and ``https://`` only. A URL without its scheme
+    (``localhost:8080/v1``, which reads as the scheme ``localhost``) was taken here and failed
+    only at the first call, with a message about something else (an API key not set, a protocol
+    the client does not support). The value is shown only where it holds no credentials
+    (``user:key@``) and no query."""
+    if not isinstance(url, str) or not url:  # (its type is checked with the other fields)
+        return None
+    if url != url.strip():
+        return "baseUrl begins or ends with white space"
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in ("http", "https"):
+        host = rest.split("/", 1)[0].rsplit("@", 1)[-1]
+        return None if host and not host.startswith(":") else f"baseUrl has no host after {scheme}://"
+    need = "baseUrl must begin with http:// or https://"
+    if sep:
+        return f"{need}, not {_short(scheme + sep, 20)}"
+    if "@" in url or "?" in url or ":/" in url:
+        return f"{need} (it has none)"
+    return f"{need} (it has none: did you mean {_short('http://' + url, 80)}?)"
 
 
 def _cli_problem(config: dict[str, Any]) -> str | None:

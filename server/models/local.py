@@ -55,7 +55,15 @@ import anyio.to_thread
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
-from ._common import InlineThoughts, bound_schema, field_value, opened_thought, snake, snake_options
+from ._common import (
+    InlineThoughts,
+    bound_schema,
+    cut_at_token_limit,
+    field_value,
+    opened_thought,
+    snake,
+    snake_options,
+)
 from .config import (
     FIELDS,
     LOCAL_OPTIONS,
@@ -950,6 +958,7 @@ class LocalModel(BaseModelProvider):
                 raise ModelError(f"local model failed: {e}") from e
             n_chunks = 0
             finish = None
+            said = thought = False  # some reply text (not white space) came; some thoughts came
             inline = InlineThoughts.of(self.inline_thinking, structured=request.response_schema is not None, template=opened)
             while True:
                 try:
@@ -968,8 +977,12 @@ class LocalModel(BaseModelProvider):
                 if text:
                     n_chunks += 1
                     for kind, piece in inline.feed(text):
+                        said = said or (kind == "text" and bool(piece.strip()))
+                        thought = thought or kind == "thinking"
                         yield StreamChunk(type=kind, text=piece)
             for kind, piece in inline.end():
+                said = said or (kind == "text" and bool(piece.strip()))
+                thought = thought or kind == "thinking"
                 yield StreamChunk(type=kind, text=piece)
             inline.check(self.name)
             if lease.prompt_tokens is not None:  # llama-cpp-python's own counts (_count_tokens)
@@ -982,9 +995,12 @@ class LocalModel(BaseModelProvider):
                 "completion_tokens": completion,
                 "total_tokens": prompt + completion,
             }
-            if finish == "length" and request.response_schema is not None:
-                log.warning("local model: structured reply hit max_tokens; the JSON is likely truncated")
             loaded.release(lease)  # before the last yield: a consumer may stop at the result
             yield StreamChunk(type="result", usage=usage, model=Path(self.path).name)
+            if finish == "length":  # maxTokens reached, or the context's end (docs/PROTOCOL.md §2)
+                if request.response_schema is not None or not said:  # JSON cut short, or no answer at all
+                    raise ModelError(cut_at_token_limit(self.name, thought and not said,
+                                                        "(or a larger nCtx, when the context is full)"))
+                log.info("local model %s: the reply was cut at maxTokens; its text so far is the reply", self.name)
         finally:
             loaded.release(lease)

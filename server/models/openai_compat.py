@@ -16,7 +16,10 @@ What a server sends is bounded: a reply longer than ``MAX_REPLY_CHARS``, a strea
 bytes that never complete one) larger than ``MAX_EVENT_BYTES``, and an error body beyond its
 first ``MAX_ERROR_BODY_BYTES`` are not read on. A reply is complete at a ``finish_reason`` of its
 first choice or at ``[DONE]``; after a ``finish_reason`` the rest of the stream (a usage chunk,
-``[DONE]``, its end) is waited for at most ``FINISH_GRACE_S``.
+``[DONE]``, its end) is waited for at most ``FINISH_GRACE_S``. A ``finish_reason`` of ``length``
+(cut at the token limit) fails a structured reply, and one with no answer, as a ModelError after
+its usage (:func:`cut_at_token_limit`): repaired, cut JSON ran tool calls with cut-off arguments.
+What is streamed, returned and recorded is valid Unicode (:class:`_Surrogates`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, 
 from ._common import (
     MAX_REPLY_CHARS,
     InlineThoughts,
+    cut_at_token_limit,
     field_value,
     is_loopback_url,
     json_safe,
@@ -65,6 +69,8 @@ RF_NONE = "none"
 RF_LADDER = (RF_JSON_SCHEMA, RF_JSON_OBJECT_SCHEMA, RF_JSON_OBJECT, RF_NONE)
 
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_-]")
+#: where else a reply's token limit may come from, for its error (:func:`cut_at_token_limit`)
+TOKEN_LIMIT_HINT = "(without one, the limit is the server's or the model's own)"
 
 #: After a chunk whose choice has a ``finish_reason``, the longest wait for the rest of the
 #: stream (a usage chunk, ``[DONE]``, the end of the response): a server that sends neither
@@ -214,17 +220,22 @@ class OpenAIModel(BaseModelProvider):
 
     # -- errors ---------------------------------------------------------------
 
-    def _error(self, e: BaseException, *, streaming: bool = False) -> ModelError:
-        """``e`` as a ModelError; ``streaming``: it happened while the reply was being read."""
+    def _error(self, e: BaseException, *, streaming: bool = False,
+               timeout: tuple[float, str] | None = None) -> ModelError:
+        """``e`` as a ModelError; ``streaming``: it happened while the reply was being read;
+        ``timeout``: the request's time-out and where it was set (:meth:`_timeout_of`)."""
         openai = _require_openai()
 
         where = self._where()
+        seconds, setting = timeout or (self.timeout_s, "timeoutS")
         if isinstance(e, openai.APITimeoutError):
-            msg = f"model {self.name!r}: request to {where} timed out after {self.timeout_s:g}s"
+            msg = f"model {self.name!r}: request to {where} timed out after {seconds:g} s ({setting})"
         elif isinstance(e, openai.APIConnectionError) or (streaming and _is_http_error(e)):
             cause = e.__cause__ or e
             kind, text = type(cause).__name__, str(cause)
-            if streaming:
+            if streaming and kind == "ReadTimeout":
+                what = f"the stream from {where} sent nothing for {seconds:g} s ({setting}), before the reply was complete"
+            elif streaming:
                 what = f"the stream from {where} ended before the reply was complete"
             elif kind in _CLOSED_ERRORS:  # it connected: the server (or a proxy) hung up
                 what = f"the connection to {where} was closed before an answer came"
@@ -240,8 +251,9 @@ class OpenAIModel(BaseModelProvider):
         elif isinstance(e, _NotAStream) and e.error is not None:
             msg = f"model {self.name!r}: {where} answered with an error instead of a stream: {e.error}"
         elif isinstance(e, _NotAStream):
-            msg = (f"model {self.name!r}: {where} answered with {e}, not a stream of server-sent events "
-                   "(is baseUrl the API's own, such as http://host:port/v1, and does that server stream replies?)")
+            msg = (f"model {self.name!r}: {where} answered with {e}, not a stream of server-sent events"
+                   + (f": {e.sample}" if e.sample else "")
+                   + " (is baseUrl the API's own, such as http://host:port/v1, and does that server stream replies?)")
         elif isinstance(e, _ToolCalls):
             msg = (f"model {self.name!r}: the model answered with tool calls ({e}) that the sidecar did not offer "
                    "it, and no text")
@@ -255,11 +267,11 @@ class OpenAIModel(BaseModelProvider):
             wait = _retry_after_seconds(getattr(response, "headers", None))
             if wait is not None:
                 msg += f" (it asked to be retried after {wait:g} s"
-                msg += ", more than the time left)" if getattr(response, "_sidecar_no_time", False) else ")"
+                msg += ", more than the time left allows)" if getattr(response, "_sidecar_no_time", False) else ")"
         else:
             msg = f"model {self.name!r}: {type(e).__name__}: {e}"
         # redact the whole text first, then shorten it: a cut never leaves part of a key
-        msg = redact(msg, [self._api_key, os.environ.get(self.api_key_env)])
+        msg = valid_text(redact(msg, [self._api_key, os.environ.get(self.api_key_env)]))
         if len(msg) > MAX_ERROR_CHARS:
             msg = msg[:MAX_ERROR_CHARS] + "…"
         return ModelError(msg)
@@ -291,6 +303,8 @@ class OpenAIModel(BaseModelProvider):
 
         client = self._get_client()
         base = self._kwargs(request)
+        self._check_text(request, base)
+        timeout = self._timeout_of(request)
         schema = request.response_schema
         name = _NAME_OK.sub("_", request.schema_name or "response")[:64] or "response"
         modes: tuple[str | None, ...]
@@ -331,33 +345,72 @@ class OpenAIModel(BaseModelProvider):
                     if use is not client:  # not a format rejection: the normal path, with retries
                         use = client
                         continue
-                    raise self._error(e) from None
+                    raise self._error(e, timeout=timeout) from None
                 except openai.OpenAIError as e:
                     if use is not client and isinstance(e, openai.APIConnectionError):
                         use = client
                         continue
-                    raise self._error(e) from None
-                except UnicodeError:  # a header httpx cannot encode (its text would show the value, maybe the key)
+                    raise self._error(e, timeout=timeout) from None
+                except UnicodeError as e:  # (its text would show the value: a header's may be the key)
+                    if getattr(e, "reason", "") == "surrogates not allowed":  # the JSON body, as UTF-8
+                        raise ModelError(f"model {self.name!r}: the request holds text that is not valid Unicode "
+                                         "(a lone UTF-16 surrogate), which an HTTP request cannot carry; nothing "
+                                         "was sent") from None
                     raise ModelError(f"model {self.name!r}: a request header holds a character that is not "
                                      "ASCII, which an HTTP header cannot carry") from None
             log.info("model %r: response_format mode %s rejected, falling back", self.name, mode)
         assert last is not None
-        raise self._error(last) from None
+        raise self._error(last, timeout=timeout) from None
+
+    def _check_text(self, request: ModelRequest, kwargs: dict[str, Any]) -> None:
+        """A ModelError (-32011) naming where, when the request holds a surrogate character (a
+        lone half of a UTF-16 pair, such as a client's ``"\\ud83d"`` escape), which its UTF-8
+        body cannot carry: the SDK's UnicodeEncodeError said nothing true about it. Nothing is
+        sent, and the instruction is not recorded (a failed call records nothing)."""
+        where = None
+        for i, message in enumerate(request.messages):
+            if _surrogate_in(message):
+                where = ("the current instruction" if i == len(request.messages) - 1
+                         else "the system message" if message.get("role") == "system"
+                         else "an earlier message of the branch")
+                break
+        else:
+            if "response_format" not in kwargs and _surrogate_in(request.response_schema):  # (sent in it: _open)
+                where = "the response schema"
+            elif _surrogate_in(kwargs):
+                where = "the request's options"
+        if where is not None:
+            raise ModelError(f"model {self.name!r}: {where} holds text that is not valid Unicode (a lone "
+                             "UTF-16 surrogate, such as a \\ud83d escape without its pair), which an HTTP "
+                             "request cannot carry; nothing was sent")
+
+    def _timeout_of(self, request: ModelRequest) -> tuple[float, str]:
+        """The time-out a request's HTTP reads are given, and where it was set: ``modelOptions``
+        over the config's ``options`` over ``timeoutS`` (the SDK's ``timeout`` option)."""
+        for options, where in ((request.options, "modelOptions"), (self.options, "options")):
+            for given, value in (options or {}).items():
+                if snake(given) == "timeout" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    return float(value), f"{where}.{given}"
+        return self.timeout_s, "timeoutS"
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         openai = _require_openai()
 
         stream, mode, structured = await self._open(request)
+        timeout = self._timeout_of(request)
         if mode is not None:
             self._rf_mode = mode  # the server accepted it: start there next time
         usage: dict | None = None
         model_name = self.model
         refusal: list[str] = []   # OpenAI's ``refusal`` deltas: the model declined (structured outputs)
         filtered = False          # a ``content_filter`` stop: the provider cut the reply
+        cut = False               # a ``length`` stop: the reply reached the token limit
         finished = False          # the first choice said why it stopped (finish_reason)
         tools: list[str] = []     # the names of native tool calls (no tools are offered: no reply)
         tool_stop = False         # the reply stopped for tool calls
         said = False              # some reply text (not white space, not thoughts) was passed on
+        thought = False           # some thoughts were passed on
+        halves = _Surrogates()    # a surrogate pair's first half, held for the next delta
         seen = _watch(stream)     # [DONE] seen, the bytes of an event so far, the body's first bytes
         reply_chars = 0           # text and thinking so far: bounded (a server streaming on and on)
         chunks = 0
@@ -384,6 +437,7 @@ class OpenAIModel(BaseModelProvider):
                 usage = part.usage if part.usage is not None else usage
                 finished = finished or part.finished
                 filtered = filtered or part.filtered
+                cut = cut or part.cut
                 refusal += part.refusal
                 tools += part.tools
                 tool_stop = tool_stop or part.tool_stop
@@ -391,14 +445,21 @@ class OpenAIModel(BaseModelProvider):
                     reply_chars += len(text)
                     if reply_chars > MAX_REPLY_CHARS:
                         raise _TooLong(f"more than {MAX_REPLY_CHARS >> 20} Mi characters")
+                    text = halves.feed(kind, text)
                     for piece, piece_text in inline.feed(text) if kind == "text" else ((kind, text),):
                         said = said or (piece == "text" and bool(piece_text.strip()))
-                        yield StreamChunk(type=piece, text=piece_text)
+                        thought = thought or piece == "thinking"
+                        if piece_text:
+                            yield StreamChunk(type=piece, text=piece_text)
                 if finished and grace_end is None:
                     grace_end = anyio.current_time() + FINISH_GRACE_S
-            for kind, text in inline.end():
-                said = said or (kind == "text" and bool(text.strip()))
-                yield StreamChunk(type=kind, text=text)
+            ends = [("thinking", halves.end("thinking"))]
+            ends += [(kind, text) for kind, text in inline.feed(halves.end("text")) + inline.end()]
+            for kind, text in ends:
+                if text:
+                    said = said or (kind == "text" and bool(text.strip()))
+                    thought = thought or kind == "thinking"
+                    yield StreamChunk(type=kind, text=text)
             inline.check(self.name)
             if not (finished or seen.done):
                 if not chunks:
@@ -409,13 +470,13 @@ class OpenAIModel(BaseModelProvider):
             if (tools or tool_stop) and not said and not refusal:
                 raise _ToolCalls(", ".join(dict.fromkeys(tools)) or "unnamed")
         except (openai.OpenAIError, _BadChunk, _Incomplete, _TooLong, _NotAStream, _ToolCalls) as e:
-            raise self._error(e, streaming=True) from None
+            raise self._error(e, streaming=True, timeout=timeout) from None
         except (ValueError, RecursionError) as e:  # the SDK could not parse an event's JSON
-            raise self._error(e, streaming=True) from None
+            raise self._error(e, streaming=True, timeout=timeout) from None
         except Exception as e:
             # httpx errors mid-stream (connection dropped, read time-out)
             if _is_http_error(e):
-                raise self._error(e, streaming=True) from None
+                raise self._error(e, streaming=True, timeout=timeout) from None
             raise
         finally:
             with anyio.CancelScope(shield=True):
@@ -429,9 +490,63 @@ class OpenAIModel(BaseModelProvider):
         if refusal or filtered:  # no reply to parse: say that the model declined, and why
             from operate_sidecar.server.core.errors import ModelRefused
 
-            why = redact("".join(refusal).strip() or "stopped by the provider's content filter",
+            why = redact(valid_text("".join(refusal)).strip() or "stopped by the provider's content filter",
                          [self._api_key, os.environ.get(self.api_key_env)])[:MAX_ERROR_CHARS]
             raise ModelRefused(f"model {self.name!r} declined the request: {why}", refusal=why)
+        if cut:
+            if structured or request.response_schema is not None or not said:
+                raise ModelError(cut_at_token_limit(self.name, thought and not said, TOKEN_LIMIT_HINT))
+            log.info("model %r: the reply was cut at the token limit (finish_reason \"length\"); its text so far "
+                     "is the reply", self.name)
+        elif thought and not said:  # (a server whose reasoning parser took the answer too: vLLM's without </think>)
+            log.warning("model %r: the reply was the model's thoughts only, no answer after them: an empty reply",
+                        self.name)
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """``text`` as valid Unicode: a UTF-16 surrogate pair given as two characters (a JSON
+    ``"\\ud83c\\udf89"``) joined into the one character it encodes, a lone surrogate (which no
+    UTF-8 can carry: an HTTP body, the state database, the wire) made U+FFFD."""
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+class _Surrogates:
+    """Joins a surrogate pair that a server split across two deltas of the same kind (a JSON
+    writer with ASCII escapes cutting an emoji's ``"\\ud83c"`` from its ``"\\udf89"``): a delta's
+    last character, when it is a first half, is held for the next delta of its kind; what
+    still is no pair becomes U+FFFD (:func:`valid_text`)."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: dict[str, str] = {}
+
+    def feed(self, kind: str, text: str) -> str:
+        text = self._held.pop(kind, "") + text
+        if text and "\ud800" <= text[-1] <= "\udbff":
+            self._held[kind], text = text[-1], text[:-1]
+        return valid_text(text)
+
+    def end(self, kind: str) -> str:
+        """What is held of ``kind`` at the end of the reply (a half that never found its pair)."""
+        return valid_text(self._held.pop(kind, ""))
+
+
+def _surrogate_in(value: Any) -> bool:
+    """Does a request's JSON value hold a surrogate character (a lone one, or half of a pair given
+    as two characters), which UTF-8, and so the request's body, cannot carry?"""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_surrogate_in(k) or _surrogate_in(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_surrogate_in(v) for v in value)
+    return False
 
 
 #: httpx errors of a connection made, then lost before the response's headers came
@@ -448,11 +563,13 @@ class _Incomplete(Exception):
 
 class _NotAStream(Exception):
     """A 200 whose body is not an event stream (an HTML page, a JSON document): its text says
-    what came; ``error``: the message of a JSON error document (``{"error": {"message": ...}}``)."""
+    what came; ``error``: the message of a JSON error document (``{"error": {"message": ...}}``);
+    ``sample``: what the body says (:func:`_sample`)."""
 
-    def __init__(self, what: str, error: str | None = None) -> None:
+    def __init__(self, what: str, error: str | None = None, sample: str = "") -> None:
         super().__init__(what)
         self.error = error
+        self.sample = sample
 
 
 class _ToolCalls(Exception):
@@ -466,15 +583,56 @@ def _not_a_stream(kind: str, head: bytes) -> _NotAStream | None:
     error = _error_message(text) if text.startswith("{") else None
     if error is not None:  # (whatever its content type said)
         return _NotAStream(kind or "JSON", error)
-    if "event-stream" in kind:
-        return None
+    sample = _sample(text)
+    if "event-stream" in kind:  # (a proxy's or a web UI's page, labelled as the stream asked for)
+        return None if not text or _SSE_LINE.search(text) else _NotAStream(f"a body sent as {kind}", sample=sample)
     if kind:
-        return _NotAStream(f"{kind} content")
-    if text[:15].lower().startswith(("<!doctype html", "<html")):
-        return _NotAStream("an HTML page (and no content type)")
+        return _NotAStream(f"{kind} content", sample=sample)
+    if _is_html(text):
+        return _NotAStream("an HTML page (and no content type)", sample=sample)
     if text.startswith(("{", "[")):
-        return _NotAStream("a JSON document (and no content type)")
-    return _NotAStream("a body with no content type") if text else None
+        return _NotAStream("a JSON document (and no content type)", sample=sample)
+    return _NotAStream("a body with no content type", sample=sample) if text else None
+
+
+#: a line of an event stream: a field (``data:``, ``event:``, ``id:``, ``retry:``) or a comment
+_SSE_LINE = re.compile(r"^(?:data|event|id|retry)?:", re.M)
+_HTML_START = re.compile(r"<(?:!doctype\s+html|html|head|body|title)\b", re.I)
+_HTML_SKIP = re.compile(r"<(script|style)\b.*?(?:</\1\s*>|$)|<!--.*?(?:-->|$)|<[^>]*>?", re.I | re.S)
+#: a page's title: its text up to the next tag (``<title>…</title>``). Each match attempt stops at
+#: the next ``<``: ``(.*?)</title`` looked for the closing tag from every ``<title``, to the end of
+#: the body each time, and 64 KiB of ``<title>`` took seconds of the event loop
+_TITLE = re.compile(r"<title\b[^<>]*>([^<]*)", re.I)
+#: the most characters of a body's words that a message quotes
+SAMPLE_CHARS = 160
+#: the most characters of a body that :func:`_sample` reads (its title or first words are in them)
+SAMPLE_SCAN_CHARS = HEAD_BYTES
+
+
+def _is_html(text: str) -> bool:
+    return _HTML_START.match(text.lstrip()) is not None
+
+
+def _sample(text: str) -> str:
+    """What a body that is not the JSON or event stream expected says, for a message, bounded:
+    an HTML page as ``an HTML page, "<its title, or its first words>"``, other text as its first
+    words in quotes; "" when it says nothing. Only its first SAMPLE_SCAN_CHARS characters are
+    read, by patterns that take time in proportion to them (an error body is up to
+    MAX_ERROR_BODY_BYTES, and this runs on the event loop)."""
+    import html
+
+    text = text[:SAMPLE_SCAN_CHARS].strip()
+    page = _is_html(text)
+    if page:
+        title = _TITLE.search(text)
+        words = html.unescape(_HTML_SKIP.sub(" ", title.group(1) if title else text))
+    else:
+        words = text
+    words = " ".join(words.split())
+    if len(words) > SAMPLE_CHARS:
+        words = words[:SAMPLE_CHARS] + "…"
+    quoted = f'"{words}"' if words else ""
+    return ("an HTML page" + (f", {quoted}" if quoted else "")) if page else quoted
 
 
 def _content_type(stream: Any) -> str:
@@ -494,13 +652,14 @@ def _is_http_error(e: BaseException) -> bool:
 
 
 class _Part:
-    __slots__ = ("model", "usage", "finished", "filtered", "refusal", "tools", "tool_stop", "out")
+    __slots__ = ("model", "usage", "finished", "filtered", "cut", "refusal", "tools", "tool_stop", "out")
 
     def __init__(self) -> None:
         self.model: str | None = None
         self.usage: dict | None = None
         self.finished = False
         self.filtered = False
+        self.cut = False            # finish_reason "length": stopped at the token limit
         self.refusal: list[str] = []
         self.tools: list[str] = []  # names of native tool calls (``tool_calls``, ``function_call``)
         self.tool_stop = False      # finish_reason "tool_calls" (or the older "function_call")
@@ -536,7 +695,7 @@ def _read_chunk(chunk: Any) -> _Part:
         raise _BadChunk(f"a JSON {type(chunk).__name__}, not an object")
     model = _field(chunk, "model")
     if model and isinstance(model, str):
-        part.model = model
+        part.model = valid_text(model)
     usage = _field(chunk, "usage")
     if usage is not None:
         dump = getattr(usage, "model_dump", None)
@@ -563,6 +722,7 @@ def _read_chunk(chunk: Any) -> _Part:
         if reason:
             part.finished = True
             part.filtered = part.filtered or reason == "content_filter"
+            part.cut = part.cut or reason == "length"
             part.tool_stop = reason in ("tool_calls", "function_call")
         delta = _field(choice, "delta")
         if delta is None:
@@ -599,7 +759,7 @@ def _tool_names(delta: Any) -> list[str]:
         function = _field(call, "function") if call is not None else None
         name = _field(function, "name") if function is not None else None
         if isinstance(name, str) and name:
-            out.append(name[:64])
+            out.append(valid_text(name[:64]))
     return out
 
 
@@ -761,6 +921,8 @@ def _status_message(e: Any) -> str:
         message = _error_message(body)
         if message:
             return message
+    elif isinstance(body, str) and body.strip():  # an HTML page (a proxy's), plain text: what it says
+        return _sample(body)
     return str(getattr(e, "message", None) or e)
 
 
@@ -796,11 +958,14 @@ INSTALL_HINT = "pip install 'operate-sidecar[openai]'"
 
 @lru_cache(maxsize=1)
 def _client_class() -> Any:
-    """``AsyncOpenAI``, except that a retry the server asks to wait for longer than the call has
-    left (its ``Retry-After`` beyond the ``timeoutS`` deadline) is not waited for: the server's
-    answer (a 429 or 503 and its message) is the error at once, instead of a time-out after
-    sleeping out the whole ``timeoutS``; and that of an error response's body only the first
-    MAX_ERROR_BODY_BYTES are read (the SDK reads it whole, whatever its size)."""
+    """``AsyncOpenAI``, except that the server's ``Retry-After`` is measured against the time the
+    call has left (its ``timeoutS`` deadline): a retry it asks to wait for too long to leave the
+    retry time for its answer (:func:`_retry_in_time`) is not waited for (the server's answer, a
+    429 or 503 and its message, is the error at once, instead of a time-out after sleeping out
+    the whole ``timeoutS``), and one within the time left is waited for as asked, however long (the SDK alone gives up on any beyond two minutes, and waits its
+    own shorter back-off for them when told to retry); and that of an error response's body only
+    the first MAX_ERROR_BODY_BYTES are read (the SDK reads it whole, whatever its size). Without
+    a deadline (none is set: not in the pipeline), the SDK's own rules apply."""
     openai = _require_openai()
     if not callable(getattr(openai.AsyncOpenAI, "_should_retry", None)):  # a private hook of the SDK
         log.debug("openai: this SDK has no AsyncOpenAI._should_retry; a Retry-After beyond timeoutS is waited for")
@@ -810,14 +975,26 @@ def _client_class() -> Any:
         def _should_retry(self, response: Any) -> bool:
             wait = _retry_after_seconds(getattr(response, "headers", None))
             if wait is not None:
-                left = anyio.current_effective_deadline() - anyio.current_time()
-                if wait >= left:
+                in_time = _retry_in_time(wait, self.timeout)
+                if in_time is False:
                     try:
                         response._sidecar_no_time = True  # for the error message
                     except AttributeError:
                         pass
                     return False
+                if in_time:  # a wait in time: whether to retry is the status's (and the SDK's) say
+                    return super()._should_retry(_WithoutRetryAfter(response))
             return super()._should_retry(response)
+
+        def _calculate_retry_timeout(self, remaining_retries: int, options: Any,
+                                     response_headers: Any = None) -> float:
+            wait = _retry_after_seconds(response_headers)
+            in_time = _retry_in_time(wait, self.timeout) if wait is not None else None
+            if in_time:
+                return wait
+            if in_time is False:  # (never slept: the SDK's own back-off, not the server's wait)
+                response_headers = None
+            return super()._calculate_retry_timeout(remaining_retries, options, response_headers)
 
         async def _send_request(self, request: Any, *, stream: bool, **kwargs: Any) -> Any:
             response = await super()._send_request(request, stream=stream, **kwargs)
@@ -826,6 +1003,41 @@ def _client_class() -> Any:
             return response
 
     return Client
+
+
+def _time_left() -> float:
+    """Seconds until the deadline of the enclosing cancel scopes (the call's ``timeoutS``), or
+    infinity without one."""
+    return anyio.current_effective_deadline() - anyio.current_time()
+
+
+def _retry_in_time(wait: float, timeout: Any) -> bool | None:
+    """Whether a retry after the ``wait`` a server asked for can still be answered before the
+    call's deadline: the wait must leave the retry half the time left, or the client's read
+    time-out (``timeout``) when that is shorter. Waiting 119 of 120 s left only to time out
+    would give the user a time-out instead of the server's own answer (its 429 and message).
+    None without a deadline (the SDK's own rules apply)."""
+    left = _time_left()
+    if not math.isfinite(left):
+        return None
+    read = getattr(timeout, "read", timeout)  # (an httpx Timeout, or seconds)
+    read = float(read) if isinstance(read, (int, float)) and not isinstance(read, bool) and read > 0 else math.inf
+    return wait < left - min(left / 2, read)
+
+
+class _WithoutRetryAfter:
+    """A response as the SDK's retry rule reads it, without its ``Retry-After`` headers (whose
+    wait the time left already allows), so that the SDK's cap on them does not refuse it."""
+
+    def __init__(self, response: Any) -> None:
+        self._response = response
+        self.headers = response.headers.copy()
+        for name in ("retry-after", "retry-after-ms"):
+            if name in self.headers:
+                del self.headers[name]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._response, name)
 
 
 async def _read_error_head(response: Any) -> None:
@@ -851,7 +1063,8 @@ async def _read_error_head(response: Any) -> None:
 
 
 def _retry_after_seconds(headers: Any) -> float | None:
-    """The delay a response's ``Retry-After-Ms`` or ``Retry-After`` (seconds) asks for, if any."""
+    """The delay a response's ``Retry-After-Ms`` or ``Retry-After`` (seconds, or an HTTP date)
+    asks for, if any (as the SDK reads them)."""
     if headers is None:
         return None
     for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
@@ -863,6 +1076,17 @@ def _retry_after_seconds(headers: Any) -> float | None:
         except ValueError:
             continue
         return wait if math.isfinite(wait) and wait > 0 else None
+    value = headers.get("retry-after")
+    if value:
+        import email.utils
+        import time
+
+        try:
+            when = email.utils.parsedate_tz(value)
+            wait = float(email.utils.mktime_tz(when) - time.time()) if when is not None else None
+        except (TypeError, ValueError, OverflowError, OSError):
+            wait = None
+        return wait if wait is not None and wait > 0 else None
     return None
 
 

@@ -4,7 +4,12 @@ Each invocation (chat, parse repair, CLI run) consumes the next entry of the
 config's ``responses``. An entry is a string (the text) or an object with
 ``text``, ``json`` (serialized as the text), ``delayMs`` (a cancellable wait
 before answering), ``chunks`` (stream the text in that many deltas) and
-``error`` (the invocation fails). An exhausted list fails with a model error.
+``error`` (the invocation fails, after streaming its ``thinking`` and text if
+it has any: a model that failed mid-reply, as ``--record`` writes one) and
+``refusal`` (the model declined, as OpenAI's ``refusal`` or a ``content_filter``
+stop: the invocation fails as that refusal, the text its ``data.refusal`` and
+ACP's ``refusal`` stop reason; its message is ``error`` when given). An
+exhausted list fails with a model error.
 ``"cli": true`` makes the model CLI-backed. Its entries may hold ``events``
 instead of ``text``: a CLI run's text, ``tool_use`` and ``tool_result`` events,
 in order, as the ``jsonl`` profile writes them (what ``--record`` writes for a
@@ -21,12 +26,22 @@ from typing import Any, AsyncIterator
 
 import anyio
 
-from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.errors import ModelError, ModelRefused
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from .config import ModelConfigError, check_model_config, entry_problem
 
 REQUEST_LOG_LIMIT = 100
+def _failure(entry: dict, name: str) -> ModelError | None:
+    """The model error an entry ends with (its ``refusal`` or its ``error``), or None."""
+    if entry.get("refusal") is not None:
+        refusal = str(entry["refusal"])
+        message = entry.get("error")
+        return ModelRefused(str(message) if message is not None else f"model {name!r} declined the request: {refusal}",
+                            refusal=refusal)
+    if entry.get("error") is not None:
+        return ModelError(str(entry["error"]))
+    return None
 
 
 def _check_entry(i: int, entry: Any, name: str = "scripted") -> Any:
@@ -73,8 +88,7 @@ class ScriptedModel(BaseModelProvider):
         if delay:
             await anyio.sleep(delay)
         events = None if isinstance(entry, str) else entry.get("events")
-        if events is None and not isinstance(entry, str) and entry.get("error") is not None:
-            raise ModelError(str(entry["error"]))
+        failure = None if isinstance(entry, str) else _failure(entry, self.name)
         thinking = None if isinstance(entry, str) else entry.get("thinking")
         if thinking:  # a reasoning model's thoughts, before its reply
             yield StreamChunk(type="thinking", text=thinking)
@@ -85,8 +99,8 @@ class ScriptedModel(BaseModelProvider):
             for event in events:
                 for chunk in parser.event(event):
                     yield chunk
-            if entry.get("error") is not None:
-                raise ModelError(str(entry["error"]))
+            if failure is not None:
+                raise failure
             yield StreamChunk(type="result", model=self.name, usage={"prompt_tokens": 0, "completion_tokens": 0})
             return
         if chunks <= 1 or len(text) <= 1:
@@ -100,5 +114,7 @@ class ScriptedModel(BaseModelProvider):
                 step = size + (1 if i < extra else 0)
                 yield StreamChunk(type="text", text=text[pos: pos + step])
                 pos += step
+        if failure is not None:  # after what it streamed, as a reply cut short (a stream lost, an error event)
+            raise failure
         yield StreamChunk(type="result", model=self.name, usage={"prompt_tokens": 0, "completion_tokens": 0})
 

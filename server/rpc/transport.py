@@ -154,7 +154,7 @@ class Connection:
                 log.error("dropping a %s message that is not JSON: %s", msg.get("method"), e)
                 return
         if redaction.has_secrets():  # the last net: no known secret value leaves the process
-            body = redaction.redact_bytes(body)  # (the frame stays valid JSON)
+            body = redaction.redact_bytes(body, keep_id=True)  # (the frame stays valid JSON, its id as it was)
         self.wire.send_bytes(body)
 
     def send_result(self, msg_id: Any, result: Any) -> None:
@@ -238,9 +238,9 @@ class Connection:
         if method == "ping" and "id" in msg and _valid_id(msg["id"]) and msg.get("jsonrpc") == "2.0" \
                 and not msg.get("params"):
             # fast path: no allocation beyond the frame, allowed in every state (through the
-            # last net when a secret is known: the id is the client's to choose)
+            # last net when a secret is known, which keeps the id: the client chose it)
             body = self._ping_head + dumps(msg["id"]) + b',"result":{}}'
-            self.wire.send_bytes(redaction.redact_bytes(body) if redaction.has_secrets() else body)
+            self.wire.send_bytes(redaction.redact_bytes(body, keep_id=True) if redaction.has_secrets() else body)
             return
         self._route(msg)
 

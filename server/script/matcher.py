@@ -11,7 +11,8 @@ order, and :func:`describe_mismatches` says them in one line.
 
 ``"${name}"`` is a saved value: a string that is exactly ``"${name}"`` becomes the saved
 value itself (any JSON type); a reference inside a longer string is replaced by the
-value's text. ``$${`` is a literal ``${`` (as in docker-compose): ``"$${HOME}"`` is the text
+value's text. In a pattern what is substituted matches as itself: a saved ``"*"`` (or a
+text made with it) is the text ``*``, not a pattern. ``$${`` is a literal ``${`` (as in docker-compose): ``"$${HOME}"`` is the text
 ``${HOME}``; :func:`escape` turns any text into the string that substitutes back to it.
 """
 
@@ -272,15 +273,17 @@ def references(value: Any) -> set[str]:
     return set()
 
 
-def substitute(value: Any, saved: dict[str, Any]) -> Any:
+def substitute(value: Any, saved: dict[str, Any], pattern: bool = False) -> Any:
     """``value`` with every ``${name}`` replaced by ``saved[name]`` and every ``$${`` by a
-    literal ``${``."""
+    literal ``${``. In a ``pattern`` (an ``expect``, a ``match``) what is substituted matches
+    as itself (:func:`as_pattern`): a saved ``"*"`` is the text ``*``, not a pattern that
+    matches anything."""
     if isinstance(value, str):
         m = _REF.fullmatch(value)
         if m:
             if m.group(1) not in saved:
                 raise UnknownName(m.group(1))
-            return saved[m.group(1)]
+            return as_pattern(saved[m.group(1)]) if pattern else saved[m.group(1)]
 
         def text(m: re.Match) -> str:
             if m.group(1) is None:  # $${
@@ -290,11 +293,28 @@ def substitute(value: Any, saved: dict[str, Any]) -> Any:
             v = saved[m.group(1)]
             return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
-        return _ESCAPED_OR_REF.sub(text, value) if "${" in value else value
+        if "${" not in value:
+            return value
+        out = _ESCAPED_OR_REF.sub(text, value)
+        # a text made with a saved value is that text (a written "$*" with no reference stays a pattern's)
+        return as_pattern(out) if pattern and references(value) else out
     if isinstance(value, dict):
-        return {k: substitute(v, saved) for k, v in value.items()}
+        return {k: substitute(v, saved, pattern) for k, v in value.items()}
     if isinstance(value, list):
-        return [substitute(v, saved) for v in value]
+        return [substitute(v, saved, pattern) for v in value]
+    return value
+
+
+def as_pattern(value: Any) -> Any:
+    """``value`` (substituted: no ``${`` left to read) as a pattern that matches it as it is:
+    each string a pattern reads otherwise, ``"*"`` (anything) and ``"$*"`` (the text ``*``),
+    written with one ``$`` more, at any depth."""
+    if isinstance(value, str):
+        return "$" + value if value == ANY or _ESCAPED_ANY.fullmatch(value) else value
+    if isinstance(value, dict):
+        return {k: as_pattern(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_pattern(v) for v in value]
     return value
 
 

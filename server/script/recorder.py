@@ -11,12 +11,18 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
 - each client notification as a ``notify`` step;
 - each notification the client got as an ``expectNotification`` step (of a ``$/progress``
   stream only the first report per phase is kept, its ``delta`` as ``"*"``, since how a
-  model's text is cut into deltas is not part of the contract);
+  model's text is cut into deltas is not part of the contract); one that came long after the
+  step before it was done (a slow model's text and end while the client went on, not waiting
+  for the answer) with a ``timeoutMs`` covering that wait (:meth:`Recorder._timed`), when the
+  replay's default wait would not;
 - each answer the client gave to a server-to-client request, when it differs from the
   previous answer to the same call, as a ``respond`` step placed before the request that was
   in flight: a standing answer that ``match``es the call (tool and arguments for permission
   and client-tool requests, the path for the client's file system), so calls answered
-  differently within one operate are answered the same way when replayed, in any order; a
+  differently within one operate are answered the same way when replayed, in any order; the
+  same call answered differently (a file read again after an edit) as one respond line per
+  answer, in a row, which the replay gives in turn (an answer given several times before
+  another written as often); a
   request the client had not answered when the server withdrew it (``$/cancelRequest``: a
   permission prompt timed out, its operate cancelled) or the session ended as ``"unanswered":
   true`` (an answer that came after the withdrawal reached no one: not written);
@@ -54,6 +60,10 @@ it never changes them) and every model invocation (``wrap_model``), and writes:
   action_request and action_response messages), or that failed after writing, is recorded as
   its ``events`` (its text and tool events, in order, as the ``jsonl`` profile writes them) in
   place of its text, with its ``error`` if it failed: the scripted replay streams them the same.
+  Any other invocation that failed after streaming (its connection lost, an error event, a
+  refusal after some text) is recorded as its ``text`` (and ``thinking``) with its ``error``
+  (a refusal's says the model declined, which the scripted replay raises as that refusal):
+  replayed, it streams the same, then fails the same.
 
 Every known secret value is masked in the file (``redaction.redact_bytes``; each line stays
 JSON), among them those the settings of every recorded ``initialize`` name or hold, of one the
@@ -72,8 +82,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import math
 import re
 import threading
+import time
 import weakref
 from typing import Any, AsyncIterator
 
@@ -91,6 +103,12 @@ _VOLATILE_IN = {"id": ("kind", "role"), "version": ("name",), "model": ("text",)
 _ID_RESULTS = {"createBranch": "branch", "forkBranch": "branch"}
 #: a model invocation that was cancelled when recorded waits this long when replayed (cancellable)
 CANCELLED_DELAY_MS = 600_000
+#: an ``expectNotification`` whose notification came long after the step before it was done (a
+#: slow model's text and end, while the client went on) is written with a ``timeoutMs`` of that
+#: wait times this, plus :data:`NOTIFICATION_HEADROOM_S`, in whole seconds, when that is more
+#: than the replay's default wait (10 s): a replay as slow again still passes
+NOTIFICATION_HEADROOM = 2
+NOTIFICATION_HEADROOM_S = 5.0
 
 
 def _remember_secrets(settings: Any) -> None:
@@ -115,10 +133,17 @@ class Recorder:
         self._out: dict[Any, tuple[str, Any]] = {}          # server request id -> (method, match)
         self._withdrawn: set[str] = set()   # server requests the server cancelled before the client answered
         self._server_requests = 0           # server-to-client requests so far
-        self._standing: dict[str, Any] = {}
+        self._standing: dict[tuple[str, str], Any] = {}     # (method, match) -> the answer standing
+        #: (method, match) -> (its latest respond step, the request in flight each time its answer was given again since)
+        self._given: dict[tuple[str, str], tuple[dict[str, Any], list[Any]]] = {}
         self._saved: dict[str, str] = {}                    # volatile value -> save name
         self._counts: dict[str, int] = {}
         self._progress_seen: set[tuple] = set()
+        #: id of a step -> when it was recorded (a request: sent; a notification: received; an await:
+        #: its answer received), and id of a request step -> when its answer came
+        self._at: dict[int, float] = {}
+        self._answered_at: dict[int, float] = {}
+        self._started = time.monotonic()
         self.models: dict[str, dict[str, Any]] = {}
         self._model_calls: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # task -> started
         self._conn: Any = None
@@ -152,7 +177,7 @@ class Recorder:
                     if earlier["request"] not in _ID_RESULTS and earlier.get("wait", True):
                         earlier["id"] = self._ids[key]
                         earlier["wait"] = False
-                self.steps.append(step)
+                self._append(step)
                 self._pending[_key(msg["id"])] = step
                 self._ids[_key(msg["id"])] = msg["id"]
             elif isinstance(method, str):
@@ -170,7 +195,7 @@ class Recorder:
                 step = {"notify": method}
                 if params not in (None, {}):
                     step["params"] = self._template(params)
-                self.steps.append(step)
+                self._append(step)
             elif "id" in msg:  # the client's answer to a server-to-client request
                 out = self._out.pop(_key(msg["id"]), None)
                 if out is None:  # (an answer after the server withdrew the request reached no one: not written)
@@ -180,17 +205,31 @@ class Recorder:
 
     def _respond(self, method: str, match: Any, answer: dict[str, Any]) -> None:
         """A ``respond`` step for an answer (or ``{"unanswered": True}``) that differs from the
-        standing one, placed before the request that was in flight."""
+        standing one, placed before the request that was in flight. Respond lines with the same
+        call in a row are given in turn by the replay, the last one repeating: when the same
+        call was answered alike, then otherwise (within one operate), the earlier answer is
+        written once per time it was given, so that each call gets its own."""
         key = (method, json.dumps(match, sort_keys=True))
+        given = self._given.get(key)
+        at, before = self._respond_at()
         if self._standing.get(key) == answer:
+            if given is not None:
+                given[1].append(before)
             return
         self._standing[key] = answer
         step = {"respond": method, **({"match": match} if match is not None else {}), **answer}
-        first = min((self._index(s) for s in self._pending.values()), default=None)
-        if first is None:
-            self.steps.append(step)
-        else:
-            self.steps.insert(first, step)
+        if given is not None:  # the earlier answer, as often as it was given again in this place, then this one
+            again = sum(1 for b in given[1] if b is before)
+            self.steps[at:at] = [dict(given[0]) for _ in range(again)]
+            at += again
+        self.steps.insert(at, step)
+        self._given[key] = (step, [])
+
+    def _respond_at(self) -> tuple[int, Any]:
+        """Where a respond step goes: before the first request in flight (its index, and its step),
+        else at the end (None)."""
+        first = min(self._pending.values(), key=self._index, default=None)
+        return (len(self.steps), None) if first is None else (self._index(first), first)
 
     def _ended(self) -> bool:
         """The session is over (end of input, ``exit``, a signal): nothing sent now reaches the client."""
@@ -218,6 +257,7 @@ class Recorder:
             step = self._pending.pop(_key(msg.get("id")), None)
             if step is None:
                 return
+            self._answered_at[id(step)] = time.monotonic()
             if "error" in msg:
                 err = msg.get("error") or {}
                 step["expect"] = {"error": {"code": err.get("code")}}
@@ -232,7 +272,7 @@ class Recorder:
                     expected["branchId"] = "*"  # (after _volatile: this "*" is a pattern's, not a literal one)
                 step["expect"] = {"result": expected}
             if step.get("wait") is False:  # the client had gone on: the replay waits for it here
-                self.steps.append({"await": step["id"]})
+                self._append({"await": step["id"]})
             self.write()
 
     def _notification(self, method: str, params: Any) -> None:
@@ -250,7 +290,34 @@ class Recorder:
             step["match"] = self._volatile(params)
             for k in cut:  # (after _volatile: these "*" are a pattern's, not literal ones)
                 step["match"]["value"][k] = "*"
+        self._append(step)
+
+    def _append(self, step: dict[str, Any]) -> None:
         self.steps.append(step)
+        self._at[id(step)] = time.monotonic()
+
+    def _timed(self) -> list[dict[str, Any]]:
+        """The steps, each ``expectNotification`` whose notification came long after the step
+        before it would be done in the replay (:func:`_notification_timeout_ms`) with a
+        ``timeoutMs``. A step is done when it was recorded, but a request the replay waits for
+        (``"wait"`` not false) when its answer came: the notifications that came before that
+        answer are there when the replay's step for them runs (one still unanswered: not yet)."""
+        done = self._started
+        out = []
+        for step in self.steps:
+            at = self._at.get(id(step))
+            if at is None:  # a respond step: answers at once
+                out.append(step)
+                continue
+            if "expectNotification" in step:
+                timeout_ms = _notification_timeout_ms(at - done)
+                if timeout_ms:
+                    step = {**step, "timeoutMs": timeout_ms}
+            elif "request" in step and step.get("wait", True) is not False:
+                at = self._answered_at.get(id(step), float("inf"))
+            done = max(done, at)
+            out.append(step)
+        return out
 
     # ------------------------------------------------------------------ models
     def wrap_model(self, model: Any, config: dict[str, Any], name: str, *, inline: bool) -> Any:
@@ -360,7 +427,7 @@ class Recorder:
     # ------------------------------------------------------------------ output
     def lines(self) -> list[str]:
         with self._lock:
-            out = [json.dumps(_raw_if_malformed(s), ensure_ascii=False) for s in self.steps]
+            out = [json.dumps(_raw_if_malformed(s), ensure_ascii=False) for s in self._timed()]
             models = {name: self._escaped({**m, "responses": [r if r is not None else {"error": "(not finished when recorded)"}
                                                          for r in m["responses"]]})
                       for name, m in self.models.items()}
@@ -457,16 +524,22 @@ class RecordingModel:
                 yield chunk
         except Exception as e:
             entry = {"error": str(e) or type(e).__name__}
+            from ..core.errors import ModelRefused  # (loaded: a model ran)
+
+            if isinstance(e, ModelRefused):  # replayed as that refusal (its data.refusal, ACP's stop reason)
+                entry["refusal"] = e.refusal
             raise
         except asyncio.CancelledError:  # cancelled mid-answer: the replayed invocation waits to be cancelled too
             entry = {"text": "".join(parts), "delayMs": CANCELLED_DELAY_MS}
             raise
         finally:
-            if entry is None:
-                entry = {"text": "".join(parts)}
+            if entry is None or ("error" in entry and events is None and parts):
+                # a reply, or what a model streamed before it failed (a stream lost, an error event, a
+                # refusal after some text): the scripted replay streams the same, then fails the same
+                entry = {"text": "".join(parts), **(entry or {})}
                 if len(parts) > 1:
                     entry["chunks"] = len(parts)
-            if thoughts and "error" not in entry:  # (replayed as one stretch of thoughts, before the text)
+            if thoughts:  # (replayed as one stretch of thoughts, before the text; before the failure too)
                 entry["thinking"] = "".join(thoughts)
             tools = events is not None and any(isinstance(e, dict) for e in events)
             if events and "delayMs" not in entry and (tools or "error" in entry):
@@ -484,6 +557,20 @@ class RecordingModel:
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _notification_timeout_ms(waited_s: float) -> int | None:
+    """The ``timeoutMs`` of an ``expectNotification`` whose notification came ``waited_s``
+    seconds after the step before it was done (the replay waits for it from then), or None when
+    the replay's default wait covers it (with headroom: :data:`NOTIFICATION_HEADROOM`). The
+    replay waits only until the notification comes: a long time-out costs time only when it
+    does not come."""
+    from .runner import DEFAULT_NOTIFICATION_TIMEOUT_S, MAX_TIMEOUT_MS
+
+    needed = waited_s * NOTIFICATION_HEADROOM + NOTIFICATION_HEADROOM_S
+    if needed <= DEFAULT_NOTIFICATION_TIMEOUT_S:
+        return None
+    return min(MAX_TIMEOUT_MS, math.ceil(needed) * 1000)
 
 
 def _events(events: list[Any], parts: list[str]) -> list[dict[str, Any]]:

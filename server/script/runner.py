@@ -25,10 +25,15 @@ A script is JSON Lines; each line is one step:
 - ``{"notify": method, "params"?: {...}, "raw"?: true}``: send a notification.
 - ``{"expectNotification": method, "match"?: M, "timeoutMs"?: n, "save"?: {name: path}}``: wait
   for a notification of that method, not matched by an earlier step, whose params match ``M``;
-  one that timed out names the nearest miss and, as a request does, the time-out to raise.
+  one that timed out names the nearest miss and, as a request does, the time-out to raise. One
+  that can no longer come fails at once: a ``$/progress`` of a ``workDoneToken`` whose requests
+  have all been answered (an operate's progress precedes its answer), a ``toolEvent`` of a
+  branch whose operates have all been answered with a result.
 - ``{"respond": method, "match"?: M, "result": {...}}`` (or ``"error": {"code", "message"}``): the
   standing answer to that server-to-client request from here on; with ``match``, only to those
-  whose params match ``M`` (the latest standing answer that matches is given). The ``result`` of
+  whose params match ``M`` (the latest standing answer that matches is given; respond lines of
+  the same method and ``match`` in a row, only respond lines between them, answer in turn, the
+  last one repeating, as ``--record`` writes a call answered differently each time). The ``result`` of
   a request protocol/ declares (``requestToolPermission``, ``invokeClientTool``,
   ``fs/readTextFile``, ``fs/writeTextFile``) must have the shape it declares for it, checked when
   the script loads, except where a ``${name}`` stands (known only once substituted). A request of
@@ -46,7 +51,8 @@ respond line as written: its fields' types and shapes are not checked, nor a per
 against the request's options.
 
 Patterns are matched by :mod:`.matcher` (``"$*"`` is a literal ``*``); ``${name}`` anywhere in a
-step is a saved value, and ``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the
+step is a saved value (in a pattern, ``expect`` or ``match``, it matches as itself: a saved ``"*"``
+is no wildcard), and ``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the
 server's working directory.
 A line ``{"recordedModels": {...}}`` (written by ``--record``) is not a step: it holds the
 recorded model turns, used by ``replay --scripted`` to replay without the real models.
@@ -70,7 +76,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn
 
 from .matcher import (ANY, Mismatch, PathError, UnknownName, describe_mismatches, did_you_mean, first_mismatch,
-                      get_path, is_name, mismatches, misspelt, nearest, notification_miss, references, short,
+                      get_path, is_name, literal, mismatches, misspelt, nearest, notification_miss, references, short,
                       substitute, whole_reference)
 
 DEFAULT_STEP_TIMEOUT_S = 60.0
@@ -111,6 +117,8 @@ _STEP_KEYS = {
 _FLAGS = (("raw", True, "the step is sent as written, unchecked"),
           ("unanswered", True, "the request is left unanswered"),
           ("answered", False, "a request whose answer is not judged"))
+#: the fields of a step that are patterns (:mod:`.matcher`)
+_PATTERN_KEYS = ("expect", "match")
 MODELS_KEY = "recordedModels"
 #: the workDoneToken the replay gives a request it must watch (cancelAfterModelCalls) when it has none
 WATCH_TOKEN_PREFIX = "operate-sidecar replay: request "
@@ -488,31 +496,73 @@ def _canon(spec: Any) -> str:
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))
 
 
-def apply_scripted(script: Script) -> None:
-    """Rewrite the script's requests so that every recorded model is a ``scripted`` one."""
+def apply_scripted(script: Script, source: str = "script") -> None:
+    """Rewrite the script's requests so that every recorded model is a ``scripted`` one: the
+    models configured by name go into every ``initialize``'s ``settings.models`` (an
+    ``initialize`` without params, with ``{}`` or with ``"settings": null`` gets them too: the
+    server takes those as no settings), a model given inline is replaced where it is given. An
+    ``initialize`` whose ``settings`` (or ``settings.models``) is neither an object nor null is
+    sent as written: the server refuses it, as it did when recorded. One whose params, settings
+    or models are a lone ``"${name}"`` (known only once substituted) is a :class:`ScriptError`
+    (``source`` names the file): the models cannot be put in."""
     if not script.recorded_models:
         raise ScriptError("the script holds no recorded model turns (record it with --record)")
     named, inline = scripted_models(script.recorded_models)
     for step in script.steps:
         if step.kind != "request":
             continue
+        if step.method == "initialize" and named:
+            _put_models(step, named, source)
         params = step.data.get("params")
         if not isinstance(params, dict):
             continue
-        if step.method == "initialize" and named:
-            settings = params.setdefault("settings", {})
-            models = settings.get("models")
-            settings["models"] = {**(models if isinstance(models, dict) else {}), **copy.deepcopy(named)}
         for key in ("chatModel", "parseModel"):
             spec = params.get(key)
             if isinstance(spec, dict) and _canon(spec) in inline:
                 params[key] = copy.deepcopy(inline[_canon(spec)])
 
 
+def _put_models(step: Step, named: dict[str, Any], source: str) -> None:
+    """Put the scripted ``named`` models in an ``initialize`` step's ``settings.models`` (see
+    :func:`apply_scripted`)."""
+    where: list[str] = []
+    holder: Any = step.data
+    for key in ("params", "settings", "models"):
+        value = holder.get(key)
+        if whole_reference(value):
+            path = ".".join([*where, key])
+            raise ScriptError(f"{source}:{step.line}: replay --scripted puts the recorded models in initialize's "
+                              f"params.settings.models, but {path} is {value}, known only once substituted; "
+                              "write it out as an object")
+        if value is None:  # none, or null: the server takes either as none
+            value = holder[key] = {}
+        if not isinstance(value, dict):  # refused by the server, as when recorded: sent as written
+            return
+        where.append(key)
+        holder = value
+    holder.update(copy.deepcopy(named))
+
+
 # --------------------------------------------------------------------------- running
+@dataclass
+class _Answers:
+    """The standing answer of one respond line, or of several in a row with the same method and
+    the same ``match`` (``--record`` writes one per answer when a call was answered differently
+    within one operate): given in turn, the first to the first request that fits, the last to
+    every request after those."""
+    match: Any
+    answers: list[tuple[dict[str, Any], int]]   # (answer, line)
+    given: int = 0
+
+    def next(self) -> tuple[dict[str, Any], int]:
+        answer = self.answers[min(self.given, len(self.answers) - 1)]
+        self.given += 1
+        return answer
+
+
 class _Standing:
     def __init__(self) -> None:
-        self.answers: dict[str, list[tuple[Any, dict[str, Any], int]]] = {}   # method -> [(match, answer, line)]
+        self.answers: dict[str, list[_Answers]] = {}   # method -> its standing answers, in the script's order
         self.seen: list[tuple[str, Any]] = []
         #: server-to-client requests no ``respond`` line answered (they got -32601): each fails the
         #: step reported next, the one that was running when it came (after the last step: the end)
@@ -530,6 +580,11 @@ class _Standing:
         with self.lock:
             self.unanswered.append((method, params, why))
         raise RpcError(-32601, f"the session script has no answer to {method}: {why}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two ``match`` patterns (substituted) are the same."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _not_offered(method: str, params: Any, answer: dict[str, Any], line: int) -> str:
@@ -597,10 +652,12 @@ class Runner:
         self.stderr_tail = ""
         self._unawaited: list[tuple[Step, dict, Any]] = []   # "wait": false requests in flight
         self._abandoned: list[Any] = []     # "answered": false requests: never judged
-        # cancelAfterModelCalls, cancelAfterServerRequests: request id (JSON) -> (its workDoneToken,
-        # model calls to wait for, server-to-client requests of the session to wait for, pending)
-        self._watched: dict[str, tuple[Any, int, int, Any]] = {}
+        # cancelAfterModelCalls, cancelAfterServerRequests: request id (JSON) -> (its workDoneToken, the
+        # number of notifications when it was sent, model calls to wait for, server-to-client requests
+        # of the session to wait for, pending, the operates of its token it waits for: ``_ahead``)
+        self._watched: dict[str, tuple[Any, int, int, int, Any, list[Any]]] = {}
         self._hidden_tokens: set[str] = set()   # tokens the replay added: their $/progress is no step's
+        self._sent: list[tuple[str, Any, Any]] = []   # every request sent: (method, params as sent, pending)
         self._server_requests = 0           # server-to-client requests so far (under client._cond)
         self._exit_line = 0                 # the line the script sent ``exit`` on itself (0: it did not)
         self._shutdown_sent = False         # the script sent ``shutdown`` itself (then exit is code 0)
@@ -734,7 +791,8 @@ class Runner:
 
     def _run_step(self, step: Step) -> StepResult | None:
         try:
-            data = substitute(step.data, self.saved)
+            # in a pattern (expect, match) a saved value matches as itself: a saved "*" is no wildcard
+            data = {k: substitute(v, self.saved, pattern=k in _PATTERN_KEYS) for k, v in step.data.items()}
         except UnknownName as e:
             savers = [s.line for s in self.script.steps
                       if s.line < step.line and e.args[0] in (s.data.get("save") or {})]
@@ -770,10 +828,14 @@ class Runner:
                 params["workDoneToken"] = WATCH_TOKEN_PREFIX + json.dumps(msg_id)
                 self._hidden_tokens.add(json.dumps(params["workDoneToken"]))
             token = params["workDoneToken"]
+        with self.client._cond:  # its own $/progress comes after this (an earlier operate's with its token before)
+            since = len(self.client.notifications)
+        ahead = self._ahead(token, params) if token is not None else []
         pending = self.client.request_async(step.method, params, msg_id)
+        self._sent.append((step.method, params, pending))
         asked = data.get("cancelAfterServerRequests") or 0
         if token is not None or asked:
-            self._watched[json.dumps(msg_id)] = (token, int(calls or 0), int(asked), pending)
+            self._watched[json.dumps(msg_id)] = (token, since, int(calls or 0), int(asked), pending, ahead)
         if data.get("answered") is False:  # its recorded client left before the answer: never judged
             self._abandoned.append(pending)
             return StepResult(step, True, "sent; not judged (its client left before the answer)")
@@ -896,16 +958,37 @@ class Runner:
             self._exit_line = step.line
         return StepResult(step, not problem, problem)
 
-    def _model_calls_started(self, token: Any) -> int:
+    def _ahead(self, token: Any, params: Any) -> list[Any]:
+        """The operates sent so far with this workDoneToken on the branch of ``params`` (an
+        operate's about to be sent) that are not answered yet: it waits for them to end before
+        its turn comes (docs/PROTOCOL.md §3), and their ``begin`` and reports, which may still be
+        to come, are not its own."""
+        branch = json.dumps(params.get("branchId")) if isinstance(params, dict) else None
+        key = json.dumps(token)
+        return [p for m, sent, p in self._sent if m == "operate" and isinstance(sent, dict) and not p.done()
+                and json.dumps(sent.get("workDoneToken")) == key and json.dumps(sent.get("branchId")) == branch]
+
+    def _model_calls_started(self, token: Any, since: int = 0, ahead: Iterable[Any] = ()) -> int:
         """How many model invocations the operate with this workDoneToken has started: its
-        ``request`` reports (one before each chat or run call) and its repair attempts."""
+        ``request`` reports (one before each chat or run call) and its repair attempts, counted
+        from its own ``begin``. An earlier operate may have used the same token, and its reports
+        are not this one's: those answered before it was sent are before index ``since`` (where
+        the notifications stood then); those on its branch still unanswered then (``ahead``,
+        :meth:`_ahead`) run before it, so until they are all answered it has started none, and
+        then its ``begin`` is the last of the token from ``since`` on. (Operates of one token on
+        two branches at once interleave their reports: no count tells them apart.)"""
+        if any(not p.done() for p in ahead):
+            return 0
         key = json.dumps(token)
         n = 0
-        for m, params in list(self.client.notifications):
+        began = False
+        for m, params in self.client.notifications[since:]:
             if m != "$/progress" or not isinstance(params, dict) or json.dumps(params.get("token")) != key:
                 continue
             value = params.get("value")
-            if isinstance(value, dict) and value.get("kind") == "report" and (
+            if isinstance(value, dict) and value.get("kind") == "begin":
+                began, n = True, 0  # (a later begin of the token: this one's, the earlier were those ahead's)
+            elif began and isinstance(value, dict) and value.get("kind") == "report" and (
                     value.get("phase") == "request"
                     or (value.get("phase") == "parse" and str(value.get("message", "")).startswith("repair"))):
                 n += 1
@@ -920,12 +1003,12 @@ class Runner:
         watched = self._watched.pop(json.dumps(msg_id), None)
         if watched is None:
             return ""
-        token, calls, asked, pending = watched
+        token, since, calls, asked, pending, ahead = watched
         timeout = self._timeout(step)
         deadline = time.monotonic() + timeout
 
         def started() -> int:
-            return self._model_calls_started(token) if calls else 0
+            return self._model_calls_started(token, since, ahead) if calls else 0
 
         def ready() -> bool:
             return ((started() >= calls and self._server_requests >= asked) or pending.done()
@@ -964,12 +1047,46 @@ class Runner:
             near.append((i, mm))
         return None, near
 
+    def _senders(self, method: str, pattern: Any) -> list[Any]:
+        """The requests sent so far (pending answers) that the notification ``method`` whose
+        params match ``pattern`` can only come from, and only before their answers: an operate's
+        ``$/progress`` all precede its answer (docs/PROTOCOL.md §6), so those of a
+        ``workDoneToken`` come from the requests sent with it; the ``toolEvent`` of a branch
+        from the operates on it, before an answer with a result (a cancelled one's tool may still
+        be running). Empty when the pattern names no such token or branch (or ``"*"``), or
+        when no request was sent with it: the notification may come at any time."""
+        key = {"$/progress": "token", "toolEvent": "branchId"}.get(method)
+        if key is None or not isinstance(pattern, dict) or key not in pattern or pattern[key] == ANY:
+            return []
+        want = json.dumps(literal(pattern[key]))
+        param = "workDoneToken" if key == "token" else "branchId"
+        return [p for m, params, p in self._sent if isinstance(params, dict) and json.dumps(params.get(param)) == want
+                and (key == "token" or m == "operate")]
+
+    def _cannot_come(self, method: str, senders: list[Any]) -> bool:
+        """Every request the notification could come from (:meth:`_senders`) has been answered
+        (a ``toolEvent``: with a result): what came before those answers is all there is."""
+        if not senders or not all(p.done() for p in senders):
+            return False
+        return method != "toolEvent" or all("result" in (p._msg or {}) for p in senders)
+
     def _expectNotification(self, step: Step, data: dict) -> StepResult:  # noqa: N802 - the step's name
         pattern = data.get("match")
         timeout = self._timeout(step)
-        with self.client._cond:  # the client's reader notifies it on every notification
-            self.client._cond.wait_for(lambda: self._find(step.method, pattern)[0] is not None
-                                       or self.client.proc.poll() is not None, timeout)
+        deadline = time.monotonic() + timeout
+        senders = self._senders(step.method, pattern)
+        late = False    # the requests it could come from were answered without it
+
+        def over() -> bool:
+            nonlocal late
+            if self._find(step.method, pattern)[0] is not None or self.client.proc.poll() is not None:
+                return True
+            late = self._cannot_come(step.method, senders)
+            return late
+
+        with self.client._cond:  # the client's reader notifies it on every notification (not on answers: in slices)
+            while not over() and time.monotonic() < deadline:
+                self.client._cond.wait_for(over, max(0.0, min(0.25, deadline - time.monotonic())))
             index, near = self._find(step.method, pattern)
         if index is not None:
             self._matched[index] = step.line
@@ -978,16 +1095,25 @@ class Runner:
             if problem:
                 return StepResult(step, False, problem, got=params)
             return StepResult(step, True, "got " + short(params, 100), got=params)
-        # the server exited (waiting longer would not help), else how to wait longer
-        end = f"; the server exited (code {self.client.proc.returncode})" if self.client.proc.poll() is not None \
-            else "; " + self._wait_longer(step, timeout)
+        # the server exited or its request was answered (waiting longer would not help), else how to wait longer
+        if self.client.proc.poll() is not None:
+            end = f"; the server exited (code {self.client.proc.returncode})"
+        elif late:
+            ids = ", ".join(short(p.id, 40) for p in senders)
+            many = len(senders) > 1
+            what = (f"request{'s' * many} whose workDoneToken it names" if step.method == "$/progress"
+                    else f"operate{'s' * many} on the branch it names")
+            end = f"; it cannot come any more: the {what} ({ids}) {'were' if many else 'was'} answered without it"
+        else:
+            end = "; " + self._wait_longer(step, timeout)
+        within = "before its request was answered" if late else f"within {timeout:g} s"
         # what came instead: the nearest of those no step took, and those earlier steps took (their lines)
         miss = notification_miss(pattern, [(params, self._matched.get(i)) for i, params in self._of(step.method)])
         if not near:
             expected = "any params" if pattern is None else short(pattern, 100)
-            return StepResult(step, False, f"no {step.method} notification within {timeout:g} s"
+            return StepResult(step, False, f"no {step.method} notification {within}"
                                            f" (expected {expected}){'; ' + miss if miss else ''}{end}")
-        return StepResult(step, False, f"no matching {step.method} within {timeout:g} s; {miss}{end}",
+        return StepResult(step, False, f"no matching {step.method} {within}; {miss}{end}",
                           mismatch=nearest(near, pattern, dict(self._of(step.method)))[1])
 
     def _respond(self, step: Step, data: dict) -> StepResult:
@@ -997,7 +1123,12 @@ class Runner:
         standing = self._standing
         with standing.lock:
             first = step.method not in standing.answers
-            standing.answers.setdefault(step.method, []).append((data.get("match"), answer, step.line))
+            entries = standing.answers.setdefault(step.method, [])
+            same = next((e for e in reversed(entries) if _same(e.match, data.get("match"))), None)
+            if same is not None and self._in_a_row(same.answers[-1][1], step.line):  # the next answer to those calls
+                same.answers.append((answer, step.line))
+            else:
+                entries.append(_Answers(data.get("match"), [(answer, step.line)]))
         if first:
             method = step.method
 
@@ -1005,8 +1136,9 @@ class Runner:
                 self._asked()
                 with standing.lock:
                     standing.seen.append((method, params))
-                    ans, line = next(((a, n) for m, a, n in reversed(standing.answers[method])
-                                      if m is None or first_mismatch(m, params) is None), (None, 0))
+                    fits = next((e for e in reversed(standing.answers[method])
+                                 if e.match is None or first_mismatch(e.match, params) is None), None)
+                    ans, line = fits.next() if fits is not None else (None, 0)
                 if ans is None:
                     standing.refuse(method, params, "no respond line's match fits it")
                 if ans.get("unanswered"):  # as its recorded client did: no answer while the session lasts
@@ -1027,6 +1159,10 @@ class Runner:
         if data.get("unanswered"):
             return StepResult(step, True, "leaves it unanswered" + where)
         return StepResult(step, True, "standing answer " + short(answer, 100) + where)
+
+    def _in_a_row(self, earlier: int, line: int) -> bool:
+        """Only respond lines stand between the lines ``earlier`` and ``line``."""
+        return all(s.kind == "respond" for s in self.script.steps if earlier < s.line < line)
 
     def _asked(self) -> None:
         """A server-to-client request came (counted for ``cancelAfterServerRequests``)."""
@@ -1094,7 +1230,7 @@ def replay(path: str | os.PathLike[str], server_argv: list[str] | None = None, *
     says how the caller sets ``step_timeout``, in the hint of a request step that timed out."""
     script = load_script(path)
     if scripted:
-        apply_scripted(script)
+        apply_scripted(script, os.fspath(path))
 
     def emit(res: StepResult) -> None:
         if out is not None:
@@ -1153,7 +1289,7 @@ def main(argv: list[str]) -> int:
     try:
         script = load_script(args.script)
         if args.scripted:
-            apply_scripted(script)
+            apply_scripted(script, args.script)
     except (OSError, ScriptError) as e:
         print(f"operate-sidecar replay: {e}", file=sys.stderr)
         return 2

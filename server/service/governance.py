@@ -167,4 +167,21 @@ class Governance:
             return AuthorizationResult(False, "denied by the user")
         if choice == "deny_once":
             return AuthorizationResult(False, "denied by the user")
-        return AuthorizationResult(False, f"invalid permission answer {choice!r}")
+        # denied, quoting what came (bounded): its decision, or the whole answer when that is not an object
+        # with one (a bare "allow_once", a list, an object that misspells the key)
+        came = _quoted(choice if isinstance(answer, dict) and "decision" in answer else answer)
+        return AuthorizationResult(False, f"invalid permission answer {came if len(came) <= 80 else came[:80] + '...'}")
+
+
+def _quoted(value: Any) -> str:
+    """``repr(value)`` (a client's answer: any JSON), shortened as it is written: three levels
+    deep at most, and no string or number longer than the 80 characters a reason quotes (and a
+    little more), so that an answer nested hundreds of levels deep (``repr`` raised
+    RecursionError, which ended the operate) or megabytes long costs no more than its first
+    characters."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel = 3
+    short.maxstring = short.maxlong = short.maxother = 200
+    return short.repr(value)

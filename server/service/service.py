@@ -88,6 +88,10 @@ class Service:
         #: siblings are left alone); ``_mcp_restarted``: set once that start is over
         self._mcp_lost: dict[str, str] = {}
         self._mcp_restarted: asyncio.Event | None = None
+        #: the configured MCP servers that failed their first start, each with the warning that told
+        #: it: the next ``ensure_tools`` (a need after the one that waited for that start) tries
+        #: them once more, as it starts again those that stopped
+        self._mcp_failed: dict[str, str] = {}
         #: configured MCP server running -> its own names for its tools (one started again is
         #: named knowing its siblings' names: its tools keep the names they had)
         self._mcp_own_names: dict[str, tuple[str, ...]] = {}
@@ -438,6 +442,9 @@ class Service:
         imports ``toolModules`` on a worker thread: a module slow to import never freezes the
         event loop (ping, cancel and shutdown are answered meanwhile)."""
         self._core()
+        if self._mcp_failed:  # failed at their first start, an earlier need's: tried again below, once
+            self._mcp_lost.update(self._mcp_failed)
+            self._mcp_failed = {}
         if self._tools_ready is None and not self.settings.get("toolModules") and not self.settings.get("mcpServers"):
             self._tools_ready = asyncio.Event()  # only the builtin tools: nothing to wait for, no task
             self._register_workspace_tools()
@@ -801,7 +808,10 @@ class Service:
         when they are (also those registered while the servers started: another MCP server's, a
         client's), so a taken name is offered as ``<server>__<tool>`` (with a warning naming
         both sources), and they are registered all at once or not at all; they are unregistered
-        when the servers stop, so no tool is left pointing at a stopped server. A server that
+        when the servers stop, so no tool is left pointing at a stopped server. Each server starts
+        on its own: one that does not is told as ``MCP server 'x' unavailable: why``
+        (:meth:`_mcp_unavailable`; a configured one is tried once more at a later need), and the
+        others' tools are registered all the same. A server that
         stops on its own (it exits, crashes, is killed) has its tools unregistered at once, and
         is told as ``MCP server 'x' stopped: why`` (:meth:`_mcp_problem`); the others run on
         (this returns once none runs). A branch's is then over (:func:`_mcp_ended`: a branch
@@ -813,6 +823,7 @@ class Service:
 
         label = f"MCP server{'s' if len(config) > 1 else ''} {', '.join(map(repr, config))}"
         configured = not isinstance(ready, McpServerReady)
+        first_start = configured and ready is self._tools_ready  # (not a start again: ``ensure_tools``)
         # a configured server started again alone: its siblings' own tool names count as taken,
         # as when they all started together (a name two of them offer stays prefixed)
         siblings = {n for server, names in self._mcp_own_names.items() if server not in config for n in names} \
@@ -852,6 +863,13 @@ class Service:
         watch = asyncio.get_running_loop().create_task(until_stop())
         try:
             async with open_mcp_sources(config, reserved=taken, stop=stop, lost=on_lost) as tools:
+                # each server started on its own: those that did not are told (below), and the
+                # others' tools are offered all the same
+                failed = tools.failed
+                if failed:
+                    running.difference_update(failed)
+                    started = [server for server in config if server in running]
+                    label = f"MCP server{'s' if len(started) > 1 else ''} {', '.join(map(repr, started))}"
                 # the names were chosen just now (no wait since): a clash here is a bug, and it
                 # refuses the servers whole rather than leave some of their tools registered
                 names = [t.name for t in tools]
@@ -860,21 +878,26 @@ class Service:
                     raise ToolSourceError("tool names taken: " + ", ".join(
                         f"{n!r} ({self._origin(n)})" if n in self.registry else repr(n) for n in clash))
                 renamed = self._renamed_mcp_tools(config, names, taken.seen)
-                origin = getattr(tools, "origin", {})
+                origin = tools.origin
                 for t in tools:
                     self.registry.register(t)
                     registered.append(t)
                     self._tool_origin[t.name] = label
                 if configured:
                     for server in config:
-                        self._mcp_own_names[server] = tuple(own for s, own in origin.values() if s == server)
+                        if server in running:
+                            self._mcp_own_names[server] = tuple(own for s, own in origin.values() if s == server)
+                for server, why in failed.items():
+                    self._mcp_unavailable(ready, server, why, again=first_start)
+                for message in tools.warnings:
+                    self._mcp_problem(ready, message)
                 for server, pairs in renamed.items():
                     self._mcp_problem(ready, f"MCP server {server!r}: " + "; ".join(
                         f"its tool {plain!r} is offered as {public!r} ({why})" for plain, public, why in pairs))
                 if isinstance(ready, McpServerReady):
                     ready.tools = tuple(t.name for t in registered)
                 ready.set()
-                while True:
+                while running:
                     await over.wait()
                     over.clear()
                     if stop.is_set() or running <= {server for server, _ in lost}:
@@ -905,6 +928,18 @@ class Service:
         message = f"MCP server {server!r} stopped: {first}{again}{nl}{rest}"
         if not isinstance(ready, McpServerReady):
             self._mcp_lost[server] = message
+        self._mcp_problem(ready, message)
+
+    def _mcp_unavailable(self, ready: asyncio.Event, server: str, why: Any, again: bool) -> None:
+        """Tell that the MCP server ``server`` (of ``ready``) did not start (``why``); with
+        ``again`` (a configured one's first start), it is tried once more at the next need after
+        this one (:meth:`ensure_tools`), as one that stopped is started again; one that fails then
+        is not tried again."""
+        first, nl, rest = str(why).partition("\n")  # what to do on the first line (the rest: its last stderr lines)
+        note = "; it is tried once more when tools are next needed" if again else ""
+        message = f"MCP server {server!r} unavailable: {first}{note}{nl}{rest}"
+        if again:
+            self._mcp_failed[server] = message
         self._mcp_problem(ready, message)
 
     def _mcp_problem(self, ready: asyncio.Event, message: str) -> None:
@@ -1262,27 +1297,22 @@ class Service:
         maxConcurrentOperates slots (the earliest waiting ticket first); cancellable. A delete of
         the branch ends a waiting operate (-32012) as it ends the running one: it would wait for
         another branch's operate to free a slot."""
-        me = asyncio.current_task()
-        waiting = self._waiting.setdefault(branch_id, set())
-        if me is not None:
-            waiting.add(me)
         turns = self._turns
-        try:
+        with self._findable(branch_id):  # (waiting: until its turn has come)
             self.branch(branch_id)  # (deleted before it waited, while its params were read: -32012 now)
             line = turns.line(branch_id)
             await line.wait(ticket)
             line.running = ticket
             try:
                 await turns.slots.acquire(ticket)
-                try:
-                    self._not_waiting(branch_id, waiting, me)
-                    yield
-                finally:
-                    turns.slots.release()
-            finally:
+            except BaseException:
                 line.running = None
+                raise
+        try:
+            yield
         finally:
-            self._not_waiting(branch_id, waiting, me)
+            turns.slots.release()
+            line.running = None
 
     def _not_waiting(self, branch_id: str, waiting: set[asyncio.Task], me: asyncio.Task | None) -> None:
         waiting.discard(me)  # type: ignore[arg-type]
@@ -1646,19 +1676,37 @@ class Service:
         except Exception:  # noqa: BLE001 - a bad default model is reported by the operate that uses it
             log.debug("first branch not primed", exc_info=True)
 
-    async def _operate_call(self, params: dict) -> tuple[Any, Any, dict[str, Any]]:
+    async def _operate_call(self, params: dict, *, findable: bool = False) -> tuple[Any, Any, dict[str, Any]]:
         """An ``operate``'s wire params checked and resolved: (the structured params, the branch,
-        the core's keyword arguments). -32602 for unknown fields or tools, -32012 for no branch."""
+        the core's keyword arguments). -32602 for unknown fields or tools, -32012 for no branch.
+        ``findable`` (an operate's own): from the moment its branch is found, a delete of that
+        branch ends it (-32012, docs/PROTOCOL.md §3) while it waits here (for the tool sources to
+        load: MCP servers starting, ``toolModules`` importing; for its reply format to be built),
+        as it ends one waiting for its turn."""
         protocol = _module("operate_sidecar.protocol")
         p = protocol.structure(protocol.OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
         branch = await self._stored_branch(p.branch_id)
-        await self.ensure_tools()
-        if isinstance(p.tools, list):
-            unknown = [t for t in p.tools if t not in branch.tools]
-            if unknown:
-                raise invalid_params(f"tools: unknown tool{'s' if len(unknown) > 1 else ''}: " + ", ".join(unknown),
-                                     {"unknownTools": unknown})
-        return p, branch, await self._operate_kw(p)
+        with self._findable(branch.id) if findable else contextlib.nullcontext():
+            await self.ensure_tools()
+            if isinstance(p.tools, list):
+                unknown = [t for t in p.tools if t not in branch.tools]
+                if unknown:
+                    raise invalid_params(f"tools: unknown tool{'s' if len(unknown) > 1 else ''}: "
+                                         + ", ".join(unknown), {"unknownTools": unknown})
+            return p, branch, await self._operate_kw(p)
+
+    @contextlib.contextmanager
+    def _findable(self, branch_id: str) -> Any:
+        """The current task among the operates waiting on the branch (``_waiting``, which
+        ``_forget`` ends) for the block's time."""
+        me = asyncio.current_task()
+        waiting = self._waiting.setdefault(branch_id, set())
+        if me is not None:
+            waiting.add(me)
+        try:
+            yield
+        finally:
+            self._not_waiting(branch_id, waiting, me)
 
     async def operate(self, params: dict, *, info: dict[str, Any] | None = None, repeat_limit: int = 0) -> dict:
         """``info`` (not on the wire): merged into the branch's info once the operate has run,
@@ -1709,7 +1757,7 @@ class Service:
         return params.get("branchId") if isinstance(params, dict) else None
 
     async def _operate(self, params: dict, info: dict[str, Any] | None, repeat_limit: int, ticket: int) -> dict:
-        p, branch, kw = await self._operate_call(params)
+        p, branch, kw = await self._operate_call(params, findable=True)
         imodel, rounds = _module(_CORE + "imodel"), _module("operate_sidecar.server.service.rounds")
         UsageMeter, current_usage = imodel.UsageMeter, imodel.current_usage
         core_operate = _module(_CORE + "operate").operate  # the module: ``core.operate`` is also a function

@@ -2,14 +2,21 @@
 
 Each configured server ``{"command": [exe, *args], "env"?: {..}}`` is spawned as a
 subprocess speaking MCP over stdio (the ``mcp`` SDK's ``stdio_client`` and
-``ClientSession``). Its stdin/stdout are the MCP pipes; its stderr is relayed line by
-line, prefixed ``[mcp <name>]``, to our stderr (never stdout, which is the wire), secrets
-redacted from every line, and the last lines of it are quoted when the server fails to
-start. ``env`` is merged over the SDK's small safe default environment (``HOME``,
-``PATH``, ``SHELL``, ``TERM``, ``USER``, ``LOGNAME``), not over our whole environment.
+``ClientSession``). Its stdin/stdout are the MCP pipes (a byte on its stdout that is not UTF-8
+is read as U+FFFD: that line is no message, and is dropped with a log line, as any line that is
+not one); its stderr is relayed line by line, prefixed ``[mcp <name>]``, to our stderr (never
+stdout, which is the wire), secrets redacted from every line (a line too long to hold is relayed
+in pieces, never cut through a secret or a key-shaped token), and its last lines (bounded) are
+quoted when the server fails to start or stops. ``env`` is merged over the SDK's small safe
+default environment (``HOME``, ``PATH``, ``SHELL``, ``TERM``, ``USER``, ``LOGNAME``), not over
+our whole environment.
 
 Tools (source ``mcp``):
 
+- Read once per start of the server (``tools/list``, at most ``_MAX_LIST_PAGES`` pages: a
+  warning says when there were more); a ``notifications/tools/list_changed`` it sends later is
+  not acted on: a tool it adds is offered once it is started again. A name it lists twice is
+  offered once (the first), with a warning.
 - Named after the MCP tool, plainly. When two configured servers offer the same tool
   name, or the name is already taken (``reserved``: builtin/python/client tools), every
   clashing tool is named ``<server>__<tool>`` instead (the server name with characters
@@ -29,8 +36,9 @@ Lifetime is structured: ``await source.start(task_group)`` runs the server in a 
 the caller's task group and returns once its tools are listed; ``await source.aclose()``
 stops it (as does cancelling the group). ``async with McpToolSource(...) as source`` does
 both with a task group of its own. :func:`open_mcp_sources` starts all configured servers
-concurrently in a task group it owns and stops them when its block exits (or, with its
-``stop`` event, as soon as that is set, starts included).
+concurrently, each on its own, in a task group it owns (one that fails to start is named, and
+the others' tools are offered) and stops them when its block exits (or, with its ``stop``
+event, as soon as that is set, starts included).
 
 A started server that stops on its own (it exits, crashes or is killed: the SDK's read stream
 from its stdout ends, which the SDK itself tells no one) is over: a call running on it fails
@@ -51,6 +59,7 @@ The ``mcp`` SDK is imported only when a server is started, never at import time.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -64,7 +73,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Collection, Iter
 from .. import __version__
 from ..core.errors import exception_text
 from ..core.tools import Tool, ToolCallContext
-from ..redaction import redact
+from ..redaction import _PATTERNS as KEY_PATTERNS
+from ..redaction import StreamRedactor, redact
 from .errors import ToolCallError, ToolSourceError
 
 if TYPE_CHECKING:
@@ -77,6 +87,16 @@ __all__ = ["McpToolSource", "McpTools", "open_mcp_sources", "DEFAULT_START_TIMEO
 
 DEFAULT_START_TIMEOUT = 30.0
 _STDERR_TAIL_LINES = 20
+#: the stderr quoted in a warning (a server failed to start, or stopped): its last lines that are
+#: not blank, each cut to ``_QUOTED_LINE_CHARS`` characters, all of them to ``_QUOTED_CHARS``
+_QUOTED_LINES = 10
+_QUOTED_LINE_CHARS = 1000
+_QUOTED_CHARS = 4000
+#: a stderr line longer than this many characters (its line break not yet come) is relayed in
+#: pieces; the last ``_STDERR_OVERLAP`` characters stay for the next piece, so that a key-shaped
+#: token shorter than that is masked whole
+_STDERR_PIECE = 65536
+_STDERR_OVERLAP = 8192
 _MAX_LIST_PAGES = 100
 _CONFIG_KEYS = frozenset({"command", "env"})
 #: a started server stopped: seconds it has to exit on its own (its stdin closed) before SIGTERM
@@ -140,6 +160,9 @@ class McpToolSource:
         self._on_lost = on_lost
         self._session: Any = None
         self._remote: list[mcp_types.Tool] = []
+        #: what its last start found wrong though it started (a tool name listed twice, a list
+        #: of tools that never ended), for its host to tell
+        self.warnings: list[str] = []
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self._unread: deque[str] = deque(maxlen=1)  # the last message of the server's the SDK could not read
         self._stop: Any = None  # anyio.Event: ask the serving task to stop
@@ -267,9 +290,7 @@ class McpToolSource:
             raise ToolSourceError(self._start_failure(failure)) from failure
 
     def _lost(self, why: str) -> None:
-        tail = [line for line in self._stderr_tail if line.strip()]
-        if tail:
-            why += "\nstderr (last lines):\n" + "\n".join(tail[-10:])
+        why += self._quoted_tail()
         log.error("MCP server %r stopped unexpectedly: %s", self.name, why)
         if self._on_lost is not None:
             self._on_lost(why)
@@ -313,7 +334,11 @@ class McpToolSource:
         err_file = os.fdopen(write_fd, "wb", buffering=0)
         try:
             inode = os.fstat(write_fd).st_ino
-            params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=self.env)
+            # a byte that is not UTF-8 on its stdout becomes U+FFFD (the SDK's default, "strict", ends
+            # its reader at the first one and leaves every request on the session unanswered): the
+            # line is then no JSON-RPC message, and dropped with a log line as any other such line
+            params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=self.env,
+                                           encoding_error_handler="replace")
             self._streams = await stack.enter_async_context(stdio_client(params, errlog=err_file))  # type: ignore[arg-type]
         finally:
             err_file.close()  # the child holds its own copy; EOF reaches the relay when it exits
@@ -337,6 +362,7 @@ class McpToolSource:
         session = await stack.enter_async_context(ClientSession(
             read, write, client_info=Implementation(name="operate-sidecar", version=__version__)))
         remote: list[Any] = []
+        cursor: str | None = None
         with anyio.CancelScope() as handshake:
             self._handshake = handshake
             if self._stop.is_set():
@@ -344,7 +370,6 @@ class McpToolSource:
             try:
                 with anyio.fail_after(self.start_timeout):
                     await session.initialize()
-                    cursor: str | None = None
                     for _ in range(_MAX_LIST_PAGES):
                         page = await session.list_tools(
                             params=PaginatedRequestParams(cursor=cursor) if cursor else None)
@@ -357,7 +382,12 @@ class McpToolSource:
         self._handshake = None
         if handshake.cancelled_caught or self._stop.is_set():
             return _Stopped()
-        self._remote = remote
+        self.warnings = []
+        if cursor:
+            self._warn(f"MCP server {self.name!r} listed its tools on more than {_MAX_LIST_PAGES} pages (each "
+                       f"answer to tools/list gave a next cursor): the tools of the first {_MAX_LIST_PAGES} "
+                       f"pages are offered, the rest are not")
+        self._remote = self._first_of_each_name(remote)
         self._session = session
         on_started()
         async with anyio.create_task_group() as wait:
@@ -374,10 +404,35 @@ class McpToolSource:
         """The server's tools as :class:`Tool` s; names in ``prefixed`` become ``<server>__<name>``."""
         if self._session is None:
             raise ToolSourceError(f"MCP server {self.name!r} is not started")
+        return self._tools(prefixed)
+
+    # -- internals -------------------------------------------------------------
+
+    def _tools(self, prefixed: Collection[str]) -> list[Tool]:
         prefix = re.sub(r"[^A-Za-z0-9_-]", "_", self.name)
         return [self._tool(r, f"{prefix}__{r.name}" if r.name in prefixed else r.name) for r in self._remote]
 
-    # -- internals -------------------------------------------------------------
+    def _warn(self, message: str) -> None:
+        log.debug("%s", message)  # (its host tells it: ``open_mcp_sources``' ``warnings``)
+        self.warnings.append(message)
+
+    def _first_of_each_name(self, remote: list[Any]) -> list[Any]:
+        """The tools listed, the first of each name only (a server listing a name twice could
+        not be called by it): the others are named in a warning."""
+        seen: dict[str, None] = {}
+        twice: dict[str, None] = {}
+        kept = []
+        for r in remote:
+            if r.name in seen:
+                twice[r.name] = None
+                continue
+            seen[r.name] = None
+            kept.append(r)
+        if twice:
+            names = ", ".join(map(repr, twice))
+            self._warn(f"MCP server {self.name!r} lists the tool name{'s' if len(twice) > 1 else ''} {names} more "
+                       f"than once: the first tool of that name is offered, the others are not")
+        return kept
 
     def _tool(self, remote: "mcp_types.Tool", public_name: str) -> Tool:
         schema = dict(remote.input_schema or {})
@@ -409,11 +464,14 @@ class McpToolSource:
         return _result_value(result, output_schema)
 
     async def _relay_stderr(self, fd: int, done: Any) -> None:
-        """Copy the server's stderr to ours, line by line, keeping a short tail."""
+        """Copy the server's stderr to ours, line by line, keeping a short tail. A line longer
+        than ``_STDERR_PIECE`` characters is relayed in pieces as it comes (:class:`_LongLine`:
+        never cut through a secret or a key-shaped token), so that its memory stays bounded."""
         import anyio
 
         os.set_blocking(fd, False)
-        pending = b""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")  # (a character may span two reads)
+        line = _LongLine()
         try:
             while True:
                 try:
@@ -423,25 +481,25 @@ class McpToolSource:
                     continue
                 if not chunk:
                     break
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    self._emit_stderr(line)
-                if len(pending) > 65536:  # a very long line: cut at its last blank (not through a key)
-                    cut = max(pending.rfind(b" "), pending.rfind(b"\t")) + 1 or len(pending)
-                    self._emit_stderr(pending[:cut])
-                    pending = pending[cut:]
+                *ends, rest = decoder.decode(chunk).split("\n")
+                for end in ends:
+                    self._emit_stderr(line.end(end))
+                for piece in line.add(rest):
+                    self._emit_stderr(piece)
         except OSError:
             pass
         finally:
-            if pending:
-                self._emit_stderr(pending)
+            last = line.end(decoder.decode(b"", final=True))
+            if last:
+                self._emit_stderr(last)
             done.set()
 
-    def _emit_stderr(self, raw: bytes) -> None:
+    def _emit_stderr(self, text: str) -> None:
         # secrets out before the line is kept or written (SECURITY.md G6): the registered values
         # and key-shaped tokens, as the log filter does for our own lines
-        line = redact(raw.decode("utf-8", "replace").rstrip("\r"), patterns=True)
-        self._stderr_tail.append(line)
+        line = redact(text.rstrip("\r"), patterns=True)
+        self._stderr_tail.append(line if len(line) <= _QUOTED_LINE_CHARS
+                                 else f"{line[:_QUOTED_LINE_CHARS]}… ({len(line)} characters)")
         out = self._errlog if self._errlog is not None else sys.stderr
         try:
             out.write(f"[mcp {self.name}] {line}\n")
@@ -460,6 +518,10 @@ class McpToolSource:
         relay_tg.cancel_scope.cancel()
 
     def _start_failure(self, e: BaseException) -> str:
+        """Why the server did not start, for its warning: the cause (an exception group the SDK's
+        task groups made is looked into), its command line and the last lines of its stderr, both
+        masked as the relayed stderr is (SECURITY.md G6: a key passed as an argument too)."""
+        e = _cause(e)
         if isinstance(e, TimeoutError):
             reason = f"no answer to initialize/tools/list within {self.start_timeout:g} s"
             if self._unread:
@@ -470,11 +532,121 @@ class McpToolSource:
             reason = f"command not found: {self.command[0]}"
         else:
             reason = _describe(e)
-        msg = f"MCP server {self.name!r} failed to start ({' '.join(self.command)}): {reason}"
-        tail = [line for line in self._stderr_tail if line.strip()]
-        if tail:
-            msg += "\nstderr (last lines):\n" + "\n".join(tail[-10:])
-        return msg
+        msg = redact(f"MCP server {self.name!r} failed to start ({' '.join(self.command)}): {reason}", patterns=True)
+        return msg + self._quoted_tail()
+
+    def _quoted_tail(self) -> str:
+        """The last lines of the server's stderr that are not blank, for a warning: at most
+        ``_QUOTED_LINES`` of them (each masked, and cut to ``_QUOTED_LINE_CHARS`` characters as it
+        was kept), together at most ``_QUOTED_CHARS`` (the latest kept); "" when there are none."""
+        lines = [line for line in self._stderr_tail if line.strip()][-_QUOTED_LINES:]
+        kept: list[str] = []
+        total = 0
+        for line in reversed(lines):
+            if kept and total + len(line) + 1 > _QUOTED_CHARS:
+                break
+            kept.append(line)
+            total += len(line) + 1
+        return "\nstderr (last lines):\n" + "\n".join(reversed(kept)) if kept else ""
+
+
+class _LongLine:
+    """The stderr line still coming (its line break not yet read): the registered secrets are
+    masked in it as it comes (a :class:`StreamRedactor`, which holds back an end that may begin
+    one); once it is longer than ``_STDERR_PIECE`` plus ``_STDERR_OVERLAP`` characters, its
+    beginning is handed out as a piece (:meth:`add`), cut where the two sides are masked as the
+    whole is (:func:`_cut_point`), so that no secret and no key-shaped token is cut in two."""
+
+    __slots__ = ("_redactor", "_text")
+
+    def __init__(self) -> None:
+        self._redactor = StreamRedactor()
+        self._text = ""  # (the registered secrets masked)
+
+    def add(self, text: str) -> list[str]:
+        """More of the line; the pieces of it that can be relayed now. When no cut keeps the
+        masking as it is (a key-shaped token longer than ``_STDERR_OVERLAP`` runs across every
+        place tried), the text held is masked whole first, as one piece would be, and cut then
+        (:func:`_masked_whole`): the token is masked before any of it is relayed, and so is what
+        still comes of it."""
+        self._text += self._redactor.feed(text)
+        pieces = []
+        while len(self._text) > _STDERR_PIECE + _STDERR_OVERLAP:
+            cut = _cut_point(self._text)
+            if cut is None:
+                self._text = _masked_whole(self._text)
+                if len(self._text) <= _STDERR_PIECE + _STDERR_OVERLAP:
+                    break
+                cut = _cut_point(self._text)
+                if cut is None:  # (all of it is masked but a token's first characters, at its end)
+                    cut = len(self._text) - _STDERR_OVERLAP
+            pieces.append(self._text[:cut])
+            self._text = self._text[cut:]
+        return pieces
+
+    def end(self, text: str) -> str:
+        """The rest of the line, which ends with ``text``; the next line begins."""
+        whole = self._text + self._redactor.feed(text) + self._redactor.flush()
+        self._text = ""
+        return whole
+
+
+def _cut_point(text: str) -> int | None:
+    """Where to cut a long stderr line in the making: at its last blank before its last
+    ``_STDERR_OVERLAP`` characters (else just before those), but never where a secret or a
+    key-shaped token runs across the cut (the two sides, masked apart, differ from the whole
+    masked): then at an earlier blank, or further back; None when every place tried has one
+    running across it."""
+    limit = len(text) - _STDERR_OVERLAP
+    candidates: list[int] = []
+    end = limit
+    while len(candidates) < 4:
+        blank = max(text.rfind(" ", 0, end), text.rfind("\t", 0, end))
+        if blank <= 0:
+            break
+        candidates.append(blank + 1)
+        end = blank
+    candidates += [c for c in range(limit, limit // 2, -512) if c not in candidates][:16]
+    whole = redact(text, patterns=True)
+    for cut in candidates:
+        if redact(text[:cut], patterns=True) + redact(text[cut:], patterns=True) == whole:
+            return cut
+    return None
+
+
+#: the characters of a key-shaped token that :func:`_masked_whole` keeps for what comes next of it
+_TOKEN_SEED = 1024
+
+
+def _masked_whole(text: str) -> str:
+    """A long stderr line in the making that no cut can split (:func:`_cut_point`), masked as one
+    piece: all of it, but for a key-shaped token that runs to its end (the line may go on with
+    more of it), whose first ``_TOKEN_SEED`` characters stay as they are, so that what comes next
+    of it is masked with them, as the token whole would be."""
+    whole = redact(text, patterns=True)
+    start = _open_token(text)
+    if start is None:
+        return whole
+    head, token, seed = redact(text[:start], patterns=True), redact(text[start:], patterns=True), \
+        text[start:start + _TOKEN_SEED]
+    if head + token != whole or redact(seed, patterns=True) != token:
+        return whole  # (the token's start masks otherwise alone: what comes of it next is not held back)
+    return head + seed
+
+
+def _open_token(text: str) -> int | None:
+    """Where the key-shaped token that ends ``text`` and could go on with more characters
+    begins (the earliest, when several do), else None."""
+    starts = []
+    for pattern, _ in KEY_PATTERNS:
+        last = None
+        for last in pattern.finditer(text):
+            pass
+        if last is not None and last.end() == len(text):
+            more = pattern.match(text[last.start():] + "A")
+            if more is not None and more.end() > len(text) - last.start():
+                starts.append(last.start())
+    return min(starts, default=None)
 
 
 class _ServerGroup:
@@ -590,14 +762,19 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
                            errlog: TextIO | None = None, stop: Any = None,
                            lost: Callable[[str, str], None] | None = None) -> AsyncIterator[McpTools]:
     """Start every server in ``config`` (``{name: {"command": [..], "env"?: {..}}}``) and
-    yield all their tools (an :class:`McpTools`: its ``origin`` says which server offers each,
-    under which name of its own); stop the servers when the block exits.
+    yield the tools of those that started (an :class:`McpTools`: its ``origin`` says which server
+    offers each, under which name of its own; its ``failed`` names each server that did not
+    start, with the :class:`ToolSourceError` that says why; its ``warnings`` what else went
+    wrong); stop the servers when the block exits.
 
-    Servers start concurrently, each in a task of a task group owned by this context
-    manager. If any fails to start, the others are stopped (or their starts cancelled)
-    and the failure is raised as :class:`ToolSourceError` naming the server. ``reserved``
-    names (tools from other sources) force the ``<server>__`` prefix, as do clashes
-    between servers. An exception raised in the block propagates unchanged (not wrapped
+    Servers start concurrently, each in a task of a task group owned by this context manager,
+    each on its own: one that fails to start (its command not found, it exits, it does not
+    answer within ``start_timeout``) is in ``failed``, and the others' tools are offered all the
+    same (the block begins once every start has ended). ``reserved`` names (tools from other
+    sources) force the ``<server>__`` prefix, as do clashes between servers; a tool whose name is
+    still taken with the prefix (two server names that give the same prefix) is not offered, and
+    a warning says so. A configuration of the wrong shape is raised as :class:`ToolSourceError`
+    before any server starts. An exception raised in the block propagates unchanged (not wrapped
     in an exception group).
 
     ``stop`` (an event: ``wait()`` and ``is_set()``), once set, stops the servers still
@@ -618,7 +795,7 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
 
     import anyio
 
-    failures: list[ToolSourceError] = []
+    failures: dict[str, ToolSourceError] = {}
     body_error: Exception | None = None
     stopped = False
 
@@ -641,27 +818,24 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
                         return
                     try:
                         await source.start(tg)  # bounded by the source's start_timeout
-                    except ToolSourceError as e:
-                        failures.append(e)
-                        starters.cancel_scope.cancel()  # no point waiting for the others
+                    except ToolSourceError as e:  # that one alone: the others start all the same
+                        failures[source.name] = e
 
                 for source in sources:
                     starters.start_soon(start_one, source, name=f"start mcp server {source.name}")
             watch.cancel_scope.cancel()
-        if stopped:
-            failures.clear()  # stopped on purpose: nothing failed
         try:
-            if stopped:
+            if stopped:  # stopped on purpose: nothing failed, no tools
                 yield McpTools()
-            elif not failures:
+            else:
                 try:
-                    yield _named_tools(sources, reserved)
+                    tools = _named_tools([s for s in sources if s.name not in failures], reserved)
+                    tools.failed = {s.name: failures[s.name] for s in sources if s.name in failures}
+                    yield tools
                 except Exception as e:  # re-raised below, outside the task group, unwrapped
                     body_error = e
         finally:
             await _close_all(sources)
-    if failures:
-        raise failures[0]
     if body_error is not None:
         raise body_error
 
@@ -717,27 +891,42 @@ def _source_from_config(name: str, spec: Any, **kw: Any) -> McpToolSource:
 
 class McpTools(list):
     """The tools :func:`open_mcp_sources` yields (a list of :class:`Tool`); ``origin``: each
-    one's name as offered -> (its server, the server's own name for it)."""
+    one's name as offered -> (its server, the server's own name for it); ``failed``: each server
+    that did not start -> why; ``warnings``: what else went wrong, one message each."""
 
     def __init__(self, tools: Iterable[Tool] = (), origin: dict[str, tuple[str, str]] | None = None) -> None:
         super().__init__(tools)
         self.origin: dict[str, tuple[str, str]] = origin or {}
+        self.failed: dict[str, ToolSourceError] = {}
+        self.warnings: list[str] = []
 
 
 def _named_tools(sources: list[McpToolSource], reserved: Collection[str]) -> McpTools:
+    """The started ``sources``' tools, named: plainly, or ``<server>__<tool>`` where two of them
+    offer the name or ``reserved`` has it. A name taken even so (the prefixes of two server names
+    are the same, ``a b`` and ``a_b``; a server's tool is named like another's prefixed one) is
+    offered once, by the first server: the other's tool is not offered, and a warning says so."""
     counts = Counter(n for s in sources for n in s.tool_names())
     taken = set(reserved)
     clashing = {n for n, c in counts.items() if c > 1 or n in taken}
     tools = McpTools()
     for s in sources:
-        for remote, t in zip(s.tool_names(), s.tools(prefixed=clashing)):
+        tools.warnings.extend(s.warnings)
+        left_out: dict[str, list[str]] = {}  # who has the name -> "'tool' as 'name'"
+        for remote, t in zip(s.tool_names(), s._tools(clashing)):
+            holder = tools.origin.get(t.name)
+            if holder is not None or (t.name not in counts and t.name in taken):
+                by = f"MCP server {holder[0]!r}" if holder is not None else "another tool source"
+                left_out.setdefault(by, []).append(f"{remote!r} as {t.name!r}")
+                continue
             tools.append(t)
             tools.origin[t.name] = (s.name, remote)
-    seen: set[str] = set()
-    for t in tools:
-        if t.name in seen or (t.name not in counts and t.name in taken):
-            raise ToolSourceError(f"MCP tool name {t.name!r} is taken twice even with the server prefix")
-        seen.add(t.name)
+        if left_out:
+            tools.warnings.append(f"MCP server {s.name!r}: tools not offered, since their names are taken even with "
+                                  f"the server's prefix: " + "; ".join(
+                                      f"{', '.join(names)} ({by} offers {'a tool' if len(names) == 1 else 'tools'} "
+                                      f"of {'that name' if len(names) == 1 else 'those names'})"
+                                      for by, names in left_out.items()))
     return tools
 
 
@@ -765,7 +954,22 @@ def _unread_text(e: Exception) -> str:
     return "not a JSON-RPC message: " + json.dumps(first.get("input"), default=str)[:200]
 
 
+def _cause(e: BaseException) -> BaseException:
+    """What went wrong: ``e``, or, for an exception group (the SDK's task groups wrap what their
+    tasks raised in one, which says only "unhandled errors in a TaskGroup"), the first exception
+    in it that is not a cancellation (the first one if all are), looked into the same way."""
+    for _ in range(100):  # (a group nested deeper than that is named as it is)
+        if not isinstance(e, BaseExceptionGroup) or not e.exceptions:
+            break
+        import anyio
+
+        cancelled = anyio.get_cancelled_exc_class()
+        e = next((x for x in e.exceptions if not isinstance(x, cancelled)), e.exceptions[0])
+    return e
+
+
 def _describe(e: BaseException) -> str:
+    e = _cause(e)
     text = exception_text(e).strip()
     if not text:
         return type(e).__name__

@@ -251,6 +251,18 @@ async def bounded(aw: Any, timeout: float = TIMEOUT) -> Any:
     return await asyncio.wait_for(aw, timeout)
 
 
+def cfg(tmp_path: Path, *responses: Any, **settings: Any) -> str:
+    """A settings file in ``tmp_path``: a scripted model ``s`` answering ``responses`` (or the
+    ``models`` given), and the other settings."""
+    models = settings.pop("models", None) or {"s": scripted(*responses)}
+    return write_config(tmp_path / "settings.toml", {"models": models, **settings})
+
+
+def sdk_prompt(conn: Any, sid: str, text: str = "go") -> Any:
+    """A text prompt through the SDK's client connection, bounded."""
+    return bounded(conn.prompt(session_id=sid, prompt=[acp.text_block(text)]))
+
+
 # ---------------------------------------------------------------- a plain JSON-lines client
 AGENT = [sys.executable, "-m", "operate_sidecar.server", "--acp"]
 

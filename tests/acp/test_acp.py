@@ -17,18 +17,11 @@ from acp.schema import AllowedOutcome, McpServerStdio, RequestPermissionResponse
 
 from acp_support import (MCP_SERVER, Raw, RecordingClient, agent_env, bounded, echo_model, reply, req, run, scripted,
                          spawn, start, write_config)
+from acp_support import cfg
 from acp_support import prompt as raw_prompt
+from acp_support import sdk_prompt as prompt
 
 TOOLS = "acp_fixture_tools"
-
-
-def cfg(tmp_path, *responses, **settings):
-    models = settings.pop("models", None) or {"s": scripted(*responses)}
-    return write_config(tmp_path / "settings.toml", {"models": models, **settings})
-
-
-def prompt(conn, sid, text="go"):
-    return bounded(conn.prompt(session_id=sid, prompt=[acp.text_block(text)]))
 
 
 def test_initialize_and_new_session_answer_what_is_implemented(tmp_path, ws):

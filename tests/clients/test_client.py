@@ -225,6 +225,81 @@ def test_expect_never_takes_an_earlier_answer_of_the_same_id_from_unmatched():
         c.kill()
 
 
+def test_an_id_still_waiting_for_its_answer_is_refused_and_fresh_ids_skip_it():
+    """A second request with the id of one still waiting used to replace it: the one answer settled the
+    second, and the first waited for its time-out with its answer lost. It is refused, naming the id,
+    before anything is sent; the first still gets its answer. A fresh id skips ids chosen by hand."""
+    c = fake("echo")
+    try:
+        first = c.expect("job")
+        with pytest.raises(ValueError, match="request id 'job' is still waiting for its answer"):
+            c.request_async("ping", {"n": 2}, msg_id="job")
+        with pytest.raises(ValueError, match="'job'"):
+            c.request("ping", {"n": 2}, timeout=10, msg_id="job")
+        with pytest.raises(ValueError, match="'job'"):
+            c.expect("job")
+        body = json.dumps({"jsonrpc": "2.0", "id": "job", "method": "m", "params": {"n": 1}}).encode()
+        c.send_raw(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert first.result(10) == {"n": 1}
+        assert c.unmatched == []  # nothing else was sent
+        assert c.request("ping", {"n": 3}, timeout=10, msg_id="job") == {"n": 3}  # answered: free again
+        last = c.request_async("ping", {"n": 4})
+        assert last.result(10) == {"n": 4}
+        taken = [c.expect(last.id + 1), c.expect(last.id + 2)]  # the next fresh ids, chosen by hand
+        fresh = c.request_async("ping", {"n": 5})
+        assert fresh.id == last.id + 3 and fresh.result(10) == {"n": 5}
+        assert not any(p.done() for p in taken) and c.unmatched == []
+    finally:
+        c.kill()
+
+
+def _denied_reasons(tmp_path: Path, answers: list) -> list[str]:
+    """The real server asking ``requestToolPermission`` for a ``write_file`` once per answer, the
+    client answering each of ``answers`` in turn: every call denied, nothing written; the reasons."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    call = {"json": {"action_requests": [{"function": "write_file", "arguments": {"path": "a.txt", "content": "b"}}]}}
+    given = iter(answers)
+    with SidecarClient(env=env, cwd=str(ROOT)) as c:
+        c.on_request("requestToolPermission", lambda p: next(given))
+        c.request("initialize", {"capabilities": {"toolPermission": True}, "workspaceFolders": [str(tmp_path)],
+                                 "settings": {"models": {"s": {"provider": "scripted",
+                                                               "responses": [call] * len(answers)}}}},
+                  timeout=30)
+        branch = c.request("createBranch", {"chatModel": "s"}, timeout=30)["branchId"]
+        reasons = []
+        for _ in answers:
+            out = c.request("operate", {"branchId": branch, "instruction": "go", "actions": True}, timeout=30)
+            (resp,) = out["result"]["action_responses"]
+            assert resp["output"]["error"] == "denied by governance gate", resp
+            reasons.append(resp["output"]["reason"])
+        assert not (tmp_path / "a.txt").exists()
+        assert c.close() == 0
+    return reasons
+
+
+def test_a_permission_answer_that_is_not_an_object_is_a_deny_quoting_what_came_with_the_real_server(tmp_path):
+    """A handler that answers requestToolPermission with the bare decision ("allow_once", not
+    {"decision": "allow_once"}) is denied; the reason used to say ``None``, it quotes what came (bounded)."""
+    reasons = _denied_reasons(tmp_path, ["allow_once", ["x" * 200], {"decison": "allow_once"}, {"decision": "allow"}])
+    assert reasons == ["invalid permission answer 'allow_once'",
+                       "invalid permission answer " + repr(["x" * 200])[:80] + "...",
+                       "invalid permission answer {'decison': 'allow_once'}",
+                       "invalid permission answer 'allow'"], reasons
+
+
+def test_a_permission_answer_nested_deep_is_a_deny_quoting_its_first_levels_with_the_real_server(tmp_path):
+    """A permission answer was quoted by ``repr`` of all of it, then cut: an answer nested 950 lists
+    deep was written out whole (and raised RecursionError where the stack was deeper:
+    tests/service/test_governance_answers.py), a megabyte one too. The call is denied quoting the
+    answer's first levels, or its first 80 characters, and the operate goes on."""
+    deep: list = []
+    for _ in range(950):  # (as deep as the server's reader parses at its shallow stack)
+        deep = [deep]
+    reasons = _denied_reasons(tmp_path, [deep, {"decision": ["y" * 1_000_000]}])
+    assert reasons == ["invalid permission answer [[[[...]]]]",
+                       "invalid permission answer " + repr(["y" * 200])[:80] + "..."], reasons
+
+
 def test_waiting_for_an_answer_inside_a_notification_callback_fails_at_once():
     """Notification callbacks run on the reader thread: request() there used to block that thread
     (and with it every answer) until its time-out. It raises at once; request_async works."""

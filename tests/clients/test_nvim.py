@@ -2704,7 +2704,7 @@ def test_the_exit_warning_shows_only_this_server_process_log_lines(nv):
         nv.wait("require('operate_sidecar')._state.exit ~= nil and #_G.notes >= 1", f"the {session} server to exit")
         nv.lua("vim.wait(300)")                                        # (a second message would come now)
         assert nv.lua("return _G.notes") == [                          # one: not "cannot start the server" too
-            f"[operate] server exited with code 3 while starting; the next message or :OperateStart tries again; "
+            f"[operate] server exited with code 3 before it was ready; the next message or :OperateStart tries again; "
             f"its log ends:\n{session} SESSION: failure"], nv.lua("return _G.notes")
     nv.n.command("checkhealth operate_sidecar")
     report = "\n".join(nv.n.current.buffer[:])
@@ -3913,3 +3913,302 @@ def test_a_crlf_reply_shows_no_carriage_returns_and_an_open_fence_is_closed_at_i
     at = chat.index("line one")
     assert chat[at:at + 5] == ["line one", "line two", "```python", "x = 1", "```"], chat
     assert not [ln for ln in chat if "\r" in ln], chat
+
+
+# Client tools whose handler returns what JSON cannot hold: a function, a sparse list, NaN.
+UNSENDABLE_TOOLS = """require('operate_sidecar').config.client_tools = {
+    { name = 'nvim_fn', description = 'a function', inputSchema = { type = 'object' },
+      handler = function() return { f = function() end } end },
+    { name = 'nvim_sparse', description = 'a sparse list', inputSchema = { type = 'object' },
+      handler = function() return { [1] = 'a', [50] = 'b' } end },
+    { name = 'nvim_nan', description = 'NaN', inputSchema = { type = 'object' },
+      handler = function() return { n = 0 / 0 } end } }"""
+
+
+def test_a_client_tool_answer_json_cannot_hold_is_the_calls_error_and_the_turn_goes_on(nv):
+    """A client tool whose result vim.json cannot encode left the turn at `_running tools…_`
+    until :OperateCancel (the answer was marked sent, then its encoding threw): each such call
+    is now the call's error, saying why, and the turn goes on to its next round."""
+    nv.setup(["unused"], _state_dir=False)
+    nv.lua(UNSENDABLE_TOOLS)
+    nv.start()
+    calls = {"json": {"action_requests": [{"function": f, "arguments": {}} for f in ("nvim_fn", "nvim_sparse",
+                                                                                     "nvim_nan")]}}
+    bid = nv.new_branch([calls, "after the tools"], "unsendable")
+    nv.chat_send("run them")
+    out = nv.wait_done()
+    assert out["err"] is None and out["result"]["result"] == "after the tools", out
+    errors = {m["content"]["function"]: m["content"]["output"]["error"]
+              for m in nv.messages(bid) if m["kind"] == "action_response"}
+    why = "the client tool {} returned what cannot be sent as JSON: Cannot serialise {}"
+    assert errors == {"nvim_fn": why.format("nvim_fn", "function: type not supported"),
+                      "nvim_sparse": why.format("nvim_sparse", "table: excessively sparse array"),
+                      "nvim_nan": why.format("nvim_nan", "number: must not be NaN or Infinity")}, errors
+    assert "✗ nvim_fn — " + errors["nvim_fn"] in nv.chat(bid)
+    assert nv.lua("return _G.notes") == [n for n in nv.lua("return _G.notes") if n.startswith("[operate] done")]
+
+
+def test_an_answer_json_cannot_hold_is_sent_as_an_error_answer_saying_why(sv):
+    """rpc.lua: a request handler's answer that cannot be encoded (here the invokeClientTool
+    handler's own, a function in it) still answers the server: an error answer with the
+    reason, one error for the user naming the request; never no answer at all."""
+    bid = sv.new_branch([call("nvim_buffer_text"), "went on"], "rpcunsendable")
+    sv.lua("""local c = require('operate_sidecar')._state.client
+        _G.saved_handler = c.handlers.invokeClientTool
+        c.handlers.invokeClientTool = function(_, reply) reply({ output = { f = function() end } }) end""")
+    out = _turn_then(sv, "read", "require('operate_sidecar')._state.client.handlers.invokeClientTool = "
+                     "_G.saved_handler")
+    assert out["err"] is None and out["result"]["result"] == "went on", out
+    reason = ("the editor's answer to invokeClientTool cannot be sent as JSON: Cannot serialise function: "
+              "type not supported")
+    assert [o.get("error") for o in _outputs(sv, bid)] == [reason]
+    notes = sv.lua("return _G.notes")
+    assert notes[0] == ("[operate] the editor could not answer the server's invokeClientTool request (it was "
+                        f"answered with an error): {reason}"), notes
+    assert len(notes) == 2 and notes[1].startswith("[operate] done"), notes
+
+
+def test_two_neovims_on_one_state_directory_keep_each_others_kept_turns(nvim_bin, tmp_path):
+    """nvim-chat-kept.json is shared by the Neovims on one state directory: each writes its own
+    change to what the file holds then (it read the file once and wrote that copy back whole,
+    wiping the other's failed turns and thoughts), and each reads the other's changes."""
+    state = tmp_path / "state"
+    a, b = Nvim(nvim_bin[1], tmp_path / "a"), Nvim(nvim_bin[1], tmp_path / "b")
+    try:
+        for v in (a, b):
+            v.setup(["unused"], _state_dir=str(state))
+        k = "require('operate_sidecar.kept')"
+        put_local = k + ".put_local(select(1, ...), {at = 0, user = select(2, ...), status = 'error', blocks = {}})"
+        users = f"return vim.tbl_map(function(r) return r.user end, {k}.locals(...))"
+        a.lua(put_local, "ba", "A1")
+        b.lua(put_local, "bb", "B1")
+        a.lua(put_local, "ba", "A2")                            # A read the file before B wrote it
+        a.lua(k + ".put('ba', 0, {{at = 0, text = 'A thought'}}, nil)")
+        b.lua(k + ".put('bb', 0, {{at = 0, text = 'B thought'}}, nil)")
+        stored = json.loads((state / "nvim-chat-kept.json").read_text())
+        assert [(x["branch"], [r["user"] for r in x["turns"]]) for x in stored["locals"]] == [
+            ("bb", ["B1"]), ("ba", ["A1", "A2"])], stored
+        assert [e["key"] for e in stored["turns"]] == ["ba@0", "bb@0"], stored
+        assert b.lua(users, "ba") == ["A1", "A2"] and a.lua(users, "bb") == ["B1"]   # each reads the other's
+        assert b.lua(f"return {k}.get('ba', 0).thoughts[1].text") == "A thought"
+        b.lua(k + ".forget('bb')")                              # B forgets its branch only
+        assert a.lua(users, "bb") == [] and a.lua(users, "ba") == ["A1", "A2"]
+        assert a.lua(f"return {k}.get('ba', 0) ~= nil") and a.lua(f"return {k}.get('bb', 0) == nil")
+        assert sorted(p.name for p in state.iterdir() if "kept" in p.name) == ["nvim-chat-kept.json"]  # no temp left
+        for v in (a, b):
+            v.assert_no_errors()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_neovims_changing_the_kept_file_at_once_lose_none_of_each_others_turns(nvim_bin, tmp_path):
+    """Two Neovims on one state directory keeping turns at the same moment: each change holds the
+    file's lock (nvim-chat-kept.json.lock) from its read to its rename (without it, one read the
+    file, the other wrote it, and the first renamed its copy over it: the other's turn was gone).
+    A live lock is waited for (LOCK_WAIT_MS at most: the change stays in memory and is written with
+    the next one); a stale one (its Neovim ended holding it) is taken over; a temporary file whose
+    write failed is not left behind."""
+    state = tmp_path / "state"
+    kept = state / "nvim-chat-kept.json"
+    lock = state / "nvim-chat-kept.json.lock"
+    go = tmp_path / "go"
+    n = 100
+    a, b = Nvim(nvim_bin[1], tmp_path / "a"), Nvim(nvim_bin[1], tmp_path / "b")
+    try:
+        k = "require('operate_sidecar.kept')"
+        for v in (a, b):
+            v.setup(["unused"], _state_dir=str(state))
+            v.lua(f"{k}.MAX_LOCAL_TURNS, {k}.MAX_TURNS, {k}.LOCK_WAIT_MS = 1000, 1000, {WAIT_MS}")
+        # both start when `go` appears, then keep n failed turns and n turns' thoughts each, as fast as they can
+        for v, branch, tag in ((a, "ba", "A"), (b, "bb", "B")):
+            v.lua("_G.kept_done = nil")
+            v.n.exec_lua(f"""
+                local go, branch, tag, n = ...
+                local uv = vim.uv or vim.loop
+                local deadline = uv.hrtime() + {WAIT_MS} * 1e6
+                while not uv.fs_stat(go) and uv.hrtime() < deadline do uv.sleep(1) end
+                local ok, err = pcall(function()
+                  for i = 1, n do
+                    {k}.put_local(branch, {{at = i, user = tag .. i, status = 'error', blocks = {{}}}})
+                    {k}.put(branch, i, {{{{at = 0, text = tag .. i}}}}, nil)
+                  end
+                end)
+                _G.kept_done = ok and 'done' or tostring(err)""", str(go), branch, tag, n, async_=True)
+        go.touch()
+        for v in (a, b):
+            v.wait("_G.kept_done ~= nil", "the changes made one after the other", ms=60000)
+            assert v.lua("return _G.kept_done") == "done"
+        stored = json.loads(kept.read_text())
+        users = {x["branch"]: [r["user"] for r in x["turns"]] for x in stored["locals"]}
+        assert users == {"ba": [f"A{i}" for i in range(1, n + 1)], "bb": [f"B{i}" for i in range(1, n + 1)]}, users
+        assert sorted(e["key"] for e in stored["turns"]) == sorted(f"{x}@{i}" for x in ("ba", "bb")
+                                                                   for i in range(1, n + 1))
+        assert sorted(p.name for p in state.iterdir()) == ["nvim-chat-kept.json"]   # no lock, no temp left
+
+        put_local = k + ".put_local('ba', {at = 0, user = ..., status = 'error', blocks = {}})"
+        on_disk = lambda: [r["user"] for x in json.loads(kept.read_text())["locals"]  # noqa: E731
+                           if x["branch"] == "ba" for r in x["turns"]][n:]
+        # a lock another Neovim holds: waited for, then the change is kept in memory only, written with the next
+        lock.touch()
+        a.lua(f"{k}.LOCK_WAIT_MS = 200")
+        a.lua(put_local, "while held")
+        assert on_disk() == [] and lock.exists()
+        assert a.lua(f"return {k}.locals('ba')[{n + 1}].user") == "while held"
+        lock.unlink()
+        a.lua(put_local, "after it")
+        assert on_disk() == ["while held", "after it"]
+        # a stale lock (its Neovim ended holding it) is taken over
+        lock.touch()
+        os.utime(lock, (time.time() - 60, time.time() - 60))
+        a.lua(put_local, "stale taken")
+        assert on_disk() == ["while held", "after it", "stale taken"] and not lock.exists()
+        # a write that fails (no room left) leaves no temporary file and the file as it was
+        tmp = state / f"nvim-chat-kept.json.{a.pid}.tmp"
+        tmp.symlink_to("/dev/full")
+        a.lua(put_local, "no room")
+        assert not os.path.lexists(tmp) and on_disk() == ["while held", "after it", "stale taken"]
+        assert sorted(p.name for p in state.iterdir()) == ["nvim-chat-kept.json"]
+        for v in (a, b):
+            v.assert_no_errors()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_empty_table_in_a_client_tools_schema_or_result_is_sent_as_an_object(nv):
+    """`inputSchema = {type = 'object', properties = {}}` went out as `"properties": []` (no
+    schema: the server refused the tool); every empty table where a JSON Schema has an object is
+    sent as `{}`, at any depth, and a handler's `{}` is the output `{}`."""
+    nv.setup(["unused"], _state_dir=False)
+    nv.lua("""require('operate_sidecar').config.client_tools = {
+        { name = 'nvim_noargs', description = 'no arguments', inputSchema = { type = 'object', properties = {} },
+          handler = function() return {} end },
+        { name = 'nvim_nested', description = 'nested', inputSchema = { type = 'object', ['$defs'] = {},
+            properties = { opts = { type = 'object', properties = {}, patternProperties = {} },
+                           list = { type = 'array', items = {}, default = {} } },
+            anyOf = { {} }, required = {} },
+          handler = function(args) return { got = args } end } }""")
+    _capture_levels(nv)
+    nv.start()
+    assert nv.lua("return _G.notes") == [], nv.lua("return _G.notes")     # not "were not added"
+    tools = json.loads(nv.lua("local r = require('operate_sidecar').request_sync('listTools', {}, 10000); "
+                              "return vim.json.encode(r.tools)"))
+    schemas = {t["name"]: t.get("inputSchema") for t in tools if t["name"].startswith("nvim_")}
+    assert schemas["nvim_noargs"] == {"type": "object", "properties": {}}, schemas
+    assert schemas["nvim_nested"] == {"type": "object", "$defs": {}, "anyOf": [{}], "required": [], "properties": {
+        "opts": {"type": "object", "properties": {}, "patternProperties": {}},
+        "list": {"type": "array", "items": {}, "default": []}}}, schemas
+    bid = nv.new_branch([call("nvim_noargs"), "after"], "emptyprops")
+    nv.chat_send("call it")
+    assert nv.wait_done()["err"] is None
+    assert _outputs(nv, bid) == [{}]
+    assert nv.lua("return vim.json.encode(require('operate_sidecar.util').as_schema(...))",
+                  {"type": "object"}) == '{"type":"object"}'
+
+
+def test_a_cmd_cwd_that_does_not_exist_is_named_not_the_command(nv, tmp_path):
+    """A `cmd_cwd` that does not exist made the spawn fail with ENOENT, told as `cannot start
+    <cmd>: ENOENT` (the command exists), and :checkhealth said all was well."""
+    nv.setup(["unused"])
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    _capture_levels(nv)
+    for cwd, why in ((tmp_path / "no_such_dir", "does not exist"), (a_file, "is not a directory")):
+        nv.lua("_G.notes, _G.levels = {}, {}; require('operate_sidecar').config.cmd_cwd = ...", str(cwd))
+        nv.n.command("OperateStart")
+        nv.wait("#_G.notes > 0", "the failed start")
+        assert nv.lua("return _G.notes") == [
+            f"[operate] cannot start the server: cmd_cwd {cwd} (the server's working directory) {why}"]
+        assert nv.lua("return _G.levels") == [nv.lua("return vim.log.levels.ERROR")]
+        nv.n.command("checkhealth operate_sidecar")
+        report = "\n".join(nv.n.current.buffer[:])
+        assert f"cmd_cwd {cwd} (the server's working directory) {why}" in report and "ERROR" in report, report
+
+
+def test_a_log_file_that_cannot_be_written_is_named_and_the_server_runs_without_it(nv, tmp_path):
+    """A `log_file` whose directory is a regular file stopped every start with a raw
+    `Vim:E739` naming no option: the start warns, naming `log_file`, and goes on."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    nv.setup(["the reply"])
+    log = a_file / "operate-sidecar.log"
+    nv.lua("require('operate_sidecar').config.log_file = ...", str(log))
+    _capture_levels(nv)
+    out = nv.operate_cmd("Operate hello")
+    assert out["err"] is None and out["result"]["result"] == "the reply", out
+    notes = nv.lua("return _G.notes")
+    assert notes[0].startswith(f"[operate] log_file {log} cannot be written (") and \
+        notes[0].endswith("): the server runs without its log") and "E739" in notes[0], notes
+    assert nv.lua("return _G.levels")[0] == nv.lua("return vim.log.levels.WARN")
+    nv.n.command("checkhealth operate_sidecar")
+    report = "\n".join(nv.n.current.buffer[:])
+    assert f"log_file {log} cannot be written ({a_file} is not a directory)" in report and "WARNING" in report, report
+
+
+def test_a_server_that_exits_with_code_0_before_it_is_ready_is_a_failed_start_quoting_what_it_printed(nv):
+    """A `cmd` that prints its usage and exits 0 was told in :OperateStop's words (`server
+    stopped (code 0) while starting`, INFO) with nothing of what it printed: it is a failed
+    start, an error saying it exited before it was ready, with its last lines (stderr from the
+    log, stdout that is not the protocol), and the chat's turn says the same."""
+    nv.setup(["unused"])
+    prog = ("import sys; sys.stderr.write('ON STDERR: a warning\\n'); "
+            "print('usage: not-a-server [--help]'); print('  --help   this text')")
+    nv.lua("require('operate_sidecar').config.cmd = ...", [sys.executable, "-c", prog])
+    _capture_levels(nv)
+    nv.chat_send("hello")
+    out = nv.wait_done()
+    nv.wait("require('operate_sidecar')._state.exit ~= nil and #_G.notes >= 1", "the exit notice")
+    nv.lua("vim.wait(300)")                                                # (a second message would come now)
+    assert nv.lua("return _G.notes") == [
+        "[operate] server exited with code 0 before it was ready; the turn did not finish (R in the chat sends it "
+        "again); the next message or :OperateStart tries again; its log ends:\nON STDERR: a warning\n"
+        "it printed (not the protocol):\nusage: not-a-server [--help]\n  --help   this text"], nv.lua("return _G.notes")
+    assert nv.lua("return _G.levels") == [nv.lua("return vim.log.levels.ERROR")]
+    assert out["err"]["code"] == -32099
+    assert "**error:** the server exited with code 0 before it was ready" in nv.chat(out["branchId"] or None)
+    nv.n.command("checkhealth operate_sidecar")
+    report = "\n".join(nv.n.current.buffer[:])
+    assert "the server exited with code 0 before it was ready" in report and "WARNING" in report, report
+    assert "usage: not-a-server [--help]" in report, report
+
+
+def test_typing_in_the_file_side_of_an_open_review_voids_the_proposal(sv):
+    """Typing in the file's window of an open review kept the live diff (the typed line shown as
+    the model's deletion) and `ga` hints, though accepting could only fail: the review turns to
+    the notice and the change as proposed at once, and back to the diff when undone."""
+    path = sv.tmp / "typed_in_review.py"
+    path.write_text("a = 1\nb = 1\n")
+    edit_branch(sv, path, "a = 1", "a = 2", "typedreview")
+    sv.chat_send("make a 2")
+    sv.wait("require('operate_sidecar.diff').current ~= nil", "the diff review tab")
+    live = _review_lines(sv)
+    assert live["proposed"] == ["a = 2", "b = 1"] and live["diff"] == [True, True], live
+    sv.lua("vim.api.nvim_set_current_win(require('operate_sidecar.diff').current.left)")
+    sv.send_keys("GoC = 3<Esc>")
+    sv.wait("require('operate_sidecar.diff').current.stale == true", "the review to see the typing")
+    view = _review_lines(sv)
+    stale = sv.lua("return require('operate_sidecar.diff').STALE")
+    assert view["proposed"][:len(stale)] == stale and "+a = 2" in view["proposed"], view
+    assert view["diff"] == [False, False] and "ga will fail" in view["status"], view
+    sv.send_keys("u")                                                    # undone: the proposal holds again
+    sv.wait("require('operate_sidecar.diff').current.stale == false", "the review to see the undo")
+    assert _review_lines(sv)["proposed"] == ["a = 2", "b = 1"] and _review_lines(sv)["diff"] == [True, True]
+    sv.send_keys("ga")
+    assert sv.wait_done()["err"] is None
+    assert sv.buf_lines(str(path)) == ["a = 2", "b = 1"]
+
+
+def test_ctrl_c_in_the_permission_float_cancels_the_turn(sv):
+    """<C-c> cancels the running turn in the chat and in the review; in the permission float it
+    did nothing."""
+    target = sv.tmp / "ctrlc_float.txt"
+    bid = sv.asked_to_mark(target, "floatctrlc")
+    floats = sv.floats()
+    assert len(floats) == 1 and floats[0]["focused"] is True, floats
+    sv.send_keys("<C-c>")
+    out = sv.wait_done()
+    assert out["err"]["code"] == -32800, out
+    sv.wait("#require('operate_sidecar.permission').queue == 0", "the request to go")
+    assert sv.floats() == [] and not target.exists()
+    assert any(ln.startswith("⊘ mark_file") and ln.endswith("(cancelled)") for ln in sv.chat(bid)), sv.chat(bid)

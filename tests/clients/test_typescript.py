@@ -1,6 +1,6 @@
 """The TypeScript client package (clients/typescript), tested for real.
 
-Set-up once per module: `npm ci` (the lockfile is committed; its `prepare` script builds dist/ with tsc).
+Set-up once per module: `npm ci` (the lockfile is committed; its `prepare` script builds dist/: tsc, then scripts/node10-types.mjs).
 Then, each as its own test:
   (a) the generated wire types are current: scripts/gen.mjs --check regenerates src/generated/protocol.ts
       from protocol/schema.json and compares (and fails for a changed schema)
@@ -8,6 +8,8 @@ Then, each as its own test:
   (c) the generated types are enforced: misuses of typed requests fail tsc (negative control), correct uses pass
   (d) node --test of the client against the real Python server (scripted model)
   (e) npm pack ships dist/ and no tests
+  (f) the packed tarball, installed into a separate project, drives the real server from plain JavaScript
+  (g) its declarations type-check there under node10 (`"module": "commonjs"`, TypeScript 5), node16 and bundler resolution
 Every subprocess has a finite timeout.
 """
 
@@ -170,7 +172,8 @@ def test_e_npm_pack_ships_dist_and_no_tests():
     p = run(["npm", "pack", "--dry-run", "--json", "--ignore-scripts"], GEN_TIMEOUT)
     assert p.returncode == 0, tail(p)
     files = {f["path"] for f in json.loads(p.stdout)[0]["files"]}
-    assert {"package.json", "README.md", "dist/index.js", "dist/index.d.ts", "dist/generated/protocol.d.ts"} <= files, files
+    assert {"package.json", "README.md", "dist/index.js", "dist/index.d.ts", "dist/node10.d.ts",
+            "dist/generated/protocol.d.ts"} <= files, files
     assert not [f for f in files if f.startswith(("test/", "dist-test/", "src/", "node_modules/"))], files
 
 
@@ -192,17 +195,24 @@ const { SidecarClient, ErrorCodes } = require('operate-sidecar-client');
 """
 
 
-def test_f_the_packed_tarball_works_from_a_separate_node_project(tmp_path):
-    """`npm pack` then `npm install` of the tarball into a fresh project; plain JavaScript drives the real server."""
+def packed_project(tmp_path: Path, *also: str) -> Path:
+    """`npm pack` (its `prepare` builds dist/), then `npm install` of the tarball (and of ``also``) into a fresh
+    project; that project's directory."""
     pack = run(["npm", "pack", "--json", "--pack-destination", str(tmp_path)], TSC_TIMEOUT)
     assert pack.returncode == 0, tail(pack)
     tarball = tmp_path / json.loads(pack.stdout[pack.stdout.index("["):])[0]["filename"]
     project = tmp_path / "consumer"
     project.mkdir()
     (project / "package.json").write_text(json.dumps({"name": "consumer", "version": "1.0.0", "private": True}))
-    inst = run(["npm", "install", "--no-audit", "--no-fund", "--prefer-offline", str(tarball)], NPM_CI_TIMEOUT,
+    inst = run(["npm", "install", "--no-audit", "--no-fund", "--prefer-offline", str(tarball), *also], NPM_CI_TIMEOUT,
                cwd=project)
     assert inst.returncode == 0, tail(inst)
+    return project
+
+
+def test_f_the_packed_tarball_works_from_a_separate_node_project(tmp_path):
+    """`npm pack` then `npm install` of the tarball into a fresh project; plain JavaScript drives the real server."""
+    project = packed_project(tmp_path)
     assert (project / "node_modules" / "operate-sidecar-client" / "dist" / "index.d.ts").exists()
     assert not (project / "node_modules" / "operate-sidecar-client" / "src").exists()
     (project / "main.js").write_text(CONSUMER)
@@ -211,3 +221,52 @@ def test_f_the_packed_tarball_works_from_a_separate_node_project(tmp_path):
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["out"] == {**got["out"], "result": {"answer": "forty-two"}, "kind": "model", "model": "AnswerResponse"}, got
     assert got["code"] == got["branchNotFound"] == -32012 and got["exit"] == 0, got
+
+
+TS_CONSUMER = """
+import {
+  CancellationToken, CancellationTokenSource, ErrorCodes, OperateResult, PermissionHandler, ResponseError, SidecarClient,
+  SidecarExitedError,
+} from 'operate-sidecar-client';
+export async function run(c: SidecarClient, token: CancellationToken): Promise<number | OperateResult> {
+  const allow: PermissionHandler = (req) => (req.tool === 'write_file' ? 'allow_once' : 'deny_once');
+  c.setPermissionHandler(allow);
+  const source = new CancellationTokenSource();
+  token.onCancellationRequested(() => source.cancel());
+  c.connection.onClose(() => source.dispose());
+  // @ts-expect-error: a token is not a number (vscode-jsonrpc's types are there, not any)
+  const n: number = source.token;
+  try {
+    const { branchId } = await c.createBranch({ system: 'be brief' });
+    return await c.operate({ branchId, instruction: 'x' }, { token: source.token });
+  } catch (e) {
+    if (e instanceof ResponseError && e.code === ErrorCodes.BranchNotFound) return e.code + n;
+    if (e instanceof SidecarExitedError) return e.exitCode ?? -1;
+    throw e;
+  }
+}
+"""
+# TypeScript 5, in which `"module": "commonjs"` means node10 module resolution (TypeScript 7 has none)
+CONSUMER_TYPESCRIPT = "typescript@5.9.3"
+RESOLUTIONS = {  # compilerOptions -> the declarations of the package TypeScript loads
+    "commonjs": ({"module": "commonjs"}, "node10.d.ts"),
+    "node16": ({"module": "node16"}, "index.d.ts"),
+    "bundler": ({"module": "esnext", "moduleResolution": "bundler"}, "index.d.ts"),
+}
+
+
+def test_g_the_packed_declarations_type_check_under_node10_node16_and_bundler_resolution(tmp_path):
+    """A TypeScript project that installed the tarball type-checks against its declarations (no skipLibCheck) with
+    `"module": "commonjs"` (node10 resolution, which cannot read vscode-jsonrpc's `exports` map), node16 and bundler."""
+    project = packed_project(tmp_path, CONSUMER_TYPESCRIPT, "@types/node@20.19.43")
+    (project / "main.ts").write_text(TS_CONSUMER)
+    dist = project / "node_modules" / "operate-sidecar-client" / "dist"
+    for name, (options, declarations) in RESOLUTIONS.items():
+        (project / f"tsconfig.{name}.json").write_text(json.dumps({
+            "compilerOptions": {**options, "target": "es2022", "strict": True, "noEmit": True, "types": ["node"]},
+            "files": ["main.ts"]}))
+        p = run(["node", "node_modules/typescript/bin/tsc", "-p", f"tsconfig.{name}.json", "--pretty", "false",
+                 "--listFiles"], TSC_TIMEOUT, cwd=project)
+        assert p.returncode == 0 and "error TS" not in p.stdout, f"{name}: {tail(p)}"
+        loaded = {Path(line) for line in p.stdout.splitlines()}
+        assert dist / declarations in loaded, f"{name}: dist/{declarations} not loaded\n{tail(p)}"

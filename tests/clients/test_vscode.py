@@ -29,7 +29,7 @@ when missing, code-server@4.99.4 in itest-host/). Then, each as its own test:
       Cancel in the command palette only while something runs; long lines wrap, Hebrew reads right to left; a redraw keeps the focus and a selection
       in the turns it did not change; the input's label and the live region; a call waiting for a decision said in
       the turn, the live region and the activity bar's badge; a window reload while a review waits, the stopped
-      turns kept through it; Retry on a stopped turn and on a failed one, the input's history on Up / Down,
+      turns kept through it, the turn it ended marked as interrupted (Retry, no Copy, its call not answered); Retry on a stopped turn and on a failed one, the input's history on Up / Down,
       Ctrl+Enter / Ctrl+Backspace on a request without a diff; Retry on a turn stopped after its first
       round sends no context, the branch has it; the running turn's status line and the live region
       read the repair attempt while a reply not in the expected format is asked for again); screenshots
@@ -130,7 +130,9 @@ def test_a_protocol_client_against_the_real_server_with_node_test():
                   "cancel mid model call", "error codes", "dies", "fs/readTextFile and fs/writeTextFile",
                   "structured replies show their prose fields", "sanitized", "tool cards",
                   'plain text starting with "{"', "refusesField", "no empty message bubble",
-                  "the status line of a running turn says what it does", "a repair attempt"):
+                  "the status line of a running turn says what it does", "a repair attempt",
+                  "StreamMarkdown", "a long streamed reply reaches the view as what changed", "after a window reload ended a turn",
+                  "the file list of a multi-root workspace", "a diff review whose file changes meanwhile"):
         assert topic in names, f"missing test about {topic!r}: {names}"
 
 

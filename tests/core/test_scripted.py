@@ -120,3 +120,26 @@ async def test_empty_text_yields_only_a_result_chunk():
     m = ScriptedModel("s", [""])
     out = await chunks_of(m)
     assert [c.type for c in out] == ["result"]
+
+
+async def test_a_refusal_entry_fails_as_the_model_declining_and_an_error_only_as_a_model_error():
+    """docs/PROTOCOL.md §2: ``refusal`` fails the invocation as a refusal (its text the error's
+    ``data.refusal``) after streaming the entry's text; an ``error`` that merely reads like one
+    is a plain model error."""
+    from operate_sidecar.server.core.errors import ModelRefused
+
+    m = ScriptedModel("s", [{"text": "some", "refusal": "not allowed"},
+                            {"refusal": "no", "error": "stopped by the filter"},
+                            {"error": "model 's' declined the request: not allowed"}])
+    seen = []
+    with pytest.raises(ModelRefused) as e:
+        async for c in m.stream(req()):
+            seen.append(c)
+    assert [c.text for c in seen if c.type == "text"] == ["some"]
+    assert e.value.refusal == "not allowed" and str(e.value) == "model 's' declined the request: not allowed"
+    with pytest.raises(ModelRefused) as e:
+        await m.invoke(req())
+    assert e.value.refusal == "no" and str(e.value) == "stopped by the filter"
+    with pytest.raises(ModelError) as e:
+        await m.invoke(req())
+    assert not isinstance(e.value, ModelRefused)

@@ -125,9 +125,10 @@ def test_a_numeric_secret_keeps_every_frame_json_and_is_masked_in_the_store(spaw
     out = c.request("operate", {"branchId": bid, "instruction": "go", "actions": True}, timeout=TIMEOUT)
     assert out["result"]["action_responses"][0]["output"] == \
         {"n": "[REDACTED]", "text": "pin [REDACTED]", "longer": int("1" + PIN)}
-    # a request id the client chose that is the secret: answered in a frame that is still JSON
+    # a request id the client chose that is the secret: answered under that id (an answer keeps
+    # the id it answers), in a frame that is still JSON
     c.send_raw(frame({"jsonrpc": "2.0", "id": int(PIN), "method": "listBranches", "params": {}}))
-    assert [m["id"] for m in wait_unmatched(c, 1)] == ["[REDACTED]"]
+    assert [m["id"] for m in wait_unmatched(c, 1)] == [int(PIN)]
     c.close()
     assert not c.stream_errors
     bare = re.compile(rf"(?<![0-9]){PIN}(?![0-9])")
@@ -136,6 +137,25 @@ def test_a_numeric_secret_keeps_every_frame_json_and_is_masked_in_the_store(spaw
     assert not bare.search(recording)
     for line in recording.splitlines():
         json.loads(line)
+
+
+def test_a_count_or_a_short_number_is_no_secret_whatever_its_variable_is_named(monkeypatch):
+    """An env value is a secret by its variable's name, but for a number under a name that says
+    it counts (``MAX_TOKENS``, ``TOKEN_LIMIT``, ``KEYCLOAK_PORT``, ``maxOutputTokens``); and no
+    number of 7 digits or fewer is registered (a count, a limit, a port: no key is that short),
+    while 8 digits and more (an account number) are."""
+    from operate_sidecar.server import redaction
+
+    env = {"MAX_TOKENS": "4096", "TOKEN_LIMIT": "100000000", "maxOutputTokens": "128000", "KEYCLOAK_PORT": "8080",
+           "AUTH_TIMEOUT": "2.5", "MAX_TOKENS_KEY": "sk-notANumber1", "API_KEY": PIN, "GITHUB_TOKEN": MCP_TOKEN,
+           "TOKENIZER": "fast", "DEBUG": "1"}
+    assert redaction.secret_env_values(env) == ["sk-notANumber1", PIN, MCP_TOKEN, "fast"]
+    monkeypatch.setattr(redaction, "_KNOWN", set())
+    monkeypatch.setattr(redaction, "_ORDERED", ())
+    for value in ("4096", "8080", "1000000", PIN, MCP_TOKEN, "fast"):
+        redaction.remember_secret(value)
+    assert set(redaction.known_secrets()) == {PIN, MCP_TOKEN}  # ("fast": a placeholder word)
+    assert redaction.redact(f"line 4096 of 1000000, pin {PIN}") == "line 4096 of 1000000, pin [REDACTED]"
 
 
 def test_a_placeholder_key_is_no_secret_and_protocol_words_stay(spawn):
@@ -284,13 +304,57 @@ def test_refused_settings_register_their_secrets_first(monkeypatch):
     assert set(redaction.known_secrets()) == {MCP_TOKEN, KEY}
 
 
-def test_a_ping_whose_id_holds_a_secret_is_answered_masked(spawn):
+def test_a_request_whose_id_holds_a_secret_is_answered_under_that_id(spawn):
+    """An answer keeps the id it answers, whatever the last net masks (the client chose it):
+    a ``ping`` (its fast path) and any other request, a success and an error; the rest of the
+    answer is masked."""
     c = spawn(env={KEY_ENV: KEY})
     c.send_raw(frame({"jsonrpc": "2.0", "id": f"before-{KEY}", "method": "ping"}))  # (nothing known yet)
     c.init(models={"s": scripted("x")}, secretEnv=[KEY_ENV])
     c.send_raw(frame({"jsonrpc": "2.0", "id": f"id-{KEY}", "method": "ping"}))
-    assert [m["id"] for m in wait_unmatched(c, 2)] == [f"before-{KEY}", "id-[REDACTED]"]
+    c.send_raw(frame({"jsonrpc": "2.0", "id": f"list-{KEY}", "method": "listBranches", "params": {}}))
+    c.send_raw(frame({"jsonrpc": "2.0", "id": f"bad-{KEY}", "method": "branchMessages",
+                      "params": {"branchId": f"no-{KEY}"}}))
+    answers = wait_unmatched(c, 4)
+    assert [m["id"] for m in answers] == [f"before-{KEY}", f"id-{KEY}", f"list-{KEY}", f"bad-{KEY}"]
+    assert "error" in answers[3] and KEY not in json.dumps(answers[3]["error"]), answers[3]
+    assert "[REDACTED]" in answers[3]["error"]["message"], answers[3]
     c.close()
+
+
+@pytest.mark.parametrize("secret", [KEY, PIN, 'q"uo\\te', "tail\u00e9x"])
+def test_the_last_net_reads_a_frame_again_only_when_its_id_may_have_been_masked(monkeypatch, secret):
+    """The last net kept a message's id by parsing the frame twice more (as it was, and masked)
+    whenever a secret was masked anywhere in it: three full parses of every such frame, a long tool
+    output too. The original is read only when the id may have been touched now; every id is kept."""
+    from types import SimpleNamespace
+
+    from operate_sidecar.server import redaction
+
+    monkeypatch.setattr(redaction, "_KNOWN", set())
+    monkeypatch.setattr(redaction, "_ORDERED", ())
+    redaction.remember_secret(secret)
+    parsed: list[bytes] = []
+
+    def loads(data, *args, **kwargs):
+        parsed.append(data)
+        return json.loads(data, *args, **kwargs)
+
+    monkeypatch.setattr(redaction, "json", SimpleNamespace(loads=loads, dumps=json.dumps))
+    plain = secret.isascii() and '"' not in secret and "\\" not in secret  # (its forms hold no quote, no backslash)
+    ids = [7, "call-7", f"id-{secret}"] + ([int(secret)] if secret.isdigit() else [])
+    for msg_id in ids:
+        msg = {"jsonrpc": "2.0", "id": msg_id, "result": {"text": f"the key is {secret}", "n": 5, "more": ["x" * 100]}}
+        for ensure_ascii in (False, True):
+            frame = json.dumps(msg, ensure_ascii=ensure_ascii, separators=(",", ":")).encode()
+            parsed.clear()
+            masked = redaction.redact_bytes(frame, keep_id=True)
+            out = json.loads(masked)
+            assert out["id"] == msg_id and type(out["id"]) is type(msg_id), (out, msg_id)
+            assert secret not in json.dumps(out["result"], ensure_ascii=False), out
+            touched = not plain or secret in str(msg_id)
+            assert (frame in parsed) == touched, (msg_id, parsed)  # the original: only when the id may differ
+            assert parsed.count(masked) <= 1, (msg_id, parsed)      # the masked frame: once at most
 
 
 def test_a_tools_warning_reaches_stderr_masked(spawn, tmp_path):

@@ -165,6 +165,8 @@ def _sample_config(provider: str, override: dict | None = None) -> dict:
     cfg = {"provider": provider}
     for key, kind in FIELDS[provider].items():
         cfg[key] = kind[-1] if isinstance(kind, tuple) else SAMPLES[kind]
+    if provider == "openai":  # a URL the baseUrl check takes (an http(s) scheme and a host)
+        cfg["baseUrl"] = "http://localhost:8080/v1"
     cfg.update(override or {})
     return cfg
 

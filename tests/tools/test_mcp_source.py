@@ -60,6 +60,17 @@ async def call(tool, args):
         return await tool.call(tool.validate_arguments(args), CTX)
 
 
+async def start_failure(name, server, **kw):
+    """Why the server ``server`` (a config entry), started as ``name`` alone, did not start: the
+    message of its ``ToolSourceError`` (``open_mcp_sources``' ``failed``)."""
+    kw.setdefault("errlog", io.StringIO())
+    kw.setdefault("start_timeout", WAIT)
+    async with open_mcp_sources({name: server}, **kw) as tools:
+        assert list(tools) == [] and list(tools.failed) == [name]
+        assert isinstance(tools.failed[name], ToolSourceError)
+        return str(tools.failed[name])
+
+
 async def test_lists_tools_with_plain_names_source_mcp_and_valid_schemas(one_server):
     tools = {t.name: t for t in one_server.tools()}
     assert set(tools) == {"echo", "add", "stats", "lines", "fail", "whoami", "pid"}
@@ -142,44 +153,44 @@ async def test_tools_fail_clearly_after_the_source_is_closed():
 
 
 async def test_server_that_exits_at_start_is_named_with_its_stderr():
-    with pytest.raises(ToolSourceError) as info:
-        async with open_mcp_sources({"crashy": spec("--crash")}, errlog=io.StringIO(), start_timeout=WAIT):
-            pass  # pragma: no cover
-    msg = str(info.value)
+    msg = await start_failure("crashy", spec("--crash"))
     assert "MCP server 'crashy' failed to start" in msg
     assert "refusing to start (--crash)" in msg
 
 
 async def test_missing_command_is_named():
-    with pytest.raises(ToolSourceError, match=r"'ghost' failed to start.*command not found"):
-        async with open_mcp_sources({"ghost": {"command": ["/nonexistent/mcp-server-xyz"]}}, start_timeout=WAIT):
-            pass  # pragma: no cover
+    msg = await start_failure("ghost", {"command": ["/nonexistent/mcp-server-xyz"]})
+    assert "'ghost' failed to start" in msg and "command not found: /nonexistent/mcp-server-xyz" in msg, msg
 
 
 async def test_server_that_never_answers_times_out_with_its_name():
-    with pytest.raises(ToolSourceError, match=r"'sleepy' failed to start.*within 1 s") as info:
-        async with open_mcp_sources({"sleepy": spec("--hang")}, start_timeout=1, errlog=io.StringIO()):
-            pass  # pragma: no cover
-    assert "hanging (--hang)" in str(info.value)
+    msg = await start_failure("sleepy", spec("--hang"), start_timeout=1)
+    assert "'sleepy' failed to start" in msg and "within 1 s" in msg, msg
+    assert "hanging (--hang)" in msg
 
 
 async def test_a_server_whose_answer_cannot_be_read_is_named_with_what_could_not_be_read():
     """The SDK drops a line it cannot read (logging it) and its request is never answered: the
     time-out's message says what the line was, not only that no answer came."""
     unreadable = {"command": [sys.executable, str(Path(SERVER).parent / "unreadable_mcp_server.py")]}
-    with pytest.raises(ToolSourceError) as info:
-        async with open_mcp_sources({"odd": unreadable}, start_timeout=2, errlog=io.StringIO()):
-            pass  # pragma: no cover
-    msg = str(info.value)
+    msg = await start_failure("odd", unreadable, start_timeout=2)
     assert "'odd' failed to start" in msg and ("within 2 s (a message it sent could not be read: not a JSON-RPC "
                                                'message: {"jsonrpc": "2.0", "id": 2, "result": null})') in msg, msg
 
 
-async def test_one_failing_server_stops_the_others_and_names_the_failure():
-    with pytest.raises(ToolSourceError, match="'crashy'"):
-        async with open_mcp_sources({"good": spec("good"), "crashy": spec("--crash")}, errlog=io.StringIO(),
-                                    start_timeout=WAIT):
-            pass  # pragma: no cover
+async def test_one_failing_server_is_named_and_the_others_tools_are_offered():
+    """Each server starts on its own: one that does not start (it exits, its command is not
+    found) is named with why, and took every other server's tools with it; now the others'
+    tools are offered (and work), named as if the failed one were not configured."""
+    config = {"good": spec("good"), "crashy": spec("--crash"), "ghost": {"command": ["/nonexistent/mcp-xyz"]}}
+    async with open_mcp_sources(config, errlog=io.StringIO(), start_timeout=WAIT) as tools:
+        assert sorted(tools.failed) == ["crashy", "ghost"]
+        assert "MCP server 'crashy' failed to start" in str(tools.failed["crashy"])
+        assert "command not found" in str(tools.failed["ghost"])
+        by = {t.name: t for t in tools}
+        assert set(by) == {"echo", "add", "stats", "lines", "fail", "whoami", "pid"}  # plain: nothing clashes
+        assert {server for server, _ in tools.origin.values()} == {"good"}
+        assert await call(by["whoami"], {}) == "good:"
 
 
 async def test_exception_in_the_block_propagates_unwrapped():
@@ -396,11 +407,140 @@ async def test_a_line_the_sdk_cannot_read_is_logged_in_one_line_saying_what_it_w
 
     unreadable = {"command": [sys.executable, str(Path(SERVER).parent / "unreadable_mcp_server.py")]}
     with caplog.at_level(logging.ERROR, logger="mcp.client.stdio"):
-        with pytest.raises(ToolSourceError):
-            async with open_mcp_sources({"odd": unreadable}, start_timeout=2, errlog=io.StringIO()):
-                pass  # pragma: no cover
+        await start_failure("odd", unreadable, start_timeout=2)
     records = [r for r in caplog.records if r.name == "mcp.client.stdio"]
     assert records and all(r.exc_info is None and r.exc_text is None for r in records)
     assert records[0].getMessage() == ("an MCP server wrote a line that could not be read, which is ignored: not a "
                                        'JSON-RPC message: {"jsonrpc": "2.0", "id": 2, "result": null}')
     assert "Traceback" not in caplog.text
+
+
+# -- servers that misbehave ---------------------------------------------------------------------
+
+RAW = str(Path(SERVER).parent / "raw_mcp_server.py")
+LONG_STDERR = str(Path(SERVER).parent / "long_stderr_server.py")
+
+
+def raw(*args):
+    return {"command": [sys.executable, RAW, *args]}
+
+
+async def test_a_line_not_in_utf8_on_a_servers_stdout_is_dropped_and_the_server_serves_on(caplog):
+    """A byte that is not UTF-8 on a server's stdout (a Latin-1 banner a wrapper script prints
+    first, a child's output during a call) ended the SDK's reader there: the start, or the call
+    and every later call, waited for their time-outs, with nothing said. Now such a line is
+    dropped, and logged, as any line that is no JSON-RPC message, and the server serves on."""
+    import logging
+
+    with caplog.at_level(logging.ERROR, logger="mcp.client.stdio"):
+        async with open_mcp_sources({"banner": raw("--banner"), "mid": raw()}, errlog=io.StringIO(),
+                                    start_timeout=20) as tools:
+            assert tools.failed == {}
+            by = {t.name: t for t in tools}
+            assert await call(by["banner__echo"], {"text": "after the banner"}) == "after the banner"
+            assert await call(by["mid__garble"], {}) == "garbled"
+            assert await call(by["mid__echo"], {"text": "still served"}) == "still served"
+    unread = [r.getMessage() for r in caplog.records if "could not be read" in r.getMessage()]
+    assert len(unread) == 2, unread
+
+
+def test_a_start_failure_inside_exception_groups_is_named_by_its_cause():
+    """The SDK's task groups wrap what went wrong in exception groups, which say only "unhandled
+    errors in a TaskGroup (1 sub-exception)": the warning names the cause inside them."""
+    import asyncio
+
+    from operate_sidecar.server.tools.mcp_source import _describe
+
+    source = McpToolSource("grouped", ["/nonexistent/grouped-server"])
+    nested = BaseExceptionGroup("unhandled errors in a TaskGroup", [
+        asyncio.CancelledError(), ExceptionGroup("unhandled errors in a TaskGroup", [FileNotFoundError(2, "gone")])])
+    assert source._start_failure(nested) == ("MCP server 'grouped' failed to start (/nonexistent/grouped-server): "
+                                             "command not found: /nonexistent/grouped-server")
+    assert _describe(ExceptionGroup("unhandled errors in a TaskGroup", [ValueError("the real cause")])) == \
+        "the real cause"
+
+
+async def test_a_secret_in_a_stderr_line_too_long_to_relay_whole_is_masked_wherever_the_line_is_cut(monkeypatch):
+    """SECURITY.md G6. A stderr line longer than the relay holds is relayed in pieces; in a line
+    with no blank to cut at (a minified JSON dump), a known secret across a cut was masked in
+    neither piece. Now no cut goes through a secret or a key-shaped token (one with a blank in
+    it too), and the stderr the warning quotes is bounded (it quoted the whole line)."""
+    from operate_sidecar.server import redaction
+
+    monkeypatch.setattr(redaction, "_KNOWN", set(redaction._KNOWN))  # forget the secret afterwards
+    monkeypatch.setattr(redaction, "_ORDERED", redaction._ORDERED)
+    secret = "long-line-secret-8675309"
+    redaction.remember_secret(secret)
+    bearer = "Bearer abcdefgh12345678"
+    for unit, masked in ((f"-{secret}", "-[REDACTED]"), (f" {bearer} {'x' * 40}", f" Bearer [REDACTED] {'x' * 40}")):
+        err = io.StringIO()
+        count = 800_000 // len(unit)
+        env = {"LONG_STDERR_UNIT": unit, "LONG_STDERR_COUNT": str(count)}
+        msg = await start_failure("long", {"command": [sys.executable, LONG_STDERR], "env": env}, errlog=err)
+        pieces = [line.removeprefix("[mcp long] ") for line in err.getvalue().splitlines()]
+        assert len(pieces) > 3  # relayed in pieces
+        assert "".join(pieces) == masked * count  # every secret masked whole, nothing else changed
+        first, _, quoted = msg.partition("\nstderr (last lines):\n")
+        assert first.startswith("MCP server 'long' failed to start") and quoted, msg[:300]
+        assert len(quoted) <= 4000 and all(len(line) < 1100 for line in quoted.splitlines()), len(quoted)
+        assert "[REDACTED]" in quoted and "abcdefgh1234" not in quoted and secret[:12] not in quoted
+
+
+@pytest.mark.parametrize("head,tail,masked", [
+    ('{"api_key": "', '", "next": 1}', '{"api_key": "[REDACTED]", "next": 1}'),
+    ("key: sk-", " done", "key: [REDACTED] done"),
+    ("Authorization: Bearer ", " done", "Authorization: Bearer [REDACTED] done"),
+], ids=["api_key", "sk", "bearer"])
+async def test_a_key_shaped_value_longer_than_the_relay_holds_is_masked_whole(head, tail, masked):
+    """SECURITY.md G6. A key-shaped value of 200 Ki characters in a stderr line (longer than the
+    8 Ki characters held back, so that it runs across every place the line could be cut) was cut
+    at the limit: the first piece masked, the rest of the value relayed as it was. The text held
+    is masked whole now, the token's first characters kept for what comes next of it: none of the
+    value is relayed."""
+    err = io.StringIO()
+    env = {"LONG_STDERR_HEAD": head, "LONG_STDERR_UNIT": "k" * 50_000, "LONG_STDERR_COUNT": "4",
+           "LONG_STDERR_TAIL": tail}
+    msg = await start_failure("long", {"command": [sys.executable, LONG_STDERR], "env": env}, errlog=err)
+    relayed = err.getvalue()
+    assert "k" * 6 not in relayed and "k" * 6 not in msg, relayed[:300]
+    assert "".join(line.removeprefix("[mcp long] ") for line in relayed.splitlines()) == masked, relayed[:300]
+
+
+async def test_a_tool_name_a_server_lists_twice_is_offered_once_with_a_warning():
+    """A server listing one name twice lost all its tools, with a message blaming the prefix.
+    Now the first tool of that name is offered, the server's other tools too, and a warning
+    names what is listed twice."""
+    async with open_mcp_sources({"twice": raw("--twice")}, errlog=io.StringIO(), start_timeout=WAIT) as tools:
+        assert [t.name for t in tools] == ["echo", "garble"] and tools.failed == {}
+        assert tools[0].description == "the first echo"
+        assert tools.warnings == ["MCP server 'twice' lists the tool name 'echo' more than once: the first tool of "
+                                  "that name is offered, the others are not"]
+        assert await call(tools[0], {"text": "once"}) == "once"
+
+
+async def test_two_server_names_with_the_same_prefix_keep_the_first_ones_tools_and_say_so():
+    """``a b`` and ``a_b`` both prefix their clashing tools ``a_b__``: every configured server's
+    tools were lost ("taken twice even with the server prefix"). Now the first one's are offered,
+    and a warning names the other's that are not, and why."""
+    async with open_mcp_sources({"a b": raw(), "a_b": raw()}, errlog=io.StringIO(), start_timeout=WAIT) as tools:
+        assert sorted(t.name for t in tools) == ["a_b__echo", "a_b__garble"]
+        assert {server for server, _ in tools.origin.values()} == {"a b"}
+        assert tools.warnings == ["MCP server 'a_b': tools not offered, since their names are taken even with the "
+                                  "server's prefix: 'echo' as 'a_b__echo', 'garble' as 'a_b__garble' (MCP server "
+                                  "'a b' offers tools of those names)"]
+
+
+async def test_a_list_of_tools_that_never_ends_is_read_to_its_100th_page_and_said():
+    async with open_mcp_sources({"pages": raw("--endless-pages")}, errlog=io.StringIO(),
+                                start_timeout=WAIT) as tools:
+        assert [t.name for t in tools] == [f"page_{n}" for n in range(100)]
+        assert tools.warnings == ["MCP server 'pages' listed its tools on more than 100 pages (each answer to "
+                                  "tools/list gave a next cursor): the tools of the first 100 pages are offered, "
+                                  "the rest are not"]
+
+
+async def test_a_key_in_a_servers_command_line_is_masked_in_why_it_did_not_start():
+    """SECURITY.md G6: the command line the warning quotes is masked as the server's stderr is."""
+    key = "sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z"
+    msg = await start_failure("keyed", {"command": ["/nonexistent/mcp-xyz", "--api-key", key]})
+    assert key not in msg and "(/nonexistent/mcp-xyz --api-key [REDACTED])" in msg, msg

@@ -3,6 +3,7 @@
 // protocol/schema.json into ./generated/protocol.ts; the protocol itself is described in docs/PROTOCOL.md.
 // No `vscode` import: usable from any Node program and from the VS Code extension.
 import { spawn, ChildProcess } from 'node:child_process';
+import { PassThrough } from 'node:stream';
 import * as rpc from 'vscode-jsonrpc/node';
 import type * as P from './generated/protocol';
 import { WireErrorCodes } from './generated/protocol';
@@ -78,7 +79,7 @@ export interface StartOptions {
   env?: NodeJS.ProcessEnv;
   /** Server stderr, decoded, chunk by chunk (it is always drained, and its tail is kept: `stderrTail`). */
   onStderr?: (text: string) => void;
-  /** How many characters of stderr `stderrTail` keeps (default 16384). */
+  /** How many characters of stderr `stderrTail` keeps (default 16384; 0 keeps none). */
   stderrTailChars?: number;
 }
 
@@ -180,6 +181,117 @@ function cancelSource(source: rpc.CancellationTokenSource): void {
   if (!source.token.isCancellationRequested) source.cancel();
 }
 
+/** Characters a header name is made of (RFC 9110 `token`), by byte. */
+const TOKEN = new Uint8Array(256);
+for (const ch of "!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz") TOKEN[ch.charCodeAt(0)] = 1;
+const CR = 13, LF = 10, COLON = 58;
+/** The notification FrameWatch's finding reaches the connection as (see `unreadableFrame`); no server sends it. */
+const UNREADABLE = '$/operate-sidecar-client/unreadableOutput';
+
+/**
+ * Follows the framing of the server's stdout (a header block, then Content-Length bytes of body) on its way to the
+ * reader, to notice at once output that no frame header can begin with: a stray line a library printed. vscode-jsonrpc
+ * reads a header block only once its blank line has come, so such a line followed by nothing would leave every
+ * request waiting for ever. Only header lines are checked, never bodies: a name of token characters up to the `:`,
+ * and a CRLF at the end (the server writes `Content-Length: N\r\n\r\n`), so that a line ending in a bare LF is a
+ * stray one even when it begins as a header does (Python logging's `INFO:root:...`, `Warning: ...`). A header
+ * block is held back until its blank line, so that the reader gets whole frames only. Before the server's first
+ * frame nothing is judged (a program that prints something else first is not an operate-sidecar server:
+ * `initialize`'s time-out says so): the output goes to the reader as it is from then on, as it does once a header
+ * block has no Content-Length the reader can read (the reader reports that itself).
+ */
+class FrameWatch {
+  /** Bytes of the current frame's body still to come. */
+  private bodyLeft = 0;
+  /** The header block read so far (latin1, byte for byte), held back from the reader until its blank line. */
+  private block = '';
+  /** Where the current header line begins in `block`, and whether its name has ended (its `:` was read). */
+  private lineStart = 0;
+  private named = false;
+  private framesRead = 0;
+  /** 'pass': forward everything as it is; 'stop': a stray was found, nothing more can be read. */
+  private mode: 'watch' | 'pass' | 'stop' = 'watch';
+
+  /** The bytes of `chunk` the reader is to get, and the stray line when one begins in it. */
+  feed(chunk: Buffer): { forward: Buffer[]; stray?: string } {
+    if (this.mode === 'pass') return { forward: [chunk] };
+    if (this.mode === 'stop') return { forward: [] };
+    const forward: Buffer[] = [];
+    let i = 0;
+    while (i < chunk.length) {
+      if (this.bodyLeft > 0) {
+        const n = Math.min(this.bodyLeft, chunk.length - i);
+        forward.push(chunk.subarray(i, i + n));
+        i += n;
+        this.bodyLeft -= n;
+        if (this.bodyLeft === 0) this.framesRead++;
+        continue;
+      }
+      const c = chunk[i++];
+      this.block += String.fromCharCode(c);
+      if (this.named) {   // a header's value, up to its CRLF
+        if (c !== LF) continue;
+        if (this.block.charCodeAt(this.block.length - 2) === CR) {
+          this.lineStart = this.block.length;
+          this.named = false;
+          continue;
+        }
+        // a bare LF ends no header line: a stray line that began like one (`INFO:root:...`, `Warning: ...`)
+      } else {
+        const at = this.block.length - 1 - this.lineStart;   // c's place in its line
+        if (this.lineStart > 0 && this.block.charCodeAt(this.lineStart) === CR) {   // the blank line ending the block
+          if (at === 0) continue;
+          if (at === 1 && c === LF) {
+            const length = contentLength(this.block);
+            forward.push(Buffer.from(this.block, 'latin1'));
+            this.block = '';
+            this.lineStart = 0;
+            if (length === undefined) return this.pass(forward, chunk.subarray(i));
+            this.bodyLeft = length;
+            if (length === 0) this.framesRead++;
+            continue;
+          }
+        } else if (c === COLON ? at > 0 : TOKEN[c]) {
+          this.named = c === COLON;
+          continue;
+        }
+      }
+      // no header line begins so: the output is out of step for good
+      const line = Buffer.concat([Buffer.from(this.block.slice(this.lineStart), 'latin1'), chunk.subarray(i, i + 200)])
+        .toString('utf8').replace(/(?<=\n)[\s\S]*$/, '').slice(0, 200);
+      if (!this.framesRead) return this.pass(forward, Buffer.concat([Buffer.from(this.block, 'latin1'), chunk.subarray(i)]));
+      this.mode = 'stop';
+      return { forward, stray: line };
+    }
+    return { forward };
+  }
+  private pass(forward: Buffer[], rest: Buffer): { forward: Buffer[] } {
+    this.mode = 'pass';
+    if (rest.length) forward.push(rest);
+    return { forward };
+  }
+}
+
+/** A header block's Content-Length as vscode-jsonrpc reads it (the last one, parseInt), or undefined if it has none. */
+function contentLength(block: string): number | undefined {
+  let value: string | undefined;
+  for (const line of block.split('\r\n')) {
+    const colon = line.indexOf(':');
+    if (colon > 0 && line.slice(0, colon).toLowerCase() === 'content-length') value = line.slice(colon + 1).trim();
+  }
+  const n = value === undefined ? NaN : parseInt(value, 10);
+  return Number.isNaN(n) || n < 0 ? undefined : n;
+}
+
+/**
+ * The frame that takes a FrameWatch finding to the connection in its place in the stream: the connection handles
+ * messages in order, so the answers read before the stray line still settle their requests before it fails the rest.
+ */
+function unreadableFrame(line: string): Buffer {
+  const body = Buffer.from(JSON.stringify({ jsonrpc: '2.0', method: UNREADABLE, params: { line } }));
+  return Buffer.concat([Buffer.from(`Content-Length: ${body.length}\r\n\r\n`), body]);
+}
+
 let tokenCounter = 0;
 /** After the process exited, how long to wait for the rest of its stderr (a grandchild may hold the pipe). */
 const STDERR_DRAIN_MS = 500;
@@ -227,7 +339,8 @@ export class SidecarClient {
     child.stderr!.setEncoding('utf8');
     const stderrEnded = new Promise<void>((r) => { child.stderr!.once('end', r); child.stderr!.once('close', r); });
     child.stderr!.on('data', (d: string) => {
-      this.stderrBuf = (this.stderrBuf + d).slice(-this.stderrMax);
+      // (not slice(-0), which would keep it all)
+      this.stderrBuf = this.stderrMax > 0 ? (this.stderrBuf + d).slice(-this.stderrMax) : '';
       opts.onStderr?.(d);
     });
     this.exitInfo = new Promise((resolve) => {
@@ -248,17 +361,25 @@ export class SidecarClient {
       });
     });
     this.exited = this.exitInfo.then((i) => i.exitCode ?? i.signal);
+    // stdout goes to the reader through a FrameWatch, which finds a stray line at once
+    const watch = new FrameWatch();
+    const framed = new PassThrough();
     child.stdout!.on('data', (d: Buffer) => {
       if (this.stdoutHead.length < 512) this.stdoutHead += d.toString('utf8', 0, 512 - this.stdoutHead.length);
+      const { forward, stray } = watch.feed(d);
+      if (stray !== undefined) forward.push(unreadableFrame(stray));
+      if (forward.length) framed.write(forward.length === 1 ? forward[0] : Buffer.concat(forward));
     });
-    const reader = new rpc.StreamMessageReader(child.stdout!);
+    const ended = () => { if (!framed.writableEnded) framed.end(); };
+    child.stdout!.once('end', ended);
+    child.stdout!.once('close', ended);
+    child.stdout!.on('error', (err) => framed.destroy(err));   // (the reader reports it, as it did reading stdout)
+    const reader = new rpc.StreamMessageReader(framed);
     // a header or body it cannot read: the stream is out of step for good (vscode-jsonrpc would go on waiting)
-    reader.onError((err) => {
-      if (this.streamError || this.processGone) return;
-      this.streamError = err instanceof Error ? err : new Error(String(err));
-      this.connection.dispose();  // rejects every pending request; request() says why
-    });
+    reader.onError((err) => this.unreadable(err instanceof Error ? err : new Error(String(err))));
     this.connection = rpc.createMessageConnection(reader, new rpc.StreamMessageWriter(child.stdin!));
+    this.connection.onNotification(UNREADABLE, (p: { line: string }) =>
+      this.unreadable(new Error(`a line that is not a frame header: ${JSON.stringify(p.line)}`)));
     // a write to a dead server: the error surfaces through the request (as SidecarExitedError)
     child.stdin!.on('error', () => { /* EPIPE */ });
     this.serve('requestToolPermission', async (p: PermissionRequest, token) => {
@@ -269,7 +390,9 @@ export class SidecarClient {
       if (!this.clientToolHandler) {
         throw new rpc.ResponseError(ErrorCodes.MethodNotFound, `no client tool handler for ${p.tool}`);
       }
-      return { output: await this.clientToolHandler(p, token) };
+      // a handler that returns nothing answers `null` (docs/PROTOCOL.md §3): `undefined` would leave `output` out
+      const output = await this.clientToolHandler(p, token);
+      return { output: output === undefined ? null : output };
     });
     this.serve('fs/readTextFile', async (p: ReadTextFileRequest, token) => {
       if (!this.fsHandler) throw new rpc.ResponseError(ErrorCodes.MethodNotFound, 'no file system handler');
@@ -321,6 +444,13 @@ export class SidecarClient {
     });
   }
 
+  /** The server's output cannot be read as frames any more (`err` says why): every pending request is failed. */
+  private unreadable(err: Error): void {
+    if (this.streamError || this.processGone) return;
+    this.streamError = err;
+    this.connection.dispose();  // rejects every pending request; request() says why
+  }
+
   /** Spawn the server; rejects if the executable cannot be started. */
   static start(opts: StartOptions): Promise<SidecarClient> {
     if (!Array.isArray(opts.command) || !opts.command.every((a) => typeof a === 'string')) {
@@ -367,7 +497,10 @@ export class SidecarClient {
   }
   /** Answers `requestToolPermission`. Without a handler every request is answered `deny_once`. */
   setPermissionHandler(h: PermissionHandler | undefined): void { this.permissionHandler = h; }
-  /** Answers `invokeClientTool`. A thrown error becomes an error response (a tool error). */
+  /**
+   * Answers `invokeClientTool` with what the handler returns as `output` (`null` when it returns nothing). A thrown
+   * error becomes an error response (a tool error).
+   */
   setClientToolHandler(h: ClientToolHandler | undefined): void { this.clientToolHandler = h; }
   /**
    * Answers `fs/readTextFile` and `fs/writeTextFile`. The server sends them only when `initialize` declared
@@ -485,11 +618,16 @@ export class SidecarClient {
   branchMessages(branchId: string, offset?: number, limit?: number): Promise<{ messages: Message[]; total: number }> {
     return this.request('branchMessages', { branchId, ...(offset !== undefined && { offset }), ...(limit !== undefined && { limit }) });
   }
+  /** `branchId` omitted: the server-wide policies; given (even `''`), that branch's (-32012 when there is none). */
   listTools(branchId?: string): Promise<P.ListToolsResult> {
-    return this.request('listTools', branchId ? { branchId } : {});
+    return this.request('listTools', branchId !== undefined ? { branchId } : {});
   }
+  /**
+   * `branchId` omitted: the server-wide decision; given (even `''`), that branch's only (-32012 when there is none,
+   * never the server-wide decision instead).
+   */
   authorizeTool(tool: string, decision: PolicyDecision, branchId?: string): Promise<P.AuthorizeToolResult> {
-    return this.request('authorizeTool', { tool, decision, ...(branchId && { branchId }) });
+    return this.request('authorizeTool', { tool, decision, ...(branchId !== undefined && { branchId }) });
   }
   registerClientTools(tools: P.ClientToolSpec[]): Promise<P.RegisterClientToolsResult> {
     return this.request('registerClientTools', { tools });

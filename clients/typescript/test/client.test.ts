@@ -161,6 +161,34 @@ test('invokeClientTool: a registered client tool is answered by the handler; a t
   assert.match(JSON.stringify(failed.error), /editor is busy/);
 });
 
+test('invokeClientTool: a handler that returns nothing answers output null (docs/PROTOCOL.md §3), recorded as null', async () => {
+  const call = callTool('notify_user', {});
+  const { c } = await initialized({ models: { s: scripted(call) } }, { clientTools: true });
+  await within(c.registerClientTools([{ name: 'notify_user', description: 'Shows a toast', inputSchema: { type: 'object' } }]), 'registerClientTools');
+  let called = 0;
+  c.setClientToolHandler(async () => { called++; /* shows a toast: nothing to return */ });
+  const { branchId } = await within(c.createBranch(), 'createBranch');
+  const out = await within(c.operate({ branchId, instruction: 'tell the user', actions: true }), 'operate');
+  assert.equal(called, 1);
+  assert.deepEqual(outputs(out), [null]);
+  const recorded = (await within(c.branchMessages(branchId), 'branchMessages')).messages.find((m) => m.kind === 'action_response');
+  assert.equal(recorded?.content.output, null);
+});
+
+test('authorizeTool and listTools with an empty branchId: -32012 as for any unknown branch, never the server-wide policy', async () => {
+  const ws = fs.realpathSync(fs.mkdtempSync(path.join(os.tmpdir(), 'ts-client-ws-')));
+  const { c } = await initialized({}, undefined, [ws]);
+  const policy = async () => (await within(c.listTools(), 'listTools')).tools.find((t) => t.name === 'write_file')?.policy;
+  assert.equal(await policy(), 'ask');
+  const authorized = await rejection(c.authorizeTool('write_file', 'allow', ''), 'authorizeTool with branchId ""');
+  assert.equal(authorized.code, ErrorCodes.BranchNotFound);
+  assert.equal(await policy(), 'ask', 'the server-wide decision is unchanged');
+  assert.equal((await rejection(c.listTools(''), 'listTools with branchId ""')).code, ErrorCodes.BranchNotFound);
+  // omitted: the server-wide decision
+  assert.deepEqual(await within(c.authorizeTool('write_file', 'deny'), 'authorizeTool server-wide'), { tool: 'write_file', decision: 'deny', branchId: null });
+  assert.equal(await policy(), 'deny');
+});
+
 test('fs/readTextFile and fs/writeTextFile: builtin file tools read and write through the handler, not the disk', async () => {
   const ws = fs.realpathSync(fs.mkdtempSync(path.join(os.tmpdir(), 'ts-client-ws-')));
   const file = path.join(ws, 'notes.txt');
@@ -498,6 +526,67 @@ test('stop ends the server input after exit: a server that does not take exit en
     assert.equal(await within(c.ping(), 'ping'), null);
     assert.equal(await within(c.stop(5000), 'stop', 15_000), 0);
   } finally { c.kill(); }
+});
+
+test('stderrTailChars: 0 keeps none of stderr, n keeps its last n characters', async () => {
+  const writes = `process.stderr.write('x'.repeat(100000) + 'THE END'); process.exitCode = 3`;
+  for (const [chars, tail] of [[0, ''], [7, 'THE END']] as const) {
+    const c = await SidecarClient.start({ command: [process.execPath, '-e', writes], stderrTailChars: chars });
+    const exits: ExitInfo[] = [];
+    c.onExit((i) => exits.push(i));
+    assert.equal(await within(c.exited, 'the process ends'), 3);
+    assert.equal(c.stderrTail, tail, `stderrTailChars ${chars}`);
+    assert.deepEqual(exits.map((i) => i.stderrTail), [tail]);
+    const err = await within(c.ping().then(() => undefined, (e) => e), 'ping to the ended process');
+    assert.ok(err instanceof SidecarExitedError && err.stderrTail === tail, `expected SidecarExitedError with stderrTail ${JSON.stringify(tail)}, got ${err}`);
+  }
+});
+
+// answers the first request (its frame with an extra header, Content-Type), the second with a stray line in
+// the same write, and never the third: the stray line ends in a newline and nothing follows it
+const STRAY_THEN_SILENT = standIn(`n++;
+    const body = JSON.stringify({ jsonrpc: '2.0', id: msg.id, result: { n } });
+    const frame = 'Content-Length: ' + Buffer.byteLength(body) + '\\r\\nContent-Type: application/vscode-jsonrpc; charset=utf-8\\r\\n\\r\\n' + body;
+    if (n === 1) process.stdout.write(frame);
+    if (n === 2) process.stdout.write(frame + 'a stray print from a library\\n');`);
+
+test('a stray line that ends in a newline with nothing after it: pending and later requests reject with SidecarStreamError at once; an answer read before it settles its request', async () => {
+  const c = await SidecarClient.start({ command: [process.execPath, '-e', STRAY_THEN_SILENT] });
+  try {
+    assert.deepEqual(await within(c.ping(), 'first ping'), { n: 1 });
+    assert.deepEqual(await within(c.ping(), 'second ping, answered in the write that holds the stray line'), { n: 2 });
+    const third = await within(c.ping().then(() => undefined, (e) => e), 'a ping the server never answers, after the stray line', 10_000);
+    assert.ok(third instanceof SidecarStreamError, `expected SidecarStreamError, got ${third}`);
+    assert.match(third.message, /no longer readable as JSON-RPC \(a line that is not a frame header: "a stray print from a library\\n"\)/);
+    assert.equal(third.reason, 'a line that is not a frame header: "a stray print from a library\\n"');
+    const later = await within(c.request('listBranches').then(() => undefined, (e) => e), 'a later request', 10_000);
+    assert.ok(later instanceof SidecarStreamError, `expected SidecarStreamError, got ${later}`);
+    assert.equal(c.running, true, 'the process is still there');
+    assert.equal(await within(c.stop(5000), 'stop closes its stdin', 10_000), 0);
+  } finally { c.kill(); }
+});
+
+// answers the first request with a frame whose header is written byte by byte, its name in lowercase, and whose body
+// holds a blank line and a line like a log line; the second with `line` in the same write; never the third
+const HEADERLIKE_STRAY_THEN_SILENT = (line: string) => standIn(`n++;
+    const body = JSON.stringify({ jsonrpc: '2.0', id: msg.id, result: { n, text: 'a\\r\\n\\r\\nINFO:root:in a body\\n' } });
+    const header = 'content-length: ' + Buffer.byteLength(body) + '\\r\\n\\r\\n';
+    if (n === 1) { for (const ch of header) process.stdout.write(ch); process.stdout.write(body); }
+    if (n === 2) process.stdout.write(header + body + ${JSON.stringify(line)});`);
+
+test('a stray line that begins as a header does (a name and a colon) and ends in a bare newline, nothing after it: SidecarStreamError at once', async () => {
+  for (const line of ['INFO:root:loaded\n', 'Loaded: 3 models\n', 'Warning: x\n']) {
+    const c = await SidecarClient.start({ command: [process.execPath, '-e', HEADERLIKE_STRAY_THEN_SILENT(line)] });
+    try {
+      const text = 'a\r\n\r\nINFO:root:in a body\n';
+      assert.deepEqual(await within(c.ping(), 'first ping'), { n: 1, text });
+      assert.deepEqual(await within(c.ping(), 'second ping, answered in the write that holds the stray line'), { n: 2, text });
+      const third = await within(c.ping().then(() => undefined, (e) => e), `a ping the server never answers, after ${JSON.stringify(line)}`, 10_000);
+      assert.ok(third instanceof SidecarStreamError, `expected SidecarStreamError, got ${third}`);
+      assert.equal(third.reason, `a line that is not a frame header: ${JSON.stringify(line)}`);
+      assert.equal(await within(c.stop(5000), 'stop closes its stdin', 10_000), 0);
+    } finally { c.kill(); }
+  }
 });
 
 // answers the first request, then writes a line that is not a frame before the next answer

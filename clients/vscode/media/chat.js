@@ -38,6 +38,32 @@
     if (stick) log.scrollTop = log.scrollHeight;
   }
   /**
+   * The streamed reply's prose (the last .prose of the last turn) grows by what changed: `html`, the Markdown
+   * blocks that settled since the last update, goes after those it has; `tail`, the open rest, replaces the tail
+   * it has (the extension renders both: chatView.ts flush). `reset`: all of it, from the settled blocks on (the
+   * extension sends that first for each prose element it has not streamed into, e.g. after a redraw of the turn).
+   */
+  const tails = new WeakMap();   // prose element -> the nodes of its tail
+  const fragment = (html) => { const t = document.createElement('template'); t.innerHTML = html; return t.content; };
+  function stream(m) {
+    const turns = log.querySelectorAll('section.turn');
+    const last = turns[turns.length - 1];
+    const proses = last ? last.querySelectorAll('.prose') : [];
+    const el = proses[proses.length - 1];
+    if (!el || (!m.reset && !tails.has(el))) return;   // (not the streamed prose: a reset comes for the new one)
+    const stick = nearBottom();
+    if (m.reset) el.innerHTML = m.html;
+    else {
+      for (const n of tails.get(el)) n.remove();
+      el.append(fragment(m.html));
+    }
+    const tail = fragment(m.tail);
+    tails.set(el, [...tail.childNodes]);
+    el.append(tail);
+    placed[turns.length - 1] = undefined;   // its DOM is no longer what its HTML made
+    if (stick) log.scrollTop = log.scrollHeight;
+  }
+  /**
    * The live region (role=status, polite) says what the user needs to hear, each once: that a turn
    * runs and how it ended, a call waiting for a decision, and what the running turn does (its status
    * line: waiting for the model, writing, a repair attempt, running tools...), never each streamed
@@ -249,16 +275,9 @@
     } else if (m.type === 'completions') {
       showList(m);
     } else if (m.type === 'stream') {
-      const turns = log.querySelectorAll('section.turn');
-      const last = turns[turns.length - 1];
-      const proses = last ? last.querySelectorAll('.prose') : [];
-      const el = proses[proses.length - 1];
-      if (el) {
-        const stick = nearBottom();
-        el.innerHTML = m.html;
-        placed[turns.length - 1] = undefined;   // its DOM is no longer what its HTML made
-        if (stick) log.scrollTop = log.scrollHeight;
-      }
+      stream(m);
+      // taken (in the DOM now, or not for this page): the extension sends the next update only after this (chatView.ts flush)
+      vscode.postMessage({ type: 'streamTaken', seq: m.seq });
     }
   });
 

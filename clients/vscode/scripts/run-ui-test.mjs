@@ -9,7 +9,7 @@
 // Stop and Cancel show in the command palette only while a turn runs; long lines wrap, Hebrew is right to left;
 // a redraw while a turn streams keeps the focus and a selection in earlier turns; the input's label and the live region;
 // Retry (and Edit) on a stopped turn, Retry on a failed one, the input's history (Up / Down), Ctrl+Enter / Ctrl+Backspace on a request without a
-// diff, the stopped turns kept through a window reload, and Retry on a turn stopped after its first round (its #file not sent twice).
+// diff, the stopped turns kept through a window reload (and the turn it ended marked as interrupted), and Retry on a turn stopped after its first round (its #file not sent twice).
 // Screenshots go to --out.
 // Prints one JSON summary on stdout. Exit: 0 all checks passed, 1 a check failed, 3 harness error.
 // Usage: node scripts/run-ui-test.mjs [--ext DIR] [--out DIR] [--timeout SECONDS] [--keep]
@@ -887,7 +887,7 @@ async function main() {
     await quickPickChoose('default', '(default)');
     await waitFor('model back to the default', () => inWeb(`document.getElementById('model').textContent === 'default model'`), 10000);
   });
-  await check('the window reloaded while a review waits: the chat comes back with its conversation, the model\'s thoughts folded where they were (not on the branch: the chat keeps them), its stopped turns in place (marked, with Retry), and the draft in its input (Up recalls the newest message, Down the draft); the interrupted call, if the server recorded it, says its request failed in words; no diff editor is left, util.py untouched', async () => {
+  await check('the window reloaded while a review waits: the chat comes back with its conversation, the model\'s thoughts folded where they were (not on the branch: the chat keeps them), its stopped turns in place (marked, with Retry), and the draft in its input (Up recalls the newest message, Down the draft); the turn the reload ended is marked as interrupted (its note, Retry, no Copy) and its call says the turn ended before it was answered, not that it was cancelled; no diff editor is left, util.py untouched', async () => {
     const stoppedTurns = () => inWeb(`JSON.stringify([...document.querySelectorAll('section.turn')].map((t, i) => [i, t.querySelector('.user').textContent,
       t.classList.contains('stopped'), t.querySelector('.note')?.textContent ?? '', !!t.querySelector('button[data-action=retry]')]).filter((x) => x[2]))`);
     const stoppedBefore = await stoppedTurns();
@@ -919,9 +919,16 @@ async function main() {
     await waitFor('the conversation shown again', async () => { const u = await users(); return JSON.stringify(u.slice(0, before.length)) === JSON.stringify(before); }, STEP)
       .catch(async (e) => { throw new Error(`${e.message}: ${JSON.stringify(await users())} (before: ${JSON.stringify(before)})`); });
     const after = await users();
-    expect(after.length <= before.length + 1 && after.slice(before.length).every((u) => u === 'Edit util while I reload'), `after the reload: ${JSON.stringify(after)}`);
+    // the turn the reload ended, as the server recorded it (its first round, the waiting call denied as cancelled)
+    expect(JSON.stringify(after) === JSON.stringify([...before, 'Edit util while I reload']), `after the reload: ${JSON.stringify(after)}`);
     expect(await inWeb(`document.getElementById('input').value`) === 'a draft kept through the reload', `the draft: ${JSON.stringify(await inWeb(`document.getElementById('input').value`))}`);
-    expect(await stoppedTurns() === stoppedBefore, `the stopped turns after the reload: ${await stoppedTurns()} (before: ${stoppedBefore})`);
+    const INTERRUPTED = 'Interrupted: the turn ended before it finished (it was stopped, or the window was reloaded or the server stopped while it ran).';
+    const stoppedAfter = JSON.stringify([...JSON.parse(stoppedBefore), [before.length, 'Edit util while I reload', true, INTERRUPTED, true]]);
+    expect(await stoppedTurns() === stoppedAfter, `the stopped turns after the reload: ${await stoppedTurns()} (before: ${stoppedBefore})`);
+    const interrupted = await lastTurn(`JSON.stringify({ card: t.querySelector('details.tool summary')?.textContent ?? '', stopped: t.classList.contains('stopped'),
+      failed: t.classList.contains('failed'), retry: !!t.querySelector('button[data-action=retry]'), copy: !!t.querySelector('button[data-action=copyReply]') })`);
+    expect(interrupted === JSON.stringify({ card: '⊘ edit_file src/util.py (no answer: the turn ended first)', stopped: true, failed: false, retry: true, copy: false }),
+      `the interrupted turn: ${interrupted}`);
     expect(await thoughts() === thoughtsBefore, `the thoughts after the reload: ${await thoughts()} (before: ${thoughtsBefore})`);
     await waitFor('the chat input focused', () => inWeb(`document.hasFocus() && document.activeElement?.id === 'input'`), 10000);
     const newest = after.at(-1);
@@ -929,11 +936,6 @@ async function main() {
     await waitFor(`Up: the newest message (${newest})`, async () => (await inputValue()) === newest, 5000);
     await key('ArrowDown', 'ArrowDown', 40);
     await waitFor('Down: the draft again', async () => (await inputValue()) === 'a draft kept through the reload', 5000);
-    const card = await lastTurn(`t.querySelector('details.tool summary')?.textContent ?? ''`);
-    // (no card, or the call as the server recorded it: denied, its permission request having
-    // failed with the old window, or ended by the turn's cancel as the window went)
-    expect(!card || ['⊘ edit_file src/util.py (no answer: the request to the editor failed)', '⊘ edit_file src/util.py (cancelled)'].includes(card),
-      `the interrupted call: ${card}`);
     await waitFor('no diff editor of a proposed text', async () => !(await evalIn(`[...document.querySelectorAll('.tabs-container .tab')].some((t) => (t.getAttribute('aria-label') ?? '').includes('proposed'))`)), 15000);
     expect(disk('src/util.py') === UTIL_OLD && !(await tabDirty('util.py')), 'util.py untouched');
     return { workbenchMs, extensionMs };   // after the reload: the workbench (its cached activity bar), the extension's chat view

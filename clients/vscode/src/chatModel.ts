@@ -144,6 +144,8 @@ function safeString(raw: string): string | undefined {
  * also while it is still streaming; never raw JSON.
  */
 export function proseOf(text: string): string {
+  // (plain text at once, without copying it: a long reply is read again for each update of the stream)
+  if (!/^\s*(?:\{|```)/.test(text)) return text;
   const cand = jsonCandidate(text);
   if (cand === undefined) return text;
   let complete: unknown;
@@ -287,6 +289,9 @@ export function isErrorOutput(output: Json | undefined): boolean {
   return isObject(output) && 'error' in output;
 }
 
+/** A call whose permission request its turn's end took away (see deniedWhy): not the user's cancel. */
+export const NOT_ANSWERED = 'no answer: the turn ended first';
+
 /** Why a call was denied, from its output's `reason` (the server's words): a timed-out permission request is no rejection. */
 function deniedWhy(output: Json | undefined): string {
   const o = isObject(output) ? output : {};
@@ -296,7 +301,10 @@ function deniedWhy(output: Json | undefined): string {
   // no rejection either, and not the transport's words
   if (/permission request failed/i.test(reason)) return 'no answer: the request to the editor failed';
   if (/policy/i.test(reason)) return 'denied by policy';
-  if (/stopped|cancel/i.test(reason)) return 'cancelled';
+  // its turn ended while it waited (the user stopped it, the window was reloaded, the server stopped): nobody
+  // answered it, and the server records it so, `"reason": "cancelled"` (docs/PROTOCOL.md §7); the turn shows as
+  // interrupted for the same reasons (cancelledCall asks this function)
+  if (/stopped|cancel/i.test(reason)) return NOT_ANSWERED;
   if (!reason || /by the user/i.test(reason) || o.error === 'rejected') return 'rejected';
   return `denied: ${reason.length > 60 ? reason.slice(0, 59) + '…' : reason}`;
 }
@@ -402,7 +410,30 @@ function contextLabels(ctx: Json | undefined): string[] {
 /** How the server's instruction for a further round (after tools ran) begins. */
 export const CONTINUATION_PREFIX = 'Continue the same task.';
 
-/** A branch's messages (oldest first) as chat turns; further rounds stay in their turn. */
+/**
+ * The note of a turn the branch shows was cancelled (see cancelledCall) when the chat keeps nothing of it: it
+ * ended before it finished, and not necessarily by the user (a window reload ends the running turn).
+ */
+export const INTERRUPTED_NOTE = 'Interrupted: the turn ended before it finished (it was stopped, or the window was reloaded or the server stopped while it ran).';
+
+/**
+ * Whether a call's recorded output says its operate was cancelled under it (docs/PROTOCOL.md §7): its permission
+ * request was still open (denied, its card saying NOT_ANSWERED: the server records `"reason": "cancelled"`; the
+ * card and this mark read the reason alike, see deniedWhy), or the tool was running (`"cancelled"`, or for a write
+ * the client had been asked for, `"cancelled; the client was asked to write ..."`).
+ */
+function cancelledCall(output: Json | undefined): boolean {
+  if (!isObject(output) || typeof output.error !== 'string') return false;
+  if (output.error.startsWith('denied')) return deniedWhy(output) === NOT_ANSWERED;
+  return output.error === 'cancelled' || output.error.startsWith('cancelled; ');
+}
+
+/**
+ * A branch's messages (oldest first) as chat turns; further rounds stay in their turn. A turn whose operate was
+ * cancelled (one of its calls says so, see cancelledCall) did not finish: it is marked as stopped, with
+ * INTERRUPTED_NOTE and an id for Retry (`interrupted@<start>`), and offers no Copy of a reply. The chat's own
+ * record of a turn it stopped, when it kept one, puts its own mark over this one (withLocalTurns).
+ */
 export function turnsFromMessages(messages: Message[]): Turn[] {
   const turns: Turn[] = [];
   const cards = new Map<string, ToolCard>();
@@ -451,6 +482,12 @@ export function turnsFromMessages(messages: Message[]): Turn[] {
       const msg = err ? String((card.output as Record<string, Json>).error) : '';
       card.state = !err ? 'ok' : msg.startsWith('denied') ? 'denied' : 'error';
     }
+  }
+  for (const t of turns) {
+    if (!t.items.some((it) => it.kind === 'tool' && cancelledCall(it.card.output))) continue;
+    t.outcome = 'stopped';
+    t.note = INTERRUPTED_NOTE;
+    t.id = `interrupted@${t.start}`;
   }
   return turns;
 }
@@ -824,6 +861,84 @@ export function renderMarkdown(text: string, live = false): string {
   }
   return html;
 }
+/**
+ * The Markdown of a reply while it streams, rendered so that an update costs about what changed, not the whole reply
+ * so far: the blocks before the last top-level block of its complete lines are settled (rendered once, never again),
+ * the rest, the open tail (the last block and the line still being written), is rendered on each update. A block
+ * that another one follows is final: CommonMark decides the block structure line by line (a line begins a new
+ * block or continues the open one; the next line of a table's header is the only look ahead, and it is among the
+ * complete lines), so text added later changes the open tail only. Settled blocks and tail joined are the render
+ * of the whole text (renderMarkdown's, which the finished reply still gets). Two things make that not so, and then
+ * all of the text is the tail (rendered whole on each update, as a reply that is one long block is): a link
+ * reference definition (`[x]: url`), which changes links in blocks before it; and text that is not the text so far
+ * with more at its end (a structured reply whose fields came in another order: see proseOf), which settles again.
+ */
+export class StreamMarkdown {
+  /** The source of the settled blocks (a prefix of the text) and their HTML. */
+  private src = '';
+  private html = '';
+  /** A link reference definition was seen: no block settles any more. */
+  private whole = false;
+
+  /** The HTML of the settled blocks. */
+  get settled(): string { return this.html; }
+  /** The characters of the text that are settled. */
+  get settledLength(): number { return this.src.length; }
+
+  /**
+   * The text so far (the previous update's with more at its end): what to show now. `added`: the HTML of the blocks
+   * that settled since the previous update (shown after those before); `tail`: the HTML of the rest (in place of the
+   * previous tail). `restarted`: the settled blocks are not those of the previous update any more (`added` is
+   * all of them).
+   */
+  update(text: string): { added: string; tail: string; restarted: boolean } {
+    let restarted = false;
+    if (!text.startsWith(this.src)) { this.src = ''; this.html = ''; restarted = true; }
+    if (this.whole) return { added: '', tail: markdown().render(text), restarted };
+    let rest = text.slice(this.src.length);
+    let added = '';
+    const complete = rest.slice(0, rest.lastIndexOf('\n') + 1);
+    if (complete) {
+      const env: { references?: object } = {};
+      const tokens = markdown().parse(complete, env);
+      if (env.references && Object.keys(env.references).length) return this.wholeNow(text, restarted);
+      let last = 0;
+      for (const t of tokens) if (t.level === 0 && t.map) last = t.map[0];
+      if (last > 0) {
+        const chunk = rest.slice(0, lineOffset(rest, last));
+        added = markdown().render(chunk);
+        this.src += chunk;
+        this.html += added;
+        rest = rest.slice(chunk.length);
+      }
+    }
+    const env: { references?: object } = {};
+    const tail = rest ? markdown().render(rest, env) : '';
+    if (env.references && Object.keys(env.references).length) return this.wholeNow(text, restarted);
+    return { added: restarted ? this.html : added, tail, restarted };
+  }
+
+  /** From now on nothing settles (a link reference definition): the whole text is the tail. */
+  private wholeNow(text: string, restarted: boolean): { added: string; tail: string; restarted: boolean } {
+    restarted ||= this.src !== '';
+    this.whole = true;
+    this.src = '';
+    this.html = '';
+    return { added: '', tail: markdown().render(text), restarted };
+  }
+}
+
+/** Where line `line` (0-based) of `text` begins, its lines ended as markdown-it ends them (\n, \r\n or \r). */
+function lineOffset(text: string, line: number): number {
+  let i = 0;
+  for (let n = 0; n < line && i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    if (c === 10) n++;
+    else if (c === 13) { if (text.charCodeAt(i + 1) === 10) i++; n++; }
+  }
+  return i;
+}
+
 /** What the rendered-Markdown cache holds: its entries and their characters (source and HTML), the streaming one included (for the tests). */
 export function markdownCacheSize(): { entries: number; chars: number } {
   const live = liveRendered ? liveRendered.text.length + liveRendered.html.length : 0;

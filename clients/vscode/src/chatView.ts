@@ -5,7 +5,7 @@ import * as vscode from 'vscode';
 import { BranchStore } from './branchStore';
 import {
   addThought, cardOfToolEvent, cardTitle, chatMarkdown, conversationParts, endThought, isObject, keepThoughts, KeyMod, LocalTurn, nameFrom, operateSpanAfter,
-  ownsBranchEvent, ownTurn, progressAfter, proseOf, proseOfResult, refusesField, renderMarkdown, repeatNote, replyText, resolveLocalTurns, retryContext, statusText, thoughtsOf, ToolCard, Turn, TurnProgress,
+  ownsBranchEvent, ownTurn, progressAfter, proseOf, proseOfResult, refusesField, repeatNote, replyText, resolveLocalTurns, retryContext, statusText, StreamMarkdown, thoughtsOf, ToolCard, Turn, TurnProgress,
   turnsAfterFailedRead, turnsFromMessages, usageFromResult, withLocalTurns,
 } from './chatModel';
 import { EditorTracker, kindOf, pickFileRef, relPath, resolveInput, workspaceFiles } from './context';
@@ -39,6 +39,11 @@ const FINISH_MS = 10_000;
 const PAGE = 1000;
 /** At most one render of the streaming prose per this many ms. */
 const STREAM_MS = 50;
+/**
+ * How long a `stream` post waits for the page's acknowledgement (`streamTaken`) before the next update goes anyway:
+ * a lost one (a page replaced meanwhile, a message dropped) delays the stream by this much, never stalls it.
+ */
+const STREAM_ACK_MS = 1000;
 /** A turn's rounds stop after this many in a row that made the same calls, all failing the same way (the server's repeatLimit). */
 const REPEAT_LIMIT = 3;
 /** How long Attach File waits for a chat view being built to listen. */
@@ -116,6 +121,14 @@ interface Live {
   flushed: string;
   lastFlush: number;
   flushTimer?: NodeJS.Timeout;
+  /** The streamed prose item's Markdown, rendered as it grows (see flush). */
+  md: StreamMarkdown;
+  /** The webview's prose of the item is the streamed one (the settled blocks, then the tail), not a redraw's (see flush). */
+  shown: boolean;
+  /** The `stream` post the webview has not acknowledged yet (its number; 0: none): the next waits for it (see flush). */
+  posting: number;
+  /** Ends the wait for the page's acknowledgement of `posting` (STREAM_ACK_MS). */
+  ackTimer?: NodeJS.Timeout;
   /** The pending redraw of the thoughts that stream (see thought). */
   thoughtTimer?: NodeJS.Timeout;
 }
@@ -146,6 +159,15 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private streamUpdates = 0;
   /** Streamed pieces received (streamUpdates: how often the prose was rendered and shown). */
   private deltas = 0;
+  /**
+   * `stream` posts, the characters of HTML they carried, updates that waited for the page to take the last, and posts
+   * counted as taken without the page's acknowledgement (for the tests); the number of the last.
+   */
+  private streamPosts = 0;
+  private streamChars = 0;
+  private streamWaits = 0;
+  private streamAckMissed = 0;
+  private streamSeq = 0;
   /** The streamed prose shown when the last turn ended (for the tests). */
   private lastProse = '';
   /** Reloads of the branch from the server (for the tests). */
@@ -184,6 +206,11 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.view = view;
     this.sentParts = [];
     this.scriptReady = false;
+    if (this.live) {   // (a new page: it has nothing streamed, and takes posts)
+      this.live.shown = false;
+      this.live.posting = 0;
+      clearTimeout(this.live.ackTimer);
+    }
     this.showWaiting();
     const media = vscode.Uri.joinPath(this.ctx.extensionUri, 'media');
     view.webview.options = { enableScripts: true, localResourceRoots: [media] };
@@ -224,6 +251,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
         case 'attach': await this.attachFile(); break;
         case 'drop': await this.attachDropped(m.uris); break;
         case 'complete': await this.complete(m.seq, m.before, m.fresh); break;
+        case 'streamTaken': this.streamTaken(m.seq); break;
       }
     } catch (e) {
       void vscode.window.showErrorMessage(`operate-sidecar: ${e instanceof Error ? e.message : String(e)}`);
@@ -273,6 +301,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   /** Sends the conversation's turns that changed since the last post (structure changes); prose deltas go through `stream`. */
   render(): void {
+    if (this.live) this.live.shown = false;   // (its prose is this redraw's now: the next stream post is all of it)
     const turns = this.shown;
     const all = conversationParts(turns, this.keyMod);
     // only the parts that changed since the last post (by index); `count` drops the ones after
@@ -453,7 +482,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   stats() {
     // the running turn's tool cards as the chat shows them
     const cards = [...this.live?.cards.values() ?? []].map((c) => ({ tool: c.tool, state: c.state, title: cardTitle(c), args: c.args, argsCut: !!c.argsCut }));
-    return { streamUpdates: this.streamUpdates, deltas: this.deltas, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, cards,
+    return { streamUpdates: this.streamUpdates, deltas: this.deltas, streamPosts: this.streamPosts, streamChars: this.streamChars, streamWaits: this.streamWaits, streamAckMissed: this.streamAckMissed, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, cards,
       status: this.live?.turn.status,
       badge: this.badgeValue(), posts: this.posts, postedChars: this.postedChars, attached: [...this.attached] };
   }
@@ -469,12 +498,18 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
    * the stop, their tool calls each with its response) is the branch's history, which the model sees.
    * A turn the branch does not hold goes with the same context (what was attached then, not the
    * editor's state now); one it holds goes without: its recorded instruction has that context
-   * already (see retryContext), and the new turn shows no attachment.
+   * already (see retryContext), and the new turn shows no attachment. A turn the branch shows was
+   * cancelled, of which this chat kept nothing (a window reload ended it: see turnsFromMessages), is one it holds;
+   * it goes as a plain chat turn, its text only: the branch's record keeps no other parameter of the request (a
+   * `responseFormat` only as the schema the model was shown, the model, tools and rounds not at all), nor who sent
+   * it, so one started outside the chat (the Operate command, a script) is offered Retry alike (the README says so).
    */
   async retry(id: string): Promise<TurnOutcome | undefined> {
+    if (this.live) return undefined;
     const l = this.locals.find((x) => x.turn.id === id);
-    if (!l || this.live) return undefined;
-    return this.send(l.turn.user, { context: retryContext(l, this.serverTurns) }, l.responseFormat && { responseFormat: l.responseFormat });
+    if (l) return this.send(l.turn.user, { context: retryContext(l, this.serverTurns) }, l.responseFormat && { responseFormat: l.responseFormat });
+    const interrupted = this.serverTurns.find((t) => t.id === id && t.outcome && t.start !== undefined);
+    return interrupted && this.send(interrupted.user, {});
   }
 
   /**
@@ -490,7 +525,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const source = new CancellationTokenSource();
     this.bindLocal(this.host.branches.current ?? '');
     this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), chat: this.localBranch, at: this.serverTotal, sent: false, began: false, ended: false,
-      flushed: '', lastFlush: 0, progress: { round: 1 }, ...(resolved.context && { context: resolved.context }),
+      flushed: '', lastFlush: 0, md: new StreamMarkdown(), shown: false, posting: 0, progress: { round: 1 }, ...(resolved.context && { context: resolved.context }),
       ...(opts?.responseFormat && { responseFormat: opts.responseFormat }) };
     this.render();
     this.host.runningChanged(true);
@@ -598,9 +633,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   }
 
   /**
-   * A streamed piece of the reply. The prose is parsed, rendered and posted at most once per
-   * STREAM_MS (each render covers the whole reply: one per piece made a long reply quadratic);
-   * anything that renders the turn (a card, the end of the turn) flushes it first.
+   * A streamed piece of the reply. The prose is shown at most once per STREAM_MS, and then only what changed
+   * (see flush: a render of the whole reply per update made a long reply quadratic); anything that renders
+   * the turn (a card, the end of the turn) flushes it first.
    */
   private delta(d: string): void {
     const live = this.live;
@@ -625,16 +660,25 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     live.thoughtTimer = setTimeout(() => { live.thoughtTimer = undefined; if (this.live === live) this.render(); }, STREAM_MS);
   }
 
-  /** Shows the streamed prose now (pending pieces of the running turn). */
+  /**
+   * Shows the streamed prose now (pending pieces of the running turn). An update costs what changed, not the
+   * reply so far: its Markdown blocks that settled since the last post (rendered once, see StreamMarkdown), which
+   * the webview adds to those it has, and the open tail, rendered again, in place of the tail it has. All of it
+   * (`reset`) when the webview's prose is not the streamed one: a redraw of the turn (render) or a new page
+   * replaced it, or the prose changed other than at its end. One post at a time: the next goes once the page has
+   * taken the last, which it acknowledges (`streamTaken`, sent by chat.js once the update is in its DOM; postMessage's
+   * promise says only that VS Code accepted the message), with all that came meanwhile, so a busy view gets fewer
+   * updates, not a queue of them. A post not delivered, or not acknowledged within STREAM_ACK_MS, counts as taken.
+   */
   private flush(): void {
     const live = this.live;
     if (!live) return;
     if (live.flushTimer) { clearTimeout(live.flushTimer); live.flushTimer = undefined; }
     if (live.stream === live.flushed) return;
-    live.flushed = live.stream;
-    live.lastFlush = Date.now();
     const prose = proseOf(live.stream);
     if (live.proseIdx < 0) {
+      live.flushed = live.stream;
+      live.lastFlush = Date.now();
       if (!prose.trim()) return;
       live.turn.items.push({ kind: 'prose', text: prose });
       live.proseIdx = live.turn.items.length - 1;
@@ -642,9 +686,45 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       this.render();
       return;
     }
-    live.turn.items[live.proseIdx] = { kind: 'prose', text: prose };
+    live.turn.items[live.proseIdx] = { kind: 'prose', text: prose };   // (what a redraw, the end of the turn, shows)
+    if (live.posting) { this.streamWaits++; return; }   // (sent once the post under way is taken: see below)
+    live.flushed = live.stream;
+    live.lastFlush = Date.now();
     this.streamUpdates++;
-    this.post({ type: 'stream', html: renderMarkdown(prose, true) });   // (a prefix: not cached)
+    const u = live.md.update(prose);
+    const view = this.view;
+    if (!view) { live.shown = false; return; }
+    const reset = u.restarted || !live.shown;
+    const seq = live.posting = ++this.streamSeq;
+    const msg = { type: 'stream', seq, ...(reset && { reset: true }), html: reset ? live.md.settled : u.added, tail: u.tail };
+    live.shown = true;
+    this.streamPosts++;
+    this.streamChars += msg.html.length + msg.tail.length;
+    live.ackTimer = setTimeout(() => { this.streamAckMissed++; this.streamTaken(seq); }, STREAM_ACK_MS);
+    Promise.resolve(view.webview.postMessage(msg)).then((delivered) => { if (!delivered) this.streamTaken(seq); }, () => this.streamTaken(seq));
+  }
+
+  /**
+   * The page took `stream` post `seq` (its acknowledgement), or will not (not delivered, no acknowledgement in
+   * time): the update that waited for it, if any, goes (at most once per STREAM_MS, see flush).
+   */
+  private streamTaken(seq: number): void {
+    const live = this.live;
+    if (!live || live.posting !== seq) return;   // (a post of an earlier turn or page, or one already counted as taken)
+    live.posting = 0;
+    if (live.ackTimer) { clearTimeout(live.ackTimer); live.ackTimer = undefined; }
+    if (live.stream === live.flushed || live.flushTimer) return;
+    live.flushTimer = setTimeout(() => { live.flushTimer = undefined; if (this.live === live) this.flush(); },
+      Math.max(0, live.lastFlush + STREAM_MS - Date.now()));
+  }
+
+  /** The running turn's next prose is a new item (a tool card came between): streamed from its start. */
+  private newProse(live: Live): void {
+    live.stream = '';
+    live.flushed = '';
+    live.proseIdx = -1;
+    live.md = new StreamMarkdown();
+    live.shown = false;
   }
 
   /** toolEvent notifications of the running turn become (updated) cards. */
@@ -653,9 +733,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     if (!live || !ownsBranchEvent(live, e.branchId)) return;   // (another operate's on this branch: not this turn's)
     this.flush();
     endThought(live.turn.items);
-    live.stream = '';
-    live.flushed = '';
-    live.proseIdx = -1;
+    this.newProse(live);
     let card = live.cards.get(e.callId);
     if (!card) {
       card = cardOfToolEvent(undefined, e);
@@ -683,6 +761,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     t.running = false;
     delete t.status;
     if (live.thoughtTimer) { clearTimeout(live.thoughtTimer); live.thoughtTimer = undefined; }
+    clearTimeout(live.ackTimer);   // (the last post's: nothing streams after the turn)
     endThought(t.items);
     const thoughts = thoughtsOf(t.items);
     // the server's repeat stop ended its rounds: the turn says why (also when it is kept here, the branch not read back)
@@ -773,9 +852,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       card = { callId: req.callId, tool: req.tool, args: req.arguments as Json, state: 'ask' };
       live.cards.set(req.callId, card);
       this.flush();
-      live.stream = '';
-      live.flushed = '';
-      live.proseIdx = -1;
+      this.newProse(live);
       live.turn.items.push({ kind: 'tool', card });
     } else {   // the request has the arguments whole (a toolEvent's summary may be cut)
       card.args = req.arguments as Json;

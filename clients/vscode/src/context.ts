@@ -79,18 +79,29 @@ function problems(): JsonObject[] {
 
 export interface ResolvedInput { instruction: string; context?: JsonObject }
 
+/** Files workspaceFiles lists at most. */
+const MAX_LISTED = 10_000;
+
 /**
  * The workspace's files (see relPath), those `files.exclude` and `search.exclude` leave out (node_modules...) not among
  * them, as a search would look in them (at most 10,000), each said open in an editor or not; none without a folder.
+ * Both settings are a folder's own (a multi-root workspace's folders may each set them): each folder is listed with
+ * its own.
  */
 export async function workspaceFiles(): Promise<FileEntry[]> {
-  if (!vscode.workspace.workspaceFolders?.length) return [];
+  const folders = vscode.workspace.workspaceFolders ?? [];
   const open = new Set(vscode.workspace.textDocuments.map((d) => d.uri.toString()));
-  const on = (section: string) => Object.entries(vscode.workspace.getConfiguration(section).get<Record<string, unknown>>('exclude') ?? {})
-    .filter(([, v]) => v === true).map(([glob]) => glob);
-  const globs = [...new Set([...on('files'), ...on('search')])];
-  const uris = await vscode.workspace.findFiles('**/*', globs.length ? `{${globs.join(',')}}` : undefined, 10_000);
-  return uris.map((u) => ({ rel: relPath(u), open: open.has(u.toString()) }));
+  const out: FileEntry[] = [];
+  for (const folder of folders) {
+    if (out.length >= MAX_LISTED) break;
+    const on = (section: string) => Object.entries(vscode.workspace.getConfiguration(section, folder.uri).get<Record<string, unknown>>('exclude') ?? {})
+      .filter(([, v]) => v === true).map(([glob]) => glob);
+    const globs = [...new Set([...on('files'), ...on('search')])];
+    const uris = await vscode.workspace.findFiles(new vscode.RelativePattern(folder, '**/*'), globs.length ? `{${globs.join(',')}}` : undefined,
+      MAX_LISTED - out.length);
+    for (const u of uris) out.push({ rel: relPath(u), open: open.has(u.toString()) });
+  }
+  return out;
 }
 
 /**

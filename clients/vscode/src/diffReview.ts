@@ -15,6 +15,8 @@ interface Pending {
   resolve: (d: PermissionDecision) => void;
   /** The review could not be shown: the request fails with `e`. */
   fail: (e: unknown) => void;
+  /** The file's text is no longer the one the change was previewed on (said as it becomes so: see fileChanged). */
+  stale?: boolean;
 }
 
 export interface ReviewRecord { callId: string; path: string; decision: PermissionDecision }
@@ -139,6 +141,12 @@ export async function previewOf(req: PermissionRequest): Promise<DiffPreview | u
   return undefined;
 }
 
+/** The warning of a review whose file changed since its preview (see DiffReview.fileChanged). */
+export function staleWarning(fsPath: string): string {
+  return `operate-sidecar: ${path.basename(fsPath)} changed since the edit under review was previewed: the diff's right side is still `
+    + 'that edit of the earlier text, and Accept will not write it (the call fails, the file stays as it is). Reject it and ask again.';
+}
+
 /** The diff editor's title of a review: the file's name and the tool. */
 function titleOf(p: Pending): string { return `${path.basename(p.preview.path)} ↔ proposed by ${p.req.tool}`; }
 
@@ -155,7 +163,8 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
 
   constructor() {
     this.subs = [vscode.workspace.registerTextDocumentContentProvider(PROPOSED_SCHEME, this), this.changed, this.decided,
-      vscode.window.tabGroups.onDidChangeTabs((e) => this.tabsClosed(e.closed))];
+      vscode.window.tabGroups.onDidChangeTabs((e) => this.tabsClosed(e.closed)),
+      vscode.workspace.onDidChangeTextDocument((e) => { if (e.contentChanges.length) this.fileChanged(e.document); })];
     void vscode.commands.executeCommand('setContext', CONTEXT_KEY, false);
   }
 
@@ -174,6 +183,25 @@ export class DiffReview implements vscode.TextDocumentContentProvider, vscode.Di
       const shown = vscode.window.tabGroups.all.some((g) => g.tabs.some((o) =>
         o.input instanceof vscode.TabInputTextDiff && o.input.modified.toString() === uri));
       if (!shown) this.decide(callId, 'deny_once');
+    }
+  }
+
+  /**
+   * A file under review changed (on disk, which its open buffer follows, or typed into the diff's left side): its
+   * diff's right side is still the change of the text it was previewed on, so the diff seems to undo the new text;
+   * and Accept will not write it (the server writes nothing to a file whose text is not the previewed one:
+   * docs/PROTOCOL.md §9, the call fails). A warning naming the file says so as its text turns from the previewed one,
+   * not for each change after. Back to the previewed text (the change undone), Accept writes again: the review is
+   * no longer stale, and the next change away from that text warns again. The file is the review's by its URI (as
+   * the editor names it: a path differing only in a drive letter's case is the same file).
+   */
+  private fileChanged(doc: vscode.TextDocument): void {
+    const uri = doc.uri.toString();
+    for (const p of this.pending.values()) {
+      if (p.preview.oldText === null || vscode.Uri.file(p.preview.path).toString() !== uri) continue;
+      const stale = doc.getText() !== p.preview.oldText;
+      if (stale && !p.stale) void vscode.window.showWarningMessage(staleWarning(p.preview.path));
+      p.stale = stale;
     }
   }
 

@@ -16,6 +16,10 @@ import {
 
 const CHANNEL = 'operate-sidecar';
 const STDERR_TAIL_LINES = 12;
+/** ... and at most this many characters of them (one line can be long: a dumped request, a blob). */
+const STDERR_TAIL_CHARS = 2000;
+/** Where the client's error of a process that ended (or hung at start) begins to quote its stderr. */
+const STDERR_QUOTED = '; its stderr ends with:\n';
 /** How much of the output channel's text the extension keeps for `outputText()` (its end). */
 const OUTPUT_KEPT = 200_000;
 /** Settings whose change restarts the server. */
@@ -25,6 +29,19 @@ const MAX_ROUNDS = { dflt: 4, min: 1, max: 50 };
 const STARTUP_TIMEOUT_S = { dflt: 30, min: 1, max: 600 };
 /** Context key: an operate or a chat turn runs (package.json: when Cancel shows in the command palette). */
 const BUSY_KEY = 'operateSidecar.busy';
+
+/**
+ * The last lines of one server process's stderr (`stderr`: the end of it its client kept), as a notice quotes them:
+ * at most STDERR_TAIL_LINES lines and STDERR_TAIL_CHARS characters, the end kept ('…' where the text is cut).
+ */
+export function lastStderrLines(stderr: string): string {
+  const lines = stderr.replace(/\r\n?/g, '\n').trimEnd().split('\n').slice(-STDERR_TAIL_LINES);
+  while (lines.length && !lines[0].trim()) lines.shift();
+  const tail = lines.join('\n');
+  if (tail.length <= STDERR_TAIL_CHARS) return tail;
+  const cut = tail.slice(-(STDERR_TAIL_CHARS - 1));
+  return '…' + (/^[\udc00-\udfff]/.test(cut) ? cut.slice(1) : cut);   // (not half of a surrogate pair)
+}
 
 /** Cancels a token source once: a second `cancel()` of a source whose token was never read throws in vscode-jsonrpc. */
 export function cancelOnce(source: CancellationTokenSource): void {
@@ -111,7 +128,8 @@ class Sidecar {
   private written = 0;
   /** Why the server is not running after it failed to start or died (the status bar says so); undefined otherwise. */
   private down: string | undefined;
-  private stderrTail = '';
+  /** The server process started last: its stderr is quoted when a request fails for want of a server. */
+  private lastServer: SidecarClient | undefined;
   private stopping = false;
   /** Abandons the start in progress (kills its process); set while one runs. */
   private abortStart: (() => void) | undefined;
@@ -240,16 +258,25 @@ class Sidecar {
   /** Whether a start is in progress. */
   get isStarting(): boolean { return !!this.starting; }
 
-  private tailLines(): string {
-    return this.stderrTail.trimEnd().split('\n').slice(-STDERR_TAIL_LINES).join('\n');
+  /**
+   * The last lines of `client`'s own stderr (its process's, kept by its client: never an earlier or a later
+   * server's), bounded (lastStderrLines).
+   */
+  private tailLines(client: SidecarClient | undefined): string {
+    return client ? lastStderrLines(client.stderrTail) : '';
   }
 
-  /** A message for the user when the server cannot serve (start failure, death): the last stderr lines. */
+  /**
+   * A message for the user when the server cannot serve (start failure, death): the last stderr lines. Those of the
+   * process the error names (a SidecarExitedError or SidecarTimeoutError carries its own stderr's end, which its
+   * message quotes whole, from long before the end: the message is taken without it), else the last server's.
+   */
   serverProblem(e: unknown): string | undefined {
     // (a connection lost or an exit; an error answer of a running server is its own message, whatever its words)
     if (!serverGone(e, !!this.client?.running)) return undefined;
-    const tail = this.tailLines();
-    const why = e instanceof Error ? e.message : String(e);
+    const own = e instanceof SidecarExitedError || e instanceof SidecarTimeoutError ? e : undefined;
+    const tail = own ? lastStderrLines(own.stderrTail) : this.tailLines(this.lastServer);
+    const why = own ? own.message.split(STDERR_QUOTED)[0] : e instanceof Error ? e.message : String(e);
     // the client's error of a server that died already quotes the end of its stderr: not twice
     const last = tail.split('\n').at(-1)?.trim();
     const quoted = !!last && why.includes(last);
@@ -308,7 +335,6 @@ class Sidecar {
     const folders = (vscode.workspace.workspaceFolders ?? []).filter((f) => f.uri.scheme === 'file').map((f) => f.uri.fsPath);
     const env = { ...process.env, ...(cfg.get<Record<string, string>>('env') ?? {}) };
     this.line(`[server] starting ${JSON.stringify(command)}`);
-    this.stderrTail = '';
     // stop() abandons this start through abortStart: the process is killed, the start rejects
     let aborted = false;
     const abort = new Promise<never>((_, reject) => {
@@ -319,10 +345,7 @@ class Sidecar {
     let client: SidecarClient;
     try {
       client = await SidecarClient.start({
-        command, cwd: folders[0], env, onStderr: (t) => {
-          this.serverChannel.append(t);
-          this.stderrTail = (this.stderrTail + t).slice(-8000);
-        },
+        command, cwd: folders[0], env, onStderr: (t) => this.serverChannel.append(t),
       });
     } catch (e) {
       this.abortStart = undefined;
@@ -330,6 +353,7 @@ class Sidecar {
       this.notify(`operate-sidecar: ${why}`, ['Open settings']);
       throw markShown(new Error(why));
     }
+    this.lastServer = client;
     if (aborted) { this.abortStart = undefined; client.kill(); throw new StartAborted(); }
     client.onToolEvent((e) => this.onToolEvent(e));
     client.onLogMessage((m) => {
@@ -358,9 +382,10 @@ class Sidecar {
       this.updateStatus();
       if (!this.stopping && initialized) {
         await new Promise((r) => setTimeout(r, 100));   // let the last stderr lines arrive
-        if (!this.client) this.serverDown(`it exited (${code})${this.tailLines() ? '\n' + this.tailLines() : ''}`);
+        const tail = this.tailLines(client);   // (its own: a server started since has its own stderr)
+        if (!this.client) this.serverDown(`it exited (${code})${tail ? '\n' + tail : ''}`);
         // the one message of this death: what failed with it shows none of its own (reportedByExit)
-        this.notify(`operate-sidecar: the server stopped (exit ${code}).${this.tailLines() ? '\n' + this.tailLines() : ''}`,
+        this.notify(`operate-sidecar: the server stopped (exit ${code}).${tail ? '\n' + tail : ''}`,
           ['Show server log', 'Open settings']);
       }
     });
@@ -377,7 +402,7 @@ class Sidecar {
       client.kill();
       await Promise.race([client.exited, new Promise((r) => setTimeout(r, 1000))]);
       if (aborted || e instanceof StartAborted) throw new StartAborted();   // stopped on purpose: no error notice
-      const tail = this.tailLines();
+      const tail = this.tailLines(client);
       const why = e instanceof ResponseError ? `${e.message} (${e.code})`
         : e instanceof SidecarTimeoutError
           ? `it did not answer initialize within ${timeoutS} s (operateSidecar.startupTimeoutSeconds). Is operateSidecar.command the operate-sidecar server?`

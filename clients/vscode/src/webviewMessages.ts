@@ -23,7 +23,8 @@ export type WebviewMessage =
   | { type: 'command'; id: string }
   | { type: 'attach' }
   | { type: 'drop'; uris: string[] }
-  | { type: 'complete'; seq: number; before: string; fresh: boolean };
+  | { type: 'complete'; seq: number; before: string; fresh: boolean }
+  | { type: 'streamTaken'; seq: number };
 
 const isText = (v: unknown): v is string => typeof v === 'string';
 
@@ -52,6 +53,7 @@ export function webviewMessage(m: unknown): WebviewMessage | undefined {
     case 'drop': return Array.isArray(o.uris) ? { type: 'drop', uris: o.uris.filter(isText) } : undefined;
     case 'complete':
       return Number.isInteger(o.seq) && isText(o.before) ? { type: 'complete', seq: o.seq as number, before: o.before, fresh: o.fresh === true } : undefined;
+    case 'streamTaken': return Number.isInteger(o.seq) ? { type: 'streamTaken', seq: o.seq as number } : undefined;
     default: return undefined;
   }
 }

@@ -92,6 +92,39 @@ M.STALE = {
   '',
 }
 
+-- Draw the review `view` as it stands: the live diff of the file's buffer (left) and the
+-- proposal (right), or, when the file's text is no longer the one the change was made from
+-- (view.stale), the notice (M.STALE) and the change as proposed, without a diff.
+local function draw(view)
+  local p, fb, pb = view.req.params.preview, view.file_buf, view.proposed_buf
+  local stale = view.stale
+  local lines
+  if stale then
+    lines = util.extend(util.extend({}, M.STALE), util.split_lines((tostring(p.diff or '')):gsub('\n$', '')))
+  else
+    -- split as a buffer of that file holds it (its 'fileformat', 'bomb'): a CRLF file's lines
+    -- end without their \r on both sides, so only the lines that change are marked
+    lines = require('operate_sidecar.fs').text_lines(p.newText or '', fb)
+  end
+  local ft = stale and 'diff' or view.ft
+  if vim.bo[pb].filetype ~= ft then
+    vim.bo[pb].filetype = ft
+  end
+  util.set_lines(pb, 0, -1, lines)
+  vim.bo[pb].modifiable = false
+  for _, w in ipairs({ view.left, view.right }) do
+    if api.nvim_win_is_valid(w) then
+      api.nvim_win_call(w, function()
+        vim.cmd(stale and 'diffoff' or 'diffthis')
+      end)
+    end
+  end
+  local add, del = M.stats(p.diff)
+  util.set_win_local(view.left, 'statusline', stale and ' %f (now: changed since the proposal)%m' or ' %f (now)%m')
+  util.set_win_local(view.right, 'statusline', (stale and ' proposed +%d −%d, for a text the file no longer holds · %s'
+    or ' proposed +%d −%d · %s'):format(add, del, stale and 'gr reject · ga will fail' or M.HINT))
+end
+
 --- Open the review tab for request `req` (its params carry preview {path, oldText, newText,
 --- diff}); decide(decision) answers it. Sets req.close.
 function M.open(req, decide)
@@ -114,44 +147,31 @@ function M.open(req, decide)
   end
   -- the file's text is no longer what the change was computed from (the user typed in it while
   -- the request waited, or the disk changed): a diff against it would show the user's own lines
-  -- as the model's deletions, and the write fails (§9) whatever is decided
-  local stale = type(p.oldText) == 'string' and fs.buf_text(fb) ~= p.oldText
+  -- as the model's deletions, and the write fails (docs/PROTOCOL.md §9) whatever is decided
+  local function is_stale()
+    return type(p.oldText) == 'string' and fs.buf_text(fb) ~= p.oldText
+  end
   local name = proposed_name(p.path)
   local old = util.find_buf(name)
   if old then
     pcall(api.nvim_buf_delete, old, { force = true })
   end
   local ft = vim.bo[fb].filetype ~= '' and vim.bo[fb].filetype or 'text'
+  local stale = is_stale()
   local pb = util.scratch(name, stale and 'diff' or ft)
   vim.bo[pb].bufhidden = 'wipe'
-  local lines
-  if stale then
-    lines = util.extend(util.extend({}, M.STALE), util.split_lines((tostring(p.diff or '')):gsub('\n$', '')))
-  else
-    -- split as a buffer of that file holds it (its 'fileformat', 'bomb'): a CRLF file's lines
-    -- end without their \r on both sides, so only the lines that change are marked
-    lines = fs.text_lines(p.newText or '', fb)
-  end
-  util.set_lines(pb, 0, -1, lines)
-  vim.bo[pb].modifiable = false
   vim.cmd('rightbelow vsplit')
   local right = api.nvim_get_current_win()
   api.nvim_win_set_buf(right, pb)
   for _, w in ipairs({ left, right }) do
     review_win_options(w)
-    if not stale then
-      api.nvim_set_current_win(w)
-      vim.cmd('diffthis')
-    end
   end
-  local add, del = M.stats(p.diff)
-  util.set_win_local(left, 'statusline', stale and ' %f (now: changed since the proposal)%m' or ' %f (now)%m')
-  util.set_win_local(right, 'statusline', (stale and ' proposed +%d −%d, for a text the file no longer holds · %s'
-    or ' proposed +%d −%d · %s'):format(add, del, stale and 'gr reject · ga will fail' or M.HINT))
+  local view = { req = req, tab = tab, file_buf = fb, proposed_buf = pb, left = left, right = right, stale = stale,
+    ft = ft }
+  draw(view)
   local saved = map_keys(fb, decide)
   map_keys(pb, decide)
   api.nvim_set_current_win(right)
-  local view = { req = req, tab = tab, file_buf = fb, proposed_buf = pb, left = left, right = right, stale = stale }
   M.current = view
   req.diff_view = view
   local group = api.nvim_create_augroup('operate_sidecar_review_' .. tostring(req.params.callId), { clear = true })
@@ -209,6 +229,28 @@ function M.open(req, decide)
   for _, b in ipairs({ fb, pb }) do
     api.nvim_create_autocmd({ 'BufWinLeave', 'BufUnload', 'BufWipeout' }, { group = group, buffer = b, callback = check })
   end
+  -- Typing in the file side (or any change of its buffer) while the review is open voids the
+  -- proposal as a change before it opened does: the notice and the change as proposed instead
+  -- of a diff that would show the typed lines as the model's; undone back to the text the change
+  -- was made from, the diff is back. (nvim_buf_attach: every change, whichever window made it.)
+  local queued = false
+  api.nvim_buf_attach(fb, false, {
+    on_lines = function()
+      if req.diff_view ~= watch or req.done then
+        return true -- (detach: this review is over)
+      end
+      if not queued then
+        queued = true
+        vim.schedule(function() -- (not while the change is being made: textlock)
+          queued = false
+          if req.diff_view == watch and not req.done and M.intact(watch) and is_stale() ~= watch.stale then
+            watch.stale = not watch.stale
+            draw(watch)
+          end
+        end)
+      end
+    end,
+  })
   util.event('OperateSidecarDiff')
 end
 

@@ -48,6 +48,38 @@ local function why_not_executable(prog)
   return nil
 end
 
+-- Why the server's log file `path` cannot be written, or nil: it is a directory, or the nearest
+-- of its directories that exists is a file (the start then runs the server without its log).
+local function why_log_unwritable(path)
+  local uv = vim.uv or vim.loop
+  local st = uv.fs_stat(path)
+  if st then
+    if st.type == 'directory' then
+      return 'it is a directory'
+    elseif vim.fn.filewritable(path) ~= 1 then
+      return 'it is not writable'
+    end
+    return nil
+  end
+  local dir = vim.fn.fnamemodify(path, ':h')
+  while true do
+    local dst = uv.fs_stat(dir)
+    if dst then
+      if dst.type ~= 'directory' then
+        return ('%s is not a directory'):format(dir)
+      elseif vim.fn.filewritable(dir) ~= 2 then
+        return ('%s is not writable'):format(dir)
+      end
+      return nil
+    end
+    local up = vim.fn.fnamemodify(dir, ':h')
+    if up == dir then
+      return nil
+    end
+    dir = up
+  end
+end
+
 function M.check()
   local r = reporter()
   local config = require('operate_sidecar.config').values
@@ -95,6 +127,10 @@ function M.check()
         'pip install operate-sidecar, or setup({cmd = {"/path/to/.venv/bin/operate-sidecar"}})')
     end
   end
+  local cwd_why = server.cmd_cwd_problem(config.cmd_cwd)
+  if cwd_why then
+    r.error(cwd_why, 'setup({cmd_cwd = "/an/existing/directory"}), or leave it unset (the editor\'s)')
+  end
   local st = server.state
   if server.is_running() and st.ready and st.init_result then
     local info = st.init_result.serverInfo or {}
@@ -109,16 +145,23 @@ function M.check()
       r.info('branches live in memory only (stateDir is off)')
     end
   elseif st.exit and st.exit.failure then -- (a start that failed, and was stopped over it)
-    local tail = server.last_log_lines(5)
+    local tail = util.extend(server.last_log_lines(5), st.exit.printed or {})
     r.warn((util.exit_notice(st.exit, {})), #tail > 0 and table.concat(tail, '\n') or nil)
   elseif st.exit and st.exit.abnormal then
-    local tail = server.last_log_lines(5)
-    r.warn('the server ' .. server.describe_exit(st.exit.code, st.exit.signal),
+    local tail = util.extend(server.last_log_lines(5), st.exit.printed or {})
+    r.warn('the server ' .. server.describe_exit(st.exit.code, st.exit.signal)
+      .. (st.exit.starting and ' before it was ready' or ''),
       #tail > 0 and table.concat(tail, '\n') or nil)
   else
     r.ok('not running (it starts on first use, or :OperateStart)')
   end
-  r.info('server log: ' .. server.log_file())
+  local log_why = type(server.log_file()) == 'string' and why_log_unwritable(server.log_file())
+  if log_why then
+    r.warn(('log_file %s cannot be written (%s): the server runs without its log'):format(server.log_file(), log_why),
+      'setup({log_file = "/a/writable/operate-sidecar.log"})')
+  else
+    r.info('server log: ' .. server.log_file())
+  end
 end
 
 return M

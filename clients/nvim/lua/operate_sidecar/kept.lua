@@ -9,6 +9,12 @@
 -- that ended before its first round did, and of one that ended later not how it ended; the chat
 -- puts them back where they were. Bounded: the latest MAX_LOCAL_TURNS of a branch, of the
 -- MAX_LOCAL_BRANCHES branches changed last, at most MAX_LOCAL_CHARS characters (as JSON) in all.
+-- Neovims started on the same state directory share the file: each change is made to what the
+-- file holds when it is made (read again when another one wrote it since) and written whole to a
+-- temporary file renamed over it, holding the file's lock (FILE.lock) from the read to the rename,
+-- so that two changes at once are made one after the other and none loses another's turns; a read
+-- sees their changes. A change waits up to LOCK_WAIT_MS for another Neovim's lock; a lock older
+-- than LOCK_STALE_S seconds was left by one that ended holding it and is taken over.
 local M = {}
 
 M.FILE = 'nvim-chat-kept.json'
@@ -19,14 +25,87 @@ M.CUT = "\n… (cut: the chat keeps the first 100,000 characters of a model's th
 M.MAX_LOCAL_TURNS = 20
 M.MAX_LOCAL_BRANCHES = 30
 M.MAX_LOCAL_CHARS = 2000000
+M.LOCK_WAIT_MS = 2000
+M.LOCK_STALE_S = 5
 
 local entries -- { {key = 'branch@at', thoughts = { {at, text, ms} }, note}, ... }, oldest first
 local locals -- { {branch, turns = {record, ...}}, ... }: the branch changed last is the last
 local loaded_from -- the file they were read from (false: none, in memory)
+local loaded_stamp -- that file as it was when read or written here (see stamp)
+
+local uv = vim.uv or vim.loop
 
 local function file()
   local dir = require('operate_sidecar.server').state_dir()
   return dir and (dir .. '/' .. M.FILE) or false
+end
+
+-- A stat's mtime as {sec, nsec} (a number in older luv).
+local function mtime(st)
+  return type(st.mtime) == 'table' and st.mtime or { sec = st.mtime, nsec = 0 }
+end
+
+-- What tells whether the file changed since: another Neovim on the same state directory writes
+-- it too (each write is a new file renamed over the old one, so a new inode). Of a stat, or of
+-- the file at `path` ('none' when there is none).
+local function stamp_of(st)
+  local t = mtime(st)
+  return table.concat({ tostring(st.ino), tostring(st.size), tostring(t.sec), tostring(t.nsec) }, ':')
+end
+
+local function stamp(path)
+  local st = uv.fs_stat(path)
+  return st and stamp_of(st) or 'none'
+end
+
+-- A lock older than LOCK_STALE_S (`st`, as seen) taken away: moved to a name of this process
+-- first, so that of two Neovims taking over the same stale lock, the one that finds it moved
+-- already (a new lock, taken by the first meanwhile) puts that back instead of removing it.
+local function take_over(name, st)
+  local moved = ('%s.%d.stale'):format(name, vim.fn.getpid())
+  if not uv.fs_rename(name, moved) then
+    return
+  end
+  local now = uv.fs_stat(moved)
+  if now and now.ino ~= st.ino then
+    uv.fs_link(moved, name)
+  end
+  uv.fs_unlink(moved)
+end
+
+-- The lock of the file at `path`: FILE.lock, made only if there is none (another Neovim holds it
+-- while it changes the file). Waits for it up to LOCK_WAIT_MS (blocking: the lock is held for one
+-- read and write of the file), taking over a stale one. Returns the function that releases it,
+-- or nil when it could not be had (held longer, the directory not writable).
+local function lock(path)
+  local name = path .. '.lock'
+  pcall(vim.fn.mkdir, vim.fn.fnamemodify(path, ':h'), 'p')
+  local deadline = uv.hrtime() + M.LOCK_WAIT_MS * 1e6
+  while true do
+    local fd, _, err = uv.fs_open(name, 'wx', 420)
+    if fd then
+      local mine = uv.fs_fstat(fd)
+      uv.fs_close(fd)
+      return function()
+        local st = uv.fs_stat(name)
+        if st and mine and st.ino == mine.ino then -- (not another's, had it been taken over)
+          uv.fs_unlink(name)
+        end
+      end
+    end
+    if err ~= 'EEXIST' then
+      return nil
+    end
+    local st = uv.fs_stat(name)
+    if st and os.time() - mtime(st).sec > M.LOCK_STALE_S then
+      take_over(name, st)
+    elseif st then
+      uv.sleep(2)
+    end
+    if uv.hrtime() > deadline then
+      return nil
+    end
+  end
 end
 
 local function chars(e)
@@ -76,37 +155,52 @@ local function valid_local(r)
   return out
 end
 
+-- Read the file (a missing or damaged one reads as empty).
+local function read(path)
+  local turns, kept_locals = {}, {}
+  local ok, lines = pcall(vim.fn.readfile, path)
+  local decoded, data = false, nil
+  if ok then
+    decoded, data = pcall(vim.json.decode, table.concat(lines, '\n'))
+  end
+  if not (decoded and type(data) == 'table') then
+    return turns, kept_locals
+  end
+  for _, e in ipairs(type(data.turns) == 'table' and data.turns or {}) do
+    turns[#turns + 1] = valid(e)
+  end
+  for _, l in ipairs(type(data.locals) == 'table' and data.locals or {}) do
+    if type(l) == 'table' and type(l.branch) == 'string' and type(l.turns) == 'table' then
+      local records = {}
+      for _, r in ipairs(l.turns) do
+        records[#records + 1] = valid_local(r)
+      end
+      kept_locals[#kept_locals + 1] = { branch = l.branch, turns = records }
+    end
+  end
+  return turns, kept_locals
+end
+
+-- What is kept, as the file holds it now: read again whenever it changed since it was read or
+-- written here (another Neovim on the same state directory wrote it).
 local function load()
   local path = file()
-  if entries and loaded_from == path then
+  if not path then
+    if not entries or loaded_from ~= false then
+      entries, locals, loaded_from, loaded_stamp = {}, {}, false, nil
+    end
     return entries
   end
-  entries, locals, loaded_from = {}, {}, path
-  if path and vim.loop.fs_stat(path) then
-    local ok, lines = pcall(vim.fn.readfile, path)
-    local decoded, data = false, nil
-    if ok then
-      decoded, data = pcall(vim.json.decode, table.concat(lines, '\n'))
-    end
-    if decoded and type(data) == 'table' and type(data.turns) == 'table' then
-      for _, e in ipairs(data.turns) do
-        entries[#entries + 1] = valid(e)
-      end
-    end
-    for _, l in ipairs(decoded and type(data) == 'table' and type(data.locals) == 'table' and data.locals or {}) do
-      if type(l) == 'table' and type(l.branch) == 'string' and type(l.turns) == 'table' then
-        local turns = {}
-        for _, r in ipairs(l.turns) do
-          turns[#turns + 1] = valid_local(r)
-        end
-        locals[#locals + 1] = { branch = l.branch, turns = turns }
-      end
-    end
+  local now = stamp(path)
+  if not entries or loaded_from ~= path or loaded_stamp ~= now then
+    entries, locals = read(path)
+    loaded_from, loaded_stamp = path, now
   end
   return entries
 end
 
--- Written whole to a temporary file, then renamed over the old one (never half a file).
+-- Written whole to a temporary file of this process, then renamed over the old one (never half a
+-- file, and never another Neovim's temporary file).
 local function save()
   local path = loaded_from
   if not path then
@@ -120,10 +214,37 @@ local function save()
   if not ok then
     return
   end
-  pcall(vim.fn.mkdir, vim.fn.fnamemodify(path, ':h'), 'p')
-  local tmp = path .. '.tmp'
-  if pcall(vim.fn.writefile, { text }, tmp) then
-    vim.loop.fs_rename(tmp, path)
+  local tmp = ('%s.%d.tmp'):format(path, vim.fn.getpid())
+  local written, result = pcall(vim.fn.writefile, { text }, tmp)
+  -- its stamp taken before the rename (which keeps it): after it, the file may be another's already
+  local st = written and result == 0 and uv.fs_stat(tmp)
+  if st and uv.fs_rename(tmp, path) then
+    loaded_stamp = stamp_of(st) -- (this write is no news to read again)
+  else
+    pcall(uv.fs_unlink, tmp)
+  end
+end
+
+-- A change: made to what the file holds now (read again if it changed since), then written, the
+-- file's lock held all along, so that two Neovims on the same state directory keep each other's
+-- turns: each adds its own change only, never an old copy of the whole file. (A change that
+-- could not be written, the directory not writable or the lock not had, stays in memory until
+-- the file changes.)
+local function update(change)
+  local path = file()
+  local release = path and lock(path)
+  local ok, err = pcall(function()
+    load()
+    change(entries, locals)
+    if release then
+      save()
+    end
+  end)
+  if release then
+    release()
+  end
+  if not ok then
+    error(err, 0)
   end
 end
 
@@ -142,26 +263,26 @@ end
 --- `note` of the turn whose instruction is message `at` of `branch`, as the newest.
 function M.put(branch, at, thoughts, note)
   local key = branch .. '@' .. tostring(at)
-  local list = load()
-  for i = #list, 1, -1 do
-    if list[i].key == key then
-      table.remove(list, i)
-    end
-  end
   local cut = {}
   for i, t in ipairs(thoughts) do
     local text = #t.text > M.MAX_THOUGHT and (t.text:sub(1, M.MAX_THOUGHT) .. M.CUT) or t.text
     cut[i] = { at = t.at, text = text, ms = t.ms }
   end
-  list[#list + 1] = { key = key, thoughts = cut, note = note }
-  local total = 0
-  for _, e in ipairs(list) do
-    total = total + chars(e)
-  end
-  while #list > M.MAX_TURNS or (total > M.MAX_CHARS and #list > 1) do
-    total = total - chars(table.remove(list, 1))
-  end
-  save()
+  update(function(list)
+    for i = #list, 1, -1 do
+      if list[i].key == key then
+        table.remove(list, i)
+      end
+    end
+    list[#list + 1] = { key = key, thoughts = cut, note = note }
+    local total = 0
+    for _, e in ipairs(list) do
+      total = total + chars(e)
+    end
+    while #list > M.MAX_TURNS or (total > M.MAX_CHARS and #list > 1) do
+      total = total - chars(table.remove(list, 1))
+    end
+  end)
 end
 
 --- The failed and stopped turns kept of `branch`, oldest first (the records M.put_local took).
@@ -185,58 +306,72 @@ end
 --- rounds are on the branch), error?, time?, ctx_label?, ctx_earlier?, model?, note?, context?,
 --- params?, blocks = { {kind = 'text' / 'thought', raw, ms?} / {kind = 'card', card} }}.
 function M.put_local(branch, record)
-  load()
-  local mine = { branch = branch, turns = {} }
-  for i = #locals, 1, -1 do
-    if locals[i].branch == branch then
-      mine = table.remove(locals, i)
+  update(function(_, all)
+    local mine = { branch = branch, turns = {} }
+    for i = #all, 1, -1 do
+      if all[i].branch == branch then
+        mine = table.remove(all, i)
+      end
     end
-  end
-  mine.turns[#mine.turns + 1] = record
-  while #mine.turns > M.MAX_LOCAL_TURNS do
-    table.remove(mine.turns, 1)
-  end
-  locals[#locals + 1] = mine
-  while #locals > M.MAX_LOCAL_BRANCHES do
-    table.remove(locals, 1)
-  end
-  -- the characters: the oldest turns of the branches changed longest ago go first
-  local total = 0
-  for _, l in ipairs(locals) do
-    for _, r in ipairs(l.turns) do
-      total = total + json_chars(r)
+    mine.turns[#mine.turns + 1] = record
+    while #mine.turns > M.MAX_LOCAL_TURNS do
+      table.remove(mine.turns, 1)
     end
-  end
-  while total > M.MAX_LOCAL_CHARS and #locals > 0 do
-    local oldest = locals[1]
-    if #oldest.turns > 0 then
-      total = total - json_chars(table.remove(oldest.turns, 1))
+    all[#all + 1] = mine
+    while #all > M.MAX_LOCAL_BRANCHES do
+      table.remove(all, 1)
     end
-    if #oldest.turns == 0 then
-      table.remove(locals, 1)
+    -- the characters: the oldest turns of the branches changed longest ago go first
+    local total = 0
+    for _, l in ipairs(all) do
+      for _, r in ipairs(l.turns) do
+        total = total + json_chars(r)
+      end
     end
-  end
-  save()
+    while total > M.MAX_LOCAL_CHARS and #all > 0 do
+      local oldest = all[1]
+      if #oldest.turns > 0 then
+        total = total - json_chars(table.remove(oldest.turns, 1))
+      end
+      if #oldest.turns == 0 then
+        table.remove(all, 1)
+      end
+    end
+  end)
 end
 
 --- Forget what was kept of a deleted branch's turns.
 function M.forget(branch)
-  local list, prefix, changed = load(), branch .. '@', false
-  for i = #list, 1, -1 do
-    if list[i].key:sub(1, #prefix) == prefix then
-      table.remove(list, i)
-      changed = true
+  local prefix = branch .. '@'
+  load()
+  local function held()
+    for _, e in ipairs(entries) do
+      if e.key:sub(1, #prefix) == prefix then
+        return true
+      end
     end
-  end
-  for i = #locals, 1, -1 do
-    if locals[i].branch == branch then
-      table.remove(locals, i)
-      changed = true
+    for _, l in ipairs(locals) do
+      if l.branch == branch then
+        return true
+      end
     end
+    return false
   end
-  if changed then
-    save()
+  if not held() then
+    return
   end
+  update(function(list, all)
+    for i = #list, 1, -1 do
+      if list[i].key:sub(1, #prefix) == prefix then
+        table.remove(list, i)
+      end
+    end
+    for i = #all, 1, -1 do
+      if all[i].branch == branch then
+        table.remove(all, i)
+      end
+    end
+  end)
 end
 
 return M

@@ -234,6 +234,11 @@ local function open_float(req, focus)
       M.hide()
     end, { buffer = b, nowait = true, desc = 'operate-sidecar: answer later (:OperatePermission)' })
   end
+  -- <C-c> cancels the running turn, as in the chat and the review (the server then cancels
+  -- this request too, which closes the float)
+  vim.keymap.set('n', '<C-c>', function()
+    require('operate_sidecar.server').cancel()
+  end, { buffer = b, nowait = true, desc = 'operate-sidecar: cancel the turn' })
   req.win = win
   req.close = function()
     if req.win and api.nvim_win_is_valid(req.win) then

@@ -156,7 +156,8 @@ end
 --- Start the server.
 --- opts: cmd (list: program + args), cwd?, env? (table of overrides merged over the editor's
 --- environment), log_file? (stderr is appended there; client.log_start is the file's size
---- before this process wrote to it), on_notification?(method, params),
+--- before this process wrote to it; one that cannot be opened is not written, client.log_error
+--- says why), on_notification?(method, params),
 --- handlers? {method = function(params, reply, ctx)} for server->client requests (call
 --- reply(result) or reply(nil, {code, message, data}); ctx.cancelled() tells whether the server
 --- has cancelled it; a handler that throws, or calls ctx.fail(err, text?) for a failure found
@@ -164,6 +165,8 @@ end
 --- on_server_cancel?(id), on_stray_error?(error) (an error answer with id null: the server could
 --- not read a message of ours, and which one is unknown). A message holding text that is not
 --- UTF-8 is never sent: a request fails with codes.not_utf8, an answer becomes an error answer.
+--- An answer JSON cannot hold (a function in it, a sparse list, NaN) becomes an error answer
+--- saying why, and is logged and told the user as a handler's failure is.
 function M.start(opts)
   assert(type(opts.cmd) == 'table' and #opts.cmd > 0, 'rpc.start: cmd must be a non-empty list')
   local self = setmetatable({
@@ -199,8 +202,15 @@ function M.start(opts)
   end
 
   if opts.log_file then
-    vim.fn.mkdir(vim.fn.fnamemodify(opts.log_file, ':h'), 'p')
-    self.log = io.open(opts.log_file, 'a')
+    -- a log file that cannot be made (its directory is a file, say) is no reason not to start:
+    -- the process runs without it, and self.log_error says why
+    local made, why = pcall(vim.fn.mkdir, vim.fn.fnamemodify(opts.log_file, ':h'), 'p')
+    if made then
+      self.log, why = io.open(opts.log_file, 'a')
+    end
+    if not self.log then
+      self.log_error = tostring(why):gsub('^Vim:', '')
+    end
     -- where this process's lines start (the file keeps earlier sessions' lines)
     self.log_start = self.log and self.log:seek('end') or 0
   end
@@ -383,21 +393,41 @@ function Client:_on_server_request(msg)
   local id, method = msg.id, msg.method
   local state = { cancelled = false }
   self.server_requests[id] = state
-  local answered = false
+  local answered, failed = false, false
+  -- Logged, and told the user once (`text`, else which request and the error).
+  local function tell(why, text)
+    self:_log(('request handler for %s failed: %s'):format(method, why))
+    if failed then
+      return
+    end
+    failed = true
+    -- (required here: util requires this module)
+    local util = require('operate_sidecar.util')
+    util.notify_failure(text or ('the editor could not answer the server\'s %s request (it was answered with '
+      .. 'an error): %s'):format(method, why), { code = M.codes.internal, message = why }, vim.log.levels.ERROR)
+  end
   local function reply(result, err)
     if answered then
       return
     end
     answered = true
     self.server_requests[id] = nil
-    local _, why
+    local msg_out
     if err then
-      _, why = self:_send({ id = id, error = { code = err.code or M.codes.internal,
-        message = err.message or tostring(err), data = err.data } })
+      msg_out = { id = id, error = { code = err.code or M.codes.internal,
+        message = err.message or tostring(err), data = err.data } }
     else
-      _, why = self:_send({ id = id, result = is_null(result) and vim.NIL or result })
+      msg_out = { id = id, result = is_null(result) and vim.NIL or result }
     end
-    if why == 'not_utf8' then -- (an answer the server could not read: it would wait for its time-out)
+    local encoded, sent_or_err, why = pcall(self._send, self, msg_out)
+    if not encoded then
+      -- an answer JSON cannot hold (a function, a sparse list, NaN in it): the server gets an
+      -- error answer saying why instead (else it would wait for its time-out), and the user is told
+      local reason = ('the editor\'s answer to %s cannot be sent as JSON: %s'):format(method,
+        (tostring(sent_or_err):gsub('^operate%-sidecar: cannot encode message: ', '')))
+      tell(reason)
+      self:_send({ id = id, error = { code = M.codes.internal, message = reason } })
+    elseif why == 'not_utf8' then -- (an answer the server could not read: it would wait for its time-out)
       self:_send({ id = id, error = { code = M.codes.internal,
         message = ('the editor\'s answer to %s holds text that is not UTF-8'):format(method) } })
     end
@@ -410,20 +440,10 @@ function Client:_on_server_request(msg)
   -- The handler failed (it threw, or it calls this for a failure after it returned): logged,
   -- told the user once (`text`, else which request and the error), and the server gets the
   -- error as the answer unless it has one already.
-  local failed = false
   local function fail(err, text)
     local why = tostring(err)
-    self:_log(('request handler for %s failed: %s'):format(method, why))
-    if failed then
-      return -- (told once)
-    end
-    failed = true
-    local e = { code = M.codes.internal, message = why }
-    -- (required here: util requires this module)
-    local util = require('operate_sidecar.util')
-    util.notify_failure(text or ('the editor could not answer the server\'s %s request (it was answered with '
-      .. 'an error): %s'):format(method, why), e, vim.log.levels.ERROR)
-    reply(nil, e)
+    tell(why, text)
+    reply(nil, { code = M.codes.internal, message = why })
   end
   local ok, err = pcall(handler, msg.params, reply, {
     id = id,

@@ -21,7 +21,7 @@ local S = {
   tool_events = {},
   progress = {},
   last = nil, -- {err, result, deltas, branchId} of the last operate
-  exit = nil, -- {code, signal, stopped, abnormal} of the last server exit
+  exit = nil, -- {code, signal, stopped, abnormal, failure, starting, printed} of the last server exit
   log = nil, -- {path, start}: the log file of the last server process and where its lines start
   tools = {}, -- client tools by name
   stopping = false,
@@ -47,6 +47,21 @@ end
 
 function M.log_file()
   return config.values.log_file or M.default_log_file()
+end
+
+--- What is wrong with `cmd_cwd` (the server's working directory), or nil: "cmd_cwd ... does not
+--- exist" / "is not a directory".
+function M.cmd_cwd_problem(cwd)
+  if type(cwd) ~= 'string' then
+    return nil
+  end
+  local st = (vim.uv or vim.loop).fs_stat(cwd)
+  if not st then
+    return ('cmd_cwd %s (the server\'s working directory) does not exist'):format(cwd)
+  elseif st.type ~= 'directory' then
+    return ('cmd_cwd %s (the server\'s working directory) is not a directory'):format(cwd)
+  end
+  return nil
 end
 
 -- ---------------------------------------------------------------- server → client
@@ -152,11 +167,18 @@ local function on_invoke_client_tool(params, reply)
   end
   local args = is_null(params.arguments) and {} or params.arguments
   local ok, out = pcall(tool.handler, args, params)
-  if ok then
-    reply({ output = is_null(out) and vim.NIL or out })
-  else
-    reply(nil, { code = -32603, message = tostring(out) })
+  if not ok then
+    return reply(nil, { code = -32603, message = tostring(out) })
   end
+  -- an empty table returned is an empty object (`{}`): the likelier meaning of a tool's output
+  out = is_null(out) and vim.NIL or util.as_object(out)
+  -- what JSON cannot hold (a function, a sparse list, NaN) is the tool's error, as a throw is
+  local sendable, why = pcall(vim.json.encode, out)
+  if not sendable then
+    return reply(nil, { code = -32603, message = ('the client tool %s returned what cannot be sent as JSON: %s'):format(
+      tostring(params.tool), tostring(why)) })
+  end
+  reply({ output = out })
 end
 
 -- ---------------------------------------------------------------- client tools
@@ -202,7 +224,8 @@ local function collect_tools()
   local specs = {}
   for _, t in ipairs(list) do
     S.tools[t.name] = t
-    specs[#specs + 1] = { name = t.name, description = t.description or '', inputSchema = util.as_object(t.inputSchema) }
+    specs[#specs + 1] = { name = t.name, description = t.description or '',
+      inputSchema = util.as_object(util.as_schema(t.inputSchema)) }
   end
   return specs
 end
@@ -267,6 +290,27 @@ M.last_log_lines = last_log_lines
 --- How a process ended, for messages: "exited with code 3", "was killed by signal 9 (SIGKILL)".
 M.describe_exit = rpc.describe_exit
 
+-- The last n lines (each cut to LINE_CHARS characters) of what the process wrote on stdout that
+-- is not a message (the rest after its last frame): a `cmd` that is not the server (or prints
+-- its usage) writes its words there, not in the log.
+local LINE_CHARS = 300
+local function unframed_lines(client, n)
+  local lines, rest = {}, client.buf or ''
+  if rest:lower():find('^content%-length:') then
+    return lines -- (a message cut short when it ended: not words of its own)
+  end
+  for _, l in ipairs(util.split_lines(rest)) do
+    l = l:gsub('%s+$', '')
+    if l ~= '' then
+      lines[#lines + 1] = util.nchars(l) > LINE_CHARS and (util.first_chars(l, LINE_CHARS) .. '…') or l
+      if #lines > n then
+        table.remove(lines, 1)
+      end
+    end
+  end
+  return lines
+end
+
 local function on_exit(client, code, signal)
   if S.client ~= client then
     return
@@ -276,10 +320,14 @@ local function on_exit(client, code, signal)
   -- stopped: we asked for it (:OperateStop, or a failed start killed); abnormal: anything else
   -- but a clean exit (a non-zero code, or a signal: libuv then reports code 0); failure: why a
   -- start that failed was killed (a timeout, an error answer), unless :OperateStop came first
+  -- starting: it ended by itself before it was ready, a failed start even with code 0 (a `cmd`
+  -- that prints its usage and exits, say)
   local stopped = S.stopping or client.killed_on_purpose == true
-  local abnormal = not stopped and (code ~= 0 or (signal ~= nil and signal ~= 0))
+  local starting = not stopped and not was_ready
+  local abnormal = not stopped and (code ~= 0 or (signal ~= nil and signal ~= 0) or starting)
   local failure = not S.stopping and client.start_failure or nil
-  S.exit = { code = code, signal = signal, stopped = stopped, abnormal = abnormal, failure = failure }
+  S.exit = { code = code, signal = signal, stopped = stopped, abnormal = abnormal, failure = failure,
+    starting = starting }
   local journaled = S.init_result and S.init_result.capabilities
     and not is_null(S.init_result.capabilities.stateDir)
   if not journaled then
@@ -289,9 +337,11 @@ local function on_exit(client, code, signal)
   require('operate_sidecar.permission').server_gone()
   -- the one message of this end: the requests and the turn it ended are not notified (util.told_by_exit)
   local run = S.running
+  S.exit.printed = unframed_lines(client, was_ready and 3 or 8)
   notify(util.exit_notice(S.exit, { starting = not was_ready,
     turn = client.ended_turn or (run ~= nil and run.client == client),
-    tail = (abnormal or failure) and last_log_lines(was_ready and 3 or 8) or nil }))
+    tail = (abnormal or failure) and last_log_lines(was_ready and 3 or 8) or nil,
+    printed = (abnormal or failure) and S.exit.printed or nil }))
   S.stopping = false
   event('OperateSidecarExit')
   local after = S.after_exit
@@ -347,6 +397,11 @@ local function start(cb, quiet)
     failed('cannot start the server: ' .. tostring(specs), rpc.codes.client_failed)
     return
   end
+  local cwd_why = M.cmd_cwd_problem(cfg.cmd_cwd) -- (the spawn would blame the command: ENOENT)
+  if cwd_why then
+    failed('cannot start the server: ' .. cwd_why, rpc.codes.not_running)
+    return
+  end
   local ok, client = pcall(function()
     local c
     c = rpc.start({
@@ -377,6 +432,10 @@ local function start(cb, quiet)
   end
   S.client, S.ready, S.init_result, S.exit = client, false, nil, nil
   S.log = { path = M.log_file(), start = client.log_start or 0 }
+  if client.log_error then
+    notify(('log_file %s cannot be written (%s): the server runs without its log'):format(M.log_file(),
+      vim.trim(client.log_error)), vim.log.levels.WARN)
+  end
   S.queue[#S.queue + 1] = when_started
 
   local timer = (vim.uv or vim.loop).new_timer()
@@ -389,6 +448,10 @@ local function start(cb, quiet)
     timer:stop()
     timer:close()
     if err then
+      if err.code == rpc.codes.server_exited then -- (as its exit notice says it: util.exit_notice)
+        err = util.copy(err)
+        err.message = err.message .. ' before it was ready'
+      end
       if client.exited then -- (one that died by itself is reported as such by on_exit)
         if not quiet then
           util.notify_failure(util.error_message('cannot start the server', err), err, vim.log.levels.ERROR)
@@ -670,6 +733,9 @@ end
 operate = function(params, on_done, hooks, failed, made)
   local branches = require('operate_sidecar.branches')
   params = vim.tbl_extend('keep', util.copy(params or {}), util.copy(config.values.operate_defaults or {}))
+  if type(params.responseFormat) == 'table' then -- (`properties = {}` sent as an object: util.as_schema)
+    params.responseFormat = util.as_schema(params.responseFormat)
+  end
   if S.running then
     local err = { code = -32600, message = 'an operate is already running (:OperateCancel)' }
     notify(err.message, vim.log.levels.WARN)

@@ -59,11 +59,73 @@ function M.keys(t)
   return keys
 end
 
+--- `t` as a JSON object: an empty table (or nil) is sent as `{}` (vim.empty_dict()), never `[]`.
 function M.as_object(t)
   if t == nil or (type(t) == 'table' and next(t) == nil and getmetatable(t) == nil) then
     return vim.empty_dict()
   end
   return t
+end
+
+-- The keywords of a JSON Schema whose value is an object of schemas, one that is a schema, and
+-- one that is a list of schemas (`items` may be either, `dependencies` an object of schemas or
+-- lists of names).
+local SCHEMA_MAPS = { 'properties', 'patternProperties', 'definitions', '$defs', 'dependentSchemas', 'dependencies' }
+local SCHEMA_ONE = { 'items', 'additionalItems', 'additionalProperties', 'contains', 'not', 'if', 'then', 'else',
+  'propertyNames', 'unevaluatedItems', 'unevaluatedProperties', 'contentSchema' }
+local SCHEMA_LISTS = { 'allOf', 'anyOf', 'oneOf', 'prefixItems' }
+
+--- A JSON Schema written as a Lua table, as it must be sent: every empty table where the schema
+--- has an object (a schema itself, `properties`, `definitions`/`$defs`, `patternProperties`, ...,
+--- at any depth) becomes vim.empty_dict(), so that `{type = 'object', properties = {}}` goes out
+--- as `{"type":"object","properties":{}}` and not with `"properties":[]`, which is no schema. Other
+--- values (`required`, `enum`, `default`, ...) are left as they are. The table given is not changed.
+function M.as_schema(schema)
+  if type(schema) ~= 'table' then
+    return schema -- (a boolean schema, or nil)
+  end
+  if next(schema) == nil then
+    return getmetatable(schema) == nil and vim.empty_dict() or schema
+  end
+  local out = {}
+  for k, v in pairs(schema) do
+    out[k] = v
+  end
+  setmetatable(out, getmetatable(schema))
+  for _, k in ipairs(SCHEMA_MAPS) do
+    local map = out[k]
+    if type(map) == 'table' then
+      local o = {}
+      for name, sub in pairs(map) do
+        -- (a `dependencies` entry that is a list of property names stays a list)
+        o[name] = (k == 'dependencies' and type(sub) == 'table' and next(sub) ~= nil and islist(sub)) and sub
+          or M.as_schema(sub)
+      end
+      out[k] = next(o) == nil and vim.empty_dict() or setmetatable(o, getmetatable(map))
+    end
+  end
+  for _, k in ipairs(SCHEMA_ONE) do
+    local sub = out[k]
+    if k == 'items' and type(sub) == 'table' and next(sub) ~= nil and islist(sub) then
+      local list = {} -- (a list of schemas: one per position)
+      for i, item in ipairs(sub) do
+        list[i] = M.as_schema(item)
+      end
+      out[k] = list
+    elseif type(sub) == 'table' then
+      out[k] = M.as_schema(sub)
+    end
+  end
+  for _, k in ipairs(SCHEMA_LISTS) do
+    if type(out[k]) == 'table' then
+      local list = {}
+      for i, sub in ipairs(out[k]) do
+        list[i] = M.as_schema(sub)
+      end
+      out[k] = list
+    end
+  end
+  return out
 end
 
 local function json_scalar(v)
@@ -386,9 +448,10 @@ end
 --- failure} (server.lua's state.exit; failure: why the plugin stopped a server that could not
 --- start, e.g. one that did not answer `initialize` within request_timeout); ctx: {starting (it
 --- ended before it was ready), turn (a turn ended with it), tail (the last lines it wrote to the
---- log)}. A server stopped on purpose (:OperateStop) is just that; one stopped because it could
---- not start says why, that it was stopped and what to check; any other end says how; both say
---- what did not finish and how to start it again.
+--- log), printed (the last lines it wrote on stdout that were not messages)}. A server stopped
+--- on purpose (:OperateStop) is just that; one stopped because it could not start says why, that
+--- it was stopped and what to check; any other end says how (one before it was ready, even with
+--- code 0, is a failed start: an error); all say what did not finish and how to start it again.
 function M.exit_notice(exit, ctx)
   local signaled = exit.signal ~= nil and exit.signal ~= 0
   local how = signaled and rpc.signal_label(exit.signal) or ('code ' .. tostring(exit.code))
@@ -407,7 +470,7 @@ function M.exit_notice(exit, ctx)
     parts = { exit.abnormal and ('server ' .. rpc.describe_exit(exit.code, exit.signal))
       or ('server stopped (' .. how .. ')') }
     if ctx.starting then
-      parts[1] = parts[1] .. ' while starting'
+      parts[1] = parts[1] .. ' before it was ready'
     end
   end
   if ctx.turn then
@@ -425,7 +488,14 @@ function M.exit_notice(exit, ctx)
   if #tail > 0 then
     text = text .. '; its log ends:\n' .. table.concat(tail, '\n')
   end
-  local level = failure and vim.log.levels.ERROR or exit.abnormal and vim.log.levels.WARN or vim.log.levels.INFO
+  local printed = ctx.printed or {}
+  if #printed > 0 then
+    text = text .. (#tail > 0 and '\n' or '; ') .. 'it printed (not the protocol):\n' .. table.concat(printed, '\n')
+  end
+  -- a start that failed (the server ended by itself before it was ready, or was stopped because
+  -- it could not start) is an error; an end of a server that ran, a warning
+  local level = (failure or (exit.abnormal and ctx.starting)) and vim.log.levels.ERROR
+    or exit.abnormal and vim.log.levels.WARN or vim.log.levels.INFO
   return text, level
 end
 

@@ -210,7 +210,7 @@ export interface ScriptedModelConfig {
   timeoutS?: number;
 }
 /**
- * One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text; ``thinking``: streamed first as the model's thoughts (a reasoning model's), never the reply; ``events`` (a ``"cli": true`` model only): the run's text, tool_use and tool_result events, in order, as the ``jsonl`` profile writes them, instead of ``text``.
+ * One scripted model invocation. ``json`` (any JSON, null included) is serialized as the text; ``thinking``: streamed first as the model's thoughts (a reasoning model's), never the reply; ``error``: the invocation fails (after what it streamed); ``refusal``: it fails as the model declining, with that explanation (``data.refusal``; ``error``, when given, is its message); ``events`` (a ``"cli": true`` model only): the run's text, tool_use and tool_result events, in order, as the ``jsonl`` profile writes them, instead of ``text``.
  */
 export interface ScriptedEntry {
   text?: string;
@@ -218,6 +218,7 @@ export interface ScriptedEntry {
   delayMs?: number;
   chunks?: number;
   error?: string;
+  refusal?: string;
   thinking?: string;
   events?: {
     [k: string]: unknown;

@@ -8,7 +8,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import MarkdownIt from 'markdown-it';
 import {
-  addThought, cardHtml, cardOfToolEvent, endThought, keepThoughts, repeatNote, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
+  addThought, cardHtml, cardOfToolEvent, endThought, INTERRUPTED_NOTE, NOT_ANSWERED, StreamMarkdown, keepThoughts, repeatNote, thoughtHtml, thoughtsOf, cardTitle, conversationHtml, conversationParts, escapeHtml, KEPT_LOCAL_CHATS, KEPT_LOCAL_TURNS, LocalTurn, nameFrom, proseOf, proseOfResult,
   onBranch, progressAfter, refusesField, renderMarkdown, resolveLocalTurns, retryContext, statusText, storeLocalTurns, SUMMARY_LIMIT, toolSummary, ToolCard, Turn,
   TurnProgress, turnHtml, turnsAfterFailedRead, turnsFromMessages, withLocalTurns, forgetKeptTurns, KEPT_CHARS, KEPT_THOUGHT_CHARS, KEPT_TURNS,
   KeptTurn, StoredKeptTurns, storeKeptTurn, THOUGHT_CUT, replyText, chatMarkdown, fencesClosed, markdownCacheSize, turnsBuilt,
@@ -104,7 +104,9 @@ test('tool cards: compact titles with +added −removed; denied and failed calls
   assert.equal(denied('permission request timed out'), '⊘ edit_file src/x.py (timed out: no answer, denied)');
   assert.equal(denied('denied by the user'), '⊘ edit_file src/x.py (rejected)');
   assert.equal(denied('denied by policy'), '⊘ edit_file src/x.py (denied by policy)');
-  assert.equal(denied('the turn was stopped'), '⊘ edit_file src/x.py (cancelled)');
+  // its turn ended while it waited (stopped, or the window reloaded: the server records `cancelled`): nobody answered it, nobody cancelled it
+  assert.equal(denied('the turn was stopped'), '⊘ edit_file src/x.py (no answer: the turn ended first)');
+  assert.equal(denied('cancelled'), '⊘ edit_file src/x.py (no answer: the turn ended first)');
   assert.equal(cardTitle({ ...base, state: 'cancelled' }), '⊘ edit_file src/x.py (cancelled)');
   assert.equal(cardTitle({ callId: 'c', tool: 'shout', args: { text: 'hey' }, state: 'error', output: { error: 'x' } }), '✗ shout hey');
 });
@@ -482,7 +484,7 @@ test('a running turn whose call waits for the user says so (not "working…"); t
   assert.equal(parts.length, 2);
   assert.ok(parts[0].startsWith('<section class="turn" data-turn="0">') && parts[1].startsWith('<section class="turn" data-turn="1">'), parts.join('\n'));
   assert.deepEqual(conversationParts([]).length, 1);
-  // a permission request that failed (the window reloaded while it waited) says so in words, not the transport's
+  // a permission request that failed (the editor's handler failed) says so in words, not the transport's
   const failed = cardOfToolEvent(cardOfToolEvent(undefined, { branchId: 'b', callId: 'c2', tool: 'edit_file', event: 'pre', argsSummary: '{"path":"src/u.py"}' } as ToolEvent),
     { branchId: 'b', callId: 'c2', tool: 'edit_file', event: 'denied', error: 'permission request failed: Request requestToolPermission failed with message: x' } as ToolEvent);
   assert.equal(cardTitle(failed), '⊘ edit_file src/u.py (no answer: the request to the editor failed)');
@@ -779,4 +781,108 @@ test('the note of a turn the repeat stop ended names the failing call and its er
     "Stopped: the model made the same failing tool call (read_file: 'nope.txt' does not exist) 3 rounds in a row, so another round would not help. Rephrase the request, or choose another model.");
   assert.match(repeatNote({ result: { action_responses: [failed('a', 'x'), failed('b', 'y')] } }, 5), /^Stopped: the model made the same failing tool calls \(a: x\) 5 rounds in a row/);
   assert.match(repeatNote({ result: 'text' }), /^Stopped: the model made the same failing tool call 3 rounds in a row/);   // nothing to name
+});
+
+test('a turn the branch shows was cancelled while a call waited for a decision (a window reload ended it, no local record): marked as stopped and interrupted, with Retry and no Copy; its card says the turn ended first, not that the user cancelled', () => {
+  const msg = (kind: string, content: object, i: number) => ({ id: String(i), kind, role: '', sender: null, recipient: null, createdAt: i, content }) as any;
+  const round = (user: string, at: number, output: object) => [
+    msg('instruction', { instruction: user }, at),
+    msg('assistant_response', { text: '{"answer": "reload me", "action_requests": [{"function": "shout", "arguments": {"text": "seven"}}]}' }, at + 1),
+    msg('action_request', { callId: `c${at}`, function: 'shout', arguments: { text: 'seven' } }, at + 2),
+    msg('action_response', { callId: `c${at}`, function: 'shout', arguments: { text: 'seven' }, output }, at + 3),
+  ];
+  // as the server records it (docs/PROTOCOL.md §7): the waiting call denied with the reason "cancelled"; a running tool stopped: "cancelled"
+  const turns = turnsFromMessages([
+    ...round('rejected by the user', 0, { error: 'denied by governance gate', function: 'shout', reason: 'denied by the user' }),
+    ...round('reload test', 4, { error: 'denied by governance gate', function: 'shout', reason: 'cancelled' }),
+    ...round('tool stopped', 8, { error: 'cancelled' }),
+  ]);
+  assert.deepEqual(turns.map((t) => [t.user, t.outcome ?? 'ok', t.note ?? '', t.id ?? '']), [
+    ['rejected by the user', 'ok', '', ''],
+    ['reload test', 'stopped', INTERRUPTED_NOTE, 'interrupted@4'],
+    ['tool stopped', 'stopped', INTERRUPTED_NOTE, 'interrupted@8'],
+  ]);
+  const card = turns[1].items.find((i) => i.kind === 'tool');
+  assert.equal(card?.kind === 'tool' && cardTitle(card.card), '⊘ shout seven (no answer: the turn ended first)');
+  const html = turnHtml(turns[1], 1);
+  assert.ok(html.startsWith('<section class="turn stopped" data-turn="1">'), html);
+  assert.ok(html.includes('data-action="retry" data-turn-id="interrupted@4"') && !html.includes('data-action="copyReply"'), html);
+  assert.ok(html.includes(`<div class="note">${escapeHtml(INTERRUPTED_NOTE)}</div>`), html);
+  assert.ok(turnHtml(turns[0], 0).includes('data-action="copyReply"') && !turnHtml(turns[0], 0).includes('data-action="retry"'), 'a turn that ended well: Copy, no Retry');
+  // the chat's own record of a turn the user stopped (kept: the local turns) puts its mark over this one
+  const stopped: LocalTurn = { turn: { user: 'reload test', contextLabels: [], items: [], note: 'Stopped.', outcome: 'stopped', id: 'local-1' }, at: 4, recorded: true };
+  const shown = withLocalTurns(turns, [stopped]);
+  assert.deepEqual([shown[1].note, shown[1].id, shown[1].outcome], ['Stopped.', 'local-1', 'stopped']);
+});
+
+test('a denied call\'s reason reads alike on its card and for its turn: the turn is marked interrupted exactly when the card says the turn ended first (no answer)', () => {
+  const msg = (kind: string, content: object, i: number) => ({ id: String(i), kind, role: '', sender: null, recipient: null, createdAt: i, content }) as any;
+  const reasons = ['cancelled', 'the turn was stopped', 'Cancelled by the client', 'permission request failed: Request requestToolPermission was cancelled',
+    'permission request timed out', 'denied by the user', 'denied by policy', 'permission request was not answered', 'tool not selected for this call'];
+  const turns = turnsFromMessages(reasons.flatMap((reason, n) => [
+    msg('instruction', { instruction: reason }, 4 * n),
+    msg('assistant_response', { text: '{"answer": "", "action_requests": [{"function": "shout", "arguments": {"text": "x"}}]}' }, 4 * n + 1),
+    msg('action_request', { callId: `c${n}`, function: 'shout', arguments: { text: 'x' } }, 4 * n + 2),
+    msg('action_response', { callId: `c${n}`, function: 'shout', arguments: { text: 'x' }, output: { error: 'denied by governance gate', function: 'shout', reason } }, 4 * n + 3),
+  ]));
+  assert.equal(turns.length, reasons.length);
+  const seen = turns.map((t) => {
+    const it = t.items.find((i) => i.kind === 'tool');
+    const card = it?.kind === 'tool' ? cardTitle(it.card) : '';
+    return [t.user, card.includes(`(${NOT_ANSWERED})`), t.outcome === 'stopped' && t.note === INTERRUPTED_NOTE && t.id === `interrupted@${t.start}`];
+  });
+  assert.deepEqual(seen.map(([user, card, interrupted]) => [user, card, interrupted]), seen.map(([user, card]) => [user, card, card]));
+  assert.deepEqual(seen.filter(([, card]) => card).map(([user]) => user), ['cancelled', 'the turn was stopped', 'Cancelled by the client']);
+});
+
+test('StreamMarkdown: the settled blocks and the tail of a streaming reply, joined, are the render of the whole text at every point (fences, lists, tables, quotes, headings, CRLF); a link reference definition makes it all tail; text that changed other than at its end settles again', () => {
+  const sample = '# Title\n\nIntro with **bold**, `code` and www.example.com.\n\n- a\n- b\n\n  more of b\n- c\n\n1. one\n2. two\n\n3. three\n\n'
+    + 'Para\nlazy line\n\n```js\nconst x = 1;\n\nconst y = 2;\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n> quote\nlazy quote\n\n> second\n\n'
+    + '    indented\n\n    code\n\nSetext\n===\n\nx\n---\n\n***\n\n~~~\nt\n~~~\n\n- ```\n  in a list\n\n  fence\n  ```\n\n'
+    + '- a\n  ```\n  x\n\npara\n```\ncode\n\nmore code\n```\npara\n```a`\n#hello\n# h\n\nwin\r\nlines\r\n\r\nend';
+  const check = (text: string, steps: number[]) => {
+    const r = new StreamMarkdown();
+    let shown = '';
+    for (const at of steps) {
+      const part = text.slice(0, at);
+      const u = r.update(part);
+      shown = (u.restarted ? '' : shown) + u.added;
+      assert.equal(shown + u.tail, renderMarkdown(part), `after ${at} characters: ${JSON.stringify(part.slice(-40))}`);
+      assert.equal(shown, r.settled);
+    }
+    return r;
+  };
+  // split at every position, and in pieces of other sizes
+  const all = Array.from({ length: sample.length }, (_, i) => i + 1);
+  const r = check(sample, all);
+  assert.ok(r.settledLength > sample.length / 2, `most of it settled: ${r.settledLength} of ${sample.length}`);
+  for (const size of [2, 7, 40]) check(sample, all.filter((i) => i % size === 0 || i === sample.length));
+  // a reference definition (it changes a link above it): all of it rendered, from then on
+  const refs = check('[foo] and [bar]\n\nmore text\n\n[foo]: /url\n\nafter [foo]\n', Array.from({ length: 55 }, (_, i) => i + 1));
+  assert.equal(refs.settledLength, 0);
+  // the text changed before its end (a structured reply's fields in another order): settled again from the start
+  const again = new StreamMarkdown();
+  again.update('first\n\nsecond\n\nthird');
+  assert.ok(again.settledLength > 0);
+  const u = again.update('zero\n\nfirst\n\nsecond\n\nthird');
+  assert.ok(u.restarted && u.added === again.settled);
+  assert.equal(u.added + u.tail, renderMarkdown('zero\n\nfirst\n\nsecond\n\nthird'));
+});
+
+test('StreamMarkdown: a long reply costs about its newest blocks per update, not the reply so far', () => {
+  const long = '# Long reply\n\n' + Array.from({ length: 300 }, (_, i) => `Paragraph ${i}: ` + 'lorem ipsum **dolor** `sit` amet '.repeat(20)
+    + (i % 10 === 0 ? `\n\n\`\`\`python\nprint(${i})\n\`\`\`` : '')).join('\n\n');
+  const r = new StreamMarkdown();
+  let shown = '';
+  let most = 0;
+  for (let at = 280; at < long.length + 280; at += 280) {
+    const u = r.update(long.slice(0, at));
+    assert.ok(!u.restarted);
+    shown += u.added;
+    most = Math.max(most, u.added.length + u.tail.length);
+  }
+  const whole = renderMarkdown(long);
+  assert.equal(shown + r.update(long).tail, whole);
+  // (a paragraph renders to about 1 KB of HTML; the whole reply to some 300 KB)
+  assert.ok(most < 4000 && whole.length > 100 * most, `the largest update: ${most} characters of HTML (the whole reply: ${whole.length})`);
 });

@@ -1,165 +1,34 @@
 // The chat view (chatView.ts) and the extension (extension.ts) against a scripted client, with a stand-in for the
-// `vscode` module (below): what reaches a chat turn when another operate runs on its branch, a read of a chat that
+// `vscode` module (standIn.ts): what reaches a chat turn when another operate runs on its branch, a read of a chat that
 // answers late, the webview's messages, a model error that is no server death, a permissionAnswer setting that is
 // none of its values. The real workbench and server: src/itest.
 // Run: tsc -p . && node --test out/test/
 import { test } from 'node:test';
 import * as assert from 'node:assert/strict';
-import Module = require('node:module');
+import { docs, edits, FakeClient, files, log, memento, msg, result, settings, until, Uri, vscode, webviewView } from './standIn';
 import type { BranchStore as BranchStoreT } from '../branchStore';
 import type { ChatView as ChatViewT } from '../chatView';
 import type { DiffReview as DiffReviewT, clientFs as ClientFsT, firstNonUtf8Byte as FirstNonUtf8ByteT } from '../diffReview';
 import type * as ExtensionT from '../extension';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { CancellationTokenSource, ErrorCodes, Message, OperateParams, OperateResult, PermissionDecision, PermissionHandler, PermissionRequest, ResponseError,
-  SidecarClient } from '../rpcClient';
+import { CancellationTokenSource, ErrorCodes, PermissionDecision, PermissionHandler, PermissionRequest, ResponseError,
+  SidecarClient, SidecarExitedError } from '../rpcClient';
 
-// ---- a stand-in for `vscode`: enough for the chat view to run; it records the commands run and the messages shown,
-// its webview what is posted, and hands the test the view's message listener. `require('vscode')` resolves to it.
-const log = { commands: [] as unknown[][], errors: [] as string[], infos: [] as string[], picks: [] as unknown[] };
-
-class EventEmitter<T> {
-  private readonly listeners = new Set<(v: T) => void>();
-  readonly event = (l: (v: T) => void) => { this.listeners.add(l); return { dispose: () => this.listeners.delete(l) }; };
-  fire(v: T): void { for (const l of [...this.listeners]) l(v); }
-  dispose(): void { this.listeners.clear(); }
-}
-class Uri {
-  constructor(readonly scheme: string, readonly path: string) {}
-  get fsPath(): string { return this.path; }
-  static file(p: string): Uri { return new Uri('file', p); }
-  static parse(s: string): Uri { const m = /^([a-z-]+):(?:\/\/)?(.*)$/.exec(s); return new Uri(m ? m[1] : 'file', m ? m[2] : s); }
-  static joinPath(u: Uri, ...p: string[]): Uri { return new Uri(u.scheme, [u.path, ...p].join('/')); }
-  toString(): string { return `${this.scheme}://${this.path}`; }
-}
-const none = () => ({ dispose() { /* nothing */ } });
-class FileSystemError extends Error {
-  constructor(readonly code: string) { super(code); }
-}
-/** The editor's open documents (the stand-in's workspace.textDocuments) and the files on its disk (workspace.fs). */
-const docs: { uri: Uri; isDirty: boolean; getText: () => string }[] = [];
-const files = new Map<string, Uint8Array>();
-const edits: unknown[] = [];
-
-/** The settings the extension reads (operateSidecar.*): defaults unless a test sets one. */
-const settings = new Map<string, unknown>();
-const vscode = {
-  EventEmitter, Uri, FileSystemError, version: '1.99.3',
-  Position: class { constructor(readonly line: number, readonly character: number) {} },
-  Range: class { constructor(readonly start: unknown, readonly end: unknown) {} },
-  WorkspaceEdit: class {
-    readonly ops: unknown[] = [];
-    createFile(u: Uri) { this.ops.push(['create', u.path]); }
-    insert(u: Uri, _at: unknown, t: string) { this.ops.push(['insert', u.path, t]); }
-    replace(u: Uri, _r: unknown, t: string) { this.ops.push(['replace', u.path, t]); }
-  }, StatusBarAlignment: { Left: 1 }, ProgressLocation: { Notification: 15 },
-  Disposable: class { constructor(private readonly f?: () => void) {} dispose() { this.f?.(); } },
-  ThemeColor: class { constructor(readonly id: string) {} },
-  commands: { executeCommand: async (id: string, ...a: unknown[]) => { log.commands.push([id, ...a]); }, registerCommand: none },
-
-  env: { clipboard: { writeText: async () => undefined } },
-  languages: { getDiagnostics: () => [] },
-  window: {
-    registerWebviewViewProvider: none, activeTextEditor: undefined, visibleTextEditors: [], onDidChangeActiveTextEditor: none,
-    showErrorMessage: async (m: string) => { log.errors.push(m); }, showWarningMessage: async (m: string) => { log.errors.push(m); },
-    showInformationMessage: async (m: string) => { log.infos.push(m); }, tabGroups: { all: [], close: async () => true, onDidChangeTabs: none },
-    showTextDocument: async () => undefined, showQuickPick: async (items: unknown) => { log.picks.push(items); return undefined; },
-    createOutputChannel: () => ({ append() { /* */ }, appendLine() { /* */ }, show() { /* */ }, dispose() { /* */ } }),
-    createStatusBarItem: () => ({ show() { /* */ }, dispose() { /* */ } }),
-  },
-  workspace: {
-    workspaceFolders: [{ uri: Uri.file('/ws'), name: 'ws' }], textDocuments: docs, onDidChangeConfiguration: none,
-    getConfiguration: () => ({ get: (k: string, d: unknown) => (settings.has(k) ? settings.get(k) : d) }),
-    registerTextDocumentContentProvider: none, asRelativePath: (u: Uri | string) => String(typeof u === 'string' ? u : u.path),
-    findFiles: async () => [], getWorkspaceFolder: () => undefined, applyEdit: async (e: { ops: unknown[] }) => { edits.push(...e.ops); return true; },
-    // a file the test put in `files`, else an empty one (the chat tests' previews)
-    fs: {
-      stat: async (u: Uri) => { if (files.size && !files.has(u.path)) throw new FileSystemError('FileNotFound'); return {}; },
-      readFile: async (u: Uri) => { if (files.size && !files.has(u.path)) throw new FileSystemError('FileNotFound'); return files.get(u.path) ?? Buffer.from(''); },
-    },
-    openTextDocument: async (o: object) => ({ getText: () => '', positionAt: (n: number) => n, ...o }),
-  },
-};
-
-const M = Module as unknown as { _resolveFilename: (req: string, ...rest: unknown[]) => string };
-const resolve = M._resolveFilename;
-M._resolveFilename = function (req: string, ...rest: unknown[]) { return req === 'vscode' ? 'vscode' : resolve.call(this, req, ...rest); };
-require.cache.vscode = { id: 'vscode', filename: 'vscode', loaded: true, exports: vscode } as NodeJS.Module;
-
-/** A workspace state (Memento) in memory. */
-function memento() {
-  const m = new Map<string, unknown>();
-  return { get: (k: string, d?: unknown) => (m.has(k) ? m.get(k) : d), update: async (k: string, v: unknown) => { m.set(k, v); }, keys: () => [...m.keys()] };
-}
-
-/** A webview view: what the chat posts to it, and `send` to post the chat a message as its page would. */
-function webviewView() {
-  const posted: { type: string; [k: string]: unknown }[] = [];
-  let listener: ((m: unknown) => Promise<void>) | undefined;
-  const view = {
-    visible: true, badge: undefined as unknown,
-    webview: { options: {}, html: '', cspSource: 'x', asWebviewUri: (u: Uri) => u,
-      postMessage: async (m: { type: string }) => { posted.push(m); return true; },
-      onDidReceiveMessage: (f: (m: unknown) => Promise<void>) => { listener = f; return none(); } },
-    onDidDispose: none, onDidChangeVisibility: none,
-  };
-  return { view, posted, send: (m: unknown) => listener!(m) };
-}
-
+// (the stand-in for `vscode`, standIn.ts, is installed by its import above: these modules get it)
 const { BranchStore } = require('../branchStore') as { BranchStore: typeof BranchStoreT };
 const { ChatView } = require('../chatView') as { ChatView: typeof ChatViewT };
 const { DiffReview, clientFs, firstNonUtf8Byte } = require('../diffReview') as
   { DiffReview: typeof DiffReviewT; clientFs: typeof ClientFsT; firstNonUtf8Byte: typeof FirstNonUtf8ByteT };
 const extension = require('../extension') as typeof ExtensionT;
 
-/** Resolves once `cond` holds; fails after `ms`. */
-async function until(cond: () => boolean, what: string, ms = 3000): Promise<void> {
-  const end = Date.now() + ms;
-  while (!cond()) {
-    if (Date.now() > end) throw new Error(`timeout after ${ms} ms: ${what}`);
-    await new Promise((r) => setTimeout(r, 5));
-  }
-}
 /** What `p` settled to within `ms`, else 'waiting'. */
 function settled<T>(p: Promise<T>, ms = 200): Promise<T | 'waiting'> {
   let timer: NodeJS.Timeout;
   return Promise.race([p, new Promise<'waiting'>((r) => { timer = setTimeout(() => r('waiting'), ms); })]).finally(() => clearTimeout(timer));
 }
 
-const msg = (kind: string, content: object): Message => ({ kind, content, createdAt: 1 } as unknown as Message);
 const turn = (instruction: string, text: string) => [msg('instruction', { instruction }), msg('assistant_response', { text, usage: { inputTokens: 1, outputTokens: 1 } })];
-
-interface Op { params: OperateParams; progress: (v: object) => void; resolve: (r: OperateResult) => void; reject: (e: unknown) => void }
-/** The client's calls the chat makes, scripted: branches with their messages (a read of one in `slow` answers after that many ms); operates resolved by the test. */
-class FakeClient {
-  running = true;
-  readonly branches = new Map<string, Message[]>();
-  readonly slow = new Map<string, number>();
-  readonly ops: Op[] = [];
-  private n = 0;
-  private readonly answered = new Map<string, { done: Promise<void>; resolve: () => void }>();
-  /** Resolves once a read of branch `id` has answered (the first one; also when it answered before this call). */
-  readAnswered(id: string): Promise<void> { return this.answer(id).done; }
-  private answer(id: string) {
-    let a = this.answered.get(id);
-    if (!a) { let resolve!: () => void; const done = new Promise<void>((r) => { resolve = r; }); a = { done, resolve }; this.answered.set(id, a); }
-    return a;
-  }
-  async createBranch() { const id = `new${++this.n}`; this.branches.set(id, []); return { branchId: id }; }
-  async branchMessages(id: string, offset = 0, limit = 1000) {
-    const ms = this.slow.get(id);
-    if (ms) await new Promise((r) => setTimeout(r, ms));
-    this.answer(id).resolve();
-    const all = this.branches.get(id);
-    if (!all) throw new ResponseError(ErrorCodes.BranchNotFound, `branch not found: ${id}`);
-    return { messages: all.slice(offset, offset + limit), total: all.length };
-  }
-  operate(params: OperateParams, opts: { onProgress?: (v: object) => void }): Promise<OperateResult> {
-    return new Promise((resolve, reject) => this.ops.push({ params, progress: (v) => opts.onProgress?.(v), resolve, reject }));
-  }
-}
-const result = (text: string) => ({ result: text, kind: 'text', model: null, usage: { inputTokens: 1, outputTokens: 1, contextTokens: 1, modelCalls: 1 }, rounds: 1 } as unknown as OperateResult);
 
 function makeChat() {
   const client = new FakeClient();
@@ -246,6 +115,7 @@ test('the webview\'s messages are checked: a decision the request did not offer,
   assert.equal(await settled(a1), 'waiting');
   assert.deepEqual(chat.stats().pendingAsks, ['c1']);
   assert.equal(log.errors.length, 0, log.errors.join('\n'));
+  assert.equal(log.warnings.length, 0, log.warnings.join('\n'));
   await send({ type: 'decide', callId: 'c1', decision: 'allow_once' });
   assert.equal(await settled(a1), 'allow_once');
   // a request that offers fewer options: a decision it did not offer is not sent
@@ -402,4 +272,81 @@ test('the client\'s file system: a file that is not UTF-8 is an error answer say
     files.clear();
     docs.splice(0);
   }
+});
+
+test('lastStderrLines: the last 12 lines of a stderr, at most 2000 characters of them (the end kept, "…" where cut), blank ends dropped', () => {
+  const numbered = Array.from({ length: 30 }, (_, i) => `line ${i + 1}`).join('\n');
+  assert.equal(extension.lastStderrLines(numbered + '\n\n'), Array.from({ length: 12 }, (_, i) => `line ${i + 19}`).join('\n'));
+  assert.equal(extension.lastStderrLines('one\r\ntwo\r\n'), 'one\ntwo');
+  assert.equal(extension.lastStderrLines(''), '');
+  const long = extension.lastStderrLines('start\n' + 'x'.repeat(5000) + '\nthe last line\n');
+  assert.equal(long.length, 2000);
+  assert.ok(long.startsWith('…x') && long.endsWith('x\nthe last line'), long.slice(0, 20));
+  assert.equal(extension.lastStderrLines('a' + '😀'.repeat(1500)).startsWith('…😀'), true, 'not half of a surrogate pair');
+});
+
+test('the notice of a server that stopped, and the chat turn that failed with it, quote the last lines of that process\'s own stderr, bounded: not the start of its stderr, nor lines of another server (the one started after it, the one before it still writing)', async () => {
+  /**
+   * One server process per start: its stderr reaches the extension (onStderr) and is kept by its client
+   * (stderrTail), as SidecarClient does; it logs a first line as it starts.
+   */
+  function fakeServer(name: string, onStderr?: (t: string) => void) {
+    let exit!: (code: number | string) => void;
+    const exited = new Promise<number | string>((r) => { exit = r; });
+    const server = Object.assign(new FakeClient(), {
+      exited, stderrTail: '',
+      write(t: string) { server.stderrTail = (server.stderrTail + t).slice(-16384); onStderr?.(t); },
+      /** It crashes: its request fails as the client fails it (quoting the end of its stderr whole), then it exits. */
+      crash(code: number, last: string) {
+        server.write('Traceback (most recent call last):\n  File "tool.py", line 1, in run\n' + 'y'.repeat(3000) + `\n${last}\n`);
+        server.ops[0].reject(new SidecarExitedError('operate', { exitCode: code, signal: null, stderrTail: server.stderrTail }));
+        server.running = false;
+        exit(code);
+      },
+      kill() { server.running = false; exit('SIGKILL'); }, async stop() { server.running = false; exit(0); },
+      onToolEvent() { /* */ }, onLogMessage() { /* */ }, setFsHandlers() { /* */ }, setPermissionHandler() { /* */ },
+      async initialize() { return { serverInfo: { name: 'fake', version: '1' }, capabilities: { models: ['m'], stateDir: null } }; },
+      async listBranches() { return { branches: [] }; },
+    });
+    server.write(`${name}: its first line\n`);
+    return server;
+  }
+  const servers: ReturnType<typeof fakeServer>[] = [];
+  (SidecarClient as unknown as { start: (o: { onStderr?: (t: string) => void }) => Promise<unknown> }).start = async (o) => {
+    servers.push(fakeServer(servers.length ? 'second server' : 'first server', o.onStderr));
+    return servers.at(-1);
+  };
+  const ctx = { subscriptions: [] as unknown[], workspaceState: memento(), extensionUri: Uri.file('/ext'),
+    globalStorageUri: Uri.file(path.join(os.tmpdir(), `operate-sidecar-unit-${process.pid}`)) };
+  const api = extension.activate(ctx as never);
+  const chat = ctx.subscriptions.find((x) => x instanceof ChatView) as ChatViewT;
+  const lines = (what: string, n: number) => Array.from({ length: n }, (_, i) => `${what} ${i + 1}\n`).join('');
+  const notice = (code: number) => api.notices().find((n) => n.message.startsWith(`operate-sidecar: the server stopped (exit ${code}).`));
+  /** What a notice or a turn's error quotes: the last lines of `own`'s stderr only, bounded. */
+  const quotes = (what: string, shown: string, own: string, last: string) => {
+    assert.ok(shown.includes(last), `${what}: ${shown}`);
+    assert.ok(!shown.includes(own === 'first server' ? 'second server' : 'first server'), `${what} quotes the other server: ${shown}`);
+    assert.ok(!shown.includes(`${own}: its first line`) && !shown.includes('log line 1\n'), `${what} quotes the start of the stderr: ${shown}`);
+    assert.ok(shown.length < 2300 && shown.split('\n').length <= 14, `${what} is not bounded: ${shown.length} characters, ${shown.split('\n').length} lines`);
+  };
+  // the first server logs, then crashes during a turn; the next turn starts the second server at once
+  const first = chat.send('first');
+  await until(() => servers[0]?.ops.length === 1, 'the first server\'s operate');
+  const [a] = servers;
+  a.write(lines('first server: log line', 30));
+  a.crash(1, 'RuntimeError: the first server crashed');
+  const one = await first;
+  const second = chat.send('second');
+  await until(() => servers[1]?.ops.length === 1, 'the second server\'s operate');
+  const b = servers[1];
+  b.write(lines('second server: log line', 20));
+  a.write('first server: a late line, after the restart\n');   // the process that ended: its stderr still arriving
+  await until(() => !!notice(1), 'the first exit notice');
+  quotes('the first exit notice', notice(1)!.message, 'first server', 'RuntimeError: the first server crashed');
+  quotes('the first turn\'s error', one.error ?? '', 'first server', 'RuntimeError: the first server crashed');
+  b.crash(2, 'RuntimeError: the second server crashed');
+  const two = await second;
+  await until(() => !!notice(2), 'the second exit notice');
+  quotes('the second exit notice', notice(2)!.message, 'second server', 'RuntimeError: the second server crashed');
+  quotes('the second turn\'s error', two.error ?? '', 'second server', 'RuntimeError: the second server crashed');
 });

@@ -12,7 +12,7 @@ test('the messages the page posts pass as they are; their fields are of the type
     { type: 'focus', focused: false }, { type: 'decide', callId: 'c1', decision: 'allow_once' }, { type: 'decide', callId: 'c1', decision: 'deny_always' },
     { type: 'showDiff', callId: 'c1' }, { type: 'copy', code: '' }, { type: 'copyReply', index: 0 }, { type: 'insert', code: 'x = 1' },
     { type: 'command', id: 'operateSidecar.pickBranch' }, { type: 'attach' }, { type: 'drop', uris: ['file:///a.py'] },
-    { type: 'complete', seq: 3, before: '#fi', fresh: true },
+    { type: 'complete', seq: 3, before: '#fi', fresh: true }, { type: 'streamTaken', seq: 7 },
   ]) assert.deepEqual(webviewMessage(m), m);
   assert.deepEqual(webviewMessage({ type: 'ready' }), { type: 'ready', mod: 'Ctrl' });
   assert.deepEqual(webviewMessage({ type: 'drop', uris: ['file:///a', 3, null] }), { type: 'drop', uris: ['file:///a'] });
@@ -38,6 +38,6 @@ test('command runs only the commands of the page\'s buttons (those chat.js posts
     { type: 'command', id: 'workbench.action.closeAllEditors' }, { type: 'command', id: 'operateSidecar.deleteBranch' }, { type: 'command' },
     null, undefined, 'send', [], { type: 'nope' }, { type: 'send' }, { type: 'send', text: 3 }, { type: 'retry', id: 5 }, { type: 'focus', focused: 'yes' },
     { type: 'copy', code: null }, { type: 'copyReply', index: NaN }, { type: 'copyReply', index: -1 }, { type: 'copyReply', index: '2' },
-    { type: 'drop', uris: 'file:///a' }, { type: 'complete', seq: '1', before: '#' }, { type: 'showDiff' },
+    { type: 'drop', uris: 'file:///a' }, { type: 'complete', seq: '1', before: '#' }, { type: 'showDiff' }, { type: 'streamTaken' }, { type: 'streamTaken', seq: '7' },
   ]) assert.equal(webviewMessage(m), undefined, JSON.stringify(m));
 });
