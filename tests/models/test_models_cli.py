@@ -129,6 +129,16 @@ async def test_failing_command_is_a_model_error_with_the_stderr_tail(tmp_path):
 SMALL_KEEP = 256 * 1024
 
 
+async def _largest_stderr_file(model) -> int:
+    """Run a program that fails reporting the largest size its own stderr file reached (as
+    ``boom: the largest stderr file was N bytes``): N."""
+    with anyio.fail_after(60), pytest.raises(ModelError) as info:
+        await model.invoke(REQUEST)
+    text = str(info.value)
+    assert "status 1" in text and "boom: the largest stderr file was" in text, text
+    return int(text.split("the largest stderr file was ")[1].split()[0])
+
+
 async def test_a_program_logging_on_and_on_keeps_its_stderr_file_bounded_and_its_tail(tmp_path, monkeypatch):
     """A program writing a long debug log to stderr (here 15 times the bound, made smaller for
     the test) holds no more than about ``STDERR_KEEP_BYTES`` of /tmp (it may be memory): the file
@@ -152,11 +162,7 @@ async def test_a_program_logging_on_and_on_keeps_its_stderr_file_bounded_and_its
     """ % cli_module.STDERR_KEEP_BYTES
     model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "log.py", body)]},
                        name="chatty")
-    with anyio.fail_after(60), pytest.raises(ModelError) as info:
-        await model.invoke(REQUEST)
-    text = str(info.value)
-    assert "status 1" in text and "boom: the largest stderr file was" in text, text
-    largest = int(text.split("the largest stderr file was ")[1].split()[0])
+    largest = await _largest_stderr_file(model)
     assert largest <= cli_module.STDERR_KEEP_BYTES + (2 << 20), largest
 
 
@@ -183,11 +189,7 @@ async def test_a_program_logging_on_after_closing_its_stdout_keeps_its_stderr_fi
     """ % (SMALL_KEEP, chunk)
     model = make_model({"provider": "cli", "profile": "jsonl", "command": [PY, script(tmp_path, "quiet.py", body)]},
                        name="closer")
-    with anyio.fail_after(60), pytest.raises(ModelError) as info:
-        await model.invoke(REQUEST)
-    text = str(info.value)
-    assert "status 1" in text and "boom: the largest stderr file was" in text, text
-    largest = int(text.split("the largest stderr file was ")[1].split()[0])
+    largest = await _largest_stderr_file(model)
     assert largest <= SMALL_KEEP + 2 * chunk, largest
 
 

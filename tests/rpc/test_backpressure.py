@@ -42,6 +42,14 @@ def _stderr_has(path, text: str, proc: subprocess.Popen) -> bool:
     return False
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    """A test's server, killed if it is still running (bounded), its output pipe closed."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(TIMEOUT)
+    proc.stdout.close()
+
+
 def _flooded_server(tmp_path) -> tuple[subprocess.Popen, threading.Thread, object]:
     """A server sent initialize and PINGS pings by a client that reads none of the answers,
     once the server said it stopped reading requests."""
@@ -72,10 +80,7 @@ def test_a_client_that_stops_reading_is_paused_not_a_frozen_server_and_sigterm_s
         assert proc.wait(TIMEOUT) == 1
         assert "did not read the server's last" in err.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
-        proc.stdout.close()
+        _reap(proc)
 
 
 def test_once_the_client_reads_again_every_answer_arrives_in_order_and_requests_are_taken_again(tmp_path):
@@ -96,10 +101,7 @@ def test_once_the_client_reads_again_every_answer_arrives_in_order_and_requests_
         proc.stdin.flush()
         assert proc.wait(TIMEOUT) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
-        proc.stdout.close()
+        _reap(proc)
 
 
 @pytest.mark.parametrize(("how", "code"), [("exit", 1), ("shutdown-exit", 0), ("eof", 1)])
@@ -134,10 +136,7 @@ def test_a_client_that_stops_reading_can_still_end_the_server_with_exit_or_end_o
             proc.stdin.close()
         assert proc.wait(TIMEOUT) == code, err.read_text()[-2000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
-        proc.stdout.close()
+        _reap(proc)
 
 
 @pytest.mark.parametrize("exit_like, answer", [
@@ -193,10 +192,7 @@ def test_an_exit_the_server_does_not_obey_does_not_release_the_input_held_from_a
         assert _read_frame(proc.stdout) == {"jsonrpc": "2.0", "id": "end", "result": None}
         assert proc.wait(TIMEOUT) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
-        proc.stdout.close()
+        _reap(proc)
 
 
 def test_input_held_from_the_middle_of_a_frame_is_handed_on_whole_and_its_scan_logs_nothing(caplog):
