@@ -53,13 +53,20 @@ class SidecarError(Exception):
 
 class SidecarExited(RuntimeError):
     """The sidecar process exited (it crashed, was killed, or was told to exit) before a
-    request was answered, a notification could be sent or a awaited notification came:
-    ``method``, ``returncode`` (negative: killed by that signal) and ``stderr`` (its last lines).
-    The message says all three."""
+    request was answered, a notification could be sent or an awaited notification came:
+    ``method``, ``returncode`` (negative: killed by that signal; None when it was sent ``exit``
+    and has not exited yet) and ``stderr`` (its last lines). The message says all three. Once
+    the client has sent ``exit``, every later request and notification raises it at once: nothing
+    sent after ``exit`` is served; a wait for a notification still gets what the sidecar sends as
+    it exits (a cancelled operate's last ``$/progress``), and raises it once the sidecar's output
+    has ended without a match."""
 
-    def __init__(self, what: str, method: str, returncode: int | None, stderr: str) -> None:
+    def __init__(self, what: str, method: str, returncode: int | None, stderr: str, *,
+                 told_to_exit: bool = False) -> None:
         self.method, self.returncode, self.stderr = method, returncode, stderr
-        super().__init__(f"{what}: the sidecar exited ({_exit_status(returncode)})"
+        how = ("the sidecar was sent exit (it has not exited yet)" if told_to_exit and returncode is None
+               else f"the sidecar exited ({_exit_status(returncode)})")
+        super().__init__(f"{what}: {how}"
                          + (f"\nsidecar stderr (last lines):\n{stderr}" if stderr else "\nsidecar stderr: (nothing)"))
 
 
@@ -138,6 +145,8 @@ class SidecarTestClient(JsonRPCClient):
         self.handler_errors: list[tuple[str, BaseException]] = []  # (method, error) of failed handlers
         self._ids = itertools.count(1)  # request ids: a timed-out one is cancelled by its id
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was started on: it reads there
+        self._exit_sent = False  # this client sent exit: the sidecar serves nothing sent after it
+        self._connection: asyncio.Task[Any] | None = None  # reads the sidecar's output to its end
 
     # ------------------------------------------------------------------ process
     async def start_io(self, cmd: str, *args: str, **kwargs: Any) -> None:
@@ -152,7 +161,7 @@ class SidecarTestClient(JsonRPCClient):
         connection = asyncio.create_task(run_async(stop_event=self._stop_event, reader=server.stdout,
                                                    protocol=self.protocol, logger=None,
                                                    error_handler=self.report_server_error))
-        self._server = server
+        self._server, self._connection = server, connection
         self._async_tasks.extend([connection, asyncio.create_task(self._server_exit())])
 
     def _stderr_tail(self, lines: int = 20) -> str:
@@ -179,7 +188,7 @@ class SidecarTestClient(JsonRPCClient):
                 "or @pytest.mark.asyncio(loop_scope=...))")
 
     def _exited(self, what: str, method: str) -> SidecarExited:
-        return SidecarExited(what, method, self.returncode, self._stderr_tail())
+        return SidecarExited(what, method, self.returncode, self._stderr_tail(), told_to_exit=self._exit_sent)
 
     async def _reaped(self, timeout: float = 5.0) -> None:
         """Wait (briefly) for the exit code of a sidecar that closed its input."""
@@ -190,11 +199,14 @@ class SidecarTestClient(JsonRPCClient):
                 pass
 
     def _gone(self) -> bool:
-        """The sidecar has exited, or closed its stdin (it is exiting: nothing sent reaches it)."""
+        """The sidecar has exited, closed its stdin, or was sent ``exit`` (it is exiting: nothing
+        sent reaches it, or is served: a request after ``exit`` was answered -32800 as the sidecar
+        cancelled it, or not at all, by chance)."""
         server = self._server
         if server is None:
             return False
-        return server.returncode is not None or server.stdin is None or server.stdin.is_closing()
+        return (self._exit_sent or server.returncode is not None or server.stdin is None
+                or server.stdin.is_closing())
 
     def stderr_text(self) -> str:
         """What the server wrote to stderr so far (after :meth:`stop`: all it wrote)."""
@@ -210,7 +222,7 @@ class SidecarTestClient(JsonRPCClient):
     async def stop(self, timeout: float = 10.0) -> int | None:
         """``shutdown`` + ``exit`` when the server still runs; kills it if it does not exit in time."""
         server = self._server
-        if server is not None and server.returncode is None:
+        if server is not None and server.returncode is None and not self._exit_sent:
             try:
                 await self.request("shutdown", None, timeout=timeout)
             except (SidecarError, TimeoutError, RuntimeError, OSError, ConnectionError):
@@ -219,6 +231,7 @@ class SidecarTestClient(JsonRPCClient):
                 self.notify("exit")
             except (RuntimeError, OSError, ConnectionError):
                 pass
+        if server is not None and server.returncode is None:
             try:
                 await asyncio.wait_for(server.wait(), timeout)
             except asyncio.TimeoutError:
@@ -257,6 +270,9 @@ class SidecarTestClient(JsonRPCClient):
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except JsonRpcException as e:
+            if self._exit_sent and e.code == -32800:  # in flight when exit was sent: cancelled as the sidecar exits
+                await self._reaped()
+                raise self._exited(f"request {method} not answered", method) from None
             raise SidecarError(method, e.code, e.message, getattr(e, "data", None)) from None
         except asyncio.TimeoutError:
             self._cancel(msg_id)
@@ -287,6 +303,8 @@ class SidecarTestClient(JsonRPCClient):
         if self._gone():
             raise self._exited(f"notification {method} not sent", method)
         self.protocol.notify(method, params)
+        if method == "exit":
+            self._exit_sent = True
 
     # ------------------------------------------------------------------ server → client
     def on_request(self, method: str, handler: Callable[[Any], Any | Awaitable[Any]]) -> None:
@@ -344,13 +362,25 @@ class SidecarTestClient(JsonRPCClient):
                 return i
         return None
 
+    async def _read_to_end(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` s) until the sidecar's output has been read to its end: what it
+        wrote before it exited (a cancelled operate's last ``$/progress``, sent after ``exit``) is
+        then in :attr:`notifications`."""
+        connection = self._connection
+        if connection is not None and not connection.done() and timeout > 0:
+            await asyncio.wait([connection], timeout=timeout)
+        self._wake()  # (the other waits look again)
+
     async def wait_for_notification(self, method: str, match: Any = None, *, timeout: float | None = None) -> Any:
         """The params of the first ``method`` notification, not returned before, whose params
         match the pattern ``match`` (objects are subsets, arrays element-wise, ``"*"`` anything);
-        waits for it up to ``timeout`` seconds (``TimeoutError`` names the nearest miss)."""
+        waits for it up to ``timeout`` seconds (``TimeoutError`` names the nearest miss). Once the
+        sidecar has exited or was sent ``exit``, it waits (within ``timeout``) for the rest of the
+        sidecar's output only, and raises :class:`SidecarExited` when none of it matches."""
         __tracebackhide__ = True
         self._check_loop(f"wait_for_notification {method}")
         timeout = self.timeout if timeout is None else timeout
+        deadline = asyncio.get_running_loop().time() + timeout
         if self._changed is None:
             self._changed = asyncio.Condition()
         cond = self._changed
@@ -361,7 +391,7 @@ class SidecarTestClient(JsonRPCClient):
                     i = self._find(method, match)
                     if i is not None:
                         return i
-                    if self.returncode is not None:
+                    if self.returncode is not None or self._exit_sent:
                         return None
                     await cond.wait()
 
@@ -369,6 +399,12 @@ class SidecarTestClient(JsonRPCClient):
             i = await asyncio.wait_for(wait(), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(self._miss(method, match, timeout)) from None
+        if i is None:  # it exited, or was sent exit: what it wrote until then may still match
+            await self._read_to_end(deadline - asyncio.get_running_loop().time())
+            i = self._find(method, match)
+        if i is None:
+            await self._reaped()  # (sent exit: its exit code, briefly waited for)
+            i = self._find(method, match)
         if i is None:
             raise self._exited(f"no matching {method} notification came", method)
         self._consumed.add(i)
@@ -389,7 +425,25 @@ class SidecarTestClient(JsonRPCClient):
 
 # --------------------------------------------------------------------------- scripts
 class ScriptFailed(AssertionError):
-    """A session script had failing steps; the message is the replay report."""
+    """A session script had failing steps. The message's first line names the script, the first
+    failing step and what failed (all that pytest's short test summary shows); the replay report
+    follows it, every step."""
+
+
+def _shown_path(path: str | os.PathLike[str]) -> str:
+    """A script's path as a report names it: normalised (the test file's folder joined to
+    ``../s.jsonl`` is the folder above it, not ``tests/../s.jsonl``) when that is the same file;
+    as given when it is not (``scripts/../s.jsonl`` with ``scripts`` a symlink: the ``..`` is the
+    folder above the symlink's target) or the file cannot be found. The script is opened by the
+    path as given, whatever it is shown as."""
+    given = os.fspath(path)
+    normal = os.path.normpath(given)
+    if normal == given:
+        return given
+    try:
+        return normal if os.path.samefile(normal, given) else given
+    except OSError:
+        return given
 
 
 def script_options_problem(server: Any = None, step_timeout: Any = None, env: Any = None, cwd: Any = None,
@@ -423,10 +477,11 @@ def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None
                        env: dict[str, str] | None = None,
                        cwd: str | os.PathLike[str] | None = None) -> list[Any]:
     """Run a session script (``operate-sidecar replay``) against a fresh sidecar; raises
-    :class:`ScriptFailed` (an ``AssertionError``) whose message lists every step, the failing
-    ones with the JSON path of each difference (the first few). ``env`` is added to this process's
+    :class:`ScriptFailed` (an ``AssertionError``) whose message names the first failing step in its
+    first line, then lists every step, the failing ones with the JSON path of each difference (the
+    first few). ``env`` is added to this process's
     environment. Returns the step results."""
-    from operate_sidecar.server.script.runner import DEFAULT_STEP_TIMEOUT_S, format_report, replay
+    from operate_sidecar.server.script.runner import DEFAULT_STEP_TIMEOUT_S, first_failure, format_report, replay
 
     __tracebackhide__ = True
     problem = script_options_problem(server, step_timeout, env, cwd, scripted)
@@ -436,10 +491,11 @@ def run_session_script(path: str | os.PathLike[str], *, server: list[str] | None
         env = {**os.environ, **env}
     if step_timeout is None:
         step_timeout = DEFAULT_STEP_TIMEOUT_S
+    shown = _shown_path(path)  # the same name in a malformed script's file:line and in the report
     runner = replay(path, server, scripted=scripted, step_timeout=step_timeout,
-                    env=env, cwd=cwd, timeout_option="pass step_timeout=S")
+                    env=env, cwd=cwd, timeout_option="pass step_timeout=S", shown=shown)
     if runner.failed:
-        report = format_report(runner, os.fspath(path))
+        report = first_failure(runner, shown) + "\n" + format_report(runner, shown)
         if runner.stderr_tail:
             report += "\nserver stderr (last lines):\n" + runner.stderr_tail
         raise ScriptFailed(report)

@@ -24,6 +24,17 @@ not have, or many that changed. A class whose source differs in every process (a
 ``OPERATE_SIDECAR_CODE_CACHE`` names another file, or turns the cache off (``off``, ``0`` or
 empty).
 
+The folder does not grow with every environment that ever ran the sidecar (a fresh clone's
+``.venv``, a throwaway test venv: ~1.7 MB each). A file there records the environment it is for
+(``sys.prefix``), and a process that uses its file touches it once a day (its mtime: when it was
+last used). When a process writes its file, on the daemon thread that writes it, it removes the
+folder's other cache files whose environment no longer exists, those not used for
+:data:`UNUSED_DAYS` days, and the least recently used beyond :data:`KEEP_FILES` in all: a scan of
+the folder and a read of the few files kept (about 1 ms each). Removing a file breaks no process
+that uses it: a process reads its file whole at start-up, and one that finds it gone when it
+writes writes it anew. A file named by ``OPERATE_SIDECAR_CODE_CACHE`` is not in that folder's
+count, and removes nothing.
+
 Nothing here may break the server: a cache that cannot be read, written or trusted (not ours,
 writable by others, damaged) is ignored, and everything is compiled as before.
 """
@@ -54,6 +65,17 @@ TMP_PREFIX = ".codecache-"
 LEFTOVER_AGE_S = 600
 #: more changed entries than this in one process is a library that changed: the cache is written
 CHANGED_WORTH_SAVING = 8
+#: the names of the default folder's cache files (one per interpreter and environment)
+FILE_PREFIX, FILE_SUFFIX = "generated-code-", ".marshal"
+#: the entry (no code's: a code's name starts with its mode) that records a default cache file's
+#: environment, ``sys.prefix``, as ``(os.fsencode(prefix), b"")``
+PREFIX_KEY = b"\0prefix"
+#: a default folder's cache file not used for this many days is removed
+UNUSED_DAYS = 30
+#: at most this many cache files in the default folder: the least recently used go
+KEEP_FILES = 8
+#: a process that uses its file touches it (its mtime) when it is older than this
+TOUCH_AFTER_S = 86400
 
 _builtin_compile = builtins.compile
 _builtin_exec = builtins.exec
@@ -81,6 +103,10 @@ class _Cache:
         #: text key -> its code, once used here (one text, many classes), until the next save (RSS)
         self.by_text: dict[bytes, Any] = {}
         self.unsaved = False
+        #: the default folder's file of this environment: it records the environment, is touched
+        #: when used, and its writes prune the folder (not a file OPERATE_SIDECAR_CODE_CACHE names)
+        self.in_default_folder = False
+        self.read_mtime: float | None = None  # the file's, when it was read
 
     def read(self, warn: bool = True) -> None:
         """The entries of the file; none when there is no file, or one that cannot be trusted or
@@ -90,17 +116,14 @@ class _Cache:
         say = log.warning if warn else log.debug
 
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd, st = _open_trusted(self.path)
+        except _Untrusted:
+            say("code cache %s ignored: not a file owned by this user and writable by no one else", self.path)
+            return  # (so every class is compiled as new: the file is replaced by one written here)
         except OSError:
             return  # none yet
         try:
-            st = os.fstat(fd)
-            import stat
-
-            if not stat.S_ISREG(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()) \
-                    or st.st_mode & 0o022:
-                say("code cache %s ignored: not a file owned by this user and writable by no one else", self.path)
-                return  # (so every class is compiled as new: the file is replaced by one written here)
+            self.read_mtime = st.st_mtime
             import mmap
 
             if st.st_size == 0:
@@ -223,6 +246,7 @@ class _Cache:
                  self.hits, self.added + self.changed + self.per_process, self.added, self.changed, self.per_process,
                  "writing" if worth else "nothing to write")
         if not worth:
+            self._touch()
             return
         directory = os.path.dirname(self.path) or "."
         try:
@@ -231,7 +255,9 @@ class _Cache:
             other.read(warn=False)
             merged = {**other.entries, **mine}
             if len(merged) > MAX_ENTRIES:
-                merged = mine
+                merged = dict(mine)
+            if self.in_default_folder:
+                merged[PREFIX_KEY] = (os.fsencode(sys.prefix), b"")
             _remove_leftovers(directory)
             fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=directory)
             try:
@@ -245,6 +271,24 @@ class _Cache:
                 self.entries[name] = (src, b"")
         except Exception as e:
             log.info("code cache %s not written: %s", self.path, e)
+            return
+        self.read_mtime = time.time()
+        if self.in_default_folder:
+            removed = prune(directory, self.path)
+            if removed:
+                log.info("code cache: removed %d old file(s) of %s: %s", len(removed), directory,
+                         "; ".join(removed))
+
+    def _touch(self) -> None:
+        """Mark the default folder's file used (its mtime), at most once in TOUCH_AFTER_S: the
+        least recently used files are the ones pruned."""
+        if not self.in_default_folder or self.read_mtime is None or time.time() - self.read_mtime < TOUCH_AFTER_S:
+            return
+        try:
+            os.utime(self.path, **({"follow_symlinks": False} if os.utime in os.supports_follow_symlinks else {}))
+            self.read_mtime = time.time()
+        except OSError:  # gone meanwhile (pruned by another process): written anew when worth it
+            pass
 
 
 _ATTRS_METHODS = "<attrs generated methods "
@@ -261,6 +305,31 @@ def _per_process(source: str, filename: str) -> bool:
     return str(hash("<attrs generated hash " + filename[len(_ATTRS_METHODS):])) in source
 
 
+class _Untrusted(Exception):
+    """A cache file that is not a regular file of this user, or that someone else may write."""
+
+
+def _open_trusted(path: str) -> tuple[int, os.stat_result]:
+    """``path`` opened for reading, and what ``fstat`` says of it, when it may be unmarshalled:
+    a regular file of this user that no one else may write (anyone who could write it could put
+    code in it, or marshal data that crashes the interpreter). No link is followed, and a FIFO
+    swapped in does not block the open (``O_NONBLOCK``): its ``fstat`` refuses it.
+    :class:`OSError` when it cannot be opened (none there, a symlink), :class:`_Untrusted` when
+    it is not such a file."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()) \
+                or st.st_mode & 0o022:
+            raise _Untrusted(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def _remove_leftovers(directory: str) -> None:
     """Temporary files of writers that died mid-write (a daemon thread stops with its process)."""
     now = time.time()
@@ -271,6 +340,81 @@ def _remove_leftovers(directory: str) -> None:
                     os.unlink(e.path)
     except OSError:
         pass
+
+
+def prune(directory: str, own: str) -> list[str]:
+    """Remove the cache files of the default folder ``directory`` other than ``own`` that are no
+    longer worth keeping: those of an environment that no longer exists, those not used for
+    UNUSED_DAYS days, and the least recently used beyond KEEP_FILES (own included). Only regular
+    files of this user named as cache files are considered (not another name, a symlink, a
+    folder). Each is read only while fewer than KEEP_FILES are kept (to find its environment), so
+    this is a scan of the folder and a few reads; and only as the cache itself is read
+    (:func:`_open_trusted`), when it is still the file the scan saw: one that someone else may
+    write, or that was swapped since (for a FIFO, say), is not read, and its environment is
+    taken to exist. Returns what was removed and why."""
+    import marshal
+    import mmap
+    import stat
+
+    now = time.time()
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    files = []
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                if not (e.name.startswith(FILE_PREFIX) and e.name.endswith(FILE_SUFFIX)) or e.path == own:
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and (uid is None or st.st_uid == uid):
+                    files.append((st.st_mtime, e.name, st))
+    except OSError:
+        return []
+
+    def environment(path: str, scanned: os.stat_result) -> str | None:
+        """The environment a file records (None: unknown, an older file or one that cannot be
+        read, or may not be: see :func:`_open_trusted`, or is no longer the file scanned)."""
+        try:
+            fd, st = _open_trusted(path)
+        except (OSError, _Untrusted):
+            return None
+        try:
+            if (st.st_dev, st.st_ino) != (scanned.st_dev, scanned.st_ino):
+                return None
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:
+                data = marshal.loads(view)
+            entry = data.get(PREFIX_KEY) if type(data) is dict else None
+            return os.fsdecode(entry[0]) if type(entry) is tuple and type(entry[0]) is bytes else None
+        except Exception:
+            return None
+        finally:
+            os.close(fd)
+
+    removed = []
+    kept = 1  # own
+    for mtime, name, st in sorted(files, key=lambda f: f[0], reverse=True):  # most recently used first
+        path = os.path.join(directory, name)
+        if now - mtime > UNUSED_DAYS * 86400:
+            why = f"not used for {UNUSED_DAYS} days"
+        elif kept >= KEEP_FILES:
+            why = f"more than {KEEP_FILES} files, the least recently used"
+        else:
+            env = environment(path, st)
+            if env is None or os.path.isdir(env):
+                kept += 1
+                continue
+            why = f"its environment {env} no longer exists"
+        try:
+            now_st = os.lstat(path)
+            if (now_st.st_ino, now_st.st_mtime_ns) != (st.st_ino, st.st_mtime_ns):
+                continue  # written or touched meanwhile: in use
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(f"{name} ({why})")
+    return removed
 
 
 def default_path() -> str | None:
@@ -307,6 +451,7 @@ def install() -> None:
         import importlib
 
         cache = _Cache(path)
+        cache.in_default_folder = os.environ.get(ENV) is None
         cache.read()
         for name in MODULES:
             mod = importlib.import_module(name)

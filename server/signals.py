@@ -52,14 +52,15 @@ def _untie_forked_child() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _before_loop)
 
 
-def install_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Any) -> None:
-    """``handler`` runs on the loop for SIGTERM, SIGINT and SIGHUP; children forked later
-    get the dispositions from before back (``_untie_forked_child``)."""
+def install_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Any, with_signal: bool = False) -> None:
+    """``handler`` runs on the loop for SIGTERM, SIGINT and SIGHUP (``with_signal``: called with
+    the signal's number); children forked later get the dispositions from before back
+    (``_untie_forked_child``)."""
     global _fork_hook_installed
     for sig in HANDLED_SIGNALS:
         try:
             previous = signal.getsignal(sig)
-            loop.add_signal_handler(sig, handler)
+            loop.add_signal_handler(sig, handler, *((sig,) if with_signal else ()))
         except (NotImplementedError, RuntimeError, ValueError):  # pragma: no cover - not the main thread
             continue
         _before_loop.setdefault(sig, signal.SIG_DFL if previous is None else previous)

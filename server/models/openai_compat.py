@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 
-from operate_sidecar.server.core.errors import ModelError
+from operate_sidecar.server.core.errors import ModelError, ReplyCut
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
 
 from ._common import (
@@ -495,7 +495,8 @@ class OpenAIModel(BaseModelProvider):
             raise ModelRefused(f"model {self.name!r} declined the request: {why}", refusal=why)
         if cut:
             if structured or request.response_schema is not None or not said:
-                raise ModelError(cut_at_token_limit(self.name, thought and not said, TOKEN_LIMIT_HINT))
+                raise ReplyCut(cut_at_token_limit(self.name, thought and not said, TOKEN_LIMIT_HINT),
+                               fix=_limit_fix(self.name, snake_options(request.options), self.options))
             log.info("model %r: the reply was cut at the token limit (finish_reason \"length\"); its text so far "
                      "is the reply", self.name)
         elif thought and not said:  # (a server whose reasoning parser took the answer too: vLLM's without </think>)
@@ -827,6 +828,32 @@ _PROVIDER_KEYS = {"model": "the model config's 'model'", "messages": "the branch
 #: options the SDK itself reads (not sent as they are): their JSON types
 _SDK_OPTION_TYPES = {"extra_body": "object", "extra_headers": "object", "extra_query": "object",
                      "timeout": "positive number", "response_format": "object"}
+
+
+def _limit_fix(name: str, call: dict[str, Any], given: dict[str, Any]) -> str:
+    """Which setting to raise for a reply cut at the token limit, as the request sent it
+    (``_kwargs``: the model's ``options`` under the call's ``modelOptions``, both snake_case):
+    ``max_completion_tokens`` when it was sent (an OpenAI-style server honours it over
+    ``max_tokens``), else ``max_tokens``, named with the layer that supplied it (the call, or
+    the model's config; a call's null sets the config's aside); else none was sent and the
+    limit is the server's or the model's own."""
+    merged = {**given, **call}
+    sent = [(key, merged[key]) for key in ("max_completion_tokens", "max_tokens")
+            if isinstance(merged.get(key), int) and not isinstance(merged[key], bool)]
+    if not sent:
+        return (f'Set maxTokens in the "options" of model {name!r} in its config: none was sent, so the limit was '
+                "the server's or the model's own.")
+
+    def named(key: str) -> str:
+        word = "maxCompletionTokens" if key == "max_completion_tokens" else "maxTokens"
+        where = "the call's modelOptions" if key in call else f'the "options" of model {name!r} in its config'
+        return f"{word} in {where}"
+
+    (key, value), rest = sent[0], sent[1:]
+    fix = f"Raise {named(key)} (now {value})."
+    if rest:
+        fix += f" ({named(rest[0][0])}, {rest[0][1]}, was sent too: OpenAI-style servers take maxCompletionTokens over it.)"
+    return fix
 
 
 def _check_options(name: str, where: str, options: dict[str, Any] | None) -> None:

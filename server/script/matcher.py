@@ -122,6 +122,12 @@ def _type(v: Any) -> str:
     return type(v).__name__
 
 
+def _a(v: Any) -> str:
+    """``v``'s JSON type with its article, as a difference names it: ``an object``, ``a string``, ``null``."""
+    kind = _type(v)
+    return kind if kind == "null" else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+
+
 def mismatches(pattern: Any, value: Any, path: str = "$") -> Iterator[Mismatch]:
     """Every difference between ``pattern`` and ``value``, in the pattern's order (an object's keys
     as the pattern names them, an array's items by index; of arrays of different lengths, the
@@ -133,13 +139,13 @@ def mismatches(pattern: Any, value: Any, path: str = "$") -> Iterator[Mismatch]:
         yield Mismatch(path, pattern, _MISSING)
     elif isinstance(pattern, dict):
         if not isinstance(value, dict):
-            yield Mismatch(path, pattern, value, f"expected an object, got {_type(value)}")
+            yield Mismatch(path, pattern, value, f"expected an object, got {_a(value)}")
             return
         for key, sub in pattern.items():
             yield from mismatches(sub, value.get(key, _MISSING), _key_path(path, key))
     elif isinstance(pattern, list):
         if not isinstance(value, list):
-            yield Mismatch(path, pattern, value, f"expected an array, got {_type(value)}")
+            yield Mismatch(path, pattern, value, f"expected an array, got {_a(value)}")
             return
         for i, (sub, item) in enumerate(zip(pattern, value)):
             yield from mismatches(sub, item, f"{path}[{i}]")
@@ -151,7 +157,7 @@ def mismatches(pattern: Any, value: Any, path: str = "$") -> Iterator[Mismatch]:
             else:
                 yield Mismatch(f"{path}[{i}]", pattern[i], _MISSING, why)
     elif _type(pattern) != _type(value):
-        yield Mismatch(path, pattern, value, f"expected a {_type(pattern)}, got a {_type(value)}")
+        yield Mismatch(path, pattern, value, f"expected {_a(pattern)}, got {_a(value)}")
     elif pattern != value:
         yield Mismatch(path, pattern, value)
 

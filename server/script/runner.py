@@ -55,7 +55,10 @@ step is a saved value (in a pattern, ``expect`` or ``match``, it matches as itse
 is no wildcard), and ``$${`` a literal ``${``. ``${cwd}`` is defined from the start: the
 server's working directory.
 A line ``{"recordedModels": {...}}`` (written by ``--record``) is not a step: it holds the
-recorded model turns, used by ``replay --scripted`` to replay without the real models.
+recorded model turns, used by ``replay --scripted`` to replay without the real models; they are
+held to what a ``scripted`` model takes when the script loads (a malformed turn is a
+:class:`ScriptError` naming the file, the line and the turn; a lone ``"${name}"`` is taken
+wherever it stands, substituted with the request that carries the model).
 """
 
 from __future__ import annotations
@@ -191,6 +194,10 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
         if MODELS_KEY in obj:
             if not isinstance(obj[MODELS_KEY], dict):
                 raise ScriptError(f"{source}:{n}: {MODELS_KEY} must be an object")
+            for name, recorded in obj[MODELS_KEY].items():
+                problem = _recorded_model_problem(name, recorded)
+                if problem:
+                    raise ScriptError(f"{source}:{n}: {problem}")
             models.update(obj[MODELS_KEY])
             continue
         kinds = [k for k in STEP_KINDS if k in obj]
@@ -300,6 +307,69 @@ def step_problem(kind: str, method: Any, obj: dict[str, Any]) -> str | None:
     if kind == "respond" and "error" in obj:
         return _error_problem(obj["error"])
     return _result_problem(method, obj["result"]) if kind == "respond" and "result" in obj else None
+
+
+#: the fields of a recorded model's entry in a ``recordedModels`` line (as ``--record`` writes it)
+_RECORDED_MODEL_KEYS = ("responses", "cli", "inline")
+
+
+def _recorded_model_problem(name: str, recorded: Any) -> str | None:
+    """What is wrong with the recorded turns of the model ``name`` (its entry in a
+    ``recordedModels`` line: ``{"responses": [...], "cli"?: true, "inline"?: {...}}``); None
+    when nothing. Its ``responses`` are held to what a ``scripted`` model takes, by the check the
+    server's ``initialize`` makes (docs/PROTOCOL.md §2): a malformed turn (``txt`` for ``text``)
+    is refused when the script loads, naming it, instead of failing ``initialize`` with -32602
+    under ``replay --scripted`` and every later step with it. A lone ``"${name}"`` is taken
+    wherever it stands, as ``inline``, ``responses`` or ``cli``, as a turn, or in a turn or a
+    CLI run's event (known only once substituted: :func:`_unsubstituted`)."""
+    from operate_sidecar.server.models.config import config_problem
+
+    where = f"{MODELS_KEY}.{name}"
+    if not isinstance(recorded, dict):
+        return (f'{where} must be an object, {{"responses": [the model\'s turns], "cli"?: true, "inline"?: {{...}}}}, '
+                f"got {short(recorded, 60)}")
+    unknown = sorted(set(recorded) - set(_RECORDED_MODEL_KEYS))
+    if unknown:
+        return f"{where}: unknown field(s) " + ", ".join(misspelt(k, _RECORDED_MODEL_KEYS) for k in unknown)
+    inline = recorded.get("inline")
+    if inline is not None and not isinstance(inline, dict) and not whole_reference(inline):
+        return f"{where}.inline must be an object, the model spec given inline, got {short(inline, 60)}"
+    responses, cli = recorded.get("responses"), recorded.get("cli")
+    config = {"provider": "scripted", "responses": None if whole_reference(responses) else _unsubstituted(responses),
+              "cli": True if whole_reference(cli) else cli}  # (a CLI run's events are taken with cli: true)
+    problem = config_problem(config)
+    return f"{where}.{problem}" if problem else None
+
+
+def _unsubstituted(responses: Any) -> Any:
+    """A recorded model's ``responses`` as they can be checked before they are substituted: a lone
+    ``"${name}"`` stands for any value, so it is left out where the check would take it for a
+    string of its own: a turn or an event that is one, a field of a turn or of an event whose
+    value is one and that holds something else than a string (``delayMs``, ``events``, a
+    ``tool_use``'s ``input``), an event whose ``type`` is one (what it holds depends on its
+    type). In a string's place it stays (a string, as written); so does a misspelt field, named."""
+    from operate_sidecar.server.models.config import ENTRY_FIELDS, EVENT_FIELDS
+
+    def fields(obj: dict[str, Any], kinds: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in obj.items() if not (whole_reference(v) and kinds.get(k, "string") not in
+                                                     ("string", "any"))}
+
+    def event(e: Any) -> Any:
+        return fields(e, EVENT_FIELDS.get(e.get("type"), {})) if isinstance(e, dict) else e
+
+    if not isinstance(responses, list):
+        return responses
+    out = []
+    for entry in responses:
+        if whole_reference(entry):
+            continue
+        if isinstance(entry, dict):
+            entry = fields(entry, ENTRY_FIELDS)
+            if isinstance(entry.get("events"), list):
+                entry["events"] = [event(e) for e in entry["events"] if not whole_reference(e)
+                                   and not (isinstance(e, dict) and whole_reference(e.get("type")))]
+        out.append(entry)
+    return out
 
 
 def _error_problem(err: Any) -> str | None:
@@ -443,9 +513,11 @@ def _not_json(text: str, error: json.JSONDecodeError) -> str:
     return f"{error.msg} at column {error.colno}"
 
 
-def load_script(path: str | os.PathLike[str]) -> Script:
+def load_script(path: str | os.PathLike[str], shown: str | None = None) -> Script:
     """Read and parse a script (a UTF-8 byte-order mark at its start is ignored); text that is not
-    UTF-8 is a :class:`ScriptError` naming the line."""
+    UTF-8 is a :class:`ScriptError` naming the line. ``shown`` is the name its errors give the
+    file (``path`` by default; a file that cannot be read is named by ``path``, as opened)."""
+    shown = os.fspath(path) if shown is None else shown
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -457,9 +529,9 @@ def load_script(path: str | os.PathLike[str]) -> Script:
     except UnicodeDecodeError as e:
         before = raw[:e.start].decode("utf-8")  # line breaks as reading the file as text counts them
         line = before.replace("\r\n", "\n").replace("\r", "\n").count("\n") + 1
-        raise ScriptError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}: "
+        raise ScriptError(f"{shown}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}: "
                           f"{e.reason}); a session script is UTF-8 JSON Lines") from None
-    return parse_script(io.StringIO(text, newline=None), str(path))
+    return parse_script(io.StringIO(text, newline=None), shown)
 
 
 def _unreadable(path: str | os.PathLike[str], error: OSError) -> str:
@@ -482,9 +554,12 @@ def scripted_models(recorded: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     named: dict[str, Any] = {}
     inline: dict[str, dict] = {}
     for name, rec in recorded.items():
-        config: dict[str, Any] = {"provider": "scripted", "responses": list(rec.get("responses") or [])}
-        if rec.get("cli"):
-            config["cli"] = True
+        responses, cli = rec.get("responses"), rec.get("cli")
+        # a lone ${name} is put in as it is: substituted with the request that carries the model
+        config: dict[str, Any] = {"provider": "scripted",
+                                  "responses": responses if whole_reference(responses) else list(responses or [])}
+        if cli:
+            config["cli"] = cli if whole_reference(cli) else True
         if rec.get("inline") is not None:
             inline[_canon(rec["inline"])] = config
         else:
@@ -506,7 +581,8 @@ def apply_scripted(script: Script, source: str = "script") -> None:
     or models are a lone ``"${name}"`` (known only once substituted) is a :class:`ScriptError`
     (``source`` names the file): the models cannot be put in."""
     if not script.recorded_models:
-        raise ScriptError("the script holds no recorded model turns (record it with --record)")
+        raise ScriptError(f"{source}: the script holds no recorded model turns, no {MODELS_KEY} line "
+                          "(record it with --record)")
     named, inline = scripted_models(script.recorded_models)
     for step in script.steps:
         if step.kind != "request":
@@ -654,10 +730,10 @@ class Runner:
         self._abandoned: list[Any] = []     # "answered": false requests: never judged
         # cancelAfterModelCalls, cancelAfterServerRequests: request id (JSON) -> (its workDoneToken, the
         # number of notifications when it was sent, model calls to wait for, server-to-client requests
-        # of the session to wait for, pending, the operates of its token it waits for: ``_ahead``)
-        self._watched: dict[str, tuple[Any, int, int, int, Any, list[Any]]] = {}
+        # of the session to wait for, pending, the operates of its token it waits for: ``_ahead``, its line)
+        self._watched: dict[str, tuple[Any, int, int, int, Any, list[Any], int]] = {}
         self._hidden_tokens: set[str] = set()   # tokens the replay added: their $/progress is no step's
-        self._sent: list[tuple[str, Any, Any]] = []   # every request sent: (method, params as sent, pending)
+        self._sent: list[tuple[Step, Any, Any]] = []   # every request sent: (its step, params as sent, pending)
         self._server_requests = 0           # server-to-client requests so far (under client._cond)
         self._exit_line = 0                 # the line the script sent ``exit`` on itself (0: it did not)
         self._shutdown_sent = False         # the script sent ``shutdown`` itself (then exit is code 0)
@@ -832,10 +908,11 @@ class Runner:
             since = len(self.client.notifications)
         ahead = self._ahead(token, params) if token is not None else []
         pending = self.client.request_async(step.method, params, msg_id)
-        self._sent.append((step.method, params, pending))
+        self._sent.append((step, params, pending))
         asked = data.get("cancelAfterServerRequests") or 0
         if token is not None or asked:
-            self._watched[json.dumps(msg_id)] = (token, since, int(calls or 0), int(asked), pending, ahead)
+            self._watched[json.dumps(msg_id)] = (token, since, int(calls or 0), int(asked), pending, ahead,
+                                                step.line)
         if data.get("answered") is False:  # its recorded client left before the answer: never judged
             self._abandoned.append(pending)
             return StepResult(step, True, "sent; not judged (its client left before the answer)")
@@ -965,7 +1042,7 @@ class Runner:
         to come, are not its own."""
         branch = json.dumps(params.get("branchId")) if isinstance(params, dict) else None
         key = json.dumps(token)
-        return [p for m, sent, p in self._sent if m == "operate" and isinstance(sent, dict) and not p.done()
+        return [p for s, sent, p in self._sent if s.method == "operate" and isinstance(sent, dict) and not p.done()
                 and json.dumps(sent.get("workDoneToken")) == key and json.dumps(sent.get("branchId")) == branch]
 
     def _model_calls_started(self, token: Any, since: int = 0, ahead: Iterable[Any] = ()) -> int:
@@ -1003,7 +1080,7 @@ class Runner:
         watched = self._watched.pop(json.dumps(msg_id), None)
         if watched is None:
             return ""
-        token, since, calls, asked, pending, ahead = watched
+        token, since, calls, asked, pending, ahead, line = watched
         timeout = self._timeout(step)
         deadline = time.monotonic() + timeout
 
@@ -1020,11 +1097,11 @@ class Runner:
             if ready():
                 return ""  # (an answer before the cancel: the request's own step reports the difference)
             if started() < calls:
-                return (f"request {short(msg_id)} had started {started()} of the {calls} model invocation(s) it had "
-                        f"started when recorded within {timeout:g} s; cancelled anyway")
+                return (f"the request of line {line} (id {short(msg_id)}) had started {started()} of the {calls} "
+                        f"model invocation(s) it had started when recorded within {timeout:g} s; cancelled anyway")
             return (f"the server had sent {self._server_requests} of the {asked} request(s) to the client it had "
-                    f"sent when the cancel of request {short(msg_id)} was recorded, within {timeout:g} s; "
-                    "cancelled anyway")
+                    f"sent when the cancel of the request of line {line} (id {short(msg_id)}) was recorded, within "
+                    f"{timeout:g} s; cancelled anyway")
 
     def _of(self, method: str) -> Iterable[tuple[int, Any]]:
         """(index, params) of every ``method`` notification so far that is the script's."""
@@ -1047,8 +1124,8 @@ class Runner:
             near.append((i, mm))
         return None, near
 
-    def _senders(self, method: str, pattern: Any) -> list[Any]:
-        """The requests sent so far (pending answers) that the notification ``method`` whose
+    def _senders(self, method: str, pattern: Any) -> list[tuple[Step, Any]]:
+        """The requests sent so far (their steps and pending answers) that the notification ``method`` whose
         params match ``pattern`` can only come from, and only before their answers: an operate's
         ``$/progress`` all precede its answer (docs/PROTOCOL.md §6), so those of a
         ``workDoneToken`` come from the requests sent with it; the ``toolEvent`` of a branch
@@ -1060,15 +1137,16 @@ class Runner:
             return []
         want = json.dumps(literal(pattern[key]))
         param = "workDoneToken" if key == "token" else "branchId"
-        return [p for m, params, p in self._sent if isinstance(params, dict) and json.dumps(params.get(param)) == want
-                and (key == "token" or m == "operate")]
+        return [(s, p) for s, params, p in self._sent
+                if isinstance(params, dict) and json.dumps(params.get(param)) == want
+                and (key == "token" or s.method == "operate")]
 
-    def _cannot_come(self, method: str, senders: list[Any]) -> bool:
+    def _cannot_come(self, method: str, senders: list[tuple[Step, Any]]) -> bool:
         """Every request the notification could come from (:meth:`_senders`) has been answered
         (a ``toolEvent``: with a result): what came before those answers is all there is."""
-        if not senders or not all(p.done() for p in senders):
+        if not senders or not all(p.done() for _, p in senders):
             return False
-        return method != "toolEvent" or all("result" in (p._msg or {}) for p in senders)
+        return method != "toolEvent" or all("result" in (p._msg or {}) for _, p in senders)
 
     def _expectNotification(self, step: Step, data: dict) -> StepResult:  # noqa: N802 - the step's name
         pattern = data.get("match")
@@ -1098,12 +1176,15 @@ class Runner:
         # the server exited or its request was answered (waiting longer would not help), else how to wait longer
         if self.client.proc.poll() is not None:
             end = f"; the server exited (code {self.client.proc.returncode})"
-        elif late:
-            ids = ", ".join(short(p.id, 40) for p in senders)
+        elif late:  # those requests named by their lines, as every step is (their ids are the replay's own)
             many = len(senders) > 1
-            what = (f"request{'s' * many} whose workDoneToken it names" if step.method == "$/progress"
-                    else f"operate{'s' * many} on the branch it names")
-            end = f"; it cannot come any more: the {what} ({ids}) {'were' if many else 'was'} answered without it"
+            if step.method == "$/progress":
+                what = (f"request{'s' * many} whose workDoneToken it names ("
+                        + ", ".join(f"the {s.method} on line {s.line}" for s, _ in senders) + ")")
+            else:
+                what = (f"operate{'s' * many} on the branch it names (line{'s' * many} "
+                        + ", ".join(str(s.line) for s, _ in senders) + ")")
+            end = f"; it cannot come any more: the {what} {'were' if many else 'was'} answered without it"
         else:
             end = "; " + self._wait_longer(step, timeout)
         within = "before its request was answered" if late else f"within {timeout:g} s"
@@ -1215,6 +1296,22 @@ def summary(runner: Runner, where: str) -> str:
             + f"; first: {failed[0].step.label}")
 
 
+def first_failure(runner: Runner, path: str) -> str:
+    """The first failure in one line, led by the script's ``path``: ``tests/s.jsonl line 5:
+    expectNotification $/progress: no matching ...`` (the end of the session when no step
+    failed), and how many more failed. What a reader who sees one line only (pytest's short test
+    summary, the first line of an exception's message) needs; :func:`format_report` has the rest."""
+    steps = [r for r in runner.results if r.step.kind != END]
+    failed = [r for r in steps if not r.ok] or [r for r in runner.results if not r.ok]
+    if not failed:
+        return f"{path}: {summary(runner, '')}"
+    first = failed[0]
+    where = f"{path} {first.step.label}" if first.step.kind != END else f"{path}, {first.step.label}"
+    more = len([r for r in runner.results if not r.ok]) - 1
+    return (f"{where}" + (f": {first.detail}" if first.detail else "")
+            + (f" (and {more} more failure(s), below)" if more else ""))
+
+
 def format_report(runner: Runner, path: str = "script") -> str:
     lines = [r.line() for r in runner.results]
     lines.append(summary(runner, f" in {path}"))
@@ -1225,12 +1322,15 @@ def format_report(runner: Runner, path: str = "script") -> str:
 
 def replay(path: str | os.PathLike[str], server_argv: list[str] | None = None, *, scripted: bool = False,
            step_timeout: float = DEFAULT_STEP_TIMEOUT_S, env: dict[str, str] | None = None,
-           cwd: str | None = None, out: Any = None, timeout_option: str = "run with --timeout S") -> Runner:
+           cwd: str | None = None, out: Any = None, timeout_option: str = "run with --timeout S",
+           shown: str | None = None) -> Runner:
     """Load and run a script; stream one line per step to ``out`` (when given). ``timeout_option``
-    says how the caller sets ``step_timeout``, in the hint of a request step that timed out."""
-    script = load_script(path)
+    says how the caller sets ``step_timeout``, in the hint of a request step that timed out;
+    ``shown`` is the name the script's errors give the file (``path`` by default)."""
+    shown = os.fspath(path) if shown is None else shown
+    script = load_script(path, shown)
     if scripted:
-        apply_scripted(script, os.fspath(path))
+        apply_scripted(script, shown)
 
     def emit(res: StepResult) -> None:
         if out is not None:

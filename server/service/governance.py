@@ -156,6 +156,10 @@ class Governance:
             return AuthorizationResult(False, "permission request timed out")
         except ClientRequestError as e:
             return AuthorizationResult(False, f"permission request failed: {e.message}")
+        except Exception as e:  # noqa: BLE001 - a fault of the front end asking: this call is denied, the turn goes on
+            # (raised on, it failed the whole operate, the ACP prompt with -32603, for one call)
+            log.warning("the permission request for %s failed", inv.function, exc_info=True)
+            return AuthorizationResult(False, f"permission request failed: {type(e).__name__}: {e}")
         choice = answer.get("decision") if isinstance(answer, dict) else None
         if choice == "allow_once":
             return AuthorizationResult(True)

@@ -19,7 +19,7 @@ import importlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Collection
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 from . import errors as E
 from .errors import RpcError, invalid_params
@@ -1708,9 +1708,14 @@ class Service:
         finally:
             self._not_waiting(branch_id, waiting, me)
 
-    async def operate(self, params: dict, *, info: dict[str, Any] | None = None, repeat_limit: int = 0) -> dict:
-        """``info`` (not on the wire): merged into the branch's info once the operate has run,
-        and saved in the same transaction as its messages (e.g. ACP's title and update time).
+    async def operate(self, params: dict, *, info: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+                      repeat_limit: int = 0) -> dict:
+        """``info`` (not on the wire): merged into the branch's info when the operate has put
+        something on the branch (a message, or a clear), and saved in the same transaction as
+        those messages (e.g. ACP's update time); one that put nothing there (it failed, or was
+        cancelled, before its model's reply: fail before effect) leaves the info as it was. A
+        callable is called then, as the operate is saved, for the info to merge (ACP's update
+        time is when the turn was saved, not when it began).
         A branch deleted while the operate runs ends it (``deleteBranch`` cancels its task):
         it answers -32012, unless it was cancelled as well (-32800). ``repeat_limit`` (the ACP
         front end's; on the native wire the params' ``repeatLimit``): the rounds also stop after
@@ -1756,7 +1761,8 @@ class Service:
     def _doomed_id(params: dict) -> Any:
         return params.get("branchId") if isinstance(params, dict) else None
 
-    async def _operate(self, params: dict, info: dict[str, Any] | None, repeat_limit: int, ticket: int) -> dict:
+    async def _operate(self, params: dict, info: dict[str, Any] | Callable[[], dict[str, Any]] | None,
+                       repeat_limit: int, ticket: int) -> dict:
         p, branch, kw = await self._operate_call(params, findable=True)
         imodel, rounds = _module(_CORE + "imodel"), _module("operate_sidecar.server.service.rounds")
         UsageMeter, current_usage = imodel.UsageMeter, imodel.current_usage
@@ -1832,15 +1838,18 @@ class Service:
                     del self._running[branch.id]
                 mark = self._settled.pop(branch.id, None)
                 kept = self.branches.get(branch.id) is branch  # not deleted meanwhile
+                # the front end's info goes with the operate's messages: none, no info either
+                noted = (info() if callable(info) else dict(info)) \
+                    if info and kept and _recorded(branch, mark) else None
                 if kept:
                     self._usage.setdefault(branch.id, UsageMeter()).add(meter)
-                    if info:
-                        self._info[branch.id] = {**self._info.get(branch.id, {}), **info}
+                    if noted:
+                        self._info[branch.id] = {**self._info.get(branch.id, {}), **noted}
                 if self.journal is not None and kept:  # with no store there is nothing to save
                     # the branch's totals (and info) are saved with its messages, in one transaction
                     # before the answer; on failure the branch is put back (-32013)
                     meta: dict[str, Any] = {"usage": self._usage_of(branch.id)}
-                    if info:
+                    if noted:
                         meta["client"] = dict(self._info[branch.id])
                     self.journal.update_meta(branch.id, meta)
                     try:
@@ -1925,6 +1934,20 @@ CONVERTED = frozenset({"instruct", "instruction", "guidance", "context", "chat_m
                        "response_format", "field_models", "parse_options"})
 #: ... and those it uses itself
 CONSUMED = frozenset({"branch_id", "model_options", "work_done_token", "max_rounds", "repeat_limit"})
+
+
+def _recorded(branch: Any, mark: tuple[int, list | None] | None) -> bool:
+    """Whether an operate put anything on ``branch`` since ``mark`` (its ``_settled`` entry: the
+    message count before it, and the messages themselves when it may clear them): a message
+    appended, or the history cleared. The core appends nothing for a call that fails or is
+    cancelled before its model's reply (fail before effect), so such an operate recorded nothing."""
+    if mark is None:
+        return True
+    items = branch.messages.items
+    count, before = mark
+    if before is None:
+        return len(items) != count
+    return len(items) != len(before) or any(a is not b for a, b in zip(items, before))
 
 
 @functools.cache

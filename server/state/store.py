@@ -29,9 +29,11 @@ different things of one branch both keep theirs, and their operates both count.
 
 At open, the database is checked (``PRAGMA quick_check``); a damaged file is moved aside
 (kept, with its ``-wal``/``-shm``), whatever can still be read from it is copied into a fresh
-database, and :attr:`StateStore.problems` says so for the server to report. That copy is
-marked in ``info`` until it is done: a process that dies during it leaves a database that
-passes the check, and the next open finishes the copy. Opening is done under a lock on the
+database, branch by branch (a damaged row costs its own branch's settings, never the other
+branches: ``StateStore._salvage``), and :attr:`StateStore.problems` says so for the server to
+report. That copy is marked in ``info`` until it is done: a process that dies during it leaves a database that
+passes the check, and the next open finishes the copy; a branch it could not write (a full disk) is
+told, and the next open copies it. Opening is done under a lock on the
 state directory (``flock``: shared to check, exclusive to move aside and rebuild), so servers
 starting at once rebuild a damaged database once: the others wait for it and use the rebuilt
 file. The files a connection writes are taken when it connects, and every commit checks that
@@ -43,6 +45,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -244,6 +247,194 @@ def _is_damage(e: BaseException) -> bool:
         or "malformed" in str(e) or "not a database" in str(e))
 
 
+def _salvage_walk(old: sqlite3.Connection, table: str, cols: str, *, where: str = "", params: tuple = (),
+                  descending: bool = False, seek: bool = False) -> tuple[list[tuple], bool]:
+    """The rows ``SELECT cols FROM table WHERE where`` yields from a damaged database, in the
+    order of its first column (unique among them), up to the first one SQLite cannot read; and
+    whether the walk got to the end. They are read at once, then (when that fails) one by one
+    from the last one read: a cursor reads a row ahead, so the failed read of a damaged page
+    also loses the row before it. With ``seek``, one by one from the start, each the next value
+    of the first column (the distinct values of a column many rows share, a few page reads
+    each)."""
+    key = cols.split(",")[0].strip()
+    order = f" ORDER BY {key} {'DESC' if descending else 'ASC'}"
+    rows: list[tuple] = []
+    if not seek:
+        try:
+            for row in old.execute(f"SELECT {cols} FROM {table}{f' WHERE {where}' if where else ''}{order}", params):
+                rows.append(row)
+            return rows, True
+        except sqlite3.Error:
+            pass
+    while True:
+        conds, args = ([where] if where else []), params
+        if rows:
+            last = rows[-1][0]
+            conds.append(f"{key} {'<' if descending else '>'} {'CAST(? AS TEXT)' if isinstance(last, bytes) else '?'}")
+            args += (last,)
+        sql = f"SELECT {cols} FROM {table}{' WHERE ' + ' AND '.join(conds) if conds else ''}{order} LIMIT 1"
+        try:
+            row = old.execute(sql, args).fetchone()
+        except sqlite3.Error:
+            return rows, False
+        if row is None:
+            return rows, True
+        # a damaged tree may answer a seek out of order: each step must move on, so the walk ends
+        if rows and (type(row[0]) is not type(last) or (row[0] >= last if descending else row[0] <= last)):
+            return rows, False
+        rows.append(row)
+
+
+def _salvage_ids(old: sqlite3.Connection) -> dict[bytes, list[int]]:
+    """Every branch id a damaged database still yields (as stored: bytes), with the rowids its
+    row may have: from the branches' index and from their table, and from the messages. Each
+    is walked from its start, and from its end too when that walk stops at a damaged page (the
+    other one gets past it): a few walks over the ids, so a large database costs what reading
+    it costs, never a search of the whole table per branch."""
+    ids: dict[bytes, list[int]] = {}
+    for table, cols in (("branches INDEXED BY sqlite_autoindex_branches_1", "id, rowid"),
+                        ("branches NOT INDEXED", "rowid, id")):
+        rows, whole = _salvage_walk(old, table, cols)
+        if not whole:
+            rows += _salvage_walk(old, table, cols, descending=True)[0]
+        for row in rows:
+            bid, rowid = row if cols.startswith("id") else row[::-1]
+            if isinstance(bid, bytes) and isinstance(rowid, int) and rowid not in ids.setdefault(bid, []):
+                ids[bid].append(rowid)
+    found, whole = _salvage_walk(old, "messages", "branch_id", seek=True)
+    if not whole:
+        found += _salvage_walk(old, "messages", "branch_id", seek=True, descending=True)[0]
+    for (bid,) in found:
+        if isinstance(bid, bytes):
+            ids.setdefault(bid, [])
+    return ids
+
+
+def _salvage_row(old: sqlite3.Connection, bid: str, rowids: list[int]) -> tuple | None:
+    """``(meta, created_at, version, clear_gen)`` of one branch of a damaged database, read on its
+    own: by a rowid it was found with (only the pages on the way to it are read), else by its
+    id; None when it cannot be read."""
+    damaged = False
+    for rowid in rowids:
+        try:
+            row = old.execute("SELECT id, meta, created_at, version, clear_gen FROM branches WHERE rowid=?",
+                              (rowid,)).fetchone()
+        except sqlite3.Error:
+            damaged = True
+            continue
+        if row is not None and row[0] == bid.encode("utf-8"):
+            return tuple(row[1:])
+    if damaged:  # its page is damaged: found by its id, the same page would be read
+        return None
+    try:
+        row = old.execute("SELECT meta, created_at, version, clear_gen FROM branches WHERE id=?", (bid,)).fetchone()
+    except sqlite3.Error:
+        return None
+    return None if row is None else tuple(row)
+
+
+def _salvage_text(value: Any) -> Any:
+    """A stored text read as bytes, as text: bytes that are not UTF-8 replaced by U+FFFD."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+#: what reading a stored meta or message record raises when it is none (a damaged row)
+_UNREADABLE = (ValueError, KeyError, TypeError, RecursionError)
+
+
+def _meta_of(stored: Any) -> dict[str, Any] | None:
+    """A branch's stored settings (text or bytes): the JSON object they hold, else None. Loading
+    (``StateStore._rows_to_branch``) and the rebuild (``_salvage_meta``) read them this one way."""
+    try:
+        meta = json.loads(stored, parse_constant=str)
+    except _UNREADABLE:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _message_of(record: Any) -> Message:
+    """One stored message record (text or bytes) as a message; raises one of ``_UNREADABLE``
+    when it is none."""
+    return Message.from_record(json.loads(record, parse_constant=str))
+
+
+def _messages_of(records: list[Any]) -> list[Message]:
+    """A branch's stored message records, all of one type (text or bytes), as messages: one
+    parse for them all (much faster than one per record, ``_message_of``, which is for finding
+    the bad one). Raises one of ``_UNREADABLE`` when one of them is no message, or when they do
+    not read as one value each (a damaged record that reads as two). Loading
+    (``StateStore._rows_to_branch``) and the rebuild (``_messages_read``) read them this one way.
+    (``parse_constant``: a NaN or ±Infinity that an earlier version stored, which no client's
+    JSON can take, is read as the string "NaN", "Infinity", "-Infinity", as a tool output's is
+    made today: read as a number, every branchMessages of the branch failed -32603.)"""
+    if records and isinstance(records[0], bytes):
+        joined: Any = b"[" + b",".join(records) + b"]"
+    else:
+        joined = "[" + ",".join(records) + "]"
+    out = [Message.from_record(r) for r in json.loads(joined, parse_constant=str)]
+    if len(out) != len(records):
+        raise ValueError("the records do not read as one message each")
+    return out
+
+
+def _salvage_meta(value: Any) -> str | None:
+    """A branch's stored settings, as text, when they are a JSON object (``_meta_of``); else None."""
+    text = _salvage_text(value)
+    return text if _meta_of(text) is not None else None
+
+
+def _messages_read(msgs: list[tuple]) -> int:
+    """How many of a branch's stored messages ``(branch_id, seq, msg_id, record)``, read from a
+    damaged database, can be copied: those before the first that is no message (one SQLite
+    reads, but not as written: a damaged page it does not notice, which loading would skip,
+    ``_rows_to_branch``), or whose ``seq`` is no number, or whose ``msg_id`` is not its record's
+    id (read as NULL, which the copy cannot insert; or as another text, by which a later clear
+    would keep the wrong messages). Parsed as loading parses them: the whole branch at once
+    (``_messages_of``), and one by one only to find where a bad one is."""
+    try:
+        parsed: list[Message] | None = _messages_of([m[3] for m in msgs])
+    except _UNREADABLE:
+        parsed = None
+    for i, (_, seq, mid, record) in enumerate(msgs):
+        try:
+            message = parsed[i] if parsed is not None else _message_of(record)
+        except _UNREADABLE:
+            return i
+        if not (isinstance(seq, int) and isinstance(mid, str) and message.id == mid):
+            return i
+    return len(msgs)
+
+
+def _first_time(msgs: list[tuple]) -> float:
+    """The creation time of a branch whose row is lost: its first message's (0 when unknown,
+    or no finite number: a damaged record may hold 400 digits, which no float holds)."""
+    try:
+        t = json.loads(msgs[0][3], parse_constant=str)["created_at"]
+    except (IndexError, *_UNREADABLE):
+        return 0.0
+    if not isinstance(t, (int, float)) or isinstance(t, bool):
+        return 0.0
+    try:
+        t = float(t)
+    except OverflowError:
+        return 0.0
+    return t if math.isfinite(t) else 0.0
+
+
+def _salvage_mark(value: str) -> tuple[str, list[str] | None]:
+    """The ``salvaging`` mark of a rebuild not done: the damaged file it copies from, and the
+    branches still owed when it was done but for branches it could not write (the mark is then
+    ``{"from": file, "branches": [ids]}``, ``StateStore._finish_salvage``); None when it was cut
+    short (the mark is the file's path: everything is copied again)."""
+    if value.startswith("{"):
+        try:
+            mark = json.loads(value)
+            return str(mark["from"]), [str(bid) for bid in mark["branches"]]
+        except (ValueError, KeyError, TypeError):
+            pass
+    return value, None
+
+
 class StateStore:
     """The branch store of one ``stateDir``. Thread-safe; its blocking methods are meant to
     run on worker threads (the server calls them with ``asyncio.to_thread``)."""
@@ -360,7 +551,8 @@ class StateStore:
             raise sqlite3.OperationalError(f"state database {self.path} is damaged ({problem}) and {busy}; "
                                            "restart the server once it is done")
         if row is not None:
-            self.problems.append(f"state database {self.path} is being rebuilt from the damaged {row[0]} by {busy}; "
+            self.problems.append(f"state database {self.path} is being rebuilt from the damaged "
+                                 f"{_salvage_mark(row[0])[0]} by {busy}; "
                                  "the branches it has not copied yet appear as it copies them")
         return conn
 
@@ -385,12 +577,18 @@ class StateStore:
             problem = str(e)
         if problem is None:
             row = conn.execute("SELECT value FROM info WHERE key='salvaging'").fetchone()
-            if row is not None:  # a server died while it copied a damaged database: finish that
-                branches, messages = self._finish_salvage(row[0], conn)
-                self.problems.append(
-                    f"state database {self.path} was being rebuilt from the damaged {row[0]} by a server that "
-                    f"stopped before it was done; finished now ({branches} branches, {messages} messages could "
-                    "be read)")
+            if row is not None:  # a rebuild not done: a server died during it, or could not write every branch
+                aside, owed = _salvage_mark(row[0])
+                copied, done = self._finish_salvage(row[0], conn)
+                if owed is None:
+                    self.problems.append(
+                        f"state database {self.path} was being rebuilt from the damaged {aside} by a server that "
+                        f"stopped before it was done; {'finished' if done else 'continued'} now, with what could "
+                        f"still be read ({copied})")
+                else:
+                    self.problems.append(
+                        f"state database {self.path} was rebuilt from the damaged {aside} without {len(owed)} "
+                        f"branches that could not be written then; tried again now ({copied})")
             return conn
         conn.close()
         return self._replace_damaged(problem)
@@ -490,52 +688,109 @@ class StateStore:
         # marked first: a process that dies half-way leaves a database that looks whole, and the
         # next open finishes the copy (``_open``)
         conn.execute("INSERT OR REPLACE INTO info(key, value) VALUES ('salvaging', ?)", (aside,))
-        branches, messages = self._finish_salvage(aside, conn)
+        copied, _ = self._finish_salvage(aside, conn)
         self.problems.append(
             f"state database {self.path} is damaged ({problem}); kept as {aside}; a fresh database is in "
-            f"use, with what could still be read from the damaged one ({branches} branches, {messages} messages)")
+            f"use, with what could still be read from the damaged one ({copied})")
         return conn
 
-    def _finish_salvage(self, aside: str, conn: sqlite3.Connection) -> tuple[int, int]:
-        """Copy what ``aside`` still yields (again: a copied row is kept as it is), then unmark."""
-        counts = self._salvage(aside, conn)
-        conn.execute("DELETE FROM info WHERE key='salvaging'")
-        return counts
+    def _finish_salvage(self, mark: str, conn: sqlite3.Connection) -> tuple[str, bool]:
+        """Copy what the damaged file the ``salvaging`` mark names still yields (again: a copied
+        row is kept as it is; when the mark lists the branches still owed, those only), then
+        unmark. Branches that could not be written (a full disk) leave the mark, listing them
+        (``_salvage_mark``): the next start copies those, and only those (the others are in use
+        by then: changed, cleared, deleted, none of which a copy may undo). Writing that list
+        can fail too: the open fails then, as it would on a full disk anyway, and the next start
+        copies everything again (nothing was served meanwhile). Returns what was copied, to be
+        told, and whether the copy is done."""
+        aside, owed = _salvage_mark(mark)
+        branches, messages, bare, failed, error = self._salvage(aside, conn)
+        copied = f"{branches} branches, {messages} messages"
+        if bare:
+            copied += (f"; {bare} of those branches without their settings (name, models, policy, usage, "
+                       "permission mode, front end's info), which could not be read")
+        if not failed:
+            conn.execute("DELETE FROM info WHERE key='salvaging'")
+            return copied, True
+        if owed is None or sorted(owed) != sorted(failed):
+            conn.execute("UPDATE info SET value=? WHERE key='salvaging'",
+                         (json.dumps({"from": aside, "branches": failed}),))
+        copied += (f"; {len(failed)} more branches could not be written ({error}), and are copied at the "
+                   "next start")
+        return copied, False
 
-    def _salvage(self, aside: str, conn: sqlite3.Connection) -> tuple[int, int]:
-        """Copy what the damaged database still yields: every readable branch row, and each
-        branch's messages up to the first unreadable one (never a branch with a hole)."""
-        nb = nm = 0
+    def _salvage(self, aside: str, conn: sqlite3.Connection) -> tuple[int, int, int, list[str], str]:
+        """Copy what the damaged database still yields, branch by branch (one transaction each:
+        a server waiting for the rebuild sees the branches come in, and a damaged row costs
+        only its own branch, never every branch read with it).
+
+        The branches are every id that can still be read (``_salvage_ids``), or those of them
+        the ``salvaging`` mark lists as still owed (``_finish_salvage``). Each one's row is read
+        on its own, by its rowid, and its messages up to the first unreadable one (no hole that
+        SQLite or loading notices): one SQLite cannot read, or one it reads but that is no
+        message (a damaged page it does not notice, which loading would skip), or whose
+        ``msg_id`` is not its record's id (``_messages_read``). A damaged page that SQLite reads
+        as a valid page with fewer rows goes unnoticed: its rows are missing without a trace. A
+        branch whose row cannot be read, or whose settings are no JSON object (a damaged page
+        SQLite still reads), but whose messages can, is kept with empty settings, as loading
+        such a row gives: no name, the default models, no policy, its usage counted from zero,
+        the permission mode back to Ask (a read-only branch asks before a change again instead
+        of refusing it), and no front end's info; its messages are the work. One with neither is
+        gone. Text that is not UTF-8 is copied with U+FFFD in place of the bad bytes, as loading
+        reads a record.
+
+        Returns the branches and messages copied (the messages each branch holds once copied),
+        how many of those branches were kept without their settings, and the branches that could
+        not be written, with the first error."""
+        nb = nm = bare = 0
+        failed: list[str] = []
+        error = ""
+        row = conn.execute("SELECT value FROM info WHERE key='salvaging'").fetchone()
+        owed = None if row is None else _salvage_mark(row[0])[1]
         try:
             old = sqlite3.connect(f"file:{aside}?mode=ro", uri=True, isolation_level=None)
         except sqlite3.Error:
-            return 0, 0
+            return 0, 0, 0, [], ""
+        old.text_factory = bytes  # a stored text that is not UTF-8 fails no read: decoded here, bad bytes replaced
         try:
-            try:
-                rows = old.execute("SELECT id, meta, created_at, version, clear_gen FROM branches").fetchall()
-            except sqlite3.Error:
-                return 0, 0
-            for bid, meta, created, version, clear_gen in rows:
-                msgs: list[tuple] = []
+            ids = _salvage_ids(old)
+            if owed is not None:
+                wanted = {bid.encode("utf-8") for bid in owed}
+                ids = {raw_id: rowids for raw_id, rowids in ids.items() if raw_id in wanted}
+            for raw_id in sorted(ids, key=lambda i: (min(ids[i], default=1 << 63), i)):  # the old rows' order
                 try:
-                    for seq, mid, rec in old.execute(
-                            "SELECT seq, msg_id, record FROM messages WHERE branch_id=? ORDER BY seq", (bid,)):
-                        msgs.append((bid, seq, mid, rec))
-                except sqlite3.Error:
-                    pass
+                    bid = raw_id.decode("utf-8")
+                except UnicodeDecodeError:  # a garbled id: no branch anyone knows
+                    continue
+                row = _salvage_row(old, bid, ids[raw_id])
+                msgs = [(bid, seq, _salvage_text(mid), _salvage_text(rec)) for seq, mid, rec in _salvage_walk(
+                    old, "messages", "seq, msg_id, record", where="branch_id=?", params=(bid,))[0]]
+                msgs = msgs[:_messages_read(msgs)]
+                meta = _salvage_meta(row[0]) if row is not None else None
+                if meta is None and not msgs:
+                    continue
+                created = row[1] if row is not None and isinstance(row[1], (int, float)) else _first_time(msgs)
+                version, clear_gen = row[2:] if row is not None else (1, 0)
                 try:
                     with _transaction(conn):
                         conn.execute("INSERT OR IGNORE INTO branches(id, meta, created_at, version, clear_gen) "
-                                     "VALUES (?,?,?,?,?)", (bid, meta, created, version, clear_gen))
+                                     "VALUES (?,?,?,?,?)",
+                                     (bid, "{}" if meta is None else meta, created,
+                                      version if isinstance(version, int) else 1,
+                                      clear_gen if isinstance(clear_gen, int) else 0))
                         conn.executemany("INSERT OR IGNORE INTO messages(branch_id, seq, msg_id, record) "
                                          "VALUES (?,?,?,?)", msgs)
-                    nb += 1
-                    nm += len(msgs)
-                except sqlite3.Error:
-                    pass
+                        held = conn.execute("SELECT COUNT(*) FROM messages WHERE branch_id=?", (bid,)).fetchone()[0]
+                except sqlite3.Error as e:  # a full disk, say: told, and copied at the next start
+                    failed.append(bid)
+                    error = error or str(e)
+                    continue
+                nb += 1
+                nm += held
+                bare += meta is None
         finally:
             old.close()
-        return nb, nm
+        return nb, nm, bare, failed, error
 
     def _import_jsonl(self) -> None:
         """Import a 0.1 JSONL journal (``branches/``) once, then rename it ``branches.imported-0.1``."""
@@ -582,34 +837,26 @@ class StateStore:
         """A branch from its rows, read as bytes (``CAST(... AS BLOB)``): a value that is not
         UTF-8 (a damaged page) must not fail the read of every branch, as SQLite's decoding
         for Python would; json decodes the bytes, and a damaged row alone is dealt with."""
-        try:
-            meta = json.loads(meta_json, parse_constant=str)
-            if not isinstance(meta, dict):
-                raise ValueError("meta is not an object")
-        except (ValueError, TypeError, RecursionError):
+        meta = _meta_of(meta_json)
+        if meta is None:
             log.warning("state: branch %s has an unreadable meta; loaded without name and policy", bid)
             meta = {}
         max_seq = rows[-1][0] if rows else 0
-        # (parse_constant: a NaN or ±Infinity that an earlier version stored, which no client's
-        # JSON can take, is read as the string "NaN", "Infinity", "-Infinity", as a tool output's
-        # is made today: read as a number, every branchMessages of the branch failed -32603)
-        try:  # one parse for the whole branch (much faster than one per row) ...
-            msgs = [Message.from_record(r) for r in json.loads(b"[" + b",".join(rec for _, rec in rows) + b"]",
-                                                               parse_constant=str)]
-        except (ValueError, KeyError, TypeError, RecursionError):  # ... and row by row when one is unreadable
+        try:  # one parse for the whole branch ...
+            msgs = _messages_of([rec for _, rec in rows])
+        except _UNREADABLE:  # ... and row by row when one is unreadable
             msgs = []
             for seq, rec in rows:
                 try:
-                    msgs.append(Message.from_record(json.loads(rec, parse_constant=str)))
+                    msgs.append(_message_of(rec))
                 except UnicodeDecodeError:  # bytes that are not UTF-8: kept with U+FFFD in their place
                     try:
-                        msgs.append(Message.from_record(json.loads(rec.decode("utf-8", "replace"),
-                                                                   parse_constant=str)))
+                        msgs.append(_message_of(rec.decode("utf-8", "replace")))
                         log.warning("state: message %d of branch %s held bytes that are not UTF-8; "
                                     "loaded with U+FFFD in their place", seq, bid)
-                    except (ValueError, KeyError, TypeError, RecursionError):
+                    except _UNREADABLE:
                         log.warning("state: message %d of branch %s unreadable; skipped", seq, bid)
-                except (ValueError, KeyError, TypeError, RecursionError):
+                except _UNREADABLE:
                     log.warning("state: message %d of branch %s unreadable; skipped", seq, bid)
         return LoadedBranch(id=bid, meta=meta, messages=msgs), max_seq
 

@@ -37,7 +37,13 @@ root's directory descriptor without following symlinks (``server.tools.safe_fs``
 swapped for a symlink after the check makes the call fail instead of reaching outside.
 Directories are listed the same way (``list_dir`` through ``_open_dir``, search_text's walk
 from each parent's descriptor): a swapped one is refused or left out, never listed. Only
-regular files are read (a FIFO never blocks a call), and reads stop at their caps.
+regular files are read (a FIFO never blocks a call, a device is never opened), and reads stop
+at their caps. When the client's editor reads and writes the files instead
+(``file_tools.ClientFiles``), the path is walked the same way right before each request
+(:meth:`WorkspaceTools.check_file`), and a request is never made for a path that now goes
+through a symlink, nor for a directory, a FIFO, a socket or a device. A read or write the file
+system refuses is said in words, naming the path as the tools show it
+(:meth:`WorkspaceTools.fs_error`), never as ``[Errno N] ...: '<absolute path>'``.
 ``search_text`` matches with RE2 (linear time, no backreferences or lookaround), so no pattern
 can hang it.
 """
@@ -49,6 +55,7 @@ import contextvars
 import errno
 import heapq
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -175,6 +182,33 @@ EDIT_FILE_SCHEMA: dict[str, Any] = {
 MAX_READ_BYTES = 256 * 1024
 #: the builtin workspace tools, in the order they are offered (each a method of WorkspaceTools)
 TOOL_NAMES = ("read_file", "list_dir", "search_text", "write_file", "edit_file")
+
+
+#: the file system's refusals in plain words (its own, ``strerror``, for any other)
+_PLAIN_ERRORS = {
+    errno.ENAMETOOLONG: "a name in the path is longer than the file system allows",
+    errno.EFBIG: "the file would be larger than the file system (or a limit set on this process) allows",
+    errno.ENOSPC: "there is no space left on the device",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.ENXIO: "it is not a file (a socket, or a device)",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "the operation is not permitted",
+    errno.EROFS: "it is on a read-only file system",
+    errno.ELOOP: "a symlink is in the way",
+    errno.ENOTDIR: "a file is where a directory is needed",
+    errno.EIO: "the device reported an input/output error",
+}
+
+
+def _reason(e: OSError) -> str:
+    """Why ``e`` failed, in words and without a path: the text our own checks gave it
+    (``safe_fs``: "'sub' is a symlink or not a directory", a component's name only), or the
+    plain words for its error number (``str(e)`` of the OS's error names the absolute path)."""
+    if not e.errno:
+        return e.strerror or str(e) or type(e).__name__
+    if e.strerror and e.strerror != os.strerror(e.errno):  # the text one of our checks gave it
+        return e.strerror
+    return _PLAIN_ERRORS.get(e.errno) or e.strerror or os.strerror(e.errno)
 
 
 def page_end(lines: list[str], cut: str, number: int) -> tuple[int, bool]:
@@ -395,10 +429,15 @@ class WorkspaceTools:
             path: the directory to list
         """
         real = self.resolve(path)
-        if not real.is_dir():
-            raise WorkspacePathError(f"{path!r} is not a directory" if real.exists() else f"{path!r} does not exist")
+        try:  # opened first: a look before the open would be one more moment for a swap to fail it
+            dfd = self._open_dir(real, path)
+        except WorkspacePathError:  # what is there, for the message: nothing, or no directory
+            st = self._lstat(real, path)
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                raise WorkspacePathError(f"{path!r} is not a directory" if st is not None
+                                         else f"{path!r} does not exist") from None
+            raise
         entries: list[dict[str, Any]] = []
-        dfd = self._open_dir(real, path)
         try:
             # the first max_list_entries by name, kept while reading (a directory of 300,000
             # entries is never held, nor sorted, in full); one more tells that there were more
@@ -440,7 +479,7 @@ class WorkspaceTools:
         rx = _compile_pattern(pattern, regex, ignore_case)
         cap = max(1, min(max_results, self.max_results))
         real = self.resolve(path)
-        if not real.exists():
+        if self._lstat(real, path) is None:
             raise WorkspacePathError(f"{path!r} does not exist")
         matches: list[dict[str, Any]] = []
         files = skipped = visited = 0
@@ -497,7 +536,7 @@ class WorkspaceTools:
         if len(data) > self.max_write_bytes:
             raise WorkspacePathError(f"content is {len(data)} bytes; the limit is {self.max_write_bytes}")
         real = self.resolve_file(path)
-        old = self._read_text(real) if os.path.lexists(real) and not real.is_dir() else None
+        old = self._read_text(real) if self.check_file(real, path, writing=True) else None
         created = self._write_bytes(real, data, path)
         return {"path": self.display(real), "bytes": len(data), "created": created,
                 "diff": unified_diff(old, content, self.display(real))}
@@ -543,8 +582,8 @@ class WorkspaceTools:
             raise WorkspacePathError(f"{shown or self.display(real)!r} is not a file") from None
         except FileNotFoundError:
             raise WorkspacePathError(f"{shown or self.display(real)!r} does not exist") from None
-        except safe_fs.UnsafePathError as e:
-            raise WorkspacePathError(f"{shown or self.display(real)!r}: {e.strerror}") from None
+        except OSError as e:
+            raise self.fs_error(e, real, shown) from None
         return io.BufferedReader(io.FileIO(fd, "rb", closefd=True), buffer_size=1 << 16)
 
     def _open_dir(self, real: Path, shown: str | None = None) -> int:
@@ -557,8 +596,47 @@ class WorkspaceTools:
             return safe_fs.open_dir(root, rel)
         except FileNotFoundError:
             raise WorkspacePathError(f"{shown or self.display(real)!r} does not exist") from None
+        except OSError as e:
+            raise self.fs_error(e, real, shown) from None
+
+    def _lstat(self, real: Path, shown: str | None = None) -> os.stat_result | None:
+        """The ``lstat`` of ``real`` (resolved, inside a root), looked at from the root's
+        descriptor as the reads are (``Path.exists`` named the absolute path in the error of a
+        name too long); None when there is nothing there."""
+        root, rel = self._where(real)
+        try:
+            return safe_fs.lstat(root, rel)
+        except FileNotFoundError:
+            return None
         except safe_fs.UnsafePathError as e:
-            raise WorkspacePathError(f"{shown or self.display(real)!r}: {e.strerror}") from None
+            if e.errno == errno.ENOTDIR:  # a file on the way: nothing there, as ``Path.exists`` says
+                return None
+            raise self.fs_error(e, real, shown) from None
+        except OSError as e:
+            raise self.fs_error(e, real, shown) from None
+
+    def check_file(self, real: Path, shown: str | None = None, *, writing: bool = False) -> bool:
+        """Whether there is a file at ``real`` (resolved, inside a root) now: True for a regular
+        file, False for nothing (nor, maybe, its directory); looked at from the root's
+        descriptor, no symlink followed, nothing opened (``safe_fs.regular_or_missing``).
+        Anything else is refused with the error the disk's read (``writing``: write) gives: a
+        directory, a symlink, a FIFO, a socket, a device, a directory on the way that is now a
+        symlink or not a directory. Made right before the client's editor is asked to read or
+        write ``real`` (``file_tools.FileTools``), which opens the path by its name and follows
+        what it finds: a directory swapped for a symlink while the user was asked would have
+        taken its write outside the workspace, and a FIFO handed to it blocked its read."""
+        name = shown or self.display(real)
+        root, rel = self._where(real)
+        try:
+            if not rel:
+                raise IsADirectoryError(errno.EISDIR, "the workspace root is a directory")
+            return safe_fs.regular_or_missing(root, rel) is not None
+        except (IsADirectoryError, safe_fs.NotRegularFileError) as e:
+            if writing and isinstance(e, IsADirectoryError):
+                raise WorkspacePathError(f"{name!r} is a directory") from None
+            raise WorkspacePathError(f"{name!r} is not a file") from None
+        except OSError as e:
+            raise (self._write_error(e, real, shown) if writing else self.fs_error(e, real, shown)) from None
 
     def _read_bytes(self, real: Path, max_bytes: int | None = None) -> tuple[bytes, bool]:
         """At most ``max_bytes`` bytes of the regular file ``real`` and whether it had more."""
@@ -632,17 +710,27 @@ class WorkspaceTools:
         except OSError as e:
             raise self._write_error(e, real, shown) from None
 
-    def _write_error(self, e: OSError, real: Path, shown: str | None) -> BaseException:
-        """The tool error for a write that failed (or is bound to) with ``e``; ``e`` itself
-        when it is not one of the known refusals."""
+    def _write_error(self, e: OSError, real: Path, shown: str | None) -> WorkspacePathError:
+        """The tool error for a write that failed (or is bound to) with ``e``: the file system's
+        refusal in words (:meth:`fs_error`), and that nothing was written (a failed write
+        leaves the old file as it was, and nothing new: ``safe_fs.write_bytes_atomic``)."""
         name = shown or self.display(real)
         if isinstance(e, IsADirectoryError):
             return WorkspacePathError(f"{name!r} is a directory")
         if isinstance(e, safe_fs.ReadOnlyFileError):
             return WorkspacePathError(f"{name!r} is read-only; nothing written")
-        if isinstance(e, (safe_fs.UnsafePathError, NotADirectoryError, PermissionError)) or e.errno == errno.EROFS:
-            return WorkspacePathError(f"{name!r}: {e.strerror}; nothing written")
-        return e
+        return WorkspacePathError(f"{name!r}: {_reason(e)}; nothing written")
+
+    def fs_error(self, e: OSError, real: Path, shown: str | None = None) -> WorkspacePathError:
+        """The tool error for a read (or a look) of ``real`` that failed with ``e``, naming the
+        path as the tools show it: ``str(e)`` is "[Errno 36] File name too long: '<the absolute
+        path>'", which tells the model little and the path outside the workspace folders."""
+        name = shown or self.display(real)
+        if isinstance(e, FileNotFoundError):
+            return WorkspacePathError(f"{name!r} does not exist")
+        if isinstance(e, (IsADirectoryError, safe_fs.NotRegularFileError)):
+            return WorkspacePathError(f"{name!r} is not a file")
+        return WorkspacePathError(f"{name!r}: {_reason(e)}")
 
     def _write_text(self, real: Path | str, text: str) -> bool:
         """Atomically replace (or create) the file ``real`` (a resolved Path, or a workspace
@@ -667,7 +755,7 @@ class WorkspaceTools:
         never walked (by path, ``os.walk`` walked the folder the link led to, outside the
         workspace). One descriptor is held per level, for the first ``_HELD_DIRS`` levels;
         a directory deeper down is opened from the root again."""
-        if start.is_file():
+        if os.path.isfile(start):  # (never raises: a path past PATH_MAX is walked, and fails, as a directory)
             yield start
             return
         root, rel = self._where(start)

@@ -12,7 +12,17 @@ through a :class:`FileAccess`, which the front end chooses when it builds the to
   ``request_client``; another front end passes its own (or its own ``FileAccess``).
 
 Paths handed to a port are always real absolute paths already confined to the workspace
-folders (``WorkspaceTools.resolve``): nothing outside is ever read or asked for.
+folders (``WorkspaceTools.resolve``): nothing outside is ever read or asked for. The disk's
+port walks each path again from its root as it opens it (``safe_fs``); a client's port opens
+it by its name, following what it finds, so right before each request to the client (every
+read, every write) the path is walked the same way, no symlink followed
+(``WorkspaceTools.check_file``): a directory on the way that is now a symlink or not a
+directory (swapped while the user was asked, say) fails the call ("'sub' is a symlink or not
+a directory; nothing written") and the client is not asked; so does a path that holds a
+directory, a symlink, a FIFO, a socket or a device ("is not a file", as the disk's read says:
+an editor reading a FIFO blocks). A path with nothing on the disk is asked for (the editor
+may hold an unsaved buffer of it). What the client does between our look and its own open is
+out of our reach (docs/SECURITY.md, Known limits).
 
 **Previews and no lost work.** :class:`FileTools` plans a change (read, apply, diff) without
 writing. Governance asks for a plan before it asks the user (``PreviewTool.preview``); the
@@ -344,8 +354,8 @@ class FileTools:
         path = arguments.get("path")
         if real is None:
             real = self.ws.resolve_file(path)  # confined before anything is read or asked
-        if real.is_dir():
-            raise WorkspacePathError(f"{path!r} is a directory")
+        # a directory, a FIFO, a device, a symlink swapped in: refused before any port is asked
+        self._check(real, None, writing=True)
         check = getattr(self.files, "check_writable", None)
         if check is not None:  # a write bound to fail is never put to the user (the write checks again)
             await check(real, ctx)
@@ -373,11 +383,32 @@ class FileTools:
 
         return real, await off_the_loop(len(old) > INLINE_CHANGE_CHARS, edited, old)
 
+    def _check(self, real: Path, shown: str | None, *, writing: bool) -> None:
+        """Refuse, as the disk's read (``writing``: write) would, a path that now goes through a
+        symlink or holds something that is not a regular file (``WorkspaceTools.check_file``).
+        Made on the loop, as ``Path.is_dir`` was here (a few ``openat``/``fstatat`` of the path's
+        components), and with no await between it and the request it guards."""
+        self.ws.check_file(real, shown, writing=writing)
+
+    async def _read(self, real: Path, ctx: ToolCallContext, *, writing: bool = True,
+                    shown: str | None = None) -> str | None:
+        """The port's text of ``real``; a client's port is asked only once the path is checked
+        again (:meth:`_check`): the disk's walks it as it reads."""
+        if self.client:
+            self._check(real, shown, writing=writing)
+        return await self.files.read_text(real, ctx)
+
+    async def _write(self, real: Path, text: str, ctx: ToolCallContext) -> None:
+        """The port's write of ``text`` to ``real``, checked again first as :meth:`_read` is."""
+        if self.client:
+            self._check(real, None, writing=True)
+        await self.files.write_text(real, text, ctx)
+
     async def _read_old(self, real: Path, ctx: ToolCallContext) -> str | None:
         """The text a change is computed from. The client's text of a file is held to the
         disk's size bound (``WorkspaceTools._read_text``): over 10 MiB it is neither edited nor
         replaced, with the same error (what it held could not be shown to the user)."""
-        old = await self.files.read_text(real, ctx)
+        old = await self._read(real, ctx)
         if old is not None and self.client:
             self.ws.check_text_size(real, old)
         return old
@@ -516,12 +547,12 @@ class FileTools:
                 real, ch = await self.plan(name, arguments, ctx, turn.real)
                 when = "while the change was being made"
             # no lost work: the file must still hold the text the change was computed from
-            current = await self.files.read_text(real, ctx)
+            current = await self._read(real, ctx)
             if current != ch.old_text:
                 what = "was created" if ch.old_text is None else ("was deleted" if current is None else "changed")
                 raise ToolCallError(f"{ch.path} {what} {when}; nothing was written. "
                                     "Read the file again and redo the change.")
-            await self.files.write_text(real, ch.new_text, ctx)
+            await self._write(real, ch.new_text, ctx)
         finally:
             turn.end()
         if name == "write_file":
@@ -539,9 +570,9 @@ class FileTools:
         if limit < 1:
             raise WorkspacePathError("limit must be 1 or more")
         real = self.ws.resolve_file(path)
-        if real.is_dir():  # (as read_file from the disk says it; the client would be asked to read it)
-            raise WorkspacePathError(f"{path!r} is not a file")
-        text = await self.files.read_text(real, ctx)
+        # a directory, a FIFO, a device, a symlink swapped in: "is not a file", as read_file from
+        # the disk says it, and the client is not asked (an editor reading a FIFO blocks)
+        text = await self._read(real, ctx, writing=False, shown=path)
         if text is None:
             raise WorkspacePathError(f"{path!r} does not exist")
         all_lines = split_lines(text)  # numbered as read_file from the disk numbers them

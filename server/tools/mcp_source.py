@@ -108,6 +108,33 @@ STOP_BOUND_S = _STOP_GRACE + 2 * _KILL_GRACE
 _POLL_S = 0.02
 
 
+#: terminal escape sequences in a server's stderr line, each to its end: CSI (colours, cursor
+#: moves), OSC, DCS, PM, APC (window title, clipboard: ``ESC ] 52``) and the two-character forms
+_ESCAPE_SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x1b[\]PX^_][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -/]*[0-~]?")
+#: what is left of the control characters after those (C0 but the tab, DEL, C1)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _printable(line: str) -> str:
+    """A server's stderr line as it may reach ours: written to a terminal (or an editor's log
+    view), its escape sequences would act (recolour, move the cursor, retitle the window, set
+    the clipboard): they are dropped; what a carriage return inside the line would have
+    overwritten on a terminal is dropped too (a progress bar shows its last state); any other
+    control character is shown as its escape (``\\x07``)."""
+    if "\r" in line:
+        line = line.rstrip("\r").rpartition("\r")[2]
+    return _escaped(line)
+
+
+def _escaped(text: str) -> str:
+    """``text`` with its terminal escape sequences dropped and any other control character
+    (a carriage return too) shown as its escape: for a message of ours quoting what a server
+    was given (its command line), where nothing may be cut away."""
+    if not _CONTROL.search(text):
+        return text
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", _ESCAPE_SEQUENCE.sub("", text))
+
+
 class _Stopped(Exception):
     """The source was stopped (closed, or its host is exiting) before its server had started."""
 
@@ -497,7 +524,7 @@ class McpToolSource:
     def _emit_stderr(self, text: str) -> None:
         # secrets out before the line is kept or written (SECURITY.md G6): the registered values
         # and key-shaped tokens, as the log filter does for our own lines
-        line = redact(text.rstrip("\r"), patterns=True)
+        line = redact(_printable(text), patterns=True)  # (a secret split by escape codes is whole once they are out)
         self._stderr_tail.append(line if len(line) <= _QUOTED_LINE_CHARS
                                  else f"{line[:_QUOTED_LINE_CHARS]}… ({len(line)} characters)")
         out = self._errlog if self._errlog is not None else sys.stderr
@@ -532,7 +559,8 @@ class McpToolSource:
             reason = f"command not found: {self.command[0]}"
         else:
             reason = _describe(e)
-        msg = redact(f"MCP server {self.name!r} failed to start ({' '.join(self.command)}): {reason}", patterns=True)
+        msg = redact(_escaped(f"MCP server {self.name!r} failed to start ({' '.join(self.command)}): {reason}"),
+                     patterns=True)
         return msg + self._quoted_tail()
 
     def _quoted_tail(self) -> str:

@@ -11,7 +11,12 @@ Directories are listed the same way: :func:`open_dir` gives a descriptor to ``os
 
 Reads are bounded while reading (``max_bytes``): a 2 GB sparse file costs one bounded read.
 Anything that is not a regular file (a FIFO, a socket, a device) is refused without being
-opened for a blocking read (``O_NONBLOCK``, then ``fstat``). Writes go to a temporary file
+opened at all: its type is looked at first (``fstatat`` of the name in its directory, no
+symlink followed), since opening some devices has effects of its own (a terminal, a tape);
+what is then opened (``O_NONBLOCK``, never a blocking open) is checked again (``fstat``), in
+case the name was swapped meanwhile. :func:`regular_or_missing` tells, without opening
+anything, whether the name holds a regular file, nothing, or something else (for a read or a
+write made by someone else, the client's editor, at that path). Writes go to a temporary file
 in the same directory (its name starts with the file's, cut to at most 200 bytes, so that any
 legal name has a legal temporary one), then ``os.replace`` over the name, both relative to the parent's
 descriptor: a reader never sees half a file, and a symlink at the final name is replaced,
@@ -33,7 +38,7 @@ from pathlib import Path, PurePosixPath
 from typing import Iterable
 
 __all__ = ["UnsafePathError", "NotRegularFileError", "ReadOnlyFileError", "components", "lstat", "stat", "open_dir", "open_subdir",
-           "open_regular", "read_bytes", "read_text",
+           "open_regular", "regular_or_missing", "read_bytes", "read_text",
            "check_writable", "write_bytes_atomic", "write_text_atomic"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -174,11 +179,25 @@ def lstat(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[s
 stat = lstat
 
 
+def _not_regular(name: str, st: os.stat_result) -> OSError:
+    """The error for ``name``, whose ``lstat`` is ``st``, which is not a regular file."""
+    if _stat.S_ISLNK(st.st_mode):
+        return UnsafePathError(errno.ELOOP, f"{name!r} is a symlink")
+    return NotRegularFileError(errno.EINVAL, f"{name!r} is not a regular file")
+
+
 def open_regular(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str]) -> tuple[int, int]:
-    """A read descriptor of the regular file ``rel`` (blocking mode restored) and its size."""
+    """A read descriptor of the regular file ``rel`` (blocking mode restored) and its size.
+    Anything else at ``rel`` is refused before it is opened (opening a device can act on it):
+    a symlink (:class:`UnsafePathError`), a directory, a FIFO, a socket or a device
+    (:class:`NotRegularFileError`); the descriptor is checked again once open (the name may
+    have been swapped between the look and the open)."""
     dirs, name = _split(rel)
     dfd = _walk(root, dirs)
     try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)  # fstatat(AT_SYMLINK_NOFOLLOW): opens nothing
+        if not _stat.S_ISREG(st.st_mode):
+            raise _not_regular(name, st)
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
         except OSError as e:
@@ -196,6 +215,33 @@ def open_regular(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Ite
         os.close(fd)
         raise
     return fd, st.st_size
+
+
+def regular_or_missing(root: str | os.PathLike[str],
+                       rel: str | os.PathLike[str] | Iterable[str]) -> os.stat_result | None:
+    """The ``lstat`` of the regular file ``rel``, or None when there is nothing at ``rel`` (nor,
+    maybe, at a directory on the way); nothing is opened but the directories, walked as every
+    call here walks them. Anything else is refused: a symlink or a non-directory on the way, or
+    a symlink at ``rel`` (:class:`UnsafePathError`), a directory (``IsADirectoryError``), a
+    FIFO, a socket or a device (:class:`NotRegularFileError`). For a path someone else is about
+    to open (the client's editor): they will find there what was found here, unless it changes
+    in between."""
+    dirs, name = _split(rel)
+    try:
+        dfd = _walk(root, dirs)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dfd)
+    if _stat.S_ISREG(st.st_mode):
+        return st
+    if _stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, f"{name!r} is a directory")
+    raise _not_regular(name, st)
 
 
 def read_bytes(root: str | os.PathLike[str], rel: str | os.PathLike[str] | Iterable[str],

@@ -270,11 +270,14 @@ AGENT = [sys.executable, "-m", "operate_sidecar.server", "--acp"]
 class Raw:
     """The agent over pipes from a plain newline-delimited JSON client (no SDK: lines in one
     write reach the agent in one read, and params the SDK's client would refuse can be sent): ``send`` writes any number of messages in one write; every
-    message the agent writes is kept (``seen``) and answers are waited for by id."""
+    message the agent writes is kept (``seen``) and answers are waited for by id. ``extra``:
+    more arguments for the agent; ``stderr``: where its log goes (``subprocess.PIPE``: read by
+    the caller)."""
 
-    def __init__(self, config: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env or agent_env())
+    def __init__(self, config: str, env: dict[str, str] | None = None, *extra: str,
+                 stderr: int | None = subprocess.DEVNULL) -> None:
+        self.proc = subprocess.Popen(AGENT + ["--config", config, *extra], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=stderr, env=env or agent_env())
         self.seen: list[dict] = []
         self._answers: dict[object, dict] = {}
         self._cond = threading.Condition()

@@ -856,8 +856,10 @@ def test_diff_old_text_comes_from_the_clients_buffer(tmp_path, ws, mode):
             sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
             await bounded(conn.set_config_option(config_id="mode", session_id=sid, value=mode))
             await prompt(conn, sid)
-            # asked: the service's preview; auto-edit (not asked): the front end reads the buffer itself
-            assert c.of("tool_call")[0].content[0].old_text == "unsaved buffer\n"
+            # asked: the service's preview, before it runs; auto-edit (not asked): the change the
+            # tool made (from the buffer), once it ran
+            shown = c.of("tool_call")[0] if mode == "ask" else c.of("tool_call_update")[-1]
+            assert shown.content[0].old_text == "unsaved buffer\n"
             assert len(c.permissions) == (1 if mode == "ask" else 0)
 
     run(main())

@@ -41,7 +41,7 @@ def test_a_fifo_in_the_workspace_is_refused_and_never_freezes_the_agent(tmp_path
                      toolModules=["acp_fixture_tools"])
         async with spawn(c, config) as (conn, proc):
             sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
-            # auto-edit: the edit is not asked about; its diff is made as it is decided, before it runs
+            # auto-edit: the edit is not asked about; it fails (a FIFO is no file) and shows no diff
             await bounded(conn.set_config_option(config_id="mode", session_id=sid, value="auto-edit"))
             res = await bounded(start_prompt(conn, sid), 30)
             assert res.stop_reason == "end_turn"
@@ -69,10 +69,10 @@ class NeverReads(RecordingClient):
 
 
 def test_a_client_that_never_answers_the_diffs_read_holds_the_turn_no_longer_than_the_tool_time_out(tmp_path, ws):
-    """The diff's read of the old text through the editor (``fs/read_text_file``) had no
-    time-out: the tool's own reads gave up after ``toolTimeoutMs``, the turn waited for the
-    editor for ever. It waits as long as the tools' reads do; the call is then shown without
-    its diff, as when the old text cannot be read."""
+    """An editor that never answers the tool's read of the old text (``fs/read_text_file``)
+    holds the turn no longer than ``toolTimeoutMs``: the call fails saying it timed out, is
+    shown without a diff (the port reads nothing itself: a diff is the tool's preview or the
+    change it made), and the turn goes on."""
     async def main():
         c = NeverReads()
         config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "new\n"})]), reply("done"),

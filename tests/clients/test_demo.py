@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from operate_sidecar.clients.python import demo
+from operate_sidecar.clients.python.client import SidecarClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,9 +49,9 @@ def test_the_tools_line_shows_every_policy(piped_run):
     assert demo.tools_line([{"name": "x", "policy": "ask"}]) == r"tools: x \[ask]"
 
 
-def test_no_workspace_is_left_behind(piped_run, tmp_path, monkeypatch):
-    assert not list(piped_run[1].glob("operate-demo-*"))                  # a run that went well
-    # ... one that fails or is interrupted (Ctrl-C) removes it too
+def test_nothing_is_left_behind(piped_run, tmp_path, monkeypatch, capsys):
+    assert list(piped_run[1].iterdir()) == []       # a run that went well: no workspace, no server log
+    # ... one that fails or is interrupted (Ctrl-C: one line, exit 130) removes its workspace too
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(demo.tempfile, "tempdir", None)
     seen = []
@@ -60,8 +61,12 @@ def test_no_workspace_is_left_behind(piped_run, tmp_path, monkeypatch):
             assert workspace.is_dir() and workspace.name.startswith("operate-demo-")
             raise exc("stop")
         monkeypatch.setattr(demo, "run", run)
-        with pytest.raises(exc):
-            demo.main()
+        if exc is KeyboardInterrupt:
+            assert demo.main() == 130
+            assert capsys.readouterr().err.startswith("demo interrupted (Ctrl-C): ")
+        else:
+            with pytest.raises(exc):   # a bug of the demo's own shows its traceback
+                demo.main()
     assert len(seen) == 2 and not any(p.exists() for p in seen) and not list(tmp_path.glob("operate-demo-*"))
 
 
@@ -91,22 +96,36 @@ def test_piped_output_is_clean_and_titles_are_whole(piped_run):
     assert out.count("operate (live)") == 1                               # not redrawn
     title = panel(out, "edit_file")[0]
     assert "permission: edit_file greeting.py" in title and "→ allo─" not in title
-    assert "answered allow_once" in panel(out, "edit_file")[-1]
+    assert "answering allow_once" in panel(out, "edit_file")[-1]
 
 
-def test_the_edit_part_shows_its_tool_events_and_permission_in_order(piped_run):
+def test_the_edit_part_shows_its_tool_events_and_the_preview_as_they_happen(piped_run):
+    """The tool events as they come, and the permission request's preview (the diff) printed by the
+    permission handler before it answers: the output reads preview, permission answered, the edit
+    runs (not the preview after the edit, below its events)."""
     out = piped_run[0].stdout
-    lines = panel(out, "tool events and permissions")
-    assert "(3 rounds)" in lines[0], lines[0]
-    events = [(m.group(2), m.group(3)) if m.group(1) is None else ("permission", m.group(1))
-              for m in (re.match(r"│ (?:permission asked: (\w+)\(|tool #\d+ +(pre|post) (\w+)\()", ln) for ln in lines)
-              if m]
+    part = out[out.index("an edit, in rounds"):].splitlines()
+    events = []
+    for ln in part:
+        m = re.match(r"tool #\d+ +(pre|post) (\w+)\(", ln)
+        if m:
+            events.append((m.group(1), m.group(2)))
+        elif ln.startswith("╭") and "permission: edit_file greeting.py" in ln:
+            events.append(("permission", "edit_file"))
+        elif ln.startswith("╭") and "answer" in ln:
+            assert "(last of 3 rounds)" in ln, ln
+            break
     assert events == [("pre", "read_file"), ("post", "read_file"), ("permission", "edit_file"),
-                      ("pre", "edit_file"), ("post", "edit_file")], lines
+                      ("pre", "edit_file"), ("post", "edit_file")], part
+    diff = panel(out, "permission: edit_file")
+    assert '│ -    return "Helo, " + name + "!"' in "\n".join(diff) and "answering allow_once" in diff[-1], diff
     summary = " ".join(out[out.index("demo ok"):].split())
     assert "edit: 4 tool events, 1 permission request(s) answered;" in summary  # the events shown above
-    # a tool's output is cut short here (the whole diff has its own panel): not read_file's whole JSON
-    text = " ".join(ln.strip("│ ") for ln in lines)
+    # a tool's output is cut short here, one line per event (the whole diff has its own panel):
+    # not read_file's whole JSON
+    lines = [ln for ln in part if re.match(r"tool #\d+ ", ln)]
+    assert all(len(ln) <= 80 for ln in lines), lines
+    text = " ".join(lines)
     assert '"nextOffset"' not in text and '"added"' not in text and text.count("…") >= 2, lines
 
 
@@ -126,14 +145,16 @@ def test_a_failed_demo_shows_why_from_the_servers_stderr(tmp_path, monkeypatch, 
     # the server's own words and where its whole stderr is, not only "the server closed its output"
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(demo.tempfile, "tempdir", None)
-    real = demo.SidecarClient
 
     def dying(argv, **kw):
-        return real([sys.executable, "-c", "import sys; sys.stderr.write('Traceback: llama model file not found\\n');"
+        return SidecarClient([sys.executable, "-c", "import sys; sys.stderr.write('Traceback: llama model file not found\\n');"
                      " sys.exit(3)"], **kw)
 
     monkeypatch.setattr(demo, "SidecarClient", dying)
     assert demo.main() == 1
     out = capsys.readouterr().out
     assert "demo failed" in out and "│ Traceback: llama model file not found" in out, out
-    assert f"the sidecar's whole stderr: {tmp_path / 'operate-sidecar-demo.stderr.log'}\n" in out, out
+    # the log of this run, kept (the demo failed) and named
+    log = re.search(rf"^the sidecar's whole stderr: ({re.escape(str(tmp_path))}/operate-sidecar-demo-\w+\.stderr\.log)$",
+                    out, re.M)
+    assert log and Path(log.group(1)).read_text() == "Traceback: llama model file not found\n", out

@@ -187,7 +187,7 @@ async def test_a_first_instruction_too_long_for_the_context_is_the_documented_er
     nCtx 8: "could not broadcast input array ..."). It is the documented nCtx error now."""
     for n_ctx, text in ((256, "word " * 400), (8, "hi")):
         model = make_model({"provider": "local", "nCtx": n_ctx}, name=f"n{n_ctx}")
-        with anyio.fail_after(120), pytest.raises(ModelError, match=r"the instruction alone need \d+ tokens, which "
+        with anyio.fail_after(120), pytest.raises(ModelError, match=r"the instruction alone needs \d+ tokens, which "
                                                                      rf"does not fit the context window of {n_ctx} "
                                                                      r"tokens \(nCtx\)"):
             await model.invoke(ask(text, max_tokens=4))

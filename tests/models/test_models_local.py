@@ -122,7 +122,8 @@ async def test_local_cancel_stops_generation_and_model_stays_usable(local):
 
 async def test_local_missing_gguf_is_a_model_error(tmp_path):
     model = make_model({"provider": "local", "path": str(tmp_path / "nope.gguf")}, name="missing")
-    with anyio.fail_after(30), pytest.raises(ModelError, match="not found"):
+    # (the words ACP's check says before a prompt: config.local_file_problem)
+    with anyio.fail_after(30), pytest.raises(ModelError, match=r"the local model file .*nope\.gguf does not exist"):
         await model.invoke(ask("hi"))
 
 

@@ -156,8 +156,9 @@ async def test_a_structured_reply_of_the_embedded_model_cut_at_max_tokens_fails_
         await model.aclose()
     assert "'loc'" in str(e.value) and "cut at the token limit" in str(e.value), str(e.value)
     assert "a larger maxTokens may let it finish" in str(e.value)
-    # the words of the openai provider's (one function writes both), but for where else the limit comes from
-    assert str(e.value) == cut_at_token_limit("loc", False, "(or a larger nCtx, when the context is full)")
+    # the words of the openai provider's (one function writes both), but for the setting that bounded the reply
+    assert str(e.value) == cut_at_token_limit("loc", False,
+                                              "(the limit here: the call's modelOptions.maxTokens, 6 tokens)")
     assert text_of(chunks).startswith("{") and [c.usage["completion_tokens"] for c in chunks if c.type == "result"] == [6]
 
 
@@ -441,3 +442,32 @@ async def test_a_body_that_is_not_what_was_asked_for_is_named_with_its_first_wor
     assert isinstance(error, ModelError) and words in message, message
     assert "ended before the reply was complete" not in message and "Error code" not in message
     assert len(message) < 600
+
+
+@pytest.mark.parametrize("config_options, call_options, says", [
+    ({"maxTokens": 64}, {}, "Raise maxTokens in the \"options\" of model 'oai' in its config (now 64)."),
+    ({"maxTokens": 64}, {"maxTokens": 32}, "Raise maxTokens in the call's modelOptions (now 32)."),
+    ({}, {"max_completion_tokens": 16}, "Raise maxCompletionTokens in the call's modelOptions (now 16)."),
+    ({}, {}, "Set maxTokens in the \"options\" of model 'oai' in its config: none was sent"),
+    # both keys go out (the call's over the config's): the server honours max_completion_tokens
+    ({"maxCompletionTokens": 100}, {"maxTokens": 32},
+     "Raise maxCompletionTokens in the \"options\" of model 'oai' in its config (now 100). (maxTokens in the "
+     "call's modelOptions, 32, was sent too: OpenAI-style servers take maxCompletionTokens over it.)"),
+    ({"maxTokens": 64}, {"maxTokens": None}, "Set maxTokens in the \"options\" of model 'oai' in its config: none "
+     "was sent"),
+])
+async def test_a_cut_reply_is_a_reply_cut_naming_the_setting_that_bounded_it(config_options, call_options, says):
+    """A structured reply cut at the token limit is the ``ReplyCut`` model error (ACP's
+    ``max_tokens`` stop reason, as the embedded model's), its ``fix`` naming the setting that sent
+    the limit and its value (as sent: the call's modelOptions over the config's options, a call's
+    null too; maxCompletionTokens, which the server honours, before maxTokens), or that none
+    was sent."""
+    from operate_sidecar.server.core.errors import ReplyCut
+
+    request = ModelRequest(messages=[{"role": "user", "content": "x"}], options=call_options,
+                           response_schema={"type": "object"})
+    with openai_stub(cut_stream(CUT_WRITE)) as (url, _):
+        chunks, error = await streamed(url, request, options=config_options)
+    assert isinstance(error, ReplyCut) and error.stop_reason == "max_tokens", error
+    assert says in error.fix, error.fix
+    assert str(error) == cut_at_token_limit("oai", False, TOKEN_LIMIT_HINT)

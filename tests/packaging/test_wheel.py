@@ -101,8 +101,18 @@ def make_project(root: Path) -> Path:
 def _child_env() -> dict[str, str]:
     """This environment for the new venv's processes: without this one's path settings, and
     without ``PYTEST_ADDOPTS`` (the inner pytest runs the command written here, whatever the
-    outer one was given)."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTEST_ADDOPTS")}
+    outer one was given); with the code cache off: a throwaway venv would leave its own ~1.7 MB
+    file in the user's cache folder at every run (server/codecache.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTEST_ADDOPTS")}
+    env["OPERATE_SIDECAR_CODE_CACHE"] = "off"
+    return env
+
+
+def _cache_file(py: Path, cwd: Path) -> Path:
+    """The code cache file the venv's sidecar would write were the cache on (its default one)."""
+    env = {k: v for k, v in _child_env().items() if k != "OPERATE_SIDECAR_CODE_CACHE"}
+    return Path(run(py, "-c", "from operate_sidecar.server import codecache; print(codecache.default_path())",
+                    env=env, cwd=cwd).stdout.strip())
 
 
 def test_a_project_with_its_own_server_and_protocol_packages_uses_the_installed_wheel(wheel, tmp_path):
@@ -134,6 +144,9 @@ def test_a_project_with_its_own_server_and_protocol_packages_uses_the_installed_
                          cwd=project, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 passed" in out.stdout
+    # the venv goes with tmp_path: it left no code cache file behind in the user's cache folder
+    cache = _cache_file(py, project)
+    assert not cache.exists(), cache
 
 
 def test_the_checkout_runs_its_tests_without_being_installed(tmp_path):
@@ -159,3 +172,5 @@ def test_the_checkout_runs_its_tests_without_being_installed(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     summary = out.stdout.strip().splitlines()[-1]  # e.g. "20 passed, 18 deselected in 25.29s"
     assert re.fullmatch(r"\d+ passed(, \d+ deselected)?(, \d+ warnings?)? in [\d.]+s( \([\d:]+\))?", summary), out.stdout
+    cache = _cache_file(py, ROOT)   # no code cache file of this throwaway venv in the user's cache folder
+    assert not cache.exists(), cache

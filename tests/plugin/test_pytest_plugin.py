@@ -537,7 +537,8 @@ def test_a_script_that_is_missing_or_malformed_fails_with_what_and_where_and_no_
             f"working directory ({tmp_path})") in text, text
     assert (f"sidecar_script: {project}/misspelt.jsonl:2: a step has exactly one of request, notify, "
             "expectNotification, respond, await (found none; its key(s): reqest)") in text, text
-    assert "sidecar_script: the script holds no recorded model turns (record it with --record)" in text, text
+    assert (f"sidecar_script: {project}/good.jsonl: the script holds no recorded model turns, no recordedModels line "
+            "(record it with --record)") in text, text
     assert text.count(" - Failed: side") == 3, text  # the message alone
     assert "def parse_script" not in text and "runner.py" not in text and "During handling" not in text, text
 

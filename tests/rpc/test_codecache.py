@@ -207,6 +207,14 @@ def test_a_damaged_or_untrusted_cache_is_ignored_and_replaced(tmp_path):
     assert oct(cache.stat().st_mode & 0o777) == "0o600"
 
 
+def test_a_fifo_in_place_of_the_cache_neither_blocks_the_start_nor_stays(tmp_path):
+    cache = tmp_path / "c.marshal"
+    os.mkfifo(cache, 0o600)                 # an open of it for reading would wait for a writer for ever
+    r = _run(IMPORT_LSP, cache)
+    assert r["hits"] == 0 and r["added"] > 500 and r["repr"] == "1:2-3:4"
+    assert cache.is_file() and isinstance(marshal.loads(cache.read_bytes()), dict)   # replaced by a cache
+
+
 def test_off_writes_nothing(tmp_path):
     r = _run(IMPORT_LSP, "off")
     assert r["hits"] == r["added"] == 0

@@ -283,10 +283,10 @@ def test_a_notification_its_answered_request_did_not_send_fails_without_waiting_
     if kind == "progress":
         never = {"expectNotification": "$/progress", "match": {"token": "w", "value": {"kind": "report",
                                                                                       "message": "never said"}}}
-        why = "the request whose workDoneToken it names (3) was answered without it"
+        why = "the request whose workDoneToken it names (the operate on line 3) was answered without it"
     else:
         never = {"expectNotification": "toolEvent", "match": {"branchId": "${b}", "event": "never"}}
-        why = "the operate on the branch it names (3) was answered without it"
+        why = "the operate on the branch it names (line 3) was answered without it"
     script = write_script(tmp_path / "s.jsonl", [
         {"request": "initialize", "params": {"workspaceFolders": ["${cwd}"], "settings": {"models": {"m": {
             "provider": "scripted", "responses": [read, "done"]}}}}},

@@ -9,26 +9,9 @@ import subprocess
 import tracemalloc
 
 from rpc.support import TIMEOUT, Sidecar, scripted, spawner  # tests/ is on sys.path
+from tools.wire_support import call, output, start
 
 from operate_sidecar.server.tools import WorkspaceTools
-
-
-def call(function: str, **arguments) -> dict:
-    return {"json": {"action_requests": [{"function": function, "arguments": arguments}]}}
-
-
-def start(c, ws, *responses, caps=None, policy="allow", **settings):
-    c.request("initialize", {"workspaceFolders": [str(ws)], "capabilities": caps or {},
-                             "settings": {"models": {"s": scripted(*responses)}, "defaultModel": "s",
-                                          "toolPolicy": {"edit_file": policy, "write_file": policy}, **settings}},
-              timeout=TIMEOUT)
-    return c.branch()
-
-
-def output(c, bid):
-    res = c.request("operate", {"branchId": bid, "instruction": "go", "actions": True}, timeout=TIMEOUT)
-    (out,) = [r["output"] for r in res["result"]["action_responses"]]
-    return out
 
 
 # a form feed, a lone CR and U+2028 are inside their lines: only "\n" ends one (diff, git, read_file)

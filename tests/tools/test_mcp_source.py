@@ -544,3 +544,28 @@ async def test_a_key_in_a_servers_command_line_is_masked_in_why_it_did_not_start
     key = "sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z"
     msg = await start_failure("keyed", {"command": ["/nonexistent/mcp-xyz", "--api-key", key]})
     assert key not in msg and "(/nonexistent/mcp-xyz --api-key [REDACTED])" in msg, msg
+
+
+async def test_terminal_escape_codes_a_server_writes_on_stderr_do_not_reach_ours():
+    """A server's stderr is relayed to ours, which a terminal or an editor's log view shows: its
+    escape sequences (colours, a window title, the clipboard: ``ESC ] 52``) would act there, and a
+    carriage return would overwrite what came before it. They are dropped; the text is kept, as a
+    terminal would have shown it; other control characters are shown escaped. The same for the
+    stderr quoted when the server fails to start."""
+    err = io.StringIO()
+    script = ("printf 'boot \\033[1;31mred\\033[0m done \\033]52;c;cHduZWQ=\\007 \\033]0;title\\033\\\\ "
+              "bell\\007 got 10%%\\rprogress 100%%\\n' >&2; exit 3")
+    msg = await start_failure("noisy", {"command": ["/bin/sh", "-c", script]}, errlog=err)
+    relayed = [line for line in err.getvalue().splitlines() if line.startswith("[mcp noisy] ")]
+    assert relayed == ["[mcp noisy] progress 100%"], err.getvalue()
+    script = "printf 'boot \\033[1;31mred\\033[0m done \\033]52;c;cHduZWQ=\\007 bell\\007 end\\n' >&2; exit 3"
+    err = io.StringIO()
+    msg = await start_failure("noisy", {"command": ["/bin/sh", "-c", script, "arg\rwith a return"]}, errlog=err)
+    assert "[mcp noisy] boot red done  bell\\x07 end" in err.getvalue().splitlines()
+    # our own message quoting its command line is cut nowhere: the return in an argument is shown
+    assert msg.startswith("MCP server 'noisy' failed to start (/bin/sh -c "), msg
+    assert "arg\\x0dwith a return" in msg.partition("\n")[0], msg
+    tail = msg.partition("stderr (last lines):")[2]
+    assert "boot red done  bell\\x07 end" in tail
+    for text in (err.getvalue(), tail):
+        assert "\x1b" not in text and "\x07" not in text and "cHduZWQ" not in text
