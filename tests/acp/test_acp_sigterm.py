@@ -80,6 +80,22 @@ def _stubborn_env(tmp_path) -> dict[str, str]:
     return env
 
 
+def _stopping(tmp_path, ws, seconds: int) -> Agent:
+    """An agent whose turn (prompt 10) runs a tool that ignores cancellation for ``seconds``, sent
+    SIGTERM while it runs, once its stop has begun (logged)."""
+    a, sid = _start(tmp_path, ws, reply("", [("stubborn", {"seconds": seconds})]), reply("done"),
+                    env=_stubborn_env(tmp_path), toolModules=["stubborn_tools"], toolPolicy={"stubborn": "allow"})
+    try:
+        a.send(prompt(10, sid))
+        a.until(lambda: any(u.get("status") == "in_progress" for u in a.updates()), "the tool running")
+        a.proc.send_signal(signal.SIGTERM)
+        a.logged("stopping (SIGTERM)")
+    except BaseException:
+        a.close()
+        raise
+    return a
+
+
 def _turn(a: Agent, msg_id: int) -> list[tuple]:
     """The turn as the client saw it: its calls' updates (kind, status) and its answer's code."""
     return [("answer", m["error"]["code"]) if m.get("id") == msg_id
@@ -139,13 +155,8 @@ def test_a_request_sent_after_the_signal_is_answered_minus_32800_not_served_or_d
     """The client writes on after SIGTERM, while the agent's stop is still under way (a tool
     that does not stop at once holds it up, bounded): its request is answered -32800 at once,
     as the requests in flight are, and the process still exits 0."""
-    a, sid = _start(tmp_path, ws, reply("", [("stubborn", {"seconds": 30})]), reply("done"),
-                    env=_stubborn_env(tmp_path), toolModules=["stubborn_tools"], toolPolicy={"stubborn": "allow"})
+    a = _stopping(tmp_path, ws, 30)
     try:
-        a.send(prompt(10, sid))
-        a.until(lambda: any(u.get("status") == "in_progress" for u in a.updates()), "the tool running")
-        a.proc.send_signal(signal.SIGTERM)
-        a.logged("stopping (SIGTERM)")
         a.send(req(11, "session/new", cwd=str(ws), mcpServers=[]))
         late = a.answer(11)
         assert late.get("error", {}).get("code") == -32800, late
@@ -164,13 +175,8 @@ def test_a_message_sent_after_the_signal_is_screened_as_ever_before_the_minus_32
     (NaN is no JSON: echoed, a strict client would refuse the whole line), and a message with
     ``"method": null`` and a result is an answer (the SDK's test), not a request: it is not
     answered. They were all answered -32800, the NaN echoed as it came."""
-    a, sid = _start(tmp_path, ws, reply("", [("stubborn", {"seconds": 30})]), reply("done"),
-                    env=_stubborn_env(tmp_path), toolModules=["stubborn_tools"], toolPolicy={"stubborn": "allow"})
+    a = _stopping(tmp_path, ws, 30)
     try:
-        a.send(prompt(10, sid))
-        a.until(lambda: any(u.get("status") == "in_progress" for u in a.updates()), "the tool running")
-        a.proc.send_signal(signal.SIGTERM)
-        a.logged("stopping (SIGTERM)")
         a.send({"jsonrpc": "2.0", "id": 12, "method": 7, "params": {}},
                {"jsonrpc": "2.0", "id": float("nan"), "method": "session/new", "params": {}},
                {"jsonrpc": "2.0", "id": 13, "method": None, "result": {}},
@@ -215,12 +221,8 @@ def test_a_second_signal_while_the_first_is_served_stops_the_agent_at_once(tmp_p
     cancellation: the first alone takes ``EXIT_GRACE_S`` for the requests in flight, then the
     agent's close its few seconds) ends the process within ``EXIT_GRACE_S`` + 1 s (a bound on
     the stop, not a speed target), exit 0, with no traceback. It waited for all of the first's."""
-    a, sid = _start(tmp_path, ws, reply("", [("stubborn", {"seconds": 60})]), reply("done"),
-                    env=_stubborn_env(tmp_path), toolModules=["stubborn_tools"], toolPolicy={"stubborn": "allow"})
+    a = _stopping(tmp_path, ws, 60)
     try:
-        a.send(prompt(10, sid))
-        a.until(lambda: any(u.get("status") == "in_progress" for u in a.updates()), "the tool running")
-        a.proc.send_signal(signal.SIGTERM)
         a.logged("stopping (SIGTERM): answering")
         a.proc.send_signal(signal.SIGINT)
         try:
