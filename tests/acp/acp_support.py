@@ -269,8 +269,8 @@ AGENT = [sys.executable, "-m", "operate_sidecar.server", "--acp"]
 
 class Raw:
     """The agent over pipes from a plain newline-delimited JSON client (no SDK: lines in one
-    write reach the agent in one read, and params the SDK's client would refuse can be sent): ``send`` writes any number of messages in one write; every
-    message the agent writes is kept (``seen``) and answers are waited for by id. ``extra``:
+    write reach the agent in one read, and params the SDK's client would refuse can be sent):
+    ``send`` writes any number of messages in one write; every message the agent writes is kept (``seen``) and answers are waited for by id. ``extra``:
     more arguments for the agent; ``stderr``: where its log goes (``subprocess.PIPE``: read by
     the caller)."""
 
@@ -353,8 +353,14 @@ def start(tmp_path, ws, *responses, fs: bool = False, env: dict[str, str] | None
           **settings) -> tuple[Raw, str]:
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(*responses)}, **settings})
     a = Raw(config, env)
+    return a, open_session(a, ws, fs=fs)
+
+
+def open_session(a: Any, ws: Path, fs: bool = False) -> str:
+    """``initialize`` (request 1; the client serves files with ``fs``) and ``session/new`` in
+    ``ws`` (request 2) from a plain client ``a`` (a ``Raw``): the new session's id."""
     caps = {"fs": {"readTextFile": True, "writeTextFile": True}} if fs else {}
     a.send(req(1, "initialize", protocolVersion=1, clientCapabilities=caps))
     a.answer(1)
     a.send(req(2, "session/new", cwd=str(ws), mcpServers=[]))
-    return a, a.answer(2)["result"]["sessionId"]
+    return a.answer(2)["result"]["sessionId"]

@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from acp_support import TIMEOUT, Raw, agent_env, prompt, reply, req, scripted, write_config
+from acp_support import TIMEOUT, Raw, agent_env, open_session, prompt, reply, req, scripted, write_config
 from operate_sidecar.server.acp.run import EXIT_GRACE_S
 
 #: a tool that ignores every cancellation (it waits its time out whatever comes): the agent's
@@ -67,10 +67,7 @@ class Agent(Raw):
 def _start(tmp_path, ws, *responses, env: dict[str, str] | None = None, **settings) -> tuple[Agent, str]:
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(*responses)}, **settings})
     a = Agent(config, "--log-level", "info", env=env)
-    a.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-    a.answer(1)
-    a.send(req(2, "session/new", cwd=str(ws), mcpServers=[]))
-    return a, a.answer(2)["result"]["sessionId"]
+    return a, open_session(a, ws)
 
 
 def _stubborn_env(tmp_path) -> dict[str, str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from acp_support import AGENT, Raw, agent_env, reply, req, scripted, write_config
+from acp_support import AGENT, Raw, agent_env, open_session, reply, req, scripted, write_config
 from acp_support import prompt as raw_prompt
 
 from operate_sidecar.server.acp.run import tail_id
@@ -64,11 +64,7 @@ def start(tmp_path: Path, ws: Path, *responses, fs: bool = False, **settings) ->
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(*responses)},
                                                        "stateDir": str(tmp_path / "state"), **settings})
     a = Logged(config, tmp_path)
-    caps = {"fs": {"readTextFile": True, "writeTextFile": True}} if fs else {}
-    a.send(req(1, "initialize", protocolVersion=1, clientCapabilities=caps))
-    a.answer(1)
-    a.send(req(2, "session/new", cwd=str(ws), mcpServers=[]))
-    return a, a.answer(2)["result"]["sessionId"]
+    return a, open_session(a, ws, fs=fs)
 
 
 def allow(asked: dict) -> dict:
