@@ -19,15 +19,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import common
 from .report import replace_section
 from .stats import ratio, summary
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VENV_PY = ROOT / ".venv" / "bin" / "python"
-OURS_BIN = Path(os.environ.get("OPERATE_SIDECAR_BIN", ROOT / ".venv" / "bin" / "operate-sidecar"))
 BEGIN, END = "<!-- acp-bench:begin -->", "<!-- acp-bench:end -->"
 TARGET_NEW_MS = 500.0
+#: the bound on each process's ``initialize`` answer: both agents answer within 0.1-1.5 s on this
+#: machine, and a program that does not speak ACP (``bench/peers/fake_sidecar.py``, which waits for
+#: Content-Length frames) has answered nothing by then, so the section is unavailable at once
+INIT_TIMEOUT_S = 10.0
 
 
 def _log(*a: Any) -> None:
@@ -57,7 +61,11 @@ async def _session(argv: list[str], cwd: str, warm_n: int, log_path: Path) -> di
         t0 = time.perf_counter()
         async with acp.spawn_agent_process(client, argv[0], *argv[1:], env=env, cwd=cwd,
                                            transport_kwargs={"stderr": err}) as (conn, proc):
-            await asyncio.wait_for(conn.initialize(protocol_version=acp.PROTOCOL_VERSION), 60)
+            try:
+                await asyncio.wait_for(conn.initialize(protocol_version=acp.PROTOCOL_VERSION), INIT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"{log_path.stem.removeprefix('acp-')}: no initialize answer in "
+                                   f"{INIT_TIMEOUT_S:g} s (does it speak ACP?)") from None
             t_init = time.perf_counter()
             sid = (await asyncio.wait_for(conn.new_session(cwd=cwd), 60)).session_id
             t_new = time.perf_counter()
@@ -81,15 +89,20 @@ async def _session(argv: list[str], cwd: str, warm_n: int, log_path: Path) -> di
 IDLE_PROMPTS, IDLE_GAP_S = 3, 0.1
 
 
-def _raw_session(argv: list[str], cwd: str, warm_n: int, log_path: Path) -> dict[str, Any]:
+def _raw_session(argv: list[str], cwd: str, warm_n: int, log_path: Path,
+                 started: list | None = None) -> dict[str, Any]:
     """The same session from a plain newline-delimited JSON client (blocking pipes, no SDK, as
     an editor written in another language would be): the first prompt against warm ones with
-    no client-side first use in them, so what is left is the agent's own."""
+    no client-side first use in them, so what is left is the agent's own. It runs on a worker
+    thread: its process goes into ``started``, so that the caller can kill it when it is
+    cancelled (the blocking reads then end)."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with open(log_path, "ab") as err:
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=cwd, env=env)
+        if started is not None:
+            started.append(p)
         try:
             assert p.stdin is not None and p.stdout is not None
             ids = iter(range(1, 1 << 30))
@@ -137,32 +150,42 @@ def _raw_session(argv: list[str], cwd: str, warm_n: int, log_path: Path) -> dict
     return {"first": prompts[0], "warm": prompts[1:], "idle": idle}
 
 
-async def measure(reps: int = 20, warm_n: int = 20, server_cpu: int | None = None) -> dict[str, Any]:
-    out_dir = BENCH / "out"
+async def measure(reps: int = 20, warm_n: int = 20, server_cpu: int | None = None,
+                  out_dir: Path = BENCH / "out") -> dict[str, Any]:
+    """Raises when a session fails (the caller records the section as unavailable); its
+    temporary folder is removed and its processes ended whatever happens."""
+    ours = common.ours_argv()
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="acp-bench-"))
-    pin = ["taskset", "-c", str(server_cpu)] if server_cpu is not None and shutil.which("taskset") else []
-    contenders = {
-        "ours": [*pin, str(OURS_BIN), "--acp", "--config", _config(work / "instant.toml", warm_n + IDLE_PROMPTS + 5)],
-        "sdk": [*pin, str(VENV_PY), str(BENCH / "peers" / "acp_echo_agent.py")],
-    }
-    raw: dict[str, dict[str, list[float]]] = {n: {"init": [], "new": [], "first": [], "warm": [], "raw_first": [],
-                                                  "raw_warm": [], "raw_idle": []} for n in contenders}
-    names = list(contenders)
-    for rep in range(reps):
-        k = rep % len(names)
-        for name in names[k:] + names[:k]:  # interleaved, order rotated per repetition
-            log_path = out_dir / "logs" / f"acp-{name}.stderr"
-            s = await _session(contenders[name], str(work), warm_n, log_path)
-            for key in ("init", "new", "first"):
-                raw[name][key].append(s[key])
-            raw[name]["warm"].extend(s["warm"])
-            r = await asyncio.to_thread(_raw_session, contenders[name], str(work), warm_n, log_path)
-            raw[name]["raw_first"].append(r["first"])
-            raw[name]["raw_warm"].extend(r["warm"])
-            raw[name]["raw_idle"].extend(r["idle"])
-    shutil.rmtree(work, ignore_errors=True)
-    res: dict[str, Any] = {"reps": reps, "warm_per_rep": warm_n,
+    started: list = []
+    try:
+        pin = ["taskset", "-c", str(server_cpu)] if server_cpu is not None and shutil.which("taskset") else []
+        contenders = {
+            "ours": [*pin, *ours, "--acp", "--config", _config(work / "instant.toml", warm_n + IDLE_PROMPTS + 5)],
+            "sdk": [*pin, str(VENV_PY), str(BENCH / "peers" / "acp_echo_agent.py")],
+        }
+        raw: dict[str, dict[str, list[float]]] = {n: {"init": [], "new": [], "first": [], "warm": [],
+                                                      "raw_first": [], "raw_warm": [], "raw_idle": []}
+                                                  for n in contenders}
+        names = list(contenders)
+        for rep in range(reps):
+            k = rep % len(names)
+            for name in names[k:] + names[:k]:  # interleaved, order rotated per repetition
+                log_path = out_dir / "logs" / f"acp-{name}.stderr"
+                s = await _session(contenders[name], str(work), warm_n, log_path)
+                for key in ("init", "new", "first"):
+                    raw[name][key].append(s[key])
+                raw[name]["warm"].extend(s["warm"])
+                r = await asyncio.to_thread(_raw_session, contenders[name], str(work), warm_n, log_path, started)
+                raw[name]["raw_first"].append(r["first"])
+                raw[name]["raw_warm"].extend(r["warm"])
+                raw[name]["raw_idle"].extend(r["idle"])
+    finally:
+        for p in started:  # cancelled while a plain client's session ran on its thread
+            if p.poll() is None:
+                p.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    res: dict[str, Any] = {"reps": reps, "warm_per_rep": warm_n, "ours": common.ours_label(),
                            "summary": {n: {k: summary(v) for k, v in m.items()} for n, m in raw.items()}}
     med = {n: {k: (v or {}).get("median") for k, v in m.items()} for n, m in res["summary"].items()}
     res["ratios"] = [
@@ -203,7 +226,7 @@ async def measure(reps: int = 20, warm_n: int = 20, server_cpu: int | None = Non
 
 def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [BEGIN, "## Agent Client Protocol front end (`--acp`) vs the ACP SDK's minimal example agent", "",
-             f"- date: {meta['date']}; command: `{meta['command']}`; {meta['machine']}",
+             f"- date: {meta['date']}; command: `{meta['command']}`; {meta['machine']}{common.override_note(res)}",
              f"- {res['reps']} fresh processes per contender, interleaved (order rotated per repetition); "
              f"per process: initialize, session/new, one first prompt, then {res['warm_per_rep']} warm prompts. "
              "Client: the SDK's own client side (`acp.spawn_agent_process`); then the same session from a plain "
@@ -258,17 +281,30 @@ def meta_now(command: str, server_cpu: int | None) -> dict[str, Any]:
                        f"{server_cpu}, load average at start {'/'.join(f'{x:.2f}' for x in os.getloadavg())}"}
 
 
-def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True) -> int:
+def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True,
+              out: Path = BENCH / "out", md_path: Path = BENCH / "RESULTS.md") -> int:
+    """Measure, write ``<out>/acp_results.json`` and (``markdown``) the section; 1 when unavailable.
+    SIGINT / SIGTERM cancel the measure (its cleanup runs), then ``asyncio.CancelledError`` rises."""
     meta = meta_now(command, server_cpu)
     reps, warm = (5, 10) if quick else (20, 20)
     _log(f">> ACP: ours vs the SDK's minimal example agent, {reps} interleaved processes each")
-    res = asyncio.run(measure(reps, warm, server_cpu))
-    out = BENCH / "out"
+
+    async def go() -> dict[str, Any]:
+        common.stop_by_cancelling(asyncio.current_task())  # type: ignore[arg-type]
+        return await measure(reps, warm, server_cpu, out)
+
+    try:
+        res = asyncio.run(go())
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        res = {"unavailable": common.reason(e)[:800]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "acp_results.json").write_text(json.dumps({"meta": meta, **res}, indent=1, default=str))
+    if "unavailable" in res:
+        _log(f"   ACP: {res['unavailable']}")
+        return 1
     for r in res["ratios"]:
         _log(f"   {r['what']}: {r['ratio']:.2f} (target {r['target']})" if r["ratio"] is not None else str(r))
     if markdown:
-        write_section(res, meta)
-        _log(">> wrote the ACP section of bench/RESULTS.md")
+        write_section(res, meta, md_path)
+        _log(f">> wrote the ACP section of {md_path}")
     return 0

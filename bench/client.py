@@ -233,15 +233,47 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
-async def settled_rss_kib(pid: int, at_least_s: float = 1.0, at_most_s: float = 5.0) -> int | None:
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (children, their children, ...), from ``/proc/*/stat``."""
+    parent_of: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        parent_of[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent_of.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def tree_rss_kib(pid: int) -> int | None:
+    """VmRSS of ``pid`` plus that of every process under it (a server's helpers: ours starts a
+    ``sh`` reaper for its tools once its core loads)."""
+    own = rss_kib(pid)
+    if own is None:
+        return None
+    return own + sum(rss_kib(c) or 0 for c in _descendants(pid))
+
+
+async def settled_rss_kib(pid: int, at_least_s: float = 1.0, at_most_s: float = 5.0,
+                          tree: bool = False) -> int | None:
     """A process's RSS once it stops moving: after ``at_least_s``, two samples 0.25 s apart
-    within 128 KiB (or the last sample after ``at_most_s`` more)."""
+    within 128 KiB (or the last sample after ``at_most_s`` more). ``tree``: with the processes
+    under it (``tree_rss_kib``)."""
+    sample = tree_rss_kib if tree else rss_kib
     await asyncio.sleep(at_least_s)
-    last = rss_kib(pid)
+    last = sample(pid)
     deadline = time.monotonic() + at_most_s
     while last is not None and time.monotonic() < deadline:
         await asyncio.sleep(0.25)
-        now = rss_kib(pid)
+        now = sample(pid)
         if now is None or abs(now - last) < 128:
             return now
         last = now

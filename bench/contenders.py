@@ -1,8 +1,8 @@
 """The stdio contenders: how to start each one and what to ask it.
 
 Every server is started the same way: `taskset -c <server cpu> <python> <script>`
-(exec, so the pid is the server's), stderr to bench/out/logs/<name>.stderr,
-cwd bench/out/work.
+(exec, so the pid is the server's), stderr to <out>/logs/<name>.stderr (bench/out by
+default), cwd a work folder made for the run and removed at its end.
 """
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import venvs
+from . import common, venvs
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PEERS = BENCH / "peers"
-OURS_BIN = Path(os.environ.get("OPERATE_SIDECAR_BIN", ROOT / ".venv" / "bin" / "operate-sidecar"))
 
 MCP_PROTOCOL_VERSION = "2025-06-18"
 
@@ -82,9 +81,8 @@ def all_contenders() -> list[Contender]:
             setup="mcp",
         ),
         Contender(
-            name="ours", label=("operate-sidecar" if "OPERATE_SIDECAR_BIN" not in os.environ
-                                else f"operate-sidecar [OPERATE_SIDECAR_BIN={OURS_BIN}]"),
-            argv=[str(OURS_BIN)], framing="lsp",
+            name="ours", label=common.ours_label(),
+            argv=[common.ours_bin()], framing="lsp",
             init_params=lsp_init("ours", OURS_IDLE_SETTINGS),
             light={"ping": ("ping", {}), "listTools": ("listTools", {})},
             first_use=[("listTools", {}), ("createBranch", {})],

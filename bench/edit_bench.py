@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import common
 from .client import Conn
 from .report import replace_section
 from .store_bench import BENCH, _argv, _log, _summ, meta_now
@@ -86,13 +88,13 @@ def _responses(plan: list[str]) -> list[Any]:
 async def _session(argv: list[str], plan: list[str], warm: int) -> dict[str, list[float]]:
     """One fresh server running the operates of ``plan`` in order on one branch: each one's time
     (ms) by variant, after the first ``warm``. The tool policy is ``ask`` when the plan's
-    variants are the ``_ask`` ones."""
+    variants are the ``_ask`` ones. Its workspace is a temporary folder, removed at the end."""
     work = Path(tempfile.mkdtemp(prefix="edit-bench-"))
-    (work / "f.py").write_text(_text("A"))
-    policy = "ask" if plan[0].endswith("_ask") else "allow"
     conn = AllowConn("lsp")
-    await conn.spawn(argv, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     try:
+        (work / "f.py").write_text(_text("A"))
+        policy = "ask" if plan[0].endswith("_ask") else "allow"
+        await conn.spawn(argv, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
         await conn.request("initialize", {"clientInfo": {"name": "edit-bench"}, "workspaceFolders": [str(work)],
                                           "capabilities": {"toolPermission": True},
                                           "settings": {"models": {"s": {"provider": "scripted",
@@ -120,6 +122,7 @@ async def _session(argv: list[str], plan: list[str], warm: int) -> dict[str, lis
         return out
     finally:
         await conn.close()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 VARIANTS = ("write", "write_ask", "edit_ask", "edit", "tool", "followup", "rounds2")
@@ -191,7 +194,7 @@ def measure(quick: bool, server_cpu: int | None) -> dict[str, Any]:
          "target": f"<= {ROUND_TARGET}", "met": summary["round_ratio"] <= ROUND_TARGET},
     ] + [{"what": f"diff of a 10,000-line file, {k} (median ms)", "ratio": v,
           "target": f"< {DIFF_TARGET_MS}", "met": v < DIFF_TARGET_MS} for k, v in summary["diff_ms"].items()]
-    return {"reps": reps, "warm": warm, "per_process": n, "latency_ms": {v: _summ(xs) for v, xs in lat.items()},
+    return {"reps": reps, "warm": warm, "per_process": n, "ours": common.ours_label(), "latency_ms": {v: _summ(xs) for v, xs in lat.items()},
             "paired_ms": {v: _summ(xs) for v, xs in paired.items()},
             "diff": diff, "summary": summary, "ratios": ratios}
 
@@ -200,7 +203,7 @@ def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
     s = res["summary"]
     L = res["latency_ms"]
     lines = [BEGIN, "## Edits, previews and rounds", "",
-             f"- date: {meta['date']}; command: `{meta['command']}`; {meta['machine']}",
+             f"- date: {meta['date']}; command: `{meta['command']}`; {meta['machine']}{common.override_note(res)}",
              f"- over the wire: {res['reps']} fresh server processes per variant, interleaved (order rotated per "
              f"repetition); per process {res['warm']} warm-up operates, then {res['per_process']} measured, "
              f"sequential, with the instant scripted model and a {FILE_LINES}-line file; the client answers "
@@ -250,18 +253,23 @@ def rewrite_from_json(path: Path = BENCH / "out" / "edit_results.json") -> None:
     write_section(data, meta)
 
 
-def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True) -> int:
+def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True,
+              out: Path = BENCH / "out", md_path: Path = BENCH / "RESULTS.md") -> int:
+    """Measure, write ``<out>/edit_results.json`` and (``markdown``) the section; 1 when unavailable
+    or a target is not met."""
     meta = meta_now(command, server_cpu)
     _log(">> edits, previews and rounds over the wire; diff of a 10,000-line file")
-    res = measure(quick, server_cpu)
-    out = BENCH / "out"
+    res = common.attempt(lambda: measure(quick, server_cpu))
     out.mkdir(parents=True, exist_ok=True)
     (out / "edit_results.json").write_text(json.dumps({"meta": meta, **res}, indent=1, default=str))
+    if "unavailable" in res:
+        _log(f"   edits: {res['unavailable']}")
+        return 1
     for r in res["ratios"]:
         _log(f"   {r['what']}: {r['ratio']:.2f} (target {r['target']})")
     if markdown:
-        write_section(res, meta)
-        _log(">> wrote the edits section of bench/RESULTS.md")
+        write_section(res, meta, md_path)
+        _log(f">> wrote the edits section of {md_path}")
     return 0 if all(r["met"] for r in res["ratios"]) else 1
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import common
 from .report import replace_section
 
 BENCH = Path(__file__).resolve().parent
@@ -51,9 +52,8 @@ def _pin(argv: list[str], server_cpu: int | None) -> list[str]:
 
 
 def _ours_argv(server_cpu: int | None) -> list[str]:
-    exe = os.environ.get("OPERATE_SIDECAR_BIN") or str(ROOT / ".venv" / "bin" / "operate-sidecar")
-    argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "operate_sidecar.server"]
-    return _pin(argv, server_cpu)
+    """The measured server (``common.ours_argv``: ``Unavailable`` when it does not exist), pinned."""
+    return _pin(common.ours_argv(), server_cpu)
 
 
 def _pygls_argv(server_cpu: int | None) -> tuple[list[str], str]:
@@ -277,8 +277,11 @@ def measure(quick: bool, server_cpu: int | None) -> dict[str, Any]:
 
     reps = 5 if quick else 20
     cold_reps = 3 if quick else 5
-    traced_reps = 3 if quick else 10
     ours_argv = _ours_argv(server_cpu)
+    # the traced processes run this checkout's server (peers/traced_sidecar.py), not an override
+    traced_reps = 0 if os.environ.get(common.BIN_ENV) else 3 if quick else 10
+    if traced_reps == 0:
+        _log(f"   traced processes skipped: they run this checkout's server, not {common.BIN_ENV}")
     pygls_argv, pygls_label = _pygls_argv(server_cpu)
     ours: dict[str, list[float]] = {"initialize_s": [], "create_s": [], "first_op_s": [], "warm_op_s": [],
                                     "idle_op_s": []}
@@ -356,6 +359,7 @@ def measure(quick: bool, server_cpu: int | None) -> dict[str, Any]:
         ratios.append({"what": "(reference) first operate / warm, the server's own time (read → answer written)",
                        "ratio": own["first"] / own["warm"], "target": None, "met": None})
     return {"reps": reps, "cold_reps": cold_reps, "traced_reps": traced_reps, "warm_ops": WARM_OPS,
+            "ours": common.ours_label(),
             "pygls_label": pygls_label,
             "raw": {**ours, "pygls": pygls["initialize_s"], "pygls_first_ping_s": pygls["first_ping_s"],
                     "pygls_warm_ping_s": pygls["warm_ping_s"], "create_cold_s": cold, "traced": traced},
@@ -382,7 +386,7 @@ TRACED_ROWS = {"first": "first `operate` after `createBranch`", "warm": "warm `o
 def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
     s = res["summary"]
     lines = [BEGIN, "## First request after a spawn (native front end)", "",
-             f"- date: {meta['date']}; command: `{meta['command']}`; {meta['machine']}",
+             f"- date: {meta['date']}; command: `{meta['command']}`; {meta['machine']}{common.override_note(res)}",
              f"- {res['reps']} fresh processes each, ours and {res['pygls_label']} interleaved; ours: instant "
              f"scripted model, `createBranch` sent as soon as `initialize` is answered, one `operate` right "
              f"after it, then {res['warm_ops']} warm operates on the same branch (their median is the warm "
@@ -456,13 +460,17 @@ def write_section(res: dict[str, Any] | None, meta: dict[str, Any], path: Path =
         replace_section(path, BEGIN, END, section(res, meta))
 
 
-def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True) -> int:
+def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True,
+              out: Path = BENCH / "out", md_path: Path = BENCH / "RESULTS.md") -> int:
+    """Measure, write ``<out>/first_results.json`` and (``markdown``) the section; 1 when unavailable."""
     meta = meta_now(command, server_cpu)
     _log(">> first request after a spawn: initialize, createBranch, first vs warm operate (vs bare pygls)")
-    res = measure(quick, server_cpu)
-    out = BENCH / "out"
+    res = common.attempt(lambda: measure(quick, server_cpu))
     out.mkdir(parents=True, exist_ok=True)
     (out / "first_results.json").write_text(json.dumps({"meta": meta, **res}, indent=1, default=str))
+    if "unavailable" in res:
+        _log(f"   first request: {res['unavailable']}")
+        return 1
     s = res["summary"]
     _log(f"   initialize {_fmt(s['initialize_s'])}, createBranch {_fmt(s['create_s'])}, first operate "
          f"{_fmt(s['first_op_s'], 1000, ' ms', 2)}, warm {_fmt(s['warm_op_s'], 1000, ' ms', 2)}, bare pygls "
@@ -473,6 +481,6 @@ def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool 
     for f in res["failures"][:5]:
         _log(f"   failure: {f}")
     if markdown:
-        write_section(res, meta)
-        _log(">> wrote the first-request section of bench/RESULTS.md")
+        write_section(res, meta, md_path)
+        _log(f">> wrote the first-request section of {md_path}")
     return 0

@@ -1,7 +1,15 @@
-"""Render bench/out/results.json as bench/RESULTS.md."""
+"""Render bench/out/results.json as bench/RESULTS.md.
+
+    python -m bench.report --notes [PATH]   # copy bench/RESULTS_NOTES.md into RESULTS.md again
+
+A full run copies the hand-written ``bench/RESULTS_NOTES.md`` after the main tables (also when
+``--results-md`` names another file), then a line naming the folder of the raw figures
+(``--out``); after an edit of the notes, ``--notes`` puts the new text in place without a run.
+"""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 ORDER = ["stdlib", "pygls", "mcp", "ours", "lionagi"]
@@ -76,7 +84,44 @@ def replace_section(path: Path, begin: str, end: str, block: str) -> None:
     path.write_text(text)
 
 
-def write_markdown(results: dict, path: Path) -> None:
+BENCH = Path(__file__).resolve().parent
+#: the hand-written notes a full run copies after the main tables, whichever file it writes
+NOTES = BENCH / "RESULTS_NOTES.md"
+DEFAULT_OUT = BENCH / "out"
+RAW_LINE = "Raw figures: `bench/out/results.json` (git-ignored)."
+_RAW = re.compile(r"^Raw figures: `[^`\n]*`.*$", re.M)
+
+
+def raw_line(out: Path | None = None) -> str:
+    """The line that ends the main tables: where the run's ``results.json`` is (``out``,
+    ``bench/out`` by default; a folder in the checkout is named from its top)."""
+    out = Path(out).resolve() if out is not None else DEFAULT_OUT
+    if out == DEFAULT_OUT:
+        return RAW_LINE
+    shown = out.relative_to(BENCH.parent) if out.is_relative_to(BENCH.parent) else out
+    return f"Raw figures: `{shown / 'results.json'}`."
+
+
+def refresh_notes(path: Path) -> bool:
+    """Put the current ``bench/RESULTS_NOTES.md`` in place of the copy a full run made after
+    the main tables of ``path``: from the notes' first line up to the raw figures line. False
+    (nothing written) when ``path`` holds no such copy."""
+    notes = NOTES.read_text().rstrip() + "\n"
+    text = path.read_text()
+    first = SECTION_BEGIN.search(text)
+    head, rest = (text[:first.start()], text[first.start():]) if first else (text, "")
+    start = head.find(notes.splitlines()[0] + "\n")
+    raw = _RAW.search(head, max(start, 0))
+    end = raw.start() if raw else -1
+    if start < 0 or end < start:
+        return False
+    path.write_text(head[:start] + notes + "\n" + head[end:] + rest)
+    return True
+
+
+def write_markdown(results: dict, path: Path, out: Path | None = None) -> None:
+    """The main tables of ``path`` from ``results`` (then ``bench/RESULTS_NOTES.md`` and the
+    line naming ``out``, where the raw figures are), keeping its separately written sections."""
     L = []
     add = L.append
     q = " (--quick smoke run: small samples, indicative only)" if results.get("quick") else ""
@@ -112,7 +157,9 @@ def write_markdown(results: dict, path: Path) -> None:
     add("")
 
     add("## RSS (MiB, VmRSS)\n")
-    add("*Idle*: after the `initialize` answer and one `ping`, left alone for 1 s and then until two "
+    add("VmRSS of the server and every process under it (ours starts a `sh` reaper for its tools "
+        "once its core loads: it counts after first use). "
+        "*Idle*: after the `initialize` answer and one `ping`, left alone for 1 s and then until two "
         "samples 0.25 s apart agree within 128 KiB (ours has finished loading pygls in the background "
         "by then). *After first use*: the same process once it has also answered the requests a "
         "session starts with (ours: `listTools`, `createBranch`, which load the core; MCP: `tools/list`, "
@@ -246,10 +293,16 @@ def write_markdown(results: dict, path: Path) -> None:
                 f"{fr['warm_operate_rf_s']['median'] * 1000:.2f} ms (initialize itself "
                 f"{fr['initialize_s']['median'] * 1000:.0f} ms)")
         add("")
-    extra = Path(path).with_name("RESULTS_NOTES.md")
-    if extra.exists():  # hand-written sections kept across regenerations
-        add(extra.read_text().rstrip() + "\n")
-    add("Raw figures: `bench/out/results.json` (git-ignored).")
+    if NOTES.exists():  # hand-written sections kept across regenerations
+        add(NOTES.read_text().rstrip() + "\n")
+    add(raw_line(out))
     head = "\n".join(L) + "\n"
     old = path.read_text() if path.exists() else ""
     path.write_text(keep_sections(old, head))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--notes"]:
+        sys.exit(__doc__)
+    target = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).resolve().parent / "RESULTS.md"
+    sys.exit(0 if refresh_notes(target) else f"{target}: no copy of RESULTS_NOTES.md to replace")

@@ -1,9 +1,23 @@
-"""Benchmark harness: python -m bench.run [--quick] [--only a,b] [--no-setup]
+"""Benchmark harness: python -m bench.run [--quick] [--only a,b] [--no-setup] [--out DIR]
 
 Creates the peers' venvs under bench/.venvs/ if missing, then measures every
 contender INTERLEAVED in one run (round-robin per repetition, order rotated
 each repetition), with the client pinned to one CPU and every server to the
-other.  Writes bench/out/results.json and regenerates bench/RESULTS.md.
+other.  Writes <out>/results.json (bench/out by default) and regenerates
+bench/RESULTS.md: all of it after a full run, only the separately written
+sections measured (store, edit, acp, first) after an ``--only`` run, each with
+the date and machine line its child harness recorded.
+
+A folder named by ``--out`` gets results.json, <section>_results.json and
+logs/<server>.stderr, and loses nothing else; one that holds files but none of
+these is refused (exit 2). Only bench/out is also cleared of every old
+logs/*.stderr and of the work/ folder older runs left there.
+
+The store, edit, acp and first sections of a combined run each run in a child
+harness (``python -m bench.run --only <section>``): one that fails is recorded
+as unavailable and the run goes on, and Ctrl-C or SIGTERM reaches them at once.
+A stopped run closes its servers, removes its temporary folders, writes
+nothing more, prints one line and exits 130 (SIGINT) or 143 (SIGTERM).
 """
 from __future__ import annotations
 
@@ -14,21 +28,30 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from . import common, ours_extras, venvs
 from . import contenders as C
-from . import ours_extras, venvs
-from .client import Conn, settled_rss_kib
+from .client import Conn, _descendants, settled_rss_kib
 from .report import write_markdown
 from .stats import summary
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 OUT = BENCH / "out"
-LOGS = OUT / "logs"
-WORK = OUT / "work"
+RESULTS_MD = BENCH / "RESULTS.md"
+#: the stdio contenders and the lionagi in-process runner (``--only`` picks among them) ...
+CONTENDERS = ("stdlib", "pygls", "mcp", "ours", "lionagi")
+#: ... and the separately written sections, each measured by its own module
+SECTIONS = ("acp", "store", "edit", "first")
+#: the bound on one section's child harness (a full ``first`` or ``store`` takes a few minutes)
+SECTION_TIMEOUT_S = 3600.0
+#: how long a section's child harness has to end once told to stop, before it is killed
+SECTION_GRACE_S = 60.0
 
 
 class Config:
@@ -64,10 +87,14 @@ def pick_cpus() -> tuple[int | None, int | None]:
 
 
 class Harness:
-    def __init__(self, cfg: Config, contenders: list[C.Contender]):
+    def __init__(self, cfg: Config, contenders: list[C.Contender], out: Path, work: Path,
+                 cpus: tuple[int | None, int | None]):
+        """``out``: where results and logs go; ``work``: the servers' working folder (the caller
+        makes it fresh for the run and removes it after: lionagi leaves its log dumps there)."""
         self.cfg = cfg
         self.contenders = {c.name: c for c in contenders}
-        self.client_cpu, self.server_cpu = pick_cpus()
+        self.out, self.logs, self.work = out, out / "logs", work
+        self.client_cpu, self.server_cpu = cpus
         if self.client_cpu is not None:
             os.sched_setaffinity(0, {self.client_cpu})
         self.env = dict(os.environ)
@@ -82,8 +109,8 @@ class Harness:
         c = self.contenders[name]
         conn = Conn(c.framing, on_notification)
         env = {**self.env, **extra_env} if extra_env else self.env
-        await conn.spawn(self.server_argv(c.argv), cwd=str(WORK), env=env,
-                         stderr_path=LOGS / f"{name}.stderr")
+        await conn.spawn(self.server_argv(c.argv), cwd=str(self.work), env=env,
+                         stderr_path=self.logs / f"{name}.stderr")
         return conn
 
     async def handshake(self, conn: Conn, c: C.Contender, timeout: float | None = 60) -> dict:
@@ -109,6 +136,11 @@ class Harness:
                 continue
             if not Path(c.argv[0]).exists():
                 c.unavailable = f"unavailable: {c.argv[0]} not found"
+                if c.name == "ours":  # the same reason as the sections give (it names the override)
+                    try:
+                        common.ours_argv()
+                    except common.Unavailable as e:
+                        c.unavailable = common.reason(e)
                 log(f"   probe {c.name}: {c.unavailable}")
                 continue
             conn = None
@@ -118,7 +150,7 @@ class Harness:
                 for metric, (method, params) in c.light.items():
                     await conn.request(method, params, timeout=30)
             except Exception as e:  # noqa: BLE001 - any failure means "skip it"
-                tail = _tail(LOGS / f"{c.name}.stderr")
+                tail = _tail(self.logs / f"{c.name}.stderr")
                 c.unavailable = f"unavailable: {type(e).__name__}: {e} {tail}".strip()
             finally:
                 if conn is not None and conn.proc is not None:
@@ -136,8 +168,8 @@ class Harness:
                 conn = Conn(c.framing)
                 try:
                     t0 = time.perf_counter()
-                    await conn.spawn(self.server_argv(c.argv), cwd=str(WORK), env=self.env,
-                                     stderr_path=LOGS / f"{c.name}.stderr")
+                    await conn.spawn(self.server_argv(c.argv), cwd=str(self.work), env=self.env,
+                                     stderr_path=self.logs / f"{c.name}.stderr")
                     await self.handshake(conn, c, timeout=60)
                     cold[c.name].append(time.perf_counter() - t0)
                     # idle: answered initialize and a ping, then left alone until its RSS is
@@ -161,7 +193,8 @@ class Harness:
                        "used_rss_kib": summary(used[name]), "failures": failures[name]} for name in cold}
 
     async def _settled_rss(self, conn: Conn) -> int | None:
-        return await settled_rss_kib(conn.pid, self.cfg.rss_settle_s, self.cfg.rss_settle_max_s)
+        """The server's RSS with that of the processes under it (ours: its tools' ``sh`` reaper)."""
+        return await settled_rss_kib(conn.pid, self.cfg.rss_settle_s, self.cfg.rss_settle_max_s, tree=True)
 
     # --------------------------------------------- light + throughput
     async def sessions(self) -> dict:
@@ -315,25 +348,70 @@ class Harness:
             return None, f"{type(e).__name__}: {e}"[:600]
 
     async def _inproc_subprocess(self, name: str, argv: list[str]) -> tuple[dict | None, str | None]:
-        """One in-process runner: (its last stdout line as JSON, None) or (None, error)."""
+        """One in-process runner: (its last stdout line as JSON, None) or (None, error). The
+        runner is killed however this ends (a timeout, the run cancelled by a signal)."""
         env = dict(self.env)
         if name == "ours":
             env["PYTHONPATH"] = str(ROOT)
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=str(ROOT if name == "ours" else WORK), env=env,
+            *argv, cwd=str(ROOT if name == "ours" else self.work), env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             so, se = await asyncio.wait_for(proc.communicate(), 1800)
         except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
             return None, "timeout"
-        (LOGS / f"inproc-{name}.stderr").write_bytes(se[-200_000:])
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        (self.logs / f"inproc-{name}.stderr").write_bytes(se[-200_000:])
         try:
             return json.loads(so.decode().strip().splitlines()[-1]), None
         except (IndexError, ValueError):
             err = se.decode(errors="replace").strip().splitlines()
             return None, " | ".join(err[-3:])[:600] or f"rc={proc.returncode}"
+
+    # ---------------------------------------------- separate sections
+    def section_argv(self, name: str) -> list[str]:
+        """The child harness that measures section ``name``."""
+        pin = ",".join("-" if c is None else str(c) for c in (self.client_cpu, self.server_cpu))
+        return [sys.executable, "-m", "bench.run", "--only", name, "--out", str(self.out), "--no-markdown",
+                "--pin", pin, *(["--quick"] if self.cfg.quick else [])]
+
+    async def section(self, name: str) -> dict:
+        """One of ``SECTIONS``, measured by a child harness (``section_argv``) that writes
+        ``<out>/<name>_results.json``: its results, with the child's ``meta`` (its date and
+        machine line, which a partial run's section shows), or ``{"unavailable": reason}`` alone
+        (its own, or how the child ended without any). The child is in this process's group, so a
+        terminal's Ctrl-C reaches it at once; a signal to this process alone, or the child's
+        ``SECTION_TIMEOUT_S`` running out, is passed on to it, and if it has not ended
+        ``SECTION_GRACE_S`` later it is killed together with every process under it (its servers
+        run in sessions of their own, which killing the child alone would leave running)."""
+        path = self.out / f"{name}_results.json"
+        path.unlink(missing_ok=True)
+        proc = await asyncio.create_subprocess_exec(*self.section_argv(name), cwd=str(ROOT),
+                                                    stdin=asyncio.subprocess.DEVNULL)
+        try:
+            rc = await asyncio.wait_for(proc.wait(), SECTION_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            rc = None
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(common.stopped_by() or signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), SECTION_GRACE_S)
+                except asyncio.TimeoutError:
+                    kill_tree(proc.pid)
+                    await proc.wait()
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            why = f"no end in {SECTION_TIMEOUT_S:g} s" if rc is None else f"exited {rc} without results"
+            data = {"unavailable": f"unavailable: the {name} harness {why} (see above)"}
+            log(f"   {name}: {data['unavailable']}")
+        if "unavailable" in data:
+            data.pop("meta", None)
+        return data
 
     # -------------------------------------------------- ours extras
     async def ours_extra(self) -> dict:
@@ -359,6 +437,35 @@ class Harness:
                 res[key] = {"unavailable": f"unavailable: {type(e).__name__}: {e}"[:800]}
             log(f"   ours {key}: {'ok' if 'unavailable' not in res[key] else res[key]['unavailable']}")
         return res
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it, and the process group of each of them (what
+    a server in a session of its own started and has since left orphaned). Each process found
+    is stopped (SIGSTOP) first, and the search repeated until it finds no more, so that none
+    starts another one unseen meanwhile."""
+    seen: list[int] = []
+    tried: set[int] = set()
+    new = [pid]
+    while new:
+        for p in new:
+            tried.add(p)
+            try:
+                os.kill(p, signal.SIGSTOP)
+                seen.append(p)
+            except ProcessLookupError:
+                pass
+        new = [c for c in _descendants(pid) if c not in tried]
+    for p in seen:
+        try:
+            if os.getpgid(p) == p:
+                os.killpg(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _tail(p: Path, n: int = 3) -> str:
@@ -476,13 +583,40 @@ def compute_ratios(results: dict) -> list[dict]:
 
 
 # --------------------------------------------------------------- main
-async def amain(ns: argparse.Namespace) -> dict:
+#: the servers' logs a run writes into ``<out>/logs`` (appended to, so cleared before a run)
+LOG_NAMES = (*CONTENDERS, "inproc-ours", "inproc-lionagi", "acp-ours", "acp-sdk")
+#: what an ``--out`` folder holds after a run: a folder holding any of these was one
+OUT_MARKS = ("results.json", *(f"{s}_results.json" for s in SECTIONS), "logs")
+
+
+def foreign_out(out: Path) -> bool:
+    """``out`` is not ``bench/out`` and is a folder that holds something but nothing a run
+    writes: someone's own folder, which the harness refuses to write into."""
+    if out == OUT or not out.is_dir():
+        return False
+    return any(out.iterdir()) and not any((out / m).exists() for m in OUT_MARKS)
+
+
+def prepare_out(out: Path) -> None:
+    """Make ``out`` and ``out/logs``, and remove the servers' logs of an earlier run there, by
+    name: in a folder named by ``--out`` nothing else is removed. ``bench/out`` also loses every
+    ``logs/*.stderr`` and its ``work`` folder (the servers' working folder before each run had a
+    temporary one of its own)."""
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for name in LOG_NAMES:
+        (logs / f"{name}.stderr").unlink(missing_ok=True)
+    if out == OUT:
+        for f in logs.glob("*.stderr"):
+            f.unlink()
+        shutil.rmtree(out / "work", ignore_errors=True)
+
+
+async def amain(ns: argparse.Namespace, only: set[str] | None, out: Path, work: Path,
+                cpus: tuple[int | None, int | None]) -> dict:
+    common.stop_by_cancelling(asyncio.current_task())  # type: ignore[arg-type]
     cfg = Config(ns.quick)
-    for d in (OUT, LOGS, WORK):
-        d.mkdir(parents=True, exist_ok=True)
-    for f in LOGS.glob("*.stderr"):
-        f.unlink()
-    only = set(ns.only.split(",")) if ns.only else None
+    prepare_out(out)
     all_cs = C.all_contenders()
     if only:
         all_cs = [c for c in all_cs if c.name in only]
@@ -494,7 +628,7 @@ async def amain(ns: argparse.Namespace) -> dict:
             c.unavailable = failed[c.setup]
         elif c.setup and not venvs.python_of(c.setup).exists():
             c.unavailable = f"unavailable: no venv for {c.setup}"
-    h = Harness(cfg, all_cs)
+    h = Harness(cfg, all_cs, out, work, cpus)
     started = _dt.datetime.now(_dt.timezone.utc)
     log(f">> pinning: client cpu {h.client_cpu}, servers cpu {h.server_cpu}")
     log(">> probing contenders")
@@ -503,6 +637,7 @@ async def amain(ns: argparse.Namespace) -> dict:
         "date": started.isoformat(timespec="seconds"),
         "command": " ".join(["python -m bench.run", *sys.argv[1:]]),
         "quick": cfg.quick,
+        "only": sorted(only) if only else None,
         "config": {k: v for k, v in vars(cfg).items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(), "client_cpu": h.client_cpu,
@@ -515,7 +650,7 @@ async def amain(ns: argparse.Namespace) -> dict:
     results["cold_start"] = await h.cold_start()
     log(">> light latency + 16-in-flight throughput (interleaved)")
     results["sessions"] = await h.sessions()
-    if want_lionagi or only is None or "ours" in (only or ()):
+    if want_lionagi or "ours" in (only or ()):
         log(">> operate in-process (interleaved lionagi / ours)")
         lion_py = None if "lionagi" in failed or not want_lionagi else venvs.python_of("lionagi")
         results["inproc"] = await h.inproc(lion_py)
@@ -525,101 +660,110 @@ async def amain(ns: argparse.Namespace) -> dict:
         results["ours_extra"] = await h.ours_extra()
     else:
         results["ours_extra"] = {"unavailable": ours.unavailable if ours else "not selected"}
-    if only is None or "acp" in only:
-        log(">> ACP front end vs the ACP SDK's minimal example agent (interleaved)")
-        from . import acp_bench
-
-        results["acp"] = await acp_bench.measure(5 if cfg.quick else 20, 10 if cfg.quick else 20, h.server_cpu)
-    if only is None or "store" in only:
-        log(">> state store: operate with/without stateDir, commit and restore vs the JSONL journal")
-        from . import store_bench
-
-        results["store"] = await asyncio.to_thread(store_bench.measure, cfg.quick, h.server_cpu)
-    if only is None or "edit" in only:
-        log(">> edits, previews and rounds over the wire; diff of a 10,000-line file")
-        from . import edit_bench
-
-        results["edit"] = await asyncio.to_thread(edit_bench.measure, cfg.quick, h.server_cpu)
-    if only is None or "first" in only:
-        log(">> first request after a spawn: initialize, createBranch, first vs warm operate (vs bare pygls)")
-        from . import first_bench
-
-        results["first"] = await asyncio.to_thread(first_bench.measure, cfg.quick, h.server_cpu)
+    for name in SECTIONS:  # each child harness says what it measures, and why not if it cannot
+        if only is None or name in only:
+            results[name] = await h.section(name)
     results["ratios"] = compute_ratios(results)
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["elapsed_s"] = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
     return results
 
 
+def section_meta(results: dict, name: str, full: bool) -> dict:
+    """The date, command and machine line of section ``name``'s text: the run's command; after a
+    full run, its date and "see the machine line above" (the main tables' line, written by the
+    same run); after a partial run, which leaves the main tables as another run wrote them, the
+    date and machine line the section's child harness recorded."""
+    child = results[name].get("meta") or {}
+    if full or not child.get("machine"):
+        m = results.get("machine", {})
+        machine = "see the machine line above" if full else \
+            f"{m.get('cpus')} CPUs, Python {m.get('python')}, {m.get('platform')}"
+        return {"date": results["date"], "command": results["command"], "machine": machine}
+    return {"date": child.get("date") or results["date"], "command": results["command"],
+            "machine": child["machine"]}
+
+
+def write_results_md(results: dict, md_path: Path, full: bool, out: Path = OUT) -> None:
+    """A full run: the main tables (with ``RESULTS_NOTES.md``) and every section measured. An
+    ``--only`` run: only the separately written sections it measured; its main tables would
+    show every contender left out as not measured. A section that was unavailable keeps the
+    figures it had. ``out``: where the raw figures are (the main tables name it)."""
+    from . import acp_bench, edit_bench, first_bench, store_bench
+
+    if full:
+        write_markdown(results, md_path, out)
+    for name, mod in (("store", store_bench), ("edit", edit_bench), ("first", first_bench), ("acp", acp_bench)):
+        if results.get(name) and "summary" in results[name]:
+            mod.write_section(results[name], section_meta(results, name, full), md_path)
+    what = "its tables and the sections measured" if full else \
+        "the sections measured, if any (its main tables are written by a full run only)"
+    log(f">> wrote {what} to {md_path} ({results['elapsed_s']:.0f} s)")
+
+
+def _cpus(spec: str | None) -> tuple[int | None, int | None]:
+    if not spec:
+        return pick_cpus()
+    client, server = (None if x == "-" else int(x) for x in spec.split(","))
+    return client, server
+
+
 def main(argv: list[str] | None = None) -> int:
+    common.stop_by_raising()  # until the event loop takes over: no traceback, whenever it comes
+    try:
+        return _main(argv)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        if "--pin" not in (sys.argv[1:] if argv is None else argv):  # a section's child: its parent says it
+            common.say_stopped()
+        return common.exit_code()
+
+
+def _main(argv: list[str] | None) -> int:
+    known = CONTENDERS + SECTIONS
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small smoke run (~1-2 min)")
-    ap.add_argument("--only", help="comma list of contenders: stdlib,pygls,mcp,ours,lionagi; or acp alone (the "
-                                   "ACP front end against the ACP SDK's minimal example agent); or store alone "
-                                   "(the SQLite state store vs the JSONL journal it replaced); or first alone (spawn → first "
-                                   "createBranch, first vs warm operate); or edit alone (edits, "
-                                   "previews and rounds)")
+    ap.add_argument("--quick", action="store_true", help="small smoke run (~3-4 min on a 2-core machine)")
+    ap.add_argument("--only", help="comma list of contenders: stdlib,pygls,mcp,ours,lionagi; and/or sections: acp "
+                                   "(the ACP front end against the ACP SDK's minimal example agent), store "
+                                   "(the SQLite state store vs the JSONL journal it replaced), first (spawn → first "
+                                   "createBranch, first vs warm operate), edit (edits, previews and rounds). "
+                                   "Writes only the sections measured to RESULTS.md, never its main tables")
     ap.add_argument("--no-setup", action="store_true", help="do not create/install peer venvs")
-    ap.add_argument("--no-markdown", action="store_true", help="do not rewrite bench/RESULTS.md")
+    ap.add_argument("--no-markdown", action="store_true", help="do not rewrite RESULTS.md")
+    ap.add_argument("--out", type=Path, default=OUT, help="folder for results.json, the sections' JSON and the "
+                                                          "servers' logs (default bench/out): a new or empty "
+                                                          "one, or one an earlier run wrote")
+    ap.add_argument("--results-md", type=Path, default=RESULTS_MD, help="the markdown rewritten (default "
+                                                                        "bench/RESULTS.md)")
+    ap.add_argument("--pin", help=argparse.SUPPRESS)  # "CLIENT,SERVER" cpus, for a section's child harness
     ns = ap.parse_args(argv)
-    if ns.only == "store":  # the state store entry alone: only its section of RESULTS.md is rewritten
-        from . import store_bench
+    only = {x.strip() for x in ns.only.split(",") if x.strip()} if ns.only is not None else None
+    if only is not None:
+        unknown = sorted(only - set(known))
+        if unknown or not only:
+            ap.error(f"--only: unknown {', '.join(unknown) or '(empty)'}; known: {', '.join(known)}")
+    out, md_path = ns.out.resolve(), ns.results_md.resolve()
+    if foreign_out(out):
+        ap.error(f"--out {ns.out}: a folder with files of its own and no results of an earlier run; "
+                 "name a new or empty folder, or one an earlier run wrote")
+    cpus = _cpus(ns.pin)
+    command = " ".join(["python -m bench.run", *sys.argv[1:]])
+    if only is not None and len(only) == 1 and next(iter(only)) in SECTIONS:  # a section alone
+        name = next(iter(only))
+        from . import acp_bench, edit_bench, first_bench, store_bench
 
-        client_cpu, server_cpu = pick_cpus()
-        if client_cpu is not None:
-            os.sched_setaffinity(0, {client_cpu})
-        return store_bench.run_alone(ns.quick, server_cpu, " ".join(["python -m bench.run", *sys.argv[1:]]),
-                                     markdown=not ns.no_markdown)
-    if ns.only == "edit":  # edits, previews and rounds alone: only their section of RESULTS.md is rewritten
-        from . import edit_bench
-
-        client_cpu, server_cpu = pick_cpus()
-        if client_cpu is not None:
-            os.sched_setaffinity(0, {client_cpu})
-        return edit_bench.run_alone(ns.quick, server_cpu, " ".join(["python -m bench.run", *sys.argv[1:]]),
-                                    markdown=not ns.no_markdown)
-    if ns.only == "first":  # spawn → first createBranch, first vs warm operate: only its section is rewritten
-        from . import first_bench
-
-        client_cpu, server_cpu = pick_cpus()
-        if client_cpu is not None:
-            os.sched_setaffinity(0, {client_cpu})
-        return first_bench.run_alone(ns.quick, server_cpu, " ".join(["python -m bench.run", *sys.argv[1:]]),
-                                     markdown=not ns.no_markdown)
-    if ns.only == "acp":  # the ACP entry alone: only its section of RESULTS.md is rewritten
-        from . import acp_bench
-
-        client_cpu, server_cpu = pick_cpus()
-        if client_cpu is not None:
-            os.sched_setaffinity(0, {client_cpu})
-        return acp_bench.run_alone(ns.quick, server_cpu, " ".join(["python -m bench.run", *sys.argv[1:]]),
-                                   markdown=not ns.no_markdown)
-    results = asyncio.run(amain(ns))
-    (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    log(f">> wrote {OUT.relative_to(ROOT) / 'results.json'}")
+        mod = {"acp": acp_bench, "store": store_bench, "edit": edit_bench, "first": first_bench}[name]
+        if cpus[0] is not None:
+            os.sched_setaffinity(0, {cpus[0]})
+        return mod.run_alone(ns.quick, cpus[1], command, markdown=not ns.no_markdown, out=out, md_path=md_path)
+    work = Path(tempfile.mkdtemp(prefix="bench-work-"))
+    try:
+        results = asyncio.run(amain(ns, only, out, work, cpus))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    log(f">> wrote {out / 'results.json'}")
     if not ns.no_markdown:
-        write_markdown(results, BENCH / "RESULTS.md")
-        if results.get("store"):
-            from . import store_bench
-
-            store_bench.write_section(results["store"], {"date": results["date"], "command": results["command"],
-                                                         "machine": "see the machine line above"})
-        if results.get("edit"):
-            from . import edit_bench
-
-            edit_bench.write_section(results["edit"], {"date": results["date"], "command": results["command"],
-                                                       "machine": "see the machine line above"})
-        if results.get("first"):
-            from . import first_bench
-
-            first_bench.write_section(results["first"], {"date": results["date"], "command": results["command"],
-                                                         "machine": "see the machine line above"})
-        if results.get("acp"):
-            from . import acp_bench
-
-            acp_bench.write_section(results["acp"], {"date": results["date"], "command": results["command"],
-                                                     "machine": "see the machine line above"})
-        log(f">> wrote bench/RESULTS.md ({results['elapsed_s']:.0f} s)")
+        write_results_md(results, md_path, full=only is None, out=out)
     return 0
 
 

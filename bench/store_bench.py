@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import common
 from .report import replace_section
 
 BENCH = Path(__file__).resolve().parent
@@ -46,8 +47,8 @@ def _log(*a: Any) -> None:
 
 
 def _argv(server_cpu: int | None) -> list[str]:
-    exe = os.environ.get("OPERATE_SIDECAR_BIN") or str(ROOT / ".venv" / "bin" / "operate-sidecar")
-    argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "operate_sidecar.server"]
+    """The measured server (``common.ours_argv``: ``Unavailable`` when it does not exist), pinned."""
+    argv = common.ours_argv()
     if server_cpu is not None and shutil.which("taskset"):
         argv = ["taskset", "-c", str(server_cpu), *argv]
     return argv
@@ -196,7 +197,7 @@ def measure(quick: bool, server_cpu: int | None) -> dict[str, Any]:
     ratio = p50_with / p50_without
     ratio_20 = statistics.median(lat["with_20"]) / statistics.median(lat["without_20"])
     return {
-        "reps": reps, "warm": warm, "per_process": n, "restore_n": RESTORE_N,
+        "reps": reps, "warm": warm, "per_process": n, "restore_n": RESTORE_N, "ours": common.ours_label(),
         "summary": {"operate_without": _summ(lat["without"]), "operate_with": _summ(lat["with"]),
                     "operate_without_20": _summ(lat["without_20"]), "operate_with_20": _summ(lat["with_20"]),
                     "commit_sqlite": _summ(commit["sqlite"]), "commit_jsonl": _summ(commit["jsonl"]),
@@ -220,7 +221,7 @@ def meta_now(command: str, server_cpu: int | None) -> dict[str, Any]:
 def section(res: dict[str, Any], meta: dict[str, Any]) -> str:
     s = res["summary"]
     lines = [BEGIN, "## State store: SQLite vs the 0.1 JSONL journal", "",
-             f"- date: {meta['date']}; command: `{meta['command']}`; {meta['machine']}",
+             f"- date: {meta['date']}; command: `{meta['command']}`; {meta['machine']}{common.override_note(res)}",
              f"- operate over the wire: {res['reps']} fresh server processes per variant, interleaved; per process "
              f"{res['warm']} warm-up operates, then {res['per_process']} measured, sequential, on one branch, with "
              "the instant scripted model. With a `stateDir` every operate commits its messages (WAL, "
@@ -261,16 +262,20 @@ def write_section(res: dict[str, Any] | None, meta: dict[str, Any], path: Path =
         replace_section(path, BEGIN, END, section(res, meta))
 
 
-def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True) -> int:
+def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool = True,
+              out: Path = BENCH / "out", md_path: Path = BENCH / "RESULTS.md") -> int:
+    """Measure, write ``<out>/store_results.json`` and (``markdown``) the section; 1 when unavailable."""
     meta = meta_now(command, server_cpu)
     _log(">> state store: operate with/without stateDir over the wire, commit and restore vs the JSONL journal")
-    res = measure(quick, server_cpu)
-    out = BENCH / "out"
+    res = common.attempt(lambda: measure(quick, server_cpu))
     out.mkdir(parents=True, exist_ok=True)
     (out / "store_results.json").write_text(json.dumps({"meta": meta, **res}, indent=1, default=str))
+    if "unavailable" in res:
+        _log(f"   state store: {res['unavailable']}")
+        return 1
     for r in res["ratios"]:
         _log(f"   {r['what']}: {r['ratio']:.2f} (target {r['target']})")
     if markdown:
-        write_section(res, meta)
-        _log(">> wrote the state store section of bench/RESULTS.md")
+        write_section(res, meta, md_path)
+        _log(f">> wrote the state store section of {md_path}")
     return 0

@@ -20,8 +20,11 @@ class CommandLineMistake(Exception):
 
 def _pid(text: str) -> int:
     """A process id: a positive integer (0 or a negative number names a process group to kill(2),
-    so a watchdog on it would never fire, or fire at once)."""
+    so a watchdog on it would never fire, or fire at once) that a ``pid_t`` holds (2^31 and more
+    is no process: kill(2) cannot even be asked about it)."""
     import argparse
+
+    from operate_sidecar.server.rpc.watchdog import MAX_PID
 
     try:
         pid = int(text)
@@ -29,6 +32,8 @@ def _pid(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a process id: {text!r}") from None
     if pid < 1:
         raise argparse.ArgumentTypeError(f"not a process id: {text!r} (a PID is a positive integer)")
+    if pid > MAX_PID:
+        raise argparse.ArgumentTypeError(f"not a process id: {text!r} (a PID is at most {MAX_PID})")
     return pid
 
 
@@ -98,6 +103,8 @@ def _parser(answer_mistakes: bool = False):  # type: ignore[no-untyped-def]
 
 def _flag_mistake(args) -> str | None:  # type: ignore[no-untyped-def]
     """The line for flags argparse accepts but that cannot go together or hold nothing."""
+    if args.config == "":  # (--config "$CFG" with CFG unset): said, not run without the file in silence
+        return "operate-sidecar: --config: no file name given (leave the flag out to run without a config file)"
     if args.state_dir == "":  # (--state-dir "$STATE" with STATE unset): said, not memory only in silence
         return ("operate-sidecar: --state-dir: no folder name given (leave the flag out to keep branches in memory "
                 "only)")
@@ -196,12 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     if args is not None and not mistake:
         if args.state_dir is not None:
             base["stateDir"] = args.state_dir
+            S.resolve_paths(base)  # (a flag's relative path is the working directory's; "~" expanded)
         try:
             config = _load_config(args.config) if args.config else {}
+            if config:  # "~" expanded; relative paths the working directory's (docs/PROTOCOL.md §2, Paths)
+                S.resolve_paths(config)
             base = S.merge(base, config)
             unknown = [k for k in base if k not in S.DEFAULTS]
             if unknown:
-                raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown))
+                raise S.SettingsError("unknown settings field(s): " + ", ".join(unknown) + f" (in {args.config})")
             S.finalize(S.merge(S.DEFAULTS, base))
             problem = S.not_json(config) if config else None  # (after the fields' own checks, which say more)
             if problem:

@@ -22,7 +22,8 @@ merged with what another process wrote meanwhile, when a process compiled a clas
 not have, or many that changed. A class whose source differs in every process (attrs's
 ``__hash__`` holds a randomised string hash) is compiled each time and never kept.
 ``OPERATE_SIDECAR_CODE_CACHE`` names another file, or turns the cache off (``off``, ``0`` or
-empty).
+empty). Only a missing or regular file is ever written over: a device (``/dev/null``), a FIFO,
+a socket, a folder or a symlink in its place is left as it is, and the cache is not written.
 
 The folder does not grow with every environment that ever ran the sidecar (a fresh clone's
 ``.venv``, a throwaway test venv: ~1.7 MB each). A file there records the environment it is for
@@ -250,6 +251,9 @@ class _Cache:
             return
         directory = os.path.dirname(self.path) or "."
         try:
+            if not _replaceable(self.path):
+                log.info("code cache %s not written: it is not a regular file (it is left as it is)", self.path)
+                return
             os.makedirs(directory, mode=0o700, exist_ok=True)
             other = _Cache(self.path)   # what another process wrote since this one read
             other.read(warn=False)
@@ -328,6 +332,21 @@ def _open_trusted(path: str) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
+
+
+def _replaceable(path: str) -> bool:
+    """Whether the cache may be written over ``path``: it is missing or a regular file. Anything
+    else (a device such as ``/dev/null`` named to turn the cache off, a FIFO, a socket, a folder, a
+    symlink) is left as it is: renamed over, a device node would be gone for every program (as
+    root, ``/dev/null`` would become a plain file)."""
+    import stat
+
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 def _remove_leftovers(directory: str) -> None:

@@ -55,8 +55,15 @@ _DEPTH = 200  # how deep the walk of a value recurses; what lies deeper is walke
 _KNOWN: set[str] = set()
 _ORDERED: tuple[str, ...] = ()   # longest first, so a key containing another is masked whole
 
+#: the shapes of API keys and tokens as their issuers write them: OpenAI's and Anthropic's ``sk-...``,
+#: Google's ``AIza...``, Hugging Face's ``hf_...``, Groq's ``gsk_...``, GitHub's ``ghp_...`` and
+#: ``github_pat_...``, GitLab's ``glpat-...``, Slack's ``xoxb-...``
+KEY_SHAPE = re.compile(r"\b(?:sk-[A-Za-z0-9_\-\*\.]{4,}|AIza[0-9A-Za-z_\-]{20,}|hf_[A-Za-z0-9]{20,}|gsk_[A-Za-z0-9]{20,}"
+                       r"|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_\-]{20,}"
+                       r"|xox[abposr]-[A-Za-z0-9\-]{10,})")
+
 _PATTERNS = (
-    (re.compile(r"\bsk-[A-Za-z0-9_\-\*\.]{4,}"), lambda m: MASK),            # OpenAI-style keys
+    (KEY_SHAPE, lambda m: MASK),                                                  # API keys by their shape
     (re.compile(r"(?i)\bbearer\s+[A-Za-z0-9_\-\.=:/+]{6,}"), lambda m: "Bearer " + MASK),
     (re.compile(r"(?i)(api[_-]?key['\"]?\s*[:=]\s*['\"]?)[^\s'\",}]{6,}"), lambda m: m.group(1) + MASK),
     (re.compile(r"(?i)(://)[^/@\s:]+:[^/@\s]+@"), lambda m: m.group(1) + MASK + "@"),  # user:password@
@@ -82,6 +89,152 @@ def secret_env_values(env: Any) -> list[str]:
         return []
     return [v for k, v in env.items() if isinstance(k, str) and isinstance(v, str) and SECRET_ENV_NAME.search(k)
             and not (_counts(k) and _NUMBER_VALUE.fullmatch(v.strip()))]
+
+
+#: an HTTP header (a model's ``options.extraHeaders``) whose name says it carries a secret
+SECRET_HEADER_NAME = re.compile(r"auth|api[-_]?key|token|secret|password|credential|cookie", re.IGNORECASE)
+
+
+def model_secrets(config: Any) -> tuple[list[str], list[str]]:
+    """The secrets one ModelConfig names or holds: the names of the environment variables that
+    hold one (the ``apiKeyEnv``, ``OPENAI_API_KEY`` for an ``openai`` model without one), and the
+    values written into it under a name that says they are secret: a CLI model's ``env`` entry
+    (:func:`secret_env_values`) and ``command`` option (:func:`command_secret_values`), the
+    password of a ``user:password@`` in a ``baseUrl`` (:func:`url_passwords`), a header of ``options.extraHeaders`` named like
+    :data:`SECRET_HEADER_NAME` (whole, and without its scheme: ``Bearer``, ``Basic``), and a key
+    pasted as the ``apiKeyEnv`` (:func:`looks_like_key`). A config of any shape gives what can
+    be read of it. The same for a model of the settings and one given inline (``chatModel``)."""
+    names: list[str] = []
+    values: list[str] = []
+    if not isinstance(config, dict):
+        return names, values
+    env = config.get("apiKeyEnv")
+    if isinstance(env, str) and env:
+        if looks_like_key(env):
+            values.append(env.strip())
+        else:
+            names.append(env)
+    elif config.get("provider") == "openai":
+        names.append("OPENAI_API_KEY")
+    if config.get("provider") == "cli":
+        values.extend(secret_env_values(config.get("env")))
+        values.extend(command_secret_values(config.get("command")))
+    if isinstance(config.get("baseUrl"), str):
+        values.extend(url_passwords(config["baseUrl"]))
+    options = config.get("options")
+    if isinstance(options, dict):
+        for key, headers in options.items():
+            if isinstance(key, str) and key.replace("_", "").lower() == "extraheaders" and isinstance(headers, dict):
+                for name, value in headers.items():
+                    if isinstance(name, str) and isinstance(value, str) and SECRET_HEADER_NAME.search(name):
+                        values.append(value.strip())
+                        scheme, _, credential = value.strip().partition(" ")
+                        if credential.strip() and scheme.isalpha():
+                            values.append(credential.strip())
+    return names, [v for v in values if v]
+
+
+#: the last word of a command-line option's name that says its value is secret (``--key``,
+#: ``--hf-token``, ``--client-secret``, ``--api-key``, ``--apiKey``); ``--api-key-env`` (it
+#: names a variable), ``--max-tokens``, ``--tokenizer``, ``--sort-keys`` and ``--author`` end
+#: in none of them
+SECRET_OPTION_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "auth", "authorization",
+                                 "credential", "credentials"})
+
+
+def secret_option(name: str) -> bool:
+    """Whether a command-line option's name (without its dashes) says that its value is secret:
+    its last word (split at ``-``, ``_``, ``.`` and where a lower case letter meets an upper case
+    one) is one of :data:`SECRET_OPTION_WORDS`, a whole word; but for a flag that turns a thing
+    off (``--no-auth``, ``--no_token``), which takes no value."""
+    if re.match(r"(?i)no[-_]", name):
+        return False
+    words = re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", name)
+    return bool(words) and words[-1].lower() in SECRET_OPTION_WORDS
+
+
+def command_secret_values(command: Any) -> list[str]:
+    """The values a command line (a CLI model's ``command``: a list, or a string split as a shell
+    would) gives options whose name says they are secret (:func:`secret_option`): ``--key=VALUE``
+    and ``--api-key VALUE`` (the next argument, unless it is an option); never one holding the
+    ``{prompt}`` placeholder. ``models.config.command_shown`` hides the same values."""
+    if isinstance(command, str):
+        import shlex
+
+        try:
+            command = shlex.split(command)
+        except ValueError:
+            command = command.split()
+    if not isinstance(command, (list, tuple)):
+        return []
+    out: list[str] = []
+    take_next = False
+    for arg in command:
+        if not isinstance(arg, str):
+            take_next = False
+            continue
+        if take_next and not arg.startswith("-") and "{prompt}" not in arg:
+            out.append(arg)
+            take_next = False
+            continue
+        flag, eq, value = arg.partition("=")
+        take_next = flag.startswith("-") and secret_option(flag.lstrip("-")) and not eq
+        if flag.startswith("-") and eq and value and "{prompt}" not in value and secret_option(flag.lstrip("-")):
+            out.append(value)
+    return out
+
+
+def url_passwords(url: str) -> list[str]:
+    """The password of a ``user:password@`` in ``url``, as written there (percent-encoded) and
+    decoded, or nothing."""
+    m = re.match(r"[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)@", url.strip())
+    if not m or ":" not in m.group(1):
+        return []
+    from urllib.parse import unquote
+
+    password = m.group(1).split(":", 1)[1]  # (up to the authority's last "@")
+    return list(dict.fromkeys([password, unquote(password)]))
+
+
+def env_value(name: str) -> str | None:
+    """The environment's value of ``name``; None when unset, or when no environment can hold
+    the name (a lone surrogate)."""
+    import os
+
+    try:
+        return os.environ.get(name)
+    except ValueError:
+        return None
+
+
+def remember_model_secrets(config: Any) -> None:
+    """Register the secrets a ModelConfig names or holds (:func:`model_secrets`): a model given
+    inline (``createBranch.chatModel``) is masked as one of the settings is."""
+    names, values = model_secrets(config)
+    for value in [env_value(n) for n in names] + values:
+        remember_secret(value)
+
+
+#: a name this long that has a digit and lower case letters mixed with upper case ones, or no
+#: ``_``, or many digits, is taken for a key of no known shape (:func:`looks_like_key`)
+KEY_LIKE_NAME_CHARS = 20
+
+
+def looks_like_key(text: str) -> bool:
+    """Whether ``text`` is, as a whole, a key or token of a shape its issuer writes
+    (:data:`KEY_SHAPE`), a bearer credential, or a key of no known shape (Mistral's, Together's):
+    :data:`KEY_LIKE_NAME_CHARS` characters or more with a digit, and upper and lower case letters
+    mixed, or no ``_``, or a third of them digits; an environment variable's name is written in
+    capitals and ``_`` (``AZURE_OPENAI_KEY_2``). What a person pastes where the name of the
+    variable that holds it belongs (a model's ``apiKeyEnv``)."""
+    text = text.strip()
+    if KEY_SHAPE.fullmatch(text) or re.fullmatch(r"(?i)bearer\s+\S{6,}", text):
+        return True
+    digits = sum(c.isdigit() for c in text)
+    if len(text) < KEY_LIKE_NAME_CHARS or not digits or any(c.isspace() for c in text):
+        return False
+    mixed = any(c.isupper() for c in text) and any(c.islower() for c in text)
+    return mixed or "_" not in text or digits * 3 >= len(text)
 
 
 def _counts(name: str) -> bool:
@@ -113,12 +266,35 @@ def _not_secret(value: str) -> bool:
     return _is_placeholder(value) or _is_short_number(value)
 
 
+def secret_forms(value: str) -> list[str]:
+    """The texts a secret value is used as: the value as written, and without the white space at
+    its ends (a secret mounted from a file ends in a newline, which the program that reads it
+    strips). A secret of several lines (a PEM key, a JSON credential) is masked where it appears
+    whole; its lines are not registered on their own: a line of it shown alone is not masked
+    (docs/SECURITY.md, Known limits). Its lines would be many short forms (a 4096-bit key has
+    some fifty), each searched for in every frame, and the ordinary ones among them
+    (``NODE_ENV=production``, a host name, a project id) would put ``[REDACTED]`` in ordinary text."""
+    out = [value]
+    stripped = value.strip()
+    if stripped != value:
+        out.append(stripped)
+    return out
+
+
 def remember_secret(value: str | None) -> None:
-    """Register a secret value; every later :func:`redact` removes it. A value shorter than
-    :data:`MIN_SECRET_CHARS`, a placeholder word (:func:`_is_placeholder`) or a short number
-    (:func:`_is_short_number`) is not registered."""
+    """Register a secret value in the forms it is used as (:func:`secret_forms`); every later
+    :func:`redact` removes each. A value (or form) shorter than :data:`MIN_SECRET_CHARS`, a
+    placeholder word (:func:`_is_placeholder`) or a short number (:func:`_is_short_number`) is not
+    registered."""
+    if not isinstance(value, str) or value in _KNOWN:
+        return
+    for form in secret_forms(value):
+        _remember(form)
+
+
+def _remember(value: str) -> None:
     global _ORDERED
-    if isinstance(value, str) and len(value) >= _MIN_LEN and value not in _KNOWN:
+    if len(value) >= _MIN_LEN and value not in _KNOWN and value != MASK:  # (a secret stored masked: no secret)
         if _not_secret(value):
             if value not in _NOT_SECRETS:
                 _NOT_SECRETS.add(value)
@@ -532,4 +708,4 @@ def _forms(s: str) -> tuple[str, ...]:
 
 
 __all__ = ["MASK", "MIN_SECRET_CHARS", "PLACEHOLDER_MAX_CHARS", "SHORT_NUMBER_MAX_CHARS", "StreamRedactor",
-           "remember_secret", "known_secrets", "has_secrets", "redact", "redact_value", "redact_bytes", "redact_keeping"]
+           "KEY_SHAPE", "SECRET_OPTION_WORDS", "looks_like_key", "secret_option", "command_secret_values", "url_passwords", "secret_forms", "model_secrets", "remember_model_secrets", "remember_secret", "known_secrets", "has_secrets", "redact", "redact_value", "redact_bytes", "redact_keeping"]

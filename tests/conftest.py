@@ -31,6 +31,21 @@ def anyio_backend():
     return "asyncio"
 
 
+@pytest.fixture(autouse=True)
+def _secrets_a_test_registers_stay_with_it():
+    """The server's registry of secrets (``server.redaction``) is one per process: a test that
+    registers one in pytest's own process (a unit test of the masking) would change what later
+    tests in that process see (a stream's text held back while it could be the start of a
+    secret, its chunks cut elsewhere). Each test leaves the registry as it found it."""
+    from operate_sidecar.server import redaction
+
+    known, ordered = set(redaction._KNOWN), redaction._ORDERED
+    yield
+    redaction._KNOWN.clear()
+    redaction._KNOWN.update(known)
+    redaction._ORDERED = ordered
+
+
 class _Unrun:
     """Under pytest-xdist, in the controlling process: how many of the tests collected never
     reported, said at the end. `make test` runs with ``--max-worker-restart=0``, because

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import contextvars
 import gc
 import importlib
@@ -38,6 +39,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from acp import PROTOCOL_VERSION, Agent, RequestError, update_agent_message_text
+from acp import schema as acp_schema
 from acp.schema import (AgentCapabilities, CloseSessionResponse, ConfigOptionUpdate, CurrentModeUpdate,
                         ForkSessionResponse, Implementation, InitializeResponse, ListSessionsResponse,
                         LoadSessionResponse, McpCapabilities, NewSessionResponse, PromptCapabilities, PromptResponse,
@@ -82,6 +84,9 @@ CLOSE_WAIT_S = 10.0
 #: end and send its updates before the request's answer (less than ``run.EXIT_GRACE_S``, the
 #: time the requests in flight at the input's end have to be answered)
 WIND_UP_S = 1.5
+
+#: messages of a history ``session/load`` replays between two yields to the event loop
+REPLAY_SLICE = 200
 
 #: a ``resource_link``'s text was cut where the ``read_file`` tool stops reading
 LINK_CUT = "\n[cut here: the file goes on; the rest was not included]"
@@ -144,6 +149,12 @@ def _cursor_key(cursor: str) -> tuple[float, str]:
                        {"cursor": cursor, "reason": "not a cursor this agent gave"}) from None
 
 
+def _kind_of(m: Any) -> Any:
+    """A stored message's kind, as a string (``instruction``, ``action_response``...)."""
+    kind = getattr(m, "kind", None)
+    return getattr(kind, "value", kind)
+
+
 def _folder(path: str) -> str:
     """An absolute path as the folder it names: "/ws/", "/ws/." and "//ws" are "/ws" (``normpath``
     keeps two leading slashes, which POSIX leaves to the system; on Linux they are one)."""
@@ -151,13 +162,44 @@ def _folder(path: str) -> str:
     return "/" + p.lstrip("/") if p.startswith("//") else p
 
 
+#: ``session/delete``'s params and answer in the SDK's schema (None: an SDK without them, which
+#: is then not offered the method: ``_route_delete``)
+_DELETE_REQUEST = getattr(acp_schema, "DeleteSessionRequest", None)
+_DELETE_RESPONSE = getattr(acp_schema, "DeleteSessionResponse", None)
+
+
+def _route_delete(conn: Any, agent: Any) -> bool:
+    """Route ``session/delete`` to ``agent.delete_session`` on the SDK's connection ``conn``:
+    the SDK's schema has the method (``DeleteSessionRequest``, ``sessionCapabilities.delete``),
+    its router does not serve it (an SDK that does is left as it is). Whether it is served: it
+    is advertised then only (``_delete_capability``)."""
+    router = getattr(getattr(conn, "_conn", None), "_handler", None)
+    routes = getattr(router, "_requests", None)
+    if _DELETE_REQUEST is None or not isinstance(routes, dict) or not callable(getattr(router, "route_request", None)):
+        return False
+    if "session/delete" not in routes:
+        from acp.utils import normalize_result
+
+        router.route_request("session/delete", _DELETE_REQUEST, agent, "delete_session", adapt_result=normalize_result)
+    return True
+
+
+def _delete_capability(served: bool) -> dict[str, Any]:
+    """``sessionCapabilities.delete`` when ``session/delete`` is served and the schema has it."""
+    caps = getattr(acp_schema, "SessionDeleteCapabilities", None)
+    if not served or caps is None or "delete" not in SessionCapabilities.model_fields:
+        return {}
+    return {"delete": caps()}
+
+
 class _Prompt:
     """A prompt of a session: cancelled by ``session/cancel``; its task once it runs."""
 
-    __slots__ = ("cancelled", "task")
+    __slots__ = ("cancelled", "deleted", "task")
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.deleted = False  # its session was deleted (``session/delete``): answered -32012
         self.task: asyncio.Task | None = None
 
 
@@ -224,15 +266,21 @@ class OperateAgent(Agent):
         self._prompts: dict[str, asyncio.Lock] = {}  # held by a session's prompt until it is answered
         self._current: dict[str, _Prompt] = {}  # the prompt holding a session's lock
         self._waiting: dict[str, _Prompt] = {}  # a prompt sent after its session's turn was cancelled
+        #: per session, the last request whose effect depends on, or changes, whether the
+        #: session is served here (``_in_order``): done once that effect is
+        self._order: dict[str, asyncio.Future] = {}
+        self._queued: dict[str, list[_Prompt]] = {}  # prompts waiting for their turn in ``_in_order``
         self._shutting: set[str] = set()        # sessions being closed (session/close)
         self._closed: set[str] = set()          # sessions closed here and not taken up again since
         self._closing = False                   # ``aclose`` has begun: start nothing more
         self._warned_models: set[str] = set()   # models whose problem (``model_problem``) was logged
+        self._deletes = False                   # ``session/delete`` is served (``_route_delete``)
 
     def on_connect(self, conn: Any) -> None:
         from .run import explain_invalid_params
 
         self.port.client = conn
+        self._deletes = _route_delete(conn, self)  # before the SDK's handler is wrapped
         explain_invalid_params(conn)  # a request the schema refuses: its message says why
 
     # ------------------------------------------------------------------ the core, loaded early
@@ -395,10 +443,22 @@ class OperateAgent(Agent):
         return kept
 
     def _error(self, e: BaseException) -> RequestError:
+        """A service error as an ACP error: the same code, message and data; a bound of the
+        settings that is reached says what an ACP client can do about it (``_remedies``)."""
         from operate_sidecar.server.service.errors import map_exception
 
-        code, message, data = map_exception(e, self.debug)
+        code, message, data = map_exception(e, self.debug, self._remedies())
         return RequestError(code, message, data)
+
+    def _remedies(self) -> dict[str, str]:
+        """What an ACP client can do when a bound of the settings is reached, by the setting
+        (``service.errors.LimitReached``; raising the setting is said after it). Deleting a session
+        is said only when ``session/delete`` is served: else, at ``maxBranches``, raising the
+        setting is all a client can do (no ACP method removes a session)."""
+        if not self._deletes:
+            return {"maxMessagesPerBranch": "start a new session (session/new)"}
+        return {"maxBranches": "delete sessions you no longer need (session/delete)",
+                "maxMessagesPerBranch": "start a new session (session/new), delete this one (session/delete)"}
 
     # ------------------------------------------------------------------ initialize
     async def initialize(self, protocol_version: int, client_capabilities: Any = None, client_info: Any = None,
@@ -408,8 +468,15 @@ class OperateAgent(Agent):
             read, write = fs.get("readTextFile"), fs.get("writeTextFile")
         else:
             read, write = getattr(fs, "read_text_file", False), getattr(fs, "write_text_file", False)
-        if read is True and write is True:
-            self.port.client_capabilities["fs"] = True
+        # the latest initialize's capabilities rule: a client that says so no more is read no more
+        served = read is True and write is True
+        if served != bool(self.port.client_capabilities.get("fs")):
+            if served:
+                self.port.client_capabilities["fs"] = True
+            else:
+                self.port.client_capabilities.pop("fs", None)
+            if self.sidecar is not None:  # the builtin file tools already made read through the new way
+                self.sidecar.workspace_changed()
         self.start_loading()
         return InitializeResponse(
             protocol_version=PROTOCOL_VERSION,
@@ -422,7 +489,8 @@ class OperateAgent(Agent):
                                                          close=SessionCloseCapabilities(),
                                                          fork=SessionForkCapabilities(),
                                                          # a session's folders: its cwd and these
-                                                         additional_directories=SessionAdditionalDirectoriesCapabilities())),
+                                                         additional_directories=SessionAdditionalDirectoriesCapabilities(),
+                                                         **_delete_capability(self._deletes))),
             agent_info=Implementation(name="operate-sidecar", title="operate-sidecar", version=self.version),
             auth_methods=[])
 
@@ -431,6 +499,43 @@ class OperateAgent(Agent):
                        {"methodId": method_id, "reason": "no authentication methods"})
 
     # ------------------------------------------------------------------ sessions
+    @contextlib.asynccontextmanager
+    async def _in_order(self, session_id: str) -> Any:
+        """The requests on a session whose effect depends on, or changes, whether it is served
+        here (``session/prompt``'s checks, ``session/load``, ``session/resume``,
+        ``session/close``, ``session/delete``, ``session/set_config_option``,
+        ``session/set_mode``, ``session/fork``) take effect in the order they were read from the
+        wire: the SDK serves every request at once, each on a task of its own, so a prompt sent
+        right after a load, without waiting for its answer, was checked while the load was still
+        under way, and a close that waited for its turn freed the session after a load read
+        after it. Entered on the request's first step (the SDK starts its tasks in the order it
+        read their lines), this waits for the session's request read before, until it leaves (a
+        prompt leaves once it has been checked and has its place, before its turn runs; a fork
+        once the fork is made, before the new session is set up; a close or delete once it is
+        done, which waits up to ``CLOSE_WAIT_S`` for the turn it ends, so a request read after
+        it waits that long too). Other sessions are not held up, nor is ``session/cancel``. A
+        request cancelled while it waits (the input ended) lets the next one go only once the
+        one before it has left."""
+        before = self._order.get(session_id)
+        mine = asyncio.get_running_loop().create_future()
+        self._order[session_id] = mine
+
+        def done(_: Any = None) -> None:
+            if not mine.done():
+                mine.set_result(None)
+            if self._order.get(session_id) is mine:
+                del self._order[session_id]
+
+        try:
+            if before is not None and not before.done():
+                await asyncio.wait({before})  # (cancelled here, ``before`` is not)
+            yield
+        finally:
+            if before is not None and not before.done():
+                before.add_done_callback(done)
+            else:
+                done()
+
     async def new_session(self, cwd: str, additional_directories: Any = None, mcp_servers: Any = None,
                           **kw: Any) -> NewSessionResponse:
         sc = await self._restored()
@@ -460,16 +565,18 @@ class OperateAgent(Agent):
 
     async def load_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
                            additional_directories: Any = None, **kw: Any) -> LoadSessionResponse:
-        b, was = await self._take_up(cwd, session_id, mcp_servers, additional_directories)
-        self._replay(session_id, b, was)
-        await self.port.flush()  # every update before the answer
-        return LoadSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
+        async with self._in_order(session_id):
+            b, was = await self._take_up(cwd, session_id, mcp_servers, additional_directories)
+            await self._replay(session_id, b, was)
+            await self.port.flush(session_id)  # every update of the session before the answer
+            return LoadSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
 
     async def resume_session(self, cwd: str, session_id: str, mcp_servers: Any = None,
                              additional_directories: Any = None, **kw: Any) -> ResumeSessionResponse:
         """``session/load`` without the history: the client shows what it kept."""
-        await self._take_up(cwd, session_id, mcp_servers, additional_directories)  # (its history is not replayed)
-        return ResumeSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
+        async with self._in_order(session_id):
+            await self._take_up(cwd, session_id, mcp_servers, additional_directories)  # (its history is not replayed)
+            return ResumeSessionResponse(config_options=self._options(session_id), modes=self._modes(session_id))
 
     async def _take_up(self, cwd: str, session_id: str, mcp_servers: Any, additional_directories: Any) -> Any:
         """A stored session (one made by an earlier run, another server on the state directory,
@@ -489,7 +596,17 @@ class OperateAgent(Agent):
                            mcp_servers: Any = None, **kw: Any) -> ForkSessionResponse:
         """A new session on a fork of the session's branch (its messages, as they were before a
         turn still running on it, its mode, policy and model; its title marked ``(fork)``), in
-        ``cwd``; the source session goes on as it was."""
+        ``cwd``; the source session goes on as it was. Only the fork itself takes its turn among
+        the source's requests (``_in_order``): the new session's set-up (its MCP servers, its
+        priming, slow on a first warm-up) does not hold up a request on the source read after it."""
+        async with self._in_order(session_id):
+            sc, sid = await self._fork(session_id, cwd, additional_directories)
+        await self._add_mcp(sid, mcp_servers)
+        await self._primed(sc, sid)
+        return ForkSessionResponse(session_id=sid, config_options=self._options(sid), modes=self._modes(sid))
+
+    async def _fork(self, session_id: str, cwd: str, additional_directories: Any) -> tuple[Any, str]:
+        """The fork made (the only step that reads the source): the service and the new session."""
         await self._branch(session_id)
         sc = self.sidecar
         folders = self._add_folders(cwd, additional_directories)
@@ -502,16 +619,19 @@ class OperateAgent(Agent):
         except Exception as e:
             raise self._error(e) from None
         sc.set_branch_folders(sid, folders)
-        await self._add_mcp(sid, mcp_servers)
-        await self._primed(sc, sid)
-        return ForkSessionResponse(session_id=sid, config_options=self._options(sid), modes=self._modes(sid))
+        return sc, sid
 
     async def close_session(self, session_id: str, **kw: Any) -> CloseSessionResponse:
         """Cancel the session's turn (as ``session/cancel``) and wait for it to be answered, then
         free what serving it holds: its folders, the MCP servers only it passed (stopped before
         the answer). The session stays stored and listed; ``session/load`` or
         ``session/resume`` takes it up again (a prompt, or a change of its model or mode, before
-        that is -32602)."""
+        that is -32602: one read after the close waits for it to be done, ``_in_order``, so
+        for up to ``CLOSE_WAIT_S`` when the cancelled turn does not end)."""
+        async with self._in_order(session_id):
+            return await self._close(session_id)
+
+    async def _close(self, session_id: str) -> CloseSessionResponse:
         await self._branch(session_id)
         self._shutting.add(session_id)  # a prompt from here on is refused, as after the close
         try:
@@ -530,6 +650,39 @@ class OperateAgent(Agent):
         finally:
             self._shutting.discard(session_id)
         return CloseSessionResponse()
+
+    async def delete_session(self, session_id: str, **kw: Any) -> Any:
+        """``session/delete``: the session deleted from the store, and so from ``session/list``,
+        as ``deleteBranch`` deletes its branch (docs/PROTOCOL.md §3, §13): on disk first (a delete
+        that cannot be saved is -32013 and changes nothing), then a turn running on it ends as
+        on ``session/cancel`` (its shown calls end ``failed``), nothing of it is kept, and its
+        prompt, and one waiting for it, is answered -32012; the delete is answered once that
+        prompt is (waited for ``CLOSE_WAIT_S`` at most, as by ``session/close``). The MCP
+        servers only it passed stop. Takes its turn among the session's requests
+        (``_in_order``): one read after it waits for it to be done (so for up to
+        ``CLOSE_WAIT_S``), then meets an unknown session (-32602)."""
+        async with self._in_order(session_id):
+            sc = await self._restored()
+            await self._branch(session_id)
+            try:
+                await sc.deleteBranch({"branchId": session_id})
+            except Exception as e:
+                raise self._error(e) from None
+            for p in (self._current.get(session_id), self._waiting.get(session_id)):
+                if p is not None:
+                    p.deleted = True
+            self._cancel_turn(session_id)
+            lock = self._prompts.pop(session_id, None)
+            if lock is not None and lock.locked():
+                try:  # the turn ends promptly; its answer (-32012) goes out first
+                    await asyncio.wait_for(lock.acquire(), CLOSE_WAIT_S)
+                    lock.release()
+                except asyncio.TimeoutError:
+                    log.warning("session %s: its turn did not end within %.0f s of its delete; deleted without it",
+                                session_id, CLOSE_WAIT_S)
+            self._closed.discard(session_id)
+            self.port.forget_session(session_id)
+        return _DELETE_RESPONSE() if _DELETE_RESPONSE is not None else None
 
     async def list_sessions(self, cwd: str | None = None, cursor: str | None = None, additional_directories: Any = None,
                             **kw: Any) -> ListSessionsResponse:
@@ -656,19 +809,22 @@ class OperateAgent(Agent):
 
     async def set_config_option(self, config_id: str, session_id: str, value: Any,
                                 **kw: Any) -> SetSessionConfigOptionResponse:
-        await self._set_option(config_id, session_id, value)
-        if config_id == "mode":  # the mode is also the session's ACP mode: a client's mode selector follows
-            self.port.send(session_id, CurrentModeUpdate(session_update="current_mode_update", current_mode_id=value))
-            await self.port.flush()
-        return SetSessionConfigOptionResponse(config_options=self._options(session_id))
+        async with self._in_order(session_id):
+            await self._set_option(config_id, session_id, value)
+            if config_id == "mode":  # the mode is also the session's ACP mode: a client's mode selector follows
+                self.port.send(session_id, CurrentModeUpdate(session_update="current_mode_update",
+                                                             current_mode_id=value))
+                await self.port.flush(session_id)
+            return SetSessionConfigOptionResponse(config_options=self._options(session_id))
 
     async def set_session_mode(self, mode_id: str, session_id: str, **kw: Any) -> SetSessionModeResponse:
-        await self._set_option("mode", session_id, mode_id)
-        # the mode is also a config option: a client's option selectors follow
-        self.port.send(session_id, ConfigOptionUpdate(session_update="config_option_update",
-                                                      config_options=self._options(session_id)))
-        await self.port.flush()
-        return SetSessionModeResponse()
+        async with self._in_order(session_id):
+            await self._set_option("mode", session_id, mode_id)
+            # the mode is also a config option: a client's option selectors follow
+            self.port.send(session_id, ConfigOptionUpdate(session_update="config_option_update",
+                                                          config_options=self._options(session_id)))
+            await self.port.flush(session_id)
+            return SetSessionModeResponse()
 
     async def _set_option(self, config_id: str, session_id: str, value: Any) -> None:
         """The session's ``model`` or ``mode`` (-32602 for another option or value). A model that
@@ -748,22 +904,28 @@ class OperateAgent(Agent):
         refused, unless that turn was cancelled and not answered yet: it then starts once that
         answer is sent (CodeCompanion does not wait for it); a second such prompt is refused
         unless the first was cancelled too. ``session/cancel`` stops the prompt at whatever it
-        does (reading a linked file from the client, the model, a tool) and a waiting one."""
-        if session_id in self._shutting:  # (a prompt sent with the close, read before its answer)
-            raise self._not_loaded(session_id)
-        lock = self._prompts.setdefault(session_id, asyncio.Lock())
+        does (reading a linked file from the client, the model, a tool) and a waiting one. Its
+        checks take their turn among the session's requests (``_in_order``): a prompt sent right
+        after a ``session/load`` or ``session/resume``, without waiting for its answer, is
+        checked once the session is taken up; one read after a ``session/close`` is refused."""
         me = _Prompt()
-        if lock.locked():
-            current, waiting = self._current.get(session_id), self._waiting.get(session_id)
-            if not (current is None or current.cancelled) or (waiting is not None and not waiting.cancelled):
-                raise _invalid(f"session {session_id!r}: a prompt turn is already running (wait for its answer, or "
-                               "session/cancel it first)",
-                               {"sessionId": session_id, "reason": "a prompt turn is already running"})
-            self._waiting[session_id] = me
+        queued = self._queued.setdefault(session_id, [])
+        queued.append(me)  # until it has its place: a ``session/cancel`` read meanwhile cancels it
+        try:
+            async with self._in_order(session_id):
+                lock = await self._place(me, session_id)
+        finally:
+            queued.remove(me)
+            if not queued and self._queued.get(session_id) is queued:
+                del self._queued[session_id]
+        if lock is None:
+            return PromptResponse(stop_reason="cancelled")
         try:
             async with lock:
                 if self._waiting.get(session_id) is me:
                     del self._waiting[session_id]
+                if me.deleted:
+                    raise self._deleted(session_id)
                 if me.cancelled or session_id in self._shutting:
                     return PromptResponse(stop_reason="cancelled")
                 self._current[session_id] = me
@@ -774,6 +936,31 @@ class OperateAgent(Agent):
         finally:
             if self._waiting.get(session_id) is me:  # (the connection closed while it waited)
                 del self._waiting[session_id]
+
+    async def _place(self, me: "_Prompt", session_id: str) -> asyncio.Lock | None:
+        """The prompt ``me`` checked, in its turn among the session's requests: the session must
+        be served here (taken up by this process, and not closed since), and no turn of it may
+        run unless that turn was cancelled (``me`` then waits for it: ``_waiting``). The
+        session's turn lock, which ``me`` takes to run; None when ``me`` was cancelled while it
+        waited for its turn."""
+        if session_id in self._shutting or session_id in self._closed or self.sidecar is None \
+                or self.sidecar.branch_folders(session_id) is None:
+            # a session this process has not taken up (made by an earlier run or another server
+            # on the state directory), or closed here: it has no folders here, and its tools would
+            # reach every session's; ACP has it loaded first, which gives them
+            await self._branch(session_id)  # (an unknown session is said to be one)
+            raise self._not_loaded(session_id)
+        if me.cancelled:
+            return None
+        lock = self._prompts.setdefault(session_id, asyncio.Lock())
+        if lock.locked():
+            current, waiting = self._current.get(session_id), self._waiting.get(session_id)
+            if not (current is None or current.cancelled) or (waiting is not None and not waiting.cancelled):
+                raise _invalid(f"session {session_id!r}: a prompt turn is already running (wait for its answer, or "
+                               "session/cancel it first)",
+                               {"sessionId": session_id, "reason": "a prompt turn is already running"})
+            self._waiting[session_id] = me
+        return lock
 
     async def _run_prompt(self, me: "_Prompt", prompt: list, session_id: str) -> PromptResponse:
         """The prompt ``me`` as a task that ``session/cancel`` cancels; its answer."""
@@ -789,14 +976,21 @@ class OperateAgent(Agent):
         finally:
             self.port.turns.pop(session_id, None)
         self.port.end_calls(session_id)
-        await self.port.flush()  # every update of the turn before its answer, an error answer too
+        await self.port.flush(session_id)  # every update of the turn before its answer, an error answer too
+        if me.deleted:
+            raise self._deleted(session_id)
         if task.cancelled() or me.cancelled:
             return PromptResponse(stop_reason="cancelled")
         exc = task.exception()
         if exc is not None:
             if isinstance(exc, RequestError):
                 raise exc
-            raise self._error(exc) from None
+            error = self._error(exc)
+            from operate_sidecar.protocol.errors import BRANCH_NOT_FOUND
+
+            if error.code == BRANCH_NOT_FOUND:  # its branch was deleted as it ran (here, or by another server)
+                raise self._deleted(session_id) from None
+            raise error from None
         return task.result()
 
     async def _wind_up(self, task: asyncio.Task, session_id: str) -> None:
@@ -810,9 +1004,18 @@ class OperateAgent(Agent):
         await asyncio.wait({task}, timeout=WIND_UP_S)
         self.port.end_calls(session_id)
         try:
-            await asyncio.wait_for(self.port.flush(), max(0.0, until - loop.time()))
+            await asyncio.wait_for(self.port.flush(session_id), max(0.0, until - loop.time()))
         except asyncio.TimeoutError:
             log.debug("session %s: the cancelled turn's updates were not all sent before its answer", session_id)
+
+    @staticmethod
+    def _deleted(session_id: str) -> RequestError:
+        """-32012 for a prompt whose session was deleted while its turn ran or waited to run."""
+        from operate_sidecar.protocol.errors import BRANCH_NOT_FOUND
+
+        return RequestError(BRANCH_NOT_FOUND, f"session {session_id!r} was deleted before or during its turn: "
+                                              "nothing of the turn is kept", {"sessionId": session_id,
+                                                                   "reason": "the session was deleted"})
 
     @staticmethod
     def _not_loaded(session_id: str) -> RequestError:
@@ -822,10 +1025,7 @@ class OperateAgent(Agent):
     async def _prompt(self, prompt: list, session_id: str) -> PromptResponse:
         """The prompt turn: checks, linked files read, then the operate (``_turn``)."""
         b = await self._branch(session_id)
-        if self.sidecar.branch_folders(session_id) is None:
-            # a session this process has not taken up (made by an earlier run or another
-            # server on the state directory): it has no folders here, and its tools would
-            # reach every session's; ACP has it loaded first, which gives them
+        if self.sidecar.branch_folders(session_id) is None:  # (``_place`` checked it; never its tools unconfined)
             raise self._not_loaded(session_id)
         instruction, context = _prompt_parts(prompt)
         model = self._model(session_id)
@@ -839,6 +1039,10 @@ class OperateAgent(Agent):
         return await self._turn(b, instruction, context, _saved_at)
 
     async def cancel(self, session_id: str, **kw: Any) -> None:
+        """The session's turn, the prompt waiting for it and those read before this cancel that
+        wait for their turn among the session's requests (``_in_order``)."""
+        for p in self._queued.get(session_id, ()):
+            p.cancelled = True
         self._cancel_turn(session_id)
 
     # ------------------------------------------------------------------ extensions (``_``-prefixed)
@@ -961,42 +1165,59 @@ class OperateAgent(Agent):
         turn.reply = ReplyText()
 
     # ------------------------------------------------------------------ load: replay history
-    def _replay(self, sid: str, branch: Any, was: str | None = None) -> None:
+    async def _replay(self, sid: str, branch: Any, was: str | None = None) -> None:
         """The session's history as the client was shown it live, through the live paths, from
         what the branch holds: each prompt (its text and resources), each reply's text and plan
         (a plan once per turn where it changed), each tool call (``AcpPort.replay_call``, where
-        it was made: in ``was``, the folder the session was in)."""
+        it was made: in ``was``, the folder the session was in), then the calls of a turn running
+        on it that the client was shown and that have no outcome yet. ``REPLAY_SLICE`` messages
+        at a time, yielding to the loop between slices and waiting while the client has not read
+        what was queued (``AcpPort.room``): a history of 100,000 messages holds up no other
+        request. The history and the running calls are taken as they are when it begins; the
+        session's live updates made meanwhile follow the replay (``AcpPort.replaying``)."""
         from acp import update_user_message
 
-        send = self.port.send
+        port = self.port
+        send = port.send
         skip = _continuations()
-        msgs = [(getattr(getattr(m, "kind", None), "value", getattr(m, "kind", None)),
-                 getattr(m, "content", None) or {}) for m in list(branch.messages)]
-        responses = {c.get("callId"): c for kind, c in msgs if kind == "action_response"}
-        calls: dict[Any, tuple[Any, Any]] = {}
-        turn = Turn()
-        for kind, c in msgs:
-            if kind == "instruction":
-                text = c.get("instruction")
-                if isinstance(text, str) and text in skip:  # a round of the same turn
-                    continue
-                turn = Turn()
-                for block in _prompt_blocks(text, c.get("context")):
-                    send(sid, update_user_message(block))
-            elif kind == "assistant_response":
-                self._round_text(sid, turn, c.get("text") or "")
-                self.port.send_plan(sid, turn, c.get("text"))
-            elif kind in ("action_request", "action_response"):
-                call_id = c.get("callId")
-                if call_id not in calls:
-                    if call_id not in responses:  # never answered (the turn was stopped): not shown
+        with port.replaying(sid):
+            msgs = list(branch.messages)
+            running = port.running_calls(sid, ())  # (those the history answers are left out below)
+            responses: dict[Any, Any] = {}
+            for i, m in enumerate(msgs, 1):
+                if _kind_of(m) == "action_response":
+                    c = getattr(m, "content", None) or {}
+                    responses[c.get("callId")] = c
+                if i % (REPLAY_SLICE * 10) == 0:
+                    await asyncio.sleep(0)
+            calls: dict[Any, tuple[Any, Any]] = {}
+            turn = Turn()
+            for i, m in enumerate(msgs, 1):
+                if i % REPLAY_SLICE == 0:
+                    await port.room(sid)
+                kind, c = _kind_of(m), getattr(m, "content", None) or {}
+                if kind == "instruction":
+                    text = c.get("instruction")
+                    if isinstance(text, str) and text in skip:  # a round of the same turn
                         continue
-                    calls[call_id] = self.port.replay_call(sid, call_id, responses[call_id], was)
-                    send(sid, calls[call_id][0])
-                if kind == "action_response":
-                    send(sid, calls[call_id][1])
-        for start in self.port.running_calls(sid, calls):  # the running turn's calls (asked about, or running)
-            send(sid, start)
+                    turn = Turn()
+                    for block in _prompt_blocks(text, c.get("context")):
+                        send(sid, update_user_message(block))
+                elif kind == "assistant_response":
+                    self._round_text(sid, turn, c.get("text") or "")
+                    port.send_plan(sid, turn, c.get("text"))
+                elif kind in ("action_request", "action_response"):
+                    call_id = c.get("callId")
+                    if call_id not in calls:
+                        if call_id not in responses:  # never answered (the turn was stopped): not shown
+                            continue
+                        calls[call_id] = port.replay_call(sid, call_id, responses[call_id], was)
+                        send(sid, calls[call_id][0])
+                    if kind == "action_response":
+                        send(sid, calls[call_id][1])
+            for start in running:  # the running turn's calls (asked about, or running)
+                if start.tool_call_id not in calls:
+                    send(sid, start)
 
     # ------------------------------------------------------------------ shutdown
     async def aclose(self, timeout: float = 3.0) -> None:

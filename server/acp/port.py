@@ -27,20 +27,25 @@ permission request's ``preview`` (what an allowed call writes, or it fails), els
 allowed without asking) the change the tool reports it made, once it ran. A call that ran
 and failed changed nothing: its last update has no diff, its error instead.
 
-Session updates go out through one ordered outbox, so they reach the client in the order
-the service made them; ``flush()`` waits until every queued update is written (a prompt's
-answer, a permission request and a load's answer are sent only after their updates).
+Each session's updates go out through an ordered outbox of its own, so they reach the client
+in the order the service made them; ``flush(session_id)`` waits until every update queued for
+that session is written (a prompt's answer, a permission request and a load's answer are sent
+only after their session's updates), never for another session's: a long ``session/load``
+replay holds up no other session's answers. A replay yields to the loop as it goes, and its
+session's live updates (a turn running on it) follow it whole (``AcpPort.replaying``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator
 
 from acp import (RequestError, text_block, tool_content, tool_diff_content, update_agent_message_text,
                  update_agent_thought_text)
@@ -73,7 +78,7 @@ UINT32_MAX = 2**32 - 1            # a location's line is a uint32 in the schema
 NOTICE_LINE_LIMIT = 400           # characters of a warning's first line shown in a notice
 NOTICES_KEPT = 50                 # server-wide warnings kept for sessions' next turns (then the oldest go)
 REFUSED_WRITE_LIMIT = 4000        # characters of a refused write_file's proposed text shown on session/load
-
+REPLAY_AHEAD = 1000               # updates of a replay queued ahead of the client's reading (``AcpPort.room``)
 
 #: builtin tool → the verb of its title, as editors title their own agents' calls ("Read src/app.py")
 TOOL_VERBS = {"read_file": "Read", "list_dir": "List", "search_text": "Search", "write_file": "Write",
@@ -173,6 +178,22 @@ class Turn:
         return text
 
 
+class _Outbox:
+    """One session's updates on their way out: queued (``items``), written by ``pump`` one at a
+    time; held during a replay (``held``) but those of the task replaying (``replayer``); ``idle``
+    once none is queued, being written or held."""
+
+    __slots__ = ("items", "held", "replayer", "pump", "idle", "roomy")
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.held: list[Any] | None = None
+        self.replayer: asyncio.Task | None = None
+        self.pump: asyncio.Task | None = None
+        self.idle = asyncio.Event()
+        self.roomy: asyncio.Future | None = None  # a replay waiting for the queue to shrink
+
+
 class AcpPort:
     """The ``ClientPort`` of the ACP front end; ``conn`` is the port itself (``ClientInfo``)."""
 
@@ -192,8 +213,7 @@ class AcpPort:
         self.calls: dict[str, CallInfo] = {}
         self.branch_messages: Callable[[str], Any] = lambda _sid: ()
         self.cancel_turn: Callable[[str], None] = lambda _sid: None
-        self._outbox: asyncio.Queue | None = None
-        self._pump: asyncio.Task | None = None
+        self._boxes: dict[str, _Outbox] = {}  # per session: its queued updates (``send``)
         self._warned_write_fallback = False
         #: notices: the errors and warnings (type 1, 2) a session's user is told at the start of
         #: its next turn (``notices_for``). ``notice_gen`` counts them: a turn of a session whose
@@ -269,42 +289,121 @@ class AcpPort:
                 new.append((type_, message))
         return "".join(notice_line(t, m) for t, m in new) or None
 
-    # ------------------------------------------------------------------ the outbox
+    def forget_session(self, session_id: str) -> None:
+        """A deleted session's notices and what it was told (``session/delete``)."""
+        self.noticed.pop(session_id, None)
+        self._said.pop(session_id, None)
+        self.session_notices.pop(session_id, None)
+
+    # ------------------------------------------------------------------ the outboxes
     def send(self, session_id: str, update: Any) -> None:
-        """Queue one session update (a model, or a callable making one when its turn comes)."""
-        if self._outbox is None:
-            self._outbox = asyncio.Queue()
-            self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="acp-outbox")
-        self._outbox.put_nowait((session_id, update))
+        """Queue one session update (a model, or a callable making one when its turn comes). While
+        the session's history is replayed (``replaying``), an update the replaying task did not
+        make (its running turn's, or one of a task started during the replay) waits for the
+        replay's end."""
+        box = self._boxes.get(session_id)
+        if box is None:
+            box = self._boxes[session_id] = _Outbox()
+        box.idle.clear()
+        if box.held is not None and asyncio.current_task() is not box.replayer:
+            box.held.append(update)
+            return
+        box.items.append(update)
+        if box.pump is None:
+            box.pump = asyncio.get_running_loop().create_task(self._run_pump(session_id, box), name="acp-outbox")
 
-    async def flush(self) -> None:
-        if self._outbox is not None:
-            await self._outbox.join()
+    async def flush(self, session_id: str | None = None) -> None:
+        """Wait until every update queued for the session (every session's: None) is written, and
+        its replay, if one is under way, has ended and been written too. Another session's
+        updates are not waited for: one session's long replay holds up no other's answers."""
+        if session_id is not None:
+            box = self._boxes.get(session_id)
+            if box is not None:
+                await box.idle.wait()
+            return
+        for box in list(self._boxes.values()):
+            await box.idle.wait()
 
-    async def _run_pump(self) -> None:
-        q = self._outbox
-        assert q is not None
-        while True:
-            session_id, update = await q.get()
-            try:
-                if callable(update):
-                    update = update()
-                if update is not None and self.client is not None:
-                    await self.client.session_update(session_id=session_id, update=update)
-            except asyncio.CancelledError:
-                q.task_done()
-                raise
-            except Exception as e:  # a closed connection: nothing to tell
-                log.debug("session update not sent: %s", e)
-            q.task_done()
+    async def room(self, session_id: str) -> None:
+        """Let the loop run, and wait while more than ``REPLAY_AHEAD`` updates of the session
+        are queued (a replay goes no faster than the client reads)."""
+        box = self._boxes.get(session_id)
+        if box is None or len(box.items) <= REPLAY_AHEAD:
+            await asyncio.sleep(0)
+            return
+        box.roomy = asyncio.get_running_loop().create_future()
+        try:
+            await box.roomy
+        finally:
+            box.roomy = None
+
+    @contextlib.contextmanager
+    def replaying(self, session_id: str) -> Iterator[None]:
+        """A replay of the session's history (``session/load``) as one run of its updates: those
+        this task sends go out in order, while the session's others (a turn running on it, a
+        task started meanwhile: it is the task that counts, not what it inherited) are held
+        until the replay ends, then follow it; ``flush(session_id)`` waits for the end. Other
+        sessions' updates go out meanwhile."""
+        box = self._boxes.get(session_id)
+        if box is None:
+            box = self._boxes[session_id] = _Outbox()
+        if box.held is not None:  # (one replay at a time per session: ``_in_order``)
+            yield
+            return
+        box.held = []
+        box.replayer = asyncio.current_task()
+        box.idle.clear()
+        try:
+            yield
+        finally:
+            held, box.held, box.replayer = box.held, None, None
+            for update in held:
+                self.send(session_id, update)
+            self._settle(session_id, box)
+
+    def _settle(self, session_id: str, box: "_Outbox") -> None:
+        """The session's outbox with nothing queued, written or held: its flushes end."""
+        if box.pump is None and not box.items and box.held is None:
+            box.idle.set()
+            if self._boxes.get(session_id) is box:
+                del self._boxes[session_id]
+
+    async def _run_pump(self, session_id: str, box: "_Outbox") -> None:
+        """Write the session's queued updates, in order, one at a time (the SDK's writer takes
+        every session's and every answer in turn: no session's run of updates holds up another's
+        answer for more than one line)."""
+        try:
+            while box.items:
+                update = box.items.popleft()
+                if box.roomy is not None and len(box.items) <= REPLAY_AHEAD // 2 and not box.roomy.done():
+                    box.roomy.set_result(None)
+                try:
+                    if callable(update):
+                        update = update()
+                    if update is not None and self.client is not None:
+                        await self.client.session_update(session_id=session_id, update=update)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # a closed connection: nothing to tell
+                    log.debug("session update not sent: %s", e)
+        finally:
+            box.pump = None
+            self._settle(session_id, box)
 
     async def aclose(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
-            try:
-                await self._pump
-            except BaseException:
-                pass
+        for box in list(self._boxes.values()):
+            if box.pump is not None:
+                box.pump.cancel()
+                try:
+                    await box.pump
+                except BaseException:
+                    pass
+            box.items.clear()
+            box.held = box.replayer = None
+            box.idle.set()
+            if box.roomy is not None and not box.roomy.done():
+                box.roomy.set_result(None)
+        self._boxes.clear()
 
     # ------------------------------------------------------------------ notifications
     def notify(self, method: str, params: Any) -> None:
@@ -605,7 +704,7 @@ class AcpPort:
         if not info.started:
             info.started = True
             self.send(sid, self._start(call_id, info, "pending"))
-        await self.flush()
+        await self.flush(sid)
         options = [PermissionOption(option_id=o, name=PERMISSION_KINDS[o][1], kind=PERMISSION_KINDS[o][0])
                    for o in p.get("options") or PERMISSION_KINDS if o in PERMISSION_KINDS]
         answer = await self.client.request_permission(

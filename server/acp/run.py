@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import math
 import re
@@ -566,10 +567,43 @@ def screen_messages(inner_conn: Any) -> None:
                 sending.add(task)
                 task.add_done_callback(sending.discard)
             if message is not None:
+                if message.get("method") is None and "id" in message:  # an answer
+                    unmatched_answer(inner_conn, message["id"])
                 return message
 
     screened.screened = True  # type: ignore[attr-defined]
     transport.receive = screened
+
+
+def _kind(value: Any) -> str:
+    return "a string" if isinstance(value, str) else "null" if value is None else "a number"
+
+
+def unmatched_answer(inner_conn: Any, msg_id: Any) -> None:
+    """An answer of the client's whose ``id`` is no request the SDK's connection ``inner_conn``
+    waits for is dropped by the SDK without a word, and the request it was meant for waits on
+    (a permission for ``permissionTimeoutMs``): it is said on stderr, in one line. An answer
+    to a request of ours that is no longer waited for (answered already, timed out, cancelled)
+    is an info line; any other a warning naming the id, and the request of ours whose id looks
+    the same but is of another type, when one waits (``"0"`` for ``0``: ids are typed, and the
+    answer is not taken as that request's). With an SDK laid out otherwise, nothing is said."""
+    pending = getattr(inner_conn, "_pending", None)
+    if not isinstance(pending, dict) or msg_id in pending:
+        return
+    import json
+
+    shown = json.dumps(msg_id)[:120]  # (a string with its quotes: ``"0"`` is not ``0``)
+    sent = getattr(inner_conn, "_next_request_id", 0)
+    if type(msg_id) is int and isinstance(sent, int) and 0 <= msg_id < sent:
+        log.info("the client's answer to request %s came when it was no longer waited for (answered already, "
+                 "timed out or cancelled): dropped", shown)
+        return
+    twin = next((k for k in pending if type(k) is not type(msg_id) and str(k) == str(msg_id)), None)
+    if twin is not None:
+        log.warning("the client's answer id %s (%s) matches no request; request %s (%s) is waiting: dropped (an "
+                    "answer carries its request's id as it was sent)", shown, _kind(msg_id), twin, _kind(twin))
+    else:
+        log.warning("the client's answer id %s (%s) matches no request the agent sent: dropped", shown, _kind(msg_id))
 
 
 #: the keys of a request's params that the SDK turns into its handler's keyword arguments,
@@ -578,6 +612,34 @@ def screen_messages(inner_conn: Any) -> None:
 _META_KEYS = ("_meta", "field_meta")
 _SHOWN = reprlib.Repr()
 _SHOWN.maxstring = _SHOWN.maxother = 120
+
+
+#: the methods the agent serves, and the model of each one's params in the SDK's ``acp.schema``
+#: (``session/set_config_option``: the one that has no ``type``)
+_PARAMS_MODELS = {"initialize": "InitializeRequest", "authenticate": "AuthenticateRequest",
+                  "session/new": "NewSessionRequest", "session/load": "LoadSessionRequest",
+                  "session/list": "ListSessionsRequest", "session/resume": "ResumeSessionRequest",
+                  "session/close": "CloseSessionRequest", "session/fork": "ForkSessionRequest",
+                  "session/prompt": "PromptRequest", "session/set_mode": "SetSessionModeRequest",
+                  "session/set_config_option": "SetSessionConfigOptionSelectRequest",
+                  "session/cancel": "CancelNotification"}
+
+
+@functools.cache
+def _no_required_params() -> frozenset[str]:
+    """The methods whose params have no required field in the SDK's schema (ACP 1.19:
+    ``session/list`` alone), found once. ACP lets a request's ``params`` be left out or null
+    (``ClientRequest``'s ``params`` may be null); the SDK validates null against the method's
+    model and answers -32602, so for these it is taken as ``{}``, as a client leaving it out
+    means. A method with a required field keeps its -32602 (``explain_invalid_params``)."""
+    from acp import schema
+
+    found = set()
+    for method, name in _PARAMS_MODELS.items():
+        fields = getattr(getattr(schema, name, None), "model_fields", None)
+        if isinstance(fields, dict) and not any(f.is_required() for f in fields.values()):
+            found.add(method)
+    return frozenset(found)
 
 
 def _valid_id(msg_id: Any) -> bool:
@@ -597,7 +659,9 @@ def screen_message(message: dict) -> tuple[dict | None, dict | None]:
     made ``session/new`` use /tmp, ``_meta: {"session_id": …}`` cancelled another session, and
     ``_meta: {"self": 1}`` was an internal error with a traceback), while ACP says its values
     are the client's own, to make no assumption about; this agent reads none. (A ``_meta``
-    nested in a content block, say, stays: the SDK does not merge it.) A request whose
+    nested in a content block, say, stays: the SDK does not merge it.) A request without
+    ``params``, or with null, whose method's params have no required field
+    (``_no_required_params``: ``session/list``) gets ``{}``: the SDK refused it. A request whose
     ``method`` is not a string, or whose ``id`` is not a string, a number or null, is not a
     JSON-RPC request: it is answered -32600 (id null when its id is the bad part), with a
     one-line warning (the SDK answered it with that id, or -32603 and a traceback).
@@ -607,7 +671,7 @@ def screen_message(message: dict) -> tuple[dict | None, dict | None]:
     (an array: it answers nothing we sent) is dropped, and one whose ``error`` is not an
     object is made one (-32603, its message showing what came), with a one-line warning each;
     the request it answers then fails as on any error answer (a permission is denied, a write
-    failed)."""
+    failed). (An answer whose id matches no request is said by ``unmatched_answer``.)"""
     method = message.get("method")
     if method is not None:  # a request or a notification: the SDK's test
         msg_id = message.get("id")
@@ -621,6 +685,8 @@ def screen_message(message: dict) -> tuple[dict | None, dict | None]:
         params = message.get("params")
         if type(params) is dict and ("_meta" in params or "field_meta" in params):
             message["params"] = {k: v for k, v in params.items() if k not in _META_KEYS}
+        elif params is None and method in _no_required_params():  # (the SDK's models refuse None)
+            message["params"] = {}
         return message, None
     if "id" not in message:
         return message, None

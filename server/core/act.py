@@ -80,10 +80,16 @@ def _normalize(req: Any) -> tuple[str | None, dict[str, Any]]:
 
 
 def _selected(action_param: ActionParam, branch: Any) -> set[str] | None:
+    """The names of the tools the calls may run (None: every tool): a name given as such is kept
+    as it is, not looked up (a tool gone since the round's schemas were published, its source
+    having listed its tools again, is then a call of a tool not registered, as any other, not a
+    failure of the whole round after the model's reply); the rest of the selection resolved."""
     sel = action_param.tools
     if sel is None or sel is True:
         return None
-    return {t.name for t in branch.tools.resolve(sel)}
+    items = sel if isinstance(sel, (list, tuple, set)) else [sel]
+    rest = [it for it in items if not isinstance(it, str)]
+    return {it for it in items if isinstance(it, str)} | {t.name for t in branch.tools.resolve(rest)}
 
 
 async def act(branch: Any, action_request: list | Any, action_param: ActionParam) -> list[ActionResponseModel]:

@@ -16,8 +16,13 @@ def exception_text(e: BaseException) -> str:
 
 
 def exception_line(e: BaseException) -> str:
-    """The first line of ``exception_text(e)``, or the type's name when it says nothing."""
-    text = exception_text(e).strip()
+    """The first line of ``exception_text(e)`` with every registered secret masked first
+    (``server.redaction``: a redaction is always made before a cut, so that a secret of several
+    lines, whose first line alone is no registered value, is masked whole), or the type's name
+    when it says nothing."""
+    from ..redaction import redact  # (standard library only)
+
+    text = redact(exception_text(e)).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
 

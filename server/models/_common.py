@@ -228,6 +228,7 @@ def _tag_start(text: str, tag: str) -> int:
 from operate_sidecar.server import redaction as _redaction  # noqa: E402 - stdlib only
 
 remember_secret = _redaction.remember_secret
+remember_model_secrets = _redaction.remember_model_secrets
 
 
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:

@@ -4,11 +4,17 @@ JSON types, and a checker for it.
 ``initialize`` checks every configured model with :func:`check_model_config` (through
 ``server.rpc.settings.finalize``), and ``make_model`` and each provider's ``from_config``
 check with it too, so a config is judged the same everywhere and a provider's accepted
-keys cannot drift from what initialize accepts. This module is on the cold-start path:
-it imports nothing but the standard library's ``shlex`` (and that only for a string
-``command``), ``importlib.util`` and ``pathlib`` to find the ``local`` model's default file
-(:func:`default_local_model`, on first need), and ``os`` to look at a ``local`` model's file
-(:func:`local_file_problem`: the one wording of a file that cannot load, and its way out).
+keys cannot drift from what initialize accepts. An ``openai`` model's ``options`` are checked
+here too (:func:`openai_options_problem`, which the provider calls before each request), so a
+config file's bad option stops the server at start without the SDK being imported. This module
+is on the cold-start path: it imports nothing but the standard library's ``math``, ``re`` and
+``sys``, ``shlex`` (and that only for a string ``command``), ``importlib.util`` and ``pathlib``
+to find the ``local`` model's default file (:func:`default_local_model`, on first need), ``os``
+to look at a ``local`` model's file (:func:`local_file_problem`: the one wording of a file that
+cannot load, and its way out) and to make a path absolute (:func:`absolute_path`), and
+``server.redaction`` (standard library only) where a value may hold a secret
+(:func:`describe`, :func:`api_key_env_problem`), and ``_common``'s ``is_loopback_url`` (standard
+library only) for an empty ``apiKeyEnv``.
 
 Types are JSON types and never coerced (``"4"`` is not an integer, ``true`` is not a
 number). ``null`` means "the default" for every field (for ``maxStringLength`` it turns
@@ -18,6 +24,7 @@ the bound off).
 from __future__ import annotations
 
 import math
+import re
 import sys
 from typing import Any
 
@@ -323,9 +330,10 @@ def local_file_problem(path: str, default: bool, read: bool = True) -> str | Non
     it may load (a damaged file that begins as a GGUF does is found by llama.cpp). The one
     wording of these problems: the ACP front end's check before a session or a prompt and the
     provider's load both say it. At most four bytes are read; nothing is loaded; a FIFO is never
-    opened."""
+    opened. ``path`` is taken as :func:`absolute_path` makes it, and named so."""
     import os
 
+    path = absolute_path(path)
     if not os.path.isfile(path):
         fix = local_file_fix(default, missing=True)
         if os.path.isdir(path):
@@ -381,17 +389,80 @@ def describe(config: dict[str, Any]) -> str:
                 path = f"the default model ({LOCAL_MODEL_PACKAGE})"
         return f"embedded llama.cpp model, runs offline: {os.path.basename(str(path)) or path}"
     if provider == "openai":
-        where = config.get("baseUrl") or "the OpenAI API"
+        where = url_shown(config["baseUrl"]) if isinstance(config.get("baseUrl"), str) and config["baseUrl"] \
+            else "the OpenAI API"
         return f"{config.get('model') or '(no model named)'} at {where} (OpenAI-compatible API)"
     if provider == "cli":
         command = config.get("command")
-        if isinstance(command, list):
-            command = " ".join(str(c) for c in command)
+        if isinstance(command, str):
+            import shlex
+
+            try:
+                command = shlex.split(command)
+            except ValueError:
+                command = command.split()
+        command = command_shown(command) if isinstance(command, list) else None
         what = f"command-line model ({config.get('profile')})"
         return f"{what}: {command}" if command else what
     if provider == "scripted":
         return "scripted replies (for tests)"
     return str(provider)
+
+
+def url_shown(url: str) -> str:
+    """``url`` as it may be shown (a model picker's description): without its credentials
+    (``user:key@``), query and fragment (``?api_key=...``) and path parameters (``;key=...``),
+    with every registered secret masked and every key-shaped text (``/key/sk-...``) too
+    (``redaction.redact`` with its patterns): the address of a server, no more."""
+    from ..redaction import redact  # (standard library only)
+
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    rest = re.split(r"[?#]", rest, maxsplit=1)[0]
+    authority, slash, path = rest.partition("/")
+    path = re.sub(r";[^/]*", "", path)
+    return redact(f"{scheme}{sep}{authority.rsplit('@', 1)[-1]}{slash}{path}", patterns=True)
+
+
+def command_shown(argv: list[Any]) -> str:
+    """A command line as it may be shown (a model picker's description): its arguments joined,
+    each masked by the rules the server's errors are (``redaction.redact`` with its key shapes:
+    a registered secret, ``sk-...``, ``api_key=...``, ``user:key@``), a URL without its
+    credentials and query (:func:`url_shown`), the value of an option whose name says it is
+    secret (``--key=...``, ``--token ...``, ``--api-key ...``: ``redaction.secret_option``) masked
+    whole (``redaction.command_secret_values`` registers the same values as secrets); never the ``{prompt}`` placeholder, which holds no secret and says where the prompt
+    goes."""
+    from ..redaction import MASK, redact, secret_option  # (standard library only)
+
+    shown: list[str] = []
+    hide_next = False
+    for arg in map(str, argv):
+        if hide_next and not arg.startswith("-") and "{prompt}" not in arg:
+            shown.append(MASK)
+            hide_next = False
+            continue
+        hide_next = False
+        flag, eq, value = arg.partition("=")
+        if flag.startswith("-") and secret_option(flag.lstrip("-")):
+            if eq:
+                shown.append(f"{flag}={MASK}" if value and "{prompt}" not in value else arg)
+                continue
+            hide_next = True
+        if re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://\S+", arg):
+            arg = url_shown(arg)
+        shown.append(redact(arg, patterns=True))
+    return " ".join(shown)
+
+
+def absolute_path(path: str) -> str:
+    """``path`` with a leading ``~`` (``~user``) expanded and made absolute against the working
+    directory: the file or folder a path setting names, as messages name it. An editor passes
+    arguments without a shell, and a config file's value never passes one, so nobody else
+    expands ``~``."""
+    import os
+
+    return os.path.abspath(os.path.expanduser(path))
 
 
 # --- the checker ---------------------------------------------------------------------------
@@ -622,11 +693,18 @@ def config_problem(config: Any, provider: str | None = None) -> str | None:
         if problem:
             return problem
     if provider == "local":
+        if config.get("path") == "":
+            return "path must be the path of a GGUF file, not empty (leave it out for the default model)"
         problem = local_options_problem(config.get("options"), "options")
         if problem:
             return problem
     if provider == "openai":
-        problem = base_url_problem(config.get("baseUrl"))
+        options = config.get("options")
+        if isinstance(options, dict):  # (a TOML nan or inf is no JSON value: the file's check names it as such)
+            options = {k: v for k, v in options.items() if not (isinstance(v, float) and not math.isfinite(v))}
+        problem = (base_url_problem(config.get("baseUrl"))
+                   or api_key_env_problem(config.get("apiKeyEnv"), config.get("baseUrl"))
+                   or openai_options_problem(options, "options"))
         if problem:
             return problem
     if provider == "scripted" and not config.get("cli"):
@@ -659,6 +737,121 @@ def base_url_problem(url: Any) -> str | None:
     return f"{need} (it has none: did you mean {_short('http://' + url, 80)}?)"
 
 
+#: an openai model's ``options`` (and an operate's ``modelOptions`` for it, after snake_case) that the
+#: provider sets itself, and what it sets them to
+OPENAI_PROVIDER_KEYS: dict[str, str | None] = {"model": "the model config's 'model'",
+                                               "messages": "the branch's messages", "stream_options": None}
+#: the options the ``openai`` SDK itself reads (not sent as they are): their JSON types
+OPENAI_SDK_OPTION_TYPES: dict[str, str] = {"extra_body": "object", "extra_headers": "object",
+                                           "extra_query": "object", "timeout": "positive number",
+                                           "response_format": "object"}
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def openai_options_problem(options: Any, where: str) -> str | None:
+    """Why ``options`` (an ``openai`` model config's ``options``, or an operate's ``modelOptions``
+    for it: ``where``) cannot be sent: an option the provider sets itself, an ``n`` other than 1,
+    an option the SDK reads whose value is of the wrong type, or an extra header HTTP cannot carry;
+    the option named as given (camelCase or snake_case), never a header's value (it may be a key).
+    The one check of both: ``initialize`` (and start-up) through :func:`config_problem`, and the
+    provider at build and before each call (``openai_compat``), which this module keeps free of
+    the SDK."""
+    if not isinstance(options, dict):
+        return None  # (its type is checked as the field's)
+    for given, value in options.items():
+        key = snake(str(given))
+        if key in OPENAI_PROVIDER_KEYS:
+            instead = OPENAI_PROVIDER_KEYS[key]
+            return f"{where}.{given} is set by the provider and cannot be given" + (f" (it is {instead})" if instead
+                                                                                     else "")
+        if key == "n" and value is not None and not (type(value) is int and value == 1):
+            return (f"{where}.{given} must be 1 (the provider reads one choice of a reply), not "
+                    + (str(value) if type(value) is int else json_kind(value)))
+        kind = OPENAI_SDK_OPTION_TYPES.get(key)
+        if kind is None or value is None:
+            continue
+        if kind == "object":
+            ok = isinstance(value, dict)
+            if ok and key == "extra_headers":
+                ok = all(isinstance(v, str) for v in value.values())
+                kind = "an object of strings"
+                if ok:
+                    problem = headers_problem(value, f"{where}.{given}")
+                    if problem:
+                        return problem
+            else:
+                kind = "an object"
+        else:
+            ok = _is_number(value) and math.isfinite(value) and value > 0
+            kind = "a positive number of seconds"
+        if not ok:
+            return f"{where}.{given} must be {kind}, not {json_kind(value)}"
+    return None
+
+
+def headers_problem(headers: dict[str, str], where: str) -> str | None:
+    """Why extra headers (names to string values) cannot go into an HTTP request, naming the
+    header, never its value (which may be a key)."""
+    for header, value in headers.items():
+        if not _HEADER_NAME.fullmatch(str(header)):
+            return f"{where} has {str(header)[:80]!r}, which is not an HTTP header name"
+        problem = header_value_problem(value)
+        if problem:
+            return f"{where}[{header!r}] {problem}, which an HTTP header cannot carry"
+    return None
+
+
+def header_value_problem(value: str) -> str | None:
+    """What keeps ``value`` out of an HTTP header (httpx sends header values as ASCII, without
+    line breaks, control characters, or white space at either end), said without the value;
+    None when nothing does."""
+    if not value.isascii():
+        return "holds a character that is not ASCII (a pasted no-break space, curly quote or ellipsis?)"
+    if value.endswith(("\n", "\r")):
+        return "ends with a line break"
+    if "\n" in value or "\r" in value:
+        return "holds a line break"
+    if any(c != "\t" and (c < " " or c == "\x7f") for c in value):
+        return "holds a control character"
+    if value != value.strip(" \t"):
+        return "begins or ends with white space"
+    return None
+
+
+def api_key_env_problem(name: Any, base_url: Any = None) -> str | None:
+    """Why an ``openai`` model's ``apiKeyEnv`` cannot name the environment variable that holds its
+    key, said without the value: a name no environment holds (``=`` or NUL in it) or no shell
+    sets (anything but letters, digits and ``_``; a digit first), or a key pasted in place of the
+    variable's name (``sk-...``, ``AIza...``, ``hf_...``, ``gsk_...``, or a long one of mixed case
+    and digits: what ``redaction.looks_like_key`` takes for a key), which the "not set" error then
+    showed to the client.
+    An empty ``apiKeyEnv`` names no variable: no key is sent (a server on this machine, a
+    loopback ``baseUrl``, gets the provider's placeholder key, whatever ``OPENAI_API_KEY``
+    holds); elsewhere, where a key is needed, that is said here, before the first call."""
+    if not isinstance(name, str):  # (its type is checked with the other fields)
+        return None
+    if not name:
+        from ._common import is_loopback_url  # (standard library only)
+
+        if isinstance(base_url, str) and is_loopback_url(base_url):
+            return None
+        where = url_shown(base_url) if isinstance(base_url, str) and base_url else "the OpenAI API"
+        return (f"apiKeyEnv is empty: no API key is sent, which only a server on this machine (a loopback "
+                f"baseUrl) accepts, and {where} needs one: name the environment variable that holds the key, "
+                "or leave apiKeyEnv out for OPENAI_API_KEY")
+    from ..redaction import looks_like_key  # (standard library only)
+
+    if looks_like_key(name):
+        return ("apiKeyEnv looks like a key, not a variable name: put the key in an environment variable and "
+                "give that variable's name as apiKeyEnv")
+    if "=" in name or "\0" in name:
+        return "apiKeyEnv must be an environment variable's name (it holds '=' or a NUL character, which no name does)"
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        return ("apiKeyEnv must be an environment variable's name: letters, digits and '_', not beginning with a "
+                "digit (put the key in an environment variable and give that variable's name as apiKeyEnv)")
+    return None
+
+
 def _cli_problem(config: dict[str, Any]) -> str | None:
     """Why a ``cli`` config (its fields of the right types) cannot start a program: what no
     command line, environment or folder name can hold (a NUL character; ``=`` or nothing as a
@@ -672,6 +865,8 @@ def _cli_problem(config: dict[str, Any]) -> str | None:
     if any("\0" in a for a in command or ()):
         return "command must not contain a NUL character"
     cwd = config.get("cwd")
+    if cwd == "":
+        return "cwd must be a folder's path, not empty (leave it out for the server's working directory)"
     if cwd is not None and "\0" in cwd:
         return "cwd must not contain a NUL character"
     for name, value in (config.get("env") or {}).items():

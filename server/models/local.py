@@ -78,6 +78,7 @@ from .config import (
     LOCAL_OPTIONS,
     MAX_GRAMMAR_REPEAT,
     ModelConfigError,
+    absolute_path,
     check_model_config,
     default_local_model,
     local_file_fix,
@@ -876,7 +877,7 @@ class LocalModel(BaseModelProvider):
         check_model_config(config, f"model config {name!r}", "local")
         return cls(
             name,
-            path=field_value(name, config, "path", None, str),
+            path=absolute_path(config["path"]) if config.get("path") else None,  # "~/models/x.gguf" too
             n_ctx=field_value(name, config, "nCtx", DEFAULT_N_CTX, int),
             n_threads=field_value(name, config, "nThreads", None, int),
             max_tokens=field_value(name, config, "maxTokens", DEFAULT_MAX_TOKENS, int),

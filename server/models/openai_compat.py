@@ -40,6 +40,7 @@ import anyio
 
 from operate_sidecar.server.core.errors import ModelError, ReplyCut
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
+from operate_sidecar.server.redaction import MASK
 
 from ._common import (
     MAX_REPLY_CHARS,
@@ -49,11 +50,13 @@ from ._common import (
     is_loopback_url,
     json_safe,
     redact,
+    remember_model_secrets,
     remember_secret,
     snake,
     snake_options,
 )
-from .config import FIELDS, check_model_config, json_kind
+from .config import FIELDS, check_model_config, openai_options_problem
+from .config import header_value_problem as _header_value_problem
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,7 @@ class OpenAIModel(BaseModelProvider):
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> "OpenAIModel":
+        remember_model_secrets(config)  # (given inline, they are masked as the settings' are)
         check_model_config(config, f"model config {name!r}", "openai")
         return cls(
             name,
@@ -286,6 +290,13 @@ class OpenAIModel(BaseModelProvider):
         request_opts = snake_options(request.options)
         opts = {**self.options, **request_opts}
         opts.pop("stream", None)
+        headers = opts.get("extra_headers")
+        masked = [h for h, v in headers.items() if isinstance(v, str) and MASK in v] if isinstance(headers, dict) \
+            else []
+        if masked:  # a branch restored with an inline model: the store keeps its secrets masked
+            raise ModelError(f"model {self.name!r}: extraHeaders[{masked[0]!r}] is {MASK}: a secret of a model "
+                             "given inline is stored masked, so a branch restored after a restart cannot send it; "
+                             "configure the model in settings.models (a branch stores only its name) and name it")
         known = _create_params()
         kw: dict[str, Any] = {}
         extra: dict[str, Any] = dict(opts.pop("extra_body", None) or {})
@@ -822,14 +833,6 @@ def _watch(stream: Any) -> _Seen:
     return seen
 
 
-#: modelOptions the provider sets itself (after snake_case)
-_PROVIDER_KEYS = {"model": "the model config's 'model'", "messages": "the branch's messages",
-                  "stream_options": None}
-#: options the SDK itself reads (not sent as they are): their JSON types
-_SDK_OPTION_TYPES = {"extra_body": "object", "extra_headers": "object", "extra_query": "object",
-                     "timeout": "positive number", "response_format": "object"}
-
-
 def _limit_fix(name: str, call: dict[str, Any], given: dict[str, Any]) -> str:
     """Which setting to raise for a reply cut at the token limit, as the request sent it
     (``_kwargs``: the model's ``options`` under the call's ``modelOptions``, both snake_case):
@@ -857,71 +860,14 @@ def _limit_fix(name: str, call: dict[str, Any], given: dict[str, Any]) -> str:
 
 
 def _check_options(name: str, where: str, options: dict[str, Any] | None) -> None:
-    """Refuse (ModelConfigError: -32602) an option the provider sets itself and an option the
-    SDK reads whose value is of the wrong type, naming it as given (camelCase or snake_case)."""
-    from . import ModelConfigError
+    """Refuse (ModelConfigError: -32602) ``options`` the provider cannot send
+    (``config.openai_options_problem``: the check ``initialize`` makes of a model's ``options``),
+    naming the option as given (camelCase or snake_case), never a header's value."""
+    problem = openai_options_problem(options, where)
+    if problem:
+        from . import ModelConfigError
 
-    for given, value in (options or {}).items():
-        key = snake(given)
-        if key in _PROVIDER_KEYS:
-            instead = _PROVIDER_KEYS[key]
-            raise ModelConfigError(f"model {name!r}: {where}.{given} is set by the provider and cannot be given"
-                                   + (f" (it is {instead})" if instead else ""))
-        if key == "n" and value is not None and not (type(value) is int and value == 1):
-            raise ModelConfigError(f"model {name!r}: {where}.{given} must be 1 (the provider reads one choice "
-                                   "of a reply), not " + (str(value) if type(value) is int else json_kind(value)))
-        kind = _SDK_OPTION_TYPES.get(key)
-        if kind is None or value is None:
-            continue
-        if kind == "object":
-            ok = isinstance(value, dict)
-            if ok and key == "extra_headers":
-                ok = all(isinstance(v, str) for v in value.values())
-                kind = "an object of strings"
-                if ok:
-                    _check_headers(name, f"{where}.{given}", value)
-            else:
-                kind = "an object"
-        else:
-            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-                  and math.isfinite(value) and value > 0)
-            kind = "a positive number of seconds"
-        if not ok:
-            raise ModelConfigError(f"model {name!r}: {where}.{given} must be {kind}, not {json_kind(value)}")
-
-
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-
-
-def _check_headers(name: str, where: str, headers: dict[str, str]) -> None:
-    """Refuse (ModelConfigError) extra headers HTTP cannot carry, naming the header, never its
-    value (which may be a key)."""
-    from . import ModelConfigError
-
-    for header, value in headers.items():
-        if not _HEADER_NAME.fullmatch(header):
-            raise ModelConfigError(f"model {name!r}: {where} has {header[:80]!r}, which is not an HTTP header name")
-        problem = _header_value_problem(value)
-        if problem:
-            raise ModelConfigError(f"model {name!r}: {where}[{header!r}] {problem}, which an HTTP header "
-                                   "cannot carry")
-
-
-def _header_value_problem(value: str) -> str | None:
-    """What keeps ``value`` out of an HTTP header (httpx sends header values as ASCII, without
-    line breaks, control characters, or white space at either end), said without the value;
-    None when nothing does."""
-    if not value.isascii():
-        return "holds a character that is not ASCII (a pasted no-break space, curly quote or ellipsis?)"
-    if value.endswith(("\n", "\r")):
-        return "ends with a line break"
-    if "\n" in value or "\r" in value:
-        return "holds a line break"
-    if any(c != "\t" and (c < " " or c == "\x7f") for c in value):
-        return "holds a control character"
-    if value != value.strip(" \t"):
-        return "begins or ends with white space"
-    return None
+        raise ModelConfigError(f"model {name!r}: {problem}")
 
 
 def _rejects(e: Any, msg: str, *words: str) -> bool:

@@ -35,9 +35,15 @@ from operate_sidecar.server.service.port import ClientRequestError
 from operate_sidecar.server.service.service import Service
 
 from . import errors as E
-from .transport import CONNECTION_METHODS
+from .transport import CONNECTION_METHODS, Encoded
 
 log = logging.getLogger("operate_sidecar.server.rpc")
+
+#: what a native client can do when a bound of the settings is reached, by the setting
+#: (``service.errors.LimitReached``: the service states the bound; raising it is said after these)
+REMEDIES = {"maxBranches": "delete branches you no longer need (deleteBranch)",
+            "maxMessagesPerBranch": "start a new branch (createBranch), operate with clearMessages: true, "
+                                    "delete it (deleteBranch)"}
 
 
 def app_methods() -> tuple[str, ...]:
@@ -90,12 +96,16 @@ class SidecarProtocol(JsonRPCProtocol):
             return
         exc = future.exception()
         if exc is None:
-            conn.send_result(msg_id, future.result())
+            result = future.result()
+            if isinstance(result, Encoded):  # JSON text already, made a slice at a time
+                conn.send_encoded_result(msg_id, result)
+            else:
+                conn.send_result(msg_id, result)
             return
         if isinstance(exc, asyncio.CancelledError):
             conn.send_error(msg_id, E.REQUEST_CANCELLED, "request cancelled")
             return
-        code, message, data = map_exception(exc, self._server.debug)
+        code, message, data = map_exception(exc, self._server.debug, REMEDIES)
         if code == E.INTERNAL_ERROR:
             log.error("request %r failed", msg_id, exc_info=exc)
         conn.send_error(msg_id, code, message, data)
@@ -344,6 +354,37 @@ class CoreLoader:
                 pass
 
 
+#: messages of a ``branchMessages`` answer encoded between two yields to the event loop
+ENCODE_SLICE = 1000
+#: the methods whose handler is the server's own (``SidecarServer``): their answers are encoded
+#: there, a slice at a time (``Encoded``)
+_ENCODED_HANDLERS = {"branchMessages": "branchMessages"}
+
+
+async def encode_page(result: dict) -> Encoded:
+    """A ``branchMessages`` result ``{messages, total}`` as JSON text, ``ENCODE_SLICE`` messages
+    at a time, yielding to the loop between slices; each slice, and the fields besides the
+    messages, masked as the wire masks every frame (``redaction.redact_bytes``, on each as a JSON
+    text of its own: a secret lies within one message's strings, never across two). The wire
+    sends it as it is (``Connection.send_encoded_result``)."""
+    from operate_sidecar.server import redaction
+
+    from .transport import dumps
+
+    def masked(text: bytes) -> bytes:
+        return redaction.redact_bytes(text) if redaction.has_secrets() else text
+
+    messages = result["messages"]
+    parts: list[bytes] = []
+    for i in range(0, len(messages), ENCODE_SLICE):
+        if i:
+            await asyncio.sleep(0)
+        parts.append(masked(dumps(messages[i:i + ENCODE_SLICE]))[1:-1])  # the items, without the list's brackets
+    extra = {k: v for k, v in result.items() if k != "messages"}
+    rest = masked(dumps(extra))[1:-1]
+    return Encoded(b'{"messages":[' + b",".join(parts) + b"]" + (b"," + rest if rest else b"") + b"}")
+
+
 def _handler(bound: Any) -> Any:
     """A plain function around a bound method (pygls sets attributes on handlers)."""
     if asyncio.iscoroutinefunction(bound):
@@ -370,11 +411,21 @@ class SidecarServer(JsonRPCServer):
         # own) is registered with pygls by name; a method without a handler is not registered,
         # so it is answered -32601 and reported here (tests/rpc/test_catalog.py fails on it)
         for method in app_methods():
-            bound = getattr(self.service, handler_name(method), None)
+            bound = getattr(self, _ENCODED_HANDLERS[method], None) if method in _ENCODED_HANDLERS \
+                else getattr(self.service, handler_name(method), None)
             if bound is None or not callable(bound):
                 log.error("the protocol declares %s but the server has no handler for it", method)
                 continue
             self.protocol.fm.feature(method)(_handler(bound))
+
+    async def branchMessages(self, params: dict) -> Any:
+        """The service's ``branchMessages``, its page encoded ``ENCODE_SLICE`` messages at a time
+        (``encode_page``) when it has more: a page of 100,000 messages encoded in one
+        ``json.dumps`` held up every request for most of a second."""
+        result = await self.service.branchMessages(params)
+        if len(result["messages"]) <= ENCODE_SLICE:
+            return result
+        return await encode_page(result)
 
     # ---------------------------------------------------------------- called by Connection
     def handle_request(self, msg_id: Any, method: str, params: dict) -> None:

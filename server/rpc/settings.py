@@ -10,6 +10,7 @@ import re
 import sys
 from typing import Any
 
+from operate_sidecar.server import redaction as _redaction
 from operate_sidecar.server.redaction import secret_env_values
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -175,6 +176,8 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
         s["models"] = {DEFAULT_MODEL_NAME: dict(DEFAULT_MODEL_CONFIG)}
     if s.get("defaultModel") is not None and not isinstance(s["defaultModel"], str):
         raise SettingsError("defaultModel must be a model name")
+    if s.get("defaultModel") == "":  # (it meant the first model in silence)
+        raise SettingsError("defaultModel must be a model name, not empty (leave it out for the first model)")
     if not s.get("defaultModel"):
         s["defaultModel"] = next(iter(s["models"]))
     elif s["defaultModel"] not in s["models"]:
@@ -214,7 +217,37 @@ def finalize(settings: dict[str, Any]) -> dict[str, Any]:
         # "" is no path: it would have kept nothing on disk, in silence
         raise SettingsError("stateDir must be a path (not empty) or null")
     _register_secrets(s)  # (again: a default filled in above may name one)
+    resolve_paths(s)
     return s
+
+
+def resolve_paths(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` (changed in place, and returned) with every path setting absolute: the
+    ``stateDir``, a ``local`` model's ``path`` and a ``cli`` model's ``cwd``, a leading ``~``
+    expanded (an editor passes arguments without a shell, so nobody else does), a relative path
+    taken against the server's working directory, wherever it was given (a flag, the ``--config``
+    file, ``initialize``): as it always was, so that a state directory a user has does not move
+    (an editor starts the server in the project's folder: a ``stateDir = "state"`` is the
+    project's). So ``initialize`` reports the folder it uses, and a message names the file it
+    looked for. Values of the wrong type, and empty ones, are left for :func:`finalize` to
+    refuse."""
+    import os
+
+    def absolute(path: Any) -> Any:
+        if not isinstance(path, str) or not path or "\0" in path:
+            return path
+        return os.path.abspath(os.path.expanduser(path))
+
+    if "stateDir" in settings:
+        settings["stateDir"] = absolute(settings["stateDir"])
+    models = settings.get("models")
+    for cfg in (models.values() if isinstance(models, dict) else ()):
+        if isinstance(cfg, dict):
+            provider = cfg.get("provider")
+            key = {"local": "path", "cli": "cwd"}.get(provider) if isinstance(provider, str) else None
+            if key and key in cfg:
+                cfg[key] = absolute(cfg[key])
+    return settings
 
 
 def _register_secrets(settings: dict[str, Any]) -> None:
@@ -261,57 +294,34 @@ def _mcp_problem(spec: Any) -> str | None:
 
 
 #: an HTTP header (a model's ``options.extraHeaders``) whose name says it carries a secret
-SECRET_HEADER_NAME = re.compile(r"auth|api[-_]?key|token|secret|password|credential|cookie", re.IGNORECASE)
+SECRET_HEADER_NAME = _redaction.SECRET_HEADER_NAME
 
 
 def secret_values(settings: dict[str, Any]) -> list[str]:
-    """The secret values the settings name or hold: the values of the environment variables
-    every model's ``apiKeyEnv`` names (``OPENAI_API_KEY`` for an ``openai`` model without one)
-    and every name in ``secretEnv`` lists; the values written into the settings themselves
-    under a name that says they are secret: an ``env`` entry of an MCP server or a CLI model
-    named like ``SECRET_ENV_NAME`` (``API_KEY``, ``GITHUB_TOKEN``, ``DB_PASSWORD`` ...), and a
-    header of a model's ``options.extraHeaders`` named like ``SECRET_HEADER_NAME``
-    (``Authorization``, ``X-Api-Key`` ...), whole and without its scheme (``Bearer``, ``Basic``).
-    Used to redact them from everything the server emits or stores. Settings of any shape
-    (not checked yet, or refused) give what can be read of them: a part of the wrong type is
-    skipped, a ``secretEnv`` that is one name instead of a list is that name."""
-    import os
-
+    """The secret values the settings name or hold: those of every model
+    (``redaction.model_secrets``: the values of the environment variables every model's
+    ``apiKeyEnv`` names, ``OPENAI_API_KEY`` for an ``openai`` model without one; a CLI model's
+    ``env`` entry named like ``SECRET_ENV_NAME``, ``API_KEY``, ``GITHUB_TOKEN``, ``DB_PASSWORD``
+    ...; a header of a model's ``options.extraHeaders`` named like ``SECRET_HEADER_NAME``,
+    ``Authorization``, ``X-Api-Key`` ..., whole and without its scheme, ``Bearer``, ``Basic``; a
+    key pasted as an ``apiKeyEnv``), the values of the variables every name in ``secretEnv``
+    lists, and an ``env`` entry of an MCP server named like ``SECRET_ENV_NAME``. Used to redact
+    them from everything the server emits or stores. Settings of any shape (not checked yet, or
+    refused) give what can be read of them: a part of the wrong type is skipped, a ``secretEnv``
+    that is one name instead of a list is that name."""
     names: list[str] = []
     values: list[str] = []
 
     def of(v: Any) -> dict[str, Any]:
         return v if isinstance(v, dict) else {}
 
-    def value_of(name: str) -> str | None:
-        try:
-            return os.environ.get(name)
-        except ValueError:  # (a name no environment can hold: a lone surrogate)
-            return None
-
     for cfg in of(settings.get("models")).values():
-        if isinstance(cfg, dict):
-            env = cfg.get("apiKeyEnv")
-            if isinstance(env, str) and env:
-                names.append(env)
-            elif cfg.get("provider") == "openai":
-                names.append("OPENAI_API_KEY")
-            if cfg.get("provider") == "cli":
-                values.extend(secret_env_values(cfg.get("env")))
-            options = cfg.get("options")
-            if isinstance(options, dict):
-                for key, headers in options.items():
-                    if isinstance(key, str) and key.replace("_", "").lower() == "extraheaders" \
-                            and isinstance(headers, dict):
-                        for name, value in headers.items():
-                            if isinstance(name, str) and isinstance(value, str) and SECRET_HEADER_NAME.search(name):
-                                values.append(value.strip())
-                                scheme, _, credential = value.strip().partition(" ")
-                                if credential.strip() and scheme.isalpha():
-                                    values.append(credential.strip())
+        got_names, got_values = _redaction.model_secrets(cfg)
+        names.extend(got_names)
+        values.extend(got_values)
     for spec in of(settings.get("mcpServers")).values():
         if isinstance(spec, dict):
             values.extend(secret_env_values(spec.get("env")))
     listed = settings.get("secretEnv")
     names.extend(n for n in (listed if isinstance(listed, list) else [listed]) if isinstance(n, str) and n)
-    return [v for v in (value_of(n) for n in names) if v] + [v for v in values if v]
+    return [v for v in map(_redaction.env_value, names) if v] + [v for v in values if v]

@@ -105,6 +105,16 @@ def _valid_id(v: Any) -> bool:
     return t is int or t is str
 
 
+class Encoded:
+    """A request's result as JSON text already, masked by its maker (``server.encode_page``);
+    ``Connection.send_encoded_result`` sends it."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+
 class Connection:
     """One client connection over the guarded stdio pipes."""
 
@@ -159,6 +169,15 @@ class Connection:
 
     def send_result(self, msg_id: Any, result: Any) -> None:
         self.send({"jsonrpc": "2.0", "id": msg_id, "result": result})
+
+    def send_encoded_result(self, msg_id: Any, result: Encoded) -> None:
+        """An answer whose result is JSON text already: an ``Encoded`` (a large page of messages,
+        made a slice at a time by ``server.encode_page``), sent as it is. It is not masked here:
+        its maker masked it (``redaction.redact_bytes``, as ``send`` masks a frame), which only
+        an ``Encoded`` promises; plain bytes are refused."""
+        if not isinstance(result, Encoded):
+            raise TypeError(f"send_encoded_result takes an Encoded, not {type(result).__name__}")
+        self.wire.send_bytes(b'{"jsonrpc":"2.0","id":' + dumps(msg_id) + b',"result":' + result.body + b"}")
 
     def send_error(self, msg_id: Any, code: int, message: str, data: Any = None) -> None:
         err: dict[str, Any] = {"code": code, "message": message}

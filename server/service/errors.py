@@ -4,18 +4,21 @@
 request with ``{code, message, data?}``, whichever front end carries it (the native front
 end sends it as is; the ACP front end as an ACP error with the same code). The codes are
 the protocol's. :func:`map_exception` maps everything else a service call may raise (core,
-provider and configuration errors) to ``(code, message, data)``; both front ends use it."""
+provider and configuration errors) to ``(code, message, data)``; both front ends use it.
+A bound of the settings that is reached (``LimitReached``) is stated by the service; what the
+client can do about it is worded by each front end in its own methods (``map_exception``'s
+``remedies``), since the service knows no wire."""
 
 from __future__ import annotations
 
 import json
 import traceback
-from typing import Any
+from typing import Any, Mapping
 
 from operate_sidecar.protocol.errors import (BRANCH_NOT_FOUND, INTERNAL_ERROR, INVALID_PARAMS, MODEL_ERROR,
                                              STATE_NOT_SAVED, VALIDATION_FAILED, RpcError)
 
-__all__ = ["RpcError", "invalid_params", "branch_not_found", "state_not_saved", "map_exception",
+__all__ = ["RpcError", "LimitReached", "invalid_params", "branch_not_found", "state_not_saved", "map_exception",
            "truncate_received"]
 
 #: characters of a reply that failed validation shown back in the error's ``data.received``
@@ -24,6 +27,24 @@ RECEIVED_LIMIT = 200
 
 def invalid_params(message: str, data: Any = None) -> RpcError:
     return RpcError(INVALID_PARAMS, message, data)
+
+
+class LimitReached(RpcError):
+    """-32602: a request would go past a bound of the settings (``maxBranches``,
+    ``maxMessagesPerBranch``): ``data.limit`` names the setting, ``data.value`` is its value.
+    ``fact`` says what was reached; ``message`` adds the one way out every client has (raise
+    the setting). A front end words the others in its own methods (``map_exception``'s
+    ``remedies``: the setting → what to do, then raising it is said)."""
+
+    def __init__(self, fact: str, data: dict[str, Any]) -> None:
+        self.fact = fact
+        self.limit = str(data["limit"])
+        super().__init__(INVALID_PARAMS, f"{fact}; raise settings.{self.limit}", data)
+
+    def worded(self, remedies: Mapping[str, str] | None) -> str:
+        """The message with the front end's way out (``remedies[limit]``) before raising the setting."""
+        remedy = (remedies or {}).get(self.limit)
+        return f"{self.fact}; {remedy} or raise settings.{self.limit}" if remedy else self.message
 
 
 def branch_not_found(branch_id: Any) -> RpcError:
@@ -59,9 +80,13 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def map_exception(e: BaseException, debug: bool = False) -> tuple[int, str, Any]:
+def map_exception(e: BaseException, debug: bool = False,
+                  remedies: Mapping[str, str] | None = None) -> tuple[int, str, Any]:
     """An exception raised by a service call → ``(code, message, data)``. Unexpected ones are
-    -32603 without a traceback unless ``debug``."""
+    -32603 without a traceback unless ``debug``. ``remedies``: the front end's words for what
+    its client can do when a bound is reached (``LimitReached``), by the setting's name."""
+    if isinstance(e, LimitReached):
+        return e.code, e.worded(remedies), e.data
     code = getattr(e, "code", None)
     if isinstance(e, RpcError) or (type(code) is int and hasattr(e, "message") and hasattr(e, "to_dict")):
         return e.code, e.message, getattr(e, "data", None)  # type: ignore[attr-defined]

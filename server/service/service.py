@@ -19,7 +19,7 @@ import importlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Collection
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable
 
 from . import errors as E
 from .errors import RpcError, invalid_params
@@ -48,6 +48,18 @@ CLOSE_TIMEOUT_S = 3.0
 #: how long one step of the event loop builds restored branches before it lets other work run
 #: (``Service._restore_build``: 12,000 branches built in one step froze the server for seconds)
 RESTORE_SLICE_S = 0.005
+#: the lists of its tools an MCP server that says they changed may have at once, one after the
+#: other, and the time that earns it one more (``Service._serve_mcp``): its lists are bounded
+#: (one that says so at every list is listed once a second), and a few changes close together
+#: are each listed at once
+RELIST_BURST = 3
+RELIST_EVERY_S = 1.0
+#: how long a request (an operate, listTools, a prompt) waits for the lists of tools due when it
+#: came (``Service.ensure_tools``, ``Service.branch_mcp_ready``): a list that hangs (until its
+#: time-out, 30 s) then goes on in the background, and the request with the tools registered
+RELIST_WAIT_S = 5.0
+#: messages of a ``branchMessages`` page made between two yields to the event loop
+PAGE_SLICE = 1000
 
 
 def _camel_to_snake(name: str) -> str:
@@ -95,6 +107,15 @@ class Service:
         #: configured MCP server running -> its own names for its tools (one started again is
         #: named knowing its siblings' names: its tools keep the names they had)
         self._mcp_own_names: dict[str, tuple[str, ...]] = {}
+        #: per block of configured MCP servers one of which said its tools changed: set once they
+        #: are listed again (``_serve_mcp``); ``ensure_tools`` waits for them
+        self._mcp_unsettled: set[asyncio.Event] = set()
+        #: configured MCP server -> its own name for each tool it listed -> the name that tool was
+        #: offered as (kept once it stopped: started again, a tool it still lists keeps that name)
+        self._mcp_offered: dict[str, dict[str, str]] = {}
+        #: set once the background try of configured MCP servers whose first start timed out has
+        #: ended (started or not): ``_check_policy_names_once`` waits for it
+        self._mcp_retry: asyncio.Event | None = None
         #: branch -> the warnings that concern it alone (``_branch_problem``, ``branch_problems``)
         self._problems: dict[str, list[str]] = {}
         self._state_loaded = False
@@ -127,6 +148,8 @@ class Service:
         self._doomed: set[asyncio.Task] = set()
         #: branch id -> a delete of it in progress (done when it is over, deleted or not)
         self._deleting: dict[str, asyncio.Future] = {}
+        #: forks being built off the loop (``forkBranch``): they count towards ``maxBranches``
+        self._forking = 0
         #: the MCP servers front ends' sessions passed (``add_branch_mcp_servers``), by their name
         #: and config: the name each runs under and its ready event (its tools once ready)
         self._branch_mcp: dict[str, tuple[str, McpServerReady]] = {}
@@ -436,11 +459,15 @@ class Service:
             raise E.state_not_saved(f"the messages of this operate on branch {branch.id} were not saved ({e}); "
                                     f"{after}", {"branchId": branch.id}) from None
 
-    async def ensure_tools(self) -> None:
+    async def ensure_tools(self, relisted: bool = True) -> None:
         """Load tool sources on first need (never before initialize is answered). The loading
         is the service's own task (a caller cancelled meanwhile never leaves it half done) and
         imports ``toolModules`` on a worker thread: a module slow to import never freezes the
-        event loop (ping, cancel and shutdown are answered meanwhile)."""
+        event loop (ping, cancel and shutdown are answered meanwhile). With ``relisted`` (what
+        offers or lists MCP tools: an operate, listTools), the lists of tools configured MCP
+        servers said changed are waited for too, those due when this began (not those a server
+        asks for meanwhile: one that says so at every list would hold the request for ever), and
+        ``RELIST_WAIT_S`` at most (:meth:`_relists_waited`)."""
         self._core()
         if self._mcp_failed:  # failed at their first start, an earlier need's: tried again below, once
             self._mcp_lost.update(self._mcp_failed)
@@ -459,9 +486,7 @@ class Service:
                 ready.set()
                 raise
         await self._tools_ready.wait()
-        if not self._policy_names_checked:
-            self._policy_names_checked = True
-            self._check_policy_names()
+        self._check_policy_names_once()
         if self._mcp_lost and not self._mcp_stop.is_set():
             # configured MCP servers that stopped on their own: no session passes them again, so
             # the next need (an operate, listTools, a session's server) starts those again, and
@@ -483,6 +508,31 @@ class Service:
             await restarted.wait()
             if self._mcp_restarted is restarted:
                 self._mcp_restarted = None  # started again: the next need waits for nothing
+        if relisted:  # tools a configured server said changed: listed again first
+            await self._relists_waited([*self._mcp_unsettled])
+
+    @staticmethod
+    async def _relists_waited(unsettled: list[asyncio.Event]) -> None:
+        """Wait for the lists of MCP tools ``unsettled`` (each set once its list is over),
+        ``RELIST_WAIT_S`` at most: one still under way then goes on in the background (it may
+        hang until its time-out), and the tools registered meanwhile are used."""
+        if all(e.is_set() for e in unsettled):
+            return
+        try:
+            async with asyncio.timeout(RELIST_WAIT_S):
+                for settled in unsettled:
+                    await settled.wait()
+        except TimeoutError:
+            log.info("the tools of an MCP server that said they changed are still being listed after %g s: "
+                     "the tools offered before are used meanwhile", RELIST_WAIT_S)
+
+    def _check_policy_names_once(self) -> None:
+        """:meth:`_check_policy_names`, once, when the configured tool sources are loaded: after
+        the background try of a configured MCP server whose first start timed out
+        (``_mcp_retry``) has ended too, since its tools are configured ones."""
+        if not self._policy_names_checked and (self._mcp_retry is None or self._mcp_retry.is_set()):
+            self._policy_names_checked = True
+            self._check_policy_names()
 
     def _check_policy_names(self) -> None:
         """Warn once, when the configured tool sources (the builtin tools, ``toolModules``,
@@ -622,7 +672,7 @@ class Service:
         governance and nothing recorded, as the user's own message. The tool's result
         (``content``, ``truncated``, ``nextOffset``); its error (``ToolCallError``) as it says
         why (outside the folders, missing, binary); ``ToolNotRegistered`` with no folder."""
-        await self.ensure_tools()
+        await self.ensure_tools(relisted=False)  # (a builtin tool: no MCP list to wait for)
         tool = self.registry.get("read_file")
         ctx = _module(_CORE + "tools").ToolCallContext(branch_id=branch_id, call_id=f"read-for-user-{time.monotonic_ns()}")
         scope = self._enter_tools_scope(branch_id)
@@ -730,10 +780,12 @@ class Service:
                 public, taken, n = name, {public for public, _ in self._branch_mcp.values()}, 2
                 while public in taken:
                     public, n = f"{name}-{n}", n + 1
-                if public != name:
-                    log.warning("MCP server %r of session %s differs (command, args or env) from the one another "
-                                "session started under that name: started as %r for this session",
-                                name, branch_id, public)
+                if public != name:  # (the one under that name: passed by this session, or another's)
+                    mine = any(p == name and k in keys for k, (p, _) in self._branch_mcp.items())
+                    log.warning("MCP server %r of session %s differs (command, args or env) from %s under that "
+                                "name: started as %r for this session", name, branch_id,
+                                "another one this session passed" if mine else "the one another session started",
+                                public)
             last = next(reversed(self._branch_mcp.values()))[1] if self._branch_mcp else None
             self._branch_mcp[key] = (public, await self.add_mcp_server(public, config, after=last))
         self._branch_mcp_of[branch_id] = keys
@@ -789,17 +841,22 @@ class Service:
             entry = self._branch_mcp.get(key)
             if entry is not None:
                 await entry[1].wait()
+                await self._relists_waited([entry[1].settled])  # its tools, said to have changed, listed again
 
     def branch_tools(self, branch_id: str) -> list[str] | None:
         """The tools an operate of this branch is offered: every tool but those of the MCP
         servers other branches passed (:meth:`add_branch_mcp_servers`); None (all) when no
-        branch passed one."""
+        branch passed one. A :class:`BranchTools`: an operate given it as its ``tools`` leaves
+        out the names gone by the time it runs (an MCP server listed its tools again
+        meanwhile, without them), with a log line, where a client's list naming them is refused
+        (-32602); and each of its rounds is offered the list computed again then
+        (:meth:`_round_tools`)."""
         if not self._branch_mcp:
             return None
         own = self._branch_mcp_of.get(branch_id, set())
         other = set().union(*(ready.tools for key, (_, ready) in self._branch_mcp.items()
                               if key not in own and not ready.stopped.is_set()))  # a stopped one's are gone
-        return [n for n in self.registry.names() if n not in other]
+        return BranchTools((n for n in self.registry.names() if n not in other), branch_id)
 
     async def _serve_mcp(self, config: dict[str, Any], ready: asyncio.Event, stop: asyncio.Event | None = None) -> None:
         """Run MCP servers as tool sources until :meth:`aclose` (or ``stop``, which ``aclose``
@@ -817,27 +874,100 @@ class Service:
         (this returns once none runs). A branch's is then over (:func:`_mcp_ended`: a branch
         passing it again starts it again); a configured one (``settings.mcpServers``, served
         together) is started again at the next :meth:`ensure_tools` (an operate, listTools),
-        alone, its tools named as they were (its running siblings' own names are taken)."""
+        alone, its tools named as they were (its siblings' names are taken:
+        :meth:`_mcp_sibling_names`). A
+        configured one whose first start timed out is tried once more at once, in the background
+        (:meth:`_mcp_unavailable`). A server that says its tools changed
+        (``notifications/tools/list_changed``) has them listed again in a task of its own (one
+        whose list hangs holds up no other, nor the handling of a stop), one list at a time,
+        ``RELIST_BURST`` in a row at most, then one each ``RELIST_EVERY_S`` (what it says
+        meanwhile asks for one list more), and put in place of its tools all at once
+        (:meth:`_mcp_relisted`: a tool it still lists keeps its name while free). A request that
+        came before such a list was over waits for it, ``RELIST_WAIT_S`` at most (then it goes
+        on with the tools registered, the list going on): :meth:`ensure_tools` (a configured
+        one's) or :meth:`branch_mcp_ready` (a branch's); one that came later waits only for the
+        lists due when it came."""
         from operate_sidecar.server.tools.errors import ToolSourceError
         from operate_sidecar.server.tools.mcp_source import open_mcp_sources
 
         label = f"MCP server{'s' if len(config) > 1 else ''} {', '.join(map(repr, config))}"
         configured = not isinstance(ready, McpServerReady)
         first_start = configured and ready is self._tools_ready  # (not a start again: ``ensure_tools``)
-        # a configured server started again alone: its siblings' own tool names count as taken,
-        # as when they all started together (a name two of them offer stays prefixed)
-        siblings = {n for server, names in self._mcp_own_names.items() if server not in config for n in names} \
-            if configured else set()
-        taken = _TakenNames(self.registry, siblings)
+        # a configured server started again alone: its siblings' names count as taken, as when
+        # they all started together (a name two of them offer stays prefixed)
+        taken = _TakenNames(self.registry, self._mcp_sibling_names(config) if configured else ())
         registered: list[Any] = []
         stop = self._mcp_stop if stop is None else stop
         lost: list[tuple[str, str]] = []
         running = set(config)  # the servers of ``config`` still running (once started)
-        over = asyncio.Event()  # asked to stop, or a server stopped on its own
+        over = asyncio.Event()  # asked to stop, a server stopped on its own or said its tools changed
+        #: server -> the round of its tools' lists due: said to have changed since its last list
+        #: began, set once the list that follows is over (the requests that came meanwhile wait
+        #: for it: a branch's is its ready's ``settled`` (``branch_mcp_ready``), the configured
+        #: ones' are in ``_mcp_unsettled`` (``ensure_tools``) once the block has begun); what the
+        #: server says during that list opens a new round, which only later requests wait for
+        rounds: dict[str, asyncio.Event] = {}
+        relisters: dict[str, asyncio.Task] = {}  # server -> its task listing its tools again
+        #: server -> (the lists it may have at once, as of the loop time next to it): ``relist``
+        budget: dict[str, tuple[float, float]] = {}
+        begun = False  # the block has begun (its servers' starts are over)
+        told: dict[str, set[str]] = {}  # server -> the warnings told about its last list
 
         def on_lost(server: str, why: str) -> None:
             lost.append((server, why))
             over.set()
+
+        def on_changed(server: str) -> None:
+            if server not in rounds:
+                due = rounds[server] = asyncio.Event()
+                if isinstance(ready, McpServerReady):
+                    ready.settled = due
+                elif begun:  # (one during a start: once the block has begun)
+                    self._mcp_unsettled.add(due)
+            over.set()
+
+        def settle(due: asyncio.Event | None) -> None:
+            if due is not None:
+                due.set()
+                self._mcp_unsettled.discard(due)
+
+        async def relist(server: str) -> None:
+            """List ``server``'s tools again while a round is due for it, one list at a time,
+            ``RELIST_BURST`` lists in a row at most, then one each ``RELIST_EVERY_S`` (a server
+            that says its tools changed at every list is listed that often at most); each round
+            is set once its list is over (listed, failed, or the server gone). Each server has
+            its own: one whose list hangs holds up no other."""
+            loop = asyncio.get_running_loop()
+            due = None
+            try:
+                while server in rounds and server in running and not stop.is_set():
+                    left, at = budget.get(server, (RELIST_BURST, loop.time()))
+                    left = min(RELIST_BURST, left + (loop.time() - at) / RELIST_EVERY_S)
+                    if left < 1:
+                        await asyncio.sleep((1 - left) * RELIST_EVERY_S)
+                        continue
+                    budget[server] = (left - 1, loop.time())
+                    due = rounds.pop(server, None)
+                    if due is None or server not in running or stop.is_set():
+                        break
+                    why = await self._mcp_list_again(tools, server, stop)
+                    if stop.is_set() or not tools.running(server) or server not in running:
+                        break  # (stopped meanwhile: told as such, if on its own)
+                    if why is not None:
+                        self._mcp_problem(ready, f"MCP server {server!r}: its tools could not be listed again "
+                                                 f"after it said they changed ({why}); the tools it offered "
+                                                 f"before are offered still")
+                    else:
+                        self._mcp_relisted(ready, tools, server, registered, origin, told)
+                    settle(due)
+                    due = None
+            except Exception:  # (a bug: the round is over all the same, and the one said meanwhile)
+                log.exception("MCP server %r: its tools could not be listed again", server)
+                settle(rounds.pop(server, None))  # (no task would list it: it would hold requests)
+            finally:
+                settle(due)
+                if relisters.get(server) is asyncio.current_task():
+                    del relisters[server]
 
         origin: dict[str, tuple[str, str]] = {}  # tool name as offered -> (its server, its own name)
 
@@ -862,7 +992,10 @@ class Service:
 
         watch = asyncio.get_running_loop().create_task(until_stop())
         try:
-            async with open_mcp_sources(config, reserved=taken, stop=stop, lost=on_lost) as tools:
+            # a server started again: a tool it still lists keeps the name it had, while free
+            kept = {server: self._mcp_offered.get(server, {}) for server in config} if configured else None
+            async with open_mcp_sources(config, reserved=taken, stop=stop, lost=on_lost, changed=on_changed,
+                                        kept=kept, registered=self.registry) as tools:
                 # each server started on its own: those that did not are told (below), and the
                 # others' tools are offered all the same
                 failed = tools.failed
@@ -879,44 +1012,170 @@ class Service:
                         f"{n!r} ({self._origin(n)})" if n in self.registry else repr(n) for n in clash))
                 renamed = self._renamed_mcp_tools(config, names, taken.seen)
                 origin = tools.origin
-                for t in tools:
-                    self.registry.register(t)
-                    registered.append(t)
-                    self._tool_origin[t.name] = label
-                if configured:
-                    for server in config:
-                        if server in running:
-                            self._mcp_own_names[server] = tuple(own for s, own in origin.values() if s == server)
-                for server, why in failed.items():
-                    self._mcp_unavailable(ready, server, why, again=first_start)
-                for message in tools.warnings:
+                self._mcp_registered(tools, origin, label, registered,
+                                     [server for server in config if server in running] if configured else ())
+                retried = {server: message for server, why in failed.items()
+                           if (message := self._mcp_unavailable(ready, server, why, again=first_start))}
+                for message in [*tools.warnings, *_renamed_told(renamed)]:
                     self._mcp_problem(ready, message)
-                for server, pairs in renamed.items():
-                    self._mcp_problem(ready, f"MCP server {server!r}: " + "; ".join(
-                        f"its tool {plain!r} is offered as {public!r} ({why})" for plain, public, why in pairs))
+                    for server in config:  # (each names its server first)
+                        if message.startswith(f"MCP server {server!r}"):
+                            told.setdefault(server, set()).add(message)
                 if isinstance(ready, McpServerReady):
                     ready.tools = tuple(t.name for t in registered)
+                begun = True
+                if configured:  # (lists said due while they started: waited for from now on)
+                    self._mcp_unsettled.update(rounds.values())
+                if retried and not stop.is_set():
+                    self._mcp_retry = asyncio.Event()
                 ready.set()
-                while running:
-                    await over.wait()
-                    over.clear()
-                    if stop.is_set() or running <= {server for server, _ in lost}:
-                        break  # asked to stop, or none runs any more: the block ends (told below)
-                    # some stopped on their own, the others run on: the stopped ones' tools go
-                    # now, then they are told (as below)
-                    gone, lost[:] = list(lost), []
-                    unregister({server for server, _ in gone})
-                    for server, why in gone:
-                        self._mcp_lost_told(ready, server, why)
+                if ready is self._mcp_retry:  # (the background try's start is over)
+                    self._check_policy_names_once()
+                if retried and not stop.is_set():  # timed out at their first start: tried once more, unwaited for
+                    self._problems_over(retried.values())
+                    try:
+                        await self._spawn(self._serve_mcp, {server: config[server] for server in retried},
+                                          self._mcp_retry, name="tool sources (tried again)")
+                    except BaseException:
+                        self._mcp_retry.set()  # type: ignore[union-attr]
+                        raise
+                try:
+                    while running:
+                        await over.wait()
+                        over.clear()
+                        if stop.is_set() or running <= {server for server, _ in lost}:
+                            break  # asked to stop, or none runs any more: the block ends (told below)
+                        # some stopped on their own, the others run on: the stopped ones' tools go
+                        # now, then they are told (as below); their lists due are over
+                        gone, lost[:] = list(lost), []
+                        unregister({server for server, _ in gone})
+                        for server, why in gone:
+                            task = relisters.pop(server, None)
+                            if task is not None:
+                                task.cancel()
+                            settle(rounds.pop(server, None))
+                            self._mcp_lost_told(ready, server, why)
+                        for server in list(rounds):  # said their tools changed: listed again, each on its own
+                            if server in running and server not in relisters:
+                                relisters[server] = asyncio.get_running_loop().create_task(relist(server))
+                finally:
+                    tasks = list(relisters.values())
+                    for task in tasks:
+                        task.cancel()
+                    if tasks:
+                        await asyncio.wait(tasks)
+                    for due in rounds.values():  # (no list follows: what waits for one goes on now)
+                        settle(due)
+                    rounds.clear()
         except Exception as e:
             self._mcp_problem(ready, f"{label} unavailable: {e}")
         finally:
             watch.cancel()
             unregister()  # the servers are stopped: all their tools go with them
+            for due in rounds.values():
+                settle(due)
+            rounds.clear()
             ready.set()
+            if ready is self._mcp_retry:
+                self._check_policy_names_once()
         if not stop.is_set():  # (told once their tools are gone)
             for server, why in lost:
                 self._mcp_lost_told(ready, server, why)
+
+    @staticmethod
+    async def _mcp_list_again(tools: Any, server: str, stop: asyncio.Event) -> str | None:
+        """``tools.list_again(server)`` (an ``McpTools``' server: bounded by its start time-out),
+        abandoned once ``stop`` is set; why it failed, else None."""
+        import anyio
+
+        from operate_sidecar.server.tools.errors import ToolSourceError
+
+        why: str | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def until_stop() -> None:
+                await stop.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(until_stop)
+            try:
+                await tools.list_again(server)
+            except ToolSourceError as e:
+                why = str(e)
+            tg.cancel_scope.cancel()
+        return why
+
+    def _mcp_relisted(self, ready: asyncio.Event, tools: Any, server: str, registered: list[Any],
+                      origin: dict[str, tuple[str, str]], told: dict[str, set[str]]) -> None:
+        """Put the tools the MCP server ``server`` (of ``tools``: ``ready``'s block) has just
+        listed again in place of those it offered, all at once (nothing awaited in between: no
+        request sees half of them): named as at its start, every other tool registered taken,
+        and, a configured one's, the names its siblings hold (:meth:`_mcp_sibling_names`: as
+        when it is started again alone), so that a tool it still lists keeps its name; ``registered``
+        and ``origin`` (its block's) follow. A tool removed goes (a call of it already running
+        ends as it would have: the session is the same). Its warnings (as its start tells them)
+        are told when the previous list's (``told``) did not have them. A name taken all the
+        same (a bug) leaves the tools it offered, with a warning."""
+        configured = not isinstance(ready, McpServerReady)
+        mine = [t for t in registered if origin.get(t.name, ("",))[0] == server]
+        own = {t.name for t in mine}
+        others = frozenset(n for n in self.registry.names() if n not in own)
+        siblings = self._mcp_sibling_names({server}) if configured else set()
+        kept = {own: public for public, (s, own) in origin.items() if s == server}
+        new = tools.named(server, others | siblings, kept, others)  # (a tool listed before keeps its name)
+        names = [t.name for t in new]
+        clash = sorted({n for n in names if n in others or names.count(n) > 1})
+        if clash:
+            self._mcp_problem(ready, f"MCP server {server!r}: its tools listed again are not offered, since these "
+                                     f"names are taken: {', '.join(map(repr, clash))}; the tools it offered before "
+                                     f"are offered still")
+            return
+        for t in mine:
+            registered.remove(t)
+            origin.pop(t.name, None)
+            if t.name in self.registry and self.registry.get(t.name) is t:
+                self.registry.unregister(t.name)
+                self._tool_origin.pop(t.name, None)
+        origin.update(new.origin)
+        self._mcp_registered(new, origin, f"MCP server {server!r}", registered, [server] if configured else ())
+        if isinstance(ready, McpServerReady):
+            ready.tools = tuple(t.name for t in registered)
+        log.info("MCP server %r listed its tools again: %s", server, ", ".join(names) or "none")
+        messages = [*new.warnings, *_renamed_told(self._renamed_mcp_tools({server: None}, names, others))]
+        for message in messages:
+            if message not in told.get(server, ()):
+                self._mcp_problem(ready, message)
+        told[server] = set(messages)
+
+    def _mcp_registered(self, tools: list[Any], origin: dict[str, tuple[str, str]], label: str,
+                        registered: list[Any], configured: Collection[str]) -> None:
+        """Register ``tools`` (MCP tools just named; ``label``: their source, as told), kept in
+        ``registered`` (their block's); for each server of ``configured`` (configured ones), the
+        names it holds from now on, by ``origin`` (each tool's name as offered -> its server and
+        its own name): its own names (``_mcp_own_names``) and the names its tools are offered
+        as (``_mcp_offered``)."""
+        for t in tools:
+            self.registry.register(t)
+            registered.append(t)
+            self._tool_origin[t.name] = label
+        for server in configured:
+            mine = {public: own for public, (s, own) in origin.items() if s == server}
+            self._mcp_own_names[server] = tuple(mine.values())
+            self._mcp_offered[server] = {own: public for public, own in mine.items()}
+
+    def _mcp_sibling_names(self, servers: Collection[str]) -> set[str]:
+        """The names the configured MCP servers but ``servers`` hold, which a tool of ``servers``
+        named now does not take: a running one's own names for its tools (a start of them all
+        together would have found them clashing), and a stopped one's, its own and those its
+        tools were offered as (started again, its tools take those back: a
+        ``settings.toolPolicy`` entry follows the name, and must not pass to another server's
+        tool while it is down)."""
+        names = {n for s, own in self._mcp_own_names.items() if s not in servers for n in own}
+        for s, offered in self._mcp_offered.items():
+            if s not in servers and s not in self._mcp_own_names:
+                names.update(offered)
+                names.update(offered.values())
+        return names
 
     def _mcp_lost_told(self, ready: asyncio.Event, server: str, why: str) -> None:
         """Tell that the MCP server ``server`` (of ``ready``: a branch's, or a configured one)
@@ -930,17 +1189,25 @@ class Service:
             self._mcp_lost[server] = message
         self._mcp_problem(ready, message)
 
-    def _mcp_unavailable(self, ready: asyncio.Event, server: str, why: Any, again: bool) -> None:
+    def _mcp_unavailable(self, ready: asyncio.Event, server: str, why: Any, again: bool) -> str | None:
         """Tell that the MCP server ``server`` (of ``ready``) did not start (``why``); with
-        ``again`` (a configured one's first start), it is tried once more at the next need after
-        this one (:meth:`ensure_tools`), as one that stopped is started again; one that fails then
-        is not tried again."""
+        ``again`` (a configured one's first start), it is tried once more: one that failed at
+        once (its command not found, it exited) at the next need after this one
+        (:meth:`ensure_tools`, which waits for it), as one that stopped is started again; one that
+        timed out (``StartTimedOut``: it hangs) at once, in the background, since a need that
+        waited for it would wait a second time-out: then the warning told is returned (else None),
+        and its caller starts it. One that fails then is not tried again."""
+        from operate_sidecar.server.tools.mcp_source import StartTimedOut
+
         first, nl, rest = str(why).partition("\n")  # what to do on the first line (the rest: its last stderr lines)
-        note = "; it is tried once more when tools are next needed" if again else ""
+        now = again and isinstance(why, StartTimedOut)
+        note = ("; it is tried once more now, in the background: its tools are offered once it has started" if now
+                else "; it is tried once more when tools are next needed" if again else "")
         message = f"MCP server {server!r} unavailable: {first}{note}{nl}{rest}"
-        if again:
+        if again and not now:
             self._mcp_failed[server] = message
         self._mcp_problem(ready, message)
+        return message if now else None
 
     def _mcp_problem(self, ready: asyncio.Event, message: str) -> None:
         """A warning about MCP servers: about one a front end's session passed (``ready`` is its
@@ -1269,19 +1536,20 @@ class Service:
         await self._to_the_end(save())
 
     def _check_branch_room(self) -> None:
+        """``maxBranches``: the branches held and those being forked (``forkBranch`` builds its
+        copy off the loop) leave room for one more. What the client can do about it is worded
+        by its front end (``errors.LimitReached``)."""
         limit = int(self.settings["maxBranches"])
-        if len(self.branches) >= limit:
-            raise invalid_params(f"maxBranches limit reached: the server holds {len(self.branches)} branches "
-                                 f"(limit {limit}); delete branches you no longer need (deleteBranch) "
-                                 "or raise settings.maxBranches", {"limit": "maxBranches", "value": limit})
+        held = len(self.branches) + self._forking
+        if held >= limit:
+            raise E.LimitReached(f"maxBranches limit reached: the server holds {held} branches (limit {limit})",
+                                 {"limit": "maxBranches", "value": limit})
 
     def _check_message_room(self, branch: Any, clearing: bool) -> None:
         limit = int(self.settings["maxMessagesPerBranch"])
         if not clearing and len(branch.messages) >= limit:
-            raise invalid_params(f"maxMessagesPerBranch limit reached: branch {branch.id} holds "
-                                 f"{len(branch.messages)} messages (limit {limit}); start a new branch "
-                                 "(createBranch), operate with clearMessages: true, delete it (deleteBranch) "
-                                 "or raise settings.maxMessagesPerBranch",
+            raise E.LimitReached(f"maxMessagesPerBranch limit reached: branch {branch.id} holds "
+                                 f"{len(branch.messages)} messages (limit {limit})",
                                  {"limit": "maxMessagesPerBranch", "value": limit, "branchId": branch.id})
 
     @property
@@ -1403,27 +1671,61 @@ class Service:
         return {"branchId": b.id}
 
     async def forkBranch(self, params: dict, *, info: dict[str, Any] | None = None) -> dict:
-        """``info`` (not on the wire): the front end's info of the new branch, saved with it."""
+        """``info`` (not on the wire): the front end's info of the new branch, saved with it.
+        The copy of the messages, and their records for the store, are made on a worker thread
+        (``_build_fork``): a branch of 100,000 messages took seconds, and held up every request
+        meanwhile. What is copied is taken on the loop, at once: the branch as it is, or as it was
+        before an operate still running on it (never half a turn); the fork is saved before the
+        answer. Once the copy has begun the fork is made, whatever comes (docs/PROTOCOL.md §7)."""
         from operate_sidecar.protocol import BranchParams, structure
+        from operate_sidecar.server.core.messages import new_id
 
         p = structure(BranchParams, params)
         src = await self._stored_branch(p.branch_id)
         self._check_branch_room()
         # an operate running on the source: copy the branch as it was before it (never half a turn)
         mark = self._settled.get(src.id)
-        b = src.fork(messages=None if mark is None else (mark[1] if mark[1] is not None else src.messages[:mark[0]]))
-        self.governance.copy_branch(src.id, b.id)  # type: ignore[union-attr]
+        kept = list(src.messages) if mark is None else list(mark[1] if mark[1] is not None
+                                                            else src.messages[:mark[0]])
+        bid = new_id()
+        self.governance.copy_branch(src.id, bid)  # type: ignore[union-attr]
         if src.id in self._roots:
-            self._roots[b.id] = self._roots[src.id]
-        self._adopt(b)
+            self._roots[bid] = self._roots[src.id]
         if info:
-            self._info[b.id] = dict(info)
+            self._info[bid] = dict(info)
+        specs = dict(self._model_specs.get(src.id, {}))
+        meta = None
         if self.journal is not None:
-            src_models = {k: v for k, v in self._model_specs.get(src.id, {}).items()}
-            self._model_specs[b.id] = src_models
-            self.journal.attach(b, self._meta(b, src_models.get("chatModel"), src_models.get("parseModel")))
+            self._model_specs[bid] = specs
+            meta = self._meta(_Named(bid, src.name), specs.get("chatModel"), specs.get("parseModel"))
+        self._forking += 1
+        try:
+            b = await self._to_the_end(self._to_thread(self._build_fork, src, bid, kept, meta))
+        except BaseException:
+            self._model_specs.pop(bid, None)
+            self._info.pop(bid, None)
+            self._roots.pop(bid, None)
+            self.governance.forget_branch(bid)  # type: ignore[union-attr]
+            if self.journal is not None:  # a half-made fork recorded (its attach failed late): no later flush saves it
+                self.journal.forget(bid)
+            raise
+        finally:
+            self._forking -= 1
+        self._adopt(b)
+        if self.journal is not None:
             await self._to_the_end(self._commit_new_branch(b.id))
         return {"branchId": b.id}
+
+    def _build_fork(self, src: Any, bid: str, kept: list, meta: dict[str, Any] | None) -> Any:
+        """On a worker thread: the fork ``bid`` of ``src`` with copies of the messages ``kept``,
+        attached to the store with ``meta`` (its records made there). No one else sees the new
+        branch yet; ``src``'s messages are not read here (``kept`` was taken on the loop)."""
+        from operate_sidecar.server.core.messages import MessageLog
+
+        b = src.fork(id=bid, messages=MessageLog(kept).copy().items)
+        if meta is not None:
+            self.journal.attach(b, meta)
+        return b
 
     async def deleteBranch(self, params: dict) -> dict:
         """Delete the branch (on disk first: a failed delete leaves it as it was). An operate
@@ -1517,7 +1819,15 @@ class Service:
         if p.offset < 0 or p.limit < 0:
             raise invalid_params("offset and limit must be non-negative")
         b = await self._stored_branch(p.branch_id)
-        return {"messages": b.messages.page(p.offset, p.limit), "total": len(b.messages)}
+        # the page is taken at once, then made ``PAGE_SLICE`` messages at a time, yielding to the
+        # loop between slices: a page of 100,000 messages held up every request for a second
+        items, total = b.messages.items[p.offset:p.offset + p.limit], len(b.messages)
+        out: list[dict[str, Any]] = []
+        for i in range(0, len(items), PAGE_SLICE):
+            if i:
+                await asyncio.sleep(0)
+            out.extend(m.to_dict() for m in items[i:i + PAGE_SLICE])
+        return {"messages": out, "total": total}
 
     # ------------------------------------------------------------------ tools
     def _tool_info(self, t: Any, branch_id: str | None) -> dict:
@@ -1540,7 +1850,7 @@ class Service:
         p = structure(AuthorizeToolParams, params)
         if p.branch_id is not None:
             await self._stored_branch(p.branch_id)
-        await self.ensure_tools()
+        await self.ensure_tools(relisted=False)  # (a decision: no MCP server's list to wait for)
         if p.tool not in self.registry:
             raise invalid_params(f"unknown tool {p.tool!r}", {"tool": p.tool})
         self.governance.set(p.tool, p.decision, p.branch_id)  # type: ignore[union-attr]
@@ -1564,7 +1874,7 @@ class Service:
         from operate_sidecar.protocol import RegisterClientToolsParams, structure
 
         p = structure(RegisterClientToolsParams, params)
-        await self.ensure_tools()
+        await self.ensure_tools(relisted=False)  # (the client's tools: no MCP server's list to wait for)
         from operate_sidecar.server.core.tools import Tool
 
         def check_schemas() -> None:  # valid object schemas, or -32602 saying where (off the event loop)
@@ -1684,16 +1994,47 @@ class Service:
         load: MCP servers starting, ``toolModules`` importing; for its reply format to be built),
         as it ends one waiting for its turn."""
         protocol = _module("operate_sidecar.protocol")
+        computed = params.get("tools") if isinstance(params, dict) else None
+        if not isinstance(computed, BranchTools):
+            computed = None
+        else:  # (a front end's, ``branch_tools``': a plain list on the wire)
+            params = {**params, "tools": list(computed)}
         p = protocol.structure(protocol.OperateParams, params)  # unknown fields named, removed modelOptions refused (-32602)
         branch = await self._stored_branch(p.branch_id)
         with self._findable(branch.id) if findable else contextlib.nullcontext():
             await self.ensure_tools()
             if isinstance(p.tools, list):
                 unknown = [t for t in p.tools if t not in branch.tools]
-                if unknown:
+                if unknown and computed is not None:  # (gone since the front end computed its list)
+                    log.info("branch %s: tools gone since its operate's tools were computed, left out: %s",
+                             branch.id, ", ".join(unknown))
+                    p.tools = [t for t in p.tools if t in branch.tools]
+                elif unknown:
                     raise invalid_params(f"tools: unknown tool{'s' if len(unknown) > 1 else ''}: "
                                          + ", ".join(unknown), {"unknownTools": unknown})
-            return p, branch, await self._operate_kw(p)
+            kw = await self._operate_kw(p)
+            if computed is not None:  # (computed again for each round: ``_round_tools``)
+                kw["tools"] = BranchTools(p.tools, computed.branch_id)
+            return p, branch, kw
+
+    def _round_tools(self, branch: Any, kw: dict[str, Any]) -> dict[str, Any]:
+        """``kw`` (an operate's, ``_operate_call``'s) for one of its rounds, its ``tools`` as they
+        are when that round begins (an MCP server may list its tools again, or stop, during an
+        operate): a front end's computed list (:class:`BranchTools`) computed again (every tool
+        but other branches' MCP servers': one added since is offered, one removed is not); a
+        client's list without the names gone since, with a log line (its names were checked as
+        the operate began: a later round that failed for a name gone would fail after the
+        earlier rounds' effects)."""
+        tools = kw.get("tools")
+        if isinstance(tools, BranchTools):
+            return {**kw, "tools": self.branch_tools(tools.branch_id)}
+        if isinstance(tools, list):
+            gone = [t for t in tools if isinstance(t, str) and t not in branch.tools]
+            if gone:
+                log.info("branch %s: tools gone since its operate began, left out of this round: %s",
+                         branch.id, ", ".join(gone))
+                return {**kw, "tools": [t for t in tools if t not in gone]}
+        return kw
 
     @contextlib.contextmanager
     def _findable(self, branch_id: str) -> Any:
@@ -1776,7 +2117,7 @@ class Service:
             the continuation instruction, no repeated context and no clearing (see service.rounds)."""
             if k == 1:
                 return prepared
-            later = dict(kw, clear_messages=False)
+            later = dict(self._round_tools(branch, kw), clear_messages=False)
             if "instruct" in later:
                 later["instruct"] = {**later["instruct"], "instruction": CONTINUATION, "context": None}
             else:
@@ -1803,7 +2144,7 @@ class Service:
             me = asyncio.current_task()
             if me is not None:  # what deleteBranch ends
                 self._running[branch.id] = me
-            prepared = prepare_operate_kw(branch, **kw)
+            prepared = prepare_operate_kw(branch, **self._round_tools(branch, kw))
             sink = None
             if p.work_done_token is not None:
                 sink = WireProgress(self.rpc.notify, p.work_done_token,
@@ -1884,10 +2225,28 @@ class Service:
         return out
 
 
+def _renamed_told(renamed: dict[str, list[tuple[str, str, str]]]) -> list[str]:
+    """The warnings of ``Service._renamed_mcp_tools``' answer: one per server."""
+    return [f"MCP server {server!r}: " + "; ".join(f"its tool {plain!r} is offered as {public!r} ({why})"
+                                                   for plain, public, why in pairs)
+            for server, pairs in renamed.items()]
+
+
 def _mcp_ended(ready: McpServerReady) -> bool:
     """The added MCP server is over though nothing asked it to stop: it failed to start (not
     found, it exited or timed out in its handshake) or stopped on its own; its tools are gone."""
     return ready.stopped.is_set() and not ready.stop.is_set()
+
+
+class BranchTools(list):
+    """The tools ``Service.branch_tools`` computed for a front end's operate (ACP's) on the branch
+    ``branch_id``: given as an operate's ``tools``, a name in it gone by the time the operate
+    runs is left out rather than refused (a client on the wire can only send a plain list), and
+    each round is offered the tools computed again then (``Service._round_tools``)."""
+
+    def __init__(self, names: Iterable[str] = (), branch_id: str = "") -> None:
+        super().__init__(names)
+        self.branch_id = branch_id
 
 
 class McpServerReady(asyncio.Event):
@@ -1899,6 +2258,8 @@ class McpServerReady(asyncio.Event):
         self.tools: tuple[str, ...] = ()
         self.stop = asyncio.Event()  # set: the server stops (its tools are unregistered)
         self.stopped = asyncio.Event()  # set once it has stopped (or never started)
+        self.settled = asyncio.Event()  # clear while its tools, said to have changed, are listed again
+        self.settled.set()
         self.problems: list[str] = []  # the warnings reported about it (``Service._branch_problem``)
 
 
@@ -1934,6 +2295,16 @@ CONVERTED = frozenset({"instruct", "instruction", "guidance", "context", "chat_m
                        "response_format", "field_models", "parse_options"})
 #: ... and those it uses itself
 CONSUMED = frozenset({"branch_id", "model_options", "work_done_token", "max_rounds", "repeat_limit"})
+
+
+class _Named:
+    """What ``Service._meta`` reads of a branch (its id and name), for a fork not built yet."""
+
+    __slots__ = ("id", "name")
+
+    def __init__(self, id: str, name: str | None) -> None:
+        self.id = id
+        self.name = name
 
 
 def _recorded(branch: Any, mark: tuple[int, list | None] | None) -> bool:

@@ -13,15 +13,20 @@ our whole environment.
 
 Tools (source ``mcp``):
 
-- Read once per start of the server (``tools/list``, at most ``_MAX_LIST_PAGES`` pages: a
-  warning says when there were more); a ``notifications/tools/list_changed`` it sends later is
-  not acted on: a tool it adds is offered once it is started again. A name it lists twice is
-  offered once (the first), with a warning.
+- Read at each start of the server (``tools/list``, at most ``_MAX_LIST_PAGES`` pages: a
+  warning says when there were more), and again when it says they changed
+  (``notifications/tools/list_changed``): the source's ``on_tools_changed`` (``open_mcp_sources``'
+  ``changed``) is called, and its host lists them again (:meth:`McpToolSource.list_again`,
+  :meth:`McpTools.list_again`: the same bounds, the same warnings, names chosen by the same rules;
+  a list that fails leaves the tools listed before). A name it lists twice is offered once (the
+  first), with a warning. The session advertises no client capability (no sampling, elicitation
+  or roots): the handler of the server's notifications is no capability.
 - Named after the MCP tool, plainly. When two configured servers offer the same tool
   name, or the name is already taken (``reserved``: builtin/python/client tools), every
   clashing tool is named ``<server>__<tool>`` instead (the server name with characters
-  outside ``[A-Za-z0-9_-]`` replaced by ``_``). The MCP side is always called with the
-  server's own name for the tool.
+  outside ``[A-Za-z0-9_-]`` replaced by ``_``). A tool a server lists again, or lists when
+  started again, keeps the name it had while no other tool has it (``kept``). The MCP side is
+  always called with the server's own name for the tool.
 - ``inputSchema`` is the server's, ``description`` its description (else title, name).
 - ``annotations.readOnlyHint: true`` makes the tool ``read_only`` (so the default policy
   allows it, docs/PROTOCOL.md §4); anything else is not read-only.
@@ -36,8 +41,8 @@ Lifetime is structured: ``await source.start(task_group)`` runs the server in a 
 the caller's task group and returns once its tools are listed; ``await source.aclose()``
 stops it (as does cancelling the group). ``async with McpToolSource(...) as source`` does
 both with a task group of its own. :func:`open_mcp_sources` starts all configured servers
-concurrently, each on its own, in a task group it owns (one that fails to start is named, and
-the others' tools are offered) and stops them when its block exits (or, with its ``stop``
+concurrently, each on its own, in a task group it owns (one that fails to start is named, with
+a :class:`StartTimedOut` when it did not answer in time, and the others' tools are offered) and stops them when its block exits (or, with its ``stop``
 event, as soon as that is set, starts included).
 
 A started server that stops on its own (it exits, crashes or is killed: the SDK's read stream
@@ -68,6 +73,7 @@ import signal
 import sys
 from collections import Counter, deque
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Collection, Iterable, Mapping, TextIO
 
 from .. import __version__
@@ -83,9 +89,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["McpToolSource", "McpTools", "open_mcp_sources", "DEFAULT_START_TIMEOUT"]
+__all__ = ["McpToolSource", "McpTools", "open_mcp_sources", "DEFAULT_START_TIMEOUT", "StartTimedOut"]
 
-DEFAULT_START_TIMEOUT = 30.0
+
+def _start_timeout_from_env(default: float = 30.0) -> float:
+    """``OPERATE_SIDECAR_MCP_START_TIMEOUT_S`` (seconds, > 0), else ``default``: for tests, whose
+    servers that hang in their start (or in a later list of their tools) are given up on
+    sooner; a value that is not such a number is ignored."""
+    try:
+        value = float(os.environ.get("OPERATE_SIDECAR_MCP_START_TIMEOUT_S") or default)
+    except ValueError:
+        return default
+    return value if 0 < value < float("inf") else default
+
+
+#: how long an MCP server's start (its handshake and first list of tools), and each later list of
+#: its tools, may take: 30 s (``OPERATE_SIDECAR_MCP_START_TIMEOUT_S`` sets it, for tests)
+DEFAULT_START_TIMEOUT = _start_timeout_from_env()
 _STDERR_TAIL_LINES = 20
 #: the stderr quoted in a warning (a server failed to start, or stopped): its last lines that are
 #: not blank, each cut to ``_QUOTED_LINE_CHARS`` characters, all of them to ``_QUOTED_CHARS``
@@ -135,6 +155,12 @@ def _escaped(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", _ESCAPE_SEQUENCE.sub("", text))
 
 
+class StartTimedOut(ToolSourceError):
+    """The server did not start since it gave no answer to ``initialize``/``tools/list`` within
+    the start time-out (it hangs, or what it wrote could not be read): its host may try it again
+    without having a request wait for that try (a second time-out)."""
+
+
 class _Stopped(Exception):
     """The source was stopped (closed, or its host is exiting) before its server had started."""
 
@@ -168,8 +194,12 @@ class McpToolSource:
 
     def __init__(self, name: str, command: list[str], env: Mapping[str, str] | None = None, *,
                  start_timeout: float = DEFAULT_START_TIMEOUT, call_timeout: float | None = None,
-                 errlog: TextIO | None = None, on_lost: Callable[[str], None] | None = None) -> None:
-        """``on_lost(why)``: called once the server, started, stops though nothing asked it to."""
+                 errlog: TextIO | None = None, on_lost: Callable[[str], None] | None = None,
+                 on_tools_changed: Callable[[], None] | None = None) -> None:
+        """``on_lost(why)``: called once the server, started, stops though nothing asked it to.
+        ``on_tools_changed()``: called when the server says its tools changed
+        (``notifications/tools/list_changed``), in the task that reads its messages: it must not
+        block; its host then lists them again (:meth:`list_again`)."""
         if not isinstance(name, str) or not name:
             raise ToolSourceError(f"MCP server names must be non-empty strings, got {name!r}")
         if (not isinstance(command, (list, tuple)) or not command
@@ -185,10 +215,11 @@ class McpToolSource:
         self.call_timeout = call_timeout
         self._errlog = errlog
         self._on_lost = on_lost
+        self._on_tools_changed = on_tools_changed
         self._session: Any = None
         self._remote: list[mcp_types.Tool] = []
-        #: what its last start found wrong though it started (a tool name listed twice, a list
-        #: of tools that never ended), for its host to tell
+        #: what its last list of tools (at its start, or :meth:`list_again`) found wrong (a tool name
+        #: listed twice, a list of tools that never ended), for its host to tell
         self.warnings: list[str] = []
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self._unread: deque[str] = deque(maxlen=1)  # the last message of the server's the SDK could not read
@@ -242,7 +273,7 @@ class McpToolSource:
 
         Raises :class:`ToolSourceError` naming the server (with the reason and the tail of
         its stderr) when it cannot be spawned, exits, or does not answer within
-        ``start_timeout`` seconds. The caller may bound or cancel ``start`` with its own
+        ``start_timeout`` seconds (then :class:`StartTimedOut`, which is one). The caller may bound or cancel ``start`` with its own
         cancel scope. :meth:`aclose` stops the server; so does cancelling ``task_group``.
         """
         if self._stop is not None:
@@ -314,7 +345,8 @@ class McpToolSource:
         if lost is not None and not (self._stop is not None and self._stop.is_set()):
             self._lost(lost)
         if failure is not None and not started:
-            raise ToolSourceError(self._start_failure(failure)) from failure
+            kind = StartTimedOut if isinstance(_cause(failure), TimeoutError) else ToolSourceError
+            raise kind(self._start_failure(failure)) from failure
 
     def _lost(self, why: str) -> None:
         why += self._quoted_tail()
@@ -375,7 +407,7 @@ class McpToolSource:
     async def _handshake_and_serve(self, stack: AsyncExitStack, on_started: Any) -> BaseException | None:
         import anyio
         from mcp import ClientSession
-        from mcp_types import Implementation, PaginatedRequestParams
+        from mcp_types import Implementation
 
         read, write = self._streams
         self._streams = None
@@ -386,10 +418,11 @@ class McpToolSource:
         stack.callback(relay_tg.cancel_scope.cancel)  # unwound before the group is left
         self._unread.clear()  # (of this start, not an earlier one's)
         read = await relay_tg.start(_relay_until_end, read, ended, self._unread)
+        # (a ``message_handler`` is no client capability: the SDK advertises sampling, elicitation
+        # and roots only for their own callbacks, which stay its refusing defaults)
         session = await stack.enter_async_context(ClientSession(
-            read, write, client_info=Implementation(name="operate-sidecar", version=__version__)))
-        remote: list[Any] = []
-        cursor: str | None = None
+            read, write, message_handler=self._on_message,
+            client_info=Implementation(name="operate-sidecar", version=__version__)))
         with anyio.CancelScope() as handshake:
             self._handshake = handshake
             if self._stop.is_set():
@@ -397,24 +430,13 @@ class McpToolSource:
             try:
                 with anyio.fail_after(self.start_timeout):
                     await session.initialize()
-                    for _ in range(_MAX_LIST_PAGES):
-                        page = await session.list_tools(
-                            params=PaginatedRequestParams(cursor=cursor) if cursor else None)
-                        remote.extend(page.tools)
-                        cursor = page.next_cursor
-                        if not cursor:
-                            break
+                    remote, cursor = await self._list_tools(session)
             except Exception as e:
                 return e
         self._handshake = None
         if handshake.cancelled_caught or self._stop.is_set():
             return _Stopped()
-        self.warnings = []
-        if cursor:
-            self._warn(f"MCP server {self.name!r} listed its tools on more than {_MAX_LIST_PAGES} pages (each "
-                       f"answer to tools/list gave a next cursor): the tools of the first {_MAX_LIST_PAGES} "
-                       f"pages are offered, the rest are not")
-        self._remote = self._first_of_each_name(remote)
+        self._listed(remote, cursor)
         self._session = session
         on_started()
         async with anyio.create_task_group() as wait:
@@ -427,6 +449,30 @@ class McpToolSource:
         self._session = None
         return None if self._stop.is_set() else _Lost()
 
+    async def list_again(self) -> None:
+        """List the running server's tools again (its ``notifications/tools/list_changed`` said
+        they changed), as its start lists them: at most ``_MAX_LIST_PAGES`` pages, within
+        ``start_timeout`` seconds, a name listed twice offered once, :attr:`warnings` new. Raises
+        :class:`ToolSourceError` (why, masked as a start failure is) when it is not running or
+        the list fails (an error answer, no answer in time, the connection lost): the tools
+        listed before are kept. A tool call running meanwhile goes on (the session is the same);
+        :meth:`tools` gives the new list once this returns."""
+        import anyio
+
+        session = self._session
+        if session is None:
+            raise ToolSourceError(f"MCP server {self.name!r} is not running")
+        try:
+            with anyio.fail_after(self.start_timeout):
+                remote, cursor = await self._list_tools(session)
+        except Exception as e:
+            reason = (f"no answer to tools/list within {self.start_timeout:g} s"
+                      if isinstance(_cause(e), TimeoutError) else _describe(e))
+            raise ToolSourceError(redact(_escaped(reason), patterns=True)) from e
+        if self._session is not session:  # (it stopped meanwhile: nothing to offer)
+            raise ToolSourceError(f"MCP server {self.name!r} is not running")
+        self._listed(remote, cursor)
+
     def tools(self, prefixed: Collection[str] = ()) -> list[Tool]:
         """The server's tools as :class:`Tool` s; names in ``prefixed`` become ``<server>__<name>``."""
         if self._session is None:
@@ -434,6 +480,48 @@ class McpToolSource:
         return self._tools(prefixed)
 
     # -- internals -------------------------------------------------------------
+
+    async def _on_message(self, message: Any) -> None:
+        """The SDK's ``message_handler``: what the server notifies (and what its transport
+        raises), in the task that reads its messages. ``notifications/tools/list_changed`` is
+        passed on to ``on_tools_changed``, which only takes note (the host's list is made
+        elsewhere, never here: the session's reader must go on, or no answer would come); the
+        rest is left as the SDK's default leaves it."""
+        from mcp_types import ToolListChangedNotification
+
+        if not isinstance(message, ToolListChangedNotification):
+            return
+        log.info("MCP server %r says its tools changed", self.name)
+        if self._on_tools_changed is not None:
+            try:
+                self._on_tools_changed()
+            except Exception:  # (its host's fault: the session reads on)
+                log.exception("MCP server %r: its tools' change could not be passed on", self.name)
+
+    @staticmethod
+    async def _list_tools(session: Any) -> tuple[list[Any], str | None]:
+        """``tools/list``, page after page, at most ``_MAX_LIST_PAGES`` of them: the tools, and
+        the next cursor of the last page read (None: there were no more)."""
+        from mcp_types import PaginatedRequestParams
+
+        remote: list[Any] = []
+        cursor: str | None = None
+        for _ in range(_MAX_LIST_PAGES):
+            page = await session.list_tools(params=PaginatedRequestParams(cursor=cursor) if cursor else None)
+            remote.extend(page.tools)
+            cursor = page.next_cursor
+            if not cursor:
+                break
+        return remote, cursor
+
+    def _listed(self, remote: list[Any], cursor: str | None) -> None:
+        """A list of tools read whole: the tools offered from now on, and its warnings."""
+        self.warnings = []
+        if cursor:
+            self._warn(f"MCP server {self.name!r} listed its tools on more than {_MAX_LIST_PAGES} pages (each "
+                       f"answer to tools/list gave a next cursor): the tools of the first {_MAX_LIST_PAGES} "
+                       f"pages are offered, the rest are not")
+        self._remote = self._first_of_each_name(remote)
 
     def _tools(self, prefixed: Collection[str]) -> list[Tool]:
         prefix = re.sub(r"[^A-Za-z0-9_-]", "_", self.name)
@@ -788,7 +876,10 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
 async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, reserved: Collection[str] = (),
                            start_timeout: float = DEFAULT_START_TIMEOUT, call_timeout: float | None = None,
                            errlog: TextIO | None = None, stop: Any = None,
-                           lost: Callable[[str, str], None] | None = None) -> AsyncIterator[McpTools]:
+                           lost: Callable[[str, str], None] | None = None,
+                           changed: Callable[[str], None] | None = None,
+                           kept: Mapping[str, Mapping[str, str]] | None = None,
+                           registered: Collection[str] | None = None) -> AsyncIterator[McpTools]:
     """Start every server in ``config`` (``{name: {"command": [..], "env"?: {..}}}``) and
     yield the tools of those that started (an :class:`McpTools`: its ``origin`` says which server
     offers each, under which name of its own; its ``failed`` names each server that did not
@@ -812,6 +903,15 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
     ``lost(name, why)`` is called when a server, started, stops on its own (it exited, crashed,
     was killed): its tools fail from then on, and the others run on; the block goes on until
     its host leaves it.
+
+    ``changed(name)`` is called when a server says its tools changed
+    (``notifications/tools/list_changed``; also while it starts, so the block may begin with
+    one due), in the task reading its messages (it must not block): the host then lists them
+    again with :meth:`McpTools.list_again` and names them with :meth:`McpTools.named`.
+
+    ``kept`` (server -> its own name for a tool -> the name it was offered as before: servers
+    started again) and ``registered`` (the names other sources' tools have now): a tool a server
+    still lists keeps its name while no other tool has it (:func:`_named_tools`).
     """
     if not config:
         yield McpTools()
@@ -819,7 +919,9 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
     if not isinstance(config, Mapping):
         raise ToolSourceError(f"mcpServers must be an object of name → {{command, env}}, got {type(config).__name__}")
     sources = [_source_from_config(name, spec, start_timeout=start_timeout, call_timeout=call_timeout,
-                                   errlog=errlog, on_lost=_bound(lost, name)) for name, spec in config.items()]
+                                   errlog=errlog, on_lost=_bound(lost, name),
+                                   on_tools_changed=None if changed is None else partial(changed, name))
+               for name, spec in config.items()]
 
     import anyio
 
@@ -857,7 +959,8 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
                 yield McpTools()
             else:
                 try:
-                    tools = _named_tools([s for s in sources if s.name not in failures], reserved)
+                    tools = _named_tools([s for s in sources if s.name not in failures], reserved, kept, registered)
+                    tools._sources = {s.name: s for s in sources if s.name not in failures}
                     tools.failed = {s.name: failures[s.name] for s in sources if s.name in failures}
                     yield tools
                 except Exception as e:  # re-raised below, outside the task group, unwrapped
@@ -920,30 +1023,76 @@ def _source_from_config(name: str, spec: Any, **kw: Any) -> McpToolSource:
 class McpTools(list):
     """The tools :func:`open_mcp_sources` yields (a list of :class:`Tool`); ``origin``: each
     one's name as offered -> (its server, the server's own name for it); ``failed``: each server
-    that did not start -> why; ``warnings``: what else went wrong, one message each."""
+    that did not start -> why; ``warnings``: what else went wrong, one message each. The tools
+    listed when the block began: one that lists its tools again (:meth:`list_again`) has them
+    named by :meth:`named`, each time a new :class:`McpTools`."""
 
     def __init__(self, tools: Iterable[Tool] = (), origin: dict[str, tuple[str, str]] | None = None) -> None:
         super().__init__(tools)
         self.origin: dict[str, tuple[str, str]] = origin or {}
         self.failed: dict[str, ToolSourceError] = {}
         self.warnings: list[str] = []
+        self._sources: dict[str, McpToolSource] = {}  # the servers that started, by name
+
+    def running(self, server: str) -> bool:
+        """Whether ``server`` (one of the block's) started and runs still."""
+        source = self._sources.get(server)
+        return source is not None and source.running
+
+    async def list_again(self, server: str) -> None:
+        """List the tools of ``server`` (one of the block's, running) again
+        (:meth:`McpToolSource.list_again`: :class:`ToolSourceError` when that fails, the tools
+        listed before kept); :meth:`named` names them."""
+        source = self._sources.get(server)
+        if source is None:
+            raise ToolSourceError(f"MCP server {server!r} is not running")
+        await source.list_again()
+
+    def named(self, server: str, reserved: Collection[str], kept: Mapping[str, str] | None = None,
+              registered: Collection[str] | None = None) -> "McpTools":
+        """The tools ``server`` lists now, named as at the start (:func:`_named_tools`): a tool it
+        listed before keeps the name it had (``kept``: its own name -> that name) while no other
+        tool has it (``registered``: the names other sources' tools have); a new one is named
+        plainly, or ``<server>__<tool>`` when ``reserved`` (every name taken but by its own tools:
+        the other sources', and the names its siblings' tools have of their own, which a start
+        together would have found clashing) has the name; a name taken even so is left out, with
+        a warning. ``warnings``: the server's, as a start gives them."""
+        return _named_tools([self._sources[server]], reserved, {server: kept or {}}, registered)
 
 
-def _named_tools(sources: list[McpToolSource], reserved: Collection[str]) -> McpTools:
+def _named_tools(sources: list[McpToolSource], reserved: Collection[str],
+                 kept: Mapping[str, Mapping[str, str]] | None = None,
+                 registered: Collection[str] | None = None) -> McpTools:
     """The started ``sources``' tools, named: plainly, or ``<server>__<tool>`` where two of them
     offer the name or ``reserved`` has it. A name taken even so (the prefixes of two server names
     are the same, ``a b`` and ``a_b``; a server's tool is named like another's prefixed one) is
-    offered once, by the first server: the other's tool is not offered, and a warning says so."""
+    offered once, by the first server: the other's tool is not offered, and a warning says so.
+    ``kept`` (server -> its own name for a tool -> the name it was offered as before: a server
+    listing its tools again, or started again): such a tool keeps that name while no other tool
+    has it (``registered``: the names other sources' tools have; ``reserved`` when None), whatever
+    ``reserved`` says; the rules above name the others (new tools)."""
+    kept = kept or {}
+    registered = reserved if registered is None else registered
     counts = Counter(n for s in sources for n in s.tool_names())
     taken = set(reserved)
     clashing = {n for n, c in counts.items() if c > 1 or n in taken}
+    keeps: dict[tuple[str, str], str] = {}  # (server, its own name) -> the name it keeps
+    for s in sources:
+        for own in s.tool_names():
+            before = kept.get(s.name, {}).get(own)
+            if before is not None and before not in registered and before not in keeps.values():
+                keeps[(s.name, own)] = before
     tools = McpTools()
     for s in sources:
         tools.warnings.extend(s.warnings)
         left_out: dict[str, list[str]] = {}  # who has the name -> "'tool' as 'name'"
         for remote, t in zip(s.tool_names(), s._tools(clashing)):
+            keep = keeps.get((s.name, remote))
+            if keep is not None and keep != t.name:
+                t = s._tool(next(r for r in s._remote if r.name == remote), keep)
             holder = tools.origin.get(t.name)
-            if holder is not None or (t.name not in counts and t.name in taken):
+            if holder is not None or (t.name not in counts and t.name in taken and keep is None) \
+                    or (keep is None and t.name in keeps.values()):
                 by = f"MCP server {holder[0]!r}" if holder is not None else "another tool source"
                 left_out.setdefault(by, []).append(f"{remote!r} as {t.name!r}")
                 continue

@@ -1661,6 +1661,26 @@ def test_what_the_chat_keeps_of_its_turns_is_bounded_and_survives_a_damaged_file
     assert nv.lua(f"return {k}.get('b', 20).thoughts[1].text") == "in memory" and keys() == ["b@3", "b@9"]
 
 
+
+def test_what_the_chat_keeps_is_in_the_state_directory_the_server_uses(nv, tmp_path):
+    """kept.lua's file is in the server's state directory as the server uses it: the absolute one
+    it reported at initialize (capabilities.stateDir), else the configured one with `~` expanded
+    (the server expands it: `~/kst` is `$HOME/kst`, not `<Neovim's cwd>/~/kst`)."""
+    home, reported = tmp_path / "home", tmp_path / "reported"
+    (home / "kst").mkdir(parents=True)
+    reported.mkdir()
+    nv.lua("vim.env.HOME = ...", str(home))
+    nv.setup(["unused"], _state_dir="~/kst")
+    put = "require('operate_sidecar.kept').put('b', ..., {{at = 0, text = 'kept'}}, nil)"
+    nv.lua(put, 0)
+    assert (home / "kst" / "nvim-chat-kept.json").exists() and not (tmp_path / "~").exists()
+    nv.lua("require('operate_sidecar')._state.init_result = {capabilities = {stateDir = ...}}", str(reported))
+    try:
+        nv.lua(put, 1)
+    finally:
+        nv.lua("require('operate_sidecar')._state.init_result = nil")
+    assert [e["key"] for e in json.loads((reported / "nvim-chat-kept.json").read_text())["turns"]] == ["b@1"]
+
 def test_a_kept_turn_shows_what_it_showed_and_drawing_it_changes_nothing_kept(sv):
     """A kept turn the branch holds nothing of comes back with what it showed (its streamed
     text, its thoughts folded, its cards) before the turns that began after it; drawing it caches

@@ -298,6 +298,17 @@ def test_d3_extension_host_with_no_folder_open(vsix, tmp_path):
         assert topic in names, f"missing no-folder check about {topic!r}: {names}"
 
 
+def test_d4_extension_host_chats_switched_deleted_changed(vsix, tmp_path):
+    """The unpacked .vsix with chats switched while a turn runs, a chat deleted elsewhere and the
+    picked model removed from the settings (run-itest.mjs --suite chats)."""
+    _, report = run_itest_suite(vsix, tmp_path, "(d4) extension-host itest, chats", "--suite", "chats")
+    assert len(report["checks"]) == 5, report["checks"]
+    names = " | ".join(c["name"] for c in report["checks"])
+    for topic in ("stopped while another chat was picked", "failed while another chat was picked",
+                  "deleted elsewhere", "removed from the settings"):
+        assert topic in names, f"missing chats check about {topic!r}: {names}"
+
+
 def test_e_chat_view_and_diff_review_through_the_browser(vsix, tmp_path):
     """The chat webview and the diff editor, driven like a user over Chromium's DevTools protocol."""
     assert vsix["proc"].returncode == 0, f"packaging failed, nothing to load\n{tail(vsix['proc'])}"

@@ -9,6 +9,7 @@ import json
 import marshal
 import os
 import re
+import stat
 import subprocess
 import sys
 import textwrap
@@ -207,12 +208,21 @@ def test_a_damaged_or_untrusted_cache_is_ignored_and_replaced(tmp_path):
     assert oct(cache.stat().st_mode & 0o777) == "0o600"
 
 
-def test_a_fifo_in_place_of_the_cache_neither_blocks_the_start_nor_stays(tmp_path):
+def test_a_fifo_in_place_of_the_cache_neither_blocks_the_start_nor_is_written_over(tmp_path):
+    """Nor is anything that is not a regular file: renamed over, a device named to turn the cache
+    off (``/dev/null``) would be gone for every program (as root, a plain file in its place)."""
     cache = tmp_path / "c.marshal"
     os.mkfifo(cache, 0o600)                 # an open of it for reading would wait for a writer for ever
     r = _run(IMPORT_LSP, cache)
     assert r["hits"] == 0 and r["added"] > 500 and r["repr"] == "1:2-3:4"
-    assert cache.is_file() and isinstance(marshal.loads(cache.read_bytes()), dict)   # replaced by a cache
+    assert stat.S_ISFIFO(os.lstat(cache).st_mode)   # left as it is
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"a file the link points at")
+    link = tmp_path / "link.marshal"
+    link.symlink_to(target)
+    r = _run(IMPORT_LSP, link)
+    assert r["added"] > 500 and link.is_symlink() and target.read_bytes() == b"a file the link points at"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(codecache.TMP_PREFIX)] == []
 
 
 def test_off_writes_nothing(tmp_path):

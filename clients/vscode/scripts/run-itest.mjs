@@ -3,11 +3,13 @@
 // from itest-host/) + headless Debian chromium load the extension in development mode and run
 // out/itest/index.js inside the extension host. Prints one JSON summary on stdout.
 // Exit: 0 report ok, 1 report not ok, 2 no report (timeout / crash), 3 harness error.
-// Usage: node scripts/run-itest.mjs [--ext DIR] [--timeout SECONDS] [--suite main|multi-root|no-folder] [--keep]
+// Usage: node scripts/run-itest.mjs [--ext DIR] [--timeout SECONDS] [--suite main|multi-root|no-folder|chats] [--keep]
 //   --suite multi-root: a multi-root workspace (ws + second, a .code-workspace file) running
 //   out/itest/multiRoot.js instead of out/itest/index.js.
 //   --suite no-folder: a window with no folder open (the settings are user settings) running
 //   out/itest/noFolder.js.
+//   --suite chats: the main suite's workspace running out/itest/chats.js (chats switched, deleted or
+//   changed under a turn).
 import { spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as http from 'node:http';
@@ -22,10 +24,10 @@ const argv = process.argv.slice(2);
 const opt = (name, dflt) => { const i = argv.indexOf(name); return i >= 0 ? argv[i + 1] : dflt; };
 const EXT = path.resolve(opt('--ext', HERE));
 const SUITE = opt('--suite', 'main');
-if (!['main', 'multi-root', 'no-folder'].includes(SUITE)) { console.error(`unknown --suite ${SUITE}`); process.exit(3); }
+if (!['main', 'multi-root', 'no-folder', 'chats'].includes(SUITE)) { console.error(`unknown --suite ${SUITE}`); process.exit(3); }
 const MULTI = SUITE === 'multi-root';
 const NO_FOLDER = SUITE === 'no-folder';
-const TESTS = path.join(HERE, 'out', 'itest', MULTI ? 'multiRoot.js' : NO_FOLDER ? 'noFolder.js' : 'index.js');
+const TESTS = path.join(HERE, 'out', 'itest', MULTI ? 'multiRoot.js' : NO_FOLDER ? 'noFolder.js' : SUITE === 'chats' ? 'chats.js' : 'index.js');
 const TIMEOUT_S = Number(opt('--timeout', '240'));
 const KEEP = argv.includes('--keep');
 const CODE_SERVER = path.join(HERE, 'itest-host', 'node_modules', '.bin', 'code-server');

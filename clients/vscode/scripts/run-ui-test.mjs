@@ -264,7 +264,7 @@ async function main() {
   const submit = async () => {
     const before = await turnCount();
     await enter();
-    await waitFor('the turn starts', async () => (await turnCount()) > before, 10000);
+    await waitFor('the turn starts', async () => (await turnCount()) > before, 30000);   // (generous: a loaded machine, two test processes)
   };
   const turnDone = () => waitFor('the turn ends', () => inWeb(`!document.body.classList.contains('running') && document.getElementById('stop').hidden`), 60000);
   const tabDirty = (name) => evalIn(`[...document.querySelectorAll('.tabs-container .tab')].some((t) => (t.getAttribute('aria-label') ?? '').startsWith(${JSON.stringify(name)}) && t.classList.contains('dirty'))`);
@@ -536,7 +536,7 @@ async function main() {
     await send('Input.insertText', { text: 'Typed without the mouse' });
     expect(await inWeb(`document.getElementById('input').value`) === 'Typed without the mouse', 'the keys reached the chat input');
     await enter();
-    await waitFor('the turn starts', async () => (await turnCount()) > before, 10000);
+    await waitFor('the turn starts', async () => (await turnCount()) > before, 30000);   // (generous: a loaded machine, two test processes)
     await waitFor('running', () => inWeb(`!document.getElementById('stop').hidden`), 10000);
     // the chat's Escape is not taken from the editor while the turn runs
     await click(await centerOf('.editor-instance .monaco-editor .view-lines'));
@@ -651,7 +651,7 @@ async function main() {
     expect(focused === 'This will take forever', `Shift+Tab from the input reaches the last Retry: ${focused}`);
     const before = await turnCount();
     await enter();
-    await waitFor('the retried turn starts', async () => (await turnCount()) === before + 1, 10000);
+    await waitFor('the retried turn starts', async () => (await turnCount()) === before + 1, 30000);
     await turnDone();
     const last = await lastTurn(`({ user: t.querySelector('.user').textContent, chips: t.querySelectorAll('.chip').length, stopped: t.classList.contains('stopped'),
       prose: t.querySelector('.prose')?.textContent.trim() })`);
@@ -877,7 +877,7 @@ async function main() {
     expect(await inWeb(`document.getElementById('status').textContent`) === 'Turn failed.', 'the live region says the turn failed');
     const before = await turnCount();
     await webClick('section.turn.failed button[data-action=retry]');
-    await waitFor('the retried turn starts', async () => (await turnCount()) === before + 1, 10000);
+    await waitFor('the retried turn starts', async () => (await turnCount()) === before + 1, 30000);
     await turnDone();
     const last = await lastTurn(`({ user: t.querySelector('.user').textContent, failed: t.classList.contains('failed'), prose: t.querySelector('.prose')?.textContent.trim() })`);
     expect(JSON.stringify(last) === JSON.stringify({ user: 'Fail, then retry', failed: false, prose: 'Up again: retried.' }), `the retried turn: ${JSON.stringify(last)}`);
@@ -969,7 +969,7 @@ async function main() {
     expect(first.length === 1 && times(first[0], FILE_MARK) === 1, `the first round read the file once: ${first.map((p) => times(p, FILE_MARK))}`);
     const before = await turnCount();
     await webClick('section.turn.stopped button[data-action=retry]');
-    await waitFor('the retried turn starts', async () => (await turnCount()) === before + 1, 10000);
+    await waitFor('the retried turn starts', async () => (await turnCount()) === before + 1, 30000);
     await turnDone();
     const all = prompts();
     expect(all.length === 2 && times(all[1], FILE_MARK) === 1,

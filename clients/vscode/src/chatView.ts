@@ -172,6 +172,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private lastProse = '';
   /** Reloads of the branch from the server (for the tests). */
   private loads = 0;
+  /** How often the view's page reported `ready` (built, or built again after it was hidden) and was shown the chat (for the tests). */
+  private viewReady = 0;
   /** Reads of the chat begun (refresh): one that ends after a later one began shows nothing (the user switched chats meanwhile: the latest wins). */
   private reads = 0;
   /** The modifier the user's keyboard names (the webview says it when it starts): the cards' tooltips name it. */
@@ -237,7 +239,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     if (!m) { this.host.line(`[chat] ignored a message from the chat view: ${String(JSON.stringify(raw)).slice(0, 200)}`); return; }
     try {
       switch (m.type) {
-        case 'ready': this.keyMod = m.mod; this.sentParts = []; await this.refresh(); this.scriptReady = true; this.ready.fire(); break;
+        case 'ready': this.keyMod = m.mod; this.sentParts = []; await this.refresh(); this.scriptReady = true; this.viewReady++; this.ready.fire(); break;
         case 'send': if (m.text.trim()) void this.send(m.text).catch(() => undefined); break;
         case 'retry': void this.retry(m.id).catch(() => undefined); break;
         case 'stop': this.stop(); break;
@@ -258,8 +260,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     }
   }
 
-  /** The turns the chat shows: the branch's with the local ones, then the running one. */
-  private get shown(): Turn[] { return this.live ? [...this.turns, this.live.turn] : this.turns; }
+  /** The turns the chat shows: the branch's with the local ones, then the running one (under its own chat only). */
+  private get shown(): Turn[] { return this.live && this.live.chat === this.localBranch ? [...this.turns, this.live.turn] : this.turns; }
 
   /** Copy under a reply: the Markdown of the turn shown at `index` goes on the clipboard. */
   private async copyReply(index: number): Promise<void> {
@@ -275,7 +277,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     await this.refresh();
     const turns = this.shown;
     if (!turns.length) { void vscode.window.showInformationMessage('operate-sidecar: nothing to export: the chat is empty'); return undefined; }
-    const id = this.host.branches.current;
+    const id = this.localBranch || undefined;   // (the chat shown: a running turn's, whichever was picked meanwhile)
     const title = this.host.branches.nameOf(id) ?? nameFrom(turns.find((t) => t.user)?.user ?? '');
     const when = `Exported from operate-sidecar on ${new Date().toLocaleString()}${id ? ` (branch ${id})` : ''}`;
     const doc = await vscode.workspace.openTextDocument({ language: 'markdown', content: chatMarkdown(turns, title, when) });
@@ -331,15 +333,19 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   /** How many tool calls of the running turn wait for the user's decision. */
   get waiting(): number { return this.pendingAsks.size; }
 
-  /** Reloads the current branch's conversation from the server. */
+  /**
+   * Reloads the current branch's conversation from the server. While a turn runs, the chat shows the turn's own
+   * chat, whichever chat was picked meanwhile (the turn's end shows that one, see finish): the server has already
+   * recorded part of the turn (the reply, its calls) and the live turn shows it; the turns before it are unchanged
+   * (a view shown again). Bound to another chat then, the turn would show under that chat's history and, ended, be
+   * kept with neither.
+   */
   async refresh(): Promise<void> {
     const read = ++this.reads;
+    if (this.live) { this.render(); return; }
     const id = this.host.branches.current;
     this.bindLocal(id ?? '');
     if (!id) { this.serverTurns = []; this.serverTotal = 0; this.turns = withLocalTurns([], this.locals); this.render(); return; }
-    // a turn running on this branch: the server has already recorded part of it (the reply, its
-    // calls) and the live turn shows it; the turns before it are unchanged (a view shown again)
-    if (this.live?.branchId === id) { this.render(); return; }
     // a later read began while this one waited (another chat was picked): its chat is shown, not this one's
     const stale = () => read !== this.reads || (this.host.branches.current ?? '') !== id;
     try {
@@ -482,7 +488,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   stats() {
     // the running turn's tool cards as the chat shows them
     const cards = [...this.live?.cards.values() ?? []].map((c) => ({ tool: c.tool, state: c.state, title: cardTitle(c), args: c.args, argsCut: !!c.argsCut }));
-    return { streamUpdates: this.streamUpdates, deltas: this.deltas, streamPosts: this.streamPosts, streamChars: this.streamChars, streamWaits: this.streamWaits, streamAckMissed: this.streamAckMissed, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, cards,
+    return { streamUpdates: this.streamUpdates, deltas: this.deltas, streamPosts: this.streamPosts, streamChars: this.streamChars, streamWaits: this.streamWaits, streamAckMissed: this.streamAckMissed, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, viewReady: this.viewReady, cards,
       status: this.live?.turn.status,
       badge: this.badgeValue(), posts: this.posts, postedChars: this.postedChars, attached: [...this.attached] };
   }
@@ -513,7 +519,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   }
 
   /**
-   * One chat turn on the current branch (created, named after the instruction, when there is none).
+   * One chat turn on the current branch (created, named after the instruction, when there is none), which stays its
+   * branch whichever chat is picked before it ends.
    * `sent`: the context to send as it is (Retry), instead of resolving the text's references now.
    * `responseFormat`: a JSON Schema the reply must follow (the server asks the model again, a repair
    * turn, when it does not); its fields show as prose.
@@ -534,34 +541,21 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     try {
       // Stop ends the turn even while the server is still starting (or never answers)
       const client = await unlessCancelled(this.host.ensure(), source.token);
-      let branchId = this.host.branches.current;
-      if (!branchId) {
-        const name = nameFrom(text);
-        const model = this.host.branches.model;
-        branchId = (await unlessCancelled(client.createBranch({ name, ...(model && { chatModel: model }) }), source.token)).branchId;
-        this.host.branches.remember(branchId, name);
-        // the turns that failed before the chat had a branch stay with it, before its first message
-        if (this.localBranch === '') {
-          void this.host.branches.setLocalTurns('', []);
-          this.localBranch = this.live.chat = branchId;
-          this.saveLocals();
-        }
-        this.serverTurns = [];
-        this.serverTotal = 0;
-        this.live.at = 0;
-        await this.host.branches.setCurrent(branchId);
-        this.host.line(`[chat] new branch "${name}" ${branchId}`);
-      } else {
+      // the chat it was sent in, not the one picked while the server started: the turn shows, and is kept, there
+      let branchId = this.live.chat || undefined;
+      if (branchId) {
         // where this turn begins on the branch (and, read first after a turn that failed, whether
-        // the server had recorded part of that one)
+        // the server had recorded part of that one); a branch deleted elsewhere: the turn goes to a new chat
         try {
           const total = (await unlessCancelled(client.branchMessages(branchId, 0, 0), source.token)).total;
           if (resolveLocalTurns(this.locals, total)) this.saveLocals();
           this.live.at = total;
         } catch (e) {
           if (e instanceof ResponseError && e.code === ErrorCodes.Cancelled) throw e;
+          if (e instanceof ResponseError && e.code === ErrorCodes.BranchNotFound) branchId = await this.leaveDeleted(this.live, branchId);
         }
       }
+      if (!branchId) branchId = await this.newBranch(client, this.live, text, source.token);
       this.live.branchId = branchId;
       outcome.branchId = branchId;
       this.render();
@@ -576,10 +570,61 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       await this.finish(result);
     } catch (e) {
       const cancelled = e instanceof ResponseError && e.code === ErrorCodes.Cancelled;
-      outcome = { ...outcome, cancelled, ...(!cancelled && { error: this.host.serverProblem(e) ?? (e instanceof Error ? e.message : String(e)) }) };
+      // (deleted elsewhere after the read above: the next message, or Retry, goes to a new chat)
+      const gone = e instanceof ResponseError && e.code === ErrorCodes.BranchNotFound
+        ? 'this chat was deleted (in another window, or by another client of the server); send the message again, or Retry, to go on in a new chat' : undefined;
+      outcome = { ...outcome, cancelled, ...(!cancelled && { error: gone ?? this.host.serverProblem(e) ?? (e instanceof Error ? e.message : String(e)) }) };
       await this.finish(undefined, cancelled ? (this.live?.stopNote ?? 'Stopped.') : undefined, outcome.error);
     }
     return outcome;
+  }
+
+  /**
+   * A new branch for the running turn `live` (sent in a new chat), named after its message `text`: the chat's from
+   * now on, and the current one unless the user picked another chat meanwhile (that pick stands; the turn is kept with
+   * this branch all the same). The turns kept for the chat before it had a branch (failed before the server made one)
+   * stay with it, before its first message.
+   */
+  private async newBranch(client: SidecarClient, live: Live, text: string, token: CancellationToken): Promise<string> {
+    const name = nameFrom(text);
+    const model = this.host.branches.model;
+    const branchId = (await unlessCancelled(client.createBranch({ name, ...(model && { chatModel: model }) }), token)).branchId;
+    this.host.branches.remember(branchId, name);
+    if (this.localBranch === '') {
+      void this.host.branches.setLocalTurns('', []);
+      this.localBranch = live.chat = branchId;
+      this.saveLocals();
+    }
+    this.serverTurns = [];
+    this.serverTotal = 0;
+    live.at = 0;
+    if (!this.host.branches.current) await this.host.branches.setCurrent(branchId);
+    this.host.line(`[chat] new branch "${name}" ${branchId}`);
+    return branchId;
+  }
+
+  /**
+   * The chat's branch `gone` was deleted elsewhere (another window's chat picker, another client of the server or
+   * of its state directory) and the running turn `live` was sent in it: the user is told so, in words, once; what
+   * the chat kept of it goes with it (as with Delete Branch), and the turn goes to a new chat, as the chat's first
+   * message (undefined: no branch yet, see newBranch), instead of failing with the server's `branch not found`,
+   * it and every message after it. The current chat becomes a new one unless the user picked another meanwhile.
+   */
+  private async leaveDeleted(live: Live, gone: string): Promise<undefined> {
+    const name = this.host.branches.nameOf(gone);
+    this.host.line(`[chat] branch ${gone} is gone (deleted elsewhere): the message goes to a new chat`);
+    void vscode.window.showInformationMessage(`operate-sidecar: the chat ${name ? `"${name}"` : gone.slice(0, 8)} was deleted (in another window, `
+      + 'or by another client of the server); your message goes to a new chat.');
+    void this.host.branches.setLocalTurns(gone, []);
+    void this.host.branches.forgetKept(gone);
+    this.locals = [];
+    this.serverTurns = [];
+    this.serverTotal = 0;
+    this.turns = [];
+    this.localBranch = live.chat = '';
+    // (a new chat: what fails before it has a branch stays with it)
+    if (this.host.branches.current === gone) await this.host.branches.setCurrent(undefined);
+    return undefined;
   }
 
   private async operate(client: SidecarClient, params: OperateParams, source: CancellationTokenSource): Promise<OperateResult> {
@@ -777,31 +822,30 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     }
     const u = usageFromResult(result?.usage, result?.rounds);
     if (u) t.usage = u;
-    const mine = live.chat === this.localBranch;
-    if (mine) {
-      if (messages) { this.reads++; this.loaded(messages); }   // (the earlier turns with what was kept of them; this one's is placed below; a read begun before holds less)
-      // its own turn on the branch: where it began, after any other operate's the branch recorded first (see ownTurn)
-      const own = live.sent && messages ? ownTurn(this.serverTurns, live.at, t.user, result && proseOfResult(result.result as Json)) : undefined;
-      const recorded = !live.sent ? false : messages ? !!own : undefined;
-      const at = own?.start ?? live.at;
-      if (own) {   // the server's record of this turn, with what only the client knows (usage, rounds, thoughts)
-        if (u) own.usage = u;
-        else if (own.usage && result?.rounds) own.usage.rounds = result.rounds;
-        if (thoughts.length || repeated) {
-          keepThoughts(own, thoughts);
-          if (repeated) own.note = repeated;
-          void this.host.branches.keepTurn(live.branchId, at, { thoughts, ...(repeated && { note: repeated }) });
-        }
+    // the turn is kept with its own chat, the one shown: while a turn runs the chat stays bound to it (see refresh;
+    // newBranch and leaveDeleted move the turn with it), whichever chat the user picked meanwhile
+    if (messages) { this.reads++; this.loaded(messages); }   // (the earlier turns with what was kept of them; this one's is placed below; a read begun before holds less)
+    // its own turn on the branch: where it began, after any other operate's the branch recorded first (see ownTurn)
+    const own = live.sent && messages ? ownTurn(this.serverTurns, live.at, t.user, result && proseOfResult(result.result as Json)) : undefined;
+    const recorded = !live.sent ? false : messages ? !!own : undefined;
+    const at = own?.start ?? live.at;
+    if (own) {   // the server's record of this turn, with what only the client knows (usage, rounds, thoughts)
+      if (u) own.usage = u;
+      else if (own.usage && result?.rounds) own.usage.rounds = result.rounds;
+      if (thoughts.length || repeated) {
+        keepThoughts(own, thoughts);
+        if (repeated) own.note = repeated;
+        void this.host.branches.keepTurn(live.branchId, at, { thoughts, ...(repeated && { note: repeated }) });
       }
-      // kept here unless the server's record of it is complete (a turn that ended well, read back)
-      if (t.outcome || !own) {
-        if (t.outcome) t.id = `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;   // for Retry
-        this.locals.push({ turn: t, at, recorded, ...(live.context && { context: live.context }),
-          ...(live.responseFormat && { responseFormat: live.responseFormat }) });
-        this.saveLocals();
-      }
-      this.turns = withLocalTurns(this.serverTurns, this.locals);
     }
+    // kept here unless the server's record of it is complete (a turn that ended well, read back)
+    if (t.outcome || !own) {
+      if (t.outcome) t.id = `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;   // for Retry
+      this.locals.push({ turn: t, at, recorded, ...(live.context && { context: live.context }),
+        ...(live.responseFormat && { responseFormat: live.responseFormat }) });
+      this.saveLocals();
+    }
+    this.turns = withLocalTurns(this.serverTurns, this.locals);
     this.live = undefined;
     this.answerStopped();   // (requests the server did not withdraw: the turn is over)
     // requests still waiting for a decision (the server died under the turn): nothing can decide them any more
@@ -811,7 +855,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     setContext(RUNNING_KEY, false);
     this.render();
     // the user went to another chat while the turn ran: show that one now
-    if (!mine || (this.host.branches.current ?? '') !== this.localBranch) void this.refresh();
+    if ((this.host.branches.current ?? '') !== this.localBranch) void this.refresh();
   }
 
   /** A new server process answered initialize: forget what the previous one did not support. */

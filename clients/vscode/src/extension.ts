@@ -92,6 +92,8 @@ export interface OperateSidecarApi {
   initializeResult(): InitializeResult | undefined;
   /** The chat view's counters (prose stream updates, turns, open permission cards). */
   chatStats(): { streamUpdates: number; deltas: number; lastProse: string; turns: number; pendingAsks: string[]; running: boolean; loads: number;
+    /** how often the chat view's page reported ready (built, or built again after the chat was hidden) */
+    viewReady: number;
     /** the chat view's badge (calls waiting for a decision); `state` messages posted to the webview and their HTML's characters */
     badge: number; posts: number; postedChars: number;
     /** what Attach File and Add the Selection put into the chat input, in order */
@@ -200,7 +202,8 @@ class Sidecar {
       this.status.tooltip = `operate-sidecar: the server is not running: ${this.down}\nClick to restart it.`;
       return;
     }
-    const id = this.branches.current;
+    // the chat shown: a running turn's, also when another was picked meanwhile (shown once the turn ends)
+    const id = this.chat?.runningBranch() || this.branches.current;
     const branch = (id && (this.branches.nameOf(id) ?? id.slice(0, 8))) || 'new chat';
     const model = this.branches.model ?? 'default model';
     // a chat turn's tool call waits for the user: said (and coloured) until it is decided, also with the chat hidden
@@ -422,7 +425,15 @@ class Sidecar {
     this.chat.serverStarted();   // a new server: what the previous one refused may work now
     const caps = this.initResult.capabilities;
     this.line(`[server] ${this.initResult.serverInfo.name} ${this.initResult.serverInfo.version}; models: ${caps.models.join(', ')}; stateDir: ${caps.stateDir}`);
-    if (this.branches.model && !caps.models.includes(this.branches.model)) await this.branches.setModel(undefined);
+    // the model picked for the chat is no longer configured (the settings changed): back to the default, said once
+    const picked = this.branches.model;
+    if (picked && !caps.models.includes(picked)) {
+      await this.branches.setModel(undefined);
+      const now = typeof settings.defaultModel === 'string' ? `the default model "${settings.defaultModel}"` : 'the server\'s default model';
+      this.line(`[model] ${picked} is no longer configured; using the default`);
+      void vscode.window.showInformationMessage(`operate-sidecar: the model "${picked}" picked for the chat is no longer in operateSidecar.settings; `
+        + `chat turns now use ${now} (a chat made with its own model: that one). The model picker offers the others.`);
+    }
     await this.branches.validate(client).catch(() => undefined);
     this.updateStatus();
     if (!this.chat.running) void this.chat.refresh();   // the chat resumes from the (journaled) branch

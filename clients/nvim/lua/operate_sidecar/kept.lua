@@ -35,8 +35,35 @@ local loaded_stamp -- that file as it was when read or written here (see stamp)
 
 local uv = vim.uv or vim.loop
 
+-- The server's state directory as the server uses it: the absolute one it reported at initialize
+-- (capabilities.stateDir), else the configured one as the server takes it: a leading `~` (`~user`)
+-- expanded, a relative path against the server's working directory (cmd_cwd, else Neovim's).
+-- Written as configured (`~/x`), it named `<Neovim's cwd>/~/x` here, while the server used `$HOME/x`.
+local function state_dir()
+  local server = require('operate_sidecar.server')
+  local init = server.state.init_result
+  local reported = init and type(init.capabilities) == 'table' and init.capabilities.stateDir
+  if type(reported) == 'string' and reported ~= '' then
+    return reported
+  end
+  local dir = server.state_dir()
+  if type(dir) ~= 'string' or dir == '' then
+    return nil
+  end
+  local home, rest = dir:match('^(~[^/]*)(.*)$')
+  if home then
+    local expanded = home == '~' and (uv.os_homedir() or os.getenv('HOME')) or vim.fn.expand(home)
+    dir = (expanded or home) .. rest
+  end
+  if dir:sub(1, 1) ~= '/' then
+    local base = require('operate_sidecar.config').values.cmd_cwd or vim.fn.getcwd()
+    dir = vim.fn.fnamemodify(base, ':p'):gsub('/+$', '') .. '/' .. dir
+  end
+  return dir
+end
+
 local function file()
-  local dir = require('operate_sidecar.server').state_dir()
+  local dir = state_dir()
   return dir and (dir .. '/' .. M.FILE) or false
 end
 
