@@ -4,29 +4,16 @@ a server that starts and silently ignores the flag; ``--help`` names what it acc
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
+from cli_support import cli, one_line_error  # tests/ is on sys.path
 from operate_sidecar.server.rpc.settings import DEFAULTS
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    """Run the real CLI; its stdin is a pipe closed at once (a server that started anyway ends at EOF)."""
-    return subprocess.run([sys.executable, "-m", "operate_sidecar.server", *args], input="", cwd=cwd,
-                          capture_output=True, text=True, timeout=45)
-
-
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert proc.stdout == ""
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 or lines[0].startswith("usage:"), proc.stderr
-    return lines[-1]
 
 
 @pytest.mark.parametrize("content, why", [

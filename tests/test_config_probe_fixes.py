@@ -21,25 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from cli_support import SERVER, cli, one_line_error  # tests/ is on sys.path
 from operate_sidecar.clients.python.client import RpcError, SidecarClient
 
 pytestmark = pytest.mark.timeout(120)
 
-SERVER = [sys.executable, "-m", "operate_sidecar.server"]
 
-
-def cli(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
-    """Run the real CLI with a stdin closed at once (a server that started anyway ends at EOF)."""
-    return subprocess.run([*SERVER, *args], input="", cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
-
-
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert proc.stdout == ""
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 or lines[0].startswith("usage:"), proc.stderr
-    return lines[-1]
 
 
 def env_with(**extra: str) -> dict[str, str]:

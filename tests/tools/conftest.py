@@ -25,3 +25,13 @@ def sidecar():
 
     with spawner(lambda _i, *args, **kw: Sidecar(*args, **kw)) as make:
         yield make()
+
+
+@pytest.fixture
+def make():
+    """Real servers over real pipes with this folder's fixtures importable (their tool modules and
+    MCP servers); each reaped afterwards."""
+    from rpc.support import Sidecar, spawner  # tests/ is on sys.path
+
+    with spawner(lambda _i, *args, **kw: Sidecar(*args, paths=(FIXTURES,), **kw)) as make:
+        yield make

@@ -3,34 +3,15 @@ operate waiting for its tools ends when its branch is deleted, and each configur
 starts on its own."""
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from rpc.support import RpcError, Sidecar, spawner, wait_log  # tests/ is on sys.path
+from rpc.support import RpcError, wait_log  # tests/ is on sys.path
+from tools.mcp_support import FIXTURES, WAIT, until, warnings
 
-FIXTURES = Path(__file__).parent / "fixtures"
 SERVER = str(FIXTURES / "mcp_server.py")
-WAIT = 60  # seconds: every wait here is bounded
 MODELS = {"s": {"provider": "scripted", "responses": ["done"] * 8}}
-
-
-@pytest.fixture
-def make():
-    with spawner(lambda _i, *args, **kw: Sidecar(*args, paths=(FIXTURES,), **kw)) as make:
-        yield make
-
-
-def until(condition, what):
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"not seen in {WAIT} s: {what}"
-        time.sleep(0.02)
-
-
-def warnings(c, about=""):
-    return [p["message"] for p in c.of("window/logMessage") if p.get("type") == 2 and about in p["message"]]
 
 
 def test_deleting_a_branch_ends_its_operate_waiting_for_an_mcp_server_to_start(make):

@@ -10,41 +10,22 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
-from rpc.support import Sidecar, scripted, spawner  # tests/ is on sys.path
+from rpc.support import scripted  # tests/ is on sys.path
+from tools.mcp_support import FIXTURES, WAIT, until, warnings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "acp"))
 
 from acp_support import Raw, agent_env, prompt, reply, req, write_config  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures"
 SERVER = str(FIXTURES / "mcp_server.py")
 CHANGING = str(FIXTURES / "changing_mcp_server.py")
-WAIT = 60  # seconds: every wait here is bounded
 GOOD = {"echo", "add", "stats", "lines", "fail", "whoami", "pid"}  # mcp_server.py's tools
 FIRST = {"ping", "change", "flood", "slow"}  # changing_mcp_server.py's, as it starts
 
 
 def call(tool):
     return {"json": {"action_requests": [{"function": tool, "arguments": {}}]}}
-
-
-@pytest.fixture
-def make():
-    with spawner(lambda _i, *args, **kw: Sidecar(*args, paths=(FIXTURES,), **kw)) as make:
-        yield make
-
-
-def until(condition, what):
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"not seen in {WAIT} s: {what}"
-        time.sleep(0.02)
-
-
-def warnings(c, about=""):
-    return [p["message"] for p in c.of("window/logMessage") if p.get("type") == 2 and about in p["message"]]
 
 
 def mcp_tools(c):

@@ -3,12 +3,12 @@ more at once, in the background: no request waits for that try, and its tools ar
 it has started. The real server over real pipes, with real MCP stdio servers."""
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rpc.support import Sidecar, spawner  # tests/ is on sys.path
+from tools.mcp_support import until
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SERVER = str(FIXTURES / "mcp_server.py")
@@ -26,13 +26,6 @@ def make():
     env = {"OPERATE_SIDECAR_MCP_START_TIMEOUT_S": str(START_TIMEOUT_S)}
     with spawner(lambda _i, *args, **kw: Sidecar(*args, paths=(FIXTURES,), env=env, **kw)) as make:
         yield make
-
-
-def until(condition, what):
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"not seen in {WAIT} s: {what}"
-        time.sleep(0.05)
 
 
 def unavailable(c):
