@@ -263,6 +263,13 @@ async function main() {
   /** Enter in the chat input; resolves once the new turn is on screen. */
   const submit = async () => {
     const before = await turnCount();
+    // a # word ending the input has its suggestions listed once the extension answers, and Enter then takes one
+    // instead of sending (on a loaded machine the answer can come before the Enter): wait for the list, close it
+    if (await inWeb(`/(?:^|\\s)#\\S*$/.test(document.getElementById('input').value)`)) {
+      await waitFor('the suggestions of the # word ending the input', () => inWeb(`!document.getElementById('complete').hidden`), 15000);
+      await key('Escape', 'Escape', 27);
+      await waitFor('the suggestions closed', () => inWeb(`document.getElementById('complete').hidden`), 5000);
+    }
     await enter();
     await waitFor('the turn starts', async () => (await turnCount()) > before, 30000);   // (generous: a loaded machine, two test processes)
   };
