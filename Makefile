@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml setup.py
 	@if [ "$$(uname -m)" = x86_64 ] && ! $(PY) -c 'import sys, llama_cpp; sys.exit(llama_cpp.__version__ != "$(LLAMA_VERSION)" or b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())' 2>/dev/null; then \
 	  echo ">> compiling llama-cpp-python $(LLAMA_VERSION): llama.cpp from source, 6 to 15 minutes on 2 cores (not again until its version changes)"; \
 	  CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" $(PY) -m pip install -q --no-cache-dir --force-reinstall --no-deps 'llama-cpp-python==$(LLAMA_VERSION)'; \
-	elif ! $(PY) -c 'import sys, llama_cpp; sys.exit(llama_cpp.__version__ != "$(LLAMA_VERSION)")' 2>/dev/null; then \
+	elif [ "$$(uname -m)" != x86_64 ] && ! $(PY) -c 'import sys, llama_cpp; sys.exit(llama_cpp.__version__ != "$(LLAMA_VERSION)")' 2>/dev/null; then \
 	  echo ">> (llama-cpp-python compiles llama.cpp from source next: 6 to 15 minutes on 2 cores, not again until its version changes)"; \
 	fi
 	@$(PY) -m pip install -q -e '.[test]'

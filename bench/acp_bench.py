@@ -89,8 +89,7 @@ async def _session(argv: list[str], cwd: str, warm_n: int, log_path: Path) -> di
 IDLE_PROMPTS, IDLE_GAP_S = 3, 0.1
 
 
-def _raw_session(argv: list[str], cwd: str, warm_n: int, log_path: Path,
-                 started: list | None = None) -> dict[str, Any]:
+def _raw_session(argv: list[str], cwd: str, warm_n: int, log_path: Path, started: list) -> dict[str, Any]:
     """The same session from a plain newline-delimited JSON client (blocking pipes, no SDK, as
     an editor written in another language would be): the first prompt against warm ones with
     no client-side first use in them, so what is left is the agent's own. It runs on a worker
@@ -101,8 +100,7 @@ def _raw_session(argv: list[str], cwd: str, warm_n: int, log_path: Path,
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with open(log_path, "ab") as err:
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=cwd, env=env)
-        if started is not None:
-            started.append(p)
+        started.append(p)
         try:
             assert p.stdin is not None and p.stdout is not None
             ids = iter(range(1, 1 << 30))
@@ -150,8 +148,7 @@ def _raw_session(argv: list[str], cwd: str, warm_n: int, log_path: Path,
     return {"first": prompts[0], "warm": prompts[1:], "idle": idle}
 
 
-async def measure(reps: int = 20, warm_n: int = 20, server_cpu: int | None = None,
-                  out_dir: Path = BENCH / "out") -> dict[str, Any]:
+async def measure(reps: int, warm_n: int, server_cpu: int | None, out_dir: Path) -> dict[str, Any]:
     """Raises when a session fails (the caller records the section as unavailable); its
     temporary folder is removed and its processes ended whatever happens."""
     ours = common.ours_argv()
@@ -159,10 +156,10 @@ async def measure(reps: int = 20, warm_n: int = 20, server_cpu: int | None = Non
     work = Path(tempfile.mkdtemp(prefix="acp-bench-"))
     started: list = []
     try:
-        pin = ["taskset", "-c", str(server_cpu)] if server_cpu is not None and shutil.which("taskset") else []
         contenders = {
-            "ours": [*pin, *ours, "--acp", "--config", _config(work / "instant.toml", warm_n + IDLE_PROMPTS + 5)],
-            "sdk": [*pin, str(VENV_PY), str(BENCH / "peers" / "acp_echo_agent.py")],
+            "ours": common.pinned([*ours, "--acp", "--config", _config(work / "instant.toml",
+                                                                         warm_n + IDLE_PROMPTS + 5)], server_cpu),
+            "sdk": common.pinned([str(VENV_PY), str(BENCH / "peers" / "acp_echo_agent.py")], server_cpu),
         }
         raw: dict[str, dict[str, list[float]]] = {n: {"init": [], "new": [], "first": [], "warm": [],
                                                       "raw_first": [], "raw_warm": [], "raw_idle": []}
@@ -293,10 +290,7 @@ def run_alone(quick: bool, server_cpu: int | None, command: str, markdown: bool 
         common.stop_by_cancelling(asyncio.current_task())  # type: ignore[arg-type]
         return await measure(reps, warm, server_cpu, out)
 
-    try:
-        res = asyncio.run(go())
-    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-        res = {"unavailable": common.reason(e)[:800]}
+    res = common.attempt(lambda: asyncio.run(go()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "acp_results.json").write_text(json.dumps({"meta": meta, **res}, indent=1, default=str))
     if "unavailable" in res:

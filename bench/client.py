@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -233,7 +235,7 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process under ``pid`` (children, their children, ...), from ``/proc/*/stat``."""
     parent_of: dict[int, int] = {}
     for d in Path("/proc").iterdir():
@@ -253,13 +255,42 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it, and the process group of each of them (what
+    a server in a session of its own started and has since left orphaned). Each process found
+    is stopped (SIGSTOP) first, and the search repeated until it finds no more, so that none
+    starts another one unseen meanwhile."""
+    seen: list[int] = []
+    tried: set[int] = set()
+    new = [pid]
+    while new:
+        for p in new:
+            tried.add(p)
+            try:
+                os.kill(p, signal.SIGSTOP)
+                seen.append(p)
+            except ProcessLookupError:
+                pass
+        new = [c for c in descendants(pid) if c not in tried]
+    for p in seen:
+        try:
+            if os.getpgid(p) == p:
+                os.killpg(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def tree_rss_kib(pid: int) -> int | None:
     """VmRSS of ``pid`` plus that of every process under it (a server's helpers: ours starts a
     ``sh`` reaper for its tools once its core loads)."""
     own = rss_kib(pid)
     if own is None:
         return None
-    return own + sum(rss_kib(c) or 0 for c in _descendants(pid))
+    return own + sum(rss_kib(c) or 0 for c in descendants(pid))
 
 
 async def settled_rss_kib(pid: int, at_least_s: float = 1.0, at_most_s: float = 5.0,

@@ -4,6 +4,8 @@ fails is recorded, and how a run stops on Ctrl-C or SIGTERM.
 - ``ours_argv()``: the server every "ours" measure spawns, ``$OPERATE_SIDECAR_BIN`` if set, else
   ``.venv/bin/operate-sidecar``. A program that does not exist makes the measure unavailable
   (``Unavailable``, with the path in its reason): no section falls back to another server.
+- ``pinned(argv, cpu)``: ``argv`` run on CPU ``cpu`` alone (``taskset -c``), when there is one
+  and ``taskset`` is installed; ``argv`` as it is otherwise.
 - ``attempt(fn)``: ``fn()``, or ``{"unavailable": "unavailable: <reason>"}`` when it raises, so
   that one section failing does not end the run.
 - ``stop_by_raising()`` / ``stop_by_cancelling(task)``: the first SIGINT or SIGTERM stops the run
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -47,6 +50,14 @@ def ours_argv() -> list[str]:
         how = f"{BIN_ENV}={exe}" if os.environ.get(BIN_ENV) else exe
         raise Unavailable(f"{how} not found")
     return [exe]
+
+
+def pinned(argv: list[str], cpu: int | None) -> list[str]:
+    """``argv`` run on CPU ``cpu`` alone (``taskset -c``): as it is when ``cpu`` is None or
+    ``taskset`` is not installed."""
+    if cpu is not None and shutil.which("taskset"):
+        return ["taskset", "-c", str(cpu), *argv]
+    return argv
 
 
 def override_note(res: dict[str, Any]) -> str:

@@ -51,6 +51,16 @@ def lsp_init(name: str, settings: dict | None = None) -> dict:
     return p
 
 
+def _ours_unavailable() -> str | None:
+    """Why "ours" cannot be measured, in the words the sections use (they name the override):
+    the program ``common.ours_argv`` spawns does not exist."""
+    try:
+        common.ours_argv()
+    except common.Unavailable as e:
+        return common.reason(e)
+    return None
+
+
 def all_contenders() -> list[Contender]:
     return [
         Contender(
@@ -86,5 +96,6 @@ def all_contenders() -> list[Contender]:
             init_params=lsp_init("ours", OURS_IDLE_SETTINGS),
             light={"ping": ("ping", {}), "listTools": ("listTools", {})},
             first_use=[("listTools", {}), ("createBranch", {})],
+            unavailable=_ours_unavailable(),
         ),
     ]

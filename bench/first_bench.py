@@ -45,15 +45,9 @@ def _log(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def _pin(argv: list[str], server_cpu: int | None) -> list[str]:
-    if server_cpu is not None and shutil.which("taskset"):
-        return ["taskset", "-c", str(server_cpu), *argv]
-    return argv
-
-
 def _ours_argv(server_cpu: int | None) -> list[str]:
     """The measured server (``common.ours_argv``: ``Unavailable`` when it does not exist), pinned."""
-    return _pin(common.ours_argv(), server_cpu)
+    return common.pinned(common.ours_argv(), server_cpu)
 
 
 def _pygls_argv(server_cpu: int | None) -> tuple[list[str], str]:
@@ -64,7 +58,7 @@ def _pygls_argv(server_cpu: int | None) -> tuple[list[str], str]:
     label = "bare pygls (bench venv)"
     if not py.exists():
         py, label = Path(sys.executable), "bare pygls (project venv)"
-    return _pin([str(py), str(BENCH / "peers" / "pygls_server.py")], server_cpu), label
+    return common.pinned([str(py), str(BENCH / "peers" / "pygls_server.py")], server_cpu), label
 
 
 class _Proc:
@@ -186,7 +180,7 @@ def _pygls_once(argv: list[str]) -> dict[str, float]:
 
 
 def _traced_argv(server_cpu: int | None) -> list[str]:
-    return _pin([sys.executable, str(BENCH / "peers" / "traced_sidecar.py")], server_cpu)
+    return common.pinned([sys.executable, str(BENCH / "peers" / "traced_sidecar.py")], server_cpu)
 
 
 def _split(spans: list[tuple[float, float]], trace: Path) -> tuple[list[float], list[float]]:

@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import common, ours_extras, venvs
+from . import acp_bench, common, edit_bench, first_bench, ours_extras, store_bench, venvs
 from . import contenders as C
-from .client import Conn, _descendants, settled_rss_kib
+from .client import Conn, kill_tree, settled_rss_kib
 from .report import write_markdown
 from .stats import summary
 
@@ -46,8 +46,9 @@ OUT = BENCH / "out"
 RESULTS_MD = BENCH / "RESULTS.md"
 #: the stdio contenders and the lionagi in-process runner (``--only`` picks among them) ...
 CONTENDERS = ("stdlib", "pygls", "mcp", "ours", "lionagi")
-#: ... and the separately written sections, each measured by its own module
-SECTIONS = ("acp", "store", "edit", "first")
+#: ... and the separately written sections, each measured (``run_alone``) and written
+#: (``write_section``) by its own module
+SECTIONS = {"acp": acp_bench, "store": store_bench, "edit": edit_bench, "first": first_bench}
 #: the bound on one section's child harness (a full ``first`` or ``store`` takes a few minutes)
 SECTION_TIMEOUT_S = 3600.0
 #: how long a section's child harness has to end once told to stop, before it is killed
@@ -101,9 +102,7 @@ class Harness:
         self.env.pop("PYTHONPATH", None)
 
     def server_argv(self, argv: list[str]) -> list[str]:
-        if self.server_cpu is None:
-            return argv
-        return ["taskset", "-c", str(self.server_cpu), *argv]
+        return common.pinned(argv, self.server_cpu)
 
     async def spawn(self, name: str, on_notification=None, extra_env: dict | None = None) -> Conn:
         c = self.contenders[name]
@@ -132,15 +131,9 @@ class Harness:
     # ------------------------------------------------------------ probe
     async def probe(self) -> None:
         for c in self.contenders.values():
-            if c.unavailable:
-                continue
-            if not Path(c.argv[0]).exists():
+            if not c.unavailable and not Path(c.argv[0]).exists():
                 c.unavailable = f"unavailable: {c.argv[0]} not found"
-                if c.name == "ours":  # the same reason as the sections give (it names the override)
-                    try:
-                        common.ours_argv()
-                    except common.Unavailable as e:
-                        c.unavailable = common.reason(e)
+            if c.unavailable:
                 log(f"   probe {c.name}: {c.unavailable}")
                 continue
             conn = None
@@ -439,35 +432,6 @@ class Harness:
         return res
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process under it, and the process group of each of them (what
-    a server in a session of its own started and has since left orphaned). Each process found
-    is stopped (SIGSTOP) first, and the search repeated until it finds no more, so that none
-    starts another one unseen meanwhile."""
-    seen: list[int] = []
-    tried: set[int] = set()
-    new = [pid]
-    while new:
-        for p in new:
-            tried.add(p)
-            try:
-                os.kill(p, signal.SIGSTOP)
-                seen.append(p)
-            except ProcessLookupError:
-                pass
-        new = [c for c in _descendants(pid) if c not in tried]
-    for p in seen:
-        try:
-            if os.getpgid(p) == p:
-                os.killpg(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _tail(p: Path, n: int = 3) -> str:
     try:
         lines = p.read_text(errors="replace").strip().splitlines()
@@ -673,15 +637,11 @@ def section_meta(results: dict, name: str, full: bool) -> dict:
     """The date, command and machine line of section ``name``'s text: the run's command; after a
     full run, its date and "see the machine line above" (the main tables' line, written by the
     same run); after a partial run, which leaves the main tables as another run wrote them, the
-    date and machine line the section's child harness recorded."""
-    child = results[name].get("meta") or {}
-    if full or not child.get("machine"):
-        m = results.get("machine", {})
-        machine = "see the machine line above" if full else \
-            f"{m.get('cpus')} CPUs, Python {m.get('python')}, {m.get('platform')}"
-        return {"date": results["date"], "command": results["command"], "machine": machine}
-    return {"date": child.get("date") or results["date"], "command": results["command"],
-            "machine": child["machine"]}
+    date and machine line the section's child harness recorded (every section measured has them:
+    see ``Harness.section``)."""
+    child = results[name]["meta"]
+    return {"date": results["date"] if full else child["date"], "command": results["command"],
+            "machine": "see the machine line above" if full else child["machine"]}
 
 
 def write_results_md(results: dict, md_path: Path, full: bool, out: Path = OUT) -> None:
@@ -689,11 +649,9 @@ def write_results_md(results: dict, md_path: Path, full: bool, out: Path = OUT) 
     ``--only`` run: only the separately written sections it measured; its main tables would
     show every contender left out as not measured. A section that was unavailable keeps the
     figures it had. ``out``: where the raw figures are (the main tables name it)."""
-    from . import acp_bench, edit_bench, first_bench, store_bench
-
     if full:
         write_markdown(results, md_path, out)
-    for name, mod in (("store", store_bench), ("edit", edit_bench), ("first", first_bench), ("acp", acp_bench)):
+    for name, mod in SECTIONS.items():
         if results.get(name) and "summary" in results[name]:
             mod.write_section(results[name], section_meta(results, name, full), md_path)
     what = "its tables and the sections measured" if full else \
@@ -719,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    known = CONTENDERS + SECTIONS
+    known = (*CONTENDERS, *SECTIONS)
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small smoke run (~3-4 min on a 2-core machine)")
     ap.add_argument("--only", help="comma list of contenders: stdlib,pygls,mcp,ours,lionagi; and/or sections: acp "
@@ -748,10 +706,7 @@ def _main(argv: list[str] | None) -> int:
     cpus = _cpus(ns.pin)
     command = " ".join(["python -m bench.run", *sys.argv[1:]])
     if only is not None and len(only) == 1 and next(iter(only)) in SECTIONS:  # a section alone
-        name = next(iter(only))
-        from . import acp_bench, edit_bench, first_bench, store_bench
-
-        mod = {"acp": acp_bench, "store": store_bench, "edit": edit_bench, "first": first_bench}[name]
+        mod = SECTIONS[next(iter(only))]
         if cpus[0] is not None:
             os.sched_setaffinity(0, {cpus[0]})
         return mod.run_alone(ns.quick, cpus[1], command, markdown=not ns.no_markdown, out=out, md_path=md_path)

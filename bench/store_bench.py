@@ -48,10 +48,7 @@ def _log(*a: Any) -> None:
 
 def _argv(server_cpu: int | None) -> list[str]:
     """The measured server (``common.ours_argv``: ``Unavailable`` when it does not exist), pinned."""
-    argv = common.ours_argv()
-    if server_cpu is not None and shutil.which("taskset"):
-        argv = ["taskset", "-c", str(server_cpu), *argv]
-    return argv
+    return common.pinned(common.ours_argv(), server_cpu)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -132,9 +129,8 @@ else:
 
 
 def _inproc(kind: str, d: str, mode: str, server_cpu: int | None, n_groups: int = 0) -> Any:
-    argv = [sys.executable, "-c", _INPROC.format(bench=str(BENCH)), kind, d, str(n_groups), str(RESTORE_N), mode]
-    if server_cpu is not None and shutil.which("taskset"):
-        argv = ["taskset", "-c", str(server_cpu), *argv]
+    argv = common.pinned([sys.executable, "-c", _INPROC.format(bench=str(BENCH)), kind, d, str(n_groups),
+                          str(RESTORE_N), mode], server_cpu)
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     if out.returncode != 0:
         raise RuntimeError(f"{kind} {mode}: {out.stderr[-800:]}")

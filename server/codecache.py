@@ -112,8 +112,6 @@ class _Cache:
     def read(self, warn: bool = True) -> None:
         """The entries of the file; none when there is no file, or one that cannot be trusted or
         read (said on stderr unless ``warn`` is false: a re-read to merge has been said)."""
-        import marshal
-
         say = log.warning if warn else log.debug
 
         try:
@@ -125,12 +123,7 @@ class _Cache:
             return  # none yet
         try:
             self.read_mtime = st.st_mtime
-            import mmap
-
-            if st.st_size == 0:
-                raise ValueError("empty file")
-            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:  # no heap copy of the whole file (idle RSS)
-                data = marshal.loads(view)
+            data = _unmarshal(fd, st)
             if isinstance(data, dict) and all(
                     type(k) is bytes and type(v) is tuple and len(v) == 2 and type(v[0]) is bytes
                     and type(v[1]) is bytes for k, v in data.items()):
@@ -334,6 +327,19 @@ def _open_trusted(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+def _unmarshal(fd: int, st: os.stat_result) -> Any:
+    """What the cache file opened as ``fd`` (:func:`_open_trusted`, which gave ``st``) holds:
+    unmarshalled from a map of it, with no heap copy of the whole file (idle RSS). Raises what
+    unmarshalling does (a damaged file), and ValueError for an empty one."""
+    import marshal
+    import mmap
+
+    if st.st_size == 0:
+        raise ValueError("empty file")
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:
+        return marshal.loads(view)
+
+
 def _replaceable(path: str) -> bool:
     """Whether the cache may be written over ``path``: it is missing or a regular file. Anything
     else (a device such as ``/dev/null`` named to turn the cache off, a FIFO, a socket, a folder, a
@@ -371,8 +377,6 @@ def prune(directory: str, own: str) -> list[str]:
     (:func:`_open_trusted`), when it is still the file the scan saw: one that someone else may
     write, or that was swapped since (for a FIFO, say), is not read, and its environment is
     taken to exist. Returns what was removed and why."""
-    import marshal
-    import mmap
     import stat
 
     now = time.time()
@@ -402,8 +406,7 @@ def prune(directory: str, own: str) -> list[str]:
         try:
             if (st.st_dev, st.st_ino) != (scanned.st_dev, scanned.st_ino):
                 return None
-            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:
-                data = marshal.loads(view)
+            data = _unmarshal(fd, st)
             entry = data.get(PREFIX_KEY) if type(data) is dict else None
             return os.fsdecode(entry[0]) if type(entry) is tuple and type(entry[0]) is bytes else None
         except Exception:
@@ -454,7 +457,7 @@ def default_path() -> str | None:
     # one per environment too: two virtualenvs with other library versions would replace each
     # other's entries at every spawn
     env = hashlib.blake2b(os.fsencode(sys.prefix), digest_size=4).hexdigest()
-    return os.path.join(base, "operate-sidecar", f"generated-code-{tag}-{MAGIC_NUMBER.hex()}-{env}.marshal")
+    return os.path.join(base, "operate-sidecar", f"{FILE_PREFIX}{tag}-{MAGIC_NUMBER.hex()}-{env}{FILE_SUFFIX}")
 
 
 def install() -> None:

@@ -134,6 +134,28 @@ def model_secrets(config: Any) -> tuple[list[str], list[str]]:
     return names, [v for v in values if v]
 
 
+def masked_fields(config: Any) -> list[str]:
+    """Where a ModelConfig holds the mask: the path of every string of it holding ``[REDACTED]``,
+    in order (``baseUrl``, ``env['PROBE_API_KEY']``, ``command[4]``,
+    ``options.extraHeaders['X-Api-Key']``; the config's fields and its ``options``' dotted, other
+    keys and indices subscripted). A model given inline (``chatModel``) is stored with its
+    secrets masked (:func:`model_secrets`, docs/SECURITY.md, Known limits): restored after a
+    restart, such a model would send or pass the mask in place of each."""
+    found: list[str] = []
+    stack: list[tuple[str, Any, bool]] = [("", config, True)]  # (path, value, whether its keys are fields)
+    while stack:
+        path, value, fields = stack.pop()
+        if isinstance(value, str):
+            if MASK in value:
+                found.append(path)
+        elif isinstance(value, dict):
+            stack.extend(reversed([((f"{path}.{k}" if path else str(k)) if fields else f"{path}[{k!r}]", v,
+                                    not path and k == "options") for k, v in value.items()]))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed([(f"{path}[{i}]", v, False) for i, v in enumerate(value)]))
+    return found
+
+
 #: the last word of a command-line option's name that says its value is secret (``--key``,
 #: ``--hf-token``, ``--client-secret``, ``--api-key``, ``--apiKey``); ``--api-key-env`` (it
 #: names a variable), ``--max-tokens``, ``--tokenizer``, ``--sort-keys`` and ``--author`` end
@@ -153,35 +175,45 @@ def secret_option(name: str) -> bool:
     return bool(words) and words[-1].lower() in SECRET_OPTION_WORDS
 
 
-def command_secret_values(command: Any) -> list[str]:
-    """The values a command line (a CLI model's ``command``: a list, or a string split as a shell
-    would) gives options whose name says they are secret (:func:`secret_option`): ``--key=VALUE``
-    and ``--api-key VALUE`` (the next argument, unless it is an option); never one holding the
-    ``{prompt}`` placeholder. ``models.config.command_shown`` hides the same values."""
+def command_args(command: Any) -> list[Any] | None:
+    """A command line as its arguments: a list as it is, a string split as a shell would (at
+    white space when its quotes do not close); None for anything else."""
     if isinstance(command, str):
         import shlex
 
         try:
-            command = shlex.split(command)
+            return shlex.split(command)
         except ValueError:
-            command = command.split()
-    if not isinstance(command, (list, tuple)):
-        return []
-    out: list[str] = []
+            return command.split()
+    return list(command) if isinstance(command, (list, tuple)) else None
+
+
+def secret_args(command: Any) -> list[tuple[int, str]]:
+    """Where a command line (a CLI model's ``command``: :func:`command_args`) gives a value to an
+    option whose name says it is secret (:func:`secret_option`), and the value: ``--key=VALUE``
+    (that argument) and ``--api-key VALUE`` (the next argument, unless it is an option); never
+    one holding the ``{prompt}`` placeholder. The one reading of both :func:`command_secret_values`
+    (registered as secrets) and ``models.config.command_shown`` (masked where shown)."""
+    out: list[tuple[int, str]] = []
     take_next = False
-    for arg in command:
+    for i, arg in enumerate(command_args(command) or ()):
         if not isinstance(arg, str):
             take_next = False
             continue
         if take_next and not arg.startswith("-") and "{prompt}" not in arg:
-            out.append(arg)
+            out.append((i, arg))
             take_next = False
             continue
         flag, eq, value = arg.partition("=")
         take_next = flag.startswith("-") and secret_option(flag.lstrip("-")) and not eq
         if flag.startswith("-") and eq and value and "{prompt}" not in value and secret_option(flag.lstrip("-")):
-            out.append(value)
+            out.append((i, value))
     return out
+
+
+def command_secret_values(command: Any) -> list[str]:
+    """The values a command line gives options whose name says they are secret (:func:`secret_args`)."""
+    return [value for _, value in secret_args(command)]
 
 
 def url_passwords(url: str) -> list[str]:
@@ -266,30 +298,22 @@ def _not_secret(value: str) -> bool:
     return _is_placeholder(value) or _is_short_number(value)
 
 
-def secret_forms(value: str) -> list[str]:
-    """The texts a secret value is used as: the value as written, and without the white space at
-    its ends (a secret mounted from a file ends in a newline, which the program that reads it
-    strips). A secret of several lines (a PEM key, a JSON credential) is masked where it appears
-    whole; its lines are not registered on their own: a line of it shown alone is not masked
-    (docs/SECURITY.md, Known limits). Its lines would be many short forms (a 4096-bit key has
-    some fifty), each searched for in every frame, and the ordinary ones among them
-    (``NODE_ENV=production``, a host name, a project id) would put ``[REDACTED]`` in ordinary text."""
-    out = [value]
-    stripped = value.strip()
-    if stripped != value:
-        out.append(stripped)
-    return out
-
-
 def remember_secret(value: str | None) -> None:
-    """Register a secret value in the forms it is used as (:func:`secret_forms`); every later
-    :func:`redact` removes each. A value (or form) shorter than :data:`MIN_SECRET_CHARS`, a
+    """Register a secret value; every later :func:`redact` removes it. It is registered as
+    written, and without the white space at its ends (a secret mounted from a file ends in a
+    newline, which the program that reads it strips). A secret of several lines (a PEM key, a
+    JSON credential) is masked where it appears whole; its lines are not registered on their own:
+    a line of it shown alone is not masked (docs/SECURITY.md, Known limits). Its lines would be
+    many short forms (a 4096-bit key has some fifty), each searched for in every frame, and the
+    ordinary ones among them (``NODE_ENV=production``, a host name, a project id) would put
+    ``[REDACTED]`` in ordinary text. A value (or form) shorter than :data:`MIN_SECRET_CHARS`, a
     placeholder word (:func:`_is_placeholder`) or a short number (:func:`_is_short_number`) is not
     registered."""
-    if not isinstance(value, str) or value in _KNOWN:
+    if not isinstance(value, str):
         return
-    for form in secret_forms(value):
-        _remember(form)
+    _remember(value)
+    if value.strip() != value:
+        _remember(value.strip())
 
 
 def _remember(value: str) -> None:
@@ -708,4 +732,6 @@ def _forms(s: str) -> tuple[str, ...]:
 
 
 __all__ = ["MASK", "MIN_SECRET_CHARS", "PLACEHOLDER_MAX_CHARS", "SHORT_NUMBER_MAX_CHARS", "StreamRedactor",
-           "KEY_SHAPE", "SECRET_OPTION_WORDS", "looks_like_key", "secret_option", "command_secret_values", "url_passwords", "secret_forms", "model_secrets", "remember_model_secrets", "remember_secret", "known_secrets", "has_secrets", "redact", "redact_value", "redact_bytes", "redact_keeping"]
+           "KEY_SHAPE", "SECRET_OPTION_WORDS", "looks_like_key", "secret_option", "command_args", "secret_args",
+           "command_secret_values", "url_passwords", "masked_fields", "model_secrets", "remember_model_secrets",
+           "remember_secret", "known_secrets", "has_secrets", "redact", "redact_value", "redact_bytes", "redact_keeping"]

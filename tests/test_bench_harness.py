@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from process_support import marked_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN = "stdlib, pygls, mcp, ours, lionagi, acp, store, edit, first"
@@ -52,19 +53,7 @@ class Run:
 
     def processes(self) -> dict[int, str]:
         """Every live process (not a zombie) with this run's marker: pid -> command line."""
-        found = {}
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                if f"BENCH_TEST_MARK={self.mark}".encode() not in (d / "environ").read_bytes().split(b"\0"):
-                    continue
-                if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-        return found
+        return marked_processes(f"BENCH_TEST_MARK={self.mark}")
 
     def left_in_tmp(self) -> list[str]:
         return sorted(p.name for p in self.tmp.iterdir())
@@ -369,7 +358,7 @@ def test_a_section_child_that_will_not_end_is_killed_with_the_servers_it_started
     child of its own): when the run is stopped, the child and all of them are gone once the
     grace period has passed."""
     from bench import run
-    from bench.client import _descendants
+    from bench.client import descendants
 
     pids_file = tmp_path / "pids"
     monkeypatch.setattr(run, "SECTION_GRACE_S", 0.2)
@@ -384,7 +373,7 @@ def test_a_section_child_that_will_not_end_is_killed_with_the_servers_it_started
         while time.monotonic() < deadline and not task.done():
             if pids_file.exists():
                 a, b = (int(x) for x in pids_file.read_text().split())
-                under_b = _descendants(b)
+                under_b = descendants(b)
                 if under_b:
                     found.extend([a, b, *under_b])
                     break
@@ -415,15 +404,15 @@ def test_an_edit_session_removes_its_workspace(tmp_path: Path, monkeypatch: pyte
 
 
 def test_the_rss_of_a_server_counts_the_processes_under_it() -> None:
-    from bench.client import _descendants, rss_kib, tree_rss_kib
+    from bench.client import descendants, rss_kib, tree_rss_kib
 
     p = subprocess.Popen(["sh", "-c", "sleep 60 & read _"], stdin=subprocess.PIPE)
     try:
-        kids = _wait(lambda: _descendants(p.pid), 10, "the child started")
+        kids = _wait(lambda: descendants(p.pid), 10, "the child started")
         own, tree = rss_kib(p.pid), tree_rss_kib(p.pid)
         assert own and tree and tree > own
     finally:
-        for pid in _descendants(p.pid):
+        for pid in descendants(p.pid):
             os.kill(pid, signal.SIGKILL)
         p.kill()
         p.wait(timeout=10)

@@ -8,57 +8,28 @@ wire; the pure functions on their own."""
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
 import os
-import select
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from cli_support import SERVER, cli, one_line_error  # tests/ is on sys.path
+from openai_stub import StubHandler, loopback
 from operate_sidecar.clients.python.client import RpcError, SidecarClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "acp"))
+from acp_support import Raw, req  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 
-
-
 def env_with(**extra: str) -> dict[str, str]:
     return {**os.environ, **extra}
-
-
-def acp_exchange(args: list[str], requests: list[dict], last_id: int, cwd: Path, timeout: float = 60) -> bytes:
-    """Everything the ACP server wrote on stdout until the answer to ``last_id`` (newline-delimited
-    JSON-RPC), then its input is closed and it is reaped."""
-    p = subprocess.Popen([*SERVER, "--acp", *args], cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL)
-    out = b""
-    try:
-        assert p.stdin is not None and p.stdout is not None
-        p.stdin.write(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
-        p.stdin.flush()
-        deadline = time.monotonic() + timeout
-        while not any(json.loads(line).get("id") == last_id for line in out.splitlines() if line.strip()):
-            left = deadline - time.monotonic()
-            assert left > 0, out
-            ready, _, _ = select.select([p.stdout], [], [], left)
-            if ready:
-                chunk = os.read(p.stdout.fileno(), 65536)
-                assert chunk, out  # (the server ended before answering)
-                out += chunk
-        p.stdin.close()
-        p.wait(30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-    return out
 
 
 # --- 1. the model menu's descriptions carry no credentials -----------------------------------------
@@ -110,13 +81,16 @@ def test_acp_session_new_model_option_descriptions_carry_no_credentials(tmp_path
         '[models.gpt]\nprovider = "openai"\nmodel = "gpt-x"\n'
         'baseUrl = "https://alice:SuperSecretPw123@llm.example.com/v1?api_key=QueryKey98765"\n'
         '[models.c]\nprovider = "cli"\nprofile = "llm"\ncommand = ["llm", "--key=sk-proj-abcdefghijkl123456", "-m", "gpt"]\n')
-    out = acp_exchange(["--config", "s.toml"], [
-        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1, "clientCapabilities": {}}},
-        {"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"cwd": str(tmp_path), "mcpServers": []}},
-    ], 2, tmp_path)
-    for secret in (b"SuperSecretPw123", b"QueryKey98765", b"sk-proj-abcdefghijkl123456"):
+    a = Raw(str(tmp_path / "s.toml"))
+    try:
+        a.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}),
+               req(2, "session/new", cwd=str(tmp_path), mcpServers=[]))
+        answer = a.answer(2)
+    finally:
+        a.close()
+    out = json.dumps(a.seen)
+    for secret in ("SuperSecretPw123", "QueryKey98765", "sk-proj-abcdefghijkl123456"):
         assert secret not in out, out
-    answer = next(json.loads(line) for line in out.splitlines() if line.strip() and json.loads(line).get("id") == 2)
     text = json.dumps(answer["result"])
     assert "https://llm.example.com/v1" in text and "--key=[REDACTED]" in text, text
 
@@ -266,29 +240,34 @@ def test_an_empty_config_flag_is_refused():
 INLINE_SECRET = "HeaderSecret-0099-abcdef"
 
 
-class _EchoKey(http.server.BaseHTTPRequestHandler):
+class _EchoKey(StubHandler):
     """An API server that echoes the key header in its 401."""
 
     def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers.get("content-length") or 0))
-        body = json.dumps({"error": {"message": "bad key " + self.headers.get("x-api-key", "")}}).encode()
-        self.send_response(401)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.request_body()
+        self.answer(401, json.dumps({"error": {"message": "bad key " + self.headers.get("x-api-key", "")}}).encode())
 
 
 @pytest.fixture
 def echo_server():
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoKey)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_port}/v1"
-    srv.shutdown()
-    srv.server_close()
+    with loopback(_EchoKey) as url:
+        yield url
+
+
+def _db_bytes(state: Path) -> bytes:
+    """The state database's files (``state.sqlite3`` and its ``-wal``, ``-shm``), as stored."""
+    return b"".join(f.read_bytes() for f in state.iterdir() if f.name.startswith("state.sqlite3"))
+
+
+def _refused_after_restart(state: Path, branch: str) -> str:
+    """A server started again on ``state`` refuses to operate ``branch`` (-32011), naming
+    settings.models; the error's message."""
+    with SidecarClient([*SERVER, "--state-dir", str(state)]) as c:
+        c.request("initialize", {}, timeout=30)
+        with pytest.raises(RpcError) as e:
+            c.request("operate", {"branchId": branch, "instruction": "hi"}, timeout=60)
+    assert e.value.code == -32011 and "settings.models" in e.value.message, e.value.message
+    return e.value.message
 
 
 def test_a_secret_header_of_an_inline_model_is_masked_on_the_wire_in_logs_and_the_store(tmp_path, echo_server):
@@ -304,56 +283,36 @@ def test_a_secret_header_of_an_inline_model_is_masked_on_the_wire_in_logs_and_th
         assert e.value.code == -32011 and "bad key [REDACTED]" in e.value.message, e.value.message
         assert INLINE_SECRET not in json.dumps(c.notifications)
     assert INLINE_SECRET not in (tmp_path / "err.txt").read_text()
-    db = b"".join(f.read_bytes() for f in state.iterdir() if f.name.startswith("state.sqlite3"))
-    assert INLINE_SECRET.encode() not in db
+    assert INLINE_SECRET.encode() not in _db_bytes(state)
     # what is stored is the masked value (docs/SECURITY.md, Known limits): after a restart the
     # branch's model says so, before anything is sent, rather than sending the mask as a key
     with sqlite3.connect(state / "state.sqlite3") as conn:
         assert any("[REDACTED]" in str(row) for row in conn.execute("select * from branches"))
-    with SidecarClient([*SERVER, "--state-dir", str(state)]) as c:
-        c.request("initialize", {}, timeout=30)
-        with pytest.raises(RpcError) as e:
-            c.request("operate", {"branchId": branch, "instruction": "hi"}, timeout=60)
-        assert e.value.code == -32011 and "extraHeaders['X-Api-Key'] is [REDACTED]" in e.value.message \
-            and "settings.models" in e.value.message, e.value.message
+    message = _refused_after_restart(state, branch)
+    assert "extraHeaders['X-Api-Key'] is [REDACTED]" in message, message
 
-
-
-class _KeepAuth(http.server.BaseHTTPRequestHandler):
-    """An API server that keeps the Authorization header of each request and answers 401."""
-
-    seen: list[str] = []
-
-    def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers.get("content-length") or 0))
-        type(self).seen.append(self.headers.get("authorization", ""))
-        body = b'{"error": {"message": "no"}}'
-        self.send_response(401)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 def test_an_empty_api_key_env_sends_no_key_to_a_loopback_server(tmp_path):
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAuth)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        model = {"provider": "openai", "model": "m", "baseUrl": f"http://127.0.0.1:{srv.server_port}/v1",
-                 "apiKeyEnv": "", "maxRetries": 0}
+    seen: list[str] = []
+
+    class KeepAuth(StubHandler):
+        """An API server that keeps the Authorization header of each request and answers 401."""
+
+        def do_POST(self):  # noqa: N802
+            self.request_body()
+            seen.append(self.headers.get("authorization", ""))
+            self.answer(401, b'{"error": {"message": "no"}}')
+
+    with loopback(KeepAuth) as url:
+        model = {"provider": "openai", "model": "m", "baseUrl": url, "apiKeyEnv": "", "maxRetries": 0}
         with SidecarClient([*SERVER], env=env_with(OPENAI_API_KEY="sk-probe-EnvKeyNotToBeSent")) as c:
             c.request("initialize", {"settings": {"models": {"m": model}}}, timeout=30)
             branch = c.request("createBranch", {"chatModel": "m"}, timeout=30)["branchId"]
             with pytest.raises(RpcError) as e:
                 c.request("operate", {"branchId": branch, "instruction": "hi"}, timeout=60)
             assert e.value.code == -32011, e.value.message
-    finally:
-        srv.shutdown()
-        srv.server_close()
-    assert _KeepAuth.seen and set(_KeepAuth.seen) == {"Bearer no-key-required"}, _KeepAuth.seen
+    assert seen and set(seen) == {"Bearer no-key-required"}, seen
     from operate_sidecar.server.models.config import config_problem
 
     problem = config_problem({"provider": "openai", "model": "m", "apiKeyEnv": "",
@@ -369,12 +328,8 @@ def test_a_restored_inline_cli_model_with_a_masked_env_secret_says_so_before_it_
     with SidecarClient([*SERVER, "--state-dir", str(state)]) as c:
         c.request("initialize", {}, timeout=30)
         branch = c.request("createBranch", {"chatModel": model}, timeout=30)["branchId"]
-    with SidecarClient([*SERVER, "--state-dir", str(state)]) as c:
-        c.request("initialize", {}, timeout=30)
-        with pytest.raises(RpcError) as e:
-            c.request("operate", {"branchId": branch, "instruction": "hi"}, timeout=60)
-    assert e.value.code == -32011 and "env['PROBE_API_KEY'] is [REDACTED]" in e.value.message \
-        and "settings.models" in e.value.message, e.value.message
+    message = _refused_after_restart(state, branch)
+    assert "env['PROBE_API_KEY'] is [REDACTED]" in message, message
     assert not ran.exists()  # (the program never started)
 
 
@@ -393,20 +348,20 @@ def test_an_inline_models_command_option_and_url_password_are_masked_and_refused
     with SidecarClient([*SERVER, "--state-dir", str(state)]) as c:
         c.request("initialize", {}, timeout=30)
         branch = c.request("createBranch", {"chatModel": model}, timeout=30)["branchId"]
-        c.request("createBranch", {"chatModel": remote}, timeout=30)
+        remote_branch = c.request("createBranch", {"chatModel": remote}, timeout=30)["branchId"]
         out = c.request("operate", {"branchId": branch, "instruction": "hi"}, timeout=60)
         wire = json.dumps([out, c.notifications, c.request("listBranches", {}, timeout=30)])
         assert "my key is [REDACTED]" in json.dumps(out) and CMD_SECRET not in wire and URL_SECRET not in wire, wire
-    db = b"".join(f.read_bytes() for f in state.iterdir() if f.name.startswith("state.sqlite3"))
+    db = _db_bytes(state)
     assert CMD_SECRET.encode() not in db and URL_SECRET.encode() not in db
     assert ran.read_text() == "x"
-    with SidecarClient([*SERVER, "--state-dir", str(state)]) as c:
-        c.request("initialize", {}, timeout=30)
-        with pytest.raises(RpcError) as e:
-            c.request("operate", {"branchId": branch, "instruction": "hi"}, timeout=60)
-    assert e.value.code == -32011 and "command[4] is [REDACTED]" in e.value.message \
-        and "settings.models" in e.value.message, e.value.message
+    message = _refused_after_restart(state, branch)
+    assert "command[4] is [REDACTED]" in message, message
     assert ran.read_text() == "x"  # (the program did not start again)
+    # the restored openai model would send the mask as the password of its baseUrl: said before
+    # anything is sent (its apiKeyEnv "" on a loopback server is no problem of its own)
+    message = _refused_after_restart(state, remote_branch)
+    assert "baseUrl is [REDACTED]" in message and URL_SECRET not in message, message
 
 
 def test_a_no_flag_takes_no_value():
@@ -471,7 +426,7 @@ def test_exception_line_redacts_before_it_cuts():
     from operate_sidecar.server import redaction
     from operate_sidecar.server.core.errors import exception_line
 
-    redaction.remember_secret("k3y!\nq9z#")  # (lines too short to be registered alone)
+    redaction.remember_secret("k3y!\nq9z#")
     assert exception_line(RuntimeError("the key k3y!\nq9z# was refused")) == "the key [REDACTED] was refused"
 
 

@@ -152,7 +152,7 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 
 #: the signal that stopped the demo, once one did
 stopped_by: int | None = None
-_holding = 0              # inside held(): a stop signal waits for its end
+_holding = False          # inside held() (never nested): a stop signal waits for its end
 _held: int | None = None  # the signal that came inside held()
 
 
@@ -214,12 +214,12 @@ def held() -> Iterator[None]:
     stopped halfway would leave stdout and stderr redirected to it (the last line said into it)
     and the cursor hidden."""
     global _holding, _held
-    _holding += 1
+    _holding = True
     try:
         yield
     finally:
-        _holding -= 1
-    if not _holding and _held is not None:
+        _holding = False
+    if _held is not None:
         signum, _held = _held, None
         raise Stopped(signum)
 
@@ -240,15 +240,12 @@ def run(workspace: Path) -> int:
     # the server's stderr: a file of this run's own (two demos at once, or another user's, write
     # their own), next to the workspace; kept only when the demo fails, to be read
     log_fd, log_path = tempfile.mkstemp(prefix="operate-sidecar-demo-", suffix=".stderr.log")
-    failed = True  # until the demo ends well or is interrupted
+    failed = True  # until the demo ends well (a stopped one, a KeyboardInterrupt, has set stopped_by)
     try:
         with os.fdopen(log_fd, "wb") as stderr_log:
             code = _run(workspace, env, stderr_log, log_path, started)
         failed = code != 0
         return code
-    except KeyboardInterrupt:
-        failed = False
-        raise
     finally:
         if not failed or stopped_by is not None:
             try:

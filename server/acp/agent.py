@@ -39,12 +39,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 from acp import PROTOCOL_VERSION, Agent, RequestError, update_agent_message_text
-from acp import schema as acp_schema
 from acp.schema import (AgentCapabilities, CloseSessionResponse, ConfigOptionUpdate, CurrentModeUpdate,
-                        ForkSessionResponse, Implementation, InitializeResponse, ListSessionsResponse,
-                        LoadSessionResponse, McpCapabilities, NewSessionResponse, PromptCapabilities, PromptResponse,
-                        ResumeSessionResponse, SessionAdditionalDirectoriesCapabilities, SessionCapabilities,
-                        SessionCloseCapabilities, SessionConfigOptionSelect, SessionConfigSelectOption,
+                        DeleteSessionRequest, DeleteSessionResponse, ForkSessionResponse, Implementation,
+                        InitializeResponse, ListSessionsResponse, LoadSessionResponse, McpCapabilities,
+                        NewSessionResponse, PromptCapabilities, PromptResponse, ResumeSessionResponse,
+                        SessionAdditionalDirectoriesCapabilities, SessionCapabilities, SessionCloseCapabilities,
+                        SessionConfigOptionSelect, SessionConfigSelectOption, SessionDeleteCapabilities,
                         SessionForkCapabilities, SessionInfo, SessionListCapabilities, SessionMode, SessionModeState,
                         SessionResumeCapabilities, SetSessionConfigOptionResponse, SetSessionModeResponse, Usage,
                         UsageUpdate)
@@ -162,34 +162,22 @@ def _folder(path: str) -> str:
     return "/" + p.lstrip("/") if p.startswith("//") else p
 
 
-#: ``session/delete``'s params and answer in the SDK's schema (None: an SDK without them, which
-#: is then not offered the method: ``_route_delete``)
-_DELETE_REQUEST = getattr(acp_schema, "DeleteSessionRequest", None)
-_DELETE_RESPONSE = getattr(acp_schema, "DeleteSessionResponse", None)
-
-
 def _route_delete(conn: Any, agent: Any) -> bool:
     """Route ``session/delete`` to ``agent.delete_session`` on the SDK's connection ``conn``:
     the SDK's schema has the method (``DeleteSessionRequest``, ``sessionCapabilities.delete``),
     its router does not serve it (an SDK that does is left as it is). Whether it is served: it
-    is advertised then only (``_delete_capability``)."""
+    is advertised then only (``initialize``). The router is the SDK's private one: one laid
+    out otherwise is not served the method."""
     router = getattr(getattr(conn, "_conn", None), "_handler", None)
     routes = getattr(router, "_requests", None)
-    if _DELETE_REQUEST is None or not isinstance(routes, dict) or not callable(getattr(router, "route_request", None)):
+    if not isinstance(routes, dict) or not callable(getattr(router, "route_request", None)):
         return False
     if "session/delete" not in routes:
         from acp.utils import normalize_result
 
-        router.route_request("session/delete", _DELETE_REQUEST, agent, "delete_session", adapt_result=normalize_result)
+        router.route_request("session/delete", DeleteSessionRequest, agent, "delete_session",
+                             adapt_result=normalize_result)
     return True
-
-
-def _delete_capability(served: bool) -> dict[str, Any]:
-    """``sessionCapabilities.delete`` when ``session/delete`` is served and the schema has it."""
-    caps = getattr(acp_schema, "SessionDeleteCapabilities", None)
-    if not served or caps is None or "delete" not in SessionCapabilities.model_fields:
-        return {}
-    return {"delete": caps()}
 
 
 class _Prompt:
@@ -490,7 +478,8 @@ class OperateAgent(Agent):
                                                          fork=SessionForkCapabilities(),
                                                          # a session's folders: its cwd and these
                                                          additional_directories=SessionAdditionalDirectoriesCapabilities(),
-                                                         **_delete_capability(self._deletes))),
+                                                         **({"delete": SessionDeleteCapabilities()}
+                                                            if self._deletes else {}))),
             agent_info=Implementation(name="operate-sidecar", title="operate-sidecar", version=self.version),
             auth_methods=[])
 
@@ -610,8 +599,9 @@ class OperateAgent(Agent):
         await self._branch(session_id)
         sc = self.sidecar
         folders = self._add_folders(cwd, additional_directories)
-        info = {k: v for k, v in sc.branch_info(session_id).items() if k == "model"}
-        title = self._title(session_id, sc.branch_info(session_id))
+        source = sc.branch_info(session_id)
+        info = {k: v for k, v in source.items() if k == "model"}
+        title = self._title(session_id, source)
         if title:  # the two are told apart in a list of sessions
             info["title"] = title + " (fork)"
         try:  # the fork's info is saved with it, in one transaction
@@ -636,22 +626,15 @@ class OperateAgent(Agent):
         self._shutting.add(session_id)  # a prompt from here on is refused, as after the close
         try:
             self._cancel_turn(session_id)
-            lock = self._prompts.get(session_id)
-            if lock is not None and lock.locked():
-                try:  # the cancelled turn ends promptly; its answer (``cancelled``) goes out first
-                    await asyncio.wait_for(lock.acquire(), CLOSE_WAIT_S)
-                    lock.release()
-                except asyncio.TimeoutError:
-                    log.warning("session %s: its cancelled turn did not end within %.0f s; closed without it",
-                                session_id, CLOSE_WAIT_S)
-            self._prompts.pop(session_id, None)
+            await self._end_turn(session_id, "closed")  # its answer (``cancelled``) goes out first
             self._closed.add(session_id)
+            self.port.release(session_id)  # its outbox, once what it has queued is written
             await self.sidecar.release_branch(session_id)
         finally:
             self._shutting.discard(session_id)
         return CloseSessionResponse()
 
-    async def delete_session(self, session_id: str, **kw: Any) -> Any:
+    async def delete_session(self, session_id: str, **kw: Any) -> DeleteSessionResponse:
         """``session/delete``: the session deleted from the store, and so from ``session/list``,
         as ``deleteBranch`` deletes its branch (docs/PROTOCOL.md §3, §13): on disk first (a delete
         that cannot be saved is -32013 and changes nothing), then a turn running on it ends as
@@ -668,21 +651,25 @@ class OperateAgent(Agent):
                 await sc.deleteBranch({"branchId": session_id})
             except Exception as e:
                 raise self._error(e) from None
-            for p in (self._current.get(session_id), self._waiting.get(session_id)):
-                if p is not None:
-                    p.deleted = True
-            self._cancel_turn(session_id)
-            lock = self._prompts.pop(session_id, None)
-            if lock is not None and lock.locked():
-                try:  # the turn ends promptly; its answer (-32012) goes out first
-                    await asyncio.wait_for(lock.acquire(), CLOSE_WAIT_S)
-                    lock.release()
-                except asyncio.TimeoutError:
-                    log.warning("session %s: its turn did not end within %.0f s of its delete; deleted without it",
-                                session_id, CLOSE_WAIT_S)
+            self._cancel_turn(session_id, deleted=True)
+            await self._end_turn(session_id, "deleted")  # its answer (-32012) goes out first
             self._closed.discard(session_id)
             self.port.forget_session(session_id)
-        return _DELETE_RESPONSE() if _DELETE_RESPONSE is not None else None
+        return DeleteSessionResponse()
+
+    async def _end_turn(self, session_id: str, what: str) -> None:
+        """Wait for the session's cancelled turn, and the prompt waiting for it, to be answered
+        (``CLOSE_WAIT_S`` at most: a warning then, and the session is ``what``, closed or
+        deleted, without it); then the session has no turn lock here."""
+        lock = self._prompts.get(session_id)
+        if lock is not None and lock.locked():
+            try:
+                await asyncio.wait_for(lock.acquire(), CLOSE_WAIT_S)
+                lock.release()
+            except asyncio.TimeoutError:
+                log.warning("session %s: its cancelled turn did not end within %.0f s; %s without it",
+                            session_id, CLOSE_WAIT_S, what)
+        self._prompts.pop(session_id, None)
 
     async def list_sessions(self, cwd: str | None = None, cursor: str | None = None, additional_directories: Any = None,
                             **kw: Any) -> ListSessionsResponse:
@@ -706,13 +693,14 @@ class OperateAgent(Agent):
                 continue
             key = (-_when(info.get("updatedAt")), b["branchId"])  # most recent first; ties by id, stably
             if after is None or key > after:
-                keyed.append((key, SessionInfo(session_id=b["branchId"], cwd=info.get("cwd") or "",
-                                               title=self._title(b["branchId"], info),
-                                               updated_at=info.get("updatedAt"))))
+                keyed.append((key, info))
         keyed.sort(key=lambda k: k[0])
-        page = keyed[:LIST_PAGE]
+        page = keyed[:LIST_PAGE]  # (titles are made for the page's sessions only: a title reads messages)
         more = _issue_cursor(page[-1][0]) if len(keyed) > LIST_PAGE else None
-        return ListSessionsResponse(sessions=[s for _, s in page], next_cursor=more)
+        return ListSessionsResponse(sessions=[SessionInfo(session_id=sid, cwd=info.get("cwd") or "",
+                                                          title=self._title(sid, info),
+                                                          updated_at=info.get("updatedAt"))
+                                              for (_, sid), info in page], next_cursor=more)
 
     def _title(self, sid: str, info: dict[str, Any]) -> str | None:
         """The session's title: the one in its info (a fork's; one an earlier version saved),
@@ -726,7 +714,7 @@ class OperateAgent(Agent):
             return title
         skip = _continuations()
         for m in self.sidecar.messages_of(sid):
-            if getattr(getattr(m, "kind", None), "value", getattr(m, "kind", None)) != "instruction":
+            if _kind_of(m) != "instruction":
                 continue
             text = (getattr(m, "content", None) or {}).get("instruction")
             if isinstance(text, str) and text not in skip:
@@ -1054,11 +1042,13 @@ class OperateAgent(Agent):
     async def ext_notification(self, method: str, params: dict[str, Any]) -> None:
         return None  # ignored, as JSON-RPC has a notification no one serves
 
-    def _cancel_turn(self, session_id: str) -> None:
-        """Cancel the session's prompt, at whatever it does, and the one waiting for it."""
+    def _cancel_turn(self, session_id: str, deleted: bool = False) -> None:
+        """Cancel the session's prompt, at whatever it does, and the one waiting for it (``deleted``:
+        their session was deleted, so they are answered -32012)."""
         for p in (self._current.get(session_id), self._waiting.get(session_id)):
             if p is not None:
                 p.cancelled = True
+                p.deleted = p.deleted or deleted
                 if p.task is not None:
                     p.task.cancel()
 
@@ -1409,8 +1399,8 @@ def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> Non
 def model_problem(settings: dict[str, Any], model: str) -> str | None:
     """Why the configured ``model`` cannot run, as far as one stat and a file's first bytes
     tell, with the way out: the embedded ``local`` model's file is missing
-    (``config.local_model_problem``), or is empty or not a GGUF file (``local.file_problem``:
-    llama.cpp would refuse it at the first prompt); no other provider is checked (None)."""
+    or is empty or not a GGUF file (llama.cpp would refuse it at the first prompt:
+    ``config.local_model_problem``); no other provider is checked (None)."""
     found = _model_problem(settings, model)
     return None if found is None else found[0]
 
@@ -1423,13 +1413,8 @@ def _model_problem(settings: dict[str, Any], model: str) -> tuple[str, str] | No
         return None
     from operate_sidecar.server.models.config import local_model_problem
 
-    problem = local_model_problem(config)
-    if problem is not None:
-        return f"model {model!r}: {problem}", "model file missing"
-    from operate_sidecar.server.models.local import file_problem
-
-    problem = file_problem(config.get("path"))
-    return None if problem is None else (f"model {model!r}: {problem}", "model file unusable")
+    found = local_model_problem(config)
+    return None if found is None else (f"model {model!r}: {found[0]}", f"model file {found[1]}")
 
 
 def reply_format(settings: dict[str, Any], model: str) -> dict[str, Any]:

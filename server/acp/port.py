@@ -181,9 +181,10 @@ class Turn:
 class _Outbox:
     """One session's updates on their way out: queued (``items``), written by ``pump`` one at a
     time; held during a replay (``held``) but those of the task replaying (``replayer``); ``idle``
-    once none is queued, being written or held."""
+    once none is queued, being written or held. Kept while its session is served (a reply's
+    stream of chunks reuses it), freed once it is idle after ``release`` (``released``)."""
 
-    __slots__ = ("items", "held", "replayer", "pump", "idle", "roomy")
+    __slots__ = ("items", "held", "replayer", "pump", "idle", "roomy", "released")
 
     def __init__(self) -> None:
         self.items: deque[Any] = deque()
@@ -192,6 +193,7 @@ class _Outbox:
         self.pump: asyncio.Task | None = None
         self.idle = asyncio.Event()
         self.roomy: asyncio.Future | None = None  # a replay waiting for the queue to shrink
+        self.released = False  # its session was closed or deleted: freed once idle (``_settle``)
 
 
 class AcpPort:
@@ -290,10 +292,11 @@ class AcpPort:
         return "".join(notice_line(t, m) for t, m in new) or None
 
     def forget_session(self, session_id: str) -> None:
-        """A deleted session's notices and what it was told (``session/delete``)."""
+        """A deleted session's notices, what it was told and its outbox (``session/delete``)."""
         self.noticed.pop(session_id, None)
         self._said.pop(session_id, None)
         self.session_notices.pop(session_id, None)
+        self.release(session_id)
 
     # ------------------------------------------------------------------ the outboxes
     def send(self, session_id: str, update: Any) -> None:
@@ -312,17 +315,21 @@ class AcpPort:
         if box.pump is None:
             box.pump = asyncio.get_running_loop().create_task(self._run_pump(session_id, box), name="acp-outbox")
 
-    async def flush(self, session_id: str | None = None) -> None:
-        """Wait until every update queued for the session (every session's: None) is written, and
-        its replay, if one is under way, has ended and been written too. Another session's
-        updates are not waited for: one session's long replay holds up no other's answers."""
-        if session_id is not None:
-            box = self._boxes.get(session_id)
-            if box is not None:
-                await box.idle.wait()
-            return
-        for box in list(self._boxes.values()):
+    async def flush(self, session_id: str) -> None:
+        """Wait until every update queued for the session is written, and its replay, if one is
+        under way, has ended and been written too. Another session's updates are not waited
+        for: one session's long replay holds up no other's answers."""
+        box = self._boxes.get(session_id)
+        if box is not None:
             await box.idle.wait()
+
+    def release(self, session_id: str) -> None:
+        """The session's outbox freed (its session closed or deleted): now when it is idle, else
+        once it is (what it still has queued goes out first)."""
+        box = self._boxes.get(session_id)
+        if box is not None:
+            box.released = True
+            self._settle(session_id, box)
 
     async def room(self, session_id: str) -> None:
         """Let the loop run, and wait while more than ``REPLAY_AHEAD`` updates of the session
@@ -347,9 +354,7 @@ class AcpPort:
         box = self._boxes.get(session_id)
         if box is None:
             box = self._boxes[session_id] = _Outbox()
-        if box.held is not None:  # (one replay at a time per session: ``_in_order``)
-            yield
-            return
+        assert box.held is None, "one replay at a time per session (``OperateAgent._in_order``)"
         box.held = []
         box.replayer = asyncio.current_task()
         box.idle.clear()
@@ -362,10 +367,11 @@ class AcpPort:
             self._settle(session_id, box)
 
     def _settle(self, session_id: str, box: "_Outbox") -> None:
-        """The session's outbox with nothing queued, written or held: its flushes end."""
+        """The session's outbox with nothing queued, written or held: its flushes end (and, once
+        released, it is freed)."""
         if box.pump is None and not box.items and box.held is None:
             box.idle.set()
-            if self._boxes.get(session_id) is box:
+            if box.released and self._boxes.get(session_id) is box:
                 del self._boxes[session_id]
 
     async def _run_pump(self, session_id: str, box: "_Outbox") -> None:

@@ -186,7 +186,6 @@ class LineBound:
         self.ending = False  # the input ended (or a signal came: ``stop``), and ``END_OF_INPUT`` was fed
         #: why the requests in flight are answered -32800 (``explain_invalid_params``)
         self.reason = INPUT_ENDED
-        self.stopped = False  # a signal asked the agent to stop (``stop``)
         self._feed = reader.feed_data
         self._writer = writer
         self._held = bytearray()  # the current line's bytes, while it may still be too long
@@ -220,10 +219,14 @@ class LineBound:
         earlier signal): nothing is done."""
         if self.ending or not self.drains:
             return False
-        self.stopped = True
         self.reason = f"the agent was asked to stop ({why})"
         self.feed_eof()
         return True
+
+    @property
+    def stopped(self) -> bool:
+        """A signal asked the agent to stop (``stop``)."""
+        return self.reason != INPUT_ENDED
 
     def end_input(self) -> None:
         """The connection's input ends (once)."""

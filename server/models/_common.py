@@ -236,6 +236,45 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     return _redaction.redact(text, secrets, patterns=True)
 
 
+def masked_model(config: dict[str, Any], name: str) -> Any:
+    """For a model given inline (``chatModel``) whose ``config`` holds ``[REDACTED]``
+    (``redaction.masked_fields``: a branch restored after a restart, the store keeps such a
+    model's secrets masked), a model that refuses every call (:class:`_Masked`), made instead of
+    the provider's; else None. Its config is not checked: the mask is what is wrong with it (a
+    masked ``baseUrl`` is no loopback one)."""
+    masked = _redaction.masked_fields(config)
+    if not masked:
+        return None
+    remember_model_secrets(config)  # (what it still names is masked as a provider's would be: its apiKeyEnv's value)
+    return _Masked(name, masked[0], config.get("provider") == "cli")
+
+
+class _Masked:
+    """A model whose config holds the mask where a secret was: every call raises ModelError
+    (-32011) naming the first such field, before anything is sent or spawned, rather than the
+    mask sent as a key or passed to a program; its branch is restored and shown as any other."""
+
+    def __init__(self, name: str, field: str, is_cli: bool) -> None:
+        self.name = name
+        self.is_cli = is_cli
+        self._message = (f"model {name!r}: {field} is {_redaction.MASK}: a secret of a model given inline is "
+                         "stored masked, so a branch restored after a restart cannot use it; configure the model "
+                         "in settings.models (a branch stores only its name) and name it")
+
+    async def stream(self, request: Any) -> Any:
+        from operate_sidecar.server.core.errors import ModelError
+
+        raise ModelError(self._message)
+        yield  # (an async generator, as a provider's ``stream`` is)
+
+    async def invoke(self, request: Any) -> Any:
+        async for _ in self.stream(request):
+            pass
+
+    async def aclose(self) -> None:
+        return None
+
+
 class RedactingFilter(logging.Filter):
     """A handler filter: log lines (message, arguments, traceback text) pass through
     :func:`redact` with every remembered secret. Third-party debug logs (httpx, openai)

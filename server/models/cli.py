@@ -30,10 +30,7 @@ dies. Lines that are not JSON, and events of an unexpected shape, are ignored; N
 them are read as null. An in-stream error event (jsonl ``error``,
 claude-code ``result`` with ``is_error``) raises ``ModelError`` after the run is
 torn down; so does a non-zero exit, or death by a signal, whatever the program wrote before
-(with the stderr tail): a reply cut short is no reply. A model given inline whose ``env`` or
-``command`` holds ``[REDACTED]`` (a branch restored after a restart: the store keeps its secrets
-masked, an ``env`` value and a secret option's value alike) raises ``ModelError`` before anything
-is spawned, naming the variable or the argument.
+(with the stderr tail): a reply cut short is no reply.
 """
 
 from __future__ import annotations
@@ -57,7 +54,6 @@ import anyio
 
 from operate_sidecar.server.core.errors import ModelError
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
-from operate_sidecar.server.redaction import MASK
 
 from ._common import (
     MAX_REPLY_CHARS,
@@ -181,17 +177,6 @@ class CLIModel(BaseModelProvider):
     # -- run ------------------------------------------------------------------
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
-        masked = [k for k, v in self.env.items() if isinstance(v, str) and MASK in v]
-        if masked:  # a branch restored with an inline model: the store keeps its secrets masked
-            raise ModelError(f"model {self.name!r}: env[{masked[0]!r}] is {MASK}: a secret of a model given inline "
-                             "is stored masked, so a branch restored after a restart cannot pass it to the program; "
-                             "configure the model in settings.models (a branch stores only its name) and name it")
-        masked_args = [i for i, a in enumerate(self.command) if isinstance(a, str) and MASK in a]
-        if masked_args:  # (a secret option's value: ``--api-key VALUE``)
-            raise ModelError(f"model {self.name!r}: command[{masked_args[0]}] is {MASK}: a secret of a model given "
-                             "inline is stored masked, so a branch restored after a restart cannot pass it to the "
-                             "program; configure the model in settings.models (a branch stores only its name) and "
-                             "name it")
         argv, stdin_text = self.build_argv(request)
         parser = _PARSERS[self.profile]()
         env = {**os.environ, **self.env} if self.env else None

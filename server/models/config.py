@@ -322,27 +322,37 @@ def local_file_fix(default: bool, missing: bool = False) -> str:
             'to another GGUF model file, or leave "path" out to use the default model')
 
 
-def local_file_problem(path: str, default: bool, read: bool = True) -> str | None:
+def local_file_problem(path: str, default: bool) -> str | None:
     """Why the ``local`` model file at ``path`` cannot be loaded, with the way out
     (:func:`local_file_fix`; ``default``: it is the default model's file): it is missing, a
-    directory or not a regular file (one stat), or (``read``) unreadable, empty, or does not
-    begin with GGUF's magic bytes (random bytes, a saved HTML page, another format). None when
-    it may load (a damaged file that begins as a GGUF does is found by llama.cpp). The one
-    wording of these problems: the ACP front end's check before a session or a prompt and the
-    provider's load both say it. At most four bytes are read; nothing is loaded; a FIFO is never
-    opened. ``path`` is taken as :func:`absolute_path` makes it, and named so."""
+    directory or not a regular file (one stat), or unreadable, empty, or does not begin with
+    GGUF's magic bytes (random bytes, a saved HTML page, another format). None when it may load
+    (a damaged file that begins as a GGUF does is found by llama.cpp). The one wording of these
+    problems: the ACP front end's check before a session or a prompt (:func:`local_model_problem`)
+    and the provider's load both say it. At most four bytes are read; nothing is loaded; a FIFO is
+    never opened. ``path`` is taken as :func:`absolute_path` makes it, and named so."""
+    path = absolute_path(path)
+    return _file_missing(path, default) or _file_unusable(path, default)
+
+
+def _file_missing(path: str, default: bool) -> str | None:
+    """:func:`local_file_problem` as far as one stat of the (absolute) ``path`` tells: no file there."""
     import os
 
-    path = absolute_path(path)
-    if not os.path.isfile(path):
-        fix = local_file_fix(default, missing=True)
-        if os.path.isdir(path):
-            return f"the local model path {path} is a directory, not a GGUF file: {fix}"
-        if os.path.lexists(path):
-            return f"the local model path {path} is not a regular file (a named pipe, a socket, a device): {fix}"
-        return f"the local model file {path} does not exist: {fix}"
-    if not read:
+    if os.path.isfile(path):
         return None
+    fix = local_file_fix(default, missing=True)
+    if os.path.isdir(path):
+        return f"the local model path {path} is a directory, not a GGUF file: {fix}"
+    if os.path.lexists(path):
+        return f"the local model path {path} is not a regular file (a named pipe, a socket, a device): {fix}"
+    return f"the local model file {path} does not exist: {fix}"
+
+
+def _file_unusable(path: str, default: bool) -> str | None:
+    """:func:`local_file_problem` of a file that is there (``path``, absolute), from its first bytes."""
+    import os
+
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         try:
@@ -359,17 +369,24 @@ def local_file_problem(path: str, default: bool, read: bool = True) -> str | Non
     return None
 
 
-def local_model_problem(config: dict[str, Any]) -> str | None:
-    """Why a ``local`` model of ``config`` cannot load, as far as one stat tells (its file is
-    missing: its ``path``, else the default one), with the way out (:func:`local_file_problem`,
-    which the model's load says too); None when its file is there. Nothing is loaded or read."""
+def local_model_problem(config: dict[str, Any]) -> tuple[str, str] | None:
+    """Why a ``local`` model of ``config`` cannot load, as far as one stat and its file's first
+    bytes tell (:func:`local_file_problem`, which the model's load says too: its ``path``, else the
+    default model's file, found once), with the way out, and the kind of problem: ``missing`` (no
+    file there, or no default model installed) or ``unusable`` (unreadable, empty, not a GGUF
+    file: llama.cpp would refuse it at the first prompt). None when it may load; nothing is loaded."""
     path, default = config.get("path"), config.get("path") is None
     if default:
         try:
             path = default_local_model()
         except LookupError as e:
-            return str(e)
-    return local_file_problem(path, default, read=False)
+            return str(e), "missing"
+    path = absolute_path(path)
+    problem = _file_missing(path, default)
+    if problem is not None:
+        return problem, "missing"
+    problem = _file_unusable(path, default)
+    return None if problem is None else (problem, "unusable")
 
 
 def describe(config: dict[str, Any]) -> str:
@@ -393,15 +410,10 @@ def describe(config: dict[str, Any]) -> str:
             else "the OpenAI API"
         return f"{config.get('model') or '(no model named)'} at {where} (OpenAI-compatible API)"
     if provider == "cli":
-        command = config.get("command")
-        if isinstance(command, str):
-            import shlex
+        from ..redaction import command_args  # (standard library only)
 
-            try:
-                command = shlex.split(command)
-            except ValueError:
-                command = command.split()
-        command = command_shown(command) if isinstance(command, list) else None
+        argv = command_args(config.get("command"))
+        command = command_shown(argv) if argv is not None else None
         what = f"command-line model ({config.get('profile')})"
         return f"{what}: {command}" if command else what
     if provider == "scripted":
@@ -430,28 +442,23 @@ def command_shown(argv: list[Any]) -> str:
     each masked by the rules the server's errors are (``redaction.redact`` with its key shapes:
     a registered secret, ``sk-...``, ``api_key=...``, ``user:key@``), a URL without its
     credentials and query (:func:`url_shown`), the value of an option whose name says it is
-    secret (``--key=...``, ``--token ...``, ``--api-key ...``: ``redaction.secret_option``) masked
-    whole (``redaction.command_secret_values`` registers the same values as secrets); never the ``{prompt}`` placeholder, which holds no secret and says where the prompt
-    goes."""
-    from ..redaction import MASK, redact, secret_option  # (standard library only)
+    secret (``--key=...``, ``--token ...``, ``--api-key ...``: ``redaction.secret_args``, which
+    finds the values registered as secrets) masked whole; never the ``{prompt}`` placeholder,
+    which holds no secret and says where the prompt goes."""
+    from ..redaction import MASK, redact, secret_args, secret_option  # (standard library only)
 
+    argv = [str(arg) for arg in argv]
+    secret = dict(secret_args(argv))
     shown: list[str] = []
-    hide_next = False
-    for arg in map(str, argv):
-        if hide_next and not arg.startswith("-") and "{prompt}" not in arg:
-            shown.append(MASK)
-            hide_next = False
-            continue
-        hide_next = False
-        flag, eq, value = arg.partition("=")
-        if flag.startswith("-") and secret_option(flag.lstrip("-")):
-            if eq:
-                shown.append(f"{flag}={MASK}" if value and "{prompt}" not in value else arg)
-                continue
-            hide_next = True
-        if re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://\S+", arg):
-            arg = url_shown(arg)
-        shown.append(redact(arg, patterns=True))
+    for i, arg in enumerate(argv):
+        flag, eq, _ = arg.partition("=")
+        if i in secret:
+            shown.append(MASK if secret[i] == arg else f"{flag}={MASK}")
+        elif eq and flag.startswith("-") and secret_option(flag.lstrip("-")):
+            shown.append(arg)  # (no value, or the {prompt} placeholder)
+        else:
+            shown.append(redact(url_shown(arg) if re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://\S+", arg) else arg,
+                                patterns=True))
     return " ".join(shown)
 
 

@@ -26,8 +26,8 @@ least 512 for a structured reply; ``_limit``): a structured reply cut there is `
 naming the setting that bounded it (raising the top-level one does nothing while ``options``
 sets one, nor below 512). A model file that cannot be loaded (missing, empty, not a GGUF,
 refused by llama.cpp) is ``ModelFileUnusable``, saying what to do, in the words of
-``config.local_file_problem``; ``file_problem`` tells an empty or non-GGUF file from its first
-bytes, before any load.
+``config.local_file_problem``, which tells an empty or non-GGUF file from its first bytes,
+before any load.
 
 ``llama_cpp`` is imported on first use only. A loaded ``Llama`` is cached process-wide per (path, n_ctx)
 and shared by every ``LocalModel`` that names it; generation on one ``Llama``
@@ -119,23 +119,6 @@ class ModelFileUnusable(ModelError):
     def __init__(self, message: str, *, model_file: str) -> None:
         super().__init__(message)
         self.model_file = model_file
-
-
-def file_problem(path: str | None, default: bool = False) -> str | None:
-    """Why the model file at ``path`` (None: the default model's; ``default``: ``path`` is the
-    default model's, found already) cannot be loaded, as far as its first bytes tell: it is
-    empty, unreadable, or not a GGUF file (``config.local_file_problem``, with the way out).
-    None when it may load (a damaged file that begins as a GGUF does is found by llama.cpp), and
-    when it is missing or not a regular file (``config.local_model_problem`` says so)."""
-    default = default or path is None
-    if path is None:
-        try:
-            path = default_local_model()
-        except LookupError:
-            return None
-    if not os.path.isfile(path):
-        return None
-    return local_file_problem(path, default)
 
 
 class _Lease:

@@ -40,7 +40,6 @@ import anyio
 
 from operate_sidecar.server.core.errors import ModelError, ReplyCut
 from operate_sidecar.server.core.imodel import BaseModelProvider, ModelRequest, StreamChunk
-from operate_sidecar.server.redaction import MASK
 
 from ._common import (
     MAX_REPLY_CHARS,
@@ -140,8 +139,7 @@ class OpenAIModel(BaseModelProvider):
         self.api_key_env = api_key_env
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
-        _check_options(name, "options", options)
-        self.options = snake_options(options)
+        self.options = snake_options(options)  # (checked by ``from_config``, as initialize checks them)
         self.inline_thinking = inline_thinking  # true: <think>...</think> opening a reply is thoughts; "opened": every reply begins in them
         self._client: Any = None  # shared with every model made of the same client (``_CLIENTS``)
         self._shared: tuple[Any, tuple] = (None, ())
@@ -290,13 +288,6 @@ class OpenAIModel(BaseModelProvider):
         request_opts = snake_options(request.options)
         opts = {**self.options, **request_opts}
         opts.pop("stream", None)
-        headers = opts.get("extra_headers")
-        masked = [h for h, v in headers.items() if isinstance(v, str) and MASK in v] if isinstance(headers, dict) \
-            else []
-        if masked:  # a branch restored with an inline model: the store keeps its secrets masked
-            raise ModelError(f"model {self.name!r}: extraHeaders[{masked[0]!r}] is {MASK}: a secret of a model "
-                             "given inline is stored masked, so a branch restored after a restart cannot send it; "
-                             "configure the model in settings.models (a branch stores only its name) and name it")
         known = _create_params()
         kw: dict[str, Any] = {}
         extra: dict[str, Any] = dict(opts.pop("extra_body", None) or {})

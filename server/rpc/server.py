@@ -32,7 +32,7 @@ from operate_sidecar.protocol import catalog
 from operate_sidecar.server import codecache
 from operate_sidecar.server.service.errors import map_exception
 from operate_sidecar.server.service.port import ClientRequestError
-from operate_sidecar.server.service.service import Service
+from operate_sidecar.server.service.service import PAGE_SLICE, Service
 
 from . import errors as E
 from .transport import CONNECTION_METHODS, Encoded
@@ -354,19 +354,18 @@ class CoreLoader:
                 pass
 
 
-#: messages of a ``branchMessages`` answer encoded between two yields to the event loop
-ENCODE_SLICE = 1000
-#: the methods whose handler is the server's own (``SidecarServer``): their answers are encoded
-#: there, a slice at a time (``Encoded``)
-_ENCODED_HANDLERS = {"branchMessages": "branchMessages"}
+#: the methods whose handler is the server's own (``SidecarServer``, same name): their answers are
+#: encoded there, a slice at a time (``Encoded``)
+_ENCODED_HANDLERS = {"branchMessages"}
 
 
 async def encode_page(result: dict) -> Encoded:
-    """A ``branchMessages`` result ``{messages, total}`` as JSON text, ``ENCODE_SLICE`` messages
-    at a time, yielding to the loop between slices; each slice, and the fields besides the
-    messages, masked as the wire masks every frame (``redaction.redact_bytes``, on each as a JSON
-    text of its own: a secret lies within one message's strings, never across two). The wire
-    sends it as it is (``Connection.send_encoded_result``)."""
+    """A ``branchMessages`` result ``{messages, total}`` as JSON text, ``PAGE_SLICE`` messages
+    at a time (as the service made them), yielding to the loop between slices; each slice, and
+    the fields besides the messages, masked as the wire masks every frame
+    (``redaction.redact_bytes``, on each as a JSON text of its own: a secret lies within one
+    message's strings, never across two). The wire sends it as it is
+    (``Connection.send_encoded_result``)."""
     from operate_sidecar.server import redaction
 
     from .transport import dumps
@@ -376,10 +375,10 @@ async def encode_page(result: dict) -> Encoded:
 
     messages = result["messages"]
     parts: list[bytes] = []
-    for i in range(0, len(messages), ENCODE_SLICE):
+    for i in range(0, len(messages), PAGE_SLICE):
         if i:
             await asyncio.sleep(0)
-        parts.append(masked(dumps(messages[i:i + ENCODE_SLICE]))[1:-1])  # the items, without the list's brackets
+        parts.append(masked(dumps(messages[i:i + PAGE_SLICE]))[1:-1])  # the items, without the list's brackets
     extra = {k: v for k, v in result.items() if k != "messages"}
     rest = masked(dumps(extra))[1:-1]
     return Encoded(b'{"messages":[' + b",".join(parts) + b"]" + (b"," + rest if rest else b"") + b"}")
@@ -411,7 +410,7 @@ class SidecarServer(JsonRPCServer):
         # own) is registered with pygls by name; a method without a handler is not registered,
         # so it is answered -32601 and reported here (tests/rpc/test_catalog.py fails on it)
         for method in app_methods():
-            bound = getattr(self, _ENCODED_HANDLERS[method], None) if method in _ENCODED_HANDLERS \
+            bound = getattr(self, method, None) if method in _ENCODED_HANDLERS \
                 else getattr(self.service, handler_name(method), None)
             if bound is None or not callable(bound):
                 log.error("the protocol declares %s but the server has no handler for it", method)
@@ -419,11 +418,11 @@ class SidecarServer(JsonRPCServer):
             self.protocol.fm.feature(method)(_handler(bound))
 
     async def branchMessages(self, params: dict) -> Any:
-        """The service's ``branchMessages``, its page encoded ``ENCODE_SLICE`` messages at a time
+        """The service's ``branchMessages``, its page encoded ``PAGE_SLICE`` messages at a time
         (``encode_page``) when it has more: a page of 100,000 messages encoded in one
         ``json.dumps`` held up every request for most of a second."""
         result = await self.service.branchMessages(params)
-        if len(result["messages"]) <= ENCODE_SLICE:
+        if len(result["messages"]) <= PAGE_SLICE:
             return result
         return await encode_page(result)
 

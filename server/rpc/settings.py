@@ -293,16 +293,12 @@ def _mcp_problem(spec: Any) -> str | None:
     return None
 
 
-#: an HTTP header (a model's ``options.extraHeaders``) whose name says it carries a secret
-SECRET_HEADER_NAME = _redaction.SECRET_HEADER_NAME
-
-
 def secret_values(settings: dict[str, Any]) -> list[str]:
     """The secret values the settings name or hold: those of every model
     (``redaction.model_secrets``: the values of the environment variables every model's
     ``apiKeyEnv`` names, ``OPENAI_API_KEY`` for an ``openai`` model without one; a CLI model's
     ``env`` entry named like ``SECRET_ENV_NAME``, ``API_KEY``, ``GITHUB_TOKEN``, ``DB_PASSWORD``
-    ...; a header of a model's ``options.extraHeaders`` named like ``SECRET_HEADER_NAME``,
+    ...; a header of a model's ``options.extraHeaders`` named like ``redaction.SECRET_HEADER_NAME``,
     ``Authorization``, ``X-Api-Key`` ..., whole and without its scheme, ``Bearer``, ``Basic``; a
     key pasted as an ``apiKeyEnv``), the values of the variables every name in ``secretEnv``
     lists, and an ``env`` entry of an MCP server named like ``SECRET_ENV_NAME``. Used to redact

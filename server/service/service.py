@@ -19,7 +19,7 @@ import importlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 from . import errors as E
 from .errors import RpcError, invalid_params
@@ -54,11 +54,13 @@ RESTORE_SLICE_S = 0.005
 #: are each listed at once
 RELIST_BURST = 3
 RELIST_EVERY_S = 1.0
-#: how long a request (an operate, listTools, a prompt) waits for the lists of tools due when it
-#: came (``Service.ensure_tools``, ``Service.branch_mcp_ready``): a list that hangs (until its
-#: time-out, 30 s) then goes on in the background, and the request with the tools registered
+#: how long requests (an operate, listTools, a prompt) wait for a list of tools due when they
+#: came, from when the first began to (``Service.ensure_tools``, ``Service.branch_mcp_ready``; a
+#: prompt's several waits, that long in all): a list that hangs (until its time-out, 30 s) then
+#: goes on in the background, and the requests with the tools registered
 RELIST_WAIT_S = 5.0
-#: messages of a ``branchMessages`` page made between two yields to the event loop
+#: messages of a ``branchMessages`` page made, and encoded (``rpc.server.encode_page``), between
+#: two yields to the event loop
 PAGE_SLICE = 1000
 
 
@@ -104,12 +106,12 @@ class Service:
         #: it: the next ``ensure_tools`` (a need after the one that waited for that start) tries
         #: them once more, as it starts again those that stopped
         self._mcp_failed: dict[str, str] = {}
-        #: configured MCP server running -> its own names for its tools (one started again is
-        #: named knowing its siblings' names: its tools keep the names they had)
-        self._mcp_own_names: dict[str, tuple[str, ...]] = {}
+        #: the configured MCP servers running (one started again is named knowing its siblings'
+        #: names, ``_mcp_sibling_names``: its tools keep the names they had)
+        self._mcp_running: set[str] = set()
         #: per block of configured MCP servers one of which said its tools changed: set once they
         #: are listed again (``_serve_mcp``); ``ensure_tools`` waits for them
-        self._mcp_unsettled: set[asyncio.Event] = set()
+        self._mcp_unsettled: set[_Relist] = set()
         #: configured MCP server -> its own name for each tool it listed -> the name that tool was
         #: offered as (kept once it stopped: started again, a tool it still lists keeps that name)
         self._mcp_offered: dict[str, dict[str, str]] = {}
@@ -512,14 +514,21 @@ class Service:
             await self._relists_waited([*self._mcp_unsettled])
 
     @staticmethod
-    async def _relists_waited(unsettled: list[asyncio.Event]) -> None:
+    async def _relists_waited(unsettled: "list[_Relist]") -> None:
         """Wait for the lists of MCP tools ``unsettled`` (each set once its list is over),
-        ``RELIST_WAIT_S`` at most: one still under way then goes on in the background (it may
-        hang until its time-out), and the tools registered meanwhile are used."""
-        if all(e.is_set() for e in unsettled):
+        ``RELIST_WAIT_S`` at most from when each was first waited for (its ``deadline``: the
+        requests of one prompt, which each wait, wait that long in all): one still under way then
+        goes on in the background (it may hang until its time-out), and the tools registered
+        meanwhile are used."""
+        unsettled = [e for e in unsettled if not e.is_set()]
+        if not unsettled:
             return
+        now = asyncio.get_running_loop().time()
+        for e in unsettled:
+            if e.deadline is None:
+                e.deadline = now + RELIST_WAIT_S
         try:
-            async with asyncio.timeout(RELIST_WAIT_S):
+            async with asyncio.timeout_at(max(e.deadline for e in unsettled)):  # type: ignore[type-var]
                 for settled in unsettled:
                     await settled.wait()
         except TimeoutError:
@@ -837,26 +846,25 @@ class Service:
         other branches' servers: their tools are not its own (:meth:`branch_tools`), and one
         that hangs in its handshake would hold up every session's turns. (A server of its own
         passed after another's starts after it: see :meth:`add_branch_mcp_servers`.)"""
-        for key in list(self._branch_mcp_of.get(branch_id, ())):
-            entry = self._branch_mcp.get(key)
-            if entry is not None:
-                await entry[1].wait()
-                await self._relists_waited([entry[1].settled])  # its tools, said to have changed, listed again
+        readies = [entry[1] for key in list(self._branch_mcp_of.get(branch_id, ()))
+                   if (entry := self._branch_mcp.get(key)) is not None]
+        for ready in readies:
+            await ready.wait()
+        await self._relists_waited([ready.settled for ready in readies])  # tools said to have changed, listed again
 
     def branch_tools(self, branch_id: str) -> list[str] | None:
         """The tools an operate of this branch is offered: every tool but those of the MCP
         servers other branches passed (:meth:`add_branch_mcp_servers`); None (all) when no
-        branch passed one. A :class:`BranchTools`: an operate given it as its ``tools`` leaves
-        out the names gone by the time it runs (an MCP server listed its tools again
-        meanwhile, without them), with a log line, where a client's list naming them is refused
-        (-32602); and each of its rounds is offered the list computed again then
-        (:meth:`_round_tools`)."""
+        branch passed one. A :class:`BranchTools`: an operate given it as its ``tools`` does not
+        refuse the names gone by the time it runs (an MCP server listed its tools again
+        meanwhile, without them), where a client's list naming them is refused (-32602): each of
+        its rounds is offered the list computed again then (:meth:`_round_tools`)."""
         if not self._branch_mcp:
             return None
         own = self._branch_mcp_of.get(branch_id, set())
         other = set().union(*(ready.tools for key, (_, ready) in self._branch_mcp.items()
                               if key not in own and not ready.stopped.is_set()))  # a stopped one's are gone
-        return BranchTools((n for n in self.registry.names() if n not in other), branch_id)
+        return BranchTools(n for n in self.registry.names() if n not in other)
 
     async def _serve_mcp(self, config: dict[str, Any], ready: asyncio.Event, stop: asyncio.Event | None = None) -> None:
         """Run MCP servers as tool sources until :meth:`aclose` (or ``stop``, which ``aclose``
@@ -906,7 +914,7 @@ class Service:
         #: for it: a branch's is its ready's ``settled`` (``branch_mcp_ready``), the configured
         #: ones' are in ``_mcp_unsettled`` (``ensure_tools``) once the block has begun); what the
         #: server says during that list opens a new round, which only later requests wait for
-        rounds: dict[str, asyncio.Event] = {}
+        rounds: dict[str, _Relist] = {}
         relisters: dict[str, asyncio.Task] = {}  # server -> its task listing its tools again
         #: server -> (the lists it may have at once, as of the loop time next to it): ``relist``
         budget: dict[str, tuple[float, float]] = {}
@@ -919,7 +927,7 @@ class Service:
 
         def on_changed(server: str) -> None:
             if server not in rounds:
-                due = rounds[server] = asyncio.Event()
+                due = rounds[server] = _Relist()
                 if isinstance(ready, McpServerReady):
                     ready.settled = due
                 elif begun:  # (one during a start: once the block has begun)
@@ -947,10 +955,8 @@ class Service:
                         await asyncio.sleep((1 - left) * RELIST_EVERY_S)
                         continue
                     budget[server] = (left - 1, loop.time())
-                    due = rounds.pop(server, None)
-                    if due is None or server not in running or stop.is_set():
-                        break
-                    why = await self._mcp_list_again(tools, server, stop)
+                    due = rounds.pop(server)
+                    why = await self._mcp_list_again(tools, server)
                     if stop.is_set() or not tools.running(server) or server not in running:
                         break  # (stopped meanwhile: told as such, if on its own)
                     if why is not None:
@@ -983,7 +989,7 @@ class Service:
                     self._tool_origin.pop(t.name, None)
             for server in servers:
                 if configured and server in running:
-                    self._mcp_own_names.pop(server, None)
+                    self._mcp_running.discard(server)
                 running.discard(server)
 
         async def until_stop() -> None:
@@ -1083,27 +1089,16 @@ class Service:
                 self._mcp_lost_told(ready, server, why)
 
     @staticmethod
-    async def _mcp_list_again(tools: Any, server: str, stop: asyncio.Event) -> str | None:
-        """``tools.list_again(server)`` (an ``McpTools``' server: bounded by its start time-out),
-        abandoned once ``stop`` is set; why it failed, else None."""
-        import anyio
-
+    async def _mcp_list_again(tools: Any, server: str) -> str | None:
+        """``tools.list_again(server)`` (an ``McpTools``' server: bounded by its start time-out;
+        a stop cancels the task that awaits it); why it failed, else None."""
         from operate_sidecar.server.tools.errors import ToolSourceError
 
-        why: str | None = None
-        async with anyio.create_task_group() as tg:
-
-            async def until_stop() -> None:
-                await stop.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(until_stop)
-            try:
-                await tools.list_again(server)
-            except ToolSourceError as e:
-                why = str(e)
-            tg.cancel_scope.cancel()
-        return why
+        try:
+            await tools.list_again(server)
+        except ToolSourceError as e:
+            return str(e)
+        return None
 
     def _mcp_relisted(self, ready: asyncio.Event, tools: Any, server: str, registered: list[Any],
                       origin: dict[str, tuple[str, str]], told: dict[str, set[str]]) -> None:
@@ -1152,15 +1147,14 @@ class Service:
         """Register ``tools`` (MCP tools just named; ``label``: their source, as told), kept in
         ``registered`` (their block's); for each server of ``configured`` (configured ones), the
         names it holds from now on, by ``origin`` (each tool's name as offered -> its server and
-        its own name): its own names (``_mcp_own_names``) and the names its tools are offered
-        as (``_mcp_offered``)."""
+        its own name): it runs (``_mcp_running``), its tools offered as ``_mcp_offered`` says."""
         for t in tools:
             self.registry.register(t)
             registered.append(t)
             self._tool_origin[t.name] = label
         for server in configured:
             mine = {public: own for public, (s, own) in origin.items() if s == server}
-            self._mcp_own_names[server] = tuple(mine.values())
+            self._mcp_running.add(server)
             self._mcp_offered[server] = {own: public for public, own in mine.items()}
 
     def _mcp_sibling_names(self, servers: Collection[str]) -> set[str]:
@@ -1170,11 +1164,12 @@ class Service:
         tools were offered as (started again, its tools take those back: a
         ``settings.toolPolicy`` entry follows the name, and must not pass to another server's
         tool while it is down)."""
-        names = {n for s, own in self._mcp_own_names.items() if s not in servers for n in own}
+        names: set[str] = set()
         for s, offered in self._mcp_offered.items():
-            if s not in servers and s not in self._mcp_own_names:
+            if s not in servers:
                 names.update(offered)
-                names.update(offered.values())
+                if s not in self._mcp_running:
+                    names.update(offered.values())
         return names
 
     def _mcp_lost_told(self, ready: asyncio.Event, server: str, why: str) -> None:
@@ -1446,9 +1441,10 @@ class Service:
         model = self._inline.get(key)
         if model is None:
             from operate_sidecar.server.models import make_model
+            from operate_sidecar.server.models._common import masked_model
 
             name = f"inline-{spec.get('provider')}-{len(self._inline) + 1}"
-            model = self._make(make_model, spec, name, where)
+            model = masked_model(spec, name) or self._make(make_model, spec, name, where)  # (restored: refused)
             self._inline[key] = model
         return model
 
@@ -1968,7 +1964,7 @@ class Service:
 
         self.tool_threads  # noqa: B018 - the pool the operate enters its tools' scope with (no thread starts)
         _, branch, kw = await self._operate_call(params)
-        prime(branch, **prepare_operate_kw(branch, **kw))
+        prime(branch, **prepare_operate_kw(branch, **self._round_tools(branch, kw)))
 
     async def _prime_first(self, branch_id: str) -> None:
         """A branch made before any operate or prime in this service (the tools' pool, which
@@ -2005,16 +2001,12 @@ class Service:
             await self.ensure_tools()
             if isinstance(p.tools, list):
                 unknown = [t for t in p.tools if t not in branch.tools]
-                if unknown and computed is not None:  # (gone since the front end computed its list)
-                    log.info("branch %s: tools gone since its operate's tools were computed, left out: %s",
-                             branch.id, ", ".join(unknown))
-                    p.tools = [t for t in p.tools if t in branch.tools]
-                elif unknown:
+                if unknown and computed is None:  # (a front end's: computed again for each round)
                     raise invalid_params(f"tools: unknown tool{'s' if len(unknown) > 1 else ''}: "
                                          + ", ".join(unknown), {"unknownTools": unknown})
             kw = await self._operate_kw(p)
             if computed is not None:  # (computed again for each round: ``_round_tools``)
-                kw["tools"] = BranchTools(p.tools, computed.branch_id)
+                kw["tools"] = BranchTools()
             return p, branch, kw
 
     def _round_tools(self, branch: Any, kw: dict[str, Any]) -> dict[str, Any]:
@@ -2027,7 +2019,7 @@ class Service:
         earlier rounds' effects)."""
         tools = kw.get("tools")
         if isinstance(tools, BranchTools):
-            return {**kw, "tools": self.branch_tools(tools.branch_id)}
+            return {**kw, "tools": self.branch_tools(branch.id)}
         if isinstance(tools, list):
             gone = [t for t in tools if isinstance(t, str) and t not in branch.tools]
             if gone:
@@ -2239,14 +2231,21 @@ def _mcp_ended(ready: McpServerReady) -> bool:
 
 
 class BranchTools(list):
-    """The tools ``Service.branch_tools`` computed for a front end's operate (ACP's) on the branch
-    ``branch_id``: given as an operate's ``tools``, a name in it gone by the time the operate
-    runs is left out rather than refused (a client on the wire can only send a plain list), and
-    each round is offered the tools computed again then (``Service._round_tools``)."""
+    """The tools ``Service.branch_tools`` computed for a front end's operate (ACP's): given as an
+    operate's ``tools``, a name in it gone by the time the operate runs is not refused (a
+    client on the wire can only send a plain list), since each round, the first too, is offered
+    the tools computed again then for the operate's branch (``Service._round_tools``); in the
+    operate's keyword arguments, an empty one marks that."""
 
-    def __init__(self, names: Iterable[str] = (), branch_id: str = "") -> None:
-        super().__init__(names)
-        self.branch_id = branch_id
+
+class _Relist(asyncio.Event):
+    """A round of an MCP server's tools' lists (``Service._serve_mcp``): set once its list is
+    over; ``deadline``: the loop time until which requests wait for it, ``RELIST_WAIT_S`` after
+    the first one began to (``Service._relists_waited``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deadline: float | None = None
 
 
 class McpServerReady(asyncio.Event):
@@ -2258,7 +2257,7 @@ class McpServerReady(asyncio.Event):
         self.tools: tuple[str, ...] = ()
         self.stop = asyncio.Event()  # set: the server stops (its tools are unregistered)
         self.stopped = asyncio.Event()  # set once it has stopped (or never started)
-        self.settled = asyncio.Event()  # clear while its tools, said to have changed, are listed again
+        self.settled = _Relist()  # clear while its tools, said to have changed, are listed again
         self.settled.set()
         self.problems: list[str] = []  # the warnings reported about it (``Service._branch_problem``)
 

@@ -1056,6 +1056,16 @@ class StateStore:
         meanwhile (the tidying stops then)."""
         return self._stop.wait(seconds)
 
+    def _tidy_retry(self, retries: Iterator[float], later: str) -> bool:
+        """Wait the next of the ``TIDY_RETRY_S`` pauses (``retries``) without the connection, for
+        a step another server was in the way of; True when the tidying stops: none is left (said
+        on the debug log: ``later``, with the database's path) or the store was closed meanwhile."""
+        pause = next(retries, None)
+        if pause is None:
+            log.debug("state: " + later, self.path)
+            return True
+        return self._tidy_pause(pause)
+
     def _after_commit(self, freed: bool) -> None:
         """After a commit: tidy when it freed pages, or left the ``-wal`` above its limit (a
         large operate: the log is cut back by a checkpoint that truncates it, which the commit's
@@ -1084,6 +1094,7 @@ class StateStore:
         retries = iter(TIDY_RETRY_S)
         gave_back = False
         while True:
+            busy = False
             with self._db:
                 if self._closed:
                     return
@@ -1096,7 +1107,6 @@ class StateStore:
                             break
                         c.executescript(f"PRAGMA incremental_vacuum({VACUUM_STEP_PAGES})")  # (all its steps)
                     gave_back = True
-                    pause = TIDY_PAUSE_S
                 except StateNotSaved:
                     return
                 except sqlite3.OperationalError as e:
@@ -1104,12 +1114,9 @@ class StateStore:
                         log.warning("state: could not give the free space of %s back (%s); tried again after the "
                                     "next delete", self.path, e)
                         return
-                    pause = next(retries, None)
-                    if pause is None:
-                        log.debug("state: the free space of %s is given back later (another server kept "
-                                  "writing to it)", self.path)
-                        return
-            if self._tidy_pause(pause):
+                    busy = True
+            if self._tidy_retry(retries, "the free space of %s is given back later (another server kept writing "
+                                "to it)") if busy else self._tidy_pause(TIDY_PAUSE_S):
                 return
         while True:
             with self._db:
@@ -1125,12 +1132,8 @@ class StateStore:
                 if self._checkpoint(truncate=owed or wal > JOURNAL_SIZE_LIMIT):
                     self._checkpoint_owed = False
                     return
-            pause = next(retries, None)
-            if pause is None:
-                log.debug("state: the -wal of %s is cut after a later commit (another server kept reading "
-                          "from it)", self.path)
-                return
-            if self._tidy_pause(pause):
+            if self._tidy_retry(retries, "the -wal of %s is cut after a later commit (another server kept reading "
+                                         "from it)"):
                 return
 
     # ------------------------------------------------------------ loading

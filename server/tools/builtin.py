@@ -628,9 +628,7 @@ class WorkspaceTools:
         name = shown or self.display(real)
         root, rel = self._where(real)
         try:
-            if not rel:
-                raise IsADirectoryError(errno.EISDIR, "the workspace root is a directory")
-            return safe_fs.regular_or_missing(root, rel) is not None
+            return safe_fs.regular_or_missing(root, rel) is not None  # (the root: IsADirectoryError)
         except (IsADirectoryError, safe_fs.NotRegularFileError) as e:
             if writing and isinstance(e, IsADirectoryError):
                 raise WorkspacePathError(f"{name!r} is a directory") from None

@@ -960,7 +960,6 @@ async def open_mcp_sources(config: Mapping[str, Mapping[str, Any]] | None, *, re
             else:
                 try:
                     tools = _named_tools([s for s in sources if s.name not in failures], reserved, kept, registered)
-                    tools._sources = {s.name: s for s in sources if s.name not in failures}
                     tools.failed = {s.name: failures[s.name] for s in sources if s.name in failures}
                     yield tools
                 except Exception as e:  # re-raised below, outside the task group, unwrapped
@@ -1025,14 +1024,16 @@ class McpTools(list):
     one's name as offered -> (its server, the server's own name for it); ``failed``: each server
     that did not start -> why; ``warnings``: what else went wrong, one message each. The tools
     listed when the block began: one that lists its tools again (:meth:`list_again`) has them
-    named by :meth:`named`, each time a new :class:`McpTools`."""
+    named by :meth:`named`, each time a new :class:`McpTools`. ``sources``: the servers that
+    started (whose tools these are)."""
 
-    def __init__(self, tools: Iterable[Tool] = (), origin: dict[str, tuple[str, str]] | None = None) -> None:
+    def __init__(self, tools: Iterable[Tool] = (), origin: dict[str, tuple[str, str]] | None = None,
+                 sources: Iterable["McpToolSource"] = ()) -> None:
         super().__init__(tools)
         self.origin: dict[str, tuple[str, str]] = origin or {}
         self.failed: dict[str, ToolSourceError] = {}
         self.warnings: list[str] = []
-        self._sources: dict[str, McpToolSource] = {}  # the servers that started, by name
+        self._sources: dict[str, McpToolSource] = {s.name: s for s in sources}  # by name
 
     def running(self, server: str) -> bool:
         """Whether ``server`` (one of the block's) started and runs still."""
@@ -1082,14 +1083,15 @@ def _named_tools(sources: list[McpToolSource], reserved: Collection[str],
             before = kept.get(s.name, {}).get(own)
             if before is not None and before not in registered and before not in keeps.values():
                 keeps[(s.name, own)] = before
-    tools = McpTools()
+    tools = McpTools(sources=sources)
     for s in sources:
         tools.warnings.extend(s.warnings)
         left_out: dict[str, list[str]] = {}  # who has the name -> "'tool' as 'name'"
-        for remote, t in zip(s.tool_names(), s._tools(clashing)):
+        for r, t in zip(s._remote, s._tools(clashing)):
+            remote = r.name
             keep = keeps.get((s.name, remote))
             if keep is not None and keep != t.name:
-                t = s._tool(next(r for r in s._remote if r.name == remote), keep)
+                t = s._tool(r, keep)
             holder = tools.origin.get(t.name)
             if holder is not None or (t.name not in counts and t.name in taken and keep is None) \
                     or (keep is None and t.name in keeps.values()):

@@ -226,17 +226,11 @@ def regular_or_missing(root: str | os.PathLike[str],
     FIFO, a socket or a device (:class:`NotRegularFileError`). For a path someone else is about
     to open (the client's editor): they will find there what was found here, unless it changes
     in between."""
-    dirs, name = _split(rel)
+    dirs, name = _split(rel)  # (the workspace root: a directory)
     try:
-        dfd = _walk(root, dirs)
+        st = lstat(root, [*dirs, name])
     except FileNotFoundError:
         return None
-    try:
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-    finally:
-        os.close(dfd)
     if _stat.S_ISREG(st.st_mode):
         return st
     if _stat.S_ISDIR(st.st_mode):

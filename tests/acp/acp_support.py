@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -251,6 +252,14 @@ async def bounded(aw: Any, timeout: float = TIMEOUT) -> Any:
     return await asyncio.wait_for(aw, timeout)
 
 
+async def until(check: Any, what: str, timeout: float = TIMEOUT) -> None:
+    """Wait (bounded) until ``check()`` holds, letting the loop run meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not in {timeout} s"
+        await asyncio.sleep(0.02)
+
+
 def cfg(tmp_path: Path, *responses: Any, **settings: Any) -> str:
     """A settings file in ``tmp_path``: a scripted model ``s`` answering ``responses`` (or the
     ``models`` given), and the other settings."""
@@ -310,6 +319,11 @@ class Raw:
         self.proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in msgs))
         self.proc.stdin.flush()
 
+    def send_line(self, line: bytes) -> None:
+        """Raw bytes as one line, as they are."""
+        self.proc.stdin.write(line + b"\n")
+        self.proc.stdin.flush()
+
     def answer(self, msg_id: object, timeout: float = TIMEOUT) -> dict:
         with self._cond:
             assert self._cond.wait_for(lambda: msg_id in self._answers, timeout), f"no answer to {msg_id} in {timeout} s"
@@ -335,6 +349,42 @@ class Raw:
             self.proc.kill()
             self.proc.wait()
         self.proc.stdout.close()
+
+
+class Logged(Raw):
+    """``Raw`` with the agent's log (its stderr) kept in the file ``agent.stderr`` in ``folder``
+    (``stderr()``), read while it runs too."""
+
+    def __init__(self, config: str, folder: Path, env: dict[str, str] | None = None, *extra: str) -> None:
+        self.errpath = folder / "agent.stderr"
+        self._err = open(self.errpath, "wb")
+        super().__init__(config, env, *extra, stderr=self._err.fileno())
+
+    def stderr(self) -> str:
+        return self.errpath.read_text(errors="replace")
+
+    def warnings(self) -> list[str]:
+        return [line for line in self.stderr().splitlines() if "WARNING" in line]
+
+    def logged(self, text: str, times: int = 1, timeout: float = TIMEOUT) -> None:
+        """Wait (bounded) until the agent has logged ``text`` on ``times`` lines."""
+        deadline = time.monotonic() + timeout
+        while sum(text in line for line in self.stderr().splitlines()) < times:
+            assert time.monotonic() < deadline, f"{text!r} not logged {times}x in {timeout} s: {self.stderr()}"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        super().close()
+        self._err.close()
+
+
+def turn_order(a: Raw, msg_id: int) -> list[tuple]:
+    """The turn of prompt ``msg_id`` as the client saw it: each session update (kind, status)
+    and, where it came, its answer's error code."""
+    with a._cond:
+        return [("answer", m["error"]["code"]) if m.get("id") == msg_id
+                else (m["params"]["update"]["sessionUpdate"], m["params"]["update"].get("status"))
+                for m in a.seen if m.get("id") == msg_id or m.get("method") == "session/update"]
 
 
 def req(msg_id: int, method: str, **params: object) -> dict:

@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from acp_support import (MCP_SERVER, ROOT, TIMEOUT, Raw, agent_env, cancel, open_session, prompt, reply, req, scripted,
-                         write_config)
+from acp_support import (MCP_SERVER, ROOT, TIMEOUT, Logged, Raw, agent_env, cancel, open_session, prompt, reply, req,
+                         run, scripted, until, write_config)
 
 
 def _stored_session(tmp_path: Path, ws: Path) -> tuple[Path, str]:
@@ -29,6 +28,27 @@ def _stored_session(tmp_path: Path, ws: Path) -> tuple[Path, str]:
     finally:
         a.close()
     return state, sid
+
+
+def _restarted(tmp_path: Path, state: Path, text: str, env: dict[str, str] | None = None, **settings) -> Raw:
+    """An agent on the state directory ``state`` (its model answering ``text``), initialized
+    (request 1)."""
+    b = Raw(write_config(tmp_path / "second.toml", {"models": {"s": scripted(reply(text))}, **settings}),
+            env, "--state-dir", str(state))
+    try:
+        b.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
+        b.answer(1)
+    except BaseException:
+        b.close()
+        raise
+    return b
+
+
+def _ran(a: Raw, msg_id: int, text: str) -> None:
+    """Prompt ``msg_id`` was answered ``end_turn``, its reply ``text`` the last one shown."""
+    answer = a.answer(msg_id)
+    assert answer.get("result", {}).get("stopReason") == "end_turn", answer
+    assert a.text().endswith(text), a.text()
 
 
 def _take_up(method: str, msg_id: int, sid: str, ws: Path) -> dict:
@@ -47,16 +67,11 @@ def test_a_prompt_sent_with_the_load_that_takes_a_stored_session_up_runs_on_it(t
     checked while the load was still under way, and refused -32602 "not loaded here: session/load
     or session/resume it first", although the load was read first and succeeded."""
     state, sid = _stored_session(tmp_path, ws)
-    b = Raw(write_config(tmp_path / "second.toml", {"models": {"s": scripted(reply("second answer"))}}),
-            None, "--state-dir", str(state))
+    b = _restarted(tmp_path, state, "second answer")
     try:
-        b.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-        b.answer(1)
         b.send(_take_up(method, 2, sid, ws), prompt(3, sid, "second"))
         assert "result" in b.answer(2), b.answer(2)
-        answer = b.answer(3)
-        assert answer.get("result", {}).get("stopReason") == "end_turn", answer
-        assert b.text().endswith("second answer")
+        _ran(b, 3, "second answer")
     finally:
         b.close()
 
@@ -65,16 +80,13 @@ def test_a_prompt_and_a_cancel_sent_with_the_load_the_prompt_is_answered_cancell
     """The cancel was read after the prompt, which waited for the load: it cancels that prompt,
     which never reaches the model; the next prompt runs."""
     state, sid = _stored_session(tmp_path, ws)
-    b = Raw(write_config(tmp_path / "second.toml", {"models": {"s": scripted(reply("second answer"))}}),
-            None, "--state-dir", str(state))
+    b = _restarted(tmp_path, state, "second answer")
     try:
-        b.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-        b.answer(1)
         b.send(_take_up("session/load", 2, sid, ws), prompt(3, sid, "cancelled one"), cancel(sid))
         assert "result" in b.answer(2)
         assert b.answer(3).get("result", {}).get("stopReason") == "cancelled", b.answer(3)
         b.send(prompt(4, sid, "next"))
-        assert b.answer(4)["result"]["stopReason"] == "end_turn" and b.text().endswith("second answer")
+        _ran(b, 4, "second answer")
     finally:
         b.close()
 
@@ -94,9 +106,7 @@ def test_a_load_sent_with_the_close_takes_the_session_up_after_the_close_has_fre
         assert a.answer(4)["result"] == {} and "result" in a.answer(5), (a.answer(4), a.answer(5))
         assert _answered(a)[-3:] == [3, 4, 5]                      # the load took effect after the close
         a.send(prompt(6, sid, "after the load"))
-        answer = a.answer(6)
-        assert answer.get("result", {}).get("stopReason") == "end_turn", answer
-        assert a.text().endswith("after the load")
+        _ran(a, 6, "after the load")
     finally:
         a.close()
 
@@ -128,19 +138,12 @@ def test_a_request_on_the_source_read_after_a_fork_is_answered_while_the_new_ses
     started = Path(str(gate) + ".started")
     env = agent_env(GATED_IMPORT_GATE=str(gate))
     env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests" / "tools" / "fixtures")
-    config = write_config(tmp_path / "second.toml", {"models": {"s": scripted(reply("x"))},
-                                                     "toolModules": ["gated_import_tools"]})
-    b = Raw(config, env, "--state-dir", str(state))
+    b = _restarted(tmp_path, state, "x", env, toolModules=["gated_import_tools"])
     try:
-        b.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-        b.answer(1)
         b.send(req(2, "session/fork", sessionId=sid, cwd=str(ws), mcpServers=[]),
                req(3, "session/set_mode", sessionId=sid, modeId="read-only"))
         assert b.answer(3).get("result") == {}, b.answer(3)
-        deadline = time.monotonic() + TIMEOUT
-        while not started.exists():                                 # the new session's tools: being built
-            assert time.monotonic() < deadline, "the tool module's import never began"
-            time.sleep(0.02)
+        run(until(started.exists, "the tool module's import"))     # the new session's tools: being built
         assert 2 not in _answered(b)                                # (it waits for the gate)
         gate.touch()
         forked = b.answer(2)["result"]["sessionId"]
@@ -214,26 +217,24 @@ def test_an_answer_whose_id_is_a_string_for_a_number_is_said_on_stderr_and_not_t
     request's answer (ids are typed): here the answer with the right id rejects the write."""
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(
         reply("", [("write_file", {"path": "n.txt", "content": "x"})]), reply("done"))}})
-    log = tmp_path / "stderr.log"
-    with open(log, "wb") as err:
-        a = Raw(config, None, stderr=err.fileno())
-        try:
-            sid = open_session(a, ws)
-            a.send(prompt(3, sid, "write"))
-            asked = a.request_seen("session/request_permission")
-            assert asked["id"] == 0
-            options = {o["kind"]: o["optionId"] for o in asked["params"]["options"]}
+    a = Logged(config, tmp_path)
+    try:
+        sid = open_session(a, ws)
+        a.send(prompt(3, sid, "write"))
+        asked = a.request_seen("session/request_permission")
+        assert asked["id"] == 0
+        options = {o["kind"]: o["optionId"] for o in asked["params"]["options"]}
 
-            def answer(msg_id: object, kind: str) -> dict:
-                return {"jsonrpc": "2.0", "id": msg_id,
-                        "result": {"outcome": {"outcome": "selected", "optionId": options[kind]}}}
+        def answer(msg_id: object, kind: str) -> dict:
+            return {"jsonrpc": "2.0", "id": msg_id,
+                    "result": {"outcome": {"outcome": "selected", "optionId": options[kind]}}}
 
-            a.send(answer("0", "allow_once"), answer(99, "allow_once"), answer(0, "reject_once"))
-            assert a.answer(3)["result"]["stopReason"] == "end_turn"
-            assert not (ws / "n.txt").exists()                     # the string id's "allow" was not taken
-        finally:
-            a.close()
-    lines = log.read_text().splitlines()
+        a.send(answer("0", "allow_once"), answer(99, "allow_once"), answer(0, "reject_once"))
+        assert a.answer(3)["result"]["stopReason"] == "end_turn"
+        assert not (ws / "n.txt").exists()                         # the string id's "allow" was not taken
+    finally:
+        a.close()
+    lines = a.stderr().splitlines()
     assert [line for line in lines if "WARNING" in line and 'answer id "0" (a string) matches no request; '
             "request 0 (a number) is waiting" in line], lines
     assert [line for line in lines if "WARNING" in line and "answer id 99 (a number) matches no request the agent "
@@ -243,23 +244,21 @@ def test_an_answer_whose_id_is_a_string_for_a_number_is_said_on_stderr_and_not_t
 def test_two_mcp_servers_of_one_name_in_one_session_new_are_warned_about_as_this_sessions(tmp_path, ws):
     """The second one's warning said it "differs ... from the one another session started",
     though this session passed both."""
-    log = tmp_path / "stderr.log"
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(reply("x"))}})
 
     def fx(tag: str) -> dict:
         return {"name": "fx", "command": sys.executable, "args": [MCP_SERVER, tag],
                 "env": [{"name": "MCP_FIXTURE_TAG", "value": tag}]}
 
-    with open(log, "wb") as err:
-        a = Raw(config, None, stderr=err.fileno())
-        try:
-            a.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-            a.answer(1)
-            a.send(req(2, "session/new", cwd=str(ws), mcpServers=[fx("one"), fx("two")]))
-            assert "result" in a.answer(2, timeout=TIMEOUT)
-        finally:
-            a.close()
-    warned = [line for line in log.read_text().splitlines() if "MCP server 'fx'" in line and "started as 'fx-2'" in line]
+    a = Logged(config, tmp_path)
+    try:
+        a.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
+        a.answer(1)
+        a.send(req(2, "session/new", cwd=str(ws), mcpServers=[fx("one"), fx("two")]))
+        assert "result" in a.answer(2, timeout=TIMEOUT)
+    finally:
+        a.close()
+    warned = [line for line in a.stderr().splitlines() if "MCP server 'fx'" in line and "started as 'fx-2'" in line]
     assert len(warned) == 1, warned
     assert "from another one this session passed under that name" in warned[0], warned
     assert "another session" not in warned[0], warned

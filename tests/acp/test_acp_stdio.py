@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from acp_support import TIMEOUT, agent_env, prompt, reply, scripted, start, write_config
+from acp_support import TIMEOUT, agent_env, prompt, reply, scripted, start, turn_order, write_config
 
 AGENT = [sys.executable, "-m", "operate_sidecar.server", "--acp"]
 
@@ -205,9 +205,7 @@ def test_the_input_ending_mid_turn_ends_its_shown_calls_before_the_turns_answer(
         a.proc.stdin.close()
         assert a.proc.wait(TIMEOUT) == 0
         a.until(lambda: a.ended, "the end of the agent's output")
-        order = [("answer", m["error"]["code"]) if m.get("id") == 10
-                 else (m["params"]["update"]["sessionUpdate"], m["params"]["update"].get("status"))
-                 for m in a.seen if m.get("id") == 10 or m.get("method") == "session/update"]
+        order = turn_order(a, 10)
         first = "pending" if case == "asked" else "in_progress"
         assert order == [("tool_call", first), ("tool_call_update", "failed"), ("answer", -32800)], order
     finally:

@@ -8,7 +8,7 @@ import asyncio
 import os
 
 import acp
-from acp_support import RecordingClient, bounded, reply, run, scripted, spawn, write_config
+from acp_support import RecordingClient, bounded, reply, run, scripted, spawn, until, write_config
 
 
 def cfg(tmp_path, *responses, **settings):
@@ -17,13 +17,6 @@ def cfg(tmp_path, *responses, **settings):
 
 def start_prompt(conn, sid, text="go"):
     return asyncio.ensure_future(conn.prompt(session_id=sid, prompt=[acp.text_block(text)]))
-
-
-async def until(check, timeout: float = 30.0):
-    """Wait (bounded) until ``check()`` holds."""
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.05)
 
 
 def test_a_fifo_in_the_workspace_is_refused_and_never_freezes_the_agent(tmp_path, ws):
@@ -50,7 +43,7 @@ def test_a_fifo_in_the_workspace_is_refused_and_never_freezes_the_agent(tmp_path
             assert not [x for x in failed.content or () if x.type == "diff"]
 
             turn = start_prompt(conn, sid)  # the edit of the FIFO, and a tool that runs a minute
-            await until(lambda: any(u.title.startswith("slow") for u in c.of("tool_call")))
+            await until(lambda: any(u.title.startswith("slow") for u in c.of("tool_call")), "the slow call shown")
             assert [s.session_id for s in (await bounded(conn.list_sessions(), 10)).sessions] == [sid]
             await conn.cancel(session_id=sid)
             assert (await bounded(turn, 10)).stop_reason == "cancelled"

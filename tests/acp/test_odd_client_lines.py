@@ -7,47 +7,18 @@ an id, a request whose method or id is not JSON-RPC's, and an answer longer than
 from __future__ import annotations
 
 import json
-import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 
-from acp_support import AGENT, Raw, agent_env, open_session, reply, req, scripted, write_config
+from acp_support import Logged, open_session, reply, req, scripted, write_config
 from acp_support import prompt as raw_prompt
 
 from operate_sidecar.server.acp.run import tail_id
 
 
-class Logged(Raw):
-    """``Raw`` with the agent's stderr kept in a file (``stderr()``), and raw bytes sent as they are."""
-
-    def __init__(self, config: str, folder: Path) -> None:
-        self.errpath = folder / "agent.stderr"
-        self._err = open(self.errpath, "wb")
-        self.proc = subprocess.Popen(AGENT + ["--config", config], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, env=agent_env())
-        self.seen: list[dict] = []
-        self._answers: dict[object, dict] = {}
-        self._cond = threading.Condition()
-        self.ended = False
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def send_line(self, line: bytes) -> None:
-        self.proc.stdin.write(line + b"\n")
-        self.proc.stdin.flush()
-
-    def stderr(self) -> str:
-        if not self._err.closed:
-            self._err.flush()
-        return self.errpath.read_text(errors="replace")
-
-    def warnings(self) -> list[str]:
-        return [line for line in self.stderr().splitlines() if "WARNING" in line]
-
-    def close(self) -> None:
-        super().close()
-        self._err.close()
+class Client(Logged):
+    """``Logged`` with the session updates of one session, or of all, read out."""
 
     def tool_updates(self, sid: str) -> list[dict]:
         with self._cond:
@@ -60,10 +31,10 @@ class Logged(Raw):
             return {m["params"]["sessionId"] for m in self.seen[after:] if m.get("method") == "session/update"}
 
 
-def start(tmp_path: Path, ws: Path, *responses, fs: bool = False, **settings) -> tuple[Logged, str]:
+def start(tmp_path: Path, ws: Path, *responses, fs: bool = False, **settings) -> tuple[Client, str]:
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(*responses)},
                                                        "stateDir": str(tmp_path / "state"), **settings})
-    a = Logged(config, tmp_path)
+    a = Client(config, tmp_path)
     return a, open_session(a, ws, fs=fs)
 
 

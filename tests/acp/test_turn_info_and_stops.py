@@ -14,14 +14,14 @@ import contextlib
 import json
 import os
 import threading
-import time
 from datetime import datetime
 from typing import Iterator
 
 import acp
 import pytest
 
-from acp_support import RecordingClient, agent_env, bounded, cfg, reply, run, scripted, sdk_prompt, spawn, write_config
+from acp_support import (RecordingClient, agent_env, bounded, cfg, reply, run, scripted, sdk_prompt, spawn, until,
+                         write_config)
 
 
 @contextlib.contextmanager
@@ -47,13 +47,6 @@ def held_api(text: str) -> Iterator[tuple[dict, threading.Event, threading.Event
             yield {"provider": "openai", "model": "m", "baseUrl": url, "maxRetries": 0}, came, go
     finally:
         go.set()
-
-
-async def until(check, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not in {timeout} s"
-        await asyncio.sleep(0.02)
 
 
 def when(updated_at: str | None) -> datetime:

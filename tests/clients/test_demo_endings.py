@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from process_support import marked_processes
 
 from operate_sidecar.clients.python import demo
 from operate_sidecar.clients.python.client import SidecarClient
@@ -75,25 +76,6 @@ class Terminal:
         os.close(self.leader)
 
 
-def processes_with(mark: str) -> list[int]:
-    """The live processes (not zombies) whose environment holds ``mark``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if mark.encode() not in f.read():
-                    continue
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.rfind(b")") + 2:].split()[0] != b"Z":
-            found.append(int(name))
-    return found
-
-
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "SIGHUP"])
 def test_a_demo_stopped_during_its_operate_says_one_line_and_leaves_nothing(tmp_path, how):
     mark = f"DEMO_TEST_{uuid.uuid4().hex}"
@@ -102,7 +84,7 @@ def test_a_demo_stopped_during_its_operate_says_one_line_and_leaves_nothing(tmp_
     term = Terminal(env)
     try:
         term.wait_for(rb"deltas: [1-9]")        # the local model is streaming its reply
-        assert processes_with(mark)[1:], "no server running"   # (the demo itself, and its server)
+        assert len(marked_processes(mark)) > 1, "no server running"   # (the demo itself, and its server)
         if how == "Ctrl-C":
             os.write(term.leader, b"\x03")      # typed at the terminal: SIGINT to its foreground job
         else:
@@ -120,9 +102,9 @@ def test_a_demo_stopped_during_its_operate_says_one_line_and_leaves_nothing(tmp_
     assert lines == [f"demo interrupted ({how}): the sidecar is stopped and the demo's files are removed"], out
     assert list(tmp_path.iterdir()) == []       # no workspace (greeting.py), no server log
     deadline = time.monotonic() + 10
-    while processes_with(mark) and time.monotonic() < deadline:  # the server was SIGKILLed
+    while marked_processes(mark) and time.monotonic() < deadline:  # the server was SIGKILLed
         time.sleep(0.05)
-    assert processes_with(mark) == []
+    assert marked_processes(mark) == {}
 
 
 def dying_server(monkeypatch, message: str = "Traceback: llama model file not found") -> None:

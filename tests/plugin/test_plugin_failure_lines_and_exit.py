@@ -6,21 +6,17 @@ subprocess, real sidecars over real pipes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pytest_plugin import GOOD, TIMEOUT, WRONG, make_project  # noqa: E402
+from test_pytest_plugin import GOOD, WRONG, make_project, run_pytest  # noqa: E402
 
 
 def run_wide(project: Path, *args: str) -> str:
     """pytest on ``project`` with a terminal wide enough that the short summary's lines are not
     cut (pytest cuts them to the terminal's width); all it printed."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout=120", "-ra",
-                          *args], cwd=project, capture_output=True, text=True, timeout=TIMEOUT,
-                         env={**os.environ, "COLUMNS": "400"})
+    out = run_pytest(project, "-ra", *args, env={"COLUMNS": "400"})
     return out.stdout + out.stderr
 
 
@@ -90,7 +86,8 @@ def test_a_script_path_through_a_symlink_is_opened_as_given_and_named_as_given(t
     assert first.startswith(f'{given} line 3: request operate: at $.result.result: expected "other text", '), first
 
 
-EXIT_TESTS = '''
+# the head of the test files below: a sidecar whose operate runs for 30 s
+EXIT_HEAD = '''
 import asyncio
 
 import pytest
@@ -98,34 +95,27 @@ import pytest
 from operate_sidecar.testing import SidecarExited
 
 SLOW = {"models": {"m": {"provider": "scripted", "responses": [{"text": "slow", "delayMs": 30000}]}}}
+'''
+
+EXIT_TESTS = EXIT_HEAD + '''
+SAID = {"request": "request createBranch not sent: the sidecar exited (code 0)",
+        "notify": "notification $/cancelRequest not sent: the sidecar ",
+        "wait": "no matching toolEvent notification came: the sidecar exited (code 0)"}
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("run", range(5))
-async def test_request_after_exit(sidecar, run):
+@pytest.mark.parametrize("call", ["request"] * 5 + ["notify", "wait"])  # (a request raced the exit: five)
+async def test_a_call_after_exit(sidecar, call):
     await sidecar.request("shutdown")
     sidecar.notify("exit")
     with pytest.raises(SidecarExited) as info:
-        await sidecar.request("createBranch")
-    assert str(info.value).startswith("request createBranch not sent: the sidecar exited (code 0)"), info.value
-
-
-@pytest.mark.asyncio
-async def test_notify_after_exit(sidecar):
-    await sidecar.request("shutdown")
-    sidecar.notify("exit")
-    with pytest.raises(SidecarExited) as info:
-        sidecar.notify("$/cancelRequest", {"id": 1})
-    assert str(info.value).startswith("notification $/cancelRequest not sent: the sidecar "), info.value
-
-
-@pytest.mark.asyncio
-async def test_wait_after_exit(sidecar):
-    await sidecar.request("shutdown")
-    sidecar.notify("exit")
-    with pytest.raises(SidecarExited) as info:
-        await sidecar.wait_for_notification("toolEvent", timeout=60)
-    assert str(info.value).startswith("no matching toolEvent notification came: the sidecar exited (code 0)")
+        if call == "request":
+            await sidecar.request("createBranch")
+        elif call == "notify":
+            sidecar.notify("$/cancelRequest", {"id": 1})
+        else:
+            await sidecar.wait_for_notification("toolEvent", timeout=60)
+    assert str(info.value).startswith(SAID[call]), info.value
 
 
 @pytest.mark.asyncio
@@ -155,14 +145,7 @@ def test_after_exit_requests_notifications_and_waits_raise_sidecar_exited(tmp_pa
     assert "8 passed" in text and "failed" not in text, text
 
 
-EXIT_END_TESTS = '''
-import asyncio
-
-import pytest
-
-from operate_sidecar.testing import SidecarExited
-
-SLOW = {"models": {"m": {"provider": "scripted", "responses": [{"text": "slow", "delayMs": 30000}]}}}
+EXIT_END_TESTS = EXIT_HEAD + '''
 END = {"token": 1, "value": {"kind": "end"}}
 
 

@@ -5,6 +5,7 @@ whose tests use the ``sidecar`` fixture and ``sidecar_script``, run by pytest in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -100,10 +101,12 @@ def make_project(root: Path) -> Path:
     return root
 
 
-def run_pytest(project: Path, *args: str) -> subprocess.CompletedProcess:
+def run_pytest(project: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """pytest on ``project`` in a subprocess (with ``env`` added to the environment)."""
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout=120",
                            "-o", "console_output_style=classic", *args],
-                          cwd=project, capture_output=True, text=True, timeout=TIMEOUT)
+                          cwd=project, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, **env} if env else None)
 
 
 def run_tests_file(tmp_path: Path, name: str, source: str, *args: str) -> str:

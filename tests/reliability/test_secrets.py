@@ -4,13 +4,12 @@ unless ``--debug``."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import socket
 
 import pytest
-from openai_stub import loopback
+from openai_stub import StubHandler, loopback
 
 from .support import TIMEOUT, RpcError, scripted
 
@@ -19,7 +18,7 @@ KEY = "plantedKEY0123456789abcdefXYZ"
 ENV = "RELIABILITY_PLANTED_KEY"
 
 
-class _EchoAuth(http.server.BaseHTTPRequestHandler):
+class _EchoAuth(StubHandler):
     """Answers every request 401, echoing the Authorization header back (a hostile endpoint)."""
 
     seen: list[str] = []
@@ -27,18 +26,10 @@ class _EchoAuth(http.server.BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         auth = self.headers.get("Authorization", "")
         self.seen.append(auth)
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.request_body()
         body = json.dumps({"error": {"message": f"Incorrect API key provided: {auth}", "type": "invalid_request_error",
                                      "code": "invalid_api_key", "param": auth}}).encode()
-        self.send_response(401)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("WWW-Authenticate", auth)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.answer(401, body, headers={"WWW-Authenticate": auth})
 
 
 @pytest.fixture

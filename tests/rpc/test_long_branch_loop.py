@@ -206,3 +206,59 @@ def test_a_page_made_a_slice_at_a_time_is_masked_as_one_frame_is():
     with pytest.raises(TypeError):                                       # unmasked bytes are refused
         Connection.send_encoded_result(None, 7, page.body)  # type: ignore[arg-type]
     assert isinstance(page, Encoded)
+
+
+async def _turns_meanwhile(work: Any) -> tuple[int, Any]:
+    """The turns a concurrent task gets while ``work`` (awaited) runs, and what it gave: none
+    when it never yields to the loop."""
+    turns, done = 0, False
+
+    async def count() -> None:
+        nonlocal turns
+        while not done:
+            await asyncio.sleep(0)
+            turns += 1
+
+    counter = asyncio.create_task(count())
+    await asyncio.sleep(0)  # (the counter started)
+    before = turns
+    try:
+        out = await work
+        return turns - before, out
+    finally:
+        done = True
+        await counter
+
+
+#: messages of a page split into slices (``PAGE_SLICE``: 1000 at a time)
+SLICED = 5_000
+
+
+def test_encode_page_yields_to_the_loop_between_its_slices():
+    """Told apart without timing: a task running meanwhile gets turns while a page of ``SLICED``
+    messages is encoded (none if it were encoded at once)."""
+    result = {"messages": [{"id": f"m{i}", "content": {"text": f"reply {i}"}} for i in range(SLICED)],
+              "total": SLICED}
+    turns, page = asyncio.run(_turns_meanwhile(encode_page(result)))
+    assert turns > 0 and json.loads(page.body) == result
+
+
+def test_a_page_of_messages_is_made_yielding_to_the_loop_between_its_slices():
+    """Told apart without timing: a task running meanwhile gets turns while the service makes a
+    page of ``SLICED`` messages (none if it were made at once); one of a single message gives it
+    none (nothing else in ``branchMessages`` yields here)."""
+    settings = S.finalize(S.merge(S.DEFAULTS, {"models": {"s": scripted()}, "defaultModel": "s"}))
+
+    async def main() -> None:
+        svc = Service(_Port(settings))
+        bid = (await svc.createBranch({}, prime_first=False))["branchId"]
+        messages = svc.branch(bid).messages
+        for i in range(SLICED):
+            messages.add("instruction", {"instruction": f"prompt {i}"}, sender="user")
+        turns, one = await _turns_meanwhile(svc.branchMessages({"branchId": bid, "limit": 1}))
+        assert turns == 0 and len(one["messages"]) == 1
+        turns, page = await _turns_meanwhile(svc.branchMessages({"branchId": bid, "limit": SLICED}))
+        assert turns > 0 and len(page["messages"]) == SLICED and page["total"] == SLICED
+        await svc.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT * 3))

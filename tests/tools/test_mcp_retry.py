@@ -5,27 +5,17 @@ it has started. The real server over real pipes, with real MCP stdio servers."""
 import sys
 from pathlib import Path
 
-import pytest
+from tools.mcp_support import FIXTURES, WAIT, until  # tests/ is on sys.path
 
-from rpc.support import Sidecar, spawner  # tests/ is on sys.path
-from tools.mcp_support import until
-
-FIXTURES = Path(__file__).parent / "fixtures"
 SERVER = str(FIXTURES / "mcp_server.py")
 RETRIED = str(FIXTURES / "retried_mcp_server.py")
 GATED = str(Path(__file__).parents[1] / "service" / "fixtures" / "gated_mcp_server.py")
-WAIT = 60  # seconds: every wait here is bounded
 #: a start times out after this many seconds here (30 s out of tests): what hangs is given up on
 #: sooner, and what these tests do while a try hangs takes well under it
 START_TIMEOUT_S = 5
+#: the servers' environment (``make(env=ENV)``, ``make``: conftest.py's)
+ENV = {"OPERATE_SIDECAR_MCP_START_TIMEOUT_S": str(START_TIMEOUT_S)}
 GOOD = {"echo", "add", "stats", "lines", "fail", "whoami", "pid"}  # mcp_server.py's tools
-
-
-@pytest.fixture
-def make():
-    env = {"OPERATE_SIDECAR_MCP_START_TIMEOUT_S": str(START_TIMEOUT_S)}
-    with spawner(lambda _i, *args, **kw: Sidecar(*args, paths=(FIXTURES,), env=env, **kw)) as make:
-        yield make
 
 
 def unavailable(c):
@@ -43,7 +33,7 @@ def test_a_server_whose_first_start_timed_out_is_tried_again_without_a_request_w
     gate, starts = tmp_path / "gate", tmp_path / "starts"
     late = ["/bin/sh", "-c", 'echo start >> "$0"; shift; exec "$@"', str(starts), "--",
             sys.executable, GATED, "late", str(gate), "late_tool"]
-    c = make()
+    c = make(env=ENV)
     c.init(mcpServers={"good": {"command": [sys.executable, SERVER, "good"]}, "late": {"command": late}})
 
     def mcp_tools():
@@ -73,7 +63,7 @@ def test_a_retry_that_says_its_tools_changed_while_it_starts_holds_up_no_request
     try had ended: an entry naming its tool was told to name no tool. Now a request answers while
     the try hangs, and the check waits for the try: only the entry naming no tool is told."""
     gate, starts = tmp_path / "gate", tmp_path / "starts"
-    c = make()
+    c = make(env=ENV)
     c.init(mcpServers={"good": {"command": [sys.executable, SERVER, "good"]},
                        "late": {"command": [sys.executable, RETRIED, str(starts), str(gate)]}},
            toolPolicy={"late_tool": "allow", "no_such_tool": "allow"})

@@ -247,13 +247,11 @@ def test_importing_server_tools_does_not_import_the_mcp_sdk():
     assert out.stdout.strip() == "False False"
 
 
-async def test_relayed_stderr_lines_are_redacted(two_servers, monkeypatch):
+async def test_relayed_stderr_lines_are_redacted(two_servers):
     """SECURITY.md G6: a registered secret, or a key-shaped token, that the server writes to its
     stderr never reaches ours (nor the tail quoted when a server fails to start)."""
     from operate_sidecar.server import redaction
 
-    monkeypatch.setattr(redaction, "_KNOWN", set(redaction._KNOWN))  # forget the secret afterwards
-    monkeypatch.setattr(redaction, "_ORDERED", redaction._ORDERED)
     secret = "mcp-relay-secret-5309"
     redaction.remember_secret(secret)
     tools, err = two_servers
@@ -460,15 +458,13 @@ def test_a_start_failure_inside_exception_groups_is_named_by_its_cause():
         "the real cause"
 
 
-async def test_a_secret_in_a_stderr_line_too_long_to_relay_whole_is_masked_wherever_the_line_is_cut(monkeypatch):
+async def test_a_secret_in_a_stderr_line_too_long_to_relay_whole_is_masked_wherever_the_line_is_cut():
     """SECURITY.md G6. A stderr line longer than the relay holds is relayed in pieces; in a line
     with no blank to cut at (a minified JSON dump), a known secret across a cut was masked in
     neither piece. Now no cut goes through a secret or a key-shaped token (one with a blank in
     it too), and the stderr the warning quotes is bounded (it quoted the whole line)."""
     from operate_sidecar.server import redaction
 
-    monkeypatch.setattr(redaction, "_KNOWN", set(redaction._KNOWN))  # forget the secret afterwards
-    monkeypatch.setattr(redaction, "_ORDERED", redaction._ORDERED)
     secret = "long-line-secret-8675309"
     redaction.remember_secret(secret)
     bearer = "Bearer abcdefgh12345678"

@@ -100,8 +100,6 @@ interface Live {
   cards: Map<string, ToolCard>;
   /** The note of a turn stopped by the extension (not the user), e.g. for a restart. */
   stopNote?: string;
-  /** The chat it was sent in (`localBranch` then). */
-  chat: string;
   /** The context sent with the instruction (kept with the turn if it fails, for Retry). */
   context?: JsonObject;
   /** The response format the turn asked for (see send; kept with the turn if it fails, for Retry). */
@@ -142,7 +140,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   /**
    * Turns of this chat the server did not record as shown (failed, stopped): kept, in order, per
    * chat in the workspace state (see BranchStore.localTurns), so that they come back when the chat
-   * is shown again, also after a window reload. `localBranch`: their branch ('' = a chat not yet bound).
+   * is shown again, also after a window reload. `localBranch`: their branch ('' = a chat not yet bound); while a turn
+   * runs, the turn's own chat (only send, newBranch and leaveDeleted move it then: refresh waits for the turn's end).
    */
   private locals: LocalTurn[] = [];
   private localBranch = '';
@@ -260,8 +259,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     }
   }
 
-  /** The turns the chat shows: the branch's with the local ones, then the running one (under its own chat only). */
-  private get shown(): Turn[] { return this.live && this.live.chat === this.localBranch ? [...this.turns, this.live.turn] : this.turns; }
+  /** The turns the chat shows: the branch's with the local ones, then the running one (its own chat is shown while it runs: see localBranch). */
+  private get shown(): Turn[] { return this.live ? [...this.turns, this.live.turn] : this.turns; }
 
   /** Copy under a reply: the Markdown of the turn shown at `index` goes on the clipboard. */
   private async copyReply(index: number): Promise<void> {
@@ -531,7 +530,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const turn: Turn = { user: text, contextLabels: (resolved.context?.labels as string[] | undefined) ?? [], items: [], running: true };
     const source = new CancellationTokenSource();
     this.bindLocal(this.host.branches.current ?? '');
-    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), chat: this.localBranch, at: this.serverTotal, sent: false, began: false, ended: false,
+    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), at: this.serverTotal, sent: false, began: false, ended: false,
       flushed: '', lastFlush: 0, md: new StreamMarkdown(), shown: false, posting: 0, progress: { round: 1 }, ...(resolved.context && { context: resolved.context }),
       ...(opts?.responseFormat && { responseFormat: opts.responseFormat }) };
     this.render();
@@ -542,7 +541,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
       // Stop ends the turn even while the server is still starting (or never answers)
       const client = await unlessCancelled(this.host.ensure(), source.token);
       // the chat it was sent in, not the one picked while the server started: the turn shows, and is kept, there
-      let branchId = this.live.chat || undefined;
+      let branchId = this.localBranch || undefined;
       if (branchId) {
         // where this turn begins on the branch (and, read first after a turn that failed, whether
         // the server had recorded part of that one); a branch deleted elsewhere: the turn goes to a new chat
@@ -552,7 +551,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
           this.live.at = total;
         } catch (e) {
           if (e instanceof ResponseError && e.code === ErrorCodes.Cancelled) throw e;
-          if (e instanceof ResponseError && e.code === ErrorCodes.BranchNotFound) branchId = await this.leaveDeleted(this.live, branchId);
+          if (e instanceof ResponseError && e.code === ErrorCodes.BranchNotFound) { await this.leaveDeleted(branchId); branchId = undefined; }
         }
       }
       if (!branchId) branchId = await this.newBranch(client, this.live, text, source.token);
@@ -590,11 +589,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const model = this.host.branches.model;
     const branchId = (await unlessCancelled(client.createBranch({ name, ...(model && { chatModel: model }) }), token)).branchId;
     this.host.branches.remember(branchId, name);
-    if (this.localBranch === '') {
-      void this.host.branches.setLocalTurns('', []);
-      this.localBranch = live.chat = branchId;
-      this.saveLocals();
-    }
+    void this.host.branches.setLocalTurns('', []);
+    this.localBranch = branchId;
+    this.saveLocals();
     this.serverTurns = [];
     this.serverTotal = 0;
     live.at = 0;
@@ -605,12 +602,12 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   /**
    * The chat's branch `gone` was deleted elsewhere (another window's chat picker, another client of the server or
-   * of its state directory) and the running turn `live` was sent in it: the user is told so, in words, once; what
+   * of its state directory) and the running turn was sent in it: the user is told so, in words, once; what
    * the chat kept of it goes with it (as with Delete Branch), and the turn goes to a new chat, as the chat's first
-   * message (undefined: no branch yet, see newBranch), instead of failing with the server's `branch not found`,
+   * message (the chat has no branch then, see newBranch), instead of failing with the server's `branch not found`,
    * it and every message after it. The current chat becomes a new one unless the user picked another meanwhile.
    */
-  private async leaveDeleted(live: Live, gone: string): Promise<undefined> {
+  private async leaveDeleted(gone: string): Promise<void> {
     const name = this.host.branches.nameOf(gone);
     this.host.line(`[chat] branch ${gone} is gone (deleted elsewhere): the message goes to a new chat`);
     void vscode.window.showInformationMessage(`operate-sidecar: the chat ${name ? `"${name}"` : gone.slice(0, 8)} was deleted (in another window, `
@@ -621,10 +618,9 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     this.serverTurns = [];
     this.serverTotal = 0;
     this.turns = [];
-    this.localBranch = live.chat = '';
+    this.localBranch = '';
     // (a new chat: what fails before it has a branch stays with it)
     if (this.host.branches.current === gone) await this.host.branches.setCurrent(undefined);
-    return undefined;
   }
 
   private async operate(client: SidecarClient, params: OperateParams, source: CancellationTokenSource): Promise<OperateResult> {

@@ -50,16 +50,16 @@ local function state_dir()
   if type(dir) ~= 'string' or dir == '' then
     return nil
   end
-  local home, rest = dir:match('^(~[^/]*)(.*)$')
+  -- `~` as the server expands it, from $HOME as it is now (Neovim's own `~` is $HOME when it started)
+  local home = (dir == '~' or dir:sub(1, 2) == '~/') and uv.os_homedir()
   if home then
-    local expanded = home == '~' and (uv.os_homedir() or os.getenv('HOME')) or vim.fn.expand(home)
-    dir = (expanded or home) .. rest
-  end
-  if dir:sub(1, 1) ~= '/' then
+    dir = home .. dir:sub(2)
+  elseif not dir:match('^[/~]') then -- relative: to the server's working folder
     local base = require('operate_sidecar.config').values.cmd_cwd or vim.fn.getcwd()
-    dir = vim.fn.fnamemodify(base, ':p'):gsub('/+$', '') .. '/' .. dir
+    dir = base:gsub('/+$', '') .. '/' .. dir
   end
-  return dir
+  -- absolute, `~user` expanded (a folder that exists gets a trailing slash: not kept)
+  return (vim.fn.fnamemodify(dir, ':p'):gsub('(.)/+$', '%1'))
 end
 
 local function file()

@@ -4,21 +4,11 @@
 // the chat view was built again keeps to its own chat; a message sent in a chat whose branch was deleted elsewhere
 // goes to a new chat, saying so; the picked model removed from the settings is said once.
 import * as fs from 'node:fs';
-import { createRequire } from 'node:module';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import * as vscode from 'vscode';
 import type { OperateSidecarApi } from '../extension';
-import { type Check, EXT_ID, STEP_MS, checkRunner, exec, expect, within, writeReport } from './harness';
-
-async function until(cond: () => boolean, what: string, ms = STEP_MS): Promise<void> {
-  const end = Date.now() + ms;
-  while (!cond()) {
-    if (Date.now() > end) throw new Error(`timeout after ${ms} ms waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 20));
-  }
-}
-const scripted = (...responses: unknown[]) => ({ provider: 'scripted', responses });
+import { type Check, EXT_ID, checkRunner, exec, expect, recordMessages, scripted, until, within, writeReport } from './harness';
 
 export async function run(): Promise<void> {
   const checks: Check[] = [];
@@ -33,12 +23,7 @@ export async function run(): Promise<void> {
     await check('activate the extension; its messages are recorded', async () => {
       const ext = vscode.extensions.getExtension<OperateSidecarApi>(EXT_ID);
       expect(ext, `extension ${EXT_ID} not found`);
-      // the extension's own vscode API instance (see itest/index.ts: extensionVscode)
-      const win = (createRequire(path.join(fs.realpathSync(ext.extensionPath), 'out', 'extension.js'))('vscode') as typeof vscode).window as any;
-      for (const k of ['showInformationMessage', 'showWarningMessage', 'showErrorMessage']) {
-        const orig = win[k];
-        win[k] = (message: string, ...rest: unknown[]) => { shown.push(`${k}: ${message}`); return orig.call(win, message, ...rest); };
-      }
+      recordMessages(ext, shown, ['showInformationMessage', 'showWarningMessage', 'showErrorMessage']);
       api = await within(ext.activate(), 'activate');
     });
     if (!api) throw new Error('activation failed');

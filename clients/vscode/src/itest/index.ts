@@ -9,31 +9,10 @@
 // case; Cancel is the real button of the real progress notification, pressed through the
 // workbench command `notification.acceptPrimaryAction`. Server, tools and models are real.
 import * as fs from 'node:fs';
-import { createRequire } from 'node:module';
 import * as path from 'node:path';
 import * as vscode from 'vscode';
 import type { OperateSidecarApi } from '../extension';
-import { type Check, EXT_ID, STEP_MS, checkRunner, exec, expect, within, writeReport } from './harness';
-
-async function until(cond: () => boolean, what: string, ms = STEP_MS): Promise<void> {
-  const end = Date.now() + ms;
-  while (!cond()) {
-    if (Date.now() > end) throw new Error(`timeout after ${ms} ms waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 20));
-  }
-}
-
-/**
- * The `vscode` API object the extension itself uses. VS Code hands every extension its own API
- * instance: `require('vscode')` is resolved by the requiring file's path (extension path index),
- * and a test module outside the extension (the unpacked .vsix case) gets a different, default
- * instance whose `window` is not the one the extension calls. Requiring 'vscode' on behalf of a
- * file inside the extension returns the extension's (cached) instance.
- */
-function extensionVscode(ext: vscode.Extension<unknown>): typeof vscode {
-  const main = path.join(fs.realpathSync(ext.extensionPath), 'out', 'extension.js');
-  return createRequire(main)('vscode') as typeof vscode;
-}
+import { type Check, EXT_ID, checkRunner, exec, expect, extensionVscode, scripted, until, within, writeReport } from './harness';
 
 /** One scripted answer: an input box's value, a quick pick's choice or a warning's button (undefined = dismissed). */
 type Step =
@@ -147,7 +126,6 @@ async function withScriptedUi(win: typeof vscode.window, steps: Step[], fn: (ui:
   expect(!queue.length, `${queue.length} scripted answer(s) never asked for`);
 }
 
-const scripted = (...responses: unknown[]) => ({ provider: 'scripted', responses });
 /** A fresh inline scripted model (inline models are cached by their JSON: `text` keeps it unique) that calls shout once. */
 const callsShout = (text: string) => scripted({ json: { action_requests: [{ function: 'shout', arguments: { text } }] } });
 const PERMISSION_LABELS = ['Allow once', 'Always allow (this branch)', 'Deny once', 'Always deny (this branch)'];

@@ -2,12 +2,11 @@
 // the settings are user settings). Runs INSIDE the real extension host against the real server
 // (scripted models) and writes a JSON report to $OPERATE_SIDECAR_ITEST_REPORT.
 import * as fs from 'node:fs';
-import { createRequire } from 'node:module';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import * as vscode from 'vscode';
 import type { OperateSidecarApi } from '../extension';
-import { type Check, EXT_ID, checkRunner, exec, expect, within, writeReport } from './harness';
+import { type Check, EXT_ID, checkRunner, exec, expect, recordMessages, within, writeReport } from './harness';
 
 const FILE_TOOLS = ['read_file', 'write_file', 'edit_file', 'list_dir', 'search_text'];
 
@@ -22,12 +21,7 @@ export async function run(): Promise<void> {
     await check('activate the extension in a window with no folder open; its messages are recorded', async () => {
       const ext = vscode.extensions.getExtension<OperateSidecarApi>(EXT_ID);
       expect(ext, `extension ${EXT_ID} not found`);
-      // the extension's own vscode API instance (see itest/index.ts: extensionVscode)
-      const win = (createRequire(path.join(fs.realpathSync(ext.extensionPath), 'out', 'extension.js'))('vscode') as typeof vscode).window as any;
-      for (const k of ['showErrorMessage', 'showWarningMessage']) {
-        const orig = win[k];
-        win[k] = (message: string, ...rest: unknown[]) => { shown.push(`${k}: ${message}`); return orig.call(win, message, ...rest); };
-      }
+      recordMessages(ext, shown, ['showErrorMessage', 'showWarningMessage']);
       api = await within(ext.activate(), 'activate');
       expect(vscode.workspace.workspaceFolders === undefined, `folders: ${JSON.stringify(vscode.workspace.workspaceFolders)}`);
     });

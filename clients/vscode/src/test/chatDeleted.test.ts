@@ -5,23 +5,19 @@
 // Run: tsc -p . && node --test out/test/
 import { test } from 'node:test';
 import * as assert from 'node:assert/strict';
-import { FakeClient, log, memento, msg, result, until, vscode, webviewView } from './standIn';
+import { chatHost, FakeClient, log, memento, msg, result, until, vscode, webviewView } from './standIn';
 import type { BranchStore as BranchStoreT } from '../branchStore';
 import type { ChatView as ChatViewT } from '../chatView';
-import type { DiffReview as DiffReviewT } from '../diffReview';
 import { ErrorCodes, ResponseError } from '../rpcClient';
 
 // (the stand-in for `vscode`, standIn.ts, is installed by its import above: these modules get it)
 const { BranchStore } = require('../branchStore') as { BranchStore: typeof BranchStoreT };
 const { ChatView } = require('../chatView') as { ChatView: typeof ChatViewT };
-const { DiffReview } = require('../diffReview') as { DiffReview: typeof DiffReviewT };
 
 test('a chat whose branch is deleted elsewhere after the turn read it: the turn fails saying so in words (not the server\'s "branch not found"); Retry goes to a new chat, said once, and the chat goes on there', async () => {
   const client = new FakeClient();
   const branches = new BranchStore(memento() as never);
-  const host = { ensure: async () => client, current: () => client, branches, editors: { editor: undefined }, review: new DiffReview(),
-    maxRounds: () => 1, runningChanged() { /* no status bar */ }, line() { /* no output channel */ }, serverProblem: () => undefined };
-  const chat = new ChatView({ extensionUri: vscode.Uri.file('/ext') } as never, host as never);
+  const chat = new ChatView({ extensionUri: vscode.Uri.file('/ext') } as never, chatHost(client, branches) as never);
   const { view, send, posted } = webviewView();
   chat.resolveWebviewView(view as never);
   client.branches.set('G', [msg('instruction', { instruction: 'first' }), msg('assistant_response', { text: 'first reply' })]);

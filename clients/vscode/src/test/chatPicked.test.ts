@@ -6,24 +6,21 @@
 // Run: tsc -p . && node --test out/test/
 import { test } from 'node:test';
 import * as assert from 'node:assert/strict';
-import { FakeClient, memento, msg, result, until, vscode, webviewView } from './standIn';
+import { chatHost, FakeClient, memento, msg, result, until, vscode, webviewView } from './standIn';
 import type { BranchStore as BranchStoreT } from '../branchStore';
 import type { ChatView as ChatViewT } from '../chatView';
-import type { DiffReview as DiffReviewT } from '../diffReview';
 import { ResponseError } from '../rpcClient';
 
 // (the stand-in for `vscode`, standIn.ts, is installed by its import above: these modules get it)
 const { BranchStore } = require('../branchStore') as { BranchStore: typeof BranchStoreT };
 const { ChatView } = require('../chatView') as { ChatView: typeof ChatViewT };
-const { DiffReview } = require('../diffReview') as { DiffReview: typeof DiffReviewT };
 
-/** A chat view on a scripted client whose server start waits for `starting()`'s release; chats A (1 turn) and B (2 turns). */
+/** A chat view on a scripted client whose server start can be held (`starting()`, see sendWhilePicking); chats A (1 turn) and B (2 turns). */
 async function setUp() {
   const client = new FakeClient();
   const branches = new BranchStore(memento() as never);
   let gate: Promise<void> = Promise.resolve();
-  const host = { ensure: async () => { await gate; return client; }, current: () => client, branches, editors: { editor: undefined }, review: new DiffReview(),
-    maxRounds: () => 1, runningChanged() { /* no status bar */ }, line() { /* no output channel */ }, serverProblem: () => undefined };
+  const host = chatHost(client, branches, { ensure: async () => { await gate; return client; } });
   const chat = new ChatView({ extensionUri: vscode.Uri.file('/ext') } as never, host as never);
   // as the extension does: a chat picked while no turn runs is shown
   branches.onDidChangeCurrent(() => { if (!chat.running) void chat.refresh(); });
@@ -38,18 +35,24 @@ async function setUp() {
   /** The server (re)starts: ensure() waits until the returned release is called. */
   const starting = () => { let release!: () => void; gate = new Promise((r) => { release = r; }); return release; };
   const users = () => chat.shownTurns().map((t) => (t.outcome ? [t.user, t.outcome] : t.user));
-  return { client, branches, chat, starting, users };
+  /** Sends `text` while the server (re)starts, the user picking chat `pick` meanwhile; returns once the turn's operate
+   * is sent, with the turn's outcome to come (`turn`). */
+  const sendWhilePicking = async (text: string, pick: string) => {
+    const release = starting();
+    const turn = chat.send(text);
+    await branches.setCurrent(pick);   // the user picks another chat while the server is (re)starting
+    release();
+    await until(() => client.ops.length === 1, 'the operate sent');
+    return { turn };
+  };
+  return { client, branches, chat, users, sendWhilePicking };
 }
 
 test('a chat picked while the server starts for a turn sent in chat A: the turn goes to A (its operate, its place, its failure kept there); B is shown once it ends', async () => {
-  const { client, branches, chat, starting, users } = await setUp();
+  const { client, branches, chat, users, sendWhilePicking } = await setUp();
   await branches.setCurrent('A');
   await chat.refresh();
-  const release = starting();
-  const failed = chat.send('question in A');
-  await branches.setCurrent('B');   // the user picks B while the server is (re)starting
-  release();
-  await until(() => client.ops.length === 1, 'the operate sent');
+  const { turn: failed } = await sendWhilePicking('question in A', 'B');
   assert.equal(client.ops[0].params.branchId, 'A');
   assert.deepEqual(users(), ['a1', 'question in A']);   // (while it runs: its own chat)
   client.ops[0].reject(new ResponseError(-32011, 'model failed'));
@@ -66,14 +69,10 @@ test('a chat picked while the server starts for a turn sent in chat A: the turn 
 });
 
 test('a chat picked while the server starts for a turn sent in chat A that succeeds: A records it, B is shown, with B\'s turns only', async () => {
-  const { client, branches, chat, starting, users } = await setUp();
+  const { client, branches, chat, users, sendWhilePicking } = await setUp();
   await branches.setCurrent('A');
   await chat.refresh();
-  const release = starting();
-  const sent = chat.send('question in A');
-  await branches.setCurrent('B');
-  release();
-  await until(() => client.ops.length === 1, 'the operate sent');
+  const { turn: sent } = await sendWhilePicking('question in A', 'B');
   assert.equal(client.ops[0].params.branchId, 'A');
   client.branches.get('A')!.push(msg('instruction', { instruction: 'question in A' }), msg('assistant_response', { text: 'answer' }));
   client.ops[0].resolve(result('answer'));
@@ -89,13 +88,9 @@ test('a chat picked while the server starts for a turn sent in chat A that succe
 });
 
 test('a chat picked while the server starts for a turn sent in a new chat: the turn goes to a branch made for it and is kept there; the pick stands', async () => {
-  const { client, branches, chat, starting, users } = await setUp();
+  const { client, branches, chat, users, sendWhilePicking } = await setUp();
   await chat.refresh();   // (no current chat: a new one)
-  const release = starting();
-  const failed = chat.send('first question');
-  await branches.setCurrent('B');
-  release();
-  await until(() => client.ops.length === 1, 'the operate sent');
+  const { turn: failed } = await sendWhilePicking('first question', 'B');
   assert.equal(client.ops[0].params.branchId, 'new1');
   assert.equal(branches.current, 'B');   // (the user's pick, not the new chat's branch)
   assert.equal(branches.nameOf('new1'), 'first question');
@@ -114,17 +109,13 @@ test('a chat picked while the server starts for a turn sent in a new chat: the t
 });
 
 test('a chat picked while the server starts for a turn sent in a chat deleted elsewhere: the turn goes to a new chat made for it and is kept there; the pick stands', async () => {
-  const { client, branches, chat, starting, users } = await setUp();
+  const { client, branches, chat, users, sendWhilePicking } = await setUp();
   client.branches.set('G', [msg('instruction', { instruction: 'g1' }), msg('assistant_response', { text: 'g1 reply' })]);
   branches.remember('G', 'chat G');
   await branches.setCurrent('G');
   await chat.refresh();
   client.branches.delete('G');   // (another window deletes it)
-  const release = starting();
-  const failed = chat.send('question in G');
-  await branches.setCurrent('B');
-  release();
-  await until(() => client.ops.length === 1, 'the operate sent');
+  const { turn: failed } = await sendWhilePicking('question in G', 'B');
   assert.equal(client.ops[0].params.branchId, 'new1');
   assert.equal(branches.current, 'B');
   assert.deepEqual(users(), ['question in G']);

@@ -4,7 +4,7 @@
 // Run: tsc -p . && node --test out/test/
 import { test } from 'node:test';
 import * as assert from 'node:assert/strict';
-import { documentChanged, excludes, FakeClient, folders, found, log, memento, msg, result, until, Uri, webviewView, type RelativePattern } from './standIn';
+import { chatHost, documentChanged, excludes, FakeClient, folders, found, log, memento, msg, result, until, Uri, webviewView, type RelativePattern } from './standIn';
 import type { BranchStore as BranchStoreT } from '../branchStore';
 import type { ChatView as ChatViewT } from '../chatView';
 import type * as ContextT from '../context';
@@ -28,9 +28,7 @@ const { INTERRUPTED_NOTE, renderMarkdown } = require('../chatModel') as typeof C
 function makeChat() {
   const client = new FakeClient();
   const branches = new BranchStore(memento() as never);
-  const host = { ensure: async () => client, current: () => client, branches, editors: { editor: undefined }, review: new DiffReview(),
-    maxRounds: () => 1, runningChanged() { /* no status bar */ }, line() { /* no output channel */ }, serverProblem: () => undefined };
-  const chat = new ChatView({ extensionUri: Uri.file('/ext') } as never, host as never);
+  const chat = new ChatView({ extensionUri: Uri.file('/ext') } as never, chatHost(client, branches) as never);
   const page = { hold: false, lose: false, release: undefined as (() => void) | undefined };
   const { view, posted, send } = webviewView(async (m, reply) => {
     if (m.type !== 'stream' || page.lose) return true;

@@ -5,10 +5,10 @@
 // Run: tsc -p . && node --test out/test/
 import { test } from 'node:test';
 import * as assert from 'node:assert/strict';
-import { docs, edits, FakeClient, files, log, memento, msg, result, settings, until, Uri, vscode, webviewView } from './standIn';
+import { chatHost, docs, edits, FakeClient, files, log, memento, msg, result, settings, until, Uri, vscode, webviewView } from './standIn';
 import type { BranchStore as BranchStoreT } from '../branchStore';
 import type { ChatView as ChatViewT } from '../chatView';
-import type { DiffReview as DiffReviewT, clientFs as ClientFsT, firstNonUtf8Byte as FirstNonUtf8ByteT } from '../diffReview';
+import type { clientFs as ClientFsT, firstNonUtf8Byte as FirstNonUtf8ByteT } from '../diffReview';
 import type * as ExtensionT from '../extension';
 import * as os from 'node:os';
 import * as path from 'node:path';
@@ -18,8 +18,7 @@ import { CancellationTokenSource, ErrorCodes, PermissionDecision, PermissionHand
 // (the stand-in for `vscode`, standIn.ts, is installed by its import above: these modules get it)
 const { BranchStore } = require('../branchStore') as { BranchStore: typeof BranchStoreT };
 const { ChatView } = require('../chatView') as { ChatView: typeof ChatViewT };
-const { DiffReview, clientFs, firstNonUtf8Byte } = require('../diffReview') as
-  { DiffReview: typeof DiffReviewT; clientFs: typeof ClientFsT; firstNonUtf8Byte: typeof FirstNonUtf8ByteT };
+const { clientFs, firstNonUtf8Byte } = require('../diffReview') as { clientFs: typeof ClientFsT; firstNonUtf8Byte: typeof FirstNonUtf8ByteT };
 const extension = require('../extension') as typeof ExtensionT;
 
 /** What `p` settled to within `ms`, else 'waiting'. */
@@ -34,8 +33,7 @@ function makeChat() {
   const client = new FakeClient();
   const branches = new BranchStore(memento() as never);
   const lines: string[] = [];
-  const host = { ensure: async () => client, current: () => (client.running ? client : undefined), branches, editors: { editor: undefined }, review: new DiffReview(),
-    maxRounds: () => 1, runningChanged() { /* no status bar */ }, line: (t: string) => lines.push(t), serverProblem: () => undefined };
+  const host = chatHost(client, branches, { current: () => (client.running ? client : undefined), line: (t: string) => lines.push(t) });
   const chat = new ChatView({ extensionUri: vscode.Uri.file('/ext') } as never, host as never);
   const page = webviewView();
   chat.resolveWebviewView(page.view as never);

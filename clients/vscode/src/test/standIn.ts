@@ -2,8 +2,9 @@
 // (chatView.test.ts, chatStream.test.ts): enough for the chat view, the diff review, the file list and the
 // extension to run. Importing this module makes `require('vscode')` resolve to it; import it before requiring them.
 // It records the commands run, the messages shown, the settings read (with their scope) and the file searches.
-// Also the helpers of those tests: a Memento in memory, a bounded wait, a scripted client, a webview view.
+// Also the helpers of those tests: a Memento in memory, a bounded wait, a scripted client, the chat view's host, a webview view.
 import Module = require('node:module');
+import type * as DiffReviewT from '../diffReview';
 import { ErrorCodes, Message, OperateParams, OperateResult, ResponseError } from '../rpcClient';
 
 export const log = {
@@ -151,6 +152,16 @@ export class FakeClient {
   operate(params: OperateParams, opts: { onProgress?: (v: object) => void }): Promise<OperateResult> {
     return new Promise((resolve, reject) => this.ops.push({ params, progress: (v) => opts.onProgress?.(v), resolve, reject }));
   }
+}
+
+/**
+ * The chat view's host (ChatHost) on `client` and `branches` (a BranchStore): the server always up, a diff review of its
+ * own, one round, no status bar, output channel or server problems; `overrides` replace any of its members.
+ */
+export function chatHost(client: FakeClient, branches: unknown, overrides: Record<string, unknown> = {}) {
+  const { DiffReview } = require('../diffReview') as typeof DiffReviewT;   // (after the stand-in for `vscode` above)
+  return { ensure: async () => client, current: () => client, branches, editors: { editor: undefined }, review: new DiffReview(),
+    maxRounds: () => 1, runningChanged() { /* no status bar */ }, line() { /* no output channel */ }, serverProblem: () => undefined, ...overrides };
 }
 
 /**
