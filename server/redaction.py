@@ -6,7 +6,10 @@ setting at start and at ``initialize``). :func:`redact` removes every registered
 (and, with ``patterns=True``, anything that looks like a key or a bearer token) from a
 text; :func:`redact_value` does the same through a JSON-like value. The server applies
 them wherever it emits or stores text, always *before* any truncation, so a cut can
-never leave part of a key behind. Imports nothing but the standard library.
+never leave part of a key behind: :func:`redact_cut` masks a text, then cuts it; where a cut
+must come first (a window read from the end of a file, a line read up to a bound),
+:func:`redact_piece` leaves out the piece of a known secret that the cut left at the text's
+edge. Imports nothing but the standard library.
 
 A registered value is masked as written and in the forms a text commonly carries it in:
 JSON-escaped, URL-encoded (``quote`` and ``quote_plus``) and base64 (standard and URL-safe,
@@ -100,7 +103,9 @@ def model_secrets(config: Any) -> tuple[list[str], list[str]]:
     hold one (the ``apiKeyEnv``, ``OPENAI_API_KEY`` for an ``openai`` model without one), and the
     values written into it under a name that says they are secret: a CLI model's ``env`` entry
     (:func:`secret_env_values`) and ``command`` option (:func:`command_secret_values`), the
-    password of a ``user:password@`` in a ``baseUrl`` (:func:`url_passwords`), a header of ``options.extraHeaders`` named like
+    password of a ``user:password@`` and the value of a query (or path) parameter named like a
+    secret (``?key=``, ``api_key=``, ``access_token=``) in a ``baseUrl`` (:func:`url_secrets`), a
+    header of ``options.extraHeaders`` named like
     :data:`SECRET_HEADER_NAME` (whole, and without its scheme: ``Bearer``, ``Basic``), and a key
     pasted as the ``apiKeyEnv`` (:func:`looks_like_key`). A config of any shape gives what can
     be read of it. The same for a model of the settings and one given inline (``chatModel``)."""
@@ -120,7 +125,7 @@ def model_secrets(config: Any) -> tuple[list[str], list[str]]:
         values.extend(secret_env_values(config.get("env")))
         values.extend(command_secret_values(config.get("command")))
     if isinstance(config.get("baseUrl"), str):
-        values.extend(url_passwords(config["baseUrl"]))
+        values.extend(url_secrets(config["baseUrl"]))
     options = config.get("options")
     if isinstance(options, dict):
         for key, headers in options.items():
@@ -134,25 +139,58 @@ def model_secrets(config: Any) -> tuple[list[str], list[str]]:
     return names, [v for v in values if v]
 
 
-def masked_fields(config: Any) -> list[str]:
-    """Where a ModelConfig holds the mask: the path of every string of it holding ``[REDACTED]``,
-    in order (``baseUrl``, ``env['PROBE_API_KEY']``, ``command[4]``,
-    ``options.extraHeaders['X-Api-Key']``; the config's fields and its ``options``' dotted, other
-    keys and indices subscripted). A model given inline (``chatModel``) is stored with its
-    secrets masked (:func:`model_secrets`, docs/SECURITY.md, Known limits): restored after a
-    restart, such a model would send or pass the mask in place of each."""
+def masked_fields(config: Any, *, anywhere: bool = False) -> list[str]:
+    """Where a ModelConfig holds the mask in a field that is masked when it is stored: the path
+    of each, in order (``env['PROBE_API_KEY']``, ``command[4]``, ``baseUrl``,
+    ``options.extraHeaders['X-Api-Key']``). A model given inline (``chatModel``) is stored with
+    its secrets masked (:func:`model_secrets`, docs/SECURITY.md, Known limits): restored after a
+    restart, such a model would send or pass the mask in place of each. Only those fields are
+    looked at: a CLI model's ``env`` value named like a secret (:func:`secret_env_values`) and
+    ``command`` option named like one (:func:`secret_args`), the password and the query values
+    named like a secret of a ``baseUrl`` (:func:`url_secrets`), and a header of
+    ``options.extraHeaders`` named like one (:data:`SECRET_HEADER_NAME`); the text
+    ``[REDACTED]`` elsewhere (a scripted reply, a CLI argument saying what to write in place of
+    a credential) is the config's own, and the model works as given.
+
+    ``anywhere``: every string of the config holding the mask, in order (``command[2]``,
+    ``responses[0]``, ``options.extraHeaders['X-Note']``; the config's fields and its
+    ``options``' dotted, other keys and indices subscripted), for a model restored from the store
+    (``createBranch.chatModel`` of a branch stored before a restart): the store masks every
+    known secret wherever it is in a record (``state.store``), so a secret the server knew,
+    written in a field of no secret name (``command: ["llm", "-k", KEY]``, a path of its
+    ``baseUrl``), is the mask there too."""
     found: list[str] = []
-    stack: list[tuple[str, Any, bool]] = [("", config, True)]  # (path, value, whether its keys are fields)
-    while stack:
-        path, value, fields = stack.pop()
-        if isinstance(value, str):
-            if MASK in value:
-                found.append(path)
-        elif isinstance(value, dict):
-            stack.extend(reversed([((f"{path}.{k}" if path else str(k)) if fields else f"{path}[{k!r}]", v,
-                                    not path and k == "options") for k, v in value.items()]))
-        elif isinstance(value, (list, tuple)):
-            stack.extend(reversed([(f"{path}[{i}]", v, False) for i, v in enumerate(value)]))
+    if anywhere:
+        stack: list[tuple[str, Any, bool]] = [("", config, True)]  # (path, value, whether its keys are fields)
+        while stack:
+            path, value, fields = stack.pop()
+            if isinstance(value, str):
+                if MASK in value:
+                    found.append(path)
+            elif isinstance(value, dict):
+                stack.extend(reversed([((f"{path}.{k}" if path else str(k)) if fields else f"{path}[{k!r}]", v,
+                                        not path and k == "options") for k, v in value.items()]))
+            elif isinstance(value, (list, tuple)):
+                stack.extend(reversed([(f"{path}[{i}]", v, False) for i, v in enumerate(value)]))
+        return found
+    if not isinstance(config, dict):
+        return found
+    if config.get("provider") == "cli":
+        env = config.get("env")
+        if isinstance(env, dict):
+            found.extend(f"env[{k!r}]" for k, v in env.items() if isinstance(v, str) and MASK in v
+                         and v in secret_env_values({k: v}))
+        found.extend(f"command[{i}]" for i, value in secret_args(config.get("command")) if MASK in value)
+    url = config.get("baseUrl")
+    if isinstance(url, str) and any(MASK in value for value in url_secrets(url)):
+        found.append("baseUrl")
+    options = config.get("options")
+    if isinstance(options, dict):
+        for key, headers in options.items():
+            if isinstance(key, str) and key.replace("_", "").lower() == "extraheaders" and isinstance(headers, dict):
+                found.extend(f"options.{key}[{name!r}]" for name, value in headers.items()
+                             if isinstance(name, str) and isinstance(value, str) and SECRET_HEADER_NAME.search(name)
+                             and MASK in value)
     return found
 
 
@@ -163,16 +201,28 @@ def masked_fields(config: Any) -> list[str]:
 SECRET_OPTION_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "auth", "authorization",
                                  "credential", "credentials"})
 
+#: the last word of a URL's query parameter that says its value is secret besides those of
+#: :data:`SECRET_OPTION_WORDS`: a signature that is the credential (an Azure SAS ``sig=``, an
+#: S3 presigned ``X-Amz-Signature=``); not ``code`` (an OAuth code, but a word of many queries)
+URL_SECRET_WORDS = frozenset({"sig", "signature"})
 
-def secret_option(name: str) -> bool:
+#: an option's value that names a file (``--ssl-key /certs/client.key``, ``--tls-key ./key.pem``,
+#: ``--credentials ~/gcp.json``): it begins like a path (``/``, ``./``, ``../``, ``~/``, ``~user/``,
+#: a drive ``C:\``) or ends in the extension of a key, certificate or credentials file; a path
+#: is no secret, and masked it would garble every text naming that file
+PATH_VALUE = re.compile(r"(?:/|\.\.?[/\\]|~[\w.-]*(?:/|$)|[A-Za-z]:[/\\]|\\\\)"
+                        r"|.+\.(?:pem|key|crt|cer|der|csr|p12|pfx|jks|keystore|pub|json|txt|env|asc|gpg)$", re.I)
+
+
+def secret_option(name: str, words: frozenset[str] = SECRET_OPTION_WORDS) -> bool:
     """Whether a command-line option's name (without its dashes) says that its value is secret:
     its last word (split at ``-``, ``_``, ``.`` and where a lower case letter meets an upper case
-    one) is one of :data:`SECRET_OPTION_WORDS`, a whole word; but for a flag that turns a thing
-    off (``--no-auth``, ``--no_token``), which takes no value."""
+    one) is one of ``words`` (:data:`SECRET_OPTION_WORDS`), a whole word; but for a flag that
+    turns a thing off (``--no-auth``, ``--no_token``), which takes no value."""
     if re.match(r"(?i)no[-_]", name):
         return False
-    words = re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", name)
-    return bool(words) and words[-1].lower() in SECRET_OPTION_WORDS
+    found = re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", name)
+    return bool(found) and found[-1].lower() in words
 
 
 def command_args(command: Any) -> list[Any] | None:
@@ -192,8 +242,10 @@ def secret_args(command: Any) -> list[tuple[int, str]]:
     """Where a command line (a CLI model's ``command``: :func:`command_args`) gives a value to an
     option whose name says it is secret (:func:`secret_option`), and the value: ``--key=VALUE``
     (that argument) and ``--api-key VALUE`` (the next argument, unless it is an option); never
-    one holding the ``{prompt}`` placeholder. The one reading of both :func:`command_secret_values`
-    (registered as secrets) and ``models.config.command_shown`` (masked where shown)."""
+    one holding the ``{prompt}`` placeholder, nor one that names a file (:data:`PATH_VALUE`:
+    ``--ssl-key /certs/client.key``). The one reading of :func:`command_secret_values` (registered
+    as secrets: a CLI model's, an MCP server's), :func:`masked_fields` and
+    ``models.config.command_shown`` (masked where shown)."""
     out: list[tuple[int, str]] = []
     take_next = False
     for i, arg in enumerate(command_args(command) or ()):
@@ -201,12 +253,14 @@ def secret_args(command: Any) -> list[tuple[int, str]]:
             take_next = False
             continue
         if take_next and not arg.startswith("-") and "{prompt}" not in arg:
-            out.append((i, arg))
+            if not PATH_VALUE.match(arg):
+                out.append((i, arg))
             take_next = False
             continue
         flag, eq, value = arg.partition("=")
         take_next = flag.startswith("-") and secret_option(flag.lstrip("-")) and not eq
-        if flag.startswith("-") and eq and value and "{prompt}" not in value and secret_option(flag.lstrip("-")):
+        if (flag.startswith("-") and eq and value and "{prompt}" not in value and secret_option(flag.lstrip("-"))
+                and not PATH_VALUE.match(value)):
             out.append((i, value))
     return out
 
@@ -226,6 +280,44 @@ def url_passwords(url: str) -> list[str]:
 
     password = m.group(1).split(":", 1)[1]  # (up to the authority's last "@")
     return list(dict.fromkeys([password, unquote(password)]))
+
+
+_URL_WORDS = SECRET_OPTION_WORDS | URL_SECRET_WORDS
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secrets a URL (a model's ``baseUrl``) holds: the password of its ``user:password@``
+    (:func:`url_passwords`) and the value of each query parameter (``?key=``, ``&api_key=``,
+    ``access_token=``) and path parameter (``;key=``) whose name says it is secret by the rule
+    of a command line's options (:func:`secret_option`: its last word is ``key``, ``token``,
+    ``secret``, ``password`` ...) or is a signature (:data:`URL_SECRET_WORDS`: ``sig=``), each as
+    written there and decoded: what a model menu leaves out (``models.config.url_shown``) is
+    masked wherever else the URL shows."""
+    from urllib.parse import unquote, unquote_plus, urlsplit
+
+    values = url_passwords(url)
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:  # (no URL: what it holds is read by the patterns a provider's error text goes through)
+        return values
+    params = [(p, unquote_plus) for p in re.split(r"[&;]", parts.query)]
+    params += [(p, unquote) for segment in parts.path.split("/") for p in segment.split(";")[1:]]
+    for param, decode in params:
+        name, eq, value = param.partition("=")
+        if eq and value and secret_option(decode(name).strip().lstrip("-"), _URL_WORDS):
+            values.extend(v for v in (value, decode(value)) if v not in values)
+    return values
+
+
+def mcp_server_secrets(spec: Any) -> list[str]:
+    """The secrets an MCP server's configuration (``{command, env}``: an ``mcpServers`` entry of
+    the settings, a server a front end's session passed) holds: its ``env`` values named like a
+    secret (:func:`secret_env_values`) and the values its ``command`` gives options named like
+    one (``--token VALUE``, ``--password=VALUE``: :func:`command_secret_values`, the same reading
+    as a CLI model's). A configuration of any shape gives what can be read of it."""
+    if not isinstance(spec, dict):
+        return []
+    return secret_env_values(spec.get("env")) + command_secret_values(spec.get("command"))
 
 
 def env_value(name: str) -> str | None:
@@ -359,6 +451,93 @@ def redact(text: Any, secrets: Iterable[str | None] = (), *, patterns: bool = Fa
         for rx, repl in _PATTERNS:
             out = rx.sub(repl, out)
     return out
+
+
+#: how many characters past its cut :func:`redact_cut` reads of a long text, beyond the longest
+#: form of a known secret (a key-shaped token, a ``user:password@``, is found whole in them)
+CUT_MARGIN = 1024
+
+
+def redact_cut(text: str, limit: int, *, more: str = "", patterns: bool = False) -> str:
+    """The first ``limit`` characters of ``text`` redacted (:func:`redact`), masked before the
+    cut (docs/SECURITY.md G6), with ``more`` (``"…"``) after them when the text went on. Of a
+    long text only the first ``limit`` characters and a margin are read (the longest form of a
+    known secret and :data:`CUT_MARGIN`): a secret that begins before the cut ends in them, and
+    a piece of one at the margin's end is left out (:func:`redact_piece`), looked for only when
+    it could reach into the first ``limit`` (masked, the window is shorter than ``limit`` and the
+    longest form: such a piece is shorter than that form)."""
+    forms = _known_text_forms()
+    longest = len(forms[0]) if forms else 0
+    window = limit + longest + CUT_MARGIN
+    if len(text) > window:
+        out = redact(text[:window], patterns=patterns)
+        if forms and len(out) < limit + longest:
+            out = out[:_open_end(out, forms)]
+        return out[:limit] + more
+    out = redact(text, patterns=patterns)
+    return out[:limit] + more if len(out) > limit else out
+
+
+def redact_piece(text: str, *, cut_before: bool = False, cut_after: bool = False, patterns: bool = False) -> str:
+    """``text``, a piece of a longer text that had to be cut before it could be redacted (a
+    window read from the end of a file, a line read up to a bound), redacted (:func:`redact`),
+    and without the piece of a known secret (in any of its forms) that a cut ran through, which
+    no mask finds: ``cut_before`` (its beginning was cut off), its longest beginning that ends a
+    form is left out; ``cut_after`` (its end was cut off), its longest end that begins one. Such
+    a piece is left out rather than masked: it sits where the text is cut anyway, and a
+    character or two that only may begin a secret (one of ten, with a few secrets known) would
+    put ``[REDACTED]`` at the edge of every other cut text."""
+    out = redact(text, patterns=patterns)
+    forms = _known_text_forms()
+    if not forms or not out:
+        return out
+    if cut_after:
+        out = out[:_open_end(out, forms)]
+    if cut_before:
+        out = out[_open_start(out, forms):]
+    return out
+
+
+def _open_end(text: str, forms: tuple[str, ...]) -> int:
+    """Where the longest end of ``text`` that is a proper beginning of one of ``forms`` (longest
+    first) begins; ``len(text)`` when none is. Such a beginning ends with the text's last
+    character: each form is searched for it from the longest beginning that could be one down,
+    and the first that ``text`` ends with is that form's longest (time in proportion to the
+    forms' length, not to their length times their number, as a scan of every end of ``text``
+    against every form took: 200 ms of the event loop with a private key and 50 secrets)."""
+    if not text:
+        return 0
+    last, best = text[-1], 0
+    for f in forms:
+        if len(f) - 1 <= best:  # (none after it is longer: forms are longest first)
+            break
+        k = f.rfind(last, best, min(len(f) - 1, len(text)))  # (k + 1: a beginning's length, longer than best)
+        while k != -1:
+            if text.endswith(f[:k + 1]):
+                best = k + 1
+                break
+            k = f.rfind(last, best, k)
+    return len(text) - best
+
+
+def _open_start(text: str, forms: tuple[str, ...]) -> int:
+    """Where the longest beginning of ``text`` that is a proper end of one of ``forms`` (longest
+    first) ends; 0 when none is. The mirror of :func:`_open_end`: such an end of a form begins
+    with the text's first character, searched for in each form from the longest end that could
+    be one."""
+    if not text:
+        return 0
+    first, best = text[0], 0
+    for f in forms:
+        if len(f) - 1 <= best:  # (none after it is longer)
+            break
+        p = f.find(first, max(1, len(f) - len(text)), len(f) - best)  # (len(f) - p: an end's length, longer than best)
+        while p != -1:
+            if text.startswith(f[p:]):
+                best = len(f) - p
+                break
+            p = f.find(first, p + 1, len(f) - best)
+    return best
 
 
 def redact_value(value: Any) -> Any:
@@ -646,14 +825,7 @@ def _safe_cut(text: str, forms: tuple[str, ...]) -> int:
     that point (one secret can end inside another, or begin inside another's beginning)."""
     if not forms or not text:
         return len(text)
-    cut = len(text)
-    firsts = {f[0] for f in forms}
-    for i in range(max(0, len(text) - len(forms[0]) + 1), len(text)):  # forms are longest first
-        if text[i] in firsts:
-            tail = text[i:]
-            if any(len(f) > len(tail) and f.startswith(tail) for f in forms):
-                cut = i
-                break
+    cut = _open_end(text, forms)
     moved = cut < len(text)
     while moved:
         moved = False
@@ -733,5 +905,6 @@ def _forms(s: str) -> tuple[str, ...]:
 
 __all__ = ["MASK", "MIN_SECRET_CHARS", "PLACEHOLDER_MAX_CHARS", "SHORT_NUMBER_MAX_CHARS", "StreamRedactor",
            "KEY_SHAPE", "SECRET_OPTION_WORDS", "looks_like_key", "secret_option", "command_args", "secret_args",
-           "command_secret_values", "url_passwords", "masked_fields", "model_secrets", "remember_model_secrets",
-           "remember_secret", "known_secrets", "has_secrets", "redact", "redact_value", "redact_bytes", "redact_keeping"]
+           "command_secret_values", "url_passwords", "url_secrets", "mcp_server_secrets", "masked_fields",
+           "model_secrets", "remember_model_secrets", "remember_secret", "known_secrets", "has_secrets", "redact",
+           "redact_cut", "redact_piece", "redact_value", "redact_bytes", "redact_keeping"]

@@ -1,6 +1,8 @@
 """``operate-sidecar --acp``: serve the Agent Client Protocol on stdio until stdin's EOF,
-a signal or the client's death; returns the exit code (0 on EOF). A signal ends the
-connection as the EOF does: every request in flight is answered -32800 (``serve_acp``).
+a signal or the client's death (or its end of stdout going); returns the exit code (0 on EOF).
+A signal ends the connection as the EOF does: every request in flight is answered -32800
+(``serve_acp``). A client that does not read its output is held as the native front end holds
+it (``OutputBacklog``, ``HeldInput``).
 
 stdout is the wire: the native front end's guard (``server.rpc.stdio.guard_stdio``) moves
 the real stdout to a private descriptor and points fd 1 at stderr before anything else
@@ -25,6 +27,7 @@ import sys
 from typing import Any
 
 from operate_sidecar.server import redaction
+from operate_sidecar.server.rpc.run import InputHold
 
 log = logging.getLogger("operate_sidecar.server.acp")
 
@@ -40,18 +43,40 @@ async def _bounded_streams(wire_in: int, wire_out: int, limit: int,
                            drains: bool = False) -> tuple[Any, Any, LineBound]:
     """``_streams`` and the ``LineBound`` in front of the reader (``drains``: the real
     connection's, see ``LineBound.drains``)."""
-    from operate_sidecar.server.rpc.stdio import open_read_transport, open_write_transport
+    from operate_sidecar.server.rpc.stdio import open_read_transport, open_write_transport, pollable, reader_of
 
     loop = asyncio.get_running_loop()
     # a pipe, a socket or a terminal is watched by the loop; a regular file or /dev/null (stdin
     # or stdout redirected to one) is read to its end on a thread, or written at once
-    w_transport, w_protocol = await open_write_transport(
-        wire_out, lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()))
-    writer = RedactingWriter(w_transport, w_protocol, None, loop)
+    w_transport, w_protocol = await open_write_transport(wire_out, _WireProtocol)
+    writer = w_protocol.writer = RedactingWriter(w_transport, w_protocol, None, loop)
     reader = asyncio.StreamReader(limit=limit + 1)
     bound = LineBound(reader, writer, limit, drains)  # before the first byte: the input may end at once
-    await open_read_transport(wire_in, lambda: asyncio.StreamReaderProtocol(reader))
+    writer.to_file = not pollable(wire_out)  # (a regular file, a device: ``open_write_transport``)
+    r_transport, _ = await open_read_transport(wire_in, lambda: asyncio.StreamReaderProtocol(reader))
+    bound.hold.reader = reader_of(r_transport)
+    if drains:  # the real connection's: its input is held while the client does not read its output
+        bound.backlog = writer.backlog = OutputBacklog(w_transport, bound.hold)
     return reader, writer, bound
+
+
+class _WireProtocol(asyncio.StreamReaderProtocol):
+    """The wire's write side: tells its writer (``RedactingWriter``) when the pipe has room
+    again (``roomy``) and when the client's end of it is gone (``lost``)."""
+
+    def __init__(self) -> None:
+        super().__init__(asyncio.StreamReader())
+        self.writer: RedactingWriter | None = None
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.writer is not None:
+            self.writer.roomy()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self.writer is not None:
+            self.writer.lost(exc)
 
 
 #: one JSON escape as ``json.dumps`` writes it (lower-case hex): a surrogate pair whole, else a
@@ -85,23 +110,51 @@ class RedactingWriter(asyncio.StreamWriter):
     A line stays valid JSON (``redaction.redact_bytes``), and a message keeps its ``id`` as it
     was, whatever is masked (``keep_id``): an answer must carry the id of the request it
     answers. The ``content`` of an ``fs/write_text_file`` request goes as it is: it is what the
-    tool wrote, and the client's file must hold it, as a file written to the disk does."""
+    tool wrote, and the client's file must hold it, as a file written to the disk does.
+
+    Once the client's end of the wire is gone (``lost``: it closed its reader, or died), what is
+    written is dropped and ``drain()`` returns at once: the SDK's writer never fails (its
+    failures were tracebacks, and its close raised), and ``on_lost`` ends the connection. What
+    waits to be written is counted by ``backlog`` (the real connection's, ``OutputBacklog``)."""
 
     _WRITE = b'"fs/write_text_file"'
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._partial = b""  # the bytes of a line not yet ended, held while secrets are known
+        self.gone = False  # the client's end of the wire is gone (``lost``)
+        self._closing = False  # closed here (its transport's loss is then no news)
+        self.on_lost: Any = None  # called (with the error, or None) when the client's end goes
+        self.backlog: OutputBacklog | None = None
+        self.to_file = False  # stdout is a regular file or a device, not a pipe (a failed write is told by it)
 
     def write(self, data: Any) -> None:
+        if self.gone or self.transport.is_closing():
+            return
         if not self._partial and not redaction.has_secrets():
             super().write(unicode_only(data))
+        else:
+            data = self._partial + bytes(data)
+            end = data.rfind(b"\n") + 1
+            self._partial = data[end:]
+            if end:
+                super().write(unicode_only(self._redacted(data[:end])))
+        if self.backlog is not None:
+            self.backlog.check()
+
+    def roomy(self) -> None:
+        """The pipe took what waited in it, down to its low-water mark."""
+        if self.backlog is not None:
+            self.backlog.check()
+
+    def lost(self, exc: BaseException | None) -> None:
+        """The transport is closed: by ``close`` here, or because the client's end is gone."""
+        if self._closing or self.gone:
             return
-        data = self._partial + bytes(data)
-        end = data.rfind(b"\n") + 1
-        self._partial = data[end:]
-        if end:
-            super().write(unicode_only(self._redacted(data[:end])))
+        self.gone = True
+        self._partial = b""
+        if self.on_lost is not None:
+            self.on_lost(exc)
 
     def _flush_partial(self) -> None:
         if self._partial:
@@ -141,11 +194,33 @@ class RedactingWriter(asyncio.StreamWriter):
             return json.dumps(value, separators=(",", ":")).encode("ascii")
 
     async def drain(self) -> None:
+        if self.gone:
+            return
         self._flush_partial()
-        await super().drain()
+        try:
+            await super().drain()
+        except ConnectionError:
+            if not self.gone:  # (the transport's loss is told before a drain wakes up)
+                raise
+
+    async def flushed(self, timeout: float) -> bool:
+        """Within ``timeout``, wait until the pipe took every byte written (the client read
+        them): the SDK's writer waits only until the pipe transport's buffer is under its
+        high-water mark (64 KiB), and an answer ``LineBound`` writes at once not even that, so
+        what is still buffered as the process exits is lost (a half line, the last answers).
+        True once nothing waits, or nothing can be sent any more (the client's end is gone)."""
+        if self.gone or self.transport.is_closing():
+            return True
+        self.transport.set_write_buffer_limits(0)  # ``drain`` now waits until the buffer is empty
+        try:
+            await asyncio.wait_for(self.drain(), max(timeout, 0.0))
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        return self.gone or self.transport.get_write_buffer_size() == 0
 
     def write_eof(self) -> None:
         self._flush_partial()
+        self._closing = True
         super().write_eof()
 
     def close(self) -> None:
@@ -153,7 +228,116 @@ class RedactingWriter(asyncio.StreamWriter):
             self._flush_partial()
         except Exception:  # the transport is gone: nothing more can be sent
             pass
+        self._closing = True
         super().close()
+
+
+class HeldInput(InputHold):
+    """The native front end's ``InputHold`` on ACP's input (docs/PROTOCOL.md §13): while the
+    client does not read the agent's output (``OutputBacklog``), what it sends is held, up to
+    ``HOLD_MAX`` bytes, then no longer read; the end of the input hands what was held on first.
+    No exit is looked for among what is held: ACP's connection ends at the input's end only."""
+
+    def _scanner(self) -> Any:
+        return _NoScan()
+
+
+class _NoScan:
+    def feed(self, data: bytes) -> None:
+        pass
+
+
+class OutputBacklog:
+    """What the real connection has written and the client has not read yet: the messages the
+    SDK's writer has queued (``count``) and what the pipe transport holds. As with the native
+    front end's ``Wire`` (docs/PROTOCOL.md §1), once more than its ``HIGH_WATER`` (8 MiB) waits,
+    no more requests are taken until the client reads again: its input is held (``hold``, up
+    to 4 MiB, then no longer read) and the SDK dispatches nothing more of what it has read
+    (``flowing``, waited for in ``screen_messages``); once the backlog is down to ``LOW_WATER``
+    (1 MiB), both go on, the held input first, in order. All input is held alike, a
+    ``session/cancel`` and the client's answer to a permission asked too: that answer waits
+    until the client has read the output down to ``LOW_WATER``, as any message does.
+    The session updates still in the outboxes (``AcpPort``) are not counted: they come from
+    work already taken (a turn, a replay, which is paced by its own bound), and each outbox has
+    one in the SDK's queue at a time. At the input's end (or a signal, ``release``) the SDK
+    takes whatever comes, and the input is never held again: the connection is ending."""
+
+    def __init__(self, transport: Any, hold: InputHold) -> None:
+        from operate_sidecar.server.rpc.stdio import Wire
+
+        self.high, self.low = Wire.HIGH_WATER, Wire.LOW_WATER
+        self._transport = transport
+        self.hold = hold
+        self.queued = 0  # the bytes of the messages the SDK's writer has queued, not written yet
+        self._sender: Any = None  # the SDK's writer, and the queue of its that is counted (``count``)
+        self._queue: Any = None
+        self.paused = False
+        self.released = False
+        self.flowing = asyncio.Event()  # clear while requests are not taken
+        self.flowing.set()
+
+    @property
+    def size(self) -> int:
+        if self._sender is not None and getattr(self._sender, "_queue", None) is not self._queue:
+            # the SDK's writer has another queue now: what the counted one held is not counted
+            # (it would hold the input for good), nor what the new one holds
+            self._sender = self._queue = None
+            self.queued = 0
+        return self.queued + self._transport.get_write_buffer_size()
+
+    def check(self) -> None:
+        """Hold the input when too much waits; let it go on once little does. Once released
+        (the connection is ending) the input is never held again: a request the client sends
+        after a signal is answered at once (``LineBound._to_sdk``)."""
+        if self.released:
+            return
+        size = self.size
+        if not self.paused and size > self.high:
+            self.paused = True
+            self.flowing.clear()
+            log.warning("the client is not reading the agent's output (%d bytes waiting); "
+                        "taking no more of its input until it does", size)
+            self.hold.pause()
+        elif self.paused and size <= self.low:
+            self.paused = False
+            self.flowing.set()
+            self.hold.resume()
+
+    def release(self) -> None:
+        """The input ended, or a signal came: what was held is handed on, and the SDK takes
+        what comes from now on (the connection is ending, within its bounds)."""
+        self.released = True
+        self.paused = False
+        self.flowing.set()
+        self.hold.resume()
+
+    def count(self, inner_conn: Any) -> None:
+        """The messages the SDK's writer queues on ``inner_conn`` counted in, by their bytes, as
+        its queue takes and hands them out. With an SDK laid out otherwise, only what the
+        pipe transport holds is counted (the SDK's writer waits for it to drain, so the bound
+        is never reached: nothing is held)."""
+        sender = getattr(getattr(inner_conn, "_transport", None), "_sender", None)
+        queue = getattr(sender, "_queue", None)
+        if not isinstance(queue, asyncio.Queue) or getattr(queue, "counted", False) \
+                or not callable(getattr(queue, "_put", None)) or not callable(getattr(queue, "_get", None)):
+            return
+        put, get = queue._put, queue._get
+
+        def counted_put(item: Any) -> None:
+            put(item)
+            if self._queue is queue:
+                self.queued += len(getattr(item, "payload", b""))
+                self.check()
+
+        def counted_get() -> Any:
+            item = get()
+            if self._queue is queue:  # (written now: ``RedactingWriter`` checks)
+                self.queued -= len(getattr(item, "payload", b""))
+            return item
+
+        queue._put, queue._get = counted_put, counted_get  # type: ignore[method-assign]
+        queue.counted = True  # type: ignore[attr-defined]
+        self._sender, self._queue = sender, queue
 
 
 class LineBound:
@@ -172,7 +356,10 @@ class LineBound:
     id null: not JSON (or not UTF-8) -32700, JSON but not an object -32600 (an array too:
     ACP has no batches); the rare one that is an object all the same (behind a UTF-8 BOM)
     goes to the SDK. A line that passes the screen but that the SDK cannot parse is answered
-    -32700 through ``NotificationNotices``, which sees the SDK's log record of it."""
+    -32700 through ``NotificationNotices``, which sees the SDK's log record of it.
+
+    The input reaches it through ``hold`` (``HeldInput``), which keeps it while the client does
+    not read the agent's output (the real connection's ``backlog``)."""
 
     HEAD = 4096
     TAIL = 4096
@@ -196,14 +383,18 @@ class LineBound:
         self.on_eof: Any = None  # called at the input's end
         self._ended = False
         self._feed_eof = reader.feed_eof
-        reader.feed_data = self.feed_data  # the SDK's protocol feeds the reader through this
-        reader.feed_eof = self.feed_eof
+        self.hold = HeldInput(self.feed_data, self.feed_eof)  # its ``reader``: the read transport's
+        self.backlog: OutputBacklog | None = None
+        reader.feed_data = self.hold.on_data  # the SDK's protocol feeds the reader through this
+        reader.feed_eof = self.hold.on_eof
 
     def feed_eof(self) -> None:
         if self.ending:  # (the protocol says it twice: at the EOF and as the pipe closes)
             return
         if self.drains:
             self.ending = True
+            if self.backlog is not None:
+                self.backlog.release()
             self._feed(END_OF_INPUT_LINE)
             # (should the SDK not dispatch it, the input still ends)
             asyncio.get_running_loop().call_later(EXIT_GRACE_S + 1.0, self.end_input)
@@ -483,9 +674,15 @@ def explain_invalid_params(conn: Any) -> None:
     them unanswered as it closes; each is cancelled and answered -32800 first
     (``answer_in_flight``, once ``END_OF_INPUT`` is dispatched). Every message the
     connection receives is screened first (``screen_messages``). With an SDK laid out
-    otherwise, its own answers stay (and the input ends ``EXIT_GRACE_S`` + 1 s after its EOF)."""
+    otherwise, its own answers stay (and the input ends ``EXIT_GRACE_S`` + 1 s after its EOF).
+    On the real connection, what its writer queues is counted in the ``OutputBacklog``, and no
+    message is taken while that holds the input (``screen_messages``)."""
     inner_conn = getattr(conn, "_conn", None)
-    screen_messages(inner_conn)
+    wire = WIRE.get()  # the real connection's (not the warm-up's): its END_OF_INPUT is served here
+    backlog = wire.backlog if wire is not None else None
+    if backlog is not None:
+        backlog.count(inner_conn)
+    screen_messages(inner_conn, backlog)
     handler = getattr(inner_conn, "_handler", None)
     if handler is None or getattr(handler, "explains_invalid_params", False):
         return
@@ -494,7 +691,6 @@ def explain_invalid_params(conn: Any) -> None:
 
     from .agent import DROPPED, dropped_items
 
-    wire = WIRE.get()  # the real connection's (not the warm-up's): its END_OF_INPUT is served here
     inflight: set[asyncio.Task] = set()  # the requests being served
     ended: set[asyncio.Task] = set()     # those cancelled because the input ended (or a signal came)
 
@@ -542,11 +738,13 @@ def explain_invalid_params(conn: Any) -> None:
     inner_conn._handler = explained  # type: ignore[union-attr]
 
 
-def screen_messages(inner_conn: Any) -> None:
+def screen_messages(inner_conn: Any, backlog: OutputBacklog | None = None) -> None:
     """Each message the SDK's connection ``inner_conn`` receives passes ``screen_message``
     first, as its transport hands it over (already parsed: nothing is parsed twice, and a key
     spelt with JSON escapes is seen as what it is); the answer to an invalid request goes out
-    through that transport. With an SDK laid out otherwise, nothing is screened."""
+    through that transport. While ``backlog`` holds the client's input, no message is taken
+    (what the SDK has read already waits too), and each is taken on a loop turn of its own.
+    With an SDK laid out otherwise, nothing is screened."""
     transport = getattr(inner_conn, "_transport", None)
     receive = getattr(transport, "receive", None)
     if receive is None or getattr(receive, "screened", False) or not callable(getattr(transport, "send", None)):
@@ -561,6 +759,16 @@ def screen_messages(inner_conn: Any) -> None:
 
     async def screened() -> Any:
         while True:
+            if backlog is not None:
+                # one message at a time: those taken so far run (and answer) before the next is
+                # taken, so a burst read at once is held as soon as its answers pile up, not
+                # once every request of it is answered (a loop turn of its own only when the next
+                # line is read already: else reading it is that turn)
+                read = getattr(getattr(transport, "_reader", None), "_buffer", None)
+                if read is None or b"\n" in read:
+                    await asyncio.sleep(0)
+                if not backlog.flowing.is_set():
+                    await backlog.flowing.wait()
             message = await receive()
             if not isinstance(message, dict):  # the end of the input (None)
                 return message
@@ -795,7 +1003,8 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     one once the input ended, stops within ``EXIT_GRACE_S``: the connection ends (what is still
     queued has what is left of those seconds to be read, then is dropped) and the agent's own
     close (``aclose``: its turns, tools and MCP servers stopped, each step bounded) is not
-    waited for. The client's death cancels the connection at once."""
+    waited for. The client's death cancels the connection at once, and so does the loss of its
+    end of stdout (``wire_lost``)."""
     import acp
 
     from .agent import OperateAgent
@@ -835,7 +1044,22 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
         if not stopping.is_set():
             stop()
 
+    def wire_lost(exc: BaseException | None) -> None:
+        """The client's end of stdout is gone (it closed it, or died): nothing the agent sends
+        can reach it any more, so the connection ends at once, as at the client's death (its
+        requests and turns cancelled, its tools and MCP servers stopped: ``_close``); what it
+        writes is dropped meanwhile (``RedactingWriter``). Already ending, it ends as it was.
+        A stdout that is a file (or a device) whose write failed, a full disk say, has said so
+        in its own warning line (``open_write_transport``): no second one."""
+        if writer.to_file:
+            log.info("stopping: the agent's output cannot be written")
+        else:
+            log.warning("the client's end of stdout is gone%s: stopping", f" ({_brief(exc)})" if exc else "")
+        if not stopping.is_set():
+            stop()
+
     bound.on_eof = stopping.set
+    writer.on_lost = wire_lost
     from operate_sidecar.server.signals import install_signal_handlers
 
     install_signal_handlers(loop, on_signal, with_signal=True)
@@ -843,15 +1067,20 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     if client_pid is not None:  # the client is gone: nothing it could read is worth waiting for
         from operate_sidecar.server.rpc.watchdog import watch_parent
 
-        watchdog = loop.create_task(watch_parent(client_pid, stop))
-    bounded = loop.create_task(_bound_exit(main, stopping))
+        def client_died() -> None:
+            writer.gone = True  # what is still queued is not waited for (``_bound_exit``)
+            stop()
+
+        watchdog = loop.create_task(watch_parent(client_pid, client_died))
+    bounded = loop.create_task(_bound_exit(main, stopping, writer))
     try:
         await main
     except asyncio.CancelledError:
         log.info("stopping")
     except Exception:
         log.exception("the ACP connection failed")
-    bounded.cancel()
+    stopping.set()  # (the connection may end of itself: its last bytes get the same bound)
+    await bounded  # what is still queued for the client, written out (or given up on)
     if watchdog is not None:
         watchdog.cancel()
     await _close(agent, hurry)
@@ -874,18 +1103,27 @@ async def _close(agent: Any, hurry: asyncio.Event) -> None:
         log.info("exiting without waiting for the agent to close")
 
 
-async def _bound_exit(main: asyncio.Task, stopping: asyncio.Event) -> None:
+async def _bound_exit(main: asyncio.Task, stopping: asyncio.Event, writer: RedactingWriter) -> None:
     """The SDK's connection closes by writing out what it queued, shielded from cancellation:
     a client that no longer reads stdout would hold the process forever (SIGTERM, stdin's EOF
     and the client's death all ignored). Once stopping, the connection gets ``EXIT_GRACE_S``,
     then is cancelled again, which ends its wait; what the client did not read is dropped (and,
-    after a second signal, the requests it was still answering)."""
+    after a second signal, the requests it was still answering). Closed in time, what its
+    writer left in the pipe's buffer (up to 64 KiB, a half line) and the answers written at
+    once (``LineBound.answer``) get what is left of those seconds to be read
+    (``RedactingWriter.flushed``): the process would exit without them."""
     await stopping.wait()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + EXIT_GRACE_S
     done, _ = await asyncio.wait({main}, timeout=EXIT_GRACE_S)
     if not done:
         log.warning("the connection did not close within %.0f s (the client is not reading the agent's output, "
                     "or a request does not stop); exiting without the rest", EXIT_GRACE_S)
         main.cancel()
+        return
+    if not await writer.flushed(deadline - loop.time()):
+        log.warning("the client did not read the agent's last %d bytes within %.0f s; exiting without them",
+                    writer.transport.get_write_buffer_size(), EXIT_GRACE_S)
 
 
 def run(*, base_settings: dict[str, Any], version: str, debug: bool, client_pid: int | None,

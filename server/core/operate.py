@@ -37,7 +37,12 @@ def caller_model_class(response_format: Any) -> type[BaseModel] | None:
 
 
 def mismatch_error(model_class: type[BaseModel], result: Any) -> ValidationFailed:
-    received = repr(result)[:RECEIVED_LIMIT]
+    """The error of a reply that does not parse into ``model_class``, quoting the first
+    RECEIVED_LIMIT characters of it, the known secrets masked before the cut (docs/SECURITY.md
+    G6: a cut never leaves part of one)."""
+    from ..redaction import redact_cut  # (standard library only)
+
+    received = redact_cut(repr(result), RECEIVED_LIMIT)
     return ValidationFailed(
         f"Failed to parse model response into {model_class.__name__!r}. Received (truncated): {received}",
         expected=model_class.__name__,

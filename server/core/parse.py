@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from ..redaction import redact_cut
 from . import progress
 from .errors import ParseError
 from .imodel import ModelRequest, model_deadline
@@ -302,9 +303,7 @@ async def parse(branch: Any, text: Any, parse_param: ParseParam) -> Any:
             attempt[0] += 1
             guidance = REFORMAT_GUIDANCE
             if n >= 1:
-                err = str(last)
-                if len(err) > 800:
-                    err = err[:800] + "…(truncated)"
+                err = redact_cut(str(last), 800, more="…(truncated)")  # (masked before the cut: docs/SECURITY.md G6)
                 guidance += (f" The previous attempt did not validate: {err}. Correct exactly what that error names"
                              " — every field it reports must carry a value of the required type.")
             if n >= 2:

@@ -236,13 +236,27 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     return _redaction.redact(text, secrets, patterns=True)
 
 
-def masked_model(config: dict[str, Any], name: str) -> Any:
+def redact_cut(text: str, limit: int, more: str = "") -> str:
+    """:func:`redact`, then the first ``limit`` characters (``more`` after them when there were
+    more): masked before the cut (``redaction.redact_cut``)."""
+    return _redaction.redact_cut(text, limit, more=more, patterns=True)
+
+
+def redact_piece(text: str, *, cut_before: bool = False, cut_after: bool = False) -> str:
+    """:func:`redact` for a piece of a text that was cut before it could be masked, without
+    the piece of a known secret a cut left at its edge (``redaction.redact_piece``)."""
+    return _redaction.redact_piece(text, cut_before=cut_before, cut_after=cut_after, patterns=True)
+
+
+def masked_model(config: dict[str, Any], name: str, restored: bool = False) -> Any:
     """For a model given inline (``chatModel``) whose ``config`` holds ``[REDACTED]``
     (``redaction.masked_fields``: a branch restored after a restart, the store keeps such a
     model's secrets masked), a model that refuses every call (:class:`_Masked`), made instead of
     the provider's; else None. Its config is not checked: the mask is what is wrong with it (a
-    masked ``baseUrl`` is no loopback one)."""
-    masked = _redaction.masked_fields(config)
+    masked ``baseUrl`` is no loopback one). ``restored``: the config was read from the store,
+    which masks a known secret in any field, so the mask in any field is one; a config a client
+    just sent is looked at only in the fields stored masked."""
+    masked = _redaction.masked_fields(config, anywhere=restored)
     if not masked:
         return None
     remember_model_secrets(config)  # (what it still names is masked as a provider's would be: its apiKeyEnv's value)

@@ -61,6 +61,7 @@ from ._common import (
     field_value,
     loads_json_safe,
     redact,
+    redact_piece,
     remember_model_secrets,
     render_prompt,
 )
@@ -765,13 +766,23 @@ def _model_error(message: str) -> ModelError:
     return ModelError(redact(message))
 
 
+_UTF8_CONTINUATION = bytes(range(0x80, 0xC0))  # the bytes that go on a character begun before them
+
+
 def _tail(f: "_StderrFile", limit: int = STDERR_TAIL_BYTES) -> str:
     """The last ``limit`` characters of the child's stderr, redacted *before* the cut (a
-    window reaching back a little further, so a key straddling the cut is masked whole)."""
+    window reaching back a little further, so a key straddling the cut is masked whole). The
+    window's own start is a cut too, which masking can bring within the last ``limit``
+    characters (each key masked makes the text shorter): the piece of a key it may begin with is
+    left out (``redaction.redact_piece``)."""
     from operate_sidecar.server.redaction import known_secrets
 
     reach = limit + 2 * max((len(k) for k in known_secrets()), default=0) + 256
-    text = redact(f.last(reach).decode(errors="replace")).strip()
+    window = f.last(reach)
+    cut = len(window) >= reach
+    if cut:  # (from its first whole character: a character cut in two is no piece of a key's text)
+        window = window.lstrip(_UTF8_CONTINUATION)
+    text = redact_piece(window.decode(errors="replace"), cut_before=cut).strip()
     return text[-limit:] if len(text) > limit else text
 
 

@@ -49,6 +49,8 @@ from ._common import (
     is_loopback_url,
     json_safe,
     redact,
+    redact_cut,
+    redact_piece,
     remember_model_secrets,
     remember_secret,
     snake,
@@ -586,7 +588,7 @@ def _not_a_stream(kind: str, head: bytes) -> _NotAStream | None:
     error = _error_message(text) if text.startswith("{") else None
     if error is not None:  # (whatever its content type said)
         return _NotAStream(kind or "JSON", error)
-    sample = _sample(text)
+    sample = _sample(text, cut=len(head) >= HEAD_BYTES)
     if "event-stream" in kind:  # (a proxy's or a web UI's page, labelled as the stream asked for)
         return None if not text or _SSE_LINE.search(text) else _NotAStream(f"a body sent as {kind}", sample=sample)
     if kind:
@@ -616,24 +618,25 @@ def _is_html(text: str) -> bool:
     return _HTML_START.match(text.lstrip()) is not None
 
 
-def _sample(text: str) -> str:
+def _sample(text: str, cut: bool = False) -> str:
     """What a body that is not the JSON or event stream expected says, for a message, bounded:
     an HTML page as ``an HTML page, "<its title, or its first words>"``, other text as its first
     words in quotes; "" when it says nothing. Only its first SAMPLE_SCAN_CHARS characters are
     read, by patterns that take time in proportion to them (an error body is up to
-    MAX_ERROR_BODY_BYTES, and this runs on the event loop)."""
+    MAX_ERROR_BODY_BYTES, and this runs on the event loop). Known secrets and key-shaped tokens
+    are masked before any cut (docs/SECURITY.md G6): in what is read, without the piece of a
+    secret that the end of what was read may cut (``cut``: the body went on past ``text``, read
+    only so far), and in the words again before they are cut to SAMPLE_CHARS."""
     import html
 
-    text = text[:SAMPLE_SCAN_CHARS].strip()
+    text = redact_piece(text[:SAMPLE_SCAN_CHARS], cut_after=cut or len(text) > SAMPLE_SCAN_CHARS).strip()
     page = _is_html(text)
     if page:
         title = _TITLE.search(text)
         words = html.unescape(_HTML_SKIP.sub(" ", title.group(1) if title else text))
     else:
         words = text
-    words = " ".join(words.split())
-    if len(words) > SAMPLE_CHARS:
-        words = words[:SAMPLE_CHARS] + "…"
+    words = redact_cut(" ".join(words.split()), SAMPLE_CHARS, "…")
     quoted = f'"{words}"' if words else ""
     return ("an HTML page" + (f", {quoted}" if quoted else "")) if page else quoted
 

@@ -66,11 +66,15 @@ class InputHold:
 
     def pause(self) -> None:
         if self._scan is None:
-            from .framing import FrameParser
+            self._scan = self._scanner()
 
-            # it starts wherever the input is: a frame begun before is skipped by the scan (never
-            # by the connection, which is handed every held byte as it came), without a word
-            self._scan = FrameParser(self._scanned, max_bytes=1 << 20, quiet=True)
+    def _scanner(self) -> Any:
+        """What reads the held bytes as they come (its ``feed``), to spot an exit among them."""
+        from .framing import FrameParser
+
+        # it starts wherever the input is: a frame begun before is skipped by the scan (never
+        # by the connection, which is handed every held byte as it came), without a word
+        return FrameParser(self._scanned, max_bytes=1 << 20, quiet=True)
 
     def resume(self) -> None:
         self._scan = None

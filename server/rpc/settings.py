@@ -11,7 +11,6 @@ import sys
 from typing import Any
 
 from operate_sidecar.server import redaction as _redaction
-from operate_sidecar.server.redaction import secret_env_values
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_PERMISSION_TIMEOUT_MS = 120_000
@@ -301,7 +300,9 @@ def secret_values(settings: dict[str, Any]) -> list[str]:
     ...; a header of a model's ``options.extraHeaders`` named like ``redaction.SECRET_HEADER_NAME``,
     ``Authorization``, ``X-Api-Key`` ..., whole and without its scheme, ``Bearer``, ``Basic``; a
     key pasted as an ``apiKeyEnv``), the values of the variables every name in ``secretEnv``
-    lists, and an ``env`` entry of an MCP server named like ``SECRET_ENV_NAME``. Used to redact
+    lists, and an ``env`` entry of an MCP server named like ``SECRET_ENV_NAME`` and the value its
+    ``command`` gives an option named like a secret (``--token VALUE``, ``--password=VALUE``:
+    ``redaction.mcp_server_secrets``, as a CLI model's). Used to redact
     them from everything the server emits or stores. Settings of any shape (not checked yet, or
     refused) give what can be read of them: a part of the wrong type is skipped, a ``secretEnv``
     that is one name instead of a list is that name."""
@@ -316,8 +317,7 @@ def secret_values(settings: dict[str, Any]) -> list[str]:
         names.extend(got_names)
         values.extend(got_values)
     for spec in of(settings.get("mcpServers")).values():
-        if isinstance(spec, dict):
-            values.extend(secret_env_values(spec.get("env")))
+        values.extend(_redaction.mcp_server_secrets(spec))
     listed = settings.get("secretEnv")
     names.extend(n for n in (listed if isinstance(listed, list) else [listed]) if isinstance(n, str) and n)
     return [v for v in map(_redaction.env_value, names) if v] + [v for v in values if v]

@@ -96,7 +96,9 @@ class Wire:
     that stops reading never freezes the event loop (signals, the client's death and
     ``exit`` are still served). Once more than ``HIGH_WATER`` bytes wait, ``on_pause``
     is called (the server stops reading requests: memory stays bounded by what is
-    already in flight), and ``on_resume`` once the buffer is down to ``LOW_WATER``."""
+    already in flight), and ``on_resume`` once the buffer is down to ``LOW_WATER``, whichever
+    write drained it (``_resume_if_drained``); both on the loop's thread, ``on_resume`` as a loop
+    callback of its own (never inside a ``send_bytes``)."""
 
     HIGH_WATER = 8 << 20
     LOW_WATER = 1 << 20
@@ -189,18 +191,37 @@ class Wire:
                     self._write_locked()
         except (BrokenPipeError, ConnectionResetError, ValueError, OSError) as e:
             self._broken(e)
+            return
+        self._resume_if_drained()
 
     def _on_writable(self) -> None:
         try:
             with self._lock:
                 if not self.closed:
                     self._write_locked_on_room()
-                resume = self._paused and len(self._buf) <= self.LOW_WATER
-                if resume:
-                    self._paused = False
         except (BrokenPipeError, ConnectionResetError, ValueError, OSError) as e:
             self._broken(e)
             return
+        self._resume_if_drained()
+
+    def _resume_if_drained(self) -> None:
+        """On the loop's thread, after every write that may have drained the buffer: once it is
+        down to ``LOW_WATER`` after a pause, ``on_resume``. Not only when the pipe had room again
+        (``_on_writable``): a frame queued over ``HIGH_WATER`` behind one written in the same
+        iteration may go out whole at the end of it (or with another thread's frame) while the
+        client reads fast, the pipe never full, the writer callback never armed: input stayed
+        paused for good. Called only from those two loop callbacks, never from ``send_bytes``:
+        ``on_resume`` hands the held input on, whose handler may send (a ping's answer): run
+        from that send, it would hand input on in the middle of the handler (frames handed on
+        twice, the parser's buffer cut under it). None
+        is missed so: a pause happens on the loop's thread with a flush at the end of the
+        iteration or the writer callback pending, and while paused each of them leaves one
+        pending until the buffer is down to ``LOW_WATER`` (another thread's write that drains
+        it still leaves the pending one to resume). ``on_pause`` and ``on_resume`` alternate."""
+        with self._lock:
+            resume = self._paused and not self.closed and len(self._buf) <= self.LOW_WATER
+            if resume:
+                self._paused = False
         if resume and self.on_resume is not None:
             self.on_resume()
 
@@ -289,6 +310,11 @@ async def attach_reader(fd: int, on_data: Callable[[bytes], None], on_eof: Calla
     """Read ``fd`` on the running loop; returns its :class:`Reader` handle.
     ``on_eof`` may be called more than once."""
     transport, _ = await open_read_transport(fd, lambda: _ReadProtocol(on_data, on_eof))
+    return reader_of(transport)
+
+
+def reader_of(transport: asyncio.ReadTransport) -> Reader:
+    """The :class:`Reader` handle of a read transport (``open_read_transport``'s)."""
 
     def pause() -> None:
         if not transport.is_closing():

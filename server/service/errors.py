@@ -56,6 +56,12 @@ def state_not_saved(message: str, data: Any = None) -> RpcError:
 
 
 def truncate_received(value: Any, limit: int = RECEIVED_LIMIT) -> Any:
+    """A reply that failed validation, for the error's ``data.received``: as it is when its JSON
+    text is at most ``limit`` characters (the wire's last net masks the known secrets in it),
+    else the first ``limit`` characters of its text, the known secrets masked before the cut
+    (docs/SECURITY.md G6: a cut never leaves part of one)."""
+    from operate_sidecar.server.redaction import redact_cut
+
     dump = getattr(value, "model_dump", None)
     if dump is not None:
         try:
@@ -63,18 +69,22 @@ def truncate_received(value: Any, limit: int = RECEIVED_LIMIT) -> Any:
         except Exception:
             value = repr(value)
     if isinstance(value, str):
-        return value[:limit]
+        return redact_cut(value, limit)
     try:
         text = json.dumps(value, ensure_ascii=False, default=str)
     except (TypeError, ValueError):
-        return repr(value)[:limit]
-    return value if len(text) <= limit else text[:limit]
+        return redact_cut(repr(value), limit)
+    return value if len(text) <= limit else redact_cut(text, limit)
 
 
 def _short(e: BaseException) -> str:
+    """The type and the first line (at most 300 characters) of an unexpected exception, for a
+    -32603 message: the known secrets masked before either cut (a secret of several lines is
+    masked whole, one straddling the 300th character too)."""
     from operate_sidecar.server.core.errors import exception_text
+    from operate_sidecar.server.redaction import redact
 
-    said = exception_text(e).strip()
+    said = redact(exception_text(e)).strip()
     text = said.splitlines()[0] if said else ""
     text = text[:300]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -65,11 +65,14 @@ def client_says_not_found(err: Any, real: Path | str) -> bool:
 
 def client_error_reason(err: Any) -> str:
     """A client's error answer as a tool error's reason: its message, and its ``data`` when
-    that is text the message does not hold (an ACP client's "Internal error" says why there)."""
+    that is text the message does not hold (an ACP client's "Internal error" says why there),
+    its first 500 characters, masked before that cut (docs/SECURITY.md G6)."""
     message = str(getattr(err, "message", None) or err)
     data = getattr(err, "data", None)
     if isinstance(data, str) and data.strip() and data not in message:
-        message = f"{message} ({data[:500]})"
+        from ..redaction import redact_cut  # (standard library only)
+
+        message = f"{message} ({redact_cut(data, 500)})"
     return message
 
 

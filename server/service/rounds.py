@@ -15,11 +15,14 @@ branch with the same parameters, except that
 
 until a round runs no tool or N rounds are done. The result is the last round's.
 
-Before each round after the first, ``stop`` (the caller's, optional) is asked: true ends the
-rounds there, before that round's model is called or any of its tools runs, with the round
-before's result. The service stops so when the operate's save is already known to fail: its
-save then answers -32013 and puts the branch back, as round 1 would have been refused
-(docs/PROTOCOL.md §3, §11).
+Before each round after the first, ``before`` (the caller's, optional: awaited with the
+round's number) runs, then ``stop`` (the caller's, optional) is asked: true ends the rounds
+there, before that round's model is called or any of its tools runs, with the round before's
+result. The service waits in ``before`` for the lists of MCP tools said to have changed (the
+round is offered the tools as they are when it begins), and stops so when the operate's save
+is already known to fail: its save then answers -32013 and puts the branch back, as round 1
+would have been refused (docs/PROTOCOL.md §3, §11). ``stop`` is asked after ``before``, so a
+refusal that arises while ``before`` waits still ends the rounds before any effect.
 
 A caller may also pass ``repeat_limit`` L (the native wire's ``repeatLimit``; the ACP front end
 passes :data:`REPEAT_LIMIT`): the rounds then also stop once L rounds in a row each ran the
@@ -63,7 +66,8 @@ class Rounds(NamedTuple):
 
 async def run_rounds(branch: Any, max_rounds: int, prepare: Callable[[int], dict[str, Any]],
                      operate: Callable[..., Awaitable[Any]], *, repeat_limit: int = 0,
-                     stop: Callable[[], bool] | None = None) -> Rounds:
+                     stop: Callable[[], bool] | None = None,
+                     before: Callable[[int], Awaitable[None]] | None = None) -> Rounds:
     """Run ``operate(branch, **prepare(k))`` for rounds k = 1, 2, ... as described above."""
     if max_rounds <= 1 and repeat_limit <= 0:
         return Rounds(await operate(branch, **prepare(1)), 1)
@@ -87,13 +91,15 @@ async def run_rounds(branch: Any, max_rounds: int, prepare: Callable[[int], dict
     try:
         k, last, same, result = 0, None, 0, None
         while True:
+            if k and before is not None:
+                await before(k + 1)
             if k and stop is not None and stop():
                 return Rounds(result, k)
             k += 1
-            before, start, generation = ran[0], len(branch.messages), branch.messages.generation
+            ran_before, start, generation = ran[0], len(branch.messages), branch.messages.generation
             failed.clear()
             result = await operate(branch, **prepare(k))
-            if ran[0] == before:
+            if ran[0] == ran_before:
                 return Rounds(result, k)
             if repeat_limit > 0:
                 if branch.messages.generation != generation:  # round 1 cleared the branch first

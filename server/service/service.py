@@ -19,6 +19,7 @@ import importlib
 import json
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Collection
 
 from . import errors as E
@@ -54,9 +55,11 @@ RESTORE_SLICE_S = 0.005
 #: are each listed at once
 RELIST_BURST = 3
 RELIST_EVERY_S = 1.0
-#: how long requests (an operate, listTools, a prompt) wait for a list of tools due when they
-#: came, from when the first began to (``Service.ensure_tools``, ``Service.branch_mcp_ready``; a
-#: prompt's several waits, that long in all): a list that hangs (until its time-out, 30 s) then
+#: how long requests (an operate and its rounds, listTools, a prompt) wait for a list of tools
+#: due when they came (or, an operate's, when its round began), from when the first began to,
+#: and how long one request waits in all (``Service._relists_waited``: the time its several
+#: waits, a prompt's, its operate's and its rounds', spend waiting adds up to that at most,
+#: however long the time between them): a list that hangs (until its time-out, 30 s) then
 #: goes on in the background, and the requests with the tools registered
 RELIST_WAIT_S = 5.0
 #: messages of a ``branchMessages`` page made, and encoded (``rpc.server.encode_page``), between
@@ -112,6 +115,10 @@ class Service:
         #: per block of configured MCP servers one of which said its tools changed: set once they
         #: are listed again (``_serve_mcp``); ``ensure_tools`` waits for them
         self._mcp_unsettled: set[_Relist] = set()
+        #: request (its task: an operate with its rounds, listTools, an ACP prompt with its
+        #: operate) -> how long it may still wait for lists of tools, in seconds: ``RELIST_WAIT_S``
+        #: less the time its waits took so far (``_relists_waited``; none yet: all of it)
+        self._relist_left: weakref.WeakKeyDictionary[asyncio.Task, float] = weakref.WeakKeyDictionary()
         #: configured MCP server -> its own name for each tool it listed -> the name that tool was
         #: offered as (kept once it stopped: started again, a tool it still lists keeps that name)
         self._mcp_offered: dict[str, dict[str, str]] = {}
@@ -301,8 +308,9 @@ class Service:
                 b.name = meta.get("name")
             return
         try:
-            chat = self.resolve_model(meta.get("chatModel")) if meta.get("chatModel") else self.default_model()
-            parse = self.resolve_model(meta.get("parseModel")) if meta.get("parseModel") else None
+            chat = (self.resolve_model(meta.get("chatModel"), restored=True) if meta.get("chatModel")
+                    else self.default_model())
+            parse = self.resolve_model(meta.get("parseModel"), restored=True) if meta.get("parseModel") else None
         except RpcError as e:
             self._problems[lb.id] = []  # (restored again: said again, not kept twice)
             self._branch_problem(self._problems[lb.id], f"branch {lb.id}: {e.message}; using the default model")
@@ -513,27 +521,42 @@ class Service:
         if relisted:  # tools a configured server said changed: listed again first
             await self._relists_waited([*self._mcp_unsettled])
 
-    @staticmethod
-    async def _relists_waited(unsettled: "list[_Relist]") -> None:
+    async def _relists_waited(self, unsettled: "list[_Relist]") -> None:
         """Wait for the lists of MCP tools ``unsettled`` (each set once its list is over),
-        ``RELIST_WAIT_S`` at most from when each was first waited for (its ``deadline``: the
-        requests of one prompt, which each wait, wait that long in all): one still under way then
+        ``RELIST_WAIT_S`` at most from when each was first waited for (its ``deadline``), and
+        ``RELIST_WAIT_S`` of waiting at most in all for the request (the current task: each
+        request is one; ``_relist_left``): the waits of one prompt (its own, its operate's, each
+        round's) share that time, whatever lists each waits for, and only the time spent waiting
+        counts (a round whose model took long, or an operate that waited long for its turn,
+        still waits for the lists due as its next round begins). A list still under way then
         goes on in the background (it may hang until its time-out), and the tools registered
         meanwhile are used."""
         unsettled = [e for e in unsettled if not e.is_set()]
         if not unsettled:
             return
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         for e in unsettled:
             if e.deadline is None:
                 e.deadline = now + RELIST_WAIT_S
+        me = asyncio.current_task()
+        left = self._relist_left.get(me, RELIST_WAIT_S) if me is not None else RELIST_WAIT_S
+        until = min(max(e.deadline for e in unsettled), now + left)  # type: ignore[type-var]
+        if until <= now:  # (they, or this request, were waited for that long already)
+            log.debug("the lists of MCP tools due are not waited for: they, or this request, waited %g s already",
+                      RELIST_WAIT_S)
+            return
         try:
-            async with asyncio.timeout_at(max(e.deadline for e in unsettled)):  # type: ignore[type-var]
+            async with asyncio.timeout_at(until):
                 for settled in unsettled:
                     await settled.wait()
         except TimeoutError:
-            log.info("the tools of an MCP server that said they changed are still being listed after %g s: "
-                     "the tools offered before are used meanwhile", RELIST_WAIT_S)
+            log.info("the tools of an MCP server that said they changed are still being listed after %.3g s of "
+                     "this wait (a list is waited for %g s at most, and a request %g s in all): the tools offered "
+                     "before are used meanwhile", loop.time() - now, RELIST_WAIT_S, RELIST_WAIT_S)
+        finally:
+            if me is not None:
+                self._relist_left[me] = max(0.0, left - (loop.time() - now))
 
     def _check_policy_names_once(self) -> None:
         """:meth:`_check_policy_names`, once, when the configured tool sources are loaded: after
@@ -758,12 +781,13 @@ class Service:
         taken up again (``session/load``) passes its servers again: one it passed before and
         passes no more (its args or env changed) is stopped first, unless another branch passed
         it, so the changed one is started under the name passed. The values of its ``env``
-        whose names say they are secret are known secrets from here on (masked wherever the
-        server emits or stores text)."""
+        whose names say they are secret, and those its command line gives options named like a
+        secret (``--token VALUE``, ``--password=VALUE``), are known secrets from here on (masked
+        wherever the server emits or stores text: ``redaction.mcp_server_secrets``)."""
         from operate_sidecar.server import redaction
 
         for _, config in servers:
-            for value in redaction.secret_env_values(config.get("env")):  # before anything can echo them
+            for value in redaction.mcp_server_secrets(config):  # before anything can echo them
                 redaction.remember_secret(value)
         keyed = [(json.dumps([name, config], sort_keys=True), name, config) for name, config in servers]
         keys = {key for key, _, _ in keyed}
@@ -846,11 +870,26 @@ class Service:
         other branches' servers: their tools are not its own (:meth:`branch_tools`), and one
         that hangs in its handshake would hold up every session's turns. (A server of its own
         passed after another's starts after it: see :meth:`add_branch_mcp_servers`.)"""
-        readies = [entry[1] for key in list(self._branch_mcp_of.get(branch_id, ()))
-                   if (entry := self._branch_mcp.get(key)) is not None]
+        readies = self._branch_readies(branch_id)
         for ready in readies:
             await ready.wait()
         await self._relists_waited([ready.settled for ready in readies])  # tools said to have changed, listed again
+
+    def _branch_readies(self, branch_id: str) -> list[McpServerReady]:
+        """The MCP servers the branch passed (:meth:`add_branch_mcp_servers`), as they are now."""
+        return [entry[1] for key in list(self._branch_mcp_of.get(branch_id, ()))
+                if (entry := self._branch_mcp.get(key)) is not None]
+
+    async def _round_relists_waited(self, branch_id: str) -> None:
+        """As a round of an operate on the branch begins (its first once its turn has come, its
+        slot taken; each later one, before the check that its save can still be made): the
+        lists of tools due then (said to have changed, by a configured MCP server or one the
+        branch passed: those its operates use) waited for, bounded as :meth:`_relists_waited`
+        says (within the request's ``RELIST_WAIT_S`` of waiting in all), so that the round is
+        offered the tools as they are when it begins (a tool turned not read-only, or removed,
+        by a call of the round before, or of the operate before it, is offered so, or not at
+        all)."""
+        await self._relists_waited([*self._mcp_unsettled, *(r.settled for r in self._branch_readies(branch_id))])
 
     def branch_tools(self, branch_id: str) -> list[str] | None:
         """The tools an operate of this branch is offered: every tool but those of the MCP
@@ -893,8 +932,10 @@ class Service:
         (:meth:`_mcp_relisted`: a tool it still lists keeps its name while free). A request that
         came before such a list was over waits for it, ``RELIST_WAIT_S`` at most (then it goes
         on with the tools registered, the list going on): :meth:`ensure_tools` (a configured
-        one's) or :meth:`branch_mcp_ready` (a branch's); one that came later waits only for the
-        lists due when it came."""
+        one's) or :meth:`branch_mcp_ready` (a branch's), and each round of an operate for those
+        due as it begins (:meth:`_round_relists_waited`); one that came later waits only for the
+        lists due when it came. A list is due only for a server that runs: one said due while a
+        server started that then failed is over at once."""
         from operate_sidecar.server.tools.errors import ToolSourceError
         from operate_sidecar.server.tools.mcp_source import open_mcp_sources
 
@@ -926,7 +967,9 @@ class Service:
             over.set()
 
         def on_changed(server: str) -> None:
-            if server not in rounds:
+            # a list is due only for a server that runs (or starts: one that then fails to start
+            # has its round settled as the block begins; it is never listed)
+            if server not in rounds and server in running:
                 due = rounds[server] = _Relist()
                 if isinstance(ready, McpServerReady):
                     ready.settled = due
@@ -982,8 +1025,10 @@ class Service:
             stopped."""
             every = servers is None
             servers = set(running) if every else servers
-            for t in [t for t in registered if every or origin.get(t.name, ("",))[0] in servers]:
-                registered.remove(t)
+            gone = [t for t in registered if every or origin.get(t.name, ("",))[0] in servers]
+            ids = {id(t) for t in gone}
+            registered[:] = [t for t in registered if id(t) not in ids]  # (one pass: thousands of tools)
+            for t in gone:
                 if t.name in self.registry and self.registry.get(t.name) is t:
                     self.registry.unregister(t.name)
                     self._tool_origin.pop(t.name, None)
@@ -1007,16 +1052,18 @@ class Service:
                 failed = tools.failed
                 if failed:
                     running.difference_update(failed)
+                    for server in failed:  # (said during its start: no list follows, none is due)
+                        settle(rounds.pop(server, None))
                     started = [server for server in config if server in running]
                     label = f"MCP server{'s' if len(started) > 1 else ''} {', '.join(map(repr, started))}"
                 # the names were chosen just now (no wait since): a clash here is a bug, and it
                 # refuses the servers whole rather than leave some of their tools registered
                 names = [t.name for t in tools]
-                clash = sorted({n for n in names if n in self.registry or names.count(n) > 1})
+                clash = _clashing(names, self.registry)
                 if clash:
                     raise ToolSourceError("tool names taken: " + ", ".join(
                         f"{n!r} ({self._origin(n)})" if n in self.registry else repr(n) for n in clash))
-                renamed = self._renamed_mcp_tools(config, names, taken.seen)
+                renamed = self._renamed_mcp_tools(config, names, taken.seen, configured)
                 origin = tools.origin
                 self._mcp_registered(tools, origin, label, registered,
                                      [server for server in config if server in running] if configured else ())
@@ -1119,14 +1166,15 @@ class Service:
         kept = {own: public for public, (s, own) in origin.items() if s == server}
         new = tools.named(server, others | siblings, kept, others)  # (a tool listed before keeps its name)
         names = [t.name for t in new]
-        clash = sorted({n for n in names if n in others or names.count(n) > 1})
+        clash = _clashing(names, others)
         if clash:
             self._mcp_problem(ready, f"MCP server {server!r}: its tools listed again are not offered, since these "
                                      f"names are taken: {', '.join(map(repr, clash))}; the tools it offered before "
                                      f"are offered still")
             return
+        gone = {id(t) for t in mine}
+        registered[:] = [t for t in registered if id(t) not in gone]  # (one pass: thousands of tools)
         for t in mine:
-            registered.remove(t)
             origin.pop(t.name, None)
             if t.name in self.registry and self.registry.get(t.name) is t:
                 self.registry.unregister(t.name)
@@ -1136,7 +1184,8 @@ class Service:
         if isinstance(ready, McpServerReady):
             ready.tools = tuple(t.name for t in registered)
         log.info("MCP server %r listed its tools again: %s", server, ", ".join(names) or "none")
-        messages = [*new.warnings, *_renamed_told(self._renamed_mcp_tools({server: None}, names, others))]
+        renamed = self._renamed_mcp_tools({server: None}, names, others, configured)
+        messages = [*new.warnings, *_renamed_told(renamed)]
         for message in messages:
             if message not in told.get(server, ()):
                 self._mcp_problem(ready, message)
@@ -1144,14 +1193,16 @@ class Service:
 
     def _mcp_registered(self, tools: list[Any], origin: dict[str, tuple[str, str]], label: str,
                         registered: list[Any], configured: Collection[str]) -> None:
-        """Register ``tools`` (MCP tools just named; ``label``: their source, as told), kept in
-        ``registered`` (their block's); for each server of ``configured`` (configured ones), the
+        """Register ``tools`` (MCP tools just named), kept in ``registered`` (their block's), each
+        told as its server's (``_origin``: ``MCP server 'a'``, by ``origin``; ``label`` when it
+        has none); for each server of ``configured`` (configured ones), the
         names it holds from now on, by ``origin`` (each tool's name as offered -> its server and
         its own name): it runs (``_mcp_running``), its tools offered as ``_mcp_offered`` says."""
         for t in tools:
             self.registry.register(t)
             registered.append(t)
-            self._tool_origin[t.name] = label
+            held = origin.get(t.name)
+            self._tool_origin[t.name] = label if held is None else f"MCP server {held[0]!r}"
         for server in configured:
             mine = {public: own for public, (s, own) in origin.items() if s == server}
             self._mcp_running.add(server)
@@ -1164,13 +1215,20 @@ class Service:
         tools were offered as (started again, its tools take those back: a
         ``settings.toolPolicy`` entry follows the name, and must not pass to another server's
         tool while it is down)."""
-        names: set[str] = set()
+        return set(self._mcp_sibling_holders(servers))
+
+    def _mcp_sibling_holders(self, servers: Collection[str]) -> dict[str, str]:
+        """Each name of :meth:`_mcp_sibling_names` -> the configured server that holds it (the
+        first one, in the order they were started), for the warning that names it."""
+        holders: dict[str, str] = {}
         for s, offered in self._mcp_offered.items():
             if s not in servers:
-                names.update(offered)
+                for name in offered:
+                    holders.setdefault(name, s)
                 if s not in self._mcp_running:
-                    names.update(offered.values())
-        return names
+                    for name in offered.values():
+                        holders.setdefault(name, s)
+        return holders
 
     def _mcp_lost_told(self, ready: asyncio.Event, server: str, why: str) -> None:
         """Tell that the MCP server ``server`` (of ``ready``: a branch's, or a configured one)
@@ -1239,31 +1297,47 @@ class Service:
         return [*self._problems.get(branch_id, ()),
                 *(p for key, (_, ready) in self._branch_mcp.items() if key in own for p in ready.problems)]
 
-    def _renamed_mcp_tools(self, config: dict[str, Any], names: list[str],
-                           taken: frozenset[str]) -> dict[str, list[tuple[str, str, str]]]:
+    def _renamed_mcp_tools(self, config: dict[str, Any], names: list[str], taken: frozenset[str],
+                           configured: bool = False) -> dict[str, list[tuple[str, str, str]]]:
         """server -> (its tool's own name, the name it is offered as, why) for the tools of
         ``config``'s servers offered as ``<server>__<tool>`` (``names``): the name was taken by
-        another source (``taken``: the names registered when they were chosen), or another of
-        these servers offers it too."""
+        another source (``taken``: the names registered when they were chosen), another of
+        these servers offers it too, or (``configured``: they are configured ones) a configured
+        sibling holds it (:meth:`_mcp_sibling_holders`: a running one's own name, told with the
+        name it offers that tool as when that is another, ``offers 'x', as 'a__x'``; or a stopped
+        one's). Linear in the names (a server may list thousands of tools)."""
         import re
 
         prefixes = {re.sub(r"[^A-Za-z0-9_-]", "_", server): server for server in config}
+        longest_first = sorted(prefixes, key=len, reverse=True)
         plain_of: dict[str, tuple[str, str]] = {}  # public name -> (server, its own name)
+        offering: dict[str, list[str]] = {}  # own name -> the servers that offer it prefixed
         for public in names:
-            for prefix in sorted(prefixes, key=len, reverse=True):
+            for prefix in longest_first:
                 if public.startswith(prefix + "__") and len(public) > len(prefix) + 2:
                     plain_of[public] = (prefixes[prefix], public[len(prefix) + 2:])
+                    offering.setdefault(public[len(prefix) + 2:], []).append(prefixes[prefix])
                     break
+        offered = set(names)
+        holders = self._mcp_sibling_holders(config) if configured and plain_of else {}
         out: dict[str, list[tuple[str, str, str]]] = {}
         for public, (server, plain) in plain_of.items():
+            others = sorted(s for s in offering[plain] if s != server)
             if plain in taken and plain in self.registry:
                 why = f"{self._origin(plain)} offers {plain!r}"
-            else:
-                others = sorted(s for p, (s, n) in plain_of.items() if n == plain and s != server)
-                if not others or plain in names:
-                    continue  # the server's own name for it
+            elif plain in offered:
+                continue  # the server's own name for it
+            elif others:
                 why = "MCP server" + ("s " if len(others) > 1 else " ") + ", ".join(map(repr, others)) \
                       + f" offer{'' if len(others) > 1 else 's'} {plain!r} too"
+            elif plain in holders:
+                holder = holders[plain]
+                as_ = self._mcp_offered.get(holder, {}).get(plain, plain)  # (its own name: offered as that)
+                why = f"MCP server {holder!r} " + ((f"offers {plain!r}" + (f", as {as_!r}" if as_ != plain else ""))
+                                                   if holder in self._mcp_running
+                                                   else f"holds {plain!r} while it is stopped")
+            else:
+                continue
             out.setdefault(server, []).append((plain, public, why))
         return out
 
@@ -1273,7 +1347,7 @@ class Service:
         if where is not None:
             return where
         source = self.registry.get(name).source
-        return {"builtin": "the builtin workspace tools", "python": "toolModules", "mcp": "an MCP server",
+        return {"builtin": "the builtin workspace tool set", "python": "toolModules", "mcp": "an MCP server",
                 "client": "the client (registerClientTools)"}.get(source, f"a {source} tool")
 
     # ------------------------------------------------------------------ tasks
@@ -1417,8 +1491,10 @@ class Service:
     def default_model(self) -> Any:
         return self.resolve_model(self.settings["defaultModel"])
 
-    def resolve_model(self, spec: Any, where: str = "chatModel") -> Any:
-        """A configured name or an inline ModelConfig → an iModel (cached)."""
+    def resolve_model(self, spec: Any, where: str = "chatModel", restored: bool = False) -> Any:
+        """A configured name or an inline ModelConfig → an iModel (cached). ``restored``: the
+        spec is a stored branch's, read back from the store, where the mask in any of its
+        fields stands for a secret (``models._common.masked_model``)."""
         if spec is None:
             return None
         if not isinstance(spec, (str, dict)):  # an attrs ModelConfig from protocol/
@@ -1437,14 +1513,14 @@ class Service:
                 model = self._make(make_model, config, spec, where)
                 self._models[spec] = model
             return model
-        key = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        key = ("restored:" if restored else "") + json.dumps(spec, sort_keys=True, separators=(",", ":"))
         model = self._inline.get(key)
         if model is None:
             from operate_sidecar.server.models import make_model
             from operate_sidecar.server.models._common import masked_model
 
             name = f"inline-{spec.get('provider')}-{len(self._inline) + 1}"
-            model = masked_model(spec, name) or self._make(make_model, spec, name, where)  # (restored: refused)
+            model = masked_model(spec, name, restored) or self._make(make_model, spec, name, where)  # (masked: refused)
             self._inline[key] = model
         return model
 
@@ -2106,6 +2182,7 @@ class Service:
 
         def prepare(k: int) -> dict[str, Any]:
             """Round k's prepared params: round 1 the caller's; later rounds the same params with
+            the tools as they are as the round begins (``before`` has waited for the lists due),
             the continuation instruction, no repeated context and no clearing (see service.rounds)."""
             if k == 1:
                 return prepared
@@ -2116,15 +2193,30 @@ class Service:
                 later.update(instruction=CONTINUATION, context=None)
             return prepare_operate_kw(branch, **later)
 
+        async def before(k: int) -> None:
+            """Before round k (after the first), before ``refused`` is asked: the lists of tools
+            said to have changed meanwhile waited for (:meth:`_round_relists_waited`: a call of
+            the round before may have changed them). A save that becomes known to fail during
+            that wait still ends the rounds before the round's model is called."""
+            await self._round_relists_waited(branch.id)
+
         def refused() -> bool:
-            """Before each round after the first, as before round 1: whether the operate's save is
-            already known to fail (a stat or two). Then the rounds end before the next round's model
-            is called or any of its tools runs, and the save below answers -32013 and puts the
-            branch back as it was before the operate (docs/PROTOCOL.md §3, §11)."""
+            """Before each round after the first, as before round 1 (each time after the wait for
+            the lists of tools due): whether the operate's save is already known to fail (a stat
+            or two). Then the rounds end before the next round's model is called or any of its
+            tools runs, and the save below answers -32013 and puts the branch back as it was
+            before the operate (docs/PROTOCOL.md §3, §11)."""
             return self.journal is not None and self.journal.refusal() is not None
 
         self._check_message_room(branch, bool(p.clear_messages))
         async with self._turn(branch.id, ticket):
+            # the lists said due while it waited for its turn (a call of the branch's operate before
+            # it may have asked for one), waited for before the refusal check below; its slot of
+            # maxConcurrentOperates is held meanwhile (a list is waited for RELIST_WAIT_S at most
+            # from when a first request began to, so a hanging list holds the slots that long at
+            # most, as a slow model would)
+            with self._findable(branch.id):  # (a delete of the branch meanwhile ends it: -32012)
+                await self._round_relists_waited(branch.id)
             # the branch as it is now that this operate's turn has come: one deleted while it
             # waited is -32012 (it would have run, and answered, on a branch that is gone)
             branch = self.branch(branch.id)
@@ -2153,7 +2245,7 @@ class Service:
             try:
                 result, rounds, repeated = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate,
                                                              repeat_limit=repeat_limit or p.repeat_limit or 0,
-                                                             stop=refused)
+                                                             stop=refused, before=before)
             except asyncio.CancelledError:
                 self._end_if_deleted(me, branch.id, sink, meter)
                 if sink is not None:
@@ -2215,6 +2307,16 @@ class Service:
         if repeated:  # (only for a caller that asked for the stop: repeatLimit, or the ACP front end)
             out["repeated"] = True
         return out
+
+
+def _clashing(names: list[str], taken: Collection[str]) -> list[str]:
+    """The names of ``names`` (MCP tools just named) that ``taken`` has or that are there twice,
+    sorted; in one pass (a server may list thousands of tools)."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for n in names:
+        (twice if n in seen else seen).add(n)
+    return sorted({n for n in seen if n in taken} | twice)
 
 
 def _renamed_told(renamed: dict[str, list[tuple[str, str, str]]]) -> list[str]:

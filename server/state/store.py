@@ -28,7 +28,8 @@ by adding what this process added to each total, other keys whole, so two proces
 different things of one branch both keep theirs, and their operates both count.
 
 At open, the database is checked (``PRAGMA quick_check``); a damaged file is moved aside
-(kept, with its ``-wal``/``-shm``), whatever can still be read from it is copied into a fresh
+(kept, with its ``-wal``/``-shm``; beside the file a link ``state.sqlite3`` leads to, the link
+kept: ``StateStore._set_aside``), whatever can still be read from it is copied into a fresh
 database, branch by branch (a damaged row costs its own branch's settings, never the other
 branches: ``StateStore._salvage``), and :attr:`StateStore.problems` says so for the server to
 report. That copy is marked in ``info`` until it is done: a process that dies during it leaves a database that
@@ -508,6 +509,11 @@ class StateStore:
         self._tidy_lock = threading.Lock()
         self._tidy_thread: threading.Thread | None = None
         self._tidy_again = False
+        #: the last failure of the tidying that was said (``_tidy_failed``), until a tidying goes through
+        self._tidy_fault: str | None = None
+        #: the file SQLite works on (``_real_file``: a ``state.sqlite3`` that is a link to a file
+        #: elsewhere has its ``-wal`` and ``-shm`` beside that file): taken when it connects
+        self._file = self._real_file()
         #: the conversion's copy is still in the ``-wal`` (another server's reader was in the way of
         #: its checkpoint), so the file is as large as before: ``_tidy`` checkpoints it
         self._checkpoint_owed = False
@@ -522,8 +528,20 @@ class StateStore:
             self._import_jsonl()
 
     # ------------------------------------------------------------ opening
+    def _real_file(self) -> str:
+        """The file ``path`` leads to now, the one SQLite works on: it resolves links, and keeps
+        the ``-wal`` and ``-shm`` beside the file it resolved to. ``path`` itself unless
+        ``state.sqlite3`` is a link (folders above it that are links lead to the same place, and
+        ``path`` names it as the user gave it); a link whose file is gone leads to where that
+        file was, where SQLite makes a fresh one."""
+        real = os.path.realpath(self.path)
+        return self.path if real == os.path.join(os.path.realpath(self.root), DB_FILE) else real
+
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+        # the links resolved once, here, and that file opened: its -wal is the one ``_check_file``
+        # watches, even when ``path`` is pointed elsewhere later (which is then a replaced file)
+        self._file = self._real_file()
+        conn = sqlite3.connect(self._file, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                check_same_thread=False)
         try:
             conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
@@ -663,13 +681,15 @@ class StateStore:
 
     def _identity(self) -> tuple[int, int, tuple[int, int] | None] | None:
         """(device, inode) of the database file and of its ``-wal`` (None when there is none);
-        None when the database file cannot be stat-ed."""
+        None when the database file cannot be stat-ed. The file is the one ``path`` leads to now
+        (a link pointed elsewhere since the connection was made is a replaced file); the ``-wal``
+        is the one beside the file the connection writes to (``_file``), where SQLite keeps it."""
         try:
             st = os.stat(self.path)
         except OSError:
             return None
         try:
-            wal = os.stat(self.path + "-wal")
+            wal = os.stat(self._file + "-wal")
         except OSError:
             return st.st_dev, st.st_ino, None
         return st.st_dev, st.st_ino, (wal.st_dev, wal.st_ino)
@@ -678,11 +698,12 @@ class StateStore:
         """A commit is acknowledged only if it lands in ``<stateDir>/state.sqlite3``: once that
         file or its ``-wal`` (where a commit lands first; SQLite keeps it while a connection is
         open) is deleted or replaced (by a person, a backup restore, a clean-up of "stale"
-        files, another server setting a damaged file aside), this connection would write to a
-        file nobody will read again. Every change is then refused (StateNotSaved) until the
-        server is restarted."""
+        files, another server setting a damaged file aside, a link ``state.sqlite3`` pointed at
+        another file), this connection would write to a file nobody will read again. Every
+        change is then refused (StateNotSaved) until the server is restarted."""
         if self._file_id is not None and self._identity() != self._file_id:
-            raise StateNotSaved(f"the state database {self.path} (or its -wal) was deleted or replaced while the "
+            wal = "its -wal" if self._file == self.path else f"its -wal, {self._file}-wal"
+            raise StateNotSaved(f"the state database {self.path} (or {wal}) was deleted or replaced while the "
                                 "server was running; changes are refused until the server is restarted")
 
     def refusal(self) -> str | None:
@@ -719,7 +740,7 @@ class StateStore:
         self.read_only = True
         self._file_id = self._identity()
         note = ""
-        wal = self.path + "-wal"
+        wal = self._file + "-wal"
         if immutable and os.path.exists(wal) and os.path.getsize(wal) > 0:
             note = (f"; its write-ahead log {wal} ({os.path.getsize(wal)} bytes) cannot be read without "
                     "writing beside it, so the changes it holds are not shown")
@@ -731,26 +752,36 @@ class StateStore:
     def _keep_orphan_log(self) -> None:
         """The database file is gone but its ``-wal`` is not (deleted by hand, a clean-up, a
         backup restored without it): SQLite would silently discard that log, which may hold
-        most of the branches. It is moved aside (with its ``-shm``) and reported instead."""
-        wal = self.path + "-wal"
+        most of the branches. It is moved aside (with its ``-shm``) and reported instead. A link
+        ``state.sqlite3`` whose file is gone has that log beside where the file was
+        (``_real_file``)."""
+        real = self._real_file()
+        wal = real + "-wal"
         if not (os.path.exists(wal) and os.path.getsize(wal) > 0):
             return
         aside = self._set_aside("orphan", ("-wal", "-shm"))
-        self.problems.append(f"state database {self.path} is missing but its write-ahead log was not; the log "
+        what = self.path if real == self.path else f"{self.path} (a link to {real})"
+        self.problems.append(f"state database {what} is missing but its write-ahead log was not; the log "
                              f"({os.path.getsize(aside + '-wal')} bytes) is kept as {aside}-wal and a fresh "
                              "database is in use")
 
     def _set_aside(self, why: str, suffixes: tuple[str, ...]) -> str:
         """Move the database's files of these ``suffixes`` ("" the database itself) aside, for
-        ``why``: beside it, stamped. Returns the path they now have (without the suffix)."""
+        ``why``: beside it, stamped. Returns the path they now have (without the suffix). The
+        database is the file ``path`` leads to (``_real_file``): a link ``state.sqlite3`` (to
+        another disk, say) is kept, its file and that file's ``-wal`` and ``-shm`` are set aside
+        beside it, and the fresh database is made where the link leads."""
+        real = self._real_file()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
-        aside = f"{self.path}.{why}-{stamp}"
+        aside = f"{real}.{why}-{stamp}"
         for suffix in suffixes:
-            if os.path.exists(self.path + suffix):
-                os.replace(self.path + suffix, aside + suffix)
+            if os.path.exists(real + suffix):
+                os.replace(real + suffix, aside + suffix)
         return aside
 
     def _replace_damaged(self, problem: str) -> sqlite3.Connection:
+        """Set the damaged database aside (``_set_aside``), make a fresh one and copy into it
+        what the damaged one still yields (``_finish_salvage``)."""
         aside = self._set_aside("damaged", ("", "-wal", "-shm"))
         conn = self._connect()
         # marked first: a process that dies half-way leaves a database that looks whole, and the
@@ -925,11 +956,12 @@ class StateStore:
     def _room_for_copy(self, data: int) -> str | None:
         """None when the disks have room for ``VACUUM``'s copy of ``data`` bytes: SQLite builds
         it in a temporary file (in ``_sqlite_temp_dir()``), then writes it into the database
-        through the ``-wal`` beside it (one filesystem holding both needs room for both). Else
-        what is short, to be said."""
+        through the ``-wal`` beside it (one filesystem holding both needs room for both): beside
+        the file SQLite works on, in the folder a link ``state.sqlite3`` leads to (``_file``),
+        not in the state directory. Else what is short, to be said."""
         margin = 8 << 20
         need: dict[int, list[Any]] = {}  # device: [bytes needed, bytes free, folders]
-        for folder in (self.root, _sqlite_temp_dir()):
+        for folder in (os.path.dirname(self._file), _sqlite_temp_dir()):
             if folder is None:
                 continue
             try:
@@ -1048,8 +1080,22 @@ class StateStore:
                 self._tidy_again = False
             try:
                 self._tidy()
-            except Exception:  # never more than space not given back yet: the next delete tries again
+            except Exception:  # never more than space not given back yet: a later change tries again
                 log.exception("state: could not give the free space of %s back", self.path)
+
+    def _tidy_failed(self, e: BaseException) -> None:
+        """A step of the tidying failed, not for another server (a damaged page, an I/O error):
+        said in one line, once for as long as it fails the same way. It is tried again after
+        every later delete or clear, and after every commit while the ``-wal`` is over its limit
+        (when the checkpoint that follows could not cut it): a line for each would fill the log."""
+        said = f"{type(e).__name__}: {e}"
+        if said == self._tidy_fault:
+            log.debug("state: the free space of %s is still not given back (%s)", self.path, e)
+            return
+        self._tidy_fault = said
+        log.warning("state: could not give the free space of %s back (%s); tried again after each later delete "
+                    "or clear, each commit while its -wal is over %d MiB, and at the next start (not said again "
+                    "while it fails the same way)", self.path, e, JOURNAL_SIZE_LIMIT >> 20)
 
     def _tidy_pause(self, seconds: float) -> bool:
         """Wait ``seconds`` without holding the connection; True when the store is closed
@@ -1072,7 +1118,7 @@ class StateStore:
         own automatic checkpoint does not do)."""
         if not freed:
             try:
-                if os.path.getsize(self.path + "-wal") <= JOURNAL_SIZE_LIMIT:
+                if os.path.getsize(self._file + "-wal") <= JOURNAL_SIZE_LIMIT:
                     return
             except OSError:
                 return
@@ -1090,7 +1136,9 @@ class StateStore:
         the server's reads and commits go on meanwhile, and ``close`` ends them), then left for
         the next delete or start (or a commit that leaves the ``-wal`` over its limit). The
         checkpoint the conversion at open could not make (``_checkpoint_owed``) is made here as
-        after pages given back. Nothing is done once the file was replaced (``_check_file``)."""
+        after pages given back. Nothing is done once the file was replaced (``_check_file``). A
+        step that fails otherwise (a damaged page, ``_tidy_failed``) ends the giving back, not the
+        checkpoint after it: a ``-wal`` over its limit is still cut."""
         retries = iter(TIDY_RETRY_S)
         gave_back = False
         while True:
@@ -1104,16 +1152,16 @@ class StateStore:
                     with self._busy_timeout(0):
                         if (c.execute("PRAGMA auto_vacuum").fetchone()[0] != 2
                                 or c.execute("PRAGMA freelist_count").fetchone()[0] == 0):
+                            self._tidy_fault = None  # it went through: a failure after this is said again
                             break
                         c.executescript(f"PRAGMA incremental_vacuum({VACUUM_STEP_PAGES})")  # (all its steps)
                     gave_back = True
                 except StateNotSaved:
                     return
-                except sqlite3.OperationalError as e:
+                except sqlite3.Error as e:  # a damaged page is a DatabaseError, not an OperationalError
                     if not _is_busy(e):
-                        log.warning("state: could not give the free space of %s back (%s); tried again after the "
-                                    "next delete", self.path, e)
-                        return
+                        self._tidy_failed(e)
+                        break  # the checkpoint still goes on: a grown -wal is cut all the same
                     busy = True
             if self._tidy_retry(retries, "the free space of %s is given back later (another server kept writing "
                                 "to it)") if busy else self._tidy_pause(TIDY_PAUSE_S):
@@ -1123,7 +1171,7 @@ class StateStore:
                 if self._closed:
                     return
                 try:
-                    wal = os.path.getsize(self.path + "-wal")
+                    wal = os.path.getsize(self._file + "-wal")
                 except OSError:
                     wal = 0
                 owed = self._checkpoint_owed

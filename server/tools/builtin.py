@@ -46,6 +46,12 @@ system refuses is said in words, naming the path as the tools show it
 (:meth:`WorkspaceTools.fs_error`), never as ``[Errno N] ...: '<absolute path>'``.
 ``search_text`` matches with RE2 (linear time, no backreferences or lookaround), so no pattern
 can hang it.
+
+A tool's output has the known secrets masked after it returns (docs/SECURITY.md G6); where a
+tool cuts what it shows, it masks them first: a matching line longer than ``max_line_chars``
+is masked, then cut (``redaction.redact_cut``), and a read_file page's first line, longer than
+the page and so read only so far, ends before the piece of a secret the cut may have left
+(:func:`page_end`). What ``write_file`` and ``edit_file`` write is never masked.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import stat
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from .. import redaction
 from ..core.tools import Tool
 from . import safe_fs
 from .edits import EditError, apply_edits, change, split_lines, unified_diff
@@ -215,10 +222,13 @@ def page_end(lines: list[str], cut: str, number: int) -> tuple[int, bool]:
     """A read_file page's end at line ``number``, which does not fit in what is left of the
     page (``cut``: the part that does): it starts the next page (``nextOffset``), whole; only a
     page's first line, longer than a page, is cut (``truncated``), the rest of it never shown.
-    (Cut at the end of a page, its rest was skipped by the next page, which began after it.)"""
+    (Cut at the end of a page, its rest was skipped by the next page, which began after it.)
+    That cut comes before the output is masked (the disk's line is read only so far): the piece
+    of a known secret it may end in is left out (``redaction.redact_piece``), the rest of the
+    line masked as the output is. Both read_file's, the disk's and the client's."""
     if lines:
         return number, False
-    lines.append(cut)
+    lines.append(redaction.redact_piece(cut, cut_after=True))
     return number + 1, True
 
 
@@ -518,8 +528,8 @@ class WorkspaceTools:
                             truncated = True
                             break
                         shown = line.strip()
-                        if len(shown) > self.max_line_chars:
-                            shown = shown[: self.max_line_chars] + "…"
+                        if len(shown) > self.max_line_chars:  # (masked before the cut, as the output is)
+                            shown = redaction.redact_cut(shown, self.max_line_chars, more="…")
                         matches.append({"path": self.display(file), "line": number, "text": shown})
                 if truncated:
                     break

@@ -80,7 +80,7 @@ from .. import __version__
 from ..core.errors import exception_text
 from ..core.tools import Tool, ToolCallContext
 from ..redaction import _PATTERNS as KEY_PATTERNS
-from ..redaction import StreamRedactor, redact
+from ..redaction import StreamRedactor, redact, redact_cut
 from .errors import ToolCallError, ToolSourceError
 
 if TYPE_CHECKING:
@@ -635,7 +635,9 @@ class McpToolSource:
     def _start_failure(self, e: BaseException) -> str:
         """Why the server did not start, for its warning: the cause (an exception group the SDK's
         task groups made is looked into), its command line and the last lines of its stderr, both
-        masked as the relayed stderr is (SECURITY.md G6: a key passed as an argument too)."""
+        masked as the relayed stderr is (docs/SECURITY.md G6: a key passed as an argument too; the
+        value of an option named like a secret, ``--token VALUE``, is a known secret from the
+        moment the server is configured or passed: ``redaction.mcp_server_secrets``)."""
         e = _cause(e)
         if isinstance(e, TimeoutError):
             reason = f"no answer to initialize/tools/list within {self.start_timeout:g} s"
@@ -647,8 +649,10 @@ class McpToolSource:
             reason = f"command not found: {self.command[0]}"
         else:
             reason = _describe(e)
+        from ..redaction import command_secret_values
+
         msg = redact(_escaped(f"MCP server {self.name!r} failed to start ({' '.join(self.command)}): {reason}"),
-                     patterns=True)
+                     command_secret_values(self.command), patterns=True)
         return msg + self._quoted_tail()
 
     def _quoted_tail(self) -> str:
@@ -1071,18 +1075,22 @@ def _named_tools(sources: list[McpToolSource], reserved: Collection[str],
     ``kept`` (server -> its own name for a tool -> the name it was offered as before: a server
     listing its tools again, or started again): such a tool keeps that name while no other tool
     has it (``registered``: the names other sources' tools have; ``reserved`` when None), whatever
-    ``reserved`` says; the rules above name the others (new tools)."""
+    ``reserved`` says; the rules above name the others (new tools). Linear in the tools (a
+    server may list thousands, each list of them named while the event loop waits)."""
     kept = kept or {}
     registered = reserved if registered is None else registered
     counts = Counter(n for s in sources for n in s.tool_names())
     taken = set(reserved)
     clashing = {n for n, c in counts.items() if c > 1 or n in taken}
     keeps: dict[tuple[str, str], str] = {}  # (server, its own name) -> the name it keeps
+    keeping: set[str] = set()  # the names kept (``keeps``' values)
     for s in sources:
+        before_of = kept.get(s.name, {})
         for own in s.tool_names():
-            before = kept.get(s.name, {}).get(own)
-            if before is not None and before not in registered and before not in keeps.values():
+            before = before_of.get(own)
+            if before is not None and before not in registered and before not in keeping:
                 keeps[(s.name, own)] = before
+                keeping.add(before)
     tools = McpTools(sources=sources)
     for s in sources:
         tools.warnings.extend(s.warnings)
@@ -1094,7 +1102,7 @@ def _named_tools(sources: list[McpToolSource], reserved: Collection[str],
                 t = s._tool(r, keep)
             holder = tools.origin.get(t.name)
             if holder is not None or (t.name not in counts and t.name in taken and keep is None) \
-                    or (keep is None and t.name in keeps.values()):
+                    or (keep is None and t.name in keeping):
                 by = f"MCP server {holder[0]!r}" if holder is not None else "another tool source"
                 left_out.setdefault(by, []).append(f"{remote!r} as {t.name!r}")
                 continue
@@ -1130,7 +1138,7 @@ def _unread_text(e: Exception) -> str:
         return " ".join(_describe(e).split())
     if first.get("type") == "json_invalid":
         return str(first.get("msg"))
-    return "not a JSON-RPC message: " + json.dumps(first.get("input"), default=str)[:200]
+    return "not a JSON-RPC message: " + redact_cut(json.dumps(first.get("input"), default=str), 200, patterns=True)
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -1148,11 +1156,15 @@ def _cause(e: BaseException) -> BaseException:
 
 
 def _describe(e: BaseException) -> str:
+    """What went wrong (:func:`_cause`), at most 500 characters of it, masked as the relayed
+    stderr is before it is cut (docs/SECURITY.md G6: a cut never leaves part of a secret)."""
+    from ..redaction import redact_cut
+
     e = _cause(e)
     text = exception_text(e).strip()
     if not text:
         return type(e).__name__
-    return text if len(text) <= 500 else text[:500] + "…"
+    return redact_cut(text, 500, more="…", patterns=True)
 
 
 def _joined_text(blocks: list[Any]) -> str:

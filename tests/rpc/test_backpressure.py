@@ -5,7 +5,10 @@ exit and its end of input are served meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -221,3 +224,154 @@ def test_input_held_from_the_middle_of_a_frame_is_handed_on_whole_and_its_scan_l
     assert b"".join(fed) == stream  # the exit was found: everything is handed on
     assert not ended
     assert [r.getMessage() for r in caplog.records if r.name.endswith(".framing")] == []
+
+
+#: a frame over ``_small_wire``'s high-water mark; with the few small frames these tests send
+#: around it, well under the smallest pipe Linux makes (one 4 KiB page: what a user holding
+#: very many pipes gets), so a pipe of any size takes them all without filling
+OVER_HIGH = b'"' + b"x" * (2 << 10) + b'"'
+
+
+def _small_wire(fd: int):
+    """A ``Wire`` (made on the running loop) whose marks are small enough for any pipe to take a
+    frame over the high one (``OVER_HIGH``) whole."""
+    from operate_sidecar.server.rpc.stdio import Wire
+
+    class Small(Wire):
+        HIGH_WATER = 1 << 10
+        LOW_WATER = 256
+
+    return Small(fd)
+
+
+def _pipe(size: str) -> tuple[int, int]:
+    """A pipe as made, or cut to one page (what a user holding very many pipes gets)."""
+    r, w = os.pipe()
+    if size == "one-page-pipe":
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)  # rounded up to one page
+    return r, w
+
+
+@pytest.mark.parametrize("size", ["pipe-as-made", "one-page-pipe"])
+@pytest.mark.parametrize("drainer", ["end-of-iteration", "other-thread"])
+def test_a_frame_over_the_high_water_mark_written_whole_without_the_pipe_filling_resumes_input(drainer, size):
+    """A frame over the high-water mark queued behind one already written in the same loop
+    iteration pauses input; it then goes out whole at the end of the iteration (or with another
+    thread's frame), the pipe never full, so the loop's writer callback never runs. Before, only
+    that callback resumed input: the server read no more requests, for good, after a large
+    ``branchMessages`` page sent while pings were answered."""
+    r, w = _pipe(size)
+    events: list[str] = []
+
+    async def main() -> None:
+        wire = _small_wire(w)
+        wire.on_pause = lambda: events.append("pause")
+        wire.on_resume = lambda: events.append("resume")
+        wire.send_bytes(b'{"a":1}')          # written at once: the rest of this iteration waits for its end
+        wire.send_bytes(OVER_HIGH)
+        assert events == ["pause"] and wire.pending > wire.HIGH_WATER
+        if drainer == "other-thread":
+            t = threading.Thread(target=wire.send_bytes, args=(b'{"b":2}',))
+            t.start()
+            t.join(TIMEOUT)
+            assert wire.pending == 0
+        deadline = time.monotonic() + TIMEOUT
+        while events == ["pause"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert wire.pending == 0
+        assert events == ["pause", "resume"]
+        wire.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        os.close(r)
+
+
+def test_input_is_resumed_from_a_loop_callback_of_its_own_never_inside_a_send():
+    """``on_resume`` hands the held input on to the parser, whose handler may send (a ping's
+    answer, on the loop's thread). Paused, the buffer drained by another thread's write, then a
+    send on the loop's thread (that handler's): ``on_resume`` ran inside that send, so the
+    parser was fed again from the middle of its own handler (frames handed on twice, its buffer
+    cut under it). It runs once, from a callback of the loop's own, outside every send."""
+    r, w = os.pipe()
+    sending = [False]                        # a send on the loop's thread is under way
+    resumed: list[bool] = []                 # for each on_resume: was it inside that send?
+
+    async def main() -> None:
+        wire = _small_wire(w)
+        wire.on_pause = lambda: None
+        wire.on_resume = lambda: resumed.append(sending[0])
+        wire.send_bytes(b'{"a":1}')          # written at once: the next frame waits for the iteration's end
+        wire.send_bytes(OVER_HIGH)           # paused
+        t = threading.Thread(target=wire.send_bytes, args=(b'{"b":2}',))
+        t.start()                            # writes everything, the pipe having room
+        t.join(TIMEOUT)
+        assert wire.pending == 0 and resumed == []
+        sending[0] = True                    # as a ping's answer from the parser's handler
+        wire.send_bytes(b'{"c":3}')
+        sending[0] = False
+        deadline = time.monotonic() + TIMEOUT
+        while not resumed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)               # one more iteration: a second on_resume would come now
+        assert resumed == [False]
+        wire.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        os.close(r)
+
+
+def test_two_pages_over_the_high_water_mark_answered_together_to_a_fast_client_leave_requests_taken(tmp_path):
+    """Over the wire: two ``branchMessages`` pages of over 8 MiB each, asked for together, are
+    answered in the same loop iteration; the second, queued behind the first, pauses input. The
+    server's stdout is a regular file, a client that takes everything at once: the pages go out
+    whole, the pipe never full. Input is taken again: a ping sent after them is answered (before,
+    the server read no more requests, for good)."""
+    from operate_sidecar.server.core import Branch
+    from operate_sidecar.server.state import StateStore
+
+    state = tmp_path / "state"
+    store = StateStore(str(state))
+    branch = Branch(system="sys", name="big")
+    store.attach(branch, {"name": "big", "createdAt": 1})
+    for _ in range(10_000):  # about 1 KB each: a page of all of them is over 10 MB
+        branch.messages.add("instruction", {"instruction": "q" * 1000})
+    store.flush()
+    store.close()
+    out, err = tmp_path / "stdout", tmp_path / "stderr.txt"
+    proc = subprocess.Popen(SERVER, stdin=subprocess.PIPE, stdout=open(out, "wb"), stderr=open(err, "wb"),
+                            env=server_env(), cwd=str(ROOT))
+
+    def answered(msg_id: str) -> bool:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:
+            if b'"id":"%s"' % msg_id.encode() in out.read_bytes():
+                return True
+            time.sleep(0.05)
+        return False
+
+    try:
+        page = {"branchId": branch.id, "limit": 20_000}
+        proc.stdin.write(_frame({"jsonrpc": "2.0", "id": "init", "method": "initialize",
+                                 "params": {"settings": {"stateDir": str(state)}}})
+                         + _frame({"jsonrpc": "2.0", "id": "load", "method": "branchMessages",
+                                   "params": {"branchId": branch.id, "limit": 1}}))
+        proc.stdin.flush()
+        assert answered("load"), err.read_text()[-2000:]
+        proc.stdin.write(_frame({"jsonrpc": "2.0", "id": "p1", "method": "branchMessages", "params": page})
+                         + _frame({"jsonrpc": "2.0", "id": "p2", "method": "branchMessages", "params": page}))
+        proc.stdin.flush()
+        assert _stderr_has(err, "not reading the server's output", proc), err.read_text()[-2000:]
+        proc.stdin.write(_frame({"jsonrpc": "2.0", "id": "after", "method": "ping"}))
+        proc.stdin.flush()
+        assert answered("after"), err.read_text()[-2000:]
+        assert answered("p1") and answered("p2")
+        proc.stdin.close()
+        assert proc.wait(TIMEOUT) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)

@@ -381,7 +381,7 @@ def test_tool_names_taken_across_sources_are_reported_naming_both_sources(sideca
     err = sidecar.error_of("registerClientTools", {"tools": [{"name": "mine", **spec}, {"name": "two", **spec},
                                                              {"name": "echo_tool", **spec}]})
     assert err.code == -32602 and err.data == {"taken": ["two", "echo_tool"]}, err
-    assert "two (by MCP servers 'a', 'b')" in err.message and "echo_tool (by module 'slow_tools')" in err.message
+    assert "two (by MCP server 'b')" in err.message and "echo_tool (by module 'slow_tools')" in err.message
     assert "mine" not in {t["name"] for t in sidecar.request("listTools", {})["tools"]}  # none of the call's
 
 

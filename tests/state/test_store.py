@@ -483,6 +483,105 @@ def test_a_write_ahead_log_left_without_its_database_is_kept_aside_and_reported(
         again.close()
 
 
+def _linked_state(tmp_path):
+    """``state/state.sqlite3``, a relative link to ``elsewhere/real.sqlite3`` (not made yet)."""
+    state, elsewhere = tmp_path / "state", tmp_path / "elsewhere"
+    state.mkdir()
+    elsewhere.mkdir()
+    (state / DB_FILE).symlink_to(os.path.join("..", "elsewhere", "real.sqlite3"))
+    return state, elsewhere
+
+
+def test_a_write_ahead_log_left_without_the_file_a_linked_database_leads_to_is_kept_aside_beside_it(tmp_path):
+    """``state.sqlite3`` a link to a file in another folder, that file gone but its ``-wal``
+    (beside it) not: the log was looked for beside the link, not found, and SQLite discarded it
+    silently as it made the fresh database where the link leads (nothing said). It is set aside
+    beside the file, and said; the link is kept, the fresh database made where it leads."""
+    state, elsewhere = _linked_state(tmp_path)
+    s = StateStore(str(state))
+    _branch(s, 1, name="a")
+    s.flush()
+    wal = elsewhere / "real.sqlite3-wal"
+    held = wal.read_bytes()  # as a crash leaves it: the commit is in the log, not yet in the file
+    assert held
+    s.close()
+    (elsewhere / "real.sqlite3").unlink()
+    wal.write_bytes(held)
+    again = StateStore(str(state))
+    try:
+        assert len(again.problems) == 1 and "missing but its write-ahead log was not" in again.problems[0]
+        kept = [f for f in elsewhere.iterdir() if f.name.startswith("real.sqlite3.orphan-") and f.name.endswith("-wal")]
+        assert len(kept) == 1 and kept[0].read_bytes() == held and str(kept[0]) in again.problems[0]
+        assert (state / DB_FILE).is_symlink() and (elsewhere / "real.sqlite3").is_file()
+        assert sorted(os.listdir(state)) == [DB_FILE]
+    finally:
+        again.close()
+
+
+def test_a_damaged_database_a_link_leads_to_is_kept_aside_beside_it_and_the_link_kept(tmp_path):
+    """``state.sqlite3`` a link to a file on another disk, say, that file damaged: the link
+    itself was moved aside as the damaged file, the damaged file and its ``-wal`` left where they
+    were, and the fresh database made as a plain file in the state directory (the user's link
+    silently gone). The file and its ``-wal`` and ``-shm`` are set aside beside it, the fresh
+    database is made where the link leads, and the branch whose row only the ``-wal`` held
+    comes back from them."""
+    state, elsewhere = _linked_state(tmp_path)
+    s = StateStore(str(state))
+    early = _branch(s, 50, name="early")
+    s.flush()
+    s.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")        # early in the file, then late in the -wal only
+    late = _branch(s, 3, name="late")
+    s.flush()
+    real = elsewhere / "real.sqlite3"
+    held = {sfx: (elsewhere / ("real.sqlite3" + sfx)).read_bytes() for sfx in ("-wal", "-shm")}
+    assert held["-wal"]
+    s.close()
+    for sfx, data in held.items():                           # as a crash leaves them
+        (elsewhere / ("real.sqlite3" + sfx)).write_bytes(data)
+    size = os.path.getsize(real)
+    with open(real, "r+b") as fh:                            # flip bytes in every page but the first
+        for off in range(4096, size, 4096):
+            fh.seek(off)
+            data = fh.read(16)
+            fh.seek(off)
+            fh.write(bytes(x ^ 0xA5 for x in data))
+    again = StateStore(str(state))
+    try:
+        assert len(again.problems) == 1 and "is damaged" in again.problems[0], again.problems
+        assert os.readlink(state / DB_FILE) == os.path.join("..", "elsewhere", "real.sqlite3")
+        assert sorted(os.listdir(state)) == [DB_FILE]
+        aside = [f for f in elsewhere.iterdir() if f.name.startswith("real.sqlite3.damaged-")
+                 and not f.name.endswith(("-wal", "-shm"))]
+        assert len(aside) == 1 and str(aside[0]) in again.problems[0]
+        assert (elsewhere / (aside[0].name + "-wal")).exists() and (elsewhere / (aside[0].name + "-shm")).exists()
+        assert real.is_file() and again.conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        loaded = {lb.id: lb for lb in again.load()}
+        assert late.id in loaded  # its row only in the -wal, set aside with the file
+        after = _branch(again, 1, name="after")
+        again.flush()
+    finally:
+        again.close()
+    assert {early.id, late.id, after.id} >= set(_reload(state)) >= {late.id, after.id}
+
+
+def test_a_state_directory_reached_through_a_linked_folder_names_its_wal_as_its_own(tmp_path):
+    """The state directory given through a link to a folder (``state.sqlite3`` itself a plain
+    file): its ``-wal`` deleted under the store, the refusal says "its -wal", as for any plain
+    file, not the resolved path of a link ``state.sqlite3`` it is not."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    s = StateStore(str(tmp_path / "via"))
+    a = _branch(s, 1, name="a")
+    s.flush()
+    (tmp_path / "real" / (DB_FILE + "-wal")).unlink()
+    said = s.refusal() or ""
+    assert f"{tmp_path / 'via' / DB_FILE} (or its -wal) was deleted or replaced" in said, said
+    _group(a, 1)
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        s.flush({a.id})
+    s.close()
+
+
 def test_a_write_ahead_log_deleted_under_the_store_refuses_every_change(tmp_path):
     """Only ``state.sqlite3-wal`` deleted (a clean-up of "stale" files while the server runs):
     the connection went on appending commits to the unlinked log, each acknowledged, none in a
@@ -497,6 +596,46 @@ def test_a_write_ahead_log_deleted_under_the_store_refuses_every_change(tmp_path
     b = _branch(s, 1, name="b")
     with pytest.raises(StateNotSaved, match="deleted or replaced"):
         s.flush({b.id})
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        s.delete(a.id)
+    s.close()
+
+
+@pytest.mark.parametrize("how", ["wal-deleted", "wal-deleted-relative-link", "link-re-pointed"])
+def test_a_database_that_is_a_link_to_a_file_elsewhere_refuses_every_change_once_its_wal_or_link_changes(
+        tmp_path, how):
+    """``state.sqlite3`` a link to a file in another folder (by its full path, or a relative
+    one): SQLite keeps the ``-wal`` beside that file, not beside the link. That ``-wal`` deleted
+    (the store looked for one beside the link, found none either way, and acknowledged commits a
+    restart never saw): every change is refused, as for a plain file, naming that ``-wal``. The
+    link pointed at another file (a restart reads that one) guards what was already so: the file
+    ``state.sqlite3`` leads to changed, every change is refused."""
+    state, elsewhere = tmp_path / "state", tmp_path / "elsewhere"
+    state.mkdir()
+    elsewhere.mkdir()
+    (state / DB_FILE).symlink_to("../elsewhere/real.sqlite3" if how == "wal-deleted-relative-link"
+                                 else elsewhere / "real.sqlite3")
+    s = StateStore(str(state))
+    a = _branch(s, 1, name="a")
+    s.flush()
+    wal = elsewhere / "real.sqlite3-wal"
+    assert wal.exists() and not (state / (DB_FILE + "-wal")).exists()
+    assert s.refusal() is None
+    if how == "link-re-pointed":
+        other = StateStore(str(tmp_path / "other"))  # a database of its own, the link pointed at it
+        other.close()
+        link = state / "link.tmp"
+        link.symlink_to(tmp_path / "other" / DB_FILE)
+        link.replace(state / DB_FILE)
+    else:
+        wal.unlink()
+    said = s.refusal() or ""
+    assert "deleted or replaced" in said, said
+    if how != "link-re-pointed":
+        assert os.path.realpath(wal) in said, said  # where that -wal is
+    _group(a, 1)
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        s.flush({a.id})
     with pytest.raises(StateNotSaved, match="deleted or replaced"):
         s.delete(a.id)
     s.close()

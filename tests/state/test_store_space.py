@@ -277,6 +277,64 @@ def test_the_wal_is_cut_to_nothing_after_a_large_write_once_its_reader_is_done(t
     again.close()
 
 
+def test_the_wal_beside_the_file_a_linked_database_leads_to_is_cut_after_a_large_write(tmp_path):
+    """``state.sqlite3`` a link to a file in another folder, whose ``-wal`` SQLite keeps beside
+    that file: after a 24 MiB commit and nothing after it, that ``-wal`` is cut to nothing as
+    a plain file's is (the store looked for the ``-wal`` beside the link, found none, and left
+    the log at 24 MiB)."""
+    state, elsewhere = tmp_path / "state", tmp_path / "elsewhere"
+    state.mkdir()
+    elsewhere.mkdir()
+    (state / DB_FILE).symlink_to(elsewhere / "real.sqlite3")
+    wal = elsewhere / "real.sqlite3-wal"
+    s = StateStore(str(state))
+    big = _branch(s, "x" * (24 * MIB), name="big")
+    s.flush()
+    _until(lambda: wal.stat().st_size == 0, what="the -wal cut to nothing")
+    s.close()
+    again = StateStore(str(state))
+    assert [lb.id for lb in again.load()] == [big.id]
+    again.close()
+
+
+def test_a_damaged_page_met_while_giving_space_back_is_said_in_one_line_once(tmp_path, monkeypatch, caplog):
+    """A page damaged on disk under the open store, met by the tidying only (the delete before it
+    went through): one warning, no traceback (a damaged page is SQLite's ``DatabaseError``, which
+    the tidying let through), and not said again while it fails the same way: it is tried again
+    after every later delete, and after every commit while the ``-wal`` is large. The checkpoint
+    after it still cuts a ``-wal`` grown past its limit (the failure ended the tidying before it,
+    leaving the log as large as it was)."""
+    monkeypatch.setattr(StateStore, "_tidy_soon", lambda self: None)  # tidied below, on this thread
+    state = str(tmp_path / "state")
+    path = os.path.join(state, DB_FILE)
+    s = StateStore(state)
+    doomed, kept = Branch(system="sys", name="doomed"), Branch(system="sys", name="kept")
+    for b, n in ((doomed, 3000), (kept, 1000)):
+        s.attach(b, {"name": b.name, "createdAt": 1})
+        for i in range(n):
+            b.messages.add("instruction", {"instruction": f"q{i}"})
+    s.flush()
+    s.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")                # everything in the main file
+    with open(path, "r+b") as fh:                                    # its last page (kept's) garbled
+        fh.seek(os.path.getsize(path) - 4096)
+        fh.write(b"\xff" * 16)
+    other = sqlite3.connect(path, isolation_level=None)              # another connection commits: the
+    other.execute("INSERT OR REPLACE INTO info(key, value) VALUES ('probe', 'x')")  # store reads from disk
+    other.close()
+    s.delete(doomed.id)                                              # its pages freed
+    monkeypatch.setattr(store_module, "JOURNAL_SIZE_LIMIT", 0)       # the -wal left counts as grown past it
+    assert os.path.getsize(path + "-wal") > 0
+    caplog.set_level(logging.DEBUG, logger="operate_sidecar.server.state.store")
+    s._tidy()
+    assert os.path.getsize(path + "-wal") == 0                       # cut all the same
+    s._tidy()
+    said = [r for r in caplog.records if "free space" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG], [r.getMessage() for r in said]
+    assert not any(r.exc_info for r in caplog.records)
+    assert "malformed" in said[0].getMessage() and "tried again after each later delete" in said[0].getMessage()
+    s.close()
+
+
 def test_converting_an_old_database_leaves_no_large_wal(tmp_path):
     """The conversion writes its copy (20 MiB of data here, more than ``JOURNAL_SIZE_LIMIT``)
     through the ``-wal``: once the store is open the log is cut back, not left as large as the
@@ -335,6 +393,35 @@ def test_no_room_for_the_copy_leaves_an_old_database_as_it_is(tmp_path, monkeypa
         _left_as_it_was(state, kept, kept_msgs)
     assert [r.getMessage() for r in caplog.records if "not compacted" in r.getMessage()
             and full in r.getMessage()], caplog.text
+
+
+def test_no_room_beside_the_file_a_linked_database_leads_to_leaves_it_as_it_is(tmp_path, monkeypatch, caplog):
+    """``state.sqlite3`` a link to an old database in another folder (another disk, say):
+    ``VACUUM`` writes its copy through the ``-wal`` beside that file, so that folder's disk is
+    the one that needs the room. The state directory's was looked at instead (the database
+    converted on a disk without room for it); now the database is left as it was, and the
+    folder said."""
+    state, elsewhere = str(tmp_path / "state"), str(tmp_path / "elsewhere")
+    kept, kept_msgs = _old_database(state)
+    os.mkdir(elsewhere)
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(os.path.join(state, DB_FILE + suffix)):
+            os.replace(os.path.join(state, DB_FILE + suffix), os.path.join(elsewhere, "real.sqlite3" + suffix))
+    os.symlink(os.path.join(elsewhere, "real.sqlite3"), os.path.join(state, DB_FILE))
+    temp = str(tmp_path / "sqlite-tmp")
+    os.mkdir(temp)
+    monkeypatch.setenv("SQLITE_TMPDIR", temp)
+    usage = shutil.disk_usage
+
+    def disk_usage(folder):
+        got = usage(folder)
+        return got._replace(free=MIB) if os.path.abspath(folder) == elsewhere else got
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with caplog.at_level(logging.WARNING, logger=store_module.log.name):
+        _left_as_it_was(state, kept, kept_msgs)
+    assert [r.getMessage() for r in caplog.records if "not compacted" in r.getMessage()
+            and elsewhere in r.getMessage()], caplog.text
 
 
 def test_a_tidy_waiting_for_another_servers_write_holds_up_nothing_of_this_server(tmp_path, monkeypatch):

@@ -5,13 +5,15 @@ beside the SDK's (fixtures/mcp_server.py)."""
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
+import pytest
 
-from rpc.support import scripted  # tests/ is on sys.path
+from rpc.support import RpcError, scripted  # tests/ is on sys.path
 from tools.mcp_support import FIXTURES, WAIT, until, warnings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "acp"))
@@ -65,8 +67,10 @@ def test_tools_said_to_have_changed_are_listed_again_before_the_next_request_use
     bid = c.branch()
     assert operate(c, bid) == ["change"]  # the server changed its tools, and said so
     assert mcp_tools(c) == GOOD | {"change", "flood", "slow", "ch__add", "fresh"}
-    until(lambda: warnings(c, "MCP server 'ch': its tool 'add' is offered as 'ch__add' (MCP server"),
-          "the warning about ch's add")
+    # (it names the server that offers ``add``: before, the label of the servers started together,
+    # ``(MCP servers 'good', 'ch' offers 'add')``)
+    until(lambda: warnings(c, "MCP server 'ch': its tool 'add' is offered as 'ch__add' (MCP server 'good' offers "
+                              "'add')"), "the warning about ch's add")
     assert operate(c, bid) == ["fresh"]  # an added tool is called on the server
     assert len(requests(log, "tools/list")) == 2  # its start's, and one more
     [init] = requests(log, "initialize")
@@ -252,7 +256,9 @@ def test_a_name_a_stopped_server_held_is_not_given_to_a_sibling_s_tool_listed_me
     and while it is down ``ch`` adds a tool of its own named ``add``. Before, ``good``'s names
     were free once it stopped: ``ch``'s tool was offered as ``add`` (the policy entry allowed
     it), and ``good`` started again offered its own as ``good__add``. A stopped configured
-    server's names are kept for it: ``ch``'s tool is ``ch__add``, ``good``'s is ``add`` again."""
+    server's names are kept for it: ``ch``'s tool is ``ch__add``, ``good``'s is ``add`` again,
+    and a warning names both (before, none did: docs/PROTOCOL.md §4 has a list tell the warnings
+    of a start)."""
     log, go = tmp_path / "requests.jsonl", tmp_path / "go"
     c = make("--log-level", "info")
     c.init(models={"s": scripted(call("pid"))}, toolPolicy={"add": "allow"},
@@ -266,6 +272,8 @@ def test_a_name_a_stopped_server_held_is_not_given_to_a_sibling_s_tool_listed_me
     go.touch()  # ch adds its own ``add``, and says so, while good is down
     until(lambda: "MCP server 'ch' listed its tools again" in c.stderr_text(), "ch's list applied")
     tools = {t["name"]: t for t in c.request("listTools", {}, timeout=WAIT)["tools"] if t["source"] == "mcp"}
+    assert warnings(c, "MCP server 'ch'") == [  # (sent before that answer)
+        "MCP server 'ch': its tool 'add' is offered as 'ch__add' (MCP server 'good' holds 'add' while it is stopped)"]
     assert {n for n in tools if "add" in n} == {"add", "ch__add"}, sorted(tools)
     assert tools["ch__add"]["description"] == "the tool add" != tools["add"]["description"]
 
@@ -342,3 +350,236 @@ def test_a_request_waits_for_a_list_that_hangs_a_few_seconds_at_most(make, tmp_p
     until(lambda: len(requests(log, "tools/list")) == 2, "ch's tools listed again")
     assert mcp_tools(c) == GOOD | FIRST
     assert not warnings(c, "could not be listed again")  # (answered while that list hangs)
+
+
+@pytest.mark.parametrize("fails", ["exit", "hang"])
+def test_a_server_that_says_its_tools_changed_as_it_starts_and_fails_to_start_leaves_no_list_due(make, tmp_path, fails):
+    """``ch`` says its tools changed while it starts, then does not start (it exits, or never
+    answers ``initialize``: its start times out, 2 s here). Before, a list was due for it all
+    the same, which no task would make while ``good`` ran: every request waited 5 s for it
+    (``still being listed after 5 s``). A list is due only for a server that runs."""
+    log = tmp_path / "requests.jsonl"
+    c = make("--log-level", "info", env={"OPERATE_SIDECAR_MCP_START_TIMEOUT_S": "2"})
+    c.init(models={"s": scripted("x")},
+           mcpServers={"good": {"command": [sys.executable, SERVER, "good"]},
+                       "ch": {"command": [sys.executable, CHANGING, str(log), "--changed-at-start",
+                                          f"--{fails}-at-start"]}})
+    assert mcp_tools(c) == GOOD
+    assert mcp_tools(c) == GOOD
+    err = c.stderr_text()
+    assert "MCP server 'ch' says its tools changed" in err and "MCP server 'ch' unavailable" in err, err
+    assert "still being listed after" not in err, err
+
+
+def test_an_acp_prompt_waits_for_the_lists_due_5_s_at_most_in_all(tmp_path):
+    """A configured server (``conf``) and the session's own (``mine``) both say their tools
+    changed, and neither answers the list that follows (until its time-out, 30 s). Before, the
+    prompt waited 5 s for the one, then 5 s more for the other (each wait ``RELIST_WAIT_S`` from
+    when it began), and its operate a third time (told each time: ``still being listed after
+    5 s``). The waits of one prompt share those 5 s: one wait, told once."""
+    ws, conf_log, mine_log = tmp_path / "ws", tmp_path / "conf.jsonl", tmp_path / "mine.jsonl"
+    ws.mkdir()
+    go_conf, go_mine = tmp_path / "go_conf", tmp_path / "go_mine"
+    config = write_config(tmp_path / "settings.toml", {
+        "models": {"s": {"provider": "scripted", "responses": [reply("done")]}},
+        "mcpServers": {"conf": {"command": [sys.executable, CHANGING, str(conf_log), "--hang-relist",
+                                            "--notify-when", str(go_conf)]}}})
+    err = tmp_path / "stderr"
+    with open(err, "wb") as out:
+        a = Raw(config, agent_env(), "--log-level", "info", stderr=out.fileno())
+    try:
+        a.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
+        a.answer(1, WAIT)
+        a.send(req(2, "session/new", cwd=str(ws), mcpServers=[
+            {"name": "mine", "command": sys.executable, "env": [],
+             "args": [CHANGING, str(mine_log), "--hang-relist", "--notify-when", str(go_mine)]}]))
+        sid = a.answer(2, WAIT)["result"]["sessionId"]
+        until(lambda: all(f.exists() and requests(f, "tools/list") for f in (conf_log, mine_log)), "both started")
+        go_conf.touch()
+        go_mine.touch()
+        until(lambda: len(requests(conf_log, "tools/list")) == 2 == len(requests(mine_log, "tools/list")),
+              "both listed again (their lists hang)")
+        a.send(prompt(3, sid))
+        assert a.answer(3, WAIT)["result"]["stopReason"] == "end_turn"
+    finally:
+        a.close()
+    assert err.read_text().count("still being listed after") == 1, err.read_text()
+
+
+def test_a_later_round_is_offered_the_tools_its_server_said_changed_in_the_round_before(make, tmp_path):
+    """Round 1 calls ``change`` (``ping`` removed: the server says so before its answer, and
+    answers the list that follows half a second late); round 2, whose model answers at once,
+    calls ``ping``. Before, round 2 began with the tools of round 1 (the list not yet over):
+    ``ping`` was called on the server, which had removed it (as a tool turned not read-only
+    ran without asking). Each round waits for the lists due as it begins (5 s at most): round
+    2's call of ``ping`` names a tool gone, a tool error, and never reaches the server."""
+    c, log = start(make, tmp_path, "--slow-relist", responses=[call("change"), call("ping")])
+    assert mcp_tools(c) == GOOD | FIRST
+    bid = c.branch()
+    out = c.request("operate", {"branchId": bid, "instruction": "call", "actions": True, "maxRounds": 2},
+                    timeout=WAIT)
+    assert out["rounds"] == 2, out
+    [response] = out["result"]["action_responses"]
+    assert "not registered" in json.dumps(response["output"]), response
+    assert [m["params"]["name"] for m in requests(log, "tools/call")] == ["change"]
+
+
+def test_a_list_of_thousands_of_tools_is_put_in_place_in_linear_time(tmp_path, monkeypatch):
+    """In the service itself: ``ch`` lists 3000 tools more, then says its tools changed. Before,
+    each list was put in place in quadratic time (each tool's name looked for among all those
+    kept, and among all those listed: 10,000 tools held the event loop for seconds, no request
+    answered meanwhile). The names compared while it is put in place are counted (each tool's
+    name is a ``str`` that counts its comparisons): a few per tool."""
+    import asyncio
+
+    from operate_sidecar.server.core.tools import ToolCallContext
+    from operate_sidecar.server.rpc import settings as S
+    from operate_sidecar.server.service.service import Service
+    from operate_sidecar.server.tools.mcp_source import McpToolSource
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+    from service_support import Port
+
+    many = 3000
+    compared = [0]
+
+    class Name(str):
+        __hash__ = str.__hash__
+
+        def __eq__(self, other):
+            compared[0] += 1
+            return str.__eq__(self, other)
+
+        def __ne__(self, other):
+            compared[0] += 1
+            return str.__ne__(self, other)
+
+    listed = McpToolSource._listed
+
+    def counted(self, remote, cursor):  # each tool's name as the server listed it: one that counts
+        for r in remote:
+            r.name = Name(r.name)
+        listed(self, remote, cursor)
+
+    monkeypatch.setattr(McpToolSource, "_listed", counted)
+    log = tmp_path / "requests.jsonl"
+    port = Port(S.finalize(S.merge(S.DEFAULTS, {"mcpServers": {
+        "good": {"command": [sys.executable, SERVER, "good"]},
+        "ch": {"command": [sys.executable, CHANGING, str(log), "--many", str(many)]}}})))
+
+    async def main() -> None:
+        svc = Service(port)
+        await asyncio.wait_for(svc.ensure_tools(), WAIT)
+        try:
+            assert {f"t{i}" for i in range(many)} <= set(svc.registry.names())
+            compared[0] = 0
+            tool = svc.registry.get("change")
+            assert await asyncio.wait_for(tool.call({}, ToolCallContext(branch_id="b", call_id="c")), WAIT) == "change"
+            await asyncio.wait_for(svc.ensure_tools(), WAIT)  # (its list put in place)
+            names = set(svc.registry.names())
+            assert {"fresh", "ch__add", "t0", f"t{many - 1}"} <= names and "ping" not in names
+            assert compared[0] < 10 * many, compared[0]
+        finally:
+            await asyncio.wait_for(svc.aclose(), WAIT)
+
+    asyncio.run(main())
+
+
+def tool_calls(log):
+    return [m["params"]["name"] for m in requests(log, "tools/call")]
+
+
+def test_a_later_round_waits_for_the_lists_due_however_long_the_rounds_before_took(make, tmp_path):
+    """Round 1 calls ``change`` (the list that follows answered half a second late: round 2
+    waits for it); round 2's model answers 5.5 s late, calling ``flood`` (``flooded`` added, its
+    list half a second late too); round 3 calls ``flooded``. Before, an operate waited for lists
+    until 5 s after its first wait began, however long it then spent elsewhere: round 3 began
+    without waiting, ``flooded`` not yet offered (a tool error, never sent to the server). Only
+    the time spent waiting counts towards the request's 5 s: round 3 waits, and ``flooded`` runs."""
+    c, log = start(make, tmp_path, "--slow-relist",
+                   responses=[call("change"), {**call("flood"), "delayMs": 5500}, call("flooded")])
+    out = c.request("operate", {"branchId": c.branch(), "instruction": "call", "actions": True, "maxRounds": 3},
+                    timeout=WAIT)
+    assert out["rounds"] == 3, out
+    assert out["result"]["action_responses"][0]["output"] == "flooded", out
+    assert tool_calls(log) == ["change", "flood", "flooded"]
+
+
+def replace_database(state: Path) -> None:
+    """Replace the state database (and its -wal) with a copy of itself, as a backup restore
+    would: the same records in other files, which the running server no longer writes to (its
+    saves are then known to fail: tests/rpc/test_rounds_faults.py)."""
+    names = [n for n in os.listdir(state) if n in ("state.sqlite3", "state.sqlite3-wal")]
+    assert "state.sqlite3" in names
+    for name in names:
+        shutil.copy2(state / name, state / (name + ".copy"))
+    for name in names:
+        os.replace(state / (name + ".copy"), state / name)
+
+
+def test_a_save_known_to_fail_once_a_round_has_waited_for_a_list_ends_the_rounds_before_its_model(make, tmp_path):
+    """Round 1 calls ``change``; the list that follows is answered only once the file ``hold``
+    exists, and the state database is replaced (every save known to fail) while round 2 waits
+    for that list. Before, whether the save could still be made was asked before that wait:
+    round 2's model was called and its ``flood`` ran on the server (an effect of an operate whose
+    save then failed). It is asked after the wait: the operate answers -32013, round 2's model
+    is never called and its tool never runs."""
+    log, hold, state = tmp_path / "requests.jsonl", tmp_path / "hold", tmp_path / "state"
+    c = make()
+    c.init(models={"s": scripted(call("change"), call("flood"), call("ping"))}, stateDir=str(state),
+           mcpServers={"ch": {"command": [sys.executable, CHANGING, str(log), "--hold-relist", str(hold)]}})
+    bid = c.branch()
+    pending = c.request_async("operate", {"branchId": bid, "instruction": "call", "actions": True, "maxRounds": 3})
+    until(lambda: any(e["event"] == "post" for e in c.of("toolEvent")) and len(requests(log, "tools/list")) == 2,
+          "round 1's change over, the list it asked for under way")
+    replace_database(state)  # (round 2 waits for that list meanwhile)
+    hold.touch()
+    with pytest.raises(RpcError) as ei:
+        pending.result(WAIT)
+    assert ei.value.code == -32013, ei.value
+    assert tool_calls(log) == ["change"]
+    assert [(e["event"], e["tool"]) for e in c.of("toolEvent")] == [("pre", "change"), ("post", "change")]
+
+
+def test_an_operate_queued_behind_another_is_offered_the_tools_as_they_are_when_its_turn_comes(make, tmp_path):
+    """Operate A on a branch calls ``gate`` (it waits for a file), operate B comes meanwhile and
+    queues behind it; then A's round 2 calls ``change`` (``ping`` removed; the list that follows
+    answered half a second late) and A ends. Before, B's round 1 began at once with the tools
+    as they were when B came: ``ping`` was offered and called on the server, which had removed
+    it. The lists due as an operate's turn comes are waited for first: B's call of ``ping`` names
+    a tool gone (a tool error), and never reaches the server."""
+    log, opened = tmp_path / "requests.jsonl", tmp_path / "open"
+    c = make()
+    c.init(models={"s": scripted({"json": {"action_requests": [{"function": "gate",
+                                                                "arguments": {"path": str(opened)}}]}},
+                                 call("change"), call("ping"))},
+           toolModules=["rounds_tools"],
+           mcpServers={"ch": {"command": [sys.executable, CHANGING, str(log), "--slow-relist"]}})
+    bid = c.branch()
+    a = c.request_async("operate", {"branchId": bid, "instruction": "a", "actions": True, "maxRounds": 2})
+    until(lambda: any(e["event"] == "pre" and e["tool"] == "gate" for e in c.of("toolEvent")), "A's gate runs")
+    b = c.request_async("operate", {"branchId": bid, "instruction": "b", "actions": True})
+    assert mcp_tools(c) == FIRST  # (answered after B was read: B has its params, and waits for its turn)
+    opened.touch()
+    assert a.result(WAIT)["rounds"] == 2
+    [response] = b.result(WAIT)["result"]["action_responses"]
+    assert "not registered" in json.dumps(response["output"]), response
+    assert tool_calls(log) == ["change"]
+
+
+def test_a_warning_names_the_name_a_running_sibling_offers_the_tool_as(make, tmp_path):
+    """``good`` and ``other`` both offer ``add`` (offered as ``good__add`` and ``other__add``);
+    ``ch`` then adds its own ``add``, offered as ``ch__add`` since ``good`` holds that name.
+    Before, the warning said ``MCP server 'good' offers 'add'``, which no client could call by
+    that name; it says the name ``good`` offers it as."""
+    log = tmp_path / "requests.jsonl"
+    c = make()
+    c.init(models={"s": scripted(call("change"))},
+           mcpServers={"good": {"command": [sys.executable, SERVER, "good"]},
+                       "other": {"command": [sys.executable, SERVER, "other"]},
+                       "ch": {"command": [sys.executable, CHANGING, str(log)]}})
+    assert operate(c, c.branch()) == ["change"]
+    assert {"good__add", "other__add", "ch__add"} <= mcp_tools(c)
+    until(lambda: warnings(c, "MCP server 'ch'"), "the warning about ch's add")
+    assert warnings(c, "MCP server 'ch'") == [
+        "MCP server 'ch': its tool 'add' is offered as 'ch__add' (MCP server 'good' offers 'add', as 'good__add')"]
