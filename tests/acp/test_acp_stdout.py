@@ -8,6 +8,7 @@ client died) ends the connection: one warning line, exit 0, no traceback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
@@ -80,11 +81,40 @@ class _Client:
             self.proc.wait()
 
 
-def _opened(c: _Client, ws) -> str:
+def _initialized(c: _Client) -> None:
     c.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
     c.until(lambda m: m.get("id") == 1)
+
+
+def _opened(c: _Client, ws) -> str:
+    _initialized(c)
     c.send(req(2, "session/new", cwd=str(ws), mcpServers=[]))
     return c.until(lambda m: m.get("id") == 2)["result"]["sessionId"]
+
+
+def _flood(c: _Client, start: int = 100) -> tuple[int, bytes]:
+    """The client floods padded ``session/new`` requests (ids ``start`` + 1 on), reading nothing,
+    until the agent reads no more of its input: (how many were begun, the unsent rest of the last)."""
+    fd = c.proc.stdin.fileno()
+    os.set_blocking(fd, False)
+    sent, n, pending, held = 0, 0, b"", False
+    deadline = time.monotonic() + 4 * TIMEOUT
+    while not held:
+        assert time.monotonic() < deadline, f"the agent neither read nor held the input ({sent} bytes sent)"
+        if not pending:
+            n += 1
+            pending = json.dumps(req(start + n, "session/new", cwd="/", mcpServers="x" * PAD)).encode() + b"\n"
+        try:
+            k = os.write(fd, pending)
+        except BlockingIOError:  # the pipe is full: the agent is busy, or reads no more
+            held = NOT_READING in c.log()
+            if not held:
+                select.select([], [fd], [], 0.5)
+            continue
+        pending, sent = pending[k:], sent + k
+        assert sent < LIMIT, f"the agent read {sent} bytes from a client that reads nothing"
+    os.set_blocking(fd, True)
+    return n, pending
 
 
 def test_a_client_that_sends_but_does_not_read_is_held_then_every_request_is_answered(tmp_path):
@@ -95,31 +125,11 @@ def test_a_client_that_sends_but_does_not_read_is_held_then_every_request_is_ans
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(reply("x"))}})
     c = _Client(config, tmp_path / "agent.stderr")
     try:
-        c.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-        c.until(lambda m: m.get("id") == 1)
-        # from here on the client reads nothing
-        fd = c.proc.stdin.fileno()
-        os.set_blocking(fd, False)
-        sent, n, pending, held = 0, 0, b"", False
-        deadline = time.monotonic() + 4 * TIMEOUT
-        while not held:
-            assert time.monotonic() < deadline, f"the agent neither read nor held the input ({sent} bytes sent)"
-            if not pending:
-                n += 1
-                pending = json.dumps(req(100 + n, "session/new", cwd="/", mcpServers="x" * PAD)).encode() + b"\n"
-            try:
-                k = os.write(fd, pending)
-            except BlockingIOError:  # the pipe is full: the agent is busy, or reads no more
-                held = NOT_READING in c.log()
-                if not held:
-                    select.select([], [fd], [], 0.5)
-                continue
-            pending, sent = pending[k:], sent + k
-            assert sent < LIMIT, f"the agent read {sent} bytes from a client that reads nothing"
+        _initialized(c)
+        n, pending = _flood(c)  # the client reads nothing
         assert "not reading the agent's output" in c.log()
         # the client reads again: the rest of its last line and one more request go in as the
         # agent takes input again
-        os.set_blocking(fd, True)
 
         def rest() -> None:
             c.proc.stdin.write(pending + json.dumps(req(0, "session/list")).encode() + b"\n")
@@ -178,31 +188,6 @@ def test_a_client_whose_end_of_stdout_is_gone_ends_the_connection_in_one_line(tm
         c.reap()
 
 
-def _flood(c: _Client, start: int = 100) -> tuple[int, bytes]:
-    """The client floods padded ``session/new`` requests (ids ``start`` + 1 on), reading nothing,
-    until the agent reads no more of its input: (how many were begun, the unsent rest of the last)."""
-    fd = c.proc.stdin.fileno()
-    os.set_blocking(fd, False)
-    sent, n, pending, held = 0, 0, b"", False
-    deadline = time.monotonic() + 4 * TIMEOUT
-    while not held:
-        assert time.monotonic() < deadline, f"the agent neither read nor held the input ({sent} bytes sent)"
-        if not pending:
-            n += 1
-            pending = json.dumps(req(start + n, "session/new", cwd="/", mcpServers="x" * PAD)).encode() + b"\n"
-        try:
-            k = os.write(fd, pending)
-        except BlockingIOError:
-            held = NOT_READING in c.log()
-            if not held:
-                select.select([], [fd], [], 0.5)
-            continue
-        pending, sent = pending[k:], sent + k
-        assert sent < LIMIT, f"the agent read {sent} bytes from a client that reads nothing"
-    os.set_blocking(fd, True)
-    return n, pending
-
-
 def _read_to_end(c: _Client) -> tuple[list[dict], bytes]:
     """Everything the agent writes until its stdout ends (bounded): its whole lines, parsed, and
     what follows the last newline (nothing, when every line came whole)."""
@@ -233,8 +218,7 @@ def test_every_answer_is_written_whole_before_the_agent_exits_on_the_end_of_its_
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(reply("x"))}})
     c = _Client(config, tmp_path / "agent.stderr")
     try:
-        c.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-        c.until(lambda m: m.get("id") == 1)
+        _initialized(c)
 
         def requests() -> None:
             for i in range(300):
@@ -261,8 +245,7 @@ def test_the_last_answers_wait_for_the_client_before_the_agent_exits(tmp_path):
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(reply("x"))}})
     c = _Client(config, tmp_path / "agent.stderr")
     try:
-        c.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-        c.until(lambda m: m.get("id") == 1)
+        _initialized(c)
         c.send(*[req(101 + i, "session/new", cwd="/", mcpServers="x" * 3000) for i in range(35)])
         c.proc.stdin.close()
         try:
@@ -287,8 +270,7 @@ def test_a_held_client_gets_every_answer_when_its_input_ends_or_the_agent_is_sto
     config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(reply("x"))}})
     c = _Client(config, tmp_path / "agent.stderr")
     try:
-        c.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-        c.until(lambda m: m.get("id") == 1)
+        _initialized(c)
         n, pending = _flood(c)
         if how == "eof":
             def rest() -> None:
@@ -367,11 +349,18 @@ def test_a_failed_write_to_a_stdout_that_is_a_file_is_told_in_one_line(tmp_path)
             proc.wait()
 
 
-async def _held_connection(taken: list) -> tuple:
+def _fill(writer) -> None:
+    """More than 8 MiB of output for the client to read: the input is held until it reads."""
+    writer.write(b'{"jsonrpc":"2.0","method":"pad","params":"' + b"x" * (9 << 20) + b'"}\n')
+
+
+@contextlib.asynccontextmanager
+async def _held_connection(taken: list):
     """In process, over real pipes: the real connection's streams (``_bounded_streams``) under
     the SDK's connection, screened (``screen_messages``), its handler noting each method taken,
     and a client that reads nothing: more than 8 MiB of output wait, so the input is held.
-    (its streams, its listening task, the client's ends: input to write, output to read)"""
+    (its writer, its bounded streams, the client's ends: input to write, output to read; all
+    closed at the end)"""
     from acp.connection import Connection
 
     from operate_sidecar.server.acp.run import _bounded_streams, screen_messages
@@ -386,9 +375,15 @@ async def _held_connection(taken: list) -> tuple:
     conn = Connection(handler, writer, reader, listening=False)
     screen_messages(conn, bound.backlog)
     listening = asyncio.get_running_loop().create_task(conn.main_loop())
-    writer.write(b'{"jsonrpc":"2.0","method":"pad","params":"' + b"x" * (9 << 20) + b'"}\n')
-    assert bound.backlog.paused
-    return reader, writer, bound, listening, client_in, client_out
+    try:
+        _fill(writer)
+        assert bound.backlog.paused
+        yield writer, bound, client_in, client_out
+    finally:
+        listening.cancel()
+        writer.close()
+        os.close(client_in)
+        os.close(client_out)
 
 
 async def _read_out(client_out: int, bound, done) -> None:
@@ -413,8 +408,7 @@ def test_a_burst_the_sdk_has_read_is_not_taken_while_the_input_is_held():
     answers piling up, whatever the hold)."""
     async def main() -> None:
         taken: list = []
-        reader, writer, bound, listening, client_in, client_out = await _held_connection(taken)
-        try:
+        async with _held_connection(taken) as (writer, bound, client_in, client_out):
             for i in range(3):
                 bound._feed(_note(f"x/{i}"))  # in the SDK's reader, as a burst read before the hold
             for _ in range(100):
@@ -422,11 +416,6 @@ def test_a_burst_the_sdk_has_read_is_not_taken_while_the_input_is_held():
             assert taken == []
             await _read_out(client_out, bound, lambda: len(taken) == 3)
             assert taken == ["x/0", "x/1", "x/2"]
-        finally:
-            listening.cancel()
-            writer.close()
-            os.close(client_in)
-            os.close(client_out)
 
     asyncio.run(main())
 
@@ -436,21 +425,15 @@ def test_once_released_the_input_is_never_held_again():
     the client sends is taken at once (a request after a signal is answered -32800 at once)."""
     async def main() -> None:
         taken: list = []
-        reader, writer, bound, listening, client_in, client_out = await _held_connection(taken)
-        try:
+        async with _held_connection(taken) as (writer, bound, client_in, client_out):
             bound.backlog.release()
             await _read_out(client_out, bound, lambda: bound.backlog.size == 0)
             await asyncio.sleep(0)
-            writer.write(b'{"jsonrpc":"2.0","method":"pad","params":"' + b"x" * (9 << 20) + b'"}\n')
+            _fill(writer)
             os.write(client_in, _note("after"))
             deadline = time.monotonic() + TIMEOUT
             while taken != ["after"]:
                 assert time.monotonic() < deadline, taken
                 await asyncio.sleep(0.01)
-        finally:
-            listening.cancel()
-            writer.close()
-            os.close(client_in)
-            os.close(client_out)
 
     asyncio.run(main())

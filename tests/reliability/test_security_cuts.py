@@ -128,6 +128,19 @@ def test_an_mcp_servers_unreadable_message_is_masked_before_it_is_quoted():
 
 # --- on the wire ---------------------------------------------------------------------------------
 
+def _failed_to_start(c) -> str:
+    """An ``operate`` on a new branch, then the warning (``window/logMessage``, bounded wait) that
+    an MCP server failed to start."""
+    bid = c.branch()
+    c.request("operate", {"branchId": bid, "instruction": "x"}, timeout=60)
+
+    def warned(_):
+        return any("failed to start" in p.get("message", "") for p in c.of("window/logMessage"))
+
+    assert c.wait_for(warned, TIMEOUT), c.of("window/logMessage")
+    return next(p["message"] for p in c.of("window/logMessage") if "failed to start" in p["message"])
+
+
 MCP_TOKEN = "Zq7tok3nValueXYZ"
 
 
@@ -143,14 +156,7 @@ def test_an_mcp_servers_secret_command_option_is_a_known_secret(spawn):
     c.init(models={"s": scripted("hi")},
            mcpServers={"gh": {"command": [sys.executable, "-c", ECHOING_SERVER, "--token", MCP_TOKEN,
                                           "--password=" + MCP_TOKEN + "2"]}})
-    bid = c.branch()
-    c.request("operate", {"branchId": bid, "instruction": "x"}, timeout=60)
-
-    def warned(_):
-        return any("failed to start" in p.get("message", "") for p in c.of("window/logMessage"))
-
-    assert c.wait_for(warned, TIMEOUT), c.of("window/logMessage")
-    warning = next(p["message"] for p in c.of("window/logMessage") if "failed to start" in p["message"])
+    warning = _failed_to_start(c)
     assert "--token [REDACTED] --password=[REDACTED]" in warning and "using [REDACTED]" in warning, warning
     _no_piece(_emitted(c), MCP_TOKEN)
 
@@ -326,14 +332,7 @@ def test_an_mcp_servers_failure_reason_is_masked_before_it_is_cut(spawn, tmp_pat
     c = spawn()
     c.init(models={"s": scripted("hi")},
            mcpServers={"svc": {"command": [sys.executable, str(server)], "env": {"SVC_TOKEN": token}}})
-    bid = c.branch()
-    c.request("operate", {"branchId": bid, "instruction": "x"}, timeout=60)
-
-    def warned(_):
-        return any("failed to start" in p.get("message", "") for p in c.of("window/logMessage"))
-
-    assert c.wait_for(warned, TIMEOUT), c.of("window/logMessage")
-    warning = next(p["message"] for p in c.of("window/logMessage") if "failed to start" in p["message"])
+    warning = _failed_to_start(c)
     assert "detail token=[REDACTED]" in warning, warning
     _no_piece(_emitted(c), token)
 

@@ -34,6 +34,26 @@ def _ids(lb) -> list[str]:
     return [m.id for m in lb.messages]
 
 
+def _damage(path) -> None:
+    """Flips bytes in every page of the database file at ``path`` but the first."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as fh:
+        for off in range(4096, size, 4096):
+            fh.seek(off)
+            data = fh.read(16)
+            fh.seek(off)
+            fh.write(bytes(x ^ 0xA5 for x in data))
+
+
+def _refused(store: StateStore, b: Branch) -> None:
+    """A change to ``b`` and its deletion are refused: the database is not the one opened."""
+    _group(b, 1)
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        store.flush({b.id})
+    with pytest.raises(StateNotSaved, match="deleted or replaced"):
+        store.delete(b.id)
+
+
 def _reload(tmp_path) -> dict:
     return {lb.id: lb for lb in StateStore(str(tmp_path)).load()}
 
@@ -276,13 +296,7 @@ def test_a_damaged_database_is_moved_aside_and_a_fresh_one_used(tmp_path):
     s.flush()
     s.close()
     path = os.path.join(str(tmp_path), DB_FILE)
-    size = os.path.getsize(path)
-    with open(path, "r+b") as fh:                               # flip bytes in every page but the first
-        for off in range(4096, size, 4096):
-            fh.seek(off)
-            data = fh.read(16)
-            fh.seek(off)
-            fh.write(bytes(x ^ 0xA5 for x in data))
+    _damage(path)
     s2 = StateStore(str(tmp_path))
     assert any("damaged" in p for p in s2.problems), s2.problems
     aside = [f for f in os.listdir(str(tmp_path)) if ".damaged-" in f]
@@ -453,11 +467,7 @@ def test_a_database_deleted_or_replaced_under_the_store_refuses_every_change(tmp
     b = _branch(s, 1, name="b")
     with pytest.raises(StateNotSaved, match="deleted or replaced"):
         s.flush({b.id})
-    _group(a, 1)
-    with pytest.raises(StateNotSaved, match="deleted or replaced"):
-        s.flush({a.id})
-    with pytest.raises(StateNotSaved, match="deleted or replaced"):
-        s.delete(a.id)
+    _refused(s, a)
     s.close()
     assert _reload(tmp_path) == {}  # nothing was claimed saved that is not there
 
@@ -538,13 +548,7 @@ def test_a_damaged_database_a_link_leads_to_is_kept_aside_beside_it_and_the_link
     s.close()
     for sfx, data in held.items():                           # as a crash leaves them
         (elsewhere / ("real.sqlite3" + sfx)).write_bytes(data)
-    size = os.path.getsize(real)
-    with open(real, "r+b") as fh:                            # flip bytes in every page but the first
-        for off in range(4096, size, 4096):
-            fh.seek(off)
-            data = fh.read(16)
-            fh.seek(off)
-            fh.write(bytes(x ^ 0xA5 for x in data))
+    _damage(real)
     again = StateStore(str(state))
     try:
         assert len(again.problems) == 1 and "is damaged" in again.problems[0], again.problems
@@ -633,11 +637,7 @@ def test_a_database_that_is_a_link_to_a_file_elsewhere_refuses_every_change_once
     assert "deleted or replaced" in said, said
     if how != "link-re-pointed":
         assert os.path.realpath(wal) in said, said  # where that -wal is
-    _group(a, 1)
-    with pytest.raises(StateNotSaved, match="deleted or replaced"):
-        s.flush({a.id})
-    with pytest.raises(StateNotSaved, match="deleted or replaced"):
-        s.delete(a.id)
+    _refused(s, a)
     s.close()
 
 

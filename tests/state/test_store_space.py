@@ -358,6 +358,31 @@ def _left_as_it_was(state: str, kept: str, kept_msgs: list[str]) -> None:
     s.close()
 
 
+def _sqlite_temp(tmp_path, monkeypatch) -> str:
+    """A folder of its own for SQLite's temporary files (``SQLITE_TMPDIR``)."""
+    temp = str(tmp_path / "sqlite-tmp")
+    os.mkdir(temp)
+    monkeypatch.setenv("SQLITE_TMPDIR", temp)
+    return temp
+
+
+def _left_as_it_was_without_room_in(full: str, state: str, kept: str, kept_msgs: list[str], monkeypatch,
+                                    caplog) -> None:
+    """The disk of folder ``full`` (an absolute path) has 1 MiB free: the old database is left
+    as it was, and a warning says it was not compacted, naming ``full``."""
+    usage = shutil.disk_usage
+
+    def disk_usage(folder):
+        got = usage(folder)
+        return got._replace(free=MIB) if os.path.abspath(folder) == full else got
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with caplog.at_level(logging.WARNING, logger=store_module.log.name):
+        _left_as_it_was(state, kept, kept_msgs)
+    assert [r.getMessage() for r in caplog.records if "not compacted" in r.getMessage()
+            and full in r.getMessage()], caplog.text
+
+
 def test_an_old_database_holding_too_much_data_is_not_converted(tmp_path, monkeypatch, caplog):
     """Over ``CONVERT_MAX_BYTES`` of data (the bound made tiny here) the conversion, which holds
     the write lock while it copies, is not done at start: said in one line, with how to do it
@@ -378,21 +403,9 @@ def test_no_room_for_the_copy_leaves_an_old_database_as_it_is(tmp_path, monkeypa
     database is not converted (said, naming the folder), and is served as it was."""
     state = str(tmp_path / "state")
     kept, kept_msgs = _old_database(state)
-    temp = str(tmp_path / "sqlite-tmp")
-    os.mkdir(temp)
-    monkeypatch.setenv("SQLITE_TMPDIR", temp)
+    temp = _sqlite_temp(tmp_path, monkeypatch)
     full = os.path.abspath(state if short == "state directory" else temp)
-    usage = shutil.disk_usage
-
-    def disk_usage(folder):
-        got = usage(folder)
-        return got._replace(free=MIB) if os.path.abspath(folder) == full else got
-
-    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
-    with caplog.at_level(logging.WARNING, logger=store_module.log.name):
-        _left_as_it_was(state, kept, kept_msgs)
-    assert [r.getMessage() for r in caplog.records if "not compacted" in r.getMessage()
-            and full in r.getMessage()], caplog.text
+    _left_as_it_was_without_room_in(full, state, kept, kept_msgs, monkeypatch, caplog)
 
 
 def test_no_room_beside_the_file_a_linked_database_leads_to_leaves_it_as_it_is(tmp_path, monkeypatch, caplog):
@@ -408,20 +421,8 @@ def test_no_room_beside_the_file_a_linked_database_leads_to_leaves_it_as_it_is(t
         if os.path.exists(os.path.join(state, DB_FILE + suffix)):
             os.replace(os.path.join(state, DB_FILE + suffix), os.path.join(elsewhere, "real.sqlite3" + suffix))
     os.symlink(os.path.join(elsewhere, "real.sqlite3"), os.path.join(state, DB_FILE))
-    temp = str(tmp_path / "sqlite-tmp")
-    os.mkdir(temp)
-    monkeypatch.setenv("SQLITE_TMPDIR", temp)
-    usage = shutil.disk_usage
-
-    def disk_usage(folder):
-        got = usage(folder)
-        return got._replace(free=MIB) if os.path.abspath(folder) == elsewhere else got
-
-    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
-    with caplog.at_level(logging.WARNING, logger=store_module.log.name):
-        _left_as_it_was(state, kept, kept_msgs)
-    assert [r.getMessage() for r in caplog.records if "not compacted" in r.getMessage()
-            and elsewhere in r.getMessage()], caplog.text
+    _sqlite_temp(tmp_path, monkeypatch)
+    _left_as_it_was_without_room_in(elsewhere, state, kept, kept_msgs, monkeypatch, caplog)
 
 
 def test_a_tidy_waiting_for_another_servers_write_holds_up_nothing_of_this_server(tmp_path, monkeypatch):
