@@ -649,10 +649,8 @@ class McpToolSource:
             reason = f"command not found: {self.command[0]}"
         else:
             reason = _describe(e)
-        from ..redaction import command_secret_values
-
         msg = redact(_escaped(f"MCP server {self.name!r} failed to start ({' '.join(self.command)}): {reason}"),
-                     command_secret_values(self.command), patterns=True)
+                     patterns=True)
         return msg + self._quoted_tail()
 
     def _quoted_tail(self) -> str:
