@@ -12,6 +12,82 @@ subprocess; see docs/PROTOCOL.md. stdout carries protocol frames only; logs go t
 Settings are merged: initialize "settings" over the --config file over these flags."""
 
 
+class EarlySignals:
+    """SIGTERM, SIGINT and SIGHUP from the first lines of ``main`` until a front end's loop takes
+    them over: the first one is recorded, not acted on (a SIGINT's KeyboardInterrupt traceback,
+    or the process killed by the signal with a request it had been sent never answered, as during
+    the imports before the loop runs). ``hand_over`` gives it to the loop, which then takes it
+    as if it came at that moment (docs/PROTOCOL.md §2 and §13: the same exit, the requests read
+    by then answered). A second one while the process still starts (stuck reading a ``--config``
+    FIFO nobody writes, say) is not held back: the dispositions from before are put back and
+    what was recorded raised again, so a second signal stops a start that does not end. Returning
+    without serving (``restore``: a mistake, --help, --version) does the same: a signal recorded
+    is raised, not dropped. A few microseconds at start-up: three ``signal`` calls, the module
+    being imported by the front ends anyway; a signal the platform lacks (SIGHUP) is left out."""
+
+    def __init__(self) -> None:
+        import signal
+
+        self.seen: list[int] = []
+        self.before: dict[int, object] = {}  # the dispositions from before (a forked tool's child gets them)
+        self._handing = False  # ``hand_over`` runs: a signal is only recorded
+        for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is None:
+                continue
+            try:
+                self.before[sig] = signal.signal(sig, self._record)
+            except (ValueError, OSError):  # not the main thread (main() called by a host): left alone
+                pass
+
+    def _record(self, sig: int, frame: object) -> None:
+        self.seen.append(sig)
+        if len(self.seen) > 1 and not self._handing:  # a second one: as if nothing held them
+            self.restore()
+
+    def hand_over(self, install) -> None:  # type: ignore[no-untyped-def]
+        """Call ``install(before)`` (the loop's handlers, ``server.signals.install_signal_handlers``;
+        ``before``, the dispositions from before, are what a forked child gets), which puts them
+        straight over the recorder: never a moment with the dispositions from before (a signal
+        then, taken by a thread already running, would kill the process). ``signal.signal`` first
+        runs a handler still pending, so a signal that came until its swap is recorded; the
+        signals are held on this thread meanwhile (one sent then reaches the loop's handler once
+        let through). Then each one recorded is raised again, in order: the loop takes it as any
+        signal, after the input that had come by then. Once only."""
+        import signal
+
+        before, self.before = self.before, {}
+        if not before:
+            install(None)
+            return
+        mask = getattr(signal, "pthread_sigmask", None)
+        held = mask(signal.SIG_BLOCK, before) if mask is not None else None
+        self._handing = True
+        try:
+            install(before)
+        finally:
+            if held is not None:
+                mask(signal.SIG_SETMASK, held)  # type: ignore[misc]
+        seen, self.seen = self.seen, []
+        for sig in seen:
+            signal.raise_signal(sig)
+
+    def restore(self) -> None:
+        """Not handed over (``main`` returns without serving, or a second signal came): the
+        dispositions from before, then each signal recorded raised again with them (SIGTERM's
+        default ends the process, SIGINT's is a KeyboardInterrupt). Once only."""
+        import signal
+
+        before, self.before = self.before, {}
+        if not before:
+            return
+        for sig, disposition in before.items():
+            signal.signal(sig, disposition)  # type: ignore[arg-type]
+        seen, self.seen = self.seen, []
+        for sig in seen:
+            signal.raise_signal(sig)
+
+
 class CommandLineMistake(Exception):
     """A command-line mistake, as the one line ``operate-sidecar: error: ...`` argparse would
     write: raised instead of exiting when ``--acp`` is asked for, so that the line can also be
@@ -153,19 +229,29 @@ def main(argv: list[str] | None = None) -> int:
     """Run the server (or ``replay``). A mistake on the command line or in the ``--config`` file
     is one line on stderr and exit code 2; with ``--acp`` (written as such) the server first
     answers every request with that line (``server.acp.run.Unconfigured``), unless stdin is a
-    terminal: a person there has read it."""
-    import logging
-    import os
-
-    from operate_sidecar.server import __version__
-    from operate_sidecar.server.rpc import settings as S
-
+    terminal: a person there has read it. A signal that comes before the server's loop runs
+    (during the imports, say) is recorded and taken once it does (``EarlySignals``)."""
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["replay"]:  # operate-sidecar replay SCRIPT.jsonl [-- SERVER ARGV...]
         from operate_sidecar.server.script.runner import main as replay_main
 
         return replay_main(argv[1:])
+    early = EarlySignals()  # first: from now on a signal is recorded, not fatal
+    try:
+        return _main(argv, early)
+    finally:
+        early.restore()  # (returning without serving: a mistake, --help, --version)
+
+
+def _main(argv: list[str], early: EarlySignals) -> int:
+    """``main`` once the signals are recorded: the front end it runs takes them over (``early``)."""
+    import logging
+    import os
+
+    from operate_sidecar.server import __version__
+    from operate_sidecar.server.rpc import settings as S
+
     acp = "--acp" in argv  # (as written: a misspelt --acp is the native server's mistake)
     if acp:
         # start-up is import-bound (the ACP SDK's pydantic schema, then the core): no cyclic
@@ -228,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         from operate_sidecar.server.acp.run import run as run_acp
 
         code = run_acp(base_settings=base, version=__version__, debug=debug,
-                       client_pid=args.client_process_id if args is not None else None, config_error=config_error)
+                       client_pid=args.client_process_id if args is not None else None, config_error=config_error,
+                       early=early)
         logging.shutdown()
         os._exit(code)
     assert args is not None
@@ -252,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.set_event_loop(loop)
     try:
         code = loop.run_until_complete(serve(base_settings=base, version=__version__, debug=args.debug,
-                                             client_pid=args.client_process_id, fds=fds, recorder=recorder))
+                                             client_pid=args.client_process_id, fds=fds, recorder=recorder,
+                                             early=early))
     except KeyboardInterrupt:
         code = 1
     logging.shutdown()

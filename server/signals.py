@@ -14,8 +14,8 @@ import os
 import signal
 from typing import Any
 
-#: the signals whose handling the server's loop takes over
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: the signals whose handling the server's loop takes over (SIGHUP where the platform has it)
+HANDLED_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None)
 #: the dispositions those signals had before the loop took them; a forked child gets them back
 _before_loop: dict[int, Any] = {}
 _fork_hook_installed = False
@@ -52,10 +52,12 @@ def _untie_forked_child() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _before_loop)
 
 
-def install_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Any, with_signal: bool = False) -> None:
+def install_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Any, with_signal: bool = False,
+                            before: dict[int, Any] | None = None) -> None:
     """``handler`` runs on the loop for SIGTERM, SIGINT and SIGHUP (``with_signal``: called with
     the signal's number); children forked later get the dispositions from before back
-    (``_untie_forked_child``)."""
+    (``_untie_forked_child``): ``before``'s, when something held them meanwhile (the start-up's
+    recorder, ``server.__main__.EarlySignals``), else the ones the loop replaces."""
     global _fork_hook_installed
     for sig in HANDLED_SIGNALS:
         try:
@@ -63,6 +65,8 @@ def install_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Any, with_
             loop.add_signal_handler(sig, handler, *((sig,) if with_signal else ()))
         except (NotImplementedError, RuntimeError, ValueError):  # pragma: no cover - not the main thread
             continue
+        if before is not None and sig in before:
+            previous = before[sig]
         _before_loop.setdefault(sig, signal.SIG_DFL if previous is None else previous)
     if _before_loop and not _fork_hook_installed and hasattr(os, "register_at_fork"):
         os.register_at_fork(before=_block_for_fork, after_in_parent=_unblock_after_fork,

@@ -183,12 +183,30 @@ def _route_delete(conn: Any, agent: Any) -> bool:
 class _Prompt:
     """A prompt of a session: cancelled by ``session/cancel``; its task once it runs."""
 
-    __slots__ = ("cancelled", "deleted", "task")
+    __slots__ = ("cancelled", "cancelled_early", "deleted", "saving", "task")
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.cancelled_early = False  # a cancel came before its save began (``saving``)
         self.deleted = False  # its session was deleted (``session/delete``): answered -32012
+        self.saving = False  # its messages are being saved: its rounds are over
         self.task: asyncio.Task | None = None
+
+    def cancel(self, deleted: bool = False) -> None:
+        """``session/cancel`` (``deleted``: its session was deleted). Whether it came before the
+        turn's save began is kept: the turn is answered as finished only when every cancel came
+        once it was being saved (``_run_prompt``)."""
+        self.cancelled = True
+        self.cancelled_early = self.cancelled_early or not self.saving
+        self.deleted = self.deleted or deleted
+        if self.task is not None:
+            self.task.cancel()
+
+    def saved_at(self) -> dict[str, Any]:
+        """``_saved_at``, the turn's info, which ``Service.operate`` asks for as the turn's save
+        begins (its rounds over): the prompt is marked then, a cancel from now on is too late."""
+        self.saving = True
+        return _saved_at()
 
 
 #: the requests whose lists ACP's schema says to skip a bad item of (``mcpServers``,
@@ -952,7 +970,7 @@ class OperateAgent(Agent):
 
     async def _run_prompt(self, me: "_Prompt", prompt: list, session_id: str) -> PromptResponse:
         """The prompt ``me`` as a task that ``session/cancel`` cancels; its answer."""
-        me.task = task = asyncio.get_running_loop().create_task(self._prompt(prompt, session_id))
+        me.task = task = asyncio.get_running_loop().create_task(self._prompt(prompt, session_id, me.saved_at))
         self._live.add(task)
         task.add_done_callback(self._live.discard)
         try:
@@ -967,9 +985,13 @@ class OperateAgent(Agent):
         await self.port.flush(session_id)  # every update of the turn before its answer, an error answer too
         if me.deleted:
             raise self._deleted(session_id)
-        if task.cancelled() or me.cancelled:
+        exc = None if task.cancelled() else task.exception()
+        if task.cancelled() or (me.cancelled and (me.cancelled_early or exc is not None)):
             return PromptResponse(stop_reason="cancelled")
-        exc = task.exception()
+        # every cancel came once the turn's save had begun, its rounds all over: too late, the
+        # turn was saved whole, and is answered as the finished turn it is (not ``cancelled``,
+        # docs/PROTOCOL.md §13), as when the cancel crosses the answer on the wire; a save that
+        # failed then kept nothing of it: ``cancelled`` above
         if exc is not None:
             if isinstance(exc, RequestError):
                 raise exc
@@ -1010,8 +1032,9 @@ class OperateAgent(Agent):
         return _invalid(f"session {session_id!r} is not loaded here: session/load or session/resume it first",
                         {"sessionId": session_id, "reason": "the session is not loaded: session/load it first"})
 
-    async def _prompt(self, prompt: list, session_id: str) -> PromptResponse:
-        """The prompt turn: checks, linked files read, then the operate (``_turn``)."""
+    async def _prompt(self, prompt: list, session_id: str, info: Any = _saved_at) -> PromptResponse:
+        """The prompt turn: checks, linked files read, then the operate (``_turn``); ``info``
+        gives the turn's info as its save begins (``_Prompt.saved_at``)."""
         b = await self._branch(session_id)
         if self.sidecar.branch_folders(session_id) is None:  # (``_place`` checked it; never its tools unconfined)
             raise self._not_loaded(session_id)
@@ -1024,13 +1047,13 @@ class OperateAgent(Agent):
             context = [await self._link(session_id, c) if "name" in c else c for c in context]
         # the update time goes with the turn's messages, taken as they are saved (a turn runs for
         # minutes: another turn saved meanwhile is older), and only when the turn recorded some
-        return await self._turn(b, instruction, context, _saved_at)
+        return await self._turn(b, instruction, context, info)
 
     async def cancel(self, session_id: str, **kw: Any) -> None:
         """The session's turn, the prompt waiting for it and those read before this cancel that
         wait for their turn among the session's requests (``_in_order``)."""
         for p in self._queued.get(session_id, ()):
-            p.cancelled = True
+            p.cancel()
         self._cancel_turn(session_id)
 
     # ------------------------------------------------------------------ extensions (``_``-prefixed)
@@ -1047,10 +1070,7 @@ class OperateAgent(Agent):
         their session was deleted, so they are answered -32012)."""
         for p in (self._current.get(session_id), self._waiting.get(session_id)):
             if p is not None:
-                p.cancelled = True
-                p.deleted = p.deleted or deleted
-                if p.task is not None:
-                    p.task.cancel()
+                p.cancel(deleted)
 
     # ------------------------------------------------------------------ resource links
     async def _link(self, sid: str, item: dict[str, Any]) -> dict[str, Any]:

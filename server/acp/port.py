@@ -673,7 +673,10 @@ class AcpPort:
         r = await self.client.read_text_file(session_id=p["branchId"], path=p["path"])
         return {"text": r.content}
 
-    async def _write(self, p: dict) -> dict:
+    async def _write(self, p: dict) -> Any:
+        """The editor's raw result (``{}`` when the SDK cannot give it): whether it is a write
+        done is for ``ClientFiles`` to decide (``write_failed``, the check the native front end
+        makes too); one that is not is logged here, with what the editor answered."""
         conn = getattr(self.client, "_conn", None)  # the SDK's connection, which answers the raw result
         if not hasattr(conn, "send_request"):
             if not self._warned_write_fallback:  # an SDK without it: its typed call, which takes any answer for success
@@ -685,18 +688,18 @@ class AcpPort:
         from acp.schema import WriteTextFileRequest
         from acp.utils import serialize_params
 
+        from operate_sidecar.server.tools.file_tools import write_failed
+
         # the SDK takes any result that is not an object for success: an editor that answers a
-        # failed write with a string (avante does) would have it reported written. An object is
-        # the schema's answer; null (a void success, avante's) is taken as one; anything else
-        # is an error answer
+        # failed write with a string (avante does) would have it reported written. The raw result
+        # goes back, as the native front end's does, for the file tools' one check of it
         result = await conn.send_request("fs/write_text_file", serialize_params(
             WriteTextFileRequest(session_id=p["branchId"], path=p["path"], content=p["text"])))
-        if result is not None and not isinstance(result, dict):
-            shown = json.dumps(result, ensure_ascii=False, default=str)
-            shown = shown if len(shown) <= 200 else shown[:200] + "…"
-            log.warning("the client's answer to fs/writeTextFile is not valid (result: %s): taken as an error", shown)
-            raise ClientRequestError(-32603, f"invalid answer from the client (result: {shown})")
-        return {}
+        shown = write_failed(result)
+        if shown is not None:
+            log.warning("the client's answer to fs/writeTextFile is not a write done (result: %s): "
+                        "taken as a failed write", shown)
+        return result
 
     async def _ask(self, p: dict) -> dict:
         sid, call_id = p["branchId"], p["callId"]

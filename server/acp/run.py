@@ -238,6 +238,8 @@ class HeldInput(InputHold):
     ``HOLD_MAX`` bytes, then no longer read; the end of the input hands what was held on first.
     No exit is looked for among what is held: ACP's connection ends at the input's end only."""
 
+    OUTPUT = "the agent's output"
+
     def _scanner(self) -> Any:
         return _NoScan()
 
@@ -995,7 +997,8 @@ class Unconfigured:
 
 
 async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool = False,
-                    client_pid: int | None = None, fds: tuple[int, int], config_error: str | None = None) -> int:
+                    client_pid: int | None = None, fds: tuple[int, int], config_error: str | None = None,
+                    early: Any = None) -> int:
     """Serve until stdin's EOF, a signal or the client's death; with ``config_error`` (the bad
     configuration's line) every request is answered with it (``Unconfigured``), then exit 2.
     A signal (SIGTERM, SIGINT, SIGHUP) ends the connection as stdin's EOF does: every request
@@ -1004,7 +1007,9 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
     queued has what is left of those seconds to be read, then is dropped) and the agent's own
     close (``aclose``: its turns, tools and MCP servers stopped, each step bounded) is not
     waited for. The client's death cancels the connection at once, and so does the loss of its
-    end of stdout (``wire_lost``)."""
+    end of stdout (``wire_lost``). A signal that came while the process started (``early``,
+    ``server.__main__.EarlySignals``) is taken once the connection is set up, as if it came
+    then: after the lines the client had sent by then."""
     import acp
 
     from .agent import OperateAgent
@@ -1060,9 +1065,9 @@ async def serve_acp(*, settings: dict[str, Any], version: str = "0", debug: bool
 
     bound.on_eof = stopping.set
     writer.on_lost = wire_lost
-    from operate_sidecar.server.signals import install_signal_handlers
+    from operate_sidecar.server.rpc.run import take_signals
 
-    install_signal_handlers(loop, on_signal, with_signal=True)
+    take_signals(loop, on_signal, with_signal=True, early=early)
     watchdog = None
     if client_pid is not None:  # the client is gone: nothing it could read is worth waiting for
         from operate_sidecar.server.rpc.watchdog import watch_parent
@@ -1127,9 +1132,11 @@ async def _bound_exit(main: asyncio.Task, stopping: asyncio.Event, writer: Redac
 
 
 def run(*, base_settings: dict[str, Any], version: str, debug: bool, client_pid: int | None,
-        config_error: str | None = None) -> int:
+        config_error: str | None = None, early: Any = None) -> int:
     """Serve ACP on stdio; ``config_error`` (the line a bad configuration wrote on stderr) is the
-    answer to every request instead (``Unconfigured``), and the exit code is 2."""
+    answer to every request instead (``Unconfigured``), and the exit code is 2. ``early``: the
+    signals recorded since the process began (``server.__main__.EarlySignals``), handed over to
+    the loop once the connection is set up."""
     from operate_sidecar.server.rpc import settings as S
     from operate_sidecar.server.rpc.stdio import guard_stdio
 
@@ -1141,6 +1148,7 @@ def run(*, base_settings: dict[str, Any], version: str, debug: bool, client_pid:
     asyncio.set_event_loop(loop)
     try:
         return loop.run_until_complete(serve_acp(settings=settings, version=version, debug=debug,
-                                                 client_pid=client_pid, fds=fds, config_error=config_error))
+                                                 client_pid=client_pid, fds=fds, config_error=config_error,
+                                                 early=early))
     except KeyboardInterrupt:
         return 1

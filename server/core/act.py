@@ -336,6 +336,13 @@ def bound_text(text: str, limit: int | None) -> str:
     return f"{text[:limit]}…(truncated: {len(text)} characters)"
 
 
+def _log_line(text: str, limit: int = 500) -> str:
+    """A failed call's error text as one log line: its lines joined, cut to ``limit`` characters
+    (the whole text is the call's output; a log line says what failed)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else f"{line[:limit]}…"
+
+
 def _failure_text(e: BaseException) -> str:
     """The error text of a failed call, secrets removed (before anything shortens it)."""
     said = exception_text(e)
@@ -429,6 +436,7 @@ async def _act(branch: Any, function: Any, arguments: Any, action_param: ActionP
     req = _record_request(branch, call_id, function, redact_value(args))
     started = time.perf_counter()
     responded = False
+    returned = False  # whether the tool returned (what fails after that is not the tool's doing)
     ctx: ToolCallContext | None = None
     try:
         try:
@@ -451,6 +459,7 @@ async def _act(branch: Any, function: Any, arguments: Any, action_param: ActionP
                 output = await tool.call(valid, ctx)
             if isinstance(output, BaseModel):
                 output = output.model_dump(mode="json")
+            returned = True
             # JSON once, here, before anything records it (ToolOutputError: this call's tool error);
             # then secrets out, then the size bound: a cut never leaves part of a key
             output, text = json_output(output)
@@ -474,7 +483,18 @@ async def _act(branch: Any, function: Any, arguments: Any, action_param: ActionP
                 if not isinstance(e, Exception):  # never let a tool's SystemExit end the process
                     raise RuntimeError(message) from None
                 raise
-            log.error("Error invoking action '%s': %s", function, message)
+            if returned and not isinstance(e, ToolOutputError):
+                # the tool returned, and making its output JSON, masked and bounded failed
+                # otherwise than as designed: a fault of the server, not of the tool
+                log.error("Error recording the output of action '%s': %s", function, message, exc_info=e)
+            else:
+                # bad arguments from the model, a tool removed or failing, a time-out: the
+                # model is answered with the error, the server is fine (one line, no traceback).
+                # Its traceback goes to the debug log (--debug): a bug of the server raised before
+                # the tool returned (in a builtin tool, or in the machinery calling the client's or
+                # an MCP server's) is told apart only by it
+                log.warning("Error invoking action '%s': %s", function, _log_line(message))
+                log.debug("Traceback of the failed action '%s'", function, exc_info=e)
             return ActionResponseModel(function=function or "", arguments=args, output=out)
         duration = (time.perf_counter() - started) * 1000
         _record_response(branch, req, output)

@@ -1,11 +1,21 @@
 """The Middle protocol and the two shipped adapters.
 
-``communicate`` (API models): one model call, the instruction and reply are
-recorded together after the call succeeds, then the reply is parsed.
-``run_and_collect`` (CLI-backed models, or RunParam): the instruction is
-recorded first, the model's stream is read as it runs, CLI-reported tool use
-is recorded as action messages (never re-executed), ``stream_persist``
-buffers chunks to ``persist_dir`` and snapshots the branch atomically.
+``communicate`` (API models): one model call, the reply is parsed (with any
+repair turns), then the instruction and reply are recorded together.
+``run_and_collect`` (CLI-backed models, or RunParam): the model's stream is read
+as it runs; CLI-reported tool use is recorded as action messages as it happens
+(never re-executed), each after the text the run wrote before it, the first
+after the instruction, which it records; the reply (the text after the last
+tool use) is recorded once parsed. ``stream_persist`` buffers chunks to
+``persist_dir`` and snapshots the branch atomically.
+
+Either way, a model call that fails, or is cancelled (during its repair turns
+too), records no reply nor any fragment of one: fail before effect. A repair
+turn that fails degrades to the unparsed reply (as a reply that does not parse
+does), which is recorded. What a CLI run's tool uses did is real, so they stay
+recorded after the instruction, each after the text the run wrote before it and
+with its result (or an error saying the run reported none); a run that used no
+tool leaves the branch as it was (not cleared by ``clear_messages`` either).
 """
 
 from __future__ import annotations
@@ -18,13 +28,13 @@ from typing import Any, Protocol
 import anyio
 
 from . import progress
-from .errors import ConfigurationError, ModelError
+from .errors import ConfigurationError, ModelError, ParseError
 from .imodel import StreamChunk, open_stream
 from .act import bound_output, bound_text
-from .messages import Message, MessageLog, new_id
+from .messages import Message, new_id
 from .params import ChatParam, ParseParam, RunParam
 from .parse import parse
-from .render import instruction_content, render_request
+from .render import cleared, instruction_content, render_request, with_messages
 from ..redaction import StreamRedactor, redact_value
 
 
@@ -46,17 +56,6 @@ def _model_of(branch: Any, chat_param: ChatParam) -> Any:
     if model is None:
         raise ModelError("no chat model is configured for this branch")
     return model
-
-
-class _Cleared:
-    """What ``render_request`` reads of a branch (its messages), as they will be once
-    ``clear_messages`` has emptied it: the system message only."""
-
-    __slots__ = ("messages", "_render_state")
-
-    def __init__(self, branch: Any) -> None:
-        self.messages = MessageLog([m for m in branch.messages if m.kind == "system"][:1])
-        self._render_state = None
 
 
 def _take_text(chunk: StreamChunk, out: list[str], sink: Any) -> None:
@@ -83,9 +82,26 @@ def _end_text(sink: Any) -> None:
         end()
 
 
-async def _parse_reply(branch: Any, text: Any, chat_param: ChatParam, parse_param: ParseParam | None) -> Any:
+async def _parse_reply(branch: Any, text: Any, chat_param: ChatParam, parse_param: ParseParam | None,
+                       base: Any, pending: list[Message], record: Any) -> Any:
+    """The reply parsed (with any repair turns), then ``record()`` called: a model call records
+    only once its reply is parsed. The repair turns are part of the model call: one cancelled
+    during them records nothing, and the branch is as it was before (docs/PIPELINE.md D3). A
+    repair turn that fails (the parse model's error, its ``timeoutS``) degrades to the unparsed
+    reply, as a reply that does not parse does, and that reply is recorded; one the caller's
+    policy refuses (``handle_validation="raise"``) was still made: it is recorded, then the
+    refusal raised. The repair turns are shown the conversation as it will be: ``base`` (the
+    branch, or what remains of it once cleared) then ``pending``, the messages ``record``
+    records."""
     if parse_param is not None and parse_param.response_format is not None and chat_param.response_format is not None:
-        return await parse(branch, text, parse_param)
+        try:
+            result = await parse(branch, text, parse_param, lambda: with_messages(base, pending))
+        except ParseError:
+            record()
+            raise
+        record()
+        return result
+    record()
     return text
 
 
@@ -98,8 +114,8 @@ async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, pars
     ins = _instruction_message(branch, instruction, chat_param)
     # clear_messages: the request is rendered from the branch as it will be once cleared, and
     # the branch is cleared only with the reply recorded (a failed model call clears nothing)
-    request = render_request(_Cleared(branch) if clear_messages else branch, ins, chat_param.response_format,
-                             chat_param.tool_schemas, chat_param.imodel_kw)
+    base = cleared(branch) if clear_messages else branch
+    request = render_request(base, ins, chat_param.response_format, chat_param.tool_schemas, chat_param.imodel_kw)
     if sink is not None:
         sink.report(f"calling {model.name}", "request")
     parts: list[str] = []
@@ -119,14 +135,19 @@ async def communicate(branch: Any, instruction: Any, chat_param: ChatParam, pars
                 raise ModelError(chunk.text or "model reported an error")
     _end_text(sink)
     text = "".join(parts)
-    if clear_messages:
-        branch.messages.clear()
-    branch.messages.append(ins)
-    branch.messages.add("assistant_response", {"text": text, "model": model_name, "usage": usage},
-                        sender=branch.id, recipient=chat_param.sender)
+    reply = Message(kind="assistant_response", content={"text": text, "model": model_name, "usage": usage},
+                    sender=branch.id, recipient=chat_param.sender)
+
+    def record() -> None:
+        if clear_messages:
+            branch.messages.clear()
+        branch.messages.append(ins)
+        branch.messages.append(reply)
+
     if skip_validation:
+        record()
         return text
-    return await _parse_reply(branch, text, chat_param, parse_param)
+    return await _parse_reply(branch, text, chat_param, parse_param, base, [ins, reply], record)
 
 
 def _used_call_ids(branch: Any) -> set[str]:
@@ -161,6 +182,15 @@ def _run_tool_output(branch: Any, chunk: StreamChunk, req: Message) -> Any:
             text = json.dumps(output, ensure_ascii=False, default=str)
         return {"error": bound_text(text, limit), "function": req.content["function"]}
     return bound_output(output, limit)
+
+
+def _run_tool_response(branch: Any, req: Message, output: Any) -> Message:
+    """The response to a tool use a CLI run reported (``req``, its recorded request): ``output``,
+    its result as recorded, or the error that the run reported none."""
+    return Message(kind="action_response",
+                   content={"callId": req.content["callId"], "requestId": req.id, "function": req.content["function"],
+                            "arguments": req.content["arguments"], "output": output},
+                   sender=branch.id, recipient=branch.id)
 
 
 class _Persist:
@@ -248,11 +278,12 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     param = chat_param if isinstance(chat_param, RunParam) else RunParam(**chat_param.to_dict())
     model = _model_of(branch, param)  # per-call model: never written back to the branch
     persist = _Persist(branch, param) if param.stream_persist else None  # before any effect (the clear too)
-    if clear_messages:
-        branch.messages.clear()
     ins = _instruction_message(branch, instruction, param)
-    request = render_request(branch, ins, param.response_format, param.tool_schemas, param.imodel_kw, purpose="run")
-    branch.messages.append(ins)
+    # clear_messages: the request is rendered from the branch as it will be once cleared, and the
+    # branch is cleared only when the run records something (its first tool use, or its reply)
+    base = cleared(branch) if clear_messages else branch
+    request = render_request(base, ins, param.response_format, param.tool_schemas, param.imodel_kw, purpose="run")
+    started = False  # whether the branch was cleared (clear_messages) and the instruction recorded
     texts: list[str] = []
     buf: list[str] = []
     open_calls: dict[str, list[Message]] = {}  # the run's tool id -> its requests not yet answered
@@ -260,7 +291,17 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
     usage = None
     model_name = model.name
 
-    def flush_text(final: bool = False) -> None:
+    def start() -> None:
+        # the run's first record: the instruction (after the clear), which the tool uses it
+        # reports as they happen, or its reply, then follow
+        nonlocal started
+        if not started:
+            started = True
+            if clear_messages:
+                branch.messages.clear()
+            branch.messages.append(ins)
+
+    def take_text(final: bool = False) -> Message | None:
         # the run's usage goes on its last reply; a run that ends on a tool result with no
         # text after it gets an empty one to carry it (its usage was on no message at all)
         if buf or (final and usage is not None):
@@ -268,12 +309,32 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
             buf.clear()
             if text:
                 texts.append(text)
-            branch.messages.add("assistant_response", {"text": text, "model": model_name,
-                                                       "usage": usage if final else None},
-                                sender=branch.id, recipient=param.sender)
+            return Message(kind="assistant_response", content={"text": text, "model": model_name,
+                                                               "usage": usage if final else None},
+                           sender=branch.id, recipient=param.sender)
+        return None
+
+    def unanswered() -> list[Message]:
+        # a tool use the run reported no result of (it ended, failed or was stopped first)
+        out = [_run_tool_response(branch, req, {"error": "no result reported by the run",
+                                                "function": req.content["function"]})
+               for waiting in open_calls.values() for req in waiting]
+        open_calls.clear()
+        return out
+
+    reply: list[Message] = []  # the run's last text (after its last tool use), recorded with its result
+    answers: list[Message] = []  # the responses of its tool uses left unanswered
+
+    def record() -> None:
+        start()
+        for m in reply + answers:
+            branch.messages.append(m)
+        reply.clear()
+        answers.clear()
 
     if sink is not None:
         sink.report(f"running {model.name}", "request")
+    done = False
     try:
         if persist is not None:
             persist.open()
@@ -288,7 +349,11 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
                     _take_thought(chunk, sink)
                 elif t == "tool_use":
                     _end_text(sink)
-                    flush_text()
+                    # a tool use is a real effect: the run is recorded from here on, as it goes
+                    start()
+                    before = take_text()
+                    if before is not None:
+                        branch.messages.append(before)
                     if used_ids is None:
                         used_ids = _used_call_ids(branch)
                     call_id = _unique_call_id(chunk.id, used_ids)
@@ -304,33 +369,34 @@ async def run_and_collect(branch: Any, instruction: Any, chat_param: ChatParam, 
                     req = waiting.pop(0)
                     if not waiting:
                         del open_calls[chunk.id]
-                    branch.messages.add("action_response", {"callId": req.content["callId"], "requestId": req.id,
-                                                            "function": req.content["function"],
-                                                            "arguments": req.content["arguments"],
-                                                            "output": _run_tool_output(branch, chunk, req)},
-                                        sender=branch.id, recipient=branch.id)
+                    branch.messages.append(_run_tool_response(branch, req, _run_tool_output(branch, chunk, req)))
                 elif t == "result":
                     usage = chunk.usage or usage
                     model_name = chunk.model or model_name
                 elif t == "error":
                     raise ModelError(chunk.text or "model reported an error")
         _end_text(sink)
-        flush_text(final=True)
+        last = take_text(final=True)
+        reply.extend([last] if last is not None else [])
+        answers.extend(unanswered())
+        if not texts or skip_validation:
+            record()
+            result = "\n\n".join(texts) if texts else None
+        else:
+            pending = [*([] if started else [ins]), *reply, *answers]
+            result = await _parse_reply(branch, "\n\n".join(texts), param, parse_param,
+                                        branch if started else base, pending, record)
+        done = True
     finally:
         with anyio.CancelScope(shield=True):
-            flush_text()
-            for req in [r for waiting in open_calls.values() for r in waiting]:
-                branch.messages.add("action_response", {"callId": req.content["callId"], "requestId": req.id,
-                                                        "function": req.content["function"],
-                                                        "arguments": req.content["arguments"],
-                                                        "output": {"error": "no result reported by the run",
-                                                                   "function": req.content["function"]}},
-                                    sender=branch.id, recipient=branch.id)
+            if not done and started:
+                # failed or cancelled (the model call, or its repair turns): the reply (the text
+                # after the last tool use) is not recorded, nor any part of it; the tool uses the
+                # run made, real effects, stay, each after the text the run wrote before it and
+                # with its result (or the error that the run reported none). A run that used no
+                # tool recorded nothing: the branch is as it was
+                for m in answers + unanswered():
+                    branch.messages.append(m)
             if persist is not None:
                 persist.close()
-    if not texts:
-        return None
-    full = "\n\n".join(texts)
-    if skip_validation:
-        return full
-    return await _parse_reply(branch, full, param, parse_param)
+    return result

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
 
@@ -281,8 +281,11 @@ async def _validate(text: Any, response_format: Any, fuzzy: FuzzyMatchKeysParams
 REFORMAT_GUIDANCE = "follow the required response format, using the model schema as a guide"
 
 
-async def parse(branch: Any, text: Any, parse_param: ParseParam) -> Any:
-    """Parse ``text`` into ``parse_param.response_format`` with repair turns."""
+async def parse(branch: Any, text: Any, parse_param: ParseParam, history: Callable[[], Any] | None = None) -> Any:
+    """Parse ``text`` into ``parse_param.response_format`` with repair turns. A repair turn is
+    shown the branch's conversation, or, when ``history`` is given, what it returns instead (the
+    branch with the instruction and reply a Middle records only once this parse is over): it is
+    called once, at the first repair turn, and every repair turn is shown the same."""
     fmt = parse_param.response_format
     fuzzy = parse_param.fuzzy_match_params
     progress.report("parsing reply", "parse")
@@ -296,6 +299,7 @@ async def parse(branch: Any, text: Any, parse_param: ParseParam) -> Any:
     if alc is not None and model is not None:
 
         attempt = [0]
+        shown: list[Any] = []  # what the repair turns render as the conversation (made once)
 
         async def repair(_: Any) -> Any:
             nonlocal last
@@ -309,7 +313,9 @@ async def parse(branch: Any, text: Any, parse_param: ParseParam) -> Any:
             if n >= 2:
                 guidance += (f" This is attempt {n + 1}; earlier attempts failed. Return only the JSON object,"
                              " with no text before or after it.")
-            request: ModelRequest = render_repair_request(branch, str(text), fmt, guidance, parse_param.imodel_kw)
+            if not shown:
+                shown.append(history() if history is not None else branch)
+            request: ModelRequest = render_repair_request(shown[0], str(text), fmt, guidance, parse_param.imodel_kw)
             progress.report(f"{progress.REPAIR_ATTEMPT} {n + 1}", "parse")
             with model_deadline(model):
                 reply = await model.invoke(request)

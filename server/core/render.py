@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .imodel import ModelRequest
-from .messages import Message
+from .messages import Message, MessageLog
 from .operative import request_info
 
 _schema_cache: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
@@ -199,9 +199,8 @@ def _consume(state: _RenderState, m: Message) -> None:
             out.append({"role": "assistant", "content": text})
 
 
-def render_history(branch: Any) -> tuple[list[dict[str, str]], list[dict]]:
-    """The branch's history as chat turns plus the tool results still pending
-    (to be folded into the next user turn). Only new messages are rendered."""
+def _rendered(branch: Any) -> _RenderState:
+    """The branch's rendering state, brought up to date: only new messages are rendered."""
     log = branch.messages
     state: _RenderState | None = getattr(branch, "_render_state", None)
     if state is None or state.log is not log or state.generation != log.generation or state.count > len(log):
@@ -213,7 +212,46 @@ def render_history(branch: Any) -> tuple[list[dict[str, str]], list[dict]]:
     for i in range(state.count, len(items)):
         _consume(state, items[i])
     state.count = len(items)
+    return state
+
+
+def render_history(branch: Any) -> tuple[list[dict[str, str]], list[dict]]:
+    """The branch's history as chat turns plus the tool results still pending
+    (to be folded into the next user turn). Only new messages are rendered."""
+    state = _rendered(branch)
     return list(state.out), list(state.pending)
+
+
+class _View:
+    """A stand-in for a branch, for rendering only: what ``render_history`` reads of one (its
+    messages, and their rendering so far: none, or one to carry on from)."""
+
+    __slots__ = ("messages", "_render_state")
+
+    def __init__(self, messages: MessageLog, state: _RenderState | None = None) -> None:
+        self.messages = messages
+        self._render_state = state
+
+
+def cleared(branch: Any) -> Any:
+    """``branch`` as ``clear_messages`` will leave it (its system message only), for rendering
+    only: a model call's request is rendered from it, and the branch itself is cleared only once
+    the call records something (docs/PIPELINE.md D3)."""
+    return _View(MessageLog([m for m in branch.messages if m.kind == "system"][:1]))
+
+
+def with_messages(base: Any, extra: list[Message]) -> Any:
+    """``base`` (a branch, or a stand-in for one) as it will be once ``extra`` is recorded on it,
+    for rendering only: a model call's parse-repair turn is shown the instruction and the reply
+    it reformats, which are recorded only once the reply is parsed (docs/PIPELINE.md D3).
+    ``base``'s rendering so far is reused (brought up to date, copied once): only ``extra`` is
+    rendered anew, however long the branch."""
+    src = _rendered(base)
+    log = MessageLog([*base.messages, *extra])
+    state = _RenderState()
+    state.out, state.pending, state.count = list(src.out), list(src.pending), src.count
+    state.log, state.generation = log, log.generation
+    return _View(log, state)
 
 
 def render_request(branch: Any, ins: Message, response_format: Any, tool_schemas: list[dict] | None,

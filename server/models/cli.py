@@ -25,9 +25,11 @@ SIGKILL after the grace period. That teardown cannot be cut short: it runs as a 
 (``_Ending``), so a second cancel (the native front end cancels a request's task itself, which
 a shielded scope does not stop) ends only the wait for it. The run ends when the program exits, even if a child it
 left running holds stdout open: what it wrote is read, then its group (and any process still
-holding its stdout) is stopped the same way; a per-run reaper kills the group if the sidecar
-dies. Lines that are not JSON, and events of an unexpected shape, are ignored; NaN/Infinity in
-them are read as null. An in-stream error event (jsonl ``error``,
+holding its stdout) is stopped the same way. The group and the stdout's holders get SIGTERM
+together and SIGKILL together, so the whole teardown fits in one grace. A per-run reaper
+kills the group, and the processes still holding the run's stdout, if the sidecar exits or
+dies before the teardown is over (an exit does not wait out a long grace). Lines that are not
+JSON, and events of an unexpected shape, are ignored; NaN/Infinity in them are read as null. An in-stream error event (jsonl ``error``,
 claude-code ``result`` with ``is_error``) raises ``ModelError`` after the run is
 torn down; so does a non-zero exit, or death by a signal, whatever the program wrote before
 (with the stderr tail): a reply cut short is no reply.
@@ -48,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from stat import S_IWUSR
 from typing import Any, AsyncIterator, Iterable, Iterator
 
 import anyio
@@ -110,6 +113,9 @@ class CLIModel(BaseModelProvider):
         command = list(command) if command else list(DEFAULT_COMMANDS.get(profile, []))
         if not command:
             raise ModelConfigError(f"model config {name!r}: cli profile {profile!r} needs a 'command'")
+        if not command[0]:  # (config.py refuses it at initialize; this is for a model built in code)
+            raise ModelConfigError(f"model config {name!r}: command must begin with the program to run, "
+                                   "not an empty string")
         if prompt_via not in (None, "arg", "stdin"):
             raise ModelConfigError(f"model config {name!r}: promptVia must be 'arg' or 'stdin'")
         self.name = name
@@ -204,7 +210,8 @@ class CLIModel(BaseModelProvider):
             if stdin_file is not subprocess.DEVNULL:
                 stdin_file.close()  # the child has its own copy of the descriptor
         self.last_pid = process.pid
-        reaper = _GroupReaper.start(process.pid)  # the group dies with the sidecar, even by SIGKILL
+        # the group, and what holds its stdout, die with the sidecar, even by SIGKILL
+        reaper = _GroupReaper.start(process.pid, getattr(process, "stdout_inode", None))
         deadline = anyio.current_time() + self.timeout_s if self.timeout_s else None
         program = Path(argv[0]).name
         produced = False
@@ -532,14 +539,15 @@ def _poll_wait(deadline: float | None) -> float:
 
 
 async def _end_run(process: Any, grace: float, stdout_closed: bool, reaper: "_GroupReaper | None") -> None:
-    """Stop everything the run left behind: its process group (the program, if it still runs,
-    and the children it put in the background), then, if its stdout is still open, the
-    processes holding it (children that left the group with setsid)."""
-    await _kill_group(process, grace)
+    """Stop everything the run left behind, all within one grace: its process group (the
+    program, if it still runs, and the children it put in the background) and, if its stdout is
+    still open, the processes holding it (children that left the group with setsid) get SIGTERM
+    together, and SIGKILL together ``grace`` seconds later (``_kill_group``). Then the reaper is
+    let go. Cut short (the sidecar exits during a long grace), the reaper is not let go: it
+    kills what is left once the sidecar is gone."""
+    inode = getattr(process, "stdout_inode", None)
+    await _kill_group(process, grace, None if stdout_closed else inode)
     with anyio.CancelScope(shield=True):
-        inode = getattr(process, "stdout_inode", None)
-        if not stdout_closed and inode is not None:
-            await _kill_pipe_holders(inode, grace)
         if reaper is not None:
             await reaper.stop()
 
@@ -613,28 +621,35 @@ class _GroupReaper:
     """A tiny process, in a session of its own, that SIGKILLs the run's process group once the
     sidecar is gone (exit, crash or SIGKILL alike): it blocks reading a pipe only the sidecar
     holds. ``PR_SET_PDEATHSIG`` takes the program itself down, not the children it started;
-    this takes the whole group. (The sidecar's own reaper, ``server.rpc.stdio``, covers the
-    sidecar's group, which a CLI run leaves.) Stopped when the run ends."""
+    this takes the whole group, and then every process still holding the run's stdout (a child
+    the program detached with ``setsid``, out of the group; ``server.reaper``). So a sidecar
+    that exits, or is killed, in the middle of a run's teardown leaves nothing behind either:
+    what the teardown had not stopped yet is killed at once. (The sidecar's own reaper,
+    ``server.rpc.stdio``, covers the sidecar's group, which a CLI run leaves.) Let go when the
+    run's teardown is over."""
 
     def __init__(self, proc: Any, write_fd: int) -> None:
         self._proc = proc
         self._fd: int | None = write_fd
 
     @classmethod
-    def start(cls, pgid: int) -> "_GroupReaper | None":
+    def start(cls, pgid: int, stdout_inode: int | None = None) -> "_GroupReaper | None":
         if sys.platform == "win32":
             return None
         from operate_sidecar.server.reaper import start_reaper
 
-        started = start_reaper(pgid)
+        started = start_reaper(pgid, stdout_inode)
         return cls(*started) if started is not None else None
 
     async def stop(self) -> None:
-        """Let it go: the run is over (its group already killed), so its last kill finds nothing."""
+        """Let it go: the run is over (its group and its stdout's holders already stopped), so it
+        exits killing nothing (its group's id, the leader's pid, may be reused by now)."""
+        from operate_sidecar.server.reaper import release_reaper
+
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        os.close(fd)
+        release_reaper(fd)
         await _until(lambda: self._proc.poll() is not None, 2.0)
         if self._proc.poll() is None:  # pragma: no cover - a stuck shell
             self._proc.kill()
@@ -687,68 +702,98 @@ async def _until(done: Any, timeout: float) -> None:
             await anyio.sleep(KILL_POLL_S)
 
 
-async def _kill_group(process: Any, grace: float) -> None:
-    """SIGTERM the whole process group, then SIGKILL what is left of it after ``grace``
-    seconds. Waits (at most ``grace`` each time) until the leader is reaped and no member runs."""
+async def _kill_group(process: Any, grace: float, stdout_inode: int | None = None) -> None:
+    """SIGTERM the whole process group, and the processes holding the pipe ``stdout_inode``
+    open for writing (the run's stdout, when it is still open: children that left the group
+    with setsid), then SIGKILL what is left of either after ``grace`` seconds: the whole
+    teardown fits in one grace. Waits (at most ``grace`` each time) until the leader is reaped
+    and nothing of the group or the holders runs.
+
+    A holder is a process outside the group (``killpg`` reaches the members, and a member that
+    dies frees its pid for another process). Only what holds the pipe when it is signalled is
+    signalled: the SIGKILL goes to what a fresh scan finds then, never to a pid remembered from
+    before the grace (it may belong to another process by then). A holder the sidecar may not
+    signal is left out: waiting for it would only add a grace."""
     pgid = process.pid
+    holders: list[int] = []
+
+    async def scan() -> list[int]:
+        if stdout_inode is None:
+            return []
+        return await anyio.to_thread.run_sync(_pipe_holders, stdout_inode, pgid)
 
     def gone() -> bool:
-        return process.returncode is not None and not _group_alive(pgid)
+        nonlocal holders
+        if stdout_inode is not None:  # a holder that ended (its pid free, or reused) holds nothing
+            holders = [p for p in holders if _holds(p, stdout_inode)]
+        return process.returncode is not None and not holders and not _group_alive(pgid)
 
     with anyio.CancelScope(shield=True):
-        if not _signal_group(pgid, signal.SIGTERM):
+        holders = await scan()
+        if holders:
+            log.debug("cli: stopping %s, holding the program's stdout, with its process group", holders)
+        signalled = _signal_group(pgid, signal.SIGTERM)
+        holders = _signal_pids(holders, signal.SIGTERM)
+        if not signalled and not holders:
             if process.returncode is None:  # not signalable, or raced with its exit: reap it
                 with anyio.move_on_after(grace):
                     await process.wait()
             return
         await _until(gone, grace)
-        # Members of the group may outlive the leader, or ignore SIGTERM: kill what is left.
-        if _signal_group(pgid, signal.SIGKILL):
-            await _until(gone, grace)
+        if gone():
+            return
+        # Members of the group (or holders) may outlive the leader, or ignore SIGTERM: kill what
+        # is left, and whatever took the pipe up meanwhile (a child started during the grace).
+        _signal_group(pgid, signal.SIGKILL)
+        holders = _signal_pids(await scan(), signal.SIGKILL)
+        await _until(gone, grace)
 
 
-def _pipe_holders(inode: int) -> list[int]:
-    """The processes (other than this one) with the pipe ``inode`` open (Linux /proc)."""
-    target = f"pipe:[{inode}]"
+def _signal_pids(pids: list[int], sig: int) -> list[int]:
+    """Send ``sig`` to each of ``pids``: those it reached (the others are gone, or not the
+    sidecar's to signal)."""
+    reached = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+        reached.append(pid)
+    return reached
+
+
+def _pipe_holders(inode: int, pgid: int | None = None) -> list[int]:
+    """The processes with the pipe ``inode`` open for writing (Linux /proc): what keeps the
+    run's stdout from ending. Not this process, not one that has only a read end (a pipe's two
+    ends share its inode: a process the sidecar forked, or a sibling run's child before its
+    exec, holds the sidecar's read end), and not a member of the group ``pgid``."""
     me = os.getpid()
     out = []
     for pid in _pids():
-        if pid == me:
+        if pid == me or not _holds(pid, inode):
             continue
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                    out.append(pid)
-                    break
-            except OSError:
-                continue
+        stat = _stat(pid)
+        if stat is not None and (pgid is None or stat[1] != pgid):
+            out.append(pid)
     return out
 
 
-async def _kill_pipe_holders(inode: int, grace: float) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds, the processes holding the run's stdout
-    open after its process group is gone: only the program's descendants can have it."""
-    holders = await anyio.to_thread.run_sync(_pipe_holders, inode)
-    if not holders:
-        return
-    log.debug("cli: killing %s, still holding the program's stdout", holders)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in holders:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if sig == signal.SIGKILL:
-            return
-        with anyio.move_on_after(grace):
-            while holders := [p for p in holders if (st := _stat(p)) is not None and st[0] not in "ZX"]:
-                await anyio.sleep(KILL_POLL_S)
-        if not holders:
-            return
+def _holds(pid: int, inode: int) -> bool:
+    """Does ``pid`` have the pipe ``inode`` open for writing? (A ``/proc/PID/fd`` link's mode
+    says how its descriptor is open: ``S_IWUSR`` for writing.)"""
+    target = f"pipe:[{inode}]"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if os.readlink(path) == target and os.lstat(path).st_mode & S_IWUSR:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _resolve_executable(cmd: str) -> str:

@@ -862,8 +862,9 @@ def api_key_env_problem(name: Any, base_url: Any = None) -> str | None:
 def _cli_problem(config: dict[str, Any]) -> str | None:
     """Why a ``cli`` config (its fields of the right types) cannot start a program: what no
     command line, environment or folder name can hold (a NUL character; ``=`` or nothing as a
-    variable's name), which would fail every call at its start; a ``jsonl`` profile without a
-    command. Values are never quoted (an ``env`` value may be a secret)."""
+    variable's name; an empty program name), which would fail every call at its start; a
+    ``jsonl`` profile without a command. Values are never quoted (an ``env`` value may be a
+    secret)."""
     command = config.get("command")
     if isinstance(command, str):
         import shlex
@@ -871,6 +872,8 @@ def _cli_problem(config: dict[str, Any]) -> str | None:
         command = shlex.split(command)
     if any("\0" in a for a in command or ()):
         return "command must not contain a NUL character"
+    if command and not command[0]:
+        return "command must begin with the program to run, not an empty string"
     cwd = config.get("cwd")
     if cwd == "":
         return "cwd must be a folder's path, not empty (leave it out for the server's working directory)"

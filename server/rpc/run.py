@@ -1,5 +1,6 @@
-"""Run the server on the process's stdio until ``exit``, stdin EOF or the
-client's death; returns the exit code (0 after ``shutdown``, else 1)."""
+"""Run the server on the process's stdio until ``exit``, stdin EOF, a signal, the
+client's death or its end of stdout going; returns the exit code (0 after ``shutdown``,
+else 1)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ class InputHold:
     while the client still reads nothing. ``resume`` hands the held input on, in order."""
 
     HOLD_MAX = 4 << 20
+    #: whose output the warning names (the ACP front end's ``HeldInput``: the agent's)
+    OUTPUT = "the server's output"
 
     def __init__(self, feed: Any, on_eof: Any) -> None:
         self._feed, self._on_eof = feed, on_eof
@@ -51,8 +54,8 @@ class InputHold:
             self._hand_on()
         elif len(self.held) > self.HOLD_MAX and not self._stopped:
             self._stopped = True
-            log.warning("the client sent over %d bytes while not reading the server's output; "
-                        "reading no more input until it does", self.HOLD_MAX)
+            log.warning("the client sent over %d bytes while not reading %s; "
+                        "reading no more input until it does", self.HOLD_MAX, self.OUTPUT)
             self.reader.pause()
 
     def on_eof(self) -> None:
@@ -100,13 +103,32 @@ def _obeyed_exit(body: bytes) -> bool:
     return type(msg) is dict and msg.get("method") == "exit" and msg.get("jsonrpc") == "2.0" and "id" not in msg
 
 
+def take_signals(loop: asyncio.AbstractEventLoop, handler: Any, *, with_signal: bool = False,
+                 early: Any = None) -> None:
+    """The loop's handlers for SIGTERM, SIGINT and SIGHUP (``install_signal_handlers``). With
+    ``early`` (``server.__main__.EarlySignals``, which recorded them since the process began),
+    they are handed over: a signal that came before is taken now, as if it came now, after
+    the input already sent (the loop reads that first); a child forked later gets the
+    dispositions from before ``early`` took them."""
+    def install(before: dict[int, Any] | None = None) -> None:
+        install_signal_handlers(loop, handler, with_signal=with_signal, before=before)
+
+    if early is None:
+        install()
+    else:
+        early.hand_over(install)
+
+
 async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "0", debug: bool = False,
-                client_pid: int | None = None, fds: tuple[int, int] | None = None, recorder: Any = None) -> int:
+                client_pid: int | None = None, fds: tuple[int, int] | None = None, recorder: Any = None,
+                early: Any = None) -> int:
     wire_in, wire_out = fds if fds is not None else guard_stdio()
     loop = asyncio.get_running_loop()
     wire = Wire(wire_out)
     conn = Connection(wire, base_settings=base_settings or {}, version=version, debug=debug,
                       client_pid=client_pid)
+    # a client that closes stdout after shutdown or exit (or as the server stops) is done, not gone
+    wire.expected_end = lambda: conn.shutdown_requested or conn.exit_code is not None
     if recorder is not None:  # --record: sees every frame body and model turn (server.script.recorder)
         recorder.attach(conn, wire)
     hold = InputHold(conn.feed, conn.on_eof)
@@ -123,7 +145,8 @@ async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "
         if c.client_pid is not None and not watchdog:
             watchdog.append(loop.create_task(watch_parent(c.client_pid, lambda: c.stop(1))))
 
-    install_signal_handlers(loop, lambda: conn.stop(0 if conn.shutdown_requested else 1))
+    # (a signal that came while the process started is taken now: ``early``)
+    take_signals(loop, lambda: conn.stop(0 if conn.shutdown_requested else 1), early=early)
     start_watchdog(conn)
     conn.on_initialized.append(start_watchdog)
     code = await conn.wait_stopped()

@@ -106,8 +106,8 @@ class SidecarProtocol(JsonRPCProtocol):
             conn.send_error(msg_id, E.REQUEST_CANCELLED, "request cancelled")
             return
         code, message, data = map_exception(exc, self._server.debug, REMEDIES)
-        if code == E.INTERNAL_ERROR:
-            log.error("request %r failed", msg_id, exc_info=exc)
+        if code == E.INTERNAL_ERROR:  # a bug: one line, its traceback too with --debug (docs/PROTOCOL.md §8)
+            log.error("request %r failed: %s", msg_id, message, exc_info=exc if self._server.debug else None)
         conn.send_error(msg_id, code, message, data)
 
     def answer_unfinished(self) -> None:

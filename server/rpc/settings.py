@@ -66,21 +66,14 @@ class SettingsError(ValueError):
 
 def check_depth(value: Any, limit: int = MAX_SETTINGS_DEPTH, where: str = "") -> None:
     """SettingsError when ``value`` nests objects/arrays more than ``limit`` deep (iterative:
-    any depth is measured without recursion). ``where`` names what is nested (``<file>: the
+    any depth is measured without recursion, in memory that grows with the depth only: the
+    service's walk, ``schemas.too_deep``). ``where`` names what is nested (``<file>: the
     settings``); without it the message is bare, for a caller that says "settings" itself."""
-    stack = [(value, 0)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            items = v.values()
-        elif isinstance(v, list):
-            items = v
-        else:
-            continue
-        if d >= limit:
-            raise SettingsError(f"{where} are nested more than {limit} levels deep" if where
-                                else f"nested more than {limit} levels deep")
-        stack.extend((x, d + 1) for x in items)
+    from operate_sidecar.server.service.schemas import too_deep
+
+    if too_deep(value, limit)[0] is not None:
+        raise SettingsError(f"{where} are nested more than {limit} levels deep" if where
+                            else f"nested more than {limit} levels deep")
 
 
 def merge(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:

@@ -5,7 +5,7 @@ stdout to a private file descriptor used only for protocol frames, points fd 1
 at stderr (so ``print()`` in tools and the output of child processes land on
 stderr) and points fd 0 at /dev/null (so child processes never read the
 protocol stream). ``Wire`` writes whole frames (a burst in one loop iteration
-in one ``write``);
+in one ``write``) and notices at once the client closing its end of a pipe stdout;
 ``attach_reader`` feeds stdin bytes to a callback on the event loop without a
 thread hop when stdin is a pipe, socket or tty (a regular file or /dev/null, which
 the loop cannot poll, is read on a thread to its end); ``open_read_transport`` and
@@ -83,6 +83,16 @@ def _reopen_closed_std_fds() -> None:
             log.warning("stdout is closed: nothing the server answers reaches the client")
 
 
+def _write_only(fd: int) -> bool:
+    """Whether ``fd`` was opened for writing only (the loop may watch it for its reader going)."""
+    try:
+        import fcntl
+
+        return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY
+    except (ImportError, OSError):  # (no fcntl: no such watch either)
+        return False
+
+
 class Wire:
     """The protocol output: exactly ``Content-Length: N\\r\\n\\r\\n<utf-8 json>``,
     safe to call from any thread. The first message in an event-loop iteration is
@@ -98,13 +108,24 @@ class Wire:
     is called (the server stops reading requests: memory stays bounded by what is
     already in flight), and ``on_resume`` once the buffer is down to ``LOW_WATER``, whichever
     write drained it (``_resume_if_drained``); both on the loop's thread, ``on_resume`` as a loop
-    callback of its own (never inside a ``send_bytes``)."""
+    callback of its own (never inside a ``send_bytes``).
+
+    When stdout is a pipe, the loop also watches it for the client closing its end (or dying)
+    while nothing is being written: as asyncio's own write-pipe transport does, the write end
+    is registered once for reading, which epoll reports (as an error event) only once the read
+    end is gone. That ends the server as a failed write does (``_broken``: the same warning
+    line, then ``on_broken``), at once, idle or not; nothing is done per message. Not for a
+    socket (the client's own input on it would look the same), a terminal, a regular file, or
+    a FIFO opened for reading too (``exec 3<>fifo``: its unread output makes it readable). When
+    the end is expected (``expected_end``: the connection stopping, its ``shutdown`` answered,
+    an ``exit`` read), the client closing it is a clean end: no warning, ``on_broken`` all the
+    same."""
 
     HIGH_WATER = 8 << 20
     LOW_WATER = 1 << 20
 
     __slots__ = ("_fd", "_lock", "closed", "on_broken", "on_pause", "on_resume", "_loop", "_loop_thread",
-                 "_deferred", "tap", "_buf", "_armed", "_paused")
+                 "_deferred", "tap", "_buf", "_armed", "_paused", "_watched", "expected_end")
 
     def __init__(self, fd: int, on_broken: Callable[[], None] | None = None) -> None:
         self._fd = fd
@@ -123,12 +144,31 @@ class Wire:
         self._buf = bytearray()  # frames not written yet
         self._armed = False      # the loop calls ``_on_writable`` when the pipe has room
         self._paused = False     # ``on_pause`` was called and ``on_resume`` not yet
+        self._watched = False    # the loop watches the pipe for its read end going (``_on_gone``)
+        #: whether the client may close its end now without a warning (its session ended)
+        self.expected_end: Callable[[], bool] | None = None
         try:
             mode = os.fstat(fd).st_mode
             if self._loop is not None and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
                 os.set_blocking(fd, False)
         except OSError as e:
             log.debug("stdout stays blocking (writes may stall the loop while the reader is slow): %s", e)
+            return
+        if self._loop is not None and stat.S_ISFIFO(mode) and _write_only(fd):
+            try:
+                self._loop.add_reader(fd, self._on_gone)
+                self._watched = True
+            except (RuntimeError, ValueError, OSError) as e:
+                log.debug("the client closing its end of stdout is noticed at the next write only: %s", e)
+
+    def _on_gone(self) -> None:
+        """The loop saw the pipe's read end closed (a pipe's write end is never readable
+        otherwise): the client can be sent nothing more, as after a write that failed with
+        EPIPE. ``_broken`` stops the watch (the error event would otherwise be reported again
+        and again). A client that got its ``shutdown`` answer, or sent ``exit``, and then closes
+        its ends (stdout first, say) is done, not gone: an info line (``expected_end``)."""
+        quiet = self.expected_end is not None and self.expected_end()
+        self._broken(BrokenPipeError(), quiet=quiet)
 
     def _on_loop(self) -> bool:
         return self._loop is not None and threading.get_ident() == self._loop_thread
@@ -181,7 +221,14 @@ class Wire:
             if self._on_loop():
                 self._loop.add_writer(self._fd, self._on_writable)
             else:
-                self._loop.call_soon_threadsafe(self._loop.add_writer, self._fd, self._on_writable)
+                self._loop.call_soon_threadsafe(self._arm)
+
+    def _arm(self) -> None:
+        """On the loop, asked from another thread's write: the writer callback, unless the
+        wire was disarmed or closed meanwhile (``_broken``: a callback on a closed descriptor
+        would be called again and again)."""
+        if self._armed and not self.closed:
+            self._loop.add_writer(self._fd, self._on_writable)  # type: ignore[union-attr]
 
     def _flush_deferred(self) -> None:
         try:
@@ -197,8 +244,10 @@ class Wire:
     def _on_writable(self) -> None:
         try:
             with self._lock:
-                if not self.closed:
-                    self._write_locked_on_room()
+                if self.closed:  # (closed by another thread's failed write: its disarm is on its way)
+                    self._disarm()
+                    return
+                self._write_locked_on_room()
         except (BrokenPipeError, ConnectionResetError, ValueError, OSError) as e:
             self._broken(e)
             return
@@ -230,20 +279,44 @@ class Wire:
         self._loop.remove_writer(self._fd)  # type: ignore[union-attr]
         self._write_locked()
 
-    def _broken(self, e: BaseException) -> None:
-        if not self.closed:
-            log.warning("the client's end of stdout is gone (%s)", type(e).__name__)
+    def _broken(self, e: BaseException, quiet: bool = False) -> None:
+        """The client can be sent nothing more: one warning line (an info line when ``quiet``),
+        what waits dropped, ``on_broken``. From any thread (the loop's ``_on_gone`` while another
+        writes too): the buffer is cleared under the lock, never under a write in progress."""
+        with self._lock:
+            if self.closed:
+                return
             self.closed = True
-            self._disarm()
             self._buf.clear()
-            if self.on_broken is not None:
-                self.on_broken()
+        if quiet:
+            log.info("the client closed its end of stdout; exiting")
+        else:
+            log.warning("the client's end of stdout is gone (%s)", type(e).__name__)
+        self._disarm()
+        if self.on_broken is not None:
+            self.on_broken()
 
     def _disarm(self) -> None:
-        if self._armed and self._loop is not None:
+        """The loop no longer watches the pipe: neither for room to write nor for its end (on
+        the loop's thread: from another, a failed write there, it is asked to)."""
+        if self._loop is None or not (self._armed or self._watched):
+            return
+        if not self._on_loop():
+            try:
+                self._loop.call_soon_threadsafe(self._disarm)
+            except RuntimeError:  # the loop is closed: it watches nothing any more
+                pass
+            return
+        if self._armed:
             self._armed = False
             try:
                 self._loop.remove_writer(self._fd)
+            except (RuntimeError, ValueError, OSError):
+                pass
+        if self._watched and self._loop is not None:
+            self._watched = False
+            try:
+                self._loop.remove_reader(self._fd)
             except (RuntimeError, ValueError, OSError):
                 pass
 
@@ -373,6 +446,25 @@ async def open_write_transport(fd: int, protocol_factory: Callable[[], asyncio.B
     return _FileWriteTransport(loop, fd, protocol), protocol
 
 
+def _start_without_signals(thread: threading.Thread) -> None:
+    """Start ``thread`` with SIGTERM, SIGINT and SIGHUP blocked in it (it inherits the mask):
+    they go to the main thread, whose handlers take them. Taken on this thread while the main
+    thread hands them from ``server.__main__.EarlySignals`` to the loop, one could be both
+    recorded and written to the loop's wake-up fd: the loop would take it twice."""
+    import signal
+
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None:
+        thread.start()
+        return
+    held = mask(signal.SIG_BLOCK, [s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGINT", "SIGHUP"))
+                                   if s is not None])
+    try:
+        thread.start()
+    finally:
+        mask(signal.SIG_SETMASK, held)
+
+
 class _ThreadReadTransport(asyncio.ReadTransport):
     """Reads a descriptor the loop cannot poll on a thread, a few chunks ahead at most (so
     ``pause_reading`` takes hold at once and memory stays bounded), handing each chunk to the
@@ -390,7 +482,7 @@ class _ThreadReadTransport(asyncio.ReadTransport):
         self._running.set()
         self._slots = threading.Semaphore(self.AHEAD)
         loop.call_soon(protocol.connection_made, self)
-        threading.Thread(target=self._pump, name="stdin-reader", daemon=True).start()
+        _start_without_signals(threading.Thread(target=self._pump, name="stdin-reader", daemon=True))
 
     def _pump(self) -> None:
         try:
@@ -488,7 +580,7 @@ class _FileWriteTransport(asyncio.WriteTransport):
                     continue
                 view = view[n:]
         except OSError as e:
-            log.warning("the server's output cannot be written (%s)", e)
+            log.warning("the agent's output cannot be written (%s)", e)
             self._close(e)
 
     def writelines(self, list_of_data: Any) -> None:

@@ -16,7 +16,9 @@ Building is bounded and kept off the event loop: a schema longer than
 ``MAX_SCHEMA_CHARS`` characters of JSON, with more than ``MAX_SCHEMA_NODES``
 objects or nested deeper than ``MAX_SCHEMA_DEPTH`` is refused with -32602 before
 anything is built, and ``model_for_async`` / ``spec_for_async`` run the check and
-the build on a worker thread, so ``ping`` is answered meanwhile."""
+the build on a worker thread, so ``ping`` is answered meanwhile. A client tool's
+``inputSchema`` has the same nesting bound (``check_depth``), checked before its metaschema
+check, which recurses."""
 
 from __future__ import annotations
 
@@ -44,31 +46,71 @@ MAX_SCHEMA_NODES = 5000
 MAX_SCHEMA_DEPTH = 64
 
 
+def too_deep(value: Any, limit: int, max_nodes: int = 0) -> tuple[list[Any] | None, int]:
+    """Where ``value`` (JSON: dicts, lists and scalars) nests an object or array ``limit`` levels
+    deep (``value`` itself is level 0): the keys and indexes down to the first such one, or None;
+    and how many objects and arrays were walked (the walk stops at the first one past
+    ``max_nodes``, when that is > 0). Depth-first, without recursion, with one iterator per
+    level and only objects and arrays pushed: memory grows with the depth, not with the size
+    (a stack of every value with its path took gigabytes for a body of megabytes of numbers a
+    few dozen levels deep), and the path is built for the one found only. The one walk of a
+    body's nesting: schemas here, the settings (``server.rpc.settings.check_depth``)."""
+    if not isinstance(value, (dict, list)):
+        return None, 0
+    if limit <= 0:
+        return [], 1
+    nodes = 1
+    path: list[Any] = []  # the keys down to the innermost iterator's object or array
+    stack: list[Any] = [iter(value.items()) if isinstance(value, dict) else enumerate(value)]
+    while stack:
+        for k, x in stack[-1]:
+            if isinstance(x, (dict, list)):
+                nodes += 1
+                if len(stack) >= limit:  # (x is len(stack) levels deep)
+                    return [*path, k], nodes
+                if 0 < max_nodes < nodes:
+                    return None, nodes
+                path.append(k)
+                stack.append(iter(x.items()) if isinstance(x, dict) else enumerate(x))
+                break
+        else:  # this object or array is walked: back to its parent
+            stack.pop()
+            if path:
+                path.pop()
+    return None, nodes
+
+
+def _pointer(path: list[Any]) -> str:
+    """``path`` as a JSON Pointer (``/properties/x/items``)."""
+    return "/" + "/".join(str(x).replace("~", "~0").replace("/", "~1") for x in path)
+
+
 def _canonical(schema: Any, where: str) -> str:
     """The cache key, after the size bounds (checked without recursion)."""
-    nodes = 0
-    stack = [(schema, 0)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            items: Any = v.values()
-        elif isinstance(v, list):
-            items = v
-        else:
-            continue
-        nodes += 1
-        if d >= MAX_SCHEMA_DEPTH:
-            raise invalid_params(f"{where}: the schema is nested too deeply; the limit is {MAX_SCHEMA_DEPTH} levels",
-                                 {"limit": MAX_SCHEMA_DEPTH})
-        if nodes > MAX_SCHEMA_NODES:
-            raise invalid_params(f"{where}: the schema has too many objects and arrays; the limit is {MAX_SCHEMA_NODES}",
-                                 {"limit": MAX_SCHEMA_NODES})
-        stack.extend((x, d + 1) for x in items)
+    path, nodes = too_deep(schema, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES)
+    if path is not None:
+        raise invalid_params(f"{where}: the schema is nested too deeply; the limit is {MAX_SCHEMA_DEPTH} levels",
+                             {"limit": MAX_SCHEMA_DEPTH})
+    if nodes > MAX_SCHEMA_NODES:
+        raise invalid_params(f"{where}: the schema has too many objects and arrays; the limit is {MAX_SCHEMA_NODES}",
+                             {"limit": MAX_SCHEMA_NODES})
     key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     if len(key) > MAX_SCHEMA_CHARS:
         raise invalid_params(f"{where}: the schema is {len(key)} characters of JSON; the limit is {MAX_SCHEMA_CHARS}",
                              {"chars": len(key), "limit": MAX_SCHEMA_CHARS})
     return key
+
+
+def check_depth(schema: Any, where: str) -> None:
+    """-32602 for a schema nested deeper than ``MAX_SCHEMA_DEPTH`` levels of objects and arrays,
+    ``data.path`` saying where it goes too deep; checked without recursion, in memory that grows
+    with the depth only (``too_deep``), before anything recursive sees it (the metaschema's
+    check ran out of stack at about 100 levels of ``properties``: a -32603)."""
+    path, _ = too_deep(schema, MAX_SCHEMA_DEPTH)
+    if path is not None:
+        at = _pointer(path)
+        raise invalid_params(f"{where}: the schema is nested too deeply at {_cut(at)}; the limit is "
+                             f"{MAX_SCHEMA_DEPTH} levels", {"path": at, "limit": MAX_SCHEMA_DEPTH})
 
 
 def _check_name(name: Any, path: str, where: str) -> None:

@@ -407,7 +407,8 @@ class Service:
         branch (whose next operate was acknowledged and saved nowhere), and a refused save left
         a policy changed in memory only."""
         task = asyncio.ensure_future(aw)
-        cancels = 0
+        me = asyncio.current_task()
+        before = me.cancelling() if me is not None else 0  # (cancels from before are not ours to drop)
         try:
             while True:
                 try:
@@ -415,12 +416,11 @@ class Service:
                 except asyncio.CancelledError:
                     if task.cancelled():
                         raise
-                    cancels += 1
         finally:
-            me = asyncio.current_task()
-            for _ in range(cancels):
-                if me is not None:
-                    me.uncancel()
+            # every cancel that came meanwhile is dropped, two in one loop step too (each is
+            # counted, one CancelledError is raised for them)
+            while me is not None and me.cancelling() > before:
+                me.uncancel()
 
     async def _commit_new_branch(self, branch_id: str) -> None:
         """Commit a new branch (createBranch, forkBranch); when that fails it is not created."""
@@ -437,17 +437,16 @@ class Service:
             self.journal.forget(branch_id)
             raise E.state_not_saved(f"the branch was not created ({e})") from None
 
-    def _commit_operate(self, branch: Any, mark: tuple[int, list | None] | None) -> Any:
+    async def _commit_operate(self, branch: Any, mark: tuple[int, list | None] | None, cancelled: bool) -> None:
         """Commit an operate's messages (one transaction) before it answers. When that fails,
         the branch goes back to what is on disk: the operate's messages are removed (and a
         cleared history put back), a policy answered during it is undone, and the operate
         answers -32013 instead of its result (even if it failed otherwise: the client must
-        learn that the branch was reset). A cancelled operate stays cancelled. Called in the
-        operate's task (which it remembers), awaited under ``asyncio.shield``."""
-        return self._commit_operate_in(branch, mark, asyncio.current_task())
-
-    async def _commit_operate_in(self, branch: Any, mark: tuple[int, list | None] | None,
-                                 operate_task: asyncio.Task | None) -> None:
+        learn that the branch was reset). An operate ``cancelled`` (its rounds ended by a cancel,
+        before its save began) stays cancelled: no -32013, its branch put back all the same; one
+        cancelled while it is saved is not (its cancel came too late: it answers what happened,
+        its result or this -32013). Awaited to its end whatever cancel comes (``_to_the_end``):
+        the operate answers, and frees its branch's turn, only once the branch is as saved."""
         from operate_sidecar.server.state import StateNotSaved
 
         try:
@@ -461,7 +460,7 @@ class Service:
                     del items[mark[0]:]
                 branch.messages.generation += 1
             self._restore_meta(branch.id)
-            if operate_task is not None and operate_task.cancelling():
+            if cancelled:
                 return
             # a branch another process deleted meanwhile is not "as it was": it is gone (-32012 next)
             after = ("the branch no longer exists" if branch.id in e.deleted
@@ -1946,15 +1945,18 @@ class Service:
         from operate_sidecar.protocol import RegisterClientToolsParams, structure
 
         p = structure(RegisterClientToolsParams, params)
+        for i, spec in enumerate(p.tools):
+            _check_tool_name(spec.name, f"tools[{i}].name")
         await self.ensure_tools(relisted=False)  # (the client's tools: no MCP server's list to wait for)
         from operate_sidecar.server.core.tools import Tool
 
         def check_schemas() -> None:  # valid object schemas, or -32602 saying where (off the event loop)
-            from .schemas import check_valid
+            from .schemas import check_depth, check_valid
 
             for spec in p.tools:
                 if not isinstance(spec.input_schema, dict) or spec.input_schema.get("type", "object") != "object":
                     raise invalid_params(f"tool {spec.name!r}: inputSchema must be an object schema")
+                check_depth(spec.input_schema, f"tool {spec.name!r}: inputSchema")  # (the check below recurses)
                 check_valid(spec.input_schema, f"tool {spec.name!r}: inputSchema")
 
         import anyio.to_thread
@@ -2242,11 +2244,13 @@ class Service:
             meter = UsageMeter()  # every model call of every round (chat and parse repair)
             usage_token = current_usage.set(meter)
             scope = self._enter_tools_scope(branch.id)
+            cancelled = False  # the rounds ended by a cancel (not a tool that swallowed one: they went on)
             try:
                 result, rounds, repeated = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate,
                                                              repeat_limit=repeat_limit or p.repeat_limit or 0,
                                                              stop=refused, before=before)
             except asyncio.CancelledError:
+                cancelled = True
                 self._end_if_deleted(me, branch.id, sink, meter)
                 if sink is not None:
                     sink.finish("cancelled", meter.to_wire())
@@ -2277,8 +2281,14 @@ class Service:
                     if noted:
                         meta["client"] = dict(self._info[branch.id])
                     self.journal.update_meta(branch.id, meta)
+                    # the save goes to its end whatever cancel comes meanwhile (docs/PROTOCOL.md
+                    # §7): one that arrives once it has begun is too late, and the operate answers
+                    # what happened, its result or -32013; one whose rounds a cancel ended (its
+                    # cancel in flight here) answers -32800, only once its save has ended (before,
+                    # the branch's next operate could run meanwhile, and a failed save's undoing
+                    # then removed that one's messages from memory, not from disk)
                     try:
-                        await asyncio.shield(self._commit_operate(branch, mark))
+                        await self._to_the_end(self._commit_operate(branch, mark, cancelled))
                     except BaseException:  # cancelled while saving, or not saved: the one end says so
                         self._end_if_deleted(me, branch.id, sink, meter)
                         if sink is not None:
@@ -2288,8 +2298,8 @@ class Service:
             # (deleted: the messages just saved went with the branch, and the answer says so)
             deleting = self._deleting.get(branch.id)
             if deleting is not None:
-                try:
-                    await asyncio.shield(deleting)
+                try:  # (a cancel meanwhile is too late too: the operate was saved, a failed delete keeps it)
+                    await self._to_the_end(deleting)
                 except BaseException:
                     self._end_if_deleted(me, branch.id, sink, meter)
                     if sink is not None:
@@ -2307,6 +2317,41 @@ class Service:
         if repeated:  # (only for a caller that asked for the stop: repeatLimit, or the ACP front end)
             out["repeated"] = True
         return out
+
+
+#: the longest name a client may give one of its tools (``registerClientTools``)
+MAX_CLIENT_TOOL_NAME = 128
+
+
+#: the Unicode categories a client tool's name may not hold, whitespace aside: control characters
+#: (C0, DEL, C1), format characters (U+200B zero width space, U+202E right-to-left override: a
+#: permission prompt would show another name than the one called), line and paragraph separators
+_UNSEEN_CATEGORIES = {"Cc": "a control character", "Cf": "an invisible format character",
+                      "Zl": "a line separator", "Zp": "a paragraph separator"}
+
+
+def _check_tool_name(name: str, path: str) -> None:
+    """-32602 (``data.path``: ``path``) for a client tool's name that is empty, longer than
+    ``MAX_CLIENT_TOOL_NAME`` characters, or holds whitespace, a control or format character or
+    a line or paragraph separator (``_UNSEEN_CATEGORIES``): the model calls a tool by its name,
+    log lines and permission prompts show it, and such a name was registered (``""``,
+    ``"a b/../\\n"``) where no model could call it, or shown as another (``"rm\\u202efdp"``)."""
+    import unicodedata
+
+    why = None
+    if not name:
+        why = "is empty"
+    elif len(name) > MAX_CLIENT_TOOL_NAME:
+        why = f"is {len(name)} characters long; the limit is {MAX_CLIENT_TOOL_NAME}"
+    else:
+        for c in name:
+            what = _UNSEEN_CATEGORIES.get(unicodedata.category(c)) or ("whitespace" if c.isspace() else None)
+            if what is not None:
+                why = f"holds {what} ({c!r}, U+{ord(c):04X})"
+                break
+    if why is not None:
+        raise invalid_params(f"{path}: the tool name {name[:MAX_CLIENT_TOOL_NAME]!r} {why}",
+                             {"path": path, "name": name[:MAX_CLIENT_TOOL_NAME]})
 
 
 def _clashing(names: list[str], taken: Collection[str]) -> list[str]:

@@ -3,7 +3,9 @@
 ``WorkspaceTools(roots).tools()`` gives:
 
 - ``read_file(path, offset=1, limit=2000)`` (read-only): text lines from line ``offset``
-  (1-based), at most ``limit`` lines and ``max_read_bytes`` characters;
+  (1-based), at most ``limit`` lines and ``max_read_bytes`` bytes (characters, of the client's
+  text), and fewer where the output's JSON writes them longer (:func:`page_json_chars`: a
+  control character as six characters), so that the output fits in its bound;
 - ``list_dir(path=".")`` (read-only): the entries of a directory by name, the first
   ``max_list_entries`` (kept while reading: a huge directory is never held in full);
 - ``search_text(pattern, path=".", regex=False, ignore_case=False, max_results=100)``
@@ -60,10 +62,11 @@ import contextlib
 import contextvars
 import errno
 import heapq
+import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .. import redaction
 from ..core.tools import Tool
@@ -232,6 +235,106 @@ def page_end(lines: list[str], cut: str, number: int) -> tuple[int, bool]:
     return number + 1, True
 
 
+#: the bytes of UTF-8 text that JSON writes as themselves (a character past ASCII is written
+#: as itself: each of its bytes is one of these)
+_PLAIN_BYTES = bytes(b for b in range(256) if b >= 0x20 and b not in b'"\\')
+#: the characters JSON writes as two characters (``\\n``, ``\\"``); another control character takes six
+_SHORT_ESCAPES = b'\b\t\n\f\r"\\'
+
+
+def json_chars(text: str) -> int:
+    """How many characters ``text`` takes in a tool output's JSON, its quotes left out, as
+    the output's bound (``maxToolOutputChars``) counts them: a newline, a carriage return, a
+    tab, a backspace, a form feed, a quote or a backslash is written as two characters, another
+    control character as six (``\\u001b``), any other character as itself. Counted in passes
+    over its bytes at C speed (a copy of it as UTF-8, then only the characters JSON escapes),
+    not by writing its JSON: a page of text is counted in a fraction of a millisecond."""
+    escaped = text.encode("utf-8", "surrogatepass").translate(None, _PLAIN_BYTES)
+    if not escaped:
+        return len(text)
+    return len(text) + len(escaped) + 4 * len(escaped.translate(None, _SHORT_ESCAPES))
+
+
+def fit_json(text: str, room: int) -> str:
+    """The longest start of ``text`` that takes at most ``room`` characters in JSON
+    (:func:`json_chars`; found by halving, so a line of control characters is not walked
+    character by character)."""
+    if json_chars(text) <= room:
+        return text
+    lo, hi = 0, min(len(text), max(room, 0))  # (each character takes at least one)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if json_chars(text[:mid]) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo]
+
+
+def page_json_chars(page: int, shown: str, offset: int, limit: int) -> int:
+    """The most characters a read_file page's ``content`` may take in its output's JSON
+    (:func:`json_chars`), ``page`` being ``max_read_bytes``: twice that (the service makes a
+    page half of ``maxToolOutputChars``), less what the rest of the output takes (its path
+    and numbers, at their longest: a null ``nextOffset`` is as long as a number of four
+    digits), so that the whole output is never over the bound and cut into a preview without
+    its ``nextOffset``. What the rest takes is counted up to half a
+    page (a page of a few bytes, or a tool output bound of a few hundred characters, would
+    hold no line at all)."""
+    rest = len(json.dumps({"path": shown, "offset": offset, "lines": limit, "content": "",
+                           "nextOffset": max(offset + limit, 1000), "truncated": False}, ensure_ascii=False))
+    return 2 * page - min(rest, page // 2)
+
+
+def read_page(items: Iterable[tuple[Any, int]], *, first: int, limit: int, page: int, chars: int,
+              text: Callable[[Any], str] | None, cut: Callable[[Any, int], str]) -> tuple[str, int, int | None, bool]:
+    """A read_file page, the disk's and the client's alike: the lines ``items`` gives from line
+    ``first`` on, each with its size in the page's units (bytes of the disk's file, characters
+    of the client's text; a line may be given cut a unit over ``page``), at most ``limit`` of
+    them, ``page`` units, and ``chars`` characters in the output's JSON (:func:`page_json_chars`).
+    ``text(item)`` is an item's line (None: the item is it); ``cut(item, n)`` its first ``n``
+    units, for a first line longer than a page. Returns the content, its number of lines,
+    ``nextOffset`` and ``truncated`` (:func:`page_end`).
+
+    The lines are taken by their size, then the page is counted in JSON once (one pass over
+    it); only a page over ``chars`` (lines of control characters) is counted line by line, and
+    ends before the first line that does not fit: counting every line in JSON made reading
+    ordinary text (a quote or a tab in most lines of code) over twice as slow."""
+    lines: list[str] = []
+    size = 0
+    number = first
+    next_offset: int | None = None
+    truncated = False
+    for item, n in items:
+        if len(lines) >= limit:
+            next_offset = number
+            break
+        if size + n > page:
+            piece = "" if lines else fit_json(cut(item, page), chars)  # (only a first line is cut)
+            next_offset, truncated = page_end(lines, piece, number)
+            break
+        lines.append(item if text is None else text(item))
+        size += n
+        number += 1
+    content = "".join(lines)
+    if not truncated and json_chars(content) > chars:
+        left = chars
+        kept = 0
+        for line in lines:
+            left -= json_chars(line)
+            if left < 0:
+                break
+            kept += 1
+        if kept:
+            del lines[kept:]
+            next_offset = first + kept
+        else:
+            whole = lines[0]
+            lines.clear()
+            next_offset, truncated = page_end(lines, fit_json(whole, chars), first)
+        content = "".join(lines)
+    return content, len(lines), next_offset, truncated
+
+
 class WorkspaceTools:
     """Factory of the builtin workspace tools for the given roots."""
 
@@ -391,10 +494,8 @@ class WorkspaceTools:
         if limit < 1:
             raise WorkspacePathError("limit must be 1 or more")
         real = self.resolve_file(path)
-        lines: list[str] = []
-        size = 0
-        truncated = False
-        next_offset: int | None = None
+        shown = self.display(real)
+        content, count, next_offset, truncated = "", 0, None, False
         # caps applied while reading: at most max_read_bytes kept, at most max_search_bytes
         # scanned to reach ``offset``, never a whole line of unbounded length in memory
         with self._open_file(real, path) as f:
@@ -402,9 +503,8 @@ class WorkspaceTools:
                 raise WorkspacePathError(f"{path!r} is a binary file")
             scanned = 0
             number = 0
-            while True:
-                room = self.max_read_bytes - size
-                raw = f.readline(max(room, 0) + 1 if number + 1 >= offset else 1 << 20)
+            while number + 1 < offset:
+                raw = f.readline(1 << 20)
                 if not raw:
                     break
                 scanned += len(raw)
@@ -414,22 +514,25 @@ class WorkspaceTools:
                         break
                     continue
                 number += 1
-                if number < offset:
-                    if scanned > self.max_search_bytes:
-                        truncated = True
-                        next_offset = number + 1
-                        break
-                    continue
-                if len(lines) >= limit:
-                    next_offset = number
+                if scanned > self.max_search_bytes:
+                    truncated = True
+                    next_offset = number + 1
                     break
-                line = raw.decode("utf-8", "replace")
-                if len(raw) > room:
-                    next_offset, truncated = page_end(lines, raw[:room].decode("utf-8", "ignore"), number)
-                    break
-                lines.append(line)
-                size += len(raw)
-        return {"path": self.display(real), "offset": offset, "lines": len(lines), "content": "".join(lines),
+            else:
+                page = self.max_read_bytes
+
+                def raws() -> Iterator[tuple[bytes, int]]:
+                    while raw := f.readline(page + 1):  # (a line over the page: a byte over it)
+                        yield raw, len(raw)
+
+                # what the page may take in the output's JSON: a control character takes six
+                # characters there (\u001b), so a page of max_read_bytes bytes of them was cut into a preview
+                content, count, next_offset, truncated = read_page(
+                    raws(), first=offset, limit=limit, page=page,
+                    chars=page_json_chars(page, shown, offset, limit),
+                    text=lambda raw: raw.decode("utf-8", "replace"),
+                    cut=lambda raw, n: raw[:n].decode("utf-8", "ignore"))
+        return {"path": shown, "offset": offset, "lines": count, "content": content,
                 "nextOffset": next_offset, "truncated": truncated}
 
     def list_dir(self, path: str = ".") -> dict[str, Any]:
@@ -742,7 +845,8 @@ class WorkspaceTools:
 
     def _write_text(self, real: Path | str, text: str) -> bool:
         """Atomically replace (or create) the file ``real`` (a resolved Path, or a workspace
-        path resolved first) with ``text``; True when it was created."""
+        path resolved first) with ``text``; True when it was created. A new file is renamed
+        over it, so its other hard links, if any, keep the old text (docs/PROTOCOL.md §9)."""
         if not isinstance(real, Path):
             real = self.resolve(real)
         data = text.encode("utf-8")

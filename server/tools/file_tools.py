@@ -59,6 +59,7 @@ still makes the call fail as above.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -67,14 +68,18 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 from ..core.tools import Tool, ToolCallContext, off_the_loop
 from ..service.port import client_error_reason as _reason
 from ..service.port import client_says_not_found
-from .builtin import BINARY_SNIFF, page_end  # a client's text is looked at for a NUL as far as the disk's bytes are
+from .builtin import (  # a client's text is looked at for a NUL as far as the disk's bytes are, paged alike
+    BINARY_SNIFF,
+    page_json_chars,
+    read_page,
+)
 from .edits import EditError, FileChange, apply_edits, change, split_lines
 from .errors import ToolCallError, WorkspacePathError
 
 if TYPE_CHECKING:
     from .builtin import WorkspaceTools
 
-__all__ = ["FileAccess", "DiskFiles", "ClientFiles", "FileTools", "PreviewTool", "FILE_CHANGING"]
+__all__ = ["FileAccess", "DiskFiles", "ClientFiles", "FileTools", "PreviewTool", "FILE_CHANGING", "write_failed"]
 
 #: builtin tools that change files (their permission requests carry a diff preview)
 FILE_CHANGING = ("write_file", "edit_file")
@@ -130,7 +135,10 @@ class DiskFiles:
 
 class ClientFiles:
     """The client's file system over ``fs/readTextFile`` / ``fs/writeTextFile``. An error
-    answer is a tool error, naming the client's reason, and nothing is written. Only a read
+    answer is a tool error, naming the client's reason, and nothing is written; a write's answer
+    that is not a write done (:func:`write_failed`: ``"failed to save"``, ``false``,
+    ``{"error": ...}``) is a tool error too, naming what the client answered, and the change
+    is never reported made. Only a read
     error that says the file is not there (:func:`client_says_not_found`), for a path that does
     not exist on disk either, is taken as "no such file" (so ``write_file`` can create one): a
     read that failed otherwise (the answer was over ``maxMessageBytes``, the client failed,
@@ -143,11 +151,14 @@ class ClientFiles:
         self.timeout = timeout
 
     async def read_text(self, real: Path, ctx: ToolCallContext) -> str | None:
+        wait, near = self._read_wait()
         try:
             res = await self.request("fs/readTextFile", {"branchId": ctx.branch_id, "callId": ctx.call_id,
-                                                         "path": str(real)}, self.timeout)
+                                                         "path": str(real)}, wait)
         except (TimeoutError, OSError) as e:
-            raise ToolCallError(f"the client did not answer fs/readTextFile for {real}: {self._why(e)}") from None
+            why = f"no answer within {wait:.1f} s, before the call's own time-out" \
+                if near and isinstance(e, TimeoutError) else self._why(e)
+            raise ToolCallError(f"the client did not answer fs/readTextFile for {real}: {why}") from None
         except Exception as e:  # ClientRequestError (an error answer)
             if not os.path.lexists(real) and client_says_not_found(e, real):
                 return None
@@ -166,8 +177,8 @@ class ClientFiles:
         note = f"the client was asked to write {real} and may still do so: read it before changing it again"
         ctx.pending.append(note)
         try:
-            await self.request("fs/writeTextFile", {"branchId": ctx.branch_id, "callId": ctx.call_id,
-                                                    "path": str(real), "text": text}, self.timeout)
+            res = await self.request("fs/writeTextFile", {"branchId": ctx.branch_id, "callId": ctx.call_id,
+                                                          "path": str(real), "text": text}, self.timeout)
         except Exception as e:
             ctx.pending.remove(note)
             if isinstance(e, (TimeoutError, OSError)):
@@ -176,12 +187,55 @@ class ClientFiles:
                     from None
             raise ToolCallError(f"the client could not write {real}: {_reason(e)}") from None
         ctx.pending.remove(note)
+        failed = write_failed(res)
+        if failed is not None:
+            raise ToolCallError(f"the client could not write {real}: it answered fs/writeTextFile with {failed} "
+                                "(a write done is answered with {})")
+
+    def _read_wait(self) -> tuple[float | None, bool]:
+        """How long a read waits for the client's answer, and whether it was shortened to end
+        before the call's own time-out. A read made while a call runs under a time-out
+        (``toolTimeoutMs``, whose timer started first, with the same length) ends a little
+        before that time-out (a tenth of the time left, at most a quarter of a second), so that
+        the call fails saying the client did not answer, not only that the tool timed out. A
+        read with no time-out over it (the one that makes a preview, before the user is asked)
+        waits ``timeout``."""
+        import math
+
+        import anyio
+
+        deadline = anyio.current_effective_deadline()
+        if deadline == math.inf:
+            return self.timeout, False
+        left = deadline - anyio.current_time()
+        wait = left - min(0.25, left / 10)
+        if wait <= 0 or (self.timeout is not None and self.timeout <= wait):
+            return self.timeout, False  # (no time left to end first: the call's time-out ends it)
+        return wait, True
 
     def _why(self, e: BaseException) -> str:
         """Why a request got no answer (an exception is truthy even when its text is empty)."""
         if isinstance(e, TimeoutError):
             return str(e) or (f"no answer within {self.timeout:g} s" if self.timeout is not None else "timed out")
         return str(e) or type(e).__name__
+
+
+def write_failed(res: Any) -> str | None:
+    """The client's answer to ``fs/writeTextFile`` as shown in an error (JSON, at most 200
+    characters) when it is not a write done, or None when it is one: the one check of both
+    front ends (the ACP port hands back the editor's raw result). A write done is answered
+    with an object with no ``error`` in it (docs/PROTOCOL.md §10: ``{}``), with null (a void
+    answer, as JSON-RPC libraries send one, and avante does) or with ``true`` (an editor whose
+    handler returns the save's success); an editor whose save failed may answer anything else
+    instead of an error response: a string ("failed to save"), ``false``, ``0``, or an object
+    whose ``error`` is not null. Taken for a write, its edit would be reported done, with its
+    diff, while the file kept its old text."""
+    if res is None or res is True or isinstance(res, dict) and res.get("error") is None:
+        return None
+    import json
+
+    shown = json.dumps(res, ensure_ascii=False, default=str)
+    return shown if len(shown) <= 200 else shown[:200] + "…"
 
 
 @dataclass(slots=True, eq=False)
@@ -575,20 +629,18 @@ class FileTools:
         text = await self._read(real, ctx, writing=False, shown=path)
         if text is None:
             raise WorkspacePathError(f"{path!r} does not exist")
-        all_lines = split_lines(text)  # numbered as read_file from the disk numbers them
-        lines: list[str] = []
-        size = 0
-        truncated = False
-        next_offset: int | None = None
-        for number in range(offset, len(all_lines) + 1):
-            if len(lines) >= limit:
-                next_offset = number
-                break
-            line = all_lines[number - 1]
-            if size + len(line) > self.ws.max_read_bytes:
-                next_offset, truncated = page_end(lines, line[: self.ws.max_read_bytes - size], number)
-                break
-            lines.append(line)
-            size += len(line)
-        return {"path": self.ws.display(real), "offset": offset, "lines": len(lines), "content": "".join(lines),
+        shown = self.ws.display(real)
+        page = self.ws.max_read_bytes
+        chars = page_json_chars(page, shown, offset, limit)  # as the disk's page
+
+        def paged(text: str) -> tuple[str, int, int | None, bool]:
+            lines = split_lines(text)  # numbered as read_file from the disk numbers them
+            rest = itertools.islice(lines, offset - 1, None)
+            return read_page(zip(rest, map(len, itertools.islice(lines, offset - 1, None))),
+                             first=offset, limit=limit, page=page, chars=chars, text=None,
+                             cut=lambda line, n: line[:n])
+
+        # a client's text of megabytes is split and paged on a worker thread, as an edit of it is
+        content, count, next_offset, truncated = await off_the_loop(len(text) > INLINE_CHANGE_CHARS, paged, text)
+        return {"path": shown, "offset": offset, "lines": count, "content": content,
                 "nextOffset": next_offset, "truncated": truncated}

@@ -128,6 +128,7 @@ def test_a_client_that_sends_but_does_not_read_is_held_then_every_request_is_ans
         _initialized(c)
         n, pending = _flood(c)  # the client reads nothing
         assert "not reading the agent's output" in c.log()
+        assert f"while not reading the agent's output; {NOT_READING}" in c.log()  # (not "the server's")
         # the client reads again: the rest of its last line and one more request go in as the
         # agent takes input again
 
@@ -297,6 +298,42 @@ def test_a_held_client_gets_every_answer_when_its_input_ends_or_the_agent_is_sto
         c.reap()
 
 
+def test_after_a_signal_the_input_is_read_again_while_the_client_still_reads_nothing(tmp_path):
+    """The client floods requests, reading nothing, until the agent reads no more of its input;
+    then the agent gets SIGTERM: from then on nothing is held (docs/PROTOCOL.md §13), so the
+    agent reads its input again though the client has still read nothing (the rest of the last
+    request and one more go in, where the pipe stayed full and the write failed as the agent
+    exited), and the request sent after the signal is answered -32800."""
+    config = write_config(tmp_path / "settings.toml", {"models": {"s": scripted(reply("x"))}})
+    c = _Client(config, tmp_path / "agent.stderr")
+    try:
+        _initialized(c)
+        n, pending = _flood(c)
+        c.proc.send_signal(signal.SIGTERM)
+        late = 100 + n + 1
+        data = pending + json.dumps(req(late, "session/list")).encode() + b"\n"
+        fd = c.proc.stdin.fileno()
+        os.set_blocking(fd, False)
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            while data:  # the client still reads nothing meanwhile
+                assert time.monotonic() < deadline, "the agent still reads nothing after the signal"
+                try:
+                    data = data[os.write(fd, data):]
+                except BlockingIOError:
+                    select.select([], [fd], [], 0.5)
+        except BrokenPipeError:
+            raise AssertionError("the agent exited without reading its input again") from None
+        finally:
+            os.set_blocking(fd, True)
+        msgs, _ = _read_to_end(c)
+        answers = _answers(msgs)
+        assert answers[late]["error"]["code"] == -32800, answers[late]
+        assert c.proc.wait(TIMEOUT) == 0
+    finally:
+        c.reap()
+
+
 def test_a_permission_answer_sent_while_held_is_taken_once_the_client_reads(tmp_path, ws):
     """A prompt asks permission; the client floods requests, reading nothing, until the agent
     holds its input, then answers the permission and reads again: the prompt completes."""
@@ -340,7 +377,7 @@ def test_a_failed_write_to_a_stdout_that_is_a_file_is_told_in_one_line(tmp_path)
         assert proc.wait(TIMEOUT) == 0  # (its input still open)
         text = err.read_text(errors="replace")
         warnings = [line for line in text.splitlines() if "WARNING" in line or "ERROR" in line]
-        assert len(warnings) == 1 and "cannot be written" in warnings[0], text
+        assert len(warnings) == 1 and "the agent's output cannot be written" in warnings[0], text
         assert "Traceback" not in text, text
     finally:
         proc.stdin.close()

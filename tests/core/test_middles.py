@@ -20,8 +20,9 @@ from operate_sidecar.server.core import (
     communicate,
     run_and_collect,
 )
+from operate_sidecar.server.models.scripted import ScriptedModel
 
-from .support import Answer, RecordingTool, kinds, make_branch
+from .support import NO_REPAIR, Answer, RecordingTool, kinds, make_branch
 
 pytestmark = pytest.mark.anyio
 
@@ -109,14 +110,20 @@ async def test_communicate_history_is_sent_to_the_model():
 
 # ---------------------------------------------------------------- run_and_collect
 
-async def test_run_and_collect_records_instruction_before_streaming():
-    """run_and_collect: the instruction is recorded before the stream is read."""
+async def test_run_and_collect_records_instruction_at_its_first_tool_use_or_with_its_reply():
+    """run_and_collect: the instruction is recorded when the run records something: at its first
+    tool use (a real effect, recorded as it happens), else with its reply at the end."""
     b, _ = make_branch([])
     model = AgentModel([text("hi")], probe=lambda: kinds(b), probe_at=0)
     out = await run_and_collect(b, "go", RunParam(imodel=model), None)
     assert out == "hi"
-    assert model.probed == [["instruction"]]
+    assert model.probed == [[]]
     assert kinds(b) == ["instruction", "assistant_response"]
+    b2, _ = make_branch([])
+    model = AgentModel([text("let me look"), StreamChunk(type="tool_use", id="t", name="grep", input={})],
+                       probe=lambda: kinds(b2), probe_at=1)
+    await run_and_collect(b2, "go", RunParam(imodel=model), None)
+    assert model.probed == [["instruction", "assistant_response", "action_request"]]
 
 
 async def test_run_and_collect_accepts_any_imodel():
@@ -187,6 +194,47 @@ async def test_run_and_collect_error_chunk_raises_model_error():
         await run_and_collect(b, "go", RunParam(imodel=AgentModel([StreamChunk(type="error", text="quota")])), None)
 
 
+@pytest.mark.parametrize("adapter", ["communicate", "run_and_collect"])
+async def test_clear_messages_repair_turn_is_shown_the_cleared_branch_and_the_call(adapter):
+    """clear_messages with a repair turn: the branch is cleared only once the reply is parsed, yet
+    the repair turn is shown the conversation as it will be then: the system message, the
+    instruction and the reply it reformats, not the turns the clear removes."""
+    b, _ = make_branch(["one", "not json"], system="SYS")
+    await communicate(b, "first", ChatParam(), None)
+    repairer = ScriptedModel("repairer", [{"json": {"answer": 3}}])
+    parse_param = ParseParam(response_format=Answer, imodel=repairer, alcall_params=NO_REPAIR)
+    if adapter == "communicate":
+        out = await communicate(b, "second", ChatParam(response_format=Answer), parse_param, True)
+    else:
+        out = await run_and_collect(b, "second", RunParam(imodel=AgentModel([text("not json")]),
+                                                          response_format=Answer), parse_param, True)
+    assert out == Answer(answer=3)
+    assert kinds(b) == ["system", "instruction", "assistant_response"]
+    shown = repairer.requests[0].messages
+    assert [m["role"] for m in shown[:3]] == ["system", "user", "assistant"], shown
+    assert shown[0]["content"] == "SYS" and "second" in shown[1]["content"] and shown[2]["content"] == "not json"
+    assert "first" not in json.dumps(shown) and "one" not in json.dumps(shown), shown
+
+
+async def test_a_cli_run_that_used_tools_under_clear_messages_then_failed():
+    """clear_messages, a run that used a tool, then failed: its tool use, a real effect, stays
+    recorded, after the instruction and the text before it, with its result, on the branch
+    cleared as the call asked (the clear is part of recording the instruction); the reply begun
+    after it is not recorded."""
+    b, _ = make_branch(["one"], system="SYS")
+    await communicate(b, "first", ChatParam(), None)
+    model = AgentModel([text("let me look"), StreamChunk(type="tool_use", id="t", name="ls", input={}),
+                        StreamChunk(type="tool_result", id="t", output="a.txt"), text("HALF a reply"),
+                        StreamChunk(type="error", text="crashed")])
+    with pytest.raises(ModelError, match="crashed"):
+        await run_and_collect(b, "go", RunParam(imodel=model), None, True)
+    assert kinds(b) == ["system", "instruction", "assistant_response", "action_request", "action_response"]
+    assert b.messages[1].content["instruction"] == "go" and b.messages[2].content["text"] == "let me look"
+    assert b.messages[4].content["output"] == "a.txt"
+    assert "first" not in json.dumps([m.to_dict() for m in b.messages], default=str)
+    assert "HALF" not in json.dumps([m.to_dict() for m in b.messages], default=str)
+
+
 async def test_per_call_model_is_not_written_back_to_branch():
     """run_and_collect: a per-call model never replaces branch.chat_model."""
     b, m = make_branch([])
@@ -219,7 +267,7 @@ async def test_stream_persist_snapshots_atomically_before_and_after(tmp_path):
     model = AgentModel([text("answer")], probe=probe, probe_at=0)
     await run_and_collect(b, "go", RunParam(imodel=model, stream_persist=True, persist_dir=str(persist),
                                             snapshot_dir=str(snaps)), None)
-    assert model.probed == [["instruction"]]  # the snapshot taken before streaming
+    assert model.probed == [[]]  # the snapshot taken before streaming: the branch as it was
     final = json.loads(snap.read_text())
     assert final == json.loads(json.dumps(b.to_dict()))
     assert [m["kind"] for m in final["messages"]] == ["instruction", "assistant_response"]
@@ -227,7 +275,8 @@ async def test_stream_persist_snapshots_atomically_before_and_after(tmp_path):
 
 
 async def test_stream_persist_removes_buffer_at_the_end_even_on_failure(tmp_path):
-    """run_and_collect: the buffer is removed at the end, also when the stream fails."""
+    """run_and_collect: the buffer is removed at the end, also when the stream fails (and the
+    snapshot then is the branch as it was: a failed call records nothing of its reply)."""
     b, _ = make_branch([])
     await run_and_collect(b, "go", RunParam(imodel=AgentModel([text("x")]), stream_persist=True,
                                             persist_dir=str(tmp_path)), None)
@@ -238,7 +287,7 @@ async def test_stream_persist_removes_buffer_at_the_end_even_on_failure(tmp_path
         await run_and_collect(b2, "go", RunParam(imodel=bad, stream_persist=True, persist_dir=str(tmp_path)), None)
     assert not (tmp_path / f"{b2.id}.buffer.jsonl").exists()
     snap = json.loads((tmp_path / f"{b2.id}.json").read_text())
-    assert [m["kind"] for m in snap["messages"]] == ["instruction", "assistant_response"]
+    assert [m["kind"] for m in snap["messages"]] == [] == kinds(b2)
 
 
 async def test_stream_persist_through_operate(tmp_path):

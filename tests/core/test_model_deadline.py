@@ -33,7 +33,7 @@ async def test_cli_run_past_timeout_is_a_model_error():
     with anyio.fail_after(5):
         with pytest.raises(ModelError, match="timed out"):
             await branch.operate(instruction="q")
-    assert [m.kind for m in branch.messages] == ["instruction"]
+    assert len(branch.messages) == 0  # a failed call records nothing, a CLI run's too
 
 
 async def test_repair_turn_past_timeout_degrades_to_unparsed():

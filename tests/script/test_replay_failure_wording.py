@@ -50,9 +50,11 @@ def test_a_notification_that_can_no_longer_come_names_the_requests_it_waited_on_
 def test_a_cancel_that_waited_in_vain_for_its_requests_model_calls_names_the_request_by_its_line(tmp_path):
     """A recorded cancel (``cancelAfterModelCalls``) whose request had not started as many model
     calls in time names that request by its line, its id (the script's own) beside it."""
-    steps = [{"request": "initialize", "params": {"settings": {"models": {"m": scripted(
+    # (the set-up steps get room of their own: on a loaded machine the first createBranch,
+    # which loads the core, took over the 1 s the cancel below is given)
+    steps = [{"request": "initialize", "timeoutMs": 60000, "params": {"settings": {"models": {"m": scripted(
                  {"text": "slow", "delayMs": 20000})}}}},
-             {"request": "createBranch", "save": {"b": "branchId"}},
+             {"request": "createBranch", "timeoutMs": 60000, "save": {"b": "branchId"}},
              {"respond": "requestToolPermission", "result": {"decision": "deny_once"}},
              {"request": "operate", "id": 7, "wait": False, "cancelAfterModelCalls": 2,
               "params": {"branchId": "${b}", "instruction": "x", "skipValidation": True},
