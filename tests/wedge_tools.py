@@ -10,6 +10,8 @@ import os
 import threading
 import time
 
+from process_support import alive
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WEDGE_S = 30  # how long the loop stays blocked (then the server goes on, and ends on its input's end)
 
@@ -65,16 +67,6 @@ def pull(trigger: str, timeout: float = 20.0) -> int:
             pass
         time.sleep(0.02)
     raise AssertionError(f"the server's loop did not block within {timeout} s")
-
-
-def alive(pid: int) -> bool:
-    """The process runs (a zombie nobody reaped yet does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[0] != b"Z"
 
 
 def gone(pid: int, timeout: float = 5.0) -> bool:

@@ -9,7 +9,9 @@ save fails: the test cannot pass by accident)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 from acp_support import TIMEOUT, Raw, agent_env, cancel, open_session, prompt, reply, req, scripted, write_config
 
@@ -22,10 +24,12 @@ def _config(tmp_path, *responses) -> str:
                                                      "toolPolicy": {"swallow_cancel": "allow"}})
 
 
-def test_a_cancel_while_the_turn_is_saved_answers_end_turn_and_the_turn_is_kept(tmp_path, ws):
-    config = _config(tmp_path, reply("the answer"))
+def _cancelled_while_saved(tmp_path, ws, config: str, **env: str) -> tuple[str, dict]:
+    """An agent on ``config`` (``env``: more for the gate) sent a prompt (``the question``), and
+    ``session/cancel`` once the turn's save has begun (held by the gate until the cancel comes):
+    the session's id and the prompt's answer."""
     marker = tmp_path / "saving"
-    a = Raw(config, agent_env(SAVE_GATE_MARKER=str(marker)))
+    a = Raw(config, agent_env(SAVE_GATE_MARKER=str(marker), **env))
     try:
         sid = open_session(a, ws)
         a.send(prompt(3, sid, "the question"))
@@ -34,53 +38,46 @@ def test_a_cancel_while_the_turn_is_saved_answers_end_turn_and_the_turn_is_kept(
             assert time.monotonic() < deadline, "the turn's save did not begin"
             time.sleep(0.01)
         a.send(cancel(sid))
-        answer = a.answer(3)
-        assert answer.get("result", {}).get("stopReason") == "end_turn", str(answer)[:300]
+        return sid, a.answer(3)
     finally:
         a.close()
 
-    b = Raw(config)  # a restart on the same state directory: the turn was kept, and is replayed
-    try:
-        b.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
-        b.answer(1)
-        b.send(req(2, "session/load", sessionId=sid, cwd=str(ws), mcpServers=[]))
-        assert "result" in b.answer(2)
-        shown = [u["content"]["text"] for u in b.updates() if u["sessionUpdate"] == "user_message_chunk"]
-        assert shown == ["the question"]
-        assert b.text() == "the answer"
-    finally:
-        b.close()
 
-
-def test_a_cancel_while_the_turn_is_saved_then_a_failed_save_answers_cancelled_and_keeps_nothing(tmp_path, ws):
-    """The save the cancel came during fails: nothing of the turn is kept (the branch is as it
-    was before it), and the answer is ``cancelled``, which tells the client just that."""
-    config = _config(tmp_path, reply("the answer"))
-    marker = tmp_path / "saving"
-    a = Raw(config, agent_env(SAVE_GATE_MARKER=str(marker), SAVE_GATE_FAIL="1"))
-    try:
-        sid = open_session(a, ws)
-        a.send(prompt(3, sid, "the question"))
-        deadline = time.monotonic() + TIMEOUT
-        while not marker.exists():
-            assert time.monotonic() < deadline, "the turn's save did not begin"
-            time.sleep(0.01)
-        a.send(cancel(sid))
-        answer = a.answer(3)
-        assert answer.get("result", {}).get("stopReason") == "cancelled", str(answer)[:300]
-    finally:
-        a.close()
-
+@contextlib.contextmanager
+def _loaded_again(config: str, sid: str, ws) -> Iterator[Raw]:
+    """A restart on the same state directory: a new agent, initialized, that loaded ``sid``."""
     b = Raw(config)
     try:
         b.send(req(1, "initialize", protocolVersion=1, clientCapabilities={}))
         b.answer(1)
         b.send(req(2, "session/load", sessionId=sid, cwd=str(ws), mcpServers=[]))
         assert "result" in b.answer(2)
-        assert [u for u in b.updates() if u["sessionUpdate"] == "user_message_chunk"] == []
-        assert b.text() == ""
+        yield b
     finally:
         b.close()
+
+
+def test_a_cancel_while_the_turn_is_saved_answers_end_turn_and_the_turn_is_kept(tmp_path, ws):
+    config = _config(tmp_path, reply("the answer"))
+    sid, answer = _cancelled_while_saved(tmp_path, ws, config)
+    assert answer.get("result", {}).get("stopReason") == "end_turn", str(answer)[:300]
+
+    with _loaded_again(config, sid, ws) as b:  # the turn was kept, and is replayed
+        shown = [u["content"]["text"] for u in b.updates() if u["sessionUpdate"] == "user_message_chunk"]
+        assert shown == ["the question"]
+        assert b.text() == "the answer"
+
+
+def test_a_cancel_while_the_turn_is_saved_then_a_failed_save_answers_cancelled_and_keeps_nothing(tmp_path, ws):
+    """The save the cancel came during fails: nothing of the turn is kept (the branch is as it
+    was before it), and the answer is ``cancelled``, which tells the client just that."""
+    config = _config(tmp_path, reply("the answer"))
+    sid, answer = _cancelled_while_saved(tmp_path, ws, config, SAVE_GATE_FAIL="1")
+    assert answer.get("result", {}).get("stopReason") == "cancelled", str(answer)[:300]
+
+    with _loaded_again(config, sid, ws) as b:
+        assert [u for u in b.updates() if u["sessionUpdate"] == "user_message_chunk"] == []
+        assert b.text() == ""
 
 
 def test_a_turn_cancelled_before_its_save_is_answered_cancelled_though_its_rounds_ended(tmp_path, ws):

@@ -12,33 +12,15 @@ lines while it is there, then lets it go on by writing the configuration."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import signal
-import subprocess
-import threading
-import time
 
 import pytest
 
 from acp_support import AGENT, TIMEOUT, agent_env
+from process_support import signalled_while_starting
 
 SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
-
-
-def _open_fifo_once_read(fifo: str, proc: subprocess.Popen) -> int:
-    """The FIFO's write end, once the agent has it open to read (bounded wait)."""
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENXIO:  # (no reader yet)
-                raise
-        assert proc.poll() is None, f"the agent exited ({proc.returncode}) before reading its config"
-        assert time.monotonic() < deadline, "the agent did not open its config"
-        time.sleep(0.01)
 
 
 def _signalled_while_starting(tmp_path, sig: signal.Signals, lines: list[dict],
@@ -46,42 +28,10 @@ def _signalled_while_starting(tmp_path, sig: signal.Signals, lines: list[dict],
     """Start the agent and, while it reads its config, send it ``sig`` and then ``lines``
     (``before``: the lines first), its stdin left open; then let it start. Returns the
     messages it wrote, its exit code and its stderr."""
-    fifo = str(tmp_path / "settings.toml")
-    os.mkfifo(fifo)
-    err = tmp_path / "stderr.txt"
-    with open(err, "wb") as sink:
-        proc = subprocess.Popen(AGENT + ["--config", fifo], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=sink, env=agent_env(), cwd=str(tmp_path))
-    try:
-        config = _open_fifo_once_read(fifo, proc)
-        data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-
-        def send() -> None:
-            proc.stdin.write(data)
-            proc.stdin.flush()
-
-        if before:
-            send()
-        proc.send_signal(sig)  # the agent is still starting: no loop runs yet
-        if not before:
-            send()
-        os.close(config)  # an empty config: the start goes on
-        out: list[bytes] = []
-        reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
-        reader.start()
-        try:
-            code = proc.wait(TIMEOUT)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the agent still runs {TIMEOUT} s after the signal") from None
-        reader.join(TIMEOUT)
-        assert out, "the agent's stdout did not end"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
-        proc.stdin.close()
-        proc.stdout.close()
-    return [json.loads(line) for line in out[0].splitlines()], code, err.read_text(errors="replace")
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    out, code, err = signalled_while_starting(AGENT, tmp_path, sig, data, before, env=agent_env(), cwd=str(tmp_path),
+                                              timeout=TIMEOUT, who="the agent")
+    return [json.loads(line) for line in out.splitlines()], code, err
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)

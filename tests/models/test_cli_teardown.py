@@ -11,48 +11,33 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
+from typing import Callable
 
-import anyio
 import pytest
 
 from operate_sidecar.clients.python.client import RpcError, SidecarClient
 from operate_sidecar.server.core.imodel import ModelRequest
 from operate_sidecar.server.models import ModelConfigError, make_model
+from process_support import alive, cancel_once_said, script
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]
 REQUEST = ModelRequest(messages=[{"role": "user", "content": "go"}], purpose="run")
 
 
-def script(tmp_path: Path, name: str, body: str) -> str:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def wait_all_gone(pids: list[int], timeout: float) -> list[int]:
     """Wait (at most ``timeout`` seconds) until none of ``pids`` runs; those still running."""
     deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 
 
 def kill_left(pids: list[int]) -> None:
     for pid in pids:
-        if pid_alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -103,21 +88,12 @@ async def test_a_cancel_sends_sigterm_to_the_setsid_holder_of_stdout_together_wi
         name="waits",
     )
     holder: list[int] = []
-    got_pid = anyio.Event()
 
-    async def consume() -> None:
-        async for chunk in model.stream(REQUEST):
-            if chunk.type == "text":
-                holder.append(int(chunk.text))
-                got_pid.set()
+    def both_run() -> None:
+        assert alive(model.last_pid) and alive(holder[0])
 
     try:
-        with anyio.fail_after(90):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(consume)
-                await got_pid.wait()
-                assert pid_alive(model.last_pid) and pid_alive(holder[0])
-                tg.cancel_scope.cancel()
+        await cancel_once_said(model, REQUEST, holder, 90, both_run)
         assert mark.exists(), "the setsid holder never got its SIGTERM"
         assert saw.exists(), "the setsid holder got its SIGTERM only after the group's grace"
         assert not wait_all_gone([model.last_pid, holder[0]], 10)
@@ -160,13 +136,29 @@ def start_run(tmp_path: Path, c: SidecarClient, kill_grace_s: float | None) -> l
     while not pids_file.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     pids = [int(p) for p in pids_file.read_text().split()]
-    assert all(pid_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
     return pids
 
 
 def sidecar() -> SidecarClient:
     return SidecarClient(argv=[PY, "-m", "operate_sidecar.server"], env=dict(os.environ, PYTHONPATH=str(REPO)),
                          cwd=str(REPO), stderr=subprocess.DEVNULL)
+
+
+def run_then_end_the_sidecar(tmp_path: Path, kill_grace_s: float | None,
+                             end: Callable[[SidecarClient], None]) -> tuple[list[int], list[int]]:
+    """Start a run (``start_run``), end the sidecar in its middle with ``end``, and wait (10 s at
+    most) for the run's processes to be gone: (their pids, those still running). None is left
+    running after."""
+    pids: list[int] = []
+    with sidecar() as c:
+        try:
+            pids = start_run(tmp_path, c, kill_grace_s)
+            end(c)
+            return pids, wait_all_gone(pids, 10)
+        finally:
+            kill_left(pids)
+            c.kill()
 
 
 @pytest.mark.parametrize("kill_grace_s", [None, 30], ids=["default-grace", "grace-longer-than-the-exit"])
@@ -176,33 +168,23 @@ def test_at_the_end_of_input_a_runs_setsid_child_holding_stdout_dies_with_the_si
     the default grace the run's teardown ends before the exit; with a grace longer than the exit
     waits, the run's reaper kills what is left once the server is gone. (The setsid child used
     to be left running for ever: the exit cut the teardown before it was reached.)"""
-    pids: list[int] = []
-    with sidecar() as c:
-        try:
-            pids = start_run(tmp_path, c, kill_grace_s)
-            c.close_input()
-            c.proc.wait(60)
-            left = wait_all_gone(pids, 10)
-            assert not left, f"{left} of the run's processes (program, group child, setsid child) {pids} outlived the sidecar"
-        finally:
-            kill_left(pids)
-            c.kill()
+    def at_the_end_of_input(c: SidecarClient) -> None:
+        c.close_input()
+        c.proc.wait(60)
+
+    pids, left = run_then_end_the_sidecar(tmp_path, kill_grace_s, at_the_end_of_input)
+    assert not left, f"{left} of the run's processes (program, group child, setsid child) {pids} outlived the sidecar"
 
 
 def test_a_sigkilled_sidecar_takes_the_runs_setsid_child_holding_stdout_with_it(tmp_path):
     """SIGKILL the sidecar mid-run: the run's reaper kills its group and then the child the
     program detached with setsid, found by the run's stdout it still holds."""
-    pids: list[int] = []
-    with sidecar() as c:
-        try:
-            pids = start_run(tmp_path, c, None)
-            c.proc.kill()
-            c.proc.wait(10)
-            left = wait_all_gone(pids, 10)
-            assert not left, f"{left} of the run's processes (program, group child, setsid child) {pids} outlived the sidecar"
-        finally:
-            kill_left(pids)
-            c.kill()
+    def sigkilled(c: SidecarClient) -> None:
+        c.proc.kill()
+        c.proc.wait(10)
+
+    pids, left = run_then_end_the_sidecar(tmp_path, None, sigkilled)
+    assert not left, f"{left} of the run's processes (program, group child, setsid child) {pids} outlived the sidecar"
 
 
 NO_GROUP = 2**22 + 1  # above PID_MAX_LIMIT: a process group no process can have
@@ -224,7 +206,7 @@ def test_a_released_reaper_leaves_the_holders_of_its_pipe_alone(tmp_path):
         proc, fd = started
         release_reaper(fd)
         assert proc.wait(10) == 0
-        assert pid_alive(holder.pid)
+        assert alive(holder.pid)
         started = start_reaper(NO_GROUP, os.fstat(r).st_ino)
         assert started is not None
         proc, fd = started
@@ -251,7 +233,7 @@ def test_a_released_reaper_leaves_its_group_alone():
         proc, fd = started
         release_reaper(fd)
         assert proc.wait(10) == 0
-        assert group.poll() is None and pid_alive(group.pid), "a released reaper killed its group"
+        assert group.poll() is None and alive(group.pid), "a released reaper killed its group"
         started = start_reaper(group.pid)
         assert started is not None
         proc, fd = started
@@ -296,8 +278,8 @@ def test_a_file_name_that_fakes_lines_of_ls_does_not_make_the_reaper_kill_anothe
         assert opener.stdout.readline() == b"\n"  # the file is open
         reap_with_sidecar_gone(inode)
         assert holder.wait(10) == -signal.SIGKILL
-        assert pid_alive(victim.pid), "the reaper killed a process named by a file's name"
-        assert pid_alive(opener.pid), "the reaper killed the process holding the forged name"
+        assert alive(victim.pid), "the reaper killed a process named by a file's name"
+        assert alive(opener.pid), "the reaper killed the process holding the forged name"
     finally:
         os.close(r)
         kill_left([holder.pid, victim.pid, opener.pid])
@@ -341,7 +323,7 @@ def test_only_the_write_end_of_the_pipe_makes_a_holder(tmp_path):
         assert _pipe_holders(inode) == [writer.pid]
         reap_with_sidecar_gone(inode)
         assert writer.wait(10) == -signal.SIGKILL
-        assert pid_alive(reader.pid), "the reaper killed a process holding only the read end"
+        assert alive(reader.pid), "the reaper killed a process holding only the read end"
     finally:
         os.close(r)
         kill_left([writer.pid, reader.pid])
@@ -405,23 +387,11 @@ async def test_the_sigkill_after_the_grace_goes_only_to_what_still_holds_stdout(
         name="lets-go",
     )
     holder: list[int] = []
-    got_pid = anyio.Event()
-
-    async def consume() -> None:
-        async for chunk in model.stream(REQUEST):
-            if chunk.type == "text":
-                holder.append(int(chunk.text))
-                got_pid.set()
-
     try:
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(consume)
-                await got_pid.wait()
-                tg.cancel_scope.cancel()
+        await cancel_once_said(model, REQUEST, holder, 60)
         assert mark.exists(), "the setsid holder never got its SIGTERM"
         assert not wait_all_gone([model.last_pid], 10)
-        assert pid_alive(holder[0]), "a process that no longer held stdout was SIGKILLed after the grace"
+        assert alive(holder[0]), "a process that no longer held stdout was SIGKILLed after the grace"
     finally:
         kill_left(holder + [model.last_pid])
 
@@ -447,27 +417,18 @@ async def test_a_cancel_spares_a_process_that_holds_only_the_sidecars_read_end_o
     )
     said: list[int] = []
     bystander: list[subprocess.Popen] = []
-    got = anyio.Event()
 
-    async def consume() -> None:
-        async for chunk in model.stream(REQUEST):
-            if chunk.type == "text":
-                said.extend(int(x) for x in chunk.text.split())
-                got.set()
+    def start_the_bystander() -> None:
+        target = f"pipe:[{said[1]}]"
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}") == target]
+        assert fds, "the sidecar's read end of the run's stdout was not found"
+        bystander.append(subprocess.Popen(SLEEPER, pass_fds=fds[:1], start_new_session=True))
 
     try:
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(consume)
-                await got.wait()
-                target = f"pipe:[{said[1]}]"
-                fds = [int(fd) for fd in os.listdir("/proc/self/fd")
-                       if os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}") == target]
-                assert fds, "the sidecar's read end of the run's stdout was not found"
-                bystander.append(subprocess.Popen(SLEEPER, pass_fds=fds[:1], start_new_session=True))
-                tg.cancel_scope.cancel()
+        await cancel_once_said(model, REQUEST, said, 60, start_the_bystander)
         assert not wait_all_gone([model.last_pid, said[0]], 10)
-        assert bystander[0].poll() is None and pid_alive(bystander[0].pid), \
+        assert bystander[0].poll() is None and alive(bystander[0].pid), \
             "a process holding only the read end of the run's stdout was stopped"
     finally:
         kill_left(said[:1] + [model.last_pid] + [p.pid for p in bystander])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import anyio
@@ -19,32 +18,18 @@ from operate_sidecar.server.models import make_model
 from operate_sidecar.server.models._common import SCHEMA_INSTRUCTION, render_prompt
 from operate_sidecar.server.models import cli as cli_module
 from operate_sidecar.server.models.cli import CLIModel
+from process_support import alive, cancel_once_said, script
 
 pytestmark = pytest.mark.anyio
 
 PY = sys.executable
 
 
-def script(tmp_path: Path, name: str, body: str) -> str:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 async def wait_gone(pid: int, timeout: float = 15.0) -> bool:
     with anyio.move_on_after(timeout):
-        while pid_alive(pid):
+        while alive(pid):
             await anyio.sleep(0.02)
-    return not pid_alive(pid)
+    return not alive(pid)
 
 
 async def drain(model: CLIModel, request: ModelRequest, timeout: float = 60.0) -> list:
@@ -269,21 +254,12 @@ async def test_cancel_kills_the_whole_process_group(tmp_path):
         name="hang",
     )
     child_pid: list[int] = []
-    got_pid = anyio.Event()
 
-    async def consume() -> None:
-        async for chunk in model.stream(REQUEST):
-            if chunk.type == "text":
-                child_pid.append(int(chunk.text))
-                got_pid.set()
+    def both_run() -> None:
+        assert alive(model.last_pid) and alive(child_pid[0])
 
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(consume)
-            await got_pid.wait()
-            assert pid_alive(model.last_pid) and pid_alive(child_pid[0])
-            tg.cancel_scope.cancel()
-    assert not pid_alive(model.last_pid)  # the leader is reaped before cancel returns
+    await cancel_once_said(model, REQUEST, child_pid, 30, both_run)
+    assert not alive(model.last_pid)  # the leader is reaped before cancel returns
     assert await wait_gone(child_pid[0])
 
 
@@ -517,7 +493,7 @@ async def test_the_run_ends_when_the_program_exits_and_nothing_it_started_outliv
     assert [c.type for c in chunks] == ["text", "result"] and not chunks[-1].is_error
     child = int(chunks[0].text)
     assert await wait_gone(child, timeout=5), f"the {how} child outlived the call"
-    assert not pid_alive(model.last_pid)
+    assert not alive(model.last_pid)
 
 
 async def test_a_program_that_exits_with_a_child_holding_stdout_is_not_a_timeout(tmp_path):
@@ -615,14 +591,14 @@ def test_a_killed_sidecar_takes_the_children_of_a_running_cli_with_it(tmp_path):
         while not pids_file.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         program, child = map(int, pids_file.read_text().split())
-        assert pid_alive(program) and pid_alive(child)
+        assert alive(program) and alive(child)
         c.proc.kill()
         c.proc.wait(10)
     deadline = time.monotonic() + 10
-    while (pid_alive(program) or pid_alive(child)) and time.monotonic() < deadline:
+    while (alive(program) or alive(child)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not pid_alive(program), "the program outlived the sidecar"
-    assert not pid_alive(child), "the program's child outlived the sidecar"
+    assert not alive(program), "the program outlived the sidecar"
+    assert not alive(child), "the program's child outlived the sidecar"
 
 
 # --- a program that writes on and on ---------------------------------------------------------

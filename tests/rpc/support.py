@@ -82,6 +82,18 @@ def frame(obj, header: bytes = b"Content-Length") -> bytes:
     return frame_body(json.dumps(obj, ensure_ascii=False).encode(), header)
 
 
+def unframe(data: bytes) -> list[dict]:
+    """The messages of ``data``, in frames as the server writes them (``Content-Length: N``, a
+    blank line, the body)."""
+    out = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        n = int(head.split(b":")[1])
+        out.append(json.loads(rest[:n]))
+        data = rest[n:]
+    return out
+
+
 def wait_unmatched(c: SidecarClient, n: int = 1) -> list[dict]:
     """The responses to ids nobody was waiting for, once there are at least ``n`` (bounded)."""
     assert c.wait_for(lambda _: len(c.unmatched) >= n, TIMEOUT) or len(c.unmatched) >= n

@@ -11,95 +11,25 @@ the start go on by writing the configuration."""
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import signal
 import subprocess
-import threading
 import time
 
 import pytest
 
-from .support import ROOT, SERVER, TIMEOUT, server_env
+from process_support import open_fifo_once_read, signalled_while_starting
+
+from .support import ROOT, SERVER, TIMEOUT, frame, server_env, unframe
 
 
-def _frame(obj: dict) -> bytes:
-    body = json.dumps(obj).encode()
-    return b"Content-Length: %d\r\n\r\n" % len(body) + body
-
-
-def _frames(data: bytes) -> list[dict]:
-    out = []
-    while data:
-        head, _, rest = data.partition(b"\r\n\r\n")
-        n = int(head.split(b":")[1])
-        out.append(json.loads(rest[:n]))
-        data = rest[n:]
-    return out
-
-
-def open_fifo_once_read(fifo: str, proc: subprocess.Popen) -> int:
-    """The FIFO's write end, once the server has it open to read (bounded wait)."""
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENXIO:  # (no reader yet)
-                raise
-        assert proc.poll() is None, f"the server exited ({proc.returncode}) before reading its config"
-        assert time.monotonic() < deadline, "the server did not open its config"
-        time.sleep(0.01)
-
-
-def run_to_end(proc: subprocess.Popen) -> tuple[bytes, int]:
-    """All the server writes to stdout, and its exit code, its stdin left open (bounded)."""
-    out: list[bytes] = []
-    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    try:
-        code = proc.wait(TIMEOUT)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"the server still runs {TIMEOUT} s after the signal") from None
-    reader.join(TIMEOUT)
-    assert out, "the server's stdout did not end"
-    return out[0], code
-
-
-def signalled_while_starting(tmp_path, sig: signal.Signals, requests: list[dict], before: bool,
-                             acp: bool = False) -> tuple[bytes, int, str]:
-    """Start a server (``--acp``: the ACP one) and, while it reads its config, send it ``sig``
-    and then ``requests`` (``before``: the requests first); then let it start. Returns what it
-    wrote on stdout, its exit code and its stderr."""
-    fifo = str(tmp_path / "settings.toml")
-    os.mkfifo(fifo)
-    err = tmp_path / "stderr.txt"
-    with open(err, "wb") as sink:
-        proc = subprocess.Popen(SERVER + ["--config", fifo] + (["--acp"] if acp else []), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=sink, env=server_env(), cwd=str(ROOT))
-    try:
-        config = open_fifo_once_read(fifo, proc)
-        data = b"".join((json.dumps(r).encode() + b"\n") if acp else _frame(r) for r in requests)
-
-        def send() -> None:
-            proc.stdin.write(data)
-            proc.stdin.flush()
-
-        if before:
-            send()
-        proc.send_signal(sig)  # the server is still starting: no loop runs yet
-        if not before:
-            send()
-        os.close(config)  # an empty config: the start goes on
-        out, code = run_to_end(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
-        proc.stdin.close()
-        proc.stdout.close()
-    return out, code, err.read_text(errors="replace")
+def _signalled_while_starting(tmp_path, sig: signal.Signals, requests: list[dict],
+                              before: bool) -> tuple[bytes, int, str]:
+    """Start a server and, while it reads its config, send it ``sig`` and then ``requests``
+    (``before``: the requests first); then let it start. Returns what it wrote on stdout, its
+    exit code and its stderr."""
+    return signalled_while_starting(SERVER, tmp_path, sig, b"".join(frame(r) for r in requests), before,
+                                    env=server_env(), cwd=str(ROOT), timeout=TIMEOUT)
 
 
 SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
@@ -107,7 +37,7 @@ SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
 def test_a_signal_while_the_server_starts_with_no_request_sent_ends_it_as_a_signal_does(tmp_path, sig):
-    out, code, err = signalled_while_starting(tmp_path, sig, [], before=False)
+    out, code, err = _signalled_while_starting(tmp_path, sig, [], before=False)
     assert code == 1, err
     assert out == b""
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
@@ -121,9 +51,9 @@ def test_a_signal_while_the_server_starts_answers_the_requests_sent_then_exits_1
     request behind it too (its result, or -32800 as the server stops), none dropped."""
     requests = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}},
                 {"jsonrpc": "2.0", "id": 2, "method": "listBranches", "params": {}}]
-    out, code, err = signalled_while_starting(tmp_path, sig, requests, before)
+    out, code, err = _signalled_while_starting(tmp_path, sig, requests, before)
     assert code == 1, err
-    answers = {m["id"]: m for m in _frames(out) if "id" in m}
+    answers = {m["id"]: m for m in unframe(out) if "id" in m}
     assert answers[1]["result"]["protocolVersion"] == 1, answers
     assert "result" in answers[2] or answers[2]["error"]["code"] == -32800, answers
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
@@ -135,7 +65,7 @@ def _started_on_a_config_nobody_writes(tmp_path, extra: list[str] = ()) -> tuple
     os.mkfifo(fifo)
     proc = subprocess.Popen(SERVER + ["--config", fifo, *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=server_env(), cwd=str(ROOT))
-    return proc, open_fifo_once_read(fifo, proc)
+    return proc, open_fifo_once_read(fifo, proc, TIMEOUT)
 
 
 def _ended(proc: subprocess.Popen) -> tuple[int, str]:

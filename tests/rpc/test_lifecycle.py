@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from .support import ROOT, SERVER, TIMEOUT, RpcError, SidecarClient, scripted, server_env
+from .support import ROOT, SERVER, TIMEOUT, RpcError, SidecarClient, scripted, server_env, unframe
 
 ALL_METHODS = ["initialize", "ping", "shutdown", "createBranch", "forkBranch", "deleteBranch", "listBranches",
                "branchMessages", "listTools", "authorizeTool", "registerClientTools", "operate"]
@@ -237,8 +237,6 @@ def test_a_session_in_a_regular_file_is_served_to_its_end_and_written_to_a_regul
     the session asked for; and EOF after shutdown (no exit) is 0 too. (A request that needs
     the core, createBranch say, is answered before a shutdown that follows it; without one, the
     file's end cancels it: -32800, §2.)"""
-    import json
-
     session = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"settings": {"models": {
                    "s": scripted("x")}}}},
                {"jsonrpc": "2.0", "id": 2, "method": "ping"},
@@ -251,12 +249,7 @@ def test_a_session_in_a_regular_file_is_served_to_its_end_and_written_to_a_regul
             out = subprocess.run(SERVER, stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, env=server_env(),
                                  cwd=ROOT, timeout=TIMEOUT)
         assert out.returncode == code and b"Traceback" not in out.stderr, out.stderr.decode()
-        data, got = answers.read_bytes(), []
-        while data:
-            head, _, rest = data.partition(b"\r\n\r\n")
-            n = int(head.split(b":")[1])
-            got.append(json.loads(rest[:n]))
-            data = rest[n:]
+        got = unframe(answers.read_bytes())
         assert [a["id"] for a in got] == [1, 2, 3, 4] and all("result" in a for a in got)
 
 
@@ -273,18 +266,6 @@ def test_a_closed_stdin_is_an_empty_input_and_a_closed_stdout_no_traceback():
                                 env=server_env(), cwd=ROOT, timeout=TIMEOUT)
     assert closed_out.returncode == 0 and b"Traceback" not in closed_out.stderr, closed_out.stderr.decode()
     assert b"stdout is closed" in closed_out.stderr
-
-
-def _answers(data: bytes) -> list[dict]:
-    import json
-
-    got = []
-    while data:
-        head, _, rest = data.partition(b"\r\n\r\n")
-        n = int(head.split(b":")[1])
-        got.append(json.loads(rest[:n]))
-        data = rest[n:]
-    return got
 
 
 def test_requests_before_shutdown_are_answered_first_even_while_the_core_loads(tmp_path):
@@ -311,7 +292,7 @@ def test_requests_before_shutdown_are_answered_first_even_while_the_core_loads(t
             feeder.stdout.close()
             feeder.kill()
             feeder.wait(TIMEOUT)
-        got = _answers(out.stdout)
+        got = unframe(out.stdout)
         assert [a["id"] for a in got] == [1, 2, 3, 4], (tail, keep_open, got, out.stderr.decode())
         assert all("result" in a for a in got) and out.returncode == 0, (got, out.stderr.decode())
         branch = got[2]["result"]["branchId"]

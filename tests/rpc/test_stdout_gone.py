@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from process_support import alive
+
 from .support import ROOT, SERVER, TIMEOUT, server_env
 
 GONE = "the client's end of stdout is gone (BrokenPipeError)"
@@ -58,16 +60,6 @@ def _request(proc: subprocess.Popen, msg_id: int, method: str, params: dict | No
         msg = _read_frame(proc.stdout)
         if msg.get("id") == msg_id and "method" not in msg:
             return msg
-
-
-def _alive(pid: int) -> bool:
-    """The process runs (a zombie nobody reaped yet does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[0] != b"Z"
 
 
 def _wait(predicate, what: str) -> None:
@@ -183,10 +175,10 @@ def test_the_client_closing_stdout_while_a_tool_runs_stops_the_server_and_the_to
     server.stdin.flush()
     _wait(pid_file.exists, "the tool did not start its child")
     child = int(pid_file.read_text())
-    assert _alive(child)
+    assert alive(child)
     server.stdout.close()  # while the tool runs, nothing written: the server is waiting
     _ends_as_after_epipe(server, 1)
-    _wait(lambda: not _alive(child), "the tool's child outlived the server")
+    _wait(lambda: not alive(child), "the tool's child outlived the server")
 
 
 def test_a_write_pending_from_another_thread_is_not_armed_once_the_client_is_gone():

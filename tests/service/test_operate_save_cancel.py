@@ -86,6 +86,29 @@ async def _model_called(svc: Service, bid: str) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _cancelled_in_a_tool(svc: Service, func) -> tuple[str, asyncio.Future, asyncio.Event]:
+    """``func`` registered as a tool of its name (no arguments) and allowed; an operate on a new
+    branch whose saves fail (not held) is cancelled once ``func`` runs. Returns the branch, the
+    operate and ``entered`` (set once its save has run)."""
+    ran = asyncio.Event()
+
+    async def tool(arguments: dict, ctx: object) -> str:
+        ran.set()
+        return await func(arguments, ctx)
+
+    await svc.ensure_tools()
+    svc.registry.register(Tool(name=func.__name__, description="d", input_schema={"type": "object", "properties": {}},
+                               func=tool))
+    await svc.authorizeTool({"tool": func.__name__, "decision": "allow"})
+    bid = (await svc.createBranch({}))["branchId"]
+    entered, gate = _held_saves(svc, bid, fail=True)
+    gate.set()
+    running = asyncio.ensure_future(svc.operate({"branchId": bid, "instruction": "go", "actions": True}))
+    await asyncio.wait_for(ran.wait(), WAIT)
+    running.cancel()
+    return bid, running, entered
+
+
 async def _spin(turns: int = 50) -> None:
     """Let the event loop run ``turns`` times: a cancelled task that does not wait for anything
     would have ended meanwhile."""
@@ -176,23 +199,12 @@ def test_an_operate_cancelled_before_a_failing_save_answers_32800_with_the_branc
 
     async def main() -> None:
         svc = Service(Port(settings))
-        ran = asyncio.Event()
 
         async def slow(arguments: dict, ctx: object) -> str:
-            ran.set()
             await asyncio.sleep(WAIT * 2)
             return "never"
 
-        await svc.ensure_tools()
-        svc.registry.register(Tool(name="slow", description="d", input_schema={"type": "object", "properties": {}},
-                                   func=slow))
-        await svc.authorizeTool({"tool": "slow", "decision": "allow"})
-        bid = (await svc.createBranch({}))["branchId"]
-        entered, gate = _held_saves(svc, bid, fail=True)
-        gate.set()
-        running = asyncio.ensure_future(svc.operate({"branchId": bid, "instruction": "go", "actions": True}))
-        await asyncio.wait_for(ran.wait(), WAIT)
-        running.cancel()
+        bid, running, entered = await _cancelled_in_a_tool(svc, slow)
         assert await _outcome(running) == ("-32800",)
         assert entered.is_set()  # (its save ran, and failed)
         assert await _kinds(svc, bid) == []
@@ -211,26 +223,15 @@ def test_a_tool_that_swallows_the_cancel_leaves_a_failing_save_answered_32013(tm
 
     async def main() -> None:
         svc = Service(Port(settings))
-        ran = asyncio.Event()
 
         async def stubborn(arguments: dict, ctx: object) -> str:
-            ran.set()
             try:
                 await asyncio.sleep(WAIT * 2)
             except asyncio.CancelledError:
                 return "swallowed"
             return "never"
 
-        await svc.ensure_tools()
-        svc.registry.register(Tool(name="stubborn", description="d",
-                                   input_schema={"type": "object", "properties": {}}, func=stubborn))
-        await svc.authorizeTool({"tool": "stubborn", "decision": "allow"})
-        bid = (await svc.createBranch({}))["branchId"]
-        entered, gate = _held_saves(svc, bid, fail=True)
-        gate.set()
-        running = asyncio.ensure_future(svc.operate({"branchId": bid, "instruction": "go", "actions": True}))
-        await asyncio.wait_for(ran.wait(), WAIT)
-        running.cancel()
+        bid, running, _ = await _cancelled_in_a_tool(svc, stubborn)
         code, message = await _outcome(running)
         assert code == -32013 and "were not saved" in message, message
         assert await _kinds(svc, bid) == []
