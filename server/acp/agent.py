@@ -183,30 +183,19 @@ def _route_delete(conn: Any, agent: Any) -> bool:
 class _Prompt:
     """A prompt of a session: cancelled by ``session/cancel``; its task once it runs."""
 
-    __slots__ = ("cancelled", "cancelled_early", "deleted", "saving", "task")
+    __slots__ = ("cancelled", "deleted", "task")
 
     def __init__(self) -> None:
-        self.cancelled = False
-        self.cancelled_early = False  # a cancel came before its save began (``saving``)
+        self.cancelled = False  # a ``session/cancel`` came for it: answered ``cancelled`` (``_run_prompt``)
         self.deleted = False  # its session was deleted (``session/delete``): answered -32012
-        self.saving = False  # its messages are being saved: its rounds are over
         self.task: asyncio.Task | None = None
 
     def cancel(self, deleted: bool = False) -> None:
-        """``session/cancel`` (``deleted``: its session was deleted). Whether it came before the
-        turn's save began is kept: the turn is answered as finished only when every cancel came
-        once it was being saved (``_run_prompt``)."""
+        """``session/cancel`` (``deleted``: its session was deleted)."""
         self.cancelled = True
-        self.cancelled_early = self.cancelled_early or not self.saving
         self.deleted = self.deleted or deleted
         if self.task is not None:
             self.task.cancel()
-
-    def saved_at(self) -> dict[str, Any]:
-        """``_saved_at``, the turn's info, which ``Service.operate`` asks for as the turn's save
-        begins (its rounds over): the prompt is marked then, a cancel from now on is too late."""
-        self.saving = True
-        return _saved_at()
 
 
 #: the requests whose lists ACP's schema says to skip a bad item of (``mcpServers``,
@@ -970,7 +959,7 @@ class OperateAgent(Agent):
 
     async def _run_prompt(self, me: "_Prompt", prompt: list, session_id: str) -> PromptResponse:
         """The prompt ``me`` as a task that ``session/cancel`` cancels; its answer."""
-        me.task = task = asyncio.get_running_loop().create_task(self._prompt(prompt, session_id, me.saved_at))
+        me.task = task = asyncio.get_running_loop().create_task(self._prompt(prompt, session_id))
         self._live.add(task)
         task.add_done_callback(self._live.discard)
         try:
@@ -986,12 +975,13 @@ class OperateAgent(Agent):
         if me.deleted:
             raise self._deleted(session_id)
         exc = None if task.cancelled() else task.exception()
-        if task.cancelled() or (me.cancelled and (me.cancelled_early or exc is not None)):
+        if task.cancelled() or me.cancelled:
+            # a ``session/cancel`` came for the turn: ``cancelled``, as ACP says a cancelled prompt
+            # MUST be answered, also when it came too late to stop anything (once the turn's save
+            # had begun, its rounds all over: the turn was saved whole, its updates all sent, and
+            # ``session/load`` replays it, docs/PROTOCOL.md §13), and whatever the turn's error
+            # (a save that failed then kept nothing of it)
             return PromptResponse(stop_reason="cancelled")
-        # every cancel came once the turn's save had begun, its rounds all over: too late, the
-        # turn was saved whole, and is answered as the finished turn it is (not ``cancelled``,
-        # docs/PROTOCOL.md §13), as when the cancel crosses the answer on the wire; a save that
-        # failed then kept nothing of it: ``cancelled`` above
         if exc is not None:
             if isinstance(exc, RequestError):
                 raise exc
@@ -1032,9 +1022,8 @@ class OperateAgent(Agent):
         return _invalid(f"session {session_id!r} is not loaded here: session/load or session/resume it first",
                         {"sessionId": session_id, "reason": "the session is not loaded: session/load it first"})
 
-    async def _prompt(self, prompt: list, session_id: str, info: Any = _saved_at) -> PromptResponse:
-        """The prompt turn: checks, linked files read, then the operate (``_turn``); ``info``
-        gives the turn's info as its save begins (``_Prompt.saved_at``)."""
+    async def _prompt(self, prompt: list, session_id: str) -> PromptResponse:
+        """The prompt turn: checks, linked files read, then the operate (``_turn``)."""
         b = await self._branch(session_id)
         if self.sidecar.branch_folders(session_id) is None:  # (``_place`` checked it; never its tools unconfined)
             raise self._not_loaded(session_id)
@@ -1047,7 +1036,7 @@ class OperateAgent(Agent):
             context = [await self._link(session_id, c) if "name" in c else c for c in context]
         # the update time goes with the turn's messages, taken as they are saved (a turn runs for
         # minutes: another turn saved meanwhile is older), and only when the turn recorded some
-        return await self._turn(b, instruction, context, info)
+        return await self._turn(b, instruction, context, _saved_at)
 
     async def cancel(self, session_id: str, **kw: Any) -> None:
         """The session's turn, the prompt waiting for it and those read before this cancel that

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..signals import install_signal_handlers
 from .stdio import Wire, attach_reader, guard_stdio
-from .transport import Connection, _decoder
+from .transport import Connection, _decoder, _valid_id
 from .watchdog import watch_parent
 
 log = logging.getLogger("operate_sidecar.server.rpc")
@@ -28,7 +28,9 @@ class InputHold:
     process exits within its drain bound. Only what the connection obeys as an exit counts
     (a notification: ``"jsonrpc": "2.0"``, no ``id``); an ``exit`` request, or one without
     ``"jsonrpc"``, is held as any request is, and what comes after an exit is held again
-    while the client still reads nothing. ``resume`` hands the held input on, in order."""
+    while the client still reads nothing. ``resume`` hands the held input on, in order. A
+    ``shutdown`` among what is held is noted (``shutdown_held``): a client that sent it and then
+    closed stdout is done, not gone (``serve``)."""
 
     HOLD_MAX = 4 << 20
     #: whose output the warning names (the ACP front end's ``HeldInput``: the agent's)
@@ -40,6 +42,8 @@ class InputHold:
         self.held = bytearray()
         self._scan: Any = None     # while paused: a frame parser over the held bytes, spots an exit
         self._exit = False         # an exit frame was among them
+        #: a shutdown request is among the bytes held now (not handed on yet)
+        self.shutdown_held = False
         self._stopped = False      # reading stopped for real (HOLD_MAX reached)
 
     def on_data(self, data: bytes) -> None:
@@ -66,6 +70,8 @@ class InputHold:
     def _scanned(self, body: bytes) -> None:
         if b'"exit"' in body and _obeyed_exit(body):
             self._exit = True
+        elif b'"shutdown"' in body and _shutdown_request(body):
+            self.shutdown_held = True
 
     def pause(self) -> None:
         if self._scan is None:
@@ -85,6 +91,7 @@ class InputHold:
 
     def _hand_on(self) -> None:
         held, self.held = bytes(self.held), bytearray()
+        self.shutdown_held = False  # (the connection has it now)
         if held:
             self._feed(held)
         if self._stopped:
@@ -101,6 +108,17 @@ def _obeyed_exit(body: bytes) -> bool:
     except (ValueError, RecursionError):
         return False
     return type(msg) is dict and msg.get("method") == "exit" and msg.get("jsonrpc") == "2.0" and "id" not in msg
+
+
+def _shutdown_request(body: bytes) -> bool:
+    """Whether this body is a ``shutdown`` request the connection obeys: ``"jsonrpc": "2.0"``,
+    a valid id, no params (``{}`` and ``[]`` are none)."""
+    try:
+        msg = _decoder.decode(body.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return False
+    return (type(msg) is dict and msg.get("method") == "shutdown" and msg.get("jsonrpc") == "2.0"
+            and "id" in msg and _valid_id(msg["id"]) and msg.get("params") in (None, {}, []))
 
 
 def take_signals(loop: asyncio.AbstractEventLoop, handler: Any, *, with_signal: bool = False,
@@ -127,11 +145,14 @@ async def serve(*, base_settings: dict[str, Any] | None = None, version: str = "
     wire = Wire(wire_out)
     conn = Connection(wire, base_settings=base_settings or {}, version=version, debug=debug,
                       client_pid=client_pid)
-    # a client that closes stdout after shutdown or exit (or as the server stops) is done, not gone
-    wire.expected_end = lambda: conn.shutdown_requested or conn.exit_code is not None
     if recorder is not None:  # --record: sees every frame body and model turn (server.script.recorder)
         recorder.attach(conn, wire)
     hold = InputHold(conn.feed, conn.on_eof)
+    # a client that closes stdout after shutdown or exit (or as the server stops) is done, not
+    # gone: its shutdown may still be held (InputHold), unread by the connection; its exit, never
+    # held, was handed on as it came (the end is judged after the input read with it: Wire._on_gone)
+    wire.expected_end = lambda: conn.shutdown_requested or conn.exit_code is not None or hold.shutdown_held
+    wire.on_broken = lambda: conn.stop(0 if conn.shutdown_requested or hold.shutdown_held else 1)
     reader = hold.reader = await attach_reader(wire_in, hold.on_data, hold.on_eof)
     # a client that stops reading: no more requests are taken until it reads again (Wire), but
     # its exit and its end of input still are (InputHold)

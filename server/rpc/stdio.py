@@ -164,11 +164,18 @@ class Wire:
     def _on_gone(self) -> None:
         """The loop saw the pipe's read end closed (a pipe's write end is never readable
         otherwise): the client can be sent nothing more, as after a write that failed with
-        EPIPE. ``_broken`` stops the watch (the error event would otherwise be reported again
-        and again). A client that got its ``shutdown`` answer, or sent ``exit``, and then closes
-        its ends (stdout first, say) is done, not gone: an info line (``expected_end``)."""
-        quiet = self.expected_end is not None and self.expected_end()
-        self._broken(BrokenPipeError(), quiet=quiet)
+        EPIPE. The watch stops at once (the error event would otherwise be reported again and
+        again); the client is judged one loop step later (``_gone``), once the input the loop
+        found ready in the same step as the end is handled: a client that sent ``shutdown`` and
+        ``exit`` and then closed stdout may have its input read after the end was seen."""
+        self._disarm()
+        try:
+            self._loop.call_soon(self._gone)  # type: ignore[union-attr]
+        except RuntimeError:  # the loop is closed
+            self._gone()
+
+    def _gone(self) -> None:
+        self._broken(BrokenPipeError())
 
     def _on_loop(self) -> bool:
         return self._loop is not None and threading.get_ident() == self._loop_thread
@@ -279,15 +286,19 @@ class Wire:
         self._loop.remove_writer(self._fd)  # type: ignore[union-attr]
         self._write_locked()
 
-    def _broken(self, e: BaseException, quiet: bool = False) -> None:
-        """The client can be sent nothing more: one warning line (an info line when ``quiet``),
-        what waits dropped, ``on_broken``. From any thread (the loop's ``_on_gone`` while another
-        writes too): the buffer is cleared under the lock, never under a write in progress."""
+    def _broken(self, e: BaseException) -> None:
+        """The client can be sent nothing more: one warning line, what waits dropped,
+        ``on_broken``. A client that sent ``shutdown`` or ``exit`` (``expected_end``), and then
+        closed its ends (stdout first, say), or did so as the server stops, is done, not gone: an
+        info line, whether the server saw its end idle (``_gone``) or at a write. From any thread
+        (the loop's ``_gone`` while another writes too): the buffer is cleared under the lock,
+        never under a write in progress."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
             self._buf.clear()
+        quiet = self.expected_end is not None and self.expected_end()
         if quiet:
             log.info("the client closed its end of stdout; exiting")
         else:

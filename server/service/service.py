@@ -2238,79 +2238,84 @@ class Service:
                                     or getattr(prepared["chat_param"].imodel, "is_cli", False) else "communicate",
                                     getattr(self.rpc, "thought", None),
                                     bool(self.conn.client_capabilities.get("thoughts")))
-            # what forkBranch copies while this operate runs: the messages before it
+            # what forkBranch copies while this operate runs, until it answers (its save, and its
+            # wait for a racing delete, included: a fork taken during a save that then fails would
+            # keep a turn that never happened), and what keeps its branch busy: the messages before it
             self._settled[branch.id] = (len(branch.messages), list(branch.messages) if p.clear_messages else None)
-            token = current_progress.set(sink)
-            meter = UsageMeter()  # every model call of every round (chat and parse repair)
-            usage_token = current_usage.set(meter)
-            scope = self._enter_tools_scope(branch.id)
-            cancelled = False  # the rounds ended by a cancel (not a tool that swallowed one: they went on)
             try:
-                result, rounds, repeated = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate,
-                                                             repeat_limit=repeat_limit or p.repeat_limit or 0,
-                                                             stop=refused, before=before)
-            except asyncio.CancelledError:
-                cancelled = True
-                self._end_if_deleted(me, branch.id, sink, meter)
-                if sink is not None:
-                    sink.finish("cancelled", meter.to_wire())
-                raise
-            except BaseException:
-                if sink is not None:
-                    sink.finish("failed", meter.to_wire())
-                raise
-            finally:
-                current_progress.reset(token)
-                current_usage.reset(usage_token)
-                self._leave_tools_scope(scope)
-                if self._running.get(branch.id) is me:
-                    del self._running[branch.id]
-                mark = self._settled.pop(branch.id, None)
-                kept = self.branches.get(branch.id) is branch  # not deleted meanwhile
-                # the front end's info goes with the operate's messages: none, no info either
-                noted = (info() if callable(info) else dict(info)) \
-                    if info and kept and _recorded(branch, mark) else None
-                if kept:
-                    self._usage.setdefault(branch.id, UsageMeter()).add(meter)
-                    if noted:
-                        self._info[branch.id] = {**self._info.get(branch.id, {}), **noted}
-                if self.journal is not None and kept:  # with no store there is nothing to save
-                    # the branch's totals (and info) are saved with its messages, in one transaction
-                    # before the answer; on failure the branch is put back (-32013)
-                    meta: dict[str, Any] = {"usage": self._usage_of(branch.id)}
-                    if noted:
-                        meta["client"] = dict(self._info[branch.id])
-                    self.journal.update_meta(branch.id, meta)
-                    # the save goes to its end whatever cancel comes meanwhile (docs/PROTOCOL.md
-                    # §7): one that arrives once it has begun is too late, and the operate answers
-                    # what happened, its result or -32013; one whose rounds a cancel ended (its
-                    # cancel in flight here) answers -32800, only once its save has ended (before,
-                    # the branch's next operate could run meanwhile, and a failed save's undoing
-                    # then removed that one's messages from memory, not from disk)
-                    try:
-                        await self._to_the_end(self._commit_operate(branch, mark, cancelled))
-                    except BaseException:  # cancelled while saving, or not saved: the one end says so
-                        self._end_if_deleted(me, branch.id, sink, meter)
-                        if sink is not None:
-                            sink.finish("failed", meter.to_wire())  # "cancelled" when it is
-                        raise
-            # a delete of the branch that began before the save ended: its outcome decides
-            # (deleted: the messages just saved went with the branch, and the answer says so)
-            deleting = self._deleting.get(branch.id)
-            if deleting is not None:
-                try:  # (a cancel meanwhile is too late too: the operate was saved, a failed delete keeps it)
-                    await self._to_the_end(deleting)
-                except BaseException:
+                token = current_progress.set(sink)
+                meter = UsageMeter()  # every model call of every round (chat and parse repair)
+                usage_token = current_usage.set(meter)
+                scope = self._enter_tools_scope(branch.id)
+                cancelled = False  # the rounds ended by a cancel (not a tool that swallowed one: they went on)
+                try:
+                    result, rounds, repeated = await run_rounds(branch, p.max_rounds or 1, prepare, core_operate,
+                                                                 repeat_limit=repeat_limit or p.repeat_limit or 0,
+                                                                 stop=refused, before=before)
+                except asyncio.CancelledError:
+                    cancelled = True
                     self._end_if_deleted(me, branch.id, sink, meter)
+                    if sink is not None:
+                        sink.finish("cancelled", meter.to_wire())
+                    raise
+                except BaseException:
                     if sink is not None:
                         sink.finish("failed", meter.to_wire())
                     raise
-            if self.branches.get(branch.id) is not branch:
+                finally:
+                    current_progress.reset(token)
+                    current_usage.reset(usage_token)
+                    self._leave_tools_scope(scope)
+                    if self._running.get(branch.id) is me:
+                        del self._running[branch.id]
+                    mark = self._settled.get(branch.id)  # (dropped once the save has ended, below)
+                    kept = self.branches.get(branch.id) is branch  # not deleted meanwhile
+                    # the front end's info goes with the operate's messages: none, no info either
+                    noted = (info() if callable(info) else dict(info)) \
+                        if info and kept and _recorded(branch, mark) else None
+                    if kept:
+                        self._usage.setdefault(branch.id, UsageMeter()).add(meter)
+                        if noted:
+                            self._info[branch.id] = {**self._info.get(branch.id, {}), **noted}
+                    if self.journal is not None and kept:  # with no store there is nothing to save
+                        # the branch's totals (and info) are saved with its messages, in one transaction
+                        # before the answer; on failure the branch is put back (-32013)
+                        meta: dict[str, Any] = {"usage": self._usage_of(branch.id)}
+                        if noted:
+                            meta["client"] = dict(self._info[branch.id])
+                        self.journal.update_meta(branch.id, meta)
+                        # the save goes to its end whatever cancel comes meanwhile (docs/PROTOCOL.md
+                        # §7): one that arrives once it has begun is too late, and the operate answers
+                        # what happened, its result or -32013; one whose rounds a cancel ended (its
+                        # cancel in flight here) answers -32800, only once its save has ended (before,
+                        # the branch's next operate could run meanwhile, and a failed save's undoing
+                        # then removed that one's messages from memory, not from disk)
+                        try:
+                            await self._to_the_end(self._commit_operate(branch, mark, cancelled))
+                        except BaseException:  # cancelled while saving, or not saved: the one end says so
+                            self._end_if_deleted(me, branch.id, sink, meter)
+                            if sink is not None:
+                                sink.finish("failed", meter.to_wire())  # "cancelled" when it is
+                            raise
+                # a delete of the branch that began before the save ended: its outcome decides
+                # (deleted: the messages just saved went with the branch, and the answer says so)
+                deleting = self._deleting.get(branch.id)
+                if deleting is not None:
+                    try:  # (a cancel meanwhile is too late too: the operate was saved, a failed delete keeps it)
+                        await self._to_the_end(deleting)
+                    except BaseException:
+                        self._end_if_deleted(me, branch.id, sink, meter)
+                        if sink is not None:
+                            sink.finish("failed", meter.to_wire())
+                        raise
+                if self.branches.get(branch.id) is not branch:
+                    if sink is not None:
+                        sink.finish("failed", meter.to_wire())
+                    raise E.branch_not_found(branch.id)
                 if sink is not None:
-                    sink.finish("failed", meter.to_wire())
-                raise E.branch_not_found(branch.id)
-            if sink is not None:
-                sink.finish("completed", meter.to_wire())
+                    sink.finish("completed", meter.to_wire())
+            finally:
+                self._settled.pop(branch.id, None)
         out = envelope(result)
         out["usage"] = meter.to_wire()
         out["rounds"] = rounds

@@ -5,7 +5,9 @@
 - ``read_file(path, offset=1, limit=2000)`` (read-only): text lines from line ``offset``
   (1-based), at most ``limit`` lines and ``max_read_bytes`` bytes (characters, of the client's
   text), and fewer where the output's JSON writes them longer (:func:`page_json_chars`: a
-  control character as six characters), so that the output fits in its bound;
+  control character as six characters), so that the output fits in its bound (a page
+  full of short known secrets may still be cut into a preview: one of 4 to 9 characters
+  becomes the 10 of ``[REDACTED]`` after the page is sized);
 - ``list_dir(path=".")`` (read-only): the entries of a directory by name, the first
   ``max_list_entries`` (kept while reading: a huge directory is never held in full);
 - ``search_text(pattern, path=".", regex=False, ignore_case=False, max_results=100)``

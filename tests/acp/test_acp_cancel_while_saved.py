@@ -1,8 +1,9 @@
-"""A `session/cancel` that arrives while the turn's messages are being saved is too late
-(docs/PROTOCOL.md §13, §7): the turn is saved whole and answered as a finished turn
-(`end_turn`), never `cancelled` for a turn that `session/load` then replays. One that came
-before the save began is answered `cancelled`, even when the turn's rounds then ended as they
-would have (a tool that swallowed its cancellation). Real agent processes over real pipes; a
+"""A `session/cancel` that arrives while the turn's messages are being saved is too late to stop
+it (docs/PROTOCOL.md §13, §7): the turn is saved whole, and `session/load` replays it; the
+prompt is still answered `cancelled`, as ACP says a cancelled prompt must be. When that save
+fails nothing is kept, and the answer is `cancelled` too. One that came before the save began is
+answered `cancelled`, even when the turn's rounds then ended as they would have (a tool that
+swallowed its cancellation). Real agent processes over real pipes; a
 fixture tool module (``save_gate_tools``) holds the turn's save at its start until the cancel
 has reached the agent, so the cancel lands during the save every time (without a cancel the
 save fails: the test cannot pass by accident)."""
@@ -57,10 +58,12 @@ def _loaded_again(config: str, sid: str, ws) -> Iterator[Raw]:
         b.close()
 
 
-def test_a_cancel_while_the_turn_is_saved_answers_end_turn_and_the_turn_is_kept(tmp_path, ws):
+def test_a_cancel_while_the_turn_is_saved_answers_cancelled_and_the_turn_is_kept(tmp_path, ws):
+    """Too late to stop the turn, which is saved whole; the answer is ``cancelled`` all the same
+    (ACP: a prompt a ``session/cancel`` came for MUST be answered so)."""
     config = _config(tmp_path, reply("the answer"))
     sid, answer = _cancelled_while_saved(tmp_path, ws, config)
-    assert answer.get("result", {}).get("stopReason") == "end_turn", str(answer)[:300]
+    assert answer.get("result", {}).get("stopReason") == "cancelled", str(answer)[:300]
 
     with _loaded_again(config, sid, ws) as b:  # the turn was kept, and is replayed
         shown = [u["content"]["text"] for u in b.updates() if u["sessionUpdate"] == "user_message_chunk"]

@@ -63,9 +63,9 @@ class NeverReads(RecordingClient):
 
 def test_a_client_that_never_answers_the_diffs_read_holds_the_turn_no_longer_than_the_tool_time_out(tmp_path, ws):
     """An editor that never answers the tool's read of the old text (``fs/read_text_file``)
-    holds the turn no longer than ``toolTimeoutMs``: the call fails saying it timed out, is
-    shown without a diff (the port reads nothing itself: a diff is the tool's preview or the
-    change it made), and the turn goes on."""
+    holds the turn no longer than ``toolTimeoutMs``: the call fails saying the client did not
+    answer (docs/PROTOCOL.md §10), is shown without a diff (the port reads nothing itself: a
+    diff is the tool's preview or the change it made), and the turn goes on."""
     async def main():
         c = NeverReads()
         config = cfg(tmp_path, reply("", [("write_file", {"path": "a.txt", "content": "new\n"})]), reply("done"),
@@ -77,7 +77,10 @@ def test_a_client_that_never_answers_the_diffs_read_holds_the_turn_no_longer_tha
             [start] = c.of("tool_call")
             assert start.title == "Write a.txt" and not start.content
             [done] = c.of("tool_call_update")[-1:]
-            assert done.status == "failed" and "timed out" in done.raw_output["error"], done  # (the tool: its read)
+            # (its read: "the client did not answer fs/readTextFile ...", ended a little before the
+            # call's own time-out, or on a loaded machine that time-out's "timed out")
+            error = done.raw_output["error"]
+            assert done.status == "failed" and ("did not answer" in error or "timed out" in error), done
             assert c.text() == "done"
 
     run(main())

@@ -3209,15 +3209,16 @@ def test_fork_with_no_current_branch_is_refused_and_creates_nothing(sv):
 
 def test_the_branch_picker_never_names_a_branch_after_a_later_round(sv):
     """A branch without a name is named in the picker after its last instruction (a CLI model's
-    run records it first): during a turn's later round that was the server's 'Continue the same
-    task. ...'."""
-    model = {**scripted([call("fixture_echo", text="x"), {"text": "late", "delayMs": 3000}]), "cli": True}
+    run records it at its first tool use): during a turn's later round that was the server's
+    'Continue the same task. ...' (here round 2's, recorded with its tool use while round 3 runs)."""
+    model = {**scripted([call("fixture_echo", text="x"), call("fixture_echo", text="y"),
+                         {"text": "late", "delayMs": 3000}]), "cli": True}
     bid = sv.lua("local r, e = require('operate_sidecar').request_sync('createBranch', "
                  "{chatModel = vim.json.decode(...)}, 10000); assert(not e, vim.inspect(e)); return r.branchId",
                  json.dumps(model))
     sv.lua("require('operate_sidecar.branches').set(...)", bid)
     sv.chat_send("echo x")
-    sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '✓ fixture_echo x')", "the first round")
+    sv.wait("vim.tbl_contains(require('operate_sidecar.chat').lines(), '✓ fixture_echo y')", "the second round")
     rounds = [m for m in sv.messages(bid) if m["kind"] == "instruction"]
     assert len(rounds) == 2 and rounds[-1]["content"]["instruction"].startswith("Continue the same task")
     sv.lua("_G.listed = nil; require('operate_sidecar.branches').list(function(err, l) _G.listed = l end)")

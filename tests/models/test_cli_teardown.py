@@ -8,6 +8,7 @@ real pipes."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -305,6 +306,94 @@ def test_the_reaper_finds_the_holders_whatever_ls_settings_it_inherits(env, monk
         os.close(r)
         kill_left([holder.pid])
         holder.wait(10)
+
+
+def test_the_reaper_kills_the_holders_though_its_shell_is_bash_told_errexit(tmp_path, monkeypatch):
+    """A system whose ``sh`` is bash, a sidecar started with ``SHELLOPTS=errexit`` exported (bash
+    takes it up): the run's group is already empty, so the reaper's kill of it fails, and the
+    holder of the run's stdout is still killed. (The failed kill ended the script.)"""
+    from operate_sidecar.server import reaper
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    sh = tmp_path / "sh"
+    sh.symlink_to(bash)
+    monkeypatch.setattr(reaper, "_shell", lambda: str(sh))
+    monkeypatch.setenv("SHELLOPTS", "errexit")
+    r, w = os.pipe()
+    holder = subprocess.Popen(SLEEPER, stdout=w, start_new_session=True)
+    os.close(w)
+    try:
+        reap_with_sidecar_gone(os.fstat(r).st_ino)
+        assert holder.wait(10) == -signal.SIGKILL, "with errexit the reaper did not kill the holder"
+    finally:
+        os.close(r)
+        kill_left([holder.pid])
+        holder.wait(10)
+
+
+def test_a_released_reaper_exits_at_once_though_another_process_holds_its_pipe():
+    """A reaper let go on purpose exits at once and kills nothing, even while another process
+    holds its pipe's write end too. (It waited for the pipe's end: each run's teardown waited
+    its 2 s for it, then killed it.)"""
+    from operate_sidecar.server.reaper import release_reaper, start_reaper
+
+    group = subprocess.Popen(SLEEPER, start_new_session=True)
+    other = None
+    try:
+        started = start_reaper(group.pid)
+        assert started is not None
+        proc, fd = started
+        other = subprocess.Popen(SLEEPER, pass_fds=(fd,), start_new_session=True)  # holds the write end
+        release_reaper(fd)
+        try:
+            assert proc.wait(10) == 0
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise AssertionError("a released reaper waited for every copy of its pipe to close") from None
+        assert alive(group.pid), "a released reaper killed its group"
+    finally:
+        kill_left([group.pid] + ([other.pid] if other is not None else []))
+        for p in (group, other):
+            if p is not None:
+                p.wait(10)
+
+
+def test_a_process_forked_while_a_reaper_lives_does_not_keep_it_from_firing():
+    """A tool that ``os.fork()``s while a reaper lives: the child closes the copy of the reaper's
+    write end it inherited, so the sidecar's end (here: its write end closed) still makes the
+    reaper kill its group while the child runs on. (The reaper waited for the child's exit.)"""
+    from operate_sidecar.server.reaper import start_reaper
+
+    group = subprocess.Popen(SLEEPER, start_new_session=True)
+    go_r, go_w = os.pipe()
+    child = None
+    try:
+        started = start_reaper(group.pid)
+        assert started is not None
+        proc, fd = started
+        child = os.fork()
+        if child == 0:  # runs until the test lets it go (the end of go_r)
+            try:
+                os.close(go_w)
+                os.read(go_r, 1)
+            finally:
+                os._exit(0)
+        os.close(fd)  # as when the sidecar is gone
+        try:
+            assert group.wait(10) == -signal.SIGKILL
+        except subprocess.TimeoutExpired:
+            raise AssertionError("a forked child's copy of the reaper's pipe kept it from firing") from None
+        assert proc.wait(10) == 0
+    finally:
+        os.close(go_w)
+        os.close(go_r)
+        if child:
+            os.waitpid(child, 0)
+        kill_left([group.pid])
+        group.wait(10)
 
 
 def test_only_the_write_end_of_the_pipe_makes_a_holder(tmp_path):

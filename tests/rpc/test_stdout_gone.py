@@ -11,6 +11,7 @@ import asyncio
 import fcntl
 import json
 import os
+import signal
 import struct
 import subprocess
 import termios
@@ -120,6 +121,64 @@ def test_a_client_that_closes_stdout_once_shutdown_is_answered_ends_the_server_w
     assert _request(server, 2, "shutdown")["result"] is None
     server.stdout.close()
     _ends_as_after_epipe(server, 0, warned=False)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_client_that_sent_shutdown_and_exit_then_closed_stdout_is_done_though_the_end_is_seen_first(server):
+    """The end of stdout and the ``shutdown`` and ``exit`` sent before it are ready in the same
+    loop step, the end first (both happen while the server is stopped with SIGSTOP: its loop finds
+    them together, in that order): the client is done, exit code 0 and no warning. (The end was
+    judged before the input read with it: a warning and exit code 1.)"""
+    assert _request(server, 1, "initialize")["result"]["protocolVersion"] == 1
+    server.send_signal(signal.SIGSTOP)
+    try:
+        _wait(lambda: _state(server.pid) == "T", "the server did not stop")
+        server.stdout.close()  # first the end of stdout ...
+        server.stdin.write(_frame({"jsonrpc": "2.0", "id": 2, "method": "shutdown"})
+                           + _frame({"jsonrpc": "2.0", "method": "exit"}))  # ... then the input
+        server.stdin.flush()
+    finally:
+        server.send_signal(signal.SIGCONT)
+    _ends_as_after_epipe(server, 0, warned=False)
+
+
+def test_a_client_that_sent_shutdown_while_its_input_was_held_then_closed_stdout_is_done(tmp_path):
+    """A client that reads none of the server's output has its input held (docs/PROTOCOL.md §1);
+    a ``shutdown`` among what is held, then stdout closed: the client is done, exit code 0 and no
+    warning. (A warning and exit code 1: the shutdown was never read by the connection.)"""
+    err = tmp_path / "stderr.txt"
+    # answers over the 8 MiB the server buffers (about 10 MB), and what comes after them held:
+    # under the 4 MiB held at most (about 2 MB), so the shutdown is read
+    pings = 150_000
+    blob = _frame({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}) + b"".join(
+        _frame({"jsonrpc": "2.0", "id": i, "method": "ping"}) for i in range(1, pings + 1)) + _frame(
+        {"jsonrpc": "2.0", "id": "bye", "method": "shutdown"})
+    with open(err, "wb") as sink:
+        proc = subprocess.Popen(SERVER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink,
+                                env=server_env(), cwd=str(ROOT))
+    try:
+        def write() -> None:
+            proc.stdin.write(blob)
+            proc.stdin.flush()
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        writer.join(TIMEOUT)  # the server reads it all, the last of it held
+        assert not writer.is_alive(), "the server stopped reading before the shutdown"
+        assert "not reading the server's output" in err.read_text(errors="replace")
+        proc.stdout.close()
+        assert proc.wait(TIMEOUT) == 0, err.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        proc.stdin.close()
+    text = err.read_text(errors="replace")
+    assert GONE not in text and "Traceback" not in text, text
 
 
 def _unread(fd: int) -> int:

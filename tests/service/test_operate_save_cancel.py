@@ -5,7 +5,7 @@ kept in memory and on disk, or -32013 when the save fails. One cancelled before 
 (its rounds ended by the cancel) stays cancelled, and answers only once its save has ended
 (its branch's next operate waits until then); a failing save then answers -32800 with the
 branch as it was. A cancel while the operate waits for a delete racing its save is too late
-as well."""
+as well. A fork taken during the save copies the branch as it was before the operate."""
 
 import asyncio
 import threading
@@ -314,5 +314,39 @@ def test_a_cancel_while_the_operate_waits_for_a_racing_delete_that_fails_answers
         assert await _kinds(svc, bid) == ["instruction", "assistant_response"]
         await svc.aclose()
         assert await _on_disk(settings, bid) == ["instruction", "assistant_response"]
+
+    asyncio.run(asyncio.wait_for(main(), WAIT))
+
+
+def test_a_fork_during_an_operates_failing_save_gets_the_branch_as_it_was_before_it(tmp_path):
+    """A ``forkBranch`` that arrives while an operate's messages are being saved copies the
+    branch as it was before that operate, as during its rounds (docs/PROTOCOL.md §3): the save
+    then fails (-32013) and the source is put back, and the fork, its own transaction, holds no
+    turn that never happened, in memory or on disk (it copied the unsaved messages once the
+    operate's mark was dropped as its save began)."""
+    settings = _settings(tmp_path, "first", "second")
+
+    async def main() -> None:
+        svc = Service(Port(settings))
+        bid = (await svc.createBranch({}))["branchId"]
+        assert await _outcome(asyncio.ensure_future(svc.operate({"branchId": bid, "instruction": "one"}))) \
+            == ("result", "first")
+        before = await _kinds(svc, bid)
+        assert before == ["instruction", "assistant_response"]
+        entered, gate = _held_saves(svc, bid, fail=True)
+        running = asyncio.ensure_future(svc.operate({"branchId": bid, "instruction": "two"}))
+        await asyncio.wait_for(entered.wait(), WAIT)  # its rounds are over: its (failing) save is held
+        assert bid in svc._busy_branches()  # (its branch is still busy while saved)
+        fork = (await asyncio.wait_for(svc.forkBranch({"branchId": bid}), WAIT))["branchId"]
+        assert not running.done()
+        gate.set()
+        code, message = await _outcome(running)
+        assert code == -32013 and "were not saved" in message, message
+        assert await _kinds(svc, bid) == before
+        assert await _kinds(svc, fork) == before
+        assert bid not in svc._busy_branches()
+        await svc.aclose()
+        assert await _on_disk(settings, bid) == before
+        assert await _on_disk(settings, fork) == before
 
     asyncio.run(asyncio.wait_for(main(), WAIT))
