@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from test_models_cli import pid_alive, script  # (the provider's own tests: same helpers)
+from process_support import alive as pid_alive, script  # (the provider's own tests' helpers)
 
 from operate_sidecar.clients.python.client import RpcError, SidecarClient
 
