@@ -99,24 +99,26 @@ class InputHold:
             self.reader.resume()
 
 
-def _obeyed_exit(body: bytes) -> bool:
-    """Whether the connection obeys this body as ``exit`` (``Connection._route``): one JSON
-    object, decoded as the connection decodes it, with ``"jsonrpc": "2.0"``, ``"method": "exit"``
-    and no ``id`` (a request named exit is answered -32601; without ``jsonrpc`` it is -32600)."""
+def _message(body: bytes) -> Any:
+    """The body decoded as the connection decodes it (``Connection._route``); None if it is not JSON."""
     try:
-        msg = _decoder.decode(body.decode("utf-8"))
+        return _decoder.decode(body.decode("utf-8"))
     except (ValueError, RecursionError):
-        return False
+        return None
+
+
+def _obeyed_exit(body: bytes) -> bool:
+    """Whether the connection obeys this body as ``exit``: one JSON object with
+    ``"jsonrpc": "2.0"``, ``"method": "exit"`` and no ``id`` (a request named exit is answered
+    -32601; without ``jsonrpc`` it is -32600)."""
+    msg = _message(body)
     return type(msg) is dict and msg.get("method") == "exit" and msg.get("jsonrpc") == "2.0" and "id" not in msg
 
 
 def _shutdown_request(body: bytes) -> bool:
     """Whether this body is a ``shutdown`` request the connection obeys: ``"jsonrpc": "2.0"``,
     a valid id, no params (``{}`` and ``[]`` are none)."""
-    try:
-        msg = _decoder.decode(body.decode("utf-8"))
-    except (ValueError, RecursionError):
-        return False
+    msg = _message(body)
     return (type(msg) is dict and msg.get("method") == "shutdown" and msg.get("jsonrpc") == "2.0"
             and "id" in msg and _valid_id(msg["id"]) and msg.get("params") in (None, {}, []))
 
