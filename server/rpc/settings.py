@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from operate_sidecar.server import redaction as _redaction
+from operate_sidecar.server.nesting import too_deep
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_PERMISSION_TIMEOUT_MS = 120_000
@@ -67,10 +68,8 @@ class SettingsError(ValueError):
 def check_depth(value: Any, limit: int = MAX_SETTINGS_DEPTH, where: str = "") -> None:
     """SettingsError when ``value`` nests objects/arrays more than ``limit`` deep (iterative:
     any depth is measured without recursion, in memory that grows with the depth only: the
-    service's walk, ``schemas.too_deep``). ``where`` names what is nested (``<file>: the
+    one walk, ``server.nesting.too_deep``). ``where`` names what is nested (``<file>: the
     settings``); without it the message is bare, for a caller that says "settings" itself."""
-    from operate_sidecar.server.service.schemas import too_deep
-
     if too_deep(value, limit)[0] is not None:
         raise SettingsError(f"{where} are nested more than {limit} levels deep" if where
                             else f"nested more than {limit} levels deep")
