@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # `make test` runs the test files in this many processes (pytest-xdist; a file's tests stay in one
-# process, in order). 2 fits the 2-core CI machine; TEST_JOBS=1 runs everything in one process.
-TEST_JOBS ?= 2
+# process, in order). Most tests wait on the processes they drive, so 3 keeps a 2-core machine
+# busier than 2 (10.5 min against 14.3 min on the project's 2-core machine, all tests passing
+# both ways); TEST_JOBS=1 runs everything in one process.
+TEST_JOBS ?= 3
 
 # `make check`: lint plus the tests that need no network, no root, no editor and no model
 # server (they run against the real server process, the scripted and the embedded local model).

@@ -242,7 +242,9 @@ def run_itest_suite(vsix, tmp_path, label, *suite):
         pytest.fail(f"the harness printed no JSON\n{tail(p)}")
     report = summary.get("report") or {}
     bad = [c for c in report.get("checks", []) if not c["ok"]]
-    assert p.returncode == 0 and summary["ok"] is True, json.dumps({**summary, "checks_failed": bad}, indent=1)[:8000]
+    # the failed checks first, then the browser's console (a page that never loaded says why there), then the rest
+    assert p.returncode == 0 and summary["ok"] is True, json.dumps(
+        {"checks_failed": bad, "chromiumLog": summary.get("chromiumLog"), **summary}, indent=1)[:12000]
     assert Path(report["extensionPath"]).resolve() == ext_dir.resolve(), "the unpacked vsix was the extension loaded"
     assert not bad and report.get("fatal") is None, report["checks"]
     return summary, report

@@ -178,7 +178,9 @@ async function main() {
 
   const remote = (p) => `vscode-remote://127.0.0.1:${port}${p}`;
   const payload = encodeURIComponent(JSON.stringify([['extensionDevelopmentPath', remote(EXT)], ['extensionTestsPath', remote(TESTS)]]));
-  start('chromium', CHROMIUM, ['--headless=new', '--no-sandbox', '--disable-gpu', '--disable-dev-shm-usage', '--no-first-run',
+  // --enable-logging=stderr: the pages' console messages (the workbench's, the webviews') go to chromium.log,
+  // whose tail a failed run's summary carries (a webview that never loaded says why there)
+  start('chromium', CHROMIUM, ['--headless=new', '--no-sandbox', '--disable-gpu', '--disable-dev-shm-usage', '--no-first-run', '--enable-logging=stderr',
     `--user-data-dir=${path.join(W, 'chrome')}`, `http://127.0.0.1:${port}/?${open}&payload=${payload}`], env);
 
   while (!fs.existsSync(REPORT)) {
@@ -192,7 +194,8 @@ async function main() {
   }
   timings.reportMs = Date.now() - t0;
   const report = JSON.parse(fs.readFileSync(REPORT, 'utf8'));
-  return { code: report.ok ? 0 : 1, summary: { ok: report.ok, report, codeServerLog: report.ok ? undefined : tail('code-server.log') } };
+  return { code: report.ok ? 0 : 1, summary: { ok: report.ok, report, codeServerLog: report.ok ? undefined : tail('code-server.log'),
+    chromiumLog: report.ok ? undefined : tail('chromium.log', 4000) } };
 }
 
 let result;

@@ -487,7 +487,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   stats() {
     // the running turn's tool cards as the chat shows them
     const cards = [...this.live?.cards.values() ?? []].map((c) => ({ tool: c.tool, state: c.state, title: cardTitle(c), args: c.args, argsCut: !!c.argsCut }));
-    return { streamUpdates: this.streamUpdates, deltas: this.deltas, streamPosts: this.streamPosts, streamChars: this.streamChars, streamWaits: this.streamWaits, streamAckMissed: this.streamAckMissed, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, viewReady: this.viewReady, cards,
+    return { streamUpdates: this.streamUpdates, deltas: this.deltas, streamPosts: this.streamPosts, streamChars: this.streamChars, streamWaits: this.streamWaits, streamAckMissed: this.streamAckMissed, lastProse: this.lastProse, turns: this.turns.length, pendingAsks: [...this.pendingAsks.keys()], loads: this.loads, viewReady: this.viewReady, visible: !!this.view?.visible, cards,
       status: this.live?.turn.status,
       badge: this.badgeValue(), posts: this.posts, postedChars: this.postedChars, attached: [...this.attached] };
   }

@@ -94,6 +94,8 @@ export interface OperateSidecarApi {
   chatStats(): { streamUpdates: number; deltas: number; lastProse: string; turns: number; pendingAsks: string[]; running: boolean; loads: number;
     /** how often the chat view's page reported ready (built, or built again after the chat was hidden) */
     viewReady: number;
+    /** whether the chat view is shown (its page exists only while it is: it is built again when shown) */
+    visible: boolean;
     /** the chat view's badge (calls waiting for a decision); `state` messages posted to the webview and their HTML's characters */
     badge: number; posts: number; postedChars: number;
     /** what Attach File and Add the Selection put into the chat input, in order */

@@ -19,6 +19,8 @@ export async function run(): Promise<void> {
   /** Those since `from`, but the warning about the settings' broken tool module (said at every server start). */
   const since = (from: number) => shown.slice(from).filter((m) => !m.includes('no_such_module_xyz'));
   const check = checkRunner(checks);
+  /** Pages of the chat view that had not loaded 10 s after being shown, dropped and built again (see the first checks). */
+  let webviewStalls = 0;
   try {
     await check('activate the extension; its messages are recorded', async () => {
       const ext = vscode.extensions.getExtension<OperateSidecarApi>(EXT_ID);
@@ -54,9 +56,26 @@ export async function run(): Promise<void> {
           await exec('operateSidecar.pickBranch', { branchId: b });   // the user picks chat B
           expect(A.currentBranch() === b, `current: ${A.currentBranch()}`);
           const ready = A.chatStats().viewReady;
-          await exec('workbench.view.explorer');   // the Explorer takes the side bar: the chat is hidden
-          await exec('operateSidecar.openChat');   // shown again: its page reports ready, the chat is read again
-          await until(() => A.chatStats().viewReady > ready, 'the chat view built again');
+          // the Explorer takes the side bar: the chat is hidden (its page goes); then shown again: a new page
+          // reports ready and the chat is read again. Each step is awaited as the extension host sees it.
+          // The workbench's webview host (VS Code 1.99 on the web) can leave a page built right after the
+          // one before it went waiting for its service worker for ~30 s (the browser's console: "Found
+          // unexpected service worker controller ... Waiting for controllerchange"; reworked upstream in
+          // microsoft/vscode#312020): a page that has not loaded after 10 s is dropped the same way (hidden,
+          // shown) at most twice, as a user would, and counted in the report.
+          for (let attempt = 0; ; attempt++) {
+            await exec('workbench.view.explorer');
+            await until(() => !A.chatStats().visible, 'the chat view hidden');
+            await exec('operateSidecar.openChat');
+            await until(() => A.chatStats().visible, 'the chat view shown again');
+            try {
+              await until(() => A.chatStats().viewReady > ready, 'the chat view built again (its page reported ready)', attempt < 2 ? 10000 : undefined);
+              break;
+            } catch (e) {
+              if (attempt >= 2) throw e;
+              webviewStalls++;
+            }
+          }
           during = A.chatTurns().map((t) => t.user);
           status = A.statusText();
           expect(A.chatStats().running, 'the turn ended early');
@@ -117,5 +136,5 @@ export async function run(): Promise<void> {
   } catch (e) {
     fatal = e instanceof Error ? e.stack ?? e.message : String(e);
   }
-  writeReport(checks, fatal, { shown, outputChannel: api?.outputText().slice(-6000) ?? '' });
+  writeReport(checks, fatal, { shown, webviewStalls, outputChannel: api?.outputText().slice(-6000) ?? '' });
 }
