@@ -215,12 +215,20 @@ def test_field_table_agrees_with_the_wire_types():
 
 
 def test_the_check_imports_nothing_heavy():
-    """initialize is the cold-start path: checking models must not import pydantic, the core,
-    a provider module or an SDK."""
+    """initialize is the cold-start path: checking models, and the settings' nesting depth
+    (checked before anything else, on initialize's settings and a --config file), must not import
+    pydantic, the core, the protocol package, a provider module or an SDK."""
     code = (
         "import json, sys\n"
         "import server.rpc.transport\n"
         "from operate_sidecar.server.rpc import settings as S\n"
+        "S.check_depth({'models': {'a': {'b': [1, {'c': 2}]}}})\n"
+        "try:\n"
+        "    S.check_depth(json.loads('[' * 100 + ']' * 100))\n"
+        "except S.SettingsError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('nesting 100 deep not refused')\n"
         f"models = json.loads({json.dumps(json.dumps(VALID))})\n"
         "S.finalize(S.merge(S.DEFAULTS, {'models': models}))\n"
         "try:\n"
