@@ -92,7 +92,10 @@ export interface TurnOutcome { branchId: string; result?: OperateResult; cancell
 
 interface Live {
   turn: Turn;
+  /** the turn's branch, once known (read or made before the operate is sent) */
   branchId: string;
+  /** the branch of the chat the turn was sent in ('' = a new chat): the turn's chat to name (status bar, header) until branchId is known */
+  chat: string;
   stream: string;
   /** index in turn.items of the prose item being streamed (-1: none yet) */
   proseIdx: number;
@@ -293,7 +296,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
   private post(msg: object): void { void this.view?.webview.postMessage(msg); }
 
   private header() {
-    const id = this.live?.branchId ?? this.host.branches.current;
+    // a running turn's chat, also before its branch is read (a chat picked meanwhile is shown once it ends)
+    const id = this.live ? this.live.branchId || this.live.chat : this.host.branches.current;
     return {
       branch: (id && this.host.branches.nameOf(id)) || (id ? id.slice(0, 8) : 'New chat'),
       model: this.host.branches.model ?? 'default model',
@@ -483,7 +487,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   // ---- turns -----------------------------------------------------------------------------------
   get running(): boolean { return !!this.live; }
-  runningBranch(): string | undefined { return this.live?.branchId; }
+  runningBranch(): string | undefined { return this.live ? this.live.branchId || this.live.chat || undefined : undefined; }
   stats() {
     // the running turn's tool cards as the chat shows them
     const cards = [...this.live?.cards.values() ?? []].map((c) => ({ tool: c.tool, state: c.state, title: cardTitle(c), args: c.args, argsCut: !!c.argsCut }));
@@ -530,7 +534,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
     const turn: Turn = { user: text, contextLabels: (resolved.context?.labels as string[] | undefined) ?? [], items: [], running: true };
     const source = new CancellationTokenSource();
     this.bindLocal(this.host.branches.current ?? '');
-    this.live = { turn, branchId: '', stream: '', proseIdx: -1, source, cards: new Map(), at: this.serverTotal, sent: false, began: false, ended: false,
+    this.live = { turn, branchId: '', chat: this.localBranch, stream: '', proseIdx: -1, source, cards: new Map(), at: this.serverTotal, sent: false, began: false, ended: false,
       flushed: '', lastFlush: 0, md: new StreamMarkdown(), shown: false, posting: 0, progress: { round: 1 }, ...(resolved.context && { context: resolved.context }),
       ...(opts?.responseFormat && { responseFormat: opts.responseFormat }) };
     this.render();
