@@ -444,7 +444,10 @@ class SidecarServer(JsonRPCServer):
         self.service.flush_journal_sync()
 
     def _running(self) -> list[asyncio.Future]:
-        return [f for f in self.protocol._request_futures.values() if isinstance(f, asyncio.Future) and not f.done()]
+        # every request not answered yet: also one whose handler just ended (a cancel just taken)
+        # while its answer, a done callback, still waits for its turn in the loop (the callback
+        # removes it): shutdown is answered after it, not before
+        return [f for f in self.protocol._request_futures.values() if isinstance(f, asyncio.Future)]
 
     def after_earlier(self, fn: Callable[[], None]) -> bool:
         """``shutdown``: when requests received before it are not answered yet, run ``fn()`` once
