@@ -297,7 +297,7 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
 
   private header() {
     // a running turn's chat, also before its branch is read (a chat picked meanwhile is shown once it ends)
-    const id = this.live ? this.live.branchId || this.live.chat : this.host.branches.current;
+    const id = this.live ? this.runningBranch() : this.host.branches.current;
     return {
       branch: (id && this.host.branches.nameOf(id)) || (id ? id.slice(0, 8) : 'New chat'),
       model: this.host.branches.model ?? 'default model',
