@@ -144,7 +144,8 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
    * Turns of this chat the server did not record as shown (failed, stopped): kept, in order, per
    * chat in the workspace state (see BranchStore.localTurns), so that they come back when the chat
    * is shown again, also after a window reload. `localBranch`: their branch ('' = a chat not yet bound); while a turn
-   * runs, the turn's own chat (only send, newBranch and leaveDeleted move it then: refresh waits for the turn's end).
+   * runs, the turn's own chat (only send, newBranch and leaveDeleted move it then: refresh begins no read until the turn's end,
+   * and a read of the turn's chat begun before it was sent still shows).
    */
   private locals: LocalTurn[] = [];
   private localBranch = '';
@@ -344,21 +345,26 @@ export class ChatView implements vscode.WebviewViewProvider, vscode.Disposable {
    * kept with neither.
    */
   async refresh(): Promise<void> {
-    const read = ++this.reads;
+    // (no read while a turn runs, and none begun: a read of the turn's chat that was out when it was sent still shows)
     if (this.live) { this.render(); return; }
+    const read = ++this.reads;
     const id = this.host.branches.current;
     this.bindLocal(id ?? '');
     if (!id) { this.serverTurns = []; this.serverTotal = 0; this.turns = withLocalTurns([], this.locals); this.render(); return; }
-    // a later read began while this one waited (another chat was picked): its chat is shown, not this one's
-    const stale = () => read !== this.reads || (this.host.branches.current ?? '') !== id;
+    // a later read began while this one waited (another chat was picked), or the chat shown is another one now (the
+    // current one; while a turn runs, the turn's own: a chat picked meanwhile does not make this read stale)
+    const stale = () => read !== this.reads || (this.live ? this.localBranch : this.host.branches.current ?? '') !== id;
     try {
       const client = await this.host.ensure();
       const messages = await allMessages(client, id);
       if (stale()) return;
-      this.loaded(messages);
+      // a turn sent in this chat meanwhile: the branch's history before it (what the server recorded of the turn since, it shows live)
+      const live = this.live as Live | undefined;   // (sent since the read began: see send)
+      this.loaded(live?.sent ? messages.slice(0, live.at) : messages);
       this.loads++;
     } catch (e) {
-      if (stale()) return;
+      // (failed while a turn runs in this chat: the turn's own read says what became of the chat, see send)
+      if (stale() || this.live) return;
       const shown = turnsAfterFailedRead(e, this.locals, (x) => this.host.serverProblem(x));
       if (!shown) return;   // cancelled by a restart: no error (the chat is read again once the server runs)
       this.serverTurns = [];

@@ -46,10 +46,7 @@ export async function run(): Promise<void> {
           : { provider: 'cli', profile: 'llm', command: [python, '-c',
             'import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.02)\nsys.exit("provider down")', flag, '{prompt}'] };
         const a = await exec<string>('operateSidecar.newBranch', { name: `chat A ${how}`, chatModel: model });
-        // chat A shown (its empty history read) before the message is sent, as a user sees it: a turn sent while
-        // that read is still out, with another chat picked before it ends, shows under the other chat's history
-        // (a known race, said in the README's tests section); this check is about the chat view built again
-        await until(() => !A.chatTurns().some((t) => t.user === `hello B ${how}`), 'chat A shown');
+        // (sent at once: chat A's history may still be being read when B is picked; the read still shows, under the turn)
         const question = `question in A (${how})`;
         const turn = Promise.resolve(vscode.commands.executeCommand<any>('operateSidecar.chat', question));
         let o: any;

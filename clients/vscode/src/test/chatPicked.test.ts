@@ -24,7 +24,7 @@ async function setUp() {
   const chat = new ChatView({ extensionUri: vscode.Uri.file('/ext') } as never, host as never);
   // as the extension does: a chat picked while no turn runs is shown
   branches.onDidChangeCurrent(() => { if (!chat.running) void chat.refresh(); });
-  const { view, send } = webviewView();
+  const { view, send, posted } = webviewView();
   chat.resolveWebviewView(view as never);
   client.branches.set('A', [msg('instruction', { instruction: 'a1' }), msg('assistant_response', { text: 'a1 reply' })]);
   client.branches.set('B', [msg('instruction', { instruction: 'b1' }), msg('assistant_response', { text: 'b1 reply' }),
@@ -45,7 +45,9 @@ async function setUp() {
     await until(() => client.ops.length === 1, 'the operate sent');
     return { turn };
   };
-  return { client, branches, chat, users, sendWhilePicking };
+  /** The chat the view's header names (its last `state` post). */
+  const header = () => (posted.filter((m) => m.type === 'state').at(-1) as { branch?: string } | undefined)?.branch;
+  return { client, branches, chat, users, sendWhilePicking, starting, header };
 }
 
 test('a chat picked while the server starts for a turn sent in chat A: the turn goes to A (its operate, its place, its failure kept there); B is shown once it ends', async () => {
@@ -127,5 +129,45 @@ test('a chat picked while the server starts for a turn sent in a chat deleted el
   assert.deepEqual(branches.localTurns('G'), []);
   await branches.setCurrent('new1');
   await until(() => JSON.stringify(users()) === JSON.stringify([['question in G', 'failed']]), 'the new chat shown with the failed turn');
+  chat.dispose();
+});
+
+test('a message sent in a chat just picked, before its history was read, with another chat picked while it runs: the turn shows under its own chat\'s history', async () => {
+  const { client, branches, chat, users } = await setUp();
+  await branches.setCurrent('B');
+  await until(() => users().join() === 'b1,b2', 'chat B shown');
+  client.slow.set('A', 300);   // (the server is slow to answer A's reads)
+  await branches.setCurrent('A');   // (its read is out)
+  const sent = chat.send('question in A');
+  await branches.setCurrent('B');   // the user picks B while the turn runs
+  await until(() => client.ops.length === 1, 'the operate sent');
+  assert.equal(client.ops[0].params.branchId, 'A');
+  // A's read, begun before the message was sent, answered: A's history with the running turn, not B's
+  await until(() => users().join() === 'a1,question in A', 'the running turn under chat A\'s history', 3000);
+  client.branches.get('A')!.push(msg('instruction', { instruction: 'question in A' }), msg('assistant_response', { text: 'answer' }));
+  client.ops[0].resolve(result('answer'));
+  assert.equal((await sent).branchId, 'A');
+  await until(() => users().join() === 'b1,b2', 'chat B shown once the turn ended');
+  await branches.setCurrent('A');
+  await until(() => users().join() === 'a1,question in A', 'chat A shown with the turn');
+  chat.dispose();
+});
+
+test('a turn sent in chat A names chat A (the status bar\'s running chat, the header) from the start, also with chat B picked before the server answers', async () => {
+  const { client, branches, chat, starting, header } = await setUp();
+  await branches.setCurrent('A');
+  await chat.refresh();
+  const release = starting();   // (no answer from the server yet: the turn's branch is not read)
+  const sent = chat.send('question in A');
+  await branches.setCurrent('B');
+  assert.equal(chat.runningBranch(), 'A');
+  assert.equal(header(), 'chat A');
+  release();
+  await until(() => client.ops.length === 1, 'the operate sent');
+  assert.equal(chat.runningBranch(), 'A');
+  client.ops[0].reject(new ResponseError(-32011, 'model failed'));
+  await sent;
+  assert.equal(chat.runningBranch(), undefined);
+  await until(() => header() === 'chat B', 'chat B named once the turn ended');
   chat.dispose();
 });
