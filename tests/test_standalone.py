@@ -110,3 +110,23 @@ def test_relative_links_to_docs_protocol_are_allowed():
     assert not offences("clients/typescript/README.md", "[the protocol](../../docs/PROTOCOL.md)")
     assert not offences("docs/PIPELINE.md", "[`docs/PROTOCOL.md`](PROTOCOL.md)")
     assert offences("clients/typescript/README.md", "[the protocol](../PROTOCOL.md)")
+
+
+TEST_REF = re.compile(r"\b(tests/[\w/]+\.py)::(\w+)")
+
+
+def test_every_test_the_docs_name_exists():
+    """A document that names a test (``tests/x.py::test_y``) as the evidence for what it says
+    points at a test that is there: one renamed since leaves the reader with nothing to run
+    (docs/SECURITY.md named a code-cache test by its old name)."""
+    docs = [f for f in repo_files() if f.endswith(".md") and not f.startswith(SKIP_PREFIXES)]
+    missing, seen = [], 0
+    for doc in docs:
+        for path, name in TEST_REF.findall((ROOT / doc).read_text(encoding="utf-8", errors="replace")):
+            seen += 1
+            target = ROOT / path
+            if not target.is_file() or not re.search(rf"^\s*(?:async\s+)?def {name}\b|^class {name}\b",
+                                                      target.read_text(encoding="utf-8"), re.M):
+                missing.append(f"{doc}: {path}::{name}")
+    assert seen > 20, seen  # (the pattern still finds the docs' references)
+    assert not missing, missing
