@@ -19,6 +19,9 @@ pytestmark = pytest.mark.timeout(90)
 REQUESTS = [
     {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}},
     {"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"cwd": os.getcwd(), "mcpServers": []}},
+    {"jsonrpc": "2.0", "id": 3, "method": "_editor/probe", "params": {}},  # (an extension's: the line too)
+    # a method ACP does not have: -32601 as ever (the SDK's router answers it)
+    {"jsonrpc": "2.0", "id": 4, "method": "editor/probe", "params": {}},
 ]
 
 
@@ -39,9 +42,10 @@ def test_a_command_line_mistake_with_acp_answers_every_request_with_its_line(tmp
     said = proc.stderr.decode().strip()
     assert "\n" not in said and said.startswith(line), said
     answers = [json.loads(x) for x in proc.stdout.splitlines()]
-    assert [a["id"] for a in answers] == [1, 2], proc.stdout
-    for a in answers:
+    assert [a["id"] for a in answers] == [1, 2, 3, 4], proc.stdout
+    for a in answers[:3]:
         assert (a["error"]["code"], a["error"]["message"]) == (-32603, said), a
+    assert answers[3]["error"]["code"] == -32601, answers[3]
     assert not (tmp_path / "session.jsonl").exists()  # nothing was served, nothing recorded
 
 

@@ -670,13 +670,18 @@ class AcpPort:
             raise ClientRequestError(-32603, f"invalid answer from the client ({fields})") from None
 
     async def _read(self, p: dict) -> dict:
+        # what the session was shown so far goes first (the reply's text, the call this read is
+        # for), as before a permission request: not held up by the client's answer to this one
+        await self.flush(p["branchId"])
         r = await self.client.read_text_file(session_id=p["branchId"], path=p["path"])
         return {"text": r.content}
 
     async def _write(self, p: dict) -> Any:
         """The editor's raw result (``{}`` when the SDK cannot give it): whether it is a write
         done is for ``ClientFiles`` to decide (``write_failed``, the check the native front end
-        makes too); one that is not is logged here, with what the editor answered."""
+        makes too); one that is not is logged here, with what the editor answered. What the
+        session was shown so far goes first (``_read``)."""
+        await self.flush(p["branchId"])
         conn = getattr(self.client, "_conn", None)  # the SDK's connection, which answers the raw result
         if not hasattr(conn, "send_request"):
             if not self._warned_write_fallback:  # an SDK without it: its typed call, which takes any answer for success

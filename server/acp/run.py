@@ -391,6 +391,26 @@ class LineBound:
         reader.feed_eof = self.hold.on_eof
 
     def feed_eof(self) -> None:
+        self._last_line()
+        self._ending()
+
+    def _last_line(self) -> None:
+        """The input ended in the middle of a line: newline-delimited JSON lets the last line go
+        without its newline (a client written as ``printf '%s' "$request" | agent``), so it is
+        taken as a whole line, one too long refused as ever; before ``END_OF_INPUT``, so that a
+        request in it is served or answered like the others. Only at the real end of the input:
+        after a signal (``stop``) the client may still be writing that line."""
+        if self._skipping:
+            self._skipping = False
+            self._reject()
+        elif self._held:
+            line = bytes(self._held) + b"\n"
+            self._held.clear()
+            self._head = b""
+            self._size = 0
+            self._line(line)
+
+    def _ending(self) -> None:
         if self.ending:  # (the protocol says it twice: at the EOF and as the pipe closes)
             return
         if self.drains:
@@ -413,7 +433,7 @@ class LineBound:
         if self.ending or not self.drains:
             return False
         self.reason = f"the agent was asked to stop ({why})"
-        self.feed_eof()
+        self._ending()
         return True
 
     @property

@@ -1002,6 +1002,59 @@ def test_with_the_fs_capability_files_are_read_and_written_through_the_client(tm
     run(main())
 
 
+class SlowOrderedClient(RecordingClient):
+    """Serves files, each answer to a request of the agent 0.3 s late (an editor that is slow
+    to answer), and logs what it was sent in the order it came: updates, reads, writes,
+    permission requests."""
+
+    def __init__(self):
+        super().__init__("allow_once")
+        self.log = []
+
+    async def session_update(self, session_id, update, **kw):
+        self.log.append((update.session_update, getattr(update, "status", None)))
+        await super().session_update(session_id, update, **kw)
+
+    async def read_text_file(self, session_id, path, line=None, limit=None, **kw):
+        self.log.append(("read", os.path.basename(path)))
+        await asyncio.sleep(0.3)
+        return await super().read_text_file(session_id, path, line, limit, **kw)
+
+    async def write_text_file(self, session_id, path, content, **kw):
+        self.log.append(("write", os.path.basename(path)))
+        await asyncio.sleep(0.3)
+        return await super().write_text_file(session_id, path, content, **kw)
+
+    async def request_permission(self, session_id, tool_call, options, **kw):
+        self.log.append(("ask", tool_call.status))
+        await asyncio.sleep(0.3)
+        return await super().request_permission(session_id, tool_call, options, **kw)
+
+
+def test_what_the_session_was_shown_goes_before_a_request_to_read_or_write_a_file(tmp_path, ws):
+    """With a client that serves files, the reply's text and the call a read is for reach the
+    client before that ``fs/read_text_file`` (and the call started before its write): the
+    updates waited for the client's answer to the read, so a slow editor held the model's words
+    back and was asked for a file for a call it had not been shown."""
+    async def main():
+        c = SlowOrderedClient()
+        c.files[str(ws / "a.txt")] = "buffer\n"
+        config = cfg(tmp_path, reply("I will read a.txt.", [("read_file", {"path": "a.txt"})]),
+                     reply("Now the write.", [("write_file", {"path": "b.txt", "content": "B\n"})]), reply("done"))
+        async with spawn(c, config, fs=True) as (conn, _):
+            sid = (await bounded(conn.new_session(cwd=str(ws)))).session_id
+            assert (await prompt(conn, sid)).stop_reason == "end_turn"
+        log = c.log
+        first = log.index(("read", "a.txt"))
+        assert log[:first] == [("agent_message_chunk", None), ("tool_call", "in_progress")], log
+        second = log.index(("agent_message_chunk", None), first)
+        assert log.index(("ask", "pending")) > log.index(("tool_call", "pending"), second), log
+        assert log.index(("write", "b.txt")) > log.index(("tool_call_update", "in_progress"), second), log
+        # (the read of b.txt for the write's diff comes before the call is shown: the diff goes with it)
+
+    run(main(), timeout=60)
+
+
 class FailingReads(RecordingClient):
     """An editor whose ``fs/read_text_file`` of an unsaved new buffer fails with an error that
     is not "not found" (an editor error: the buffer is there, it could not be read)."""

@@ -231,3 +231,31 @@ def test_a_tool_s_forked_child_that_sigterms_itself_does_not_stop_the_agent(tmp_
     finally:
         a.close()
     assert a.proc.returncode == 0
+
+
+@pytest.mark.parametrize("stdin_is", ["pipe", "file"])
+def test_a_last_line_without_its_newline_is_served_not_dropped(tmp_path, stdin_is):
+    """Newline-delimited JSON lets the input's last line end without a newline (a scripted
+    client's ``printf '%s' …``): it is taken as a line, so a request there is answered, a line
+    that is not JSON is answered -32700 and one over ``maxMessageBytes`` -32600 with its id, as
+    anywhere else (it was dropped without a word)."""
+    config = _config(tmp_path, "x", maxMessageBytes=10_000)
+    again = json.dumps(_init(2)).encode()  # (answered at once: a request that waits for the core is answered -32800)
+    big = json.dumps({"jsonrpc": "2.0", "id": 3, "method": "session/list", "params": {"x": "a" * 20_000}}).encode()
+    for last, expect in ((again, {0: "result", 2: "result"}), (b'{"jsonrpc": "2.0", "id": 4, "meth',
+                                                                 {0: "result", None: -32700}),
+                         (big, {0: "result", 3: -32600})):
+        data = _lines(_init(0)) + last
+        if stdin_is == "file":
+            script = tmp_path / "session.ndjson"
+            script.write_bytes(data)
+            with open(script, "rb") as stdin:
+                out = subprocess.run(AGENT + ["--config", config], stdin=stdin, capture_output=True,
+                                     env=agent_env(), timeout=TIMEOUT)
+        else:
+            out = subprocess.run(AGENT + ["--config", config], input=data, capture_output=True, env=agent_env(),
+                                 timeout=TIMEOUT)
+        got = {m.get("id"): ("result" if "result" in m else m["error"]["code"])
+               for m in map(json.loads, out.stdout.splitlines())}
+        assert out.returncode == 0 and got == expect, (last[:40], got, out.stderr.decode()[-2000:])
+        assert b"Traceback" not in out.stderr
