@@ -107,6 +107,41 @@ def check_valid(schema: dict[str, Any], where: str) -> None:
         at = "/" + "/".join(str(x) for x in e.path)
         complaint = _cut(e.message)
         raise invalid_params(f"{where}: not a valid JSON Schema at {at}: {complaint}", {"path": at}) from None
+    _check_refs(schema, where)
+
+
+#: keywords whose values are data, not schemas: a ``$ref`` member there is a value
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _check_refs(root: Any, where: str) -> None:
+    """-32602 naming where, for a local ``$ref`` (``#/...``) that points at nothing in the
+    schema: valid JSON Schema, but the builder then failed with its own exception's name and no
+    path (``ReferenceError: Invalid reference path``)."""
+    from urllib.parse import unquote
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/"):
+                target: Any = root
+                for part in ref[2:].split("/"):
+                    key = unquote(part).replace("~1", "/").replace("~0", "~")
+                    if isinstance(target, dict) and key in target:
+                        target = target[key]
+                    elif isinstance(target, list) and key.isdigit() and int(key) < len(target):
+                        target = target[int(key)]
+                    else:
+                        raise invalid_params(f"{where}: $ref {ref!r} at {path or '/'} points at nothing in the schema",
+                                             {"path": f"{path}/$ref"})
+            for k, v in node.items():
+                if k not in _DATA_KEYWORDS:
+                    walk(v, f"{path}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}")
+
+    walk(root, "")
 
 
 #: what a pattern's refusal says of the engine that runs it
@@ -155,6 +190,9 @@ def _check(schema: Any, path: str, where: str, defaults: list[tuple[str, dict]] 
     pattern = schema.get("pattern")
     if isinstance(pattern, str):
         _check_pattern(pattern, path, where)
+    if schema.get("enum") == []:  # (valid JSON Schema: no value at all, which the builder cannot make)
+        raise invalid_params(f"{where}: an empty enum at {path or '/'} allows no value: give it at least one",
+                             {"path": f"{path}/enum"})
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise invalid_params(f"{where}: only local $ref (#/...) is supported, got {ref!r}")

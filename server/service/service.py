@@ -130,6 +130,8 @@ class Service:
         self._state_loaded = False
         #: the task restoring the branches (``_restore``) while one runs: set when it ends
         self._restoring: asyncio.Event | None = None
+        #: the last request in ``_state``'s line: done once it has gone on past it (``_state``)
+        self._state_last: asyncio.Future | None = None
         self._opened: tuple[Any, list, str | None] | None = None  # what it read
         #: the task group that owns every background task of the service (see ``start``)
         self._tg: Any = None
@@ -328,8 +330,33 @@ class Service:
 
     async def _state(self) -> None:
         """Restore stored branches (once, on a worker thread: the event loop keeps answering),
-        then take in what other processes on the same ``stateDir`` committed since."""
+        then take in what other processes on the same ``stateDir`` committed since.
+
+        Requests go on past it in the order they came to it, whatever they waited for: a
+        request that has to wait (the restore, another process's commits to read) makes those
+        after it wait for it, and one that need not wait goes on at once only when nobody is
+        in the line. Without the line, requests sent together went on in another order (the
+        first after the restore last, each reading other processes' commits on its own worker
+        thread): an ``authorizeTool`` deny acknowledged before an ``operate`` sent after it did
+        not stop that operate's call, and a ``listBranches`` saw a branch a later request made."""
         self._core()
+        last = self._state_last
+        if (last is None or last.done()) and self._state_loaded and (self.journal is None or self.journal.unchanged()):
+            return
+        mine = asyncio.get_running_loop().create_future()
+        self._state_last = mine
+        try:
+            if last is not None and not last.done():
+                await asyncio.shield(last)  # (a cancel of this request leaves the line as it is)
+            await self._catch_up()
+        finally:
+            if last is not None and not last.done():  # cancelled while waiting: those after it wait for `last` still
+                last.add_done_callback(lambda _f: mine.done() or mine.set_result(None))
+            else:
+                mine.set_result(None)
+
+    async def _catch_up(self) -> None:
+        """``_state``'s work, for one request at a time."""
         if not self._state_loaded:
             state_dir = self.settings.get("stateDir")
             if not state_dir:

@@ -1456,7 +1456,8 @@ class StateStore:
                 if st2 is not None:
                     st2.meta = dict(st2.committed_meta)
                     st2.meta_dirty = False
-            log.error("state: could not save branch %s: %s", bid, e)
+            # (a branch another process deleted meanwhile is no fault here: the request says so, -32013)
+            (log.warning if getattr(e, "deleted", ()) else log.error)("state: could not save branch %s: %s", bid, e)
             raise StateNotSaved(str(e), [bid], deleted=getattr(e, "deleted", ())) from e
         self._after_commit(freed=any(kind == "clear" for kind, _ in ops))
         with self._lock:

@@ -67,6 +67,10 @@ def test_a_schema_the_builder_got_wrong_holds_a_reply_to_what_it_says(schema_a, 
     ({"oneOf": [False, {"type": "string"}]}, "/properties/a/oneOf/0", "false, which no value matches"),
     ({"$ref": "#"}, "/properties/a/$ref", "'#/$defs/<name>'"),
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "/properties/a/allOf/1/type", "sets 'type' differently"),
+    # valid JSON Schema the builder failed on with its exception's name and no path
+    ({"type": "string", "enum": []}, "/properties/a/enum", "an empty enum at /properties/a allows no value"),
+    ({"$ref": "#/$defs/Nope"}, "/properties/a/$ref", "'#/$defs/Nope' at /properties/a points at nothing"),
+    ({"type": "array", "items": {"$ref": "#/properties/b"}}, "/properties/a/items/$ref", "points at nothing"),
 ])
 def test_a_schema_the_builder_cannot_take_is_refused_in_one_line_naming_where(schema_a, path, words):
     from operate_sidecar.server.service.errors import RpcError
