@@ -107,7 +107,6 @@ def check_valid(schema: dict[str, Any], where: str) -> None:
         at = "/" + "/".join(str(x) for x in e.path)
         complaint = _cut(e.message)
         raise invalid_params(f"{where}: not a valid JSON Schema at {at}: {complaint}", {"path": at}) from None
-    _check_refs(schema, where)
 
 
 #: keywords whose values are data, not schemas: a ``$ref`` member there is a value
@@ -115,9 +114,10 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
 def _check_refs(root: Any, where: str) -> None:
-    """-32602 naming where, for a local ``$ref`` (``#/...``) that points at nothing in the
-    schema: valid JSON Schema, but the builder then failed with its own exception's name and no
-    path (``ReferenceError: Invalid reference path``)."""
+    """-32602 naming where, for a local ``$ref`` (``#/...``) of a reply's schema that points at
+    nothing in it: valid JSON Schema, but the model builder then failed with its own exception's
+    name and no path (``ReferenceError: Invalid reference path``). (A tool's input schema is not
+    built into a model: such a ``$ref`` fails its calls, named, as before.)"""
     from urllib.parse import unquote
 
     def walk(node: Any, path: str) -> None:
@@ -773,6 +773,7 @@ class SchemaCache:
             return cached
         if self._pinned_key(schema) is None:  # (a pinned schema is a front end's own constant)
             check_valid(schema, where)
+            _check_refs(schema, where)
         defaults: list[tuple[str, dict]] = []
         built = _check(schema, "", where, defaults)
         if self._pinned_key(schema) is None:
@@ -807,6 +808,7 @@ class SchemaCache:
         annotation = self._specs.get(key)
         if annotation is None:
             check_valid(schema, f"{where}.schema")
+            _check_refs(schema, f"{where}.schema")
             # (a field's type is built into the pipeline's own model: the builder is given
             # uniqueItems left out, held by the whole schema's check)
             import copy
