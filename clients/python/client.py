@@ -90,7 +90,11 @@ def _session_groups(sid: int) -> set[int]:
 def _encode(msg: dict) -> bytes:
     """One message as a UTF-8 JSON body; ValueError/TypeError for what JSON cannot hold (NaN included:
     the server would answer it -32700 with id null, so the request it belonged to would never be answered)."""
-    return json.dumps(msg, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    text = json.dumps(msg, ensure_ascii=False, allow_nan=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (half an emoji): valid JSON as its escape, which the server takes
+        return json.dumps(msg, allow_nan=False).encode("ascii")
 
 
 class _Write:

@@ -427,12 +427,12 @@ class Recorder:
     # ------------------------------------------------------------------ output
     def lines(self) -> list[str]:
         with self._lock:
-            out = [json.dumps(_raw_if_malformed(s), ensure_ascii=False) for s in self._timed()]
+            out = [_json_line(_raw_if_malformed(s)) for s in self._timed()]
             models = {name: self._escaped({**m, "responses": [r if r is not None else {"error": "(not finished when recorded)"}
                                                          for r in m["responses"]]})
                       for name, m in self.models.items()}
             if models:
-                out.append(json.dumps({"recordedModels": models}, ensure_ascii=False))
+                out.append(_json_line({"recordedModels": models}))
         return out
 
     def write(self) -> None:
@@ -640,6 +640,20 @@ def _cwd_pattern(*cwds: str) -> re.Pattern | None:
         return None
     alternatives = "|".join(re.escape(c) for c in sorted(set(paths), key=len, reverse=True))  # the longest first
     return re.compile(r"(?<![\w.$-])(?:" + alternatives + r")(?![\w-]|\.[\w-])")  # a sentence's full stop may follow
+
+
+def _json_line(value: Any) -> str:
+    """``value`` as one line of JSON, its text as it is where it is Unicode; a string holding a
+    lone surrogate (a client's ``\\ud83d``: JSON.stringify of a string cut in the middle of an
+    emoji, which the server serves) has no UTF-8 form, so that line is written with escapes: the
+    same strings read back. (Written as it was, the recording failed to encode and took the
+    server's answers with it.)"""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def _raw_if_malformed(step: dict[str, Any]) -> dict[str, Any]:

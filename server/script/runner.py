@@ -69,6 +69,7 @@ import io
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -157,7 +158,9 @@ class StepResult:
 
     def line(self) -> str:
         word = "PASS" if self.ok else "FAIL"
-        return f"{word} {self.step.label}" + (f": {self.detail}" if self.detail else "")
+        text = f"{word} {self.step.label}" + (f": {self.detail}" if self.detail else "")
+        # (a lone surrogate a script's string holds, half an emoji, is shown as its escape: it has no UTF-8 form)
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass
@@ -374,7 +377,7 @@ def _unsubstituted(responses: Any) -> Any:
 
 def _error_problem(err: Any) -> str | None:
     if not isinstance(err, dict) or not isinstance(err.get("code"), int) or isinstance(err.get("code"), bool) \
-            or not isinstance(err.get("message", ""), str) or set(err) - {"code", "message", "data"}:
+            or not isinstance(err.get("message"), str) or set(err) - {"code", "message", "data"}:
         return f'a respond error is a JSON-RPC error, {{"code": integer, "message": "text", "data"?: any}}, ' \
                f"got {short(err, 60)}"
     return None
@@ -642,19 +645,20 @@ class _Standing:
         self.seen: list[tuple[str, Any]] = []
         #: server-to-client requests no ``respond`` line answered (they got -32601): each fails the
         #: step reported next, the one that was running when it came (after the last step: the end)
-        self.unanswered: list[tuple[str, Any, str]] = []   # (method, params, why)
+        self.unanswered: list[tuple[str, Any, str, int]] = []   # (method, params, why, nearest line)
         #: answers a respond line gave that the request did not offer (a decision not among its
         #: options): each fails the step reported next, as an unanswered request does
         self.wrong: list[str] = []
         self.lock = threading.Lock()
 
-    def refuse(self, method: str, params: Any, why: str) -> NoReturn:
+    def refuse(self, method: str, params: Any, why: str, near: int = 0) -> NoReturn:
         """Answer a server-to-client request the script has no answer for with -32601, and keep it
-        for the report (the step it came during fails: the session went another way)."""
+        for the report (the step it came during fails: the session went another way). ``near``:
+        the respond line whose match came nearest, when some were held to it."""
         from operate_sidecar.clients.python.client import RpcError
 
         with self.lock:
-            self.unanswered.append((method, params, why))
+            self.unanswered.append((method, params, why, near))
         raise RpcError(-32601, f"the session script has no answer to {method}: {why}")
 
 
@@ -805,12 +809,12 @@ class Runner:
         after = " after the last step" if line is None else ""
         problems = []
         if unanswered:  # the server asked the client something the script does not answer
-            method, params, why = unanswered[0]
+            method, params, why, near = unanswered[0]
             more = f" (and {len(unanswered) - 1} more such request(s))" if len(unanswered) > 1 else ""
             where = f"line {line}" if line is not None else "the request that leads to it"
             problems.append(f"the server asked {method} {short(params, 400)}{after} and {why}, so it was refused "
-                            f"(-32601){more}; add a line {{\"respond\": \"{method}\", \"result\": ...}} before "
-                            f"{where}")
+                            f"(-32601){more}; {f'fix the match of line {near}, or ' if near else ''}"
+                            f"add a line {{\"respond\": \"{method}\", \"result\": ...}} before {where}")
         if wrong:  # a respond line answered with what the request did not offer
             problems.append(after.lstrip() + ", " * bool(after) + wrong[0]
                             + (f" (and {len(wrong) - 1} more such answer(s))" if len(wrong) > 1 else ""))
@@ -1221,6 +1225,15 @@ class Runner:
                                  if e.match is None or first_mismatch(e.match, params) is None), None)
                     ans, line = fits.next() if fits is not None else (None, 0)
                 if ans is None:
+                    # the line whose match came nearest, and where it parted (a typo in a tool's name, say)
+                    with standing.lock:
+                        held = [(e.answers[0][1], first_mismatch(e.match, params, "$.params"))
+                                for e in standing.answers[method] if e.match is not None]
+                    held = [(n, mm) for n, mm in held if mm is not None]
+                    if held:
+                        near, mm = nearest(held, None, None)
+                        standing.refuse(method, params, f"no respond line's match fits it (nearest: line {near}'s, "
+                                                        f"{mm.describe(80)})", near)
                     standing.refuse(method, params, "no respond line's match fits it")
                 if ans.get("unanswered"):  # as its recorded client did: no answer while the session lasts
                     self._leave_unanswered()
@@ -1397,22 +1410,56 @@ def main(argv: list[str]) -> int:
     def emit(res: StepResult) -> None:
         if res.ok and args.quiet:
             return
-        print(res.line(), flush=True)
+        _say(res.line())
 
     runner = Runner(script, server_argv, step_timeout=args.timeout, on_result=emit)
+    _stop_on_signals()
     try:
         ok = runner.run()
     except ServerStartError as e:
         print(f"operate-sidecar replay: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # the server was stopped (run() ends it: it is not in the terminal's job)
-        print(f"operate-sidecar replay: interrupted after {len(runner.results)} step(s)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # the server was stopped (run() ends it: it is not in the terminal's job)
+        signum = getattr(e, "signum", signal.SIGINT)
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"operate-sidecar replay: {how} after {len(runner.results)} step(s)", file=sys.stderr)
+        return 128 + signum
     if runner.ending:
-        print(f"note: {runner.ending}")
-    print(summary(runner, f" ({Path(args.script).name})"))
+        _say(f"note: {runner.ending}")
+    _say(summary(runner, f" ({Path(args.script).name})"))
     if ok:
         return 0
     if runner.stderr_tail:
-        print("server stderr (last lines):\n" + "\n".join("  " + ln for ln in runner.stderr_tail.splitlines()))
+        _say("server stderr (last lines):\n" + "\n".join("  " + ln for ln in runner.stderr_tail.splitlines()))
     return 1
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a CI job's time-out, ``kill``, the terminal closed): the replay stops as
+    on Ctrl+C, its server (in a session of its own, which the signal does not reach) ended too."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signals() -> None:
+    def stop(signum: int, _frame: Any) -> None:
+        raise _Stopped(signum)
+
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, stop)
+
+
+def _say(text: str) -> None:
+    """A line of the report on stdout. Its reader may have left (``| head``, ``| grep -m1 FAIL``):
+    the replay then goes on to its end (the server ended as usual, its exit code) unprinted,
+    not with a traceback. A lone surrogate (half an emoji a script's string holds) is shown as
+    its escape."""
+    try:
+        print(text.encode("utf-8", "backslashreplace").decode("utf-8"), flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

@@ -408,7 +408,8 @@ def test_a_server_request_the_script_does_not_answer_fails_the_step_it_came_duri
     assert fails[0].endswith('"tool": "get_weather"} and no respond line answers it, so it was refused (-32601); '
                              'add a line {"respond": "requestToolPermission", "result": ...} before line 3'), fails[0]
     assert fails[1].startswith("FAIL line 5: request operate: the server asked requestToolPermission "), fails[1]
-    assert "and no respond line's match fits it, so it was refused (-32601)" in fails[1], fails[1]
+    assert ("and no respond line's match fits it (nearest: line 4's, at $.params.tool: expected \"other\", got "
+            "\"get_weather\"), so it was refused (-32601); fix the match of line 4, or add a line") in fails[1], fails[1]
     assert "2 of 6 steps failed (ask.jsonl); first: line 3: request operate" in out.stdout
 
 

@@ -186,3 +186,26 @@ def test_a_lone_reference_as_responses_or_cli_is_put_in_as_written_to_be_substit
                                      "i": {"responses": "${turns}", "inline": {"provider": "openai", "model": "g"}}})
     assert named == {"m": {"provider": "scripted", "responses": "${all}", "cli": "${c}"}}
     assert list(inline.values()) == [{"provider": "scripted", "responses": "${turns}"}]
+
+
+def test_a_request_no_respond_match_fits_names_the_nearest_line_and_where_it_parted(tmp_path):
+    """A typo in a respond line's match (``write_fiel``): the report said only that no match fit,
+    with the request's params cut before the field that differed, and told the reader to add the
+    line they had. It names the line whose match came nearest and the difference."""
+    write = {"json": {"action_requests": [{"function": "write_file", "arguments": {"path": "n.txt", "content": "x"}}]}}
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    steps = [{"request": "initialize", "params": {"capabilities": {"toolPermission": True}, "workspaceFolders": [str(ws)],
+                                                  "settings": {"models": {"m": scripted(write)},
+                                                               "toolPolicy": {"write_file": "ask"}}}},
+             {"request": "createBranch", "save": {"b": "branchId"}},
+             {"respond": "requestToolPermission", "match": {"tool": "read_file"}, "result": {"decision": "deny_once"}},
+             {"respond": "requestToolPermission", "match": {"tool": "write_fiel"}, "result": {"decision": "allow_once"}},
+             {"request": "operate", "params": {"branchId": "${b}", "instruction": "w", "actions": True}}]
+    out = replay(write_script(tmp_path / "s.jsonl", steps))
+    [line] = fails(out)
+    assert line.startswith("FAIL line 5: request operate: the server asked requestToolPermission"), line
+    assert ("no respond line's match fits it (nearest: line 4's, at $.params.tool: expected \"write_fiel\", "
+            "got \"write_file\")") in line, line
+    assert "fix the match of line 4, or add a line" in line, line
+    assert not (ws / "n.txt").exists()

@@ -365,3 +365,92 @@ def test_a_difference_past_the_cut_off_is_shown_with_what_surrounds_it(tmp_path)
     script.write_text("".join(json.dumps(s) + "\n" for s in steps))
     out = replay(script)
     assert out.returncode == 1 and ' END.", got …' in out.stdout and out.stdout.count(' end."') == 1, out.stdout
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_replay_stopped_by_sigterm_or_sighup_ends_its_server_too(tmp_path, sig, code):
+    """A CI job's time-out (``timeout``, SIGTERM) or a closed terminal (SIGHUP) reaches the replay,
+    not its server (in a session of its own): the replay ends it as on Ctrl+C (SIGTERM, then
+    SIGKILL 2 s later: this one ignores SIGTERM) and exits 128 + the signal. A wedged server
+    was left running, its parent gone."""
+    script = tmp_path / "s.jsonl"
+    script.write_text(json.dumps({"request": "initialize"}) + "\n" + json.dumps({"request": "ping"}) + "\n")
+    pidfile, log = tmp_path / "pid", tmp_path / "out"
+    with open(log, "wb") as sink:
+        replay_ = subprocess.Popen([PY, "-m", "operate_sidecar.server", "replay", str(script), "--",
+                                    PY, "-c", IGNORES_SIGTERM, str(pidfile)],
+                                   stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    server_pid = None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "PASS line 1" not in log.read_text():  # the ping is waiting
+            assert replay_.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        server_pid = int(pidfile.read_text())
+        replay_.send_signal(sig)  # to the replay alone, as `timeout` sends it
+        got = replay_.wait(TIMEOUT)
+    finally:
+        if replay_.poll() is None:
+            os.killpg(replay_.pid, signal.SIGKILL)
+            replay_.wait(TIMEOUT)
+    try:
+        out = log.read_text()
+        assert got == code, out
+        assert f"stopped by {signal.Signals(sig).name} after 1 step(s)" in out and "Traceback" not in out, out
+        assert wedge_tools.gone(server_pid), "the server outlived the replay"
+    finally:
+        if server_pid and not wedge_tools.gone(server_pid, 0):
+            os.kill(server_pid, signal.SIGKILL)
+
+
+def test_a_lone_surrogate_is_recorded_replayed_and_reported_without_a_traceback(tmp_path):
+    """A client writing JSON as JavaScript does sends a string cut in the middle of an emoji as
+    a lone surrogate escape (``"\\ud83d"``): valid JSON, which the server serves. ``--record``
+    could not encode it: the server stopped answering and the recording was lost; ``replay``
+    could not send it, nor print a report line holding one (a traceback each)."""
+    rec = tmp_path / "s.jsonl"
+    settings = {"settings": {"models": {"m": {"provider": "scripted", "responses": ["ok"]}}}}
+
+    def session(c):
+        c.request("initialize", settings, timeout=30)
+        branch = c.request("createBranch", {}, timeout=30)["branchId"]
+        assert c.request("operate", {"branchId": branch, "instruction": "cut emoji: \ud83d"}, timeout=30)["result"] == "ok"
+
+    record(rec, session)
+    assert '"cut emoji: \\ud83d"' in rec.read_text()  # its escape: the line is UTF-8
+    r = replay(rec)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # a script's expectation holding one: the failure is reported, the half shown as its escape
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"request": "initialize"}\n{"request": "ping", "expect": {"result": {"x": "\\udfff"}}}\n')
+    r = replay(bad)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert 'FAIL line 2' in r.stdout and '\\udfff' in r.stdout, r.stdout
+
+
+def test_a_report_whose_reader_left_ends_the_replay_quietly_with_its_code(tmp_path):
+    """``replay … | head -1``: the rest of the report has no reader; the replay goes on to its
+    end (the server ended as usual) and its exit code, without a BrokenPipeError traceback."""
+    script = tmp_path / "s.jsonl"
+    script.write_text("".join(json.dumps(s) + "\n" for s in [{"request": "initialize"}, *[{"request": "ping"}] * 30]))
+    p = subprocess.Popen([PY, "-m", "operate_sidecar.server", "replay", str(script)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().startswith(b"PASS line 1")
+        p.stdout.close()  # the reader leaves
+        err = p.stderr.read().decode()
+        assert p.wait(TIMEOUT) == 0, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(TIMEOUT)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_respond_error_without_a_message_is_a_malformed_script(tmp_path):
+    script = tmp_path / "s.jsonl"
+    script.write_text('{"request": "initialize"}\n{"respond": "requestToolPermission", "error": {"code": 1}}\n')
+    r = replay(script)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.strip() == (f"operate-sidecar replay: {script}:2: a respond error is a JSON-RPC error, "
+                                '{"code": integer, "message": "text", "data"?: any}, got {"code": 1}'), r.stderr
