@@ -222,6 +222,10 @@ def parse_script(lines: Iterable[str], source: str = "script") -> Script:
             method = f"line {unawaited.pop(key)}"
         elif not isinstance(method, str) or not method:
             raise ScriptError(f"{source}:{n}: {kind} must name a method")
+        elif kind in ("respond", "expectNotification"):
+            problem = _misspelt_method(kind, method)
+            if problem:
+                raise ScriptError(f"{source}:{n}: {problem}")
         unknown = sorted(set(obj) - _STEP_KEYS[kind])
         if unknown:
             raise ScriptError(f"{source}:{n}: unknown field(s) for a {kind} step: "
@@ -373,6 +377,24 @@ def _unsubstituted(responses: Any) -> Any:
                                    and not (isinstance(e, dict) and whole_reference(e.get("type")))]
         out.append(entry)
     return out
+
+
+def _misspelt_method(kind: str, method: str) -> str | None:
+    """A ``respond`` or ``expectNotification`` method that is no method the server sends but is
+    close to one (``requestToolPermision``): said when the script loads. Such a respond line
+    was taken as a standing answer that nothing ever asked for (reported PASS), and such a wait
+    ran out its whole time-out; the failure that followed did not say why. A name far from
+    every known one is left alone (a server of another protocol, after ``--``)."""
+    from operate_sidecar.protocol import NOTIFICATIONS, SERVER_NOTIFICATIONS, SERVER_TO_CLIENT_REQUESTS
+
+    known = set(SERVER_TO_CLIENT_REQUESTS) if kind == "respond" else set(SERVER_NOTIFICATIONS) | set(NOTIFICATIONS)
+    if method in known:
+        return None
+    meant = did_you_mean(method, known)
+    if meant is None:
+        return None
+    what = "request" if kind == "respond" else "notification"
+    return f"{kind} {json.dumps(method)}: the server sends no such {what}; did you mean {meant}?"
 
 
 def _error_problem(err: Any) -> str | None:

@@ -209,3 +209,20 @@ def test_a_request_no_respond_match_fits_names_the_nearest_line_and_where_it_par
             "got \"write_file\")") in line, line
     assert "fix the match of line 4, or add a line" in line, line
     assert not (ws / "n.txt").exists()
+
+
+@pytest.mark.parametrize("step, problem", [
+    ({"respond": "requestToolPermision", "result": {"decision": "allow_once"}},
+     'respond "requestToolPermision": the server sends no such request; did you mean requestToolPermission?'),
+    ({"expectNotification": "toolEvnt"},
+     'expectNotification "toolEvnt": the server sends no such notification; did you mean toolEvent?'),
+])
+def test_a_misspelt_method_the_server_sends_is_refused_when_the_script_loads(step, problem):
+    """Such a respond line was a standing answer nothing asked for (PASS), and such a wait ran out
+    its whole time-out, neither saying why; a name far from every known one is a method of some
+    other server (after ``--``), left alone."""
+    with pytest.raises(ScriptError) as e:
+        parse_script([json.dumps({"request": "initialize"}), json.dumps(step)], "s.jsonl")
+    assert str(e.value) == f"s.jsonl:2: {problem}"
+    far = {**step, next(iter(step)): "myServer/somethingElse"}
+    assert len(parse_script([json.dumps(far)], "s.jsonl").steps) == 1
