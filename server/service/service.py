@@ -1579,8 +1579,13 @@ class Service:
         return b
 
     async def _stored_branch(self, branch_id: Any) -> Any:
-        """The branch, after taking in what is stored (-32012 when there is none)."""
+        """The branch, after taking in what is stored (-32012 when there is none), and after the
+        delete of it under way, if one is (a request sent after a ``deleteBranch`` meets it done,
+        as it meets a ``createBranch`` sent before it done)."""
         await self._state()
+        deleting = self._deleting.get(branch_id) if isinstance(branch_id, str) else None
+        if deleting is not None:
+            await asyncio.shield(deleting)
         return self.branch(branch_id)
 
     async def restore(self) -> None:
@@ -1838,9 +1843,11 @@ class Service:
         if self.journal is not None:
             from operate_sidecar.server.state import StateNotSaved
 
+            # (known at once, before the delete's task runs: a request read after this one waits for it)
+            over = asyncio.get_running_loop().create_future()
+            self._deleting[p.branch_id] = over
+
             async def delete() -> None:
-                over = asyncio.get_running_loop().create_future()
-                self._deleting[p.branch_id] = over
                 try:
                     try:
                         await self._to_thread(self.journal.delete, p.branch_id)
@@ -1853,7 +1860,13 @@ class Service:
                         del self._deleting[p.branch_id]
                     over.set_result(None)
 
-            await self._to_the_end(delete())  # forgets the branch once it is deleted on disk
+            try:
+                await self._to_the_end(delete())  # forgets the branch once it is deleted on disk
+            finally:
+                if not over.done():  # (its task never ran: nobody waits for it in vain)
+                    if self._deleting.get(p.branch_id) is over:
+                        del self._deleting[p.branch_id]
+                    over.set_result(None)
         else:
             stopping = self._forget(p.branch_id)
         # the MCP servers only it held were asked to stop (``_forget``): answered once they have
@@ -1886,6 +1899,8 @@ class Service:
             raise invalid_params("unknown fields: " + ", ".join(json.dumps(k) for k in params),
                                  {"unknownFields": list(params)})
         await self._state()
+        for deleting in list(self._deleting.values()):  # (deletes under way, saved first: the list shows them done)
+            await asyncio.shield(deleting)
         return {"branches": [{"branchId": b.id, "name": b.name, "messageCount": len(b.messages),
                               "chatModel": getattr(b.chat_model, "name", None), "usage": self._usage_of(b.id)}
                              for b in self.branches.values()]}

@@ -75,3 +75,28 @@ def test_a_deny_sent_with_an_operate_governs_it_while_another_server_commits(spa
         b.branch(name=f"other {i}")  # a commit that server A takes in before its next request
         out = _denied(a, branch, str(i))
         assert isinstance(out, dict) and out.get("reason") == "denied by policy", (i, out)
+
+
+def test_requests_sent_after_a_delete_meet_it_done(spawn, tmp_path):
+    """A delete is saved before it is applied (a delete that cannot be saved leaves the branch);
+    a ``listBranches`` and a ``branchMessages`` sent with it, after it, were answered while its
+    save ran, with the branch still there. They wait for it now, as a request after a
+    ``createBranch`` meets the branch made."""
+    state = str(tmp_path / "state")
+    first = spawn("--state-dir", state)
+    first.init(models={"s": scripted()})
+    kept, gone = first.branch(name="kept"), first.branch(name="gone")
+    first.close()
+    c = spawn("--state-dir", state)
+    c.init(models={"s": scripted()})
+    for _ in range(2):  # after a restart (the restore), then warm
+        pending = [c.expect(i) for i in ("del", "list", "messages")]
+        c.send_raw(frame({"jsonrpc": "2.0", "id": "del", "method": "deleteBranch", "params": {"branchId": gone}})
+                   + frame({"jsonrpc": "2.0", "id": "list", "method": "listBranches", "params": {}})
+                   + frame({"jsonrpc": "2.0", "id": "messages", "method": "branchMessages", "params": {"branchId": gone}}))
+        assert pending[0].result(TIMEOUT) == {}
+        assert [b["branchId"] for b in pending[1].result(TIMEOUT)["branches"]] == [kept]
+        with pytest.raises(RpcError) as e:
+            pending[2].result(TIMEOUT)
+        assert e.value.code == -32012
+        gone = c.branch(name="gone again")
