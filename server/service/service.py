@@ -2367,35 +2367,18 @@ class Service:
 
 
 #: the longest name a client may give one of its tools (``registerClientTools``)
-MAX_CLIENT_TOOL_NAME = 128
-
-
-#: the Unicode categories a client tool's name may not hold, whitespace aside: control characters
-#: (C0, DEL, C1), format characters (U+200B zero width space, U+202E right-to-left override: a
-#: permission prompt would show another name than the one called), line and paragraph separators
-_UNSEEN_CATEGORIES = {"Cc": "a control character", "Cf": "an invisible format character",
-                      "Zl": "a line separator", "Zp": "a paragraph separator"}
+from operate_sidecar.server.tools.names import MAX_TOOL_NAME as MAX_CLIENT_TOOL_NAME  # noqa: E402 (a pure module)
 
 
 def _check_tool_name(name: str, path: str) -> None:
     """-32602 (``data.path``: ``path``) for a client tool's name that is empty, longer than
     ``MAX_CLIENT_TOOL_NAME`` characters, or holds whitespace, a control or format character or
-    a line or paragraph separator (``_UNSEEN_CATEGORIES``): the model calls a tool by its name,
+    a line or paragraph separator (``server.tools.names``): the model calls a tool by its name,
     log lines and permission prompts show it, and such a name was registered (``""``,
     ``"a b/../\\n"``) where no model could call it, or shown as another (``"rm\\u202efdp"``)."""
-    import unicodedata
+    from operate_sidecar.server.tools.names import name_problem
 
-    why = None
-    if not name:
-        why = "is empty"
-    elif len(name) > MAX_CLIENT_TOOL_NAME:
-        why = f"is {len(name)} characters long; the limit is {MAX_CLIENT_TOOL_NAME}"
-    else:
-        for c in name:
-            what = _UNSEEN_CATEGORIES.get(unicodedata.category(c)) or ("whitespace" if c.isspace() else None)
-            if what is not None:
-                why = f"holds {what} ({c!r}, U+{ord(c):04X})"
-                break
+    why = name_problem(name)
     if why is not None:
         raise invalid_params(f"{path}: the tool name {name[:MAX_CLIENT_TOOL_NAME]!r} {why}",
                              {"path": path, "name": name[:MAX_CLIENT_TOOL_NAME]})

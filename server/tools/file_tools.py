@@ -105,6 +105,32 @@ class FileAccess(Protocol):
         """Replace (or create) the file's text. Failures raise ToolCallError."""
 
 
+def _missing(real: Path, ws: "WorkspaceTools | None" = None) -> bool:
+    """Nothing is at ``real`` (the file a write would create). Only a lookup that says so
+    (``ENOENT``, ``ENOTDIR``) counts: ``os.path.lexists`` is False for any failure, so a file
+    whose absolute path is longer than the system takes (``ENAMETOOLONG``, a deep tree) was
+    previewed as a new file and overwritten unseen. Such a path is looked up as the tools reach
+    it, a folder at a time from its workspace folder (``ws``)."""
+    try:
+        os.lstat(real)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        if ws is None:
+            return False
+        from operate_sidecar.server.tools import safe_fs
+
+        try:
+            root, rel = ws._where(real)
+            fd, _ = safe_fs.open_regular(root, rel)
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except Exception:  # noqa: BLE001 - something is there (a folder, a special file...): the read says what
+            return False
+        os.close(fd)
+    return False
+
+
 class DiskFiles:
     """The workspace on disk, through the tools' confined, symlink-safe helpers."""
 
@@ -117,7 +143,7 @@ class DiskFiles:
         return await anyio.to_thread.run_sync(self._read, real)
 
     def _read(self, real: Path) -> str | None:
-        if not os.path.lexists(real):
+        if _missing(real, self.ws):
             return None
         return self.ws._read_text(real, strict=True)
 
@@ -160,7 +186,7 @@ class ClientFiles:
                 if near and isinstance(e, TimeoutError) else self._why(e)
             raise ToolCallError(f"the client did not answer fs/readTextFile for {real}: {why}") from None
         except Exception as e:  # ClientRequestError (an error answer)
-            if not os.path.lexists(real) and client_says_not_found(e, real):
+            if _missing(real) and client_says_not_found(e, real):
                 return None
             raise ToolCallError(f"the client could not read {real}: {_reason(e)}") from None
         text = res.get("text") if isinstance(res, dict) else None

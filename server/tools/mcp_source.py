@@ -521,7 +521,7 @@ class McpToolSource:
             self._warn(f"MCP server {self.name!r} listed its tools on more than {_MAX_LIST_PAGES} pages (each "
                        f"answer to tools/list gave a next cursor): the tools of the first {_MAX_LIST_PAGES} "
                        f"pages are offered, the rest are not")
-        self._remote = self._first_of_each_name(remote)
+        self._remote = self._first_of_each_name(self._callable(remote))
 
     def _tools(self, prefixed: Collection[str]) -> list[Tool]:
         prefix = re.sub(r"[^A-Za-z0-9_-]", "_", self.name)
@@ -530,6 +530,26 @@ class McpToolSource:
     def _warn(self, message: str) -> None:
         log.debug("%s", message)  # (its host tells it: ``open_mcp_sources``' ``warnings``)
         self.warnings.append(message)
+
+    def _callable(self, remote: list[Any]) -> list[Any]:
+        """The tools listed whose names a model can call and a prompt shows as they are
+        (``server.tools.names``, the rule a client's tools are held to): one named
+        ``write_file\u200b``, shown as ``write_file`` and allowed as read-only, was offered and
+        ran. The others are named in a warning, and not offered."""
+        from operate_sidecar.server.tools.names import name_problem
+
+        kept, refused = [], []
+        for r in remote:
+            why = name_problem(r.name) if isinstance(r.name, str) else "is not a string"
+            if why is None:
+                kept.append(r)
+            else:
+                refused.append(f"{ascii(r.name)[:80]} ({why})")
+        if refused:
+            self._warn(f"MCP server {self.name!r} lists tool name{'s' if len(refused) > 1 else ''} no model could "
+                       f"call, or that would show as another name: {'; '.join(refused[:5])}"
+                       f"{f' and {len(refused) - 5} more' if len(refused) > 5 else ''}: not offered")
+        return kept
 
     def _first_of_each_name(self, remote: list[Any]) -> list[Any]:
         """The tools listed, the first of each name only (a server listing a name twice could

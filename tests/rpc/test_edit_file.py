@@ -467,3 +467,35 @@ def test_a_replace_all_that_would_multiply_the_file_past_the_write_limit_is_refu
     assert "300000000 characters" in out["error"] and "the limit is 10485760" in out["error"], out
     assert "nothing was written" in out["error"], out
     assert (tmp_path / "a.txt").read_text() == "a" * 1_000_000
+
+
+def test_a_file_deeper_than_the_system_s_path_limit_is_created_edited_and_previewed_as_it_is(sidecar, tmp_path):
+    """A file whose absolute path is longer than PATH_MAX (4096) in a deep tree of the workspace:
+    the tools reach it a folder at a time, but the check whether it exists looked at its whole
+    name, failed (ENAMETOOLONG) and took that for "no file": edit_file said it did not exist and
+    a write over it was previewed, and reported, as a new file (against /dev/null) while it
+    replaced the text there."""
+    import os
+
+    deep = "/".join(f"d{i:02d}" + "x" * 200 for i in range(25)) + "/f.txt"  # 5,105 characters
+    bid = start(sidecar, tmp_path, call("write_file", path=deep, content="precious 1\nprecious 2\n"),
+                edit(deep, ("precious 1", "kept 1")), call("write_file", path=deep, content="replacement\n"), caps=PERM)
+    assert outputs(operate(sidecar, bid))[0]["created"] is True
+    out = outputs(operate(sidecar, bid))[0]
+    assert "error" not in out and out["removed"] == 1, out
+    sidecar.request("authorizeTool", {"tool": "write_file", "decision": "ask"}, timeout=TIMEOUT)
+    seen = []
+    sidecar.on_request("requestToolPermission", lambda p: seen.append(p["preview"]) or {"decision": "allow_once"})
+    out = outputs(sidecar.request("operate", {"branchId": bid, "instruction": "again", "actions": True},
+                                  timeout=TIMEOUT))
+    assert seen and seen[0]["oldText"] == "kept 1\nprecious 2\n" and not seen[0]["diff"].startswith("--- /dev/null")
+    assert out[0]["created"] is False and "-kept 1\n" in out[0]["diff"], out
+    fd = os.open(tmp_path, os.O_RDONLY)
+    for part in deep.split("/")[:-1]:
+        fd, old = os.open(part, os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    try:
+        with open(os.open("f.txt", os.O_RDONLY, dir_fd=fd), "rb") as f:
+            assert f.read() == b"replacement\n"
+    finally:
+        os.close(fd)

@@ -421,3 +421,24 @@ def test_a_call_naming_no_tool_is_one_tool_error_named_alike_everywhere(sidecar,
     recorded = [m["content"]["function"] for m in sidecar.request("branchMessages", {"branchId": bid})["messages"]
                 if m["kind"] in ("action_request", "action_response")]
     assert recorded == ["", ""], recorded
+
+
+def test_an_mcp_tool_whose_name_no_model_could_call_or_that_shows_as_another_is_not_offered(sidecar):
+    """MCP tool names are held to the rule a client's tools are (empty, whitespace, control or
+    invisible format characters, over 128 characters): ``write_file\\u200b``, read-only, was
+    offered (allowed) and ran, shown everywhere as ``write_file``. Not offered now, with one
+    warning naming them; the good ones are."""
+    import sys
+
+    from .support import FIXTURES
+
+    names = ["", "a b", "x" * 300, "write_file\u200b", "line\nbreak", "\u202eelif_etirw", "ok"]
+    sidecar.init(models={"s": scripted({"json": {"action_requests": [{"function": "write_file\u200b", "arguments": {}}]}})},
+                 mcpServers={"n": {"command": [sys.executable, str(FIXTURES / "named_mcp_server.py"), json.dumps(names)]}})
+    offered = [t["name"] for t in sidecar.request("listTools", {}, timeout=60)["tools"] if t["source"] == "mcp"]
+    assert offered == ["ok"], offered
+    out = outputs(sidecar.request("operate", {"branchId": sidecar.branch(), "instruction": "x", "actions": True},
+                                  timeout=60))
+    assert "not registered" in out[0]["error"], out
+    assert wait_log(sidecar, "lists tool names no model could call, or that would show as another name")
+    assert "'write_file\\u200b' (holds an invisible format character" in sidecar.stderr_text()

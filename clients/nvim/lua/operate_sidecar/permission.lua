@@ -432,7 +432,7 @@ function M.authorize(tool, decision, cb, global)
     params.branchId = require('operate_sidecar.branches').current()
   end
   server.request_or_notify('authorizeTool', params, cb, function(res)
-    notify(('%s: %s (%s)'):format(res.tool, res.decision, is_null(res.branchId) and 'server-wide' or res.branchId))
+    notify(('%s: %s (%s)'):format(res.tool, res.decision, is_null(res.branchId) and 'server-wide, until the server stops' or res.branchId))
     cb(nil, res)
   end)
 end
