@@ -165,6 +165,12 @@ class _Stopped(Exception):
     """The source was stopped (closed, or its host is exiting) before its server had started."""
 
 
+#: the MCP SDK's error code for a connection that closed (``mcp_types.CONNECTION_CLOSED``)
+_CONNECTION_CLOSED = -32000
+#: how long a call that lost its server waits for the server's end to be taken (``_call``)
+_LOSS_WAIT_S = 2.0
+
+
 class _Lost(Exception):
     """The server, started, ended its session (its stdout) though nothing asked it to."""
 
@@ -593,6 +599,15 @@ class McpToolSource:
         try:
             result = await session.call_tool(remote_name, arguments or {})
         except Exception as e:
+            done = self._done
+            if getattr(e, "code", None) == _CONNECTION_CLOSED and done is not None and self._session is session:
+                # the server went: its end is taken before this call's error is given (its tools go, and it
+                # is started again on the next request that needs them), so that the next round, or an
+                # operate sent right after, does not meet the server that went and fail on it too
+                import anyio
+
+                with anyio.move_on_after(_LOSS_WAIT_S):
+                    await done.wait()
             raise ToolCallError(f"MCP server {self.name!r}, tool {remote_name!r}: {_describe(e)}") from e
         if result.is_error:
             raise ToolCallError(_joined_text(result.content) or f"tool {remote_name!r} failed")

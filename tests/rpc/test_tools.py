@@ -442,3 +442,26 @@ def test_an_mcp_tool_whose_name_no_model_could_call_or_that_shows_as_another_is_
     assert "not registered" in out[0]["error"], out
     assert wait_log(sidecar, "lists tool names no model could call, or that would show as another name")
     assert "'write_file\\u200b' (holds an invisible format character" in sidecar.stderr_text()
+
+
+def test_an_mcp_server_that_died_in_a_call_is_started_again_for_an_operate_sent_the_moment_it_answered(sidecar):
+    """The call that lost its server waits for the server's end to be taken before its error is
+    given: an operate sent the moment the one before answered met the server that went for
+    ~30 ms more (``is not running``) instead of starting it again."""
+    import sys
+
+    from .support import FIXTURES
+
+    def calls(name):
+        return {"json": {"action_requests": [{"function": name, "arguments": {}}]}}
+
+    sidecar.init(models={"s": scripted(calls("crash"), *[calls("ok")] * 3)},
+                 mcpServers={"c": {"command": [sys.executable, str(FIXTURES / "crashing_mcp_server.py")]}},
+                 toolPolicy={"crash": "allow", "ok": "allow"})
+    bid = sidecar.branch()
+
+    def operate():
+        return outputs(sidecar.request("operate", {"branchId": bid, "instruction": "x", "actions": True}, timeout=60))
+
+    assert "Connection closed" in operate()[0]["error"]
+    assert [operate(), operate(), operate()] == [["ok"]] * 3
