@@ -201,8 +201,10 @@ class OpenAIModel(BaseModelProvider):
         entry = shared.get(made_of)
         if entry is None:
             AsyncOpenAI = _client_class()  # heavy: imported on first use only
-            entry = shared[made_of] = [AsyncOpenAI(api_key=key, base_url=self.base_url, timeout=self.timeout_s,
-                                                   max_retries=self.max_retries), 0]
+            base_url, query = _split_query(self.base_url)
+            entry = shared[made_of] = [AsyncOpenAI(api_key=key, base_url=base_url, timeout=self.timeout_s,
+                                                   max_retries=self.max_retries,
+                                                   **({"default_query": query} if query else {})), 0]
         entry[1] += 1
         self._client, self._shared = entry[0], (loop, made_of)
         return self._client
@@ -1065,3 +1067,17 @@ def _require_openai() -> Any:
         raise ModelError(f"the openai provider needs the 'openai' package, which is not installed "
                          f"({INSTALL_HINT})") from None
     return openai
+
+
+def _split_query(base_url: str | None) -> tuple[str | None, dict[str, str]]:
+    """``baseUrl`` without its query, and the query's parameters: the SDK joins the endpoint's
+    path to the URL's text, so ``.../v1?api-version=2024-06-01`` (Azure's, a gateway's
+    ``?key=``) became ``.../v1/?api-version=2024-06-01chat/completions`` (a 404). The
+    parameters go with every request instead (the SDK's ``default_query``)."""
+    if not base_url or "?" not in base_url:
+        return base_url, {}
+    from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+    parts = urlsplit(base_url)
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    return urlunsplit(parts._replace(query="", fragment="")), query

@@ -471,3 +471,23 @@ async def test_a_cut_reply_is_a_reply_cut_naming_the_setting_that_bounded_it(con
     assert isinstance(error, ReplyCut) and error.stop_reason == "max_tokens", error
     assert says in error.fix, error.fix
     assert str(error) == cut_at_token_limit("oai", False, TOKEN_LIMIT_HINT)
+
+
+def test_a_base_url_with_a_query_keeps_the_endpoint_path_and_sends_the_query_with_each_request():
+    """Azure's ``…/openai/v1?api-version=…`` (a gateway's ``?key=``): the SDK joined the endpoint
+    to the URL's text, so the request went to ``…/v1/?api-version=2024-06-01chat/completions``
+    (a 404, or the wrong api-version from a lenient server)."""
+    paths: list[str] = []
+
+    class Handler(StubHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.request_body()
+            paths.append(self.path)
+            events = content_stream("hi")
+            self.answer(200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                        + b"data: [DONE]\n\n", "text/event-stream")
+
+    with loopback(Handler) as url:
+        chunks, error = anyio.run(streamed, f"{url}?api-version=2024-06-01&x=a%20b")
+    assert error is None and text_of(chunks) == "hi", error
+    assert paths == ["/v1/chat/completions?api-version=2024-06-01&x=a+b"], paths
