@@ -294,6 +294,10 @@ class CLIModel(BaseModelProvider):
                     f"model {self.name!r}: {program} {_exit_status(rc)}"
                     + (f": {tail}" if tail else " and no output on stderr" if produced else " and no output")
                 )
+            if not produced:  # exit 0 and not a byte on stdout: no reply (its reason, if any, is on stderr)
+                tail = _tail(stderr_file)
+                raise _model_error(f"model {self.name!r}: {program} exited with status 0 but printed no reply"
+                                   + (f": {tail}" if tail else " (and nothing on stderr)"))
             inline.check(self.name)
             result = parser.result
             if result.usage is None:  # e.g. `llm -u` prints "Token usage: 10 input, 5 output" on stderr

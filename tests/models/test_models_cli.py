@@ -109,6 +109,21 @@ async def test_failing_command_is_a_model_error_with_the_stderr_tail(tmp_path):
     assert "status 3" in str(info.value) and "boom: the agent could not authenticate" in str(info.value)
 
 
+@pytest.mark.parametrize("profile", ["llm", "jsonl"])
+async def test_a_program_that_exits_0_printing_nothing_is_a_model_error_with_its_stderr(tmp_path, profile):
+    """``echo 'Error: no API key configured' >&2; exit 0``: the call "succeeded" with no reply
+    (the branch kept its instruction alone, a ``null`` result, the reason nowhere)."""
+    body = """
+    import sys
+    sys.stderr.write("Error: no API key configured\\n")
+    """
+    model = make_model({"provider": "cli", "profile": profile, "command": [PY, script(tmp_path, "quiet.py", body)]},
+                       name="q")
+    with anyio.fail_after(30), pytest.raises(ModelError) as info:
+        await model.invoke(REQUEST)
+    assert "exited with status 0 but printed no reply: Error: no API key configured" in str(info.value), info.value
+
+
 #: the stderr file's bound in the tests that pass it (the model runs in the test process): a
 #: quarter MiB, so a few MiB of log pass it many times over
 SMALL_KEEP = 256 * 1024

@@ -156,6 +156,7 @@ def test_sigkill_loses_no_acknowledged_message_fast(spawn, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # (120 kills take ~2 min here: over the default 120 s bound)
 def test_sigkill_loses_no_acknowledged_message_stress(spawn, tmp_path):
     seed = int.from_bytes(os.urandom(4), "big")
     stats = crash_loop(spawn, str(tmp_path / "state"), kills=120, seed=seed)
