@@ -16,7 +16,7 @@ import pytest
 from acp.schema import AllowedOutcome, McpServerStdio, RequestPermissionResponse
 
 from acp_support import (MCP_SERVER, Raw, RecordingClient, agent_env, bounded, echo_model, reply, req, run, scripted,
-                         spawn, start, write_config)
+                         spawn, start, until, write_config)
 from acp_support import cfg
 from acp_support import prompt as raw_prompt
 from acp_support import sdk_prompt as prompt
@@ -1955,7 +1955,9 @@ def test_close_cancels_the_running_turn_and_frees_the_session_until_it_is_taken_
             sid = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[server]))).session_id
             kept = (await bounded(conn.new_session(cwd=str(ws), mcp_servers=[other]))).session_id
             await prompt(conn, sid)  # answered: its MCP servers are up
-            assert _mcp_running(tag) and _mcp_running(tag + "-kept")
+            assert _mcp_running(tag)
+            # (the other session's starts in the background of its session/new: up by now, or soon under load)
+            await until(lambda: _mcp_running(tag + "-kept"), "the other session's MCP server started")
             turn = asyncio.ensure_future(prompt(conn, sid))
             await asyncio.sleep(0.3)  # the turn is in its (minute-long) model call
             await bounded(conn.close_session(session_id=sid))
