@@ -456,7 +456,8 @@ def test_an_mcp_server_that_died_in_a_call_is_started_again_for_an_operate_sent_
         return {"json": {"action_requests": [{"function": name, "arguments": {}}]}}
 
     sidecar.init(models={"s": scripted(calls("crash"), *[calls("ok")] * 3)},
-                 mcpServers={"c": {"command": [sys.executable, str(FIXTURES / "crashing_mcp_server.py")]}},
+                 mcpServers={"c": {"command": [sys.executable, str(FIXTURES / "named_mcp_server.py"),
+                                               json.dumps(["crash", "ok"])]}},
                  toolPolicy={"crash": "allow", "ok": "allow"})
     bid = sidecar.branch()
 
@@ -464,4 +465,4 @@ def test_an_mcp_server_that_died_in_a_call_is_started_again_for_an_operate_sent_
         return outputs(sidecar.request("operate", {"branchId": bid, "instruction": "x", "actions": True}, timeout=60))
 
     assert "Connection closed" in operate()[0]["error"]
-    assert [operate(), operate(), operate()] == [["ok"]] * 3
+    assert [operate(), operate(), operate()] == [["called ok"]] * 3

@@ -5,6 +5,7 @@ break the loader; what a failure names. Real servers over real pipes where it is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import os
@@ -224,8 +225,12 @@ IGNORES_SIGTERM = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process sessions, and /proc to see which live")
-def test_ctrl_c_twice_still_kills_a_server_that_ignores_sigterm(tmp_path):
+@contextlib.contextmanager
+def _replay_waiting_on_a_server_ignoring_sigterm(tmp_path):
+    """A replay (in a session of its own) whose server, ``IGNORES_SIGTERM``, answered its
+    ``initialize`` and leaves its ``ping`` waiting: yields (the replay's process, the server's
+    pid, the replay's output file, the server's pid file). On the way out the replay is killed
+    if it still runs, and the server if it is still alive."""
     script = tmp_path / "s.jsonl"
     script.write_text(json.dumps({"request": "initialize"}) + "\n" + json.dumps({"request": "ping"}) + "\n")
     pidfile, log = tmp_path / "pid", tmp_path / "out"
@@ -240,23 +245,28 @@ def test_ctrl_c_twice_still_kills_a_server_that_ignores_sigterm(tmp_path):
             assert replay_.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         server_pid = int(pidfile.read_text())
+        yield replay_, server_pid, log, pidfile
+    finally:
+        if replay_.poll() is None:
+            os.killpg(replay_.pid, signal.SIGKILL)
+            replay_.wait(TIMEOUT)
+        if server_pid and not wedge_tools.gone(server_pid, 0):
+            os.kill(server_pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process sessions, and /proc to see which live")
+def test_ctrl_c_twice_still_kills_a_server_that_ignores_sigterm(tmp_path):
+    with _replay_waiting_on_a_server_ignoring_sigterm(tmp_path) as (replay_, server_pid, log, pidfile):
         os.killpg(replay_.pid, signal.SIGINT)
         term = Path(str(pidfile) + ".term")
+        deadline = time.monotonic() + TIMEOUT
         while not term.exists():  # the replay sent SIGTERM: it is in its grace before SIGKILL
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.01)
         os.killpg(replay_.pid, signal.SIGINT)  # the user presses Ctrl+C again
         code = replay_.wait(TIMEOUT)
-    finally:
-        if replay_.poll() is None:
-            os.killpg(replay_.pid, signal.SIGKILL)
-            replay_.wait(TIMEOUT)
-    try:
         assert code == 130, log.read_text()
         assert wedge_tools.gone(server_pid), "the server outlived the replay interrupted twice"
-    finally:
-        if server_pid and not wedge_tools.gone(server_pid, 0):
-            os.kill(server_pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process sessions, and /proc to see which live")
@@ -373,34 +383,13 @@ def test_a_replay_stopped_by_sigterm_or_sighup_ends_its_server_too(tmp_path, sig
     not its server (in a session of its own): the replay ends it as on Ctrl+C (SIGTERM, then
     SIGKILL 2 s later: this one ignores SIGTERM) and exits 128 + the signal. A wedged server
     was left running, its parent gone."""
-    script = tmp_path / "s.jsonl"
-    script.write_text(json.dumps({"request": "initialize"}) + "\n" + json.dumps({"request": "ping"}) + "\n")
-    pidfile, log = tmp_path / "pid", tmp_path / "out"
-    with open(log, "wb") as sink:
-        replay_ = subprocess.Popen([PY, "-m", "operate_sidecar.server", "replay", str(script), "--",
-                                    PY, "-c", IGNORES_SIGTERM, str(pidfile)],
-                                   stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    server_pid = None
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while "PASS line 1" not in log.read_text():  # the ping is waiting
-            assert replay_.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        server_pid = int(pidfile.read_text())
+    with _replay_waiting_on_a_server_ignoring_sigterm(tmp_path) as (replay_, server_pid, log, _):
         replay_.send_signal(sig)  # to the replay alone, as `timeout` sends it
         got = replay_.wait(TIMEOUT)
-    finally:
-        if replay_.poll() is None:
-            os.killpg(replay_.pid, signal.SIGKILL)
-            replay_.wait(TIMEOUT)
-    try:
         out = log.read_text()
         assert got == code, out
         assert f"stopped by {signal.Signals(sig).name} after 1 step(s)" in out and "Traceback" not in out, out
         assert wedge_tools.gone(server_pid), "the server outlived the replay"
-    finally:
-        if server_pid and not wedge_tools.gone(server_pid, 0):
-            os.kill(server_pid, signal.SIGKILL)
 
 
 def test_a_lone_surrogate_is_recorded_replayed_and_reported_without_a_traceback(tmp_path):
