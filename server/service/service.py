@@ -2366,22 +2366,18 @@ class Service:
         return out
 
 
-#: the longest name a client may give one of its tools (``registerClientTools``)
-from operate_sidecar.server.tools.names import MAX_TOOL_NAME as MAX_CLIENT_TOOL_NAME  # noqa: E402 (a pure module)
-
-
 def _check_tool_name(name: str, path: str) -> None:
     """-32602 (``data.path``: ``path``) for a client tool's name that is empty, longer than
-    ``MAX_CLIENT_TOOL_NAME`` characters, or holds whitespace, a control or format character or
+    ``MAX_TOOL_NAME`` characters, or holds whitespace, a control or format character or
     a line or paragraph separator (``server.tools.names``): the model calls a tool by its name,
     log lines and permission prompts show it, and such a name was registered (``""``,
     ``"a b/../\\n"``) where no model could call it, or shown as another (``"rm\\u202efdp"``)."""
-    from operate_sidecar.server.tools.names import name_problem
+    from operate_sidecar.server.tools.names import MAX_TOOL_NAME, name_problem
 
     why = name_problem(name)
     if why is not None:
-        raise invalid_params(f"{path}: the tool name {name[:MAX_CLIENT_TOOL_NAME]!r} {why}",
-                             {"path": path, "name": name[:MAX_CLIENT_TOOL_NAME]})
+        raise invalid_params(f"{path}: the tool name {name[:MAX_TOOL_NAME]!r} {why}",
+                             {"path": path, "name": name[:MAX_TOOL_NAME]})
 
 
 def _clashing(names: list[str], taken: Collection[str]) -> list[str]:
